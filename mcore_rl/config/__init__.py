@@ -1,0 +1,30 @@
+"""The typed config tree: schema, YAML loading with overrides, and cross-field validation."""
+
+from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.loader import config_to_dict, load_config, save_config
+from mcore_rl.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SFTConfig,
+    TrainConfig,
+)
+from mcore_rl.config.validate import DerivedSizes, validate_sft_config
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DerivedSizes",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "load_config",
+    "save_config",
+    "validate_sft_config",
+]

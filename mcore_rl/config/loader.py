@@ -1,0 +1,285 @@
+"""YAML recipe + dotted command-line overrides -> a typed config tree (design decision 7).
+
+Everything is checked against the dataclass schema while loading, so an unknown key or a value of
+the wrong type fails here, naming the full dotted key, instead of deep inside a training process.
+Cross-field rules (parallel sizes, batch sizes, ...) live in `mcore_rl.config.validate`.
+
+A recipe may start with `defaults: [base.yaml, ...]`: those files (paths relative to the recipe) are
+loaded first and the recipe's own keys are merged over them, mapping by mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from mcore_rl.config.errors import ConfigError
+
+T = TypeVar("T")
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(root_cls: type[T], yaml_path: str | None = None, overrides: list[str] | None = None) -> T:
+    """Build `root_cls` from a YAML recipe (optional) and `a.b.c=value` overrides, in that order."""
+    raw: dict[str, Any] = _read_recipe(yaml_path, root_cls, stack=()) if yaml_path else {}
+    for item in overrides or []:
+        _apply_override(raw, root_cls, item)
+    return _build(root_cls, raw, prefix="")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config tree (what `save_config` writes)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str) -> None:
+    """Write the resolved config as YAML, so a run records exactly what it trained with."""
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading recipes
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_recipe(path: str, root_cls: type, stack: tuple[str, ...]) -> dict[str, Any]:
+    path = os.path.abspath(path)
+    if path in stack:
+        raise ConfigError(f"'defaults' cycle: {' -> '.join(stack + (path,))}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    has_defaults_field = any(f.name == "defaults" for f in dataclasses.fields(root_cls))
+    bases = [] if has_defaults_field else data.pop("defaults", None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: 'defaults' must be a list of YAML file paths, got {bases!r}")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        _deep_merge(merged, _read_recipe(base_path, root_cls, stack + (path,)))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _deep_merge(dst[key], value)
+        else:
+            dst[key] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
+    """Set `a.b.c=value` in the raw dict; the key path is checked against the schema first."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty component in key {key!r}")
+
+    cls: Any = root_cls
+    for i, part in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        if cls is None:
+            raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i])}' is not a section, it has no key {part!r}")
+        field_types = _field_types(cls)
+        if part not in field_types:
+            raise ConfigError(f"override {item!r}: {_unknown_key_message(dotted, part, list(field_types))}")
+        cls = _dataclass_in(field_types[part])
+
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: cannot parse value {text!r}: {e}") from e
+    # A str field keeps the literal text, so `run_dir=2024` or `data.path=1.jsonl` stay strings.
+    if isinstance(value, (int, float, bool)) and _accepts_str(_field_types(_parent_cls(root_cls, parts))[parts[-1]]):
+        value = text
+
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if not isinstance(child, dict):
+            if child is not None:
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[: i + 1])}' is {child!r}, not a section")
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def _parent_cls(root_cls: type, parts: list[str]) -> type:
+    cls: Any = root_cls
+    for part in parts[:-1]:
+        cls = _dataclass_in(_field_types(cls)[part])
+    return cls
+
+
+def _accepts_str(tp: Any) -> bool:
+    return tp is str or (_is_union(tp) and str in typing.get_args(tp))
+
+
+# ---------------------------------------------------------------------------------------------
+# building typed objects
+# ---------------------------------------------------------------------------------------------
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    """The dataclass a field holds (looking through Optional), or None for a leaf field."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if _is_union(tp):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _unknown_key_message(dotted: str, key: str, allowed: list[str]) -> str:
+    parent = dotted.rsplit(".", 1)[0] if "." in dotted else ""
+    where = f"under '{parent}'" if parent else "at the top level"
+    msg = f"unknown config key '{dotted}'"
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if close:
+        msg += f"; did you mean '{(parent + '.') if parent else ''}{close[0]}'?"
+    return msg + f" Allowed keys {where}: {', '.join(allowed)}"
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix or '<root>'}' must be a mapping of {cls.__name__} fields, got {data!r}")
+    field_types = _field_types(cls)
+    for key in data:
+        if key not in field_types:
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(_unknown_key_message(dotted, str(key), list(field_types)))
+    kwargs = {}
+    for name, tp in field_types.items():
+        if name in data:
+            kwargs[name] = _convert(tp, data[name], f"{prefix}.{name}" if prefix else name)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in kwargs
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = prefix or "<root>"
+        raise ConfigError(f"missing required config key(s) {', '.join(f'{where}.{m}' for m in missing)}")
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if _is_union(tp):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (list, tuple):
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check (and minimally coerce) one value against its annotated type."""
+    value_out = _try_convert(tp, value, key)
+    if value_out is _MISSING:
+        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value_out
+
+
+def _try_convert(tp: Any, value: Any, key: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is type(None):
+        return None if value is None else _MISSING
+    origin = typing.get_origin(tp)
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None:
+            return None if type(None) in args else _MISSING
+        for arg in args:
+            if arg is type(None):
+                continue
+            out = _try_convert(arg, value, key)
+            if out is not _MISSING:
+                return out
+        return _MISSING
+    if origin is Literal:
+        for allowed in typing.get_args(tp):
+            if type(value) is type(allowed) and value == allowed:
+                return value
+        return _MISSING
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return _MISSING
+        args = typing.get_args(tp)
+        elem = args[0] if args else Any
+        items = [_convert(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        return dict(value) if isinstance(value, dict) else _MISSING
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key) if isinstance(value, (dict, tp)) else _MISSING
+    if tp is bool:
+        return value if isinstance(value, bool) else _MISSING
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISSING
+    if tp is float:
+        if isinstance(value, bool):
+            return _MISSING
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                return _MISSING
+        return _MISSING
+    if tp is str:
+        return value if isinstance(value, str) else _MISSING
+    return value if isinstance(value, tp) else _MISSING

@@ -1,0 +1,188 @@
+"""Hugging Face config for the reference Qwen3 / Qwen3-MoE model, and conversions.
+
+`McoreRLQwen3Config` uses the field names of stock `Qwen3Config` / `Qwen3MoeConfig`, so a
+`config.json` written from it reads like a stock one; the only additions are the shared expert
+(`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense.
+It is written with an explicit `__init__` (the "custom model" style) rather than as a transformers-5
+dataclass, so that remote-code loading also works under transformers 4.x.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from transformers import PretrainedConfig
+
+if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
+    from mcore_rl.config.schema import ModelConfig
+
+
+class McoreRLQwen3Config(PretrainedConfig):
+    """Dense Qwen3 (`num_experts == 0`) or Qwen3-MoE (`num_experts > 0`), HF field names."""
+
+    model_type = "mcore_rl_qwen3"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 384,
+        hidden_size: int = 64,
+        intermediate_size: int = 256,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: Optional[int] = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        attention_bias: bool = False,
+        num_experts: int = 0,
+        num_experts_per_tok: int = 2,
+        moe_intermediate_size: Optional[int] = None,
+        norm_topk_prob: bool = True,
+        shared_expert_intermediate_size: Optional[int] = 0,
+        router_aux_loss_coef: float = 0.0,
+        use_cache: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.attention_bias = attention_bias
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size or 0
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.use_cache = use_cache
+        # Passed through kwargs: transformers 4.x resets tie_word_embeddings in its own __init__.
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    # transformers 5 turns every config subclass into a dataclass whose generated __eq__ compares
+    # only the base-class fields; compare everything, like PretrainedConfig itself does.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PretrainedConfig) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
+    """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
+    if not mc.qk_layernorm:
+        raise ValueError("model.qk_layernorm=False: the Qwen3 reference model always has QK-norm")
+    moe = mc.is_moe
+    return McoreRLQwen3Config(
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.ffn_hidden_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_query_groups,
+        head_dim=mc.head_dim,
+        rms_norm_eps=mc.norm_epsilon,
+        rope_theta=mc.rotary_base,
+        max_position_embeddings=mc.max_position_embeddings,
+        initializer_range=mc.init_method_std,
+        tie_word_embeddings=mc.tie_word_embeddings,
+        num_experts=mc.num_experts if moe else 0,
+        num_experts_per_tok=mc.moe_router_topk,
+        moe_intermediate_size=(mc.moe_ffn_hidden_size or mc.ffn_hidden_size),
+        norm_topk_prob=mc.moe_norm_topk_prob,
+        shared_expert_intermediate_size=(mc.moe_shared_expert_intermediate_size or 0) if moe else 0,
+        router_aux_loss_coef=mc.moe_aux_loss_coeff if moe else 0.0,
+    )
+
+
+def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
+    """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`)."""
+    from mcore_rl.config.schema import ModelConfig
+
+    num_experts = getattr(hf, "num_experts", 0) or 0
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    rope_theta = getattr(hf, "rope_theta", None)
+    if rope_theta is None:  # transformers 5 stock configs keep it in rope_parameters
+        rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return ModelConfig(
+        arch="qwen3_moe" if num_experts > 0 else "qwen3",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_attention_heads=heads,
+        num_query_groups=hf.num_key_value_heads or heads,
+        kv_channels=None if head_dim == hf.hidden_size // heads else head_dim,
+        rotary_base=float(rope_theta),
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_epsilon=hf.rms_norm_eps,
+        qk_layernorm=True,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        init_method_std=getattr(hf, "initializer_range", 0.02),
+        num_experts=num_experts,
+        moe_router_topk=getattr(hf, "num_experts_per_tok", 2) if num_experts else 2,
+        moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None) if num_experts else None,
+        moe_shared_expert_intermediate_size=(
+            getattr(hf, "shared_expert_intermediate_size", 0) or None if num_experts else None
+        ),
+        moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0) if num_experts else 0.0,
+        moe_norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if num_experts else True,
+    )
+
+
+def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
+    """A stock `transformers.Qwen3Config` (dense) or `Qwen3MoeConfig` (MoE) with the same model.
+
+    Stock Qwen3-MoE has no shared expert, so a config with one has no stock equivalent.
+    """
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        hidden_act=cfg.hidden_act,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.attention_bias,
+        use_sliding_window=False,
+    )
+    if not cfg.is_moe:
+        return Qwen3Config(**common)
+    if cfg.shared_expert_intermediate_size:
+        raise ValueError("stock Qwen3-MoE has no shared expert; this config has no stock equivalent")
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )

@@ -1,0 +1,121 @@
+"""Build megatron-core GPT models (one chunk per virtual pipeline stage) from the config tree."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mcore_rl.config.schema import ModelConfig, ParallelConfig
+from mcore_rl.models.spec import decoder_block_spec
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str = "fp32",
+    recompute: str = "none",
+) -> TransformerConfig:
+    """The megatron-core `TransformerConfig` for a Qwen3(-MoE) decoder in the given layout."""
+    dtype = _DTYPES[precision]
+    moe: dict = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+            # Qwen3-MoE renormalises the top-k probabilities: softmax over the selected logits.
+            moe_router_pre_softmax=not model.moe_norm_topk_prob,
+            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            moe_permute_fusion=False,
+        )
+    recompute_kwargs: dict = {}
+    if recompute == "full":
+        recompute_kwargs = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    elif recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective")
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        attention_softmax_in_fp32=True,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=on_cpu,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        **moe,
+        **recompute_kwargs,
+    )
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str = "fp32",
+    recompute: str = "none",
+    config: Optional[TransformerConfig] = None,
+) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (a list of one without VPP).
+
+    Requires `mcore_rl.parallel.setup.init_model_parallel` to have run.
+    """
+    config = config or transformer_config(model, parallel, precision, recompute)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, vp_stage=stage),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rotary_base),
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks

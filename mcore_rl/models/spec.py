@@ -1,0 +1,74 @@
+"""megatron-core layer specs for the Qwen3-style dense and MoE decoders.
+
+With transformer-engine importable we use megatron-core's TE spec (fused norms and GEMMs); otherwise
+its local spec with our sequence-parallel-capable RMSNorm in place of `WrappedTorchNorm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mcore_rl.models.norm import RMSNorm
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def decoder_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None) -> ModuleSpec:
+    """One decoder layer: GQA self-attention with QK-norm and RoPE, SwiGLU MLP or MoE."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    num_experts = config.num_moe_experts
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
+    attention = spec.submodules.self_attention
+    qk_norm = RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=qk_norm, k_layernorm=qk_norm
+        ),
+    )
+    submodules = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+        self_attention=attention,
+    )
+    return dataclasses.replace(spec, submodules=submodules)
+
+
+def decoder_block_spec(
+    config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None
+) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage (and virtual stage) builds, plus the final norm."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    layer = decoder_layer_spec(config, use_te)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    else:
+        final_norm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
