@@ -141,7 +141,7 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
         moe_router_topk=getattr(hf, "num_experts_per_tok", 2) if num_experts else 2,
         moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None) if num_experts else None,
         moe_shared_expert_intermediate_size=(
-            getattr(hf, "shared_expert_intermediate_size", 0) or None if num_experts else None
+            (getattr(hf, "shared_expert_intermediate_size", 0) or None) if num_experts else None
         ),
         moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0) if num_experts else 0.0,
         moe_norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if num_experts else True,

@@ -82,6 +82,11 @@ def transformer_config(
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        # gloo matches point-to-point messages between two ranks in posting order; megatron-core's
+        # batched p2p posts send_prev before send_next, which crosses the streams when a 2-stage
+        # ring with virtual stages sends both ways to the same peer. The unbatched path orders
+        # them by rank parity and uses a second group for the other direction.
+        batch_p2p_comm=not on_cpu,
         **moe,
         **recompute_kwargs,
     )

@@ -1,0 +1,486 @@
+"""Pure-PyTorch reference Qwen3 / Qwen3-MoE, written to Hugging Face conventions.
+
+This is the oracle the megatron-core models are tested against, the model inside the embedded
+inference engine and the target of checkpoint export, so it favours directness over speed:
+attention is an explicit matmul + fp32 softmax, experts run in a plain loop.
+
+Parameter names are exactly those of stock HF Qwen3 / Qwen3-MoE *checkpoints*::
+
+    model.embed_tokens.weight, model.norm.weight, lm_head.weight
+    model.layers.{i}.input_layernorm.weight, model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, model.layers.{i}.self_attn.{q,k}_norm.weight
+    dense: model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    MoE:   model.layers.{i}.mlp.gate.weight                          (router, [E, hidden])
+           model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight
+           model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight  (optional; not in stock Qwen3-MoE)
+
+Stock `transformers>=5` `Qwen3MoeForCausalLM` keeps experts *fused* in its `state_dict`
+(`mlp.experts.gate_up_proj` [E, 2*I, H] = per expert cat(gate, up) on dim 0, and
+`mlp.experts.down_proj` [E, H, I]) and converts the per-expert checkpoint names on load;
+`to_stock_state_dict` / `from_stock_state_dict` do that conversion for in-memory state dicts.
+
+Conventions (megatron-style, documented because they differ from HF's `forward`):
+
+* `labels[b, t]` is the target of position t (already shifted; no shift happens here). The loss is
+  the mean token cross-entropy over positions where `loss_mask` is 1 (and `labels != -100`).
+* `attention_mask` is None (plain causal), a [b, s_k] 0/1 padding mask (1 = real token) or a boolean
+  [b, 1, s_q, s_k] mask with True = may attend (e.g. block-diagonal for packed documents). It is
+  always intersected with the causal mask. Packed documents also need restarting `position_ids`,
+  and left-padded rows need positions that start at their first real token; pass them explicitly.
+* `past_key_values` (alias `cache`) is a list with one `(k, v)` per layer, each
+  [b, kv_heads, s_past, head_dim] (keys after QK-norm and RoPE); with `use_cache=True` the output's
+  `cache` (also readable as `.past_key_values`) holds the extended list. Default positions continue
+  from s_past.
+* `aux_loss` is megatron-core's load-balancing loss, see `load_balancing_loss`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration import McoreRLQwen3Config
+
+try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
+    from transformers import initialization as _init
+except ImportError:  # pragma: no cover - transformers 4.x
+    from torch.nn import init as _init
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+# The cache field is called `cache`, as in transformers>=5 outputs (whose ModelOutput renames a
+# `past_key_values=` keyword to `cache`); `.past_key_values` reads the same thing.
+@dataclass
+class Qwen3ReferenceModelOutput(ModelOutput):
+    last_hidden_state: Optional[torch.Tensor] = None
+    cache: Optional[KVCache] = None
+    aux_loss: Optional[torch.Tensor] = None
+
+    @property
+    def past_key_values(self) -> Optional[KVCache]:
+        return self.cache
+
+
+@dataclass
+class Qwen3ReferenceCausalLMOutput(ModelOutput):
+    """Like `CausalLMOutputWithPast`, plus `aux_loss`: the sum over layers of `load_balancing_loss`
+    (already times the coefficient; a zero tensor without grad for dense models or coefficient 0).
+    `loss` is the LM loss alone; `loss + aux_loss` has megatron's gradients."""
+
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    cache: Optional[KVCache] = None
+    aux_loss: Optional[torch.Tensor] = None
+
+    @property
+    def past_key_values(self) -> Optional[KVCache]:
+        return self.cache
+
+
+class Qwen3ReferenceRMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled (HF Qwen3 order of operations)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [b, s, head_dim] for the non-interleaved (rotate_half) RoPE, computed in fp32."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, d]; cos/sin [b, s, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Qwen3ReferenceAttention(nn.Module):
+    """GQA self-attention with per-head QK RMSNorm applied before RoPE."""
+
+    def __init__(self, config: McoreRLQwen3Config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        bias = config.attention_bias
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: torch.Tensor,
+        past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        present = (k, v)
+        # Query head h reads kv head h // group (consecutive heads share a group, as in megatron).
+        group = self.num_heads // self.num_kv_heads
+        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.head_dim**-0.5
+        # finfo.min rather than -inf: a fully masked row (left padding) gives no NaN.
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v_rep).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(out), present
+
+
+class Qwen3ReferenceMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: torch.Tensor, topk: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing as megatron-core's `TopKRouter` (score_function="softmax").
+
+    norm_topk_prob=True  (moe_router_pre_softmax=False): top-k on logits, softmax over the k picked.
+    norm_topk_prob=False (moe_router_pre_softmax=True):  softmax over all experts, keep the top k.
+    Returns (probs [T, k] in fp32, expert indices [T, k]).
+    """
+    if norm_topk_prob:
+        top_logits, idx = torch.topk(logits, topk, dim=-1)
+        return torch.softmax(top_logits.float(), dim=-1), idx
+    probs, idx = torch.topk(torch.softmax(logits.float(), dim=-1), topk, dim=-1)
+    return probs, idx
+
+
+def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """One layer's load-balancing loss as megatron-core 0.16.1 adds it (type "aux_loss", one rank).
+
+    With T tokens (every token of the micro-batch, b*s), E experts, p = softmax(logits) over all E
+    experts in fp32 (whatever the routing mode), and n_i = number of tokens whose top-k (of p)
+    contains expert i:
+
+        aux = coeff * E / (k * T**2) * sum_i n_i * sum_t p[t, i]
+            = coeff * E * sum_i f_i * P_i,   f_i = n_i / (k*T),  P_i = mean_t p[t, i]
+
+    (`compute_routing_scores_for_aux_loss` + `switch_load_balancing_loss_func`, unfused, no padding
+    mask, `calculate_per_token_loss=False`). T is the micro-batch's token count (all TP/CP shards of
+    it together), not the global batch. Only p carries gradient (through the router and everything
+    upstream of it). megatron does not add `aux` to the loss value: `MoEAuxLossAutoScaler` attaches it
+    to the router probs and its backward injects d(aux) * `cp_size / num_microbatches` (the main loss
+    is divided by num_microbatches too), so for one micro-batch without CP the gradients are those of
+    `lm_loss + sum_layers aux`. It only does so when training with grad enabled; this reference
+    always computes it. megatron logs `load_balancing_loss` = mean over layers of aux / coeff.
+    """
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_idx = torch.topk(probs, topk, dim=-1).indices
+    tokens_per_expert = torch.zeros_like(probs).scatter(1, top_idx, 1.0).sum(0)
+    return (probs.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
+class Qwen3ReferenceSparseMoeBlock(nn.Module):
+    """Router + experts (+ optional ungated shared expert): y = sum_k p_k * expert_k(x) + shared(x)."""
+
+    def __init__(self, config: McoreRLQwen3Config) -> None:
+        super().__init__()
+        self.topk = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.aux_loss_coef = config.router_aux_loss_coef
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            Qwen3ReferenceMLP(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.num_experts)
+        )
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs, idx = route(logits, self.topk, self.norm_topk_prob)
+        probs = probs.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(idx == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(x[rows]) * probs[rows, slot, None])
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if self.aux_loss_coef > 0:
+            aux = load_balancing_loss(logits, self.topk, self.aux_loss_coef)
+        else:
+            aux = logits.new_zeros((), dtype=torch.float32)
+        return out.reshape(shape), aux
+
+
+class Qwen3ReferenceDecoderLayer(nn.Module):
+    def __init__(self, config: McoreRLQwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Qwen3ReferenceAttention(config)
+        if config.num_experts > 0:
+            self.mlp: nn.Module = Qwen3ReferenceSparseMoeBlock(config)
+        else:
+            self.mlp = Qwen3ReferenceMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: torch.Tensor,
+        past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
+        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        aux = None
+        if isinstance(mlp, tuple):
+            mlp, aux = mlp
+        return x + mlp, present, aux
+
+
+def _allowed_mask(
+    attention_mask: Optional[torch.Tensor], s: int, past_len: int, device: torch.device
+) -> torch.Tensor:
+    """Boolean [b|1, 1, s, past_len+s]: True where query (at past_len+i) may attend key j."""
+    q = torch.arange(past_len, past_len + s, device=device)[:, None]
+    k = torch.arange(past_len + s, device=device)[None, :]
+    allowed = (k <= q)[None, None]
+    if attention_mask is None:
+        return allowed
+    if attention_mask.dim() == 2:
+        return allowed & attention_mask.bool()[:, None, None, :]
+    if attention_mask.dim() == 4:
+        return allowed & attention_mask.bool()
+    shape = tuple(attention_mask.shape)
+    raise ValueError(f"attention_mask must be [b, s_k] or [b, 1, s_q, s_k], got {shape}")
+
+
+class Qwen3ReferencePreTrainedModel(PreTrainedModel):
+    config_class = McoreRLQwen3Config
+    base_model_prefix = "model"
+    _no_split_modules = ["Qwen3ReferenceDecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """normal(0, initializer_range) for linear and embedding weights, ones for norms."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            _init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                _init.zeros_(module.bias)
+        elif isinstance(module, Qwen3ReferenceRMSNorm):
+            _init.ones_(module.weight)
+
+
+class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config: McoreRLQwen3Config) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3ReferenceDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values: Optional[KVCache] = None,
+        use_cache: bool = False,
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Qwen3ReferenceModelOutput:
+        """`cache` is an alias of `past_key_values` (the transformers>=5 name)."""
+        past_key_values = past_key_values if past_key_values is not None else cache
+        b, s = input_ids.shape
+        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + s, device=input_ids.device).expand(b, s)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device)
+        presents: KVCache = []
+        aux_loss = x.new_zeros((), dtype=torch.float32)
+        for i, layer in enumerate(self.layers):
+            x, present, aux = layer(x, cos, sin, allowed, past_key_values[i] if past_key_values else None)
+            presents.append(present)
+            if aux is not None:
+                aux_loss = aux_loss + aux
+        return Qwen3ReferenceModelOutput(
+            last_hidden_state=self.norm(x), cache=presents if use_cache else None, aux_loss=aux_loss
+        )
+
+
+# transformers 5 ties through a {target: source} dict, transformers 4 through a list of targets.
+_TIED = (
+    {"lm_head.weight": "model.embed_tokens.weight"}
+    if int(transformers.__version__.split(".")[0]) >= 5
+    else ["lm_head.weight"]
+)
+
+
+class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel):
+    """Causal LM head on `Qwen3ReferenceModel`; megatron-style labels and loss mask (module doc)."""
+
+    _tied_weights_keys = _TIED
+
+    def __init__(self, config: McoreRLQwen3Config) -> None:
+        super().__init__(config)
+        self.model = Qwen3ReferenceModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[KVCache] = None,
+        use_cache: bool = False,
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Qwen3ReferenceCausalLMOutput:
+        """Logits [b, s, vocab]; `loss` when labels are given (labels[t] = target of position t).
+
+        `cache` is an alias of `past_key_values` (the transformers>=5 name).
+        """
+        past_key_values = past_key_values if past_key_values is not None else cache
+        out = self.model(input_ids, position_ids, past_key_values, use_cache, attention_mask)
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = masked_token_loss(logits, labels, loss_mask)
+        return Qwen3ReferenceCausalLMOutput(
+            loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss
+        )
+
+
+def masked_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """sum_t mask[t] * CE(logits[t], labels[t]) / sum_t mask[t], in fp32; labels == -100 are masked too."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    mask = (labels.flatten() != -100).float()
+    if loss_mask is not None:
+        mask = mask * loss_mask.flatten().float()
+    return (ce * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# ---- stock transformers Qwen3-MoE state dict <-> checkpoint (per-expert) names ------------------
+
+
+def _stock_moe_is_fused(config: McoreRLQwen3Config) -> bool:
+    """Whether the installed stock `Qwen3MoeForCausalLM` stores experts fused (transformers>=5)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as stock
+
+    from .configuration import to_stock_hf_config
+
+    with torch.device("meta"):
+        block = stock.Qwen3MoeSparseMoeBlock(to_stock_hf_config(config))
+    return any(name == "experts.gate_up_proj" for name, _ in block.named_parameters())
+
+
+def to_stock_state_dict(
+    state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config
+) -> dict[str, torch.Tensor]:
+    """Our (= HF checkpoint) names -> the names the installed stock class's `state_dict` uses.
+
+    Dense models and transformers 4.x: unchanged. transformers>=5 Qwen3-MoE: per layer,
+    `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I].
+    """
+    if not config.is_moe or not _stock_moe_is_fused(config):
+        return dict(state_dict)
+    out = {k: v for k, v in state_dict.items() if ".mlp.experts." not in k}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        names = ("gate", "up", "down")
+        w = [{n: state_dict[f"{p}.{j}.{n}_proj.weight"] for n in names} for j in range(config.num_experts)]
+        out[f"{p}.gate_up_proj"] = torch.stack([torch.cat((x["gate"], x["up"])) for x in w])
+        out[f"{p}.down_proj"] = torch.stack([x["down"] for x in w])
+    return out
+
+
+def from_stock_state_dict(
+    state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config
+) -> dict[str, torch.Tensor]:
+    """Inverse of `to_stock_state_dict`: split fused experts back into per-expert checkpoint names."""
+    fused = (".experts.gate_up_proj", ".experts.down_proj")
+    out = {k: v for k, v in state_dict.items() if not k.endswith(fused)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.gate_up_proj" not in state_dict:
+            continue
+        gate_up, down = state_dict[f"{p}.gate_up_proj"], state_dict[f"{p}.down_proj"]
+        for j in range(gate_up.shape[0]):
+            gate, up = gate_up[j].chunk(2, dim=0)
+            out[f"{p}.{j}.gate_proj.weight"] = gate
+            out[f"{p}.{j}.up_proj.weight"] = up
+            out[f"{p}.{j}.down_proj.weight"] = down[j]
+    return out
