@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import os
-import time
 from dataclasses import replace
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 
 from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.train.lr_schedule import LRScheduler
-from mcore_rl.train.optimizer import ModelParallelAdamW, build_optimizer, load_deepspeed_cpu_adam
+from mcore_rl.train.optimizer import build_optimizer, load_deepspeed_cpu_adam
 
 BASE = OptimizerConfig(
     lr=1e-2, weight_decay=0.1, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0
@@ -47,7 +45,10 @@ def _torch_reference(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.opti
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True,
     )
 
@@ -147,6 +148,8 @@ def test_main_grad_is_preferred() -> None:
     opt.step()
     ref_opt.step()
     _assert_params_equal(model, ref)
+    # `.grad` must not keep aliasing `main_grad`: DDP's hook would then add the next grad twice
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_clipping_scales_to_max_norm() -> None:
@@ -216,7 +219,7 @@ def test_fp32_precision_rejects_bf16_params() -> None:
         build_optimizer([Tiny().to(torch.bfloat16)], BASE, "fp32", total_iters=10)
 
 
-# ------------------------------------------------------------------------------ rollback, checkpoints
+# --------------------------------------------------------------------- rollback, checkpoints
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -246,7 +249,8 @@ def test_snapshot_restore_bit_identical(precision: str) -> None:
         assert all(torch.equal(m, q) for m, q in zip(opt.main_params, masters0))
         for i, m in enumerate(opt.main_params):
             for k, v in state0[i].items():
-                assert torch.equal(torch.as_tensor(opt.optimizer.state[m][k]), torch.as_tensor(v)), k
+                now = torch.as_tensor(opt.optimizer.state[m][k])
+                assert torch.equal(now, torch.as_tensor(v)), k
         assert opt.scheduler.num_steps == 2
         run(range(2, 5))  # replaying the same updates lands on the same bits
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
@@ -320,7 +324,9 @@ def test_sharded_state_dict_keys_and_roundtrip(precision: str) -> None:
     sd = opt_a.sharded_state_dict(_plain_sharded_sd(a, "decoder."))
     keys = {t.key for t in nested_values(sd) if isinstance(t, ShardedTensor)}
     names = [n for n, _ in a.named_parameters()]
-    expected = {f"optimizer.state.{k}.decoder.{n}" for k in ("exp_avg", "exp_avg_sq") for n in names}
+    expected = {
+        f"optimizer.state.{k}.decoder.{n}" for k in ("exp_avg", "exp_avg_sq") for n in names
+    }
     if precision == "bf16":
         expected |= {f"optimizer.state.fp32_param.decoder.{n}" for n in names}
         assert all(
@@ -331,7 +337,8 @@ def test_sharded_state_dict_keys_and_roundtrip(precision: str) -> None:
 
     b.load_state_dict(a.state_dict())
     # the structure built for loading (zero state before any step) loads too
-    opt_b.load_sharded_state_dict(_materialize(opt_b.sharded_state_dict(_plain_sharded_sd(b), True)))
+    zeros = opt_b.sharded_state_dict(_plain_sharded_sd(b), is_loading=True)
+    opt_b.load_sharded_state_dict(_materialize(zeros))
     opt_b.load_sharded_state_dict(_materialize(sd))
     for s in range(2, 4):
         for m, o in ((a, opt_a), (b, opt_b)):
@@ -381,113 +388,90 @@ def test_deepspeed_cpu_adam_matches_torch() -> None:
 # ------------------------------------------------------------------------------ TP=2 over gloo
 
 
-def _tp2_worker(rank: int, rdzv: str, ckpt_dir: str) -> None:
+def _tp2_worker(rank: int, world_size: int, ckpt_dir: str) -> None:
     """Each rank holds half of a column-parallel weight and of an expert weight, a full copy of
     a TP-duplicated norm weight, and a `shared` tied-embedding copy that must not be counted."""
     import torch.distributed as dist
-
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2
-    )
-    try:
-        from mcore_rl.parallel import cpu_compat  # the project's CPU layer, when it exists
-
-        cpu_compat.apply()
-    except ImportError:
-        pass
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import load, save
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
-        g = torch.Generator().manual_seed(0)
-        full = {  # the same on both ranks
-            "col": torch.randn(4, 3, generator=g), "col_g": torch.randn(4, 3, generator=g),
-            "exp": torch.randn(6, 2, generator=g), "exp_g": torch.randn(6, 2, generator=g),
-            "norm": torch.randn(3, generator=g), "norm_g": torch.randn(3, generator=g),
-            "emb": torch.randn(5, 3, generator=g), "emb_g": torch.randn(5, 3, generator=g),
-        }
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    g = torch.Generator().manual_seed(0)
+    full = {  # the same on both ranks
+        "col": torch.randn(4, 3, generator=g), "col_g": torch.randn(4, 3, generator=g),
+        "exp": torch.randn(6, 2, generator=g), "exp_g": torch.randn(6, 2, generator=g),
+        "norm": torch.randn(3, generator=g), "norm_g": torch.randn(3, generator=g),
+        "emb": torch.randn(5, 3, generator=g), "emb_g": torch.randn(5, 3, generator=g),
+    }
 
-        def make(shard: bool) -> torch.nn.Module:
-            m = torch.nn.Module()
-            sl = (lambda t: t.chunk(2, dim=0)[rank]) if shard else (lambda t: t)
-            m.col = torch.nn.Parameter(sl(full["col"]).clone())
-            m.exp = torch.nn.Parameter(sl(full["exp"]).clone())
-            m.norm = torch.nn.Parameter(full["norm"].clone())
-            m.emb = torch.nn.Parameter(full["emb"].clone())
-            if shard:
-                m.col.tensor_model_parallel = True
-                m.exp.tensor_model_parallel = True
-                m.exp.allreduce = False  # an expert param
-                m.emb.shared = True
-            m.col.grad, m.exp.grad = sl(full["col_g"]).clone(), sl(full["exp_g"]).clone()
-            m.norm.grad, m.emb.grad = full["norm_g"].clone(), full["emb_g"].clone()
-            return m
+    def make(shard: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        sl = (lambda t: t.chunk(2, dim=0)[rank]) if shard else (lambda t: t)
+        m.col = torch.nn.Parameter(sl(full["col"]).clone())
+        m.exp = torch.nn.Parameter(sl(full["exp"]).clone())
+        m.norm = torch.nn.Parameter(full["norm"].clone())
+        m.emb = torch.nn.Parameter(full["emb"].clone())
+        if shard:
+            m.col.tensor_model_parallel = True
+            m.exp.tensor_model_parallel = True
+            m.exp.allreduce = False  # an expert param
+            m.emb.shared = True
+        m.col.grad, m.exp.grad = sl(full["col_g"]).clone(), sl(full["exp_g"]).clone()
+        m.norm.grad, m.emb.grad = full["norm_g"].clone(), full["emb_g"].clone()
+        return m
 
-        cfg = replace(BASE, clip_grad=1.0)
-        tp = make(shard=True)
-        opt = build_optimizer([tp], cfg, "fp32", 10)
-        out = opt.step()
-        expected = math.sqrt(sum(full[k].pow(2).sum().item() for k in ("col_g", "exp_g", "norm_g")))
-        assert out["grad_norm"] == pytest.approx(expected, rel=1e-6), (out, expected)
+    cfg = replace(BASE, clip_grad=1.0)
+    tp = make(shard=True)
+    opt = build_optimizer([tp], cfg, "fp32", 10)
+    out = opt.step()
+    expected = math.sqrt(sum(full[k].pow(2).sum().item() for k in ("col_g", "exp_g", "norm_g")))
+    assert out["grad_norm"] == pytest.approx(expected, rel=1e-6), (out, expected)
 
-        # Same update as one process holding the full (unsharded) tensors, emb excluded from norm.
-        ref = make(shard=False)
-        ref.emb.requires_grad_(False)
-        ref_opt = _torch_reference(ref, cfg)
-        torch.nn.utils.clip_grad_norm_([ref.col, ref.exp, ref.norm], cfg.clip_grad)
-        ref_opt.step()
-        torch.testing.assert_close(tp.col, ref.col.chunk(2, dim=0)[rank], rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(tp.norm, ref.norm, rtol=1e-6, atol=1e-7)
+    # Same update as one process holding the full (unsharded) tensors, emb excluded from norm.
+    ref = make(shard=False)
+    ref.emb.requires_grad_(False)
+    ref_opt = _torch_reference(ref, cfg)
+    torch.nn.utils.clip_grad_norm_([ref.col, ref.exp, ref.norm], cfg.clip_grad)
+    ref_opt.step()
+    torch.testing.assert_close(tp.col, ref.col.chunk(2, dim=0)[rank], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tp.norm, ref.norm, rtol=1e-6, atol=1e-7)
 
-        # Save with TP=2, load where every rank holds the full tensor (a TP=1 layout).
-        def model_sd(m: torch.nn.Module, shard: bool) -> dict:
-            if shard:
-                return {
-                    "col": ShardedTensor.from_rank_offsets("col", m.col, (0, rank, 2)),
-                    "exp": ShardedTensor.from_rank_offsets("exp", m.exp, (0, rank, 2)),
-                    "norm": ShardedTensor.from_rank_offsets("norm", m.norm, replica_id=rank),
-                    "emb": ShardedTensor.from_rank_offsets("emb", m.emb, replica_id=rank),
-                }
-            return {n: ShardedTensor.from_rank_offsets(n, p, replica_id=rank)
-                    for n, p in m.named_parameters()}
+    # Save with TP=2, load where every rank holds the full tensor (a TP=1 layout).
+    def model_sd(m: torch.nn.Module, shard: bool) -> dict:
+        if shard:
+            return {
+                "col": ShardedTensor.from_rank_offsets("col", m.col, (0, rank, 2)),
+                "exp": ShardedTensor.from_rank_offsets("exp", m.exp, (0, rank, 2)),
+                "norm": ShardedTensor.from_rank_offsets("norm", m.norm, replica_id=rank),
+                "emb": ShardedTensor.from_rank_offsets("emb", m.emb, replica_id=rank),
+            }
+        return {n: ShardedTensor.from_rank_offsets(n, p, replica_id=rank)
+                for n, p in m.named_parameters()}
 
-        save({"optimizer": opt.sharded_state_dict(model_sd(tp, True))}, ckpt_dir)
-        whole = make(shard=False)
-        whole_opt = build_optimizer([whole], cfg, "fp32", 10)
-        loaded = load({"optimizer": whole_opt.sharded_state_dict(model_sd(whole, False), True)},
-                      ckpt_dir)
-        whole_opt.load_sharded_state_dict(loaded["optimizer"])
-        assert whole_opt.scheduler.num_steps == 1
-        name_of = {id(p): n for n, p in whole.named_parameters()}
-        tp_by_name = dict(tp.named_parameters())
-        for m in whole_opt.main_params:
-            n = name_of[id(m)]
-            for k in ("exp_avg", "exp_avg_sq"):
-                gathered = [torch.empty_like(opt.optimizer.state[tp_by_name[n]][k])
-                            for _ in range(2)]
-                dist.all_gather(gathered, opt.optimizer.state[tp_by_name[n]][k])
-                want = torch.cat(gathered) if n in ("col", "exp") else gathered[0]
-                assert torch.equal(whole_opt.optimizer.state[m][k], want), (n, k)
-            assert int(whole_opt.optimizer.state[m]["step"]) == 1
-    finally:
-        ps.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+    save({"optimizer": opt.sharded_state_dict(model_sd(tp, True))}, ckpt_dir)
+    whole = make(shard=False)
+    whole_opt = build_optimizer([whole], cfg, "fp32", 10)
+    loaded = load({"optimizer": whole_opt.sharded_state_dict(model_sd(whole, False), True)},
+                  ckpt_dir)
+    whole_opt.load_sharded_state_dict(loaded["optimizer"])
+    assert whole_opt.scheduler.num_steps == 1
+    name_of = {id(p): n for n, p in whole.named_parameters()}
+    tp_by_name = dict(tp.named_parameters())
+    for m in whole_opt.main_params:
+        n = name_of[id(m)]
+        for k in ("exp_avg", "exp_avg_sq"):
+            gathered = [torch.empty_like(opt.optimizer.state[tp_by_name[n]][k])
+                        for _ in range(2)]
+            dist.all_gather(gathered, opt.optimizer.state[tp_by_name[n]][k])
+            want = torch.cat(gathered) if n in ("col", "exp") else gathered[0]
+            assert torch.equal(whole_opt.optimizer.state[m][k], want), (n, k)
+        assert int(whole_opt.optimizer.state[m]["step"]) == 1
 
 
 @pytest.mark.slow
 def test_tp2_grad_norm_and_resharded_checkpoint(tmp_path) -> None:
-    import torch.multiprocessing as mp
+    from tests.world import run_world
 
     (tmp_path / "ckpt").mkdir()
-    ctx = mp.start_processes(
-        _tp2_worker, args=(str(tmp_path / "rdzv"), str(tmp_path / "ckpt")), nprocs=2,
-        join=False, start_method="spawn",
-    )
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("TP=2 gloo world did not finish in 240 s (hang in a collective?)")
+    run_world(2, _tp2_worker, str(tmp_path / "ckpt"))

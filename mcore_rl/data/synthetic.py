@@ -1,22 +1,32 @@
 """A synthetic, verifiable task for demos: multi-digit addition that a tiny model learns on CPU.
 
-Format (chosen for learnability, see below), with `max_digits=3`:
+Format, shown for `max_digits=3`:
 
     prompt   "012+345="      operands zero-padded to `max_digits` digits, most significant first
     response "7530"          the sum 357 written least-significant digit first, zero-padded to
                              `max_digits + 1` digits
 
-Why: with fixed-width operands every digit sits at the same offset in every example, and writing the
-sum least-significant first lets the model emit each digit from the two operand digits at a fixed
-distance plus the carry it has just produced, instead of having to look ahead through every carry
-(cf. Lee et al. 2023, "Teaching Arithmetic to Small Transformers"). SFT and RL share this module:
-the RL verifier is `verify_addition`.
+Why: zero-padding puts every digit at the same position in every example (position ids restart
+per document), and writing the sum least-significant first lets the model emit each digit from two
+operand digits plus the carry of the digit it has just written, instead of looking ahead through
+every carry (cf. Lee et al. 2023, "Teaching Arithmetic to Small Transformers").
+
+Difficulty, measured with a plain-torch stand-in of the default `ModelConfig` shape (2 layers, 64
+wide, RoPE, block-diagonal attention), 8 packed rows of 64 tokens per step, AdamW lr 3e-3 with
+cosine decay, greedy accuracy on 200 fresh problems:
+`max_digits=1` reaches 99.5% in 300 steps; `max_digits=2` sits on a plateau (units/tens digits at
+chance) until about step 500 and reaches 99% after 1500 steps; `max_digits=3` is at 0% after 300
+steps. Hence `DEFAULT_MAX_DIGITS = 1` for SFT demos that must learn in a few hundred steps; RL demos
+can ask for more digits to leave room for improvement. SFT and RL share this module: the RL
+verifier is `verify_addition`.
 """
 
 from __future__ import annotations
 
 import random
 import re
+
+DEFAULT_MAX_DIGITS = 1
 
 _PROMPT = re.compile(r"^\s*(\d+)\+(\d+)=\s*$")
 
@@ -29,7 +39,7 @@ def format_addition(a: int, b: int, max_digits: int) -> dict[str, str]:
     }
 
 
-def make_addition_examples(n: int, seed: int, max_digits: int = 3) -> list[dict[str, str]]:
+def make_addition_examples(n: int, seed: int, max_digits: int = DEFAULT_MAX_DIGITS) -> list[dict[str, str]]:
     """`n` random problems with operands of up to `max_digits` digits (deterministic in `seed`)."""
     if max_digits < 1:
         raise ValueError(f"max_digits must be >= 1, got {max_digits}")

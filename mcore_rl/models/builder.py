@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
+from mcore_rl.models import megatron_fixes
 from mcore_rl.models.spec import decoder_block_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -87,6 +88,9 @@ def transformer_config(
         # ring with virtual stages sends both ways to the same peer. The unbatched path orders
         # them by rank parity and uses a second group for the other direction.
         batch_p2p_comm=not on_cpu,
+        # Losses are token sums divided by the global token count in finalize_model_grads; the MoE
+        # router reads this flag at construction to scale its aux loss to match.
+        calculate_per_token_loss=True,
         **moe,
         **recompute_kwargs,
     )
@@ -103,6 +107,7 @@ def build_model(
 
     Requires `mcore_rl.parallel.setup.init_model_parallel` to have run.
     """
+    megatron_fixes.apply()
     config = config or transformer_config(model, parallel, precision, recompute)
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []

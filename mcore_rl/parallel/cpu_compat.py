@@ -201,6 +201,57 @@ def _move_to_cpu_for_alltoall(tensor: Any, as_numpy: bool = False, record_stream
     return tensor
 
 
+def _uneven_gather_fix(original: Callable[..., Any]) -> Callable[..., Any]:
+    """gloo's all_gather needs equal sizes; the MoE dispatcher under TP gathers unequal ones."""
+
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, *args, **kwargs)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+    return gather
+
+
+def _uneven_reduce_scatter_fix(original: Callable[..., Any]) -> Callable[..., Any]:
+    """gloo has no uneven reduce-scatter: all-reduce the whole tensor, keep this rank's rows."""
+
+    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, *args, **kwargs)
+        summed = input_.contiguous().clone()
+        torch.distributed.all_reduce(summed, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return summed[start : start + sizes[group.rank()]].clone()
+
+    return reduce_scatter
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """`tensor.cuda()` is a method, out of reach of the torch view; disable it for one call."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _without_tensor_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _tensor_cuda_is_identity():
+            return fn(*args, **kwargs)
+
+    wrapper._mcore_rl_cpu = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _fix_module_functions(module: types.ModuleType) -> None:
     """Replace the few functions that are wrong on CPU even with the torch view in place."""
     name = module.__name__
@@ -211,6 +262,20 @@ def _fix_module_functions(module: types.ModuleType) -> None:
     elif name == "megatron.core.transformer.moe.token_dispatcher":
         if hasattr(module, "maybe_move_tensor_to_cpu"):
             module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]
+    elif name == "megatron.core.models.common.language_module.language_module":
+        # Tied embeddings under PP: the first and last stage all-reduce `weight.data.cuda()`.
+        cls = module.LanguageModule  # type: ignore[attr-defined]
+        if not getattr(cls.setup_embeddings_and_output_layer, "_mcore_rl_cpu", False):
+            cls.setup_embeddings_and_output_layer = _without_tensor_cuda(
+                cls.setup_embeddings_and_output_layer
+            )
+    elif name == "megatron.core.tensor_parallel.mappings":
+        if not getattr(module, "_mcore_rl_cpu", False):
+            module._gather_along_first_dim = _uneven_gather_fix(module._gather_along_first_dim)  # type: ignore[attr-defined]
+            module._reduce_scatter_along_first_dim = _uneven_reduce_scatter_fix(  # type: ignore[attr-defined]
+                module._reduce_scatter_along_first_dim  # type: ignore[attr-defined]
+            )
+            module._mcore_rl_cpu = True  # type: ignore[attr-defined]
     elif name == "megatron.core.tensor_parallel.random":
         module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
         module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[attr-defined]

@@ -141,11 +141,11 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
     """L2 norm of the whole model's gradient, identical on every rank of a model-parallel group.
 
-    Dense params' squared norms are summed over TP×PP (`get_model_parallel_group`), expert params'
-    over expert-TP×EP×PP (`get_expert_tensor_model_pipeline_parallel_group`). Gradients are assumed
-    already reduced over data parallel (what DDP's `finish_grad_sync()` does). Both all-reduces run
-    on every rank, even one without expert params, so no rank waits for a collective that another
-    skips."""
+    Dense params' squared norms are summed over TP×PP (`get_model_parallel_group`), expert
+    params' over expert-TP×EP×PP (`get_expert_tensor_model_pipeline_parallel_group`). Gradients
+    are assumed already reduced over data parallel (what DDP's `finish_grad_sync()` does). Both
+    all-reduces run on every rank, even one without expert params, so no rank waits for a
+    collective that another skips."""
     ps = _parallel_state()
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
@@ -260,13 +260,15 @@ class ModelParallelAdamW:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _collect_grads(self) -> tuple[list[int], list[torch.Tensor]]:
-        """Point each main param's `.grad` at its fp32 gradient; return the indices that have one.
+    def _collect_grads(self) -> tuple[list[int], list[torch.Tensor], list[int]]:
+        """Point each main param's `.grad` at its fp32 gradient. Returns the indices that have one,
+        those grads, and the indices whose `.grad` was set here (to drop after the update).
 
         An fp32 `main_grad` is used in place (as megatron-core does), so clipping scales the DDP
         buffer; it is zeroed by `zero_grad_buffer()` before the next backward anyway."""
         idx: list[int] = []
         grads: list[torch.Tensor] = []
+        borrowed: list[int] = []
         for i, (p, main) in enumerate(zip(self.model_params, self.main_params)):
             g = getattr(p, "main_grad", None)
             if g is None:
@@ -274,14 +276,14 @@ class ModelParallelAdamW:
             if g is None:
                 main.grad = None
                 continue
-            g = g.detach()
             if g.dtype != torch.float32:
                 g = g.float()
             if main.grad is not g:
                 main.grad = g
+                borrowed.append(i)
             idx.append(i)
             grads.append(g)
-        return idx, grads
+        return idx, grads, borrowed
 
     @torch.no_grad()
     def step(self) -> dict[str, Any]:
@@ -289,7 +291,7 @@ class ModelParallelAdamW:
 
         The scheduler only advances on an update that happened (megatron-core does the same)."""
         lr = self.scheduler.get_lr()
-        idx, grads = self._collect_grads()
+        idx, grads, borrowed = self._collect_grads()
         grad_norm = global_grad_norm([self.model_params[i] for i in idx], grads)
         if not math.isfinite(grad_norm):
             logger.warning("non-finite grad norm (%s): skipping the optimizer step", grad_norm)
@@ -309,8 +311,11 @@ class ModelParallelAdamW:
             torch._foreach_copy_(
                 [self.model_params[i].data for i in masters], [self.main_params[i] for i in masters]
             )
-            for i in masters:
-                self.main_params[i].grad = None
+        # Drop the `.grad`s set above: a param whose `.grad` still aliased its DDP `main_grad`
+        # would have the next backward accumulate into `main_grad` twice (autograd adds into the
+        # existing `.grad`, then DDP's hook adds `.grad` to `main_grad`).
+        for i in borrowed:
+            self.main_params[i].grad = None
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped": False}
 
@@ -411,7 +416,7 @@ class ModelParallelAdamW:
         if not any(self._has_master):
             return
         if not fp32_params:
-            logger.warning("checkpoint has no fp32 master params: taking them from the model params")
+            logger.warning("checkpoint has no fp32 master params: using the model params")
             self.reload_model_params()
             return
         for i, (m, has) in enumerate(zip(self.main_params, self._has_master)):
@@ -498,7 +503,7 @@ class ModelParallelAdamW:
 
     @torch.no_grad()
     def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
-        """Take the "optimizer" part of `dist_checkpointing.load(...)` (see `sharded_state_dict`)."""
+        """Take the "optimizer" part of `dist_checkpointing.load(...)`; see `sharded_state_dict`."""
         opt = dict(loaded["optimizer"])
         state = dict(opt["state"])
         step = int(state.pop("common_step", 0))
