@@ -75,7 +75,8 @@ def test_unknown_top_level_key(tmp_path):
 
 
 def test_unknown_key_in_override():
-    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size.*did you mean 'parallel\.tensor_model_parallel_size'"):
+    suggestion = r"parallel\.tensor_parallel_size.*did you mean 'parallel\.tensor_model_parallel_size'"
+    with pytest.raises(ConfigError, match=suggestion):
         sft("parallel.tensor_parallel_size=2")
     with pytest.raises(ConfigError, match=r"not a section"):
         sft("train.seed.x=1")
@@ -238,7 +239,8 @@ def test_context_parallel_needs_transformer_engine(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
     msg = invalid(sft("parallel.context_parallel_size=2"), 2, "parallel.context_parallel_size")
     assert "transformer-engine" in msg
 

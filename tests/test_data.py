@@ -204,7 +204,8 @@ def test_padding_mode():
 
 def test_build_sft_rows_synthetic_and_file(tmp_path):
     rows = build_sft_rows(DataConfig(synthetic_num_examples=50), 64, TOK, seed=1)
-    assert rows["tokens"].shape[1] == 64 and rows["loss_mask"].sum() == 50 * (DEFAULT_MAX_DIGITS + 2)  # sum digits + eos
+    assert rows["tokens"].shape[1] == 64
+    assert rows["loss_mask"].sum() == 50 * (DEFAULT_MAX_DIGITS + 2)  # the sum's digits + eos
     path = write_bytes(tmp_path, "d.jsonl", b'{"prompt": "q", "response": "r"}\n' * 3)
     rows = build_sft_rows(DataConfig(path=path, pack_sequences=False, mask_prompt=False), 8, TOK, seed=1)
     assert rows["tokens"].shape == (3, 8) and rows["loss_mask"][0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]

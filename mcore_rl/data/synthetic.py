@@ -13,7 +13,8 @@ every carry (cf. Lee et al. 2023, "Teaching Arithmetic to Small Transformers").
 
 Difficulty, measured with a plain-torch stand-in of the default `ModelConfig` shape (2 layers, 64
 wide, RoPE, block-diagonal attention), 8 packed rows of 64 tokens per step, AdamW lr 3e-3 with
-cosine decay, greedy accuracy on 200 fresh problems:
+cosine decay, greedy accuracy on 200 newly drawn problems (with one digit there are only 100
+problems, so these were seen in training):
 `max_digits=1` reaches 99.5% in 300 steps; `max_digits=2` sits on a plateau (units/tens digits at
 chance) until about step 500 and reaches 99% after 1500 steps; `max_digits=3` is at 0% after 300
 steps. Hence `DEFAULT_MAX_DIGITS = 1` for SFT demos that must learn in a few hundred steps; RL demos

@@ -1,0 +1,152 @@
+"""Save and resume training with megatron-core distributed checkpointing.
+
+A checkpoint directory `<save_dir>/iter_0000100/` holds the model and optimizer as sharded tensors
+keyed by global parameter name (so it loads into any TP/PP/EP layout), plus common state (iteration,
+scheduler, data position, config) and one RNG file per rank. `<save_dir>/latest` names the newest
+complete checkpoint; it is written last, so a crash mid-save never points at a partial one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def checkpoint_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def latest_checkpoint(load_dir: str) -> Optional[str]:
+    """The newest complete checkpoint under `load_dir`, or `load_dir` itself if it is one."""
+    if not os.path.isdir(load_dir):
+        raise FileNotFoundError(f"checkpoint.load_dir {load_dir!r} does not exist")
+    if os.path.exists(os.path.join(load_dir, "metadata.json")):
+        return load_dir
+    marker = os.path.join(load_dir, LATEST)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        path = os.path.join(load_dir, f.read().strip())
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{marker} points at {path!r}, which does not exist")
+    return path
+
+
+def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    from mcore_rl.hf.weight_map import _unwrap
+
+    return {f"chunk{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout_signature() -> tuple[int, ...]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        dist.get_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    common: dict[str, Any],
+) -> str:
+    """Write a complete checkpoint for `iteration` (collective: every rank calls it)."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(save_dir, iteration)
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    model_sd = _model_sharded_state_dict(chunks)
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "common": dict(common, iteration=iteration, layout=_layout_signature()),
+    }
+    dist_checkpointing.save(state, path)
+    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        tmp = os.path.join(save_dir, LATEST + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(tmp, os.path.join(save_dir, LATEST))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(
+    path: str, chunks: list[torch.nn.Module], optimizer: Optional[Any]
+) -> dict[str, Any]:
+    """Load model (and optimizer) shards for this rank's layout; returns the common state.
+
+    RNG streams are restored only when the layout matches the one that saved them (a different
+    layout has different streams by construction); otherwise they stay as seeded.
+    """
+    from megatron.core import dist_checkpointing
+
+    if not os.path.exists(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"{path!r} is not a distributed checkpoint (no metadata.json)")
+    model_sd = _model_sharded_state_dict(chunks)
+    request: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(request, path)
+    from mcore_rl.hf.weight_map import _unwrap
+
+    for i, chunk in enumerate(chunks):
+        _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
+    if optimizer is not None:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
+    if tuple(common.get("layout", ())) == _layout_signature() and os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.info("checkpoint layout %s differs from this run's; RNG streams reseeded", common.get("layout"))
+    return common

@@ -1,0 +1,178 @@
+"""Supervised fine-tuning (and pre-training from scratch) on megatron-core: the `mcore-rl sft` loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import SFTConfig, save_config, validate_sft_config
+from mcore_rl.data.sft import SFTBatches, build_sft_rows
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.parallel import setup
+from mcore_rl.train import checkpoint
+from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
+from mcore_rl.train.optimizer import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Trainer:
+    """Everything one rank holds during training: model chunks, optimizer, data stream."""
+
+    cfg: SFTConfig
+    chunks: list[torch.nn.Module]
+    optimizer: Any
+    batches: SFTBatches
+    eval_rows: Optional[dict[str, torch.Tensor]]
+    iteration: int = 0
+
+
+def _split_eval_rows(rows: dict[str, torch.Tensor], cfg: SFTConfig, dp: int) -> tuple[dict, Optional[dict]]:
+    """Hold out the rows evaluation needs (a fixed set, never trained on)."""
+    t = cfg.train
+    if t.eval_interval <= 0:
+        return rows, None
+    n_eval = t.eval_iters * t.micro_batch_size * dp
+    n = next(iter(rows.values())).shape[0]
+    if n_eval >= n:
+        raise ValueError(f"train.eval_iters={t.eval_iters} needs {n_eval} rows; the data has only {n}")
+    return {k: v[: n - n_eval] for k, v in rows.items()}, {k: v[n - n_eval :] for k, v in rows.items()}
+
+
+def build_trainer(cfg: SFTConfig) -> Trainer:
+    """Initialise parallel state, data, model, optimizer; resume from a checkpoint if configured."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.models.builder import build_model, transformer_config
+
+    _, world_size = setup.init_distributed()
+    sizes = validate_sft_config(cfg, world_size)
+    setup.init_model_parallel(cfg.parallel)
+    setup.set_seed(cfg.train.seed)
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})"
+        )
+    rows = build_sft_rows(cfg.data, cfg.train.seq_length, tokenizer, cfg.train.seed)
+    dp = sizes.data_parallel_size
+    train_rows, eval_rows = _split_eval_rows(rows, cfg, dp)
+    batches = SFTBatches(
+        train_rows, cfg.train.micro_batch_size, sizes.num_microbatches,
+        ps.get_data_parallel_rank(), dp, cfg.train.seed,
+    )
+
+    config = transformer_config(cfg.model, cfg.parallel, cfg.train.precision, cfg.train.recompute)
+    chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)
+    prepare_config(config, chunks)
+    optimizer = build_optimizer(chunks, cfg.optimizer, cfg.train.precision, cfg.train.train_iters)
+    trainer = Trainer(cfg, chunks, optimizer, batches, eval_rows)
+
+    if cfg.checkpoint.load_dir:
+        path = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir)
+        if path is None:
+            raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
+        common = checkpoint.load_checkpoint(path, chunks, optimizer)
+        optimizer.reload_model_params()
+        if common.get("data_seed") == cfg.train.seed:
+            batches.load_state_dict(common["data"])
+        trainer.iteration = int(common["iteration"])
+        _log0(f"resumed from {path} at iteration {trainer.iteration}")
+    return trainer
+
+
+def save(trainer: Trainer) -> str:
+    common = {"data": trainer.batches.state_dict(), "data_seed": trainer.cfg.train.seed}
+    return checkpoint.save_checkpoint(
+        trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
+    )
+
+
+def train_step(trainer: Trainer) -> dict[str, float]:
+    for chunk in trainer.chunks:
+        chunk.train()
+    result = forward_backward(trainer.chunks, next(trainer.batches))
+    stats = trainer.optimizer.step()
+    trainer.iteration += 1
+    return {"loss": result["loss"], "num_tokens": result["num_tokens"], **stats}
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer) -> float:
+    """Token-mean loss on the held-out rows."""
+    from megatron.core import parallel_state as ps
+
+    rows, mbs = trainer.eval_rows, trainer.cfg.train.micro_batch_size
+    assert rows is not None
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = next(iter(rows.values())).shape[0] // dp
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in rows.items()}
+    microbatches = [{k: v[i : i + mbs] for k, v in mine.items()} for i in range(0, per_rank, mbs)]
+    for chunk in trainer.chunks:
+        chunk.eval()
+    return forward_backward(trainer.chunks, microbatches, forward_only=True)["loss"]
+
+
+def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
+    """Train as configured; returns the logged records (on every rank)."""
+    trainer = build_trainer(cfg)
+    t = cfg.train
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    records: list[dict[str, Any]] = []
+    window_tokens, window_start = 0.0, time.perf_counter()
+    while trainer.iteration < t.train_iters:
+        step = train_step(trainer)
+        window_tokens += step["num_tokens"]
+        record: dict[str, Any] = {
+            "step": trainer.iteration,
+            "loss": step["loss"],
+            "lr": step["lr"],
+            "grad_norm": step["grad_norm"],
+            "skipped": step["skipped"],
+        }
+        if t.eval_interval > 0 and (trainer.iteration % t.eval_interval == 0 or trainer.iteration == t.train_iters):
+            record["eval_loss"] = evaluate(trainer)
+        if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters or "eval_loss" in record:
+            elapsed = time.perf_counter() - window_start
+            record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            window_tokens, window_start = 0.0, time.perf_counter()
+            _log0(_format(record, t.train_iters))
+        records.append(record)
+        if rank0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        interval = cfg.checkpoint.save_interval
+        if cfg.checkpoint.save_dir and interval > 0 and trainer.iteration % interval == 0:
+            _log0(f"saved {save(trainer)}")
+    if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
+        _log0(f"saved {save(trainer)}")
+    return records
+
+
+def _format(r: dict[str, Any], total: int) -> str:
+    parts = [f"step {r['step']:>5}/{total}", f"loss {r['loss']:.4f}"]
+    if "eval_loss" in r:
+        parts.append(f"eval_loss {r['eval_loss']:.4f}")
+    parts += [f"lr {r['lr']:.2e}", f"grad_norm {r['grad_norm']:.3f}"]
+    if "tokens_per_s" in r:
+        parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def _log0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
