@@ -87,6 +87,7 @@ class DataConfig:
     on_bad_line: Literal["skip", "error"] = "error"
     synthetic_task: Literal["addition"] = "addition"
     synthetic_num_examples: int = 4096
+    synthetic_max_digits: int = 1  # addition operands have up to this many digits
     tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer
     pack_sequences: bool = True  # pack several examples per row; False = pad each example
     mask_prompt: bool = True  # no loss on prompt tokens

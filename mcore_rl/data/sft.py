@@ -58,7 +58,7 @@ def load_examples(cfg: DataConfig, seed: int) -> list[SFTExample]:
     """The examples `cfg` describes: its file if `cfg.path` is set, else the synthetic task."""
     if cfg.path is None:
         if cfg.synthetic_task == "addition":
-            pairs = make_addition_examples(cfg.synthetic_num_examples, seed)
+            pairs = make_addition_examples(cfg.synthetic_num_examples, seed, cfg.synthetic_max_digits)
             return [SFTExample(p["prompt"], p["response"], f"synthetic:{i}") for i, p in enumerate(pairs)]
         raise DataError(f"unknown synthetic task {cfg.synthetic_task!r}")
     return read_examples(cfg)

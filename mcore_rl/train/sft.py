@@ -133,6 +133,9 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     records: list[dict[str, Any]] = []
+    accuracy = _task_accuracy(trainer)
+    if accuracy is not None:
+        _log0(f"addition accuracy before training: {accuracy:.1%}")
     window_tokens, window_start = 0.0, time.perf_counter()
     while trainer.iteration < t.train_iters:
         step = train_step(trainer)
@@ -160,7 +163,22 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
             _log0(f"saved {save(trainer)}")
     if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
         _log0(f"saved {save(trainer)}")
+    accuracy = _task_accuracy(trainer)
+    if accuracy is not None and records:
+        records[-1]["eval_accuracy"] = accuracy
+        _log0(f"addition accuracy after training: {accuracy:.1%} (greedy, 200 freshly drawn problems)")
     return records
+
+
+def _task_accuracy(trainer: Trainer) -> Optional[float]:
+    """Greedy accuracy of the synthetic demo task; None when training on a data file."""
+    cfg = trainer.cfg
+    if cfg.data.path is not None or cfg.data.synthetic_task != "addition" or cfg.train.eval_interval <= 0:
+        return None
+    from mcore_rl.train.demo_eval import addition_accuracy
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+    return addition_accuracy(trainer.chunks, cfg.model, cfg.data, tokenizer, cfg.train.seed)
 
 
 def _format(r: dict[str, Any], total: int) -> str:

@@ -1,0 +1,333 @@
+"""SFT step throughput and peak memory: the megatron-core model vs the pure-torch reference model.
+
+Same config, same initial weights, same data batches, same optimizer wrapper; printed as ratios.
+
+    .venv/bin/python tools/bench_sft.py                      # demo + big size, TP=2 row for big (~3 min)
+    .venv/bin/python tools/bench_sft.py --model-size demo --tp2-sizes   # demo only, no TP=2 row
+    .venv/bin/python tools/bench_sft.py --config configs/sft_demo.yaml train.micro_batch_size=16
+
+Variants (each run in its own subprocess, `--worker`, so that its memory is its own):
+
+* `mcore`     -- the real training step: `build_trainer` + `train_step` from `mcore_rl.train.sft`
+  (megatron-core GPTModel in megatron-core DDP, its no-pipelining schedule, `ModelParallelAdamW`),
+  one rank, fp32.
+* `reference` -- `Qwen3ReferenceForCausalLM` (mcore_rl.hf) with the same weights, trained on the same
+  micro-batches (`SFTBatches`, same seed) with its own forward: labels already aligned, `loss_mask`,
+  `position_ids` restarting per document and a block-diagonal `attention_mask` (True = may attend)
+  built from `segment_ids`. The loss is megatron's objective (token-summed over the global batch
+  divided by its token count, accumulated over micro-batches); the optimizer is the same wrapper,
+  `build_optimizer([model], ...)`, stepping `param.grad`.
+* `mcore TP=2` -- the `mcore` step on 2 ranks (torchrun, gloo, tensor_model_parallel_size=2); tokens/s
+  is for the whole job, peak MB is the sum over both ranks.
+
+Both single-rank variants get `--threads` intra-op threads (default: all cores); the TP=2 ranks get
+`threads // 2` each, so every row uses the same cores. Initial weights come from the reference model's
+init (seeded), loaded into the megatron model through `mcore_rl.hf.weight_map`; the first-step losses
+of all variants are printed so the "same model, same data" claim is checked on every run.
+
+Throughput: processed tokens per step (global_batch_size x seq_length, padding included) over the
+wall time of one full step (forward, backward, optimizer), after `--warmup` steps; the median and the
+best of `--steps` steps pooled over `--rounds` rounds. Rounds run the variants round-robin (mcore,
+reference, TP=2, mcore, ...), so load from other processes on a shared machine hits them alike.
+
+Peak memory: growth of the process's peak RSS over a baseline taken after all imports (and after the
+initial weights, held by every variant, were generated) and before the model, data and optimizer are
+built, measured after the last step: `resource.getrusage(RUSAGE_SELF).ru_maxrss` after minus before.
+On Linux the baseline first resets the high-water mark to the current RSS (`echo 5 >
+/proc/self/clear_refs`), so a transient peak during imports does not hide growth; without that file the
+plain before/after difference is used (and can under-count). Limits: RSS counts what the allocator
+holds, not what tensors use -- freed blocks glibc keeps, fragmentation, code pages of kernels touched
+for the first time (oneDNN/MKL) and Python objects all count, and memory freed before the baseline can
+be reused without raising the peak. It includes params, grads (megatron keeps a persistent fp32
+`main_grad` buffer), Adam state, activations and the (small) tokenised data set. The maximum over
+rounds is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Model-size presets: overrides applied before the user's own (which win).
+SIZES: dict[str, list[str]] = {
+    "demo": [],
+    "big": [
+        "model.hidden_size=256",
+        "model.num_layers=4",
+        "model.ffn_hidden_size=1024",
+        "model.max_position_embeddings=256",
+        "train.seq_length=256",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+    ],
+}
+# Steps per worker (timed, warmup) for each preset; --steps/--warmup override both.
+STEPS = {"demo": (20, 5), "big": (8, 2)}
+
+
+# --------------------------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------------------------
+
+
+def _rss_baseline() -> int:
+    """Reset the peak-RSS high-water mark to the current RSS where Linux allows; return ru_maxrss (KiB)."""
+    import resource
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _maxrss_kib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _initial_weights(cfg) -> dict:
+    """HF-named fp32 state dict of a freshly initialised reference model (seeded)."""
+    import torch
+
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+
+    torch.manual_seed(cfg.train.seed)
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)).float()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _timed(step, n_warmup: int, n_steps: int, sync=None) -> tuple[list[float], list[float]]:
+    times, losses = [], []
+    for i in range(n_warmup + n_steps):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        loss = step()
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if i >= n_warmup:
+            times.append(dt)
+    return times, losses
+
+
+def worker_mcore(cfg, args) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import megatron.core.pipeline_parallel  # noqa: F401  (imported before the baseline)
+    from mcore_rl.hf.weight_map import hf_to_megatron, load_full_state_dict
+    from mcore_rl.models import builder  # noqa: F401
+    from mcore_rl.parallel import setup
+    from mcore_rl.train.sft import build_trainer, train_step
+
+    weights = hf_to_megatron(_initial_weights(cfg), cfg.model)
+    before = _rss_baseline()
+    trainer = build_trainer(cfg)
+    load_full_state_dict(trainer.chunks, weights)
+    trainer.optimizer.reload_model_params()
+    times, losses = _timed(lambda: train_step(trainer)["loss"], args.warmup, args.steps, dist.barrier)
+    growth_kib = _maxrss_kib() - before
+    world = dist.get_world_size()
+    growths = [None] * world
+    dist.all_gather_object(growths, growth_kib)
+    times_t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(times_t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    rank = dist.get_rank()
+    setup.destroy()
+    if rank != 0:
+        return {}
+    return {"times": times_t.tolist(), "losses": losses, "peak_mib": sum(growths) / 1024,
+            "peak_mib_per_rank": [g / 1024 for g in growths], "world": world}
+
+
+def worker_reference(cfg, args) -> dict[str, Any]:
+    import torch
+
+    from mcore_rl.config import validate_sft_config
+    from mcore_rl.data.sft import SFTBatches, build_sft_rows
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.train.optimizer import build_optimizer
+    from mcore_rl.train.sft import _split_eval_rows
+
+    weights = _initial_weights(cfg)
+    sizes = validate_sft_config(cfg, 1)
+    before = _rss_baseline()
+
+    # Same rows and the same stream of batches as build_trainer on one rank (dp=1).
+    rows = build_sft_rows(cfg.data, cfg.train.seq_length, load_tokenizer(cfg.data.tokenizer_path), cfg.train.seed)
+    train_rows, _ = _split_eval_rows(rows, cfg, 1)
+    batches = SFTBatches(train_rows, cfg.train.micro_batch_size, sizes.num_microbatches, 0, 1, cfg.train.seed)
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)).float()
+    model.load_state_dict(weights)
+    optimizer = build_optimizer([model], cfg.optimizer, "fp32", cfg.train.train_iters)
+
+    def step() -> float:
+        model.train()
+        optimizer.zero_grad()
+        microbatches = next(batches)
+        total = sum(float(mb["loss_mask"].sum()) for mb in microbatches)
+        loss_sum = 0.0
+        for mb in microbatches:
+            seg = mb["segment_ids"]
+            allowed = (seg[:, :, None] == seg[:, None, :])[:, None]  # [b, 1, s, s], True = may attend
+            out = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
+                        loss_mask=mb["loss_mask"], attention_mask=allowed)
+            n = float(mb["loss_mask"].sum())
+            # megatron's objective: token-summed loss / global token count (+ MoE aux, per token)
+            ((out.loss * n + out.aux_loss * mb["tokens"].numel()) / max(total, 1.0)).backward()
+            loss_sum += float(out.loss.detach()) * n
+        optimizer.step()
+        return loss_sum / max(total, 1.0)
+
+    times, losses = _timed(step, args.warmup, args.steps)
+    growth_kib = _maxrss_kib() - before
+    return {"times": times, "losses": losses, "peak_mib": growth_kib / 1024,
+            "peak_mib_per_rank": [growth_kib / 1024], "world": 1}
+
+
+def run_worker(args) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    import torch
+
+    from mcore_rl.config import SFTConfig, load_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, args.threads // world))
+    cfg = load_config(SFTConfig, args.config, args.overrides)
+    cfg.run_dir = tempfile.mkdtemp(prefix="bench_sft_")  # build_trainer writes nothing; just in case
+    cfg.checkpoint.load_dir = None
+    cfg.checkpoint.save_dir = None
+    result = (worker_mcore if args.worker == "mcore" else worker_reference)(cfg, args)
+    if result:
+        result["threads"] = torch.get_num_threads()
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+
+
+# --------------------------------------------------------------------------------------------
+# driver side
+# --------------------------------------------------------------------------------------------
+
+
+def launch(variant: str, tp: int, overrides: list[str], args, steps: int, warmup: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    worker_args = [
+        os.path.abspath(__file__), "--worker", variant, "--config", args.config,
+        "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
+        "--result-file", result_file, *overrides,
+    ]
+    if tp > 1:
+        worker_args.append(f"parallel.tensor_model_parallel_size={tp}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+               *worker_args]
+    else:
+        cmd = [sys.executable, *worker_args]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    try:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        with open(result_file) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result_file)
+
+
+def _summary(overrides: list[str], config: str) -> tuple[str, int]:
+    sys.path.insert(0, REPO)
+    from mcore_rl.config import SFTConfig, load_config
+
+    cfg = load_config(SFTConfig, config, overrides)
+    m, t = cfg.model, cfg.train
+    qkv = m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
+    layer = qkv + m.num_attention_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
+    params = m.num_layers * layer + m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    return (f"hidden {m.hidden_size}, {m.num_layers} layers, ffn {m.ffn_hidden_size}, heads "
+            f"{m.num_attention_heads}/{m.num_query_groups}, ~{params / 1e6:.2f}M params; seq {t.seq_length}, "
+            f"mbs {t.micro_batch_size}, gbs {t.global_batch_size} -> {t.global_batch_size * t.seq_length} "
+            f"tokens/step"), t.global_batch_size * t.seq_length
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size, e.g. train.seq_length=128")
+    ap.add_argument("--config", default="configs/sft_demo.yaml")
+    ap.add_argument("--model-size", nargs="+", default=["demo", "big"], choices=sorted(SIZES),
+                    help="size presets to run (demo = the config as is; big = " + " ".join(SIZES["big"]) + ")")
+    ap.add_argument("--tp2-sizes", nargs="*", default=["big"], help="sizes that also get an mcore TP=2 row (2 ranks)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per worker (default: per size)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per worker (default: per size)")
+    ap.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of all variants")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="intra-op threads per row (split across ranks for TP=2)")
+    ap.add_argument("--worker", choices=["mcore", "reference"], help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+
+    import platform
+
+    print(f"bench_sft: {args.config} {' '.join(args.overrides)}; {args.rounds} rounds; "
+          f"{args.threads} threads per row; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    t_start = time.perf_counter()
+    table = []
+    for size in args.model_size:
+        overrides = SIZES[size] + list(args.overrides)
+        summary, tokens_per_step = _summary(overrides, args.config)
+        steps, warmup = STEPS.get(size, (10, 2))
+        steps, warmup = args.steps or steps, args.warmup if args.warmup is not None else warmup
+        print(f"[{size}] {summary}; {steps} timed steps after {warmup} warmup per worker", flush=True)
+        variants = [("mcore", "mcore", 1), ("reference", "reference", 1)]
+        if size in args.tp2_sizes:
+            variants.append(("mcore TP=2", "mcore", 2))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+        for r in range(args.rounds):
+            for name, variant, tp in variants:
+                t0 = time.perf_counter()
+                runs[name].append(launch(variant, tp, overrides, args, steps, warmup))
+                print(f"  round {r + 1}: {name:11s} done in {time.perf_counter() - t0:5.1f} s", flush=True)
+        for name, results in runs.items():
+            times = [t for res in results for t in res["times"]]
+            table.append(dict(
+                size=size, variant=name,
+                tok_s=tokens_per_step / statistics.median(times), best=tokens_per_step / min(times),
+                peak=max(res["peak_mib"] for res in results),
+                loss1=results[0]["losses"][0], loss_last=results[0]["losses"][-1],
+                threads=results[0]["threads"], world=results[0]["world"],
+            ))
+
+    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); tokens/s = median (best) over all timed "
+          "steps; peak MB = peak-RSS growth, summed over ranks; ratio = variant / reference")
+    header = (f"{'size':5s} {'variant':11s} {'ranks x thr':>11s} {'tokens/s':>9s} {'(best)':>8s} {'peak MB':>8s} "
+              f"{'tok/s ratio':>11s} {'MB ratio':>8s} {'loss step1':>11s} {'loss last':>10s}")
+    print(header)
+    print("-" * len(header))
+    for row in table:
+        ref = next(x for x in table if x["size"] == row["size"] and x["variant"] == "reference")
+        print(f"{row['size']:5s} {row['variant']:11s} {str(row['world']) + ' x ' + str(row['threads']):>11s} "
+              f"{row['tok_s']:9.0f} {'(' + format(row['best'], '.0f') + ')':>8s} {row['peak']:8.1f} "
+              f"{row['tok_s'] / ref['tok_s']:10.2f}x {row['peak'] / ref['peak']:7.2f}x "
+              f"{row['loss1']:11.6f} {row['loss_last']:10.6f}")
+
+
+if __name__ == "__main__":
+    main()
