@@ -149,6 +149,9 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
         }
         if t.eval_interval > 0 and (trainer.iteration % t.eval_interval == 0 or trainer.iteration == t.train_iters):
             record["eval_loss"] = evaluate(trainer)
+            accuracy = _task_accuracy(trainer)
+            if accuracy is not None:
+                record["eval_accuracy"] = accuracy
         if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters or "eval_loss" in record:
             elapsed = time.perf_counter() - window_start
             record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
@@ -163,10 +166,11 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
             _log0(f"saved {save(trainer)}")
     if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
         _log0(f"saved {save(trainer)}")
-    accuracy = _task_accuracy(trainer)
-    if accuracy is not None and records:
-        records[-1]["eval_accuracy"] = accuracy
-        _log0(f"addition accuracy after training: {accuracy:.1%} (greedy, 200 freshly drawn problems)")
+    if records and "eval_accuracy" in records[-1]:
+        _log0(
+            f"addition accuracy after training: {records[-1]['eval_accuracy']:.1%} "
+            "(greedy, 200 freshly drawn problems)"
+        )
     return records
 
 
@@ -185,6 +189,8 @@ def _format(r: dict[str, Any], total: int) -> str:
     parts = [f"step {r['step']:>5}/{total}", f"loss {r['loss']:.4f}"]
     if "eval_loss" in r:
         parts.append(f"eval_loss {r['eval_loss']:.4f}")
+    if "eval_accuracy" in r:
+        parts.append(f"eval_acc {r['eval_accuracy']:.1%}")
     parts += [f"lr {r['lr']:.2e}", f"grad_norm {r['grad_norm']:.3f}"]
     if "tokens_per_s" in r:
         parts.append(f"{r['tokens_per_s']:.0f} tok/s")
