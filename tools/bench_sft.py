@@ -108,53 +108,30 @@ def _initial_weights(cfg) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _timed(step, n_warmup: int, n_steps: int, sync=None) -> tuple[list[float], list[float]]:
-    times, losses = [], []
-    for i in range(n_warmup + n_steps):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        loss = step()
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        if i >= n_warmup:
-            times.append(dt)
-    return times, losses
-
-
-def worker_mcore(cfg, args) -> dict[str, Any]:
-    import torch
+def build_mcore(cfg, weights: dict):
+    """The real trainer (`build_trainer`) with `weights` (megatron global names) loaded; returns
+    (step function returning the loss, teardown)."""
     import torch.distributed as dist
 
-    import megatron.core.pipeline_parallel  # noqa: F401  (imported before the baseline)
-    from mcore_rl.hf.weight_map import hf_to_megatron, load_full_state_dict
-    from mcore_rl.models import builder  # noqa: F401
+    from mcore_rl.hf.weight_map import load_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train.sft import build_trainer, train_step
 
-    weights = hf_to_megatron(_initial_weights(cfg), cfg.model)
-    before = _rss_baseline()
     trainer = build_trainer(cfg)
     load_full_state_dict(trainer.chunks, weights)
     trainer.optimizer.reload_model_params()
-    times, losses = _timed(lambda: train_step(trainer)["loss"], args.warmup, args.steps, dist.barrier)
-    growth_kib = _maxrss_kib() - before
-    world = dist.get_world_size()
-    growths = [None] * world
-    dist.all_gather_object(growths, growth_kib)
-    times_t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(times_t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    rank = dist.get_rank()
-    setup.destroy()
-    if rank != 0:
-        return {}
-    return {"times": times_t.tolist(), "losses": losses, "peak_mib": sum(growths) / 1024,
-            "peak_mib_per_rank": [g / 1024 for g in growths], "world": world}
+
+    def step() -> float:
+        if dist.get_world_size() > 1:
+            dist.barrier()  # time whole-job steps: every rank starts together
+        return train_step(trainer)["loss"]
+
+    return step, setup.destroy
 
 
-def worker_reference(cfg, args) -> dict[str, Any]:
-    import torch
-
+def build_reference(cfg, weights: dict):
+    """`Qwen3ReferenceForCausalLM` with `weights` (HF names), the same batch stream as `build_trainer`
+    on one rank and the same optimizer wrapper; returns the step function (returning the loss)."""
     from mcore_rl.config import validate_sft_config
     from mcore_rl.data.sft import SFTBatches, build_sft_rows
     from mcore_rl.data.tokenizer import load_tokenizer
@@ -162,11 +139,7 @@ def worker_reference(cfg, args) -> dict[str, Any]:
     from mcore_rl.train.optimizer import build_optimizer
     from mcore_rl.train.sft import _split_eval_rows
 
-    weights = _initial_weights(cfg)
     sizes = validate_sft_config(cfg, 1)
-    before = _rss_baseline()
-
-    # Same rows and the same stream of batches as build_trainer on one rank (dp=1).
     rows = build_sft_rows(cfg.data, cfg.train.seq_length, load_tokenizer(cfg.data.tokenizer_path), cfg.train.seed)
     train_rows, _ = _split_eval_rows(rows, cfg, 1)
     batches = SFTBatches(train_rows, cfg.train.micro_batch_size, sizes.num_microbatches, 0, 1, cfg.train.seed)
@@ -178,7 +151,7 @@ def worker_reference(cfg, args) -> dict[str, Any]:
         model.train()
         optimizer.zero_grad()
         microbatches = next(batches)
-        total = sum(float(mb["loss_mask"].sum()) for mb in microbatches)
+        total = max(sum(float(mb["loss_mask"].sum()) for mb in microbatches), 1.0)
         loss_sum = 0.0
         for mb in microbatches:
             seg = mb["segment_ids"]
@@ -186,16 +159,82 @@ def worker_reference(cfg, args) -> dict[str, Any]:
             out = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
                         loss_mask=mb["loss_mask"], attention_mask=allowed)
             n = float(mb["loss_mask"].sum())
-            # megatron's objective: token-summed loss / global token count (+ MoE aux, per token)
-            ((out.loss * n + out.aux_loss * mb["tokens"].numel()) / max(total, 1.0)).backward()
+            # megatron's objective: token-summed loss over the global token count (+ MoE aux loss,
+            # weighted by the micro-batch's token count, as megatron-core scales it)
+            ((out.loss * n + out.aux_loss * mb["tokens"].numel()) / total).backward()
             loss_sum += float(out.loss.detach()) * n
         optimizer.step()
-        return loss_sum / max(total, 1.0)
+        return loss_sum / total
 
-    times, losses = _timed(step, args.warmup, args.steps)
-    growth_kib = _maxrss_kib() - before
-    return {"times": times, "losses": losses, "peak_mib": growth_kib / 1024,
-            "peak_mib_per_rank": [growth_kib / 1024], "world": 1}
+    return step
+
+
+def _imports_for_baseline() -> None:
+    """Import everything the variants use before the memory baseline, so no import counts as growth."""
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import mcore_rl.data.sft  # noqa: F401
+    import mcore_rl.models.builder  # noqa: F401
+    import mcore_rl.train.sft  # noqa: F401
+
+
+def worker_memory(cfg, args) -> dict[str, Any]:
+    """One variant alone in this process: peak-RSS growth over the baseline, and step times."""
+    import torch.distributed as dist
+
+    from mcore_rl.hf.weight_map import hf_to_megatron
+
+    _imports_for_baseline()
+    weights = _initial_weights(cfg)
+    if args.worker == "mcore":
+        weights = hf_to_megatron(weights, cfg.model)
+    before = _rss_baseline()
+    if args.worker == "mcore":
+        step, teardown = build_mcore(cfg, weights)
+    else:
+        step, teardown = build_reference(cfg, weights), None
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    growth = [(_maxrss_kib() - before) / 1024]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        import torch
+
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, growth[0])
+        growth = everyone
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank is done
+        times = t.tolist()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if teardown:
+        teardown()
+    if rank != 0:
+        return {}
+    return {"times": {args.worker: times}, "losses": {args.worker: losses}, "peak_mib": sum(growth),
+            "peak_mib_per_rank": growth, "world": len(growth)}
+
+
+def worker_pair(cfg, args) -> dict[str, Any]:
+    """Both single-rank variants in this process, stepped alternately (their order swapping every
+    step), so that load from other processes hits them alike: step times only."""
+    from mcore_rl.hf.weight_map import hf_to_megatron
+
+    weights = _initial_weights(cfg)
+    mcore_step, teardown = build_mcore(cfg, hf_to_megatron(weights, cfg.model))
+    steps = {"mcore": mcore_step, "reference": build_reference(cfg, weights)}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    losses: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(args.warmup + args.steps):
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            t0 = time.perf_counter()
+            losses[name].append(steps[name]())
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    teardown()
+    return {"times": times, "losses": losses}
 
 
 def run_worker(args) -> None:
@@ -209,10 +248,8 @@ def run_worker(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, args.threads // world))
     cfg = load_config(SFTConfig, args.config, args.overrides)
-    cfg.run_dir = tempfile.mkdtemp(prefix="bench_sft_")  # build_trainer writes nothing; just in case
-    cfg.checkpoint.load_dir = None
-    cfg.checkpoint.save_dir = None
-    result = (worker_mcore if args.worker == "mcore" else worker_reference)(cfg, args)
+    cfg.checkpoint.load_dir = None  # build_trainer must not resume; it writes nothing itself
+    result = (worker_pair if args.worker == "pair" else worker_memory)(cfg, args)
     if result:
         result["threads"] = torch.get_num_threads()
         with open(args.result_file, "w") as f:
@@ -224,11 +261,12 @@ def run_worker(args) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def launch(variant: str, tp: int, overrides: list[str], args, steps: int, warmup: int) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
+def launch(worker: str, tp: int, overrides: list[str], args, steps: int, warmup: int) -> dict[str, Any]:
+    """Run one worker subprocess (under torchrun when tp > 1) and return its JSON result."""
+    fd, result_file = tempfile.mkstemp(suffix=".json", prefix="bench_sft_")
+    os.close(fd)
     worker_args = [
-        os.path.abspath(__file__), "--worker", variant, "--config", args.config,
+        os.path.abspath(__file__), "--worker", worker, "--config", args.config,
         "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
         "--result-file", result_file, *overrides,
     ]
@@ -239,11 +277,13 @@ def launch(variant: str, tp: int, overrides: list[str], args, steps: int, warmup
     else:
         cmd = [sys.executable, *worker_args]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    env.pop("OMP_NUM_THREADS", None)  # threads are set explicitly (torchrun would force 1)
     try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         with open(result_file) as f:
             return json.load(f)
     finally:
@@ -277,7 +317,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of all variants")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="intra-op threads per row (split across ranks for TP=2)")
-    ap.add_argument("--worker", choices=["mcore", "reference"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["pair", "mcore", "reference"], help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -295,25 +335,35 @@ def main() -> None:
         summary, tokens_per_step = _summary(overrides, args.config)
         steps, warmup = STEPS.get(size, (10, 2))
         steps, warmup = args.steps or steps, args.warmup if args.warmup is not None else warmup
-        print(f"[{size}] {summary}; {steps} timed steps after {warmup} warmup per worker", flush=True)
-        variants = [("mcore", "mcore", 1), ("reference", "reference", 1)]
-        if size in args.tp2_sizes:
-            variants.append(("mcore TP=2", "mcore", 2))
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
-        for r in range(args.rounds):
-            for name, variant, tp in variants:
-                t0 = time.perf_counter()
-                runs[name].append(launch(variant, tp, overrides, args, steps, warmup))
-                print(f"  round {r + 1}: {name:11s} done in {time.perf_counter() - t0:5.1f} s", flush=True)
-        for name, results in runs.items():
-            times = [t for res in results for t in res["times"]]
-            table.append(dict(
-                size=size, variant=name,
-                tok_s=tokens_per_step / statistics.median(times), best=tokens_per_step / min(times),
-                peak=max(res["peak_mib"] for res in results),
-                loss1=results[0]["losses"][0], loss_last=results[0]["losses"][-1],
-                threads=results[0]["threads"], world=results[0]["world"],
-            ))
+        tp2 = size in args.tp2_sizes
+        print(f"[{size}] {summary}; {steps} timed steps after {warmup} warmup per worker and round", flush=True)
+
+        def timed(what: str, worker: str, tp: int, n: int, w: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            res = launch(worker, tp, overrides, args, n, w)
+            print(f"  {what:32s} {time.perf_counter() - t0:5.1f} s", flush=True)
+            return res
+
+        pairs, tps = [], []
+        for r in range(args.rounds):  # subprocess-level round robin: pair, TP=2, pair, TP=2, ...
+            pairs.append(timed(f"round {r + 1}: mcore+reference (speed)", "pair", 1, steps, warmup))
+            if tp2:
+                tps.append(timed(f"round {r + 1}: mcore TP=2 (speed, memory)", "mcore", 2, steps, warmup))
+        memory = {v: timed(f"{v} alone (memory)", v, 1, 2, 1) for v in ("mcore", "reference")}
+
+        rows = {
+            "mcore": ([t for p in pairs for t in p["times"]["mcore"]], memory["mcore"]["peak_mib"],
+                      pairs[0]["losses"]["mcore"], pairs[0]["threads"], 1),
+            "reference": ([t for p in pairs for t in p["times"]["reference"]], memory["reference"]["peak_mib"],
+                          pairs[0]["losses"]["reference"], pairs[0]["threads"], 1),
+        }
+        if tp2:
+            rows["mcore TP=2"] = ([t for p in tps for t in p["times"]["mcore"]], max(p["peak_mib"] for p in tps),
+                                  tps[0]["losses"]["mcore"], tps[0]["threads"], tps[0]["world"])
+        for name, (times, peak, losses, threads, world) in rows.items():
+            table.append(dict(size=size, variant=name, tok_s=tokens_per_step / statistics.median(times),
+                              best=tokens_per_step / min(times), peak=peak, loss1=losses[0],
+                              loss_last=losses[-1], threads=threads, world=world))
 
     print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); tokens/s = median (best) over all timed "
           "steps; peak MB = peak-RSS growth, summed over ranks; ratio = variant / reference")
