@@ -2,45 +2,51 @@
 
 Same config, same initial weights, same data batches, same optimizer wrapper; printed as ratios.
 
-    .venv/bin/python tools/bench_sft.py                      # demo + big size, TP=2 row for big (~3 min)
+    .venv/bin/python tools/bench_sft.py                      # demo + big size, TP=2 row for big (~2 min)
     .venv/bin/python tools/bench_sft.py --model-size demo --tp2-sizes   # demo only, no TP=2 row
-    .venv/bin/python tools/bench_sft.py --config configs/sft_demo.yaml train.micro_batch_size=16
+    .venv/bin/python tools/bench_sft.py --model-size big train.micro_batch_size=8 --rounds 3
 
-Variants (each run in its own subprocess, `--worker`, so that its memory is its own):
+Variants:
 
 * `mcore`     -- the real training step: `build_trainer` + `train_step` from `mcore_rl.train.sft`
   (megatron-core GPTModel in megatron-core DDP, its no-pipelining schedule, `ModelParallelAdamW`),
   one rank, fp32.
 * `reference` -- `Qwen3ReferenceForCausalLM` (mcore_rl.hf) with the same weights, trained on the same
-  micro-batches (`SFTBatches`, same seed) with its own forward: labels already aligned, `loss_mask`,
-  `position_ids` restarting per document and a block-diagonal `attention_mask` (True = may attend)
-  built from `segment_ids`. The loss is megatron's objective (token-summed over the global batch
-  divided by its token count, accumulated over micro-batches); the optimizer is the same wrapper,
-  `build_optimizer([model], ...)`, stepping `param.grad`.
-* `mcore TP=2` -- the `mcore` step on 2 ranks (torchrun, gloo, tensor_model_parallel_size=2); tokens/s
-  is for the whole job, peak MB is the sum over both ranks.
+  micro-batches (`SFTBatches`, same rows, same seed) with its own forward: labels already aligned,
+  `loss_mask`, `position_ids` restarting per document and a block-diagonal `attention_mask`
+  (True = may attend) built from `segment_ids`. The loss is megatron's objective (token-summed over
+  the global batch, divided by its token count, accumulated over micro-batches); the optimizer is the
+  same wrapper, `build_optimizer([model], ...)`, stepping `param.grad`.
+* `mcore TP=2` -- the `mcore` step on 2 ranks (torchrun, gloo, tensor_model_parallel_size=2);
+  tokens/s is for the whole job, peak MB is the sum over both ranks.
 
-Both single-rank variants get `--threads` intra-op threads (default: all cores); the TP=2 ranks get
-`threads // 2` each, so every row uses the same cores. Initial weights come from the reference model's
-init (seeded), loaded into the megatron model through `mcore_rl.hf.weight_map`; the first-step losses
-of all variants are printed so the "same model, same data" claim is checked on every run.
+Initial weights come from the reference model's seeded init, loaded into the megatron model through
+`mcore_rl.hf.weight_map`. The losses of the first and last step of every variant are printed, so
+"same model, same data, same updates" is checked on every run.
+
+Every rank runs `--threads` intra-op threads (default 1): on a shared 2-core machine, more threads
+than free cores make every OpenMP barrier wait for a descheduled thread (measured while another job
+was compiling: the demo reference step went from 13 ms at 1 thread to 1.3 s at 2). So the single-rank
+rows use one core and the TP=2 row two; `tok/s/core` divides by ranks x threads.
 
 Throughput: processed tokens per step (global_batch_size x seq_length, padding included) over the
-wall time of one full step (forward, backward, optimizer), after `--warmup` steps; the median and the
-best of `--steps` steps pooled over `--rounds` rounds. Rounds run the variants round-robin (mcore,
-reference, TP=2, mcore, ...), so load from other processes on a shared machine hits them alike.
+wall time of one full step (forward, backward, optimizer step), after `--warmup` untimed steps; the
+median and the best of all timed steps. `mcore` and `reference` are timed in one subprocess that
+alternates their steps (swapping the order every step), so load from other processes on a shared
+machine hits both alike; the TP=2 job runs in between (pair, TP=2, pair, TP=2 for `--rounds 2`).
 
-Peak memory: growth of the process's peak RSS over a baseline taken after all imports (and after the
-initial weights, held by every variant, were generated) and before the model, data and optimizer are
-built, measured after the last step: `resource.getrusage(RUSAGE_SELF).ru_maxrss` after minus before.
-On Linux the baseline first resets the high-water mark to the current RSS (`echo 5 >
-/proc/self/clear_refs`), so a transient peak during imports does not hide growth; without that file the
-plain before/after difference is used (and can under-count). Limits: RSS counts what the allocator
-holds, not what tensors use -- freed blocks glibc keeps, fragmentation, code pages of kernels touched
-for the first time (oneDNN/MKL) and Python objects all count, and memory freed before the baseline can
-be reused without raising the peak. It includes params, grads (megatron keeps a persistent fp32
-`main_grad` buffer), Adam state, activations and the (small) tokenised data set. The maximum over
-rounds is reported.
+Peak memory: each variant runs alone in its own subprocess (`--worker mcore|reference`, 1 warmup + 2
+steps; the TP=2 job's own runs for that row). Reported: the growth of the process's peak RSS,
+`resource.getrusage(RUSAGE_SELF).ru_maxrss` after the last step minus before, with "before" taken
+after all imports (and after the initial weights, which every variant holds, were generated) and
+before the data, model and optimizer are built. On Linux the baseline first resets the high-water
+mark to the current RSS (`echo 5 > /proc/self/clear_refs`), so a transient peak during imports does
+not hide growth; where that file is missing the plain difference is used and can under-count.
+Limits: RSS measures what the process holds, not what tensors need -- allocator caching and
+fragmentation, code pages of kernels touched for the first time (oneDNN/MKL), Python objects (the
+tokenised data set) all count, and memory freed before the baseline but kept by the allocator is
+reused without raising RSS. It includes params, grads (megatron keeps a persistent fp32 `main_grad`
+buffer), Adam state and activations; the maximum over rounds is reported (TP=2).
 """
 
 from __future__ import annotations
@@ -245,8 +251,7 @@ def run_worker(args) -> None:
 
     from mcore_rl.config import SFTConfig, load_config
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, args.threads // world))
+    torch.set_num_threads(args.threads)
     cfg = load_config(SFTConfig, args.config, args.overrides)
     cfg.checkpoint.load_dir = None  # build_trainer must not resume; it writes nothing itself
     result = (worker_pair if args.worker == "pair" else worker_memory)(cfg, args)
@@ -315,8 +320,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per worker (default: per size)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per worker (default: per size)")
     ap.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of all variants")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="intra-op threads per row (split across ranks for TP=2)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--worker", choices=["pair", "mcore", "reference"], help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -327,7 +331,7 @@ def main() -> None:
     import platform
 
     print(f"bench_sft: {args.config} {' '.join(args.overrides)}; {args.rounds} rounds; "
-          f"{args.threads} threads per row; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+          f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     t_start = time.perf_counter()
     table = []
     for size in args.model_size:
@@ -368,14 +372,14 @@ def main() -> None:
     print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); tokens/s = median (best) over all timed "
           "steps; peak MB = peak-RSS growth, summed over ranks; ratio = variant / reference")
     header = (f"{'size':5s} {'variant':11s} {'ranks x thr':>11s} {'tokens/s':>9s} {'(best)':>8s} {'peak MB':>8s} "
-              f"{'tok/s ratio':>11s} {'MB ratio':>8s} {'loss step1':>11s} {'loss last':>10s}")
+              f"{'tok/s/core':>10s} {'tok/s ratio':>11s} {'MB ratio':>8s} {'loss step1':>11s} {'loss last':>10s}")
     print(header)
     print("-" * len(header))
     for row in table:
         ref = next(x for x in table if x["size"] == row["size"] and x["variant"] == "reference")
         print(f"{row['size']:5s} {row['variant']:11s} {str(row['world']) + ' x ' + str(row['threads']):>11s} "
               f"{row['tok_s']:9.0f} {'(' + format(row['best'], '.0f') + ')':>8s} {row['peak']:8.1f} "
-              f"{row['tok_s'] / ref['tok_s']:10.2f}x {row['peak'] / ref['peak']:7.2f}x "
+              f"{row['tok_s'] / (row['world'] * row['threads']):10.0f} {row['tok_s'] / ref['tok_s']:10.2f}x {row['peak'] / ref['peak']:7.2f}x "
               f"{row['loss1']:11.6f} {row['loss_last']:10.6f}")
 
 
