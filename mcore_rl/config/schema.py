@@ -12,6 +12,16 @@ from typing import Literal, Optional
 
 
 @dataclass
+class NgramEmbeddingConfig:
+    """Over-Encoding (OverTok, seed_B.md): hashed n-gram input embeddings added to the 1-gram one."""
+
+    orders: list[int] = field(default_factory=list)  # e.g. [2, 3]; empty = off
+    table_size: int = 0  # rows m per order (hashed ids mod m); gcd(m, vocab) != 1 warns
+    num_slices: int = 1  # k slices per order, each with its own projection to hidden_size
+    shard_over_data_parallel: bool = False  # also split table rows across data-parallel ranks
+
+
+@dataclass
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
 
@@ -37,6 +47,13 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (Qwen3-MoE default)
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    # LatentMoE (seed_C.md): routed experts work in a latent space of this size (W_down d->l,
+    # experts in l, W_up l->d); None = ordinary MoE. Router and shared experts stay full width.
+    moe_latent_size: Optional[int] = None
+    # AttnRes (seed_C.md): attention over depth instead of residual sums.
+    attn_res: Literal["none", "full", "block"] = "none"
+    attn_res_num_blocks: int = 8  # N for the Block variant
+    ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
 
     @property
     def head_dim(self) -> int:
