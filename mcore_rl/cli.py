@@ -1,6 +1,9 @@
 """The `mcore-rl` command.
 
     mcore-rl sft [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
+    mcore-rl serve [SGLang launch flags: --model-path, --port, --quantization fp8, ...]
+    mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
+    mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 so a typo costs a second, not a cluster allocation. With `--nproc-per-node N > 1` outside torchrun,
@@ -51,6 +54,78 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from mcore_rl.config import ConfigError
+    from mcore_rl.hf import convert
+
+    try:
+        _, world = convert.plan(args)  # fails fast, before any worker starts
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"mcore-rl convert {args.direction}: {err}", file=sys.stderr)
+        return 2
+    if world > 1 and not _launched():
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "mcore_rl.cli", *args.argv,
+        ]
+        return subprocess.call(command)
+    return convert.run(args)
+
+
+def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    convert = sub.add_parser("convert", help="Hugging Face <-> megatron-core checkpoint conversion")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    for name, help_text in [
+        ("hf-to-mcore", "HF checkpoint dir (Qwen3, Qwen3-MoE, Llama) -> megatron dist-checkpoint (model only)"),
+        ("mcore-to-hf", "megatron dist-checkpoint -> HF checkpoint dir (stock class, or remote code)"),
+    ]:
+        p = directions.add_parser(name, help=help_text)
+        p.add_argument("--input", required=True, help="source directory")
+        p.add_argument("--output", required=True, help="target directory")
+        p.add_argument("--tp", type=int, default=1, help="tensor parallel size to convert in")
+        p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to convert in")
+        p.add_argument("--ep", type=int, default=1, help="expert parallel size to convert in")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+        p.add_argument("--nproc-per-node", type=int, default=None,
+                       help="ranks to launch (default: the fewest the layout needs)")
+        p.set_defaults(func=cmd_convert)
+        if name == "hf-to-mcore":
+            p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                           help="dtype of the stored megatron weights (fp32 holds bf16 sources exactly)")
+        else:
+            p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                           help="HF weight dtype (auto: the converted source's, else as stored)")
+            p.add_argument("--config", default=None,
+                           help="recipe with the model config, for checkpoints that do not record it")
+            p.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. model.num_layers=4")
+            p.add_argument("--tokenizer", default=None,
+                           help="directory whose tokenizer files to copy (default: the checkpoint's hf_assets/)")
+            p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB)")
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
+    import logging
+
+    from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
+
+    try:
+        args = parse_server_args(argv)
+    except LaunchFlagError as err:
+        print(f"mcore-rl serve: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mcore_rl.rollout.server import build_server, run_server
+
+    try:
+        server = build_server(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"mcore-rl serve: {err}", file=sys.stderr)
+        return 2
+    run_server(server, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,18 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=50")
     sft.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     sft.set_defaults(func=cmd_sft)
+    _add_convert_parser(sub)
+    # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
+    sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return cmd_serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     # `mcore-rl sft train.x=1` has no recipe: a first positional containing "=" is an override.
     if getattr(args, "recipe", None) and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.recipe)
         args.recipe = None
+    args.argv = argv  # `convert` relaunches itself under torchrun with the same arguments
     return args.func(args)
 
 

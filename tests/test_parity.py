@@ -70,7 +70,8 @@ def _reference(mc: ModelConfig, batches: list[dict[str, torch.Tensor]]):
     return float(lm_sum) / total_tokens, state, grads
 
 
-def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref) -> str:
+def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: str = "none", after=None) -> str:
+    """`after(chunks)`, if given, runs once the checks passed (further checks on the same model)."""
     from megatron.core import parallel_state as ps
 
     from mcore_rl.hf.weight_map import gather_full_state_dict, hf_to_megatron, load_full_state_dict
@@ -81,7 +82,7 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref) -> str:
     ref_loss, ref_state, ref_grads = ref
     layout = init_model_parallel(pc)
     set_seed(1)
-    config = transformer_config(mc, pc)
+    config = transformer_config(mc, pc, recompute=recompute)
     chunks = build_model(mc, pc, config=config)
     load_full_state_dict(chunks, hf_to_megatron(ref_state, mc))
     chunks = wrap_ddp(chunks, config)
@@ -102,6 +103,8 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref) -> str:
         torch.testing.assert_close(
             got, want.float(), rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}"
         )
+    if after is not None:
+        after(chunks)
     return name
 
 

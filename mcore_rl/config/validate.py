@@ -8,6 +8,7 @@ MoE layer, the interleaved pipeline schedule). All violated rules are reported t
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ def validate_sft_config(cfg: SFTConfig, world_size: int) -> DerivedSizes:
         ("model.kv_channels", m.kv_channels),
         ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
         ("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+        ("model.moe_latent_size", m.moe_latent_size),
     ]:
         need(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
     sizes_ok &= need(vpp is None or vpp >= 1, "parallel.virtual_pipeline_model_parallel_size",
@@ -121,6 +123,12 @@ def validate_sft_config(cfg: SFTConfig, world_size: int) -> DerivedSizes:
              f"is {m.num_experts} but arch is {m.arch!r}; set model.arch=qwen3_moe for an MoE model")
         need(ep == 1, "parallel.expert_model_parallel_size",
              f"is {ep} but expert parallelism needs model.arch=qwen3_moe (arch is {m.arch!r})")
+    if m.moe_latent_size is not None:  # LatentMoE: l = d / alpha, alpha >= 1
+        need(m.is_moe, "model.moe_latent_size",
+             f"is {m.moe_latent_size} but LatentMoE needs model.arch=qwen3_moe (arch is {m.arch!r})")
+        need(m.moe_latent_size <= m.hidden_size, "model.moe_latent_size",
+             f"{m.moe_latent_size} exceeds hidden_size {m.hidden_size} (the latent size is "
+             "hidden_size / alpha with alpha >= 1)")
     expert_mp = etp * ep * pp
     edp = 0
     if need(world_size % expert_mp == 0, "parallel.expert_model_parallel_size",
@@ -136,6 +144,41 @@ def validate_sft_config(cfg: SFTConfig, world_size: int) -> DerivedSizes:
              f"is {vpp} but needs pipeline_model_parallel_size > 1 (got {pp})")
         need(m.num_layers % (pp * vpp) == 0, "model.num_layers",
              f"{m.num_layers} layers are not divisible by pipeline ({pp}) x virtual pipeline ({vpp}) = {pp * vpp}")
+
+    # --- AttnRes: N blocks over 2 x num_layers sublayers (attention and MLP each count) ---
+    if m.attn_res == "block":
+        need(1 <= m.attn_res_num_blocks <= 2 * m.num_layers, "model.attn_res_num_blocks",
+             f"must be in [1, 2 x num_layers = {2 * m.num_layers}] (blocks of sublayers; "
+             f"{2 * m.num_layers} is Full AttnRes), got {m.attn_res_num_blocks}")
+
+    # --- Over-Encoding n-gram embeddings (mcore_rl/hf/ngram.py, mcore_rl/models/ngram_embedding.py) ---
+    ng = m.ngram
+    if ng.orders:
+        need(all(n >= 2 for n in ng.orders) and len(set(ng.orders)) == len(ng.orders), "model.ngram.orders",
+             f"must be distinct n-gram orders >= 2 (the 1-gram table is always there), got {ng.orders}")
+        need(ng.num_slices >= 1, "model.ngram.num_slices", f"must be >= 1, got {ng.num_slices}")
+        if ng.num_slices >= 1 and ng.orders:
+            need(m.hidden_size >= max(ng.orders) * ng.num_slices, "model.ngram.num_slices",
+                 f"slices of the order-n table are hidden_size // (n x num_slices) wide: hidden_size "
+                 f"{m.hidden_size} is too small for order {max(ng.orders)} with {ng.num_slices} slices")
+        if need(1 <= ng.table_size < 2**31, "model.ngram.table_size",
+                f"must be in [1, 2^31) when model.ngram.orders is set, got {ng.table_size}"):
+            g = math.gcd(ng.table_size, m.vocab_size)
+            if g != 1:
+                warnings.warn(f"model.ngram.table_size={ng.table_size} shares the factor {g} with "
+                              f"model.vocab_size={m.vocab_size}: hashed n-gram ids collide systematically; "
+                              "use a table size coprime with the vocabulary (e.g. a prime)", stacklevel=2)
+            rows = -(-ng.table_size // 128) * 128  # megatron pads table rows to a multiple of 128
+            shards = tp * (dp if ng.shard_over_data_parallel else 1)
+            if shards:
+                need(rows % shards == 0, "model.ngram.shard_over_data_parallel" if ng.shard_over_data_parallel
+                     else "parallel.tensor_model_parallel_size",
+                     f"the n-gram tables ({rows} rows: table_size rounded up to a multiple of 128) are "
+                     f"not divisible into {shards} row shards (tensor parallel {tp}"
+                     + (f" x data parallel {dp})" if ng.shard_over_data_parallel else ")"))
+        need(cp == 1, "parallel.context_parallel_size",
+             f"is {cp} but n-gram embeddings (model.ngram.orders) need the tokens before each chunk; "
+             "context parallelism is not supported with them")
 
     # --- batch sizes ---
     num_microbatches = 0

@@ -14,11 +14,17 @@ from typing import TYPE_CHECKING, Any, Optional
 from transformers import PretrainedConfig
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
-    from mcore_rl.config.schema import ModelConfig
+    try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
+        from mcore_rl.config.schema import ModelConfig
+    except ImportError:
+        pass
 
 
 class McoreRLQwen3Config(PretrainedConfig):
-    """Dense Qwen3 (`num_experts == 0`) or Qwen3-MoE (`num_experts > 0`), HF field names."""
+    """Dense Qwen3 (`num_experts == 0`) or Qwen3-MoE (`num_experts > 0`), HF field names.
+
+    `use_qk_norm=False` drops the per-head QK RMSNorm (Llama-style attention).
+    """
 
     model_type = "mcore_rl_qwen3"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -45,6 +51,13 @@ class McoreRLQwen3Config(PretrainedConfig):
         norm_topk_prob: bool = True,
         shared_expert_intermediate_size: Optional[int] = 0,
         router_aux_loss_coef: float = 0.0,
+        use_qk_norm: bool = True,
+        moe_latent_size: Optional[int] = None,
+        attn_res: str = "none",
+        attn_res_num_blocks: int = 8,
+        ngram_orders: Optional[list[int]] = None,
+        ngram_table_size: int = 0,
+        ngram_num_slices: int = 1,
         use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -69,6 +82,24 @@ class McoreRLQwen3Config(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.shared_expert_intermediate_size = shared_expert_intermediate_size or 0
         self.router_aux_loss_coef = router_aux_loss_coef
+        self.use_qk_norm = use_qk_norm
+        # LatentMoE (latent_moe.py): routed experts in this latent size; None = ordinary MoE.
+        self.moe_latent_size = (moe_latent_size or None) if num_experts else None
+        # AttnRes (attn_res.py): "none" | "full" | "block" (N = attn_res_num_blocks over 2 x layers sublayers)
+        if attn_res not in ("none", "full", "block"):
+            raise ValueError(f"attn_res={attn_res!r}: expected 'none', 'full' or 'block'")
+        if attn_res == "block" and not 1 <= attn_res_num_blocks <= 2 * num_hidden_layers:
+            raise ValueError(f"attn_res_num_blocks={attn_res_num_blocks}: must be in [1, 2 x num_hidden_layers]")
+        self.attn_res = attn_res
+        self.attn_res_num_blocks = attn_res_num_blocks
+        # Over-Encoding (ngram.py): hashed n-gram input embeddings of these orders; [] = off.
+        self.ngram_orders = [int(n) for n in (ngram_orders or [])]
+        if self.ngram_orders and (min(self.ngram_orders) < 2 or not 1 <= ngram_table_size < 2**31
+                                  or ngram_num_slices < 1):
+            raise ValueError(f"ngram_orders={self.ngram_orders} need orders >= 2, 1 <= ngram_table_size "
+                             f"< 2^31 (got {ngram_table_size}) and ngram_num_slices >= 1 (got {ngram_num_slices})")
+        self.ngram_table_size = ngram_table_size
+        self.ngram_num_slices = ngram_num_slices
         self.use_cache = use_cache
         # Passed through kwargs: transformers 4.x resets tie_word_embeddings in its own __init__.
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -87,8 +118,6 @@ class McoreRLQwen3Config(PretrainedConfig):
 
 def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
     """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
-    if not mc.qk_layernorm:
-        raise ValueError("model.qk_layernorm=False: the Qwen3 reference model always has QK-norm")
     moe = mc.is_moe
     return McoreRLQwen3Config(
         vocab_size=mc.vocab_size,
@@ -109,12 +138,23 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         norm_topk_prob=mc.moe_norm_topk_prob,
         shared_expert_intermediate_size=(mc.moe_shared_expert_intermediate_size or 0) if moe else 0,
         router_aux_loss_coef=mc.moe_aux_loss_coeff if moe else 0.0,
+        use_qk_norm=mc.qk_layernorm,
+        moe_latent_size=mc.moe_latent_size if moe else None,
+        attn_res=mc.attn_res,
+        attn_res_num_blocks=mc.attn_res_num_blocks,
+        ngram_orders=list(mc.ngram.orders),
+        ngram_table_size=mc.ngram.table_size,
+        ngram_num_slices=mc.ngram.num_slices,
     )
 
 
 def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
-    """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`)."""
-    from mcore_rl.config.schema import ModelConfig
+    """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
+    `LlamaConfig`). `mcore_rl.hf.convert.model_config_from_hf` also rejects what it cannot map."""
+    try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
+        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+    except ImportError as err:
+        raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
     num_experts = getattr(hf, "num_experts", 0) or 0
     heads = hf.num_attention_heads
@@ -134,7 +174,8 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
         rotary_base=float(rope_theta),
         max_position_embeddings=hf.max_position_embeddings,
         norm_epsilon=hf.rms_norm_eps,
-        qk_layernorm=True,
+        # Llama has no QK-norm; our config says so explicitly; stock Qwen3 / Qwen3-MoE always have it.
+        qk_layernorm=bool(getattr(hf, "use_qk_norm", getattr(hf, "model_type", None) != "llama")),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         init_method_std=getattr(hf, "initializer_range", 0.02),
         num_experts=num_experts,
@@ -145,16 +186,30 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
         ),
         moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0) if num_experts else 0.0,
         moe_norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if num_experts else True,
+        moe_latent_size=(getattr(hf, "moe_latent_size", None) or None) if num_experts else None,
+        attn_res=getattr(hf, "attn_res", "none"),
+        attn_res_num_blocks=getattr(hf, "attn_res_num_blocks", 8),
+        # shard_over_data_parallel is a training layout choice, not part of the HF model
+        ngram=NgramEmbeddingConfig(
+            orders=list(getattr(hf, "ngram_orders", None) or []),
+            table_size=getattr(hf, "ngram_table_size", 0) or 0,
+            num_slices=getattr(hf, "ngram_num_slices", 1) or 1,
+        ),
     )
 
 
 def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
-    """A stock `transformers.Qwen3Config` (dense) or `Qwen3MoeConfig` (MoE) with the same model.
+    """A stock `transformers.Qwen3Config` (dense), `Qwen3MoeConfig` (MoE) or, without QK-norm,
+    `LlamaConfig` (dense) with the same model.
 
     Stock Qwen3-MoE has no shared expert, so a config with one has no stock equivalent.
     """
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+    if getattr(cfg, "attn_res", "none") != "none":
+        raise ValueError("AttnRes (attn_res) has no stock transformers equivalent")
+    if getattr(cfg, "ngram_orders", None):
+        raise ValueError("Over-Encoding n-gram embeddings (ngram_orders) have no stock transformers equivalent")
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -172,10 +227,17 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
         attention_bias=cfg.attention_bias,
         use_sliding_window=False,
     )
+    if not getattr(cfg, "use_qk_norm", True):
+        if cfg.is_moe:
+            raise ValueError("MoE without QK-norm has no stock transformers equivalent")
+        del common["use_sliding_window"]
+        return LlamaConfig(**common, mlp_bias=False)
     if not cfg.is_moe:
         return Qwen3Config(**common)
     if cfg.shared_expert_intermediate_size:
         raise ValueError("stock Qwen3-MoE has no shared expert; this config has no stock equivalent")
+    if getattr(cfg, "moe_latent_size", None):
+        raise ValueError("LatentMoE (moe_latent_size) has no stock transformers equivalent")
     return Qwen3MoeConfig(
         **common,
         num_experts=cfg.num_experts,

@@ -13,6 +13,12 @@ Parameter names are exactly those of stock HF Qwen3 / Qwen3-MoE *checkpoints*::
     MoE:   model.layers.{i}.mlp.gate.weight                          (router, [E, hidden])
            model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight
            model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight  (optional; not in stock Qwen3-MoE)
+    LatentMoE (latent_moe.py): + model.layers.{i}.mlp.fc1_latent_proj.weight [l, hidden] (W_down),
+           model.layers.{i}.mlp.fc2_latent_proj.weight [hidden, l] (W_up); experts work in l
+    AttnRes (attn_res.py): + model.layers.{i}.{attn_res,mlp_res}.{query,norm.weight} and
+           model.final_res.{query,norm.weight} (pseudo-query and key norm of each depth mix)
+    Over-Encoding (ngram.py): + model.ngram_embeddings.tables.{n}.{i}.weight [m, w_n] and
+           model.ngram_embeddings.projections.{n}.{i}.weight [hidden, w_n] (order n, slice i)
 
 Stock `transformers>=5` `Qwen3MoeForCausalLM` keeps experts *fused* in its `state_dict`
 (`mlp.experts.gate_up_proj` [E, 2*I, H] = per expert cat(gate, up) on dim 0, and
@@ -46,7 +52,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .attn_res import AttnResMixer, attn_res_decoder_forward
 from .configuration import McoreRLQwen3Config
+from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
 
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
@@ -122,7 +130,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Qwen3ReferenceAttention(nn.Module):
-    """GQA self-attention with per-head QK RMSNorm applied before RoPE."""
+    """GQA self-attention with per-head QK RMSNorm applied before RoPE (none if not `use_qk_norm`)."""
 
     def __init__(self, config: McoreRLQwen3Config) -> None:
         super().__init__()
@@ -136,8 +144,11 @@ class Qwen3ReferenceAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.q_norm = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+        if getattr(config, "use_qk_norm", True):
+            self.q_norm: nn.Module = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: nn.Module = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+        else:  # Llama-style attention: no QK-norm (and no parameters for it)
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(
         self,
@@ -259,12 +270,19 @@ class Qwen3ReferenceDecoderLayer(nn.Module):
     def __init__(self, config: McoreRLQwen3Config) -> None:
         super().__init__()
         self.self_attn = Qwen3ReferenceAttention(config)
-        if config.num_experts > 0:
-            self.mlp: nn.Module = Qwen3ReferenceSparseMoeBlock(config)
+        if config.num_experts > 0 and getattr(config, "moe_latent_size", None):
+            from .latent_moe import Qwen3ReferenceLatentMoeBlock  # imports this module: import here
+
+            self.mlp: nn.Module = Qwen3ReferenceLatentMoeBlock(config)
+        elif config.num_experts > 0:
+            self.mlp = Qwen3ReferenceSparseMoeBlock(config)
         else:
             self.mlp = Qwen3ReferenceMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if getattr(config, "attn_res", "none") != "none":  # AttnRes: depth mixers (attn_res.py)
+            self.attn_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -315,6 +333,8 @@ class Qwen3ReferencePreTrainedModel(PreTrainedModel):
                 _init.zeros_(module.bias)
         elif isinstance(module, Qwen3ReferenceRMSNorm):
             _init.ones_(module.weight)
+        elif isinstance(module, AttnResMixer):  # zero pseudo-queries: uniform depth weights
+            _init.zeros_(module.query)
 
 
 class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
@@ -323,10 +343,15 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
     def __init__(self, config: McoreRLQwen3Config) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Over-Encoding (ngram.py): hashed n-gram embeddings added to embed_tokens; None = off.
+        orders = getattr(config, "ngram_orders", None)
+        self.ngram_embeddings = McoreRLNgramEmbeddings(config) if orders else None
         self.layers = nn.ModuleList(
             Qwen3ReferenceDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn_res = getattr(config, "attn_res", "none") != "none"  # AttnRes: the output's depth mix
+        self.final_res = AttnResMixer(config.hidden_size, config.rms_norm_eps) if attn_res else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -334,6 +359,19 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        ngram_context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Input embeddings: `embed_tokens`, plus the n-gram embeddings with Over-Encoding (which
+        need the positions and, when decoding, the preceding tokens `ngram_context`, see ngram.py)."""
+        x = self.embed_tokens(input_ids)
+        if self.ngram_embeddings is not None:
+            x = x + self.ngram_embeddings(input_ids, position_ids, ngram_context).to(x.dtype)
+        return x
 
     def forward(
         self,
@@ -343,23 +381,33 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
         use_cache: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
+        ngram_context: Optional[torch.Tensor] = None,
     ) -> Qwen3ReferenceModelOutput:
-        """`cache` is an alias of `past_key_values` (the transformers>=5 name)."""
+        """`cache` is an alias of `past_key_values` (the transformers>=5 name). `ngram_context`
+        ([b, c] tokens before `input_ids`, -1 = none) overrides the one the cache carries."""
         past_key_values = past_key_values if past_key_values is not None else cache
         b, s = input_ids.shape
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + s, device=input_ids.device).expand(b, s)
-        x = self.embed_tokens(input_ids)
+        if ngram_context is None:
+            ngram_context = getattr(past_key_values, "ngram_context", None)
+        x = self.embed(input_ids, position_ids, ngram_context)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device)
         presents: KVCache = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
-        for i, layer in enumerate(self.layers):
-            x, present, aux = layer(x, cos, sin, allowed, past_key_values[i] if past_key_values else None)
-            presents.append(present)
-            if aux is not None:
-                aux_loss = aux_loss + aux
+        if self.final_res is not None:  # AttnRes: attention over depth instead of residual sums
+            x, presents, aux_loss = attn_res_decoder_forward(self, x, cos, sin, allowed, past_key_values)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, present, aux = layer(x, cos, sin, allowed, past_key_values[i] if past_key_values else None)
+                presents.append(present)
+                if aux is not None:
+                    aux_loss = aux_loss + aux
+        if use_cache and self.ngram_embeddings is not None:  # the cache keeps the last n-1 tokens
+            size = self.ngram_embeddings.context_size
+            presents = NgramKVCache(presents, next_ngram_context(ngram_context, input_ids, size))
         return Qwen3ReferenceModelOutput(
             last_hidden_state=self.norm(x), cache=presents if use_cache else None, aux_loss=aux_loss
         )
@@ -406,13 +454,17 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel):
         use_cache: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
+        ngram_context: Optional[torch.Tensor] = None,
     ) -> Qwen3ReferenceCausalLMOutput:
         """Logits [b, s, vocab]; `loss` when labels are given (labels[t] = target of position t).
 
-        `cache` is an alias of `past_key_values` (the transformers>=5 name).
+        `cache` is an alias of `past_key_values` (the transformers>=5 name); `ngram_context`: see
+        `Qwen3ReferenceModel.forward`.
         """
         past_key_values = past_key_values if past_key_values is not None else cache
-        out = self.model(input_ids, position_ids, past_key_values, use_cache, attention_mask)
+        out = self.model(
+            input_ids, position_ids, past_key_values, use_cache, attention_mask, ngram_context=ngram_context
+        )
         logits = self.lm_head(out.last_hidden_state)
         loss = None
         if labels is not None:

@@ -20,9 +20,14 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.hf.ngram import padded_table_rows
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+# AttnRes depth mixers per layer (pseudo-query [d], key norm [d]): replicated, same name on both sides
+_ATTN_RES_LAYER = ("attn_res.query", "attn_res.norm.weight", "mlp_res.query", "mlp_res.norm.weight")
+_ATTN_RES_TOP = ("decoder.final_res.query", "decoder.final_res.norm.weight")
 
 # megatron suffix within a layer -> HF suffix within a layer (one-to-one tensors)
 _LAYER_DIRECT = {
@@ -36,11 +41,17 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    # LatentMoE W_down [l, d] / W_up [d, l]: duplicated on TP ranks, same name on both sides
+    "mlp.fc1_latent_proj.weight": "mlp.fc1_latent_proj.weight",
+    "mlp.fc2_latent_proj.weight": "mlp.fc2_latent_proj.weight",
+    **{name: name for name in _ATTN_RES_LAYER},
 }
 _TOP_DIRECT = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
+    "decoder.final_res.query": "model.final_res.query",  # AttnRes output depth mix
+    "decoder.final_res.norm.weight": "model.final_res.norm.weight",
 }
 
 
@@ -51,6 +62,8 @@ _TOP_DIRECT = {
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for one full megatron tensor with a global name."""
+    if name.startswith("embedding.ngram."):
+        return _ngram_megatron_to_hf(name, tensor, mc)
     if name in _TOP_DIRECT:
         if name == "output_layer.weight" and mc.tie_word_embeddings:
             return []
@@ -98,8 +111,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     }
     if not mc.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
+    attn_res = mc.attn_res != "none"
+    for name in _ATTN_RES_TOP if attn_res else ():
+        out[name] = hf[_TOP_DIRECT[name]]
     for layer in range(mc.num_layers):
         p, q = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        for name in _ATTN_RES_LAYER if attn_res else ():
+            out[q + name] = hf[p + name]
         out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[q + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
         out[q + "self_attention.linear_qkv.weight"] = merge_qkv(
@@ -123,12 +141,52 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
                 [hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0
             )
             out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
+        if mc.moe_latent_size:
+            for proj in ("fc1_latent_proj", "fc2_latent_proj"):
+                out[f"{q}mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
         if mc.moe_shared_expert_intermediate_size:
             hs, ms = p + "mlp.shared_expert.", q + "mlp.shared_experts."
             out[ms + "linear_fc1.weight"] = torch.cat(
                 [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0
             )
             out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
+    out.update(_ngram_hf_to_megatron(hf, mc))
+    return out
+
+
+# Over-Encoding (mcore_rl/hf/ngram.py, mcore_rl/models/ngram_embedding.py). megatron keeps one table
+# per order n with the k slices side by side, rows padded to `padded_table_rows(m)`
+# (`embedding.ngram.tables.{n}.weight` [rows, k*w]) and one projection per order
+# (`embedding.ngram.projections.{n}.weight` [hidden, k*w]); HF keeps each slice apart
+# (`model.ngram_embeddings.{tables,projections}.{n}.{i}.weight`, [m, w] / [hidden, w]).
+_NGRAM = re.compile(r"^embedding\.ngram\.(tables|projections)\.(\d+)\.weight$")
+
+
+def _ngram_megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    m = _NGRAM.match(name)
+    if not m:
+        raise KeyError(f"no HF name for megatron parameter {name!r}")
+    kind, order = m.group(1), m.group(2)
+    if kind == "tables":
+        tensor = tensor[: mc.ngram.table_size]
+    k = mc.ngram.num_slices
+    return [
+        (f"model.ngram_embeddings.{kind}.{order}.{i}.weight", part)
+        for i, part in enumerate(tensor.split(tensor.shape[1] // k, dim=1))
+    ]
+
+
+def _ngram_hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    k = mc.ngram.num_slices
+    for n in mc.ngram.orders:
+        p = "model.ngram_embeddings."
+        table = torch.cat([hf[f"{p}tables.{n}.{i}.weight"] for i in range(k)], dim=1)
+        pad = table.new_zeros(padded_table_rows(mc.ngram.table_size) - table.shape[0], table.shape[1])
+        out[f"embedding.ngram.tables.{n}.weight"] = torch.cat([table, pad], dim=0)
+        out[f"embedding.ngram.projections.{n}.weight"] = torch.cat(
+            [hf[f"{p}projections.{n}.{i}.weight"] for i in range(k)], dim=1
+        )
     return out
 
 
@@ -223,6 +281,8 @@ def shard_for_rank(full: torch.Tensor, param: torch.nn.Parameter, global_name: s
     """This rank's TP/ETP slice of a full megatron tensor."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
+    if getattr(param, "data_parallel_sharded", False):  # n-gram tables: shard dp_rank * tp + tp_rank
+        full = full.chunk(_dp_size(), dim=param.partition_dim)[_dp_rank()]
     _, rank, size = _tp_group_rank_size(param, global_name)
     dim = param.partition_dim
     if _is_gated_fc1(global_name):  # [gate; up]: each half is split, then re-concatenated
@@ -270,6 +330,7 @@ def gather_full_state_dict(
                 shards = [torch.empty_like(value) for _ in range(size)]
                 dist.all_gather(shards, value.contiguous(), group=group)
                 value = unshard(shards, param, global_name)
+        value = gather_data_parallel_shards(param, value)
         local[global_name] = value.cpu().clone()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
@@ -279,6 +340,31 @@ def gather_full_state_dict(
     for part in everyone:
         merged.update(part or {})
     return merged
+
+
+def _dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def _dp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank()
+
+
+def gather_data_parallel_shards(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+    """For a param sharded over data parallel too (`data_parallel_sharded`, n-gram tables with
+    `shard_over_data_parallel`): the concatenation of all DP ranks' TP-gathered `value`s (every DP
+    rank must call it). Any other param: `value` unchanged."""
+    if not getattr(param, "data_parallel_sharded", False) or _dp_size() == 1:
+        return value
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(value) for _ in range(_dp_size())]
+    dist.all_gather(parts, value.contiguous(), group=ps.get_data_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:

@@ -11,7 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import megatron_fixes
+from mcore_rl.models import attn_res, megatron_fixes
+from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -40,6 +41,7 @@ def transformer_config(
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
             moe_permute_fusion=False,
+            moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
         )
     recompute_kwargs: dict = {}
     if recompute == "full":
@@ -113,9 +115,10 @@ def build_model(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        block_spec = decoder_block_spec(config, vp_stage=stage)
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, vp_stage=stage),
+            transformer_layer_spec=attn_res.deferred_spec(block_spec, model),  # AttnRes: see below
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -125,6 +128,8 @@ def build_model(
             rotary_base=int(model.rotary_base),
             vp_stage=stage,
         )
+        attn_res.install_decoder(chunk, block_spec, model)  # AttnRes block; no-op without AttnRes
+        add_ngram_embedding(chunk, model)  # Over-Encoding n-gram tables (first stage); no-op without
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mcore_rl.models.latent_moe import with_latent_moe
 from mcore_rl.models.norm import RMSNorm
 
 
@@ -63,7 +64,7 @@ def decoder_block_spec(
     """The layers this pipeline stage (and virtual stage) builds, plus the final norm."""
     if use_te is None:
         use_te = transformer_engine_available()
-    layer = decoder_layer_spec(config, use_te)
+    layer = with_latent_moe(decoder_layer_spec(config, use_te), config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm

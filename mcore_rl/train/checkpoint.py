@@ -4,6 +4,11 @@ A checkpoint directory `<save_dir>/iter_0000100/` holds the model and optimizer 
 keyed by global parameter name (so it loads into any TP/PP/EP layout), plus common state (iteration,
 scheduler, data position, config) and one RNG file per rank. `<save_dir>/latest` names the newest
 complete checkpoint; it is written last, so a crash mid-save never points at a partial one.
+
+A *model-only* checkpoint (`save_checkpoint(..., optimizer=None)`, e.g. written by `mcore-rl convert
+hf-to-mcore`) has `common["model_only"] = True`, no optimizer state and no RNG files: it is a starting
+point, not a resumable run, so `load_checkpoint` loads the weights and leaves optimizer and RNG as
+they are.
 """
 
 from __future__ import annotations
@@ -90,10 +95,13 @@ def save_checkpoint(
     save_dir: str,
     iteration: int,
     chunks: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: Optional[Any],
     common: dict[str, Any],
 ) -> str:
-    """Write a complete checkpoint for `iteration` (collective: every rank calls it)."""
+    """Write a complete checkpoint for `iteration` (collective: every rank calls it).
+
+    `optimizer=None` writes a model-only checkpoint (no optimizer state, no RNG files).
+    """
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(save_dir, iteration)
@@ -104,12 +112,16 @@ def save_checkpoint(
     model_sd = _model_sharded_state_dict(chunks)
     state = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
         "common": dict(common, iteration=iteration, layout=_layout_signature()),
     }
+    if optimizer is None:
+        state["common"]["model_only"] = True
+    else:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
     dist_checkpointing.save(state, path)
-    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    if optimizer is not None:
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+        torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
@@ -126,12 +138,17 @@ def load_checkpoint(
     """Load model (and optimizer) shards for this rank's layout; returns the common state.
 
     RNG streams are restored only when the layout matches the one that saved them (a different
-    layout has different streams by construction); otherwise they stay as seeded.
+    layout has different streams by construction); otherwise they stay as seeded. A model-only
+    checkpoint (module doc) loads the weights only, whatever `optimizer` is.
     """
     from megatron.core import dist_checkpointing
 
     if not os.path.exists(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path!r} is not a distributed checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    if common.get("model_only"):
+        optimizer = None
+        logger.info("%s is a model-only checkpoint: optimizer state and RNG streams start fresh", path)
     model_sd = _model_sharded_state_dict(chunks)
     request: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -143,7 +160,6 @@ def load_checkpoint(
         _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
     if optimizer is not None:
         optimizer.load_sharded_state_dict(loaded["optimizer"])
-    common = dist_checkpointing.load_common_state_dict(path)["common"]
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
     if tuple(common.get("layout", ())) == _layout_signature() and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -42,8 +42,12 @@ def wrap_ddp(
         bucket_size=bucket_size,
         average_in_collective=False,
     )
+    # megatron-core's DDP, except that params sharded over DP (n-gram tables with
+    # model.ngram.shard_over_data_parallel) are neither all-reduced nor broadcast over DP.
+    from mcore_rl.models.ngram_embedding import DataParallelShardedDDP
+
     wrapped = [
-        DistributedDataParallel(
+        DataParallelShardedDDP(
             config=config,
             ddp_config=ddp_config,
             module=chunk,
@@ -92,6 +96,15 @@ def _forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tup
     return output, partial(_loss_func, batch["loss_mask"])
 
 
+def _p2p_seq_factor(chunks: list[torch.nn.Module]) -> int:
+    """How many [s, b, h] slabs a pipeline message holds: AttnRes stages send their depth state
+    stacked along the sequence dim (mcore_rl.models.attn_res); 1 for every other model."""
+    module = chunks[0]
+    while hasattr(module, "module"):
+        module = module.module
+    return getattr(getattr(module, "decoder", None), "p2p_seq_factor", 1)
+
+
 def forward_backward(
     chunks: list[torch.nn.Module],
     microbatches: list[Batch],
@@ -103,7 +116,7 @@ def forward_backward(
     Returns the global token-mean loss and token count (valid on every rank). Gradients are left
     in `param.main_grad`, reduced across DP and scaled by 1 / global tokens.
     """
-    seq_length = microbatches[0]["tokens"].shape[1]
+    seq_length = microbatches[0]["tokens"].shape[1] * _p2p_seq_factor(chunks)
     micro_batch_size = microbatches[0]["tokens"].shape[0]
     device = next(chunks[0].parameters()).device
     microbatches = [{k: v.to(device) for k, v in mb.items()} for mb in microbatches]

@@ -145,16 +145,27 @@ def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> f
     params' over expert-TP×EP×PP (`get_expert_tensor_model_pipeline_parallel_group`). Gradients
     are assumed already reduced over data parallel (what DDP's `finish_grad_sync()` does). Both
     all-reduces run on every rank, even one without expert params, so no rank waits for a
-    collective that another skips."""
+    collective that another skips. Params sharded over data parallel too (`data_parallel_sharded`:
+    n-gram tables with shard_over_data_parallel) hold different rows on each DP rank: their squares
+    are summed over DP first (all DP ranks of a stage have the same params, so all or none join)."""
     ps = _parallel_state()
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
+    dp_sharded: list[torch.Tensor] = []
     for p, g in zip(params, grads):
         if _counts_for_norm(p, ps):
-            (expert if _is_expert(p) else dense).append(g)
+            if getattr(p, "data_parallel_sharded", False):
+                dp_sharded.append(g)
+            else:
+                (expert if _is_expert(p) else dense).append(g)
     device = grads[0].device if grads else _default_device()
     dense_sq = _sum_of_squares(dense, device)
     expert_sq = _sum_of_squares(expert, device)
+    if dp_sharded:
+        dp_sharded_sq = _sum_of_squares(dp_sharded, device)
+        if ps is not None:
+            torch.distributed.all_reduce(dp_sharded_sq, group=ps.get_data_parallel_group())
+        dense_sq = dense_sq + dp_sharded_sq
     if ps is not None:
         torch.distributed.all_reduce(dense_sq, group=ps.get_model_parallel_group())
         expert_group = ps.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False)

@@ -92,7 +92,10 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
 
 
 def save(trainer: Trainer) -> str:
-    common = {"data": trainer.batches.state_dict(), "data_seed": trainer.cfg.train.seed}
+    from mcore_rl.config import config_to_dict
+
+    common = {"data": trainer.batches.state_dict(), "data_seed": trainer.cfg.train.seed,
+              "model": config_to_dict(trainer.cfg.model)}  # lets `mcore-rl convert mcore-to-hf` read it
     return checkpoint.save_checkpoint(
         trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
     )

@@ -1,0 +1,22 @@
+"""RL algorithms as pure functions on tensors, registered by name (DESIGN.md decision 6).
+
+Nothing here knows about Megatron, process groups or HTTP: inputs are log-probs, masks, rewards and
+group ids; outputs are tensors. Importing the package registers every algorithm, so
+`registry.get("advantage", "grpo")` works after `import mcore_rl.algos`.
+
+Shape conventions: per-token tensors are [N, T] (N sequences, T response positions, right-padded;
+`mask` is 1 on response tokens that count), per-sequence tensors are [N], group ids are [N] ints.
+"""
+
+from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
+    advantages,
+    dynamic_sampling,
+    entropy,
+    kl,
+    mipu,
+    mismatch,
+    policy_loss,
+)
+from mcore_rl.algos.registry import get, names, register
+
+__all__ = ["get", "names", "register"]

@@ -1,0 +1,42 @@
+"""Name -> function tables, one per kind of algorithm, so configs can pick algorithms by string."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+_TABLES: dict[str, dict[str, Callable]] = {}
+
+
+def register(kind: str, name: str) -> Callable[[F], F]:
+    """Decorator: make `fn` available as `get(kind, name)`. Re-registering a name is an error, so
+    two modules cannot silently shadow each other."""
+
+    def deco(fn: F) -> F:
+        table = _TABLES.setdefault(kind, {})
+        if name in table and table[name] is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__})")
+        table[name] = fn
+        return fn
+
+    return deco
+
+
+def get(kind: str, name: str) -> Callable:
+    """The function registered as `name`; a KeyError that lists the valid names otherwise."""
+    if kind not in _TABLES:
+        raise KeyError(f"unknown algorithm kind {kind!r}; kinds: {', '.join(sorted(_TABLES))}")
+    table = _TABLES[kind]
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def names(kind: str) -> list[str]:
+    """Registered names of one kind, sorted (empty if the kind has none)."""
+    return sorted(_TABLES.get(kind, {}))
+
+
+def kinds() -> list[str]:
+    return sorted(_TABLES)

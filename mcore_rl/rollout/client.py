@@ -1,0 +1,291 @@
+"""Async client for SGLang's native HTTP API (a `sglang.launch_server` or `mcore-rl serve`).
+
+One method per endpoint, taking SGLang's field names as keyword arguments and returning the JSON
+reply as it comes. Errors: a reply with status >= 400 raises `EngineHTTPError` (the message is the
+server's, which names the field); an engine that cannot be reached, or answers 502/503/504, is
+retried `retries` times with backoff and then raises `EngineUnavailable`.
+
+Only requests that are safe to repeat are retried. `/generate` is made safe by its `rid` (one is
+generated when the caller gives none): before a retry the client aborts that rid, so the engine
+never runs a request twice and the caller gets exactly one result. `/init_weights_update_group`
+and `/update_weights_from_distributed` are never retried: each pairs with a collective on the
+trainer side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import aiohttp
+
+RETRY_STATUSES = (502, 503, 504)
+
+
+class EngineError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with an error status; `message` is its explanation."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (or kept answering 502/503/504) within the retries."""
+
+
+class EngineClient:
+    """`async with EngineClient("http://127.0.0.1:30000") as c: out = await c.generate(text="hi")`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.connect_timeout = connect_timeout
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, body: Optional[dict] = None, **fields: Any) -> Any:
+        """POST /generate; a dict for one prompt, a list for a batch. `stream` must not be set
+        (use `generate_stream`)."""
+        body = with_rids({**(body or {}), **fields})
+        if body.get("stream"):
+            raise ValueError("stream: use generate_stream() for streaming")
+        return await self._call("POST", "/generate", body, retry=True, rids=request_rids(body))
+
+    async def generate_stream(self, body: Optional[dict] = None, **fields: Any) -> AsyncIterator[dict]:
+        """POST /generate with `stream: true`; yields each event's JSON (cumulative text, ids and
+        log-probs so far; the last has `meta_info.finish_reason`). Retried only before the first event."""
+        body = with_rids({**(body or {}), **fields, "stream": True})
+        async for event in self._stream("/generate", body, rids=request_rids(body)):
+            yield event
+
+    async def completions(self, **fields: Any) -> dict:
+        """POST /v1/completions (OpenAI shape), non-streaming."""
+        return await self._call("POST", "/v1/completions", {**fields, "stream": False}, retry=False)
+
+    async def chat_completions(self, **fields: Any) -> dict:
+        """POST /v1/chat/completions (OpenAI shape), non-streaming."""
+        return await self._call("POST", "/v1/chat/completions", {**fields, "stream": False}, retry=False)
+
+    async def openai_stream(self, path: str, **fields: Any) -> AsyncIterator[dict]:
+        """Stream chunks of `/v1/completions` or `/v1/chat/completions`."""
+        async for event in self._stream(path, {**fields, "stream": True}, rids=[]):
+            yield event
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, retry=True)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """SGLang's modes: "abort" (default: in-flight requests finish with finish_reason abort),
+        "in_place" / "retract" (they wait). New requests wait until `continue_generation`."""
+        return await self._call("POST", "/pause_generation", {"mode": mode}, retry=True)
+
+    async def continue_generation(self) -> dict:
+        return await self._call("POST", "/continue_generation", {}, retry=True)
+
+    async def flush_cache(self) -> str:
+        return await self._call("POST", "/flush_cache", None, retry=True)
+
+    async def health(self) -> bool:
+        """True on 200 from /health; False on any other answer or none."""
+        return await self._ok("/health")
+
+    async def health_generate(self) -> bool:
+        return await self._ok("/health_generate")
+
+    async def get_model_info(self) -> dict:
+        return await self._call("GET", "/get_model_info", None, retry=True)
+
+    async def get_server_info(self) -> dict:
+        return await self._call("GET", "/get_server_info", None, retry=True)
+
+    async def get_weight_version(self) -> str:
+        return (await self._call("GET", "/get_weight_version", None, retry=True))["weight_version"]
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, **fields: Any) -> dict:
+        """Fields: load_format, weight_version, flush_cache, abort_all_requests."""
+        return await self._call("POST", "/update_weights_from_disk", {"model_path": model_path, **fields}, retry=True)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list, **fields: Any) -> dict:
+        """Fields: load_format, flush_cache, weight_version, abort_all_requests."""
+        body = {"serialized_named_tensors": serialized_named_tensors, **fields}
+        return await self._call("POST", "/update_weights_from_tensor", body, retry=True)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> dict:
+        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                    world_size=world_size, group_name=group_name, backend=backend)
+        return await self._call("POST", "/init_weights_update_group", body, retry=False)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=False)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], **fields: Any
+    ) -> dict:
+        """Fields: group_name, flush_cache, weight_version, load_format, abort_all_requests."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, **fields}
+        return await self._call("POST", "/update_weights_from_distributed", body, retry=False)
+
+    async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> dict:
+        body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return await self._call("POST", "/update_weight_version", body, retry=True)
+
+    # ---- transport -------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: list[str] = ()) -> Any:
+        url = self.base_url + path
+        attempts = self.retries + 1 if retry else 1
+        timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+        last: Exception | None = None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+                await self.abort_quietly(rids)
+            try:
+                async with self._http().request(method, url, json=body, timeout=timeout) as resp:
+                    raw = await resp.read()
+                    if resp.status in RETRY_STATUSES:
+                        last = EngineHTTPError(url, resp.status, _message(raw))
+                        continue
+                    if resp.status >= 400:
+                        raise EngineHTTPError(url, resp.status, _message(raw))
+                    return _decode(raw, resp.content_type)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
+                last = err
+        raise EngineUnavailable(f"{url}: {type(last).__name__}: {last} (after {attempts} attempt(s))") from last
+
+    async def _stream(self, path: str, body: dict, *, rids: list[str]) -> AsyncIterator[dict]:
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_read=self.timeout)
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+                await self.abort_quietly(rids)
+            started = False
+            try:
+                async with self._http().post(url, json=body, timeout=timeout) as resp:
+                    if resp.status in RETRY_STATUSES:
+                        last = EngineHTTPError(url, resp.status, _message(await resp.read()))
+                        continue
+                    if resp.status >= 400:
+                        raise EngineHTTPError(url, resp.status, _message(await resp.read()))
+                    async for line in resp.content:
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        event = json.loads(data)
+                        if isinstance(event, dict) and "error" in event and "meta_info" not in event:
+                            raise EngineHTTPError(url, 500, _message(data))
+                        started = True
+                        yield event
+                    return
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
+                if started:
+                    raise EngineUnavailable(f"{url}: stream broke off: {type(err).__name__}: {err}") from err
+                last = err
+        raise EngineUnavailable(f"{url}: {type(last).__name__}: {last} (after {self.retries + 1} attempt(s))") from last
+
+    async def abort_quietly(self, rids: list[str]) -> None:
+        """Best effort: make sure an earlier attempt of these requests is not still running."""
+        for rid in rids:
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.connect_timeout)
+                async with self._http().post(self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout):
+                    pass
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return  # unreachable: nothing is running there that we could stop
+
+    async def _ok(self, path: str) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+            async with self._http().get(self.base_url + path, timeout=timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+
+def with_rids(body: dict) -> dict:
+    """Give a generate request rids (one per prompt) so that it can be retried safely."""
+    if body.get("rid") is None:
+        prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+        batch = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
+        body["rid"] = [uuid.uuid4().hex for _ in prompts] if batch else uuid.uuid4().hex
+    return body
+
+
+def request_rids(body: dict) -> list[str]:
+    """Every engine-side rid of a generate body (SGLang expands a string rid for batches and `n`)."""
+    rid = body["rid"]
+    prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+    batch = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+    sp = body.get("sampling_params")
+    sp = sp[0] if isinstance(sp, list) and sp else sp
+    n = (sp.get("n") if isinstance(sp, dict) else None) or 1
+    if isinstance(rid, list):
+        return list(rid) if n == 1 else [f"{r}_{k}" for k in range(n) for r in rid]
+    return [rid] if batch == 1 and n == 1 else [f"{rid}_{i}" for i in range(batch * n)]
+
+
+def _decode(raw: bytes, content_type: str) -> Any:
+    if not raw:
+        return None
+    if content_type == "application/json":
+        return json.loads(raw)
+    return raw.decode(errors="replace")
+
+
+def _message(raw: bytes) -> str:
+    """The server's error message: SGLang's {"error": {"message"}} or {"message"}, else the text."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()[:2000]
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict) and "message" in body["error"]:
+            return str(body["error"]["message"])
+        if "message" in body:
+            return str(body["message"])
+    return json.dumps(body)[:2000]

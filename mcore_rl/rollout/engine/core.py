@@ -1,0 +1,650 @@
+"""The embedded engine's synchronous core: continuous batching over the reference model.
+
+`EngineCore` owns one model, a slot KV cache and a queue. Each `step()` runs one decode token for
+every running request (one batched forward), then admits waiting requests into free slots with one
+batched prefill; requests join and leave the running batch between steps. No HTTP here: the async
+wrapper and the SGLang-compatible server sit on top (`mcore_rl.rollout.async_engine`, `.server`).
+
+Semantics follow SGLang's `/generate` (field names, finish reasons, log-prob lists) with these
+documented choices:
+
+* Log-probs are those of the *raw* model distribution: `log_softmax(logits)` in fp32, before
+  temperature, top-k/top-p/min-p and the `min_new_tokens` mask — what SGLang returns with
+  `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, the setting RL trainers use (slime sets it), because that is
+  the distribution the trainer recomputes. SGLang's plain default is `log_softmax(logits / T)`;
+  `return_original_logprob=False` gives that instead.
+* `input_token_logprobs` is aligned with `input_ids[start:]` and its first entry is always None,
+  exactly as SGLang pads it; `logprob_start_len=-1` means `start = len(input_ids) - 1` (so one
+  `(None, last_prompt_id)` entry), as SGLang normalises it.
+* `output_ids` keep the matched stop/eos token; `text` trims it (and a matched stop string) unless
+  `no_stop_trim`, like SGLang's detokenizer.
+* A request's tokens do not depend on its batch mates: its random numbers come from its own seeded
+  generator and every per-row computation is row-local (fp32 logits agree with a solo run to
+  float rounding).
+* `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang does the same); a
+  prompt of `context_length` tokens or more is rejected.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
+
+from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
+from .model_runner import ModelRunner
+from .sampling import BatchSampling, RequestRandom, SamplingParams, sample
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+QUANTIZATIONS = (None, "fp8")
+_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class Request:
+    """One generation (or scoring) request, SGLang `GenerateReqInput` fields for a single prompt."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # SGLang: -1 -> len(input_ids) - 1; input log-probs from here
+    stream: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: every step for `stream` requests, and always a final one."""
+
+    rid: str
+    output_ids: list[int]  # all generated tokens so far (a matched stop/eos token included)
+    finished: bool
+    finish_reason: dict | None  # {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", "message": str}
+    prompt_tokens: int
+    completion_tokens: int
+    output_token_logprobs: list[tuple[float, int]]  # (logprob, token_id) per generated token
+    output_top_logprobs: list[list[tuple[float, int]]]  # per generated token, top_logprobs_num pairs
+    input_token_logprobs: list[tuple[float | None, int]]  # input_ids[start:]; the first is None
+    input_top_logprobs: list[list[tuple[float, int]] | None]  # the first is None
+    weight_version: int
+    text: str | None = None  # decoded output (stop-trimmed when finished); None for non-final, non-stream
+
+
+@dataclass
+class _Live:
+    """Engine-side state of an admitted request."""
+
+    req: Request
+    max_new: int
+    rand: RequestRandom
+    stop_ids: frozenset[int]
+    stop_window: int  # tokens to decode when checking stop strings
+    length: int = 0  # tokens whose K/V are in the cache
+    output_ids: list[int] = field(default_factory=list)
+    out_lp: list[tuple[float, int]] = field(default_factory=list)
+    out_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    in_lp: list[tuple[float | None, int]] = field(default_factory=list)
+    in_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+
+    @property
+    def sp(self) -> SamplingParams:
+        return self.req.sampling
+
+
+class EngineCore:
+    """Continuous-batching inference over a `Qwen3ReferenceForCausalLM`; all methods are thread-safe
+    (one lock: a step, a weight load, an add or an abort never interleave)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        max_running_requests: int = 64,
+        context_length: int = 2048,
+        quantization: str | None = None,
+        dtype: str = "float32",
+        random_seed: int = 0,
+        device: str | torch.device | None = None,
+        max_prefill_tokens: int = 16384,
+        return_original_logprob: bool = True,
+        model_path: str | None = None,
+    ) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {quantization!r} is not supported (choose from {list(QUANTIZATIONS)})")
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests: must be >= 1, got {max_running_requests}")
+        if context_length < 2:
+            raise ValueError(f"context_length: must be >= 2, got {context_length}")
+        self.dtype = _resolve_dtype(dtype, model)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.quantization = quantization
+        self.context_length = context_length
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.return_original_logprob = return_original_logprob
+        self.model_path = model_path
+        self.tokenizer_path: str | None = None  # None = the bundled byte tokenizer (or given in-process)
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.tokenizer = tokenizer
+        self.weight_version = 0
+
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.fp8_layers: dict[str, Fp8Linear] = {}
+        if quantization == "fp8":
+            names = quantize_model_fp8(self.model, self.dtype)
+            self.fp8_layers = {n: self.model.get_submodule(n) for n in names}
+        self.runner = ModelRunner(self.model, max_running_requests, context_length, self.dtype, self.device)
+
+        self.eos_token_ids = _eos_ids(tokenizer, model)
+        self._seed_rng = torch.Generator().manual_seed(random_seed)
+        self._lock = threading.RLock()
+        self._waiting: deque[Request] = deque()
+        self._running: list[_Live] = []  # index == KV slot
+        self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step
+        self._rids: set[str] = set()
+        self._controls: BatchSampling | None = None  # of the running batch; None = rebuild
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, **kw: Any) -> "EngineCore":
+        """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
+        `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
+        *.safetensors) of our `mcore_rl_qwen3` or stock `qwen3` / `qwen3_moe`."""
+        from mcore_rl.hf import Qwen3ReferenceForCausalLM
+
+        seed = kw.get("random_seed", 0)
+        if path is None:
+            from mcore_rl.config.schema import ModelConfig
+            from mcore_rl.hf import hf_config_from_model_config
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(ModelConfig()))
+            engine = cls(model, load_tokenizer(tokenizer_path), **kw)
+            engine.tokenizer_path = tokenizer_path
+            return engine
+        config = _load_config(path)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ReferenceForCausalLM(config)
+        if tokenizer_path is not None:
+            tokenizer, engine_tokenizer_path = load_tokenizer(tokenizer_path), tokenizer_path
+        else:
+            tokenizer, engine_tokenizer_path = _load_path_tokenizer(path, config.vocab_size)
+        engine = cls(model, tokenizer, model_path=path, **kw)
+        engine.tokenizer_path = engine_tokenizer_path
+        engine.load_safetensors_dir(path, strict=True)
+        return engine
+
+    def load_safetensors_dir(self, path: str, strict: bool = False) -> list[str]:
+        """Load every *.safetensors file in `path` (one file at a time); returns the names loaded.
+        With strict, every model weight must be among them."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"model_path: no *.safetensors files in {path}")
+        loaded: list[str] = []
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                loaded += self.load_weights((n, sf.get_tensor(n)) for n in sf.keys())
+        if strict:
+            missing = sorted(n for n in set(self.weight_names()) - set(loaded) if not n.endswith(SCALE_SUFFIX))
+            if missing:
+                raise ValueError(f"model_path: {path} lacks weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        return loaded
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raises ValueError naming the offending field."""
+        if not isinstance(req.rid, str) or not req.rid:
+            raise ValueError(f"rid: expected a non-empty string, got {req.rid!r}")
+        ids = req.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids: expected a non-empty list of token ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        if not isinstance(req.sampling, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
+        req.sampling.validate(self.context_length, len(ids), self.vocab_size)
+        for name in ("return_logprob", "stream"):
+            if not isinstance(getattr(req, name), bool):
+                raise ValueError(f"{name}: expected a boolean, got {getattr(req, name)!r}")
+        k = req.top_logprobs_num
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num: expected an integer in [0, {self.vocab_size}], got {k!r}")
+        s = req.logprob_start_len
+        if isinstance(s, bool) or not isinstance(s, int) or not -1 <= s < len(ids):
+            raise ValueError(f"logprob_start_len: expected -1 or an integer in [0, {len(ids)}), got {s!r}")
+        with self._lock:
+            if req.rid in self._rids:
+                raise ValueError(f"rid: a request with rid {req.rid!r} is already in flight")
+            self._rids.add(req.rid)
+            self._waiting.append(req)
+
+    def abort(self, rid: str, message: str = "Aborted by request") -> None:
+        """Finish `rid` now with finish_reason abort (its final output comes with the next step);
+        unknown or already finished rids are ignored, as SGLang does."""
+        with self._lock:
+            for req in self._waiting:
+                if req.rid == rid:
+                    self._waiting.remove(req)
+                    self._rids.discard(rid)
+                    self._pending.append(self._aborted(req, [], message))
+                    return
+            for i, live in enumerate(self._running):
+                if live.req.rid == rid:
+                    self._pending.append(self._output(live, {"type": "abort", "message": message}))
+                    self._remove([i])
+                    return
+
+    def abort_all(self, message: str = "Aborted by request") -> None:
+        with self._lock:
+            for rid in [r.rid for r in self._waiting] + [live.req.rid for live in self._running]:
+                self.abort(rid, message)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._pending)
+
+    @property
+    def num_running_reqs(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting_reqs(self) -> int:
+        return len(self._waiting)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One decode token for the running batch, then a batched prefill of admitted requests."""
+        with self._lock:
+            outs, self._pending = self._pending, []
+            if self._running:
+                self._decode(outs)
+            self._admit(outs)
+            return outs
+
+    def _decode(self, outs: list[RequestOutput]) -> None:
+        batch = self._running
+        logits = self.runner.decode([live.output_ids[-1] for live in batch], [live.length for live in batch])
+        for live in batch:
+            live.length += 1
+        if self._controls is None:
+            self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
+        self._emit(list(range(len(batch))), logits, self._controls, outs)
+
+    def _admit(self, outs: list[RequestOutput]) -> None:
+        free = self.max_running_requests - len(self._running)
+        admitted: list[Request] = []
+        longest = 0
+        while self._waiting and len(admitted) < free:
+            n = len(self._waiting[0].input_ids)
+            if admitted and max(longest, n) * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            admitted.append(self._waiting.popleft())
+        if not admitted:
+            return
+        slot0 = len(self._running)
+        lives = [self._start(req) for req in admitted]
+        self._running.extend(lives)
+        self._controls = None
+        # Logit rows per request: the input-logprob positions (if asked) and the last prompt token.
+        rows: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []  # (first row index, number of input-logprob rows)
+        for i, live in enumerate(lives):
+            n = len(live.req.input_ids)
+            first = len(rows)
+            n_in = 0
+            if live.req.return_logprob:
+                start = live.req.logprob_start_len if live.req.logprob_start_len >= 0 else n - 1
+                n_in = n - 1 - start  # rows start..n-2 predict tokens start+1..n-1
+                rows.extend((i, p) for p in range(start, n - 1))
+            rows.append((i, n - 1))
+            spans.append((first, n_in))
+        logits = self.runner.prefill([live.req.input_ids for live in lives], slot0, rows)
+        for live in lives:
+            live.length = len(live.req.input_ids)
+        for live, (first, n_in) in zip(lives, spans):
+            if live.req.return_logprob:
+                self._input_logprobs(live, logits[first : first + n_in])
+        last_rows = torch.tensor([first + n_in for first, n_in in spans], device=logits.device)
+        slots = [slot0 + i for i in range(len(lives))]
+        generating = [j for j, live in enumerate(lives) if live.max_new > 0]
+        done = [slots[j] for j, live in enumerate(lives) if live.max_new == 0]
+        for j in range(len(lives)):
+            if lives[j].max_new == 0:
+                outs.append(self._output(lives[j], {"type": "length", "length": 0}))
+        if generating:
+            ctl = BatchSampling.of([lives[j].sp for j in generating], self.vocab_size, self.device)
+            self._emit([slots[j] for j in generating], logits[last_rows[generating]], ctl, outs, extra_done=done)
+        else:
+            self._remove(done)
+
+    def _start(self, req: Request) -> _Live:
+        sp = req.sampling
+        seed = sp.effective_seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=self._seed_rng))
+        stop_ids = set(sp.stop_token_ids or [])
+        if not sp.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        window = 4 * max((len(s.encode()) for s in sp.stop or []), default=0) + 4
+        max_new = min(sp.max_new_tokens, self.context_length - len(req.input_ids))
+        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window)
+
+    def _input_logprobs(self, live: _Live, logits: torch.Tensor) -> None:
+        """SGLang's prompt log-probs: aligned with input_ids[start:], the first entry None."""
+        ids = live.req.input_ids
+        n = len(ids)
+        start = live.req.logprob_start_len if live.req.logprob_start_len >= 0 else n - 1
+        targets = ids[start + 1 :]
+        live.in_lp = [(None, ids[start])]
+        live.in_top = [None]
+        if not targets:
+            return
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        live.in_lp += list(zip(chosen, targets))
+        k = live.req.top_logprobs_num
+        if k > 0:
+            vals, idx = lp.topk(k, dim=-1)
+            live.in_top += [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
+        else:
+            live.in_top += [[] for _ in targets]
+
+    def _emit(
+        self,
+        slots: list[int],
+        logits: torch.Tensor,
+        ctl: BatchSampling,
+        outs: list[RequestOutput],
+        extra_done: list[int] | None = None,
+    ) -> None:
+        """Sample one token for each slot in `slots` (rows of `logits`), record it, finish and
+        stream; then free finished slots (and `extra_done`)."""
+        lives = [self._running[s] for s in slots]
+        masked = self._min_new_tokens_mask(lives, logits)
+        uniforms = torch.tensor(
+            [0.0 if live.sp.is_greedy else live.rand.next() for live in lives], dtype=torch.float64, device=logits.device
+        )
+        tokens = sample(masked, ctl, uniforms)
+        want_lp = [live.req.return_logprob for live in lives]
+        chosen = tops = None
+        if any(want_lp):
+            src = logits if self.return_original_logprob else logits / torch.where(ctl.temperature > 0, ctl.temperature, 1.0)[:, None]
+            lp = torch.log_softmax(src, dim=-1)
+            chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
+            kmax = max(live.req.top_logprobs_num for live in lives)
+            if kmax > 0:
+                vals, idx = lp.topk(kmax, dim=-1)
+                tops = (vals.tolist(), idx.tolist())
+        finished: list[int] = list(extra_done or [])
+        for j, (slot, live, tok) in enumerate(zip(slots, lives, tokens.tolist())):
+            live.output_ids.append(tok)
+            if want_lp[j]:
+                live.out_lp.append((chosen[j], tok))
+                k = live.req.top_logprobs_num
+                live.out_top.append(list(zip(tops[0][j][:k], tops[1][j][:k])) if k else [])
+            reason = self._finish_reason(live, tok)
+            if reason is not None:
+                outs.append(self._output(live, reason))
+                finished.append(slot)
+            elif live.req.stream:
+                outs.append(self._output(live, None))
+        self._remove(finished)
+
+    def _min_new_tokens_mask(self, lives: list[_Live], logits: torch.Tensor) -> torch.Tensor:
+        rows = [j for j, live in enumerate(lives) if len(live.output_ids) < live.sp.min_new_tokens and live.stop_ids]
+        if not rows:
+            return logits
+        masked = logits.clone()
+        for j in rows:
+            masked[j, list(lives[j].stop_ids)] = float("-inf")
+        return masked
+
+    def _finish_reason(self, live: _Live, tok: int) -> dict | None:
+        n = len(live.output_ids)
+        if n >= live.sp.min_new_tokens:
+            if tok in live.stop_ids:
+                return {"type": "stop", "matched": tok}
+            if live.sp.stop:
+                tail = self.tokenizer.decode(live.output_ids[-live.stop_window :], skip_special_tokens=live.sp.skip_special_tokens)
+                for s in live.sp.stop:
+                    if s in tail:
+                        return {"type": "stop", "matched": s}
+        if n >= live.max_new:
+            return {"type": "length", "length": live.max_new}
+        return None
+
+    def _remove(self, slots: list[int]) -> None:
+        """Free slots; the last running request moves into each hole so slots stay 0..B-1."""
+        for slot in sorted(set(slots), reverse=True):
+            last = len(self._running) - 1
+            self._rids.discard(self._running[slot].req.rid)
+            if slot != last:
+                moved = self._running[last]
+                self.runner.cache.move(last, slot, moved.length)
+                self._running[slot] = moved
+            self._running.pop()
+        if slots:
+            self._controls = None
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def _output(self, live: _Live, reason: dict | None) -> RequestOutput:
+        final = reason is not None
+        copy = (lambda x: x) if final else list
+        return RequestOutput(
+            rid=live.req.rid,
+            output_ids=copy(live.output_ids),
+            finished=final,
+            finish_reason=reason,
+            prompt_tokens=len(live.req.input_ids),
+            completion_tokens=len(live.output_ids),
+            output_token_logprobs=copy(live.out_lp),
+            output_top_logprobs=copy(live.out_top),
+            input_token_logprobs=live.in_lp,
+            input_top_logprobs=live.in_top,
+            weight_version=self.weight_version,
+            text=self._text(live.output_ids, live.sp, reason),
+        )
+
+    def _aborted(self, req: Request, output_ids: list[int], message: str) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid,
+            output_ids=output_ids,
+            finished=True,
+            finish_reason={"type": "abort", "message": message},
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=0,
+            output_token_logprobs=[],
+            output_top_logprobs=[],
+            input_token_logprobs=[],
+            input_top_logprobs=[],
+            weight_version=self.weight_version,
+            text="",
+        )
+
+    def _text(self, ids: list[int], sp: SamplingParams, reason: dict | None) -> str:
+        """SGLang's detokenized text: a matched stop token / stop string is trimmed unless no_stop_trim."""
+        matched = (reason or {}).get("matched")
+        if matched is not None and not sp.no_stop_trim and isinstance(matched, int) and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        if isinstance(matched, str) and not sp.no_stop_trim:
+            pos = text.find(matched)
+            text = text[:pos] if pos >= 0 else text
+        return text
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def weight_names(self) -> list[str]:
+        """HF names this engine's model takes (FP8 layers: `.weight` and `.weight_scale_inv`)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        names += [n + ".weight_scale_inv" for n in self.fp8_layers]
+        names += [n + ".weight" for n in self.fp8_layers]
+        return sorted(names)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy HF-named tensors into the model (any subset, any order, in as many calls as wanted).
+
+        FP8 engine: a full-precision `x.weight` of a quantized Linear is quantized here; an e4m3
+        `x.weight` and its `x.weight_scale_inv` (SGLang checkpoint names) are taken as they are.
+        Stock transformers-5 fused MoE expert tensors are split per expert. The caller bumps
+        `weight_version` (the weight-update endpoints do). Returns the (per-expert) names loaded.
+        """
+        with self._lock:
+            params = dict(self.model.named_parameters())
+            if self.config.tie_word_embeddings:
+                params.setdefault("lm_head.weight", self.model.get_input_embeddings().weight)
+            loaded: list[str] = []
+            try:
+                for name, tensor in _split_fused(named_tensors):
+                    self._load_one(name, tensor, params)
+                    loaded.append(name)
+            finally:
+                self.runner.refresh()
+            return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
+        if name.endswith(SCALE_SUFFIX):
+            layer = self.fp8_layers.get(name[: -len(SCALE_SUFFIX)])
+            if layer is None:
+                raise ValueError(f"{name}: FP8 scales for a layer this engine does not hold in FP8 (quantization={self.quantization})")
+            layer.set_quantized(scale_inv=tensor.to(self.device))
+            return
+        module_name = name.removesuffix(".weight")
+        if name.endswith(".weight") and module_name in self.fp8_layers:
+            layer = self.fp8_layers[module_name]
+            if tuple(tensor.shape) != tuple(layer.weight.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(layer.weight.shape)}")
+            if tensor.dtype == FP8_DTYPE:
+                layer.set_quantized(q=tensor.to(self.device))
+            else:
+                layer.set_weight(tensor)
+            return
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer some checkpoints carry; derived from the config
+            return
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"{name}: no such weight in the engine's model")
+        if tensor.dtype == FP8_DTYPE:
+            raise ValueError(f"{name}: an FP8 weight, but this engine runs quantization={self.quantization}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(param.shape)}")
+        param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
+
+    def flush_cache(self) -> bool:
+        """Release cache memory. Like SGLang, refuses (returns False) while requests are in flight."""
+        with self._lock:
+            if self._waiting or self._running:
+                return False
+            self.runner.cache.shrink()
+            return True
+
+
+def _resolve_dtype(dtype: str, model: nn.Module) -> torch.dtype:
+    if dtype == "auto":
+        cfg_dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = _DTYPES.get(cfg_dtype)
+        return cfg_dtype if cfg_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported (choose from {['auto', *_DTYPES]})")
+    return _DTYPES[dtype]
+
+
+def _eos_ids(tokenizer: Any, model: nn.Module) -> set[int]:
+    ids = {int(tokenizer.eos_id)} if getattr(tokenizer, "eos_id", None) is not None else set()
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, (list, tuple)):
+        ids |= {int(i) for i in extra}
+    return ids
+
+
+def _load_config(path: str):
+    from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"model_path: {path} has no config.json")
+    with open(cfg_file, encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == McoreRLQwen3Config.model_type:
+        return McoreRLQwen3Config.from_pretrained(path)
+    if model_type in ("qwen3", "qwen3_moe"):
+        from transformers import AutoConfig
+
+        stock = AutoConfig.from_pretrained(path)
+        return hf_config_from_model_config(model_config_from_hf_config(stock))
+    raise ValueError(
+        f"model_path: model_type {model_type!r} is not supported by the embedded engine "
+        f"(supported: {McoreRLQwen3Config.model_type}, qwen3, qwen3_moe)"
+    )
+
+
+def _load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:
+    """(tokenizer, its path): the checkpoint's tokenizer if it has one; else the bundled byte
+    tokenizer (if the vocabulary fits) and None."""
+    if os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return load_tokenizer(path), path
+    if vocab_size < DEFAULT_VOCAB_SIZE:
+        raise ValueError(
+            f"tokenizer: {path} has no tokenizer and the bundled byte tokenizer needs vocab_size >= "
+            f"{DEFAULT_VOCAB_SIZE} (the model has {vocab_size}); pass tokenizer_path"
+        )
+    return load_tokenizer(None), None
+
+
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def _split_fused(named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """transformers>=5 stock Qwen3-MoE fused experts -> per-expert checkpoint names."""
+    for name, t in named:
+        if name.endswith(_FUSED[0]):
+            prefix = name[: -len("gate_up_proj")]
+            for j in range(t.shape[0]):
+                gate, up = t[j].chunk(2, dim=0)
+                yield f"{prefix}{j}.gate_proj.weight", gate
+                yield f"{prefix}{j}.up_proj.weight", up
+        elif name.endswith(_FUSED[1]):
+            prefix = name[: -len("down_proj")]
+            for j in range(t.shape[0]):
+                yield f"{prefix}{j}.down_proj.weight", t[j]
+        else:
+            yield name, t
+

@@ -1,0 +1,243 @@
+"""Batched prefill and decode over the reference model's weights, with a slot KV cache.
+
+The reference model's own `forward` concatenates its cache every step, repeats K/V heads for GQA
+and runs ~70 small ops per layer; serving a batch wants few, larger kernels. This runner computes
+the same function from the same parameters with:
+
+* fused projections: q/k/v are one GEMM and gate/up one GEMM. For a full-precision model the
+  module parameters are re-pointed at row slices of the fused tensor (views), so weight loads
+  that copy into the named parameters update the fused weight with no extra memory and nothing
+  to rebuild; FP8 layers keep e4m3 storage and get a fused dequantized copy in `refresh()`;
+* residual adds folded into the output GEMMs (`addmm`), `F.rms_norm`, and RoPE as one
+  roll-multiply-add on q and k together;
+* grouped-query attention as two batched GEMMs per layer (`baddbmm` with an additive mask,
+  `bmm`): the `group` query heads of a KV head read that head's keys directly (query head h reads
+  KV head h // group, as in the reference model and megatron); decode reads the cache as a view
+  of slots 0..B-1 (`SlotKVCache`) and the mask is built once per step, not per layer;
+* logits only at the positions a caller asks for.
+
+Numerics follow the reference op for op up to float rounding (scores in the model dtype, an
+additive finfo.min mask, softmax in fp32, RMSNorm in fp32); fp32 log-probs agree with the
+reference model to ~1e-6. MoE blocks run through the reference module itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcore_rl.hf.modeling import rope_cos_sin
+
+from .fp8 import Fp8Linear, quantize_activation_fp8
+from .kv_cache import SlotKVCache
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors in the shapes the runner multiplies."""
+
+    module: nn.Module
+    wqkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    w_gate_up: torch.Tensor | None  # [2 I, hidden]; None for MoE layers
+    w_down: torch.Tensor | None
+    qk_norm: torch.Tensor | None = None  # [H + KV, D]: q_norm weight for q heads, k_norm for k heads
+
+
+def _fuse_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate `attr` (weight/bias) of `linears` along dim 0 and re-point each at its slice."""
+    parts = [getattr(m, attr) for m in linears]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    offset = 0
+    for m, p in zip(linears, parts):
+        n = p.shape[0]
+        setattr(m, attr, nn.Parameter(fused[offset : offset + n], requires_grad=False))
+        offset += n
+    return fused
+
+
+def _weight(m: nn.Module) -> torch.Tensor:
+    return m.dequantized_weight() if isinstance(m, Fp8Linear) else m.weight
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The reference RMSNorm: normalise in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return y * weight if weight is not None else y
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        cfg = model.config
+        self.model = model
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.num_heads // self.kv_heads
+        self.head_dim = cfg.head_dim
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.vocab_size = cfg.vocab_size
+        self.dtype, self.device = dtype, device
+        self.max_len = max_len
+        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, self.head_dim, max_len, dtype, device)
+        cos, sin = rope_cos_sin(torch.arange(max_len, device=device)[None], self.head_dim, cfg.rope_theta, dtype)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin[:D/2], sin[D/2:]]
+        self._cos = cos[0]
+        self._sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
+        self.layers = [self._plan(layer) for layer in model.model.layers]
+        self.refresh()
+
+    def _plan(self, layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        proj = [attn.q_proj, attn.k_proj, attn.v_proj]
+        dense = hasattr(mlp, "gate_proj")
+        if self.fp8:  # fused dequantized copies come from refresh()
+            empty = torch.empty(0)
+            return _Layer(layer, empty, None, empty, None, empty if dense else None, empty if dense else None)
+        return _Layer(
+            module=layer,
+            wqkv=_fuse_params(proj, "weight"),
+            bqkv=_fuse_params(proj, "bias"),
+            wo=attn.o_proj.weight,
+            bo=attn.o_proj.bias,
+            w_gate_up=_fuse_params([mlp.gate_proj, mlp.up_proj], "weight") if dense else None,
+            w_down=mlp.down_proj.weight if dense else None,
+        )
+
+    def refresh(self) -> None:
+        """Rebuild what is derived from weights (QK-norm tables; FP8 fused dequantized weights).
+        Call after loading weights."""
+        h, kv = self.num_heads, self.kv_heads
+        for lay in self.layers:
+            attn, mlp = lay.module.self_attn, lay.module.mlp
+            lay.qk_norm = torch.cat((attn.q_norm.weight.expand(h, -1), attn.k_norm.weight.expand(kv, -1)), dim=0)
+            if self.fp8:
+                proj = [attn.q_proj, attn.k_proj, attn.v_proj]
+                lay.wqkv = torch.cat([_weight(m) for m in proj], dim=0)
+                lay.bqkv = None if attn.q_proj.bias is None else torch.cat([m.bias for m in proj], dim=0)
+                lay.wo, lay.bo = _weight(attn.o_proj), attn.o_proj.bias
+                if lay.w_gate_up is not None:
+                    lay.w_gate_up = torch.cat((_weight(mlp.gate_proj), _weight(mlp.up_proj)), dim=0)
+                    lay.w_down = _weight(mlp.down_proj)
+                for m in (*proj, attn.o_proj, *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else [])):
+                    m._dequantized = None  # the fused copies above are the ones in use
+
+    # ---- one layer -------------------------------------------------------------------------
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """A GEMM input: rounded to e4m3 per token per 128 channels in FP8 mode."""
+        return quantize_activation_fp8(x) if self.fp8 else x
+
+    def _out(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """residual + x @ w.T (+ b), the add fused into the GEMM."""
+        out = torch.addmm(residual, self._act(x), w.t())
+        return out + b if b is not None else out
+
+    def _layer(
+        self,
+        li: int,
+        x: torch.Tensor,
+        b: int,
+        s: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        decode_at: tuple[torch.Tensor, torch.Tensor, int] | None,
+        slot0: int,
+    ) -> torch.Tensor:
+        """x [b*s, hidden] -> the layer's output. `decode_at` = (rows, positions, key length) for a
+        decode step (s == 1, keys from the cache); None for a prefill into slots slot0.."""
+        lay = self.layers[li]
+        layer = lay.module
+        H, KV, G, D = self.num_heads, self.kv_heads, self.group, self.head_dim
+        qkv = F.linear(self._act(_rms(x, layer.input_layernorm.weight, self.eps)), lay.wqkv, lay.bqkv)
+        qkv = qkv.view(b, s, H + 2 * KV, D)
+        qk = _rms(qkv[:, :, : H + KV], None, self.eps) * lay.qk_norm
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
+        if decode_at is not None:
+            rows, pos, length = decode_at
+            self.cache.write_tokens(li, rows, pos, k[:, 0], v[:, 0])
+            kc, vc = self.cache.view(li, b, length)
+            keys, vals = kc.reshape(b * KV, length, D), vc.reshape(b * KV, length, D)
+            q3 = q.reshape(b * KV, G, D)
+        else:
+            k4, v4 = k.transpose(1, 2), v.transpose(1, 2)  # [b, KV, s, D]
+            self.cache.write_block(li, slot0, k4, v4)
+            keys, vals = k4.reshape(b * KV, s, D), v4.reshape(b * KV, s, D)
+            q3 = q.reshape(b, s, KV, G, D).permute(0, 2, 3, 1, 4).reshape(b * KV, G * s, D)
+        scores = torch.baddbmm(bias, q3, keys.transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        o = torch.bmm(probs, vals)  # [b*KV, G*s, D]
+        if decode_at is None:
+            o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
+        x = self._out(x, o.reshape(b * s, H * D), lay.wo, lay.bo)
+        h2 = _rms(x, layer.post_attention_layernorm.weight, self.eps)
+        if lay.w_gate_up is None:
+            return x + layer.mlp(h2)[0]  # MoE block (returns its aux loss too)
+        gu = F.linear(self._act(h2), lay.w_gate_up)
+        inter = gu.shape[-1] // 2
+        return self._out(x, F.silu(gu[:, :inter]) * gu[:, inter:], lay.w_down, None)
+
+    def _mask_bias(self, allowed: torch.Tensor) -> torch.Tensor:
+        """allowed [b, sq, sk] -> additive bias [b*KV, G*sq, sk] (0 or finfo.min), shared by all layers."""
+        b, sq, sk = allowed.shape
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return bias[:, None, None].expand(b, self.kv_heads, self.group, sq, sk).reshape(b * self.kv_heads, self.group * sq, sk)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        return F.linear(_rms(hidden, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+
+    # ---- passes ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slot0: int, logit_rows: list[tuple[int, int]]) -> torch.Tensor:
+        """Run prompts (right-padded into one batch) into slots slot0..; fp32 logits [N, V] at the
+        (row, position) pairs of `logit_rows`, in that order."""
+        b = len(prompts)
+        s = max(len(t) for t in prompts)
+        self.cache.ensure_capacity(s)
+        ids = torch.zeros(b, s, dtype=torch.long)
+        for i, t in enumerate(prompts):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ids = ids.to(self.device)
+        lens = torch.tensor([len(t) for t in prompts], device=self.device)
+        pos = torch.arange(s, device=self.device)
+        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [b, s, s]
+        bias = self._mask_bias(allowed)
+        cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
+        x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
+        for li in range(len(self.layers)):
+            x = self._layer(li, x, b, s, cos, sin, bias, None, slot0)
+        flat = torch.tensor([r * s + c for r, c in logit_rows], device=self.device)
+        return self._logits(x[flat])
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of slots 0..B-1 at its position (= tokens already cached); fp32 logits [B, V]."""
+        b = len(tokens)
+        length = max(positions) + 1
+        self.cache.ensure_capacity(length)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rows = torch.arange(b, device=self.device)
+        bias = self._mask_bias((torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, :])
+        cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
+        x = self.model.model.embed_tokens(ids)
+        for li in range(len(self.layers)):
+            x = self._layer(li, x, b, 1, cos, sin, bias, (rows, pos, length), 0)
+        return self._logits(x)

@@ -1,0 +1,208 @@
+"""Sampling parameters (SGLang's names and defaults) and the batched sampler.
+
+The sampler follows SGLang's order: temperature, then top-k, top-p and min-p filtering of the
+probabilities, then one draw. Each request owns its random stream (`RequestRandom`): the uniforms
+it consumes are drawn from its own `torch.Generator`, so a seeded request produces the same tokens
+whatever else shares its batch. The draw is inverse-CDF sampling with one uniform per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling controls, named and defaulted as SGLang's `SamplingParams`.
+
+    `seed` and `sampling_seed` (SGLang's name) are the same thing: same seed -> same tokens,
+    regardless of batch mates. `min_new_tokens` masks eos and stop tokens until that many tokens
+    were generated, as in SGLang.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    sampling_seed: int | None = None
+    min_new_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON `sampling_params` object; unknown keys and wrong types raise
+        ValueError("sampling_params.<field>: ..."). JSON null means "the default", as in SGLang."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params: expected an object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"sampling_params.{key}: unknown or unsupported field (known: {sorted(known)})")
+        out = cls(**{k: v for k, v in d.items() if v is not None})
+        out.check_types()
+        return out
+
+    def check_types(self) -> None:
+        """Type checks (a bool is not an int here; an int is a valid float; a str stop -> [str])."""
+        for name in ("max_new_tokens", "top_k", "min_new_tokens"):
+            _expect_int(name, getattr(self, name))
+        for name in ("seed", "sampling_seed"):
+            if getattr(self, name) is not None:
+                _expect_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"sampling_params.{name}: expected a number, got {v!r}")
+            setattr(self, name, float(v))
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sampling_params.{name}: expected a boolean, got {getattr(self, name)!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"sampling_params.stop: expected a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple, set)):
+                raise ValueError(f"sampling_params.stop_token_ids: expected a list of ints, got {self.stop_token_ids!r}")
+            for t in self.stop_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"sampling_params.stop_token_ids: expected ints, got {t!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    def validate(self, context_length: int, prompt_len: int, vocab_size: int | None = None) -> None:
+        """Raise ValueError("sampling_params.<field>: ...") for values SGLang would reject."""
+        self.check_types()
+        if self.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens: must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"sampling_params.min_new_tokens: must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"sampling_params.temperature: must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"sampling_params.top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling_params.min_p: must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise ValueError(
+                f"sampling_params.sampling_seed: {self.sampling_seed} contradicts seed={self.seed} (give one)"
+            )
+        if vocab_size is not None:
+            for t in self.stop_token_ids or []:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"sampling_params.stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+        if prompt_len >= context_length:
+            raise ValueError(
+                f"input_ids: the prompt has {prompt_len} tokens; context_length is {context_length} "
+                "(the prompt must be shorter)"
+            )
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.sampling_seed if self.sampling_seed is not None else self.seed
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+def _expect_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"sampling_params.{name}: expected an integer, got {v!r}")
+
+
+@dataclass
+class RequestRandom:
+    """A request's own uniform stream, drawn in blocks from its generator (cheap per token)."""
+
+    generator: torch.Generator
+    block: list[float] = field(default_factory=list)
+    pos: int = 0
+
+    @classmethod
+    def seeded(cls, seed: int) -> "RequestRandom":
+        g = torch.Generator()
+        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return cls(g)
+
+    def next(self) -> float:
+        if self.pos == len(self.block):
+            self.block = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()
+            self.pos = 0
+        self.pos += 1
+        return self.block[self.pos - 1]
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling controls of one batch, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float; 0 rows are greedy
+    top_k: torch.Tensor  # [B] long; vocab size when off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    any_filter: bool
+    all_greedy: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "BatchSampling":
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        ps = [p.top_p for p in params]
+        mps = [p.min_p for p in params]
+        greedy = all(t == 0.0 for t in temps)
+        any_filter = not greedy and (any(k < vocab_size for k in ks) or any(p < 1.0 for p in ps) or any(m > 0 for m in mps))
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(ks, dtype=torch.long, device=device),
+            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(mps, dtype=torch.float32, device=device),
+            any_filter=any_filter,
+            all_greedy=greedy,
+        )
+
+
+def sample(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor) -> torch.Tensor:
+    """Next token per row of fp32 `logits` [B, V]; `uniforms` [B] in [0, 1) (ignored by greedy rows).
+
+    Each row is computed from its own logits, controls and uniform only, so a row's token does not
+    depend on the rest of the batch.
+    """
+    greedy_tokens = logits.argmax(-1)
+    if ctl.all_greedy:
+        return greedy_tokens
+    temp = torch.where(ctl.temperature > 0, ctl.temperature, torch.ones_like(ctl.temperature))
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    if ctl.any_filter:
+        probs_sorted, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        drop = rank >= ctl.top_k[:, None]
+        # top_p == 1 must keep everything even where float cumsums overshoot 1.
+        drop |= ((probs_sorted.cumsum(-1) - probs_sorted) > ctl.top_p[:, None]) & (ctl.top_p[:, None] < 1.0)
+        drop |= probs_sorted < probs_sorted[:, :1] * ctl.min_p[:, None]
+        # Back to vocabulary order, so a row's draw does not depend on whether the batch filters.
+        probs = torch.zeros_like(probs).scatter_(-1, order, probs_sorted.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    # Never land past the last token with probability > 0 (float edge of the CDF).
+    vocab = torch.arange(probs.shape[-1], device=probs.device)
+    last_kept = torch.where(probs > 0, vocab, 0).amax(-1)
+    sampled = torch.minimum(picked, last_kept)
+    return torch.where(ctl.temperature > 0, sampled, greedy_tokens)

@@ -1,0 +1,183 @@
+"""`mcore-rl serve` flags, spelled as `python -m sglang.launch_server` spells them.
+
+A launch script written for SGLang should run the embedded engine by changing only the command.
+Flags fall in three groups:
+
+- **honoured**: `--model-path` (alias `--model`; none = the built-in tiny demo model),
+  `--tokenizer-path`, `--host`, `--port`, `--dtype`, `--quantization fp8`, `--context-length`,
+  `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version`;
+- **accepted for compatibility**: `--tp-size`/`--tensor-parallel-size` and `--dp-size`/
+  `--data-parallel-size` (only 1: the embedded engine is one process on one device),
+  `--load-format` (auto/safetensors), `--kv-cache-dtype auto`, and knobs that tune a GPU server
+  without changing a token: `--mem-fraction-static`, `--chunked-prefill-size`,
+  `--max-prefill-tokens`, `--max-total-tokens`, `--cuda-graph-max-bs`, `--disable-cuda-graph`,
+  `--disable-radix-cache`, `--attention-backend`, `--sampling-backend`, `--schedule-policy`,
+  `--enable-memory-saver`, `--skip-server-warmup`, `--trust-remote-code`, `--log-level`,
+  `--log-level-http`; they are recorded in `/get_server_info` and otherwise ignored;
+- **everything else** is rejected with a message naming the flag.
+
+`--dtype auto` means float32 here (SGLang picks the checkpoint's half precision on a GPU; on CPU the
+embedded engine's job is to match the fp32 trainer unless asked otherwise). `--random-seed`
+defaults to 0 rather than SGLang's random pick, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16",
+          "half": "float16", "float16": "float16"}
+
+
+class LaunchFlagError(ValueError):
+    """A flag the embedded engine cannot honour; the message names it."""
+
+
+@dataclass
+class ServerArgs:
+    """The subset of SGLang's `ServerArgs` the embedded engine knows, with SGLang's field names."""
+
+    model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    quantization: Optional[str] = None
+    context_length: Optional[int] = None
+    random_seed: int = 0
+    max_running_requests: Optional[int] = None
+    served_model_name: Optional[str] = None
+    weight_version: str = "0"
+    tp_size: int = 1
+    dp_size: int = 1
+    load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
+    # Accepted and ignored (see the module docstring).
+    mem_fraction_static: Optional[float] = None
+    chunked_prefill_size: Optional[int] = None
+    max_prefill_tokens: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    cuda_graph_max_bs: Optional[int] = None
+    disable_cuda_graph: bool = False
+    disable_radix_cache: bool = False
+    attention_backend: Optional[str] = None
+    sampling_backend: Optional[str] = None
+    schedule_policy: Optional[str] = None
+    enable_memory_saver: bool = False
+    skip_server_warmup: bool = False
+    trust_remote_code: bool = False
+    log_level: str = "info"
+    log_level_http: Optional[str] = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path or "mcore-rl-demo"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `EngineCore.from_model_path(self.model_path, **kwargs)`."""
+        kw: dict[str, Any] = {
+            "dtype": DTYPES[self.dtype],
+            "quantization": self.quantization,
+            "random_seed": self.random_seed,
+        }
+        if self.context_length is not None:
+            kw["context_length"] = self.context_length
+        if self.max_running_requests is not None:
+            kw["max_running_requests"] = self.max_running_requests
+        return kw
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises `LaunchFlagError` instead of exiting, so callers choose how to report."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise LaunchFlagError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="mcore-rl serve",
+        description="The embedded SGLang-compatible engine (SGLang's native and OpenAI HTTP APIs).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model-path", "--model", dest="model_path",
+                   help="HF-format model directory (safetensors); omitted = the built-in tiny demo model")
+    p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model's, or the bundled one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="auto = float32 here")
+    p.add_argument("--quantization", help="fp8: float8 e4m3 weights with 128x128 block scales")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--weight-version", default="0", help="initial weight version (an integer here)")
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
+    for flag, kind in [
+        ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
+        ("--max-total-tokens", int), ("--cuda-graph-max-bs", int), ("--attention-backend", str),
+        ("--sampling-backend", str), ("--schedule-policy", str),
+    ]:
+        ignored.add_argument(flag, type=kind)
+    for flag in ("--disable-cuda-graph", "--disable-radix-cache", "--enable-memory-saver",
+                 "--skip-server-warmup", "--trust-remote-code"):
+        ignored.add_argument(flag, action="store_true")
+    ignored.add_argument("--log-level", default="info")
+    ignored.add_argument("--log-level-http")
+    return p
+
+
+def parse_server_args(argv: list[str]) -> ServerArgs:
+    """Parse and check `mcore-rl serve` flags; `LaunchFlagError` names any flag it cannot honour."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise LaunchFlagError(
+            f"{flag.split('=')[0]}: not supported by the embedded engine (mcore-rl serve accepts these "
+            "SGLang flags: see `mcore-rl serve --help`; for the rest run `python -m sglang.launch_server`)"
+        )
+    args = ServerArgs(**vars(ns))
+    _check(args)
+    return args
+
+
+def _check(a: ServerArgs) -> None:
+    if a.tp_size != 1:
+        raise LaunchFlagError(
+            f"--tp-size {a.tp_size}: the embedded engine runs in one process on one device (only 1); "
+            "use `python -m sglang.launch_server` for tensor parallelism"
+        )
+    if a.dp_size != 1:
+        raise LaunchFlagError(
+            f"--dp-size {a.dp_size}: the embedded engine is one replica (only 1); start several "
+            "servers and put mcore_rl.rollout.router.EngineRouter (or sglang-router) in front"
+        )
+    if a.quantization not in (None, "fp8"):
+        raise LaunchFlagError(f"--quantization {a.quantization}: the embedded engine supports only fp8")
+    if a.load_format not in ("auto", "safetensors"):
+        raise LaunchFlagError(f"--load-format {a.load_format}: the embedded engine reads safetensors only (auto, safetensors)")
+    if a.kv_cache_dtype != "auto":
+        raise LaunchFlagError(f"--kv-cache-dtype {a.kv_cache_dtype}: the embedded engine keeps the KV cache in the model dtype (auto)")
+    if not 0 <= a.port <= 65535:
+        raise LaunchFlagError(f"--port {a.port}: must be in [0, 65535]")
+    if a.context_length is not None and a.context_length < 2:
+        raise LaunchFlagError(f"--context-length {a.context_length}: must be >= 2")
+    if a.max_running_requests is not None and a.max_running_requests < 1:
+        raise LaunchFlagError(f"--max-running-requests {a.max_running_requests}: must be >= 1")
+    try:
+        int(a.weight_version)
+    except ValueError:
+        raise LaunchFlagError(
+            f"--weight-version {a.weight_version}: the embedded engine numbers weight versions with integers"
+        ) from None

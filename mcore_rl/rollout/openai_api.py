@@ -1,0 +1,340 @@
+"""OpenAI-compatible `/v1/completions` and `/v1/chat/completions` on top of the engine requests.
+
+Shapes follow the OpenAI API as SGLang serves it (`entrypoints/openai/protocol.py`), including
+SGLang's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `no_stop_trim`) and `matched_stop` in each choice. Choices are ordered
+prompt by prompt, `n` per prompt. Log-probs are the raw model distribution's, as on `/generate`.
+
+Chat prompts use the tokenizer's own chat template when it has one (`apply_chat_template`);
+otherwise (the bundled byte tokenizer) the ChatML layout `<|im_start|>role\\ncontent<|im_end|>\\n`
+with `<|im_start|>assistant\\n` appended, and `<|im_end|>` as an extra stop token.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.rollout.engine.core import Request, RequestOutput
+from mcore_rl.rollout.protocol import RequestError, check_fields, sampling_params_from_json
+
+# OpenAI name -> SGLang sampling_params name.
+_SAMPLING = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "regex": "regex", "json_schema": "json_schema",
+}
+_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", *_SAMPLING}
+_IGNORED = {"user", "metadata", "store", "service_tier", "rid", "extra_body"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+_COMPLETION_UNSUPPORTED = {"suffix", "best_of"}
+_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tool_choice", "response_format"}
+_CHAT_UNSUPPORTED = {"tools", "functions", "function_call", "parallel_tool_calls", "audio", "modalities", "prediction"}
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class OpenAIInput:
+    """A parsed OpenAI request: `n` engine requests per prompt, prompt by prompt."""
+
+    chat: bool
+    requests: list[Request]
+    prompts: list[list[int]]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-k per position when log-probs are asked for, else None
+    model: str | None = None  # as the request named it
+    echo_texts: list[str] | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_completion(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> OpenAIInput:
+    _object(body)
+    check_fields(body, _COMPLETION_FIELDS, _IGNORED, _COMPLETION_UNSUPPORTED)
+    if body.get("best_of") not in (None, body.get("n", 1)):
+        raise RequestError("best_of: not supported by the embedded engine (only best_of == n)")
+    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab_size):
+        raise RequestError(f"logprobs: expected an integer in [0, {vocab_size}] or null, got {logprobs!r}")
+    echo = _bool(body, "echo", False)
+    max_tokens = body.get("max_tokens", 16)
+    inp = _build(body, prompts, max_tokens, "max_tokens", logprobs, False, echo and logprobs is not None,
+                 tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=[])
+    inp.echo_texts = texts if echo else None
+    return inp
+
+
+def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> OpenAIInput:
+    _object(body)
+    check_fields(body, _CHAT_FIELDS, _IGNORED, _CHAT_UNSUPPORTED)
+    if body.get("tool_choice") not in (None, "none"):
+        raise RequestError("tool_choice: tools are not supported by the embedded engine")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("response_format: only {\"type\": \"text\"} is supported by the embedded engine")
+    ids = tokenizer.encode(chat_prompt(body.get("messages"), tokenizer))
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= vocab_size):
+        raise RequestError(f"top_logprobs: expected an integer in [0, {vocab_size}], got {top!r}")
+    logprobs = (top or 0) if _bool(body, "logprobs", False) else None
+    if top and logprobs is None:
+        raise RequestError("top_logprobs: needs logprobs: true")
+    max_tokens, key = body.get("max_tokens"), "max_tokens"
+    if body.get("max_completion_tokens") is not None:
+        max_tokens, key = body["max_completion_tokens"], "max_completion_tokens"
+    end = getattr(tokenizer, "token_to_id", None)
+    extra_stop = [end("<|im_end|>")] if end is not None and not hasattr(tokenizer, "apply_chat_template") else []
+    return _build(body, [ids], max_tokens, key, logprobs, True, False,
+                  tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=extra_stop)
+
+
+def chat_prompt(messages: Any, tokenizer) -> str:
+    """The prompt text for a chat request (see the module docstring)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: expected a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}]: expected an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content[{j}]: only text parts are supported by the embedded engine")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content: expected a string or a list of text parts")
+        clean.append({"role": m["role"], "content": content})
+    template = getattr(tokenizer, "apply_chat_template", None)
+    if template is not None:
+        try:
+            return template(clean, add_generation_prompt=True, tokenize=False)
+        except ValueError:  # an HF tokenizer without a chat template: fall back to ChatML
+            pass
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in clean) + "<|im_start|>assistant\n"
+
+
+def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, *, tokenizer, vocab_size,
+           context_length, extra_stop) -> OpenAIInput:
+    n = body.get("n", 1)
+    if not _is_int(n) or n < 1:
+        raise RequestError(f"n: expected an integer >= 1, got {n!r}")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options: expected an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage: expected true or false")
+    sp: dict[str, Any] = {_SAMPLING[k]: v for k, v in body.items() if k in _SAMPLING and v is not None}
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    if extra_stop and not sp.get("ignore_eos"):
+        stop_ids = sp.get("stop_token_ids", [])
+        sp["stop_token_ids"] = stop_ids + extra_stop if isinstance(stop_ids, list) else stop_ids  # a bad type is reported below
+    names = {v: k for k, v in _SAMPLING.items()} | {"max_new_tokens": max_key}
+    requests = []
+    base = uuid.uuid4().hex
+    for p, ids in enumerate(prompts):
+        for j in range(n):
+            try:
+                params = sampling_params_from_json(dict(sp))
+                if max_tokens is None:  # "as long as the context allows", as SGLang's chat does
+                    params.max_new_tokens = context_length - len(ids)
+                params.validate(context_length, len(ids), vocab_size)
+            except ValueError as err:
+                raise RequestError(_openai_names(str(err), names)) from None
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
+            requests.append(Request(
+                rid=f"{base}-{p}-{j}", input_ids=ids, sampling=params, return_logprob=logprobs is not None,
+                top_logprobs_num=logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1, stream=stream,
+            ))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"model: expected a string, got {model!r}")
+    return OpenAIInput(chat, requests, prompts, n, stream, include_usage, logprobs, model)
+
+
+def _openai_names(message: str, names: dict[str, str]) -> str:
+    """Error messages name the OpenAI field, not the engine's."""
+    if message.startswith("sampling_params."):
+        key, _, rest = message.removeprefix("sampling_params.").partition(":")
+        return f"{names.get(key, key)}:{rest}"
+    return message
+
+
+def _completion_prompts(prompt: Any, tokenizer) -> tuple[list[list[int]], list[str]]:
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, str) or isinstance(x, list) for x in prompt):
+        items = prompt
+    else:
+        raise RequestError("prompt: expected a string, a list of strings, a list of token ids or a list of such lists")
+    prompts, texts = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids, text = tokenizer.encode(item), item
+        elif item and all(_is_int(t) for t in item):
+            ids, text = list(item), None
+        else:
+            raise RequestError(f"prompt[{i}]: expected a string or a non-empty list of integer token ids")
+        if not ids:
+            raise RequestError(f"prompt[{i}]: the prompt is empty")
+        prompts.append(ids)
+        texts.append(text if text is not None else tokenizer.decode(ids))
+    return prompts, texts
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def usage(inp: OpenAIInput, outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(p) for p in inp.prompts)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish(out: RequestOutput) -> tuple[str | None, Any]:
+    reason = out.finish_reason or {}
+    return _REASONS.get(reason.get("type")), reason.get("matched")
+
+
+def completion_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, tokenizer) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        text = out.text or ""
+        lp = None
+        if inp.logprobs is not None:
+            pairs, tops = list(out.output_token_logprobs), list(out.output_top_logprobs)
+            if inp.echo_texts is not None:
+                pairs, tops = list(out.input_token_logprobs) + pairs, list(out.input_top_logprobs) + tops
+            lp = completion_logprobs(pairs, tops, tokenizer, inp.logprobs)
+        if inp.echo_texts is not None:
+            text = inp.echo_texts[i // inp.n] + text
+        reason, matched = finish(out)
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+    return {"id": f"cmpl-{inp.id}", "object": "text_completion", "created": inp.created, "model": model,
+            "choices": choices, "usage": usage(inp, outs)}
+
+
+def chat_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, tokenizer) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        reason, matched = finish(out)
+        lp = None
+        if inp.logprobs is not None:
+            lp = {"content": chat_logprobs(out.output_token_logprobs, out.output_top_logprobs, tokenizer, inp.logprobs)}
+        choices.append({"index": i, "message": {"role": "assistant", "content": out.text or ""},
+                        "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+    return {"id": f"chatcmpl-{inp.id}", "object": "chat.completion", "created": inp.created, "model": model,
+            "choices": choices, "usage": usage(inp, outs)}
+
+
+def completion_logprobs(pairs, tops, tokenizer, k: int) -> dict:
+    tokens = [tokenizer.decode([tid]) for _, tid in pairs]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in pairs],
+        "top_logprobs": [None if t is None else {tokenizer.decode([tid]): lp for lp, tid in t[:k]} for t in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(pairs, tops, tokenizer, k: int) -> list[dict]:
+    def entry(lp: float, tid: int) -> dict:
+        token = tokenizer.decode([tid])
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+    return [entry(lp, tid) | {"top_logprobs": [entry(a, b) for a, b in top[:k]]} for (lp, tid), top in zip(pairs, tops)]
+
+
+class StreamState:
+    """Turns a choice's cumulative outputs into OpenAI deltas. Text that a later token could still
+    change is held back: an incomplete UTF-8 character, or the tail that might start a stop string."""
+
+    def __init__(self, inp: OpenAIInput, index: int, req: Request) -> None:
+        self.inp, self.index = inp, index
+        self.holdback = max((len(s) for s in req.sampling.stop or []), default=1) - 1
+        self.sent_text = ""
+        self.sent_tokens = 0
+        self.started = False
+
+    def chunk(self, out: RequestOutput, *, model: str, tokenizer) -> dict | None:
+        text = out.text or ""
+        if not out.finished:
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(self.sent_text), len(text) - self.holdback)]
+        delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+        self.sent_text += delta
+        new_pairs = out.output_token_logprobs[self.sent_tokens:]
+        new_tops = out.output_top_logprobs[self.sent_tokens:]
+        self.sent_tokens = len(out.output_token_logprobs)
+        reason, matched = finish(out) if out.finished else (None, None)
+        if not delta and not out.finished and not new_pairs and self.started:
+            return None
+        lp = None
+        if self.inp.chat:
+            if self.inp.logprobs is not None:
+                lp = {"content": chat_logprobs(new_pairs, new_tops, tokenizer, self.inp.logprobs)}
+            d = {"content": delta} if self.started else {"role": "assistant", "content": delta}
+            self.started = True
+            choice = {"index": self.index, "delta": d, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+            return {"id": f"chatcmpl-{self.inp.id}", "object": "chat.completion.chunk", "created": self.inp.created,
+                    "model": model, "choices": [choice]}
+        if self.inp.logprobs is not None:
+            lp = completion_logprobs(new_pairs, new_tops, tokenizer, self.inp.logprobs)
+        if not self.started and self.inp.echo_texts is not None:
+            delta = self.inp.echo_texts[self.index // self.inp.n] + delta
+        self.started = True
+        choice = {"index": self.index, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+        return {"id": f"cmpl-{self.inp.id}", "object": "text_completion", "created": self.inp.created,
+                "model": model, "choices": [choice]}
+
+
+def usage_chunk(inp: OpenAIInput, outs: list[RequestOutput], model: str) -> dict:
+    obj = "chat.completion.chunk" if inp.chat else "text_completion"
+    prefix = "chatcmpl" if inp.chat else "cmpl"
+    return {"id": f"{prefix}-{inp.id}", "object": obj, "created": inp.created, "model": model, "choices": [],
+            "usage": usage(inp, outs)}
+
+
+def models_list(model: str, context_length: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                        "owned_by": "mcore-rl", "root": model, "max_model_len": context_length}]}
+
+
+def _object(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise RequestError(f"body: expected a JSON object, got {type(body).__name__}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{key}: expected true or false, got {v!r}")
+    return v

@@ -1,0 +1,289 @@
+"""SGLang's native `/generate` API: parsing and validating requests, building responses.
+
+Field names and JSON shapes follow SGLang (`GenerateReqInput` in `managers/io_struct.py`, the
+`meta_info` its TokenizerManager builds, `SamplingParams` in `sampling/sampling_params.py`), so a
+client written for `sglang.launch_server` works unchanged against the embedded engine:
+
+    request:  {"text" | "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
+               "logprob_start_len", "return_text_in_logprobs", "stream", "rid"}  (lists = a batch)
+    response: {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+               "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
+               ["input_token_logprobs", "output_token_logprobs",        # [logprob, token_id, text|null]
+                "input_top_logprobs", "output_top_logprobs"]}}          # per position: list of those
+
+Everything a request can fail is checked here, before it reaches the engine, so one bad item never
+leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). SGLang fields
+that change no token (metrics, routing hints) are accepted and ignored; fields for features the
+embedded engine lacks (images, LoRA, grammars, penalties) are rejected unless left at their default.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.rollout.engine.core import Request, RequestOutput
+from mcore_rl.rollout.engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A mistake in the client's request; answered with HTTP 400 and this message, which names the field."""
+
+
+# --- /generate fields ---------------------------------------------------------------------------
+
+_GENERATE_FIELDS = {
+    "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "return_text_in_logprobs", "stream",
+}
+# Metadata a real SGLang server uses for metrics, logging or routing; it changes no token.
+_IGNORED_FIELDS = {
+    "log_metrics", "priority", "custom_labels", "no_logs", "routing_key", "conversation_id",
+    "session_id", "routed_dp_rank", "data_parallel_rank", "received_time", "external_trace_header",
+    "extra_key", "cache_salt", "background", "http_worker_ipc",
+}
+# SGLang features the embedded engine does not have: fine when absent/null/false, an error otherwise.
+_UNSUPPORTED_FIELDS = {
+    "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
+    "return_hidden_states", "return_routed_experts", "session_params", "lora_path", "lora_id",
+    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "return_entropy", "modalities", "return_prompt_token_ids", "return_bytes",
+    "require_reasoning", "max_thinking_tokens", "positional_embed_overrides",
+}
+# sampling_params keys SGLang knows that the engine ignores (presentation/stream granularity only) ...
+_IGNORED_SAMPLING = {"spaces_between_special_tokens", "stream_interval"}
+# ... and those it cannot honour, accepted only at their neutral value.
+_NEUTRAL_SAMPLING = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "json_schema": None,
+    "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None, "custom_params": None,
+    "logit_bias": None,
+}
+
+
+@dataclass
+class GenerateInput:
+    """A parsed `/generate` body: one engine `Request` per item (parallel samples `n` expanded)."""
+
+    requests: list[Request]
+    is_single: bool
+    stream: bool
+    return_text_in_logprobs: bool
+
+
+def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> GenerateInput:
+    """Validate a `/generate` body and turn it into engine requests; raises `RequestError`."""
+    if not isinstance(body, dict):
+        raise RequestError(f"body: expected a JSON object, got {type(body).__name__}")
+    check_fields(body, _GENERATE_FIELDS, _IGNORED_FIELDS, _UNSUPPORTED_FIELDS)
+
+    prompts, is_single = _prompts(body, tokenizer)
+    batch = len(prompts)
+    sampling = body.get("sampling_params")
+    if sampling is None:
+        sampling = [{}] * batch
+    elif isinstance(sampling, dict):
+        sampling = [sampling] * batch
+    elif isinstance(sampling, list) and not is_single:
+        if len(sampling) != batch:
+            raise RequestError(f"sampling_params: {len(sampling)} entries for a batch of {batch}")
+    else:
+        raise RequestError(f"sampling_params: expected an object (or a list of them for a batch), got {sampling!r}")
+    for i, sp in enumerate(sampling):
+        if not isinstance(sp, dict):
+            raise RequestError(f"sampling_params[{i}]: expected an object, got {sp!r}")
+    n = _parallel_samples(sampling)
+
+    return_logprob = _per_item(body, "return_logprob", batch, is_single, False, _bool)
+    start_len = _per_item(body, "logprob_start_len", batch, is_single, -1, _int)
+    top_num = _per_item(body, "top_logprobs_num", batch, is_single, 0, _int)
+    stream = _bool("stream", body.get("stream", False))
+    with_text = _bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
+    rids = _rids(body.get("rid"), batch, n, is_single)
+
+    requests = []
+    for k in range(n):  # SGLang's order for parallel samples: the whole batch, n times over
+        for i, ids in enumerate(prompts):
+            where = "" if is_single and n == 1 else f" (batch item {k * batch + i})"
+            try:
+                params = sampling_params_from_json(sampling[i])
+                params.validate(context_length, len(ids), vocab_size)
+            except ValueError as err:
+                raise RequestError(f"{err}{where}") from None
+            _check_ids(ids, vocab_size, where)
+            if start_len[i] < -1 or start_len[i] >= len(ids):
+                raise RequestError(
+                    f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) for a "
+                    f"{len(ids)}-token prompt, got {start_len[i]}{where}"
+                )
+            if not 0 <= top_num[i] <= vocab_size:
+                raise RequestError(f"top_logprobs_num: must be in [0, {vocab_size}], got {top_num[i]}{where}")
+            requests.append(Request(
+                rid=rids[k * batch + i], input_ids=ids, sampling=params,
+                return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
+                logprob_start_len=start_len[i], stream=stream,
+            ))
+    return GenerateInput(requests, is_single and n == 1, stream, with_text)
+
+
+def check_fields(body: dict, known: set[str], ignored: set[str], unsupported: set[str], prefix: str = "") -> None:
+    """Unknown keys and unsupported features with a non-default value are errors naming the key."""
+    for key, value in body.items():
+        if key in known or key in ignored:
+            continue
+        if key in unsupported:
+            if value in (None, False, [], {}, ""):
+                continue
+            raise RequestError(f"{prefix}{key}: not supported by the embedded engine")
+        raise RequestError(f"{prefix}{key}: unknown field (accepted: {', '.join(sorted(known))})")
+
+
+def sampling_params_from_json(d: dict) -> SamplingParams:
+    """SGLang's `sampling_params` object -> `SamplingParams` (without `n`, handled by the caller)."""
+    kept = {}
+    for key, value in d.items():
+        if key == "n" or key in _IGNORED_SAMPLING:
+            continue
+        if key in _NEUTRAL_SAMPLING:
+            if value is not None and value != _NEUTRAL_SAMPLING[key]:
+                raise RequestError(f"sampling_params.{key}: not supported by the embedded engine (got {value!r})")
+            continue
+        kept[key] = value
+    return SamplingParams.from_dict(kept)
+
+
+def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("text, input_ids: give exactly one of them")
+    if text is not None:
+        if isinstance(text, str):
+            texts, single = [text], True
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, single = text, False
+        else:
+            raise RequestError("text: expected a string or a non-empty list of strings")
+        prompts = [tokenizer.encode(t) for t in texts]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError("text: the prompt is empty" + ("" if single else f" (batch item {i})"))
+        return prompts, single
+    if not isinstance(input_ids, list) or not input_ids:
+        raise RequestError("input_ids: expected a non-empty list of token ids (or a list of such lists)")
+    if all(_is_int(t) for t in input_ids):
+        return [list(input_ids)], True
+    if all(isinstance(row, list) and row and all(_is_int(t) for t in row) for row in input_ids):
+        return [list(row) for row in input_ids], False
+    raise RequestError("input_ids: expected a non-empty list of integer token ids (or a list of such lists)")
+
+
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size}){where}")
+
+
+def _parallel_samples(sampling: list[dict]) -> int:
+    ns = set()
+    for sp in sampling:
+        n = 1 if sp.get("n") is None else sp["n"]
+        if not _is_int(n) or n < 1:
+            raise RequestError(f"sampling_params.n: expected an integer >= 1, got {n!r}")
+        ns.add(n)
+    if len(ns) > 1:
+        raise RequestError("sampling_params.n: must be the same for every item of a batch")
+    return ns.pop()
+
+
+def _per_item(body: dict, key: str, batch: int, is_single: bool, default: Any, check) -> list:
+    value = body.get(key)
+    if value is None:
+        return [default] * batch
+    if isinstance(value, list):
+        if is_single or len(value) != batch:
+            raise RequestError(f"{key}: a list needs a batch of the same length ({batch} prompts)")
+        return [default if v is None else check(key, v) for v in value]
+    return [check(key, value)] * batch
+
+
+def _rids(rid: Any, batch: int, n: int, is_single: bool) -> list[str]:
+    total = batch * n
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    if isinstance(rid, str) and rid:
+        return [rid] if is_single and n == 1 else [f"{rid}_{i}" for i in range(total)]
+    if isinstance(rid, list) and not is_single and all(isinstance(r, str) and r for r in rid):
+        if len(rid) != batch:
+            raise RequestError(f"rid: {len(rid)} ids for a batch of {batch}")
+        if len(set(rid)) != len(rid):
+            raise RequestError("rid: duplicate request ids within the batch")
+        return list(rid) if n == 1 else [f"{rid[i]}_{k}" for k in range(n) for i in range(batch)]
+    raise RequestError("rid: expected a non-empty string (or, for a batch, a list of them)")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(key: str, v: Any) -> int:
+    if not _is_int(v):
+        raise RequestError(f"{key}: expected an integer, got {v!r}")
+    return v
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise RequestError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def generate_output(
+    out: RequestOutput, req: Request, *, tokenizer, return_text_in_logprobs: bool, e2e_latency: float
+) -> dict:
+    """One `/generate` result (or one streamed chunk: cumulative text, ids and log-probs so far)."""
+    meta: dict[str, Any] = {
+        "id": out.rid,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": 0,
+        "weight_version": str(out.weight_version),
+        "e2e_latency": e2e_latency,
+    }
+    if req.return_logprob:
+        with_text = tokenizer if return_text_in_logprobs else None
+        meta["input_token_logprobs"] = logprob_triples(out.input_token_logprobs, with_text)
+        meta["output_token_logprobs"] = logprob_triples(out.output_token_logprobs, with_text)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [None if t is None else logprob_triples(t, with_text) for t in out.input_top_logprobs]
+            meta["output_top_logprobs"] = [logprob_triples(t, with_text) for t in out.output_top_logprobs]
+    text = out.text if out.text is not None else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
+
+
+def logprob_triples(pairs, tokenizer=None) -> list[list]:
+    """(logprob, token_id) pairs -> SGLang's [logprob, token_id, token_text or null] lists."""
+    if tokenizer is None:
+        return [[lp, tid, None] for lp, tid in pairs]
+    return [[lp, tid, tokenizer.decode([tid])] for lp, tid in pairs]
+
+
+def error_body(message: str, status: int = 400) -> dict:
+    """SGLang's error shape (`_create_error_response`), plus the HTTP code."""
+    return {"error": {"message": message, "code": status}}
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event, as SGLang streams them."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

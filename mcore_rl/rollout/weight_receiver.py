@@ -1,0 +1,328 @@
+"""Engine side of the weight sync: SGLang's weight-update requests applied to an `EngineCore`.
+
+The server's handlers pass the request's JSON body (a dict) and get SGLang's reply shape back,
+`{"success": bool, "message": str}` (HTTP 200 on success, 400 otherwise). A malformed request
+raises `ValueError` whose message starts with the offending field, before anything changed. The
+`update_weights_from_*` handlers run on the engine thread at a safe point
+(`AsyncEngine.update_weights`, which also handles `abort_all_requests`); they load, then set the
+version the engine reports and flush the cache (`flush_cache`). The group handlers do not touch
+the model and block until the trainer joins: run them off the engine thread. Request fields are
+those of SGLang's `io_struct`:
+
+- `init_weights_update_group`: master_address, master_port, rank_offset, world_size,
+  group_name="weight_update_group", backend="nccl". The engine joins a process group with the
+  trainer (rank 0) as rank `rank_offset` (+ its TP rank, always 0 here) through the trainer's TCP
+  store, as SGLang's `init_custom_process_group` does; no default process group is needed.
+  `backend="nccl"` needs an engine on CUDA; the CPU engine speaks gloo.
+- `update_weights_from_distributed`: names, dtypes, shapes, group_name, flush_cache=True,
+  weight_version=None, load_format=None | "flattened_bucket". Receives one broadcast per tensor
+  from group rank 0 in request order, or one broadcast of the flattened bucket, then loads.
+  Bytes travel as uint8, so float8 works over gloo too.
+- `update_weights_from_tensor`: serialized_named_tensors (one per TP rank; entry 0 is used),
+  load_format=None | "direct", flush_cache=True, weight_version=None. Entries are
+  `weight_protocol.encode_named_tensors` payloads; pickles are refused.
+- `update_weights_from_disk`: model_path, load_format=None, weight_version=None,
+  flush_cache=True. Loads every *.safetensors file of model_path.
+- `destroy_weights_update_group`: group_name.
+
+Versions: `weight_version` (an integer, or a string of one) sets the version the engine reports.
+Without it a disk update, always a whole checkpoint, advances the version by one, and a bucket
+(distributed / tensor) leaves it alone, as SGLang does: a trainer names the version on its last
+bucket. Every tensor of a request is checked against the model (name, shape, FP8 dtype) before any
+is copied, so a rejected request leaves the weights as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.rollout.weight_protocol import (
+    NamedTensors,
+    broadcast_bytes,
+    decode_named_tensors,
+    init_custom_process_group,
+    nbytes,
+    parse_dtype,
+    unflatten,
+)
+
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+_groups: "weakref.WeakKeyDictionary[Any, dict[str, tuple[dist.ProcessGroup, str]]]" = weakref.WeakKeyDictionary()
+_groups_lock = threading.Lock()
+
+
+def _ok(message: str) -> dict:
+    return {"success": True, "message": message}
+
+
+def _fail(message: str) -> dict:
+    return {"success": False, "message": message}
+
+
+# --------------------------------------------------------------------------------------------
+# request fields
+# --------------------------------------------------------------------------------------------
+
+
+def _field(req: dict, name: str, kind: type | tuple[type, ...], default: Any = ..., allow_none: bool = False) -> Any:
+    if not isinstance(req, dict):
+        raise ValueError(f"request: expected a JSON object, got {type(req).__name__}")
+    if name not in req:
+        if default is ...:
+            raise ValueError(f"{name}: required")
+        return default
+    value = req[name]
+    if value is None and allow_none:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"{name}: expected {want}{' or null' if allow_none else ''}, got {value!r}"[:300])
+    return value
+
+
+def _version(req: dict) -> Optional[int]:
+    value = _field(req, "weight_version", (str, int), None, allow_none=True)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"weight_version: expected an integer (as a number or string), got {value!r}") from None
+
+
+def _load_format(req: dict, allowed: tuple[Optional[str], ...]) -> Optional[str]:
+    fmt = _field(req, "load_format", str, None, allow_none=True)
+    if fmt not in allowed:
+        raise ValueError(f"load_format: {fmt!r} is not supported here (allowed: {list(allowed)})")
+    return fmt
+
+
+def _bucket_meta(req: dict) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    names = _field(req, "names", list)
+    dtypes = _field(req, "dtypes", list)
+    shapes = _field(req, "shapes", list)
+    if not names:
+        raise ValueError("names: must not be empty")
+    if len(dtypes) != len(names) or len(shapes) != len(names):
+        raise ValueError(f"dtypes/shapes: need one per name ({len(names)}), got {len(dtypes)} and {len(shapes)}")
+    for i, n in enumerate(names):
+        if not isinstance(n, str) or not n:
+            raise ValueError(f"names[{i}]: expected a non-empty string, got {n!r}")
+    parsed = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes)]
+    for i, s in enumerate(shapes):
+        if not isinstance(s, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s):
+            raise ValueError(f"shapes[{i}]: expected a list of non-negative integers, got {s!r}"[:300])
+    return names, parsed, shapes
+
+
+# --------------------------------------------------------------------------------------------
+# loading (shared by every transport and the in-process path)
+# --------------------------------------------------------------------------------------------
+
+_FUSED_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+Item = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def check_weights(core: Any, items: Iterable[Item], field: str) -> None:
+    """ValueError (prefixed with the request `field`) naming the first (name, shape, dtype) the
+    engine's model cannot take; run before anything is copied."""
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in core.model.state_dict().items()}
+    for name, shape, dtype in items:
+        if name.endswith(_FUSED_SUFFIXES) or name.endswith("rotary_emb.inv_freq"):
+            continue  # stock fused MoE experts / derived buffers: load_weights splits or skips them
+        if name not in expected:
+            raise ValueError(f"{field}: {name!r} is not a weight of the engine's model (quantization={core.quantization})")
+        want_shape, want_dtype = expected[name]
+        if tuple(shape) != want_shape:
+            raise ValueError(f"{field}: {name!r} has shape {list(shape)}, the model's is {list(want_shape)}")
+        if dtype == torch.float8_e4m3fn and want_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{field}: {name!r} is FP8, but the engine holds it in {want_dtype} (not an FP8 engine)")
+        if not dtype.is_floating_point:
+            raise ValueError(f"{field}: {name!r} has dtype {dtype}, not a floating-point weight")
+
+
+def _items(named: NamedTensors) -> Iterable[Item]:
+    return ((n, tuple(t.shape), t.dtype) for n, t in named)
+
+
+def load_named_tensors(core: Any, named: NamedTensors, field: str = "names") -> int:
+    """Check a whole bucket, then copy it into the model (under the core's lock)."""
+    check_weights(core, _items(named), field)
+    return len(core.load_weights(named))
+
+
+def _finish(core: Any, req: dict, count: int, source: str, whole_checkpoint: bool) -> dict:
+    """Set the version the engine reports and flush the cache, as the request asks."""
+    version = _version(req)
+    if version is not None:
+        core.weight_version = version
+    elif whole_checkpoint:
+        core.weight_version += 1
+    flushed = _field(req, "flush_cache", bool, True) and core.flush_cache()
+    return _ok(
+        f"Succeeded to update {count} weights from {source}; weight_version={core.weight_version}"
+        + ("; cache flushed." if flushed else ".")
+    )
+
+
+def _check_options(req: dict) -> None:
+    _version(req)
+    _field(req, "flush_cache", bool, True)
+
+
+# --------------------------------------------------------------------------------------------
+# the broadcast group
+# --------------------------------------------------------------------------------------------
+
+
+def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_TIMEOUT) -> dict:
+    """Join the trainer's broadcast group (blocks until every member has joined)."""
+    address = _field(req, "master_address", str)
+    port = _field(req, "master_port", int)
+    rank_offset = _field(req, "rank_offset", int)
+    world_size = _field(req, "world_size", int)
+    group_name = _field(req, "group_name", str, "weight_update_group")
+    backend = _field(req, "backend", str, "nccl")
+    if not address:
+        raise ValueError("master_address: must not be empty")
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port: expected 1..65535, got {port}")
+    if rank_offset < 1:
+        raise ValueError(f"rank_offset: must be >= 1 (rank 0 is the trainer), got {rank_offset}")
+    if world_size <= rank_offset:
+        raise ValueError(f"world_size: must exceed rank_offset ({rank_offset}), got {world_size}")
+    if not group_name:
+        raise ValueError("group_name: must not be empty")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and core.device.type != "cuda":
+        raise ValueError("backend: 'nccl' needs an engine on CUDA; this engine runs on CPU, use 'gloo'")
+    with _groups_lock:
+        groups = _groups.setdefault(core, {})
+        if group_name in groups:
+            raise ValueError(f"group_name: {group_name!r} is already initialized; destroy it first")
+        groups[group_name] = None  # reserved while joining
+    try:
+        pg = init_custom_process_group(backend, address, port, rank_offset, world_size, group_name, timeout)
+    except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+        with _groups_lock:
+            groups.pop(group_name, None)
+        return _fail(f"Failed to initialize custom process group: {type(e).__name__}: {e}")
+    with _groups_lock:
+        groups[group_name] = (pg, backend)
+    return _ok(f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} of {world_size}.")
+
+
+def destroy_weights_update_group(core: Any, req: dict) -> dict:
+    group_name = _field(req, "group_name", str, "weight_update_group")
+    with _groups_lock:
+        entry = _groups.get(core, {}).get(group_name)
+        if entry is None:
+            return _fail(f"The group to be destroyed does not exist: {group_name!r}")
+        del _groups[core][group_name]
+    dist.destroy_process_group(entry[0])
+    return _ok(f"Succeeded to destroy custom process group {group_name!r}.")
+
+
+def _group(core: Any, group_name: str) -> tuple[dist.ProcessGroup, str]:
+    entry = _groups.get(core, {}).get(group_name)
+    if entry is None:
+        raise ValueError(f"group_name: {group_name!r} is not initialized; call /init_weights_update_group first")
+    return entry
+
+
+# --------------------------------------------------------------------------------------------
+# weight updates
+# --------------------------------------------------------------------------------------------
+
+
+def update_weights_from_distributed(core: Any, req: dict) -> dict:
+    """Receive one bucket by broadcast from the trainer (group rank 0) and load it."""
+    names, dtypes, shapes = _bucket_meta(req)
+    group_name = _field(req, "group_name", str, "weight_update_group")
+    fmt = _load_format(req, (None, "flattened_bucket"))
+    _check_options(req)
+    pg, backend = _group(core, group_name)
+    device = core.device if backend == "nccl" else torch.device("cpu")
+    # Receive before judging the names: the trainer is already broadcasting and must not hang.
+    try:
+        if fmt == "flattened_bucket":
+            flat = torch.empty(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8, device=device)
+            broadcast_bytes(flat, pg)
+            named = unflatten(flat, names, dtypes, shapes)
+        else:
+            named = []
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                broadcast_bytes(tensor, pg)
+                named.append((name, tensor))
+    except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+        return _fail(f"Failed to receive weights over {group_name!r}: {type(e).__name__}: {e}")
+    count = load_named_tensors(core, named, "names")
+    return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
+
+
+def update_weights_from_tensor(core: Any, req: dict) -> dict:
+    """Load the tensors carried in the request (`serialized_named_tensors[0]`)."""
+    payloads = _field(req, "serialized_named_tensors", list)
+    if not payloads:
+        raise ValueError("serialized_named_tensors: must hold one entry per TP rank (this engine has 1)")
+    _load_format(req, (None, "direct"))
+    _check_options(req)
+    named = decode_named_tensors(payloads[0], "serialized_named_tensors[0]")
+    count = load_named_tensors(core, named, "serialized_named_tensors[0]")
+    return _finish(core, req, count, "tensor", whole_checkpoint=False)
+
+
+def update_weights_from_disk(core: Any, req: dict) -> dict:
+    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one), one
+    file at a time, after checking every tensor's name, shape and dtype from the file headers."""
+    from safetensors import safe_open
+
+    path = _field(req, "model_path", str)
+    _load_format(req, (None, "auto", "safetensors"))
+    _check_options(req)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        raise ValueError(f"model_path: {path!r} is not a directory with *.safetensors files")
+    files = [os.path.join(path, f) for f in files]
+    try:
+        headers = [_safetensors_header(f) for f in files]
+    except Exception as e:  # noqa: BLE001 - a corrupt or unreadable file is the caller's input
+        raise ValueError(f"model_path: cannot read {path!r}: {type(e).__name__}: {e}") from None
+    check_weights(core, (item for h in headers for item in h), "model_path")
+    count = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            count += len(core.load_weights((n, sf.get_tensor(n)) for n in sf.keys()))
+    return _finish(core, req, count, path, whole_checkpoint=True)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _safetensors_header(path: str) -> list[Item]:
+    """(name, shape, dtype) of every tensor in a safetensors file, from its JSON header only
+    (non-float dtypes read as uint8, which `check_weights` refuses)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return [
+        (name, tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], torch.uint8))
+        for name, info in header.items()
+        if name != "__metadata__"
+    ]

@@ -1,0 +1,384 @@
+"""Log-probs and entropy of given tokens from a megatron-core GPTModel, without full logits.
+
+RL needs log π(y_t) of the *sampled* token (and often the entropy) at every position. The naive
+route, `log_softmax(hidden @ W.T)`, holds fp32 [tokens × vocab] tensors: 4.9 GB for 8k tokens and
+a 150k vocabulary, several times over in backward. Here the output projection, the softmax
+statistics and their gradients are computed per chunk of tokens by one autograd Function
+(`_VocabParallelTokenStats`) that keeps only per-token scalars (log-sum-exp, E[z]) between forward
+and backward and recomputes each chunk's logits in backward. Peak extra memory is about two
+[chunk × vocab/TP] fp32 buffers plus the output-weight gradient.
+
+Tensor parallelism: each TP rank holds a vocabulary shard of the output weight
+(`ColumnParallelLinear`). Like megatron-core's `vocab_parallel_cross_entropy`, the max, the
+sum of exponentials, the target logit and Σ e^z·z are all-reduced over the TP group (a few floats
+per token); the full vocabulary is never gathered on one rank. The hidden states enter through the
+same region op the output layer would use (all-gather over sequence-parallel ranks, or an identity
+whose backward all-reduces), so gradients reach the hidden states and the weight shard exactly as
+with megatron-core's own output layer.
+
+Pipeline parallelism: the statistics are computed on the last stage inside megatron-core's
+schedule — `make_forward_step` builds the `forward_step` that `train.forward_backward` takes.
+
+Context parallelism is not exercised: megatron-core's CP runs inside transformer-engine attention,
+which does not exist on CPU, and the config rejects CP>1 without it. The computation is per token
+and needs only TP collectives, so under CP it applies to each rank's local tokens as long as the
+labels are split the same way as the tokens (megatron's load-balanced CP split); untested.
+
+Temperature: logits are divided by `temperature` before the softmax, matching engines that report
+log-probs of the temperature-scaled distribution they sampled from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+Batch = dict[str, torch.Tensor]
+
+# Default size of one [chunk × local vocab] fp32 buffer; two of them are live at the peak.
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+
+
+def auto_chunk_size(local_vocab: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one fp32 [chunk × local_vocab] buffer fits in `max_chunk_bytes`."""
+    return max(1, max_chunk_bytes // (4 * local_vocab))
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs (as megatron's cross entropy); fp64 stays fp64 (gradcheck)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class _VocabParallelTokenStats(torch.autograd.Function):
+    """(logprob, entropy) per token from hidden [n, h] and a vocab shard of the output weight.
+
+    Forward saves only per-token log-sum-exp and E_p[z]; backward recomputes each chunk's logits:
+      d logp / dz_j = 1[j = y] - p_j,      d H / dz_j = -p_j (z_j - E_p[z]),
+    with z = logits / T, then chains through 1/T into the hidden states and the weight. The
+    hidden-state gradient returned here is this shard's partial sum; the region op in front of it
+    (all-reduce / reduce-scatter in backward) adds the other shards' parts.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        inv_temp: float,
+        chunk_size: int,
+        with_entropy: bool,
+        group: Optional[dist.ProcessGroup],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        acc = _acc_dtype(hidden)
+        local_t = targets - vocab_start
+        in_shard = (local_t >= 0) & (local_t < local_vocab)
+        local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        entropy = torch.zeros(n, dtype=acc, device=hidden.device)
+        lse = torch.empty_like(logp)
+        mean_z = torch.zeros_like(logp)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            z = (hidden[s:e] @ weight.t()).to(acc)
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            zmax = z.max(dim=-1).values
+            _all_reduce(zmax, dist.ReduceOp.MAX, group)
+            z.sub_(zmax[:, None])
+            ez = torch.exp(z)
+            target_z = z.gather(1, local_t[s:e, None]).squeeze(1) * in_shard[s:e]
+            sums = [ez.sum(dim=-1), target_z]
+            if with_entropy:
+                sums.append(ez.mul_(z).sum(dim=-1))  # Σ e^z z (shifted); ez is dead after this
+            stats = torch.stack(sums)
+            del z, ez
+            _all_reduce(stats, dist.ReduceOp.SUM, group)
+            log_sum = stats[0].log()
+            logp[s:e] = stats[1] - log_sum
+            lse[s:e] = log_sum + zmax
+            if with_entropy:
+                ez_mean = stats[2] / stats[0]
+                entropy[s:e] = log_sum - ez_mean
+                mean_z[s:e] = ez_mean + zmax
+        ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z)
+        ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):  # type: ignore[override]
+        hidden, weight, local_t, in_shard, lse, mean_z = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = hidden.shape[0]
+        inv_temp = ctx.inv_temp
+        acc = _acc_dtype(hidden)
+        if grad_logp is None:
+            grad_logp = torch.zeros(n, dtype=acc, device=hidden.device)
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        rows = torch.arange(n, device=hidden.device)
+        for s in range(0, n, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, n)
+            z = (hidden[s:e] @ weight.t()).to(acc)
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            p = torch.exp(z - lse[s:e, None])
+            gl = grad_logp[s:e].to(acc)
+            if use_entropy:
+                # g = -p * (gl + gH * (z - E[z])), built in place in z
+                ge = grad_entropy[s:e].to(acc)
+                z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl[:, None]).mul_(p).neg_()
+                g = z
+            else:
+                g = p.mul_(-gl[:, None])
+            g[rows[: e - s], local_t[s:e]] += gl * in_shard[s:e]
+            if inv_temp != 1.0:
+                g.mul_(inv_temp)
+            if need_h:
+                grad_hidden[s:e] = g.to(hidden.dtype) @ weight
+            if need_w:  # in place: `+= g.t() @ h` would allocate a weight-sized temporary per chunk
+                grad_weight.addmm_(g.t(), hidden[s:e].to(acc))
+            del z, p, g
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def vocab_parallel_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = True,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy, per token, from hidden [n, h] and this rank's vocab shard.
+
+    `weight` is the [vocab/TP, h] shard of TP rank r (rows r·V/TP … (r+1)·V/TP); `targets` [n] are
+    global token ids. `hidden` must already be replicated over TP with the right backward (see
+    `tp_region`); with `tp_group=None` the shard is the whole vocabulary. Returns fp32 [n] tensors;
+    the entropy is zeros (and not differentiable) when `with_entropy` is False.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
+    vocab_start = rank * weight.shape[0]
+    chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    return _VocabParallelTokenStats.apply(
+        hidden, weight, targets.long(), vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# megatron-core GPTModel
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenStats:
+    """Per-token outputs of the last pipeline stage, [batch, seq] fp32."""
+
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"expected a megatron-core GPTModel (possibly wrapped), got {type(model).__name__}")
+    return model
+
+
+@contextlib.contextmanager
+def _decoder_output_only(gpt: torch.nn.Module) -> Iterator[None]:
+    """Make GPTModel.forward return the final-normed hidden states instead of logits.
+
+    `_postprocess` returns the decoder output before the output layer when `post_process` is
+    False; the decoder's final norm is its own flag and still runs. Nothing else reads the flag
+    during the forward, and backward does not read it at all.
+    """
+    saved = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+def tp_region(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Enter the output layer's TP region: what ColumnParallelLinear does to its input."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return hidden
+    if sequence_parallel:
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+
+
+def output_weight(gpt: torch.nn.Module) -> torch.Tensor:
+    """This stage's output-projection shard (the embedding on a tied single-stage model)."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def gpt_token_stats(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = True,
+) -> torch.Tensor | TokenStats:
+    """Run one (possibly wrapped) GPTModel chunk. On the last pipeline stage return `TokenStats`
+    for `labels` [b, s] (labels[:, t] is the token that follows position t); on other stages the
+    hidden states to send on."""
+    from megatron.core import parallel_state
+
+    gpt = unwrap_gpt(model)
+    with _decoder_output_only(gpt):
+        hidden = model(tokens, position_ids, attention_mask)
+    if not gpt.post_process:
+        return hidden
+    hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
+    s, b, h = hidden.shape
+    logp, ent = vocab_parallel_token_stats(
+        hidden.reshape(s * b, h),
+        output_weight(gpt),
+        labels.t().reshape(-1),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None)
+
+
+# A loss on the last stage: (batch, stats) -> (summed loss, count for the global mean, report).
+# `report` must hold "lm_loss": stack([summed loss (detached), count]) for `forward_backward`; any
+# other entries are kept too (see `make_forward_step`'s `store`).
+LossFn = Callable[[Batch, TokenStats], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def make_forward_step(
+    loss_fn: LossFn,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = True,
+    store: Optional[list[dict[str, Any]]] = None,
+) -> Callable:
+    """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
+
+    Micro-batches hold `tokens`, `labels`, `position_ids` and optionally `segment_ids` (packed
+    rows) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
+    follows `calculate_per_token_loss`: it returns a *sum* and the integer count it should be
+    divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
+    ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
+    """
+    from mcore_rl.train.forward_backward import attention_mask_from_segments
+
+    def _loss(batch: Batch, stats: TokenStats) -> tuple:
+        loss, count, report = loss_fn(batch, stats)
+        if store is not None:
+            store.append(report)
+        return loss, count, report
+
+    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
+        batch = next(data_iterator)
+        out = gpt_token_stats(
+            model,
+            batch["tokens"],
+            batch["position_ids"],
+            attention_mask_from_segments(batch.get("segment_ids")),
+            batch["labels"],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        return out, partial(_loss, batch)
+
+    return forward_step
+
+
+def _collect_loss(key_mask: str, batch: Batch, stats: TokenStats) -> tuple:
+    mask = batch[key_mask].float() if key_mask in batch else torch.ones_like(stats.logprobs)
+    report: dict[str, torch.Tensor] = {
+        "lm_loss": torch.zeros(2, device=stats.logprobs.device),
+        "logprobs": stats.logprobs.detach(),
+    }
+    if stats.entropy is not None:
+        report["entropy"] = stats.entropy.detach()
+    zero = (stats.logprobs * 0.0).sum()
+    return zero, torch.tensor(int(mask.sum()), dtype=torch.int), report
+
+
+@torch.no_grad()
+def compute_token_stats(
+    chunks: list[torch.nn.Module],
+    microbatches: list[Batch],
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = False,
+    all_stages: bool = True,
+) -> list[TokenStats]:
+    """Forward-only log-probs (and entropy) of every micro-batch's labels, e.g. π_old or π_ref.
+
+    Returns one `TokenStats` per micro-batch, [b, s] each, on the CPU. Under PP they exist on the
+    last stage; with `all_stages` they are broadcast to the other stages too (shapes are known from
+    the micro-batches, so the broadcast needs no handshake).
+    """
+    from megatron.core import parallel_state
+
+    from mcore_rl.train.forward_backward import forward_backward
+
+    store: list[dict[str, Any]] = []
+    step = make_forward_step(
+        partial(_collect_loss, "loss_mask"), temperature, chunk_size, with_entropy, store=store
+    )
+    forward_backward(chunks, microbatches, forward_only=True, forward_step=step)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    out: list[TokenStats] = []
+    for i, mb in enumerate(microbatches):
+        shape = mb["labels"].shape
+        if last:
+            rows = [store[i]["logprobs"]] + ([store[i]["entropy"]] if with_entropy else [])
+            packed = torch.stack(rows).float()
+        else:
+            packed = torch.empty((2 if with_entropy else 1, *shape), dtype=torch.float32)
+        if pp > 1 and all_stages:
+            device = next(chunks[0].parameters()).device
+            packed = packed.to(device)
+            dist.broadcast(
+                packed,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        elif not last:
+            continue
+        packed = packed.cpu()
+        out.append(TokenStats(packed[0], packed[1] if with_entropy else None))
+    return out

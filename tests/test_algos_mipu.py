@@ -1,0 +1,241 @@
+"""MIPU (seed_C.md, testable properties 1-6) and the LR-decay baseline; the accept/reject gate
+with the project's real `ModelParallelAdamW.snapshot()/restore()`."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from mcore_rl.algos.advantages import grpo, make_group_ids
+from mcore_rl.algos.mipu import (
+    LRDecayBaseline,
+    MIPUController,
+    accept,
+    lr_decay_baseline,
+    sequence_ratio,
+    step1_loss,
+    t_hat_post,
+    tolerance,
+)
+from mcore_rl.algos.mismatch import mismatch_metrics
+from mcore_rl.algos.policy_loss import ppo_clip
+
+
+def _batch(seed: int = 0, n: int = 4, t: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(n, t, generator=g) - 2.0
+    logp = old + 0.1 * torch.randn(n, t, generator=g)
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, t, generator=g) > 0.2).float()
+    return logp, old, adv, mask
+
+
+def _loss_and_grad(fn, logp: torch.Tensor):
+    x = logp.detach().clone().requires_grad_()
+    out = fn(x)
+    (g,) = torch.autograd.grad(out.loss, x)
+    return out.loss.detach(), g
+
+
+def test_p1_pi_k_equal_mu_gives_ppo() -> None:
+    logp, old, adv, mask = _batch()
+    a_loss, a_grad = _loss_and_grad(lambda x: step1_loss(x, old, old.clone(), adv, mask), logp)
+    b_loss, b_grad = _loss_and_grad(lambda x: ppo_clip(x, old, adv, mask), logp)
+    assert torch.equal(a_loss, b_loss) and torch.equal(a_grad, b_grad)
+
+
+@pytest.mark.parametrize("w, factor", [(5.0, 2.0), (0.5, 0.5), (1.5, 1.5)])
+def test_p2_truncated_weight_scales_unclipped_gradient(w: float, factor: float) -> None:
+    logp = torch.full((1, 1), -1.0)
+    old = torch.full((1, 1), -1.0 - math.log(1.05))  # r = 1.05: inside the clip range
+    mu = old - math.log(w)  # π_k/μ_k = w
+    adv, mask = torch.tensor([0.7]), torch.ones(1, 1)
+    _, g_mipu = _loss_and_grad(lambda x: step1_loss(x, old, mu, adv, mask), logp)
+    _, g_ppo = _loss_and_grad(lambda x: ppo_clip(x, old, adv, mask), logp)
+    torch.testing.assert_close(g_mipu, factor * g_ppo, rtol=1e-6, atol=0)
+
+
+def test_p2_no_gradient_into_pi_k_or_mu() -> None:
+    logp, old, adv, mask = _batch(1)
+    old = old.clone().requires_grad_()
+    mu = (old.detach() - 0.3).requires_grad_()
+    x = logp.clone().requires_grad_()
+    step1_loss(x, old, mu, adv, mask).loss.backward()
+    assert old.grad is None and mu.grad is None and x.grad is not None
+
+
+def test_p3_clip_acts_only_on_pi_theta_over_pi_k() -> None:
+    logp = torch.full((1, 1), -1.0)
+    old = logp.clone()  # π_θ = π_k: r = 1
+    mu = old - math.log(3.0)  # w = π_k/μ_k = 3
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 1)
+    _, g_tis = _loss_and_grad(lambda x: step1_loss(x, old, mu, adv, mask), logp)
+    assert float(g_tis) == pytest.approx(-2.0)  # non-zero: w̄ = min(3, 2) times -A·r
+    # PPO-IS: clip(π_θ/μ_k, 0.8, 1.2) at 3 is flat -> zero gradient
+    _, g_ppo_is = _loss_and_grad(lambda x: ppo_clip(x, mu, adv, mask), logp)
+    assert float(g_ppo_is) == 0.0
+
+
+def test_p4_t_post_zero_when_rho_one_and_equals_minus_covariance() -> None:
+    g = torch.Generator().manual_seed(2)
+    groups = make_group_ids(3, 4)
+    adv = grpo(torch.randint(0, 2, (12,), generator=g).float(), groups)
+    mu = torch.randn(12, 5, generator=g)
+    mask = torch.ones(12, 5)
+    t = t_hat_post(mu.clone(), mu, mask, adv)
+    assert t == pytest.approx(0.0, abs=1e-7) and accept(t, 0.0)
+    pi = mu + 0.05 * torch.randn(12, 5, generator=g)
+    rho = sequence_ratio(pi, mu, mask)
+    cov = sum(
+        float(((rho[groups == k] - rho[groups == k].mean()) * adv[groups == k]).mean()) for k in range(3)
+    ) / 3
+    assert t_hat_post(pi, mu, mask, adv) == pytest.approx(-cov, abs=1e-6)
+    # length-normalised: padding does not change ρ
+    padded = torch.cat([pi, torch.zeros(12, 3)], 1), torch.cat([mu, torch.full((12, 3), -9.0)], 1)
+    torch.testing.assert_close(sequence_ratio(*padded, torch.cat([mask, torch.zeros(12, 3)], 1)), rho)
+
+
+def test_p5_tolerance_annealing() -> None:
+    cs, ce = 4e-3, 1e-3
+    assert tolerance(0, cs, ce) == cs
+    assert tolerance(50, cs, ce) == pytest.approx((cs + ce) / 2)
+    assert all(tolerance(t, cs, ce) == pytest.approx(ce) for t in (100, 101, 10_000))
+    assert accept(-1e-3, 1e-3) and not accept(-1.1e-3, 1e-3) and not accept(float("nan"), 1.0)
+
+
+def test_p6_k3_nonnegative_zero_iff_equal() -> None:
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(10, 10, generator=g)
+    m = torch.ones(10, 10)
+    assert float(mismatch_metrics(a, a.clone(), m)["mismatch/k3"]) == 0.0
+    for _ in range(5):
+        b = a + 0.1 * torch.randn(10, 10, generator=g)
+        assert float(mismatch_metrics(a, b, m)["mismatch/k3"]) > 0.0
+
+
+# ------------------------------------------------------------------ the gate, real optimizer
+
+
+def _checksum(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _trainer_checksum(model: torch.nn.Module, opt) -> str:
+    tensors = [p for p in model.parameters()] + [m for m in opt.main_params]
+    for m in opt.main_params:
+        for k in sorted(opt.optimizer.state.get(m, {})):
+            v = opt.optimizer.state[m][k]
+            tensors.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+    tensors.append(torch.tensor([opt.get_lr(), float(opt.scheduler.state_dict().get("num_steps", 0))], dtype=torch.float64))
+    return _checksum(tensors) + repr(sorted(opt.scheduler.state_dict().items()))
+
+
+class Policy(torch.nn.Module):
+    """A bag-of-context toy policy: logits over 7 tokens from a learned embedding of the prompt."""
+
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(5, 8).to(dtype)
+        self.head = torch.nn.Linear(8, 7).to(dtype)
+        self.norm = torch.nn.LayerNorm(8).to(dtype)
+
+    def logp(self, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.emb(prompts))).float().log_softmax(-1)  # [N, 7]
+        return logits[:, None, :].expand(-1, tokens.shape[1], -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_p6_reject_restores_trainer_and_engine_bit_identically(precision: str) -> None:
+    from mcore_rl.config.schema import OptimizerConfig
+    from mcore_rl.train.optimizer import build_optimizer
+
+    model = Policy(torch.bfloat16 if precision == "bf16" else torch.float32)
+    opt = build_optimizer([model], OptimizerConfig(lr=0.05, lr_warmup_iters=2, clip_grad=1.0), precision, 20)
+    engine: dict[str, torch.Tensor] = {}
+
+    def sync() -> None:  # the "engine" gets a copy of the weights, as a weight sync would
+        engine.clear()
+        engine.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.arange(4).repeat_interleave(2)
+    tokens = torch.randint(0, 7, (8, 3), generator=g)
+    mask = torch.ones(8, 3)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.0])
+
+    def update() -> None:
+        with torch.no_grad():
+            old = model.logp(prompts, tokens)
+        mu = old - 0.05 * torch.randn(old.shape, generator=g)  # the engine's (mismatched) log-probs
+        adv = grpo(rewards, torch.arange(4).repeat_interleave(2))
+        for _ in range(2):  # two mini-batch steps per update
+            model.zero_grad()
+            step1_loss(model.logp(prompts, tokens), old, mu, adv, mask).loss.backward()
+            opt.step()
+
+    resyncs = []
+    ctrl = MIPUController(opt.snapshot, opt.restore, lambda: (resyncs.append(1), sync()), c_start=1e-3, c_end=0.0)
+    sync()
+    first = ctrl.run(update, sync, lambda: 0.0)  # accepted: state moves on
+    assert first.accepted and not resyncs and first.tolerance == 1e-3
+    before = _trainer_checksum(model, opt)
+    engine_before = _checksum(engine.values())
+    step_before = opt.scheduler.state_dict()
+
+    ctrl.begin()
+    update()
+    sync()
+    assert _trainer_checksum(model, opt) != before and _checksum(engine.values()) != engine_before
+    decision = ctrl.decide(-0.5)  # T̂_post far below -c_t: reject
+    assert not decision.accepted and resyncs == [1]
+    assert _trainer_checksum(model, opt) == before
+    assert _checksum(engine.values()) == engine_before
+    assert opt.scheduler.state_dict() == step_before
+    assert decision.step == 1 and ctrl.t == 2 and ctrl.metrics()["mipu/reject_rate"] == 0.5
+    assert decision.metrics() == {"mipu/t_post": -0.5, "mipu/tolerance": pytest.approx(0.99e-3), "mipu/accepted": 0.0}
+
+    # the restored trainer replays the same update exactly (torch backend)
+    ctrl.begin()
+    state = g.get_state()
+    update()
+    after_a = _trainer_checksum(model, opt)
+    ctrl.decide(-1.0)
+    g.set_state(state)
+    update()
+    assert _trainer_checksum(model, opt) == after_a
+
+
+def test_controller_requires_begin_and_counts_only_accepted_if_asked() -> None:
+    calls = []
+    ctrl = MIPUController(lambda: "snap", calls.append, lambda: calls.append("resync"), count_rejected=False)
+    with pytest.raises(RuntimeError, match="begin"):
+        ctrl.decide(0.0)
+    ctrl.begin()
+    assert not ctrl.decide(-1.0).accepted and calls == ["snap", "resync"] and ctrl.t == 0
+    ctrl.begin()
+    assert ctrl.decide(1.0).accepted and ctrl.t == 1
+    state = ctrl.state_dict()
+    other = MIPUController(lambda: None, lambda s: None, lambda: None)
+    other.load_state_dict(state)
+    assert other.state_dict() == {"t": 1, "accepted": 1, "rejected": 1}
+
+
+def test_lr_decay_baseline() -> None:
+    assert lr_decay_baseline(50, 1.0, None, 10) == 1.0
+    assert [lr_decay_baseline(t, 1.0, 20, 10) for t in (19, 20, 29, 30, 40, 50, 60, 1000)] == [
+        1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.1, 0.1,
+    ]
+    b = LRDecayBaseline(base_lr=2.0, decay_period=5, threshold=0.01)
+    b.observe(3, 0.001)
+    b.observe(4, float("nan"))
+    assert b.lr(100) == 2.0
+    b.observe(7, 0.02)
+    b.observe(8, 0.5)
+    assert b.trigger_step == 7 and b.lr(12) == 1.0 and b.lr(100) == pytest.approx(0.2)

@@ -1,0 +1,425 @@
+"""`mcore-rl convert`: Hugging Face <-> megatron-core checkpoints.
+
+Tiny stock checkpoints (Qwen3, Qwen3-MoE, Llama; random init, `save_pretrained`) go to megatron in one
+layout and back; the round trip must be bit-exact, and the exported model's logits (loaded with
+`AutoModelForCausalLM`) must match the megatron model's in another layout (fp32, atol 1e-4).
+Models that stock `transformers` cannot express export as our remote-code model, which must load
+with `trust_remote_code=True` in a process where `mcore_rl` cannot be imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, SEQ = 128, 16
+# Config fields that are bookkeeping, not the model (may differ after a round trip).
+IGNORED_CONFIG_KEYS = {"transformers_version"}
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny stock checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def _stock_config(kind: str, vocab: int = VOCAB, tie: bool = False):
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=50000.0,
+                  max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen3":
+        return Qwen3Config(**common)
+    if kind == "llama":
+        return LlamaConfig(**common)
+    return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          norm_topk_prob=False, router_aux_loss_coef=0.01)
+
+
+def _save_stock(kind: str, path, dtype=torch.float32, tie: bool = False, vocab: int = VOCAB, seed: int = 0) -> None:
+    """A random stock checkpoint with non-trivial norms and a router sharp enough to matter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_stock_config(kind, vocab, tie))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.to(dtype).save_pretrained(path)
+
+
+def _tokens(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _load_tensors(path) -> dict[str, torch.Tensor]:
+    from mcore_rl.hf.convert import HFCheckpoint
+
+    ckpt = HFCheckpoint(str(path))
+    return {k: ckpt[k] for k in ckpt}
+
+
+def _assert_same_checkpoint(a, b) -> None:
+    """Same tensors (bit for bit, same dtype) and the same config.json."""
+    ta, tb = _load_tensors(a), _load_tensors(b)
+    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+    ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    diff = {k: (ca.get(k), cb.get(k)) for k in set(ca) | set(cb) - IGNORED_CONFIG_KEYS if ca.get(k) != cb.get(k)}
+    assert not diff, diff
+
+
+# ---------------------------------------------------------------------------------------------
+# configs and export kinds (no megatron)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_model_configs_of_stock_checkpoints() -> None:
+    from mcore_rl.hf.convert import model_config_from_hf
+
+    qwen3 = model_config_from_hf(_stock_config("qwen3"))
+    llama = model_config_from_hf(_stock_config("llama", tie=True))
+    moe = model_config_from_hf(_stock_config("qwen3_moe"))
+    assert (qwen3.arch, qwen3.qk_layernorm, qwen3.head_dim, qwen3.rotary_base) == ("qwen3", True, 16, 50000.0)
+    assert (llama.arch, llama.qk_layernorm, llama.tie_word_embeddings) == ("qwen3", False, True)
+    assert (moe.arch, moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == ("qwen3_moe", 4, 2, 32)
+    assert moe.moe_norm_topk_prob is False and moe.moe_aux_loss_coeff == 0.01
+
+
+def test_unsupported_checkpoints_name_the_field() -> None:
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from mcore_rl.hf.convert import model_config_from_hf
+
+    scaled = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})
+    with pytest.raises(ValueError, match="rope_type='llama3'"):
+        model_config_from_hf(scaled)
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        model_config_from_hf(LlamaConfig(attention_bias=True))
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        model_config_from_hf(Qwen3MoeConfig(num_experts=4, mlp_only_layers=[0]))
+
+
+DENSE = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB)
+MOE = dataclasses.replace(DENSE, arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+
+
+@pytest.mark.parametrize(
+    "mc, kind",
+    [
+        (DENSE, "qwen3"),
+        (dataclasses.replace(DENSE, qk_layernorm=False), "llama"),
+        (MOE, "qwen3_moe"),
+        (dataclasses.replace(MOE, moe_shared_expert_intermediate_size=48), "remote"),
+        (dataclasses.replace(MOE, qk_layernorm=False), "remote"),
+        (dataclasses.replace(MOE, moe_latent_size=16), "remote"),
+        (dataclasses.replace(DENSE, attn_res="block", attn_res_num_blocks=2), "remote"),
+        (dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2], table_size=97)), "remote"),
+    ],
+    ids=["qwen3", "llama", "qwen3_moe", "shared_expert", "moe_no_qk_norm", "latent_moe", "attn_res", "ngram"],
+)
+def test_export_kind(mc: ModelConfig, kind: str) -> None:
+    from mcore_rl.hf.convert import export_kind
+
+    assert export_kind(mc) == kind
+
+
+def test_remote_code_files_need_no_mcore_rl() -> None:
+    """The shipped files are the relative-import closure transformers itself will follow."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from mcore_rl.hf.convert import remote_code_files
+
+    files = remote_code_files()  # raises if a file imports mcore_rl where transformers checks
+    names = {os.path.basename(f) for f in files}
+    assert {"configuration.py", "modeling.py"} <= names
+    modeling = next(f for f in files if f.endswith("modeling.py"))
+    assert {os.path.basename(f) for f in get_relative_import_files(modeling)} <= names
+
+
+def test_sharded_safetensors_read_lazily(tmp_path) -> None:
+    from mcore_rl.hf.convert import HFCheckpoint, save_safetensors
+
+    tensors = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(8, 4) for i in range(3)}
+    tensors["model.embed_tokens.weight"] = torch.randn(16, 4).bfloat16()
+    files = save_safetensors(tensors, str(tmp_path), max_shard_bytes=200)
+    assert "model.safetensors.index.json" in files and len(files) == 5
+    ckpt = HFCheckpoint(str(tmp_path), wanted=lambda name: ".layers.1." in name)
+    assert set(ckpt) == set(tensors) and ckpt.dtype() == torch.bfloat16
+    assert torch.equal(ckpt["model.layers.1.mlp.down_proj.weight"], tensors["model.layers.1.mlp.down_proj.weight"])
+    lazy = ckpt["model.layers.2.mlp.down_proj.weight"]
+    assert lazy.is_meta and lazy.shape == (8, 4)
+    with pytest.raises(KeyError, match="no tensor"):
+        ckpt["lm_head.weight"]
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_rejects_bad_input_before_any_worker(tmp_path, capsys) -> None:
+    from mcore_rl.cli import main
+
+    assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    _stock_config("qwen3").save_pretrained(tmp_path / "q")
+    assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o"),
+                 "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "model.num_attention_heads" in err
+    assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o")]) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "g"), "--output", str(tmp_path / "o")]) == 2
+    assert "model_type 'gpt2' is not supported" in capsys.readouterr().err
+    assert main(["convert", "mcore-to-hf", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o")]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# remote-code export, loaded where mcore_rl cannot be imported
+# ---------------------------------------------------------------------------------------------
+
+# Runs in a fresh interpreter outside the repo, with every `mcore_rl` import failing as if the
+# package were not installed; loads the export with trust_remote_code and saves its logits.
+_LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class _NoMcoreRL(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "mcore_rl" or name.startswith("mcore_rl."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+    sys.meta_path.insert(0, _NoMcoreRL())
+    import torch
+    from transformers import AutoModelForCausalLM
+    export, tokens, out = sys.argv[1:4]
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ReferenceForCausalLM", type(model)
+    assert "mcore_rl" not in sys.modules
+    with torch.no_grad():
+        torch.save(model(torch.load(tokens)).logits, out)
+    """
+)
+
+
+def _remote_logits(export, tokens: torch.Tensor, tmp_path) -> torch.Tensor:
+    torch.save(tokens, tmp_path / "tokens.pt")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONPATH="")
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_MCORE_RL, str(export), str(tmp_path / "tokens.pt"),
+         str(tmp_path / "logits.pt")],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(tmp_path / "logits.pt")
+
+
+def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+
+    torch.manual_seed(seed)
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    state = model.state_dict()
+    if mc.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+REMOTE_CASES = {
+    "shared_expert_no_qk_norm": dataclasses.replace(
+        MOE, moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False),
+    "latent_moe": dataclasses.replace(MOE, num_experts=8, moe_router_topk=4, moe_latent_size=16,
+                                      moe_shared_expert_intermediate_size=48),
+    "attn_res_block": dataclasses.replace(DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
+    "attn_res_full": dataclasses.replace(DENSE, num_layers=4, attn_res="full"),
+    "ngram": dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
+}
+# the HF config field that shows the reference model knows the architecture yet
+_REFERENCE_FIELD = {"latent_moe": "moe_latent_size", "attn_res_block": "attn_res", "attn_res_full": "attn_res",
+                    "ngram": "ngram_orders"}
+
+
+def _skip_unless_reference_supports(case: str) -> None:
+    from mcore_rl.hf import hf_config_from_model_config
+
+    field = _REFERENCE_FIELD.get(case)
+    if field and not hasattr(hf_config_from_model_config(REMOTE_CASES[case]), field):
+        pytest.skip(f"the reference model has no {field!r} config field yet")
+
+
+@pytest.mark.slow
+def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
+    """Export from HF-named weights (no megatron): config, auto_map, code files, logits."""
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf.convert import write_hf_checkpoint
+
+    mc = REMOTE_CASES["shared_expert_no_qk_norm"]
+    state = _reference_state(mc)
+    assert write_hf_checkpoint(state, mc, str(tmp_path / "export")) == "remote"
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "mcore_rl_qwen3" and config["use_qk_norm"] is False
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.Qwen3ReferenceForCausalLM"
+    assert (tmp_path / "export" / "modeling.py").exists()
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+    model.load_state_dict(state)
+    x = _tokens()
+    with torch.no_grad():
+        want = model(x).logits
+    torch.testing.assert_close(_remote_logits(tmp_path / "export", x, tmp_path), want, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# through megatron: round trips and logits in other layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str) -> None:
+    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.checkpoint import latest_checkpoint, load_checkpoint
+    from mcore_rl.train.forward_backward import forward_backward
+
+    init_model_parallel(pc)
+    set_seed(1)
+    chunks = build_model(mc, pc, config=transformer_config(mc, pc))
+    load_checkpoint(latest_checkpoint(ckpt), chunks, None)
+    for chunk in chunks:
+        chunk.eval()
+    got: list[torch.Tensor] = []
+
+    def step(iterator, model):
+        batch = next(iterator)
+        output = model(batch["tokens"], batch["position_ids"], None)
+
+        def loss(logits):
+            got.append(tensor_parallel.gather_from_tensor_model_parallel_region(logits).detach().clone())
+            return logits.sum() * 0, torch.tensor(1), {"lm_loss": torch.zeros(2)}
+
+        return output, loss
+
+    batch = dict(tokens=tokens, position_ids=torch.arange(SEQ).expand_as(tokens).contiguous(),
+                 labels=tokens, loss_mask=torch.ones_like(tokens, dtype=torch.float))
+    with torch.no_grad():
+        forward_backward(chunks, [batch], forward_only=True, forward_step=step)
+    if got and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(got[0], out)
+
+
+def _round_trip_world(rank: int, world_size: int, tmp: str, cases: list) -> None:
+    """For each case: HF -> megatron (layout A) -> HF, and megatron logits in layout B."""
+    import torch.distributed as dist
+
+    from mcore_rl.hf.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
+
+    for name, convert_layout, check_layout in cases:
+        src, mcore, export = f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", f"{tmp}/{name}/export"
+        hf_to_mcore(src, mcore, convert_layout)
+        mcore_to_hf(mcore, export)
+        mc = model_config_from_hf(read_hf_config(src))
+        _megatron_logits(mc, check_layout, mcore, _tokens(mc.vocab_size), f"{tmp}/{name}/megatron_logits.pt")
+        dist.barrier()
+
+
+def _check_export(case_dir, stock_class: str = None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _assert_same_checkpoint(case_dir / "hf", case_dir / "export")
+    model = AutoModelForCausalLM.from_pretrained(case_dir / "export", dtype=torch.float32).eval()
+    if stock_class:
+        assert type(model).__name__ == stock_class
+    x = _tokens(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(x).logits
+    torch.testing.assert_close(torch.load(case_dir / "megatron_logits.pt"), logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_stock_checkpoints_round_trip_and_logits(tmp_path) -> None:
+    from mcore_rl.hf.convert import parallel_config as P
+
+    _save_stock("qwen3", tmp_path / "qwen3" / "hf")
+    _save_stock("qwen3_moe", tmp_path / "qwen3_moe" / "hf")
+    _save_stock("llama", tmp_path / "llama" / "hf", dtype=torch.bfloat16, tie=True)
+    cases = [
+        ("qwen3", P(tp=2), P(pp=2)),
+        ("qwen3_moe", P(ep=2), P(tp=2)),  # TP=2 with sequence parallelism
+        ("llama", P(pp=2), P(tp=2)),  # bf16 source, tied embeddings split over two stages
+    ]
+    from tests.world import run_world
+
+    run_world(2, _round_trip_world, str(tmp_path), cases)
+    _check_export(tmp_path / "qwen3", "Qwen3ForCausalLM")
+    _check_export(tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM")
+    _check_export(tmp_path / "llama", "LlamaForCausalLM")
+    recipe = (tmp_path / "llama" / "mcore" / "recipe.yaml").read_text()
+    assert "qk_layernorm: false" in recipe and "tie_word_embeddings: true" in recipe
+    assert (tmp_path / "llama" / "export" / "generation_config.json").exists()  # assets came along
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REMOTE_CASES))
+def test_remote_code_architectures_round_trip_and_logits(case: str, tmp_path) -> None:
+    """Our remote-code checkpoints -> megatron (EP=2 / TP=2) -> remote-code checkpoint, logits."""
+    from mcore_rl.hf.convert import parallel_config as P
+    from mcore_rl.hf.convert import write_hf_checkpoint
+    from tests.world import run_world
+
+    _skip_unless_reference_supports(case)
+    mc = REMOTE_CASES[case]
+    assert write_hf_checkpoint(_reference_state(mc), mc, str(tmp_path / case / "hf")) == "remote"
+    layouts = (P(ep=2), P(tp=2)) if mc.is_moe else (P(tp=2), P(pp=2))
+    run_world(2, _round_trip_world, str(tmp_path), [(case, *layouts)])
+    _assert_same_checkpoint(tmp_path / case / "hf", tmp_path / case / "export")
+    logits = _remote_logits(tmp_path / case / "export", _tokens(mc.vocab_size), tmp_path)
+    torch.testing.assert_close(torch.load(tmp_path / case / "megatron_logits.pt"), logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
+    """The commands a user runs: convert under torchrun (TP=2), train from it with `mcore-rl sft`
+    (PP=2, learning rate 0), export the SFT checkpoint: the weights come back bit for bit."""
+    _save_stock("qwen3", tmp_path / "hf", vocab=384)  # the byte tokenizer's vocabulary
+    run = _cli("convert", "hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"),
+               "--tp", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mcore-rl sft" in run.stdout and os.path.exists(tmp_path / "mcore" / "latest")
+    run = _cli("sft", str(tmp_path / "mcore" / "recipe.yaml"), f"run_dir={tmp_path}/run",
+               f"checkpoint.save_dir={tmp_path}/sft", "train.train_iters=1", "optimizer.lr=0",
+               "optimizer.min_lr=0", "parallel.pipeline_model_parallel_size=2", "--nproc-per-node", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from" in run.stdout
+    run = _cli("convert", "mcore-to-hf", "--input", str(tmp_path / "sft"), "--output", str(tmp_path / "export"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "stock Qwen3ForCausalLM" in run.stdout
+    ta, tb = _load_tensors(tmp_path / "hf"), _load_tensors(tmp_path / "export")
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -1,0 +1,470 @@
+"""The embedded engine's core: numerics vs the reference model, batching invariance, sampling,
+stop conditions, prompt scoring, abort, validation, weight loading and FP8 mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.hf import McoreRLQwen3Config, Qwen3ReferenceForCausalLM
+from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
+from mcore_rl.rollout.engine.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    dequantize_block_fp8,
+    quantize_activation_fp8,
+    quantize_block_fp8,
+)
+from mcore_rl.rollout.engine.sampling import SamplingParams
+
+TOK = load_tokenizer(None)
+
+
+def tiny_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
+    base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    base.update(kw)
+    torch.manual_seed(seed)
+    # A larger init than the default 0.02 gives peaked, input-dependent distributions, so that
+    # greedy/sampled tokens actually exercise the model rather than near-uniform noise.
+    return Qwen3ReferenceForCausalLM(McoreRLQwen3Config(initializer_range=0.2, **base))
+
+
+def make_engine(model=None, **kw) -> EngineCore:
+    kw.setdefault("context_length", 256)
+    return EngineCore(model if model is not None else tiny_model(), TOK, **kw)
+
+
+def run(engine: EngineCore, reqs: list[Request], stagger: int = 0) -> dict[str, RequestOutput]:
+    """Run to completion; with stagger > 0, add one request every `stagger` steps (joins mid-batch)."""
+    finals: dict[str, RequestOutput] = {}
+    pending = list(reqs)
+    steps = 0
+    if not stagger:
+        for r in pending:
+            engine.add_request(r)
+        pending = []
+    while pending or engine.has_work():
+        if pending and steps % stagger == 0:
+            engine.add_request(pending.pop(0))
+        for out in engine.step():
+            if out.finished:
+                assert out.rid not in finals, f"{out.rid} finished twice"
+                finals[out.rid] = out
+        steps += 1
+    return finals
+
+
+def req(rid: str, prompt, logprobs: bool = True, **sp) -> Request:
+    ids = TOK.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return Request(rid, ids, SamplingParams(**sp), return_logprob=logprobs, top_logprobs_num=3 if logprobs else 0)
+
+
+@torch.no_grad()
+def ref_logprobs(model: Qwen3ReferenceForCausalLM, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, from one full forward of the reference model (no cache)."""
+    logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+PROMPTS = ["hello", "the quick brown fox", "1+1=", "a much longer prompt, to make rows of different lengths"]
+
+
+def test_greedy_logprobs_match_reference_forward():
+    model = tiny_model()
+    ref = copy.deepcopy(model).eval()
+    outs = run(make_engine(model), [req(f"r{i}", p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        o = outs[f"r{i}"]
+        prompt = TOK.encode(p)
+        full = prompt + o.output_ids
+        expected = ref_logprobs(ref, full)[len(prompt) - 1 :]
+        got = torch.tensor([lp for lp, _ in o.output_token_logprobs])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        # greedy = argmax of the reference distribution, and the top-1 logprob is the chosen one
+        assert [t for _, t in o.output_token_logprobs] == o.output_ids
+        assert all(top[0][1] == t for top, t in zip(o.output_top_logprobs, o.output_ids))
+        assert o.finish_reason == {"type": "length", "length": 12}
+        assert o.prompt_tokens == len(prompt) and o.completion_tokens == 12
+
+
+MIXED = [
+    dict(temperature=0.0),
+    dict(temperature=0.8, seed=1),
+    dict(temperature=1.0, top_p=0.9, seed=2),
+    dict(temperature=1.2, top_k=20, seed=3),
+    dict(temperature=0.7, min_p=0.05, seed=4),
+    dict(temperature=1.0, top_k=50, top_p=0.8, min_p=0.01, sampling_seed=5),
+]
+
+
+def _mixed_requests() -> list[Request]:
+    return [
+        req(f"m{i}", PROMPTS[i % len(PROMPTS)], max_new_tokens=6 + 3 * i, ignore_eos=True, **sp)
+        for i, sp in enumerate(MIXED)
+    ]
+
+
+def test_results_do_not_depend_on_batch_mates():
+    model = tiny_model()
+    alone = {}
+    for r in _mixed_requests():
+        alone.update(run(make_engine(copy.deepcopy(model)), [r]))
+    together = run(make_engine(copy.deepcopy(model)), _mixed_requests())
+    staggered = run(make_engine(copy.deepcopy(model), max_running_requests=3), _mixed_requests(), stagger=2)
+    for rid, a in alone.items():
+        for b in (together[rid], staggered[rid]):
+            assert b.output_ids == a.output_ids, rid
+            torch.testing.assert_close(
+                torch.tensor([lp for lp, _ in b.output_token_logprobs]),
+                torch.tensor([lp for lp, _ in a.output_token_logprobs]),
+                atol=1e-5, rtol=0,
+            )
+
+
+def test_seeds_reproduce_and_differ():
+    model = tiny_model()
+    e = make_engine(model)
+    outs = run(e, [req(f"s{i}", "seeded", temperature=1.0, seed=s, max_new_tokens=16, ignore_eos=True) for i, s in enumerate([7, 7, 8])])
+    assert outs["s0"].output_ids == outs["s1"].output_ids
+    assert outs["s0"].output_ids != outs["s2"].output_ids
+    # Unseeded requests draw seeds from the engine's random_seed: the same engine seed repeats them.
+    a = run(make_engine(copy.deepcopy(model), random_seed=3), [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)])
+    b = run(make_engine(copy.deepcopy(model), random_seed=3), [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)])
+    assert a["u"].output_ids == b["u"].output_ids
+
+
+def test_sampling_filters_degenerate_to_greedy():
+    model = tiny_model()
+    greedy = run(make_engine(copy.deepcopy(model)), [req("g", "abc", temperature=0.0, max_new_tokens=10, ignore_eos=True)])["g"]
+    for i, sp in enumerate([dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)]):
+        out = run(make_engine(copy.deepcopy(model)), [req("x", "abc", temperature=1.5, seed=i, max_new_tokens=10, ignore_eos=True, **sp)])["x"]
+        assert out.output_ids == greedy.output_ids, sp
+    # top_k=k: every sampled token is among the k most likely (top_logprobs lists them, raw distribution).
+    out = run(make_engine(copy.deepcopy(model)), [Request("k", TOK.encode("abc"), SamplingParams(temperature=2.0, top_k=3, seed=0, max_new_tokens=20, ignore_eos=True), return_logprob=True, top_logprobs_num=3)])["k"]
+    assert all(t in [i for _, i in top] for t, top in zip(out.output_ids, out.output_top_logprobs))
+
+
+def test_logprobs_are_raw_unless_asked_for_temperature_scaled():
+    model = tiny_model()
+    raw = run(make_engine(copy.deepcopy(model)), [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)])["t"]
+    scaled = run(make_engine(copy.deepcopy(model), return_original_logprob=False), [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)])["t"]
+    assert raw.output_ids == scaled.output_ids
+    ids = TOK.encode("abc") + raw.output_ids
+    logits = model.eval()(torch.tensor([ids])).logits[0, len(TOK.encode("abc")) - 1 : -1].float()
+    tgt = torch.tensor(raw.output_ids)[:, None]
+    expect_raw = torch.log_softmax(logits, -1).gather(-1, tgt)[:, 0]
+    expect_scaled = torch.log_softmax(logits / 0.5, -1).gather(-1, tgt)[:, 0]
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in raw.output_token_logprobs]), expect_raw, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in scaled.output_token_logprobs]), expect_scaled, atol=1e-5, rtol=0)
+
+
+def test_prompt_scoring():
+    model = tiny_model()
+    ref = copy.deepcopy(model).eval()
+    ids = TOK.encode("score every token of this text")
+    e = make_engine(model)
+    outs = run(e, [
+        Request("all", ids, SamplingParams(max_new_tokens=0), return_logprob=True, top_logprobs_num=4, logprob_start_len=0),
+        Request("from5", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=5),
+        Request("default", ids, SamplingParams(max_new_tokens=0), return_logprob=True),
+    ])
+    expected = ref_logprobs(ref, ids)
+    a = outs["all"]
+    assert a.output_ids == [] and a.finish_reason == {"type": "length", "length": 0} and a.completion_tokens == 0
+    assert [t for _, t in a.input_token_logprobs] == ids and a.input_token_logprobs[0][0] is None
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in a.input_token_logprobs[1:]]), expected, atol=1e-5, rtol=0)
+    assert a.input_top_logprobs[0] is None and all(len(t) == 4 for t in a.input_top_logprobs[1:])
+    full = torch.log_softmax(ref(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    top = full.topk(4, -1)
+    torch.testing.assert_close(torch.tensor([[v for v, _ in t] for t in a.input_top_logprobs[1:]]), top.values, atol=1e-5, rtol=0)
+    assert [[i for _, i in t] for t in a.input_top_logprobs[1:]] == top.indices.tolist()
+    f = outs["from5"]  # SGLang: aligned with ids[5:], the first entry None
+    assert [t for _, t in f.input_token_logprobs] == ids[5:] and f.input_token_logprobs[0][0] is None
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in f.input_token_logprobs[1:]]), expected[5:], atol=1e-5, rtol=0)
+    assert outs["default"].input_token_logprobs == [(None, ids[-1])]
+
+
+def test_stop_token_eos_string_and_min_new_tokens():
+    model = tiny_model()
+    base = run(make_engine(copy.deepcopy(model)), [req("b", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True)])["b"].output_ids
+    k = 5
+    tok = base[k]
+    first = base.index(tok)
+    out = run(make_engine(copy.deepcopy(model)), [req("t", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok])])["t"]
+    assert out.output_ids == base[: first + 1] and out.finish_reason == {"type": "stop", "matched": tok}
+    assert out.text == TOK.decode(base[:first], skip_special_tokens=True)
+    # eos: the tokenizer's eos id stops unless ignore_eos.
+    e = make_engine(copy.deepcopy(model))
+    e.eos_token_ids = {tok}
+    out = run(e, [req("e", "stop here", temperature=0.0, max_new_tokens=40)])["e"]
+    assert out.finish_reason == {"type": "stop", "matched": tok} and len(out.output_ids) == first + 1
+    # min_new_tokens masks the stop token until that many tokens exist (greedy then takes another).
+    out = run(make_engine(copy.deepcopy(model)), [req("m", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], min_new_tokens=first + 1)])["m"]
+    assert len(out.output_ids) >= first + 1 and tok not in out.output_ids[: first + 1]
+    # stop strings: the first printable ASCII character produced.
+    j = next(i for i, t in enumerate(base) if 33 <= t < 127)
+    stop = chr(base[j])
+    first_j = next(i for i, t in enumerate(base) if t == base[j])
+    out = run(make_engine(copy.deepcopy(model)), [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=stop)])["s"]
+    assert out.finish_reason == {"type": "stop", "matched": stop} and out.output_ids == base[: first_j + 1]
+    assert stop not in out.text
+    kept = run(make_engine(copy.deepcopy(model)), [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=[stop], no_stop_trim=True)])["s"]
+    assert kept.text.endswith(stop)
+
+
+def test_streaming_outputs_every_step_and_context_clamp():
+    e = make_engine(context_length=32)
+    prompt = TOK.encode("x" * 20)
+    e.add_request(Request("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True), stream=True))
+    seen = []
+    while e.has_work():
+        seen += e.step()
+    assert [len(o.output_ids) for o in seen] == list(range(1, 13))
+    assert [o.finished for o in seen] == [False] * 11 + [True]
+    assert seen[-1].finish_reason == {"type": "length", "length": 12}  # clamped to context_length - prompt
+    assert all(o.text is not None for o in seen)
+
+
+def test_abort_waiting_and_running():
+    e = make_engine(max_running_requests=1)
+    e.add_request(req("run", "a", temperature=0.0, max_new_tokens=50, ignore_eos=True))
+    e.add_request(req("wait", "b", temperature=0.0, max_new_tokens=50, ignore_eos=True))
+    e.add_request(req("other", "c", temperature=0.0, max_new_tokens=3, ignore_eos=True))
+    e.step()
+    e.step()
+    e.abort("wait")
+    e.abort("run")
+    e.abort("no-such-rid")  # ignored
+    finals = {}
+    while e.has_work():
+        for o in e.step():
+            if o.finished:
+                finals[o.rid] = o
+    assert finals["run"].finish_reason["type"] == "abort" and finals["run"].completion_tokens == 2
+    assert finals["wait"].finish_reason["type"] == "abort" and finals["wait"].output_ids == []
+    assert finals["other"].finish_reason == {"type": "length", "length": 3}
+    e.add_request(req("run", "a", max_new_tokens=1))  # a finished rid can be reused
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: req("x", "a", max_new_tokens=-1), "sampling_params.max_new_tokens"),
+        (lambda: req("x", "a", top_p=0.0), "sampling_params.top_p"),
+        (lambda: req("x", "a", top_k=0), "sampling_params.top_k"),
+        (lambda: req("x", "a", temperature=-1.0), "sampling_params.temperature"),
+        (lambda: req("x", "a", min_p=2.0), "sampling_params.min_p"),
+        (lambda: req("x", "a", stop_token_ids=[10_000]), "sampling_params.stop_token_ids"),
+        (lambda: req("x", "a", max_new_tokens="5"), "sampling_params.max_new_tokens"),
+        (lambda: req("x", "a", min_new_tokens=5, max_new_tokens=2), "sampling_params.min_new_tokens"),
+        (lambda: req("x", "a" * 300), "input_ids"),
+        (lambda: Request("x", [], SamplingParams()), "input_ids"),
+        (lambda: Request("x", [1, 999], SamplingParams()), "input_ids"),
+        (lambda: Request("", [1], SamplingParams()), "rid"),
+        (lambda: Request("x", [1, 2], SamplingParams(), return_logprob=True, logprob_start_len=2), "logprob_start_len"),
+        (lambda: Request("x", [1, 2], SamplingParams(), top_logprobs_num=-1), "top_logprobs_num"),
+    ],
+)
+def test_bad_requests_name_the_field(make, field):
+    e = make_engine()
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        e.add_request(make())
+    assert not e.has_work()
+
+
+def test_sampling_params_from_dict():
+    sp = SamplingParams.from_dict({"max_new_tokens": 4, "stop": "x", "temperature": 0, "top_k": None})
+    assert sp.stop == ["x"] and sp.temperature == 0.0 and sp.top_k == -1
+    with pytest.raises(ValueError, match=r"^sampling_params.frequency_penaltyy:"):
+        SamplingParams.from_dict({"frequency_penaltyy": 1})
+    with pytest.raises(ValueError, match=r"^sampling_params.ignore_eos:"):
+        SamplingParams.from_dict({"ignore_eos": "yes"})
+    e = make_engine()
+    e.add_request(req("dup", "a"))
+    with pytest.raises(ValueError, match=r"^rid:"):
+        e.add_request(req("dup", "a"))
+
+
+def test_load_weights_and_from_model_path(tmp_path):
+    model = tiny_model(seed=0)
+    target = copy.deepcopy(model).eval()
+    e = make_engine(tiny_model(seed=1))
+    names = e.load_weights((n, t.clone()) for n, t in model.state_dict().items())
+    assert set(e.weight_names()) <= set(names)
+    out = run(e, [req("w", "weights", temperature=0.0, max_new_tokens=6, ignore_eos=True)])["w"]
+    ids = TOK.encode("weights") + out.output_ids
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in out.output_token_logprobs]), ref_logprobs(target, ids)[len(ids) - 7 :], atol=1e-5, rtol=0
+    )
+    with pytest.raises(ValueError, match=r"^model.layers.0.mlp.nope.weight:"):
+        e.load_weights([("model.layers.0.mlp.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"^lm_head.weight: shape"):
+        e.load_weights([("lm_head.weight", torch.zeros(3, 3))])
+    # our HF directory (config + safetensors + tokenizer) and the demo model
+    model.save_pretrained(tmp_path / "ours")
+    TOK.save(str(tmp_path / "ours"))
+    loaded = EngineCore.from_model_path(str(tmp_path / "ours"), context_length=64)
+    out2 = run(loaded, [req("w", "weights", temperature=0.0, max_new_tokens=6, ignore_eos=True)])["w"]
+    assert out2.output_ids == out.output_ids
+    demo = EngineCore.from_model_path(None, context_length=64)
+    assert demo.config.hidden_size == 64 and demo.vocab_size == 384
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        EngineCore.from_model_path(str(tmp_path / "missing"))
+
+
+def test_from_stock_qwen3_checkpoint(tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    from mcore_rl.hf import to_stock_hf_config
+
+    cfg = to_stock_hf_config(tiny_model().config)
+    torch.manual_seed(0)
+    stock = Qwen3ForCausalLM(cfg).eval()
+    stock.save_pretrained(tmp_path)
+    e = EngineCore.from_model_path(str(tmp_path), context_length=64)  # no tokenizer there: the bundled one
+    ids = TOK.encode("stock qwen3")
+    out = run(e, [Request("q", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)])["q"]
+    with torch.no_grad():
+        logits = stock(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]]), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        dict(attention_bias=True, tie_word_embeddings=True, num_key_value_heads=1, head_dim=32),
+    ],
+    ids=["moe", "bias_tied_mqa"],
+)
+def test_other_architectures_match_reference(kw):
+    model = tiny_model(**kw)
+    if kw.get("attention_bias"):  # default init zeroes biases; make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    ref = copy.deepcopy(model).eval()
+    engine = make_engine(tiny_model(seed=9, **kw))  # other weights, then the model's loaded by name
+    engine.load_weights(model.state_dict().items())
+    outs = run(engine, [req(f"r{i}", p, temperature=0.0, max_new_tokens=5, ignore_eos=True) for i, p in enumerate(PROMPTS[:3])])
+    for i, p in enumerate(PROMPTS[:3]):
+        ids = TOK.encode(p) + outs[f"r{i}"].output_ids
+        torch.testing.assert_close(
+            torch.tensor([lp for lp, _ in outs[f"r{i}"].output_token_logprobs]), ref_logprobs(ref, ids)[len(TOK.encode(p)) - 1 :], atol=1e-5, rtol=0
+        )
+
+
+def test_bf16_mode_runs_close_to_fp32():
+    model = tiny_model()
+    r = [req("b", "bf16 mode", temperature=0.0, max_new_tokens=8, ignore_eos=True)]
+    fp32 = run(make_engine(copy.deepcopy(model)), copy.deepcopy(r))["b"]
+    bf16_engine = make_engine(copy.deepcopy(model), dtype="bfloat16")
+    assert next(bf16_engine.model.parameters()).dtype == torch.bfloat16
+    ids = TOK.encode("bf16 mode") + fp32.output_ids
+    scored = run(bf16_engine, [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)])["s"]
+    diff = torch.tensor([lp for lp, _ in scored.input_token_logprobs[1:]]) - ref_logprobs(model.eval(), ids)
+    assert 0 < diff.abs().max() < 0.25
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 70), (1, 129)])
+def test_block_fp8_round_trip(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.logspace(-3, 1, shape[1])  # channels of very different scales
+    q, s = quantize_block_fp8(w)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    deq = dequantize_block_fp8(q, s)
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normal values; below the normal range the
+    # spacing is 2^-9 of the block scale (scale_inv maps the block's max to 448).
+    scale = s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+    bound = w.abs() * 2**-4 + scale * 2**-9 * 0.5 + 1e-12
+    assert ((deq - w).abs() <= bound).all()
+    amax = w.abs().max()
+    assert (deq - w).abs().max() <= amax * 2**-4
+    q2, s2 = quantize_block_fp8(deq)  # idempotent on already-representable values
+    torch.testing.assert_close(dequantize_block_fp8(q2, s2), deq, atol=0, rtol=0)
+    zq, zs = quantize_block_fp8(torch.zeros(3, 5))
+    assert (dequantize_block_fp8(zq, zs) == 0).all() and (zs == 1).all()
+
+
+def test_activation_fp8_groups():
+    x = torch.randn(3, 5, 300)
+    y = quantize_activation_fp8(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert ((y - x).abs() <= x.abs() * 2**-4 + x.abs().amax() * 2**-9).all()
+    assert not torch.equal(y, x)
+
+
+def fp8_emulated_reference(model: Qwen3ReferenceForCausalLM) -> Qwen3ReferenceForCausalLM:
+    """The reference model with what FP8 mode changes done by hand: quantized-dequantized weights
+    and e4m3-rounded inputs for every decoder Linear except the MoE router."""
+    emu = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for name, m in emu.named_modules():
+            if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.") and not name.endswith("mlp.gate"):
+                m.weight.copy_(dequantize_block_fp8(*quantize_block_fp8(m.weight)))
+                m.register_forward_pre_hook(lambda _m, args: (quantize_activation_fp8(args[0]),))
+    return emu
+
+
+@pytest.mark.parametrize("kw", [{}, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)], ids=["dense", "moe"])
+def test_fp8_engine_equals_emulated_fp8_reference(kw):
+    model = tiny_model(**kw)
+    e = make_engine(copy.deepcopy(model), quantization="fp8")
+    if kw:
+        assert isinstance(e.model.model.layers[0].mlp.gate, torch.nn.Linear)  # the router stays full precision
+        assert isinstance(e.model.model.layers[0].mlp.experts[3].down_proj, Fp8Linear)
+    ids = TOK.encode("fp8 against its emulation")
+    out = run(e, [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)])["s"]
+    got = torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]])
+    torch.testing.assert_close(got, ref_logprobs(fp8_emulated_reference(model), ids), atol=1e-5, rtol=0)
+
+
+def test_fp8_engine_quantizes_and_differs_by_a_measured_amount():
+    model = tiny_model()
+    ids = TOK.encode("measure the fp8 mismatch on this sequence of tokens")
+    score = [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)]
+    e8 = make_engine(copy.deepcopy(model), quantization="fp8")
+    layers = [m for m in e8.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 2 * 7  # q,k,v,o,gate,up,down per layer; lm_head stays full precision
+    assert all(m.weight.dtype == FP8_DTYPE for m in layers)
+    assert isinstance(e8.model.lm_head, torch.nn.Linear)
+    fp8 = torch.tensor([lp for lp, _ in run(e8, copy.deepcopy(score))["s"].input_token_logprobs[1:]])
+    fp32 = ref_logprobs(model.eval(), ids)
+    d = fp32 - fp8
+    k3 = (torch.exp(d) - d - 1).mean()
+    assert 1e-6 < d.abs().mean() < 0.2 and k3 < 0.05
+    # Pre-quantized weights (what an FP8 weight sync sends) give the very same engine.
+    e8b = make_engine(tiny_model(seed=5), quantization="fp8")
+    sd = model.state_dict()
+    named = []
+    for n, t in sd.items():
+        if n.removesuffix(".weight") in e8b.fp8_layers:
+            q, s = quantize_block_fp8(t)
+            named += [(n, q), (n.removesuffix(".weight") + ".weight_scale_inv", s)]
+        else:
+            named.append((n, t))
+    e8b.load_weights(named)
+    fp8b = torch.tensor([lp for lp, _ in run(e8b, copy.deepcopy(score))["s"].input_token_logprobs[1:]])
+    torch.testing.assert_close(fp8b, fp8, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        make_engine(copy.deepcopy(model)).load_weights([("model.layers.0.mlp.up_proj.weight_scale_inv", torch.ones(1, 1))])
+
+
+def test_flush_cache_refuses_while_busy():
+    e = make_engine()
+    e.add_request(req("a", "a", max_new_tokens=3))
+    assert e.flush_cache() is False
+    while e.has_work():
+        e.step()
+    assert e.flush_cache() is True

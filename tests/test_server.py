@@ -1,0 +1,511 @@
+"""The embedded engine's HTTP server, through `EngineClient`: every SGLang endpoint and the OpenAI
+ones, streaming, abort and pause, weight updates, bad requests, 200 concurrent requests, and the
+`mcore-rl serve` flags. The engine is the real `EngineCore` with the built-in tiny demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mcore_rl.rollout.async_engine import AsyncEngine
+from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable
+from mcore_rl.rollout.engine.core import EngineCore
+from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
+from mcore_rl.rollout.server import EngineServer, ServerThread
+from mcore_rl.rollout.weight_protocol import encode_named_tensors
+
+CONTEXT = 1024
+LONG = 900  # tokens: long enough (about a second) to act on a request while it runs
+
+
+def _core() -> EngineCore:
+    return EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerThread(EngineServer(AsyncEngine(_core())))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_client(url: str, fn):
+    async with EngineClient(url, retries=0, timeout=120) as c:
+        return await fn(c)
+
+
+def _greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+async def _running(c: EngineClient, **body) -> asyncio.Task:
+    """Start a streaming request and return once its first token has arrived; the task's result
+    is the last event."""
+    first = asyncio.Event()
+
+    async def consume() -> dict:
+        last = None
+        async for last in c.generate_stream(**body):
+            first.set()
+        return last
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    return task
+
+
+# --- info and health ----------------------------------------------------------------------------
+
+
+def test_health_and_info(server) -> None:
+    async def go(c: EngineClient):
+        assert await c.health() and await c.health_generate()
+        info = await c.get_model_info()
+        assert info["is_generation"] is True and info["weight_version"] == "0"
+        assert {"model_path", "tokenizer_path", "preferred_sampling_params"} <= set(info)
+        sinfo = await c.get_server_info()
+        assert sinfo["context_length"] == CONTEXT and sinfo["tp_size"] == 1
+        assert sinfo["internal_states"][0]["paused"] is False and "version" in sinfo
+        assert await c.get_weight_version() == "0"
+        models = json.loads(urllib.request.urlopen(server.url + "/v1/models").read())
+        assert models["data"][0]["max_model_len"] == CONTEXT
+
+    run(_with_client(server.url, go))
+
+
+# --- /generate ----------------------------------------------------------------------------------
+
+
+def test_generate_shapes_logprobs_and_scoring(server) -> None:
+    async def go(c: EngineClient):
+        out = await c.generate(text="12+34=", sampling_params=_greedy(6), return_logprob=True,
+                               top_logprobs_num=3, rid="shape-1")
+        meta = out["meta_info"]
+        assert meta["id"] == "shape-1" and meta["finish_reason"] == {"type": "length", "length": 6}
+        assert meta["prompt_tokens"] == 6 and meta["completion_tokens"] == 6 and len(out["output_ids"]) == 6
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+        assert all(lp <= 0 and text is None for lp, _, text in meta["output_token_logprobs"])
+        assert len(meta["output_top_logprobs"]) == 6 and all(len(t) == 3 for t in meta["output_top_logprobs"])
+        # Greedy: the chosen token is the top-1 of the raw distribution.
+        assert all(top[0][1] == tok for top, tok in zip(meta["output_top_logprobs"], out["output_ids"]))
+        assert meta["input_token_logprobs"] == [[None, ord("="), None]]  # logprob_start_len -1 = last prompt token
+        assert isinstance(out["text"], str) and meta["weight_version"] == "0"
+
+        # input_ids, a batch, and `n` parallel samples.
+        same = await c.generate(input_ids=list(b"12+34="), sampling_params=_greedy(6))
+        assert same["output_ids"] == out["output_ids"]
+        batch = await c.generate(text=["a", "bb"], sampling_params=_greedy(2), rid="b")
+        assert [r["meta_info"]["id"] for r in batch] == ["b_0", "b_1"]
+        par = await c.generate(text="x", sampling_params={"max_new_tokens": 3, "n": 3, "sampling_seed": 5})
+        assert len(par) == 3 and len({tuple(r["output_ids"]) for r in par}) == 1  # one seed -> one sample
+
+        # Prompt scoring (teachers, reference models): max_new_tokens 0, log-probs of given tokens.
+        ids = list(b"the prompt")
+        scored = await c.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                  logprob_start_len=0, top_logprobs_num=2, return_text_in_logprobs=True)
+        lps = scored["meta_info"]["input_token_logprobs"]
+        assert scored["output_ids"] == [] and [t for _, t, _ in lps] == ids and lps[0][0] is None
+        assert lps[1][2] == "h" and all(lp < 0 for lp, _, _ in lps[1:])
+        assert scored["meta_info"]["input_top_logprobs"][0] is None
+
+    run(_with_client(server.url, go))
+
+
+def test_stop_token_and_string(server) -> None:
+    async def go(c: EngineClient):
+        free = await c.generate(text="hello", sampling_params=_greedy(8))
+        ids = free["output_ids"]
+        stopped = await c.generate(text="hello", sampling_params={**_greedy(8), "stop_token_ids": [ids[2]]})
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+        assert stopped["output_ids"] == ids[: ids.index(ids[2]) + 1]
+        # A stop string is trimmed from the text (the tokens stay).
+        first_char = free["text"][1:2]
+        if first_char and first_char != "\ufffd":
+            s = await c.generate(text="hello", sampling_params={**_greedy(8), "stop": first_char})
+            assert s["meta_info"]["finish_reason"]["matched"] == first_char and first_char not in s["text"]
+
+    run(_with_client(server.url, go))
+
+
+def test_streaming_matches_non_streaming(server) -> None:
+    async def go(c: EngineClient):
+        body = dict(text="stream me", sampling_params={"max_new_tokens": 8, "sampling_seed": 7}, return_logprob=True)
+        whole = await c.generate(**body)
+        events = [e async for e in c.generate_stream(**body)]
+        assert len(events) == 8 and all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+        assert [len(e["output_ids"]) for e in events] == list(range(1, 9))  # cumulative, as SGLang
+        last = events[-1]
+        assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+        assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+        # A streamed batch tags each event with its item's index.
+        indices = {e["index"] async for e in c.generate_stream(text=["a", "b"], sampling_params=_greedy(2))}
+        assert indices == {0, 1}
+
+    run(_with_client(server.url, go))
+
+
+def test_abort_a_streaming_request_and_abort_all(server) -> None:
+    async def go(c: EngineClient):
+        got = []
+        async for event in c.generate_stream(text="abort me", sampling_params=_greedy(LONG), rid="to-abort"):
+            got.append(event)
+            if len(got) == 3:
+                await c.abort_request(rid="to-abort")
+        reason = got[-1]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and len(got[-1]["output_ids"]) < LONG
+
+        long = [await _running(c, text=f"p{i}", sampling_params=_greedy(LONG)) for i in range(3)]
+        await c.abort_request(abort_all=True)
+        outs = await asyncio.gather(*long)
+        assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+        assert await c.health_generate()  # and the server goes on
+
+    run(_with_client(server.url, go))
+
+
+def test_a_client_that_goes_away_frees_its_request(server) -> None:
+    """Non-streaming (client timeout) and streaming (client stops reading): the server aborts."""
+    engine = server.server.engine
+
+    async def gone() -> float:
+        t0 = time.monotonic()
+        while engine.num_requests:
+            await asyncio.sleep(0.005)
+        return time.monotonic() - t0
+
+    async def go(c: EngineClient):
+        quick = EngineClient(server.url, retries=0, timeout=0.3)
+        with pytest.raises(EngineUnavailable):
+            await quick.generate(text="gone", sampling_params=_greedy(LONG))
+        await quick.close()
+        assert await gone() < 0.5  # far less than LONG decode steps
+        async for _ in c.generate_stream(text="gone too", sampling_params=_greedy(LONG)):
+            break
+        assert await gone() < 0.5
+
+    run(_with_client(server.url, go))
+
+
+def test_pause_in_place_holds_requests_and_abort_mode_aborts(server) -> None:
+    async def go(c: EngineClient):
+        running = await _running(c, text="frozen", sampling_params=_greedy(40))
+        assert (await c.pause_generation(mode="in_place"))["status"] == "ok"
+        held = asyncio.create_task(c.generate(text="wait", sampling_params=_greedy(3)))
+        await asyncio.sleep(0.3)
+        assert not held.done() and not running.done()
+        info = await c.get_server_info()
+        assert info["internal_states"][0]["paused"] is True
+        assert await c.health_generate()  # paused is still healthy
+        await c.continue_generation()
+        assert (await held)["meta_info"]["finish_reason"]["type"] == "length"
+        assert (await running)["meta_info"]["completion_tokens"] == 40  # resumed where it stopped
+
+        running = await _running(c, text="cut", sampling_params=_greedy(LONG))
+        await c.pause_generation()  # SGLang's default mode: abort what is in flight
+        out = await running
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"]
+        await c.continue_generation()
+
+    run(_with_client(server.url, go))
+
+
+def test_flush_cache(server) -> None:
+    async def go(c: EngineClient):
+        assert "Cache flushed" in await c.flush_cache()
+
+    run(_with_client(server.url, go))
+
+
+# --- weight updates -----------------------------------------------------------------------------
+
+
+def test_weight_updates_disk_tensor_version(tmp_path) -> None:
+    """Own server: these change the weights."""
+    core = _core()
+    original = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+
+        async def go(c: EngineClient):
+            body = dict(text="weights", sampling_params=_greedy(4), return_logprob=True)
+            before = await c.generate(**body)
+            # Disk: a perturbed copy of the weights, loaded by name; the version is bumped.
+            perturbed = {n: t + 0.05 * torch.randn_like(t) for n, t in original.items()}
+            save_file(perturbed, str(tmp_path / "model.safetensors"))
+            reply = await c.update_weights_from_disk(str(tmp_path), weight_version="5")
+            assert reply["success"] is True and reply["num_paused_requests"] == 0
+            assert await c.get_weight_version() == "5"
+            after = await c.generate(**body)
+            assert after["meta_info"]["weight_version"] == "5"
+            assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+            # Tensor: the original weights back, in two buckets; the second names the version.
+            items = list(original.items())
+            half = len(items) // 2
+            assert (await c.update_weights_from_tensor([encode_named_tensors(items[:half])], flush_cache=False))["success"]
+            assert await c.get_weight_version() == "5"  # a bucket without weight_version leaves it
+            await c.update_weights_from_tensor([encode_named_tensors(items[half:])], weight_version="6")
+            again = await c.generate(**body)
+            assert again["meta_info"]["weight_version"] == "6"
+            assert again["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+            # Failures: 400 with SGLang's {"success": false, "message"} naming the problem.
+            with pytest.raises(EngineHTTPError) as err:
+                await c.update_weights_from_disk(str(tmp_path / "nowhere"))
+            assert err.value.status == 400 and "model_path" in err.value.message
+            bad = [encode_named_tensors([("model.no_such.weight", torch.zeros(2))])]
+            with pytest.raises(EngineHTTPError, match="no_such"):
+                await c.update_weights_from_tensor(bad)
+            assert (await c.update_weight_version(9))["new_version"] == "9"
+            assert await c.get_weight_version() == "9"
+
+        run(_with_client(srv.url, go))
+
+
+def test_weight_update_waits_for_in_flight_requests(tmp_path) -> None:
+    """Not paused: the update waits for running requests (one version per request), as SGLang's
+    model-update lock does; new requests wait for the update."""
+    core = _core()
+    save_file({n: p.detach().clone() for n, p in core.model.named_parameters()}, str(tmp_path / "m.safetensors"))
+    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+
+        async def go(c: EngineClient):
+            running = await _running(c, text="long", sampling_params=_greedy(LONG))
+            update = asyncio.create_task(c.update_weights_from_disk(str(tmp_path)))
+            await asyncio.sleep(0.2)
+            later = asyncio.create_task(c.generate(text="later", sampling_params=_greedy(2)))
+            first = await running
+            assert first["meta_info"]["weight_version"] == "0" and first["meta_info"]["completion_tokens"] == LONG
+            assert not update.done() or (await update)["success"]
+            assert (await update)["success"]
+            assert (await later)["meta_info"]["weight_version"] == "1"
+
+        run(_with_client(srv.url, go))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_TRAINER = """
+import sys, torch
+from mcore_rl.rollout.weight_protocol import init_custom_process_group, broadcast_bytes, flatten
+port = int(sys.argv[1])
+pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group")
+torch.manual_seed(0)
+broadcast_bytes(flatten([("lm_head.weight", torch.full(tuple(map(int, sys.argv[2:])), 0.01))]), pg)
+"""
+
+
+@pytest.mark.slow
+def test_distributed_weight_update_endpoints() -> None:
+    """/init_weights_update_group + /update_weights_from_distributed against a trainer process
+    (rank 0 of a gloo group), then /destroy_weights_update_group."""
+    core = _core()
+    shape = list(core.model.lm_head.weight.shape)
+    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+
+        async def go(c: EngineClient):
+            port = _free_port()
+            trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(port), *map(str, shape)])
+            try:
+                init = await c.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
+                assert init["success"], init
+                reply = await c.update_weights_from_distributed(
+                    ["lm_head.weight"], ["float32"], [shape], load_format="flattened_bucket", weight_version="3")
+                assert reply["success"], reply
+                assert trainer.wait(60) == 0
+            finally:
+                trainer.kill()
+            assert torch.all(core.model.lm_head.weight == 0.01) and await c.get_weight_version() == "3"
+            assert (await c.destroy_weights_update_group())["success"]
+            with pytest.raises(EngineHTTPError, match="group_name"):
+                await c.update_weights_from_distributed(["lm_head.weight"], ["float32"], [shape])
+
+        run(_with_client(srv.url, go))
+
+
+# --- OpenAI -------------------------------------------------------------------------------------
+
+
+def test_openai_completions_and_chat(server) -> None:
+    async def go(c: EngineClient):
+        cmpl = await c.completions(model="m", prompt=["1+1=", "2+2="], max_tokens=4, temperature=0, n=2,
+                                   logprobs=2, ignore_eos=True)
+        assert cmpl["object"] == "text_completion" and len(cmpl["choices"]) == 4
+        assert cmpl["choices"][0]["text"] == cmpl["choices"][1]["text"]  # greedy: n copies agree
+        lp = cmpl["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4 and all(len(t) <= 2 for t in lp["top_logprobs"])
+        assert cmpl["usage"] == {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}
+        native = await c.generate(text="1+1=", sampling_params=_greedy(4))
+        assert cmpl["choices"][0]["text"] == native["text"]
+
+        chat = await c.chat_completions(messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+        msg = chat["choices"][0]
+        assert chat["object"] == "chat.completion" and msg["message"]["role"] == "assistant"
+        assert len(msg["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
+        # The byte tokenizer's chat layout is ChatML.
+        prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        ref = await c.generate(text=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0,
+                                                             "stop_token_ids": [260]})
+        assert msg["message"]["content"] == ref["text"]
+
+        chunks = [ch async for ch in c.openai_stream("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3, temperature=0, stream_options={"include_usage": True})]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1]["usage"]["completion_tokens"] >= 1
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+        assert text == msg["message"]["content"]
+        pieces = [ch async for ch in c.openai_stream("/v1/completions", prompt="1+1=", max_tokens=4, temperature=0,
+                                                     ignore_eos=True)]
+        assert "".join(p["choices"][0]["text"] for p in pieces) == cmpl["choices"][0]["text"]
+
+    run(_with_client(server.url, go))
+
+
+# --- bad requests -------------------------------------------------------------------------------
+
+
+BAD = [
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "x", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+    ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+    ({"text": "x", "return_logprob": "yes"}, "return_logprob"),
+    ({"text": "x", "temperature": 0.5}, "temperature"),
+    ({"text": "x", "image_data": "cat.png"}, "image_data"),
+    ({"input_ids": [1, 2, "3"]}, "input_ids"),
+    ({"input_ids": [1, 99999]}, "input_ids"),
+    ({"input_ids": [1] * CONTEXT}, "input_ids"),  # over the context length
+    ({"text": "x", "input_ids": [1]}, "input_ids"),
+    ({"text": "x", "logprob_start_len": 5}, "logprob_start_len"),
+    ({"text": ["a", "b"], "rid": ["same", "same"]}, "rid"),
+    ({"text": "x", "sampling_params": {"n": 0}}, "sampling_params.n"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field_while_others_are_served(server) -> None:
+    async def go(c: EngineClient):
+        good = [asyncio.create_task(c.generate(text=f"good {i}", sampling_params={"max_new_tokens": 12, "sampling_seed": i}))
+                for i in range(6)]
+        for body, field in BAD:
+            with pytest.raises(EngineHTTPError) as err:
+                await c.generate(body)
+            assert err.value.status == 400 and field in err.value.message, (body, err.value.message)
+        for path, body, field in [
+            ("/v1/completions", {"prompt": "x", "max_tokens": -2}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+            ("/pause_generation", {"mode": "later"}, "mode"),
+            ("/update_weight_version", {"new_version": "v2"}, "new_version"),
+        ]:
+            with pytest.raises(EngineHTTPError) as err:
+                await c._call("POST", path, body, retry=False)
+            assert err.value.status == 400 and field in err.value.message, (path, err.value.message)
+        req = urllib.request.Request(server.url + "/generate", data=b"{not json", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req)
+        assert err.value.code == 400 and "body" in json.loads(err.value.read())["error"]["message"]
+        outs = await asyncio.gather(*good)
+        assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
+        assert await c.health_generate()
+
+    run(_with_client(server.url, go))
+
+
+def test_rid_in_flight_is_refused(server) -> None:
+    async def go(c: EngineClient):
+        first = await _running(c, text="one", sampling_params=_greedy(LONG), rid="dup")
+        with pytest.raises(EngineHTTPError, match="rid"):
+            await c.generate(text="two", sampling_params=_greedy(2), rid="dup")
+        assert (await first)["meta_info"]["completion_tokens"] == LONG
+
+    run(_with_client(server.url, go))
+
+
+# --- many concurrent requests -------------------------------------------------------------------
+
+
+def test_200_concurrent_requests_match_sequential(server) -> None:
+    """Nothing lost or duplicated; every result equals the same request run alone (same seed)."""
+
+    def body(i: int) -> dict:
+        return dict(text=f"request {i}: " + "ab" * (i % 7), rid=f"c{i}", return_logprob=True,
+                    sampling_params={"max_new_tokens": 4 + i % 5, "temperature": 1.0, "top_p": 0.9,
+                                     "sampling_seed": 1000 + i})
+
+    async def go(c: EngineClient):
+        t0 = time.monotonic()
+        together = await asyncio.gather(*(c.generate(body(i)) for i in range(200)))
+        t_together = time.monotonic() - t0
+        alone = [await c.generate(body(i)) for i in range(200)]
+        return together, alone, t_together
+
+    together, alone, _ = run(_with_client(server.url, go))
+    assert sorted(o["meta_info"]["id"] for o in together) == sorted(f"c{i}" for i in range(200))
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert a["meta_info"]["id"] == f"c{i}"
+        assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"], i
+        lp_a = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+
+
+# --- launch flags -------------------------------------------------------------------------------
+
+
+def test_launch_flags() -> None:
+    args = parse_server_args(["--model-path", "/m", "--port", "31000", "--dtype", "bfloat16", "--quantization", "fp8",
+                              "--context-length", "512", "--random-seed", "3", "--mem-fraction-static", "0.8",
+                              "--tp-size", "1", "--max-running-requests", "16"])
+    assert args.engine_kwargs() == {"dtype": "bfloat16", "quantization": "fp8", "random_seed": 3,
+                                    "context_length": 512, "max_running_requests": 16}
+    assert args.port == 31000 and args.mem_fraction_static == 0.8
+    assert parse_server_args([]).model_path is None and parse_server_args(["--model", "/x"]).model_path == "/x"
+    for argv, needle in [
+        (["--tp-size", "2"], "--tp-size 2"),
+        (["--quantization", "awq"], "--quantization awq"),
+        (["--enable-dp-attention"], "--enable-dp-attention"),
+        (["--speculative-algorithm=EAGLE"], "--speculative-algorithm"),
+        (["--port", "x"], "--port"),
+    ]:
+        with pytest.raises(LaunchFlagError, match=needle):
+            parse_server_args(argv)
+
+
+@pytest.mark.slow
+def test_mcore_rl_serve_command() -> None:
+    """`mcore-rl serve` with no --model-path serves the demo model; bad flags exit 2 with a message."""
+    bad = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "serve", "--tp-size", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--tp-size 4" in bad.stderr
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "64"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        req = urllib.request.Request(url + "/generate", data=json.dumps({"text": "hi", "sampling_params": _greedy(3)}).encode())
+        out = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert out["meta_info"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)

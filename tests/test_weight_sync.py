@@ -1,0 +1,422 @@
+"""Trainer -> engine weight sync: wire formats, the engine-side receiver behind the real HTTP
+server, gathering megatron-core shards in every layout, and end-to-end syncs from a TP=2 trainer to
+`mcore-rl serve` engines in other processes over each transport (engine log-probs equal the
+trainer's in fp32; an FP8 engine differs by a measured K3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+from mcore_rl.config.schema import ModelConfig, ParallelConfig
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.rollout import weight_receiver as rx
+from mcore_rl.rollout.async_engine import AsyncEngine
+from mcore_rl.rollout.client import EngineClient, EngineHTTPError
+from mcore_rl.rollout.engine.core import EngineCore
+from mcore_rl.rollout.engine.fp8 import FP8_DTYPE, quantize_block_fp8
+from mcore_rl.rollout.server import EngineServer, ServerThread
+from mcore_rl.rollout.weight_protocol import (
+    BucketMeta,
+    decode_named_tensors,
+    encode_named_tensors,
+    encode_named_tensors_sglang,
+    flatten,
+    unflatten,
+)
+from mcore_rl.rollout.weight_sync import (
+    DiskTransport,
+    DistributedTransport,
+    InProcessTransport,
+    SyncStats,
+    TensorTransport,
+    WeightSync,
+    iter_buckets,
+    quantize_for_fp8_engine,
+)
+from tests.world import run_world
+
+TOK = load_tokenizer(None)
+IDS = TOK.encode("the weights of the trainer, now in the engine")
+
+
+def k3(d: torch.Tensor) -> float:
+    """Mean per-token K3 estimator of KL, d = logp_trainer - logp_engine."""
+    return float((torch.exp(d) - d - 1).mean())
+
+
+def reference_model(seed: int, mc: ModelConfig = ModelConfig()) -> Qwen3ReferenceForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+    with torch.no_grad():  # peaked distributions, so that different weights give different log-probs
+        for p in model.parameters():
+            p.mul_(8.0) if p.ndim == 2 else p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def ref_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def request(url: str, method: str, **fields):
+    """One `EngineClient` call from synchronous test code."""
+
+    async def once():
+        async with EngineClient(url, retries=0) as client:
+            return await getattr(client, method)(**fields)
+
+    return asyncio.run(once())
+
+
+def engine_logprobs(url: str, ids: list[int]) -> torch.Tensor:
+    """Prompt scoring through /generate: log p(ids[t] | ids[:t]) for t >= 1."""
+    out = request(url, "generate", input_ids=list(ids), sampling_params={"max_new_tokens": 0},
+                  return_logprob=True, logprob_start_len=0)
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+
+
+def weight_version(url: str) -> str:
+    return request(url, "get_model_info")["weight_version"]
+
+
+def start_server(core: EngineCore) -> ServerThread:
+    server = ServerThread(EngineServer(AsyncEngine(core)))
+    server.start()
+    return server
+
+
+def _server_main(urls, stop, engine_kw: dict) -> None:
+    """An `mcore-rl serve` process (the demo model), until `stop` is set."""
+    torch.set_num_threads(1)
+    server = start_server(EngineCore.from_model_path(None, context_length=128, **engine_kw))
+    urls.put(server.url)
+    stop.wait()
+    server.stop()
+
+
+class ServerProcess:
+    def __init__(self, **engine_kw) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        urls, self.stop = ctx.Queue(), ctx.Event()
+        self.proc = ctx.Process(target=_server_main, args=(urls, self.stop, engine_kw), daemon=True)
+        self.proc.start()
+        self.url = urls.get(timeout=300)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.proc.join(30)
+
+
+# --------------------------------------------------------------------------------------------
+# wire formats
+# --------------------------------------------------------------------------------------------
+
+
+def test_flattened_bucket_round_trip_mixed_dtypes():
+    named = [
+        ("a", torch.randn(3).bfloat16()),  # 6 bytes: the next tensor starts unaligned
+        ("b", torch.randn(2, 5)),
+        ("c", torch.randn(4, 4).to(FP8_DTYPE)),
+        ("d", torch.randn(7).half()),
+        ("e", torch.randn(3, 2).t()),  # not contiguous
+    ]
+    meta = BucketMeta.of(named)
+    flat = flatten(named)
+    assert flat.dtype == torch.uint8 and flat.numel() == meta.total_bytes
+    back = unflatten(flat, meta.names, [t.dtype for _, t in named], meta.shapes)
+    for (n, t), (m, u) in zip(named, back):
+        assert n == m and u.dtype == t.dtype and torch.equal(u.view(torch.uint8), t.contiguous().view(torch.uint8))
+    assert meta.dtypes == ["bfloat16", "float32", "float8_e4m3fn", "float16", "float32"]
+    with pytest.raises(ValueError, match="metadata describes"):
+        unflatten(flat[:-1], meta.names, [t.dtype for _, t in named], meta.shapes)
+
+
+def test_buckets_keep_order_and_size():
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    buckets = list(iter_buckets(named, bucket_bytes=25 * 4))
+    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(iter_buckets(named, 0))
+
+
+def test_tensor_payloads():
+    named = [("x", torch.randn(2, 3)), ("y", torch.randn(4).to(FP8_DTYPE))]
+    back = decode_named_tensors(encode_named_tensors(named), "f")
+    assert [n for n, _ in back] == ["x", "y"] and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                                       for (_, a), (_, b) in zip(named, back))
+    # SGLang's MultiprocessingSerializer format (a ForkingPickler dump) is produced for real SGLang
+    # servers, but the embedded engine never unpickles request data.
+    sglang = encode_named_tensors_sglang(named)
+    with pytest.raises(ValueError, match=r"^f: not a torch.save payload"):
+        decode_named_tensors(sglang, "f")
+    evil = base64.b64encode(pickle.dumps(("x", 1))).decode()
+    with pytest.raises(ValueError, match=r"^f: not a torch.save payload"):
+        decode_named_tensors(evil, "f")
+    with pytest.raises(ValueError, match=r"^f: not valid base64"):
+        decode_named_tensors("%%%", "f")
+    buf = io.BytesIO()
+    torch.save({"not": "tensors"}, buf)
+    with pytest.raises(ValueError, match=r"^f: expected a list of \(name, tensor\) pairs"):
+        decode_named_tensors(base64.b64encode(buf.getvalue()).decode(), "f")
+
+
+def test_fp8_quantization_during_sync_covers_exactly_the_engines_fp8_layers():
+    sd = reference_model(0).state_dict()
+    out = dict(quantize_for_fp8_engine(sd.items()))
+    engine = EngineCore(reference_model(1), TOK, quantization="fp8")
+    assert set(out) == set(engine.model.state_dict())  # same names as the FP8 engine holds
+    for name, t in sd.items():
+        module = name.removesuffix(".weight")
+        if module in engine.fp8_layers:
+            q, s = quantize_block_fp8(t)
+            assert out[name].dtype == FP8_DTYPE and torch.equal(out[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(out[module + ".weight_scale_inv"], s)
+        else:
+            assert out[name] is t
+
+
+# --------------------------------------------------------------------------------------------
+# engine side: the receiver behind the HTTP server (one process)
+# --------------------------------------------------------------------------------------------
+
+
+def test_tensor_disk_and_in_process_transports(tmp_path):
+    core = EngineCore(reference_model(0), TOK, context_length=128)
+    server = start_server(core)
+    url = server.url
+    try:
+        sources = {v: reference_model(10 + v) for v in (1, 2, 3, 4)}
+        expected = {v: ref_logprobs(m, IDS) for v, m in sources.items()}
+        assert (engine_logprobs(url, IDS) - expected[1]).abs().max() > 0.1  # other weights to start with
+
+        stats = SyncStats(5)
+        TensorTransport([url]).send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
+        assert stats.buckets > 1 and weight_version(url) == "5"
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[1], atol=1e-5, rtol=0)
+
+        disk = DiskTransport([url], str(tmp_path))
+        disk.send(iter_buckets(sources[2].state_dict().items(), 1 << 16), 6, SyncStats(6))
+        assert weight_version(url) == "6" and len(list((tmp_path / "v6").glob("*.safetensors"))) > 1
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[2], atol=1e-5, rtol=0)
+        disk.send(iter_buckets(sources[3].state_dict().items(), 1 << 16), 7, SyncStats(7))
+        assert not (tmp_path / "v6").exists()  # the previous version's shards are removed
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[3], atol=1e-5, rtol=0)
+
+        InProcessTransport([core]).send(iter_buckets(sources[4].state_dict().items(), 1 << 16), 8, SyncStats(8))
+        assert weight_version(url) == "8"
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[4], atol=1e-5, rtol=0)
+
+        # SGLang's version rules: a bucket without weight_version leaves it, a whole checkpoint +1
+        half = list(sources[1].state_dict().items())[:4]
+        request(url, "update_weights_from_tensor", serialized_named_tensors=[encode_named_tensors(half)])
+        assert weight_version(url) == "8"
+        request(url, "update_weights_from_disk", model_path=str(tmp_path / "v7"))
+        assert weight_version(url) == "9"
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[3], atol=1e-5, rtol=0)
+    finally:
+        server.stop()
+
+
+def test_bad_weight_updates_are_refused_naming_the_field(tmp_path):
+    core = EngineCore(reference_model(0), TOK, context_length=128)
+    server = start_server(core)
+    url = server.url
+    try:
+        lp0 = engine_logprobs(url, IDS)
+        good = [("model.norm.weight", torch.ones(64)), ("lm_head.weight", torch.zeros(384, 64))]
+
+        def refused(method: str, match: str, **fields) -> None:
+            with pytest.raises(EngineHTTPError, match=match) as err:
+                request(url, method, **fields)
+            assert err.value.status == 400
+
+        tensors = "update_weights_from_tensor"
+        refused(tensors, r"serialized_named_tensors\[0\]: 'lm_head.weight' has shape \[3, 3\]",
+                serialized_named_tensors=[encode_named_tensors(good + [("lm_head.weight", torch.zeros(3, 3))])])
+        refused(tensors, r"serialized_named_tensors\[0\]: 'model.nope.weight' is not a weight",
+                serialized_named_tensors=[encode_named_tensors(good + [("model.nope.weight", torch.zeros(1))])])
+        refused(tensors, r"is FP8, but the engine holds it in torch.float32",
+                serialized_named_tensors=[encode_named_tensors(
+                    [("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64).to(FP8_DTYPE))])])
+        refused(tensors, r"serialized_named_tensors\[0\]: not a torch.save payload",
+                serialized_named_tensors=[encode_named_tensors_sglang(good)])
+        refused(tensors, r"serialized_named_tensors: must hold one entry", serialized_named_tensors=[])
+        refused(tensors, r"weight_version: expected an integer",
+                serialized_named_tensors=[encode_named_tensors(good)], weight_version="v2")
+        refused(tensors, r"flush_cache: expected bool", serialized_named_tensors=[encode_named_tensors(good)],
+                flush_cache="yes")
+        refused(tensors, r"load_format: 'flattened_bucket' is not supported",
+                serialized_named_tensors=[encode_named_tensors(good)], load_format="flattened_bucket")
+        dist_fields = dict(names=["model.norm.weight"], dtypes=["float32"], shapes=[[64]])
+        dist = "update_weights_from_distributed"
+        refused(dist, r"group_name: 'weight_update_group' is not initialized", **dist_fields)
+        refused(dist, r"dtypes\[0\]: 'complex64' is not a supported dtype", **{**dist_fields, "dtypes": ["complex64"]})
+        refused(dist, r"dtypes/shapes: need one per name", **{**dist_fields, "shapes": [[64], [1]]})
+        refused(dist, r"shapes\[0\]: expected a list of non-negative integers", **{**dist_fields, "shapes": [[-1]]})
+        refused(dist, r"names: must not be empty", **{**dist_fields, "names": []})
+        refused("update_weights_from_disk", r"model_path: .* is not a directory", model_path=str(tmp_path / "no"))
+        (tmp_path / "junk.safetensors").write_bytes(b"\x01\x00")
+        refused("update_weights_from_disk", r"model_path: cannot read", model_path=str(tmp_path))
+        group = dict(master_address="127.0.0.1", master_port=1, world_size=2)
+        refused("init_weights_update_group", r"rank_offset: must be >= 1", rank_offset=0, **group)
+        refused("init_weights_update_group", r"backend: 'nccl' needs an engine on CUDA", rank_offset=1, **group)
+        refused("init_weights_update_group", r"backend: expected 'gloo' or 'nccl'", rank_offset=1, backend="mpi", **group)
+        refused("destroy_weights_update_group", r"does not exist", group_name="none")
+        # nothing above changed a weight or the version, and the server still serves
+        assert weight_version(url) == "0"
+        torch.testing.assert_close(engine_logprobs(url, IDS), lp0, atol=0, rtol=0)
+        with pytest.raises(ValueError, match=r"^model_path: required"):
+            rx.update_weights_from_disk(core, {})
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# trainer side: gathering shards in every layout (2-rank gloo worlds)
+# --------------------------------------------------------------------------------------------
+
+DENSE = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128)
+TIED = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, tie_word_embeddings=True)
+MOE = ModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4,
+                  moe_router_topk=2, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96)
+
+
+def P(**kw) -> ParallelConfig:
+    names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size",
+                 vpp="virtual_pipeline_model_parallel_size", ep="expert_model_parallel_size",
+                 sp="sequence_parallel", etp="expert_tensor_parallel_size")
+    return ParallelConfig(**{names[k]: v for k, v in kw.items()})
+
+
+def _gather_world(rank: int, world_size: int, cases) -> None:
+    from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.rollout.weight_sync import iter_hf_weights
+
+    for mc, pc in cases:
+        init_model_parallel(pc)
+        set_seed(3)
+        chunks = build_model(mc, pc)
+        expected = full_megatron_to_hf(gather_full_state_dict(chunks), mc)
+        got = list(iter_hf_weights(chunks, mc, bucket_bytes=48 << 10))  # several buckets per stage
+        if rank != 0:
+            assert got == [], f"{pc}: only rank 0 holds full tensors"
+            continue
+        names = [n for n, _ in got]
+        assert len(names) == len(set(names)) and set(names) == set(expected), f"{mc.arch} {pc}: {set(names) ^ set(expected)}"
+        for name, tensor in got:
+            assert torch.equal(tensor.cpu(), expected[name]), f"{mc.arch} {pc}: {name}"
+
+
+@pytest.mark.slow
+def test_gathered_hf_weights_equal_the_exporters_in_every_layout():
+    run_world(2, _gather_world, [
+        (DENSE, P(tp=2, sp=True)),
+        (DENSE, P(pp=2)),  # the second stage streams its buckets to rank 0
+        (DENSE, P(pp=2, vpp=2)),
+        (DENSE, P()),  # DP=2: only the first replica gathers
+        (TIED, P(pp=2)),  # the last stage's copy of the tied embedding is not sent
+        (MOE, P(ep=2)),  # experts gathered across EP
+        (MOE, P(tp=2, sp=True)),  # experts gathered across ETP
+    ])
+
+
+# --------------------------------------------------------------------------------------------
+# end to end: TP=2 megatron-core trainer -> engines in other processes, every transport
+# --------------------------------------------------------------------------------------------
+
+
+def _perturb(chunks, seed: int) -> None:
+    """New trainer weights (as training would make them); replicated tensors stay identical
+    across TP ranks because every rank draws the same noise for the same name and shape."""
+    from mcore_rl.hf.weight_map import iter_local_params
+
+    with torch.no_grad():
+        for _, name, p in iter_local_params(chunks):
+            g = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(noise * 0.15 if p.ndim == 2 else 1.0 + 0.3 * noise)
+
+
+def _trainer_logprobs(chunks, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) from the megatron-core model: minus its vocab-parallel CE loss."""
+    tokens = torch.tensor([ids[:-1]])
+    labels = torch.tensor([ids[1:]])
+    with torch.no_grad():
+        loss = chunks[0](tokens, torch.arange(tokens.shape[1])[None], None, labels=labels)
+    return -loss[0].float()
+
+
+def _sync_world(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+
+    mc, pc = ModelConfig(), P(tp=2)  # the engine's demo model has ModelConfig() defaults
+    init_model_parallel(pc)
+    set_seed(1)
+    chunks = build_model(mc, pc)
+    fp32 = fp8 = None
+    if rank == 0:
+        fp32, fp8 = ServerProcess(), ServerProcess(quantization="fp8")
+    try:
+        transports = {
+            "distributed": lambda: DistributedTransport([fp32.url], group_name="fp32"),
+            "disk": lambda: DiskTransport([fp32.url], os.path.join(tmp, "sync")),
+            "tensor": lambda: TensorTransport([fp32.url]),
+        }
+        for version, kind in enumerate(transports, start=1):
+            _perturb(chunks, version)
+            trainer = _trainer_logprobs(chunks, IDS)
+            transport = transports[kind]() if rank == 0 else None
+            if rank == 0:
+                assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() > 0.05, "the engine had these weights"
+            stats = WeightSync(chunks, mc, transport, bucket_bytes=96 << 10).sync(version)
+            if rank == 0:
+                assert stats.buckets > 1 and stats.bytes > 0
+                diff = (engine_logprobs(fp32.url, IDS) - trainer).abs().max()
+                assert diff <= 1e-5, f"{kind}: engine log-probs differ from the trainer's by {diff}"
+                assert weight_version(fp32.url) == str(version)
+            if kind == "distributed":  # the group stays up for later syncs until closed
+                _perturb(chunks, 99)
+                trainer = _trainer_logprobs(chunks, IDS)
+                WeightSync(chunks, mc, transport, bucket_bytes=96 << 10).sync(42)
+                if rank == 0:
+                    assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
+                    assert weight_version(fp32.url) == "42"
+                    transport.close()
+
+        # FP8 engine: quantized during the sync; per-tensor broadcasts (SGLang's default format)
+        _perturb(chunks, 7)
+        trainer = _trainer_logprobs(chunks, IDS)
+        transport = DistributedTransport([fp8.url], group_name="fp8", load_format=None) if rank == 0 else None
+        WeightSync(chunks, mc, transport, bucket_bytes=96 << 10, quantization="fp8").sync(7)
+        if rank == 0:
+            d = trainer - engine_logprobs(fp8.url, IDS)
+            mismatch = k3(d)
+            print(f"\nFP8 engine vs TP=2 fp32 trainer: mean |d| = {d.abs().mean():.3e}, "
+                  f"max |d| = {d.abs().max():.3e}, mean token K3 = {mismatch:.3e} ({len(d)} tokens)")
+            assert 1e-7 < mismatch < 5e-2
+            assert weight_version(fp8.url) == "7"
+            transport.close()
+    finally:
+        for e in (fp32, fp8):
+            if e is not None:
+                e.close()
+
+
+@pytest.mark.slow
+def test_tp2_trainer_to_engines_over_every_transport(tmp_path):
+    run_world(2, _sync_world, str(tmp_path))

@@ -1,0 +1,177 @@
+"""Weight-sync throughput of each transport vs one raw `torch.distributed.broadcast` (the limit).
+
+Why: a sync moves the whole model every RL step; this shows what each transport costs on top of
+the fastest thing the wire can do — one broadcast of one tensor of the same total size between the
+same two processes over the same kind of group (gloo here, NCCL on GPUs).
+
+    .venv/bin/python tools/bench_weight_sync.py                      # ~315 MB of fp32 weights
+    .venv/bin/python tools/bench_weight_sync.py --hidden 512 --bucket-mb 64 --repeats 5
+
+Setup: the "trainer" is this process holding the full HF-named weights of a Qwen3-style model
+(the output of the megatron-core gather, which is not timed: it is TP/EP all-gathers whose cost
+is the interconnect's); the engine is an `mcore-rl serve` server (`EngineServer` over an
+`EngineCore`) in another process. Each transport's time runs from the first byte to the engine
+reporting success with every weight copied into its model: pause, HTTP requests, (de)serialising,
+broadcasts or files, loading, version bump, continue. Joining the broadcast group happens once,
+before timing (as in training, where it is set up once). The raw broadcast goes to a separate
+receiver process and ends with a one-element all-reduce, so the time includes delivery.
+`in-process` loads into an `EngineCore` in this process (a colocated engine). Best and median of
+`--repeats` runs are printed; ratios use the best runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.schema import ModelConfig
+from mcore_rl.rollout.weight_protocol import init_custom_process_group
+from mcore_rl.rollout.weight_sync import (
+    DiskTransport,
+    DistributedTransport,
+    InProcessTransport,
+    SyncStats,
+    TensorTransport,
+    iter_buckets,
+)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_layers=args.layers,
+        num_attention_heads=args.heads, num_query_groups=args.groups, max_position_embeddings=256,
+    )
+
+
+def make_core(mc: ModelConfig, seed: int):
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    torch.manual_seed(seed)
+    return EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)), load_tokenizer(None),
+                      context_length=128)
+
+
+def _server(mc: ModelConfig, urls, stop) -> None:
+    from mcore_rl.rollout.async_engine import AsyncEngine
+    from mcore_rl.rollout.server import EngineServer, ServerThread
+
+    server = ServerThread(EngineServer(AsyncEngine(make_core(mc, seed=0))))
+    urls.put(server.start())
+    stop.wait()
+    server.stop()
+
+
+def _raw_receiver(port: int, nbytes: int, repeats: int) -> None:
+    group = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, "raw", timedelta(minutes=10))
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    ack = torch.zeros(1)
+    for _ in range(repeats):
+        dist.broadcast(buf, group=group, group_src=0)
+        dist.all_reduce(ack, group=group)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed(fn: Callable[[], None], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (the default of the sync)")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+
+    mc = model_config(args)
+    weights = list(make_core(mc, seed=1).model.state_dict().items())  # the "trainer's" full HF tensors
+    total = sum(t.numel() * t.element_size() for _, t in weights)
+    bucket = args.bucket_mb << 20
+    print(f"weights: {total / 1e6:.1f} MB fp32 in {len(weights)} tensors (hidden {mc.hidden_size}, "
+          f"{mc.num_layers} layers, vocab {mc.vocab_size}); bucket {args.bucket_mb} MiB; "
+          f"{args.repeats} runs each; torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    ctx = mp.get_context("spawn")
+    urls, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_server, args=(mc, urls, stop), daemon=True)
+    server.start()
+    url = urls.get(timeout=600)
+    results: dict[str, list[float]] = {}
+    try:
+        # the limit: one broadcast of one tensor of the same size, to a bare receiver process
+        port = free_port()
+        receiver = ctx.Process(target=_raw_receiver, args=(port, total, args.repeats), daemon=True)
+        receiver.start()
+        group = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "raw", timedelta(minutes=10))
+        flat = torch.randint(0, 255, (total,), dtype=torch.uint8)
+        ack = torch.zeros(1)
+
+        def raw() -> None:
+            dist.broadcast(flat, group=group, group_src=0)
+            dist.all_reduce(ack, group=group)
+
+        results["raw dist.broadcast, one tensor"] = timed(raw, args.repeats)
+        receiver.join()
+        dist.destroy_process_group(group)
+        del flat
+
+        version = iter(range(1, 1 << 30))
+
+        def run(transport) -> Callable[[], None]:
+            def once() -> None:
+                v = next(version)
+                transport.send(iter_buckets(weights, bucket), v, SyncStats(v))
+            return once
+
+        flat_bucket = DistributedTransport([url], group_name="bench-flat")
+        flat_bucket.connect()
+        results["distributed, flattened bucket"] = timed(run(flat_bucket), args.repeats)
+        flat_bucket.close()
+        per_tensor = DistributedTransport([url], group_name="bench-per-tensor", load_format=None)
+        per_tensor.connect()
+        results["distributed, one broadcast per tensor"] = timed(run(per_tensor), args.repeats)
+        per_tensor.close()
+        with tempfile.TemporaryDirectory() as tmp:
+            results["disk (safetensors)"] = timed(run(DiskTransport([url], os.path.join(tmp, "w"))), args.repeats)
+        results["tensor (HTTP, torch.save + base64)"] = timed(run(TensorTransport([url])), args.repeats)
+        results["in-process (colocated EngineCore)"] = timed(run(InProcessTransport([make_core(mc, seed=0)])), args.repeats)
+    finally:
+        stop.set()
+        server.join(30)
+
+    limit = total / min(results["raw dist.broadcast, one tensor"])
+    print(f"\n{'transport':<40} {'best s':>8} {'median s':>9} {'MB/s':>9} {'vs raw':>7}")
+    for name, times in results.items():
+        rate = total / min(times)
+        print(f"{name:<40} {min(times):>8.3f} {statistics.median(times):>9.3f} {rate / 1e6:>9.0f} {rate / limit:>6.0%}")
+
+
+if __name__ == "__main__":
+    main()
