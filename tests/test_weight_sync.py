@@ -151,25 +151,44 @@ def test_buckets_keep_order_and_size():
         list(iter_buckets(named, 0))
 
 
-def test_tensor_payloads():
-    named = [("x", torch.randn(2, 3)), ("y", torch.randn(4).to(FP8_DTYPE))]
+def test_safetensors_files_and_tensor_payloads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mcore_rl.rollout.weight_protocol import read_safetensors_header, write_safetensors
+
+    named = [("x", torch.randn(2, 3)), ("odd", torch.randn(3).bfloat16()), ("y", torch.randn(4).to(FP8_DTYPE)),
+             ("t", torch.randn(3, 2).t())]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    # files: ours open with the safetensors library, and the library's with our reader
+    write_safetensors(named, tmp_path / "ours.safetensors")
+    with safe_open(tmp_path / "ours.safetensors", "pt") as f:
+        assert all(same(f.get_tensor(n), t) for n, t in named)
+    save_file({n: t.contiguous() for n, t in named}, tmp_path / "lib.safetensors")
+    with open(tmp_path / "lib.safetensors", "rb") as f:
+        entries = {e.name: e for e in read_safetensors_header(f)}
+    data = (tmp_path / "lib.safetensors").read_bytes()
+    for n, t in named:
+        e = entries[n]
+        assert same(torch.frombuffer(bytearray(data[e.begin:e.end]), dtype=torch.uint8).view(e.dtype).reshape(e.shape), t)
+    # /update_weights_from_tensor payloads: safetensors in base64; pickles are refused
     back = decode_named_tensors(encode_named_tensors(named), "f")
-    assert [n for n, _ in back] == ["x", "y"] and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                                       for (_, a), (_, b) in zip(named, back))
-    # SGLang's MultiprocessingSerializer format (a ForkingPickler dump) is produced for real SGLang
-    # servers, but the embedded engine never unpickles request data.
-    sglang = encode_named_tensors_sglang(named)
-    with pytest.raises(ValueError, match=r"^f: not a torch.save payload"):
-        decode_named_tensors(sglang, "f")
-    evil = base64.b64encode(pickle.dumps(("x", 1))).decode()
-    with pytest.raises(ValueError, match=r"^f: not a torch.save payload"):
-        decode_named_tensors(evil, "f")
+    assert [n for n, _ in back] == [n for n, _ in named] and all(same(a, b) for (_, a), (_, b) in zip(named, back))
+    with pytest.raises(ValueError, match=r"^f: a pickle \(SGLang's MultiprocessingSerializer format\)"):
+        decode_named_tensors(encode_named_tensors_sglang(named), "f")  # what a real SGLang server takes
+    with pytest.raises(ValueError, match=r"^f: a pickle"):
+        decode_named_tensors(base64.b64encode(pickle.dumps(("x", 1))).decode(), "f")
     with pytest.raises(ValueError, match=r"^f: not valid base64"):
         decode_named_tensors("%%%", "f")
     buf = io.BytesIO()
-    torch.save({"not": "tensors"}, buf)
-    with pytest.raises(ValueError, match=r"^f: expected a list of \(name, tensor\) pairs"):
+    torch.save({"x": torch.zeros(1)}, buf)
+    with pytest.raises(ValueError, match=r"^f: not a safetensors payload"):
         decode_named_tensors(base64.b64encode(buf.getvalue()).decode(), "f")
+    with pytest.raises(ValueError, match=r"^f: expected a base64 string"):
+        decode_named_tensors(123, "f")
 
 
 def test_fp8_quantization_during_sync_covers_exactly_the_engines_fp8_layers():
@@ -250,7 +269,7 @@ def test_bad_weight_updates_are_refused_naming_the_field(tmp_path):
         refused(tensors, r"is FP8, but the engine holds it in torch.float32",
                 serialized_named_tensors=[encode_named_tensors(
                     [("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64).to(FP8_DTYPE))])])
-        refused(tensors, r"serialized_named_tensors\[0\]: not a torch.save payload",
+        refused(tensors, r"serialized_named_tensors\[0\]: a pickle",
                 serialized_named_tensors=[encode_named_tensors_sglang(good)])
         refused(tensors, r"serialized_named_tensors: must hold one entry", serialized_named_tensors=[])
         refused(tensors, r"weight_version: expected an integer",

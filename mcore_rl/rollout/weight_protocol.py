@@ -7,7 +7,8 @@ Both sides import this module, so the byte layout is defined once:
 - the *flattened bucket* (SGLang's `FlattenedTensorBucket`, `load_format="flattened_bucket"`): the
   tensors of a bucket, each flattened and viewed as bytes, concatenated in request order without
   padding, so one broadcast carries a whole bucket;
-- the payload of `/update_weights_from_tensor` (`serialized_named_tensors`, base64 text);
+- safetensors, written and read with one copy: the disk transport's shards, and (in base64) the
+  payload of `/update_weights_from_tensor` (`serialized_named_tensors`);
 - the separate process group between trainer and engines (`init_custom_process_group`), created
   exactly as SGLang's `init_custom_process_group` does (TCP rendezvous, `PrefixStore(group_name)`,
   trainer = rank 0), without touching the caller's default process group.
@@ -17,12 +18,18 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import numpy as np
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -89,10 +96,7 @@ def unflatten(
     out: NamedTensors = []
     start = 0
     for name, dtype, shape, size in zip(names, dtypes, shapes, sizes):
-        chunk = flat[start : start + size]
-        if start % torch.empty((), dtype=dtype).element_size():  # an unaligned byte offset
-            chunk = chunk.clone()
-        out.append((name, chunk.view(dtype).reshape(list(shape))))
+        out.append((name, _view(flat[start : start + size], dtype, shape)))
         start += size
     return out
 
@@ -119,22 +123,114 @@ class BucketMeta:
 
 
 # --------------------------------------------------------------------------------------------
-# /update_weights_from_tensor payloads
+# safetensors: disk shards and /update_weights_from_tensor payloads
 # --------------------------------------------------------------------------------------------
+#
+# Written here rather than with `safetensors.torch.save_file`, which first turns every tensor into
+# a Python bytes object (a second copy of the bucket); these write each tensor's memory straight
+# into the file or buffer. Read side: the engine copies file bytes straight into its parameters.
+# The format is the standard one (any safetensors reader opens the files, and the engine reads
+# files any safetensors writer made): u64 little-endian header length, a JSON header
+# {name: {"dtype", "shape", "data_offsets": [begin, end)}} padded with spaces to 8 bytes, then the
+# data, offsets relative to its start.
 
-_ZIP_MAGIC = b"PK\x03\x04"
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class StEntry:
+    """One tensor of a safetensors file/buffer; `begin`/`end` are absolute byte offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def host_bytes(tensor: torch.Tensor) -> "np.ndarray":
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory (a copy only when the tensor is
+    not a contiguous CPU tensor): the zero-copy bridge to file and buffer I/O."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def safetensors_header(named: NamedTensors) -> bytes:
+    header, offset = {}, 0
+    for name, t in named:
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(named: NamedTensors, path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(safetensors_header(named))
+        for _, t in named:
+            f.write(host_bytes(t))
+
+
+def safetensors_bytes(named: NamedTensors) -> bytearray:
+    header = safetensors_header(named)
+    buf = bytearray(len(header) + sum(t.numel() * t.element_size() for _, t in named))
+    buf[: len(header)] = header
+    view, at = memoryview(buf), len(header)
+    for _, t in named:
+        data = host_bytes(t)
+        view[at : at + data.size] = data
+        at += data.size
+    return buf
+
+
+def parse_safetensors_header(head: bytes, read_more: Callable[[int], bytes], total_size: int) -> list[StEntry]:
+    """Entries of a safetensors file/buffer of `total_size` bytes whose first 8 bytes are `head`;
+    `read_more(n)` returns the next n bytes. ValueError if the header or its offsets are invalid."""
+    if len(head) != 8:
+        raise ValueError("shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", head)
+    if size > MAX_HEADER_BYTES or 8 + size > total_size:
+        raise ValueError(f"safetensors header of {size} bytes does not fit")
+    try:
+        header = json.loads(read_more(size))
+    except ValueError as e:
+        raise ValueError(f"safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    start, entries = 8 + size, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = _ST_NAMES[info["dtype"]], tuple(int(d) for d in info["shape"])
+            begin, end = (start + int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"safetensors header entry {name!r} is malformed: {info!r}"[:300]) from None
+        if not start <= begin <= end <= total_size or end - begin != nbytes(shape, dtype):
+            raise ValueError(f"safetensors entry {name!r}: offsets [{begin}, {end}) do not fit its shape or the data")
+        entries.append(StEntry(name, dtype, shape, begin, end))
+    return entries
+
+
+def read_safetensors_header(f: io.BufferedReader) -> list[StEntry]:
+    return parse_safetensors_header(f.read(8), f.read, os.fstat(f.fileno()).st_size)
 
 
 def encode_named_tensors(named: NamedTensors) -> str:
-    """base64 text of `torch.save(list of (name, tensor))`: one `serialized_named_tensors` entry.
-
-    The embedded engine reads it with `torch.load(weights_only=True)`, which cannot run code. A
-    real SGLang server instead expects its `MultiprocessingSerializer` (pickled CUDA IPC handles);
-    see `encode_named_tensors_sglang`.
-    """
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().contiguous().cpu()) for n, t in named], buf)
-    return base64.b64encode(buf.getbuffer()).decode("ascii")
+    """One `serialized_named_tensors` entry for the embedded engine: base64 of the tensors in
+    safetensors format (read without unpickling anything). A real SGLang server instead expects
+    its `MultiprocessingSerializer` format; see `encode_named_tensors_sglang`."""
+    return base64.b64encode(safetensors_bytes(named)).decode("ascii")
 
 
 def encode_named_tensors_sglang(named: NamedTensors) -> str:
@@ -150,34 +246,33 @@ def encode_named_tensors_sglang(named: NamedTensors) -> str:
 
 
 def decode_named_tensors(payload: object, field: str) -> NamedTensors:
-    """Inverse of `encode_named_tensors`; ValueError naming `field` for anything else."""
-    if isinstance(payload, str):
-        try:
-            raw = base64.b64decode(payload, validate=True)
-        except ValueError as e:
-            raise ValueError(f"{field}: not valid base64 ({e})") from None
-    elif isinstance(payload, (bytes, bytearray)):
-        raw = bytes(payload)
-    else:
+    """Inverse of `encode_named_tensors` (tensors are views of the decoded bytes); a ValueError
+    naming `field` for anything else — pickles (SGLang's format) included, since unpickling request
+    data could run arbitrary code."""
+    if not isinstance(payload, str):
         raise ValueError(f"{field}: expected a base64 string, got {type(payload).__name__}")
-    if not raw.startswith(_ZIP_MAGIC):
-        raise ValueError(
-            f"{field}: not a torch.save payload. The embedded engine does not unpickle request data "
-            "(SGLang's MultiprocessingSerializer format), because that could run arbitrary code; "
-            "send mcore_rl.rollout.weight_protocol.encode_named_tensors(...) instead"
-        )
     try:
-        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any decoding failure is the client's input
-        raise ValueError(f"{field}: could not read the tensors ({type(e).__name__}: {e})") from None
-    if isinstance(obj, dict):
-        obj = list(obj.items())
-    if not isinstance(obj, (list, tuple)) or not all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-        for p in obj
-    ):
-        raise ValueError(f"{field}: expected a list of (name, tensor) pairs")
-    return [(n, t) for n, t in obj]
+        raw = bytearray(base64.b64decode(payload, validate=True))
+    except ValueError as e:
+        raise ValueError(f"{field}: not valid base64 ({e})") from None
+    if raw[:1] == b"\x80":
+        raise ValueError(
+            f"{field}: a pickle (SGLang's MultiprocessingSerializer format); the embedded engine does not "
+            "unpickle request data, send mcore_rl.rollout.weight_protocol.encode_named_tensors(...)"
+        )
+    view = memoryview(raw)
+    try:
+        entries = parse_safetensors_header(bytes(view[:8]), lambda n: bytes(view[8 : 8 + n]), len(raw))
+    except ValueError as e:
+        raise ValueError(f"{field}: not a safetensors payload ({e})") from None
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return [(e.name, _view(flat[e.begin : e.end], e.dtype, e.shape)) for e in entries]
+
+
+def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        chunk = chunk.clone()  # an unaligned offset: view() needs one
+    return chunk.view(dtype).reshape(list(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,9 +321,14 @@ def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
     dist.destroy_process_group(pg)
 
 
-def broadcast_bytes(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Broadcast a tensor's bytes from group rank 0 in place (float8 too, which gloo lacks)."""
-    dist.broadcast(tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor, group=group, group_src=0)
+def broadcast_bytes(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Broadcast tensors' bytes from group rank 0 in place, in order (float8 too, which gloo lacks);
+    all are posted before waiting, so small tensors do not each pay a round trip."""
+    works = [
+        dist.broadcast(t.reshape(-1).view(torch.uint8), group=group, group_src=0, async_op=True) for t in tensors
+    ]
+    for w in works:
+        w.wait()
 
 
 def _host(address: str) -> str:

@@ -34,13 +34,11 @@ is copied, so a rejected request leaves the weights as they were.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,9 +47,11 @@ from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
     broadcast_bytes,
     decode_named_tensors,
+    host_bytes,
     init_custom_process_group,
     nbytes,
     parse_dtype,
+    read_safetensors_header,
     unflatten,
 )
 
@@ -247,29 +247,52 @@ def _group(core: Any, group_name: str) -> tuple[dist.ProcessGroup, str]:
 # --------------------------------------------------------------------------------------------
 
 
+def _destinations(core: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's own tensors by HF name, where bytes can land directly (no staging copy); the
+    `load_weights` call that follows then skips the copy (same memory) and only refreshes what the
+    engine derives from its weights."""
+    return {n: t for n, t in core.model.state_dict().items() if t.is_contiguous() and t.device == device}
+
+
+def _landing(dest: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape: Sequence[int],
+             device: torch.device) -> torch.Tensor:
+    t = dest.get(name)
+    if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
+        return t
+    return torch.empty(list(shape), dtype=dtype, device=device)
+
+
 def update_weights_from_distributed(core: Any, req: dict) -> dict:
-    """Receive one bucket by broadcast from the trainer (group rank 0) and load it."""
+    """Receive one bucket by broadcast from the trainer (group rank 0) and load it.
+
+    Per-tensor broadcasts land directly in the model's parameters when dtype and shape match (the
+    names were checked first); a flattened bucket lands in one buffer and is copied from there."""
     names, dtypes, shapes = _bucket_meta(req)
     group_name = _field(req, "group_name", str, "weight_update_group")
     fmt = _load_format(req, (None, "flattened_bucket"))
     _check_options(req)
     pg, backend = _group(core, group_name)
     device = core.device if backend == "nccl" else torch.device("cpu")
-    # Receive before judging the names: the trainer is already broadcasting and must not hang.
+    try:
+        check_weights(core, zip(names, shapes, dtypes), "names")
+        refused = None
+    except ValueError as e:
+        refused = e  # still receive (into scratch), so the trainer's broadcast completes
+    dest = {} if refused else _destinations(core, device)
     try:
         if fmt == "flattened_bucket":
             flat = torch.empty(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8, device=device)
-            broadcast_bytes(flat, pg)
+            broadcast_bytes([flat], pg)
             named = unflatten(flat, names, dtypes, shapes)
         else:
-            named = []
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                broadcast_bytes(tensor, pg)
-                named.append((name, tensor))
+            named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
+            broadcast_bytes([t for _, t in named], pg)
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
-        return _fail(f"Failed to receive weights over {group_name!r}: {type(e).__name__}: {e}")
-    count = load_named_tensors(core, named, "names")
+        return _fail(f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
+                     f"send the whole model again): {type(e).__name__}: {e}")
+    if refused:
+        raise refused
+    count = len(core.load_weights(named))
     return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
 
 
@@ -286,10 +309,11 @@ def update_weights_from_tensor(core: Any, req: dict) -> dict:
 
 
 def update_weights_from_disk(core: Any, req: dict) -> dict:
-    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one), one
-    file at a time, after checking every tensor's name, shape and dtype from the file headers."""
-    from safetensors import safe_open
+    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one).
 
+    Every file's header is checked before any weight changes; then each file's bytes are read
+    straight into the model's parameters where dtype and shape match (else into a buffer that
+    `load_weights` converts), one file at a time."""
     path = _field(req, "model_path", str)
     _load_format(req, (None, "auto", "safetensors"))
     _check_options(req)
@@ -298,31 +322,23 @@ def update_weights_from_disk(core: Any, req: dict) -> dict:
         raise ValueError(f"model_path: {path!r} is not a directory with *.safetensors files")
     files = [os.path.join(path, f) for f in files]
     try:
-        headers = [_safetensors_header(f) for f in files]
-    except Exception as e:  # noqa: BLE001 - a corrupt or unreadable file is the caller's input
-        raise ValueError(f"model_path: cannot read {path!r}: {type(e).__name__}: {e}") from None
-    check_weights(core, (item for h in headers for item in h), "model_path")
+        headers = []
+        for f in files:
+            with open(f, "rb") as fh:
+                headers.append(read_safetensors_header(fh))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model_path: cannot read {path!r}: {e}") from None
+    check_weights(core, ((e.name, e.shape, e.dtype) for h in headers for e in h), "model_path")
+    dest = _destinations(core, torch.device("cpu"))
     count = 0
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            count += len(core.load_weights((n, sf.get_tensor(n)) for n in sf.keys()))
+    for f, entries in zip(files, headers):
+        with open(f, "rb") as fh:
+            named = []
+            for e in entries:
+                target = _landing(dest, e.name, e.dtype, e.shape, torch.device("cpu"))
+                fh.seek(e.begin)
+                if fh.readinto(host_bytes(target)) != e.end - e.begin:
+                    return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
+                named.append((e.name, target))
+        count += len(core.load_weights(named))
     return _finish(core, req, count, path, whole_checkpoint=True)
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def _safetensors_header(path: str) -> list[Item]:
-    """(name, shape, dtype) of every tensor in a safetensors file, from its JSON header only
-    (non-float dtypes read as uint8, which `check_weights` refuses)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return [
-        (name, tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], torch.uint8))
-        for name, info in header.items()
-        if name != "__metadata__"
-    ]

@@ -52,6 +52,7 @@ from mcore_rl.rollout.weight_protocol import (
     nbytes,
     parse_dtype,
     unflatten,
+    write_safetensors,
 )
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -340,8 +341,9 @@ class DistributedTransport:
     engine, then after each engine's `tp_size` ranks, read from `/get_server_info`) while joining
     the group itself; the group then stays up until `close()`. Each bucket is one
     `/update_weights_from_distributed` request per engine plus, while the engines wait in it, one
-    broadcast of the flattened bucket (`load_format="flattened_bucket"`, the default) or one
-    broadcast per tensor (`load_format=None`, SGLang's default).
+    broadcast per tensor (`load_format=None`, SGLang's default, the default here: the embedded
+    engine receives each tensor straight into its parameter) or one broadcast of the flattened
+    bucket (`load_format="flattened_bucket"`: fewer, larger messages, one staging copy per side).
     """
 
     urls: Sequence[str]
@@ -349,7 +351,7 @@ class DistributedTransport:
     master_port: int = 0  # 0 = a free port
     group_name: str = "weight_update_group"
     backend: str = ""  # "" = nccl with CUDA, gloo without
-    load_format: Optional[str] = "flattened_bucket"
+    load_format: Optional[str] = None
     pause_mode: str = "retract"
     _engines: Optional[Engines] = field(default=None, init=False)
     _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
@@ -389,10 +391,9 @@ class DistributedTransport:
                 )
                 try:
                     if self.load_format == "flattened_bucket":
-                        broadcast_bytes(flatten(bucket).to(device), self._group)
+                        broadcast_bytes([flatten(bucket).to(device)], self._group)
                     else:
-                        for _, tensor in bucket:
-                            broadcast_bytes(tensor.detach().to(device).contiguous(), self._group)
+                        broadcast_bytes([t.detach().to(device).contiguous() for _, t in bucket], self._group)
                 finally:
                     wait_all(futures)
                 stats.buckets += 1
@@ -421,15 +422,13 @@ class DiskTransport:
     _previous: Optional[str] = field(default=None, init=False)
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
-        from safetensors.torch import save_file
-
         path = os.path.join(self.directory, f"v{version}")
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         weight_map: dict[str, str] = {}
         for i, bucket in enumerate(buckets):
             fname = f"model-{i + 1:05d}.safetensors"
-            save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, os.path.join(path, fname))
+            write_safetensors(bucket, os.path.join(path, fname))
             weight_map.update((n, fname) for n, _ in bucket)
             stats.buckets += 1
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

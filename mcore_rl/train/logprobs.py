@@ -137,7 +137,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            p = torch.exp(z - lse[s:e, None])
+            p = torch.sub(z, lse[s:e, None]).exp_()  # (not exp(z - lse): one buffer fewer)
             gl = grad_logp[s:e].to(acc)
             if use_entropy:
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
