@@ -100,6 +100,23 @@ def test_model_configs_of_stock_checkpoints() -> None:
     assert moe.moe_norm_topk_prob is False and moe.moe_aux_loss_coeff == 0.01
 
 
+def test_reference_without_qk_norm_is_stock_llama() -> None:
+    """The reference model (embedded engine, remote-code export) runs Llama checkpoints too."""
+    from transformers import LlamaForCausalLM
+
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config, to_stock_hf_config
+    from mcore_rl.hf.convert import model_config_from_hf
+
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(_stock_config("llama")).eval()
+    cfg = hf_config_from_model_config(model_config_from_hf(stock.config))
+    assert cfg.use_qk_norm is False and type(to_stock_hf_config(cfg)).__name__ == "LlamaConfig"
+    ref = Qwen3ReferenceForCausalLM(cfg).eval()
+    ref.load_state_dict(stock.state_dict(), strict=True)  # same names, no q_norm / k_norm
+    with torch.no_grad():
+        torch.testing.assert_close(ref(_tokens()).logits, stock(_tokens()).logits, atol=1e-5, rtol=0)
+
+
 def test_unsupported_checkpoints_name_the_field() -> None:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
@@ -285,6 +302,7 @@ def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["model_type"] == "mcore_rl_qwen3" and config["use_qk_norm"] is False
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.Qwen3ReferenceForCausalLM"
+    assert config["auto_map"]["AutoModel"] == "modeling.Qwen3ReferenceModel"
     assert (tmp_path / "export" / "modeling.py").exists()
     model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
     model.load_state_dict(state)

@@ -26,9 +26,10 @@ from mcore_rl.rollout.engine.fp8 import FP8_DTYPE, quantize_block_fp8
 from mcore_rl.rollout.server import EngineServer, ServerThread
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
-    decode_named_tensors,
+    decode_tensor_payload,
     encode_named_tensors,
     encode_named_tensors_sglang,
+    encode_tensor_file,
     flatten,
     unflatten,
 )
@@ -175,20 +176,23 @@ def test_safetensors_files_and_tensor_payloads(tmp_path):
         e = entries[n]
         assert same(torch.frombuffer(bytearray(data[e.begin:e.end]), dtype=torch.uint8).view(e.dtype).reshape(e.shape), t)
     # /update_weights_from_tensor payloads: safetensors in base64; pickles are refused
-    back = decode_named_tensors(encode_named_tensors(named), "f")
-    assert [n for n, _ in back] == [n for n, _ in named] and all(same(a, b) for (_, a), (_, b) in zip(named, back))
+    back, path = decode_tensor_payload(encode_named_tensors(named), "f")
+    assert path is None and [n for n, _ in back] == [n for n, _ in named] and all(same(a, b) for (_, a), (_, b) in zip(named, back))
     with pytest.raises(ValueError, match=r"^f: a pickle \(SGLang's MultiprocessingSerializer format\)"):
-        decode_named_tensors(encode_named_tensors_sglang(named), "f")  # what a real SGLang server takes
+        decode_tensor_payload(encode_named_tensors_sglang(named), "f")  # what a real SGLang server takes
     with pytest.raises(ValueError, match=r"^f: a pickle"):
-        decode_named_tensors(base64.b64encode(pickle.dumps(("x", 1))).decode(), "f")
+        decode_tensor_payload(base64.b64encode(pickle.dumps(("x", 1))).decode(), "f")
+    assert decode_tensor_payload(encode_tensor_file("/dev/shm/x.safetensors"), "f") == ([], "/dev/shm/x.safetensors")
+    with pytest.raises(ValueError, match=r"^f: not a safetensors payload"):
+        decode_tensor_payload("%%%", "f")
     with pytest.raises(ValueError, match=r"^f: not valid base64"):
-        decode_named_tensors("%%%", "f")
+        decode_tensor_payload("é", "f")
     buf = io.BytesIO()
     torch.save({"x": torch.zeros(1)}, buf)
     with pytest.raises(ValueError, match=r"^f: not a safetensors payload"):
-        decode_named_tensors(base64.b64encode(buf.getvalue()).decode(), "f")
+        decode_tensor_payload(base64.b64encode(buf.getvalue()).decode(), "f")
     with pytest.raises(ValueError, match=r"^f: expected a base64 string"):
-        decode_named_tensors(123, "f")
+        decode_tensor_payload(123, "f")
 
 
 def test_fp8_quantization_during_sync_covers_exactly_the_engines_fp8_layers():
@@ -216,13 +220,19 @@ def test_tensor_disk_and_in_process_transports(tmp_path):
     server = start_server(core)
     url = server.url
     try:
-        sources = {v: reference_model(10 + v) for v in (1, 2, 3, 4)}
+        sources = {v: reference_model(10 + v) for v in (1, 2, 3, 4, 5)}
         expected = {v: ref_logprobs(m, IDS) for v, m in sources.items()}
         assert (engine_logprobs(url, IDS) - expected[1]).abs().max() > 0.1  # other weights to start with
 
-        stats = SyncStats(5)
-        TensorTransport([url]).send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
-        assert stats.buckets > 1 and weight_version(url) == "5"
+        stats = SyncStats(4)
+        TensorTransport([url], payload="inline").send(iter_buckets(sources[5].state_dict().items(), 1 << 16), 4, stats)
+        assert stats.buckets > 1 and weight_version(url) == "4"
+        torch.testing.assert_close(engine_logprobs(url, IDS), expected[5], atol=1e-5, rtol=0)
+
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        TensorTransport([url], shm_dir=str(shm)).send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
+        assert weight_version(url) == "5" and not list(shm.iterdir())  # shared-memory files are removed
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[1], atol=1e-5, rtol=0)
 
         disk = DiskTransport([url], str(tmp_path))

@@ -28,7 +28,6 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,15 +88,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed(fn: Callable[[], None], repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -124,6 +114,8 @@ def main() -> None:
     server.start()
     url = urls.get(timeout=600)
     results: dict[str, list[float]] = {}
+    tmp = tempfile.TemporaryDirectory()
+    transports = {}
     try:
         # the limit: one broadcast of one tensor of the same size, to a bare receiver process
         port = free_port()
@@ -137,32 +129,36 @@ def main() -> None:
             dist.broadcast(flat, group=group, group_src=0)
             dist.all_reduce(ack, group=group)
 
-        results["raw dist.broadcast, one tensor"] = timed(raw, args.repeats)
+        transports = {
+            "distributed, one broadcast per tensor": DistributedTransport([url], group_name="bench-per-tensor"),
+            "distributed, flattened bucket": DistributedTransport([url], group_name="bench-flat",
+                                                                  load_format="flattened_bucket"),
+            "disk (safetensors files)": DiskTransport([url], os.path.join(tmp.name, "w")),
+            "tensor, shared-memory file": TensorTransport([url]),
+            "tensor, inline (base64 in JSON)": TensorTransport([url], payload="inline"),
+            "in-process (colocated EngineCore)": InProcessTransport([make_core(mc, seed=0)]),
+        }
+        for t in transports.values():
+            if isinstance(t, DistributedTransport):
+                t.connect()  # once, as in training
+        versions = iter(range(1, 1 << 30))
+        # round-robin, so that load from other processes on a shared machine hits all alike
+        for _ in range(args.repeats):
+            for name, fn in [("raw dist.broadcast, one tensor", raw), *transports.items()]:
+                t0 = time.perf_counter()
+                if fn is raw:
+                    raw()
+                else:
+                    v = next(versions)
+                    fn.send(iter_buckets(weights, bucket), v, SyncStats(v))
+                results.setdefault(name, []).append(time.perf_counter() - t0)
         receiver.join()
         dist.destroy_process_group(group)
-        del flat
-
-        version = iter(range(1, 1 << 30))
-
-        def run(transport) -> Callable[[], None]:
-            def once() -> None:
-                v = next(version)
-                transport.send(iter_buckets(weights, bucket), v, SyncStats(v))
-            return once
-
-        flat_bucket = DistributedTransport([url], group_name="bench-flat")
-        flat_bucket.connect()
-        results["distributed, flattened bucket"] = timed(run(flat_bucket), args.repeats)
-        flat_bucket.close()
-        per_tensor = DistributedTransport([url], group_name="bench-per-tensor", load_format=None)
-        per_tensor.connect()
-        results["distributed, one broadcast per tensor"] = timed(run(per_tensor), args.repeats)
-        per_tensor.close()
-        with tempfile.TemporaryDirectory() as tmp:
-            results["disk (safetensors)"] = timed(run(DiskTransport([url], os.path.join(tmp, "w"))), args.repeats)
-        results["tensor (HTTP, torch.save + base64)"] = timed(run(TensorTransport([url])), args.repeats)
-        results["in-process (colocated EngineCore)"] = timed(run(InProcessTransport([make_core(mc, seed=0)])), args.repeats)
     finally:
+        for t in transports.values():
+            if isinstance(t, DistributedTransport):
+                t.close()
+        tmp.cleanup()
         stop.set()
         server.join(30)
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from mcore_rl.algos.policy_loss import aggregate
-from mcore_rl.algos.registry import register
+from mcore_rl.algos.registry import get, register
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -39,8 +39,6 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimator `kind` ∈ {k1, k2, k3}."""
-    from mcore_rl.algos.registry import get
-
     return get("kl", kind)(logp, ref_logp)
 
 

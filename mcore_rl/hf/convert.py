@@ -50,6 +50,7 @@ REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
 REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
 REMOTE_MODEL_CLASS = "Qwen3ReferenceForCausalLM"
+REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
 ASSETS_DIR = "hf_assets"
 RECIPE_FILE = "recipe.yaml"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -421,6 +422,7 @@ def export_config(
         cfg.architectures = [REMOTE_MODEL_CLASS]
         cfg.auto_map = {
             "AutoConfig": f"configuration.{REMOTE_CONFIG_CLASS}",
+            "AutoModel": f"modeling.{REMOTE_BASE_CLASS}",
             "AutoModelForCausalLM": f"modeling.{REMOTE_MODEL_CLASS}",
         }
     else:

@@ -171,7 +171,9 @@ class NgramEmbedding(MegatronModule):
 
     # ------------------------------------------------------------------------ checkpointing
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         """Tables sharded by rows over TP (replicated over DP) or over TP x DP; projections replicated."""
         out = {}
         for n in self.orders:
@@ -199,7 +201,9 @@ class NgramLanguageModelEmbedding(LanguageModelEmbedding):
 
     ngram: NgramEmbedding
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: int = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: Optional[int] = None
+    ) -> torch.Tensor:
         embeddings = super().forward(input_ids, position_ids, tokentype_ids)
         scatter = bool(self.config.sequence_parallel and self.scatter_to_sequence_parallel)
         return embeddings + self.ngram(input_ids, position_ids, scatter).to(embeddings.dtype)

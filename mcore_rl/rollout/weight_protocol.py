@@ -17,10 +17,12 @@ Both sides import this module, so the byte layout is defined once:
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -161,8 +163,9 @@ def host_bytes(tensor: torch.Tensor) -> "np.ndarray":
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def safetensors_header(named: NamedTensors) -> bytes:
-    header, offset = {}, 0
+def safetensors_header(named: NamedTensors, metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for name, t in named:
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
@@ -193,9 +196,11 @@ def safetensors_bytes(named: NamedTensors) -> bytearray:
     return buf
 
 
-def parse_safetensors_header(head: bytes, read_more: Callable[[int], bytes], total_size: int) -> list[StEntry]:
-    """Entries of a safetensors file/buffer of `total_size` bytes whose first 8 bytes are `head`;
-    `read_more(n)` returns the next n bytes. ValueError if the header or its offsets are invalid."""
+def parse_safetensors_header(
+    head: bytes, read_more: Callable[[int], bytes], total_size: int
+) -> tuple[list[StEntry], dict[str, str]]:
+    """Entries and `__metadata__` of a safetensors file/buffer of `total_size` bytes whose first 8
+    bytes are `head`; `read_more(n)` returns the next n bytes. ValueError if anything is invalid."""
     if len(head) != 8:
         raise ValueError("shorter than a safetensors header")
     (size,) = struct.unpack("<Q", head)
@@ -207,10 +212,11 @@ def parse_safetensors_header(head: bytes, read_more: Callable[[int], bytes], tot
         raise ValueError(f"safetensors header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("safetensors __metadata__ is not a JSON object")
     start, entries = 8 + size, []
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype, shape = _ST_NAMES[info["dtype"]], tuple(int(d) for d in info["shape"])
             begin, end = (start + int(o) for o in info["data_offsets"])
@@ -219,18 +225,25 @@ def parse_safetensors_header(head: bytes, read_more: Callable[[int], bytes], tot
         if not start <= begin <= end <= total_size or end - begin != nbytes(shape, dtype):
             raise ValueError(f"safetensors entry {name!r}: offsets [{begin}, {end}) do not fit its shape or the data")
         entries.append(StEntry(name, dtype, shape, begin, end))
-    return entries
+    return entries, metadata
 
 
 def read_safetensors_header(f: io.BufferedReader) -> list[StEntry]:
-    return parse_safetensors_header(f.read(8), f.read, os.fstat(f.fileno()).st_size)
+    return parse_safetensors_header(f.read(8), f.read, os.fstat(f.fileno()).st_size)[0]
 
 
 def encode_named_tensors(named: NamedTensors) -> str:
-    """One `serialized_named_tensors` entry for the embedded engine: base64 of the tensors in
-    safetensors format (read without unpickling anything). A real SGLang server instead expects
-    its `MultiprocessingSerializer` format; see `encode_named_tensors_sglang`."""
+    """One `serialized_named_tensors` entry for the embedded engine, carrying the tensors: base64
+    of them in safetensors format (read without unpickling anything). A real SGLang server instead
+    expects its `MultiprocessingSerializer` format; see `encode_named_tensors_sglang`."""
     return base64.b64encode(safetensors_bytes(named)).decode("ascii")
+
+
+def encode_tensor_file(path: str) -> str:
+    """One `serialized_named_tensors` entry that points at a safetensors file on the engine's host
+    (shared memory, e.g. /dev/shm) instead of carrying the bytes: the CPU analogue of the CUDA IPC
+    handles a colocated SGLang receives. A header-only safetensors whose metadata names the file."""
+    return base64.b64encode(safetensors_header([], {"file": str(path)})).decode("ascii")
 
 
 def encode_named_tensors_sglang(named: NamedTensors) -> str:
@@ -245,15 +258,15 @@ def encode_named_tensors_sglang(named: NamedTensors) -> str:
     return base64.b64encode(buf.getbuffer()).decode("ascii")
 
 
-def decode_named_tensors(payload: object, field: str) -> NamedTensors:
-    """Inverse of `encode_named_tensors` (tensors are views of the decoded bytes); a ValueError
-    naming `field` for anything else — pickles (SGLang's format) included, since unpickling request
-    data could run arbitrary code."""
+def decode_tensor_payload(payload: object, field: str) -> tuple[NamedTensors, str | None]:
+    """Inverse of `encode_named_tensors` (tensors are read-only views of the decoded bytes) or of
+    `encode_tensor_file` (the file's path); a ValueError naming `field` for anything else —
+    pickles (SGLang's format) included, since unpickling request data could run arbitrary code."""
     if not isinstance(payload, str):
         raise ValueError(f"{field}: expected a base64 string, got {type(payload).__name__}")
     try:
-        raw = bytearray(base64.b64decode(payload, validate=True))
-    except ValueError as e:
+        raw = binascii.a2b_base64(payload)
+    except (ValueError, binascii.Error) as e:
         raise ValueError(f"{field}: not valid base64 ({e})") from None
     if raw[:1] == b"\x80":
         raise ValueError(
@@ -262,11 +275,17 @@ def decode_named_tensors(payload: object, field: str) -> NamedTensors:
         )
     view = memoryview(raw)
     try:
-        entries = parse_safetensors_header(bytes(view[:8]), lambda n: bytes(view[8 : 8 + n]), len(raw))
+        entries, metadata = parse_safetensors_header(bytes(view[:8]), lambda n: bytes(view[8 : 8 + n]), len(raw))
     except ValueError as e:
         raise ValueError(f"{field}: not a safetensors payload ({e})") from None
-    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return [(e.name, _view(flat[e.begin : e.end], e.dtype, e.shape)) for e in entries]
+    if "file" in metadata:
+        if entries:
+            raise ValueError(f"{field}: a file reference must not also carry tensors")
+        return [], metadata["file"]
+    with warnings.catch_warnings():  # the tensors only get copied from: read-only memory is fine
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=torch.uint8)
+    return [(e.name, _view(flat[e.begin : e.end], e.dtype, e.shape)) for e in entries], None
 
 
 def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

@@ -19,8 +19,9 @@ those of SGLang's `io_struct`:
   from group rank 0 in request order, or one broadcast of the flattened bucket, then loads.
   Bytes travel as uint8, so float8 works over gloo too.
 - `update_weights_from_tensor`: serialized_named_tensors (one per TP rank; entry 0 is used),
-  load_format=None | "direct", flush_cache=True, weight_version=None. Entries are
-  `weight_protocol.encode_named_tensors` payloads; pickles are refused.
+  load_format=None | "direct", flush_cache=True, weight_version=None. An entry carries the
+  tensors (`weight_protocol.encode_named_tensors`) or points at a safetensors file in shared
+  memory (`encode_tensor_file`, for a trainer on the same host); pickles are refused.
 - `update_weights_from_disk`: model_path, load_format=None, weight_version=None,
   flush_cache=True. Loads every *.safetensors file of model_path.
 - `destroy_weights_update_group`: group_name.
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
     broadcast_bytes,
-    decode_named_tensors,
+    decode_tensor_payload,
     host_bytes,
     init_custom_process_group,
     nbytes,
@@ -297,48 +298,56 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
 
 
 def update_weights_from_tensor(core: Any, req: dict) -> dict:
-    """Load the tensors carried in the request (`serialized_named_tensors[0]`)."""
+    """Load the tensors of `serialized_named_tensors[0]`: carried in the request, or in the
+    shared-memory file it points at (a colocated trainer's bucket)."""
     payloads = _field(req, "serialized_named_tensors", list)
     if not payloads:
         raise ValueError("serialized_named_tensors: must hold one entry per TP rank (this engine has 1)")
     _load_format(req, (None, "direct"))
     _check_options(req)
-    named = decode_named_tensors(payloads[0], "serialized_named_tensors[0]")
-    count = load_named_tensors(core, named, "serialized_named_tensors[0]")
+    field = "serialized_named_tensors[0]"
+    named, path = decode_tensor_payload(payloads[0], field)
+    if path is not None:
+        return _load_files(core, req, [path], field, source=path, whole_checkpoint=False)
+    count = load_named_tensors(core, named, field)
     return _finish(core, req, count, "tensor", whole_checkpoint=False)
 
 
 def update_weights_from_disk(core: Any, req: dict) -> dict:
-    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one).
-
-    Every file's header is checked before any weight changes; then each file's bytes are read
-    straight into the model's parameters where dtype and shape match (else into a buffer that
-    `load_weights` converts), one file at a time."""
+    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one)."""
     path = _field(req, "model_path", str)
     _load_format(req, (None, "auto", "safetensors"))
     _check_options(req)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
     if not files:
         raise ValueError(f"model_path: {path!r} is not a directory with *.safetensors files")
-    files = [os.path.join(path, f) for f in files]
+    return _load_files(core, req, [os.path.join(path, f) for f in files], "model_path", source=path,
+                       whole_checkpoint=True)
+
+
+def _load_files(core: Any, req: dict, files: list[str], field: str, source: str, whole_checkpoint: bool) -> dict:
+    """Check every file's header before any weight changes; then read each file's bytes straight
+    into the model's parameters where dtype and shape match (else into a buffer that
+    `load_weights` converts), one file at a time."""
     try:
         headers = []
         for f in files:
             with open(f, "rb") as fh:
                 headers.append(read_safetensors_header(fh))
     except (OSError, ValueError) as e:
-        raise ValueError(f"model_path: cannot read {path!r}: {e}") from None
-    check_weights(core, ((e.name, e.shape, e.dtype) for h in headers for e in h), "model_path")
-    dest = _destinations(core, torch.device("cpu"))
+        raise ValueError(f"{field}: cannot read {source!r}: {e}") from None
+    check_weights(core, ((e.name, e.shape, e.dtype) for h in headers for e in h), field)
+    cpu = torch.device("cpu")
+    dest = _destinations(core, cpu)
     count = 0
     for f, entries in zip(files, headers):
         with open(f, "rb") as fh:
             named = []
             for e in entries:
-                target = _landing(dest, e.name, e.dtype, e.shape, torch.device("cpu"))
+                target = _landing(dest, e.name, e.dtype, e.shape, cpu)
                 fh.seek(e.begin)
                 if fh.readinto(host_bytes(target)) != e.end - e.begin:
                     return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
                 named.append((e.name, target))
         count += len(core.load_weights(named))
-    return _finish(core, req, count, path, whole_checkpoint=True)
+    return _finish(core, req, count, source, whole_checkpoint)

@@ -14,7 +14,8 @@ DESIGN.md decision 4. The flow, collective over the trainer world (every rank ca
 3. Buckets (default 512 MiB) go to the engines through a transport: `DiskTransport` (safetensors
    shards + `/update_weights_from_disk`), `DistributedTransport` (SGLang's
    `/init_weights_update_group` + `/update_weights_from_distributed`, one broadcast per bucket),
-   `TensorTransport` (`/update_weights_from_tensor`) or `InProcessTransport` (a colocated
+   `TensorTransport` (`/update_weights_from_tensor`: a shared-memory file for engines on the same
+   host, or the bytes in the request) or `InProcessTransport` (a colocated
    `EngineCore`). Engines are named by base URL and called through `EngineClient`. They are
    paused for the whole sync (`/pause_generation` ... `/continue_generation`), so no token is
    generated from half-updated weights, and the last request of a sync carries `weight_version`,
@@ -30,8 +31,10 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
@@ -47,6 +50,7 @@ from mcore_rl.rollout.weight_protocol import (
     broadcast_bytes,
     encode_named_tensors,
     encode_named_tensors_sglang,
+    encode_tensor_file,
     flatten,
     init_custom_process_group,
     nbytes,
@@ -447,18 +451,25 @@ class DiskTransport:
 
 @dataclass
 class TensorTransport:
-    """`/update_weights_from_tensor`, one request per bucket: `serializer="torch"` for the embedded
-    engine (torch.save bytes, read without unpickling code), `"sglang"` for a colocated SGLang
-    server (its MultiprocessingSerializer format; CUDA tensors travel as IPC handles)."""
+    """`/update_weights_from_tensor`, one request per bucket. `payload` says how tensors travel:
+
+    - "shm" (default; engines on this host): the bucket is written once, as safetensors, to a file
+      in `shm_dir` (default /dev/shm) and the request points at it — the CPU analogue of the CUDA
+      IPC handles a colocated SGLang receives; removed once every engine has loaded it;
+    - "inline": the bytes travel in the request (base64 safetensors), for engines elsewhere; JSON
+      and base64 make this the slowest transport;
+    - "sglang": SGLang's `MultiprocessingSerializer` format, for a colocated real SGLang server.
+    """
 
     urls: Sequence[str]
-    serializer: str = "torch"
+    payload: str = "shm"
+    shm_dir: Optional[str] = None
     pause_mode: str = "retract"
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
-        encode = {"torch": encode_named_tensors, "sglang": encode_named_tensors_sglang}.get(self.serializer)
-        if encode is None:
-            raise ValueError(f"serializer: expected 'torch' or 'sglang', got {self.serializer!r}")
+        if self.payload not in ("shm", "inline", "sglang"):
+            raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
+        shm_dir = self.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         engines = Engines(self.urls)
         try:
             with engines.paused(self.pause_mode):
@@ -466,7 +477,18 @@ class TensorTransport:
                     fields: dict = dict(flush_cache=last)
                     if last:
                         fields["weight_version"] = str(version)
-                    engines.call("update_weights_from_tensor", dict(serialized_named_tensors=[encode(bucket)], **fields))
+                    if self.payload == "shm":
+                        path = os.path.join(shm_dir, f"mcore_rl_weights_{os.getpid()}_{uuid.uuid4().hex}.safetensors")
+                        write_safetensors(bucket, path)
+                        try:
+                            engines.call("update_weights_from_tensor",
+                                         dict(serialized_named_tensors=[encode_tensor_file(path)], **fields))
+                        finally:
+                            os.remove(path)
+                    else:
+                        encode = encode_named_tensors if self.payload == "inline" else encode_named_tensors_sglang
+                        engines.call("update_weights_from_tensor",
+                                     dict(serialized_named_tensors=[encode(bucket)], **fields))
                     stats.buckets += 1
         finally:
             engines.close()

@@ -5,8 +5,9 @@ route, `log_softmax(hidden @ W.T)`, holds fp32 [tokens × vocab] tensors: 4.9 GB
 a 150k vocabulary, several times over in backward. Here the output projection, the softmax
 statistics and their gradients are computed per chunk of tokens by one autograd Function
 (`_VocabParallelTokenStats`) that keeps only per-token scalars (log-sum-exp, E[z]) between forward
-and backward and recomputes each chunk's logits in backward. Peak extra memory is about two
-[chunk × vocab/TP] fp32 buffers plus the output-weight gradient.
+and backward and recomputes each chunk's logits in backward. Peak extra memory is one
+[chunk × vocab/TP] fp32 buffer for log-probs alone, two with the entropy, plus the output-weight
+gradient (which any method needs). The price is one more output-layer matmul (the recompute).
 
 Tensor parallelism: each TP rank holds a vocabulary shard of the output weight
 (`ColumnParallelLinear`). Like megatron-core's `vocab_parallel_cross_entropy`, the max, the
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 Batch = dict[str, torch.Tensor]
 
-# Default size of one [chunk × local vocab] fp32 buffer; two of them are live at the peak.
+# Default size of one [chunk × local vocab] fp32 buffer (two are live at the peak with entropy).
 DEFAULT_CHUNK_BYTES = 128 * 2**20
 
 
@@ -99,13 +100,14 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             z.sub_(zmax[:, None])
-            ez = torch.exp(z)
             target_z = z.gather(1, local_t[s:e, None]).squeeze(1) * in_shard[s:e]
-            sums = [ez.sum(dim=-1), target_z]
             if with_entropy:
-                sums.append(ez.mul_(z).sum(dim=-1))  # Σ e^z z (shifted); ez is dead after this
-            stats = torch.stack(sums)
-            del z, ez
+                ez = torch.exp(z)
+                stats = torch.stack([ez.sum(dim=-1), target_z, ez.mul_(z).sum(dim=-1)])  # Σe^z, z_y, Σe^z·z
+                del ez
+            else:  # one [chunk × vocab] buffer: exponentiate in place
+                stats = torch.stack([z.exp_().sum(dim=-1), target_z])
+            del z
             _all_reduce(stats, dist.ReduceOp.SUM, group)
             log_sum = stats[0].log()
             logp[s:e] = stats[1] - log_sum
@@ -137,8 +139,11 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            p = torch.sub(z, lse[s:e, None]).exp_()  # (not exp(z - lse): one buffer fewer)
             gl = grad_logp[s:e].to(acc)
+            if use_entropy:  # z is still needed: p in a second buffer
+                p = torch.sub(z, lse[s:e, None]).exp_()
+            else:
+                p = z.sub_(lse[s:e, None]).exp_()
             if use_entropy:
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
                 ge = grad_entropy[s:e].to(acc)
