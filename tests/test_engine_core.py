@@ -203,6 +203,11 @@ def test_stop_token_eos_string_and_min_new_tokens():
     e.eos_token_ids = {tok}
     out = run(e, [req("e", "stop here", temperature=0.0, max_new_tokens=40)])["e"]
     assert out.finish_reason == {"type": "stop", "matched": tok} and len(out.output_ids) == first + 1
+    # SGLang's order: length before a stop token; ignore_eos turns stop_token_ids off too.
+    out = run(make_engine(copy.deepcopy(model)), [req("l", "stop here", temperature=0.0, max_new_tokens=first + 1, stop_token_ids=[tok])])["l"]
+    assert out.finish_reason == {"type": "length", "length": first + 1}
+    out = run(make_engine(copy.deepcopy(model)), [req("i", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], ignore_eos=True)])["i"]
+    assert out.output_ids == base and out.finish_reason["type"] == "length"
     # min_new_tokens masks the stop token until that many tokens exist (greedy then takes another).
     out = run(make_engine(copy.deepcopy(model)), [req("m", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], min_new_tokens=first + 1)])["m"]
     assert len(out.output_ids) >= first + 1 and tok not in out.output_ids[: first + 1]

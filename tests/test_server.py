@@ -211,6 +211,9 @@ def test_pause_in_place_holds_requests_and_abort_mode_aborts(server) -> None:
         info = await c.get_server_info()
         assert info["internal_states"][0]["paused"] is True
         assert await c.health_generate()  # paused is still healthy
+        with pytest.raises(EngineHTTPError) as err:  # SGLang refuses to flush with requests in flight
+            await c.flush_cache()
+        assert err.value.status == 400
         await c.continue_generation()
         assert (await held)["meta_info"]["finish_reason"]["type"] == "length"
         assert (await running)["meta_info"]["completion_tokens"] == 40  # resumed where it stopped
@@ -302,12 +305,11 @@ def _free_port() -> int:
 
 
 _TRAINER = """
-import sys, torch
-from mcore_rl.rollout.weight_protocol import init_custom_process_group, broadcast_bytes, flatten
-port = int(sys.argv[1])
-pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group")
-torch.manual_seed(0)
-broadcast_bytes(flatten([("lm_head.weight", torch.full(tuple(map(int, sys.argv[2:])), 0.01))]), pg)
+import sys, torch, torch.distributed as dist
+from mcore_rl.rollout.weight_protocol import init_custom_process_group
+pg = init_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 0, 2, "weight_update_group")
+weight = torch.full(tuple(map(int, sys.argv[2:])), 0.01)
+dist.broadcast(weight.reshape(-1).view(torch.uint8), group=pg, group_src=0)  # one flattened bucket
 """
 
 

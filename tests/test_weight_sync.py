@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import pickle
 
@@ -231,16 +232,21 @@ def test_tensor_disk_and_in_process_transports(tmp_path):
 
         shm = tmp_path / "shm"
         shm.mkdir()
-        TensorTransport([url], shm_dir=str(shm)).send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
-        assert weight_version(url) == "5" and not list(shm.iterdir())  # shared-memory files are removed
+        tensors = TensorTransport([url], shm_dir=str(shm))
+        tensors.send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
+        assert weight_version(url) == "5" and len(list(shm.iterdir())) == 2  # two alternating files
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[1], atol=1e-5, rtol=0)
+        tensors.close()
+        assert not list(shm.iterdir())
 
-        disk = DiskTransport([url], str(tmp_path))
+        disk = DiskTransport([url], str(tmp_path / "disk"))
         disk.send(iter_buckets(sources[2].state_dict().items(), 1 << 16), 6, SyncStats(6))
-        assert weight_version(url) == "6" and len(list((tmp_path / "v6").glob("*.safetensors"))) > 1
+        assert weight_version(url) == "6"
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[2], atol=1e-5, rtol=0)
-        disk.send(iter_buckets(sources[3].state_dict().items(), 1 << 16), 7, SyncStats(7))
-        assert not (tmp_path / "v6").exists()  # the previous version's shards are removed
+        disk.send(iter_buckets(sources[3].state_dict().items(), 1 << 17), 7, SyncStats(7))  # fewer shards
+        shards = sorted(p.name for p in (tmp_path / "disk").glob("*.safetensors"))
+        index = json.loads((tmp_path / "disk" / "model.safetensors.index.json").read_text())["weight_map"]
+        assert len(shards) > 1 and set(index.values()) == set(shards)  # the stale extra shards are gone
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[3], atol=1e-5, rtol=0)
 
         InProcessTransport([core]).send(iter_buckets(sources[4].state_dict().items(), 1 << 16), 8, SyncStats(8))
@@ -251,7 +257,7 @@ def test_tensor_disk_and_in_process_transports(tmp_path):
         half = list(sources[1].state_dict().items())[:4]
         request(url, "update_weights_from_tensor", serialized_named_tensors=[encode_named_tensors(half)])
         assert weight_version(url) == "8"
-        request(url, "update_weights_from_disk", model_path=str(tmp_path / "v7"))
+        request(url, "update_weights_from_disk", model_path=str(tmp_path / "disk"))
         assert weight_version(url) == "9"
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[3], atol=1e-5, rtol=0)
     finally:
@@ -425,7 +431,8 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
                 if rank == 0:
                     assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
                     assert weight_version(fp32.url) == "42"
-                    transport.close()
+            if rank == 0 and kind in ("distributed", "tensor"):
+                transport.close()
 
         # FP8 engine: quantized during the sync; per-tensor broadcasts (SGLang's default format)
         _perturb(chunks, 7)

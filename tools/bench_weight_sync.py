@@ -78,6 +78,7 @@ def _raw_receiver(port: int, nbytes: int, repeats: int) -> None:
     for _ in range(repeats):
         dist.broadcast(buf, group=group, group_src=0)
         dist.all_reduce(ack, group=group)
+    dist.destroy_process_group(group)
 
 
 def free_port() -> int:

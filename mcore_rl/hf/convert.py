@@ -322,11 +322,11 @@ def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision
 
     hf_config = read_hf_config(input_dir)
     mc = model_config_from_hf(hf_config)
+    target = checkpoint.checkpoint_dir(output_dir, 0)
+    if os.path.exists(target):  # checked before joining the world: no rank can have written it yet
+        raise FileExistsError(f"{target} already exists; choose an empty --output")
     _, world_size = setup.init_distributed()
     check_layout(mc, pc, world_size)
-    target = checkpoint.checkpoint_dir(output_dir, 0)
-    if os.path.exists(target):
-        raise FileExistsError(f"{target} already exists; choose an empty --output")
     setup.init_model_parallel(pc)
     setup.set_seed(0)  # megatron-core modules draw from the model-parallel RNG tracker at build
     chunks = _build_chunks(mc, pc, precision)

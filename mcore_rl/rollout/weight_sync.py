@@ -66,30 +66,30 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 # 1. megatron-core shards -> full HF tensors (collective)
 # --------------------------------------------------------------------------------------------
 
-_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class _Role:
     pp_rank: int
-    dense: bool  # gathers dense tensors (data-parallel rank 0 of its stage)
-    experts: bool  # gathers expert tensors (expert-data-parallel rank 0)
+    cp0: bool  # context-parallel rank 0 (CP ranks hold copies)
+    dense: bool  # gathers dense tensors: data-parallel rank 0 of its stage
+    experts: bool  # gathers expert tensors: expert-data-parallel rank 0
     holder: bool  # ends up with the full tensors of its stage
-    cp_rank0: bool = True  # context-parallel rank 0 (joins the gathers of data-parallel-sharded tensors)
 
 
 def _role() -> _Role:
     from megatron.core import parallel_state as ps
 
-    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    experts = ps.get_expert_data_parallel_rank() == 0
+    cp0 = ps.get_context_parallel_rank() == 0
+    dense = cp0 and ps.get_data_parallel_rank() == 0
     holder = (
         dense
         and ps.get_tensor_model_parallel_rank() == 0
         and ps.get_expert_tensor_parallel_rank() == 0
         and ps.get_expert_model_parallel_rank() == 0
     )
-    return _Role(ps.get_pipeline_model_parallel_rank(), dense, experts, holder, ps.get_context_parallel_rank() == 0)
+    return _Role(ps.get_pipeline_model_parallel_rank(), cp0, dense, ps.get_expert_data_parallel_rank() == 0, holder)
 
 
 def _stage_holders(role: _Role) -> list[int]:
@@ -132,9 +132,9 @@ def _gather_ep(global_name: str, value: torch.Tensor, num_local_experts: int) ->
     parts = [torch.empty_like(value) for _ in range(size)]
     dist.all_gather(parts, value.contiguous(), group=ps.get_expert_model_parallel_group())
     m = _EXPERT_INDEX.search(global_name)
-    local = int(m.group(2)) - ps.get_expert_model_parallel_rank() * num_local_experts
+    local = int(m.group(1)) - ps.get_expert_model_parallel_rank() * num_local_experts
     return [
-        (global_name[: m.start(2)] + str(r * num_local_experts + local) + global_name[m.end(2) :], part)
+        (global_name[: m.start(1)] + str(r * num_local_experts + local) + global_name[m.end(1) :], part)
         for r, part in enumerate(parts)
     ]
 
@@ -151,7 +151,7 @@ def _iter_stage(chunks: Sequence[torch.nn.Module], mc: ModelConfig, role: _Role)
             continue  # the last stage's copy of a tied embedding
         expert = ".mlp.experts." in global_name
         dp_sharded = getattr(param, "data_parallel_sharded", False)  # every DP rank holds a slice
-        if not (role.experts if expert else role.dense or (dp_sharded and role.cp_rank0)):
+        if not (role.experts if expert else role.dense or (dp_sharded and role.cp0)):
             continue
         value = _gather_tp(param, global_name, param.detach(), expert)
         if dp_sharded:
@@ -172,7 +172,7 @@ def iter_hf_weights(
     at most `bucket_bytes` (a larger single tensor travels alone) over the default group.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        yield from _iter_stage(chunks, mc, _Role(0, True, True, True))
+        yield from _iter_stage(chunks, mc, _Role(0, True, True, True, True))
         return
     role = _role()
     holders = _stage_holders(role)
@@ -416,46 +416,48 @@ class DistributedTransport:
 
 @dataclass
 class DiskTransport:
-    """safetensors shards (one per bucket) in a fresh `directory/v{version}`, then
-    `/update_weights_from_disk` with that path; the previous version's directory is removed once
-    the engines have loaded the new one. The directory must be readable by the engines."""
+    """safetensors shards (one per bucket) plus `model.safetensors.index.json` in `directory`,
+    then `/update_weights_from_disk` with that path. The directory must be readable by the
+    engines (a shared filesystem for engines on other hosts). Between syncs it holds the latest
+    weights (an engine can be restarted from it); each sync rewrites the shards in place, which
+    reuses their page cache, and removes shards a smaller sync no longer needs."""
 
     urls: Sequence[str]
     directory: str
     pause_mode: str = "retract"
-    _previous: Optional[str] = field(default=None, init=False)
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
-        path = os.path.join(self.directory, f"v{version}")
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
+        os.makedirs(self.directory, exist_ok=True)
         weight_map: dict[str, str] = {}
+        written: set[str] = set()
         for i, bucket in enumerate(buckets):
             fname = f"model-{i + 1:05d}.safetensors"
-            write_safetensors(bucket, os.path.join(path, fname))
+            write_safetensors(bucket, os.path.join(self.directory, fname))
             weight_map.update((n, fname) for n, _ in bucket)
+            written.add(fname)
             stats.buckets += 1
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        _remove(os.path.join(self.directory, f) for f in os.listdir(self.directory)
+                if f.endswith(".safetensors") and f not in written)
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, f)
         engines = Engines(self.urls)
         try:
             with engines.paused(self.pause_mode):
                 engines.call("update_weights_from_disk",
-                             dict(model_path=path, weight_version=str(version), flush_cache=True))
+                             dict(model_path=self.directory, weight_version=str(version), flush_cache=True))
         finally:
             engines.close()
-        if self._previous and self._previous != path:
-            shutil.rmtree(self._previous, ignore_errors=True)
-        self._previous = path
 
 
 @dataclass
 class TensorTransport:
     """`/update_weights_from_tensor`, one request per bucket. `payload` says how tensors travel:
 
-    - "shm" (default; engines on this host): the bucket is written once, as safetensors, to a file
-      in `shm_dir` (default /dev/shm) and the request points at it — the CPU analogue of the CUDA
-      IPC handles a colocated SGLang receives; removed once every engine has loaded it;
+    - "shm" (default; engines on this host): each bucket is written, as safetensors, to a file in
+      `shm_dir` (default /dev/shm) and the request points at it — the CPU analogue of the CUDA IPC
+      handles a colocated SGLang receives. Two such files alternate (the next bucket is written
+      while the engines read the current one) and are rewritten in place from sync to sync, which
+      is several times faster than fresh shared memory; `close()` removes them;
     - "inline": the bytes travel in the request (base64 safetensors), for engines elsewhere; JSON
       and base64 make this the slowest transport;
     - "sglang": SGLang's `MultiprocessingSerializer` format, for a colocated real SGLang server.
@@ -465,33 +467,47 @@ class TensorTransport:
     payload: str = "shm"
     shm_dir: Optional[str] = None
     pause_mode: str = "retract"
+    _files: list[str] = field(default_factory=list, init=False)
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
         if self.payload not in ("shm", "inline", "sglang"):
             raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
-        shm_dir = self.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         engines = Engines(self.urls)
         try:
             with engines.paused(self.pause_mode):
-                for bucket, last in _with_last(buckets):
-                    fields: dict = dict(flush_cache=last)
+                pending: list[Future] = []
+                for i, (bucket, last) in enumerate(_with_last(buckets)):
+                    fields: dict = dict(serialized_named_tensors=[self._encode(bucket, i % 2)], flush_cache=last)
                     if last:
                         fields["weight_version"] = str(version)
-                    if self.payload == "shm":
-                        path = os.path.join(shm_dir, f"mcore_rl_weights_{os.getpid()}_{uuid.uuid4().hex}.safetensors")
-                        write_safetensors(bucket, path)
-                        try:
-                            engines.call("update_weights_from_tensor",
-                                         dict(serialized_named_tensors=[encode_tensor_file(path)], **fields))
-                        finally:
-                            os.remove(path)
-                    else:
-                        encode = encode_named_tensors if self.payload == "inline" else encode_named_tensors_sglang
-                        engines.call("update_weights_from_tensor",
-                                     dict(serialized_named_tensors=[encode(bucket)], **fields))
+                    wait_all(pending)  # the previous bucket, loaded while this one was written
+                    pending = engines.start("update_weights_from_tensor", fields)
                     stats.buckets += 1
+                wait_all(pending)
         finally:
             engines.close()
+
+    def _encode(self, bucket: NamedTensors, slot: int) -> str:
+        if self.payload == "inline":
+            return encode_named_tensors(bucket)
+        if self.payload == "sglang":
+            return encode_named_tensors_sglang(bucket)
+        if not self._files:
+            shm_dir = self.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            stem = os.path.join(shm_dir, f"mcore_rl_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            self._files = [f"{stem}_{k}.safetensors" for k in (0, 1)]
+        write_safetensors(bucket, self._files[slot])
+        return encode_tensor_file(self._files[slot])
+
+    def close(self) -> None:
+        _remove(self._files)
+        self._files = []
+
+
+def _remove(paths: Iterable[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
 
 
 @dataclass

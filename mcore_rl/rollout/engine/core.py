@@ -21,6 +21,8 @@ documented choices:
 * A request's tokens do not depend on its batch mates: its random numbers come from its own seeded
   generator and every per-row computation is row-local (fp32 logits agree with a solo run to
   float rounding).
+* Finishing follows SGLang's `Req.check_finished`: length first, then eos / `stop_token_ids` (both
+  off with `ignore_eos`), then stop strings; `min_new_tokens` masks eos and stop tokens before that.
 * `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang does the same); a
   prompt of `context_length` tokens or more is rejected.
 """
@@ -355,9 +357,8 @@ class EngineCore:
         seed = sp.effective_seed
         if seed is None:
             seed = int(torch.randint(0, 2**63 - 1, (1,), generator=self._seed_rng))
-        stop_ids = set(sp.stop_token_ids or [])
-        if not sp.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        # As in SGLang, ignore_eos turns off every token match (stop_token_ids too), not stop strings.
+        stop_ids = set() if sp.ignore_eos else set(sp.stop_token_ids or []) | self.eos_token_ids
         window = 4 * max((len(s.encode()) for s in sp.stop or []), default=0) + 4
         max_new = min(sp.max_new_tokens, self.context_length - len(req.input_ids))
         return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window)
@@ -433,17 +434,16 @@ class EngineCore:
         return masked
 
     def _finish_reason(self, live: _Live, tok: int) -> dict | None:
-        n = len(live.output_ids)
-        if n >= live.sp.min_new_tokens:
-            if tok in live.stop_ids:
-                return {"type": "stop", "matched": tok}
-            if live.sp.stop:
-                tail = self.tokenizer.decode(live.output_ids[-live.stop_window :], skip_special_tokens=live.sp.skip_special_tokens)
-                for s in live.sp.stop:
-                    if s in tail:
-                        return {"type": "stop", "matched": s}
-        if n >= live.max_new:
+        """SGLang's `Req.check_finished` order: length, then stop tokens, then stop strings."""
+        if len(live.output_ids) >= live.max_new:
             return {"type": "length", "length": live.max_new}
+        if tok in live.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if live.sp.stop:
+            tail = self.tokenizer.decode(live.output_ids[-live.stop_window :], skip_special_tokens=live.sp.skip_special_tokens)
+            for s in live.sp.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
         return None
 
     def _remove(self, slots: list[int]) -> None:
