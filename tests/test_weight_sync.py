@@ -178,7 +178,8 @@ def test_safetensors_files_and_tensor_payloads(tmp_path):
         assert same(torch.frombuffer(bytearray(data[e.begin:e.end]), dtype=torch.uint8).view(e.dtype).reshape(e.shape), t)
     # /update_weights_from_tensor payloads: safetensors in base64; pickles are refused
     back, path = decode_tensor_payload(encode_named_tensors(named), "f")
-    assert path is None and [n for n, _ in back] == [n for n, _ in named] and all(same(a, b) for (_, a), (_, b) in zip(named, back))
+    assert path is None and [n for n, _ in back] == [n for n, _ in named]
+    assert all(same(a, b) for (_, a), (_, b) in zip(named, back))
     with pytest.raises(ValueError, match=r"^f: a pickle \(SGLang's MultiprocessingSerializer format\)"):
         decode_tensor_payload(encode_named_tensors_sglang(named), "f")  # what a real SGLang server takes
     with pytest.raises(ValueError, match=r"^f: a pickle"):
@@ -431,6 +432,12 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
                 if rank == 0:
                     assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
                     assert weight_version(fp32.url) == "42"
+                    # a bucket the engine refuses: the broadcast still completes, nothing changes
+                    bad = [("model.norm.weight", torch.zeros(64)), ("model.nope.weight", torch.zeros(3))]
+                    with pytest.raises(EngineHTTPError, match="names: 'model.nope.weight' is not a weight"):
+                        transport.send([bad], 43, SyncStats(43))
+                    assert weight_version(fp32.url) == "42"
+                    assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
             if rank == 0 and kind in ("distributed", "tensor"):
                 transport.close()
 

@@ -25,7 +25,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,7 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def decode_tensor_payload(payload: object, field: str) -> tuple[NamedTensors, st
 
 
 def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+    if chunk.storage_offset() % dtype.itemsize:
         chunk = chunk.clone()  # an unaligned offset: view() needs one
     return chunk.view(dtype).reshape(list(shape))
 
@@ -339,10 +339,6 @@ def init_custom_process_group(
     return pg
 
 
-def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
-    dist.destroy_process_group(pg)
-
-
 def broadcast_bytes(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Broadcast tensors' bytes from group rank 0 in place, in order (float8 too, which gloo lacks);
     all are posted before waiting, so small tensors do not each pay a round trip."""
@@ -355,7 +351,3 @@ def broadcast_bytes(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
-
-
-def total_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in named)

@@ -78,6 +78,3 @@ class SlotKVCache:
         """Copy slot `src`'s first `length` positions into slot `dst` (all layers)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()

@@ -86,9 +86,7 @@ class ModelRunner:
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.vocab_size = cfg.vocab_size
         self.dtype, self.device = dtype, device
-        self.max_len = max_len
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, self.head_dim, max_len, dtype, device)
         cos, sin = rope_cos_sin(torch.arange(max_len, device=device)[None], self.head_dim, cfg.rope_theta, dtype)
         half = self.head_dim // 2
