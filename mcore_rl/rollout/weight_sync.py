@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
