@@ -1,6 +1,7 @@
 """The `mcore-rl` command.
 
     mcore-rl sft [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
+    mcore-rl train [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
     mcore-rl serve [SGLang launch flags: --model-path, --port, --quantization fp8, ...]
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
@@ -49,6 +50,32 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     try:
         run_sft(cfg)
+    finally:
+        setup.destroy()
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+
+    try:
+        cfg = load_config(RLConfig, args.recipe, args.overrides)
+        validate_rl_config(cfg, _world_size(args.nproc_per_node))
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"mcore-rl train: {err}", file=sys.stderr)
+        return 2
+    if args.nproc_per_node > 1 and not _launched():
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={args.nproc_per_node}", "-m", "mcore_rl.cli", "train",
+            *([args.recipe] if args.recipe else []), *args.overrides,
+        ]
+        return subprocess.call(command)
+    from mcore_rl.parallel import setup
+    from mcore_rl.runtime import run_rl
+
+    try:
+        run_rl(cfg)
     finally:
         setup.destroy()
     return 0
@@ -134,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=50")
     sft.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     sft.set_defaults(func=cmd_sft)
+    train = sub.add_parser("train", help="RL: rollouts from the engine(s), rewards, policy updates, weight sync")
+    train.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=20")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    train.set_defaults(func=cmd_train)
     _add_convert_parser(sub)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")

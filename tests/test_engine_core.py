@@ -4,6 +4,7 @@ stop conditions, prompt scoring, abort, validation, weight loading and FP8 mode.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -366,6 +367,146 @@ def test_other_architectures_match_reference(kw):
         )
 
 
+# ---- every architecture the trainer supports ---------------------------------------------------
+
+ARCHS = {
+    "attn_res_full": dict(attn_res="full"),
+    # 4 sublayers in 3 blocks: sizes 1, 1, 2 (the last takes the remainder), so partial sums matter
+    "attn_res_block": dict(attn_res="block", attn_res_num_blocks=3),
+    "ngram": dict(ngram_orders=[2, 3], ngram_table_size=1009, ngram_num_slices=2),
+    "no_qk_norm": dict(use_qk_norm=False),
+    "latent_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_latent_size=32,
+                       shared_expert_intermediate_size=32),
+}
+
+
+def arch_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
+    """`tiny_model` with AttnRes pseudo-queries and key norms made non-trivial (they start at zero
+    and one: uniform depth weights)."""
+    model = tiny_model(seed, **kw)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "attn_res." in name or "mlp_res." in name or "final_res." in name:
+                p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def lps(pairs) -> torch.Tensor:
+    return torch.tensor([lp for lp, _ in pairs])
+
+
+def assert_matches_reference(ref, reqs: list[Request], outs: dict[str, RequestOutput]) -> None:
+    """Every generated token's log-prob equals one full (cache-free) forward of the reference model."""
+    for r in reqs:
+        o = outs[r.rid]
+        assert [t for _, t in o.output_token_logprobs] == o.output_ids
+        expected = ref_logprobs(ref, r.input_ids + o.output_ids)[len(r.input_ids) - 1 :]
+        torch.testing.assert_close(lps(o.output_token_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def assert_serves_like_reference(make: Callable[[], EngineCore], ref) -> None:
+    """Greedy and sampled generation log-probs equal a full reference forward; a request's result
+    does not depend on its batch mates (alone, all together, joining mid-batch with slots moving
+    as others finish); prompt scoring equals the reference."""
+    greedy = [req(f"g{i}", p, temperature=0.0, max_new_tokens=10, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    assert_matches_reference(ref, greedy, run(make(), copy.deepcopy(greedy)))
+    alone = {}
+    for r in _mixed_requests():
+        alone.update(run(make(), [r]))
+    assert_matches_reference(ref, _mixed_requests(), alone)
+    together = run(make(), _mixed_requests())
+    staggered = run(make(max_running_requests=3), _mixed_requests(), stagger=2)
+    for rid, a in alone.items():
+        for b in (together[rid], staggered[rid]):
+            assert b.output_ids == a.output_ids, rid
+            torch.testing.assert_close(lps(b.output_token_logprobs), lps(a.output_token_logprobs), atol=1e-5, rtol=0)
+    ids = TOK.encode("score every token of this text, " * 2)
+    scored = run(make(), [
+        Request("all", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0),
+        Request("from7", ids[:20], SamplingParams(max_new_tokens=3, ignore_eos=True), return_logprob=True, logprob_start_len=7),
+    ])
+    expected = ref_logprobs(ref, ids)
+    assert [t for _, t in scored["all"].input_token_logprobs] == ids
+    torch.testing.assert_close(lps(scored["all"].input_token_logprobs[1:]), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lps(scored["from7"].input_token_logprobs[1:]), expected[7:19], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_serves_like_the_reference(arch):
+    kw = ARCHS[arch]
+    model = arch_model(**kw)
+    ref = copy.deepcopy(model).eval()
+    state = model.state_dict()
+
+    def make(**engine_kw) -> EngineCore:  # other weights, then the model's loaded by name
+        e = make_engine(arch_model(seed=9, **kw), **engine_kw)
+        e.load_weights((n, t.clone()) for n, t in state.items())
+        return e
+
+    assert_serves_like_reference(make, ref)
+
+
+def test_ngram_context_follows_the_slot():
+    """The n-gram decode context is per slot: it is the last n-1 tokens of the prompt and output
+    and moves with the request when another finishes."""
+    model = arch_model(**ARCHS["ngram"])
+    e = make_engine(copy.deepcopy(model), max_running_requests=2)
+    e.add_request(req("short", "ab", temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    e.add_request(req("long", "a longer prompt", temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    e.step()  # prefill both
+    assert e.runner.ngram_context[:2].tolist() == [TOK.encode("ab")[-2:], TOK.encode("a longer prompt")[-2:]]
+    finals = {}
+    while e.has_work():
+        for o in e.step():
+            finals[o.rid] = o
+    long = finals["long"]
+    assert e.runner.ngram_context[0].tolist() == (TOK.encode("a longer prompt") + long.output_ids)[-3:-1]
+    assert_matches_reference(copy.deepcopy(model).eval(), [req("long", "a longer prompt")], finals)
+
+
+@pytest.mark.parametrize("bias_tied", [False, True], ids=["plain", "bias_tied"])
+def test_from_stock_llama_checkpoint(tmp_path, bias_tied):
+    """A stock `LlamaForCausalLM` directory (random init, no QK-norm) is served like stock
+    transformers computes it."""
+    from transformers import LlamaForCausalLM
+
+    from mcore_rl.hf import to_stock_hf_config
+
+    kw = dict(attention_bias=True, tie_word_embeddings=True) if bias_tied else {}
+    cfg = to_stock_hf_config(tiny_model(use_qk_norm=False, **kw).config)
+    assert type(cfg).__name__ == "LlamaConfig"
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    stock.save_pretrained(tmp_path)
+
+    class StockRef:  # the reference interface of `ref_logprobs` over the stock model
+        def __call__(self, ids):
+            return stock(ids)
+
+    def make(**engine_kw) -> EngineCore:
+        engine_kw.setdefault("context_length", 256)
+        return EngineCore.from_model_path(str(tmp_path), **engine_kw)
+
+    e = make()
+    assert e.config.use_qk_norm is False and e.config.attention_bias is bias_tied
+    assert not hasattr(e.model.model.layers[0].self_attn.q_norm, "weight")
+    assert_serves_like_reference(make, StockRef())
+
+
+def test_stock_checkpoints_with_unsupported_fields_are_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=384,
+                mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"(?s)model_path: cannot serve this llama.*mlp_bias.*rope_type='linear'"):
+        EngineCore.from_model_path(str(tmp_path))
+
+
 def test_bf16_mode_runs_close_to_fp32():
     model = tiny_model()
     r = [req("b", "bf16 mode", temperature=0.0, max_new_tokens=8, ignore_eos=True)]
@@ -422,13 +563,21 @@ def fp8_emulated_reference(model: Qwen3ReferenceForCausalLM) -> Qwen3ReferenceFo
     return emu
 
 
-@pytest.mark.parametrize("kw", [{}, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+     ARCHS["latent_moe"], ARCHS["attn_res_block"], ARCHS["ngram"], ARCHS["no_qk_norm"]],
+    ids=["dense", "moe", "latent_moe", "attn_res_block", "ngram", "no_qk_norm"],
+)
 def test_fp8_engine_equals_emulated_fp8_reference(kw):
-    model = tiny_model(**kw)
+    model = arch_model(**kw)
     e = make_engine(copy.deepcopy(model), quantization="fp8")
-    if kw:
+    if kw.get("num_experts"):
         assert isinstance(e.model.model.layers[0].mlp.gate, torch.nn.Linear)  # the router stays full precision
         assert isinstance(e.model.model.layers[0].mlp.experts[3].down_proj, Fp8Linear)
+    if kw.get("moe_latent_size"):  # W_down / W_up are ordinary GEMMs: e4m3 like the experts (as SGLang)
+        mlp = e.model.model.layers[0].mlp
+        assert isinstance(mlp.fc1_latent_proj, Fp8Linear) and isinstance(mlp.fc2_latent_proj, Fp8Linear)
     ids = TOK.encode("fp8 against its emulation")
     out = run(e, [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)])["s"]
     got = torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]])

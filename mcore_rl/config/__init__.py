@@ -12,6 +12,7 @@ from mcore_rl.config.schema import (
     TrainConfig,
 )
 from mcore_rl.config.validate import DerivedSizes, validate_sft_config
+from mcore_rl.config.rl_schema import RLConfig, validate_rl_config
 
 __all__ = [
     "CheckpointConfig",
@@ -21,10 +22,12 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "RLConfig",
     "SFTConfig",
     "TrainConfig",
     "config_to_dict",
     "load_config",
     "save_config",
     "validate_sft_config",
+    "validate_rl_config",
 ]

@@ -35,8 +35,7 @@ if TYPE_CHECKING:
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
-# Dtypes a weight can travel as. gloo cannot reduce or broadcast float8, so every transfer moves
-# bytes (uint8 views); the dtype only says how to read them back.
+# Dtypes a weight can travel as.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -339,11 +338,16 @@ def init_custom_process_group(
     return pg
 
 
-def broadcast_bytes(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Broadcast tensors' bytes from group rank 0 in place, in order (float8 too, which gloo lacks);
-    all are posted before waiting, so small tensors do not each pay a round trip."""
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Broadcast tensors from group rank 0 in place, in order, each in its own dtype as SGLang's
+    receiver expects; float8 goes as uint8 bytes (gloo has no float8; NCCL maps it to uint8 too).
+    All are posted before waiting, so small tensors do not each pay a round trip."""
     works = [
-        dist.broadcast(t.reshape(-1).view(torch.uint8), group=group, group_src=0, async_op=True) for t in tensors
+        dist.broadcast(t.view(torch.uint8) if t.dtype in _FLOAT8 else t, group=group, group_src=0, async_op=True)
+        for t in tensors
     ]
     for w in works:
         w.wait()

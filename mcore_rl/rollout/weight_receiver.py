@@ -3,11 +3,11 @@
 The server's handlers pass the request's JSON body (a dict) and get SGLang's reply shape back,
 `{"success": bool, "message": str}` (HTTP 200 on success, 400 otherwise). A malformed request
 raises `ValueError` whose message starts with the offending field, before anything changed. The
-`update_weights_from_*` handlers run on the engine thread at a safe point
-(`AsyncEngine.update_weights`, which also handles `abort_all_requests`); they load, then set the
+server runs the `update_weights_from_*` handlers on the engine thread at a safe point
+(`AsyncEngine.update_weights`) after honouring `abort_all_requests`; they load, then set the
 version the engine reports and flush the cache (`flush_cache`). The group handlers do not touch
-the model and block until the trainer joins: run them off the engine thread. Request fields are
-those of SGLang's `io_struct`:
+the model and block until the trainer joins: the server runs them off the engine thread.
+Request fields are those of SGLang's `io_struct`:
 
 - `init_weights_update_group`: master_address, master_port, rank_offset, world_size,
   group_name="weight_update_group", backend="nccl". The engine joins a process group with the
@@ -16,8 +16,8 @@ those of SGLang's `io_struct`:
   `backend="nccl"` needs an engine on CUDA; the CPU engine speaks gloo.
 - `update_weights_from_distributed`: names, dtypes, shapes, group_name, flush_cache=True,
   weight_version=None, load_format=None | "flattened_bucket". Receives one broadcast per tensor
-  from group rank 0 in request order, or one broadcast of the flattened bucket, then loads.
-  Bytes travel as uint8, so float8 works over gloo too.
+  from group rank 0 in request order (float8 as uint8 bytes, which gloo needs and NCCL does
+  anyway), or one uint8 broadcast of the flattened bucket, then loads.
 - `update_weights_from_tensor`: serialized_named_tensors (one per TP rank; entry 0 is used),
   load_format=None | "direct", flush_cache=True, weight_version=None. An entry carries the
   tensors (`weight_protocol.encode_named_tensors`) or points at a safetensors file in shared
@@ -30,7 +30,9 @@ Versions: `weight_version` (an integer, or a string of one) sets the version the
 Without it a disk update, always a whole checkpoint, advances the version by one, and a bucket
 (distributed / tensor) leaves it alone, as SGLang does: a trainer names the version on its last
 bucket. Every tensor of a request is checked against the model (name, shape, FP8 dtype) before any
-is copied, so a rejected request leaves the weights as they were.
+is copied, so a rejected request leaves the weights as they were (a broadcast or read that breaks
+midway can leave them partly updated; the reply says so). Bytes land directly in the model's
+tensors where dtype and shape allow, so a sync costs one copy on the engine side.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.distributed as dist
 
 from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
-    broadcast_bytes,
+    broadcast_tensors,
     decode_tensor_payload,
     host_bytes,
     init_custom_process_group,
@@ -283,11 +285,11 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     try:
         if fmt == "flattened_bucket":
             flat = torch.empty(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8, device=device)
-            broadcast_bytes([flat], pg)
+            broadcast_tensors([flat], pg)
             named = unflatten(flat, names, dtypes, shapes)
         else:
             named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
-            broadcast_bytes([t for _, t in named], pg)
+            broadcast_tensors([t for _, t in named], pg)
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
         return _fail(f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
                      f"send the whole model again): {type(e).__name__}: {e}")

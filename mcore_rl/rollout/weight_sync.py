@@ -46,7 +46,7 @@ from mcore_rl.hf.weight_map import gather_data_parallel_shards, iter_local_param
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
     NamedTensors,
-    broadcast_bytes,
+    broadcast_tensors,
     encode_named_tensors,
     encode_named_tensors_sglang,
     encode_tensor_file,
@@ -229,7 +229,7 @@ def quantize_for_fp8_engine(named: Iterable[tuple[str, torch.Tensor]]) -> Iterat
 def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
     """Consecutive groups of at most `bucket_bytes` (a larger tensor forms a bucket of its own)."""
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
     bucket: NamedTensors = []
     size = 0
     for name, tensor in named:
@@ -266,7 +266,7 @@ class Engines:
         from mcore_rl.rollout.client import EngineClient
 
         if not urls:
-            raise ValueError("engines: need at least one engine URL")
+            raise ValueError("urls: need at least one engine URL")
         self.urls = list(urls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
@@ -394,9 +394,9 @@ class DistributedTransport:
                 )
                 try:
                     if self.load_format == "flattened_bucket":
-                        broadcast_bytes([flatten(bucket).to(device)], self._group)
+                        broadcast_tensors([flatten(bucket).to(device)], self._group)
                     else:
-                        broadcast_bytes([t.detach().to(device).contiguous() for _, t in bucket], self._group)
+                        broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
                 finally:
                     wait_all(futures)
                 stats.buckets += 1
@@ -512,8 +512,8 @@ def _remove(paths: Iterable[str]) -> None:
 @dataclass
 class InProcessTransport:
     """Colocated `EngineCore`s in this process: buckets go straight into `load_weights`, with the
-    same checks as the endpoints. Nothing may step the cores meanwhile (behind an `AsyncEngine`,
-    run the sync as its `update_weights` function, which picks a safe point)."""
+    same checks as the endpoints. Generation must not run meanwhile: pause the engine around the
+    sync (`AsyncEngine.pause("in_place")` ... `resume()`), as the HTTP transports do."""
 
     cores: Sequence[object]
 
@@ -550,9 +550,9 @@ class WeightSync:
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+            raise ValueError(f"quantization: expected None or 'fp8', got {self.quantization!r}")
         if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+            raise ValueError(f"bucket_bytes: must be positive, got {self.bucket_bytes}")
 
     def sync(self, version: int) -> Optional[SyncStats]:
         """Ship the current weights as `version`; returns stats on rank 0, None elsewhere."""

@@ -176,7 +176,8 @@ class EngineCore:
     def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, **kw: Any) -> "EngineCore":
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
-        *.safetensors) of our `mcore_rl_qwen3` or stock `qwen3` / `qwen3_moe`."""
+        *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
+        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`."""
         from mcore_rl.hf import Qwen3ReferenceForCausalLM
 
         seed = kw.get("random_seed", 0)
@@ -453,7 +454,7 @@ class EngineCore:
             self._rids.discard(self._running[slot].req.rid)
             if slot != last:
                 moved = self._running[last]
-                self.runner.cache.move(last, slot, moved.length)
+                self.runner.move(last, slot, moved.length)
                 self._running[slot] = moved
             self._running.pop()
         if slots:
@@ -595,7 +596,13 @@ def _eos_ids(tokenizer: Any, model: nn.Module) -> set[int]:
     return ids
 
 
+_STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+
+
 def _load_config(path: str):
+    """Our config of an HF directory: `mcore_rl_qwen3` as it is; stock Qwen3 / Qwen3-MoE / Llama
+    mapped through `model_config_from_hf_config` (Llama: no QK-norm), after refusing what the
+    reference model cannot compute (each problem naming its `config.json` field)."""
     from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
 
     cfg_file = os.path.join(path, "config.json")
@@ -605,15 +612,44 @@ def _load_config(path: str):
         model_type = json.load(f).get("model_type")
     if model_type == McoreRLQwen3Config.model_type:
         return McoreRLQwen3Config.from_pretrained(path)
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in _STOCK_MODEL_TYPES:
         from transformers import AutoConfig
 
         stock = AutoConfig.from_pretrained(path)
-        return hf_config_from_model_config(model_config_from_hf_config(stock))
+        problems = _unsupported_stock_fields(stock)
+        if problems:
+            raise ValueError(f"model_path: cannot serve this {model_type} checkpoint:\n  " + "\n  ".join(problems))
+        config = hf_config_from_model_config(model_config_from_hf_config(stock))
+        # The reference model has q/k/v/o biases (megatron here has none, so ModelConfig drops the flag).
+        config.attention_bias = bool(getattr(stock, "attention_bias", False))
+        return config
     raise ValueError(
         f"model_path: model_type {model_type!r} is not supported by the embedded engine "
-        f"(supported: {McoreRLQwen3Config.model_type}, qwen3, qwen3_moe)"
+        f"(supported: {McoreRLQwen3Config.model_type}, {', '.join(_STOCK_MODEL_TYPES)})"
     )
+
+
+def _unsupported_stock_fields(stock: Any) -> list[str]:
+    """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference model does not compute."""
+    problems = []
+    if getattr(stock, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={stock.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+    if getattr(stock, "mlp_bias", False):
+        problems.append("mlp_bias=true: MLP biases are not supported")
+    for attr in ("rope_parameters", "rope_scaling"):
+        rope = getattr(stock, attr, None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+            problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
+            break
+    if getattr(stock, "use_sliding_window", False):
+        problems.append("use_sliding_window=true: sliding-window attention is not supported")
+    if getattr(stock, "mlp_only_layers", None):
+        problems.append(f"mlp_only_layers={stock.mlp_only_layers}: mixed dense/MoE layers are not supported")
+    if (getattr(stock, "decoder_sparse_step", 1) or 1) != 1:
+        problems.append(f"decoder_sparse_step={stock.decoder_sparse_step}: every layer must be MoE (1)")
+    if getattr(stock, "pretraining_tp", 1) not in (None, 1):
+        problems.append(f"pretraining_tp={stock.pretraining_tp}: only 1 is supported")
+    return problems
 
 
 def _load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:

@@ -9,7 +9,8 @@ Activations are quantized per token per 128-channel group before the matmul, as 
 dtype (a portable emulation of the FP8 GEMM: the rounding of weights and activations to e4m3 is
 what changes the log-probs, not the accumulation), so FP8 mode runs on CPU and reproduces a real
 train-inference mismatch. Which Linears are quantized follows SGLang: every Linear of the decoder
-layers except the MoE router; embeddings, lm_head and norms stay in the model dtype.
+layers except the MoE router (LatentMoE's latent projections included, see `is_fp8_weight`);
+embeddings (n-gram tables too), lm_head, norms and AttnRes depth mixers stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -127,8 +128,17 @@ class Fp8Linear(nn.Module):
 def is_fp8_weight(hf_name: str) -> bool:
     """Whether the HF parameter `hf_name` is held in FP8 by an FP8 engine (SGLang's choice): the
     projection weights of the decoder layers (`*_proj.weight`: attention, MLP, experts, shared
-    expert), not the router (`mlp.gate.weight`), norms, embeddings or lm_head. A weight sync uses
-    this to decide what to quantize and send as `weight` + `weight_scale_inv`."""
+    expert, and LatentMoE's `fc1_latent_proj` / `fc2_latent_proj`), not the router
+    (`mlp.gate.weight`), norms, embeddings or lm_head. A weight sync uses this to decide what to
+    quantize and send as `weight` + `weight_scale_inv`.
+
+    LatentMoE's W_down / W_up are quantized on purpose: they are plain per-token GEMMs like the
+    experts they feed, and SGLang's (and vLLM's) Nemotron-H latent MoE builds them as
+    `ReplicatedLinear(..., quant_config=quant_config)`, so an FP8 SGLang run rounds them too; block
+    scales cover a latent size that is not a multiple of 128 (the last block is partial). Not
+    quantized, being no GEMM weights: AttnRes pseudo-queries and key norms (`*_res.query`,
+    `*_res.norm.weight`) and the n-gram tables and projections (`model.ngram_embeddings.*`, outside
+    the decoder layers, like the token embedding)."""
     return hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")
 
 

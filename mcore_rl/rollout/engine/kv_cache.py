@@ -64,11 +64,19 @@ class SlotKVCache:
         self.k[layer, slot0 : slot0 + p, :, :s] = k
         self.v[layer, slot0 : slot0 + p, :, :s] = v
 
-    def write_tokens(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Decode: k/v [B, kv_heads, D] at (slot rows[i], position positions[i])."""
-        kl, vl = self.k[layer], self.v[layer]
-        kl[rows, :, positions] = k
-        vl[rows, :, positions] = v
+    def flat_index(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's cache viewed as [slots * kv_heads * capacity, head_dim] where slot i's
+        token at positions[i] goes, for i < batch: [batch * kv_heads] (valid until the cache grows)."""
+        kv = self.shape_head[2]
+        heads = torch.arange(kv, device=positions.device)
+        slots = torch.arange(batch, device=positions.device)
+        return ((slots[:, None] * kv + heads[None, :]) * self.capacity + positions[:, None]).reshape(-1)
+
+    def write_flat(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Decode: k/v [B, kv_heads, D] at the rows `index` of `flat_index` (one index_copy each)."""
+        d = self.head_dim
+        self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
 
     def view(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of slots 0..batch-1, positions 0..length-1 (a view, no copy)."""

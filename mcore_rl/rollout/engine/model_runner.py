@@ -18,7 +18,20 @@ the same function from the same parameters with:
 
 Numerics follow the reference op for op up to float rounding (scores in the model dtype, an
 additive finfo.min mask, softmax in fp32, RMSNorm in fp32); fp32 log-probs agree with the
-reference model to ~1e-6. MoE blocks run through the reference module itself.
+reference model to ~1e-6. MoE and LatentMoE blocks run through the reference module itself.
+
+Every architecture the trainer supports:
+
+* AttnRes (Full / Block, `config.attn_res`): the layer loop runs through the reference model's
+  `DepthState` (`mcore_rl/hf/attn_res.py`): each sublayer's input is the state's depth mix instead of
+  the running residual and its output is handed back to the state; the final norm reads
+  `state.output()`. The mix is per token, so the KV cache is unchanged. Without AttnRes the residual
+  adds stay folded into the output GEMMs;
+* Over-Encoding n-gram embeddings (`config.ngram_orders`): inputs are embedded by the reference
+  `Qwen3ReferenceModel.embed`; each slot keeps its last n_max - 1 token ids (`-1` = none) in a
+  [slots, n_max - 1] tensor that decode passes as `ngram_context`, shifts by one token per step and
+  that moves with the slot's KV (`move`);
+* attention without QK-norm (`use_qk_norm=False`, Llama): q and k go straight to RoPE.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mcore_rl.hf.attn_res import DepthState
 from mcore_rl.hf.modeling import rope_cos_sin
 
 from .fp8 import Fp8Linear, quantize_activation_fp8
@@ -87,12 +101,21 @@ class ModelRunner:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.dtype, self.device = dtype, device
+        self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", True))
+        self.attn_res = getattr(cfg, "attn_res", "none") != "none"
+        ngram = getattr(model.model, "ngram_embeddings", None)
+        self.ngram_context_size = ngram.context_size if ngram is not None else 0
+        # Over-Encoding: the last n_max - 1 token ids of each slot (-1 = none), the decode context.
+        self.ngram_context = (
+            torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device) if ngram is not None else None
+        )
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, self.head_dim, max_len, dtype, device)
         cos, sin = rope_cos_sin(torch.arange(max_len, device=device)[None], self.head_dim, cfg.rope_theta, dtype)
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, D/2) * [-sin[:D/2], sin[D/2:]]
         self._cos = cos[0]
         self._sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        self._positions = torch.arange(max_len, device=device)
         self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
         self.layers = [self._plan(layer) for layer in model.model.layers]
         self.refresh()
@@ -120,7 +143,8 @@ class ModelRunner:
         h, kv = self.num_heads, self.kv_heads
         for lay in self.layers:
             attn, mlp = lay.module.self_attn, lay.module.mlp
-            lay.qk_norm = torch.cat((attn.q_norm.weight.expand(h, -1), attn.k_norm.weight.expand(kv, -1)), dim=0)
+            if self.use_qk_norm:
+                lay.qk_norm = torch.cat((attn.q_norm.weight.expand(h, -1), attn.k_norm.weight.expand(kv, -1)), dim=0)
             if self.fp8:
                 proj = [attn.q_proj, attn.k_proj, attn.v_proj]
                 lay.wqkv = torch.cat([_weight(m) for m in proj], dim=0)
@@ -132,42 +156,54 @@ class ModelRunner:
                 for m in (*proj, attn.o_proj, *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else [])):
                     m._dequantized = None  # the fused copies above are the ones in use
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Move slot `src`'s state (its first `length` cached positions, its n-gram context) to `dst`."""
+        self.cache.move(src, dst, length)
+        if self.ngram_context is not None:
+            self.ngram_context[dst] = self.ngram_context[src]
+
     # ---- one layer -------------------------------------------------------------------------
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """A GEMM input: rounded to e4m3 per token per 128 channels in FP8 mode."""
         return quantize_activation_fp8(x) if self.fp8 else x
 
-    def _out(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """residual + x @ w.T (+ b), the add fused into the GEMM."""
+    def _out(self, residual: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """residual + x @ w.T (+ b), the add fused into the GEMM; without a residual x @ w.T (+ b)."""
+        if residual is None:
+            return F.linear(self._act(x), w, b)
         out = torch.addmm(residual, self._act(x), w.t())
         return out + b if b is not None else out
 
-    def _layer(
+    def _attention(
         self,
         li: int,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         b: int,
         s: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
         bias: torch.Tensor,
-        decode_at: tuple[torch.Tensor, torch.Tensor, int] | None,
+        decode_at: tuple[torch.Tensor, int] | None,
         slot0: int,
     ) -> torch.Tensor:
-        """x [b*s, hidden] -> the layer's output. `decode_at` = (rows, positions, key length) for a
-        decode step (s == 1, keys from the cache); None for a prefill into slots slot0.."""
+        """x [b*s, hidden] -> (residual +) attention(input_layernorm(x)). `decode_at` = (flat cache
+        indices, key length) for a decode step (s == 1, keys from the cache); None for a prefill
+        into slots slot0.."""
         lay = self.layers[li]
         layer = lay.module
         H, KV, G, D = self.num_heads, self.kv_heads, self.group, self.head_dim
         qkv = F.linear(self._act(_rms(x, layer.input_layernorm.weight, self.eps)), lay.wqkv, lay.bqkv)
         qkv = qkv.view(b, s, H + 2 * KV, D)
-        qk = _rms(qkv[:, :, : H + KV], None, self.eps) * lay.qk_norm
+        qk = qkv[:, :, : H + KV]
+        if lay.qk_norm is not None:
+            qk = _rms(qk, None, self.eps) * lay.qk_norm
         qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
         if decode_at is not None:
-            rows, pos, length = decode_at
-            self.cache.write_tokens(li, rows, pos, k[:, 0], v[:, 0])
+            index, length = decode_at
+            self.cache.write_flat(li, index, k[:, 0], v[:, 0])
             kc, vc = self.cache.view(li, b, length)
             keys, vals = kc.reshape(b * KV, length, D), vc.reshape(b * KV, length, D)
             q3 = q.reshape(b * KV, G, D)
@@ -181,13 +217,41 @@ class ModelRunner:
         o = torch.bmm(probs, vals)  # [b*KV, G*s, D]
         if decode_at is None:
             o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
-        x = self._out(x, o.reshape(b * s, H * D), lay.wo, lay.bo)
-        h2 = _rms(x, layer.post_attention_layernorm.weight, self.eps)
-        if lay.w_gate_up is None:
-            return x + layer.mlp(h2)[0]  # MoE block (returns its aux loss too)
+        return self._out(residual, o.reshape(b * s, H * D), lay.wo, lay.bo)
+
+    def _mlp(self, li: int, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """(residual +) mlp(post_attention_layernorm(x))."""
+        lay = self.layers[li]
+        h2 = _rms(x, lay.module.post_attention_layernorm.weight, self.eps)
+        if lay.w_gate_up is None:  # MoE / LatentMoE block (returns its aux loss too)
+            out = lay.module.mlp(h2)[0]
+            return out if residual is None else residual + out
         gu = F.linear(self._act(h2), lay.w_gate_up)
         inter = gu.shape[-1] // 2
-        return self._out(x, F.silu(gu[:, :inter]) * gu[:, inter:], lay.w_down, None)
+        return self._out(residual, F.silu(gu[:, :inter]) * gu[:, inter:], lay.w_down, None)
+
+    def _decoder(
+        self,
+        x: torch.Tensor,
+        b: int,
+        s: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        decode_at: tuple[torch.Tensor, int] | None,
+        slot0: int = 0,
+    ) -> torch.Tensor:
+        """The embedding [b*s, hidden] through every decoder layer, before the final norm."""
+        if not self.attn_res:  # plain residual stream, the adds folded into the output GEMMs
+            for li in range(len(self.layers)):
+                x = self._attention(li, x, x, b, s, cos, sin, bias, decode_at, slot0)
+                x = self._mlp(li, x, x)
+            return x
+        state = DepthState(self.model.model, x)  # AttnRes: depth mixes instead of residual sums
+        for li in range(len(self.layers)):
+            state.add(self._attention(li, state.input(li, 0), None, b, s, cos, sin, bias, decode_at, slot0))
+            state.add(self._mlp(li, state.input(li, 1), None))
+        return state.output()
 
     def _mask_bias(self, allowed: torch.Tensor) -> torch.Tensor:
         """allowed [b, sq, sk] -> additive bias [b*KV, G*sq, sk] (0 or finfo.min), shared by all layers."""
@@ -214,13 +278,19 @@ class ModelRunner:
             ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         ids = ids.to(self.device)
         lens = torch.tensor([len(t) for t in prompts], device=self.device)
-        pos = torch.arange(s, device=self.device)
+        pos = self._positions[:s]
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [b, s, s]
         bias = self._mask_bias(allowed)
         cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
-        x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
-        for li in range(len(self.layers)):
-            x = self._layer(li, x, b, s, cos, sin, bias, None, slot0)
+        if self.ngram_context is not None:
+            # Right padding follows the prompt, and n-grams only look back: padding changes nothing.
+            x = self.model.model.embed(ids, pos.expand(b, s)).view(b * s, self.hidden)
+            c = self.ngram_context_size
+            tails = [([-1] * c + t)[len(t) :] for t in prompts]  # the last c tokens, -1 where none
+            self.ngram_context[slot0 : slot0 + b] = torch.tensor(tails, dtype=torch.long).view(b, c).to(self.device)
+        else:
+            x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
+        x = self._decoder(x, b, s, cos, sin, bias, None, slot0)
         flat = torch.tensor([r * s + c for r, c in logit_rows], device=self.device)
         return self._logits(x[flat])
 
@@ -232,10 +302,14 @@ class ModelRunner:
         self.cache.ensure_capacity(length)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = torch.arange(b, device=self.device)
-        bias = self._mask_bias((torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, :])
+        bias = self._mask_bias((self._positions[None, :length] <= pos[:, None])[:, None, :])
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
-        x = self.model.model.embed_tokens(ids)
-        for li in range(len(self.layers)):
-            x = self._layer(li, x, b, 1, cos, sin, bias, (rows, pos, length), 0)
+        if self.ngram_context is not None:
+            ctx = self.ngram_context[:b]
+            x = self.model.model.embed(ids[:, None], pos[:, None], ngram_context=ctx)[:, 0]
+            self.ngram_context[:b] = torch.cat((ctx[:, 1:], ids[:, None]), dim=1)
+        else:
+            x = self.model.model.embed_tokens(ids)
+        index = self.cache.flat_index(b, pos)  # where each row's new K/V go, shared by all layers
+        x = self._decoder(x, b, 1, cos, sin, bias, (index, length))
         return self._logits(x)

@@ -1,0 +1,175 @@
+"""Batch building: samples -> per-sample [N, T] tensors and packed micro-batches for megatron-core.
+
+Two views of one rollout batch:
+
+* the *sequence view*, [N, T] tensors over N samples and T = the longest response (right-padded,
+  `mask` = 1 on response tokens): μ, π_old, π_ref, IS weights, advantages. The algorithms in
+  `mcore_rl.algos` work on this view, on the whole batch at once (mismatch corrections with
+  batch normalisation, advantages over groups);
+* the *packed view* the model runs on: each sample is `prompt ids + response ids`, samples are packed
+  into rows of `seq_length + 1` tokens (`tokens = row[:-1]`, `labels = row[1:]`, positions restart
+  and segment ids change at every sample, so attention stays inside a sample), rows are grouped
+  into micro-batches of `micro_batch_size` and dealt to the data-parallel ranks.
+
+Each micro-batch also carries the sequence view of the samples it holds: `seq_index` [n] (their
+positions in the batch) and `seq_pos` [n, T] (for response token j of sample i, the flat index in
+the micro-batch's [b × s] grid of the position whose *label* is that token). The loss gathers
+π_θ through `seq_pos`, so every algorithm sees [n, T] tensors whatever the packing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from mcore_rl.runtime.samples import Sample
+
+SEQ_KEYS = ("old_logp", "rollout_logp", "ref_logp", "is_weights", "keep", "advantages")
+
+
+@dataclass
+class SequenceView:
+    rollout_logp: torch.Tensor  # [N, T] μ
+    mask: torch.Tensor  # [N, T] 1 on response tokens
+    rewards: torch.Tensor  # [N]
+    group_ids: torch.Tensor  # [N]
+    versions: torch.Tensor  # [N] policy version that generated each sample
+    ok: torch.Tensor  # [N] 1 unless the sample is unusable (aborted, reward error when dropped)
+
+    @property
+    def num_samples(self) -> int:
+        return self.mask.shape[0]
+
+
+def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) -> SequenceView:
+    n = len(samples)
+    t = max([len(s.response_ids) for s in samples] + [1])
+    mu = torch.zeros(n, t)
+    mask = torch.zeros(n, t)
+    for i, s in enumerate(samples):
+        k = len(s.response_ids)
+        if k:
+            mu[i, :k] = torch.tensor(s.rollout_logp, dtype=torch.float32)
+            mask[i, :k] = 1.0
+    ok = torch.tensor([
+        float(s.finish_reason != "abort" and not (drop_reward_errors and s.reward_error is not None) and s.response_ids != [])
+        for s in samples
+    ])
+    return SequenceView(
+        rollout_logp=mu, mask=mask,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
+        versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
+        ok=ok,
+    )
+
+
+@dataclass
+class Placement:
+    """Where sample i of the packed subset lives: row, and the column of its first token."""
+
+    row: int
+    col: int
+
+
+def pack_rows(samples: Sequence[Sample], order: Sequence[int], seq_length: int) -> tuple[list[list[int]], list[Placement]]:
+    """Greedy in-order packing of samples `order` into rows of seq_length + 1 tokens."""
+    width = seq_length + 1
+    rows: list[list[int]] = []
+    used: list[int] = []
+    places: list[Placement] = []
+    for i in order:
+        n = len(samples[i].prompt_ids) + len(samples[i].response_ids)
+        if n > width:
+            raise ValueError(f"a sample of {n} tokens does not fit in a row of train.seq_length + 1 = {width}")
+        if not rows or used[-1] + n > width:
+            rows.append([])
+            used.append(0)
+        places.append(Placement(len(rows) - 1, used[-1]))
+        rows[-1].append(i)
+        used[-1] += n
+    return rows, places
+
+
+def build_microbatches(
+    samples: Sequence[Sample],
+    order: Sequence[int],
+    seq_length: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    pad_id: int,
+    num_positions: int,
+    per_seq: Optional[dict[str, torch.Tensor]] = None,
+) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches for the samples `order` (indices into `samples`).
+
+    Row r goes to micro-batch r // (mbs·dp) of rank (r // mbs) % dp; the row count is padded with
+    empty rows so every rank runs the same number of micro-batches. `per_seq` tensors ([N, ...],
+    indexed by sample) are sliced to each micro-batch's samples. `num_positions` is T of the
+    sequence view."""
+    rows, places = pack_rows(samples, order, seq_length)
+    per_step = micro_batch_size * dp_size
+    num_rows = max(1, -(-len(rows) // per_step)) * per_step
+    width = seq_length + 1
+    ids = torch.full((num_rows, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((num_rows, width), dtype=torch.long)
+    seg = torch.zeros((num_rows, width), dtype=torch.long)
+    target = torch.zeros((num_rows, width), dtype=torch.bool)
+    seq_pos_rows: list[tuple[int, int, torch.Tensor]] = []  # (sample, row, flat positions within row)
+    for i, place in zip(order, places):
+        s = samples[i]
+        p, rsp = s.prompt_ids, s.response_ids
+        n = len(p) + len(rsp)
+        c = place.col
+        ids[place.row, c : c + n] = torch.tensor(p + rsp)
+        pos[place.row, c : c + n] = torch.arange(n)
+        seg[place.row, c : c + n] = int(seg[place.row].max()) + 1
+        target[place.row, c + len(p) : c + n] = True
+        # response token j sits at c + len(p) + j; its label position is one before
+        label_pos = torch.zeros(num_positions, dtype=torch.long)
+        label_pos[: len(rsp)] = c + len(p) - 1 + torch.arange(len(rsp))
+        seq_pos_rows.append((i, place.row, label_pos))
+    tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    loss_mask = target[:, 1:].float()
+    by_row: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for i, row, lp in seq_pos_rows:
+        by_row.setdefault(row, []).append((i, lp))
+    out = []
+    for start in range(0, num_rows, per_step):
+        lo = start + dp_rank * micro_batch_size
+        rows_here = range(lo, lo + micro_batch_size)
+        mb = {
+            "tokens": tokens[lo : lo + micro_batch_size],
+            "labels": labels[lo : lo + micro_batch_size],
+            "loss_mask": loss_mask[lo : lo + micro_batch_size],
+            "position_ids": pos[lo : lo + micro_batch_size, :-1].contiguous(),
+            "segment_ids": seg[lo : lo + micro_batch_size, :-1].contiguous(),
+        }
+        idx: list[int] = []
+        flat: list[torch.Tensor] = []
+        for b, row in enumerate(rows_here):
+            for i, lp in by_row.get(row, []):
+                idx.append(i)
+                flat.append(lp + b * seq_length)
+        mb["seq_index"] = torch.tensor(idx, dtype=torch.long)
+        mb["seq_pos"] = torch.stack(flat) if flat else torch.zeros(0, num_positions, dtype=torch.long)
+        for key, value in (per_seq or {}).items():
+            mb[key] = value[mb["seq_index"]]
+        out.append(mb)
+    return out
+
+
+def split_minibatches(num: int, num_minibatches: int, seed: int, step: int, epoch: int) -> list[list[int]]:
+    """A seeded shuffle of range(num) cut into `num_minibatches` near-equal parts."""
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + step * 1009 + epoch)
+    perm = torch.randperm(num, generator=g).tolist()
+    size, extra = divmod(num, num_minibatches)
+    out, start = [], 0
+    for k in range(num_minibatches):
+        end = start + size + (1 if k < extra else 0)
+        out.append(perm[start:end])
+        start = end
+    return out

@@ -1,0 +1,214 @@
+"""The learner step: one rollout batch -> π_old (and π_ref) -> advantages -> mismatch correction ->
+several optimizer steps over mini-batches.
+
+Collective over the trainer world: every rank holds the same samples (rank 0 broadcasts them),
+builds the same sequence view, runs its data-parallel share of every micro-batch, and gets the same
+metrics. The corrections are computed once on the whole batch before it is split (they may
+normalise over it), then travel with each sample into its micro-batch. The loss is the registered
+policy loss on [n, T] views gathered from the packed micro-batch, plus KL and entropy terms with
+the same aggregation (megatron-core divides the summed loss by one count summed over micro-batches
+and DP ranks, so every term must share it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algos import registry
+from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
+from mcore_rl.algos.mismatch import PRESETS, correct, mismatch_metrics
+from mcore_rl.algos.mipu import truncated_mismatch_weight
+from mcore_rl.algos.policy_loss import masked_mean
+from mcore_rl.runtime.batch import build_microbatches, sequence_view, split_minibatches
+from mcore_rl.runtime.samples import Sample
+from mcore_rl.train.forward_backward import forward_backward
+from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
+
+# Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
+LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
+
+
+def _dp() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
+    """Sum a per-rank metric vector over DP and hand the last pipeline stage's value to all stages."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(vec, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return vec
+
+
+def mismatch_config(cfg: Any):
+    """The `MismatchConfig` of `algorithm.mismatch` (a preset with the recipe's overrides)."""
+    m = cfg.algorithm.mismatch
+    over = {k: v for k, v in dict(
+        is_level=m.level, is_clip_low=m.clip_low, is_clip_high=m.clip_high, mask_low=m.mask_low,
+        mask_high=m.mask_high, veto_threshold=m.veto_threshold, batch_normalize=m.batch_normalize,
+    ).items() if v is not None}
+    return dataclasses.replace(PRESETS[m.name], **over)
+
+
+class Learner:
+    """Policy-update side of the loop, around megatron-core model chunks and their optimizer."""
+
+    def __init__(self, cfg: Any, chunks: list, optimizer: Any, ref_chunks: Optional[list], pad_id: int) -> None:
+        self.cfg, self.chunks, self.optimizer, self.ref_chunks, self.pad_id = cfg, chunks, optimizer, ref_chunks, pad_id
+        self.temperature = cfg.rollout.temperature
+
+    # ---------------------------------------------------------------- forward-only log-probs
+
+    def token_logprobs(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[N, T] log-probs (and entropy) of every sample's response tokens under `chunks`
+        (default: the policy), identical on every rank."""
+        chunks = chunks or self.chunks
+        t = self.cfg.train
+        dp_rank, dp_size = _dp()
+        mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
+                                 self.pad_id, num_positions)
+        model_in = [{k: v for k, v in mb.items() if k not in ("seq_index", "seq_pos")} for mb in mbs]
+        for c in chunks:
+            c.eval()
+        stats = compute_token_stats(chunks, model_in, self.temperature, t.logprob_chunk_size, with_entropy)
+        n = len(samples)
+        rows = 2 if with_entropy else 1
+        full = torch.zeros(rows, n, num_positions)
+        for mb, st in zip(mbs, stats):
+            if mb["seq_index"].numel() == 0:
+                continue
+            full[0, mb["seq_index"]] = st.logprobs.reshape(-1)[mb["seq_pos"]]
+            if with_entropy:
+                full[1, mb["seq_index"]] = st.entropy.reshape(-1)[mb["seq_pos"]]
+        if dp_size > 1:  # each sample lives on exactly one DP rank
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(full, group=ps.get_data_parallel_group())
+        return full[0], (full[1] if with_entropy else None)
+
+    # ---------------------------------------------------------------- the update
+
+    def prepare(self, samples: Sequence[Sample]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Everything computed once per rollout batch: π_old, π_ref, advantages, corrections."""
+        a = self.cfg.algorithm
+        view = sequence_view(samples, a.drop_reward_errors)
+        n, t = view.mask.shape
+        start = time.perf_counter()
+        old, entropy = self.token_logprobs(samples, t, with_entropy=True)
+        ref = None
+        if self.ref_chunks is not None:
+            ref, _ = self.token_logprobs(samples, t, chunks=self.ref_chunks)
+        metrics: dict[str, float] = {"time/logprobs_s": time.perf_counter() - start}
+        mask = view.mask * view.ok[:, None]
+        rewards = view.rewards
+        if ref is not None:
+            kl_tokens = kl_estimate(old, ref, a.kl_estimator) * mask
+            metrics["kl/ref"] = float(kl_tokens.sum() / mask.sum().clamp_min(1))
+            if a.kl_in_reward:
+                rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
+        adv_fn = registry.get("advantage", a.advantage)
+        advantages = adv_fn(rewards, view.group_ids, normalize_std=a.advantage_std_normalize) \
+            if a.advantage == "grpo" else adv_fn(rewards, view.group_ids)
+        if a.mismatch.name == "mipu":
+            m = a.mismatch
+            weights = truncated_mismatch_weight(old, view.rollout_logp, mask, m.clip_high or 2.0, m.level or "token")
+            keep = mask
+            mm = mismatch_metrics(old, view.rollout_logp, view.mask)
+            mm["mismatch/is_weight_mean"] = masked_mean(weights, mask)
+            mm["mismatch/is_weight_max"] = weights.max() if weights.numel() else torch.zeros(())
+            mm["mismatch/clipfrac"] = masked_mean(
+                (torch.exp((old - view.rollout_logp).clamp(-20, 20)) > (m.clip_high or 2.0)).float(), mask)
+            mm["mismatch/maskfrac"] = torch.zeros(())
+        else:
+            corr = correct(old, view.rollout_logp, mask, mismatch_config(self.cfg))
+            weights, keep, mm = corr.weights, corr.mask, corr.metrics
+            mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
+        metrics.update({k: float(v) for k, v in mm.items()})
+        metrics["entropy/mean"] = float(masked_mean(entropy, view.mask))
+        metrics["advantage/abs_mean"] = float(advantages.abs().mean())
+        metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
+        metrics["rollout/policy_version_min"] = float(view.versions.min())
+        metrics["rollout/policy_version_max"] = float(view.versions.max())
+        per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
+                   "keep": keep.float(), "advantages": advantages.float()}
+        if ref is not None:
+            per_seq["ref_logp"] = ref
+        return per_seq, metrics
+
+    def loss_fn(self, batch: dict[str, torch.Tensor], stats: Any) -> tuple:
+        a = self.cfg.algorithm
+        pos = batch["seq_pos"]
+        logp = stats.logprobs.reshape(-1)[pos]
+        mask = batch["keep"]
+        norm_length = self.cfg.rollout.max_new_tokens
+        loss_fn = registry.get("policy_loss", a.policy_loss)
+        out = loss_fn(logp, batch["old_logp"], batch["advantages"], mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                      dual_clip=a.dual_clip, is_weights=batch["is_weights"], agg=a.loss_agg, norm_length=norm_length)
+        total = out.loss_sum
+        tokens = mask.sum().detach()
+        vals = {k: out.metrics.get(k, torch.zeros(())) * tokens for k in LOSS_METRICS[:4]}
+        vals["kl/loss"] = torch.zeros(())
+        vals["entropy/loss"] = torch.zeros(())
+        if self.ref_chunks is not None and not a.kl_in_reward and a.kl_coef > 0:
+            kl_sum, _ = kl_loss(logp, batch["ref_logp"], mask, a.kl_estimator, a.loss_agg, norm_length)
+            total = total + a.kl_coef * kl_sum
+            vals["kl/loss"] = (kl_estimate(logp.detach(), batch["ref_logp"], a.kl_estimator) * mask).sum()
+        if a.entropy_coef > 0:
+            ent = stats.entropy.reshape(-1)[pos]
+            e_sum, _ = registry.get("entropy", "bonus")(ent, mask, a.entropy_coef, a.loss_agg, norm_length)
+            total = total + e_sum
+            vals["entropy/loss"] = (ent.detach() * mask).sum()
+        count = out.count.detach().round().to(torch.int)
+        report = {
+            "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),
+            "metric_sums": torch.stack([tokens.float()] + [vals[k].float().reshape(()) for k in LOSS_METRICS]),
+        }
+        return total, count, report
+
+    def train(self, samples: Sequence[Sample], step: int) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """All optimizer steps of one rollout batch. Returns one metrics dict per optimizer step and
+        the batch-level metrics."""
+        a, t = self.cfg.algorithm, self.cfg.train
+        per_seq, batch_metrics = self.prepare(samples)
+        dp_rank, dp_size = _dp()
+        num_positions = per_seq["old_logp"].shape[1]
+        records = []
+        for epoch in range(a.ppo_epochs):
+            for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch):
+                start = time.perf_counter()
+                mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
+                                         self.pad_id, num_positions, per_seq)
+                store: list[dict[str, Any]] = []
+                step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
+                                            with_entropy=a.entropy_coef > 0, store=store)
+                for c in self.chunks:
+                    c.train()
+                sums = torch.zeros(1 + len(LOSS_METRICS), dtype=torch.float64)
+                kept = float(per_seq["keep"][part].sum())
+                if kept == 0:  # nothing to learn from (every token masked): no step
+                    records.append({"train/skipped": 1.0})
+                    continue
+                result = forward_backward(self.chunks, mbs, forward_step=step_fn)
+                for rep in store:
+                    sums += rep["metric_sums"].double().cpu()
+                sums = _reduce_last_stage(sums)
+                opt = self.optimizer.step()
+                tokens = max(float(sums[0]), 1.0)
+                rec = {"train/loss": result["loss"], "train/grad_norm": float(opt["grad_norm"]), "train/lr": float(opt["lr"]),
+                       "train/skipped": float(opt["skipped"]), "train/tokens": float(sums[0]),
+                       "time/train_step_s": time.perf_counter() - start}
+                for k, v in zip(LOSS_METRICS, sums[1:].tolist()):
+                    rec[k] = v / tokens
+                records.append(rec)
+        return records, batch_metrics

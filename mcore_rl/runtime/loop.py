@@ -1,0 +1,412 @@
+"""The RL loop driver, `mcore-rl train` (DESIGN.md, "Data flow of one RL step"):
+
+    prompts -> rollout manager -> engine(s): tokens, μ, policy version -> rewards
+    -> learner: π_old (and π_ref), advantages, mismatch correction, optimizer steps over mini-batches
+    -> weight sync to the engine(s) (MIPU: score a validation batch, accept or roll back + re-sync)
+    -> periodic held-out evaluation -> checkpoints -> next step.
+
+Synchronous (max staleness 0): the engines generate one batch with the current weights, the learner
+trains on it, the new weights are synced, and only then is the next batch generated. Global rank 0
+holds the engines (embedded `EngineCore`s, or clients of HTTP servers) and broadcasts each batch of
+samples to the other ranks; every rank runs the learner collectively.
+
+A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
+the prompt streams' positions, the MIPU controller and the step/version counters, so a resumed run
+draws the same prompts and continues the same metrics a run without interruption would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
+from mcore_rl.runtime.metrics import MetricsWriter, plot_curves, read_metrics
+from mcore_rl.runtime.samples import (
+    HELD_OUT_SEED_OFFSET,
+    VALIDATION_SEED_OFFSET,
+    PromptSource,
+    Sample,
+    read_prompt_file,
+    synthetic_pool,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopState:
+    rl_step: int = 0  # rollout steps done
+    opt_step: int = 0  # optimizer steps done (rejected MIPU updates included)
+    version: int = 0  # weight version of the trainer's current weights (every sync makes a new one)
+    samples_trained: int = 0
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _log(message: str) -> None:
+    if _rank0():
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(message)
+        except ImportError:  # pragma: no cover
+            print(message, flush=True)
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class RLRun:
+    """All state of one `mcore-rl train` process (one rank)."""
+
+    def __init__(self, cfg: RLConfig) -> None:
+        from mcore_rl.data.tokenizer import load_tokenizer
+        from mcore_rl.models.builder import build_model, transformer_config
+        from mcore_rl.parallel import setup
+        from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
+        from mcore_rl.train.optimizer import build_optimizer
+
+        self.t0 = time.perf_counter()
+        self.cfg = cfg
+        _, world = setup.init_distributed()
+        self.world = world
+        self.sizes = validate_rl_config(cfg, world)
+        setup.init_model_parallel(cfg.parallel)
+        setup.set_seed(cfg.train.seed)
+        self.rank0 = _rank0()
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                             f"({self.tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})")
+        t = cfg.train
+        self.config = transformer_config(cfg.model, cfg.parallel, t.precision, t.recompute)
+        self.chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=self.config), self.config)
+        prepare_config(self.config, self.chunks)
+        total = max(1, t.num_steps * cfg.optimizer_steps_per_rollout)
+        self.optimizer = build_optimizer(self.chunks, cfg.optimizer, t.precision, total)
+        self.state = LoopState()
+        self._build_data()
+        self.ref_chunks: Optional[list] = None
+        self.mipu: Any = None
+        self.engines: Any = None
+        self.weight_sync: Any = None
+        self.manager: Any = None
+        self.eval_history: list[dict[str, float]] = []
+        self.init_metrics: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- setup
+
+    def _build_data(self) -> None:
+        cfg, d = self.cfg, self.cfg.data
+        seed = cfg.train.seed
+        if d.path is not None:
+            pool = read_prompt_file(d.path, d.prompt_key, d.label_key)
+            held_out = read_prompt_file(cfg.eval.path, d.prompt_key, d.label_key) if cfg.eval.path else pool
+            validation = pool
+        else:
+            pool = synthetic_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
+            held_out = (read_prompt_file(cfg.eval.path, d.prompt_key, d.label_key) if cfg.eval.path else
+                        synthetic_pool(d.synthetic_task, cfg.eval.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
+            validation = synthetic_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
+                                        seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
+        self.prompts = PromptSource(pool, self.tokenizer, seed, d.add_bos)
+        self.val_prompts = PromptSource(validation, self.tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos)
+        eval_source = PromptSource(held_out, self.tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos)
+        self.eval_prompts = eval_source.take(min(cfg.eval.num_prompts, len(held_out)))
+
+    def initialise(self) -> None:
+        """Resume, or start from init.checkpoint / the SFT warm start; then engines and first sync."""
+        from mcore_rl.train import checkpoint
+
+        cfg = self.cfg
+        resume = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir) if cfg.checkpoint.load_dir else None
+        if cfg.checkpoint.load_dir and resume is None:
+            raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
+        if resume is not None:
+            common = checkpoint.load_checkpoint(resume, self.chunks, self.optimizer)
+            if "rl" not in common:
+                raise ValueError(f"{resume} is not an `mcore-rl train` checkpoint (no RL state); start from it with "
+                                 "init.checkpoint instead of checkpoint.load_dir")
+            self.optimizer.reload_model_params()
+            rl = common["rl"]
+            self.state = LoopState(**rl["state"])
+            self.prompts.load_state_dict(rl["prompts"])
+            self.val_prompts.load_state_dict(rl["val_prompts"])
+            self._resume_common = rl
+            _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
+        else:
+            self._resume_common = None
+            from mcore_rl.runtime.warm_start import load_initial_weights, sft_warm_start
+
+            if cfg.init.checkpoint:
+                load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
+                self.optimizer.reload_model_params()
+            if cfg.init.sft_steps > 0:
+                self.init_metrics = sft_warm_start(cfg, self.chunks, self.tokenizer, self.world, _log)
+                self.optimizer.reload_model_params()
+        self._build_reference(resume)
+        self._build_mipu()
+        self._build_engines()
+        self.sync(new_version=resume is None)
+
+    def _build_reference(self, resume: Optional[str]) -> None:
+        """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
+        from mcore_rl.models.builder import build_model, transformer_config
+        from mcore_rl.train import checkpoint
+
+        cfg = self.cfg
+        if cfg.algorithm.kl_coef <= 0:
+            return
+        config = transformer_config(cfg.model, cfg.parallel, cfg.train.precision, "none")
+        config.calculate_per_token_loss = True
+        self.ref_chunks = build_model(cfg.model, cfg.parallel, config=config)
+        for c in self.ref_chunks:
+            for p in c.parameters():
+                p.requires_grad_(False)
+        if resume is not None:
+            path = checkpoint.latest_checkpoint(os.path.join(cfg.checkpoint.load_dir, "reference"))
+            if path is None:
+                raise FileNotFoundError(f"algorithm.kl_coef > 0 but {cfg.checkpoint.load_dir}/reference holds no "
+                                        "reference-model checkpoint to resume with")
+            checkpoint.load_checkpoint(path, self.ref_chunks, None)
+            return
+        from mcore_rl.hf.weight_map import _unwrap
+
+        with torch.no_grad():
+            for ref, pol in zip(self.ref_chunks, self.chunks):
+                for (n1, p1), (n2, p2) in zip(ref.named_parameters(), _unwrap(pol).named_parameters()):
+                    assert n1 == n2, (n1, n2)
+                    p1.copy_(p2)
+        if cfg.checkpoint.save_dir:
+            checkpoint.save_checkpoint(os.path.join(cfg.checkpoint.save_dir, "reference"), 0, self.ref_chunks, None,
+                                       {"model": config_to_dict(cfg.model)})
+
+    def _build_mipu(self) -> None:
+        m = self.cfg.algorithm.mismatch
+        if m.name != "mipu":
+            return
+        from mcore_rl.algos.mipu import MIPUController
+
+        self.mipu = MIPUController(self.optimizer.snapshot, self.optimizer.restore, lambda: self.sync(new_version=True),
+                                   c_start=m.mipu_c_start, c_end=m.mipu_c_end, anneal_steps=m.mipu_anneal_steps,
+                                   count_rejected=m.mipu_count_rejected)
+        if self._resume_common is not None and self._resume_common.get("mipu"):
+            self.mipu.load_state_dict(self._resume_common["mipu"])
+
+    def _build_engines(self) -> None:
+        from mcore_rl.rollout.weight_sync import WeightSync
+        from mcore_rl.runtime.engines import EmbeddedEngines, RemoteEngines
+        from mcore_rl.runtime.rollout import RolloutManager, build_reward_runner
+
+        cfg, r = self.cfg, self.cfg.rollout
+        transport = None
+        if self.rank0:
+            if r.engine_urls:
+                self.engines = RemoteEngines(r.engine_urls, timeout=r.request_timeout_s)
+            else:
+                self.engines = EmbeddedEngines.build(
+                    cfg.model, self.tokenizer, num=r.num_embedded_engines, quantization=r.quantization,
+                    max_running_requests=r.max_running_requests, context_length=r.context_length, seed=cfg.train.seed)
+            transport = self.engines.transport(cfg)
+            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
+        self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
+                                      quantization="fp8" if r.quantization == "fp8" else None)
+
+    def sync(self, new_version: bool = True) -> None:
+        """Ship the trainer's weights to the engine(s) (collective); a new weight version unless
+        re-shipping the weights of the current one (after a resume)."""
+        if new_version:
+            self.state.version += 1
+        start = time.perf_counter()
+        self.weight_sync.sync(self.state.version)
+        self.last_sync_s = time.perf_counter() - start
+
+    # ---------------------------------------------------------------- one step
+
+    def rollouts(self) -> tuple[list[Sample], dict[str, float]]:
+        from mcore_rl.runtime.rollout import reward_metrics
+
+        payload = None
+        if self.rank0:
+            groups, stats = self.manager.collect()
+            payload = ([s for g in groups for s in g], {**reward_metrics(groups), **stats.metrics()})
+        samples, metrics = _broadcast(payload)
+        stale = [s.policy_version for s in samples if self.state.version - s.policy_version > self.cfg.rollout.max_staleness]
+        if stale:
+            raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
+                               f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
+                               f"version {self.state.version}")
+        return samples, metrics
+
+    def mipu_decide(self, learner: Any) -> dict[str, float]:
+        """MIPU Step 2: score a validation batch sampled from the synced candidate, accept or roll
+        back (trainer and engine). The validation samples are used for the decision only."""
+        from mcore_rl.algos.advantages import grpo
+        from mcore_rl.algos.mipu import t_hat_post
+        from mcore_rl.runtime.batch import sequence_view
+        from mcore_rl.runtime.rollout import SALT_VALIDATION
+
+        m, r = self.cfg.algorithm.mismatch, self.cfg.rollout
+        payload = None
+        if self.rank0:
+            prompts = self.val_prompts.take(m.mipu_validation_prompts)
+            groups = self.manager.generate(prompts, r.group_size, r.temperature, SALT_VALIDATION)
+            payload = ([s for g in groups for s in g], self.val_prompts.state_dict())
+        samples, val_state = _broadcast(payload)
+        if not self.rank0:
+            self.val_prompts.load_state_dict(val_state)
+        view = sequence_view(samples)
+        pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
+        mask = view.mask * view.ok[:, None]
+        adv = grpo(view.rewards, view.group_ids)
+        t_post = t_hat_post(pi, view.rollout_logp, mask, adv)
+        decision = self.mipu.decide(t_post)
+        out = decision.metrics()
+        out.update(self.mipu.metrics())
+        out["mipu/validation_reward"] = float(view.rewards.mean())
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        from mcore_rl.runtime.evaluate import evaluate
+
+        out = None
+        if self.rank0:
+            start = time.perf_counter()
+            out = evaluate(self.manager, self.eval_prompts, self.cfg)
+            out["time/eval_s"] = time.perf_counter() - start
+        out = _broadcast(out)
+        self.eval_history.append({"rl_step": self.state.rl_step, **out})
+        return out
+
+    def save(self) -> str:
+        from mcore_rl.train import checkpoint
+
+        common = {
+            "model": config_to_dict(self.cfg.model),
+            "rl": {
+                "state": asdict(self.state),
+                "prompts": self.prompts.state_dict(),
+                "val_prompts": self.val_prompts.state_dict(),
+                "mipu": self.mipu.state_dict() if self.mipu is not None else None,
+            },
+        }
+        return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
+
+    def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
+        if self.manager is not None:
+            self.manager.rewards.close()
+
+
+def run_rl(cfg: RLConfig) -> dict[str, Any]:
+    """Train as configured. Returns a summary (eval before/after, wall time) on every rank."""
+    from mcore_rl.runtime.learner import Learner
+
+    run = RLRun(cfg)
+    rank0 = run.rank0
+    writer = MetricsWriter(cfg.run_dir, rank0, cfg.logging.tensorboard)
+    if rank0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    try:
+        run.initialise()
+        learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
+        st = run.state
+        first_eval: Optional[dict[str, float]] = None
+        if run._resume_common is None and cfg.eval.at_start:
+            first_eval = run.evaluate()
+            writer.write({"step": st.opt_step, "rl_step": st.rl_step, **run.init_metrics, **first_eval})
+            _log(f"held-out before RL: {_eval_line(first_eval)}")
+        bar = _progress(cfg, st.rl_step)
+        last_eval = first_eval
+        while st.rl_step < cfg.train.num_steps:
+            step_start = time.perf_counter()
+            samples, roll_metrics = run.rollouts()
+            if run.mipu is not None:
+                run.mipu.begin()
+            records, batch_metrics = learner.train(samples, st.rl_step)
+            st.samples_trained += len(samples)
+            run.sync()
+            extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "rollout/weight_version": float(st.version)}
+            if run.mipu is not None:
+                extra.update(run.mipu_decide(learner))
+            st.rl_step += 1
+            if (cfg.eval.interval > 0 and st.rl_step % cfg.eval.interval == 0) or st.rl_step == cfg.train.num_steps:
+                last_eval = run.evaluate()
+                extra.update(last_eval)
+            extra["time/step_s"] = time.perf_counter() - step_start
+            extra["time/elapsed_s"] = time.perf_counter() - run.t0
+            for k, rec in enumerate(records):
+                st.opt_step += 1
+                record = {"step": st.opt_step, "rl_step": st.rl_step, **roll_metrics, **batch_metrics, **rec}
+                if k == len(records) - 1:
+                    record.update(extra)
+                writer.write(record)
+            if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
+                _log(f"saved {run.save()}")
+            if bar is not None:
+                bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)
+                bar.update(1)
+            if cfg.logging.print_interval > 0 and st.rl_step % cfg.logging.print_interval == 0:
+                _log(f"step {st.rl_step:>4}/{cfg.train.num_steps} | reward {roll_metrics.get('reward/mean', float('nan')):.3f} | "
+                     f"k3 {batch_metrics.get('mismatch/k3', float('nan')):.2e} | loss {records[-1].get('train/loss', float('nan')):.4f}"
+                     + (f" | {_eval_line(extra)}" if "eval/score" in extra else ""))
+        if bar is not None:
+            bar.close()
+        if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):
+            _log(f"saved {run.save()}")
+        wall = time.perf_counter() - run.t0
+        summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st)}
+        if rank0:
+            writer.close()
+            if cfg.logging.plot and os.path.exists(writer.path):
+                png = plot_curves(read_metrics(writer.path), os.path.join(cfg.run_dir, "curves.png"), title=cfg.run_dir)
+                summary["plot"] = png
+            if first_eval and last_eval:
+                _log(f"held-out {_score_name(cfg)}: {first_eval['eval/score']:.1%} before RL -> "
+                     f"{last_eval['eval/score']:.1%} after {st.rl_step} steps ({wall:.0f} s in all)")
+            _log(f"metrics: {writer.path}" + (f" | curves: {summary['plot']}" if "plot" in summary else ""))
+        return summary
+    finally:
+        writer.close()
+        run.close()
+
+
+def _score_name(cfg: RLConfig) -> str:
+    return "greedy pass@1" if cfg.eval.score == "greedy" else f"avg@{cfg.eval.k}"
+
+
+def _eval_line(ev: dict[str, float]) -> str:
+    parts = [f"{k.removeprefix('eval/')} {v:.1%}" for k, v in ev.items()
+             if k.startswith("eval/") and k != "eval/score" and "reward" not in k]
+    return " | ".join(parts)
+
+
+def _progress(cfg: RLConfig, start: int) -> Any:
+    if not (_rank0() and cfg.logging.progress_bar):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.num_steps, initial=start, desc="rl", unit="step", dynamic_ncols=True)
+
+
+def _postfix(roll: dict[str, float], batch: dict[str, float], ev: Optional[dict[str, float]]) -> dict[str, str]:
+    out = {"reward": f"{roll.get('reward/mean', float('nan')):.3f}", "k3": f"{batch.get('mismatch/k3', float('nan')):.1e}"}
+    if ev:
+        out["eval"] = f"{ev['eval/score']:.3f}"
+    return out

@@ -1,0 +1,86 @@
+"""Run metrics: `metrics.jsonl` (one JSON object per optimizer step), TensorBoard scalars, and a PNG
+of the reward, evaluation score and mismatch curves at the end. Rank 0 writes; other ranks no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Optional
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool) -> None:
+        self.run_dir, self.enabled = run_dir, enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb: Any = None
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_clean(record)) + "\n")
+        if self.tb is not None:
+            step = int(record["step"])
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+            self.tb = None
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/inf: write them as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(records: Iterable[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] = None) -> str:
+    """Three panels: training reward (per rollout batch), held-out eval score, mismatch K3."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, label in [(axes[0], "reward/mean", "training reward (mean over rollouts)"),
+                           (axes[1], "eval/score", "held-out eval score"),
+                           (axes[2], "mismatch/k3", "mismatch K3 (exp(d)-d-1, d = log π - log μ)")]:
+        xs, ys = _series(records, key)
+        ax.plot(xs, ys, marker="o" if key == "eval/score" else None, markersize=3)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        if key == "mismatch/k3" and ys and min(ys) > 0:
+            ax.set_yscale("log")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
