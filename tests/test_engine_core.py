@@ -615,6 +615,22 @@ def test_fp8_engine_quantizes_and_differs_by_a_measured_amount():
         make_engine(copy.deepcopy(model)).load_weights([("model.layers.0.mlp.up_proj.weight_scale_inv", torch.ones(1, 1))])
 
 
+def test_slots_move_after_the_cache_grew():
+    """A request finishing moves the last slot into its hole; that works after the cache grew
+    inside a prefill (where new cache tensors are inference-mode tensors) too."""
+    model = tiny_model()
+    reqs = lambda: [req("a", "short", temperature=0.0, max_new_tokens=2, ignore_eos=True),  # noqa: E731
+                    req("b", "x" * 300, temperature=0.0, max_new_tokens=6, ignore_eos=True),
+                    req("c", "y" * 20, temperature=0.0, max_new_tokens=6, ignore_eos=True)]
+    e = make_engine(copy.deepcopy(model), context_length=400)
+    together = run(e, reqs())
+    assert e.runner.cache.capacity > 256
+    for r in reqs():
+        alone = run(make_engine(copy.deepcopy(model), context_length=400), [r])[r.rid]
+        assert together[r.rid].output_ids == alone.output_ids
+        torch.testing.assert_close(lps(together[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+
+
 def test_flush_cache_refuses_while_busy():
     e = make_engine()
     e.add_request(req("a", "a", max_new_tokens=3))

@@ -25,11 +25,24 @@ from mcore_rl.rollout.server import EngineServer, ServerThread
 from mcore_rl.rollout.weight_protocol import encode_named_tensors
 
 CONTEXT = 1024
-LONG = 900  # tokens: long enough (about a second) to act on a request while it runs
+LONG = 900  # tokens: at least 0.9 s (see `throttled`), long enough to act on a request while it runs
+
+
+def throttled(core: EngineCore, delay: float = 0.001) -> EngineCore:
+    """The real engine, with every step also sleeping `delay` seconds: tests that act on a request
+    while it runs (abort, pause, disconnect, weight update) then do not depend on the engine's speed."""
+    step = core.step
+
+    def slow_step():
+        time.sleep(delay)
+        return step()
+
+    core.step = slow_step
+    return core
 
 
 def _core() -> EngineCore:
-    return EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0)
+    return throttled(EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +141,17 @@ def test_generate_shapes_logprobs_and_scoring(server) -> None:
 
 def test_stop_token_and_string(server) -> None:
     async def go(c: EngineClient):
-        free = await c.generate(text="hello", sampling_params=_greedy(8))
+        greedy = {"max_new_tokens": 8, "temperature": 0.0}  # no ignore_eos: it also disables stop_token_ids
+        free = await c.generate(text="hello", sampling_params=greedy)
         ids = free["output_ids"]
-        stopped = await c.generate(text="hello", sampling_params={**_greedy(8), "stop_token_ids": [ids[2]]})
-        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
-        assert stopped["output_ids"] == ids[: ids.index(ids[2]) + 1]
+        tok = ids[min(2, len(ids) - 1)]
+        stopped = await c.generate(text="hello", sampling_params={**greedy, "stop_token_ids": [tok]})
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+        assert stopped["output_ids"] == ids[: ids.index(tok) + 1]
         # A stop string is trimmed from the text (the tokens stay).
         first_char = free["text"][1:2]
         if first_char and first_char != "\ufffd":
-            s = await c.generate(text="hello", sampling_params={**_greedy(8), "stop": first_char})
+            s = await c.generate(text="hello", sampling_params={**greedy, "stop": first_char})
             assert s["meta_info"]["finish_reason"]["matched"] == first_char and first_char not in s["text"]
 
     run(_with_client(server.url, go))

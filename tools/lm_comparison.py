@@ -27,6 +27,7 @@ clip 1.0).
 
 Variants (8 layers, hidden 128, 4 heads / 2 KV groups, seq 128, 16 rows per step):
 * `dense`      -- Qwen3-style, SwiGLU ffn 384.
+* `dense_seed2` -- `dense` with another seed (init and batch order): the run-to-run noise floor.
 * `oe`         -- `dense` + Over-Encoding: 2- and 3-gram hashed tables, 2 slices each, m = 49157
   (~128 x vocab, coprime with 384): 7.4M table parameters on a 1.7M-parameter model.
 * `attnres`    -- `dense` with Block AttnRes, N = 8 blocks (of 2 sublayers each).
@@ -81,6 +82,7 @@ BASE = [
 MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=192"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name -> (label, overrides)
     "dense": ("dense baseline", []),
+    "dense_seed2": ("dense baseline, seed 4321", ["train.seed=4321"]),
     "oe": ("Over-Encoding (2,3-gram, m=49157)",
            ["model.ngram.orders=[2,3]", "model.ngram.table_size=49157", "model.ngram.num_slices=2"]),
     "attnres": ("Block AttnRes (N=8)", ["model.attn_res=block", "model.attn_res_num_blocks=8"]),
@@ -90,8 +92,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name -> (label, overrides)
     "latent_eff": ("LatentMoE eff (a=4, N'=32, K=2)",
                    MOE + ["model.num_experts=32", "model.moe_router_topk=2", "model.moe_latent_size=32"]),
 }
-DEFAULT_VARIANTS = ["dense", "oe", "attnres", "moe", "latent_acc"]
-STYLE = {"dense": ("C0", "-"), "oe": ("C1", "-"), "attnres": ("C2", "-"), "moe": ("C3", "--"),
+DEFAULT_VARIANTS = ["dense", "dense_seed2", "oe", "attnres", "moe", "latent_acc"]
+BASELINE = {"dense_seed2": "dense", "oe": "dense", "attnres": "dense", "moe": "dense",
+            "latent_acc": "moe", "latent_eff": "moe"}  # what the difference panel subtracts
+STYLE = {"dense": ("C0", "-"), "dense_seed2": ("C7", ":"), "oe": ("C1", "-"), "attnres": ("C2", "-"), "moe": ("C3", "--"),
          "latent_acc": ("C4", "--"), "latent_eff": ("C5", "--")}
 
 
@@ -253,26 +257,37 @@ def plot(results: dict[str, dict], stats: dict, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 5.5))
     for v, res in results.items():
         color, ls = STYLE[v]
         label = f"{VARIANTS[v][0]}, {res['params'] / 1e6:.2f}M params"
         x = [r["tokens"] / 1e6 for r in res["train"]]
         y = [r["loss"] for r in res["train"]]
-        ax1.plot(x, y, color=color, alpha=0.15, lw=0.7)
+        ax1.plot(x, y, color=color, alpha=0.12, lw=0.7)
         ax1.plot(x, smooth(y, args.smooth), color=color, ls=ls, lw=1.6, label=label)
         ax2.plot([r["tokens"] / 1e6 for r in res["eval"]], [r["loss"] for r in res["eval"]],
                  color=color, ls=ls, marker="o", ms=3, lw=1.4, label=label)
+        base = BASELINE.get(v)
+        if base in results:
+            ref = {r["step"]: r["loss"] for r in results[base]["eval"]}
+            pts = [(r["tokens"] / 1e6, r["loss"] - ref[r["step"]]) for r in res["eval"] if r["step"] in ref and r["step"] > 0]
+            ax3.plot([p[0] for p in pts], [p[1] for p in pts], color=color, ls=ls, marker="o", ms=3, lw=1.4,
+                     label=f"{VARIANTS[v][0]} - {VARIANTS[base][0]}")
     ax1.set_title(f"training loss ({args.smooth}-step moving average; raw faint)")
     ax2.set_title(f"eval loss on {stats['eval']['files']} held-out stdlib files "
                   f"({next(iter(results.values()))['eval_rows']} rows)")
+    ax3.set_title("eval loss minus its baseline's (below 0 = better)")
+    ax3.axhline(0.0, color="k", lw=0.8)
     all_final = [r["train"][-1]["loss"] for r in results.values()]
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax2, ax3):
         ax.set_xlabel("training tokens (M, loss-masked)")
-        ax.set_ylabel("cross-entropy (nats / byte token)")
         ax.grid(alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.set_ylabel("cross-entropy (nats / byte token)")
         ax.set_ylim(max(0.0, min(all_final) - 0.4), min(all_final) + 2.2)
+    ax3.set_ylabel("difference (nats / byte token)")
     ax2.legend(fontsize=8)
+    ax3.legend(fontsize=8)
     fig.suptitle(f"From scratch on Python {stats['python']} stdlib source (byte tokens), 8 layers x 128 hidden, "
                  f"{args.steps} steps x 16 x 128, seed 1234, megatron-core fp32 on CPU", fontsize=10)
     fig.tight_layout()

@@ -159,6 +159,7 @@ class InitConfig:
     sft_lr: float = 3e-3
     sft_min_lr: float = 3e-5
     sft_warmup_steps: int = 10
+    sft_lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
     sft_micro_batch_size: int = 8
     sft_seq_length: int = 64
     sft_num_examples: int = 8192
@@ -206,7 +207,7 @@ class RLConfig:
             parallel=self.parallel,
             optimizer=OptimizerConfig(
                 lr=i.sft_lr, min_lr=min(i.sft_min_lr, i.sft_lr), lr_warmup_iters=i.sft_warmup_steps,
-                lr_decay_style="cosine", clip_grad=self.optimizer.clip_grad, backend=self.optimizer.backend,
+                lr_decay_style=i.sft_lr_decay_style, clip_grad=self.optimizer.clip_grad, backend=self.optimizer.backend,
             ),
             data=DataConfig(
                 synthetic_task=self.data.synthetic_task, synthetic_max_digits=self.data.synthetic_max_digits,

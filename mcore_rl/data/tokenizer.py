@@ -127,6 +127,20 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self._tok, "chat_template", None) is not None
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False
+    ):
+        """The model's own chat format (the server falls back to ChatML when there is none)."""
+        if not self.has_chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        return self._tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize
+        )
+
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """None -> the bundled byte tokenizer; a dir (or file) with our JSON -> ours; else a local HF dir."""

@@ -123,10 +123,16 @@ class RLRun:
                         synthetic_pool(d.synthetic_task, cfg.eval.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
             validation = synthetic_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
                                         seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
-        self.prompts = PromptSource(pool, self.tokenizer, seed, d.add_bos)
-        self.val_prompts = PromptSource(validation, self.tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos)
         eval_source = PromptSource(held_out, self.tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos)
         self.eval_prompts = eval_source.take(min(cfg.eval.num_prompts, len(held_out)))
+        # Held out means held out: training, SFT and validation never see an evaluation prompt
+        # (with 2-digit addition there are only 10^4 problems; random draws would overlap).
+        self.held_out_texts = {p.text for p in self.eval_prompts}
+        if d.path is None or cfg.eval.path:
+            pool = [x for x in pool if x[0] not in self.held_out_texts] or pool
+            validation = [x for x in validation if x[0] not in self.held_out_texts] or validation
+        self.prompts = PromptSource(pool, self.tokenizer, seed, d.add_bos)
+        self.val_prompts = PromptSource(validation, self.tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos)
 
     def initialise(self) -> None:
         """Resume, or start from init.checkpoint / the SFT warm start; then engines and first sync."""
@@ -156,7 +162,7 @@ class RLRun:
                 load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
                 self.optimizer.reload_model_params()
             if cfg.init.sft_steps > 0:
-                self.init_metrics = sft_warm_start(cfg, self.chunks, self.tokenizer, self.world, _log)
+                self.init_metrics = sft_warm_start(cfg, self.chunks, self.tokenizer, self.world, _log, self.held_out_texts)
                 self.optimizer.reload_model_params()
         self._build_reference(resume)
         self._build_mipu()

@@ -47,6 +47,7 @@ class RolloutStats:
     rounds: int = 0
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
+    fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -55,6 +56,7 @@ class RolloutStats:
             "rollout/rounds": float(self.rounds),
             "time/generate_s": self.seconds_generate,
             "time/reward_s": self.seconds_reward,
+            "rollout/dynamic_sampling_fallback": float(self.fallback),
         }
 
 
@@ -113,6 +115,7 @@ class RolloutManager:
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
                                                   max_oversample=ds.max_oversample)
+        groups: list[list[Sample]] = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
             groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN)
@@ -123,6 +126,9 @@ class RolloutManager:
         stats.rounds = refill.rounds
         batch = refill.take()
         stats.groups_kept = len(batch)
+        if not batch:  # no group with a reward signal in the whole budget: train on the last round
+            stats.fallback = True   # (zero advantages: the update only moves by the KL/entropy terms)
+            batch = groups
         return batch, stats
 
 

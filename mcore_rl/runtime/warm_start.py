@@ -8,7 +8,7 @@ RL optimizer starts fresh afterwards.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from mcore_rl.train import checkpoint
 
@@ -23,17 +23,23 @@ def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) ->
 
 
 def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log: Callable[[str], None],
-                   log_every: Optional[int] = None) -> dict[str, float]:
-    """`init.sft_steps` SFT steps on the synthetic task; returns the last loss and the time taken."""
+                   exclude: Collection[str] = (), log_every: Optional[int] = None) -> dict[str, float]:
+    """`init.sft_steps` SFT steps on the synthetic task; returns the last loss and the time taken.
+    Problems whose prompt is in `exclude` (the held-out evaluation set) are left out."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.data.sft import SFTBatches, build_sft_rows
+    from mcore_rl.data.sft import SFTBatches, SFTExample, build_rows, tokenize_example
+    from mcore_rl.data.synthetic import make_addition_examples
     from mcore_rl.train.forward_backward import forward_backward
     from mcore_rl.train.optimizer import build_optimizer
 
     sft = cfg.sft_view(world_size)
-    t = sft.train
-    rows = build_sft_rows(sft.data, t.seq_length, tokenizer, t.seed)
+    t, d = sft.train, sft.data
+    drop = set(exclude)
+    examples = [SFTExample(ex["prompt"], ex["response"], f"synthetic:{k}")
+                for k, ex in enumerate(make_addition_examples(d.synthetic_num_examples, t.seed, d.synthetic_max_digits))
+                if ex["prompt"] not in drop]
+    rows = build_rows([tokenize_example(ex, tokenizer, True) for ex in examples], t.seq_length, True, tokenizer.pad_id)
     dp = ps.get_data_parallel_world_size()
     batches = SFTBatches(rows, t.micro_batch_size, t.global_batch_size // (t.micro_batch_size * dp),
                          ps.get_data_parallel_rank(), dp, t.seed)

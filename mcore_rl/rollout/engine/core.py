@@ -395,11 +395,12 @@ class EngineCore:
         """Sample one token for each slot in `slots` (rows of `logits`), record it, finish and
         stream; then free finished slots (and `extra_done`)."""
         lives = [self._running[s] for s in slots]
-        masked = self._min_new_tokens_mask(lives, logits)
-        uniforms = torch.tensor(
-            [0.0 if live.sp.is_greedy else live.rand.next() for live in lives], dtype=torch.float64, device=logits.device
-        )
-        tokens = sample(masked, ctl, uniforms)
+        masked = self._min_new_tokens_mask(lives, logits) if ctl.any_min_new_tokens else logits
+        if ctl.all_greedy:  # argmax rows: no uniforms drawn (a greedy row never consumes one)
+            tokens = sample(masked, ctl, None)
+        else:
+            uniforms = [0.0 if live.sp.is_greedy else live.rand.next() for live in lives]
+            tokens = sample(masked, ctl, torch.tensor(uniforms, dtype=torch.float64, device=logits.device))
         want_lp = [live.req.return_logprob for live in lives]
         chosen = tops = None
         if any(want_lp):

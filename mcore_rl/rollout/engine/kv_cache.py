@@ -31,6 +31,7 @@ class SlotKVCache:
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
+        self._rows: torch.Tensor | None = None
         self._alloc(min(initial_len, max_len))
 
     def _alloc(self, capacity: int) -> None:
@@ -67,10 +68,10 @@ class SlotKVCache:
     def flat_index(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's cache viewed as [slots * kv_heads * capacity, head_dim] where slot i's
         token at positions[i] goes, for i < batch: [batch * kv_heads] (valid until the cache grows)."""
-        kv = self.shape_head[2]
-        heads = torch.arange(kv, device=positions.device)
-        slots = torch.arange(batch, device=positions.device)
-        return ((slots[:, None] * kv + heads[None, :]) * self.capacity + positions[:, None]).reshape(-1)
+        if self._rows is None or self._rows.device != positions.device:
+            slots, kv = self.shape_head[1:]
+            self._rows = torch.arange(slots * kv, device=positions.device).view(slots, kv)  # slot * kv + head
+        return (self._rows[:batch] * self.capacity + positions[:, None]).reshape(-1)
 
     def write_flat(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Decode: k/v [B, kv_heads, D] at the rows `index` of `flat_index` (one index_copy each)."""

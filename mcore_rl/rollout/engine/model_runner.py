@@ -13,7 +13,8 @@ the same function from the same parameters with:
 * grouped-query attention as two batched GEMMs per layer (`baddbmm` with an additive mask,
   `bmm`): the `group` query heads of a KV head read that head's keys directly (query head h reads
   KV head h // group, as in the reference model and megatron); decode reads the cache as a view
-  of slots 0..B-1 (`SlotKVCache`) and the mask is built once per step, not per layer;
+  of slots 0..B-1 (`SlotKVCache`); the mask ([B*KV, 1, T], broadcast over the group) and the
+  cache rows the new K/V go to (one `index_copy_` each) are computed once per step, not per layer;
 * logits only at the positions a caller asks for.
 
 Numerics follow the reference op for op up to float rounding (scores in the model dtype, an
@@ -156,6 +157,7 @@ class ModelRunner:
                 for m in (*proj, attn.o_proj, *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else [])):
                     m._dequantized = None  # the fused copies above are the ones in use
 
+    @torch.inference_mode()  # the cache grows inside prefill/decode, so it may hold inference tensors
     def move(self, src: int, dst: int, length: int) -> None:
         """Move slot `src`'s state (its first `length` cached positions, its n-gram context) to `dst`."""
         self.cache.move(src, dst, length)
@@ -302,7 +304,10 @@ class ModelRunner:
         self.cache.ensure_capacity(length)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        bias = self._mask_bias((self._positions[None, :length] <= pos[:, None])[:, None, :])
+        # [b*KV, 1, length]: the G query heads of a KV head share their row (baddbmm broadcasts it)
+        bias = torch.zeros(b, length, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(self._positions[None, :length] > pos[:, None], torch.finfo(self.dtype).min)
+        bias = bias[:, None, None].expand(b, self.kv_heads, 1, length).reshape(b * self.kv_heads, 1, length)
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
             ctx = self.ngram_context[:b]

@@ -160,6 +160,7 @@ class BatchSampling:
     min_p: torch.Tensor  # [B] float
     any_filter: bool
     all_greedy: bool
+    any_min_new_tokens: bool = True  # some row has min_new_tokens > 0 (its stop tokens may need masking)
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "BatchSampling":
@@ -176,11 +177,13 @@ class BatchSampling:
             min_p=torch.tensor(mps, dtype=torch.float32, device=device),
             any_filter=any_filter,
             all_greedy=greedy,
+            any_min_new_tokens=any(p.min_new_tokens > 0 for p in params),
         )
 
 
-def sample(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor) -> torch.Tensor:
-    """Next token per row of fp32 `logits` [B, V]; `uniforms` [B] in [0, 1) (ignored by greedy rows).
+def sample(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """Next token per row of fp32 `logits` [B, V]; `uniforms` [B] in [0, 1) (ignored by greedy rows;
+    may be None when every row is greedy).
 
     Each row is computed from its own logits, controls and uniform only, so a row's token does not
     depend on the rest of the batch.

@@ -1,0 +1,281 @@
+"""The RL loop (`mcore-rl train`): config validation, batch building, and end-to-end runs on CPU.
+
+The end-to-end runs use tiny sizes: a 2-layer 32-wide model, a few SFT steps, 3 rollout steps of
+4 prompts x 4 samples from the embedded FP8 engine. What they check: metrics.jsonl has one record
+per optimizer step with the required fields; samples carry the weight version that generated them
+and the engine's log-probs; a run resumed from a checkpoint continues at the right step with the
+numbers the uninterrupted run had; MIPU, KL to a reference, entropy, dynamic sampling and GSPO run;
+the HTTP path (engine URL + weight sync over `/update_weights_from_tensor`) works; TP=2 runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.runtime.batch import build_microbatches, sequence_view, split_minibatches
+from mcore_rl.runtime.samples import Prompt, PromptSource, Sample, synthetic_pool
+from tests.world import run_world
+
+TINY = [
+    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.max_position_embeddings=64",
+    "train.num_steps=3", "train.seq_length=32", "train.micro_batch_size=4",
+    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
+    "rollout.quantization=fp8", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
+    "rollout.context_length=64",
+    "algorithm.num_minibatches=2", "algorithm.mismatch.name=tis",
+    "optimizer.lr=1e-3", "optimizer.lr_decay_style=constant",
+    "eval.interval=2", "eval.num_prompts=4", "eval.k=2",
+    "init.sft_steps=3", "init.sft_num_examples=64", "init.sft_seq_length=32", "init.sft_micro_batch_size=4",
+    "logging.progress_bar=false", "logging.tensorboard=true", "logging.plot=true",
+]
+
+
+def tiny(*overrides: str) -> RLConfig:
+    return load_config(RLConfig, None, TINY + list(overrides))
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_demo_recipe_is_valid():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(RLConfig, os.path.join(here, "configs", "demo.yaml"))
+    validate_rl_config(cfg, 1)
+    assert cfg.rollout.quantization == "fp8" and cfg.algorithm.mismatch.name == "tis" and cfg.init.sft_steps > 0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.max_staleness=2"], "rollout.max_staleness"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["train.seq_length=8"], "train.seq_length"),
+    (["algorithm.num_minibatches=100"], "algorithm.num_minibatches"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mask_low=0.5"], "algorithm.mismatch.mask_low"),
+    (["algorithm.mismatch.name=mipu", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
+    (["algorithm.mismatch.clip_low=3", "algorithm.mismatch.clip_high=2"], "algorithm.mismatch.clip_low"),
+    (["eval.score=avg@k", "eval.k=0"], "eval.score"),
+    (["reward.name=nope"], "reward.name"),
+    (["rollout.engine_urls=[localhost:1]"], "rollout.engine_urls[0]"),
+    (["rollout.engine_urls=[http://h:1]", "rollout.sync_transport=disk"], "rollout.sync_dir"),
+    (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
+    (["model.num_attention_heads=3"], "model.num_query_groups"),
+])
+def test_validation_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate_rl_config(tiny(*overrides), 2)
+    assert key in str(err.value)
+
+
+def test_unknown_keys_and_values_fail_while_loading():
+    with pytest.raises(ConfigError, match="algorithm.mismatch.name"):
+        tiny("algorithm.mismatch.name=bogus")
+    with pytest.raises(ConfigError, match="did you mean 'rollout.group_size'"):
+        tiny("rollout.groupsize=4")
+
+
+def test_cli_train_fails_before_launch(capsys):
+    from mcore_rl.cli import main
+
+    assert main(["train", "rollout.max_staleness=3"]) == 2
+    assert "rollout.max_staleness" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def _samples() -> list[Sample]:
+    tok = load_tokenizer(None)
+    src = PromptSource(synthetic_pool("addition", 50, 0, 2), tok, seed=0)
+    out = []
+    for g, p in enumerate(src.take(5)):
+        for j in range(3):
+            rsp = tok.encode(str(g * 10 + j)[: 1 + j]) + ([tok.eos_id] if j != 1 else [])
+            out.append(Sample(p, p.index, rsp, [-0.1 * (k + 1) for k in range(len(rsp))], policy_version=7,
+                              finish_reason="stop", reward=float(j == 0)))
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_packed_microbatches_locate_every_response_token(dp):
+    samples = _samples()
+    view = sequence_view(samples)
+    n, t = view.mask.shape
+    per_seq = {"rollout_logp": view.rollout_logp, "advantages": torch.arange(n, dtype=torch.float32)}
+    seen = []
+    for rank in range(dp):
+        mbs = build_microbatches(samples, list(range(n))[::-1], seq_length=16, micro_batch_size=2, dp_rank=rank,
+                                 dp_size=dp, pad_id=0, num_positions=t, per_seq=per_seq)
+        counts = {len(build_microbatches(samples, range(n), 16, 2, r, dp, 0, t)) for r in range(dp)}
+        assert len(counts) == 1  # every DP rank runs the same number of micro-batches
+        for mb in mbs:
+            assert mb["tokens"].shape == (2, 16)
+            labels = mb["labels"].reshape(-1)
+            for k, i in enumerate(mb["seq_index"].tolist()):
+                rsp = samples[i].response_ids
+                got = labels[mb["seq_pos"][k, : len(rsp)]].tolist()
+                assert got == rsp  # the label at seq_pos is the response token
+                assert mb["loss_mask"].reshape(-1)[mb["seq_pos"][k, : len(rsp)]].eq(1).all()
+                assert torch.equal(mb["rollout_logp"][k], view.rollout_logp[i])
+                assert mb["advantages"][k] == i
+                seen.append(i)
+            # segments keep samples apart: positions restart at every sample
+            assert (mb["position_ids"][mb["segment_ids"] > 0] >= 0).all()
+    assert sorted(seen) == list(range(n))  # each sample in exactly one micro-batch of one rank
+
+
+def test_sequence_view_and_minibatches():
+    samples = _samples()
+    samples[1].reward_error = "ValueError: boom"
+    samples[2].finish_reason = "abort"
+    view = sequence_view(samples)
+    assert view.versions.eq(7).all() and view.ok[:3].tolist() == [1.0, 0.0, 0.0]
+    assert view.mask.sum(1).tolist() == [len(s.response_ids) for s in samples]
+    parts = split_minibatches(len(samples), 4, seed=1, step=3, epoch=0)
+    assert sorted(i for p in parts for i in p) == list(range(len(samples))) and len(parts) == 4
+    assert parts == split_minibatches(len(samples), 4, seed=1, step=3, epoch=0)
+
+
+def test_prompt_stream_resumes():
+    tok = load_tokenizer(None)
+    a = PromptSource(synthetic_pool("addition", 7, 0, 2), tok, seed=3)
+    first = [p.text for p in a.take(10)]
+    state = a.state_dict()
+    rest = [p.text for p in a.take(6)]
+    b = PromptSource(synthetic_pool("addition", 7, 0, 2), tok, seed=3)
+    b.load_state_dict(state)
+    assert [p.text for p in b.take(6)] == rest and len(set(first[:7])) <= 7
+    assert isinstance(b.take(1)[0], Prompt)
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+def _records(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _e2e(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime import run_rl
+    from mcore_rl.runtime.loop import RLRun
+
+    ckpt = os.path.join(tmp, "ckpt")
+    # 1. three steps, checkpoint every 2
+    a = tiny(f"run_dir={tmp}/a", f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2")
+    summary = run_rl(a)
+    recs = _records(f"{tmp}/a")
+    opt = a.optimizer_steps_per_rollout
+    assert [r["step"] for r in recs] == list(range(0, 3 * opt + 1))  # step 0: the evaluation before RL
+    for r in recs[1:]:
+        for key in ("step", "reward/mean", "mismatch/k3", "train/loss", "rollout/policy_version_min"):
+            assert key in r, key
+        # the samples of rollout step k were made with weight version k (version 1 = the first sync)
+        assert r["rollout/policy_version_min"] == r["rollout/policy_version_max"] == r["rl_step"]
+        assert r["mismatch/k3"] >= 0
+    evals = [r for r in recs if "eval/score" in r]
+    assert [r["rl_step"] for r in evals] == [0, 2, 3]
+    assert {"eval/greedy_pass@1", "eval/avg@2", "eval/pass@2"} <= set(evals[-1])
+    assert summary["eval_after"]["eval/score"] == evals[-1]["eval/score"]
+    assert os.path.exists(f"{tmp}/a/curves.png") and os.listdir(f"{tmp}/a/tensorboard")
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest"]
+
+    # 2. resume from the step-2 checkpoint: continues at rollout step 3 / optimizer step 2*opt+1,
+    #    on the same prompts, with the numbers the uninterrupted run had
+    b = tiny(f"run_dir={tmp}/b", f"checkpoint.load_dir={ckpt}/iter_0000002")
+    run_rl(b)
+    resumed = _records(f"{tmp}/b")
+    assert [r["step"] for r in resumed] == list(range(2 * opt + 1, 3 * opt + 1))
+    assert all(r["rl_step"] == 3 for r in resumed)
+    for x, y in zip(resumed, recs[-opt:]):
+        for key in ("reward/mean", "rollout/policy_version_min", "response/length_mean"):
+            assert x[key] == y[key], key
+        for key in ("train/loss", "mismatch/k3", "train/grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
+
+    # 3. provenance, checked on the samples themselves
+    run = RLRun(tiny(f"run_dir={tmp}/c"))
+    try:
+        run.initialise()
+        samples, _ = run.rollouts()
+        assert len(samples) == 16 and run.state.version == 1
+        for s in samples:
+            assert s.policy_version == 1 and s.engine == "embedded:0"
+            assert len(s.rollout_logp) == len(s.response_ids) > 0 and all(lp <= 0 for lp in s.rollout_logp)
+            assert s.provenance()["prompt_index"] == s.prompt.index
+        assert len({s.prompt.index for s in samples}) == 4
+    finally:
+        run.close()
+
+    # 4. the other paths: MIPU (accept/reject + re-sync), KL to a reference (with its checkpoint),
+    #    entropy bonus, dynamic sampling, seq-level aggregation, two PPO epochs
+    d = tiny(f"run_dir={tmp}/d", "train.num_steps=2", "algorithm.mismatch.name=mipu",
+             "algorithm.mismatch.mipu_validation_prompts=2", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01",
+             "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2",
+             "algorithm.loss_agg=seq-mean-token-mean", "algorithm.ppo_epochs=2", "init.sft_steps=30",
+             f"checkpoint.save_dir={tmp}/ckpt_d", "eval.at_start=false")
+    run_rl(d)
+    recs = _records(f"{tmp}/d")
+    last = [r for r in recs if "mipu/accepted" in r]
+    assert len(last) == 2 and all(r["mipu/accepted"] in (0.0, 1.0) for r in last)
+    assert all("kl/ref" in r and "entropy/loss" in r for r in recs)
+    # a rejected update re-syncs the restored weights as a new version
+    assert last[-1]["rollout/weight_version"] == 1 + 2 + sum(1 - r["mipu/accepted"] for r in last)
+    assert os.path.exists(f"{tmp}/ckpt_d/reference/latest")
+
+
+def test_three_step_end_to_end_run_and_resume(tmp_path):
+    run_world(1, _e2e, str(tmp_path))
+
+
+def _http(rank: int, world_size: int, tmp: str) -> None:
+    """The engine-URL path: a `mcore-rl serve`-style server (FP8) in this process, weights synced
+    over `/update_weights_from_tensor`, rollouts over `/generate`."""
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.async_engine import AsyncEngine
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.server import EngineServer, ServerThread
+    from mcore_rl.runtime import run_rl
+
+    cfg = tiny(f"run_dir={tmp}/http", "train.num_steps=2", "eval.interval=0", "eval.at_start=false")
+    core = EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)), load_tokenizer(None),
+                      context_length=64, quantization="fp8")
+    server = ServerThread(EngineServer(AsyncEngine(core)))
+    url = server.start()
+    try:
+        cfg.rollout.engine_urls = [url]
+        run_rl(cfg)
+    finally:
+        server.stop()
+    recs = _records(f"{tmp}/http")
+    assert [r["rl_step"] for r in recs] == [1, 1, 2, 2]
+    assert all(r["rollout/policy_version_min"] == r["rl_step"] for r in recs)
+    assert core.weight_version == 3  # initial sync + one per step
+    assert recs[-1]["mismatch/k3"] > 0  # FP8 engine vs fp32 trainer
+
+
+def test_engine_url_path_with_http_weight_sync(tmp_path):
+    run_world(1, _http, str(tmp_path))
+
+
+def _tp2(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime import run_rl
+
+    cfg = tiny(f"run_dir={tmp}/tp2", "parallel.tensor_model_parallel_size=2", "train.num_steps=2",
+               "eval.interval=0", "algorithm.kl_coef=0.01")
+    summary = run_rl(cfg)
+    assert summary["state"]["rl_step"] == 2
+    if rank == 0:
+        recs = _records(f"{tmp}/tp2")
+        assert [r["rl_step"] for r in recs] == [0, 1, 1, 2, 2] and "eval/score" in recs[-1]
+
+
+@pytest.mark.slow
+def test_tp2_short_run(tmp_path):
+    run_world(2, _tp2, str(tmp_path))
