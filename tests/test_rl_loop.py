@@ -228,6 +228,11 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     # a rejected update re-syncs the restored weights as a new version
     assert last[-1]["rollout/weight_version"] == 1 + 2 + sum(1 - r["mipu/accepted"] for r in last)
     assert os.path.exists(f"{tmp}/ckpt_d/reference/latest")
+    # resuming a KL run finds the reference weights next to the checkpoints
+    e = tiny(f"run_dir={tmp}/e", "train.num_steps=3", "algorithm.kl_coef=0.05", f"checkpoint.load_dir={tmp}/ckpt_d",
+             "eval.interval=0")
+    run_rl(e)
+    assert [r["rl_step"] for r in _records(f"{tmp}/e")] == [3, 3]
 
 
 def test_three_step_end_to_end_run_and_resume(tmp_path):

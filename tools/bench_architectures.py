@@ -41,8 +41,11 @@ barrier wait on a descheduled thread). Reported: median and minimum over all tim
 (a) fwd+bwd = `forward_backward` (the schedule's forward and backward over the step's micro-batches,
 megatron-core DDP grad buffers, loss and token counts) and (b) step = fwd+bwd + the optimizer
 step (`ModelParallelAdamW`: grad clipping + Adam over every parameter). For 2-rank jobs every
-step starts after a barrier and a step's time is the slowest rank's. Ratios are median / baseline
-median and min / baseline min.
+step starts after a barrier and a step's time is the slowest rank's. Ratios: median / baseline
+median, min / baseline min, and "paired": the median over steps of (variant's step i / baseline's
+step i), the two having run next to each other -- the most robust of the three when the load of a
+shared machine drifts. The load average at the start and the end is printed: on a busy 2-core
+machine the 2-rank rows are far noisier than the 1-rank ones (their median can be 2x their min).
 
 Memory: each variant then runs alone in its own process (job for 2 ranks): peak-RSS growth over a
 baseline taken after all imports and before `build_trainer` (data rows, model, grad buffers, Adam
@@ -287,7 +290,7 @@ def main() -> None:
     print(f"bench_architectures: {' '.join(BASE + list(args.overrides))}")
     print(f"{args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warmup) per variant; "
           f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    t_start = time.perf_counter()
+    t_start, load0 = time.perf_counter(), os.getloadavg()
     speed: dict[str, list[dict]] = {g: [] for g in args.groups}
     for r in range(args.rounds):
         for g in args.groups:
@@ -308,27 +311,37 @@ def main() -> None:
         for v in names:
             fb = [t for res in speed[g] for t in res["fb"][v]]
             st = [t for res in speed[g] for t in res["step"][v]]
+            # paired: step i of the variant over step i of the baseline, which ran right next to it
+            fb0 = [t for res in speed[g] for t in res["fb"][names[0]]]
+            st0 = [t for res in speed[g] for t in res["step"][names[0]]]
             mem = memory.get((g, v), {})
             rows.append(dict(group=g, variant=v, layout=LAYOUT[g], params=speed[g][0]["params"][v],
                              fb_med=statistics.median(fb), fb_min=min(fb), st_med=statistics.median(st),
                              st_min=min(st), peak=mem.get("peak_mib"), n=len(fb),
+                             fb_paired=statistics.median(a / b for a, b in zip(fb, fb0)),
+                             st_paired=statistics.median(a / b for a, b in zip(st, st0)),
+                             fb_all=fb, st_all=st,
                              loss1=speed[g][0]["losses"][v][0], loss_last=speed[g][0]["losses"][v][-1]))
-    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); times in s per step of 2048 tokens: median "
-          "(min) over all timed steps; ratios vs the group's first row: median ratio (min ratio); peak MB = "
-          "peak-RSS growth summed over ranks; params on rank 0")
+    load = os.getloadavg()
+    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s; load average at start {load0[0]:.1f}, at end "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores)")
+    print("times: s per step of 2048 tokens, median (min) over all timed steps; ratios vs the group's first row: "
+          "median/median, min/min, and paired = median over steps of variant/baseline of the adjacent steps; "
+          "peak MB = peak-RSS growth summed over ranks; params on rank 0")
     header = (f"{'group':9s} {'variant':18s} {'layout':6s} {'params':>7s} {'fwd+bwd s':>13s} {'step s':>13s} "
-              f"{'peak MB':>8s} {'fwd+bwd ratio':>14s} {'step ratio':>14s} {'MB ratio':>8s} {'loss 1':>7s} {'loss N':>7s}")
+              f"{'peak MB':>7s} | {'fwd+bwd ratio med/min/paired':>28s} | {'step ratio med/min/paired':>25s} | "
+              f"{'MB ratio':>8s} | {'loss 1':>6s} {'loss N':>6s}")
     print(header)
     print("-" * len(header))
     for row in rows:
         base = next(x for x in rows if x["group"] == row["group"])
-        peak = f"{row['peak']:8.0f}" if row["peak"] is not None else f"{'-':>8s}"
+        peak = f"{row['peak']:7.0f}" if row["peak"] is not None else f"{'-':>7s}"
         mb_ratio = f"{row['peak'] / base['peak']:7.2f}x" if row["peak"] is not None else f"{'-':>8s}"
+        fbr = f"{row['fb_med'] / base['fb_med']:.2f} / {row['fb_min'] / base['fb_min']:.2f} / {row['fb_paired']:.2f}"
+        str_ = f"{row['st_med'] / base['st_med']:.2f} / {row['st_min'] / base['st_min']:.2f} / {row['st_paired']:.2f}"
         print(f"{row['group']:9s} {row['variant']:18s} {row['layout']:6s} {row['params'] / 1e6:6.2f}M "
-              f"{row['fb_med']:6.3f} ({row['fb_min']:.3f}) {row['st_med']:6.3f} ({row['st_min']:.3f}) {peak} "
-              f"{row['fb_med'] / base['fb_med']:6.2f}x ({row['fb_min'] / base['fb_min']:.2f}) "
-              f"{row['st_med'] / base['st_med']:6.2f}x ({row['st_min'] / base['st_min']:.2f}) {mb_ratio} "
-              f"{row['loss1']:7.3f} {row['loss_last']:7.3f}")
+              f"{row['fb_med']:6.3f} ({row['fb_min']:.3f}) {row['st_med']:6.3f} ({row['st_min']:.3f}) {peak} | "
+              f"{fbr:>28s} | {str_:>25s} | {mb_ratio} | {row['loss1']:6.3f} {row['loss_last']:6.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

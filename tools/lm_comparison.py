@@ -35,6 +35,12 @@ Variants (8 layers, hidden 128, 4 heads / 2 KV groups, seq 128, 16 rows per step
   `dense`'s).
 * `latent_acc` -- LatentMoE l-MoE_acc, alpha = 4: latent 32, N' = 32 experts, K' = 8, expert ffn 192.
 * `latent_eff` -- (not in the default set) l-MoE_eff: latent 32, N' = 32, K = 2.
+* `latent_a1`  -- (not in the default set) the LatentMoE layer with alpha = 1 (latent 128 = d,
+  N = 8, K = 2): `moe` plus the two d x d projections, to separate the cost of the projections from
+  that of the compression.
+
+`--reuse` keeps the results of variants already trained in `--out-dir` with the same steps and
+eval settings (e.g. add `latent_eff latent_a1` to an earlier run without retraining the others).
 
 Results are written to `<out-dir>/results.json` and plotted to `--png`: left, the training loss
 (moving average over `--smooth` steps) against tokens; right, the eval loss. The step times in the
@@ -91,12 +97,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name -> (label, overrides)
                    MOE + ["model.num_experts=32", "model.moe_router_topk=8", "model.moe_latent_size=32"]),
     "latent_eff": ("LatentMoE eff (a=4, N'=32, K=2)",
                    MOE + ["model.num_experts=32", "model.moe_router_topk=2", "model.moe_latent_size=32"]),
+    "latent_a1": ("LatentMoE a=1 (latent 128 = d, N=8, K=2)",
+                  MOE + ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_latent_size=128"]),
 }
 DEFAULT_VARIANTS = ["dense", "dense_seed2", "oe", "attnres", "moe", "latent_acc"]
 BASELINE = {"dense_seed2": "dense", "oe": "dense", "attnres": "dense", "moe": "dense",
-            "latent_acc": "moe", "latent_eff": "moe"}  # what the difference panel subtracts
+            "latent_acc": "moe", "latent_eff": "moe", "latent_a1": "moe"}  # what the difference panel subtracts
 STYLE = {"dense": ("C0", "-"), "dense_seed2": ("C7", ":"), "oe": ("C1", "-"), "attnres": ("C2", "-"), "moe": ("C3", "--"),
-         "latent_acc": ("C4", "--"), "latent_eff": ("C5", "--")}
+         "latent_acc": ("C4", "--"), "latent_eff": ("C5", "--"), "latent_a1": ("C8", "--")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +206,7 @@ def train_variant(args) -> dict[str, Any]:
             evals.append({"step": step, "tokens": tokens, "loss": evaluate(trainer)})
             print(f"{args.worker}: step {step} loss {out['loss']:.4f} eval {evals[-1]['loss']:.4f}", flush=True)
     setup.destroy()
-    return {"variant": args.worker, "params": params, "train": train, "eval": evals, "step_s": times,
+    return {"variant": args.worker, "settings": _settings(args, args.worker), "params": params, "train": train, "eval": evals, "step_s": times,
             "eval_tokens": eval_tokens, "eval_rows": n_eval, "train_rows": trainer.batches.num_rows}
 
 
@@ -207,10 +215,27 @@ def train_variant(args) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def _settings(args, variant: str) -> dict[str, Any]:
+    """What a variant's results depend on (besides the code and the data), for `--reuse`."""
+    return {"steps": args.steps, "eval_interval": args.eval_interval, "eval_rows": args.eval_rows,
+            "base": BASE, "overrides": VARIANTS[variant][1]}
+
+
+def _reusable(args, v: str) -> bool:
+    path = os.path.join(args.out_dir, f"{v}.json")
+    if not (args.reuse and os.path.exists(path)):
+        return False
+    with open(path) as f:
+        return json.load(f).get("settings") == _settings(args, v)
+
+
 def run_all(args) -> dict[str, dict]:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS=str(args.threads))
-    pending = list(args.variants)
+    pending = [v for v in args.variants if not _reusable(args, v)]
+    for v in args.variants:
+        if v not in pending:
+            print(f"  reusing {v} from {args.out_dir}", flush=True)
     running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
     results = {}
     while pending or running:
@@ -238,6 +263,10 @@ def run_all(args) -> dict[str, dict]:
             with open(os.path.join(args.out_dir, f"{v}.json")) as f:
                 results[v] = json.load(f)
             print(f"  finished {v} in {time.perf_counter() - t0:.0f} s", flush=True)
+    for v in args.variants:
+        if v not in results:
+            with open(os.path.join(args.out_dir, f"{v}.json")) as f:
+                results[v] = json.load(f)
     return {v: results[v] for v in args.variants}
 
 
@@ -306,6 +335,7 @@ def main() -> None:
     ap.add_argument("--smooth", type=int, default=20, help="moving-average window of the plotted training loss")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "runs", "lm_comparison"))
     ap.add_argument("--png", default=os.path.join(REPO, "docs", "lm_comparison.png"))
+    ap.add_argument("--reuse", action="store_true", help="keep variants already trained in --out-dir (same settings)")
     ap.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out_dir = os.path.abspath(args.out_dir)

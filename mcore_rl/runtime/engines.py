@@ -65,6 +65,7 @@ class EmbeddedEngines:
                 quantization="fp8" if quantization == "fp8" else None,
                 dtype="bfloat16" if quantization == "bf16" else "float32", random_seed=seed + i,
                 return_original_logprob=False,
+                device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
             ))
         return cls(cores)
 

@@ -39,15 +39,26 @@ def _dp() -> tuple[int, int]:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
+def _comm_device() -> torch.device:
+    """Where collective buffers must live: the current GPU under NCCL, else the CPU (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
     """Sum a per-rank metric vector over DP and hand the last pipeline stage's value to all stages."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(vec, group=ps.get_data_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(vec, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return vec
+    dp, pp = ps.get_data_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if dp == 1 and pp == 1:
+        return vec
+    buf = vec.to(_comm_device())
+    if dp > 1:
+        dist.all_reduce(buf, group=ps.get_data_parallel_group())
+    if pp > 1:
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return buf.cpu()
 
 
 def mismatch_config(cfg: Any):
@@ -94,7 +105,9 @@ class Learner:
         if dp_size > 1:  # each sample lives on exactly one DP rank
             from megatron.core import parallel_state as ps
 
-            dist.all_reduce(full, group=ps.get_data_parallel_group())
+            buf = full.to(_comm_device())
+            dist.all_reduce(buf, group=ps.get_data_parallel_group())
+            full = buf.cpu()
         return full[0], (full[1] if with_entropy else None)
 
     # ---------------------------------------------------------------- the update

@@ -184,10 +184,14 @@ class RLRun:
             for p in c.parameters():
                 p.requires_grad_(False)
         if resume is not None:
-            path = checkpoint.latest_checkpoint(os.path.join(cfg.checkpoint.load_dir, "reference"))
+            root = cfg.checkpoint.load_dir  # the save_dir, or one of its iter_* directories
+            if os.path.exists(os.path.join(root, "metadata.json")):
+                root = os.path.dirname(os.path.normpath(root))
+            ref_dir = os.path.join(root, "reference")
+            path = checkpoint.latest_checkpoint(ref_dir) if os.path.isdir(ref_dir) else None
             if path is None:
-                raise FileNotFoundError(f"algorithm.kl_coef > 0 but {cfg.checkpoint.load_dir}/reference holds no "
-                                        "reference-model checkpoint to resume with")
+                raise FileNotFoundError(f"algorithm.kl_coef > 0 but {ref_dir} holds no reference-model checkpoint "
+                                        "to resume with")
             checkpoint.load_checkpoint(path, self.ref_chunks, None)
             return
         from mcore_rl.hf.weight_map import _unwrap
