@@ -88,7 +88,7 @@ BASE = [
     "data.synthetic_num_examples=8192",
 ]
 OE = ["model.ngram.orders=[2,3]", "model.ngram.num_slices=2"]
-MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=256"]
+MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=256", "model.moe_aux_loss_coeff=0.01"]
 
 # group -> (ranks, extra overrides for the whole group, {variant: overrides}); first = baseline
 GROUPS: dict[str, tuple[int, list[str], dict[str, list[str]]]] = {

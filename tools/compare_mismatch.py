@@ -119,6 +119,10 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     sft_dir = os.path.join(work, "sft")
     times: dict[str, float] = {}
+    summary_path = os.path.join(work, "summary.json")
+    if args.reuse and os.path.exists(summary_path):  # keep the timings of the runs being reused
+        with open(summary_path) as f:
+            times.update(json.load(f).get("times", {}))
     if not (args.reuse and os.path.exists(os.path.join(sft_dir, "latest"))):
         print("SFT warm start ...", flush=True)
         times["sft"] = run(cli + [f"run_dir={work}/sft_run", "train.num_steps=0", f"checkpoint.save_dir={sft_dir}",
@@ -152,31 +156,36 @@ def main() -> None:
     for method, by_seed in results.items():
         first = [next(r for r in recs if "eval/score" in r) for recs in by_seed.values()]
         last = [[r for r in recs if "eval/score" in r][-1] for recs in by_seed.values()]
-        tail = [[r for r in recs if "reward/mean" in r][-10 * 2 :] for recs in by_seed.values()]
+        tail = [series(recs, "reward/mean")[1][-10:] for recs in by_seed.values()]
         k3 = [mean([r["mismatch/k3"] for r in recs if "mismatch/k3" in r]) for recs in by_seed.values()]
         acc = [mean([r.get("mipu/accepted") for r in recs if "mipu/accepted" in r]) for recs in by_seed.values()]
+        touched = [mean([(r.get("mismatch/clipfrac") or 0) + (r.get("mismatch/maskfrac") or 0)
+                         for r in recs if "mismatch/k3" in r]) for recs in by_seed.values()]
         rows.append({
             "method": method,
             "greedy_before": mean([f["eval/greedy_pass@1"] for f in first]),
             "greedy_after": mean([x["eval/greedy_pass@1"] for x in last]),
             "avgk_before": mean([f[f"eval/avg@{k}"] for f in first]),
             "avgk_after": mean([x[f"eval/avg@{k}"] for x in last]),
-            "reward_last10": mean([mean([r["reward/mean"] for r in t]) for t in tail]),
+            "reward_last10": mean([mean(t) for t in tail]),
             "k3_mean": mean(k3),
             "mipu_accept": mean(acc),
+            "touched": mean(touched),
             "wall_s": mean([times.get(f"{method}_s{s}", float("nan")) for s in by_seed]),
         })
     print(f"\n| method | held-out greedy pass@1 (before -> after) | held-out avg@{k} (before -> after) | "
-          "train reward, last 10 steps | mean K3 | MIPU accept rate | wall s/run |")
+          "train reward, last 10 steps | mean K3 | tokens truncated or masked | MIPU accept rate |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         acc = "-" if math.isnan(r["mipu_accept"]) else f"{r['mipu_accept']:.0%}"
         print(f"| {r['method']} | {r['greedy_before']:.1%} -> {r['greedy_after']:.1%} | "
               f"{r['avgk_before']:.1%} -> {r['avgk_after']:.1%} | {r['reward_last10']:.3f} | {r['k3_mean']:.2e} | "
-              f"{acc} | {r['wall_s']:.0f} |")
-    with open(os.path.join(work, "summary.json"), "w") as f:
+              f"{r['touched']:.2%} | {acc} |")
+    print("\nwall seconds per run (shared machine, indicative only): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    with open(summary_path, "w") as f:
         json.dump({"rows": rows, "seeds": args.seeds, "steps": args.steps, "times": times}, f, indent=1)
-    print(f"\n{png}\n{os.path.join(work, 'summary.json')}")
+    print(f"\n{png}\n{summary_path}")
 
 
 if __name__ == "__main__":

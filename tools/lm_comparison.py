@@ -1,9 +1,13 @@
 """A small from-scratch language-modelling comparison on CPU: dense vs Over-Encoding vs Block AttnRes,
 and an MoE baseline vs LatentMoE -- same data, same token budget, same seed, one PNG.
 
-    .venv/bin/python tools/lm_comparison.py                      # ~8-10 min on 2 cores -> docs/lm_comparison.png
-    .venv/bin/python tools/lm_comparison.py --steps 100 --jobs 1 # quicker, noisier
-    .venv/bin/python tools/lm_comparison.py --variants dense oe moe latent_acc latent_eff
+    .venv/bin/python tools/lm_comparison.py         # 6 default variants -> docs/lm_comparison.png
+    .venv/bin/python tools/lm_comparison.py --variants dense dense_seed2 oe attnres moe latent_acc latent_eff latent_a1
+    .venv/bin/python tools/lm_comparison.py --steps 100 --jobs 1   # quicker, noisier
+
+The default set costs ~1000 CPU-seconds of training (2 jobs: ~10 min on an idle 2-core machine;
+16 min were measured at a load average of ~12); the 8-variant line (which drew the committed
+docs/lm_comparison.png) ~40% more.
 
 Data: real text present on every machine without downloads -- the top-level `*.py` files of the
 running Python's standard library (`sysconfig.get_paths()["stdlib"]`, 168 files / 4.7 MB for
@@ -13,7 +17,7 @@ loss, the rest are training data. Each file is cut at line boundaries into chunk
 the bundled byte-level tokenizer (vocabulary 384); the chunks are written to
 `<out-dir>/train.jsonl` / `eval.jsonl` as `{"text": ...}` lines and read by the project's SFT data
 pipeline (`data.path=..., data.format=jsonl`, packed rows, loss on every token). The training rows
-are drawn by `SFTBatches` (seeded permutation); with the defaults the run sees ~0.6M tokens, well
+are drawn by `SFTBatches` (seeded permutation); with the defaults the run sees ~0.48M tokens, well
 under one epoch, so training loss is itself a held-out-like estimate. The eval loss is the
 token-mean loss of `--eval-rows` evenly spaced rows of the held-out files (`mcore_rl.train.sft.
 evaluate` on rows built by `build_sft_rows`), measured before training and every
@@ -29,10 +33,11 @@ Variants (8 layers, hidden 128, 4 heads / 2 KV groups, seq 128, 16 rows per step
 * `dense`      -- Qwen3-style, SwiGLU ffn 384.
 * `dense_seed2` -- `dense` with another seed (init and batch order): the run-to-run noise floor.
 * `oe`         -- `dense` + Over-Encoding: 2- and 3-gram hashed tables, 2 slices each, m = 49157
-  (~128 x vocab, coprime with 384): 7.4M table parameters on a 1.7M-parameter model.
+  (~128 x vocab, coprime with 384): 5.2M table parameters on a 1.7M-parameter model.
 * `attnres`    -- `dense` with Block AttnRes, N = 8 blocks (of 2 sublayers each).
 * `moe`        -- every MLP an MoE: N = 8 experts, top-2, expert ffn 192 (active ffn width 384 =
-  `dense`'s).
+  `dense`'s), load-balancing aux loss 0.01 (all MoE variants; without it the routers collapse onto
+  a few experts within tens of steps). The plotted losses are the LM loss alone.
 * `latent_acc` -- LatentMoE l-MoE_acc, alpha = 4: latent 32, N' = 32 experts, K' = 8, expert ffn 192.
 * `latent_eff` -- (not in the default set) l-MoE_eff: latent 32, N' = 32, K = 2.
 * `latent_a1`  -- (not in the default set) the LatentMoE layer with alpha = 1 (latent 128 = d,
@@ -43,7 +48,9 @@ Variants (8 layers, hidden 128, 4 heads / 2 KV groups, seq 128, 16 rows per step
 eval settings (e.g. add `latent_eff latent_a1` to an earlier run without retraining the others).
 
 Results are written to `<out-dir>/results.json` and plotted to `--png`: left, the training loss
-(moving average over `--smooth` steps) against tokens; right, the eval loss. The step times in the
+(moving average over `--smooth` steps) against tokens; middle, the eval loss; right, the eval loss
+minus that of the variant's baseline (`BASELINE`: dense for OE, AttnRes, MoE and the second seed;
+the MoE baseline for the LatentMoE variants). The step times in the
 summary are only indicative (the processes share the machine with each other and anything else);
 `tools/bench_architectures.py` measures speed properly.
 """
@@ -85,7 +92,7 @@ BASE = [
     "data.pack_sequences=true",
     "train.seed=1234",
 ]
-MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=192"]
+MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=192", "model.moe_aux_loss_coeff=0.01"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name -> (label, overrides)
     "dense": ("dense baseline", []),
     "dense_seed2": ("dense baseline, seed 4321", ["train.seed=4321"]),
@@ -316,12 +323,12 @@ def plot(results: dict[str, dict], stats: dict, args) -> None:
         ax.set_ylim(max(0.0, min(all_final) - 0.4), min(all_final) + 2.2)
     ax3.set_ylabel("difference (nats / byte token)")
     ax2.legend(fontsize=8)
-    ax3.legend(fontsize=8)
+    ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     fig.suptitle(f"From scratch on Python {stats['python']} stdlib source (byte tokens), 8 layers x 128 hidden, "
                  f"{args.steps} steps x 16 x 128, seed 1234, megatron-core fp32 on CPU", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
-    fig.savefig(args.png, dpi=110)
+    fig.savefig(args.png, dpi=110, bbox_inches="tight")
 
 
 def main() -> None:
