@@ -5,7 +5,7 @@ Every architecture is timed through the real megatron-core training step (`build
 schedule, forward and backward -- and the optimizer step), fp32, against the plain model of the
 same width and depth, and printed as ratios:
 
-    .venv/bin/python tools/bench_architectures.py                       # everything (~15 min on 2 cores)
+    .venv/bin/python tools/bench_architectures.py                       # everything (10-12 min on 2 cores)
     .venv/bin/python tools/bench_architectures.py --groups dense moe    # single-rank groups only
     .venv/bin/python tools/bench_architectures.py --rounds 3 --steps 8  # more samples
 
@@ -20,12 +20,13 @@ Groups (the first variant of each group is its baseline; ratios are variant / ba
   N ~ 8), `oe_m49157` (Over-Encoding, orders [2, 3], 2 slices per order, table size 49157 ~ 128 x
   vocab -- coprime with 384; the tables hold 10.5M params, more than the 8.1M-param body, as in
   the paper's regime where the tables dwarf the model) and `oe_m3079` (the same with m = 3079 ~ 8 x
-  vocab: 0.66M table params).
+  vocab: 0.68M table params).
 * `moe` (1 rank), the LatentMoE notes' three configurations scaled down from (alpha, N, K) =
   (1, 64, 6) / (4, 256, 6) / (4, 256, 24) to d = 256, expert intermediate m = 256:
   `moe` (alpha 1, N 16, K 2), `latent_eff` (alpha 4 -> latent 64, N' 64, K 2) and `latent_acc`
-  (alpha 4, N' 64, K' 8). No shared experts; all 8 layers are MoE. megatron-core's non-grouped
-  `SequentialMLP` (no TE / grouped GEMM on CPU) runs the experts one after another.
+  (alpha 4, N' 64, K' 8). No shared experts; all 8 layers are MoE; load-balancing aux loss 0.01.
+  megatron-core's non-grouped `SequentialMLP` (no TE / grouped GEMM on CPU) runs the experts one
+  after another.
 * `dense_tp2` (2 ranks, TP=2): `baseline` vs `oe_m49157` with the n-gram tables row-sharded over the
   two TP ranks (each rank looks up the rows it owns; one all-reduce of the partial lookups).
 * `dense_dp2` (2 ranks, DP=2): `baseline` vs `oe_m49157` with the tables replicated over DP (their

@@ -5,7 +5,7 @@ and an MoE baseline vs LatentMoE -- same data, same token budget, same seed, one
     .venv/bin/python tools/lm_comparison.py --variants dense dense_seed2 oe attnres moe latent_acc latent_eff latent_a1
     .venv/bin/python tools/lm_comparison.py --steps 100 --jobs 1   # quicker, noisier
 
-The default set costs ~1000 CPU-seconds of training (2 jobs: ~10 min on an idle 2-core machine;
+The default set costs ~1000 CPU-seconds of training (2 jobs: an estimated ~10 min on an idle 2-core machine;
 16 min were measured at a load average of ~12); the 8-variant line (which drew the committed
 docs/lm_comparison.png) ~40% more.
 
