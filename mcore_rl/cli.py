@@ -29,56 +29,50 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
-    from mcore_rl.config import ConfigError, SFTConfig, load_config, validate_sft_config
+def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
+    """Load and validate the recipe for the world it will run in; relaunch under torchrun or run.
+
+    `entry` ("module:function") is imported only in the process that trains, so a bad recipe fails
+    without paying for importing megatron-core.
+    """
+    import importlib
+
+    from mcore_rl.config import ConfigError, load_config
 
     try:
-        cfg = load_config(SFTConfig, args.recipe, args.overrides)
-        validate_sft_config(cfg, _world_size(args.nproc_per_node))
+        cfg = load_config(root_cls, args.recipe, args.overrides)
+        validate(cfg, _world_size(args.nproc_per_node))
     except (ConfigError, FileNotFoundError) as err:
-        print(f"mcore-rl sft: {err}", file=sys.stderr)
+        print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
     if args.nproc_per_node > 1 and not _launched():
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}", "-m", "mcore_rl.cli", "sft",
+            f"--nproc-per-node={args.nproc_per_node}", "-m", "mcore_rl.cli", name,
             *([args.recipe] if args.recipe else []), *args.overrides,
         ]
         return subprocess.call(command)
     from mcore_rl.parallel import setup
-    from mcore_rl.train.sft import run_sft
 
+    module, function = entry.split(":")
+    run = getattr(importlib.import_module(module), function)
     try:
-        run_sft(cfg)
+        run(cfg)
     finally:
         setup.destroy()
     return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from mcore_rl.config import SFTConfig, validate_sft_config
+
+    return _run_job(args, "sft", SFTConfig, validate_sft_config, "mcore_rl.train.sft:run_sft")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+    from mcore_rl.config import RLConfig, validate_rl_config
 
-    try:
-        cfg = load_config(RLConfig, args.recipe, args.overrides)
-        validate_rl_config(cfg, _world_size(args.nproc_per_node))
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"mcore-rl train: {err}", file=sys.stderr)
-        return 2
-    if args.nproc_per_node > 1 and not _launched():
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}", "-m", "mcore_rl.cli", "train",
-            *([args.recipe] if args.recipe else []), *args.overrides,
-        ]
-        return subprocess.call(command)
-    from mcore_rl.parallel import setup
-    from mcore_rl.runtime import run_rl
-
-    try:
-        run_rl(cfg)
-    finally:
-        setup.destroy()
-    return 0
+    return _run_job(args, "train", RLConfig, validate_rl_config, "mcore_rl.runtime:run_rl")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
