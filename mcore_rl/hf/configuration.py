@@ -248,3 +248,27 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
+
+
+def unsupported_stock_fields(hf: Any) -> list[str]:
+    """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference and megatron models cannot
+    compute, one `field=value: reason` line each (the converter and the engine refuse on these)."""
+    problems = []
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+    if getattr(hf, "mlp_bias", False):
+        problems.append("mlp_bias=true: MLP biases are not supported")
+    for attr in ("rope_parameters", "rope_scaling"):
+        rope = getattr(hf, attr, None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+            problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
+            break
+    if getattr(hf, "use_sliding_window", False):
+        problems.append("use_sliding_window=true: sliding-window attention is not supported")
+    if getattr(hf, "mlp_only_layers", None):
+        problems.append(f"mlp_only_layers={hf.mlp_only_layers}: mixed dense/MoE layers are not supported")
+    if (getattr(hf, "decoder_sparse_step", 1) or 1) != 1:
+        problems.append(f"decoder_sparse_step={hf.decoder_sparse_step}: every layer must be MoE (1)")
+    if getattr(hf, "pretraining_tp", 1) not in (None, 1):
+        problems.append(f"pretraining_tp={hf.pretraining_tp}: only 1 is supported")
+    return problems

@@ -163,40 +163,18 @@ def read_hf_config(directory: str) -> "PretrainedConfig":
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
-def _rope_type(hf: "PretrainedConfig") -> Optional[str]:
-    for attr in ("rope_parameters", "rope_scaling"):
-        value = getattr(hf, attr, None)
-        if isinstance(value, dict):
-            return value.get("rope_type", value.get("type", "default"))
-    return None
-
-
 def model_config_from_hf(hf: "PretrainedConfig") -> "ModelConfig":
     """`configuration.model_config_from_hf_config`, after rejecting what megatron-core here cannot
     express (every problem at once, each naming the `config.json` field)."""
-    from mcore_rl.hf.configuration import model_config_from_hf_config
+    from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
 
     model_type = getattr(hf, "model_type", None)
     problems: list[str] = []
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if getattr(hf, "attention_bias", False):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
-    if getattr(hf, "mlp_bias", False):
-        problems.append("mlp_bias=true: the megatron-core models here have no MLP biases")
-    rope = _rope_type(hf)
-    if rope not in (None, "default"):
-        problems.append(f"rope_parameters.rope_type={rope!r}: only plain RoPE ('default') is supported, no scaling")
-    if getattr(hf, "use_sliding_window", False):
-        problems.append("use_sliding_window=true: sliding-window attention is not supported")
-    if getattr(hf, "mlp_only_layers", None):
-        problems.append(f"mlp_only_layers={hf.mlp_only_layers}: mixed dense/MoE layers are not supported")
-    if (getattr(hf, "decoder_sparse_step", 1) or 1) != 1:
-        problems.append(f"decoder_sparse_step={hf.decoder_sparse_step}: every layer must be MoE (1)")
-    if getattr(hf, "pretraining_tp", 1) not in (None, 1):
-        problems.append(f"pretraining_tp={hf.pretraining_tp}: only 1 is supported")
+    problems += unsupported_stock_fields(hf)
     if problems:
         raise ValueError(f"cannot convert this {model_type} checkpoint:\n  " + "\n  ".join(problems))
     return model_config_from_hf_config(hf)

@@ -605,6 +605,7 @@ def _load_config(path: str):
     mapped through `model_config_from_hf_config` (Llama: no QK-norm), after refusing what the
     reference model cannot compute (each problem naming its `config.json` field)."""
     from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
+    from mcore_rl.hf.configuration import unsupported_stock_fields
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -617,7 +618,7 @@ def _load_config(path: str):
         from transformers import AutoConfig
 
         stock = AutoConfig.from_pretrained(path)
-        problems = _unsupported_stock_fields(stock)
+        problems = unsupported_stock_fields(stock)
         if problems:
             raise ValueError(f"model_path: cannot serve this {model_type} checkpoint:\n  " + "\n  ".join(problems))
         config = hf_config_from_model_config(model_config_from_hf_config(stock))
@@ -628,29 +629,6 @@ def _load_config(path: str):
         f"model_path: model_type {model_type!r} is not supported by the embedded engine "
         f"(supported: {McoreRLQwen3Config.model_type}, {', '.join(_STOCK_MODEL_TYPES)})"
     )
-
-
-def _unsupported_stock_fields(stock: Any) -> list[str]:
-    """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference model does not compute."""
-    problems = []
-    if getattr(stock, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={stock.hidden_act!r}: only 'silu' (SwiGLU) is supported")
-    if getattr(stock, "mlp_bias", False):
-        problems.append("mlp_bias=true: MLP biases are not supported")
-    for attr in ("rope_parameters", "rope_scaling"):
-        rope = getattr(stock, attr, None)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-            problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
-            break
-    if getattr(stock, "use_sliding_window", False):
-        problems.append("use_sliding_window=true: sliding-window attention is not supported")
-    if getattr(stock, "mlp_only_layers", None):
-        problems.append(f"mlp_only_layers={stock.mlp_only_layers}: mixed dense/MoE layers are not supported")
-    if (getattr(stock, "decoder_sparse_step", 1) or 1) != 1:
-        problems.append(f"decoder_sparse_step={stock.decoder_sparse_step}: every layer must be MoE (1)")
-    if getattr(stock, "pretraining_tp", 1) not in (None, 1):
-        problems.append(f"pretraining_tp={stock.pretraining_tp}: only 1 is supported")
-    return problems
 
 
 def _load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:
