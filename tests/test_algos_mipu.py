@@ -11,13 +11,14 @@ import torch
 
 from mcore_rl.algos.advantages import grpo, make_group_ids
 from mcore_rl.algos.mipu import (
-    LRDecayBaseline,
     MIPUController,
     accept,
     lr_decay_baseline,
     sequence_ratio,
+    step1_correction,
     step1_loss,
     t_hat_post,
+    validation_t_post,
     tolerance,
 )
 from mcore_rl.algos.mismatch import mismatch_metrics
@@ -183,7 +184,10 @@ def test_p6_reject_restores_trainer_and_engine_bit_identically(precision: str) -
     resyncs = []
     ctrl = MIPUController(opt.snapshot, opt.restore, lambda: (resyncs.append(1), sync()), c_start=1e-3, c_end=0.0)
     sync()
-    first = ctrl.run(update, sync, lambda: 0.0)  # accepted: state moves on
+    ctrl.begin()
+    update()
+    sync()
+    first = ctrl.decide(0.0)  # accepted: state moves on
     assert first.accepted and not resyncs and first.tolerance == 1e-3
     before = _trainer_checksum(model, opt)
     engine_before = _checksum(engine.values())
@@ -232,10 +236,24 @@ def test_lr_decay_baseline() -> None:
     assert [lr_decay_baseline(t, 1.0, 20, 10) for t in (19, 20, 29, 30, 40, 50, 60, 1000)] == [
         1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.1, 0.1,
     ]
-    b = LRDecayBaseline(base_lr=2.0, decay_period=5, threshold=0.01)
-    b.observe(3, 0.001)
-    b.observe(4, float("nan"))
-    assert b.lr(100) == 2.0
-    b.observe(7, 0.02)
-    b.observe(8, 0.5)
-    assert b.trigger_step == 7 and b.lr(12) == 1.0 and b.lr(100) == pytest.approx(0.2)
+
+
+def test_step1_correction_is_the_registered_mipu_correction_and_matches_step1_loss() -> None:
+    from mcore_rl.algos import registry
+
+    logp, old, adv, mask = _batch(3)
+    mu = old - 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9))
+    corr = registry.get("mismatch", "mipu")(old, mu, mask, is_clip_high=2.0, is_level="token", mask_low=None)
+    assert torch.equal(corr.mask, mask)
+    assert torch.all(corr.weights <= 2.0)
+    via_parts = ppo_clip(logp, old, adv, mask, 0.2, 0.2, None, is_weights=corr.weights)
+    assert torch.equal(via_parts.loss_sum, step1_loss(logp, old, mu, adv, mask).loss_sum)
+    assert set(corr.metrics) >= {"mismatch/k3", "mismatch/is_weight_mean", "mismatch/clipfrac", "mismatch/maskfrac"}
+    assert torch.equal(step1_correction(old, mu, mask).weights, corr.weights)  # defaults: w_max 2, token level
+
+
+def test_validation_t_post_is_t_hat_post_with_grpo_advantages() -> None:
+    logp, mu, _, mask = _batch(4)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    groups = make_group_ids(2, 2)
+    assert validation_t_post(logp, mu, mask, rewards, groups) == t_hat_post(logp, mu, mask, grpo(rewards, groups))

@@ -53,16 +53,18 @@ def grpo(
 
 
 @register("advantage", "dr_grpo")
-def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = r_i - mean_g, no std
     division (it up-weights groups that are almost all right or all wrong). Pair it with the
-    `seq-mean-token-sum-norm` aggregation, its other half, which removes the 1/|y| length bias."""
+    `seq-mean-token-sum-norm` aggregation, its other half, which removes the 1/|y| length bias.
+    `normalize_std` is part of the advantage signature only; Dr.GRPO never divides by the std."""
     return grpo(rewards, group_ids, normalize_std=False)
 
 
 @register("advantage", "rloo")
-def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j = G/(G-1) (r_i - mean_g)."""
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False) -> torch.Tensor:
+    """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j = G/(G-1) (r_i - mean_g).
+    (`normalize_std` is part of the advantage signature only; RLOO has no std division.)"""
     count, mean, _ = group_stats(rewards, group_ids)
     adv = (rewards.double() - mean) * count / (count - 1).clamp_min(1)
     return torch.where(count > 1, adv, torch.zeros_like(adv)).to(torch.float32)

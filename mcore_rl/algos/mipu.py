@@ -23,13 +23,13 @@ trigger, then halve it every `decay_period` steps down to 0.1·η0.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from mcore_rl.algos.mismatch import LOG_RATIO_CLAMP, mismatch_metrics, tis_weights
+from mcore_rl.algos.advantages import grpo
+from mcore_rl.algos.mismatch import LOG_RATIO_CLAMP, Correction, mismatch_metrics, tis_weights
 from mcore_rl.algos.policy_loss import LossOutput, masked_mean, ppo_clip
 from mcore_rl.algos.registry import register
 
@@ -47,7 +47,32 @@ def truncated_mismatch_weight(
     return tis_weights(old_logp, rollout_logp, mask, level=level, clip_high=w_max, clip_low=0.0)
 
 
-@register("mipu", "step1_loss")
+@register("mismatch", "mipu")
+def step1_correction(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    is_clip_high: Optional[float] = None,
+    is_level: Optional[str] = None,
+    **unused: Any,
+) -> Correction:
+    """Step 1 as a mismatch correction (the registry's signature): weights w̄ = min(π_k/μ_k, w_max)
+    with w_max = `is_clip_high` (default 2), loss mask unchanged. Paired with the PPO clip on
+    r = π_θ/π_k (the `ppo_clip` policy loss with these `is_weights`) it is Eq. 7 (`step1_loss`).
+    MIPU has no other parameters; `unused` takes the other presets' fields."""
+    w_max = 2.0 if is_clip_high is None else is_clip_high
+    weights = truncated_mismatch_weight(train_logp, rollout_logp, mask, w_max, is_level or "token")
+    ratio = torch.exp((train_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    metrics = mismatch_metrics(train_logp, rollout_logp, mask)
+    metrics.update({
+        "mismatch/is_weight_mean": masked_mean(weights, mask),
+        "mismatch/is_weight_max": weights.max() if weights.numel() else torch.zeros(()),
+        "mismatch/clipfrac": masked_mean((ratio > w_max).float(), mask),
+        "mismatch/maskfrac": torch.zeros(()),
+    })
+    return Correction(weights, mask, metrics)
+
+
 def step1_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -64,8 +89,9 @@ def step1_loss(
 ) -> LossOutput:
     """Eq. 7 as a loss: -w̄ · min(r Â, clip(r, 1-ε, 1+ε) Â), r = π_θ/π_k, w̄ = min(π_k/μ_k, w_max).
 
-    No gradient reaches π_k or μ_k (both are constants), only π_θ through r."""
-    w = truncated_mismatch_weight(old_logp, rollout_logp, mask, w_max, level)
+    No gradient reaches π_k or μ_k (both are constants), only π_θ through r. The learner computes
+    the same thing in two parts: `step1_correction` once per batch, `ppo_clip` per micro-batch."""
+    w = step1_correction(old_logp, rollout_logp, mask, w_max, level).weights
     out = ppo_clip(
         logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, is_weights=w, agg=agg,
         norm_length=norm_length,
@@ -99,6 +125,15 @@ def t_hat_post(
     in general it is minus the covariance of ρ and Â."""
     rho = sequence_ratio(policy_logp, rollout_logp, mask)
     return float(-(rho * advantages.float()).mean())
+
+
+def validation_t_post(
+    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> float:
+    """T̂_post of a validation batch sampled from the synced candidate: the groups' GRPO
+    advantages Â (mean/std normalised), then `t_hat_post`. `mask` excludes unusable samples."""
+    return t_hat_post(policy_logp, rollout_logp, mask, grpo(rewards, group_ids))
 
 
 @register("mipu", "tolerance")
@@ -181,13 +216,6 @@ class MIPUController:
         self._snap = None
         return decision
 
-    def run(self, update: Callable[[], None], sync: Callable[[], None], score: Callable[[], float]) -> MIPUDecision:
-        """begin → update() → sync() → decide(score()) in one call."""
-        self.begin()
-        update()
-        sync()
-        return self.decide(score())
-
     def metrics(self) -> dict[str, float]:
         total = self.accepted + self.rejected
         return {"mipu/reject_rate": self.rejected / total if total else 0.0}
@@ -213,26 +241,3 @@ def lr_decay_baseline(
         raise ValueError(f"decay_period must be > 0, got {decay_period}")
     halvings = (step - trigger_step) // decay_period
     return max(base_lr * 0.5**halvings, floor_ratio * base_lr)
-
-
-@dataclass
-class LRDecayBaseline:
-    """The baseline with a simple trigger: the first step whose instability signal (e.g. the
-    mismatch |log π - log μ| or K3) exceeds `threshold`. The paper picks its trigger from
-    response-length dynamics; the notes do not pin it down, hence a plain threshold."""
-
-    base_lr: float
-    decay_period: int
-    threshold: float
-    floor_ratio: float = 0.1
-    trigger_step: Optional[int] = None
-
-    def observe(self, step: int, signal: float) -> None:
-        if self.trigger_step is None and math.isfinite(signal) and signal > self.threshold:
-            self.trigger_step = step
-
-    def lr(self, step: int) -> float:
-        return lr_decay_baseline(step, self.base_lr, self.trigger_step, self.decay_period, self.floor_ratio)
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -24,13 +24,12 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
 
 from mcore_rl.config.schema import DataConfig
-from mcore_rl.data.synthetic import make_addition_examples
 from mcore_rl.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,13 +54,22 @@ class SFTExample:
 
 
 def load_examples(cfg: DataConfig, seed: int) -> list[SFTExample]:
-    """The examples `cfg` describes: its file if `cfg.path` is set, else the synthetic task."""
+    """The examples `cfg` describes: its file if `cfg.path` is set, else the task's answers."""
     if cfg.path is None:
-        if cfg.synthetic_task == "addition":
-            pairs = make_addition_examples(cfg.synthetic_num_examples, seed, cfg.synthetic_max_digits)
-            return [SFTExample(p["prompt"], p["response"], f"synthetic:{i}") for i, p in enumerate(pairs)]
-        raise DataError(f"unknown synthetic task {cfg.synthetic_task!r}")
+        return task_examples(cfg.synthetic_task, cfg.synthetic_max_digits, cfg.synthetic_num_examples, seed)
     return read_examples(cfg)
+
+
+def task_examples(task: str, max_digits: int, n: int, seed: int, exclude: Collection[str] = ()) -> list[SFTExample]:
+    """`n` prompt/answer pairs of a task (`mcore_rl.data.tasks`), leaving out prompts in `exclude`."""
+    from mcore_rl.data.tasks import get_task
+
+    try:
+        pairs = get_task(task, max_digits=max_digits).examples(n, seed)
+    except KeyError as err:
+        raise DataError(f"data.synthetic_task: {err.args[0]}") from None
+    drop = set(exclude)
+    return [SFTExample(p, a, f"synthetic:{i}") for i, (p, a) in enumerate(pairs) if p not in drop]
 
 
 def read_examples(cfg: DataConfig) -> list[SFTExample]:

@@ -1,30 +1,13 @@
-"""Rewards: the reward-function interface and runner (`base`), verifiers (math, the demo task).
+"""Rewards: the reward-function interface and runner (`base`), the name registry, verifiers.
 
-`get_reward_fn(name)` returns a built-in per-sample reward function by name.
+`get_reward_fn(name)` returns a registered per-sample reward function ("math", a task's reward
+such as "addition" once `mcore_rl.data.tasks` is imported), or any "package.module:function".
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardResult, RewardRunner, annotate
+from mcore_rl.rewards.registry import get_reward_fn, is_import_path, register_reward, reward_names
 
-_BUILTIN = {
-    "addition": "mcore_rl.rewards.addition:addition_reward",
-    "math": "mcore_rl.rewards.math_verify:math_reward",
-}
-
-
-def get_reward_fn(name: str) -> Callable[[RewardInput], float]:
-    """A built-in reward function ("addition", "math"), or any "package.module:function"."""
-    target = _BUILTIN.get(name, name)
-    if ":" not in target:
-        raise KeyError(f"unknown reward function {name!r}; built-in: {', '.join(sorted(_BUILTIN))} "
-                       "(or give 'package.module:function')")
-    import importlib
-
-    module, attr = target.split(":", 1)
-    return getattr(importlib.import_module(module), attr)
-
-
-__all__ = ["RewardFunction", "RewardInput", "RewardResult", "RewardRunner", "annotate", "get_reward_fn"]
+__all__ = ["RewardFunction", "RewardInput", "RewardResult", "RewardRunner", "annotate", "get_reward_fn",
+           "is_import_path", "register_reward", "reward_names"]

@@ -1,58 +1,24 @@
-"""Samples with their provenance, and the prompt streams they come from.
+"""Prompt streams for RL: the training stream, the held-out evaluation set, the MIPU validation
+stream, each deterministic and resumable.
 
-Every sample carries what made it (DESIGN.md decision 5): the policy (weight) version the engine
-reported for it, the engine's per-token log-probs μ of its response tokens, and the position of its
-prompt in the data stream. The learner checks the versions against its staleness bound, the
-mismatch correction uses μ, and a resumed run continues the prompt stream where it stopped.
+The prompts come from a jsonl file (`data.path`, `eval.path`) or from a task
+(`mcore_rl.data.tasks`) drawn with a different seed per purpose. Held out means held out: training,
+the SFT warm start and validation never see an evaluation prompt (with 2-digit addition there are
+only 10^4 problems; random draws would overlap).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from mcore_rl.data.synthetic import make_addition_examples
+from mcore_rl.data.samples import Prompt
 
-HELD_OUT_SEED_OFFSET = 1_000_003  # the SFT demo's held-out offset: eval problems are drawn apart
+HELD_OUT_SEED_OFFSET = 1_000_003  # evaluation problems are drawn with seed + this (SFT and RL)
 VALIDATION_SEED_OFFSET = 2_000_003  # MIPU validation prompts: i.i.d., neither training nor eval
-
-
-@dataclass
-class Prompt:
-    """One prompt of the stream: its text and ids, the reference answer, where it came from."""
-
-    index: int  # position in the stream (global count of prompts drawn so far)
-    text: str
-    ids: list[int]
-    label: Any = None
-
-
-@dataclass
-class Sample:
-    """One completion of one prompt, with everything the learner needs to know about its origin."""
-
-    prompt: Prompt
-    group: int  # samples of one prompt share a group id (the prompt's stream index)
-    response_ids: list[int]
-    rollout_logp: list[float]  # μ: the engine's log-prob of each response token
-    policy_version: int  # the weight version the engine generated it with
-    finish_reason: str  # "stop" | "length" | "abort"
-    text: str = ""  # decoded completion (stop token trimmed)
-    engine: str = ""  # which engine (URL or "embedded:i")
-    reward: float = 0.0
-    reward_error: Optional[str] = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.prompt.ids
-
-    def provenance(self) -> dict[str, Any]:
-        return {"prompt_index": self.prompt.index, "policy_version": self.policy_version,
-                "engine": self.engine, "finish_reason": self.finish_reason}
 
 
 class PromptSource:
@@ -120,8 +86,50 @@ def read_prompt_file(path: str, prompt_key: str, label_key: str) -> list[tuple[s
     return pool
 
 
-def synthetic_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, Any]]:
-    """(prompt, answer) pairs of the synthetic task (the answer is the SFT response)."""
-    if task != "addition":
-        raise ValueError(f"data.synthetic_task: unknown task {task!r}")
-    return [(ex["prompt"], ex["response"]) for ex in make_addition_examples(n, seed, max_digits)]
+def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, Any]]:
+    """(prompt, answer) pairs of a registered task (the answer is the SFT response and the label)."""
+    from mcore_rl.data.tasks import get_task
+
+    try:
+        return get_task(task, max_digits=max_digits).examples(n, seed)
+    except KeyError as err:
+        raise ValueError(f"data.synthetic_task: {err.args[0]}") from None
+
+
+@dataclass
+class PromptSets:
+    """The three prompt sets of an RL run."""
+
+    train: PromptSource
+    validation: PromptSource  # MIPU Step 2
+    eval_prompts: list[Prompt]  # the fixed held-out set
+
+    @property
+    def held_out_texts(self) -> set[str]:
+        return {p.text for p in self.eval_prompts}
+
+
+def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
+    """The training stream, validation stream and held-out set an `RLConfig` describes."""
+    d, e, seed = cfg.data, cfg.eval, cfg.train.seed
+    if d.path is not None:
+        pool = read_prompt_file(d.path, d.prompt_key, d.label_key)
+        held_out = read_prompt_file(e.path, d.prompt_key, d.label_key) if e.path else pool
+        validation = pool
+    else:
+        pool = task_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
+        held_out = (read_prompt_file(e.path, d.prompt_key, d.label_key) if e.path else
+                    task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
+        validation = task_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
+                               seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
+    eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos).take(
+        min(e.num_prompts, len(held_out)))
+    held_out_texts = {p.text for p in eval_prompts}
+    if d.path is None or e.path:
+        pool = [x for x in pool if x[0] not in held_out_texts] or pool
+        validation = [x for x in validation if x[0] not in held_out_texts] or validation
+    return PromptSets(
+        train=PromptSource(pool, tokenizer, seed, d.add_bos),
+        validation=PromptSource(validation, tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos),
+        eval_prompts=eval_prompts,
+    )

@@ -19,13 +19,18 @@ problems, so these were seen in training):
 chance) until about step 500 and reaches 99% after 1500 steps; `max_digits=3` is at 0% after 300
 steps. Hence `DEFAULT_MAX_DIGITS = 1` for SFT demos that must learn in a few hundred steps; RL demos
 can ask for more digits to leave room for improvement. SFT and RL share this module: the RL
-verifier is `verify_addition`.
+reward is `addition_reward` (registered as "addition"), built on `verify_addition`.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.data.tasks import register_task
+from mcore_rl.rewards import RewardInput, register_reward
 
 DEFAULT_MAX_DIGITS = 1
 
@@ -62,3 +67,36 @@ def verify_addition(prompt: str, completion: str) -> float:
     if not answer.isdigit() or not answer.isascii():
         return 0.0
     return 1.0 if int(answer[::-1]) == int(m.group(1)) + int(m.group(2)) else 0.0
+
+
+@register_reward("addition")
+def addition_reward(sample: RewardInput) -> float:
+    """`verify_addition(prompt, completion)`. The completion is cut at the first end-of-text
+    marker or newline the engine may have left in the decoded text. A prompt that is not an
+    addition problem raises (the runner records it as a reward error)."""
+    completion = sample.completion
+    for stop in ("<|endoftext|>", "<|im_end|>", "</s>", "\n"):
+        completion = completion.split(stop, 1)[0]
+    return verify_addition(sample.prompt, completion)
+
+
+@register_task("addition")
+@dataclass(frozen=True)
+class AdditionTask:
+    """2-digit (or `max_digits`) addition, answer reversed; the demo task."""
+
+    max_digits: int = DEFAULT_MAX_DIGITS
+    name: str = "addition"
+    reward: str = "addition"
+
+    def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
+        return [(ex["prompt"], ex["response"]) for ex in make_addition_examples(n, seed, self.max_digits)]
+
+    def score(self, prompt: str, completion: str) -> float:
+        return verify_addition(prompt, completion)
+
+    def max_prompt_tokens(self) -> int:
+        return 2 * self.max_digits + 2  # "12+34="
+
+    def max_answer_tokens(self) -> int:
+        return self.max_digits + 2  # the reversed sum has max_digits + 1 digits, then end-of-text

@@ -1,0 +1,47 @@
+"""Prompts and samples with their provenance: the unit that flows from data to the learner.
+
+Every sample carries what made it (DESIGN.md decision 5): the policy (weight) version the engine
+reported for it, the engine's per-token log-probs μ of its response tokens, and the position of its
+prompt in the data stream. The learner checks the versions against its staleness bound, the
+mismatch correction uses μ, and a resumed run continues the prompt stream where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class Prompt:
+    """One prompt of the stream: its text and ids, the reference answer, where it came from."""
+
+    index: int  # position in the stream (global count of prompts drawn so far)
+    text: str
+    ids: list[int]
+    label: Any = None
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, with everything the learner needs to know about its origin."""
+
+    prompt: Prompt
+    group: int  # samples of one prompt share a group id (the prompt's stream index)
+    response_ids: list[int]
+    rollout_logp: list[float]  # μ: the engine's log-prob of each response token
+    policy_version: int  # the weight version the engine generated it with
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str = ""  # decoded completion (stop token trimmed)
+    engine: str = ""  # which engine (URL or "embedded:i")
+    reward: float = 0.0
+    reward_error: Optional[str] = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
+
+    def provenance(self) -> dict[str, Any]:
+        return {"prompt_index": self.prompt.index, "policy_version": self.policy_version,
+                "engine": self.engine, "finish_reason": self.finish_reason}

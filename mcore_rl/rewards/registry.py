@@ -1,0 +1,52 @@
+"""Reward functions by name, so a recipe's `reward.name` picks one.
+
+Tasks register the reward that scores them when their module is imported (`mcore_rl.data.tasks`);
+general verifiers register here under a "module:function" path that is imported on first use
+(math-verify is slow to import). Any other "package.module:function" is imported as given.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, TypeVar, Union
+
+F = TypeVar("F", bound=Callable)
+
+_REWARDS: dict[str, Union[Callable, str]] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
+
+
+def register_reward(name: str) -> Callable[[F], F]:
+    """Decorator: make `fn` available as `get_reward_fn(name)`; a name cannot be taken twice."""
+
+    def deco(fn: F) -> F:
+        known = _REWARDS.get(name)
+        if known is not None and known is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def reward_names() -> list[str]:
+    """Registered names (a task's reward appears once `mcore_rl.data.tasks` is imported)."""
+    return sorted(_REWARDS)
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name and name not in _REWARDS
+
+
+def get_reward_fn(name: str) -> Callable:
+    """A registered reward function, or any "package.module:function"."""
+    target = _REWARDS.get(name, name)
+    if callable(target):
+        return target
+    if ":" not in target:
+        raise KeyError(f"unknown reward function {name!r}; registered: {', '.join(reward_names())} "
+                       "(or give 'package.module:function')")
+    module, attr = target.split(":", 1)
+    fn = getattr(importlib.import_module(module), attr)
+    if name in _REWARDS:
+        _REWARDS[name] = fn
+    return fn
