@@ -11,7 +11,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from mcore_rl.rollout.async_engine import AsyncEngine
+from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable, request_rids
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.router import EngineRouter, NoHealthyEngine, launch_sglang_router
@@ -21,7 +21,7 @@ from tests.test_server import throttled
 
 def _engine(port: int = 0) -> ServerThread:
     core = throttled(EngineCore.from_model_path(None, max_running_requests=16, context_length=256, random_seed=0))
-    srv = ServerThread(EngineServer(AsyncEngine(core)), port=port, shutdown_timeout=0.5)
+    srv = ServerThread(EngineServer(EngineDriver(core)), port=port, shutdown_timeout=0.5)
     srv.start()
     return srv
 

@@ -19,7 +19,7 @@ from mcore_rl.data.sft import (
     read_examples,
     tokenize_example,
 )
-from mcore_rl.data.synthetic import DEFAULT_MAX_DIGITS, make_addition_examples, verify_addition
+from mcore_rl.data.tasks.addition import DEFAULT_MAX_DIGITS, make_addition_examples, verify_addition
 from mcore_rl.data.tokenizer import BUNDLED_DIR, TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
 TOK = load_tokenizer(None)

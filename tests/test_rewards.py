@@ -10,7 +10,7 @@ import pytest
 
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, annotate, get_reward_fn
 from mcore_rl.rewards import math_verify as mv
-from mcore_rl.rewards.addition import addition_reward
+from mcore_rl.data.tasks.addition import addition_reward
 
 
 def _inputs(*completions: str, label=None) -> list[RewardInput]:

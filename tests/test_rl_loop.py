@@ -18,8 +18,9 @@ import torch
 
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.runtime.batch import build_microbatches, sequence_view, split_minibatches
-from mcore_rl.runtime.samples import Prompt, PromptSource, Sample, synthetic_pool
+from mcore_rl.data.prompts import PromptSource, task_pool
+from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.train.packing import build_microbatches, sequence_view, split_minibatches
 from tests.world import run_world
 
 TINY = [
@@ -92,7 +93,7 @@ def test_cli_train_fails_before_launch(capsys):
 
 def _samples() -> list[Sample]:
     tok = load_tokenizer(None)
-    src = PromptSource(synthetic_pool("addition", 50, 0, 2), tok, seed=0)
+    src = PromptSource(task_pool("addition", 50, 0, 2), tok, seed=0)
     out = []
     for g, p in enumerate(src.take(5)):
         for j in range(3):
@@ -144,11 +145,11 @@ def test_sequence_view_and_minibatches():
 
 def test_prompt_stream_resumes():
     tok = load_tokenizer(None)
-    a = PromptSource(synthetic_pool("addition", 7, 0, 2), tok, seed=3)
+    a = PromptSource(task_pool("addition", 7, 0, 2), tok, seed=3)
     first = [p.text for p in a.take(10)]
     state = a.state_dict()
     rest = [p.text for p in a.take(6)]
-    b = PromptSource(synthetic_pool("addition", 7, 0, 2), tok, seed=3)
+    b = PromptSource(task_pool("addition", 7, 0, 2), tok, seed=3)
     b.load_state_dict(state)
     assert [p.text for p in b.take(6)] == rest and len(set(first[:7])) <= 7
     assert isinstance(b.take(1)[0], Prompt)
@@ -243,7 +244,7 @@ def _http(rank: int, world_size: int, tmp: str) -> None:
     """The engine-URL path: a `mcore-rl serve`-style server (FP8) in this process, weights synced
     over `/update_weights_from_tensor`, rollouts over `/generate`."""
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
-    from mcore_rl.rollout.async_engine import AsyncEngine
+    from mcore_rl.rollout.engine.driver import EngineDriver
     from mcore_rl.rollout.engine.core import EngineCore
     from mcore_rl.rollout.server import EngineServer, ServerThread
     from mcore_rl.runtime import run_rl
@@ -251,7 +252,7 @@ def _http(rank: int, world_size: int, tmp: str) -> None:
     cfg = tiny(f"run_dir={tmp}/http", "train.num_steps=2", "eval.interval=0", "eval.at_start=false")
     core = EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)), load_tokenizer(None),
                       context_length=64, quantization="fp8")
-    server = ServerThread(EngineServer(AsyncEngine(core)))
+    server = ServerThread(EngineServer(EngineDriver(core)))
     url = server.start()
     try:
         cfg.rollout.engine_urls = [url]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mcore_rl.rollout.async_engine import AsyncEngine
+from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
@@ -47,7 +47,7 @@ def _core() -> EngineCore:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(EngineServer(AsyncEngine(_core())))
+    srv = ServerThread(EngineServer(EngineDriver(_core())))
     srv.start()
     yield srv
     srv.stop()
@@ -256,7 +256,7 @@ def test_weight_updates_disk_tensor_version(tmp_path) -> None:
     """Own server: these change the weights."""
     core = _core()
     original = {n: p.detach().clone() for n, p in core.model.named_parameters()}
-    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+    with ServerThread(EngineServer(EngineDriver(core))) as srv:
 
         async def go(c: EngineClient):
             body = dict(text="weights", sampling_params=_greedy(4), return_logprob=True)
@@ -297,7 +297,7 @@ def test_weight_update_waits_for_in_flight_requests(tmp_path) -> None:
     model-update lock does; new requests wait for the update."""
     core = _core()
     save_file({n: p.detach().clone() for n, p in core.model.named_parameters()}, str(tmp_path / "m.safetensors"))
-    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+    with ServerThread(EngineServer(EngineDriver(core))) as srv:
 
         async def go(c: EngineClient):
             running = await _running(c, text="long", sampling_params=_greedy(LONG))
@@ -334,7 +334,7 @@ def test_distributed_weight_update_endpoints() -> None:
     (rank 0 of a gloo group), then /destroy_weights_update_group."""
     core = _core()
     shape = list(core.model.lm_head.weight.shape)
-    with ServerThread(EngineServer(AsyncEngine(core))) as srv:
+    with ServerThread(EngineServer(EngineDriver(core))) as srv:
 
         async def go(c: EngineClient):
             port = _free_port()

@@ -20,7 +20,7 @@ from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout import weight_receiver as rx
-from mcore_rl.rollout.async_engine import AsyncEngine
+from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.client import EngineClient, EngineHTTPError
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.engine.fp8 import FP8_DTYPE, quantize_block_fp8
@@ -34,16 +34,15 @@ from mcore_rl.rollout.weight_protocol import (
     flatten,
     unflatten,
 )
-from mcore_rl.rollout.weight_sync import (
+from mcore_rl.rollout.pool import HTTPEnginePool
+from mcore_rl.rollout.weight_transports import (
     DiskTransport,
     DistributedTransport,
     InProcessTransport,
     SyncStats,
     TensorTransport,
-    WeightSync,
-    iter_buckets,
-    quantize_for_fp8_engine,
 )
+from mcore_rl.train.weight_sync import WeightSync, iter_buckets, quantize_for_fp8_engine
 from tests.world import run_world
 
 TOK = load_tokenizer(None)
@@ -92,7 +91,7 @@ def weight_version(url: str) -> str:
 
 
 def start_server(core: EngineCore) -> ServerThread:
-    server = ServerThread(EngineServer(AsyncEngine(core)))
+    server = ServerThread(EngineServer(EngineDriver(core)))
     server.start()
     return server
 
@@ -221,26 +220,27 @@ def test_tensor_disk_and_in_process_transports(tmp_path):
     core = EngineCore(reference_model(0), TOK, context_length=128)
     server = start_server(core)
     url = server.url
+    pool = HTTPEnginePool([url])
     try:
         sources = {v: reference_model(10 + v) for v in (1, 2, 3, 4, 5)}
         expected = {v: ref_logprobs(m, IDS) for v, m in sources.items()}
         assert (engine_logprobs(url, IDS) - expected[1]).abs().max() > 0.1  # other weights to start with
 
         stats = SyncStats(4)
-        TensorTransport([url], payload="inline").send(iter_buckets(sources[5].state_dict().items(), 1 << 16), 4, stats)
+        TensorTransport(pool, payload="inline").send(iter_buckets(sources[5].state_dict().items(), 1 << 16), 4, stats)
         assert stats.buckets > 1 and weight_version(url) == "4"
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[5], atol=1e-5, rtol=0)
 
         shm = tmp_path / "shm"
         shm.mkdir()
-        tensors = TensorTransport([url], shm_dir=str(shm))
+        tensors = TensorTransport(pool, shm_dir=str(shm))
         tensors.send(iter_buckets(sources[1].state_dict().items(), 1 << 16), 5, stats)
         assert weight_version(url) == "5" and len(list(shm.iterdir())) == 2  # two alternating files
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[1], atol=1e-5, rtol=0)
         tensors.close()
         assert not list(shm.iterdir())
 
-        disk = DiskTransport([url], str(tmp_path / "disk"))
+        disk = DiskTransport(pool, str(tmp_path / "disk"))
         disk.send(iter_buckets(sources[2].state_dict().items(), 1 << 16), 6, SyncStats(6))
         assert weight_version(url) == "6"
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[2], atol=1e-5, rtol=0)
@@ -262,6 +262,7 @@ def test_tensor_disk_and_in_process_transports(tmp_path):
         assert weight_version(url) == "9"
         torch.testing.assert_close(engine_logprobs(url, IDS), expected[3], atol=1e-5, rtol=0)
     finally:
+        pool.close()
         server.stop()
 
 
@@ -340,7 +341,7 @@ def _gather_world(rank: int, world_size: int, cases) -> None:
     from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
-    from mcore_rl.rollout.weight_sync import iter_hf_weights
+    from mcore_rl.train.weight_sync import iter_hf_weights
 
     for mc, pc in cases:
         init_model_parallel(pc)
@@ -404,14 +405,15 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
     init_model_parallel(pc)
     set_seed(1)
     chunks = build_model(mc, pc)
-    fp32 = fp8 = None
+    fp32 = fp8 = pool32 = pool8 = None
     if rank == 0:
         fp32, fp8 = ServerProcess(), ServerProcess(quantization="fp8")
+        pool32, pool8 = HTTPEnginePool([fp32.url]), HTTPEnginePool([fp8.url])
     try:
         transports = {
-            "distributed": lambda: DistributedTransport([fp32.url], group_name="fp32"),
-            "disk": lambda: DiskTransport([fp32.url], os.path.join(tmp, "sync")),
-            "tensor": lambda: TensorTransport([fp32.url]),
+            "distributed": lambda: DistributedTransport(pool32, group_name="fp32"),
+            "disk": lambda: DiskTransport(pool32, os.path.join(tmp, "sync")),
+            "tensor": lambda: TensorTransport(pool32),
         }
         for version, kind in enumerate(transports, start=1):
             _perturb(chunks, version)
@@ -444,7 +446,7 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
         # FP8 engine: quantized during the sync; per-tensor broadcasts (SGLang's default format)
         _perturb(chunks, 7)
         trainer = _trainer_logprobs(chunks, IDS)
-        transport = DistributedTransport([fp8.url], group_name="fp8", load_format=None) if rank == 0 else None
+        transport = DistributedTransport(pool8, group_name="fp8", load_format=None) if rank == 0 else None
         WeightSync(chunks, mc, transport, bucket_bytes=96 << 10, quantization="fp8").sync(7)
         if rank == 0:
             d = trainer - engine_logprobs(fp8.url, IDS)
@@ -455,7 +457,7 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
             assert weight_version(fp8.url) == "7"
             transport.close()
     finally:
-        for e in (fp32, fp8):
+        for e in (pool32, pool8, fp32, fp8):
             if e is not None:
                 e.close()
 

@@ -35,14 +35,15 @@ import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.rollout.weight_protocol import init_custom_process_group
-from mcore_rl.rollout.weight_sync import (
+from mcore_rl.rollout.pool import HTTPEnginePool
+from mcore_rl.rollout.weight_transports import (
     DiskTransport,
     DistributedTransport,
     InProcessTransport,
     SyncStats,
     TensorTransport,
-    iter_buckets,
 )
+from mcore_rl.train.weight_sync import iter_buckets
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -63,10 +64,10 @@ def make_core(mc: ModelConfig, seed: int):
 
 
 def _server(mc: ModelConfig, urls, stop) -> None:
-    from mcore_rl.rollout.async_engine import AsyncEngine
+    from mcore_rl.rollout.engine.driver import EngineDriver
     from mcore_rl.rollout.server import EngineServer, ServerThread
 
-    server = ServerThread(EngineServer(AsyncEngine(make_core(mc, seed=0))))
+    server = ServerThread(EngineServer(EngineDriver(make_core(mc, seed=0))))
     urls.put(server.start())
     stop.wait()
     server.stop()
@@ -118,6 +119,7 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     tmp = tempfile.TemporaryDirectory()
     transports = {}
+    pool = None
     try:
         # the limit: one broadcast of one tensor of the same size, to a bare receiver process
         port = free_port()
@@ -131,13 +133,14 @@ def main() -> None:
             dist.broadcast(flat, group=group, group_src=0)
             dist.all_reduce(ack, group=group)
 
+        pool = HTTPEnginePool([url])
         transports = {
-            "distributed, one broadcast per tensor": DistributedTransport([url], group_name="bench-per-tensor"),
-            "distributed, flattened bucket": DistributedTransport([url], group_name="bench-flat",
+            "distributed, one broadcast per tensor": DistributedTransport(pool, group_name="bench-per-tensor"),
+            "distributed, flattened bucket": DistributedTransport(pool, group_name="bench-flat",
                                                                   load_format="flattened_bucket"),
-            "disk (safetensors files)": DiskTransport([url], os.path.join(tmp.name, "w")),
-            "tensor, shared-memory file": TensorTransport([url]),
-            "tensor, inline (base64 in JSON)": TensorTransport([url], payload="inline"),
+            "disk (safetensors files)": DiskTransport(pool, os.path.join(tmp.name, "w")),
+            "tensor, shared-memory file": TensorTransport(pool),
+            "tensor, inline (base64 in JSON)": TensorTransport(pool, payload="inline"),
             "in-process (colocated EngineCore)": InProcessTransport([make_core(mc, seed=0)]),
         }
         for t in transports.values():
@@ -160,6 +163,8 @@ def main() -> None:
         for t in transports.values():
             if isinstance(t, (DistributedTransport, TensorTransport)):
                 t.close()
+        if pool is not None:
+            pool.close()
         tmp.cleanup()
         stop.set()
         server.join(30)

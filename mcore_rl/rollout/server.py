@@ -15,7 +15,7 @@ Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
 
 A bad request gets HTTP 400 `{"error": {"message": "<field>: ...", "code": 400}}`; an internal
 failure of one request gets 500 and the server keeps serving the others. Weight updates run
-through `AsyncEngine.update_weights` (see there for how they interact with generation) and the
+through `EngineDriver.update_weights` (see there for how they interact with generation) and the
 handlers of `weight_receiver`.
 """
 
@@ -33,7 +33,7 @@ from aiohttp import web
 
 import mcore_rl
 from mcore_rl.rollout import openai_api, weight_receiver
-from mcore_rl.rollout.async_engine import PAUSE_MODES, AsyncEngine, EngineDead, RequestStream
+from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDriver, EngineDead, RequestStream
 from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.sampling import SamplingParams
 from mcore_rl.rollout.launch_flags import ServerArgs
@@ -56,9 +56,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class EngineServer:
-    """The aiohttp application serving one `AsyncEngine`."""
+    """The aiohttp application serving one `EngineDriver`."""
 
-    def __init__(self, engine: AsyncEngine, args: ServerArgs | None = None) -> None:
+    def __init__(self, engine: EngineDriver, args: ServerArgs | None = None) -> None:
         self.engine = engine
         self.core: EngineCore = engine.core
         self.tokenizer = self.core.tokenizer
@@ -414,7 +414,7 @@ def build_server(args: ServerArgs) -> EngineServer:
     """Load the model named by `args` (none: the built-in demo model) and wrap it in a server."""
     core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **args.engine_kwargs())
     core.weight_version = int(args.weight_version)
-    return EngineServer(AsyncEngine(core), args)
+    return EngineServer(EngineDriver(core), args)
 
 
 def run_server(server: EngineServer, host: str, port: int) -> None:
@@ -429,7 +429,7 @@ def run_server(server: EngineServer, host: str, port: int) -> None:
 class ServerThread:
     """An `EngineServer` on its own thread and event loop, for tests and in-process rollouts.
 
-    `ServerThread(EngineServer(AsyncEngine(core))).start()` returns the base URL (port 0 = a free one).
+    `ServerThread(EngineServer(EngineDriver(core))).start()` returns the base URL (port 0 = a free one).
     """
 
     def __init__(self, server: EngineServer, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0) -> None:

@@ -4,7 +4,7 @@ The server's handlers pass the request's JSON body (a dict) and get SGLang's rep
 `{"success": bool, "message": str}` (HTTP 200 on success, 400 otherwise). A malformed request
 raises `ValueError` whose message starts with the offending field, before anything changed. The
 server runs the `update_weights_from_*` handlers on the engine thread at a safe point
-(`AsyncEngine.update_weights`) after honouring `abort_all_requests`; they load, then set the
+(`EngineDriver.update_weights`) after honouring `abort_all_requests`; they load, then set the
 version the engine reports and flush the cache (`flush_cache`). The group handlers do not touch
 the model and block until the trainer joins: the server runs them off the engine thread.
 Request fields are those of SGLang's `io_struct`:

@@ -1,14 +1,14 @@
-"""The actor-learner RL loop (`mcore-rl train`), one idea per module:
+"""Orchestration of `mcore-rl train`: the driver loop and what it needs beyond the parts below it.
 
-- `samples`: samples with provenance (policy version, μ) and the resumable prompt streams;
-- `engines`: embedded `EngineCore`s or SGLang-compatible HTTP servers, behind one interface;
-- `rollout`: the rollout manager (G completions per prompt, rewards, dynamic sampling);
-- `batch`: samples -> [N, T] sequence tensors and packed megatron-core micro-batches;
-- `learner`: π_old/π_ref, advantages, mismatch correction, optimizer steps over mini-batches;
+- `loop`: the driver (rollouts -> learner -> weight sync -> MIPU accept/reject -> eval ->
+  checkpoints, resume); it reads as the RL algorithm, the parts do the work:
+  `mcore_rl.data` (prompt streams, tasks), `mcore_rl.rollout` (the engine pool),
+  `mcore_rl.rewards`, `mcore_rl.train` (policy, RL step, weight sync);
+- `rollout_manager`: G completions per prompt from the engine pool, scored, dynamic sampling;
 - `evaluate`: held-out pass@1 / avg@k through the engine;
-- `warm_start`: initial weights and the SFT warm start;
-- `metrics`: metrics.jsonl, TensorBoard, the curves PNG;
-- `loop`: the driver (weight sync, MIPU accept/reject, checkpoints, resume).
+- `metrics`: metrics.jsonl, TensorBoard, the curves PNG.
+
+The buffer and staleness gate of the asynchronous runtime will live here too.
 """
 
 from mcore_rl.runtime.loop import run_rl

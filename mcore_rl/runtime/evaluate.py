@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from mcore_rl.runtime.rollout import SALT_EVAL, RolloutManager
-from mcore_rl.runtime.samples import Prompt
+from mcore_rl.data.samples import Prompt
+from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager
 
 
 def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: Any, threshold: float = 1.0) -> dict[str, float]:

@@ -23,19 +23,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
+from mcore_rl.data.samples import Sample
 from mcore_rl.runtime.metrics import MetricsWriter, plot_curves, read_metrics
-from mcore_rl.runtime.samples import (
-    HELD_OUT_SEED_OFFSET,
-    VALIDATION_SEED_OFFSET,
-    PromptSource,
-    Sample,
-    read_prompt_file,
-    synthetic_pool,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -74,32 +66,19 @@ class RLRun:
     """All state of one `mcore-rl train` process (one rank)."""
 
     def __init__(self, cfg: RLConfig) -> None:
-        from mcore_rl.data.tokenizer import load_tokenizer
-        from mcore_rl.models.builder import build_model, transformer_config
-        from mcore_rl.parallel import setup
-        from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
-        from mcore_rl.train.optimizer import build_optimizer
+        from mcore_rl.data.prompts import build_prompt_sets
+        from mcore_rl.train.policy import build_policy
 
         self.t0 = time.perf_counter()
         self.cfg = cfg
-        _, world = setup.init_distributed()
-        self.world = world
-        self.sizes = validate_rl_config(cfg, world)
-        setup.init_model_parallel(cfg.parallel)
-        setup.set_seed(cfg.train.seed)
+        policy = build_policy(cfg, validate_rl_config, max(1, cfg.train.num_steps * cfg.optimizer_steps_per_rollout))
+        self.world, self.sizes, self.tokenizer = policy.world_size, policy.sizes, policy.tokenizer
+        self.chunks, self.optimizer, self.config = policy.chunks, policy.optimizer, policy.config
         self.rank0 = _rank0()
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                             f"({self.tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})")
-        t = cfg.train
-        self.config = transformer_config(cfg.model, cfg.parallel, t.precision, t.recompute)
-        self.chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=self.config), self.config)
-        prepare_config(self.config, self.chunks)
-        total = max(1, t.num_steps * cfg.optimizer_steps_per_rollout)
-        self.optimizer = build_optimizer(self.chunks, cfg.optimizer, t.precision, total)
         self.state = LoopState()
-        self._build_data()
+        prompt_sets = build_prompt_sets(cfg, self.tokenizer)
+        self.prompts, self.val_prompts = prompt_sets.train, prompt_sets.validation
+        self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: Optional[list] = None
         self.mipu: Any = None
         self.engines: Any = None
@@ -109,30 +88,6 @@ class RLRun:
         self.init_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------- setup
-
-    def _build_data(self) -> None:
-        cfg, d = self.cfg, self.cfg.data
-        seed = cfg.train.seed
-        if d.path is not None:
-            pool = read_prompt_file(d.path, d.prompt_key, d.label_key)
-            held_out = read_prompt_file(cfg.eval.path, d.prompt_key, d.label_key) if cfg.eval.path else pool
-            validation = pool
-        else:
-            pool = synthetic_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
-            held_out = (read_prompt_file(cfg.eval.path, d.prompt_key, d.label_key) if cfg.eval.path else
-                        synthetic_pool(d.synthetic_task, cfg.eval.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
-            validation = synthetic_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
-                                        seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
-        eval_source = PromptSource(held_out, self.tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos)
-        self.eval_prompts = eval_source.take(min(cfg.eval.num_prompts, len(held_out)))
-        # Held out means held out: training, SFT and validation never see an evaluation prompt
-        # (with 2-digit addition there are only 10^4 problems; random draws would overlap).
-        self.held_out_texts = {p.text for p in self.eval_prompts}
-        if d.path is None or cfg.eval.path:
-            pool = [x for x in pool if x[0] not in self.held_out_texts] or pool
-            validation = [x for x in validation if x[0] not in self.held_out_texts] or validation
-        self.prompts = PromptSource(pool, self.tokenizer, seed, d.add_bos)
-        self.val_prompts = PromptSource(validation, self.tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos)
 
     def initialise(self) -> None:
         """Resume, or start from init.checkpoint / the SFT warm start; then engines and first sync."""
@@ -156,7 +111,7 @@ class RLRun:
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
         else:
             self._resume_common = None
-            from mcore_rl.runtime.warm_start import load_initial_weights, sft_warm_start
+            from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
             if cfg.init.checkpoint:
                 load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
@@ -171,18 +126,13 @@ class RLRun:
 
     def _build_reference(self, resume: Optional[str]) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
-        from mcore_rl.models.builder import build_model, transformer_config
         from mcore_rl.train import checkpoint
+        from mcore_rl.train.policy import build_reference_model, copy_weights
 
         cfg = self.cfg
         if cfg.algorithm.kl_coef <= 0:
             return
-        config = transformer_config(cfg.model, cfg.parallel, cfg.train.precision, "none")
-        config.calculate_per_token_loss = True
-        self.ref_chunks = build_model(cfg.model, cfg.parallel, config=config)
-        for c in self.ref_chunks:
-            for p in c.parameters():
-                p.requires_grad_(False)
+        self.ref_chunks = build_reference_model(cfg)
         if resume is not None:
             root = cfg.checkpoint.load_dir  # the save_dir, or one of its iter_* directories
             if os.path.exists(os.path.join(root, "metadata.json")):
@@ -194,13 +144,7 @@ class RLRun:
                                         "to resume with")
             checkpoint.load_checkpoint(path, self.ref_chunks, None)
             return
-        from mcore_rl.hf.weight_map import _unwrap
-
-        with torch.no_grad():
-            for ref, pol in zip(self.ref_chunks, self.chunks):
-                for (n1, p1), (n2, p2) in zip(ref.named_parameters(), _unwrap(pol).named_parameters()):
-                    assert n1 == n2, (n1, n2)
-                    p1.copy_(p2)
+        copy_weights(self.ref_chunks, self.chunks)
         if cfg.checkpoint.save_dir:
             checkpoint.save_checkpoint(os.path.join(cfg.checkpoint.save_dir, "reference"), 0, self.ref_chunks, None,
                                        {"model": config_to_dict(cfg.model)})
@@ -218,20 +162,15 @@ class RLRun:
             self.mipu.load_state_dict(self._resume_common["mipu"])
 
     def _build_engines(self) -> None:
-        from mcore_rl.rollout.weight_sync import WeightSync
-        from mcore_rl.runtime.engines import EmbeddedEngines, RemoteEngines
-        from mcore_rl.runtime.rollout import RolloutManager, build_reward_runner
+        from mcore_rl.rollout.pool import build_engine_pool
+        from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
+        from mcore_rl.train.weight_sync import WeightSync
 
         cfg, r = self.cfg, self.cfg.rollout
         transport = None
         if self.rank0:
-            if r.engine_urls:
-                self.engines = RemoteEngines(r.engine_urls, timeout=r.request_timeout_s)
-            else:
-                self.engines = EmbeddedEngines.build(
-                    cfg.model, self.tokenizer, num=r.num_embedded_engines, quantization=r.quantization,
-                    max_running_requests=r.max_running_requests, context_length=r.context_length, seed=cfg.train.seed)
-            transport = self.engines.transport(cfg)
+            self.engines = build_engine_pool(r, cfg.model, self.tokenizer, cfg.train.seed)
+            transport = self.engines.weight_transport(r)
             self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
         self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
                                       quantization="fp8" if r.quantization == "fp8" else None)
@@ -248,7 +187,7 @@ class RLRun:
     # ---------------------------------------------------------------- one step
 
     def rollouts(self) -> tuple[list[Sample], dict[str, float]]:
-        from mcore_rl.runtime.rollout import reward_metrics
+        from mcore_rl.runtime.rollout_manager import reward_metrics
 
         payload = None
         if self.rank0:
@@ -265,10 +204,9 @@ class RLRun:
     def mipu_decide(self, learner: Any) -> dict[str, float]:
         """MIPU Step 2: score a validation batch sampled from the synced candidate, accept or roll
         back (trainer and engine). The validation samples are used for the decision only."""
-        from mcore_rl.algos.advantages import grpo
-        from mcore_rl.algos.mipu import t_hat_post
-        from mcore_rl.runtime.batch import sequence_view
-        from mcore_rl.runtime.rollout import SALT_VALIDATION
+        from mcore_rl.algos.mipu import validation_t_post
+        from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
+        from mcore_rl.train.packing import sequence_view
 
         m, r = self.cfg.algorithm.mismatch, self.cfg.rollout
         payload = None
@@ -281,9 +219,7 @@ class RLRun:
             self.val_prompts.load_state_dict(val_state)
         view = sequence_view(samples)
         pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        mask = view.mask * view.ok[:, None]
-        adv = grpo(view.rewards, view.group_ids)
-        t_post = t_hat_post(pi, view.rollout_logp, mask, adv)
+        t_post = validation_t_post(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids)
         decision = self.mipu.decide(t_post)
         out = decision.metrics()
         out.update(self.mipu.metrics())
@@ -325,7 +261,7 @@ class RLRun:
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Train as configured. Returns a summary (eval before/after, wall time) on every rank."""
-    from mcore_rl.runtime.learner import Learner
+    from mcore_rl.train.rl_step import Learner
 
     run = RLRun(cfg)
     rank0 = run.rank0

@@ -14,11 +14,10 @@ import torch.distributed as dist
 
 from mcore_rl.config import SFTConfig, save_config, validate_sft_config
 from mcore_rl.data.sft import SFTBatches, build_sft_rows
-from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.parallel import setup
+from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.train import checkpoint
-from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
-from mcore_rl.train.optimizer import build_optimizer
+from mcore_rl.train.forward_backward import forward_backward
+from mcore_rl.train.policy import build_policy
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +31,7 @@ class Trainer:
     optimizer: Any
     batches: SFTBatches
     eval_rows: Optional[dict[str, torch.Tensor]]
+    tokenizer: Tokenizer
     iteration: int = 0
 
 
@@ -51,32 +51,16 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
     """Initialise parallel state, data, model, optimizer; resume from a checkpoint if configured."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.models.builder import build_model, transformer_config
-
-    _, world_size = setup.init_distributed()
-    sizes = validate_sft_config(cfg, world_size)
-    setup.init_model_parallel(cfg.parallel)
-    setup.set_seed(cfg.train.seed)
-
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})"
-        )
+    policy = build_policy(cfg, validate_sft_config, cfg.train.train_iters)
+    chunks, optimizer, tokenizer = policy.chunks, policy.optimizer, policy.tokenizer
     rows = build_sft_rows(cfg.data, cfg.train.seq_length, tokenizer, cfg.train.seed)
-    dp = sizes.data_parallel_size
+    dp = policy.sizes.data_parallel_size
     train_rows, eval_rows = _split_eval_rows(rows, cfg, dp)
     batches = SFTBatches(
-        train_rows, cfg.train.micro_batch_size, sizes.num_microbatches,
+        train_rows, cfg.train.micro_batch_size, policy.sizes.num_microbatches,
         ps.get_data_parallel_rank(), dp, cfg.train.seed,
     )
-
-    config = transformer_config(cfg.model, cfg.parallel, cfg.train.precision, cfg.train.recompute)
-    chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)
-    prepare_config(config, chunks)
-    optimizer = build_optimizer(chunks, cfg.optimizer, cfg.train.precision, cfg.train.train_iters)
-    trainer = Trainer(cfg, chunks, optimizer, batches, eval_rows)
+    trainer = Trainer(cfg, chunks, optimizer, batches, eval_rows, tokenizer)
 
     if cfg.checkpoint.load_dir:
         path = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir)
@@ -101,13 +85,19 @@ def save(trainer: Trainer) -> str:
     )
 
 
-def train_step(trainer: Trainer) -> dict[str, float]:
-    for chunk in trainer.chunks:
+def sft_step(chunks: list[torch.nn.Module], optimizer: Any, batches: SFTBatches) -> dict[str, float]:
+    """One optimizer step on the next global batch (the SFT warm start of RL uses it too)."""
+    for chunk in chunks:
         chunk.train()
-    result = forward_backward(trainer.chunks, next(trainer.batches))
-    stats = trainer.optimizer.step()
-    trainer.iteration += 1
+    result = forward_backward(chunks, next(batches))
+    stats = optimizer.step()
     return {"loss": result["loss"], "num_tokens": result["num_tokens"], **stats}
+
+
+def train_step(trainer: Trainer) -> dict[str, float]:
+    out = sft_step(trainer.chunks, trainer.optimizer, trainer.batches)
+    trainer.iteration += 1
+    return out
 
 
 @torch.no_grad()
@@ -138,7 +128,7 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     accuracy = _task_accuracy(trainer)
     if accuracy is not None:
-        _log0(f"addition accuracy before training: {accuracy:.1%}")
+        _log0(f"{cfg.data.synthetic_task} accuracy before training: {accuracy:.1%}")
     window_tokens, window_start = 0.0, time.perf_counter()
     while trainer.iteration < t.train_iters:
         step = train_step(trainer)
@@ -171,21 +161,22 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
         _log0(f"saved {save(trainer)}")
     if records and "eval_accuracy" in records[-1]:
         _log0(
-            f"addition accuracy after training: {records[-1]['eval_accuracy']:.1%} "
+            f"{cfg.data.synthetic_task} accuracy after training: {records[-1]['eval_accuracy']:.1%} "
             "(greedy, 200 freshly drawn problems)"
         )
     return records
 
 
 def _task_accuracy(trainer: Trainer) -> Optional[float]:
-    """Greedy accuracy of the synthetic demo task; None when training on a data file."""
+    """Greedy accuracy on the task's held-out problems; None when training on a data file."""
     cfg = trainer.cfg
-    if cfg.data.path is not None or cfg.data.synthetic_task != "addition" or cfg.train.eval_interval <= 0:
+    if cfg.data.path is not None or cfg.train.eval_interval <= 0:
         return None
-    from mcore_rl.train.demo_eval import addition_accuracy
+    from mcore_rl.data.tasks import get_task
+    from mcore_rl.train.task_accuracy import greedy_task_accuracy
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
-    return addition_accuracy(trainer.chunks, cfg.model, cfg.data, tokenizer, cfg.train.seed)
+    task = get_task(cfg.data.synthetic_task, max_digits=cfg.data.synthetic_max_digits)
+    return greedy_task_accuracy(trainer.chunks, cfg.model, task, trainer.tokenizer, cfg.train.seed)
 
 
 def _format(r: dict[str, Any], total: int) -> str:

@@ -3,7 +3,7 @@
 `EngineCore` owns one model, a slot KV cache and a queue. Each `step()` runs one decode token for
 every running request (one batched forward), then admits waiting requests into free slots with one
 batched prefill; requests join and leave the running batch between steps. No HTTP here: the async
-wrapper and the SGLang-compatible server sit on top (`mcore_rl.rollout.async_engine`, `.server`).
+wrapper and the SGLang-compatible server sit on top (`mcore_rl.rollout.engine.driver`, `.server`).
 
 Semantics follow SGLang's `/generate` (field names, finish reasons, log-prob lists) with these
 documented choices:

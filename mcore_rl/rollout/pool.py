@@ -1,19 +1,24 @@
-"""The inference engines the rollout manager talks to: embedded `EngineCore`s in this process, or
-SGLang-compatible HTTP servers (`sglang.launch_server`, `mcore-rl serve`) behind `EngineRouter`.
+"""The engine pool: the one place that holds the inference engines (DESIGN.md decision 9).
 
-Both take the same requests (token ids + SGLang sampling parameters, with log-probs) and return
-the same `Generation`s, and both hand the weight sync its transport: in-process for embedded
-engines, the configured HTTP transport (shared-memory tensors, disk, or SGLang's broadcast group)
-for servers. Only global rank 0 ever holds engines.
+Two kinds, one interface: `EmbeddedEnginePool` (`EngineCore`s in this process) and
+`HTTPEnginePool` (SGLang-compatible servers: `sglang.launch_server`, `mcore-rl serve`). Both take
+the same requests (token ids + SGLang sampling parameters, with log-probs), return the same
+`Generation`s, and hand the weight sync its transport: in-process for embedded engines, the
+configured HTTP transport (shared-memory tensors, disk, or SGLang's broadcast group) for servers.
+The HTTP pool routes generation through `EngineRouter` (least outstanding requests, health,
+failover) and fans control and weight-update calls out to every engine from one event-loop
+thread, so the synchronous trainer can call all engines at once. Only global rank 0 holds a pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -37,7 +42,29 @@ class Generation:
     engine: str
 
 
-class EmbeddedEngines:
+class EnginePool(Protocol):
+    """What the rollout manager and the weight sync need of the engines."""
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]: ...
+
+    def weight_transport(self, rollout: Any) -> Any: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int) -> EnginePool:
+    """The pool `rollout.engine_urls` asks for: those servers, or embedded engines when empty."""
+    if rollout.engine_urls:
+        return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s)
+    return EmbeddedEnginePool.build(
+        model, tokenizer, num=rollout.num_embedded_engines, quantization=rollout.quantization,
+        max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed)
+
+
+class EmbeddedEnginePool:
     """`EngineCore`s in this process, stepped in turn until every request has finished."""
 
     def __init__(self, cores: Sequence[Any]) -> None:
@@ -45,7 +72,7 @@ class EmbeddedEngines:
 
     @classmethod
     def build(cls, mc: ModelConfig, tokenizer: Any, *, num: int, quantization: str,
-              max_running_requests: int, context_length: int, seed: int) -> "EmbeddedEngines":
+              max_running_requests: int, context_length: int, seed: int) -> "EmbeddedEnginePool":
         """`num` engines holding an (uninitialised) reference model of `mc`; the first weight sync
         fills them. `quantization`: "fp8" (e4m3 block weights), "bf16" or "none" (fp32).
 
@@ -73,8 +100,8 @@ class EmbeddedEngines:
     def weight_version(self) -> int:
         return self.cores[0].weight_version
 
-    def transport(self, cfg: Any) -> Any:
-        from mcore_rl.rollout.weight_sync import InProcessTransport
+    def weight_transport(self, rollout: Any) -> Any:
+        from mcore_rl.rollout.weight_transports import InProcessTransport
 
         return InProcessTransport(self.cores)
 
@@ -113,17 +140,20 @@ class EmbeddedEngines:
         pass
 
 
-class RemoteEngines:
-    """SGLang-compatible servers, called through `EngineRouter` from a private event-loop thread
-    (the trainer is synchronous). Requests carry rids, so a failover never runs one twice."""
+class HTTPEnginePool:
+    """SGLang-compatible servers, called from a private event-loop thread (the trainer is
+    synchronous): generation through `EngineRouter`, control and weight updates to every engine.
+    Requests carry rids, so a failover never runs one twice."""
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
+        if not urls:
+            raise ValueError("urls: need at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.concurrency = concurrency
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-http", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool-http", daemon=True)
         self._thread.start()
         self.router = self._run(self._make_router(EngineRouter, timeout))
         self._transport: Any = None
@@ -138,24 +168,50 @@ class RemoteEngines:
 
     @property
     def weight_version(self) -> int:
-        async def get() -> int:
-            client = next(iter(self.router.clients.values()))
-            return int(await client.get_weight_version())
+        return int(self.call("get_weight_version", {})[0])
 
-        return self._run(get())
+    # ---- fan-out to every engine (control and weight updates) -------------------------------
 
-    def transport(self, cfg: Any) -> Any:
-        """The weight transport `rollout.sync_transport` names, to every engine URL."""
-        from mcore_rl.rollout.weight_sync import DiskTransport, DistributedTransport, TensorTransport
+    def start(self, method: str, kwargs: dict | Callable[[int], dict]) -> list[Future]:
+        """Call `EngineClient.<method>(**kwargs)` on every engine, in URL order (`kwargs` may be a
+        function of the engine's index); returns the pending futures."""
+        clients = [self.router.clients[u] for u in self.urls]
+        return [
+            asyncio.run_coroutine_threadsafe(
+                getattr(c, method)(**(kwargs(i) if callable(kwargs) else kwargs)), self._loop
+            )
+            for i, c in enumerate(clients)
+        ]
 
-        r = cfg.rollout
-        if r.sync_transport == "tensor":
-            self._transport = TensorTransport(self.urls)
-        elif r.sync_transport == "disk":
-            self._transport = DiskTransport(self.urls, r.sync_dir)
+    def call(self, method: str, kwargs: dict | Callable[[int], dict]) -> list:
+        """`start` and wait: every engine's reply (the first failure is raised once all are done)."""
+        from mcore_rl.rollout.weight_transports import wait_all
+
+        return wait_all(self.start(method, kwargs))
+
+    @contextlib.contextmanager
+    def paused(self, mode: str) -> Iterator[None]:
+        """`/pause_generation` ... `/continue_generation` around a weight update (continue also on
+        failure), so that no token is generated from half-updated weights."""
+        self.call("pause_generation", {"mode": mode})
+        try:
+            yield
+        finally:
+            self.call("continue_generation", {})
+
+    def weight_transport(self, rollout: Any) -> Any:
+        """The weight transport `rollout.sync_transport` names, to every engine of the pool."""
+        from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, TensorTransport
+
+        if rollout.sync_transport == "tensor":
+            self._transport = TensorTransport(self)
+        elif rollout.sync_transport == "disk":
+            self._transport = DiskTransport(self, rollout.sync_dir)
         else:
-            self._transport = DistributedTransport(self.urls)
+            self._transport = DistributedTransport(self)
         return self._transport
+
+    # ---- generation --------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenRequest]) -> list[Generation]:
         return self._run(self._generate(requests))
@@ -181,6 +237,7 @@ class RemoteEngines:
     def close(self) -> None:
         if self._transport is not None and hasattr(self._transport, "close"):
             self._transport.close()
+            self._transport = None
         if not self._loop.is_closed():
             self._run(self.router.close())
             self._loop.call_soon_threadsafe(self._loop.stop)

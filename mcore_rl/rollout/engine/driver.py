@@ -45,7 +45,7 @@ class RequestStream:
     Closing it before the final output aborts the request, so a client that went away frees its slot.
     """
 
-    def __init__(self, engine: "AsyncEngine", req: Request, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: "EngineDriver", req: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.engine, self.req, self.loop = engine, req, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.created = time.monotonic()
@@ -77,7 +77,7 @@ class RequestStream:
             self.engine.abort_nowait(self.req.rid, "client closed the request")
 
 
-class AsyncEngine:
+class EngineDriver:
     """Runs `core` on a daemon thread until `close()`; every method is a coroutine safe to call
     from any event loop (outputs return to the loop that submitted the request)."""
 

@@ -20,9 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from mcore_rl.algos.dynamic_sampling import GroupRefill
+from mcore_rl.data.prompts import PromptSource
+from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
-from mcore_rl.runtime.engines import GenRequest
-from mcore_rl.runtime.samples import Prompt, PromptSource, Sample
+from mcore_rl.rollout.pool import EnginePool, GenRequest
 
 # salts that keep the sampling seeds of different purposes apart
 SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
@@ -33,6 +34,9 @@ def sample_seed(seed: int, salt: int, index: int, j: int) -> int:
 
 
 def build_reward_runner(cfg: Any) -> RewardRunner:
+    """The runner of `reward.name` (task rewards are registered by importing `mcore_rl.data.tasks`)."""
+    import mcore_rl.data.tasks  # noqa: F401
+
     rc = cfg.reward
     return RewardRunner(
         RewardFunction(get_reward_fn(rc.name), timeout_s=rc.timeout_s, error_reward=rc.error_reward, name=rc.name),
@@ -63,7 +67,7 @@ class RolloutStats:
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(self, engines: Any, prompts: PromptSource, rewards: RewardRunner, cfg: Any) -> None:
+    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: RewardRunner, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
 
     def sampling_params(self, temperature: float, seed: int | None) -> dict[str, Any]:

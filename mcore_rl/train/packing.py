@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from mcore_rl.runtime.samples import Sample
+from mcore_rl.data.samples import Sample
 
 SEQ_KEYS = ("old_logp", "rollout_logp", "ref_logp", "is_weights", "keep", "advantages")
 

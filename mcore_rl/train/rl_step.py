@@ -1,5 +1,5 @@
-"""The learner step: one rollout batch -> π_old (and π_ref) -> advantages -> mismatch correction ->
-several optimizer steps over mini-batches.
+"""The RL step of the learner: one rollout batch -> π_old (and π_ref) -> advantages -> mismatch
+correction -> several optimizer steps over mini-batches.
 
 Collective over the trainer world: every rank holds the same samples (rank 0 broadcasts them),
 builds the same sequence view, runs its data-parallel share of every micro-batch, and gets the same
@@ -8,11 +8,13 @@ normalise over it), then travel with each sample into its micro-batch. The loss 
 policy loss on [n, T] views gathered from the packed micro-batch, plus KL and entropy terms with
 the same aggregation (megatron-core divides the summed loss by one count summed over micro-batches
 and DP ranks, so every term must share it).
+
+Every algorithm is looked up in `mcore_rl.algos.registry` by its config name and called with its
+kind's one signature, so nothing here branches on an algorithm's name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Optional, Sequence
 
@@ -21,13 +23,12 @@ import torch.distributed as dist
 
 from mcore_rl.algos import registry
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
-from mcore_rl.algos.mismatch import PRESETS, correct, mismatch_metrics
-from mcore_rl.algos.mipu import truncated_mismatch_weight
+from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.policy_loss import masked_mean
-from mcore_rl.runtime.batch import build_microbatches, sequence_view, split_minibatches
-from mcore_rl.runtime.samples import Sample
+from mcore_rl.data.samples import Sample
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
+from mcore_rl.train.packing import build_microbatches, sequence_view, split_minibatches
 
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
@@ -61,14 +62,13 @@ def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
     return buf.cpu()
 
 
-def mismatch_config(cfg: Any):
-    """The `MismatchConfig` of `algorithm.mismatch` (a preset with the recipe's overrides)."""
+def mismatch_overrides(cfg: Any) -> dict[str, Any]:
+    """`algorithm.mismatch`'s set fields as `MismatchConfig` overrides of the named correction."""
     m = cfg.algorithm.mismatch
-    over = {k: v for k, v in dict(
+    return {k: v for k, v in dict(
         is_level=m.level, is_clip_low=m.clip_low, is_clip_high=m.clip_high, mask_low=m.mask_low,
         mask_high=m.mask_high, veto_threshold=m.veto_threshold, batch_normalize=m.batch_normalize,
     ).items() if v is not None}
-    return dataclasses.replace(PRESETS[m.name], **over)
 
 
 class Learner:
@@ -130,23 +130,11 @@ class Learner:
             metrics["kl/ref"] = float(kl_tokens.sum() / mask.sum().clamp_min(1))
             if a.kl_in_reward:
                 rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
-        adv_fn = registry.get("advantage", a.advantage)
-        advantages = adv_fn(rewards, view.group_ids, normalize_std=a.advantage_std_normalize) \
-            if a.advantage == "grpo" else adv_fn(rewards, view.group_ids)
-        if a.mismatch.name == "mipu":
-            m = a.mismatch
-            weights = truncated_mismatch_weight(old, view.rollout_logp, mask, m.clip_high or 2.0, m.level or "token")
-            keep = mask
-            mm = mismatch_metrics(old, view.rollout_logp, view.mask)
-            mm["mismatch/is_weight_mean"] = masked_mean(weights, mask)
-            mm["mismatch/is_weight_max"] = weights.max() if weights.numel() else torch.zeros(())
-            mm["mismatch/clipfrac"] = masked_mean(
-                (torch.exp((old - view.rollout_logp).clamp(-20, 20)) > (m.clip_high or 2.0)).float(), mask)
-            mm["mismatch/maskfrac"] = torch.zeros(())
-        else:
-            corr = correct(old, view.rollout_logp, mask, mismatch_config(self.cfg))
-            weights, keep, mm = corr.weights, corr.mask, corr.metrics
-            mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
+        advantages = registry.get("advantage", a.advantage)(
+            rewards, view.group_ids, normalize_std=a.advantage_std_normalize)
+        corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
+        weights, keep, mm = corr.weights, corr.mask, corr.metrics
+        mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
         metrics.update({k: float(v) for k, v in mm.items()})
         metrics["entropy/mean"] = float(masked_mean(entropy, view.mask))
         metrics["advantage/abs_mean"] = float(advantages.abs().mean())

@@ -1,0 +1,284 @@
+"""The engine side of trainer -> engine weight sync: the transports that ship HF-named buckets.
+
+DESIGN.md decision 4. A transport gets buckets of full HF-named tensors (from
+`mcore_rl.train.weight_sync`) and delivers them to every engine of an engine pool:
+
+- `DiskTransport`: safetensors shards + `/update_weights_from_disk`;
+- `DistributedTransport`: SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`,
+  the trainer being rank 0 of a broadcast group with every engine rank;
+- `TensorTransport`: `/update_weights_from_tensor` (a shared-memory file for engines on the same
+  host, or the bytes in the request);
+- `InProcessTransport`: colocated `EngineCore`s, straight into `load_weights`.
+
+HTTP transports reach the engines only through the pool's fan-out (`call`, `start`, `paused`).
+Engines are paused for the whole sync (`/pause_generation` ... `/continue_generation`), so no
+token is generated from half-updated weights, and the last request of a sync carries
+`weight_version`, so an engine reports the new version only once every tensor has arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.rollout.weight_protocol import (
+    BucketMeta,
+    NamedTensors,
+    broadcast_tensors,
+    encode_named_tensors,
+    encode_named_tensors_sglang,
+    encode_tensor_file,
+    flatten,
+    init_custom_process_group,
+    write_safetensors,
+)
+
+
+class EngineFanout(Protocol):
+    """What an HTTP transport needs of the engine pool: call every engine, and pause them."""
+
+    def call(self, method: str, kwargs: Any) -> list: ...
+
+    def start(self, method: str, kwargs: Any) -> list[Future]: ...
+
+    def paused(self, mode: str) -> contextlib.AbstractContextManager: ...
+
+
+def wait_all(futures: list[Future]) -> list:
+    """Every future's result; the first failure is raised once all have finished."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Transport(Protocol):
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None: ...
+
+
+@dataclass
+class DistributedTransport:
+    """SGLang's broadcast protocol: the trainer is rank 0 of a group with every engine rank.
+
+    The first `send` calls `/init_weights_update_group` on each engine (rank_offset 1 for the first
+    engine, then after each engine's `tp_size` ranks, read from `/get_server_info`) while joining
+    the group itself; the group then stays up until `close()`. Each bucket is one
+    `/update_weights_from_distributed` request per engine plus, while the engines wait in it, one
+    broadcast per tensor (`load_format=None`, SGLang's default, the default here: the embedded
+    engine receives each tensor straight into its parameter) or one broadcast of the flattened
+    bucket (`load_format="flattened_bucket"`: fewer, larger messages, one staging copy per side).
+    """
+
+    engines: EngineFanout
+    master_address: str = "127.0.0.1"
+    master_port: int = 0  # 0 = a free port
+    group_name: str = "weight_update_group"
+    backend: str = ""  # "" = nccl with CUDA, gloo without
+    load_format: Optional[str] = None
+    pause_mode: str = "retract"
+    _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
+
+    def connect(self) -> None:
+        if self._group is not None:
+            return
+        self.backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        port = self.master_port or _free_port(self.master_address)
+        sizes = [int(info.get("tp_size", 1)) for info in self.engines.call("get_server_info", {})]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world_size = 1 + sum(sizes)
+        futures = self.engines.start("init_weights_update_group", lambda i: dict(
+            master_address=self.master_address, master_port=port, rank_offset=offsets[i],
+            world_size=world_size, group_name=self.group_name, backend=self.backend,
+        ))
+        try:
+            self._group = init_custom_process_group(
+                self.backend, self.master_address, port, 0, world_size, self.group_name
+            )
+        finally:
+            wait_all(futures)
+
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+        self.connect()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        with self.engines.paused(self.pause_mode):
+            for bucket, last in _with_last(buckets):
+                meta = BucketMeta.of(bucket)
+                fields = dict(group_name=self.group_name, load_format=self.load_format, flush_cache=last)
+                if last:
+                    fields["weight_version"] = str(version)
+                futures = self.engines.start(
+                    "update_weights_from_distributed",
+                    dict(names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, **fields),
+                )
+                try:
+                    if self.load_format == "flattened_bucket":
+                        broadcast_tensors([flatten(bucket).to(device)], self._group)
+                    else:
+                        broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
+                finally:
+                    wait_all(futures)
+                stats.buckets += 1
+
+    def close(self) -> None:
+        """Tear the group down on both sides (`/destroy_weights_update_group`)."""
+        if self._group is not None:
+            futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name})
+            dist.destroy_process_group(self._group)
+            self._group = None
+            wait_all(futures)
+        if self._engines is not None:
+            self.engines.close()
+            self._engines = None
+
+
+@dataclass
+class DiskTransport:
+    """safetensors shards (one per bucket) plus `model.safetensors.index.json` in `directory`,
+    then `/update_weights_from_disk` with that path. The directory must be readable by the
+    engines (a shared filesystem for engines on other hosts). Between syncs it holds the latest
+    weights (an engine can be restarted from it); each sync rewrites the shards in place, which
+    reuses their page cache, and removes shards a smaller sync no longer needs."""
+
+    engines: EngineFanout
+    directory: str
+    pause_mode: str = "retract"
+
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        written: set[str] = set()
+        for i, bucket in enumerate(buckets):
+            fname = f"model-{i + 1:05d}.safetensors"
+            write_safetensors(bucket, os.path.join(self.directory, fname))
+            weight_map.update((n, fname) for n, _ in bucket)
+            written.add(fname)
+            stats.buckets += 1
+        _remove(os.path.join(self.directory, f) for f in os.listdir(self.directory)
+                if f.endswith(".safetensors") and f not in written)
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, f)
+        with self.engines.paused(self.pause_mode):
+            self.engines.call("update_weights_from_disk",
+                              dict(model_path=self.directory, weight_version=str(version), flush_cache=True))
+
+
+@dataclass
+class TensorTransport:
+    """`/update_weights_from_tensor`, one request per bucket. `payload` says how tensors travel:
+
+    - "shm" (default; engines on this host): each bucket is written, as safetensors, to a file in
+      `shm_dir` (default /dev/shm) and the request points at it — the CPU analogue of the CUDA IPC
+      handles a colocated SGLang receives. Two such files alternate (the next bucket is written
+      while the engines read the current one) and are rewritten in place from sync to sync, which
+      is several times faster than fresh shared memory; `close()` removes them;
+    - "inline": the bytes travel in the request (base64 safetensors), for engines elsewhere; JSON
+      and base64 make this the slowest transport;
+    - "sglang": SGLang's `MultiprocessingSerializer` format, for a colocated real SGLang server.
+    """
+
+    engines: EngineFanout
+    payload: str = "shm"
+    shm_dir: Optional[str] = None
+    pause_mode: str = "retract"
+    _files: list[str] = field(default_factory=list, init=False)
+
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+        if self.payload not in ("shm", "inline", "sglang"):
+            raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
+        with self.engines.paused(self.pause_mode):
+            pending: list[Future] = []
+            for i, (bucket, last) in enumerate(_with_last(buckets)):
+                fields: dict = dict(serialized_named_tensors=[self._encode(bucket, i % 2)], flush_cache=last)
+                if last:
+                    fields["weight_version"] = str(version)
+                wait_all(pending)  # the previous bucket, loaded while this one was written
+                pending = self.engines.start("update_weights_from_tensor", fields)
+                stats.buckets += 1
+            wait_all(pending)
+
+    def _encode(self, bucket: NamedTensors, slot: int) -> str:
+        if self.payload == "inline":
+            return encode_named_tensors(bucket)
+        if self.payload == "sglang":
+            return encode_named_tensors_sglang(bucket)
+        if not self._files:
+            shm_dir = self.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            stem = os.path.join(shm_dir, f"mcore_rl_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            self._files = [f"{stem}_{k}.safetensors" for k in (0, 1)]
+        write_safetensors(bucket, self._files[slot])
+        return encode_tensor_file(self._files[slot])
+
+    def close(self) -> None:
+        _remove(self._files)
+        self._files = []
+
+
+def _remove(paths: Iterable[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
+
+
+@dataclass
+class InProcessTransport:
+    """Colocated `EngineCore`s in this process: buckets go straight into `load_weights`, with the
+    same checks as the endpoints. Generation must not run meanwhile: pause the engine around the
+    sync (`EngineDriver.pause("in_place")` ... `resume()`), as the HTTP transports do."""
+
+    cores: Sequence[object]
+
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+        from mcore_rl.rollout.weight_receiver import load_named_tensors
+
+        for bucket in buckets:
+            for core in self.cores:
+                load_named_tensors(core, bucket)
+            stats.buckets += 1
+        for core in self.cores:
+            core.weight_version = version
+            core.flush_cache()
+
+
+def _with_last(items: Iterable[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:
+    it = iter(items)
+    prev = next(it, None)
+    while prev is not None:
+        nxt = next(it, None)
+        yield prev, nxt is None
+        prev = nxt
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
