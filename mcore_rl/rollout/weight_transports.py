@@ -154,9 +154,6 @@ class DistributedTransport:
             dist.destroy_process_group(self._group)
             self._group = None
             wait_all(futures)
-        if self._engines is not None:
-            self.engines.close()
-            self._engines = None
 
 
 @dataclass

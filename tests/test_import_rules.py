@@ -1,0 +1,104 @@
+"""The package structure, checked: arrows of the data flow that must never exist (docs/architecture.md).
+
+Every `import` in a package's files counts, including those inside functions (a lazy import is
+still a dependency). A second check imports the packages that must stay light in a fresh
+interpreter and looks at what came along.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mcore_rl"
+
+# package -> module prefixes it must not import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # pure tensor functions: no Megatron, no HTTP, nothing of the trainer or the engines
+    "algos": ("megatron", "aiohttp", "mcore_rl.models", "mcore_rl.parallel", "mcore_rl.rollout",
+              "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.data", "mcore_rl.rewards", "mcore_rl.convert"),
+    # exported as remote code and used by the engine: never Megatron
+    "hf": ("megatron", "mcore_rl.models", "mcore_rl.parallel", "mcore_rl.train", "mcore_rl.runtime",
+           "mcore_rl.rollout", "mcore_rl.convert"),
+    # the engine side knows nothing of the learner or the loop
+    "rollout": ("mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert", "mcore_rl.rewards"),
+    "rewards": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.data",
+                "mcore_rl.models", "mcore_rl.parallel"),
+    "models": ("mcore_rl.rollout", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert"),
+    "parallel": ("mcore_rl.models", "mcore_rl.train", "mcore_rl.rollout", "mcore_rl.runtime", "mcore_rl.convert"),
+    "data": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
+             "mcore_rl.parallel", "mcore_rl.convert"),
+    "train": ("mcore_rl.runtime", "mcore_rl.convert"),
+    "config": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
+               "mcore_rl.parallel", "mcore_rl.convert"),
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: pathlib.Path, package: str = "") -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, relative ones resolved against
+    `package` (default: the file's own package in the tree)."""
+    tree = ast.parse(path.read_text(), str(path))
+    if not package:
+        package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+            out += [(node.lineno, f"{module}.{a.name}") for a in node.names if module == "mcore_rl"]
+    return out
+
+
+def _banned(module: str, banned: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in banned)
+
+
+def _violations(package: str, banned: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line}: imports {module}"
+            for path in sorted((PACKAGE / package).rglob("*.py"))
+            for line, module in imports_of(path) if _banned(module, banned)]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_forbidden_arrow(package: str) -> None:
+    assert (PACKAGE / package).is_dir(), f"mcore_rl/{package} is gone: update FORBIDDEN"
+    assert _violations(package, FORBIDDEN[package]) == []
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\ndef f():\n    from megatron.core import parallel_state\n    from ..train import sft\n")
+    found = [m for _, m in imports_of(probe, package="mcore_rl.hf")]
+    assert found == ["torch", "megatron.core", "mcore_rl.train"]
+    assert [m for m in found if _banned(m, FORBIDDEN["hf"])] == ["megatron.core", "mcore_rl.train"]
+
+
+def test_light_packages_import_without_megatron_or_http() -> None:
+    script = (
+        "import sys\n"
+        "import mcore_rl.algos, mcore_rl.hf, mcore_rl.rewards, mcore_rl.data.tasks, mcore_rl.data.prompts\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('megatron', 'aiohttp')})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
