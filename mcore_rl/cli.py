@@ -29,6 +29,13 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def _relaunch(nproc: int, cli_args: list[str]) -> int:
+    """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "mcore_rl.cli", *cli_args]
+    return subprocess.call(command)
+
+
 def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
     """Load and validate the recipe for the world it will run in; relaunch under torchrun or run.
 
@@ -46,12 +53,7 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
         print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
     if args.nproc_per_node > 1 and not _launched():
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}", "-m", "mcore_rl.cli", name,
-            *([args.recipe] if args.recipe else []), *args.overrides,
-        ]
-        return subprocess.call(command)
+        return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
     from mcore_rl.parallel import setup
 
     module, function = entry.split(":")
@@ -85,11 +87,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"mcore-rl convert {args.direction}: {err}", file=sys.stderr)
         return 2
     if world > 1 and not _launched():
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "mcore_rl.cli", *args.argv,
-        ]
-        return subprocess.call(command)
+        return _relaunch(world, args.argv)
     return convert.run(args)
 
 
