@@ -28,10 +28,12 @@ class PromptSource:
     the epoch and position so a resumed run draws exactly the prompts an uninterrupted one would.
     """
 
-    def __init__(self, pool: list[tuple[str, Any]], tokenizer: Any, seed: int, add_bos: bool = True) -> None:
+    def __init__(self, pool: list[tuple[str, Any]], tokenizer: Any, seed: int, add_bos: bool = True,
+                 domain: str = "") -> None:
         if not pool:
             raise ValueError("the prompt pool is empty")
         self.pool, self.tokenizer, self.seed, self.add_bos = pool, tokenizer, seed, add_bos
+        self.domain = domain
         self.epoch, self.position, self.drawn = 0, 0, 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
@@ -51,7 +53,7 @@ class PromptSource:
             if self.position >= len(self.pool):
                 self.epoch, self.position = self.epoch + 1, 0
             text, label = self.pool[int(self._permutation()[self.position])]
-            out.append(Prompt(self.drawn, text, self.encode(text), label))
+            out.append(Prompt(self.drawn, text, self.encode(text), label, self.domain))
             self.position += 1
             self.drawn += 1
         return out
@@ -112,6 +114,7 @@ class PromptSets:
 def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes."""
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
+    domain = d.synthetic_task if d.path is None else d.path
     if d.path is not None:
         pool = read_prompt_file(d.path, d.prompt_key, d.label_key)
         held_out = read_prompt_file(e.path, d.prompt_key, d.label_key) if e.path else pool
@@ -122,14 +125,14 @@ def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
                     task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
         validation = task_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
                                seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
-    eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos).take(
+    eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos, domain).take(
         min(e.num_prompts, len(held_out)))
     held_out_texts = {p.text for p in eval_prompts}
     if d.path is None or e.path:
         pool = [x for x in pool if x[0] not in held_out_texts] or pool
         validation = [x for x in validation if x[0] not in held_out_texts] or validation
     return PromptSets(
-        train=PromptSource(pool, tokenizer, seed, d.add_bos),
-        validation=PromptSource(validation, tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos),
+        train=PromptSource(pool, tokenizer, seed, d.add_bos, domain),
+        validation=PromptSource(validation, tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos, domain),
         eval_prompts=eval_prompts,
     )

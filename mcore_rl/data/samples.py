@@ -20,6 +20,7 @@ class Prompt:
     text: str
     ids: list[int]
     label: Any = None
+    domain: str = ""  # the task or file it came from (per-domain rewards and metrics key on it)
 
 
 @dataclass
@@ -43,5 +44,5 @@ class Sample:
         return self.prompt.ids
 
     def provenance(self) -> dict[str, Any]:
-        return {"prompt_index": self.prompt.index, "policy_version": self.policy_version,
+        return {"prompt_index": self.prompt.index, "domain": self.prompt.domain, "policy_version": self.policy_version,
                 "engine": self.engine, "finish_reason": self.finish_reason}
