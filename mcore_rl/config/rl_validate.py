@@ -200,7 +200,10 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
                 f"MIPU's weight is per token or per sequence, got {m.level!r}")
     errors.need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",
                 f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}")
-    for key in ("mask_low", "mask_high", "veto_threshold", "batch_normalize"):
+    errors.need(m.clip_high is None or m.clip_high > 0, "algorithm.mismatch.clip_high",
+                "is MIPU's w_max, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, "
+                f"got {m.clip_high}")
+    for key in ("clip_low", "mask_low", "mask_high", "veto_threshold", "batch_normalize"):
         errors.need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
                     "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
 
