@@ -7,7 +7,15 @@ from typing import Literal, Optional
 
 import pytest
 
-from mcore_rl.config import ConfigError, SFTConfig, load_config, save_config, validate_sft_config
+from mcore_rl.config import (
+    ConfigError,
+    RLConfig,
+    SFTConfig,
+    load_config,
+    save_config,
+    validate_rl_config,
+    validate_sft_config,
+)
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.validate import DerivedSizes
 
@@ -255,3 +263,200 @@ def test_sequence_length_and_positive_sizes():
 def test_all_errors_reported_together():
     msg = invalid(sft("train.seq_length=4096", "model.num_query_groups=3"), 1, "train.seq_length")
     assert "model.num_query_groups" in msg
+
+
+# ------------------------------------------------------------------- RL validation
+
+RL_SMALL = [
+    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.max_position_embeddings=64",
+    "train.seq_length=32", "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
+    "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4", "rollout.context_length=64",
+    "algorithm.num_minibatches=2", "eval.num_prompts=4", "eval.k=2",
+    "init.sft_steps=3", "init.sft_seq_length=32", "init.sft_micro_batch_size=4",
+]
+
+
+def rl(*overrides: str) -> RLConfig:
+    return load_config(RLConfig, None, RL_SMALL + list(overrides))
+
+
+def rl_errors(cfg: RLConfig, world_size: int = 2) -> list[str]:
+    """The lines of the one ConfigError that validation raises."""
+    with pytest.raises(ConfigError) as e:
+        validate_rl_config(cfg, world_size)
+    head, *lines = str(e.value).splitlines()
+    assert head == "invalid config:"
+    return [line.strip() for line in lines]
+
+
+def test_rl_valid_and_derived_sizes():
+    assert validate_rl_config(rl(), 2) == DerivedSizes(2, 2, 1)
+    assert validate_rl_config(rl("parallel.tensor_model_parallel_size=2"), 4) == DerivedSizes(2, 2, 1)
+    assert validate_rl_config(RLConfig(), 1) == DerivedSizes(1, 1, 1)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.max_staleness=2"], "rollout.max_staleness"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["train.seq_length=8"], "train.seq_length"),
+    (["algorithm.num_minibatches=100"], "algorithm.num_minibatches"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mask_low=0.5"], "algorithm.mismatch.mask_low"),
+    (["algorithm.mismatch.name=mipu", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
+    (["algorithm.mismatch.clip_low=3", "algorithm.mismatch.clip_high=2"], "algorithm.mismatch.clip_low"),
+    (["eval.score=avg@k", "eval.k=0"], "eval.score"),
+    (["reward.name=nope"], "reward.name"),
+    (["rollout.engine_urls=[localhost:1]"], "rollout.engine_urls[0]"),
+    (["rollout.engine_urls=[http://h:1]", "rollout.sync_transport=disk"], "rollout.sync_dir"),
+    (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
+    (["model.num_attention_heads=3"], "model.num_query_groups"),
+    (["parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+     "parallel.virtual_pipeline_model_parallel_size"),  # RL steps have no fixed micro-batch count
+    (["init.sft_steps=2", "data.path=x.jsonl"], "init.sft_steps"),
+])
+def test_rl_validation_names_the_key(overrides, key):
+    assert any(line.startswith(key + ":") for line in rl_errors(rl(*overrides))), key
+
+
+def _names(kind: str) -> str:
+    from mcore_rl.algos import registry
+
+    return ", ".join(registry.names(kind))
+
+
+def test_unknown_algorithm_names_list_the_registry():
+    from mcore_rl.algos import registry
+
+    assert "mipu" in registry.names("mismatch")
+    assert f"algorithm.advantage: unknown advantage 'foo'; registered: {_names('advantage')}" in rl_errors(
+        rl("algorithm.advantage=foo"))
+    assert (f"algorithm.policy_loss: unknown policy loss 'foo'; registered: {_names('policy_loss')}"
+            in rl_errors(rl("algorithm.policy_loss=foo")))
+    assert (f"algorithm.mismatch.name: unknown mismatch correction 'bogus'; registered: {_names('mismatch')}"
+            in rl_errors(rl("algorithm.mismatch.name=bogus")))  # loads (a str field), refused by validation
+
+
+def test_unknown_task_and_reward_list_the_registry():
+    from mcore_rl.data.tasks import task_names
+    from mcore_rl.rewards import reward_names
+
+    task_line = f"data.synthetic_task: unknown task 'nope'; registered: {', '.join(task_names())}"
+    assert task_line in rl_errors(rl("data.synthetic_task=nope"))
+    assert task_line in invalid(sft("data.synthetic_task=nope"), 1, "data.synthetic_task")
+    lines = rl_errors(rl("reward.name=nope"))
+    assert lines == [f"reward.name: unknown reward 'nope'; registered: {', '.join(reward_names())} "
+                     "(or 'package.module:function')"]  # and not also 'is scored by'
+    assert "addition" in reward_names() and "math" in reward_names()
+
+
+def test_reward_must_score_the_synthetic_task():
+    assert rl_errors(rl("reward.name=math")) == [
+        "reward.name: the synthetic task 'addition' is scored by 'addition', got 'math'"]
+    validate_rl_config(rl("reward.name=math", "data.path=x.jsonl", "init.sft_steps=0"), 2)
+    validate_rl_config(rl("reward.name=my_pkg.rewards:score"), 2)  # an import path is the user's choice
+
+
+@pytest.fixture
+def runtime_advantage():
+    from mcore_rl.algos import registry
+
+    registry.register("advantage", "my_test_adv")(lambda rewards, group_ids: rewards)
+    yield "my_test_adv"
+    del registry._TABLES["advantage"]["my_test_adv"]
+
+
+def test_names_come_from_the_registry(runtime_advantage):
+    validate_rl_config(rl(f"algorithm.advantage={runtime_advantage}"), 2)
+    assert runtime_advantage in rl_errors(rl("algorithm.advantage=foo"))[0]
+
+
+@pytest.fixture
+def long_task():
+    """A task registered at runtime whose prompts are long and scored by 'math'."""
+    from mcore_rl.data import tasks
+
+    @dataclasses.dataclass(frozen=True)
+    class LongTask:
+        max_digits: int = 1
+        name: str = "long_test_task"
+        reward: str = "math"
+
+        def max_prompt_tokens(self) -> int:
+            return 20 * self.max_digits
+
+    tasks.register_task("long_test_task")(LongTask)
+    yield "long_test_task"
+    del tasks._TASKS["long_test_task"]
+
+
+def test_task_rules_come_from_the_task(long_task):
+    cfg = rl(f"data.synthetic_task={long_task}", "reward.name=math", "data.synthetic_max_digits=1")
+    validate_rl_config(cfg, 2)  # 1 + 20 + 4 tokens fit in 32
+    assert rl_errors(rl(f"data.synthetic_task={long_task}", "data.synthetic_max_digits=2")) == [
+        "train.seq_length: 32 is shorter than the longest sample (45 tokens: prompt + rollout.max_new_tokens=4); "
+        "raise it or lower rollout.max_new_tokens",
+        f"reward.name: the synthetic task '{long_task}' is scored by 'math', got 'addition'",
+    ]
+
+
+def test_addition_prompt_length_sets_the_row_length():
+    # "999+999=" is 8 tokens, + bos + 4 new tokens = 13
+    validate_rl_config(rl("data.synthetic_max_digits=3", "train.seq_length=13"), 2)
+    assert rl_errors(rl("data.synthetic_max_digits=3", "train.seq_length=12"))[0].startswith(
+        "train.seq_length: 12 is shorter than the longest sample (13 tokens")
+
+
+def test_rl_errors_in_several_sections_are_reported_together():
+    lines = rl_errors(rl(
+        "parallel.tensor_model_parallel_size=3",  # world 2
+        "optimizer.min_lr=1.0",
+        "data.synthetic_task=nope",
+        "rollout.temperature=0",
+        "algorithm.advantage=foo",
+        "algorithm.mismatch.veto_threshold=-1",
+        "reward.timeout_s=0",
+        "eval.k=-1",
+        "init.sft_lr=-1",
+    ))
+    keys = [line.split(":", 1)[0] for line in lines]
+    for key in ["parallel.tensor_model_parallel_size", "optimizer.min_lr", "data.synthetic_task",
+                "rollout.temperature", "algorithm.advantage", "algorithm.mismatch.veto_threshold",
+                "reward.timeout_s", "eval.k", "init.sft_lr"]:
+        assert key in keys, (key, lines)
+    assert len(lines) == len(set(lines))  # each line once
+
+
+def test_rl_size_errors_do_not_stop_the_other_sections():
+    lines = rl_errors(rl("train.micro_batch_size=0", "model.num_layers=0", "eval.num_prompts=0"))
+    assert lines == ["model.num_layers: must be >= 1, got 0", "train.micro_batch_size: must be >= 1, got 0",
+                     "eval.num_prompts: must be >= 1, got 0"]
+
+
+MIPU = ["algorithm.mismatch.name=mipu"]
+
+
+def test_mipu_clip_rules():
+    validate_rl_config(rl(*MIPU), 2)
+    validate_rl_config(rl(*MIPU, "algorithm.mismatch.clip_high=3"), 2)
+    w_max = "algorithm.mismatch.clip_high: is MIPU's w_max"
+    assert [line for line in rl_errors(rl(*MIPU, "algorithm.mismatch.clip_high=0")) if line.startswith(w_max)] == [
+        f"{w_max}, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, got 0.0"]
+    assert any(line.startswith(w_max) for line in rl_errors(rl(*MIPU, "algorithm.mismatch.clip_high=-1")))
+    assert rl_errors(rl(*MIPU, "algorithm.mismatch.clip_low=0.5")) == [
+        "algorithm.mismatch.clip_low: is not used by MIPU (its only parameters are clip_high = w_max, level and "
+        "mipu_*)"]
+    # other corrections keep their own rules: TIS may truncate at 0
+    validate_rl_config(rl("algorithm.mismatch.name=tis", "algorithm.mismatch.clip_high=0",
+                          "algorithm.mismatch.clip_low=0"), 2)
+
+
+@pytest.mark.parametrize("override", [
+    "train.precision=fp16", "train.recompute=some", "algorithm.loss_agg=mean", "algorithm.mismatch.level=batch",
+    "algorithm.kl_estimator=k4", "eval.score=pass@k", "rollout.quantization=int4",
+])
+def test_rl_literal_fields_list_their_values(override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        rl(override)
+    msg = str(e.value)
+    assert f"'{key}' expects" in msg and "one of" in msg and value in msg

@@ -1,19 +1,18 @@
 """The typed config tree of `mcore-rl train` (RL: rollouts -> rewards -> policy update -> weight sync).
 
 `RLConfig` reuses the SFT sections for what they share (model, parallel layout, optimizer,
-checkpoints) and adds the RL-only ones. Cross-field rules are in `validate_rl_config`, which also
-runs the SFT layout rules (parallel sizes, heads, MoE, ...) on the shared sections, so a recipe
-fails before any worker starts with a message naming the dotted key.
+checkpoints) and adds the RL-only ones. Cross-field rules are in `mcore_rl.config.rl_validate`
+(`validate_rl_config`, re-exported here), which also runs the shared layout rules (parallel sizes,
+heads, MoE, ...) on the shared sections, so a recipe fails before any worker starts with a message
+naming the dotted key. Algorithm, reward and task names are plain strings checked there against
+their registries, so registering a new one needs no schema change.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -23,7 +22,7 @@ from mcore_rl.config.schema import (
     SFTConfig,
     TrainConfig,
 )
-from mcore_rl.config.validate import DerivedSizes, validate_sft_config
+from mcore_rl.config.rl_validate import validate_rl_config  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -41,12 +40,12 @@ class RLTrainConfig:
 
 @dataclass
 class RLDataConfig:
-    """Where prompts come from: a jsonl file (`prompt` + `label`), or the synthetic addition task."""
+    """Where prompts come from: a jsonl file (`prompt` + `label`), or a registered synthetic task."""
 
     path: Optional[str] = None  # .jsonl with prompt_key / label_key; None = synthetic
     prompt_key: str = "prompt"
     label_key: str = "label"
-    synthetic_task: Literal["addition"] = "addition"
+    synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
     synthetic_max_digits: int = 2
     synthetic_num_prompts: int = 100_000  # size of the synthetic training pool
     tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer
@@ -79,11 +78,12 @@ class RolloutConfig:
 class MismatchCorrectionConfig:
     """Train-inference mismatch correction with the engine's log-probs μ (`mcore_rl.algos.mismatch`).
 
-    name: none | tis | mis | icepop | seq_tis | seq_mis | seq_mask_tis | slime_mis | mipu.
+    name: a registered correction (`mcore_rl.algos.names("mismatch")`): none | tis | mis | icepop |
+    seq_tis | seq_mis | seq_mask_tis | slime_mis | mipu.
     Unset (null) parameters keep the preset's defaults (TIS C=2, MIS/IcePop bounds [0.5, 5]).
     """
 
-    name: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "seq_mask_tis", "slime_mis", "mipu"] = "tis"
+    name: str = "tis"  # registered in mcore_rl.algos as a "mismatch" correction
     level: Optional[Literal["token", "sequence", "geometric"]] = None
     clip_low: Optional[float] = None  # TIS lower truncation
     clip_high: Optional[float] = None  # TIS truncation C (MIPU: w_max)
@@ -110,9 +110,9 @@ class DynamicSamplingConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: str = "grpo"  # registered in mcore_rl.algos as an "advantage"
     advantage_std_normalize: bool = True  # grpo only
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
     dual_clip: Optional[float] = None
@@ -130,7 +130,7 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "addition"  # "addition", "math", or "package.module:function"
+    name: str = "addition"  # registered in mcore_rl.rewards ("addition", "math", ...) or "package.module:function"
     timeout_s: float = 30.0
     error_reward: float = 0.0
     max_concurrency: int = 16
@@ -196,7 +196,7 @@ class RLConfig:
         return self.algorithm.num_minibatches * self.algorithm.ppo_epochs
 
     def sft_view(self, world_size: int) -> SFTConfig:
-        """The shared sections as an `SFTConfig`, for the layout rules and the SFT warm start."""
+        """The shared sections as an `SFTConfig`, for the SFT warm start (validation does not use it)."""
         t, i = self.train, self.init
         mp = (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
               * self.parallel.context_parallel_size)
@@ -220,143 +220,3 @@ class RLConfig:
             ),
         )
 
-
-def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
-    """Raise `ConfigError` listing every impossible combination; else the derived sizes."""
-    errors: list[str] = []
-
-    def need(ok: bool, key: str, msg: str) -> bool:
-        if not ok:
-            errors.append(f"{key}: {msg}")
-        return ok
-
-    # The layout rules of the shared sections (names the same keys: model.*, parallel.*, optimizer.*).
-    layout = cfg.sft_view(world_size)
-    layout.train.seq_length = cfg.train.seq_length
-    layout.train.micro_batch_size = cfg.train.micro_batch_size
-    mp = (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
-          * cfg.parallel.context_parallel_size)
-    dp = world_size // mp if mp > 0 and world_size % mp == 0 else 1
-    layout.train.global_batch_size = cfg.train.micro_batch_size * max(dp, 1)
-    layout.optimizer = cfg.optimizer
-    sizes = DerivedSizes(max(dp, 1), 0, 1)
-    try:
-        sizes = validate_sft_config(layout, world_size)
-    except ConfigError as err:
-        errors += [line.strip() for line in str(err).splitlines()[1:]]
-
-    t, r, a, m, e, i, d = cfg.train, cfg.rollout, cfg.algorithm, cfg.algorithm.mismatch, cfg.eval, cfg.init, cfg.data
-    need(t.num_steps >= 0, "train.num_steps", f"must be >= 0, got {t.num_steps}")
-    need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1, "train.logprob_chunk_size",
-         f"must be null or >= 1, got {t.logprob_chunk_size}")
-    # --- rollouts ---
-    need(r.group_size >= 1, "rollout.group_size", f"must be >= 1, got {r.group_size}")
-    if r.group_size == 1 and a.advantage in ("grpo", "dr_grpo", "rloo"):
-        need(False, "rollout.group_size", f"is 1, but the group-relative advantage {a.advantage!r} needs >= 2 samples per prompt")
-    need(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
-    need(r.temperature > 0, "rollout.temperature",
-         f"must be > 0 (RL samples from the policy; greedy rollouts have no log-prob ratio), got {r.temperature}")
-    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
-    if r.top_p < 1 or r.top_k != -1:
-        warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
-                      "untruncated one, so the mismatch correction sees only part of the difference", stacklevel=2)
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-    need(r.max_staleness == 0, "rollout.max_staleness",
-         f"only 0 (synchronous rollouts) is implemented so far, got {r.max_staleness}")
-    need(r.num_embedded_engines >= 1, "rollout.num_embedded_engines", f"must be >= 1, got {r.num_embedded_engines}")
-    need(r.max_running_requests >= 1, "rollout.max_running_requests", f"must be >= 1, got {r.max_running_requests}")
-    need(r.context_length >= 2, "rollout.context_length", f"must be >= 2, got {r.context_length}")
-    need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
-    for j, url in enumerate(r.engine_urls):
-        need(url.startswith(("http://", "https://")), f"rollout.engine_urls[{j}]", f"must be an http(s) URL, got {url!r}")
-    if r.engine_urls and r.sync_transport == "disk":
-        need(bool(r.sync_dir), "rollout.sync_dir", "the disk weight transport needs a directory the engines can read")
-    # the longest sample must fit in one packed row
-    longest = (1 if d.add_bos else 0) + _longest_prompt_tokens(cfg) + r.max_new_tokens
-    if _longest_prompt_tokens(cfg) > 0:
-        need(longest <= t.seq_length, "train.seq_length",
-             f"{t.seq_length} is shorter than the longest sample ({longest} tokens: prompt + "
-             f"rollout.max_new_tokens={r.max_new_tokens}); raise it or lower rollout.max_new_tokens")
-        if not r.engine_urls:
-            need(longest <= r.context_length, "rollout.context_length",
-                 f"{r.context_length} is shorter than the longest sample ({longest} tokens)")
-    need(cfg.model.max_position_embeddings >= t.seq_length, "model.max_position_embeddings",
-         f"{cfg.model.max_position_embeddings} < train.seq_length {t.seq_length}")
-    # --- algorithm ---
-    need(0 <= a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
-    need(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
-    need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", f"must be null or > 1, got {a.dual_clip}")
-    need(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
-    need(a.entropy_coef >= 0, "algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
-    need(a.num_minibatches >= 1, "algorithm.num_minibatches", f"must be >= 1, got {a.num_minibatches}")
-    need(a.ppo_epochs >= 1, "algorithm.ppo_epochs", f"must be >= 1, got {a.ppo_epochs}")
-    need(a.num_minibatches <= r.prompts_per_step * r.group_size, "algorithm.num_minibatches",
-         f"{a.num_minibatches} mini-batches need at least as many samples; a rollout batch has "
-         f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step * r.group_size}")
-    if a.kl_in_reward and a.kl_coef > 0 and a.kl_estimator != "k1":
-        warnings.warn("algorithm.kl_in_reward with a k2/k3 estimator: the InstructGPT penalty is k1", stacklevel=2)
-    if a.dynamic_sampling.enabled:
-        need(a.dynamic_sampling.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds",
-             f"must be >= 1, got {a.dynamic_sampling.max_rounds}")
-        need(a.dynamic_sampling.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
-             f"must be >= 1, got {a.dynamic_sampling.max_oversample}")
-    # --- mismatch correction ---
-    for key in ("clip_low", "clip_high", "mask_low", "mask_high", "veto_threshold"):
-        v = getattr(m, key)
-        need(v is None or (v >= 0 and not math.isnan(v)), f"algorithm.mismatch.{key}", f"must be null or >= 0, got {v}")
-    if m.clip_low is not None and m.clip_high is not None:
-        need(m.clip_low <= m.clip_high, "algorithm.mismatch.clip_low",
-             f"{m.clip_low} exceeds algorithm.mismatch.clip_high {m.clip_high}")
-    if m.mask_low is not None and m.mask_high is not None:
-        need(m.mask_low <= m.mask_high, "algorithm.mismatch.mask_low",
-             f"{m.mask_low} exceeds algorithm.mismatch.mask_high {m.mask_high}")
-    if m.name == "mipu":
-        need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
-             f"must be >= 1, got {m.mipu_validation_prompts}")
-        need(r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt")
-        need(m.level in (None, "token", "sequence"), "algorithm.mismatch.level",
-             f"MIPU's weight is per token or per sequence, got {m.level!r}")
-        need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",
-             f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}")
-        for key in ("mask_low", "mask_high", "veto_threshold", "batch_normalize"):
-            need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
-                 "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
-    # --- rewards, eval, init, data ---
-    need(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
-    need(cfg.reward.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {cfg.reward.max_concurrency}")
-    if ":" not in cfg.reward.name:
-        need(cfg.reward.name in ("addition", "math"), "reward.name",
-             f"unknown reward {cfg.reward.name!r}; built-in: addition, math (or 'package.module:function')")
-    need(e.interval >= 0, "eval.interval", f"must be >= 0, got {e.interval}")
-    need(e.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {e.num_prompts}")
-    need(e.k >= 0, "eval.k", f"must be >= 0, got {e.k}")
-    need(e.greedy or e.k > 0, "eval.greedy", "is false and eval.k is 0: evaluation would measure nothing")
-    need(e.score != "avg@k" or e.k > 0, "eval.score", "is 'avg@k' but eval.k is 0")
-    need(e.score != "greedy" or e.greedy, "eval.score", "is 'greedy' but eval.greedy is false")
-    need(e.temperature is None or e.temperature > 0, "eval.temperature", f"must be null or > 0, got {e.temperature}")
-    need(i.sft_steps >= 0, "init.sft_steps", f"must be >= 0, got {i.sft_steps}")
-    if i.sft_steps > 0:
-        need(d.path is None, "init.sft_steps",
-             "the SFT warm start trains on the synthetic task's answers; with data.path set, use init.checkpoint "
-             "(e.g. from `mcore-rl sft`) instead")
-        need(i.sft_micro_batch_size >= 1, "init.sft_micro_batch_size", f"must be >= 1, got {i.sft_micro_batch_size}")
-        need(1 <= i.sft_seq_length <= cfg.model.max_position_embeddings, "init.sft_seq_length",
-             f"must be in [1, model.max_position_embeddings={cfg.model.max_position_embeddings}], got {i.sft_seq_length}")
-        need(i.sft_lr >= 0, "init.sft_lr", f"must be >= 0, got {i.sft_lr}")
-    need(d.synthetic_max_digits >= 1, "data.synthetic_max_digits", f"must be >= 1, got {d.synthetic_max_digits}")
-    need(d.synthetic_num_prompts >= r.prompts_per_step, "data.synthetic_num_prompts",
-         f"{d.synthetic_num_prompts} is fewer than rollout.prompts_per_step {r.prompts_per_step}")
-    if d.path is None and ":" not in cfg.reward.name:
-        need(cfg.reward.name == "addition", "reward.name",
-             f"the synthetic addition prompts are scored by 'addition', got {cfg.reward.name!r}")
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))
-    return sizes
-
-
-def _longest_prompt_tokens(cfg: RLConfig) -> int:
-    """Prompt length of the synthetic task ("12+34=" is 2·digits + 2 bytes); 0 = unknown (a file)."""
-    if cfg.data.path is None and cfg.data.synthetic_task == "addition":
-        return 2 * cfg.data.synthetic_max_digits + 2
-    return 0

@@ -2,7 +2,8 @@
 
 Field names follow megatron-core where a megatron-core concept exists, so that the mapping to
 `TransformerConfig` stays obvious. Validation of values and cross-field rules lives in
-`mcore_rl.config.validate`; loading and overrides in `mcore_rl.config.loader`.
+`mcore_rl.config.validate` (the rules it shares with RL in `mcore_rl.config.rules`); loading and
+overrides in `mcore_rl.config.loader`.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class DataConfig:
     response_key: str = "response"
     text_key: str = "text"
     on_bad_line: Literal["skip", "error"] = "error"
-    synthetic_task: Literal["addition"] = "addition"
+    synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
     synthetic_num_examples: int = 4096
     synthetic_max_digits: int = 1  # addition operands have up to this many digits
     tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer

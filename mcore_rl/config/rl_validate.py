@@ -1,0 +1,249 @@
+"""Cross-field rules of an RL config (`mcore-rl train`), so a recipe fails before any worker starts.
+
+`validate_rl_config` runs the shared model / parallel-layout / optimizer rules of
+`mcore_rl.config.rules` on the RL config's own sections, then one `check_*` per RL section. Names
+of algorithms, mismatch corrections, rewards and tasks are checked against their registries
+(imported lazily: `mcore_rl.algos`, `mcore_rl.rewards` and `mcore_rl.data` import this package).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Optional
+
+from mcore_rl.config.rules import (
+    Errors,
+    build_task,
+    check_layout,
+    check_model_sizes,
+    check_optimizer,
+    check_parallel_sizes,
+    check_task_name,
+    need_registered,
+    need_positive,
+)
+from mcore_rl.config.schema import ModelConfig, ParallelConfig
+from mcore_rl.config.validate import DerivedSizes
+
+if TYPE_CHECKING:
+    from mcore_rl.config.rl_schema import (
+        AlgorithmConfig,
+        EvalConfig,
+        InitConfig,
+        RewardConfig,
+        RLConfig,
+        RLDataConfig,
+        RLTrainConfig,
+        RolloutConfig,
+    )
+    from mcore_rl.data.tasks import Task
+
+# Advantages computed from the other samples of a prompt's group (one sample has none to compare with).
+GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+
+
+def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
+    """Raise `ConfigError` listing every impossible combination; else the derived sizes."""
+    errors = Errors()
+    sizes_ok = check_parallel_sizes(cfg.parallel, world_size, errors)
+    sizes_ok &= check_model_sizes(cfg.model, errors)
+    sizes_ok &= check_rl_train(cfg.train, errors)
+    dp = edp = 0
+    if sizes_ok:  # the layout rules divide by these sizes
+        dp, edp = check_layout(cfg.model, cfg.parallel, cfg.train.seq_length, world_size, errors)
+        check_rl_pipeline(cfg.parallel, errors)
+    check_optimizer(cfg.optimizer, errors)
+    task = synthetic_task(cfg.data, errors)
+    check_data(cfg.data, cfg.rollout, errors)
+    check_rollout(cfg.rollout, cfg.algorithm, errors)
+    check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
+    check_algorithm(cfg.algorithm, cfg.rollout, errors)
+    check_mismatch(cfg.algorithm, cfg.rollout, errors)
+    check_reward(cfg.reward, cfg.data, task, errors)
+    check_eval(cfg.eval, errors)
+    check_init(cfg.init, cfg.data, cfg.model, errors)
+    errors.raise_if_any()
+    return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
+
+
+def check_rl_train(t: RLTrainConfig, errors: Errors) -> bool:
+    """Rows and micro-batches must be positive before the layout rules divide them."""
+    ok = need_positive(errors, [("train.seq_length", t.seq_length), ("train.micro_batch_size", t.micro_batch_size)])
+    errors.need(t.num_steps >= 0, "train.num_steps", f"must be >= 0, got {t.num_steps}")
+    errors.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1, "train.logprob_chunk_size",
+                f"must be null or >= 1, got {t.logprob_chunk_size}")
+    return ok
+
+
+def check_rl_pipeline(p: ParallelConfig, errors: Errors) -> None:
+    """The interleaved schedule needs a multiple of pp micro-batches; RL steps have no fixed count."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if vpp is not None and pp > 1:
+        errors.need(False, "parallel.virtual_pipeline_model_parallel_size",
+                    f"is {vpp}, but the interleaved pipeline schedule needs a multiple of "
+                    f"pipeline_model_parallel_size {pp} micro-batches per step, and an RL step has as many as its "
+                    "samples fill (the SFT warm start: 1); leave it null")
+
+
+def synthetic_task(d: RLDataConfig, errors: Errors) -> Optional[Task]:
+    """The task the prompts come from when there is no `data.path` (None: a file, or an unknown name)."""
+    return build_task(d.synthetic_task, d.synthetic_max_digits, errors) if d.path is None else None
+
+
+def check_data(d: RLDataConfig, r: RolloutConfig, errors: Errors) -> None:
+    """A registered task, and a synthetic pool large enough for one step's prompts."""
+    check_task_name(d.synthetic_task, errors)
+    errors.need(d.synthetic_max_digits >= 1, "data.synthetic_max_digits", f"must be >= 1, got {d.synthetic_max_digits}")
+    errors.need(d.synthetic_num_prompts >= r.prompts_per_step, "data.synthetic_num_prompts",
+                f"{d.synthetic_num_prompts} is fewer than rollout.prompts_per_step {r.prompts_per_step}")
+
+
+def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
+    """Sampling must be stochastic and the engines reachable; groups must suit the advantage."""
+    errors.need(r.group_size >= 1, "rollout.group_size", f"must be >= 1, got {r.group_size}")
+    errors.need(r.group_size != 1 or a.advantage not in GROUP_RELATIVE_ADVANTAGES, "rollout.group_size",
+                f"is 1, but the group-relative advantage {a.advantage!r} needs >= 2 samples per prompt")
+    errors.need(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
+    errors.need(r.temperature > 0, "rollout.temperature", "must be > 0 (RL samples from the policy; greedy rollouts "
+                f"have no log-prob ratio), got {r.temperature}")
+    errors.need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    errors.need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    if r.top_p < 1 or r.top_k != -1:
+        warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
+                      "untruncated one, so the mismatch correction sees only part of the difference", stacklevel=3)
+    errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    errors.need(r.max_staleness == 0, "rollout.max_staleness",
+                f"only 0 (synchronous rollouts) is implemented so far, got {r.max_staleness}")
+    need_positive(errors, [
+        ("rollout.num_embedded_engines", r.num_embedded_engines),
+        ("rollout.max_running_requests", r.max_running_requests),
+    ])
+    errors.need(r.context_length >= 2, "rollout.context_length", f"must be >= 2, got {r.context_length}")
+    errors.need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
+    for j, url in enumerate(r.engine_urls):
+        errors.need(url.startswith(("http://", "https://")), f"rollout.engine_urls[{j}]",
+                    f"must be an http(s) URL, got {url!r}")
+    if r.engine_urls and r.sync_transport == "disk":
+        errors.need(bool(r.sync_dir), "rollout.sync_dir",
+                    "the disk weight transport needs a directory the engines can read")
+
+
+def check_sample_fits(t: RLTrainConfig, r: RolloutConfig, d: RLDataConfig, m: ModelConfig, task: Optional[Task],
+                      errors: Errors) -> None:
+    """The longest sample (bos + prompt + response) must fit in one packed row and the engine's context."""
+    prompt = task.max_prompt_tokens() if task is not None else 0  # 0: a file, length unknown
+    if prompt > 0:
+        longest = (1 if d.add_bos else 0) + prompt + r.max_new_tokens
+        errors.need(longest <= t.seq_length, "train.seq_length",
+                    f"{t.seq_length} is shorter than the longest sample ({longest} tokens: prompt + "
+                    f"rollout.max_new_tokens={r.max_new_tokens}); raise it or lower rollout.max_new_tokens")
+        if not r.engine_urls:
+            errors.need(longest <= r.context_length, "rollout.context_length",
+                        f"{r.context_length} is shorter than the longest sample ({longest} tokens)")
+    errors.need(m.max_position_embeddings >= t.seq_length, "model.max_position_embeddings",
+                f"{m.max_position_embeddings} < train.seq_length {t.seq_length}")
+
+
+def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
+    """Registered advantage and policy loss, PPO clip ranges, loss weights, mini-batching."""
+    from mcore_rl.algos import registry
+
+    need_registered(errors, "algorithm.advantage", "advantage", a.advantage, registry.names("advantage"))
+    need_registered(errors, "algorithm.policy_loss", "policy loss", a.policy_loss, registry.names("policy_loss"))
+    errors.need(0 <= a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
+    errors.need(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
+    errors.need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip",
+                f"must be null or > 1, got {a.dual_clip}")
+    errors.need(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    errors.need(a.entropy_coef >= 0, "algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
+    need_positive(errors, [("algorithm.num_minibatches", a.num_minibatches), ("algorithm.ppo_epochs", a.ppo_epochs)])
+    errors.need(a.num_minibatches <= r.prompts_per_step * r.group_size, "algorithm.num_minibatches",
+                f"{a.num_minibatches} mini-batches need at least as many samples; a rollout batch has "
+                f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step * r.group_size}")
+    if a.kl_in_reward and a.kl_coef > 0 and a.kl_estimator != "k1":
+        warnings.warn("algorithm.kl_in_reward with a k2/k3 estimator: the InstructGPT penalty is k1", stacklevel=3)
+    ds = a.dynamic_sampling
+    if ds.enabled:
+        errors.need(ds.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds", f"must be >= 1, got {ds.max_rounds}")
+        errors.need(ds.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
+                    f"must be >= 1, got {ds.max_oversample}")
+
+
+def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
+    """A registered correction with non-negative, ordered bounds; MIPU has rules of its own."""
+    from mcore_rl.algos import registry
+
+    m = a.mismatch
+    need_registered(errors, "algorithm.mismatch.name", "mismatch correction", m.name, registry.names("mismatch"))
+    for key in ("clip_low", "clip_high", "mask_low", "mask_high", "veto_threshold"):
+        v = getattr(m, key)
+        errors.need(v is None or (v >= 0 and not math.isnan(v)), f"algorithm.mismatch.{key}",
+                    f"must be null or >= 0, got {v}")
+    if m.clip_low is not None and m.clip_high is not None:
+        errors.need(m.clip_low <= m.clip_high, "algorithm.mismatch.clip_low",
+                    f"{m.clip_low} exceeds algorithm.mismatch.clip_high {m.clip_high}")
+    if m.mask_low is not None and m.mask_high is not None:
+        errors.need(m.mask_low <= m.mask_high, "algorithm.mismatch.mask_low",
+                    f"{m.mask_low} exceeds algorithm.mismatch.mask_high {m.mask_high}")
+    if m.name == "mipu":
+        check_mipu(a, r, errors)
+
+
+def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
+    """MIPU: a PPO clip times w = min(π_k/μ, w_max) (w_max = clip_high), validated on >= 2-sample groups."""
+    m = a.mismatch
+    errors.need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
+                f"must be >= 1, got {m.mipu_validation_prompts}")
+    errors.need(r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt")
+    errors.need(m.level in (None, "token", "sequence"), "algorithm.mismatch.level",
+                f"MIPU's weight is per token or per sequence, got {m.level!r}")
+    errors.need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",
+                f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}")
+    errors.need(m.clip_high is None or m.clip_high > 0, "algorithm.mismatch.clip_high",
+                "is MIPU's w_max, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, "
+                f"got {m.clip_high}")
+    for key in ("clip_low", "mask_low", "mask_high", "veto_threshold", "batch_normalize"):
+        errors.need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
+                    "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
+
+
+def check_reward(rw: RewardConfig, d: RLDataConfig, task: Optional[Task], errors: Errors) -> None:
+    """A registered reward (or an import path), and for a synthetic task the one that scores it."""
+    import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards, which reward_names() then lists)
+    from mcore_rl.rewards import is_import_path, reward_names
+
+    errors.need(rw.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {rw.timeout_s}")
+    errors.need(rw.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {rw.max_concurrency}")
+    if is_import_path(rw.name):
+        return
+    if need_registered(errors, "reward.name", "reward", rw.name, reward_names(), " (or 'package.module:function')") \
+            and task is not None:
+        errors.need(rw.name == task.reward, "reward.name",
+                    f"the synthetic task {task.name!r} is scored by {task.reward!r}, got {rw.name!r}")
+
+
+def check_eval(e: EvalConfig, errors: Errors) -> None:
+    """Evaluation must measure something, and `eval.score` must be one of the measured numbers."""
+    errors.need(e.interval >= 0, "eval.interval", f"must be >= 0, got {e.interval}")
+    errors.need(e.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {e.num_prompts}")
+    errors.need(e.k >= 0, "eval.k", f"must be >= 0, got {e.k}")
+    errors.need(e.greedy or e.k > 0, "eval.greedy", "is false and eval.k is 0: evaluation would measure nothing")
+    errors.need(e.score != "avg@k" or e.k > 0, "eval.score", "is 'avg@k' but eval.k is 0")
+    errors.need(e.score != "greedy" or e.greedy, "eval.score", "is 'greedy' but eval.greedy is false")
+    errors.need(e.temperature is None or e.temperature > 0, "eval.temperature",
+                f"must be null or > 0, got {e.temperature}")
+
+
+def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -> None:
+    """The SFT warm start trains on the synthetic task's answers, with its own batch shape and LR."""
+    errors.need(i.sft_steps >= 0, "init.sft_steps", f"must be >= 0, got {i.sft_steps}")
+    if i.sft_steps <= 0:
+        return
+    errors.need(d.path is None, "init.sft_steps",
+                "the SFT warm start trains on the synthetic task's answers; with data.path set, use init.checkpoint "
+                "(e.g. from `mcore-rl sft`) instead")
+    errors.need(i.sft_micro_batch_size >= 1, "init.sft_micro_batch_size", f"must be >= 1, got {i.sft_micro_batch_size}")
+    errors.need(1 <= i.sft_seq_length <= m.max_position_embeddings, "init.sft_seq_length",
+                f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {i.sft_seq_length}")
+    errors.need(i.sft_lr >= 0, "init.sft_lr", f"must be >= 0, got {i.sft_lr}")
