@@ -75,8 +75,8 @@ def test_validation_names_the_key(overrides, key):
 
 
 def test_unknown_keys_and_values_fail_while_loading():
-    with pytest.raises(ConfigError, match="algorithm.mismatch.name"):
-        tiny("algorithm.mismatch.name=bogus")
+    with pytest.raises(ConfigError, match="algorithm.mismatch.name: unknown mismatch correction 'bogus'"):
+        validate_rl_config(tiny("algorithm.mismatch.name=bogus"), 2)
     with pytest.raises(ConfigError, match="did you mean 'rollout.group_size'"):
         tiny("rollout.groupsize=4")
 
