@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modeling import Qwen3ReferenceMLP, load_balancing_loss, route
+from .layers import Qwen3ReferenceMLP, load_balancing_loss, route
 
 
 class Qwen3ReferenceLatentMoeBlock(nn.Module):
