@@ -6,6 +6,8 @@ of the remote-code files form a DAG. Part of the remote-code modeling files: imp
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,3 +80,32 @@ def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.
     top_idx = torch.topk(probs, topk, dim=-1).indices
     tokens_per_expert = torch.zeros_like(probs).scatter(1, top_idx, 1.0).sum(0)
     return (probs.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
+def moe_dispatch(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    experts: Sequence[nn.Module],
+    topk: int,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """sum_k p_k * expert_k(token) per row of `tokens` [T, h], routed by `logits` [T, E] (`route`).
+
+    The one expert loop of the MoE blocks (plain and latent, where `tokens` is the latent input):
+    each expert runs on the rows that picked it, weighted by their probability in the tokens' dtype.
+    """
+    probs, idx = route(logits, topk, norm_topk_prob)
+    probs = probs.to(tokens.dtype)
+    out = torch.zeros_like(tokens)
+    for e, expert in enumerate(experts):
+        rows, slot = torch.where(idx == e)
+        if rows.numel():
+            out.index_add_(0, rows, expert(tokens[rows]) * probs[rows, slot, None])
+    return out
+
+
+def moe_aux_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """`load_balancing_loss` of one MoE layer, or a zero fp32 scalar without grad when coeff is 0."""
+    if coeff > 0:
+        return load_balancing_loss(logits, topk, coeff)
+    return logits.new_zeros((), dtype=torch.float32)

@@ -57,11 +57,13 @@ from transformers.utils import ModelOutput
 from .attn_res import AttnResMixer, attn_res_decoder_forward
 from .configuration import McoreRLQwen3Config, to_stock_hf_config
 from .latent_moe import Qwen3ReferenceLatentMoeBlock
-from .layers import (
+from .layers import (  # route, load_balancing_loss: unused here, imported from here by callers
     KVCache,
     Qwen3ReferenceMLP,
     Qwen3ReferenceRMSNorm,
     load_balancing_loss,
+    moe_aux_loss,
+    moe_dispatch,
     route,
 )
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
@@ -191,20 +193,10 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, idx = route(logits, self.topk, self.norm_topk_prob)
-        probs = probs.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(idx == e)
-            if rows.numel():
-                out.index_add_(0, rows, expert(x[rows]) * probs[rows, slot, None])
+        out = moe_dispatch(x, logits, self.experts, self.topk, self.norm_topk_prob)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.aux_loss_coef > 0:
-            aux = load_balancing_loss(logits, self.topk, self.aux_loss_coef)
-        else:
-            aux = logits.new_zeros((), dtype=torch.float32)
-        return out.reshape(shape), aux
+        return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)
 
 
 class Qwen3ReferenceDecoderLayer(nn.Module):
