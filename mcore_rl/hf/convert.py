@@ -3,7 +3,7 @@
 **hf-to-mcore** reads a local Hugging Face checkpoint (`config.json` + safetensors, one file or an
 index of shards) of a Qwen3, Qwen3-MoE or Llama model (or one this module exported), builds the
 megatron-core model in the requested TP/PP/EP layout on every rank, copies the weights in through
-`weight_map.hf_to_megatron` + `load_full_state_dict` and writes a *model-only* distributed
+`weight_map.hf_to_megatron` + `shards.load_full_state_dict` and writes a *model-only* distributed
 checkpoint in the format `mcore_rl.train.checkpoint` writes (`<out>/iter_0000000/`, `<out>/latest`).
 Each rank reads only the tensors of its own layers and experts. Next to it: `hf_assets/` (tokenizer,
 generation config and other small files of the source) and `recipe.yaml` (the `model:` section, the
@@ -247,7 +247,7 @@ def _build_chunks(mc: "ModelConfig", pc: "ParallelConfig", precision: str) -> li
 
 def _wanted_by(chunks: list[torch.nn.Module], mc: "ModelConfig") -> Callable[[str], bool]:
     """Which HF tensors this rank's chunks need (its layers, its experts, its end of the model)."""
-    from mcore_rl.hf.weight_map import iter_local_params
+    from mcore_rl.models.shards import iter_local_params
 
     layers: set[int] = set()
     experts: set[tuple[int, int]] = set()
@@ -294,7 +294,8 @@ def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision
     import torch.distributed as dist
 
     from mcore_rl.config import config_to_dict
-    from mcore_rl.hf.weight_map import hf_to_megatron, load_full_state_dict
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.shards import load_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train import checkpoint
 
@@ -530,7 +531,8 @@ def mcore_to_hf(
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
+    from mcore_rl.hf.weight_map import full_megatron_to_hf
+    from mcore_rl.models.shards import gather_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train import checkpoint
 

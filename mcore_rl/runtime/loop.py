@@ -194,11 +194,11 @@ class RLRun:
                                         "to resume with")
             checkpoint.load_checkpoint(path, self.ref_chunks, None)
             return
-        from mcore_rl.hf.weight_map import _unwrap
+        from mcore_rl.models.shards import unwrap_model
 
         with torch.no_grad():
             for ref, pol in zip(self.ref_chunks, self.chunks):
-                for (n1, p1), (n2, p2) in zip(ref.named_parameters(), _unwrap(pol).named_parameters()):
+                for (n1, p1), (n2, p2) in zip(ref.named_parameters(), unwrap_model(pol).named_parameters()):
                     assert n1 == n2, (n1, n2)
                     p1.copy_(p2)
         if cfg.checkpoint.save_dir:

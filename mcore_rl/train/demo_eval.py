@@ -14,7 +14,8 @@ from mcore_rl.data.synthetic import make_addition_examples, verify_addition
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 from mcore_rl.hf.generation import greedy_generate
-from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
+from mcore_rl.hf.weight_map import full_megatron_to_hf
+from mcore_rl.models.shards import gather_full_state_dict
 
 HELD_OUT_SEED_OFFSET = 1_000_003
 
