@@ -4,7 +4,8 @@ Tiny stock checkpoints (Qwen3, Qwen3-MoE, Llama; random init, `save_pretrained`)
 layout and back; the round trip must be bit-exact, and the exported model's logits (loaded with
 `AutoModelForCausalLM`) must match the megatron model's in another layout (fp32, atol 1e-4).
 Models that stock `transformers` cannot express export as our remote-code model, which must load
-with `trust_remote_code=True` in a process where `mcore_rl` cannot be imported.
+with `trust_remote_code=True` in a process where neither `mcore_rl` nor megatron-core can be imported
+(tests/test_remote_code.py checks every remote-code module that way too).
 """
 
 from __future__ import annotations
@@ -225,14 +226,14 @@ def test_cli_rejects_bad_input_before_any_worker(tmp_path, capsys) -> None:
 # remote-code export, loaded where mcore_rl cannot be imported
 # ---------------------------------------------------------------------------------------------
 
-# Runs in a fresh interpreter outside the repo, with every `mcore_rl` import failing as if the
-# package were not installed; loads the export with trust_remote_code and saves its logits.
+# Runs in a fresh interpreter outside the repo, with every `mcore_rl` and `megatron` import failing
+# as if the packages were not installed; loads the export with trust_remote_code, saves its logits.
 _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
     """
     import importlib.abc, sys
     class _NoMcoreRL(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "mcore_rl" or name.startswith("mcore_rl."):
+            if name.split(".")[0] in ("mcore_rl", "megatron"):
                 raise ModuleNotFoundError(f"No module named {name!r}")
     sys.meta_path.insert(0, _NoMcoreRL())
     import torch
@@ -240,7 +241,7 @@ _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
     export, tokens, out = sys.argv[1:4]
     model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(model).__name__ == "Qwen3ReferenceForCausalLM", type(model)
-    assert "mcore_rl" not in sys.modules
+    assert not [m for m in sys.modules if m.split(".")[0] in ("mcore_rl", "megatron")]
     with torch.no_grad():
         torch.save(model(torch.load(tokens)).logits, out)
     """
