@@ -95,24 +95,23 @@ def remote_code_files() -> list[str]:
     """
     from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
-    here = _HF_DIR
     todo, seen = list(REMOTE_CODE_ENTRY), []
     while todo:
         name = todo.pop(0)
         if name in seen:
             continue
         seen.append(name)
-        todo += [f"{module.replace('.', '/')}.py" for module in get_relative_imports(os.path.join(here, name))]
+        todo += [f"{module.replace('.', '/')}.py" for module in get_relative_imports(os.path.join(_HF_DIR, name))]
     allowed = set(sys.stdlib_module_names) | {"torch", "transformers", "__future__"}
     for name in seen:
-        extra = sorted(set(get_imports(os.path.join(here, name))) - allowed)
+        extra = sorted(set(get_imports(os.path.join(_HF_DIR, name))) - allowed)
         if extra:
             raise RuntimeError(
                 f"mcore_rl/hf/{name} imports {extra} outside a try block; an exported remote-code model "
                 "would then need those packages installed to load. Import them lazily inside a "
                 "`try:` block (transformers' import check skips those), or not at all."
             )
-    return [os.path.join(here, name) for name in seen]
+    return [os.path.join(_HF_DIR, name) for name in seen]
 
 
 def save_safetensors(
