@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from mcore_rl.config import ConfigError
-    from mcore_rl.hf import convert
+    from mcore_rl import convert
 
     try:
         _, world = convert.plan(args)  # fails fast, before any worker starts

@@ -328,7 +328,7 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
 def _sft_checkpoint_reshard(tmp: str) -> None:
     """`mcore-rl sft` trains an AttnRes model under PP=2 and its checkpoint loads into TP=2+SP."""
     from mcore_rl.config import SFTConfig, load_config
-    from mcore_rl.hf.weight_map import gather_full_state_dict
+    from mcore_rl.models.shards import gather_full_state_dict
     from mcore_rl.train import sft
 
     def cfg(run: str, parallel: list[str], **checkpoint: str) -> SFTConfig:

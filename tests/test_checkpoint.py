@@ -26,7 +26,7 @@ def _cfg(run_dir: str, iters: int, parallel: dict, **checkpoint):
 
 
 def _weights(trainer):
-    from mcore_rl.hf.weight_map import gather_full_state_dict
+    from mcore_rl.models.shards import gather_full_state_dict
 
     return gather_full_state_dict(trainer.chunks)
 

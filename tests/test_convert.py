@@ -4,7 +4,8 @@ Tiny stock checkpoints (Qwen3, Qwen3-MoE, Llama; random init, `save_pretrained`)
 layout and back; the round trip must be bit-exact, and the exported model's logits (loaded with
 `AutoModelForCausalLM`) must match the megatron model's in another layout (fp32, atol 1e-4).
 Models that stock `transformers` cannot express export as our remote-code model, which must load
-with `trust_remote_code=True` in a process where `mcore_rl` cannot be imported.
+with `trust_remote_code=True` in a process where neither `mcore_rl` nor megatron-core can be imported
+(tests/test_remote_code.py checks every remote-code module that way too).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _tokens(vocab: int = VOCAB) -> torch.Tensor:
 
 
 def _load_tensors(path) -> dict[str, torch.Tensor]:
-    from mcore_rl.hf.convert import HFCheckpoint
+    from mcore_rl.convert import HFCheckpoint
 
     ckpt = HFCheckpoint(str(path))
     return {k: ckpt[k] for k in ckpt}
@@ -98,7 +99,7 @@ def _assert_same_checkpoint(a, b) -> None:
 
 
 def test_model_configs_of_stock_checkpoints() -> None:
-    from mcore_rl.hf.convert import model_config_from_hf
+    from mcore_rl.convert import model_config_from_hf
 
     qwen3 = model_config_from_hf(_stock_config("qwen3"))
     llama = model_config_from_hf(_stock_config("llama", tie=True))
@@ -114,7 +115,7 @@ def test_reference_without_qk_norm_is_stock_llama() -> None:
     from transformers import LlamaForCausalLM
 
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config, to_stock_hf_config
-    from mcore_rl.hf.convert import model_config_from_hf
+    from mcore_rl.convert import model_config_from_hf
 
     torch.manual_seed(0)
     stock = LlamaForCausalLM(_stock_config("llama")).eval()
@@ -129,7 +130,7 @@ def test_reference_without_qk_norm_is_stock_llama() -> None:
 def test_unsupported_checkpoints_name_the_field() -> None:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    from mcore_rl.hf.convert import model_config_from_hf
+    from mcore_rl.convert import model_config_from_hf
 
     scaled = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -161,7 +162,7 @@ MOE = dataclasses.replace(DENSE, arch="qwen3_moe", num_experts=4, moe_ffn_hidden
     ids=["qwen3", "llama", "qwen3_moe", "shared_expert", "moe_no_qk_norm", "latent_moe", "attn_res", "ngram"],
 )
 def test_export_kind(mc: ModelConfig, kind: str) -> None:
-    from mcore_rl.hf.convert import export_kind
+    from mcore_rl.convert import export_kind
 
     assert export_kind(mc) == kind
 
@@ -170,7 +171,7 @@ def test_remote_code_files_need_no_mcore_rl() -> None:
     """The shipped files are the relative-import closure transformers itself will follow."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    from mcore_rl.hf.convert import remote_code_files
+    from mcore_rl.convert import remote_code_files
 
     files = remote_code_files()  # raises if a file imports mcore_rl where transformers checks
     names = {os.path.basename(f) for f in files}
@@ -180,7 +181,7 @@ def test_remote_code_files_need_no_mcore_rl() -> None:
 
 
 def test_sharded_safetensors_read_lazily(tmp_path) -> None:
-    from mcore_rl.hf.convert import HFCheckpoint, save_safetensors
+    from mcore_rl.convert import HFCheckpoint, save_safetensors
 
     tensors = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(8, 4) for i in range(3)}
     tensors["model.embed_tokens.weight"] = torch.randn(16, 4).bfloat16()
@@ -225,14 +226,14 @@ def test_cli_rejects_bad_input_before_any_worker(tmp_path, capsys) -> None:
 # remote-code export, loaded where mcore_rl cannot be imported
 # ---------------------------------------------------------------------------------------------
 
-# Runs in a fresh interpreter outside the repo, with every `mcore_rl` import failing as if the
-# package were not installed; loads the export with trust_remote_code and saves its logits.
+# Runs in a fresh interpreter outside the repo, with every `mcore_rl` and `megatron` import failing
+# as if the packages were not installed; loads the export with trust_remote_code, saves its logits.
 _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
     """
     import importlib.abc, sys
     class _NoMcoreRL(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "mcore_rl" or name.startswith("mcore_rl."):
+            if name.split(".")[0] in ("mcore_rl", "megatron"):
                 raise ModuleNotFoundError(f"No module named {name!r}")
     sys.meta_path.insert(0, _NoMcoreRL())
     import torch
@@ -240,7 +241,7 @@ _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
     export, tokens, out = sys.argv[1:4]
     model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(model).__name__ == "Qwen3ReferenceForCausalLM", type(model)
-    assert "mcore_rl" not in sys.modules
+    assert not [m for m in sys.modules if m.split(".")[0] in ("mcore_rl", "megatron")]
     with torch.no_grad():
         torch.save(model(torch.load(tokens)).logits, out)
     """
@@ -297,7 +298,7 @@ def _reference_supports(case: str) -> bool:
 def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
     """Export from HF-named weights (no megatron): config, auto_map, code files, logits."""
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
-    from mcore_rl.hf.convert import write_hf_checkpoint
+    from mcore_rl.convert import write_hf_checkpoint
 
     mc = REMOTE_CASES["shared_expert_no_qk_norm"]
     state = _reference_state(mc)
@@ -360,7 +361,7 @@ def _round_trip_world(rank: int, world_size: int, tmp: str, cases: list) -> None
     """For each case: HF -> megatron (layout A) -> HF, and megatron logits in layout B."""
     import torch.distributed as dist
 
-    from mcore_rl.hf.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
+    from mcore_rl.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
 
     for name, convert_layout, check_layout in cases:
         src, mcore, export = f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", f"{tmp}/{name}/export"
@@ -386,7 +387,7 @@ def _check_export(case_dir, stock_class: str = None) -> None:
 
 @pytest.mark.slow
 def test_stock_checkpoints_round_trip_and_logits(tmp_path) -> None:
-    from mcore_rl.hf.convert import parallel_config as P
+    from mcore_rl.convert import parallel_config as P
 
     _save_stock("qwen3", tmp_path / "qwen3" / "hf")
     _save_stock("qwen3_moe", tmp_path / "qwen3_moe" / "hf")
@@ -411,8 +412,8 @@ def test_stock_checkpoints_round_trip_and_logits(tmp_path) -> None:
 def test_remote_code_architectures_round_trip_and_logits(tmp_path) -> None:
     """Our remote-code checkpoints -> megatron (EP=2 / TP=2) -> remote-code checkpoint; logits in
     another layout (TP=2 / PP=2) equal those of the export loaded without mcore_rl. One world for all."""
-    from mcore_rl.hf.convert import parallel_config as P
-    from mcore_rl.hf.convert import write_hf_checkpoint
+    from mcore_rl.convert import parallel_config as P
+    from mcore_rl.convert import write_hf_checkpoint
     from tests.world import run_world
 
     cases = [case for case in REMOTE_CASES if _reference_supports(case)]

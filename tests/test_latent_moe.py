@@ -342,7 +342,8 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.hf.weight_map import gather_full_state_dict, hf_to_megatron, load_full_state_dict
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.shards import gather_full_state_dict, load_full_state_dict
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.checkpoint import _model_sharded_state_dict

@@ -150,7 +150,8 @@ def _loss(batch, stats):
 def _check(mc, pc, batches, ref, results: dict) -> None:
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.hf.weight_map import gather_full_state_dict, hf_to_megatron, load_full_state_dict
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.shards import gather_full_state_dict, load_full_state_dict
     from mcore_rl.models.builder import build_model, transformer_config
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp

@@ -314,12 +314,13 @@ def _after_checks(mc, ref, ckpt_dir, save, load):
     def run(chunks):
         import torch.distributed as dist
 
-        from mcore_rl.hf.weight_map import _grad_of, gather_full_state_dict, hf_to_megatron
+        from mcore_rl.hf.weight_map import hf_to_megatron
+        from mcore_rl.models.shards import gather_full_state_dict, grad_of
         from mcore_rl.train.checkpoint import load_checkpoint, save_checkpoint
         from mcore_rl.train.optimizer import global_grad_norm
 
         params = [p for c in chunks for p in c.parameters()]
-        norm = global_grad_norm(params, [_grad_of(p) for p in params])
+        norm = global_grad_norm(params, [grad_of(p) for p in params])
         want = math.sqrt(sum(float(g.double().square().sum()) for g in ref[2].values()))
         assert abs(norm - want) <= 1e-5 * want, f"grad norm {norm} vs {want}"
         if save:

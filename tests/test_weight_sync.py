@@ -338,7 +338,8 @@ def P(**kw) -> ParallelConfig:
 
 
 def _gather_world(rank: int, world_size: int, cases) -> None:
-    from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
+    from mcore_rl.hf.weight_map import full_megatron_to_hf
+    from mcore_rl.models.shards import gather_full_state_dict
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.weight_sync import iter_hf_weights
@@ -379,7 +380,7 @@ def test_gathered_hf_weights_equal_the_exporters_in_every_layout():
 def _perturb(chunks, seed: int) -> None:
     """New trainer weights (as training would make them); replicated tensors stay identical
     across TP ranks because every rank draws the same noise for the same name and shape."""
-    from mcore_rl.hf.weight_map import iter_local_params
+    from mcore_rl.models.shards import iter_local_params
 
     with torch.no_grad():
         for _, name, p in iter_local_params(chunks):

@@ -21,8 +21,8 @@ Variants:
   tokens/s is for the whole job, peak MB is the sum over both ranks.
 
 Initial weights come from the reference model's seeded init, loaded into the megatron model through
-`mcore_rl.hf.weight_map`. The losses of the first and last step of every variant are printed, so
-"same model, same data, same updates" is checked on every run.
+`mcore_rl.hf.weight_map` and `mcore_rl.models.shards`. The losses of the first and last step of
+every variant are printed, so "same model, same data, same updates" is checked on every run.
 
 Every rank runs `--threads` intra-op threads (default 1): on a shared 2-core machine, more threads
 than free cores make every OpenMP barrier wait for a descheduled thread (measured while another job
@@ -119,7 +119,7 @@ def build_mcore(cfg, weights: dict):
     (step function returning the loss, teardown)."""
     import torch.distributed as dist
 
-    from mcore_rl.hf.weight_map import load_full_state_dict
+    from mcore_rl.models.shards import load_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train.sft import build_trainer, train_step
 

@@ -4,7 +4,7 @@
     python tools/convert_checkpoint.py hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     python tools/convert_checkpoint.py mcore-to-hf --input MCORE_CKPT --output HF_DIR
 
-See `mcore_rl/hf/convert.py` for what each direction writes and `docs/serving.md` for serving the result.
+See `mcore_rl/convert/` for what each direction writes and `docs/serving.md` for serving the result.
 """
 
 import sys

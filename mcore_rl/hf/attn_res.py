@@ -38,13 +38,13 @@ oracle for `mcore_rl.models.attn_res`, which computes the same thing without sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .modeling import KVCache
+from .layers import KVCache, Qwen3ReferenceRMSNorm
+
 
 def num_sublayers(num_layers: int) -> int:
     """AttnRes counts attention and MLP separately: two sublayers per decoder layer."""
@@ -85,8 +85,6 @@ class AttnResMixer(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        from .modeling import Qwen3ReferenceRMSNorm  # modeling.py imports this module
-
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.norm = Qwen3ReferenceRMSNorm(hidden_size, eps)
 

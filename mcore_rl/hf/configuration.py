@@ -150,7 +150,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
 
 def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
-    `LlamaConfig`). `mcore_rl.hf.convert.model_config_from_hf` also rejects what it cannot map."""
+    `LlamaConfig`). `mcore_rl.convert.model_config_from_hf` also rejects what it cannot map."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
     except ImportError as err:

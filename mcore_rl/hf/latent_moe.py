@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modeling import Qwen3ReferenceMLP, load_balancing_loss, route
+from .layers import Qwen3ReferenceMLP, moe_aux_loss, moe_dispatch
 
 
 class Qwen3ReferenceLatentMoeBlock(nn.Module):
@@ -49,19 +49,8 @@ class Qwen3ReferenceLatentMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, idx = route(logits, self.topk, self.norm_topk_prob)
-        probs = probs.to(x.dtype)
         z = self.fc1_latent_proj(x)  # [T, l]: what a dispatcher sends, once per (token, expert)
-        combined = torch.zeros_like(z)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(idx == e)
-            if rows.numel():
-                combined.index_add_(0, rows, expert(z[rows]) * probs[rows, slot, None])
-        out = self.fc2_latent_proj(combined)
+        out = self.fc2_latent_proj(moe_dispatch(z, logits, self.experts, self.topk, self.norm_topk_prob))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.aux_loss_coef > 0:
-            aux = load_balancing_loss(logits, self.topk, self.aux_loss_coef)
-        else:
-            aux = logits.new_zeros((), dtype=torch.float32)
-        return out.reshape(shape), aux
+        return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)

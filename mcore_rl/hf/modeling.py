@@ -2,7 +2,9 @@
 
 This is the oracle the megatron-core models are tested against, the model inside the embedded
 inference engine and the target of checkpoint export, so it favours directness over speed:
-attention is an explicit matmul + fp32 softmax, experts run in a plain loop.
+attention is an explicit matmul + fp32 softmax, experts run in a plain loop. The blocks it shares
+with attn_res.py and latent_moe.py (RMSNorm, SwiGLU MLP, routing, the expert loop) live in
+layers.py, which all three import, so the modules import each other without a cycle.
 
 Parameter names are exactly those of stock HF Qwen3 / Qwen3-MoE *checkpoints*::
 
@@ -53,15 +55,23 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .attn_res import AttnResMixer, attn_res_decoder_forward
-from .configuration import McoreRLQwen3Config
+from .configuration import McoreRLQwen3Config, to_stock_hf_config
+from .latent_moe import Qwen3ReferenceLatentMoeBlock
+from .layers import (  # route, load_balancing_loss: unused here, imported from here by callers
+    KVCache,
+    Qwen3ReferenceMLP,
+    Qwen3ReferenceRMSNorm,
+    load_balancing_loss,
+    moe_aux_loss,
+    moe_dispatch,
+    route,
+)
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
 
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
 except ImportError:  # pragma: no cover - transformers 4.x
     from torch.nn import init as _init
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 # The cache field is called `cache`, as in transformers>=5 outputs (whose ModelOutput renames a
@@ -91,20 +101,6 @@ class Qwen3ReferenceCausalLMOutput(ModelOutput):
     @property
     def past_key_values(self) -> Optional[KVCache]:
         return self.cache
-
-
-class Qwen3ReferenceRMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back, then scaled (HF Qwen3 order of operations)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(
@@ -177,59 +173,6 @@ class Qwen3ReferenceAttention(nn.Module):
         return self.o_proj(out), present
 
 
-class Qwen3ReferenceMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def route(logits: torch.Tensor, topk: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k softmax routing as megatron-core's `TopKRouter` (score_function="softmax").
-
-    norm_topk_prob=True  (moe_router_pre_softmax=False): top-k on logits, softmax over the k picked.
-    norm_topk_prob=False (moe_router_pre_softmax=True):  softmax over all experts, keep the top k.
-    Returns (probs [T, k] in fp32, expert indices [T, k]).
-    """
-    if norm_topk_prob:
-        top_logits, idx = torch.topk(logits, topk, dim=-1)
-        return torch.softmax(top_logits.float(), dim=-1), idx
-    probs, idx = torch.topk(torch.softmax(logits.float(), dim=-1), topk, dim=-1)
-    return probs, idx
-
-
-def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
-    """One layer's load-balancing loss as megatron-core 0.16.1 adds it (type "aux_loss", one rank).
-
-    With T tokens (every token of the micro-batch, b*s), E experts, p = softmax(logits) over all E
-    experts in fp32 (whatever the routing mode), and n_i = number of tokens whose top-k (of p)
-    contains expert i:
-
-        aux = coeff * E / (k * T**2) * sum_i n_i * sum_t p[t, i]
-            = coeff * E * sum_i f_i * P_i,   f_i = n_i / (k*T),  P_i = mean_t p[t, i]
-
-    (`compute_routing_scores_for_aux_loss` + `switch_load_balancing_loss_func`, unfused, no padding
-    mask, `calculate_per_token_loss=False`). T is the micro-batch's token count (all TP/CP shards of
-    it together), not the global batch. Only p carries gradient (through the router and everything
-    upstream of it). megatron does not add `aux` to the loss value: `MoEAuxLossAutoScaler` attaches it
-    to the router probs and its backward injects d(aux) * `cp_size / num_microbatches` (the main loss
-    is divided by num_microbatches too), so for one micro-batch without CP the gradients are those of
-    `lm_loss + sum_layers aux`. It only does so when training with grad enabled; this reference
-    always computes it. megatron logs `load_balancing_loss` = mean over layers of aux / coeff.
-    """
-    num_tokens, num_experts = logits.shape
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_idx = torch.topk(probs, topk, dim=-1).indices
-    tokens_per_expert = torch.zeros_like(probs).scatter(1, top_idx, 1.0).sum(0)
-    return (probs.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
-
-
 class Qwen3ReferenceSparseMoeBlock(nn.Module):
     """Router + experts (+ optional ungated shared expert): y = sum_k p_k * expert_k(x) + shared(x)."""
 
@@ -250,20 +193,10 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, idx = route(logits, self.topk, self.norm_topk_prob)
-        probs = probs.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(idx == e)
-            if rows.numel():
-                out.index_add_(0, rows, expert(x[rows]) * probs[rows, slot, None])
+        out = moe_dispatch(x, logits, self.experts, self.topk, self.norm_topk_prob)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.aux_loss_coef > 0:
-            aux = load_balancing_loss(logits, self.topk, self.aux_loss_coef)
-        else:
-            aux = logits.new_zeros((), dtype=torch.float32)
-        return out.reshape(shape), aux
+        return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)
 
 
 class Qwen3ReferenceDecoderLayer(nn.Module):
@@ -271,8 +204,6 @@ class Qwen3ReferenceDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3ReferenceAttention(config)
         if config.num_experts > 0 and getattr(config, "moe_latent_size", None):
-            from .latent_moe import Qwen3ReferenceLatentMoeBlock  # imports this module: import here
-
             self.mlp: nn.Module = Qwen3ReferenceLatentMoeBlock(config)
         elif config.num_experts > 0:
             self.mlp = Qwen3ReferenceSparseMoeBlock(config)
@@ -491,8 +422,6 @@ def masked_token_loss(
 def _stock_moe_is_fused(config: McoreRLQwen3Config) -> bool:
     """Whether the installed stock `Qwen3MoeForCausalLM` stores experts fused (transformers>=5)."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as stock
-
-    from .configuration import to_stock_hf_config
 
     with torch.device("meta"):
         block = stock.Qwen3MoeSparseMoeBlock(to_stock_hf_config(config))

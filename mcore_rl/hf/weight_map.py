@@ -7,23 +7,24 @@ Three views of the same weights:
   `decoder.layers.3.mlp.experts.local_experts.17.linear_fc1.weight` ([gate; up]).
 - *megatron local*: a parameter on one rank: local layer/expert index, TP/ETP shard.
 
-The exporter, the weight sync to inference engines and the parity tests all go through this module,
-so a name means the same thing everywhere (DESIGN.md decision 4).
+This module maps HF <-> megatron global with plain tensors and never imports megatron-core (it is
+part of `mcore_rl.hf`); local <-> global, which needs the process groups, is
+`mcore_rl.models.shards`. The exporter, the weight sync to inference engines and the parity tests
+all go through these two, so a name means the same thing everywhere (DESIGN.md decision 4).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.ngram import padded_table_rows
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# A megatron layer parameter (layer index, rest) and, within a layer, an expert one (expert index, rest).
+LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 # AttnRes depth mixers per layer (pseudo-query [d], key norm [d]): replicated, same name on both sides
 _ATTN_RES_LAYER = ("attn_res.query", "attn_res.norm.weight", "mlp_res.query", "mlp_res.norm.weight")
@@ -68,7 +69,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
         if name == "output_layer.weight" and mc.tie_word_embeddings:
             return []
         return [(_TOP_DIRECT[name], tensor)]
-    m = _LAYER.match(name)
+    m = LAYER_NAME.match(name)
     if not m:
         raise KeyError(f"no HF name for megatron parameter {name!r}")
     layer, rest = m.group(1), m.group(2)
@@ -91,7 +92,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
             (prefix + "mlp.shared_expert.gate_proj.weight", gate),
             (prefix + "mlp.shared_expert.up_proj.weight", up),
         ]
-    e = _EXPERT.match(rest)
+    e = EXPERT_NAME.match(rest)
     if e:
         expert, leaf = e.group(1), e.group(2)
         ep = f"{prefix}mlp.experts.{expert}."
@@ -219,164 +220,3 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mc: ModelConfig
         dim=1,
     )
     return merged.reshape(-1, *rest)
-
-
-# --------------------------------------------------------------------------------------------
-# megatron local (one rank's shard) <-> megatron global (full)
-# --------------------------------------------------------------------------------------------
-
-
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def _is_gated_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")
-
-
-def _tp_group_rank_size(param: torch.nn.Parameter, global_name: str) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    from megatron.core import parallel_state as ps
-
-    if _is_expert(global_name):
-        return (
-            ps.get_expert_tensor_parallel_group(),
-            ps.get_expert_tensor_parallel_rank(),
-            ps.get_expert_tensor_parallel_world_size(),
-        )
-    return (
-        ps.get_tensor_model_parallel_group(),
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(),
-    )
-
-
-def iter_local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global name, param) for every parameter of this rank's model chunks."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    for chunk in chunks:
-        module = _unwrap(chunk)
-        config = module.config
-        vp_stage = getattr(module, "vp_stage", None)
-        layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        num_local_experts = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
-        expert_offset = ps.get_expert_model_parallel_rank() * num_local_experts
-        for local_name, param in module.named_parameters():
-            yield local_name, _global_name(local_name, layer_offset, expert_offset), param
-
-
-def _global_name(local: str, layer_offset: int, expert_offset: int) -> str:
-    m = _LAYER.match(local)
-    if not m:
-        return local
-    rest = m.group(2)
-    e = _EXPERT.match(rest)
-    if e:
-        rest = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
-
-
-def shard_for_rank(full: torch.Tensor, param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
-    """This rank's TP/ETP slice of a full megatron tensor."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    if getattr(param, "data_parallel_sharded", False):  # n-gram tables: shard dp_rank * tp + tp_rank
-        full = full.chunk(_dp_size(), dim=param.partition_dim)[_dp_rank()]
-    _, rank, size = _tp_group_rank_size(param, global_name)
-    dim = param.partition_dim
-    if _is_gated_fc1(global_name):  # [gate; up]: each half is split, then re-concatenated
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-    return full.chunk(size, dim=dim)[rank]
-
-
-def unshard(shards: list[torch.Tensor], param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
-    dim = param.partition_dim
-    if _is_gated_fc1(global_name):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=dim)
-
-
-@torch.no_grad()
-def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
-    """Copy full megatron tensors (global names) into this rank's shards."""
-    for _, global_name, param in iter_local_params(chunks):
-        source = full.get(global_name)
-        if source is None and global_name == "output_layer.weight":
-            source = full["embedding.word_embeddings.weight"]  # tied embeddings under PP
-        if source is None:
-            raise KeyError(f"state dict has no tensor for {global_name!r}")
-        param.copy_(shard_for_rank(source, param, global_name).to(param.dtype))
-
-
-def gather_full_state_dict(
-    chunks: Iterable[torch.nn.Module], grads: bool = False
-) -> dict[str, torch.Tensor]:
-    """Full megatron tensors (global names) of the whole model, on every rank.
-
-    `grads=True` gathers `main_grad` (or `.grad`) instead of the weights. Uses object collectives
-    over the world: meant for tests, export and small models; the weight sync streams buckets.
-    """
-    local: dict[str, torch.Tensor] = {}
-    for _, global_name, param in iter_local_params(chunks):
-        if getattr(param, "shared_embedding", False) and global_name == "output_layer.weight":
-            continue  # the last stage's copy of a tied embedding
-        value = _grad_of(param) if grads else param.detach()
-        if getattr(param, "tensor_model_parallel", False):
-            group, _, size = _tp_group_rank_size(param, global_name)
-            if size > 1:
-                shards = [torch.empty_like(value) for _ in range(size)]
-                dist.all_gather(shards, value.contiguous(), group=group)
-                value = unshard(shards, param, global_name)
-        value = gather_data_parallel_shards(param, value)
-        local[global_name] = value.cpu().clone()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    everyone: list[Optional[dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in everyone:
-        merged.update(part or {})
-    return merged
-
-
-def _dp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_world_size()
-
-
-def _dp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank()
-
-
-def gather_data_parallel_shards(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-    """For a param sharded over data parallel too (`data_parallel_sharded`, n-gram tables with
-    `shard_over_data_parallel`): the concatenation of all DP ranks' TP-gathered `value`s (every DP
-    rank must call it). Any other param: `value` unchanged."""
-    if not getattr(param, "data_parallel_sharded", False) or _dp_size() == 1:
-        return value
-    from megatron.core import parallel_state as ps
-
-    parts = [torch.empty_like(value) for _ in range(_dp_size())]
-    dist.all_gather(parts, value.contiguous(), group=ps.get_data_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)
-
-
-def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
-    grad = getattr(param, "main_grad", None)
-    if grad is None:
-        grad = param.grad
-    if grad is None:
-        return torch.zeros_like(param, dtype=torch.float32)
-    return grad.detach().float()
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module

@@ -46,9 +46,9 @@ def latest_checkpoint(load_dir: str) -> Optional[str]:
 
 
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    from mcore_rl.hf.weight_map import _unwrap
+    from mcore_rl.models.shards import unwrap_model
 
-    return {f"chunk{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"chunk{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -154,10 +154,10 @@ def load_checkpoint(
     if optimizer is not None:
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     loaded = dist_checkpointing.load(request, path)
-    from mcore_rl.hf.weight_map import _unwrap
+    from mcore_rl.models.shards import unwrap_model
 
     for i, chunk in enumerate(chunks):
-        _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
+        unwrap_model(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
     if optimizer is not None:
         optimizer.load_sharded_state_dict(loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")

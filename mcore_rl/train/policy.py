@@ -71,9 +71,9 @@ def build_reference_model(cfg: Any) -> list[torch.nn.Module]:
 @torch.no_grad()
 def copy_weights(dst: list[torch.nn.Module], src: list[torch.nn.Module]) -> None:
     """Copy the (possibly DDP-wrapped) `src` chunks' parameters into `dst`, same layout."""
-    from mcore_rl.hf.weight_map import _unwrap
+    from mcore_rl.models.shards import unwrap_model
 
     for d, s in zip(dst, src):
-        for (n1, p1), (n2, p2) in zip(d.named_parameters(), _unwrap(s).named_parameters()):
+        for (n1, p1), (n2, p2) in zip(d.named_parameters(), unwrap_model(s).named_parameters()):
             assert n1 == n2, (n1, n2)
             p1.copy_(p2)

@@ -15,7 +15,8 @@ from mcore_rl.data.tasks import Task
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 from mcore_rl.hf.generation import greedy_generate
-from mcore_rl.hf.weight_map import full_megatron_to_hf, gather_full_state_dict
+from mcore_rl.hf.weight_map import full_megatron_to_hf
+from mcore_rl.models.shards import gather_full_state_dict
 
 
 def reference_model_from_chunks(chunks: list[torch.nn.Module], mc: ModelConfig) -> Qwen3ReferenceForCausalLM:

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.hf.weight_map import gather_data_parallel_shards, iter_local_params, megatron_to_hf, unshard
+from mcore_rl.hf.weight_map import megatron_to_hf
+from mcore_rl.models.shards import gather_data_parallel_shards, iter_local_params, unshard
 from mcore_rl.rollout.weight_protocol import BucketMeta, NamedTensors, flatten, nbytes, parse_dtype, unflatten
 from mcore_rl.rollout.weight_transports import SyncStats, Transport
 

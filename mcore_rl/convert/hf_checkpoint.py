@@ -1,0 +1,145 @@
+"""Reading local Hugging Face checkpoint directories: tensors, config, and the small files around them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from mcore_rl.config.schema import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mcore_rl_qwen3")
+# Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).
+ASSETS_DIR = "hf_assets"
+# Copied along as assets: small files that are not weights, config or code (tokenizer, chat
+# template, generation config, README, ...).
+_NOT_ASSETS = re.compile(
+    r"(.*\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack|onnx|py|pyc)|.*\.index\.json|config\.json)$"
+)
+_MAX_ASSET_BYTES = 100 * 1024**2
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class HFCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a local safetensors checkpoint, read from disk when looked up.
+
+    With `wanted`, a name it rejects comes back as a *meta* tensor of the right shape and dtype
+    (nothing is read): `hf_to_megatron` can then build every megatron tensor, and a rank reads only
+    the tensors its own layers and experts need.
+    """
+
+    def __init__(self, directory: str, wanted: Optional[Callable[[str], bool]] = None) -> None:
+        self.directory = directory
+        self.wanted = wanted
+        index = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        self._files: dict[str, str] = {}
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            self._files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        elif os.path.exists(single):
+            from safetensors import safe_open
+
+            with safe_open(single, "pt", device="cpu") as f:
+                self._files = {name: single for name in f.keys()}
+        else:
+            found = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+            raise FileNotFoundError(
+                f"{directory}: no model.safetensors or model.safetensors.index.json (found {found}); "
+                "only safetensors checkpoints are read - re-save others with transformers' save_pretrained"
+            )
+        fused = [n for n in self._files if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+        if fused:
+            raise ValueError(
+                f"{directory}: fused expert tensors ({fused[0]}, ...) are an in-memory transformers layout, "
+                "not a checkpoint one; re-save with transformers' save_pretrained (per-expert names)"
+            )
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, path: str) -> Any:
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = safe_open(path, "pt", device="cpu")
+        return self._handles[path]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
+        handle = self._handle(self._files[name])
+        if self.wanted is not None and not self.wanted(name):
+            piece = handle.get_slice(name)
+            return torch.empty(piece.get_shape(), dtype=_SAFETENSORS_DTYPES[piece.get_dtype()], device="meta")
+        return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the (first) embedding tensor: what the checkpoint is stored in."""
+        name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in self._files else next(iter(self._files))
+        return _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
+
+
+def read_hf_config(directory: str) -> "PretrainedConfig":
+    """The `transformers` config of a local checkpoint directory (supported model types only)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory (no config.json)")
+    with open(path, encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    import mcore_rl.hf  # noqa: F401  (registers mcore_rl_qwen3 with AutoConfig)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory, local_files_only=True)
+
+
+def model_config_from_hf(hf: "PretrainedConfig") -> "ModelConfig":
+    """`configuration.model_config_from_hf_config`, after rejecting what megatron-core here cannot
+    express (every problem at once, each naming the `config.json` field)."""
+    from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
+
+    model_type = getattr(hf, "model_type", None)
+    problems: list[str] = []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias=true: the megatron-core models here have no attention biases")
+    problems += unsupported_stock_fields(hf)
+    if problems:
+        raise ValueError(f"cannot convert this {model_type} checkpoint:\n  " + "\n  ".join(problems))
+    return model_config_from_hf_config(hf)
+
+
+def copy_assets(source_dir: str, target_dir: str) -> Optional[str]:
+    """Copy the small non-weight, non-config, non-code files (tokenizer, ...); None if there are none."""
+    names = [
+        n for n in sorted(os.listdir(source_dir))
+        if os.path.isfile(os.path.join(source_dir, n)) and not _NOT_ASSETS.match(n)
+        and os.path.getsize(os.path.join(source_dir, n)) <= _MAX_ASSET_BYTES
+    ]
+    if not names:
+        return None
+    os.makedirs(target_dir, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(source_dir, name), os.path.join(target_dir, name))
+    return target_dir

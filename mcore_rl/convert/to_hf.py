@@ -1,0 +1,254 @@
+"""mcore-to-hf: a megatron-core dist-checkpoint -> a Hugging Face checkpoint (stock class or remote code)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
+from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from mcore_rl.config.schema import ModelConfig, ParallelConfig
+
+STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+REMOTE = "remote"
+REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
+REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
+REMOTE_MODEL_CLASS = "Qwen3ReferenceForCausalLM"
+REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# The remote-code files are the modules of mcore_rl.hf (a sibling package of this one).
+_HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf")
+# Source-config fields that are not architecture but belong to the model (special token ids).
+_CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def export_kind(mc: "ModelConfig") -> str:
+    """'qwen3' | 'qwen3_moe' | 'llama' (stock transformers classes) or 'remote' (our modeling code).
+
+    Stock only when the stock config expresses the whole model: converting our HF config to the
+    stock one and back must lose nothing, so any field a stock config lacks (today's LatentMoE,
+    AttnRes and n-gram fields, or tomorrow's) selects the remote-code model.
+    """
+    from mcore_rl.hf.configuration import (
+        hf_config_from_model_config,
+        model_config_from_hf_config,
+        to_stock_hf_config,
+    )
+
+    if mc.moe_latent_size or mc.attn_res != "none" or mc.ngram.orders:
+        return REMOTE
+    ours = hf_config_from_model_config(mc)
+    try:
+        stock = to_stock_hf_config(ours)
+    except ValueError:
+        return REMOTE
+    back = hf_config_from_model_config(model_config_from_hf_config(stock))
+    if back.to_dict() != ours.to_dict():
+        return REMOTE
+    return stock.model_type
+
+
+def export_config(
+    mc: "ModelConfig", dtype: torch.dtype, source: Optional[dict[str, Any]] = None
+) -> tuple["PretrainedConfig", str]:
+    """The HF config to write, and the export kind (see `export_kind`)."""
+    from mcore_rl.hf.configuration import hf_config_from_model_config, to_stock_hf_config
+
+    kind = export_kind(mc)
+    ours = hf_config_from_model_config(mc)
+    if kind == REMOTE:
+        cfg = ours
+        cfg.architectures = [REMOTE_MODEL_CLASS]
+        cfg.auto_map = {
+            "AutoConfig": f"configuration.{REMOTE_CONFIG_CLASS}",
+            "AutoModel": f"modeling.{REMOTE_BASE_CLASS}",
+            "AutoModelForCausalLM": f"modeling.{REMOTE_MODEL_CLASS}",
+        }
+    else:
+        cfg = to_stock_hf_config(ours)
+        cfg.architectures = [STOCK_CLASSES[kind]]
+    for key in _CARRIED_FIELDS:
+        if source and source.get(key) is not None:
+            setattr(cfg, key, source[key])
+    cfg.dtype = dtype
+    return cfg, kind
+
+
+def remote_code_files() -> list[str]:
+    """The `mcore_rl/hf/*.py` files the remote-code model needs (relative imports, transitively).
+
+    Raises if one of them imports anything but torch, transformers and the standard library where
+    transformers' remote-code loader looks (it refuses to load a model whose files import a
+    package that is not installed, so an export must not need mcore_rl).
+    """
+    from transformers.dynamic_module_utils import get_imports, get_relative_imports
+
+    todo, seen = list(REMOTE_CODE_ENTRY), []
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.append(name)
+        todo += [f"{module.replace('.', '/')}.py" for module in get_relative_imports(os.path.join(_HF_DIR, name))]
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers", "__future__"}
+    for name in seen:
+        extra = sorted(set(get_imports(os.path.join(_HF_DIR, name))) - allowed)
+        if extra:
+            raise RuntimeError(
+                f"mcore_rl/hf/{name} imports {extra} outside a try block; an exported remote-code model "
+                "would then need those packages installed to load. Import them lazily inside a "
+                "`try:` block (transformers' import check skips those), or not at all."
+            )
+    return [os.path.join(_HF_DIR, name) for name in seen]
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], output_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index when over `max_shard_bytes`."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors, key=_natural_key):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(output_dir, file), metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files + ["model.safetensors.index.json"]
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def write_hf_checkpoint(
+    hf_state: dict[str, torch.Tensor],
+    mc: "ModelConfig",
+    output_dir: str,
+    dtype: torch.dtype = torch.float32,
+    source_config: Optional[dict[str, Any]] = None,
+    assets_dir: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """Write config, weights (HF names), remote code if needed and assets; returns the export kind."""
+    cfg, kind = export_config(mc, dtype, source_config)
+    code = remote_code_files() if kind == REMOTE else []
+    os.makedirs(output_dir, exist_ok=True)
+    if assets_dir and os.path.isdir(assets_dir):
+        copy_assets(assets_dir, output_dir)
+    save_safetensors({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes)
+    cfg.save_pretrained(output_dir)
+    for path in code:
+        shutil.copyfile(path, os.path.join(output_dir, os.path.basename(path)))
+    return kind
+
+
+def _stored_dtype(path: str, name: str = "embedding.word_embeddings.weight") -> Optional[torch.dtype]:
+    """The dtype a megatron dist-checkpoint stores a tensor in (None if not found)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(path)
+    except Exception:  # pragma: no cover - unusual backends
+        return None
+    for key, value in meta.items():
+        if key.endswith(name) and hasattr(value, "dtype"):
+            return value.dtype
+    return None
+
+
+def mcore_to_hf(
+    input_path: str,
+    output_dir: str,
+    pc: Optional["ParallelConfig"] = None,
+    model_config: Optional["ModelConfig"] = None,
+    dtype: str = "auto",
+    tokenizer_dir: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Optional[str]:
+    """Export a megatron dist-checkpoint (a save dir or one `iter_*` dir) to HF (collective).
+
+    `model_config` defaults to the one stored in the checkpoint. `dtype="auto"` keeps the source
+    HF dtype of a converted checkpoint, else the dtype the weights are stored in. Rank 0 writes;
+    returns the export kind there (None elsewhere).
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from mcore_rl.hf.weight_map import full_megatron_to_hf
+    from mcore_rl.models.shards import gather_full_state_dict
+    from mcore_rl.parallel import setup
+    from mcore_rl.train import checkpoint
+
+    path = checkpoint.latest_checkpoint(input_path)
+    if path is None:
+        raise FileNotFoundError(f"{input_path} holds no checkpoint (no 'latest' file, no metadata.json)")
+    pc = pc or parallel_config()
+    _, world_size = setup.init_distributed()
+    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    mc = model_config or stored_model_config(common, path)
+    check_layout(mc, pc, world_size)
+    stored = _stored_dtype(path)
+    if dtype == "auto":
+        out_dtype = _DTYPES.get(common.get("hf_dtype", ""), stored or torch.float32)
+    else:
+        out_dtype = _DTYPES[dtype]
+    setup.init_model_parallel(pc)
+    setup.set_seed(0)  # megatron-core modules draw from the model-parallel RNG tracker at build
+    # Load in the stored precision, so nothing is rounded on the way in.
+    precision = "bf16" if stored == torch.bfloat16 else "fp32"
+    chunks = build_chunks(mc, pc, precision)
+    checkpoint.load_checkpoint(path, chunks, None)
+    hf_state = full_megatron_to_hf(gather_full_state_dict(chunks), mc)
+    kind = None
+    if dist.get_rank() == 0:
+        save_dir = os.path.dirname(path) if os.path.exists(os.path.join(os.path.dirname(path), checkpoint.LATEST)) else path
+        assets = tokenizer_dir or os.path.join(save_dir, ASSETS_DIR)
+        kind = write_hf_checkpoint(hf_state, mc, output_dir, out_dtype, common.get("hf_config"), assets, max_shard_bytes)
+    dist.barrier()
+    return kind
+
+
+def stored_model_config(common: dict[str, Any], path: str) -> "ModelConfig":
+    """The `ModelConfig` a checkpoint recorded in its common state (`common["model"]`)."""
+    if "model" not in common:
+        raise ValueError(
+            f"{path} does not record its model config (saved before configs were stored); "
+            "pass the recipe it was trained with: --config RECIPE.yaml [model.key=value ...]"
+        )
+    return model_config_from_dict(common["model"])
+
+
+def model_config_from_dict(data: dict[str, Any]) -> "ModelConfig":
+    """A `ModelConfig` from its plain dict (as checkpoints and recipes store it), type-checked."""
+    from mcore_rl.config.loader import _build
+    from mcore_rl.config.schema import ModelConfig
+
+    return _build(ModelConfig, data, "model")

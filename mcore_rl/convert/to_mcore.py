@@ -1,0 +1,113 @@
+"""hf-to-mcore: a Hugging Face checkpoint -> a model-only megatron-core dist-checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
+from mcore_rl.convert.layout import build_chunks, check_layout
+from mcore_rl.hf.weight_map import EXPERT_NAME, LAYER_NAME
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import ModelConfig, ParallelConfig
+
+RECIPE_FILE = "recipe.yaml"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "mcore_rl_tokenizer.json")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+
+
+def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision: str = "fp32") -> str:
+    """Convert a local HF checkpoint to a model-only megatron dist-checkpoint (collective).
+
+    Call on every rank of an initialised world (or a single process); returns the iteration dir.
+    """
+    import torch.distributed as dist
+
+    from mcore_rl.config import config_to_dict
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.shards import load_full_state_dict
+    from mcore_rl.parallel import setup
+    from mcore_rl.train import checkpoint
+
+    hf_config = read_hf_config(input_dir)
+    mc = model_config_from_hf(hf_config)
+    target = checkpoint.checkpoint_dir(output_dir, 0)
+    if os.path.exists(target):  # checked before joining the world: no rank can have written it yet
+        raise FileExistsError(f"{target} already exists; choose an empty --output")
+    _, world_size = setup.init_distributed()
+    check_layout(mc, pc, world_size)
+    setup.init_model_parallel(pc)
+    setup.set_seed(0)  # megatron-core modules draw from the model-parallel RNG tracker at build
+    chunks = build_chunks(mc, pc, precision)
+    source = HFCheckpoint(input_dir, wanted=_wanted_by(chunks, mc))
+    load_full_state_dict(chunks, hf_to_megatron(source, mc))
+    common = {
+        "model": config_to_dict(mc),
+        "hf_config": hf_config.to_dict(),
+        "hf_dtype": str(source.dtype()).replace("torch.", ""),
+        "hf_source": os.path.abspath(input_dir),
+    }
+    path = checkpoint.save_checkpoint(output_dir, 0, chunks, None, common)
+    if dist.get_rank() == 0:
+        assets = copy_assets(input_dir, os.path.join(output_dir, ASSETS_DIR))
+        write_recipe(output_dir, mc, assets)
+    dist.barrier()
+    return path
+
+
+def _wanted_by(chunks: list[torch.nn.Module], mc: "ModelConfig") -> Callable[[str], bool]:
+    """Which HF tensors this rank's chunks need (its layers, its experts, its end of the model)."""
+    from mcore_rl.models.shards import iter_local_params
+
+    layers: set[int] = set()
+    experts: set[tuple[int, int]] = set()
+    top: set[str] = set()
+    for _, name, _ in iter_local_params(chunks):
+        m = LAYER_NAME.match(name)
+        if not m:
+            top.add(name)
+            continue
+        layers.add(int(m.group(1)))
+        e = EXPERT_NAME.match(m.group(2))
+        if e:
+            experts.add((int(m.group(1)), int(e.group(1))))
+    need = {
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight" in top
+        or (mc.tie_word_embeddings and "output_layer.weight" in top),
+        "lm_head.weight": "output_layer.weight" in top,
+        "model.norm.weight": "decoder.final_layernorm.weight" in top,
+    }
+
+    def wanted(name: str) -> bool:
+        m = _HF_LAYER.match(name)
+        if not m:
+            return need.get(name, True)  # other top-level tensors (new architectures): read them
+        layer = int(m.group(1))
+        if layer not in layers:
+            return False
+        e = _HF_EXPERT.match(m.group(2))
+        return e is None or (layer, int(e.group(1))) in experts
+
+    return wanted
+
+
+def write_recipe(output_dir: str, mc: "ModelConfig", assets_dir: Optional[str]) -> str:
+    """`<output>/recipe.yaml`: model, checkpoint and tokenizer, for `mcore-rl sft` (or as `defaults`)."""
+    import yaml
+
+    from mcore_rl.config import config_to_dict
+
+    recipe: dict[str, Any] = {"model": config_to_dict(mc), "checkpoint": {"load_dir": os.path.abspath(output_dir)}}
+    if assets_dir and any(os.path.exists(os.path.join(assets_dir, f)) for f in _TOKENIZER_FILES):
+        recipe["data"] = {"tokenizer_path": os.path.abspath(assets_dir)}
+    path = os.path.abspath(os.path.join(output_dir, RECIPE_FILE))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Written by `mcore-rl convert hf-to-mcore`: train from the converted weights with\n"
+                f"#   mcore-rl sft {path} [key=value ...]\n# or list this file under `defaults:` in a recipe.\n")
+        yaml.safe_dump(recipe, f, sort_keys=False, default_flow_style=False)
+    return path

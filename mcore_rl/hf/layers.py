@@ -1,0 +1,111 @@
+"""Building blocks shared by the reference model's modules (modeling, attn_res, latent_moe).
+
+They live here so that those modules import this one instead of each other: the relative imports
+of the remote-code files form a DAG. Part of the remote-code modeling files: imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Qwen3ReferenceRMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled (HF Qwen3 order of operations)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Qwen3ReferenceMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: torch.Tensor, topk: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing as megatron-core's `TopKRouter` (score_function="softmax").
+
+    norm_topk_prob=True  (moe_router_pre_softmax=False): top-k on logits, softmax over the k picked.
+    norm_topk_prob=False (moe_router_pre_softmax=True):  softmax over all experts, keep the top k.
+    Returns (probs [T, k] in fp32, expert indices [T, k]).
+    """
+    if norm_topk_prob:
+        top_logits, idx = torch.topk(logits, topk, dim=-1)
+        return torch.softmax(top_logits.float(), dim=-1), idx
+    probs, idx = torch.topk(torch.softmax(logits.float(), dim=-1), topk, dim=-1)
+    return probs, idx
+
+
+def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """One layer's load-balancing loss as megatron-core 0.16.1 adds it (type "aux_loss", one rank).
+
+    With T tokens (every token of the micro-batch, b*s), E experts, p = softmax(logits) over all E
+    experts in fp32 (whatever the routing mode), and n_i = number of tokens whose top-k (of p)
+    contains expert i:
+
+        aux = coeff * E / (k * T**2) * sum_i n_i * sum_t p[t, i]
+            = coeff * E * sum_i f_i * P_i,   f_i = n_i / (k*T),  P_i = mean_t p[t, i]
+
+    (`compute_routing_scores_for_aux_loss` + `switch_load_balancing_loss_func`, unfused, no padding
+    mask, `calculate_per_token_loss=False`). T is the micro-batch's token count (all TP/CP shards of
+    it together), not the global batch. Only p carries gradient (through the router and everything
+    upstream of it). megatron does not add `aux` to the loss value: `MoEAuxLossAutoScaler` attaches it
+    to the router probs and its backward injects d(aux) * `cp_size / num_microbatches` (the main loss
+    is divided by num_microbatches too), so for one micro-batch without CP the gradients are those of
+    `lm_loss + sum_layers aux`. It only does so when training with grad enabled; this reference
+    always computes it. megatron logs `load_balancing_loss` = mean over layers of aux / coeff.
+    """
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_idx = torch.topk(probs, topk, dim=-1).indices
+    tokens_per_expert = torch.zeros_like(probs).scatter(1, top_idx, 1.0).sum(0)
+    return (probs.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
+def moe_dispatch(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    experts: Sequence[nn.Module],
+    topk: int,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """sum_k p_k * expert_k(token) per row of `tokens` [T, h], routed by `logits` [T, E] (`route`).
+
+    The one expert loop of the MoE blocks (plain and latent, where `tokens` is the latent input):
+    each expert runs on the rows that picked it, weighted by their probability in the tokens' dtype.
+    """
+    probs, idx = route(logits, topk, norm_topk_prob)
+    probs = probs.to(tokens.dtype)
+    out = torch.zeros_like(tokens)
+    for e, expert in enumerate(experts):
+        rows, slot = torch.where(idx == e)
+        if rows.numel():
+            out.index_add_(0, rows, expert(tokens[rows]) * probs[rows, slot, None])
+    return out
+
+
+def moe_aux_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """`load_balancing_loss` of one MoE layer, or a zero fp32 scalar without grad when coeff is 0."""
+    if coeff > 0:
+        return load_balancing_loss(logits, topk, coeff)
+    return logits.new_zeros((), dtype=torch.float32)
