@@ -12,7 +12,8 @@ from mcore_rl.config.schema import (
     TrainConfig,
 )
 from mcore_rl.config.validate import DerivedSizes, validate_sft_config
-from mcore_rl.config.rl_schema import RLConfig, validate_rl_config
+from mcore_rl.config.rl_schema import RLConfig
+from mcore_rl.config.rl_validate import validate_rl_config
 
 __all__ = [
     "CheckpointConfig",

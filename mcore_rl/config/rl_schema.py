@@ -22,7 +22,6 @@ from mcore_rl.config.schema import (
     SFTConfig,
     TrainConfig,
 )
-from mcore_rl.config.rl_validate import validate_rl_config  # noqa: F401  (re-exported)
 
 
 @dataclass
