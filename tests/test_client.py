@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from mcore_rl.rollout.engine.driver import EngineDriver
-from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable, request_rids
+from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable, expand_samples, request_rids
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.router import EngineRouter, NoHealthyEngine, launch_sglang_router
 from mcore_rl.rollout.server import EngineServer, ServerThread
@@ -126,7 +126,7 @@ def test_unreachable_engine_and_timeout() -> None:
 def test_request_rids_follow_sglang_expansion() -> None:
     assert request_rids({"text": "a", "rid": "x"}) == ["x"]
     assert request_rids({"text": ["a", "b"], "rid": "x"}) == ["x_0", "x_1"]
-    assert request_rids({"text": "a", "rid": "x", "sampling_params": {"n": 2}}) == ["x_0", "x_1"]
+    assert request_rids(expand_samples({"text": "a", "rid": "x", "sampling_params": {"n": 2}})) == ["x_0", "x_1"]
     assert request_rids({"input_ids": [[1], [2]], "rid": ["p", "q"]}) == ["p", "q"]
 
 
@@ -202,3 +202,28 @@ def test_sglang_router_is_optional() -> None:
         pytest.skip("sglang-router is installed")
     with pytest.raises(RuntimeError, match="pip install sglang-router"):
         launch_sglang_router(["http://127.0.0.1:1"], port=2)
+
+
+def test_n_samples_are_sent_as_prompts_with_rids_of_their_own() -> None:
+    """SGLang gives the samples of `n` ids of its own, so the client asks for them one by one."""
+    body = expand_samples({"text": ["a", "b"], "rid": ["p", "q"], "return_logprob": [True, False],
+                           "sampling_params": {"n": 2, "temperature": 1.0}})
+    assert body["text"] == ["a", "a", "b", "b"] and body["rid"] == ["p_0", "p_1", "q_0", "q_1"]
+    assert body["return_logprob"] == [True, True, False, False]
+    assert body["sampling_params"] == [{"temperature": 1.0}] * 4
+    assert request_rids(body) == body["rid"]
+    assert expand_samples({"input_ids": [1, 2], "sampling_params": {"n": 3}})["input_ids"] == [[1, 2]] * 3
+    plain = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
+    assert expand_samples(plain) is plain
+
+    async def go() -> None:
+        srv = _engine()
+        try:
+            async with EngineClient(srv.url) as c:
+                out = await c.generate(text=["1+1=", "2+2="], rid=["p", "q"],
+                                       sampling_params={"n": 2, "max_new_tokens": 3, "temperature": 1.0})
+            assert [r["meta_info"]["id"] for r in out] == ["p_0", "p_1", "q_0", "q_1"]
+        finally:
+            srv.stop()
+
+    asyncio.run(go())

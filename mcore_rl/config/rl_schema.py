@@ -70,7 +70,9 @@ class RolloutConfig:
     sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls
     sync_dir: Optional[str] = None  # disk transport: a directory the engines can read
     sync_bucket_mb: int = 512
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # every call to an engine (generation, control, weight sync)
+    api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
+    admin_api_key: Optional[str] = None  # for weight/control endpoints (--admin-api-key); default api_key
 
 
 @dataclass

@@ -7,9 +7,14 @@ retried `retries` times with backoff and then raises `EngineUnavailable`.
 
 Only requests that are safe to repeat are retried. `/generate` is made safe by its `rid` (one is
 generated when the caller gives none): before a retry the client aborts that rid, so the engine
-never runs a request twice and the caller gets exactly one result. `/init_weights_update_group`
-and `/update_weights_from_distributed` are never retried: each pairs with a collective on the
-trainer side.
+never runs a request twice and the caller gets exactly one result. A request for `n > 1` samples
+is sent as n prompts with a rid each (SGLang gives the samples of `n` ids of its own, which no
+client can abort). `/init_weights_update_group` and `/update_weights_from_distributed` are never
+retried: each pairs with a collective on the trainer side. A stream that breaks off (the server
+died or the connection dropped) raises `EngineUnavailable`, never a raw aiohttp error.
+
+With `api_key`, every request carries `Authorization: Bearer <api_key>` (SGLang's `--api-key`);
+weight and control endpoints carry `admin_api_key` instead when one is given (`--admin-api-key`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from typing import Any, AsyncIterator, Optional
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
+# Endpoints of SGLang's ordinary API key; every other one is a weight/control endpoint (admin key).
+USER_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                        "/health_generate", "/get_model_info", "/get_server_info", "/get_weight_version",
+                        "/get_load", "/tokenize", "/detokenize"})
+# Per-prompt fields of a batch that `expand_samples` repeats with their prompt.
+PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                     "return_text_in_logprobs", "image_data", "lora_path", "custom_logit_processor")
 
 
 class EngineError(RuntimeError):
@@ -51,10 +63,15 @@ class EngineClient:
         retries: int = 3,
         backoff: float = 0.5,
         connect_timeout: float = 10.0,
+        api_key: Optional[str] = None,
+        admin_api_key: Optional[str] = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.connect_timeout = connect_timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin = admin_api_key or api_key
+        self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -73,7 +90,7 @@ class EngineClient:
     async def generate(self, body: Optional[dict] = None, **fields: Any) -> Any:
         """POST /generate; a dict for one prompt, a list for a batch. `stream` must not be set
         (use `generate_stream`)."""
-        body = with_rids({**(body or {}), **fields})
+        body = with_rids(expand_samples({**(body or {}), **fields}))
         if body.get("stream"):
             raise ValueError("stream: use generate_stream() for streaming")
         return await self._call("POST", "/generate", body, retry=True, rids=request_rids(body))
@@ -81,7 +98,7 @@ class EngineClient:
     async def generate_stream(self, body: Optional[dict] = None, **fields: Any) -> AsyncIterator[dict]:
         """POST /generate with `stream: true`; yields each event's JSON (cumulative text, ids and
         log-probs so far; the last has `meta_info.finish_reason`). Retried only before the first event."""
-        body = with_rids({**(body or {}), **fields, "stream": True})
+        body = with_rids(expand_samples({**(body or {}), **fields, "stream": True}))
         async for event in self._stream("/generate", body, rids=request_rids(body)):
             yield event
 
@@ -170,8 +187,12 @@ class EngineClient:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
+    def _headers_for(self, path: str) -> dict[str, str]:
+        return self._headers if path in USER_PATHS else self._admin_headers
+
     async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: list[str] = ()) -> Any:
         url = self.base_url + path
+        headers = self._headers_for(path)
         attempts = self.retries + 1 if retry else 1
         timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
         last: Exception | None = None
@@ -180,7 +201,7 @@ class EngineClient:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
                 await self.abort_quietly(rids)
             try:
-                async with self._http().request(method, url, json=body, timeout=timeout) as resp:
+                async with self._http().request(method, url, json=body, timeout=timeout, headers=headers) as resp:
                     raw = await resp.read()
                     if resp.status in RETRY_STATUSES:
                         last = EngineHTTPError(url, resp.status, _message(raw))
@@ -188,7 +209,7 @@ class EngineClient:
                     if resp.status >= 400:
                         raise EngineHTTPError(url, resp.status, _message(raw))
                     return _decode(raw, resp.content_type)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
                 last = err
         raise EngineUnavailable(f"{url}: {type(last).__name__}: {last} (after {attempts} attempt(s))") from last
 
@@ -202,7 +223,7 @@ class EngineClient:
                 await self.abort_quietly(rids)
             started = False
             try:
-                async with self._http().post(url, json=body, timeout=timeout) as resp:
+                async with self._http().post(url, json=body, timeout=timeout, headers=self._headers_for(path)) as resp:
                     if resp.status in RETRY_STATUSES:
                         last = EngineHTTPError(url, resp.status, _message(await resp.read()))
                         continue
@@ -221,7 +242,7 @@ class EngineClient:
                         started = True
                         yield event
                     return
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
                 if started:
                     raise EngineUnavailable(f"{url}: stream broke off: {type(err).__name__}: {err}") from err
                 last = err
@@ -232,7 +253,8 @@ class EngineClient:
         for rid in rids:
             try:
                 timeout = aiohttp.ClientTimeout(total=self.connect_timeout)
-                async with self._http().post(self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout):
+                async with self._http().post(self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout,
+                                             headers=self._admin_headers):
                     pass
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return  # unreachable: nothing is running there that we could stop
@@ -240,11 +262,38 @@ class EngineClient:
     async def _ok(self, path: str) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
-            async with self._http().get(self.base_url + path, timeout=timeout) as resp:
+            async with self._http().get(self.base_url + path, timeout=timeout, headers=self._headers) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+
+def expand_samples(body: dict) -> dict:
+    """`n > 1` samples of each prompt as n prompts of their own (prompt-major: p0, p0, p1, p1), with
+    `n` removed, so that every sample has a rid the client chose. A given string rid `r` names the
+    samples `r_0, r_1, ...` in that order; a list of rids (one per prompt) `r_k` for sample k."""
+    sp = body.get("sampling_params")
+    n = max((s.get("n") or 1) if isinstance(s, dict) else 1 for s in (sp if isinstance(sp, list) else [sp]))
+    if n <= 1:
+        return body
+    key = "text" if body.get("text") is not None else "input_ids"
+    prompts = body.get(key)
+    batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+    items = list(prompts) if batch else [prompts]
+    params = sp if isinstance(sp, list) else [sp] * len(items)
+    out = dict(body)
+    out[key] = [p for p in items for _ in range(n)]
+    out["sampling_params"] = [{k: v for k, v in (s or {}).items() if k != "n"} for s in params for _ in range(n)]
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        out["rid"] = [f"{r}_{k}" for r in rid for k in range(n)]
+    elif isinstance(rid, str):
+        out["rid"] = [f"{rid}_{i}" for i in range(len(items) * n)]
+    for field in PER_PROMPT_FIELDS:  # per-prompt lists follow their prompt
+        if isinstance(body.get(field), list) and batch:
+            out[field] = [v for v in body[field] for _ in range(n)]
+    return out
 
 
 def with_rids(body: dict) -> dict:
@@ -257,16 +306,14 @@ def with_rids(body: dict) -> dict:
 
 
 def request_rids(body: dict) -> list[str]:
-    """Every engine-side rid of a generate body (SGLang expands a string rid for batches and `n`)."""
+    """Every engine-side rid of a generate body after `expand_samples` (SGLang expands a string rid
+    of a batch to `{rid}_{i}`)."""
     rid = body["rid"]
     prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
     batch = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
-    sp = body.get("sampling_params")
-    sp = sp[0] if isinstance(sp, list) and sp else sp
-    n = (sp.get("n") if isinstance(sp, dict) else None) or 1
     if isinstance(rid, list):
-        return list(rid) if n == 1 else [f"{r}_{k}" for k in range(n) for r in rid]
-    return [rid] if batch == 1 and n == 1 else [f"{rid}_{i}" for i in range(batch * n)]
+        return list(rid)
+    return [rid] if batch == 1 else [f"{rid}_{i}" for i in range(batch)]
 
 
 def _decode(raw: bytes, content_type: str) -> Any:

@@ -13,8 +13,11 @@ thread, so the synchronous trainer can call all engines at once. Only global ran
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +26,8 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 
 from mcore_rl.config.schema import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,7 +63,8 @@ class EnginePool(Protocol):
 def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int) -> EnginePool:
     """The pool `rollout.engine_urls` asks for: those servers, or embedded engines when empty."""
     if rollout.engine_urls:
-        return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s)
+        return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
+                              admin_api_key=rollout.admin_api_key)
     return EmbeddedEnginePool.build(
         model, tokenizer, num=rollout.num_embedded_engines, quantization=rollout.quantization,
         max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed)
@@ -142,62 +148,123 @@ class EmbeddedEnginePool:
 
 class HTTPEnginePool:
     """SGLang-compatible servers, called from a private event-loop thread (the trainer is
-    synchronous): generation through `EngineRouter`, control and weight updates to every engine.
-    Requests carry rids, so a failover never runs one twice."""
+    synchronous): generation through `EngineRouter`, control and weight updates to every live engine.
 
-    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512) -> None:
+    An engine that cannot be reached, or does not answer within `timeout`, is marked dead and left
+    out of everything (generation fails over, fan-outs skip it) until its `/health` answers again;
+    it then serves again only once it holds the pool's current weights (see `EngineRouter`).
+    Requests carry rids, so a failover never runs one twice. A fan-out that waits longer than
+    `log_wait_s` logs which engines and which call it is waiting for."""
+
+    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
+                 api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
+                 health_interval: float = 5.0, log_wait_s: float = 10.0) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
         if not urls:
             raise ValueError("urls: need at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
-        self.concurrency = concurrency
+        self.concurrency, self.timeout, self.log_wait_s = concurrency, timeout, log_wait_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool-http", daemon=True)
         self._thread.start()
-        self.router = self._run(self._make_router(EngineRouter, timeout))
-        self._transport: Any = None
 
-    async def _make_router(self, cls: Any, timeout: float) -> Any:
-        router = cls(self.urls, timeout=timeout)
-        router.start()
-        return router
+        async def make_router() -> Any:
+            router = EngineRouter(self.urls, timeout=timeout, api_key=api_key, admin_api_key=admin_api_key,
+                                  health_interval=health_interval)
+            router.start()
+            return router
+
+        self.router = self._run(make_router())
+        self._transport: Any = None
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def weight_version(self) -> int:
-        return int(self.call("get_weight_version", {})[0])
+        return int(next(iter(self.call("get_weight_version", {}).values())))
 
-    # ---- fan-out to every engine (control and weight updates) -------------------------------
+    @property
+    def live(self) -> list[str]:
+        """Engines that take generation requests, in URL order."""
+        return [u for u in self.urls if u in self.router.healthy]
 
-    def start(self, method: str, kwargs: dict | Callable[[int], dict]) -> list[Future]:
-        """Call `EngineClient.<method>(**kwargs)` on every engine, in URL order (`kwargs` may be a
-        function of the engine's index); returns the pending futures."""
-        clients = [self.router.clients[u] for u in self.urls]
-        return [
-            asyncio.run_coroutine_threadsafe(
-                getattr(c, method)(**(kwargs(i) if callable(kwargs) else kwargs)), self._loop
-            )
-            for i, c in enumerate(clients)
-        ]
+    # ---- fan-out to every live engine (control and weight updates) ---------------------------
 
-    def call(self, method: str, kwargs: dict | Callable[[int], dict]) -> list:
-        """`start` and wait: every engine's reply (the first failure is raised once all are done)."""
-        from mcore_rl.rollout.weight_transports import wait_all
+    def update_targets(self) -> list[str]:
+        """Engines a weight update goes to: the live ones and those back but waiting for weights."""
+        return [u for u in self.urls if u in self.router.healthy or u in self.router.stale]
 
-        return wait_all(self.start(method, kwargs))
+    def start(self, method: str, kwargs: dict | Callable[[int], dict],
+              urls: Optional[Sequence[str]] = None) -> dict[str, Future]:
+        """Call `EngineClient.<method>(**kwargs)` on `urls` (default: the live engines; `kwargs` may
+        be a function of the engine's index in `urls`); returns the pending futures by URL."""
+        urls = self.live if urls is None else list(urls)
+        return {
+            u: asyncio.run_coroutine_threadsafe(
+                getattr(self.router.clients[u], method)(**(kwargs(i) if callable(kwargs) else kwargs)), self._loop)
+            for i, u in enumerate(urls)
+        }
+
+    def wait(self, futures: dict[str, Future], what: str) -> dict[str, Any]:
+        """The replies of the engines that answered. An engine that cannot be reached (or timed
+        out) is marked dead and left out; an engine's refusal (HTTP 4xx) is raised; so is
+        `NoHealthyEngine` when no engine answered."""
+        from mcore_rl.rollout.client import EngineUnavailable
+        from mcore_rl.rollout.router import NoHealthyEngine
+
+        pending = dict(futures)
+        start = time.monotonic()
+        while pending:
+            done, _ = concurrent.futures.wait(pending.values(), timeout=self.log_wait_s)
+            if not done:
+                logger.warning("waited %.0f s (timeout %.0f s) for %s from %s", time.monotonic() - start,
+                               self.timeout, what, ", ".join(sorted(pending)))
+            pending = {u: f for u, f in pending.items() if not f.done()}
+        results, error = {}, None
+        for url, f in futures.items():
+            try:
+                results[url] = f.result()
+            except EngineUnavailable as err:
+                logger.warning("engine %s is unreachable during %s (%s); it is left out until it answers again",
+                               url, what, err)
+                self.router.healthy.discard(url)
+                self.router.stale.discard(url)
+            except Exception as err:  # noqa: BLE001 - re-raised below, once every engine has answered
+                error = error or err
+        if error is not None:
+            raise error
+        if futures and not results:
+            raise NoHealthyEngine(f"{what}: no engine answered (tried {', '.join(futures)})")
+        return results
+
+    def call(self, method: str, kwargs: dict | Callable[[int], dict],
+             urls: Optional[Sequence[str]] = None) -> dict[str, Any]:
+        """`start` and `wait`: the replies by URL of the engines that answered."""
+        return self.wait(self.start(method, kwargs, urls), f"/{method}")
 
     @contextlib.contextmanager
-    def paused(self, mode: str) -> Iterator[None]:
-        """`/pause_generation` ... `/continue_generation` around a weight update (continue also on
-        failure), so that no token is generated from half-updated weights."""
-        self.call("pause_generation", {"mode": mode})
+    def weight_update(self, mode: str) -> Iterator[list[str]]:
+        """Pause every update target (`/pause_generation` ... `/continue_generation`, continue also
+        on failure) so that no token is generated from half-updated weights; yields the engines
+        that answered. Transports shrink the list as engines drop out, then call `delivered`."""
+        targets = list(self.call("pause_generation", {"mode": mode}, self.update_targets()))
         try:
-            yield
+            yield targets
         finally:
-            self.call("continue_generation", {})
+            alive = [u for u in targets if u in self.router.healthy or u in self.router.stale]
+            if alive:
+                self.call("continue_generation", {}, alive)
+
+    def delivered(self, urls: Sequence[str], version: int) -> None:
+        """`urls` hold the weights of `version` now: engines that waited for them serve again."""
+        for u in urls:
+            if u in self.router.stale:
+                logger.warning("engine %s has the current weights (version %s) and serves again", u, version)
+                self.router.stale.discard(u)
+                self.router.healthy.add(u)
+        self.router.expected_version = str(version)
 
     def weight_transport(self, rollout: Any) -> Any:
         """The weight transport `rollout.sync_transport` names, to every engine of the pool."""

@@ -4,8 +4,11 @@
 flight from this router. When an engine cannot be reached (or answers 5xx), it is marked unhealthy,
 told to abort the request's rids (best effort: it may be alive behind a broken connection) and the
 request goes to another engine with the same rids; the caller gets exactly one result per request.
-A background task re-checks unhealthy engines (`/health`) and takes them back when they answer.
-Control calls (pause, continue, flush, weight updates) go to every engine.
+A background task re-checks unhealthy engines (`/health`) and takes them back when they answer —
+at once if they report the weight version the pool last delivered (`expected_version`), else
+only after the next weight update reached them (they wait in `stale`: an engine that restarted
+must not serve old weights). Control calls (pause, continue, flush, weight updates) go to every
+healthy engine.
 
 A streamed request that fails over starts again on the new engine; SGLang's stream events are
 cumulative, so the last event is still the whole result.
@@ -24,7 +27,15 @@ import subprocess
 import sys
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable, request_rids, with_rids
+from mcore_rl.rollout.client import (
+    EngineClient,
+    EngineError,
+    EngineHTTPError,
+    EngineUnavailable,
+    expand_samples,
+    request_rids,
+    with_rids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +54,17 @@ class EngineRouter:
         timeout: float = 600.0,
         retries: int = 1,
         health_interval: float = 5.0,
+        api_key: Optional[str] = None,
+        admin_api_key: Optional[str] = None,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one engine URL is needed")
-        self.clients = {u.rstrip("/"): EngineClient(u, timeout=timeout, retries=retries) for u in urls}
+        self.clients = {u.rstrip("/"): EngineClient(u, timeout=timeout, retries=retries, api_key=api_key,
+                                                    admin_api_key=admin_api_key) for u in urls}
         self.outstanding = {u: 0 for u in self.clients}
         self.healthy = set(self.clients)
+        self.stale: set[str] = set()  # alive again, but not yet given the current weights
+        self.expected_version: Optional[str] = None  # the weight version the pool last delivered
         self.health_interval = health_interval
         self._health_task: Optional[asyncio.Task] = None
 
@@ -75,7 +91,7 @@ class EngineRouter:
 
     async def generate(self, body: Optional[dict] = None, **fields: Any) -> Any:
         """`EngineClient.generate` on the least loaded engine, failing over to the others."""
-        body = with_rids({**(body or {}), **fields})
+        body = with_rids(expand_samples({**(body or {}), **fields}))
         tried: set[str] = set()
         while True:
             url = self._pick(tried)
@@ -93,7 +109,7 @@ class EngineRouter:
                 self.outstanding[url] -= 1
 
     async def generate_stream(self, body: Optional[dict] = None, **fields: Any) -> AsyncIterator[dict]:
-        body = with_rids({**(body or {}), **fields})
+        body = with_rids(expand_samples({**(body or {}), **fields}))
         tried: set[str] = set()
         while True:
             url = self._pick(tried)
@@ -136,14 +152,29 @@ class EngineRouter:
         return await self.broadcast("update_weights_from_disk", model_path, **fields)
 
     async def check_health(self) -> dict[str, bool]:
-        """Ask every engine's /health now and update the healthy set."""
+        """Ask every engine's /health now and update the healthy set (an engine that answers
+        again with other weights than the pool's waits in `stale` for the next weight update)."""
         urls = list(self.clients)
         results = await asyncio.gather(*(self.clients[u].health() for u in urls))
         for url, ok in zip(urls, results):
-            if ok and url not in self.healthy:
-                logger.info("engine %s is healthy again", url)
-            (self.healthy.add if ok else self.healthy.discard)(url)
+            if not ok:
+                self.healthy.discard(url)
+                self.stale.discard(url)
+            elif url not in self.healthy and url not in self.stale:
+                if self.expected_version is None or await self._version_of(url) == self.expected_version:
+                    logger.warning("engine %s is healthy again", url)
+                    self.healthy.add(url)
+                else:
+                    logger.warning("engine %s is back with other weights; it serves again after the next weight "
+                                   "update", url)
+                    self.stale.add(url)
         return dict(zip(urls, results))
+
+    async def _version_of(self, url: str) -> Optional[str]:
+        try:
+            return str(await self.clients[url].get_weight_version())
+        except EngineError:
+            return None
 
     # ---- internals -------------------------------------------------------------------------
 

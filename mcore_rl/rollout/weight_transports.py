@@ -10,10 +10,12 @@ DESIGN.md decision 4. A transport gets buckets of full HF-named tensors (from
   host, or the bytes in the request);
 - `InProcessTransport`: colocated `EngineCore`s, straight into `load_weights`.
 
-HTTP transports reach the engines only through the pool's fan-out (`call`, `start`, `paused`).
-Engines are paused for the whole sync (`/pause_generation` ... `/continue_generation`), so no
-token is generated from half-updated weights, and the last request of a sync carries
-`weight_version`, so an engine reports the new version only once every tensor has arrived.
+HTTP transports reach the engines only through the pool's fan-out (`weight_update`, `start`,
+`wait`, `delivered`). Engines are paused for the whole sync (`/pause_generation` ...
+`/continue_generation`), so no token is generated from half-updated weights, and the last request
+of a sync carries `weight_version`, so an engine reports the new version only once every tensor
+has arrived. An engine that dies during a sync drops out of it (the pool marks it dead; it gets
+the whole of the next sync once it is back); the others get every tensor.
 """
 
 from __future__ import annotations
@@ -44,27 +46,17 @@ from mcore_rl.rollout.weight_protocol import (
 
 
 class EngineFanout(Protocol):
-    """What an HTTP transport needs of the engine pool: call every engine, and pause them."""
+    """What an HTTP transport needs of the engine pool (`mcore_rl.rollout.pool.HTTPEnginePool`)."""
 
-    def call(self, method: str, kwargs: Any) -> list: ...
+    def weight_update(self, mode: str) -> contextlib.AbstractContextManager[list[str]]: ...
 
-    def start(self, method: str, kwargs: Any) -> list[Future]: ...
+    def start(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Future]: ...
 
-    def paused(self, mode: str) -> contextlib.AbstractContextManager: ...
+    def wait(self, futures: dict[str, Future], what: str) -> dict[str, Any]: ...
 
+    def call(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Any]: ...
 
-def wait_all(futures: list[Future]) -> list:
-    """Every future's result; the first failure is raised once all have finished."""
-    results, error = [], None
-    for f in futures:
-        try:
-            results.append(f.result())
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            error = error or e
-            results.append(None)
-    if error is not None:
-        raise error
-    return results
+    def delivered(self, urls: Sequence[str], version: int) -> None: ...
 
 
 @dataclass
@@ -105,30 +97,40 @@ class DistributedTransport:
     load_format: Optional[str] = None
     pause_mode: str = "retract"
     _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
+    _members: list[str] = field(default_factory=list, init=False)
 
-    def connect(self) -> None:
-        if self._group is not None:
+    def connect(self, urls: Optional[Sequence[str]] = None) -> None:
+        """Form the group with the engines `urls` (default: the pool's live ones); a group with
+        other members is torn down first (an engine died or came back since it was formed)."""
+        infos = self.engines.call("get_server_info", {}, urls)  # those that answer
+        urls = list(infos)
+        if self._group is not None and urls == self._members:
             return
+        self.close()
         self.backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         port = self.master_port or _free_port(self.master_address)
-        sizes = [int(info.get("tp_size", 1)) for info in self.engines.call("get_server_info", {})]
+        sizes = [int(infos[u].get("tp_size", 1)) for u in urls]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         world_size = 1 + sum(sizes)
         futures = self.engines.start("init_weights_update_group", lambda i: dict(
             master_address=self.master_address, master_port=port, rank_offset=offsets[i],
             world_size=world_size, group_name=self.group_name, backend=self.backend,
-        ))
+        ), urls)
         try:
             self._group = init_custom_process_group(
                 self.backend, self.master_address, port, 0, world_size, self.group_name
             )
         finally:
-            wait_all(futures)
+            self.engines.wait(futures, "/init_weights_update_group")
+        self._members = urls
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
-        self.connect()
+        """Every bucket to every member. An engine that dies while a broadcast is under way breaks
+        the group's collectives: that sync fails (the next one forms a new group without it)."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        with self.engines.paused(self.pause_mode):
+        with self.engines.weight_update(self.pause_mode) as targets:
+            self.connect(targets)
+            targets[:] = list(self._members)
             for bucket, last in _with_last(buckets):
                 meta = BucketMeta.of(bucket)
                 fields = dict(group_name=self.group_name, load_format=self.load_format, flush_cache=last)
@@ -136,24 +138,41 @@ class DistributedTransport:
                     fields["weight_version"] = str(version)
                 futures = self.engines.start(
                     "update_weights_from_distributed",
-                    dict(names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, **fields),
+                    dict(names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, **fields), targets,
                 )
                 try:
                     if self.load_format == "flattened_bucket":
                         broadcast_tensors([flatten(bucket).to(device)], self._group)
                     else:
                         broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
+                except BaseException:
+                    self._drop_group()
+                    raise
                 finally:
-                    wait_all(futures)
+                    answered = self.engines.wait(futures, "/update_weights_from_distributed")
+                if len(answered) < len(targets):  # the group lost a member: the next sync re-forms it
+                    self._drop_group()
+                    raise RuntimeError(f"weight sync: engines {sorted(set(targets) - set(answered))} dropped out of "
+                                       "the broadcast group during a sync")
                 stats.buckets += 1
+            self.engines.delivered(targets, version)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+            self._members = []
 
     def close(self) -> None:
         """Tear the group down on both sides (`/destroy_weights_update_group`)."""
         if self._group is not None:
-            futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name})
+            futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name},
+                                         self._members)
             dist.destroy_process_group(self._group)
             self._group = None
-            wait_all(futures)
+            self._members = []
+            with contextlib.suppress(Exception):  # best effort: an engine that is gone has no group either
+                self.engines.wait(futures, "/destroy_weights_update_group")
 
 
 @dataclass
@@ -182,9 +201,11 @@ class DiskTransport:
                 if f.endswith(".safetensors") and f not in written)
         with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, f)
-        with self.engines.paused(self.pause_mode):
-            self.engines.call("update_weights_from_disk",
-                              dict(model_path=self.directory, weight_version=str(version), flush_cache=True))
+        with self.engines.weight_update(self.pause_mode) as targets:
+            targets[:] = list(self.engines.call(
+                "update_weights_from_disk",
+                dict(model_path=self.directory, weight_version=str(version), flush_cache=True), targets))
+            self.engines.delivered(targets, version)
 
 
 @dataclass
@@ -210,16 +231,18 @@ class TensorTransport:
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
         if self.payload not in ("shm", "inline", "sglang"):
             raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
-        with self.engines.paused(self.pause_mode):
-            pending: list[Future] = []
+        with self.engines.weight_update(self.pause_mode) as targets:
+            pending: dict[str, Future] = {}
             for i, (bucket, last) in enumerate(_with_last(buckets)):
                 fields: dict = dict(serialized_named_tensors=[self._encode(bucket, i % 2)], flush_cache=last)
                 if last:
                     fields["weight_version"] = str(version)
-                wait_all(pending)  # the previous bucket, loaded while this one was written
-                pending = self.engines.start("update_weights_from_tensor", fields)
+                if pending:  # the previous bucket, loaded while this one was written
+                    targets[:] = list(self.engines.wait(pending, "/update_weights_from_tensor"))
+                pending = self.engines.start("update_weights_from_tensor", fields, targets)
                 stats.buckets += 1
-            wait_all(pending)
+            targets[:] = list(self.engines.wait(pending, "/update_weights_from_tensor"))
+            self.engines.delivered(targets, version)
 
     def _encode(self, bucket: NamedTensors, slot: int) -> str:
         if self.payload == "inline":

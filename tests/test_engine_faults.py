@@ -1,0 +1,250 @@
+"""The engine pool against real faults: engine processes killed with SIGKILL, frozen with SIGSTOP,
+restarted; streams that break off. Every engine is its own process on loopback, found by its pid."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from mcore_rl.rollout.client import EngineClient, EngineUnavailable
+from mcore_rl.rollout.pool import GenRequest, HTTPEnginePool
+from mcore_rl.rollout.router import EngineRouter
+from mcore_rl.rollout.weight_transports import DiskTransport, SyncStats, TensorTransport
+from mcore_rl.train.weight_sync import iter_buckets
+
+CONTEXT = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_main(port: int, ready, delay: float) -> None:
+    """An embedded engine server on `port` (each step also sleeps `delay`), until killed."""
+    torch.set_num_threads(1)
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.engine.driver import EngineDriver
+    from mcore_rl.rollout.server import EngineServer, ServerThread
+    from tests.test_server import throttled
+
+    core = throttled(EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT,
+                                                random_seed=0), delay)
+    ServerThread(EngineServer(EngineDriver(core)), port=port, shutdown_timeout=0.5).start()
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+class Engine:
+    """One engine process at a fixed URL, so that a restart comes back where the pool expects it."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.port, self.delay = _free_port(), delay
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: mp.Process | None = None
+        self.start()
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        self.proc = ctx.Process(target=_engine_main, args=(self.port, ready, self.delay), daemon=True)
+        self.proc.start()
+        assert ready.wait(120), "engine did not start"
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.join(10)
+
+
+@pytest.fixture
+def engines():
+    pair = [Engine(), Engine()]
+    yield pair
+    for e in pair:
+        e.close()
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.config.schema import ModelConfig
+
+    torch.manual_seed(seed)
+    return list(Qwen3ReferenceForCausalLM(hf_config_from_model_config(ModelConfig())).state_dict().items())
+
+
+def _versions(urls: list[str]) -> list[str]:
+    async def get() -> list[str]:
+        out = []
+        for u in urls:
+            async with EngineClient(u, retries=0, timeout=5) as c:
+                out.append(str(await c.get_weight_version()))
+        return out
+
+    return asyncio.run(get())
+
+
+def _requests(n: int, tokens: int = 4) -> list[GenRequest]:
+    return [GenRequest(list(b"12+34="), {"max_new_tokens": tokens, "temperature": 1.0, "sampling_seed": i,
+                                          "ignore_eos": True}) for i in range(n)]
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.2)
+
+
+def test_a_killed_engine_is_skipped_and_a_restarted_one_gets_the_weights_first(engines, tmp_path, caplog):
+    a, b = engines
+    pool = HTTPEnginePool([a.url, b.url], timeout=10, health_interval=0.3)
+    try:
+        transport = TensorTransport(pool, shm_dir=str(tmp_path))
+        transport.send(iter_buckets(_weights(1), 1 << 20), 1, SyncStats(1))
+        assert _versions([a.url, b.url]) == ["1", "1"]
+
+        b.signal(signal.SIGKILL)
+        gens = pool.generate(_requests(16))  # in-flight requests fail over to the live engine
+        assert len(gens) == 16 and all(len(g.output_ids) == 4 for g in gens)
+        with caplog.at_level(logging.WARNING):
+            transport.send(iter_buckets(_weights(2), 1 << 20), 2, SyncStats(2))  # the sync skips the dead one
+            DiskTransport(pool, str(tmp_path / "disk")).send(iter_buckets(_weights(3), 1 << 20), 3, SyncStats(3))
+        assert _versions([a.url]) == ["3"] and pool.live == [a.url]
+
+        b.start()  # back at the same URL with its initial weights: not served from until it has ours
+        _wait_for(lambda: b.url in pool.router.stale)
+        assert pool.live == [a.url] and _versions([b.url]) != ["3"]
+        assert all(g.output_ids for g in pool.generate(_requests(8)))
+        transport.send(iter_buckets(_weights(4), 1 << 20), 4, SyncStats(4))
+        assert _versions([a.url, b.url]) == ["4", "4"] and pool.live == [a.url, b.url]
+        assert "is back with other weights" in caplog.text
+        transport.close()
+    finally:
+        pool.close()
+
+
+def test_a_frozen_engine_costs_one_timeout_and_is_logged(engines, tmp_path, caplog):
+    a, b = engines
+    pool = HTTPEnginePool([a.url, b.url], timeout=3, health_interval=0.5, log_wait_s=1.0)
+    try:
+        transport = TensorTransport(pool, shm_dir=str(tmp_path))
+        transport.send(iter_buckets(_weights(1), 1 << 20), 1, SyncStats(1))
+        b.signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            transport.send(iter_buckets(_weights(2), 1 << 20), 2, SyncStats(2))
+        took = time.monotonic() - start
+        assert took < 3 * 2 + 5, f"the sync waited {took:.0f} s for a frozen engine"  # (1 retry) x timeout
+        assert "for /pause_generation from " + b.url in caplog.text  # what it waited for, while it waited
+        assert "unreachable during /pause_generation" in caplog.text
+        assert pool.live == [a.url] and _versions([a.url]) == ["2"]
+
+        b.signal(signal.SIGCONT)  # thawed: its weights are old, so it waits for the next sync
+        _wait_for(lambda: b.url in pool.router.stale)
+        transport.send(iter_buckets(_weights(3), 1 << 20), 3, SyncStats(3))
+        assert _versions([a.url, b.url]) == ["3", "3"] and pool.live == [a.url, b.url]
+        transport.close()
+    finally:
+        pool.close()
+
+
+def test_a_stream_whose_engine_dies_fails_over_and_finishes():
+    slow, other = Engine(delay=0.02), Engine()
+    try:
+        async def go() -> tuple[list[dict], str]:
+            router = EngineRouter([slow.url, other.url], timeout=10, health_interval=60)
+            router.outstanding[other.url] = 1  # the first pick is the slow engine
+            body = {"input_ids": list(b"12+34="), "rid": "s1",
+                    "sampling_params": {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}}
+            events = []
+            try:
+                async for event in router.generate_stream(body):
+                    events.append(event)
+                    if len(events) == 3:
+                        slow.signal(signal.SIGKILL)
+            finally:
+                router.outstanding[other.url] = 0
+                await router.close()
+            return events, ""
+
+        events, _ = asyncio.run(go())
+        final = events[-1]
+        assert final["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(final["output_ids"]) == 64
+    finally:
+        slow.close()
+        other.close()
+
+
+def test_a_stream_that_breaks_off_raises_the_projects_error():
+    slow = Engine(delay=0.02)
+    try:
+        async def go() -> None:
+            async with EngineClient(slow.url, retries=0, timeout=10) as c:
+                n = 0
+                async for _ in c.generate_stream(input_ids=list(b"1+1="), rid="x",
+                                                 sampling_params={"max_new_tokens": 200, "ignore_eos": True}):
+                    n += 1
+                    if n == 2:
+                        slow.signal(signal.SIGKILL)
+
+        with pytest.raises(EngineUnavailable, match="stream broke off"):
+            asyncio.run(go())
+    finally:
+        slow.close()
+
+
+def _rl_run_losing_an_engine(rank: int, world_size: int, tmp: str, urls: list[str], victim_pid: int) -> None:
+    import json
+    import threading
+
+    from mcore_rl.config.schema import ModelConfig
+    from mcore_rl.runtime import run_rl
+    from tests.test_rl_loop import tiny
+
+    cfg = tiny(f"run_dir={tmp}", f"rollout.engine_urls=[{','.join(urls)}]", "rollout.quantization=none",
+               "rollout.request_timeout_s=10", "train.num_steps=4", "eval.interval=0", "eval.at_start=false",
+               "logging.tensorboard=false", "logging.plot=false")
+    cfg.model = ModelConfig()  # the engines serve the default (demo-shaped) model
+    metrics = os.path.join(tmp, "metrics.jsonl")
+
+    def kill_after_step_two() -> None:
+        while True:
+            if os.path.exists(metrics) and any(json.loads(line).get("rl_step") == 2 for line in open(metrics)):
+                os.kill(victim_pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_after_step_two, daemon=True).start()
+    summary = run_rl(cfg)
+    assert summary["state"]["rl_step"] == 4
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["rl_step"] for r in records] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert all(r["rollout/weight_version"] == r["rl_step"] + 1 for r in records if "rollout/weight_version" in r)
+
+
+@pytest.mark.slow
+def test_the_rl_loop_survives_an_engine_killed_mid_run(engines, tmp_path):
+    """Issue scenario: two engines, one SIGKILLed after step 2; the run finishes on the other."""
+    from tests.world import run_world
+
+    a, b = engines
+    run_world(1, _rl_run_losing_an_engine, str(tmp_path), [a.url, b.url], b.proc.pid)
+    assert not b.proc.is_alive() and _versions([a.url]) == ["5"]
