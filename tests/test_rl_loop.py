@@ -121,6 +121,23 @@ def test_sequence_view_and_minibatches():
     assert parts == split_minibatches(len(samples), 4, seed=1, step=3, epoch=0)
 
 
+def test_learner_leaves_failed_samples_out_of_the_group_statistics(monkeypatch):
+    from mcore_rl.train.rl_step import Learner
+
+    samples = _samples()  # 5 groups of 3, rewards [1, 0, 0] each
+    samples[1].reward_error = "timeout after 2s"  # group 0: one right, one failed, one wrong
+    samples[3].reward_error = samples[4].reward_error = "ValueError: boom"  # group 1: one valid sample left
+    learner = Learner(tiny(), chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
+    monkeypatch.setattr(learner, "token_logprobs", lambda s, t, chunks=None, with_entropy=False: (
+        torch.tensor([[-0.1] * t] * len(s)), torch.zeros(len(s), t)))
+    per_seq, metrics = learner.prepare(samples)
+    adv = per_seq["advantages"]
+    torch.testing.assert_close(adv[:3], torch.tensor([0.7071, 0.0, -0.7071]), atol=1e-4, rtol=0)
+    assert adv[3:6].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(adv[6:9], torch.tensor([1.1547, -0.5774, -0.5774]), atol=1e-4, rtol=0)
+    assert metrics["advantage/too_few_valid_frac"] == pytest.approx(1 / 5)
+
+
 def test_prompt_stream_resumes():
     tok = load_tokenizer(None)
     a = PromptSource(task_pool("addition", 7, 0, 2), tok, seed=3)
