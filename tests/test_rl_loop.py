@@ -66,6 +66,23 @@ def test_cli_train_fails_before_launch(capsys):
     assert "rollout.max_staleness" in capsys.readouterr().err
 
 
+def test_cli_train_with_an_unknown_reward_fails_in_seconds():
+    """The reward module is imported by validation, not after the SFT warm start (demo: 500 steps)."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "train", "configs/demo.yaml", "reward.name=nosuchmod:fn"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert "reward.name: 'nosuchmod:fn' cannot be loaded: ModuleNotFoundError: No module named 'nosuchmod'" in out.stderr
+    assert out.stdout == "" and elapsed < 30, (elapsed, out.stdout)
+
+
 # ------------------------------------------------------------------------------------ batches
 
 
