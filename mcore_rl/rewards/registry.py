@@ -8,7 +8,8 @@ general verifiers register here under a "module:function" path that is imported 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, TypeVar, Union
+import sys
+from typing import Any, Callable, Optional, TypeVar, Union
 
 F = TypeVar("F", bound=Callable)
 
@@ -45,6 +46,18 @@ def resolve_import_path(path: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def import_path_of(fn: Any) -> Optional[str]:
+    """fn's "module:qualname" when importing that gives back `fn` itself, else None (lambdas,
+    closures, bound methods, callable objects, functions of `__main__` or wrapped under a new name)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__" or "<" in qualname:
+        return None
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return f"{module}:{qualname}" if obj is fn else None
 
 
 def get_reward_fn(name: str) -> Callable:
