@@ -345,6 +345,32 @@ def test_math_reward_through_runner() -> None:
     assert results[2].error is None and "label" in results[3].error
 
 
+def test_math_verifier_is_bounded_in_time() -> None:
+    """sympy on 2^(2^(2^40)) runs for minutes: one deadline bounds the whole comparison. It is a
+    SIGALRM timer, so it is set in a main thread: a reward worker's (which runs the calls) or a
+    direct caller's; in other threads the runner's timeout is the bound."""
+    tower = RewardInput("q", r"so it is \boxed{2^{2^{2^{40}}}}", label="1")
+    with RewardRunner(RewardFunction(get_reward_fn("math"), timeout_s=30), max_concurrency=2) as runner:
+        start = time.monotonic()
+        results = runner.score_sync([tower, RewardInput("q", r"\boxed{\frac{1}{2}}", label="0.5")])
+        assert time.monotonic() - start < mv.VERIFY_TIMEOUT_S + 5
+    assert [(r.reward, r.error) for r in results] == [(0.0, None), (1.0, None)]  # wrong, not an error
+    start = time.monotonic()
+    assert mv.math_equal("2^{2^{2^{40}}}", "1", timeout_s=0.5) is False
+    assert time.monotonic() - start < 2.5
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    armed: list[bool] = []
+
+    def elsewhere() -> None:
+        with mv.deadline(1.0) as a:
+            armed.append(a)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert armed == [False]
+
+
 # -------------------------------------------------------------------------------- demo task
 
 
