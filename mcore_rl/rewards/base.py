@@ -19,8 +19,8 @@ Where a call runs (`RewardRunner.isolation`):
   `max_concurrency` worker processes (`workers.py`). A call past its timeout has its worker killed
   and replaced, so a hanging verifier costs one sample, never a worker; `close()` kills them all,
   and they die with the trainer even when it is SIGKILLed.
-- "thread": a sync function without an import path (a lambda, a closure: tests, notebooks) or
-  with an `executor` given runs in a thread pool. A thread cannot be killed: a timed-out call keeps
+- "thread": a sync function without an import path (a lambda, a closure: tests, notebooks) runs
+  in a thread pool, or in the `executor` given. A thread cannot be killed: a timed-out call keeps
   its thread until it returns, and `os._exit` ends the process. Not for verifiers that can hang.
 - "async": an `async def` runs on the event loop, cancelled at its timeout.
 """
