@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_rl import algos
-from mcore_rl.algos.advantages import dr_grpo, grpo, make_group_ids, rloo, to_tokens
+from mcore_rl.algos.advantages import dr_grpo, grpo, make_group_ids, rloo, to_tokens, too_few_valid_frac
 from mcore_rl.algos.dynamic_sampling import GroupRefill, nonzero_std_groups
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 0.25, 0.75])
@@ -61,6 +61,80 @@ def test_registry_lookup_and_error_lists_names() -> None:
         algos.register("advantage", "grpo")(lambda r, g: r)
     assert {"ppo_clip", "gspo"} <= set(algos.names("policy_loss"))
     assert {"tis", "icepop", "mis", "seq_mask_tis", "none"} <= set(algos.names("mismatch"))
+
+
+# ---------------------------------------------------------------------------- validity mask
+
+ESTIMATORS = {
+    "grpo": lambda r, g, **kw: grpo(r, g, **kw),
+    "grpo_mean_only": lambda r, g, **kw: grpo(r, g, normalize_std=False, **kw),
+    "dr_grpo": lambda r, g, **kw: dr_grpo(r, g, **kw),
+    "rloo": lambda r, g, **kw: rloo(r, g, **kw),
+}
+
+
+def _random_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 24, (1,), generator=g))
+    groups = torch.randint(0, 6, (n,), generator=g) * 7 - 3  # unsorted, negative, gaps
+    rewards = torch.where(torch.rand(n, generator=g) < 0.5, torch.randint(0, 2, (n,), generator=g).float(),
+                          torch.randn(n, generator=g))
+    valid = torch.rand(n, generator=g) < 0.7
+    return rewards, groups, valid
+
+
+def test_failed_samples_leave_the_group_statistics() -> None:
+    """The issue's group: two right answers and two whose reward failed (scored 0)."""
+    rewards, groups = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    ok = torch.tensor([True, True, False, False])
+    torch.testing.assert_close(grpo(rewards, groups), torch.tensor([0.866, 0.866, -0.866, -0.866]), atol=1e-3, rtol=0)
+    for name, fn in ESTIMATORS.items():
+        assert fn(rewards, groups, valid=ok).tolist() == [0.0] * 4, name  # the two valid ones are equal: no signal
+    mixed = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(grpo(mixed, groups, valid=ok), torch.tensor([0.7071, -0.7071, 0.0, 0.0]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_masked_advantages_equal_those_of_the_valid_samples_alone(name: str) -> None:
+    fn = ESTIMATORS[name]
+    for seed in range(200):
+        rewards, groups, valid = _random_batch(seed)
+        adv = fn(rewards, groups, valid=valid)
+        assert adv.dtype == torch.float32 and adv.shape == rewards.shape
+        assert torch.all(adv[~valid] == 0), seed
+        if valid.any():
+            torch.testing.assert_close(adv[valid], fn(rewards[valid], groups[valid]), atol=1e-5, rtol=1e-5)
+        # what an invalid sample scored does not matter, not even NaN or inf
+        junk = rewards.clone()
+        junk[~valid] = torch.tensor([float("nan"), float("inf"), -1e9, 3.0]).repeat(len(rewards))[: int((~valid).sum())]
+        assert torch.equal(fn(junk, groups, valid=valid), adv), seed
+        assert torch.equal(fn(rewards, groups, valid=torch.ones_like(valid)), fn(rewards, groups)), seed
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_groups_with_fewer_than_two_valid_samples_get_zero(name: str) -> None:
+    fn = ESTIMATORS[name]
+    for seed in range(200):
+        rewards, groups, valid = _random_batch(seed)
+        adv = fn(rewards, groups, valid=valid)
+        per_group = {int(g): int(valid[groups == g].sum()) for g in groups.unique()}
+        for g, k in per_group.items():
+            if k < 2:
+                assert torch.all(adv[groups == g] == 0), (seed, g)
+        want = sum(k < 2 for k in per_group.values()) / len(per_group)
+        assert too_few_valid_frac(groups, valid) == pytest.approx(want), seed
+    assert too_few_valid_frac(torch.tensor([], dtype=torch.long)) == 0.0
+    assert too_few_valid_frac(torch.tensor([0, 0, 1])) == pytest.approx(0.5)  # a group of one has no baseline
+
+
+def test_every_registered_advantage_takes_the_validity_mask() -> None:
+    rewards, groups = torch.tensor([1.0, 0.0, 5.0, 0.0, 1.0]), torch.tensor([0, 0, 0, 1, 1])
+    valid = torch.tensor([True, True, False, True, True])
+    for name in algos.names("advantage"):
+        adv = algos.get("advantage", name)(rewards, groups, normalize_std=True, valid=valid)
+        assert float(adv[2]) == 0.0 and float(adv[:2].sum()) == pytest.approx(0.0, abs=1e-6), name
+    with pytest.raises(ValueError, match="valid"):
+        grpo(rewards, groups, valid=valid[:3])
 
 
 # ---------------------------------------------------------------------------- dynamic sampling

@@ -257,3 +257,18 @@ def test_validation_t_post_is_t_hat_post_with_grpo_advantages() -> None:
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     groups = make_group_ids(2, 2)
     assert validation_t_post(logp, mu, mask, rewards, groups) == t_hat_post(logp, mu, mask, grpo(rewards, groups))
+
+
+def test_validation_t_post_leaves_unusable_samples_out() -> None:
+    """Failed samples count neither in the groups' advantages nor in the mean over sequences."""
+    logp, mu, _, mask = _batch(5, n=6)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    groups = make_group_ids(2, 3)
+    ok = torch.tensor([True, True, False, True, True, False])
+    got = validation_t_post(logp, mu, mask, rewards, groups, valid=ok)
+    assert got == validation_t_post(logp[ok], mu[ok], mask[ok], rewards[ok], groups[ok])
+    junk = rewards.clone()
+    junk[~ok] = 7.0  # what a failed sample scored does not matter
+    assert validation_t_post(logp, mu, mask, junk, groups, valid=ok) == got
+    assert got != validation_t_post(logp, mu, mask, rewards, groups)
+    assert validation_t_post(logp, mu, mask, rewards, groups, valid=torch.zeros(6, dtype=torch.bool)) == 0.0

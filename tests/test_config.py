@@ -353,7 +353,20 @@ def test_reward_must_score_the_synthetic_task():
     assert rl_errors(rl("reward.name=math")) == [
         "reward.name: the synthetic task 'addition' is scored by 'addition', got 'math'"]
     validate_rl_config(rl("reward.name=math", "data.path=x.jsonl", "init.sft_steps=0"), 2)
-    validate_rl_config(rl("reward.name=my_pkg.rewards:score"), 2)  # an import path is the user's choice
+    validate_rl_config(rl("reward.name=tests.test_rewards:_length_reward"), 2)  # an import path is the user's choice
+
+
+@pytest.mark.parametrize("name, error", [
+    ("nosuchmod:fn", "ModuleNotFoundError: No module named 'nosuchmod'"),
+    ("mcore_rl.rewards.math_verify:no_such_fn", "AttributeError: module 'mcore_rl.rewards.math_verify' has no "
+                                                 "attribute 'no_such_fn'"),
+    ("mcore_rl.rewards.math_verify:logger", "TypeError: 'mcore_rl.rewards.math_verify:logger' is a Logger, "
+                                            "not a function"),
+    (":fn", "ValueError: Empty module name"),
+])
+def test_reward_import_path_is_resolved_when_validating(name, error):
+    """Found now, not after the SFT warm start: the module is imported and the name must be callable."""
+    assert rl_errors(rl(f"reward.name={name}")) == [f"reward.name: {name!r} cannot be loaded: {error}"]
 
 
 @pytest.fixture

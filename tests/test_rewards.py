@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, annotate, get_reward_fn
 from mcore_rl.rewards import math_verify as mv
 from mcore_rl.data.tasks.addition import addition_reward
+from tests.reward_fns import group_lengths, misbehave
 
 
 def _inputs(*completions: str, label=None) -> list[RewardInput]:
@@ -126,6 +132,156 @@ def test_annotate_dicts_and_objects() -> None:
     assert s.reward == 1.0 and s.reward_error is None
 
 
+# ---------------------------------------------------------------------------- worker processes
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (read from /proc: no psutil needed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pids, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(p) for p in pids)
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+
+
+def test_where_calls_run() -> None:
+    async def judge(s: RewardInput) -> float:
+        return 1.0
+
+    assert RewardRunner(misbehave).isolation == "process"
+    assert RewardRunner(misbehave).reward.path == "tests.reward_fns:misbehave"
+    assert RewardRunner(get_reward_fn("addition")).reward.path == "mcore_rl.data.tasks.addition:addition_reward"
+    assert RewardRunner(lambda s: 1.0).isolation == "thread"  # no import path: in-process
+    assert RewardRunner(judge).isolation == "async"
+    with ThreadPoolExecutor(2) as pool:
+        assert RewardRunner(misbehave, executor=pool).isolation == "thread"
+
+
+@needs_proc
+def test_hanging_reward_costs_its_sample_not_a_worker() -> None:
+    """The issue's run: half the samples hang, 2 workers. Each hang costs its sample; the worker is
+    killed by pid and replaced, and every other sample, now and later, is scored."""
+    with RewardRunner(RewardFunction(misbehave, timeout_s=0.5), max_concurrency=2) as runner:
+        runner.start(wait_ready=True)
+        before = set(runner.worker_pids())
+        assert len(before) == 2 and all(_alive(p) for p in before)
+        start = time.monotonic()
+        results = runner.score_sync(_inputs(*["hang", "abcd"] * 4))
+        assert time.monotonic() - start < 10
+        assert [r.reward for r in results] == [0.0, 4.0] * 4
+        assert all(r.error == "timeout after 0.5s (its worker was killed)" for r in results[::2])
+        assert all(r.error is None for r in results[1::2])
+        assert _gone_within(before, 5)  # the workers that hung were killed (and reaped)
+        start = time.monotonic()
+        later = runner.score_sync(_inputs(*["abc"] * 20))
+        assert [r.error for r in later] == [None] * 20 and time.monotonic() - start < 5
+        pids = runner.worker_pids()
+        assert len(pids) == 2 and not set(pids) & before and all(_alive(p) for p in pids)
+    assert runner.worker_pids() == [] and _gone_within(pids, 5)
+
+
+async def _async_misbehave(s: RewardInput) -> float:
+    await asyncio.sleep(0)
+    return misbehave(s)
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread", "async"])
+def test_base_exceptions_cost_one_sample(isolation: str) -> None:
+    """SystemExit, KeyboardInterrupt, any BaseException (and, in a worker, os._exit) end the call,
+    not the run."""
+    fn = RewardFunction({"process": misbehave, "thread": lambda s: misbehave(s), "async": _async_misbehave}[isolation],
+                        timeout_s=10)
+    kinds = ["exit", "interrupt", "base", "ok"] + (["os_exit", "ok"] if isolation == "process" else [])
+    with RewardRunner(fn, max_concurrency=2) as runner:
+        assert runner.isolation == isolation
+        results = runner.score_sync(_inputs(*kinds))
+        again = runner.score_sync(_inputs("ok", "ok"))
+    errors = [r.error for r in results]
+    assert errors[:4] == ["SystemExit: 3", "KeyboardInterrupt", "Abort: not an Exception", None]
+    if isolation == "process":
+        assert errors[4:] == ["the reward worker exited with code 7 during the call", None]
+    assert [r.reward for r in results if r.error is None] == [2.0] * (len(kinds) - 3 - (isolation == "process"))
+    assert [r.reward for r in again] == [2.0, 2.0]
+
+
+def test_async_score_in_workers_and_group_timeouts() -> None:
+    """`score` from an event loop runs the workers from a thread that ends with `asyncio.run`:
+    the workers must outlive it (they are forked by the runner's long-lived spawner thread)."""
+    with RewardRunner(RewardFunction(group_lengths, per_group=True, timeout_s=0.5), max_concurrency=2) as runner:
+        samples = _inputs("a", "hang", "bb", "ccc", "dddd")
+        results = asyncio.run(runner.score(samples, [0, 0, 1, 1, 2]))
+        pids = runner.worker_pids()
+        assert [r.reward for r in results] == [0.0, 0.0, 2.0, 3.0, 4.0]
+        assert results[0].error == results[1].error == "timeout after 0.5s (its worker was killed)"
+        time.sleep(0.2)
+        assert all(_alive(p) for p in pids)
+        assert [r.reward for r in asyncio.run(runner.score(samples[2:], [1, 1, 2]))] == [2.0, 3.0, 4.0]
+        assert runner.worker_pids() == pids
+
+
+def test_unloadable_function_fails_its_samples() -> None:
+    with RewardRunner(RewardFunction(misbehave, path="nosuchmod:fn"), max_concurrency=2) as runner:
+        results = runner.score_sync(_inputs("a", "b", "c"))
+    assert [r.reward for r in results] == [0.0] * 3
+    assert results[0].error == ("no reward worker could load 'nosuchmod:fn': "
+                                "ModuleNotFoundError: No module named 'nosuchmod'")
+
+
+_PARENT = """
+import sys, time
+from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner
+from tests.reward_fns import misbehave
+
+def inputs(*c):
+    return [RewardInput("p", x) for x in c]
+
+closed = RewardRunner(RewardFunction(misbehave, timeout_s=0.5), max_concurrency=2)
+assert [r.error is None for r in closed.score_sync(inputs("hang", "ok") * 2)] == [False, True] * 2
+pids = closed.worker_pids()
+closed.close()
+left_open = RewardRunner(RewardFunction(misbehave, timeout_s=60), max_concurrency=2)
+pids += [int(r.reward) for r in left_open.score_sync(inputs("pid", "pid"))]
+print(" ".join(map(str, pids)), flush=True)
+if sys.argv[1] == "busy":  # both workers stuck: one in C code holding the GIL, one asleep
+    left_open.score_sync(inputs("spin", "hang"))
+"""
+
+
+@needs_proc
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_no_worker_outlives_the_trainer(how: str) -> None:
+    """A trainer exits at once after a hang (closed or not), and its workers die with it, also when
+    it is SIGKILLed while they are stuck."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT, "busy" if how == "sigkill" else "idle"], cwd=root,
+                            env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 4
+        if how == "sigkill":
+            time.sleep(0.5)  # the calls have reached the workers
+            assert all(_alive(p) for p in pids[2:])
+            proc.kill()
+        assert proc.wait(timeout=20) == (-signal.SIGKILL if how == "sigkill" else 0)
+        assert _gone_within(pids, 5), [p for p in pids if _alive(p)]
+    finally:
+        proc.kill()
+        for p in pids:  # never leave a spinning process behind, even when the test fails
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------------------------- math
 
 
@@ -182,9 +338,37 @@ def test_math_reward_through_runner() -> None:
         RewardInput("q", "I give up", label="0.75"),
         RewardInput("q", r"\boxed{1}", label=None),  # data error: recorded, not raised
     ]
-    results = RewardRunner(get_reward_fn("math")).score_sync(samples)
+    with RewardRunner(get_reward_fn("math"), max_concurrency=2) as runner:
+        assert runner.isolation == "process"
+        results = runner.score_sync(samples)
     assert [r.reward for r in results] == [1.0, 0.0, 0.0, 0.0]
     assert results[2].error is None and "label" in results[3].error
+
+
+def test_math_verifier_is_bounded_in_time() -> None:
+    """sympy on 2^(2^(2^40)) runs for minutes: one deadline bounds the whole comparison. It is a
+    SIGALRM timer, so it is set in a main thread: a reward worker's (which runs the calls) or a
+    direct caller's; in other threads the runner's timeout is the bound."""
+    tower = RewardInput("q", r"so it is \boxed{2^{2^{2^{40}}}}", label="1")
+    with RewardRunner(RewardFunction(get_reward_fn("math"), timeout_s=30), max_concurrency=2) as runner:
+        start = time.monotonic()
+        results = runner.score_sync([tower, RewardInput("q", r"\boxed{\frac{1}{2}}", label="0.5")])
+        assert time.monotonic() - start < mv.VERIFY_TIMEOUT_S + 5
+    assert [(r.reward, r.error) for r in results] == [(0.0, None), (1.0, None)]  # wrong, not an error
+    start = time.monotonic()
+    assert mv.math_equal("2^{2^{2^{40}}}", "1", timeout_s=0.5) is False
+    assert time.monotonic() - start < 2.5
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    armed: list[bool] = []
+
+    def elsewhere() -> None:
+        with mv.deadline(1.0) as a:
+            armed.append(a)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert armed == [False]
 
 
 # -------------------------------------------------------------------------------- demo task
@@ -196,7 +380,8 @@ def test_addition_reward() -> None:
     assert addition_reward(RewardInput("12+39=", "15\nmore text")) == 1.0
     assert addition_reward(RewardInput("12+39=", "150<|endoftext|>junk")) == 1.0
     assert addition_reward(RewardInput("12+39=", "51")) == 0.0
-    results = RewardRunner(get_reward_fn("addition")).score_sync([ok, RewardInput("hello", "1")])
+    with RewardRunner(get_reward_fn("addition"), max_concurrency=2) as runner:
+        results = runner.score_sync([ok, RewardInput("hello", "1")])
     assert results[0].reward == 1.0 and "not an addition prompt" in results[1].error
 
 

@@ -66,6 +66,23 @@ def test_cli_train_fails_before_launch(capsys):
     assert "rollout.max_staleness" in capsys.readouterr().err
 
 
+def test_cli_train_with_an_unknown_reward_fails_in_seconds():
+    """The reward module is imported by validation, not after the SFT warm start (demo: 500 steps)."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "train", "configs/demo.yaml", "reward.name=nosuchmod:fn"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert "reward.name: 'nosuchmod:fn' cannot be loaded: ModuleNotFoundError: No module named 'nosuchmod'" in out.stderr
+    assert out.stdout == "" and elapsed < 30, (elapsed, out.stdout)
+
+
 # ------------------------------------------------------------------------------------ batches
 
 
@@ -119,6 +136,23 @@ def test_sequence_view_and_minibatches():
     parts = split_minibatches(len(samples), 4, seed=1, step=3, epoch=0)
     assert sorted(i for p in parts for i in p) == list(range(len(samples))) and len(parts) == 4
     assert parts == split_minibatches(len(samples), 4, seed=1, step=3, epoch=0)
+
+
+def test_learner_leaves_failed_samples_out_of_the_group_statistics(monkeypatch):
+    from mcore_rl.train.rl_step import Learner
+
+    samples = _samples()  # 5 groups of 3, rewards [1, 0, 0] each
+    samples[1].reward_error = "timeout after 2s"  # group 0: one right, one failed, one wrong
+    samples[3].reward_error = samples[4].reward_error = "ValueError: boom"  # group 1: one valid sample left
+    learner = Learner(tiny(), chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
+    monkeypatch.setattr(learner, "token_logprobs", lambda s, t, chunks=None, with_entropy=False: (
+        torch.tensor([[-0.1] * t] * len(s)), torch.zeros(len(s), t)))
+    per_seq, metrics = learner.prepare(samples)
+    adv = per_seq["advantages"]
+    torch.testing.assert_close(adv[:3], torch.tensor([0.7071, 0.0, -0.7071]), atol=1e-4, rtol=0)
+    assert adv[3:6].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(adv[6:9], torch.tensor([1.1547, -0.5774, -0.5774]), atol=1e-4, rtol=0)
+    assert metrics["advantage/too_few_valid_frac"] == pytest.approx(1 / 5)
 
 
 def test_prompt_stream_resumes():

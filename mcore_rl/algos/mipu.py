@@ -129,11 +129,16 @@ def t_hat_post(
 
 def validation_t_post(
     policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
-    group_ids: torch.Tensor,
+    group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None,
 ) -> float:
     """T̂_post of a validation batch sampled from the synced candidate: the groups' GRPO
-    advantages Â (mean/std normalised), then `t_hat_post`. `mask` excludes unusable samples."""
-    return t_hat_post(policy_logp, rollout_logp, mask, grpo(rewards, group_ids))
+    advantages Â (mean/std normalised) over the `valid` samples, then `t_hat_post` over those
+    (unusable samples, e.g. reward errors, count nowhere; none valid: 0, no evidence either way)."""
+    ok = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device) if valid is None else valid.bool()
+    if not bool(ok.any()):
+        return 0.0
+    adv = grpo(rewards, group_ids, valid=ok)
+    return t_hat_post(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok])
 
 
 @register("mipu", "tolerance")

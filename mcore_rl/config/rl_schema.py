@@ -124,7 +124,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     num_minibatches: int = 1  # optimizer steps per rollout batch (per epoch)
     ppo_epochs: int = 1
-    drop_reward_errors: bool = True  # samples whose reward function failed get no loss
+    drop_reward_errors: bool = True  # samples whose reward function failed get no loss and leave the group statistics
     mismatch: MismatchCorrectionConfig = field(default_factory=MismatchCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 

@@ -209,16 +209,23 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
 
 
 def check_reward(rw: RewardConfig, d: RLDataConfig, task: Optional[Task], errors: Errors) -> None:
-    """A registered reward (or an import path), and for a synthetic task the one that scores it."""
+    """A registered reward (or an import path) that loads now, not after the warm start, and for a
+    synthetic task the one that scores it."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards, which reward_names() then lists)
-    from mcore_rl.rewards import is_import_path, reward_names
+    from mcore_rl.rewards import get_reward_fn, is_import_path, reward_names
 
     errors.need(rw.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {rw.timeout_s}")
     errors.need(rw.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {rw.max_concurrency}")
-    if is_import_path(rw.name):
+    path = is_import_path(rw.name)
+    if not path and not need_registered(errors, "reward.name", "reward", rw.name, reward_names(),
+                                        " (or 'package.module:function')"):
         return
-    if need_registered(errors, "reward.name", "reward", rw.name, reward_names(), " (or 'package.module:function')") \
-            and task is not None:
+    try:  # imports the module, as the reward workers will
+        get_reward_fn(rw.name)
+    except Exception as exc:  # noqa: BLE001 - whatever importing user code raises is a config error
+        errors.need(False, "reward.name", f"{rw.name!r} cannot be loaded: {type(exc).__name__}: {exc}")
+        return
+    if not path and task is not None:
         errors.need(rw.name == task.reward, "reward.name",
                     f"the synthetic task {task.name!r} is scored by {task.reward!r}, got {rw.name!r}")
 

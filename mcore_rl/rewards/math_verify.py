@@ -6,22 +6,60 @@ Extraction: the content of the last `\\boxed{…}` / `\\fbox{…}` (brace-balanc
 "#### …" line, else nothing (a completion without a recognisable final answer scores 0).
 
 Comparison: Hugging Face `math-verify` (LaTeX → sympy via latex2sympy2_extended, with its
-normalisation of units, percentages, sets, intervals, equations). Its own timeouts use
-SIGALRM, which only works in the main thread, so they are turned off here and the
-`RewardRunner`'s timeout applies instead. If math-verify is not installed or cannot parse one
-side, a small sympy fallback parses plain/LaTeX-lite expressions and compares them symbolically
-and numerically.
+normalisation of units, percentages, sets, intervals, equations). If math-verify is not installed
+or cannot parse one side, a small sympy fallback parses plain/LaTeX-lite expressions and compares
+them symbolically and numerically.
+
+Time: sympy can take practically forever (`\\boxed{2^{2^{2^{40}}}}` ran for minutes), so one
+deadline of `VERIFY_TIMEOUT_S` bounds the whole comparison, math-verify and fallback together; an
+answer that cannot be checked in time counts as wrong (as math-verify's own timeouts do). It is a
+SIGALRM timer, so it works in a main thread: that of a reward worker process, where the runner
+calls sync rewards. math-verify's own timeouts stay off: they are SIGALRM timers too, one per parse
+and per comparison, and each cancels any other alarm when it ends. Elsewhere (a thread of the
+runner's in-process mode) there is no deadline and the runner's timeout applies; arithmetic stuck
+in one C call (a huge integer power) defers the alarm until it returns, which is what the worker's
+hard timeout (SIGKILL) is for.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Optional
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from mcore_rl.rewards.base import RewardInput
 
 logger = logging.getLogger(__name__)
+
+VERIFY_TIMEOUT_S = 5.0  # one comparison, math-verify and fallback together (math-verify's default per step)
+
+
+class VerifyTimeout(BaseException):
+    """The comparison ran past its deadline. A BaseException, so that the `except Exception` of
+    math-verify and sympy do not swallow it and carry on without a deadline."""
+
+
+@contextmanager
+def deadline(seconds: Optional[float]) -> Iterator[bool]:
+    """Raise `VerifyTimeout` in this block after `seconds` (a SIGALRM timer); yields whether a
+    deadline is set: only in the main thread, where signal handlers run."""
+    if seconds is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield False
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise VerifyTimeout(f"no verdict within {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _FINAL_PATTERNS = [
@@ -203,16 +241,20 @@ def sympy_equal(pred: str, gold: str, rel_tol: float = 1e-6) -> bool:
         return False
 
 
-def math_equal(pred: str, gold: Any) -> bool:
-    """Is the extracted answer `pred` the reference `gold` (a string or a number)?"""
+def math_equal(pred: str, gold: Any, timeout_s: Optional[float] = VERIFY_TIMEOUT_S) -> bool:
+    """Is the extracted answer `pred` the reference `gold` (a string or a number)? False also when
+    no verdict comes within `timeout_s` (main thread only; see the module docstring)."""
     gold_s = str(gold).strip()
     pred_s = pred.strip()
     if not pred_s or not gold_s:
         return False
-    verdict = _math_verify_equal(pred_s, gold_s)
-    if verdict is not None:
-        return verdict
-    return sympy_equal(pred_s, gold_s)
+    try:
+        with deadline(timeout_s):
+            verdict = _math_verify_equal(pred_s, gold_s)
+            return verdict if verdict is not None else sympy_equal(pred_s, gold_s)
+    except VerifyTimeout as exc:
+        logger.warning("math verifier: %s on %.80r vs %.80r; counted as wrong", exc, pred_s, gold_s)
+        return False
 
 
 def math_reward(sample: RewardInput) -> float:

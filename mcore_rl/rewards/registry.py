@@ -8,7 +8,8 @@ general verifiers register here under a "module:function" path that is imported 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, TypeVar, Union
+import sys
+from typing import Any, Callable, Optional, TypeVar, Union
 
 F = TypeVar("F", bound=Callable)
 
@@ -37,16 +38,40 @@ def is_import_path(name: str) -> bool:
     return ":" in name and name not in _REWARDS
 
 
+def resolve_import_path(path: str) -> Any:
+    """The object that "package.module:name" (or "package.module:Class.name") names; imports the
+    module. Reward workers load their function this way, so nothing needs to be pickled."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def import_path_of(fn: Any) -> Optional[str]:
+    """fn's "module:qualname" when importing that gives back `fn` itself, else None (lambdas,
+    closures, bound methods, callable objects, functions of `__main__` or wrapped under a new name)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__" or "<" in qualname:
+        return None
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return f"{module}:{qualname}" if obj is fn else None
+
+
 def get_reward_fn(name: str) -> Callable:
-    """A registered reward function, or any "package.module:function"."""
+    """A registered reward function, or any "package.module:function" (ImportError,
+    AttributeError or TypeError when that path does not name a callable)."""
     target = _REWARDS.get(name, name)
     if callable(target):
         return target
     if ":" not in target:
         raise KeyError(f"unknown reward function {name!r}; registered: {', '.join(reward_names())} "
                        "(or give 'package.module:function')")
-    module, attr = target.split(":", 1)
-    fn = getattr(importlib.import_module(module), attr)
+    fn = resolve_import_path(target)
+    if not callable(fn):
+        raise TypeError(f"{target!r} is a {type(fn).__name__}, not a function")
     if name in _REWARDS:
         _REWARDS[name] = fn
     return fn

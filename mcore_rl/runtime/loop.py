@@ -219,7 +219,8 @@ class RLRun:
             self.val_prompts.load_state_dict(val_state)
         view = sequence_view(samples)
         pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        t_post = validation_t_post(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids)
+        t_post = validation_t_post(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
+                                   valid=view.ok.bool())
         decision = self.mipu.decide(t_post)
         out = decision.metrics()
         out.update(self.mipu.metrics())

@@ -5,8 +5,9 @@ provenance: the weight version the engine generated it with and μ, the engine's
 response token. Sampling is seeded per sample from (run seed, purpose, prompt stream index, sample
 index), so the same prompt at the same step draws the same tokens in a rerun or a resumed run.
 
-Rewards come from a `RewardRunner`: a verifier that raises or times out marks its sample with
-`reward_error` (and `error_reward`), and the run goes on. With dynamic sampling (DAPO), groups whose
+Rewards come from a `RewardRunner`, which calls a sync reward in worker processes that it kills
+at the timeout: a verifier that raises, hangs or exits marks its sample with `reward_error` (and
+`error_reward`), and the run goes on. With dynamic sampling (DAPO), groups whose
 rewards are all equal are dropped and more prompts are drawn until the batch is full or the round
 budget is spent.
 """
@@ -38,10 +39,12 @@ def build_reward_runner(cfg: Any) -> RewardRunner:
     import mcore_rl.data.tasks  # noqa: F401
 
     rc = cfg.reward
-    return RewardRunner(
+    runner = RewardRunner(
         RewardFunction(get_reward_fn(rc.name), timeout_s=rc.timeout_s, error_reward=rc.error_reward, name=rc.name),
         max_concurrency=rc.max_concurrency,
     )
+    runner.start()  # the workers load the function while the engines start
+    return runner
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algos import registry
+from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.policy_loss import masked_mean
@@ -130,8 +131,9 @@ class Learner:
             metrics["kl/ref"] = float(kl_tokens.sum() / mask.sum().clamp_min(1))
             if a.kl_in_reward:
                 rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
+        valid = view.ok.bool()  # unusable samples (aborted, reward errors when dropped) leave the group statistics
         advantages = registry.get("advantage", a.advantage)(
-            rewards, view.group_ids, normalize_std=a.advantage_std_normalize)
+            rewards, view.group_ids, normalize_std=a.advantage_std_normalize, valid=valid)
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
@@ -139,6 +141,7 @@ class Learner:
         metrics["entropy/mean"] = float(masked_mean(entropy, view.mask))
         metrics["advantage/abs_mean"] = float(advantages.abs().mean())
         metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
+        metrics["advantage/too_few_valid_frac"] = too_few_valid_frac(view.group_ids, valid)
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
