@@ -428,7 +428,7 @@ def test_bad_requests_get_400_naming_the_field_while_others_are_served(server) -
             ("/v1/chat/completions", {"messages": "hi"}, "messages"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
             ("/pause_generation", {"mode": "later"}, "mode"),
-            ("/update_weight_version", {"new_version": "v2"}, "new_version"),
+            ("/update_weight_version", {"new_version": ["v2"]}, "new_version"),
         ]:
             with pytest.raises(EngineHTTPError) as err:
                 await c._call("POST", path, body, retry=False)

@@ -57,7 +57,8 @@ class ByteTokenizer:
     def token_to_id(self, token: str) -> int:
         return self._special_to_id[token]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens` is accepted for the HF interface: this tokenizer adds none."""
         ids: list[int] = []
         for piece in self._split.split(text):
             if piece in self._special_to_id:
@@ -121,8 +122,8 @@ class HFTokenizer:
         self.bos_id = tok.bos_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -132,13 +133,14 @@ class HFTokenizer:
         return getattr(self._tok, "chat_template", None) is not None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, **template_kwargs
     ):
-        """The model's own chat format (the server falls back to ChatML when there is none)."""
+        """The model's own chat format (the server falls back to ChatML when there is none);
+        `template_kwargs` go to the template (`continue_final_message`, `enable_thinking`, ...)."""
         if not self.has_chat_template:
             raise ValueError("this tokenizer has no chat template")
         return self._tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize
+            messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **template_kwargs
         )
 
 

@@ -5,7 +5,13 @@ Flags fall in three groups:
 
 - **honoured**: `--model-path` (alias `--model`; none = the built-in tiny demo model),
   `--tokenizer-path`, `--host`, `--port`, `--dtype`, `--quantization fp8`, `--context-length`,
-  `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version`;
+  `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version` (any
+  string, as in SGLang), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
+  `mcore_rl/rollout/server.py`);
+- **our own**: `--weight-dirs DIR ...`, the directories whose files the weight-update endpoints may
+  read (`/update_weights_from_disk`'s `model_path`, a tensor file of `/update_weights_from_tensor`);
+  default `default_weight_dirs(model_path)`: the model's directory, the temp dir and /dev/shm, where
+  the trainer's transports write; `--weight-dirs` alone accepts no path at all;
 - **accepted for compatibility**: `--tp-size`/`--tensor-parallel-size` and `--dp-size`/
   `--data-parallel-size` (only 1: the embedded engine is one process on one device),
   `--load-format` (auto/safetensors), `--kv-cache-dtype auto`, and knobs that tune a GPU server
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -71,6 +79,10 @@ class ServerArgs:
     trust_remote_code: bool = False
     log_level: str = "info"
     log_level_http: Optional[str] = None
+    # Security (SGLang's names), and the directories weight files may come from (ours).
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    weight_dirs: Optional[list[str]] = None
 
     @property
     def model_name(self) -> str:
@@ -89,8 +101,30 @@ class ServerArgs:
             kw["max_running_requests"] = self.max_running_requests
         return kw
 
+    @property
+    def allowed_weight_dirs(self) -> list[str]:
+        """`--weight-dirs`, or the default that the trainer's transports write to."""
+        return list(self.weight_dirs) if self.weight_dirs is not None else default_weight_dirs(self.model_path)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """For `/get_server_info`: the keys themselves are never shown, only whether they are set."""
+        d = dataclasses.asdict(self)
+        for key in ("api_key", "admin_api_key"):
+            d[key] = "<set>" if d[key] else None
+        d["weight_dirs"] = self.allowed_weight_dirs
+        return d
+
+
+def default_weight_dirs(model_path: Optional[str]) -> list[str]:
+    """Where weight files may come from unless `--weight-dirs` says otherwise: the served model's
+    directory, the temp dir (`tempfile.gettempdir()`, where tests and the default sync dirs live)
+    and /dev/shm (the tensor transport's shared-memory files). Anyone who can call the weight
+    endpoints can send tensors inline anyway; the list keeps them from reading, or probing for,
+    files anywhere else on the host."""
+    dirs = [tempfile.gettempdir(), "/dev/shm"]
+    if model_path:
+        dirs.insert(0, os.path.abspath(model_path))
+    return dirs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,11 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--served-model-name")
-    p.add_argument("--weight-version", default="0", help="initial weight version (an integer here)")
+    p.add_argument("--weight-version", default="0", help="initial weight version (any string)")
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health*")
+    p.add_argument("--admin-api-key",
+                   help="require this key (instead of --api-key) on the weight and control endpoints")
+    p.add_argument("--weight-dirs", nargs="*", metavar="DIR",
+                   help="directories weight-update requests may read files from (default: the model's "
+                        "directory, the temp dir, /dev/shm; the flag alone: none)")
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
@@ -175,9 +215,9 @@ def _check(a: ServerArgs) -> None:
         raise LaunchFlagError(f"--context-length {a.context_length}: must be >= 2")
     if a.max_running_requests is not None and a.max_running_requests < 1:
         raise LaunchFlagError(f"--max-running-requests {a.max_running_requests}: must be >= 1")
-    try:
-        int(a.weight_version)
-    except ValueError:
-        raise LaunchFlagError(
-            f"--weight-version {a.weight_version}: the embedded engine numbers weight versions with integers"
-        ) from None
+    for flag, key in (("--api-key", a.api_key), ("--admin-api-key", a.admin_api_key)):
+        if key is not None and (not key or not key.isascii() or not key.isprintable()):
+            raise LaunchFlagError(f"{flag}: must be a non-empty printable ASCII string")
+    for d in a.weight_dirs or []:
+        if not os.path.isabs(d):
+            raise LaunchFlagError(f"--weight-dirs {d}: must be an absolute path")

@@ -5,9 +5,19 @@ SGLang's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `stop_token_ids`
 `skip_special_tokens`, `no_stop_trim`) and `matched_stop` in each choice. Choices are ordered
 prompt by prompt, `n` per prompt. Log-probs are the raw model distribution's, as on `/generate`.
 
-Chat prompts use the tokenizer's own chat template when it has one (`apply_chat_template`);
-otherwise (the bundled byte tokenizer) the ChatML layout `<|im_start|>role\\ncontent<|im_end|>\\n`
-with `<|im_start|>assistant\\n` appended, and `<|im_end|>` as an extra stop token.
+Chat prompts use the tokenizer's own chat template when it has one (`apply_chat_template`, given
+`chat_template_kwargs`, and with `reasoning_effort` turned into `thinking` / `enable_thinking` as
+SGLang does); otherwise (the bundled byte tokenizer) the ChatML layout
+`<|im_start|>role\\ncontent<|im_end|>\\n` with `<|im_start|>assistant\\n` appended (or, with
+`continue_final_message`, the last assistant message left open), and `<|im_end|>` as an extra
+stop token. `input_ids` replaces the templated prompt, as in SGLang.
+
+Every field SGLang's `CompletionRequest` / `ChatCompletionRequest` define is accepted when its
+value is one the engine honours: routing and cache hints with any value; the reasoning-parser
+switches (`separate_reasoning`, `stream_reasoning`), which change nothing without a reasoning
+parser, as in SGLang; features the engine lacks (tools, LoRA, hidden states, grammars) only at
+their default. Other names are refused. Length checks are SGLang's (`protocol.check_lengths`): an
+explicit `max_tokens` (completions always have one, default 16) must fit beside the prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.rollout.engine.core import Request, RequestOutput
-from mcore_rl.rollout.protocol import RequestError, check_fields, sampling_params_from_json
+from mcore_rl.rollout.protocol import RequestError, check_fields, check_lengths, sampling_params_from_json, show
 
 # OpenAI name -> SGLang sampling_params name.
 _SAMPLING = {
@@ -27,14 +37,38 @@ _SAMPLING = {
     "no_stop_trim": "no_stop_trim", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "regex": "regex", "json_schema": "json_schema",
+    "ebnf": "ebnf", "stop_regex": "stop_regex", "custom_params": "custom_params",
 }
-_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", *_SAMPLING}
-_IGNORED = {"user", "metadata", "store", "service_tier", "rid", "extra_body"}
+_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", "response_format", *_SAMPLING}
+# Metadata, routing and cache hints (SGLang's and OpenAI's): no token changes; any value of the type.
+_IGNORED: dict[str, tuple[type, ...]] = {
+    "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,), "rid": (str, list),
+    "extra_body": (dict,), "session_id": (str,), "extra_key": (str, list), "cache_salt": (str, list),
+    "priority": (int,), "routed_dp_rank": (int,), "disagg_prefill_dp_rank": (int,), "data_parallel_rank": (int,),
+    "custom_labels": (dict,),
+}
+# SGLang features the engine lacks: accepted at their default only.
+_UNSUPPORTED: dict[str, object] = {
+    "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
+    "return_cached_tokens_details": False, "return_token_ids": False, "lora_path": None, "session_params": None,
+    "custom_logit_processor": None, "images_config": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "ngram_corpus_id": None,
+}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
-_COMPLETION_UNSUPPORTED = {"suffix", "best_of"}
-_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tool_choice", "response_format"}
-_CHAT_UNSUPPORTED = {"tools", "functions", "function_call", "parallel_tool_calls", "audio", "modalities", "prediction"}
+_COMPLETION_UNSUPPORTED = _UNSUPPORTED | {"suffix": None, "best_of": None}
+_CHAT_FIELDS = _COMMON | {
+    "messages", "top_logprobs", "max_completion_tokens", "tool_choice", "parallel_tool_calls", "input_ids",
+    "chat_template_kwargs", "reasoning_effort", "continue_final_message", "separate_reasoning",
+    "stream_reasoning", "task",
+}
+_CHAT_UNSUPPORTED = _UNSUPPORTED | {
+    "tools": None, "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
+    "return_prompt_token_ids": False, "return_meta_info": False, "max_dynamic_patch": None,
+    "min_dynamic_patch": None, "use_audio_in_video": False,
+}
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_TASKS = ("action", "query", "authority", "domain", "title", "read_url")
 
 
 @dataclass
@@ -59,12 +93,14 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, context_length: i
     check_fields(body, _COMPLETION_FIELDS, _IGNORED, _COMPLETION_UNSUPPORTED)
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise RequestError("best_of: not supported by the embedded engine (only best_of == n)")
+    max_tokens = body.get("max_tokens", 16)
+    if _is_int(max_tokens) and max_tokens <= 0:
+        raise RequestError(f"max_tokens: max_tokens must be positive, got {max_tokens}")
     prompts, texts = _completion_prompts(body.get("prompt"), tokenizer)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab_size):
         raise RequestError(f"logprobs: expected an integer in [0, {vocab_size}] or null, got {logprobs!r}")
     echo = _bool(body, "echo", False)
-    max_tokens = body.get("max_tokens", 16)
     inp = _build(body, prompts, max_tokens, "max_tokens", logprobs, False, echo and logprobs is not None,
                  tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=[])
     inp.echo_texts = texts if echo else None
@@ -74,12 +110,19 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, context_length: i
 def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> OpenAIInput:
     _object(body)
     check_fields(body, _CHAT_FIELDS, _IGNORED, _CHAT_UNSUPPORTED)
-    if body.get("tool_choice") not in (None, "none"):
-        raise RequestError("tool_choice: tools are not supported by the embedded engine")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format: only {\"type\": \"text\"} is supported by the embedded engine")
-    ids = tokenizer.encode(chat_prompt(body.get("messages"), tokenizer))
+    if body.get("tool_choice") not in (None, "none", "auto"):  # without tools "auto" is "none"
+        raise RequestError("tool_choice: tools are not supported by the embedded engine (only 'none' or 'auto')")
+    for key in ("parallel_tool_calls", "separate_reasoning", "stream_reasoning"):
+        _bool(body, key, True)  # no tools and no reasoning parser: nothing for them to change
+    if body.get("task") not in (None, *_TASKS):
+        raise RequestError(f"task: expected one of {', '.join(_TASKS)} or null, got {show(body['task'])}")
+    prompt = chat_prompt(body.get("messages"), tokenizer, continue_final=_bool(body, "continue_final_message", False),
+                         template_kwargs=chat_template_kwargs(body))
+    ids = body.get("input_ids")
+    if ids is None:
+        ids = tokenizer.encode(prompt)
+    elif not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        raise RequestError("input_ids: expected a non-empty list of integer token ids")
     top = body.get("top_logprobs")
     if top is not None and (not _is_int(top) or not 0 <= top <= vocab_size):
         raise RequestError(f"top_logprobs: expected an integer in [0, {vocab_size}], got {top!r}")
@@ -95,7 +138,32 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
                   tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=extra_stop)
 
 
-def chat_prompt(messages: Any, tokenizer) -> str:
+def chat_template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`, with `reasoning_effort` as SGLang maps it (thinking on unless "none")."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs: expected an object or null, got {show(kwargs)}")
+    kwargs = dict(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if isinstance(effort, str) and effort not in REASONING_EFFORTS:
+            try:
+                effort = float(effort)
+            except ValueError:
+                raise RequestError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a "
+                                   f"number in [0, 0.99], got {effort!r}") from None
+        if isinstance(effort, bool) or not isinstance(effort, (str, int, float)) or (
+                not isinstance(effort, str) and not 0.0 <= effort <= 0.99):
+            raise RequestError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a number "
+                               f"in [0, 0.99], got {show(body['reasoning_effort'])}")
+        kwargs.setdefault("thinking", effort != "none")
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
+def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template_kwargs: dict | None = None) -> str:
     """The prompt text for a chat request (see the module docstring)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty list of {role, content} objects")
@@ -116,13 +184,21 @@ def chat_prompt(messages: Any, tokenizer) -> str:
         elif not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: expected a string or a list of text parts")
         clean.append({"role": m["role"], "content": content})
+    if continue_final and clean[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message: the last message must be an assistant message to continue")
     template = getattr(tokenizer, "apply_chat_template", None)
-    if template is not None:
+    if template is not None and getattr(tokenizer, "has_chat_template", True):
+        extra = dict(template_kwargs or {})
+        if continue_final:
+            extra["continue_final_message"] = True
         try:
-            return template(clean, add_generation_prompt=True, tokenize=False)
+            return template(clean, add_generation_prompt=not continue_final, tokenize=False, **extra)
         except ValueError:  # an HF tokenizer without a chat template: fall back to ChatML
             pass
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in clean) + "<|im_start|>assistant\n"
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in clean)
+    if continue_final:  # leave the last (assistant) message open
+        return text[: -len("<|im_end|>\n")]
+    return text + "<|im_start|>assistant\n"
 
 
 def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, *, tokenizer, vocab_size,
@@ -134,9 +210,15 @@ def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("stream_options: expected an object")
+    check_fields(options, {"include_usage"}, set(), {"continuous_usage_stats": False}, prefix="stream_options.")
     include_usage = options.get("include_usage", False)
+    if include_usage is None:
+        include_usage = False
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage: expected true or false")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("response_format: only {\"type\": \"text\"} is supported by the embedded engine")
     sp: dict[str, Any] = {_SAMPLING[k]: v for k, v in body.items() if k in _SAMPLING and v is not None}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
@@ -148,6 +230,7 @@ def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, 
     base = uuid.uuid4().hex
     for p, ids in enumerate(prompts):
         for j in range(n):
+            check_lengths(len(ids), max_tokens, context_length, "messages" if chat else "prompt", max_key)
             try:
                 params = sampling_params_from_json(dict(sp))
                 if max_tokens is None:  # "as long as the context allows", as SGLang's chat does
@@ -317,9 +400,20 @@ def usage_chunk(inp: OpenAIInput, outs: list[RequestOutput], model: str) -> dict
             "usage": usage(inp, outs)}
 
 
+def model_card(model: str, context_length: int) -> dict:
+    """SGLang's `ModelCard` (what the `openai` client's `models.retrieve` reads)."""
+    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mcore-rl", "root": model,
+            "parent": None, "max_model_len": context_length}
+
+
 def models_list(model: str, context_length: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
-                                        "owned_by": "mcore-rl", "root": model, "max_model_len": context_length}]}
+    return {"object": "list", "data": [model_card(model, context_length)]}
+
+
+def model_not_found(model: str) -> dict:
+    """SGLang's 404 body for `/v1/models/{model}` naming a model it does not serve."""
+    return {"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+                      "param": "model", "code": "model_not_found"}}
 
 
 def _object(body: Any) -> None:
@@ -338,3 +432,62 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise RequestError(f"{key}: expected true or false, got {v!r}")
     return v
+
+
+# --- /tokenize, /detokenize ---------------------------------------------------------------------
+
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "tool_choice", "reasoning_effort", "continue_final_message",
+                    "chat_template_kwargs", "add_special_tokens"}
+
+
+def tokenize(body: Any, *, tokenizer, context_length: int) -> dict:
+    """SGLang's `TokenizeRequest` -> `TokenizeResponse`: `prompt` (a string or a list of them) or
+    chat `messages` (templated as `/v1/chat/completions` does) -> their token ids."""
+    _object(body)
+    check_fields(body, _TOKENIZE_FIELDS, {}, {"tools": None})
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise RequestError("prompt, messages: Exactly one of 'prompt' or 'messages' must be provided.")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise RequestError("tool_choice: tools are not supported by the embedded engine (only 'none' or 'auto')")
+    special = _bool(body, "add_special_tokens", True)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=True) if special else tokenizer.encode(text)
+
+    if messages is not None:
+        text = chat_prompt(messages, tokenizer, continue_final=_bool(body, "continue_final_message", False),
+                           template_kwargs=chat_template_kwargs(body))
+        tokens: Any = tokenizer.encode(text)  # the template already holds the special tokens
+        count: Any = len(tokens)
+    elif isinstance(prompt, str):
+        tokens = encode(prompt)
+        count = len(tokens)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        tokens = [encode(p) for p in prompt]
+        count = [len(t) for t in tokens]
+    else:
+        raise RequestError(f"prompt: expected a string or a list of strings, got {type(prompt).__name__}")
+    return {"tokens": tokens, "count": count, "max_model_len": context_length}
+
+
+def detokenize(body: Any, *, tokenizer, vocab_size: int) -> dict:
+    """SGLang's `DetokenizeRequest` -> `DetokenizeResponse`: token ids (or a list of such lists) -> text."""
+    _object(body)
+    check_fields(body, {"model", "tokens", "skip_special_tokens"}, {}, {})
+    tokens = body.get("tokens")
+    skip = _bool(body, "skip_special_tokens", True)
+
+    def decode(ids: Any, where: str) -> str:
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise RequestError(f"tokens{where}: expected a list of integer token ids")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"tokens{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    if not isinstance(tokens, list):
+        raise RequestError("tokens: expected a list of token ids or a list of such lists")
+    if tokens and isinstance(tokens[0], list):
+        return {"text": [decode(ids, f"[{i}]") for i, ids in enumerate(tokens)]}
+    return {"text": decode(tokens, "")}

@@ -12,14 +12,23 @@ client written for `sglang.launch_server` works unchanged against the embedded e
                 "input_top_logprobs", "output_top_logprobs"]}}          # per position: list of those
 
 Everything a request can fail is checked here, before it reaches the engine, so one bad item never
-leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). SGLang fields
-that change no token (metrics, routing hints) are accepted and ignored; fields for features the
-embedded engine lacks (images, LoRA, grammars, penalties) are rejected unless left at their default.
+leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). Every field
+SGLang's `GenerateReqInput` defines is accepted: those that change no token (metrics, routing and
+cache hints) with any value of their type, those for features the embedded engine lacks (images,
+LoRA, grammars, penalties, hidden states) only at SGLang's default value; names SGLang does not
+define are refused. SGLang's up-front length checks apply, with its messages: a prompt of
+`context_length` tokens or more, or an explicit `max_new_tokens` that does not fit next to the
+prompt, is refused (an absent `max_new_tokens` is clamped to the context instead).
+
+Parallel samples (`n` > 1) come out prompt-major (`[p0, p0, p1, p1]`), each with its own fresh id,
+as SGLang's TokenizerManager fans them out (the request's `rid` names none of them). Streamed
+chunks carry `e2e_latency` only in a request's final chunk, as SGLang's do.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +47,31 @@ _GENERATE_FIELDS = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "stream",
 }
-# Metadata a real SGLang server uses for metrics, logging or routing; it changes no token.
-_IGNORED_FIELDS = {
-    "log_metrics", "priority", "custom_labels", "no_logs", "routing_key", "conversation_id",
-    "session_id", "routed_dp_rank", "data_parallel_rank", "received_time", "external_trace_header",
-    "extra_key", "cache_salt", "background", "http_worker_ipc",
+_STR, _INT, _NUM, _BOOL, _DICT, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
+# Metadata a real SGLang server uses for metrics, logging, routing or prefix-cache keys; it changes
+# no token. Any value of the type SGLang declares (or null) is accepted.
+_IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
+    "log_metrics": _BOOL, "priority": _INT, "custom_labels": _DICT, "no_logs": _BOOL, "routing_key": _STR,
+    "conversation_id": _STR, "session_id": _STR, "routed_dp_rank": _INT, "data_parallel_rank": _INT,
+    "disagg_prefill_dp_rank": _INT, "kv_router_hint": _DICT, "received_time": _NUM,
+    "external_trace_header": _DICT, "extra_key": _STR + _LIST, "cache_salt": _STR + _LIST,
+    "background": _BOOL, "http_worker_ipc": _STR,
 }
-# SGLang features the embedded engine does not have: fine when absent/null/false, an error otherwise.
-_UNSUPPORTED_FIELDS = {
-    "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
-    "return_hidden_states", "return_routed_experts", "session_params", "lora_path", "lora_id",
-    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "return_entropy", "modalities", "return_prompt_token_ids", "return_bytes",
-    "require_reasoning", "max_thinking_tokens", "positional_embed_overrides",
+# SGLang features the embedded engine does not have: accepted at SGLang's default (null, or the
+# value given here; a list of defaults for per-item fields), an error naming the field otherwise.
+_UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "mm_hashes": None,
+    "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None, "token_ids_logprob": None,
+    "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False, "return_routed_experts": False,
+    "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
+    "lora_path": None, "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
+    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
+    "decode_tp_size": None, "require_reasoning": False, "max_thinking_tokens": None, "return_bytes": False,
+    "return_entropy": False, "return_prompt_token_ids": False, "need_wait_for_mm_inputs": None,
+    "num_items_assigned": None, "encoder_urls": None, "max_dynamic_patch": None, "min_dynamic_patch": None,
+    "image_max_dynamic_patch": None, "video_max_dynamic_patch": None, "images_config": None,
+    "multi_item_delimiter_indices": None,
 }
 # sampling_params keys SGLang knows that the engine ignores (presentation/stream granularity only) ...
 _IGNORED_SAMPLING = {"spaces_between_special_tokens", "stream_interval"}
@@ -95,23 +116,26 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
             raise RequestError(f"sampling_params[{i}]: expected an object, got {sp!r}")
     n = _parallel_samples(sampling)
 
-    return_logprob = _per_item(body, "return_logprob", batch, is_single, False, _bool)
-    start_len = _per_item(body, "logprob_start_len", batch, is_single, -1, _int)
-    top_num = _per_item(body, "top_logprobs_num", batch, is_single, 0, _int)
+    return_logprob = _per_item(body, "return_logprob", batch, is_single, n, False, _bool)
+    start_len = _per_item(body, "logprob_start_len", batch, is_single, n, -1, _int)
+    top_num = _per_item(body, "top_logprobs_num", batch, is_single, n, 0, _int)
     stream = _bool("stream", body.get("stream", False))
     with_text = _bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
     rids = _rids(body.get("rid"), batch, n, is_single)
+    prompt_field = "text" if body.get("text") is not None else "input_ids"
 
     requests = []
-    for k in range(n):  # SGLang's order for parallel samples: the whole batch, n times over
-        for i, ids in enumerate(prompts):
-            where = "" if is_single and n == 1 else f" (batch item {k * batch + i})"
+    for i, ids in enumerate(prompts):  # SGLang's order for parallel samples: prompt-major
+        for k in range(n):
+            where = "" if is_single and n == 1 else f" (batch item {i * n + k})"
+            _check_ids(ids, vocab_size, where)
+            check_lengths(len(ids), sampling[i].get("max_new_tokens"), context_length, prompt_field,
+                          "sampling_params.max_new_tokens", where)
             try:
                 params = sampling_params_from_json(sampling[i])
                 params.validate(context_length, len(ids), vocab_size)
             except ValueError as err:
                 raise RequestError(f"{err}{where}") from None
-            _check_ids(ids, vocab_size, where)
             if start_len[i] < -1 or start_len[i] >= len(ids):
                 raise RequestError(
                     f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) for a "
@@ -120,23 +144,78 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
             if not 0 <= top_num[i] <= vocab_size:
                 raise RequestError(f"top_logprobs_num: must be in [0, {vocab_size}], got {top_num[i]}{where}")
             requests.append(Request(
-                rid=rids[k * batch + i], input_ids=ids, sampling=params,
+                rid=rids[i * n + k], input_ids=ids, sampling=params,
                 return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
                 logprob_start_len=start_len[i], stream=stream,
             ))
     return GenerateInput(requests, is_single and n == 1, stream, with_text)
 
 
-def check_fields(body: dict, known: set[str], ignored: set[str], unsupported: set[str], prefix: str = "") -> None:
-    """Unknown keys and unsupported features with a non-default value are errors naming the key."""
+def check_lengths(prompt_len: int, max_new_tokens: Any, context_length: int, prompt_field: str,
+                  max_field: str, where: str = "") -> None:
+    """SGLang's up-front checks (TokenizerManager._validate_one_request), with its messages: the
+    prompt must be shorter than the context, and an explicit `max_new_tokens` must fit beside it."""
+    if prompt_len >= context_length:
+        raise RequestError(
+            f"{prompt_field}: The input ({prompt_len} tokens) is longer than the model's context length "
+            f"({context_length} tokens).{where}"
+        )
+    if _is_int(max_new_tokens) and max_new_tokens >= 0 and max_new_tokens + prompt_len >= context_length:
+        raise RequestError(
+            f"{max_field}: Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {max_new_tokens + prompt_len} tokens: "
+            f"{prompt_len} tokens from the input messages and {max_new_tokens} tokens for the completion. "
+            f"Please reduce the number of tokens in the input messages or the completion to fit within "
+            f"the limit.{where}"
+        )
+
+
+def check_fields(body: dict, known: set[str], ignored: set[str] | dict[str, tuple[type, ...]],
+                 unsupported: set[str] | dict[str, Any], prefix: str = "") -> None:
+    """Unknown keys, ignored ones of the wrong type and unsupported features away from their
+    default are errors naming the key. `ignored` may map names to accepted types; `unsupported`
+    names to their default (a set: null / false / empty)."""
     for key, value in body.items():
-        if key in known or key in ignored:
+        if key in known:
+            continue
+        if key in ignored:
+            kinds = ignored.get(key) if isinstance(ignored, dict) else None
+            if kinds and value is not None and not (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+                want = " or ".join(k.__name__ for k in kinds)
+                raise RequestError(f"{prefix}{key}: expected {want} or null, got {show(value)}")
             continue
         if key in unsupported:
-            if value in (None, False, [], {}, ""):
+            default = unsupported.get(key) if isinstance(unsupported, dict) else None
+            if at_default(value, default):
                 continue
-            raise RequestError(f"{prefix}{key}: not supported by the embedded engine")
+            raise RequestError(f"{prefix}{key}: not supported by the embedded engine (only {json.dumps(default)}), "
+                               f"got {show(value)}")
         raise RequestError(f"{prefix}{key}: unknown field (accepted: {', '.join(sorted(known))})")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
+
+def show(value: Any) -> str:
+    """A short repr of client data for an error message (bounded however large or deep it is)."""
+    return _REPR.repr(value)
+
+
+def at_default(value: Any, default: Any) -> bool:
+    """`value` is SGLang's default for a field: null, the default itself (same type), a list of
+    defaults (a per-item field), or, where the default is null, an empty / false value."""
+    if value is None:
+        return True
+    if isinstance(value, list):
+        return all(v is None or _same(v, default) or (default is None and v in (False, "", [], {})) for v in value)
+    if default is None:
+        return value is False or value == "" or value == {}
+    return _same(value, default)
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
 
 
 def sampling_params_from_json(d: dict) -> SamplingParams:
@@ -196,30 +275,37 @@ def _parallel_samples(sampling: list[dict]) -> int:
     return ns.pop()
 
 
-def _per_item(body: dict, key: str, batch: int, is_single: bool, default: Any, check) -> list:
+def _per_item(body: dict, key: str, batch: int, is_single: bool, n: int, default: Any, check) -> list:
     value = body.get(key)
     if value is None:
         return [default] * batch
     if isinstance(value, list):
         if is_single or len(value) != batch:
             raise RequestError(f"{key}: a list needs a batch of the same length ({batch} prompts)")
+        if n > 1:
+            raise RequestError(f"{key}: Cannot use list {key} with parallel_sample_num > 1")
         return [default if v is None else check(key, v) for v in value]
     return [check(key, value)] * batch
 
 
 def _rids(rid: Any, batch: int, n: int, is_single: bool) -> list[str]:
-    total = batch * n
+    """One id per engine request: the request's own (a string expanded to `{rid}_{i}` over a
+    batch), but for parallel samples a fresh one each, as SGLang regenerates them."""
     if rid is None:
-        return [uuid.uuid4().hex for _ in range(total)]
-    if isinstance(rid, str) and rid:
-        return [rid] if is_single and n == 1 else [f"{rid}_{i}" for i in range(total)]
-    if isinstance(rid, list) and not is_single and all(isinstance(r, str) and r for r in rid):
+        pass
+    elif isinstance(rid, str) and rid:
+        if n == 1:
+            return [rid] if is_single else [f"{rid}_{i}" for i in range(batch)]
+    elif isinstance(rid, list) and not is_single and all(isinstance(r, str) and r for r in rid):
         if len(rid) != batch:
             raise RequestError(f"rid: {len(rid)} ids for a batch of {batch}")
         if len(set(rid)) != len(rid):
             raise RequestError("rid: duplicate request ids within the batch")
-        return list(rid) if n == 1 else [f"{rid[i]}_{k}" for k in range(n) for i in range(batch)]
-    raise RequestError("rid: expected a non-empty string (or, for a batch, a list of them)")
+        if n == 1:
+            return list(rid)
+    else:
+        raise RequestError("rid: expected a non-empty string (or, for a batch, a list of them)")
+    return [uuid.uuid4().hex for _ in range(batch * n)]
 
 
 def _is_int(v: Any) -> bool:
@@ -244,7 +330,8 @@ def _bool(key: str, v: Any) -> bool:
 def generate_output(
     out: RequestOutput, req: Request, *, tokenizer, return_text_in_logprobs: bool, e2e_latency: float
 ) -> dict:
-    """One `/generate` result (or one streamed chunk: cumulative text, ids and log-probs so far)."""
+    """One `/generate` result (or one streamed chunk: cumulative text, ids and log-probs so far;
+    `e2e_latency` only once the request has finished)."""
     meta: dict[str, Any] = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
@@ -252,8 +339,9 @@ def generate_output(
         "completion_tokens": out.completion_tokens,
         "cached_tokens": 0,
         "weight_version": str(out.weight_version),
-        "e2e_latency": e2e_latency,
     }
+    if out.finished:
+        meta["e2e_latency"] = e2e_latency
     if req.return_logprob:
         with_text = tokenizer if return_text_in_logprobs else None
         meta["input_token_logprobs"] = logprob_triples(out.input_token_logprobs, with_text)

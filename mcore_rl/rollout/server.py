@@ -3,38 +3,58 @@
 Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
 
     GET  /health, /health_generate            200 or 503, empty body
-    GET  /get_model_info, /get_server_info, /get_weight_version
+    GET  /get_model_info, /get_server_info, /get_weight_version, /get_load
     POST /generate (also PUT)                  JSON, or server-sent events when "stream": true
+    POST /tokenize, /v1/tokenize               {"tokens", "count", "max_model_len"}
+    POST /detokenize, /v1/detokenize           {"text"}
     POST /abort_request                        {"rid", "abort_all"} -> 200, empty body
     POST /pause_generation {"mode"}, /continue_generation -> {"message", "status": "ok"}
     GET|POST /flush_cache                      200 text, or 400 while requests are in flight
     POST /update_weights_from_disk, /update_weights_from_tensor, /update_weights_from_distributed,
          /init_weights_update_group, /destroy_weights_update_group, /update_weight_version
                                                {"success", "message"}; 200, or 400 on failure
-    GET  /v1/models; POST /v1/completions, /v1/chat/completions
+    GET|POST /get_weights_by_name {"name", "truncate_size"} -> the weight's first rows (float lists)
+    GET|POST /release_memory_occupation, /resume_memory_occupation {"tags"} -> 200, null
+    GET  /v1/models, /v1/models/{model}; POST /v1/completions, /v1/chat/completions
 
 A bad request gets HTTP 400 `{"error": {"message": "<field>: ...", "code": 400}}`; an internal
 failure of one request gets 500 and the server keeps serving the others. Weight updates run
 through `EngineDriver.update_weights` (see there for how they interact with generation) and the
-handlers of `weight_receiver`.
+handlers of `weight_receiver`, which read files only from `--weight-dirs`.
+
+Authentication is SGLang's (`srt/utils/auth.py`): with `--api-key`, every endpoint needs
+`Authorization: Bearer <key>` (or `x-api-key: <key>`), else 401 `{"error": "Unauthorized"}`;
+with `--admin-api-key`, the weight and control endpoints (`ADMIN_PATHS`, SGLang's
+`ADMIN_OPTIONAL` ones) need that key instead and no longer accept the api key, while the others
+stay under `--api-key` (open if it is unset). `/health*` and OPTIONS are always open.
+
+Shutdown (`run_server`): SIGTERM or SIGINT stops accepting, fails what is in flight, and exits
+within `SHUTDOWN_GRACE_S` even if something still hangs (a rendezvous with a trainer that never
+comes, a stuck broadcast or step): blocking group work runs on daemon threads, and a watchdog
+ends the process when the grace period is over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import os
+import secrets
+import signal
+import sys
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 
 import mcore_rl
 from mcore_rl.rollout import openai_api, weight_receiver
 from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDriver, EngineDead, RequestStream
-from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
+from mcore_rl.rollout.engine.core import MEMORY_TAGS, EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.sampling import SamplingParams
 from mcore_rl.rollout.launch_flags import ServerArgs
 from mcore_rl.rollout.protocol import (
@@ -44,6 +64,7 @@ from mcore_rl.rollout.protocol import (
     dumps,
     error_body,
     generate_output,
+    show,
     parse_generate,
     sse,
 )
@@ -53,6 +74,15 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 MAX_BODY_BYTES = 1 << 33  # /update_weights_from_tensor carries whole buckets as base64
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SHUTDOWN_GRACE_S = 3.0  # SIGTERM -> exited, whatever still hangs
+# SGLang's ADMIN_OPTIONAL endpoints: --admin-api-key (if set) guards these instead of --api-key.
+ADMIN_PATHS = frozenset({
+    "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
+    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
+    "/pause_generation", "/continue_generation",
+})
+_BASE_REQ = {"rid": (str,), "http_worker_ipc": (str,)}  # SGLang's BaseReq fields: routing only
 
 
 class EngineServer:
@@ -63,7 +93,9 @@ class EngineServer:
         self.core: EngineCore = engine.core
         self.tokenizer = self.core.tokenizer
         self.args = args or ServerArgs(model_path=self.core.model_path)
-        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        self.weight_dirs = self.args.allowed_weight_dirs
+        auth = auth_middleware(self.args.api_key, self.args.admin_api_key)
+        self.app = web.Application(middlewares=[auth, _errors], client_max_size=MAX_BODY_BYTES)
         get, post = web.get, web.post
         self.app.add_routes([
             get("/health", self.health),
@@ -71,8 +103,13 @@ class EngineServer:
             get("/get_model_info", self.get_model_info),
             get("/get_server_info", self.get_server_info),
             get("/get_weight_version", self.get_weight_version),
+            get("/get_load", self.get_load),
             post("/generate", self.generate),
             web.put("/generate", self.generate),
+            post("/tokenize", self.tokenize),
+            post("/v1/tokenize", self.tokenize),
+            post("/detokenize", self.detokenize),
+            post("/v1/detokenize", self.detokenize),
             post("/abort_request", self.abort_request),
             post("/pause_generation", self.pause_generation),
             post("/continue_generation", self.continue_generation),
@@ -84,7 +121,14 @@ class EngineServer:
             post("/init_weights_update_group", self.init_weights_update_group),
             post("/destroy_weights_update_group", self.destroy_weights_update_group),
             post("/update_weight_version", self.update_weight_version),
+            get("/get_weights_by_name", self.get_weights_by_name),
+            post("/get_weights_by_name", self.get_weights_by_name),
+            get("/release_memory_occupation", self.release_memory_occupation),
+            post("/release_memory_occupation", self.release_memory_occupation),
+            get("/resume_memory_occupation", self.resume_memory_occupation),
+            post("/resume_memory_occupation", self.resume_memory_occupation),
             get("/v1/models", self.v1_models),
+            get("/v1/models/{model:.+}", self.v1_model),
             post("/v1/completions", self.v1_completions),
             post("/v1/chat/completions", self.v1_chat_completions),
         ])
@@ -96,8 +140,9 @@ class EngineServer:
         return web.Response(status=200 if await self.engine.ping(HEALTH_TIMEOUT_S) else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one token, as SGLang's health check does; while paused, the round trip only."""
-        if self.engine.paused:
+        """Generate one token, as SGLang's health check does; while paused (or memory is released)
+        the round trip only, since a request would be held."""
+        if self.engine.holding:
             return await self.health(request)
         req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                       sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -137,6 +182,8 @@ class EngineServer:
                 "num_running_reqs": core.num_running_reqs,
                 "num_waiting_reqs": core.num_waiting_reqs,
                 "paused": self.engine.paused,
+                "memory_released": core.released_memory(),
+                "weights_need_reload": core.weights_need_reload,
             }],
             "version": mcore_rl.__version__,
             "engine": "mcore-rl embedded",
@@ -144,6 +191,30 @@ class EngineServer:
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return _json({"weight_version": str(self.core.weight_version)})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's `/get_load` shape, one entry per DP rank: requests (running + waiting, held
+        ones included), and tokens (in the KV cache + of waiting prompts; `num_pending_tokens` the
+        latter)."""
+        load = self.engine.load()
+        return _json([{
+            "dp_rank": 0,
+            "num_reqs": load["running"] + load["waiting"],
+            "num_waiting_reqs": load["waiting"],
+            "num_tokens": load["cached_tokens"] + load["waiting_tokens"],
+            "num_pending_tokens": load["waiting_tokens"],
+            "ts_tic": time.perf_counter(),
+        }])
+
+    # ---- tokenizer -------------------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return _json(openai_api.tokenize(await _body(request), tokenizer=self.tokenizer,
+                                         context_length=self.core.context_length))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return _json(openai_api.detokenize(await _body(request), tokenizer=self.tokenizer,
+                                           vocab_size=self.core.vocab_size))
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -174,7 +245,8 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        check_fields(body, {"rid", "abort_all", "abort_message"}, {"finished_reason", "http_worker_ipc"}, set())
+        check_fields(body, {"rid", "abort_all", "abort_message"}, {"finished_reason": (dict,), "http_worker_ipc": (str,)},
+                     {"weight_versions": None})
         rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
         message = body.get("abort_message") or "Aborted by request"
         if not isinstance(rid, str):
@@ -191,7 +263,7 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        check_fields(body, {"mode"}, {"rid", "http_worker_ipc"}, set())
+        check_fields(body, {"mode"}, _BASE_REQ, set())
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
@@ -200,7 +272,7 @@ class EngineServer:
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        check_fields(body, set(), {"torch_empty_cache", "rid", "http_worker_ipc"}, set())
+        check_fields(body, set(), _BASE_REQ | {"torch_empty_cache": (bool,)}, set())
         await self.engine.resume()
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -215,31 +287,73 @@ class EngineServer:
     # ---- weights ---------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        return await self._update(request, weight_receiver.update_weights_from_disk, report_paused=True)
+        handler = functools.partial(weight_receiver.update_weights_from_disk, allowed_dirs=self.weight_dirs)
+        return await self._update(request, handler, report_paused=True)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        return await self._update(request, weight_receiver.update_weights_from_tensor)
+        handler = functools.partial(weight_receiver.update_weights_from_tensor, allowed_dirs=self.weight_dirs)
+        return await self._update(request, handler)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         return await self._update(request, weight_receiver.update_weights_from_distributed)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        # A rendezvous with the trainer, not a weight change: generation goes on meanwhile.
+        # A rendezvous with the trainer, not a weight change: generation goes on meanwhile. On a
+        # daemon thread, so a trainer that never comes cannot keep the process from exiting.
         body = await _body(request)
-        return _weight_reply(await asyncio.to_thread(_checked, weight_receiver.init_weights_update_group, self.core, body))
+        return _weight_reply(await _on_daemon_thread(_checked, weight_receiver.init_weights_update_group, self.core, body))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        return _weight_reply(await asyncio.to_thread(_checked, weight_receiver.destroy_weights_update_group, self.core, body))
+        return _weight_reply(await _on_daemon_thread(_checked, weight_receiver.destroy_weights_update_group, self.core, body))
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's: any string version; running requests are aborted unless `abort_all_requests` is false."""
         body = await _body(request)
-        check_fields(body, {"new_version", "abort_all_requests"}, {"rid", "http_worker_ipc"}, set())
-        version = _int_version(body.get("new_version"), "new_version")
-        if body.get("abort_all_requests", False) is True:
+        check_fields(body, {"new_version", "abort_all_requests"}, _BASE_REQ, set())
+        if "new_version" not in body:
+            raise RequestError("new_version: required")
+        version = body["new_version"]
+        if isinstance(version, int) and not isinstance(version, bool):
+            version = str(version)
+        if not isinstance(version, str):
+            raise RequestError(f"new_version: expected a string, got {show(version)}")
+        abort = body.get("abort_all_requests", True)
+        if not isinstance(abort, bool):
+            raise RequestError(f"abort_all_requests: expected true or false, got {show(abort)}")
+        if abort:
             await self.engine.abort_all("Aborted for a weight version update")
-        await self.engine.call(lambda core: setattr(core, "weight_version", version))
-        return _json({"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)})
+        await self.engine.call(lambda core: setattr(core, "weight_version", weight_receiver.core_version(version)))
+        return _json({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        check_fields(body, {"name", "truncate_size"}, _BASE_REQ, set())
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"name: expected a weight name, got {show(name)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise RequestError(f"truncate_size: expected an integer >= 0, got {show(size)}")
+        try:
+            weights = await self.engine.call(lambda core: weight_receiver.get_weights_by_name(core, name, size))
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+        if weights is None:  # SGLang's reply for a name the model does not have
+            return _json({"error": {"message": "Get parameter by name failed"}}, status=400)
+        return _json(weights)
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """Free the KV cache and/or the weights (`EngineCore.release_memory`); requests wait meanwhile."""
+        tags = _memory_tags(await _body(request))
+        try:
+            await self.engine.release_memory(tags)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+        return _json(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.engine.resume_memory(_memory_tags(await _body(request)))
+        return _json(None)
 
     async def _update(self, request: web.Request, handler: Callable[[EngineCore, dict], dict],
                       report_paused: bool = False) -> web.Response:
@@ -255,6 +369,13 @@ class EngineServer:
 
     async def v1_models(self, request: web.Request) -> web.Response:
         return _json(openai_api.models_list(self.args.model_name, self.core.context_length))
+
+    async def v1_model(self, request: web.Request) -> web.Response:
+        """`models.retrieve`: the served model's card, or SGLang's 404 for any other name."""
+        model = request.match_info["model"]
+        if model != self.args.model_name:
+            return _json(openai_api.model_not_found(model), status=404)
+        return _json(openai_api.model_card(model, self.core.context_length))
 
     async def v1_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, openai_api.parse_completion, openai_api.completion_response)
@@ -299,12 +420,44 @@ class EngineServer:
 # ---- helpers -----------------------------------------------------------------------------------
 
 
+def auth_middleware(api_key: Optional[str], admin_api_key: Optional[str]):
+    """SGLang's API-key checks as an aiohttp middleware (see the module docstring)."""
+
+    @web.middleware
+    async def _auth(request: web.Request, handler) -> web.StreamResponse:
+        if request_allowed(request.method, request.path, request.headers.get("Authorization"),
+                           request.headers.get("x-api-key"), api_key, admin_api_key):
+            return await handler(request)
+        return _json({"error": "Unauthorized"}, status=401)
+
+    return _auth
+
+
+def request_allowed(method: str, path: str, authorization: Optional[str], x_api_key: Optional[str],
+                    api_key: Optional[str], admin_api_key: Optional[str]) -> bool:
+    """SGLang's `decide_request_auth` for its NORMAL and ADMIN_OPTIONAL levels (no endpoint here
+    is ADMIN_FORCE): health probes and OPTIONS are open; an admin path takes the admin key if one
+    is set, else the api key; any other path takes the api key."""
+    if method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    expected = (admin_api_key or api_key) if path in ADMIN_PATHS else api_key
+    if not expected:
+        return True
+    want = expected.encode()
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and secrets.compare_digest(token.encode("utf-8", "replace"), want):
+        return True
+    return x_api_key is not None and secrets.compare_digest(x_api_key.encode("utf-8", "replace"), want)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as err:
         return _json(error_body(str(err), 400), status=400)
+    except RecursionError:  # a body nested too deeply for a check or a message about it
+        return _json(error_body("body: nested too deeply", 400), status=400)
     except EngineDead as err:
         return _json(error_body(str(err), 503), status=503)
     except web.HTTPException as err:
@@ -329,6 +482,8 @@ async def _body(request: web.Request) -> dict:
         body = json.loads(raw)
     except ValueError as err:
         raise RequestError(f"body: not valid JSON ({err})") from None
+    except RecursionError:
+        raise RequestError("body: not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise RequestError(f"body: expected a JSON object, got {type(body).__name__}")
     return body
@@ -346,12 +501,43 @@ def _weight_reply(reply: dict) -> web.Response:
     return _json(reply, status=200 if reply.get("success") else 400)
 
 
-def _int_version(value: Any, field: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    raise RequestError(f"{field}: the embedded engine numbers weight versions with integers, got {value!r}")
+def _memory_tags(body: dict) -> list[str]:
+    """`tags` of a release/resume request; null or empty means all of them, as in SGLang."""
+    check_fields(body, {"tags"}, _BASE_REQ, set())
+    tags = body.get("tags")
+    if tags is None or tags == []:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise RequestError(f"tags: expected a list of strings or null, got {show(tags)}")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise RequestError(f"tags: unknown memory tag(s) {unknown} (known: {', '.join(MEMORY_TAGS)})"[:300])
+    return list(tags)
+
+
+async def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread: unlike `asyncio.to_thread`'s executor, a call that never
+    returns cannot hold the process at exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result, err = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, err = None, e
+
+        def settle() -> None:
+            if not fut.done():
+                fut.set_exception(err) if err is not None else fut.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="mcore-rl-group", daemon=True).start()
+    return await fut
 
 
 async def _stream_sse(request: web.Request, streams: list[RequestStream], chunk, tail=lambda: []) -> web.StreamResponse:
@@ -413,17 +599,41 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 def build_server(args: ServerArgs) -> EngineServer:
     """Load the model named by `args` (none: the built-in demo model) and wrap it in a server."""
     core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **args.engine_kwargs())
-    core.weight_version = int(args.weight_version)
+    core.weight_version = weight_receiver.core_version(args.weight_version)
     return EngineServer(EngineDriver(core), args)
 
 
-def run_server(server: EngineServer, host: str, port: int) -> None:
-    """Serve until interrupted (the `mcore-rl serve` main loop)."""
+def run_server(server: EngineServer, host: str, port: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Serve until SIGTERM or SIGINT (the `mcore-rl serve` main loop), then shut down within
+    `grace_s` seconds whatever hangs (see the module docstring); a second signal exits at once."""
     logger.info("serving %s on http://%s:%d", server.args.model_name, host, port)
-    try:
-        web.run_app(server.app, host=host, port=port, handler_cancellation=True, print=None, access_log=None)
-    finally:
-        server.engine.close()
+    asyncio.run(_serve(server, host, port, grace_s))
+
+
+async def _serve(server: EngineServer, host: str, port: int, grace_s: float) -> None:
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s / 3)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, functools.partial(_exit_now, 1, "second signal"))
+    logger.info("shutting down (at most %.1f s)", grace_s)
+    watchdog = threading.Timer(grace_s, _exit_now, args=(1, f"still running {grace_s:.1f} s after the signal"))
+    watchdog.daemon = True
+    watchdog.start()
+    # Requests in flight fail (503) once the engine stops; what waits elsewhere is cancelled.
+    await _on_daemon_thread(server.engine.close, grace_s / 3)
+    await runner.cleanup()
+
+
+def _exit_now(code: int, why: str) -> None:
+    logger.warning("exiting now: %s", why)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ServerThread:

@@ -10,7 +10,9 @@ the model and block until the trainer joins: the server runs them off the engine
 Request fields are those of SGLang's `io_struct`:
 
 - `init_weights_update_group`: master_address, master_port, rank_offset, world_size,
-  group_name="weight_update_group", backend="nccl". The engine joins a process group with the
+  group_name="weight_update_group", backend="nccl", and our `timeout_s` (SGLang has no such field;
+  default 600): how long the rendezvous, and later each broadcast, may wait for the trainer
+  before the request fails. The engine joins a process group with the
   trainer (rank 0) as rank `rank_offset` (+ its TP rank, always 0 here) through the trainer's TCP
   store, as SGLang's `init_custom_process_group` does; no default process group is needed.
   `backend="nccl"` needs an engine on CUDA; the CPU engine speaks gloo.
@@ -26,25 +28,34 @@ Request fields are those of SGLang's `io_struct`:
   flush_cache=True. Loads every *.safetensors file of model_path.
 - `destroy_weights_update_group`: group_name.
 
-Versions: `weight_version` (an integer, or a string of one) sets the version the engine reports.
-Without it a disk update, always a whole checkpoint, advances the version by one, and a bucket
-(distributed / tensor) leaves it alone, as SGLang does: a trainer names the version on its last
-bucket. Every tensor of a request is checked against the model (name, shape, FP8 dtype) before any
-is copied, so a rejected request leaves the weights as they were (a broadcast or read that breaks
-midway can leave them partly updated; the reply says so). Bytes land directly in the model's
-tensors where dtype and shape allow, so a sync costs one copy on the engine side.
+Files: a path in a request (`model_path`, a tensor file) is read only if it lies, after resolving
+symlinks, inside one of the allowed directories (the server's `--weight-dirs`; by default
+`launch_flags.default_weight_dirs`). A path outside them is refused with the same message whether
+or not it exists, before the filesystem is touched.
+
+Versions: `weight_version` (any string, as in SGLang; an integer is taken as its decimal string)
+sets the version the engine reports. Without it a disk update, always a whole checkpoint, advances
+an integer version by one (a non-integer one stays), and a bucket (distributed / tensor) leaves it
+alone, as SGLang does: a trainer names the version on its last bucket. Every tensor of a request is
+checked against the model (name, shape, FP8 dtype) before any is copied, so a rejected request
+leaves the weights as they were (a broadcast or read that breaks midway can leave them partly
+updated; the reply says so). Bytes land directly in the model's tensors where dtype and shape
+allow, so a sync costs one copy on the engine side.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, BinaryIO, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from mcore_rl.rollout.launch_flags import default_weight_dirs
 
 from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
@@ -94,14 +105,76 @@ def _field(req: dict, name: str, kind: type | tuple[type, ...], default: Any = .
     return value
 
 
-def _version(req: dict) -> Optional[int]:
+def _version(req: dict) -> Optional[str]:
     value = _field(req, "weight_version", (str, int), None, allow_none=True)
-    if value is None:
-        return None
+    return None if value is None else str(value)
+
+
+def core_version(version: str) -> int | str:
+    """How the core keeps a version it was given as a string: a canonical decimal integer as an
+    int (in-process pools and the trainer compare numbers; it prints back the same), any other
+    string as it is."""
     try:
-        return int(value)
+        return int(version) if str(int(version)) == version else version
     except ValueError:
-        raise ValueError(f"weight_version: expected an integer (as a number or string), got {value!r}") from None
+        return version
+
+
+def next_version(version: Any) -> Any:
+    """The version after a whole-checkpoint load that names none: an integer (or a decimal string
+    of one) plus one; any other string is kept (there is no "next" of "policy-v3")."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version + 1
+    if isinstance(version, str) and version.strip().lstrip("-").isdigit():
+        return str(int(version) + 1)
+    return version
+
+
+def check_weights_present(core: Any) -> None:
+    """Weight requests need the weights in memory (see `EngineCore.release_memory`)."""
+    if getattr(core, "weights_released", False):
+        raise ValueError("weights: released by /release_memory_occupation; call /resume_memory_occupation first")
+
+
+# --------------------------------------------------------------------------------------------
+# files: only inside the allowed directories
+# --------------------------------------------------------------------------------------------
+
+
+def _inside(path: str, dirs: Sequence[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
+def allowed_path(path: str, allowed_dirs: Sequence[str], field: str) -> str:
+    """The resolved `path` if it lies in one of `allowed_dirs`, else ValueError. The lexical check
+    comes first and touches no file, so a refusal says nothing about what exists outside them;
+    the resolved check then stops symlinks that lead out."""
+    refused = _refusal(path, allowed_dirs, field)
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise refused
+    lexical = os.path.normpath(os.path.abspath(path))
+    if not _inside(lexical, [os.path.normpath(os.path.abspath(d)) for d in allowed_dirs]):
+        raise refused
+    resolved = os.path.realpath(lexical)
+    if not _inside(resolved, [os.path.realpath(d) for d in allowed_dirs]):
+        raise refused
+    return resolved
+
+
+def _refusal(path: object, allowed_dirs: Sequence[str], field: str) -> ValueError:
+    if not allowed_dirs:
+        return ValueError(f"{field}: this server reads no weight files (--weight-dirs is empty)")
+    return ValueError(f"{field}: {path!r} is not inside a directory this server reads weights from (--weight-dirs)")
+
+
+def _open_allowed(path: str, allowed_dirs: Sequence[str], field: str) -> BinaryIO:
+    """Open a checked path and check again what was opened (a symlink swapped in meanwhile)."""
+    f = open(path, "rb")
+    opened = f"/proc/self/fd/{f.fileno()}"
+    if os.path.exists(opened) and not _inside(os.path.realpath(opened), [os.path.realpath(d) for d in allowed_dirs]):
+        f.close()
+        raise _refusal(path, allowed_dirs, field)
+    return f
 
 
 def _load_format(req: dict, allowed: tuple[Optional[str], ...]) -> Optional[str]:
@@ -169,9 +242,11 @@ def _finish(core: Any, req: dict, count: int, source: str, whole_checkpoint: boo
     """Set the version the engine reports and flush the cache, as the request asks."""
     version = _version(req)
     if version is not None:
-        core.weight_version = version
+        core.weight_version = core_version(version)
     elif whole_checkpoint:
-        core.weight_version += 1
+        core.weight_version = next_version(core.weight_version)
+    if version is not None or whole_checkpoint:  # a sync is complete: weights are valid again
+        core.weights_need_reload = False
     flushed = _field(req, "flush_cache", bool, True) and core.flush_cache()
     return _ok(
         f"Succeeded to update {count} weights from {source}; weight_version={core.weight_version}"
@@ -190,7 +265,13 @@ def _check_options(req: dict) -> None:
 
 
 def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_TIMEOUT) -> dict:
-    """Join the trainer's broadcast group (blocks until every member has joined)."""
+    """Join the trainer's broadcast group (blocks until every member has joined, at most
+    `timeout_s` seconds, default `timeout`)."""
+    seconds = _field(req, "timeout_s", (int, float), None, allow_none=True)
+    if seconds is not None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {seconds!r}")
+        timeout = timedelta(seconds=seconds)
     address = _field(req, "master_address", str)
     port = _field(req, "master_port", int)
     rank_offset = _field(req, "rank_offset", int)
@@ -221,7 +302,9 @@ def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_T
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
         with _groups_lock:
             groups.pop(group_name, None)
-        return _fail(f"Failed to initialize custom process group: {type(e).__name__}: {e}")
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return _fail(f"Failed to initialize custom process group within {timeout.total_seconds():g} s: "
+                     f"{type(e).__name__}: {detail}"[:1000])
     with _groups_lock:
         groups[group_name] = (pg, backend)
     return _ok(f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} of {world_size}.")
@@ -275,12 +358,17 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     fmt = _load_format(req, (None, "flattened_bucket"))
     _check_options(req)
     pg, backend = _group(core, group_name)
+    try:
+        check_weights_present(core)
+        released = None
+    except ValueError as e:
+        released = e  # still receive (into scratch), so the trainer's broadcast completes
     device = core.device if backend == "nccl" else torch.device("cpu")
     try:
         check_weights(core, zip(names, shapes, dtypes), "names")
-        refused = None
+        refused = released
     except ValueError as e:
-        refused = e  # still receive (into scratch), so the trainer's broadcast completes
+        refused = released or e  # still receive (into scratch), so the trainer's broadcast completes
     dest = {} if refused else _destinations(core, device)
     try:
         if fmt == "flattened_bucket":
@@ -299,51 +387,66 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
 
 
-def update_weights_from_tensor(core: Any, req: dict) -> dict:
+def update_weights_from_tensor(core: Any, req: dict, allowed_dirs: Optional[Sequence[str]] = None) -> dict:
     """Load the tensors of `serialized_named_tensors[0]`: carried in the request, or in the
-    shared-memory file it points at (a colocated trainer's bucket)."""
+    shared-memory file it points at (a colocated trainer's bucket), which must lie in
+    `allowed_dirs` (None: `default_weight_dirs`)."""
     payloads = _field(req, "serialized_named_tensors", list)
     if not payloads:
         raise ValueError("serialized_named_tensors: must hold one entry per TP rank (this engine has 1)")
     _load_format(req, (None, "direct"))
     _check_options(req)
+    check_weights_present(core)
     field = "serialized_named_tensors[0]"
     named, path = decode_tensor_payload(payloads[0], field)
     if path is not None:
-        return _load_files(core, req, [path], field, source=path, whole_checkpoint=False)
+        allowed = _allowed(core, allowed_dirs)
+        resolved = allowed_path(path, allowed, field)
+        return _load_files(core, req, [resolved], field, source=path, whole_checkpoint=False, allowed_dirs=allowed)
     count = load_named_tensors(core, named, field)
     return _finish(core, req, count, "tensor", whole_checkpoint=False)
 
 
-def update_weights_from_disk(core: Any, req: dict) -> dict:
-    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one)."""
+def update_weights_from_disk(core: Any, req: dict, allowed_dirs: Optional[Sequence[str]] = None) -> dict:
+    """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one),
+    which must lie in `allowed_dirs` (None: `default_weight_dirs`)."""
     path = _field(req, "model_path", str)
     _load_format(req, (None, "auto", "safetensors"))
     _check_options(req)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+    check_weights_present(core)
+    allowed = _allowed(core, allowed_dirs)
+    resolved = allowed_path(path, allowed, "model_path")
+    files = sorted(f for f in os.listdir(resolved) if f.endswith(".safetensors")) if os.path.isdir(resolved) else []
     if not files:
         raise ValueError(f"model_path: {path!r} is not a directory with *.safetensors files")
-    return _load_files(core, req, [os.path.join(path, f) for f in files], "model_path", source=path,
-                       whole_checkpoint=True)
+    paths = [allowed_path(os.path.join(resolved, f), allowed, "model_path") for f in files]
+    return _load_files(core, req, paths, "model_path", source=path, whole_checkpoint=True, allowed_dirs=allowed)
 
 
-def _load_files(core: Any, req: dict, files: list[str], field: str, source: str, whole_checkpoint: bool) -> dict:
+def _allowed(core: Any, allowed_dirs: Optional[Sequence[str]]) -> list[str]:
+    return list(allowed_dirs) if allowed_dirs is not None else default_weight_dirs(getattr(core, "model_path", None))
+
+
+def _load_files(core: Any, req: dict, files: list[str], field: str, source: str, whole_checkpoint: bool,
+                allowed_dirs: Sequence[str]) -> dict:
     """Check every file's header before any weight changes; then read each file's bytes straight
     into the model's parameters where dtype and shape match (else into a buffer that
     `load_weights` converts), one file at a time."""
     try:
         headers = []
         for f in files:
-            with open(f, "rb") as fh:
+            with _open_allowed(f, allowed_dirs, field) as fh:
                 headers.append(read_safetensors_header(fh))
     except (OSError, ValueError) as e:
+        if str(e).startswith(f"{field}: "):
+            raise
         raise ValueError(f"{field}: cannot read {source!r}: {e}") from None
     check_weights(core, ((e.name, e.shape, e.dtype) for h in headers for e in h), field)
     cpu = torch.device("cpu")
     dest = _destinations(core, cpu)
     count = 0
     for f, entries in zip(files, headers):
-        with open(f, "rb") as fh:
+        with _open_allowed(f, allowed_dirs, field) as fh:
             named = []
             for e in entries:
                 target = _landing(dest, e.name, e.dtype, e.shape, cpu)
@@ -353,3 +456,18 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
                 named.append((e.name, target))
         count += len(core.load_weights(named))
     return _finish(core, req, count, source, whole_checkpoint)
+
+
+def get_weights_by_name(core: Any, name: str, truncate_size: int = 100) -> Optional[list]:
+    """SGLang's `/get_weights_by_name`: the weight as float32 nested lists, its first
+    `truncate_size` rows (outermost dimension); None if the model has no such weight. FP8 layers
+    give their e4m3 values (the scales are `<name>_scale_inv`)."""
+    check_weights_present(core)
+    tensors = core.model.state_dict()
+    if name == "lm_head.weight" and name not in tensors and core.config.tie_word_embeddings:
+        name = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    t = tensors.get(name)
+    if t is None:
+        return None
+    t = t.detach().to("cpu", torch.float32)
+    return t[:truncate_size].tolist() if t.dim() else t.tolist()

@@ -23,8 +23,14 @@ documented choices:
   float rounding).
 * Finishing follows SGLang's `Req.check_finished`: length first, then eos / `stop_token_ids` (both
   off with `ignore_eos`), then stop strings; `min_new_tokens` masks eos and stop tokens before that.
-* `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang does the same); a
-  prompt of `context_length` tokens or more is rejected.
+* `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang's scheduler does the
+  same; its HTTP front end, `rollout/protocol.py` here, refuses an explicit `max_new_tokens` that
+  does not fit); a prompt of `context_length` tokens or more is rejected.
+* `release_memory` / `resume_memory` are SGLang's `release_memory_occupation` and
+  `resume_memory_occupation`: "kv_cache" frees the KV cache, "weights" frees the weights' storage
+  (their values are lost, as in SGLang without `--enable-weights-cpu-backup`: after a resume they
+  are zero until a weight update loads new ones, `weights_need_reload`), "cuda_graph" has nothing
+  to free here. Only while idle.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 QUANTIZATIONS = (None, "fp8")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 _TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -87,7 +94,7 @@ class RequestOutput:
     output_top_logprobs: list[list[tuple[float, int]]]  # per generated token, top_logprobs_num pairs
     input_token_logprobs: list[tuple[float | None, int]]  # input_ids[start:]; the first is None
     input_top_logprobs: list[list[tuple[float, int]] | None]  # the first is None
-    weight_version: int
+    weight_version: int | str  # an int, or the string a weight update named (SGLang's versions are strings)
     text: str | None = None  # decoded output (stop-trimmed when finished); None for non-final, non-stream
 
 
@@ -150,7 +157,7 @@ class EngineCore:
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer
-        self.weight_version = 0
+        self.weight_version: int | str = 0
 
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for p in self.model.parameters():
@@ -169,6 +176,9 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step
         self._rids: set[str] = set()
         self._controls: BatchSampling | None = None  # of the running batch; None = rebuild
+        self.kv_cache_released = False
+        self._released_weights: list[tuple[torch.UntypedStorage, int]] | None = None
+        self.weights_need_reload = False  # resumed after a release: zero until a weight update
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -284,6 +294,15 @@ class EngineCore:
     @property
     def num_waiting_reqs(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose K/V the running requests hold."""
+        return sum(live.length for live in list(self._running))
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(len(r.input_ids) for r in list(self._waiting))
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -571,8 +590,62 @@ class EngineCore:
         with self._lock:
             if self._waiting or self._running:
                 return False
-            self.runner.cache.shrink()
+            if not self.kv_cache_released:
+                self.runner.cache.shrink()
             return True
+
+    # ---- memory (SGLang's release/resume_memory_occupation) ----------------------------------
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released_weights is not None
+
+    @property
+    def memory_held(self) -> bool:
+        """True while requests cannot run: memory released, or weights not reloaded since."""
+        return self.kv_cache_released or self.weights_released or self.weights_need_reload
+
+    def released_memory(self) -> list[str]:
+        return [t for t, on in (("weights", self.weights_released), ("kv_cache", self.kv_cache_released)) if on]
+
+    def release_memory(self, tags: Iterable[str]) -> None:
+        """Free the memory of `tags` (see the module docstring); ValueError unless idle."""
+        tags = set(tags)
+        with self._lock:
+            if self._waiting or self._running:
+                raise ValueError(
+                    "release_memory_occupation: needs an idle engine (no running or waiting requests; "
+                    "abort them or pause with mode 'abort' first)"
+                )
+            if "kv_cache" in tags and not self.kv_cache_released:
+                self.runner.cache.release()
+                self.kv_cache_released = True
+            if "weights" in tags and self._released_weights is None:
+                names = set(self.weight_names())
+                storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+                for name, t in self.model.state_dict(keep_vars=True).items():
+                    if name in names:
+                        st = t.untyped_storage()
+                        storages.setdefault(st.data_ptr(), (st, st.nbytes()))
+                self.runner.drop_derived()
+                for st, _ in storages.values():
+                    st.resize_(0)
+                self._released_weights = list(storages.values())
+
+    def resume_memory(self, tags: Iterable[str]) -> None:
+        """Allocate the memory of `tags` again; released weights come back as zeros."""
+        tags = set(tags)
+        with self._lock:
+            if "weights" in tags and self._released_weights is not None:
+                for st, nbytes in self._released_weights:
+                    st.resize_(nbytes)
+                    st.fill_(0)
+                self._released_weights = None
+                self.weights_need_reload = True
+                self.runner.refresh()
+            if "kv_cache" in tags and self.kv_cache_released:
+                self.runner.cache.shrink()
+                self.kv_cache_released = False
 
 
 def _resolve_dtype(dtype: str, model: nn.Module) -> torch.dtype:

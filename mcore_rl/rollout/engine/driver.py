@@ -17,6 +17,11 @@ Pause and weight updates follow SGLang's TokenizerManager:
   not paused sees one weight version, the one in its `weight_version`.
 
 Aborting a request that has already been paused in place delivers its final output on `resume()`.
+
+Memory (`release_memory` / `resume_memory`, SGLang's `release_memory_occupation` and
+`resume_memory_occupation`): while any memory is released, and after a weights resume until a
+weight update completes a sync (`EngineCore.weights_need_reload`), new requests are held as while
+paused, and start once the memory and the weights are back.
 """
 
 from __future__ import annotations
@@ -106,13 +111,25 @@ class EngineDriver:
         return self._thread.is_alive() and not self._closed
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> int | str:
         return self.core.weight_version
 
     @property
     def num_requests(self) -> int:
         """Requests submitted and not yet finished (held ones included)."""
         return len(self._streams)
+
+    def load(self) -> dict[str, int]:
+        """A best-effort snapshot for `/get_load` (read outside the engine thread): requests
+        running and waiting (held ones included), tokens in the KV cache and of waiting prompts."""
+        core, held = self.core, list(self._held)
+        running = core.num_running_reqs
+        return {
+            "running": running,
+            "waiting": max(0, len(self._streams) - running),
+            "cached_tokens": core.num_cached_tokens,
+            "waiting_tokens": core.num_waiting_tokens + sum(len(s.req.input_ids) for s in held),
+        }
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -130,7 +147,7 @@ class EngineDriver:
                 if r.rid in self._streams or r.rid in seen:
                     raise ValueError(f"rid: a request with rid {r.rid!r} is already in flight")
                 seen.add(r.rid)
-            if self._paused or self._when_idle:
+            if self._holding() or self._when_idle:
                 self._held.extend(streams)
             else:
                 added = []
@@ -191,9 +208,30 @@ class EngineDriver:
     async def resume(self) -> None:
         def resume(core: EngineCore) -> None:
             self._paused = False
-            self._release_held()
+            if not self._holding():
+                self._release_held()
 
         await self.call(resume)
+
+    async def release_memory(self, tags: list[str]) -> None:
+        """`EngineCore.release_memory` on the engine thread (ValueError unless idle)."""
+        await self.call(lambda core: core.release_memory(tags))
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        def resume(core: EngineCore) -> None:
+            core.resume_memory(tags)
+            if not self._holding():
+                self._release_held()
+
+        await self.call(resume)
+
+    @property
+    def holding(self) -> bool:
+        """New requests wait (paused, or memory released / weights not reloaded)."""
+        return self._holding()
+
+    def _holding(self) -> bool:
+        return self._paused or self.core.memory_held
 
     async def flush_cache(self) -> bool:
         """SGLang's semantics: refused (False) while requests are in flight."""
@@ -280,7 +318,7 @@ class EngineDriver:
                 if self._idle_work():
                     while self._when_idle:
                         self._when_idle.popleft()()
-                    if not self._paused:
+                    if not self._holding():
                         self._release_held()
                 if self._can_step():
                     self._step()
@@ -361,7 +399,7 @@ class EngineDriver:
                 self._fail([s], err)
 
 
-def _aborted_output(req: Request, message: str, weight_version: int) -> RequestOutput:
+def _aborted_output(req: Request, message: str, weight_version: int | str) -> RequestOutput:
     """The final output of a request aborted before it reached the engine."""
     return RequestOutput(
         rid=req.rid, output_ids=[], finished=True, finish_reason={"type": "abort", "message": message},

@@ -59,6 +59,16 @@ class SlotKVCache:
         self.capacity = 0
         self._alloc(min(capacity, self.max_len))
 
+    def release(self) -> None:
+        """Free the cache entirely (`release_memory_occupation`); `shrink()` allocates it again."""
+        self.k = self.v = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.capacity = 0
+        self._rows = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
+
     def write_block(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Prefill: k/v [P, kv_heads, S, D] into slots slot0.., positions 0..S-1."""
         p, _, s, _ = k.shape

@@ -157,6 +157,20 @@ class ModelRunner:
                 for m in (*proj, attn.o_proj, *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else [])):
                     m._dequantized = None  # the fused copies above are the ones in use
 
+    def drop_derived(self) -> None:
+        """Free what `refresh()` derives from the weights (QK-norm tables, FP8 fused dequantized
+        copies), for a weight release; the next `refresh()` rebuilds them."""
+        empty = torch.empty(0, device=self.device)
+        for lay in self.layers:
+            lay.qk_norm = None
+            if self.fp8:
+                lay.wqkv, lay.bqkv, lay.wo = empty, None, empty
+                if lay.w_gate_up is not None:
+                    lay.w_gate_up = lay.w_down = empty
+        for m in self.model.modules():
+            if isinstance(m, Fp8Linear):
+                m._dequantized = None
+
     @torch.inference_mode()  # the cache grows inside prefill/decode, so it may hold inference tensors
     def move(self, src: int, dst: int, length: int) -> None:
         """Move slot `src`'s state (its first `length` cached positions, its n-gram context) to `dst`."""
