@@ -248,3 +248,33 @@ def test_the_rl_loop_survives_an_engine_killed_mid_run(engines, tmp_path):
     a, b = engines
     run_world(1, _rl_run_losing_an_engine, str(tmp_path), [a.url, b.url], b.proc.pid)
     assert not b.proc.is_alive() and _versions([a.url]) == ["5"]
+
+
+def test_the_pool_sends_the_api_keys(tmp_path):
+    """A server with --api-key and --admin-api-key: the pool generates with the one and syncs
+    weights with the other; without keys it is refused (401) and says so."""
+    from mcore_rl.rollout.client import EngineHTTPError
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.engine.driver import EngineDriver
+    from mcore_rl.rollout.launch_flags import parse_server_args
+    from mcore_rl.rollout.server import EngineServer, ServerThread
+
+    args = parse_server_args(["--api-key", "user-key", "--admin-api-key", "admin-key"])
+    core = EngineCore.from_model_path(None, context_length=CONTEXT, random_seed=0)
+    srv = ServerThread(EngineServer(EngineDriver(core), args), shutdown_timeout=0.5)
+    srv.start()
+    pool = HTTPEnginePool([srv.url], timeout=10, api_key="user-key", admin_api_key="admin-key")
+    anonymous = HTTPEnginePool([srv.url], timeout=10)
+    try:
+        assert all(g.output_ids for g in pool.generate(_requests(2)))
+        TensorTransport(pool, shm_dir=str(tmp_path)).send(iter_buckets(_weights(5), 1 << 20), 7, SyncStats(7))
+        assert str(core.weight_version) == "7"
+        with pytest.raises(EngineHTTPError, match="401"):
+            anonymous.generate(_requests(1))
+        with pytest.raises(EngineHTTPError, match="401"):
+            TensorTransport(anonymous, shm_dir=str(tmp_path)).send(iter_buckets(_weights(6), 1 << 20), 8, SyncStats(8))
+        assert str(core.weight_version) == "7"
+    finally:
+        pool.close()
+        anonymous.close()
+        srv.stop()

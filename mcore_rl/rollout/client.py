@@ -27,10 +27,14 @@ from typing import Any, AsyncIterator, Optional
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
-# Endpoints of SGLang's ordinary API key; every other one is a weight/control endpoint (admin key).
-USER_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                        "/health_generate", "/get_model_info", "/get_server_info", "/get_weight_version",
-                        "/get_load", "/tokenize", "/detokenize"})
+# SGLang's weight and control endpoints: with `--admin-api-key` only that key opens them (the server
+# enforces this set; the client sends the admin key to them).
+ADMIN_PATHS = frozenset({
+    "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
+    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
+    "/pause_generation", "/continue_generation",
+})
 # Per-prompt fields of a batch that `expand_samples` repeats with their prompt.
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
                      "return_text_in_logprobs", "image_data", "lora_path", "custom_logit_processor")
@@ -160,10 +164,14 @@ class EngineClient:
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
+        group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: Optional[float] = None,
     ) -> dict:
+        """`timeout_s`: how long the engine waits for the rendezvous (the embedded engine's field;
+        SGLang ignores it)."""
         body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                     world_size=world_size, group_name=group_name, backend=backend)
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
         return await self._call("POST", "/init_weights_update_group", body, retry=False)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
@@ -188,7 +196,7 @@ class EngineClient:
         return self._session
 
     def _headers_for(self, path: str) -> dict[str, str]:
-        return self._headers if path in USER_PATHS else self._admin_headers
+        return self._admin_headers if path in ADMIN_PATHS else self._headers
 
     async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: list[str] = ()) -> Any:
         url = self.base_url + path

@@ -275,7 +275,7 @@ class HTTPEnginePool:
         elif rollout.sync_transport == "disk":
             self._transport = DiskTransport(self, rollout.sync_dir)
         else:
-            self._transport = DistributedTransport(self)
+            self._transport = DistributedTransport(self, rendezvous_timeout_s=self.timeout)
         return self._transport
 
     # ---- generation --------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from aiohttp import web
 
 import mcore_rl
+from mcore_rl.rollout.client import ADMIN_PATHS
 from mcore_rl.rollout import openai_api, weight_receiver
 from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDriver, EngineDead, RequestStream
 from mcore_rl.rollout.engine.core import MEMORY_TAGS, EngineCore, Request, RequestOutput
@@ -76,12 +77,6 @@ MAX_BODY_BYTES = 1 << 33  # /update_weights_from_tensor carries whole buckets as
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 3.0  # SIGTERM -> exited, whatever still hangs
 # SGLang's ADMIN_OPTIONAL endpoints: --admin-api-key (if set) guards these instead of --api-key.
-ADMIN_PATHS = frozenset({
-    "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
-    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
-    "/pause_generation", "/continue_generation",
-})
 _BASE_REQ = {"rid": (str,), "http_worker_ipc": (str,)}  # SGLang's BaseReq fields: routing only
 
 

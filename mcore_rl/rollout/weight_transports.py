@@ -96,6 +96,7 @@ class DistributedTransport:
     backend: str = ""  # "" = nccl with CUDA, gloo without
     load_format: Optional[str] = None
     pause_mode: str = "retract"
+    rendezvous_timeout_s: Optional[float] = None  # how long an engine waits to join the group
     _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
     _members: list[str] = field(default_factory=list, init=False)
 
@@ -115,6 +116,7 @@ class DistributedTransport:
         futures = self.engines.start("init_weights_update_group", lambda i: dict(
             master_address=self.master_address, master_port=port, rank_offset=offsets[i],
             world_size=world_size, group_name=self.group_name, backend=self.backend,
+            timeout_s=self.rendezvous_timeout_s,
         ), urls)
         try:
             self._group = init_custom_process_group(
