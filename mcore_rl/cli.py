@@ -30,10 +30,16 @@ def _launched() -> bool:
 
 
 def _relaunch(nproc: int, cli_args: list[str]) -> int:
-    """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code."""
+    """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code.
+
+    torchrun gets SIGTERM when this process dies (SIGKILL included) and stops its workers, so
+    killing the command the user started stops the whole run.
+    """
+    from mcore_rl.parallel.lifetime import preexec_die_with_parent
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "mcore_rl.cli", *cli_args]
-    return subprocess.call(command)
+    return subprocess.call(command, preexec_fn=preexec_die_with_parent())
 
 
 def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -74,3 +78,96 @@ def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         latest_checkpoint(str(tmp_path / "nowhere"))
     assert latest_checkpoint(str(tmp_path)) is None
+
+
+# ------------------------------------------------------------------ a killed trainer leaves nothing behind
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_SFT = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "train.seq_length=16",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "data.synthetic_num_examples=64",
+            "train.log_interval=1000"]
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, state, cmdline) of every process, from /proc."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        table[int(name)] = (int(stat[1]), stat[0], cmdline)
+    return table
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    table, out, todo = _proc_table(), {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, _, cmdline) in table.items():
+            if ppid == parent and child not in out:
+                out[child] = cmdline
+                todo.append(child)
+    return out
+
+
+def _alive(pids) -> dict[int, str]:
+    table = _proc_table()
+    return {p: table[p][2] for p in pids if p in table and table[p][1] not in ("Z", "X")}
+
+
+def _start_trainer(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    log = str(tmp_path / "trainer.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _kill_and_expect_no_survivors(proc: subprocess.Popen, log: str, wait_for: str, after: str,
+                                  timeout: float = 240) -> None:
+    """Once the file `after` exists and a descendant whose command line contains `wait_for` runs,
+    SIGKILL `proc` by pid and assert that every process it had started is gone within seconds."""
+    kids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while not (os.path.exists(after) and any(wait_for in c for c in kids.values())):
+            assert proc.poll() is None, f"trainer exited early (rc {proc.returncode}):\n{open(log).read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {wait_for!r} process after {timeout} s:\n{open(log).read()[-3000:]}"
+            time.sleep(0.5)
+            kids = _descendants(proc.pid)
+        kids = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive(kids) == {}, f"left behind by the killed trainer: {_alive(kids)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _alive(kids):  # only what this test started, by pid
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sigkill_of_the_trainer_takes_the_checkpoint_writer_along(tmp_path):
+    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000",
+                               f"checkpoint.save_dir={tmp_path}/ckpt", "checkpoint.save_interval=1", *TINY_SFT)
+    # killed after a complete save, with megatron-core's writer processes started
+    _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")
+
+
+def test_sigkill_of_the_command_stops_the_torchrun_relaunch(tmp_path):
+    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000",
+                               f"checkpoint.save_dir={tmp_path}/ckpt", "checkpoint.save_interval=1", *TINY_SFT,
+                               "--nproc-per-node", "2")
+    # torchrun, both ranks and each rank's writer processes: all gone with the command
+    _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")

@@ -9,20 +9,31 @@ A *model-only* checkpoint (`save_checkpoint(..., optimizer=None)`, e.g. written 
 hf-to-mcore`) has `common["model_only"] = True`, no optimizer state and no RNG files: it is a starting
 point, not a resumable run, so `load_checkpoint` loads the weights and leaves optimizer and RNG as
 they are.
+
+Saving is synchronous, but megatron-core's writer forks worker processes for the shard files and
+reports through a queue served by a `multiprocessing.spawn`ed manager process that it starts on the
+first save and never stops. Both are made to die with the trainer (`_writers_die_with_trainer`), so
+a killed trainer leaves no process behind.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from mcore_rl.parallel.lifetime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+
+_saving_pid: Optional[int] = None  # set during a save: processes forked then die with this one
+_writer_manager: Any = None  # the manager serving megatron-core's write-results queue
 
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
@@ -80,6 +91,37 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _forked_during_save() -> None:
+    if _saving_pid is not None:
+        die_with_parent(signal.SIGKILL, _saving_pid)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_during_save)
+
+
+def _writers_die_with_trainer() -> None:
+    """Start the manager that megatron-core's `FileSystemWriterAsync` would spawn for its results
+    queue (`filesystem_async._get_write_results_queue`), set to die with this process, and hand
+    megatron its queue. megatron's own manager outlives a SIGKILLed trainer under PID 1 (~280 MB)."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _writer_manager is not None or getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    if not hasattr(filesystem_async, "_get_write_results_queue"):  # a megatron-core that does it differently
+        logger.warning("megatron-core's checkpoint writer changed; its helper processes may outlive a killed trainer")
+        return
+    from multiprocessing.managers import SyncManager
+
+    from torch import multiprocessing as mp
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
+
+
 def _layout_signature() -> tuple[int, ...]:
     from megatron.core import parallel_state as ps
 
@@ -102,6 +144,7 @@ def save_checkpoint(
 
     `optimizer=None` writes a model-only checkpoint (no optimizer state, no RNG files).
     """
+    global _saving_pid
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(save_dir, iteration)
@@ -118,7 +161,12 @@ def save_checkpoint(
         state["common"]["model_only"] = True
     else:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd)
-    dist_checkpointing.save(state, path)
+    _writers_die_with_trainer()
+    _saving_pid = os.getpid()
+    try:
+        dist_checkpointing.save(state, path)
+    finally:
+        _saving_pid = None
     if optimizer is not None:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
