@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,12 +122,16 @@ def _alive(pids) -> dict[int, str]:
     return {p: table[p][2] for p in pids if p in table and table[p][1] not in ("Z", "X")}
 
 
-def _start_trainer(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _start_trainer(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
     log = str(tmp_path / "trainer.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=_env(), stdout=out,
                                 stderr=subprocess.STDOUT)
     return proc, log
 
@@ -171,3 +176,57 @@ def test_sigkill_of_the_command_stops_the_torchrun_relaunch(tmp_path):
                                "--nproc-per-node", "2")
     # torchrun, both ranks and each rank's writer processes: all gone with the command
     _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _latest_step(save_dir: str) -> int:
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            return int(f.read().strip().removeprefix("iter_"))
+    except (OSError, ValueError):
+        return -1
+
+
+def _kill_between_metrics_and_save(proc: subprocess.Popen, log: str, metrics: str, save_dir: str,
+                                   timeout: float = 240) -> int:
+    """SIGKILL `proc` at a moment when `metrics` holds steps its newest checkpoint does not (frozen
+    with SIGSTOP to check, so the moment is certain); returns the last step logged."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"trainer ended before the kill (rc {proc.returncode}):\n{open(log).read()[-3000:]}"
+        assert time.monotonic() < deadline, open(log).read()[-3000:]
+        if _latest_step(save_dir) > 0 and os.path.exists(metrics):
+            os.kill(proc.pid, signal.SIGSTOP)
+            steps = [r["step"] for r in _read_jsonl(metrics)]
+            if steps and steps[-1] > _latest_step(save_dir) > 0:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return steps[-1]
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.02)
+
+
+def test_sft_resume_after_a_kill_logs_each_step_once(tmp_path):
+    """A kill after step s was logged but before it was saved: the resumed run's metrics.jsonl has
+    every step once, with the numbers of a run that was never interrupted."""
+    args = ["sft", *TINY_SFT, "train.train_iters=40", "train.log_interval=5"]
+    full = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args, f"run_dir={tmp_path}/full"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt, metrics = f"{tmp_path}/ckpt", f"{tmp_path}/run/metrics.jsonl"
+    proc, log = _start_trainer(tmp_path, *args, f"run_dir={tmp_path}/run", f"checkpoint.save_dir={ckpt}",
+                               "checkpoint.save_interval=15")
+    logged = _kill_between_metrics_and_save(proc, log, metrics, ckpt)
+    assert logged > _latest_step(ckpt)
+    resumed = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args, f"run_dir={tmp_path}/run",
+                              f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    timeless = lambda records: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]  # noqa: E731
+    got = _read_jsonl(metrics)
+    assert [r["step"] for r in got] == list(range(1, 41))
+    assert timeless(got) == timeless(_read_jsonl(f"{tmp_path}/full/metrics.jsonl"))
