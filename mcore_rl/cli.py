@@ -7,7 +7,8 @@
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
-so a typo costs a second, not a cluster allocation. With `--nproc-per-node N > 1` outside torchrun,
+and the directories it writes (run_dir, checkpoint.save_dir) are created and probed, so a typo or a
+read-only disk costs a second, not a cluster allocation or a whole run. With `--nproc-per-node N > 1` outside torchrun,
 the command relaunches itself under `torch.distributed.run`; under torchrun/SLURM it just runs.
 """
 
@@ -42,8 +43,37 @@ def _relaunch(nproc: int, cli_args: list[str]) -> int:
     return subprocess.call(command, preexec_fn=preexec_die_with_parent())
 
 
+def _check_writable(key: str, path: str) -> None:
+    """Create the directory `path` and a probe file in it (removed again); a ConfigError naming `key`
+    if that fails, so a read-only or misplaced directory fails now rather than at the first save."""
+    from mcore_rl.config import ConfigError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is a file, not a directory")
+    probe = os.path.join(path, f".mcore_rl_write_probe.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and os.path.abspath(err.filename) != os.path.abspath(path) else ""
+        raise ConfigError(f"{key}: cannot write to {path!r}: {err.strerror or err}{where}") from None
+
+
+def _preflight(cfg) -> None:
+    """The checks that need the filesystem (validation itself is pure), before any worker starts:
+    otherwise they fail after distributed initialisation, or at the first save after training."""
+    rollout = getattr(cfg, "rollout", None)
+    for key, path in (("run_dir", cfg.run_dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir),
+                      ("rollout.sync_dir", getattr(rollout, "sync_dir", None))):
+        if path:
+            _check_writable(key, path)
+
+
 def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
-    """Load and validate the recipe for the world it will run in; relaunch under torchrun or run.
+    """Load and validate the recipe for the world it will run in, check the files it names; relaunch
+    under torchrun or run.
 
     `entry` ("module:function") is imported only in the process that trains, so a bad recipe fails
     without paying for importing megatron-core.
@@ -55,17 +85,22 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     try:
         cfg = load_config(root_cls, args.recipe, args.overrides)
         validate(cfg, _world_size(args.nproc_per_node))
+        _preflight(cfg)
     except (ConfigError, FileNotFoundError) as err:
         print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
     from mcore_rl.parallel import setup
+    from mcore_rl.train.checkpoint import CheckpointError
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
     try:
         run(cfg)
+    except CheckpointError as err:  # says what to do; the traceback through megatron-core would not
+        print(f"mcore-rl {name}: {err}", file=sys.stderr)
+        return 1
     finally:
         setup.destroy()
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -230,3 +231,30 @@ def test_sft_resume_after_a_kill_logs_each_step_once(tmp_path):
     got = _read_jsonl(metrics)
     assert [r["step"] for r in got] == list(range(1, 41))
     assert timeless(got) == timeless(_read_jsonl(f"{tmp_path}/full/metrics.jsonl"))
+
+
+def test_a_full_disk_is_named_whatever_the_writer_says(tmp_path, monkeypatch):
+    """The message path of a full disk without mounting one (tests/test_sft.py fills a real tmpfs)."""
+    import shutil
+
+    from mcore_rl.train import checkpoint
+
+    worker = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    path = checkpoint.checkpoint_dir(str(tmp_path), 7)
+    usage = shutil._ntuple_diskusage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(1 << 40, (1 << 40) - 4096, 4096))
+    err = checkpoint._disk_full(str(tmp_path), path, worker)
+    assert isinstance(err, checkpoint.CheckpointError)
+    assert f"could not write checkpoint {path}: the disk holding checkpoint.save_dir '{tmp_path}' is full" in str(err)
+    assert "4.0 KiB free of 1.0 TiB" in str(err) and "on the filesystem mounted at /" in str(err)
+    # plenty of space left: not a full disk, the original error stands ...
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 39, 1 << 39))
+    assert checkpoint._disk_full(str(tmp_path), path, worker) is None
+    # ... unless the writer's cause says ENOSPC
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as cause:
+            raise RuntimeError("write failed") from cause
+    except RuntimeError as chained:
+        assert "is full" in str(checkpoint._disk_full(str(tmp_path), path, chained))

@@ -18,14 +18,17 @@ a killed trainer leaves no process behind.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import signal
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.parallel.lifetime import die_with_parent
 
@@ -35,6 +38,10 @@ LATEST = "latest"
 
 _saving_pid: Optional[int] = None  # set during a save: processes forked then die with this one
 _writer_manager: Any = None  # the manager serving megatron-core's write-results queue
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message says why and where."""
 
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
@@ -173,10 +180,22 @@ def save_checkpoint(
 
     `optimizer=None` writes a model-only checkpoint (no optimizer state, no RNG files).
     """
+    path = checkpoint_dir(save_dir, iteration)
+    try:
+        _save(save_dir, path, iteration, chunks, optimizer, common)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        full = _disk_full(save_dir, path, err)
+        if full is None:
+            raise
+        raise full from err
+    return path
+
+
+def _save(save_dir: str, path: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Optional[Any],
+          common: dict[str, Any]) -> None:
     global _saving_pid
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(save_dir, iteration)
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
@@ -206,7 +225,46 @@ def save_checkpoint(
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(save_dir, LATEST))
     dist.barrier()
+
+
+def _disk_full(save_dir: str, path: str, err: BaseException) -> Optional[CheckpointError]:
+    """The error to raise instead of `err` if the save failed because the disk is full, else None.
+
+    A full disk rarely says so: megatron-core's writer reports `RuntimeError: Worker failure:
+    [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`. So besides ENOSPC in the
+    chain of causes, a disk with (nearly) nothing left after the failure counts as full.
+    """
+    chain, seen = [], err
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    enospc = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) for e in chain)
+    try:
+        usage = shutil.disk_usage(save_dir)
+    except OSError:
+        return None
+    if not enospc and usage.free >= min(64 << 20, max(usage.total // 100, 1 << 20)):
+        return None
+    return CheckpointError(
+        f"could not write checkpoint {path}: the disk holding checkpoint.save_dir {save_dir!r} is full "
+        f"({_bytes(usage.free)} free of {_bytes(usage.total)} on the filesystem mounted at {_mount_point(save_dir)}). "
+        f"Free space there or point checkpoint.save_dir at a larger disk; {path} is incomplete and can be deleted "
+        f"({LATEST} was not moved to it, so a resume never reads it).")
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
     return path
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def load_checkpoint(
