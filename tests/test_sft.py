@@ -131,3 +131,20 @@ def test_full_disk_at_save_says_so_and_where(tmp_path):
     assert message.startswith(f"mcore-rl sft: could not write checkpoint {full}/ckpt/iter_0000001: the disk holding "
                               f"checkpoint.save_dir '{full}/ckpt' is full"), run.stderr[-3000:]
     assert f"mounted at {full})" in message and "Traceback" not in run.stderr
+
+
+def test_data_errors_come_before_any_worker_starts(tmp_path):
+    """A bad line fails in the command itself, before torchrun and distributed initialisation."""
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "c"}\n')
+    run = _cli("sft", *TINY, "train.global_batch_size=4", f"run_dir={tmp_path}/run", f"data.path={data}",
+               "--nproc-per-node", "2", timeout=60)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1].startswith(f"mcore-rl sft: {data}:2: not valid UTF-8")
+    assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "1+1="}\n\xff\n')
+    run = _cli("train", f"run_dir={tmp_path}/rl", f"data.path={prompts}", timeout=60)
+    assert run.returncode == 2 and run.stderr.splitlines()[-1].startswith(f"mcore-rl train: {prompts}:2: not valid UTF-8")
+    run = _cli("train", f"run_dir={tmp_path}/rl", f"data.path={tmp_path}/none.jsonl", timeout=60)
+    assert run.returncode == 2 and f"data.path: no such file: {tmp_path}/none.jsonl" in run.stderr
