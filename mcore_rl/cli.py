@@ -9,8 +9,8 @@
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
 are read and checked, so a typo, a read-only disk or a bad line costs a second, not a cluster
-allocation or a whole run. With `--nproc-per-node N > 1` outside torchrun,
-the command relaunches itself under `torch.distributed.run`; under torchrun/SLURM it just runs.
+allocation or a whole run. With `--nproc-per-node N > 1` outside torchrun, the command relaunches
+itself under `torch.distributed.run`; under torchrun/SLURM it just runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import warnings
 from typing import Optional
+
+PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
 
 def _world_size(nproc: int) -> int:
@@ -62,9 +64,6 @@ def _check_writable(key: str, path: str) -> None:
     except OSError as err:
         where = f" ({err.filename})" if err.filename and os.path.abspath(err.filename) != os.path.abspath(path) else ""
         raise ConfigError(f"{key}: cannot write to {path!r}: {err.strerror or err}{where}") from None
-
-
-PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
 
 def _preflight(cfg) -> None:

@@ -139,7 +139,8 @@ if hasattr(os, "register_at_fork"):
 def _writers_die_with_trainer() -> None:
     """Start the manager that megatron-core's `FileSystemWriterAsync` would spawn for its results
     queue (`filesystem_async._get_write_results_queue`), set to die with this process, and hand
-    megatron its queue. megatron's own manager outlives a SIGKILLed trainer under PID 1 (~280 MB)."""
+    megatron its queue. megatron's own manager outlives a SIGKILLed trainer under PID 1 (~280 MB).
+    The kernel ties the death signal to the thread that starts the manager: saves run on the main one."""
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
