@@ -179,6 +179,25 @@ def test_sigkill_of_the_command_stops_the_torchrun_relaunch(tmp_path):
     _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")
 
 
+def test_sigkill_during_a_save_leaves_a_resumable_latest_and_no_writer(tmp_path):
+    """Killed while megatron-core's forked writers are writing shards (a model big enough that a
+    save takes a while): they die too, and `latest` still names a complete checkpoint."""
+    model = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "train.log_interval=1000",
+             "train.seq_length=16", "train.micro_batch_size=2", "train.global_batch_size=2",
+             "data.synthetic_num_examples=64"]
+    ckpt = f"{tmp_path}/ckpt"
+    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000", *model,
+                               f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=1")
+    # forked writers carry the trainer's command line
+    _kill_and_expect_no_survivors(proc, log, wait_for="mcore_rl.cli sft", after=f"{ckpt}/latest")
+    step = _latest_step(ckpt)
+    resumed = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "sft", f"run_dir={tmp_path}/run", *model,
+                              f"train.train_iters={step + 1}", f"checkpoint.load_dir={ckpt}"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in resumed.stdout
+
+
 def _read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
