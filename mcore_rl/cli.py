@@ -7,18 +7,23 @@
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
-so a typo costs a second, not a cluster allocation. With `--nproc-per-node N > 1` outside torchrun,
-the command relaunches itself under `torch.distributed.run`; under torchrun/SLURM it just runs.
+the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
+are read and checked, so a typo, a read-only disk or a bad line costs a second, not a cluster
+allocation or a whole run. With `--nproc-per-node N > 1` outside torchrun, the command relaunches
+itself under `torch.distributed.run`; under torchrun/SLURM it just runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import warnings
 from typing import Optional
+
+PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
 
 def _world_size(nproc: int) -> int:
@@ -30,14 +35,62 @@ def _launched() -> bool:
 
 
 def _relaunch(nproc: int, cli_args: list[str]) -> int:
-    """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code."""
+    """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code.
+
+    torchrun gets SIGTERM when this process dies (SIGKILL included) and stops its workers, so
+    killing the command the user started stops the whole run.
+    """
+    from mcore_rl.parallel.lifetime import preexec_die_with_parent
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "mcore_rl.cli", *cli_args]
-    return subprocess.call(command)
+    env = dict(os.environ, **{PREFLIGHT_DONE: "1"})
+    return subprocess.call(command, env=env, preexec_fn=preexec_die_with_parent())
+
+
+def _check_writable(key: str, path: str) -> None:
+    """Create the directory `path` and a probe file in it (removed again); a ConfigError naming `key`
+    if that fails, so a read-only or misplaced directory fails now rather than at the first save."""
+    from mcore_rl.config import ConfigError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is a file, not a directory")
+    probe = os.path.join(path, f".mcore_rl_write_probe.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and os.path.abspath(err.filename) != os.path.abspath(path) else ""
+        raise ConfigError(f"{key}: cannot write to {path!r}: {err.strerror or err}{where}") from None
+
+
+def _preflight(cfg) -> None:
+    """The checks that need the filesystem (validation itself is pure), before any worker starts:
+    otherwise they fail after distributed initialisation, or at the first save after training.
+    The directories the run writes must be writable; the data files are read and checked (SFT
+    examples, RL prompt files), bad lines reported as `file:line: problem` as training would."""
+    if os.environ.get(PREFLIGHT_DONE) == "1":
+        return
+    rollout = getattr(cfg, "rollout", None)
+    for key, path in (("run_dir", cfg.run_dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir),
+                      ("rollout.sync_dir", getattr(rollout, "sync_dir", None))):
+        if path:
+            _check_writable(key, path)
+    if rollout is not None:
+        from mcore_rl.data.prompts import read_prompt_files
+
+        read_prompt_files(cfg)
+    elif cfg.data.path is not None:
+        from mcore_rl.data.sft import read_examples
+
+        read_examples(cfg.data)
 
 
 def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
-    """Load and validate the recipe for the world it will run in; relaunch under torchrun or run.
+    """Load and validate the recipe for the world it will run in, check the files it names; relaunch
+    under torchrun or run.
 
     `entry` ("module:function") is imported only in the process that trains, so a bad recipe fails
     without paying for importing megatron-core.
@@ -45,21 +98,27 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     import importlib
 
     from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.data.files import DataError
 
     try:
         cfg = load_config(root_cls, args.recipe, args.overrides)
         validate(cfg, _world_size(args.nproc_per_node))
-    except (ConfigError, FileNotFoundError) as err:
+        _preflight(cfg)
+    except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
     from mcore_rl.parallel import setup
+    from mcore_rl.train.checkpoint import CheckpointError
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
     try:
         run(cfg)
+    except CheckpointError as err:  # says what to do; the traceback through megatron-core would not
+        print(f"mcore-rl {name}: {err}", file=sys.stderr)
+        return 1
     finally:
         setup.destroy()
     return 0
@@ -145,19 +204,45 @@ def cmd_serve(argv: list[str]) -> int:
     return 0
 
 
+_DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def _recipe_or_override(args: argparse.Namespace) -> Optional[str]:
+    """Sort out a first positional that is no recipe file. `mcore-rl train rollout.group_size=4`
+    has no recipe: containing "=", it is the first override. One that looks like a dotted key
+    without "=" (`rollout.group_size 4`, `rollout.group_size:4`) is a mistyped override: the message
+    to print (else None)."""
+    recipe = getattr(args, "recipe", None)
+    if not recipe or os.path.isfile(recipe):
+        return None
+    if "=" in recipe:
+        args.overrides.insert(0, recipe)
+        args.recipe = None
+        return None
+    key, _, value = recipe.partition(":")
+    if recipe.endswith((".yaml", ".yml")) or not _DOTTED_KEY.fullmatch(key.strip()):
+        return None  # a recipe path: the loader reports it missing
+    if not value and args.overrides and "=" not in args.overrides[0]:
+        value = args.overrides[0]
+    return (f"{recipe!r} is not a recipe file; it looks like an override, and overrides are written key=value "
+            f"(e.g. {key.strip()}={value.strip() or 'VALUE'})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sft = sub.add_parser("sft", help="supervised training of a megatron-core model")
+    sft = sub.add_parser("sft", help="supervised training of a megatron-core model",
+                         usage="mcore-rl sft [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
     sft.add_argument("recipe", nargs="?", help="YAML recipe (configs/*.yaml); defaults if omitted")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=50")
     sft.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
-    sft.set_defaults(func=cmd_sft)
-    train = sub.add_parser("train", help="RL: rollouts from the engine(s), rewards, policy updates, weight sync")
+    sft.set_defaults(func=cmd_sft, usage=sft.format_usage)
+    train = sub.add_parser("train", help="RL: rollouts from the engine(s), rewards, policy updates, weight sync",
+                           usage="mcore-rl train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
     train.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=20")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, usage=train.format_usage)
     _add_convert_parser(sub)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
@@ -171,10 +256,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    # `mcore-rl sft train.x=1` has no recipe: a first positional containing "=" is an override.
-    if getattr(args, "recipe", None) and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
-        args.overrides.insert(0, args.recipe)
-        args.recipe = None
+    problem = _recipe_or_override(args)
+    if problem:
+        print(f"mcore-rl {args.command}: {problem}\n{args.usage()}", file=sys.stderr, end="")
+        return 2
     args.argv = argv  # `convert` relaunches itself under torchrun with the same arguments
     return args.func(args)
 

@@ -136,6 +136,30 @@ def test_defaults_are_merged_under_the_recipe(tmp_path):
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.train.seed) == (96, 6, 7)
 
 
+def test_missing_defaults_file_names_the_recipe(tmp_path):
+    path = write(tmp_path, "r.yaml", "defaults: [base/missing.yaml]\nmodel:\n  num_layers: 6\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, path, [])
+    assert str(e.value).startswith(f"{path}: 'defaults' names 'base/missing.yaml', which is not a file")
+    assert str(tmp_path / "base" / "missing.yaml") in str(e.value)
+
+
+def test_override_as_first_argument(capsys):
+    from mcore_rl.cli import main
+
+    # an override whose value ends in .yaml is still an override (the validation error proves it was read)
+    assert main(["train", "eval.path=held.yaml", "rollout.max_staleness=3"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.max_staleness: only 0" in err and "config file not found" not in err
+    for argv, hint in ((["train", "rollout.group_size", "4"], "rollout.group_size=4"),
+                       (["sft", "train.train_iters:5"], "train.train_iters=5")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{argv[1]!r} is not a recipe file; it looks like an override" in err and f"(e.g. {hint})" in err
+        assert f"usage: mcore-rl {argv[0]} [RECIPE.yaml] [key.path=value ...]" in err
+    assert main(["train", "nope.yaml"]) == 2 and "config file not found" in capsys.readouterr().err
+
+
 def test_defaults_cycle(tmp_path):
     write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")
     write(tmp_path, "b.yaml", "defaults: [a.yaml]\n")

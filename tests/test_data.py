@@ -138,7 +138,46 @@ def test_missing_and_empty_data_file(tmp_path):
         read_examples(DataConfig(path=empty))
 
 
-# ------------------------------------------------------------------- rows
+# ------------------------------------------------------------------- RL prompt files
+
+PROMPTS = b"\n".join([
+    b'{"prompt": "1+1=", "label": "2"}',  # 1 ok
+    b'{"prompt": "caf\xe9"}',             # 2 latin-1, not UTF-8
+    b'{"prompt": 3}',                      # 3 not a string
+    b'{"prompt": "2+2="',                  # 4 bad JSON
+    b'{"prompt": "3+3=", "label": "6"}',  # 5 ok
+])
+
+
+@pytest.mark.parametrize("lineno, problem", [(2, "not valid UTF-8"), (3, "string 'prompt'"), (4, "invalid JSON")])
+def test_prompt_file_bad_line_names_file_and_line(tmp_path, lineno, problem):
+    from mcore_rl.data.prompts import read_prompt_file
+
+    lines = PROMPTS.split(b"\n")
+    path = write_bytes(tmp_path, "p.jsonl", b"\n".join(lines[:1] + [b""] * (lineno - 2) + [lines[lineno - 1]]))
+    with pytest.raises(DataError) as e:
+        read_prompt_file(path, "prompt", "label")
+    assert str(e.value).startswith(f"{path}:{lineno}: ") and problem in str(e.value)
+    assert "data.on_bad_line=skip" in str(e.value)
+
+
+def test_prompt_file_skip_and_missing(tmp_path, caplog):
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.data.prompts import read_prompt_file, read_prompt_files
+
+    path = write_bytes(tmp_path, "p.jsonl", PROMPTS)
+    with caplog.at_level(logging.WARNING):
+        assert read_prompt_file(path, "prompt", "label", on_bad_line="skip") == [("1+1=", "2"), ("3+3=", "6")]
+    assert all(f"{path}:{n}:" in caplog.text for n in (2, 3, 4))
+    cfg = load_config(RLConfig, None, [f"data.path={path}", "data.on_bad_line=skip", f"eval.path={tmp_path}/no.jsonl"])
+    with pytest.raises(DataError, match=f"eval.path: no such file: {tmp_path}/no.jsonl"):
+        read_prompt_files(cfg)
+    cfg.eval.path = None
+    assert read_prompt_files(cfg) == {"data.path": [("1+1=", "2"), ("3+3=", "6")]}
+    with pytest.raises(DataError, match=r"no prompts \(1 bad line\(s\) skipped\)"):
+        read_prompt_file(write_bytes(tmp_path, "q.jsonl", b"\xff\n"), "prompt", "label", on_bad_line="skip")
+
+
 
 
 def docs_of(rows, r):

@@ -200,17 +200,24 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest"]
 
     # 2. resume from the step-2 checkpoint: continues at rollout step 3 / optimizer step 2*opt+1,
-    #    on the same prompts, with the numbers the uninterrupted run had
+    #    on the same prompts, with the numbers the uninterrupted run had. Its run_dir holds what a
+    #    kill after logging step 3 but before saving it leaves: step 3's records and a torn line;
+    #    they are dropped, so each step is logged once.
+    os.makedirs(f"{tmp}/b")
+    with open(f"{tmp}/a/metrics.jsonl") as src, open(f"{tmp}/b/metrics.jsonl", "w") as dst:
+        dst.write(src.read() + '{"step": 99, "rl_st')
     b = tiny(f"run_dir={tmp}/b", f"checkpoint.load_dir={ckpt}/iter_0000002")
     run_rl(b)
     resumed = _records(f"{tmp}/b")
-    assert [r["step"] for r in resumed] == list(range(2 * opt + 1, 3 * opt + 1))
-    assert all(r["rl_step"] == 3 for r in resumed)
-    for x, y in zip(resumed, recs[-opt:]):
+    assert [r["step"] for r in resumed] == list(range(0, 3 * opt + 1))
+    assert resumed[: 2 * opt + 1] == recs[: 2 * opt + 1] and all(r["rl_step"] == 3 for r in resumed[2 * opt + 1:])
+    for x, y in zip(resumed[2 * opt + 1:], recs[-opt:]):
+        assert set(x) == set(y)
         for key in ("reward/mean", "rollout/policy_version_min", "response/length_mean"):
             assert x[key] == y[key], key
-        for key in ("train/loss", "mismatch/k3", "train/grad_norm"):
-            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
+        for key in x:
+            if not key.startswith("time/"):
+                assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
 
     # 3. provenance, checked on the samples themselves
     run = RLRun(tiny(f"run_dir={tmp}/c"))

@@ -82,6 +82,9 @@ def _read_recipe(path: str, root_cls: type, stack: tuple[str, ...]) -> dict[str,
     merged: dict[str, Any] = {}
     for base in bases:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        if not os.path.isfile(base_path):
+            raise ConfigError(f"{path}: 'defaults' names {base!r}, which is not a file (looked for {base_path}; "
+                              "relative paths are relative to the recipe)")
         _deep_merge(merged, _read_recipe(base_path, root_cls, stack + (path,)))
     _deep_merge(merged, data)
     return merged

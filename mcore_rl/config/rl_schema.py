@@ -44,6 +44,7 @@ class RLDataConfig:
     path: Optional[str] = None  # .jsonl with prompt_key / label_key; None = synthetic
     prompt_key: str = "prompt"
     label_key: str = "label"
+    on_bad_line: Literal["skip", "error"] = "error"  # a bad line of data.path / eval.path: skip (logged) or stop
     synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
     synthetic_max_digits: int = 2
     synthetic_num_prompts: int = 100_000  # size of the synthetic training pool

@@ -10,12 +10,16 @@ only 10^4 problems; random draws would overlap).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mcore_rl.data.files import BadLines, DataError, read_lines
 from mcore_rl.data.samples import Prompt
+
+logger = logging.getLogger(__name__)
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # evaluation problems are drawn with seed + this (SFT and RL)
 VALIDATION_SEED_OFFSET = 2_000_003  # MIPU validation prompts: i.i.d., neither training nor eval
@@ -69,22 +73,29 @@ class PromptSource:
         self.epoch, self.position, self.drawn = int(state["epoch"]), int(state["position"]), int(state["drawn"])
 
 
-def read_prompt_file(path: str, prompt_key: str, label_key: str) -> list[tuple[str, Any]]:
-    """(prompt, label) pairs of a jsonl file; a bad line raises naming `path:line`."""
+def read_prompt_file(path: str, prompt_key: str, label_key: str, on_bad_line: str = "error",
+                     key: str = "data.path") -> list[tuple[str, Any]]:
+    """(prompt, label) pairs of a jsonl file. A bad line (not UTF-8, not JSON, no string prompt) is
+    reported as `path:line: problem` and raises, or is skipped with `on_bad_line="skip"`
+    (`mcore_rl.data.files`); `key` names the setting when the file is missing."""
+    bad = BadLines(path, on_bad_line)
     pool = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get(prompt_key), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string {prompt_key!r}")
-            pool.append((obj[prompt_key], obj.get(label_key)))
+    for lineno, line in read_lines(path, bad, key):
+        if line is None or not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.report(lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get(prompt_key), str):
+            bad.report(lineno, f"expected an object with a string {prompt_key!r}")
+            continue
+        pool.append((obj[prompt_key], obj.get(label_key)))
+    if bad.count:
+        logger.warning("%s: skipped %d bad line(s)", path, bad.count)
     if not pool:
-        raise ValueError(f"{path}: no prompts")
+        raise DataError(f"{path}: no prompts" + (f" ({bad.count} bad line(s) skipped)" if bad.count else ""))
     return pool
 
 
@@ -111,18 +122,28 @@ class PromptSets:
         return {p.text for p in self.eval_prompts}
 
 
+def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
+    """The prompt files an `RLConfig` names (`data.path`, `eval.path`), read and checked; the CLI
+    calls this before any worker starts so a bad file fails in a second."""
+    d = cfg.data
+    paths = {"data.path": d.path, "eval.path": cfg.eval.path}
+    return {key: read_prompt_file(path, d.prompt_key, d.label_key, d.on_bad_line, key)
+            for key, path in paths.items() if path is not None}
+
+
 def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes."""
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
     domain = d.synthetic_task if d.path is None else d.path
+    files = read_prompt_files(cfg)
     if d.path is not None:
-        pool = read_prompt_file(d.path, d.prompt_key, d.label_key)
-        held_out = read_prompt_file(e.path, d.prompt_key, d.label_key) if e.path else pool
+        pool = files["data.path"]
+        held_out = files.get("eval.path", pool)
         validation = pool
     else:
         pool = task_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
-        held_out = (read_prompt_file(e.path, d.prompt_key, d.label_key) if e.path else
-                    task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
+        held_out = files["eval.path"] if e.path else task_pool(d.synthetic_task, e.num_prompts,
+                                                                seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits)
         validation = task_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
                                seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
     eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos, domain).take(

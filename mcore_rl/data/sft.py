@@ -8,7 +8,7 @@ Input formats (`DataConfig.format`; "auto" picks jsonl for a `.jsonl` path, text
   a paragraph are kept. Every token is trained on.
 
 A malformed line is reported as `path:line: problem`; `on_bad_line=skip` logs and skips it,
-`error` raises `DataError`.
+`error` raises `DataError` (`mcore_rl.data.files`, shared with the RL prompt files).
 
 Each example becomes `[bos] prompt response [eos]` (no bos if the tokenizer has none) and rows hold
 `seq_length + 1` tokens, megatron-style: `tokens = row[:-1]`, `labels = row[1:]`, and `loss_mask[i]`
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Collection, Iterator
 
@@ -30,15 +29,12 @@ import numpy as np
 import torch
 
 from mcore_rl.config.schema import DataConfig
+from mcore_rl.data.files import BadLines, DataError, read_lines
 from mcore_rl.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
-
-
-class DataError(Exception):
-    """Unusable training data; the message names the file (and line) at fault."""
 
 
 @dataclass
@@ -74,22 +70,12 @@ def task_examples(task: str, max_digits: int, n: int, seed: int, exclude: Collec
 
 def read_examples(cfg: DataConfig) -> list[SFTExample]:
     """Read `cfg.path` as jsonl or text (see module docstring); never returns an empty list."""
-    path = cfg.path
-    if path is None or not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+    path = str(cfg.path)
+    bad = BadLines(path, cfg.on_bad_line)
+    lines = read_lines(cfg.path, bad)  # raises DataError if there is no such file
     fmt = cfg.format
     if fmt == "auto":
         fmt = "jsonl" if path.endswith(".jsonl") else "text"
-    bad = _BadLines(path, cfg.on_bad_line)
-    with open(path, "rb") as f:
-        raw_lines = f.read().splitlines()
-    lines: list[tuple[int, str | None]] = []
-    for lineno, raw in enumerate(raw_lines, start=1):
-        try:
-            lines.append((lineno, raw.decode("utf-8")))
-        except UnicodeDecodeError as e:
-            bad.report(lineno, f"not valid UTF-8 ({e.reason} at byte {e.start})")
-            lines.append((lineno, None))
     examples = _parse_jsonl(lines, cfg, bad) if fmt == "jsonl" else _parse_text(lines, path)
     if bad.count:
         logger.warning("%s: skipped %d bad line(s)", path, bad.count)
@@ -98,19 +84,7 @@ def read_examples(cfg: DataConfig) -> list[SFTExample]:
     return examples
 
 
-class _BadLines:
-    def __init__(self, path: str, policy: str) -> None:
-        self.path, self.policy, self.count = path, policy, 0
-
-    def report(self, lineno: int, problem: str) -> None:
-        msg = f"{self.path}:{lineno}: {problem}"
-        if self.policy == "error":
-            raise DataError(msg + " (set data.on_bad_line=skip to skip bad lines)")
-        self.count += 1
-        logger.warning("skipping bad line %s", msg)
-
-
-def _parse_jsonl(lines: list[tuple[int, str | None]], cfg: DataConfig, bad: _BadLines) -> list[SFTExample]:
+def _parse_jsonl(lines: list[tuple[int, str | None]], cfg: DataConfig, bad: BadLines) -> list[SFTExample]:
     pk, rk, tk = cfg.prompt_key, cfg.response_key, cfg.text_key
     out: list[SFTExample] = []
     for lineno, line in lines:

@@ -12,7 +12,8 @@ samples to the other ranks; every rank runs the learner collectively.
 
 A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
 the prompt streams' positions, the MIPU controller and the step/version counters, so a resumed run
-draws the same prompts and continues the same metrics a run without interruption would.
+draws the same prompts and continues the same metrics a run without interruption would (records a
+killed run logged after its last checkpoint are dropped first, so each step appears once).
 """
 
 from __future__ import annotations
@@ -272,6 +273,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
     try:
         run.initialise()
+        if run._resume_common is not None:
+            writer.resume(run.state.opt_step)
         learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
         st = run.state
         first_eval: Optional[dict[str, float]] = None

@@ -18,9 +18,24 @@ class MetricsWriter:
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+                self.tb = self._tensorboard()
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+    def _tensorboard(self, purge_step: Optional[int] = None) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=purge_step)
+
+    def resume(self, step: int) -> None:
+        """Continue the metrics of a run resumed from the checkpoint of optimizer step `step`: what
+        was logged after it is dropped (jsonl) or hidden (TensorBoard), since it is written again."""
+        if not self.enabled:
+            return
+        from mcore_rl.train.checkpoint import drop_records_after
+
+        drop_records_after(self.path, step)
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = self._tensorboard(purge_step=step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

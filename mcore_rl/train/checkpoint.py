@@ -9,24 +9,71 @@ A *model-only* checkpoint (`save_checkpoint(..., optimizer=None)`, e.g. written 
 hf-to-mcore`) has `common["model_only"] = True`, no optimizer state and no RNG files: it is a starting
 point, not a resumable run, so `load_checkpoint` loads the weights and leaves optimizer and RNG as
 they are.
+
+Saving is synchronous, but megatron-core's writer forks worker processes for the shard files and
+reports through a queue served by a `multiprocessing.spawn`ed manager process that it starts on the
+first save and never stops. Both are made to die with the trainer (`_writers_die_with_trainer`), so
+a killed trainer leaves no process behind.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
+import shutil
+import signal
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from mcore_rl.parallel.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 
+_saving_pid: Optional[int] = None  # set during a save: processes forked then die with this one
+_writer_manager: Any = None  # the manager serving megatron-core's write-results queue
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message says why and where."""
+
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def drop_records_after(path: str, step: int) -> int:
+    """Cut a `metrics.jsonl` back to the checkpoint a run resumes from: drop the records of steps
+    after `step` (and a line torn by a kill), which a kill between writing metrics and saving left
+    behind and which the resumed run writes again. Returns how many lines were dropped."""
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or (isinstance(record.get("step"), (int, float)) and record["step"] > step):
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        logger.warning("%s: dropped %d record(s) past step %d, the checkpoint resumed from", path, dropped, step)
+    return dropped
 
 
 def latest_checkpoint(load_dir: str) -> Optional[str]:
@@ -80,6 +127,38 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _forked_during_save() -> None:
+    if _saving_pid is not None:
+        die_with_parent(signal.SIGKILL, _saving_pid)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_during_save)
+
+
+def _writers_die_with_trainer() -> None:
+    """Start the manager that megatron-core's `FileSystemWriterAsync` would spawn for its results
+    queue (`filesystem_async._get_write_results_queue`), set to die with this process, and hand
+    megatron its queue. megatron's own manager outlives a SIGKILLed trainer under PID 1 (~280 MB).
+    The kernel ties the death signal to the thread that starts the manager: saves run on the main one."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _writer_manager is not None or getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    if not hasattr(filesystem_async, "_get_write_results_queue"):  # a megatron-core that does it differently
+        logger.warning("megatron-core's checkpoint writer changed; its helper processes may outlive a killed trainer")
+        return
+    from multiprocessing.managers import SyncManager
+
+    from torch import multiprocessing as mp
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
+
+
 def _layout_signature() -> tuple[int, ...]:
     from megatron.core import parallel_state as ps
 
@@ -102,9 +181,22 @@ def save_checkpoint(
 
     `optimizer=None` writes a model-only checkpoint (no optimizer state, no RNG files).
     """
+    path = checkpoint_dir(save_dir, iteration)
+    try:
+        _save(save_dir, path, iteration, chunks, optimizer, common)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        full = _disk_full(save_dir, path, err)
+        if full is None:
+            raise
+        raise full from err
+    return path
+
+
+def _save(save_dir: str, path: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Optional[Any],
+          common: dict[str, Any]) -> None:
+    global _saving_pid
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(save_dir, iteration)
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
@@ -118,7 +210,12 @@ def save_checkpoint(
         state["common"]["model_only"] = True
     else:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd)
-    dist_checkpointing.save(state, path)
+    _writers_die_with_trainer()
+    _saving_pid = os.getpid()
+    try:
+        dist_checkpointing.save(state, path)
+    finally:
+        _saving_pid = None
     if optimizer is not None:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
@@ -129,7 +226,46 @@ def save_checkpoint(
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(save_dir, LATEST))
     dist.barrier()
+
+
+def _disk_full(save_dir: str, path: str, err: BaseException) -> Optional[CheckpointError]:
+    """The error to raise instead of `err` if the save failed because the disk is full, else None.
+
+    A full disk rarely says so: megatron-core's writer reports `RuntimeError: Worker failure:
+    [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`. So besides ENOSPC in the
+    chain of causes, a disk with (nearly) nothing left after the failure counts as full.
+    """
+    chain, seen = [], err
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    enospc = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) for e in chain)
+    try:
+        usage = shutil.disk_usage(save_dir)
+    except OSError:
+        return None
+    if not enospc and usage.free >= min(64 << 20, max(usage.total // 100, 1 << 20)):
+        return None
+    return CheckpointError(
+        f"could not write checkpoint {path}: the disk holding checkpoint.save_dir {save_dir!r} is full "
+        f"({_bytes(usage.free)} free of {_bytes(usage.total)} on the filesystem mounted at {_mount_point(save_dir)}). "
+        f"Free space there or point checkpoint.save_dir at a larger disk; {path} is incomplete and can be deleted "
+        f"({LATEST} was not moved to it, so a resume never reads it).")
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
     return path
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def load_checkpoint(

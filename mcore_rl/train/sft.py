@@ -125,6 +125,8 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    if rank0 and cfg.checkpoint.load_dir:
+        checkpoint.drop_records_after(metrics_path, trainer.iteration)
     records: list[dict[str, Any]] = []
     accuracy = _task_accuracy(trainer)
     if accuracy is not None:
