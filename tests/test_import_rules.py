@@ -28,7 +28,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # the engine side knows nothing of the learner or the loop
     "rollout": ("mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert", "mcore_rl.rewards"),
     "rewards": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.data",
-                "mcore_rl.models", "mcore_rl.parallel"),
+                "mcore_rl.models", "mcore_rl.parallel.setup", "mcore_rl.parallel.cpu_compat"),
     "models": ("mcore_rl.rollout", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert"),
     "parallel": ("mcore_rl.models", "mcore_rl.train", "mcore_rl.rollout", "mcore_rl.runtime", "mcore_rl.convert"),
     "data": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
+from mcore_rl.parallel.lifetime import die_with_parent
 from mcore_rl.rewards.base import describe, results_of
 from mcore_rl.rewards.registry import resolve_import_path
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from mcore_rl.rewards.workers import worker_main; worker_main()"
 
@@ -311,30 +311,10 @@ class WorkerPool:
 # ------------------------------------------------------------------------------------ child side
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL when the parent dies (Linux: the kernel does it), and a watchdog for the rest."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="reward-watchdog", daemon=True).start()
-
-
 def worker_main() -> None:
     """The child: load the function, then answer one call at a time until the pipe closes."""
     fd, parent = int(sys.argv[2]), int(sys.argv[3])
-    _die_with(parent)
+    die_with_parent(signal.SIGKILL, parent)  # the kernel kills us with the trainer; a watchdog elsewhere
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it closes the pool)
     conn = Connection(fd)
     sys_path, path, per_group = conn.recv()
