@@ -530,3 +530,30 @@ def test_sglang_length_checks_and_messages(server) -> None:
     assert status == 400 and err["error"]["message"].startswith("max_tokens: Requested token count exceeds")
     status, err = call(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9})
     assert status == 400 and err["error"]["message"].startswith("max_tokens: Requested token count exceeds")
+
+
+def test_the_openai_client_works_against_the_server(server) -> None:
+    """The real `openai` package: model listing and retrieval, completions, chat, streaming, and
+    the 401 it sees from a server with an API key."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    models = client.models.list().data
+    assert models and client.models.retrieve(models[0].id).id == models[0].id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    cmpl = client.completions.create(model=models[0].id, prompt="12+34=", max_tokens=4, temperature=0)
+    assert cmpl.choices[0].finish_reason in ("length", "stop") and cmpl.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=models[0].id, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=models[0].id, max_tokens=4, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": "hi"}]))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+    keyed = _serve(parse_server_args(["--api-key", "k1"]))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=keyed.url + "/v1", api_key="k1", max_retries=0).models.list().data
+    finally:
+        keyed.stop()
