@@ -325,6 +325,9 @@ from mcore_rl.rollout.weight_protocol import init_custom_process_group
 pg = init_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 0, 2, "weight_update_group")
 weight = torch.full(tuple(map(int, sys.argv[2:])), 0.01)
 dist.broadcast(weight.reshape(-1).view(torch.uint8), group=pg, group_src=0)  # one flattened bucket
+# Leave without gloo's destructors: the engine keeps its side of the group until
+# /destroy_weights_update_group, and tearing one side down first aborted once (SIGABRT) in CI.
+import os; os._exit(0)
 """
 
 
