@@ -6,9 +6,10 @@ Every problem is reported as `path:line: problem`. `data.on_bad_line=error` (the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -47,3 +48,20 @@ def read_lines(path: Optional[str], bad: BadLines, key: str = "data.path") -> li
             bad.report(lineno, f"not valid UTF-8 ({e.reason} at byte {e.start})")
             lines.append((lineno, None))
     return lines
+
+
+def json_objects(lines: list[tuple[int, Optional[str]]], bad: BadLines) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every line that is a JSON object; blank and undecodable lines are
+    passed over, anything else is reported to `bad`."""
+    for lineno, line in lines:
+        if line is None or not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.report(lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        if not isinstance(obj, dict):
+            bad.report(lineno, f"expected a JSON object, got {type(obj).__name__}")
+            continue
+        yield lineno, obj

@@ -9,14 +9,13 @@ only 10^4 problems; random draws would overlap).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mcore_rl.data.files import BadLines, DataError, read_lines
+from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.samples import Prompt
 
 logger = logging.getLogger(__name__)
@@ -80,15 +79,8 @@ def read_prompt_file(path: str, prompt_key: str, label_key: str, on_bad_line: st
     (`mcore_rl.data.files`); `key` names the setting when the file is missing."""
     bad = BadLines(path, on_bad_line)
     pool = []
-    for lineno, line in read_lines(path, bad, key):
-        if line is None or not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.report(lineno, f"invalid JSON: {e.msg} (column {e.colno})")
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get(prompt_key), str):
+    for lineno, obj in json_objects(read_lines(path, bad, key), bad):
+        if not isinstance(obj.get(prompt_key), str):
             bad.report(lineno, f"expected an object with a string {prompt_key!r}")
             continue
         pool.append((obj[prompt_key], obj.get(label_key)))
@@ -106,7 +98,7 @@ def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, 
     try:
         return get_task(task, max_digits=max_digits).examples(n, seed)
     except KeyError as err:
-        raise ValueError(f"data.synthetic_task: {err.args[0]}") from None
+        raise DataError(f"data.synthetic_task: {err.args[0]}") from None
 
 
 @dataclass

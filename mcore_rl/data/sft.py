@@ -20,7 +20,6 @@ padding) so the model can attend block-diagonally. An example longer than a row 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Collection, Iterator
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from mcore_rl.config.schema import DataConfig
-from mcore_rl.data.files import BadLines, DataError, read_lines
+from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,12 +57,9 @@ def load_examples(cfg: DataConfig, seed: int) -> list[SFTExample]:
 
 def task_examples(task: str, max_digits: int, n: int, seed: int, exclude: Collection[str] = ()) -> list[SFTExample]:
     """`n` prompt/answer pairs of a task (`mcore_rl.data.tasks`), leaving out prompts in `exclude`."""
-    from mcore_rl.data.tasks import get_task
+    from mcore_rl.data.prompts import task_pool
 
-    try:
-        pairs = get_task(task, max_digits=max_digits).examples(n, seed)
-    except KeyError as err:
-        raise DataError(f"data.synthetic_task: {err.args[0]}") from None
+    pairs = task_pool(task, n, seed, max_digits)
     drop = set(exclude)
     return [SFTExample(p, a, f"synthetic:{i}") for i, (p, a) in enumerate(pairs) if p not in drop]
 
@@ -87,17 +83,7 @@ def read_examples(cfg: DataConfig) -> list[SFTExample]:
 def _parse_jsonl(lines: list[tuple[int, str | None]], cfg: DataConfig, bad: BadLines) -> list[SFTExample]:
     pk, rk, tk = cfg.prompt_key, cfg.response_key, cfg.text_key
     out: list[SFTExample] = []
-    for lineno, line in lines:
-        if line is None or not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.report(lineno, f"invalid JSON: {e.msg} (column {e.colno})")
-            continue
-        if not isinstance(obj, dict):
-            bad.report(lineno, f"expected a JSON object, got {type(obj).__name__}")
-            continue
+    for lineno, obj in json_objects(lines, bad):
         if pk in obj or rk in obj:
             keys = (pk, rk)
         elif tk in obj:

@@ -73,8 +73,8 @@ class RLRun:
         self.t0 = time.perf_counter()
         self.cfg = cfg
         policy = build_policy(cfg, validate_rl_config, max(1, cfg.train.num_steps * cfg.optimizer_steps_per_rollout))
-        self.world, self.sizes, self.tokenizer = policy.world_size, policy.sizes, policy.tokenizer
-        self.chunks, self.optimizer, self.config = policy.chunks, policy.optimizer, policy.config
+        self.world, self.tokenizer = policy.world_size, policy.tokenizer
+        self.chunks, self.optimizer = policy.chunks, policy.optimizer
         self.rank0 = _rank0()
         self.state = LoopState()
         prompt_sets = build_prompt_sets(cfg, self.tokenizer)

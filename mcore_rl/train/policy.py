@@ -23,7 +23,6 @@ class Policy:
 
     chunks: list[torch.nn.Module]  # DDP-wrapped megatron-core model chunks (one per virtual stage)
     optimizer: Any
-    config: Any  # megatron-core TransformerConfig
     tokenizer: Tokenizer
     world_size: int
     sizes: DerivedSizes
@@ -51,7 +50,7 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)
     prepare_config(config, chunks)
     optimizer = build_optimizer(chunks, cfg.optimizer, t.precision, total_iters)
-    return Policy(chunks, optimizer, config, tokenizer, world_size, sizes)
+    return Policy(chunks, optimizer, tokenizer, world_size, sizes)
 
 
 def build_reference_model(cfg: Any) -> list[torch.nn.Module]:
