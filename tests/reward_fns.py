@@ -40,3 +40,8 @@ def group_lengths(group: list[RewardInput]) -> list[float]:
     if any(s.completion == "hang" for s in group):
         time.sleep(3600)
     return [float(len(s.completion)) for s in group]
+
+
+def digit_count(s: RewardInput) -> float:
+    """A dense signal an untrained model gets: how many digits the completion has."""
+    return float(sum(ch.isdigit() for ch in s.completion))

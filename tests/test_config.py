@@ -150,7 +150,7 @@ def test_override_as_first_argument(capsys):
     # an override whose value ends in .yaml is still an override (the validation error proves it was read)
     assert main(["train", "eval.path=held.yaml", "rollout.max_staleness=3"]) == 2
     err = capsys.readouterr().err
-    assert "rollout.max_staleness: only 0" in err and "config file not found" not in err
+    assert "rollout.max_staleness: 3 needs rollout.runtime=async" in err and "config file not found" not in err
     for argv, hint in ((["train", "rollout.group_size", "4"], "rollout.group_size=4"),
                        (["sft", "train.train_iters:5"], "train.train_iters=5")):
         assert main(argv) == 2

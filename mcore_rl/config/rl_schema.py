@@ -57,7 +57,7 @@ class RolloutConfig:
     """Engines, sampling and batch shape of the rollouts."""
 
     engine_urls: list[str] = field(default_factory=list)  # SGLang / `mcore-rl serve` URLs; [] = embedded
-    num_embedded_engines: int = 1  # with engine_urls empty: EngineCores in this process (rank 0)
+    num_embedded_engines: int = 1  # with engine_urls empty: embedded engines (in-process, or started processes)
     quantization: Literal["fp8", "bf16", "none"] = "none"  # engine weights: FP8 blocks, bf16, or fp32
     group_size: int = 8  # G samples per prompt
     prompts_per_step: int = 16
@@ -65,7 +65,22 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 64
-    max_staleness: int = 0  # policy versions a sample may lag behind the learner (only 0 so far)
+    # ---- runtime: synchronous (generate, train, sync) or the asynchronous actor-learner
+    runtime: Literal["sync", "async"] = "sync"
+    max_staleness: int = 0  # versions a sample may lag behind the weights it is trained with (async)
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: engines release memory while training
+    engine_processes: Optional[bool] = None  # start `mcore-rl serve` processes (None: when async without engine_urls)
+    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
+    engine_devices: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of each started engine
+    engine_threads: Optional[int] = None  # torch threads of each started engine (None = its default)
+    restart_engines: bool = True  # restart a started engine that died (it gets the weights before serving)
+    engine_startup_timeout_s: float = 300.0
+    max_inflight_requests: int = 0  # async: requests in flight at once (0 = engines x max_running_requests)
+    buffer_groups: int = 0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)
+    stale_policy: Literal["drop", "regenerate"] = "drop"  # a group found too stale at batch time
+    pause_mode: Literal["abort", "in_place", "retract"] = "abort"  # how engines pause for a weight sync
+    partial_rollouts: bool = True  # continue requests a sync interrupted (else start them again)
+    no_engine_timeout_s: float = 120.0  # async: stop with an error after this long without any engine
     max_running_requests: int = 256  # embedded engine: continuous-batching slots
     context_length: int = 1024  # embedded engine
     sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls

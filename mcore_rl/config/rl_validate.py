@@ -9,6 +9,7 @@ of algorithms, mismatch corrections, rewards and tasks are checked against their
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Optional
 
@@ -113,8 +114,6 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
         warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
                       "untruncated one, so the mismatch correction sees only part of the difference", stacklevel=3)
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-    errors.need(r.max_staleness == 0, "rollout.max_staleness",
-                f"only 0 (synchronous rollouts) is implemented so far, got {r.max_staleness}")
     need_positive(errors, [
         ("rollout.num_embedded_engines", r.num_embedded_engines),
         ("rollout.max_running_requests", r.max_running_requests),
@@ -127,6 +126,69 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     if r.engine_urls and r.sync_transport == "disk":
         errors.need(bool(r.sync_dir), "rollout.sync_dir",
                     "the disk weight transport needs a directory the engines can read")
+    check_runtime(r, a, errors)
+
+
+def started_engines(r: RolloutConfig) -> bool:
+    """Does the trainer start `mcore-rl serve` processes itself?"""
+    if r.engine_urls:
+        return False
+    return r.runtime == "async" if r.engine_processes is None else r.engine_processes
+
+
+def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
+    """The asynchronous runtime's settings: staleness, in-flight bound, buffer, engine processes."""
+    errors.need(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
+    errors.need(r.runtime == "async" or r.max_staleness == 0, "rollout.max_staleness",
+                f"{r.max_staleness} needs rollout.runtime=async (the synchronous loop trains on fresh samples only)")
+    errors.need(not (r.placement == "colocated" and r.engine_urls), "rollout.placement",
+                "colocated (engines time-share the trainer's devices) needs engines this trainer starts; it cannot "
+                "release the memory of remote servers in rollout.engine_urls")
+    errors.need(not (r.placement == "colocated" and r.engine_processes is False), "rollout.placement",
+                "colocated needs engine processes (rollout.engine_processes must not be false)")
+    errors.need(r.runtime == "async" or r.placement == "disaggregated", "rollout.placement",
+                "colocated needs rollout.runtime=async (it is how the async runtime time-shares devices)")
+    errors.need(r.no_engine_timeout_s > 0, "rollout.no_engine_timeout_s", f"must be > 0, got {r.no_engine_timeout_s}")
+    errors.need(r.engine_startup_timeout_s > 0, "rollout.engine_startup_timeout_s",
+                f"must be > 0, got {r.engine_startup_timeout_s}")
+    errors.need(r.max_inflight_requests >= 0, "rollout.max_inflight_requests",
+                f"must be >= 0 (0 = what the engines accept), got {r.max_inflight_requests}")
+    errors.need(r.buffer_groups >= 0, "rollout.buffer_groups", f"must be >= 0 (0 = automatic), got {r.buffer_groups}")
+    if r.runtime != "async":
+        return
+    errors.need(a.mismatch.name != "mipu", "algorithm.mismatch.name",
+                "mipu accepts or rolls back every update before the next rollout; it needs rollout.runtime=sync")
+    if r.max_inflight_requests:
+        errors.need(r.max_inflight_requests >= r.group_size, "rollout.max_inflight_requests",
+                    f"{r.max_inflight_requests} is fewer than one group (rollout.group_size={r.group_size})")
+        if started_engines(r):
+            accept = r.num_embedded_engines * r.max_running_requests
+            errors.need(r.max_inflight_requests <= accept, "rollout.max_inflight_requests",
+                        f"{r.max_inflight_requests} is more than the started engines accept "
+                        f"(rollout.num_embedded_engines x rollout.max_running_requests = {accept})")
+    if r.buffer_groups:
+        errors.need(r.buffer_groups >= r.prompts_per_step, "rollout.buffer_groups",
+                    f"{r.buffer_groups} cannot hold one batch (rollout.prompts_per_step={r.prompts_per_step})")
+    if not started_engines(r):
+        for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
+            errors.need(not value, key, "only applies to engines the trainer starts (rollout.engine_urls is set or "
+                                        "rollout.engine_processes is false)")
+        return
+    n = r.num_embedded_engines
+    for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
+        errors.need(not value or len(value) == n, key,
+                    f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(value)}")
+    try:
+        have = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        have = None
+    for i, cores in enumerate(r.engine_cores):
+        errors.need(bool(cores), f"rollout.engine_cores[{i}]", "must list at least one core")
+        missing = sorted(set(cores) - have) if have is not None else []
+        errors.need(not missing, f"rollout.engine_cores[{i}]",
+                    f"cores {missing} are not available to this process (it may use {sorted(have or [])})")
+    errors.need(r.engine_threads is None or r.engine_threads >= 1, "rollout.engine_threads",
+                f"must be null or >= 1, got {r.engine_threads}")
 
 
 def check_sample_fits(t: RLTrainConfig, r: RolloutConfig, d: RLDataConfig, m: ModelConfig, task: Optional[Task],

@@ -55,8 +55,8 @@ class PromptSource:
         for _ in range(n):
             if self.position >= len(self.pool):
                 self.epoch, self.position = self.epoch + 1, 0
-            text, label = self.pool[int(self._permutation()[self.position])]
-            out.append(Prompt(self.drawn, text, self.encode(text), label, self.domain))
+            text, label, *budget = self.pool[int(self._permutation()[self.position])]
+            out.append(Prompt(self.drawn, text, self.encode(text), label, self.domain, budget[0] if budget else None))
             self.position += 1
             self.drawn += 1
         return out
@@ -74,7 +74,8 @@ class PromptSource:
 
 def read_prompt_file(path: str, prompt_key: str, label_key: str, on_bad_line: str = "error",
                      key: str = "data.path") -> list[tuple[str, Any]]:
-    """(prompt, label) pairs of a jsonl file. A bad line (not UTF-8, not JSON, no string prompt) is
+    """(prompt, label) pairs of a jsonl file (plus the line's `max_new_tokens`, a per-prompt response
+    budget, when it has one). A bad line (not UTF-8, not JSON, no string prompt) is
     reported as `path:line: problem` and raises, or is skipped with `on_bad_line="skip"`
     (`mcore_rl.data.files`); `key` names the setting when the file is missing."""
     bad = BadLines(path, on_bad_line)
@@ -83,7 +84,11 @@ def read_prompt_file(path: str, prompt_key: str, label_key: str, on_bad_line: st
         if not isinstance(obj.get(prompt_key), str):
             bad.report(lineno, f"expected an object with a string {prompt_key!r}")
             continue
-        pool.append((obj[prompt_key], obj.get(label_key)))
+        budget = obj.get("max_new_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            bad.report(lineno, f"'max_new_tokens' must be a positive integer, got {budget!r}")
+            continue
+        pool.append((obj[prompt_key], obj.get(label_key)) + ((budget,) if budget is not None else ()))
     if bad.count:
         logger.warning("%s: skipped %d bad line(s)", path, bad.count)
     if not pool:

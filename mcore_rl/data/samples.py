@@ -1,8 +1,9 @@
 """Prompts and samples with their provenance: the unit that flows from data to the learner.
 
 Every sample carries what made it (DESIGN.md decision 5): the policy (weight) version the engine
-reported for it, the engine's per-token log-probs μ of its response tokens, and the position of its
-prompt in the data stream. The learner checks the versions against its staleness bound, the
+reported for it (per token when a partial rollout continued it across weight syncs; then
+`policy_version` is the oldest), the engine's per-token log-probs μ of its response tokens, and
+the position of its prompt in the data stream. The learner checks the versions against its staleness bound, the
 mismatch correction uses μ, and a resumed run continues the prompt stream where it stopped.
 """
 
@@ -21,6 +22,7 @@ class Prompt:
     ids: list[int]
     label: Any = None
     domain: str = ""  # the task or file it came from (per-domain rewards and metrics key on it)
+    max_new_tokens: Optional[int] = None  # this prompt's response budget (None = rollout.max_new_tokens)
 
 
 @dataclass
@@ -31,13 +33,20 @@ class Sample:
     group: int  # samples of one prompt share a group id (the prompt's stream index)
     response_ids: list[int]
     rollout_logp: list[float]  # μ: the engine's log-prob of each response token
-    policy_version: int  # the weight version the engine generated it with
+    policy_version: int  # the weight version the engine generated it with (the oldest, if several)
     finish_reason: str  # "stop" | "length" | "abort"
     text: str = ""  # decoded completion (stop token trimmed)
     engine: str = ""  # which engine (URL or "embedded:i")
     reward: float = 0.0
     reward_error: Optional[str] = None
     info: dict[str, Any] = field(default_factory=dict)
+    # weight version of each response token (partial rollouts continue a sample across syncs);
+    # None = all tokens from `policy_version`
+    token_versions: Optional[list[int]] = None
+
+    def versions(self) -> list[int]:
+        """The weight version of every response token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(self.response_ids)
 
     @property
     def prompt_ids(self) -> list[int]:

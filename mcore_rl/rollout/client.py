@@ -135,6 +135,15 @@ class EngineClient:
     async def flush_cache(self) -> str:
         return await self._call("POST", "/flush_cache", None, retry=True)
 
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        """Free the engine's weights and/or KV cache ("weights", "kv_cache"; None = both), e.g.
+        while a colocated trainer uses the device; the engine must be idle (pause it with abort)."""
+        return await self._call("POST", "/release_memory_occupation", {} if tags is None else {"tags": tags}, retry=True)
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        """Allocate it again; released weights must then be filled by a weight update before serving."""
+        return await self._call("POST", "/resume_memory_occupation", {} if tags is None else {"tags": tags}, retry=True)
+
     async def health(self) -> bool:
         """True on 200 from /health; False on any other answer or none."""
         return await self._ok("/health")

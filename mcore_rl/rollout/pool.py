@@ -45,6 +45,9 @@ class Generation:
     finish_reason: str  # "stop" | "length" | "abort"
     text: str
     engine: str
+    # weight version of each output token, when the engine reports it (`mcore-rl serve`'s
+    # meta_info `output_token_weight_versions`); None = all from `weight_version`
+    output_versions: Optional[list[int]] = None
 
 
 class EnginePool(Protocol):
@@ -60,11 +63,32 @@ class EnginePool(Protocol):
     def close(self) -> None: ...
 
 
-def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int) -> EnginePool:
-    """The pool `rollout.engine_urls` asks for: those servers, or embedded engines when empty."""
+def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int, *,
+                      workdir: Optional[str] = None, tokenizer_path: Optional[str] = None) -> EnginePool:
+    """The pool `rollout` asks for: the servers of `engine_urls`; else `mcore-rl serve` processes
+    this trainer starts (async runtime, or `engine_processes: true`; their files and logs go to
+    `workdir`); else embedded engines in this process."""
+    from mcore_rl.config.rl_validate import started_engines
+
     if rollout.engine_urls:
         return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                               admin_api_key=rollout.admin_api_key)
+    if started_engines(rollout):
+        from mcore_rl.rollout.engine_processes import EngineProcesses
+
+        procs = EngineProcesses.start(
+            model, num=rollout.num_embedded_engines, workdir=workdir or "engines", tokenizer_path=tokenizer_path,
+            quantization=rollout.quantization, max_running_requests=rollout.max_running_requests,
+            context_length=rollout.context_length, seed=seed, cores=rollout.engine_cores or None,
+            devices=rollout.engine_devices or None, threads=rollout.engine_threads, api_key=rollout.api_key,
+            admin_api_key=rollout.admin_api_key, startup_timeout_s=rollout.engine_startup_timeout_s)
+        try:
+            return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
+                                  admin_api_key=rollout.admin_api_key, processes=procs,
+                                  restart_dead=rollout.restart_engines)
+        except BaseException:
+            procs.close()
+            raise
     return EmbeddedEnginePool.build(
         model, tokenizer, num=rollout.num_embedded_engines, quantization=rollout.quantization,
         max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed)
@@ -154,16 +178,22 @@ class HTTPEnginePool:
     out of everything (generation fails over, fan-outs skip it) until its `/health` answers again;
     it then serves again only once it holds the pool's current weights (see `EngineRouter`).
     Requests carry rids, so a failover never runs one twice. A fan-out that waits longer than
-    `log_wait_s` logs which engines and which call it is waiting for."""
+    `log_wait_s` logs which engines and which call it is waiting for.
+
+    With `processes` (the `EngineProcesses` that serve `urls`, in order) the pool owns them: it
+    stops them on `close()` and, with `restart_dead`, starts one again when its process died; the
+    restarted engine serves again after the next weight sync, like any engine that came back."""
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
                  api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
-                 health_interval: float = 5.0, log_wait_s: float = 10.0) -> None:
+                 health_interval: float = 5.0, log_wait_s: float = 10.0, processes: Any = None,
+                 restart_dead: bool = False) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
         if not urls:
             raise ValueError("urls: need at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.processes, self.restart_dead = processes, restart_dead
         self.concurrency, self.timeout, self.log_wait_s = concurrency, timeout, log_wait_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool-http", daemon=True)
@@ -177,6 +207,24 @@ class HTTPEnginePool:
 
         self.router = self._run(make_router())
         self._transport: Any = None
+        self._watcher: Optional[asyncio.Future] = None
+        if processes is not None and restart_dead:
+            self._watcher = asyncio.run_coroutine_threadsafe(self._restart_dead(health_interval), self._loop)
+
+    async def _restart_dead(self, interval: float) -> None:
+        """Start engine processes that died again (same URL); the router takes them back."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            for i, url in enumerate(self.urls):
+                if self.processes.alive(i):
+                    continue
+                logger.warning("engine process %s (%s) died; starting it again", i, url)
+                self.router.healthy.discard(url)
+                try:
+                    await loop.run_in_executor(None, self.processes.restart, i)
+                except Exception:  # noqa: BLE001 - try again next round; the run goes on with the others
+                    logger.exception("could not restart engine %s", url)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -288,25 +336,43 @@ class HTTPEnginePool:
 
         async def one(req: GenRequest) -> Generation:
             async with sem:
-                out = await self.router.generate(
-                    input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
-                    return_logprob=True, rid=req.rid or uuid.uuid4().hex,
-                )
-            meta = out["meta_info"]
-            return Generation(
-                list(out["output_ids"]), [float(t[0]) for t in meta.get("output_token_logprobs", [])],
-                int(meta.get("weight_version", 0)), (meta.get("finish_reason") or {}).get("type", "abort"),
-                out.get("text", ""), "remote",
-            )
+                return await self.agenerate(req)
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
+    async def agenerate(self, req: GenRequest) -> Generation:
+        """One request, on the pool's event loop (`loop`): the asynchronous rollout scheduler's call."""
+        out = await self.router.generate(
+            input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
+            return_logprob=True, rid=req.rid or uuid.uuid4().hex,
+        )
+        meta = out["meta_info"]
+        versions = meta.get("output_token_weight_versions")
+        return Generation(
+            list(out["output_ids"]), [float(t[0]) for t in meta.get("output_token_logprobs", [])],
+            int(meta.get("weight_version", 0)), (meta.get("finish_reason") or {}).get("type", "abort"),
+            out.get("text", ""), str(meta.get("engine", "remote")),
+            [int(v) for v in versions] if versions is not None else None,
+        )
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (own thread) every engine call runs on."""
+        return self._loop
+
     def close(self) -> None:
-        if self._transport is not None and hasattr(self._transport, "close"):
-            self._transport.close()
-            self._transport = None
-        if not self._loop.is_closed():
-            self._run(self.router.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        try:
+            if self._watcher is not None:
+                self._watcher.cancel()
+                self._watcher = None
+            if self._transport is not None and hasattr(self._transport, "close"):
+                self._transport.close()
+                self._transport = None
+            if not self._loop.is_closed():
+                self._run(self.router.close())
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
+        finally:
+            if self.processes is not None:
+                self.processes.close()

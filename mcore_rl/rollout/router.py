@@ -98,7 +98,11 @@ class EngineRouter:
             tried.add(url)
             self.outstanding[url] += 1
             try:
-                return await self.clients[url].generate(body)
+                out = await self.clients[url].generate(body)
+                for item in out if isinstance(out, list) else [out]:
+                    if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
+                        item["meta_info"].setdefault("engine", url)  # which engine served it (provenance)
+                return out
             except EngineUnavailable as err:
                 await self._failed(url, body, err)
             except EngineHTTPError as err:

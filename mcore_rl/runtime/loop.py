@@ -5,24 +5,30 @@
     -> weight sync to the engine(s) (MIPU: score a validation batch, accept or roll back + re-sync)
     -> periodic held-out evaluation -> checkpoints -> next step.
 
-Synchronous (max staleness 0): the engines generate one batch with the current weights, the learner
-trains on it, the new weights are synced, and only then is the next batch generated. Global rank 0
-holds the engines (embedded `EngineCore`s, or clients of HTTP servers) and broadcasts each batch of
-samples to the other ranks; every rank runs the learner collectively.
+Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights,
+the learner trains on it, the new weights are synced, and only then is the next batch generated.
+Asynchronous (`rollout.runtime: async`, `runtime.async_rollouts`): the engines are processes that
+generate all the time; the scheduler on rank 0 keeps them busy within the staleness bound and the
+learner takes each batch from its buffer. With `max_staleness: 0` it gives the synchronous loop's
+samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s, or clients of HTTP
+servers) and broadcasts each batch of samples to the other ranks; every rank runs the learner.
 
 A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
-the prompt streams' positions, the MIPU controller and the step/version counters, so a resumed run
-draws the same prompts and continues the same metrics a run without interruption would (records a
-killed run logged after its last checkpoint are dropped first, so each step appears once).
+the prompt streams' positions, the MIPU controller, the step/version counters, the sample ledger
+and (async) the buffered groups and the prompts in flight, so a resumed run draws the same prompts,
+neither repeats nor skips one, and continues the same metrics a run without interruption would
+(records a killed run logged after its last checkpoint are dropped first, so each step appears
+once). `accounting.json` in the run directory says where every drawn prompt went.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -85,6 +91,11 @@ class RLRun:
         self.engines: Any = None
         self.weight_sync: Any = None
         self.manager: Any = None
+        self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
+        self._rollout_state: Optional[dict] = None  # the async scheduler's state from a checkpoint
+        from mcore_rl.runtime.accounting import SampleLedger
+
+        self.ledger = SampleLedger()  # sync runtime (the async scheduler keeps its own)
         self.eval_history: list[dict[str, float]] = []
         self.init_metrics: dict[str, float] = {}
 
@@ -108,6 +119,9 @@ class RLRun:
             self.state = LoopState(**rl["state"])
             self.prompts.load_state_dict(rl["prompts"])
             self.val_prompts.load_state_dict(rl["val_prompts"])
+            if rl.get("ledger"):
+                self.ledger.load_state_dict(rl["ledger"])
+            self._rollout_state = rl.get("rollout")
             self._resume_common = rl
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
         else:
@@ -170,9 +184,20 @@ class RLRun:
         cfg, r = self.cfg, self.cfg.rollout
         transport = None
         if self.rank0:
-            self.engines = build_engine_pool(r, cfg.model, self.tokenizer, cfg.train.seed)
+            self.engines = build_engine_pool(r, cfg.model, self.tokenizer, cfg.train.seed,
+                                             workdir=os.path.join(cfg.run_dir, "engines"),
+                                             tokenizer_path=cfg.data.tokenizer_path)
             transport = self.engines.weight_transport(r)
+            if hasattr(transport, "pause_mode"):
+                transport.pause_mode = r.pause_mode
             self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
+            if r.runtime == "async":
+                from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
+
+                if self._rollout_state is not None:
+                    self.prompts.load_state_dict(self._rollout_state["prompts"])
+                backend = PoolBackend(self.engines, self.prompts, self.manager.rewards, self.manager, cfg)
+                self.async_rollouts = AsyncRollouts(self.engines, backend, scheduler_config(cfg), self._rollout_state)
         self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
                                       quantization="fp8" if r.quantization == "fp8" else None)
 
@@ -188,13 +213,30 @@ class RLRun:
     # ---------------------------------------------------------------- one step
 
     def rollouts(self) -> tuple[list[Sample], dict[str, float]]:
+        """The next training batch (every rank): collected now (sync), or from the buffer (async)."""
         from mcore_rl.runtime.rollout_manager import reward_metrics
 
-        payload = None
-        if self.rank0:
-            groups, stats = self.manager.collect()
-            payload = ([s for g in groups for s in g], {**reward_metrics(groups), **stats.metrics()})
-        samples, metrics = _broadcast(payload)
+        start = time.perf_counter()
+        while True:
+            msg: Any = None
+            if self.rank0 and self.async_rollouts is not None:
+                got = self.async_rollouts.next_batch(self.state.version)
+                msg = ("resync",) if got is None else (
+                    "batch", [s for g in got[0] for s in g], {**reward_metrics(got[0]), **got[1]})
+            elif self.rank0:
+                groups, stats = self.manager.collect()
+                self.ledger.drawn += stats.prompts_drawn
+                self.ledger.trained += len(groups)
+                if stats.prompts_drawn > len(groups):
+                    self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
+                msg = ("batch", [s for g in groups for s in g], {**reward_metrics(groups), **stats.metrics()})
+            msg = _broadcast(msg)
+            if msg[0] == "batch":
+                break
+            _log("no engine serves: they wait for the current weights; syncing them again")
+            self.sync(new_version=False)  # engines that came back get the weights, then serve
+        _, samples, metrics = msg
+        metrics["time/rollout_wait_s"] = time.perf_counter() - start
         stale = [s.policy_version for s in samples if self.state.version - s.policy_version > self.cfg.rollout.max_staleness]
         if stale:
             raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
@@ -240,21 +282,55 @@ class RLRun:
         self.eval_history.append({"rl_step": self.state.rl_step, **out})
         return out
 
+    @contextlib.contextmanager
+    def engines_asleep(self) -> Iterator[None]:
+        """Colocated placement: engines pause (aborting in-flight requests, which the scheduler
+        continues later) and release their memory while the learner trains; the weight sync that
+        follows fills them again."""
+        if not (self.rank0 and self.cfg.rollout.placement == "colocated"):
+            yield
+            return
+        self.engines.call("pause_generation", {"mode": "abort"})
+        self.engines.call("release_memory_occupation", {})
+        try:
+            yield
+        finally:
+            self.engines.call("resume_memory_occupation", {})
+
+    def step_done(self) -> None:
+        """The step's weights are synced (and evaluated, saved): the async gate opens one step further."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.step_done(self.state.version)
+
+    def write_accounting(self) -> Optional[dict]:
+        """`accounting.json`: where every drawn prompt went (rank 0)."""
+        if not self.rank0:
+            return None
+        path = os.path.join(self.cfg.run_dir, "accounting.json")
+        if self.async_rollouts is not None:
+            return self.async_rollouts.write_report(path)
+        return self.ledger.write(path, 0, self.cfg.rollout.group_size)
+
     def save(self) -> str:
         from mcore_rl.train import checkpoint
 
+        rollout_state = self.async_rollouts.state_dict() if self.async_rollouts is not None else None
         common = {
             "model": config_to_dict(self.cfg.model),
             "rl": {
                 "state": asdict(self.state),
-                "prompts": self.prompts.state_dict(),
+                "prompts": rollout_state["prompts"] if rollout_state is not None else self.prompts.state_dict(),
                 "val_prompts": self.val_prompts.state_dict(),
                 "mipu": self.mipu.state_dict() if self.mipu is not None else None,
+                "ledger": self.ledger.state_dict(),
+                "rollout": rollout_state,
             },
         }
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
     def close(self) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
         if self.engines is not None:
             self.engines.close()
         if self.manager is not None:
@@ -289,10 +365,14 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             samples, roll_metrics = run.rollouts()
             if run.mipu is not None:
                 run.mipu.begin()
-            records, batch_metrics = learner.train(samples, st.rl_step)
+            with run.engines_asleep():  # colocated: the engines give the devices to the learner
+                train_start = time.perf_counter()
+                records, batch_metrics = learner.train(samples, st.rl_step)
+                train_s = time.perf_counter() - train_start
             st.samples_trained += len(samples)
             run.sync()
-            extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "rollout/weight_version": float(st.version)}
+            extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
+                                       "rollout/weight_version": float(st.version)}
             if run.mipu is not None:
                 extra.update(run.mipu_decide(learner))
             st.rl_step += 1
@@ -309,6 +389,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 writer.write(record)
             if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
                 _log(f"saved {run.save()}")
+            run.step_done()
             if bar is not None:
                 bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)
                 bar.update(1)
@@ -321,7 +402,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):
             _log(f"saved {run.save()}")
         wall = time.perf_counter() - run.t0
-        summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st)}
+        summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st),
+                   "accounting": run.write_accounting()}
         if rank0:
             writer.close()
             if cfg.logging.plot and os.path.exists(writer.path):
@@ -334,6 +416,10 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         return summary
     finally:
         writer.close()
+        try:
+            run.write_accounting()  # also when the run failed: what was in flight is reported pending
+        except Exception:  # noqa: BLE001 - never hide the run's own error
+            logger.exception("could not write accounting.json")
         run.close()
 
 

@@ -1,0 +1,411 @@
+"""The asynchronous rollout scheduler: engines kept busy, staleness gated at submission, a buffer.
+
+One coroutine (`run`) submits groups (a prompt x G samples) while the staleness gate, the in-flight
+bound and the buffer bound allow; each group runs as its own task: G requests to the engines,
+continued across weight syncs (partial rollouts: a request the sync's `pause_generation(abort)`
+ended is sent again as prompt + tokens so far, and its tokens keep the version and μ that produced
+them), then scored by the reward workers, then filtered or put in the buffer. The learner takes
+the `batch_groups` oldest groups (by prompt index) when that many are ready; a group that came out
+too stale anyway is dropped or regenerated, by config. Engine failures: the pool fails a request
+over to another engine; with no engine left the request waits (an engine may come back) and after
+`no_engine_timeout_s` the run stops with a clear error.
+
+The scheduler knows nothing of HTTP or of the trainer: it runs on any asyncio loop through a
+`RolloutBackend`. The trainer runs it on the engine pool's loop (`async_rollouts`); the cluster
+simulator (`tools/simulate_async.py`) runs the same code on a virtual-time loop with simulated
+engines. Time is the loop's clock (`loop.time()`), so both measure the same quantities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Deque, Literal, Optional, Protocol
+
+from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.rollout.pool import Generation, GenRequest
+from mcore_rl.runtime.accounting import SampleLedger
+from mcore_rl.runtime.staleness import StalenessGate
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutBackend(Protocol):
+    """What the scheduler needs from the world: prompts, engines, rewards."""
+
+    def take_prompt(self) -> Prompt: ...
+
+    def prompt_state(self) -> dict[str, Any]: ...
+
+    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
+        """The request for sample j of `prompt`, continuing `prefix` (its tokens so far, part > 0);
+        None when `prefix` used up the sample's token budget."""
+        ...
+
+    def generate(self, request: GenRequest) -> Awaitable[Generation]: ...
+
+    def score(self, samples: list[Sample]) -> Awaitable[None]: ...
+
+    def filter_reason(self, group: list[Sample]) -> Optional[str]:
+        """Why the group is not trained on (e.g. "constant_reward"), or None to keep it."""
+        ...
+
+    def error_kind(self, err: BaseException) -> Literal["no_engine", "refused", "other"]: ...
+
+    def engines_need_weights(self) -> bool:
+        """No engine serves, but some wait for the current weights (the trainer should re-sync)."""
+        ...
+
+
+@dataclass
+class SchedulerConfig:
+    group_size: int
+    batch_groups: int
+    max_staleness: int = 0
+    max_inflight_groups: int = 1 << 30
+    buffer_groups: int = 0  # 0 = (max_staleness + 1) * batch_groups
+    stale_policy: Literal["drop", "regenerate"] = "drop"
+    partial_rollouts: bool = True  # continue aborted requests (else start them again)
+    no_engine_timeout_s: float = 120.0
+    retry_interval_s: float = 0.5
+    max_parts: int = 64  # continuations of one request before its partial output is kept as is
+
+    def __post_init__(self) -> None:
+        if self.buffer_groups <= 0:
+            self.buffer_groups = (self.max_staleness + 1) * self.batch_groups
+
+
+class GroupFailed(Exception):
+    """A group cannot be completed (an engine refused a request, ...); `reason` is recorded."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EnginesLost(RuntimeError):
+    """No engine has served for longer than `rollout.no_engine_timeout_s`."""
+
+
+@dataclass
+class _Job:
+    prompt: Prompt
+
+
+@dataclass
+class _Partial:
+    """A sample being generated, possibly across several requests (weight syncs in between)."""
+
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str = "abort"
+    text: str = ""
+    engine: str = ""
+
+
+@dataclass
+class _Window:
+    """Measurements since the last batch was handed out."""
+
+    start: float
+    idle_s: float = 0.0  # time with no request in flight
+    inflight_area: float = 0.0  # integral of in-flight requests over time
+    continued: int = 0
+    restarted: int = 0
+    dropped: int = 0
+    regenerated: int = 0
+    failed: Counter = field(default_factory=Counter)
+    filtered: Counter = field(default_factory=Counter)
+
+
+class RolloutScheduler:
+    def __init__(self, backend: RolloutBackend, cfg: SchedulerConfig) -> None:
+        self.backend, self.cfg = backend, cfg
+        self.gate = StalenessGate(cfg.batch_groups, cfg.max_staleness)
+        self.ledger = SampleLedger()
+        self.buffer: list[list[Sample]] = []  # finished groups, by prompt index
+        self.retry: Deque[_Job] = deque()  # to submit before new prompts (regenerations, resumed in-flight)
+        self.running: dict[int, _Job] = {}  # prompt index -> job in flight
+        self.steps_done = 0
+        self.inflight_requests = 0
+        self.fatal: Optional[BaseException] = None
+        self._tasks: set[asyncio.Task] = set()
+        self._changed: Optional[asyncio.Condition] = None
+        self._no_engine_since: Optional[float] = None
+        self._window: Optional[_Window] = None
+        self._last_t: Optional[float] = None
+        self._main: Optional[asyncio.Task] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ clock and bookkeeping
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _tick(self) -> None:
+        """Integrate the in-flight count up to now (call before it changes)."""
+        now = self._now()
+        if self._window is None:
+            self._window = _Window(now)
+        dt = now - self._last_t if self._last_t is not None else 0.0
+        if self.inflight_requests == 0:
+            self._window.idle_s += dt
+        self._window.inflight_area += dt * self.inflight_requests
+        self._last_t = now
+
+    def pending(self) -> int:
+        return len(self.running) + len(self.retry) + len(self.buffer)
+
+    def accepted(self) -> int:
+        return self.ledger.trained + len(self.buffer)
+
+    async def _notify(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ producer
+
+    def start(self) -> None:
+        """Start submitting (on the running loop)."""
+        self._changed = asyncio.Condition()
+        self._last_t = self._now()
+        self._window = _Window(self._last_t)
+        self._main = asyncio.get_running_loop().create_task(self.run())
+
+    def _may_submit(self) -> bool:
+        c = self.cfg
+        return (self.fatal is None and not self._closed
+                and self.gate.capacity(self.steps_done, self.accepted(), len(self.running)) > 0
+                and len(self.running) < c.max_inflight_groups
+                and len(self.buffer) + len(self.running) < c.buffer_groups)
+
+    async def run(self) -> None:
+        assert self._changed is not None
+        while not self._closed:
+            while self._may_submit():
+                if self.retry:
+                    job = self.retry.popleft()
+                else:
+                    job = _Job(self.backend.take_prompt())
+                    self.ledger.drawn += 1
+                self.running[job.prompt.index] = job
+                task = asyncio.get_running_loop().create_task(self._run_group(job))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            async with self._changed:
+                await self._changed.wait()
+
+    async def _run_group(self, job: _Job) -> None:
+        """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
+        try:
+            parts = await asyncio.gather(*(self._run_sample(job.prompt, j) for j in range(self.cfg.group_size)))
+            group = [self._sample(job.prompt, p) for p in parts]
+            await self.backend.score(group)
+        except asyncio.CancelledError:
+            raise
+        except GroupFailed as err:
+            self._fail(job, err.reason)
+        except EnginesLost as err:
+            self.fatal = self.fatal or err
+            self._fail(job, "no engine")
+        except Exception as err:  # noqa: BLE001 - one group's failure costs that group, not the run
+            logger.exception("rollout group of prompt %d failed", job.prompt.index)
+            self._fail(job, f"{type(err).__name__}: {err}"[:200])
+        else:
+            self.running.pop(job.prompt.index, None)
+            reason = self.backend.filter_reason(group)
+            if reason is not None:
+                self.ledger.filtered[reason] += 1
+                self._win().filtered[reason] += 1
+            else:
+                self.buffer.append(group)
+                self.buffer.sort(key=lambda g: g[0].prompt.index)
+        await self._notify()
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        self.running.pop(job.prompt.index, None)
+        self.ledger.failed[reason] += 1
+        self._win().failed[reason] += 1
+
+    def _win(self) -> _Window:
+        if self._window is None:
+            self._window = _Window(self._now())
+        return self._window
+
+    async def _run_sample(self, prompt: Prompt, j: int) -> _Partial:
+        out = _Partial()
+        for part in range(self.cfg.max_parts):
+            req = self.backend.request(prompt, j, out.ids, part)
+            if req is None:  # no token budget left: a request aborted on its last token
+                out.finish = "length"
+                break
+            gen = await self._generate(req)
+            if gen.finish_reason == "abort" and not self.cfg.partial_rollouts:
+                out = _Partial()  # start again, from scratch, with the weights the engine has now
+                self.ledger.restarted += 1
+                self._win().restarted += 1
+                continue
+            out.ids += list(gen.output_ids)
+            out.logps += list(gen.output_logprobs)
+            out.versions += list(gen.output_versions or [gen.weight_version] * len(gen.output_ids))
+            out.text += gen.text  # pieces decode separately; exact for byte-level tokenizers
+            out.finish, out.engine = gen.finish_reason, gen.engine
+            if gen.finish_reason != "abort":
+                break
+            self.ledger.continued += 1
+            self._win().continued += 1
+        return out
+
+    async def _generate(self, req: GenRequest) -> Generation:
+        """One request; waits out a time with no engine (up to `no_engine_timeout_s`)."""
+        while True:
+            self._tick()
+            self.inflight_requests += 1
+            try:
+                gen = await self.backend.generate(req)
+                self._no_engine_since = None
+                return gen
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - classified below
+                kind = self.backend.error_kind(err)
+                if kind == "refused":
+                    raise GroupFailed(f"engine refused the request: {err}"[:200]) from err
+                if kind != "no_engine":
+                    raise GroupFailed(f"{type(err).__name__}: {err}"[:200]) from err
+                now = self._now()
+                self._no_engine_since = self._no_engine_since or now
+                if now - self._no_engine_since > self.cfg.no_engine_timeout_s:
+                    raise EnginesLost(f"no inference engine has answered for {now - self._no_engine_since:.0f} s "
+                                      f"(rollout.no_engine_timeout_s={self.cfg.no_engine_timeout_s:g}); last error: "
+                                      f"{err}") from err
+            finally:
+                self._tick()
+                self.inflight_requests -= 1
+            await asyncio.sleep(self.cfg.retry_interval_s)
+
+    def _sample(self, prompt: Prompt, p: _Partial) -> Sample:
+        versions = p.versions
+        return Sample(prompt, prompt.index, p.ids, p.logps, min(versions) if versions else 0, p.finish,
+                      p.text, p.engine, token_versions=list(versions) if len(set(versions)) > 1 else None)
+
+    # ------------------------------------------------------------------ consumer (the learner)
+
+    async def next_batch(self, trainer_version: int, poll_s: float = 1.0) -> Optional[tuple[list[list[Sample]], dict[str, float]]]:
+        """The next `batch_groups` groups for weights `trainer_version`, and the metrics of the
+        window since the last batch; None when engines wait for weights (re-sync, then call again)."""
+        assert self._changed is not None
+        start = self._now()
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            if len(self.buffer) >= self.cfg.batch_groups:
+                groups = self.buffer[: self.cfg.batch_groups]
+                stale = [g for g in groups if self.gate.is_too_stale(trainer_version, min(x.policy_version for x in g))]
+                if not stale:
+                    self.buffer = self.buffer[self.cfg.batch_groups:]
+                    self.ledger.trained += len(groups)
+                    metrics = self._metrics(groups, trainer_version, self._now() - start)
+                    await self._notify()
+                    return groups, metrics
+                self.buffer = [g for g in self.buffer if not any(g is x for x in stale)]
+                for g in stale:
+                    if self.cfg.stale_policy == "regenerate":
+                        self.ledger.regenerated_stale += 1
+                        self._win().regenerated += 1
+                        self.retry.append(_Job(g[0].prompt))
+                    else:
+                        self.ledger.dropped_stale += 1
+                        self._win().dropped += 1
+                await self._notify()  # their places are free: replacements get submitted
+                continue
+            if self.backend.engines_need_weights():
+                return None
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), poll_s)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def step_done(self, version: int) -> None:
+        """The learner finished a step and synced `version`: the gate opens one batch further."""
+        self.steps_done += 1
+        await self._notify()
+
+    def _metrics(self, groups: list[list[Sample]], trainer_version: int, waited_s: float) -> dict[str, float]:
+        self._tick()
+        w = self._win()
+        span = max(self._now() - w.start, 1e-9)
+        lags = [trainer_version - v for g in groups for s in g for v in s.versions()]
+        out: dict[str, float] = {
+            "async/trainer_wait_s": waited_s,
+            "async/buffer_groups": float(len(self.buffer)),
+            "async/buffer_fill": len(self.buffer) / self.cfg.buffer_groups,
+            "async/inflight_requests": float(self.inflight_requests),
+            "async/inflight_requests_mean": w.inflight_area / span,
+            "async/engine_idle_frac": w.idle_s / span,
+            "async/partial_continued": float(w.continued),
+            "async/restarted": float(w.restarted),
+            "async/dropped_stale": float(w.dropped),
+            "async/regenerated_stale": float(w.regenerated),
+            "async/failed": float(sum(w.failed.values())),
+            "async/filtered": float(sum(w.filtered.values())),
+            "async/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "async/staleness_max": float(max(lags)) if lags else 0.0,
+            "async/partial_samples": float(sum(s.token_versions is not None for g in groups for s in g)),
+        }
+        for lag, n in sorted(Counter(lags).items()):
+            out[f"async/staleness_tokens_lag{lag}"] = n / len(lags)
+        for reason, n in w.failed.items():
+            out[f"async/failed/{_key(reason)}"] = float(n)
+        for reason, n in w.filtered.items():
+            out[f"async/filtered/{_key(reason)}"] = float(n)
+        self._window = _Window(self._now())
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Buffer, pending prompts (in flight now: sent again after a resume) and counts; call on the
+        scheduler's loop, so it is one consistent snapshot."""
+        pending = sorted(self.running.values(), key=lambda j: j.prompt.index) + list(self.retry)
+        return {
+            "buffer": [[_sample_state(s) for s in g] for g in self.buffer],
+            "pending": [asdict(j.prompt) for j in pending],
+            "ledger": self.ledger.state_dict(),
+            "steps_done": self.steps_done,
+            "prompts": self.backend.prompt_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before `start`: the buffered groups come back, the pending prompts are sent again first."""
+        self.buffer = [[_sample_from_state(s) for s in g] for g in state["buffer"]]
+        self.retry = deque(_Job(Prompt(**p)) for p in state["pending"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.ledger.resent_after_resume += len(self.retry)
+        self.steps_done = int(state["steps_done"])
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks) + ([self._main] if self._main is not None else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _key(reason: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in reason.lower())[:40].strip("_")
+
+
+def _sample_state(s: Sample) -> dict[str, Any]:
+    return asdict(s)
+
+
+def _sample_from_state(d: dict[str, Any]) -> Sample:
+    d = dict(d)
+    d["prompt"] = Prompt(**d["prompt"])
+    return Sample(**d)
