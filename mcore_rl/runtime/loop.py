@@ -389,7 +389,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 writer.write(record)
             if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
                 _log(f"saved {run.save()}")
-            run.step_done()
+            if st.rl_step < cfg.train.num_steps:
+                run.step_done()
             if bar is not None:
                 bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)
                 bar.update(1)

@@ -71,6 +71,7 @@ class SchedulerConfig:
     no_engine_timeout_s: float = 120.0
     retry_interval_s: float = 0.5
     max_parts: int = 64  # continuations of one request before its partial output is kept as is
+    total_steps: Optional[int] = None  # the run's training steps (no prompts drawn beyond them)
 
     def __post_init__(self) -> None:
         if self.buffer_groups <= 0:
@@ -124,7 +125,7 @@ class _Window:
 class RolloutScheduler:
     def __init__(self, backend: RolloutBackend, cfg: SchedulerConfig) -> None:
         self.backend, self.cfg = backend, cfg
-        self.gate = StalenessGate(cfg.batch_groups, cfg.max_staleness)
+        self.gate = StalenessGate(cfg.batch_groups, cfg.max_staleness, cfg.total_steps)
         self.ledger = SampleLedger()
         self.buffer: list[list[Sample]] = []  # finished groups, by prompt index
         self.retry: Deque[_Job] = deque()  # to submit before new prompts (regenerations, resumed in-flight)

@@ -16,12 +16,14 @@ synchronous loop: the next batch is submitted only after the sync that follows t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
 class StalenessGate:
     batch_groups: int  # groups per training step
     max_staleness: int  # versions a sample may lag behind the weights it is trained with
+    total_steps: Optional[int] = None  # nothing is generated for steps the run will not train
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1:
@@ -31,7 +33,10 @@ class StalenessGate:
 
     def capacity(self, steps_done: int, accepted: int, in_flight: int) -> int:
         """How many more groups may be submitted now (never negative)."""
-        return max(0, (self.max_staleness + steps_done + 1) * self.batch_groups - accepted - in_flight)
+        steps = self.max_staleness + steps_done + 1
+        if self.total_steps is not None:
+            steps = min(steps, self.total_steps)
+        return max(0, steps * self.batch_groups - accepted - in_flight)
 
     def lag(self, trainer_version: int, sample_version: int) -> int:
         return trainer_version - sample_version
