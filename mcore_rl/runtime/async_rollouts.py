@@ -86,11 +86,14 @@ class AsyncRollouts:
     """The scheduler on the engine pool's loop, driven from the trainer thread."""
 
     def __init__(self, pool: HTTPEnginePool, backend: PoolBackend, cfg: SchedulerConfig,
-                 state: Optional[dict[str, Any]] = None) -> None:
+                 state: Optional[dict[str, Any]] = None, steps_done: int = 0) -> None:
+        """`state`: the scheduler's state from a checkpoint; `steps_done`: the learner's finished
+        steps (the checkpoint is written before the gate opens for the next one)."""
         self.pool = pool
         self.scheduler = RolloutScheduler(backend, cfg)
         if state is not None:
             self.scheduler.load_state_dict(state)
+        self.scheduler.steps_done = steps_done
         self.started = False
 
     def _run(self, coro: Any) -> Any:

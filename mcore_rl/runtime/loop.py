@@ -197,7 +197,8 @@ class RLRun:
                 if self._rollout_state is not None:
                     self.prompts.load_state_dict(self._rollout_state["prompts"])
                 backend = PoolBackend(self.engines, self.prompts, self.manager.rewards, self.manager, cfg)
-                self.async_rollouts = AsyncRollouts(self.engines, backend, scheduler_config(cfg), self._rollout_state)
+                self.async_rollouts = AsyncRollouts(self.engines, backend, scheduler_config(cfg), self._rollout_state,
+                                                    steps_done=self.state.rl_step)
         self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
                                       quantization="fp8" if r.quantization == "fp8" else None)
 

@@ -326,6 +326,11 @@ class RolloutScheduler:
                 continue
             if self.backend.engines_need_weights():
                 return None
+            if not self.running and not self.retry and not self._may_submit():
+                raise RuntimeError(
+                    f"rollout scheduler stalled: the batch needs {self.cfg.batch_groups} groups, {len(self.buffer)} are "
+                    f"ready, none in flight, and the staleness gate admits none (steps done {self.steps_done}, "
+                    f"trained {self.ledger.trained}); step_done() was not called for a finished step")
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), poll_s)
