@@ -89,6 +89,7 @@ def test_a_sigkilled_learner_resumes_without_losing_or_repeating_a_sample(tmp_pa
         acc = json.load(open(f"{tmp}/c/accounting.json"))
         assert acc["balanced"] and acc["trained"] == 16 and acc["failed"] == 0
         assert acc["drawn"] == 16 + acc["dropped_stale"] + acc["pending"]
+        assert acc["resent_after_resume"] + acc["restored_buffered"] > 0  # step 3's batch was ahead at the kill
         c = _records(f"{tmp}/c")
         assert [r["rl_step"] for r in c if "time/step_s" in r] == [1, 2, 3, 4]
     finally:

@@ -22,7 +22,7 @@ class Prompt:
     ids: list[int]
     label: Any = None
     domain: str = ""  # the task or file it came from (per-domain rewards and metrics key on it)
-    max_new_tokens: Optional[int] = None  # this prompt's response budget (None = rollout.max_new_tokens)
+    max_new_tokens: Optional[int] = None  # this prompt's response budget (capped by rollout.max_new_tokens)
 
 
 @dataclass

@@ -32,6 +32,7 @@ class SampleLedger:
     continued: int = 0  # requests continued across a weight sync (partial rollouts)
     restarted: int = 0  # requests aborted by a sync and started again from scratch
     resent_after_resume: int = 0  # in flight at the checkpoint, submitted again by the resumed run
+    restored_buffered: int = 0  # finished groups in the checkpoint's buffer, trained by the resumed run
 
     def finished(self) -> int:
         return self.trained + sum(self.filtered.values()) + self.dropped_stale + sum(self.failed.values())
@@ -54,6 +55,7 @@ class SampleLedger:
             "balanced": self.drawn == self.finished() + pending,
             "regenerated_stale": self.regenerated_stale, "continued_requests": self.continued,
             "restarted_requests": self.restarted, "resent_after_resume": self.resent_after_resume,
+            "restored_buffered": self.restored_buffered,
         }
 
     def write(self, path: str, pending: int, group_size: int) -> dict[str, Any]:
@@ -69,7 +71,7 @@ class SampleLedger:
         return {"drawn": self.drawn, "trained": self.trained, "dropped_stale": self.dropped_stale,
                 "regenerated_stale": self.regenerated_stale, "filtered": dict(self.filtered),
                 "failed": dict(self.failed), "continued": self.continued, "restarted": self.restarted,
-                "resent_after_resume": self.resent_after_resume}
+                "resent_after_resume": self.resent_after_resume, "restored_buffered": self.restored_buffered}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():

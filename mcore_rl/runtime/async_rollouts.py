@@ -36,7 +36,7 @@ class PoolBackend:
 
     def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
         r = self.cfg.rollout
-        budget = (prompt.max_new_tokens or r.max_new_tokens) - len(prefix)
+        budget = min(prompt.max_new_tokens or r.max_new_tokens, r.max_new_tokens) - len(prefix)
         if budget <= 0:
             return None
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)

@@ -73,9 +73,11 @@ class RolloutManager:
     def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: RewardRunner, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
 
-    def sampling_params(self, temperature: float, seed: int | None) -> dict[str, Any]:
+    def sampling_params(self, temperature: float, seed: int | None, max_new_tokens: int | None = None) -> dict[str, Any]:
+        """SGLang sampling parameters; `max_new_tokens`: the prompt's own budget (at most the rollout's)."""
         r = self.cfg.rollout
-        sp: dict[str, Any] = {"temperature": temperature, "max_new_tokens": r.max_new_tokens}
+        sp: dict[str, Any] = {"temperature": temperature, "max_new_tokens": min(max_new_tokens or r.max_new_tokens,
+                                                                                 r.max_new_tokens)}
         if temperature > 0:
             sp.update(top_p=r.top_p, top_k=r.top_k)
             if seed is not None:
@@ -87,7 +89,7 @@ class RolloutManager:
         import time
 
         seed = self.cfg.train.seed
-        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j)))
+        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j), p.max_new_tokens))
                 for p in prompts for j in range(n)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)

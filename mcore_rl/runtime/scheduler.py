@@ -393,6 +393,7 @@ class RolloutScheduler:
         self.retry = deque(_Job(Prompt(**p)) for p in state["pending"])
         self.ledger.load_state_dict(state["ledger"])
         self.ledger.resent_after_resume += len(self.retry)
+        self.ledger.restored_buffered += len(self.buffer)
         self.steps_done = int(state["steps_done"])
 
     async def close(self) -> None:
