@@ -337,6 +337,18 @@ def test_rl_valid_and_derived_sizes():
     (["parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
      "parallel.virtual_pipeline_model_parallel_size"),  # RL steps have no fixed micro-batch count
     (["init.sft_steps=2", "data.path=x.jsonl"], "init.sft_steps"),
+    # the asynchronous runtime: impossible settings fail before any engine process starts
+    (["rollout.runtime=async", "rollout.max_staleness=-1"], "rollout.max_staleness"),
+    (["rollout.runtime=async", "rollout.max_inflight_requests=100000"], "rollout.max_inflight_requests"),
+    (["rollout.runtime=async", "rollout.max_inflight_requests=2"], "rollout.max_inflight_requests"),
+    (["rollout.runtime=async", "rollout.placement=colocated", "rollout.engine_urls=[http://h:1]"], "rollout.placement"),
+    (["rollout.placement=colocated"], "rollout.placement"),
+    (["rollout.runtime=async", "rollout.num_embedded_engines=2", "rollout.engine_cores=[[0]]"], "rollout.engine_cores"),
+    (["rollout.runtime=async", "rollout.engine_cores=[[9999]]"], "rollout.engine_cores[0]"),
+    (["rollout.runtime=async", "rollout.buffer_groups=1"], "rollout.buffer_groups"),
+    (["rollout.runtime=async", "algorithm.mismatch.name=mipu"], "algorithm.mismatch.name"),
+    (["rollout.engine_devices=[gpu0]"], "rollout.engine_devices"),
+    (["rollout.runtime=async", "rollout.no_engine_timeout_s=0"], "rollout.no_engine_timeout_s"),
 ])
 def test_rl_validation_names_the_key(overrides, key):
     assert any(line.startswith(key + ":") for line in rl_errors(rl(*overrides))), key

@@ -154,6 +154,7 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     errors.need(r.max_inflight_requests >= 0, "rollout.max_inflight_requests",
                 f"must be >= 0 (0 = what the engines accept), got {r.max_inflight_requests}")
     errors.need(r.buffer_groups >= 0, "rollout.buffer_groups", f"must be >= 0 (0 = automatic), got {r.buffer_groups}")
+    check_engine_processes(r, errors)
     if r.runtime != "async":
         return
     errors.need(a.mismatch.name != "mipu", "algorithm.mismatch.name",
@@ -169,6 +170,10 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     if r.buffer_groups:
         errors.need(r.buffer_groups >= r.prompts_per_step, "rollout.buffer_groups",
                     f"{r.buffer_groups} cannot hold one batch (rollout.prompts_per_step={r.prompts_per_step})")
+
+
+def check_engine_processes(r: RolloutConfig, errors: Errors) -> None:
+    """Placement of the engine processes the trainer starts (cores, devices, threads)."""
     if not started_engines(r):
         for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
             errors.need(not value, key, "only applies to engines the trainer starts (rollout.engine_urls is set or "
