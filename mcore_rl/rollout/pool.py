@@ -207,22 +207,24 @@ class HTTPEnginePool:
 
         self.router = self._run(make_router())
         self._transport: Any = None
-        self._watcher: Optional[asyncio.Future] = None
+        self._stop_watch = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
         if processes is not None and restart_dead:
-            self._watcher = asyncio.run_coroutine_threadsafe(self._restart_dead(health_interval), self._loop)
+            # a thread of its own: an engine process dies with the thread that started it (PDEATHSIG)
+            self._watcher = threading.Thread(target=self._restart_dead, args=(health_interval,),
+                                             name="engine-restarter", daemon=True)
+            self._watcher.start()
 
-    async def _restart_dead(self, interval: float) -> None:
+    def _restart_dead(self, interval: float) -> None:
         """Start engine processes that died again (same URL); the router takes them back."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
+        while not self._stop_watch.wait(interval):
             for i, url in enumerate(self.urls):
-                if self.processes.alive(i):
+                if self._stop_watch.is_set() or self.processes.alive(i):
                     continue
                 logger.warning("engine process %s (%s) died; starting it again", i, url)
-                self.router.healthy.discard(url)
+                self._loop.call_soon_threadsafe(self.router.healthy.discard, url)
                 try:
-                    await loop.run_in_executor(None, self.processes.restart, i)
+                    self.processes.restart(i)
                 except Exception:  # noqa: BLE001 - try again next round; the run goes on with the others
                     logger.exception("could not restart engine %s", url)
 
@@ -362,8 +364,9 @@ class HTTPEnginePool:
 
     def close(self) -> None:
         try:
+            self._stop_watch.set()
             if self._watcher is not None:
-                self._watcher.cancel()
+                self._watcher.join(timeout=60)
                 self._watcher = None
             if self._transport is not None and hasattr(self._transport, "close"):
                 self._transport.close()

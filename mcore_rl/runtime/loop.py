@@ -381,6 +381,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 last_eval = run.evaluate()
                 extra.update(last_eval)
             extra["time/step_s"] = time.perf_counter() - step_start
+            extra["time/trainer_idle_frac"] = roll_metrics["time/rollout_wait_s"] / max(extra["time/step_s"], 1e-9)
             extra["time/elapsed_s"] = time.perf_counter() - run.t0
             for k, rec in enumerate(records):
                 st.opt_step += 1
