@@ -323,6 +323,18 @@ def test_load_weights_and_from_model_path(tmp_path):
         EngineCore.from_model_path(str(tmp_path / "missing"))
 
 
+def test_dummy_load_format_needs_only_config_json(tmp_path):
+    """SGLang's `--load-format dummy`: random weights from the seed, no weight file read."""
+    tiny_model().config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        EngineCore.from_model_path(str(tmp_path))
+    a, b, c = (EngineCore.from_model_path(str(tmp_path), load_format="dummy", random_seed=s, context_length=64)
+               for s in (1, 1, 2))
+    wa, wb, wc = (e.model.lm_head.weight for e in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert run(a, [req("d", "dummy", temperature=0.0, max_new_tokens=3, ignore_eos=True)])["d"].completion_tokens == 3
+
+
 def test_from_stock_qwen3_checkpoint(tmp_path):
     from transformers import Qwen3ForCausalLM
 

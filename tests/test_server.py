@@ -589,12 +589,17 @@ def test_200_concurrent_requests_match_sequential(server) -> None:
 # --- launch flags -------------------------------------------------------------------------------
 
 
-def test_launch_flags() -> None:
+def test_launch_flags(monkeypatch) -> None:
     args = parse_server_args(["--model-path", "/m", "--port", "31000", "--dtype", "bfloat16", "--quantization", "fp8",
                               "--context-length", "512", "--random-seed", "3", "--mem-fraction-static", "0.8",
                               "--tp-size", "1", "--max-running-requests", "16"])
     assert args.engine_kwargs() == {"dtype": "bfloat16", "quantization": "fp8", "random_seed": 3,
-                                    "context_length": 512, "max_running_requests": 16}
+                                    "context_length": 512, "max_running_requests": 16, "load_format": "auto",
+                                    "return_original_logprob": True}
+    dummy = parse_server_args(["--load-format", "dummy", "--device", "cpu"]).engine_kwargs()
+    assert dummy["load_format"] == "dummy" and dummy["device"] == "cpu"
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")  # SGLang's switch: temperature-scaled log-probs
+    assert parse_server_args([]).engine_kwargs()["return_original_logprob"] is False
     assert args.port == 31000 and args.mem_fraction_static == 0.8
     assert parse_server_args([]).model_path is None and parse_server_args(["--model", "/x"]).model_path == "/x"
     for argv, needle in [
@@ -603,6 +608,7 @@ def test_launch_flags() -> None:
         (["--enable-dp-attention"], "--enable-dp-attention"),
         (["--speculative-algorithm=EAGLE"], "--speculative-algorithm"),
         (["--port", "x"], "--port"),
+        (["--load-format", "pt"], "--load-format"),
     ]:
         with pytest.raises(LaunchFlagError, match=needle):
             parse_server_args(argv)

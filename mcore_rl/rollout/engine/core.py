@@ -202,11 +202,16 @@ class EngineCore:
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, **kw: Any) -> "EngineCore":
+    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, load_format: str = "auto",
+                        **kw: Any) -> "EngineCore":
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
         *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
-        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`."""
+        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`. `load_format="dummy"`
+        (SGLang's name) keeps the random initialisation and reads no weight file: config.json is
+        all the directory needs, and a weight update brings the real weights."""
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
         from mcore_rl.hf import Qwen3ReferenceForCausalLM
 
         seed = kw.get("random_seed", 0)
@@ -230,7 +235,8 @@ class EngineCore:
             tokenizer, engine_tokenizer_path = _load_path_tokenizer(path, config.vocab_size)
         engine = cls(model, tokenizer, model_path=path, **kw)
         engine.tokenizer_path = engine_tokenizer_path
-        engine.load_safetensors_dir(path, strict=True)
+        if load_format != "dummy":
+            engine.load_safetensors_dir(path, strict=True)
         return engine
 
     def load_safetensors_dir(self, path: str, strict: bool = False) -> list[str]:
