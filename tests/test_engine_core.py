@@ -754,3 +754,29 @@ def test_a_pause_without_a_weight_update_changes_nothing(mode):
             assert lps(b.output_token_logprobs).tolist() == lps(a.output_token_logprobs).tolist()
         torch.testing.assert_close(lps(b.output_token_logprobs), lps(a.output_token_logprobs), atol=1e-5, rtol=0)
     assert engine.recomputed_tokens == (0 if mode == "in_place" else sum(len(r.input_ids) + BEFORE for r in reqs if r.rid != "p1"))
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_fp8_paused_requests_use_the_new_quantized_weights(mode):
+    """FP8 keeps fused dequantized copies derived from the weights (`ModelRunner.refresh`): after
+    a load while paused, the tokens that follow have the log-probs a fresh FP8 engine holding only
+    the new weights gives the final sequence (prompt scoring, teacher-forced)."""
+    model = tiny_model(hidden_size=128, intermediate_size=256)  # 128-wide blocks: every Linear in FP8
+    old = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    new_state = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in old.state_dict().items()}
+    engine = make_engine(model, quantization="fp8")
+    reqs = _paused_after_some_tokens(engine)
+    if mode == "retract":
+        engine.retract()
+    engine.load_weights(new_state.items())
+    finals = run(engine, [])
+    scorer = make_engine(old, quantization="fp8")
+    scorer.load_weights(new_state.items())
+    for r in reqs:
+        o, n = finals[r.rid], len(r.input_ids)
+        full = Request("s", r.input_ids + o.output_ids, SamplingParams(max_new_tokens=0), return_logprob=True,
+                       logprob_start_len=n - 1)
+        scored = run(scorer, [full])["s"]
+        torch.testing.assert_close(lps(o.output_token_logprobs)[BEFORE:], lps(scored.input_token_logprobs[1:])[BEFORE:],
+                                   atol=1e-5, rtol=0)

@@ -20,7 +20,8 @@ Pause and weight updates follow SGLang's TokenizerManager:
   completion, then the weights change and held requests start. So a request that was not paused
   sees one weight version, the one in its `weight_version`.
 
-Aborting a request that has already been paused in place delivers its final output on `resume()`.
+Aborting a request that has already been paused (in place or retracted) delivers its final output,
+partial output included, on `resume()`.
 
 Memory (`release_memory` / `resume_memory`, SGLang's `release_memory_occupation` and
 `resume_memory_occupation`): while any memory is released, and after a weights resume until a
