@@ -63,8 +63,8 @@ def _each(urls: list[str], method: str, **kw) -> list:
 
 
 def _requests(n: int) -> list[GenRequest]:
-    return [GenRequest(list(b"12+34="), {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True})
-            for i in range(n)]
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    return [GenRequest(list(b"12+34="), {**sp, "sampling_seed": i}) for i in range(n)]
 
 
 def _wait_for(cond, timeout: float = 30.0) -> None:
@@ -175,8 +175,9 @@ time.sleep(600)
 
 def test_engines_die_with_the_trainer(tmp_path):
     """A trainer killed with SIGKILL runs no cleanup; its engines go anyway (PDEATHSIG)."""
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
     trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))})
+                               env={**os.environ, "PYTHONPATH": path})
     try:
         engine = int(trainer.stdout.readline())
         assert not _gone(engine)

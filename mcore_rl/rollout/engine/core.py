@@ -349,7 +349,8 @@ class EngineCore:
 
     @property
     def num_waiting_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in list(self._waiting)) + sum(len(live.sequence) for live in list(self._retracted))
+        queued = sum(len(r.input_ids) for r in list(self._waiting))
+        return queued + sum(len(live.sequence) for live in list(self._retracted))
 
     # ---- the step --------------------------------------------------------------------------
 
