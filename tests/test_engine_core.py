@@ -323,6 +323,18 @@ def test_load_weights_and_from_model_path(tmp_path):
         EngineCore.from_model_path(str(tmp_path / "missing"))
 
 
+def test_dummy_load_format_needs_only_config_json(tmp_path):
+    """SGLang's `--load-format dummy`: random weights from the seed, no weight file read."""
+    tiny_model().config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        EngineCore.from_model_path(str(tmp_path))
+    a, b, c = (EngineCore.from_model_path(str(tmp_path), load_format="dummy", random_seed=s, context_length=64)
+               for s in (1, 1, 2))
+    wa, wb, wc = (e.model.lm_head.weight for e in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert run(a, [req("d", "dummy", temperature=0.0, max_new_tokens=3, ignore_eos=True)])["d"].completion_tokens == 3
+
+
 def test_from_stock_qwen3_checkpoint(tmp_path):
     from transformers import Qwen3ForCausalLM
 
@@ -655,3 +667,117 @@ def test_flush_cache_refuses_while_busy():
     while e.has_work():
         e.step()
     assert e.flush_cache() is True
+
+
+# ---- partial rollouts: pausing across a weight update ----------------------------------------
+
+PARTIAL = [("p0", "partial rollouts", dict(temperature=0.0)),
+           ("p1", "x", dict(temperature=1.0, sampling_seed=3)),
+           ("p2", "a longer prompt than the others, to pad the batch", dict(temperature=0.0))]
+BEFORE, TOTAL = 5, 14  # tokens generated before the pause, and in all
+
+
+def _partial_requests() -> list[Request]:
+    return [req(rid, p, max_new_tokens=TOTAL, ignore_eos=True, **sp) for rid, p, sp in PARTIAL]
+
+
+def _paused_after_some_tokens(engine: EngineCore) -> list[Request]:
+    """Start the PARTIAL requests and step until each has BEFORE tokens (none finishes)."""
+    reqs = _partial_requests()
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(BEFORE):  # the first step admits (one token), each later one decodes one
+        assert not any(o.finished for o in engine.step())
+    return reqs
+
+
+@pytest.mark.parametrize("arch", ["plain", "ngram"])
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_paused_requests_continue_on_kv_of_the_new_weights(mode, arch):
+    """A partial rollout: requests stop after BEFORE tokens, the weights change, they go on. Each
+    token's log-prob is what a cache-free forward of the whole final sequence gives under the
+    weights its version names, so no token after the update read K/V of the old weights
+    ("in_place" recomputed them in the slot, "retract" prefilled prompt + tokens so far again).
+    Checked once by hand that this can fail: with `EngineCore._recompute_stale` a no-op (the stale-KV
+    path) every post-update log-prob of the in_place case is off, by up to 7.3 nats (plain) and 8.0
+    (ngram)."""
+    kw = ARCHS.get(arch, {})
+    model = arch_model(**kw)
+    old = copy.deepcopy(model).eval()
+    g = torch.Generator().manual_seed(1)
+    new_state = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in old.state_dict().items()}
+    new = copy.deepcopy(old)
+    new.load_state_dict(new_state)
+    engine = make_engine(model)
+    reqs = _paused_after_some_tokens(engine)
+    if mode == "retract":
+        assert engine.retract() == len(reqs)
+        assert engine.num_running_reqs == 0 and engine.num_waiting_reqs == len(reqs) and engine.num_cached_tokens == 0
+    engine.load_weights(new_state.items())
+    engine.weight_version = "v1"
+    finals = run(engine, [])
+    for r in reqs:
+        o = finals[r.rid]
+        assert o.output_token_weight_versions == [0] * BEFORE + ["v1"] * (TOTAL - BEFORE)
+        assert o.weight_version == "v1" and len(o.input_token_logprobs) == 1  # scored once, at admission
+        full, n = r.input_ids + o.output_ids, len(r.input_ids)
+        got = lps(o.output_token_logprobs)
+        torch.testing.assert_close(got[:BEFORE], ref_logprobs(old, full)[n - 1 :][:BEFORE], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[BEFORE:], ref_logprobs(new, full)[n - 1 :][BEFORE:], atol=1e-5, rtol=0)
+    # in_place recomputes prompt + output[:-1] (the last token is the next decode input); retract all of it
+    assert engine.recomputed_tokens == sum(len(r.input_ids) + BEFORE - (mode == "in_place") for r in reqs)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_pause_without_a_weight_update_changes_nothing(mode):
+    """No weight load between pause and continue: in_place recomputes nothing and gives the
+    uninterrupted result exactly; retract re-prefills and gives the same tokens (the request's
+    random stream carries on) with log-probs equal to float rounding. A retracted request can be
+    aborted and returns its partial output."""
+    model = tiny_model()
+    straight = run(make_engine(copy.deepcopy(model)), _partial_requests())
+    engine = make_engine(model)
+    reqs = _paused_after_some_tokens(engine)
+    if mode == "retract":
+        engine.retract()
+        engine.abort("p1")
+        aborted = [o for o in engine.step() if o.rid == "p1"][0]
+        assert aborted.finish_reason["type"] == "abort" and aborted.output_ids == straight["p1"].output_ids[:BEFORE]
+        assert aborted.output_token_weight_versions == [0] * BEFORE and len(aborted.output_token_logprobs) == BEFORE
+    finals = run(engine, [])
+    for r in reqs:
+        if r.rid not in finals:
+            continue
+        a, b = straight[r.rid], finals[r.rid]
+        assert b.output_ids == a.output_ids and b.output_token_weight_versions == [0] * TOTAL
+        if mode == "in_place":
+            assert lps(b.output_token_logprobs).tolist() == lps(a.output_token_logprobs).tolist()
+        torch.testing.assert_close(lps(b.output_token_logprobs), lps(a.output_token_logprobs), atol=1e-5, rtol=0)
+    resumed = sum(len(r.input_ids) + BEFORE for r in reqs if r.rid != "p1")
+    assert engine.recomputed_tokens == (0 if mode == "in_place" else resumed)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_fp8_paused_requests_use_the_new_quantized_weights(mode):
+    """FP8 keeps fused dequantized copies derived from the weights (`ModelRunner.refresh`): after
+    a load while paused, the tokens that follow have the log-probs a fresh FP8 engine holding only
+    the new weights gives the final sequence (prompt scoring, teacher-forced)."""
+    model = tiny_model(hidden_size=128, intermediate_size=256)  # 128-wide blocks: every Linear in FP8
+    old = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    new_state = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in old.state_dict().items()}
+    engine = make_engine(model, quantization="fp8")
+    reqs = _paused_after_some_tokens(engine)
+    if mode == "retract":
+        engine.retract()
+    engine.load_weights(new_state.items())
+    finals = run(engine, [])
+    scorer = make_engine(old, quantization="fp8")
+    scorer.load_weights(new_state.items())
+    for r in reqs:
+        o, n = finals[r.rid], len(r.input_ids)
+        full = Request("s", r.input_ids + o.output_ids, SamplingParams(max_new_tokens=0), return_logprob=True,
+                       logprob_start_len=n - 1)
+        scored = run(scorer, [full])["s"]
+        torch.testing.assert_close(lps(o.output_token_logprobs)[BEFORE:], lps(scored.input_token_logprobs[1:])[BEFORE:],
+                                   atol=1e-5, rtol=0)

@@ -5,6 +5,9 @@ Flags fall in three groups:
 
 - **honoured**: `--model-path` (alias `--model`; none = the built-in tiny demo model),
   `--tokenizer-path`, `--host`, `--port`, `--dtype`, `--quantization fp8`, `--context-length`,
+  `--load-format` (auto / safetensors read the checkpoint; `dummy`, as in SGLang, initialises the
+  weights randomly from `--random-seed` and reads no weight file: for engines whose weights the
+  trainer's first weight sync fills), `--device` (cpu / cuda; default: cuda when available),
   `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version` (any
   string, as in SGLang), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
   `mcore_rl/rollout/server.py`);
@@ -14,13 +17,18 @@ Flags fall in three groups:
   the trainer's transports write; `--weight-dirs` alone accepts no path at all;
 - **accepted for compatibility**: `--tp-size`/`--tensor-parallel-size` and `--dp-size`/
   `--data-parallel-size` (only 1: the embedded engine is one process on one device),
-  `--load-format` (auto/safetensors), `--kv-cache-dtype auto`, and knobs that tune a GPU server
+  `--kv-cache-dtype auto`, and knobs that tune a GPU server
   without changing a token: `--mem-fraction-static`, `--chunked-prefill-size`,
   `--max-prefill-tokens`, `--max-total-tokens`, `--cuda-graph-max-bs`, `--disable-cuda-graph`,
   `--disable-radix-cache`, `--attention-backend`, `--sampling-backend`, `--schedule-policy`,
   `--enable-memory-saver`, `--skip-server-warmup`, `--trust-remote-code`, `--log-level`,
   `--log-level-http`; they are recorded in `/get_server_info` and otherwise ignored;
 - **everything else** is rejected with a message naming the flag.
+
+Log-probs are those of the raw distribution (what SGLang returns with
+`SGLANG_RETURN_ORIGINAL_LOGPROB=1`, the RL setting); with that variable set to `0` / `false` they
+are those of the temperature-scaled distribution, SGLang's plain default (see
+`mcore_rl/rollout/engine/core.py`).
 
 `--dtype auto` means float32 here (SGLang picks the checkpoint's half precision on a GPU; on CPU the
 embedded engine's job is to match the fp32 trainer unless asked otherwise). `--random-seed`
@@ -38,6 +46,14 @@ from typing import Any, Optional
 
 DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16",
           "half": "float16", "float16": "float16"}
+
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def return_original_logprob() -> bool:
+    """SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB`; unset means true here (raw log-probs)."""
+    return os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class LaunchFlagError(ValueError):
@@ -62,6 +78,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     load_format: str = "auto"
+    device: Optional[str] = None  # None = cuda when available, else cpu (SGLang's auto-detection)
     kv_cache_dtype: str = "auto"
     # Accepted and ignored (see the module docstring).
     mem_fraction_static: Optional[float] = None
@@ -94,7 +111,11 @@ class ServerArgs:
             "dtype": DTYPES[self.dtype],
             "quantization": self.quantization,
             "random_seed": self.random_seed,
+            "load_format": self.load_format,
+            "return_original_logprob": return_original_logprob(),
         }
+        if self.device is not None:
+            kw["device"] = self.device
         if self.context_length is not None:
             kw["context_length"] = self.context_length
         if self.max_running_requests is not None:
@@ -154,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0", help="initial weight version (any string)")
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
-    p.add_argument("--load-format", default="auto")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights from --random-seed, no weight file read (a weight sync fills them)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health*")
     p.add_argument("--admin-api-key",
@@ -205,8 +228,9 @@ def _check(a: ServerArgs) -> None:
         )
     if a.quantization not in (None, "fp8"):
         raise LaunchFlagError(f"--quantization {a.quantization}: the embedded engine supports only fp8")
-    if a.load_format not in ("auto", "safetensors"):
-        raise LaunchFlagError(f"--load-format {a.load_format}: the embedded engine reads safetensors only (auto, safetensors)")
+    if a.load_format not in LOAD_FORMATS:
+        raise LaunchFlagError(f"--load-format {a.load_format}: the embedded engine reads safetensors or starts "
+                              f"from random weights ({', '.join(LOAD_FORMATS)})")
     if a.kv_cache_dtype != "auto":
         raise LaunchFlagError(f"--kv-cache-dtype {a.kv_cache_dtype}: the embedded engine keeps the KV cache in the model dtype (auto)")
     if not 0 <= a.port <= 65535:

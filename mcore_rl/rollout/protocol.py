@@ -339,6 +339,9 @@ def generate_output(
         "completion_tokens": out.completion_tokens,
         "cached_tokens": 0,
         "weight_version": str(out.weight_version),
+        # Ours, not SGLang's: the weight version that sampled each output token (parallel to
+        # output_ids / output_token_logprobs); more than one value after a partial rollout.
+        "output_token_weight_versions": [str(v) for v in out.output_token_weight_versions],
     }
     if out.finished:
         meta["e2e_latency"] = e2e_latency

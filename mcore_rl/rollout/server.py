@@ -49,6 +49,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
+import torch
 from aiohttp import web
 
 import mcore_rl
@@ -593,7 +594,9 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 def build_server(args: ServerArgs) -> EngineServer:
     """Load the model named by `args` (none: the built-in demo model) and wrap it in a server."""
-    core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **args.engine_kwargs())
+    kw = args.engine_kwargs()
+    kw.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # SGLang picks the GPU by default
+    core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **kw)
     core.weight_version = weight_receiver.core_version(args.weight_version)
     return EngineServer(EngineDriver(core), args)
 

@@ -26,6 +26,14 @@ documented choices:
 * `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang's scheduler does the
   same; its HTTP front end, `rollout/protocol.py` here, refuses an explicit `max_new_tokens` that
   does not fit); a prompt of `context_length` tokens or more is rejected.
+* Every output token records the weight version it was sampled under
+  (`RequestOutput.output_token_weight_versions`, an extension SGLang does not have): a request that
+  was paused across a weight update (a partial rollout) has the old version on its early tokens and
+  the new one on the later ones. No token is ever computed from K/V of other weights than its own:
+  `retract()` sends running requests back to the queue without their cache (SGLang's "retract":
+  re-admitted with prompt + tokens so far as one prefill); a request left in its slot across a
+  weight load gets its K/V recomputed under the new weights before its next decode step
+  (`_recompute_stale`). There is no prefix cache, so nothing else holds K/V.
 * `release_memory` / `resume_memory` are SGLang's `release_memory_occupation` and
   `resume_memory_occupation`: "kv_cache" frees the KV cache, "weights" frees the weights' storage
   (their values are lost, as in SGLang without `--enable-weights-cpu-backup`: after a resume they
@@ -95,6 +103,7 @@ class RequestOutput:
     input_token_logprobs: list[tuple[float | None, int]]  # input_ids[start:]; the first is None
     input_top_logprobs: list[list[tuple[float, int]] | None]  # the first is None
     weight_version: int | str  # an int, or the string a weight update named (SGLang's versions are strings)
+    output_token_weight_versions: list[int | str]  # per generated token: the weight version that sampled it
     text: str | None = None  # decoded output (stop-trimmed when finished); None for non-final, non-stream
 
 
@@ -108,7 +117,9 @@ class _Live:
     stop_ids: frozenset[int]
     stop_window: int  # tokens to decode when checking stop strings
     length: int = 0  # tokens whose K/V are in the cache
+    kv_epoch: int = 0  # the `EngineCore.weights_epoch` its cached K/V were computed under
     output_ids: list[int] = field(default_factory=list)
+    out_versions: list[int | str] = field(default_factory=list)
     out_lp: list[tuple[float, int]] = field(default_factory=list)
     out_top: list[list[tuple[float, int]]] = field(default_factory=list)
     in_lp: list[tuple[float | None, int]] = field(default_factory=list)
@@ -117,6 +128,11 @@ class _Live:
     @property
     def sp(self) -> SamplingParams:
         return self.req.sampling
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt and every token generated so far."""
+        return self.req.input_ids + self.output_ids
 
 
 class EngineCore:
@@ -172,6 +188,7 @@ class EngineCore:
         self._seed_rng = torch.Generator().manual_seed(random_seed)
         self._lock = threading.RLock()
         self._waiting: deque[Request] = deque()
+        self._retracted: deque[_Live] = deque()  # out of their slots, no KV; admitted before _waiting
         self._running: list[_Live] = []  # index == KV slot
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step
         self._rids: set[str] = set()
@@ -179,15 +196,22 @@ class EngineCore:
         self.kv_cache_released = False
         self._released_weights: list[tuple[torch.UntypedStorage, int]] | None = None
         self.weights_need_reload = False  # resumed after a release: zero until a weight update
+        self.weights_epoch = 0  # bumped by every weight change; K/V of an older epoch is stale
+        self.recomputed_tokens = 0  # K/V computed again: retracted re-prefills and stale recomputes
 
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, **kw: Any) -> "EngineCore":
+    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, load_format: str = "auto",
+                        **kw: Any) -> "EngineCore":
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
         *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
-        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`."""
+        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`. `load_format="dummy"`
+        (SGLang's name) keeps the random initialisation and reads no weight file: config.json is
+        all the directory needs, and a weight update brings the real weights."""
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
         from mcore_rl.hf import Qwen3ReferenceForCausalLM
 
         seed = kw.get("random_seed", 0)
@@ -211,7 +235,8 @@ class EngineCore:
             tokenizer, engine_tokenizer_path = _load_path_tokenizer(path, config.vocab_size)
         engine = cls(model, tokenizer, model_path=path, **kw)
         engine.tokenizer_path = engine_tokenizer_path
-        engine.load_safetensors_dir(path, strict=True)
+        if load_format != "dummy":
+            engine.load_safetensors_dir(path, strict=True)
         return engine
 
     def load_safetensors_dir(self, path: str, strict: bool = False) -> list[str]:
@@ -272,6 +297,12 @@ class EngineCore:
                     self._rids.discard(rid)
                     self._pending.append(self._aborted(req, [], message))
                     return
+            for live in self._retracted:
+                if live.req.rid == rid:
+                    self._retracted.remove(live)
+                    self._rids.discard(rid)
+                    self._pending.append(self._output(live, {"type": "abort", "message": message}))
+                    return
             for i, live in enumerate(self._running):
                 if live.req.rid == rid:
                     self._pending.append(self._output(live, {"type": "abort", "message": message}))
@@ -280,12 +311,27 @@ class EngineCore:
 
     def abort_all(self, message: str = "Aborted by request") -> None:
         with self._lock:
-            for rid in [r.rid for r in self._waiting] + [live.req.rid for live in self._running]:
+            for rid in [r.rid for r in self._waiting] + [live.req.rid for live in [*self._retracted, *self._running]]:
                 self.abort(rid, message)
+
+    def retract(self) -> int:
+        """SGLang's retract: every running request leaves its slot and its K/V (the slots are free)
+        and waits, ahead of new requests, to be prefilled again with prompt + tokens so far; its
+        outputs and random stream carry on. Returns how many were retracted."""
+        with self._lock:
+            n = len(self._running)
+            self._retracted.extend(self._running)
+            self._running = []
+            self._controls = None
+            return n
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._waiting or self._running or self._pending)
+            return bool(self._waiting or self._retracted or self._running or self._pending)
+
+    @property
+    def _idle(self) -> bool:
+        return not (self._waiting or self._retracted or self._running)
 
     @property
     def num_running_reqs(self) -> int:
@@ -293,7 +339,8 @@ class EngineCore:
 
     @property
     def num_waiting_reqs(self) -> int:
-        return len(self._waiting)
+        """Queued requests, retracted ones included."""
+        return len(self._waiting) + len(self._retracted)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -302,7 +349,8 @@ class EngineCore:
 
     @property
     def num_waiting_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in list(self._waiting))
+        queued = sum(len(r.input_ids) for r in list(self._waiting))
+        return queued + sum(len(live.sequence) for live in list(self._retracted))
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -311,6 +359,7 @@ class EngineCore:
         with self._lock:
             outs, self._pending = self._pending, []
             if self._running:
+                self._recompute_stale()
                 self._decode(outs)
             self._admit(outs)
             return outs
@@ -324,40 +373,69 @@ class EngineCore:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
         self._emit(list(range(len(batch))), logits, self._controls, outs)
 
+    def _recompute_stale(self) -> None:
+        """Slots whose K/V were computed under other weights (a weight load while they were paused
+        in place) prefill prompt + output_ids[:-1] again, so the next decode step reads only K/V of
+        the current weights. Consecutive stale slots share one batched prefill."""
+        epoch = self.weights_epoch
+        stale = [i for i, live in enumerate(self._running) if live.kv_epoch != epoch]
+        runs: list[list[int]] = []  # consecutive slots whose padded batch fits max_prefill_tokens
+        for i in stale:
+            run = runs[-1] if runs else []
+            widest = max([self._running[j].length for j in run] + [self._running[i].length])
+            if run and run[-1] == i - 1 and widest * (len(run) + 1) <= self.max_prefill_tokens:
+                run.append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            seqs = [self._running[i].sequence[:-1] for i in run]
+            self.runner.prefill(seqs, run[0], [])
+            for i, seq in zip(run, seqs):
+                live = self._running[i]
+                assert live.length == len(seq), (live.length, len(seq))
+                live.kv_epoch = epoch
+                self.recomputed_tokens += len(seq)
+
     def _admit(self, outs: list[RequestOutput]) -> None:
+        """Prefill retracted requests (prompt + tokens so far) and then new ones into free slots,
+        in one batch; each samples its next token from the prefill's last position."""
         free = self.max_running_requests - len(self._running)
-        admitted: list[Request] = []
+        lives: list[_Live] = []
         longest = 0
-        while self._waiting and len(admitted) < free:
-            n = len(self._waiting[0].input_ids)
-            if admitted and max(longest, n) * (len(admitted) + 1) > self.max_prefill_tokens:
+        while (self._retracted or self._waiting) and len(lives) < free:
+            n = len(self._retracted[0].sequence) if self._retracted else len(self._waiting[0].input_ids)
+            if lives and max(longest, n) * (len(lives) + 1) > self.max_prefill_tokens:
                 break
             longest = max(longest, n)
-            admitted.append(self._waiting.popleft())
-        if not admitted:
+            lives.append(self._retracted.popleft() if self._retracted else self._start(self._waiting.popleft()))
+        if not lives:
             return
         slot0 = len(self._running)
-        lives = [self._start(req) for req in admitted]
+        resumed = [bool(live.output_ids) for live in lives]  # retracted: input log-probs are kept
+        seqs = [live.sequence for live in lives]
         self._running.extend(lives)
         self._controls = None
-        # Logit rows per request: the input-logprob positions (if asked) and the last prompt token.
+        # Logit rows per request: the input-logprob positions (if asked) and the last token.
         rows: list[tuple[int, int]] = []
         spans: list[tuple[int, int]] = []  # (first row index, number of input-logprob rows)
-        for i, live in enumerate(lives):
-            n = len(live.req.input_ids)
+        for i, (live, seq) in enumerate(zip(lives, seqs)):
+            n = len(seq)
             first = len(rows)
             n_in = 0
-            if live.req.return_logprob:
+            if live.req.return_logprob and not resumed[i]:
                 start = live.req.logprob_start_len if live.req.logprob_start_len >= 0 else n - 1
                 n_in = n - 1 - start  # rows start..n-2 predict tokens start+1..n-1
                 rows.extend((i, p) for p in range(start, n - 1))
             rows.append((i, n - 1))
             spans.append((first, n_in))
-        logits = self.runner.prefill([live.req.input_ids for live in lives], slot0, rows)
-        for live in lives:
-            live.length = len(live.req.input_ids)
-        for live, (first, n_in) in zip(lives, spans):
-            if live.req.return_logprob:
+        logits = self.runner.prefill(seqs, slot0, rows)
+        for live, seq, again in zip(lives, seqs, resumed):
+            live.length = len(seq)
+            live.kv_epoch = self.weights_epoch
+            if again:
+                self.recomputed_tokens += len(seq)
+        for live, (first, n_in), again in zip(lives, spans, resumed):
+            if live.req.return_logprob and not again:
                 self._input_logprobs(live, logits[first : first + n_in])
         last_rows = torch.tensor([first + n_in for first, n_in in spans], device=logits.device)
         slots = [slot0 + i for i in range(len(lives))]
@@ -433,6 +511,7 @@ class EngineCore:
         finished: list[int] = list(extra_done or [])
         for j, (slot, live, tok) in enumerate(zip(slots, lives, tokens.tolist())):
             live.output_ids.append(tok)
+            live.out_versions.append(self.weight_version)
             if want_lp[j]:
                 live.out_lp.append((chosen[j], tok))
                 k = live.req.top_logprobs_num
@@ -497,6 +576,7 @@ class EngineCore:
             input_token_logprobs=live.in_lp,
             input_top_logprobs=live.in_top,
             weight_version=self.weight_version,
+            output_token_weight_versions=copy(live.out_versions),
             text=self._text(live.output_ids, live.sp, reason),
         )
 
@@ -513,6 +593,7 @@ class EngineCore:
             input_token_logprobs=[],
             input_top_logprobs=[],
             weight_version=self.weight_version,
+            output_token_weight_versions=[],
             text="",
         )
 
@@ -554,6 +635,7 @@ class EngineCore:
                     self._load_one(name, tensor, params)
                     loaded.append(name)
             finally:
+                self.weights_epoch += 1  # even a failed load may have changed some weights
                 self.runner.refresh()
             return loaded
 
@@ -588,7 +670,7 @@ class EngineCore:
     def flush_cache(self) -> bool:
         """Release cache memory. Like SGLang, refuses (returns False) while requests are in flight."""
         with self._lock:
-            if self._waiting or self._running:
+            if not self._idle:
                 return False
             if not self.kv_cache_released:
                 self.runner.cache.shrink()
@@ -612,7 +694,7 @@ class EngineCore:
         """Free the memory of `tags` (see the module docstring); ValueError unless idle."""
         tags = set(tags)
         with self._lock:
-            if self._waiting or self._running:
+            if not self._idle:
                 raise ValueError(
                     "release_memory_occupation: needs an idle engine (no running or waiting requests; "
                     "abort them or pause with mode 'abort' first)"
@@ -642,6 +724,7 @@ class EngineCore:
                     st.fill_(0)
                 self._released_weights = None
                 self.weights_need_reload = True
+                self.weights_epoch += 1
                 self.runner.refresh()
             if "kv_cache" in tags and self.kv_cache_released:
                 self.runner.cache.shrink()

@@ -9,14 +9,19 @@ Pause and weight updates follow SGLang's TokenizerManager:
 
 * `pause(mode)`: new requests are held (accepted, not started) until `resume()`. Mode "abort"
   (SGLang's default) first finishes every in-flight request with finish_reason abort, partial
-  output included; "in_place" and "retract" leave them in the engine, not stepping (the embedded
-  engine keeps their KV cache either way, so the two are the same here).
+  output included; "in_place" and "retract" leave them in the engine, not stepping. "retract"
+  frees their slots and K/V (`EngineCore.retract`): on resume they are prefilled again, prompt +
+  tokens so far, under whatever weights are loaded then; "in_place" keeps slot and K/V, and the
+  core recomputes the K/V under the new weights before the next decode step if weights were
+  loaded meanwhile (nothing is recomputed otherwise).
 * `update_weights(fn)`: if paused, applies at once (paused requests continue on the new weights
-  after `resume()`: the caller chose partial rollouts); otherwise new requests are held, in-flight
-  ones run to completion, then the weights change and held requests start. So a request that was
-  not paused sees one weight version, the one in its `weight_version`.
+  after `resume()`: the caller chose partial rollouts, and `output_token_weight_versions` says
+  which weights sampled each token); otherwise new requests are held, in-flight ones run to
+  completion, then the weights change and held requests start. So a request that was not paused
+  sees one weight version, the one in its `weight_version`.
 
-Aborting a request that has already been paused in place delivers its final output on `resume()`.
+Aborting a request that has already been paused (in place or retracted) delivers its final output,
+partial output included, on `resume()`.
 
 Memory (`release_memory` / `resume_memory`, SGLang's `release_memory_occupation` and
 `resume_memory_occupation`): while any memory is released, and after a weights resume until a
@@ -200,6 +205,8 @@ class EngineDriver:
         def pause(core: EngineCore) -> int:
             if mode == "abort":
                 self._abort_all("Aborted by pause_generation")
+            elif mode == "retract":
+                core.retract()
             self._paused = True
             return core.num_running_reqs + core.num_waiting_reqs
 
@@ -404,7 +411,8 @@ def _aborted_output(req: Request, message: str, weight_version: int | str) -> Re
     return RequestOutput(
         rid=req.rid, output_ids=[], finished=True, finish_reason={"type": "abort", "message": message},
         prompt_tokens=len(req.input_ids), completion_tokens=0, output_token_logprobs=[], output_top_logprobs=[],
-        input_token_logprobs=[], input_top_logprobs=[], weight_version=weight_version, text="",
+        input_token_logprobs=[], input_top_logprobs=[], weight_version=weight_version,
+        output_token_weight_versions=[], text="",
     )
 
 

@@ -285,7 +285,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot0: int, logit_rows: list[tuple[int, int]]) -> torch.Tensor:
         """Run prompts (right-padded into one batch) into slots slot0..; fp32 logits [N, V] at the
-        (row, position) pairs of `logit_rows`, in that order."""
+        (row, position) pairs of `logit_rows`, in that order (none: only the cache is written)."""
         b = len(prompts)
         s = max(len(t) for t in prompts)
         self.cache.ensure_capacity(s)
@@ -307,7 +307,7 @@ class ModelRunner:
         else:
             x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
         x = self._decoder(x, b, s, cos, sin, bias, None, slot0)
-        flat = torch.tensor([r * s + c for r, c in logit_rows], device=self.device)
+        flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
         return self._logits(x[flat])
 
     @torch.inference_mode()

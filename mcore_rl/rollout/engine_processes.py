@@ -1,0 +1,348 @@
+"""Embedded engines as their own processes, started and owned by the trainer (DESIGN.md decision 9).
+
+In asynchronous mode with no engine URL configured, generation must overlap training, so the
+engines cannot be `EngineCore`s stepped by the trainer's own thread. `EngineProcesses.start`
+writes an HF-format directory holding only the config.json of the trainer's model and runs
+`mcore-rl serve --load-format dummy` on it, once per engine: random weights (engine i seeded
+with seed + i, as `EmbeddedEnginePool.build` does), no weight file read; the trainer's first
+weight sync fills them. The trainer then reaches the engines as any SGLang servers, through
+`HTTPEnginePool(engines.urls)`.
+
+The processes die with the trainer, however it dies: each gets SIGTERM from the kernel when the
+thread that started it exits (`PR_SET_PDEATHSIG`, `parallel/lifetime.py`; so start and restart
+them from a thread that lives as long as they should, normally the main thread), and each leads
+its own process group, which `close()` signals (SIGTERM, then SIGKILL) so nothing it started
+survives it. `restart(i)` brings an engine back at the same URL with dummy weights again; the
+pool's health check then finds it at another weight version and keeps it in `router.stale`, out
+of generation, until the next weight sync reaches it.
+
+The servers report log-probs of the temperature-scaled distribution they sample from
+(`SGLANG_RETURN_ORIGINAL_LOGPROB=0`), as the embedded pool's engines do, because that is what the
+learner recomputes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from mcore_rl.config.schema import ModelConfig
+from mcore_rl.parallel.lifetime import preexec_die_with_parent
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 20  # of an engine's log, in a startup error
+STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL (the server itself exits within 3 s of SIGTERM)
+_BIND_RETRIES = 3  # a free port taken by someone else between the probe and the server's bind
+_PORT_IN_USE = ("address already in use", "errno 98")
+
+
+class EngineStartError(RuntimeError):
+    """An engine process exited or did not answer `/health` in time; the message names the engine,
+    its log and the log's last lines."""
+
+
+@dataclass
+class _Engine:
+    index: int
+    port: int
+    argv_tail: list[str]  # the flags after --port, fixed for the engine's life
+    env: dict[str, str]
+    cores: Optional[list[int]]
+    log_path: str
+    proc: Optional[subprocess.Popen] = None
+    log_offset: int = 0  # where this launch's lines start in the (appended) log
+
+
+class EngineProcesses:
+    """`num` `mcore-rl serve` processes on this host; `.urls` for `HTTPEnginePool`."""
+
+    def __init__(self, engines: list[_Engine], host: str, model_dir: str, startup_timeout_s: float) -> None:
+        self._engines = engines
+        self.host = host
+        self.model_dir = model_dir
+        self.startup_timeout_s = startup_timeout_s
+        self._closed = False
+        ref = weakref.ref(self)
+        self._atexit: Callable[[], None] = lambda: (lambda s: s.close() if s is not None else None)(ref())
+        atexit.register(self._atexit)
+
+    @classmethod
+    def start(
+        cls,
+        model_config: ModelConfig,
+        *,
+        num: int,
+        workdir: str,
+        tokenizer_path: Optional[str] = None,
+        quantization: str = "none",
+        max_running_requests: int = 256,
+        context_length: int = 1024,
+        seed: int = 0,
+        cores: Optional[Sequence[Sequence[int]]] = None,
+        devices: Optional[Sequence[str]] = None,
+        threads: Optional[int] = None,
+        api_key: Optional[str] = None,
+        admin_api_key: Optional[str] = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 300.0,
+    ) -> "EngineProcesses":
+        """Start `num` engines serving `model_config` and return once every one answers `/health`.
+
+        quantization: "fp8" | "bf16" | "none" (`rollout.quantization`). cores: CPU affinity per
+        engine; devices: `CUDA_VISIBLE_DEVICES` per engine (each engine then runs on CUDA; without
+        it the server picks cuda when visible, else cpu); threads: torch/OpenMP threads per
+        engine. extra_args: more `mcore-rl serve` flags (e.g. `--weight-dirs DIR`). Logs go to
+        `workdir/engine_{i}.log`. Raises `EngineStartError` (after stopping every engine it
+        started) if one exits or stays silent for `startup_timeout_s`."""
+        if num < 1:
+            raise ValueError(f"num: need at least one engine, got {num}")
+        for name, per in (("cores", cores), ("devices", devices)):
+            if per is not None and len(per) != num:
+                raise ValueError(f"{name}: one entry per engine expected ({num}), got {len(per)}")
+        if quantization not in ("fp8", "bf16", "none"):
+            raise ValueError(f"quantization: {quantization!r} is not one of fp8, bf16, none")
+        os.makedirs(workdir, exist_ok=True)
+        model_dir = write_model_dir(model_config, os.path.join(workdir, "model"))
+        common = ["--model-path", model_dir, "--load-format", "dummy", "--context-length", str(context_length),
+                  "--max-running-requests", str(max_running_requests)]
+        common += ["--quantization", "fp8"] if quantization == "fp8" else []
+        common += ["--dtype", "bfloat16" if quantization == "bf16" else "float32"]
+        common += ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
+        common += ["--api-key", api_key] if api_key else []
+        common += ["--admin-api-key", admin_api_key] if admin_api_key else []
+        engines = []
+        for i in range(num):
+            env = _child_env(threads)
+            tail = [*common, "--random-seed", str(seed + i)]
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(devices[i])
+                tail += ["--device", "cuda"]
+            engines.append(_Engine(i, 0, [*tail, *extra_args], env, list(cores[i]) if cores is not None else None,
+                                   os.path.join(workdir, f"engine_{i}.log")))
+        procs = cls(engines, host, model_dir, startup_timeout_s)
+        try:
+            for e in engines:  # all at once: their imports and model builds overlap
+                e.port = _free_port(host)
+                procs._launch(e)
+            for e in engines:
+                procs._wait_ready(e, new_port_on_clash=True)
+        except BaseException:
+            procs.close()
+            raise
+        logger.info("started %d engine processes: %s", num, ", ".join(procs.urls))
+        return procs
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def urls(self) -> list[str]:
+        return [self._url(e) for e in self._engines]
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        """The current process of each engine (None once closed)."""
+        return [e.proc.pid if e.proc is not None else None for e in self._engines]
+
+    @property
+    def log_paths(self) -> list[str]:
+        return [e.log_path for e in self._engines]
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def alive(self, i: int) -> bool:
+        proc = self._engines[i].proc
+        return proc is not None and proc.poll() is None
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def restart(self, i: int) -> None:
+        """Stop engine `i` if it still runs and start it again at the same URL, dummy weights
+        again; returns once it answers `/health`. The pool keeps it out of generation until a
+        weight sync reached it."""
+        if self._closed:
+            raise RuntimeError("restart: the engine processes are closed")
+        e = self._engines[i]
+        self._stop(e)
+        for attempt in range(_BIND_RETRIES):
+            self._launch(e)
+            try:
+                self._wait_ready(e, new_port_on_clash=False)
+                logger.warning("engine %d restarted at %s (pid %d)", i, self._url(e), e.proc.pid)
+                return
+            except _PortInUse:
+                time.sleep(0.5 * (attempt + 1))  # our URL is fixed: wait for the port to come free
+        raise EngineStartError(f"engine {i}: port {e.port} stayed in use; cannot restart at {self._url(e)} "
+                               f"(log: {e.log_path})")
+
+    def close(self) -> None:
+        """Stop every engine (SIGTERM to its process group, SIGKILL after `STOP_GRACE_S`);
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        for e in self._engines:
+            _signal_group(e, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for e in self._engines:
+            self._stop(e, deadline)
+
+    def __enter__(self) -> "EngineProcesses":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - best effort at interpreter teardown
+            pass
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _url(self, e: _Engine) -> str:
+        return f"http://{self.host}:{e.port}"
+
+    def _launch(self, e: _Engine) -> None:
+        argv = [sys.executable, "-m", "mcore_rl.cli", "serve", "--host", self.host, "--port", str(e.port), *e.argv_tail]
+        with open(e.log_path, "ab") as log:
+            e.log_offset = log.tell()
+            log.write(f"--- engine {e.index}: {' '.join(argv)}\n".encode())
+            log.flush()
+            e.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e.env,
+                                      start_new_session=True, preexec_fn=_preexec(e.cores))
+
+    def _wait_ready(self, e: _Engine, *, new_port_on_clash: bool) -> None:
+        """Until `/health` answers 200. An engine whose port was taken meanwhile starts again on
+        another one (`new_port_on_clash`) or raises `_PortInUse`."""
+        for _ in range(_BIND_RETRIES):
+            deadline = time.monotonic() + self.startup_timeout_s
+            while True:
+                code = e.proc.poll()
+                if code is not None:
+                    break
+                if _healthy(self._url(e)):
+                    return
+                if time.monotonic() > deadline:
+                    message = self._failure(e, f"did not answer {self._url(e)}/health within "
+                                               f"{self.startup_timeout_s:g} s; stopped it")
+                    self._stop(e)
+                    raise EngineStartError(message)
+                time.sleep(0.1)
+            tail = self._log_tail(e)
+            if not any(s in tail.lower() for s in _PORT_IN_USE):
+                raise EngineStartError(self._failure(e, f"exited with code {code} during startup"))
+            if not new_port_on_clash:
+                raise _PortInUse(e.port)
+            logger.warning("engine %d: port %d was taken; trying another", e.index, e.port)
+            e.port = _free_port(self.host)
+            self._launch(e)
+        raise EngineStartError(self._failure(e, f"found no free port in {_BIND_RETRIES} tries"))
+
+    def _failure(self, e: _Engine, what: str) -> str:
+        return (f"engine {e.index} (pid {e.proc.pid}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
+                + self._log_tail(e))
+
+    def _log_tail(self, e: _Engine) -> str:
+        try:
+            with open(e.log_path, "rb") as f:
+                f.seek(e.log_offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError as err:
+            return f"  (log unreadable: {err})"
+        return "\n".join("  " + line for line in lines[-LOG_TAIL_LINES:])
+
+    def _stop(self, e: _Engine, deadline: Optional[float] = None) -> None:
+        """SIGTERM the engine's group (unless already sent), SIGKILL it at `deadline`, reap it."""
+        if e.proc is None:
+            return
+        if deadline is None:
+            _signal_group(e, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+        try:
+            e.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("engine %d (pid %d) ignored SIGTERM; killing it", e.index, e.proc.pid)
+        _signal_group(e, signal.SIGKILL)  # also whatever it started, even if it exited itself
+        e.proc.wait()
+        e.proc = None
+
+
+class _PortInUse(Exception):
+    pass
+
+
+def write_model_dir(model_config: ModelConfig, path: str) -> str:
+    """An HF-format directory with the config.json of `model_config` (no weights: the engines
+    start with `--load-format dummy`); returns its absolute path."""
+    from mcore_rl.hf import hf_config_from_model_config
+
+    os.makedirs(path, exist_ok=True)
+    hf_config_from_model_config(model_config).save_pretrained(path)
+    return os.path.abspath(path)
+
+
+def _child_env(threads: Optional[int]) -> dict[str, str]:
+    import mcore_rl
+
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mcore_rl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)  # this mcore_rl
+    env["PYTHONUNBUFFERED"] = "1"
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"  # what the learner recomputes (see the module docstring)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _preexec(cores: Optional[list[int]]) -> Callable[[], None]:
+    """Runs in the child before exec: SIGTERM when the starting thread dies, then CPU affinity."""
+    die = preexec_die_with_parent(signal.SIGTERM)
+
+    def preexec() -> None:
+        die()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return preexec
+
+
+def _signal_group(e: _Engine, sig: int) -> None:
+    if e.proc is None:
+        return
+    try:
+        os.killpg(e.proc.pid, sig)  # start_new_session: the engine leads its own group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with _DIRECT.open(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
