@@ -58,7 +58,7 @@ def recipe(args: argparse.Namespace, run_dir: str, data: str) -> list[str]:
         f"rollout.group_size={args.group_size}", f"rollout.prompts_per_step={args.prompts}",
         f"rollout.max_new_tokens={args.short * args.long_factor}", "rollout.context_length=512",
         "rollout.quantization=none", f"rollout.engine_cores=[[{engine_core}]]", "rollout.engine_threads=1",
-        "algorithm.num_minibatches=2", "algorithm.mismatch.name=tis", "optimizer.lr=3e-4",
+        f"algorithm.num_minibatches={args.minibatches}", "algorithm.mismatch.name=tis", "optimizer.lr=3e-4",
         "model.max_position_embeddings=512", f"train.seed={args.seed}",
         "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
     ]
@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="tokens of a short answer")
     p.add_argument("--long-factor", type=int, default=8)
     p.add_argument("--long-frac", type=float, default=0.25)
+    p.add_argument("--minibatches", type=int, default=4, help="optimizer steps per rollout step (training cost)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "async_vs_sync.png"))
     args = p.parse_args()

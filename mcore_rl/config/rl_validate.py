@@ -183,15 +183,12 @@ def check_engine_processes(r: RolloutConfig, errors: Errors) -> None:
     for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
         errors.need(not value or len(value) == n, key,
                     f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(value)}")
-    try:
-        have = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        have = None
+    count = os.cpu_count() or 1
     for i, cores in enumerate(r.engine_cores):
         errors.need(bool(cores), f"rollout.engine_cores[{i}]", "must list at least one core")
-        missing = sorted(set(cores) - have) if have is not None else []
+        missing = sorted(c for c in cores if not 0 <= c < count)
         errors.need(not missing, f"rollout.engine_cores[{i}]",
-                    f"cores {missing} are not available to this process (it may use {sorted(have or [])})")
+                    f"cores {missing} do not exist (this machine has cores 0-{count - 1})")
     errors.need(r.engine_threads is None or r.engine_threads >= 1, "rollout.engine_threads",
                 f"must be null or >= 1, got {r.engine_threads}")
 
