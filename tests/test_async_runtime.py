@@ -148,3 +148,31 @@ def test_with_every_engine_dead_the_run_stops_with_a_clear_error(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def _engine_pids(run_dir: str) -> list[int]:
+    """`mcore-rl serve` processes serving this run's model directory."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "serve" in line and f"{run_dir}/engines/" in line]
+
+
+def _started(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime import run_rl
+
+    # no engine URL: the trainer starts its engine processes; colocated: they sleep while it trains
+    cfg = small(f"run_dir={tmp}/colo", "rollout.runtime=async", "rollout.placement=colocated",
+                "rollout.max_staleness=1", "rollout.quantization=fp8")
+    summary = run_rl(cfg)
+    recs = [r for r in _records(f"{tmp}/colo") if "time/step_s" in r]
+    assert len(recs) == 3 and all(r["time/engine_release_resume_s"] > 0 for r in recs)
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["trained"] == 12 and acc["failed"] == 0
+    assert recs[-1]["mismatch/k3"] > 0  # the started engine runs FP8
+    assert os.path.exists(f"{tmp}/colo/engines/engine_0.log")
+    assert not _engine_pids(f"{tmp}/colo")  # stopped with the run
+
+
+def test_started_colocated_engines_sleep_while_the_learner_trains_and_stop_with_the_run(tmp_path):
+    run_world(1, _started, str(tmp_path))

@@ -291,12 +291,16 @@ class RLRun:
         if not (self.rank0 and self.cfg.rollout.placement == "colocated"):
             yield
             return
+        start = time.perf_counter()
         self.engines.call("pause_generation", {"mode": "abort"})
         self.engines.call("release_memory_occupation", {})
+        self.released_s = time.perf_counter() - start
         try:
             yield
         finally:
+            start = time.perf_counter()
             self.engines.call("resume_memory_occupation", {})
+            self.released_s += time.perf_counter() - start
 
     def step_done(self) -> None:
         """The step's weights are synced (and evaluated, saved): the async gate opens one step further."""
@@ -374,6 +378,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             run.sync()
             extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
                                        "rollout/weight_version": float(st.version)}
+            if cfg.rollout.placement == "colocated" and rank0:
+                extra["time/engine_release_resume_s"] = run.released_s
             if run.mipu is not None:
                 extra.update(run.mipu_decide(learner))
             st.rl_step += 1

@@ -195,6 +195,7 @@ class EngineCore:
         self._controls: BatchSampling | None = None  # of the running batch; None = rebuild
         self.kv_cache_released = False
         self._released_weights: list[tuple[torch.UntypedStorage, int]] | None = None
+        self._swapped_weights: list[tuple[torch.Tensor, torch.Size]] = []
         self.weights_need_reload = False  # resumed after a release: zero until a weight update
         self.weights_epoch = 0  # bumped by every weight change; K/V of an older epoch is stale
         self.recomputed_tokens = 0  # K/V computed again: retracted re-prefills and stale recomputes
@@ -705,14 +706,22 @@ class EngineCore:
             if "weights" in tags and self._released_weights is None:
                 names = set(self.weight_names())
                 storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+                swapped: dict[int, tuple[torch.Tensor, torch.Size]] = {}
                 for name, t in self.model.state_dict(keep_vars=True).items():
-                    if name in names:
-                        st = t.untyped_storage()
+                    if name not in names:
+                        continue
+                    st = t.untyped_storage()
+                    if st.resizable():
                         storages.setdefault(st.data_ptr(), (st, st.nbytes()))
+                    else:  # a numpy view (zero-copy file reads) pinned it: swap the tensor's data instead
+                        swapped.setdefault(id(t), (t, t.shape))
                 self.runner.drop_derived()
                 for st, _ in storages.values():
                     st.resize_(0)
+                for t, _ in swapped.values():
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
                 self._released_weights = list(storages.values())
+                self._swapped_weights = list(swapped.values())
 
     def resume_memory(self, tags: Iterable[str]) -> None:
         """Allocate the memory of `tags` again; released weights come back as zeros."""
@@ -722,6 +731,9 @@ class EngineCore:
                 for st, nbytes in self._released_weights:
                     st.resize_(nbytes)
                     st.fill_(0)
+                for t, shape in self._swapped_weights:
+                    t.data = torch.zeros(shape, dtype=t.dtype, device=t.device)
+                self._swapped_weights = []
                 self._released_weights = None
                 self.weights_need_reload = True
                 self.weights_epoch += 1
