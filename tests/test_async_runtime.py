@@ -154,8 +154,18 @@ def _engine_pids(run_dir: str) -> list[int]:
     """`mcore-rl serve` processes serving this run's model directory."""
     import subprocess
 
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "serve" in line and f"{run_dir}/engines/" in line]
+
+
+def _wait_for_pids(run_dir: str, n: int, timeout: float = 120) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        pids = _engine_pids(run_dir)
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.05)
+    return []
 
 
 def _started(rank: int, world_size: int, tmp: str) -> None:
@@ -164,7 +174,10 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
     # no engine URL: the trainer starts its engine processes; colocated: they sleep while it trains
     cfg = small(f"run_dir={tmp}/colo", "rollout.runtime=async", "rollout.placement=colocated",
                 "rollout.max_staleness=1", "rollout.quantization=fp8")
+    seen: dict[str, list[int]] = {}
+    threading.Thread(target=lambda: seen.setdefault("during", _wait_for_pids(f"{tmp}/colo", 1)), daemon=True).start()
     summary = run_rl(cfg)
+    assert len(seen["during"]) == 1  # (the check of the ps pattern: it finds the running engine)
     recs = [r for r in _records(f"{tmp}/colo") if "time/step_s" in r]
     assert len(recs) == 3 and all(r["time/engine_release_resume_s"] > 0 for r in recs)
     acc = summary["accounting"]
@@ -172,6 +185,38 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
     assert recs[-1]["mismatch/k3"] > 0  # the started engine runs FP8
     assert os.path.exists(f"{tmp}/colo/engines/engine_0.log")
     assert not _engine_pids(f"{tmp}/colo")  # stopped with the run
+
+    # two started engines, one SIGKILLed after step 2: the trainer starts it again at its URL (it
+    # serves again after the next sync), the run finishes, nothing is lost
+    cfg = small(f"run_dir={tmp}/restart", "rollout.runtime=async", "rollout.max_staleness=1",
+                "rollout.num_embedded_engines=2", "rollout.health_check_interval_s=0.5", "train.num_steps=12")
+    metrics = f"{tmp}/restart/metrics.jsonl"
+    seen = {}
+
+    def kill_one_after_step_two() -> None:
+        while not (os.path.exists(metrics) and any(json.loads(x).get("rl_step") == 2 for x in open(metrics))):
+            time.sleep(0.05)
+        victim = min(_engine_pids(f"{tmp}/restart"))
+        seen["before"] = _engine_pids(f"{tmp}/restart")
+        os.kill(victim, signal.SIGKILL)
+        seen["victim"] = [victim]
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            pids = _engine_pids(f"{tmp}/restart")
+            if len(pids) == 2 and victim not in pids:
+                seen["after"] = pids
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=kill_one_after_step_two, daemon=True)
+    watcher.start()
+    summary = run_rl(cfg)
+    watcher.join(60)
+    assert summary["state"]["rl_step"] == 12
+    assert len(seen["before"]) == 2 and "after" in seen, seen  # restarted: a new process in its place
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["failed"] == 0 and acc["trained"] == 12 * 4
+    assert not _engine_pids(f"{tmp}/restart")
 
 
 def test_started_colocated_engines_sleep_while_the_learner_trains_and_stop_with_the_run(tmp_path):

@@ -74,6 +74,7 @@ class RolloutConfig:
     engine_devices: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of each started engine
     engine_threads: Optional[int] = None  # torch threads of each started engine (None = its default)
     restart_engines: bool = True  # restart a started engine that died (it gets the weights before serving)
+    health_check_interval_s: float = 5.0  # how often dead engines are probed (and started ones restarted)
     engine_startup_timeout_s: float = 300.0
     max_inflight_requests: int = 0  # async: requests in flight at once (0 = engines x max_running_requests)
     buffer_groups: int = 0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)

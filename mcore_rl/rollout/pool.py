@@ -72,7 +72,7 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
 
     if rollout.engine_urls:
         return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
-                              admin_api_key=rollout.admin_api_key)
+                              admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s)
     if started_engines(rollout):
         from mcore_rl.rollout.engine_processes import EngineProcesses
 
@@ -85,7 +85,7 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
         try:
             return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                                   admin_api_key=rollout.admin_api_key, processes=procs,
-                                  restart_dead=rollout.restart_engines)
+                                  restart_dead=rollout.restart_engines, health_interval=rollout.health_check_interval_s)
         except BaseException:
             procs.close()
             raise
