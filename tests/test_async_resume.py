@@ -35,7 +35,12 @@ def _train(tmp: str, name: str, *overrides: str) -> subprocess.Popen:
 
 
 def _finish(p: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = p.communicate(timeout=timeout)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:  # timed out: leave no trainer behind
+            p.kill()
+            p.communicate()
     assert p.returncode == 0, out[-3000:]
     return out
 
@@ -44,8 +49,10 @@ def _kill_after_checkpoint(p: subprocess.Popen, save_dir: str, iteration: int, t
     latest = os.path.join(save_dir, "latest")
     end = time.monotonic() + timeout
     while True:
-        assert p.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < end, "no checkpoint in time"
+        if p.poll() is not None or time.monotonic() > end:
+            p.kill()
+            out, _ = p.communicate()
+            raise AssertionError(f"no step-{iteration} checkpoint while the run was alive:\n{out[-3000:]}")
         if os.path.exists(latest) and open(latest).read().strip().endswith(f"{iteration:07d}"):
             break
         time.sleep(0.05)
