@@ -227,3 +227,41 @@ def test_snapshot_and_restore_neither_repeat_nor_skip_a_prompt():
     assert set(trained) | pending == set(range(sch.ledger.drawn))
     assert sch.ledger.resent_after_resume == len(state["pending"])
     sch.ledger.check(sch.pending())
+
+
+def test_keep_trains_what_the_gate_admitted_and_regeneration_is_capped():
+    """A group restored three versions old: `keep` trains it (counted in async/kept_stale);
+    `regenerate` with max_regenerations=0 drops it at once instead of sending it again."""
+
+    async def go(policy, **kw):
+        eng = _engines()
+        be = SimBackend(eng, base_tokens=4)
+        be.drawn = 100
+        sch = RolloutScheduler(be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1,
+                                                   stale_policy=policy, **kw))
+        sch.load_state_dict({"buffer": [[_state(x) for x in _group(7, 1)], [_state(x) for x in _group(8, 3)]],
+                             "pending": [], "ledger": {"drawn": 2}, "steps_done": 2, "prompts": {}})
+        eng.resume(4)
+        sch.start()
+        groups, metrics = await sch.next_batch(trainer_version=4)
+        await sch.close()
+        return [g[0].prompt.index for g in groups], metrics, sch
+
+    indices, metrics, sch = run_simulated(go("keep"))
+    assert indices == [7, 8] and metrics["async/kept_stale"] == 1 and sch.ledger.dropped_stale == 0
+    indices, metrics, sch = run_simulated(go("regenerate", max_regenerations=0))
+    assert 7 not in indices and sch.ledger.dropped_stale == 1 and sch.ledger.regenerated_stale == 0
+
+
+def test_a_request_interrupted_too_often_fails_its_group_with_the_reason():
+    async def go():
+        eng = _engines()
+        sch = RolloutScheduler(SimBackend(eng, base_tokens=200, long_frac=0.0),
+                               SchedulerConfig(group_size=2, batch_groups=2, max_staleness=1, partial_rollouts=False,
+                                               max_parts=1))
+        await simulate_learner(sch, eng, 3, lambda g: 0.3)
+        return sch
+
+    sch = run_simulated(go())
+    assert any("cut off 1 time(s)" in r for r in sch.ledger.failed), dict(sch.ledger.failed)
+    sch.ledger.check(sch.pending())

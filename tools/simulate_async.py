@@ -18,9 +18,9 @@ requests / slots), decode tokens per inference GPU per second, the staleness of 
 and the re-prefill of continued requests), the mean trained response, and the ratio of trained
 tokens per second to the synchronous schedule (s = 0) on the same split and to a colocated
 synchronous run (all GPUs generate, then all train: the baseline the anchors' 2.3-2.8x are
-measured against). Rows marked "keep" swap in a what-if policy object (`AdmittedGate`) that trains
-every group the gate admitted instead of dropping the ones whose oldest token is more than s
-versions old at batch time (the scheduler's rule).
+measured against). Rows marked "keep" run `stale_policy="keep"`: every group the gate admitted is
+trained, instead of dropping the ones whose oldest token is more than s versions old at batch
+time (the default rule).
 
 Scale: a step of 512 prompts x 16 answers of ~5k tokens is 8192 requests and ~40M tokens. The
 default simulates a 1/`--slice` slice of the cluster (prompts per step, inference instances and
@@ -50,7 +50,6 @@ from mcore_rl.runtime.simulation import (
     run_simulated,
     simulate_learner,
 )
-from mcore_rl.runtime.staleness import StalenessGate
 
 
 @dataclass(frozen=True)
@@ -131,16 +130,6 @@ class Scenario:
 
 
 @dataclass(frozen=True)
-class AdmittedGate(StalenessGate):
-    """What-if policy object (not a scheduler change): the same submission gate, but no group is
-    found too stale at batch time, so whatever the gate admitted is trained however many syncs its
-    longest answer ran across (the gate alone bounds the version a group *starts* with)."""
-
-    def is_too_stale(self, trainer_version: int, sample_version: int) -> bool:
-        return False
-
-
-@dataclass(frozen=True)
 class Config:
     label: str
     trainer_gpus: int  # full-cluster counts
@@ -186,9 +175,7 @@ def simulate(scn: Scenario, cfg: Config) -> dict[str, Any]:
                                  seed=scn.seed)
         sch = RolloutScheduler(backend, SchedulerConfig(
             group_size=scn.group_size, batch_groups=batch, max_staleness=cfg.max_staleness,
-            stale_policy=scn.stale_policy, partial_rollouts=scn.partial_rollouts))
-        if cfg.keep_admitted:
-            sch.gate = AdmittedGate(batch, cfg.max_staleness)
+            stale_policy="keep" if cfg.keep_admitted else scn.stale_policy, partial_rollouts=scn.partial_rollouts))
         stats: list[dict[str, float]] = []
         loop = asyncio.get_running_loop()
 

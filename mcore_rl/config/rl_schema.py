@@ -78,7 +78,10 @@ class RolloutConfig:
     engine_startup_timeout_s: float = 300.0
     max_inflight_requests: int = 0  # async: requests in flight at once (0 = engines x max_running_requests)
     buffer_groups: int = 0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)
-    stale_policy: Literal["drop", "regenerate"] = "drop"  # a group found too stale at batch time
+    # a group whose oldest token is > max_staleness versions old at batch time: drop, regenerate (at most
+    # max_regenerations times, then drop), or keep (trust the submission gate, as AReaL does)
+    stale_policy: Literal["drop", "regenerate", "keep"] = "drop"
+    max_regenerations: int = 2
     pause_mode: Literal["abort", "in_place", "retract"] = "abort"  # how engines pause for a weight sync
     partial_rollouts: bool = True  # continue requests a sync interrupted (else start them again)
     no_engine_timeout_s: float = 120.0  # async: stop with an error after this long without any engine

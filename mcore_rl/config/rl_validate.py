@@ -155,6 +155,7 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
                 f"must be > 0, got {r.engine_startup_timeout_s}")
     errors.need(r.max_inflight_requests >= 0, "rollout.max_inflight_requests",
                 f"must be >= 0 (0 = what the engines accept), got {r.max_inflight_requests}")
+    errors.need(r.max_regenerations >= 0, "rollout.max_regenerations", f"must be >= 0, got {r.max_regenerations}")
     errors.need(r.buffer_groups >= 0, "rollout.buffer_groups", f"must be >= 0 (0 = automatic), got {r.buffer_groups}")
     check_engine_processes(r, errors)
     if r.runtime != "async":

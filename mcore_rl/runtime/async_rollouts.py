@@ -77,7 +77,7 @@ def scheduler_config(cfg: Any) -> SchedulerConfig:
     return SchedulerConfig(
         group_size=r.group_size, batch_groups=r.prompts_per_step, max_staleness=r.max_staleness,
         max_inflight_groups=max(1, inflight // r.group_size), buffer_groups=r.buffer_groups,
-        stale_policy=r.stale_policy, partial_rollouts=r.partial_rollouts, no_engine_timeout_s=r.no_engine_timeout_s,
+        stale_policy=r.stale_policy, max_regenerations=r.max_regenerations, partial_rollouts=r.partial_rollouts, no_engine_timeout_s=r.no_engine_timeout_s,
         total_steps=cfg.train.num_steps,
     )
 

@@ -66,7 +66,11 @@ class SchedulerConfig:
     max_staleness: int = 0
     max_inflight_groups: int = 1 << 30
     buffer_groups: int = 0  # 0 = (max_staleness + 1) * batch_groups
-    stale_policy: Literal["drop", "regenerate"] = "drop"
+    # a group whose oldest token is more than max_staleness versions old at batch time: dropped,
+    # regenerated (at most max_regenerations times, then dropped), or kept (the gate alone bounds
+    # the version a group starts with, as AReaL does; long answers that ran across many syncs train)
+    stale_policy: Literal["drop", "regenerate", "keep"] = "drop"
+    max_regenerations: int = 2
     partial_rollouts: bool = True  # continue aborted requests (else start them again)
     no_engine_timeout_s: float = 120.0
     retry_interval_s: float = 0.5
@@ -93,6 +97,7 @@ class EnginesLost(RuntimeError):
 @dataclass
 class _Job:
     prompt: Prompt
+    regenerations: int = 0
 
 
 @dataclass
@@ -205,6 +210,8 @@ class RolloutScheduler:
         try:
             parts = await asyncio.gather(*(self._run_sample(job.prompt, j) for j in range(self.cfg.group_size)))
             group = [self._sample(job.prompt, p) for p in parts]
+            for x in group:
+                x.info["regenerations"] = job.regenerations
             await self.backend.score(group)
         except asyncio.CancelledError:
             raise
@@ -239,7 +246,9 @@ class RolloutScheduler:
 
     async def _run_sample(self, prompt: Prompt, j: int) -> _Partial:
         out = _Partial()
-        for part in range(self.cfg.max_parts):
+        for part in range(self.cfg.max_parts + 1):
+            if part == self.cfg.max_parts:
+                raise GroupFailed(f"a request was cut off {part} time(s) by weight syncs without finishing")
             req = self.backend.request(prompt, j, out.ids, part)
             if req is None:  # no token budget left: a request aborted on its last token
                 out.finish = "length"
@@ -307,18 +316,23 @@ class RolloutScheduler:
             if len(self.buffer) >= self.cfg.batch_groups:
                 groups = self.buffer[: self.cfg.batch_groups]
                 stale = [g for g in groups if self.gate.is_too_stale(trainer_version, min(x.policy_version for x in g))]
+                kept_stale = len(stale) if self.cfg.stale_policy == "keep" else 0
+                if kept_stale:
+                    stale = []
                 if not stale:
                     self.buffer = self.buffer[self.cfg.batch_groups:]
                     self.ledger.trained += len(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
+                    metrics["async/kept_stale"] = float(kept_stale)
                     await self._notify()
                     return groups, metrics
                 self.buffer = [g for g in self.buffer if not any(g is x for x in stale)]
                 for g in stale:
-                    if self.cfg.stale_policy == "regenerate":
+                    done = int(g[0].info.get("regenerations", 0))
+                    if self.cfg.stale_policy == "regenerate" and done < self.cfg.max_regenerations:
                         self.ledger.regenerated_stale += 1
                         self._win().regenerated += 1
-                        self.retry.append(_Job(g[0].prompt))
+                        self.retry.append(_Job(g[0].prompt, done + 1))
                     else:
                         self.ledger.dropped_stale += 1
                         self._win().dropped += 1
@@ -346,7 +360,14 @@ class RolloutScheduler:
         self._tick()
         w = self._win()
         span = max(self._now() - w.start, 1e-9)
-        lags = [trainer_version - v for g in groups for s in g for v in s.versions()]
+        lag_tokens: Counter = Counter()
+        for g in groups:
+            for x in g:
+                if x.token_versions is None:  # one version: count without a list per token
+                    lag_tokens[trainer_version - x.policy_version] += len(x.response_ids)
+                else:
+                    lag_tokens.update(trainer_version - v for v in x.token_versions)
+        total = sum(lag_tokens.values())
         out: dict[str, float] = {
             "async/trainer_wait_s": waited_s,
             "async/buffer_groups": float(len(self.buffer)),
@@ -360,12 +381,12 @@ class RolloutScheduler:
             "async/regenerated_stale": float(w.regenerated),
             "async/failed": float(sum(w.failed.values())),
             "async/filtered": float(sum(w.filtered.values())),
-            "async/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-            "async/staleness_max": float(max(lags)) if lags else 0.0,
+            "async/staleness_mean": sum(k * n for k, n in lag_tokens.items()) / total if total else 0.0,
+            "async/staleness_max": float(max(lag_tokens)) if lag_tokens else 0.0,
             "async/partial_samples": float(sum(s.token_versions is not None for g in groups for s in g)),
         }
-        for lag, n in sorted(Counter(lags).items()):
-            out[f"async/staleness_tokens_lag{lag}"] = n / len(lags)
+        for lag, n in sorted(lag_tokens.items()):
+            out[f"async/staleness_tokens_lag{lag}"] = n / total
         for reason, n in w.failed.items():
             out[f"async/failed/{_key(reason)}"] = float(n)
         for reason, n in w.filtered.items():
@@ -381,7 +402,7 @@ class RolloutScheduler:
         pending = sorted(self.running.values(), key=lambda j: j.prompt.index) + list(self.retry)
         return {
             "buffer": [[_sample_state(s) for s in g] for g in self.buffer],
-            "pending": [asdict(j.prompt) for j in pending],
+            "pending": [{**asdict(j.prompt), "_regenerations": j.regenerations} for j in pending],
             "ledger": self.ledger.state_dict(),
             "steps_done": self.steps_done,
             "prompts": self.backend.prompt_state(),
@@ -390,7 +411,8 @@ class RolloutScheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start`: the buffered groups come back, the pending prompts are sent again first."""
         self.buffer = [[_sample_from_state(s) for s in g] for g in state["buffer"]]
-        self.retry = deque(_Job(Prompt(**p)) for p in state["pending"])
+        self.retry = deque(_Job(Prompt(**{k: v for k, v in p.items() if k != "_regenerations"}),
+                                int(p.get("_regenerations", 0))) for p in state["pending"])
         self.ledger.load_state_dict(state["ledger"])
         self.ledger.resent_after_resume += len(self.retry)
         self.ledger.restored_buffered += len(self.buffer)
