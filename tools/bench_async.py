@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="tokens of a short answer")
     p.add_argument("--long-factor", type=int, default=8)
     p.add_argument("--long-frac", type=float, default=0.25)
-    p.add_argument("--minibatches", type=int, default=4, help="optimizer steps per rollout step (training cost)")
+    p.add_argument("--minibatches", type=int, default=3, help="optimizer steps per rollout step (training cost)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "async_vs_sync.png"))
     args = p.parse_args()
