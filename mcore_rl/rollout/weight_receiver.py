@@ -49,6 +49,7 @@ import math
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, BinaryIO, Iterable, Optional, Sequence
 
@@ -71,7 +72,27 @@ from mcore_rl.rollout.weight_protocol import (
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 
-_groups: "weakref.WeakKeyDictionary[Any, dict[str, tuple[dist.ProcessGroup, str]]]" = weakref.WeakKeyDictionary()
+
+@dataclass
+class _Group:
+    """A joined broadcast group. `staging`: the receive buffer of flattened buckets on CPU, kept
+    for the group's lifetime: a fresh buffer per bucket costs first-touch page faults on every sync
+    (about as long as the broadcast itself on CPU). On CUDA the caching allocator already reuses."""
+
+    pg: dist.ProcessGroup
+    backend: str
+    staging: Optional[torch.Tensor] = None
+
+    def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = None  # free the old one before allocating the larger one
+            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self.staging[:nbytes]
+
+
+_groups: "weakref.WeakKeyDictionary[Any, dict[str, Optional[_Group]]]" = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
 
 
@@ -306,7 +327,7 @@ def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_T
         return _fail(f"Failed to initialize custom process group within {timeout.total_seconds():g} s: "
                      f"{type(e).__name__}: {detail}"[:1000])
     with _groups_lock:
-        groups[group_name] = (pg, backend)
+        groups[group_name] = _Group(pg, backend)
     return _ok(f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} of {world_size}.")
 
 
@@ -317,11 +338,11 @@ def destroy_weights_update_group(core: Any, req: dict) -> dict:
         if entry is None:
             return _fail(f"The group to be destroyed does not exist: {group_name!r}")
         del _groups[core][group_name]
-    dist.destroy_process_group(entry[0])
+    dist.destroy_process_group(entry.pg)
     return _ok(f"Succeeded to destroy custom process group {group_name!r}.")
 
 
-def _group(core: Any, group_name: str) -> tuple[dist.ProcessGroup, str]:
+def _group(core: Any, group_name: str) -> _Group:
     entry = _groups.get(core, {}).get(group_name)
     if entry is None:
         raise ValueError(f"group_name: {group_name!r} is not initialized; call /init_weights_update_group first")
@@ -357,7 +378,8 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     group_name = _field(req, "group_name", str, "weight_update_group")
     fmt = _load_format(req, (None, "flattened_bucket"))
     _check_options(req)
-    pg, backend = _group(core, group_name)
+    group = _group(core, group_name)
+    pg, backend = group.pg, group.backend
     try:
         check_weights_present(core)
         released = None
@@ -372,7 +394,7 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     dest = {} if refused else _destinations(core, device)
     try:
         if fmt == "flattened_bucket":
-            flat = torch.empty(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8, device=device)
+            flat = group.buffer(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), device)
             broadcast_tensors([flat], pg)
             named = unflatten(flat, names, dtypes, shapes)
         else:

@@ -99,6 +99,7 @@ class DistributedTransport:
     rendezvous_timeout_s: Optional[float] = None  # how long an engine waits to join the group
     _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
     _members: list[str] = field(default_factory=list, init=False)
+    _staging: Optional[torch.Tensor] = field(default=None, init=False)  # flattened buckets on CPU
 
     def connect(self, urls: Optional[Sequence[str]] = None) -> None:
         """Form the group with the engines `urls` (default: the pool's live ones); a group with
@@ -144,7 +145,7 @@ class DistributedTransport:
                 )
                 try:
                     if self.load_format == "flattened_bucket":
-                        broadcast_tensors([flatten(bucket).to(device)], self._group)
+                        broadcast_tensors([self._flatten(bucket, meta.total_bytes, device)], self._group)
                     else:
                         broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
                 except BaseException:
@@ -159,6 +160,18 @@ class DistributedTransport:
                 stats.buckets += 1
             self.engines.delivered(targets, version)
 
+    def _flatten(self, bucket: NamedTensors, total: int, device: torch.device) -> torch.Tensor:
+        """The bucket as one uint8 tensor on `device`. On CPU it is written into a buffer kept
+        between buckets and syncs (fresh memory costs page faults as long as the copy); on CUDA
+        the caching allocator reuses memory already, and a buffer held here would stay out of
+        the trainer's reach between syncs."""
+        if device.type != "cpu":
+            return flatten(bucket, out=torch.empty(total, dtype=torch.uint8, device=device))
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None
+            self._staging = torch.empty(total, dtype=torch.uint8)
+        return flatten(bucket, out=self._staging)
+
     def _drop_group(self) -> None:
         if self._group is not None:
             dist.destroy_process_group(self._group)
@@ -167,6 +180,7 @@ class DistributedTransport:
 
     def close(self) -> None:
         """Tear the group down on both sides (`/destroy_weights_update_group`)."""
+        self._staging = None
         if self._group is not None:
             futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name},
                                          self._members)
