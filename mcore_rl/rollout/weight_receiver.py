@@ -60,6 +60,7 @@ from mcore_rl.rollout.launch_flags import default_weight_dirs
 
 from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
+    WeightChecksum,
     broadcast_tensors,
     decode_tensor_payload,
     host_bytes,
@@ -67,10 +68,12 @@ from mcore_rl.rollout.weight_protocol import (
     nbytes,
     parse_dtype,
     read_safetensors_header,
+    tensor_digest,
     unflatten,
 )
 
 GROUP_TIMEOUT = timedelta(minutes=10)
+
 
 
 @dataclass
@@ -94,6 +97,46 @@ class _Group:
 
 _groups: "weakref.WeakKeyDictionary[Any, dict[str, Optional[_Group]]]" = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
+
+
+_checksums: "weakref.WeakKeyDictionary[Any, WeightChecksum]" = weakref.WeakKeyDictionary()
+
+
+def received(core: Any) -> WeightChecksum:
+    """The checksum of what this engine received: per HF name, the last tensor that arrived for it
+    (in the dtype it travelled in, before any cast), over every transport and the in-process path."""
+    c = _checksums.get(core)
+    if c is None:
+        c = _checksums[core] = WeightChecksum()
+    return c
+
+
+def weights_checksum(core: Any) -> dict:
+    """`/weights_checksum`: the version the engine serves and the checksum of the tensors it
+    received (`weight_protocol.WeightChecksum`), to compare with the trainer's of that version.
+    While the weights are released or not reloaded since (zeros), nothing received is held any
+    more: the checksum is that of no tensors until the next sync."""
+    c = received(core)
+    if getattr(core, "weights_released", False) or getattr(core, "weights_need_reload", False):
+        c.discard(list(c.digests()))
+    return {"weight_version": str(core.weight_version), "checksum": c.hexdigest(), "num_tensors": len(c)}
+
+
+def _load_recorded(core: Any, named: NamedTensors, digests: Optional[Sequence[torch.Tensor]] = None) -> int:
+    """`core.load_weights(named)`, recording what arrived for `/weights_checksum` (digests taken
+    before the load casts anything; `digests` if already computed). If the load fails, the
+    bucket's names are unknown until sent again."""
+    sums = received(core)
+    fp8_layers = getattr(core, "fp8_layers", {})
+    try:
+        for i, (n, t) in enumerate(named):
+            sums.add_digest(n, t.dtype, t.shape, digests[i] if digests is not None else tensor_digest(t))
+            if t.dtype != torch.float8_e4m3fn and n.endswith(".weight") and n[: -len(".weight")] in fp8_layers:
+                sums.discard([n[: -len(".weight")] + ".weight_scale_inv"])  # the engine quantizes it: new scales
+        return len(core.load_weights(named))
+    except BaseException:
+        sums.discard(n for n, _ in named)
+        raise
 
 
 def _ok(message: str) -> dict:
@@ -256,7 +299,7 @@ def _items(named: NamedTensors) -> Iterable[Item]:
 def load_named_tensors(core: Any, named: NamedTensors, field: str = "names") -> int:
     """Check a whole bucket, then copy it into the model (under the core's lock)."""
     check_weights(core, _items(named), field)
-    return len(core.load_weights(named))
+    return _load_recorded(core, named)
 
 
 def _finish(core: Any, req: dict, count: int, source: str, whole_checkpoint: bool) -> dict:
@@ -392,6 +435,7 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     except ValueError as e:
         refused = released or e  # still receive (into scratch), so the trainer's broadcast completes
     dest = {} if refused else _destinations(core, device)
+    digests: list[torch.Tensor] = []
     try:
         if fmt == "flattened_bucket":
             flat = group.buffer(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), device)
@@ -399,13 +443,17 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
             named = unflatten(flat, names, dtypes, shapes)
         else:
             named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
-            broadcast_tensors([t for _, t in named], pg)
+            # each tensor's digest while the later ones are still arriving
+            broadcast_tensors([t for _, t in named], pg,
+                              each=None if refused else lambda i: digests.append(tensor_digest(named[i][1])))
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+        if not refused:
+            received(core).discard(names)
         return _fail(f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
                      f"send the whole model again): {type(e).__name__}: {e}")
     if refused:
         raise refused
-    count = len(core.load_weights(named))
+    count = _load_recorded(core, named, digests or None)
     return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
 
 
@@ -468,15 +516,20 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
     dest = _destinations(core, cpu)
     count = 0
     for f, entries in zip(files, headers):
-        with _open_allowed(f, allowed_dirs, field) as fh:
-            named = []
-            for e in entries:
-                target = _landing(dest, e.name, e.dtype, e.shape, cpu)
-                fh.seek(e.begin)
-                if fh.readinto(host_bytes(target)) != e.end - e.begin:
-                    return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
-                named.append((e.name, target))
-        count += len(core.load_weights(named))
+        try:
+            with _open_allowed(f, allowed_dirs, field) as fh:
+                named = []
+                for e in entries:
+                    target = _landing(dest, e.name, e.dtype, e.shape, cpu)
+                    fh.seek(e.begin)
+                    if fh.readinto(host_bytes(target)) != e.end - e.begin:
+                        received(core).discard(x.name for x in entries)
+                        return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
+                    named.append((e.name, target))
+        except BaseException:
+            received(core).discard(x.name for x in entries)
+            raise
+        count += _load_recorded(core, named)
     return _finish(core, req, count, source, whole_checkpoint)
 
 
