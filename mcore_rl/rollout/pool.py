@@ -21,11 +21,14 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from mcore_rl.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    from mcore_rl.rollout.weight_protocol import WeightChecksum
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +274,19 @@ class HTTPEnginePool:
         continue (`/continue_generation`); every other engine paused here stays paused and moves to
         `router.stale` (out of routing, and marked `unsynced` so that no health check takes it
         back), also when the update raised: it may hold a mix of two versions."""
-        targets = list(self.call("pause_generation", {"mode": mode}, self.update_targets() if urls is None else urls))
+        asked = self.update_targets() if urls is None else list(urls)
+        replies = self._settle(self.start("pause_generation", {"mode": mode}, asked), "/pause_generation")
+        targets = [u for u, (_, err) in replies.items() if err is None]
+        refused = next((err for _, err in replies.values() if err is not None), None)
+        if refused is not None or not targets:  # nothing was sent yet: the paused ones may go on
+            if targets:
+                self.call("continue_generation", {}, targets)
+            if refused is not None:
+                raise refused
+            from mcore_rl.rollout.router import NoHealthyEngine
+
+            tried = ", ".join(asked) or "none"
+            raise NoHealthyEngine(f"/pause_generation: no engine to update answered (tried {tried})")
         paused = list(targets)
         self._updating = set()
         try:
@@ -291,7 +306,8 @@ class HTTPEnginePool:
             if resume:
                 self.call("continue_generation", {}, resume)
 
-    def delivered(self, urls: Sequence[str], version: int, checksum: Any = None) -> dict[str, str]:
+    def delivered(self, urls: Sequence[str], version: int,
+                  checksum: Optional["WeightChecksum"] = None) -> dict[str, str]:
         """`urls` received every tensor of `version`. With `checksum` (the trainer's
         `WeightChecksum` of what it sent) each engine's `/weights_checksum` is compared first; the
         engines that agree, or have no such endpoint (logged once), serve again. Returns the others,
@@ -310,7 +326,7 @@ class HTTPEnginePool:
             self.router.expected_version = str(version)
         return problems
 
-    def verify(self, urls: Sequence[str], version: int, checksum: Any) -> dict[str, str]:
+    def verify(self, urls: Sequence[str], version: int, checksum: "WeightChecksum") -> dict[str, str]:
         """Engines among `urls` whose `/weights_checksum` does not show `version` with exactly the
         tensors of `checksum`, with why. Engines that answer 404 (no such endpoint: a real SGLang
         server) are not checked; that is logged once per engine."""
