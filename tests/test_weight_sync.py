@@ -375,8 +375,8 @@ def test_tensor_digest_is_exact_and_sees_any_change():
 
 
 def _send(transport, named, version: int, bucket_bytes: int = 1 << 16, **kw) -> SyncStats:
-    """One sync as `WeightSync` makes it: the checksum taken while bucketing."""
-    stats = SyncStats(version, checksum=WeightChecksum())
+    """One sync as `WeightSync` makes it: the checksum taken while bucketing (in the background)."""
+    stats = SyncStats(version, checksum=WeightChecksum(background=True))
     transport.send(iter_buckets(named, bucket_bytes, stats.checksum), version, stats, **kw)
     return stats
 

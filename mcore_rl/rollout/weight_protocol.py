@@ -25,7 +25,9 @@ import io
 import json
 import os
 import struct
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -408,25 +410,56 @@ def _entry_digest(name: str, dtype: torch.dtype, shape: Sequence[int], content: 
     return int.from_bytes(h.digest(), "little")
 
 
+_worker: ThreadPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def _digest_worker() -> ThreadPoolExecutor:
+    """One thread per process that digests CPU tensors in the background (torch releases the GIL)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digest")
+        return _worker
+
+
 class WeightChecksum:
     """An order-independent 64-bit checksum over named tensors: the sum mod 2^64 of one digest per
     name, of the last tensor added under it (name, dtype, shape and bytes all count).
 
     The trainer adds every tensor it sends (after FP8 quantization), the engine every tensor it
     receives, before any cast; equal `hexdigest()`s mean each name holds the bytes the trainer
-    sent. Content digests of GPU tensors stay on the GPU until `hexdigest()` reads them back."""
+    sent. Content digests of GPU tensors stay on the GPU until `hexdigest()` reads them back. With
+    `background`, CPU tensors are digested on a worker thread while the caller goes on sending or
+    receiving (a digest reads every byte once: on CPU that costs about as much as a copy); the
+    caller must not change a tensor it added before `wait()` (or `hexdigest()`) returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, background: bool = False) -> None:
+        self.background = background
         self._done: dict[str, int] = {}
-        self._pending: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = {}
+        self._pending: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor | Future]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.add_digest(name, tensor.dtype, tuple(tensor.shape), tensor_digest(tensor))
+        self.add_digest(name, tensor.dtype, tuple(tensor.shape), self.digest_later(tensor))
 
-    def add_digest(self, name: str, dtype: torch.dtype, shape: Sequence[int], content: torch.Tensor) -> None:
-        """`content`: `tensor_digest` of the tensor (computed earlier, e.g. while other bytes arrived)."""
+    def add_digest(self, name: str, dtype: torch.dtype, shape: Sequence[int],
+                   content: torch.Tensor | Future) -> None:
+        """`content`: `tensor_digest` of the tensor, or its future (computed as other bytes arrived)."""
         self._done.pop(name, None)
         self._pending[name] = (dtype, tuple(int(d) for d in shape), content)
+
+    def digest_later(self, tensor: torch.Tensor) -> torch.Tensor | Future:
+        """`tensor_digest(tensor)`, on the worker thread if `background` (for `add_digest`)."""
+        if self.background and tensor.device.type == "cpu":
+            return _digest_worker().submit(tensor_digest, tensor)
+        return tensor_digest(tensor)
+
+    def contents(self, names: Sequence[str]) -> list[torch.Tensor | Future] | None:
+        """The content digests (or their futures) of `names` if all are still pending, else None:
+        for a receiver that holds the very tensors added here (an in-process engine), so that it
+        need not read them again."""
+        got = [self._pending.get(n) for n in names]
+        return None if any(g is None for g in got) else [g[2] for g in got]
 
     def discard(self, names: Iterable[str]) -> None:
         """Forget these names (their tensors may be partly overwritten: unknown until sent again)."""
@@ -434,25 +467,27 @@ class WeightChecksum:
             self._done.pop(n, None)
             self._pending.pop(n, None)
 
-    def _resolve(self) -> None:
+    def wait(self) -> None:
+        """Every digest computed: the tensors added may change from now on."""
         if not self._pending:
             return
+        contents = {n: c.result() if isinstance(c, Future) else c for n, (_, _, c) in self._pending.items()}
         by_device: dict[torch.device, list[str]] = {}
-        for name, (_, _, d) in self._pending.items():
+        for name, d in contents.items():
             by_device.setdefault(d.device, []).append(name)
         for names in by_device.values():
-            values = torch.stack([self._pending[n][2] for n in names]).tolist()  # one read-back per device
+            values = torch.stack([contents[n] for n in names]).tolist()  # one read-back per device
             for n, v in zip(names, values):
                 dtype, shape, _ = self._pending[n]
                 self._done[n] = _entry_digest(n, dtype, shape, v)
         self._pending.clear()
 
     def digests(self) -> dict[str, int]:
-        self._resolve()
+        self.wait()
         return dict(self._done)
 
     def hexdigest(self) -> str:
-        self._resolve()
+        self.wait()
         return f"{sum(self._done.values()) & 0xFFFFFFFFFFFFFFFF:016x}"
 
     def __len__(self) -> int:

@@ -68,7 +68,6 @@ from mcore_rl.rollout.weight_protocol import (
     nbytes,
     parse_dtype,
     read_safetensors_header,
-    tensor_digest,
     unflatten,
 )
 
@@ -107,7 +106,7 @@ def received(core: Any) -> WeightChecksum:
     (in the dtype it travelled in, before any cast), over every transport and the in-process path."""
     c = _checksums.get(core)
     if c is None:
-        c = _checksums[core] = WeightChecksum()
+        c = _checksums[core] = WeightChecksum(background=True)  # digests overlap the next reads
     return c
 
 
@@ -122,15 +121,15 @@ def weights_checksum(core: Any) -> dict:
     return {"weight_version": str(core.weight_version), "checksum": c.hexdigest(), "num_tensors": len(c)}
 
 
-def _load_recorded(core: Any, named: NamedTensors, digests: Optional[Sequence[torch.Tensor]] = None) -> int:
-    """`core.load_weights(named)`, recording what arrived for `/weights_checksum` (digests taken
-    before the load casts anything; `digests` if already computed). If the load fails, the
-    bucket's names are unknown until sent again."""
+def _load_recorded(core: Any, named: NamedTensors, digests: Optional[Sequence[Any]] = None) -> int:
+    """`core.load_weights(named)`, recording what arrived for `/weights_checksum` (digests of the
+    tensors as they arrived, before the load casts anything; `digests` if already under way). If
+    the load fails, the bucket's names are unknown until sent again."""
     sums = received(core)
     fp8_layers = getattr(core, "fp8_layers", {})
     try:
         for i, (n, t) in enumerate(named):
-            sums.add_digest(n, t.dtype, t.shape, digests[i] if digests is not None else tensor_digest(t))
+            sums.add_digest(n, t.dtype, t.shape, digests[i] if digests is not None else sums.digest_later(t))
             if t.dtype != torch.float8_e4m3fn and n.endswith(".weight") and n[: -len(".weight")] in fp8_layers:
                 sums.discard([n[: -len(".weight")] + ".weight_scale_inv"])  # the engine quantizes it: new scales
         return len(core.load_weights(named))
@@ -296,10 +295,12 @@ def _items(named: NamedTensors) -> Iterable[Item]:
     return ((n, tuple(t.shape), t.dtype) for n, t in named)
 
 
-def load_named_tensors(core: Any, named: NamedTensors, field: str = "names") -> int:
-    """Check a whole bucket, then copy it into the model (under the core's lock)."""
+def load_named_tensors(core: Any, named: NamedTensors, field: str = "names",
+                       digests: Optional[Sequence[Any]] = None) -> int:
+    """Check a whole bucket, then copy it into the model (under the core's lock). `digests`: the
+    tensors' content digests if the caller has them (the trainer's, for an in-process engine)."""
     check_weights(core, _items(named), field)
-    return _load_recorded(core, named)
+    return _load_recorded(core, named, digests)
 
 
 def _finish(core: Any, req: dict, count: int, source: str, whole_checkpoint: bool) -> dict:
@@ -435,17 +436,19 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     except ValueError as e:
         refused = released or e  # still receive (into scratch), so the trainer's broadcast completes
     dest = {} if refused else _destinations(core, device)
-    digests: list[torch.Tensor] = []
+    digests: list[Any] = []
     try:
         if fmt == "flattened_bucket":
+            received(core).wait()  # the last bucket's digests read the buffer this one reuses
             flat = group.buffer(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), device)
             broadcast_tensors([flat], pg)
             named = unflatten(flat, names, dtypes, shapes)
         else:
             named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
             # each tensor's digest while the later ones are still arriving
+            sums = received(core)
             broadcast_tensors([t for _, t in named], pg,
-                              each=None if refused else lambda i: digests.append(tensor_digest(named[i][1])))
+                              each=None if refused else lambda i: digests.append(sums.digest_later(named[i][1])))
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
         if not refused:
             received(core).discard(names)
@@ -518,7 +521,7 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
     for f, entries in zip(files, headers):
         try:
             with _open_allowed(f, allowed_dirs, field) as fh:
-                named = []
+                named, digests = [], []
                 for e in entries:
                     target = _landing(dest, e.name, e.dtype, e.shape, cpu)
                     fh.seek(e.begin)
@@ -526,10 +529,11 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
                         received(core).discard(x.name for x in entries)
                         return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
                     named.append((e.name, target))
+                    digests.append(received(core).digest_later(target))  # while the next one is read
         except BaseException:
             received(core).discard(x.name for x in entries)
             raise
-        count += _load_recorded(core, named)
+        count += _load_recorded(core, named, digests)
     return _finish(core, req, count, source, whole_checkpoint)
 
 

@@ -319,8 +319,10 @@ class InProcessTransport:
 
         cores = {f"embedded:{i}": c for i, c in enumerate(self.cores) if only is None or f"embedded:{i}" in only}
         for bucket in buckets:
+            # the engines hold the very tensors the trainer digested: its digests are theirs
+            digests = stats.checksum.contents([n for n, _ in bucket]) if stats.checksum is not None else None
             for core in cores.values():
-                load_named_tensors(core, bucket)
+                load_named_tensors(core, bucket, digests=digests)
             stats.buckets += 1
         for name, core in cores.items():
             core.weight_version = version
