@@ -6,6 +6,7 @@ same two processes over the same kind of group (gloo here, NCCL on GPUs).
 
     .venv/bin/python tools/bench_weight_sync.py                      # ~315 MB of fp32 weights
     .venv/bin/python tools/bench_weight_sync.py --hidden 512 --bucket-mb 64 --repeats 5
+    .venv/bin/python tools/bench_weight_sync.py --no-checksum         # transports alone
 
 Setup: the "trainer" is this process holding the full HF-named weights of a Qwen3-style model
 (the output of the megatron-core gather, which is not timed: it is TP/EP all-gathers whose cost
@@ -15,9 +16,12 @@ reporting success with every weight copied into its model: pause, HTTP requests,
 broadcasts or files, loading, version bump, continue. Joining the broadcast group happens once,
 before timing (as in training, where it is set up once). The raw broadcast goes to a separate
 receiver process and ends with a one-element all-reduce, so the time includes delivery.
-`in-process` loads into an `EngineCore` in this process (a colocated engine). The transports run
-round-robin, `--repeats` rounds, so that load from other processes on a shared machine hits them
-alike; best and median times are printed, and the ratio of each to the raw broadcast's.
+`in-process` loads into an `EngineCore` in this process (a colocated engine). By default each sync
+is made as `WeightSync` makes it: the trainer's checksum taken while bucketing, and every engine's
+`/weights_checksum` compared before it resumes (`--no-checksum`: the transport alone). The
+transports run round-robin, `--repeats` rounds, so that load from other processes on a shared
+machine hits them alike; best, median and worst times are printed, and the ratio of the best and
+of the median to the raw broadcast's.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (the default of the sync)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-checksum", action="store_true", help="do not checksum and check the engines (as before)")
     args = p.parse_args()
 
     mc = model_config(args)
@@ -109,7 +114,21 @@ def main() -> None:
     bucket = args.bucket_mb << 20
     print(f"weights: {total / 1e6:.1f} MB fp32 in {len(weights)} tensors (hidden {mc.hidden_size}, "
           f"{mc.num_layers} layers, vocab {mc.vocab_size}); bucket {args.bucket_mb} MiB; "
-          f"{args.repeats} runs each; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{args.repeats} runs each; checksums {'off' if args.no_checksum else 'on'}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not args.no_checksum:
+        from mcore_rl.rollout.weight_protocol import WeightChecksum
+
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            c = WeightChecksum()
+            for name, t in weights:
+                c.add(name, t)
+            c.hexdigest()
+            times.append(time.perf_counter() - t0)
+        print(f"checksum of all weights (one side): best {min(times):.3f} s, median {statistics.median(times):.3f} s "
+              f"({total / min(times) / 1e9:.1f} GB/s)")
 
     ctx = mp.get_context("spawn")
     urls, stop = ctx.Queue(), ctx.Event()
@@ -153,9 +172,14 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if fn is raw:
                     raw()
-                else:
+                elif args.no_checksum:
                     v = next(versions)
                     fn.send(iter_buckets(weights, bucket), v, SyncStats(v))
+                else:
+                    v = next(versions)
+                    stats = SyncStats(v, checksum=WeightChecksum(background=True))  # as WeightSync makes it
+                    fn.send(iter_buckets(weights, bucket, stats.checksum), v, stats)
+                    assert not stats.mismatched, stats.mismatched
                 results.setdefault(name, []).append(time.perf_counter() - t0)
         receiver.join()
         dist.destroy_process_group(group)
@@ -170,10 +194,12 @@ def main() -> None:
         server.join(30)
 
     raw_times = results["raw dist.broadcast, one tensor"]
-    print(f"\n{'transport':<40} {'best s':>7} {'median s':>9} {'MB/s (best)':>12} {'vs raw, best':>13} {'vs raw, median':>15}")
+    print(f"\n{'transport':<40} {'best s':>7} {'median s':>9} {'worst s':>8} {'MB/s (median)':>14} "
+          f"{'vs raw, best':>13} {'vs raw, median':>15}")
     for name, times in results.items():
-        print(f"{name:<40} {min(times):>7.3f} {statistics.median(times):>9.3f} {total / min(times) / 1e6:>12.0f} "
-              f"{min(raw_times) / min(times):>13.0%} {statistics.median(raw_times) / statistics.median(times):>15.0%}")
+        med = statistics.median(times)
+        print(f"{name:<40} {min(times):>7.3f} {med:>9.3f} {max(times):>8.3f} {total / med / 1e6:>14.0f} "
+              f"{min(raw_times) / min(times):>13.0%} {statistics.median(raw_times) / med:>15.0%}")
 
 
 if __name__ == "__main__":
