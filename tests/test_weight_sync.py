@@ -352,6 +352,7 @@ def test_tensor_digest_is_exact_and_sees_any_change():
 
     for t in [torch.randn(1100, 1030), torch.randn(3).bfloat16(), torch.randn(7).to(FP8_DTYPE), torch.randn(1), torch.zeros(0)]:
         assert int(tensor_digest(t)) % (1 << 64) == reference(t)
+        assert int(tensor_digest(t, mv=False)) % (1 << 64) == reference(t)  # the GPU path, here on CPU
     w = torch.randn(300, 300)
     flipped = w.clone()
     flipped.view(torch.uint8).view(-1)[777] ^= 1

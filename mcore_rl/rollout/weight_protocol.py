@@ -363,14 +363,16 @@ def _level_weights(level: int, device: torch.device) -> torch.Tensor:
     return w
 
 
-def _row_sums(x: torch.Tensor, level: int) -> torch.Tensor:
-    """x [n] int64 -> [ceil(n / 1024)]: each row of 1024 words weighted by this level's constants."""
+def _row_sums(x: torch.Tensor, level: int, mv: bool | None = None) -> torch.Tensor:
+    """x [n] int64 -> [ceil(n / 1024)]: each row of 1024 words weighted by this level's constants.
+    `mv`: one int64 matrix-vector product (CPU; default there), else products and sums."""
     w = _level_weights(level, x.device)
     rows = x.numel() // _ROW
+    use_mv = x.device.type == "cpu" if mv is None else mv
     parts = []
     if rows:
         head = x[: rows * _ROW].view(rows, _ROW)
-        if x.device.type == "cpu":
+        if use_mv:
             parts.append(torch.mv(head, w))
         else:  # no integer matrix-vector product on GPUs: products and sums, 64 MiB of rows at a time
             step = max(1, (8 << 20) // _ROW)
@@ -381,9 +383,10 @@ def _row_sums(x: torch.Tensor, level: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
+def tensor_digest(tensor: torch.Tensor, mv: bool | None = None) -> torch.Tensor:
     """The 64-bit content digest of a tensor's bytes (see above), as a 0-dim int64 tensor on the
-    tensor's device (reading it back is left to the caller, so GPU digests need no sync each)."""
+    tensor's device (reading it back is left to the caller, so GPU digests need no sync each).
+    `mv=False` takes the GPU path on any device (for tests)."""
     raw = as_bytes(tensor)
     n = raw.numel()
     words = n // 8
@@ -392,7 +395,7 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     x = raw[: words * 8].view(torch.int64)
     level = 0
     while x.numel() > 1:
-        x = _row_sums(x, level)
+        x = _row_sums(x, level, mv)
         level += 1
     # (a one-word tensor's digest is that word: copied, not a view of memory a later sync reuses)
     digest = x.reshape(()).clone() if x.numel() else torch.zeros((), dtype=torch.int64, device=raw.device)
