@@ -7,6 +7,7 @@ same two processes over the same kind of group (gloo here, NCCL on GPUs).
     .venv/bin/python tools/bench_weight_sync.py                      # ~315 MB of fp32 weights
     .venv/bin/python tools/bench_weight_sync.py --hidden 512 --bucket-mb 64 --repeats 5
     .venv/bin/python tools/bench_weight_sync.py --no-checksum         # transports alone
+    .venv/bin/python tools/bench_weight_sync.py --profile             # where the time goes, both sides
 
 Setup: the "trainer" is this process holding the full HF-named weights of a Qwen3-style model
 (the output of the megatron-core gather, which is not timed: it is TP/EP all-gathers whose cost
@@ -67,12 +68,62 @@ def make_core(mc: ModelConfig, seed: int):
                       context_length=128)
 
 
-def _server(mc: ModelConfig, urls, stop) -> None:
+# --profile: what is timed in each process, as (module, attribute, label)
+TRAINER_PHASES = [
+    ("mcore_rl.rollout.weight_transports", "flatten", "flatten the bucket (staging copy)"),
+    ("mcore_rl.rollout.weight_transports", "broadcast_tensors", "broadcast (incl. waiting for the engine)"),
+    ("mcore_rl.rollout.weight_transports", "write_safetensors", "write safetensors"),
+    ("mcore_rl.rollout.pool.HTTPEnginePool", "verify", "check /weights_checksum"),
+    ("mcore_rl.rollout.weight_protocol.WeightChecksum", "wait", "wait for the trainer's digests"),
+]
+ENGINE_PHASES = [
+    ("mcore_rl.rollout.weight_receiver", "broadcast_tensors", "receive the broadcast(s)"),
+    ("mcore_rl.rollout.weight_receiver", "_load_files", "read safetensors into the model"),
+    ("mcore_rl.rollout.engine.core.EngineCore", "load_weights", "load_weights (copies, refresh)"),
+    ("mcore_rl.rollout.engine.core.EngineCore", "flush_cache", "flush_cache"),
+    ("mcore_rl.rollout.weight_protocol", "tensor_digest", "digests (worker thread; overlaps)"),
+]
+
+
+class Phases:
+    """Wall time per labelled function, for --profile (wrappers installed in this process)."""
+
+    def __init__(self, phases: list[tuple[str, str, str]]) -> None:
+        import functools
+        import importlib
+
+        self.times: dict[str, float] = {}
+        for where, attr, label in phases:
+            parts = where.split(".")
+            try:
+                owner = importlib.import_module(where)
+            except ImportError:  # a class: import its module, then take the attribute
+                owner = getattr(importlib.import_module(".".join(parts[:-1])), parts[-1])
+            fn = getattr(owner, attr)
+
+            def timed(*a, _fn=fn, _label=label, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.times[_label] = self.times.get(_label, 0.0) + time.perf_counter() - t0
+
+            setattr(owner, attr, functools.wraps(fn)(timed))
+
+    def take(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+def _server(mc: ModelConfig, urls, stop, commands=None, replies=None) -> None:
     from mcore_rl.rollout.engine.driver import EngineDriver
     from mcore_rl.rollout.server import EngineServer, ServerThread
 
+    phases = Phases(ENGINE_PHASES) if commands is not None else None
     server = ServerThread(EngineServer(EngineDriver(make_core(mc, seed=0))))
     urls.put(server.start())
+    while phases is not None and commands.get() == "take":
+        replies.put(phases.take())
     stop.wait()
     server.stop()
 
@@ -106,6 +157,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (the default of the sync)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-checksum", action="store_true", help="do not checksum and check the engines (as before)")
+    p.add_argument("--profile", action="store_true", help="time the phases of each sync in both processes")
     args = p.parse_args()
 
     mc = model_config(args)
@@ -132,7 +184,8 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     urls, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_server, args=(mc, urls, stop), daemon=True)
+    commands, replies = (ctx.Queue(), ctx.Queue()) if args.profile else (None, None)
+    server = ctx.Process(target=_server, args=(mc, urls, stop, commands, replies), daemon=True)
     server.start()
     url = urls.get(timeout=600)
     results: dict[str, list[float]] = {}
@@ -165,6 +218,8 @@ def main() -> None:
         for t in transports.values():
             if isinstance(t, DistributedTransport):
                 t.connect()  # once, as in training
+        phases = Phases(TRAINER_PHASES) if args.profile else None
+        profile: dict[str, dict[str, float]] = {}
         versions = iter(range(1, 1 << 30))
         # round-robin, so that load from other processes on a shared machine hits all alike
         for _ in range(args.repeats):
@@ -181,6 +236,12 @@ def main() -> None:
                     fn.send(iter_buckets(weights, bucket, stats.checksum), v, stats)
                     assert not stats.mismatched, stats.mismatched
                 results.setdefault(name, []).append(time.perf_counter() - t0)
+                if phases is not None and fn is not raw:
+                    commands.put("take")
+                    sides = {**{f"trainer: {k}": v for k, v in phases.take().items()},
+                             **{f"engine: {k}": v for k, v in replies.get(timeout=60).items()}}
+                    for k, v in sides.items():
+                        profile.setdefault(name, {})[k] = profile.get(name, {}).get(k, 0.0) + v / args.repeats
         receiver.join()
         dist.destroy_process_group(group)
     finally:
@@ -190,6 +251,8 @@ def main() -> None:
         if pool is not None:
             pool.close()
         tmp.cleanup()
+        if commands is not None:
+            commands.put("stop")
         stop.set()
         server.join(30)
 
@@ -200,6 +263,12 @@ def main() -> None:
         med = statistics.median(times)
         print(f"{name:<40} {min(times):>7.3f} {med:>9.3f} {max(times):>8.3f} {total / med / 1e6:>14.0f} "
               f"{min(raw_times) / min(times):>13.0%} {statistics.median(raw_times) / med:>15.0%}")
+    if args.profile:
+        print("\nwhere the time goes, ms per sync (mean; phases overlap: the engine works while the trainer waits)")
+        for name, parts in profile.items():
+            print(f"{name} ({statistics.mean(results[name]) * 1e3:.0f} ms)")
+            for k, v in sorted(parts.items()):
+                print(f"    {k:<58} {v * 1e3:>7.1f}")
 
 
 if __name__ == "__main__":
