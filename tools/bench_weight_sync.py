@@ -160,6 +160,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-checksum", action="store_true", help="do not checksum and check the engines (as before)")
     p.add_argument("--profile", action="store_true", help="time the phases of each sync in both processes")
+    p.add_argument("--only", default="", help="run only the transports whose name contains this")
     args = p.parse_args()
 
     mc = model_config(args)
@@ -225,7 +226,8 @@ def main() -> None:
         versions = iter(range(1, 1 << 30))
         # round-robin, so that load from other processes on a shared machine hits all alike
         for _ in range(args.repeats):
-            for name, fn in [("raw dist.broadcast, one tensor", raw), *transports.items()]:
+            for name, fn in [("raw dist.broadcast, one tensor", raw),
+                             *[(k, t) for k, t in transports.items() if args.only in k]]:
                 t0 = time.perf_counter()
                 if fn is raw:
                     raw()
