@@ -16,8 +16,9 @@ import torch
 
 from mcore_rl.rollout.client import EngineClient, EngineUnavailable
 from mcore_rl.rollout.pool import GenRequest, HTTPEnginePool
-from mcore_rl.rollout.router import EngineRouter
-from mcore_rl.rollout.weight_transports import DiskTransport, SyncStats, TensorTransport
+from mcore_rl.rollout.router import EngineRouter, NoHealthyEngine
+from mcore_rl.rollout.weight_protocol import WeightChecksum
+from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, SyncStats, TensorTransport
 from mcore_rl.train.weight_sync import iter_buckets
 
 CONTEXT = 256
@@ -100,6 +101,14 @@ def _versions(urls: list[str]) -> list[str]:
     return asyncio.run(get())
 
 
+def _info(url: str, what: str = "get_server_info") -> dict:
+    async def get() -> dict:
+        async with EngineClient(url, retries=0, timeout=5) as c:
+            return await getattr(c, what)()
+
+    return asyncio.run(get())
+
+
 def _requests(n: int, tokens: int = 4) -> list[GenRequest]:
     return [GenRequest(list(b"12+34="), {"max_new_tokens": tokens, "temperature": 1.0, "sampling_seed": i,
                                           "ignore_eos": True}) for i in range(n)]
@@ -136,6 +145,66 @@ def test_a_killed_engine_is_skipped_and_a_restarted_one_gets_the_weights_first(e
         assert _versions([a.url, b.url]) == ["4", "4"] and pool.live == [a.url, b.url]
         assert "is back with other weights" in caplog.text
         transport.close()
+    finally:
+        pool.close()
+
+
+def test_a_sync_that_fails_halfway_leaves_no_engine_serving(engines, tmp_path, caplog):
+    """Fault 7d: a weight sync that breaks off (the trainer's bucket stream raises, an engine is
+    killed mid-sync) leaves no engine generating from a mix of two versions; the next sync that
+    reaches an engine, checked against the trainer's checksum, lets it serve again."""
+    a, b = engines
+    pool = HTTPEnginePool([a.url, b.url], timeout=10, health_interval=0.3)
+
+    def sync(transport, seed: int, version: int, fail_after: int | None = None, then=None) -> SyncStats:
+        stats = SyncStats(version, checksum=WeightChecksum())
+
+        def buckets():
+            for i, bucket in enumerate(iter_buckets(_weights(seed), 1 << 16, stats.checksum)):
+                if i == fail_after:
+                    raise RuntimeError("the trainer failed mid-sync")
+                yield bucket
+                if i == 0 and then is not None:
+                    then()
+
+        transport.send(buckets(), version, stats)
+        return stats
+
+    try:
+        tensors = TensorTransport(pool, shm_dir=str(tmp_path))
+        distributed = DistributedTransport(pool, group_name="halfway", load_format="flattened_bucket")
+        assert sync(tensors, 1, 1).mismatched == {} and pool.live == [a.url, b.url]
+        checksum_1 = _info(a.url, "weights_checksum")["checksum"]
+
+        for transport in (tensors, distributed):
+            with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="failed mid-sync"):
+                sync(transport, 2, 2, fail_after=2)  # two buckets of version 2 loaded, then nothing
+            for e in (a, b):
+                assert _info(e.url)["internal_states"][0]["paused"]  # holds requests, generates nothing
+                mixed = _info(e.url, "weights_checksum")
+                assert mixed["weight_version"] == "1" and mixed["checksum"] != checksum_1  # a mix, under version 1
+            assert pool.live == [] and pool.router.stale == {a.url, b.url}
+            asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool._loop).result()
+            assert pool.live == []  # version 1 is what the pool expects, but a failed sync is not taken back
+            with pytest.raises(NoHealthyEngine):
+                pool.generate(_requests(1))
+        assert "stays paused and out of routing" in caplog.text
+
+        stats = sync(distributed, 3, 3)  # a whole sync: both serve again, checked
+        assert stats.mismatched == {} and pool.live == [a.url, b.url] and _versions([a.url, b.url]) == ["3", "3"]
+        assert _info(b.url, "weights_checksum")["checksum"] == stats.checksum.hexdigest()
+        assert not _info(a.url)["internal_states"][0]["paused"] and all(g.output_ids for g in pool.generate(_requests(4)))
+
+        # an engine killed mid-sync: the other gets everything and serves; the killed one, back at
+        # its URL, waits for the next sync
+        stats = sync(tensors, 4, 4, then=lambda: b.signal(signal.SIGKILL))
+        assert stats.mismatched == {} and pool.live == [a.url] and _versions([a.url]) == ["4"]
+        assert all(g.output_ids for g in pool.generate(_requests(4)))
+        b.start()
+        _wait_for(lambda: b.url in pool.router.stale)
+        assert sync(tensors, 5, 5).mismatched == {} and pool.live == [a.url, b.url]
+        tensors.close()
+        distributed.close()
     finally:
         pool.close()
 

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -27,11 +28,13 @@ from mcore_rl.rollout.engine.fp8 import FP8_DTYPE, quantize_block_fp8
 from mcore_rl.rollout.server import EngineServer, ServerThread
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
+    WeightChecksum,
     decode_tensor_payload,
     encode_named_tensors,
     encode_named_tensors_sglang,
     encode_tensor_file,
     flatten,
+    tensor_digest,
     unflatten,
 )
 from mcore_rl.rollout.pool import HTTPEnginePool
@@ -42,7 +45,7 @@ from mcore_rl.rollout.weight_transports import (
     SyncStats,
     TensorTransport,
 )
-from mcore_rl.train.weight_sync import WeightSync, iter_buckets, quantize_for_fp8_engine
+from mcore_rl.train.weight_sync import WeightSync, WeightSyncError, iter_buckets, quantize_for_fp8_engine
 from tests.world import run_world
 
 TOK = load_tokenizer(None)
@@ -96,24 +99,29 @@ def start_server(core: EngineCore) -> ServerThread:
     return server
 
 
-def _server_main(urls, stop, engine_kw: dict) -> None:
-    """An `mcore-rl serve` process (the demo model), until `stop` is set."""
+def _server_main(urls, stop, engines: list[dict]) -> None:
+    """`mcore-rl serve`-style servers (the demo model), one per entry of `engines`, until `stop` is set."""
     torch.set_num_threads(1)
-    server = start_server(EngineCore.from_model_path(None, context_length=128, **engine_kw))
-    urls.put(server.url)
+    servers = [start_server(EngineCore.from_model_path(None, context_length=128, **kw)) for kw in engines]
+    urls.put([s.url for s in servers])
     stop.wait()
-    server.stop()
+    for s in servers:
+        s.stop()
 
 
 class ServerProcess:
-    def __init__(self, **engine_kw) -> None:
+    """Engine servers in another process: one (`ServerProcess(**engine_kw)`) or several sharing the
+    process's start-up cost (`ServerProcess(engines=[{}, {"quantization": "fp8"}])`, `.urls`)."""
+
+    def __init__(self, engines: list[dict] | None = None, **engine_kw) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         urls, self.stop = ctx.Queue(), ctx.Event()
-        self.proc = ctx.Process(target=_server_main, args=(urls, self.stop, engine_kw), daemon=True)
+        self.proc = ctx.Process(target=_server_main, args=(urls, self.stop, engines or [engine_kw]), daemon=True)
         self.proc.start()
-        self.url = urls.get(timeout=300)
+        self.urls: list[str] = urls.get(timeout=300)
+        self.url = self.urls[0]
 
     def close(self) -> None:
         self.stop.set()
@@ -321,6 +329,187 @@ def test_bad_weight_updates_are_refused_naming_the_field(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# checksums: every engine holds exactly what the trainer sent
+# --------------------------------------------------------------------------------------------
+
+
+def test_tensor_digest_is_exact_and_sees_any_change():
+    def reference(t: torch.Tensor) -> int:  # the definition, in Python integers
+        from mcore_rl.rollout.weight_protocol import _MULTIPLIERS, _ROW, _TAIL_MULTIPLIER
+
+        raw = bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
+        x = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw) // 8 * 8, 8)]
+        level = 0
+        while len(x) > 1:
+            w = _MULTIPLIERS[level]
+            x = [sum(v * w[j] for j, v in enumerate(x[r : r + _ROW])) for r in range(0, len(x), _ROW)]
+            x = [(v + (1 << 63)) % (1 << 64) - (1 << 63) for v in x]
+            level += 1
+        d = x[0] if x else 0
+        if len(raw) % 8:
+            d += int.from_bytes(raw[len(raw) // 8 * 8 :].ljust(8, b"\0"), "little", signed=True) * _TAIL_MULTIPLIER
+        return d % (1 << 64)
+
+    for t in [torch.randn(1100, 1030), torch.randn(3).bfloat16(), torch.randn(7).to(FP8_DTYPE), torch.randn(1), torch.zeros(0)]:
+        assert int(tensor_digest(t)) % (1 << 64) == reference(t)
+        assert int(tensor_digest(t, mv=False)) % (1 << 64) == reference(t)  # the GPU path, here on CPU
+    w = torch.randn(300, 300)
+    flipped = w.clone()
+    flipped.view(torch.uint8).view(-1)[777] ^= 1
+    others = [flipped, w.t().contiguous(), w[[1, 0, *range(2, 300)]], torch.roll(w, 1)]
+    assert len({int(tensor_digest(x)) for x in [w, *others]}) == 5
+    # per name: order-independent, and name, dtype and shape count as well as the bytes
+    named = [("a", torch.randn(6)), ("b", torch.randn(4, 4)), ("c", torch.randn(5).half())]
+    sums = [WeightChecksum() for _ in range(5)]
+    for n, t in named:
+        sums[0].add(n, t)
+    for n, t in reversed(named):
+        sums[1].add(n, t)
+    for n, t in named:
+        sums[2].add("x" + n, t)
+        sums[3].add(n, t.view(1, -1))
+        sums[4].add(n, t.view(torch.int16) if t.dtype == torch.float16 else t)
+    assert sums[0].hexdigest() == sums[1].hexdigest() and len(sums[0]) == 3
+    assert len({c.hexdigest() for c in sums}) == 4  # the int16 view of the same bytes is another tensor too
+    sums[1].discard(["a"])
+    assert len(sums[1]) == 2 and sums[1].hexdigest() != sums[0].hexdigest()
+
+
+def _send(transport, named, version: int, bucket_bytes: int = 1 << 16, **kw) -> SyncStats:
+    """One sync as `WeightSync` makes it: the checksum taken while bucketing (in the background)."""
+    stats = SyncStats(version, checksum=WeightChecksum(background=True))
+    transport.send(iter_buckets(named, bucket_bytes, stats.checksum), version, stats, **kw)
+    return stats
+
+
+def _server_state(url: str) -> dict:
+    return request(url, "get_server_info")["internal_states"][0]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """An fp32 and an FP8 engine server in one other process, shared by the checksum tests."""
+    proc = ServerProcess(engines=[{}, {"quantization": "fp8"}])
+    try:
+        yield proc.urls
+    finally:
+        proc.close()
+
+
+def test_every_transport_leaves_each_engine_with_the_checksum_of_what_was_sent(servers, tmp_path):
+    url, url8 = servers
+    pool, pool8 = HTTPEnginePool([url]), HTTPEnginePool([url8])
+    core = EngineCore(reference_model(0), TOK, context_length=128)
+    transports = {
+        "distributed, per tensor": DistributedTransport(pool, group_name="sum-per-tensor"),
+        "distributed, flattened": DistributedTransport(pool, group_name="sum-flat", load_format="flattened_bucket"),
+        "disk": DiskTransport(pool, str(tmp_path / "disk")),
+        "tensor, shared memory": TensorTransport(pool, shm_dir=str(tmp_path)),
+        "tensor, inline": TensorTransport(pool, payload="inline"),
+    }
+    try:
+        seen = set()
+        for version, (kind, transport) in enumerate(transports.items(), start=100):
+            stats = _send(transport, reference_model(version).state_dict().items(), version)
+            assert stats.mismatched == {}, kind
+            reply = request(url, "weights_checksum")
+            assert reply == {"weight_version": str(version), "checksum": stats.checksum.hexdigest(),
+                             "num_tensors": len(stats.checksum)}, kind
+            assert not _server_state(url)["paused"] and pool.live == [url]
+            seen.add(reply["checksum"])
+        assert len(seen) == len(transports)  # other weights, another checksum
+        # the same weights by another transport in other buckets: the same checksum
+        same = _send(transports["disk"], reference_model(104).state_dict().items(), 105, bucket_bytes=1 << 20)
+        assert not same.mismatched and same.checksum.hexdigest() in seen
+        stats = _send(InProcessTransport([core]), reference_model(7).state_dict().items(), 7)
+        assert stats.mismatched == {} and rx.weights_checksum(core)["checksum"] == stats.checksum.hexdigest()
+
+        # FP8 engine: the trainer's e4m3 weights and scales, per tensor and flattened; and full
+        # precision, which the engine quantizes itself (the checksum is of what arrived)
+        for version, fmt in enumerate((None, "flattened_bucket"), start=200):
+            transport = DistributedTransport(pool8, group_name=f"sum-fp8-{version}", load_format=fmt)
+            named = list(quantize_for_fp8_engine(reference_model(version).state_dict().items()))
+            assert any(t.dtype == FP8_DTYPE for _, t in named)
+            stats = _send(transport, named, version)
+            assert stats.mismatched == {}, fmt
+            assert request(url8, "weights_checksum")["checksum"] == stats.checksum.hexdigest()
+            transport.close()
+        stats = _send(TensorTransport(pool8, shm_dir=str(tmp_path)), reference_model(202).state_dict().items(), 202)
+        assert stats.mismatched == {} and pool8.live == [url8]
+    finally:
+        for t in transports.values():
+            if hasattr(t, "close"):
+                t.close()
+        pool.close()
+        pool8.close()
+
+
+def test_a_corrupted_delivery_is_found_and_the_engine_held_until_sent_again(servers, tmp_path):
+    url = servers[0]
+    pool = HTTPEnginePool([url])
+    weights = list(reference_model(300).state_dict().items())
+    name, tensor = weights[0]
+
+    def meddled(buckets):
+        """Buckets as they come; once all are made (the first ones already loaded), another writer
+        changes one tensor in the engine."""
+        yield from buckets
+        request(url, "update_weights_from_tensor", serialized_named_tensors=[encode_named_tensors([(name, tensor + 1)])])
+
+    def corrupted(buckets, directory):
+        """Buckets as they come; once all are written, a byte of the first shard's data flips."""
+        yield from buckets
+        shard = directory / "model-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0x40
+        shard.write_bytes(data)
+
+    try:
+        tensors, disk = TensorTransport(pool, shm_dir=str(tmp_path)), DiskTransport(pool, str(tmp_path / "disk"))
+        cases = [(tensors, lambda b: meddled(b)), (disk, lambda b: corrupted(b, tmp_path / "disk"))]
+        for version, (transport, spoil) in enumerate(cases, start=301):
+            stats = SyncStats(version, checksum=WeightChecksum())
+            transport.send(spoil(iter_buckets(weights, 1 << 16, stats.checksum)), version, stats)
+            assert list(stats.mismatched) == [url]
+            assert f"checksum {stats.checksum.hexdigest()}" in stats.mismatched[url]  # both checksums, named
+            assert request(url, "weights_checksum")["checksum"] != stats.checksum.hexdigest()
+            # not serving: paused, out of routing, and no health check takes it back
+            assert _server_state(url)["paused"] and pool.live == [] and url in pool.router.unsynced
+            asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool._loop).result()
+            assert pool.live == []
+            again = _send(transport, weights, version, only=list(stats.mismatched))
+            assert again.mismatched == {} and pool.live == [url] and not _server_state(url)["paused"]
+            assert request(url, "weights_checksum")["checksum"] == again.checksum.hexdigest()
+        tensors.close()
+    finally:
+        pool.close()
+
+
+def test_engines_without_the_checksum_endpoint_are_not_checked(tmp_path, caplog):
+    """A real SGLang server answers 404 to /weights_checksum: logged once, the sync goes on."""
+    from aiohttp import web
+
+    class NoChecksum(EngineServer):
+        async def weights_checksum(self, request):
+            raise web.HTTPNotFound()
+
+    server = ServerThread(NoChecksum(EngineDriver(EngineCore(reference_model(0), TOK, context_length=128))))
+    server.start()
+    pool = HTTPEnginePool([server.url])
+    try:
+        transport = TensorTransport(pool, shm_dir=str(tmp_path))
+        with caplog.at_level("WARNING", logger="mcore_rl.rollout.pool"):
+            for version in (1, 2):
+                assert _send(transport, reference_model(version).state_dict().items(), version).mismatched == {}
+                assert weight_version(server.url) == str(version) and pool.live == [server.url]
+        assert caplog.text.count("has no /weights_checksum") == 1
+        transport.close()
+    finally:
+        pool.close()
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------
 # trainer side: gathering shards in every layout (2-rank gloo worlds)
 # --------------------------------------------------------------------------------------------
 
@@ -398,6 +587,30 @@ def _trainer_logprobs(chunks, ids: list[int]) -> torch.Tensor:
     return -loss[0].float()
 
 
+@dataclass
+class Meddling:
+    """A real transport, with another writer changing one tensor in the engine at `url` while each
+    of the first `times` sends is under way: once every bucket is made, when the first ones (with the
+    embedding) are loaded and the last ones not yet."""
+
+    inner: TensorTransport
+    url: str
+    times: int
+    sends: list = field(default_factory=list)
+
+    def send(self, buckets, version: int, stats: SyncStats, only=None) -> None:
+        self.sends.append(only)
+
+        def meddled():
+            yield from buckets
+            if self.times > 0:
+                self.times -= 1
+                rogue = [("model.embed_tokens.weight", torch.zeros(384, 64))]
+                request(self.url, "update_weights_from_tensor", serialized_named_tensors=[encode_named_tensors(rogue)])
+
+        self.inner.send(meddled(), version, stats, only)
+
+
 def _sync_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
@@ -406,10 +619,11 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
     init_model_parallel(pc)
     set_seed(1)
     chunks = build_model(mc, pc)
-    fp32 = fp8 = pool32 = pool8 = None
+    fp32 = fp8 = pool32 = pool8 = servers = None
     if rank == 0:
-        fp32, fp8 = ServerProcess(), ServerProcess(quantization="fp8")
-        pool32, pool8 = HTTPEnginePool([fp32.url]), HTTPEnginePool([fp8.url])
+        servers = ServerProcess(engines=[{}, {"quantization": "fp8"}])
+        fp32, fp8 = servers.urls
+        pool32, pool8 = HTTPEnginePool([fp32]), HTTPEnginePool([fp8])
     try:
         transports = {
             "distributed": lambda: DistributedTransport(pool32, group_name="fp32"),
@@ -421,28 +635,60 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
             trainer = _trainer_logprobs(chunks, IDS)
             transport = transports[kind]() if rank == 0 else None
             if rank == 0:
-                assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() > 0.05, "the engine had these weights"
+                assert (engine_logprobs(fp32, IDS) - trainer).abs().max() > 0.05, "the engine had these weights"
             stats = WeightSync(chunks, mc, transport, bucket_bytes=96 << 10).sync(version)
             if rank == 0:
                 assert stats.buckets > 1 and stats.bytes > 0
-                diff = (engine_logprobs(fp32.url, IDS) - trainer).abs().max()
+                diff = (engine_logprobs(fp32, IDS) - trainer).abs().max()
                 assert diff <= 1e-5, f"{kind}: engine log-probs differ from the trainer's by {diff}"
-                assert weight_version(fp32.url) == str(version)
+                assert weight_version(fp32) == str(version)
             if kind == "distributed":  # the group stays up for later syncs until closed
                 _perturb(chunks, 99)
                 trainer = _trainer_logprobs(chunks, IDS)
                 WeightSync(chunks, mc, transport, bucket_bytes=96 << 10).sync(42)
                 if rank == 0:
-                    assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
-                    assert weight_version(fp32.url) == "42"
-                    # a bucket the engine refuses: the broadcast still completes, nothing changes
+                    assert (engine_logprobs(fp32, IDS) - trainer).abs().max() <= 1e-5
+                    assert weight_version(fp32) == "42"
+                    # a bucket the engine refuses: the broadcast still completes, nothing changes; the
+                    # engine stays paused and out of routing all the same (after a failed bucket of a
+                    # longer sync it would hold a mix) until the next sync reaches it
                     bad = [("model.norm.weight", torch.zeros(64)), ("model.nope.weight", torch.zeros(3))]
                     with pytest.raises(EngineHTTPError, match="names: 'model.nope.weight' is not a weight"):
                         transport.send([bad], 43, SyncStats(43))
-                    assert weight_version(fp32.url) == "42"
-                    assert (engine_logprobs(fp32.url, IDS) - trainer).abs().max() <= 1e-5
+                    assert weight_version(fp32) == "42" and pool32.live == [] and _server_state(fp32)["paused"]
+                    request(fp32, "continue_generation")
+                    assert (engine_logprobs(fp32, IDS) - trainer).abs().max() <= 1e-5
             if rank == 0 and kind in ("distributed", "tensor"):
                 transport.close()
+
+        # checksums: another writer changes a tensor in the engine while the sync is under way; the
+        # engine gets the whole sync once more (both ranks gather again); twice in a row is an error
+        # on every rank, and the engine is held until a sync reaches it
+        for version, times in ((50, 1), (51, 2)):
+            _perturb(chunks, version)
+            trainer = _trainer_logprobs(chunks, IDS)
+            transport = Meddling(TensorTransport(pool32), fp32, times) if rank == 0 else None
+            sync = WeightSync(chunks, mc, transport, bucket_bytes=96 << 10)
+            if times == 1:
+                stats = sync.sync(version)
+                if rank == 0:
+                    assert transport.sends == [None, [fp32]] and stats.resynced == [fp32] and not stats.mismatched
+                    assert (engine_logprobs(fp32, IDS) - trainer).abs().max() <= 1e-5
+                    assert weight_version(fp32) == str(version) and pool32.live == [fp32]
+            else:
+                match = rf"version 51, sent twice: engine {fp32} reports .* the trainer sent weight_version 51, " \
+                        r"checksum [0-9a-f]{16}" if rank == 0 else "failed on global rank 0"
+                with pytest.raises(WeightSyncError, match=match):
+                    sync.sync(version)
+                if rank == 0:
+                    assert pool32.live == [] and _server_state(fp32)["paused"]
+            if rank == 0:
+                transport.inner.close()
+        transport = TensorTransport(pool32) if rank == 0 else None
+        WeightSync(chunks, mc, transport, bucket_bytes=96 << 10).sync(52)
+        if rank == 0:
+            assert pool32.live == [fp32] and weight_version(fp32) == "52"
+            transport.close()
 
         # FP8 engine: quantized during the sync; per-tensor broadcasts (SGLang's default format)
         _perturb(chunks, 7)
@@ -450,15 +696,15 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
         transport = DistributedTransport(pool8, group_name="fp8", load_format=None) if rank == 0 else None
         WeightSync(chunks, mc, transport, bucket_bytes=96 << 10, quantization="fp8").sync(7)
         if rank == 0:
-            d = trainer - engine_logprobs(fp8.url, IDS)
+            d = trainer - engine_logprobs(fp8, IDS)
             mismatch = k3(d)
             print(f"\nFP8 engine vs TP=2 fp32 trainer: mean |d| = {d.abs().mean():.3e}, "
                   f"max |d| = {d.abs().max():.3e}, mean token K3 = {mismatch:.3e} ({len(d)} tokens)")
             assert 1e-7 < mismatch < 5e-2
-            assert weight_version(fp8.url) == "7"
+            assert weight_version(fp8) == "7"
             transport.close()
     finally:
-        for e in (pool32, pool8, fp32, fp8):
+        for e in (pool32, pool8, servers):
             if e is not None:
                 e.close()
 

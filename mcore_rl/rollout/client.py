@@ -27,13 +27,13 @@ from typing import Any, AsyncIterator, Optional
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
-# SGLang's weight and control endpoints: with `--admin-api-key` only that key opens them (the server
-# enforces this set; the client sends the admin key to them).
+# SGLang's weight and control endpoints (and our /weights_checksum): with `--admin-api-key` only that
+# key opens them (the server enforces this set; the client sends the admin key to them).
 ADMIN_PATHS = frozenset({
     "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
     "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
-    "/pause_generation", "/continue_generation",
+    "/pause_generation", "/continue_generation", "/weights_checksum",
 })
 # Per-prompt fields of a batch that `expand_samples` repeats with their prompt.
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
@@ -192,6 +192,12 @@ class EngineClient:
         """Fields: group_name, flush_cache, weight_version, load_format, abort_all_requests."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, **fields}
         return await self._call("POST", "/update_weights_from_distributed", body, retry=False)
+
+    async def weights_checksum(self) -> dict:
+        """GET /weights_checksum (the embedded engine's; SGLang answers 404): {"weight_version",
+        "checksum" (16 hex digits), "num_tensors"} of the tensors the engine received
+        (`weight_protocol.WeightChecksum`)."""
+        return await self._call("GET", "/weights_checksum", None, retry=True)
 
     async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> dict:
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}

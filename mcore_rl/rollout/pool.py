@@ -21,11 +21,14 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from mcore_rl.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    from mcore_rl.rollout.weight_protocol import WeightChecksum
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +185,12 @@ class HTTPEnginePool:
 
     With `processes` (the `EngineProcesses` that serve `urls`, in order) the pool owns them: it
     stops them on `close()` and, with `restart_dead`, starts one again when its process died; the
-    restarted engine serves again after the next weight sync, like any engine that came back."""
+    restarted engine serves again after the next weight sync, like any engine that came back.
+
+    Weight updates (`weight_update` ... `delivered`): an engine resumes only once it got the whole
+    update and, when the transport passes the trainer's checksum, its `/weights_checksum` agrees;
+    any other engine paused for the update (a sync that failed halfway, a mismatch) stays paused
+    and out of routing, since it may hold a mix of two versions, until a later update reaches it."""
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
                  api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
@@ -207,6 +215,8 @@ class HTTPEnginePool:
 
         self.router = self._run(make_router())
         self._transport: Any = None
+        self._updating: Optional[set[str]] = None  # engines delivered during the current weight_update
+        self._no_checksum: set[str] = set()  # engines without /weights_checksum (real SGLang), logged once
         self._stop_watch = threading.Event()
         self._watcher: Optional[threading.Thread] = None
         if processes is not None and restart_dead:
@@ -261,8 +271,24 @@ class HTTPEnginePool:
         """The replies of the engines that answered. An engine that cannot be reached (or timed
         out) is marked dead and left out; an engine's refusal (HTTP 4xx) is raised; so is
         `NoHealthyEngine` when no engine answered."""
-        from mcore_rl.rollout.client import EngineUnavailable
         from mcore_rl.rollout.router import NoHealthyEngine
+
+        results, error = {}, None
+        for url, (reply, err) in self._settle(futures, what).items():
+            if err is None:
+                results[url] = reply
+            else:
+                error = error or err
+        if error is not None:
+            raise error
+        if futures and not results:
+            raise NoHealthyEngine(f"{what}: no engine answered (tried {', '.join(futures)})")
+        return results
+
+    def _settle(self, futures: dict[str, Future], what: str) -> dict[str, tuple[Any, Optional[Exception]]]:
+        """(reply, None) or (None, error) by URL for the engines that answered, once all have, logging
+        while it waits; an engine that cannot be reached is marked dead and left out."""
+        from mcore_rl.rollout.client import EngineUnavailable
 
         pending = dict(futures)
         start = time.monotonic()
@@ -272,22 +298,18 @@ class HTTPEnginePool:
                 logger.warning("waited %.0f s (timeout %.0f s) for %s from %s", time.monotonic() - start,
                                self.timeout, what, ", ".join(sorted(pending)))
             pending = {u: f for u, f in pending.items() if not f.done()}
-        results, error = {}, None
+        out: dict[str, tuple[Any, Optional[Exception]]] = {}
         for url, f in futures.items():
             try:
-                results[url] = f.result()
+                out[url] = (f.result(), None)
             except EngineUnavailable as err:
                 logger.warning("engine %s is unreachable during %s (%s); it is left out until it answers again",
                                url, what, err)
                 self.router.healthy.discard(url)
                 self.router.stale.discard(url)
-            except Exception as err:  # noqa: BLE001 - re-raised below, once every engine has answered
-                error = error or err
-        if error is not None:
-            raise error
-        if futures and not results:
-            raise NoHealthyEngine(f"{what}: no engine answered (tried {', '.join(futures)})")
-        return results
+            except Exception as err:  # noqa: BLE001 - the caller decides
+                out[url] = (None, err)
+        return out
 
     def call(self, method: str, kwargs: dict | Callable[[int], dict],
              urls: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -295,26 +317,86 @@ class HTTPEnginePool:
         return self.wait(self.start(method, kwargs, urls), f"/{method}")
 
     @contextlib.contextmanager
-    def weight_update(self, mode: str) -> Iterator[list[str]]:
-        """Pause every update target (`/pause_generation` ... `/continue_generation`, continue also
-        on failure) so that no token is generated from half-updated weights; yields the engines
-        that answered. Transports shrink the list as engines drop out, then call `delivered`."""
-        targets = list(self.call("pause_generation", {"mode": mode}, self.update_targets()))
+    def weight_update(self, mode: str, urls: Optional[Sequence[str]] = None) -> Iterator[list[str]]:
+        """Pause `urls` (default: every update target) so that no token is generated from
+        half-updated weights; yields the engines that answered. Transports shrink the list as
+        engines drop out, then call `delivered` for those that got everything. On the way out those
+        continue (`/continue_generation`); every other engine paused here stays paused and moves to
+        `router.stale` (out of routing, and marked `unsynced` so that no health check takes it
+        back), also when the update raised: it may hold a mix of two versions."""
+        asked = self.update_targets() if urls is None else list(urls)
+        replies = self._settle(self.start("pause_generation", {"mode": mode}, asked), "/pause_generation")
+        targets = [u for u, (_, err) in replies.items() if err is None]
+        refused = next((err for _, err in replies.values() if err is not None), None)
+        if refused is not None or not targets:  # nothing was sent yet: the paused ones may go on
+            if targets:
+                self.call("continue_generation", {}, targets)
+            if refused is not None:
+                raise refused
+            from mcore_rl.rollout.router import NoHealthyEngine
+
+            tried = ", ".join(asked) or "none"
+            raise NoHealthyEngine(f"/pause_generation: no engine to update answered (tried {tried})")
+        paused = list(targets)
+        self._updating = set()
         try:
             yield targets
         finally:
-            alive = [u for u in targets if u in self.router.healthy or u in self.router.stale]
-            if alive:
-                self.call("continue_generation", {}, alive)
+            done, self._updating = self._updating, None
+            for u in paused:
+                if u in done:
+                    continue
+                self.router.unsynced.add(u)
+                if u in self.router.healthy:
+                    self.router.healthy.discard(u)
+                    self.router.stale.add(u)
+                logger.warning("engine %s did not get (or did not confirm) the whole weight update; it stays paused "
+                               "and out of routing until a later update reaches it", u)
+            resume = [u for u in paused if u in done and u in self.router.healthy]
+            if resume:
+                self.call("continue_generation", {}, resume)
 
-    def delivered(self, urls: Sequence[str], version: int) -> None:
-        """`urls` hold the weights of `version` now: engines that waited for them serve again."""
-        for u in urls:
+    def delivered(self, urls: Sequence[str], version: int,
+                  checksum: Optional["WeightChecksum"] = None) -> dict[str, str]:
+        """`urls` received every tensor of `version`. With `checksum` (the trainer's
+        `WeightChecksum` of what it sent) each engine's `/weights_checksum` is compared first; the
+        engines that agree, or have no such endpoint (logged once), serve again. Returns the others,
+        with why (an engine that cannot be reached for the check just drops out)."""
+        problems = self.verify(urls, version, checksum) if checksum is not None else {}
+        confirmed = [u for u in urls if u not in problems and (u in self.router.healthy or u in self.router.stale)]
+        for u in confirmed:
             if u in self.router.stale:
                 logger.warning("engine %s has the current weights (version %s) and serves again", u, version)
                 self.router.stale.discard(u)
                 self.router.healthy.add(u)
-        self.router.expected_version = str(version)
+            self.router.unsynced.discard(u)
+            if self._updating is not None:
+                self._updating.add(u)
+        if confirmed:
+            self.router.expected_version = str(version)
+        return problems
+
+    def verify(self, urls: Sequence[str], version: int, checksum: "WeightChecksum") -> dict[str, str]:
+        """Engines among `urls` whose `/weights_checksum` does not show `version` with exactly the
+        tensors of `checksum`, with why. Engines that answer 404 (no such endpoint: a real SGLang
+        server) are not checked; that is logged once per engine."""
+        from mcore_rl.rollout.client import EngineHTTPError
+        from mcore_rl.rollout.weight_protocol import checksum_problem
+
+        futures = self.start("weights_checksum", {}, [u for u in urls if u not in self._no_checksum])
+        problems: dict[str, str] = {}
+        for url, (reply, err) in self._settle(futures, "/weights_checksum").items():
+            if isinstance(err, EngineHTTPError) and err.status == 404:
+                self._no_checksum.add(url)
+                logger.warning("engine %s has no /weights_checksum (a real SGLang server?): the weights it loads "
+                               "are not checked against the trainer's checksum", url)
+            elif err is not None:
+                problems[url] = f"/weights_checksum failed: {err}"
+            else:
+                problem = checksum_problem(reply, version, checksum)
+                if problem is not None:
+                    problems[url] = problem
+        return problems
 
     def weight_transport(self, rollout: Any) -> Any:
         """The weight transport `rollout.sync_transport` names, to every engine of the pool."""

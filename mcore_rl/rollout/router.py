@@ -7,8 +7,9 @@ request goes to another engine with the same rids; the caller gets exactly one r
 A background task re-checks unhealthy engines (`/health`) and takes them back when they answer —
 at once if they report the weight version the pool last delivered (`expected_version`), else
 only after the next weight update reached them (they wait in `stale`: an engine that restarted
-must not serve old weights). Control calls (pause, continue, flush, weight updates) go to every
-healthy engine.
+must not serve old weights). An engine whose last weight update failed (`unsynced`: it may hold
+a mix of two versions under the old version's name) always waits for the next one. Control
+calls (pause, continue, flush, weight updates) go to every healthy engine.
 
 A streamed request that fails over starts again on the new engine; SGLang's stream events are
 cumulative, so the last event is still the whole result.
@@ -64,6 +65,7 @@ class EngineRouter:
         self.outstanding = {u: 0 for u in self.clients}
         self.healthy = set(self.clients)
         self.stale: set[str] = set()  # alive again, but not yet given the current weights
+        self.unsynced: set[str] = set()  # a weight update to it failed: only a successful one takes it back
         self.expected_version: Optional[str] = None  # the weight version the pool last delivered
         self.health_interval = health_interval
         self._health_task: Optional[asyncio.Task] = None
@@ -165,7 +167,8 @@ class EngineRouter:
                 self.healthy.discard(url)
                 self.stale.discard(url)
             elif url not in self.healthy and url not in self.stale:
-                if self.expected_version is None or await self._version_of(url) == self.expected_version:
+                if url not in self.unsynced and (
+                        self.expected_version is None or await self._version_of(url) == self.expected_version):
                     logger.warning("engine %s is healthy again", url)
                     self.healthy.add(url)
                 else:

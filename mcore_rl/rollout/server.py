@@ -14,6 +14,7 @@ Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
          /init_weights_update_group, /destroy_weights_update_group, /update_weight_version
                                                {"success", "message"}; 200, or 400 on failure
     GET|POST /get_weights_by_name {"name", "truncate_size"} -> the weight's first rows (float lists)
+    GET  /weights_checksum                     ours: {"weight_version", "checksum", "num_tensors"}
     GET|POST /release_memory_occupation, /resume_memory_occupation {"tags"} -> 200, null
     GET  /v1/models, /v1/models/{model}; POST /v1/completions, /v1/chat/completions
 
@@ -119,6 +120,7 @@ class EngineServer:
             post("/update_weight_version", self.update_weight_version),
             get("/get_weights_by_name", self.get_weights_by_name),
             post("/get_weights_by_name", self.get_weights_by_name),
+            get("/weights_checksum", self.weights_checksum),
             get("/release_memory_occupation", self.release_memory_occupation),
             post("/release_memory_occupation", self.release_memory_occupation),
             get("/resume_memory_occupation", self.resume_memory_occupation),
@@ -337,6 +339,12 @@ class EngineServer:
         if weights is None:  # SGLang's reply for a name the model does not have
             return _json({"error": {"message": "Get parameter by name failed"}}, status=400)
         return _json(weights)
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """Ours (SGLang has none): the checksum of the tensors this engine received and the version
+        it serves, which the trainer compares with its own after every sync
+        (`weight_receiver.weights_checksum`); read on the engine thread, between weight updates."""
+        return _json(await self.engine.call(weight_receiver.weights_checksum))
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Free the KV cache and/or the weights (`EngineCore.release_memory`); requests wait meanwhile."""

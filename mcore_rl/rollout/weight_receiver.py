@@ -49,6 +49,7 @@ import math
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, BinaryIO, Iterable, Optional, Sequence
 
@@ -59,6 +60,7 @@ from mcore_rl.rollout.launch_flags import default_weight_dirs
 
 from mcore_rl.rollout.weight_protocol import (
     NamedTensors,
+    WeightChecksum,
     broadcast_tensors,
     decode_tensor_payload,
     host_bytes,
@@ -71,8 +73,69 @@ from mcore_rl.rollout.weight_protocol import (
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 
-_groups: "weakref.WeakKeyDictionary[Any, dict[str, tuple[dist.ProcessGroup, str]]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Group:
+    """A joined broadcast group. `staging`: the receive buffer of flattened buckets on CPU, kept
+    for the group's lifetime: a fresh buffer per bucket costs first-touch page faults on every sync
+    (about as long as the broadcast itself on CPU). On CUDA the caching allocator already reuses."""
+
+    pg: dist.ProcessGroup
+    backend: str
+    staging: Optional[torch.Tensor] = None
+
+    def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = None  # free the old one before allocating the larger one
+            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self.staging[:nbytes]
+
+
+_groups: "weakref.WeakKeyDictionary[Any, dict[str, Optional[_Group]]]" = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
+
+
+_checksums: "weakref.WeakKeyDictionary[Any, WeightChecksum]" = weakref.WeakKeyDictionary()
+
+
+def received(core: Any) -> WeightChecksum:
+    """The checksum of what this engine received: per HF name, the last tensor that arrived for it
+    (in the dtype it travelled in, before any cast), over every transport and the in-process path."""
+    c = _checksums.get(core)
+    if c is None:
+        c = _checksums[core] = WeightChecksum(background=True)  # digests overlap the next reads
+    return c
+
+
+def weights_checksum(core: Any) -> dict:
+    """`/weights_checksum`: the version the engine serves and the checksum of the tensors it
+    received (`weight_protocol.WeightChecksum`), to compare with the trainer's of that version.
+    While the weights are released or not reloaded since (zeros), nothing received is held any
+    more: the checksum is that of no tensors until the next sync."""
+    c = received(core)
+    if getattr(core, "weights_released", False) or getattr(core, "weights_need_reload", False):
+        c.discard(list(c.digests()))
+    return {"weight_version": str(core.weight_version), "checksum": c.hexdigest(), "num_tensors": len(c)}
+
+
+def _load_recorded(core: Any, named: NamedTensors, digests: Optional[Sequence[Any]] = None) -> int:
+    """`core.load_weights(named)`, recording what arrived for `/weights_checksum` (digests of the
+    tensors as they arrived, before the load casts anything; `digests` if already under way). If
+    the load fails, the bucket's names are unknown until sent again."""
+    sums = received(core)
+    fp8_layers = getattr(core, "fp8_layers", {})
+    try:
+        for i, (n, t) in enumerate(named):
+            sums.add_digest(n, t.dtype, t.shape, digests[i] if digests is not None else sums.digest_later(t))
+            if t.dtype != torch.float8_e4m3fn and n.endswith(".weight") and n[: -len(".weight")] in fp8_layers:
+                sums.discard([n[: -len(".weight")] + ".weight_scale_inv"])  # the engine quantizes it: new scales
+        return len(core.load_weights(named))
+    except BaseException:
+        sums.discard(n for n, _ in named)
+        raise
 
 
 def _ok(message: str) -> dict:
@@ -232,10 +295,12 @@ def _items(named: NamedTensors) -> Iterable[Item]:
     return ((n, tuple(t.shape), t.dtype) for n, t in named)
 
 
-def load_named_tensors(core: Any, named: NamedTensors, field: str = "names") -> int:
-    """Check a whole bucket, then copy it into the model (under the core's lock)."""
+def load_named_tensors(core: Any, named: NamedTensors, field: str = "names",
+                       digests: Optional[Sequence[Any]] = None) -> int:
+    """Check a whole bucket, then copy it into the model (under the core's lock). `digests`: the
+    tensors' content digests if the caller has them (the trainer's, for an in-process engine)."""
     check_weights(core, _items(named), field)
-    return len(core.load_weights(named))
+    return _load_recorded(core, named, digests)
 
 
 def _finish(core: Any, req: dict, count: int, source: str, whole_checkpoint: bool) -> dict:
@@ -306,7 +371,7 @@ def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_T
         return _fail(f"Failed to initialize custom process group within {timeout.total_seconds():g} s: "
                      f"{type(e).__name__}: {detail}"[:1000])
     with _groups_lock:
-        groups[group_name] = (pg, backend)
+        groups[group_name] = _Group(pg, backend)
     return _ok(f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} of {world_size}.")
 
 
@@ -317,11 +382,11 @@ def destroy_weights_update_group(core: Any, req: dict) -> dict:
         if entry is None:
             return _fail(f"The group to be destroyed does not exist: {group_name!r}")
         del _groups[core][group_name]
-    dist.destroy_process_group(entry[0])
+    dist.destroy_process_group(entry.pg)
     return _ok(f"Succeeded to destroy custom process group {group_name!r}.")
 
 
-def _group(core: Any, group_name: str) -> tuple[dist.ProcessGroup, str]:
+def _group(core: Any, group_name: str) -> _Group:
     entry = _groups.get(core, {}).get(group_name)
     if entry is None:
         raise ValueError(f"group_name: {group_name!r} is not initialized; call /init_weights_update_group first")
@@ -357,7 +422,8 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     group_name = _field(req, "group_name", str, "weight_update_group")
     fmt = _load_format(req, (None, "flattened_bucket"))
     _check_options(req)
-    pg, backend = _group(core, group_name)
+    group = _group(core, group_name)
+    pg, backend = group.pg, group.backend
     try:
         check_weights_present(core)
         released = None
@@ -370,20 +436,27 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
     except ValueError as e:
         refused = released or e  # still receive (into scratch), so the trainer's broadcast completes
     dest = {} if refused else _destinations(core, device)
+    digests: list[Any] = []
     try:
         if fmt == "flattened_bucket":
-            flat = torch.empty(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8, device=device)
+            received(core).wait()  # the last bucket's digests read the buffer this one reuses
+            flat = group.buffer(sum(nbytes(s, d) for s, d in zip(shapes, dtypes)), device)
             broadcast_tensors([flat], pg)
             named = unflatten(flat, names, dtypes, shapes)
         else:
             named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
-            broadcast_tensors([t for _, t in named], pg)
+            # each tensor's digest while the later ones are still arriving
+            sums = received(core)
+            broadcast_tensors([t for _, t in named], pg,
+                              each=None if refused else lambda i: digests.append(sums.digest_later(named[i][1])))
     except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+        if not refused:
+            received(core).discard(names)
         return _fail(f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
                      f"send the whole model again): {type(e).__name__}: {e}")
     if refused:
         raise refused
-    count = len(core.load_weights(named))
+    count = _load_recorded(core, named, digests or None)
     return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
 
 
@@ -446,15 +519,21 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
     dest = _destinations(core, cpu)
     count = 0
     for f, entries in zip(files, headers):
-        with _open_allowed(f, allowed_dirs, field) as fh:
-            named = []
-            for e in entries:
-                target = _landing(dest, e.name, e.dtype, e.shape, cpu)
-                fh.seek(e.begin)
-                if fh.readinto(host_bytes(target)) != e.end - e.begin:
-                    return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
-                named.append((e.name, target))
-        count += len(core.load_weights(named))
+        try:
+            with _open_allowed(f, allowed_dirs, field) as fh:
+                named, digests = [], []
+                for e in entries:
+                    target = _landing(dest, e.name, e.dtype, e.shape, cpu)
+                    fh.seek(e.begin)
+                    if fh.readinto(host_bytes(target)) != e.end - e.begin:
+                        received(core).discard(x.name for x in entries)
+                        return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
+                    named.append((e.name, target))
+                    digests.append(received(core).digest_later(target))  # while the next one is read
+        except BaseException:
+            received(core).discard(x.name for x in entries)
+            raise
+        count += _load_recorded(core, named, digests)
     return _finish(core, req, count, source, whole_checkpoint)
 
 

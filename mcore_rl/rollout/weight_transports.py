@@ -16,6 +16,13 @@ HTTP transports reach the engines only through the pool's fan-out (`weight_updat
 of a sync carries `weight_version`, so an engine reports the new version only once every tensor
 has arrived. An engine that dies during a sync drops out of it (the pool marks it dead; it gets
 the whole of the next sync once it is back); the others get every tensor.
+
+Checksums: when `stats.checksum` is given (the trainer's `WeightChecksum` of what it sends, filled
+while the buckets are made: `train.weight_sync.iter_buckets`), every engine's `/weights_checksum`
+is compared with it before the engine may generate again. Engines that differ, or report another
+version, are left paused and out of routing and listed in `stats.mismatched`; the trainer re-syncs
+them (`send(..., only=...)`). So does an engine whose sync failed halfway: only engines that got,
+and confirmed, the whole model resume.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import torch.distributed as dist
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
     NamedTensors,
+    WeightChecksum,
+    checksum_problem,
     broadcast_tensors,
     encode_named_tensors,
     encode_named_tensors_sglang,
@@ -48,7 +57,8 @@ from mcore_rl.rollout.weight_protocol import (
 class EngineFanout(Protocol):
     """What an HTTP transport needs of the engine pool (`mcore_rl.rollout.pool.HTTPEnginePool`)."""
 
-    def weight_update(self, mode: str) -> contextlib.AbstractContextManager[list[str]]: ...
+    def weight_update(self, mode: str,
+                      urls: Optional[Sequence[str]] = None) -> contextlib.AbstractContextManager[list[str]]: ...
 
     def start(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Future]: ...
 
@@ -56,7 +66,8 @@ class EngineFanout(Protocol):
 
     def call(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Any]: ...
 
-    def delivered(self, urls: Sequence[str], version: int) -> None: ...
+    def delivered(self, urls: Sequence[str], version: int,
+                  checksum: Optional[WeightChecksum] = None) -> dict[str, str]: ...
 
 
 @dataclass
@@ -66,6 +77,9 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    checksum: Optional[WeightChecksum] = None  # of what was sent; None: engines are not checked
+    mismatched: dict[str, str] = field(default_factory=dict)  # engine -> why its checksum differs
+    resynced: list[str] = field(default_factory=list)  # engines that needed a second send
 
     @property
     def bytes_per_s(self) -> float:
@@ -73,7 +87,10 @@ class SyncStats:
 
 
 class Transport(Protocol):
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None: ...
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
+             only: Optional[Sequence[str]] = None) -> None:
+        """Every bucket to every engine (`only`: to these engines, by the names `stats.mismatched`
+        uses), then check them against `stats.checksum` if set."""
 
 
 @dataclass
@@ -99,6 +116,7 @@ class DistributedTransport:
     rendezvous_timeout_s: Optional[float] = None  # how long an engine waits to join the group
     _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
     _members: list[str] = field(default_factory=list, init=False)
+    _staging: Optional[torch.Tensor] = field(default=None, init=False)  # flattened buckets on CPU
 
     def connect(self, urls: Optional[Sequence[str]] = None) -> None:
         """Form the group with the engines `urls` (default: the pool's live ones); a group with
@@ -126,11 +144,13 @@ class DistributedTransport:
             self.engines.wait(futures, "/init_weights_update_group")
         self._members = urls
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
+             only: Optional[Sequence[str]] = None) -> None:
         """Every bucket to every member. An engine that dies while a broadcast is under way breaks
-        the group's collectives: that sync fails (the next one forms a new group without it)."""
+        the group's collectives: that sync fails (the next one forms a new group without it).
+        With `only`, the group is formed with those engines alone (and re-formed for the next)."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        with self.engines.weight_update(self.pause_mode) as targets:
+        with self.engines.weight_update(self.pause_mode, only) as targets:
             self.connect(targets)
             targets[:] = list(self._members)
             for bucket, last in _with_last(buckets):
@@ -144,7 +164,7 @@ class DistributedTransport:
                 )
                 try:
                     if self.load_format == "flattened_bucket":
-                        broadcast_tensors([flatten(bucket).to(device)], self._group)
+                        broadcast_tensors([self._flatten(bucket, meta.total_bytes, device)], self._group)
                     else:
                         broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
                 except BaseException:
@@ -157,7 +177,19 @@ class DistributedTransport:
                     raise RuntimeError(f"weight sync: engines {sorted(set(targets) - set(answered))} dropped out of "
                                        "the broadcast group during a sync")
                 stats.buckets += 1
-            self.engines.delivered(targets, version)
+            stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
+
+    def _flatten(self, bucket: NamedTensors, total: int, device: torch.device) -> torch.Tensor:
+        """The bucket as one uint8 tensor on `device`. On CPU it is written into a buffer kept
+        between buckets and syncs (fresh memory costs page faults as long as the copy); on CUDA
+        the caching allocator reuses memory already, and a buffer held here would stay out of
+        the trainer's reach between syncs."""
+        if device.type != "cpu":
+            return flatten(bucket, out=torch.empty(total, dtype=torch.uint8, device=device))
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None
+            self._staging = torch.empty(total, dtype=torch.uint8)
+        return flatten(bucket, out=self._staging)
 
     def _drop_group(self) -> None:
         if self._group is not None:
@@ -167,6 +199,7 @@ class DistributedTransport:
 
     def close(self) -> None:
         """Tear the group down on both sides (`/destroy_weights_update_group`)."""
+        self._staging = None
         if self._group is not None:
             futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name},
                                          self._members)
@@ -189,7 +222,8 @@ class DiskTransport:
     directory: str
     pause_mode: str = "retract"
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
+             only: Optional[Sequence[str]] = None) -> None:
         os.makedirs(self.directory, exist_ok=True)
         weight_map: dict[str, str] = {}
         written: set[str] = set()
@@ -203,11 +237,11 @@ class DiskTransport:
                 if f.endswith(".safetensors") and f not in written)
         with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, f)
-        with self.engines.weight_update(self.pause_mode) as targets:
+        with self.engines.weight_update(self.pause_mode, only) as targets:
             targets[:] = list(self.engines.call(
                 "update_weights_from_disk",
                 dict(model_path=self.directory, weight_version=str(version), flush_cache=True), targets))
-            self.engines.delivered(targets, version)
+            stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
 
 
 @dataclass
@@ -230,10 +264,11 @@ class TensorTransport:
     pause_mode: str = "retract"
     _files: list[str] = field(default_factory=list, init=False)
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
+             only: Optional[Sequence[str]] = None) -> None:
         if self.payload not in ("shm", "inline", "sglang"):
             raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
-        with self.engines.weight_update(self.pause_mode) as targets:
+        with self.engines.weight_update(self.pause_mode, only) as targets:
             pending: dict[str, Future] = {}
             for i, (bucket, last) in enumerate(_with_last(buckets)):
                 fields: dict = dict(serialized_named_tensors=[self._encode(bucket, i % 2)], flush_cache=last)
@@ -244,7 +279,7 @@ class TensorTransport:
                 pending = self.engines.start("update_weights_from_tensor", fields, targets)
                 stats.buckets += 1
             targets[:] = list(self.engines.wait(pending, "/update_weights_from_tensor"))
-            self.engines.delivered(targets, version)
+            stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
 
     def _encode(self, bucket: NamedTensors, slot: int) -> str:
         if self.payload == "inline":
@@ -277,16 +312,25 @@ class InProcessTransport:
 
     cores: Sequence[object]
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats) -> None:
-        from mcore_rl.rollout.weight_receiver import load_named_tensors
+    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
+             only: Optional[Sequence[str]] = None) -> None:
+        """`only`: names as in `stats.mismatched`, "embedded:<index>"."""
+        from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 
+        cores = {f"embedded:{i}": c for i, c in enumerate(self.cores) if only is None or f"embedded:{i}" in only}
         for bucket in buckets:
-            for core in self.cores:
-                load_named_tensors(core, bucket)
+            # the engines hold the very tensors the trainer digested: its digests are theirs
+            digests = stats.checksum.contents([n for n, _ in bucket]) if stats.checksum is not None else None
+            for core in cores.values():
+                load_named_tensors(core, bucket, digests=digests)
             stats.buckets += 1
-        for core in self.cores:
+        for name, core in cores.items():
             core.weight_version = version
             core.flush_cache()
+            if stats.checksum is not None:
+                problem = checksum_problem(weights_checksum(core), version, stats.checksum)
+                if problem is not None:
+                    stats.mismatched[name] = problem
 
 
 def _with_last(items: Iterable[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:

@@ -14,10 +14,16 @@ DESIGN.md decision 4. The flow, collective over the trainer world (every rank ca
 3. Buckets (default 512 MiB) go to the engines through a transport of
    `mcore_rl.rollout.weight_transports` (disk, SGLang's broadcast group, tensors, in-process),
    which the engine pool hands out (rank 0 holds up to two buckets: the one in flight and the next).
+4. While bucketing, rank 0 adds every tensor it sends to a `WeightChecksum`; the transport compares
+   it with each engine's `/weights_checksum` before that engine generates again. Engines that
+   differ (or report another version) get the whole sync once more, alone; if one still differs the
+   sync raises `WeightSyncError` naming the engine, the version and both checksums, on every rank.
+   Engines without the endpoint (real SGLang) are not checked.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -29,10 +35,23 @@ import torch.distributed as dist
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.weight_map import megatron_to_hf
 from mcore_rl.models.shards import gather_data_parallel_shards, iter_local_params, unshard
-from mcore_rl.rollout.weight_protocol import BucketMeta, NamedTensors, flatten, nbytes, parse_dtype, unflatten
+from mcore_rl.rollout.weight_protocol import (
+    BucketMeta,
+    NamedTensors,
+    WeightChecksum,
+    flatten,
+    nbytes,
+    parse_dtype,
+    unflatten,
+)
 from mcore_rl.rollout.weight_transports import SyncStats, Transport
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that did not leave every engine it reached with exactly the trainer's weights."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,13 +219,17 @@ def quantize_for_fp8_engine(named: Iterable[tuple[str, torch.Tensor]]) -> Iterat
             yield name, tensor
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Consecutive groups of at most `bucket_bytes` (a larger tensor forms a bucket of its own)."""
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 checksum: Optional[WeightChecksum] = None) -> Iterator[NamedTensors]:
+    """Consecutive groups of at most `bucket_bytes` (a larger tensor forms a bucket of its own).
+    With `checksum`, every tensor is added to it as it joins a bucket: what the transport sends."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
     bucket: NamedTensors = []
     size = 0
     for name, tensor in named:
+        if checksum is not None:
+            checksum.add(name, tensor)
         n = tensor.numel() * tensor.element_size()
         if bucket and size + n > bucket_bytes:
             yield bucket
@@ -243,24 +266,69 @@ class WeightSync:
             raise ValueError(f"bucket_bytes: must be positive, got {self.bucket_bytes}")
 
     def sync(self, version: int) -> Optional[SyncStats]:
-        """Ship the current weights as `version`; returns stats on rank 0, None elsewhere."""
+        """Ship the current weights as `version`, check every engine's checksum, and re-sync the
+        engines that differ once (see the module docstring); returns stats on rank 0, None
+        elsewhere. Collective; a failure on rank 0 raises on every rank."""
         start = time.perf_counter()
+        stats, error = self._ship(version, None)
+        mismatched = stats is not None and bool(stats.mismatched)
+        status = self._agree(_FAILED if error is not None else _RESYNC if mismatched else _OK)
+        if status == _RESYNC:
+            first = stats
+            again = sorted(first.mismatched) if first is not None else None
+            if first is not None:
+                logger.warning("weight sync of version %s: sending it again to %d engine(s) that do not hold what was "
+                               "sent: %s", version, len(again),
+                               "; ".join(f"{u} {why}" for u, why in first.mismatched.items()))
+            stats, error = self._ship(version, again)
+            if stats is not None:
+                stats.resynced, stats.buckets = again, stats.buckets + first.buckets
+                if error is None and stats.mismatched:
+                    error = WeightSyncError(
+                        f"weight sync of version {version}, sent twice: "
+                        + "; ".join(f"engine {u} {why}" for u, why in stats.mismatched.items())
+                        + " (left paused and out of routing)")
+            status = self._agree(_FAILED if error is not None else _OK)
+        if status == _FAILED:
+            if error is not None:
+                raise error
+            raise WeightSyncError(f"weight sync of version {version} failed on global rank 0 (see its log)")
+        if stats is not None:
+            stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _ship(self, version: int, only: Optional[Sequence[str]]) -> tuple[Optional[SyncStats], Optional[BaseException]]:
+        """Gather and send once (collective): rank 0 returns its stats and the error it hit, if any
+        (the collectives are finished first, so the other ranks are not left hanging)."""
         named = iter_hf_weights(self.chunks, self.model_config, self.bucket_bytes)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if not rank0:
+        if dist.is_initialized() and dist.get_rank() != 0:
             for _ in named:
                 pass
-            return None
-        stats = SyncStats(version)
+            return None, None
+        stats = SyncStats(version, checksum=WeightChecksum(background=True))  # digests overlap the sending
         stream = quantize_for_fp8_engine(named) if self.quantization == "fp8" else named
         try:
-            self.transport.send(iter_buckets(_counted(stream, stats), self.bucket_bytes), version, stats)
-        except BaseException:
-            for _ in named:  # finish the collectives, so the other ranks are not left hanging
+            self.transport.send(iter_buckets(_counted(stream, stats), self.bucket_bytes, stats.checksum), version,
+                                stats, only)
+        except BaseException as err:  # noqa: BLE001 - raised by sync() once every rank knows
+            for _ in named:
                 pass
-            raise
-        stats.seconds = time.perf_counter() - start
-        return stats
+            if not isinstance(err, Exception):
+                raise
+            return stats, err
+        return stats, None
+
+    def _agree(self, status: int) -> int:
+        """Rank 0's status, on every rank (a no-op without a trainer world)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return status
+        device = next(iter(self.chunks[0].parameters())).device
+        t = torch.tensor([status], dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+
+_OK, _RESYNC, _FAILED = 0, 1, 2
 
 
 def _counted(named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:

@@ -55,7 +55,7 @@ class SlotKVCache:
             self._alloc(min(new, self.max_len))
 
     def shrink(self, capacity: int = 256) -> None:
-        """Drop to a small allocation (when idle: `flush_cache`)."""
+        """Drop to a small allocation (`resume_memory` after a release)."""
         self.capacity = 0
         self._alloc(min(capacity, self.max_len))
 
