@@ -193,7 +193,8 @@ def test_a_sync_that_fails_halfway_leaves_no_engine_serving(engines, tmp_path, c
         stats = sync(distributed, 3, 3)  # a whole sync: both serve again, checked
         assert stats.mismatched == {} and pool.live == [a.url, b.url] and _versions([a.url, b.url]) == ["3", "3"]
         assert _info(b.url, "weights_checksum")["checksum"] == stats.checksum.hexdigest()
-        assert not _info(a.url)["internal_states"][0]["paused"] and all(g.output_ids for g in pool.generate(_requests(4)))
+        assert not _info(a.url)["internal_states"][0]["paused"]
+        assert all(g.output_ids for g in pool.generate(_requests(4)))
 
         # an engine killed mid-sync: the other gets everything and serves; the killed one, back at
         # its URL, waits for the next sync

@@ -350,7 +350,8 @@ def test_tensor_digest_is_exact_and_sees_any_change():
             d += int.from_bytes(raw[len(raw) // 8 * 8 :].ljust(8, b"\0"), "little", signed=True) * _TAIL_MULTIPLIER
         return d % (1 << 64)
 
-    for t in [torch.randn(1100, 1030), torch.randn(3).bfloat16(), torch.randn(7).to(FP8_DTYPE), torch.randn(1), torch.zeros(0)]:
+    odd = [torch.randn(3).bfloat16(), torch.randn(7).to(FP8_DTYPE), torch.randn(1), torch.zeros(0)]
+    for t in [torch.randn(1100, 1030), *odd]:
         assert int(tensor_digest(t)) % (1 << 64) == reference(t)
         assert int(tensor_digest(t, mv=False)) % (1 << 64) == reference(t)  # the GPU path, here on CPU
     w = torch.randn(300, 300)
@@ -454,7 +455,8 @@ def test_a_corrupted_delivery_is_found_and_the_engine_held_until_sent_again(serv
         """Buckets as they come; once all are made (the first ones already loaded), another writer
         changes one tensor in the engine."""
         yield from buckets
-        request(url, "update_weights_from_tensor", serialized_named_tensors=[encode_named_tensors([(name, tensor + 1)])])
+        other = encode_named_tensors([(name, tensor + 1)])
+        request(url, "update_weights_from_tensor", serialized_named_tensors=[other])
 
     def corrupted(buckets, directory):
         """Buckets as they come; once all are written, a byte of the first shard's data flips."""

@@ -74,7 +74,6 @@ from mcore_rl.rollout.weight_protocol import (
 GROUP_TIMEOUT = timedelta(minutes=10)
 
 
-
 @dataclass
 class _Group:
     """A joined broadcast group. `staging`: the receive buffer of flattened buckets on CPU, kept
