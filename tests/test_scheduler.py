@@ -11,7 +11,7 @@ tests/test_async_runtime.py.
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import asdict
 
 import pytest
 
@@ -94,15 +94,17 @@ def _group(index: int, version: int) -> list[Sample]:
     return [Sample(p, index, [1] * 4, [-1.0] * 4, version, "length") for _ in range(G)]
 
 
-@pytest.mark.parametrize("policy", ["drop", "regenerate"])
-def test_a_group_found_too_stale_is_dropped_or_regenerated(policy):
+def _batch_after_restoring_a_stale_group(policy: str, **kw):
+    """Restored from a checkpoint: two buffered groups (prompts 7 and 8), prompt 7's three
+    versions old by now; the next batch for version 4 with max_staleness 1."""
+
     async def go():
         eng = _engines()
         be = SimBackend(eng, base_tokens=4)
         be.drawn = 100
-        sch = RolloutScheduler(be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1, stale_policy=policy))
-        # restored from a checkpoint: two buffered groups, one of them three versions old by now
-        sch.load_state_dict({"buffer": [[_state(x) for x in _group(7, 1)], [_state(x) for x in _group(8, 3)]],
+        sch = RolloutScheduler(be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1,
+                                                   stale_policy=policy, **kw))
+        sch.load_state_dict({"buffer": [[asdict(x) for x in _group(7, 1)], [asdict(x) for x in _group(8, 3)]],
                              "pending": [], "ledger": {"drawn": 2}, "steps_done": 2, "prompts": {}})
         eng.resume(4)
         sch.start()
@@ -110,7 +112,12 @@ def test_a_group_found_too_stale_is_dropped_or_regenerated(policy):
         await sch.close()
         return groups, metrics, sch
 
-    groups, metrics, sch = run_simulated(go())
+    return run_simulated(go())
+
+
+@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+def test_a_group_found_too_stale_is_dropped_or_regenerated(policy):
+    groups, metrics, sch = _batch_after_restoring_a_stale_group(policy)
     indices = [g[0].prompt.index for g in groups]
     if policy == "drop":
         assert 7 not in indices and sch.ledger.dropped_stale == 1 and metrics["async/dropped_stale"] == 1
@@ -119,12 +126,6 @@ def test_a_group_found_too_stale_is_dropped_or_regenerated(policy):
         assert all(x.policy_version == 4 for g in groups if g[0].prompt.index == 7 for x in g)
     assert all(4 - x.policy_version <= 1 for g in groups for x in g)
     sch.ledger.check(sch.pending())
-
-
-def _state(x: Sample) -> dict:
-    from dataclasses import asdict
-
-    return asdict(x)
 
 
 class _Refusing(SimBackend):
@@ -230,27 +231,14 @@ def test_snapshot_and_restore_neither_repeat_nor_skip_a_prompt():
 
 
 def test_keep_trains_what_the_gate_admitted_and_regeneration_is_capped():
-    """A group restored three versions old: `keep` trains it (counted in async/kept_stale);
-    `regenerate` with max_regenerations=0 drops it at once instead of sending it again."""
-
-    async def go(policy, **kw):
-        eng = _engines()
-        be = SimBackend(eng, base_tokens=4)
-        be.drawn = 100
-        sch = RolloutScheduler(be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1,
-                                                   stale_policy=policy, **kw))
-        sch.load_state_dict({"buffer": [[_state(x) for x in _group(7, 1)], [_state(x) for x in _group(8, 3)]],
-                             "pending": [], "ledger": {"drawn": 2}, "steps_done": 2, "prompts": {}})
-        eng.resume(4)
-        sch.start()
-        groups, metrics = await sch.next_batch(trainer_version=4)
-        await sch.close()
-        return [g[0].prompt.index for g in groups], metrics, sch
-
-    indices, metrics, sch = run_simulated(go("keep"))
-    assert indices == [7, 8] and metrics["async/kept_stale"] == 1 and sch.ledger.dropped_stale == 0
-    indices, metrics, sch = run_simulated(go("regenerate", max_regenerations=0))
-    assert 7 not in indices and sch.ledger.dropped_stale == 1 and sch.ledger.regenerated_stale == 0
+    """`keep` trains the stale group (counted in async/kept_stale); `regenerate` with
+    max_regenerations=0 drops it at once instead of sending it again."""
+    groups, metrics, sch = _batch_after_restoring_a_stale_group("keep")
+    assert [g[0].prompt.index for g in groups] == [7, 8] and metrics["async/kept_stale"] == 1
+    assert sch.ledger.dropped_stale == 0
+    groups, metrics, sch = _batch_after_restoring_a_stale_group("regenerate", max_regenerations=0)
+    assert 7 not in [g[0].prompt.index for g in groups]
+    assert sch.ledger.dropped_stale == 1 and sch.ledger.regenerated_stale == 0
 
 
 def test_a_request_interrupted_too_often_fails_its_group_with_the_reason():

@@ -44,10 +44,6 @@ class Sample:
     # None = all tokens from `policy_version`
     token_versions: Optional[list[int]] = None
 
-    def versions(self) -> list[int]:
-        """The weight version of every response token."""
-        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(self.response_ids)
-
     @property
     def prompt_ids(self) -> list[int]:
         return self.prompt.ids

@@ -397,8 +397,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 writer.write(record)
             if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
                 _log(f"saved {run.save()}")
-            if st.rl_step < cfg.train.num_steps:
-                run.step_done()
+            run.step_done()  # after the last step the gate admits nothing (its total_steps = train.num_steps)
             if bar is not None:
                 bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)
                 bar.update(1)

@@ -401,7 +401,7 @@ class RolloutScheduler:
         scheduler's loop, so it is one consistent snapshot."""
         pending = sorted(self.running.values(), key=lambda j: j.prompt.index) + list(self.retry)
         return {
-            "buffer": [[_sample_state(s) for s in g] for g in self.buffer],
+            "buffer": [[asdict(s) for s in g] for g in self.buffer],
             "pending": [{**asdict(j.prompt), "_regenerations": j.regenerations} for j in pending],
             "ledger": self.ledger.state_dict(),
             "steps_done": self.steps_done,
@@ -428,10 +428,6 @@ class RolloutScheduler:
 
 def _key(reason: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in reason.lower())[:40].strip("_")
-
-
-def _sample_state(s: Sample) -> dict[str, Any]:
-    return asdict(s)
 
 
 def _sample_from_state(d: dict[str, Any]) -> Sample:

@@ -104,26 +104,43 @@ class _Running:
     tokens: int = 0
 
 
-class SimulatedEngines:
-    """`num_engines` engines with `slots` concurrent requests each. A request's tokens come at
-    `token_time(batch)` s each, `batch` the engine's running requests when it started (a simple
-    model of continuous batching: decode steps get slower with more requests)."""
+class _PausesForSyncs:
+    """What both simulated engine pools share: the weight version and SGLang's pause for a sync
+    (new requests wait while paused; `resume(version)` ends the sync)."""
 
-    def __init__(self, num_engines: int, slots: int, token_time: Callable[[int], float]) -> None:
-        self.num_engines, self.slots, self.token_time = num_engines, slots, token_time
+    def __init__(self) -> None:
         self.version = 0
-        self.running: list[list[_Running]] = [[] for _ in range(num_engines)]
         self.paused = False
         self._resumed: Optional[asyncio.Event] = None
-        self.busy_s = [0.0] * num_engines  # time with at least one request running
-        self._busy_since: list[Optional[float]] = [None] * num_engines
-        self.requests = 0
 
     def _event(self) -> asyncio.Event:
         if self._resumed is None:
             self._resumed = asyncio.Event()
             self._resumed.set()
         return self._resumed
+
+    def _pause(self) -> None:
+        self.paused = True
+        self._event().clear()
+
+    def _resume(self, version: int) -> None:
+        self.version = version
+        self.paused = False
+        self._event().set()
+
+
+class SimulatedEngines(_PausesForSyncs):
+    """`num_engines` engines with `slots` concurrent requests each. A request's tokens come at
+    `token_time(batch)` s each, `batch` the engine's running requests when it started (a simple
+    model of continuous batching: decode steps get slower with more requests)."""
+
+    def __init__(self, num_engines: int, slots: int, token_time: Callable[[int], float]) -> None:
+        super().__init__()
+        self.num_engines, self.slots, self.token_time = num_engines, slots, token_time
+        self.running: list[list[_Running]] = [[] for _ in range(num_engines)]
+        self.busy_s = [0.0] * num_engines  # time with at least one request running
+        self._busy_since: list[Optional[float]] = [None] * num_engines
+        self.requests = 0
 
     async def generate(self, req: GenRequest) -> Generation:
         loop = asyncio.get_running_loop()
@@ -155,17 +172,14 @@ class SimulatedEngines:
 
     def pause(self) -> None:
         """`pause_generation(mode=abort)`: in-flight requests end now with what they have."""
-        self.paused = True
-        self._event().clear()
+        self._pause()
         for engine in self.running:
             for run in engine:
                 if not run.done.done():
                     run.done.set_result("abort")
 
     def resume(self, version: int) -> None:
-        self.version = version
-        self.paused = False
-        self._event().set()
+        self._resume(version)
 
     def utilisation(self, elapsed: float) -> float:
         now = asyncio.get_running_loop().time()
@@ -262,7 +276,7 @@ class _Instance:
             self.ctx, self.heap = 0.0, []
 
 
-class ContinuousBatchingEngines:
+class ContinuousBatchingEngines(_PausesForSyncs):
     """`num_engines` inference instances behind one FIFO queue (a request goes to the instance with
     the fewest running requests that has a free slot and KV room). Each instance runs
     `DecodeModel`'s continuous batching; `pause()` is SGLang's `pause_generation(mode="abort")`:
@@ -275,13 +289,11 @@ class ContinuousBatchingEngines:
     (the G samples of a prompt each prefill the prompt)."""
 
     def __init__(self, num_engines: int, model: DecodeModel, token_unit: int = 1) -> None:
+        super().__init__()
         self.num_engines, self.model, self.token_unit = num_engines, model, token_unit
         self.instances = [_Instance(i, model) for i in range(num_engines)]
         self.queue: Deque[_Req] = deque()
-        self.version = 0
-        self.paused = False
         self.requests = 0
-        self._resumed: Optional[asyncio.Event] = None
         self._seq = itertools.count()
         self._dispatch_pending = False
 
@@ -291,12 +303,6 @@ class ContinuousBatchingEngines:
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
-
-    def _event(self) -> asyncio.Event:
-        if self._resumed is None:
-            self._resumed = asyncio.Event()
-            self._resumed.set()
-        return self._resumed
 
     async def generate(self, req: GenRequest) -> Generation:
         unit = self.token_unit
@@ -377,8 +383,7 @@ class ContinuousBatchingEngines:
 
     def pause(self) -> None:
         """`pause_generation(mode=abort)`: running requests end now with what they have."""
-        self.paused = True
-        self._event().clear()
+        self._pause()
         now = self._loop().time()
         for inst in self.instances:
             inst.advance(now)
@@ -392,9 +397,7 @@ class ContinuousBatchingEngines:
                 inst.timer = None
 
     def resume(self, version: int) -> None:
-        self.version = version
-        self.paused = False
-        self._event().set()
+        self._resume(version)
         self._dispatch()
 
     def counters(self) -> dict[str, float]:
