@@ -26,6 +26,23 @@ class Prompt:
 
 
 @dataclass
+class TeacherScores:
+    """What a teacher said about a sample's response tokens (on-policy distillation).
+
+    `logp[j]` is the teacher's log-prob of response token j; `topk_ids[j]` / `topk_logp[j]` are the
+    teacher's k most likely tokens at that position and their log-probs (None when not asked for).
+    Filled by an engine teacher at rollout time or by an in-trainer teacher before the update;
+    `error` is set (and the lists left empty) when the teacher could not score the sample, which
+    then gets no distillation term."""
+
+    logp: list[float] = field(default_factory=list)
+    topk_ids: Optional[list[list[int]]] = None
+    topk_logp: Optional[list[list[float]]] = None
+    source: str = ""  # which teacher (engine URL, "privileged", "frozen:<version>")
+    error: Optional[str] = None
+
+
+@dataclass
 class Sample:
     """One completion of one prompt, with everything the learner needs to know about its origin."""
 
@@ -37,12 +54,14 @@ class Sample:
     finish_reason: str  # "stop" | "length" | "abort"
     text: str = ""  # decoded completion (stop token trimmed)
     engine: str = ""  # which engine (URL or "embedded:i")
-    reward: float = 0.0
+    reward: float = 0.0  # the scalar the advantage uses (the domain's weighted sum of its reward heads)
     reward_error: Optional[str] = None
+    reward_heads: dict[str, float] = field(default_factory=dict)  # each named reward of the domain, unweighted
     info: dict[str, Any] = field(default_factory=dict)
     # weight version of each response token (partial rollouts continue a sample across syncs);
     # None = all tokens from `policy_version`
     token_versions: Optional[list[int]] = None
+    teacher: Optional[TeacherScores] = None  # on-policy distillation: the teacher's view of the response
 
     @property
     def prompt_ids(self) -> list[int]:

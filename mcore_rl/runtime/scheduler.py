@@ -24,7 +24,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Deque, Literal, Optional, Protocol
 
-from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.samples import Prompt, Sample, TeacherScores
 from mcore_rl.rollout.pool import Generation, GenRequest
 from mcore_rl.runtime.accounting import SampleLedger
 from mcore_rl.runtime.staleness import StalenessGate
@@ -433,4 +433,6 @@ def _key(reason: str) -> str:
 def _sample_from_state(d: dict[str, Any]) -> Sample:
     d = dict(d)
     d["prompt"] = Prompt(**d["prompt"])
+    if d.get("teacher") is not None:
+        d["teacher"] = TeacherScores(**d["teacher"])
     return Sample(**d)

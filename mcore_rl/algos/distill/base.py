@@ -1,0 +1,62 @@
+"""The one signature of the "distill" kind.
+
+    fn(batch: DistillBatch, **options) -> DistillTerms
+
+A function is registered with `@register("distill", name)` and marked with its phase:
+
+* `phase = "advantage"`: called once per rollout batch, before the update, with
+  `student_logp = old_logp` (no gradient). It returns `token_advantage` [n, T] (added to the RL
+  advantage of each token; alone, with a zero RL advantage, it is pure distillation) and/or
+  `token_mask` [n, T] (multiplied into the loss mask: horizons, trust masks, gates).
+* `phase = "loss"`: called per micro-batch inside the loss with the differentiable
+  `student_logp` (and `student_topk_logp`); it returns `loss_sum`, summed over the tokens that
+  count with the same aggregation as the policy loss (`agg`, `norm_length`), so the learner can add
+  it to the policy loss before megatron-core divides by the one shared count.
+
+Shapes follow `mcore_rl.algos`: [n, T] per token (right-padded, `mask` 1 on response tokens),
+[n, T, k] for the teacher's top-k (ids fixed by the teacher; `student_topk_logp` is the student's
+log-prob of those same ids), [n] per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class DistillBatch:
+    student_logp: torch.Tensor  # [n, T] log π_θ(y_t) (requires grad in the loss phase)
+    old_logp: torch.Tensor  # [n, T] log π_old(y_t) of the sampling policy, recomputed by the trainer
+    teacher_logp: torch.Tensor  # [n, T] log π_T(y_t) of the teacher
+    mask: torch.Tensor  # [n, T] float, 1 on response tokens that count (teacher scored, sample usable)
+    teacher_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] teacher log-probs of its top-k ids
+    student_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] student log-probs of the same ids
+    rewards: Optional[torch.Tensor] = None  # [n] scalar rewards (for gated methods)
+    group_ids: Optional[torch.Tensor] = None  # [n]
+    advantages: Optional[torch.Tensor] = None  # [n] or [n, T]: the RL advantage (before distillation)
+    step: int = 0  # rollout step (for schedules)
+    agg: str = "token-mean"
+    norm_length: Optional[int] = None
+
+
+@dataclass
+class DistillTerms:
+    token_advantage: Optional[torch.Tensor] = None  # [n, T], advantage phase
+    token_mask: Optional[torch.Tensor] = None  # [n, T] in [0, 1], advantage phase
+    loss_sum: Optional[torch.Tensor] = None  # scalar, loss phase (aggregated like the policy loss)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def phase(kind: str) -> Callable:
+    """Decorator: mark a distillation function as an "advantage" or "loss" phase function."""
+    if kind not in ("advantage", "loss"):
+        raise ValueError(f"phase must be 'advantage' or 'loss', got {kind!r}")
+
+    def deco(fn: Callable) -> Callable:
+        fn.phase = kind  # type: ignore[attr-defined]
+        return fn
+
+    return deco
