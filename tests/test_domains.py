@@ -380,16 +380,51 @@ def test_held_out_sets_are_disjoint_from_training(tmp_path):
     assert p.ids[1:] == load_tokenizer(None).encode("Q:" + p.text)
 
 
-def test_group_relative_advantages_with_groups_of_different_sizes():
+def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tmp = str(tmp_path)
+    raw = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, "user": 4, "system": 5},
+                                     unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                 eos_token="</s>")
+    hf.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    hf.save_pretrained(os.path.join(tmp, "tok"))
+    data = recipe(tmp)
+    data["data"]["domains"][0].pop("template")
+    data["data"]["domains"][0].update(chat_template=True, system_prompt="be brief")
+    data["data"]["tokenizer_path"] = os.path.join(tmp, "tok")
+    cfg = cfg_of(tmp, data, "model.vocab_size=6")
+    validate_rl_config(cfg, 1)
+    tok = load_tokenizer(cfg.data.tokenizer_path)
+    p = build_prompt_sets(cfg, tok).train.sources["sum2"].take(1)[0]
+    want = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": p.text}])
+    assert want.startswith("system be brief user ") and p.ids == [tok.bos_id] + tok.encode(want)
+    data["data"].pop("tokenizer_path")
+    assert "data.domains[0].chat_template: domain 'sum2': needs a Hugging Face tokenizer" in errors_of(cfg_of(tmp, data))
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_relative_advantages_with_groups_of_different_sizes(name):
+    """Domains with group sizes 2, 4 and 3 in one batch: each group is normalised on its own, as if alone."""
     from mcore_rl.algos import registry
 
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 1.0])
-    groups = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])  # sizes 2, 4, 2
-    adv = registry.get("advantage", "grpo")(rewards, groups, normalize_std=True, valid=torch.ones(8, dtype=torch.bool))
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
+    groups = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2])
+    fn = registry.get("advantage", name)
+    ones = lambda n: torch.ones(n, dtype=torch.bool)  # noqa: E731
+    adv = fn(rewards, groups, normalize_std=True, valid=ones(9))
     for g in range(3):
-        r = rewards[groups == g]
-        want = (r - r.mean()) / (r.std() + 1e-6)
-        torch.testing.assert_close(adv[groups == g], want, atol=1e-4, rtol=1e-4)
+        alone = fn(rewards[groups == g], torch.zeros(int((groups == g).sum()), dtype=torch.long),
+                   normalize_std=True, valid=ones(int((groups == g).sum())))
+        torch.testing.assert_close(adv[groups == g], alone)
+        r = rewards[groups == g].double()
+        n = len(r)
+        want = {"grpo": (r - r.mean()) / (r.std() + 1e-6), "dr_grpo": r - r.mean(),
+                "rloo": (r - r.mean()) * n / (n - 1)}[name]
+        torch.testing.assert_close(adv[groups == g].double(), want, atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ end to end
