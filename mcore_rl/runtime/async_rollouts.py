@@ -25,8 +25,9 @@ _PART_SALT_STRIDE = 16
 
 class PoolBackend:
     def __init__(self, pool: HTTPEnginePool, prompts: PromptSource, rewards: RewardRunner, manager: RolloutManager,
-                 cfg: Any) -> None:
+                 cfg: Any, teachers: Any = None) -> None:
         self.pool, self.prompts, self.rewards, self.manager, self.cfg = pool, prompts, rewards, manager, cfg
+        self.teachers = teachers  # `train.teachers.Teachers` with engine teachers: they score after the rewards
 
     def take_prompt(self) -> Prompt:
         return self.prompts.take(1)[0]
@@ -51,6 +52,8 @@ class PoolBackend:
         inputs = [RewardInput(s.prompt.text, s.text, s.prompt.label, {"finish_reason": s.finish_reason}) for s in samples]
         for s, res in zip(samples, await self.rewards.score(inputs, [s.group for s in samples])):
             s.reward, s.reward_error, s.info = res.reward, res.error, dict(res.info)
+        if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
+            await self.teachers.ascore_engines(samples)
 
     def filter_reason(self, group: list[Sample]) -> Optional[str]:
         if self.cfg.algorithm.dynamic_sampling.enabled and len({s.reward for s in group}) == 1:
