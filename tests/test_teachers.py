@@ -309,9 +309,11 @@ def test_example_recipe_and_config_errors(tmp_path, ckpts):
     assert "teachers[1].domains" in msg and "'math' is also routed to teachers[0]" in msg
     assert "teachers: teachers [0, 1] all have no domains" in errors(
         "teachers:\n  - {kind: frozen}\n  - {kind: privileged}\n")
-    msg = errors("teachers:\n  - {kind: engine}\n  - {kind: privileged, top_k: 4, domains: [x], urls: ['http://a']}\n")
+    msg = errors("teachers:\n  - {kind: engine}\n"
+                 "  - {kind: privileged, top_k: 400, domains: [x], urls: ['http://a']}\n")
     assert "teachers[0].urls: an engine teacher needs either urls" in msg
-    assert "teachers[1].top_k: an in-trainer teacher" in msg and "teachers[1].urls: only applies to kind 'engine'" in msg
+    assert "teachers[1].top_k: must be in [0, model.vocab_size=384]" in msg
+    assert "teachers[1].urls: only applies to kind 'engine'" in msg
     msg = errors(f"teachers:\n  - {{kind: engine, model_path: {tmp_path}, urls: ['ftp://x']}}\n")
     assert "got both" in msg and "teachers[0].urls[0]: must be an http(s) URL" in msg
     assert "teachers[0].model_path" in msg
@@ -328,7 +330,9 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
     from mcore_rl.runtime import run_rl
     from mcore_rl.runtime.loop import RLRun
     from mcore_rl.train.rl_step import Learner
-    from mcore_rl.train.teachers import FrozenTeacher, PrivilegedTeacher, privileged_context
+    from mcore_rl.train.forward_backward import attention_mask_from_segments
+    from mcore_rl.train.packing import build_microbatches
+    from mcore_rl.train.teachers import FrozenTeacher, PrivilegedTeacher, privileged_context, token_topk
 
     # 1. an engine teacher the trainer starts on a checkpoint; a mismatched one is refused first
     bad = small(f"run_dir={tmp}/bad", f"teachers=[{{kind: engine, name: wrong, urls: ['{url_other}']}}]")
@@ -390,9 +394,27 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         too_long.score(batch[:1], batch, logprobs)
         assert "longer than train.seq_length" in batch[0].teacher.error
 
-        # 3. a frozen copy: fixed until refreshed, then the current policy
-        frozen = FrozenTeacher("old", cfg, run.chunks, refresh_interval=2, version=run.state.version)
-        frozen.score(batch, batch, logprobs)
+        # 3. a frozen copy: fixed until refreshed, then the current policy; its top-k from the
+        #    vocab-parallel logits equals the top-k of the full logits
+        frozen = FrozenTeacher("old", cfg, run.chunks, refresh_interval=2, version=run.state.version, top_k=3)
+
+        def topk(ss, t, chunks):
+            return token_topk(chunks, ss, t, 3, seq_length=cfg.train.seq_length,
+                              micro_batch_size=cfg.train.micro_batch_size, pad_id=run.tokenizer.pad_id)
+
+        frozen.score(batch, batch, logprobs, topk)
+        mb = build_microbatches(batch, range(len(batch)), cfg.train.seq_length, cfg.train.micro_batch_size, 0, 1,
+                                run.tokenizer.pad_id, t)[0]
+        with torch.no_grad():
+            logits = frozen.chunks[0](mb["tokens"], mb["position_ids"], attention_mask_from_segments(mb["segment_ids"]))
+        full = torch.log_softmax(logits.float(), -1).reshape(-1, logits.shape[-1])
+        for j, i in enumerate(mb["seq_index"].tolist()):
+            n = len(batch[i].response_ids)
+            want = full[mb["seq_pos"][j, :n]].topk(3, dim=-1)
+            assert batch[i].teacher.topk_ids == want.indices.tolist()
+            torch.testing.assert_close(torch.tensor(batch[i].teacher.topk_logp), want.values, rtol=0, atol=1e-5)
+            sampled = full[mb["seq_pos"][j, :n]].gather(1, torch.tensor(batch[i].response_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(batch[i].teacher.logp), sampled, rtol=0, atol=1e-5)
         start = [list(s.teacher.logp) for s in batch]
         assert batch[0].teacher.source == "frozen:1"
         policy_now = logprobs(batch, t, None)
@@ -415,14 +437,16 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
     finally:
         run.close()
 
-    # 4. short runs: sync with an engine teacher (URL) and a frozen one routed to another domain;
+    # 4. short runs: sync with a privileged teacher with top-k (an engine one for another domain);
     #    async with the engine teacher scoring right after the rewards (off the learner's path)
-    teachers = f"teachers=[{{kind: engine, name: eng, urls: ['{url_b}']}}, {{kind: frozen, domains: [other]}}]"
-    summary = run_rl(small(f"run_dir={tmp}/sync", teachers))
+    sync = (f"teachers=[{{kind: engine, urls: ['{url_b}'], domains: [other]}}, "
+            "{kind: privileged, name: hint, top_k: 2}]")
+    summary = run_rl(small(f"run_dir={tmp}/sync", sync))
     assert summary["state"]["rl_step"] == 2
     with open(f"{tmp}/sync/metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
-    assert all(r["teacher/eng/error_frac"] == 0 and r["teacher/routed_frac"] == 1 for r in recs)
+    assert all(r["teacher/hint/error_frac"] == 0 and r["teacher/routed_frac"] == 1 for r in recs)
+    teachers = f"teachers=[{{kind: engine, name: eng, urls: ['{url_b}']}}, {{kind: frozen, domains: [other]}}]"
     run_rl(small(f"run_dir={tmp}/async", teachers, "rollout.runtime=async", "rollout.max_staleness=1",
                  "rollout.request_timeout_s=20", "rollout.max_running_requests=32"))
     with open(f"{tmp}/async/metrics.jsonl") as f:
@@ -434,3 +458,23 @@ def test_teachers_in_a_trainer_world(tmp_path, servers, ckpts):
     from tests.world import run_world
 
     run_world(1, _world, str(tmp_path), ckpts["a"], servers["b"].urls[0], servers["other_tok"].urls[0])
+
+
+def _tp2_topk(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from mcore_rl.train.teachers import vocab_parallel_topk
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 16, generator=g), torch.randn(50, 16, generator=g)
+    shard = weight.chunk(2)[rank]  # rows rank*25 ... (rank+1)*25
+    vals, ids = vocab_parallel_topk(hidden, shard, 7, temperature=0.7, chunk_size=8, tp_group=dist.group.WORLD)
+    want = torch.log_softmax(hidden @ weight.t() / 0.7, -1).topk(7, dim=-1)
+    torch.testing.assert_close(vals, want.values)
+    assert torch.equal(ids, want.indices)
+
+
+def test_vocab_parallel_topk_over_two_tensor_parallel_ranks():
+    from tests.world import run_world
+
+    run_world(2, _tp2_topk)

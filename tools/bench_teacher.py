@@ -11,7 +11,8 @@ samples (prompt + response token ids; every response token's log-prob), two ways
   optionally `top_logprobs_num`), as a teacher given by URL or started by the trainer is;
 * `in-trainer` -- `FrozenTeacher` in this process: megatron-core model chunks of the same
   architecture, a forward of the packed micro-batches (`Learner.token_logprobs`, fp32, chunked
-  vocab-parallel log-probs), as the frozen-copy and privileged-context teachers run.
+  vocab-parallel log-probs; with `--top-k` a second pass, `token_topk`), as the frozen-copy and
+  privileged-context teachers run.
 
 The two sides alternate over `--repeats` (engine first on even repeats, in-trainer first on odd
 ones) after one warm-up each; reported: the median and the min-max spread of response tokens
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--response", type=int, default=96)
-    ap.add_argument("--top-k", type=int, default=0, help="engine side also returns the top-k (in-trainer: none)")
+    ap.add_argument("--top-k", type=int, default=0, help="both sides also return the teacher's top-k per position")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--micro-batch", type=int, default=8, help="in-trainer rows per micro-batch")
@@ -112,15 +113,19 @@ def main() -> None:
     from mcore_rl.config import validate_rl_config
     from mcore_rl.train.policy import build_policy
     from mcore_rl.train.rl_step import Learner
-    from mcore_rl.train.teachers import FrozenTeacher
+    from mcore_rl.train.teachers import FrozenTeacher, token_topk
 
     policy = build_policy(cfg, validate_rl_config, 1)
     learner = Learner(cfg, policy.chunks, policy.optimizer, None, policy.tokenizer.pad_id)
     rss_before = _rss_kib()
-    frozen = FrozenTeacher("bench", cfg, policy.chunks)
+    frozen = FrozenTeacher("bench", cfg, policy.chunks, top_k=args.top_k)
 
     def logprobs(ss, t, chunks):
         return learner.token_logprobs(ss, t, chunks=chunks)[0]
+
+    def topk(ss, t, chunks):
+        return token_topk(chunks, ss, t, args.top_k, seq_length=seq, micro_batch_size=args.micro_batch,
+                          pad_id=policy.tokenizer.pad_id)
 
     def run_engine() -> tuple[float, float]:
         for s in samples:
@@ -138,7 +143,7 @@ def main() -> None:
         _reset_peak()
         start = time.perf_counter()
         with torch.no_grad():
-            frozen.score(samples, samples, logprobs)
+            frozen.score(samples, samples, logprobs, topk if args.top_k else None)
         dt = time.perf_counter() - start
         assert all(len(s.teacher.logp) == args.response for s in samples)
         return tokens / dt, (_rss_kib("self", "VmHWM") - rss_before) / 1024
@@ -160,7 +165,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in frozen.chunks[0].parameters())
     print(f"teacher: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters; "
           f"{args.samples} samples x ({args.prompt} prompt + {args.response} response) tokens; "
-          f"top-k {args.top_k} (engine); {args.threads} thread(s) each; {args.repeats} repeats, alternating")
+          f"top-k {args.top_k}; {args.threads} thread(s) each; {args.repeats} repeats, alternating")
     print(f"{'':34}{'engine':>24}{'in-trainer':>24}{'engine / in-trainer':>22}")
     for label, k, unit in (("response tokens / s", 0, ""), ("peak memory (MiB)", 1, "")):
         e, t = stat("engine", k), stat("in-trainer", k)

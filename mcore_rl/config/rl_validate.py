@@ -65,7 +65,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_reward(cfg.reward, cfg.data, task, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
-    check_teachers(cfg.teachers, cfg.rollout, errors)
+    check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 
@@ -330,7 +330,7 @@ def teacher_name(t: TeacherConfig, i: int) -> str:
     return t.name or f"{t.kind}{i}"
 
 
-def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Errors) -> None:
+def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Errors, vocab_size: int) -> None:
     """Each teacher's own settings, and routing without ambiguity: no domain claimed by two
     teachers, at most one default teacher (no `domains`). Reachability and the tokenizer of an
     engine teacher are checked when the trainer connects to it, before training."""
@@ -349,15 +349,13 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
             errors.need(d not in claimed, f"{key}.domains",
                         f"domain {d!r} is also routed to teachers[{claimed.get(d)}]; a sample has one teacher")
             claimed.setdefault(d, i)
-        errors.need(t.top_k >= 0, f"{key}.top_k", f"must be >= 0, got {t.top_k}")
+        errors.need(0 <= t.top_k <= vocab_size, f"{key}.top_k",
+                    f"must be in [0, model.vocab_size={vocab_size}], got {t.top_k}")
         if t.kind == "engine":
             check_engine_teacher(t, key, r, errors)
         else:
             for field_name, value in (("urls", t.urls), ("model_path", t.model_path)):
                 errors.need(not value, f"{key}.{field_name}", f"only applies to kind 'engine' (this one is {t.kind!r})")
-            errors.need(t.top_k == 0, f"{key}.top_k",
-                        f"an in-trainer teacher (kind {t.kind!r}) gives the sampled token's log-prob only; top-k needs "
-                        "an engine teacher")
         if t.kind == "privileged":
             errors.need("{context}" in t.template, f"{key}.template", "must contain '{context}'")
             errors.need(t.context != "info" or bool(t.context_key), f"{key}.context_key",

@@ -367,8 +367,17 @@ class RLRun:
         rank 0 (what the asynchronous scheduler did not score yet), in-trainer ones on every rank."""
         if self.teachers is None:
             return {}
+        from mcore_rl.train.teachers import token_topk
+
+        tc = self.cfg.train
+
+        def topk(k: int) -> Any:
+            return lambda ss, t, chunks: token_topk(chunks or self.chunks, ss, t, k, seq_length=tc.seq_length,
+                                                    micro_batch_size=tc.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                    temperature=learner.temperature, chunk_size=tc.logprob_chunk_size)
+
         return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(ss, t, chunks=chunks)[0],
-                                   _broadcast, self.rank0)
+                                   _broadcast, self.rank0, topk)
 
     def close(self) -> None:
         if self.async_rollouts is not None:

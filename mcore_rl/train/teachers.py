@@ -16,8 +16,10 @@ samples and gets the same log-probs):
 
 Engine teachers (`rollout/teacher.py`) are scored on rank 0, which holds the engines, and their
 scores are broadcast. Each sample has at most one teacher, routed by its domain
-(`route_by_domain`, UI-MOPD). The in-trainer teachers give the sampled token's log-prob only
-(no top-k; the config refuses `top_k` for them).
+(`route_by_domain`, UI-MOPD). With `top_k`, an in-trainer teacher also gives its k most likely
+tokens per response position (`vocab_parallel_topk`: each TP rank's top-k of its vocabulary
+shard, all-gathered, k values per token and rank; the full vocabulary is never gathered), in a
+second forward-only pass over the same packed micro-batches.
 """
 
 from __future__ import annotations
@@ -37,6 +39,116 @@ logger = logging.getLogger(__name__)
 
 # token_logprobs(samples, num_positions, chunks) -> [N, T] log-probs of the response tokens (Learner's)
 LogprobFn = Callable[[Sequence[Sample], int, Optional[list]], torch.Tensor]
+# topk(samples, num_positions, chunks) -> ([N, T, k] log-probs, [N, T, k] ids) of the k most likely tokens
+TopkFn = Callable[[Sequence[Sample], int, Optional[list]], tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
+                        chunk_size: Optional[int] = None, tp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and global ids ([n, k] each, most likely first) of the k most likely tokens per
+    row of hidden [n, h], from this TP rank's [vocab/TP, h] output-weight shard. The softmax
+    normaliser is all-reduced (max, sum of exponentials) and each rank's own top-k all-gathered:
+    k values per token and rank cross ranks, never the vocabulary."""
+    import torch.distributed as dist
+
+    from mcore_rl.train.logprobs import auto_chunk_size
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    rank = dist.get_rank(tp_group) if tp > 1 else 0
+    local = weight.shape[0]
+    chunk = chunk_size or auto_chunk_size(local)
+    kk = min(k, local)
+    vals, ids = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        z = (hidden[s : s + chunk] @ weight.t()).float() / temperature
+        zmax = z.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=tp_group)
+        total = (z - zmax[:, None]).exp().sum(dim=-1)
+        if tp > 1:
+            dist.all_reduce(total, group=tp_group)
+        lse = total.log() + zmax
+        v, i = z.topk(kk, dim=-1)
+        i = i + rank * local
+        if tp > 1:
+            all_v = [torch.empty_like(v) for _ in range(tp)]
+            all_i = [torch.empty_like(i) for _ in range(tp)]
+            dist.all_gather(all_v, v.contiguous(), group=tp_group)
+            dist.all_gather(all_i, i.contiguous(), group=tp_group)
+            v, pick = torch.cat(all_v, dim=-1).topk(k, dim=-1)
+            i = torch.cat(all_i, dim=-1).gather(-1, pick)
+        vals.append(v - lse[:, None])
+        ids.append(i)
+    return torch.cat(vals), torch.cat(ids)
+
+
+@torch.no_grad()
+def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: int, *, seq_length: int,
+               micro_batch_size: int, pad_id: int, temperature: float = 1.0,
+               chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, T, k] log-probs and ids of the k most likely tokens at every response position of
+    `samples` under `chunks` (packed as the learner packs them), identical on every rank."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.train.forward_backward import attention_mask_from_segments, forward_backward
+    from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
+    from mcore_rl.train.packing import build_microbatches
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mbs = build_microbatches(samples, range(len(samples)), seq_length, micro_batch_size, dp_rank, dp_size, pad_id,
+                             num_positions)
+    store: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def collect(out: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        store.append(out)
+        zero = torch.zeros((), device=out[0].device)
+        return zero, torch.tensor(1, dtype=torch.int), {"lm_loss": torch.zeros(2, device=out[0].device)}
+
+    def step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+        batch = next(data_iterator)
+        gpt = unwrap_gpt(model)
+        with _decoder_output_only(gpt):
+            mask = attention_mask_from_segments(batch.get("segment_ids"))
+            hidden = model(batch["tokens"], batch["position_ids"], mask)
+        if not gpt.post_process:
+            return hidden, collect
+        hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
+        s, b, h = hidden.shape
+        v, i = vocab_parallel_topk(hidden.reshape(s * b, h), output_weight(gpt), k, temperature, chunk_size,
+                                   ps.get_tensor_model_parallel_group())
+        return (v.view(s, b, k).transpose(0, 1), i.view(s, b, k).transpose(0, 1)), partial(collect)
+
+    for c in chunks:
+        c.eval()
+    model_in = [{key: val for key, val in mb.items() if key not in ("seq_index", "seq_pos")} for mb in mbs]
+    forward_backward(chunks, model_in, forward_only=True, forward_step=step)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    n = len(samples)
+    vals = torch.zeros(n, num_positions, k)
+    ids = torch.zeros(n, num_positions, k, dtype=torch.long)
+    if last:
+        for mb, (v, i) in zip(mbs, store):
+            if mb["seq_index"].numel() == 0:
+                continue
+            vals[mb["seq_index"]] = v.reshape(-1, k).cpu()[mb["seq_pos"]]
+            ids[mb["seq_index"]] = i.reshape(-1, k).cpu()[mb["seq_pos"]]
+    device = next(chunks[0].parameters()).device
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        device = torch.device("cpu")
+    for t in (vals, ids):
+        buf = t.to(device)
+        if dp_size > 1:  # each sample lives on exactly one DP rank
+            dist.all_reduce(buf, group=ps.get_data_parallel_group())
+        if pp > 1:  # the last stage has them
+            dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        t.copy_(buf.cpu())
+    return vals, ids
 
 
 def privileged_context(sample: Sample, batch: Sequence[Sample], source: str, key: str = "skill",
@@ -74,9 +186,10 @@ class PrivilegedTeacher:
 
     def __init__(self, name: str, tokenizer: Any, seq_length: int, *, context: str = "answer",
                  context_key: str = "skill", template: str = "Reference solution: {context}\n",
-                 peer_min_reward: float = 1.0) -> None:
-        self.name, self.tokenizer, self.seq_length = name, tokenizer, seq_length
-        self.context, self.context_key, self.template, self.peer_min_reward = context, context_key, template, peer_min_reward
+                 peer_min_reward: float = 1.0, top_k: int = 0) -> None:
+        self.name, self.tokenizer, self.seq_length, self.top_k = name, tokenizer, seq_length, top_k
+        self.context, self.context_key, self.template = context, context_key, template
+        self.peer_min_reward = peer_min_reward
 
     def privileged_samples(self, samples: Sequence[Sample], batch: Sequence[Sample]) -> list[Optional[Sample]]:
         """Each sample with its privileged prompt; None (marked by `score`) when it has no context or
@@ -92,10 +205,13 @@ class PrivilegedTeacher:
             out.append(p if len(p.prompt_ids) + len(p.response_ids) <= self.seq_length + 1 else None)
         return out
 
-    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn) -> None:
+    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn,
+              topk: Optional[TopkFn] = None) -> None:
         priv = self.privileged_samples(samples, batch)
         usable = [p for p in priv if p is not None and p.response_ids]
-        lp = logprobs(usable, max([len(p.response_ids) for p in usable] + [1]), None) if usable else None
+        width = max([len(p.response_ids) for p in usable] + [1])
+        lp = logprobs(usable, width, None) if usable else None
+        top = topk(usable, width, None) if usable and self.top_k and topk is not None else None
         k = 0
         for s, p in zip(samples, priv):
             if p is None or not p.response_ids:
@@ -105,7 +221,7 @@ class PrivilegedTeacher:
                        else f"privileged prompt + response longer than train.seq_length + 1 = {self.seq_length + 1}")
                 s.teacher = TeacherScores(source=self.name, error=why)
                 continue
-            s.teacher = TeacherScores(logp=lp[k, : len(s.response_ids)].tolist(), source=self.name)
+            s.teacher = _scores(lp, top, k, len(s.response_ids), self.name)
             k += 1
 
 
@@ -115,10 +231,11 @@ class FrozenTeacher:
     kind = "frozen"
 
     def __init__(self, name: str, cfg: Any, policy_chunks: list, *, refresh_interval: int = 0,
-                 checkpoint: Optional[str] = None, version: int = 0) -> None:
+                 checkpoint: Optional[str] = None, version: int = 0, top_k: int = 0) -> None:
         from mcore_rl.train.policy import build_reference_model, copy_weights
 
         self.name, self.refresh_interval, self.policy_chunks = name, refresh_interval, policy_chunks
+        self.top_k = top_k
         self.chunks = build_reference_model(cfg)
         if checkpoint:
             from mcore_rl.train.warm_start import load_initial_weights
@@ -144,16 +261,27 @@ class FrozenTeacher:
     def source(self) -> str:
         return f"frozen:{self.version}"
 
-    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn) -> None:
+    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn,
+              topk: Optional[TopkFn] = None) -> None:
         usable = [s for s in samples if s.response_ids]
-        lp = logprobs(usable, max([len(s.response_ids) for s in usable] + [1]), self.chunks) if usable else None
+        width = max([len(s.response_ids) for s in usable] + [1])
+        lp = logprobs(usable, width, self.chunks) if usable else None
+        top = topk(usable, width, self.chunks) if usable and self.top_k and topk is not None else None
         k = 0
         for s in samples:
             if not s.response_ids:
                 s.teacher = TeacherScores(source=self.source, error="empty response")
                 continue
-            s.teacher = TeacherScores(logp=lp[k, : len(s.response_ids)].tolist(), source=self.source)
+            s.teacher = _scores(lp, top, k, len(s.response_ids), self.source)
             k += 1
+
+
+def _scores(lp: torch.Tensor, top: Optional[tuple[torch.Tensor, torch.Tensor]], k: int, n: int,
+            source: str) -> TeacherScores:
+    if top is None:
+        return TeacherScores(logp=lp[k, :n].tolist(), source=source)
+    return TeacherScores(logp=lp[k, :n].tolist(), topk_ids=top[1][k, :n].tolist(), topk_logp=top[0][k, :n].tolist(),
+                         source=source)
 
 
 class Teachers:
@@ -188,7 +316,7 @@ class Teachers:
         await asyncio.gather(*jobs)
 
     def score(self, samples: Sequence[Sample], logprobs: LogprobFn, broadcast: Callable[[Any], Any],
-              rank0: bool) -> dict[str, float]:
+              rank0: bool, topk: Optional[Callable[[int], TopkFn]] = None) -> dict[str, float]:
         """Fill `Sample.teacher` of every routed sample (collective). Engine teachers score on rank 0
         what has no scores yet (the asynchronous scheduler may have scored it already) and the scores
         are broadcast; then each in-trainer teacher scores its samples on every rank."""
@@ -210,7 +338,8 @@ class Teachers:
         for i, t in enumerate(self.teachers):
             if isinstance(t, (PrivilegedTeacher, FrozenTeacher)):
                 mine = [s for s, r in zip(samples, routes) if r == i]
-                t.score(mine, samples, logprobs)  # collective: every rank has the same `mine`
+                # collective: every rank has the same `mine`
+                t.score(mine, samples, logprobs, topk(t.top_k) if topk is not None and t.top_k else None)
         out = self.metrics(samples, routes, time.perf_counter() - start)
         engine_samples = sum(r is not None and self.kinds[r] == "engine" for r in routes)
         if engine_samples:
@@ -300,10 +429,10 @@ def build_teachers(cfg: Any, tokenizer: Any, policy_chunks: list, engine_teacher
         elif t.kind == "privileged":
             made.append(PrivilegedTeacher(name, tokenizer, cfg.train.seq_length, context=t.context,
                                           context_key=t.context_key, template=t.template,
-                                          peer_min_reward=t.peer_min_reward))
+                                          peer_min_reward=t.peer_min_reward, top_k=t.top_k))
         elif t.kind == "frozen":
             made.append(FrozenTeacher(name, cfg, policy_chunks, refresh_interval=t.refresh_interval,
-                                      checkpoint=t.checkpoint, version=version))
+                                      checkpoint=t.checkpoint, version=version, top_k=t.top_k))
         else:
             raise TeacherError(f"teachers[{i}].kind: unknown teacher kind {t.kind!r}")
     return Teachers(cfg.teachers, made)
