@@ -93,6 +93,7 @@ class RLRun:
         self.manager: Any = None
         self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
         self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
+        self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: Optional[dict] = None  # the async scheduler's state from a checkpoint
         from mcore_rl.runtime.accounting import SampleLedger
 
@@ -164,6 +165,7 @@ class RLRun:
             from mcore_rl.rollout.teacher import TeacherError
 
             raise TeacherError(error)
+        self._engine_teachers = made
         return made
 
     def _build_reference(self, resume: Optional[str]) -> None:
@@ -384,6 +386,10 @@ class RLRun:
             self.async_rollouts.close()
         if self.teachers is not None:
             self.teachers.close()
+        else:  # initialise failed between connecting the engine teachers and building the set
+            for t in self._engine_teachers:
+                if t is not None:
+                    t.close()
         if self.engines is not None:
             self.engines.close()
         if self.manager is not None:
