@@ -460,21 +460,27 @@ def test_teachers_in_a_trainer_world(tmp_path, servers, ckpts):
     run_world(1, _world, str(tmp_path), ckpts["a"], servers["b"].urls[0], servers["other_tok"].urls[0])
 
 
-def _tp2_topk(rank: int, world_size: int) -> None:
+def _tp2_topk(rank: int, store: str) -> None:
     import torch.distributed as dist
 
     from mcore_rl.train.teachers import vocab_parallel_topk
 
-    g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(37, 16, generator=g), torch.randn(50, 16, generator=g)
-    shard = weight.chunk(2)[rank]  # rows rank*25 ... (rank+1)*25
-    vals, ids = vocab_parallel_topk(hidden, shard, 7, temperature=0.7, chunk_size=8, tp_group=dist.group.WORLD)
-    want = torch.log_softmax(hidden @ weight.t() / 0.7, -1).topk(7, dim=-1)
-    torch.testing.assert_close(vals, want.values)
-    assert torch.equal(ids, want.indices)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        hidden, weight = torch.randn(37, 16, generator=g), torch.randn(50, 16, generator=g)
+        shard = weight.chunk(2)[rank]  # rows rank*25 ... (rank+1)*25
+        vals, ids = vocab_parallel_topk(hidden, shard, 7, temperature=0.7, chunk_size=8, tp_group=dist.group.WORLD)
+        want = torch.log_softmax(hidden @ weight.t() / 0.7, -1).topk(7, dim=-1)
+        torch.testing.assert_close(vals, want.values)
+        assert torch.equal(ids, want.indices)
+    finally:
+        dist.destroy_process_group()
 
 
-def test_vocab_parallel_topk_over_two_tensor_parallel_ranks():
-    from tests.world import run_world
+def test_vocab_parallel_topk_over_two_tensor_parallel_ranks(tmp_path):
+    """Two gloo ranks, each with half of the vocabulary (no megatron needed: a plain process group)."""
+    import torch.multiprocessing as mp
 
-    run_world(2, _tp2_topk)
+    mp.spawn(_tp2_topk, args=(str(tmp_path / "store"),), nprocs=2, join=True)
