@@ -280,6 +280,45 @@ class LoggingConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """One teacher of on-policy distillation; it fills `Sample.teacher` of the samples routed to it.
+
+    kind: "engine" (a separate engine scores the student's tokens through SGLang's prompt-scoring
+    API: the servers of `urls`, or `num_engines` `mcore-rl serve` processes the trainer starts on
+    the HF checkpoint `model_path`), "privileged" (the policy itself, the same weights, with
+    privileged context put before the prompt: the correct answer, a peer's successful response,
+    or a field of the sample's info such as a retrieved skill), "frozen" (an older copy of the
+    student, like the KL's reference model: taken at the start, or from `checkpoint`, and taken
+    again every `refresh_interval` rollout steps). Routing (UI-MOPD): a sample goes to the teacher
+    whose `domains` list its domain, else to the one teacher with no `domains`, else to none.
+    """
+
+    name: str = ""  # in metrics and TeacherScores.source; "" = "<kind><index>"
+    kind: Literal["engine", "privileged", "frozen"] = "engine"
+    domains: list[str] = field(default_factory=list)  # [] = every domain no other teacher claims
+    top_k: int = 0  # engine: also the teacher's k most likely tokens per position (0 = sampled token only)
+    # ---- engine
+    urls: list[str] = field(default_factory=list)  # running SGLang / `mcore-rl serve` servers of this teacher
+    model_path: Optional[str] = None  # or: start `mcore-rl serve` processes on this HF checkpoint
+    num_engines: int = 1  # with model_path
+    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
+    engine_threads: Optional[int] = None  # torch threads of each started engine
+    quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
+    context_length: Optional[int] = None  # started engines; None = rollout.context_length
+    max_concurrency: int = 64  # scoring requests in flight to this teacher
+    request_timeout_s: float = 120.0
+    api_key: Optional[str] = None
+    # ---- privileged
+    context: Literal["answer", "peer", "info"] = "answer"  # what the teacher sees that the student does not
+    context_key: str = "skill"  # context=info: the key of Sample.info that holds it
+    template: str = "Reference solution: {context}\n"  # put before the prompt (after a leading bos)
+    peer_min_reward: float = 1.0  # context=peer: a peer of the group with at least this reward
+    # ---- frozen
+    refresh_interval: int = 0  # rollout steps between new copies of the student (0 = fixed)
+    checkpoint: Optional[str] = None  # a megatron checkpoint to take the (first) copy from
+
+
+@dataclass
 class RLConfig:
     """Root of `mcore-rl train` recipes."""
 
@@ -296,6 +335,7 @@ class RLConfig:
     init: InitConfig = field(default_factory=InitConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    teachers: list[TeacherConfig] = field(default_factory=list)  # on-policy distillation: who fills Sample.teacher
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

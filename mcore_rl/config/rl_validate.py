@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         RLDataConfig,
         RLTrainConfig,
         RolloutConfig,
+        TeacherConfig,
     )
     from mcore_rl.data.tasks import Task
 
@@ -66,6 +67,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
+    check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 
@@ -350,3 +352,69 @@ def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -
     errors.need(1 <= i.sft_seq_length <= m.max_position_embeddings, "init.sft_seq_length",
                 f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {i.sft_seq_length}")
     errors.need(i.sft_lr >= 0, "init.sft_lr", f"must be >= 0, got {i.sft_lr}")
+
+
+def teacher_name(t: TeacherConfig, i: int) -> str:
+    """A teacher's name in metrics and `TeacherScores.source`."""
+    return t.name or f"{t.kind}{i}"
+
+
+def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Errors, vocab_size: int) -> None:
+    """Each teacher's own settings, and routing without ambiguity: no domain claimed by two
+    teachers, at most one default teacher (no `domains`). Reachability and the tokenizer of an
+    engine teacher are checked when the trainer connects to it, before training."""
+    names: dict[str, int] = {}
+    claimed: dict[str, int] = {}
+    defaults: list[int] = []
+    for i, t in enumerate(teachers):
+        key = f"teachers[{i}]"
+        name = teacher_name(t, i)
+        errors.need(name not in names, f"{key}.name", f"{name!r} is also the name of teachers[{names.get(name)}]")
+        names.setdefault(name, i)
+        if not t.domains:
+            defaults.append(i)
+        for d in t.domains:
+            errors.need(bool(d), f"{key}.domains", "holds an empty domain name")
+            errors.need(d not in claimed, f"{key}.domains",
+                        f"domain {d!r} is also routed to teachers[{claimed.get(d)}]; a sample has one teacher")
+            claimed.setdefault(d, i)
+        errors.need(0 <= t.top_k <= vocab_size, f"{key}.top_k",
+                    f"must be in [0, model.vocab_size={vocab_size}], got {t.top_k}")
+        if t.kind == "engine":
+            check_engine_teacher(t, key, r, errors)
+        else:
+            for field_name, value in (("urls", t.urls), ("model_path", t.model_path)):
+                errors.need(not value, f"{key}.{field_name}", f"only applies to kind 'engine' (this one is {t.kind!r})")
+        if t.kind == "privileged":
+            errors.need("{context}" in t.template, f"{key}.template", "must contain '{context}'")
+            errors.need(t.context != "info" or bool(t.context_key), f"{key}.context_key",
+                        "context 'info' needs the key of Sample.info that holds the context")
+        if t.kind == "frozen":
+            errors.need(t.refresh_interval >= 0, f"{key}.refresh_interval",
+                        f"must be >= 0 (0 = a fixed copy), got {t.refresh_interval}")
+            errors.need(t.checkpoint is None or os.path.exists(t.checkpoint), f"{key}.checkpoint",
+                        f"{t.checkpoint!r} does not exist")
+    errors.need(len(defaults) <= 1, "teachers",
+                f"teachers {defaults} all have no domains (each would be the default); give all but one of them "
+                "`domains`")
+
+
+def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: Errors) -> None:
+    """URLs of running servers, or a checkpoint to start engines on (not both)."""
+    errors.need(bool(t.urls) != bool(t.model_path), f"{key}.urls",
+                "an engine teacher needs either urls (running servers) or model_path (engines the trainer starts), "
+                f"got {'both' if t.urls else 'neither'}")
+    for j, url in enumerate(t.urls):
+        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
+    if t.model_path:
+        errors.need(os.path.isfile(os.path.join(t.model_path, "config.json")), f"{key}.model_path",
+                    f"{t.model_path!r} is not an HF checkpoint directory (no config.json)")
+        errors.need(t.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {t.num_engines}")
+        errors.need(not t.engine_cores or len(t.engine_cores) == t.num_engines, f"{key}.engine_cores",
+                    f"needs one entry per engine ({key}.num_engines={t.num_engines}), got {len(t.engine_cores)}")
+        ctx = t.context_length if t.context_length is not None else r.context_length
+        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
+    errors.need(t.engine_threads is None or t.engine_threads >= 1, f"{key}.engine_threads",
+                f"must be null or >= 1, got {t.engine_threads}")
+    errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")
+    errors.need(t.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {t.request_timeout_s}")

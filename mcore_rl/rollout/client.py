@@ -157,6 +157,14 @@ class EngineClient:
     async def get_server_info(self) -> dict:
         return await self._call("GET", "/get_server_info", None, retry=True)
 
+    async def tokenize(self, **fields: Any) -> dict:
+        """POST /tokenize (SGLang's `TokenizeRequest`: `prompt` or `messages`, `add_special_tokens`)."""
+        return await self._call("POST", "/tokenize", fields, retry=True)
+
+    async def detokenize(self, **fields: Any) -> dict:
+        """POST /detokenize (SGLang's `DetokenizeRequest`: `tokens`, `skip_special_tokens`)."""
+        return await self._call("POST", "/detokenize", fields, retry=True)
+
     async def get_weight_version(self) -> str:
         return (await self._call("GET", "/get_weight_version", None, retry=True))["weight_version"]
 

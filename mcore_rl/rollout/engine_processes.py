@@ -81,7 +81,7 @@ class EngineProcesses:
     @classmethod
     def start(
         cls,
-        model_config: ModelConfig,
+        model_config: Optional[ModelConfig],
         *,
         num: int,
         workdir: str,
@@ -98,8 +98,13 @@ class EngineProcesses:
         host: str = "127.0.0.1",
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 300.0,
+        model_path: Optional[str] = None,
     ) -> "EngineProcesses":
         """Start `num` engines serving `model_config` and return once every one answers `/health`.
+
+        With `model_path` (an HF-format directory with weights, e.g. a teacher of on-policy
+        distillation) the engines serve that checkpoint as it is (`--load-format auto`: no weight
+        sync fills them, a restart reads it again) and `model_config` is not used.
 
         quantization: "fp8" | "bf16" | "none" (`rollout.quantization`). cores: CPU affinity per
         engine; devices: `CUDA_VISIBLE_DEVICES` per engine (each engine then runs on CUDA; without
@@ -115,8 +120,13 @@ class EngineProcesses:
         if quantization not in ("fp8", "bf16", "none"):
             raise ValueError(f"quantization: {quantization!r} is not one of fp8, bf16, none")
         os.makedirs(workdir, exist_ok=True)
-        model_dir = write_model_dir(model_config, os.path.join(workdir, "model"))
-        common = ["--model-path", model_dir, "--load-format", "dummy", "--context-length", str(context_length),
+        if model_path is not None:
+            model_dir, load_format = os.path.abspath(model_path), "auto"
+        elif model_config is not None:
+            model_dir, load_format = write_model_dir(model_config, os.path.join(workdir, "model")), "dummy"
+        else:
+            raise ValueError("model_config / model_path: give one of them")
+        common = ["--model-path", model_dir, "--load-format", load_format, "--context-length", str(context_length),
                   "--max-running-requests", str(max_running_requests)]
         common += ["--quantization", "fp8"] if quantization == "fp8" else []
         common += ["--dtype", "bfloat16" if quantization == "bf16" else "float32"]

@@ -24,8 +24,9 @@ _PART_SALT_STRIDE = 16
 
 class PoolBackend:
     def __init__(self, pool: HTTPEnginePool, prompts: PromptSource, rewards: DomainRewards, manager: RolloutManager,
-                 cfg: Any) -> None:
+                 cfg: Any, teachers: Any = None) -> None:
         self.pool, self.prompts, self.rewards, self.manager, self.cfg = pool, prompts, rewards, manager, cfg
+        self.teachers = teachers  # `train.teachers.Teachers` with engine teachers: they score after the rewards
 
     def group_size(self, prompt: Prompt) -> int:
         """Its domain's group size."""
@@ -53,6 +54,8 @@ class PoolBackend:
     async def score(self, samples: list[Sample]) -> None:
         await self.rewards.score(samples)
         self.prompts.observe([samples])  # per-prompt accuracy, for POLARIS's stage filter
+        if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
+            await self.teachers.ascore_engines(samples)
 
     def filter_reason(self, group: list[Sample]) -> Optional[str]:
         if self.cfg.algorithm.dynamic_sampling.enabled and len({s.reward for s in group}) == 1:

@@ -92,6 +92,8 @@ class RLRun:
         self.weight_sync: Any = None
         self.manager: Any = None
         self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
+        self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
+        self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: Optional[dict] = None  # the async scheduler's state from a checkpoint
         from mcore_rl.runtime.accounting import SampleLedger
 
@@ -106,6 +108,7 @@ class RLRun:
         from mcore_rl.train import checkpoint
 
         cfg = self.cfg
+        engine_teachers = self._connect_teachers()  # an unreachable or mismatched teacher fails here, first
         resume = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir) if cfg.checkpoint.load_dir else None
         if cfg.checkpoint.load_dir and resume is None:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
@@ -136,8 +139,34 @@ class RLRun:
                 self.optimizer.reload_model_params()
         self._build_reference(resume)
         self._build_mipu()
+        if cfg.teachers:
+            from mcore_rl.train.teachers import build_teachers
+
+            self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
         self._build_engines()
         self.sync(new_version=resume is None)
+
+    def _connect_teachers(self) -> list:
+        """Rank 0 connects to (or starts) the engine teachers and checks them; every rank raises
+        if one is unreachable or has another tokenizer."""
+        if not any(t.kind == "engine" for t in self.cfg.teachers):
+            return []
+        from mcore_rl.train.teachers import build_engine_teachers
+
+        made: list = []
+        error = None
+        if self.rank0:
+            try:
+                made = build_engine_teachers(self.cfg, self.tokenizer, os.path.join(self.cfg.run_dir, "teachers"))
+            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(err).__name__}: {err}"
+        error = _broadcast(error)
+        if error is not None:
+            from mcore_rl.rollout.teacher import TeacherError
+
+            raise TeacherError(error)
+        self._engine_teachers = made
+        return made
 
     def _build_reference(self, resume: Optional[str]) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
@@ -196,7 +225,9 @@ class RLRun:
 
                 if self._rollout_state is not None:
                     self.prompts.load_state_dict(self._rollout_state["prompts"])
-                backend = PoolBackend(self.engines, self.prompts, self.manager.rewards, self.manager, cfg)
+                teachers = self.teachers if self.teachers is not None and self.teachers.engine_teachers else None
+                backend = PoolBackend(self.engines, self.prompts, self.manager.rewards, self.manager, cfg,
+                                      teachers=teachers)  # engine teachers score right after the rewards
                 self.async_rollouts = AsyncRollouts(self.engines, backend, scheduler_config(cfg), self._rollout_state,
                                                     steps_done=self.state.rl_step)
         self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
@@ -335,9 +366,32 @@ class RLRun:
         }
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
+    def teach(self, samples: list[Sample], learner: Any) -> dict[str, float]:
+        """Fill `Sample.teacher` of the batch before the update (collective): engine teachers on
+        rank 0 (what the asynchronous scheduler did not score yet), in-trainer ones on every rank."""
+        if self.teachers is None:
+            return {}
+        from mcore_rl.train.teachers import token_topk
+
+        tc = self.cfg.train
+
+        def topk(k: int) -> Any:
+            return lambda ss, t, chunks: token_topk(chunks or self.chunks, ss, t, k, seq_length=tc.seq_length,
+                                                    micro_batch_size=tc.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                    temperature=learner.temperature, chunk_size=tc.logprob_chunk_size)
+
+        return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(ss, t, chunks=chunks)[0],
+                                   _broadcast, self.rank0, topk)
+
     def close(self) -> None:
         if self.async_rollouts is not None:
             self.async_rollouts.close()
+        if self.teachers is not None:
+            self.teachers.close()
+        else:  # initialise failed between connecting the engine teachers and building the set
+            for t in self._engine_teachers:
+                if t is not None:
+                    t.close()
         if self.engines is not None:
             self.engines.close()
         if self.manager is not None:
@@ -371,6 +425,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         while st.rl_step < cfg.train.num_steps:
             step_start = time.perf_counter()
             samples, roll_metrics = run.rollouts()
+            roll_metrics.update(run.teach(samples, learner))
             if run.mipu is not None:
                 run.mipu.begin()
             learner.temperature = stage_temperature(cfg, st.rl_step)  # π at the temperature the batch was sampled with
@@ -401,6 +456,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 writer.write(record)
             if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
                 _log(f"saved {run.save()}")
+            if run.teachers is not None:
+                run.teachers.step_done(st.rl_step, st.version)  # a frozen teacher may take a new copy
             run.step_done()  # after the last step the gate admits nothing (its total_steps = train.num_steps)
             if bar is not None:
                 bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)

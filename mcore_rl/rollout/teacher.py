@@ -1,0 +1,260 @@
+"""Engine teachers of on-policy distillation: another engine scores the student's sampled tokens.
+
+A teacher engine is any SGLang-compatible server (`sglang.launch_server`, or `mcore-rl serve`
+started by the trainer on a checkpoint, `start_teacher_engines`). It scores a sample with
+SGLang's prompt-scoring request, nothing generated:
+
+    POST /generate {"input_ids": prompt + response, "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": true, "logprob_start_len": len(prompt) - 1,
+                    "top_logprobs_num": k}
+
+SGLang returns `meta_info.input_token_logprobs` aligned with `input_ids[logprob_start_len:]`,
+the first entry always `[null, id, ...]` (the scheduler pads it: the log-prob of the token at
+`logprob_start_len` would need the position before it). Starting at the last prompt token
+therefore gives exactly one entry per response token after that padding: entry j + 1 is
+log p_teacher(response[j] | prompt, response[:j]), and `input_top_logprobs[j + 1]` the teacher's
+k best tokens at that position. (Starting at `len(prompt)` would lose the first response token.)
+
+Failures cost requests, never the run: the teacher's `EngineRouter` sends a request that an
+engine could not answer to another engine of the same teacher (same rid, aborted first), and a
+sample whose request no engine could answer, that the engine refused (HTTP 4xx, e.g. longer than
+its context), or whose reply does not fit the sample is marked `TeacherScores.error` and gets no
+distillation term. A dead engine serves again once its `/health` answers (a started one is
+restarted on the same checkpoint by the pool).
+
+Before training, `EngineTeacher.check` refuses a teacher that does not answer or whose tokenizer
+is not the student's (`check_tokenizer`); `route_by_domain` gives each sample at most one teacher
+(UI-MOPD: routed by the sample's domain tag, teachers never mixed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional, Sequence
+
+from mcore_rl.data.samples import Sample, TeacherScores
+
+logger = logging.getLogger(__name__)
+
+# Texts whose token ids the teacher's tokenizer must give exactly as the student's does: words,
+# digits, whitespace runs, multi-byte unicode, code. The tokenizer's special-token strings are added.
+PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "12 + 345 = 357; 3.14159 -> 2,718",
+    "  two leading spaces\tand\ttabs\n\nand blank lines\n",
+    "naïve café — Größe, 日本語, emoji 🙂",
+    "def f(x):\n    return {'a': [x ** 2]}\n",
+)
+PROBE_IDS = 64  # ids spread over the vocabulary that must decode to the same text
+
+
+class TeacherError(RuntimeError):
+    """A teacher that cannot be used: unreachable, another tokenizer, a bad setting. Raised before
+    training; the message names the teacher (`teachers[i]`) and the engine."""
+
+
+def route_by_domain(teacher_domains: Sequence[Sequence[str]], domains: Sequence[str]) -> list[Optional[int]]:
+    """The teacher of each sample: the one whose `domains` list the sample's domain, else the one
+    with no `domains` (the default), else None (no teacher: no distillation term). The config
+    guarantees that no domain is claimed twice and that there is at most one default."""
+    by_domain = {d: i for i, ds in enumerate(teacher_domains) for d in ds}
+    default = next((i for i, ds in enumerate(teacher_domains) if not ds), None)
+    return [by_domain.get(d, default) for d in domains]
+
+
+def scoring_body(prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int, rid: str) -> dict[str, Any]:
+    """SGLang's prompt-scoring `/generate` body for one sample (see the module docstring)."""
+    body: dict[str, Any] = {
+        "rid": rid,
+        "input_ids": [int(t) for t in prompt_ids] + [int(t) for t in response_ids],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt_ids) - 1,
+    }
+    if top_k > 0:
+        body["top_logprobs_num"] = top_k
+    return body
+
+
+def parse_scores(reply: Any, response_ids: Sequence[int], top_k: int, vocab_size: int, source: str) -> TeacherScores:
+    """`TeacherScores` from a prompt-scoring reply; ValueError (naming what is wrong) when the reply
+    does not score exactly `response_ids`."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
+        raise ValueError(f"reply is not a /generate result: {str(reply)[:200]}")
+    meta = reply["meta_info"]
+    entries = meta.get("input_token_logprobs")
+    n = len(response_ids)
+    if not isinstance(entries, list) or len(entries) != n + 1:
+        got = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise ValueError(f"input_token_logprobs: expected {n + 1} entries (last prompt token + {n} response tokens), "
+                         f"got {got}")
+    logp: list[float] = []
+    for j, (entry, tok) in enumerate(zip(entries[1:], response_ids)):
+        if not (isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[0], (int, float))
+                and entry[1] == tok):
+            raise ValueError(f"input_token_logprobs[{j + 1}]: expected [logprob, {tok}, ...], got {str(entry)[:80]}")
+        logp.append(float(entry[0]))
+    if top_k <= 0:
+        return TeacherScores(logp=logp, source=source)
+    tops = meta.get("input_top_logprobs")
+    if not isinstance(tops, list) or len(tops) != n + 1:
+        raise ValueError(f"input_top_logprobs: expected {n + 1} entries, got "
+                         f"{len(tops) if isinstance(tops, list) else type(tops).__name__}")
+    ids: list[list[int]] = []
+    lps: list[list[float]] = []
+    for j, pos in enumerate(tops[1:]):
+        if not isinstance(pos, list) or len(pos) != top_k:
+            raise ValueError(f"input_top_logprobs[{j + 1}]: expected {top_k} entries, got {str(pos)[:80]}")
+        row_ids = [e[1] for e in pos if isinstance(e, list) and len(e) >= 2]
+        row_lp = [e[0] for e in pos if isinstance(e, list) and len(e) >= 2]
+        if len(row_ids) != top_k or not all(isinstance(t, int) and 0 <= t < vocab_size for t in row_ids) \
+                or not all(isinstance(v, (int, float)) for v in row_lp):
+            raise ValueError(f"input_top_logprobs[{j + 1}]: expected [logprob, id < {vocab_size}] pairs, "
+                             f"got {str(pos)[:80]}")
+        ids.append(row_ids)
+        lps.append([float(v) for v in row_lp])
+    return TeacherScores(logp=logp, topk_ids=ids, topk_logp=lps, source=source)
+
+
+class EngineTeacher:
+    """One teacher served by one or more engines (`urls`), reached through its own `HTTPEnginePool`
+    (router with failover, health checks; with `processes`, the engine processes it owns and
+    restarts). Scoring never raises: a sample it cannot score is marked."""
+
+    def __init__(self, name: str, urls: Sequence[str], *, vocab_size: int, top_k: int = 0, timeout: float = 600.0,
+                 api_key: Optional[str] = None, max_concurrency: int = 64, health_interval: float = 5.0,
+                 processes: Any = None, restart_dead: bool = True) -> None:
+        from mcore_rl.rollout.pool import HTTPEnginePool
+
+        self.name, self.top_k, self.vocab_size = name, top_k, vocab_size
+        self.pool = HTTPEnginePool(urls, timeout=timeout, api_key=api_key, health_interval=health_interval,
+                                   processes=processes, restart_dead=restart_dead and processes is not None)
+        self.urls = self.pool.urls
+        self._sem: Optional[asyncio.Semaphore] = None
+        self.max_concurrency = max_concurrency
+        self._count = 0
+
+    # ---- before training ---------------------------------------------------------------------
+
+    def check(self, tokenizer: Any, what: str) -> None:
+        """Every engine answers and has the student's tokenizer; else `TeacherError` naming `what`
+        (e.g. "teachers[0] (math)") and the engine."""
+        from mcore_rl.rollout.client import EngineError
+
+        for url in self.urls:
+            client = self.pool.router.clients[url]
+            try:
+                self.pool._run(client.get_model_info())
+            except EngineError as err:
+                raise TeacherError(f"{what}: the teacher engine {url} is unreachable: {err}") from None
+            problem = self.pool._run(check_tokenizer(client, tokenizer))
+            if problem is not None:
+                raise TeacherError(f"{what}: the teacher engine {url} does not share the student's tokenizer "
+                                   f"(data.tokenizer_path): {problem}")
+
+    # ---- scoring -----------------------------------------------------------------------------
+
+    def score(self, samples: Sequence[Sample]) -> None:
+        """Fill `sample.teacher` of every sample (blocking; from the trainer thread)."""
+        self.pool._run(self._score_all(samples))
+
+    async def ascore(self, samples: Sequence[Sample]) -> None:
+        """The same from any event loop (the asynchronous rollout scheduler's): the requests run on
+        this teacher's own loop thread."""
+        fut = asyncio.run_coroutine_threadsafe(self._score_all(samples), self.pool.loop)
+        await asyncio.wrap_future(fut)
+
+    async def _score_all(self, samples: Sequence[Sample]) -> None:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+        results = await asyncio.gather(*(self._score_one(s) for s in samples))
+        for s, res in zip(samples, results):
+            s.teacher = res
+
+    async def _score_one(self, s: Sample) -> TeacherScores:
+        from mcore_rl.rollout.client import EngineError
+
+        if not s.response_ids:
+            return TeacherScores(source=self.name, error="empty response")
+        self._count += 1
+        body = scoring_body(s.prompt_ids, s.response_ids, self.top_k, f"teacher-{self.name}-{s.group}-{self._count}")
+        async with self._sem:
+            try:
+                reply = await self.pool.router.generate(body)
+            except EngineError as err:  # every engine of the teacher failed, or one refused the request
+                logger.warning("teacher %s could not score a sample of group %s: %s", self.name, s.group, err)
+                return TeacherScores(source=self.name, error=f"{type(err).__name__}: {err}")
+        engine = str(reply.get("meta_info", {}).get("engine", "")) if isinstance(reply, dict) else ""
+        try:
+            return parse_scores(reply, s.response_ids, self.top_k, self.vocab_size, f"{self.name}@{engine}")
+        except ValueError as err:
+            logger.warning("teacher %s (%s) gave an unusable reply for group %s: %s", self.name, engine, s.group, err)
+            return TeacherScores(source=self.name, error=f"bad reply from {engine}: {err}")
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+async def check_tokenizer(client: Any, tokenizer: Any) -> Optional[str]:
+    """None if the engine behind `client` tokenizes like `tokenizer`, else what differs.
+
+    Over HTTP, with SGLang's own endpoints: `/tokenize` of probe texts (`PROBE_TEXTS` and the
+    student's special-token strings, no special tokens added) must give the student's ids, and
+    `/detokenize` of ids spread over the student's vocabulary (its last id and its special ids
+    included) its text. A server without `/tokenize` (older SGLang: 404) is probed through
+    `/generate` instead: the ids it reports for a scored text prompt (a leading BOS allowed)."""
+    from mcore_rl.rollout.client import EngineHTTPError
+
+    vocab = int(tokenizer.vocab_size)
+    specials = [i for i in (getattr(tokenizer, "bos_id", None), tokenizer.eos_id, getattr(tokenizer, "pad_id", None))
+                if i is not None]
+    texts = list(PROBE_TEXTS) + [tokenizer.decode([i]) for i in specials]
+    want = [list(tokenizer.encode(t)) for t in texts]
+    try:
+        got = (await client.tokenize(prompt=texts, add_special_tokens=False))["tokens"]
+    except EngineHTTPError as err:
+        if err.status != 404:
+            raise
+        return await _check_by_generate(client, tokenizer, texts, want)
+    for text, w, g in zip(texts, want, got):
+        if list(g) != w:
+            return f"/tokenize of {text!r} gives {_short(g)}, the student's tokenizer {_short(w)}"
+    step = max(1, vocab // PROBE_IDS)
+    ids = sorted(set(range(0, vocab, step)) | {vocab - 1} | set(specials))
+    texts_back = (await client.detokenize(tokens=[[i] for i in ids], skip_special_tokens=False))["text"]
+    for i, text in zip(ids, texts_back):
+        mine = tokenizer.decode([i], skip_special_tokens=False)
+        if text != mine:
+            return f"/detokenize of token {i} gives {text!r}, the student's tokenizer {mine!r}"
+    return None
+
+
+async def _check_by_generate(client: Any, tokenizer: Any, texts: list[str], want: list[list[int]]) -> Optional[str]:
+    bos = getattr(tokenizer, "bos_id", None)
+    for text, w in zip(texts, want):
+        reply = await client.generate(text=text, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                      logprob_start_len=0)
+        got = [e[1] for e in reply["meta_info"]["input_token_logprobs"]]
+        if got != w and not (bos is not None and got == [bos] + w):
+            return f"/generate tokenizes {text!r} as {_short(got)}, the student's tokenizer as {_short(w)}"
+    return None
+
+
+def _short(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    return str(ids) if len(ids) <= 16 else f"{ids[:16]}... ({len(ids)} ids)"
+
+
+def start_teacher_engines(model_path: str, *, num: int, workdir: str, tokenizer_path: Optional[str] = None,
+                          context_length: int = 1024, max_running_requests: int = 64, quantization: str = "none",
+                          cores: Optional[Sequence[Sequence[int]]] = None, threads: Optional[int] = None,
+                          startup_timeout_s: float = 300.0) -> Any:
+    """`num` `mcore-rl serve` processes on the checkpoint `model_path` (HF format, with weights):
+    the `EngineProcesses` to give `EngineTeacher(processes=...)`, which then owns them."""
+    from mcore_rl.rollout.engine_processes import EngineProcesses
+
+    return EngineProcesses.start(None, num=num, workdir=workdir, model_path=model_path, tokenizer_path=tokenizer_path,
+                                 context_length=context_length, max_running_requests=max_running_requests,
+                                 quantization=quantization, cores=cores, threads=threads,
+                                 startup_timeout_s=startup_timeout_s)
