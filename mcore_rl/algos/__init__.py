@@ -10,6 +10,7 @@ Shape conventions: per-token tensors are [N, T] (N sequences, T response positio
 
 from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     advantages,
+    distill,
     dynamic_sampling,
     entropy,
     kl,

@@ -7,6 +7,13 @@ no gradient), a differentiable loss term (computed per micro-batch), and/or a to
 learner adds whatever a registered function returns; nothing there branches on a method's name.
 """
 
+from mcore_rl.algos.distill import (  # noqa: F401  (imported for their registrations)
+    direct_opd,
+    popd,
+    power_opd,
+    reverse_kl,
+    seed,
+)
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms
 
 __all__ = ["DistillBatch", "DistillTerms"]
