@@ -218,6 +218,8 @@ class RLRun:
         from mcore_rl.runtime.rollout_manager import reward_metrics
 
         start = time.perf_counter()
+        if self.manager is not None:
+            self.manager.step = self.state.rl_step  # the distillation horizon of this step (POPD grows it)
         while True:
             msg: Any = None
             if self.rank0 and self.async_rollouts is not None:

@@ -72,6 +72,13 @@ class RolloutManager:
 
     def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: RewardRunner, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
+        self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
+
+    def budget(self, prompt: Prompt) -> int:
+        """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
+        from mcore_rl.train.distillation import generation_budget
+
+        return generation_budget(self.cfg, prompt, self.step)
 
     def sampling_params(self, temperature: float, seed: int | None, max_new_tokens: int | None = None) -> dict[str, Any]:
         """SGLang sampling parameters; `max_new_tokens`: the prompt's own budget (at most the rollout's)."""
@@ -84,12 +91,15 @@ class RolloutManager:
                 sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Prompt], n: int, temperature: float, salt: int) -> list[list[Sample]]:
-        """n completions of each prompt, scored: one group per prompt, in prompt order."""
+    def generate(self, prompts: Sequence[Prompt], n: int, temperature: float, salt: int,
+                 train: bool = False) -> list[list[Sample]]:
+        """n completions of each prompt, scored: one group per prompt, in prompt order (`train`:
+        training rollouts, cut at the distillation horizon)."""
         import time
 
         seed = self.cfg.train.seed
-        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j), p.max_new_tokens))
+        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
+                                                       self.budget(p) if train else p.max_new_tokens))
                 for p in prompts for j in range(n)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)
@@ -118,7 +128,7 @@ class RolloutManager:
         stats = RolloutStats()
         if not ds.enabled:
             prompts = self.prompts.take(r.prompts_per_step)
-            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN)
+            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN, train=True)
             stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
             return groups, stats
@@ -127,7 +137,7 @@ class RolloutManager:
         groups: list[list[Sample]] = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
-            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN)
+            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN, train=True)
             refill.add(groups, [[s.reward for s in g] for g in groups])
             stats.prompts_drawn += len(prompts)
             stats.seconds_generate += self.last_generate_s
