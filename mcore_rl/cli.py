@@ -5,6 +5,7 @@
     mcore-rl serve [SGLang launch flags: --model-path, --port, --quantization fp8, ...]
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
+    mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
@@ -150,9 +151,30 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return convert.run(args)
 
 
+def cmd_gguf_to_hf(args: argparse.Namespace) -> int:
+    """One process, no torchrun: dequantise a GGUF file into an HF checkpoint directory."""
+    from mcore_rl.convert.gguf import gguf_to_hf, inspect_gguf
+
+    try:
+        inspect_gguf(args.input)
+        if os.path.exists(args.output) and os.listdir(args.output):
+            raise FileExistsError(f"--output {args.output} is not empty")
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"mcore-rl convert gguf-to-hf: {err}", file=sys.stderr)
+        return 2
+    summary = gguf_to_hf(args.input, args.output)
+    print(f"wrote {args.output}: {summary['model_type']} with {summary['parameters']:,} parameters "
+          f"(float32), tokenizer{' with chat template' if summary['chat_template'] else ''}, generation config")
+    return 0
+
+
 def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
     convert = sub.add_parser("convert", help="Hugging Face <-> megatron-core checkpoint conversion")
     directions = convert.add_subparsers(dest="direction", required=True)
+    gguf = directions.add_parser("gguf-to-hf", help="GGUF file (Llama, Qwen3, Qwen3-MoE) -> float32 HF checkpoint dir")
+    gguf.add_argument("--input", required=True, help="the .gguf file")
+    gguf.add_argument("--output", required=True, help="target directory (new or empty)")
+    gguf.set_defaults(func=cmd_gguf_to_hf)
     for name, help_text in [
         ("hf-to-mcore", "HF checkpoint dir (Qwen3, Qwen3-MoE, Llama) -> megatron dist-checkpoint (model only)"),
         ("mcore-to-hf", "megatron dist-checkpoint -> HF checkpoint dir (stock class, or remote code)"),

@@ -409,7 +409,7 @@ def test_reward_import_path_is_resolved_when_validating(name, error):
 def runtime_advantage():
     from mcore_rl.algos import registry
 
-    registry.register("advantage", "my_test_adv")(lambda rewards, group_ids: rewards)
+    registry.register("advantage", "my_test_adv")(lambda rewards, group_ids, **inputs: rewards)
     yield "my_test_adv"
     del registry._TABLES["advantage"]["my_test_adv"]
 

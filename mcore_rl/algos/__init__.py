@@ -10,12 +10,17 @@ Shape conventions: per-token tensors are [N, T] (N sequences, T response positio
 
 from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     advantages,
+    alp,
+    cgpo,
     distill,
+    dvao,
     dynamic_sampling,
     entropy,
+    golongrl,
     kl,
     mipu,
     mismatch,
+    papo,
     policy_loss,
 )
 from mcore_rl.algos.registry import get, names, register

@@ -12,15 +12,22 @@ not aborted, no reward error). Invalid samples get advantage 0 and are left out 
 statistics, so a failed reward (scored `error_reward`) does not shift the baseline of the samples
 that were scored. A group with fewer than 2 valid samples has no baseline: all its advantages are
 0 (`too_few_valid_frac` says how many groups that was).
+
+The kind's one signature is `fn(rewards, group_ids, *, normalize_std, valid, domain_ids=None,
+reward_heads=None, head_names=(), **options)`: the multi-domain, multi-reward estimators
+(`golongrl`, `dvao`, `papo`; see `multi_reward.py`) use the domain ids and the reward-head matrix,
+the estimators here accept and ignore them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from mcore_rl.algos.registry import register
+
+Heads = Optional[torch.Tensor]
 
 
 def make_group_ids(num_groups: int, group_size: int) -> torch.Tensor:
@@ -28,7 +35,7 @@ def make_group_ids(num_groups: int, group_size: int) -> torch.Tensor:
     return torch.arange(num_groups).repeat_interleave(group_size)
 
 
-def _valid_mask(values: torch.Tensor, group_ids: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+def valid_mask(values: torch.Tensor, group_ids: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
     if values.shape != group_ids.shape or values.ndim != 1:
         raise ValueError(f"rewards {tuple(values.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
     if valid is None:
@@ -51,7 +58,7 @@ def group_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample (valid samples in the group, their mean, their unbiased variance), each [N];
     invalid samples count nowhere (a group without valid samples has mean 0)."""
-    ok = _valid_mask(values, group_ids, valid)
+    ok = valid_mask(values, group_ids, valid)
     count, inverse = _valid_counts(group_ids, ok)
     v = torch.where(ok, values.double(), torch.zeros((), dtype=torch.float64, device=values.device))
     total = torch.zeros_like(count).index_add_(0, inverse, v)
@@ -64,11 +71,11 @@ def group_stats(
 
 def too_few_valid_frac(group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None) -> float:
     """The fraction of groups with fewer than 2 valid samples (every advantage of theirs is 0)."""
-    count, _ = _valid_counts(group_ids, _valid_mask(group_ids, group_ids, valid))
+    count, _ = _valid_counts(group_ids, valid_mask(group_ids, group_ids, valid))
     return float((count < 2).double().mean()) if count.numel() else 0.0
 
 
-def _kept(adv: torch.Tensor, count: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+def kept(adv: torch.Tensor, count: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """Advantage 0 for invalid samples and for groups with fewer than 2 valid ones."""
     return torch.where((count > 1) & ok, adv, torch.zeros_like(adv)).to(torch.float32)
 
@@ -76,7 +83,8 @@ def _kept(adv: torch.Tensor, count: torch.Tensor, ok: torch.Tensor) -> torch.Ten
 @register("advantage", "grpo")
 def grpo(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-    valid: Optional[torch.Tensor] = None, eps: float = 1e-6,
+    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
+    head_names: Sequence[str] = (), eps: float = 1e-6,
 ) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps), std with Bessel's correction (as verl and TRL).
 
@@ -85,13 +93,14 @@ def grpo(
     adv = rewards.double() - mean
     if normalize_std:
         adv = adv / (var.sqrt() + eps)
-    return _kept(adv, count, _valid_mask(rewards, group_ids, valid))
+    return kept(adv, count, valid_mask(rewards, group_ids, valid))
 
 
 @register("advantage", "dr_grpo")
 def dr_grpo(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = False,
-    valid: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
+    head_names: Sequence[str] = (),
 ) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = r_i - mean_g, no std
     division (it up-weights groups that are almost all right or all wrong). Pair it with the
@@ -103,14 +112,15 @@ def dr_grpo(
 @register("advantage", "rloo")
 def rloo(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = False,
-    valid: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
+    head_names: Sequence[str] = (),
 ) -> torch.Tensor:
     """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j = G/(G-1) (r_i - mean_g), over the
     group's valid samples. (`normalize_std` is part of the advantage signature only; RLOO has no
     std division.)"""
     count, mean, _ = group_stats(rewards, group_ids, valid)
     adv = (rewards.double() - mean) * count / (count - 1).clamp_min(1)
-    return _kept(adv, count, _valid_mask(rewards, group_ids, valid))
+    return kept(adv, count, valid_mask(rewards, group_ids, valid))
 
 
 def to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

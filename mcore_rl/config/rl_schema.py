@@ -130,9 +130,23 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class RewardShapingConfig:
+    """One group-aware change of the reward before the advantage (`mcore_rl.algos.multi_reward`):
+    a function registered as "reward_shaping" (alp, cgpo_judges), its keyword options, and the
+    domains (`Prompt.domain`) whose samples it changes ([] = all)."""
+
+    name: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    domains: list[str] = field(default_factory=list)
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"  # registered in mcore_rl.algos as an "advantage"
     advantage_std_normalize: bool = True  # grpo only
+    advantage_options: dict[str, Any] = field(default_factory=dict)  # the estimator's options (golongrl: alpha, ...)
+    reward_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, before the advantage
+    domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from mcore_rl.data.tasks import Task
 
 # Advantages computed from the other samples of a prompt's group (one sample has none to compare with).
-GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "golongrl", "dvao", "papo")
 
 
 def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
@@ -232,11 +232,38 @@ def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> Non
                 f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step * r.group_size}")
     if a.kl_in_reward and a.kl_coef > 0 and a.kl_estimator != "k1":
         warnings.warn("algorithm.kl_in_reward with a k2/k3 estimator: the InstructGPT penalty is k1", stacklevel=3)
+    check_multi_reward(a, errors)
     ds = a.dynamic_sampling
     if ds.enabled:
         errors.need(ds.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds", f"must be >= 1, got {ds.max_rounds}")
         errors.need(ds.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
                     f"must be >= 1, got {ds.max_oversample}")
+
+
+def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
+    """The advantage's options, the reward-shaping list (registered names, their options, the
+    domains they apply to) and the per-domain advantage weights, each error under its dotted key."""
+    from mcore_rl.algos import registry
+    from mcore_rl.algos.multi_reward import option_problems
+
+    def report(prefix: str, problems: list[tuple[str, str]]) -> None:
+        for option, message in problems:
+            errors.need(False, f"{prefix}.{option}" if option else prefix, message)
+
+    if a.advantage in registry.names("advantage"):
+        report("algorithm.advantage_options", option_problems("advantage", a.advantage, a.advantage_options))
+    for i, shaping in enumerate(a.reward_shaping):
+        key = f"algorithm.reward_shaping[{i}]"
+        if need_registered(errors, f"{key}.name", "reward shaping", shaping.name, registry.names("reward_shaping")):
+            report(f"{key}.options", option_problems("reward_shaping", shaping.name, shaping.options))
+        for j, domain in enumerate(shaping.domains):
+            errors.need(isinstance(domain, str) and bool(domain), f"{key}.domains[{j}]",
+                        f"must be a domain name, got {domain!r}")
+        errors.need(len(set(shaping.domains)) == len(shaping.domains), f"{key}.domains",
+                    f"lists a domain twice: {shaping.domains}")
+    for domain, rho in a.domain_advantage_weights.items():
+        ok = isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0
+        errors.need(ok, f"algorithm.domain_advantage_weights.{domain}", f"must be a number >= 0, got {rho!r}")
 
 
 def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:

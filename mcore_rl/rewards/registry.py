@@ -14,6 +14,10 @@ from typing import Any, Callable, Optional, TypeVar, Union
 F = TypeVar("F", bound=Callable)
 
 _REWARDS: dict[str, Union[Callable, str]] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
+# LLM judges (`judge.py`, aiohttp): async, options as keyword arguments (url, template, ...)
+_REWARDS.update({name: f"mcore_rl.rewards.judge:{fn}" for name, fn in (
+    ("llm_judge", "llm_judge_reward"), ("rubric", "rubric_reward"),
+    ("exprl_judge", "exprl_reward"), ("exprl_process", "exprl_process_reward"))})
 
 
 def register_reward(name: str) -> Callable[[F], F]:

@@ -20,7 +20,7 @@ the micro-batch's [b × s] grid of the position whose *label* is that token). Th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,10 @@ class SequenceView:
     group_ids: torch.Tensor  # [N]
     versions: torch.Tensor  # [N] policy version that generated each sample
     ok: torch.Tensor  # [N] 1 unless the sample is unusable (aborted, reward error when dropped)
+    domain_ids: torch.Tensor  # [N] long: index into domain_names
+    domain_names: list[str]  # sorted domains of the batch (Prompt.domain)
+    reward_heads: torch.Tensor  # [N, H] Sample.reward_heads; NaN where a sample has no such head
+    head_names: list[str]  # sorted names of the batch's reward heads
 
     @property
     def num_samples(self) -> int:
@@ -44,6 +48,8 @@ class SequenceView:
 
 
 def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) -> SequenceView:
+    """The [N, T] view of a batch, with each sample's domain id and reward-head row (multi-domain,
+    multi-reward advantages: `mcore_rl.algos.multi_reward`)."""
     n = len(samples)
     t = max([len(s.response_ids) for s in samples] + [1])
     mu = torch.zeros(n, t)
@@ -63,7 +69,23 @@ def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) ->
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
         ok=ok,
+        **domains_and_heads(samples),
     )
+
+
+def domains_and_heads(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Domain ids [N] into the sorted domain names of the batch, and the reward-head matrix [N, H]
+    over the sorted union of head names (NaN where a sample's domain has no such head)."""
+    domain_names = sorted({s.prompt.domain for s in samples})
+    head_names = sorted({h for s in samples for h in s.reward_heads})
+    index = {d: i for i, d in enumerate(domain_names)}
+    heads = torch.full((len(samples), len(head_names)), float("nan"))
+    for i, s in enumerate(samples):
+        for j, h in enumerate(head_names):
+            if h in s.reward_heads:
+                heads[i, j] = float(s.reward_heads[h])
+    return dict(domain_ids=torch.tensor([index[s.prompt.domain] for s in samples], dtype=torch.long),
+                domain_names=domain_names, reward_heads=heads, head_names=head_names)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The RL step of the learner: one rollout batch -> π_old (and π_ref) -> advantages -> mismatch
-correction -> several optimizer steps over mini-batches.
+"""The RL step of the learner: one rollout batch -> π_old (and π_ref) -> reward shaping -> advantages
+-> mismatch correction -> several optimizer steps over mini-batches.
 
 Collective over the trainer world: every rank holds the same samples (rank 0 broadcasts them),
 builds the same sequence view, runs its data-parallel share of every micro-batch, and gets the same
@@ -25,9 +25,11 @@ import torch.distributed as dist
 
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
+from mcore_rl.algos.cgpo import weight_domains
 from mcore_rl.algos.distill.base import DistillBatch
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
+from mcore_rl.algos.multi_reward import domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.data.samples import Sample
 from mcore_rl.train.distillation import (
@@ -42,7 +44,7 @@ from mcore_rl.train.distillation import (
 )
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
-from mcore_rl.train.packing import build_microbatches, sequence_view, split_minibatches
+from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_view, split_minibatches
 
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
@@ -85,6 +87,22 @@ def mismatch_overrides(cfg: Any) -> dict[str, Any]:
         is_level=m.level, is_clip_low=m.clip_low, is_clip_high=m.clip_high, mask_low=m.mask_low,
         mask_high=m.mask_high, veto_threshold=m.veto_threshold, batch_normalize=m.batch_normalize,
     ).items() if v is not None}
+
+
+def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
+    """What every advantage and reward-shaping function gets besides rewards and group ids."""
+    return dict(valid=valid, domain_ids=view.domain_ids, reward_heads=view.reward_heads, head_names=view.head_names)
+
+
+def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor) -> torch.Tensor:
+    """The batch's rewards after `algorithm.reward_shaping`, in order, each on its domains only."""
+    rewards = view.rewards
+    lengths = view.mask.sum(1).long()
+    for shaping in a.reward_shaping:
+        new = registry.get("reward_shaping", shaping.name)(
+            rewards, view.group_ids, lengths=lengths, **batch_inputs(view, valid), **shaping.options)
+        rewards = restrict_to_domains(new, rewards, view.domain_ids, view.domain_names, shaping.domains)
+    return rewards
 
 
 class Learner:
@@ -171,15 +189,17 @@ class Learner:
             ref, _ = self.token_logprobs(samples, t, chunks=self.ref_chunks)
         metrics: dict[str, float] = {"time/logprobs_s": time.perf_counter() - start}
         mask = view.mask * view.ok[:, None]
-        rewards = view.rewards
+        valid = view.ok.bool()  # unusable samples (aborted, reward errors when dropped) leave the group statistics
+        rewards = shaped_rewards(a, view, valid)
         if ref is not None:
             kl_tokens = kl_estimate(old, ref, a.kl_estimator) * mask
             metrics["kl/ref"] = float(kl_tokens.sum() / mask.sum().clamp_min(1))
             if a.kl_in_reward:
                 rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
-        valid = view.ok.bool()  # unusable samples (aborted, reward errors when dropped) leave the group statistics
         advantages = registry.get("advantage", a.advantage)(
-            rewards, view.group_ids, normalize_std=a.advantage_std_normalize, valid=valid)
+            rewards, view.group_ids, normalize_std=a.advantage_std_normalize, **batch_inputs(view, valid),
+            **a.advantage_options)
+        advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
@@ -188,6 +208,7 @@ class Learner:
         metrics["advantage/abs_mean"] = float(advantages.abs().mean())
         metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
         metrics["advantage/too_few_valid_frac"] = too_few_valid_frac(view.group_ids, valid)
+        metrics.update(domain_metrics(advantages, rewards, valid, view.domain_ids, view.domain_names))
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),

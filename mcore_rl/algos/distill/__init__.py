@@ -8,11 +8,17 @@ learner adds whatever a registered function returns; nothing there branches on a
 """
 
 from mcore_rl.algos.distill import (  # noqa: F401  (imported for their registrations)
+    antisd,
     direct_opd,
+    effopd,
     popd,
     power_opd,
     reverse_kl,
+    rlrt,
+    sdar,
     seed,
+    stepopsd,
+    tropd,
 )
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms
 

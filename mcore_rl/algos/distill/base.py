@@ -16,6 +16,11 @@ A function is registered with `@register("distill", name)` and marked with its p
 Shapes follow `mcore_rl.algos`: [n, T] per token (right-padded, `mask` 1 on response tokens),
 [n, T, k] for the teacher's top-k (ids fixed by the teacher; `student_topk_logp` is the student's
 log-prob of those same ids), [n] per sequence.
+
+A function that keeps state from one batch to the next (AntiSD's entropy gate) is marked
+`@stateful(Factory)`: the learner creates `fn.make_state()` once per run, passes that object as
+`state=` on every call, and saves `state.state_dict()` / restores `load_state_dict()` with its
+checkpoints. Functions without the mark are stateless.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class DistillBatch:
     group_ids: Optional[torch.Tensor] = None  # [n]
     advantages: Optional[torch.Tensor] = None  # [n] or [n, T]: the RL advantage (before distillation)
     step: int = 0  # rollout step (for schedules)
+    # per-token entropies of the full distributions (AntiSD's teacher gate, SDAR's entropy gates)
+    teacher_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_T(·|s_t))
+    student_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_θ(·|s_t))
+    # 1 on response tokens the teacher generated (TrOPD's off-policy prefix), 0 on student tokens
+    teacher_generated: Optional[torch.Tensor] = None  # [n, T]
     agg: str = "token-mean"
     norm_length: Optional[int] = None
 
@@ -60,6 +70,17 @@ def phase(kind: str) -> Callable:
 
     def deco(fn: Callable) -> Callable:
         fn.phase = kind  # type: ignore[attr-defined]
+        return fn
+
+    return deco
+
+
+def stateful(factory: Callable[[], object]) -> Callable:
+    """Decorator: the function keeps state across batches; the learner makes one `factory()` per
+    run and passes it as `state=` (see the module docstring)."""
+
+    def deco(fn: Callable) -> Callable:
+        fn.make_state = factory  # type: ignore[attr-defined]
         return fn
 
     return deco

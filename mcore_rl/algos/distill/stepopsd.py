@@ -1,0 +1,70 @@
+"""StepOPSD, "Step-Aware Online Preference Distillation for Agent Reinforcement Learning"
+(Independent Researcher & Tencent, 2026): after rollout and reward, reshape the GRPO token
+advantages with a stale self-teacher given hindsight (a successful peer trajectory of the group):
+
+    w_raw = 2 σ(sign(A) · Δ),  w = clip(w_raw, 1 − α, 1 + α),  Ā = (1 − λ) A + λ · w · A
+
+with Δ = log π_T − log π_S on the sampled token. Ā = Ψ·A with Ψ > 0, so the sign of every token's
+advantage is kept: the student never imitates the teacher, the teacher only re-weights the RL
+signal (up where it agrees with the advantage's direction). λ decays linearly to 0 (at step 50 by
+default), after which the method only diagnoses.
+
+The note author marks the paper "use with caution". Not implemented: its per-step rescaling
+"equal_step_mean_abs" (no formula in the notes) and the step-span extraction (the teacher scores,
+and `mask` marks, the tokens to shape; the others keep A).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mcore_rl.algos.distill._common import detached, masked_mean, rl_token_advantages, valid_tokens, zero_where_not
+from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
+from mcore_rl.algos.registry import register
+
+
+def mix_schedule(step: int, lam_mix: float = 0.2, decay_steps: Optional[int] = 50) -> float:
+    """λ_mix at `step`: lam_mix at 0, linearly to 0 at decay_steps (constant if decay_steps is None)."""
+    if decay_steps is None:
+        return lam_mix
+    if decay_steps <= 0:
+        return 0.0
+    return lam_mix * max(0.0, 1.0 - step / decay_steps)
+
+
+def stepopsd_weight(
+    gap: torch.Tensor, advantages: torch.Tensor, alpha_clip: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_raw, w) = (2σ(sign(A)Δ), clip(w_raw, 1 ± α)); A = 0 gives w_raw = 1 even for Δ = ±inf."""
+    zero = torch.zeros((), dtype=gap.dtype, device=gap.device)
+    signed = torch.where(advantages > 0, gap, torch.where(advantages < 0, -gap, zero))
+    w_raw = 2.0 * torch.sigmoid(signed)
+    return w_raw, w_raw.clamp(1.0 - alpha_clip, 1.0 + alpha_clip)
+
+
+@register("distill", "stepopsd")
+@phase("advantage")
+def stepopsd(
+    batch: DistillBatch, *, lam_mix: float = 0.2, alpha_clip: float = 0.2, decay_steps: Optional[int] = 50,
+) -> DistillTerms:
+    """token_advantage = Ā − A = λ(step) · (w − 1) · A on the masked tokens with a finite teacher
+    log-prob. Defaults are the paper's (α = 0.2, λ = 0.2 → 0 at step 50); its best settings were
+    α = 0.05 with λ = 0.2 (ALFWorld) or 0.05 (Search-QA)."""
+    with torch.no_grad():
+        student = detached(batch.student_logp)
+        teacher = detached(batch.teacher_logp)
+        ok = valid_tokens(batch, student, teacher)
+        adv = rl_token_advantages(batch, student)
+        lam = mix_schedule(batch.step, lam_mix, decay_steps)
+        gap = zero_where_not(ok, teacher) - zero_where_not(ok, student)
+        w_raw, w = stepopsd_weight(gap, adv, alpha_clip)
+        delta = zero_where_not(ok, lam * (w - 1.0) * adv)
+        metrics = {
+            "stepopsd/lambda": torch.tensor(lam),
+            "stepopsd/weight_mean": masked_mean(w, ok),
+            "stepopsd/clip_frac": masked_mean((w != w_raw).float(), ok),
+            "stepopsd/gap_mean": masked_mean(gap, ok),
+        }
+    return DistillTerms(token_advantage=delta, metrics=metrics)

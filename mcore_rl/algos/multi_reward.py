@@ -1,0 +1,189 @@
+"""Advantages across domains and reward heads: the inputs they share, and how they reach the learner.
+
+A multi-domain batch carries, besides the scalar reward of each sample, its *domain id* [N] (an
+index into the sorted domain names of the batch) and its *reward-head matrix* [N, H] (one column
+per named reward of the batch's domains, `head_names` in sorted order, NaN where a sample's domain
+has no such head). Two kinds of registered functions use them:
+
+* kind **"advantage"** — the signature of every estimator is extended, not forked:
+  `fn(rewards [N], group_ids [N], *, normalize_std, valid, domain_ids=None, reward_heads=None,
+  head_names=(), **options) -> [N] float32`. TMN-Reweight (`golongrl`) needs the domains, DVAO
+  (`dvao`) and PAPO (`papo`) need the heads, and each *replaces* the group normalisation, so they
+  are estimators; GRPO, Dr.GRPO and RLOO accept the new inputs and ignore them. One signature keeps
+  the learner free of branches on names, and `None` inputs mean "one domain, no heads", so every
+  estimator still runs on a plain (rewards, group ids) batch.
+* kind **"reward_shaping"** (new) — `fn(rewards [N], group_ids [N], *, valid, domain_ids,
+  reward_heads, head_names, lengths, **options) -> [N] float32`, the new scalar reward. ALP's
+  length penalty (`alp`) and CGPO's mixture of judges (`cgpo_judges`) change the *reward* and
+  compose with any estimator (ALP "works with any group-based estimator"; CGPO zeroes a violating
+  sample "before advantage computation"). As estimators they would need one name per
+  (shaping, estimator) pair, so they are a list applied in order before the advantage
+  (`algorithm.reward_shaping`), each restricted to some domains if asked (`restrict_to_domains`).
+
+After the advantage, CGPO's per-task weights ρ_l (`algorithm.domain_advantage_weights`) scale each
+domain's advantages (`cgpo.weight_domains`); the policy losses are positively homogeneous in the
+advantage, so the update is Σ_l ρ_l ḡ_l.
+
+Options come from the config (`algorithm.advantage_options`, `algorithm.reward_shaping[i].options`)
+as keyword arguments; a function rejects a bad value with `OptionError(option, message)`, which
+validation reports under the option's dotted key before any worker starts.
+
+Statistics: the learner holds the whole batch on every rank, so group and domain statistics are
+taken over the full batch and are the same on every data-parallel rank (no reduction needed).
+Invalid samples (`valid` False) count in no statistic and get advantage 0; a group with fewer than
+2 valid samples gets advantage 0, as in `advantages.py`. Each paper's own std is used: population
+std for DVAO and PAPO, Bessel's for TMN (its per-prompt σ_u), as their specs write them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+# Inputs every function of a kind receives from the learner; anything else in its signature is an option.
+ADVANTAGE_INPUTS = ("rewards", "group_ids", "normalize_std", "valid", "domain_ids", "reward_heads", "head_names")
+SHAPING_INPUTS = ("rewards", "group_ids", "valid", "domain_ids", "reward_heads", "head_names", "lengths")
+
+
+class OptionError(ValueError):
+    """A bad option value; `option` is its name, so validation can name the dotted config key."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option, self.message = option, message
+
+
+def need(cond: bool, option: str, message: str) -> None:
+    if not cond:
+        raise OptionError(option, message)
+
+
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(each sample's group index [N] in 0..K-1, K)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, (int(inverse.max()) + 1 if inverse.numel() else 0)
+
+
+def group_moments(values: torch.Tensor, inverse: torch.Tensor, k: int, ok: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group [K] over its `ok` samples: (count, mean, population variance), float64.
+    Values of samples that are not ok (NaN included) do not matter."""
+    okd = ok.double()
+    v = torch.where(ok, values.double(), torch.zeros((), dtype=torch.float64))
+    count = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, okd)
+    mean = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, v) / count.clamp_min(1)
+    dev = (v - mean[inverse]) * okd
+    var = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, dev * dev) / count.clamp_min(1)
+    return count, mean, var
+
+
+def domains_of(domain_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """Domain ids [N] long (all 0 when None: one domain)."""
+    if domain_ids is None:
+        return torch.zeros(n, dtype=torch.long)
+    if domain_ids.shape != (n,):
+        raise ValueError(f"domain_ids {tuple(domain_ids.shape)} must be [{n}]")
+    return domain_ids.long()
+
+
+def group_domains(domain_ids: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """The domain of each group [K]; a group is one prompt, so all its samples share a domain."""
+    lo = torch.full((k,), torch.iinfo(torch.long).max, dtype=torch.long).scatter_reduce_(0, inverse, domain_ids, "amin")
+    hi = torch.full((k,), torch.iinfo(torch.long).min, dtype=torch.long).scatter_reduce_(0, inverse, domain_ids, "amax")
+    if not torch.equal(lo, hi):
+        raise ValueError("a group (one prompt's samples) spans several domains: "
+                         f"{int((lo != hi).sum())} of {k} groups")
+    return lo
+
+
+def head_column(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], name: str, n: int) -> torch.Tensor:
+    """Head `name` as [N] float64; NaN where a sample (or the whole batch) lacks it. A head absent
+    from the batch is not an error: a batch may hold no sample of the domains that have it."""
+    if reward_heads is None or name not in head_names:
+        return torch.full((n,), float("nan"), dtype=torch.float64)
+    if reward_heads.shape != (n, len(head_names)):
+        raise ValueError(f"reward_heads {tuple(reward_heads.shape)} must be [{n}, {len(head_names)}] (head_names)")
+    return reward_heads[:, list(head_names).index(name)].double()
+
+
+def restrict_to_domains(new: torch.Tensor, old: torch.Tensor, domain_ids: torch.Tensor,
+                        domain_names: Sequence[str], domains: Sequence[str]) -> torch.Tensor:
+    """`new` on the samples of `domains` (all when empty), `old` elsewhere. A domain that is not in
+    this batch selects nothing."""
+    if not domains:
+        return new
+    ids = [i for i, d in enumerate(domain_names) if d in set(domains)]
+    inside = torch.isin(domain_ids, torch.tensor(ids, dtype=torch.long))
+    return torch.where(inside, new.to(old.dtype), old)
+
+
+def domain_metrics(advantages: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor, domain_ids: torch.Tensor,
+                   domain_names: Sequence[str]) -> dict[str, float]:
+    """`advantage/<domain>/...` over the valid samples of each domain in the batch: the mean reward
+    the advantage saw, the mean and mean |A|, the share of zero advantages, the sample count."""
+    out: dict[str, float] = {}
+    for i, name in enumerate(domain_names):
+        sel = (domain_ids == i) & valid
+        k = int(sel.sum())
+        key = f"advantage/{name or '<none>'}"
+        out[f"{key}/samples"] = float(k)
+        if k == 0:
+            continue
+        a, r = advantages[sel].double(), rewards[sel].double()
+        out[f"{key}/reward_mean"] = float(r.mean())
+        out[f"{key}/mean"] = float(a.mean())
+        out[f"{key}/abs_mean"] = float(a.abs().mean())
+        out[f"{key}/zero_frac"] = float((a == 0).double().mean())
+    return out
+
+
+def _same_type(default: Any, value: Any) -> bool:
+    """Does `value` fit an option whose default is `default`? (None and other defaults: anything;
+    an int where a float is expected is fine, a bool is never a number.)"""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        kinds = (int, float) if isinstance(default, float) else (int,)
+        return isinstance(value, kinds) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return True
+
+
+def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What is wrong with `options` for the registered `kind` function `name`, as (option, message)
+    pairs (option "" when the call fails as a whole): unknown names, values of the wrong type for
+    the option's default, and values the function itself rejects when called with the kind's
+    inputs on a two-sample batch (which also catches a registration without the kind's signature)."""
+    from mcore_rl.algos.registry import get
+
+    fn = get(kind, name)
+    inputs = ADVANTAGE_INPUTS if kind == "advantage" else SHAPING_INPUTS
+    params = {p.name: p for p in inspect.signature(fn).parameters.values()
+              if p.name not in inputs and p.kind == inspect.Parameter.KEYWORD_ONLY}
+    problems: list[tuple[str, str]] = []
+    for key, value in options.items():
+        if key not in params:
+            problems.append((key, f"is not an option of {kind} {name!r}; its options: {', '.join(params) or 'none'}"))
+            continue
+        default = params[key].default
+        if not _same_type(default, value):
+            problems.append((key, f"expects {type(default).__name__} (default {default!r}), got {value!r}"))
+    if problems:
+        return problems
+    batch: dict[str, Any] = dict(valid=torch.ones(2, dtype=torch.bool), domain_ids=torch.zeros(2, dtype=torch.long),
+                                 reward_heads=torch.zeros(2, 0), head_names=())
+    if kind == "advantage":
+        batch["normalize_std"] = True
+    else:
+        batch["lengths"] = torch.ones(2, dtype=torch.long)
+    try:
+        fn(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), **batch, **options)
+    except OptionError as e:
+        problems.append((e.option, e.message))
+    except (TypeError, ValueError) as e:
+        problems.append(("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: "
+                             f"{type(e).__name__}: {e}"))
+    return problems
