@@ -78,6 +78,10 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
     (["distill.losses=[{name: popd}]", "distill.horizon.schedule=fixed", "distill.horizon.tokens=9"],
      "distill.horizon.tokens: must be in [1, rollout.max_new_tokens=4], got 9"),
     (["distill.losses=[{name: popd}]", "distill.horizon.schedule=growing"], "distill.horizon.h0: the growing horizon"),
+    (["distill.losses=[{name: antisd, options: {state: 1}}]"], "distill.losses[0].options.state: is not an option"),
+    (["distill.effopd.enabled=true", "rollout.runtime=async"], "distill.effopd.enabled: EffOPD scores candidate"),
+    (["distill.effopd.enabled=true", "algorithm.mismatch.name=mipu"], "distill.effopd.enabled: EffOPD and MIPU"),
+    (["distill.effopd.enabled=true", "distill.effopd.num_candidates=0"], "distill.effopd.num_candidates"),
 ])
 def test_bad_distill_config_fails_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -88,6 +92,22 @@ def test_bad_distill_config_fails_naming_the_key(overrides, message):
 def test_an_unknown_distill_key_fails_while_loading():
     with pytest.raises(ConfigError, match="did you mean 'distill.top_k'"):
         tiny("distill.topk=3")
+
+
+def test_stateful_terms_get_their_state_once_and_it_round_trips():
+    from mcore_rl.train.rl_step import Learner
+
+    cfg = tiny("distill.losses=[{name: antisd}, {name: reverse_kl}]")
+    learner = Learner(cfg, chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
+    gate = learner.distill[0].state
+    assert gate is not None and learner.distill[1].state is None
+    gate.update(1.5)
+    saved = learner.distill_state_dict()
+    assert list(saved) == ["antisd"] and saved["antisd"]["warm_medians"] == [1.5]
+    fresh = Learner(cfg, chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
+    assert fresh.distill[0].state is not gate and fresh.distill[0].state.warm_medians == []
+    fresh.load_distill_state(saved)
+    assert fresh.distill[0].state.state_dict() == gate.state_dict()
 
 
 # ------------------------------------------------------------------------------------ teacher view, packing, horizon
@@ -363,3 +383,37 @@ def _learner_world(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_tp2_learner_distils_through_both_phases():
     run_world(2, _learner_world)
+
+
+# ------------------------------------------------------------------------------------ EffOPD in the loop
+
+
+def _effopd_world(rank: int, world: int, tmp: str) -> None:
+    import json
+    import os
+
+    from mcore_rl.runtime import run_rl
+
+    cfg = tiny(f"run_dir={tmp}/effopd", "train.num_steps=3", "eval.interval=0", "eval.at_start=false",
+               "distill.effopd.enabled=true", "distill.effopd.validation_prompts=4", "distill.effopd.num_candidates=2")
+    run_rl(cfg)
+    with open(os.path.join(tmp, "effopd", "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    last = {r["rl_step"]: r for r in recs}  # the step's last record holds the step-level metrics
+    version = 1  # the first sync
+    for step in (1, 2, 3):
+        r = last[step]
+        if step == 3:  # 3 updates done: not a power of two
+            assert "effopd/accepted" not in r
+            version += 1
+        else:
+            k, scored = r["effopd/accepted"], r["effopd/candidates_scored"]
+            assert r["effopd/coefficient"] == 2.0 * k and 0 <= k <= scored <= 2
+            assert k == scored or scored == k + 1  # the search stops at the first candidate that drops
+            version += 1 + int(scored) + 1  # W_step scored, each candidate, then the step's sync
+        assert r["rollout/weight_version"] == version, (step, r["rollout/weight_version"], version)
+
+
+@pytest.mark.slow
+def test_effopd_extrapolates_in_the_loop_at_steps_one_and_two(tmp_path):
+    run_world(1, _effopd_world, str(tmp_path))

@@ -186,6 +186,17 @@ class DistillHorizonConfig:
 
 
 @dataclass
+class EffOPDConfig:
+    """EffOPD weight extrapolation: at rollout steps 1, 2, 4, 8, ... try W + 2k·Δ (k = 1..num_candidates)
+    on a validation set and keep the last candidate of the run whose score does not drop."""
+
+    enabled: bool = False
+    validation_prompts: int = 50  # the paper: 50 training samples (greedy, mean reward)
+    num_candidates: int = 5
+    scale: float = 2.0  # candidate k = W + scale·k·Δ
+
+
+@dataclass
 class DistillConfig:
     """On-policy distillation from the teacher scores on each sample (`Sample.teacher`).
 
@@ -198,6 +209,7 @@ class DistillConfig:
     rl: bool = True
     top_k: int = 0  # teacher top-k entries read per position (0: none; the student's log-probs of those ids too)
     horizon: DistillHorizonConfig = field(default_factory=DistillHorizonConfig)
+    effopd: EffOPDConfig = field(default_factory=EffOPDConfig)
 
 
 @dataclass

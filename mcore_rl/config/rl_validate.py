@@ -62,7 +62,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
-    check_distill(cfg.distill, cfg.rollout, errors)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
@@ -304,7 +304,7 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
                     "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
 
 
-def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors) -> None:
+def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "") -> None:
     """Registered distillation functions with a phase and options they accept; a horizon that cuts."""
     import inspect
 
@@ -322,13 +322,24 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors) -> None:
         errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
                     f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
         errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
-        params = list(inspect.signature(fn).parameters.values())[1:]  # after the batch
+        params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
+                  if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             accepted = [p.name for p in params]
             for opt in loss.options:
                 errors.need(opt in accepted, f"{key}.options.{opt}",
                             f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}")
     errors.need(d.top_k >= 0, "distill.top_k", f"must be >= 0 (0 = no top-k), got {d.top_k}")
+    e = d.effopd
+    if e.enabled:
+        errors.need(r.runtime == "sync", "distill.effopd.enabled", "EffOPD scores candidate weights on the engines "
+                    "between updates; it needs rollout.runtime=sync (async engines would generate training samples "
+                    "with the candidates)")
+        errors.need(mismatch_name != "mipu", "distill.effopd.enabled",
+                    "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
+        need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),
+                               ("distill.effopd.num_candidates", e.num_candidates)])
+        errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
     errors.need(d.rl or bool(d.losses), "distill.rl", "is false (distillation alone) but distill.losses is empty: "
                 "nothing would be trained")
     h = d.horizon

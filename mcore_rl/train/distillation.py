@@ -31,7 +31,7 @@ from mcore_rl.data.samples import Prompt, Sample
 
 # per-sample tensors the loss phase needs in each micro-batch (sliced by `build_microbatches`)
 DISTILL_KEYS = ("teacher_logp", "distill_mask", "teacher_topk_ids", "teacher_topk_logp", "teacher_ref_logp",
-                "teacher_ref_topk_logp", "response_mask", "distill_rewards", "distill_group_ids")
+                "teacher_ref_topk_logp", "response_mask", "distill_rewards", "distill_group_ids", "student_entropy")
 
 
 @dataclass
@@ -40,18 +40,38 @@ class DistillTerm:
     fn: Callable[..., DistillTerms]
     coef: float
     options: dict[str, Any]
+    state: Any = None  # a `@stateful` function's state across batches (passed as `state=`)
 
     @property
     def phase(self) -> str:
         return self.fn.phase  # type: ignore[attr-defined]
 
+    def __call__(self, batch: DistillBatch) -> DistillTerms:
+        return self.fn(batch, **self.options, **({} if self.state is None else {"state": self.state}))
+
 
 def distill_terms(cfg: Any) -> list[DistillTerm]:
-    """The configured terms, looked up in the registry (validation has checked names and options)."""
+    """The configured terms, looked up in the registry (validation has checked names and options);
+    a `@stateful` function gets its state object here, once per run."""
     d = getattr(cfg, "distill", None)
     if d is None:
         return []
-    return [DistillTerm(x.name, registry.get("distill", x.name), x.coef, dict(x.options)) for x in d.losses]
+    out = []
+    for x in d.losses:
+        fn = registry.get("distill", x.name)
+        out.append(DistillTerm(x.name, fn, x.coef, dict(x.options), fn.make_state() if hasattr(fn, "make_state") else None))
+    return out
+
+
+def terms_state_dict(terms: Sequence[DistillTerm]) -> dict[str, Any]:
+    """The states of the stateful terms, by name (saved with the checkpoints)."""
+    return {t.name: t.state.state_dict() for t in terms if t.state is not None}
+
+
+def load_terms_state(terms: Sequence[DistillTerm], state: dict[str, Any]) -> None:
+    for t in terms:
+        if t.state is not None and t.name in state:
+            t.state.load_state_dict(state[t.name])
 
 
 def horizon_at(cfg: Any, step: int, domain: Optional[str] = None) -> Optional[int]:
@@ -147,7 +167,7 @@ def call_terms(terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[
     no term gave one; each term's metrics land in `metrics` as distill/<name>/<key>."""
     adv = mask = loss = None
     for term in terms:
-        out = term.fn(batch, **term.options)
+        out = term(batch)
         if out.token_advantage is not None:
             a = term.coef * out.token_advantage.detach()
             adv = a if adv is None else adv + a
@@ -156,7 +176,7 @@ def call_terms(terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[
         if out.loss_sum is not None:
             loss = term.coef * out.loss_sum if loss is None else loss + term.coef * out.loss_sum
         for k, v in out.metrics.items():
-            metrics[f"distill/{term.name}/{k}"] = float(v)
+            metrics[f"distill/{term.name}/{k.removeprefix(term.name + '/')}"] = float(v)
     return adv, mask, loss
 
 

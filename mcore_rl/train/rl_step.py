@@ -39,8 +39,10 @@ from mcore_rl.train.distillation import (
     call_terms,
     distill_terms,
     horizon_at,
+    load_terms_state,
     per_token,
     teacher_view,
+    terms_state_dict,
 )
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
@@ -214,26 +216,30 @@ class Learner:
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
                    "keep": keep.float(), "advantages": advantages.float()}
         if teacher is not None:
-            self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, mask, rewards, step)
+            self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, entropy, mask, rewards, step)
         if ref is not None:
             per_seq["ref_logp"] = ref
         return per_seq, metrics
 
     def _add_distillation(self, per_seq: dict[str, torch.Tensor], metrics: dict[str, float], view: Any,
-                          teacher: Any, old: torch.Tensor, old_topk: Optional[torch.Tensor], mask: torch.Tensor,
-                          rewards: torch.Tensor, step: int) -> None:
+                          teacher: Any, old: torch.Tensor, old_topk: Optional[torch.Tensor], entropy: torch.Tensor,
+                          mask: torch.Tensor, rewards: torch.Tensor, step: int) -> None:
         """Advantage-phase terms into the advantages and the loss mask; what the loss phase needs
-        into the per-sample tensors (see `train.distillation`)."""
+        into the per-sample tensors (see `train.distillation`). `student_entropy` is π_old's in
+        both phases."""
         d, a = self.cfg.distill, self.cfg.algorithm
         dmask = mask * teacher.mask
         batch = DistillBatch(
             student_logp=old, old_logp=old, teacher_logp=teacher.logp, mask=dmask,
             teacher_topk_logp=teacher.topk_logp, student_topk_logp=old_topk, teacher_ref_logp=teacher.ref_logp,
             teacher_ref_topk_logp=teacher.ref_topk_logp, rewards=rewards, group_ids=view.group_ids,
-            advantages=per_seq["advantages"], step=step, agg=a.loss_agg, norm_length=self.cfg.rollout.max_new_tokens)
+            advantages=per_seq["advantages"], step=step, student_entropy=entropy, agg=a.loss_agg,
+            norm_length=self.cfg.rollout.max_new_tokens)
         with torch.no_grad():
             adv, token_mask, _ = call_terms([x for x in self.distill if x.phase == "advantage"], batch, metrics)
-            call_terms(self.loss_terms, batch, metrics)  # their metrics at π_old (the loss itself: per step)
+            # the loss-phase terms' metrics at π_old (their loss: per optimizer step); stateful ones
+            # are only called where they act
+            call_terms([x for x in self.loss_terms if x.state is None], batch, metrics)
         token_mask = torch.ones_like(dmask) if token_mask is None else token_mask
         distilled = dmask * token_mask
         advantages = per_token(per_seq["advantages"], old) if d.rl else torch.zeros_like(old)
@@ -251,7 +257,7 @@ class Learner:
             metrics["distill/advantage_abs_mean"] = float(masked_mean(adv.abs(), dmask))
         if self.loss_terms:
             per_seq.update(teacher_logp=teacher.logp, distill_mask=distilled, response_mask=view.mask,
-                           distill_rewards=rewards.float(), distill_group_ids=view.group_ids)
+                           distill_rewards=rewards.float(), distill_group_ids=view.group_ids, student_entropy=entropy)
             for key, value in (("teacher_topk_ids", teacher.topk_ids), ("teacher_topk_logp", teacher.topk_logp),
                                ("teacher_ref_logp", teacher.ref_logp), ("teacher_ref_topk_logp", teacher.ref_topk_logp)):
                 if value is not None:
@@ -289,9 +295,9 @@ class Learner:
                 student_topk_logp=batch_topk(stats.topk_logprobs, pos), teacher_ref_logp=batch.get("teacher_ref_logp"),
                 teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"), rewards=batch["distill_rewards"],
                 group_ids=batch["distill_group_ids"], advantages=batch["advantages"], step=self.step,
-                agg=a.loss_agg, norm_length=norm_length)
+                student_entropy=batch["student_entropy"], agg=a.loss_agg, norm_length=norm_length)
             for term in self.loss_terms:
-                terms = term.fn(db, **term.options)
+                terms = term(db)
                 total = total + term.coef * terms.loss_sum
                 vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
@@ -301,6 +307,13 @@ class Learner:
                                        + [out.count.detach().float().reshape(())]),
         }
         return total, count, report
+
+    def distill_state_dict(self) -> dict[str, Any]:
+        """The stateful distillation terms' states (checkpointed with the run)."""
+        return terms_state_dict(self.distill)
+
+    def load_distill_state(self, state: dict[str, Any]) -> None:
+        load_terms_state(self.distill, state)
 
     def train(self, samples: Sequence[Sample], step: int) -> tuple[list[dict[str, float]], dict[str, float]]:
         """All optimizer steps of one rollout batch. Returns one metrics dict per optimizer step and
