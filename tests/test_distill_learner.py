@@ -134,6 +134,8 @@ def test_teacher_view_leaves_samples_without_usable_scores_undistilled():
     assert tv.topk_ids.shape == (5, t, 2) and tv.topk_ids[4, 0].tolist() == [0, 1]  # the first 2 of 3
     no_topk = teacher_view(samples, t, top_k=0, horizons=[None] * 5)
     assert no_topk.mask.sum(1).tolist() == [lengths[0], 0, 0, lengths[3], lengths[4]] and no_topk.topk_ids is None
+    with pytest.raises(ValueError, match="outside the student.s vocabulary of 5 "):
+        teacher_view(samples, t, top_k=2, horizons=[None] * 5, vocab_size=5)
     samples[0].teacher.logp = samples[0].teacher.logp[:-1]
     with pytest.raises(ValueError, match="one log-prob per response token"):
         teacher_view(samples, t, top_k=0, horizons=[None] * 5)

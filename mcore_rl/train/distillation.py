@@ -107,9 +107,11 @@ class TeacherView:
     scored_frac: float = 0.0
 
 
-def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, horizons: Sequence[Optional[int]]) -> TeacherView:
+def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, horizons: Sequence[Optional[int]],
+                 vocab_size: Optional[int] = None) -> TeacherView:
     """Teacher log-probs of every sample's response tokens, the first `top_k` of its top-k lists,
-    and the reference teacher's when every scored sample has them."""
+    and the reference teacher's when every scored sample has them. Top-k ids outside the student's
+    vocabulary (`vocab_size`) are an error: their log-probs would silently be wrong."""
     n, t = len(samples), num_positions
     logp = torch.zeros(n, t)
     mask = torch.zeros(n, t)
@@ -134,6 +136,9 @@ def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, hori
                 scored[i] = False  # no usable top-k: this sample is not distilled
                 continue
             ids[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_ids], dtype=torch.long)
+            if vocab_size is not None and (int(ids[i].max()) >= vocab_size or int(ids[i].min()) < 0):
+                raise ValueError(f"teacher {ts.source!r} returned top-k ids outside the student's vocabulary of "
+                                 f"{vocab_size} (prompt {s.prompt.index}): teachers must share the student's tokenizer")
             topk[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_logp], dtype=torch.float32)
             if ref_topk is not None:
                 ref_topk[i, :k] = torch.tensor([row[:top_k] for row in ts.ref_topk_logp], dtype=torch.float32)

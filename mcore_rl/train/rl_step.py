@@ -179,7 +179,7 @@ class Learner:
         teacher = None
         if self.distill:
             horizons = [horizon_at(self.cfg, step, s.prompt.domain) for s in samples]
-            teacher = teacher_view(samples, t, self.cfg.distill.top_k, horizons)
+            teacher = teacher_view(samples, t, self.cfg.distill.top_k, horizons, self.cfg.model.vocab_size)
         old_topk = None
         if teacher is not None and teacher.topk_ids is not None:
             old, entropy, old_topk = self.token_stats(samples, t, with_entropy=True, topk_ids=teacher.topk_ids,
