@@ -176,7 +176,7 @@ def test_generation_budget_is_cut_at_the_horizon_of_the_step():
 def test_topd_rollouts_never_exceed_the_horizon():
     """POPD/TOPD property 4: in TOPD mode no training rollout has more than ⌊ρ·T_max⌋ tokens
     (a real embedded engine and reward workers); evaluation is not cut."""
-    from mcore_rl.data.prompts import PromptSource, task_pool
+    from mcore_rl.data.prompts import build_prompt_sets
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager, build_reward_runner
@@ -187,7 +187,7 @@ def test_topd_rollouts_never_exceed_the_horizon():
     torch.manual_seed(0)
     pool = EmbeddedEnginePool.build(cfg.model, tok, num=1, quantization="none", max_running_requests=32,
                                     context_length=64, seed=0)
-    prompts = PromptSource(task_pool("addition", 50, 0, 1), tok, seed=0)
+    prompts = build_prompt_sets(cfg, tok).train
     manager = RolloutManager(pool, prompts, build_reward_runner(cfg), cfg)
     try:
         groups, _ = manager.collect()

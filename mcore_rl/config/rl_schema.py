@@ -38,8 +38,77 @@ class RLTrainConfig:
 
 
 @dataclass
+class RewardHeadConfig:
+    """One reward of a domain: a registered reward (or "package.module:function") called as
+    `fn(sample, **options)`; its value is `Sample.reward_heads[name]`, and `Sample.reward` is the
+    weighted sum over the domain's heads."""
+
+    name: str = ""
+    weight: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DomainEvalConfig:
+    """A domain's held-out set: a file, or the domain's task / reasoning-gym generator drawn with
+    another seed. Never overlapping the domain's training prompts (those are removed from training;
+    a file domain without an eval file holds out part of its own file)."""
+
+    path: Optional[str] = None  # .jsonl / .parquet of held-out prompts (same keys as the domain's file)
+    num_prompts: Optional[int] = None  # None = eval.num_prompts
+    seed: Optional[int] = None  # task / reasoning-gym seed of the held-out set (None = train.seed + an offset)
+
+
+@dataclass
+class DomainConfig:
+    """One dataset of a multi-domain run: a source (exactly one of path, task, reasoning_gym), how
+    its prompts are rendered, how they are scored and sampled, and its share of the mixture."""
+
+    name: str = ""
+    path: Optional[str] = None  # .jsonl or .parquet on local disk (prompt_key, label_key; optional max_new_tokens)
+    task: Optional[str] = None  # a task registered in mcore_rl.data.tasks
+    reasoning_gym: Optional[str] = None  # a reasoning-gym dataset name (reasoning-gym==0.1.25)
+    options: dict[str, Any] = field(default_factory=dict)  # the task's / reasoning-gym dataset's options
+    num_prompts: int = 1000  # size of a task / reasoning-gym training pool
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    template: Optional[str] = None  # format string with {prompt} (the reward still sees the raw prompt)
+    chat_template: bool = False  # render with the tokenizer's chat template (a Hugging Face tokenizer)
+    system_prompt: Optional[str] = None  # with chat_template: a system message first
+    rewards: list[RewardHeadConfig] = field(default_factory=list)  # [] = the task's reward (files: reward.name)
+    top_p: Optional[float] = None  # None = rollout.top_p
+    top_k: Optional[int] = None  # None = rollout.top_k
+    max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens (its cap)
+    group_size: Optional[int] = None  # None = rollout.group_size
+    weight: float = 1.0  # mixture weight (normalised over the domains)
+    eval: DomainEvalConfig = field(default_factory=DomainEvalConfig)
+
+
+@dataclass
+class MixtureStageConfig:
+    """A stage of a staged schedule (POLARIS, Re-Math's sequential stages and refresh): from
+    `start_step` on, these weights (and optionally a sampling temperature and response budget)."""
+
+    start_step: int = 0
+    weights: dict[str, float] = field(default_factory=dict)  # domain -> weight; {} = the domains' weights
+    temperature: Optional[float] = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
+    max_new_tokens: Optional[int] = None  # multi-stage response length (a cap on the domains' budgets)
+    drop_solved_above: Optional[float] = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
+
+
+@dataclass
+class MixtureConfig:
+    """How the domains share the prompts of a step: deterministic interleaving (each domain gets
+    its share to within one prompt at every point of the stream) or seeded random draws."""
+
+    sampling: Literal["interleave", "random"] = "interleave"
+    stages: list[MixtureStageConfig] = field(default_factory=list)  # [] = the domains' fixed weights
+
+
+@dataclass
 class RLDataConfig:
-    """Where prompts come from: a jsonl file (`prompt` + `label`), or a registered synthetic task."""
+    """Where prompts come from: a jsonl file (`prompt` + `label`), a registered synthetic task, or
+    several domains (`domains`, mixed by `mixture`)."""
 
     path: Optional[str] = None  # .jsonl with prompt_key / label_key; None = synthetic
     prompt_key: str = "prompt"
@@ -50,6 +119,8 @@ class RLDataConfig:
     synthetic_num_prompts: int = 100_000  # size of the synthetic training pool
     tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer
     add_bos: bool = True  # prompt ids start with the tokenizer's bos (as SFT rows do)
+    domains: list[DomainConfig] = field(default_factory=list)  # [] = one domain: data.path or data.synthetic_task
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
 
 
 @dataclass

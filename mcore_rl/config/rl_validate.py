@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Optional
 
+from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rules import (
     Errors,
     build_task,
@@ -56,7 +57,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
         dp, edp = check_layout(cfg.model, cfg.parallel, cfg.train.seq_length, world_size, errors)
         check_rl_pipeline(cfg.parallel, errors)
     check_optimizer(cfg.optimizer, errors)
-    task = synthetic_task(cfg.data, errors)
+    task = synthetic_task(cfg.data, errors) if not cfg.data.domains else None  # domains: checked per domain
     check_data(cfg.data, cfg.rollout, errors)
     check_rollout(cfg.rollout, cfg.algorithm, errors)
     check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
@@ -64,6 +65,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name)
     check_reward(cfg.reward, cfg.data, task, errors)
+    check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
     errors.raise_if_any()

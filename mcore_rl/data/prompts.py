@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -32,11 +32,11 @@ class PromptSource:
     """
 
     def __init__(self, pool: list[tuple[str, Any]], tokenizer: Any, seed: int, add_bos: bool = True,
-                 domain: str = "") -> None:
+                 domain: str = "", render: Optional[Callable[[str], str]] = None) -> None:
         if not pool:
             raise ValueError("the prompt pool is empty")
         self.pool, self.tokenizer, self.seed, self.add_bos = pool, tokenizer, seed, add_bos
-        self.domain = domain
+        self.domain, self.render = domain, render  # render: the text the model sees (template, chat template)
         self.epoch, self.position, self.drawn = 0, 0, 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
@@ -48,7 +48,16 @@ class PromptSource:
 
     def encode(self, text: str) -> list[int]:
         bos = [self.tokenizer.bos_id] if self.add_bos and self.tokenizer.bos_id is not None else []
-        return bos + self.tokenizer.encode(text)
+        return bos + self.tokenizer.encode(self.render(text) if self.render is not None else text)
+
+    # one domain: no stages, nothing to learn from the scores (the interface of `MixtureSource`)
+    temperature: Optional[float] = None
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def observe(self, groups: Any) -> None:
+        pass
 
     def take(self, n: int) -> list[Prompt]:
         out: list[Prompt] = []
@@ -110,7 +119,7 @@ def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, 
 class PromptSets:
     """The three prompt sets of an RL run."""
 
-    train: PromptSource
+    train: PromptSource  # or a `MixtureSource` over the domains (same interface)
     validation: PromptSource  # MIPU Step 2
     eval_prompts: list[Prompt]  # the fixed held-out set
 
@@ -123,6 +132,10 @@ def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
     """The prompt files an `RLConfig` names (`data.path`, `eval.path`), read and checked; the CLI
     calls this before any worker starts so a bad file fails in a second."""
     d = cfg.data
+    if d.domains:
+        from mcore_rl.data.domains import read_domain_files
+
+        return read_domain_files(cfg)
     paths = {"data.path": d.path, "eval.path": cfg.eval.path}
     return {key: read_prompt_file(path, d.prompt_key, d.label_key, d.on_bad_line, key)
             for key, path in paths.items() if path is not None}
@@ -130,6 +143,10 @@ def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
 
 def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes."""
+    if cfg.data.domains:
+        from mcore_rl.data.domains import build_domain_sets
+
+        return build_domain_sets(cfg, tokenizer)
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
     domain = d.synthetic_task if d.path is None else d.path
     files = read_prompt_files(cfg)

@@ -3,7 +3,8 @@
 A reward function scores one sample (`per_group=False`) or all samples of one prompt at once
 (`per_group=True`, e.g. for pairwise judges or group-level shaping). It may be a plain function
 or an `async def`; it receives `RewardInput`s and returns a number, a bool, or a dict with a
-"reward" key (other keys are kept as `info`).
+"reward" key (other keys are kept as `info`). `RewardFunction.options` are keyword arguments of
+every call, `fn(sample, **options)`, in worker processes too (a domain's reward head with options).
 
 The runner applies a timeout to every call and catches everything a reward function can do wrong
 — raise (`SystemExit` and `KeyboardInterrupt` too), hang, return None/NaN/a string, and in worker
@@ -28,6 +29,7 @@ Where a call runs (`RewardRunner.isolation`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -74,6 +76,7 @@ class RewardFunction:
     error_reward: float = 0.0
     name: str = ""
     path: Optional[str] = None  # "package.module:function" that worker processes import; derived from fn if it has one
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of every call: fn(sample, **options)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -180,7 +183,7 @@ class RewardRunner:
 
             assert self.reward.path is not None
             self._workers = WorkerPool(self.reward.path, self.max_concurrency, self.reward.per_group,
-                                       self.reward.timeout_s)
+                                       self.reward.timeout_s, options=self.reward.options)
         return self._workers
 
     def start(self, wait_ready: bool = False) -> None:
@@ -211,7 +214,7 @@ class RewardRunner:
     # ---------------------------------------------------------------- in-process calls
 
     async def _call(self, arg: Any) -> Any:
-        fn = self.reward.fn
+        fn = functools.partial(self.reward.fn, **self.reward.options) if self.reward.options else self.reward.fn
         if self.reward.is_async:
             work = fn(arg)
         else:

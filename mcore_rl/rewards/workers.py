@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import os
 import queue
@@ -136,10 +137,11 @@ class WorkerPool:
     (reward, info) per sample or the error. Not for concurrent use: `run` holds a lock."""
 
     def __init__(self, path: str, size: int, per_group: bool = False, timeout_s: Optional[float] = 30.0,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 60.0, options: Optional[dict[str, Any]] = None) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs size >= 1, got {size}")
         self.path, self.size, self.per_group = path, size, per_group
+        self.options = dict(options or {})  # keyword arguments of every call: fn(sample, **options)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -163,7 +165,7 @@ class WorkerPool:
         finally:
             theirs.close()
         conn = Connection(mine.detach())
-        conn.send((list(sys.path), self.path, self.per_group))
+        conn.send((list(sys.path), self.path, self.per_group, self.options))
         self._workers.append(_Worker(proc, conn, time.monotonic() + self.start_timeout_s))
 
     def _kill(self, w: _Worker) -> None:
@@ -317,10 +319,12 @@ def worker_main() -> None:
     die_with_parent(signal.SIGKILL, parent)  # the kernel kills us with the trainer; a watchdog elsewhere
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it closes the pool)
     conn = Connection(fd)
-    sys_path, path, per_group = conn.recv()
+    sys_path, path, per_group, options = conn.recv()
     sys.path[:] = sys_path
     try:
         fn = resolve_import_path(path)
+        if options:
+            fn = functools.partial(fn, **options)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("failed", describe(exc)))
         return

@@ -14,9 +14,8 @@ from typing import Any, Literal, Optional
 
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
-from mcore_rl.rewards import RewardInput, RewardRunner
 from mcore_rl.rollout.pool import Generation, GenRequest, HTTPEnginePool
-from mcore_rl.runtime.rollout_manager import SALT_TRAIN, RolloutManager, sample_seed
+from mcore_rl.runtime.rollout_manager import SALT_TRAIN, DomainRewards, RolloutManager, sample_seed
 from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
 
 # continuation part p of a sample draws with seed salt SALT_TRAIN + 16 * p (part 0: the sync loop's)
@@ -24,9 +23,13 @@ _PART_SALT_STRIDE = 16
 
 
 class PoolBackend:
-    def __init__(self, pool: HTTPEnginePool, prompts: PromptSource, rewards: RewardRunner, manager: RolloutManager,
+    def __init__(self, pool: HTTPEnginePool, prompts: PromptSource, rewards: DomainRewards, manager: RolloutManager,
                  cfg: Any) -> None:
         self.pool, self.prompts, self.rewards, self.manager, self.cfg = pool, prompts, rewards, manager, cfg
+
+    def group_size(self, prompt: Prompt) -> int:
+        """Its domain's group size."""
+        return self.manager.group_size(prompt)
 
     def take_prompt(self) -> Prompt:
         return self.prompts.take(1)[0]
@@ -40,7 +43,7 @@ class PoolBackend:
         if budget <= 0:
             return None
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)
-        sp = self.manager.sampling_params(r.temperature, seed)
+        sp = self.manager.sampling_params(r.temperature, seed, domain=prompt.domain)
         sp["max_new_tokens"] = budget
         return GenRequest(list(prompt.ids) + list(prefix), sp)
 
@@ -48,9 +51,8 @@ class PoolBackend:
         return await self.pool.agenerate(request)
 
     async def score(self, samples: list[Sample]) -> None:
-        inputs = [RewardInput(s.prompt.text, s.text, s.prompt.label, {"finish_reason": s.finish_reason}) for s in samples]
-        for s, res in zip(samples, await self.rewards.score(inputs, [s.group for s in samples])):
-            s.reward, s.reward_error, s.info = res.reward, res.error, dict(res.info)
+        await self.rewards.score(samples)
+        self.prompts.observe([samples])  # per-prompt accuracy, for POLARIS's stage filter
 
     def filter_reason(self, group: list[Sample]) -> Optional[str]:
         if self.cfg.algorithm.dynamic_sampling.enabled and len({s.reward for s in group}) == 1:

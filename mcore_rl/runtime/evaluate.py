@@ -3,7 +3,10 @@
 Greedy pass@1 (one temperature-0 completion per prompt) and, with k > 0, k sampled completions per
 prompt: avg@k (mean reward over all k·P completions, an estimate of sampled pass@1) and pass@k (a
 prompt counts if any of its k completions is right). Rewards are those of the training reward
-function; a completion counts as right when its reward is >= `threshold` (1 for 0/1 verifiers).
+function(s) of each prompt's domain; a completion counts as right when its reward is >= `threshold`
+(1 for 0/1 verifiers). A multi-domain run also reports every number per domain
+(`eval/<domain>/score`, ...), with each domain's own sampling parameters; `eval/score` is then
+the mean of the domains' scores, so a large domain does not hide a small one.
 """
 
 from __future__ import annotations
@@ -12,22 +15,38 @@ from typing import Any
 
 import numpy as np
 
-from mcore_rl.data.samples import Prompt
+from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager
+
+
+def _scores(greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: Any, threshold: float,
+            prefix: str) -> dict[str, float]:
+    e, out = cfg.eval, {}
+    if e.greedy:
+        out[f"{prefix}/greedy_pass@1"] = float(np.mean([g[0].reward >= threshold for g in greedy]))
+        out[f"{prefix}/greedy_reward"] = float(np.mean([g[0].reward for g in greedy]))
+    if e.k > 0:
+        right = np.array([[s.reward >= threshold for s in g] for g in sampled], dtype=np.float64)
+        out[f"{prefix}/avg@{e.k}"] = float(right.mean())
+        out[f"{prefix}/pass@{e.k}"] = float(right.max(axis=1).mean())
+    out[f"{prefix}/score"] = out[f"{prefix}/greedy_pass@1"] if e.score == "greedy" else out[f"{prefix}/avg@{e.k}"]
+    return out
 
 
 def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: Any, threshold: float = 1.0) -> dict[str, float]:
     e = cfg.eval
-    out: dict[str, float] = {}
-    if e.greedy:
-        groups = manager.generate(prompts, 1, 0.0, SALT_EVAL)
-        out["eval/greedy_pass@1"] = float(np.mean([g[0].reward >= threshold for g in groups]))
-        out["eval/greedy_reward"] = float(np.mean([g[0].reward for g in groups]))
+    greedy = manager.generate(prompts, 1, 0.0, SALT_EVAL) if e.greedy else []
+    sampled: list[list[Sample]] = []
     if e.k > 0:
-        temperature = e.temperature if e.temperature is not None else cfg.rollout.temperature
-        groups = manager.generate(prompts, e.k, temperature, SALT_EVAL)
-        right = np.array([[s.reward >= threshold for s in g] for g in groups], dtype=np.float64)
-        out[f"eval/avg@{e.k}"] = float(right.mean())
-        out[f"eval/pass@{e.k}"] = float(right.max(axis=1).mean())
-    out["eval/score"] = out["eval/greedy_pass@1"] if e.score == "greedy" else out[f"eval/avg@{e.k}"]
+        temperature = e.temperature if e.temperature is not None else manager.temperature
+        sampled = manager.generate(prompts, e.k, temperature, SALT_EVAL)
+    out = _scores(greedy, sampled, cfg, threshold, "eval")
+    if not cfg.data.domains:
+        return out
+    domains = list(dict.fromkeys(p.domain for p in prompts))
+    for d in domains:
+        mine = [i for i, p in enumerate(prompts) if p.domain == d]
+        out.update(_scores([greedy[i] for i in mine] if greedy else [], [sampled[i] for i in mine] if sampled else [],
+                           cfg, threshold, f"eval/{d}"))
+    out["eval/score"] = float(np.mean([out[f"eval/{d}/score"] for d in domains]))
     return out

@@ -255,19 +255,21 @@ class RLRun:
         start = time.perf_counter()
         if self.manager is not None:
             self.manager.step = self.state.rl_step  # the distillation horizon of this step (POPD grows it)
+        per_domain = bool(self.cfg.data.domains)  # a multi-domain run: metrics by domain too
         while True:
             msg: Any = None
             if self.rank0 and self.async_rollouts is not None:
                 got = self.async_rollouts.next_batch(self.state.version)
                 msg = ("resync",) if got is None else (
-                    "batch", [s for g in got[0] for s in g], {**reward_metrics(got[0]), **got[1]})
+                    "batch", [s for g in got[0] for s in g], {**reward_metrics(got[0], per_domain=per_domain), **got[1]})
             elif self.rank0:
-                groups, stats = self.manager.collect()
+                groups, stats = self.manager.collect(self.state.rl_step)
                 self.ledger.drawn += stats.prompts_drawn
                 self.ledger.trained += len(groups)
                 if stats.prompts_drawn > len(groups):
                     self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
-                msg = ("batch", [s for g in groups for s in g], {**reward_metrics(groups), **stats.metrics()})
+                msg = ("batch", [s for g in groups for s in g], {**reward_metrics(groups, per_domain=per_domain),
+                                                                 **stats.metrics()})
             msg = _broadcast(msg)
             if msg[0] == "batch":
                 break
@@ -293,7 +295,7 @@ class RLRun:
         payload = None
         if self.rank0:
             prompts = self.val_prompts.take(m.mipu_validation_prompts)
-            groups = self.manager.generate(prompts, r.group_size, r.temperature, SALT_VALIDATION)
+            groups = self.manager.generate(prompts, r.group_size, self.manager.temperature, SALT_VALIDATION)
             payload = ([s for g in groups for s in g], self.val_prompts.state_dict())
         samples, val_state = _broadcast(payload)
         if not self.rank0:
@@ -382,6 +384,7 @@ class RLRun:
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Train as configured. Returns a summary (eval before/after, wall time) on every rank."""
+    from mcore_rl.data.domains import stage_temperature
     from mcore_rl.train.rl_step import Learner
 
     run = RLRun(cfg)
@@ -410,6 +413,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             samples, roll_metrics = run.rollouts()
             if run.mipu is not None:
                 run.mipu.begin()
+            learner.temperature = stage_temperature(cfg, st.rl_step)  # π at the temperature the batch was sampled with
             with run.engines_asleep():  # colocated: the engines give the devices to the learner
                 train_start = time.perf_counter()
                 records, batch_metrics = learner.train(samples, st.rl_step)

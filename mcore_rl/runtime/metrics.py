@@ -1,5 +1,6 @@
 """Run metrics: `metrics.jsonl` (one JSON object per optimizer step), TensorBoard scalars, and a PNG
-of the reward, evaluation score and mismatch curves at the end. Rank 0 writes; other ranks no-op.
+of the reward, evaluation score and mismatch curves at the end (per domain too in a multi-domain
+run: the `<kind>/<domain>/<name>` keys). Rank 0 writes; other ranks no-op.
 """
 
 from __future__ import annotations
@@ -75,23 +76,46 @@ def _series(records: Iterable[dict[str, Any]], key: str) -> tuple[list[float], l
     return xs, ys
 
 
+def domains_of(records: Iterable[dict[str, Any]]) -> list[str]:
+    """The domains a multi-domain run logged (`reward/<domain>/mean`), in order of appearance."""
+    seen: dict[str, None] = {}
+    for r in records:
+        for key in r:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "reward" and parts[2] == "mean":
+                seen.setdefault(parts[1])
+    return list(seen)
+
+
 def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] = None) -> str:
-    """Three panels: training reward (per rollout batch), held-out eval score, mismatch K3."""
+    """Training reward (per rollout batch), held-out eval score, mismatch K3 and, in a multi-domain
+    run, the response length: one line for the run and one per domain."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, label in [(axes[0], "reward/mean", "training reward (mean over rollouts)"),
-                           (axes[1], "eval/score", "held-out eval score"),
-                           (axes[2], "mismatch/k3", "mismatch K3 (exp(d)-d-1, d = log π - log μ)")]:
-        xs, ys = _series(records, key)
-        ax.plot(xs, ys, marker="o" if key == "eval/score" else None, markersize=3)
+    domains = domains_of(records)
+    panels = [("reward/mean", "reward/{}/mean", "training reward (mean over rollouts)"),
+              ("eval/score", "eval/{}/score", "held-out eval score"),
+              ("mismatch/k3", "mismatch/{}/k3", "mismatch K3 (exp(d)-d-1, d = log π - log μ)")]
+    if domains:
+        panels.append(("response/length_mean", "response/{}/length_mean", "response length (tokens)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, per_domain, label) in zip(axes, panels):
+        lines = [(key, "all" if domains else None)] + [(per_domain.format(d), d) for d in domains]
+        for k, name in lines:
+            xs, ys = _series(records, k)
+            if xs:
+                ax.plot(xs, ys, marker="o" if key == "eval/score" else None, markersize=3, label=name,
+                        linewidth=2 if name == "all" else 1)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        if key == "mismatch/k3" and ys and min(ys) > 0:
+        if domains:
+            ax.legend(fontsize=8)
+        ys_all = [y for k, _ in lines for y in _series(records, k)[1]]
+        if key == "mismatch/k3" and ys_all and min(ys_all) > 0:
             ax.set_yscale("log")
     if title:
         fig.suptitle(title)

@@ -5,22 +5,27 @@ provenance: the weight version the engine generated it with and μ, the engine's
 response token. Sampling is seeded per sample from (run seed, purpose, prompt stream index, sample
 index), so the same prompt at the same step draws the same tokens in a rerun or a resumed run.
 
-Rewards come from a `RewardRunner`, which calls a sync reward in worker processes that it kills
-at the timeout: a verifier that raises, hangs or exits marks its sample with `reward_error` (and
-`error_reward`), and the run goes on. With dynamic sampling (DAPO), groups whose
-rewards are all equal are dropped and more prompts are drawn until the batch is full or the round
-budget is spent.
+Rewards come from `DomainRewards`: one `RewardRunner` per distinct reward head of the run's
+domains, which calls a sync reward in worker processes that it kills at the timeout: a verifier
+that raises, hangs or exits marks its sample with `reward_error` (and `error_reward`), and the run
+goes on. Each sample is scored by its domain's heads (`Sample.reward_heads`) and its reward is
+their weighted sum. Each domain samples with its own top-p/top-k, response budget and group size.
+With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
+drawn until the batch is full or the round budget is spent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from mcore_rl.algos.dynamic_sampling import GroupRefill
+from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
@@ -34,17 +39,90 @@ def sample_seed(seed: int, salt: int, index: int, j: int) -> int:
     return int(np.random.SeedSequence([seed, salt, index, j]).generate_state(1)[0] % (2**31 - 1))
 
 
-def build_reward_runner(cfg: Any) -> RewardRunner:
-    """The runner of `reward.name` (task rewards are registered by importing `mcore_rl.data.tasks`)."""
-    import mcore_rl.data.tasks  # noqa: F401
+def _head_key(h: RewardHead) -> tuple[str, str]:
+    return h.name, json.dumps(h.options, sort_keys=True, default=str)
 
+
+class DomainRewards:
+    """The reward heads of every domain: one `RewardRunner` per distinct (reward, options), each
+    sample scored by the heads of its domain; `Sample.reward` = Σ weight × head."""
+
+    def __init__(self, specs: dict[str, DomainSpec], timeout_s: float, error_reward: float,
+                 max_concurrency: int) -> None:
+        import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
+
+        self.specs = specs
+        heads = {_head_key(h): h for spec in specs.values() for h in spec.rewards}
+        per = max(1, max_concurrency // len(heads))  # the workers of all heads together
+        self.runners = {key: RewardRunner(RewardFunction(get_reward_fn(h.name), timeout_s=timeout_s,
+                                                         error_reward=error_reward, name=h.name,
+                                                         options=dict(h.options)), max_concurrency=per)
+                        for key, h in heads.items()}
+
+    def start(self) -> None:
+        for r in self.runners.values():
+            r.start()  # the workers load the functions while the engines start
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.close()
+
+    def _jobs(self, samples: Sequence[Sample]) -> list[tuple[tuple[str, str], list[int]]]:
+        jobs = []
+        for key in self.runners:
+            idx = [i for i, s in enumerate(samples)
+                   if any(_head_key(h) == key for h in self.specs[s.prompt.domain].rewards)]
+            if idx:
+                jobs.append((key, idx))
+        return jobs
+
+    @staticmethod
+    def _inputs(samples: Sequence[Sample], idx: list[int]) -> tuple[list[RewardInput], list[int]]:
+        inputs = [RewardInput(samples[i].prompt.text, samples[i].text, samples[i].prompt.label,
+                              {"finish_reason": samples[i].finish_reason, "domain": samples[i].prompt.domain})
+                  for i in idx]
+        return inputs, [samples[i].group for i in idx]
+
+    def _combine(self, samples: Sequence[Sample], jobs: list, results: list) -> None:
+        by_key = {key: dict(zip(idx, res)) for (key, idx), res in zip(jobs, results)}
+        for i, s in enumerate(samples):
+            heads = self.specs[s.prompt.domain].rewards
+            s.reward_heads, s.info, errors, total = {}, {}, [], 0.0
+            for h in heads:
+                res = by_key[_head_key(h)][i]
+                s.reward_heads[h.name] = res.reward
+                s.info.update(res.info)
+                total += h.weight * res.reward
+                if res.error is not None:
+                    errors.append(res.error if len(heads) == 1 else f"{h.name}: {res.error}")
+            s.reward = total
+            s.reward_error = "; ".join(errors) if errors else None
+
+    async def score(self, samples: Sequence[Sample]) -> None:
+        """Score `samples` (from a running event loop): every head's runner at once."""
+        jobs = self._jobs(samples)
+        results = await asyncio.gather(*(self.runners[key].score(*self._inputs(samples, idx)) for key, idx in jobs))
+        self._combine(samples, jobs, list(results))
+
+    def score_sync(self, samples: Sequence[Sample]) -> None:
+        jobs = self._jobs(samples)
+        if len(jobs) == 1:
+            key, idx = jobs[0]
+            results = [self.runners[key].score_sync(*self._inputs(samples, idx))]
+        else:
+            async def run() -> list:
+                return list(await asyncio.gather(*(self.runners[k].score(*self._inputs(samples, i)) for k, i in jobs)))
+
+            results = asyncio.run(run())
+        self._combine(samples, jobs, results)
+
+
+def build_reward_runner(cfg: Any) -> DomainRewards:
+    """The rewards of the run's domains (the single-source config: `reward.name`, one head)."""
     rc = cfg.reward
-    runner = RewardRunner(
-        RewardFunction(get_reward_fn(rc.name), timeout_s=rc.timeout_s, error_reward=rc.error_reward, name=rc.name),
-        max_concurrency=rc.max_concurrency,
-    )
-    runner.start()  # the workers load the function while the engines start
-    return runner
+    rewards = DomainRewards(domain_specs(cfg), rc.timeout_s, rc.error_reward, rc.max_concurrency)
+    rewards.start()
+    return rewards
 
 
 @dataclass
@@ -70,8 +148,9 @@ class RolloutStats:
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: RewardRunner, cfg: Any) -> None:
+    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
+        self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
 
     def budget(self, prompt: Prompt) -> int:
@@ -80,33 +159,47 @@ class RolloutManager:
 
         return generation_budget(self.cfg, prompt, self.step)
 
-    def sampling_params(self, temperature: float, seed: int | None, max_new_tokens: int | None = None) -> dict[str, Any]:
-        """SGLang sampling parameters; `max_new_tokens`: the prompt's own budget (at most the rollout's)."""
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature of the training stream now (a stage's, else rollout.temperature)."""
+        t = self.prompts.temperature
+        return t if t is not None else self.cfg.rollout.temperature
+
+    def group_size(self, prompt: Prompt) -> int:
+        spec = self.domains.get(prompt.domain)
+        return spec.group_size if spec is not None else self.cfg.rollout.group_size
+
+    def sampling_params(self, temperature: float, seed: int | None, max_new_tokens: int | None = None,
+                        domain: Optional[str] = None) -> dict[str, Any]:
+        """SGLang sampling parameters; `max_new_tokens`: the prompt's own budget (at most the rollout's);
+        `domain`: its top-p / top-k (else rollout.top_p / top_k)."""
         r = self.cfg.rollout
+        spec = self.domains.get(domain) if domain is not None else None
         sp: dict[str, Any] = {"temperature": temperature, "max_new_tokens": min(max_new_tokens or r.max_new_tokens,
                                                                                  r.max_new_tokens)}
         if temperature > 0:
-            sp.update(top_p=r.top_p, top_k=r.top_k)
+            sp.update(top_p=spec.top_p if spec else r.top_p, top_k=spec.top_k if spec else r.top_k)
             if seed is not None:
                 sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Prompt], n: int, temperature: float, salt: int,
+    def generate(self, prompts: Sequence[Prompt], n: Optional[int], temperature: float, salt: int,
                  train: bool = False) -> list[list[Sample]]:
-        """n completions of each prompt, scored: one group per prompt, in prompt order (`train`:
-        training rollouts, cut at the distillation horizon)."""
+        """n completions of each prompt (None: its domain's group size), scored: one group per
+        prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon)."""
         import time
 
         seed = self.cfg.train.seed
+        sizes = [n if n is not None else self.group_size(p) for p in prompts]
         reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
-                                                       self.budget(p) if train else p.max_new_tokens))
-                for p in prompts for j in range(n)]
+                                                       self.budget(p) if train else p.max_new_tokens, p.domain))
+                for p, k in zip(prompts, sizes) for j in range(k)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)
         self.last_generate_s = time.perf_counter() - start
+        owners = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         samples = []
-        for k, g in enumerate(gens):
-            p = prompts[k // n]
+        for p, g in zip(owners, gens):
             lp = list(g.output_logprobs)
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
@@ -114,21 +207,29 @@ class RolloutManager:
         start = time.perf_counter()
         self.score(samples)
         self.last_reward_s = time.perf_counter() - start
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+        ends = np.cumsum([0] + sizes)
+        return [samples[ends[i]: ends[i + 1]] for i in range(len(prompts))]
 
     def score(self, samples: list[Sample]) -> None:
-        inputs = [RewardInput(s.prompt.text, s.text, s.prompt.label, {"finish_reason": s.finish_reason}) for s in samples]
-        for s, res in zip(samples, self.rewards.score_sync(inputs, [s.group for s in samples])):
-            s.reward, s.reward_error, s.info = res.reward, res.error, dict(res.info)
+        self.rewards.score_sync(samples)
 
-    def collect(self) -> tuple[list[list[Sample]], RolloutStats]:
-        """One rollout batch: `prompts_per_step` groups of `group_size` (dynamic sampling: groups
-        with non-constant rewards, possibly fewer when the round budget runs out)."""
+    def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
+        groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True)
+        self.prompts.observe(groups)  # per-prompt accuracy, for POLARIS's stage filter
+        return groups
+
+    def collect(self, step: Optional[int] = None) -> tuple[list[list[Sample]], RolloutStats]:
+        """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
+        sampling: groups with non-constant rewards, possibly fewer when the round budget runs out).
+        `step`: the training step, which picks the mixture's stage."""
         r, ds = self.cfg.rollout, self.cfg.algorithm.dynamic_sampling
+        if step is not None:
+            self.prompts.set_step(step)
+            self.step = step
         stats = RolloutStats()
         if not ds.enabled:
             prompts = self.prompts.take(r.prompts_per_step)
-            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN, train=True)
+            groups = self._train_groups(prompts)
             stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
             return groups, stats
@@ -137,7 +238,7 @@ class RolloutManager:
         groups: list[list[Sample]] = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
-            groups = self.generate(prompts, r.group_size, r.temperature, SALT_TRAIN, train=True)
+            groups = self._train_groups(prompts)
             refill.add(groups, [[s.reward for s in g] for g in groups])
             stats.prompts_drawn += len(prompts)
             stats.seconds_generate += self.last_generate_s
@@ -151,10 +252,29 @@ class RolloutManager:
         return batch, stats
 
 
-def reward_metrics(groups: list[list[Sample]], prefix: str = "reward") -> dict[str, float]:
+def reward_metrics(groups: list[list[Sample]], prefix: str = "reward", per_domain: bool = False) -> dict[str, float]:
+    """Reward and response-length statistics of a batch; `per_domain`: also by domain
+    (`reward/<domain>/mean`, `reward/<domain>/<head>`, `response/<domain>/length_mean`, ...)."""
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
+    out = _reward_stats(groups, prefix)
+    if per_domain:
+        for d in sorted({s.prompt.domain for s in samples}):
+            mine = [g for g in groups if g and g[0].prompt.domain == d]
+            for key, value in _reward_stats(mine, prefix).items():
+                head, _, leaf = key.partition("/")
+                out[f"{head}/{d}/{leaf}"] = value
+            flat_samples = [s for g in mine for s in g]
+            out[f"rollout/{d}/samples"] = float(len(flat_samples))
+            for name in flat_samples[0].reward_heads:
+                vals = [s.reward_heads[name] for s in flat_samples if name in s.reward_heads]
+                out[f"{prefix}/{d}/head/{name}"] = float(np.mean(vals))
+    return out
+
+
+def _reward_stats(groups: list[list[Sample]], prefix: str) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
     lengths = np.array([len(s.response_ids) for s in samples], dtype=np.float64)
     flat = [np.std([s.reward for s in g]) == 0 for g in groups if g]

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutBackend(Protocol):
-    """What the scheduler needs from the world: prompts, engines, rewards."""
+    """What the scheduler needs from the world: prompts, engines, rewards. A backend may also have
+    `group_size(prompt) -> int` (a multi-domain run: each domain's group size; else `cfg.group_size`)."""
 
     def take_prompt(self) -> Prompt: ...
 
@@ -208,7 +209,7 @@ class RolloutScheduler:
     async def _run_group(self, job: _Job) -> None:
         """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
         try:
-            parts = await asyncio.gather(*(self._run_sample(job.prompt, j) for j in range(self.cfg.group_size)))
+            parts = await asyncio.gather(*(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt))))
             group = [self._sample(job.prompt, p) for p in parts]
             for x in group:
                 x.info["regenerations"] = job.regenerations
@@ -233,6 +234,11 @@ class RolloutScheduler:
                 self.buffer.append(group)
                 self.buffer.sort(key=lambda g: g[0].prompt.index)
         await self._notify()
+
+    def _group_size(self, prompt: Prompt) -> int:
+        """The prompt's domain's group size when the backend has one per domain, else the config's."""
+        per_domain = getattr(self.backend, "group_size", None)
+        return per_domain(prompt) if per_domain is not None else self.cfg.group_size
 
     def _fail(self, job: _Job, reason: str) -> None:
         self.running.pop(job.prompt.index, None)

@@ -107,6 +107,18 @@ def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor) -> torch.Ten
     return rewards
 
 
+def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor,
+                            mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`mismatch_metrics` over each domain's samples: `mismatch/<domain>/k3`, `.../abs_logp_diff`."""
+    out = {}
+    domains = [s.prompt.domain for s in samples]
+    for d in sorted(set(domains)):
+        rows = torch.tensor([x == d for x in domains], dtype=mask.dtype)[:, None]
+        for key, v in mismatch_metrics(old, rollout_logp, mask * rows).items():
+            out[key.replace("mismatch/", f"mismatch/{d}/", 1)] = v
+    return out
+
+
 class Learner:
     """Policy-update side of the loop, around megatron-core model chunks and their optimizer."""
 
@@ -205,6 +217,8 @@ class Learner:
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
+        if self.cfg.data.domains:  # a multi-domain run: the mismatch of each domain's samples too
+            mm.update(domain_mismatch_metrics(samples, old, view.rollout_logp, view.mask))
         metrics.update({k: float(v) for k, v in mm.items()})
         metrics["entropy/mean"] = float(masked_mean(entropy, view.mask))
         metrics["advantage/abs_mean"] = float(advantages.abs().mean())

@@ -1,0 +1,91 @@
+"""reasoning-gym (`reasoning-gym==0.1.25`) as tasks: any of its 100+ procedural generators, scored
+by the generator's own `score_answer`.
+
+`get_task("reasoning_gym", dataset="chain_sum", **options)` builds one (options are the dataset's
+config fields, e.g. `min_terms`); a domain names it as `reasoning_gym: chain_sum`. The RL label of
+a prompt is the generator's whole entry (question, answer, metadata), which is what the scorer
+reads; the reward "reasoning_gym" runs that scorer in the reward workers, on the completion's
+`<answer>...</answer>` when it has one, else on the whole completion (stop markers cut). The
+package is imported only when a reasoning-gym task is built or scored (it takes about a second).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Callable
+
+from mcore_rl.data.tasks import register_task
+from mcore_rl.rewards import RewardInput, register_reward
+
+STOPS = ("<|endoftext|>", "<|im_end|>", "</s>")
+
+
+def dataset_names() -> list[str]:
+    """Every generator reasoning-gym registers."""
+    import reasoning_gym
+
+    return sorted(reasoning_gym.factory.DATASETS)
+
+
+@lru_cache(maxsize=None)
+def _scorer(dataset: str) -> Callable[[str, dict], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(dataset)
+
+
+def answer_of(completion: str) -> str:
+    """What the scorer judges: the <answer> tag's content if there is one, else the completion."""
+    from reasoning_gym.utils import extract_answer
+
+    for stop in STOPS:
+        completion = completion.split(stop, 1)[0]
+    tagged = extract_answer(completion, tag_name="answer")
+    return tagged if tagged is not None else completion.strip()
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(sample: RewardInput) -> float:
+    """The generator's own score of the completion; the label is the generator's entry."""
+    entry = sample.label
+    if not isinstance(entry, dict) or "metadata" not in entry:
+        raise ValueError("the label is not a reasoning-gym entry (a dict with 'metadata')")
+    return float(_scorer(entry["metadata"]["source_dataset"])(answer_of(sample.completion), entry))
+
+
+@register_task("reasoning_gym")
+class ReasoningGymTask:
+    """One reasoning-gym generator; `options` are its config fields (refused ones fail here)."""
+
+    name = "reasoning_gym"
+    reward = "reasoning_gym"
+
+    def __init__(self, dataset: str = "chain_sum", max_digits: int = 0, **options: Any) -> None:
+        """`max_digits` is accepted and ignored, like every task's (`data.synthetic_task`)."""
+        names = dataset_names()
+        if dataset not in names:
+            raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; available: {', '.join(names)}")
+        self.dataset, self.options = dataset, dict(options)
+        self._entries(1, 0)  # options the generator refuses fail now (TypeError / ValueError)
+
+    def _entries(self, n: int, seed: int) -> list[dict]:
+        import reasoning_gym
+
+        return list(reasoning_gym.create_dataset(self.dataset, seed=seed, size=n, **self.options))
+
+    def rl_examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
+        """(question, entry): the scorer needs the entry, not just the answer."""
+        return [(e["question"], e) for e in self._entries(n, seed)]
+
+    def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
+        return [(e["question"], str(e["answer"])) for e in self._entries(n, seed)]
+
+    def score(self, prompt: str, completion: str) -> float:
+        raise ValueError("a reasoning-gym completion is scored against its entry (the RL label): use the "
+                         "'reasoning_gym' reward")
+
+    def max_prompt_tokens(self) -> int:
+        return 0  # unknown: checked on the drawn prompts when the pools are built
+
+    def max_answer_tokens(self) -> int:
+        return 0
