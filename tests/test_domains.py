@@ -163,7 +163,38 @@ def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):
     data = recipe(tmp)
     assert "a staged temperature needs rollout.runtime=sync" in errors_of(cfg_of(tmp, data, "rollout.runtime=async"))
     data = recipe(tmp)
-    assert "init.sft_steps" in errors_of(cfg_of(tmp, data, "init.sft_steps=5"))
+    validate_rl_config(cfg_of(tmp, data, "init.sft_steps=5"), 1)  # fmt is a task: the warm start has answers
+    data["data"]["domains"] = data["data"]["domains"][:1]
+    data["data"]["mixture"] = {}
+    assert "init.sft_steps: the SFT warm start trains on the answers of task" in errors_of(
+        cfg_of(tmp, data, "init.sft_steps=5"))
+
+
+def test_sft_warm_start_examples_of_the_task_domains(tmp_path):
+    """Answers of every task domain, shared by weight, rendered like the rollouts' prompts, never a
+    held-out prompt."""
+    from mcore_rl.data.domains import build_domain_sets, sft_examples
+    from mcore_rl.data.tokenizer import load_tokenizer
+
+    tmp = str(tmp_path)
+    data = recipe(tmp)
+    data["data"]["domains"].append({"name": "add", "task": "addition", "options": {"max_digits": 2},
+                                    "template": "A:{prompt}", "weight": 3.0, "eval": {"num_prompts": 50}})
+    cfg = cfg_of(tmp, data, "init.sft_steps=5")
+    tok = load_tokenizer(None)
+    sets = build_domain_sets(cfg, tok)
+    held = {p.text for p in sets.eval_prompts}
+    examples = sft_examples(cfg, tok, 400, cfg.train.seed, held)
+    by_domain = {}
+    for ex in examples:
+        by_domain.setdefault(ex.source.split(":")[0], []).append(ex)
+    assert set(by_domain) == {"fmt", "add"}  # sum2 reads a file: its labels are not known to be answers
+    assert len(by_domain["add"]) > 2 * len(by_domain["fmt"])  # weights 3 : 1
+    assert all(ex.prompt.startswith("A:") and ex.prompt.endswith("=") for ex in by_domain["add"])
+    assert all(len(ex.response) == int(ex.prompt.split()[0]) for ex in by_domain["fmt"])
+    raw = {ex.prompt[2:] for ex in by_domain["add"]} | {ex.prompt for ex in by_domain["fmt"]}
+    assert held and not (raw & held)
+    assert [e.source for e in examples] != sorted(e.source for e in examples)  # interleaved, not domain blocks
 
 
 def test_bad_domain_files_fail_before_training(tmp_path, capsys):

@@ -30,8 +30,9 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         errors.need(not d.mixture.stages, "data.mixture.stages", "needs data.domains (the domains it mixes)")
         return
     errors.need(d.path is None, "data.path", "set data.domains or data.path, not both (a file is a domain's path)")
-    errors.need(cfg.init.sft_steps <= 0, "init.sft_steps", "the SFT warm start trains on data.synthetic_task's "
-                "answers; with data.domains start from init.checkpoint instead")
+    errors.need(cfg.init.sft_steps <= 0 or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
+                "init.sft_steps", "the SFT warm start trains on the answers of task or reasoning-gym domains, and "
+                "every domain reads a file; start from init.checkpoint instead")
     names = [dom.name for dom in d.domains]
     for i, dom in enumerate(d.domains):
         check_domain(cfg, i, dom, errors)

@@ -310,7 +310,7 @@ class InitConfig:
     """Where the policy starts: a checkpoint (model weights only), then optionally SFT on the task."""
 
     checkpoint: Optional[str] = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
-    sft_steps: int = 0  # SFT warm start on the task's prompt/answer pairs (synthetic task only)
+    sft_steps: int = 0  # SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain)
     sft_lr: float = 3e-3
     sft_min_lr: float = 3e-5
     sft_warmup_steps: int = 10

@@ -185,6 +185,34 @@ def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     return make(n, seed)
 
 
+def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Sequence[str] = ()) -> list[Any]:
+    """The SFT warm start's (rendered prompt, reference answer) pairs of a multi-domain run: about
+    `n` in all, shared by the domains' mixture weights, from every domain whose source is a task
+    or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
+    from each domain's training seed with its held-out prompts (`exclude`, raw texts) left out, so
+    the warm start never sees a prompt that evaluation scores."""
+    from mcore_rl.data.sft import SFTExample
+
+    domains = [(i, d) for i, d in enumerate(cfg.data.domains) if domain_source(d)[0] in ("task", "reasoning_gym")]
+    if not domains:
+        raise DataError("init.sft_steps: no domain has a task or reasoning-gym source to take SFT answers from")
+    total = sum(d.weight for _, d in domains)
+    drop = set(exclude)
+    out = []
+    for i, d in domains:
+        from mcore_rl.data.tasks import get_task
+
+        kind, value = domain_source(d)
+        task = get_task("reasoning_gym", dataset=value, **d.options) if kind == "reasoning_gym" else get_task(value, **d.options)
+        render = renderer(d, tokenizer) or (lambda text: text)
+        k = max(1, round(n * d.weight / total)) if total > 0 else max(1, n // len(domains))
+        for j, (prompt, answer) in enumerate(task.examples(k, seed + i * DOMAIN_SEED_STRIDE)):
+            if prompt not in drop:
+                out.append(SFTExample(render(prompt), str(answer), f"{d.name}:{j}"))
+    np.random.default_rng(seed).shuffle(out)  # domains interleaved in the packed rows
+    return out
+
+
 def hold_out(pool: list[tuple], n: int, seed: int) -> tuple[list[tuple], list[tuple]]:
     """(training, held-out): `n` distinct prompt texts (at most half the file's) held out of a
     file that has no eval file, every line with such a text leaving the training pool."""

@@ -24,8 +24,9 @@ def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) ->
 
 def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log: Callable[[str], None],
                    exclude: Collection[str] = (), log_every: Optional[int] = None) -> dict[str, float]:
-    """`init.sft_steps` SFT steps on the task; returns the last loss and the time taken.
-    Problems whose prompt is in `exclude` (the held-out evaluation set) are left out."""
+    """`init.sft_steps` SFT steps on the task (with `data.domains`: on every task domain's answers);
+    returns the last loss and the time taken. Problems whose prompt is in `exclude` (the held-out
+    evaluation set) are left out."""
     from megatron.core import parallel_state as ps
 
     from mcore_rl.data.sft import SFTBatches, build_rows, task_examples, tokenize_example
@@ -34,7 +35,12 @@ def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log:
 
     sft = cfg.sft_view(world_size)
     t, d = sft.train, sft.data
-    examples = task_examples(d.synthetic_task, d.synthetic_max_digits, d.synthetic_num_examples, t.seed, exclude)
+    if cfg.data.domains:  # every task domain's answers, shared by the mixture weights
+        from mcore_rl.data.domains import sft_examples
+
+        examples = sft_examples(cfg, tokenizer, d.synthetic_num_examples, t.seed, exclude)
+    else:
+        examples = task_examples(d.synthetic_task, d.synthetic_max_digits, d.synthetic_num_examples, t.seed, exclude)
     rows = build_rows([tokenize_example(ex, tokenizer, True) for ex in examples], t.seq_length, True, tokenizer.pad_id)
     dp = ps.get_data_parallel_world_size()
     batches = SFTBatches(rows, t.micro_batch_size, t.global_batch_size // (t.micro_batch_size * dp),
