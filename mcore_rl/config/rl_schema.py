@@ -235,6 +235,55 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DistillLossConfig:
+    """One distillation term: a function registered as kind "distill" (`mcore_rl.algos.names("distill")`)."""
+
+    name: str = ""
+    coef: float = 1.0  # advantage phase: coef x token advantage; loss phase: coef x loss
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the function
+
+
+@dataclass
+class DistillHorizonConfig:
+    """Generate and distil only the first H response tokens (POPD: growing H, TOPD: fixed H)."""
+
+    schedule: Literal["none", "fixed", "growing"] = "none"
+    rho: Optional[float] = None  # fixed: H = floor(rho x rollout.max_new_tokens) ...
+    tokens: Optional[int] = None  # ... or H in tokens
+    h0: int = 0  # growing: H_k = min(rollout.max_new_tokens, h0 + delta_h x floor(k / delta_k))
+    delta_h: int = 0
+    delta_k: int = 1
+    domains: list[str] = field(default_factory=list)  # prompts of these domains only ([] = every prompt)
+
+
+@dataclass
+class EffOPDConfig:
+    """EffOPD weight extrapolation: at rollout steps 1, 2, 4, 8, ... try W + 2k·Δ (k = 1..num_candidates)
+    on a validation set and keep the last candidate of the run whose score does not drop."""
+
+    enabled: bool = False
+    validation_prompts: int = 50  # the paper: 50 training samples (greedy, mean reward)
+    num_candidates: int = 5
+    scale: float = 2.0  # candidate k = W + scale·k·Δ
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation from the teacher scores on each sample (`Sample.teacher`).
+
+    Each entry of `losses` is looked up in the registry; advantage-phase terms are added to the
+    token advantages, loss-phase terms to the loss. `rl: false` trains on distillation alone (the
+    RL advantage is zero and only distilled tokens count); `rl: true` adds it to the RL objective.
+    Samples without teacher scores (or whose teacher failed) are not distilled."""
+
+    losses: list[DistillLossConfig] = field(default_factory=list)
+    rl: bool = True
+    top_k: int = 0  # teacher top-k entries read per position (0: none; the student's log-probs of those ids too)
+    horizon: DistillHorizonConfig = field(default_factory=DistillHorizonConfig)
+    effopd: EffOPDConfig = field(default_factory=EffOPDConfig)
+
+
+@dataclass
 class RewardConfig:
     name: str = "addition"  # registered in mcore_rl.rewards ("addition", "math", ...) or "package.module:function"
     timeout_s: float = 30.0
@@ -330,6 +379,7 @@ class RLConfig:
     data: RLDataConfig = field(default_factory=RLDataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     init: InitConfig = field(default_factory=InitConfig)

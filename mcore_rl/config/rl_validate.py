@@ -31,6 +31,7 @@ from mcore_rl.config.validate import DerivedSizes
 if TYPE_CHECKING:
     from mcore_rl.config.rl_schema import (
         AlgorithmConfig,
+        DistillConfig,
         EvalConfig,
         InitConfig,
         RewardConfig,
@@ -63,6 +64,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
@@ -304,6 +306,61 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
     for key in ("clip_low", "mask_low", "mask_high", "veto_threshold", "batch_normalize"):
         errors.need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
                     "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
+
+
+def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "") -> None:
+    """Registered distillation functions with a phase and options they accept; a horizon that cuts."""
+    import inspect
+
+    from mcore_rl.algos import registry
+
+    registered = registry.names("distill")
+    seen: set[str] = set()
+    for i, loss in enumerate(d.losses):
+        key = f"distill.losses[{i}]"
+        if not need_registered(errors, f"{key}.name", "distill function", loss.name, registered):
+            continue
+        errors.need(loss.name not in seen, f"{key}.name", f"{loss.name!r} is listed twice (its metrics share a name)")
+        seen.add(loss.name)
+        fn = registry.get("distill", loss.name)
+        errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
+                    f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
+        errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
+        params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
+                  if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            accepted = [p.name for p in params]
+            for opt in loss.options:
+                errors.need(opt in accepted, f"{key}.options.{opt}",
+                            f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}")
+    errors.need(d.top_k >= 0, "distill.top_k", f"must be >= 0 (0 = no top-k), got {d.top_k}")
+    e = d.effopd
+    if e.enabled:
+        errors.need(r.runtime == "sync", "distill.effopd.enabled", "EffOPD scores candidate weights on the engines "
+                    "between updates; it needs rollout.runtime=sync (async engines would generate training samples "
+                    "with the candidates)")
+        errors.need(mismatch_name != "mipu", "distill.effopd.enabled",
+                    "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
+        need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),
+                               ("distill.effopd.num_candidates", e.num_candidates)])
+        errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
+    errors.need(d.rl or bool(d.losses), "distill.rl", "is false (distillation alone) but distill.losses is empty: "
+                "nothing would be trained")
+    h = d.horizon
+    if h.schedule == "none":
+        return
+    errors.need(bool(d.losses), "distill.horizon.schedule", f"is {h.schedule!r} but distill.losses is empty: "
+                "the horizon cuts generation for distillation")
+    if h.schedule == "fixed":
+        errors.need((h.rho is None) != (h.tokens is None), "distill.horizon.rho",
+                    "a fixed horizon needs exactly one of distill.horizon.rho and distill.horizon.tokens")
+        errors.need(h.rho is None or 0 < h.rho <= 1, "distill.horizon.rho", f"must be in (0, 1], got {h.rho}")
+        errors.need(h.tokens is None or 1 <= h.tokens <= r.max_new_tokens, "distill.horizon.tokens",
+                    f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}], got {h.tokens}")
+    else:
+        errors.need(h.h0 >= 1, "distill.horizon.h0", f"the growing horizon starts at h0 >= 1 tokens, got {h.h0}")
+        errors.need(h.delta_h >= 0, "distill.horizon.delta_h", f"must be >= 0, got {h.delta_h}")
+        errors.need(h.delta_k >= 1, "distill.horizon.delta_k", f"must be >= 1 (steps), got {h.delta_k}")
 
 
 def check_reward(rw: RewardConfig, d: RLDataConfig, task: Optional[Task], errors: Errors) -> None:

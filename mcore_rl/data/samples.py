@@ -38,6 +38,10 @@ class TeacherScores:
     logp: list[float] = field(default_factory=list)
     topk_ids: Optional[list[list[int]]] = None
     topk_logp: Optional[list[list[float]]] = None
+    # the teacher's reference (its weights before RL) on the same tokens / the same top-k ids, for
+    # methods that distil the teacher's shift log π_T - log π_Tref (Direct-OPD); None when not asked for
+    ref_logp: Optional[list[float]] = None
+    ref_topk_logp: Optional[list[list[float]]] = None
     source: str = ""  # which teacher (engine URL, "privileged", "frozen:<version>")
     error: Optional[str] = None
 

@@ -40,7 +40,7 @@ class PoolBackend:
 
     def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
         r = self.cfg.rollout
-        budget = min(prompt.max_new_tokens or r.max_new_tokens, r.max_new_tokens) - len(prefix)
+        budget = self.manager.budget(prompt) - len(prefix)  # cut at the distillation horizon
         if budget <= 0:
             return None
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)

@@ -88,6 +88,9 @@ class RLRun:
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: Optional[list] = None
         self.mipu: Any = None
+        self.effopd: Any = None  # distill.effopd: the weight extrapolator
+        self.effopd_prompts: list = []
+        self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
         self.engines: Any = None
         self.weight_sync: Any = None
         self.manager: Any = None
@@ -143,6 +146,7 @@ class RLRun:
             from mcore_rl.train.teachers import build_teachers
 
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
+        self._build_effopd()
         self._build_engines()
         self.sync(new_version=resume is None)
 
@@ -205,6 +209,37 @@ class RLRun:
         if self._resume_common is not None and self._resume_common.get("mipu"):
             self.mipu.load_state_dict(self._resume_common["mipu"])
 
+    def _build_effopd(self) -> None:
+        """EffOPD: the anchor is the weights training starts (or resumes) from."""
+        e = self.cfg.distill.effopd
+        if not e.enabled:
+            return
+        from mcore_rl.train.effopd import WeightExtrapolator
+
+        self.effopd = WeightExtrapolator(self.chunks, self.optimizer, num_candidates=e.num_candidates, scale=e.scale)
+        self.effopd_prompts = self.val_prompts.take(e.validation_prompts)  # fixed for the run (every rank)
+
+    def effopd_step(self, step: int) -> dict[str, float]:
+        """EffOPD at `step` updates done (1, 2, 4, ...): each weights tried are synced to the engines
+        as a new version and scored there (greedy, mean reward on the fixed validation prompts); the
+        model keeps the accepted ones, which the step's usual sync then ships."""
+        from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
+
+        def evaluate() -> float:
+            self.sync(new_version=True)
+            score = None
+            if self.rank0:
+                groups = self.manager.generate(self.effopd_prompts, 1, 0.0, SALT_VALIDATION)
+                score = sum(g[0].reward for g in groups) / max(len(groups), 1)
+            return float(_broadcast(score))
+
+        start = time.perf_counter()
+        result = self.effopd.run(step, evaluate)
+        return {"effopd/accepted": float(result.accepted), "effopd/coefficient": result.coefficient,
+                "effopd/base_score": result.base_score, "effopd/candidates_scored": float(len(result.scores)),
+                "effopd/best_score": max([result.base_score] + result.scores[: result.accepted]),
+                "time/effopd_s": time.perf_counter() - start}
+
     def _build_engines(self) -> None:
         from mcore_rl.rollout.pool import build_engine_pool
         from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
@@ -249,6 +284,8 @@ class RLRun:
         from mcore_rl.runtime.rollout_manager import reward_metrics
 
         start = time.perf_counter()
+        if self.manager is not None:
+            self.manager.step = self.state.rl_step  # the distillation horizon of this step (POPD grows it)
         per_domain = bool(self.cfg.data.domains)  # a multi-domain run: metrics by domain too
         while True:
             msg: Any = None
@@ -362,6 +399,7 @@ class RLRun:
                 "mipu": self.mipu.state_dict() if self.mipu is not None else None,
                 "ledger": self.ledger.state_dict(),
                 "rollout": rollout_state,
+                "distill": self.learner.distill_state_dict() if self.learner is not None else {},
             },
         }
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
@@ -413,7 +451,9 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         run.initialise()
         if run._resume_common is not None:
             writer.resume(run.state.opt_step)
-        learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
+        learner = run.learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
+        if run._resume_common is not None and run._resume_common.get("distill"):
+            learner.load_distill_state(run._resume_common["distill"])
         st = run.state
         first_eval: Optional[dict[str, float]] = None
         if run._resume_common is None and cfg.eval.at_start:
@@ -434,9 +474,10 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 records, batch_metrics = learner.train(samples, st.rl_step)
                 train_s = time.perf_counter() - train_start
             st.samples_trained += len(samples)
+            effopd = run.effopd_step(st.rl_step + 1) if run.effopd is not None and run.effopd.due(st.rl_step + 1) else {}
             run.sync()
             extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
-                                       "rollout/weight_version": float(st.version)}
+                                       "rollout/weight_version": float(st.version), **effopd}
             if cfg.rollout.placement == "colocated" and rank0:
                 extra["time/engine_release_resume_s"] = run.released_s
             if run.mipu is not None:

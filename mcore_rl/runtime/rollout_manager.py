@@ -151,6 +151,13 @@ class RolloutManager:
     def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
         self.domains = rewards.specs
+        self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
+
+    def budget(self, prompt: Prompt) -> int:
+        """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
+        from mcore_rl.train.distillation import generation_budget
+
+        return generation_budget(self.cfg, prompt, self.step)
 
     @property
     def temperature(self) -> float:
@@ -176,15 +183,16 @@ class RolloutManager:
                 sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Prompt], n: Optional[int], temperature: float, salt: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Prompt], n: Optional[int], temperature: float, salt: int,
+                 train: bool = False) -> list[list[Sample]]:
         """n completions of each prompt (None: its domain's group size), scored: one group per
-        prompt, in prompt order."""
+        prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon)."""
         import time
 
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
-        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j), p.max_new_tokens,
-                                                       p.domain))
+        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
+                                                       self.budget(p) if train else p.max_new_tokens, p.domain))
                 for p, k in zip(prompts, sizes) for j in range(k)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)
@@ -206,7 +214,7 @@ class RolloutManager:
         self.rewards.score_sync(samples)
 
     def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
-        groups = self.generate(prompts, None, self.temperature, SALT_TRAIN)
+        groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True)
         self.prompts.observe(groups)  # per-prompt accuracy, for POLARIS's stage filter
         return groups
 
@@ -217,6 +225,7 @@ class RolloutManager:
         r, ds = self.cfg.rollout, self.cfg.algorithm.dynamic_sampling
         if step is not None:
             self.prompts.set_step(step)
+            self.step = step
         stats = RolloutStats()
         if not ds.enabled:
             prompts = self.prompts.take(r.prompts_per_step)

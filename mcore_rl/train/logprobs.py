@@ -76,18 +76,24 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         targets: torch.Tensor,
+        topk_ids: torch.Tensor,
         vocab_start: int,
         inv_temp: float,
         chunk_size: int,
         with_entropy: bool,
         group: Optional[dist.ProcessGroup],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
         acc = _acc_dtype(hidden)
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < local_vocab)
         local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
+        k = topk_ids.shape[1]
+        local_k = topk_ids - vocab_start
+        in_k = (local_k >= 0) & (local_k < local_vocab)
+        local_k = torch.where(in_k, local_k, torch.zeros_like(local_k))
+        topk_logp = torch.empty(n, k, dtype=acc, device=hidden.device)
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         entropy = torch.zeros(n, dtype=acc, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -101,6 +107,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             z.sub_(zmax[:, None])
             target_z = z.gather(1, local_t[s:e, None]).squeeze(1) * in_shard[s:e]
+            topk_z = z.gather(1, local_k[s:e]) * in_k[s:e] if k else None  # the ids in this shard
             if with_entropy:
                 ez = torch.exp(z)
                 stats = torch.stack([ez.sum(dim=-1), target_z, ez.mul_(z).sum(dim=-1)])  # Σe^z, z_y, Σe^z·z
@@ -108,22 +115,31 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             else:  # one [chunk × vocab] buffer: exponentiate in place
                 stats = torch.stack([z.exp_().sum(dim=-1), target_z])
             del z
-            _all_reduce(stats, dist.ReduceOp.SUM, group)
+            if topk_z is not None:  # one all-reduce for both: rows of stats, then the [chunk, k] block
+                rows = stats.shape[0]
+                both = torch.cat([stats.reshape(-1), topk_z.reshape(-1)])
+                _all_reduce(both, dist.ReduceOp.SUM, group)
+                stats, topk_z = both[: rows * (e - s)].view(rows, e - s), both[rows * (e - s):].view(e - s, k)
+            else:
+                _all_reduce(stats, dist.ReduceOp.SUM, group)
             log_sum = stats[0].log()
             logp[s:e] = stats[1] - log_sum
+            if topk_z is not None:
+                topk_logp[s:e] = topk_z - log_sum[:, None]
             lse[s:e] = log_sum + zmax
             if with_entropy:
                 ez_mean = stats[2] / stats[0]
                 entropy[s:e] = log_sum - ez_mean
                 mean_z[s:e] = ez_mean + zmax
-        ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z)
+        ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k)
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
-        return logp, entropy
+        return logp, entropy, topk_logp
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):  # type: ignore[override]
-        hidden, weight, local_t, in_shard, lse, mean_z = ctx.saved_tensors
+    def backward(ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],  # type: ignore[override]
+                 grad_topk: Optional[torch.Tensor]):
+        hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
         inv_temp = ctx.inv_temp
@@ -131,6 +147,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros(n, dtype=acc, device=hidden.device)
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        use_topk = grad_topk is not None and grad_topk.numel() > 0
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         rows = torch.arange(n, device=hidden.device)
@@ -140,6 +157,12 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
             gl = grad_logp[s:e].to(acc)
+            gk = None
+            if use_topk:  # d log p_v / dz_j = 1[j = v] - p_j: the -p_j parts add up with the target's
+                gk = grad_topk[s:e].to(acc) * in_k[s:e]
+                gl_all = gl + grad_topk[s:e].to(acc).sum(-1)
+            else:
+                gl_all = gl
             if use_entropy:  # z is still needed: p in a second buffer
                 p = torch.sub(z, lse[s:e, None]).exp_()
             else:
@@ -147,11 +170,13 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             if use_entropy:
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
                 ge = grad_entropy[s:e].to(acc)
-                z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl[:, None]).mul_(p).neg_()
+                z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
             else:
-                g = p.mul_(-gl[:, None])
+                g = p.mul_(-gl_all[:, None])
             g[rows[: e - s], local_t[s:e]] += gl * in_shard[s:e]
+            if gk is not None:
+                g.scatter_add_(1, local_k[s:e], gk)
             if inv_temp != 1.0:
                 g.mul_(inv_temp)
             if need_h:
@@ -161,7 +186,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             del z, p, g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def vocab_parallel_token_stats(
@@ -180,13 +205,37 @@ def vocab_parallel_token_stats(
     `tp_region`); with `tp_group=None` the shard is the whole vocabulary. Returns fp32 [n] tensors;
     the entropy is zeros (and not differentiable) when `with_entropy` is False.
     """
+    logp, ent, _ = vocab_parallel_topk_stats(hidden, weight, targets, None, temperature, chunk_size, with_entropy,
+                                             tp_group)
+    return logp, ent
+
+
+def vocab_parallel_topk_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    topk_ids: Optional[torch.Tensor],
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = True,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`vocab_parallel_token_stats` plus the log-probs of given ids per token: `topk_ids` [n, k]
+    global ids (a teacher's top-k), returned as a differentiable [n, k] tensor ([n, 0] without ids).
+
+    Each TP rank reads the logits of the ids inside its vocabulary shard (zero for the others), the
+    log-sum-exp is the vocab-parallel one the target log-prob uses, and the [n, k] block travels in
+    the same all-reduce as the per-token statistics: nothing vocabulary-sized leaves a rank.
+    """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
     vocab_start = rank * weight.shape[0]
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    ids = (torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device) if topk_ids is None
+           else topk_ids.long().reshape(hidden.shape[0], -1))
     return _VocabParallelTokenStats.apply(
-        hidden, weight, targets.long(), vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group
+        hidden, weight, targets.long(), ids, vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group
     )
 
 
@@ -201,6 +250,7 @@ class TokenStats:
 
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor]
+    topk_logprobs: Optional[torch.Tensor] = None  # [batch, seq, k] log-probs of given ids (a teacher's top-k)
 
 
 def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -257,10 +307,11 @@ def gpt_token_stats(
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
     with_entropy: bool = True,
+    topk_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor | TokenStats:
     """Run one (possibly wrapped) GPTModel chunk. On the last pipeline stage return `TokenStats`
-    for `labels` [b, s] (labels[:, t] is the token that follows position t); on other stages the
-    hidden states to send on."""
+    for `labels` [b, s] (labels[:, t] is the token that follows position t), with the log-probs of
+    `topk_ids` [b, s, k] at each position when given; on other stages the hidden states to send on."""
     from megatron.core import parallel_state
 
     gpt = unwrap_gpt(model)
@@ -270,16 +321,19 @@ def gpt_token_stats(
         return hidden
     hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
     s, b, h = hidden.shape
-    logp, ent = vocab_parallel_token_stats(
+    ids = None if topk_ids is None else topk_ids.permute(1, 0, 2).reshape(s * b, -1)  # [s·b, k], like the labels
+    logp, ent, topk = vocab_parallel_topk_stats(
         hidden.reshape(s * b, h),
         output_weight(gpt),
         labels.t().reshape(-1),
+        ids,
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
     )
-    return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None)
+    topk_out = None if topk_ids is None else topk.view(s, b, -1).permute(1, 0, 2)
+    return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None, topk_out)
 
 
 # A loss on the last stage: (batch, stats) -> (summed loss, count for the global mean, report).
@@ -298,7 +352,7 @@ def make_forward_step(
     """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
 
     Micro-batches hold `tokens`, `labels`, `position_ids` and optionally `segment_ids` (packed
-    rows) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
+    rows) and `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
     follows `calculate_per_token_loss`: it returns a *sum* and the integer count it should be
     divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
     ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
@@ -322,6 +376,7 @@ def make_forward_step(
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
+            topk_ids=batch.get("label_topk_ids"),
         )
         return out, partial(_loss, batch)
 
@@ -336,6 +391,8 @@ def _collect_loss(key_mask: str, batch: Batch, stats: TokenStats) -> tuple:
     }
     if stats.entropy is not None:
         report["entropy"] = stats.entropy.detach()
+    if stats.topk_logprobs is not None:
+        report["topk_logprobs"] = stats.topk_logprobs.detach()
     zero = (stats.logprobs * 0.0).sum()
     return zero, torch.tensor(int(mask.sum()), dtype=torch.int), report
 
@@ -351,9 +408,10 @@ def compute_token_stats(
 ) -> list[TokenStats]:
     """Forward-only log-probs (and entropy) of every micro-batch's labels, e.g. π_old or π_ref.
 
-    Returns one `TokenStats` per micro-batch, [b, s] each, on the CPU. Under PP they exist on the
-    last stage; with `all_stages` they are broadcast to the other stages too (shapes are known from
-    the micro-batches, so the broadcast needs no handshake).
+    Returns one `TokenStats` per micro-batch, [b, s] each (plus [b, s, k] top-k log-probs for
+    micro-batches with `label_topk_ids`), on the CPU. Under PP they exist on the last stage; with
+    `all_stages` they are broadcast to the other stages too (shapes are known from the
+    micro-batches, so the broadcast needs no handshake).
     """
     from megatron.core import parallel_state
 
@@ -369,21 +427,30 @@ def compute_token_stats(
     out: list[TokenStats] = []
     for i, mb in enumerate(microbatches):
         shape = mb["labels"].shape
+        k = mb["label_topk_ids"].shape[-1] if "label_topk_ids" in mb else None
         if last:
             rows = [store[i]["logprobs"]] + ([store[i]["entropy"]] if with_entropy else [])
             packed = torch.stack(rows).float()
+            topk = store[i]["topk_logprobs"].float() if k is not None else None
         else:
             packed = torch.empty((2 if with_entropy else 1, *shape), dtype=torch.float32)
+            topk = torch.empty((*shape, k), dtype=torch.float32) if k is not None else None
         if pp > 1 and all_stages:
             device = next(chunks[0].parameters()).device
-            packed = packed.to(device)
-            dist.broadcast(
-                packed,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
+            for i_t, t in enumerate([packed] + ([topk] if topk is not None else [])):
+                t = t.to(device)
+                dist.broadcast(
+                    t,
+                    src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                    group=parallel_state.get_pipeline_model_parallel_group(),
+                )
+                if i_t == 0:
+                    packed = t
+                else:
+                    topk = t
         elif not last:
             continue
         packed = packed.cpu()
-        out.append(TokenStats(packed[0], packed[1] if with_entropy else None))
+        out.append(TokenStats(packed[0], packed[1] if with_entropy else None,
+                              topk.cpu() if topk is not None else None))
     return out

@@ -10,7 +10,9 @@ the same aggregation (megatron-core divides the summed loss by one count summed 
 and DP ranks, so every term must share it).
 
 Every algorithm is looked up in `mcore_rl.algos.registry` by its config name and called with its
-kind's one signature, so nothing here branches on an algorithm's name.
+kind's one signature, so nothing here branches on an algorithm's name. Distillation terms
+(`distill.losses`, see `train.distillation`) enter the same way: advantage-phase terms once per
+batch in `prepare`, loss-phase terms per micro-batch in `loss_fn`.
 """
 
 from __future__ import annotations
@@ -24,17 +26,32 @@ import torch.distributed as dist
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
+from mcore_rl.algos.distill.base import DistillBatch
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.data.samples import Sample
+from mcore_rl.train.distillation import (
+    DistillTerm,
+    add_packed_topk,
+    batch_topk,
+    call_terms,
+    distill_terms,
+    horizon_at,
+    load_terms_state,
+    per_token,
+    teacher_view,
+    terms_state_dict,
+)
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
 from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_view, split_minibatches
 
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
+# what the model's forward reads from a micro-batch
+MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids")
 
 
 def _dp() -> tuple[int, int]:
@@ -108,6 +125,11 @@ class Learner:
     def __init__(self, cfg: Any, chunks: list, optimizer: Any, ref_chunks: Optional[list], pad_id: int) -> None:
         self.cfg, self.chunks, self.optimizer, self.ref_chunks, self.pad_id = cfg, chunks, optimizer, ref_chunks, pad_id
         self.temperature = cfg.rollout.temperature
+        self.distill: list[DistillTerm] = distill_terms(cfg)
+        self.loss_terms = [x for x in self.distill if x.phase == "loss"]
+        # metric sums of one micro-batch: tokens, LOSS_METRICS, each loss-phase term's loss, the loss count
+        self.metric_keys = LOSS_METRICS + tuple(f"distill/{x.name}/loss" for x in self.loss_terms)
+        self.step = 0
 
     # ---------------------------------------------------------------- forward-only log-probs
 
@@ -115,41 +137,67 @@ class Learner:
                        with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[N, T] log-probs (and entropy) of every sample's response tokens under `chunks`
         (default: the policy), identical on every rank."""
+        logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy)
+        return logp, entropy
+
+    def token_stats(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
+                    with_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
+                    response_mask: Optional[torch.Tensor] = None,
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """`token_logprobs` plus, with `topk_ids` [N, T, k] (and the [N, T] `response_mask`), the
+        [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits."""
         chunks = chunks or self.chunks
         t = self.cfg.train
         dp_rank, dp_size = _dp()
+        per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions)
-        model_in = [{k: v for k, v in mb.items() if k not in ("seq_index", "seq_pos")} for mb in mbs]
+                                 self.pad_id, num_positions, per_seq)
+        add_packed_topk(mbs)
+        model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
             c.eval()
         stats = compute_token_stats(chunks, model_in, self.temperature, t.logprob_chunk_size, with_entropy)
         n = len(samples)
         rows = 2 if with_entropy else 1
         full = torch.zeros(rows, n, num_positions)
+        k = 0 if topk_ids is None else topk_ids.shape[-1]
+        full_topk = torch.zeros(n, num_positions, k)
         for mb, st in zip(mbs, stats):
             if mb["seq_index"].numel() == 0:
                 continue
             full[0, mb["seq_index"]] = st.logprobs.reshape(-1)[mb["seq_pos"]]
             if with_entropy:
                 full[1, mb["seq_index"]] = st.entropy.reshape(-1)[mb["seq_pos"]]
+            if k:
+                full_topk[mb["seq_index"]] = batch_topk(st.topk_logprobs, mb["seq_pos"])
         if dp_size > 1:  # each sample lives on exactly one DP rank
             from megatron.core import parallel_state as ps
 
-            buf = full.to(_comm_device())
-            dist.all_reduce(buf, group=ps.get_data_parallel_group())
-            full = buf.cpu()
-        return full[0], (full[1] if with_entropy else None)
+            flat = torch.cat([full.reshape(-1), full_topk.reshape(-1)]).to(_comm_device())
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            flat = flat.cpu()
+            full, full_topk = flat[: full.numel()].view_as(full), flat[full.numel():].view_as(full_topk)
+        return full[0], (full[1] if with_entropy else None), (full_topk if k else None)
 
     # ---------------------------------------------------------------- the update
 
-    def prepare(self, samples: Sequence[Sample]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Everything computed once per rollout batch: π_old, π_ref, advantages, corrections."""
+    def prepare(self, samples: Sequence[Sample], step: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Everything computed once per rollout batch: π_old, π_ref, advantages, corrections, and
+        the advantage-phase distillation terms."""
         a = self.cfg.algorithm
         view = sequence_view(samples, a.drop_reward_errors)
         n, t = view.mask.shape
         start = time.perf_counter()
-        old, entropy = self.token_logprobs(samples, t, with_entropy=True)
+        teacher = None
+        if self.distill:
+            horizons = [horizon_at(self.cfg, step, s.prompt.domain) for s in samples]
+            teacher = teacher_view(samples, t, self.cfg.distill.top_k, horizons, self.cfg.model.vocab_size)
+        old_topk = None
+        if teacher is not None and teacher.topk_ids is not None:
+            old, entropy, old_topk = self.token_stats(samples, t, with_entropy=True, topk_ids=teacher.topk_ids,
+                                                      response_mask=view.mask)
+        else:
+            old, entropy = self.token_logprobs(samples, t, with_entropy=True)
         ref = None
         if self.ref_chunks is not None:
             ref, _ = self.token_logprobs(samples, t, chunks=self.ref_chunks)
@@ -181,9 +229,53 @@ class Learner:
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
                    "keep": keep.float(), "advantages": advantages.float()}
+        if teacher is not None:
+            self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, entropy, mask, rewards, step)
         if ref is not None:
             per_seq["ref_logp"] = ref
         return per_seq, metrics
+
+    def _add_distillation(self, per_seq: dict[str, torch.Tensor], metrics: dict[str, float], view: Any,
+                          teacher: Any, old: torch.Tensor, old_topk: Optional[torch.Tensor], entropy: torch.Tensor,
+                          mask: torch.Tensor, rewards: torch.Tensor, step: int) -> None:
+        """Advantage-phase terms into the advantages and the loss mask; what the loss phase needs
+        into the per-sample tensors (see `train.distillation`). `student_entropy` is π_old's in
+        both phases."""
+        d, a = self.cfg.distill, self.cfg.algorithm
+        dmask = mask * teacher.mask
+        batch = DistillBatch(
+            student_logp=old, old_logp=old, teacher_logp=teacher.logp, mask=dmask,
+            teacher_topk_logp=teacher.topk_logp, student_topk_logp=old_topk, teacher_ref_logp=teacher.ref_logp,
+            teacher_ref_topk_logp=teacher.ref_topk_logp, rewards=rewards, group_ids=view.group_ids,
+            advantages=per_seq["advantages"], step=step, student_entropy=entropy, agg=a.loss_agg,
+            norm_length=self.cfg.rollout.max_new_tokens)
+        with torch.no_grad():
+            adv, token_mask, _ = call_terms([x for x in self.distill if x.phase == "advantage"], batch, metrics)
+            # the loss-phase terms' metrics at π_old (their loss: per optimizer step); stateful ones
+            # are only called where they act
+            call_terms([x for x in self.loss_terms if x.state is None], batch, metrics)
+        token_mask = torch.ones_like(dmask) if token_mask is None else token_mask
+        distilled = dmask * token_mask
+        advantages = per_token(per_seq["advantages"], old) if d.rl else torch.zeros_like(old)
+        if adv is not None:
+            advantages = advantages + adv * dmask
+        keep = per_seq["keep"]
+        # RL + distillation: the terms' masks act on the distilled tokens only; distillation alone:
+        # only distilled tokens count
+        per_seq["keep"] = keep * torch.where(dmask > 0, token_mask, torch.ones_like(token_mask)) if d.rl \
+            else keep * distilled
+        per_seq["advantages"] = advantages.float()
+        metrics["distill/scored_frac"] = teacher.scored_frac
+        metrics["distill/tokens"] = float(distilled.sum())
+        if adv is not None:
+            metrics["distill/advantage_abs_mean"] = float(masked_mean(adv.abs(), dmask))
+        if self.loss_terms:
+            per_seq.update(teacher_logp=teacher.logp, distill_mask=distilled, response_mask=view.mask,
+                           distill_rewards=rewards.float(), distill_group_ids=view.group_ids, student_entropy=entropy)
+            for key, value in (("teacher_topk_ids", teacher.topk_ids), ("teacher_topk_logp", teacher.topk_logp),
+                               ("teacher_ref_logp", teacher.ref_logp), ("teacher_ref_topk_logp", teacher.ref_topk_logp)):
+                if value is not None:
+                    per_seq[key] = value
 
     def loss_fn(self, batch: dict[str, torch.Tensor], stats: Any) -> tuple:
         a = self.cfg.algorithm
@@ -208,18 +300,41 @@ class Learner:
             e_sum, _ = registry.get("entropy", "bonus")(ent, mask, a.entropy_coef, a.loss_agg, norm_length)
             total = total + e_sum
             vals["entropy/loss"] = (ent.detach() * mask).sum()
+        for term in self.loss_terms:
+            vals[f"distill/{term.name}/loss"] = torch.zeros(())
+        if self.loss_terms and logp.numel():
+            db = DistillBatch(
+                student_logp=logp, old_logp=batch["old_logp"], teacher_logp=batch["teacher_logp"],
+                mask=batch["distill_mask"], teacher_topk_logp=batch.get("teacher_topk_logp"),
+                student_topk_logp=batch_topk(stats.topk_logprobs, pos), teacher_ref_logp=batch.get("teacher_ref_logp"),
+                teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"), rewards=batch["distill_rewards"],
+                group_ids=batch["distill_group_ids"], advantages=batch["advantages"], step=self.step,
+                student_entropy=batch["student_entropy"], agg=a.loss_agg, norm_length=norm_length)
+            for term in self.loss_terms:
+                terms = term(db)
+                total = total + term.coef * terms.loss_sum
+                vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),
-            "metric_sums": torch.stack([tokens.float()] + [vals[k].float().reshape(()) for k in LOSS_METRICS]),
+            "metric_sums": torch.stack([tokens.float()] + [vals[k].float().reshape(()) for k in self.metric_keys]
+                                       + [out.count.detach().float().reshape(())]),
         }
         return total, count, report
+
+    def distill_state_dict(self) -> dict[str, Any]:
+        """The stateful distillation terms' states (checkpointed with the run)."""
+        return terms_state_dict(self.distill)
+
+    def load_distill_state(self, state: dict[str, Any]) -> None:
+        load_terms_state(self.distill, state)
 
     def train(self, samples: Sequence[Sample], step: int) -> tuple[list[dict[str, float]], dict[str, float]]:
         """All optimizer steps of one rollout batch. Returns one metrics dict per optimizer step and
         the batch-level metrics."""
         a, t = self.cfg.algorithm, self.cfg.train
-        per_seq, batch_metrics = self.prepare(samples)
+        per_seq, batch_metrics = self.prepare(samples, step)
+        self.step = step
         dp_rank, dp_size = _dp()
         num_positions = per_seq["old_logp"].shape[1]
         records = []
@@ -228,12 +343,13 @@ class Learner:
                 start = time.perf_counter()
                 mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
                                          self.pad_id, num_positions, per_seq)
+                add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
                 store: list[dict[str, Any]] = []
                 step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
                                             with_entropy=a.entropy_coef > 0, store=store)
                 for c in self.chunks:
                     c.train()
-                sums = torch.zeros(1 + len(LOSS_METRICS), dtype=torch.float64)
+                sums = torch.zeros(2 + len(self.metric_keys), dtype=torch.float64)
                 kept = float(per_seq["keep"][part].sum())
                 if kept == 0:  # nothing to learn from (every token masked): no step
                     records.append({"train/skipped": 1.0})
@@ -247,7 +363,7 @@ class Learner:
                 rec = {"train/loss": result["loss"], "train/grad_norm": float(opt["grad_norm"]), "train/lr": float(opt["lr"]),
                        "train/skipped": float(opt["skipped"]), "train/tokens": float(sums[0]),
                        "time/train_step_s": time.perf_counter() - start}
-                for k, v in zip(LOSS_METRICS, sums[1:].tolist()):
-                    rec[k] = v / tokens
+                for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
+                    rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
                 records.append(rec)
         return records, batch_metrics

@@ -7,11 +7,16 @@ no gradient), a differentiable loss term (computed per micro-batch), and/or a to
 learner adds whatever a registered function returns; nothing there branches on a method's name.
 """
 
-from mcore_rl.algos.distill import (  # noqa: F401  (distill-A: imported for their registrations)
+from mcore_rl.algos.distill import (  # noqa: F401  (imported for their registrations)
     antisd,
+    direct_opd,
     effopd,
+    popd,
+    power_opd,
+    reverse_kl,
     rlrt,
     sdar,
+    seed,
     stepopsd,
     tropd,
 )

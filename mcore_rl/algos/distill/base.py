@@ -39,6 +39,9 @@ class DistillBatch:
     mask: torch.Tensor  # [n, T] float, 1 on response tokens that count (teacher scored, sample usable)
     teacher_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] teacher log-probs of its top-k ids
     student_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] student log-probs of the same ids
+    # a reference teacher (the teacher before its RL, for methods that distil the teacher's shift)
+    teacher_ref_logp: Optional[torch.Tensor] = None  # [n, T]
+    teacher_ref_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] at the teacher's top-k ids
     rewards: Optional[torch.Tensor] = None  # [n] scalar rewards (for gated methods)
     group_ids: Optional[torch.Tensor] = None  # [n]
     advantages: Optional[torch.Tensor] = None  # [n] or [n, T]: the RL advantage (before distillation)
