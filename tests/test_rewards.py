@@ -388,5 +388,5 @@ def test_addition_reward() -> None:
 def test_get_reward_fn() -> None:
     assert get_reward_fn("addition") is addition_reward
     assert get_reward_fn("tests.test_rewards:_length_reward") is _length_reward
-    with pytest.raises(KeyError, match="addition, math"):
+    with pytest.raises(KeyError, match="registered: addition, .*math"):
         get_reward_fn("nope")
