@@ -106,6 +106,23 @@ def test_preference_pairs_never_use_the_middle() -> None:
     assert not used & {i for i, s in enumerate(scores) if 0 < s <= 0.5}
 
 
+def test_dpo_loss_is_log_2_at_the_reference_and_moves_chosen_up_rejected_down() -> None:
+    import math
+
+    import torch
+
+    from mcore_rl.algos import get
+
+    dpo = get("preference", "dpo")
+    logp = torch.tensor([-3.0, -7.5, -1.2])
+    loss = dpo(logp, logp - 1, logp, logp - 1, beta=0.5)
+    assert torch.allclose(loss, torch.full((3,), math.log(2)))
+    chosen = torch.tensor([-2.0, -4.0], requires_grad=True)
+    rejected = torch.tensor([-3.0, -1.0], requires_grad=True)
+    dpo(chosen, rejected, torch.tensor([-2.5, -3.0]), torch.tensor([-2.0, -2.0]), beta=0.1).sum().backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()  # descent raises log π(y_w), lowers log π(y_l)
+
+
 def test_verification_functions_run_in_the_sandbox() -> None:
     functions = [
         "def evaluate(response):\n    return len(response.split()) <= 5",

@@ -535,6 +535,7 @@ if __name__ == "__main__":
 
 # ================================================================================= parent side
 
+import functools  # noqa: E402
 import logging  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
@@ -593,6 +594,7 @@ class SandboxResult:
         return b"MemoryError" in self.stderr[-4096:] or self.signal in ("SIGSEGV", "SIGABRT", "SIGBUS")
 
 
+@functools.lru_cache(maxsize=1)
 def _ro_paths() -> tuple[list[str], list[str]]:
     """What the program may read: the system's libraries and binaries, and this interpreter's
     standard library (its site-packages hidden)."""
@@ -642,7 +644,7 @@ def run_python(
 
 def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes, limits: Limits,
          isolation: str) -> SandboxResult:
-    ro, hidden = _ro_paths()
+    ro, hidden = map(list, _ro_paths())
     os.chmod(base, 0o711)  # traversable by the program's uid (to mount its root on base/root), not listable
     os.mkdir(os.path.join(base, "root"), 0o755)
     os.mkdir(os.path.join(base, "files"), 0o700)
