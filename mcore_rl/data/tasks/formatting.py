@@ -11,6 +11,10 @@ One to three words from a 16-word vocabulary; answers of at most 19 bytes. The p
 constraints (`constraints_for`): the format's own (case, bullet count, JSON array, quotes), the
 words (all present: `include`) and their number. The reward "formatting" is the fraction satisfied,
 so a response with the right words in the wrong format earns part of it; `score` is all-or-nothing.
+
+Difficulty (`tools/task_learnability.py formatting --steps 50 100 300`, the stand-in of tiny_code's
+docstring): exactly right 1% / 12% / 93% of the time after 50 / 100 / 300 SFT steps, mean reward
+0.27 / 0.69 / 0.98 (the words come before the formats).
 """
 
 from __future__ import annotations

@@ -7,7 +7,12 @@ The reward "tiny_code" runs the completion (its first line, stop markers cut) as
 the sandbox against unit tests at five points (`assert f(-3) == -8`, ...): reward = the fraction
 that pass, so a near miss (right slope, wrong offset) still earns something. Any program that
 computes f passes (`lambda x:1+3*x`, `lambda x:x*3+1`); one that hangs or forks costs its sample.
-`score` is all-or-nothing. About 180 distinct problems: SFT learns them in a few hundred steps.
+`score` is all-or-nothing. 178 distinct problems.
+
+Difficulty (`tools/task_learnability.py tiny_code --steps 50 100 300`: a plain-torch stand-in of the
+demo shape, 2 layers, 64 wide, byte-level, 32 examples per step, greedy on 100 new draws): 6% of the
+answers pass every test after 50 SFT steps, 78% after 100, 100% after 300. So an SFT warm start of
+50-100 steps leaves RL or distillation room to improve.
 """
 
 from __future__ import annotations
