@@ -368,3 +368,17 @@ def test_hostile_samples_cost_their_own_sample_in_the_reward_workers() -> None:
     assert rewards[3] == 0.0 and kinds[3] == "output"
     assert rewards[4] == 0.5 and kinds[4] == "wrong"
     assert kinds[1] in ("pass", "error")  # its kill reached nothing outside the sandbox
+
+
+def test_a_reward_worker_killed_at_its_timeout_takes_its_sandbox_with_it() -> None:
+    """The worker is SIGKILLed (its process group: not the sandbox's); PR_SET_PDEATHSIG ends the rest."""
+    label = {"tests": ["assert True"], "limits": {"wall_s": 60, "cpu_s": 60}}
+    before = set(_leftovers("mcore-sandbox-"))
+    with RewardRunner(RewardFunction(code_reward, timeout_s=1.5), max_concurrency=1) as runner:
+        runner.start(wait_ready=True)
+        results = runner.score_sync([RewardInput("p", "import time\ntime.sleep(60)", label)])
+    assert results[0].error is not None and "timeout" in results[0].error
+    deadline = time.monotonic() + 2
+    while set(_leftovers("mcore-sandbox-")) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(_leftovers("mcore-sandbox-")) - before == set()

@@ -318,6 +318,9 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
         if not mech["stdlib"]:  # e.g. Python under /root, seen without a private root by another uid
             warnings.append(f"the standard library ({os.path.dirname(os.__file__)}) is not readable by the "
                             "program's uid: it can import only modules already loaded")
+        # a change of uid clears PR_SET_PDEATHSIG: ask again (a bootstrap that died in between is seen
+        # below, when the report cannot be written)
+        k.prctl(1, 9, "PR_SET_PDEATHSIG")
         try:
             k.drop_capabilities()
             mech["capabilities"] = "none"
@@ -338,7 +341,7 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
         for fd in (stdin_fd, results_fd):
             if fd > _RESULTS_FD:
                 os.close(fd)
-        os.write(report_w, json.dumps({"mechanisms": mech, "warnings": warnings}).encode())
+        os.write(report_w, json.dumps({"mechanisms": mech, "warnings": warnings}).encode())  # EPIPE: it died
         os.close(report_w)
         os.closerange(_RESULTS_FD + 1, 1 << 16)
     except BaseException as exc:  # noqa: BLE001 - the set-up failed: report it, run nothing
@@ -484,6 +487,9 @@ def _bootstrap(argv: list[str]) -> None:
     stdin_fd = os.open(os.path.join(base, "stdin"), os.O_RDONLY)
     mech: dict = {}
     warnings = _enter_namespaces(k, job["isolation"], mech, uid, open_ro_paths)
+    k.prctl(1, signal.SIGKILL, "PR_SET_PDEATHSIG")  # again: becoming a user namespace's root cleared it
+    if os.getppid() != parent:
+        os._exit(125)
     report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:
