@@ -112,6 +112,30 @@ def test_memory_hogs_get_memory_errors(mode: str) -> None:
     assert grow.memory_error and grow.max_rss_mb <= FAST.memory_mb + 16
 
 
+@pytest.mark.skipif(not MECH.get("cgroup_memory"), reason="no memory cgroup here (needs root and cgroup v1)")
+def test_forked_memory_hogs_are_bounded_together() -> None:
+    """Six processes of 150 MiB each, each within its own 256 MiB address space: together past the
+    run's cgroup limit, so the OOM killer takes some of them, and the run's cgroup is gone after."""
+    hog = """
+import os, time
+kids = []
+for i in range(6):
+    pid = os.fork()
+    if pid == 0:
+        x = bytearray(150 << 20)
+        for j in range(0, len(x), 4096):
+            x[j] = 1
+        time.sleep(1)
+        os._exit(0)
+    kids.append(pid)
+print([os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids])
+"""
+    res = run_python(hog, limits=Limits(memory_mb=256, file_size_mb=8, wall_s=10, cpu_s=10))
+    assert res.oom_killed and res.memory_error
+    assert -9 in json.loads(res.stdout)  # SIGKILLed by the OOM killer, not all of them
+    assert not [d for d in os.listdir("/sys/fs/cgroup/memory/mcore-rl-sandbox") if d.startswith(f"{os.getpid()}-")]
+
+
 def test_infinite_loops_stop_at_the_cpu_and_the_wall_limit() -> None:
     spin = run_python("while True:\n    pass", limits=Limits(cpu_s=1, wall_s=10))
     assert spin.status == "timeout" and "CPU" in spin.error and spin.wall_s < 8
@@ -382,3 +406,8 @@ def test_a_reward_worker_killed_at_its_timeout_takes_its_sandbox_with_it() -> No
     while set(_leftovers("mcore-sandbox-")) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(_leftovers("mcore-sandbox-")) - before == set()
+    if MECH.get("cgroup_memory"):  # the dead worker's cgroup goes with the next run
+        run_python("pass")
+        top = "/sys/fs/cgroup/memory/mcore-rl-sandbox"
+        owners = [d.split("-", 1)[0] for d in os.listdir(top) if os.path.isdir(os.path.join(top, d))]
+        assert all(os.path.exists(f"/proc/{pid}") for pid in owners), owners

@@ -485,7 +485,14 @@ def _bootstrap(argv: list[str]) -> None:
                              for path in job["ro_paths"] if os.path.islink(path) or os.path.isdir(path)]
 
     stdin_fd = os.open(os.path.join(base, "stdin"), os.O_RDONLY)
-    mech: dict = {}
+    mech: dict = {"cgroup_memory": False}
+    if job.get("cgroup"):
+        try:  # everything it forks from now on is charged to (and killable through) the run's cgroup
+            with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            mech["cgroup_memory"] = True
+        except OSError:
+            pass
     warnings = _enter_namespaces(k, job["isolation"], mech, uid, open_ro_paths)
     k.prctl(1, signal.SIGKILL, "PR_SET_PDEATHSIG")  # again: becoming a user namespace's root cleared it
     if os.getppid() != parent:
@@ -558,7 +565,9 @@ _WARNED: set[str] = set()
 
 @dataclass(frozen=True)
 class Limits:
-    """What one run may use. `file_size_mb` caps each file and, with a private root, the whole
+    """What one run may use. `memory_mb` caps each process's address space and, where a memory
+    cgroup can be made (root), the resident memory of all the run's processes together (plus its
+    working directory's tmpfs); `file_size_mb` caps each file and, with a private root, the whole
     working directory (a tmpfs of that size); `output_bytes` caps stdout and stderr each."""
 
     cpu_s: float = 5.0
@@ -589,6 +598,7 @@ class SandboxResult:
     max_rss_mb: float = 0.0
     mechanisms: dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
+    oom_killed: bool = False  # the kernel killed a process of the run at its cgroup's memory limit
 
     @property
     def ok(self) -> bool:
@@ -596,8 +606,10 @@ class SandboxResult:
 
     @property
     def memory_error(self) -> bool:
-        """The program ran out of its memory limit (Python's MemoryError, or C code that crashed on it)."""
-        return b"MemoryError" in self.stderr[-4096:] or self.signal in ("SIGSEGV", "SIGABRT", "SIGBUS")
+        """The program ran out of its memory limit (Python's MemoryError, C code that crashed on it,
+        or the OOM killer at the run's cgroup limit)."""
+        return (self.oom_killed or b"MemoryError" in self.stderr[-4096:]
+                or self.signal in ("SIGSEGV", "SIGABRT", "SIGBUS"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -654,9 +666,6 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
     os.chmod(base, 0o711)  # traversable by the program's uid (to mount its root on base/root), not listable
     os.mkdir(os.path.join(base, "root"), 0o755)
     os.mkdir(os.path.join(base, "files"), 0o700)
-    with open(os.open(os.path.join(base, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        json.dump({"source": source, "limits": asdict(limits), "isolation": isolation, "ro_paths": ro,
-                   "hidden_paths": hidden}, f)
     with open(os.open(os.path.join(base, "stdin"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
         f.write(stdin)
     for rel, content in files.items():
@@ -666,6 +675,106 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(content.encode() if isinstance(content, str) else content)
+    cgroup = _make_cgroup(os.path.basename(base), limits)
+    try:
+        with open(os.open(os.path.join(base, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            json.dump({"source": source, "limits": asdict(limits), "isolation": isolation, "ro_paths": ro,
+                       "hidden_paths": hidden, "cgroup": cgroup}, f)
+        return _launch(base, limits, cgroup)
+    finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def _make_cgroup(name: str, limits: Limits) -> Optional[str]:
+    """A cgroup-v1 memory cgroup for one run (root only; None where it cannot be made: the rlimits
+    alone then bound memory, per process)."""
+    if os.geteuid() != 0 or not os.path.isdir(_CGROUP_ROOT):
+        _warn_once("no memory cgroup (needs root and cgroup v1's memory controller): memory is bounded per "
+                   "process only")
+        return None
+    parent = os.path.join(_CGROUP_ROOT, "mcore-rl-sandbox")
+    _remove_orphan_cgroups(parent)
+    path = os.path.join(parent, f"{os.getpid()}-{name}")  # the owner's pid: see `_remove_orphan_cgroups`
+    try:
+        os.makedirs(path)
+        cap = (limits.memory_mb + limits.file_size_mb) << 20
+        for knob in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+            if os.path.exists(os.path.join(path, knob)):
+                with open(os.path.join(path, knob), "w") as f:
+                    f.write(str(cap))
+    except OSError as exc:
+        _warn_once(f"no memory cgroup ({exc}): memory is bounded per process only")
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+        return None
+    return path
+
+
+def _remove_orphan_cgroups(parent: str) -> None:
+    """Remove the cgroups of runs whose owner died before it could (a reward worker killed at its
+    timeout): their processes died with it, the empty cgroup stays."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        owner = name.split("-", 1)[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _remove_cgroup(os.path.join(parent, name))
+
+
+def _remove_cgroup(path: str) -> None:
+    """SIGKILL whatever is still in the run's cgroup, then remove it."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            pids = []
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            logger.warning("sandbox: processes %s of %s did not die", pids, path)
+            return
+        time.sleep(0.01)
+    try:
+        os.rmdir(path)
+    except OSError as exc:
+        logger.warning("sandbox: could not remove %s: %s", path, exc)
+
+
+def _oom_kills(path: Optional[str]) -> int:
+    if path is None:
+        return 0
+    try:
+        with open(os.path.join(path, "memory.oom_control")) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("sandbox: %s", message)
+
+
+def _launch(base: str, limits: Limits, cgroup: Optional[str]) -> SandboxResult:
     ctl_r, ctl_w = os.pipe()
     res_r, res_w = os.pipe()
     start = time.monotonic()
@@ -724,6 +833,9 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
         proc.stderr.close()
     res = _result(killed, bytes(data["ctl"]), bytes(data["stdout"]), bytes(data["stderr"]),
                    bytes(data["results"]), time.monotonic() - start, limits)
+    res.oom_killed = _oom_kills(cgroup) > 0
+    if res.oom_killed and res.status == "signal":
+        res.error = f"killed at the {limits.memory_mb + limits.file_size_mb} MiB memory limit of the run"
     if res.mechanisms.get("pid_ns") is False and res.mechanisms.get("uid") == "own":
         _kill_uid_processes(_UID_BASE + proc.pid)  # no PID namespace: what it left may have left the group
     return res
@@ -766,9 +878,7 @@ def _result(killed: Optional[str], ctl: bytes, stdout: bytes, stderr: bytes, res
         except ValueError:
             report.setdefault("setup_error", f"unreadable report from the sandbox: {line[:200]!r}")
     for warning in report.get("warnings", []):
-        if warning not in _WARNED:
-            _WARNED.add(warning)
-            logger.warning("sandbox: %s", warning)
+        _warn_once(warning)
     res = SandboxResult("exited", stdout=stdout, stderr=stderr, results=results, wall_s=wall,
                         cpu_s=float(report.get("cpu_s", 0.0)), max_rss_mb=report.get("max_rss_kb", 0) / 1024,
                         mechanisms=report.get("mechanisms", {}))
