@@ -70,6 +70,10 @@ def test_code_rewards_are_registered_and_read_their_label() -> None:
     assert get_reward_fn("code")(RewardInput("p", half, label))["reward"] == 0.5
     assert get_reward_fn("code")(RewardInput("p", half, dict(label, mode="all")))["reward"] == 0.0
     assert get_reward_fn("code_all")(RewardInput("p", half, label))["reward"] == 0.0
+    assert get_reward_fn("code")(RewardInput("p", half, label), mode="all")["reward"] == 0.0  # a head's options
+    slow = get_reward_fn("code")(RewardInput("p", "lambda x: __import__('time').sleep(5)", label), limits={"wall_s": 1})
+    assert slow["kind"] == "timeout"
+    assert get_reward_fn("tiny_code")(RewardInput("f(x)=3x", "lambda x:x*0"), mode="all")["reward"] == 0.0
     with_setup = {"tests": TESTS, "setup": "g = lambda x: 3*x+1\n"}
     assert get_reward_fn("code")(RewardInput("p", "def f(x):\n    return g(x)", with_setup))["reward"] == 1.0
     with pytest.raises(ValueError, match="tests"):

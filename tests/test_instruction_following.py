@@ -1,11 +1,11 @@
-"""Instruction-following verifiers, the AutoIF filters and reward, and the formatting task."""
+"""Instruction-following verifiers, the AutoIF filters and reward, and the word_format task."""
 
 from __future__ import annotations
 
 import pytest
 
 from mcore_rl.data.tasks import get_task
-from mcore_rl.data.tasks.formatting import FORMATS, constraints_for, format_example
+from mcore_rl.data.tasks.word_format import FORMATS, constraints_for, format_example
 from mcore_rl.rewards import RewardInput, get_reward_fn
 from mcore_rl.rewards.instruction_following import (check, count_sentences, cross_validate, keep_response,
                                                     preference_pairs, response_score, run_verifiers, satisfied)
@@ -71,6 +71,7 @@ def test_instruction_following_reward_fraction_or_all() -> None:
     assert out["reward"] == 0.5 and out["failed"] == ["no_commas", "ends_with"]
     assert fn(RewardInput("p", "the cat sat!", {"constraints": constraints, "mode": "all"}))["reward"] == 1.0
     assert fn(RewardInput("p", "the cat sat", {"constraints": constraints, "mode": "all"}))["reward"] == 0.0
+    assert fn(RewardInput("p", "the cat sat", constraints), mode="all")["reward"] == 0.0  # a head's option
     with pytest.raises(ValueError):
         fn(RewardInput("p", "x", {"rules": []}))
 
@@ -140,11 +141,11 @@ def test_verification_functions_run_in_the_sandbox() -> None:
     assert satisfied("hi", [{"type": "python", "code": functions[0]}, {"type": "chars", "max": 1}]) == [True, False]
 
 
-# --------------------------------------------------------------------------------- formatting
+# -------------------------------------------------------------------------------- word_format
 
 
-def test_formatting_task_answers_satisfy_their_prompts_and_near_misses_score_partly() -> None:
-    task = get_task("formatting")
+def test_word_format_task_answers_satisfy_their_prompts_and_near_misses_score_partly() -> None:
+    task = get_task("word_format")
     fn = get_reward_fn(task.reward)
     for prompt, answer in task.examples(60, seed=0):
         assert len(prompt) <= task.max_prompt_tokens() and len(answer) < task.max_answer_tokens() <= 21
@@ -152,9 +153,10 @@ def test_formatting_task_answers_satisfy_their_prompts_and_near_misses_score_par
     assert {p.split(":")[0] for p, _ in task.examples(60, seed=0)} == set(FORMATS)
     near = fn(RewardInput("up:cat dog", "cat dog"))  # right words, wrong case
     assert 0 < near["reward"] < 1 and near["failed"] == ["case"]
+    assert fn(RewardInput("up:cat dog", "cat dog"), mode="all")["reward"] == 0.0
     assert fn(RewardInput("list:cat dog", "- cat\n- dog\n- sun"))["reward"] < 1
     assert fn(RewardInput("json:cat", '["cat"'))["failed"] == ["json"]
     ex = format_example("quote", ["owl", "fig"])
     assert ex == {"prompt": "quote:owl fig", "response": '"owl fig"'}
-    with pytest.raises(ValueError, match="formatting prompt"):
+    with pytest.raises(ValueError, match="word_format prompt"):
         constraints_for("shout:cat")

@@ -169,20 +169,20 @@ def score_completion(completion: str, tests: Sequence[str], *, mode: str = "frac
 
 
 @register_reward("code")
-def code_reward(sample: RewardInput) -> dict[str, Any]:
+def code_reward(sample: RewardInput, mode: Optional[str] = None,
+                limits: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Label: {"tests": [code, ...], "mode": "fraction" | "all", "setup": code run first,
     "template": "... {program} ..." (the program is substituted), "limits": {Limits field: value},
-    "files": {relative path: text}}."""
+    "files": {relative path: text}}. The options (a reward head's `options`) `mode` and `limits`
+    override the label's."""
     label = _label(sample)
-    return score_completion(sample.completion, label["tests"], mode=label.get("mode", "fraction"),
+    return score_completion(sample.completion, label["tests"], mode=mode or label.get("mode", "fraction"),
                             setup=label.get("setup", ""), template=label.get("template", "{program}"),
-                            limits=limits_of(label.get("limits")), files=label.get("files"))
+                            limits=limits_of({**(label.get("limits") or {}), **(limits or {})}),
+                            files=label.get("files"))
 
 
 @register_reward("code_all")
-def code_all_reward(sample: RewardInput) -> dict[str, Any]:
+def code_all_reward(sample: RewardInput, limits: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """`code` with `mode: "all"` whatever the label says: 1.0 only when every test passes."""
-    label = _label(sample)
-    return score_completion(sample.completion, label["tests"], mode="all", setup=label.get("setup", ""),
-                            template=label.get("template", "{program}"), limits=limits_of(label.get("limits")),
-                            files=label.get("files"))
+    return code_reward(sample, mode="all", limits=limits)

@@ -188,11 +188,12 @@ def _constraints_of(label: Any) -> tuple[list[dict[str, Any]], str]:
 
 
 @register_reward("instruction_following")
-def instruction_following_reward(sample: RewardInput) -> dict[str, Any]:
-    """Fraction (or all, `mode: "all"`) of the label's constraints the completion satisfies."""
-    constraints, mode = _constraints_of(sample.label)
+def instruction_following_reward(sample: RewardInput, mode: Optional[str] = None) -> dict[str, Any]:
+    """Fraction (or all, `mode: "all"`) of the label's constraints the completion satisfies; the
+    option `mode` overrides the label's."""
+    constraints, label_mode = _constraints_of(sample.label)
     verdicts = satisfied(clean(sample.completion), constraints)
-    return {"reward": score(verdicts, mode), "satisfied": sum(verdicts), "total": len(verdicts),
+    return {"reward": score(verdicts, mode or label_mode), "satisfied": sum(verdicts), "total": len(verdicts),
             "failed": [c.get("type") for c, v in zip(constraints, verdicts) if not v]}
 
 

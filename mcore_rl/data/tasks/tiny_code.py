@@ -68,10 +68,11 @@ def answer_of(completion: str) -> str:
 
 
 @register_reward("tiny_code")
-def tiny_code_reward(sample: RewardInput) -> dict[str, Any]:
-    """Fraction of the prompt's unit tests that `f = <completion>` passes, run in the sandbox."""
-    return score_completion(answer_of(sample.completion), checks_for(sample.prompt), template="f = {program}",
-                            limits=LIMITS)
+def tiny_code_reward(sample: RewardInput, mode: str = "fraction") -> dict[str, Any]:
+    """Fraction of the prompt's unit tests that `f = <completion>` passes, run in the sandbox (option
+    `mode: all`: 1.0 only when all pass)."""
+    return score_completion(answer_of(sample.completion), checks_for(sample.prompt), mode=mode,
+                            template="f = {program}", limits=LIMITS)
 
 
 @register_task("tiny_code")

@@ -1,5 +1,6 @@
-"""A synthetic formatting task with a programmatic checker built on the instruction-following
-verifiers (`mcore_rl.rewards.instruction_following`), short enough for a tiny byte-level model.
+"""word_format: a synthetic formatting task with a programmatic checker built on the
+instruction-following verifiers (`mcore_rl.rewards.instruction_following`), short enough for a
+tiny byte-level model.
 
     "up:cat dog"     -> "CAT DOG"           upper case
     "low:CAT DOG"    -> "cat dog"           lower case
@@ -9,10 +10,10 @@ verifiers (`mcore_rl.rewards.instruction_following`), short enough for a tiny by
 
 One to three words from a 16-word vocabulary; answers of at most 19 bytes. The prompt decides the
 constraints (`constraints_for`): the format's own (case, bullet count, JSON array, quotes), the
-words (all present: `include`) and their number. The reward "formatting" is the fraction satisfied,
+words (all present: `include`) and their number. The reward "word_format" is the fraction satisfied,
 so a response with the right words in the wrong format earns part of it; `score` is all-or-nothing.
 
-Difficulty (`tools/task_learnability.py formatting --steps 50 100 300`, the stand-in of tiny_code's
+Difficulty (`tools/task_learnability.py word_format --steps 50 100 300`, the stand-in of tiny_code's
 docstring): exactly right 1% / 12% / 93% of the time after 50 / 100 / 300 SFT steps, mean reward
 0.27 / 0.69 / 0.98 (the words come before the formats).
 """
@@ -51,7 +52,7 @@ def constraints_for(prompt: str) -> list[dict[str, Any]]:
     fmt, sep, rest = prompt.strip().partition(":")
     words = rest.lower().split()
     if not sep or fmt not in FORMATS or not words:
-        raise ValueError(f"not a formatting prompt: {prompt!r}")
+        raise ValueError(f"not a word_format prompt: {prompt!r}")
     n = len(words)
     own = {
         "up": [{"type": "case", "case": "upper"}],
@@ -63,22 +64,22 @@ def constraints_for(prompt: str) -> list[dict[str, Any]]:
     return own + [{"type": "include", "words": words}, {"type": "words", "count": n}]
 
 
-@register_reward("formatting")
-def formatting_reward(sample: RewardInput) -> dict[str, Any]:
-    """Fraction of the prompt's constraints the completion satisfies."""
+@register_reward("word_format")
+def word_format_reward(sample: RewardInput, mode: str = "fraction") -> dict[str, Any]:
+    """Fraction of the prompt's constraints the completion satisfies (option `mode: all`: all or nothing)."""
     constraints = constraints_for(sample.prompt)
     verdicts = satisfied(clean(sample.completion).strip(), constraints)
-    return {"reward": score(verdicts), "failed": [c["type"] for c, v in zip(constraints, verdicts) if not v]}
+    return {"reward": score(verdicts, mode), "failed": [c["type"] for c, v in zip(constraints, verdicts) if not v]}
 
 
-@register_task("formatting")
+@register_task("word_format")
 @dataclass(frozen=True)
-class FormattingTask:
+class WordFormatTask:
     """Reformat 1-3 words: upper/lower case, a bullet list, a JSON array, a quotation."""
 
     max_words: int = 3
-    name: str = "formatting"
-    reward: str = "formatting"
+    name: str = "word_format"
+    reward: str = "word_format"
 
     def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
         rng = random.Random(seed)
