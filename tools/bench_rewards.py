@@ -12,17 +12,34 @@ workers: starting every process and loading the function in it).
 per call: a warm batch of `samples` samples, divided by `samples`, median (and minimum) of
 `repeats`; "direct" is calling the function in a loop, for scale. The modes alternate, so load
 from other processes on a shared machine hits them alike.
+
+    .venv/bin/python tools/bench_rewards.py --code               # the code sandbox's cost, side by side
+
+`--code`: the code reward's harness (`mcore_rl/rewards/code.py`) on tiny_code answers and HumanEval
+canonical solutions, each program and its tests run (a) in the sandbox as the reward runs them
+("sandbox auto": the strongest isolation this machine allows; "sandbox user_ns"; "sandbox none":
+rlimits, uid and seccomp without namespaces), (b) unsandboxed in a fresh `python -I -S` subprocess,
+(c) with `exec` in this process (no process at all), for scale. `concurrency` calls at a time from a
+thread pool (default 2 here); throughput in samples/s and per-sample latency p50/p95, the modes
+interleaved over `repeats` rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import mcore_rl.data.tasks  # noqa: F401  (registers the addition reward)
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
+from mcore_rl.rewards.code import harness_source
+from mcore_rl.rewards.sandbox import Limits, probe, run_python
 
 
 def _batch(n: int) -> list[RewardInput]:
@@ -45,12 +62,111 @@ def _timed(runner: RewardRunner, samples: list[RewardInput]) -> float:
     return elapsed
 
 
+# ------------------------------------------------------------------------------ the code sandbox
+
+
+def _code_workload(n: int) -> list[tuple[str, list[str]]]:
+    """(program, tests) pairs: tiny_code answers and HumanEval canonical solutions, alternating."""
+    from mcore_rl.data.tasks.humaneval import problems, program_of
+    from mcore_rl.data.tasks.tiny_code import checks_for, format_problem
+
+    tiny = [format_problem(a, False, b) for a in range(2, 10) for b in (1, -1)]
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            ex = tiny[i // 2 % len(tiny)]
+            out.append(("f = " + ex["response"], checks_for(ex["prompt"])))
+        else:
+            p = problems()[i // 2 % 32]
+            out.append((program_of(p, p["canonical_solution"]), [f"{p['test']}\ncheck({p['entry_point']})\n"]))
+    return out
+
+
+def _passed(results: bytes, tests: list[str]) -> bool:
+    return results.count(b" pass ") == len(tests)
+
+
+def _unsandboxed_subprocess(program: str, tests: list[str]) -> bool:
+    """The same harness in a fresh interpreter with no isolation (fd 3 = a pipe, as in the sandbox)."""
+    token = secrets.token_hex(16)
+    r, w = os.pipe()
+    source = "import os; os.dup2(int(os.environ['RESULTS_FD']), 3)\n" + harness_source(program, tests, token)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", source], pass_fds=(w,), env={"RESULTS_FD": str(w)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        results = f.read()
+    proc.communicate(timeout=30)
+    return _passed(results, tests)
+
+
+def _in_process(program: str, tests: list[str]) -> bool:
+    scope: dict = {}
+    exec(compile(program, "solution.py", "exec"), scope)
+    for t in tests:
+        exec(compile(t, "test.py", "exec"), scope)
+    return True
+
+
+def _sandboxed(isolation: str) -> Callable[[str, list[str]], bool]:
+    limits = Limits(cpu_s=10, wall_s=20, memory_mb=1024)
+
+    def run(program: str, tests: list[str]) -> bool:
+        res = run_python(harness_source(program, tests, secrets.token_hex(16)), limits=limits, isolation=isolation)
+        return _passed(res.results, tests)
+
+    return run
+
+
+def bench_code(samples: int, concurrency: int, rounds: int) -> None:
+    modes = {"sandbox auto": _sandboxed("auto"), "sandbox user_ns": _sandboxed("user_ns"),
+             "sandbox none": _sandboxed("none"), "subprocess, no sandbox": _unsandboxed_subprocess,
+             "exec in-process": _in_process}
+    mech = probe()
+    if not probe("none").get("stdlib"):
+        del modes["sandbox none"]  # its uid cannot read this interpreter's standard library (docs/sandbox.md)
+        print("sandbox none: skipped, its uid cannot read this interpreter's standard library")
+    per_round = max(1, samples // rounds)
+    work = _code_workload(per_round * rounds)
+    latencies: dict[str, list[float]] = {m: [] for m in modes}
+    busy: dict[str, float] = {m: 0.0 for m in modes}
+
+    def timed(fn: Callable[[str, list[str]], bool], item: tuple[str, list[str]]) -> tuple[bool, float]:
+        start = time.perf_counter()
+        ok = fn(*item)
+        return ok, time.perf_counter() - start
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for r in range(rounds):
+            chunk = work[r * per_round:(r + 1) * per_round]
+            for name, fn in modes.items():
+                start = time.perf_counter()
+                outs = list(pool.map(lambda item: timed(fn, item), chunk))
+                busy[name] += time.perf_counter() - start
+                assert all(ok for ok, _ in outs), f"{name}: a right program failed"
+                latencies[name] += [t for _, t in outs]
+    print(f"code reward harness: {per_round * rounds} samples per mode (tiny_code answers and HumanEval canonical "
+          f"solutions, alternating), {concurrency} concurrent, {rounds} interleaved rounds")
+    print("in force with auto: " + ", ".join(f"{k}={v}" for k, v in mech.items() if k not in ("status", "error")))
+    print(f"{'':<24}{'samples/s':>10}{'p50 ms':>10}{'p95 ms':>10}{'p50 vs subprocess':>19}")
+    base = statistics.median(latencies["subprocess, no sandbox"])
+    for name in modes:
+        lat = sorted(latencies[name])
+        p50, p95 = statistics.median(lat), lat[min(len(lat) - 1, int(0.95 * len(lat)))]
+        print(f"{name:<24}{len(lat) / busy[name]:>10.1f}{p50 * 1e3:>10.1f}{p95 * 1e3:>10.1f}{p50 / base:>18.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=1024)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=None, help="default 1024 (--code: 128)")
+    ap.add_argument("--concurrency", type=int, default=None, help="default 16 (--code: 2)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--code", action="store_true", help="the code sandbox's cost instead (see the docstring)")
     args = ap.parse_args()
+    if args.code:
+        bench_code(args.samples or 128, args.concurrency or 2, args.repeats)
+        return
+    args.samples, args.concurrency = args.samples or 1024, args.concurrency or 16
     modes = ("thread", "process")
     small, big = _batch(args.concurrency), _batch(args.samples)
     fn = get_reward_fn("addition")
