@@ -109,7 +109,7 @@ def test_recipe_and_example_config_are_valid(tmp_path):
     validate_rl_config(cfg_of(str(tmp_path), recipe(str(tmp_path))), 1)
     example = load_config(RLConfig, os.path.join(ROOT, "configs", "domains.yaml"))
     validate_rl_config(example, 1)
-    assert [d.name for d in example.data.domains] == ["addition", "formatting"]
+    assert [d.name for d in example.data.domains] == ["addition", "code", "format"]
 
 
 def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):
