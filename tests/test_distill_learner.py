@@ -51,6 +51,8 @@ distill:
     - {name: reverse_kl, coef: 1.0}
     - {name: seed, coef: 0.01, options: {beta: 5.0}}
   horizon: {schedule: fixed, rho: 0.5, domains: [arithmetic]}
+teachers:
+  - {name: old_self, kind: frozen, top_k: 4}
 """
 
 
@@ -82,6 +84,13 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
     (["distill.effopd.enabled=true", "rollout.runtime=async"], "distill.effopd.enabled: EffOPD scores candidate"),
     (["distill.effopd.enabled=true", "algorithm.mismatch.name=mipu"], "distill.effopd.enabled: EffOPD and MIPU"),
     (["distill.effopd.enabled=true", "distill.effopd.num_candidates=0"], "distill.effopd.num_candidates"),
+    # what a function needs (`@needs`) must be there before training starts
+    (["distill.losses=[{name: reverse_kl}]", "teachers=[]"], "distill.losses: no teacher fills Sample.teacher"),
+    (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=0"], "distill.top_k: is 0, but 'tropd_fkl' needs the teacher's top-k"),
+    (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=8", "teachers=[{kind: frozen, top_k: 4}]"],
+     "teachers[0].top_k: is 4, but 'tropd_fkl' reads the top 8"),
+    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "teachers=[{kind: frozen, top_k: 4}]"],
+     "distill.losses[0].name: 'direct_opd' needs a reference teacher"),
 ])
 def test_bad_distill_config_fails_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -315,7 +324,8 @@ def _learner_world(rank: int, world: int) -> None:
     _topk_world_check(rank, world)
 
     common = ["parallel.tensor_model_parallel_size=2", "optimizer.lr=1e-2", "algorithm.num_minibatches=1",
-              "rollout.max_new_tokens=4", "algorithm.mismatch.name=none", f"distill.top_k={TOP_K}"]
+              "rollout.max_new_tokens=4", "algorithm.mismatch.name=none", f"distill.top_k={TOP_K}",
+              f"teachers=[{{kind: frozen, top_k: {TOP_K}}}]"]  # validation wants one; the samples carry hand-made scores
     cfg = tiny(*common, "distill.losses=[{name: reverse_kl, coef: 1.0}]", "distill.rl=false")
     policy = build_policy(cfg, validate, 100)
     vocab = cfg.model.vocab_size

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rules import (
@@ -64,7 +64,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
-    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
@@ -308,11 +308,17 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
                     "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
 
 
-def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "") -> None:
-    """Registered distillation functions with a phase and options they accept; a horizon that cuts."""
+def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "",
+                  teachers: Sequence[Any] = ()) -> None:
+    """Registered distillation functions with a phase and options they accept, and the teacher
+    signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
 
     from mcore_rl.algos import registry
+    from mcore_rl.algos.distill.base import REFERENCE_FIELDS, TOPK_FIELDS
+
+    errors.need(not d.losses or bool(teachers), "distill.losses",
+                "no teacher fills Sample.teacher: add a `teachers:` entry (engine, privileged or frozen)")
 
     registered = registry.names("distill")
     seen: set[str] = set()
@@ -326,6 +332,15 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
         errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
                     f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
         errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
+        wanted = getattr(fn, "needs", ())
+        if any(f in TOPK_FIELDS for f in wanted):
+            errors.need(d.top_k > 0, "distill.top_k", f"is 0, but {loss.name!r} needs the teacher's top-k")
+            for j, t in enumerate(teachers):
+                errors.need(t.top_k >= d.top_k, f"teachers[{j}].top_k", f"is {t.top_k}, but {loss.name!r} reads the "
+                            f"top {d.top_k} (distill.top_k) of every teacher")
+        ref = [f for f in wanted if f in REFERENCE_FIELDS]
+        errors.need(not ref, f"{key}.name", f"{loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}), "
+                    "which no teacher kind provides yet")
         params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
                   if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

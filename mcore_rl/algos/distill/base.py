@@ -84,3 +84,22 @@ def stateful(factory: Callable[[], object]) -> Callable:
         return fn
 
     return deco
+
+
+TOPK_FIELDS = ("teacher_topk_logp", "student_topk_logp")
+REFERENCE_FIELDS = ("teacher_ref_logp", "teacher_ref_topk_logp")
+
+
+def needs(*fields: str) -> Callable:
+    """Decorator: the optional `DistillBatch` fields a function cannot work without, so config
+    validation can refuse a recipe that would not provide them (no top-k, no reference teacher)
+    before training starts instead of the first batch raising."""
+    unknown = [f for f in fields if f not in DistillBatch.__dataclass_fields__]
+    if unknown:
+        raise ValueError(f"needs: {unknown} are not DistillBatch fields")
+
+    def deco(fn: Callable) -> Callable:
+        fn.needs = tuple(fields)  # type: ignore[attr-defined]
+        return fn
+
+    return deco

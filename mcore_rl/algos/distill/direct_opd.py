@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
+from mcore_rl.algos.distill.base import TOPK_FIELDS, DistillBatch, DistillTerms, needs, phase
 from mcore_rl.algos.policy_loss import aggregate, masked_mean
 from mcore_rl.algos.registry import register
 
@@ -46,6 +46,7 @@ def shift_weights(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tens
 
 @register("distill", "direct_opd")
 @phase("loss")
+@needs(*TOPK_FIELDS, "teacher_ref_topk_logp")
 def direct_opd(batch: DistillBatch) -> DistillTerms:
     """Loss Σ_t -Σ_{v∈S_t} A^w_t(v) log π_θ(v|s_t), aggregated like the policy loss."""
     need = {"student_topk_logp": batch.student_topk_logp, "teacher_topk_logp": batch.teacher_topk_logp,

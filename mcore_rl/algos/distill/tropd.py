@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.algos.distill._common import detached, loss_sum, masked_mean, require, valid_tokens, zero_where_not
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
+from mcore_rl.algos.distill.base import TOPK_FIELDS, DistillBatch, DistillTerms, needs, phase
 from mcore_rl.algos.registry import register
 
 
@@ -111,6 +111,7 @@ def tropd_trust(batch: DistillBatch, *, seed: int = 0) -> DistillTerms:
 
 @register("distill", "tropd_fkl")
 @phase("loss")
+@needs(*TOPK_FIELDS)
 def tropd_fkl(batch: DistillBatch, *, weight: str = "outlier", tail: bool = False) -> DistillTerms:
     """loss_sum = Σ_agg w_x · FKL_top-k(x) over student tokens, w_x = 1 − P_trust(x) (from the
     detached old-policy and teacher log-probs of the sampled token) with weight="outlier", or 1
