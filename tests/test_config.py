@@ -92,6 +92,26 @@ def test_unknown_key_in_override():
         sft("train.seed")
 
 
+def test_override_into_a_listed_entry(tmp_path):
+    """`data.domains[i].key=value` changes an entry the recipe lists (typed and checked like any
+    key); an index the recipe does not have, a misspelt key or an index on a non-list is named."""
+    from mcore_rl.config import RLConfig
+
+    path = write(tmp_path, "r.yaml", "data:\n  domains:\n    - {name: a, task: addition}\n"
+                 "    - {name: b, task: formatting, eval: {num_prompts: 5}}\n")
+    cfg = load_config(RLConfig, path, ["data.domains[0].weight=3", "data.domains[1].eval.num_prompts=7",
+                                       "data.domains[1].name=2024"])
+    assert [(d.name, d.weight, d.eval.num_prompts) for d in cfg.data.domains] == [("a", 3.0, None), ("2024", 1.0, 7)]
+    with pytest.raises(ConfigError, match=r"'data\.domains' has 2 entries in the recipe, so \[2\] does not exist"):
+        load_config(RLConfig, path, ["data.domains[2].weight=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'data\.domains\[0\]\.wieght'.*did you mean"):
+        load_config(RLConfig, path, ["data.domains[0].wieght=1"])
+    with pytest.raises(ConfigError, match=r"'rollout\.max_new_tokens' is not a list of sections"):
+        load_config(RLConfig, path, ["rollout.max_new_tokens[0]=1"])
+    with pytest.raises(ConfigError, match=r"data\.domains\[0\]\.weight.*expects float"):
+        load_config(RLConfig, path, ["data.domains[0].weight=heavy"])
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

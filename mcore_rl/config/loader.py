@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import yaml
 
@@ -103,8 +104,26 @@ def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+_INDEXED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\[(\d+)\]$")
+
+
+def _split_index(part: str) -> tuple[str, Optional[int]]:
+    """"domains[2]" -> ("domains", 2); "lr" -> ("lr", None)."""
+    m = _INDEXED.match(part)
+    return (m.group(1), int(m.group(2))) if m else (part, None)
+
+
+def _list_item_cls(tp: Any) -> type | None:
+    """The dataclass of a `list[SomeConfig]` field's items (looking through Optional), else None."""
+    for t in (tp, *typing.get_args(tp)) if _is_union(tp) else (tp,):
+        if typing.get_origin(t) is list and typing.get_args(t) and dataclasses.is_dataclass(typing.get_args(t)[0]):
+            return typing.get_args(t)[0]
+    return None
+
+
 def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
-    """Set `a.b.c=value` in the raw dict; the key path is checked against the schema first."""
+    """Set `a.b.c=value` (or `a.items[i].c=value`, for an entry the recipe already lists) in the raw
+    dict; the key path is checked against the schema first."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.path=value")
     key, text = item.split("=", 1)
@@ -114,39 +133,59 @@ def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
         raise ConfigError(f"override {item!r}: empty component in key {key!r}")
 
     cls: Any = root_cls
+    names: list[tuple[str, Optional[int]]] = []
+    leaf_type: Any = None
     for i, part in enumerate(parts):
-        dotted = ".".join(parts[: i + 1])
+        name, index = _split_index(part)
+        dotted = ".".join(parts[:i] + [name])
         if cls is None:
-            raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i])}' is not a section, it has no key {part!r}")
+            raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i])}' is not a section, it has no key {name!r}")
         field_types = _field_types(cls)
-        if part not in field_types:
-            raise ConfigError(f"override {item!r}: {_unknown_key_message(dotted, part, list(field_types))}")
-        cls = _dataclass_in(field_types[part])
+        if name not in field_types:
+            raise ConfigError(f"override {item!r}: {_unknown_key_message(dotted, name, list(field_types))}")
+        if index is None:
+            leaf_type, cls = field_types[name], _dataclass_in(field_types[name])
+        else:
+            cls = _list_item_cls(field_types[name])
+            if cls is None:
+                raise ConfigError(f"override {item!r}: '{dotted}' is not a list of sections, it cannot be indexed")
+            leaf_type = cls
+        names.append((name, index))
 
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: cannot parse value {text!r}: {e}") from e
     # A str field keeps the literal text, so `run_dir=2024` or `data.path=1.jsonl` stay strings.
-    if isinstance(value, (int, float, bool)) and _accepts_str(_field_types(_parent_cls(root_cls, parts))[parts[-1]]):
+    if isinstance(value, (int, float, bool)) and _accepts_str(leaf_type):
         value = text
 
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
+    node: Any = raw
+    for i, (name, index) in enumerate(names):
+        where = ".".join(parts[: i + 1])
+        last = i == len(names) - 1
+        if index is not None:
+            items = node.get(name)
+            if not isinstance(items, list) or not 0 <= index < len(items):
+                count = len(items) if isinstance(items, list) else 0
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i] + [name])}' has {count} entr"
+                                  f"{'y' if count == 1 else 'ies'} in the recipe, so [{index}] does not exist")
+            if last:
+                items[index] = value
+                return
+            if not isinstance(items[index], dict):
+                raise ConfigError(f"override {item!r}: '{where}' is {items[index]!r}, not a section")
+            node = items[index]
+            continue
+        if last:
+            node[name] = value
+            return
+        child = node.get(name)
         if not isinstance(child, dict):
             if child is not None:
-                raise ConfigError(f"override {item!r}: '{'.'.join(parts[: i + 1])}' is {child!r}, not a section")
-            child = node[part] = {}
+                raise ConfigError(f"override {item!r}: '{where}' is {child!r}, not a section")
+            child = node[name] = {}
         node = child
-    node[parts[-1]] = value
-
-
-def _parent_cls(root_cls: type, parts: list[str]) -> type:
-    cls: Any = root_cls
-    for part in parts[:-1]:
-        cls = _dataclass_in(_field_types(cls)[part])
-    return cls
 
 
 def _accepts_str(tp: Any) -> bool:
