@@ -212,6 +212,10 @@ def test_n_samples_are_sent_as_prompts_with_rids_of_their_own() -> None:
     assert body["return_logprob"] == [True, True, False, False]
     assert body["sampling_params"] == [{"temperature": 1.0}] * 4
     assert request_rids(body) == body["rid"]
+    # token_ids_logprob: a list per prompt follows its prompt; one list of ids is every prompt's
+    ids = {"text": ["a", "b"], "sampling_params": {"n": 2}}
+    assert expand_samples({**ids, "token_ids_logprob": [[1], [2, 3]]})["token_ids_logprob"] == [[1], [1], [2, 3], [2, 3]]
+    assert expand_samples({**ids, "token_ids_logprob": [4, 5]})["token_ids_logprob"] == [4, 5]
     assert expand_samples({"input_ids": [1, 2], "sampling_params": {"n": 3}})["input_ids"] == [[1, 2]] * 3
     plain = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
     assert expand_samples(plain) is plain

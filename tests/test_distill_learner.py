@@ -89,13 +89,46 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
     (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=0"], "distill.top_k: is 0, but 'tropd_fkl' needs the teacher's top-k"),
     (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=8", "teachers=[{kind: frozen, top_k: 4}]"],
      "teachers[0].top_k: is 4, but 'tropd_fkl' reads the top 8"),
+    # Direct-OPD: every teacher a distilled sample can reach needs a reference (an engine teacher)
     (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "teachers=[{kind: frozen, top_k: 4}]"],
-     "distill.losses[0].name: 'direct_opd' needs a reference teacher"),
+     "teachers[0].reference: is not set, but 'direct_opd' needs a reference teacher"),
+    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4",
+      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r, domains: [x]}, "
+      "{kind: engine, name: r, urls: ['http://b']}, {kind: frozen, top_k: 4}]"],
+     "teachers[2].reference: is not set, but 'direct_opd' needs a reference teacher (π_Tref: teacher_ref_topk_logp) "
+     "for the samples routed to 'frozen2'"),
+    (["teachers=[{kind: frozen, reference: r}, {kind: engine, name: r, urls: ['http://b']}]"],
+     "teachers[0].reference: only engine teachers have a reference"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: nobody}]"],
+     "teachers[0].reference: 'nobody' is not the name of another teacher"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: t}]"],
+     "teachers[0].reference: 't' is not the name of another teacher"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: frozen, name: r}]"],
+     "teachers[0].reference: 'r' is a 'frozen' teacher; a reference is an engine teacher"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b'], reference: t}]"],
+     "teachers[1].reference: 'r' is the reference of 't' and cannot have a reference itself"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b'], domains: [x], top_k: 2}]"],
+     "teachers[1].domains: 'r' is a reference teacher"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b'], top_k: 2}]"],
+     "teachers[1].top_k: 'r' is a reference teacher"),
+    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: engine, name: r}]"],
+     "teachers[1].urls: an engine teacher needs either urls"),
 ])
 def test_bad_distill_config_fails_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate_rl_config(tiny(*overrides), 1)
     assert message in str(err.value)
+
+
+def test_direct_opd_with_a_reference_teacher_validates():
+    """A reference teacher is no default teacher (never routed to), and its top_k is not checked."""
+    cfg = tiny("distill.losses=[{name: direct_opd}]", "distill.top_k=4",
+               "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+               "{kind: engine, name: r, urls: ['http://b']}]")
+    validate_rl_config(cfg, 1)
 
 
 def test_an_unknown_distill_key_fails_while_loading():

@@ -9,6 +9,9 @@ started on real checkpoints, found and killed by their pids.
   engine); with every engine dead the samples are marked, and nothing raises;
 - UI-MOPD routing: each sample is scored by the teacher of its domain only, so changing the
   desktop teacher changes the (K3) distillation term of desktop samples only;
+- SGLang's `token_ids_logprob` on a real `mcore-rl serve` process equals a plain forward; a
+  reference teacher (Direct-OPD's π_Tref) scores the teacher's tokens and top-k ids, and a
+  Direct-OPD run with teacher and reference trains (sync and async);
 - the `teachers:` config section and its errors;
 - in a trainer world: engine teachers through `RLRun.teach`, the privileged-context and the
   frozen-copy teachers, and short sync and async runs with teachers.
@@ -17,6 +20,7 @@ started on real checkpoints, found and killed by their pids.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -159,6 +163,169 @@ def test_prompt_scoring_reply_is_sglangs_and_scores_are_the_teachers(servers, ck
             assert t.topk_ids == top.indices.tolist()
     finally:
         teacher.close()
+
+
+@torch.no_grad()
+def response_rows(model, s: Sample) -> torch.Tensor:
+    """[len(response), V] log-probs of every response position, from one plain forward."""
+    lp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.response_ids])).logits.float(), -1)[0]
+    p = len(s.prompt_ids)
+    return lp[p - 1 : p - 1 + len(s.response_ids)]
+
+
+def test_token_ids_logprob_is_sglangs_and_equals_a_plain_forward(servers, ckpts):
+    """SGLang's `token_ids_logprob`: the log-probs of the given ids at every scored input position
+    (`input_token_ids_logprobs`, the first entry None as `input_top_logprobs` is padded) and per
+    generated token (`output_token_ids_logprobs`); bad ids are a 400 naming the field."""
+    import asyncio
+
+    from mcore_rl.rollout.client import EngineClient, EngineHTTPError
+
+    url = servers["b"].urls[0]
+    model = reference_model(ckpts["b"])
+    prompts = [[TOK.bos_id] + TOK.encode("3 + 4 = 7"), [TOK.bos_id] + TOK.encode("12 + 30 = 42!")]
+    ids = [[5, 65, TOK.vocab_size - 1, 65], [TOK.eos_id, 70]]  # order kept, duplicates too
+
+    async def call(**body):
+        async with EngineClient(url, retries=0) as c:
+            return await c.generate(**body)
+
+    def refused(**body) -> str:
+        with pytest.raises(EngineHTTPError) as err:
+            asyncio.run(call(**body))
+        assert err.value.status == 400
+        return err.value.message
+
+    outs = asyncio.run(call(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                            logprob_start_len=2, token_ids_logprob=ids))  # one list per prompt of the batch
+    for prompt, want, out in zip(prompts, ids, outs):
+        meta = out["meta_info"]
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits.float(), -1)[0]
+        entries = meta["input_token_ids_logprobs"]
+        assert len(entries) == len(meta["input_token_logprobs"]) == len(prompt) - 2 and entries[0] is None
+        for j, e in enumerate(entries[1:]):  # position 2 + j, which predicts prompt[3 + j]
+            assert [x[1] for x in e] == want and all(x[2] is None for x in e)
+            torch.testing.assert_close(torch.tensor([x[0] for x in e]), lp[2 + j, want], rtol=0, atol=1e-5)
+        assert meta["output_token_ids_logprobs"] == []
+    # one list for every prompt, generated tokens, text in the entries
+    greedy = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    outs = asyncio.run(call(input_ids=prompts, sampling_params=greedy, return_logprob=True, token_ids_logprob=ids[1],
+                            return_text_in_logprobs=True))
+    for prompt, out in zip(prompts, outs):
+        meta = out["meta_info"]
+        assert meta["input_token_ids_logprobs"] == [None]  # logprob_start_len -1: the last prompt token only
+        full = prompt + out["output_ids"]
+        lp = torch.log_softmax(model(torch.tensor([full])).logits.float(), -1)[0]
+        gen = meta["output_token_ids_logprobs"]
+        assert len(gen) == len(out["output_ids"]) == 3
+        for j, e in enumerate(gen):
+            assert [x[1] for x in e] == ids[1] and [x[2] for x in e] == [TOK.decode([t]) for t in ids[1]]
+            torch.testing.assert_close(torch.tensor([x[0] for x in e]), lp[len(prompt) - 1 + j, ids[1]],
+                                       rtol=0, atol=1e-5)
+    plain = asyncio.run(call(input_ids=prompts[0], sampling_params=greedy, return_logprob=True))
+    assert "input_token_ids_logprobs" not in plain["meta_info"] and "output_token_ids_logprobs" not in plain["meta_info"]
+
+    one = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, "x"])
+    assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, 2.0])
+    assert f"token_ids_logprob: token id {TOK.vocab_size} is outside the vocabulary" in refused(
+        **one, token_ids_logprob=[1, TOK.vocab_size])
+    assert "token_ids_logprob: token id -1 is outside" in refused(**one, token_ids_logprob=[-1])
+    assert "token_ids_logprob: a list of lists needs a batch" in refused(**one, token_ids_logprob=[[1]])
+    assert "token_ids_logprob: expected a list of token ids" in refused(**one, token_ids_logprob=True)
+    batch = {**one, "input_ids": prompts}
+    assert "token_ids_logprob: 3 lists for a batch of 2 prompts" in refused(**batch, token_ids_logprob=[[1], [2], [3]])
+    assert "(batch item 1)" in refused(**batch, token_ids_logprob=[[1], [2, 1000]])
+
+
+def test_a_reference_teacher_scores_the_teachers_tokens_and_top_k_ids(servers, ckpts):
+    """The reference (π_Tref, checkpoint a) scores what the teacher (b) scored: the sampled tokens and
+    exactly the teacher's top-k ids per position, equal to a plain forward of a; from the trainer's
+    thread and from another event loop (the async scheduler's); a reference that fails marks the sample."""
+    import asyncio
+
+    from tests.test_engine_faults import _free_port
+
+    teacher = EngineTeacher("b", servers["b"].urls, vocab_size=TOK.vocab_size, top_k=4)
+    ref = EngineTeacher("a", servers["a"].urls[:1], vocab_size=TOK.vocab_size)
+    dead = EngineTeacher("gone", [f"http://127.0.0.1:{_free_port()}"], vocab_size=TOK.vocab_size, timeout=5,
+                         health_interval=60.0)
+    teacher.reference = ref
+    try:
+        samples = make_samples(5)
+        teacher.score(samples[:3])
+        asyncio.run(teacher.ascore(samples[3:]))
+        main = reference_scores(reference_model(ckpts["b"]), samples, k=4)
+        ref_model = reference_model(ckpts["a"])
+        for s, (chosen, top) in zip(samples, main):
+            t = s.teacher
+            assert t.error is None and t.topk_ids == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor(t.logp), chosen, rtol=0, atol=1e-5)
+            rows = response_rows(ref_model, s)
+            assert len(t.ref_logp) == len(t.ref_topk_logp) == len(s.response_ids)
+            torch.testing.assert_close(torch.tensor(t.ref_logp), rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0],
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(t.ref_topk_logp), rows.gather(1, torch.tensor(t.topk_ids)),
+                                       rtol=0, atol=1e-5)
+        teacher.reference = dead
+        start = time.monotonic()
+        late = make_samples(2, seed=3)
+        teacher.score(late)  # does not raise
+        assert time.monotonic() - start < 30
+        assert all(s.teacher.error.startswith("reference gone:") and s.teacher.logp == [] for s in late)
+    finally:
+        for t in (teacher, ref, dead):
+            t.close()
+
+
+def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, url_ref: str, ckpt_ref: str) -> None:
+    from mcore_rl.runtime import run_rl
+    from mcore_rl.runtime.loop import RLRun
+    from mcore_rl.train.rl_step import Learner
+
+    opd = ["distill.losses=[{name: direct_opd}]", "distill.top_k=2", "algorithm.kl_coef=0.01",
+           f"teachers=[{{kind: engine, name: post, urls: ['{url_teacher}'], top_k: 2, reference: pre}}, "
+           f"{{kind: engine, name: pre, urls: ['{url_ref}']}}]"]
+    cfg = small(f"run_dir={tmp}/one", *opd)
+    validate_rl_config(cfg, 1)
+    run = RLRun(cfg)
+    try:  # RLRun.teach: the reference's scores of the student's samples at the teacher's top-k ids
+        run.initialise()
+        samples, _ = run.rollouts()
+        metrics = run.teach(samples, Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id))
+        assert metrics["teacher/post/error_frac"] == 0 and metrics["teacher/pre/error_frac"] == 0
+        assert metrics["teacher/pre/samples"] == len(samples) and "teacher/pre/samples" in metrics
+        ref_model = reference_model(ckpt_ref)
+        for s in samples:
+            rows = response_rows(ref_model, s)
+            torch.testing.assert_close(torch.tensor(s.teacher.ref_logp),
+                                       rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(s.teacher.ref_topk_logp), rows.gather(1, torch.tensor(s.teacher.topk_ids)),
+                                       rtol=0, atol=1e-5)
+    finally:
+        run.close()
+    for mode, extra in (("sync", []), ("async", ["rollout.runtime=async", "rollout.max_staleness=1",
+                                                  "rollout.request_timeout_s=20", "rollout.max_running_requests=32"])):
+        summary = run_rl(small(f"run_dir={tmp}/{mode}", *opd, *extra))
+        assert summary["state"]["rl_step"] == 2
+        with open(f"{tmp}/{mode}/metrics.jsonl") as f:
+            recs = [json.loads(line) for line in f]
+        assert len(recs) == 2
+        for r in recs:
+            assert r["teacher/post/error_frac"] == 0 and r["teacher/pre/error_frac"] == 0
+            assert r["teacher/routed_frac"] == 1 and "teacher/pre/routed_frac" not in r
+            assert math.isfinite(r["distill/direct_opd/shift_mean"]) and r["distill/direct_opd/shift_mean"] != 0
+            if mode == "async":  # scored right after the rewards, the reference too
+                assert r["teacher/engine_scored_late_frac"] == 0
+
+
+def test_direct_opd_with_a_reference_teacher_in_a_trainer_world(tmp_path, servers, ckpts):
+    """Direct-OPD from YAML: teacher b with reference a (two `mcore-rl serve` processes with other
+    weights); the reference's scores are a plain forward of a at the teacher's ids, and two steps of
+    a sync and of an async run train with `distill/direct_opd/...` logged."""
+    from tests.world import run_world
+
+    run_world(1, _direct_opd_world, str(tmp_path), servers["b"].urls[0], servers["a"].urls[0], ckpts["a"])
 
 
 def test_tokenizer_and_reachability_are_checked_before_training(servers, ckpts):

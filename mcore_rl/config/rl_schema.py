@@ -340,12 +340,19 @@ class TeacherConfig:
     student, like the KL's reference model: taken at the start, or from `checkpoint`, and taken
     again every `refresh_interval` rollout steps). Routing (UI-MOPD): a sample goes to the teacher
     whose `domains` list its domain, else to the one teacher with no `domains`, else to none.
+
+    `reference` (engine teachers): the name of another engine teacher holding this teacher's
+    starting point π_Tref (its weights before RL; Direct-OPD distils the shift log π_T - log π_Tref).
+    For every sample this teacher scores, the reference scores the same tokens (`ref_logp`) and the
+    log-probs of this teacher's top-k ids (`ref_topk_logp`, through SGLang's `token_ids_logprob`).
+    A teacher named as a reference is only that: never routed to, no `domains`, no `top_k`.
     """
 
     name: str = ""  # in metrics and TeacherScores.source; "" = "<kind><index>"
     kind: Literal["engine", "privileged", "frozen"] = "engine"
     domains: list[str] = field(default_factory=list)  # [] = every domain no other teacher claims
     top_k: int = 0  # engine: also the teacher's k most likely tokens per position (0 = sampled token only)
+    reference: Optional[str] = None  # engine: name of the engine teacher that is this one's π_Tref (Direct-OPD)
     # ---- engine
     urls: list[str] = field(default_factory=list)  # running SGLang / `mcore-rl serve` servers of this teacher
     model_path: Optional[str] = None  # or: start `mcore-rl serve` processes on this HF checkpoint

@@ -333,14 +333,18 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
                     f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
         errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
         wanted = getattr(fn, "needs", ())
-        if any(f in TOPK_FIELDS for f in wanted):
+        references = reference_teachers(teachers)
+        if any(f in TOPK_FIELDS or f == "teacher_ref_topk_logp" for f in wanted):
             errors.need(d.top_k > 0, "distill.top_k", f"is 0, but {loss.name!r} needs the teacher's top-k")
             for j, t in enumerate(teachers):
-                errors.need(t.top_k >= d.top_k, f"teachers[{j}].top_k", f"is {t.top_k}, but {loss.name!r} reads the "
-                            f"top {d.top_k} (distill.top_k) of every teacher")
+                errors.need(j in references or t.top_k >= d.top_k, f"teachers[{j}].top_k",
+                            f"is {t.top_k}, but {loss.name!r} reads the top {d.top_k} (distill.top_k) of every teacher")
         ref = [f for f in wanted if f in REFERENCE_FIELDS]
-        errors.need(not ref, f"{key}.name", f"{loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}), "
-                    "which no teacher kind provides yet")
+        for j, t in enumerate(teachers):  # every teacher a distilled sample can be routed to
+            errors.need(not ref or j in references or bool(t.reference), f"teachers[{j}].reference",
+                        f"is not set, but {loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}) for the "
+                        f"samples routed to {teacher_name(t, j)!r}: name an engine teacher serving its starting "
+                        "weights (engine teachers only)")
         params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
                   if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -431,19 +435,45 @@ def teacher_name(t: TeacherConfig, i: int) -> str:
     return t.name or f"{t.kind}{i}"
 
 
+def reference_teachers(teachers: Sequence[Any]) -> set[int]:
+    """Indices of the teachers some other teacher names as its `reference` (never routed to)."""
+    named = {getattr(t, "reference", None) for t in teachers} - {None}
+    return {i for i, t in enumerate(teachers) if teacher_name(t, i) in named}
+
+
 def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Errors, vocab_size: int) -> None:
     """Each teacher's own settings, and routing without ambiguity: no domain claimed by two
-    teachers, at most one default teacher (no `domains`). Reachability and the tokenizer of an
-    engine teacher are checked when the trainer connects to it, before training."""
+    teachers, at most one default teacher (no `domains`); a `reference` names another engine
+    teacher that is only a reference. Reachability and the tokenizer of an engine teacher are
+    checked when the trainer connects to it, before training."""
     names: dict[str, int] = {}
     claimed: dict[str, int] = {}
     defaults: list[int] = []
+    references = reference_teachers(teachers)
+    all_names = {teacher_name(t, i): i for i, t in enumerate(teachers)}
     for i, t in enumerate(teachers):
         key = f"teachers[{i}]"
         name = teacher_name(t, i)
         errors.need(name not in names, f"{key}.name", f"{name!r} is also the name of teachers[{names.get(name)}]")
         names.setdefault(name, i)
-        if not t.domains:
+        if t.reference is not None:
+            j = all_names.get(t.reference)
+            errors.need(t.kind == "engine", f"{key}.reference",
+                        f"only engine teachers have a reference (its engine scores their top-k ids); this one is {t.kind!r}")
+            errors.need(j is not None and j != i, f"{key}.reference",
+                        f"{t.reference!r} is not the name of another teacher (names: {', '.join(all_names)})")
+            if j is not None and j != i:
+                ref = teachers[j]
+                errors.need(ref.kind == "engine", f"{key}.reference",
+                            f"{t.reference!r} is a {ref.kind!r} teacher; a reference is an engine teacher")
+                errors.need(ref.reference is None, f"teachers[{j}].reference",
+                            f"{t.reference!r} is the reference of {name!r} and cannot have a reference itself")
+        if i in references:
+            errors.need(not t.domains, f"{key}.domains", f"{name!r} is a reference teacher (named by `reference`): "
+                        "it scores the samples of the teacher naming it and is never routed to")
+            errors.need(t.top_k == 0, f"{key}.top_k", f"{name!r} is a reference teacher: it scores the top-k ids of "
+                        "the teacher naming it, its own top_k is not used")
+        elif not t.domains:
             defaults.append(i)
         for d in t.domains:
             errors.need(bool(d), f"{key}.domains", "holds an empty domain name")

@@ -322,8 +322,11 @@ def expand_samples(body: dict) -> dict:
     elif isinstance(rid, str):
         out["rid"] = [f"{rid}_{i}" for i in range(len(items) * n)]
     for field in PER_PROMPT_FIELDS:  # per-prompt lists follow their prompt
-        if isinstance(body.get(field), list) and batch:
-            out[field] = [v for v in body[field] for _ in range(n)]
+        value = body.get(field)
+        if field == "token_ids_logprob" and isinstance(value, list) and all(isinstance(v, int) for v in value):
+            continue  # one list of ids for every prompt (SGLang's form for a batch), not one entry per prompt
+        if isinstance(value, list) and batch:
+            out[field] = [v for v in value for _ in range(n)]
     return out
 
 

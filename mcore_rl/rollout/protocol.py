@@ -5,11 +5,19 @@ Field names and JSON shapes follow SGLang (`GenerateReqInput` in `managers/io_st
 client written for `sglang.launch_server` works unchanged against the embedded engine:
 
     request:  {"text" | "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
-               "logprob_start_len", "return_text_in_logprobs", "stream", "rid"}  (lists = a batch)
+               "token_ids_logprob", "logprob_start_len", "return_text_in_logprobs", "stream", "rid"}
+              (lists = a batch)
     response: {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
                "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
                ["input_token_logprobs", "output_token_logprobs",        # [logprob, token_id, text|null]
-                "input_top_logprobs", "output_top_logprobs"]}}          # per position: list of those
+                "input_top_logprobs", "output_top_logprobs",            # per position: list of those
+                "input_token_ids_logprobs", "output_token_ids_logprobs"]}}  # likewise, token_ids_logprob's ids
+
+`token_ids_logprob` (a list of ids; for a batch one list for every prompt, or a list per prompt)
+asks for the log-probs of exactly those ids, in that order, at every scored position: SGLang's
+`input_token_ids_logprobs` is aligned with `input_token_logprobs` (its first entry None, as the
+scheduler pads `input_top_logprobs`), `output_token_ids_logprobs` has one list per generated token;
+both only with `return_logprob`, and a position with no ids is None, as SGLang's detokenizer gives.
 
 Everything a request can fail is checked here, before it reaches the engine, so one bad item never
 leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). Every field
@@ -45,7 +53,7 @@ class RequestError(ValueError):
 
 _GENERATE_FIELDS = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "stream",
+    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
 }
 _STR, _INT, _NUM, _BOOL, _DICT, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 # Metadata a real SGLang server uses for metrics, logging, routing or prefix-cache keys; it changes
@@ -61,7 +69,7 @@ _IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
 # value given here; a list of defaults for per-item fields), an error naming the field otherwise.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "mm_hashes": None,
-    "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None, "token_ids_logprob": None,
+    "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
     "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False, "return_routed_experts": False,
     "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
@@ -119,6 +127,7 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
     return_logprob = _per_item(body, "return_logprob", batch, is_single, n, False, _bool)
     start_len = _per_item(body, "logprob_start_len", batch, is_single, n, -1, _int)
     top_num = _per_item(body, "top_logprobs_num", batch, is_single, n, 0, _int)
+    token_ids = _token_ids_logprob(body.get("token_ids_logprob"), batch, is_single, n, vocab_size)
     stream = _bool("stream", body.get("stream", False))
     with_text = _bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
     rids = _rids(body.get("rid"), batch, n, is_single)
@@ -146,7 +155,7 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
             requests.append(Request(
                 rid=rids[i * n + k], input_ids=ids, sampling=params,
                 return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
-                logprob_start_len=start_len[i], stream=stream,
+                logprob_start_len=start_len[i], stream=stream, token_ids_logprob=token_ids[i],
             ))
     return GenerateInput(requests, is_single and n == 1, stream, with_text)
 
@@ -263,6 +272,42 @@ def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
         raise RequestError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size}){where}")
 
 
+def _token_ids_logprob(value: Any, batch: int, is_single: bool, n: int, vocab_size: int) -> list:
+    """SGLang's `token_ids_logprob` per prompt (its `_normalize_logprob_params`): null or [] = none;
+    an id = [id]; a list of ids = the same list for every prompt; for a batch, a list per prompt
+    (null = none for that prompt), not with n > 1."""
+    key = "token_ids_logprob"
+    if value is None or value == []:
+        return [None] * batch
+    if _is_int(value):
+        value = [value]
+    if not isinstance(value, list):
+        raise RequestError(f"{key}: expected a list of token ids (or, for a batch, a list of such lists), "
+                           f"got {show(value)}")
+    if all(_is_int(t) for t in value):
+        per = [list(value)] * batch
+    elif all(v is None or isinstance(v, list) for v in value):
+        if is_single:
+            raise RequestError(f"{key}: a list of lists needs a batch of prompts; for one prompt give a list of "
+                               f"token ids, got {show(value)}")
+        if len(value) != batch:
+            raise RequestError(f"{key}: {len(value)} lists for a batch of {batch} prompts")
+        if n > 1:
+            raise RequestError(f"{key}: Cannot use list {key} with parallel_sample_num > 1")
+        per = [None if v is None else list(v) for v in value]
+    else:
+        raise RequestError(f"{key}: expected integer token ids (or, for a batch, a list of lists of them), "
+                           f"got {show(value)}")
+    for i, ids in enumerate(per):
+        where = "" if is_single else f" (batch item {i})"
+        for t in ids or ():
+            if not _is_int(t):
+                raise RequestError(f"{key}: expected integer token ids, got {show(t)}{where}")
+            if not 0 <= t < vocab_size:
+                raise RequestError(f"{key}: token id {t} is outside the vocabulary [0, {vocab_size}){where}")
+    return per
+
+
 def _parallel_samples(sampling: list[dict]) -> int:
     ns = set()
     for sp in sampling:
@@ -352,6 +397,11 @@ def generate_output(
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None if t is None else logprob_triples(t, with_text) for t in out.input_top_logprobs]
             meta["output_top_logprobs"] = [logprob_triples(t, with_text) for t in out.output_top_logprobs]
+        if req.token_ids_logprob is not None:  # SGLang: a position without values (the first input one) is None
+            meta["input_token_ids_logprobs"] = [logprob_triples(t, with_text) if t else None
+                                                for t in out.input_token_ids_logprobs]
+            meta["output_token_ids_logprobs"] = [logprob_triples(t, with_text) if t else None
+                                                 for t in out.output_token_ids_logprobs]
     text = out.text if out.text is not None else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 

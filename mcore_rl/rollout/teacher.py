@@ -22,6 +22,14 @@ its context), or whose reply does not fit the sample is marked `TeacherScores.er
 distillation term. A dead engine serves again once its `/health` answers (a started one is
 restarted on the same checkpoint by the pool).
 
+A teacher may have a *reference* (`EngineTeacher.reference`: another engine teacher serving its
+starting point π_Tref, for Direct-OPD). For every sample the teacher scored, the reference scores
+the same tokens and, with SGLang's `token_ids_logprob` = the union of the teacher's top-k ids of the
+sample, the log-probs of those ids at every response position, from which `ref_topk_logp[j]` is
+taken at exactly the teacher's `topk_ids[j]` (`reference_body`, `parse_reference`). The reply holds
+|union| values per position (at most k · len(response)). A reference that cannot score the sample
+marks it like the teacher's own failure does.
+
 Before training, `EngineTeacher.check` refuses a teacher that does not answer or whose tokenizer
 is not the student's (`check_tokenizer`); `route_by_domain` gives each sample at most one teacher
 (UI-MOPD: routed by the sample's domain tag, teachers never mixed).
@@ -30,6 +38,7 @@ is not the student's (`check_tokenizer`); `route_by_domain` gives each sample at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
@@ -54,12 +63,14 @@ class TeacherError(RuntimeError):
     training; the message names the teacher (`teachers[i]`) and the engine."""
 
 
-def route_by_domain(teacher_domains: Sequence[Sequence[str]], domains: Sequence[str]) -> list[Optional[int]]:
+def route_by_domain(teacher_domains: Sequence[Sequence[str]], domains: Sequence[str],
+                    skip: Sequence[int] = ()) -> list[Optional[int]]:
     """The teacher of each sample: the one whose `domains` list the sample's domain, else the one
-    with no `domains` (the default), else None (no teacher: no distillation term). The config
-    guarantees that no domain is claimed twice and that there is at most one default."""
-    by_domain = {d: i for i, ds in enumerate(teacher_domains) for d in ds}
-    default = next((i for i, ds in enumerate(teacher_domains) if not ds), None)
+    with no `domains` (the default), else None (no teacher: no distillation term). Teachers in
+    `skip` (references) are never routed to. The config guarantees that no domain is claimed twice
+    and that there is at most one default."""
+    by_domain = {d: i for i, ds in enumerate(teacher_domains) if i not in skip for d in ds}
+    default = next((i for i, ds in enumerate(teacher_domains) if not ds and i not in skip), None)
     return [by_domain.get(d, default) for d in domains]
 
 
@@ -117,6 +128,46 @@ def parse_scores(reply: Any, response_ids: Sequence[int], top_k: int, vocab_size
     return TeacherScores(logp=logp, topk_ids=ids, topk_logp=lps, source=source)
 
 
+def reference_body(prompt_ids: Sequence[int], response_ids: Sequence[int], topk_ids: Optional[Sequence[Sequence[int]]],
+                   rid: str) -> tuple[dict[str, Any], Optional[list[int]]]:
+    """The reference's scoring body: the teacher's (no top-k) plus `token_ids_logprob` = the sorted
+    union of the teacher's top-k ids of the sample (when it gave any); and that id list."""
+    body = scoring_body(prompt_ids, response_ids, 0, rid)
+    ids = sorted({int(t) for row in topk_ids for t in row}) if topk_ids else None
+    if ids:
+        body["token_ids_logprob"] = ids
+    return body, ids
+
+
+def parse_reference(reply: Any, response_ids: Sequence[int], topk_ids: Optional[Sequence[Sequence[int]]],
+                    ids: Optional[Sequence[int]], vocab_size: int) -> tuple[list[float], Optional[list[list[float]]]]:
+    """(ref_logp, ref_topk_logp) from the reference's reply: the log-probs of the sampled tokens,
+    and at every position j those of exactly `topk_ids[j]` (None without top-k); ValueError when
+    the reply does not score `response_ids` at `ids`."""
+    logp = parse_scores(reply, response_ids, 0, vocab_size, "").logp
+    if not ids:
+        return logp, None
+    entries = reply["meta_info"].get("input_token_ids_logprobs")
+    n = len(response_ids)
+    if not isinstance(entries, list) or len(entries) != n + 1:
+        got = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise ValueError(f"input_token_ids_logprobs: expected {n + 1} entries, got {got}")
+    out: list[list[float]] = []
+    for j, (pos, want) in enumerate(zip(entries[1:], topk_ids)):
+        if not isinstance(pos, list) or len(pos) != len(ids):
+            raise ValueError(f"input_token_ids_logprobs[{j + 1}]: expected {len(ids)} entries, got {str(pos)[:80]}")
+        got = {}
+        for e in pos:
+            if not (isinstance(e, list) and len(e) >= 2 and isinstance(e[0], (int, float)) and isinstance(e[1], int)):
+                raise ValueError(f"input_token_ids_logprobs[{j + 1}]: expected [logprob, id] entries, got {str(e)[:80]}")
+            got[e[1]] = float(e[0])
+        missing = [t for t in want if t not in got]
+        if missing:
+            raise ValueError(f"input_token_ids_logprobs[{j + 1}]: no log-prob of the teacher's top-k ids {missing[:8]}")
+        out.append([got[t] for t in want])
+    return logp, out
+
+
 class EngineTeacher:
     """One teacher served by one or more engines (`urls`), reached through its own `HTTPEnginePool`
     (router with failover, health checks; with `processes`, the engine processes it owns and
@@ -134,6 +185,7 @@ class EngineTeacher:
         self._sem: Optional[asyncio.Semaphore] = None
         self.max_concurrency = max_concurrency
         self._count = 0
+        self.reference: Optional[EngineTeacher] = None  # π_Tref: scores what this teacher scored (Direct-OPD)
 
     # ---- before training ---------------------------------------------------------------------
 
@@ -187,10 +239,38 @@ class EngineTeacher:
                 return TeacherScores(source=self.name, error=f"{type(err).__name__}: {err}")
         engine = str(reply.get("meta_info", {}).get("engine", "")) if isinstance(reply, dict) else ""
         try:
-            return parse_scores(reply, s.response_ids, self.top_k, self.vocab_size, f"{self.name}@{engine}")
+            scores = parse_scores(reply, s.response_ids, self.top_k, self.vocab_size, f"{self.name}@{engine}")
         except ValueError as err:
             logger.warning("teacher %s (%s) gave an unusable reply for group %s: %s", self.name, engine, s.group, err)
             return TeacherScores(source=self.name, error=f"bad reply from {engine}: {err}")
+        if self.reference is not None:  # on the reference's own event-loop thread
+            fut = asyncio.run_coroutine_threadsafe(self.reference._reference_one(s, scores), self.reference.pool.loop)
+            scores = await asyncio.wrap_future(fut)
+        return scores
+
+    async def _reference_one(self, s: Sample, main: TeacherScores) -> TeacherScores:
+        """`main` (the teacher's scores of `s`) with this reference's `ref_logp` / `ref_topk_logp`;
+        on failure marked (error set, lists empty) like a failure of the teacher itself."""
+        from mcore_rl.rollout.client import EngineError
+
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+        self._count += 1
+        body, ids = reference_body(s.prompt_ids, s.response_ids, main.topk_ids,
+                                   f"reference-{self.name}-{s.group}-{self._count}")
+        async with self._sem:
+            try:
+                reply = await self.pool.router.generate(body)
+            except EngineError as err:
+                logger.warning("reference %s could not score a sample of group %s: %s", self.name, s.group, err)
+                return TeacherScores(source=main.source, error=f"reference {self.name}: {type(err).__name__}: {err}")
+        engine = str(reply.get("meta_info", {}).get("engine", "")) if isinstance(reply, dict) else ""
+        try:
+            ref_logp, ref_topk = parse_reference(reply, s.response_ids, main.topk_ids, ids, self.vocab_size)
+        except (ValueError, KeyError, TypeError) as err:
+            logger.warning("reference %s (%s) gave an unusable reply for group %s: %s", self.name, engine, s.group, err)
+            return TeacherScores(source=main.source, error=f"reference {self.name}: bad reply from {engine}: {err}")
+        return dataclasses.replace(main, ref_logp=ref_logp, ref_topk_logp=ref_topk)
 
     def close(self) -> None:
         self.pool.close()

@@ -14,6 +14,10 @@ samples and gets the same log-probs):
   model): the weights at the start (or of `checkpoint`), taken again every `refresh_interval`
   rollout steps. On resume the copy is taken from the resumed weights (its age restarts).
 
+An engine teacher may have a reference (`reference:`, another engine teacher, never routed to)
+that scores, for every sample the teacher scored, the same tokens and the teacher's top-k ids
+(Direct-OPD's π_Tref; `EngineTeacher.reference`).
+
 Engine teachers (`rollout/teacher.py`) are scored on rank 0, which holds the engines, and their
 scores are broadcast. Each sample has at most one teacher, routed by its domain
 (`route_by_domain`, UI-MOPD). With `top_k`, an in-trainer teacher also gives its k most likely
@@ -290,12 +294,16 @@ class Teachers:
     Engine teachers exist on rank 0 only (`engine_ranks`); in-trainer ones on every rank."""
 
     def __init__(self, configs: Sequence[Any], teachers: Sequence[Any]) -> None:
-        from mcore_rl.config.rl_validate import teacher_name
+        from mcore_rl.config.rl_validate import reference_teachers, teacher_name
 
         self.names = [teacher_name(t, i) for i, t in enumerate(configs)]
         self.domains = [list(t.domains) for t in configs]
         self.kinds = [t.kind for t in configs]
         self.teachers = list(teachers)  # None where an engine teacher lives on another rank
+        # reference teachers (π_Tref of another one) are never routed to; `reference_of[j]`: whose
+        self.references = reference_teachers(configs)
+        self.reference_of = {j: [i for i, t in enumerate(configs) if getattr(t, "reference", None) == self.names[j]]
+                             for j in self.references}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -305,14 +313,14 @@ class Teachers:
         return [(i, t) for i, t in enumerate(self.teachers) if isinstance(t, EngineTeacher)]
 
     def route(self, samples: Sequence[Sample]) -> list[Optional[int]]:
-        return route_by_domain(self.domains, [s.prompt.domain for s in samples])
+        return route_by_domain(self.domains, [s.prompt.domain for s in samples], skip=self.references)
 
     async def ascore_engines(self, samples: Sequence[Sample]) -> None:
         """Engine teachers only, from an event loop (the asynchronous scheduler, after rewards)."""
         import asyncio
 
         routes = self.route(samples)
-        jobs = [t.ascore([s for s, r in zip(samples, routes) if r == i]) for i, t in self.engine_teachers]
+        jobs = [t.ascore(mine) for i, t in self.engine_teachers if (mine := [s for s, r in zip(samples, routes) if r == i])]
         await asyncio.gather(*jobs)
 
     def score(self, samples: Sequence[Sample], logprobs: LogprobFn, broadcast: Callable[[Any], Any],
@@ -357,6 +365,13 @@ class Teachers:
             out[f"teacher/{name}/samples"] = float(len(mine))
             out[f"teacher/{name}/error_frac"] = sum(s.teacher is None or s.teacher.error is not None
                                                     for s in mine) / len(mine)
+        for j, mains in self.reference_of.items():  # a reference: the samples its teachers scored
+            tag = f"reference {self.names[j]}:"
+            asked = [s for s, r in zip(samples, routes) if r in mains and s.teacher is not None
+                     and (s.teacher.error is None or s.teacher.error.startswith(tag))]
+            if asked:
+                out[f"teacher/{self.names[j]}/samples"] = float(len(asked))
+                out[f"teacher/{self.names[j]}/error_frac"] = sum(s.teacher.error is not None for s in asked) / len(asked)
         return out
 
     def step_done(self, rl_step: int, version: int) -> None:
@@ -407,6 +422,10 @@ def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Option
         for i, t in enumerate(cfg.teachers):
             out.append(build_engine_teacher(t, i, teacher_name(t, i), cfg, tokenizer, workdir)
                        if t.kind == "engine" else None)
+        names = [teacher_name(t, i) for i, t in enumerate(cfg.teachers)]
+        for i, t in enumerate(cfg.teachers):  # a teacher's reference π_Tref (validated: another engine teacher)
+            if t.kind == "engine" and t.reference:
+                out[i].reference = out[names.index(t.reference)]
     except BaseException:
         for t in out:
             if t is not None:

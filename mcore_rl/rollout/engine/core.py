@@ -86,6 +86,8 @@ class Request:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # SGLang: -1 -> len(input_ids) - 1; input log-probs from here
     stream: bool = False
+    # SGLang's token_ids_logprob: the log-probs of these ids (in this order) at every scored position
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -105,6 +107,10 @@ class RequestOutput:
     weight_version: int | str  # an int, or the string a weight update named (SGLang's versions are strings)
     output_token_weight_versions: list[int | str]  # per generated token: the weight version that sampled it
     text: str | None = None  # decoded output (stop-trimmed when finished); None for non-final, non-stream
+    # with Request.token_ids_logprob: (logprob, id) of each of those ids, per generated token / per
+    # input position (aligned with input_token_logprobs, the first None)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +130,8 @@ class _Live:
     out_top: list[list[tuple[float, int]]] = field(default_factory=list)
     in_lp: list[tuple[float | None, int]] = field(default_factory=list)
     in_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    out_tid: list[list[tuple[float, int]]] = field(default_factory=list)  # token_ids_logprob per output token
+    in_tid: list[list[tuple[float, int]] | None] = field(default_factory=list)  # ... per input position
 
     @property
     def sp(self) -> SamplingParams:
@@ -282,6 +290,13 @@ class EngineCore:
         s = req.logprob_start_len
         if isinstance(s, bool) or not isinstance(s, int) or not -1 <= s < len(ids):
             raise ValueError(f"logprob_start_len: expected -1 or an integer in [0, {len(ids)}), got {s!r}")
+        tid = req.token_ids_logprob
+        if tid is not None:
+            if not isinstance(tid, list):
+                raise ValueError(f"token_ids_logprob: expected a list of token ids, got {tid!r}")
+            for t in tid:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"token_ids_logprob: {t!r} is not a token id in [0, {self.vocab_size})")
         with self._lock:
             if req.rid in self._rids:
                 raise ValueError(f"rid: a request with rid {req.rid!r} is already in flight")
@@ -470,11 +485,16 @@ class EngineCore:
         targets = ids[start + 1 :]
         live.in_lp = [(None, ids[start])]
         live.in_top = [None]
+        tid = live.req.token_ids_logprob
+        live.in_tid = [None] if tid is not None else []
         if not targets:
             return
         lp = torch.log_softmax(logits, dim=-1)
         chosen = lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
         live.in_lp += list(zip(chosen, targets))
+        if tid is not None:
+            at = lp[:, torch.tensor(tid, dtype=torch.long, device=lp.device)].tolist() if tid else [[] for _ in targets]
+            live.in_tid += [list(zip(row, tid)) for row in at]
         k = live.req.top_logprobs_num
         if k > 0:
             vals, idx = lp.topk(k, dim=-1)
@@ -517,6 +537,9 @@ class EngineCore:
                 live.out_lp.append((chosen[j], tok))
                 k = live.req.top_logprobs_num
                 live.out_top.append(list(zip(tops[0][j][:k], tops[1][j][:k])) if k else [])
+                tid = live.req.token_ids_logprob
+                if tid is not None:
+                    live.out_tid.append(list(zip(lp[j, tid].tolist(), tid)) if tid else [])
             reason = self._finish_reason(live, tok)
             if reason is not None:
                 outs.append(self._output(live, reason))
@@ -579,6 +602,8 @@ class EngineCore:
             weight_version=self.weight_version,
             output_token_weight_versions=copy(live.out_versions),
             text=self._text(live.output_ids, live.sp, reason),
+            output_token_ids_logprobs=copy(live.out_tid),
+            input_token_ids_logprobs=live.in_tid,
         )
 
     def _aborted(self, req: Request, output_ids: list[int], message: str) -> RequestOutput:
