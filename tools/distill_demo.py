@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -73,14 +74,13 @@ def run_variant(name: str, seed: int, steps: int, hf: str, out: str) -> dict:
     domains = sorted({k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.endswith("/score")
                       and k.count("/") == 2})
     return {"variant": name, "seed": seed, "wall_s": wall, "domains": domains,
-            "curve": [{"step": r.get("rl_step", i * (steps // max(len(evals) - 1, 1))),
-                       **{d: r[f"eval/{d}/score"] for d in domains}, "all": r["eval/score"]} for i, r in enumerate(evals)]}
+            "curve": [{"step": r["rl_step"], **{d: r[f"eval/{d}/score"] for d in domains}, "all": r["eval/score"]}
+                      for r in evals]}
 
 
 def _fmt(values: list[float]) -> str:
     values = sorted(values)
-    mid = values[len(values) // 2] if len(values) % 2 else 0.5 * (values[len(values) // 2 - 1] + values[len(values) // 2])
-    return f"{100 * mid:.1f}" + (f" [{100 * values[0]:.1f}, {100 * values[-1]:.1f}]" if len(values) > 1 else "")
+    return f"{100 * statistics.median(values):.1f}" + (f" [{100 * values[0]:.1f}, {100 * values[-1]:.1f}]" if len(values) > 1 else "")
 
 
 def table(results: list[dict]) -> str:
@@ -90,8 +90,7 @@ def table(results: list[dict]) -> str:
     for name in dict.fromkeys(r["variant"] for r in results):
         rs = [r for r in results if r["variant"] == name]
         cells = [f"{_fmt([r['curve'][0][d] for r in rs])} → {_fmt([r['curve'][-1][d] for r in rs])}" for d in domains]
-        walls = sorted(r["wall_s"] for r in rs)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {walls[len(walls) // 2]:.0f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(r['wall_s'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 
