@@ -110,6 +110,10 @@ def test_recipe_and_example_config_are_valid(tmp_path):
     example = load_config(RLConfig, os.path.join(ROOT, "configs", "domains.yaml"))
     validate_rl_config(example, 1)
     assert [d.name for d in example.data.domains] == ["addition", "code", "format"]
+    real = load_config(RLConfig, os.path.join(ROOT, "configs", "smollm2_reasoning.yaml"))  # the real-model recipe
+    validate_rl_config(real, 1)
+    assert {d.reasoning_gym for d in real.data.domains} == {"products", "chain_sum", "gcd"}
+    assert all(d.chat_template and d.rewards[0].options == {"extract": "last_number"} for d in real.data.domains)
 
 
 def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):
@@ -433,6 +437,12 @@ def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):
     p = build_prompt_sets(cfg, tok).train.sources["sum2"].take(1)[0]
     want = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": p.text}])
     assert want.startswith("system be brief user ") and p.ids == [tok.bos_id] + tok.encode(want)
+    # a template that starts with the bos itself (SmolLM2's <|im_start|>, Llama 3's <|begin_of_text|>) gets no second one
+    hf.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    hf.save_pretrained(os.path.join(tmp, "tok"))
+    tok = load_tokenizer(cfg.data.tokenizer_path)
+    p = build_prompt_sets(cfg, tok).train.sources["sum2"].take(1)[0]
+    assert p.ids[:2] == [tok.bos_id, tok.encode("system")[0]] and p.ids.count(tok.bos_id) == 1
     data["data"].pop("tokenizer_path")
     assert "data.domains[0].chat_template: domain 'sum2': needs a Hugging Face tokenizer" in errors_of(cfg_of(tmp, data))
 

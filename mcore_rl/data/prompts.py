@@ -47,8 +47,11 @@ class PromptSource:
         return self._perm
 
     def encode(self, text: str) -> list[int]:
-        bos = [self.tokenizer.bos_id] if self.add_bos and self.tokenizer.bos_id is not None else []
-        return bos + self.tokenizer.encode(self.render(text) if self.render is not None else text)
+        ids = self.tokenizer.encode(self.render(text) if self.render is not None else text)
+        bos = self.tokenizer.bos_id
+        if not self.add_bos or bos is None or (ids and ids[0] == bos):  # a chat template may start with it
+            return ids
+        return [bos] + ids
 
     # one domain: no stages, nothing to learn from the scores (the interface of `MixtureSource`)
     temperature: Optional[float] = None
