@@ -114,6 +114,10 @@ def test_recipe_and_example_config_are_valid(tmp_path):
     validate_rl_config(real, 1)
     assert {d.reasoning_gym for d in real.data.domains} == {"products", "chain_sum", "gcd"}
     assert all(d.chat_template and d.rewards[0].options == {"extract": "last_number"} for d in real.data.domains)
+    real.data.domains[2].rewards[0].options["extract"] = "first"  # a value outside the reward's Literal
+    with pytest.raises(ConfigError, match=r"data\.domains\[2\]\.rewards\[0\]\.options\.extract: .*'first' is not one of "
+                                          r"'auto', 'tag', 'last_number'"):
+        validate_rl_config(real, 1)
 
 
 def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -177,8 +178,23 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                 inspect.signature(fn).bind(RewardInput("", ""), **h.options)
             except TypeError as err:
                 errors.need(False, f"{hk}.options", f"{who}{h.name!r} does not take the options {h.options}: {err}")
+                continue
             except ValueError:  # no signature (a builtin): found out at the first call
-                pass
+                continue
+            for name, allowed in literal_choices(fn).items():
+                if name in h.options:
+                    errors.need(h.options[name] in allowed, f"{hk}.options.{name}",
+                                f"{who}{h.options[name]!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def literal_choices(fn: Any) -> dict[str, tuple]:
+    """The keyword parameters of `fn` annotated `Literal[...]`, with their allowed values (so a
+    reward option's value is checked here, not at the first sample it would fail)."""
+    try:
+        hints = typing.get_type_hints(inspect.unwrap(fn))
+    except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check
+        return {}
+    return {k: typing.get_args(v) for k, v in hints.items() if typing.get_origin(v) is typing.Literal}
 
 
 def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:

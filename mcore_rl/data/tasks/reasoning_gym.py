@@ -13,8 +13,9 @@ package is imported only when a reasoning-gym task is built or scored (it takes 
 from __future__ import annotations
 
 import re
+import typing
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from mcore_rl.data.tasks import register_task
 from mcore_rl.rewards import RewardInput, register_reward
@@ -44,11 +45,12 @@ def _scorer(dataset: str) -> Callable[[str, dict], float]:
     return reasoning_gym.get_score_answer_fn(dataset)
 
 
-EXTRACTIONS = ("auto", "tag", "last_number")
+Extraction = Literal["auto", "tag", "last_number"]
+EXTRACTIONS: tuple[str, ...] = typing.get_args(Extraction)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def answer_of(completion: str, extract: str = "auto") -> str:
+def answer_of(completion: str, extract: Extraction = "auto") -> str:
     """What the scorer judges. Every mode takes the `<answer>` tag's content when there is one;
     without it: "auto" the whole completion, "tag" nothing (the answer must be tagged),
     "last_number" the completion's last number (commas dropped) - for numeric tasks and models
@@ -69,7 +71,7 @@ def answer_of(completion: str, extract: str = "auto") -> str:
 
 
 @register_reward("reasoning_gym")
-def reasoning_gym_reward(sample: RewardInput, extract: str = "auto") -> float:
+def reasoning_gym_reward(sample: RewardInput, extract: Extraction = "auto") -> float:
     """The generator's own score of the completion's answer (`answer_of`); the label is the
     generator's entry."""
     entry = sample.label
