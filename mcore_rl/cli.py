@@ -6,6 +6,7 @@
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
+    mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
@@ -137,6 +138,49 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _run_job(args, "train", RLConfig, validate_rl_config, "mcore_rl.runtime:run_rl")
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    """Engine vs trainer on the same tokens (`mcore_rl.runtime.parity`), one rank."""
+    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+    from mcore_rl.data.files import DataError
+
+    try:
+        cfg = load_config(RLConfig, args.recipe, args.overrides)
+        validate_rl_config(cfg, 1)
+        _preflight(cfg)
+        if args.prompts < 1 or args.samples < 1 or args.position_bins < 1:
+            raise ConfigError("--prompts, --samples and --position-bins must be >= 1")
+        from mcore_rl.runtime.parity import PRECISIONS
+
+        bad = [p for p in args.precisions if p not in PRECISIONS]
+        if bad:
+            raise ConfigError(f"--precisions: {bad[0]!r} is not one of {list(PRECISIONS)}")
+        if not args.precisions and not args.engine_url:
+            raise ConfigError("nothing to compare: give --precisions and/or --engine-url")
+        if args.checkpoint and not os.path.isdir(args.checkpoint):
+            raise ConfigError(f"--checkpoint: {args.checkpoint!r} is not a directory")
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"mcore-rl parity: {err}", file=sys.stderr)
+        return 2
+    from mcore_rl.parallel import setup
+    from mcore_rl.runtime.parity import ParityOptions, format_report, run_parity, write_json
+
+    opts = ParityOptions(precisions=list(args.precisions), engine_urls=list(args.engine_url or []),
+                         num_prompts=args.prompts, samples_per_prompt=args.samples,
+                         position_bins=args.position_bins, layers=not args.no_layers, checkpoint=args.checkpoint)
+    try:
+        report = run_parity(cfg, opts)
+    except ValueError as err:
+        print(f"mcore-rl parity: {err}", file=sys.stderr)
+        return 2
+    finally:
+        setup.destroy()
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from mcore_rl.config import ConfigError
     from mcore_rl import convert
@@ -266,6 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     train.set_defaults(func=cmd_train, usage=train.format_usage)
     _add_convert_parser(sub)
+    parity = sub.add_parser("parity", help="engine vs trainer log-probs, hidden states and MoE routing on the same tokens",
+                            usage="mcore-rl parity [RECIPE.yaml] [key.path=value ...] [--precisions none bf16 fp8] "
+                                  "[--engine-url URL] [--json PATH]")
+    parity.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
+    parity.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init.sft_steps=0")
+    parity.add_argument("--precisions", nargs="*", default=["none", "bf16", "fp8"],
+                        help="embedded engines to compare: none (fp32), bf16, fp8; the first one samples the sequences")
+    parity.add_argument("--engine-url", action="append", help="an SGLang-compatible server to compare too (repeatable)")
+    parity.add_argument("--checkpoint", help="weights to compare (a megatron checkpoint dir) instead of the recipe's init")
+    parity.add_argument("--prompts", type=int, default=16, help="training prompts to sample from")
+    parity.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    parity.add_argument("--position-bins", type=int, default=16, help="response positions per bin of the by-position table")
+    parity.add_argument("--no-layers", action="store_true", help="skip the per-layer hidden-state / routing report")
+    parity.add_argument("--json", help="also write the numbers to this JSON file")
+    parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

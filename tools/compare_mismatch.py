@@ -3,11 +3,15 @@
     .venv/bin/python tools/compare_mismatch.py                       # the docs/mismatch_correction.md run
     .venv/bin/python tools/compare_mismatch.py --seeds 1 2 3 --steps 60 --methods none tis
     .venv/bin/python tools/compare_mismatch.py -- rollout.quantization=none   # extra overrides for every run
+    .venv/bin/python tools/compare_mismatch.py --recipe configs/demo_moe.yaml --work runs/mismatch_moe \
+        --png docs/mismatch_moe.png --seeds 1 2 3 --methods none tis mis mipu r3 mask r3_mask_tis
+                                                # the issue-12 experiment: MoE, FP8, T=1, top-p 0.9
 
 1. One SFT warm start (the demo's), saved as a checkpoint, so every method starts from the same
    weights: `mcore-rl train configs/demo.yaml train.num_steps=0 checkpoint.save_dir=WORK/sft`.
 2. For each seed and method: `mcore-rl train configs/demo.yaml init.sft_steps=0
    init.checkpoint=WORK/sft algorithm.mismatch.name=METHOD train.seed=SEED run_dir=WORK/METHOD_sSEED`
+   (`PRESETS` names other methods by their overrides: r3 / r2 routing replay, mask = sampling-mask replay)
    (the seed fixes the prompt order and every sampling seed, so the methods see the same prompts;
    their rollouts diverge once their weights do).
 3. One PNG with the training reward, held-out scores and mismatch curves of every run side by side,
@@ -30,7 +34,22 @@ sys.path.insert(0, HERE)
 from mcore_rl.runtime.metrics import read_metrics  # noqa: E402
 
 COLORS = {"none": "tab:gray", "tis": "tab:blue", "mis": "tab:orange", "mipu": "tab:green", "icepop": "tab:red",
-          "seq_tis": "tab:purple", "seq_mask_tis": "tab:brown", "slime_mis": "tab:pink", "seq_mis": "tab:olive"}
+          "seq_tis": "tab:purple", "seq_mask_tis": "tab:brown", "slime_mis": "tab:pink", "seq_mis": "tab:olive",
+          "r3": "tab:cyan", "mask": "tab:red", "r3_mask_tis": "black", "r2": "tab:purple"}
+
+# Methods that are not (only) a registered mismatch correction: their overrides. Any other name is
+# `algorithm.mismatch.name=<name>`. R3 / R2 (MoE routing replay) and sampling-mask replay run
+# without IS correction so that each shows its own effect; `r3_mask_tis` combines all three.
+PRESETS = {
+    "r3": ["algorithm.mismatch.name=none", "algorithm.routing_replay=r3"],
+    "r2": ["algorithm.mismatch.name=none", "algorithm.routing_replay=r2"],
+    "mask": ["algorithm.mismatch.name=none", "rollout.sampling_mask_replay=true"],
+    "r3_mask_tis": ["algorithm.mismatch.name=tis", "algorithm.routing_replay=r3", "rollout.sampling_mask_replay=true"],
+}
+
+
+def method_overrides(method: str) -> list[str]:
+    return PRESETS.get(method, [f"algorithm.mismatch.name={method}"])
 
 
 def run(cmd: list[str], log: str) -> float:
@@ -141,7 +160,7 @@ def main() -> None:
                 print(f"{method} seed {seed} ...", flush=True)
                 times[f"{method}_s{seed}"] = run(cli + [
                     f"run_dir={run_dir}", "init.sft_steps=0", f"init.checkpoint={sft_dir}",
-                    f"algorithm.mismatch.name={method}", f"train.seed={seed}", f"train.num_steps={args.steps}",
+                    *method_overrides(method), f"train.seed={seed}", f"train.num_steps={args.steps}",
                     *common], os.path.join(work, f"{method}_s{seed}.log"))
             results[method][seed] = read_metrics(metrics)
             k = next((int(key.split("@")[1]) for r in results[method][seed] for key in r
