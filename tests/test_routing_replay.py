@@ -186,3 +186,188 @@ def test_routed_experts_over_http_and_both_pools():
             assert g[1].routed_experts is None
     emb = EmbeddedEnginePool([_engine(model)]).generate([GenRequest(prompt, sp, return_routed_experts=True)])[0]
     assert emb.output_ids == out["output_ids"] and np.array_equal(emb.routed_experts, got)
+
+
+# ------------------------------------------------------------------------------------ trainer
+
+SEQ, MBS = 24, 2
+NO_AUX = dataclasses.replace(MOE, moe_aux_loss_coeff=0.0)  # gradients compared exactly: no aux term
+
+
+def _samples(vocab: int, count: int = 7, seed: int = 3) -> list:
+    """Random prompts and responses (the same on every rank), each shorter than a row."""
+    from mcore_rl.data.samples import Prompt, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        p = torch.randint(3, vocab, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(Prompt(index=i, text="", ids=p), i // 2, r, [-1.0] * len(r), 0, "stop"))
+    return out
+
+
+def _forced(samples, mc: ModelConfig, seed: int = 11) -> list[torch.Tensor]:
+    """Arbitrary (not the natural) experts for every forwarded token: [n - 1, layers, k], distinct per row."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids)
+        ids = torch.rand(n - 1, mc.num_layers, mc.num_experts, generator=g).argsort(-1)[..., : mc.moe_router_topk]
+        out.append(ids.to(torch.int16))
+    return out
+
+
+def _pad_last(r: torch.Tensor) -> torch.Tensor:
+    return torch.cat([r.long(), torch.full((1, *r.shape[1:]), -1, dtype=torch.long)])
+
+
+def _logprobs(chunks, samples, routing, num_positions: int) -> torch.Tensor:
+    """[N, T] response log-probs as the learner's `token_stats` computes them (with `routing`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.train.logprobs import compute_token_stats
+    from mcore_rl.train.packing import build_microbatches
+    from mcore_rl.train.rl_step import MODEL_KEYS
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mbs = build_microbatches(samples, range(len(samples)), SEQ, MBS, dp_rank, dp, 0, num_positions, routing=routing)
+    stats = compute_token_stats(chunks, [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs])
+    full = torch.zeros(len(samples), num_positions)
+    for mb, st in zip(mbs, stats):
+        if mb["seq_index"].numel():
+            full[mb["seq_index"]] = st.logprobs.reshape(-1)[mb["seq_pos"]]
+    if dp > 1:
+        dist.all_reduce(full, group=ps.get_data_parallel_group())
+    return full
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal routing; a sample's last token may be -1 (cut off by the row end: it is no model input)."""
+    return torch.equal(got[:-1].long(), want[:-1]) and (torch.equal(got[-1].long(), want[-1]) or bool((got[-1] == -1).all()))
+
+
+def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.shards import gather_full_state_dict, load_full_state_dict
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train import routing_replay as rr
+    from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
+    from mcore_rl.train.logprobs import make_forward_step
+    from mcore_rl.train.packing import build_microbatches
+
+    name = str(pc)
+    init_model_parallel(pc)
+    set_seed(1)
+    config = transformer_config(mc, pc)
+    chunks = build_model(mc, pc, config=config)
+    load_full_state_dict(chunks, hf_to_megatron(ref.state_dict(), mc))
+    chunks = wrap_ddp(chunks, config)
+    prepare_config(config, chunks)
+    taps = rr.attach(chunks)
+    assert taps and all(isinstance(c.module.decoder.layers[0].mlp.router.router_replay, rr.ReplayRouting) for c in chunks)
+    T = max(len(s.response_ids) for s in samples)
+    order = range(len(samples))
+    mask = torch.zeros(len(samples), T)
+    for i, s in enumerate(samples):
+        mask[i, : len(s.response_ids)] = 1
+
+    # natural routing: what the reference model picks
+    with rr.recording(taps):
+        lp = _logprobs(chunks, samples, None, T)
+    natural = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.moe_router_topk)
+    for i in order:
+        assert _same(natural[i], expect["natural"][i]), f"{name}: natural routing of sample {i}"
+    torch.testing.assert_close(lp * mask, expect["natural_lp"] * mask, rtol=1e-5, atol=1e-5)
+
+    # replay: the routers use exactly the forced experts (the last token of a sample routes naturally),
+    # and compute what the reference model computes with those experts
+    with rr.recording(taps):
+        lp = _logprobs(chunks, samples, forced, T)
+    used = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.moe_router_topk)
+    for i in order:
+        assert torch.equal(used[i][:-1].long(), forced[i].long()), f"{name}: replayed routing of sample {i}"
+        assert _same(used[i], expect["forced_routing"][i]), f"{name}: sample {i}'s last token"
+    torch.testing.assert_close(lp * mask, expect["forced_lp"] * mask, rtol=1e-5, atol=1e-5)
+    assert float(((lp - expect["natural_lp"]).abs() * mask).max()) > 1e-3, f"{name}: replay changed nothing"
+
+    # training forward under replay: the router weights get the reference's gradients
+    def loss_fn(batch, stats):
+        m = batch["loss_mask"].float()
+        loss = -(stats.logprobs * m).sum()
+        return loss, m.sum().to(torch.int), {"lm_loss": torch.stack([loss.detach(), m.sum()])}
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mbs = build_microbatches(samples, order, SEQ, MBS, dp_rank, dp, 0, T, routing=forced)
+    for c in chunks:
+        c.train()
+    forward_backward(chunks, mbs, forward_step=make_forward_step(loss_fn, with_entropy=False))
+    grads = gather_full_state_dict(chunks, grads=True)
+    want = hf_to_megatron(expect["forced_grads"], mc)
+    routers = [k for k in want if "router.weight" in k]
+    assert routers
+    for key in routers + [k for k in want if "experts" in k][:2]:
+        scale = float(want[key].abs().max())
+        assert scale > 0, key
+        torch.testing.assert_close(grads[key], want[key], rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}")
+    rr.clear(taps)
+    ps.destroy_model_parallel()
+
+
+def _expectations(mc: ModelConfig, ref, samples, forced) -> dict:
+    natural, natural_lp, routing, forced_lp = [], [], [], []
+    T = max(len(s.response_ids) for s in samples)
+    nat_lp = torch.zeros(len(samples), T)
+    f_lp = torch.zeros(len(samples), T)
+    ref.zero_grad()
+    total = sum(len(s.response_ids) for s in samples)
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        r, lp = reference_routing(ref, seq)
+        natural.append(r)
+        nat_lp[i, : len(s.response_ids)] = lp[len(s.prompt_ids) - 1 :]
+        r, lp = reference_routing(ref, seq, _pad_last(forced[i]))
+        routing.append(r)
+        f_lp[i, : len(s.response_ids)] = lp[len(s.prompt_ids) - 1 :]
+        # the gradient of -sum log p over the response tokens / all response tokens, forced experts
+        taps = _taps(ref)
+        for li, tap in enumerate(taps):
+            tap.forced = _pad_last(forced[i])[:, li]
+        logits = ref(torch.tensor([seq])).logits[0].float()
+        for tap in taps:
+            tap.forced = None
+        lps = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        (-(lps[len(s.prompt_ids) - 1 :].sum()) / total).backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    return dict(natural=natural, natural_lp=nat_lp, forced_routing=routing, forced_lp=f_lp, forced_grads=grads)
+
+
+def _layouts_world(rank: int, world_size: int, layouts: list[ParallelConfig]) -> None:
+    mc = NO_AUX
+    ref = _reference(mc)
+    samples = _samples(mc.vocab_size)
+    forced = _forced(samples, mc)
+    expect = _expectations(mc, ref, samples, forced)
+    for pc in layouts:
+        _layout(mc, pc, ref, samples, forced, expect)
+
+
+def P(**kw) -> ParallelConfig:
+    names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size", ep="expert_model_parallel_size",
+                 sp="sequence_parallel", etp="expert_tensor_parallel_size")
+    return ParallelConfig(**{names[k]: v for k, v in kw.items()})
+
+
+@pytest.mark.slow
+def test_replay_in_megatron_routers_two_rank_layouts():
+    run_world(2, _layouts_world, [P(tp=2, sp=True), P(ep=2), P(pp=2)])
+
+
+@pytest.mark.slow
+def test_replay_in_megatron_routers_expert_tensor_parallel():
+    """TP=2 x EP=2 with sequence parallelism and ETP=1 (experts not split over TP)."""
+    run_world(4, _layouts_world, [P(tp=2, ep=2, sp=True, etp=1)])
