@@ -371,3 +371,99 @@ def test_replay_in_megatron_routers_two_rank_layouts():
 def test_replay_in_megatron_routers_expert_tensor_parallel():
     """TP=2 x EP=2 with sequence parallelism and ETP=1 (experts not split over TP)."""
     run_world(4, _layouts_world, [P(tp=2, ep=2, sp=True, etp=1)])
+
+
+# ------------------------------------------------------------------------------------ learner
+
+LEARNER = ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+           "model.moe_aux_loss_coeff=0.01", "init.sft_steps=0", "parallel.expert_model_parallel_size=2"]
+
+
+def test_config_rejects_replay_without_experts_or_with_full_recompute():
+    from mcore_rl.config import validate_rl_config
+    from mcore_rl.config.errors import ConfigError
+    from tests.test_rl_loop import tiny
+
+    with pytest.raises(ConfigError, match="algorithm.routing_replay.*dense"):
+        validate_rl_config(tiny("algorithm.routing_replay=r3"), 1)
+    with pytest.raises(ConfigError, match="algorithm.routing_replay.*recompute=full"):
+        validate_rl_config(tiny(*LEARNER[:-1], "algorithm.routing_replay=r2", "train.recompute=full"), 1)
+    validate_rl_config(tiny(*LEARNER[:-1], "algorithm.routing_replay=r3"), 1)
+    with pytest.raises(ConfigError, match="algorithm.routing_replay"):
+        tiny("algorithm.routing_replay=r1")
+
+
+def _learner_world(rank: int, world_size: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from mcore_rl.config import validate_rl_config
+    from mcore_rl.train import routing_replay as rr
+    from mcore_rl.train.forward_backward import forward_backward
+    from mcore_rl.train.logprobs import make_forward_step
+    from mcore_rl.train.packing import build_microbatches, split_minibatches
+    from mcore_rl.train.policy import build_policy
+    from mcore_rl.train.rl_step import Learner
+    from tests.test_rl_loop import tiny
+
+    cfg = tiny(*LEARNER, "algorithm.routing_replay=r2")
+    policy = build_policy(cfg, validate_rl_config, total_iters=8)
+    assert ps.get_data_parallel_world_size() == 2 and ps.get_expert_model_parallel_world_size() == 2
+    pad, t, mc = policy.tokenizer.pad_id, cfg.train, cfg.model
+    samples = _samples(mc.vocab_size, count=8)
+
+    # R2: π_old's own routing, recorded, is what every training forward replays
+    learner = Learner(cfg, policy.chunks, policy.optimizer, None, pad)
+    per_seq, _ = learner.prepare(samples)
+    routing = learner.routing
+    assert [tuple(r.shape) for r in routing] == [(len(s.prompt_ids) + len(s.response_ids), 2, 2) for s in samples]
+    assert all(bool((r[:-1] >= 0).all()) for r in routing)
+    T = per_seq["old_logp"].shape[1]
+    router_params = [p for c in policy.chunks for n, p in c.module.named_parameters() if n.endswith("router.weight")]
+    assert router_params
+    for step, part in enumerate(split_minibatches(len(samples), 2, t.seed, 0, 0)):
+        mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, ps.get_data_parallel_rank(), 2, pad,
+                                 T, per_seq, routing=routing)
+        clear_aux_losses_tracker()
+        for c in policy.chunks:
+            c.train()
+        with rr.recording(learner.replay_taps):
+            forward_backward(policy.chunks, mbs, forward_step=make_forward_step(learner.loss_fn, cfg.rollout.temperature))
+        used = rr.gather_recorded(learner.replay_taps, samples, part, t.seq_length, t.micro_batch_size, 2, 2)
+        for i in part:
+            assert torch.equal(used[i], routing[i]), f"R2 step {step}: sample {i} not routed as in π_old"
+        # gradients still reach the router weights, and the load-balancing loss is defined
+        for p in router_params:
+            g = p.main_grad
+            assert bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
+        aux = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+        assert bool(torch.isfinite(aux).all()) and bool((aux > 0).all()), aux
+        policy.optimizer.step()
+    records, _ = learner.train(samples, 0)
+    assert records and all(np.isfinite(r["train/loss"]) for r in records)
+    assert all(tap.target is None for tap in learner.replay_taps)  # nothing left for a later forward
+
+    # R3: the engine's experts (here arbitrary ones) in the π_old recompute
+    cfg3 = tiny(*LEARNER, "algorithm.routing_replay=r3")
+    learner = Learner(cfg3, policy.chunks, policy.optimizer, None, pad)
+    forced = _forced(samples, mc)
+    for s, r in zip(samples, forced):
+        s.routed_experts = r
+    with rr.recording(learner.replay_taps):
+        learner.prepare(samples)
+    used = rr.gather_recorded(learner.replay_taps, samples, range(len(samples)), t.seq_length, t.micro_batch_size, 2, 2)
+    for i in range(len(samples)):
+        assert torch.equal(used[i][:-1], forced[i].int()), f"R3: sample {i}"
+    records, _ = learner.train(samples, 1)
+    assert all(np.isfinite(r["train/loss"]) for r in records)
+    samples[2].routed_experts = forced[2][:, :1]
+    with pytest.raises(ValueError, match=r"sample 2 .*shape \(\d+, 1, 2\), expected \(\d+, 2, 2\)"):
+        learner.prepare(samples)
+    samples[2].routed_experts = None
+    with pytest.raises(ValueError, match="sample 2 .*no routed_experts"):
+        learner.prepare(samples)
+
+
+@pytest.mark.slow
+def test_learner_replays_r2_and_r3():
+    run_world(2, _learner_world)
