@@ -467,3 +467,22 @@ def _learner_world(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_learner_replays_r2_and_r3():
     run_world(2, _learner_world)
+
+
+# ------------------------------------------------------------------------------------ measurement
+
+
+def test_fp8_engine_mismatch_with_and_without_replay():
+    """The measurement of docs/mismatch_correction.md ("MoE routing replay"), small: both finite."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "routing_replay_report.py")
+    spec = importlib.util.spec_from_file_location("routing_replay_report", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    m = tool.measure(prompts=4, samples=2, max_new_tokens=12)
+    print(m)
+    for key in ("k3_no_replay", "abs_logp_diff_no_replay", "k3_r3", "abs_logp_diff_r3", "routing_differs_frac"):
+        assert np.isfinite(m[key]) and m[key] >= 0, key
+    assert m["k3_no_replay"] > 0 and m["response_tokens"] > 0
