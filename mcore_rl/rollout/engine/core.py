@@ -34,6 +34,11 @@ documented choices:
   re-admitted with prompt + tokens so far as one prefill); a request left in its slot across a
   weight load gets its K/V recomputed under the new weights before its next decode step
   (`_recompute_stale`). There is no prefix cache, so nothing else holds K/V.
+* `Request.return_routed_experts` (SGLang's, for MoE routing replay): `RequestOutput.routed_experts`
+  is int32 [len(input_ids) + len(output_ids) - 1, layers, k], the experts every forwarded token went
+  to in every layer (-1 for dense layers), token-major as SGLang returns them. A retracted request's
+  re-prefill and a stale recompute overwrite the rows they recompute, so the routing is always that
+  of the K/V the request's later tokens read.
 * `release_memory` / `resume_memory` are SGLang's `release_memory_occupation` and
   `resume_memory_occupation`: "kv_cache" frees the KV cache, "weights" frees the weights' storage
   (their values are lost, as in SGLang without `--enable-weights-cpu-backup`: after a resume they
