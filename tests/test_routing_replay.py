@@ -486,3 +486,35 @@ def test_fp8_engine_mismatch_with_and_without_replay():
     for key in ("k3_no_replay", "abs_logp_diff_no_replay", "k3_r3", "abs_logp_diff_r3", "routing_differs_frac"):
         assert np.isfinite(m[key]) and m[key] >= 0, key
     assert m["k3_no_replay"] > 0 and m["response_tokens"] > 0
+
+
+def test_partial_rollouts_keep_the_latest_responses_routing():
+    """A request continued as prompt + tokens so far: the sample's routing is the last response's,
+    which covers the whole sequence (the engine prefilled all of it again)."""
+    from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
+    from mcore_rl.runtime.simulation import SimBackend, SimulatedEngines, run_simulated, simulate_learner
+
+    class Routed(SimBackend):
+        async def generate(self, request):
+            g = await super().generate(request)
+            n = len(request.input_ids) + len(g.output_ids) - 1
+            g.routed_experts = np.full((n, 1, 2), len(request.input_ids), dtype=np.int32)  # names the request
+            return g
+
+    async def go():
+        eng = SimulatedEngines(2, 16, lambda batch: 0.01 * (1 + batch / 16))
+        sch = RolloutScheduler(Routed(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4, max_staleness=2))
+        run = await simulate_learner(sch, eng, 8, lambda g: 1.0, sync_time=0.05, keep_batches=True)
+        return run, sch
+
+    run, sch = run_simulated(go())
+    samples = [s for groups in run.batches for g in groups for s in g]
+    assert sch.ledger.continued > 0
+    continued = 0
+    for s in samples:
+        r = s.routed_experts
+        assert isinstance(r, torch.Tensor) and r.dtype == torch.int16
+        assert tuple(r.shape) == (len(s.prompt_ids) + len(s.response_ids) - 1, 1, 2)
+        assert len(set(r.flatten().tolist())) == 1  # one response's routing for the whole sequence
+        continued += int(int(r[0, 0, 0]) > len(s.prompt_ids))  # ... the continuation's, not the first part's
+    assert continued > 0, "no sample in the batches was continued across a sync"
