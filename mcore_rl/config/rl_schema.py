@@ -232,6 +232,10 @@ class AlgorithmConfig:
     drop_reward_errors: bool = True  # samples whose reward function failed get no loss and leave the group statistics
     mismatch: MismatchCorrectionConfig = field(default_factory=MismatchCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    # MoE routing replay (train/routing_replay.py): "r3" replays the engine's routed experts in the
+    # π_old recompute and every training forward; "r2" records the π_old recompute's routing and
+    # replays it in the training forwards of the same batch; "none" routes naturally everywhere
+    routing_replay: Literal["none", "r3", "r2"] = "none"
 
 
 @dataclass

@@ -64,6 +64,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_sample_fits(cfg.train, cfg.rollout, cfg.data, cfg.model, task, errors)
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
+    check_routing_replay(cfg, errors)
     check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
@@ -242,6 +243,19 @@ def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> Non
         errors.need(ds.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds", f"must be >= 1, got {ds.max_rounds}")
         errors.need(ds.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
                     f"must be >= 1, got {ds.max_oversample}")
+
+
+def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
+    """MoE routing replay needs routers to replay in, and a forward that runs once per micro-batch."""
+    mode = cfg.algorithm.routing_replay
+    if mode == "none":
+        return
+    errors.need(cfg.model.is_moe and cfg.model.num_experts > 0, "algorithm.routing_replay",
+                f"{mode!r} replays MoE routing, but the model is dense (model.arch={cfg.model.arch!r}, "
+                f"model.num_experts={cfg.model.num_experts})")
+    errors.need(cfg.train.recompute != "full", "algorithm.routing_replay",
+                f"{mode!r} with train.recompute=full: the recomputed forward in backward would route "
+                "another micro-batch's experts; use train.recompute none or selective")
 
 
 def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:

@@ -66,6 +66,10 @@ class Sample:
     # None = all tokens from `policy_version`
     token_versions: Optional[list[int]] = None
     teacher: Optional[TeacherScores] = None  # on-policy distillation: the teacher's view of the response
+    # routing replay (R3): the engine's experts per token, a torch int tensor [len(prompt_ids) +
+    # len(response_ids) - 1, num_layers, topk] (SGLang's routed_experts; -1 = dense layer), see
+    # `compact_routing`; None = not asked for / not returned
+    routed_experts: Any = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -74,3 +78,19 @@ class Sample:
     def provenance(self) -> dict[str, Any]:
         return {"prompt_index": self.prompt.index, "domain": self.prompt.domain, "policy_version": self.policy_version,
                 "engine": self.engine, "finish_reason": self.finish_reason}
+
+
+def compact_routing(routed: Any) -> Any:
+    """An engine's routed experts (numpy / torch ints [tokens - 1, layers, k]) as the torch tensor a
+    `Sample` keeps: int16 while the expert ids fit (any real MoE), else int32; None stays None. A
+    tensor, not a numpy array, so that checkpoints of the rollout buffer load with torch's safe
+    loader."""
+    if routed is None:
+        return None
+    import torch
+
+    t = torch.as_tensor(routed)
+    if t.dim() != 3:
+        raise ValueError(f"routed_experts: expected [tokens - 1, layers, topk], got shape {tuple(t.shape)}")
+    small = t.numel() == 0 or int(t.max()) < 2**15
+    return t.to(torch.int16 if small else torch.int32).clone()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import Qwen3ReferenceMLP, moe_aux_loss, moe_dispatch
+from .layers import Qwen3ReferenceMLP, RoutingTap, moe_aux_loss
 
 
 class Qwen3ReferenceLatentMoeBlock(nn.Module):
@@ -44,13 +44,14 @@ class Qwen3ReferenceLatentMoeBlock(nn.Module):
         self.fc2_latent_proj = nn.Linear(latent, d, bias=False)  # W_up
         shared = config.shared_expert_intermediate_size
         self.shared_expert = Qwen3ReferenceMLP(d, shared) if shared else None
+        self.routing = RoutingTap()  # routing replay: record / force the experts (layers.py)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
         z = self.fc1_latent_proj(x)  # [T, l]: what a dispatcher sends, once per (token, expert)
-        out = self.fc2_latent_proj(moe_dispatch(z, logits, self.experts, self.topk, self.norm_topk_prob))
+        out = self.fc2_latent_proj(self.routing.dispatch(z, logits, self.experts, self.topk, self.norm_topk_prob))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)

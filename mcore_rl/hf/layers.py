@@ -88,20 +88,54 @@ def moe_dispatch(
     experts: Sequence[nn.Module],
     topk: int,
     norm_topk_prob: bool,
-) -> torch.Tensor:
+    forced: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k p_k * expert_k(token) per row of `tokens` [T, h], routed by `logits` [T, E] (`route`).
 
     The one expert loop of the MoE blocks (plain and latent, where `tokens` is the latent input):
     each expert runs on the rows that picked it, weighted by their probability in the tokens' dtype.
+    `forced` [T, k] (routing replay): rows whose first entry is >= 0 use those experts instead of
+    their top-k, with the probabilities megatron-core's `RouterReplay` gives them (the scores of
+    `route` gathered at the forced ids); rows of -1 route as usual. Returns (output, the expert ids
+    used [T, k]).
     """
     probs, idx = route(logits, topk, norm_topk_prob)
+    if forced is not None:
+        forced = forced.to(device=idx.device, dtype=idx.dtype)
+        rows = forced[:, 0] >= 0
+        if bool(rows.any()):
+            idx = torch.where(rows[:, None], forced, idx)
+            if norm_topk_prob:
+                replayed = torch.softmax(logits.gather(1, idx).float(), dim=-1)
+            else:
+                replayed = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            probs = torch.where(rows[:, None], replayed, probs)
     probs = probs.to(tokens.dtype)
     out = torch.zeros_like(tokens)
     for e, expert in enumerate(experts):
-        rows, slot = torch.where(idx == e)
-        if rows.numel():
-            out.index_add_(0, rows, expert(tokens[rows]) * probs[rows, slot, None])
-    return out
+        rows_e, slot = torch.where(idx == e)
+        if rows_e.numel():
+            out.index_add_(0, rows_e, expert(tokens[rows_e]) * probs[rows_e, slot, None])
+    return out, idx
+
+
+class RoutingTap:
+    """What an MoE block exposes for routing replay (SGLang's `return_routed_experts`).
+
+    `record`: keep the expert ids of the last forward in `routed` ([T, k], the embedded engine reads
+    them after each pass); `forced`: [T, k] ids to route by instead (rows of -1 route as usual), used
+    to check the trainer's replay against this reference model."""
+
+    def __init__(self) -> None:
+        self.record = False
+        self.routed: torch.Tensor | None = None
+        self.forced: torch.Tensor | None = None
+
+    def dispatch(self, tokens: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module], topk: int,
+                 norm_topk_prob: bool) -> torch.Tensor:
+        out, idx = moe_dispatch(tokens, logits, experts, topk, norm_topk_prob, self.forced)
+        self.routed = idx if self.record else None
+        return out
 
 
 def moe_aux_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:

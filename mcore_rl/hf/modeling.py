@@ -61,9 +61,9 @@ from .layers import (  # route, load_balancing_loss: unused here, imported from 
     KVCache,
     Qwen3ReferenceMLP,
     Qwen3ReferenceRMSNorm,
+    RoutingTap,
     load_balancing_loss,
     moe_aux_loss,
-    moe_dispatch,
     route,
 )
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
@@ -188,12 +188,13 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
+        self.routing = RoutingTap()  # routing replay: record / force the experts (layers.py)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        out = moe_dispatch(x, logits, self.experts, self.topk, self.norm_topk_prob)
+        out = self.routing.dispatch(x, logits, self.experts, self.topk, self.norm_topk_prob)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)

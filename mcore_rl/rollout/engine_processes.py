@@ -133,6 +133,8 @@ class EngineProcesses:
         common += ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
         common += ["--api-key", api_key] if api_key else []
         common += ["--admin-api-key", admin_api_key] if admin_api_key else []
+        if model_config is not None and model_config.is_moe:  # routing replay (R3) may ask for the experts
+            common += ["--enable-return-routed-experts"]
         engines = []
         for i in range(num):
             env = _child_env(threads)

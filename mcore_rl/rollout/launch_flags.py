@@ -9,7 +9,8 @@ Flags fall in three groups:
   weights randomly from `--random-seed` and reads no weight file: for engines whose weights the
   trainer's first weight sync fills), `--device` (cpu / cuda; default: cuda when available),
   `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version` (any
-  string, as in SGLang), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
+  string, as in SGLang), `--enable-return-routed-experts` (requests may then ask for
+  `return_routed_experts`: MoE routing replay), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
   `mcore_rl/rollout/server.py`);
 - **our own**: `--weight-dirs DIR ...`, the directories whose files the weight-update endpoints may
   read (`/update_weights_from_disk`'s `model_path`, a tensor file of `/update_weights_from_tensor`);
@@ -100,6 +101,8 @@ class ServerArgs:
     api_key: Optional[str] = None
     admin_api_key: Optional[str] = None
     weight_dirs: Optional[list[str]] = None
+    # routing replay: requests may ask for `return_routed_experts` (SGLang's flag)
+    enable_return_routed_experts: bool = False
 
     @property
     def model_name(self) -> str:
@@ -185,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dirs", nargs="*", metavar="DIR",
                    help="directories weight-update requests may read files from (default: the model's "
                         "directory, the temp dir, /dev/shm; the flag alone: none)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="let /generate requests ask for return_routed_experts (MoE routing replay)")
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),

@@ -38,6 +38,8 @@ class GenRequest:
     input_ids: list[int]
     sampling_params: dict[str, Any]  # SGLang names: temperature, max_new_tokens, sampling_seed, ...
     rid: str = ""
+    # routing replay (R3): ask for SGLang's return_routed_experts
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -51,6 +53,9 @@ class Generation:
     # weight version of each output token, when the engine reports it (`mcore-rl serve`'s
     # meta_info `output_token_weight_versions`); None = all from `weight_version`
     output_versions: Optional[list[int]] = None
+    # routing replay (R3), with GenRequest.return_routed_experts: numpy int32 [len(input_ids) +
+    # len(output_ids) - 1, num_layers, topk], the experts of every forwarded token (-1: dense layer)
+    routed_experts: Any = None
 
 
 class EnginePool(Protocol):
@@ -75,7 +80,8 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
 
     if rollout.engine_urls:
         return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
-                              admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s)
+                              admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s,
+                              num_layers=model.num_layers)
     if started_engines(rollout):
         from mcore_rl.rollout.engine_processes import EngineProcesses
 
@@ -88,7 +94,8 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
         try:
             return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                                   admin_api_key=rollout.admin_api_key, processes=procs,
-                                  restart_dead=rollout.restart_engines, health_interval=rollout.health_check_interval_s)
+                                  restart_dead=rollout.restart_engines, health_interval=rollout.health_check_interval_s,
+                                  num_layers=model.num_layers)
         except BaseException:
             procs.close()
             raise
@@ -146,7 +153,8 @@ class EmbeddedEnginePool:
         where: dict[str, int] = {}
         for i, (req, rid) in enumerate(zip(requests, rids)):
             self.cores[i % len(self.cores)].add_request(
-                Request(rid, list(req.input_ids), SamplingParams(**req.sampling_params), return_logprob=True)
+                Request(rid, list(req.input_ids), SamplingParams(**req.sampling_params), return_logprob=True,
+                        return_routed_experts=req.return_routed_experts)
             )
             where[rid] = i
         results: list[Optional[Generation]] = [None] * len(requests)
@@ -163,6 +171,7 @@ class EmbeddedEnginePool:
                     results[where[out.rid]] = Generation(
                         list(out.output_ids), [lp for lp, _ in out.output_token_logprobs], int(out.weight_version),
                         (out.finish_reason or {}).get("type", "abort"), out.text or "", f"embedded:{j}",
+                        routed_experts=out.routed_experts,
                     )
                     pending -= 1
             if not progressed:
@@ -195,13 +204,14 @@ class HTTPEnginePool:
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
                  api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
                  health_interval: float = 5.0, log_wait_s: float = 10.0, processes: Any = None,
-                 restart_dead: bool = False) -> None:
+                 restart_dead: bool = False, num_layers: Optional[int] = None) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
         if not urls:
             raise ValueError("urls: need at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.processes, self.restart_dead = processes, restart_dead
+        self.num_layers = num_layers  # the served model's: shapes meta_info["routed_experts"] (routing replay)
         self.concurrency, self.timeout, self.log_wait_s = concurrency, timeout, log_wait_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool-http", daemon=True)
@@ -426,17 +436,27 @@ class HTTPEnginePool:
 
     async def agenerate(self, req: GenRequest) -> Generation:
         """One request, on the pool's event loop (`loop`): the asynchronous rollout scheduler's call."""
+        fields: dict[str, Any] = {"return_routed_experts": True} if req.return_routed_experts else {}
         out = await self.router.generate(
             input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
-            return_logprob=True, rid=req.rid or uuid.uuid4().hex,
+            return_logprob=True, rid=req.rid or uuid.uuid4().hex, **fields,
         )
         meta = out["meta_info"]
         versions = meta.get("output_token_weight_versions")
+        routed = None
+        if req.return_routed_experts and meta.get("routed_experts") is not None:
+            from mcore_rl.rollout.protocol import decode_routed_experts
+
+            if self.num_layers is None:
+                raise ValueError("num_layers: HTTPEnginePool needs the model's layer count to decode routed_experts")
+            routed = decode_routed_experts(meta["routed_experts"], len(req.input_ids) + len(out["output_ids"]),
+                                           self.num_layers)
         return Generation(
             list(out["output_ids"]), [float(t[0]) for t in meta.get("output_token_logprobs", [])],
             int(meta.get("weight_version", 0)), (meta.get("finish_reason") or {}).get("type", "abort"),
             out.get("text", ""), str(meta.get("engine", "remote")),
             [int(v) for v in versions] if versions is not None else None,
+            routed_experts=routed,
         )
 
     @property

@@ -5,13 +5,15 @@ Field names and JSON shapes follow SGLang (`GenerateReqInput` in `managers/io_st
 client written for `sglang.launch_server` works unchanged against the embedded engine:
 
     request:  {"text" | "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
-               "token_ids_logprob", "logprob_start_len", "return_text_in_logprobs", "stream", "rid"}
+               "token_ids_logprob", "logprob_start_len", "return_text_in_logprobs", "stream", "rid",
+               "return_routed_experts"}
               (lists = a batch)
     response: {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
                "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
                ["input_token_logprobs", "output_token_logprobs",        # [logprob, token_id, text|null]
                 "input_top_logprobs", "output_top_logprobs",            # per position: list of those
-                "input_token_ids_logprobs", "output_token_ids_logprobs"]}}  # likewise, token_ids_logprob's ids
+                "input_token_ids_logprobs", "output_token_ids_logprobs"],   # likewise, token_ids_logprob's ids
+               ["routed_experts"]}}  # base64 int32 [prompt + output - 1, layers, k] (return_routed_experts)
 
 `token_ids_logprob` (a list of ids; for a batch one list for every prompt, or a list per prompt)
 asks for the log-probs of exactly those ids, in that order, at every scored position: SGLang's
@@ -35,11 +37,14 @@ chunks carry `e2e_latency` only in a request's final chunk, as SGLang's do.
 
 from __future__ import annotations
 
+import base64
 import json
 import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from mcore_rl.rollout.engine.core import Request, RequestOutput
 from mcore_rl.rollout.engine.sampling import SamplingParams
@@ -54,6 +59,7 @@ class RequestError(ValueError):
 _GENERATE_FIELDS = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
+    "return_routed_experts",  # routing replay (needs --enable-return-routed-experts)
 }
 _STR, _INT, _NUM, _BOOL, _DICT, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 # Metadata a real SGLang server uses for metrics, logging, routing or prefix-cache keys; it changes
@@ -71,7 +77,7 @@ _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "mm_hashes": None,
     "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
     "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False, "return_routed_experts": False,
+    "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False,
     "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
     "lora_path": None, "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
@@ -101,8 +107,10 @@ class GenerateInput:
     return_text_in_logprobs: bool
 
 
-def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> GenerateInput:
-    """Validate a `/generate` body and turn it into engine requests; raises `RequestError`."""
+def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int,
+                   enable_return_routed_experts: bool = False) -> GenerateInput:
+    """Validate a `/generate` body and turn it into engine requests; raises `RequestError`.
+    `return_routed_experts` needs the server's `--enable-return-routed-experts`, as in SGLang."""
     if not isinstance(body, dict):
         raise RequestError(f"body: expected a JSON object, got {type(body).__name__}")
     check_fields(body, _GENERATE_FIELDS, _IGNORED_FIELDS, _UNSUPPORTED_FIELDS)
@@ -129,6 +137,9 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
     top_num = _per_item(body, "top_logprobs_num", batch, is_single, n, 0, _int)
     token_ids = _token_ids_logprob(body.get("token_ids_logprob"), batch, is_single, n, vocab_size)
     stream = _bool("stream", body.get("stream", False))
+    routed = _bool("return_routed_experts", body.get("return_routed_experts", False))
+    if routed and not enable_return_routed_experts:
+        raise RequestError("return_routed_experts: this server was not started with --enable-return-routed-experts")
     with_text = _bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
     rids = _rids(body.get("rid"), batch, n, is_single)
     prompt_field = "text" if body.get("text") is not None else "input_ids"
@@ -156,6 +167,7 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
                 rid=rids[i * n + k], input_ids=ids, sampling=params,
                 return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
                 logprob_start_len=start_len[i], stream=stream, token_ids_logprob=token_ids[i],
+                return_routed_experts=routed,
             ))
     return GenerateInput(requests, is_single and n == 1, stream, with_text)
 
@@ -402,8 +414,28 @@ def generate_output(
                                                 for t in out.input_token_ids_logprobs]
             meta["output_token_ids_logprobs"] = [logprob_triples(t, with_text) if t else None
                                                  for t in out.output_token_ids_logprobs]
+    if req.return_routed_experts and out.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     text = out.text if out.text is not None else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
+
+
+def encode_routed_experts(routed: Any) -> str:
+    """SGLang's meta_info["routed_experts"]: base64 of the little-endian int32 array
+    [tokens - 1, layers, k] (token-major, then layer, then top-k slot)."""
+    return base64.b64encode(np.ascontiguousarray(routed, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(value: str, num_tokens: int, num_layers: int) -> np.ndarray:
+    """`encode_routed_experts` inverted, as slime decodes it: int32 [num_tokens - 1, num_layers, k]
+    for a sequence of `num_tokens` tokens (prompt + output); ValueError naming the field on a size
+    that does not split so."""
+    flat = np.frombuffer(base64.b64decode(value), dtype="<i4").astype(np.int32)
+    rows = max(num_tokens - 1, 0)
+    if flat.size % max(rows * num_layers, 1) or (rows == 0) != (flat.size == 0):
+        raise ValueError(f"routed_experts: {flat.size} expert ids do not split into {rows} tokens "
+                         f"(len(prompt) + len(output) - 1) x {num_layers} layers")
+    return flat.reshape(rows, num_layers, -1)
 
 
 def logprob_triples(pairs, tokenizer=None) -> list[list]:

@@ -218,7 +218,8 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_generate(await _body(request), tokenizer=self.tokenizer,
-                                vocab_size=self.core.vocab_size, context_length=self.core.context_length)
+                                vocab_size=self.core.vocab_size, context_length=self.core.context_length,
+                                enable_return_routed_experts=self.args.enable_return_routed_experts)
         streams = await self._submit(parsed.requests)
 
         def render(i: int, out: RequestOutput) -> dict:

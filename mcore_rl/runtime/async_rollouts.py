@@ -46,7 +46,8 @@ class PoolBackend:
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)
         sp = self.manager.sampling_params(r.temperature, seed, domain=prompt.domain)
         sp["max_new_tokens"] = budget
-        return GenRequest(list(prompt.ids) + list(prefix), sp)
+        return GenRequest(list(prompt.ids) + list(prefix), sp,
+                          return_routed_experts=self.cfg.algorithm.routing_replay == "r3")  # routing replay
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.pool.agenerate(request)

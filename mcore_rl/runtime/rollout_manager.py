@@ -27,7 +27,7 @@ import numpy as np
 from mcore_rl.algos.dynamic_sampling import GroupRefill
 from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
-from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
 
@@ -191,8 +191,10 @@ class RolloutManager:
 
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
+        routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
         reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
-                                                       self.budget(p) if train else p.max_new_tokens, p.domain))
+                                                       self.budget(p) if train else p.max_new_tokens, p.domain),
+                           return_routed_experts=routed)
                 for p, k in zip(prompts, sizes) for j in range(k)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)
@@ -203,7 +205,8 @@ class RolloutManager:
             lp = list(g.output_logprobs)
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
-            samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text, g.engine))
+            samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text, g.engine,
+                                  routed_experts=compact_routing(g.routed_experts)))
         start = time.perf_counter()
         self.score(samples)
         self.last_reward_s = time.perf_counter() - start

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Deque, Literal, Optional, Protocol
 
-from mcore_rl.data.samples import Prompt, Sample, TeacherScores
+from mcore_rl.data.samples import Prompt, Sample, TeacherScores, compact_routing
 from mcore_rl.rollout.pool import Generation, GenRequest
 from mcore_rl.runtime.accounting import SampleLedger
 from mcore_rl.runtime.staleness import StalenessGate
@@ -111,6 +111,7 @@ class _Partial:
     finish: str = "abort"
     text: str = ""
     engine: str = ""
+    routed: Any = None  # routing replay: the latest response's routed experts, for the whole sequence
 
 
 @dataclass
@@ -270,6 +271,8 @@ class RolloutScheduler:
             out.versions += list(gen.output_versions or [gen.weight_version] * len(gen.output_ids))
             out.text += gen.text  # pieces decode separately; exact for byte-level tokenizers
             out.finish, out.engine = gen.finish_reason, gen.engine
+            if gen.routed_experts is not None:  # prompt + tokens so far were prefilled again: covers them all
+                out.routed = gen.routed_experts
             if gen.finish_reason != "abort":
                 break
             self.ledger.continued += 1
@@ -307,7 +310,8 @@ class RolloutScheduler:
     def _sample(self, prompt: Prompt, p: _Partial) -> Sample:
         versions = p.versions
         return Sample(prompt, prompt.index, p.ids, p.logps, min(versions) if versions else 0, p.finish,
-                      p.text, p.engine, token_versions=list(versions) if len(set(versions)) > 1 else None)
+                      p.text, p.engine, token_versions=list(versions) if len(set(versions)) > 1 else None,
+                      routed_experts=compact_routing(p.routed))
 
     # ------------------------------------------------------------------ consumer (the learner)
 

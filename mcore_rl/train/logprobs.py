@@ -352,7 +352,8 @@ def make_forward_step(
     """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
 
     Micro-batches hold `tokens`, `labels`, `position_ids` and optionally `segment_ids` (packed
-    rows) and `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
+    rows), `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too) and `routed_experts` (the experts
+    to replay, see `train.routing_replay`) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
     follows `calculate_per_token_loss`: it returns a *sum* and the integer count it should be
     divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
     ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
@@ -366,7 +367,10 @@ def make_forward_step(
         return loss, count, report
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
+        from mcore_rl.train import routing_replay
+
         batch = next(data_iterator)
+        routing_replay.install(model, batch.get(routing_replay.ROUTING_KEY))  # MoE routing replay, if attached
         out = gpt_token_stats(
             model,
             batch["tokens"],

@@ -125,13 +125,16 @@ def build_microbatches(
     pad_id: int,
     num_positions: int,
     per_seq: Optional[dict[str, torch.Tensor]] = None,
+    routing: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> list[dict[str, torch.Tensor]]:
     """This DP rank's micro-batches for the samples `order` (indices into `samples`).
 
     Row r goes to micro-batch r // (mbs·dp) of rank (r // mbs) % dp; the row count is padded with
     empty rows so every rank runs the same number of micro-batches. `per_seq` tensors ([N, ...],
     indexed by sample) are sliced to each micro-batch's samples. `num_positions` is T of the
-    sequence view."""
+    sequence view. `routing` (MoE routing replay, indexed like `samples`: [m, layers, k] per sample,
+    m <= its token count) becomes each micro-batch's `routed_experts` [b, s, layers, k] on the
+    token grid (-1 where none: padding, tokens past m)."""
     rows, places = pack_rows(samples, order, seq_length)
     per_step = micro_batch_size * dp_size
     num_rows = max(1, -(-len(rows) // per_step)) * per_step
@@ -180,6 +183,12 @@ def build_microbatches(
         mb["seq_pos"] = torch.stack(flat) if flat else torch.zeros(0, num_positions, dtype=torch.long)
         for key, value in (per_seq or {}).items():
             mb[key] = value[mb["seq_index"]]
+        if routing is not None:  # routing replay: the experts per token on the packed grid
+            from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid
+
+            here = [(i, r - lo, place.col) for i, place in zip(order, places)
+                    for r in [place.row] if lo <= r < lo + micro_batch_size]
+            mb[ROUTING_KEY] = packed_grid(samples, routing, here, micro_batch_size, seq_length)
         out.append(mb)
     return out
 

@@ -44,6 +44,7 @@ from mcore_rl.train.distillation import (
     teacher_view,
     terms_state_dict,
 )
+from mcore_rl.train import routing_replay
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
 from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_view, split_minibatches
@@ -51,7 +52,7 @@ from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_vi
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
 # what the model's forward reads from a micro-batch
-MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids")
+MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids", "routed_experts")
 
 
 def _dp() -> tuple[int, int]:
@@ -130,6 +131,10 @@ class Learner:
         # metric sums of one micro-batch: tokens, LOSS_METRICS, each loss-phase term's loss, the loss count
         self.metric_keys = LOSS_METRICS + tuple(f"distill/{x.name}/loss" for x in self.loss_terms)
         self.step = 0
+        # MoE routing replay (train/routing_replay.py): the policy's routers only, never π_ref's
+        self.replay_mode = cfg.algorithm.routing_replay
+        self.replay_taps = routing_replay.attach(chunks) if self.replay_mode != "none" else []
+        self.routing: Optional[list] = None  # this batch's per-sample routing to replay (r3: engine's, r2: π_old's)
 
     # ---------------------------------------------------------------- forward-only log-probs
 
@@ -142,16 +147,17 @@ class Learner:
 
     def token_stats(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
                     with_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
-                    response_mask: Optional[torch.Tensor] = None,
+                    response_mask: Optional[torch.Tensor] = None, routing: Optional[list] = None,
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """`token_logprobs` plus, with `topk_ids` [N, T, k] (and the [N, T] `response_mask`), the
-        [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits."""
+        [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits.
+        `routing` (per sample): experts to replay in the policy's routers (routing replay)."""
         chunks = chunks or self.chunks
         t = self.cfg.train
         dp_rank, dp_size = _dp()
         per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions, per_seq)
+                                 self.pad_id, num_positions, per_seq, routing=routing)
         add_packed_topk(mbs)
         model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
@@ -193,11 +199,19 @@ class Learner:
             horizons = [horizon_at(self.cfg, step, s.prompt.domain) for s in samples]
             teacher = teacher_view(samples, t, self.cfg.distill.top_k, horizons, self.cfg.model.vocab_size)
         old_topk = None
-        if teacher is not None and teacher.topk_ids is not None:
-            old, entropy, old_topk = self.token_stats(samples, t, with_entropy=True, topk_ids=teacher.topk_ids,
-                                                      response_mask=view.mask)
-        else:
-            old, entropy = self.token_logprobs(samples, t, with_entropy=True)
+        routing = self.replay_routing(samples)
+        with routing_replay.recording(self.replay_taps if self.replay_mode == "r2" else []):
+            if teacher is not None and teacher.topk_ids is not None:
+                old, entropy, old_topk = self.token_stats(samples, t, with_entropy=True, topk_ids=teacher.topk_ids,
+                                                          response_mask=view.mask, routing=routing)
+            else:
+                old, entropy, _ = self.token_stats(samples, t, with_entropy=True, routing=routing)
+        if self.replay_mode == "r2":  # replay π_old's own routing in this batch's training forwards
+            mc = self.cfg.model
+            routing = routing_replay.gather_recorded(self.replay_taps, samples, range(len(samples)), self.cfg.train.seq_length,
+                                                     self.cfg.train.micro_batch_size, mc.num_layers, mc.moe_router_topk)
+            routing_replay.clear(self.replay_taps)
+        self.routing = routing
         ref = None
         if self.ref_chunks is not None:
             ref, _ = self.token_logprobs(samples, t, chunks=self.ref_chunks)
@@ -234,6 +248,14 @@ class Learner:
         if ref is not None:
             per_seq["ref_logp"] = ref
         return per_seq, metrics
+
+    def replay_routing(self, samples: Sequence[Sample]) -> Optional[list]:
+        """R3: the samples' engine routing (shape-checked); otherwise None (natural routing)."""
+        if self.replay_mode != "r3":
+            return None
+        mc = self.cfg.model
+        routing_replay.check_samples(samples, mc.num_layers, mc.moe_router_topk)
+        return [s.routed_experts for s in samples]
 
     def _add_distillation(self, per_seq: dict[str, torch.Tensor], metrics: dict[str, float], view: Any,
                           teacher: Any, old: torch.Tensor, old_topk: Optional[torch.Tensor], entropy: torch.Tensor,
@@ -342,7 +364,7 @@ class Learner:
             for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch):
                 start = time.perf_counter()
                 mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                         self.pad_id, num_positions, per_seq)
+                                         self.pad_id, num_positions, per_seq, routing=self.routing)
                 add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
                 store: list[dict[str, Any]] = []
                 step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
@@ -366,4 +388,6 @@ class Learner:
                 for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
                     rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
                 records.append(rec)
+        routing_replay.clear(self.replay_taps)  # no later forward of the policy replays this batch's experts
+        self.routing = None
         return records, batch_metrics

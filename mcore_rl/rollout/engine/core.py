@@ -34,6 +34,11 @@ documented choices:
   re-admitted with prompt + tokens so far as one prefill); a request left in its slot across a
   weight load gets its K/V recomputed under the new weights before its next decode step
   (`_recompute_stale`). There is no prefix cache, so nothing else holds K/V.
+* `Request.return_routed_experts` (SGLang's, for MoE routing replay): `RequestOutput.routed_experts`
+  is int32 [len(input_ids) + len(output_ids) - 1, layers, k], the experts every forwarded token went
+  to in every layer (-1 for dense layers), token-major as SGLang returns them. A retracted request's
+  re-prefill and a stale recompute overwrite the rows they recompute, so the routing is always that
+  of the K/V the request's later tokens read.
 * `release_memory` / `resume_memory` are SGLang's `release_memory_occupation` and
   `resume_memory_occupation`: "kv_cache" frees the KV cache, "weights" frees the weights' storage
   (their values are lost, as in SGLang without `--enable-weights-cpu-backup`: after a resume they
@@ -88,6 +93,8 @@ class Request:
     stream: bool = False
     # SGLang's token_ids_logprob: the log-probs of these ids (in this order) at every scored position
     token_ids_logprob: list[int] | None = None
+    # routing replay (SGLang's return_routed_experts): the experts of every MoE layer per token
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -111,6 +118,10 @@ class RequestOutput:
     # input position (aligned with input_token_logprobs, the first None)
     output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # routing replay, with Request.return_routed_experts: int32 [len(input_ids) + len(output_ids) - 1,
+    # num_hidden_layers, num_experts_per_tok], the experts each forwarded token went to in each layer
+    # (-1 for dense layers), as SGLang's meta_info["routed_experts"] decodes; None if nothing ran
+    routed_experts: Any = None
 
 
 @dataclass
@@ -132,6 +143,7 @@ class _Live:
     in_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     out_tid: list[list[tuple[float, int]]] = field(default_factory=list)  # token_ids_logprob per output token
     in_tid: list[list[tuple[float, int]] | None] = field(default_factory=list)  # ... per input position
+    routing: torch.Tensor | None = None  # return_routed_experts: [>= positions forwarded, layers, k] int32
 
     @property
     def sp(self) -> SamplingParams:
@@ -281,7 +293,7 @@ class EngineCore:
         if not isinstance(req.sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
         req.sampling.validate(self.context_length, len(ids), self.vocab_size)
-        for name in ("return_logprob", "stream"):
+        for name in ("return_logprob", "stream", "return_routed_experts"):
             if not isinstance(getattr(req, name), bool):
                 raise ValueError(f"{name}: expected a boolean, got {getattr(req, name)!r}")
         k = req.top_logprobs_num
@@ -297,6 +309,8 @@ class EngineCore:
             for t in tid:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                     raise ValueError(f"token_ids_logprob: {t!r} is not a token id in [0, {self.vocab_size})")
+        if req.return_routed_experts and not self.runner.has_moe:
+            raise ValueError("return_routed_experts: the served model has no MoE layers, so no experts to return")
         with self._lock:
             if req.rid in self._rids:
                 raise ValueError(f"rid: a request with rid {req.rid!r} is already in flight")
@@ -382,8 +396,10 @@ class EngineCore:
 
     def _decode(self, outs: list[RequestOutput]) -> None:
         batch = self._running
+        self._routing_pass(batch)
         logits = self.runner.decode([live.output_ids[-1] for live in batch], [live.length for live in batch])
-        for live in batch:
+        for j, live in enumerate(batch):
+            self._keep_routing(live, live.length, j, 1)
             live.length += 1
         if self._controls is None:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
@@ -405,9 +421,12 @@ class EngineCore:
                 runs.append([i])
         for run in runs:
             seqs = [self._running[i].sequence[:-1] for i in run]
+            self._routing_pass([self._running[i] for i in run])
             self.runner.prefill(seqs, run[0], [])
-            for i, seq in zip(run, seqs):
+            width = max(len(q) for q in seqs)
+            for j, (i, seq) in enumerate(zip(run, seqs)):
                 live = self._running[i]
+                self._keep_routing(live, 0, j * width, len(seq))  # the recomputed prefix's routing replaces the old
                 assert live.length == len(seq), (live.length, len(seq))
                 live.kv_epoch = epoch
                 self.recomputed_tokens += len(seq)
@@ -444,8 +463,11 @@ class EngineCore:
                 rows.extend((i, p) for p in range(start, n - 1))
             rows.append((i, n - 1))
             spans.append((first, n_in))
+        self._routing_pass(lives)
         logits = self.runner.prefill(seqs, slot0, rows)
-        for live, seq, again in zip(lives, seqs, resumed):
+        width = max(len(q) for q in seqs)
+        for j, (live, seq, again) in enumerate(zip(lives, seqs, resumed)):
+            self._keep_routing(live, 0, j * width, len(seq))
             live.length = len(seq)
             live.kv_epoch = self.weights_epoch
             if again:
@@ -465,6 +487,24 @@ class EngineCore:
             self._emit([slots[j] for j in generating], logits[last_rows[generating]], ctl, outs, extra_done=done)
         else:
             self._remove(done)
+
+    def _routing_pass(self, lives: list[_Live]) -> None:
+        """Record the experts in the next pass iff one of its requests asked for them."""
+        self.runner.record_routing(any(live.req.return_routed_experts for live in lives))
+
+    def _keep_routing(self, live: _Live, pos: int, row: int, n: int) -> None:
+        """Rows row..row+n of the last pass's routing are positions pos..pos+n of `live`."""
+        got = self.runner.last_routing
+        if not live.req.return_routed_experts or got is None:
+            return
+        end = pos + n
+        buf = live.routing
+        if buf is None or buf.shape[0] < end:
+            grown = torch.full((max(end, 2 * (0 if buf is None else buf.shape[0])), *got.shape[1:]), -1, dtype=torch.int32)
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            live.routing = buf = grown
+        buf[pos:end] = got[row : row + n]
 
     def _start(self, req: Request) -> _Live:
         sp = req.sampling
@@ -604,7 +644,15 @@ class EngineCore:
             text=self._text(live.output_ids, live.sp, reason),
             output_token_ids_logprobs=copy(live.out_tid),
             input_token_ids_logprobs=live.in_tid,
+            routed_experts=self._routed(live),
         )
+
+    @staticmethod
+    def _routed(live: _Live) -> Any:
+        """SGLang's routed experts: one row per forwarded token (all but the last of the sequence)."""
+        if not live.req.return_routed_experts or live.routing is None:
+            return None
+        return live.routing[: len(live.sequence) - 1].numpy().copy()
 
     def _aborted(self, req: Request, output_ids: list[int], message: str) -> RequestOutput:
         return RequestOutput(

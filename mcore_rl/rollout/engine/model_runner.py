@@ -19,7 +19,9 @@ the same function from the same parameters with:
 
 Numerics follow the reference op for op up to float rounding (scores in the model dtype, an
 additive finfo.min mask, softmax in fp32, RMSNorm in fp32); fp32 log-probs agree with the
-reference model to ~1e-6. MoE and LatentMoE blocks run through the reference module itself.
+reference model to ~1e-6. MoE and LatentMoE blocks run through the reference module itself; with
+`record_routing(True)` each pass leaves the experts every MoE layer picked in `last_routing`
+([rows, layers, k], -1 for dense layers; SGLang's `return_routed_experts`).
 
 Every architecture the trainer supports:
 
@@ -119,6 +121,10 @@ class ModelRunner:
         self._positions = torch.arange(max_len, device=device)
         self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
         self.layers = [self._plan(layer) for layer in model.model.layers]
+        # routing replay (SGLang's return_routed_experts): the MoE blocks' taps, None for dense layers
+        self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in model.model.layers]
+        self.routing_topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.last_routing: torch.Tensor | None = None  # [rows, layers, k] int32 of the last pass, -1 = dense
         self.refresh()
 
     def _plan(self, layer: nn.Module) -> _Layer:
@@ -280,6 +286,32 @@ class ModelRunner:
         m = self.model
         return F.linear(_rms(hidden, m.model.norm.weight, self.eps), m.lm_head.weight).float()
 
+    # ---- routing replay ----------------------------------------------------------------------
+
+    @property
+    def has_moe(self) -> bool:
+        return any(t is not None for t in self.routing_taps)
+
+    def record_routing(self, on: bool) -> None:
+        """Keep (or stop keeping) the experts every MoE layer picks in the next passes."""
+        for tap in self.routing_taps:
+            if tap is not None:
+                tap.record, tap.routed = on, None
+        self.last_routing = None
+
+    def _collect_routing(self, rows: int) -> None:
+        """After a pass over `rows` token rows: [rows, layers, k] int32 expert ids, -1 for dense layers."""
+        taps = self.routing_taps
+        if not any(t is not None and t.record for t in taps):
+            self.last_routing = None
+            return
+        out = torch.full((rows, len(taps), self.routing_topk), -1, dtype=torch.int32)
+        for li, tap in enumerate(taps):
+            if tap is not None and tap.routed is not None:
+                out[:, li] = tap.routed.reshape(rows, -1).to("cpu", torch.int32)
+                tap.routed = None
+        self.last_routing = out
+
     # ---- passes ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -307,6 +339,7 @@ class ModelRunner:
         else:
             x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
         x = self._decoder(x, b, s, cos, sin, bias, None, slot0)
+        self._collect_routing(b * s)  # row r * s + c: prompt r, position c
         flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
         return self._logits(x[flat])
 
@@ -331,4 +364,5 @@ class ModelRunner:
             x = self.model.model.embed_tokens(ids)
         index = self.cache.flat_index(b, pos)  # where each row's new K/V go, shared by all layers
         x = self._decoder(x, b, 1, cos, sin, bias, (index, length))
+        self._collect_routing(b)
         return self._logits(x)
