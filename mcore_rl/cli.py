@@ -166,7 +166,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
     opts = ParityOptions(precisions=list(args.precisions), engine_urls=list(args.engine_url or []),
                          num_prompts=args.prompts, samples_per_prompt=args.samples,
-                         position_bins=args.position_bins, layers=not args.no_layers, checkpoint=args.checkpoint)
+                         position_bins=args.position_bins, layers=not args.no_layers, checkpoint=args.checkpoint,
+                         routing_replay=not args.no_routing_replay)
     try:
         report = run_parity(cfg, opts)
     except ValueError as err:
@@ -323,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--samples", type=int, default=4, help="completions per prompt")
     parity.add_argument("--position-bins", type=int, default=16, help="response positions per bin of the by-position table")
     parity.add_argument("--no-layers", action="store_true", help="skip the per-layer hidden-state / routing report")
+    parity.add_argument("--no-routing-replay", action="store_true",
+                        help="MoE: skip scoring with each engine's routing replayed in the trainer (R3)")
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.

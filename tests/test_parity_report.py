@@ -62,6 +62,9 @@ def test_parity_command_moe(tmp_path) -> None:
     assert fp8["mean_abs"] > 100 * max(fp32["mean_abs"], 1e-9)
     assert min(fp8["layer_rel_diff"]) > 1e-4
     assert all(0.0 <= x <= 1.0 for x in fp8["routing_disagreement"])
+    # R3: replaying the fp32 engine's own experts changes nothing; both K3s are defined for FP8
+    assert fp32["r3_mean_abs"] < 1e-5
+    assert fp8["r3_k3"] >= 0.0 and math.isfinite(fp8["r3_k3"])
 
 
 def test_parity_bad_precision_fails_before_building(tmp_path) -> None:

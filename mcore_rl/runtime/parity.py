@@ -24,6 +24,10 @@ diverge:
 5. A self-check column: for the generating engine, |scored − sampled-time log-prob|, which should
    be ~0 (it catches an engine whose prompt scoring and decoding disagree).
 
+For MoE models the trainer also scores each engine's tokens replaying that engine's experts
+(R3, `train/routing_replay.py`; the engine returns them with SGLang's `return_routed_experts`): the
+mismatch that is left once the routing agrees.
+
 Output: a table on the terminal, and the numbers as JSON with `--json PATH`.
 """
 
@@ -68,6 +72,9 @@ class EngineParity:
     layer_rel_diff: Optional[list[float]] = None  # per decoder layer, then the final norm's output
     routing_disagreement: Optional[list[Optional[float]]] = None  # per layer (None: dense layer)
     scoring_vs_sampling: Optional[float] = None  # generating engine: mean |scored − sampled log-prob|
+    # MoE: the trainer replaying this engine's routing of the same tokens (R3)
+    r3_mean_abs: Optional[float] = None
+    r3_k3: Optional[float] = None
     seconds: float = 0.0
 
 
@@ -123,15 +130,19 @@ class EmbeddedScorer:
         done = self._run(reqs)
         return [(list(done[r.rid].output_ids), [lp for lp, _ in done[r.rid].output_token_logprobs]) for r in reqs]
 
-    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]]) -> list[list[float]]:
+    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
+              ) -> tuple[list[list[float]], Optional[list[Any]]]:
+        """Prompt-scoring log-probs of each response (and, with `routing`, the experts of every
+        token, SGLang's routed_experts [tokens - 1, layers, k])."""
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
         reqs = [Request(f"s{i}", list(p) + list(r), SamplingParams(max_new_tokens=0), return_logprob=True,
-                        logprob_start_len=len(p) - 1)
+                        logprob_start_len=len(p) - 1, return_routed_experts=routing)
                 for i, (p, r) in enumerate(zip(prompts, responses))]
         done = self._run(reqs)
-        return [[lp for lp, _ in done[q.rid].input_token_logprobs[1:]] for q in reqs]
+        lps = [[lp for lp, _ in done[q.rid].input_token_logprobs[1:]] for q in reqs]
+        return lps, ([done[q.rid].routed_experts for q in reqs] if routing else None)
 
     @torch.no_grad()
     def hidden_and_routing(self, ids: list[int]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
@@ -165,8 +176,8 @@ class EmbeddedScorer:
 class URLScorer:
     """An SGLang-compatible server (a real SGLang URL or `mcore-rl serve`), over its HTTP API."""
 
-    def __init__(self, url: str) -> None:
-        self.name = url
+    def __init__(self, url: str, num_layers: int) -> None:
+        self.name, self.num_layers = url, num_layers
 
     def _gather(self, bodies: list[dict[str, Any]]) -> list[Any]:
         from mcore_rl.rollout.client import EngineClient
@@ -182,10 +193,16 @@ class URLScorer:
                                 for p, sp in zip(prompts, sampling)])
         return [(list(r["output_ids"]), [e[0] for e in r["meta_info"]["output_token_logprobs"]]) for r in replies]
 
-    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]]) -> list[list[float]]:
+    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
+              ) -> tuple[list[list[float]], Optional[list[Any]]]:
+        from mcore_rl.rollout.protocol import decode_routed_experts
         from mcore_rl.rollout.teacher import scoring_body
 
-        replies = self._gather([scoring_body(p, r, 0, f"parity-{i}") for i, (p, r) in enumerate(zip(prompts, responses))])
+        bodies = [scoring_body(p, r, 0, f"parity-{i}") for i, (p, r) in enumerate(zip(prompts, responses))]
+        if routing:
+            for b in bodies:
+                b["return_routed_experts"] = True
+        replies = self._gather(bodies)
         out = []
         for i, (reply, r) in enumerate(zip(replies, responses)):
             entries = reply["meta_info"]["input_token_logprobs"][1:]
@@ -193,7 +210,11 @@ class URLScorer:
                 raise ValueError(f"{self.name}: scoring reply {i} does not score the sequence sent "
                                  "(tokenizer or logprob_start_len mismatch)")
             out.append([float(e[0]) for e in entries])
-        return out
+        routes = None
+        if routing:
+            routes = [decode_routed_experts(reply["meta_info"]["routed_experts"], len(p) + len(r), self.num_layers)
+                      for reply, p, r in zip(replies, prompts, responses)]
+        return out, routes
 
 
 # ------------------------------------------------------------------------------ trainer side
@@ -285,6 +306,7 @@ class ParityOptions:
     samples_per_prompt: int = 4
     position_bins: int = 16
     layers: bool = True  # the per-layer report (embedded engines, one rank)
+    routing_replay: bool = True  # MoE: also score with the engine's routing replayed (R3)
     checkpoint: Optional[str] = None  # weights to compare instead of the recipe's init
 
 
@@ -331,7 +353,7 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
                                  tokenizer_path=cfg.data.tokenizer_path)
         WeightSync(run.chunks, cfg.model, pool.weight_transport(rc), bucket_bytes=r.sync_bucket_mb << 20,
                    quantization="fp8" if r.quantization == "fp8" else None).sync(1)
-        engines.append((URLScorer(url), pool))
+        engines.append((URLScorer(url, cfg.model.num_layers), pool))
     log(f"parity: policy and {len(engines)} engine(s) ready in {time.perf_counter() - start:.1f} s")
 
     prompts: list[Prompt] = run.prompts.take(opts.num_prompts)
@@ -349,7 +371,10 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     owners = [p for p in prompts for _ in range(opts.samples_per_prompt)]
     samples = [Sample(prompt=owners[i], group=owners[i].index, response_ids=generated[i][0],
                       rollout_logp=generated[i][1], policy_version=1, finish_reason="stop") for i in keep]
-    learner = Learner(cfg, run.chunks, run.optimizer, None, run.tokenizer.pad_id)
+    moe = cfg.model.is_moe
+    rcfg = copy.deepcopy(cfg)
+    rcfg.algorithm.routing_replay = "r3" if moe else "none"  # replay only when asked per call
+    learner = Learner(rcfg, run.chunks, run.optimizer, None, run.tokenizer.pad_id)
     learner.temperature = 1.0
     width = max(len(x) for x in responses)
     logp, _ = learner.token_logprobs(samples, width)
@@ -359,7 +384,7 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     single_rank = run.world == 1 and len(run.chunks) == 1 and cfg.model.attn_res == "none"
     for j, (scorer, _pool) in enumerate(engines):
         t0 = time.perf_counter()
-        scored = scorer.score(prompt_ids, responses)
+        scored, routes = scorer.score(prompt_ids, responses, routing=moe and opts.routing_replay)
         flat_t = [x for row in trainer for x in row]
         flat_e = [x for row in scored for x in row]
         m = token_mismatch(flat_t, flat_e)
@@ -371,6 +396,17 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if opts.layers and single_rank and isinstance(scorer, EmbeddedScorer):
             res.layer_rel_diff, res.routing_disagreement = layer_report(
                 scorer, run.chunks, list(zip(prompt_ids, responses)))
+        if routes is not None:  # the trainer on the same tokens, replaying this engine's experts
+            from mcore_rl.data.samples import compact_routing
+
+            for smp, rt in zip(samples, routes):
+                smp.routed_experts = compact_routing(rt)
+            from mcore_rl.train import routing_replay
+
+            lp_r3, _, _ = learner.token_stats(samples, width, routing=learner.replay_routing(samples))
+            routing_replay.clear(learner.replay_taps)  # later forwards route naturally again
+            m3 = token_mismatch([x for i, resp in enumerate(responses) for x in lp_r3[i, :len(resp)].tolist()], flat_e)
+            res.r3_mean_abs, res.r3_k3 = m3["mean_abs"], m3["k3"]
         res.seconds = time.perf_counter() - t0
         results.append(res)
     for _, pool in engines:
@@ -386,11 +422,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['num_sequences']} sequences sampled at T={report['temperature']} "
              f"(top_p={report['top_p']}, top_k={report['top_k']}); scored at T=1; d = log π_trainer − log μ_engine",
              "",
-             f"{'engine':<28}{'tokens':>8}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}{'score≈sample':>14}"]
+             f"{'engine':<28}{'tokens':>8}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}{'score≈sample':>14}"
+             f"{'R3 mean|d|':>12}{'R3 K3':>11}"]
     for e in report["engines"]:
         sv = e["scoring_vs_sampling"]
+        r3 = (f"{e['r3_mean_abs']:>12.2e}{e['r3_k3']:>11.2e}" if e.get("r3_k3") is not None else f"{'–':>12}{'–':>11}")
         lines.append(f"{e['engine']:<28}{e['tokens']:>8}{e['mean_abs']:>11.2e}{e['p99_abs']:>11.2e}"
-                     f"{e['max_abs']:>11.2e}{e['k3']:>11.2e}{(f'{sv:.1e}' if sv is not None else '–'):>14}")
+                     f"{e['max_abs']:>11.2e}{e['k3']:>11.2e}{(f'{sv:.1e}' if sv is not None else '–'):>14}{r3}")
     lines += ["", "by response position (mean|d| / K3):"]
     for e in report["engines"]:
         cells = [f"[{b['start']},{b['end']}) {b['mean_abs']:.1e}/{b['k3']:.1e}" for b in e["by_position"]]
