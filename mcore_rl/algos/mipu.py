@@ -170,7 +170,7 @@ def t_post_groups(
     policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
     group_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s_g, n_g) per group, in order of first appearance of its id: s_g = -Σ_{i∈g} ρ_i Â_i."""
+    """(s_g, n_g) per group, ordered by group id: s_g = -Σ_{i∈g} ρ_i Â_i."""
     rho = sequence_ratio(policy_logp, rollout_logp, mask).double()
     _, inverse = torch.unique(group_ids, return_inverse=True)
     k = int(inverse.max()) + 1 if inverse.numel() else 0
