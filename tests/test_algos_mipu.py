@@ -408,6 +408,7 @@ def test_controller_with_the_se_rule_and_logged_noise() -> None:
     plain.begin()
     assert not plain.decide(est).accepted and calls == ["restore", "resync"]
     plain.begin()
-    assert math.isnan(plain.decide(0.5).se)  # a bare float still works with the plain rule
+    bare = plain.decide(0.5)  # a bare float still works with the plain rule, and logs what it always did
+    assert math.isnan(bare.se) and set(bare.metrics()) == {"mipu/t_post", "mipu/tolerance", "mipu/accepted"}
     with pytest.raises(ValueError, match="unknown MIPU decision rule"):
         MIPUController(lambda: None, lambda s: None, lambda: None, rule="strict")

@@ -288,9 +288,12 @@ class MIPUDecision:
     bootstrap_flip: float = float("nan")  # `bootstrap_flip_rate`, when the groups were given
 
     def metrics(self) -> dict[str, float]:
-        return {"mipu/t_post": self.t_post, "mipu/tolerance": self.tolerance, "mipu/accepted": float(self.accepted),
-                "mipu/t_post_se": self.se, "mipu/flip_prob": self.flip_prob,
-                "mipu/bootstrap_flip_rate": self.bootstrap_flip}
+        out = {"mipu/t_post": self.t_post, "mipu/tolerance": self.tolerance, "mipu/accepted": float(self.accepted)}
+        if not math.isnan(self.se):  # decided on an estimate with its SE
+            out.update({"mipu/t_post_se": self.se, "mipu/flip_prob": self.flip_prob})
+        if not math.isnan(self.bootstrap_flip):
+            out["mipu/bootstrap_flip_rate"] = self.bootstrap_flip
+        return out
 
 
 class MIPUController:
