@@ -12,12 +12,18 @@ import torch
 from mcore_rl.algos.advantages import grpo, make_group_ids
 from mcore_rl.algos.mipu import (
     MIPUController,
+    TPostEstimate,
     accept,
+    bootstrap_flip_rate,
+    decide,
+    flip_probability,
+    ratio_se,
     lr_decay_baseline,
     sequence_ratio,
     step1_correction,
     step1_loss,
     t_hat_post,
+    validation_estimate,
     validation_t_post,
     tolerance,
 )
@@ -272,3 +278,137 @@ def test_validation_t_post_leaves_unusable_samples_out() -> None:
     assert validation_t_post(logp, mu, mask, junk, groups, valid=ok) == got
     assert got != validation_t_post(logp, mu, mask, rewards, groups)
     assert validation_t_post(logp, mu, mask, rewards, groups, valid=torch.zeros(6, dtype=torch.bool)) == 0.0
+
+
+# ---------------------------------------------------------------------------------- Step 2's noise
+
+
+def _validation_batch(g: torch.Generator, k: int, size: int, t: int = 6, slope: float = 0.02, noise: float = 0.02):
+    """K prompts of random difficulty, G 0/1 rewards each, per-token log π - log μ whose mean over
+    a sequence is `slope`·(r - 1/2) + N(0, noise²): ρ is correlated with the reward, so the true
+    T_post is non-zero (negative: π > μ on the correct answers, whose Â > 0)."""
+    p = torch.rand(k, 1, generator=g) * 0.8 + 0.1
+    rewards = (torch.rand(k, size, generator=g) < p).float().reshape(-1)
+    mu = torch.randn(k * size, t, generator=g) - 2.0
+    d = slope * (rewards - 0.5) + noise * torch.randn(k * size, generator=g)
+    pi = mu + d[:, None] + 0.01 * torch.randn(k * size, t, generator=g)  # token noise, mean-zero-ish
+    mask = torch.ones(k * size, t)
+    ids = torch.arange(k).repeat_interleave(size) * 7 + 3  # any ids, as the loop's prompt indices
+    return pi, mu, mask, rewards, ids
+
+
+def test_validation_estimate_is_validation_t_post_with_a_group_level_se() -> None:
+    g = torch.Generator().manual_seed(11)
+    pi, mu, mask, rewards, ids = _validation_batch(g, 6, 4)
+    est = validation_estimate(pi, mu, mask, rewards, ids)
+    assert est.t_post == validation_t_post(pi, mu, mask, rewards, ids)
+    assert est.t_post == pytest.approx(float(est.group_sums.sum() / est.group_counts.sum()), rel=1e-5, abs=1e-9)
+    # equal groups: SE = sd(s_g / G, ddof=1) / sqrt(K)
+    per_group = est.group_sums / est.group_counts
+    assert torch.equal(est.group_counts, torch.full((6,), 4.0, dtype=torch.float64))
+    assert est.se == pytest.approx(float(per_group.std()) / math.sqrt(6), rel=1e-9)
+    # s_g = -Σ (ρ - 1) Â too: GRPO's Â sums to 0 over a group
+    rho = sequence_ratio(pi, mu, mask).double()
+    adv = grpo(rewards, ids)
+    alt = torch.stack([-((rho[ids == i] - 1) * adv[ids == i]).sum() for i in torch.unique(ids)])
+    torch.testing.assert_close(est.group_sums, alt, rtol=0, atol=1e-6)  # ρ is float32
+    # unusable samples count nowhere, as in validation_t_post; a constant-reward group is uninformative
+    ok = torch.ones(24, dtype=torch.bool)
+    ok[[1, 9]] = False
+    rewards2 = rewards.clone()
+    rewards2[:4] = 1.0
+    est2 = validation_estimate(pi, mu, mask, rewards2, ids, valid=ok)
+    assert est2.t_post == validation_t_post(pi, mu, mask, rewards2, ids, valid=ok)
+    assert est2.group_counts.tolist() == [3.0, 4.0, 3.0, 4.0, 4.0, 4.0] and float(est2.group_sums[0]) == 0.0
+    assert est2.informative_groups == 6 - 1 - sum(float(rewards2[ids == i].std()) == 0 for i in torch.unique(ids)[1:])
+    # nothing to estimate a spread from
+    assert validation_estimate(pi[:4], mu[:4], mask[:4], rewards[:4], ids[:4]).se == math.inf
+    none = validation_estimate(pi, mu, mask, rewards, ids, valid=torch.zeros(24, dtype=torch.bool))
+    assert none.t_post == 0.0 and none.se == math.inf
+
+
+@pytest.mark.parametrize("k, size", [(32, 8), (16, 4)])
+def test_se_matches_the_spread_of_many_validation_batches(k: int, size: int) -> None:
+    """Brute force: the SD of T̂_post over 1500 independent batches vs the formula's mean SE."""
+    g = torch.Generator().manual_seed(k * 100 + size)
+    ts, ses = [], []
+    for _ in range(1500):
+        est = validation_estimate(*_validation_batch(g, k, size))
+        ts.append(est.t_post)
+        ses.append(est.se)
+    ts_t = torch.tensor(ts, dtype=torch.float64)
+    sd, se = float(ts_t.std()), sum(ses) / len(ses)
+    assert float(ts_t.mean()) < -3 * sd / math.sqrt(len(ts))  # the batches have a real (negative) T_post
+    assert se == pytest.approx(sd, rel=0.10), (se, sd)
+    # samples as if independent would be far off: -ρ_i Â_i has SD ≈ SD(Â) ≈ 1, but Â sums to 0 per group
+    pi, mu, mask, rewards, ids = _validation_batch(g, k, size)
+    x = -(sequence_ratio(pi, mu, mask).double() * grpo(rewards, ids))
+    assert float(x.std()) / math.sqrt(x.numel()) > 5 * sd
+
+
+def test_flip_probability_and_bootstrap_flip_rate() -> None:
+    g = torch.Generator().manual_seed(5)
+    sums = 0.01 * torch.randn(400, generator=g, dtype=torch.float64) - 0.002 * 8
+    counts = torch.full((400,), 8.0, dtype=torch.float64)
+    t, se = ratio_se(sums, counts)
+    assert se > 0
+    # far from the threshold: nobody flips
+    for c in (-t + 10 * se, -t - 10 * se):
+        assert bootstrap_flip_rate(sums, counts, c, 500, seed=1) == 0.0
+        assert flip_probability(t, se, c) < 1e-12
+    # at the threshold: a coin flip
+    assert bootstrap_flip_rate(sums, counts, -t, 2000, seed=1) == pytest.approx(0.5, abs=0.05)
+    assert flip_probability(t, se, -t) == 0.5
+    # one SE from it: Φ(-1) ≈ 0.159, both ways
+    assert flip_probability(t, se, -t + se) == pytest.approx(0.1587, abs=1e-3)
+    assert bootstrap_flip_rate(sums, counts, -t + se, 4000, seed=2) == pytest.approx(0.1587, abs=0.03)
+    # seeded: the same resamples
+    assert bootstrap_flip_rate(sums, counts, -t + se, 300, seed=3) == bootstrap_flip_rate(sums, counts, -t + se, 300, seed=3)
+    # the "se" rule's threshold is -c - z·SE
+    assert flip_probability(t, se, -t - 2 * se, z=2.0) == pytest.approx(0.5)
+    assert bootstrap_flip_rate(sums, counts, -t - 2 * se, 2000, seed=4, rule="se", z=2.0) == pytest.approx(0.5, abs=0.08)
+    assert flip_probability(t, math.inf, 0.0) == 0.5 and flip_probability(-1.0, 0.0, 0.0) == 0.0
+
+
+def test_se_decision_rule_rejects_only_beyond_z_standard_errors() -> None:
+    c, se = 1e-3, 4e-3
+    assert decide(-c, se, c, "plain") and decide(-c, se, c, "se", 2.0)
+    t = -c - 1.5 * se  # below the tolerance, within the noise
+    assert not decide(t, se, c, "plain") and decide(t, se, c, "se", 2.0) and not decide(t, se, c, "se", 1.0)
+    t = -c - 3 * se  # clear evidence of a worse engine policy
+    assert not decide(t, se, c, "plain") and not decide(t, se, c, "se", 2.0)
+    assert decide(-1.0, math.inf, c, "se", 2.0)  # no spread estimate: no evidence to reject on
+    assert not decide(float("nan"), se, c, "se") and not decide(float("nan"), se, c, "plain")
+    assert decide(-c - 1e-9, 0.0, c, "se", 2.0) is False  # SE 0: the plain rule
+    with pytest.raises(ValueError, match="unknown MIPU decision rule 'bogus'"):
+        decide(0.0, se, c, "bogus")
+
+
+def test_controller_with_the_se_rule_and_logged_noise() -> None:
+    calls: list[str] = []
+    ctrl = MIPUController(lambda: "snap", lambda s: calls.append("restore"), lambda: calls.append("resync"),
+                          c_start=1e-3, c_end=1e-3, rule="se", z=2.0, bootstrap=100)
+    sums = torch.tensor([-0.06, 0.0, -0.01, 0.02], dtype=torch.float64)
+    counts = torch.full((4,), 8.0, dtype=torch.float64)
+    t, se = ratio_se(sums, counts)
+    est = TPostEstimate(t, se, sums, counts, 3)
+    assert t < -1e-3 and t > -1e-3 - 2 * se  # plain would reject
+    ctrl.begin()
+    d = ctrl.decide(est)
+    assert d.accepted and calls == [] and d.se == se
+    assert d.flip_prob == pytest.approx(flip_probability(t, se, 1e-3, 2.0))
+    assert 0.0 <= d.bootstrap_flip <= 1.0
+    m = d.metrics()
+    assert set(m) >= {"mipu/t_post", "mipu/t_post_se", "mipu/flip_prob", "mipu/bootstrap_flip_rate", "mipu/accepted"}
+    ctrl.begin()
+    with pytest.raises(ValueError, match="needs the estimate"):
+        ctrl.decide(t)
+    plain = MIPUController(lambda: "snap", lambda s: calls.append("restore"), lambda: calls.append("resync"),
+                           c_start=1e-3, c_end=1e-3)
+    plain.begin()
+    assert not plain.decide(est).accepted and calls == ["restore", "resync"]
+    plain.begin()
+    bare = plain.decide(0.5)  # a bare float still works with the plain rule, and logs what it always did
+    assert math.isnan(bare.se) and set(bare.metrics()) == {"mipu/t_post", "mipu/tolerance", "mipu/accepted"}
+    with pytest.raises(ValueError, match="unknown MIPU decision rule"):
+        MIPUController(lambda: None, lambda s: None, lambda: None, rule="strict")

@@ -367,6 +367,11 @@ def test_rl_valid_and_derived_sizes():
     (["rollout.runtime=async", "rollout.engine_cores=[[9999]]"], "rollout.engine_cores[0]"),
     (["rollout.runtime=async", "rollout.buffer_groups=1"], "rollout.buffer_groups"),
     (["rollout.runtime=async", "algorithm.mismatch.name=mipu"], "algorithm.mismatch.name"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_validation_group_size=1"],
+     "algorithm.mismatch.mipu_validation_group_size"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=-1"], "algorithm.mismatch.mipu_z"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=inf"], "algorithm.mismatch.mipu_z"),
+    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_bootstrap=-1"], "algorithm.mismatch.mipu_bootstrap"),
     (["rollout.engine_devices=[gpu0]"], "rollout.engine_devices"),
     (["rollout.runtime=async", "rollout.no_engine_timeout_s=0"], "rollout.no_engine_timeout_s"),
 ])
@@ -522,6 +527,7 @@ def test_mipu_clip_rules():
 @pytest.mark.parametrize("override", [
     "train.precision=fp16", "train.recompute=some", "algorithm.loss_agg=mean", "algorithm.mismatch.level=batch",
     "algorithm.kl_estimator=k4", "eval.score=pass@k", "rollout.quantization=int4",
+    "algorithm.mismatch.mipu_decision=strict",
 ])
 def test_rl_literal_fields_list_their_values(override):
     key, value = override.split("=")

@@ -244,6 +244,10 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     recs = _records(f"{tmp}/d")
     last = [r for r in recs if "mipu/accepted" in r]
     assert len(last) == 2 and all(r["mipu/accepted"] in (0.0, 1.0) for r in last)
+    # Step 2's noise is logged with each decision (2 validation groups: a finite SE)
+    for r in last:
+        assert r["mipu/validation_groups"] == 2 and 0 <= r["mipu/informative_groups"] <= 2
+        assert r["mipu/t_post_se"] >= 0 and 0 <= r["mipu/flip_prob"] <= 0.5 and 0 <= r["mipu/bootstrap_flip_rate"] <= 1
     assert all("kl/ref" in r and "entropy/loss" in r for r in recs)
     # a rejected update re-syncs the restored weights as a new version
     assert last[-1]["rollout/weight_version"] == 1 + 2 + sum(1 - r["mipu/accepted"] for r in last)

@@ -23,6 +23,7 @@ trigger, then halve it every `decay_period` steps down to 0.1·η0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -141,6 +142,112 @@ def validation_t_post(
     return t_hat_post(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok])
 
 
+# --- how noisy T̂_post is (issue 12: the decision on an 8 × 8 batch is close to a coin flip)
+#
+# The samples of a group share its advantages' mean and std, so they are not independent; the
+# groups are (independent prompts, independent sampling seeds). Per group g with n_g valid
+# samples, s_g = -Σ_{i∈g} ρ_i Â_i (= -Σ (ρ_i - 1) Â_i, since GRPO's Â sums to 0 over a group),
+# and T̂_post = Σ s_g / Σ n_g, a ratio of sums over K i.i.d. groups. Its standard error by the
+# delta method (the cluster-robust "ratio estimator" SE):
+#     SE² = K/(K-1) · Σ_g (s_g - T̂ n_g)² / (Σ_g n_g)²,
+# with equal n_g = G this is sd_g(s_g/G)/√K: SE falls as 1/√(number of groups). A group whose
+# rewards are all equal has Â ≡ 0 and s_g = 0: it adds to K (pulling T̂ and SE towards 0) and
+# carries no evidence.
+
+
+@dataclass
+class TPostEstimate:
+    """T̂_post with its group-level standard error and the per-group terms it came from."""
+
+    t_post: float
+    se: float  # inf with fewer than 2 groups (no spread to estimate)
+    group_sums: torch.Tensor  # [K] s_g = -Σ_{i∈g} ρ_i Â_i (float64)
+    group_counts: torch.Tensor  # [K] n_g valid samples
+    informative_groups: int  # groups with a non-zero advantage (non-constant rewards)
+
+
+def t_post_groups(
+    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s_g, n_g) per group, ordered by group id: s_g = -Σ_{i∈g} ρ_i Â_i."""
+    rho = sequence_ratio(policy_logp, rollout_logp, mask).double()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    k = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse.cpu(), -(rho * advantages.double()).cpu())
+    counts = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse.cpu(), torch.ones(inverse.numel(), dtype=torch.float64))
+    return sums, counts
+
+
+def ratio_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float]:
+    """(Σ s_g / Σ n_g, its delta-method standard error over the K groups); SE = inf for K < 2."""
+    total = float(counts.sum())
+    if total <= 0:
+        return 0.0, float("inf")
+    t = float(sums.sum()) / total
+    k = sums.numel()
+    if k < 2:
+        return t, float("inf")
+    resid = sums.double() - t * counts.double()
+    return t, math.sqrt(k / (k - 1) * float((resid**2).sum())) / total
+
+
+def validation_estimate(
+    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+    group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None,
+) -> TPostEstimate:
+    """`validation_t_post` (the same number) with its standard error from the group terms."""
+    ok = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device) if valid is None else valid.bool()
+    if not bool(ok.any()):
+        empty = torch.zeros(0, dtype=torch.float64)
+        return TPostEstimate(0.0, float("inf"), empty, empty, 0)
+    adv = grpo(rewards, group_ids, valid=ok)
+    sums, counts = t_post_groups(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok], group_ids[ok])
+    _, se = ratio_se(sums, counts)
+    t = t_hat_post(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok])  # the decision's number, as before
+    _, inverse = torch.unique(group_ids[ok], return_inverse=True)
+    informative = torch.zeros(sums.numel(), dtype=torch.bool).index_fill_(
+        0, inverse.cpu()[adv[ok].cpu() != 0], True)
+    return TPostEstimate(t, se, sums, counts, int(informative.sum()))
+
+
+def flip_probability(t_post: float, se: float, c: float, z: float = 0.0) -> float:
+    """Normal approximation of how often a fresh validation batch would reach the other decision
+    if the truth were T̂_post: Φ(-|T̂ + c + z·SE| / SE) for the threshold -c - z·SE (0.5 at the
+    threshold, → 0 far from it; SE = inf: 0.5, SE = 0: 0)."""
+    margin = t_post + c + (z * se if math.isfinite(se) else 0.0)
+    if not math.isfinite(se):
+        return 0.5
+    if se <= 0:
+        return 0.0 if margin != 0 else 0.5
+    return 0.5 * math.erfc(abs(margin) / se / math.sqrt(2.0))
+
+
+def bootstrap_flip_rate(
+    sums: torch.Tensor, counts: torch.Tensor, c: float, num_resamples: int = 200, seed: int = 0,
+    rule: str = "plain", z: float = 0.0,
+) -> float:
+    """Fraction of group bootstrap resamples (K groups drawn with replacement, seeded) whose
+    accept/reject differs from the observed batch's (with the same `rule`; "se" re-estimates SE
+    on each resample)."""
+    k = sums.numel()
+    if k == 0 or num_resamples <= 0:
+        return float("nan")
+    t, se = ratio_se(sums, counts)
+    observed = decide(t, se, c, rule, z)
+    g = torch.Generator().manual_seed(int(seed))
+    idx = torch.randint(0, k, (num_resamples, k), generator=g)
+    s, n = sums.double()[idx], counts.double()[idx]
+    tb = s.sum(1) / n.sum(1).clamp_min(1e-12)
+    if rule == "se" and k >= 2:
+        resid = s - tb[:, None] * n
+        seb = torch.sqrt(k / (k - 1) * (resid**2).sum(1)) / n.sum(1).clamp_min(1e-12)
+        acc = tb >= -c - z * seb
+    else:
+        acc = tb >= -c
+    return float((acc != observed).double().mean())
+
+
 @register("mipu", "tolerance")
 def tolerance(step: int, c_start: float = 1e-3, c_end: float = 0.0, anneal_steps: int = 100) -> float:
     """c_t = c_start + min(t, anneal_steps)/anneal_steps · (c_end - c_start)."""
@@ -154,15 +261,39 @@ def accept(t_post: float, c: float) -> bool:
     return bool(t_post >= -c)
 
 
+DECISION_RULES = ("plain", "se")
+
+
+def decide(t_post: float, se: float, c: float, rule: str = "plain", z: float = 2.0) -> bool:
+    """Accept or reject. "plain": the paper's T̂_post ≥ -c. "se": reject only when T̂_post is
+    below -c by more than z standard errors (T̂_post ≥ -c - z·SE), i.e. only on evidence that
+    the engine's policy got worse than the trainer's by more than c; SE = inf never rejects."""
+    if rule == "plain":
+        return accept(t_post, c)
+    if rule == "se":
+        if math.isnan(t_post) or math.isnan(se):
+            return False
+        return bool(t_post >= -c - z * se)
+    raise ValueError(f"unknown MIPU decision rule {rule!r}; known: {', '.join(DECISION_RULES)}")
+
+
 @dataclass
 class MIPUDecision:
     step: int
     t_post: float
     tolerance: float
     accepted: bool
+    se: float = float("nan")  # standard error of T̂_post (group level)
+    flip_prob: float = float("nan")  # normal approximation, `flip_probability`
+    bootstrap_flip: float = float("nan")  # `bootstrap_flip_rate`, when the groups were given
 
     def metrics(self) -> dict[str, float]:
-        return {"mipu/t_post": self.t_post, "mipu/tolerance": self.tolerance, "mipu/accepted": float(self.accepted)}
+        out = {"mipu/t_post": self.t_post, "mipu/tolerance": self.tolerance, "mipu/accepted": float(self.accepted)}
+        if not math.isnan(self.se):  # decided on an estimate with its SE
+            out.update({"mipu/t_post_se": self.se, "mipu/flip_prob": self.flip_prob})
+        if not math.isnan(self.bootstrap_flip):
+            out["mipu/bootstrap_flip_rate"] = self.bootstrap_flip
+        return out
 
 
 class MIPUController:
@@ -180,6 +311,9 @@ class MIPUController:
     restored weights to the engine(s). In an async pipeline, rollouts produced by the rejected
     weights must be discarded by the caller. `count_rejected` chooses whether a rejected step
     advances the annealing clock t (the notes leave it open; default: every decision counts).
+    `rule`/`z` choose the decision (`decide`: "plain" is the paper's); given the validation
+    estimate (`validation_estimate`), `decide` also reports SE, flip probability and a seeded
+    bootstrap flip rate over `bootstrap` resamples of the groups (0: not computed).
     """
 
     def __init__(
@@ -191,10 +325,16 @@ class MIPUController:
         c_end: float = 0.0,
         anneal_steps: int = 100,
         count_rejected: bool = True,
+        rule: str = "plain",
+        z: float = 2.0,
+        bootstrap: int = 0,
     ) -> None:
+        if rule not in DECISION_RULES:
+            raise ValueError(f"unknown MIPU decision rule {rule!r}; known: {', '.join(DECISION_RULES)}")
         self._snapshot_fn, self._restore_fn, self._resync_fn = snapshot, restore, resync
         self.c_start, self.c_end, self.anneal_steps = c_start, c_end, anneal_steps
         self.count_rejected = count_rejected
+        self.rule, self.z, self.bootstrap = rule, z, bootstrap
         self.t = 0
         self.accepted = 0
         self.rejected = 0
@@ -204,12 +344,22 @@ class MIPUController:
         """Take the pre-update snapshot (call before the first optimizer step of the update)."""
         self._snap = self._snapshot_fn()
 
-    def decide(self, t_post: float) -> MIPUDecision:
+    def decide(self, t_post: "float | TPostEstimate") -> MIPUDecision:
+        """Accept or roll back on T̂_post (a float: no SE, only the plain rule can use it)."""
         if self._snap is None:
             raise RuntimeError("MIPUController.decide() without begin(): no snapshot to roll back to")
+        est = t_post if isinstance(t_post, TPostEstimate) else None
+        t = est.t_post if est is not None else float(t_post)
+        se = est.se if est is not None else float("nan")
+        if self.rule == "se" and est is None:
+            raise ValueError("MIPU's 'se' decision rule needs the estimate with its SE (validation_estimate)")
         c = tolerance(self.t, self.c_start, self.c_end, self.anneal_steps)
-        ok = accept(t_post, c)
-        decision = MIPUDecision(self.t, float(t_post), c, ok)
+        ok = decide(t, se, c, self.rule, self.z)
+        z = self.z if self.rule == "se" else 0.0
+        decision = MIPUDecision(self.t, t, c, ok, se, flip_probability(t, se, c, z) if est is not None else float("nan"))
+        if est is not None and self.bootstrap > 0:
+            decision.bootstrap_flip = bootstrap_flip_rate(est.group_sums, est.group_counts, c, self.bootstrap,
+                                                          seed=self.accepted + self.rejected, rule=self.rule, z=self.z)
         if ok:
             self.accepted += 1
         else:

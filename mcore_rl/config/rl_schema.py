@@ -189,6 +189,11 @@ class MismatchCorrectionConfig:
     mipu_c_end: float = 0.0
     mipu_anneal_steps: int = 100
     mipu_count_rejected: bool = True
+    # MIPU Step 2's noise (issue 12): validation group size, decision rule, logged flip rate
+    mipu_validation_group_size: Optional[int] = None  # samples per validation prompt (null: rollout.group_size)
+    mipu_decision: Literal["plain", "se"] = "plain"  # plain: T̂ ≥ -c (the paper); se: T̂ ≥ -c - z·SE
+    mipu_z: float = 2.0  # the "se" rule's number of standard errors
+    mipu_bootstrap: int = 200  # group-bootstrap resamples for the logged flip rate (0: off)
 
 
 @dataclass

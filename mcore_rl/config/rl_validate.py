@@ -309,7 +309,15 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
     m = a.mismatch
     errors.need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
                 f"must be >= 1, got {m.mipu_validation_prompts}")
-    errors.need(r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt")
+    if m.mipu_validation_group_size is None:
+        errors.need(r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt")
+    else:
+        errors.need(m.mipu_validation_group_size >= 2, "algorithm.mismatch.mipu_validation_group_size",
+                    f"MIPU's validation advantages need >= 2 samples per prompt, got {m.mipu_validation_group_size}")
+    errors.need(math.isfinite(m.mipu_z) and m.mipu_z >= 0, "algorithm.mismatch.mipu_z",
+                f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {m.mipu_z}")
+    errors.need(m.mipu_bootstrap >= 0, "algorithm.mismatch.mipu_bootstrap",
+                f"must be >= 0 (0: no bootstrap flip rate), got {m.mipu_bootstrap}")
     errors.need(m.level in (None, "token", "sequence"), "algorithm.mismatch.level",
                 f"MIPU's weight is per token or per sequence, got {m.level!r}")
     errors.need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",

@@ -205,7 +205,8 @@ class RLRun:
 
         self.mipu = MIPUController(self.optimizer.snapshot, self.optimizer.restore, lambda: self.sync(new_version=True),
                                    c_start=m.mipu_c_start, c_end=m.mipu_c_end, anneal_steps=m.mipu_anneal_steps,
-                                   count_rejected=m.mipu_count_rejected)
+                                   count_rejected=m.mipu_count_rejected, rule=m.mipu_decision, z=m.mipu_z,
+                                   bootstrap=m.mipu_bootstrap)
         if self._resume_common is not None and self._resume_common.get("mipu"):
             self.mipu.load_state_dict(self._resume_common["mipu"])
 
@@ -318,7 +319,7 @@ class RLRun:
     def mipu_decide(self, learner: Any) -> dict[str, float]:
         """MIPU Step 2: score a validation batch sampled from the synced candidate, accept or roll
         back (trainer and engine). The validation samples are used for the decision only."""
-        from mcore_rl.algos.mipu import validation_t_post
+        from mcore_rl.algos.mipu import validation_estimate
         from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
         from mcore_rl.train.packing import sequence_view
 
@@ -326,17 +327,20 @@ class RLRun:
         payload = None
         if self.rank0:
             prompts = self.val_prompts.take(m.mipu_validation_prompts)
-            groups = self.manager.generate(prompts, r.group_size, self.manager.temperature, SALT_VALIDATION)
+            g_val = m.mipu_validation_group_size or r.group_size
+            groups = self.manager.generate(prompts, g_val, self.manager.temperature, SALT_VALIDATION)
             payload = ([s for g in groups for s in g], self.val_prompts.state_dict())
         samples, val_state = _broadcast(payload)
         if not self.rank0:
             self.val_prompts.load_state_dict(val_state)
         view = sequence_view(samples)
         pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        t_post = validation_t_post(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
-                                   valid=view.ok.bool())
-        decision = self.mipu.decide(t_post)
+        est = validation_estimate(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
+                                  valid=view.ok.bool())
+        decision = self.mipu.decide(est)
         out = decision.metrics()
+        out["mipu/validation_groups"] = float(est.group_counts.numel())
+        out["mipu/informative_groups"] = float(est.informative_groups)  # non-constant rewards
         out.update(self.mipu.metrics())
         out["mipu/validation_reward"] = float(view.rewards.mean())
         return out
