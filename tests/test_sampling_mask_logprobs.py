@@ -100,3 +100,111 @@ def test_seq_major_masks_reorders_segments() -> None:
     # seq-major order: (0,0) (1,0) (0,1) (1,1) (0,2) (1,2)
     assert new_counts.tolist() == [1, 3, 0, 1, 2, 0]
     assert new_ids.tolist() == [10, 30, 31, 32, 40, 20, 21]
+
+
+# --------------------------------------------------------------------------------------------
+# engine (processed log-probs) vs megatron-core at TP=1 and TP=2 (one 2-rank gloo world)
+# --------------------------------------------------------------------------------------------
+
+TEMPERATURE = 0.8
+
+
+def _engine_samples(mc):
+    """Weights of a reference model; samples the embedded engine drew with top-p/top-k masks."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.core import EngineCore, Request
+    from mcore_rl.rollout.engine.sampling import SamplingParams
+    from mcore_rl.runtime.rollout_manager import flat_masks
+
+    torch.manual_seed(1234)
+    hf = hf_config_from_model_config(mc)
+    hf.initializer_range = 0.2  # peaked, input-dependent distributions: top-p supports of a few to many ids
+    model = Qwen3ReferenceForCausalLM(hf).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = EngineCore(model, load_tokenizer(None), context_length=64, logprobs_mode="processed")
+    g = torch.Generator().manual_seed(3)
+    params = [dict(top_p=0.9), dict(top_k=3), dict(top_p=0.2, top_k=50), dict(top_p=0.95, min_p=0.01), dict(top_k=1)]
+    prompts = [torch.randint(0, mc.vocab_size, (3 + i,), generator=g).tolist() for i in range(8)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", prompt, SamplingParams(
+            max_new_tokens=6, temperature=TEMPERATURE, ignore_eos=True, seed=i, **params[i % 5]),
+            return_logprob=True, return_sampling_mask=True))
+    outs = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                outs[o.rid] = o
+    samples = []
+    for i, prompt in enumerate(prompts):
+        o = outs[f"r{i}"]
+        assert [lp for lp, _ in o.output_token_logprobs] == o.output_token_sampling_logprobs  # processed mode
+        ids, counts = flat_masks(o.output_token_sampling_mask)
+        samples.append(Sample(Prompt(i, "", prompt), i, list(o.output_ids), list(o.output_token_sampling_logprobs),
+                              0, "length", sampling_mask_ids=ids, sampling_mask_counts=counts))
+    sizes = [c for s in samples for c in s.sampling_mask_counts]
+    assert min(sizes) < 5 and max(sizes) > 20, sizes  # small and large supports both
+    return state, samples
+
+
+def _check_layout(mc, pc, state, samples) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.shards import load_full_state_dict
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
+    from mcore_rl.train.logprobs import compute_token_stats
+    from mcore_rl.train.packing import build_microbatches
+
+    layout = init_model_parallel(pc)
+    set_seed(1)
+    config = transformer_config(mc, pc)
+    chunks = build_model(mc, pc, config=config)
+    load_full_state_dict(chunks, hf_to_megatron(state, mc))
+    chunks = wrap_ddp(chunks, config)
+    prepare_config(config, chunks)
+    t = max(len(s.response_ids) for s in samples)
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_mask_ids", "label_mask_counts")
+    results = {}
+    for masked in (True, False):
+        mbs = build_microbatches(samples, range(len(samples)), 32, 2, ps.get_data_parallel_rank(), layout.dp, 0, t,
+                                 sampling_masks=masked)
+        stats = compute_token_stats(chunks, [{k: v for k, v in mb.items() if k in keys} for mb in mbs],
+                                    temperature=TEMPERATURE, chunk_size=5, with_entropy=True)
+        got = {}
+        for mb, st in zip(mbs, stats):
+            for row, i in enumerate(mb["seq_index"].tolist()):
+                k = len(samples[i].response_ids)
+                got[i] = (st.logprobs.reshape(-1)[mb["seq_pos"][row, :k]], st.entropy.reshape(-1)[mb["seq_pos"][row, :k]])
+        results[masked] = got
+    assert results[True], pc
+    for i, (lp, ent) in results[True].items():
+        mu = torch.tensor(samples[i].rollout_logp, dtype=torch.float32)
+        torch.testing.assert_close(lp, mu, rtol=0, atol=1e-5, msg=lambda m: f"{pc} sample {i}: {m}")
+        full_lp, full_ent = results[False][i]
+        counts = torch.tensor(samples[i].sampling_mask_counts)
+        assert bool((lp >= full_lp - 1e-6).all()) and bool((ent <= full_ent + 1e-5).all())
+        single = counts == 1  # a singleton support: log-prob 0, entropy 0
+        assert bool((lp[single].abs() < 1e-6).all()) and bool((ent[single].abs() < 1e-5).all())
+        assert bool(((lp - full_lp)[counts > 1].abs() > 1e-4).any()) or not bool((counts > 1).any())
+    ps.destroy_model_parallel()
+
+
+def _mask_world(rank: int, world_size: int) -> None:
+    from tests.test_parity import DENSE, P
+
+    state, samples = _engine_samples(DENSE)
+    for pc in (P(), P(tp=2)):
+        _check_layout(DENSE, pc, state, samples)
+
+
+@pytest.mark.slow
+def test_trainer_masked_logprobs_match_engine_processed_tp1_tp2() -> None:
+    run_world(2, _mask_world)

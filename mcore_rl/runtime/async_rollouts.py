@@ -46,7 +46,7 @@ class PoolBackend:
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)
         sp = self.manager.sampling_params(r.temperature, seed, domain=prompt.domain)
         sp["max_new_tokens"] = budget
-        return GenRequest(list(prompt.ids) + list(prefix), sp)
+        return GenRequest(list(prompt.ids) + list(prefix), sp, return_sampling_mask=r.sampling_mask_replay)
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.pool.agenerate(request)

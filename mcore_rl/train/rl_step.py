@@ -51,7 +51,8 @@ from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_vi
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
 # what the model's forward reads from a micro-batch
-MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids")
+MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids",
+              "label_mask_ids", "label_mask_counts")  # the last two: sampling-mask replay
 
 
 def _dp() -> tuple[int, int]:
@@ -151,7 +152,8 @@ class Learner:
         dp_rank, dp_size = _dp()
         per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions, per_seq)
+                                 self.pad_id, num_positions, per_seq,
+                                 sampling_masks=self.cfg.rollout.sampling_mask_replay)
         add_packed_topk(mbs)
         model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
@@ -342,7 +344,8 @@ class Learner:
             for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch):
                 start = time.perf_counter()
                 mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                         self.pad_id, num_positions, per_seq)
+                                         self.pad_id, num_positions, per_seq,
+                                         sampling_masks=self.cfg.rollout.sampling_mask_replay)
                 add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
                 store: list[dict[str, Any]] = []
                 step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
