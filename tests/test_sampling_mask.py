@@ -194,3 +194,22 @@ def test_http_fields_errors_and_pools(server) -> None:
     g2 = emb.generate([req])[0]
     assert g2.output_ids == gen.output_ids and g2.output_sampling_masks == gen.output_sampling_masks
     assert g2.output_sampling_logprobs == pytest.approx(gen.output_sampling_logprobs, abs=1e-9)
+
+
+def test_config_validation_and_the_engines_the_trainer_builds() -> None:
+    from mcore_rl.rollout.pool import build_engine_pool
+    from tests.test_config import rl, rl_errors
+
+    errs = rl_errors(rl("rollout.sampling_mask_replay=true"))
+    assert any(e.startswith("rollout.sampling_mask_replay:") and "top_p == 1 and top_k == -1" in e for e in errs), errs
+    errs = rl_errors(rl("rollout.sampling_mask_replay=true", "rollout.top_p=0.9", "rollout.temperature=0"))
+    assert any(e.startswith("rollout.sampling_mask_replay:") and "temperature > 0" in e for e in errs), errs
+    errs = rl_errors(rl("rollout.sampling_mask_replay=true", "rollout.top_k=20", "distill.top_k=4"))
+    assert any(e.startswith("rollout.sampling_mask_replay:") and "distill.top_k=4" in e for e in errs), errs
+    from mcore_rl.config.rl_validate import validate_rl_config
+
+    ok = rl("rollout.sampling_mask_replay=true", "rollout.top_p=0.9")
+    validate_rl_config(ok, 2)
+    for cfg, mode in ((ok, "processed"), (rl(), "raw")):
+        pool = build_engine_pool(cfg.rollout, cfg.model, TOK, 0)
+        assert [c.logprobs_mode for c in pool.cores] == [mode]

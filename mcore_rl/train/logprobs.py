@@ -31,7 +31,7 @@ log-probs of the temperature-scaled distribution they sampled from.
 Sampling-mask replay: with `mask_ids` / `mask_counts` (per token, the ids of the support S the
 engine drew it from, flat), the softmax of a token with a non-empty S is taken over S only —
 log π(y) = z_y − log Σ_{i∈S} e^{z_i}, the entropy −Σ_{i∈S} p_i log p_i — as the engine's processed
-log-probs are. Per chunk each rank builds a [chunk × vocab/TP] keep mask from the ids inside its
+log-probs are. Per chunk each rank builds a [chunk × vocab/TP] bool mask from the ids inside its
 shard (the target is always kept), sets the logits outside it to −inf, and the same max / Σe^z /
 Σe^z·z all-reduces follow; masked entries get probability 0 and gradient 0 (the z·p products are
 taken with z zeroed there, so no −inf·0). Tokens without S (prompt positions, no mask) use the
@@ -114,11 +114,11 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            keep = None
+            drop = None
             if mask_ids is not None:
-                keep = _keep_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, local_vocab)
-                if keep is not None:
-                    z.masked_fill_(~keep, float("-inf"))
+                drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, local_vocab)
+                if drop is not None:
+                    z.masked_fill_(drop, float("-inf"))
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             z.sub_(zmax[:, None])
@@ -127,8 +127,8 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             topk_z = z.gather(1, local_k[s:e]) * in_k[s:e] if k else None  # the ids in this shard
             if with_entropy:
                 ez = torch.exp(z)
-                if keep is not None:  # e^z·z with z = 0 where masked: 0, not 0·(−inf)
-                    z.masked_fill_(~keep, 0.0)
+                if drop is not None:  # e^z·z with z = 0 where masked: 0, not 0·(−inf)
+                    z.masked_fill_(drop, 0.0)
                 stats = torch.stack([ez.sum(dim=-1), target_z, ez.mul_(z).sum(dim=-1)])  # Σe^z, z_y, Σe^z·z
                 del ez
             else:  # one [chunk × vocab] buffer: exponentiate in place
@@ -152,7 +152,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 mean_z[s:e] = ez_mean + zmax
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k)
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
-        ctx.mask = (mask_ids, mask_offsets, vocab_start)  # ints, not autograd inputs
+        ctx.mask = (mask_ids, mask_offsets, vocab_start)  # tensors that need no gradient, and an int
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logp, entropy, topk_logp
 
@@ -177,11 +177,11 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            keep = None
+            drop = None
             if mask_ids is not None:
-                keep = _keep_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, weight.shape[0])
-                if keep is not None:
-                    z.masked_fill_(~keep, float("-inf"))  # p = 0 there
+                drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, weight.shape[0])
+                if drop is not None:
+                    z.masked_fill_(drop, float("-inf"))  # p = 0 there
             gl = grad_logp[s:e].to(acc)
             gk = None
             if use_topk:  # d log p_v / dz_j = 1[j = v] - p_j: the -p_j parts add up with the target's
@@ -195,8 +195,8 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 p = z.sub_(lse[s:e, None]).exp_()
             if use_entropy:
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
-                if keep is not None:  # p = 0 there; a finite z keeps the product 0
-                    z.masked_fill_(~keep, 0.0)
+                if drop is not None:  # p = 0 there; a finite z keeps the product 0
+                    z.masked_fill_(drop, 0.0)
                 ge = grad_entropy[s:e].to(acc)
                 z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
@@ -217,10 +217,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
-def _keep_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, local_t: torch.Tensor,
+def _drop_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, local_t: torch.Tensor,
                in_shard: torch.Tensor, vocab_start: int, local_vocab: int) -> Optional[torch.Tensor]:
-    """[e-s, local_vocab] bool: True where a token of rows s..e-1 keeps that vocabulary entry of this
-    shard — its support's ids inside the shard and its target; every entry for rows without a
+    """[e-s, local_vocab] bool: True where a token of rows s..e-1 drops that vocabulary entry of this
+    shard — all but its support's ids inside the shard and its target; nothing for rows without a
     support. None when no row of the chunk has one."""
     lo, hi = int(offsets[s]), int(offsets[e])
     counts = offsets[s + 1 : e + 1] - offsets[s:e]
@@ -229,12 +229,11 @@ def _keep_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, lo
     ids = mask_ids[lo:hi].long() - vocab_start
     rows = torch.repeat_interleave(torch.arange(e - s, device=ids.device), counts)
     inside = (ids >= 0) & (ids < local_vocab)
-    keep = torch.zeros(e - s, local_vocab, dtype=torch.bool, device=ids.device)
-    keep.view(-1)[(rows * local_vocab + ids)[inside]] = True
+    drop = (counts > 0)[:, None].expand(e - s, local_vocab).clone()
+    drop.view(-1)[(rows * local_vocab + ids)[inside]] = False
     r = torch.arange(e - s, device=ids.device)
-    keep[r[in_shard[s:e]], local_t[s:e][in_shard[s:e]]] = True  # the sampled token is in S; never −inf
-    keep[counts == 0] = True
-    return keep
+    drop[r[in_shard[s:e]], local_t[s:e][in_shard[s:e]]] = False  # the sampled token is in S; never −inf
+    return drop
 
 
 def vocab_parallel_token_stats(
