@@ -208,3 +208,43 @@ def _mask_world(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_trainer_masked_logprobs_match_engine_processed_tp1_tp2() -> None:
     run_world(2, _mask_world)
+
+
+# --------------------------------------------------------------------------------------------
+# end to end: rollouts with masks, the learner renormalises π_old / π_ref / π_θ over them
+# --------------------------------------------------------------------------------------------
+
+
+def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime.loop import RLRun
+    from tests.test_rl_loop import tiny
+
+    # fp32 engine with the trainer's weights: μ (processed) and the masked π_old are the same function
+    cfg = tiny(f"run_dir={tmp}/m", "rollout.quantization=none", "rollout.sampling_mask_replay=true",
+               "rollout.top_p=0.8", "rollout.top_k=30", "train.num_steps=1", "algorithm.kl_coef=0.05",
+               "algorithm.entropy_coef=0.01", "eval.interval=0", "eval.at_start=false")
+    run = RLRun(cfg)
+    try:
+        run.initialise()
+        samples, _ = run.rollouts()
+        for s in samples:
+            assert len(s.sampling_mask_counts) == len(s.response_ids) > 0
+            assert sum(s.sampling_mask_counts) == len(s.sampling_mask_ids) and max(s.sampling_mask_counts) <= 30
+            at = 0
+            for tok, c in zip(s.response_ids, s.sampling_mask_counts):
+                assert tok in s.sampling_mask_ids[at: at + c]
+                at += c
+        from mcore_rl.train.rl_step import Learner
+
+        assert run.ref_chunks is not None  # π_ref is renormalised too (kl_coef > 0)
+        learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
+        records, metrics = learner.train(samples, 1)
+    finally:
+        run.close()
+    assert metrics["mismatch/abs_logp_diff"] < 1e-5, metrics["mismatch/abs_logp_diff"]
+    assert all(r.get("train/skipped", 0.0) == 0.0 for r in records) and all(
+        torch.isfinite(torch.tensor(v)) for r in records for v in r.values())
+
+
+def test_end_to_end_sampling_mask_replay(tmp_path) -> None:
+    run_world(1, _e2e_mask, str(tmp_path))
