@@ -213,3 +213,31 @@ def test_config_validation_and_the_engines_the_trainer_builds() -> None:
     for cfg, mode in ((ok, "processed"), (rl(), "raw")):
         pool = build_engine_pool(cfg.rollout, cfg.model, TOK, 0)
         assert [c.logprobs_mode for c in pool.cores] == [mode]
+
+
+def test_partial_rollouts_concatenate_supports_in_token_order() -> None:
+    """Async partial rollouts (a request cut by weight syncs, continued as prompt + tokens so far):
+    the sample's flat supports follow its tokens across the parts, and μ is the processed log-prob."""
+    from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
+    from mcore_rl.runtime.simulation import SimBackend, SimulatedEngines, run_simulated, simulate_learner
+
+    class MaskBackend(SimBackend):
+        async def generate(self, request):
+            gen = await super().generate(request)
+            first = len(request.input_ids) - 1  # the prompt is one token: response index of this part's first token
+            gen.output_sampling_masks = [[first + k] for k in range(len(gen.output_ids))]
+            gen.output_sampling_logprobs = [-0.25] * len(gen.output_ids)
+            return gen
+
+    async def go():
+        eng = SimulatedEngines(2, 16, lambda batch: 0.01 * (1 + batch / 16))
+        sch = RolloutScheduler(MaskBackend(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4,
+                                                                                  max_staleness=2))
+        return await simulate_learner(sch, eng, 8, lambda g: 1.0, sync_time=0.05, keep_batches=True)
+
+    run = run_simulated(go())
+    samples = [s for groups in run.batches for g in groups for s in g]
+    assert any(s.token_versions is not None for s in samples)  # some were continued across a sync
+    for s in samples:
+        assert s.sampling_mask_ids == list(range(len(s.response_ids)))
+        assert s.sampling_mask_counts == [1] * len(s.response_ids) and s.rollout_logp == [-0.25] * len(s.response_ids)

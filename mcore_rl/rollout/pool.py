@@ -81,11 +81,13 @@ def expected_logprobs_mode(rollout: Any) -> str:
 def check_logprobs_mode(pool: "HTTPEnginePool", rollout: Any) -> None:
     """Refuse engines whose `/get_server_info` reports `logprobs_mode: processed` when the trainer
     does not replay the sampling mask (μ would be a renormalised log-prob that π never is). An
-    engine that does not report the mode (a real SGLang server) is taken as "raw"."""
+    engine that does not report the mode (a real SGLang server), or has no `/get_server_info`, is
+    taken as "raw"."""
     if getattr(rollout, "sampling_mask_replay", False):
         return  # μ comes from output_token_sampling_logprobs, whatever output_token_logprobs are
-    for url, info in pool.call("get_server_info", {}).items():
-        mode = (info or {}).get("logprobs_mode", "raw") if isinstance(info, dict) else "raw"
+    replies = pool._settle(pool.start("get_server_info", {}), "/get_server_info")
+    for url, (info, err) in replies.items():  # an engine without the endpoint (an error) reports no mode
+        mode = info.get("logprobs_mode", "raw") if err is None and isinstance(info, dict) else "raw"
         if mode != "raw":
             raise ValueError(
                 f"rollout.sampling_mask_replay: engine {url} reports logprobs_mode={mode!r}, whose "
@@ -152,7 +154,9 @@ class EmbeddedEnginePool:
 
         The engines report log-probs of the temperature-scaled distribution they sample from
         (SGLang's default, `return_original_logprob=False`), and the learner recomputes π at the
-        same temperature, so μ and π are the same function of the logits."""
+        same temperature, so μ and π are the same function of the logits. `logprobs_mode`
+        "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
+        distribution instead (`EngineCore`)."""
         from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
         from mcore_rl.rollout.engine.core import EngineCore
 
