@@ -191,7 +191,9 @@ class RolloutManager:
 
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
-        mask = train and temperature > 0 and self.cfg.rollout.sampling_mask_replay  # sampling-mask replay
+        # sampling-mask replay: every sampled request (training, and MIPU validation, whose μ the learner
+        # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
+        mask = temperature > 0 and self.cfg.rollout.sampling_mask_replay
         reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
                                                        self.budget(p) if train else p.max_new_tokens, p.domain),
                            return_sampling_mask=mask)

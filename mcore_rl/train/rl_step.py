@@ -135,15 +135,18 @@ class Learner:
     # ---------------------------------------------------------------- forward-only log-probs
 
     def token_logprobs(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       with_entropy: bool = False, sampling_masks: Optional[bool] = None,
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[N, T] log-probs (and entropy) of every sample's response tokens under `chunks`
-        (default: the policy), identical on every rank."""
-        logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy)
+        (default: the policy), identical on every rank. `sampling_masks` (default
+        `rollout.sampling_mask_replay`): renormalise over the samples' supports (a teacher's
+        log-probs do not)."""
+        logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy, sampling_masks=sampling_masks)
         return logp, entropy
 
     def token_stats(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
                     with_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
-                    response_mask: Optional[torch.Tensor] = None,
+                    response_mask: Optional[torch.Tensor] = None, sampling_masks: Optional[bool] = None,
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """`token_logprobs` plus, with `topk_ids` [N, T, k] (and the [N, T] `response_mask`), the
         [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits."""
@@ -153,7 +156,8 @@ class Learner:
         per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
                                  self.pad_id, num_positions, per_seq,
-                                 sampling_masks=self.cfg.rollout.sampling_mask_replay)
+                                 sampling_masks=self.cfg.rollout.sampling_mask_replay if sampling_masks is None
+                                 else sampling_masks)
         add_packed_topk(mbs)
         model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
