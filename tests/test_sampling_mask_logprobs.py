@@ -242,6 +242,7 @@ def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
     finally:
         run.close()
     assert metrics["mismatch/abs_logp_diff"] < 1e-5, metrics["mismatch/abs_logp_diff"]
+    assert 1 <= metrics["rollout/sampling_mask_size_mean"] <= metrics["rollout/sampling_mask_size_max"] <= 30
     assert all(r.get("train/skipped", 0.0) == 0.0 for r in records) and all(
         torch.isfinite(torch.tensor(v)) for r in records for v in r.values())
 

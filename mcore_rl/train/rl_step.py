@@ -231,6 +231,10 @@ class Learner:
         metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
         metrics["advantage/too_few_valid_frac"] = too_few_valid_frac(view.group_ids, valid)
         metrics.update(domain_metrics(advantages, rewards, valid, view.domain_ids, view.domain_names))
+        sizes = [c for s in samples for c in (s.sampling_mask_counts or [])]
+        if sizes:  # sampling-mask replay: how many ids the engine's sampler kept per token
+            metrics["rollout/sampling_mask_size_mean"] = sum(sizes) / len(sizes)
+            metrics["rollout/sampling_mask_size_max"] = float(max(sizes))
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
