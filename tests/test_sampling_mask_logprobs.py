@@ -201,12 +201,13 @@ def _mask_world(rank: int, world_size: int) -> None:
     from tests.test_parity import DENSE, P
 
     state, samples = _engine_samples(DENSE)
-    for pc in (P(), P(tp=2)):
+    for pc in (P(), P(tp=2), P(tp=2, sp=True), P(pp=2)):
         _check_layout(DENSE, pc, state, samples)
 
 
 @pytest.mark.slow
 def test_trainer_masked_logprobs_match_engine_processed_tp1_tp2() -> None:
+    """TP=1 (DP=2), TP=2, TP=2 with sequence parallelism, PP=2."""
     run_world(2, _mask_world)
 
 
