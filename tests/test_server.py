@@ -598,7 +598,12 @@ def test_launch_flags(monkeypatch) -> None:
                               "--tp-size", "1", "--max-running-requests", "16"])
     assert args.engine_kwargs() == {"dtype": "bfloat16", "quantization": "fp8", "random_seed": 3,
                                     "context_length": 512, "max_running_requests": 16, "load_format": "auto",
-                                    "return_original_logprob": True}
+                                    "return_original_logprob": True, "logprobs_mode": "raw",
+                                    "sampling_mask_max_tokens": 16384}
+    processed = parse_server_args(["--logprobs-mode", "processed", "--sampling-mask-max-tokens", "99"]).engine_kwargs()
+    assert processed["logprobs_mode"] == "processed" and processed["sampling_mask_max_tokens"] == 99
+    with pytest.raises(LaunchFlagError, match="--sampling-mask-max-tokens 0"):
+        parse_server_args(["--sampling-mask-max-tokens", "0"])
     dummy = parse_server_args(["--load-format", "dummy", "--device", "cpu"]).engine_kwargs()
     assert dummy["load_format"] == "dummy" and dummy["device"] == "cpu"
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")  # SGLang's switch: temperature-scaled log-probs

@@ -164,6 +164,10 @@ class RolloutConfig:
     request_timeout_s: float = 600.0  # every call to an engine (generation, control, weight sync)
     api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
     admin_api_key: Optional[str] = None  # for weight/control endpoints (--admin-api-key); default api_key
+    # ---- sampling-mask replay: the engine returns the kept token set of every sampled position
+    # (SGLang's return_sampling_mask), μ is the log-prob under that renormalised distribution, and the
+    # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
+    sampling_mask_replay: bool = False
 
 
 @dataclass

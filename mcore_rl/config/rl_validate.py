@@ -71,6 +71,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
+    check_sampling_mask_replay(cfg, errors)
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 
@@ -117,7 +118,7 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
                 f"have no log-prob ratio), got {r.temperature}")
     errors.need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     errors.need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
-    if r.top_p < 1 or r.top_k != -1:
+    if (r.top_p < 1 or r.top_k != -1) and not r.sampling_mask_replay:
         warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
                       "untruncated one, so the mismatch correction sees only part of the difference", stacklevel=3)
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
@@ -134,6 +135,28 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
         errors.need(bool(r.sync_dir), "rollout.sync_dir",
                     "the disk weight transport needs a directory the engines can read")
     check_runtime(r, a, errors)
+
+
+def check_sampling_mask_replay(cfg: RLConfig, errors: Errors) -> None:
+    """`rollout.sampling_mask_replay` needs a truncated, stochastic sampler on every training stream
+    (else there is no mask to replay, and SGLang refuses `return_sampling_mask` for an unbounded
+    support) and does not combine with the distillation top-k ids."""
+    r = cfg.rollout
+    if not r.sampling_mask_replay:
+        return
+    key = "rollout.sampling_mask_replay"
+    errors.need(r.temperature > 0, key, f"needs rollout.temperature > 0 (greedy has no mask), got {r.temperature}")
+    streams = [("rollout", r.top_p, r.top_k)]
+    for i, dom in enumerate(cfg.data.domains):
+        streams.append((f"data.domains[{i}] ({dom.name})", dom.top_p if dom.top_p is not None else r.top_p,
+                        dom.top_k if dom.top_k is not None else r.top_k))
+    for where, top_p, top_k in streams:
+        errors.need(top_p < 1 or top_k != -1, key,
+                    f"{where} samples with top_p == 1 and top_k == -1: nothing to replay (the support is the whole "
+                    "vocabulary); set top_p < 1 or top_k >= 1 there, or turn sampling_mask_replay off")
+    errors.need(cfg.distill.top_k == 0, key,
+                f"does not combine with distill.top_k={cfg.distill.top_k} (the student's log-probs at the teacher's "
+                "top-k ids would need their own mask); set distill.top_k: 0 or turn sampling_mask_replay off")
 
 
 def started_engines(r: RolloutConfig) -> bool:

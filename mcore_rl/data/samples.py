@@ -70,6 +70,12 @@ class Sample:
     # len(response_ids) - 1, num_layers, topk] (SGLang's routed_experts; -1 = dense layer), see
     # `compact_routing`; None = not asked for / not returned
     routed_experts: Any = None
+    # sampling-mask replay (rollout.sampling_mask_replay): the support each response token was drawn
+    # from, flat — `sampling_mask_counts[j]` ids per token j, `sampling_mask_ids` all of them in token
+    # order (one flat list, not a list per token: no per-token objects, one tensor conversion);
+    # rollout_logp is then the log-prob under the renormalised distribution. None = full vocabulary.
+    sampling_mask_ids: Optional[list[int]] = None
+    sampling_mask_counts: Optional[list[int]] = None
 
     @property
     def prompt_ids(self) -> list[int]:

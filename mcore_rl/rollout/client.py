@@ -37,7 +37,7 @@ ADMIN_PATHS = frozenset({
 })
 # Per-prompt fields of a batch that `expand_samples` repeats with their prompt.
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                     "return_text_in_logprobs", "image_data", "lora_path", "custom_logit_processor")
+                     "return_text_in_logprobs", "return_sampling_mask", "image_data", "lora_path", "custom_logit_processor")
 
 
 class EngineError(RuntimeError):

@@ -12,7 +12,11 @@ Flags fall in three groups:
   string, as in SGLang), `--enable-return-routed-experts` (requests may then ask for
   `return_routed_experts`: MoE routing replay), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
   `mcore_rl/rollout/server.py`);
-- **our own**: `--weight-dirs DIR ...`, the directories whose files the weight-update endpoints may
+- **our own**: `--logprobs-mode raw|processed` (what `output_token_logprobs` are: the raw
+  full-vocabulary log-probs, or those of the processed distribution each token was drawn from —
+  after temperature and the top-k/top-p/min-p mask, renormalised; see `rollout/engine/core.py`;
+  `/get_server_info` reports it), `--sampling-mask-max-tokens N` (SGLang's name: the largest support
+  `return_sampling_mask` returns per token), `--weight-dirs DIR ...`, the directories whose files the weight-update endpoints may
   read (`/update_weights_from_disk`'s `model_path`, a tensor file of `/update_weights_from_tensor`);
   default `default_weight_dirs(model_path)`: the model's directory, the temp dir and /dev/shm, where
   the trainer's transports write; `--weight-dirs` alone accepts no path at all;
@@ -103,6 +107,9 @@ class ServerArgs:
     weight_dirs: Optional[list[str]] = None
     # routing replay: requests may ask for `return_routed_experts` (SGLang's flag)
     enable_return_routed_experts: bool = False
+    # sampling-mask replay: what output_token_logprobs are, and the largest support returned per token
+    logprobs_mode: str = "raw"
+    sampling_mask_max_tokens: int = 16384
 
     @property
     def model_name(self) -> str:
@@ -116,6 +123,8 @@ class ServerArgs:
             "random_seed": self.random_seed,
             "load_format": self.load_format,
             "return_original_logprob": return_original_logprob(),
+            "logprobs_mode": self.logprobs_mode,
+            "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
         }
         if self.device is not None:
             kw["device"] = self.device
@@ -190,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory, the temp dir, /dev/shm; the flag alone: none)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="let /generate requests ask for return_routed_experts (MoE routing replay)")
+    p.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                   help="output_token_logprobs: raw full-vocabulary log-probs (default) or those of the processed "
+                        "distribution the token was drawn from (after temperature and top-k/top-p/min-p, renormalised)")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=16384,
+                   help="largest support return_sampling_mask returns per output token (SGLang's flag)")
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
@@ -242,6 +256,8 @@ def _check(a: ServerArgs) -> None:
         raise LaunchFlagError(f"--port {a.port}: must be in [0, 65535]")
     if a.context_length is not None and a.context_length < 2:
         raise LaunchFlagError(f"--context-length {a.context_length}: must be >= 2")
+    if a.sampling_mask_max_tokens < 1:
+        raise LaunchFlagError(f"--sampling-mask-max-tokens {a.sampling_mask_max_tokens}: must be >= 1")
     if a.max_running_requests is not None and a.max_running_requests < 1:
         raise LaunchFlagError(f"--max-running-requests {a.max_running_requests}: must be >= 1")
     for flag, key in (("--api-key", a.api_key), ("--admin-api-key", a.admin_api_key)):

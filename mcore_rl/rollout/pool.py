@@ -40,6 +40,7 @@ class GenRequest:
     rid: str = ""
     # routing replay (R3): ask for SGLang's return_routed_experts
     return_routed_experts: bool = False
+    return_sampling_mask: bool = False  # sampling-mask replay: ask for the support of every output token
 
 
 @dataclass
@@ -56,6 +57,11 @@ class Generation:
     # routing replay (R3), with GenRequest.return_routed_experts: numpy int32 [len(input_ids) +
     # len(output_ids) - 1, num_layers, topk], the experts of every forwarded token (-1: dense layer)
     routed_experts: Any = None
+    # sampling-mask replay (with GenRequest.return_sampling_mask; SGLang's meta_info
+    # output_token_sampling_mask / output_token_sampling_logprobs): per output token the ids of the
+    # support it was drawn from, and its log-prob under the renormalised post-filter weights
+    output_sampling_masks: Optional[list[list[int]]] = None
+    output_sampling_logprobs: Optional[list[float]] = None
 
 
 class EnginePool(Protocol):
@@ -71,17 +77,51 @@ class EnginePool(Protocol):
     def close(self) -> None: ...
 
 
+def expected_logprobs_mode(rollout: Any) -> str:
+    """The engines' `logprobs_mode` the trainer expects: "processed" with sampling-mask replay (μ is
+    then the log-prob under the distribution the token was drawn from), else "raw"."""
+    return "processed" if getattr(rollout, "sampling_mask_replay", False) else "raw"
+
+
+def check_logprobs_mode(pool: "HTTPEnginePool", rollout: Any) -> None:
+    """Refuse engines whose `/get_server_info` reports `logprobs_mode: processed` when the trainer
+    does not replay the sampling mask (μ would be a renormalised log-prob that π never is). An
+    engine that does not report the mode (a real SGLang server), or has no `/get_server_info`, is
+    taken as "raw"."""
+    if getattr(rollout, "sampling_mask_replay", False):
+        return  # μ comes from output_token_sampling_logprobs, whatever output_token_logprobs are
+    replies = pool._settle(pool.start("get_server_info", {}), "/get_server_info")
+    for url, (info, err) in replies.items():  # an engine without the endpoint (an error) reports no mode
+        mode = info.get("logprobs_mode", "raw") if err is None and isinstance(info, dict) else "raw"
+        if mode != "raw":
+            raise ValueError(
+                f"rollout.sampling_mask_replay: engine {url} reports logprobs_mode={mode!r}, whose "
+                "output_token_logprobs are renormalised over the sampling mask; with sampling_mask_replay false "
+                "the trainer needs raw log-probs (start it with --logprobs-mode raw, or set "
+                "rollout.sampling_mask_replay: true)"
+            )
+
+
 def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int, *,
                       workdir: Optional[str] = None, tokenizer_path: Optional[str] = None) -> EnginePool:
     """The pool `rollout` asks for: the servers of `engine_urls`; else `mcore-rl serve` processes
     this trainer starts (async runtime, or `engine_processes: true`; their files and logs go to
-    `workdir`); else embedded engines in this process."""
+    `workdir`); else embedded engines in this process. Engines the trainer builds run in the
+    `logprobs_mode` it expects (`expected_logprobs_mode`); given servers are checked
+    (`check_logprobs_mode`)."""
     from mcore_rl.config.rl_validate import started_engines
 
+    mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
-        return HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
+        pool = HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                               admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s,
                               num_layers=model.num_layers)
+        try:
+            check_logprobs_mode(pool, rollout)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
     if started_engines(rollout):
         from mcore_rl.rollout.engine_processes import EngineProcesses
 
@@ -90,7 +130,8 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
             quantization=rollout.quantization, max_running_requests=rollout.max_running_requests,
             context_length=rollout.context_length, seed=seed, cores=rollout.engine_cores or None,
             devices=rollout.engine_devices or None, threads=rollout.engine_threads, api_key=rollout.api_key,
-            admin_api_key=rollout.admin_api_key, startup_timeout_s=rollout.engine_startup_timeout_s)
+            admin_api_key=rollout.admin_api_key, startup_timeout_s=rollout.engine_startup_timeout_s,
+            extra_args=["--logprobs-mode", mode])
         try:
             return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                                   admin_api_key=rollout.admin_api_key, processes=procs,
@@ -101,7 +142,8 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
             raise
     return EmbeddedEnginePool.build(
         model, tokenizer, num=rollout.num_embedded_engines, quantization=rollout.quantization,
-        max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed)
+        max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed,
+        logprobs_mode=mode)
 
 
 class EmbeddedEnginePool:
@@ -112,13 +154,16 @@ class EmbeddedEnginePool:
 
     @classmethod
     def build(cls, mc: ModelConfig, tokenizer: Any, *, num: int, quantization: str,
-              max_running_requests: int, context_length: int, seed: int) -> "EmbeddedEnginePool":
+              max_running_requests: int, context_length: int, seed: int,
+              logprobs_mode: str = "raw") -> "EmbeddedEnginePool":
         """`num` engines holding an (uninitialised) reference model of `mc`; the first weight sync
         fills them. `quantization`: "fp8" (e4m3 block weights), "bf16" or "none" (fp32).
 
         The engines report log-probs of the temperature-scaled distribution they sample from
         (SGLang's default, `return_original_logprob=False`), and the learner recomputes π at the
-        same temperature, so μ and π are the same function of the logits."""
+        same temperature, so μ and π are the same function of the logits. `logprobs_mode`
+        "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
+        distribution instead (`EngineCore`)."""
         from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
         from mcore_rl.rollout.engine.core import EngineCore
 
@@ -131,7 +176,7 @@ class EmbeddedEnginePool:
                 model, tokenizer, max_running_requests=max_running_requests, context_length=context_length,
                 quantization="fp8" if quantization == "fp8" else None,
                 dtype="bfloat16" if quantization == "bf16" else "float32", random_seed=seed + i,
-                return_original_logprob=False,
+                return_original_logprob=False, logprobs_mode=logprobs_mode,
                 device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
             ))
         return cls(cores)
@@ -154,7 +199,8 @@ class EmbeddedEnginePool:
         for i, (req, rid) in enumerate(zip(requests, rids)):
             self.cores[i % len(self.cores)].add_request(
                 Request(rid, list(req.input_ids), SamplingParams(**req.sampling_params), return_logprob=True,
-                        return_routed_experts=req.return_routed_experts)
+                        return_routed_experts=req.return_routed_experts,
+                        return_sampling_mask=req.return_sampling_mask)
             )
             where[rid] = i
         results: list[Optional[Generation]] = [None] * len(requests)
@@ -168,10 +214,13 @@ class EmbeddedEnginePool:
                 for out in core.step():
                     if not out.finished or out.rid not in where:
                         continue
+                    mask = requests[where[out.rid]].return_sampling_mask
                     results[where[out.rid]] = Generation(
                         list(out.output_ids), [lp for lp, _ in out.output_token_logprobs], int(out.weight_version),
                         (out.finish_reason or {}).get("type", "abort"), out.text or "", f"embedded:{j}",
                         routed_experts=out.routed_experts,
+                        output_sampling_masks=out.output_token_sampling_mask if mask else None,
+                        output_sampling_logprobs=out.output_token_sampling_logprobs if mask else None,
                     )
                     pending -= 1
             if not progressed:
@@ -437,6 +486,8 @@ class HTTPEnginePool:
     async def agenerate(self, req: GenRequest) -> Generation:
         """One request, on the pool's event loop (`loop`): the asynchronous rollout scheduler's call."""
         fields: dict[str, Any] = {"return_routed_experts": True} if req.return_routed_experts else {}
+        if req.return_sampling_mask:
+            fields["return_sampling_mask"] = True
         out = await self.router.generate(
             input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
             return_logprob=True, rid=req.rid or uuid.uuid4().hex, **fields,
@@ -451,13 +502,24 @@ class HTTPEnginePool:
                 raise ValueError("num_layers: HTTPEnginePool needs the model's layer count to decode routed_experts")
             routed = decode_routed_experts(meta["routed_experts"], len(req.input_ids) + len(out["output_ids"]),
                                            self.num_layers)
-        return Generation(
+        gen = Generation(
             list(out["output_ids"]), [float(t[0]) for t in meta.get("output_token_logprobs", [])],
             int(meta.get("weight_version", 0)), (meta.get("finish_reason") or {}).get("type", "abort"),
             out.get("text", ""), str(meta.get("engine", "remote")),
             [int(v) for v in versions] if versions is not None else None,
             routed_experts=routed,
         )
+        if req.return_sampling_mask:
+            masks, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+            if masks is None or lps is None or len(masks) != len(gen.output_ids) or len(lps) != len(gen.output_ids):
+                raise ValueError(
+                    f"return_sampling_mask: the engine's meta_info lacks output_token_sampling_mask / "
+                    f"output_token_sampling_logprobs for each of its {len(gen.output_ids)} output tokens "
+                    "(an engine without SGLang's sampling-mask support?)"
+                )
+            gen.output_sampling_masks = [[int(i) for i in m] for m in masks]
+            gen.output_sampling_logprobs = [float(v) for v in lps]
+        return gen
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -13,13 +13,23 @@ client written for `sglang.launch_server` works unchanged against the embedded e
                ["input_token_logprobs", "output_token_logprobs",        # [logprob, token_id, text|null]
                 "input_top_logprobs", "output_top_logprobs",            # per position: list of those
                 "input_token_ids_logprobs", "output_token_ids_logprobs"],   # likewise, token_ids_logprob's ids
-               ["routed_experts"]}}  # base64 int32 [prompt + output - 1, layers, k] (return_routed_experts)
+               ["routed_experts"],  # base64 int32 [prompt + output - 1, layers, k] (return_routed_experts)
+               ["output_token_sampling_mask", "output_token_sampling_logprobs",
+                "output_token_sampling_mask_length"]}}                 # with return_sampling_mask
 
 `token_ids_logprob` (a list of ids; for a batch one list for every prompt, or a list per prompt)
 asks for the log-probs of exactly those ids, in that order, at every scored position: SGLang's
 `input_token_ids_logprobs` is aligned with `input_token_logprobs` (its first entry None, as the
 scheduler pads `input_top_logprobs`), `output_token_ids_logprobs` has one list per generated token;
 both only with `return_logprob`, and a position with no ids is None, as SGLang's detokenizer gives.
+
+`return_sampling_mask: true` (SGLang's field; a bool, or one per prompt for a batch; independent of
+`return_logprob`) adds per output token the ids of the support the token was drawn from
+(`output_token_sampling_mask`, a list of id lists), the log-prob of the token under those renormalised
+post-filter weights (`output_token_sampling_logprobs`) and the number of tokens
+(`output_token_sampling_mask_length`). As SGLang does, a request whose support could be the whole
+vocabulary (temperature > 0 with top_k -1 and top_p 1) is refused with 400, and so is a top_k above
+the server's `--sampling-mask-max-tokens`; see `rollout/engine/core.py` for a support that outgrows it.
 
 Everything a request can fail is checked here, before it reaches the engine, so one bad item never
 leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). Every field
@@ -60,6 +70,7 @@ _GENERATE_FIELDS = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
     "return_routed_experts",  # routing replay (needs --enable-return-routed-experts)
+    "return_sampling_mask",  # sampling-mask replay
 }
 _STR, _INT, _NUM, _BOOL, _DICT, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 # Metadata a real SGLang server uses for metrics, logging, routing or prefix-cache keys; it changes
@@ -76,7 +87,7 @@ _IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "mm_hashes": None,
     "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
-    "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs": False,
     "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False,
     "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
     "lora_path": None, "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
@@ -108,7 +119,8 @@ class GenerateInput:
 
 
 def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int,
-                   enable_return_routed_experts: bool = False) -> GenerateInput:
+                   enable_return_routed_experts: bool = False,
+                   sampling_mask_max_tokens: int | None = None) -> GenerateInput:
     """Validate a `/generate` body and turn it into engine requests; raises `RequestError`.
     `return_routed_experts` needs the server's `--enable-return-routed-experts`, as in SGLang."""
     if not isinstance(body, dict):
@@ -135,6 +147,7 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
     return_logprob = _per_item(body, "return_logprob", batch, is_single, n, False, _bool)
     start_len = _per_item(body, "logprob_start_len", batch, is_single, n, -1, _int)
     top_num = _per_item(body, "top_logprobs_num", batch, is_single, n, 0, _int)
+    want_mask = _per_item(body, "return_sampling_mask", batch, is_single, n, False, _bool)
     token_ids = _token_ids_logprob(body.get("token_ids_logprob"), batch, is_single, n, vocab_size)
     stream = _bool("stream", body.get("stream", False))
     routed = _bool("return_routed_experts", body.get("return_routed_experts", False))
@@ -161,6 +174,8 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
                     f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) for a "
                     f"{len(ids)}-token prompt, got {start_len[i]}{where}"
                 )
+            if want_mask[i]:
+                _check_sampling_mask(params, sampling_mask_max_tokens, where)
             if not 0 <= top_num[i] <= vocab_size:
                 raise RequestError(f"top_logprobs_num: must be in [0, {vocab_size}], got {top_num[i]}{where}")
             requests.append(Request(
@@ -168,8 +183,25 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
                 return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
                 logprob_start_len=start_len[i], stream=stream, token_ids_logprob=token_ids[i],
                 return_routed_experts=routed,
+                return_sampling_mask=want_mask[i],
             ))
     return GenerateInput(requests, is_single and n == 1, stream, with_text)
+
+
+def _check_sampling_mask(sp: SamplingParams, max_tokens: int | None, where: str) -> None:
+    """SGLang's 400 for `return_sampling_mask` with a support that is not bounded (or over the cap)."""
+    if sp.is_greedy:
+        return
+    if sp.top_k == -1 and sp.top_p >= 1.0:
+        raise RequestError(
+            "return_sampling_mask: the support would be the whole vocabulary (temperature > 0, top_k -1, top_p 1); "
+            f"set sampling_params.top_k or sampling_params.top_p < 1{where}"
+        )
+    if max_tokens is not None and sp.top_k > max_tokens:
+        raise RequestError(
+            f"return_sampling_mask: sampling_params.top_k={sp.top_k} exceeds --sampling-mask-max-tokens="
+            f"{max_tokens}{where}"
+        )
 
 
 def check_lengths(prompt_len: int, max_new_tokens: Any, context_length: int, prompt_field: str,
@@ -416,6 +448,10 @@ def generate_output(
                                                  for t in out.output_token_ids_logprobs]
     if req.return_routed_experts and out.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(out.routed_experts)
+    if req.return_sampling_mask:  # sampling-mask replay (SGLang's meta_info fields)
+        meta["output_token_sampling_mask"] = [list(m) for m in out.output_token_sampling_mask]
+        meta["output_token_sampling_logprobs"] = list(out.output_token_sampling_logprobs)
+        meta["output_token_sampling_mask_length"] = len(out.output_token_sampling_mask)
     text = out.text if out.text is not None else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 

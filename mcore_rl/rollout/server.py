@@ -176,6 +176,8 @@ class EngineServer:
             "max_req_input_len": core.context_length - 1,
             "dtype": core.dtype_name,
             "quantization": core.quantization,
+            "logprobs_mode": core.logprobs_mode,  # sampling-mask replay: "raw" | "processed" output_token_logprobs
+            "sampling_mask_max_tokens": core.sampling_mask_max_tokens,
             "internal_states": [{
                 "num_running_reqs": core.num_running_reqs,
                 "num_waiting_reqs": core.num_waiting_reqs,
@@ -219,7 +221,8 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_generate(await _body(request), tokenizer=self.tokenizer,
                                 vocab_size=self.core.vocab_size, context_length=self.core.context_length,
-                                enable_return_routed_experts=self.args.enable_return_routed_experts)
+                                enable_return_routed_experts=self.args.enable_return_routed_experts,
+                                sampling_mask_max_tokens=self.core.sampling_mask_max_tokens)
         streams = await self._submit(parsed.requests)
 
         def render(i: int, out: RequestOutput) -> dict:

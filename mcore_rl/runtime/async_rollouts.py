@@ -47,7 +47,8 @@ class PoolBackend:
         sp = self.manager.sampling_params(r.temperature, seed, domain=prompt.domain)
         sp["max_new_tokens"] = budget
         return GenRequest(list(prompt.ids) + list(prefix), sp,
-                          return_routed_experts=self.cfg.algorithm.routing_replay == "r3")  # routing replay
+                          return_routed_experts=self.cfg.algorithm.routing_replay == "r3",  # routing replay
+                          return_sampling_mask=r.sampling_mask_replay)
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.pool.agenerate(request)

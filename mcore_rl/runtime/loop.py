@@ -422,7 +422,9 @@ class RLRun:
                                                     micro_batch_size=tc.micro_batch_size, pad_id=self.tokenizer.pad_id,
                                                     temperature=learner.temperature, chunk_size=tc.logprob_chunk_size)
 
-        return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(ss, t, chunks=chunks)[0],
+        # a teacher scores the full distribution, not the student's sampling mask
+        return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(
+                                       ss, t, chunks=chunks, sampling_masks=False)[0],
                                    _broadcast, self.rank0, topk)
 
     def close(self) -> None:

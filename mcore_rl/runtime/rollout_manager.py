@@ -192,9 +192,12 @@ class RolloutManager:
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
         routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
+        # sampling-mask replay: every sampled request (training, and MIPU validation, whose μ the learner
+        # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
+        mask = temperature > 0 and self.cfg.rollout.sampling_mask_replay
         reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
                                                        self.budget(p) if train else p.max_new_tokens, p.domain),
-                           return_routed_experts=routed)
+                           return_routed_experts=routed, return_sampling_mask=mask)
                 for p, k in zip(prompts, sizes) for j in range(k)]
         start = time.perf_counter()
         gens = self.engines.generate(reqs)
@@ -202,11 +205,13 @@ class RolloutManager:
         owners = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         samples = []
         for p, g in zip(owners, gens):
-            lp = list(g.output_logprobs)
+            lp = list(g.output_logprobs if not mask else g.output_sampling_logprobs)
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
             samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text, g.engine,
                                   routed_experts=compact_routing(g.routed_experts)))
+            if mask:
+                samples[-1].sampling_mask_ids, samples[-1].sampling_mask_counts = flat_masks(g.output_sampling_masks)
         start = time.perf_counter()
         self.score(samples)
         self.last_reward_s = time.perf_counter() - start
@@ -289,3 +294,8 @@ def _reward_stats(groups: list[list[Sample]], prefix: str) -> dict[str, float]:
         "response/length_mean": float(lengths.mean()),
         "response/truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),
     }
+
+
+def flat_masks(masks: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Per-token supports (a `Generation`'s) as `Sample`'s flat ids and per-token counts."""
+    return [int(i) for m in masks for i in m], [len(m) for m in masks]

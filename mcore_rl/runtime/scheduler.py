@@ -112,6 +112,9 @@ class _Partial:
     text: str = ""
     engine: str = ""
     routed: Any = None  # routing replay: the latest response's routed experts, for the whole sequence
+    # sampling-mask replay: the supports of `ids` (flat ids, per-token counts); None without
+    mask_ids: Optional[list[int]] = None
+    mask_counts: Optional[list[int]] = None
 
 
 @dataclass
@@ -267,7 +270,12 @@ class RolloutScheduler:
                 self._win().restarted += 1
                 continue
             out.ids += list(gen.output_ids)
-            out.logps += list(gen.output_logprobs)
+            if gen.output_sampling_masks is not None:  # sampling-mask replay: μ is the processed log-prob
+                out.logps += list(gen.output_sampling_logprobs)
+                out.mask_ids = (out.mask_ids or []) + [int(i) for m in gen.output_sampling_masks for i in m]
+                out.mask_counts = (out.mask_counts or []) + [len(m) for m in gen.output_sampling_masks]
+            else:
+                out.logps += list(gen.output_logprobs)
             out.versions += list(gen.output_versions or [gen.weight_version] * len(gen.output_ids))
             out.text += gen.text  # pieces decode separately; exact for byte-level tokenizers
             out.finish, out.engine = gen.finish_reason, gen.engine
@@ -311,7 +319,8 @@ class RolloutScheduler:
         versions = p.versions
         return Sample(prompt, prompt.index, p.ids, p.logps, min(versions) if versions else 0, p.finish,
                       p.text, p.engine, token_versions=list(versions) if len(set(versions)) > 1 else None,
-                      routed_experts=compact_routing(p.routed))
+                      routed_experts=compact_routing(p.routed),
+                      sampling_mask_ids=p.mask_ids, sampling_mask_counts=p.mask_counts)
 
     # ------------------------------------------------------------------ consumer (the learner)
 

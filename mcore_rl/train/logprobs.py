@@ -27,6 +27,15 @@ labels are split the same way as the tokens (megatron's load-balanced CP split);
 
 Temperature: logits are divided by `temperature` before the softmax, matching engines that report
 log-probs of the temperature-scaled distribution they sampled from.
+
+Sampling-mask replay: with `mask_ids` / `mask_counts` (per token, the ids of the support S the
+engine drew it from, flat), the softmax of a token with a non-empty S is taken over S only —
+log π(y) = z_y − log Σ_{i∈S} e^{z_i}, the entropy −Σ_{i∈S} p_i log p_i — as the engine's processed
+log-probs are. Per chunk each rank builds a [chunk × vocab/TP] bool mask from the ids inside its
+shard (the target is always kept), sets the logits outside it to −inf, and the same max / Σe^z /
+Σe^z·z all-reduces follow; masked entries get probability 0 and gradient 0 (the z·p products are
+taken with z zeroed there, so no −inf·0). Tokens without S (prompt positions, no mask) use the
+full vocabulary. Extra memory: one bool [chunk × vocab/TP] buffer and the flat ids.
 """
 
 from __future__ import annotations
@@ -82,6 +91,8 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         chunk_size: int,
         with_entropy: bool,
         group: Optional[dist.ProcessGroup],
+        mask_ids: Optional[torch.Tensor] = None,
+        mask_offsets: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
@@ -103,13 +114,21 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
+            drop = None
+            if mask_ids is not None:
+                drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, local_vocab)
+                if drop is not None:
+                    z.masked_fill_(drop, float("-inf"))
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             z.sub_(zmax[:, None])
-            target_z = z.gather(1, local_t[s:e, None]).squeeze(1) * in_shard[s:e]
+            target_z = z.gather(1, local_t[s:e, None]).squeeze(1)
+            target_z = torch.where(in_shard[s:e], target_z, torch.zeros_like(target_z))
             topk_z = z.gather(1, local_k[s:e]) * in_k[s:e] if k else None  # the ids in this shard
             if with_entropy:
                 ez = torch.exp(z)
+                if drop is not None:  # e^z·z with z = 0 where masked: 0, not 0·(−inf)
+                    z.masked_fill_(drop, 0.0)
                 stats = torch.stack([ez.sum(dim=-1), target_z, ez.mul_(z).sum(dim=-1)])  # Σe^z, z_y, Σe^z·z
                 del ez
             else:  # one [chunk × vocab] buffer: exponentiate in place
@@ -133,6 +152,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 mean_z[s:e] = ez_mean + zmax
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k)
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
+        ctx.mask = (mask_ids, mask_offsets, vocab_start)  # tensors that need no gradient, and an int
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logp, entropy, topk_logp
 
@@ -140,6 +160,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],  # type: ignore[override]
                  grad_topk: Optional[torch.Tensor]):
         hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k = ctx.saved_tensors
+        mask_ids, mask_offsets, vocab_start = ctx.mask
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
         inv_temp = ctx.inv_temp
@@ -156,6 +177,11 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
+            drop = None
+            if mask_ids is not None:
+                drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, weight.shape[0])
+                if drop is not None:
+                    z.masked_fill_(drop, float("-inf"))  # p = 0 there
             gl = grad_logp[s:e].to(acc)
             gk = None
             if use_topk:  # d log p_v / dz_j = 1[j = v] - p_j: the -p_j parts add up with the target's
@@ -169,6 +195,8 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 p = z.sub_(lse[s:e, None]).exp_()
             if use_entropy:
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
+                if drop is not None:  # p = 0 there; a finite z keeps the product 0
+                    z.masked_fill_(drop, 0.0)
                 ge = grad_entropy[s:e].to(acc)
                 z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
@@ -186,7 +214,26 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             del z, p, g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+
+
+def _drop_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, local_t: torch.Tensor,
+               in_shard: torch.Tensor, vocab_start: int, local_vocab: int) -> Optional[torch.Tensor]:
+    """[e-s, local_vocab] bool: True where a token of rows s..e-1 drops that vocabulary entry of this
+    shard — all but its support's ids inside the shard and its target; nothing for rows without a
+    support. None when no row of the chunk has one."""
+    lo, hi = int(offsets[s]), int(offsets[e])
+    counts = offsets[s + 1 : e + 1] - offsets[s:e]
+    if hi == lo:
+        return None
+    ids = mask_ids[lo:hi].long() - vocab_start
+    rows = torch.repeat_interleave(torch.arange(e - s, device=ids.device), counts)
+    inside = (ids >= 0) & (ids < local_vocab)
+    drop = (counts > 0)[:, None].expand(e - s, local_vocab).clone()
+    drop.view(-1)[(rows * local_vocab + ids)[inside]] = False
+    r = torch.arange(e - s, device=ids.device)
+    drop[r[in_shard[s:e]], local_t[s:e][in_shard[s:e]]] = False  # the sampled token is in S; never −inf
+    return drop
 
 
 def vocab_parallel_token_stats(
@@ -219,9 +266,16 @@ def vocab_parallel_topk_stats(
     chunk_size: Optional[int] = None,
     with_entropy: bool = True,
     tp_group: Optional[dist.ProcessGroup] = None,
+    mask_ids: Optional[torch.Tensor] = None,
+    mask_counts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`vocab_parallel_token_stats` plus the log-probs of given ids per token: `topk_ids` [n, k]
     global ids (a teacher's top-k), returned as a differentiable [n, k] tensor ([n, 0] without ids).
+
+    Sampling-mask replay: `mask_counts` [n] (ints, 0 = no support: the full vocabulary) and
+    `mask_ids` [Σ counts] (global ids, token by token) give each token's support; log-probs and
+    entropy are then those of the softmax renormalised over it (see the module docstring). Not
+    combinable with `topk_ids`.
 
     Each TP rank reads the logits of the ids inside its vocabulary shard (zero for the others), the
     log-sum-exp is the vocab-parallel one the target log-prob uses, and the [n, k] block travels in
@@ -234,8 +288,22 @@ def vocab_parallel_topk_stats(
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
     ids = (torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device) if topk_ids is None
            else topk_ids.long().reshape(hidden.shape[0], -1))
+    offsets = None
+    if mask_counts is not None:
+        if topk_ids is not None and topk_ids.numel():
+            raise ValueError("sampling-mask replay with top-k ids (distillation) is not supported")
+        counts = mask_counts.reshape(-1).long()
+        if counts.numel() != hidden.shape[0]:
+            raise ValueError(f"mask_counts: {counts.numel()} entries for {hidden.shape[0]} tokens")
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        if mask_ids is None or mask_ids.numel() != int(offsets[-1]):
+            raise ValueError(f"mask_ids: expected {int(offsets[-1])} ids (the sum of mask_counts)")
+        if not bool((offsets[1:] > offsets[:-1]).any()):
+            mask_ids = offsets = None  # nothing to mask
     return _VocabParallelTokenStats.apply(
-        hidden, weight, targets.long(), ids, vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group
+        hidden, weight, targets.long(), ids, vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group,
+        mask_ids, offsets,
     )
 
 
@@ -308,10 +376,14 @@ def gpt_token_stats(
     chunk_size: Optional[int] = None,
     with_entropy: bool = True,
     topk_ids: Optional[torch.Tensor] = None,
+    mask_ids: Optional[torch.Tensor] = None,
+    mask_counts: Optional[torch.Tensor] = None,
 ) -> torch.Tensor | TokenStats:
     """Run one (possibly wrapped) GPTModel chunk. On the last pipeline stage return `TokenStats`
     for `labels` [b, s] (labels[:, t] is the token that follows position t), with the log-probs of
-    `topk_ids` [b, s, k] at each position when given; on other stages the hidden states to send on."""
+    `topk_ids` [b, s, k] at each position when given; on other stages the hidden states to send on.
+    Sampling-mask replay: `mask_counts` [b, s] and the flat `mask_ids` (row-major over [b, s]) give
+    the support each label was sampled from (see `vocab_parallel_topk_stats`)."""
     from megatron.core import parallel_state
 
     gpt = unwrap_gpt(model)
@@ -322,6 +394,8 @@ def gpt_token_stats(
     hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
     s, b, h = hidden.shape
     ids = None if topk_ids is None else topk_ids.permute(1, 0, 2).reshape(s * b, -1)  # [s·b, k], like the labels
+    if mask_counts is not None:
+        mask_ids, mask_counts = seq_major_masks(mask_ids.to(hidden.device), mask_counts.to(hidden.device))
     logp, ent, topk = vocab_parallel_topk_stats(
         hidden.reshape(s * b, h),
         output_weight(gpt),
@@ -331,9 +405,28 @@ def gpt_token_stats(
         chunk_size=chunk_size,
         with_entropy=with_entropy,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
+        mask_ids=mask_ids,
+        mask_counts=mask_counts,
     )
     topk_out = None if topk_ids is None else topk.view(s, b, -1).permute(1, 0, 2)
     return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None, topk_out)
+
+
+def seq_major_masks(mask_ids: torch.Tensor, mask_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat supports of a [b, s] grid, row-major, reordered to the [s·b] token order of the hidden
+    states (`counts.t()`): returns (ids, counts [s·b])."""
+    counts = mask_counts.long()
+    b, s = counts.shape
+    flat = counts.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # row-major start of each position's ids
+    perm = torch.arange(b * s, device=counts.device).view(b, s).t().reshape(-1)  # seq-major -> row-major index
+    new_counts = flat[perm]
+    total = int(new_counts.sum())
+    if total == 0:
+        return mask_ids[:0], new_counts
+    new_starts = torch.cumsum(new_counts, 0) - new_counts
+    src = torch.repeat_interleave(starts[perm] - new_starts, new_counts) + torch.arange(total, device=counts.device)
+    return mask_ids[src], new_counts
 
 
 # A loss on the last stage: (batch, stats) -> (summed loss, count for the global mean, report).
@@ -352,8 +445,10 @@ def make_forward_step(
     """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
 
     Micro-batches hold `tokens`, `labels`, `position_ids` and optionally `segment_ids` (packed
-    rows), `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too) and `routed_experts` (the experts
-    to replay, see `train.routing_replay`) plus whatever `loss_fn` reads (masks, advantages, old/rollout log-probs). `loss_fn`
+    rows), `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too), `routed_experts` (the experts
+    to replay, see `train.routing_replay`), `label_mask_counts` [b, s] and `label_mask_ids` (sampling-mask
+    replay: each label's support, flat, row-major) plus whatever `loss_fn` reads (masks, advantages,
+    old/rollout log-probs). `loss_fn`
     follows `calculate_per_token_loss`: it returns a *sum* and the integer count it should be
     divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
     ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
@@ -381,6 +476,8 @@ def make_forward_step(
             chunk_size=chunk_size,
             with_entropy=with_entropy,
             topk_ids=batch.get("label_topk_ids"),
+            mask_ids=batch.get("label_mask_ids"),
+            mask_counts=batch.get("label_mask_counts"),
         )
         return out, partial(_loss, batch)
 

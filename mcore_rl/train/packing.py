@@ -15,6 +15,11 @@ Each micro-batch also carries the sequence view of the samples it holds: `seq_in
 positions in the batch) and `seq_pos` [n, T] (for response token j of sample i, the flat index in
 the micro-batch's [b × s] grid of the position whose *label* is that token). The loss gathers
 π_θ through `seq_pos`, so every algorithm sees [n, T] tensors whatever the packing.
+
+Sampling-mask replay (`sampling_masks=True`): each micro-batch also carries `label_mask_counts`
+[b, s] int32 (the support size of the label at each position; 0 = none: prompt positions, padding,
+samples without a mask) and `label_mask_ids` int32, all supports' ids flat in row-major [b, s]
+order — no padding to the largest support, which at top-p can be thousands of ids next to tens.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ def build_microbatches(
     num_positions: int,
     per_seq: Optional[dict[str, torch.Tensor]] = None,
     routing: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    sampling_masks: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """This DP rank's micro-batches for the samples `order` (indices into `samples`).
 
@@ -134,8 +140,10 @@ def build_microbatches(
     indexed by sample) are sliced to each micro-batch's samples. `num_positions` is T of the
     sequence view. `routing` (MoE routing replay, indexed like `samples`: [m, layers, k] per sample,
     m <= its token count) becomes each micro-batch's `routed_experts` [b, s, layers, k] on the
-    token grid (-1 where none: padding, tokens past m)."""
+    token grid (-1 where none: padding, tokens past m). `sampling_masks`: add the samples' supports
+    (see the module docstring)."""
     rows, places = pack_rows(samples, order, seq_length)
+    masks_by_row: dict[int, list[tuple[int, list[int], list[int]]]] = {}  # row -> (first label col, counts, ids)
     per_step = micro_batch_size * dp_size
     num_rows = max(1, -(-len(rows) // per_step)) * per_step
     width = seq_length + 1
@@ -157,6 +165,11 @@ def build_microbatches(
         label_pos = torch.zeros(num_positions, dtype=torch.long)
         label_pos[: len(rsp)] = c + len(p) - 1 + torch.arange(len(rsp))
         seq_pos_rows.append((i, place.row, label_pos))
+        if sampling_masks and s.sampling_mask_counts is not None:
+            if len(s.sampling_mask_counts) != len(rsp) or len(s.sampling_mask_ids or []) != sum(s.sampling_mask_counts):
+                raise ValueError(f"sample {i}: {len(s.sampling_mask_counts)} sampling-mask counts for {len(rsp)} "
+                                 f"response tokens, {len(s.sampling_mask_ids or [])} ids for {sum(s.sampling_mask_counts)}")
+            masks_by_row.setdefault(place.row, []).append((c + len(p) - 1, s.sampling_mask_counts, s.sampling_mask_ids))
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     loss_mask = target[:, 1:].float()
     by_row: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -179,6 +192,15 @@ def build_microbatches(
             for i, lp in by_row.get(row, []):
                 idx.append(i)
                 flat.append(lp + b * seq_length)
+        if sampling_masks:
+            counts = torch.zeros(micro_batch_size, seq_length, dtype=torch.int32)
+            flat_ids: list[int] = []
+            for b, row in enumerate(rows_here):
+                for col, cnt, mids in masks_by_row.get(row, []):  # in column order: row-major ids
+                    counts[b, col : col + len(cnt)] = torch.tensor(cnt, dtype=torch.int32)
+                    flat_ids += mids
+            mb["label_mask_counts"] = counts
+            mb["label_mask_ids"] = torch.tensor(flat_ids, dtype=torch.int32)
         mb["seq_index"] = torch.tensor(idx, dtype=torch.long)
         mb["seq_pos"] = torch.stack(flat) if flat else torch.zeros(0, num_positions, dtype=torch.long)
         for key, value in (per_seq or {}).items():

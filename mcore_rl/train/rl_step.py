@@ -52,7 +52,8 @@ from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_vi
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
 # what the model's forward reads from a micro-batch
-MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids", "routed_experts")
+MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids", "routed_experts",
+              "label_mask_ids", "label_mask_counts")  # the last two: sampling-mask replay
 
 
 def _dp() -> tuple[int, int]:
@@ -139,15 +140,19 @@ class Learner:
     # ---------------------------------------------------------------- forward-only log-probs
 
     def token_logprobs(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       with_entropy: bool = False, sampling_masks: Optional[bool] = None,
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[N, T] log-probs (and entropy) of every sample's response tokens under `chunks`
-        (default: the policy), identical on every rank."""
-        logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy)
+        (default: the policy), identical on every rank. `sampling_masks` (default
+        `rollout.sampling_mask_replay`): renormalise over the samples' supports (a teacher's
+        log-probs do not)."""
+        logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy, sampling_masks=sampling_masks)
         return logp, entropy
 
     def token_stats(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
                     with_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
                     response_mask: Optional[torch.Tensor] = None, routing: Optional[list] = None,
+                    sampling_masks: Optional[bool] = None,
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """`token_logprobs` plus, with `topk_ids` [N, T, k] (and the [N, T] `response_mask`), the
         [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits.
@@ -157,7 +162,9 @@ class Learner:
         dp_rank, dp_size = _dp()
         per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions, per_seq, routing=routing)
+                                 self.pad_id, num_positions, per_seq, routing=routing,
+                                 sampling_masks=self.cfg.rollout.sampling_mask_replay if sampling_masks is None
+                                 else sampling_masks)
         add_packed_topk(mbs)
         model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
@@ -239,6 +246,10 @@ class Learner:
         metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
         metrics["advantage/too_few_valid_frac"] = too_few_valid_frac(view.group_ids, valid)
         metrics.update(domain_metrics(advantages, rewards, valid, view.domain_ids, view.domain_names))
+        sizes = [c for s in samples for c in (s.sampling_mask_counts or [])]
+        if sizes:  # sampling-mask replay: how many ids the engine's sampler kept per token
+            metrics["rollout/sampling_mask_size_mean"] = sum(sizes) / len(sizes)
+            metrics["rollout/sampling_mask_size_max"] = float(max(sizes))
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
@@ -364,7 +375,8 @@ class Learner:
             for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch):
                 start = time.perf_counter()
                 mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                         self.pad_id, num_positions, per_seq, routing=self.routing)
+                                         self.pad_id, num_positions, per_seq, routing=self.routing,
+                                         sampling_masks=self.cfg.rollout.sampling_mask_replay)
                 add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
                 store: list[dict[str, Any]] = []
                 step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,

@@ -13,6 +13,18 @@ documented choices:
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, the setting RL trainers use (slime sets it), because that is
   the distribution the trainer recomputes. SGLang's plain default is `log_softmax(logits / T)`;
   `return_original_logprob=False` gives that instead.
+* `logprobs_mode` (engine-wide, `mcore-rl serve --logprobs-mode`, reported by `/get_server_info`):
+  "raw" (the default) is the bullet above; "processed" makes `output_token_logprobs` the log-prob of
+  each sampled token under the distribution it was drawn from — after temperature, top-k, top-p,
+  min-p and the `min_new_tokens` mask, renormalised: log(w_y / Σ w) of the sampler's weights w
+  (0 for greedy rows). Prompt log-probs, top log-probs and `token_ids_logprob` stay raw in both modes.
+* `return_sampling_mask` (SGLang's name) returns per output token the support S = {i : w_i > 0} of
+  those weights (`output_token_sampling_mask`, ascending ids, the sampled id among them; a greedy
+  row's S is {the token}) and log(w_y / Σ w) (`output_token_sampling_logprobs`), both read off the
+  tensor the draw used. A request whose support could be the whole vocabulary (temperature > 0,
+  top_k -1, top_p 1) is refused, as is a top_k above `sampling_mask_max_tokens` (SGLang's
+  `--sampling-mask-max-tokens`); a top-p / min-p support that turns out larger than that cap finishes
+  the request with finish_reason abort (the message names the cap), without the token.
 * `input_token_logprobs` is aligned with `input_ids[start:]` and its first entry is always None,
   exactly as SGLang pads it; `logprob_start_len=-1` means `start = len(input_ids) - 1` (so one
   `(None, last_prompt_id)` entry), as SGLang normalises it.
@@ -63,7 +75,7 @@ from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tok
 
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .model_runner import ModelRunner
-from .sampling import BatchSampling, RequestRandom, SamplingParams, sample
+from .sampling import BatchSampling, RequestRandom, SamplingParams, sample, sample_with_support
 
 _DTYPES = {
     "float32": torch.float32,
@@ -77,6 +89,8 @@ _DTYPES = {
 }
 QUANTIZATIONS = (None, "fp8")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+LOGPROBS_MODES = ("raw", "processed")
+DEFAULT_SAMPLING_MASK_MAX_TOKENS = 16384  # largest support returned per token (SGLang's --sampling-mask-max-tokens)
 _TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -95,6 +109,8 @@ class Request:
     token_ids_logprob: list[int] | None = None
     # routing replay (SGLang's return_routed_experts): the experts of every MoE layer per token
     return_routed_experts: bool = False
+    # sampling-mask replay (SGLang's return_sampling_mask): the support and processed log-prob per output token
+    return_sampling_mask: bool = False
 
 
 @dataclass
@@ -122,6 +138,10 @@ class RequestOutput:
     # num_hidden_layers, num_experts_per_tok], the experts each forwarded token went to in each layer
     # (-1 for dense layers), as SGLang's meta_info["routed_experts"] decodes; None if nothing ran
     routed_experts: Any = None
+    # sampling-mask replay (with Request.return_sampling_mask): per generated token, the ids of the support
+    # the token was drawn from, and log(w_y / sum w) under those post-filter weights
+    output_token_sampling_mask: list[list[int]] = field(default_factory=list)
+    output_token_sampling_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -144,6 +164,8 @@ class _Live:
     out_tid: list[list[tuple[float, int]]] = field(default_factory=list)  # token_ids_logprob per output token
     in_tid: list[list[tuple[float, int]] | None] = field(default_factory=list)  # ... per input position
     routing: torch.Tensor | None = None  # return_routed_experts: [>= positions forwarded, layers, k] int32
+    out_mask: list[list[int]] = field(default_factory=list)  # sampling-mask replay: support per output token
+    out_mask_lp: list[float] = field(default_factory=list)  # ... and the processed log-prob
 
     @property
     def sp(self) -> SamplingParams:
@@ -173,6 +195,8 @@ class EngineCore:
         max_prefill_tokens: int = 16384,
         return_original_logprob: bool = True,
         model_path: str | None = None,
+        logprobs_mode: str = "raw",
+        sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
     ) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: {quantization!r} is not supported (choose from {list(QUANTIZATIONS)})")
@@ -180,6 +204,13 @@ class EngineCore:
             raise ValueError(f"max_running_requests: must be >= 1, got {max_running_requests}")
         if context_length < 2:
             raise ValueError(f"context_length: must be >= 2, got {context_length}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {logprobs_mode!r} is not one of {list(LOGPROBS_MODES)}")
+        if isinstance(sampling_mask_max_tokens, bool) or not isinstance(sampling_mask_max_tokens, int) \
+                or sampling_mask_max_tokens < 1:
+            raise ValueError(f"sampling_mask_max_tokens: must be an integer >= 1, got {sampling_mask_max_tokens!r}")
+        self.logprobs_mode = logprobs_mode
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.dtype = _resolve_dtype(dtype, model)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -293,7 +324,7 @@ class EngineCore:
         if not isinstance(req.sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
         req.sampling.validate(self.context_length, len(ids), self.vocab_size)
-        for name in ("return_logprob", "stream", "return_routed_experts"):
+        for name in ("return_logprob", "stream", "return_routed_experts", "return_sampling_mask"):
             if not isinstance(getattr(req, name), bool):
                 raise ValueError(f"{name}: expected a boolean, got {getattr(req, name)!r}")
         k = req.top_logprobs_num
@@ -311,11 +342,28 @@ class EngineCore:
                     raise ValueError(f"token_ids_logprob: {t!r} is not a token id in [0, {self.vocab_size})")
         if req.return_routed_experts and not self.runner.has_moe:
             raise ValueError("return_routed_experts: the served model has no MoE layers, so no experts to return")
+        if req.return_sampling_mask:
+            self.check_sampling_mask(req.sampling)
         with self._lock:
             if req.rid in self._rids:
                 raise ValueError(f"rid: a request with rid {req.rid!r} is already in flight")
             self._rids.add(req.rid)
             self._waiting.append(req)
+
+    def check_sampling_mask(self, sp: SamplingParams) -> None:
+        """Refuse `return_sampling_mask` where the support is unbounded or over the cap (SGLang's 400)."""
+        if sp.is_greedy:
+            return
+        if sp.top_k == -1 and sp.top_p >= 1.0:
+            raise ValueError(
+                "return_sampling_mask: the support would be the whole vocabulary (temperature > 0, top_k -1, "
+                "top_p 1); set sampling_params.top_k or sampling_params.top_p < 1"
+            )
+        if sp.top_k > self.sampling_mask_max_tokens:
+            raise ValueError(
+                f"return_sampling_mask: sampling_params.top_k={sp.top_k} exceeds the engine's "
+                f"sampling_mask_max_tokens={self.sampling_mask_max_tokens} (--sampling-mask-max-tokens)"
+            )
 
     def abort(self, rid: str, message: str = "Aborted by request") -> None:
         """Finish `rid` now with finish_reason abort (its final output comes with the next step);
@@ -554,23 +602,41 @@ class EngineCore:
         stream; then free finished slots (and `extra_done`)."""
         lives = [self._running[s] for s in slots]
         masked = self._min_new_tokens_mask(lives, logits) if ctl.any_min_new_tokens else logits
-        if ctl.all_greedy:  # argmax rows: no uniforms drawn (a greedy row never consumes one)
-            tokens = sample(masked, ctl, None)
-        else:
-            uniforms = [0.0 if live.sp.is_greedy else live.rand.next() for live in lives]
-            tokens = sample(masked, ctl, torch.tensor(uniforms, dtype=torch.float64, device=logits.device))
         want_lp = [live.req.return_logprob for live in lives]
+        want_mask = [live.req.return_sampling_mask for live in lives]
+        processed = self.logprobs_mode == "processed" and any(want_lp)
+        uniforms_t = None
+        if not ctl.all_greedy:  # argmax rows: no uniforms drawn (a greedy row never consumes one)
+            uniforms = [0.0 if live.sp.is_greedy else live.rand.next() for live in lives]
+            uniforms_t = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)
+        drawn = None
+        if any(want_mask) or processed:  # the same draw, with the support and log(w_y / sum w) of its weights
+            drawn = sample_with_support(masked, ctl, uniforms_t)
+            tokens = drawn.tokens
+            drawn_lp, drawn_sizes = drawn.logprobs.tolist(), drawn.sizes.tolist()
+        else:
+            tokens = sample(masked, ctl, uniforms_t)
         chosen = tops = None
         if any(want_lp):
             src = logits if self.return_original_logprob else logits / torch.where(ctl.temperature > 0, ctl.temperature, 1.0)[:, None]
             lp = torch.log_softmax(src, dim=-1)
-            chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
+            chosen = drawn_lp if processed else lp.gather(-1, tokens[:, None])[:, 0].tolist()
             kmax = max(live.req.top_logprobs_num for live in lives)
             if kmax > 0:
                 vals, idx = lp.topk(kmax, dim=-1)
                 tops = (vals.tolist(), idx.tolist())
         finished: list[int] = list(extra_done or [])
         for j, (slot, live, tok) in enumerate(zip(slots, lives, tokens.tolist())):
+            if want_mask[j] and drawn_sizes[j] > self.sampling_mask_max_tokens:
+                outs.append(self._output(live, {"type": "abort", "message": (
+                    f"return_sampling_mask: the support of output token {len(live.output_ids)} has {drawn_sizes[j]} "
+                    f"ids, more than sampling_mask_max_tokens={self.sampling_mask_max_tokens} "
+                    "(--sampling-mask-max-tokens); lower top_p / top_k or raise the cap")}))
+                finished.append(slot)
+                continue
+            if want_mask[j]:
+                live.out_mask.append(drawn.support(j))
+                live.out_mask_lp.append(drawn_lp[j])
             live.output_ids.append(tok)
             live.out_versions.append(self.weight_version)
             if want_lp[j]:
@@ -645,6 +711,8 @@ class EngineCore:
             output_token_ids_logprobs=copy(live.out_tid),
             input_token_ids_logprobs=live.in_tid,
             routed_experts=self._routed(live),
+            output_token_sampling_mask=copy(live.out_mask),
+            output_token_sampling_logprobs=copy(live.out_mask_lp),
         )
 
     @staticmethod

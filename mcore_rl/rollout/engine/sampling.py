@@ -4,6 +4,11 @@ The sampler follows SGLang's order: temperature, then top-k, top-p and min-p fil
 probabilities, then one draw. Each request owns its random stream (`RequestRandom`): the uniforms
 it consumes are drawn from its own `torch.Generator`, so a seeded request produces the same tokens
 whatever else shares its batch. The draw is inverse-CDF sampling with one uniform per token.
+
+Sampling-mask replay (SGLang's `return_sampling_mask`): `sample_with_support` returns, with the
+tokens, what the draw came from — the support S = {i : w_i > 0} of the post-filter weights w of
+each row and the processed log-prob log(w_y / Σ w) of the drawn token — read off the very tensor
+the draw used, not rebuilt afterwards. A greedy row's support is {argmax} and its log-prob 0.
 """
 
 from __future__ import annotations
@@ -191,6 +196,47 @@ def sample(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | No
     greedy_tokens = logits.argmax(-1)
     if ctl.all_greedy:
         return greedy_tokens
+    tokens, _ = _draw(logits, ctl, uniforms, greedy_tokens)
+    return tokens
+
+
+@dataclass
+class SampledSupport:
+    """What each row's token was drawn from (sampling-mask replay)."""
+
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] float64: log(w_y / sum w), the processed log-prob; 0 for greedy rows
+    sizes: torch.Tensor  # [B] long: |S| per row (1 for greedy rows)
+    weights: torch.Tensor | None  # [B, V] the post-filter weights the draw used (None when all greedy)
+
+    def support(self, row: int) -> list[int]:
+        """The ids of S for `row`, ascending (a greedy row: its token)."""
+        if self.weights is None or self.sizes[row] == 1:
+            return [int(self.tokens[row])]
+        return torch.nonzero(self.weights[row] > 0).squeeze(-1).tolist()
+
+
+def sample_with_support(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None) -> SampledSupport:
+    """`sample`, plus each row's support and processed log-prob, taken from the weights drawn from.
+
+    Greedy rows (temperature 0 or top_k 1) have the singleton support {argmax} and log-prob 0.
+    """
+    greedy_tokens = logits.argmax(-1)
+    ones = torch.ones_like(greedy_tokens)
+    zeros = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
+    if ctl.all_greedy:
+        return SampledSupport(greedy_tokens, zeros, ones, None)
+    tokens, probs = _draw(logits, ctl, uniforms, greedy_tokens)
+    greedy = ctl.temperature <= 0
+    w = probs.double()
+    logp = w.gather(-1, tokens[:, None]).squeeze(-1).log() - w.sum(-1).log()
+    sizes = (probs > 0).sum(-1)
+    return SampledSupport(tokens, torch.where(greedy, zeros, logp), torch.where(greedy, ones, sizes), probs)
+
+
+def _draw(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None,
+          greedy_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, the post-filter weights [B, V] the sampled rows drew from)."""
     temp = torch.where(ctl.temperature > 0, ctl.temperature, torch.ones_like(ctl.temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if ctl.any_filter:
@@ -208,4 +254,4 @@ def sample(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | No
     vocab = torch.arange(probs.shape[-1], device=probs.device)
     last_kept = torch.where(probs > 0, vocab, 0).amax(-1)
     sampled = torch.minimum(picked, last_kept)
-    return torch.where(ctl.temperature > 0, sampled, greedy_tokens)
+    return torch.where(ctl.temperature > 0, sampled, greedy_tokens), probs
