@@ -65,6 +65,12 @@ def test_parity_command_moe(tmp_path) -> None:
     # R3: replaying the fp32 engine's own experts changes nothing; both K3s are defined for FP8
     assert fp32["r3_mean_abs"] < 1e-5
     assert fp8["r3_k3"] >= 0.0 and math.isfinite(fp8["r3_k3"])
+    # demo_moe samples with top-p 0.9: against the distribution the fp32 engine drew from, the trainer
+    # over the same support agrees to rounding; over the full vocabulary it does not (the kept mass)
+    rows = {b["trainer"]: b for b in report["behaviour"]}
+    assert set(rows) == {"full vocabulary", "R3", "sampling mask", "R3 + sampling mask"}
+    assert rows["sampling mask"]["max_abs"] < 1e-5 and rows["R3 + sampling mask"]["max_abs"] < 1e-5
+    assert rows["full vocabulary"]["mean_abs"] > 1e-3
 
 
 def test_parity_bad_precision_fails_before_building(tmp_path) -> None:

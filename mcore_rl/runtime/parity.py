@@ -103,6 +103,17 @@ def position_bins(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[
 # ------------------------------------------------------------------------------ engines
 
 
+@dataclass
+class Sampled:
+    """One completion as the generating engine returned it."""
+
+    ids: list[int]
+    logp: list[float]  # output_token_logprobs (raw: the full distribution at the sampling temperature)
+    masks: Optional[list[list[int]]] = None  # return_sampling_mask: the support of each token
+    processed_logp: Optional[list[float]] = None  # ... and its log-prob under the renormalised support
+    routed: Any = None  # return_routed_experts of the sampled sequence
+
+
 class EmbeddedScorer:
     """An embedded `EngineCore`: generation, prompt scoring and the debug forward of its model."""
 
@@ -121,14 +132,20 @@ class EmbeddedScorer:
                     done[out.rid] = out
         return done
 
-    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]]) -> list[tuple[list[int], list[float]]]:
+    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]], mask: bool = False,
+                 routing: bool = False) -> list["Sampled"]:
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
-        reqs = [Request(f"g{i}", list(p), SamplingParams(**sp), return_logprob=True)
+        reqs = [Request(f"g{i}", list(p), SamplingParams(**sp), return_logprob=True, return_sampling_mask=mask,
+                        return_routed_experts=routing)
                 for i, (p, sp) in enumerate(zip(prompts, sampling))]
         done = self._run(reqs)
-        return [(list(done[r.rid].output_ids), [lp for lp, _ in done[r.rid].output_token_logprobs]) for r in reqs]
+        return [Sampled(list(o.output_ids), [lp for lp, _ in o.output_token_logprobs],
+                        list(o.output_token_sampling_mask) if mask else None,
+                        list(o.output_token_sampling_logprobs) if mask else None,
+                        o.routed_experts if routing else None)
+                for o in (done[r.rid] for r in reqs)]
 
     def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
               ) -> tuple[list[list[float]], Optional[list[Any]]]:
@@ -188,10 +205,27 @@ class URLScorer:
 
         return asyncio.run(go())
 
-    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]]) -> list[tuple[list[int], list[float]]]:
-        replies = self._gather([{"input_ids": list(p), "sampling_params": sp, "return_logprob": True}
-                                for p, sp in zip(prompts, sampling)])
-        return [(list(r["output_ids"]), [e[0] for e in r["meta_info"]["output_token_logprobs"]]) for r in replies]
+    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]], mask: bool = False,
+                 routing: bool = False) -> list[Sampled]:
+        from mcore_rl.rollout.protocol import decode_routed_experts
+
+        bodies = [{"input_ids": list(p), "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)]
+        for b in bodies:
+            if mask:
+                b["return_sampling_mask"] = True
+            if routing:
+                b["return_routed_experts"] = True
+        replies = self._gather(bodies)
+        out = []
+        for p, r in zip(prompts, replies):
+            meta = r["meta_info"]
+            out.append(Sampled(
+                list(r["output_ids"]), [e[0] for e in meta["output_token_logprobs"]],
+                [list(m) for m in meta["output_token_sampling_mask"]] if mask else None,
+                [float(x) for x in meta["output_token_sampling_logprobs"]] if mask else None,
+                decode_routed_experts(meta["routed_experts"], len(p) + len(r["output_ids"]), self.num_layers)
+                if routing else None))
+        return out
 
     def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
               ) -> tuple[list[list[float]], Optional[list[Any]]]:
@@ -363,15 +397,19 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     sampling = [dict(sp, sampling_seed=cfg.train.seed * 1000 + i) if r.temperature > 0 else dict(sp)
                 for i in range(len(prompt_ids))]
     generator = engines[0][0]
-    generated = generator.generate(prompt_ids, sampling)
-    keep = [i for i, (ids, _) in enumerate(generated) if ids]
-    prompt_ids = [prompt_ids[i] for i in keep]
-    responses = [generated[i][0] for i in keep]
-    sampled_lp = [generated[i][1] for i in keep]
-    owners = [p for p in prompts for _ in range(opts.samples_per_prompt)]
-    samples = [Sample(prompt=owners[i], group=owners[i].index, response_ids=generated[i][0],
-                      rollout_logp=generated[i][1], policy_version=1, finish_reason="stop") for i in keep]
     moe = cfg.model.is_moe
+    # a truncated sampling distribution (top-p < 1 / top-k): also the behaviour-policy rows
+    truncated = r.temperature > 0 and (r.top_p < 1.0 or r.top_k > 0)
+    generated = generator.generate(prompt_ids, sampling, mask=truncated, routing=moe and opts.routing_replay)
+    keep = [i for i, g in enumerate(generated) if g.ids]
+    prompt_ids = [prompt_ids[i] for i in keep]
+    generated = [generated[i] for i in keep]
+    responses = [g.ids for g in generated]
+    sampled_lp = [g.logp for g in generated]
+    owners = [p for p in prompts for _ in range(opts.samples_per_prompt)]
+    owners = [owners[i] for i in keep]
+    samples = [Sample(prompt=o, group=o.index, response_ids=g.ids, rollout_logp=g.logp, policy_version=1,
+                      finish_reason="stop") for o, g in zip(owners, generated)]
     rcfg = copy.deepcopy(cfg)
     rcfg.algorithm.routing_replay = "r3" if moe else "none"  # replay only when asked per call
     learner = Learner(rcfg, run.chunks, run.optimizer, None, run.tokenizer.pad_id)
@@ -409,12 +447,47 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
             res.r3_mean_abs, res.r3_k3 = m3["mean_abs"], m3["k3"]
         res.seconds = time.perf_counter() - t0
         results.append(res)
+    behaviour = behaviour_rows(learner, samples, generated, width, r.temperature, moe and opts.routing_replay) \
+        if truncated else []
     for _, pool in engines:
         if pool is not None:
             pool.close()
     return {"recipe_model": asdict(cfg.model) if hasattr(cfg.model, "__dataclass_fields__") else str(cfg.model),
             "num_sequences": len(responses), "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-            "engines": [asdict(x) for x in results]}
+            "engines": [asdict(x) for x in results], "behaviour_engine": generator.name, "behaviour": behaviour}
+
+
+def behaviour_rows(learner: Any, samples: list[Sample], generated: list[Sampled], width: int, temperature: float,
+                   routing: bool) -> list[dict[str, Any]]:
+    """The mismatch against the distribution the tokens were actually drawn from: μ = the
+    generating engine's processed log-probs (after temperature and the top-p / top-k mask,
+    renormalised), and π the trainer's at the sampling temperature — over the full vocabulary (what
+    a trainer without sampling-mask replay computes), over the same support (replay), and each
+    with the engine's experts replayed (R3) for MoE."""
+    from mcore_rl.data.samples import compact_routing
+    from mcore_rl.runtime.rollout_manager import flat_masks
+    from mcore_rl.train import routing_replay
+
+    for smp, g in zip(samples, generated):
+        smp.sampling_mask_ids, smp.sampling_mask_counts = flat_masks(g.masks)
+        smp.routed_experts = compact_routing(g.routed) if routing else None
+    mu = [x for g in generated for x in g.processed_logp]
+    saved = learner.temperature
+    learner.temperature = temperature
+    rows = []
+    try:
+        for name, masked, r3 in (("full vocabulary", False, False), ("R3", False, True),
+                                 ("sampling mask", True, False), ("R3 + sampling mask", True, True)):
+            if r3 and not routing:
+                continue
+            lp, _, _ = learner.token_stats(samples, width, sampling_masks=masked,
+                                           routing=learner.replay_routing(samples) if r3 else None)
+            routing_replay.clear(learner.replay_taps)
+            pi = [x for i, smp in enumerate(samples) for x in lp[i, :len(smp.response_ids)].tolist()]
+            rows.append({"trainer": name, **token_mismatch(pi, mu)})
+    finally:
+        learner.temperature = saved
+    return rows
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -429,6 +502,12 @@ def format_report(report: dict[str, Any]) -> str:
         r3 = (f"{e['r3_mean_abs']:>12.2e}{e['r3_k3']:>11.2e}" if e.get("r3_k3") is not None else f"{'–':>12}{'–':>11}")
         lines.append(f"{e['engine']:<28}{e['tokens']:>8}{e['mean_abs']:>11.2e}{e['p99_abs']:>11.2e}"
                      f"{e['max_abs']:>11.2e}{e['k3']:>11.2e}{(f'{sv:.1e}' if sv is not None else '–'):>14}{r3}")
+    if report.get("behaviour"):
+        lines += ["", f"against the sampling distribution ({report['behaviour_engine']}'s processed log-probs: after temperature "
+                      "and the top-p/top-k mask, renormalised), π at the sampling temperature:",
+                  f"  {'trainer computes π over':<26}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}"]
+        for b in report["behaviour"]:
+            lines.append(f"  {b['trainer']:<26}{b['mean_abs']:>11.2e}{b['p99_abs']:>11.2e}{b['max_abs']:>11.2e}{b['k3']:>11.2e}")
     lines += ["", "by response position (mean|d| / K3):"]
     for e in report["engines"]:
         cells = [f"[{b['start']},{b['end']}) {b['mean_abs']:.1e}/{b['k3']:.1e}" for b in e["by_position"]]
