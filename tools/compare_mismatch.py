@@ -180,8 +180,14 @@ def main() -> None:
         acc = [mean([r.get("mipu/accepted") for r in recs if "mipu/accepted" in r]) for recs in by_seed.values()]
         touched = [mean([(r.get("mismatch/clipfrac") or 0) + (r.get("mismatch/maskfrac") or 0)
                          for r in recs if "mismatch/k3" in r]) for recs in by_seed.values()]
+        # per seed: the mean of the last 3 evaluations (one evaluation moves by ±3–5 points)
+        late = [mean([x[f"eval/avg@{k}"] for x in [r for r in recs if "eval/score" in r][-3:]]) for recs in by_seed.values()]
+        late_greedy = [mean([x["eval/greedy_pass@1"] for x in [r for r in recs if "eval/score" in r][-3:]])
+                       for recs in by_seed.values()]
         rows.append({
             "method": method,
+            "avgk_late": mean(late), "avgk_late_min": min(late), "avgk_late_max": max(late),
+            "greedy_late": mean(late_greedy), "greedy_late_min": min(late_greedy), "greedy_late_max": max(late_greedy),
             "greedy_before": mean([f["eval/greedy_pass@1"] for f in first]),
             "greedy_after": mean([x["eval/greedy_pass@1"] for x in last]),
             "avgk_before": mean([f[f"eval/avg@{k}"] for f in first]),
@@ -193,13 +199,16 @@ def main() -> None:
             "wall_s": mean([times.get(f"{method}_s{s}", float("nan")) for s in by_seed]),
         })
     print(f"\n| method | held-out greedy pass@1 (before -> after) | held-out avg@{k} (before -> after) | "
+          f"avg@{k}, last 3 evals (seed min-max) | greedy, last 3 evals (seed min-max) | "
           "train reward, last 10 steps | mean K3 | tokens truncated or masked | MIPU accept rate |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         acc = "-" if math.isnan(r["mipu_accept"]) else f"{r['mipu_accept']:.0%}"
         print(f"| {r['method']} | {r['greedy_before']:.1%} -> {r['greedy_after']:.1%} | "
-              f"{r['avgk_before']:.1%} -> {r['avgk_after']:.1%} | {r['reward_last10']:.3f} | {r['k3_mean']:.2e} | "
-              f"{r['touched']:.2%} | {acc} |")
+              f"{r['avgk_before']:.1%} -> {r['avgk_after']:.1%} | "
+              f"{r['avgk_late']:.1%} ({r['avgk_late_min']:.1%}-{r['avgk_late_max']:.1%}) | "
+              f"{r['greedy_late']:.1%} ({r['greedy_late_min']:.1%}-{r['greedy_late_max']:.1%}) | "
+              f"{r['reward_last10']:.3f} | {r['k3_mean']:.2e} | {r['touched']:.2%} | {acc} |")
     print("\nwall seconds per run (shared machine, indicative only): "
           + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     with open(summary_path, "w") as f:
