@@ -77,3 +77,27 @@ def test_parity_bad_precision_fails_before_building(tmp_path) -> None:
     proc = _parity(tmp_path, "--precisions", "fp16")
     assert proc.returncode == 2
     assert "--precisions: 'fp16' is not one of" in proc.stderr
+
+
+def test_parity_against_an_engine_url(tmp_path) -> None:
+    """`--engine-url`: a `mcore-rl serve` process (FP8, MoE), weights pushed over HTTP as a training
+    run does; it scores the fp32 engine's tokens over SGLang's wire format, routed experts included."""
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.rollout.engine_processes import EngineProcesses
+
+    mc = load_config(RLConfig, os.path.join(ROOT, "configs/demo_moe.yaml"), []).model
+    engines = EngineProcesses.start(mc, num=1, workdir=str(tmp_path / "engine"), quantization="fp8",
+                                    context_length=256, threads=1)
+    try:
+        url = engines.urls[0]
+        out = tmp_path / "parity.json"
+        proc = _parity(tmp_path, "--precisions", "none", "--engine-url", url, "--prompts", "2", "--samples", "2",
+                       "--json", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        fp32, remote = json.loads(out.read_text())["engines"]
+        assert remote["engine"] == url and remote["tokens"] == fp32["tokens"] > 0
+        assert fp32["max_abs"] < 1e-5 < remote["mean_abs"]  # the served engine is FP8
+        assert remote["r3_k3"] is not None and math.isfinite(remote["r3_k3"])
+        assert remote["layer_rel_diff"] is None  # no debug forward over HTTP
+    finally:
+        engines.close()
