@@ -145,8 +145,9 @@ def test_learner_leaves_failed_samples_out_of_the_group_statistics(monkeypatch):
     samples[1].reward_error = "timeout after 2s"  # group 0: one right, one failed, one wrong
     samples[3].reward_error = samples[4].reward_error = "ValueError: boom"  # group 1: one valid sample left
     learner = Learner(tiny(), chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
-    monkeypatch.setattr(learner, "token_logprobs", lambda s, t, chunks=None, with_entropy=False: (
-        torch.tensor([[-0.1] * t] * len(s)), torch.zeros(len(s), t)))
+    # the one forward-only log-prob path (token_logprobs goes through it too)
+    monkeypatch.setattr(learner, "token_stats", lambda s, t, chunks=None, with_entropy=False, **kw: (
+        torch.tensor([[-0.1] * t] * len(s)), torch.zeros(len(s), t), None))
     per_seq, metrics = learner.prepare(samples)
     adv = per_seq["advantages"]
     torch.testing.assert_close(adv[:3], torch.tensor([0.7071, 0.0, -0.7071]), atol=1e-4, rtol=0)
