@@ -131,10 +131,12 @@ def check_sampling(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: 
     errors.need(dom.top_p is None or 0 < dom.top_p <= 1, f"{key}.top_p", f"{who}must be in (0, 1], got {dom.top_p}")
     errors.need(dom.top_k is None or dom.top_k == -1 or dom.top_k >= 1, f"{key}.top_k",
                 f"{who}must be -1 (off) or >= 1, got {dom.top_k}")
-    if (dom.top_p is not None and dom.top_p < 1) or (dom.top_k is not None and dom.top_k != -1):
+    truncated = (dom.top_p is not None and dom.top_p < 1) or (dom.top_k is not None and dom.top_k != -1)
+    if truncated and not r.sampling_mask_replay:
         warnings.warn(f"data.domains[{i}].top_p/top_k truncate domain {dom.name!r}'s sampling distribution: the "
                       "engine's log-probs μ are of the untruncated one, so the mismatch correction sees only part of "
-                      "the difference", stacklevel=4)
+                      "the difference (set rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)",
+                      stacklevel=4)
     if dom.max_new_tokens is not None:
         errors.need(1 <= dom.max_new_tokens <= r.max_new_tokens, f"{key}.max_new_tokens",
                     f"{who}must be in [1, rollout.max_new_tokens={r.max_new_tokens}] (the engines' and learner's "

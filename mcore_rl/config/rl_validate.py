@@ -120,7 +120,8 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     errors.need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
     if (r.top_p < 1 or r.top_k != -1) and not r.sampling_mask_replay:
         warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
-                      "untruncated one, so the mismatch correction sees only part of the difference", stacklevel=3)
+                      "untruncated one, so the mismatch correction sees only part of the difference (set "
+                      "rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)", stacklevel=3)
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     need_positive(errors, [
         ("rollout.num_embedded_engines", r.num_embedded_engines),
