@@ -218,6 +218,20 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
     assert acc["balanced"] and acc["failed"] == 0 and acc["trained"] == 12 * 4
     assert not _engine_pids(f"{tmp}/restart")
 
+    # an MoE with both replays through the started engines: they return routed experts and sampling
+    # masks over HTTP, the learner replays them (a sample without its routing would fail the batch)
+    cfg = small(f"run_dir={tmp}/replay", "rollout.runtime=async", "rollout.max_staleness=1", "train.num_steps=2",
+                "model.arch=qwen3_moe", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                "rollout.quantization=fp8", "rollout.top_p=0.9", "algorithm.routing_replay=r3",
+                "rollout.sampling_mask_replay=true")
+    summary = run_rl(cfg)
+    recs = [r for r in _records(f"{tmp}/replay") if "rollout/sampling_mask_size_mean" in r]
+    assert len(recs) >= 2 and all(r["rollout/sampling_mask_size_mean"] >= 1 for r in recs)
+    assert all(r["mismatch/k3"] > 0 for r in recs if "mismatch/k3" in r)  # FP8 engines
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["failed"] == 0 and acc["trained"] == 2 * 4
+    assert not _engine_pids(f"{tmp}/replay")
+
 
 def test_started_colocated_engines_sleep_while_the_learner_trains_and_stop_with_the_run(tmp_path):
     run_world(1, _started, str(tmp_path))
