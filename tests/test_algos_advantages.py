@@ -170,3 +170,31 @@ def test_refill_carry_over_cap_and_exhaustion() -> None:
     assert refill.exhausted and not refill.done and refill.take() == []
     with pytest.raises(ValueError):
         refill.add([[1]], [[1.0, 2.0]])
+
+
+def test_zero_variance_tolerance_is_explicit_and_configurable() -> None:
+    """[0.1, 0.1, 0.1] in float64 has a std of ~1.7e-17 (computed from sums): constant for the default tolerance, kept only
+    with tol=0 (the old, accidental behaviour); the tolerance is a config key with a checked value."""
+    from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE, is_constant
+    from mcore_rl.config import validate_rl_config
+    from mcore_rl.config.errors import ConfigError
+    from tests.test_rl_loop import tiny
+
+    from mcore_rl.algos.advantages import group_stats
+
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 1.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert 0 < float(group_stats(rewards, groups)[2][0].sqrt()) < 1e-15  # the group statistics' std: ~1.7e-17
+    assert nonzero_std_groups(rewards, groups).tolist() == [False] * 3 + [True] * 3
+    assert nonzero_std_groups(rewards, groups, tol=0.0).tolist() == [True] * 6
+    assert is_constant(rewards[:3].tolist()) and not is_constant(rewards[:3].tolist(), tol=0.0)
+    assert is_constant([0.5]) and not is_constant([0.5, 0.5 + 10 * DEFAULT_STD_TOLERANCE])
+    refill: GroupRefill[str] = GroupRefill(target_groups=1)
+    assert refill.add([["a", "b", "c"]], [rewards[:3].tolist()]) == 0  # dropped, as DAPO means
+    assert GroupRefill(target_groups=1, tol=0.0).add([["a", "b", "c"]], [rewards[:3].tolist()]) == 1
+    cfg = tiny("algorithm.dynamic_sampling.enabled=true")
+    assert cfg.algorithm.dynamic_sampling.std_tolerance == DEFAULT_STD_TOLERANCE
+    validate_rl_config(cfg, 1)
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling.std_tolerance"):
+        validate_rl_config(tiny("algorithm.dynamic_sampling.enabled=true",
+                                "algorithm.dynamic_sampling.std_tolerance=-1"), 1)

@@ -17,12 +17,23 @@ from mcore_rl.algos.registry import register
 
 T = TypeVar("T")
 
+# A group counts as constant when its reward std is at most this. Not 0: rewards that are equal as
+# numbers need not be equal in floating point after shaping or averaging ([0.1, 0.1, 0.1] in float64
+# has a std of 1.4e-17), and such a group carries no advantage signal either.
+DEFAULT_STD_TOLERANCE = 1e-6
+
 
 @register("group_filter", "nonzero_std")
-def nonzero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
+def nonzero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor,
+                       tol: float = DEFAULT_STD_TOLERANCE) -> torch.Tensor:
     """Keep mask [N]: True for samples whose group's reward std is > `tol` (singletons dropped)."""
     count, _, var = group_stats(rewards, group_ids)
     return (count > 1) & (var.sqrt() > tol)
+
+
+def is_constant(rewards: Sequence[float], tol: float = DEFAULT_STD_TOLERANCE) -> bool:
+    """Whether one group's rewards carry no group-relative signal: fewer than 2, or std <= `tol`."""
+    return len(rewards) < 2 or _std(rewards) <= tol
 
 
 def _std(values: Sequence[float]) -> float:
@@ -54,7 +65,7 @@ class GroupRefill(Generic[T]):
         target_groups: int,
         max_rounds: int = 10,
         max_oversample: float = 4.0,
-        tol: float = 0.0,
+        tol: float = DEFAULT_STD_TOLERANCE,
         carry_over: bool = False,
     ) -> None:
         if target_groups < 1:
@@ -102,7 +113,7 @@ class GroupRefill(Generic[T]):
             if len(group) != len(rs):
                 raise ValueError(f"a group of {len(group)} samples has {len(rs)} rewards")
             self.seen_groups += 1
-            if len(rs) > 1 and _std(rs) > self.tol:
+            if not is_constant(rs, self.tol):
                 self._kept.append(list(group))
                 kept += 1
         self.kept_groups += kept

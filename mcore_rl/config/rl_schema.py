@@ -207,6 +207,7 @@ class DynamicSamplingConfig:
     enabled: bool = False
     max_rounds: int = 4
     max_oversample: float = 4.0
+    std_tolerance: float = 1e-6  # a group whose reward std is <= this counts as constant (dropped)
 
 
 @dataclass

@@ -267,6 +267,8 @@ def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> Non
         errors.need(ds.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds", f"must be >= 1, got {ds.max_rounds}")
         errors.need(ds.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
                     f"must be >= 1, got {ds.max_oversample}")
+        errors.need(math.isfinite(ds.std_tolerance) and ds.std_tolerance >= 0,
+                    "algorithm.dynamic_sampling.std_tolerance", f"must be a finite number >= 0, got {ds.std_tolerance}")
 
 
 def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:

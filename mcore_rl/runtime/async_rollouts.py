@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal, Optional
 
+from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rollout.pool import Generation, GenRequest, HTTPEnginePool
@@ -60,7 +61,8 @@ class PoolBackend:
             await self.teachers.ascore_engines(samples)
 
     def filter_reason(self, group: list[Sample]) -> Optional[str]:
-        if self.cfg.algorithm.dynamic_sampling.enabled and len({s.reward for s in group}) == 1:
+        ds = self.cfg.algorithm.dynamic_sampling
+        if ds.enabled and is_constant([s.reward for s in group], ds.std_tolerance):
             return "constant_reward"  # DAPO dynamic sampling: no advantage signal
         return None
 

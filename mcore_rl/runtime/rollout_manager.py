@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from mcore_rl.algos.dynamic_sampling import GroupRefill
+from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
 from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
@@ -242,7 +242,7 @@ class RolloutManager:
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
-                                                  max_oversample=ds.max_oversample)
+                                                  max_oversample=ds.max_oversample, tol=ds.std_tolerance)
         groups: list[list[Sample]] = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
@@ -285,7 +285,7 @@ def _reward_stats(groups: list[list[Sample]], prefix: str) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
     lengths = np.array([len(s.response_ids) for s in samples], dtype=np.float64)
-    flat = [np.std([s.reward for s in g]) == 0 for g in groups if g]
+    flat = [is_constant([s.reward for s in g]) for g in groups if g]  # DEFAULT_STD_TOLERANCE
     return {
         f"{prefix}/mean": float(rewards.mean()),
         f"{prefix}/std": float(rewards.std()),
