@@ -142,32 +142,24 @@ def cmd_parity(args: argparse.Namespace) -> int:
     """Engine vs trainer on the same tokens (`mcore_rl.runtime.parity`), one rank."""
     from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
     from mcore_rl.data.files import DataError
-
-    try:
-        cfg = load_config(RLConfig, args.recipe, args.overrides)
-        validate_rl_config(cfg, 1)
-        _preflight(cfg)
-        if args.prompts < 1 or args.samples < 1 or args.position_bins < 1:
-            raise ConfigError("--prompts, --samples and --position-bins must be >= 1")
-        from mcore_rl.runtime.parity import PRECISIONS
-
-        bad = [p for p in args.precisions if p not in PRECISIONS]
-        if bad:
-            raise ConfigError(f"--precisions: {bad[0]!r} is not one of {list(PRECISIONS)}")
-        if not args.precisions and not args.engine_url:
-            raise ConfigError("nothing to compare: give --precisions and/or --engine-url")
-        if args.checkpoint and not os.path.isdir(args.checkpoint):
-            raise ConfigError(f"--checkpoint: {args.checkpoint!r} is not a directory")
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"mcore-rl parity: {err}", file=sys.stderr)
-        return 2
-    from mcore_rl.parallel import setup
-    from mcore_rl.runtime.parity import ParityOptions, format_report, run_parity, write_json
+    from mcore_rl.runtime.parity import ParityOptions, check_options, format_report, run_parity, write_json
 
     opts = ParityOptions(precisions=list(args.precisions), engine_urls=list(args.engine_url or []),
                          num_prompts=args.prompts, samples_per_prompt=args.samples,
                          position_bins=args.position_bins, layers=not args.no_layers, checkpoint=args.checkpoint,
                          routing_replay=not args.no_routing_replay)
+    try:  # everything that can be checked before megatron-core is imported and a policy built
+        check_options(opts)
+        if args.checkpoint and not os.path.isdir(args.checkpoint):
+            raise ConfigError(f"--checkpoint: {args.checkpoint!r} is not a directory")
+        cfg = load_config(RLConfig, args.recipe, args.overrides)
+        validate_rl_config(cfg, 1)
+        _preflight(cfg)
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as err:
+        print(f"mcore-rl parity: {err}", file=sys.stderr)
+        return 2
+    from mcore_rl.parallel import setup
+
     try:
         report = run_parity(cfg, opts)
     except ValueError as err:

@@ -79,7 +79,10 @@ class EngineParity:
 
 
 def token_mismatch(trainer: Sequence[float], engine: Sequence[float]) -> dict[str, float]:
-    """mean |d|, p99 |d|, max |d| and K3 of d = trainer − engine (flat lists of equal length)."""
+    """mean |d|, p99 |d|, max |d| and K3 of d = trainer − engine (flat lists of equal length).
+
+    The K3 of `algos.mismatch.mismatch_metrics`, but in float64 and unclamped: fp32 engines agree
+    with the trainer to ~1e-7, where float32's exp(d) − d − 1 is rounding noise."""
     d = torch.tensor(trainer, dtype=torch.float64) - torch.tensor(engine, dtype=torch.float64)
     if d.numel() == 0:
         return {"mean_abs": math.nan, "p99_abs": math.nan, "max_abs": math.nan, "k3": math.nan}
@@ -230,7 +233,7 @@ class URLScorer:
     def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
               ) -> tuple[list[list[float]], Optional[list[Any]]]:
         from mcore_rl.rollout.protocol import decode_routed_experts
-        from mcore_rl.rollout.teacher import scoring_body
+        from mcore_rl.rollout.teacher import parse_scores, scoring_body
 
         bodies = [scoring_body(p, r, 0, f"parity-{i}") for i, (p, r) in enumerate(zip(prompts, responses))]
         if routing:
@@ -239,11 +242,10 @@ class URLScorer:
         replies = self._gather(bodies)
         out = []
         for i, (reply, r) in enumerate(zip(replies, responses)):
-            entries = reply["meta_info"]["input_token_logprobs"][1:]
-            if [e[1] for e in entries] != list(r):
-                raise ValueError(f"{self.name}: scoring reply {i} does not score the sequence sent "
-                                 "(tokenizer or logprob_start_len mismatch)")
-            out.append([float(e[0]) for e in entries])
+            try:  # the engine teachers' parser: a reply that does not score exactly `r` is refused
+                out.append(parse_scores(reply, r, 0, 0, self.name).logp)
+            except ValueError as err:
+                raise ValueError(f"{self.name}: scoring reply {i}: {err}") from None
         routes = None
         if routing:
             routes = [decode_routed_experts(reply["meta_info"]["routed_experts"], len(p) + len(r), self.num_layers)
@@ -344,6 +346,17 @@ class ParityOptions:
     checkpoint: Optional[str] = None  # weights to compare instead of the recipe's init
 
 
+def check_options(opts: ParityOptions) -> None:
+    """ValueError naming the option that cannot work (the command calls this before building anything)."""
+    bad = [p for p in opts.precisions if p not in PRECISIONS]
+    if bad:
+        raise ValueError(f"--precisions: {bad[0]!r} is not one of {list(PRECISIONS)}")
+    if not opts.precisions and not opts.engine_urls:
+        raise ValueError("nothing to compare: give --precisions and/or --engine-url")
+    if opts.num_prompts < 1 or opts.samples_per_prompt < 1 or opts.position_bins < 1:
+        raise ValueError("--prompts, --samples and --position-bins must be >= 1")
+
+
 def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the recipe's policy, sync it to each engine, and compare (module docstring)."""
     import copy
@@ -353,20 +366,14 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     from mcore_rl.train.rl_step import Learner
     from mcore_rl.train.weight_sync import WeightSync
 
-    for p in opts.precisions:
-        if p not in PRECISIONS:
-            raise ValueError(f"--precisions: {p!r} is not one of {list(PRECISIONS)}")
-    if not opts.precisions and not opts.engine_urls:
-        raise ValueError("nothing to compare: give --precisions and/or --engine-url")
+    check_options(opts)
     start = time.perf_counter()
     run = RLRun(cfg)
-    if opts.checkpoint:
-        from mcore_rl.train.warm_start import load_initial_weights
+    from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
+    if opts.checkpoint:
         load_initial_weights(opts.checkpoint, run.chunks, log)
     else:
-        from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
-
         if cfg.init.checkpoint:
             load_initial_weights(cfg.init.checkpoint, run.chunks, log)
         if cfg.init.sft_steps > 0:
@@ -452,7 +459,7 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     for _, pool in engines:
         if pool is not None:
             pool.close()
-    return {"recipe_model": asdict(cfg.model) if hasattr(cfg.model, "__dataclass_fields__") else str(cfg.model),
+    return {"recipe_model": asdict(cfg.model),
             "num_sequences": len(responses), "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
             "engines": [asdict(x) for x in results], "behaviour_engine": generator.name, "behaviour": behaviour}
 
