@@ -39,7 +39,7 @@ def alp_penalty(correct: torch.Tensor, lengths: torch.Tensor, group_ids: torch.T
 def alp(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
     domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None,
+    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
     beta: float = 1e-7, correct_head: Optional[str] = None, solved_threshold: float = 1.0,
     length_scale: Optional[float] = None,
 ) -> torch.Tensor:

@@ -50,7 +50,7 @@ def calibrated(reward: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def cgpo_judges(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
     domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None,
+    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
     judges: Sequence[str] = (), pass_threshold: float = 0.5, calibrate: bool = False,
     reward_head: Optional[str] = None, reference_head: Optional[str] = None,
 ) -> torch.Tensor:

@@ -44,7 +44,19 @@ import torch
 
 # Inputs every function of a kind receives from the learner; anything else in its signature is an option.
 ADVANTAGE_INPUTS = ("rewards", "group_ids", "normalize_std", "valid", "domain_ids", "reward_heads", "head_names")
-SHAPING_INPUTS = ("rewards", "group_ids", "valid", "domain_ids", "reward_heads", "head_names", "lengths")
+# reward_shaping and sample_filter: `lengths` [N] response tokens, `seq_logp` [N] π_old's summed response log-prob
+SHAPING_INPUTS = ("rewards", "group_ids", "valid", "domain_ids", "reward_heads", "head_names", "lengths", "seq_logp")
+FILTER_INPUTS = SHAPING_INPUTS
+# advantage_shaping: per-token [N, T] advantages, mask, π_old's entropy and log-probs, μ, π_ref's (or None)
+ADVANTAGE_SHAPING_INPUTS = ("advantages", "mask", "rewards", "group_ids", "valid", "domain_ids", "reward_heads",
+                            "head_names", "entropy", "old_logp", "rollout_logp", "ref_logp")
+# aux_loss: π_θ's log-probs [n, T] (with grad) and the micro-batch's per-sequence tensors: the shaped rewards
+# and the sequence-level advantage before advantage shaping ([n]; a micro-batch may hold part of a group, so
+# group statistics belong in the advantage phase), π_ref's log-probs (None without a reference model)
+AUX_LOSS_INPUTS = ("logp", "old_logp", "ref_logp", "mask", "rewards", "seq_advantages", "group_ids", "agg",
+                   "norm_length")
+KIND_INPUTS = {"advantage": ADVANTAGE_INPUTS, "reward_shaping": SHAPING_INPUTS, "sample_filter": FILTER_INPUTS,
+               "advantage_shaping": ADVANTAGE_SHAPING_INPUTS, "aux_loss": AUX_LOSS_INPUTS}
 
 
 class OptionError(ValueError):
@@ -116,6 +128,7 @@ def restrict_to_domains(new: torch.Tensor, old: torch.Tensor, domain_ids: torch.
         return new
     ids = [i for i, d in enumerate(domain_names) if d in set(domains)]
     inside = torch.isin(domain_ids, torch.tensor(ids, dtype=torch.long))
+    inside = inside.reshape(-1, *([1] * (new.ndim - 1)))  # per-sample or per-token values
     return torch.where(inside, new.to(old.dtype), old)
 
 
@@ -152,6 +165,28 @@ def _same_type(default: Any, value: Any) -> bool:
     return True
 
 
+def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
+    """A two-sample batch (positional and keyword inputs) of `kind`, to try a function's options on."""
+    rewards, gids = torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long)
+    common: dict[str, Any] = dict(valid=torch.ones(2, dtype=torch.bool), domain_ids=torch.zeros(2, dtype=torch.long),
+                                  reward_heads=torch.zeros(2, 0), head_names=())
+    tokens = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]])
+    if kind == "advantage":
+        return (rewards, gids), dict(common, normalize_std=True)
+    if kind in ("reward_shaping", "sample_filter"):
+        return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long),
+                                     seq_logp=tokens.sum(1))
+    if kind == "advantage_shaping":
+        return (torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2)), dict(
+            common, rewards=rewards, group_ids=gids, entropy=torch.full((2, 2), 0.5), old_logp=tokens,
+            rollout_logp=tokens, ref_logp=tokens - 0.1)
+    if kind == "aux_loss":
+        return (tokens.clone().requires_grad_(),), dict(old_logp=tokens, ref_logp=tokens - 0.1, mask=torch.ones(2, 2),
+                                                        rewards=rewards, seq_advantages=rewards - 0.5, group_ids=gids,
+                                                        agg="token-mean", norm_length=2)
+    raise KeyError(f"no sample inputs for algorithm kind {kind!r}")
+
+
 def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tuple[str, str]]:
     """What is wrong with `options` for the registered `kind` function `name`, as (option, message)
     pairs (option "" when the call fails as a whole): unknown names, values of the wrong type for
@@ -160,7 +195,7 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     from mcore_rl.algos.registry import get
 
     fn = get(kind, name)
-    inputs = ADVANTAGE_INPUTS if kind == "advantage" else SHAPING_INPUTS
+    inputs = KIND_INPUTS[kind]
     params = {p.name: p for p in inspect.signature(fn).parameters.values()
               if p.name not in inputs and p.kind == inspect.Parameter.KEYWORD_ONLY}
     problems: list[tuple[str, str]] = []
@@ -173,6 +208,15 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
             problems.append((key, f"expects {type(default).__name__} (default {default!r}), got {value!r}"))
     if problems:
         return problems
+    args, batch = sample_inputs(kind)
+    try:
+        fn(*args, **batch, **options)
+    except OptionError as e:
+        problems.append((e.option, e.message))
+    except (TypeError, ValueError) as e:
+        problems.append(("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: "
+                             f"{type(e).__name__}: {e}"))
+    return problems
     batch: dict[str, Any] = dict(valid=torch.ones(2, dtype=torch.bool), domain_ids=torch.zeros(2, dtype=torch.long),
                                  reward_heads=torch.zeros(2, 0), head_names=())
     if kind == "advantage":

@@ -212,9 +212,11 @@ class DynamicSamplingConfig:
 
 @dataclass
 class RewardShapingConfig:
-    """One group-aware change of the reward before the advantage (`mcore_rl.algos.multi_reward`):
-    a function registered as "reward_shaping" (alp, cgpo_judges), its keyword options, and the
-    domains (`Prompt.domain`) whose samples it changes ([] = all)."""
+    """One registered step of the advantage pipeline (`mcore_rl.algos.multi_reward`): its name, its
+    keyword options, and the domains (`Prompt.domain`) whose samples it changes ([] = all). Used by
+    `reward_shaping` (kind "reward_shaping": rewards -> rewards), `sample_filters` (kind
+    "sample_filter": which samples the batch trains on) and `advantage_shaping` (kind
+    "advantage_shaping": per-token advantages -> per-token advantages)."""
 
     name: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -222,18 +224,34 @@ class RewardShapingConfig:
 
 
 @dataclass
+class AuxLossConfig:
+    """One extra loss term (kind "aux_loss", e.g. VIMPO's value loss): added as coef x its sum to the
+    policy loss of every micro-batch, with the same aggregation."""
+
+    name: str = ""
+    coef: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"  # registered in mcore_rl.algos as an "advantage"
     advantage_std_normalize: bool = True  # grpo only
     advantage_options: dict[str, Any] = field(default_factory=dict)  # the estimator's options (golongrl: alpha, ...)
+    # the advantage pipeline, in this order: sample_filters (drop samples from the batch and their
+    # groups' statistics) -> reward_shaping -> advantage -> advantage_shaping (per token) -> mismatch
+    sample_filters: list[RewardShapingConfig] = field(default_factory=list)
     reward_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, before the advantage
+    advantage_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, after it
+    aux_losses: list[AuxLossConfig] = field(default_factory=list)  # added to the policy loss
     domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
     dual_clip: Optional[float] = None
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    kl_coef: float = 0.0  # 0 = no reference model
+    kl_coef: float = 0.0  # 0 = no reference model (unless reference_model: true)
+    reference_model: Optional[bool] = None  # keep π_ref (null: when kl_coef > 0); true for steps that read ref_logp
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False  # True: r - β·KL (per sequence) instead of a loss term
     entropy_coef: float = 0.0
@@ -246,6 +264,10 @@ class AlgorithmConfig:
     # π_old recompute and every training forward; "r2" records the π_old recompute's routing and
     # replays it in the training forwards of the same batch; "none" routes naturally everywhere
     routing_replay: Literal["none", "r3", "r2"] = "none"
+
+    def uses_reference(self) -> bool:
+        """Whether the learner keeps π_ref (a frozen copy of the starting weights)."""
+        return self.kl_coef > 0 if self.reference_model is None else bool(self.reference_model)
 
 
 @dataclass

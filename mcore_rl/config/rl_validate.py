@@ -305,6 +305,18 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
                         f"must be a domain name, got {domain!r}")
         errors.need(len(set(shaping.domains)) == len(shaping.domains), f"{key}.domains",
                     f"lists a domain twice: {shaping.domains}")
+    for field_name, kind in (("sample_filters", "sample_filter"), ("advantage_shaping", "advantage_shaping")):
+        for i, step in enumerate(getattr(a, field_name)):
+            key = f"algorithm.{field_name}[{i}]"
+            if need_registered(errors, f"{key}.name", kind.replace("_", " "), step.name, registry.names(kind)):
+                report(f"{key}.options", option_problems(kind, step.name, step.options))
+            errors.need(all(isinstance(d, str) and d for d in step.domains), f"{key}.domains",
+                        f"must list domain names, got {step.domains!r}")
+    for i, term in enumerate(a.aux_losses):
+        key = f"algorithm.aux_losses[{i}]"
+        if need_registered(errors, f"{key}.name", "aux loss", term.name, registry.names("aux_loss")):
+            report(f"{key}.options", option_problems("aux_loss", term.name, term.options))
+        errors.need(math.isfinite(term.coef), f"{key}.coef", f"must be a finite number, got {term.coef!r}")
     for domain, rho in a.domain_advantage_weights.items():
         ok = isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0
         errors.need(ok, f"algorithm.domain_advantage_weights.{domain}", f"must be a number >= 0, got {rho!r}")

@@ -178,7 +178,7 @@ class RLRun:
         from mcore_rl.train.policy import build_reference_model, copy_weights
 
         cfg = self.cfg
-        if cfg.algorithm.kl_coef <= 0:
+        if not cfg.algorithm.uses_reference():
             return
         self.ref_chunks = build_reference_model(cfg)
         if resume is not None:
@@ -188,7 +188,8 @@ class RLRun:
             ref_dir = os.path.join(root, "reference")
             path = checkpoint.latest_checkpoint(ref_dir) if os.path.isdir(ref_dir) else None
             if path is None:
-                raise FileNotFoundError(f"algorithm.kl_coef > 0 but {ref_dir} holds no reference-model checkpoint "
+                raise FileNotFoundError(f"the run keeps π_ref (algorithm.kl_coef > 0 or reference_model) but {ref_dir} "
+                                        "holds no reference-model checkpoint "
                                         "to resume with")
             checkpoint.load_checkpoint(path, self.ref_chunks, None)
             return

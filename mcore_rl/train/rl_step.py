@@ -98,15 +98,50 @@ def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
     return dict(valid=valid, domain_ids=view.domain_ids, reward_heads=view.reward_heads, head_names=view.head_names)
 
 
-def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor) -> torch.Tensor:
-    """The batch's rewards after `algorithm.reward_shaping`, in order, each on its domains only."""
+def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor, old: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The batch's rewards after `algorithm.reward_shaping`, in order, each on its domains only
+    (`old`: π_old's [N, T] log-probs, for `seq_logp`)."""
     rewards = view.rewards
-    lengths = view.mask.sum(1).long()
     for shaping in a.reward_shaping:
         new = registry.get("reward_shaping", shaping.name)(
-            rewards, view.group_ids, lengths=lengths, **batch_inputs(view, valid), **shaping.options)
+            rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **shaping.options)
         rewards = restrict_to_domains(new, rewards, view.domain_ids, view.domain_names, shaping.domains)
     return rewards
+
+
+def sequence_inputs(view: SequenceView, old: Optional[torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+    """Per-sequence inputs of reward shaping and sample filters: response lengths and π_old's
+    summed log-prob of each response."""
+    return dict(lengths=view.mask.sum(1).long(), seq_logp=None if old is None else (old * view.mask).sum(1))
+
+
+def filtered(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor,
+             metrics: dict[str, float]) -> torch.Tensor:
+    """`valid` narrowed by `algorithm.sample_filters`, in order (each on its domains only): a
+    filtered-out sample trains on nothing and leaves its group's statistics, like an unusable one."""
+    for f in a.sample_filters:
+        keep = registry.get("sample_filter", f.name)(
+            view.rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **f.options)
+        keep = restrict_to_domains(keep.bool() & valid, valid, view.domain_ids, view.domain_names, f.domains)
+        metrics[f"filter/{f.name}/dropped_frac"] = float((valid & ~keep).double().sum() / max(int(valid.sum()), 1))
+        valid = keep
+    return valid
+
+
+def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      rewards: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
+                      ref: Optional[torch.Tensor]) -> torch.Tensor:
+    """The advantages after `algorithm.advantage_shaping`, in order: [N] when there is none, else
+    per token [N, T] (each step on its domains only)."""
+    if not a.advantage_shaping:
+        return advantages
+    tokens = advantages[:, None].float() * mask
+    for shaping in a.advantage_shaping:
+        new = registry.get("advantage_shaping", shaping.name)(
+            tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
+            rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **shaping.options)
+        tokens = restrict_to_domains(new.float() * mask, tokens, view.domain_ids, view.domain_names, shaping.domains)
+    return tokens
 
 
 def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor,
@@ -130,7 +165,8 @@ class Learner:
         self.distill: list[DistillTerm] = distill_terms(cfg)
         self.loss_terms = [x for x in self.distill if x.phase == "loss"]
         # metric sums of one micro-batch: tokens, LOSS_METRICS, each loss-phase term's loss, the loss count
-        self.metric_keys = LOSS_METRICS + tuple(f"distill/{x.name}/loss" for x in self.loss_terms)
+        self.metric_keys = LOSS_METRICS + tuple(f"distill/{x.name}/loss" for x in self.loss_terms) + tuple(
+            f"aux/{x.name}/loss" for x in cfg.algorithm.aux_losses)
         self.step = 0
         # MoE routing replay (train/routing_replay.py): the policy's routers only, never π_ref's
         self.replay_mode = cfg.algorithm.routing_replay
@@ -223,9 +259,10 @@ class Learner:
         if self.ref_chunks is not None:
             ref, _ = self.token_logprobs(samples, t, chunks=self.ref_chunks)
         metrics: dict[str, float] = {"time/logprobs_s": time.perf_counter() - start}
-        mask = view.mask * view.ok[:, None]
         valid = view.ok.bool()  # unusable samples (aborted, reward errors when dropped) leave the group statistics
-        rewards = shaped_rewards(a, view, valid)
+        valid = filtered(a, view, valid, old, metrics)
+        mask = view.mask * valid[:, None]
+        rewards = shaped_rewards(a, view, valid, old)
         if ref is not None:
             kl_tokens = kl_estimate(old, ref, a.kl_estimator) * mask
             metrics["kl/ref"] = float(kl_tokens.sum() / mask.sum().clamp_min(1))
@@ -235,6 +272,8 @@ class Learner:
             rewards, view.group_ids, normalize_std=a.advantage_std_normalize, **batch_inputs(view, valid),
             **a.advantage_options)
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
+        seq_advantages = advantages
+        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref)
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
@@ -242,10 +281,12 @@ class Learner:
             mm.update(domain_mismatch_metrics(samples, old, view.rollout_logp, view.mask))
         metrics.update({k: float(v) for k, v in mm.items()})
         metrics["entropy/mean"] = float(masked_mean(entropy, view.mask))
-        metrics["advantage/abs_mean"] = float(advantages.abs().mean())
+        metrics["advantage/abs_mean"] = float(seq_advantages.abs().mean())
+        if a.advantage_shaping:  # per token, over the tokens that train
+            metrics["advantage/shaped_abs_mean"] = float(masked_mean(advantages.abs(), mask))
         metrics["rollout/unusable_frac"] = float(1 - view.ok.mean())
         metrics["advantage/too_few_valid_frac"] = too_few_valid_frac(view.group_ids, valid)
-        metrics.update(domain_metrics(advantages, rewards, valid, view.domain_ids, view.domain_names))
+        metrics.update(domain_metrics(seq_advantages, rewards, valid, view.domain_ids, view.domain_names))
         sizes = [c for s in samples for c in (s.sampling_mask_counts or [])]
         if sizes:  # sampling-mask replay: how many ids the engine's sampler kept per token
             metrics["rollout/sampling_mask_size_mean"] = sum(sizes) / len(sizes)
@@ -254,6 +295,9 @@ class Learner:
         metrics["rollout/policy_version_max"] = float(view.versions.max())
         per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
                    "keep": keep.float(), "advantages": advantages.float()}
+        if a.aux_losses:  # what the aux losses read per micro-batch (see `loss_fn`)
+            per_seq.update(aux_rewards=rewards.float(), aux_seq_advantages=seq_advantages.float(),
+                           aux_group_ids=view.group_ids)
         if teacher is not None:
             self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, entropy, mask, rewards, step)
         if ref is not None:
@@ -347,6 +391,15 @@ class Learner:
                 terms = term(db)
                 total = total + term.coef * terms.loss_sum
                 vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
+        for term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation
+            vals[f"aux/{term.name}/loss"] = torch.zeros(())
+            if logp.numel():
+                aux = registry.get("aux_loss", term.name)(
+                    logp, old_logp=batch["old_logp"], ref_logp=batch.get("ref_logp"), mask=mask,
+                    rewards=batch["aux_rewards"], seq_advantages=batch["aux_seq_advantages"],
+                    group_ids=batch["aux_group_ids"], agg=a.loss_agg, norm_length=norm_length, **term.options)
+                total = total + term.coef * aux.loss_sum
+                vals[f"aux/{term.name}/loss"] = aux.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),
