@@ -240,6 +240,36 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB)")
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """One analysis of a run or its checkpoints (`mcore_rl.diagnose`): its table, and JSON on request."""
+    import json
+
+    from mcore_rl.diagnose.report import format_table
+
+    try:
+        result = args.run_analysis(args)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"mcore-rl diagnose {args.analysis}: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
+    from mcore_rl.diagnose import analyses
+
+    diagnose = sub.add_parser("diagnose", help="analyses of a run or its checkpoints (one per paper)")
+    which = diagnose.add_subparsers(dest="analysis", required=True)
+    for name, a in analyses().items():
+        p = which.add_parser(name, help=a.help)
+        p.add_argument("--json", help="also write the numbers to this JSON file")
+        p.set_defaults(func=cmd_diagnose, run_analysis=a.add_arguments(p), usage=p.format_usage)
+
+
 def cmd_serve(argv: list[str]) -> int:
     """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
     import logging
@@ -320,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE: skip scoring with each engine's routing replayed in the trainer (R3)")
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
+    _add_diagnose_parser(sub)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

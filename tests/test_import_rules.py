@@ -37,6 +37,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "config": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
                "mcore_rl.parallel", "mcore_rl.convert"),
 }
+# analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
+for _package in list(FORBIDDEN) + ["runtime", "convert"]:
+    FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.diagnose",)
 
 
 def _module_name(path: pathlib.Path) -> str:
