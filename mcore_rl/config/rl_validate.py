@@ -607,7 +607,8 @@ def check_explorer(cfg: RLConfig, errors: Errors) -> None:
         errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
     errors.need(x.engine_threads is None or x.engine_threads >= 1, f"{key}.engine_threads",
                 f"must be null or >= 1, got {x.engine_threads}")
-    errors.need(x.max_running_requests >= 1, f"{key}.max_running_requests", f"must be >= 1, got {x.max_running_requests}")
+    errors.need(x.max_running_requests >= 1, f"{key}.max_running_requests",
+                f"must be >= 1, got {x.max_running_requests}")
     errors.need(x.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {x.request_timeout_s}")
     if need_registered(errors, f"{key}.schedule", "explorer schedule", x.schedule, algos.names("explorer_schedule")):
         try:

@@ -146,7 +146,8 @@ def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantage
 
 
 def explorer_learner_metrics(explorer: torch.Tensor, old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-                             weights: torch.Tensor, seq_advantages: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+                             weights: torch.Tensor, seq_advantages: torch.Tensor,
+                             valid: torch.Tensor) -> dict[str, float]:
     """S2L-PO: how far the explorer's samples are from π_old (K3 against the small model's μ), the IS
     weight they train with, and their mean advantage next to the policy's samples' ("pushed down as
     negatives"?)."""
