@@ -11,7 +11,9 @@ that raises, hangs or exits marks its sample with `reward_error` (and `error_rew
 goes on. Each sample is scored by its domain's heads (`Sample.reward_heads`) and its reward is
 their weighted sum. Each domain samples with its own top-p/top-k, response budget and group size.
 With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
-drawn until the batch is full or the round budget is spent.
+drawn until the batch is full or the round budget is spent. With `rollout.explorer` (S2L-PO) the first
+⌈α_t·G⌉ samples of each training group come from a frozen smaller model's engines, marked
+`source="explorer"` and carrying that model's μ.
 """
 
 from __future__ import annotations
