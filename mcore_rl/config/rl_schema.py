@@ -124,6 +124,40 @@ class RLDataConfig:
 
 
 @dataclass
+class ExplorerConfig:
+    """S2L-PO (`mcore_rl.algos.s2l_po`): a frozen smaller model supplies a decaying share of each group.
+
+    Off unless `urls` (running SGLang / `mcore-rl serve` servers) or `model_path` (an HF checkpoint on
+    which the trainer starts `num_engines` `mcore-rl serve` processes) is set. During the first
+    `mix_steps` training steps ⌈α·G⌉ samples of every training group come from these engines (α decays
+    linearly from `share` to 0, `schedule` names the registered "explorer_schedule"), the rest from
+    the policy's; evaluation and validation batches never use them. Their μ is the small model's
+    log-probs; `correction` says what the mismatch correction sees for them ("explorer_logp": that
+    μ, so TIS/MIS weight them as off-policy; "none": π_old, IS weight 1). The engines are never
+    synced and must share the policy's tokenizer (checked before training).
+    """
+
+    urls: list[str] = field(default_factory=list)
+    model_path: Optional[str] = None
+    num_engines: int = 1  # with model_path
+    share: float = 1.0  # α_0: the explorer's share of a group at the first step
+    mix_steps: int = 8  # T_mix: steps with explorer samples (α reaches 0 at step T_mix; <= 1: none)
+    schedule: str = "s2l_po"  # registered in mcore_rl.algos as an "explorer_schedule"
+    correction: Literal["explorer_logp", "none"] = "explorer_logp"
+    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
+    engine_threads: Optional[int] = None  # torch threads of each started engine
+    quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
+    context_length: Optional[int] = None  # started engines; None = rollout.context_length
+    max_running_requests: int = 64  # started engines
+    request_timeout_s: float = 600.0
+    api_key: Optional[str] = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls or self.model_path)
+
+
+@dataclass
 class RolloutConfig:
     """Engines, sampling and batch shape of the rollouts."""
 
@@ -168,6 +202,7 @@ class RolloutConfig:
     # (SGLang's return_sampling_mask), μ is the log-prob under that renormalised distribution, and the
     # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
     sampling_mask_replay: bool = False
+    explorer: ExplorerConfig = field(default_factory=ExplorerConfig)  # S2L-PO's smaller model (off by default)
 
 
 @dataclass

@@ -72,6 +72,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_init(cfg.init, cfg.data, cfg.model, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     check_sampling_mask_replay(cfg, errors)
+    check_explorer(cfg, errors)
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 
@@ -580,3 +581,43 @@ def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: E
                 f"must be null or >= 1, got {t.engine_threads}")
     errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")
     errors.need(t.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {t.request_timeout_s}")
+
+
+def check_explorer(cfg: RLConfig, errors: Errors) -> None:
+    """S2L-PO's explorer engines (`rollout.explorer`): servers or a checkpoint (not both), a schedule
+    that is registered and accepts `share` / `mix_steps`, the synchronous runtime, no routing replay.
+    Reachability and the tokenizer are checked when the trainer connects (`rollout/explorer.py`)."""
+    from mcore_rl import algos
+    from mcore_rl.algos.multi_reward import OptionError
+
+    x, key = cfg.rollout.explorer, "rollout.explorer"
+    if not x.enabled:
+        return
+    errors.need(not (x.urls and x.model_path), f"{key}.urls",
+                "the explorer needs either urls (running servers) or model_path (engines the trainer starts), got both")
+    for j, url in enumerate(x.urls):
+        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
+    if x.model_path:
+        errors.need(os.path.isfile(os.path.join(x.model_path, "config.json")), f"{key}.model_path",
+                    f"{x.model_path!r} is not an HF checkpoint directory (no config.json)")
+        errors.need(x.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {x.num_engines}")
+        errors.need(not x.engine_cores or len(x.engine_cores) == x.num_engines, f"{key}.engine_cores",
+                    f"needs one entry per engine ({key}.num_engines={x.num_engines}), got {len(x.engine_cores)}")
+        ctx = x.context_length if x.context_length is not None else cfg.rollout.context_length
+        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
+    errors.need(x.engine_threads is None or x.engine_threads >= 1, f"{key}.engine_threads",
+                f"must be null or >= 1, got {x.engine_threads}")
+    errors.need(x.max_running_requests >= 1, f"{key}.max_running_requests",
+                f"must be >= 1, got {x.max_running_requests}")
+    errors.need(x.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {x.request_timeout_s}")
+    if need_registered(errors, f"{key}.schedule", "explorer schedule", x.schedule, algos.names("explorer_schedule")):
+        try:
+            algos.get("explorer_schedule", x.schedule)(0, 1, mix_steps=x.mix_steps, share=x.share)
+        except OptionError as err:
+            errors.need(False, f"{key}.{err.option}", err.message)
+    errors.need(cfg.rollout.runtime == "sync", key,
+                "the explorer's share of each group is drawn by the synchronous rollout manager; it needs "
+                "rollout.runtime=sync (the async scheduler does not mix sources)")
+    errors.need(cfg.algorithm.routing_replay != "r3", key,
+                "routing replay r3 replays the engine's experts, and the explorer's are not the policy's; "
+                "use algorithm.routing_replay r2 or none")

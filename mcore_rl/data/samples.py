@@ -76,6 +76,9 @@ class Sample:
     # rollout_logp is then the log-prob under the renormalised distribution. None = full vocabulary.
     sampling_mask_ids: Optional[list[int]] = None
     sampling_mask_counts: Optional[list[int]] = None
+    # which model generated it: "policy" (the engines of the trained weights) or "explorer" (S2L-PO's
+    # frozen smaller model, `rollout.explorer`: μ is then that model's log-probs, off-policy for π)
+    source: str = "policy"
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -83,7 +86,7 @@ class Sample:
 
     def provenance(self) -> dict[str, Any]:
         return {"prompt_index": self.prompt.index, "domain": self.prompt.domain, "policy_version": self.policy_version,
-                "engine": self.engine, "finish_reason": self.finish_reason}
+                "engine": self.engine, "finish_reason": self.finish_reason, "source": self.source}
 
 
 def compact_routing(routed: Any) -> Any:

@@ -92,6 +92,7 @@ class RLRun:
         self.effopd_prompts: list = []
         self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
         self.engines: Any = None
+        self.explorer: Any = None  # rank 0, rollout.explorer (S2L-PO)
         self.weight_sync: Any = None
         self.manager: Any = None
         self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
@@ -256,7 +257,13 @@ class RLRun:
             transport = self.engines.weight_transport(r)
             if hasattr(transport, "pause_mode"):
                 transport.pause_mode = r.pause_mode
-            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
+            if r.explorer.enabled:  # S2L-PO: the frozen smaller model's engines (checked before training)
+                from mcore_rl.rollout.explorer import build_explorer
+
+                self.explorer = build_explorer(r, self.tokenizer, os.path.join(cfg.run_dir, "engines"), cfg.train.seed,
+                                               tokenizer_path=cfg.data.tokenizer_path)
+            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg,
+                                          explorer=self.explorer)
             if r.runtime == "async":
                 from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
 
@@ -439,6 +446,8 @@ class RLRun:
                     t.close()
         if self.engines is not None:
             self.engines.close()
+        if self.explorer is not None:
+            self.explorer.close()
         if self.manager is not None:
             self.manager.rewards.close()
 

@@ -11,7 +11,9 @@ that raises, hangs or exits marks its sample with `reward_error` (and `error_rew
 goes on. Each sample is scored by its domain's heads (`Sample.reward_heads`) and its reward is
 their weighted sum. Each domain samples with its own top-p/top-k, response budget and group size.
 With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
-drawn until the batch is full or the round budget is spent.
+drawn until the batch is full or the round budget is spent. With `rollout.explorer` (S2L-PO) the first
+⌈α_t·G⌉ samples of each training group come from a frozen smaller model's engines, marked
+`source="explorer"` and carrying that model's μ.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -133,6 +135,7 @@ class RolloutStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
+    explorer: dict[str, float] = field(default_factory=dict)  # S2L-PO: the explorer's share and rewards
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -142,16 +145,29 @@ class RolloutStats:
             "time/generate_s": self.seconds_generate,
             "time/reward_s": self.seconds_reward,
             "rollout/dynamic_sampling_fallback": float(self.fallback),
+            **self.explorer,
         }
 
 
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any) -> None:
+    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any,
+                 explorer: Any = None) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
+        self.explorer = explorer  # S2L-PO (`rollout/explorer.py`): part of each training group, early on
         self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
+
+    def explorer_count(self, group_size: int) -> int:
+        """How many of a training group's `group_size` samples the explorer draws at this step."""
+        x = self.cfg.rollout.explorer
+        if self.explorer is None:
+            return 0
+        from mcore_rl.algos import registry
+
+        return int(registry.get("explorer_schedule", x.schedule)(self.step, group_size, mix_steps=x.mix_steps,
+                                                                 share=x.share))
 
     def budget(self, prompt: Prompt) -> int:
         """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
@@ -199,17 +215,25 @@ class RolloutManager:
                                                        self.budget(p) if train else p.max_new_tokens, p.domain),
                            return_routed_experts=routed, return_sampling_mask=mask)
                 for p, k in zip(prompts, sizes) for j in range(k)]
+        # S2L-PO: the first explorer_count(k) samples of each training group from the explorer
+        counts = [self.explorer_count(k) if train else 0 for k in sizes]
+        explore = [j < w for k, w in zip(sizes, counts) for j in range(k)]
         start = time.perf_counter()
-        gens = self.engines.generate(reqs)
+        gens = self._generate_mixed(reqs, explore)
         self.last_generate_s = time.perf_counter() - start
         owners = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         samples = []
-        for p, g in zip(owners, gens):
+        version = self.engines.weight_version if any(explore) else 0  # the policy's: the batch trains at it
+        for p, g, x in zip(owners, gens, explore):
             lp = list(g.output_logprobs if not mask else g.output_sampling_logprobs)
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
-            samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text, g.engine,
-                                  routed_experts=compact_routing(g.routed_experts)))
+            if x:  # the explorer's μ; its version is the policy's (staleness is the policy's), its engine is marked
+                samples.append(Sample(p, p.index, list(g.output_ids), lp, version, g.finish_reason, g.text,
+                                      f"explorer@{g.engine}", source="explorer"))
+            else:
+                samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text,
+                                      g.engine, routed_experts=compact_routing(g.routed_experts)))
             if mask:
                 samples[-1].sampling_mask_ids, samples[-1].sampling_mask_counts = flat_masks(g.output_sampling_masks)
         start = time.perf_counter()
@@ -217,6 +241,34 @@ class RolloutManager:
         self.last_reward_s = time.perf_counter() - start
         ends = np.cumsum([0] + sizes)
         return [samples[ends[i]: ends[i + 1]] for i in range(len(prompts))]
+
+    def _generate_mixed(self, reqs: list[GenRequest], explore: list[bool]) -> list[Any]:
+        """The generations of `reqs` in order: those marked in `explore` from the explorer's engines
+        (sent first, so they run while the policy's engines generate), the others from the policy's."""
+        if not any(explore):
+            return self.engines.generate(reqs)
+        pending = self.explorer.submit([r for r, x in zip(reqs, explore) if x])
+        mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x]))
+        theirs = iter(pending.result())
+        return [next(theirs) if x else next(mine) for x in explore]
+
+    def explorer_metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
+        """S2L-PO: α of this step, the explorer's share of the batch, and each source's mean reward."""
+        if self.explorer is None:
+            return {}
+        x = self.cfg.rollout.explorer
+        from mcore_rl.algos.s2l_po import explorer_share
+
+        flat = [s for g in groups for s in g]
+        ours = [s.reward for s in flat if s.source == "explorer"]
+        theirs = [s.reward for s in flat if s.source != "explorer"]
+        out = {"explorer/alpha": explorer_share(self.step, mix_steps=x.mix_steps, share=x.share),
+               "explorer/samples_frac": len(ours) / max(len(flat), 1)}
+        if ours:
+            out["explorer/reward_mean"] = float(np.mean(ours))
+        if theirs:
+            out["explorer/policy_reward_mean"] = float(np.mean(theirs))
+        return out
 
     def score(self, samples: list[Sample]) -> None:
         self.rewards.score_sync(samples)
@@ -240,6 +292,7 @@ class RolloutManager:
             groups = self._train_groups(prompts)
             stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
+            stats.explorer = self.explorer_metrics(groups)
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
                                                   max_oversample=ds.max_oversample, tol=ds.std_tolerance)
@@ -257,6 +310,7 @@ class RolloutManager:
         if not batch:  # no group with a reward signal in the whole budget: train on the last round
             stats.fallback = True   # (zero advantages: the update only moves by the KL/entropy terms)
             batch = groups
+        stats.explorer = self.explorer_metrics(batch)
         return batch, stats
 
 

@@ -31,6 +31,7 @@ from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
+from mcore_rl.algos.s2l_po import behaviour_logp
 from mcore_rl.data.samples import Sample
 from mcore_rl.train.distillation import (
     DistillTerm,
@@ -142,6 +143,21 @@ def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantage
             rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **shaping.options)
         tokens = restrict_to_domains(new.float() * mask, tokens, view.domain_ids, view.domain_names, shaping.domains)
     return tokens
+
+
+def explorer_learner_metrics(explorer: torch.Tensor, old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
+                             weights: torch.Tensor, seq_advantages: torch.Tensor,
+                             valid: torch.Tensor) -> dict[str, float]:
+    """S2L-PO: how far the explorer's samples are from π_old (K3 against the small model's μ), the IS
+    weight they train with, and their mean advantage next to the policy's samples' ("pushed down as
+    negatives"?)."""
+    rows = explorer[:, None].to(mask.dtype)
+    out = {k.replace("mismatch/", "explorer/", 1): float(v) for k, v in mismatch_metrics(old, mu, mask * rows).items()}
+    out["explorer/is_weight_mean"] = float(masked_mean(weights.float(), mask * rows))
+    ours, theirs = explorer & valid, ~explorer & valid
+    out["explorer/advantage_mean"] = float(seq_advantages[ours].mean()) if bool(ours.any()) else 0.0
+    out["explorer/policy_advantage_mean"] = float(seq_advantages[theirs].mean()) if bool(theirs.any()) else 0.0
+    return out
 
 
 def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor,
@@ -274,9 +290,14 @@ class Learner:
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         seq_advantages = advantages
         advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref)
-        corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
+        explorer = torch.tensor([s.source == "explorer" for s in samples], dtype=torch.bool)  # S2L-PO's rows
+        mu = behaviour_logp(view.rollout_logp, old, explorer, self.cfg.rollout.explorer.correction)
+        corr = registry.get("mismatch", a.mismatch.name)(old, mu, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
-        mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
+        mm.update(mismatch_metrics(old, view.rollout_logp, view.mask * ~explorer[:, None]))  # the policy's tokens
+        if bool(explorer.any()):
+            metrics.update(explorer_learner_metrics(explorer, old, view.rollout_logp, view.mask, weights * keep,
+                                                    seq_advantages, valid))
         if self.cfg.data.domains:  # a multi-domain run: the mismatch of each domain's samples too
             mm.update(domain_mismatch_metrics(samples, old, view.rollout_logp, view.mask))
         metrics.update({k: float(v) for k, v in mm.items()})
@@ -293,7 +314,7 @@ class Learner:
             metrics["rollout/sampling_mask_size_max"] = float(max(sizes))
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
-        per_seq = {"old_logp": old, "rollout_logp": view.rollout_logp, "is_weights": weights.float(),
+        per_seq = {"old_logp": old, "rollout_logp": mu, "is_weights": weights.float(),
                    "keep": keep.float(), "advantages": advantages.float()}
         if a.aux_losses:  # what the aux losses read per micro-batch (see `loss_fn`)
             per_seq.update(aux_rewards=rewards.float(), aux_seq_advantages=seq_advantages.float(),

@@ -1,0 +1,105 @@
+"""S2L-PO's explorer: a frozen second engine pool holding a smaller model (`rollout.explorer`).
+
+The same machinery as the engine teachers: running SGLang / `mcore-rl serve` servers (`urls`), or
+`mcore-rl serve` processes the trainer starts on an HF checkpoint (`model_path`, `--load-format
+auto`: the weights are read from it and never synced), reached through an `HTTPEnginePool` of their
+own, checked before training to answer and to share the policy's tokenizer (a group mixes the two
+models' token ids). The engines report log-probs in the mode the trainer expects (raw, or processed
+with sampling-mask replay), as the policy's engines do. `submit` sends requests from the trainer's
+thread and returns at once, so the explorer generates while the (embedded) policy engines do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import Future
+from typing import Any, Optional, Sequence
+
+from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
+
+
+class ExplorerError(RuntimeError):
+    """The explorer engines cannot be used (unreachable, another tokenizer); names `rollout.explorer`."""
+
+
+class Explorer:
+    """The explorer's engine pool (rank 0)."""
+
+    def __init__(self, pool: HTTPEnginePool) -> None:
+        self.pool = pool
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.pool.urls)
+
+    def submit(self, requests: Sequence[GenRequest]) -> "Future[list[Generation]]":
+        """Generate `requests` on the explorer's event loop; the future holds the generations in order."""
+        async def run() -> list[Generation]:
+            sem = asyncio.Semaphore(self.pool.concurrency)
+
+            async def one(req: GenRequest) -> Generation:
+                async with sem:
+                    return await self.pool.agenerate(req)
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+        return asyncio.run_coroutine_threadsafe(run(), self.pool.loop)
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]:
+        return self.submit(requests).result()
+
+    def check(self, tokenizer: Any) -> None:
+        """Every engine answers and tokenizes like the policy; else `ExplorerError`."""
+        from mcore_rl.rollout.client import EngineError
+        from mcore_rl.rollout.teacher import check_tokenizer
+
+        for url in self.pool.urls:
+            client = self.pool.router.clients[url]
+            try:
+                self.pool._run(client.get_model_info())
+            except EngineError as err:
+                raise ExplorerError(f"rollout.explorer: the explorer engine {url} is unreachable: {err}") from None
+            problem = self.pool._run(check_tokenizer(client, tokenizer))
+            if problem is not None:
+                raise ExplorerError(f"rollout.explorer: the explorer engine {url} does not share the policy's "
+                                    f"tokenizer (data.tokenizer_path): {problem}")
+
+    def close(self) -> None:
+        self.pool.close()  # also stops the processes it started
+
+
+def build_explorer(rollout: Any, tokenizer: Any, workdir: str, seed: int = 0,
+                   tokenizer_path: Optional[str] = None) -> Explorer:
+    """Connect to (or start) the engines of `rollout.explorer` and check them."""
+    from mcore_rl.rollout.engine_processes import EngineProcesses
+
+    x = rollout.explorer
+    procs = None
+    urls = list(x.urls)
+    mode = expected_logprobs_mode(rollout)
+    if x.model_path:
+        procs = EngineProcesses.start(
+            None, num=x.num_engines, workdir=os.path.join(workdir, "explorer"), model_path=x.model_path,
+            tokenizer_path=tokenizer_path, context_length=x.context_length or rollout.context_length,
+            max_running_requests=x.max_running_requests, quantization=x.quantization, seed=seed,
+            cores=x.engine_cores or None, threads=x.engine_threads, api_key=x.api_key,
+            startup_timeout_s=rollout.engine_startup_timeout_s, extra_args=["--logprobs-mode", mode])
+        urls = procs.urls
+    try:
+        pool = HTTPEnginePool(urls, timeout=x.request_timeout_s, api_key=x.api_key, processes=procs,
+                              restart_dead=procs is not None and rollout.restart_engines,
+                              health_interval=rollout.health_check_interval_s)
+    except BaseException:
+        if procs is not None:
+            procs.close()
+        raise
+    explorer = Explorer(pool)
+    try:
+        explorer.check(tokenizer)
+        if procs is None:
+            check_logprobs_mode(pool, rollout)
+    except BaseException:
+        explorer.close()
+        raise
+    return explorer
