@@ -15,13 +15,16 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     distill,
     dvao,
     dynamic_sampling,
+    edge_grpo,
     entropy,
+    entropy_adv,
     golongrl,
     kl,
     mipu,
     mismatch,
     papo,
     policy_loss,
+    vimpo,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register
