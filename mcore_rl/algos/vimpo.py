@@ -35,9 +35,10 @@ Choices where the spec is unclear:
   phase), not each mini-batch; population std, + ε.
 * β, λ are not given: defaults β = 0.1, λ = 0.95, γ = 1 (outcome reward). Use the same β in both
   terms.
-* L_V is per response; it is spread evenly over the response's tokens and aggregated with the
-  policy loss's mode, so under a sequence mode it is the mean over responses and under token-mean
-  Σ_i L_V,i over the token count.
+* L_V is per response; every token of the response carries it (as a sequence advantage is
+  broadcast to its tokens) and it is aggregated with the policy loss's mode, so that both share one
+  count: under `seq-mean-token-mean` it is the mean over responses, under `token-mean` each response
+  weighs by its length.
 
 Both read π_ref's log-probs (`needs_reference`): validation asks for `algorithm.reference_model`.
 """
@@ -126,16 +127,14 @@ def vimpo_value(
     seq_advantages: Optional[torch.Tensor] = None, group_ids: Optional[torch.Tensor] = None,
     agg: str = "token-mean", norm_length: Optional[int] = None, beta: float = 0.1,
 ) -> LossOutput:
-    """L_V per response with sg[KL_θ], spread over its tokens and aggregated like the policy loss."""
+    """L_V per response with sg[KL_θ], on each of its tokens, aggregated like the policy loss."""
     need(beta > 0, "beta", f"must be > 0, got {beta}")
     ref = _need_ref(ref_logp, logp, "vimpo_value").detach()
     if mask is None or seq_advantages is None or seq_advantages.shape != logp.shape[:1]:
         raise ValueError("vimpo_value needs the token mask and the per-sequence advantages (R − R̄)")
     kl = k3(logp.detach(), ref)  # sg[KL_θ(s_t)]
     per_seq = value_loss_per_sequence(logp, ref, kl, seq_advantages.detach(), mask, beta)
-    m = mask.to(logp.dtype)
-    spread = per_seq[:, None] / m.sum(-1, keepdim=True).clamp_min(1) * m
-    total, count = aggregate(spread, mask, agg, norm_length)
+    total, count = aggregate(per_seq[:, None].expand_as(logp), mask, agg, norm_length)
     return LossOutput(total, count, {"vimpo/value_loss": per_seq.detach().mean()})
 
 
