@@ -444,7 +444,9 @@ def _world(rank: int, world_size: int) -> None:
     want = _whole_batch_advantages(samples, per_seq["old_logp"], per_seq["ref_logp"], entropy)
     got = per_seq["advantages"]
     assert got.shape == (n, t)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # VIMPO's part is there: π_ref differs from π_old
+    assert float(per_seq["ref_logp"].sub(per_seq["old_logp"]).abs().max()) > 1e-3
     assert bool((got[6] == 0).all()) and int((got != 0).sum()) > n  # the unusable sample trains on nothing
     assert metrics["advantage/shaped_abs_mean"] > 0 and metrics["kl/ref"] > 0
     both = [None, None]
@@ -453,6 +455,7 @@ def _world(rank: int, world_size: int) -> None:
 
     # the micro-batches each rank trains on carry the whole batch's per-token advantages
     tc = cfg.train
+    controls = 0
     for part in split_minibatches(n, cfg.algorithm.num_minibatches, tc.seed, 0, 0):
         mbs = build_microbatches(samples, part, tc.seq_length, tc.micro_batch_size, rank, world_size,
                                  policy.tokenizer.pad_id, t, per_seq)
@@ -463,9 +466,30 @@ def _world(rank: int, world_size: int) -> None:
         for share in gathered:
             for i, a in share:
                 assert torch.equal(torch.tensor(a), got[i]), i
+        # negative control: this rank's share alone (its own standardisation and group means) differs
+        own = sorted(i for i, _ in gathered[rank])
+        if own:  # (a rank may get no sample of a mini-batch)
+            sub = [samples[i] for i in own]
+            cut = max(len(x.response_ids) for x in sub)
+            local = _whole_batch_advantages(sub, *(x[own][:, :cut] for x in (per_seq["old_logp"], per_seq["ref_logp"],
+                                                                               entropy)))
+            assert not torch.allclose(local, want[own][:, :cut]), "a rank's share alone gave the batch's advantages"
+            controls += 1
+    counts = [None, None]
+    dist.all_gather_object(counts, controls)
+    assert sum(counts) >= 2, counts
 
+    # the first optimizer step's value loss is taken at θ = π_old: what the pure function gives on its mini-batch
+    first = list(split_minibatches(n, cfg.algorithm.num_minibatches, tc.seed, 0, 0))[0]
+    part = torch.tensor(sorted(first))
+    value = vimpo_value(per_seq["old_logp"][part], ref_logp=per_seq["ref_logp"][part], mask=per_seq["keep"][part],
+                        seq_advantages=per_seq["aux_seq_advantages"][part], agg=cfg.algorithm.loss_agg, beta=0.1)
+    torch.testing.assert_close(per_seq["aux_seq_advantages"], dr_grpo(per_seq["aux_rewards"], per_seq["aux_group_ids"],
+                                                                      valid=per_seq["keep"].sum(1) > 0))
     records, batch_metrics = learner.train(samples, 0)
     assert len(records) == 2
+    got_value = torch.tensor(records[0]["aux/vimpo_value/loss"], dtype=torch.float64)
+    torch.testing.assert_close(got_value, value.loss.double(), rtol=1e-4, atol=1e-6)
     for r in records:
         assert torch.isfinite(torch.tensor(r["train/loss"])) and "aux/vimpo_value/loss" in r
         assert r["aux/vimpo_value/loss"] > 0
