@@ -15,7 +15,9 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     distill,
     dvao,
     dynamic_sampling,
+    edge_grpo,
     entropy,
+    entropy_adv,
     golongrl,
     kl,
     mipu,
@@ -23,6 +25,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     papo,
     policy_loss,
     s2l_po,
+    vimpo,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register

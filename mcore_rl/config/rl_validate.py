@@ -318,6 +318,14 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
         if need_registered(errors, f"{key}.name", "aux loss", term.name, registry.names("aux_loss")):
             report(f"{key}.options", option_problems("aux_loss", term.name, term.options))
         errors.need(math.isfinite(term.coef), f"{key}.coef", f"must be a finite number, got {term.coef!r}")
+    if not a.uses_reference():  # steps that read π_ref's log-probs (`needs_reference`, e.g. VIMPO's)
+        for field_name, kind in (("advantage_shaping", "advantage_shaping"), ("aux_losses", "aux_loss")):
+            for i, step in enumerate(getattr(a, field_name)):
+                fn = registry.get(kind, step.name) if step.name in registry.names(kind) else None
+                if getattr(fn, "needs_reference", False):
+                    errors.need(False, "algorithm.reference_model",
+                                f"algorithm.{field_name}[{i}] {step.name!r} reads π_ref's log-probs; set "
+                                "algorithm.reference_model: true (or algorithm.kl_coef > 0)")
     for domain, rho in a.domain_advantage_weights.items():
         ok = isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0
         errors.need(ok, f"algorithm.domain_advantage_weights.{domain}", f"must be a number >= 0, got {rho!r}")
