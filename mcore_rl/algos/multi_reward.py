@@ -217,17 +217,3 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
         problems.append(("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: "
                              f"{type(e).__name__}: {e}"))
     return problems
-    batch: dict[str, Any] = dict(valid=torch.ones(2, dtype=torch.bool), domain_ids=torch.zeros(2, dtype=torch.long),
-                                 reward_heads=torch.zeros(2, 0), head_names=())
-    if kind == "advantage":
-        batch["normalize_std"] = True
-    else:
-        batch["lengths"] = torch.ones(2, dtype=torch.long)
-    try:
-        fn(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), **batch, **options)
-    except OptionError as e:
-        problems.append((e.option, e.message))
-    except (TypeError, ValueError) as e:
-        problems.append(("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: "
-                             f"{type(e).__name__}: {e}"))
-    return problems
