@@ -12,6 +12,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     advantages,
     alp,
     cgpo,
+    delta,
     distill,
     dvao,
     dynamic_sampling,
@@ -22,6 +23,8 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     mismatch,
     papo,
     policy_loss,
+    unlikeliness,
+    w_reinforce,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register

@@ -29,7 +29,7 @@ from mcore_rl.algos.cgpo import weight_domains
 from mcore_rl.algos.distill.base import DistillBatch
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
-from mcore_rl.algos.multi_reward import domain_metrics, restrict_to_domains
+from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.data.samples import Sample
 from mcore_rl.train.distillation import (
@@ -130,18 +130,29 @@ def filtered(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor,
 
 def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                       rewards: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
-                      ref: Optional[torch.Tensor]) -> torch.Tensor:
+                      ref: Optional[torch.Tensor], response_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The advantages after `algorithm.advantage_shaping`, in order: [N] when there is none, else
-    per token [N, T] (each step on its domains only)."""
+    per token [N, T] (each step on its domains only). `response_ids` [N, T]: the sampled token ids,
+    given to the functions that name them."""
     if not a.advantage_shaping:
         return advantages
     tokens = advantages[:, None].float() * mask
     for shaping in a.advantage_shaping:
-        new = registry.get("advantage_shaping", shaping.name)(
-            tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
-            rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **shaping.options)
+        fn = registry.get("advantage_shaping", shaping.name)
+        optional = declared_inputs(fn, "advantage_shaping", {"response_ids": response_ids})
+        new = fn(tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
+                 rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **optional,
+                 **shaping.options)
         tokens = restrict_to_domains(new.float() * mask, tokens, view.domain_ids, view.domain_names, shaping.domains)
     return tokens
+
+
+def response_ids(samples: Sequence[Sample], num_positions: int) -> torch.Tensor:
+    """[N, T] long: each sample's response token ids, right-padded with 0."""
+    out = torch.zeros(len(samples), num_positions, dtype=torch.long)
+    for i, s in enumerate(samples):
+        out[i, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
+    return out
 
 
 def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor,
@@ -273,7 +284,8 @@ class Learner:
             **a.advantage_options)
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         seq_advantages = advantages
-        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref)
+        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref,
+                                       response_ids(samples, t) if a.advantage_shaping else None)
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
