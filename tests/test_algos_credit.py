@@ -360,6 +360,9 @@ def test_sparse_proxy_equals_its_dense_form_and_side_specific_ids_weigh_more() -
     lam = delta_weights((ids[:, None], torch.full((6, 1), 0.5, dtype=torch.float64)), adv)
     assert float(lam[0]) > float(lam[1])
     assert float(lam[4]) > float(lam[3])
+    # one token per side: γ from the margin's own scale, not a hard 0/1 assignment
+    lam = delta_weights((torch.tensor([[1], [2]]), torch.ones(2, 1, dtype=torch.float64)), torch.tensor([1.0, -1.0]))
+    assert 0.5 < float(lam[0]) < 1.5 and float(lam[0]) == pytest.approx(float(lam[1]))
     # no negative tokens: one side only → α* = 0.5 everywhere, plain DAPO after normalisation
     lam = delta_weights((ids[:, None], torch.ones(6, 1, dtype=torch.float64)), adv.abs())
     assert torch.all(lam == 1.0)
@@ -434,8 +437,8 @@ def test_demo_overrides_validate() -> None:
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
     for overrides in (
-        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}", "algorithm.policy_loss=reinforce",
-         "algorithm.num_minibatches=1"],
+        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}", "algorithm.policy_loss=reinforce"],
+        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}"],
         ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
         ["algorithm.advantage_shaping=[{name: delta, options: {iterations: 1}}]", "algorithm.loss_agg=token-mean"],
     ):

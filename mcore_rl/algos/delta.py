@@ -36,7 +36,7 @@ side than on the other. `delta_weights` takes any proxy as sparse rows (ids, val
 [M, D] matrix is `dense_proxy(v)` — so the paper's proxy plugs in once the learner hands it over.
 
 Chosen where the spec is unclear: γ± = `gamma_scale` · the population std of the side's current
-margins (adaptive from the first iteration; `gamma` fixes it instead); K = `iterations` = 1 (the
+margins (adaptive from the first iteration; their mean |Δ| where that std is 0; `gamma` fixes it instead); K = `iterations` = 1 (the
 paper's most stable); λ ∈ [`lam_min`, `lam_max`] = [0.5, 1.5] (not given; only their ratio matters
 after the normalisation); one pair of centroids over the whole batch, not per group; tokens with
 A = 0 get α* = 0.5 (they train on nothing but count in Σλ, as they count in DAPO's token mean); if a
@@ -91,6 +91,8 @@ def _gamma(side_margin: torch.Tensor, on_side: torch.Tensor, gamma: Optional[flo
         return torch.tensor(float(gamma), dtype=torch.float64)
     x = side_margin[on_side]
     spread = x.std(unbiased=False) if x.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    if not spread > eps:  # one token, or all margins equal: their scale instead of a hard 0/1 assignment
+        spread = x.abs().mean() if x.numel() else spread
     return (scale * spread).clamp_min(eps)
 
 
