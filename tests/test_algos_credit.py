@@ -17,7 +17,16 @@ import torch
 
 from mcore_rl import algos
 from mcore_rl.algos.advantages import grpo
-from mcore_rl.algos.delta import centroid, delta, delta_weights, dense_proxy, positive_margin, soft_assign
+from mcore_rl.algos.delta import (
+    centroid,
+    delta,
+    delta_weights,
+    dense_proxy,
+    logit_gradient_proxy,
+    positive_margin,
+    soft_assign,
+    support_ids,
+)
 from mcore_rl.algos.multi_reward import declared_inputs, option_problems
 from mcore_rl.algos.policy_loss import clipped_surrogate, ppo_clip, reinforce
 from mcore_rl.algos.unlikeliness import likelihood_ranks, unlikeliness
@@ -254,13 +263,14 @@ def _ppo_tokens(seed: int = 3) -> dict:
     mask[1, 3:] = 0
     mask[4, 1:] = 0
     seq_adv = torch.tensor([1.2, -0.4, 0.8, -1.5, 0.6, -0.7])
-    old = -torch.rand(n, t, generator=gen) * 3
-    logits_param = torch.randn(n, t, v, generator=gen, requires_grad=True)
-    return dict(ids=ids, mask=mask, adv=seq_adv[:, None] * mask, old=old, logits=logits_param)
+    old_logits = torch.randn(n, t, v, generator=gen) * 2  # π_old
+    logits_param = torch.randn(n, t, v, generator=gen, requires_grad=True)  # π_θ, away from π_old: clipping
+    return dict(ids=ids, mask=mask, adv=seq_adv[:, None] * mask, old=_logp_of(old_logits, ids), logits=logits_param,
+                old_logits=old_logits, logp_at=lambda at: torch.log_softmax(old_logits, -1)[..., at])
 
 
 def _delta_call(d: dict, **options) -> torch.Tensor:
-    return delta(d["adv"], d["mask"], old_logp=d["old"], response_ids=d["ids"], **options)
+    return delta(d["adv"], d["mask"], old_logp=d["old"], response_ids=d["ids"], logp_at=d["logp_at"], **options)
 
 
 def test_equal_lambda_bounds_give_plain_dapo_whatever_the_constant() -> None:
@@ -297,7 +307,8 @@ def test_lambda_is_detached_and_a_full_assignment_keeps_the_centroid() -> None:
     Control: a λ built from π_θ's log-probs (no detach) has a grad_fn and changes the gradient."""
     d = _ppo_tokens()
     logp = _logp_of(d["logits"], d["ids"])
-    shaped = delta(d["adv"], d["mask"], old_logp=logp, response_ids=d["ids"])  # proxy from a grad-carrying π
+    grad_carrying = lambda at: torch.log_softmax(d["logits"], -1)[..., at]  # noqa: E731
+    shaped = delta(d["adv"], d["mask"], old_logp=logp, response_ids=d["ids"], logp_at=grad_carrying)
     assert shaped.grad_fn is None and not shaped.requires_grad
     (g1,) = torch.autograd.grad(ppo_clip(logp, d["old"], shaped, d["mask"]).loss, d["logits"])
     constant = shaped.detach().clone()
@@ -323,14 +334,15 @@ def test_folded_weights_make_the_token_mean_the_self_normalised_weighted_mean() 
     with clipped tokens (logp far from π_old) included."""
     d = _ppo_tokens()
     on = d["mask"] > 0
-    proxy = (d["ids"][on][:, None], (1 - d["old"][on].double().exp())[:, None])
+    support = support_ids(d["ids"][on], 4)
+    proxy = logit_gradient_proxy(d["ids"][on], d["old"][on], support, d["logp_at"](support)[on])
     lam_flat = delta_weights(proxy, d["adv"][on].double())
     assert float(lam_flat.max() - lam_flat.min()) > 0.05  # the weights are not uniform
     lam = torch.zeros_like(d["mask"])
     lam[on] = lam_flat.float()
 
     logp = _logp_of(d["logits"], d["ids"])
-    out = ppo_clip(logp, d["old"], _delta_call(d), d["mask"], clip_low=0.2, clip_high=0.28)
+    out = ppo_clip(logp, d["old"], _delta_call(d, support=4), d["mask"], clip_low=0.2, clip_high=0.28)
     (got,) = torch.autograd.grad(out.loss, d["logits"])
     logp = _logp_of(d["logits"], d["ids"])
     ratio = torch.exp(logp - d["old"])
@@ -368,6 +380,31 @@ def test_sparse_proxy_equals_its_dense_form_and_side_specific_ids_weigh_more() -
     assert torch.all(lam == 1.0)
 
 
+def test_the_proxy_is_the_logit_gradient_on_its_support() -> None:
+    """v = ∂log π(y_t)/∂z from autograd on π_old's logits, on the support ids (all of them: the whole
+    gradient), plus 1 − π(y) at a sampled id outside the support."""
+    d = _ppo_tokens()
+    on = d["mask"] > 0
+    z = d["old_logits"].clone().requires_grad_()
+    (grad,) = torch.autograd.grad((_logp_of(z, d["ids"]) * d["mask"]).sum(), z)  # rows: e_y − p per token
+    grad = grad[on].double()
+    m, v_size = grad.shape
+    full = support_ids(d["ids"][on], v_size)
+    ids, vals = logit_gradient_proxy(d["ids"][on], d["old"][on], full, d["logp_at"](full)[on])
+    dense = torch.zeros(m, v_size, dtype=torch.float64).scatter_add_(1, ids, vals)
+    if full.numel() == v_size:
+        torch.testing.assert_close(dense, grad)
+    part = support_ids(d["ids"][on], 3)
+    ids, vals = logit_gradient_proxy(d["ids"][on], d["old"][on], part, d["logp_at"](part)[on])
+    dense = torch.zeros(m, v_size, dtype=torch.float64).scatter_add_(1, ids, vals)
+    keep = torch.zeros(m, v_size, dtype=torch.bool)
+    keep[:, part] = True
+    keep[torch.arange(m), d["ids"][on]] = True
+    torch.testing.assert_close(dense, torch.where(keep, grad, torch.zeros_like(grad)))
+    # the support: most frequent first, ties by the lower id
+    assert support_ids(torch.tensor([5, 2, 2, 9, 5, 7, 2]), 3).tolist() == [2, 5, 7]
+
+
 def test_delta_zero_advantage_tokens_and_inputs() -> None:
     d = _ppo_tokens()
     d["adv"][2] = 0.0
@@ -376,6 +413,10 @@ def test_delta_zero_advantage_tokens_and_inputs() -> None:
     assert torch.equal(torch.sign(out), torch.sign(d["adv"]))
     with pytest.raises(ValueError, match="sampled token ids"):
         delta(d["adv"], d["mask"], old_logp=d["old"])
+    with pytest.raises(ValueError, match="logp_at"):
+        delta(d["adv"], d["mask"], old_logp=d["old"], response_ids=d["ids"])
+    only_sampled = delta(d["adv"], d["mask"], old_logp=d["old"], response_ids=d["ids"], support=0)
+    assert torch.equal(torch.sign(only_sampled), torch.sign(d["adv"])) and not torch.equal(only_sampled, out)
     assert "response_ids" in declared_inputs(delta, "advantage_shaping", {"response_ids": 1, "mask": 2})
     assert declared_inputs(lambda advantages, mask: None, "advantage_shaping", {"response_ids": 1, "mask": 2}) == {
         "mask": 2}
@@ -489,7 +530,14 @@ def _world(rank: int, world_size: int) -> None:
     shaped = unlikeliness(v.rewards, v.group_ids, valid=valid, seq_logp=(old * mask).sum(1))
     assert int((shaped[12:] < 1).sum()) == 3 and shaped[12:].std() > 0  # the all-correct group now has a signal
     adv = grpo(shaped, v.group_ids, valid=valid)
-    want = delta(adv[:, None] * mask, mask, old_logp=old, response_ids=response_ids(samples, mask.shape[1]))
+    ids = response_ids(samples, mask.shape[1])
+    logp_at = learner._shaping_inputs(samples, v)["logp_at"]
+    support = support_ids(ids[mask > 0], 32)
+    at = logp_at(support)  # one more forward: at each token's own id it is π_old's log-prob of it
+    hit = (ids[..., None] == support) & (mask[..., None] > 0)
+    assert int(hit.sum()) == int(mask.sum())  # ≤ 32 distinct ids here: every sampled id is in the support
+    torch.testing.assert_close(at[hit], old[..., None].expand_as(at)[hit])
+    want = delta(adv[:, None] * mask, mask, old_logp=old, response_ids=ids, logp_at=logp_at)
     torch.testing.assert_close(per_seq["advantages"], want, rtol=0, atol=0)
     assert not torch.allclose(want, adv[:, None] * mask)  # DelTA's weights changed the advantages
     assert "advantage/shaped_abs_mean" in metrics

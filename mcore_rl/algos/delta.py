@@ -23,29 +23,31 @@ mini-batch is normalised by the batch's mean λ rather than its own (equal in ex
 **The gradient proxy** (what the learner can supply): the paper's v is the LM-head gradient of
 log π(y_t), (e_y − p)·h_tᵀ, which needs π_old's full-vocabulary probabilities and the last-layer
 hidden states h_t; `train/logprobs.py` computes both inside its chunked vocab-parallel log-softmax and
-returns neither. What it does return is π_old(y_t), so the proxy here is the sampled-token coordinate
-of the logit gradient e_y − p:
+returns neither. It does return π_old's log-probs at *given* ids (the top-k machinery of on-policy
+distillation), so the proxy here is the logit gradient ∂log π(y_t)/∂z = e_y − p restricted to a support S:
 
-    v_{i,t} = (1 − π_old(y_t)) · e_{y_t} ∈ R^V   (the learner passes the sampled ids, `response_ids`).
+    v_{i,t} = (1[v = y_t] − π_old(v))_{v ∈ S},  plus the coordinate 1 − π_old(y_t) at y_t when y_t ∉ S,
 
-Missing against the paper: the −p_v off-target coordinates (would need π_old's own top-k ids and
-probabilities: a distributed top-k in `vocab_parallel_topk_stats`) and the h_t factor (would need the
-hidden states out of `gpt_token_stats`). With this proxy the centroids are |A|(1 − π)-weighted
-histograms of token ids, and a token is central to its side when its id carries more credit on its
-side than on the other. `delta_weights` takes any proxy as sparse rows (ids, values) — a dense
-[M, D] matrix is `dense_proxy(v)` — so the paper's proxy plugs in once the learner hands it over.
+S = the `support` most frequent sampled ids of the batch's training tokens (ties: lower id first), whose
+log-probs the learner computes in one more forward over the batch (`logp_at`). With
+`support: 0` there is no extra forward and v = (1 − π_old(y_t))·e_{y_t}, the sampled coordinate only.
+Missing against the paper: the coordinates outside S (π_old's own top-k would need a distributed top-k in
+`vocab_parallel_topk_stats`) and the h_t factor (the hidden states out of `gpt_token_stats`): tokens with
+the same logit gradient are the same point here whatever their context. `delta_weights` takes any proxy
+as sparse rows (ids, values) — a dense [M, D] matrix is `dense_proxy(v)` — so the paper's proxy plugs
+in once the learner hands it over.
 
 Chosen where the spec is unclear: γ± = `gamma_scale` · the population std of the side's current
-margins (adaptive from the first iteration; their mean |Δ| where that std is 0; `gamma` fixes it instead); K = `iterations` = 1 (the
-paper's most stable); λ ∈ [`lam_min`, `lam_max`] = [0.5, 1.5] (not given; only their ratio matters
-after the normalisation); one pair of centroids over the whole batch, not per group; tokens with
-A = 0 get α* = 0.5 (they train on nothing but count in Σλ, as they count in DAPO's token mean); if a
-side has no tokens, every α* is 0.5 (plain DAPO).
+margins (adaptive from the first iteration; their mean |Δ| where that std is 0; `gamma` fixes it
+instead); K = `iterations` = 1 (the paper's most stable); λ ∈ [`lam_min`, `lam_max`] = [0.5, 1.5] (not
+given; only their ratio matters after the normalisation); `support` = 32 ids; one pair of centroids
+over the whole batch, not per group; tokens with A = 0 get α* = 0.5 (they train on nothing but count
+in Σλ, as they count in DAPO's token mean); if a side has no tokens, every α* is 0.5 (plain DAPO).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -59,6 +61,25 @@ def dense_proxy(v: torch.Tensor) -> Proxy:
     """Dense vectors [M, D] as sparse rows."""
     m, d = v.shape
     return torch.arange(d).expand(m, d), v.double()
+
+
+def support_ids(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` most frequent of `ids` (ties: lower id first), [min(k, distinct)] long."""
+    values, counts = torch.unique(ids.long(), return_counts=True)
+    order = torch.argsort(-counts * (int(values.max()) + 2) + values) if values.numel() else values
+    return values[order[:k]]
+
+
+def logit_gradient_proxy(targets: torch.Tensor, target_logp: torch.Tensor, support: torch.Tensor,
+                         support_logp: torch.Tensor) -> Proxy:
+    """∂log π(y)/∂z = e_y − p on the ids `support` [S] (π's log-probs there: `support_logp` [M, S]),
+    and 1 − π(y) at y when y is not in the support; `targets` [M], `target_logp` [M] log π(y)."""
+    m = targets.shape[0]
+    hit = support.long()[None, :] == targets.long()[:, None]
+    vals = hit.double() - support_logp.double().exp()
+    own = torch.where(hit.any(1), torch.zeros(m, dtype=torch.float64), -torch.expm1(target_logp.double()))
+    ids = torch.cat([support.long()[None, :].expand(m, -1), targets.long()[:, None]], 1)
+    return ids, torch.cat([vals, own[:, None]], 1)
 
 
 def soft_assign(margin: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
@@ -132,13 +153,14 @@ def delta(
     domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
     head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
     rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    response_ids: Optional[torch.Tensor] = None,
-    iterations: int = 1, lam_min: float = 0.5, lam_max: float = 1.5, gamma: Optional[float] = None,
+    response_ids: Optional[torch.Tensor] = None, logp_at: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    support: int = 32, iterations: int = 1, lam_min: float = 0.5, lam_max: float = 1.5, gamma: Optional[float] = None,
     gamma_scale: float = 1.0,
 ) -> torch.Tensor:
     """The per-token advantages times λ/mean(λ) over the training tokens [N, T] float32 (detached),
-    λ from the proxy (1 − π_old(y_t))·e_{y_t}; with `loss_agg: token-mean` the loss is DelTA's
-    self-normalised weighted token mean."""
+    λ from the logit-gradient proxy on the batch's `support` most frequent sampled ids; with
+    `loss_agg: token-mean` the loss is DelTA's self-normalised weighted token mean."""
+    need(support >= 0, "support", f"must be >= 0 (0: the sampled-token coordinate only), got {support}")
     need(iterations >= 0, "iterations", f"must be >= 0 (K, the alternating iterations), got {iterations}")
     need(lam_min >= 0, "lam_min", f"must be >= 0, got {lam_min}")
     need(lam_max >= lam_min and lam_max > 0, "lam_max", f"must be > 0 and >= lam_min ({lam_min}), got {lam_max}")
@@ -154,7 +176,14 @@ def delta(
         out = torch.zeros(advantages.shape, dtype=torch.float32)
         if not bool(on.any()):
             return out
-        proxy = (response_ids.detach()[on].long()[:, None], (-torch.expm1(old_logp.detach()[on].double()))[:, None])
+        targets, target_logp = response_ids.detach()[on].long(), old_logp.detach()[on]
+        if support == 0:
+            proxy = (targets[:, None], (-torch.expm1(target_logp.double()))[:, None])
+        else:
+            if logp_at is None:
+                raise ValueError("delta with support > 0 needs `logp_at` (π_old's log-probs at given ids)")
+            ids = support_ids(targets, support)
+            proxy = logit_gradient_proxy(targets, target_logp, ids, logp_at(ids).detach()[on])
         adv = advantages.detach()[on].double()
         lam = delta_weights(proxy, adv, iterations=iterations, lam_min=lam_min, lam_max=lam_max, gamma=gamma,
                             gamma_scale=gamma_scale)

@@ -58,9 +58,10 @@ AUX_LOSS_INPUTS = ("logp", "old_logp", "ref_logp", "mask", "rewards", "seq_advan
 KIND_INPUTS = {"advantage": ADVANTAGE_INPUTS, "reward_shaping": SHAPING_INPUTS, "sample_filter": FILTER_INPUTS,
                "advantage_shaping": ADVANTAGE_SHAPING_INPUTS, "aux_loss": AUX_LOSS_INPUTS}
 # Inputs a function of the kind receives only when its signature names them, so adding one breaks no
-# registered function: advantage_shaping's `response_ids` [N, T] long, the sampled token ids (DelTA's
-# gradient proxy lives at them; 0 off the mask)
-OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids",)}
+# registered function. advantage_shaping: `response_ids` [N, T] long, the sampled token ids (0 off the
+# mask); `logp_at`, a function ids [k] -> [N, T, k] π_old's log-probs of those ids at every response
+# position (one more forward of the policy, called on every rank alike). DelTA's gradient proxy needs both.
+OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at")}
 
 
 def declared_inputs(fn: Any, kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,9 +189,11 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
         return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long),
                                      seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":
+        logits = torch.arange(24.0).reshape(2, 2, 6).sin()  # a vocabulary of 6 at the 2 x 2 response positions
         return (torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2)), dict(
             common, rewards=rewards, group_ids=gids, entropy=torch.full((2, 2), 0.5), old_logp=tokens,
-            rollout_logp=tokens, ref_logp=tokens - 0.1, response_ids=torch.tensor([[3, 4], [3, 5]]))
+            rollout_logp=tokens, ref_logp=tokens - 0.1, response_ids=torch.tensor([[3, 4], [3, 5]]),
+            logp_at=lambda ids: torch.log_softmax(logits, -1)[..., ids.long()])
     if kind == "aux_loss":
         return (tokens.clone().requires_grad_(),), dict(old_logp=tokens, ref_logp=tokens - 0.1, mask=torch.ones(2, 2),
                                                         rewards=rewards, seq_advantages=rewards - 0.5, group_ids=gids,

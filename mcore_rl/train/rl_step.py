@@ -130,16 +130,16 @@ def filtered(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor,
 
 def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                       rewards: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
-                      ref: Optional[torch.Tensor], response_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      ref: Optional[torch.Tensor], optional_inputs: Optional[dict[str, Any]] = None) -> torch.Tensor:
     """The advantages after `algorithm.advantage_shaping`, in order: [N] when there is none, else
-    per token [N, T] (each step on its domains only). `response_ids` [N, T]: the sampled token ids,
-    given to the functions that name them."""
+    per token [N, T] (each step on its domains only). `optional_inputs` (`response_ids`, `logp_at`;
+    see `multi_reward.OPTIONAL_INPUTS`) go to the functions that name them."""
     if not a.advantage_shaping:
         return advantages
     tokens = advantages[:, None].float() * mask
     for shaping in a.advantage_shaping:
         fn = registry.get("advantage_shaping", shaping.name)
-        optional = declared_inputs(fn, "advantage_shaping", {"response_ids": response_ids})
+        optional = declared_inputs(fn, "advantage_shaping", optional_inputs or {})
         new = fn(tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
                  rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **optional,
                  **shaping.options)
@@ -285,7 +285,7 @@ class Learner:
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         seq_advantages = advantages
         advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref,
-                                       response_ids(samples, t) if a.advantage_shaping else None)
+                                       self._shaping_inputs(samples, view) if a.advantage_shaping else None)
         corr = registry.get("mismatch", a.mismatch.name)(old, view.rollout_logp, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask))  # over all tokens, not just kept
@@ -315,6 +315,17 @@ class Learner:
         if ref is not None:
             per_seq["ref_logp"] = ref
         return per_seq, metrics
+
+    def _shaping_inputs(self, samples: Sequence[Sample], view: SequenceView) -> dict[str, Any]:
+        """The optional inputs of advantage shaping: the sampled ids and π_old's log-probs at given ids
+        (a forward over the batch per call, with this batch's routing replay)."""
+        n, t = view.mask.shape
+
+        def logp_at(ids: torch.Tensor) -> torch.Tensor:
+            wanted = ids.long().reshape(1, 1, -1).expand(n, t, -1).contiguous()
+            return self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+
+        return {"response_ids": response_ids(samples, t), "logp_at": logp_at}
 
     def replay_routing(self, samples: Sequence[Sample]) -> Optional[list]:
         """R3: the samples' engine routing (shape-checked); otherwise None (natural routing)."""
