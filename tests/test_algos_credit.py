@@ -435,7 +435,7 @@ algorithm:
       options: {beta_rank: 0.3, correct_threshold: 1.0}
   advantage_shaping:
     - name: delta
-      options: {iterations: 2, lam_min: 0.2, lam_max: 1.8, gamma: 0.5, gamma_scale: 1.0}
+      options: {iterations: 2, lam_min: 0.2, lam_max: 1.8, gamma: 0.5, gamma_scale: 1.0, support: 16}
 """
 
 
@@ -460,6 +460,8 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path) -> N
          "algorithm.advantage_shaping[0].options.iterations: expects int"),
         ("algorithm.advantage_shaping=[{name: delta, options: {lam_min: 1.0, lam_max: 0.5}}]",
          "algorithm.advantage_shaping[0].options.lam_max: must be > 0 and >= lam_min"),
+        ("algorithm.advantage_shaping=[{name: delta, options: {support: -1}}]",
+         "algorithm.advantage_shaping[0].options.support: must be >= 0"),
         ("algorithm.advantage_shaping=[{name: delta, options: {gamma: 0}}]",
          "algorithm.advantage_shaping[0].options.gamma: must be null (adaptive) or > 0"),
         ("algorithm.policy_loss=reinforcee", "algorithm.policy_loss"),
@@ -478,10 +480,11 @@ def test_demo_overrides_validate() -> None:
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
     for overrides in (
-        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}", "algorithm.policy_loss=reinforce"],
+        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}",
+         "algorithm.policy_loss=reinforce"],
         ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}"],
         ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
-        ["algorithm.advantage_shaping=[{name: delta, options: {iterations: 1}}]", "algorithm.loss_agg=token-mean"],
+        ["algorithm.advantage_shaping=[{name: delta, options: {iterations: 1, support: 32}}]"],
     ):
         validate_rl_config(load_config(RLConfig, demo, overrides), 1)
 
