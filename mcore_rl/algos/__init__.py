@@ -12,6 +12,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     advantages,
     alp,
     cgpo,
+    delta,
     distill,
     dvao,
     dynamic_sampling,
@@ -25,7 +26,9 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     papo,
     policy_loss,
     s2l_po,
+    unlikeliness,
     vimpo,
+    w_reinforce,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register

@@ -57,6 +57,18 @@ AUX_LOSS_INPUTS = ("logp", "old_logp", "ref_logp", "mask", "rewards", "seq_advan
                    "norm_length")
 KIND_INPUTS = {"advantage": ADVANTAGE_INPUTS, "reward_shaping": SHAPING_INPUTS, "sample_filter": FILTER_INPUTS,
                "advantage_shaping": ADVANTAGE_SHAPING_INPUTS, "aux_loss": AUX_LOSS_INPUTS}
+# Inputs a function of the kind receives only when its signature names them, so adding one breaks no
+# registered function. advantage_shaping: `response_ids` [N, T] long, the sampled token ids (0 off the
+# mask); `logp_at`, a function ids [k] -> [N, T, k] π_old's log-probs of those ids at every response
+# position (one more forward of the policy, called on every rank alike). DelTA's gradient proxy needs both.
+OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at")}
+
+
+def declared_inputs(fn: Any, kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """`inputs` without the optional inputs of `kind` that `fn`'s signature does not name."""
+    params = inspect.signature(fn).parameters
+    optional = OPTIONAL_INPUTS.get(kind, ())
+    return {k: v for k, v in inputs.items() if k not in optional or k in params}
 
 
 class OptionError(ValueError):
@@ -177,9 +189,11 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
         return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long),
                                      seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":
+        logits = torch.arange(24.0).reshape(2, 2, 6).sin()  # a vocabulary of 6 at the 2 x 2 response positions
         return (torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2)), dict(
             common, rewards=rewards, group_ids=gids, entropy=torch.full((2, 2), 0.5), old_logp=tokens,
-            rollout_logp=tokens, ref_logp=tokens - 0.1)
+            rollout_logp=tokens, ref_logp=tokens - 0.1, response_ids=torch.tensor([[3, 4], [3, 5]]),
+            logp_at=lambda ids: torch.log_softmax(logits, -1)[..., ids.long()])
     if kind == "aux_loss":
         return (tokens.clone().requires_grad_(),), dict(old_logp=tokens, ref_logp=tokens - 0.1, mask=torch.ones(2, 2),
                                                         rewards=rewards, seq_advantages=rewards - 0.5, group_ids=gids,
@@ -195,7 +209,7 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     from mcore_rl.algos.registry import get
 
     fn = get(kind, name)
-    inputs = KIND_INPUTS[kind]
+    inputs = KIND_INPUTS[kind] + OPTIONAL_INPUTS.get(kind, ())
     params = {p.name: p for p in inspect.signature(fn).parameters.values()
               if p.name not in inputs and p.kind == inspect.Parameter.KEYWORD_ONLY}
     problems: list[tuple[str, str]] = []
@@ -209,6 +223,7 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     if problems:
         return problems
     args, batch = sample_inputs(kind)
+    batch = declared_inputs(fn, kind, batch)
     try:
         fn(*args, **batch, **options)
     except OptionError as e:

@@ -188,3 +188,29 @@ def gspo(
     adv = _token_advantages(advantages, logp)
     loss, clipped, dual = clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
     return _finish(loss, ratio, log_ratio, clipped, dual, mask, is_weights, agg, norm_length, "pg")
+
+
+@register("policy_loss", "reinforce")
+def reinforce(
+    logp: torch.Tensor,
+    old_logp: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    is_weights: Optional[torch.Tensor] = None,
+    agg: str = "token-mean",
+    norm_length: Optional[int] = None,
+) -> LossOutput:
+    """Plain REINFORCE, −A·log π_θ per token, times the mismatch-correction `is_weights`: no ratio
+    to π_old and no clip (`clip_low`, `clip_high`, `dual_clip` are part of the signature only), as
+    W-REINFORCE's paper trains. Its gradient equals PPO's at π_θ = π_old; on later epochs or
+    mini-batches of the same rollout batch it does not correct for π_θ having moved (use one
+    mini-batch and one epoch for the paper's setting). The ratio is still logged."""
+    old = logp.detach() if old_logp is None else old_logp.detach()
+    log_ratio = (logp.detach() - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = _token_advantages(advantages, logp)
+    loss = -adv * logp
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(loss, torch.exp(log_ratio), log_ratio, none, none, mask, is_weights, agg, norm_length, "pg")

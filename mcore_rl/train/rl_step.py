@@ -29,7 +29,7 @@ from mcore_rl.algos.cgpo import weight_domains
 from mcore_rl.algos.distill.base import DistillBatch
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
-from mcore_rl.algos.multi_reward import domain_metrics, restrict_to_domains
+from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.algos.s2l_po import behaviour_logp
 from mcore_rl.data.samples import Sample
@@ -131,16 +131,19 @@ def filtered(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor,
 
 def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                       rewards: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
-                      ref: Optional[torch.Tensor]) -> torch.Tensor:
+                      ref: Optional[torch.Tensor], optional_inputs: Optional[dict[str, Any]] = None) -> torch.Tensor:
     """The advantages after `algorithm.advantage_shaping`, in order: [N] when there is none, else
-    per token [N, T] (each step on its domains only)."""
+    per token [N, T] (each step on its domains only). `optional_inputs` (`response_ids`, `logp_at`;
+    see `multi_reward.OPTIONAL_INPUTS`) go to the functions that name them."""
     if not a.advantage_shaping:
         return advantages
     tokens = advantages[:, None].float() * mask
     for shaping in a.advantage_shaping:
-        new = registry.get("advantage_shaping", shaping.name)(
-            tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
-            rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **shaping.options)
+        fn = registry.get("advantage_shaping", shaping.name)
+        optional = declared_inputs(fn, "advantage_shaping", optional_inputs or {})
+        new = fn(tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
+                 rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **optional,
+                 **shaping.options)
         tokens = restrict_to_domains(new.float() * mask, tokens, view.domain_ids, view.domain_names, shaping.domains)
     return tokens
 
@@ -157,6 +160,14 @@ def explorer_learner_metrics(explorer: torch.Tensor, old: torch.Tensor, mu: torc
     ours, theirs = explorer & valid, ~explorer & valid
     out["explorer/advantage_mean"] = float(seq_advantages[ours].mean()) if bool(ours.any()) else 0.0
     out["explorer/policy_advantage_mean"] = float(seq_advantages[theirs].mean()) if bool(theirs.any()) else 0.0
+    return out
+
+
+def response_ids(samples: Sequence[Sample], num_positions: int) -> torch.Tensor:
+    """[N, T] long: each sample's response token ids, right-padded with 0."""
+    out = torch.zeros(len(samples), num_positions, dtype=torch.long)
+    for i, s in enumerate(samples):
+        out[i, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
     return out
 
 
@@ -289,7 +300,8 @@ class Learner:
             **a.advantage_options)
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         seq_advantages = advantages
-        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref)
+        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref,
+                                       self._shaping_inputs(samples, view) if a.advantage_shaping else None)
         explorer = torch.tensor([s.source == "explorer" for s in samples], dtype=torch.bool)  # S2L-PO's rows
         mu = behaviour_logp(view.rollout_logp, old, explorer, self.cfg.rollout.explorer.correction)
         corr = registry.get("mismatch", a.mismatch.name)(old, mu, mask, **mismatch_overrides(self.cfg))
@@ -324,6 +336,17 @@ class Learner:
         if ref is not None:
             per_seq["ref_logp"] = ref
         return per_seq, metrics
+
+    def _shaping_inputs(self, samples: Sequence[Sample], view: SequenceView) -> dict[str, Any]:
+        """The optional inputs of advantage shaping: the sampled ids and π_old's log-probs at given ids
+        (a forward over the batch per call, with this batch's routing replay)."""
+        n, t = view.mask.shape
+
+        def logp_at(ids: torch.Tensor) -> torch.Tensor:
+            wanted = ids.long().reshape(1, 1, -1).expand(n, t, -1).contiguous()
+            return self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+
+        return {"response_ids": response_ids(samples, t), "logp_at": logp_at}
 
     def replay_routing(self, samples: Sequence[Sample]) -> Optional[list]:
         """R3: the samples' engine routing (shape-checked); otherwise None (natural routing)."""
