@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from mcore_rl.diagnose.verif_horizon import (agreement, binned, doubling_edges, parse_verifier, verification_horizon)
+from mcore_rl.diagnose.verif_horizon import (agreement, binned, doubling_edges, labels, parse_verifier,
+                                             verification_horizon)
 from mcore_rl.diagnose.vgh import (binary_headroom, costates, entropy_bound, headroom, token_entropy, usable_signal)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,6 +224,8 @@ def test_parse_verifier():
     assert parse_verifier("tests.reward_fns:digit_count") == ("tests.reward_fns:digit_count", {})
     with pytest.raises(ValueError, match="not JSON"):
         parse_verifier("formatting={pattern}")
+    assert labels([("formatting", {}), ("addition", {}), ("formatting", {"pattern": "x"})]) == \
+        ["formatting", "addition", "formatting#2"]
 
 
 # ---------------------------------------------------------------- the commands, end to end
@@ -237,7 +240,7 @@ def tiny_hf_model(tmp_path_factory):
     return path
 
 
-RECIPE = ["rollout.quantization=none", "rollout.max_new_tokens=5", "eval.num_prompts=8", "init.sft_steps=0",
+RECIPE = ["rollout.quantization=none", "rollout.max_new_tokens=16", "eval.num_prompts=8", "init.sft_steps=0",
           "reward.name=tests.reward_fns:digit_count"]
 
 
@@ -322,8 +325,10 @@ def test_verif_horizon_command_on_saved_and_on_sampled_rollouts(tiny_hf_model, t
     out = tmp_path / "vh_sampled.json"
     assert main(["diagnose", "verif_horizon", "--config", DEMO, *RECIPE, "--model", tiny_hf_model, "--prompts", "3",
                  "--group-size", "2", "--verifier", "tests.reward_fns:digit_count", "--verifier", loose,
-                 "--json", str(out)]) == 0
+                 "--verifier", 'formatting={"pattern": ".*"}', "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["rollouts"] == 6 and r["rollouts_from"] == tiny_hf_model
     by_length = r["formatting_vs_tests.reward_fns:digit_count"]["by_length"]
     assert sum(b["n"] for b in by_length) == 6
+    anything = r["formatting#2_vs_tests.reward_fns:digit_count"]["overall"]  # passes every rollout
+    assert anything["other_pass"] == 1.0 and anything["fnr"] in (0.0, None)

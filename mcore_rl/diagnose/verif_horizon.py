@@ -124,6 +124,16 @@ def parse_verifier(spec: str) -> tuple[str, dict[str, Any]]:
     return name, parsed
 
 
+def labels(verifiers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The verifiers' names, a name given more than once (with other options) numbered: name, name#2, ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, _ in verifiers:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
 def read_samples(path: str, tokenizer: Any) -> list[Rollout]:
     """Rollouts of a jsonl file (`prompt`, `completion`, `label`, optional `response_tokens`)."""
     if os.path.isdir(path):
@@ -170,21 +180,23 @@ def score(rollouts: Sequence[Rollout], name: str, options: dict[str, Any], timeo
     return [r.reward for r in results], sum(r.error is not None for r in results)
 
 
-def compare(rollouts: Sequence[Rollout], verifiers: Sequence[tuple[str, dict[str, Any]]], rewards: Sequence[list[float]],
+def compare(rollouts: Sequence[Rollout], verifiers: Sequence[tuple[str, dict[str, Any]]],
+            rewards: Sequence[list[float]],
             errors: Sequence[int], threshold: float, edges: Optional[Sequence[int]], kappa_min: float,
             min_bin: int) -> dict[str, Any]:
     """The tables: overall and per length bin, every verifier against the first."""
     lengths = [r.tokens for r in rollouts]
     edges = list(edges) if edges else doubling_edges(max(lengths))
     verdicts = [[x >= threshold for x in rs] for rs in rewards]
-    ref_name = verifiers[0][0]
+    names = labels(verifiers)
+    ref_name = names[0]
     out: dict[str, Any] = {
         "rollouts": len(rollouts), "threshold": threshold, "reference": ref_name,
         "mean_response_tokens": float(np.mean(lengths)),
         "verifiers": [{"verifier": n, "options": json.dumps(o, sort_keys=True), "pass_rate": float(np.mean(v)),
-                       "errors": e} for (n, o), v, e in zip(verifiers, verdicts, errors)],
+                       "errors": e} for n, (_, o), v, e in zip(names, verifiers, verdicts, errors)],
     }
-    for (name, _), v in zip(verifiers[1:], verdicts[1:]):
+    for name, v in zip(names[1:], verdicts[1:]):
         rows = binned(lengths, verdicts[0], v, edges)
         key = f"{name}_vs_{ref_name}"
         out[key] = {"overall": agreement(verdicts[0], v), "by_length": rows,
@@ -230,7 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser):
             prompts = take_prompts(policy, args.prompts, args.split)
             groups = sample_groups(policy, prompts, args.group_size, args.temperature)
             rollouts = [Rollout(s.prompt.text, s.text, s.prompt.label, len(s.response_ids),
-                                {"finish_reason": s.finish_reason, "domain": s.prompt.domain}) for g in groups for s in g]
+                                {"finish_reason": s.finish_reason, "domain": s.prompt.domain})
+                        for g in groups for s in g]
             source = policy.source
         rc = cfg.reward
         scored = [score(rollouts, n, o, rc.timeout_s, rc.error_reward) for n, o in verifiers]
