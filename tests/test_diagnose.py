@@ -281,9 +281,13 @@ def test_commands_say_what_is_missing(tmp_path, capsys):
     (run_dir / "metrics.jsonl").write_text("{}\n")
     assert main(["diagnose", "vgh", "--config", DEMO, "--model", str(run_dir)]) == 2
     err = capsys.readouterr().err
-    assert "mcore-rl convert mcore-to-hf" in err and "--model DIR" in err
+    assert "is a run directory" in err and "checkpoint.save_dir" in err and "mcore-rl convert mcore-to-hf" in err
     assert main(["diagnose", "vgh", "--config", DEMO, "--model", str(run_dir / "checkpoints")]) == 2
-    assert "megatron checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is a megatron checkpoint" in err and "--model DIR" in err
+    assert f"--input {run_dir / 'checkpoints'}" in err
+    assert main(["diagnose", "vgh", "--config", DEMO, "--model", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert main(["diagnose", "verif_horizon", "--config", DEMO, "--verifier", "addition", "--verifier", "formatting",
                  "--samples", str(run_dir)]) == 2
     assert "runs do not save their rollouts" in capsys.readouterr().err

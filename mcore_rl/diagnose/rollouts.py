@@ -47,12 +47,17 @@ def check_model_dir(path: str) -> None:
         raise FileNotFoundError(f"--model {path!r} does not exist")
     if os.path.isfile(os.path.join(path, "config.json")):
         return
-    if _is_megatron_checkpoint(path) or os.path.isfile(os.path.join(path, "metrics.jsonl")):
+    if _is_megatron_checkpoint(path):
         raise ValueError(
-            f"--model {path!r} is a megatron checkpoint or a run directory, not an HF-format model; the analysis "
-            "samples with the embedded engine, which loads HF weights: convert the checkpoint first with "
-            f"`mcore-rl convert mcore-to-hf --input {os.path.join(path, 'iter_XXXXXXX')} --output DIR "
-            "--config RECIPE` (the run's recipe) and pass --model DIR")
+            f"--model {path!r} is a megatron checkpoint, not an HF-format model; the analysis samples with the "
+            f"embedded engine, which loads HF weights: convert it first with `mcore-rl convert mcore-to-hf --input "
+            f"{path} --output DIR --config RECIPE` (the run's recipe; its latest checkpoint is converted) and pass "
+            "--model DIR")
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        raise ValueError(
+            f"--model {path!r} is a run directory (metrics.jsonl), which holds no model the embedded engine can "
+            "load: the run's checkpoints are in its checkpoint.save_dir; convert one with `mcore-rl convert "
+            "mcore-to-hf --input SAVE_DIR --output DIR --config RECIPE` and pass --model DIR")
     raise ValueError(f"--model {path!r} has no config.json: expected an HF-format model directory "
                      "(config.json + *.safetensors)")
 
