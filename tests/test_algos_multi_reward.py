@@ -476,7 +476,8 @@ def test_every_advantage_takes_domains_and_heads_and_the_old_ones_ignore_them() 
     needed = {"cgpo_judges": {"judges": ["a"]}}  # options without a default
     for name in algos.names("reward_shaping"):
         fn = algos.get("reward_shaping", name)
-        out = fn(r, g, valid=valid, lengths=torch.full((12,), 3), **extra, **needed.get(name, {}))
+        out = fn(r, g, valid=valid, lengths=torch.full((12,), 3), seq_logp=-torch.rand(12, generator=gen) * 5, **extra,
+                 **needed.get(name, {}))
         assert out.shape == (12,) and out.dtype == torch.float32 and bool(torch.isfinite(out).all()), name
     assert {"alp", "cgpo_judges"} <= set(algos.names("reward_shaping"))
     assert {"golongrl", "dvao", "papo"} <= set(algos.names("advantage"))
