@@ -185,3 +185,135 @@ def test_prof_options_and_config_keys() -> None:
     ]:
         with pytest.raises(ConfigError, match=_literal(message)):
             validate_rl_config(load_config(RLConfig, None, TINY + [override]), 1)
+
+
+# ============================================================================ ExpRL-Process
+
+from mcore_rl.algos.exprl import exprl_segments, segment_deltas, segment_heads, spread_segments  # noqa: E402
+
+NAN = float("nan")
+
+
+def _segments(scores: list[list[float]], ends: list[list[int]], t: int, lengths: list[int]):
+    """A batch whose samples carry segment heads (exprl_s<k>, exprl_e<k>; NaN past a sample's last)."""
+    k = max(len(s) for s in scores)
+    names = sorted([f"exprl_s{i}" for i in range(k)] + [f"exprl_e{i}" for i in range(k)])
+    heads = torch.full((len(scores), len(names)), NAN)
+    for row, (sc, en) in enumerate(zip(scores, ends)):
+        for name, value in segment_heads(sc, en).items():
+            heads[row, names.index(name)] = value
+    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).float()
+    return heads, tuple(names), mask
+
+
+def _shape(adv_seq: torch.Tensor, heads, names, mask, valid=None, **options) -> torch.Tensor:
+    n = mask.shape[0]
+    return exprl_segments(adv_seq[:, None] * mask, mask, rewards=torch.zeros(n),
+                          group_ids=torch.zeros(n, dtype=torch.long),
+                          valid=valid if valid is not None else torch.ones(n, dtype=torch.bool),
+                          domain_ids=torch.zeros(n, dtype=torch.long), reward_heads=heads, head_names=names,
+                          entropy=torch.zeros_like(mask), old_logp=torch.zeros_like(mask),
+                          rollout_logp=torch.zeros_like(mask), ref_logp=None, **options)
+
+
+def test_exprl_delta_advantages_sum_to_zero_and_one_segment_gets_zero() -> None:
+    """Property 2: with DeltaNorm a trajectory's segment advantages sum to 0; T = 1 gives A_1 = 0."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n, k = 6, int(torch.randint(1, 7, (1,), generator=gen))
+        s = torch.randint(0, 5, (n, k), generator=gen).double() / 4  # judge scores are quarters
+        counts = torch.randint(1, k + 1, (n,), generator=gen)
+        s[torch.arange(k)[None, :] >= counts[:, None]] = NAN
+        a = segment_deltas(s)
+        assert torch.allclose(torch.nan_to_num(a).sum(1), torch.zeros(n, dtype=torch.float64), atol=1e-12)
+        assert torch.equal(a.isnan(), s.isnan())
+    a = segment_deltas(torch.tensor([[0.75, NAN, NAN]]))
+    assert a[0, 0] == 0
+    # the formula, written out: A_1 = s_1 - s_T, A_t = s_t - s_{t-1}; EndNorm A_t = s_t - s_T
+    s = torch.tensor([[0.25, 0.75, 0.5]])
+    assert segment_deltas(s).tolist() == [[-0.25, 0.5, -0.25]]
+    assert segment_deltas(s, "end").tolist() == [[-0.25, 0.25, 0.0]]
+
+
+def test_exprl_every_token_of_a_segment_gets_the_raw_delta_without_group_normalisation() -> None:
+    """Property 3: every token in segment t receives A_t and nothing is group-normalised: the
+    advantages equal the raw deltas, and another sample of the group changes nothing."""
+    heads, names, mask = _segments([[0.25, 0.75, 0.5], [0.0, 1.0]], [[3, 5, 8], [2, 4]], t=8, lengths=[8, 6])
+    out = _shape(torch.tensor([9.0, 9.0]), heads, names, mask)
+    assert out[0].tolist() == [-0.25] * 3 + [0.5] * 2 + [-0.25] * 3
+    assert out[1].tolist() == [-1.0] * 2 + [1.0] * 4 + [0.0] * 2  # tokens past the last end: last segment; pad 0
+    other = heads.clone()
+    other[1] = torch.where(other[1].isnan(), other[1], other[1] * 0 + 0.5)  # sample 1 changes entirely
+    torch.testing.assert_close(_shape(torch.tensor([9.0, 9.0]), other, names, mask)[0], out[0])
+    # negative control: a group z-score of the same deltas is not what the learner gets
+    flat = out[mask.bool()]
+    assert not torch.allclose((flat - flat.mean()) / flat.std(), flat)
+    # spread_segments itself: the segment a token lands in is e_{k-1} <= j < e_k
+    v = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
+    assert spread_segments(v, torch.tensor([[1.0, 2.0, 4.0]]), torch.ones(1, 5)).tolist() == [[1, 2, 3, 3, 3]]
+
+
+def test_exprl_segments_keeps_other_samples_and_zeroes_invalid_ones() -> None:
+    heads, names, mask = _segments([[0.5, 1.0], [NAN]], [[2, 4], [NAN]], t=4, lengths=[4, 3])
+    heads = heads.clone()
+    incoming = torch.tensor([0.3, -0.7])
+    out = _shape(incoming, heads, names, mask)
+    assert out[0].tolist() == [-0.5, -0.5, 0.5, 0.5]
+    torch.testing.assert_close(out[1], torch.tensor([-0.7, -0.7, -0.7, 0.0]))  # no segments: the advantage it had
+    out = _shape(incoming, heads, names, mask, valid=torch.tensor([False, True]))
+    assert out[0].tolist() == [0.0] * 4
+    # no segment heads in the batch at all: the identity
+    torch.testing.assert_close(_shape(incoming, torch.zeros(2, 0), (), mask), incoming[:, None] * mask)
+    assert option_problems("advantage_shaping", "exprl_segments", {"norm": "end"}) == []
+    assert option_problems("advantage_shaping", "exprl_segments", {"norm": "group"})[0][0] == "norm"
+
+
+def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_path) -> None:
+    """The scripted /generate judge scores every prefix; the segment ends (characters, with a
+    two-byte character in the text) become token heads with the byte tokenizer; the learner's
+    sequence view and exprl_segments give every token its segment's raw delta."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.rewards import RewardInput, RewardRunner
+    from mcore_rl.rewards.judge import judge_reward_fn
+    from mcore_rl.runtime.segment_heads import add_segment_heads
+    from mcore_rl.train.packing import sequence_view
+    from tests.test_judges import ScriptedJudge
+
+    one, two = "étape un ###", "étape un ### step two ###"
+    text = two + " answer 8"
+    rules = [[f"[Attempt]\n{one}\n", "Score: 2"], [f"[Attempt]\n{two}\n", "Score: 4"],
+             [f"[Attempt]\n{text}\n", "Score: 3"]]
+    judge = ScriptedJudge(tmp_path, rules)
+    try:
+        with RewardRunner(judge_reward_fn("exprl_process", url=judge.url, reference="ref"), max_concurrency=2) as r:
+            (res,) = r.score_sync([RewardInput("p", text)])
+    finally:
+        judge.close()
+    assert res.error is None and res.info["segment_scores"] == [0.25, 0.75, 0.5]
+    tok = load_tokenizer()
+    ids = tok.encode(text) + [tok.eos_id]
+    prompt = Prompt(index=0, text="p", ids=[tok.bos_id] + tok.encode("p"))
+    s = Sample(prompt, 0, ids, [-1.0] * len(ids), policy_version=0, finish_reason="stop", text=text,
+               reward=res.reward, reward_heads={"exprl_process": res.reward}, info=dict(res.info))
+    plain = Sample(prompt, 0, ids[:4], [-1.0] * 4, policy_version=0, finish_reason="stop", reward=0.0,
+                   reward_heads={"exprl_process": 0.0})
+    assert add_segment_heads([s, plain], tok) == 1
+    e0, e1 = len(one.encode()), len(two.encode())  # token (byte) ends, not character ends
+    assert (s.reward_heads["exprl_e0"], s.reward_heads["exprl_e1"], s.reward_heads["exprl_e2"]) == (e0, e1, len(ids))
+    assert s.reward == 0.5  # the heads came after the sum: the reward is still s_T
+    view = sequence_view([s, plain])
+    mask = view.mask
+    out = exprl_segments(torch.ones(2, mask.shape[1]) * mask, mask, valid=view.ok.bool(),
+                         reward_heads=view.reward_heads, head_names=view.head_names)
+    assert out[0, :len(ids)].tolist() == [-0.25] * e0 + [0.5] * (e1 - e0) + [-0.25] * (len(ids) - e1)
+    assert out[1, :4].tolist() == [1.0] * 4  # no segments: the incoming advantage
+
+
+def test_exprl_config_keys() -> None:
+    cfg = load_config(RLConfig, None, TINY + [
+        "algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: end}}]"])
+    validate_rl_config(cfg, 1)
+    with pytest.raises(ConfigError, match=_literal("algorithm.advantage_shaping[0].options.norm: must be one of")):
+        validate_rl_config(load_config(RLConfig, None, TINY + [
+            "algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: group}}]"]), 1)

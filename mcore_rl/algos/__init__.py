@@ -16,6 +16,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     dvao,
     dynamic_sampling,
     entropy,
+    exprl,
     golongrl,
     kl,
     mipu,
