@@ -276,7 +276,7 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rewards import RewardInput, RewardRunner
     from mcore_rl.rewards.judge import judge_reward_fn
-    from mcore_rl.runtime.segment_heads import add_segment_heads
+    from mcore_rl.runtime.judge_heads import add_segment_heads
     from mcore_rl.train.packing import sequence_view
     from tests.test_judges import ScriptedJudge
 
@@ -317,3 +317,160 @@ def test_exprl_config_keys() -> None:
     with pytest.raises(ConfigError, match=_literal("algorithm.advantage_shaping[0].options.norm: must be one of")):
         validate_rl_config(load_config(RLConfig, None, TINY + [
             "algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: group}}]"]), 1)
+
+
+# ============================================================================ RLCER
+
+from mcore_rl.algos.rlcer import (  # noqa: E402
+    cot_rewards, parse_rubrics, pearson, reasoner_rewards, rlcer, rubric_validity, rubricator_reward,
+)
+
+
+def test_rlcer_constant_and_threshold_rubrics_are_invalid() -> None:
+    """Property 1: a constant v_k is invalid; corr exactly α is invalid (strict >)."""
+    z = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert not rubric_validity(torch.ones(1, 6), z).any() and not rubric_validity(torch.zeros(1, 6), z).any()
+    # corr exactly 0.2 (in float64 too): invalid at the default α, valid just below it
+    z2, v2 = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]])
+    assert float(pearson(v2, z2)) == 0.2
+    assert not rubric_validity(v2, z2).any() and rubric_validity(v2, z2, alpha=0.2 - 1e-9).all()
+    v = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 0.0]])
+    c = float(pearson(v, z))
+    assert 0 < c < 1
+    assert not rubric_validity(v, z, alpha=c).any()  # exactly the threshold: invalid
+    assert rubric_validity(v, z, alpha=c - 1e-9).all()
+    # Pearson, written out
+    zc, vc = z.double() - z.double().mean(), v[0].double() - v[0].double().mean()
+    assert abs(c - float((zc * vc).sum() / (zc.norm() * vc.norm()))) < 1e-12
+    # a constant z (all right): corr undefined, no rubric valid
+    assert not rubric_validity(torch.tensor([[1.0, 0.0, 1.0]]), torch.ones(3)).any()
+
+
+def test_rlcer_four_rollout_toy() -> None:
+    """Property 4: z = [1,1,0,0]; v = [1,1,0,0] valid (corr 1), [0,0,1,1] invalid (-1), [1,0,1,0] invalid (0)."""
+    z = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    v = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
+    torch.testing.assert_close(pearson(v, z), torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64))
+    assert rubric_validity(v, z).tolist() == [True, False, False]
+
+
+def test_rlcer_reasoner_reward_range_and_signed_rubrics() -> None:
+    """Property 2: r_cot in [0, 1] so r^Rea in [-1, 2]; a satisfied negative-score valid rubric lowers the sum."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n, k = 8, 5
+        z = (torch.rand(n, generator=gen) < 0.5).double()
+        v = (torch.rand(k, n, generator=gen) < 0.5).double()
+        s = torch.randn(k, generator=gen) * 3
+        r, valid = reasoner_rewards(z, v, s)
+        cot = r - torch.where(z.bool(), 1.0, -1.0).double()
+        assert cot.min() >= 0 and cot.max() <= 1 and r.min() >= -1 and r.max() <= 2
+    # a valid rubric with a negative score: satisfying it lowers the pre-normalisation sum
+    z = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    good = torch.tensor([1.0, 1.0, 0.0, 0.0])  # corr 1 with z
+    v = torch.stack([good, good])
+    raw = lambda scores: (v * scores[:, None]).sum(0)  # noqa: E731
+    assert raw(torch.tensor([2.0, -1.0]))[0] < raw(torch.tensor([2.0, 0.0]))[0]
+    r_pos, _ = reasoner_rewards(z, good[None], torch.tensor([2.0]))
+    r_neg, _ = reasoner_rewards(z, good[None], torch.tensor([-2.0]))
+    assert r_pos.tolist() == [2.0, 2.0, -1.0, -1.0] and r_neg.tolist() == [1.0, 1.0, 0.0, 0.0]
+    # only valid rubrics count: an invalid one with a huge score changes nothing
+    bad = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    torch.testing.assert_close(cot_rewards(torch.stack([good, bad]), torch.tensor([1.0, 100.0]),
+                                           torch.tensor([True, False])), good.double())
+    # RQ1's rubric-only variant: r^Rea = r_cot
+    r, _ = reasoner_rewards(z, good[None], torch.tensor([2.0]), cot_only=True)
+    assert r.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_rlcer_rubricator_reward_and_format() -> None:
+    """Property 3: r^Rub in [0, 2]; zero valid rubrics with a correct format gives 1."""
+    assert rubricator_reward([False, False, False], True) == 1.0
+    assert rubricator_reward([True, False, True, True], True) == 1.75
+    assert rubricator_reward([True, True], False) == 1.0 and rubricator_reward([], False) == 0.0
+    for k in range(0, 6):
+        for n_valid in range(0, k + 1):
+            for fmt in (True, False):
+                assert 0.0 <= rubricator_reward([True] * n_valid + [False] * (k - n_valid), fmt) <= 2.0
+    rubrics, ok = parse_rubrics("1. (+2) Checks the answer by substitution\n\n2. (-1.5) Guesses without work\n")
+    assert ok and rubrics == [("Checks the answer by substitution", 2.0), ("Guesses without work", -1.5)]
+    assert not parse_rubrics("1. (+2) Checks it\nSome chatter")[1]
+    assert not parse_rubrics("1. (+2) Checks it\n2. (1) checks it")[1]  # a duplicate rubric
+    assert not parse_rubrics("")[1] and not parse_rubrics("1. Checks it (no score)")[1]
+
+
+def _rlcer_heads(verdicts: list[list[float]], scores: list[float]):
+    k = len(scores)
+    names = tuple(sorted([f"rlcer_v{i}" for i in range(k)] + [f"rlcer_w{i}" for i in range(k)]))
+    heads = torch.full((len(verdicts), len(names)), NAN)
+    for row, vs in enumerate(verdicts):
+        for i, (v, w) in enumerate(zip(vs, scores)):
+            heads[row, names.index(f"rlcer_v{i}")] = v
+            heads[row, names.index(f"rlcer_w{i}")] = w
+    return heads, names
+
+
+def test_rlcer_reward_shaping_per_group() -> None:
+    # group 0: rubric 0 valid (tracks correctness), rubric 1 invalid; group 1: no rubric heads
+    verdicts = [[1, 1], [1, 0], [0, 1], [0, 0]] + [[NAN, NAN]] * 4
+    heads, names = _rlcer_heads(verdicts, [3.0, 5.0])
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    out = rlcer(rewards, gids, valid=torch.ones(8, dtype=torch.bool), reward_heads=heads, head_names=names)
+    assert out[:4].tolist() == [2.0, 2.0, -1.0, -1.0]  # ±1 + minmax(3·v_0) — rubric 1 (corr 0) does not count
+    assert out[4:].tolist() == [1.0, -1.0, -1.0, 1.0]  # no rubrics: the ±1 outcome
+    # validity is per group: the same verdicts in a group where they do not track correctness
+    out = rlcer(torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.zeros(4, dtype=torch.long),
+                valid=torch.ones(4, dtype=torch.bool),
+                reward_heads=heads[:4], head_names=names)
+    assert out.tolist() == [-1.0, -1.0, 1.0, 1.0]
+    # an invalid sample keeps its reward and is not in the group's statistics
+    valid = torch.tensor([True, True, True, False] + [True] * 4)
+    out = rlcer(rewards, gids, valid=valid, reward_heads=heads, head_names=names)
+    assert out[3] == 0.0 and out[:3].tolist() == [2.0, 2.0, -1.0]
+    assert option_problems("reward_shaping", "rlcer", {"alpha": 0.3, "cot_only": True}) == []
+    assert option_problems("reward_shaping", "rlcer", {"alpha": 1.5})[0][0] == "alpha"
+
+
+def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
+    """The scripted verifier judge gives per-rubric verdicts; add_rubric_heads turns them (and the
+    label's signed scores) into heads; the sequence view and reward shaping 'rlcer' give r^Rea."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.rewards import RewardInput, RewardRunner
+    from mcore_rl.rewards.judge import judge_reward_fn
+    from mcore_rl.runtime.judge_heads import add_rubric_heads
+    from mcore_rl.train.packing import sequence_view
+    from tests.test_judges import ScriptedJudge
+
+    rubric = ["verifies the sum", "guesses"]
+    label = {"answer": "4", "rubric": rubric, "rubric_scores": [2.0, -1.0]}
+    texts = ["cot-A", "cot-B", "cot-C", "cot-D"]
+    correct = [1.0, 1.0, 0.0, 0.0]
+    rules = [[["verifies the sum", "cot-A"], "Verdict: yes"], [["verifies the sum", "cot-B"], "Verdict: yes"],
+             [["verifies the sum"], "Verdict: no"], [["guesses", "cot-D"], "Verdict: yes"],
+             [["guesses"], "Verdict: no"]]
+    judge = ScriptedJudge(tmp_path, rules)
+    try:
+        with RewardRunner(judge_reward_fn("rubric", url=judge.url), max_concurrency=4) as runner:
+            results = runner.score_sync([RewardInput("2+2=", t, label) for t in texts])
+    finally:
+        judge.close()
+    assert [r.info["verdicts"] for r in results] == [[1, 0], [1, 0], [0, 0], [0, 1]]
+    prompt = Prompt(index=0, text="2+2=", ids=[1, 2], label=label)
+    samples = [Sample(prompt, 0, [5, 6], [-1.0, -1.0], policy_version=0, finish_reason="stop", text=t, reward=c,
+                      reward_heads={"correct": c, "rubric": r.reward}, info=dict(r.info))
+               for t, c, r in zip(texts, correct, results)]
+    assert add_rubric_heads(samples) == 4 and [s.reward for s in samples] == correct
+    view = sequence_view(samples)
+    out = rlcer(view.rewards, view.group_ids, valid=view.ok.bool(), reward_heads=view.reward_heads,
+                head_names=view.head_names)
+    # rubric 0 tracks correctness (valid, +2), rubric 1 (only cot-D, wrong) has corr -0.58: invalid
+    assert out.tolist() == [2.0, 2.0, -1.0, -1.0]
+
+
+def test_rlcer_config_keys() -> None:
+    validate_rl_config(load_config(RLConfig, None, TINY + [
+        "algorithm.reward_shaping=[{name: rlcer, options: {alpha: 0.2, cot_only: false}}]"]), 1)
+    with pytest.raises(ConfigError, match=_literal("algorithm.reward_shaping[0].options.alpha: must be in [-1, 1)")):
+        validate_rl_config(load_config(RLConfig, None, TINY + [
+            "algorithm.reward_shaping=[{name: rlcer, options: {alpha: 2.0}}]"]), 1)

@@ -24,6 +24,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     papo,
     policy_loss,
     prof_grpo,
+    rlcer,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register
