@@ -4,6 +4,7 @@ specs, their config keys and the errors of bad option values. Pure: no megatron.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -474,3 +475,112 @@ def test_rlcer_config_keys() -> None:
     with pytest.raises(ConfigError, match=_literal("algorithm.reward_shaping[0].options.alpha: must be in [-1, 1)")):
         validate_rl_config(load_config(RLConfig, None, TINY + [
             "algorithm.reward_shaping=[{name: rlcer, options: {alpha: 2.0}}]"]), 1)
+
+
+# ============================================================================ GRAPE
+
+from mcore_rl.algos.grape import grape_scores, perplexity, select  # noqa: E402
+
+
+def _grape_tool():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "grape_select.py"
+    if "grape_select" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("grape_select", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["grape_select"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["grape_select"]
+
+
+def test_grape_score_is_the_mean_log_prob_and_argmax_is_argmin_perplexity() -> None:
+    """Property 1: Score = mean per-token log-prob; argmax Score = argmin perplexity."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        c, t = 6, 9
+        lp = -torch.rand(c, t, generator=gen, dtype=torch.float64) * 4
+        lengths = torch.randint(1, t + 1, (c,), generator=gen)
+        mask = (torch.arange(t)[None] < lengths[:, None]).float()
+        s = grape_scores(lp, mask)
+        for i in range(c):
+            assert abs(float(s[i]) - float(lp[i, :lengths[i]].mean())) < 1e-12
+        ppl = torch.exp(-torch.stack([lp[i, :lengths[i]].mean() for i in range(c)]))
+        torch.testing.assert_close(perplexity(s), ppl)
+        assert int(select(s, torch.zeros(c, dtype=torch.long))[0]) == int(ppl.argmin())
+
+
+def test_grape_length_normalisation() -> None:
+    """Property 2: all tokens at -1 score -1 at any length; a long fluent response beats a short unlikely one."""
+    for n in (1, 3, 50):
+        assert float(grape_scores(torch.full((1, n), -1.0), torch.ones(1, n))[0]) == -1.0
+    lp = torch.zeros(2, 40)
+    lp[0] = -0.5  # long, fluent: sum -20
+    lp[1, :2] = -3.0  # short, unlikely: sum -6
+    mask = torch.zeros(2, 40)
+    mask[0], mask[1, :2] = 1, 1
+    s = grape_scores(lp, mask)
+    assert int(select(s, torch.zeros(2, dtype=torch.long))[0]) == 0
+    # negative control: the unnormalised sum would have kept the short one
+    assert int((lp * mask).sum(1).argmax()) == 1
+
+
+def test_grape_ties_reverse_and_groups() -> None:
+    """Properties 3 (ties broken deterministically: the first) and 4 (Reverse-GRAPE keeps the argmin)."""
+    s = torch.tensor([-1.0, -0.5, -0.5, -2.0, -0.3, float("nan"), -0.9, -0.9], dtype=torch.float64)
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    assert select(s, g).tolist() == [1, 4, 6]
+    assert select(s, g, reverse=True).tolist() == [3, 4, 6]
+    assert select(torch.tensor([float("nan")] * 2), torch.zeros(2, dtype=torch.long)).tolist() == [-1]
+    # reversed input: still the first of each tie in the order given (positions 5 of 5/6, 0 of 0/1)
+    assert select(s.flip(0), g.flip(0)).tolist() == [5, 3, 0]
+    assert all(select(s, g).tolist() == [1, 4, 6] for _ in range(3))  # the same every call
+
+
+def test_grape_tool_scores_with_the_engine_and_the_reference_model_and_leaves_them_unchanged(tmp_path) -> None:
+    """The tool on the demo model: the engine's prompt scoring and the reference model's forward
+    agree, the kept row is the argmax of the mean log-prob, and no weight changes or gets a
+    gradient (property 3)."""
+    tool = _grape_tool()
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    engine = EngineCore.from_model_path(None, context_length=256)
+    tok = engine.tokenizer
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    rows = [{"prompt": "12+34=", "id": "a", "candidates": ["64", "46", {"response": "4600000", "source": "big"}]},
+            {"prompt": "5+5=", "candidates": ["01", ""]}]
+    by_engine, _ = tool.grape_select(rows, tool.EngineScorer(engine), tok)
+    ref = tool.ReferenceScorer(engine.model, 256)
+    by_ref, empty = tool.grape_select(rows, ref, tok)
+    assert empty == [] and [r["grape_index"] for r in by_engine] == [r["grape_index"] for r in by_ref]
+    for a, b in zip(by_engine, by_ref):
+        assert abs(a["grape_score"] - b["grape_score"]) < 1e-4
+    # written out: the mean log-prob of each candidate under the model, the argmax kept
+    for row, kept in zip(rows, by_ref):
+        means = []
+        for c in row["candidates"]:
+            text = c if isinstance(c, str) else c["response"]
+            p, r = tool.tokenize_pair(tok, row["prompt"], text)
+            if not r:
+                means.append(float("-inf"))
+                continue
+            with torch.no_grad():
+                logits = engine.model(torch.tensor([p + r])).logits[0].double()
+            lp = torch.log_softmax(logits[len(p) - 1:-1], -1).gather(1, torch.tensor(r)[:, None])
+            means.append(float(lp.mean()))
+        assert kept["grape_index"] == max(range(len(means)), key=lambda j: (means[j], -j))
+        assert abs(kept["grape_score"] - max(means)) < 1e-9
+    assert by_ref[0]["id"] == "a" and by_ref[0]["prompt"] == "12+34=" and "candidates" not in by_ref[0]
+    rev, _ = tool.grape_select(rows, ref, tok, reverse=True)
+    assert rev[0]["grape_score"] <= by_ref[0]["grape_score"]
+    after = engine.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in engine.model.parameters())
+    # the command: a jsonl in, the kept SFT rows out
+    src, dst = tmp_path / "cands.jsonl", tmp_path / "kept.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert tool.main([str(src), str(dst), "--scorer", "reference", "--context-length", "256"]) == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [(o["prompt"], o["response"]) for o in out] == [(r["prompt"], r["response"]) for r in by_ref]
