@@ -584,3 +584,79 @@ def test_grape_tool_scores_with_the_engine_and_the_reference_model_and_leaves_th
     assert tool.main([str(src), str(dst), "--scorer", "reference", "--context-length", "256"]) == 0
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [(o["prompt"], o["response"]) for o in out] == [(r["prompt"], r["response"]) for r in by_ref]
+
+
+# ============================================================================ the learner (one spawned world)
+
+LEARNER_OPTIONS = [
+    "algorithm.sample_filters=[{name: prof_grpo, options: {keep: 4, variant: both, step_penalty: 0.1}}]",
+    "algorithm.reward_shaping=[{name: rlcer}]",
+    "algorithm.advantage_shaping=[{name: exprl_segments}]",
+    "algorithm.num_minibatches=1", "train.micro_batch_size=2", "init.sft_steps=0", "rollout.group_size=6",
+]
+
+
+def _learner_samples(tokenizer) -> list:
+    """Two prompts, six samples each: 0/1 outcome, PRM heads (weight-0 style: not in the reward),
+    one RLCER rubric per group, ExpRL segment heads on some samples."""
+    import random
+
+    from mcore_rl.data.samples import Prompt, Sample
+
+    rng = random.Random(3)
+    out = []
+    for g in range(2):
+        prompt = Prompt(index=g, text=f"{g}+1=", ids=[tokenizer.bos_id] + tokenizer.encode(f"{g}+1="))
+        for i in range(6):
+            correct = float(i % 2 == 0)
+            heads = {"correct": correct, "prm": round(rng.random(), 3), "prm_steps": float(rng.choice([1, 4, 7])),
+                     "rlcer_v0": float(correct if i < 4 else 1 - correct), "rlcer_w0": 2.0}
+            if i in (1, 2, 4):
+                s = [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) for _ in range(2)]
+                heads.update(segment_heads(s, [2, 6]))
+            rsp = [rng.randrange(3, 60) for _ in range(6)]
+            out.append(Sample(prompt, g, rsp, [-1.0] * 6, policy_version=0, finish_reason="stop", reward=correct,
+                              reward_heads=heads))
+    return out
+
+
+def _learner_world(rank: int, world_size: int) -> None:
+    from mcore_rl.config import validate_rl_config
+    from mcore_rl.train.packing import sequence_view
+    from mcore_rl.train.policy import build_policy
+    from mcore_rl.train.rl_step import Learner
+    from tests.test_rl_loop import tiny
+
+    cfg = tiny(*LEARNER_OPTIONS)
+    policy = build_policy(cfg, validate_rl_config, total_iters=2)
+    learner = Learner(cfg, policy.chunks, policy.optimizer, None, policy.tokenizer.pad_id)
+    samples = _learner_samples(policy.tokenizer)
+    per_seq, metrics = learner.prepare(samples)
+
+    v = sequence_view(samples)
+    common = dict(domain_ids=v.domain_ids, reward_heads=v.reward_heads, head_names=v.head_names)
+    lengths = v.mask.sum(1).long()
+    keep = prof_grpo(v.rewards, v.group_ids, valid=v.ok.bool(), lengths=lengths, keep=4, variant="both",
+                     step_penalty=0.1, **common)
+    assert int(keep.sum()) == 8 and metrics["filter/prof_grpo/dropped_frac"] == 4 / 12
+    r = rlcer(v.rewards, v.group_ids, valid=keep, lengths=lengths, **common)
+    adv = grpo(r, v.group_ids, normalize_std=True, valid=keep, **common)
+    mask = v.mask * keep[:, None]
+    want = exprl_segments(adv[:, None].float() * mask, mask, valid=keep, **common) * mask
+    got = per_seq["advantages"]
+    torch.testing.assert_close(got, want.float())
+    assert bool((got[~keep] == 0).all())
+    seg = [i for i in range(12) if "exprl_s0" in samples[i].reward_heads and keep[i]]
+    assert seg, "no segmented sample survived the filter"
+    for i in seg:  # the raw deltas, not the GRPO advantage
+        s0, s1 = samples[i].reward_heads["exprl_s0"], samples[i].reward_heads["exprl_s1"]
+        assert got[i, :2].tolist() == [s0 - s1] * 2 and got[i, 2:6].tolist() == [s1 - s0] * 4
+    records, _ = learner.train(samples, 0)
+    assert len(records) == 1 and torch.isfinite(torch.tensor(records[0]["train/loss"]))
+
+
+@pytest.mark.slow
+def test_learner_with_prof_filter_rlcer_reward_and_exprl_segments() -> None:
+    from tests.world import run_world
+
+    run_world(1, _learner_world)
