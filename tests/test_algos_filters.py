@@ -43,7 +43,7 @@ def _prof_batch(correct: list[int], prm: list[float], steps: list[float] | None 
 
 def _call(rewards, gids, heads, **options) -> torch.Tensor:
     return prof_grpo(rewards, gids, valid=torch.ones(len(rewards), dtype=torch.bool), reward_heads=heads,
-                     head_names=HEADS, **options)
+                     head_names=HEADS, **{"steps_head": "prm_steps", **options})
 
 
 def test_prof_balanced_counts() -> None:
@@ -169,7 +169,8 @@ def test_prof_never_touches_rewards_and_respects_valid() -> None:
 
 def test_prof_options_and_config_keys() -> None:
     assert "prof_grpo" in algos.names("sample_filter")
-    assert option_problems("sample_filter", "prof_grpo", {"keep": 4, "variant": "both", "step_penalty": 0.1}) == []
+    assert option_problems("sample_filter", "prof_grpo", {"keep": 4, "variant": "both", "step_penalty": 0.1,
+                                                        "steps_head": "prm_steps"}) == []
     assert option_problems("sample_filter", "prof_grpo", {"variant": "neg"})[0][0] == "variant"
     assert option_problems("sample_filter", "prof_grpo", {"keep": 0})[0][0] == "keep"
     cfg = load_config(RLConfig, None, TINY + [
@@ -181,6 +182,8 @@ def test_prof_options_and_config_keys() -> None:
          "algorithm.sample_filters[0].options.variant: must be one of pos, both"),
         ("algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: -1.0}}]",
          "algorithm.sample_filters[0].options.step_penalty: must be >= 0"),
+        ("algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: 0.5}}]",
+         "algorithm.sample_filters[0].options.step_penalty: needs steps_head"),
         ("algorithm.sample_filters=[{name: prof_grpo, options: {m: 4}}]",
          "algorithm.sample_filters[0].options.m: is not an option"),
     ]:
@@ -589,7 +592,8 @@ def test_grape_tool_scores_with_the_engine_and_the_reference_model_and_leaves_th
 # ============================================================================ the learner (one spawned world)
 
 LEARNER_OPTIONS = [
-    "algorithm.sample_filters=[{name: prof_grpo, options: {keep: 4, variant: both, step_penalty: 0.1}}]",
+    "algorithm.sample_filters=[{name: prof_grpo, options: {keep: 4, variant: both, step_penalty: 0.1,"
+    " steps_head: prm_steps}}]",
     "algorithm.reward_shaping=[{name: rlcer}]",
     "algorithm.advantage_shaping=[{name: exprl_segments}]",
     "algorithm.num_minibatches=1", "train.micro_batch_size=2", "init.sft_steps=0", "rollout.group_size=6",
@@ -637,7 +641,7 @@ def _learner_world(rank: int, world_size: int) -> None:
     common = dict(domain_ids=v.domain_ids, reward_heads=v.reward_heads, head_names=v.head_names)
     lengths = v.mask.sum(1).long()
     keep = prof_grpo(v.rewards, v.group_ids, valid=v.ok.bool(), lengths=lengths, keep=4, variant="both",
-                     step_penalty=0.1, **common)
+                     step_penalty=0.1, steps_head="prm_steps", **common)
     assert int(keep.sum()) == 8 and metrics["filter/prof_grpo/dropped_frac"] == 4 / 12
     r = rlcer(v.rewards, v.group_ids, valid=keep, lengths=lengths, **common)
     adv = grpo(r, v.group_ids, normalize_std=True, valid=keep, **common)

@@ -21,8 +21,8 @@ Choices where the notes are unclear or wrong:
   lower averaged process values", so both groups keep their **highest** r^pro (for G−: the lowest
   mean PRM score, less the step penalty) — the consistent ones.
 * **Inputs as reward heads.** `prm_head` (default "prm") holds each response's mean PRM step score
-  (1/H Σ_h r^h) and `steps_head` (default "prm_steps") its step count H, both written by the PRM
-  reward of the domain. Give those heads **weight 0** in `data.domains[*].rewards`: a head's value
+  (1/H Σ_h r^h) and `steps_head` (None: no step penalty; e.g. "prm_steps") its step count H, both
+  written by the PRM reward of the domain. Give those heads **weight 0** in `data.domains[*].rewards`: a head's value
   enters `Sample.reward` with its weight, and PROF's point is that the PRM is never in the reward.
   This filter only returns a keep-mask; it changes no reward. The outcome is the scalar reward
   (or `outcome_head`), correct when >= `correct_threshold` (0.5: a 0/1 or a ±1 verifier).
@@ -109,7 +109,7 @@ def prof_grpo(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
     domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
     head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    keep: int = 8, variant: str = "pos", prm_head: str = "prm", steps_head: Optional[str] = "prm_steps",
+    keep: int = 8, variant: str = "pos", prm_head: str = "prm", steps_head: Optional[str] = None,
     step_penalty: float = 0.0, max_steps: int = 30, outcome_head: Optional[str] = None,
     correct_threshold: float = 0.5, seed: int = 0,
 ) -> torch.Tensor:
@@ -120,6 +120,7 @@ def prof_grpo(
     need(variant in VARIANTS, "variant", f"must be one of {', '.join(VARIANTS)}, got {variant!r}")
     need(isinstance(prm_head, str) and bool(prm_head), "prm_head", f"must name a reward head, got {prm_head!r}")
     need(step_penalty >= 0, "step_penalty", f"must be >= 0 (λ), got {step_penalty}")
+    need(step_penalty == 0 or bool(steps_head), "step_penalty", "needs steps_head (the head holding each step count)")
     need(max_steps >= 2, "max_steps", f"must be >= 2 (H_λ; a 1-step response is penalised anyway), got {max_steps}")
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
