@@ -664,3 +664,26 @@ def test_learner_with_prof_filter_rlcer_reward_and_exprl_segments() -> None:
     from tests.world import run_world
 
     run_world(1, _learner_world)
+
+
+def test_grape_tool_over_a_real_mcore_rl_serve(tmp_path) -> None:
+    """The url scorer: SGLang's prompt-scoring request to a real `mcore-rl serve` of the demo model
+    (dummy weights, the same seed as the in-process engine) gives the in-process engine's scores."""
+    tool = _grape_tool()
+    from mcore_rl.config.schema import ModelConfig
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.engine_processes import EngineProcesses
+
+    rows = [{"prompt": "12+34=", "candidates": ["64", "46", "4600000"]}, {"prompt": "5+5=", "candidates": ["01", "1"]}]
+    local = EngineCore.from_model_path(None, context_length=256)
+    want, _ = tool.grape_select(rows, tool.EngineScorer(local), local.tokenizer)
+    engines = EngineProcesses.start(ModelConfig(), num=1, workdir=str(tmp_path), seed=0, context_length=256,
+                                    max_running_requests=4, threads=1, api_key="k", startup_timeout_s=120)
+    try:
+        scorer, tok = tool.build_scorer("url", None, None, engines.urls[0], 256, api_key="k")
+        got, empty = tool.grape_select(rows, scorer, tok)
+    finally:
+        engines.close()
+    assert empty == [] and [g["grape_index"] for g in got] == [w["grape_index"] for w in want]
+    for g, w in zip(got, want):
+        assert abs(g["grape_score"] - w["grape_score"]) < 1e-4

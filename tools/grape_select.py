@@ -128,10 +128,13 @@ class ReferenceScorer:
 class URLScorer:
     """SGLang's prompt-scoring `/generate` request (`rollout/teacher.py: scoring_body`) to a server."""
 
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, timeout: float = 60.0, api_key: Optional[str] = None) -> None:
         base = url.rstrip("/")
         self.url = base if base.endswith("/generate") else base + "/generate"
         self.timeout = timeout
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def score(self, pairs: Sequence[Pair]) -> list[Optional[list[float]]]:
         from mcore_rl.rollout.teacher import parse_scores, scoring_body
@@ -142,7 +145,7 @@ class URLScorer:
                 out.append(None)
                 continue
             body = json.dumps(scoring_body(p, r, 0, f"grape-{i}")).encode()
-            req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+            req = urllib.request.Request(self.url, body, self.headers)
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 reply = json.loads(resp.read())
             out.append(parse_scores(reply, r, 0, 1 << 62, self.url).logp)
@@ -189,16 +192,15 @@ def grape_select(rows: Sequence[dict[str, Any]], scorer: Any, tokenizer: Any, *,
 
 
 def build_scorer(kind: str, model: Optional[str], tokenizer_path: Optional[str], url: Optional[str],
-                 context_length: int) -> tuple[Any, Any]:
-    """(scorer, tokenizer) for `--scorer`."""
+                 context_length: int, api_key: Optional[str] = None) -> tuple[Any, Any]:
+    """(scorer, tokenizer) for `--scorer` (url: the tokenizer of --tokenizer, else --model's, else the
+    bundled one; it must be the server's)."""
     from mcore_rl.data.tokenizer import load_tokenizer
 
     if kind == "url":
         if not url:
             raise SystemExit("--scorer url needs --url")
-        if tokenizer_path is None and model is None:
-            return URLScorer(url), load_tokenizer(None)
-        return URLScorer(url), load_tokenizer(tokenizer_path or model)
+        return URLScorer(url, api_key=api_key), load_tokenizer(tokenizer_path or model)
     from mcore_rl.rollout.engine.core import EngineCore
 
     engine = EngineCore.from_model_path(model, tokenizer_path=tokenizer_path, context_length=context_length)
@@ -215,6 +217,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     ap.add_argument("--model", default=None, help="HF directory of the target model (default: the demo model)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     ap.add_argument("--url", default=None, help="with --scorer url: the server")
+    ap.add_argument("--api-key", default=None, help="with --scorer url: the server's --api-key")
     ap.add_argument("--context-length", type=int, default=2048)
     ap.add_argument("--prompt-key", default="prompt")
     ap.add_argument("--candidates-key", default="candidates")
@@ -223,7 +226,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     ap.add_argument("--with-eos", action="store_true", help="score the eos token too (SFT trains on it)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     rows = read_rows(args.input, args.prompt_key, args.candidates_key)
-    scorer, tokenizer = build_scorer(args.scorer, args.model, args.tokenizer, args.url, args.context_length)
+    scorer, tokenizer = build_scorer(args.scorer, args.model, args.tokenizer, args.url, args.context_length,
+                                     args.api_key)
     kept, empty = grape_select(rows, scorer, tokenizer, prompt_key=args.prompt_key,
                                candidates_key=args.candidates_key, response_key=args.response_key,
                                reverse=args.reverse, with_eos=args.with_eos)
