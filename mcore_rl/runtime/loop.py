@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
 from mcore_rl.data.samples import Sample
+from mcore_rl.runtime.judge_heads import add_judge_heads
 from mcore_rl.runtime.metrics import MetricsWriter, plot_curves, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -317,6 +318,7 @@ class RLRun:
             self.sync(new_version=False)  # engines that came back get the weights, then serve
         _, samples, metrics = msg
         metrics["time/rollout_wait_s"] = time.perf_counter() - start
+        metrics.update(add_judge_heads(self.cfg.algorithm, samples, self.tokenizer))  # ExpRL, RLCER: info -> heads
         stale = [s.policy_version for s in samples if self.state.version - s.policy_version > self.cfg.rollout.max_staleness]
         if stale:
             raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
