@@ -15,12 +15,14 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     distill,
     dvao,
     dynamic_sampling,
+    edge_gec,
     entropy,
     golongrl,
     kl,
     mipu,
     mismatch,
     papo,
+    polaris,
     policy_loss,
 )
 from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
