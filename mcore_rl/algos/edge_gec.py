@@ -51,13 +51,17 @@ def gec_probabilities(probs: Sequence[float]) -> tuple[float, float, float]:
 def gec_ops(wrong: Sequence[bool], keys: Sequence[tuple[int, int]], *, seed: int = 0,
             probs: Sequence[float] = GEC_PROBS) -> list[int]:
     """The op of each sample: KEEP for a correct one, else REFLECT / INJECT / REFERENCE drawn with
-    `probs` from a generator seeded by (seed, *keys[i]) — keys[i] = (prompt stream index, sample index)."""
+    `probs`, independently per response: keys[i] = (prompt stream index, sample index j), and sample
+    j of a prompt uses the j-th uniform of a generator seeded by (seed, prompt stream index)."""
     p = gec_probabilities(probs)
+    draws: dict[int, np.ndarray] = {}
     ops = []
-    for bad, key in zip(wrong, keys):
+    for bad, (index, j) in zip(wrong, keys):
         if not bad:
             ops.append(KEEP)
             continue
-        u = float(np.random.default_rng([seed, 0x6EC, *[int(k) for k in key]]).random())
-        ops.append(REFLECT if u < p[0] else INJECT if u < p[0] + p[1] else REFERENCE)
+        u = draws.get(int(index))
+        if u is None or len(u) <= j:
+            u = draws[int(index)] = np.random.default_rng([seed, 0x6EC, int(index)]).random(max(int(j) + 1, 16))
+        ops.append(REFLECT if u[j] < p[0] else INJECT if u[j] < p[0] + p[1] else REFERENCE)
     return ops

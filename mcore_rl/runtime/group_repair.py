@@ -18,8 +18,9 @@ and `mcore_rl.algos.edge_gec`; this module applies them to `Sample`s, after the 
   `prompt + wrong response + reflection [+ answer hint]`; the repaired sample's `prompt.ids` is that
   whole context (its `prompt.text` stays the original, which the reward verifies against) and its
   response is the continuation only, so the trainer conditions on the repair context and the
-  injected text is never trained on. The continuation's budget is what the wrong response and the
-  injected text left of the prompt's budget (none left: the sample stays as it was). Op 3 replaces
+  injected text is never trained on. The continuation gets the prompt's budget, cut so that context
+  and continuation fit `train.seq_length` and the engine's context (no room: the sample stays as it
+  was, counted as `gec_no_room`). Op 3 replaces
   the response by the task's answer (+ eos), conditioned on the original prompt, with μ the engine's
   prompt-scoring log-probs of those tokens (taken at temperature 1, as SGLang's input log-probs are).
   A task whose label has no answer text (`answer_text` is None) gets op 1 instead of ops 2/3.
@@ -168,7 +169,9 @@ def guided_error_correction(manager: Any, groups: Sequence[Sequence[Sample]], to
             response = response[:-1]
         text = g.reflection + (g.answer_hint.format(answer=answer) if op == INJECT else "")
         context = s.prompt.ids + response + tokenizer.encode(text)
-        room = manager.budget(s.prompt) - len(response) - (len(context) - len(s.prompt.ids) - len(response))
+        cfg = manager.cfg
+        room = min(manager.budget(s.prompt), cfg.train.seq_length - len(context),
+                   cfg.rollout.context_length - len(context))
         if room < 1:
             counts["no_room"] += 1
             continue

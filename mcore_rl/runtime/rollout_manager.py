@@ -135,6 +135,7 @@ class RolloutStats:
     seconds_reward: float = 0.0
     fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
     repair: dict[str, float] = field(default_factory=dict)  # POLARIS / GEC group repairs (rollout/repair/*)
+    temperature: float = math.nan  # the sampling temperature of the batch (POLARIS's stages)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -144,6 +145,7 @@ class RolloutStats:
             "time/generate_s": self.seconds_generate,
             "time/reward_s": self.seconds_reward,
             "rollout/dynamic_sampling_fallback": float(self.fallback),
+            "rollout/temperature": self.temperature,
             **{f"rollout/repair/{k}": v for k, v in self.repair.items()},
         }
 
@@ -272,7 +274,7 @@ class RolloutManager:
         if step is not None:
             self.prompts.set_step(step)
             self.step = step
-        stats = RolloutStats()
+        stats = RolloutStats(temperature=self.temperature)
         self.repair_counts = {}
         if not ds.enabled:
             prompts = self.prompts.take(r.prompts_per_step)
