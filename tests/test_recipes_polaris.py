@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_rl.algos.edge_gec import INJECT, KEEP, REFERENCE, REFLECT, gec_ops
+from mcore_rl.algos.edge_gec import KEEP, REFERENCE, REFLECT, gec_ops
 from mcore_rl.algos.polaris import histogram, offline_selection, pass_rates, rescue_plan, substitution_plan
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.samples import Prompt, Sample
@@ -61,7 +61,8 @@ def _stage_config(tmp_path, *extra: str) -> RLConfig:
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": t, "label": "x"}) + "\n" for t in ("easy", "almost", "edge", "hard")))
     return load_config(RLConfig, os.path.join(HERE, "configs", "demo.yaml"),
-                       [f"data.path={path}", STAGES, "data.drop_solved_above=0.9", "rollout.prompts_per_step=4", "init.sft_steps=0",
+                       [f"data.path={path}", STAGES, "data.drop_solved_above=0.9", "rollout.prompts_per_step=4",
+                        "init.sft_steps=0",
                         *extra])
 
 
@@ -217,7 +218,9 @@ def test_gec_op_choice_no_op2_op3_in_an_all_wrong_group_of_8_with_probability_ha
     assert counts[KEEP] == 0 and np.allclose(freq[1:], [0.5, 0.25, 0.25], atol=0.01)
     # correct responses are never touched; the draw is per response, seeded and reproducible
     assert gec_ops([False, True], [(0, 0), (0, 1)], seed=1)[0] == KEEP
-    assert gec_ops([True] * 8, [(5, j) for j in range(8)], seed=2) == gec_ops([True] * 8, [(5, j) for j in range(8)], seed=2)
+    keys = [(5, j) for j in range(8)]
+    assert gec_ops([True] * 8, keys, seed=2) == gec_ops([True] * 8, keys, seed=2)
+    assert gec_ops([True] * 8, keys, seed=2)[:3] == gec_ops([True] * 3, keys[:3], seed=2)  # per response
     assert set(gec_ops([True] * 64, [(9, j) for j in range(64)], probs=[0, 0, 1])) == {REFERENCE}
     with pytest.raises(ValueError, match="summing to 1"):
         gec_ops([True], [(0, 0)], probs=[0.5, 0.5, 0.5])

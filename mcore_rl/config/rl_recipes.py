@@ -47,7 +47,8 @@ def check_recipes(cfg: RLConfig, errors: Errors) -> None:
                     "repairs the groups of one synchronous batch; it needs rollout.runtime=sync")
     errors.need(p.rescue_buffer_prompts >= 1, "rollout.polaris.rescue_buffer_prompts",
                 f"must be >= 1, got {p.rescue_buffer_prompts}")
-    errors.need(math.isfinite(p.correct_reward), "rollout.polaris.correct_reward", f"must be finite, got {p.correct_reward}")
+    errors.need(math.isfinite(p.correct_reward), "rollout.polaris.correct_reward",
+                f"must be finite, got {p.correct_reward}")
     g = r.gec
     if not g.enabled:
         return

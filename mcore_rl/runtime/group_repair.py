@@ -29,7 +29,6 @@ and `mcore_rl.algos.edge_gec`; this module applies them to `Sample`s, after the 
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from dataclasses import asdict, replace
 from typing import Any, Optional, Sequence
@@ -115,7 +114,8 @@ class RescueBuffer:
             self.entries.popitem(last=False)
 
 
-def substitute(groups: Sequence[Sequence[Sample]], tol: float = DEFAULT_STD_TOLERANCE) -> tuple[list[list[Sample]], int]:
+def substitute(groups: Sequence[Sequence[Sample]],
+               tol: float = DEFAULT_STD_TOLERANCE) -> tuple[list[list[Sample]], int]:
     """POLARIS's intra-batch substitution: (groups, how many groups were replaced)."""
     flat, rewards, ids = _flat(groups)
     src = substitution_plan(rewards, ids, tol=tol)
@@ -123,7 +123,8 @@ def substitute(groups: Sequence[Sequence[Sample]], tol: float = DEFAULT_STD_TOLE
     replaced = set()
     for i, j in enumerate(src):
         if i != j:
-            out[i] = replace(flat[j], group=flat[i].group, info={**flat[j].info, "polaris_substituted_from": flat[j].group})
+            out[i] = replace(flat[j], group=flat[i].group,
+                             info={**flat[j].info, "polaris_substituted_from": flat[j].group})
             replaced.add(int(ids[i]))
     return _split(out, groups), len(replaced)
 

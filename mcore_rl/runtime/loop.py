@@ -312,8 +312,9 @@ class RLRun:
             self.sync(new_version=False)  # engines that came back get the weights, then serve
         _, samples, metrics = msg
         metrics["time/rollout_wait_s"] = time.perf_counter() - start
-        stale = [s.policy_version for s in samples if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
-                 and not s.info.get("polaris_rescued")]  # POLARIS's rescued rollouts are stale by design
+        stale = [s.policy_version for s in samples  # (POLARIS's rescued rollouts are stale by design)
+                 if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
+                 and not s.info.get("polaris_rescued")]
         if stale:
             raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
                                f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
