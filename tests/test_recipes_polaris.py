@@ -335,13 +335,16 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path):
 def _loop(rank: int, world_size: int, tmp: str) -> None:
     from megatron.core import dist_checkpointing
 
+    from dataclasses import asdict
+
     from mcore_rl.runtime import run_rl
+    from mcore_rl.runtime.loop import RLRun
     from tests.test_rl_loop import _records, tiny
 
-    cfg = tiny(f"run_dir={tmp}/run", f"checkpoint.save_dir={tmp}/ckpt", "checkpoint.save_interval=3",
-               "data.synthetic_num_prompts=8", "init.sft_steps=20", STAGES, "data.drop_solved_above=0.9",
-               "rollout.polaris.rescue=true", "rollout.polaris.substitute=true", "rollout.gec.enabled=true",
-               "eval.interval=0")
+    knobs = ["data.synthetic_num_prompts=8", "init.sft_steps=20", STAGES, "data.drop_solved_above=0.9",
+             "rollout.polaris.rescue=true", "rollout.polaris.substitute=true", "rollout.gec.enabled=true",
+             "reward.name=tests.recipes_rewards:starts_with_digit", "eval.interval=0"]
+    cfg = tiny(f"run_dir={tmp}/run", f"checkpoint.save_dir={tmp}/ckpt", "checkpoint.save_interval=3", *knobs)
     run_rl(cfg)
     recs = [r for r in _records(f"{tmp}/run") if "rollout/temperature" in r]
     # rollout step k (logged as rl_step k + 1) samples at its stage's temperature: stage 2 from step 2 on
@@ -352,10 +355,21 @@ def _loop(rank: int, world_size: int, tmp: str) -> None:
             + r["rollout/repair/gec_reflect"]
         assert np.isfinite(r["train/loss"])  # the learner trains on repaired samples (changed contexts, scored μ)
     assert sum(r["rollout/repair/gec_reference"] + r["rollout/repair/gec_inject"] for r in recs) > 0
+    # (seeded run) step 3 rescues groups with rollouts of earlier weight versions, which the loop lets through
+    # its staleness check and the learner trains on; the pool of 8 prompts comes round every 2 steps
+    rescued = [r for r in recs if r["rollout/repair/rescued_groups"] > 0]
+    assert rescued and all(r["rollout/policy_version_min"] < r["rl_step"] for r in rescued)
     common = dist_checkpointing.load_common_state_dict(f"{tmp}/ckpt/iter_0000003")["common"]
     buf = common["rl"]["group_repair"]["rescue_buffer"]
-    assert len(buf["entries"]) == recs[-1]["rollout/repair/rescue_buffer_prompts"]
-    assert all(e["reward"] >= 1 for e in buf["entries"])
+    assert 0 < len(buf["entries"]) == recs[-1]["rollout/repair/rescue_buffer_prompts"]
+    assert all(e["reward"] >= 1 and not e["info"].get("gec") for e in buf["entries"])
+    # a resumed run starts with the same buffer
+    run = RLRun(tiny(f"run_dir={tmp}/resumed", f"checkpoint.load_dir={tmp}/ckpt", *knobs))
+    try:
+        run.initialise()
+        assert [asdict(s) for s in run.manager.rescue_buffer.entries.values()] == buf["entries"]
+    finally:
+        run.close()
 
 
 def test_sync_loop_with_every_polaris_knob_and_gec(tmp_path):
