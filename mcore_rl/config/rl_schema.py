@@ -121,6 +121,38 @@ class RLDataConfig:
     add_bos: bool = True  # prompt ids start with the tokenizer's bos (as SFT rows do)
     domains: list[DomainConfig] = field(default_factory=list)  # [] = one domain: data.path or data.synthetic_task
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    # POLARIS's online filter (one data source): entering each rollout.temperature_stages stage, drop the
+    # prompts whose last observed accuracy is > this (0.9 itself kept); None = off
+    drop_solved_above: Optional[float] = None
+
+
+@dataclass
+class TemperatureStageConfig:
+    """POLARIS: from training step `start_step` on, the rollouts sample at `temperature`."""
+
+    start_step: int = 0
+    temperature: float = 1.0
+
+
+@dataclass
+class PolarisConfig:
+    """POLARIS's zero-signal group repair (`mcore_rl.algos.polaris`, `mcore_rl.runtime.group_repair`)."""
+
+    rescue: bool = False  # an all-wrong group gets one wrong rollout replaced by its prompt's last correct one
+    rescue_buffer_prompts: int = 100_000  # prompts the rescue buffer holds at most (least recently updated go)
+    substitute: bool = False  # all-correct / all-wrong groups replaced by copies of mixed groups of the batch
+    correct_reward: float = 1.0  # a rollout is correct when its reward is >= this
+
+
+@dataclass
+class GECConfig:
+    """EDGE-GRPO's guided error correction of wrong responses (`mcore_rl.algos.edge_gec`)."""
+
+    enabled: bool = False
+    probs: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.25])  # reflect / reflect + answer / reference
+    reflection: str = " Wait!"  # appended after the wrong response (ops 1 and 2)
+    answer_hint: str = " The answer is {answer}."  # op 2, after the reflection ({answer}: the task's answer)
+    correct_reward: float = 1.0  # a response is wrong when its reward is < this
 
 
 @dataclass
@@ -203,6 +235,10 @@ class RolloutConfig:
     # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
     sampling_mask_replay: bool = False
     explorer: ExplorerConfig = field(default_factory=ExplorerConfig)  # S2L-PO's smaller model (off by default)
+    # ---- POLARIS / EDGE-GRPO recipes in the rollout path
+    temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
+    polaris: PolarisConfig = field(default_factory=PolarisConfig)
+    gec: GECConfig = field(default_factory=GECConfig)
 
 
 @dataclass

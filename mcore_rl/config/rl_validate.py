@@ -14,6 +14,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mcore_rl.config.rl_domains import check_domains
+from mcore_rl.config.rl_recipes import check_recipes
 from mcore_rl.config.rules import (
     Errors,
     build_task,
@@ -73,6 +74,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     check_sampling_mask_replay(cfg, errors)
     check_explorer(cfg, errors)
+    check_recipes(cfg, errors)
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 

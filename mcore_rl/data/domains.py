@@ -28,6 +28,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -335,6 +336,9 @@ def stage_temperature(cfg: Any, step: int) -> float:
     """The sampling temperature of training step `step` (its stage's, else rollout.temperature):
     the learner computes π_old and π_θ at it."""
     t = None
+    for st in getattr(cfg.rollout, "temperature_stages", ()):  # POLARIS on one data source
+        if st.start_step <= step:
+            t = st.temperature
     if cfg.data.domains:
         for st in cfg.data.mixture.stages:
             if st.start_step <= step and st.temperature is not None:
@@ -342,6 +346,16 @@ def stage_temperature(cfg: Any, step: int) -> float:
             elif st.start_step <= step:
                 t = None
     return t if t is not None else cfg.rollout.temperature
+
+
+def single_source_stages(cfg: Any) -> list[Any]:
+    """`rollout.temperature_stages` (POLARIS on one data source) as the stages of a one-domain
+    `MixtureSchedule`: each its temperature, each after the first dropping the prompts solved above
+    `data.drop_solved_above`."""
+    above = cfg.data.drop_solved_above
+    return [SimpleNamespace(start_step=st.start_step, weights={}, temperature=st.temperature, max_new_tokens=None,
+                            drop_solved_above=above if st.start_step > 0 else None)
+            for st in cfg.rollout.temperature_stages]
 
 
 def _normalised(weights: dict[str, float]) -> dict[str, float]:

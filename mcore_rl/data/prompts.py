@@ -169,8 +169,14 @@ def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     if d.path is None or e.path:
         pool = [x for x in pool if x[0] not in held_out_texts] or pool
         validation = [x for x in validation if x[0] not in held_out_texts] or validation
+    train: Any = PromptSource(pool, tokenizer, seed, d.add_bos, domain)
+    if cfg.rollout.temperature_stages:  # POLARIS: staged temperature (and stage filter) on one source
+        from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages
+
+        train = MixtureSource({domain: train}, MixtureSchedule({domain: 1.0}, single_source_stages(cfg)), seed,
+                              cfg.rollout.prompts_per_step)
     return PromptSets(
-        train=PromptSource(pool, tokenizer, seed, d.add_bos, domain),
+        train=train,
         validation=PromptSource(validation, tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos, domain),
         eval_prompts=eval_prompts,
     )

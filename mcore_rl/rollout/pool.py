@@ -41,6 +41,8 @@ class GenRequest:
     # routing replay (R3): ask for SGLang's return_routed_experts
     return_routed_experts: bool = False
     return_sampling_mask: bool = False  # sampling-mask replay: ask for the support of every output token
+    # prompt scoring: the log-probs of input_ids[start + 1:] (SGLang's logprob_start_len); None = not asked for
+    logprob_start_len: Optional[int] = None
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Generation:
     # support it was drawn from, and its log-prob under the renormalised post-filter weights
     output_sampling_masks: Optional[list[list[int]]] = None
     output_sampling_logprobs: Optional[list[float]] = None
+    # with GenRequest.logprob_start_len = s: the log-prob of each of input_ids[s + 1:] given the ones before
+    input_logprobs: Optional[list[float]] = None
 
 
 class EnginePool(Protocol):
@@ -200,7 +204,8 @@ class EmbeddedEnginePool:
             self.cores[i % len(self.cores)].add_request(
                 Request(rid, list(req.input_ids), SamplingParams(**req.sampling_params), return_logprob=True,
                         return_routed_experts=req.return_routed_experts,
-                        return_sampling_mask=req.return_sampling_mask)
+                        return_sampling_mask=req.return_sampling_mask,
+                        logprob_start_len=req.logprob_start_len if req.logprob_start_len is not None else -1)
             )
             where[rid] = i
         results: list[Optional[Generation]] = [None] * len(requests)
@@ -221,6 +226,8 @@ class EmbeddedEnginePool:
                         routed_experts=out.routed_experts,
                         output_sampling_masks=out.output_token_sampling_mask if mask else None,
                         output_sampling_logprobs=out.output_token_sampling_logprobs if mask else None,
+                        input_logprobs=([float(lp) for lp, _ in out.input_token_logprobs[1:]]
+                                        if requests[where[out.rid]].logprob_start_len is not None else None),
                     )
                     pending -= 1
             if not progressed:
@@ -488,6 +495,8 @@ class HTTPEnginePool:
         fields: dict[str, Any] = {"return_routed_experts": True} if req.return_routed_experts else {}
         if req.return_sampling_mask:
             fields["return_sampling_mask"] = True
+        if req.logprob_start_len is not None:
+            fields["logprob_start_len"] = req.logprob_start_len
         out = await self.router.generate(
             input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
             return_logprob=True, rid=req.rid or uuid.uuid4().hex, **fields,
@@ -509,6 +518,8 @@ class HTTPEnginePool:
             [int(v) for v in versions] if versions is not None else None,
             routed_experts=routed,
         )
+        if req.logprob_start_len is not None:
+            gen.input_logprobs = [float(t[0]) for t in meta.get("input_token_logprobs", [])[1:]]
         if req.return_sampling_mask:
             masks, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
             if masks is None or lps is None or len(masks) != len(gen.output_ids) or len(lps) != len(gen.output_ids):

@@ -265,6 +265,8 @@ class RLRun:
                                                tokenizer_path=cfg.data.tokenizer_path)
             self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg,
                                           explorer=self.explorer)
+            if self._resume_common is not None and self._resume_common.get("group_repair"):
+                self.manager.load_state_dict(self._resume_common["group_repair"])
             if r.runtime == "async":
                 from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
 
@@ -319,7 +321,9 @@ class RLRun:
         _, samples, metrics = msg
         metrics["time/rollout_wait_s"] = time.perf_counter() - start
         metrics.update(add_judge_heads(self.cfg.algorithm, samples, self.tokenizer))  # ExpRL, RLCER: info -> heads
-        stale = [s.policy_version for s in samples if self.state.version - s.policy_version > self.cfg.rollout.max_staleness]
+        stale = [s.policy_version for s in samples  # (POLARIS's rescued rollouts are stale by design)
+                 if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
+                 and not s.info.get("polaris_rescued")]
         if stale:
             raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
                                f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
@@ -414,6 +418,7 @@ class RLRun:
                 "ledger": self.ledger.state_dict(),
                 "rollout": rollout_state,
                 "distill": self.learner.distill_state_dict() if self.learner is not None else {},
+                "group_repair": self.manager.state_dict() if self.manager is not None else None,  # POLARIS's buffer
             },
         }
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)

@@ -32,6 +32,7 @@ from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
+from mcore_rl.runtime.group_repair import RescueBuffer, guided_error_correction, substitute
 
 # salts that keep the sampling seeds of different purposes apart
 SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
@@ -136,6 +137,8 @@ class RolloutStats:
     seconds_reward: float = 0.0
     fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
     explorer: dict[str, float] = field(default_factory=dict)  # S2L-PO: the explorer's share and rewards
+    repair: dict[str, float] = field(default_factory=dict)  # POLARIS / GEC group repairs (rollout/repair/*)
+    temperature: float = math.nan  # the sampling temperature of the batch (POLARIS's stages)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -146,6 +149,8 @@ class RolloutStats:
             "time/reward_s": self.seconds_reward,
             "rollout/dynamic_sampling_fallback": float(self.fallback),
             **self.explorer,
+            "rollout/temperature": self.temperature,
+            **{f"rollout/repair/{k}": v for k, v in self.repair.items()},
         }
 
 
@@ -158,6 +163,10 @@ class RolloutManager:
         self.explorer = explorer  # S2L-PO (`rollout/explorer.py`): part of each training group, early on
         self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
+        p = cfg.rollout.polaris
+        # POLARIS's rescue buffer (per prompt, the latest correct rollout); part of the checkpoint
+        self.rescue_buffer = RescueBuffer(p.rescue_buffer_prompts, p.correct_reward) if p.rescue else None
+        self.repair_counts: dict[str, float] = {}
 
     def explorer_count(self, group_size: int) -> int:
         """How many of a training group's `group_size` samples the explorer draws at this step."""
@@ -276,7 +285,38 @@ class RolloutManager:
     def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
         groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True)
         self.prompts.observe(groups)  # per-prompt accuracy, for POLARIS's stage filter
+        return self.repair(groups)
+
+    def _count(self, key: str, n: float) -> None:
+        self.repair_counts[key] = self.repair_counts.get(key, 0.0) + float(n)
+
+    def repair(self, groups: list[list[Sample]]) -> list[list[Sample]]:
+        """One round's scored groups after POLARIS's rescue and EDGE-GRPO's GEC (`runtime/group_repair.py`);
+        then the round's correct rollouts go into the rescue buffer."""
+        if self.rescue_buffer is not None:
+            groups, n = self.rescue_buffer.rescue(groups)
+            self._count("rescued_groups", n)
+        if self.cfg.rollout.gec.enabled:
+            groups, counts = guided_error_correction(self, groups, self.tokenizer, self.temperature)
+            for k, v in counts.items():
+                self._count(f"gec_{k}", v)
+        if self.rescue_buffer is not None:
+            self.rescue_buffer.update(groups)
+            self.repair_counts["rescue_buffer_prompts"] = float(len(self.rescue_buffer.entries))
         return groups
+
+    @property
+    def tokenizer(self) -> Any:
+        src = self.prompts
+        return src.tokenizer if hasattr(src, "tokenizer") else next(iter(src.sources.values())).tokenizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the synchronous rollout keeps across a resume (POLARIS's rescue buffer)."""
+        return {"rescue_buffer": self.rescue_buffer.state_dict() if self.rescue_buffer is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.rescue_buffer is not None and state.get("rescue_buffer") is not None:
+            self.rescue_buffer.load_state_dict(state["rescue_buffer"])
 
     def collect(self, step: Optional[int] = None) -> tuple[list[list[Sample]], RolloutStats]:
         """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
@@ -286,12 +326,14 @@ class RolloutManager:
         if step is not None:
             self.prompts.set_step(step)
             self.step = step
-        stats = RolloutStats()
+        stats = RolloutStats(temperature=self.temperature)
+        self.repair_counts = {}
         if not ds.enabled:
             prompts = self.prompts.take(r.prompts_per_step)
             groups = self._train_groups(prompts)
             stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
+            groups = self._substitute(groups, stats)
             stats.explorer = self.explorer_metrics(groups)
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
@@ -310,8 +352,17 @@ class RolloutManager:
         if not batch:  # no group with a reward signal in the whole budget: train on the last round
             stats.fallback = True   # (zero advantages: the update only moves by the KL/entropy terms)
             batch = groups
+        batch = self._substitute(batch, stats)
         stats.explorer = self.explorer_metrics(batch)
         return batch, stats
+
+    def _substitute(self, groups: list[list[Sample]], stats: RolloutStats) -> list[list[Sample]]:
+        """POLARIS's intra-batch substitution of the final batch; the repair counts into `stats`."""
+        if self.cfg.rollout.polaris.substitute:
+            groups, n = substitute(groups, self.cfg.algorithm.dynamic_sampling.std_tolerance)
+            self._count("substituted_groups", n)
+        stats.repair = dict(self.repair_counts)
+        return groups
 
 
 def reward_metrics(groups: list[list[Sample]], prefix: str = "reward", per_domain: bool = False) -> dict[str, float]:
