@@ -268,6 +268,8 @@ def check_optimizer(o: OptimizerConfig, errors: Errors) -> None:
     errors.need(o.lr >= 0, "optimizer.lr", f"must be >= 0, got {o.lr}")
     errors.need(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
     errors.need(o.lr_warmup_iters >= 0, "optimizer.lr_warmup_iters", f"must be >= 0, got {o.lr_warmup_iters}")
+    errors.need(o.name != "sgd" or o.backend == "torch", "optimizer.backend",
+                f"optimizer.name=sgd has only the torch kernel, got backend={o.backend!r}")
 
 
 # ------------------------------------------------------------------- names from registries

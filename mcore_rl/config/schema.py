@@ -80,7 +80,9 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    # sgd = plain SGD, no momentum and no state (SGD-vs-Adam-RLVR): lr ~1e5 x AdamW's (e.g. 1e-1 vs
+    # 1e-6); adam_* are unused and backend must be torch
+    name: Literal["adamw", "sgd"] = "adamw"
     backend: Literal["torch", "deepspeed"] = "torch"  # deepspeed = DeepSpeedCPUAdam (CPU only)
     lr: float = 1e-3
     min_lr: float = 0.0

@@ -1,4 +1,4 @@
-"""AdamW for megatron-core models that runs on CPU and GPU.
+"""AdamW (or plain SGD) for megatron-core models that runs on CPU and GPU.
 
 megatron-core's own optimizers allocate CUDA tensors in their constructors, so the project keeps
 this small replacement. It does what the trainer needs from them and nothing more:
@@ -6,7 +6,9 @@ this small replacement. It does what the trainer needs from them and nothing mor
 * fp32 master weights for bf16 models (the update is applied to the master, then copied back);
 * the global gradient norm under TP/PP/EP, with megatron-core's counting rules, and clipping;
 * a skipped step (and zeroed grads) when the norm is not finite;
-* two inner AdamW kernels: `torch.optim.AdamW(foreach=True)` or DeepSpeed's CPU Adam;
+* two inner AdamW kernels: `torch.optim.AdamW(foreach=True)` or DeepSpeed's CPU Adam; or, with
+  `optimizer.name: sgd`, plain SGD (`PlainSGD`: no momentum, no optimizer state; SGD-vs-Adam-RLVR),
+  through the same masters, norm, clipping, skipping, checkpoint and snapshot code;
 * plain and megatron-distributed (re-shardable) checkpoints, and an in-memory
   `snapshot()/restore()` that is bit-identical (for rolling back a rejected update).
 
@@ -61,9 +63,40 @@ def load_deepspeed_cpu_adam() -> type:
     return DeepSpeedCPUAdam
 
 
+class PlainSGD(torch.optim.Optimizer):
+    """Vanilla SGD, θ ← θ − lr·g (SGD-vs-Adam-RLVR, seed_B): no momentum, no adaptive rate, and no
+    per-parameter state at all (`state` stays empty, so checkpoints and snapshots carry none).
+
+    Not `torch.optim.SGD`: its foreach kernel computes θ + (−lr)·g fused, which differs from θ − lr·g
+    in the last bit; here the product is rounded first, so one step equals `p - lr * g` exactly.
+    Weight decay is decoupled, as in AdamW (θ ← θ·(1 − lr·wd) before the step); without momentum
+    that is the same update as L2 decay in the gradient."""
+
+    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        assert closure is None, "PlainSGD takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_sub_(params, torch._foreach_mul([p.grad for p in params], lr))
+
+
 def _make_inner(
     groups: list[dict[str, Any]], cfg: OptimizerConfig, params: list[torch.Tensor]
 ) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        if cfg.backend != "torch":
+            raise ValueError(f"optimizer.name='sgd' has only the torch kernel, not backend={cfg.backend!r}")
+        return PlainSGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name != "adamw":
+        raise ValueError(f"unknown optimizer.name {cfg.name!r} (expected 'adamw' or 'sgd')")
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.backend == "torch":
         return torch.optim.AdamW(
@@ -204,7 +237,8 @@ def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 class ModelParallelAdamW:
-    """AdamW over all trainable params of the model chunks, aware of megatron-core parallelism.
+    """AdamW (or, with `optimizer.name: sgd`, `PlainSGD`) over all trainable params of the model
+    chunks, aware of megatron-core parallelism. Only the inner kernel differs between the two.
 
     Param order (used by state dicts): params with ndim >= 2 first (weight-decayed), then 1-D
     params (biases, norm weights), which get no weight decay; within each, chunk order then
@@ -444,7 +478,10 @@ class ModelParallelAdamW:
 
     def _init_state(self) -> None:
         """Create zero state for params that have none yet, so a sharded state dict has the same
-        structure on every rank and before the first step (what megatron's `init_state_fn` does)."""
+        structure on every rank and before the first step (what megatron's `init_state_fn` does).
+        SGD has no state to create."""
+        if self.cfg.name == "sgd":
+            return
         for m in self.main_params:
             st = self.optimizer.state[m]
             if len(st) == 0:
@@ -463,7 +500,8 @@ class ModelParallelAdamW:
         `model_sharded_state_dict` must be the model's `sharded_state_dict()` (built from the live
         params, i.e. keep_vars semantics, which megatron-core modules do). Keys produced:
         `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>` and, for bf16 params,
-        `optimizer.state.fp32_param.<key>` (the names megatron-core's own optimizers use); `step`
+        `optimizer.state.fp32_param.<key>` (the names megatron-core's own optimizers use; SGD
+        saves no moments, only the masters); `step`
         is saved once as `common_step`; the scheduler position as a common object. Param groups
         are not saved (they come from the current config).
 
@@ -502,7 +540,8 @@ class ModelParallelAdamW:
         optim_state_to_sharding_state(inner, id_map, exclude_keys=("step",))
         inner["state"]["common_step"] = max(steps) if steps else 0
 
-        out: dict[str, Any] = {"optimizer": inner, "scheduler": self.scheduler.state_dict()}
+        # `name` (a common object): which kernel's state this is, so a resume can refuse a mismatch
+        out: dict[str, Any] = {"optimizer": inner, "scheduler": self.scheduler.state_dict(), "name": self.cfg.name}
         masters = {
             i: make_sharded_optimizer_tensor(id_map[i], m, prefix=_FP32_PARAM_PREFIX)
             for i, (m, has) in enumerate(zip(self.main_params, self._has_master))
@@ -532,7 +571,8 @@ def build_optimizer(
     precision: str,
     total_iters: int,
 ) -> ModelParallelAdamW:
-    """AdamW with its LR schedule over `total_iters` updates (usually `train.train_iters`)."""
-    if cfg.name != "adamw":
-        raise ValueError(f"unknown optimizer.name {cfg.name!r} (only 'adamw')")
+    """AdamW or SGD (`cfg.name`) with its LR schedule over `total_iters` updates (usually
+    `train.train_iters`)."""
+    if cfg.name not in ("adamw", "sgd"):
+        raise ValueError(f"unknown optimizer.name {cfg.name!r} (expected 'adamw' or 'sgd')")
     return ModelParallelAdamW(model_chunks, cfg, precision, LRScheduler(cfg, total_iters))
