@@ -193,6 +193,52 @@ def _sharded_state_dict_has_only_masters() -> None:
         assert len(opt.optimizer.state) == 0  # _init_state made no moments
 
 
+# ------------------------------------------------------------------------------ LR step decay (MIPU's baseline)
+
+
+def test_step_decay_constant_then_halving_to_the_floor() -> None:
+    from mcore_rl.train.lr_schedule import LRScheduler
+
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="step", lr_warmup_iters=2,
+                          lr_step_start_iter=5, lr_step_period=3, lr_step_factor=0.5)
+    sched = LRScheduler(cfg, total_iters=100)
+    got = [sched.lr_at(s) for s in range(20)]
+    want = [0.5, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125, 0.125, 0.125] + [0.1] * 6
+    assert got == want
+    assert sched.lr_at(10_000) == 0.1  # the floor holds past total_iters
+    # the position resumes; the shape follows the config
+    for _ in range(9):
+        sched.step()
+    other = LRScheduler(cfg, total_iters=100)
+    other.load_state_dict(sched.state_dict())
+    assert other.get_lr() == 0.25
+    with pytest.raises(ValueError, match="lr_step_period"):
+        LRScheduler(replace(cfg, lr_step_period=0), 10)
+
+
+def test_step_decay_drives_the_optimizer_and_its_keys_validate() -> None:
+    from mcore_rl.config import RLConfig, load_config, validate_rl_config
+    from mcore_rl.config.errors import ConfigError
+
+    cfg = replace(SGD, lr_decay_style="step", lr_step_start_iter=1, lr_step_period=1, min_lr=0.025)
+    model = Tiny()
+    opt = build_optimizer([model], cfg, "fp32", 10)
+    lrs = []
+    for s in range(4):
+        _backward(model, s)
+        lrs.append(opt.step()["lr"])
+        opt.zero_grad()
+    assert lrs == [0.1, 0.05, 0.025, 0.025]
+    ok = ["optimizer.lr_decay_style=step", "optimizer.lr_step_start_iter=20", "optimizer.lr_step_period=10",
+          "optimizer.min_lr=1e-4", "optimizer.lr=1e-3"]
+    validate_rl_config(load_config(RLConfig, "configs/demo.yaml", ok), 1)
+    for bad, key in ((["optimizer.lr_step_period=0"], "optimizer.lr_step_period"),
+                     (["optimizer.lr_step_factor=1.5"], "optimizer.lr_step_factor"),
+                     (["optimizer.lr_warmup_iters=30"], "optimizer.lr_step_start_iter")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate_rl_config(load_config(RLConfig, "configs/demo.yaml", ok + bad), 1)
+
+
 # ------------------------------------------------------------------------------ sparsity formulas
 
 

@@ -91,8 +91,14 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    # step = MIPU's LR-decay baseline ("Beyond Precision", seed_C): constant, then x lr_step_factor
+    # at update lr_step_start_iter and every lr_step_period updates after it, floored at min_lr
+    # (the paper's floor: min_lr = 0.1 * lr)
+    lr_decay_style: Literal["constant", "linear", "cosine", "step"] = "cosine"
     lr_warmup_iters: int = 0
+    lr_step_start_iter: int = 0  # step style: the first decayed update (0-based)
+    lr_step_period: int = 0  # step style: updates between two decays (>= 1)
+    lr_step_factor: float = 0.5  # step style: multiplier per decay, in (0, 1)
 
 
 @dataclass
