@@ -398,12 +398,13 @@ def _sgd_world(rank: int, world_size: int, tmp: str) -> None:
                      "train.micro_batch_size=2", "train.global_batch_size=4", "train.seq_length=32",
                      "data.synthetic_num_examples=256", "optimizer.name=sgd", "optimizer.lr=0.05",
                      "optimizer.lr_decay_style=constant",  # the 3-step run keeps the 6-step run's LRs
-                     "parallel.tensor_model_parallel_size=2", "checkpoint.save_interval=3"]
+                     "parallel.tensor_model_parallel_size=2"]
         return load_config(SFTConfig, None, overrides + [f"checkpoint.{k}={v}" for k, v in ck.items()])
 
     full = [r["loss"] for r in sft.run_sft(cfg("a", 6))]
     sft.run_sft(cfg("b", 3, save_dir=f"{tmp}/ckpt"))
-    resumed = [r["loss"] for r in sft.run_sft(cfg("c", 6, load_dir=f"{tmp}/ckpt", save_dir=f"{tmp}/ckpt"))]
+    resumed = [r["loss"] for r in sft.run_sft(cfg("c", 6, load_dir=f"{tmp}/ckpt", save_dir=f"{tmp}/ckpt",
+                                                 save_interval="1"))]
     assert resumed == full[3:], (resumed, full)
     assert full[-1] < full[0]  # SGD at this rate trains
     if rank == 0:
@@ -414,10 +415,34 @@ def _sgd_world(rank: int, world_size: int, tmp: str) -> None:
         result = us.compare(us.load_weights(f"{tmp}/ckpt/iter_0000003"), us.load_weights(f"{tmp}/ckpt"))
         assert 0.0 <= result["overall"]["sparsity"] < 1.0 and result["overall"]["relative_norm"] > 0
         assert {r["module"] for r in result["by_module"]} >= {"attn_qkv", "mlp_in", "mlp_out", "embedding"}
+        _remath_on_dist_checkpoints(tmp)
     adam = load_config(SFTConfig, None, [f"run_dir={tmp}/d", "parallel.tensor_model_parallel_size=2",
                                          f"checkpoint.load_dir={tmp}/ckpt", "train.seq_length=32"])
     with pytest.raises(ValueError, match="optimizer.name=sgd"):
         sft.build_trainer(adam)
+
+
+def _remath_on_dist_checkpoints(tmp: str) -> None:
+    """test_remath.py's tool on real megatron checkpoints (iter 3 → 4 → 6 of the run above): the
+    HF dir it writes holds the victim's values on exactly the rolled-back neurons."""
+    from mcore_rl.convert.hf_checkpoint import HFCheckpoint
+    from mcore_rl.diagnose import remath as rm
+
+    before, victim, interfered = (us.load_weights(f"{tmp}/ckpt/iter_{i:07d}") for i in (3, 4, 6))
+    layers = rm.mlp_neurons(interfered)
+    g = torch.Generator().manual_seed(0)
+    acts = [{layer: torch.rand(f, generator=g) for layer, (f, _) in layers.items()} for _ in range(2)]
+    new, summary = rm.plan(before, victim, interfered, *acts, budget=0.1)
+    assert summary["rolled_back"] == math.ceil(0.1 * summary["neurons"]) > 0
+    rm.write_result(new, f"{tmp}/ckpt", f"{tmp}/rolled_back")
+    hf = HFCheckpoint(f"{tmp}/rolled_back")
+    for layer, (f, _) in layers.items():
+        gate = hf[f"model.layers.{layer}.mlp.gate_proj.weight"]
+        fc1_v = victim[f"decoder.layers.{layer}.mlp.linear_fc1.weight"][:f]
+        fc1_i = interfered[f"decoder.layers.{layer}.mlp.linear_fc1.weight"][:f]
+        back = [i for i in range(f) if torch.equal(gate[i], fc1_v[i]) and not torch.equal(gate[i], fc1_i[i])]
+        row = next(r for r in summary["by_layer"] if r["layer"] == layer)
+        assert len(back) == row["rolled_back"], (layer, back, row)
 
 
 @pytest.mark.slow
