@@ -280,3 +280,72 @@ def test_sgd_refresh_contracts_the_conflict_subspace_geometrically() -> None:
         opt_bad.step()
         opt_bad.zero_grad()
     assert float((model.theta.detach() - theta_star)[:s_dim].norm()) > start
+
+
+# ------------------------------------------------------------------------------ the refresh: early stop
+
+
+def test_patience_stop_counts_evaluations_without_improvement_in_the_stage() -> None:
+    from mcore_rl.runtime.early_stop import PatienceStop
+
+    stop = PatienceStop(start_step=4, patience=2, metric="eval/math/score", min_delta=0.01)
+    assert not stop.observe(2, {"eval/math/score": 0.9})  # before the stage: not its own
+    assert not stop.observe(4, {"eval/math/score": 0.50})  # the baseline at the stage's start
+    assert not stop.observe(6, {"eval/math/score": 0.60})  # improved
+    assert not stop.observe(8, {"eval/math/score": 0.605})  # within min_delta: bad 1
+    assert not stop.observe(9, {"eval/other": 1.0})  # no such metric: ignored
+    assert stop.observe(10, {"eval/math/score": 0.55})  # bad 2 = patience
+    assert (stop.best, stop.best_step, stop.bad) == (0.60, 6, 2)
+
+
+def _refresh_data(tmp: str) -> dict:
+    from tests.test_domains import recipe
+
+    data = recipe(tmp)
+    data["data"]["mixture"]["stages"] = [{"start_step": 0}, {"start_step": 1, "weights": {"fmt": 1.0},
+                                                             "stop_patience": 1, "stop_min_delta": 1.0}]
+    return data
+
+
+def test_refresh_stop_keys_validate(tmp_path) -> None:
+    from mcore_rl.config import validate_rl_config
+    from tests.test_domains import cfg_of, errors_of
+
+    tmp = str(tmp_path)
+    data = _refresh_data(tmp)
+    validate_rl_config(cfg_of(tmp, data), 1)
+    assert "needs periodic evaluations" in errors_of(cfg_of(tmp, data, "eval.interval=0"))
+    assert "needs rollout.runtime=sync" in errors_of(cfg_of(tmp, data, "rollout.runtime=async"))
+    stages = data["data"]["mixture"]["stages"]
+    stages[1]["weights"] = {"fmt": 1.0, "sum2": 1.0}
+    assert "data.mixture.stages[1].stop_metric: the stage trains several domains" in errors_of(cfg_of(tmp, data))
+    stages[1]["stop_metric"] = "eval/score"
+    validate_rl_config(cfg_of(tmp, data), 1)
+    stages[0]["stop_patience"] = 2
+    assert "data.mixture.stages[0].stop_patience: only the last stage" in errors_of(cfg_of(tmp, data))
+    stages[0]["stop_patience"] = -1
+    assert "data.mixture.stages[0].stop_patience: must be >= 1" in errors_of(cfg_of(tmp, data))
+
+
+def _refresh_world(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime import run_rl
+    from tests.test_domains import cfg_of
+
+    summary = run_rl(cfg_of(tmp, _refresh_data(tmp), f"run_dir={tmp}/run", "train.num_steps=6", "eval.interval=1",
+                            "eval.at_start=false"))
+    # stage 2 starts at step 1: the eval after step 1 is its baseline, the one after step 2 does not beat it
+    # by min_delta=1.0 (no score can), so patience 1 ends the run there instead of at step 6
+    assert summary["state"]["rl_step"] == 2, summary["state"]
+    assert summary["refresh"] == {"stopped": True, "best": summary["refresh"]["best"], "best_step": 1}
+    if rank == 0:
+        with open(f"{tmp}/run/metrics.jsonl") as f:
+            recs = [json.loads(line) for line in f]
+        assert max(r["rl_step"] for r in recs) == 2
+        assert [r["rl_step"] for r in recs if r.get("refresh/stopped")] == [2]
+
+
+@pytest.mark.slow
+def test_refresh_stage_stops_the_run_early(tmp_path) -> None:
+    from tests.world import run_world
+
+    run_world(1, _refresh_world, str(tmp_path))
