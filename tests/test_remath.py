@@ -70,7 +70,8 @@ def test_selection_takes_ceil_budget_times_all_neurons(budget: float) -> None:
     chosen = rm.select(scores, budget)
     assert sum(len(v) for v in chosen.values()) == math.ceil(budget * 100)
     picked = sorted((float(scores[layer][i]) for layer, ix in chosen.items() for i in ix.tolist()), reverse=True)
-    rest = [float(v) for layer, t in scores.items() for i, v in enumerate(t.tolist()) if i not in chosen[layer].tolist()]
+    rest = [float(v) for layer, t in scores.items() for i, v in enumerate(t.tolist())
+            if i not in chosen[layer].tolist()]
     if picked and rest:
         assert min(picked) >= max(rest)
     with pytest.raises(ValueError):
@@ -202,7 +203,8 @@ def test_command_end_to_end_on_hf_dirs(tmp_path) -> None:
     torch.save(_acts(layers, f, 4), tmp_path / "act_math.pt")
     torch.save(_acts(layers, f, 5), tmp_path / "act_qa.pt")
     out = tmp_path / "out"
-    rc = main(["diagnose", "remath_rollback", "--before", str(tmp_path / "before"), "--victim", str(tmp_path / "victim"),
+    rc = main(["diagnose", "remath_rollback", "--before", str(tmp_path / "before"),
+               "--victim", str(tmp_path / "victim"),
                "--interfered", str(tmp_path / "qa"), "--act-victim", str(tmp_path / "act_math.pt"),
                "--act-interferer", str(tmp_path / "act_qa.pt"), "--budget", "0.25", "--output", str(out),
                "--json", str(tmp_path / "r.json")])
@@ -211,7 +213,8 @@ def test_command_end_to_end_on_hf_dirs(tmp_path) -> None:
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["rolled_back"] == 3
     got = dict(HFCheckpoint(str(out)).items())
-    want, _ = rm.plan(weights["before"], weights["victim"], weights["qa"], _acts(layers, f, 4), _acts(layers, f, 5), 0.25)
+    want, _ = rm.plan(weights["before"], weights["victim"], weights["qa"], _acts(layers, f, 4), _acts(layers, f, 5),
+                      0.25)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     # a second run refuses to overwrite it
     assert main(["diagnose", "remath_rollback", "--before", str(tmp_path / "before"), "--victim",

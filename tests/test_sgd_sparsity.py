@@ -187,7 +187,8 @@ def _sharded_state_dict_has_only_masters() -> None:
         model_sd = {n: ShardedTensor.from_rank_offsets(n, p, replica_id=0) for n, p in model.named_parameters()}
         sd = opt.sharded_state_dict(model_sd)
         keys = {t.key for t in nested_values(sd) if isinstance(t, ShardedTensor)}
-        want = {f"optimizer.state.fp32_param.{n}" for n, _ in model.named_parameters()} if precision == "bf16" else set()
+        names = [n for n, _ in model.named_parameters()]
+        want = {f"optimizer.state.fp32_param.{n}" for n in names} if precision == "bf16" else set()
         assert keys == want, precision
         assert sd["name"] == "sgd" and sd["optimizer"]["state"] == {"common_step": 0}
         assert len(opt.optimizer.state) == 0  # _init_state made no moments
@@ -362,6 +363,32 @@ def test_compare_reports_per_module_and_pools_overall() -> None:
         us.compare(src, {"x": torch.zeros(1)})
 
 
+# ------------------------------------------------------------------------------ AdamW's effective LR
+
+
+def test_effective_lr_formula_quantiles_and_decades() -> None:
+    from mcore_rl.diagnose import sgd_vs_adam as sa
+
+    v = torch.full((10,), 1e-4)
+    raw = sa.effective_lr(v, lr=1e-6, eps=1e-8, bias_correction=False)
+    torch.testing.assert_close(raw, torch.full((10,), 1e-6 / (1e-2 + 1e-8), dtype=torch.float64))
+    # bias correction after one step: v_hat = v / (1 - beta2)
+    one = sa.effective_lr(v, lr=1e-6, eps=0.0, step=1, beta2=0.99)
+    torch.testing.assert_close(one, torch.full((10,), 1e-6 / math.sqrt(1e-4 / 0.01), dtype=torch.float64))
+    with pytest.raises(ValueError, match="step"):
+        sa.effective_lr(v, 1e-6, 1e-8, step=0, beta2=0.95)
+    x = torch.tensor([0.5, 2.0, 3.0, 20.0, 50.0, 70.0, 200.0, 0.0])
+    assert sa.decade_mass(x) == {"1e-1": 1 / 7, "1e0": 2 / 7, "1e1": 3 / 7, "1e2": 1 / 7}
+    assert sa.quantiles(torch.arange(101.0))["q50"] == 50.0
+    moments = {"decoder.layers.0.mlp.linear_fc1.weight": torch.full((4, 4), 1e-12),  # η_eff = 1e-6 / 1e-6 = 1
+               "decoder.layers.0.self_attention.linear_proj.weight": torch.full((2, 2), 1e-10)}  # = 0.1
+    out = sa.summarize(moments, lr=1e-6, eps=0.0, step=1, beta2=0.0)
+    rows = {r["module"]: r for r in out["by_module"]}
+    assert rows["mlp_in"]["q50"] == pytest.approx(1.0) and rows["attn_out"]["q50"] == pytest.approx(0.1)
+    assert out["suggested_sgd_lr"] == pytest.approx(1.0) and out["suggested_ratio"] == pytest.approx(1e6)
+    assert sum(out["decade_mass"].values()) == pytest.approx(1.0)
+
+
 # ------------------------------------------------------------------------------ one gloo world
 
 
@@ -420,6 +447,45 @@ def _sgd_world(rank: int, world_size: int, tmp: str) -> None:
                                          f"checkpoint.load_dir={tmp}/ckpt", "train.seq_length=32"])
     with pytest.raises(ValueError, match="optimizer.name=sgd"):
         sft.build_trainer(adam)
+    _adam_effective_lr_of_a_real_checkpoint(tmp)
+
+
+def _adam_effective_lr_of_a_real_checkpoint(tmp: str) -> None:
+    """`adam_effective_lr` reads v, lr, eps, beta2 and the step of an AdamW checkpoint and gives the
+    live optimizer's numbers; on the SGD checkpoint it says there are no moments."""
+    import torch.distributed as dist
+
+    from mcore_rl.config import SFTConfig, load_config
+    from mcore_rl.diagnose import sgd_vs_adam as sa
+    from mcore_rl.models.shards import iter_local_params
+    from mcore_rl.train import sft
+
+    cfg = load_config(SFTConfig, None, [f"run_dir={tmp}/adam", "parallel.tensor_model_parallel_size=2",
+                                        "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+                                        "data.synthetic_num_examples=64", "optimizer.lr=1e-3",
+                                        f"checkpoint.save_dir={tmp}/adam_ckpt"])
+    trainer = sft.build_trainer(cfg)
+    for _ in range(2):
+        sft.train_step(trainer)
+    path = sft.save(trainer)
+    opt = trainer.optimizer
+    live = {}  # this rank's shard of the fc2 weight's exp_avg_sq, by global name
+    for _, name, p in iter_local_params(trainer.chunks):
+        if name == "decoder.layers.0.mlp.linear_fc2.weight":
+            i = next(i for i, q in enumerate(opt.model_params) if q is p)
+            live[name] = opt.optimizer.state[opt.main_params[i]]["exp_avg_sq"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        moments, hyper = sa.read_second_moments(path)
+        assert hyper == {"lr": 1e-3, "eps": cfg.optimizer.adam_eps, "beta2": cfg.optimizer.adam_beta2, "step": 2}
+        stored = moments["decoder.layers.mlp.linear_fc2.weight"][0]  # stacked over layers; fc2 is split on dim 1
+        shard = live["decoder.layers.0.mlp.linear_fc2.weight"]
+        assert torch.equal(stored[:, : shard.shape[1]], shard)
+        out = sa.summarize(moments, **hyper)
+        assert out["step"] == 2 and out["suggested_sgd_lr"] > 0
+        assert sum(out["decade_mass"].values()) == pytest.approx(1.0)
+        with pytest.raises(ValueError, match="optimizer.name=sgd"):
+            sa.read_second_moments(f"{tmp}/ckpt")
 
 
 def _remath_on_dist_checkpoints(tmp: str) -> None:

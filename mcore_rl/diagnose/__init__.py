@@ -28,7 +28,7 @@ class Analysis:
 
 _ANALYSES: dict[str, Analysis] = {}
 # the modules that register analyses, imported when the command line is built
-MODULES: tuple[str, ...] = ("update_sparsity", "remath")
+MODULES: tuple[str, ...] = ("update_sparsity", "remath", "sgd_vs_adam")
 
 
 def analysis(name: str, help: str) -> Callable[[AddArguments], AddArguments]:
