@@ -352,3 +352,29 @@ def test_refresh_stage_stops_the_run_early(tmp_path) -> None:
     from tests.world import run_world
 
     run_world(1, _refresh_world, str(tmp_path))
+
+
+def test_activations_command_on_a_tiny_hf_model(tmp_path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mcore_rl.cli import main
+    from mcore_rl.data.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=384, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    rows = [{"prompt": "12+34=", "response": "46"}, {"prompt": "7+8=", "response": "15"}, {"prompt": "1+1="}]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["diagnose", "remath_activations", str(tmp_path / "hf"), "--data", str(tmp_path / "math.jsonl"),
+                 "--batch-size", "2", "--output", str(tmp_path / "act.pt")]) == 0
+    got = rm.load_activations(str(tmp_path / "act.pt"))
+    assert sorted(got) == [0, 1] and all(v.shape == (24,) for v in got.values())
+    texts = rm.read_texts(str(tmp_path / "math.jsonl"), ["prompt", "response"], 10)
+    assert texts == ["12+34= 46", "7+8= 15", "1+1="]
+    want = rm.mlp_activation_stats(Qwen3ForCausalLM.from_pretrained(tmp_path / "hf"),
+                                   rm.text_batches(texts, load_tokenizer(None), 2, 1024))
+    for layer in (0, 1):
+        torch.testing.assert_close(got[layer], want[layer])
+        assert (got[layer] > 0).all()

@@ -30,8 +30,9 @@ Dense MLPs only (no MoE experts). Output: a Hugging Face dir (the input's files 
 weights; from megatron dist-checkpoints through the project's megatron→HF map, `mcore-rl convert
 hf-to-mcore` takes it back).
 
-The refresh, the paper's other repair (a short early-stopped GRPO run on the victim domain), is a
-recipe of the multi-domain trainer, not a tool: see the rows file.
+`mcore-rl diagnose remath_activations MODEL --data domain.jsonl --output act.pt` writes the activation
+files from a Hugging Face model. The refresh, the paper's other repair (a short early-stopped GRPO run
+on the victim domain), is the trainer's `data.mixture.stages[-1].stop_patience` (runtime/early_stop.py).
 """
 
 from __future__ import annotations
@@ -304,5 +305,78 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
         new, summary = plan(load_weights(args.before), load_weights(args.victim), load_weights(args.interfered),
                             load_activations(args.act_victim), load_activations(args.act_interferer), args.budget)
         return {"output": write_result(new, args.interfered, args.output), **summary}
+
+    return run
+
+
+def read_texts(path: str, keys: list[str], limit: int) -> list[str]:
+    """Up to `limit` texts from a jsonl file: each line's `keys` joined by a space (missing keys skipped)."""
+    import json
+
+    texts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not JSON ({err})") from err
+            parts = [str(row[k]) for k in keys if k in row]
+            if not parts:
+                raise ValueError(f"{path}:{n}: none of the keys {keys}")
+            texts.append(" ".join(parts))
+            if len(texts) >= limit:
+                break
+    if not texts:
+        raise ValueError(f"{path}: no examples")
+    return texts
+
+
+def text_batches(texts: list[str], tokenizer: Any, batch_size: int, max_length: int) -> list[dict[str, torch.Tensor]]:
+    """Right-padded `input_ids` / `attention_mask` batches of the project's `Tokenizer` protocol."""
+    out = []
+    for i in range(0, len(texts), batch_size):
+        ids = [tokenizer.encode(t)[:max_length] for t in texts[i:i + batch_size]]
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, x in enumerate(ids):
+            input_ids[row, :len(x)] = torch.tensor(x, dtype=torch.long)
+            mask[row, :len(x)] = 1
+        out.append({"input_ids": input_ids, "attention_mask": mask})
+    return out
+
+
+@analysis("remath_activations", "per-neuron MLP activation statistics of a Hugging Face model on one domain's "
+          "data (the .pt files remath_rollback reads)")
+def add_activation_arguments(p: argparse.ArgumentParser) -> Runner:
+    p.add_argument("model", help="Hugging Face dir (e.g. `mcore-rl convert mcore-to-hf` of the victim checkpoint)")
+    p.add_argument("--data", required=True, help="jsonl of the domain's examples")
+    p.add_argument("--keys", default="prompt,response", help="jsonl fields joined into one text (comma-separated)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir's, else the bundled one)")
+    p.add_argument("--max-examples", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--output", required=True, help="the .pt file to write ({layer: mean |activation| [F]})")
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        from mcore_rl.data.tokenizer import load_tokenizer
+
+        tok_dir = args.tokenizer
+        if tok_dir is None and any(os.path.exists(os.path.join(args.model, f))
+                                   for f in ("tokenizer.json", "tokenizer_config.json", "mcore_rl_tokenizer.json")):
+            tok_dir = args.model
+        tokenizer = load_tokenizer(tok_dir)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+        texts = read_texts(args.data, [k for k in args.keys.split(",") if k], args.max_examples)
+        batches = text_batches(texts, tokenizer, args.batch_size, args.max_length)
+        stats = mlp_activation_stats(model, batches)
+        torch.save(stats, args.output)
+        tokens = int(sum(b["attention_mask"].sum() for b in batches))
+        return {"output": args.output, "examples": len(texts), "tokens": tokens, "layers": len(stats),
+                "neurons": sum(int(v.numel()) for v in stats.values())}
 
     return run
