@@ -99,6 +99,9 @@ class OptimizerConfig:
     lr_step_start_iter: int = 0  # step style: the first decayed update (0-based)
     lr_step_period: int = 0  # step style: updates between two decays (>= 1)
     lr_step_factor: float = 0.5  # step style: multiplier per decay, in (0, 1)
+    # OPD-Sparsity's subnetwork retraining: a .pt {megatron name: bool mask} (`mcore-rl diagnose
+    # update_sparsity --write-mask`); only True coordinates train, the rest stay bit-identical
+    update_mask: Optional[str] = None
 
 
 @dataclass

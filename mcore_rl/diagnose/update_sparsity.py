@@ -17,7 +17,8 @@ Choices where the notes are unclear:
 * A tensor with more than two dimensions (megatron's stacked layers [L, out, in], experts) counts as
   a stack of matrices: spectral numbers are averaged over the matrices, coordinate numbers pooled.
 * megatron's fused matrices (linear_qkv = [q;k;v], linear_fc1 = [gate;up]) are analysed as stored.
-* Masked (subnetwork) retraining is not built; `subnetwork_mask` gives the mask and its density.
+* Masked (subnetwork) retraining: `--write-mask` saves m = 1{|θ_full − θ_0| > τ} (τ: `--mask-tau`,
+  not given by the paper; 1e-5 here) for `optimizer.update_mask`, which trains only those coordinates.
 
 Checkpoints are megatron dist-checkpoints as `train/checkpoint.py` writes them (a save dir or one
 `iter_*` dir: read in one process, no world) or Hugging Face safetensors dirs.
@@ -315,6 +316,18 @@ class _Acc(dict):
         return out
 
 
+def write_mask(source: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], tau: float,
+               path: str) -> dict[str, Any]:
+    """Save {name: subnetwork_mask} (megatron names only: what `optimizer.update_mask` reads)."""
+    if any(name.startswith("model.") or name == "lm_head.weight" for name in source):
+        raise ValueError("--write-mask needs megatron checkpoints (optimizer.update_mask is keyed by megatron "
+                         "names); convert the HF dirs with `mcore-rl convert hf-to-mcore` first")
+    masks = {name: subnetwork_mask(trained[name], source[name], tau) for name in sorted(source)}
+    torch.save(masks, path)
+    n = sum(m.numel() for m in masks.values())
+    return {"path": path, "tau": tau, "density": sum(int(m.sum()) for m in masks.values()) / n if n else 0.0}
+
+
 @analysis("update_sparsity", "sparsity, rank and location of the update between two checkpoints "
           "(OPD-Sparsity; SGD-vs-Adam-RLVR's sparsity and effective rank)")
 def add_arguments(p: argparse.ArgumentParser) -> Runner:
@@ -328,12 +341,19 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--rank-fraction", type=float, default=0.1, help="source principal subspace, share of min(m, n)")
     p.add_argument("--low-fraction", type=float, default=0.1, help="M_low (and M_prin) size, share of coordinates")
     p.add_argument("--no-svd", action="store_true", help="coordinate numbers only (SVDs are slow on big models)")
+    p.add_argument("--write-mask", default=None, help="also write the subnetwork mask |trained - source| > "
+                   "--mask-tau as a .pt for optimizer.update_mask (megatron checkpoints: megatron names)")
+    p.add_argument("--mask-tau", type=float, default=1e-5, help="the subnetwork mask's threshold τ")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        result = compare(load_weights(args.source), load_weights(args.trained), eps=args.eps, top_p=args.top_p,
-                         top_k=args.top_k, tau=args.tau, energy=args.energy, rank_fraction=args.rank_fraction,
-                         low_fraction=args.low_fraction, spectral=not args.no_svd)
-        return {"source": args.source, "trained": args.trained, **result}
+        source, trained = load_weights(args.source), load_weights(args.trained)
+        result = compare(source, trained, eps=args.eps, top_p=args.top_p, top_k=args.top_k, tau=args.tau,
+                         energy=args.energy, rank_fraction=args.rank_fraction, low_fraction=args.low_fraction,
+                         spectral=not args.no_svd)
+        out = {"source": args.source, "trained": args.trained, **result}
+        if args.write_mask:
+            out["mask"] = write_mask(source, trained, args.mask_tau, args.write_mask)
+        return out
 
     return run
 

@@ -6,6 +6,7 @@ this small replacement. It does what the trainer needs from them and nothing mor
 * fp32 master weights for bf16 models (the update is applied to the master, then copied back);
 * the global gradient norm under TP/PP/EP, with megatron-core's counting rules, and clipping;
 * a skipped step (and zeroed grads) when the norm is not finite;
+* optionally an update mask (`optimizer.update_mask`): frozen coordinates stay bit-identical;
 * two inner AdamW kernels: `torch.optim.AdamW(foreach=True)` or DeepSpeed's CPU Adam; or, with
   `optimizer.name: sgd`, plain SGD (`PlainSGD`: no momentum, no optimizer state; SGD-vs-Adam-RLVR),
   through the same masters, norm, clipping, skipping, checkpoint and snapshot code;
@@ -33,6 +34,12 @@ from mcore_rl.train.lr_schedule import LRScheduler
 logger = logging.getLogger(__name__)
 
 _FP32_PARAM_PREFIX = "optimizer.state.fp32_param"
+# parameter name -> its key in a megatron dist-checkpoint, where they differ (TransformerLayer's
+# sharded_state_dict_keys_map for the local spec)
+_CHECKPOINT_NORM_NAMES = (
+    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,6 +302,7 @@ class ModelParallelAdamW:
         groups = [g for g in groups if g["params"]]
         self.optimizer = _make_inner(groups, cfg, self.main_params)
         self._set_lr(self.scheduler.get_lr())
+        self._update_masks: dict[int, torch.Tensor] = {}  # see set_update_mask
 
     # ---------------------------------------------------------------- training step
 
@@ -337,6 +345,9 @@ class ModelParallelAdamW:
         The scheduler only advances on an update that happened (megatron-core does the same)."""
         lr = self.scheduler.get_lr()
         idx, grads, borrowed = self._collect_grads()
+        for i, g in zip(idx, grads):
+            if i in self._update_masks:
+                g.mul_(self._update_masks[i])  # frozen coordinates: no gradient, in the norm or the moments
         grad_norm = global_grad_norm([self.model_params[i] for i in idx], grads)
         if not math.isfinite(grad_norm):
             logger.warning("non-finite grad norm (%s): skipping the optimizer step", grad_norm)
@@ -349,7 +360,11 @@ class ModelParallelAdamW:
                 torch._foreach_mul_(grads, coeff)
 
         self._set_lr(lr)
+        frozen = {i: self.main_params[i].detach().clone() for i in idx if i in self._update_masks}
         self.optimizer.step()
+        for i, before in frozen.items():  # weight decay moved them: put them back, bit for bit
+            main = self.main_params[i]
+            main.copy_(torch.where(self._update_masks[i], main, before))
 
         masters = [i for i in idx if self._has_master[i]]
         if masters:
@@ -377,6 +392,45 @@ class ModelParallelAdamW:
         for p, main, has in zip(self.model_params, self.main_params, self._has_master):
             if has:
                 main.copy_(p.detach().float())
+
+    # ---------------------------------------------------------------- masked (subnetwork) training
+
+    def set_update_mask(self, masks: dict[int, torch.Tensor]) -> None:
+        """Train only where `masks[i]` (a bool tensor shaped like `model_params[i]`) is True; params
+        without an entry train everywhere. OPD-Sparsity's subnetwork retraining (seed_B): outside the
+        mask the gradient is zeroed before the norm (clipping and the moments never see it), and after
+        the update the coordinates are put back, since weight decay would move them: they stay
+        bit-identical to their values before the first masked step, for any number of steps."""
+        checked: dict[int, torch.Tensor] = {}
+        for i, m in masks.items():
+            p = self.model_params[i]
+            if tuple(m.shape) != tuple(p.shape):
+                raise ValueError(f"update mask {i} has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}")
+            checked[i] = m.to(device=self.main_params[i].device, dtype=torch.bool)
+        self._update_masks = checked
+
+    def load_update_mask(self, path: str, model_chunks: list[torch.nn.Module]) -> None:
+        """`optimizer.update_mask`: a `.pt` file {global megatron name: full bool mask} (written by
+        `mcore-rl diagnose update_sparsity --write-mask`), sliced to this rank's shards."""
+        from mcore_rl.models.shards import iter_local_params, shard_for_rank
+
+        full = torch.load(path, map_location="cpu", weights_only=True)
+        position = {id(p): i for i, p in enumerate(self.model_params)}
+        masks: dict[int, torch.Tensor] = {}
+        for _, name, param in iter_local_params(model_chunks):
+            if id(param) not in position:
+                continue
+            mask = full.get(name)
+            if mask is None:  # megatron's checkpoints name the local spec's norms as TE's fused ones
+                for local, stored in _CHECKPOINT_NORM_NAMES:
+                    if name.endswith(local):
+                        mask = full.get(name[: -len(local)] + stored)
+            if mask is None and name == "output_layer.weight":
+                mask = full.get("embedding.word_embeddings.weight")  # tied embeddings under PP
+            if mask is None:
+                raise KeyError(f"optimizer.update_mask {path} has no mask for {name!r}")
+            masks[position[id(param)]] = shard_for_rank(mask, param, name)
+        self.set_update_mask(masks)
 
     # ---------------------------------------------------------------- in-memory rollback
 
@@ -575,4 +629,7 @@ def build_optimizer(
     `train.train_iters`)."""
     if cfg.name not in ("adamw", "sgd"):
         raise ValueError(f"unknown optimizer.name {cfg.name!r} (expected 'adamw' or 'sgd')")
-    return ModelParallelAdamW(model_chunks, cfg, precision, LRScheduler(cfg, total_iters))
+    opt = ModelParallelAdamW(model_chunks, cfg, precision, LRScheduler(cfg, total_iters))
+    if cfg.update_mask:
+        opt.load_update_mask(cfg.update_mask, model_chunks)
+    return opt
