@@ -1,6 +1,8 @@
 """Algorithms of the zoo against a GRPO baseline on the demo task, same seeds, same warm start.
 
-    .venv/bin/python tools/compare_algorithms.py                     # the docs/algorithms.md run
+    .venv/bin/python tools/compare_algorithms.py --sft-steps 300 --work runs/compare_algorithms_weak \
+        --png docs/algorithms_weak.png                               # the docs/algorithms.md run (weak warm start)
+    .venv/bin/python tools/compare_algorithms.py                     # from the demo's warm start (near the ceiling)
     .venv/bin/python tools/compare_algorithms.py --methods grpo w_reinforce --seeds 1 2 3 --steps 60
     .venv/bin/python tools/compare_algorithms.py --method mine="algorithm.advantage=rloo" --methods grpo mine
     .venv/bin/python tools/compare_algorithms.py -- rollout.quantization=none   # extra overrides for every run
@@ -34,11 +36,15 @@ from mcore_rl.runtime.metrics import read_metrics  # noqa: E402
 # clip-higher, TIS against the FP8 engine, 2 optimizer steps per rollout batch)
 PRESETS: dict[str, list[str]] = {
     "grpo": [],
-    "w_reinforce": ["algorithm.advantage=w_reinforce"],
-    "entropy_adv": ["algorithm.advantage_shaping=[{name: entropy_adv}]"],
-    "edge_eda": ["algorithm.advantage_shaping=[{name: edge_eda}]"],
-    "unlikeliness": ["algorithm.reward_shaping=[{name: unlikeliness}]"],
-    "sgd": ["optimizer.name=sgd"],
+    # PPO-clip form (keeps the demo's 2 mini-batches on-policy-corrected); `algorithm.policy_loss=reinforce` is the
+    # paper's plain REINFORCE
+    "w_reinforce": ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}"],
+    "entropy_adv": ["algorithm.advantage_shaping=[{name: entropy_adv, options: {alpha: 0.4, kappa: 2.0}}]"],
+    "edge_grpo": ["algorithm.advantage_shaping=[{name: edge_eda}]", "rollout.gec.enabled=true"],
+    "polaris": ["rollout.temperature_stages=[{start_step: 0, temperature: 1.0}, {start_step: 20, temperature: 1.1},"
+                " {start_step: 40, temperature: 1.2}]", "data.drop_solved_above=0.9", "rollout.polaris.rescue=true",
+                "rollout.polaris.substitute=true"],
+    "unlikeliness": ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
 }
 COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
           "tab:olive", "tab:cyan"]
@@ -93,6 +99,8 @@ def main() -> None:
                         help="define (or redefine) a method by its overrides, separated by ';'")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=60, help="rollout steps per run")
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="SFT steps of the shared warm start (default: the recipe's init.sft_steps)")
     parser.add_argument("--work", default="runs/compare_algorithms", help="run directories go here")
     parser.add_argument("--png", default="docs/algorithms.png")
     parser.add_argument("--reuse", action="store_true", help="skip runs whose metrics.jsonl is complete")
@@ -121,8 +129,9 @@ def main() -> None:
             times.update(json.load(f).get("times", {}))
     if not (args.reuse and os.path.exists(os.path.join(sft_dir, "latest"))):
         print("SFT warm start ...", flush=True)
+        sft = [] if args.sft_steps is None else [f"init.sft_steps={args.sft_steps}"]
         times["sft"] = run(cli + [f"run_dir={work}/sft_run", "train.num_steps=0", f"checkpoint.save_dir={sft_dir}",
-                                  "eval.at_start=true", *common], os.path.join(work, "sft.log"))
+                                  "eval.at_start=true", *sft, *common], os.path.join(work, "sft.log"))
     results: dict[str, dict[int, list[dict]]] = {m: {} for m in args.methods}
     k = 4
     for i, seed in enumerate(args.seeds):

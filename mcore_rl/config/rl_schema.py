@@ -94,6 +94,11 @@ class MixtureStageConfig:
     temperature: Optional[float] = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
     max_new_tokens: Optional[int] = None  # multi-stage response length (a cap on the domains' budgets)
     drop_solved_above: Optional[float] = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
+    # Re-Math's early-stopped refresh (runtime/early_stop.py; the last stage only): end the run after this many
+    # evaluations in the stage without stop_metric improving by more than stop_min_delta; 0 = off
+    stop_patience: int = 0
+    stop_metric: Optional[str] = None  # None = eval/<the stage's only domain>/score
+    stop_min_delta: float = 0.0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Optional
 
@@ -268,6 +269,16 @@ def check_optimizer(o: OptimizerConfig, errors: Errors) -> None:
     errors.need(o.lr >= 0, "optimizer.lr", f"must be >= 0, got {o.lr}")
     errors.need(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
     errors.need(o.lr_warmup_iters >= 0, "optimizer.lr_warmup_iters", f"must be >= 0, got {o.lr_warmup_iters}")
+    if o.lr_decay_style == "step":
+        errors.need(o.lr_step_period >= 1, "optimizer.lr_step_period",
+                    f"lr_decay_style=step needs a decay period >= 1, got {o.lr_step_period}")
+        errors.need(0 < o.lr_step_factor < 1, "optimizer.lr_step_factor", f"must be in (0, 1), got {o.lr_step_factor}")
+        errors.need(o.lr_step_start_iter >= o.lr_warmup_iters, "optimizer.lr_step_start_iter",
+                    f"must be >= optimizer.lr_warmup_iters={o.lr_warmup_iters}, got {o.lr_step_start_iter}")
+    errors.need(o.update_mask is None or os.path.isfile(o.update_mask), "optimizer.update_mask",
+                f"no such file: {o.update_mask!r}")
+    errors.need(o.name != "sgd" or o.backend == "torch", "optimizer.backend",
+                f"optimizer.name=sgd has only the torch kernel, got backend={o.backend!r}")
 
 
 # ------------------------------------------------------------------- names from registries

@@ -80,7 +80,9 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    # sgd = plain SGD, no momentum and no state (SGD-vs-Adam-RLVR): lr ~1e5 x AdamW's (e.g. 1e-1 vs
+    # 1e-6); adam_* are unused and backend must be torch
+    name: Literal["adamw", "sgd"] = "adamw"
     backend: Literal["torch", "deepspeed"] = "torch"  # deepspeed = DeepSpeedCPUAdam (CPU only)
     lr: float = 1e-3
     min_lr: float = 0.0
@@ -89,8 +91,17 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    # step = MIPU's LR-decay baseline ("Beyond Precision", seed_C): constant, then x lr_step_factor
+    # at update lr_step_start_iter and every lr_step_period updates after it, floored at min_lr
+    # (the paper's floor: min_lr = 0.1 * lr)
+    lr_decay_style: Literal["constant", "linear", "cosine", "step"] = "cosine"
     lr_warmup_iters: int = 0
+    lr_step_start_iter: int = 0  # step style: the first decayed update (0-based)
+    lr_step_period: int = 0  # step style: updates between two decays (>= 1)
+    lr_step_factor: float = 0.5  # step style: multiplier per decay, in (0, 1)
+    # OPD-Sparsity's subnetwork retraining: a .pt {megatron name: bool mask} (`mcore-rl diagnose
+    # update_sparsity --write-mask`); only True coordinates train, the rest stay bit-identical
+    update_mask: Optional[str] = None
 
 
 @dataclass

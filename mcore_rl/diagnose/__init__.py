@@ -28,7 +28,7 @@ class Analysis:
 
 _ANALYSES: dict[str, Analysis] = {}
 # the modules that register analyses, imported when the command line is built
-MODULES: tuple[str, ...] = ("vgh", "verif_horizon")
+MODULES: tuple[str, ...] = ("remath", "sgd_vs_adam", "update_sparsity", "verif_horizon", "vgh")
 
 
 def analysis(name: str, help: str) -> Callable[[AddArguments], AddArguments]:

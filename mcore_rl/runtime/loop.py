@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
 from mcore_rl.data.samples import Sample
+from mcore_rl.runtime import early_stop
 from mcore_rl.runtime.judge_heads import add_judge_heads
 from mcore_rl.runtime.metrics import MetricsWriter, plot_curves, read_metrics
 
@@ -485,7 +486,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             _log(f"held-out before RL: {_eval_line(first_eval)}")
         bar = _progress(cfg, st.rl_step)
         last_eval = first_eval
-        while st.rl_step < cfg.train.num_steps:
+        refresh_stop, stopping = early_stop.from_config(cfg), False  # Re-Math's early-stopped refresh stage
+        while st.rl_step < cfg.train.num_steps and not stopping:
             step_start = time.perf_counter()
             samples, roll_metrics = run.rollouts()
             roll_metrics.update(run.teach(samples, learner))
@@ -509,6 +511,12 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             if (cfg.eval.interval > 0 and st.rl_step % cfg.eval.interval == 0) or st.rl_step == cfg.train.num_steps:
                 last_eval = run.evaluate()
                 extra.update(last_eval)
+                if refresh_stop is not None and refresh_stop.observe(st.rl_step, last_eval):
+                    stopping = True
+                    extra["refresh/stopped"] = 1.0
+                    _log(f"early stop after step {st.rl_step}: {refresh_stop.metric} has not improved for "
+                         f"{refresh_stop.patience} evaluation(s); best {refresh_stop.best:.4f} after step "
+                         f"{refresh_stop.best_step}")
             extra["time/step_s"] = time.perf_counter() - step_start
             extra["time/trainer_idle_frac"] = roll_metrics["time/rollout_wait_s"] / max(extra["time/step_s"], 1e-9)
             extra["time/elapsed_s"] = time.perf_counter() - run.t0
@@ -537,6 +545,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         wall = time.perf_counter() - run.t0
         summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st),
                    "accounting": run.write_accounting()}
+        if refresh_stop is not None:
+            summary["refresh"] = {"stopped": stopping, "best": refresh_stop.best, "best_step": refresh_stop.best_step}
         if rank0:
             writer.close()
             if cfg.logging.plot and os.path.exists(writer.path):

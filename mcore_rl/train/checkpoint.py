@@ -281,10 +281,14 @@ def load_checkpoint(
 
     if not os.path.exists(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path!r} is not a distributed checkpoint (no metadata.json)")
-    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    stored = dist_checkpointing.load_common_state_dict(path)
+    common = stored["common"]
     if common.get("model_only"):
         optimizer = None
         logger.info("%s is a model-only checkpoint: optimizer state and RNG streams start fresh", path)
+    if optimizer is not None:
+        current = getattr(getattr(optimizer, "cfg", None), "name", "adamw")
+        _check_optimizer_name(path, stored.get("optimizer", {}).get("name", "adamw"), current)
     model_sd = _model_sharded_state_dict(chunks)
     request: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -302,3 +306,16 @@ def load_checkpoint(
     else:
         logger.info("checkpoint layout %s differs from this run's; RNG streams reseeded", common.get("layout"))
     return common
+
+
+def _check_optimizer_name(path: str, saved: str, current: str) -> None:
+    """AdamW's moments cannot come from an SGD checkpoint (it saved none); the reverse is allowed and
+    drops them (SGD keeps no state). Checkpoints from before optimizer.name was saved are AdamW's."""
+    if saved == "sgd" and current != "sgd":
+        raise ValueError(
+            f"{path} was written by optimizer.name=sgd, which keeps no optimizer state, so "
+            f"optimizer.name={current!r} cannot resume from it; resume with optimizer.name=sgd, or start "
+            "from its weights only (convert it, or point model loading at it)")
+    if saved != current:
+        logger.warning("%s was written by optimizer.name=%s; resuming with %s drops its optimizer state",
+                       path, saved, current)

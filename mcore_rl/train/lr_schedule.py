@@ -1,4 +1,12 @@
-"""Learning-rate schedule: linear warmup, then constant / linear / cosine decay to `min_lr`.
+"""Learning-rate schedule: linear warmup, then constant / linear / cosine / step decay to `min_lr`.
+
+`step` is the LR-decay baseline of MIPU (seed_C: "Beyond Precision: Training-Inference Mismatch is
+an Optimization Problem and Simple LR Scheduling Fixes It"): a constant rate, then, from update
+`lr_step_start_iter` on, the rate times `lr_step_factor` (0.5: halved) every `lr_step_period` updates,
+never below `min_lr` (the paper: 0.1·lr). The paper starts phase 2 when "a potential-instability
+signal" appears, which the notes leave unclear: here the start is an update number fixed beforehand
+(from a pilot run's response length, as the paper finds its period), and the first halving happens
+at that update itself (the signal is a reason to act at once).
 
 Kept separate from the optimizer so it can be checkpointed, plotted and tested on its own.
 
@@ -30,6 +38,12 @@ class LRScheduler:
         self.min_lr = float(cfg.min_lr)
         self.warmup_iters = int(cfg.lr_warmup_iters)
         self.decay_style = cfg.lr_decay_style
+        if self.decay_style == "step" and (cfg.lr_step_period < 1 or not 0 < cfg.lr_step_factor < 1):
+            raise ValueError("optimizer.lr_decay_style=step needs lr_step_period >= 1 and lr_step_factor in (0, 1), "
+                             f"got {cfg.lr_step_period} and {cfg.lr_step_factor}")
+        self.step_start = int(cfg.lr_step_start_iter)
+        self.step_period = int(cfg.lr_step_period)
+        self.step_factor = float(cfg.lr_step_factor)
         self.total_iters = int(total_iters)
         self.num_steps = 0
 
@@ -39,6 +53,11 @@ class LRScheduler:
             return self.max_lr * (step + 1) / self.warmup_iters
         if self.decay_style == "constant":
             return self.max_lr
+        if self.decay_style == "step":
+            if step < self.step_start:
+                return self.max_lr
+            decays = (step - self.step_start) // self.step_period + 1
+            return max(self.max_lr * self.step_factor ** decays, self.min_lr)
         decay_iters = self.total_iters - self.warmup_iters
         if decay_iters <= 0:
             return self.min_lr
@@ -67,6 +86,9 @@ class LRScheduler:
             "warmup_iters": self.warmup_iters,
             "decay_style": self.decay_style,
             "total_iters": self.total_iters,
+            "step_start": self.step_start,
+            "step_period": self.step_period,
+            "step_factor": self.step_factor,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

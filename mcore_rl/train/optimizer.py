@@ -1,4 +1,4 @@
-"""AdamW for megatron-core models that runs on CPU and GPU.
+"""AdamW (or plain SGD) for megatron-core models that runs on CPU and GPU.
 
 megatron-core's own optimizers allocate CUDA tensors in their constructors, so the project keeps
 this small replacement. It does what the trainer needs from them and nothing more:
@@ -6,7 +6,10 @@ this small replacement. It does what the trainer needs from them and nothing mor
 * fp32 master weights for bf16 models (the update is applied to the master, then copied back);
 * the global gradient norm under TP/PP/EP, with megatron-core's counting rules, and clipping;
 * a skipped step (and zeroed grads) when the norm is not finite;
-* two inner AdamW kernels: `torch.optim.AdamW(foreach=True)` or DeepSpeed's CPU Adam;
+* optionally an update mask (`optimizer.update_mask`): frozen coordinates stay bit-identical;
+* two inner AdamW kernels: `torch.optim.AdamW(foreach=True)` or DeepSpeed's CPU Adam; or, with
+  `optimizer.name: sgd`, plain SGD (`PlainSGD`: no momentum, no optimizer state; SGD-vs-Adam-RLVR),
+  through the same masters, norm, clipping, skipping, checkpoint and snapshot code;
 * plain and megatron-distributed (re-shardable) checkpoints, and an in-memory
   `snapshot()/restore()` that is bit-identical (for rolling back a rejected update).
 
@@ -31,6 +34,12 @@ from mcore_rl.train.lr_schedule import LRScheduler
 logger = logging.getLogger(__name__)
 
 _FP32_PARAM_PREFIX = "optimizer.state.fp32_param"
+# parameter name -> its key in a megatron dist-checkpoint, where they differ (TransformerLayer's
+# sharded_state_dict_keys_map for the local spec)
+_CHECKPOINT_NORM_NAMES = (
+    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,9 +70,40 @@ def load_deepspeed_cpu_adam() -> type:
     return DeepSpeedCPUAdam
 
 
+class PlainSGD(torch.optim.Optimizer):
+    """Vanilla SGD, θ ← θ − lr·g (SGD-vs-Adam-RLVR, seed_B): no momentum, no adaptive rate, and no
+    per-parameter state at all (`state` stays empty, so checkpoints and snapshots carry none).
+
+    Not `torch.optim.SGD`: its foreach kernel computes θ + (−lr)·g fused, which differs from θ − lr·g
+    in the last bit; here the product is rounded first, so one step equals `p - lr * g` exactly.
+    Weight decay is decoupled, as in AdamW (θ ← θ·(1 − lr·wd) before the step); without momentum
+    that is the same update as L2 decay in the gradient."""
+
+    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        assert closure is None, "PlainSGD takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_sub_(params, torch._foreach_mul([p.grad for p in params], lr))
+
+
 def _make_inner(
     groups: list[dict[str, Any]], cfg: OptimizerConfig, params: list[torch.Tensor]
 ) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        if cfg.backend != "torch":
+            raise ValueError(f"optimizer.name='sgd' has only the torch kernel, not backend={cfg.backend!r}")
+        return PlainSGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name != "adamw":
+        raise ValueError(f"unknown optimizer.name {cfg.name!r} (expected 'adamw' or 'sgd')")
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.backend == "torch":
         return torch.optim.AdamW(
@@ -204,7 +244,8 @@ def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 class ModelParallelAdamW:
-    """AdamW over all trainable params of the model chunks, aware of megatron-core parallelism.
+    """AdamW (or, with `optimizer.name: sgd`, `PlainSGD`) over all trainable params of the model
+    chunks, aware of megatron-core parallelism. Only the inner kernel differs between the two.
 
     Param order (used by state dicts): params with ndim >= 2 first (weight-decayed), then 1-D
     params (biases, norm weights), which get no weight decay; within each, chunk order then
@@ -261,6 +302,7 @@ class ModelParallelAdamW:
         groups = [g for g in groups if g["params"]]
         self.optimizer = _make_inner(groups, cfg, self.main_params)
         self._set_lr(self.scheduler.get_lr())
+        self._update_masks: dict[int, torch.Tensor] = {}  # see set_update_mask
 
     # ---------------------------------------------------------------- training step
 
@@ -303,6 +345,9 @@ class ModelParallelAdamW:
         The scheduler only advances on an update that happened (megatron-core does the same)."""
         lr = self.scheduler.get_lr()
         idx, grads, borrowed = self._collect_grads()
+        for i, g in zip(idx, grads):
+            if i in self._update_masks:
+                g.mul_(self._update_masks[i])  # frozen coordinates: no gradient, in the norm or the moments
         grad_norm = global_grad_norm([self.model_params[i] for i in idx], grads)
         if not math.isfinite(grad_norm):
             logger.warning("non-finite grad norm (%s): skipping the optimizer step", grad_norm)
@@ -315,7 +360,11 @@ class ModelParallelAdamW:
                 torch._foreach_mul_(grads, coeff)
 
         self._set_lr(lr)
+        frozen = {i: self.main_params[i].detach().clone() for i in idx if i in self._update_masks}
         self.optimizer.step()
+        for i, before in frozen.items():  # weight decay moved them: put them back, bit for bit
+            main = self.main_params[i]
+            main.copy_(torch.where(self._update_masks[i], main, before))
 
         masters = [i for i in idx if self._has_master[i]]
         if masters:
@@ -343,6 +392,45 @@ class ModelParallelAdamW:
         for p, main, has in zip(self.model_params, self.main_params, self._has_master):
             if has:
                 main.copy_(p.detach().float())
+
+    # ---------------------------------------------------------------- masked (subnetwork) training
+
+    def set_update_mask(self, masks: dict[int, torch.Tensor]) -> None:
+        """Train only where `masks[i]` (a bool tensor shaped like `model_params[i]`) is True; params
+        without an entry train everywhere. OPD-Sparsity's subnetwork retraining (seed_B): outside the
+        mask the gradient is zeroed before the norm (clipping and the moments never see it), and after
+        the update the coordinates are put back, since weight decay would move them: they stay
+        bit-identical to their values before the first masked step, for any number of steps."""
+        checked: dict[int, torch.Tensor] = {}
+        for i, m in masks.items():
+            p = self.model_params[i]
+            if tuple(m.shape) != tuple(p.shape):
+                raise ValueError(f"update mask {i} has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}")
+            checked[i] = m.to(device=self.main_params[i].device, dtype=torch.bool)
+        self._update_masks = checked
+
+    def load_update_mask(self, path: str, model_chunks: list[torch.nn.Module]) -> None:
+        """`optimizer.update_mask`: a `.pt` file {global megatron name: full bool mask} (written by
+        `mcore-rl diagnose update_sparsity --write-mask`), sliced to this rank's shards."""
+        from mcore_rl.models.shards import iter_local_params, shard_for_rank
+
+        full = torch.load(path, map_location="cpu", weights_only=True)
+        position = {id(p): i for i, p in enumerate(self.model_params)}
+        masks: dict[int, torch.Tensor] = {}
+        for _, name, param in iter_local_params(model_chunks):
+            if id(param) not in position:
+                continue
+            mask = full.get(name)
+            if mask is None:  # megatron's checkpoints name the local spec's norms as TE's fused ones
+                for local, stored in _CHECKPOINT_NORM_NAMES:
+                    if name.endswith(local):
+                        mask = full.get(name[: -len(local)] + stored)
+            if mask is None and name == "output_layer.weight":
+                mask = full.get("embedding.word_embeddings.weight")  # tied embeddings under PP
+            if mask is None:
+                raise KeyError(f"optimizer.update_mask {path} has no mask for {name!r}")
+            masks[position[id(param)]] = shard_for_rank(mask, param, name)
+        self.set_update_mask(masks)
 
     # ---------------------------------------------------------------- in-memory rollback
 
@@ -444,7 +532,10 @@ class ModelParallelAdamW:
 
     def _init_state(self) -> None:
         """Create zero state for params that have none yet, so a sharded state dict has the same
-        structure on every rank and before the first step (what megatron's `init_state_fn` does)."""
+        structure on every rank and before the first step (what megatron's `init_state_fn` does).
+        SGD has no state to create."""
+        if self.cfg.name == "sgd":
+            return
         for m in self.main_params:
             st = self.optimizer.state[m]
             if len(st) == 0:
@@ -463,7 +554,8 @@ class ModelParallelAdamW:
         `model_sharded_state_dict` must be the model's `sharded_state_dict()` (built from the live
         params, i.e. keep_vars semantics, which megatron-core modules do). Keys produced:
         `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>` and, for bf16 params,
-        `optimizer.state.fp32_param.<key>` (the names megatron-core's own optimizers use); `step`
+        `optimizer.state.fp32_param.<key>` (the names megatron-core's own optimizers use; SGD
+        saves no moments, only the masters); `step`
         is saved once as `common_step`; the scheduler position as a common object. Param groups
         are not saved (they come from the current config).
 
@@ -502,7 +594,8 @@ class ModelParallelAdamW:
         optim_state_to_sharding_state(inner, id_map, exclude_keys=("step",))
         inner["state"]["common_step"] = max(steps) if steps else 0
 
-        out: dict[str, Any] = {"optimizer": inner, "scheduler": self.scheduler.state_dict()}
+        # `name` (a common object): which kernel's state this is, so a resume can refuse a mismatch
+        out: dict[str, Any] = {"optimizer": inner, "scheduler": self.scheduler.state_dict(), "name": self.cfg.name}
         masters = {
             i: make_sharded_optimizer_tensor(id_map[i], m, prefix=_FP32_PARAM_PREFIX)
             for i, (m, has) in enumerate(zip(self.main_params, self._has_master))
@@ -532,7 +625,11 @@ def build_optimizer(
     precision: str,
     total_iters: int,
 ) -> ModelParallelAdamW:
-    """AdamW with its LR schedule over `total_iters` updates (usually `train.train_iters`)."""
-    if cfg.name != "adamw":
-        raise ValueError(f"unknown optimizer.name {cfg.name!r} (only 'adamw')")
-    return ModelParallelAdamW(model_chunks, cfg, precision, LRScheduler(cfg, total_iters))
+    """AdamW or SGD (`cfg.name`) with its LR schedule over `total_iters` updates (usually
+    `train.train_iters`)."""
+    if cfg.name not in ("adamw", "sgd"):
+        raise ValueError(f"unknown optimizer.name {cfg.name!r} (expected 'adamw' or 'sgd')")
+    opt = ModelParallelAdamW(model_chunks, cfg, precision, LRScheduler(cfg, total_iters))
+    if cfg.update_mask:
+        opt.load_update_mask(cfg.update_mask, model_chunks)
+    return opt

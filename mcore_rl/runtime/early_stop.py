@@ -1,0 +1,54 @@
+"""Re-Math's early-stopped refresh (seed_B, "A Local Perturbation Theory for Cross-Domain Interference
+and Recovery in Multi-Domain RL"): after sequential multi-domain stages, a short GRPO stage on the
+domain that degraded, stopped as soon as that domain's held-out score stops improving. The paper
+gives no number of steps ("very few, early-stopped") and warns that a long refresh causes new
+interference, so the stop is what matters.
+
+A stage with `stop_patience: P > 0` (the last stage only, since stopping ends the run) watches
+`stop_metric` (default `eval/<the stage's one domain>/score`) at every evaluation made in the stage:
+the first one sets the best score, a later one improves it when it exceeds the best by more than
+`stop_min_delta`, and the run ends after P evaluations in a row without an improvement. The
+evaluation cadence is `eval.interval`; save a checkpoint at each evaluation
+(`checkpoint.save_interval = eval.interval`) to keep the best one (`best_step` in the log). The
+counter is not checkpointed: a resumed refresh starts counting afresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mcore_rl.config.rl_domains import refresh_stop_metric
+
+
+@dataclass
+class PatienceStop:
+    start_step: int  # the stage's first training step (0-based); evals after fewer steps are not its own
+    patience: int
+    metric: str
+    min_delta: float = 0.0
+    best: Optional[float] = None
+    best_step: Optional[int] = None
+    bad: int = 0
+
+    def observe(self, rl_step: int, metrics: dict[str, Any]) -> bool:
+        """An evaluation after `rl_step` steps; True when the run should stop here."""
+        if rl_step < self.start_step or self.metric not in metrics:
+            return False
+        value = float(metrics[self.metric])
+        if self.best is None or value > self.best + self.min_delta:
+            self.best, self.best_step, self.bad = value, rl_step, 0
+            return False
+        self.bad += 1
+        return self.bad >= self.patience
+
+
+def from_config(cfg: Any) -> Optional[PatienceStop]:
+    """The refresh stop of the run's last mixture stage, if it has `stop_patience` (validated before)."""
+    stages = cfg.data.mixture.stages
+    if not stages or stages[-1].stop_patience <= 0:
+        return None
+    last = stages[-1]
+    metric = refresh_stop_metric(last)
+    assert metric is not None, "validation requires a stop metric"
+    return PatienceStop(last.start_step, last.stop_patience, metric, last.stop_min_delta)
