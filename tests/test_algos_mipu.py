@@ -240,8 +240,9 @@ def test_controller_requires_begin_and_counts_only_accepted_if_asked() -> None:
 def test_lr_decay_baseline() -> None:
     assert lr_decay_baseline(50, 1.0, None, 10) == 1.0
     assert [lr_decay_baseline(t, 1.0, 20, 10) for t in (19, 20, 29, 30, 40, 50, 60, 1000)] == [
-        1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.1, 0.1,
+        1.0, 0.5, 0.5, 0.25, 0.125, 0.1, 0.1, 0.1,
     ]
+    assert lr_decay_baseline(35, 1.0, 20, 10, factor=0.25, min_lr=0.01) == 0.25**2
 
 
 def test_step1_correction_is_the_registered_mipu_correction_and_matches_step1_loss() -> None:

@@ -45,6 +45,9 @@ PRESETS: dict[str, list[str]] = {
                 " {start_step: 40, temperature: 1.2}]", "data.drop_solved_above=0.9", "rollout.polaris.rescue=true",
                 "rollout.polaris.substitute=true"],
     "unlikeliness": ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
+    # plain SGD at the median of AdamW's effective per-coordinate rate lr/(sqrt(v̂)+ε) on this task, as the paper
+    # sets it: `mcore-rl diagnose adam_effective_lr` on a 20-step AdamW checkpoint from the weak warm start gave 4.1
+    "sgd": ["optimizer.name=sgd", "optimizer.lr=4.0"],
 }
 COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
           "tab:olive", "tab:cyan"]

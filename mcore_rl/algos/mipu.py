@@ -386,13 +386,15 @@ class MIPUController:
 
 
 def lr_decay_baseline(
-    step: int, base_lr: float, trigger_step: Optional[int], decay_period: int, floor_ratio: float = 0.1
+    step: int, base_lr: float, trigger_step: Optional[int], decay_period: int, floor_ratio: float = 0.1,
+    factor: float = 0.5, min_lr: Optional[float] = None,
 ) -> float:
-    """η0 before the trigger; then η0 · 0.5^floor((t - trigger)/decay_period), floored at
-    floor_ratio · η0 (the first halving happens `decay_period` steps after the trigger)."""
+    """η0 before the trigger; from the trigger on η0 · factor^(floor((t - trigger)/decay_period) + 1),
+    floored at `min_lr` (default floor_ratio · η0). The first decay happens at the trigger itself (the
+    instability signal is a reason to act at once). `optimizer.lr_decay_style: step` is this schedule."""
     if trigger_step is None or step < trigger_step:
         return base_lr
     if decay_period <= 0:
         raise ValueError(f"decay_period must be > 0, got {decay_period}")
-    halvings = (step - trigger_step) // decay_period
-    return max(base_lr * 0.5**halvings, floor_ratio * base_lr)
+    decays = (step - trigger_step) // decay_period + 1
+    return max(base_lr * factor**decays, floor_ratio * base_lr if min_lr is None else min_lr)

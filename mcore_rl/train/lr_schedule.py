@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mcore_rl.algos.mipu import lr_decay_baseline
 from mcore_rl.config.schema import OptimizerConfig
 
 
@@ -54,10 +55,8 @@ class LRScheduler:
         if self.decay_style == "constant":
             return self.max_lr
         if self.decay_style == "step":
-            if step < self.step_start:
-                return self.max_lr
-            decays = (step - self.step_start) // self.step_period + 1
-            return max(self.max_lr * self.step_factor ** decays, self.min_lr)
+            return lr_decay_baseline(step, self.max_lr, self.step_start, self.step_period, factor=self.step_factor,
+                                     min_lr=self.min_lr)
         decay_iters = self.total_iters - self.warmup_iters
         if decay_iters <= 0:
             return self.min_lr
