@@ -51,19 +51,10 @@ class Explorer:
 
     def check(self, tokenizer: Any) -> None:
         """Every engine answers and tokenizes like the policy; else `ExplorerError`."""
-        from mcore_rl.rollout.client import EngineError
-        from mcore_rl.rollout.teacher import check_tokenizer
+        from mcore_rl.rollout.teacher import check_engines
 
-        for url in self.pool.urls:
-            client = self.pool.router.clients[url]
-            try:
-                self.pool._run(client.get_model_info())
-            except EngineError as err:
-                raise ExplorerError(f"rollout.explorer: the explorer engine {url} is unreachable: {err}") from None
-            problem = self.pool._run(check_tokenizer(client, tokenizer))
-            if problem is not None:
-                raise ExplorerError(f"rollout.explorer: the explorer engine {url} does not share the policy's "
-                                    f"tokenizer (data.tokenizer_path): {problem}")
+        check_engines(self.pool, self.pool.urls, tokenizer, "rollout.explorer: the explorer engine", "the policy's",
+                      ExplorerError)
 
     def close(self) -> None:
         self.pool.close()  # also stops the processes it started

@@ -192,18 +192,7 @@ class EngineTeacher:
     def check(self, tokenizer: Any, what: str) -> None:
         """Every engine answers and has the student's tokenizer; else `TeacherError` naming `what`
         (e.g. "teachers[0] (math)") and the engine."""
-        from mcore_rl.rollout.client import EngineError
-
-        for url in self.urls:
-            client = self.pool.router.clients[url]
-            try:
-                self.pool._run(client.get_model_info())
-            except EngineError as err:
-                raise TeacherError(f"{what}: the teacher engine {url} is unreachable: {err}") from None
-            problem = self.pool._run(check_tokenizer(client, tokenizer))
-            if problem is not None:
-                raise TeacherError(f"{what}: the teacher engine {url} does not share the student's tokenizer "
-                                   f"(data.tokenizer_path): {problem}")
+        check_engines(self.pool, self.urls, tokenizer, f"{what}: the teacher engine", "the student's", TeacherError)
 
     # ---- scoring -----------------------------------------------------------------------------
 
@@ -274,6 +263,22 @@ class EngineTeacher:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def check_engines(pool: Any, urls: Sequence[str], tokenizer: Any, who: str, whose: str, error: type) -> None:
+    """Every engine of `pool` at `urls` answers and tokenizes like `tokenizer`; else `error` naming
+    `who` (e.g. "teachers[0] (math): the teacher engine") and the engine, before training starts."""
+    from mcore_rl.rollout.client import EngineError
+
+    for url in urls:
+        client = pool.router.clients[url]
+        try:
+            pool._run(client.get_model_info())
+        except EngineError as err:
+            raise error(f"{who} {url} is unreachable: {err}") from None
+        problem = pool._run(check_tokenizer(client, tokenizer))
+        if problem is not None:
+            raise error(f"{who} {url} does not share {whose} tokenizer (data.tokenizer_path): {problem}")
 
 
 async def check_tokenizer(client: Any, tokenizer: Any) -> Optional[str]:
