@@ -48,6 +48,13 @@ PRESETS: dict[str, list[str]] = {
     # plain SGD at the median of AdamW's effective per-coordinate rate lr/(sqrt(v̂)+ε) on this task, as the paper
     # sets it: `mcore-rl diagnose adam_effective_lr` on a 20-step AdamW checkpoint from the weak warm start gave 4.1
     "sgd": ["optimizer.name=sgd", "optimizer.lr=4.0"],
+    # ablations and a learning-rate sweep (the docs/algorithms.md tables)
+    "edge_eda": ["algorithm.advantage_shaping=[{name: edge_eda}]"],
+    "edge_gec": ["rollout.gec.enabled=true"],
+    "sgd_lr1": ["optimizer.name=sgd", "optimizer.lr=1.0"],
+    "sgd_lr0.3": ["optimizer.name=sgd", "optimizer.lr=0.3"],
+    "w_reinforce_pg": ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}",
+                       "algorithm.policy_loss=reinforce", "algorithm.num_minibatches=1"],
 }
 COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
           "tab:olive", "tab:cyan"]
