@@ -244,11 +244,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     """One analysis of a run or its checkpoints (`mcore_rl.diagnose`): its table, and JSON on request."""
     import json
 
+    from mcore_rl.config import ConfigError
     from mcore_rl.diagnose.report import format_table
 
     try:
         result = args.run_analysis(args)
-    except (FileNotFoundError, ValueError, KeyError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, KeyError) as err:
         print(f"mcore-rl diagnose {args.analysis}: {err}", file=sys.stderr)
         return 2
     print(format_table(result))
