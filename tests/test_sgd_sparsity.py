@@ -19,26 +19,9 @@ import torch
 from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.diagnose import update_sparsity as us
 from mcore_rl.train.optimizer import PlainSGD, build_optimizer
+from tests.test_optimizer import Tiny, _backward
 
 SGD = OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant")
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.fc = torch.nn.Linear(6, 5)
-        self.norm = torch.nn.LayerNorm(5)
-        self.out = torch.nn.Linear(5, 3, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(self.fc(x)))
-
-
-def _backward(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 6, generator=g)
-    (model(x.to(next(model.parameters()).dtype)).float().pow(2).sum() * scale).backward()
 
 
 # ------------------------------------------------------------------------------ SGD step

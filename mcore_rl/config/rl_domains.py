@@ -15,7 +15,7 @@ import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from mcore_rl.config.rules import Errors, need_registered
+from mcore_rl.config.rules import Errors, check_stage_starts, need_registered
 
 if TYPE_CHECKING:
     from mcore_rl.config.rl_schema import DomainConfig, RLConfig
@@ -202,12 +202,9 @@ def literal_choices(fn: Any) -> dict[str, tuple]:
 def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:
     """Stages in order from their start steps, weights over known domains summing to > 0."""
     m, r = cfg.data.mixture, cfg.rollout
-    last = -1
+    check_stage_starts(m.stages, "data.mixture.stages", errors)
     for k, st in enumerate(m.stages):
         key = f"data.mixture.stages[{k}]"
-        errors.need(st.start_step > last, f"{key}.start_step",
-                    f"must be >= 0 and after the previous stage's ({last}), got {st.start_step}")
-        last = max(last, st.start_step)
         unknown = sorted(set(st.weights) - set(names))
         errors.need(not unknown, f"{key}.weights", f"unknown domain(s) {unknown}; the domains are {names}")
         vals = [v for v in st.weights.values()]

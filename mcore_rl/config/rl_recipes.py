@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mcore_rl.config.rules import Errors
+from mcore_rl.config.rules import Errors, check_stage_starts
 
 if TYPE_CHECKING:
     from mcore_rl.config.rl_schema import RLConfig
@@ -20,12 +20,9 @@ if TYPE_CHECKING:
 def check_recipes(cfg: RLConfig, errors: Errors) -> None:
     r, d = cfg.rollout, cfg.data
     sync = r.runtime == "sync"
-    last = -1
+    check_stage_starts(r.temperature_stages, "rollout.temperature_stages", errors)
     for k, st in enumerate(r.temperature_stages):
         key = f"rollout.temperature_stages[{k}]"
-        errors.need(st.start_step > last, f"{key}.start_step",
-                    f"must be >= 0 and after the previous stage's ({last}), got {st.start_step}")
-        last = max(last, st.start_step)
         errors.need(math.isfinite(st.temperature) and st.temperature > 0, f"{key}.temperature",
                     f"must be a finite number > 0, got {st.temperature}")
     if r.temperature_stages:

@@ -572,23 +572,29 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
                 "`domains`")
 
 
+def check_engines_to_start(x: Any, key: str, default_context: int, errors: Errors) -> None:
+    """What an engine teacher and S2L-PO's explorer share: http(s) URLs, or an HF checkpoint with the
+    engines' count, cores, context and threads for the `mcore-rl serve` processes the trainer starts."""
+    for j, url in enumerate(x.urls):
+        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
+    if x.model_path:
+        errors.need(os.path.isfile(os.path.join(x.model_path, "config.json")), f"{key}.model_path",
+                    f"{x.model_path!r} is not an HF checkpoint directory (no config.json)")
+        errors.need(x.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {x.num_engines}")
+        errors.need(not x.engine_cores or len(x.engine_cores) == x.num_engines, f"{key}.engine_cores",
+                    f"needs one entry per engine ({key}.num_engines={x.num_engines}), got {len(x.engine_cores)}")
+        ctx = x.context_length if x.context_length is not None else default_context
+        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
+    errors.need(x.engine_threads is None or x.engine_threads >= 1, f"{key}.engine_threads",
+                f"must be null or >= 1, got {x.engine_threads}")
+
+
 def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: Errors) -> None:
     """URLs of running servers, or a checkpoint to start engines on (not both)."""
     errors.need(bool(t.urls) != bool(t.model_path), f"{key}.urls",
                 "an engine teacher needs either urls (running servers) or model_path (engines the trainer starts), "
                 f"got {'both' if t.urls else 'neither'}")
-    for j, url in enumerate(t.urls):
-        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
-    if t.model_path:
-        errors.need(os.path.isfile(os.path.join(t.model_path, "config.json")), f"{key}.model_path",
-                    f"{t.model_path!r} is not an HF checkpoint directory (no config.json)")
-        errors.need(t.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {t.num_engines}")
-        errors.need(not t.engine_cores or len(t.engine_cores) == t.num_engines, f"{key}.engine_cores",
-                    f"needs one entry per engine ({key}.num_engines={t.num_engines}), got {len(t.engine_cores)}")
-        ctx = t.context_length if t.context_length is not None else r.context_length
-        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
-    errors.need(t.engine_threads is None or t.engine_threads >= 1, f"{key}.engine_threads",
-                f"must be null or >= 1, got {t.engine_threads}")
+    check_engines_to_start(t, key, r.context_length, errors)
     errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")
     errors.need(t.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {t.request_timeout_s}")
 
@@ -605,18 +611,7 @@ def check_explorer(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(not (x.urls and x.model_path), f"{key}.urls",
                 "the explorer needs either urls (running servers) or model_path (engines the trainer starts), got both")
-    for j, url in enumerate(x.urls):
-        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
-    if x.model_path:
-        errors.need(os.path.isfile(os.path.join(x.model_path, "config.json")), f"{key}.model_path",
-                    f"{x.model_path!r} is not an HF checkpoint directory (no config.json)")
-        errors.need(x.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {x.num_engines}")
-        errors.need(not x.engine_cores or len(x.engine_cores) == x.num_engines, f"{key}.engine_cores",
-                    f"needs one entry per engine ({key}.num_engines={x.num_engines}), got {len(x.engine_cores)}")
-        ctx = x.context_length if x.context_length is not None else cfg.rollout.context_length
-        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
-    errors.need(x.engine_threads is None or x.engine_threads >= 1, f"{key}.engine_threads",
-                f"must be null or >= 1, got {x.engine_threads}")
+    check_engines_to_start(x, key, cfg.rollout.context_length, errors)
     errors.need(x.max_running_requests >= 1, f"{key}.max_running_requests",
                 f"must be >= 1, got {x.max_running_requests}")
     errors.need(x.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {x.request_timeout_s}")

@@ -14,7 +14,7 @@ import importlib.util
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
@@ -39,6 +39,16 @@ class Errors:
         """One `ConfigError`, one line per rule, each line once, in the order the rules ran."""
         if self.lines:
             raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(self.lines)))
+
+
+def check_stage_starts(stages: Any, prefix: str, errors: Errors) -> None:
+    """Stages (anything with a `start_step`) start at >= 0, each after the previous one; each error
+    under `prefix[k].start_step`."""
+    last = -1
+    for k, st in enumerate(stages):
+        errors.need(st.start_step > last, f"{prefix}[{k}].start_step",
+                    f"must be >= 0 and after the previous stage's ({last}), got {st.start_step}")
+        last = max(last, st.start_step)
 
 
 def need_positive(errors: Errors, values: list[tuple[str, int]]) -> bool:
