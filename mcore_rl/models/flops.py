@@ -1,0 +1,81 @@
+"""FLOPs of the decoder per token, from the model config alone (no megatron import).
+
+One count serves the MFU in the run metrics and the step-time estimate of `mcore-rl profile`, so
+the two agree. A multiply-add is 2 FLOPs; only matrix products are counted (norms, activations,
+softmax and the router's top-k are a few percent at real sizes and not matmuls). Attention's
+score and value products depend on the context a token attends to: for a causal sequence of
+length s that is (s + 1) / 2 positions on average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore_rl.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """Forward FLOPs of one token, by part (each summed over all layers)."""
+
+    attention_projections: float  # Q, K, V and output projections
+    attention_scores: float  # QK^T and softmax(.)V over the attended context
+    mlp: float  # dense MLPs, routed experts (active ones only), shared experts, router, latent projections
+    output_layer: float  # the LM head
+
+    @property
+    def total(self) -> float:
+        return self.attention_projections + self.attention_scores + self.mlp + self.output_layer
+
+
+def _swiglu(hidden: int, ffn: int) -> float:
+    return 2.0 * 3 * hidden * ffn  # gate, up and down projections
+
+
+def _moe_layer(model: ModelConfig) -> float:
+    h = model.hidden_size
+    expert_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    width = model.moe_latent_size or h  # LatentMoE: routed experts work in the latent space
+    flops = 2.0 * h * model.num_experts  # router
+    flops += model.moe_router_topk * _swiglu(width, expert_ffn)
+    if model.moe_latent_size:
+        flops += 2.0 * 2 * h * model.moe_latent_size  # W_down and W_up
+    if model.moe_shared_expert_intermediate_size:
+        flops += _swiglu(h, model.moe_shared_expert_intermediate_size)
+    return flops
+
+
+def is_moe_layer(model: ModelConfig, layer: int) -> bool:
+    """Whether decoder layer `layer` (0-based) has a MoE MLP; every layer does in a MoE model
+    unless a per-layer pattern (`model.moe_layer_pattern`, when the config has one) says otherwise."""
+    if not model.is_moe:
+        return False
+    pattern = getattr(model, "moe_layer_pattern", None)
+    return bool(pattern[layer]) if pattern else True
+
+
+def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = True) -> ForwardFlops:
+    """Forward FLOPs of one token in a sequence of `seq_len` tokens."""
+    h, L = model.hidden_size, model.num_layers
+    q_dim = model.num_attention_heads * model.head_dim
+    kv_dim = model.num_query_groups * model.head_dim
+    projections = L * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
+    context = (seq_len + 1) / 2.0 if causal else float(seq_len)
+    scores = L * 2.0 * 2 * q_dim * context
+    mlp = sum(_moe_layer(model) if is_moe_layer(model, i) else _swiglu(h, model.ffn_hidden_size) for i in range(L))
+    return ForwardFlops(projections, scores, mlp, 2.0 * h * model.vocab_size)
+
+
+def train_flops_per_token(model: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+    """FLOPs of one trained token: forward + backward (twice the forward: grads of inputs and of
+    weights); full recomputation runs the forward once more, selective only the attention scores."""
+    fwd = forward_flops_per_token(model, seq_len)
+    extra = {"none": 0.0, "full": fwd.total, "selective": fwd.attention_scores}[recompute]
+    return 3.0 * fwd.total + extra
+
+
+def mfu(tokens_per_second_per_device: float, flops_per_token: float, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak."""
+    if peak_flops_per_device <= 0:
+        raise ValueError(f"peak FLOP/s must be > 0, got {peak_flops_per_device}")
+    return tokens_per_second_per_device * flops_per_token / peak_flops_per_device
