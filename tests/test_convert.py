@@ -321,8 +321,11 @@ def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str) -> None:
-    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them."""
+def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str,
+                     attention_mask: torch.Tensor = None, hf_weights_out: str = None) -> None:
+    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them.
+    `attention_mask`: megatron's ([b, 1, s, s], True = masked). `hf_weights_out`: global rank 0 also
+    saves the HF-named weights the weight sync (`iter_hf_weights`) gathers in this layout."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -341,7 +344,7 @@ def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: 
 
     def step(iterator, model):
         batch = next(iterator)
-        output = model(batch["tokens"], batch["position_ids"], None)
+        output = model(batch["tokens"], batch["position_ids"], attention_mask)
 
         def loss(logits):
             got.append(tensor_parallel.gather_from_tensor_model_parallel_region(logits).detach().clone())
@@ -355,6 +358,14 @@ def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: 
         forward_backward(chunks, [batch], forward_only=True, forward_step=step)
     if got and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(got[0], out)
+    if hf_weights_out:
+        import torch.distributed as dist
+
+        from mcore_rl.train.weight_sync import iter_hf_weights
+
+        weights = {name: tensor.clone() for name, tensor in iter_hf_weights(chunks, mc)}
+        if dist.get_rank() == 0:
+            torch.save(weights, hf_weights_out)
 
 
 def _round_trip_world(rank: int, world_size: int, tmp: str, cases: list) -> None:

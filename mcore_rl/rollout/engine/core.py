@@ -906,7 +906,7 @@ def _eos_ids(tokenizer: Any, model: nn.Module) -> set[int]:
     return ids
 
 
-_STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+_STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe", "mistral")
 
 
 def _load_config(path: str):
