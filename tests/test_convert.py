@@ -281,10 +281,13 @@ REMOTE_CASES = {
     "attn_res_block": dataclasses.replace(DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
     "attn_res_full": dataclasses.replace(DENSE, num_layers=4, attn_res="full"),
     "ngram": dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
+    # Qwen2-style q/k/v biases and gated shared expert, Mistral's window, on a Qwen3-MoE (QK-norm): no stock class
+    "qwen2_features": dataclasses.replace(MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48,
+                                          moe_shared_expert_gate=True, sliding_window=6),
 }
 # the HF config field that shows the reference model knows the architecture yet
 _REFERENCE_FIELD = {"latent_moe": "moe_latent_size", "attn_res_block": "attn_res", "attn_res_full": "attn_res",
-                    "ngram": "ngram_orders"}
+                    "ngram": "ngram_orders", "qwen2_features": "shared_expert_gate"}
 
 
 def _reference_supports(case: str) -> bool:

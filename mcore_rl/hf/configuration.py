@@ -2,7 +2,9 @@
 
 `McoreRLQwen3Config` uses the field names of stock `Qwen3Config` / `Qwen3MoeConfig`, so a
 `config.json` written from it reads like a stock one; the only additions are the shared expert
-(`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense.
+(`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense;
+Qwen2 / Qwen2-MoE / Mistral add `qkv_bias` and `sliding_window` (the stock names) and `shared_expert_gate`
+(implied by stock Qwen2-MoE).
 It is written with an explicit `__init__` (the "custom model" style) rather than as a transformers-5
 dataclass, so that remote-code loading also works under transformers 4.x.
 """
@@ -168,7 +170,8 @@ _WINDOWED = ("mistral", "mcore_rl_qwen3")
 
 def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
-    `LlamaConfig`). `mcore_rl.convert.model_config_from_hf` also rejects what it cannot map."""
+    `LlamaConfig`/`Qwen2Config`/`Qwen2MoeConfig`/`MistralConfig`). `mcore_rl.convert.model_config_from_hf`
+    also rejects what it cannot map."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
     except ImportError as err:
