@@ -41,8 +41,7 @@ def _stock_config(kind: str, vocab: int = VOCAB, **overrides):
     if kind == "mistral":
         return MistralConfig(**{"head_dim": 16, "sliding_window": WINDOW, **common})
     return Qwen2MoeConfig(**{**dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, norm_topk_prob=True,
-                                    router_aux_loss_coef=0.01), **common})
+                                    shared_expert_intermediate_size=48, router_aux_loss_coef=0.01), **common})
 
 
 def _stock_model(kind: str, vocab: int = VOCAB, seed: int = 0, **overrides):
@@ -76,6 +75,7 @@ def test_model_configs_and_export_kinds() -> None:
     assert (qwen2.add_qkv_bias, qwen2.qk_layernorm, qwen2.sliding_window, qwen2.kv_channels) == (True, False, None, None)
     assert (moe.arch, moe.add_qkv_bias, moe.moe_shared_expert_gate, moe.moe_shared_expert_intermediate_size) == (
         "qwen3_moe", True, True, 48)
+    assert moe.moe_norm_topk_prob is False  # the stock default: softmax over all experts, keep the top k
     assert (mistral.add_qkv_bias, mistral.qk_layernorm, mistral.sliding_window) == (False, False, WINDOW)
     assert not model_config_from_hf(_stock_config("qwen2_moe", qkv_bias=False)).add_qkv_bias
     assert [export_kind(m) for m in (qwen2, moe, mistral)] == ["qwen2", "qwen2_moe", "mistral"]
@@ -128,9 +128,10 @@ def test_flops_count_the_gate_and_the_window() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "mistral"])
-def test_reference_matches_stock(kind: str) -> None:
-    stock = _stock_model(kind)
+@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("qwen2_moe", {}), ("qwen2_moe", {"norm_topk_prob": True}),
+                                             ("mistral", {})], ids=["qwen2", "qwen2_moe", "qwen2_moe_norm_topk", "mistral"])
+def test_reference_matches_stock(kind: str, overrides: dict) -> None:
+    stock = _stock_model(kind, **overrides)
     ref = _reference_of(stock)
     x = _tokens()
     with torch.no_grad():
