@@ -72,7 +72,8 @@ def test_model_configs_and_export_kinds() -> None:
     from mcore_rl.convert import export_kind, model_config_from_hf
 
     qwen2, moe, mistral = (model_config_from_hf(_stock_config(k)) for k in ("qwen2", "qwen2_moe", "mistral"))
-    assert (qwen2.add_qkv_bias, qwen2.qk_layernorm, qwen2.sliding_window, qwen2.kv_channels) == (True, False, None, None)
+    assert (qwen2.add_qkv_bias, qwen2.qk_layernorm, qwen2.sliding_window) == (True, False, None)
+    assert qwen2.kv_channels is None
     assert (moe.arch, moe.add_qkv_bias, moe.moe_shared_expert_gate, moe.moe_shared_expert_intermediate_size) == (
         "qwen3_moe", True, True, 48)
     assert moe.moe_norm_topk_prob is False  # the stock default: softmax over all experts, keep the top k
@@ -120,7 +121,8 @@ def test_flops_count_the_gate_and_the_window() -> None:
     q_dim, s = mistral.num_attention_heads * mistral.head_dim, 64
     keys = sum(min(i + 1, WINDOW) for i in range(s)) / s  # query i reads min(i + 1, W) keys
     assert forward_flops_per_token(mistral, s).attention_scores == pytest.approx(mistral.num_layers * 4 * q_dim * keys)
-    assert forward_flops_per_token(full, s).attention_scores == pytest.approx(mistral.num_layers * 4 * q_dim * (s + 1) / 2)
+    causal = mistral.num_layers * 4 * q_dim * (s + 1) / 2
+    assert forward_flops_per_token(full, s).attention_scores == pytest.approx(causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +130,11 @@ def test_flops_count_the_gate_and_the_window() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("qwen2_moe", {}), ("qwen2_moe", {"norm_topk_prob": True}),
-                                             ("mistral", {})], ids=["qwen2", "qwen2_moe", "qwen2_moe_norm_topk", "mistral"])
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("qwen2", {}), ("qwen2_moe", {}), ("qwen2_moe", {"norm_topk_prob": True}), ("mistral", {})],
+    ids=["qwen2", "qwen2_moe", "qwen2_moe_norm_topk", "mistral"],
+)
 def test_reference_matches_stock(kind: str, overrides: dict) -> None:
     stock = _stock_model(kind, **overrides)
     ref = _reference_of(stock)

@@ -257,7 +257,7 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
         attention_bias=cfg.attention_bias,
         use_sliding_window=False,
     )
-    if getattr(cfg, "qkv_bias", False) or getattr(cfg, "shared_expert_gate", False) or getattr(cfg, "sliding_window", None):
+    if any(getattr(cfg, key, None) for key in ("qkv_bias", "shared_expert_gate", "sliding_window")):
         return _qwen2_or_mistral_config(cfg, common)
     if not getattr(cfg, "use_qk_norm", True):
         if family == "mistral" and not cfg.is_moe:

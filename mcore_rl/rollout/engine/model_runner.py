@@ -361,7 +361,8 @@ class ModelRunner:
         bias = torch.zeros(b, length, dtype=self.dtype, device=self.device)
         bias.masked_fill_(self._positions[None, :length] > pos[:, None], torch.finfo(self.dtype).min)
         if self.sliding_window:  # cached keys older than the window
-            bias.masked_fill_(self._positions[None, :length] <= pos[:, None] - self.sliding_window, torch.finfo(self.dtype).min)
+            outside = self._positions[None, :length] <= pos[:, None] - self.sliding_window
+            bias.masked_fill_(outside, torch.finfo(self.dtype).min)
         bias = bias[:, None, None].expand(b, self.kv_heads, 1, length).reshape(b * self.kv_heads, 1, length)
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
