@@ -281,10 +281,13 @@ REMOTE_CASES = {
     "attn_res_block": dataclasses.replace(DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
     "attn_res_full": dataclasses.replace(DENSE, num_layers=4, attn_res="full"),
     "ngram": dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
+    # Qwen2-style q/k/v biases and gated shared expert, Mistral's window, on a Qwen3-MoE (QK-norm): no stock class
+    "qwen2_features": dataclasses.replace(MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48,
+                                          moe_shared_expert_gate=True, sliding_window=6),
 }
 # the HF config field that shows the reference model knows the architecture yet
 _REFERENCE_FIELD = {"latent_moe": "moe_latent_size", "attn_res_block": "attn_res", "attn_res_full": "attn_res",
-                    "ngram": "ngram_orders"}
+                    "ngram": "ngram_orders", "qwen2_features": "shared_expert_gate"}
 
 
 def _reference_supports(case: str) -> bool:
@@ -321,8 +324,11 @@ def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str) -> None:
-    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them."""
+def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str,
+                     attention_mask: torch.Tensor = None, hf_weights_out: str = None) -> None:
+    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them.
+    `attention_mask`: megatron's ([b, 1, s, s], True = masked). `hf_weights_out`: global rank 0 also
+    saves the HF-named weights the weight sync (`iter_hf_weights`) gathers in this layout."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -341,7 +347,7 @@ def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: 
 
     def step(iterator, model):
         batch = next(iterator)
-        output = model(batch["tokens"], batch["position_ids"], None)
+        output = model(batch["tokens"], batch["position_ids"], attention_mask)
 
         def loss(logits):
             got.append(tensor_parallel.gather_from_tensor_model_parallel_region(logits).detach().clone())
@@ -355,6 +361,14 @@ def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: 
         forward_backward(chunks, [batch], forward_only=True, forward_step=step)
     if got and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(got[0], out)
+    if hf_weights_out:
+        import torch.distributed as dist
+
+        from mcore_rl.train.weight_sync import iter_hf_weights
+
+        weights = {name: tensor.clone() for name, tensor in iter_hf_weights(chunks, mc)}
+        if dist.get_rank() == 0:
+            torch.save(weights, hf_weights_out)
 
 
 def _round_trip_world(rank: int, world_size: int, tmp: str, cases: list) -> None:

@@ -113,6 +113,18 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_attention(m, errors)
     check_moe(m, errors)
     check_attn_res(m, errors)
+    check_qwen2_mistral(m, errors)
+
+
+def check_qwen2_mistral(m: ModelConfig, errors: Errors) -> None:
+    """Qwen2-MoE's gate scales a shared expert (of the plain MoE block); a window holds >= 1 token."""
+    if m.moe_shared_expert_gate:
+        errors.need(m.is_moe and bool(m.moe_shared_expert_intermediate_size), "model.moe_shared_expert_gate",
+                    "gates the shared expert: needs model.arch=qwen3_moe and moe_shared_expert_intermediate_size")
+        errors.need(m.moe_latent_size is None, "model.moe_shared_expert_gate",
+                    "is not supported together with LatentMoE (model.moe_latent_size)")
+    if m.sliding_window is not None:
+        errors.need(m.sliding_window >= 1, "model.sliding_window", f"must be null or >= 1, got {m.sliding_window}")
 
 
 def check_attention(m: ModelConfig, errors: Errors) -> None:

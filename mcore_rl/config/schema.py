@@ -55,6 +55,10 @@ class ModelConfig:
     attn_res: Literal["none", "full", "block"] = "none"
     attn_res_num_blocks: int = 8  # N for the Block variant
     ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
+    # Qwen2 / Qwen2-MoE / Mistral (issue 13, docs/qwen2_mistral.md)
+    add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
+    moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
+    sliding_window: Optional[int] = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
 
     @property
     def head_dim(self) -> int:

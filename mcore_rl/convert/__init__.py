@@ -1,8 +1,9 @@
 """Hugging Face <-> megatron-core checkpoint conversion: the library behind `mcore-rl convert`.
 
 **hf-to-mcore** reads a local Hugging Face checkpoint (`config.json` + safetensors, one file or an
-index of shards) of a Qwen3, Qwen3-MoE or Llama model (or one this package exported), builds the
-megatron-core model in the requested TP/PP/EP layout on every rank, copies the weights in through
+index of shards) of a Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Qwen2-MoE or Mistral model (or one this
+package exported), builds the megatron-core model in the requested TP/PP/EP layout on every rank, copies
+the weights in through
 `weight_map.hf_to_megatron` + `shards.load_full_state_dict` and writes a *model-only* distributed
 checkpoint in the format `mcore_rl.train.checkpoint` writes (`<out>/iter_0000000/`, `<out>/latest`).
 Each rank reads only the tensors of its own layers and experts. Next to it: `hf_assets/` (tokenizer,
@@ -15,6 +16,8 @@ sync uses) and writes a Hugging Face checkpoint:
 
 - stock architectures to stock `transformers` classes: dense with QK-norm -> `Qwen3ForCausalLM`,
   dense without -> `LlamaForCausalLM`, MoE with QK-norm and no shared expert -> `Qwen3MoeForCausalLM`;
+  without QK-norm: q/k/v biases -> `Qwen2ForCausalLM`, MoE with a gated shared expert ->
+  `Qwen2MoeForCausalLM`, a sliding window (or a Mistral source) -> `MistralForCausalLM`;
 - everything else (LatentMoE, AttnRes, n-gram embeddings, shared experts, MoE without QK-norm, and
   any future field the stock configs cannot express) -> our remote-code model: `config.json` with
   `model_type: mcore_rl_qwen3` and an `auto_map`, plus the modeling files of `mcore_rl/hf/` that

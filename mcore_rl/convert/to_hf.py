@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
-STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM"}
 REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
 REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
@@ -34,12 +35,15 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def export_kind(mc: "ModelConfig") -> str:
-    """'qwen3' | 'qwen3_moe' | 'llama' (stock transformers classes) or 'remote' (our modeling code).
+def export_kind(mc: "ModelConfig", family: Optional[str] = None) -> str:
+    """'qwen3' | 'qwen3_moe' | 'llama' | 'qwen2' | 'qwen2_moe' | 'mistral' (stock transformers
+    classes) or 'remote' (our modeling code).
 
     Stock only when the stock config expresses the whole model: converting our HF config to the
     stock one and back must lose nothing, so any field a stock config lacks (today's LatentMoE,
-    AttnRes and n-gram fields, or tomorrow's) selects the remote-code model.
+    AttnRes and n-gram fields, or tomorrow's) selects the remote-code model. `family` (the source
+    checkpoint's model_type) picks between stock classes that compute the same model (Mistral
+    without a window is Llama).
     """
     from mcore_rl.hf.configuration import (
         hf_config_from_model_config,
@@ -51,7 +55,7 @@ def export_kind(mc: "ModelConfig") -> str:
         return REMOTE
     ours = hf_config_from_model_config(mc)
     try:
-        stock = to_stock_hf_config(ours)
+        stock = to_stock_hf_config(ours, family)
     except ValueError:
         return REMOTE
     back = hf_config_from_model_config(model_config_from_hf_config(stock))
@@ -66,7 +70,8 @@ def export_config(
     """The HF config to write, and the export kind (see `export_kind`)."""
     from mcore_rl.hf.configuration import hf_config_from_model_config, to_stock_hf_config
 
-    kind = export_kind(mc)
+    family = (source or {}).get("model_type")
+    kind = export_kind(mc, family)
     ours = hf_config_from_model_config(mc)
     if kind == REMOTE:
         cfg = ours
@@ -77,7 +82,7 @@ def export_config(
             "AutoModelForCausalLM": f"modeling.{REMOTE_MODEL_CLASS}",
         }
     else:
-        cfg = to_stock_hf_config(ours)
+        cfg = to_stock_hf_config(ours, family)
         cfg.architectures = [STOCK_CLASSES[kind]]
     for key in _CARRIED_FIELDS:
         if source and source.get(key) is not None:

@@ -2,7 +2,9 @@
 
 `McoreRLQwen3Config` uses the field names of stock `Qwen3Config` / `Qwen3MoeConfig`, so a
 `config.json` written from it reads like a stock one; the only additions are the shared expert
-(`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense.
+(`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense;
+Qwen2 / Qwen2-MoE / Mistral add `qkv_bias` and `sliding_window` (the stock names) and `shared_expert_gate`
+(implied by stock Qwen2-MoE).
 It is written with an explicit `__init__` (the "custom model" style) rather than as a transformers-5
 dataclass, so that remote-code loading also works under transformers 4.x.
 """
@@ -58,6 +60,9 @@ class McoreRLQwen3Config(PretrainedConfig):
         ngram_orders: Optional[list[int]] = None,
         ngram_table_size: int = 0,
         ngram_num_slices: int = 1,
+        qkv_bias: bool = False,
+        shared_expert_gate: bool = False,
+        sliding_window: Optional[int] = None,
         use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -100,6 +105,11 @@ class McoreRLQwen3Config(PretrainedConfig):
                              f"< 2^31 (got {ngram_table_size}) and ngram_num_slices >= 1 (got {ngram_num_slices})")
         self.ngram_table_size = ngram_table_size
         self.ngram_num_slices = ngram_num_slices
+        # Qwen2 / Qwen2-MoE / Mistral: biases on q/k/v only (attention_bias also biases o_proj), the
+        # shared expert scaled by sigmoid(shared_expert_gate(x)), attention to the last sliding_window tokens.
+        self.qkv_bias = qkv_bias
+        self.shared_expert_gate = bool(shared_expert_gate and num_experts and self.shared_expert_intermediate_size)
+        self.sliding_window = sliding_window or None
         self.use_cache = use_cache
         # Passed through kwargs: transformers 4.x resets tie_word_embeddings in its own __init__.
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -145,18 +155,30 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         ngram_orders=list(mc.ngram.orders),
         ngram_table_size=mc.ngram.table_size,
         ngram_num_slices=mc.ngram.num_slices,
+        qkv_bias=mc.add_qkv_bias,
+        shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
+        sliding_window=mc.sliding_window,
     )
+
+
+# Stock families without QK-norm (Qwen3 and Qwen3-MoE always have it), and what each one implies.
+_NO_QK_NORM = ("llama", "qwen2", "qwen2_moe", "mistral")
+# Families whose config keeps sliding_window only to describe a window it applies (Qwen2's needs
+# use_sliding_window, refused by `unsupported_stock_fields`).
+_WINDOWED = ("mistral", "mcore_rl_qwen3")
 
 
 def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
-    `LlamaConfig`). `mcore_rl.convert.model_config_from_hf` also rejects what it cannot map."""
+    `LlamaConfig`/`Qwen2Config`/`Qwen2MoeConfig`/`MistralConfig`). `mcore_rl.convert.model_config_from_hf`
+    also rejects what it cannot map."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
     num_experts = getattr(hf, "num_experts", 0) or 0
+    model_type = getattr(hf, "model_type", None)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope_theta = getattr(hf, "rope_theta", None)
@@ -175,7 +197,7 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
         max_position_embeddings=hf.max_position_embeddings,
         norm_epsilon=hf.rms_norm_eps,
         # Llama has no QK-norm; our config says so explicitly; stock Qwen3 / Qwen3-MoE always have it.
-        qk_layernorm=bool(getattr(hf, "use_qk_norm", getattr(hf, "model_type", None) != "llama")),
+        qk_layernorm=bool(getattr(hf, "use_qk_norm", model_type not in _NO_QK_NORM)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         init_method_std=getattr(hf, "initializer_range", 0.02),
         num_experts=num_experts,
@@ -195,14 +217,22 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
             table_size=getattr(hf, "ngram_table_size", 0) or 0,
             num_slices=getattr(hf, "ngram_num_slices", 1) or 1,
         ),
+        # Qwen2 always has q/k/v biases; Qwen2-MoE says so in qkv_bias and always gates its shared expert.
+        add_qkv_bias=bool(getattr(hf, "qkv_bias", model_type == "qwen2")),
+        moe_shared_expert_gate=bool(getattr(hf, "shared_expert_gate", model_type == "qwen2_moe")
+                                    and num_experts and getattr(hf, "shared_expert_intermediate_size", 0)),
+        sliding_window=(getattr(hf, "sliding_window", None) or None) if model_type in _WINDOWED else None,
     )
 
 
-def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
+def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) -> PretrainedConfig:
     """A stock `transformers.Qwen3Config` (dense), `Qwen3MoeConfig` (MoE) or, without QK-norm,
-    `LlamaConfig` (dense) with the same model.
+    `LlamaConfig` (dense) with the same model; with q/k/v biases or a gated shared expert
+    `Qwen2Config` / `Qwen2MoeConfig`, with a sliding window `MistralConfig`.
 
-    Stock Qwen3-MoE has no shared expert, so a config with one has no stock equivalent.
+    Stock Qwen3-MoE has no shared expert, so a config with one has no stock equivalent (Qwen2-MoE's
+    is gated). `family="mistral"` picks `MistralConfig` for a Llama-shaped model without a window
+    (the two are the same model; the source checkpoint's model_type tells which it was).
     """
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -227,7 +257,11 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
         attention_bias=cfg.attention_bias,
         use_sliding_window=False,
     )
+    if any(getattr(cfg, key, None) for key in ("qkv_bias", "shared_expert_gate", "sliding_window")):
+        return _qwen2_or_mistral_config(cfg, common)
     if not getattr(cfg, "use_qk_norm", True):
+        if family == "mistral" and not cfg.is_moe:
+            return _qwen2_or_mistral_config(cfg, common)
         if cfg.is_moe:
             raise ValueError("MoE without QK-norm has no stock transformers equivalent")
         del common["use_sliding_window"]
@@ -250,6 +284,39 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     )
 
 
+def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) -> PretrainedConfig:
+    """`to_stock_hf_config` for Qwen2 (dense, q/k/v biases), Qwen2-MoE (gated shared expert) and
+    Mistral (no biases, optional sliding window); all three have no QK-norm."""
+    from transformers import MistralConfig, Qwen2Config, Qwen2MoeConfig
+
+    bias, gate, window = cfg.qkv_bias, cfg.shared_expert_gate, cfg.sliding_window
+    if cfg.use_qk_norm or cfg.attention_bias or getattr(cfg, "moe_latent_size", None):
+        raise ValueError("Qwen2 / Qwen2-MoE / Mistral have no QK-norm, o_proj bias or LatentMoE")
+    common = {k: v for k, v in common.items() if k not in ("attention_bias", "use_sliding_window")}
+    if not cfg.is_moe and not bias:
+        return MistralConfig(**common, sliding_window=window)
+    if window:
+        raise ValueError("sliding_window: stock Qwen2 / Qwen2-MoE apply a window per layer (max_window_layers)")
+    if cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads:
+        del common["head_dim"]  # Qwen2 configs have no head_dim field; write one only when it differs
+    if not cfg.is_moe:
+        return Qwen2Config(**common)
+    if not (gate and cfg.shared_expert_intermediate_size):
+        raise ValueError("stock Qwen2-MoE always has a shared expert with a gate")
+    return Qwen2MoeConfig(
+        **common,
+        qkv_bias=bias,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
 def unsupported_stock_fields(hf: Any) -> list[str]:
     """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference and megatron models cannot
     compute, one `field=value: reason` line each (the converter and the engine refuse on these)."""
@@ -263,8 +330,9 @@ def unsupported_stock_fields(hf: Any) -> list[str]:
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
             problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
             break
-    if getattr(hf, "use_sliding_window", False):
-        problems.append("use_sliding_window=true: sliding-window attention is not supported")
+    if getattr(hf, "use_sliding_window", False):  # Qwen2 / Qwen3: a window on some layers only
+        problems.append("use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
+                        "supported (a window on every layer is: Mistral's sliding_window)")
     if getattr(hf, "mlp_only_layers", None):
         problems.append(f"mlp_only_layers={hf.mlp_only_layers}: mixed dense/MoE layers are not supported")
     if (getattr(hf, "decoder_sparse_step", 1) or 1) != 1:

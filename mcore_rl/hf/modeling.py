@@ -15,6 +15,8 @@ Parameter names are exactly those of stock HF Qwen3 / Qwen3-MoE *checkpoints*::
     MoE:   model.layers.{i}.mlp.gate.weight                          (router, [E, hidden])
            model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight
            model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight  (optional; not in stock Qwen3-MoE)
+           model.layers.{i}.mlp.shared_expert_gate.weight [1, hidden]     (Qwen2-MoE's gate, optional)
+    Qwen2 (qkv_bias): + model.layers.{i}.self_attn.{q,k,v}_proj.bias; Mistral (sliding_window): no new weights
     LatentMoE (latent_moe.py): + model.layers.{i}.mlp.fc1_latent_proj.weight [l, hidden] (W_down),
            model.layers.{i}.mlp.fc2_latent_proj.weight [hidden, l] (W_up); experts work in l
     AttnRes (attn_res.py): + model.layers.{i}.{attn_res,mlp_res}.{query,norm.weight} and
@@ -135,10 +137,11 @@ class Qwen3ReferenceAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
         bias = config.attention_bias
+        qkv_bias = bias or getattr(config, "qkv_bias", False)  # Qwen2: q/k/v biases, none on o_proj
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         if getattr(config, "use_qk_norm", True):
             self.q_norm: nn.Module = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -174,7 +177,8 @@ class Qwen3ReferenceAttention(nn.Module):
 
 
 class Qwen3ReferenceSparseMoeBlock(nn.Module):
-    """Router + experts (+ optional ungated shared expert): y = sum_k p_k * expert_k(x) + shared(x)."""
+    """Router + experts (+ optional shared expert): y = sum_k p_k * expert_k(x) + g(x) * shared(x),
+    g = 1, or sigmoid(shared_expert_gate(x)) with `shared_expert_gate` (Qwen2-MoE)."""
 
     def __init__(self, config: McoreRLQwen3Config) -> None:
         super().__init__()
@@ -188,6 +192,8 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
+        gated = shared and getattr(config, "shared_expert_gate", False)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.routing = RoutingTap()  # routing replay: record / force the experts (layers.py)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +202,10 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         logits = self.gate(x)
         out = self.routing.dispatch(x, logits, self.experts, self.topk, self.norm_topk_prob)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)
 
 
@@ -234,12 +243,16 @@ class Qwen3ReferenceDecoderLayer(nn.Module):
 
 
 def _allowed_mask(
-    attention_mask: Optional[torch.Tensor], s: int, past_len: int, device: torch.device
+    attention_mask: Optional[torch.Tensor], s: int, past_len: int, device: torch.device,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Boolean [b|1, 1, s, past_len+s]: True where query (at past_len+i) may attend key j."""
+    """Boolean [b|1, 1, s, past_len+s]: True where query (at past_len+i) may attend key j; with a
+    `sliding_window` W only the W keys j > i - W (HF's window, counted in cache positions)."""
     q = torch.arange(past_len, past_len + s, device=device)[:, None]
     k = torch.arange(past_len + s, device=device)[None, :]
     allowed = (k <= q)[None, None]
+    if sliding_window:
+        allowed = allowed & (k > q - sliding_window)[None, None]
     if attention_mask is None:
         return allowed
     if attention_mask.dim() == 2:
@@ -326,7 +339,8 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
             ngram_context = getattr(past_key_values, "ngram_context", None)
         x = self.embed(input_ids, position_ids, ngram_context)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device)
+        window = getattr(self.config, "sliding_window", None)
+        allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device, window)
         presents: KVCache = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
         if self.final_res is not None:  # AttnRes: attention over depth instead of residual sums

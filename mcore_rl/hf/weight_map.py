@@ -42,6 +42,7 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",  # Qwen2-MoE [1, hidden], replicated
     # LatentMoE W_down [l, d] / W_up [d, l]: duplicated on TP ranks, same name on both sides
     "mlp.fc1_latent_proj.weight": "mlp.fc1_latent_proj.weight",
     "mlp.fc2_latent_proj.weight": "mlp.fc2_latent_proj.weight",
@@ -76,12 +77,13 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
     prefix = f"model.layers.{layer}."
     if rest in _LAYER_DIRECT:
         return [(prefix + _LAYER_DIRECT[rest], tensor)]
-    if rest == "self_attention.linear_qkv.weight":
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # bias: Qwen2
+        leaf = rest.rsplit(".", 1)[1]
         q, k, v = split_qkv(tensor, mc)
         return [
-            (prefix + "self_attn.q_proj.weight", q),
-            (prefix + "self_attn.k_proj.weight", k),
-            (prefix + "self_attn.v_proj.weight", v),
+            (prefix + f"self_attn.q_proj.{leaf}", q),
+            (prefix + f"self_attn.k_proj.{leaf}", k),
+            (prefix + f"self_attn.v_proj.{leaf}", v),
         ]
     if rest == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
@@ -125,6 +127,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
             hf[p + "self_attn.v_proj.weight"], mc,
         )
+        if mc.add_qkv_bias:  # Qwen2: fused like the weight rows, so each TP rank gets its groups' biases
+            out[q + "self_attention.linear_qkv.bias"] = merge_qkv(
+                hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"], hf[p + "self_attn.v_proj.bias"], mc,
+            )
         out[q + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
         if mc.qk_layernorm:
             out[q + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
@@ -151,6 +157,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
                 [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0
             )
             out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
+            if mc.moe_shared_expert_gate:  # Qwen2-MoE
+                out[ms + "gate_weight"] = hf[p + "mlp.shared_expert_gate.weight"]
     out.update(_ngram_hf_to_megatron(hf, mc))
     return out
 

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import attn_res, megatron_fixes
+from mcore_rl.models import attn_res, megatron_fixes, sliding_window
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 
@@ -42,6 +42,7 @@ def transformer_config(
             moe_router_dtype="fp32",
             moe_permute_fusion=False,
             moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
+            moe_shared_expert_gate=model.moe_shared_expert_gate,  # Qwen2-MoE
         )
     recompute_kwargs: dict = {}
     if recompute == "full":
@@ -64,7 +65,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model.add_qkv_bias,  # Qwen2
+        window_size=sliding_window.window_size(model),  # Mistral
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -110,6 +112,7 @@ def build_model(
     Requires `mcore_rl.parallel.setup.init_model_parallel` to have run.
     """
     megatron_fixes.apply()
+    sliding_window.apply()  # windowed attention keeps the packed-document mask
     config = config or transformer_config(model, parallel, precision, recompute)
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []

@@ -42,6 +42,8 @@ def _moe_layer(model: ModelConfig) -> float:
         flops += 2.0 * 2 * h * model.moe_latent_size  # W_down and W_up
     if model.moe_shared_expert_intermediate_size:
         flops += _swiglu(h, model.moe_shared_expert_intermediate_size)
+        if model.moe_shared_expert_gate:  # Qwen2-MoE: x . w_gate, w_gate [1, h]
+            flops += 2.0 * h
     return flops
 
 
@@ -60,10 +62,20 @@ def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = Tru
     q_dim = model.num_attention_heads * model.head_dim
     kv_dim = model.num_query_groups * model.head_dim
     projections = L * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
-    context = (seq_len + 1) / 2.0 if causal else float(seq_len)
+    context = _attended_context(seq_len, causal, model.sliding_window)
     scores = L * 2.0 * 2 * q_dim * context
     mlp = sum(_moe_layer(model) if is_moe_layer(model, i) else _swiglu(h, model.ffn_hidden_size) for i in range(L))
     return ForwardFlops(projections, scores, mlp, 2.0 * h * model.vocab_size)
+
+
+def _attended_context(seq_len: int, causal: bool, window: "int | None") -> float:
+    """Mean number of keys a query attends to: (s + 1) / 2 causal, s bidirectional; with a sliding
+    window W (causal) query i reads min(i + 1, W) keys."""
+    if not causal:
+        return float(seq_len)
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2.0
+    return (window * (window + 1) / 2.0 + (seq_len - window) * window) / seq_len
 
 
 def train_flops_per_token(model: ModelConfig, seq_len: int, recompute: str = "none") -> float:

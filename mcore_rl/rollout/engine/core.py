@@ -259,9 +259,9 @@ class EngineCore:
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
         *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
-        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama`. `load_format="dummy"`
-        (SGLang's name) keeps the random initialisation and reads no weight file: config.json is
-        all the directory needs, and a weight update brings the real weights."""
+        embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama` / `qwen2` / `qwen2_moe` /
+        `mistral`. `load_format="dummy"` (SGLang's name) keeps the random initialisation and reads no
+        weight file: config.json is all the directory needs, and a weight update brings the real weights."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
         from mcore_rl.hf import Qwen3ReferenceForCausalLM
@@ -906,7 +906,7 @@ def _eos_ids(tokenizer: Any, model: nn.Module) -> set[int]:
     return ids
 
 
-_STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+_STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe", "mistral")
 
 
 def _load_config(path: str):

@@ -35,6 +35,9 @@ Every architecture the trainer supports:
   [slots, n_max - 1] tensor that decode passes as `ngram_context`, shifts by one token per step and
   that moves with the slot's KV (`move`);
 * attention without QK-norm (`use_qk_norm=False`, Llama): q and k go straight to RoPE.
+* q/k/v biases (Qwen2, `qkv_bias`) ride in the fused QKV GEMM; a gated shared expert (Qwen2-MoE) runs
+  in the reference MoE block; a sliding window (Mistral, `sliding_window` W) masks keys older than
+  W - 1 positions in prefill and decode, as the reference's `_allowed_mask` does.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class ModelRunner:
         self.scale = self.head_dim**-0.5
         self.dtype, self.device = dtype, device
         self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", True))
+        self.sliding_window = getattr(cfg, "sliding_window", None)  # Mistral: keys j > i - W only
         self.attn_res = getattr(cfg, "attn_res", "none") != "none"
         ngram = getattr(model.model, "ngram_embeddings", None)
         self.ngram_context_size = ngram.context_size if ngram is not None else 0
@@ -328,6 +332,8 @@ class ModelRunner:
         lens = torch.tensor([len(t) for t in prompts], device=self.device)
         pos = self._positions[:s]
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [b, s, s]
+        if self.sliding_window:
+            allowed = allowed & (pos[None, :] > pos[:, None] - self.sliding_window)[None]
         bias = self._mask_bias(allowed)
         cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
         if self.ngram_context is not None:
@@ -354,6 +360,9 @@ class ModelRunner:
         # [b*KV, 1, length]: the G query heads of a KV head share their row (baddbmm broadcasts it)
         bias = torch.zeros(b, length, dtype=self.dtype, device=self.device)
         bias.masked_fill_(self._positions[None, :length] > pos[:, None], torch.finfo(self.dtype).min)
+        if self.sliding_window:  # cached keys older than the window
+            outside = self._positions[None, :length] <= pos[:, None] - self.sliding_window
+            bias.masked_fill_(outside, torch.finfo(self.dtype).min)
         bias = bias[:, None, None].expand(b, self.kv_heads, 1, length).reshape(b * self.kv_heads, 1, length)
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
