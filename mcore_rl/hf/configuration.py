@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from transformers import PretrainedConfig
 
+from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
+
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig
@@ -59,6 +61,8 @@ class McoreRLQwen3Config(PretrainedConfig):
         ngram_table_size: int = 0,
         ngram_num_slices: int = 1,
         use_cache: bool = True,
+        rope_parameters: Optional[dict] = None,
+        rope_scaling: Optional[dict] = None,
         **kwargs: Any,
     ) -> None:
         if hidden_act != "silu":
@@ -72,7 +76,10 @@ class McoreRLQwen3Config(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.hidden_act = hidden_act
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
+        # RoPE scaling (rope.py): either spelling; transformers 5 keeps rope_theta inside rope_parameters
+        rope_parameters = dict(rope_parameters or rope_scaling or {}) or None
+        self.rope_theta = (rope_parameters or {}).get("rope_theta", rope_theta)
+        self.rope_parameters = rope_parameters
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.attention_bias = attention_bias
@@ -145,14 +152,16 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         ngram_orders=list(mc.ngram.orders),
         ngram_table_size=mc.ngram.table_size,
         ngram_num_slices=mc.ngram.num_slices,
+        rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
     )
 
 
-def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
+def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = None) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
-    `LlamaConfig`). `mcore_rl.convert.model_config_from_hf` also rejects what it cannot map."""
+    `LlamaConfig`). `mcore_rl.convert.model_config_from_hf` also rejects what it cannot map.
+    `rope_key`: how the source file spells RoPE (`rope.rope_key_in_file`), kept for export."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
-        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig, RopeScalingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
@@ -195,6 +204,7 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
             table_size=getattr(hf, "ngram_table_size", 0) or 0,
             num_slices=getattr(hf, "ngram_num_slices", 1) or 1,
         ),
+        rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
     )
 
 
@@ -226,6 +236,8 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
         tie_word_embeddings=cfg.tie_word_embeddings,
         attention_bias=cfg.attention_bias,
         use_sliding_window=False,
+        # the 4.x keyword, which transformers 5 also takes (with rope_theta beside it)
+        rope_scaling={k: v for k, v in (rope_scaling_of(cfg) or {}).items() if k != "rope_theta"} or None,
     )
     if not getattr(cfg, "use_qk_norm", True):
         if cfg.is_moe:
@@ -250,19 +262,26 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     )
 
 
-def unsupported_stock_fields(hf: Any) -> list[str]:
+def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[str]:
     """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference and megatron models cannot
-    compute, one `field=value: reason` line each (the converter and the engine refuse on these)."""
+    compute, one `field=value: reason` line each (the converter and the engine refuse on these).
+    `rope_key` names the RoPE key as the user's file spells it (`rope.rope_key_in_file`)."""
     problems = []
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if getattr(hf, "mlp_bias", False):
         problems.append("mlp_bias=true: MLP biases are not supported")
-    for attr in ("rope_parameters", "rope_scaling"):
+    for attr in ROPE_KEYS:
         rope = getattr(hf, attr, None)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-            problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
+        if isinstance(rope, dict) and rope:
+            key = rope_key or attr
+            if rope_type_of(rope) not in SUPPORTED_ROPE_TYPES:
+                problems.append(f"{key}.rope_type={rope_type_of(rope)!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
+            if rope.get("partial_rotary_factor", 1.0) != 1.0:
+                problems.append(f"{key}.partial_rotary_factor={rope['partial_rotary_factor']}: only full RoPE is supported")
             break
+    if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0):
+        problems.append(f"partial_rotary_factor={hf.partial_rotary_factor}: only full RoPE is supported")
     if getattr(hf, "use_sliding_window", False):
         problems.append("use_sliding_window=true: sliding-window attention is not supported")
     if getattr(hf, "mlp_only_layers", None):
