@@ -31,7 +31,10 @@ LINEAR = RopeScalingConfig(type="linear", factor=4.0)
 YARN = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=8)
 # an explicit attention factor and unrounded ramp bounds: megatron-core's mscale path
 YARN_ATTENTION = dataclasses.replace(YARN, attention_factor=1.3, beta_fast=16.0, truncate=False)
-BASE = ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, max_position_embeddings=64)
+# A small RoPE base and a large init: most frequencies turn within 16 positions and attention is
+# sharp, so the scaling moves the loss well beyond the parity tolerance.
+BASE = ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, max_position_embeddings=64,
+                   rotary_base=100.0, init_method_std=0.2)
 LLAMA = dataclasses.replace(BASE, qk_layernorm=False)
 
 
@@ -206,7 +209,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         batches = _global_batch(mc.vocab_size)
         ref = _reference(mc, batches)
         plain = _reference(dataclasses.replace(mc, rope_scaling=RopeScalingConfig()), batches)
-        assert abs(ref[0] - plain[0]) > 1e-4 * abs(ref[0]), (mc.rope_scaling, ref[0], plain[0])
+        assert abs(ref[0] - plain[0]) > 1e-3 * abs(ref[0]), (mc.rope_scaling, ref[0], plain[0])
         for pc in layouts:
             _check_layout(mc, pc, batches, ref)
 
