@@ -100,7 +100,7 @@ def test_engine_greedy_tokens_equal_stock_generate(tmp_path) -> None:
     stock = _stock("llama", STOCK_CASES["llama3"][1])
     stock.save_pretrained(tmp_path)
     engine = EngineCore.from_model_path(str(tmp_path), context_length=128)
-    prompt = [5, 17, 33, 2 + 40, 8, 61, 90, 3]
+    prompt = [5, 17, 33, 42, 8, 61, 90, 3]
     engine.add_request(Request("g", list(prompt), SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)))
     out = None
     while engine.has_work():
@@ -111,7 +111,11 @@ def test_engine_greedy_tokens_equal_stock_generate(tmp_path) -> None:
         want = stock.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out is not None and out.output_ids == want
-    assert len(set(want)) > 3  # not a degenerate repetition
+    plain = _stock("llama", {"rope_type": "default"})  # same weights, plain RoPE: other tokens
+    with torch.no_grad():
+        other = plain.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert other != want and len(set(want)) > 3
 
 
 # ---- config and conversion errors ----------------------------------------------------------------

@@ -275,10 +275,11 @@ def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[st
         rope = getattr(hf, attr, None)
         if isinstance(rope, dict) and rope:
             key = rope_key or attr
-            if rope_type_of(rope) not in SUPPORTED_ROPE_TYPES:
-                problems.append(f"{key}.rope_type={rope_type_of(rope)!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
-            if rope.get("partial_rotary_factor", 1.0) != 1.0:
-                problems.append(f"{key}.partial_rotary_factor={rope['partial_rotary_factor']}: only full RoPE is supported")
+            kind, partial = rope_type_of(rope), rope.get("partial_rotary_factor", 1.0)
+            if kind not in SUPPORTED_ROPE_TYPES:
+                problems.append(f"{key}.rope_type={kind!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
+            if partial != 1.0:
+                problems.append(f"{key}.partial_rotary_factor={partial}: only full RoPE is supported")
             break
     if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0):
         problems.append(f"partial_rotary_factor={hf.partial_rotary_factor}: only full RoPE is supported")
