@@ -118,6 +118,19 @@ def test_engine_greedy_tokens_equal_stock_generate(tmp_path) -> None:
     assert other != want and len(set(want)) > 3
 
 
+def test_trainer_started_engines_get_the_scaling(tmp_path) -> None:
+    """`mcore-rl serve` engines of the trainer read the model from a written config.json."""
+    from mcore_rl.hf.rope import hf_rope_dict, rope_scaling_of
+    from mcore_rl.rollout.engine.core import _load_config
+    from mcore_rl.rollout.engine_processes import write_model_dir
+
+    for scaling in (LLAMA3, LINEAR, YARN_ATTENTION):
+        mc = dataclasses.replace(BASE, rope_scaling=scaling)
+        config = _load_config(write_model_dir(mc, str(tmp_path / scaling.type)))
+        got = {k: v for k, v in rope_scaling_of(config).items() if k != "rope_theta"}
+        assert got == hf_rope_dict(scaling, mc.max_position_embeddings) and config.rope_theta == 100.0
+
+
 # ---- config and conversion errors ----------------------------------------------------------------
 
 

@@ -74,6 +74,18 @@ def respell_rope(config: dict[str, Any], key: str) -> dict[str, Any]:
     return out
 
 
+def respell_rope_in_file(path: str, key: str) -> None:
+    """Rewrite a written `config.json` in the RoPE spelling `key` (`respell_rope`); a no-op for
+    'rope_parameters' (what transformers 5 writes)."""
+    if key == "rope_parameters":
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(respell_rope(config, key), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -186,15 +198,3 @@ def rope_scaling_fields(config: Any, hf_key: Optional[str] = None) -> dict[str, 
         if value is not None:
             fields[name] = _CAST.get(name, float)(value)
     return fields
-
-
-def respell_rope_in_file(path: str, key: str) -> None:
-    """Rewrite a written `config.json` in the RoPE spelling `key` (`respell_rope`); a no-op for
-    'rope_parameters' (what transformers 5 writes)."""
-    if key == "rope_parameters":
-        return
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(respell_rope(config, key), f, indent=2, sort_keys=True)
-        f.write("\n")
