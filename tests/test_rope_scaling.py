@@ -67,7 +67,7 @@ STOCK_CASES = {
 
 @pytest.mark.parametrize("case", list(STOCK_CASES))
 def test_reference_logits_equal_stock_transformers(case) -> None:
-    from mcore_rl.convert import model_config_from_hf
+    from mcore_rl.convert import export_kind, model_config_from_hf
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
     from mcore_rl.hf.configuration import to_stock_hf_config
 
@@ -76,7 +76,8 @@ def test_reference_logits_equal_stock_transformers(case) -> None:
     mc = model_config_from_hf(stock.config)
     assert mc.rope_scaling.type == scaling["rope_type"] and mc.rope_scaling.factor == scaling["factor"]
     ours = hf_config_from_model_config(mc)
-    again = to_stock_hf_config(ours)  # what export writes: the same scaling
+    again = to_stock_hf_config(ours)  # what export writes: the stock class, the same scaling
+    assert export_kind(mc) == kind and type(again) is type(stock.config)
     assert {k: v for k, v in again.rope_parameters.items() if k != "rope_theta"} == scaling
     ids = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(5))  # 4x the original context
     logits = {}
