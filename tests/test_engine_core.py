@@ -531,8 +531,8 @@ def test_stock_checkpoints_with_unsupported_fields_are_refused(tmp_path):
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=384,
-                mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"(?s)model_path: cannot serve this llama.*mlp_bias.*rope_type='linear'"):
+                mlp_bias=True, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"(?s)model_path: cannot serve this llama.*mlp_bias.*rope_type='dynamic'"):
         EngineCore.from_model_path(str(tmp_path))
 
 

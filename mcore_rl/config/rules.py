@@ -17,6 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.rope_scaling import check_model_rope_scaling
 from mcore_rl.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_moe(m, errors)
     check_attn_res(m, errors)
     check_qwen2_mistral(m, errors)
+    check_model_rope_scaling(m, errors)  # RoPE scaling (issue 13)
 
 
 def check_qwen2_mistral(m: ModelConfig, errors: Errors) -> None:

@@ -22,6 +22,29 @@ class NgramEmbeddingConfig:
     shard_over_data_parallel: bool = False  # also split table rows across data-parallel ranks
 
 
+# RoPE scaling (issue 13: Llama 3.x, YaRN, linear) ------------------------------------------------
+@dataclass
+class RopeScalingConfig:
+    """RoPE scaling as Hugging Face configs state it (`rope_parameters` / `rope_scaling`), with
+    transformers' defaults; each type reads only its own fields (validated in config/rope_scaling.py)."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = 1.0  # linear, llama3, yarn: the context extension
+    # llama3, yarn: the pre-training context; None = max_position_embeddings (as transformers)
+    original_max_position_embeddings: Optional[int] = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: ramp bounds in rotations
+    beta_slow: float = 1.0  # yarn
+    mscale: Optional[float] = None  # yarn: with mscale_all_dim, the attention factor's numerator
+    mscale_all_dim: Optional[float] = None  # yarn: ... and denominator
+    attention_factor: Optional[float] = None  # yarn: scale of cos/sin; None = 0.1 ln(factor) + 1 (or mscales)
+    truncate: bool = True  # yarn: round the ramp bounds to whole dimensions
+    # The config.json key an export writes: the source's spelling ("rope_scaling" + top-level rope_theta
+    # is what transformers 4.x reads; transformers 5 reads both)
+    hf_key: Literal["rope_parameters", "rope_scaling"] = "rope_parameters"
+
+
 @dataclass
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
@@ -59,6 +82,8 @@ class ModelConfig:
     add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
     sliding_window: Optional[int] = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
+    # RoPE scaling (issue 13): Llama 3.x, YaRN, linear; type none = plain RoPE
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
     @property
     def head_dim(self) -> int:

@@ -13,6 +13,7 @@ from mcore_rl.convert.hf_checkpoint import HFCheckpoint, model_config_from_hf, r
 from mcore_rl.convert.layout import check_layout, default_world_size, parallel_config
 from mcore_rl.convert.to_hf import REMOTE, REMOTE_MODEL_CLASS, STOCK_CLASSES, mcore_to_hf, stored_model_config
 from mcore_rl.convert.to_mcore import RECIPE_FILE, hf_to_mcore
+from mcore_rl.hf.rope import rope_key_in_file
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
@@ -45,7 +46,7 @@ def plan(args: Any) -> tuple["ParallelConfig", int]:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     world = int(os.environ.get("WORLD_SIZE", args.nproc_per_node or default_world_size(pc)))
     if args.direction == "hf-to-mcore":
-        mc = model_config_from_hf(read_hf_config(args.input))
+        mc = model_config_from_hf(read_hf_config(args.input), rope_key_in_file(args.input))
         check_layout(mc, pc, world)
         HFCheckpoint(args.input)  # the weights are there and readable
         target = os.path.join(args.output, "iter_0000000")

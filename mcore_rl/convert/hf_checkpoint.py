@@ -113,9 +113,12 @@ def read_hf_config(directory: str) -> "PretrainedConfig":
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
-def model_config_from_hf(hf: "PretrainedConfig") -> "ModelConfig":
+def model_config_from_hf(hf: "PretrainedConfig", rope_key: Optional[str] = None) -> "ModelConfig":
     """`configuration.model_config_from_hf_config`, after rejecting what megatron-core here cannot
-    express (every problem at once, each naming the `config.json` field)."""
+    express (every problem at once, each naming the `config.json` field). `rope_key`: the RoPE key
+    the source file has (`rope_key_in_file`), named in errors and kept for export."""
+    from mcore_rl.config.rope_scaling import check_rope_scaling
+    from mcore_rl.config.rules import Errors
     from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
 
     model_type = getattr(hf, "model_type", None)
@@ -124,10 +127,15 @@ def model_config_from_hf(hf: "PretrainedConfig") -> "ModelConfig":
         problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(hf, "attention_bias", False):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
-    problems += unsupported_stock_fields(hf)
+    problems += unsupported_stock_fields(hf, rope_key)
+    mc = None if problems else model_config_from_hf_config(hf, rope_key)
+    if mc is not None:  # the scaling's values, named as the file spells them
+        errors = Errors()
+        check_rope_scaling(mc.rope_scaling, mc.max_position_embeddings, errors, rope_key or "rope_parameters")
+        problems += errors.lines
     if problems:
         raise ValueError(f"cannot convert this {model_type} checkpoint:\n  " + "\n  ".join(problems))
-    return model_config_from_hf_config(hf)
+    return mc
 
 
 def copy_assets(source_dir: str, target_dir: str) -> Optional[str]:

@@ -13,6 +13,7 @@ import torch
 
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
+from mcore_rl.hf.rope import respell_rope_in_file
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -170,6 +171,7 @@ def write_hf_checkpoint(
         copy_assets(assets_dir, output_dir)
     save_safetensors({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes)
     cfg.save_pretrained(output_dir)
+    respell_rope_in_file(os.path.join(output_dir, "config.json"), mc.rope_scaling.hf_key)  # the source's spelling
     for path in code:
         shutil.copyfile(path, os.path.join(output_dir, os.path.basename(path)))
     return kind

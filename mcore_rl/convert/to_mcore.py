@@ -10,6 +10,7 @@ import torch
 
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import build_chunks, check_layout
+from mcore_rl.hf.rope import rope_key_in_file
 from mcore_rl.hf.weight_map import EXPERT_NAME, LAYER_NAME
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision
     from mcore_rl.train import checkpoint
 
     hf_config = read_hf_config(input_dir)
-    mc = model_config_from_hf(hf_config)
+    mc = model_config_from_hf(hf_config, rope_key_in_file(input_dir))
     target = checkpoint.checkpoint_dir(output_dir, 0)
     if os.path.exists(target):  # checked before joining the world: no rank can have written it yet
         raise FileExistsError(f"{target} already exists; choose an empty --output")

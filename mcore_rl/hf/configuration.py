@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from transformers import PretrainedConfig
 
+from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
+
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig
@@ -64,6 +66,8 @@ class McoreRLQwen3Config(PretrainedConfig):
         shared_expert_gate: bool = False,
         sliding_window: Optional[int] = None,
         use_cache: bool = True,
+        rope_parameters: Optional[dict] = None,
+        rope_scaling: Optional[dict] = None,
         **kwargs: Any,
     ) -> None:
         if hidden_act != "silu":
@@ -77,7 +81,10 @@ class McoreRLQwen3Config(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.hidden_act = hidden_act
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
+        # RoPE scaling (rope.py): either spelling; transformers 5 keeps rope_theta inside rope_parameters
+        rope_parameters = dict(rope_parameters or rope_scaling or {}) or None
+        self.rope_theta = (rope_parameters or {}).get("rope_theta", rope_theta)
+        self.rope_parameters = rope_parameters
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.attention_bias = attention_bias
@@ -158,6 +165,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         qkv_bias=mc.add_qkv_bias,
         shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
+        rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
     )
 
 
@@ -168,12 +176,13 @@ _NO_QK_NORM = ("llama", "qwen2", "qwen2_moe", "mistral")
 _WINDOWED = ("mistral", "mcore_rl_qwen3")
 
 
-def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
+def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = None) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
     `LlamaConfig`/`Qwen2Config`/`Qwen2MoeConfig`/`MistralConfig`). `mcore_rl.convert.model_config_from_hf`
-    also rejects what it cannot map."""
+    also rejects what it cannot map. `rope_key`: how the source file spells RoPE (`rope.rope_key_in_file`),
+    kept for export."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
-        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig, RopeScalingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
@@ -222,6 +231,7 @@ def model_config_from_hf_config(hf: PretrainedConfig) -> ModelConfig:
         moe_shared_expert_gate=bool(getattr(hf, "shared_expert_gate", model_type == "qwen2_moe")
                                     and num_experts and getattr(hf, "shared_expert_intermediate_size", 0)),
         sliding_window=(getattr(hf, "sliding_window", None) or None) if model_type in _WINDOWED else None,
+        rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
     )
 
 
@@ -256,6 +266,8 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
         tie_word_embeddings=cfg.tie_word_embeddings,
         attention_bias=cfg.attention_bias,
         use_sliding_window=False,
+        # the 4.x keyword, which transformers 5 also takes (with rope_theta beside it)
+        rope_scaling={k: v for k, v in (rope_scaling_of(cfg) or {}).items() if k != "rope_theta"} or None,
     )
     if any(getattr(cfg, key, None) for key in ("qkv_bias", "shared_expert_gate", "sliding_window")):
         return _qwen2_or_mistral_config(cfg, common)
@@ -317,19 +329,27 @@ def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) ->
     )
 
 
-def unsupported_stock_fields(hf: Any) -> list[str]:
+def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[str]:
     """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference and megatron models cannot
-    compute, one `field=value: reason` line each (the converter and the engine refuse on these)."""
+    compute, one `field=value: reason` line each (the converter and the engine refuse on these).
+    `rope_key` names the RoPE key as the user's file spells it (`rope.rope_key_in_file`)."""
     problems = []
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if getattr(hf, "mlp_bias", False):
         problems.append("mlp_bias=true: MLP biases are not supported")
-    for attr in ("rope_parameters", "rope_scaling"):
+    for attr in ROPE_KEYS:
         rope = getattr(hf, attr, None)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-            problems.append(f"{attr}.rope_type={rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is supported")
+        if isinstance(rope, dict) and rope:
+            key = rope_key or attr
+            kind, partial = rope_type_of(rope), rope.get("partial_rotary_factor", 1.0)
+            if kind not in SUPPORTED_ROPE_TYPES:
+                problems.append(f"{key}.rope_type={kind!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
+            if partial != 1.0:
+                problems.append(f"{key}.partial_rotary_factor={partial}: only full RoPE is supported")
             break
+    if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0):
+        problems.append(f"partial_rotary_factor={hf.partial_rotary_factor}: only full RoPE is supported")
     if getattr(hf, "use_sliding_window", False):  # Qwen2 / Qwen3: a window on some layers only
         problems.append("use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
                         "supported (a window on every layer is: Mistral's sliding_window)")

@@ -69,6 +69,7 @@ from .layers import (  # route, load_balancing_loss: unused here, imported from 
     route,
 )
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
+from .rope import rope_inv_freq, rope_scaling_of
 
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
@@ -106,14 +107,14 @@ class Qwen3ReferenceCausalLMOutput(ModelOutput):
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: Optional[dict] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [b, s, head_dim] for the non-interleaved (rotate_half) RoPE, computed in fp32."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = position_ids[..., None].float() * inv_freq
+    """cos/sin [b, s, head_dim] for the non-interleaved (rotate_half) RoPE, computed in fp32;
+    `scaling` is the config's RoPE scaling dict (`rope.rope_scaling_of`; None = plain RoPE)."""
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +339,9 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
         if ngram_context is None:
             ngram_context = getattr(past_key_values, "ngram_context", None)
         x = self.embed(input_ids, position_ids, ngram_context)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(
+            position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
+        )
         window = getattr(self.config, "sliding_window", None)
         allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device, window)
         presents: KVCache = []

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import attn_res, megatron_fixes, sliding_window
+from mcore_rl.models import attn_res, megatron_fixes, rope_scaling, sliding_window
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 
@@ -52,7 +52,8 @@ def transformer_config(
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
-    return TransformerConfig(
+    config_class = rope_scaling.transformer_config_class(model)  # YaRN: + its yarn_* fields
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -97,6 +98,7 @@ def transformer_config(
         calculate_per_token_loss=True,
         **moe,
         **recompute_kwargs,
+        **rope_scaling.transformer_config_kwargs(model),
     )
 
 
@@ -127,10 +129,11 @@ def build_model(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="rope",
             rotary_base=int(model.rotary_base),
             vp_stage=stage,
+            **rope_scaling.gpt_model_kwargs(model),  # position_embedding_type; linear's interpolation
         )
+        rope_scaling.configure_rotary_embedding(chunk, model)  # Llama 3.x frequencies; no-op otherwise
         attn_res.install_decoder(chunk, block_spec, model)  # AttnRes block; no-op without AttnRes
         add_ngram_embedding(chunk, model)  # Over-Encoding n-gram tables (first stage); no-op without
         if torch.cuda.is_available():

@@ -915,6 +915,7 @@ def _load_config(path: str):
     reference model cannot compute (each problem naming its `config.json` field)."""
     from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
     from mcore_rl.hf.configuration import unsupported_stock_fields
+    from mcore_rl.hf.rope import rope_key_in_file
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -927,10 +928,11 @@ def _load_config(path: str):
         from transformers import AutoConfig
 
         stock = AutoConfig.from_pretrained(path)
-        problems = unsupported_stock_fields(stock)
+        rope_key = rope_key_in_file(cfg_file)
+        problems = unsupported_stock_fields(stock, rope_key)
         if problems:
             raise ValueError(f"model_path: cannot serve this {model_type} checkpoint:\n  " + "\n  ".join(problems))
-        config = hf_config_from_model_config(model_config_from_hf_config(stock))
+        config = hf_config_from_model_config(model_config_from_hf_config(stock, rope_key))
         # The reference model has q/k/v/o biases (megatron here has none, so ModelConfig drops the flag).
         config.attention_bias = bool(getattr(stock, "attention_bias", False))
         return config

@@ -50,6 +50,7 @@ from torch import nn
 
 from mcore_rl.hf.attn_res import DepthState
 from mcore_rl.hf.modeling import rope_cos_sin
+from mcore_rl.hf.rope import rope_scaling_of
 
 from .fp8 import Fp8Linear, quantize_activation_fp8
 from .kv_cache import SlotKVCache
@@ -117,7 +118,8 @@ class ModelRunner:
             torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device) if ngram is not None else None
         )
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, self.head_dim, max_len, dtype, device)
-        cos, sin = rope_cos_sin(torch.arange(max_len, device=device)[None], self.head_dim, cfg.rope_theta, dtype)
+        positions = torch.arange(max_len, device=device)[None]
+        cos, sin = rope_cos_sin(positions, self.head_dim, cfg.rope_theta, dtype, rope_scaling_of(cfg))
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, D/2) * [-sin[:D/2], sin[D/2:]]
         self._cos = cos[0]
