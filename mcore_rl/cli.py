@@ -6,7 +6,7 @@
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
-    mcore-rl profile MODEL [model.key=value ...] --cluster h100_sxm [--nodes N] [--layout tp=2,pp=2] [--measure] [--json PATH]
+    mcore-rl profile MODEL [model.key=value ...] --cluster h100_sxm [--nodes N] [--layout tp=2,pp=2] [--measure]
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,

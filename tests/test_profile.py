@@ -12,10 +12,17 @@ import sys
 import pytest
 import yaml
 
-from mcore_rl.config import ConfigError, SFTConfig, validate_sft_config
+from mcore_rl.config import ConfigError, validate_sft_config
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.profile.cluster import PRESETS, load_cluster
-from mcore_rl.profile.layouts import Layout, TrainShape, candidate_layouts, enumerate_layouts, parse_layout, sft_config_for
+from mcore_rl.profile.layouts import (
+    Layout,
+    TrainShape,
+    candidate_layouts,
+    enumerate_layouts,
+    parse_layout,
+    sft_config_for,
+)
 from mcore_rl.profile.memory import activations, model_state, param_tensors
 from mcore_rl.profile.timing import step_time
 

@@ -24,7 +24,14 @@ from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import mfu, train_flops_per_token
 from mcore_rl.profile import cluster as cluster_mod
-from mcore_rl.profile.layouts import Layout, TrainShape, candidate_layouts, check_layout, enumerate_layouts, parse_layout
+from mcore_rl.profile.layouts import (
+    Layout,
+    TrainShape,
+    candidate_layouts,
+    check_layout,
+    enumerate_layouts,
+    parse_layout,
+)
 from mcore_rl.profile.memory import (
     GiB,
     activations,
@@ -89,7 +96,8 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str]:
 def _estimate(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: cluster_mod.ClusterSpec,
               attention: str, kv_tokens: int) -> dict[str, Any]:
     m = shape.global_batch_size // (shape.micro_batch_size * layout.dp)
-    states = [model_state(model, layout, shape, r) for r in sorted({0, layout.pp - 1})]
+    plain = dataclasses.replace(shape, distributed_optimizer=False)
+    states = [model_state(model, layout, plain, r) for r in sorted({0, layout.pp - 1})]
     dist = [model_state(model, layout, dataclasses.replace(shape, distributed_optimizer=True), r)
             for r in sorted({0, layout.pp - 1})]
     state = max(states, key=lambda s: s.total)
@@ -109,7 +117,7 @@ def _estimate(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: cl
         "fits": total <= cluster.gpu_memory_gb * GiB,
         "time": t.as_dict(),
         "tokens_per_gpu_s": tokens_per_gpu_s,
-        "mfu": mfu(tokens_per_gpu_s, train_flops_per_token(model, shape.seq_length, shape.recompute),
+        "mfu": mfu(tokens_per_gpu_s, train_flops_per_token(model, shape.seq_length),  # model FLOPs: no recompute
                    cluster.peak_flops(shape.precision)),
     }
 
@@ -129,8 +137,11 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
         import torch
 
-        if not torch.cuda.is_available():  # the step-time ratio compares with this CPU's real matmul rate
-            calibration = calibrate_cpu()
+        if not torch.cuda.is_available():  # rank layouts by this CPU's real matmul rate
+            from mcore_rl.profile.measure import model_matmul
+
+            calibration = calibrate_cpu(*model_matmul(model, TrainShape(args.global_batch, args.micro_batch,
+                                                                        args.seq_length)))
             cluster = dataclasses.replace(cluster, peak_tflops_fp32=calibration["fp32"] / 1e12,
                                           peak_tflops_bf16=calibration["bf16"] / 1e12, compute_efficiency=1.0)
     shape = TrainShape(args.global_batch, args.micro_batch, args.seq_length, args.precision, args.optimizer,
@@ -171,13 +182,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         result["rl_split"] = [split_dict(s) for s in recommend_split(model, cluster, shape, target, best_layout_for)]
         result["rollout_target"] = dataclasses.asdict(target)
     if args.measure:
-        result["measured"] = measure_top(model, [lay for lay in layouts], rows, shape, args.measure_top,
-                                         args.measure_steps)
+        result["measured"] = measure_top(model, layouts, rows, shape, cluster, args.measure_top, args.measure_steps)
     return result
 
 
 def measure_top(model: ModelConfig, layouts: list[Layout], rows: list[dict[str, Any]], shape: TrainShape,
-                top: int, steps: int) -> list[dict[str, Any]]:
+                cluster: cluster_mod.ClusterSpec, top: int, steps: int) -> list[dict[str, Any]]:
     from mcore_rl.profile.measure import measure_layouts
 
     by_name = {lay.name(): lay for lay in layouts}
@@ -196,9 +206,14 @@ def measure_top(model: ModelConfig, layouts: list[Layout], rows: list[dict[str, 
                            "estimated": {**dataclasses.asdict(est), "activations": est_act},
                            "model_state_exact": exact,
                            "activation_ratio": est_act / max(st["activation_peak"], 1)})
+        estimated = row["time"]["total_s"]
+        if got["matmul_flops"]:  # CPU: the estimate at the matmul rate the ranks had while they were timed
+            field = "peak_tflops_bf16" if shape.precision == "bf16" else "peak_tflops_fp32"
+            at_rate = dataclasses.replace(cluster, **{field: got["matmul_flops"] / 1e12})
+            estimated = step_time(model, lay, shape, at_rate, m).total_s
         out.append({"layout": lay.name(), "stages": stages, "step_s_measured": got["step_s"],
-                    "step_s_estimated": row["time"]["total_s"],
-                    "step_time_ratio": row["time"]["total_s"] / max(got["step_s"], 1e-12)})
+                    "matmul_flops_measured": got["matmul_flops"], "step_s_estimated": estimated,
+                    "step_time_ratio": estimated / max(got["step_s"], 1e-12)})
     return out
 
 

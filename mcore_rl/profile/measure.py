@@ -8,10 +8,11 @@ builders: `build_model`, `wrap_ddp`, `build_optimizer`, `forward_backward`. What
 * the activation peak: the highest net allocation during one forward/backward with the model
   state already in place — from the profiler's memory events on CPU (`profile_memory=True`), from
   `torch.cuda.max_memory_allocated` on GPU — maximised over ranks;
-* the step time: the median wall time of the timed steps (forward/backward + optimizer).
-
-`calibrate_cpu` measures this machine's matmul rate, which replaces `cpu_here`'s placeholder
-peak so the step-time ratio compares the model of the step with the step, not with a guess.
+* the step time: the median wall time of the timed steps (forward/backward + optimizer);
+* on CPU, each rank's matmul rate (`calibrate_cpu`, on the model's own GEMM shape) just before
+  the timed steps: it replaces `cpu_here`'s placeholder peak in the estimate the measured step is
+  compared with, so the ratio compares the model of the step with the step, not with a guess, on
+  a machine whose load changes.
 """
 
 from __future__ import annotations
@@ -29,20 +30,28 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.profile.layouts import Layout, TrainShape
 
 
-def calibrate_cpu(size: int = 512, repeats: int = 5, threads: int = 1) -> dict[str, float]:
-    """Achieved fp32/bf16 matmul FLOP/s of one CPU thread (each gloo rank runs with one)."""
+def calibrate_cpu(m: int = 512, k: int = 512, n: int = 512, seconds: float = 0.3, threads: int = 1,
+                  precisions: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+    """Achieved matmul FLOP/s of one CPU thread (each gloo rank runs with one) on an [m, k] x [k, n]
+    product: the best of repeats over `seconds`, so a busy moment of a shared machine counts less."""
     torch.set_num_threads(threads)
     out: dict[str, float] = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    for name in precisions:
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         a @ b
-        times = []
-        for _ in range(repeats):
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
             t0 = time.perf_counter()
             a @ b
-            times.append(time.perf_counter() - t0)
-        out[name] = 2.0 * size**3 / min(times)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2.0 * m * k * n / best
     return out
+
+
+def model_matmul(model: ModelConfig, shape: TrainShape) -> tuple[int, int, int]:
+    """The shape of the model's typical GEMM (a micro-batch's tokens through the MLP's fc1)."""
+    return shape.seq_length * shape.micro_batch_size, model.hidden_size, model.ffn_hidden_size
 
 
 def _batches(model: ModelConfig, shape: TrainShape, num_microbatches: int, seed: int) -> list[dict]:
@@ -154,6 +163,9 @@ def _measure_one(model: ModelConfig, layout: Layout, shape: TrainShape, steps: i
             forward_backward(chunks, batches)
         peak = _cpu_peak(prof)
     optimizer.step()
+    rate = 0.0
+    if not on_gpu:  # this rank's matmul rate now, under the same load as the steps it times
+        rate = calibrate_cpu(*model_matmul(model, shape), precisions=(shape.precision,))[shape.precision]
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -164,10 +176,11 @@ def _measure_one(model: ModelConfig, layout: Layout, shape: TrainShape, steps: i
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "state": state,
-            "activation_peak": peak, "step_s": statistics.median(times)}
+            "activation_peak": peak, "step_s": statistics.median(times), "matmul_flops": rate}
 
 
-def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape, steps: int = 3) -> list[dict[str, Any]]:
+def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape,
+                    steps: int = 3) -> list[dict[str, Any]]:
     """Run `steps` timed steps of each layout (all of one world size) in one fresh world; per layout
     and pipeline rank: the measured model state, the activation peak (max over that stage's ranks),
     and the slowest rank's step time."""
@@ -188,5 +201,6 @@ def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape
         for r in mine:
             st = stages.setdefault(r["pp_rank"], {"state": r["state"], "activation_peak": 0})
             st["activation_peak"] = max(st["activation_peak"], r["activation_peak"])
-        out.append({"stages": stages, "step_s": max(r["step_s"] for r in mine)})
+        out.append({"stages": stages, "step_s": max(r["step_s"] for r in mine),
+                    "matmul_flops": min(r["matmul_flops"] for r in mine)})
     return out

@@ -30,8 +30,9 @@ GiB = float(1 << 30)
 @dataclass(frozen=True)
 class ParamTensor:
     name: str
-    numel: int
+    numel: int  # of one tensor
     expert: bool  # split by EP/ETP, reduced over the expert data-parallel group
+    count: int = 1  # identical tensors (a rank's local experts), so 128 experts cost one entry
 
 
 def check_supported(model: ModelConfig) -> None:
@@ -73,9 +74,10 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
         if is_moe_layer(model, i):
             f = model.moe_ffn_hidden_size or model.ffn_hidden_size
             out.append(ParamTensor(p + "mlp.router.weight", model.num_experts * h, False))
-            for e in range(model.num_experts // ep):
-                out += [ParamTensor(p + f"mlp.experts.local_experts.{e}.linear_fc1.weight", 2 * f // etp * h, True),
-                        ParamTensor(p + f"mlp.experts.local_experts.{e}.linear_fc2.weight", h * f // etp, True)]
+            n = model.num_experts // ep
+            experts = p + f"mlp.experts.local_experts.[0-{n - 1}]."
+            out += [ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
+                    ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n)]
             if model.moe_shared_expert_intermediate_size:
                 s = model.moe_shared_expert_intermediate_size
                 out += [ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", 2 * s // tp * h, False),
@@ -112,16 +114,17 @@ def model_state(model: ModelConfig, layout: Layout, shape: TrainShape, pp_rank: 
     for bf16 parameters; SGD keeps no state. With the distributed optimizer (megatron's ZeRO-1)
     masters and moments are sharded over the (expert) data-parallel group; grads stay whole."""
     tensors = param_tensors(model, layout, pp_rank)
-    n = sum(t.numel for t in tensors)
+    n = sum(t.numel * t.count for t in tensors)
+    num_tensors = sum(t.count for t in tensors)
     param_bytes = 2 if shape.precision == "bf16" else 4
     per_param = (8 if shape.optimizer == "adamw" else 0) + (4 if shape.precision == "bf16" else 0)
     step = 4 if shape.optimizer == "adamw" else 0
     if shape.distributed_optimizer:
-        optimizer = sum(t.numel * per_param / (layout.expert_dp if t.expert else layout.dp) for t in tensors)
-        optimizer += step * len(tensors)
+        optimizer = sum(t.numel * t.count * per_param / (layout.expert_dp if t.expert else layout.dp) for t in tensors)
+        optimizer += step * num_tensors
     else:
-        optimizer = n * per_param + step * len(tensors)
-    return ModelState(n * param_bytes, n * 4, int(optimizer), n, len(tensors))
+        optimizer = n * per_param + step * num_tensors
+    return ModelState(n * param_bytes, n * 4, int(optimizer), n, num_tensors)
 
 
 # ------------------------------------------------------------------------------------- activations
@@ -242,5 +245,5 @@ def kv_cache_bytes_per_token(model: ModelConfig, inference_tp: int, dtype_bytes:
 
 def weight_bytes(model: ModelConfig, dtype_bytes: int = 2) -> float:
     """All parameters of the model once (an inference engine's weights)."""
-    total = sum(t.numel for t in param_tensors(model, Layout(), 0))
+    total = sum(t.numel * t.count for t in param_tensors(model, Layout(), 0))
     return float(total * dtype_bytes)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.models.flops import forward_flops_per_token
 from mcore_rl.profile.cluster import ClusterSpec
-from mcore_rl.profile.layouts import Layout, TrainShape
+from mcore_rl.profile.layouts import TrainShape
 from mcore_rl.profile.memory import GiB, kv_cache_bytes_per_token, weight_bytes
 from mcore_rl.runtime.simulation import DecodeModel
 
@@ -39,10 +40,14 @@ def decode_model(model: ModelConfig, cluster: ClusterSpec, inference_tp: int) ->
     free = cluster.gpu_memory_gb * GiB * inference_tp * 0.9 - weights
     kv_per_token = kv_cache_bytes_per_token(model, 1, 2)  # the whole engine's KV per token
     peak = cluster.peak_flops("bf16") * inference_tp * cluster.compute_efficiency
-    per_token_flops = 2.0 * weights / 2
-    return DecodeModel(step_fixed_s=weights / bandwidth, step_per_seq_s=per_token_flops / peak,
-                       step_per_ctx_token_s=kv_per_token / bandwidth, prefill_per_token_s=per_token_flops / peak,
-                       slots=1024, kv_tokens=max(free, 0.0) / kv_per_token)
+    # matmul work of one more token (active experts only), without the attention over its context,
+    # which the per-context-token (KV read) term covers; prefill adds the causal attention
+    fwd = forward_flops_per_token(model, 1)
+    per_token = fwd.total - fwd.attention_scores
+    per_token2 = forward_flops_per_token(model, 2).attention_scores - fwd.attention_scores  # d/ds of scores
+    return DecodeModel(step_fixed_s=weights / bandwidth, step_per_seq_s=per_token / peak,
+                       step_per_ctx_token_s=kv_per_token / bandwidth, prefill_per_token_s=per_token / peak,
+                       prefill_per_token2_s=per_token2 / peak, slots=1024, kv_tokens=max(free, 0.0) / kv_per_token)
 
 
 def rollout_seconds(model: ModelConfig, cluster: ClusterSpec, gpus: int, inference_tp: int,
@@ -102,7 +107,3 @@ def recommend_split(model: ModelConfig, cluster: ClusterSpec, shape: TrainShape,
 
 def split_dict(s: Split) -> dict:
     return dataclasses.asdict(s)
-
-
-def replace_world(layout: Layout, dp: int) -> Layout:
-    return dataclasses.replace(layout, dp=dp)

@@ -72,7 +72,8 @@ def step_time(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: Cl
     moe_layers = sum(1 for i in range(model.num_layers) if is_moe_layer(model, i)) / pp
     routed = s / cp * b * model.moe_router_topk * h * e / (tp if layout.sp else 1)
     ep_bytes = (ep - 1) / ep * routed * 2 * (fwd_passes + 1) * moe_layers * m
-    ep_time = _collective(cluster, ep_bytes, ep, layout.expert_tp, hops=2 * (fwd_passes + 1) * moe_layers * m * (ep - 1))
+    ep_hops = 2 * (fwd_passes + 1) * moe_layers * m * (ep - 1)
+    ep_time = _collective(cluster, ep_bytes, ep, layout.expert_tp, hops=ep_hops)
     # PP: one activation (forward) and one gradient (backward) per micro-batch and virtual stage boundary
     p2p = s / cp * b * h * e / (tp if layout.sp else 1)
     pp_time = 0.0
