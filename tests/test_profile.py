@@ -102,6 +102,26 @@ def test_bad_inputs_name_the_key(tmp_path, capsys):
     assert code == 2 and "model.num_query_groups" in err, err
     code, err = _main(capsys, DEMO, "--cluster", str(path))
     assert code == 2 and "peak_tflops_bf16: missing" in err, err
+    # the vocabulary must split over TP: a rule the profiler needed, now the trainer's too
+    with pytest.raises(ConfigError, match="model.vocab_size: 385 is not divisible by tensor_model_parallel_size 2"):
+        validate_sft_config(sft_config_for(dataclasses.replace(MOE, vocab_size=385), Layout(tp=2, sp=True), SHAPE), 2)
+
+
+def test_hf_config_input_and_json(tmp_path, capsys):
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=2048).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "p.json"
+    code, err = _main(capsys, str(tmp_path / "hf" / "config.json"), "--cluster", "h100_sxm", "--nodes", "1",
+                      "--seq-length", "1024", "--global-batch", "32", "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["model"]["num_layers"] == 4 and result["num_valid_layouts"] == len(result["layouts"]) > 1
+    first = result["layouts"][0]
+    assert first["fits"] and first["time"]["total_s"] == min(r["time"]["total_s"] for r in result["layouts"]
+                                                             if r["fits"])
+    assert set(first["memory"]) >= {"params", "grads", "optimizer", "optimizer_distributed", "activations", "total"}
 
 
 def test_measure_demo_matches_real_tensors(tmp_path):

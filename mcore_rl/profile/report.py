@@ -49,8 +49,8 @@ def format_measured(rows: list[dict[str, Any]]) -> str:
                         "exact" if st["model_state_exact"] else "DIFFERS",
                         f"{st['measured']['activation_peak']}/{st['estimated']['activations']:.0f}",
                         f"{st['activation_ratio']:.2f}"])
-        out.append([r["layout"], "all", "", "", "", "", "step s measured/estimated",
-                    f"{r['step_s_measured']:.3g}/{r['step_s_estimated']:.3g} = {r['step_time_ratio']:.2f}"])
+        out.append([r["layout"], "all", "", "", "", "", "step s est/meas",
+                    f"{r['step_s_estimated']:.3g}/{r['step_s_measured']:.3g} = {r['step_time_ratio']:.2f}"])
     header = ["layout", "stage", "params B meas/est", "grads B", "optimizer B", "model state", "activ B meas/est",
               "est/meas"]
     return "measured on this machine vs estimated\n" + _table(header, out)
