@@ -67,6 +67,8 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
         out += [ParamTensor(p + "input_layernorm.weight", h, False),
                 ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
                 ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False)]
+        if getattr(model, "add_qkv_bias", False):  # Qwen2 (issue 13's field; absent before it): q/k/v biases
+            out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
         if model.qk_layernorm:
             out += [ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
                     ParamTensor(p + "self_attention.k_layernorm.weight", d, False)]
@@ -82,6 +84,8 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
                 s = model.moe_shared_expert_intermediate_size
                 out += [ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", 2 * s // tp * h, False),
                         ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * s // tp, False)]
+                if getattr(model, "moe_shared_expert_gate", False):  # Qwen2-MoE: w_gate [1, h], replicated
+                    out.append(ParamTensor(p + "mlp.shared_experts.gate_weight", h, False))
         else:
             f = model.ffn_hidden_size
             out += [ParamTensor(p + "mlp.linear_fc1.weight", 2 * f // tp * h, False),
