@@ -6,6 +6,7 @@
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
+    mcore-rl profile MODEL [model.key=value ...] --cluster h100_sxm [--nodes N] [--layout tp=2,pp=2] [--measure]
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
@@ -271,6 +272,19 @@ def _add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=cmd_diagnose, run_analysis=a.add_arguments(p), usage=p.format_usage)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Parallel layouts (and the RL GPU split) estimated for a cluster (`mcore_rl.profile`)."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.profile import command
+
+    try:
+        print(command.run(args))
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"mcore-rl profile: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_serve(argv: list[str]) -> int:
     """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
     import logging
@@ -352,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
     _add_diagnose_parser(sub)
+    from mcore_rl.profile.command import add_arguments as add_profile_arguments
+
+    profile = sub.add_parser("profile", help="estimate parallel layouts and the RL train/inference GPU split")
+    add_profile_arguments(profile)
+    profile.set_defaults(func=cmd_profile, usage=profile.format_usage)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

@@ -40,6 +40,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 # analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
 for _package in list(FORBIDDEN) + ["runtime", "convert"]:
     FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.diagnose",)
+# `mcore-rl profile` likewise: it reads every layer above it, none reads it
+for _package in list(FORBIDDEN) + ["diagnose"]:
+    FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.profile",)
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 class Errors:
     """Collects one line per violated rule, so a recipe's problems are all reported at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, assume_transformer_engine: bool = False) -> None:
         self.lines: list[str] = []
+        # `mcore-rl profile`: validate for a target cluster that has transformer-engine, not this machine
+        self.assume_transformer_engine = assume_transformer_engine
 
     def need(self, ok: bool, key: str, msg: str) -> bool:
         """Record `key: msg` unless `ok`; returns `ok`, so dependent rules can be skipped."""
@@ -177,7 +179,7 @@ def check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int, errors: E
                    f"({cp}) parallel sizes = {tp * pp * cp}"):
         dp = world_size // (tp * pp * cp)
     check_tensor_parallel(p, m, errors)
-    if cp > 1:
+    if cp > 1 and not errors.assume_transformer_engine:
         errors.need(importlib.util.find_spec("transformer_engine") is not None, "parallel.context_parallel_size",
                     f"context_parallel_size={cp} needs transformer-engine (pip install 'mcore-rl[gpu]'); "
                     "it is not installed")
@@ -193,6 +195,10 @@ def check_tensor_parallel(p: ParallelConfig, m: ModelConfig, errors: Errors) -> 
                 f"{m.num_attention_heads} heads are not divisible by tensor_model_parallel_size {tp}")
     errors.need(m.num_query_groups % tp == 0, "model.num_query_groups",
                 f"{m.num_query_groups} key/value groups are not divisible by tensor_model_parallel_size {tp}")
+    # megatron-core's VocabParallelEmbedding / output layer split the vocabulary evenly (no padding here)
+    errors.need(m.vocab_size % tp == 0, "model.vocab_size",
+                f"{m.vocab_size} is not divisible by tensor_model_parallel_size {tp} (the embedding and output "
+                "layer split the vocabulary evenly)")
 
 
 def check_expert_parallel(p: ParallelConfig, m: ModelConfig, world_size: int, errors: Errors) -> int:

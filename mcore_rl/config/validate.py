@@ -8,6 +8,7 @@ reported together in one `ConfigError`, one line per rule, each naming the dotte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from mcore_rl.config.rules import (
     Errors,
@@ -30,9 +31,10 @@ class DerivedSizes:
     num_microbatches: int
 
 
-def validate_sft_config(cfg: SFTConfig, world_size: int) -> DerivedSizes:
-    """Raise `ConfigError` listing every impossible combination; otherwise return derived sizes."""
-    errors = Errors()
+def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Optional[Errors] = None) -> DerivedSizes:
+    """Raise `ConfigError` listing every impossible combination; otherwise return derived sizes.
+    `errors` lets `mcore-rl profile` validate for a target cluster (`Errors(assume_transformer_engine=True)`)."""
+    errors = errors if errors is not None else Errors()
     sizes_ok = check_parallel_sizes(cfg.parallel, world_size, errors)
     sizes_ok &= check_model_sizes(cfg.model, errors)
     sizes_ok &= check_train_sizes(cfg.train, errors)
