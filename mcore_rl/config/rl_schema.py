@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from mcore_rl.config.observability import ObservabilityConfig
 from mcore_rl.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -433,8 +434,7 @@ class InitConfig:
 
 
 @dataclass
-class LoggingConfig:
-    tensorboard: bool = True
+class LoggingConfig(ObservabilityConfig):  # observability: the sinks, MFU peak and profiling of config/observability.py
     progress_bar: bool = True
     plot: bool = True  # curves.png in run_dir at the end
     print_interval: int = 0  # print a metrics line every N rollout steps (0 = progress bar only)
