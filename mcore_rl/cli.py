@@ -6,6 +6,7 @@
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
+    mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import warnings
 from typing import Optional
+
+from mcore_rl.observe import ttfs as _ttfs  # noqa: F401 - time to first step: the clock starts here
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -271,6 +274,15 @@ def _add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=cmd_diagnose, run_analysis=a.add_arguments(p), usage=p.format_usage)
 
 
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    from mcore_rl.observe import plot
+
+    p = sub.add_parser("plot", help="PNG curves of one or several runs' metrics.jsonl, side by side",
+                       usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
+    plot.add_arguments(p)
+    p.set_defaults(func=plot.main, usage=p.format_usage)
+
+
 def cmd_serve(argv: list[str]) -> int:
     """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
     import logging
@@ -352,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
     _add_diagnose_parser(sub)
+    _add_plot_parser(sub)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

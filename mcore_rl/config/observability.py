@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # rules imports schema, which imports this module
 
 @dataclass
 class ObservabilityConfig:
-    tensorboard: bool = True  # run_dir/tensorboard (metrics.jsonl is always written)
+    tensorboard: bool = False  # run_dir/tensorboard (metrics.jsonl is always written); RL turns it on
     wandb: bool = False  # Weights & Biases (optional extra `wandb`); files under run_dir/wandb
     wandb_project: str = "mcore-rl"
     wandb_name: str = ""  # "" = the run directory's name

@@ -435,6 +435,7 @@ class InitConfig:
 
 @dataclass
 class LoggingConfig(ObservabilityConfig):  # observability: the sinks, MFU peak and profiling of config/observability.py
+    tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True  # curves.png in run_dir at the end
     print_interval: int = 0  # print a metrics line every N rollout steps (0 = progress bar only)

@@ -19,7 +19,6 @@ a killed trainer leaves no process behind.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mcore_rl.observe.sinks import drop_records_after  # noqa: F401 - lives with the metrics writer now
 from mcore_rl.parallel.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -46,34 +46,6 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
-
-
-def drop_records_after(path: str, step: int) -> int:
-    """Cut a `metrics.jsonl` back to the checkpoint a run resumes from: drop the records of steps
-    after `step` (and a line torn by a kill), which a kill between writing metrics and saving left
-    behind and which the resumed run writes again. Returns how many lines were dropped."""
-    if not os.path.exists(path):
-        return 0
-    kept, dropped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if not isinstance(record, dict) or (isinstance(record.get("step"), (int, float)) and record["step"] > step):
-                dropped += 1
-                continue
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-        logger.warning("%s: dropped %d record(s) past step %d, the checkpoint resumed from", path, dropped, step)
-    return dropped
 
 
 def latest_checkpoint(load_dir: str) -> Optional[str]:
