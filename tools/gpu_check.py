@@ -124,7 +124,8 @@ def te_parity(precision: str) -> Callable[[Context], str]:
         ref = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).cuda().eval()
         ref.load_state_dict({k: v.float() for k, v in iter_hf_weights(chunks, mc)}, strict=True)
         ref = ref.to(dtype)
-        tokens = torch.randint(0, mc.vocab_size, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        gen = torch.Generator("cuda").manual_seed(0)
+        tokens = torch.randint(0, mc.vocab_size, (2, 128), device="cuda", generator=gen)
         positions = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
         with torch.no_grad():
             got = model(tokens, positions, None).float()
@@ -150,7 +151,8 @@ def train_step(model: list[str], label: str) -> Callable[[Context], str]:
         run_dir = os.path.join(ctx.workdir, f"sft_{label}")
         _run([PY, "-m", "mcore_rl.cli", "sft", *model, f"run_dir={run_dir}", "train.precision=bf16",
               "train.seq_length=2048", "train.micro_batch_size=4", "train.global_batch_size=16", "train.train_iters=8",
-              "train.eval_interval=0", "train.log_interval=4", "data.synthetic_num_examples=30000"], ctx, "mcore-rl sft")
+              "train.eval_interval=0", "train.log_interval=4", "data.synthetic_num_examples=30000"],
+             ctx, "mcore-rl sft")
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f][3:]  # after the warm-up steps
         tps = statistics.median(r["perf/tokens_per_s_per_device"] for r in records)
@@ -167,7 +169,8 @@ def nccl_weight_sync(ctx: Context) -> str:
     import torch
 
     if torch.cuda.device_count() < 2:
-        raise Skip(f"needs 2 GPUs ({torch.cuda.device_count()} visible): NCCL runs no two ranks of a group on one device")
+        raise Skip(f"needs 2 GPUs ({torch.cuda.device_count()} visible): NCCL puts no two ranks of a group "
+                   "on one device")
     out = _run([PY, "tools/bench_weight_sync.py", "--repeats", "2", "--only", "broadcast"], ctx, "bench_weight_sync")
     lines = [line for line in out.stdout.splitlines() if "broadcast" in line]
     return " / ".join(" ".join(line.split()) for line in lines) or out.stdout.strip().splitlines()[-1]
@@ -224,7 +227,8 @@ def _tiny_checkpoint(path: str) -> None:
                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024,
                       tie_word_embeddings=False, torch_dtype="bfloat16")
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(REPO, "mcore_rl/assets/tokenizer/mcore_rl_tokenizer.json"))
+    tokenizer_file = os.path.join(REPO, "mcore_rl/assets/tokenizer/mcore_rl_tokenizer.json")
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
     tok.save_pretrained(path)
 
 

@@ -13,8 +13,8 @@ import time
 from typing import Callable, Optional
 
 # the phases in the order a run meets them (a run skips those it does not have)
-PHASES = ("imports", "distributed_init", "model_build", "data", "metrics_setup", "checkpoint_load", "warm_start", "reference_model",
-          "engine_start", "first_weight_sync", "eval_at_start", "first_rollout", "first_train_step")
+PHASES = ("imports", "distributed_init", "model_build", "data", "metrics_setup", "checkpoint_load", "warm_start",
+          "reference_model", "engine_start", "first_weight_sync", "eval_at_start", "first_rollout", "first_train_step")
 
 _start = time.perf_counter()
 
