@@ -434,7 +434,7 @@ class InitConfig:
 
 
 @dataclass
-class LoggingConfig(ObservabilityConfig):  # observability: the sinks, MFU peak and profiling of config/observability.py
+class LoggingConfig(ObservabilityConfig):  # observability: sinks, MFU peak, profiles (config/observability.py)
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True  # curves.png in run_dir at the end
