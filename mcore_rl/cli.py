@@ -26,7 +26,7 @@ import sys
 import warnings
 from typing import Optional
 
-from mcore_rl.observe import ttfs as _ttfs  # noqa: F401 - time to first step: the clock starts here
+from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -112,6 +112,7 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
+    _ttfs.mark("config_check")  # time to first step: loading, validating and preflighting the recipe
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
     from mcore_rl.parallel import setup

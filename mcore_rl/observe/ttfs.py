@@ -1,10 +1,11 @@
 """Time to first step: where the seconds between starting the process and the end of the first
 optimizer step go, by phase, in the log and as `ttfs/<phase>_s` metrics (with `ttfs/total_s`).
 
-The clock starts when this module is first imported, which `cli.py` does before anything heavy
-(so `imports` holds the interpreter's torch/megatron imports and the config's validation). Each
-`mark(phase)` closes the phase that ran since the previous mark; a phase marked twice (a rank
-that rebuilds a model) adds up. After `report()` the marks stop: later steps are not "first".
+The clock starts when this module is first imported, which `cli.py` does before anything heavy:
+`config_check` is the recipe's loading, validation and preflight (with the registries it imports),
+`imports` the trainer's modules, torch and megatron-core. Each `mark(phase)` closes the phase that
+ran since the previous mark; a phase marked twice adds up. After `report()` the marks stop: later
+steps are not "first".
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import time
 from typing import Callable, Optional
 
 # the phases in the order a run meets them (a run skips those it does not have)
-PHASES = ("imports", "distributed_init", "model_build", "data", "metrics_setup", "checkpoint_load", "warm_start",
-          "reference_model", "engine_start", "first_weight_sync", "eval_at_start", "first_rollout", "first_train_step")
+PHASES = ("config_check", "imports", "distributed_init", "model_build", "data", "metrics_setup", "checkpoint_load",
+          "warm_start", "reference_model", "engine_start", "first_weight_sync", "eval_at_start", "first_rollout",
+          "first_train_step")
 
 _start = time.perf_counter()
 
@@ -54,10 +56,10 @@ def mark(phase: str) -> None:
 
 
 def begin_run() -> TimeToFirstStep:
-    """The clock of the run starting now: the process's (its first phase, `imports`, ends here),
-    or, for a later run in the same process (tests), a fresh one without imports."""
+    """The clock of the run starting now: the process's (a phase `imports` ends here), or, for a
+    run after a finished one in the same process (tests), a fresh clock starting now."""
     global TTFS
-    if TTFS.done or TTFS.phases:
+    if TTFS.done:
         TTFS = TimeToFirstStep(time.perf_counter())
     else:
         TTFS.mark("imports")
