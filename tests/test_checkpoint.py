@@ -247,6 +247,7 @@ def test_sft_resume_after_a_kill_logs_each_step_once(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     measured = ("tokens_per_s", "time/", "perf/", "ttfs/")  # wall-clock figures (observe/)
+
     def timeless(records: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if not k.startswith(measured)} for r in records]
 
