@@ -7,6 +7,7 @@
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
     mcore-rl profile MODEL [model.key=value ...] --cluster h100_sxm [--nodes N] [--layout tp=2,pp=2] [--measure]
+    mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import warnings
 from typing import Optional
+
+from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -110,6 +113,7 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"mcore-rl {name}: {err}", file=sys.stderr)
         return 2
+    _ttfs.mark("config_check")  # time to first step: loading, validating and preflighting the recipe
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
     from mcore_rl.parallel import setup
@@ -285,6 +289,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    from mcore_rl.observe import plot
+
+    p = sub.add_parser("plot", help="PNG curves of one or several runs' metrics.jsonl, side by side",
+                       usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
+    plot.add_arguments(p)
+    p.set_defaults(func=plot.main, usage=p.format_usage)
+
+
 def cmd_serve(argv: list[str]) -> int:
     """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
     import logging
@@ -371,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="estimate parallel layouts and the RL train/inference GPU split")
     add_profile_arguments(profile)
     profile.set_defaults(func=cmd_profile, usage=profile.format_usage)
+    _add_plot_parser(sub)
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

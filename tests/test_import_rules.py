@@ -34,6 +34,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "data": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
              "mcore_rl.parallel", "mcore_rl.convert"),
     "train": ("mcore_rl.runtime", "mcore_rl.convert"),
+    # metrics, timers, MFU, profiles: under both `train` (SFT) and `runtime` (the RL loop)
+    "observe": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.convert",
+                "mcore_rl.data", "mcore_rl.rewards", "mcore_rl.parallel"),
     "config": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
                "mcore_rl.parallel", "mcore_rl.convert"),
 }

@@ -2,9 +2,11 @@
 
 Per rollout step (the record that closes it carries `time/step_s`): generation (engine, until the
 batch is complete), rewards, the log-prob recompute of π_old (and π_ref), the optimizer steps
-(forward + backward + AdamW, summed over the step's minibatches), the weight sync; evaluation is
-listed apart (it runs every `eval.interval` steps, not every step). Prints the median and range
-over steps and each phase's share of the median step.
+(forward + backward + AdamW, summed over the step's minibatches), the weight sync; evaluation and
+checkpoints are listed apart (they run every `eval.interval` / `checkpoint.save_interval` steps),
+and so is the trainer's idle time (`time/idle_s`, waiting for rollouts: generation and rewards in
+the synchronous loop, the wait on the buffer in the asynchronous one). Prints the median and range
+over steps and each phase's share of the median step. The names are those of `mcore_rl/observe/timers.py`.
 
     .venv/bin/python tools/phase_breakdown.py runs/smollm2_reasoning/metrics.jsonl
 """
@@ -22,13 +24,15 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=1, help="leave out the first N steps (warm-up)")
     args = ap.parse_args()
     records = [json.loads(line) for line in open(args.metrics)]
-    steps, train_steps, evals = [], [], []
+    steps, train_steps, evals, saves = [], [], [], []
     pending: list[float] = []
     for r in records:
         if "time/train_step_s" in r:
             pending.append(r["time/train_step_s"])
         if "time/eval_s" in r:
             evals.append(r["time/eval_s"])
+        if "time/checkpoint_s" in r:
+            saves.append(r["time/checkpoint_s"])
         if "time/step_s" in r:
             steps.append(r)
             train_steps.append(sum(pending))
@@ -55,8 +59,14 @@ def main() -> None:
     print(f"| other (batching, metrics, ...) | {statistics.median(rest):.1f} | {min(rest):.1f}-{max(rest):.1f} | "
           f"{statistics.median(rest) / med_total:.0%} |")
     print(f"| **step (without evaluation)** | **{med_total:.1f}** | {min(total):.1f}-{max(total):.1f} | 100% |")
+    idle = [r["time/idle_s"] for r in steps if "time/idle_s" in r]
+    if idle:
+        print(f"trainer idle (waiting for rollouts): median {statistics.median(idle):.1f} s per step, "
+              f"{statistics.median(idle) / med_total:.0%} of the median step")
     if evals:
         print(f"evaluation: {len(evals)} runs, median {statistics.median(evals):.0f} s")
+    if saves:
+        print(f"checkpoints: {len(saves)} saves, median {statistics.median(saves):.1f} s")
 
 
 if __name__ == "__main__":

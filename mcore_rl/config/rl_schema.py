@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from mcore_rl.config.observability import ObservabilityConfig
 from mcore_rl.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -433,7 +434,7 @@ class InitConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(ObservabilityConfig):  # observability: sinks, MFU peak, profiles (config/observability.py)
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True  # curves.png in run_dir at the end

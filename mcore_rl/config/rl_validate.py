@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from mcore_rl.config.observability import check_observability
 from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rl_recipes import check_recipes
 from mcore_rl.config.rules import (
@@ -75,6 +76,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_sampling_mask_replay(cfg, errors)
     check_explorer(cfg, errors)
     check_recipes(cfg, errors)
+    check_observability(cfg.logging, errors)  # observability
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from mcore_rl.config.observability import ObservabilityConfig
+
 
 @dataclass
 class NgramEmbeddingConfig:
@@ -183,3 +185,5 @@ class SFTConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # observability: metrics sinks, MFU's device peak, profiled steps (config/observability.py)
+    logging: ObservabilityConfig = field(default_factory=ObservabilityConfig)

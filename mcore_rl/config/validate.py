@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from mcore_rl.config.observability import check_observability
 from mcore_rl.config.rules import (
     Errors,
     check_layout,
@@ -44,6 +45,7 @@ def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Optional[Errors
         num_microbatches = check_batch(cfg.train, cfg.parallel, dp, errors)
     check_optimizer(cfg.optimizer, errors)
     check_data(cfg.data, errors)
+    check_observability(cfg.logging, errors)  # observability
     errors.raise_if_any()
     return DerivedSizes(dp, edp, num_microbatches)
 

@@ -36,7 +36,10 @@ from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_c
 from mcore_rl.data.samples import Sample
 from mcore_rl.runtime import early_stop
 from mcore_rl.runtime.judge_heads import add_judge_heads
-from mcore_rl.runtime.metrics import MetricsWriter, plot_curves, read_metrics
+from mcore_rl.observe import ttfs
+from mcore_rl.observe.plot import plot_curves
+from mcore_rl.observe.run import RunObserver
+from mcore_rl.observe.sinks import read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,7 @@ class RLRun:
                 self.ledger.load_state_dict(rl["ledger"])
             self._rollout_state = rl.get("rollout")
             self._resume_common = rl
+            ttfs.mark("checkpoint_load")
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
         else:
             self._resume_common = None
@@ -140,10 +144,13 @@ class RLRun:
             if cfg.init.checkpoint:
                 load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
                 self.optimizer.reload_model_params()
+                ttfs.mark("checkpoint_load")
             if cfg.init.sft_steps > 0:
                 self.init_metrics = sft_warm_start(cfg, self.chunks, self.tokenizer, self.world, _log, self.held_out_texts)
                 self.optimizer.reload_model_params()
+                ttfs.mark("warm_start")
         self._build_reference(resume)
+        ttfs.mark("reference_model")
         self._build_mipu()
         if cfg.teachers:
             from mcore_rl.train.teachers import build_teachers
@@ -151,7 +158,9 @@ class RLRun:
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
         self._build_effopd()
         self._build_engines()
+        ttfs.mark("engine_start")
         self.sync(new_version=resume is None)
+        ttfs.mark("first_weight_sync")
 
     def _connect_teachers(self) -> list:
         """Rank 0 connects to (or starts) the engine teachers and checks them; every rank raises
@@ -465,9 +474,11 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     from mcore_rl.data.domains import stage_temperature
     from mcore_rl.train.rl_step import Learner
 
+    ttfs.begin_run()  # time to first step: the process's clock, or a new one for a second run in it
     run = RLRun(cfg)
     rank0 = run.rank0
-    writer = MetricsWriter(cfg.run_dir, rank0, cfg.logging.tensorboard)
+    observer = RunObserver(cfg, rank0, run.world, cfg.train.seq_length, _log)  # metrics, timers, MFU, profiles
+    writer = observer.writer
     if rank0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
@@ -482,6 +493,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         first_eval: Optional[dict[str, float]] = None
         if run._resume_common is None and cfg.eval.at_start:
             first_eval = run.evaluate()
+            ttfs.mark("eval_at_start")
             writer.write({"step": st.opt_step, "rl_step": st.rl_step, **run.init_metrics, **first_eval})
             _log(f"held-out before RL: {_eval_line(first_eval)}")
         bar = _progress(cfg, st.rl_step)
@@ -490,15 +502,18 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         while st.rl_step < cfg.train.num_steps and not stopping:
             step_start = time.perf_counter()
             samples, roll_metrics = run.rollouts()
+            ttfs.mark("first_rollout")
             roll_metrics.update(run.teach(samples, learner))
             if run.mipu is not None:
                 run.mipu.begin()
             learner.temperature = stage_temperature(cfg, st.rl_step)  # π at the temperature the batch was sampled with
-            with run.engines_asleep():  # colocated: the engines give the devices to the learner
+            steps = (st.opt_step + 1, st.opt_step + cfg.optimizer_steps_per_rollout)
+            with run.engines_asleep(), observer.profile(*steps):  # colocated: the engines give the devices away
                 train_start = time.perf_counter()
                 records, batch_metrics = learner.train(samples, st.rl_step)
                 train_s = time.perf_counter() - train_start
             st.samples_trained += len(samples)
+            first_step = observer.first_step_done()  # time to first step: {} after the first
             effopd = run.effopd_step(st.rl_step + 1) if run.effopd is not None and run.effopd.due(st.rl_step + 1) else {}
             run.sync()
             extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
@@ -520,6 +535,11 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             extra["time/step_s"] = time.perf_counter() - step_start
             extra["time/trainer_idle_frac"] = roll_metrics["time/rollout_wait_s"] / max(extra["time/step_s"], 1e-9)
             extra["time/elapsed_s"] = time.perf_counter() - run.t0
+            extra["time/idle_s"] = roll_metrics["time/rollout_wait_s"]  # the trainer waits for rollouts
+            trained_tokens = cfg.algorithm.ppo_epochs * sum(len(s.prompt.ids) + len(s.response_ids) for s in samples)
+            extra.update(observer.perf(trained_tokens, sum(r.get("time/train_step_s", 0.0) for r in records)))
+            extra.update(observer.timer.take())  # the checkpoint saved after the previous step
+            extra.update(first_step)
             for k, rec in enumerate(records):
                 st.opt_step += 1
                 record = {"step": st.opt_step, "rl_step": st.rl_step, **roll_metrics, **batch_metrics, **rec}
@@ -527,7 +547,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                     record.update(extra)
                 writer.write(record)
             if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
-                _log(f"saved {run.save()}")
+                with observer.timer.phase("checkpoint"):
+                    _log(f"saved {run.save()}")
             if run.teachers is not None:
                 run.teachers.step_done(st.rl_step, st.version)  # a frozen teacher may take a new copy
             run.step_done()  # after the last step the gate admits nothing (its total_steps = train.num_steps)
@@ -548,7 +569,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if refresh_stop is not None:
             summary["refresh"] = {"stopped": stopping, "best": refresh_stop.best, "best_step": refresh_stop.best_step}
         if rank0:
-            writer.close()
+            observer.close()
             if cfg.logging.plot and os.path.exists(writer.path):
                 png = plot_curves(read_metrics(writer.path), os.path.join(cfg.run_dir, "curves.png"), title=cfg.run_dir)
                 summary["plot"] = png
@@ -558,7 +579,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             _log(f"metrics: {writer.path}" + (f" | curves: {summary['plot']}" if "plot" in summary else ""))
         return summary
     finally:
-        writer.close()
+        observer.close()
         try:
             run.write_accounting()  # also when the run failed: what was in flight is reported pending
         except Exception:  # noqa: BLE001 - never hide the run's own error
@@ -579,9 +600,9 @@ def _eval_line(ev: dict[str, float]) -> str:
 def _progress(cfg: RLConfig, start: int) -> Any:
     if not (_rank0() and cfg.logging.progress_bar):
         return None
-    from tqdm import tqdm
+    from mcore_rl.progress import progress
 
-    return tqdm(total=cfg.train.num_steps, initial=start, desc="rl", unit="step", dynamic_ncols=True)
+    return progress(cfg.train.num_steps, "rl", "step", initial=start)
 
 
 def _postfix(roll: dict[str, float], batch: dict[str, float], ev: Optional[dict[str, float]]) -> dict[str, str]:

@@ -19,7 +19,6 @@ a killed trainer leaves no process behind.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -30,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mcore_rl.observe.sinks import drop_records_after  # noqa: F401 - lives with the metrics writer now
 from mcore_rl.parallel.lifetime import die_with_parent
+from mcore_rl.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -46,34 +47,6 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
-
-
-def drop_records_after(path: str, step: int) -> int:
-    """Cut a `metrics.jsonl` back to the checkpoint a run resumes from: drop the records of steps
-    after `step` (and a line torn by a kill), which a kill between writing metrics and saving left
-    behind and which the resumed run writes again. Returns how many lines were dropped."""
-    if not os.path.exists(path):
-        return 0
-    kept, dropped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if not isinstance(record, dict) or (isinstance(record.get("step"), (int, float)) and record["step"] > step):
-                dropped += 1
-                continue
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-        logger.warning("%s: dropped %d record(s) past step %d, the checkpoint resumed from", path, dropped, step)
-    return dropped
 
 
 def latest_checkpoint(load_dir: str) -> Optional[str]:
@@ -213,7 +186,9 @@ def _save(save_dir: str, path: str, iteration: int, chunks: list[torch.nn.Module
     _writers_die_with_trainer()
     _saving_pid = os.getpid()
     try:
-        dist_checkpointing.save(state, path)
+        with progress(_state_bytes(state), f"saving {os.path.basename(path)}", "B") as bar:
+            dist_checkpointing.save(state, path)
+            bar.update(bar.total)
     finally:
         _saving_pid = None
     if optimizer is not None:
@@ -226,6 +201,16 @@ def _save(save_dir: str, path: str, iteration: int, chunks: list[torch.nn.Module
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(save_dir, LATEST))
     dist.barrier()
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of this rank's shards in a (sharded) state dict: what a save writes or a load reads."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    data = getattr(state, "data", state)  # a ShardedTensor's local shard
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
 
 
 def _disk_full(save_dir: str, path: str, err: BaseException) -> Optional[CheckpointError]:
@@ -293,7 +278,9 @@ def load_checkpoint(
     request: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
-    loaded = dist_checkpointing.load(request, path)
+    with progress(_state_bytes(request), f"loading {os.path.basename(path)}", "B") as bar:
+        loaded = dist_checkpointing.load(request, path)
+        bar.update(bar.total)
     from mcore_rl.models.shards import unwrap_model
 
     for i, chunk in enumerate(chunks):

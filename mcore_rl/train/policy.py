@@ -15,6 +15,7 @@ import torch
 
 from mcore_rl.config import DerivedSizes
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.observe import ttfs
 
 
 @dataclass
@@ -37,9 +38,11 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
     from mcore_rl.train.optimizer import build_optimizer
 
+    ttfs.mark("imports")  # megatron-core comes in with the builder
     _, world_size = setup.init_distributed()
     sizes = validate(cfg, world_size)
     setup.init_model_parallel(cfg.parallel)
+    ttfs.mark("distributed_init")
     setup.set_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -50,6 +53,7 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)
     prepare_config(config, chunks)
     optimizer = build_optimizer(chunks, cfg.optimizer, t.precision, total_iters)
+    ttfs.mark("model_build")
     return Policy(chunks, optimizer, tokenizer, world_size, sizes)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -15,6 +14,8 @@ import torch.distributed as dist
 from mcore_rl.config import SFTConfig, save_config, validate_sft_config
 from mcore_rl.data.sft import SFTBatches, build_sft_rows
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.observe import ttfs
+from mcore_rl.observe.run import RunObserver
 from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.policy import build_policy
@@ -61,6 +62,7 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
         ps.get_data_parallel_rank(), dp, cfg.train.seed,
     )
     trainer = Trainer(cfg, chunks, optimizer, batches, eval_rows, tokenizer)
+    ttfs.mark("data")
 
     if cfg.checkpoint.load_dir:
         path = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir)
@@ -71,6 +73,7 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
         if common.get("data_seed") == cfg.train.seed:
             batches.load_state_dict(common["data"])
         trainer.iteration = int(common["iteration"])
+        ttfs.mark("checkpoint_load")
         _log0(f"resumed from {path} at iteration {trainer.iteration}")
     return trainer
 
@@ -117,23 +120,36 @@ def evaluate(trainer: Trainer) -> float:
 
 
 def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
-    """Train as configured; returns the logged records (on every rank)."""
+    """Train as configured; returns the logged records (on every rank). Metrics go to the sinks of
+    `logging` (metrics.jsonl always), with per-phase times, tokens/s and MFU per device (the tokens
+    of the global batch's packed rows) and, after the first step, the time to first step."""
+    ttfs.begin_run()
     trainer = build_trainer(cfg)
     t = cfg.train
     rank0 = dist.get_rank() == 0
     if rank0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    if rank0 and cfg.checkpoint.load_dir:
-        checkpoint.drop_records_after(metrics_path, trainer.iteration)
+    observer = RunObserver(cfg, rank0, dist.get_world_size(), t.seq_length, _log0)
+    try:
+        return _train(trainer, observer)
+    finally:
+        observer.close()
+
+
+def _train(trainer: Trainer, observer: RunObserver) -> list[dict[str, Any]]:
+    cfg, t = trainer.cfg, trainer.cfg.train
+    if cfg.checkpoint.load_dir:
+        observer.writer.resume(trainer.iteration)
     records: list[dict[str, Any]] = []
     accuracy = _task_accuracy(trainer)
     if accuracy is not None:
         _log0(f"{cfg.data.synthetic_task} accuracy before training: {accuracy:.1%}")
     window_tokens, window_start = 0.0, time.perf_counter()
+    timer, batch_tokens = observer.timer, t.global_batch_size * t.seq_length
     while trainer.iteration < t.train_iters:
-        step = train_step(trainer)
+        with observer.profile(trainer.iteration + 1, trainer.iteration + 1), timer.phase("train"):
+            step = train_step(trainer)
         window_tokens += step["num_tokens"]
         record: dict[str, Any] = {
             "step": trainer.iteration,
@@ -142,9 +158,12 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
             "grad_norm": step["grad_norm"],
             "skipped": step["skipped"],
         }
+        record.update(observer.perf(batch_tokens, timer.seconds["train"]))
+        record.update(observer.first_step_done())
         if t.eval_interval > 0 and (trainer.iteration % t.eval_interval == 0 or trainer.iteration == t.train_iters):
-            record["eval_loss"] = evaluate(trainer)
-            accuracy = _task_accuracy(trainer)
+            with timer.phase("eval"):
+                record["eval_loss"] = evaluate(trainer)
+                accuracy = _task_accuracy(trainer)
             if accuracy is not None:
                 record["eval_accuracy"] = accuracy
         if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters or "eval_loss" in record:
@@ -152,13 +171,13 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
             record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
             window_tokens, window_start = 0.0, time.perf_counter()
             _log0(_format(record, t.train_iters))
+        record.update(timer.take())  # this step's train and eval, the previous step's checkpoint
         records.append(record)
-        if rank0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        observer.writer.write(record)
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.save_dir and interval > 0 and trainer.iteration % interval == 0:
-            _log0(f"saved {save(trainer)}")
+            with timer.phase("checkpoint"):
+                _log0(f"saved {save(trainer)}")
     if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
         _log0(f"saved {save(trainer)}")
     if records and "eval_accuracy" in records[-1]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Collection, Optional
 
+from mcore_rl.progress import progress
 from mcore_rl.train import checkpoint
 
 
@@ -49,8 +50,11 @@ def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log:
     log_every = log_every or max(1, t.train_iters // 5)
     start = time.perf_counter()
     loss = float("nan")
-    for it in range(1, t.train_iters + 1):
-        loss = sft_step(chunks, optimizer, batches)["loss"]
-        if it % log_every == 0 or it == t.train_iters:
-            log(f"sft warm start {it:>5}/{t.train_iters} | loss {loss:.4f}")
+    with progress(t.train_iters, "sft warm start", "step") as bar:
+        for it in range(1, t.train_iters + 1):
+            loss = sft_step(chunks, optimizer, batches)["loss"]
+            bar.update(1)
+            if it % log_every == 0 or it == t.train_iters:
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                log(f"sft warm start {it:>5}/{t.train_iters} | loss {loss:.4f}")
     return {"init/sft_loss": loss, "init/sft_seconds": time.perf_counter() - start}
