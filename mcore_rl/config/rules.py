@@ -17,6 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.moe_rules import check_mixed_moe
 from mcore_rl.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_attention(m, errors)
     check_moe(m, errors)
     check_attn_res(m, errors)
+    check_mixed_moe(m, errors)  # moe_layer_pattern, DeepSeek-V3 router, MLA (moe_rules.py)
 
 
 def check_attention(m: ModelConfig, errors: Errors) -> None:
@@ -129,7 +131,7 @@ def check_attention(m: ModelConfig, errors: Errors) -> None:
 def check_moe(m: ModelConfig, errors: Errors) -> None:
     """Experts exist exactly for the MoE arch; the router picks among them; latents are narrower."""
     if m.is_moe:
-        if errors.need(m.num_experts > 0, "model.num_experts", "arch qwen3_moe needs num_experts > 0"):
+        if errors.need(m.num_experts > 0, "model.num_experts", f"arch {m.arch} needs num_experts > 0"):
             errors.need(1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk",
                         f"must be in [1, num_experts={m.num_experts}], got {m.moe_router_topk}")
     else:

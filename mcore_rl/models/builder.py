@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import attn_res, megatron_fixes
+from mcore_rl.models import attn_res, deepseek_v3, megatron_fixes
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 
@@ -43,6 +43,7 @@ def transformer_config(
             moe_permute_fusion=False,
             moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
         )
+        moe.update(deepseek_v3.moe_kwargs(model))  # moe_layer_pattern, DeepSeek-V3 router
     recompute_kwargs: dict = {}
     if recompute == "full":
         recompute_kwargs = dict(
@@ -51,7 +52,8 @@ def transformer_config(
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
-    return TransformerConfig(
+    config_class, mla = deepseek_v3.config_class_and_kwargs(model)  # MLA: MLATransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -95,6 +97,7 @@ def transformer_config(
         calculate_per_token_loss=True,
         **moe,
         **recompute_kwargs,
+        **mla,
     )
 
 
