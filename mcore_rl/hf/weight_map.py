@@ -74,7 +74,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
         raise KeyError(f"no HF name for megatron parameter {name!r}")
     layer, rest = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
-    if mc.arch == "deepseek_v3" and (rest in _DEEPSEEK_DIRECT or rest in _ROPE_ROWS or "shared_experts" in rest):
+    if mc.arch == "deepseek_v3" and (rest in _DEEPSEEK_DIRECT or "shared_experts" in rest):
         return _deepseek_megatron_to_hf(prefix, rest, tensor, mc)
     if rest in _LAYER_DIRECT:
         return [(prefix + _LAYER_DIRECT[rest], tensor)]
@@ -197,45 +197,24 @@ def _ngram_hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[
     return out
 
 
-# DeepSeek-V3 (mcore_rl/hf/deepseek_v3.py): MLA and the sigmoid-routed MoE with shared experts.
-# megatron-core's MLA applies RoPE in the rotate-half layout (it rejects rotary_interleaved), DeepSeek's
-# checkpoints in interleaved pairs: the RoPE rows of the query and of the shared key are permuted on
-# the way in (evens, then odds) and back on the way out, which gives the same attention scores.
+# DeepSeek-V3 (mcore_rl/hf/deepseek_v3.py): MLA and the sigmoid-routed MoE with shared experts. The
+# RoPE rows need no reordering: megatron-core's MLA de-interleaves DeepSeek's RoPE pairs itself
+# (`_apply_rotary_pos_emb_bshd(multi_latent_attention=True)`), as transformers' `rope_interleave` does.
 _DEEPSEEK_DIRECT = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
     "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE spec
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE spec
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
-# megatron MLA weights whose output rows hold RoPE parts -> HF name
-_ROPE_ROWS = {
-    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
-    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-}
-
-
-def _rope_rows(tensor: torch.Tensor, rest: str, mc: ModelConfig, to_megatron: bool) -> torch.Tensor:
-    """Reorder the RoPE rows of an MLA projection between DeepSeek's interleaved pairs and
-    megatron-core's rotate-half layout (rows of each query head's RoPE part, or of the shared key)."""
-    dr = mc.qk_pos_emb_head_dim
-    perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
-    if not to_megatron:
-        perm = torch.argsort(perm)
-    if "kv_down" in rest:  # [kv_lora_rank + dr, hidden]: the shared key's rows come last
-        latent, rope = tensor.split([mc.kv_lora_rank, dr], dim=0)
-        return torch.cat([latent, rope[perm]], dim=0)
-    heads = tensor.reshape(mc.num_attention_heads, mc.qk_head_dim + dr, *tensor.shape[1:])
-    nope, rope = heads.split([mc.qk_head_dim, dr], dim=1)
-    return torch.cat([nope, rope[:, perm]], dim=1).reshape(tensor.shape)
 
 
 def _deepseek_megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    if rest in _ROPE_ROWS:
-        return [(prefix + _ROPE_ROWS[rest], _rope_rows(tensor, rest, mc, to_megatron=False))]
     if rest in _DEEPSEEK_DIRECT:
         return [(prefix + _DEEPSEEK_DIRECT[rest], tensor)]
     if rest == "mlp.shared_experts.linear_fc1.weight":
@@ -251,22 +230,18 @@ def _deepseek_hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """One DeepSeek-V3 layer's megatron tensors, without its norms (`hf_to_megatron` adds them)."""
     a, s = p + "self_attn.", q + "self_attention."
-    query = "linear_q_proj" if mc.q_lora_rank is None else "linear_q_up_proj"
-    rope = [f"self_attention.{query}.weight", "self_attention.linear_kv_down_proj.weight"]
-    out = {q + m: _rope_rows(hf[p + _ROPE_ROWS[m]], m, mc, to_megatron=True) for m in rope}
-    out[s + "kv_layernorm.weight"] = hf[a + "kv_a_layernorm.weight"]
-    out[s + "linear_kv_up_proj.weight"] = hf[a + "kv_b_proj.weight"]
+    query = ("linear_q_proj",) if mc.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
+    out = {s + n + ".weight": hf[p + _DEEPSEEK_DIRECT[f"self_attention.{n}.weight"]] for n in names}
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
-    if mc.q_lora_rank is not None:
-        out[s + "linear_q_down_proj.weight"] = hf[a + "q_a_proj.weight"]
-        out[s + "q_layernorm.weight"] = hf[a + "q_a_layernorm.weight"]
     mlp = p + "mlp."
     if not moe_layer:
         out[q + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
         out[q + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
         return out
     out[q + "mlp.router.weight"] = hf[mlp + "gate.weight"]
-    out[q + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
+    if mlp + "gate.e_score_correction_bias" in hf:  # a buffer: absent from gradient dicts
+        out[q + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
     for expert in range(mc.num_experts):
         he, me = f"{mlp}experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
         out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]])

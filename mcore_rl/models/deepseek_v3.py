@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.models.latent_moe import LatentProjection
 
 
 def moe_kwargs(model: ModelConfig) -> dict[str, Any]:
@@ -52,3 +54,36 @@ def config_class_and_kwargs(model: ModelConfig) -> tuple[type[TransformerConfig]
         mscale=1.0,
         mscale_all_dim=0.0,
     )
+
+
+class MLADotProductAttention(DotProductAttention):
+    """megatron-core's local `DotProductAttention` for MLA, whose query/key and value head sizes
+    differ: `MLASelfAttention` passes them as `k_channels` / `v_channels` (the TE attention takes
+    them; the local one does not), and the context it returns is heads x v_channels wide."""
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+
+def use_local_mla() -> None:
+    """Let `MLASelfAttention` build from the local spec without transformer-engine, with its down
+    projections duplicated on every TP rank (`spec.decoder_layer_spec` puts `LatentProjection`,
+    TELinear's "duplicated" mode without TE, in their place).
+
+    `megatron.core.extensions.transformer_engine` imports without TE (its classes are then mock
+    placeholders), so `multi_latent_attention.HAVE_TE` is True and `isinstance(.., TELinear)` fails
+    on the placeholder; the TE flag is switched off and `TELinear` pointed at `LatentProjection`, so
+    MLA builds the down projections in "duplicated" mode. Why not the local spec's column-parallel
+    down projections: megatron-core 0.16.1 then gathers the shared RoPE key over TP with
+    `gather_from_tensor_model_parallel_region`, whose backward keeps only this rank's slice, so the
+    key's gradient misses the other ranks' heads (TP=2 gradients differed from TP=1 by ~0.5%).
+    Duplicated, the key is gathered from the sequence-parallel region and its gradient summed."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+        multi_latent_attention.TELinear = LatentProjection

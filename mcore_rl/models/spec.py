@@ -22,7 +22,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_rl.models.latent_moe import with_latent_moe
+from mcore_rl.models.deepseek_v3 import MLADotProductAttention, use_local_mla
+from mcore_rl.models.latent_moe import LatentProjection, with_latent_moe
 from mcore_rl.models.norm import RMSNorm
 
 
@@ -50,7 +51,11 @@ def decoder_layer_spec(
     )
     attention = spec.submodules.self_attention
     qk_norm = RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm
-    norms = dict(q_layernorm=qk_norm, kv_layernorm=qk_norm) if mla else dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
+    norms = dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
+    if mla:  # the local core attention with MLA's unequal q/k and v head sizes (models/deepseek_v3.py)
+        use_local_mla()
+        norms = dict(q_layernorm=qk_norm, kv_layernorm=qk_norm, core_attention=MLADotProductAttention,
+                     linear_q_down_proj=LatentProjection, linear_kv_down_proj=LatentProjection)
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **norms))
     submodules = dataclasses.replace(
         spec.submodules,
