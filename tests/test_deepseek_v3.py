@@ -232,9 +232,9 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     from tests.test_parity import P, _check_layout, _global_batch, _reference
 
     for mc, layouts in [
-        (MIXED, [P(pp=2), P(ep=2)]),  # PP: stage 0 holds only dense layers, stage 1 only MoE ones
-        (DSV3, [P(tp=2, sp=True), P(pp=2), P(ep=2)]),
-        (DSV3_FULL_Q, [P(tp=2, sp=True)]),
+        (MIXED, [P(pp=2)]),  # stage 0 holds only dense layers, stage 1 only MoE ones
+        (DSV3, [P(tp=2, sp=True), P(ep=2)]),
+        (DSV3_FULL_Q, [P(pp=2)]),  # full-rank query projection; an MoE layer on each stage
     ]:
         batches = _global_batch(mc.vocab_size)
         ref = _reference(mc, batches)

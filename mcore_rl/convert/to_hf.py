@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
-STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
 REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
@@ -64,7 +65,7 @@ def export_config(
     mc: "ModelConfig", dtype: torch.dtype, source: Optional[dict[str, Any]] = None
 ) -> tuple["PretrainedConfig", str]:
     """The HF config to write, and the export kind (see `export_kind`)."""
-    from mcore_rl.hf.configuration import hf_config_from_model_config, to_stock_hf_config
+    from mcore_rl.hf.configuration import hf_config_from_model_config, keep_source_layer_keys, to_stock_hf_config
 
     kind = export_kind(mc)
     ours = hf_config_from_model_config(mc)
@@ -78,6 +79,7 @@ def export_config(
         }
     else:
         cfg = to_stock_hf_config(ours)
+        keep_source_layer_keys(cfg, source)  # mixed dense/MoE layers in the user's own keys
         cfg.architectures = [STOCK_CLASSES[kind]]
     for key in _CARRIED_FIELDS:
         if source and source.get(key) is not None:

@@ -342,6 +342,20 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     )
 
 
+def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, Any]]) -> None:
+    """Write a Qwen3-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
+    `mlp_only_layers`) when they give the same pattern as the ones derived here."""
+    if not source or getattr(stock, "model_type", None) != "qwen3_moe" or "decoder_sparse_step" not in source:
+        return
+    theirs = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
+              "decoder_sparse_step": source.get("decoder_sparse_step"), "mlp_only_layers": source.get("mlp_only_layers")}
+    ours = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
+            "decoder_sparse_step": stock.decoder_sparse_step, "mlp_only_layers": stock.mlp_only_layers}
+    if moe_layer_pattern_of(PretrainedConfig(**theirs)) == moe_layer_pattern_of(PretrainedConfig(**ours)):
+        stock.decoder_sparse_step = theirs["decoder_sparse_step"] or 1
+        stock.mlp_only_layers = list(theirs["mlp_only_layers"] or [])
+
+
 def _to_stock_deepseek_v3(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
     from transformers import DeepseekV3Config
