@@ -125,6 +125,27 @@ def test_reference_equals_stock_qwen3_moe_with_dense_layers(mlp_only_layers, ste
         torch.testing.assert_close(ours(x).logits, stock(x).logits, atol=1e-5, rtol=0)
 
 
+def test_embedded_engine_serves_deepseek_v3_like_the_reference() -> None:
+    """The engine's slot cache keeps MLA's latent + RoPE key; with continuous batching, greedy and
+    sampled tokens, every generated token's log-prob equals one cache-free reference forward."""
+    import copy
+
+    from mcore_rl.hf import hf_config_from_model_config
+    from tests.test_engine_core import PROMPTS, assert_matches_reference, make_engine, req, run
+
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(dataclasses.replace(DSV3, vocab_size=384)))
+    _randomize(model)
+    ref = copy.deepcopy(model).eval()
+    engine = make_engine(model)
+    reqs = [req(f"g{i}", p, temperature=0.0, max_new_tokens=6, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    reqs += [req("s", PROMPTS[1], temperature=1.0, max_new_tokens=6, ignore_eos=True, sampling_seed=5)]
+    outs = run(engine, reqs, stagger=2)  # requests join a running batch
+    assert_matches_reference(ref, reqs, outs, atol=1e-4)
+
+
 def test_layer_patterns_of_configs_and_flops() -> None:
     from mcore_rl.hf.configuration import hf_config_from_model_config, moe_layer_pattern_of, to_stock_hf_config
     from mcore_rl.models.flops import forward_flops_per_token

@@ -142,6 +142,17 @@ class MLAReferenceAttention(nn.Module):
         allowed: torch.Tensor,
         past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        q_pass, q_rot, latent, k_rot = self.project(x, cos, sin)
+        if past is not None:
+            latent, k_rot = torch.cat((past[0], latent), dim=2), torch.cat((past[1], k_rot), dim=2)
+        present = (latent, k_rot)
+        return self.attend(q_pass, q_rot, latent, k_rot, allowed), present
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, hidden] -> (q_pass, q_rot [b, heads, s, .], latent [b, 1, s, kv_lora_rank],
+        k_rot [b, 1, s, qk_rope_head_dim]), RoPE applied: what the cache keeps is (latent, k_rot)."""
         b, s, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_pass, q_rot = q.view(b, s, self.num_heads, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
@@ -149,11 +160,7 @@ class MLAReferenceAttention(nn.Module):
         latent = self.kv_a_layernorm(latent).view(b, 1, s, self.kv_lora_rank)
         k_rot = k_rot.view(b, 1, s, self.rope)
         rope = rope_interleaved if self.interleave else rope_half
-        q_rot, k_rot = rope(q_rot, cos, sin), rope(k_rot, cos, sin)
-        if past is not None:
-            latent, k_rot = torch.cat((past[0], latent), dim=2), torch.cat((past[1], k_rot), dim=2)
-        present = (latent, k_rot)
-        return self.attend(q_pass, q_rot, latent, k_rot, allowed), present
+        return q_pass, rope(q_rot, cos, sin), latent, rope(k_rot, cos, sin)
 
     def attend(
         self, q_pass: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
