@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from transformers import PretrainedConfig
 
+from .layers import is_moe_layer
+
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.schema import ModelConfig
@@ -359,8 +361,6 @@ def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, A
 def _to_stock_deepseek_v3(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
     from transformers import DeepseekV3Config
-
-    from .layers import is_moe_layer
 
     pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
     first_k = pattern.index(True) if any(pattern) else len(pattern)
