@@ -209,6 +209,25 @@ def test_bad_values_are_refused_naming_the_key() -> None:
         model_config_from_hf(_stock_deepseek_config(topk_group=1, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}))
     assert "topk_group=1" in str(err.value) and "rope_parameters.rope_type='yarn'" in str(err.value)
+    with pytest.raises(ValueError, match="quantization_config='fp8'"):
+        model_config_from_hf(_stock_deepseek_config(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}))
+
+
+def test_bf16_export_keeps_the_router_in_fp32(tmp_path) -> None:
+    """As stock DeepSeek-V3 keeps them (`_keep_in_fp32_modules_strict`), and loads back in stock."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from mcore_rl.convert import write_hf_checkpoint
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from tests.test_convert import _load_tensors
+
+    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(DSV3))
+    assert write_hf_checkpoint(model.state_dict(), DSV3, str(tmp_path), torch.bfloat16) == "deepseek_v3"
+    tensors = _load_tensors(tmp_path)
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert tensors["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
+    DeepseekV3ForCausalLM.from_pretrained(tmp_path)  # loads in the stock class
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
 REMOTE_MODEL_CLASS = "Qwen3ReferenceForCausalLM"
 REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Tensors a stock class keeps in fp32 whatever the model's dtype (its `_keep_in_fp32_modules_strict`).
+FP32_TENSORS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
 # The remote-code files are the modules of mcore_rl.hf (a sibling package of this one).
 _HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf")
 # Source-config fields that are not architecture but belong to the model (special token ids).
@@ -165,7 +167,9 @@ def write_hf_checkpoint(
     os.makedirs(output_dir, exist_ok=True)
     if assets_dir and os.path.isdir(assets_dir):
         copy_assets(assets_dir, output_dir)
-    save_safetensors({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes)
+    fp32 = FP32_TENSORS.get(kind, ())
+    save_safetensors({k: v.to(torch.float32 if k.endswith(fp32) else dtype).contiguous() for k, v in hf_state.items()},
+                     output_dir, max_shard_bytes)
     cfg.save_pretrained(output_dir)
     for path in code:
         shutil.copyfile(path, os.path.join(output_dir, os.path.basename(path)))

@@ -414,6 +414,9 @@ def unsupported_stock_fields(hf: Any) -> list[str]:
 def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
     """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
     problems = []
+    if getattr(hf, "quantization_config", None):
+        problems.append(f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
+                        "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first")
     topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
     if group_topk < groups and topk // group_topk != 2:
         problems.append(f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
