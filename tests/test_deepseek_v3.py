@@ -168,8 +168,9 @@ def test_layer_patterns_of_configs_and_flops() -> None:
     assert kind == "qwen3_moe" and (cfg.decoder_sparse_step, cfg.mlp_only_layers) == (2, [])
     cfg, _ = export_config(mixed, torch.float32, {**source, "decoder_sparse_step": 1})  # not this pattern
     assert (cfg.decoder_sparse_step, cfg.mlp_only_layers) == (1, [0, 2])
+    alternating = dataclasses.replace(DSV3, num_layers=3, moe_layer_pattern=[1, 0, 1])
     with pytest.raises(ValueError, match="first-k-dense"):
-        to_stock_hf_config(hf_config_from_model_config(dataclasses.replace(DSV3, num_layers=3, moe_layer_pattern=[1, 0, 1])))
+        to_stock_hf_config(hf_config_from_model_config(alternating))
     # a dense layer costs a dense MLP; MLA's projections differ from GQA's
     dense = forward_flops_per_token(dataclasses.replace(MIXED, arch="qwen3", num_experts=0, moe_layer_pattern=None), 16)
     moe = forward_flops_per_token(dataclasses.replace(MIXED, moe_layer_pattern=None), 16)

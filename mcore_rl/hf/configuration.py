@@ -350,7 +350,8 @@ def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, A
     if not source or getattr(stock, "model_type", None) != "qwen3_moe" or "decoder_sparse_step" not in source:
         return
     theirs = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
-              "decoder_sparse_step": source.get("decoder_sparse_step"), "mlp_only_layers": source.get("mlp_only_layers")}
+              "decoder_sparse_step": source.get("decoder_sparse_step"),
+              "mlp_only_layers": source.get("mlp_only_layers")}
     ours = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
             "decoder_sparse_step": stock.decoder_sparse_step, "mlp_only_layers": stock.mlp_only_layers}
     if moe_layer_pattern_of(PretrainedConfig(**theirs)) == moe_layer_pattern_of(PretrainedConfig(**ours)):

@@ -214,12 +214,15 @@ _DEEPSEEK_DIRECT = {
 }
 
 
-def _deepseek_megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+def _deepseek_megatron_to_hf(
+    prefix: str, rest: str, tensor: torch.Tensor, mc: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
     if rest in _DEEPSEEK_DIRECT:
         return [(prefix + _DEEPSEEK_DIRECT[rest], tensor)]
     if rest == "mlp.shared_experts.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
-        return [(prefix + "mlp.shared_experts.gate_proj.weight", gate), (prefix + "mlp.shared_experts.up_proj.weight", up)]
+        shared = prefix + "mlp.shared_experts."
+        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
     if rest == "mlp.shared_experts.linear_fc2.weight":
         return [(prefix + "mlp.shared_experts.down_proj.weight", tensor)]
     raise KeyError(f"no HF name for megatron parameter {prefix}{rest!r}")
