@@ -128,7 +128,7 @@ def test_reference_without_qk_norm_is_stock_llama() -> None:
 
 
 def test_unsupported_checkpoints_name_the_field() -> None:
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    from transformers import LlamaConfig
 
     from mcore_rl.convert import model_config_from_hf
 
@@ -137,8 +137,11 @@ def test_unsupported_checkpoints_name_the_field() -> None:
         model_config_from_hf(scaled)
     with pytest.raises(ValueError, match="attention_bias=true"):
         model_config_from_hf(LlamaConfig(attention_bias=True))
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        model_config_from_hf(Qwen3MoeConfig(num_experts=4, mlp_only_layers=[0]))
+    # mixed dense/MoE layers (mlp_only_layers) convert now: tests/test_deepseek_v3.py
+    from transformers import DeepseekV3Config
+
+    with pytest.raises(ValueError, match="norm_topk_prob=false"):
+        model_config_from_hf(DeepseekV3Config(norm_topk_prob=False))
 
 
 DENSE = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rope_scaling import check_model_rope_scaling
+from mcore_rl.config.moe_rules import check_mixed_moe
 from mcore_rl.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_attn_res(m, errors)
     check_qwen2_mistral(m, errors)
     check_model_rope_scaling(m, errors)  # RoPE scaling (issue 13)
+    check_mixed_moe(m, errors)  # moe_layer_pattern, DeepSeek-V3 router, MLA (moe_rules.py)
 
 
 def check_qwen2_mistral(m: ModelConfig, errors: Errors) -> None:
@@ -145,7 +147,7 @@ def check_attention(m: ModelConfig, errors: Errors) -> None:
 def check_moe(m: ModelConfig, errors: Errors) -> None:
     """Experts exist exactly for the MoE arch; the router picks among them; latents are narrower."""
     if m.is_moe:
-        if errors.need(m.num_experts > 0, "model.num_experts", "arch qwen3_moe needs num_experts > 0"):
+        if errors.need(m.num_experts > 0, "model.num_experts", f"arch {m.arch} needs num_experts > 0"):
             errors.need(1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk",
                         f"must be in [1, num_experts={m.num_experts}], got {m.moe_router_topk}")
     else:

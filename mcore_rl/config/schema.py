@@ -51,7 +51,7 @@ class RopeScalingConfig:
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
 
-    arch: Literal["qwen3", "qwen3_moe"] = "qwen3"
+    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"  # deepseek_v3: MoE with DeepSeek names
     vocab_size: int = 384
     hidden_size: int = 64
     ffn_hidden_size: int = 256
@@ -86,6 +86,22 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
     # RoPE scaling (issue 13): Llama 3.x, YaRN, linear; type none = plain RoPE
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # Mixed dense/MoE layers and DeepSeek-V3-style MoE (docs/deepseek_v3.md). moe_layer_pattern: one
+    # entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size; None = every layer MoE.
+    moe_layer_pattern: Optional[list[int]] = None
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (e_score_correction_bias)
+    moe_router_bias_update_rate: float = 1e-3  # bias step per optimizer update, toward balance
+    moe_router_num_groups: Optional[int] = None  # grouped top-k: experts in groups (n_group)
+    moe_router_group_topk: Optional[int] = None  # ... of which this many are searched (topk_group)
+    moe_router_topk_scaling_factor: Optional[float] = None  # routed_scaling_factor; None = 1
+    # Multi-head latent attention (DeepSeek-V2/V3); q_lora_rank None = full-rank query projection
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
+    v_head_dim: int = 16
 
     @property
     def head_dim(self) -> int:
@@ -93,7 +109,7 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.arch == "qwen3_moe"
+        return self.arch in ("qwen3_moe", "deepseek_v3")
 
 
 @dataclass

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from mcore_rl.config.schema import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mcore_rl_qwen3", "qwen2", "qwen2_moe", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mcore_rl_qwen3", "qwen2", "qwen2_moe", "mistral", "deepseek_v3")
 # Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).
 ASSETS_DIR = "hf_assets"
 # Copied along as assets: small files that are not weights, config or code (tokenizer, chat

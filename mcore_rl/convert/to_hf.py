@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
 STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
 REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
 REMOTE_MODEL_CLASS = "Qwen3ReferenceForCausalLM"
 REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Tensors a stock class keeps in fp32 whatever the model's dtype (its `_keep_in_fp32_modules_strict`).
+FP32_TENSORS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
 # The remote-code files are the modules of mcore_rl.hf (a sibling package of this one).
 _HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf")
 # Source-config fields that are not architecture but belong to the model (special token ids).
@@ -69,7 +72,7 @@ def export_config(
     mc: "ModelConfig", dtype: torch.dtype, source: Optional[dict[str, Any]] = None
 ) -> tuple["PretrainedConfig", str]:
     """The HF config to write, and the export kind (see `export_kind`)."""
-    from mcore_rl.hf.configuration import hf_config_from_model_config, to_stock_hf_config
+    from mcore_rl.hf.configuration import hf_config_from_model_config, keep_source_layer_keys, to_stock_hf_config
 
     family = (source or {}).get("model_type")
     kind = export_kind(mc, family)
@@ -84,6 +87,7 @@ def export_config(
         }
     else:
         cfg = to_stock_hf_config(ours, family)
+        keep_source_layer_keys(cfg, source)  # mixed dense/MoE layers in the user's own keys
         cfg.architectures = [STOCK_CLASSES[kind]]
     for key in _CARRIED_FIELDS:
         if source and source.get(key) is not None:
@@ -169,7 +173,9 @@ def write_hf_checkpoint(
     os.makedirs(output_dir, exist_ok=True)
     if assets_dir and os.path.isdir(assets_dir):
         copy_assets(assets_dir, output_dir)
-    save_safetensors({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes)
+    fp32 = FP32_TENSORS.get(kind, ())
+    save_safetensors({k: v.to(torch.float32 if k.endswith(fp32) else dtype).contiguous() for k, v in hf_state.items()},
+                     output_dir, max_shard_bytes)
     cfg.save_pretrained(output_dir)
     respell_rope_in_file(os.path.join(output_dir, "config.json"), mc.rope_scaling.hf_key)  # the source's spelling
     for path in code:

@@ -68,7 +68,7 @@ def _wanted_by(chunks: list[torch.nn.Module], mc: "ModelConfig") -> Callable[[st
     layers: set[int] = set()
     experts: set[tuple[int, int]] = set()
     top: set[str] = set()
-    for _, name, _ in iter_local_params(chunks):
+    for _, name, _ in iter_local_params(chunks, with_buffers=True):
         m = LAYER_NAME.match(name)
         if not m:
             top.add(name)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from transformers import PretrainedConfig
 
 from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
+from .layers import is_moe_layer
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
@@ -68,6 +69,19 @@ class McoreRLQwen3Config(PretrainedConfig):
         use_cache: bool = True,
         rope_parameters: Optional[dict] = None,
         rope_scaling: Optional[dict] = None,
+        # mixed dense/MoE layers (transformers' Qwen3-MoE rule) and the DeepSeek-V3 family (deepseek_v3.py)
+        mlp_only_layers: Optional[list[int]] = None,
+        decoder_sparse_step: int = 1,
+        family: str = "qwen3",
+        n_group: Optional[int] = None,
+        topk_group: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
+        q_lora_rank: Optional[int] = None,
+        kv_lora_rank: Optional[int] = None,
+        qk_nope_head_dim: Optional[int] = None,
+        qk_rope_head_dim: Optional[int] = None,
+        v_head_dim: Optional[int] = None,
+        rope_interleave: bool = True,
         **kwargs: Any,
     ) -> None:
         if hidden_act != "silu":
@@ -118,6 +132,20 @@ class McoreRLQwen3Config(PretrainedConfig):
         self.shared_expert_gate = bool(shared_expert_gate and num_experts and self.shared_expert_intermediate_size)
         self.sliding_window = sliding_window or None
         self.use_cache = use_cache
+        # Mixed dense/MoE layers: layer i is MoE iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
+        self.mlp_only_layers = [int(i) for i in (mlp_only_layers or [])]
+        self.decoder_sparse_step = int(decoder_sparse_step or 1)
+        # "deepseek_v3": MLA attention and the sigmoid-routed MoE with DeepSeek-V3 names (deepseek_v3.py)
+        if family not in ("qwen3", "deepseek_v3"):
+            raise ValueError(f"family={family!r}: expected 'qwen3' or 'deepseek_v3'")
+        self.family = family
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rope_interleave = rope_interleave
+        if family == "deepseek_v3":  # the RoPE part of MLA's heads is what rope_cos_sin rotates
+            self.head_dim = qk_rope_head_dim
         # Passed through kwargs: transformers 4.x resets tie_word_embeddings in its own __init__.
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -166,6 +194,63 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
+        **_mixed_and_deepseek_fields(mc),
+    )
+
+
+def _mixed_and_deepseek_fields(mc: ModelConfig) -> dict[str, Any]:
+    """HF fields of `model.moe_layer_pattern` and the DeepSeek-V3 family (MLA, sigmoid router)."""
+    pattern = mc.moe_layer_pattern if mc.is_moe else None
+    out: dict[str, Any] = dict(mlp_only_layers=[i for i, p in enumerate(pattern or []) if not p])
+    if mc.arch != "deepseek_v3":
+        return out
+    return dict(
+        out, family="deepseek_v3", n_group=mc.moe_router_num_groups, topk_group=mc.moe_router_group_topk,
+        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0, q_lora_rank=mc.q_lora_rank,
+        kv_lora_rank=mc.kv_lora_rank, qk_nope_head_dim=mc.qk_head_dim, qk_rope_head_dim=mc.qk_pos_emb_head_dim,
+        v_head_dim=mc.v_head_dim,
+    )
+
+
+def moe_layer_pattern_of(hf: Any) -> Optional[list[int]]:
+    """`model.moe_layer_pattern` of an HF config: None when every layer is MoE (or the model is dense).
+
+    Qwen3-MoE / ours: layer i is MoE iff i not in `mlp_only_layers` and (i+1) % `decoder_sparse_step`
+    == 0 (transformers' rule). DeepSeek: iff i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0.
+    """
+    n = hf.num_hidden_layers
+    if getattr(hf, "model_type", None) == "deepseek_v3":
+        k, freq = getattr(hf, "first_k_dense_replace", 0) or 0, getattr(hf, "moe_layer_freq", 1) or 1
+        pattern = [int(i >= k and i % freq == 0) for i in range(n)]
+    else:
+        step, dense = getattr(hf, "decoder_sparse_step", 1) or 1, set(getattr(hf, "mlp_only_layers", None) or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
+    return None if all(pattern) else pattern
+
+
+def _deepseek_model_fields(hf: Any) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V3 config (stock `DeepseekV3Config` or ours with family deepseek_v3)."""
+    stock = getattr(hf, "model_type", None) == "deepseek_v3"
+    shared = (hf.n_shared_experts or 0) * hf.moe_intermediate_size if stock else hf.shared_expert_intermediate_size
+    return dict(
+        arch="deepseek_v3",
+        num_experts=hf.n_routed_experts if stock else hf.num_experts,
+        num_query_groups=hf.num_attention_heads,  # MLA: every head has its own keys and values
+        kv_channels=None,
+        qk_layernorm=True,  # the latent q / kv RMSNorms
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_aux_loss_coeff=0.0,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=hf.n_group,
+        moe_router_group_topk=hf.topk_group,
+        moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
+        multi_latent_attention=True,
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_head_dim=hf.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
     )
 
 
@@ -186,14 +271,16 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = 
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
-    num_experts = getattr(hf, "num_experts", 0) or 0
+    deepseek = getattr(hf, "model_type", None) == "deepseek_v3" or getattr(hf, "family", "qwen3") == "deepseek_v3"
+    num_experts = (getattr(hf, "n_routed_experts", 0) if getattr(hf, "model_type", None) == "deepseek_v3"
+                   else getattr(hf, "num_experts", 0)) or 0
     model_type = getattr(hf, "model_type", None)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope_theta = getattr(hf, "rope_theta", None)
     if rope_theta is None:  # transformers 5 stock configs keep it in rope_parameters
         rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         arch="qwen3_moe" if num_experts > 0 else "qwen3",
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -232,7 +319,11 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = 
                                     and num_experts and getattr(hf, "shared_expert_intermediate_size", 0)),
         sliding_window=(getattr(hf, "sliding_window", None) or None) if model_type in _WINDOWED else None,
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
+        moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
     )
+    if deepseek:
+        fields.update(_deepseek_model_fields(hf))
+    return ModelConfig(**fields)
 
 
 def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) -> PretrainedConfig:
@@ -250,6 +341,8 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
         raise ValueError("AttnRes (attn_res) has no stock transformers equivalent")
     if getattr(cfg, "ngram_orders", None):
         raise ValueError("Over-Encoding n-gram embeddings (ngram_orders) have no stock transformers equivalent")
+    if getattr(cfg, "family", "qwen3") == "deepseek_v3":
+        return _to_stock_deepseek_v3(cfg)
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -291,8 +384,54 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
         moe_intermediate_size=cfg.moe_intermediate_size,
         norm_topk_prob=cfg.norm_topk_prob,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+        decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1),
+        mlp_only_layers=list(getattr(cfg, "mlp_only_layers", None) or []),
+    )
+
+
+def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, Any]]) -> None:
+    """Write a Qwen3-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
+    `mlp_only_layers`) when they give the same pattern as the ones derived here."""
+    if not source or getattr(stock, "model_type", None) != "qwen3_moe" or "decoder_sparse_step" not in source:
+        return
+    theirs = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
+              "decoder_sparse_step": source.get("decoder_sparse_step"),
+              "mlp_only_layers": source.get("mlp_only_layers")}
+    ours = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
+            "decoder_sparse_step": stock.decoder_sparse_step, "mlp_only_layers": stock.mlp_only_layers}
+    if moe_layer_pattern_of(PretrainedConfig(**theirs)) == moe_layer_pattern_of(PretrainedConfig(**ours)):
+        stock.decoder_sparse_step = theirs["decoder_sparse_step"] or 1
+        stock.mlp_only_layers = list(theirs["mlp_only_layers"] or [])
+
+
+def _to_stock_deepseek_v3(cfg: McoreRLQwen3Config) -> PretrainedConfig:
+    """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
+    from transformers import DeepseekV3Config
+
+    pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
+    first_k = pattern.index(True) if any(pattern) else len(pattern)
+    if pattern != [False] * first_k + [True] * (len(pattern) - first_k):
+        raise ValueError(f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
+                         "stock DeepseekV3Config cannot express it")
+    shared = cfg.shared_expert_intermediate_size
+    if not shared or shared % cfg.moe_intermediate_size:
+        raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
+    if cfg.topk_group is None or cfg.topk_group < cfg.n_group and cfg.num_experts_per_tok // cfg.topk_group != 2:
+        raise ValueError("stock DeepSeek-V3 ranks groups by their best 2 experts: needs topk // topk_group == 2")
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=shared // cfg.moe_intermediate_size, n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=first_k,
+        norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.initializer_range,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_interleave=cfg.rope_interleave, attention_bias=False,
     )
 
 
@@ -353,10 +492,33 @@ def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[st
     if getattr(hf, "use_sliding_window", False):  # Qwen2 / Qwen3: a window on some layers only
         problems.append("use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
                         "supported (a window on every layer is: Mistral's sliding_window)")
-    if getattr(hf, "mlp_only_layers", None):
-        problems.append(f"mlp_only_layers={hf.mlp_only_layers}: mixed dense/MoE layers are not supported")
-    if (getattr(hf, "decoder_sparse_step", 1) or 1) != 1:
-        problems.append(f"decoder_sparse_step={hf.decoder_sparse_step}: every layer must be MoE (1)")
+    if getattr(hf, "model_type", None) == "deepseek_v3":
+        problems += _unsupported_deepseek_v3_fields(hf)
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         problems.append(f"pretraining_tp={hf.pretraining_tp}: only 1 is supported")
+    return problems
+
+
+def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
+    """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
+    problems = []
+    if getattr(hf, "quantization_config", None):
+        problems.append(f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
+                        "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first")
+    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
+    if group_topk < groups and topk // group_topk != 2:
+        problems.append(f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
+                        "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
+                        "topk // topk_group == 2")
+    if hf.n_routed_experts % groups or topk % group_topk:
+        problems.append(f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
+                        f"divide by n_group and num_experts_per_tok ({topk}) by topk_group")
+    if topk > 1 and not hf.norm_topk_prob:
+        problems.append("norm_topk_prob=false: megatron-core always renormalises sigmoid top-k scores")
+    if not hf.n_shared_experts:
+        problems.append("n_shared_experts=0: DeepSeek-V3 without shared experts is not supported")
+    if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
+        problems.append(f"num_key_value_heads={hf.num_key_value_heads}: MLA has one key/value per head")
+    if getattr(hf, "rope_interleave", True) is not True:
+        problems.append("rope_interleave=false: only DeepSeek's interleaved RoPE checkpoints are converted")
     return problems

@@ -110,13 +110,21 @@ def moe_dispatch(
             else:
                 replayed = torch.softmax(logits.float(), dim=-1).gather(1, idx)
             probs = torch.where(rows[:, None], replayed, probs)
+    return run_experts(tokens, probs, idx, experts), idx
+
+
+def run_experts(
+    tokens: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor, experts: Sequence[nn.Module]
+) -> torch.Tensor:
+    """sum_k probs[t, k] * experts[idx[t, k]](tokens[t]): each expert runs on the rows that picked it,
+    weighted in the tokens' dtype."""
     probs = probs.to(tokens.dtype)
     out = torch.zeros_like(tokens)
     for e, expert in enumerate(experts):
         rows_e, slot = torch.where(idx == e)
         if rows_e.numel():
             out.index_add_(0, rows_e, expert(tokens[rows_e]) * probs[rows_e, slot, None])
-    return out, idx
+    return out
 
 
 class RoutingTap:
@@ -136,6 +144,15 @@ class RoutingTap:
         out, idx = moe_dispatch(tokens, logits, experts, topk, norm_topk_prob, self.forced)
         self.routed = idx if self.record else None
         return out
+
+
+def is_moe_layer(config: object, layer: int) -> bool:
+    """Whether layer `layer` (0-based) of an HF config has an MoE MLP: the transformers Qwen3-MoE
+    rule (not in `mlp_only_layers`, and (layer + 1) % `decoder_sparse_step` == 0) on our config."""
+    if not getattr(config, "num_experts", 0):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
 def moe_aux_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:

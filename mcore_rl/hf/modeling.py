@@ -58,12 +58,14 @@ from transformers.utils import ModelOutput
 
 from .attn_res import AttnResMixer, attn_res_decoder_forward
 from .configuration import McoreRLQwen3Config, to_stock_hf_config
+from .deepseek_v3 import DeepseekV3ReferenceMoeBlock, DeepseekV3ReferenceRouter, MLAReferenceAttention
 from .latent_moe import Qwen3ReferenceLatentMoeBlock
 from .layers import (  # route, load_balancing_loss: unused here, imported from here by callers
     KVCache,
     Qwen3ReferenceMLP,
     Qwen3ReferenceRMSNorm,
     RoutingTap,
+    is_moe_layer,
     load_balancing_loss,
     moe_aux_loss,
     route,
@@ -211,12 +213,19 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
 
 
 class Qwen3ReferenceDecoderLayer(nn.Module):
-    def __init__(self, config: McoreRLQwen3Config) -> None:
+    """One layer; `layer_idx` picks its MLP kind in a model with mixed dense/MoE layers
+    (`layers.is_moe_layer`); the DeepSeek-V3 family has MLA and its own MoE block (deepseek_v3.py)."""
+
+    def __init__(self, config: McoreRLQwen3Config, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Qwen3ReferenceAttention(config)
-        if config.num_experts > 0 and getattr(config, "moe_latent_size", None):
-            self.mlp: nn.Module = Qwen3ReferenceLatentMoeBlock(config)
-        elif config.num_experts > 0:
+        deepseek = getattr(config, "family", "qwen3") == "deepseek_v3"
+        self.self_attn = MLAReferenceAttention(config) if deepseek else Qwen3ReferenceAttention(config)
+        moe = is_moe_layer(config, layer_idx)
+        if moe and deepseek:
+            self.mlp: nn.Module = DeepseekV3ReferenceMoeBlock(config)
+        elif moe and getattr(config, "moe_latent_size", None):
+            self.mlp = Qwen3ReferenceLatentMoeBlock(config)
+        elif moe:
             self.mlp = Qwen3ReferenceSparseMoeBlock(config)
         else:
             self.mlp = Qwen3ReferenceMLP(config.hidden_size, config.intermediate_size)
@@ -281,6 +290,9 @@ class Qwen3ReferencePreTrainedModel(PreTrainedModel):
             _init.ones_(module.weight)
         elif isinstance(module, AttnResMixer):  # zero pseudo-queries: uniform depth weights
             _init.zeros_(module.query)
+        elif isinstance(module, DeepseekV3ReferenceRouter):  # the expert bias starts at zero
+            _init.normal_(module.weight, mean=0.0, std=std)
+            _init.zeros_(module.e_score_correction_bias)
 
 
 class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
@@ -293,7 +305,7 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
         orders = getattr(config, "ngram_orders", None)
         self.ngram_embeddings = McoreRLNgramEmbeddings(config) if orders else None
         self.layers = nn.ModuleList(
-            Qwen3ReferenceDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            Qwen3ReferenceDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
         attn_res = getattr(config, "attn_res", "none") != "none"  # AttnRes: the output's depth mix
@@ -441,6 +453,12 @@ def _stock_moe_is_fused(config: McoreRLQwen3Config) -> bool:
     """Whether the installed stock `Qwen3MoeForCausalLM` stores experts fused (transformers>=5)."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as stock
 
+    if getattr(config, "family", "qwen3") == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock_ds
+
+        with torch.device("meta"):
+            experts = stock_ds.DeepseekV3Experts(to_stock_hf_config(config))
+        return any(name == "gate_up_proj" for name, _ in experts.named_parameters())
     with torch.device("meta"):
         block = stock.Qwen3MoeSparseMoeBlock(to_stock_hf_config(config))
     return any(name == "experts.gate_up_proj" for name, _ in block.named_parameters())
@@ -459,6 +477,8 @@ def to_stock_state_dict(
     out = {k: v for k, v in state_dict.items() if ".mlp.experts." not in k}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" not in state_dict:  # a dense layer of a mixed model
+            continue
         names = ("gate", "up", "down")
         w = [{n: state_dict[f"{p}.{j}.{n}_proj.weight"] for n in names} for j in range(config.num_experts)]
         out[f"{p}.gate_up_proj"] = torch.stack([torch.cat((x["gate"], x["up"])) for x in w])

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import attn_res, megatron_fixes, rope_scaling, sliding_window
+from mcore_rl.models import attn_res, deepseek_v3, megatron_fixes, rope_scaling, sliding_window
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 
@@ -44,6 +44,7 @@ def transformer_config(
             moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
             moe_shared_expert_gate=model.moe_shared_expert_gate,  # Qwen2-MoE
         )
+        moe.update(deepseek_v3.moe_kwargs(model))  # moe_layer_pattern, DeepSeek-V3 router
     recompute_kwargs: dict = {}
     if recompute == "full":
         recompute_kwargs = dict(
@@ -52,7 +53,9 @@ def transformer_config(
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
-    config_class = rope_scaling.transformer_config_class(model)  # YaRN: + its yarn_* fields
+    config_class, mla = deepseek_v3.config_class_and_kwargs(model)  # MLA: MLATransformerConfig
+    if not mla:
+        config_class = rope_scaling.transformer_config_class(model)  # YaRN: + its yarn_* fields
     return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -99,6 +102,7 @@ def transformer_config(
         **moe,
         **recompute_kwargs,
         **rope_scaling.transformer_config_kwargs(model),
+        **mla,
     )
 
 

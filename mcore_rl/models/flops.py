@@ -47,6 +47,23 @@ def _moe_layer(model: ModelConfig) -> float:
     return flops
 
 
+def _mla(model: ModelConfig, context: float) -> tuple[float, float]:
+    """One layer of multi-head latent attention: (projections, scores) FLOPs per token.
+
+    Queries: h -> q_lora_rank -> heads x (qk_head_dim + qk_pos_emb_head_dim), or straight from h
+    without q_lora_rank; keys/values: h -> kv_lora_rank + qk_pos_emb_head_dim (the latent and the
+    shared RoPE key), latent -> heads x (qk_head_dim + v_head_dim); output heads x v_head_dim -> h.
+    Scores: QK^T over qk_head_dim + qk_pos_emb_head_dim, softmax(.)V over v_head_dim (the latent is
+    expanded per token, not absorbed into the query)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+    q = h * heads * qk if model.q_lora_rank is None else model.q_lora_rank * (h + heads * qk)
+    kv = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * heads * (
+        model.qk_head_dim + model.v_head_dim)
+    out = heads * model.v_head_dim * h
+    return 2.0 * (q + kv + out), 2.0 * heads * (qk + model.v_head_dim) * context
+
+
 def is_moe_layer(model: ModelConfig, layer: int) -> bool:
     """Whether decoder layer `layer` (0-based) has a MoE MLP; every layer does in a MoE model
     unless a per-layer pattern (`model.moe_layer_pattern`, when the config has one) says otherwise."""
@@ -59,11 +76,15 @@ def is_moe_layer(model: ModelConfig, layer: int) -> bool:
 def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = True) -> ForwardFlops:
     """Forward FLOPs of one token in a sequence of `seq_len` tokens."""
     h, L = model.hidden_size, model.num_layers
-    q_dim = model.num_attention_heads * model.head_dim
-    kv_dim = model.num_query_groups * model.head_dim
-    projections = L * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
     context = _attended_context(seq_len, causal, model.sliding_window)
-    scores = L * 2.0 * 2 * q_dim * context
+    if model.multi_latent_attention:
+        projections, scores = _mla(model, context)
+        projections, scores = L * projections, L * scores
+    else:
+        q_dim = model.num_attention_heads * model.head_dim
+        kv_dim = model.num_query_groups * model.head_dim
+        projections = L * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
+        scores = L * 2.0 * 2 * q_dim * context
     mlp = sum(_moe_layer(model) if is_moe_layer(model, i) else _swiglu(h, model.ffn_hidden_size) for i in range(L))
     return ForwardFlops(projections, scores, mlp, 2.0 * h * model.vocab_size)
 

@@ -40,8 +40,16 @@ def _tp_group_rank_size(param: torch.nn.Parameter, global_name: str) -> tuple[Op
     )
 
 
-def iter_local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global name, param) for every parameter of this rank's model chunks."""
+# Buffers that are weights of the model (saved, exported, synced) though no optimizer updates them:
+# the DeepSeek-V3 router's expert bias, moved toward balance in finalize_model_grads.
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def iter_local_params(
+    chunks: Iterable[torch.nn.Module], with_buffers: bool = False
+) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global name, param) for every parameter of this rank's model chunks;
+    `with_buffers` adds the `WEIGHT_BUFFERS` (replicated tensors, no gradient)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -54,6 +62,10 @@ def iter_local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, 
         expert_offset = ps.get_expert_model_parallel_rank() * num_local_experts
         for local_name, param in module.named_parameters():
             yield local_name, _global_name(local_name, layer_offset, expert_offset), param
+        if with_buffers:
+            for local_name, buf in module.named_buffers():
+                if buf is not None and local_name.endswith(WEIGHT_BUFFERS):
+                    yield local_name, _global_name(local_name, layer_offset, expert_offset), buf
 
 
 def _global_name(local: str, layer_offset: int, expert_offset: int) -> str:
@@ -92,7 +104,7 @@ def unshard(shards: list[torch.Tensor], param: torch.nn.Parameter, global_name: 
 @torch.no_grad()
 def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
     """Copy full megatron tensors (global names) into this rank's shards."""
-    for _, global_name, param in iter_local_params(chunks):
+    for _, global_name, param in iter_local_params(chunks, with_buffers=True):
         source = full.get(global_name)
         if source is None and global_name == "output_layer.weight":
             source = full["embedding.word_embeddings.weight"]  # tied embeddings under PP
@@ -110,7 +122,7 @@ def gather_full_state_dict(
     over the world: meant for tests, export and small models; the weight sync streams buckets.
     """
     local: dict[str, torch.Tensor] = {}
-    for _, global_name, param in iter_local_params(chunks):
+    for _, global_name, param in iter_local_params(chunks, with_buffers=not grads):
         if getattr(param, "shared_embedding", False) and global_name == "output_layer.weight":
             continue  # the last stage's copy of a tied embedding
         value = grad_of(param) if grads else param.detach()

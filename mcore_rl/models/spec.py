@@ -18,10 +18,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
+    get_transformer_layer_offset,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_rl.models.latent_moe import with_latent_moe
+from mcore_rl.models.deepseek_v3 import MLADotProductAttention, use_local_mla
+from mcore_rl.models.latent_moe import LatentProjection, with_latent_moe
 from mcore_rl.models.norm import RMSNorm
 
 
@@ -29,26 +31,32 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def decoder_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None) -> ModuleSpec:
-    """One decoder layer: GQA self-attention with QK-norm and RoPE, SwiGLU MLP or MoE."""
+def decoder_layer_spec(
+    config: TransformerConfig, use_te: Optional[bool] = None, moe: Optional[bool] = None
+) -> ModuleSpec:
+    """One decoder layer: GQA (or, with `multi_latent_attention`, MLA) self-attention with QK-norm
+    and RoPE, SwiGLU MLP or MoE. `moe=False` builds a dense layer in an MoE model (mixed layers)."""
     if use_te is None:
         use_te = transformer_engine_available()
-    num_experts = config.num_moe_experts
+    num_experts = config.num_moe_experts if moe is None or moe else None
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla,
         )
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+        num_experts=num_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+        multi_latent_attention=mla,
     )
     attention = spec.submodules.self_attention
     qk_norm = RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm
-    attention = dataclasses.replace(
-        attention,
-        submodules=dataclasses.replace(
-            attention.submodules, q_layernorm=qk_norm, k_layernorm=qk_norm
-        ),
-    )
+    norms = dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
+    if mla:  # the local core attention with MLA's unequal q/k and v head sizes (models/deepseek_v3.py)
+        use_local_mla()
+        norms = dict(q_layernorm=qk_norm, kv_layernorm=qk_norm, core_attention=MLADotProductAttention,
+                     linear_q_down_proj=LatentProjection, linear_kv_down_proj=LatentProjection)
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **norms))
     submodules = dataclasses.replace(
         spec.submodules,
         input_layernorm=RMSNorm,
@@ -61,15 +69,25 @@ def decoder_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None)
 def decoder_block_spec(
     config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None
 ) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage (and virtual stage) builds, plus the final norm."""
+    """The layers this pipeline stage (and virtual stage) builds, plus the final norm.
+
+    With a list `moe_layer_freq` (mixed dense/MoE layers) each layer gets the spec of its global
+    index, so pipeline stages may hold different layer kinds."""
     if use_te is None:
         use_te = transformer_engine_available()
-    layer = with_latent_moe(decoder_layer_spec(config, use_te), config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    pattern = config.moe_layer_freq if config.num_moe_experts else 1
+    if isinstance(pattern, list):
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        kinds = {0: decoder_layer_spec(config, use_te, moe=False),
+                 1: with_latent_moe(decoder_layer_spec(config, use_te, moe=True), config)}
+        layers = [kinds[pattern[offset + i]] for i in range(num_layers)]
+    else:
+        layers = [with_latent_moe(decoder_layer_spec(config, use_te), config)] * num_layers
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
     else:
         final_norm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)

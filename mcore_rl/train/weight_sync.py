@@ -136,7 +136,7 @@ def _iter_stage(chunks: Sequence[torch.nn.Module], mc: ModelConfig, role: _Role)
     from megatron.core import parallel_state as ps
 
     num_local_experts = mc.num_experts // ps.get_expert_model_parallel_world_size() if mc.is_moe else 0
-    for _, global_name, param in iter_local_params(chunks):
+    for _, global_name, param in iter_local_params(chunks, with_buffers=True):
         if global_name == "output_layer.weight" and (
             mc.tie_word_embeddings or getattr(param, "shared_embedding", False)
         ):

@@ -110,6 +110,11 @@ class ModelRunner:
         self.dtype, self.device = dtype, device
         self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", True))
         self.sliding_window = getattr(cfg, "sliding_window", None)  # Mistral: keys j > i - W only
+        # DeepSeek-V3 MLA (hf/deepseek_v3.py): the cache keeps one latent + shared RoPE key per token,
+        # [kv_lora_rank + qk_rope_head_dim] wide as a single "KV head" that all query heads read.
+        self.mla = getattr(cfg, "family", "qwen3") == "deepseek_v3"
+        if self.mla:
+            self.kv_heads, self.group, self.use_qk_norm = 1, self.num_heads, False
         self.attn_res = getattr(cfg, "attn_res", "none") != "none"
         ngram = getattr(model.model, "ngram_embeddings", None)
         self.ngram_context_size = ngram.context_size if ngram is not None else 0
@@ -117,7 +122,8 @@ class ModelRunner:
         self.ngram_context = (
             torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device) if ngram is not None else None
         )
-        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, self.head_dim, max_len, dtype, device)
+        entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim if self.mla else self.head_dim
+        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, entry, max_len, dtype, device)
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = rope_cos_sin(positions, self.head_dim, cfg.rope_theta, dtype, rope_scaling_of(cfg))
         half = self.head_dim // 2
@@ -126,6 +132,8 @@ class ModelRunner:
         self._sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         self._positions = torch.arange(max_len, device=device)
         self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
+        if self.fp8 and self.mla:
+            raise ValueError("the embedded engine's FP8 mode does not cover multi-head latent attention (DeepSeek-V3)")
         self.layers = [self._plan(layer) for layer in model.model.layers]
         # routing replay (SGLang's return_routed_experts): the MoE blocks' taps, None for dense layers
         self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in model.model.layers]
@@ -135,8 +143,12 @@ class ModelRunner:
 
     def _plan(self, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        proj = [attn.q_proj, attn.k_proj, attn.v_proj]
         dense = hasattr(mlp, "gate_proj")
+        if self.mla:  # attention runs through the reference module (`_mla_attention`)
+            w_gate_up = _fuse_params([mlp.gate_proj, mlp.up_proj], "weight") if dense else None
+            return _Layer(layer, torch.empty(0), None, attn.o_proj.weight, None, w_gate_up,
+                          mlp.down_proj.weight if dense else None)
+        proj = [attn.q_proj, attn.k_proj, attn.v_proj]
         if self.fp8:  # fused dequantized copies come from refresh()
             empty = torch.empty(0)
             return _Layer(layer, empty, None, empty, None, empty if dense else None, empty if dense else None)
@@ -219,6 +231,8 @@ class ModelRunner:
         """x [b*s, hidden] -> (residual +) attention(input_layernorm(x)). `decode_at` = (flat cache
         indices, key length) for a decode step (s == 1, keys from the cache); None for a prefill
         into slots slot0.."""
+        if self.mla:
+            return self._mla_attention(li, x, residual, b, s, cos, sin, bias, decode_at, slot0)
         lay = self.layers[li]
         layer = lay.module
         H, KV, G, D = self.num_heads, self.kv_heads, self.group, self.head_dim
@@ -246,6 +260,38 @@ class ModelRunner:
         if decode_at is None:
             o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
         return self._out(residual, o.reshape(b * s, H * D), lay.wo, lay.bo)
+
+    def _mla_attention(
+        self,
+        li: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        b: int,
+        s: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        decode_at: tuple[torch.Tensor, int] | None,
+        slot0: int,
+    ) -> torch.Tensor:
+        """`_attention` for MLA, through the reference module's `project` / `attend`; the cache row
+        of a token is cat(latent, k_rot). cos / sin_signed come in this runner's layout (first halves:
+        cos, -sin of each frequency); the bias rows are those of one KV head with G = heads."""
+        attn = self.layers[li].module.self_attn
+        h = _rms(x, self.layers[li].module.input_layernorm.weight, self.eps).view(b, s, self.hidden)
+        q_pass, q_rot, latent, k_rot = attn.project(h, cos[:, :, 0], -sin[:, :, 0])
+        entry = torch.cat((latent, k_rot), dim=-1)  # [b, 1, s, r + dr]
+        if decode_at is not None:
+            index, length = decode_at
+            self.cache.write_flat(li, index, entry[:, :, 0], entry[:, :, 0])
+            entry, _ = self.cache.view(li, b, length)
+            allowed = bias.view(b, 1, 1, length) == 0
+        else:
+            self.cache.write_block(li, slot0, entry, entry)
+            allowed = bias.view(b, self.num_heads, s, s) == 0
+        latent, k_rot = entry.split([attn.kv_lora_rank, attn.rope], dim=-1)
+        out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden)
+        return out if residual is None else residual + out
 
     def _mlp(self, li: int, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """(residual +) mlp(post_attention_layernorm(x))."""
