@@ -96,11 +96,15 @@ def test_refusals_name_the_key() -> None:
 
     with pytest.raises(ValueError, match="use_sliding_window=true"):
         model_config_from_hf(_stock_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    # Mixed dense/MoE Qwen2-MoE layers are built elsewhere (model.moe_layer_pattern); until then refused.
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        model_config_from_hf(_stock_config("qwen2_moe", mlp_only_layers=[0]))
-    with pytest.raises(ValueError, match="decoder_sparse_step"):
-        model_config_from_hf(_stock_config("qwen2_moe", decoder_sparse_step=2))
+    # Mixed dense/MoE Qwen2-MoE layers map to model.moe_layer_pattern, and back to the source's own keys
+    from mcore_rl.hf import hf_config_from_model_config, to_stock_hf_config
+
+    for extra, pattern in [({"mlp_only_layers": [0]}, [0, 1]), ({"decoder_sparse_step": 2}, [0, 1])]:
+        stock = _stock_config("qwen2_moe", **extra)
+        mc = model_config_from_hf(stock)
+        assert mc.moe_layer_pattern == pattern[: stock.num_hidden_layers] + [1] * (stock.num_hidden_layers - 2)
+        back = to_stock_hf_config(hf_config_from_model_config(mc), "qwen2_moe")
+        assert type(back).__name__ == "Qwen2MoeConfig" and model_config_from_hf(back).moe_layer_pattern == mc.moe_layer_pattern
     dense = ModelConfig(vocab_size=VOCAB)
     for model, key in [(dataclasses.replace(dense, moe_shared_expert_gate=True), "model.moe_shared_expert_gate"),
                        (dataclasses.replace(dense, sliding_window=0), "model.sliding_window")]:

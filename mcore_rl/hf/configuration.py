@@ -390,9 +390,10 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
 
 
 def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, Any]]) -> None:
-    """Write a Qwen3-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
+    """Write a Qwen3-MoE / Qwen2-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
     `mlp_only_layers`) when they give the same pattern as the ones derived here."""
-    if not source or getattr(stock, "model_type", None) != "qwen3_moe" or "decoder_sparse_step" not in source:
+    family = getattr(stock, "model_type", None)
+    if not source or family not in ("qwen3_moe", "qwen2_moe") or "decoder_sparse_step" not in source:
         return
     theirs = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
               "decoder_sparse_step": source.get("decoder_sparse_step"),
@@ -463,8 +464,8 @@ def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) ->
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
         norm_topk_prob=cfg.norm_topk_prob,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+        decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1),
+        mlp_only_layers=list(getattr(cfg, "mlp_only_layers", None) or []),
     )
 
 
@@ -521,4 +522,10 @@ def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
         problems.append(f"num_key_value_heads={hf.num_key_value_heads}: MLA has one key/value per head")
     if getattr(hf, "rope_interleave", True) is not True:
         problems.append("rope_interleave=false: only DeepSeek's interleaved RoPE checkpoints are converted")
+    for key in ROPE_KEYS:
+        kind = rope_type_of(getattr(hf, key, None))
+        if kind != "default":
+            problems.append(f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
+                            "(MLA here uses plain RoPE)")
+            break
     return problems
