@@ -55,6 +55,10 @@ class ModelConfig:
     attn_res: Literal["none", "full", "block"] = "none"
     attn_res_num_blocks: int = 8  # N for the Block variant
     ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
+    # Vocabulary padding (models/vocab_padding.py): the megatron embedding and output layer have
+    # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
+    # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
+    make_vocab_size_divisible_by: int = 1
 
     @property
     def head_dim(self) -> int:
