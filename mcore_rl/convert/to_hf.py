@@ -80,7 +80,7 @@ def export_config(
         cfg = to_stock_hf_config(ours)
         cfg.architectures = [STOCK_CLASSES[kind]]
     for key in _CARRIED_FIELDS:
-        if source and source.get(key) is not None:
+        if source and key in source:  # null stays null (Llama's bos_token_id), not the class default
             setattr(cfg, key, source[key])
     cfg.dtype = dtype
     return cfg, kind
