@@ -135,3 +135,32 @@ def test_forward_takes_transformers_keywords(tmp_path) -> None:
         for row, p in enumerate(PROMPTS):
             alone = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
             assert both[row, len(long_):].tolist() == alone[0, len(p):].tolist()
+
+
+def test_provenance_is_carried_from_run_to_run(tmp_path) -> None:
+    """A converted checkpoint's HF provenance and assets reach every later run's save dir (what
+    `mcore-rl sft` and `mcore-rl train` do on load and save), and the null ids stay null."""
+    from mcore_rl.convert.hf_checkpoint import ASSETS_DIR
+    from mcore_rl.train.checkpoint import LATEST
+    from mcore_rl.train.hf_provenance import ASSETS_DIR as CARRIED_DIR
+    from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
+
+    assert CARRIED_DIR == ASSETS_DIR
+    converted = tmp_path / "mcore"
+    (converted / "iter_0000000").mkdir(parents=True)
+    (converted / LATEST).write_text("iter_0000000")
+    (converted / ASSETS_DIR).mkdir()
+    (converted / ASSETS_DIR / "generation_config.json").write_text('{"eos_token_id": 2}')
+    common = {"hf_config": {"bos_token_id": None, "eos_token_id": 2}, "hf_dtype": "bfloat16", "hf_source": "/src",
+              "model": {}, "iteration": 0}
+    provenance = read_provenance(common, str(converted / "iter_0000000"))
+    for run in ("sft", "rl"):
+        saved = carry_provenance(provenance, {"model": {}, "data": run}, str(tmp_path / run))
+        assert {k: saved[k] for k in ("hf_config", "hf_dtype", "hf_source")} == \
+            {k: common[k] for k in ("hf_config", "hf_dtype", "hf_source")}
+        assert saved["data"] == run and "hf_assets_from" not in saved
+        assert (tmp_path / run / ASSETS_DIR / "generation_config.json").read_text() == '{"eos_token_id": 2}'
+        (tmp_path / run / "iter_0000001").mkdir()
+        (tmp_path / run / LATEST).write_text("iter_0000001")
+        provenance = read_provenance(saved, str(tmp_path / run / "iter_0000001"))  # the next run starts here
+    assert read_provenance({}, str(tmp_path / "nothing")) == {}
