@@ -17,12 +17,9 @@ from tests.test_parity import P
 from tests.world import run_world
 
 SMALL = ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128)
-# (model, padded size at TP=2): 211 with Megatron's 128 -> 256 (45 padded rows, all on TP rank 1);
-# 50 with 64, tied -> 128 (14 padded rows on rank 0, rank 1's shard only padding)
-CASES = [
-    (dataclasses.replace(SMALL, vocab_size=211, make_vocab_size_divisible_by=128), 256),
-    (dataclasses.replace(SMALL, vocab_size=50, make_vocab_size_divisible_by=64, tie_word_embeddings=True), 128),
-]
+# (model, padded size at TP=2): 61 tokens (odd, so refused before at TP=2) padded to 64 x 2 = 128:
+# rank 0 holds 61 real rows and 3 padded ones, rank 1's shard is only padding; at TP=1 it is 64 rows
+CASES = [(dataclasses.replace(SMALL, vocab_size=61, make_vocab_size_divisible_by=64), 128)]
 
 
 def test_padded_sizes_and_rows() -> None:
@@ -56,7 +53,8 @@ def test_padded_columns_are_not_scored(true_vocab: int) -> None:
     assert torch.isfinite(weight.grad).all() and torch.isfinite(hidden.grad).all()
 
 
-def _check(mc: ModelConfig, padded: int) -> None:
+def _check(mc: ModelConfig, padded: int) -> list:
+    """Every check in TP=2; returns the model chunks (weights as loaded, padded rows overwritten)."""
     from megatron.core import parallel_state as ps
 
     from mcore_rl.hf.weight_map import full_megatron_to_hf, hf_to_megatron
@@ -134,6 +132,7 @@ def _check(mc: ModelConfig, padded: int) -> None:
             got = got[: mc.vocab_size]
         scale = float(want.abs().max()) or 1.0
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale, msg=lambda m: f"{name} grad {key}: {m}")
+    return chunks
 
 
 def _ref_logits(state: dict, mc: ModelConfig, batch: dict) -> torch.Tensor:
@@ -151,14 +150,29 @@ def _ref_logp(state: dict, mc: ModelConfig, batch: dict) -> torch.Tensor:
     return lp.gather(-1, batch["labels"][..., None]).squeeze(-1)
 
 
-def _world(rank: int, world_size: int) -> None:
+def _world(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.hf.weight_map import full_megatron_to_hf
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.models.shards import gather_full_state_dict
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train import checkpoint
 
     init_model_parallel(P(tp=2))
     for mc, padded in CASES:
         set_seed(1)
-        _check(mc, padded)
+        chunks = _check(mc, padded)
+    # the padded size depends on TP (here 128 rows at TP=2, 64 at TP=1): a checkpoint saved in one
+    # layout loads into the other (megatron-core loads vocabulary tables with allow_shape_mismatch)
+    want = full_megatron_to_hf(gather_full_state_dict(chunks), mc)
+    checkpoint.save_checkpoint(tmp, 0, chunks, None, {})
+    init_model_parallel(P())
+    set_seed(1)
+    tp1 = build_model(mc, P())
+    assert tp1[0].vocab_size == padded_vocab_size(mc.vocab_size, mc.make_vocab_size_divisible_by, 1) == 64
+    checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp), tp1, None)
+    got = full_megatron_to_hf(gather_full_state_dict(tp1), mc)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_tp2_with_padding_matches_unpadded_reference() -> None:
-    run_world(2, _world)
+def test_tp2_with_padding_matches_unpadded_reference(tmp_path) -> None:
+    run_world(2, _world, str(tmp_path / "ckpt"))
