@@ -452,8 +452,19 @@ def test_remote_code_architectures_round_trip_and_logits(tmp_path) -> None:
 @pytest.mark.slow
 def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
     """The commands a user runs: convert under torchrun (TP=2), train from it with `mcore-rl sft`
-    (PP=2, learning rate 0), export the SFT checkpoint: the weights come back bit for bit."""
-    _save_stock("qwen3", tmp_path / "hf", vocab=384)  # the byte tokenizer's vocabulary
+    (PP=2, learning rate 0), export the SFT checkpoint: the weights come back bit for bit, and the
+    source's metadata with them without extra flags (train/hf_provenance.py): its dtype (bf16), its
+    special-token ids (Llama's null bos stays null), its tokenizer and generation_config.json."""
+    import shutil
+
+    from mcore_rl.data.tokenizer import BUNDLED_DIR, TOKENIZER_FILE
+
+    _save_stock("llama", tmp_path / "hf", dtype=torch.bfloat16, vocab=384)  # the byte tokenizer's vocabulary
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source.update(bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(source))
+    bundled = os.path.join(BUNDLED_DIR, TOKENIZER_FILE)
+    shutil.copyfile(bundled, tmp_path / "hf" / TOKENIZER_FILE)
     run = _cli("convert", "hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"),
                "--tp", "2")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -465,6 +476,11 @@ def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
     assert "resumed from" in run.stdout
     run = _cli("convert", "mcore-to-hf", "--input", str(tmp_path / "sft"), "--output", str(tmp_path / "export"))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "stock Qwen3ForCausalLM" in run.stdout
+    assert "stock LlamaForCausalLM" in run.stdout
     ta, tb = _load_tensors(tmp_path / "hf"), _load_tensors(tmp_path / "export")
-    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) and tb[k].dtype == torch.bfloat16 for k in ta)
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["dtype"] == "bfloat16"
+    assert {k: exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == \
+        {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
+    assert (tmp_path / "export" / TOKENIZER_FILE).exists() and (tmp_path / "export" / "generation_config.json").exists()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf import (
@@ -176,7 +177,8 @@ def test_kv_cache_decode_equals_full_forward(cfg: McoreRLQwen3Config) -> None:
             out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
             cache = out.cache
             steps.append(out.logits)
-    assert len(cache) == cfg.num_hidden_layers and cache[0][0].shape == (2, cfg.num_key_value_heads, 8, 16)
+    assert isinstance(cache, DynamicCache)  # a transformers Cache, as `generate` expects
+    assert len(cache) == cfg.num_hidden_layers and cache.layers[0].keys.shape == (2, cfg.num_key_value_heads, 8, 16)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 

@@ -167,7 +167,7 @@ def test_kv_cache_decode_matches_full_forward():
     with torch.no_grad():
         full = model(x).logits
         out = model(x[:, :3], use_cache=True)
-        assert isinstance(out.cache, NgramKVCache) and out.cache.ngram_context.tolist() == x[:, 1:3].tolist()
+        assert out.cache.ngram_context.tolist() == x[:, 1:3].tolist()  # a DynamicCache carrying the context
         steps, cache = [out.logits], out.past_key_values
         for t in range(3, 9):
             out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
@@ -175,7 +175,7 @@ def test_kv_cache_decode_matches_full_forward():
             steps.append(out.logits)
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
         # an engine that keeps its own per-request state passes the context explicitly
-        plain = list(cache)
+        plain = [(layer.keys, layer.values) for layer in cache.layers]
         explicit = model(x[:, 8:9], past_key_values=[(k[:, :, :8], v[:, :, :8]) for k, v in plain],
                          ngram_context=x[:, 6:8]).logits
         torch.testing.assert_close(explicit, full[:, 8:9], atol=1e-5, rtol=0)
@@ -183,6 +183,11 @@ def test_kv_cache_decode_matches_full_forward():
         one = model(x[:, :1], use_cache=True)
         assert one.cache.ngram_context.tolist() == [[-1, int(x[0, 0])], [-1, int(x[1, 0])]]
         two = model(x[:, 1:2], past_key_values=one.cache, use_cache=True).logits
+        torch.testing.assert_close(two, full[:, 1:2], atol=1e-5, rtol=0)
+        # a legacy list cache comes back as a list that carries the context
+        legacy = model(x[:, :1], past_key_values=[], use_cache=True).cache
+        assert isinstance(legacy, NgramKVCache) and legacy.ngram_context.tolist() == [[-1, int(x[0, 0])], [-1, int(x[1, 0])]]
+        two = model(x[:, 1:2], past_key_values=legacy, use_cache=True).logits
         torch.testing.assert_close(two, full[:, 1:2], atol=1e-5, rtol=0)
 
 

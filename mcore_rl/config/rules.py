@@ -97,6 +97,7 @@ def check_model_sizes(m: ModelConfig, errors: Errors) -> bool:
         ("model.num_attention_heads", m.num_attention_heads),
         ("model.num_query_groups", m.num_query_groups),
         ("model.max_position_embeddings", m.max_position_embeddings),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),  # vocabulary padding
     ])
     for key, value in [
         ("model.kv_channels", m.kv_channels),

@@ -102,6 +102,10 @@ class ModelConfig:
     qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
     v_head_dim: int = 16
+    # Vocabulary padding (models/vocab_padding.py): the megatron embedding and output layer have
+    # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
+    # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
+    make_vocab_size_divisible_by: int = 1
 
     @property
     def head_dim(self) -> int:

@@ -47,8 +47,6 @@ def check_layout(mc: "ModelConfig", pc: "ParallelConfig", world_size: int) -> No
         validate_sft_config(cfg, world_size)
     except ConfigError as err:
         problems += [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
-    if tp >= 1 and mc.vocab_size % tp:
-        problems.append(f"model.vocab_size: {mc.vocab_size} is not divisible by tensor_model_parallel_size {tp}")
     if problems:
         layout = (f"--tp {tp} --pp {pp} --ep {pc.expert_model_parallel_size}"
                   + (f" --etp {pc.expert_tensor_parallel_size}" if pc.expert_tensor_parallel_size else ""))

@@ -90,7 +90,7 @@ def export_config(
         keep_source_layer_keys(cfg, source)  # mixed dense/MoE layers in the user's own keys
         cfg.architectures = [STOCK_CLASSES[kind]]
     for key in _CARRIED_FIELDS:
-        if source and source.get(key) is not None:
+        if source and key in source:  # null stays null (Llama's bos_token_id), not the class default
             setattr(cfg, key, source[key])
     cfg.dtype = dtype
     return cfg, kind

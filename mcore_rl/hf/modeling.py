@@ -37,26 +37,30 @@ Conventions (megatron-style, documented because they differ from HF's `forward`)
   [b, 1, s_q, s_k] mask with True = may attend (e.g. block-diagonal for packed documents). It is
   always intersected with the causal mask. Packed documents also need restarting `position_ids`,
   and left-padded rows need positions that start at their first real token; pass them explicitly.
-* `past_key_values` (alias `cache`) is a list with one `(k, v)` per layer, each
-  [b, kv_heads, s_past, head_dim] (keys after QK-norm and RoPE); with `use_cache=True` the output's
-  `cache` (also readable as `.past_key_values`) holds the extended list. Default positions continue
-  from s_past.
+* `cache` (alias `past_key_values`) is a `transformers` `Cache` (a `DynamicCache` by default, what
+  `generate` passes), or a legacy list with one `(k, v)` per layer, each [b, kv_heads, s_past,
+  head_dim] (keys after QK-norm and RoPE); with `use_cache=True` the output's `cache` (also readable
+  as `.past_key_values`) holds the extended cache (cache.py). Default positions continue from s_past.
+* The rest of transformers' forward keywords work as in stock models (`GenerationMixin.generate`
+  passes them): `inputs_embeds`, `logits_to_keep`, `output_hidden_states`, `return_dict`; others
+  that `generate` may add (`cache_position`) are accepted and unused.
 * `aux_loss` is megatron-core's load-balancing loss, see `load_balancing_loss`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .attn_res import AttnResMixer, attn_res_decoder_forward
+from .cache import layer_pasts, new_cache, ngram_context_of, past_length, store_presents
 from .configuration import McoreRLQwen3Config, to_stock_hf_config
 from .deepseek_v3 import DeepseekV3ReferenceMoeBlock, DeepseekV3ReferenceRouter, MLAReferenceAttention
 from .latent_moe import Qwen3ReferenceLatentMoeBlock
@@ -84,11 +88,12 @@ except ImportError:  # pragma: no cover - transformers 4.x
 @dataclass
 class Qwen3ReferenceModelOutput(ModelOutput):
     last_hidden_state: Optional[torch.Tensor] = None
-    cache: Optional[KVCache] = None
+    cache: Optional[Any] = None  # a transformers Cache, or the extended legacy list (cache.py)
     aux_loss: Optional[torch.Tensor] = None
+    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
 
     @property
-    def past_key_values(self) -> Optional[KVCache]:
+    def past_key_values(self) -> Optional[Any]:
         return self.cache
 
 
@@ -100,11 +105,12 @@ class Qwen3ReferenceCausalLMOutput(ModelOutput):
 
     loss: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
-    cache: Optional[KVCache] = None
+    cache: Optional[Any] = None  # a transformers Cache, or the extended legacy list (cache.py)
     aux_loss: Optional[torch.Tensor] = None
+    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
 
     @property
-    def past_key_values(self) -> Optional[KVCache]:
+    def past_key_values(self) -> Optional[Any]:
         return self.cache
 
 
@@ -333,45 +339,75 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
-        past_key_values: Optional[KVCache] = None,
-        use_cache: bool = False,
+        past_key_values: Optional[Any] = None,
+        use_cache: Optional[bool] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[KVCache] = None,
+        cache: Optional[Any] = None,
         ngram_context: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        **kwargs: Any,
     ) -> Qwen3ReferenceModelOutput:
-        """`cache` is an alias of `past_key_values` (the transformers>=5 name). `ngram_context`
-        ([b, c] tokens before `input_ids`, -1 = none) overrides the one the cache carries."""
-        past_key_values = past_key_values if past_key_values is not None else cache
-        b, s = input_ids.shape
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        """`cache` (the transformers>=5 name) and `past_key_values` are aliases (module doc).
+        `ngram_context` ([b, c] tokens before `input_ids`, -1 = none) overrides the one the cache
+        carries. `output_hidden_states`: the input of every layer, then the final normed output."""
+        _refuse_unsupported(kwargs)
+        past = past_key_values if past_key_values is not None else cache
+        if use_cache and past is None:
+            past = new_cache(self.config)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        b, s = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        past_len, pasts = past_length(past), layer_pasts(past)
         if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + s, device=input_ids.device).expand(b, s)
+            position_ids = torch.arange(past_len, past_len + s, device=device).expand(b, s)
         if ngram_context is None:
-            ngram_context = getattr(past_key_values, "ngram_context", None)
-        x = self.embed(input_ids, position_ids, ngram_context)
+            ngram_context = ngram_context_of(past)
+        x = self.embed(input_ids, position_ids, ngram_context) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(
             position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
         )
         window = getattr(self.config, "sliding_window", None)
-        allowed = _allowed_mask(attention_mask, s, past_len, input_ids.device, window)
+        allowed = _allowed_mask(attention_mask, s, past_len, device, window)
         presents: KVCache = []
+        hidden: list[torch.Tensor] = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
         if self.final_res is not None:  # AttnRes: attention over depth instead of residual sums
-            x, presents, aux_loss = attn_res_decoder_forward(self, x, cos, sin, allowed, past_key_values)
+            hidden.append(x)  # layer inputs are depth mixes, not one residual stream: only the embedding
+            x, presents, aux_loss = attn_res_decoder_forward(self, x, cos, sin, allowed, pasts)
         else:
             for i, layer in enumerate(self.layers):
-                x, present, aux = layer(x, cos, sin, allowed, past_key_values[i] if past_key_values else None)
+                hidden.append(x)
+                x, present, aux = layer(x, cos, sin, allowed, pasts[i] if pasts else None)
                 presents.append(present)
                 if aux is not None:
                     aux_loss = aux_loss + aux
+        out_cache = store_presents(past, presents, past_len) if use_cache else None
         if use_cache and self.ngram_embeddings is not None:  # the cache keeps the last n-1 tokens
-            size = self.ngram_embeddings.context_size
-            presents = NgramKVCache(presents, next_ngram_context(ngram_context, input_ids, size))
+            context = next_ngram_context(ngram_context, input_ids, self.ngram_embeddings.context_size)
+            if isinstance(out_cache, list):
+                out_cache = NgramKVCache(out_cache, context)
+            else:
+                out_cache.ngram_context = context
+        x = self.norm(x)
         return Qwen3ReferenceModelOutput(
-            last_hidden_state=self.norm(x), cache=presents if use_cache else None, aux_loss=aux_loss
+            last_hidden_state=x,
+            cache=out_cache,
+            aux_loss=aux_loss,
+            hidden_states=(*hidden, x) if output_hidden_states else None,
         )
+
+
+def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
+    """transformers' forward keywords this model does not implement fail loudly when asked for."""
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions=True: the reference model does not return attention weights")
+    unknown = sorted(set(kwargs) - {"output_attentions", "cache_position", "return_dict"})
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
 
 
 # transformers 5 ties through a {target: source} dict, transformers 4 through a list of targets.
@@ -382,8 +418,9 @@ _TIED = (
 )
 
 
-class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel):
-    """Causal LM head on `Qwen3ReferenceModel`; megatron-style labels and loss mask (module doc)."""
+class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
+    """Causal LM head on `Qwen3ReferenceModel`; megatron-style labels and loss mask (module doc).
+    `GenerationMixin` gives it `generate` (with a `DynamicCache`), as stock transformers models."""
 
     _tied_weights_keys = _TIED
 
@@ -407,32 +444,49 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[KVCache] = None,
-        use_cache: bool = False,
+        past_key_values: Optional[Any] = None,
+        use_cache: Optional[bool] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[KVCache] = None,
+        cache: Optional[Any] = None,
         ngram_context: Optional[torch.Tensor] = None,
-    ) -> Qwen3ReferenceCausalLMOutput:
+        inputs_embeds: Optional[torch.Tensor] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Union[Qwen3ReferenceCausalLMOutput, tuple]:
         """Logits [b, s, vocab]; `loss` when labels are given (labels[t] = target of position t).
 
-        `cache` is an alias of `past_key_values` (the transformers>=5 name); `ngram_context`: see
-        `Qwen3ReferenceModel.forward`.
+        `cache` / `past_key_values` and `ngram_context`: see `Qwen3ReferenceModel.forward`.
+        `logits_to_keep`: an int k keeps the last k positions (0 = all), a tensor the positions it
+        lists (as in stock transformers). `return_dict=False` returns the output's tuple.
         """
-        past_key_values = past_key_values if past_key_values is not None else cache
         out = self.model(
-            input_ids, position_ids, past_key_values, use_cache, attention_mask, ngram_context=ngram_context
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=past_key_values if past_key_values is not None else cache,
+            use_cache=use_cache,
+            attention_mask=attention_mask,
+            ngram_context=ngram_context,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
         )
-        logits = self.lm_head(out.last_hidden_state)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(out.last_hidden_state[:, keep])
         loss = None
         if labels is not None:
             loss = masked_token_loss(logits, labels, loss_mask)
-        return Qwen3ReferenceCausalLMOutput(
-            loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss
+        result = Qwen3ReferenceCausalLMOutput(
+            loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss, hidden_states=out.hidden_states
         )
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return result if return_dict else result.to_tuple()
 
 
 def masked_token_loss(

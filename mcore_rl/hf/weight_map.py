@@ -69,6 +69,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
     if name in _TOP_DIRECT:
         if name == "output_layer.weight" and mc.tie_word_embeddings:
             return []
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            tensor = tensor[: mc.vocab_size]  # vocabulary padding (models/vocab_padding.py) removed
         return [(_TOP_DIRECT[name], tensor)]
     m = LAYER_NAME.match(name)
     if not m:

@@ -14,6 +14,7 @@ from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.models import attn_res, deepseek_v3, megatron_fixes, rope_scaling, sliding_window
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
+from mcore_rl.models.vocab_padding import install_vocab_padding, padded_vocab_size
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -128,7 +129,8 @@ def build_model(
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=attn_res.deferred_spec(block_spec, model),  # AttnRes: see below
-            vocab_size=model.vocab_size,
+            vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
+                                         parallel.tensor_model_parallel_size),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -140,6 +142,7 @@ def build_model(
         rope_scaling.configure_rotary_embedding(chunk, model)  # Llama 3.x frequencies; no-op otherwise
         attn_res.install_decoder(chunk, block_spec, model)  # AttnRes block; no-op without AttnRes
         add_ngram_embedding(chunk, model)  # Over-Encoding n-gram tables (first stage); no-op without
+        install_vocab_padding(chunk, model.vocab_size)  # padded logits masked; no-op without padding
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

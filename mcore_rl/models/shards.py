@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.hf.weight_map import EXPERT_NAME, LAYER_NAME
+from mcore_rl.models.vocab_padding import pad_vocab_rows
 
 
 def _is_expert(name: str) -> bool:
@@ -80,13 +81,14 @@ def _global_name(local: str, layer_offset: int, expert_offset: int) -> str:
 
 
 def shard_for_rank(full: torch.Tensor, param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
-    """This rank's TP/ETP slice of a full megatron tensor."""
+    """This rank's TP/ETP slice of a full megatron tensor (a true-size vocabulary is padded first)."""
     if not getattr(param, "tensor_model_parallel", False):
-        return full
+        return pad_vocab_rows(global_name, full, param.shape[0])
     if getattr(param, "data_parallel_sharded", False):  # n-gram tables: shard dp_rank * tp + tp_rank
         full = full.chunk(_dp_size(), dim=param.partition_dim)[_dp_rank()]
     _, rank, size = _tp_group_rank_size(param, global_name)
     dim = param.partition_dim
+    full = pad_vocab_rows(global_name, full, param.shape[0] * size)
     if _is_gated_fc1(global_name):  # [gate; up]: each half is split, then re-concatenated
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)

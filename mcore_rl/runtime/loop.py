@@ -101,6 +101,7 @@ class RLRun:
         self.weight_sync: Any = None
         self.manager: Any = None
         self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
+        self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
         self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: Optional[dict] = None  # the async scheduler's state from a checkpoint
@@ -123,6 +124,9 @@ class RLRun:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
         if resume is not None:
             common = checkpoint.load_checkpoint(resume, self.chunks, self.optimizer)
+            from mcore_rl.train.hf_provenance import read_provenance
+
+            self.hf_provenance = read_provenance(common, resume)
             if "rl" not in common:
                 raise ValueError(f"{resume} is not an `mcore-rl train` checkpoint (no RL state); start from it with "
                                  "init.checkpoint instead of checkpoint.load_dir")
@@ -142,7 +146,7 @@ class RLRun:
             from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
             if cfg.init.checkpoint:
-                load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
+                self.hf_provenance = load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
                 self.optimizer.reload_model_params()
                 ttfs.mark("checkpoint_load")
             if cfg.init.sft_steps > 0:
@@ -431,6 +435,9 @@ class RLRun:
                 "group_repair": self.manager.state_dict() if self.manager is not None else None,  # POLARIS's buffer
             },
         }
+        from mcore_rl.train.hf_provenance import carry_provenance
+
+        common = carry_provenance(self.hf_provenance, common, self.cfg.checkpoint.save_dir)
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
     def teach(self, samples: list[Sample], learner: Any) -> dict[str, float]:

@@ -48,6 +48,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from mcore_rl.models.vocab_padding import padded_columns_from
+
 Batch = dict[str, torch.Tensor]
 
 # Default size of one [chunk × local vocab] fp32 buffer (two are live at the peak with entropy).
@@ -93,9 +95,11 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         group: Optional[dist.ProcessGroup],
         mask_ids: Optional[torch.Tensor] = None,
         mask_offsets: Optional[torch.Tensor] = None,
+        pad_from: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
+        pad_from = local_vocab if pad_from is None else pad_from  # local columns >= pad_from: vocabulary padding
         acc = _acc_dtype(hidden)
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < local_vocab)
@@ -114,6 +118,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
+            z[:, pad_from:] = float("-inf")  # padded ids: never in the normaliser
             drop = None
             if mask_ids is not None:
                 drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, local_vocab)
@@ -129,6 +134,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 ez = torch.exp(z)
                 if drop is not None:  # e^z·z with z = 0 where masked: 0, not 0·(−inf)
                     z.masked_fill_(drop, 0.0)
+                z[:, pad_from:] = 0.0
                 stats = torch.stack([ez.sum(dim=-1), target_z, ez.mul_(z).sum(dim=-1)])  # Σe^z, z_y, Σe^z·z
                 del ez
             else:  # one [chunk × vocab] buffer: exponentiate in place
@@ -153,6 +159,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k)
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
         ctx.mask = (mask_ids, mask_offsets, vocab_start)  # tensors that need no gradient, and an int
+        ctx.pad_from = pad_from
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logp, entropy, topk_logp
 
@@ -177,6 +184,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
+            z[:, ctx.pad_from:] = float("-inf")  # padded ids: p = 0
             drop = None
             if mask_ids is not None:
                 drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, weight.shape[0])
@@ -197,6 +205,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
                 if drop is not None:  # p = 0 there; a finite z keeps the product 0
                     z.masked_fill_(drop, 0.0)
+                z[:, ctx.pad_from:] = 0.0
                 ge = grad_entropy[s:e].to(acc)
                 z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
@@ -214,7 +223,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             del z, p, g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None
 
 
 def _drop_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, local_t: torch.Tensor,
@@ -244,16 +253,18 @@ def vocab_parallel_token_stats(
     chunk_size: Optional[int] = None,
     with_entropy: bool = True,
     tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and entropy, per token, from hidden [n, h] and this rank's vocab shard.
 
     `weight` is the [vocab/TP, h] shard of TP rank r (rows r·V/TP … (r+1)·V/TP); `targets` [n] are
     global token ids. `hidden` must already be replicated over TP with the right backward (see
     `tp_region`); with `tp_group=None` the shard is the whole vocabulary. Returns fp32 [n] tensors;
-    the entropy is zeros (and not differentiable) when `with_entropy` is False.
+    the entropy is zeros (and not differentiable) when `with_entropy` is False. `vocab_size`: the
+    true size of a padded vocabulary (see `vocab_parallel_topk_stats`).
     """
     logp, ent, _ = vocab_parallel_topk_stats(hidden, weight, targets, None, temperature, chunk_size, with_entropy,
-                                             tp_group)
+                                             tp_group, vocab_size=vocab_size)
     return logp, ent
 
 
@@ -268,6 +279,7 @@ def vocab_parallel_topk_stats(
     tp_group: Optional[dist.ProcessGroup] = None,
     mask_ids: Optional[torch.Tensor] = None,
     mask_counts: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`vocab_parallel_token_stats` plus the log-probs of given ids per token: `topk_ids` [n, k]
     global ids (a teacher's top-k), returned as a differentiable [n, k] tensor ([n, 0] without ids).
@@ -276,6 +288,9 @@ def vocab_parallel_topk_stats(
     `mask_ids` [Σ counts] (global ids, token by token) give each token's support; log-probs and
     entropy are then those of the softmax renormalised over it (see the module docstring). Not
     combinable with `topk_ids`.
+
+    Vocabulary padding: with `vocab_size` (the true size) the ids >= vocab_size of a padded output
+    weight are masked to -inf (models/vocab_padding.py): they are in no normaliser and no entropy.
 
     Each TP rank reads the logits of the ids inside its vocabulary shard (zero for the others), the
     log-sum-exp is the vocab-parallel one the target log-prob uses, and the [n, k] block travels in
@@ -303,7 +318,7 @@ def vocab_parallel_topk_stats(
             mask_ids = offsets = None  # nothing to mask
     return _VocabParallelTokenStats.apply(
         hidden, weight, targets.long(), ids, vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group,
-        mask_ids, offsets,
+        mask_ids, offsets, padded_columns_from(vocab_size, vocab_start, weight.shape[0]),
     )
 
 
@@ -407,6 +422,7 @@ def gpt_token_stats(
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         mask_ids=mask_ids,
         mask_counts=mask_counts,
+        vocab_size=getattr(gpt, "unpadded_vocab_size", None),
     )
     topk_out = None if topk_ids is None else topk.view(s, b, -1).permute(1, 0, 2)
     return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None, topk_out)

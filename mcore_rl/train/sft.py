@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -18,6 +18,7 @@ from mcore_rl.observe import ttfs
 from mcore_rl.observe.run import RunObserver
 from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
+from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
 from mcore_rl.train.policy import build_policy
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Trainer:
     eval_rows: Optional[dict[str, torch.Tensor]]
     tokenizer: Tokenizer
     iteration: int = 0
+    hf_provenance: dict[str, Any] = field(default_factory=dict)  # carried into every save (hf_provenance.py)
 
 
 def _split_eval_rows(rows: dict[str, torch.Tensor], cfg: SFTConfig, dp: int) -> tuple[dict, Optional[dict]]:
@@ -69,6 +71,7 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
         if path is None:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
         common = checkpoint.load_checkpoint(path, chunks, optimizer)
+        trainer.hf_provenance = read_provenance(common, path)
         optimizer.reload_model_params()
         if common.get("data_seed") == cfg.train.seed:
             batches.load_state_dict(common["data"])
@@ -83,6 +86,7 @@ def save(trainer: Trainer) -> str:
 
     common = {"data": trainer.batches.state_dict(), "data_seed": trainer.cfg.train.seed,
               "model": config_to_dict(trainer.cfg.model)}  # lets `mcore-rl convert mcore-to-hf` read it
+    common = carry_provenance(trainer.hf_provenance, common, trainer.cfg.checkpoint.save_dir)
     return checkpoint.save_checkpoint(
         trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
     )

@@ -49,13 +49,16 @@ TopkFn = Callable[[Sequence[Sample], int, Optional[list]], tuple[torch.Tensor, t
 
 @torch.no_grad()
 def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
-                        chunk_size: Optional[int] = None, tp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_size: Optional[int] = None, tp_group: Any = None,
+                        vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and global ids ([n, k] each, most likely first) of the k most likely tokens per
     row of hidden [n, h], from this TP rank's [vocab/TP, h] output-weight shard. The softmax
     normaliser is all-reduced (max, sum of exponentials) and each rank's own top-k all-gathered:
-    k values per token and rank cross ranks, never the vocabulary."""
+    k values per token and rank cross ranks, never the vocabulary. `vocab_size`: the true size of a
+    padded vocabulary, whose padded ids are masked (never chosen, not in the normaliser)."""
     import torch.distributed as dist
 
+    from mcore_rl.models.vocab_padding import mask_padded_logits
     from mcore_rl.train.logprobs import auto_chunk_size
 
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
@@ -65,7 +68,7 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     kk = min(k, local)
     vals, ids = [], []
     for s in range(0, hidden.shape[0], chunk):
-        z = (hidden[s : s + chunk] @ weight.t()).float() / temperature
+        z = mask_padded_logits((hidden[s : s + chunk] @ weight.t()).float() / temperature, vocab_size, rank * local)
         zmax = z.max(dim=-1).values
         if tp > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=tp_group)
@@ -123,7 +126,7 @@ def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: i
         hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
         s, b, h = hidden.shape
         v, i = vocab_parallel_topk(hidden.reshape(s * b, h), output_weight(gpt), k, temperature, chunk_size,
-                                   ps.get_tensor_model_parallel_group())
+                                   ps.get_tensor_model_parallel_group(), getattr(gpt, "unpadded_vocab_size", None))
         return (v.view(s, b, k).transpose(0, 1), i.view(s, b, k).transpose(0, 1)), partial(collect)
 
     for c in chunks:

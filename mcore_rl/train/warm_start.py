@@ -14,13 +14,17 @@ from mcore_rl.progress import progress
 from mcore_rl.train import checkpoint
 
 
-def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) -> None:
-    """Weights only (any optimizer state in the checkpoint is ignored)."""
+def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) -> dict[str, Any]:
+    """Weights only (any optimizer state in the checkpoint is ignored); returns the checkpoint's HF
+    provenance, which the run's checkpoints carry (train/hf_provenance.py)."""
+    from mcore_rl.train.hf_provenance import read_provenance
+
     found = checkpoint.latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"init.checkpoint {path!r} holds no checkpoint")
-    checkpoint.load_checkpoint(found, chunks, None)
+    common = checkpoint.load_checkpoint(found, chunks, None)
     log(f"initial weights from {found}")
+    return read_provenance(common, found)
 
 
 def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log: Callable[[str], None],

@@ -1,0 +1,56 @@
+"""The reference model's KV cache as a `transformers` `Cache` (what `generate` passes and expects back).
+
+The attention layers work on per-layer (k, v) tuples [b, kv_heads, s, head_dim] (keys after QK-norm
+and RoPE): `layer_pasts` reads them out of a `Cache` (or a legacy list) before a forward, and
+`store_presents` hands the new positions back to the `Cache` after it. A `DynamicCache` is the
+default, as in stock transformers models; a legacy list passed in comes back as an extended list
+(the engines and older callers keep working). Part of the remote-code modeling files: imports only
+torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .layers import KVCache
+
+
+def new_cache(config: Any) -> DynamicCache:
+    """An empty `DynamicCache` for this model (what `generate` would create)."""
+    return DynamicCache(config=config)
+
+
+def past_length(past: Any) -> int:
+    """Positions already cached (0 for None or an empty cache)."""
+    if past is None:
+        return 0
+    if isinstance(past, Cache):
+        return past.get_seq_length()
+    return past[0][0].shape[2] if len(past) else 0
+
+
+def layer_pasts(past: Any) -> Optional[KVCache]:
+    """Per-layer (k, v) of the cached positions, None when nothing is cached."""
+    if past is None or past_length(past) == 0:
+        return None
+    if isinstance(past, Cache):
+        return [(layer.keys, layer.values) for layer in past.layers]
+    return list(past)
+
+
+def store_presents(past: Any, presents: KVCache, old_length: int) -> Any:
+    """Record the forward's full per-layer (k, v): appended to a `Cache` (positions from
+    `old_length` on), or returned as the list itself for a legacy (list) cache."""
+    if not isinstance(past, Cache):
+        return presents
+    for i, (k, v) in enumerate(presents):
+        past.update(k[:, :, old_length:], v[:, :, old_length:], i)
+    return past
+
+
+def ngram_context_of(past: Any) -> Optional[torch.Tensor]:
+    """The n-gram context a cache carries (Over-Encoding), None when it carries none."""
+    return getattr(past, "ngram_context", None)
