@@ -164,3 +164,34 @@ def test_provenance_is_carried_from_run_to_run(tmp_path) -> None:
         (tmp_path / run / LATEST).write_text("iter_0000001")
         provenance = read_provenance(saved, str(tmp_path / run / "iter_0000001"))  # the next run starts here
     assert read_provenance({}, str(tmp_path / "nothing")) == {}
+
+
+def test_generate_with_a_sliding_window_and_latent_attention_equals_full_forwards() -> None:
+    """`generate`'s own `DynamicCache(config=...)` keeps only a windowed layer's last W - 1 keys
+    (Mistral) and MLA's latents (DeepSeek-V3): greedy decoding through it must equal re-running
+    the whole sequence each step, past the window."""
+    import dataclasses
+
+    from mcore_rl.config.schema import ModelConfig
+    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+
+    base = ModelConfig(vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4,
+                       num_query_groups=2)
+    cases = [
+        dataclasses.replace(base, qk_layernorm=False, sliding_window=4),
+        ModelConfig(arch="deepseek_v3", vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                    num_attention_heads=4, num_query_groups=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                    moe_shared_expert_intermediate_size=16, moe_layer_pattern=[0, 1], moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                    multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8),
+    ]
+    for mc in cases:
+        torch.manual_seed(0)
+        model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+        ids = torch.randint(0, mc.vocab_size, (1, 5))
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+            seq = ids
+            for _ in range(10):
+                seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert out.tolist() == seq.tolist(), mc.arch

@@ -41,13 +41,14 @@ def layer_pasts(past: Any) -> Optional[KVCache]:
     return list(past)
 
 
-def store_presents(past: Any, presents: KVCache, old_length: int) -> Any:
-    """Record the forward's full per-layer (k, v): appended to a `Cache` (positions from
-    `old_length` on), or returned as the list itself for a legacy (list) cache."""
+def store_presents(past: Any, presents: KVCache, new_tokens: int) -> Any:
+    """Record the forward's per-layer (k, v): its last `new_tokens` positions appended to a `Cache`,
+    or the list itself returned for a legacy (list) cache. (A sliding-window layer of a `Cache` keeps
+    only its window, so what a layer held before is not known by position.)"""
     if not isinstance(past, Cache):
         return presents
     for i, (k, v) in enumerate(presents):
-        past.update(k[:, :, old_length:], v[:, :, old_length:], i)
+        past.update(k[:, :, k.shape[2] - new_tokens:], v[:, :, v.shape[2] - new_tokens:], i)
     return past
 
 

@@ -178,8 +178,9 @@ class Qwen3ReferenceAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.head_dim**-0.5
-        # finfo.min rather than -inf: a fully masked row (left padding) gives no NaN.
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        # finfo.min rather than -inf: a fully masked row (left padding) gives no NaN. A sliding-window
+        # layer of a transformers cache holds only its window: the mask's last columns are its keys.
+        scores = scores.masked_fill(~allowed[..., -k.shape[2]:], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v_rep).transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(out), present
@@ -385,7 +386,7 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
                 presents.append(present)
                 if aux is not None:
                     aux_loss = aux_loss + aux
-        out_cache = store_presents(past, presents, past_len) if use_cache else None
+        out_cache = store_presents(past, presents, s) if use_cache else None
         if use_cache and self.ngram_embeddings is not None:  # the cache keeps the last n-1 tokens
             context = next_ngram_context(ngram_context, input_ids, self.ngram_embeddings.context_size)
             if isinstance(out_cache, list):
