@@ -102,9 +102,11 @@ def test_bad_inputs_name_the_key(tmp_path, capsys):
     assert code == 2 and "model.num_query_groups" in err, err
     code, err = _main(capsys, DEMO, "--cluster", str(path))
     assert code == 2 and "peak_tflops_bf16: missing" in err, err
-    # the vocabulary must split over TP: a rule the profiler needed, now the trainer's too
-    with pytest.raises(ConfigError, match="model.vocab_size: 385 is not divisible by tensor_model_parallel_size 2"):
-        validate_sft_config(sft_config_for(dataclasses.replace(MOE, vocab_size=385), Layout(tp=2, sp=True), SHAPE), 2)
+    # a vocabulary that does not split over TP is padded (model.make_vocab_size_divisible_by), as built
+    odd = dataclasses.replace(MOE, vocab_size=385)
+    validate_sft_config(sft_config_for(odd, Layout(tp=2, sp=True), SHAPE), 2)
+    embedding = next(t for t in param_tensors(odd, Layout(tp=2, sp=True)) if t.name == "embedding.word_embeddings.weight")
+    assert embedding.numel == 386 // 2 * odd.hidden_size
 
 
 def test_hf_config_input_and_json(tmp_path, capsys):

@@ -198,10 +198,7 @@ def check_tensor_parallel(p: ParallelConfig, m: ModelConfig, errors: Errors) -> 
                 f"{m.num_attention_heads} heads are not divisible by tensor_model_parallel_size {tp}")
     errors.need(m.num_query_groups % tp == 0, "model.num_query_groups",
                 f"{m.num_query_groups} key/value groups are not divisible by tensor_model_parallel_size {tp}")
-    # megatron-core's VocabParallelEmbedding / output layer split the vocabulary evenly (no padding here)
-    errors.need(m.vocab_size % tp == 0, "model.vocab_size",
-                f"{m.vocab_size} is not divisible by tensor_model_parallel_size {tp} (the embedding and output "
-                "layer split the vocabulary evenly)")
+    # the vocabulary need not divide by TP: the model pads it (model.make_vocab_size_divisible_by)
 
 
 def check_expert_parallel(p: ParallelConfig, m: ModelConfig, world_size: int, errors: Errors) -> int:

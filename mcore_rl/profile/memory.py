@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import is_moe_layer
+from mcore_rl.models.vocab_padding import padded_vocab_size
 from mcore_rl.profile.layouts import Layout, TrainShape
 
 GiB = float(1 << 30)
@@ -60,8 +61,9 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
     q, kv, d = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim, model.head_dim
     out: list[ParamTensor] = []
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp)  # split evenly over TP
     if first:
-        out.append(ParamTensor("embedding.word_embeddings.weight", model.vocab_size // tp * h, False))
+        out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, False))
     for i in layers_on_stage(model, layout, pp_rank):
         p = f"decoder.layers.{i}."
         out += [ParamTensor(p + "input_layernorm.weight", h, False),
@@ -93,7 +95,7 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
     if last:
         out.append(ParamTensor("decoder.final_layernorm.weight", h, False))
         if not model.tie_word_embeddings or layout.pp > 1:  # tied with PP: the last stage keeps a copy
-            out.append(ParamTensor("output_layer.weight", model.vocab_size // tp * h, False))
+            out.append(ParamTensor("output_layer.weight", vocab // tp * h, False))
     return out
 
 
@@ -227,7 +229,7 @@ def stage_activations(model: ModelConfig, layout: Layout, shape: TrainShape, num
         held = n * per_layer
     output = 0.0
     if pp_rank == layout.pp - 1:  # final norm, fp32 logits (vocab-parallel), the loss's mask and labels
-        output = s * b / sp * (model.hidden_size * (e + 4 + e) + 4) + s * b * model.vocab_size / layout.tp * 4
+        output = s * b / sp * (model.hidden_size * (e + 4 + e) + 4) + s * b * padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp) / layout.tp * 4
         output += s * b * 4 * 2
     if pp_rank == 0:
         output += s * b * 8  # token ids
