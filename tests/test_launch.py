@@ -3,10 +3,13 @@ starting torchrun. (The real launch is exercised by hand / in the bench: it spaw
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,3 +69,80 @@ def test_sbatch_rendezvous_on_first_node():
     assert "scontrol show hostnames" in text
     assert "--ntasks-per-node=1" in text
     assert "launch/torchrun.sh" in text
+
+
+# ------------------------------------------------------------------ pre-emption: real signals, real resume
+
+def _rl_args(tmp_path, *extra: str) -> list[str]:
+    """A tiny `mcore-rl train` (tests/test_rl_loop.py's TINY, no warm start or evaluation: only steps)."""
+    from tests.test_rl_loop import TINY
+
+    return ["train", *TINY, "init.sft_steps=0", "eval.interval=0", "eval.at_start=false", "logging.plot=false",
+            "logging.tensorboard=false", f"run_dir={tmp_path}/run", f"checkpoint.save_dir={tmp_path}/ckpt", *extra]
+
+
+def _wait_for(proc: subprocess.Popen, log: str, done, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, f"trainer exited (rc {proc.returncode}) before {what}:\n{open(log).read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s:\n{open(log).read()[-3000:]}"
+        time.sleep(0.02)
+
+
+def _rl_steps(run_dir: str) -> list[int]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["rl_step"] for line in f if line.endswith("\n")]
+
+
+def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
+    """SIGTERM by pid once a step is done: the trainer finishes its step, saves, exits 75. The resumed
+    run continues from that checkpoint; SIGUSR1 stops it the same way, and a second signal while it
+    saves is ignored. A last resume finishes the run: every rollout step is logged once."""
+    from mcore_rl.parallel.preemption import EXIT_PREEMPTED, read_marker
+    from tests.test_checkpoint import _env, _latest_step, _start_trainer
+
+    ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
+    proc, log = _start_trainer(tmp_path, *_rl_args(tmp_path, "train.num_steps=50"))
+    try:
+        _wait_for(proc, log, lambda: _rl_steps(run_dir)[-1:] >= [1], "a finished step")
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=240) == EXIT_PREEMPTED, open(log).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = _latest_step(ckpt)
+    out = open(log).read()
+    assert first >= 1 and f"pre-empted by SIGTERM after step {first}: checkpoint {ckpt}/iter_{first:07d}" in out, out
+    assert read_marker(run_dir)["step"] == first and read_marker(run_dir)["signal"] == "SIGTERM"
+    assert _rl_steps(run_dir)[-1] == first  # it stopped at the step it saved
+
+    # resumed; SIGUSR1 after one more step, and SIGTERM again once the checkpoint's directory appears
+    proc, log = _start_trainer(tmp_path, *_rl_args(tmp_path, "train.num_steps=50", f"checkpoint.load_dir={ckpt}"))
+    try:
+        _wait_for(proc, log, lambda: _rl_steps(run_dir)[-1:] > [first], "a step after the resume")
+        os.kill(proc.pid, signal.SIGUSR1)
+        _wait_for(proc, log, lambda: any(int(d[5:]) > first for d in os.listdir(ckpt) if d.startswith("iter_")),
+                  "the new checkpoint")
+        os.kill(proc.pid, signal.SIGTERM)  # during the save
+        assert proc.wait(timeout=240) == EXIT_PREEMPTED, open(log).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    second = _latest_step(ckpt)
+    out = open(log).read()
+    assert f"resumed from {ckpt}/iter_{first:07d} at rollout step {first}" in out, out
+    assert "got SIGTERM again while stopping: ignored" in out, out
+    assert second > first and f"pre-empted by SIGUSR1 after step {second}" in out, out
+
+    # the checkpoint written under the second signal resumes, and the run ends normally
+    done = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *_rl_args(tmp_path, f"train.num_steps={second + 1}",
+                                                                           f"checkpoint.load_dir={ckpt}")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {ckpt}/iter_{second:07d} at rollout step {second}" in done.stdout + done.stderr
+    steps = _rl_steps(run_dir)
+    opt = len([s for s in steps if s == 1])  # optimizer steps per rollout step
+    assert steps == [s for s in range(1, second + 2) for _ in range(opt)], steps  # each step once

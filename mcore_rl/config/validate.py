@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rules import (
     Errors,
     check_layout,
@@ -42,6 +43,7 @@ def validate_sft_config(cfg: SFTConfig, world_size: int) -> DerivedSizes:
         num_microbatches = check_batch(cfg.train, cfg.parallel, dp, errors)
     check_optimizer(cfg.optimizer, errors)
     check_data(cfg.data, errors)
+    check_preempt_signals(cfg.checkpoint, errors)  # launch: pre-emption signals
     errors.raise_if_any()
     return DerivedSizes(dp, edp, num_microbatches)
 

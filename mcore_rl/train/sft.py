@@ -15,6 +15,7 @@ import torch.distributed as dist
 from mcore_rl.config import SFTConfig, save_config, validate_sft_config
 from mcore_rl.data.sft import SFTBatches, build_sft_rows
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.parallel.preemption import preempted, stop_requested
 from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.policy import build_policy
@@ -157,8 +158,12 @@ def run_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         interval = cfg.checkpoint.save_interval
-        if cfg.checkpoint.save_dir and interval > 0 and trainer.iteration % interval == 0:
+        stop = stop_requested() if trainer.iteration < t.train_iters else None  # launch: pre-emption (collective)
+        if cfg.checkpoint.save_dir and ((interval > 0 and trainer.iteration % interval == 0) or stop):
             _log0(f"saved {save(trainer)}")
+        if stop:
+            saved = checkpoint.checkpoint_dir(cfg.checkpoint.save_dir, trainer.iteration) if cfg.checkpoint.save_dir else None
+            raise preempted(cfg.run_dir, trainer.iteration, stop, saved)
     if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
         _log0(f"saved {save(trainer)}")
     if records and "eval_accuracy" in records[-1]:
