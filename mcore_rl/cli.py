@@ -7,6 +7,7 @@
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
     mcore-rl convert gguf-to-hf --input FILE.gguf --output HF_DIR
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
+    mcore-rl launch --dry-run {sft,train} [RECIPE.yaml] [key=value ...] --nnodes N --nproc-per-node G [--engine-nodes E]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
     _add_diagnose_parser(sub)
+    from mcore_rl.parallel.launch_plan import add_launch_parser
+
+    add_launch_parser(sub)  # launch: `mcore-rl launch --dry-run`
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

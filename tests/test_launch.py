@@ -39,7 +39,7 @@ def test_torchrun_usage_without_args():
     usage = proc.stderr
     assert usage.startswith("usage:")
     for word in ("RECIPE.yaml", "NNODES", "NODE_RANK", "NPROC", "MASTER_ADDR", "MASTER_PORT",
-                 "--rdzv-backend c10d", "-m mcore_rl.cli sft"):
+                 "--rdzv-backend c10d", "-m mcore_rl.cli MODE", "[sft|train]", "SIGUSR1", "DRY_RUN"):
         assert word in usage, word
 
 

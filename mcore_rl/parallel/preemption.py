@@ -12,7 +12,7 @@ with `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again"), which a SLURM sc
 
 A second signal while the checkpoint is written is logged and ignored: the handler stays
 installed until the process exits, so nothing interrupts the save (the forked checkpoint writers
-inherit the handler too). Rank 0 writes `<run_dir>/preempted.json` (step, checkpoint, signal) as
+inherit the handler too). Each node's first rank writes `<run_dir>/preempted.json` (step, checkpoint, signal) as
 well: torchrun reports a worker's exit code only as "failed", so the launch scripts and `mcore-rl
 --nproc-per-node` read this file to exit with 75 themselves (`exit_code_after_launch`).
 """
@@ -27,9 +27,6 @@ import signal
 import subprocess
 import time
 from typing import Any, Iterator, Optional, Sequence
-
-import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +75,9 @@ class PreemptionGuard:
 
     def agree(self) -> Optional[str]:
         """Collective (every rank, at the same step boundary): the name of a signal some rank got, or None."""
+        import torch
+        import torch.distributed as dist
+
         got = self.received or 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -111,8 +111,9 @@ def stop_requested() -> Optional[str]:
 
 
 def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[str]) -> Preempted:
-    """The exception a loop raises after its checkpoint; rank 0 leaves `<run_dir>/preempted.json`."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """The exception a loop raises after its (collective) save; local rank 0 of every node leaves
+    `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, MARKER), "w") as f:
             json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time()}, f)
