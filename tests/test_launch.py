@@ -26,7 +26,7 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("script", [TORCHRUN_SH, SBATCH])
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SBATCH, os.path.join(REPO, "launch", "engines.sh")])
 def test_scripts_parse(script):
     proc = _run("-n", script)
     assert proc.returncode == 0, proc.stderr
@@ -146,3 +146,54 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     steps = _rl_steps(run_dir)
     opt = len([s for s in steps if s == 1])  # optimizer steps per rollout step
     assert steps == [s for s in range(1, second + 2) for _ in range(opt)], steps  # each step once
+
+
+# ------------------------------------------------------------------ SLURM, with fake sbatch/srun/scontrol
+
+def _slurm_env(tmp_path, **env: str) -> dict[str, str]:
+    from tests import fake_slurm
+
+    fake_slurm.install(str(tmp_path / "bin"))
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full.update(PATH=f"{tmp_path}/bin{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=f"{tmp_path}/slurm.jsonl",
+                FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_HOSTS="127.0.0.1,127.0.0.2,127.0.0.3", PYTHON=sys.executable,
+                PYTHONPATH=REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
+    return full
+
+
+def _calls(tmp_path, tool: str) -> list[dict]:
+    with open(f"{tmp_path}/slurm.jsonl") as f:
+        return [c for c in map(json.loads, f) if c["tool"] == tool]
+
+
+def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
+    """`train` on 3 nodes with ENGINE_NODES=1: the engine srun on the last node, the trainer srun on
+    the first two with the rendezvous on the first and the servers' URLs as rollout.engine_urls.
+    (Nothing runs: the fake srun only records.) An allocation too small for the plan fails, naming numbers."""
+    env = _slurm_env(tmp_path, ENGINE_NODES="1", ENGINE_MODEL="/models/policy", ENGINE_WAIT_S="0",
+                     ENGINES_PER_NODE="2", MASTER_PORT="29511")
+    proc = subprocess.run(["sbatch", "--wait", "--nodes", "3", SBATCH, "train", "configs/demo.yaml",
+                           f"run_dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    engines, trainer = _calls(tmp_path, "srun")
+    assert engines["argv"][:2] == ["--nodes=1", "--nodelist=127.0.0.3"] and engines["argv"][-1].endswith("launch/engines.sh")
+    urls = ["http://127.0.0.3:30000", "http://127.0.0.3:30001"]
+    assert engines["env"]["ENGINE_PORTS"] == "30000 30001" and engines["env"]["ENGINE_GPUS"] == "0,1,2,3 4,5,6,7"
+    assert engines["env"]["ENGINE_URLS"] == " ".join(urls) and engines["env"]["ENGINE_MODEL"] == "/models/policy"
+    assert trainer["argv"][:2] == ["--nodes=2", "--nodelist=127.0.0.1,127.0.0.2"]
+    assert "--kill-on-bad-exit=1" in trainer["argv"]
+    command = trainer["argv"][trainer["argv"].index("bash"):]
+    assert command[3:6] == [TORCHRUN_SH, "train", "configs/demo.yaml"], command
+    assert command[-1] == f"rollout.engine_urls=[{','.join(urls)}]"  # the trainer's own EngineRouter spreads them
+    assert {k: trainer["env"][k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC", "RDZV_ID")} == {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "NNODES": "2", "NPROC": "8", "RDZV_ID": "4242"}
+    assert "trainer 2 node(s) [127.0.0.1,127.0.0.2] x 8" in proc.stdout + proc.stderr
+
+    # one node, asked for an engine node and 16 ranks per node: the plan fails before any srun
+    os.remove(f"{tmp_path}/slurm.jsonl")
+    proc = subprocess.run(["sbatch", "--wait", "--nodes", "1", SBATCH, "train", "configs/demo.yaml"], cwd=REPO,
+                          env=dict(env, NPROC="16"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert ("the SLURM allocation (job 4242: 1 node(s) x 8 GPU(s)) cannot hold this plan: it needs 2 node(s) "
+            "(1 trainer + 1 engine) but the allocation has 1; it needs 16 GPU(s) per trainer node") in proc.stderr
+    assert _calls(tmp_path, "srun") == []
