@@ -146,16 +146,27 @@ started="$(date +%s)"
     ${TORCHRUN_ARGS:-} \
     -m mcore_rl.cli "$MODE" "$RECIPE" "$@" &
 child=$!
+# The first signal goes on to torchrun, which passes it to the ranks; later ones would make torchrun
+# give up on its ranks while they save, so they are only reported.
+forwarded=""
+forward() {
+    if [[ -n "$forwarded" ]]; then
+        echo "torchrun.sh: got $1 again while the trainer stops ($forwarded passed on): ignored" >&2
+        return 0  # (a bare return in a trap gives the status of the interrupted `wait`: set -e would exit)
+    fi
+    forwarded="$1"
+    echo "torchrun.sh: got $1, passing it on to torchrun" >&2
+    kill -s "${1#SIG}" "$child" 2>/dev/null || true
+}
 for sig in $PREEMPT_SIGNALS; do
     # shellcheck disable=SC2064  # expanded now, on purpose
-    trap "echo 'torchrun.sh: got $sig, passing it on to torchrun' >&2; kill -s ${sig#SIG} $child 2>/dev/null || true" \
-        "${sig#SIG}"
+    trap "forward $sig" "${sig#SIG}"
 done
-while true; do
-    rc=0
-    wait "$child" || rc=$?
-    kill -0 "$child" 2>/dev/null || break  # else `wait` was cut short by a trapped signal
+while kill -0 "$child" 2>/dev/null; do
+    wait "$child" || true  # returns early when a trapped signal arrives
 done
+rc=0
+wait "$child" || rc=$?  # the exit code bash kept for it
 # torchrun reports a pre-empted worker as failed (1): the trainer's marker says it saved and stopped.
 if [[ $rc -ne 0 && -n "$RUN_DIR" ]] && "$PYTHON" - "$RUN_DIR" "$started" <<'PY'
 import sys

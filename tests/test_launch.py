@@ -1,5 +1,8 @@
-"""The launch scripts: they parse, and torchrun.sh explains itself and rejects bad input before
-starting torchrun. (The real launch is exercised by hand / in the bench: it spawns a 2-rank world.)"""
+"""Cluster launch (docs/launch.md): the scripts parse, explain themselves and reject bad input before
+starting anything; pre-emption signals, sent for real by pid, make `mcore-rl train` checkpoint, exit
+75 and resume; launch/slurm.sbatch, with fake sbatch/srun/scontrol (tests/fake_slurm.py), places the
+trainer and the engines and, running launch/torchrun.sh on two loopback "nodes" (torchrun --nnodes=2,
+c10d), passes SIGUSR1 on to the ranks, requeues and resumes; `mcore-rl launch --dry-run` prints the plan."""
 
 from __future__ import annotations
 
@@ -64,13 +67,6 @@ def test_torchrun_rejects_bad_input_before_launching():
     assert "torchrun.sh: node" not in proc.stderr  # torchrun never started
 
 
-def test_sbatch_rendezvous_on_first_node():
-    text = open(SBATCH).read()
-    assert "scontrol show hostnames" in text
-    assert "--ntasks-per-node=1" in text
-    assert "launch/torchrun.sh" in text
-
-
 # ------------------------------------------------------------------ pre-emption: real signals, real resume
 
 def _rl_args(tmp_path, *extra: str) -> list[str]:
@@ -100,9 +96,10 @@ def _rl_steps(run_dir: str) -> list[int]:
 def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     """SIGTERM by pid once a step is done: the trainer finishes its step, saves, exits 75. The resumed
     run continues from that checkpoint; SIGUSR1 stops it the same way, and a second signal while it
-    saves is ignored. A last resume finishes the run: every rollout step is logged once."""
+    saves is ignored. Every rollout step is logged once. (A checkpoint written under a second signal
+    resumes to the end in the SLURM test below.)"""
     from mcore_rl.parallel.preemption import EXIT_PREEMPTED, read_marker
-    from tests.test_checkpoint import _env, _latest_step, _start_trainer
+    from tests.test_checkpoint import _latest_step, _start_trainer
 
     ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
     proc, log = _start_trainer(tmp_path, *_rl_args(tmp_path, "train.num_steps=50"))
@@ -137,15 +134,9 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     assert "got SIGTERM again while stopping: ignored" in out, out
     assert second > first and f"pre-empted by SIGUSR1 after step {second}" in out, out
 
-    # the checkpoint written under the second signal resumes, and the run ends normally
-    done = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *_rl_args(tmp_path, f"train.num_steps={second + 1}",
-                                                                           f"checkpoint.load_dir={ckpt}")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from {ckpt}/iter_{second:07d} at rollout step {second}" in done.stdout + done.stderr
-    steps = _rl_steps(run_dir)
-    opt = len([s for s in steps if s == 1])  # optimizer steps per rollout step
-    assert steps == [s for s in range(1, second + 2) for _ in range(opt)], steps  # each step once
+    assert second in _rl_steps(run_dir) and _rl_steps(run_dir)[-1] == second
+    opt = _rl_steps(run_dir).count(1)  # optimizer steps per rollout step
+    assert _rl_steps(run_dir) == [s for s in range(1, second + 1) for _ in range(opt)]  # each step once
 
 
 # ------------------------------------------------------------------ SLURM, with fake sbatch/srun/scontrol
@@ -175,7 +166,9 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     proc = subprocess.run(["sbatch", "--wait", "--nodes", "3", SBATCH, "train", "configs/demo.yaml",
                            f"run_dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    engines, trainer = _calls(tmp_path, "srun")
+    calls = _calls(tmp_path, "srun")  # started in the background, recorded in either order
+    assert len(calls) == 2
+    engines, trainer = sorted(calls, key=lambda c: not c["argv"][-1].endswith("launch/engines.sh"))
     assert engines["argv"][:2] == ["--nodes=1", "--nodelist=127.0.0.3"] and engines["argv"][-1].endswith("launch/engines.sh")
     urls = ["http://127.0.0.3:30000", "http://127.0.0.3:30001"]
     assert engines["env"]["ENGINE_PORTS"] == "30000 30001" and engines["env"]["ENGINE_GPUS"] == "0,1,2,3 4,5,6,7"
@@ -197,3 +190,66 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     assert ("the SLURM allocation (job 4242: 1 node(s) x 8 GPU(s)) cannot hold this plan: it needs 2 node(s) "
             "(1 trainer + 1 engine) but the allocation has 1; it needs 16 GPU(s) per trainer node") in proc.stderr
     assert _calls(tmp_path, "srun") == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sft_steps(run_dir: str) -> list[int]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tmp_path):
+    """The multi-node path on one machine: the fake srun starts launch/torchrun.sh on two "nodes"
+    (127.0.0.1 and 127.0.0.2), i.e. two torchrun processes of one rank each meeting at a c10d
+    rendezvous on loopback, running a tiny SFT. SIGUSR1 to the batch shell goes batch shell -> srun ->
+    torchrun.sh -> torchrun -> both ranks: they save after the same step (a SIGTERM meanwhile is not
+    passed on) and the job exits 75 and requeues itself. The requeued job resumes from that
+    checkpoint and runs to completion."""
+    from mcore_rl.parallel.preemption import EXIT_PREEMPTED
+    from tests.test_checkpoint import TINY_SFT, _latest_step
+
+    ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
+    env = _slurm_env(tmp_path, FAKE_SRUN_RUN="torchrun.sh", MASTER_PORT=str(_free_port()))
+    args = ["sbatch", "--wait", "--nodes", "2", "--gpus-per-node", "1", SBATCH, "sft", "configs/sft_demo.yaml",
+            *TINY_SFT, f"run_dir={run_dir}", f"checkpoint.save_dir={ckpt}", "train.eval_interval=0"]
+    log = open(f"{tmp_path}/job1.log", "w")
+    job = subprocess.Popen([*args, "train.train_iters=100000"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(job, log.name, lambda: len(_sft_steps(run_dir)) >= 2, "two SFT steps")
+        with open(f"{tmp_path}/batch.pid") as f:
+            batch_shell = int(f.read())
+        os.kill(batch_shell, signal.SIGUSR1)
+        _wait_for(job, log.name, lambda: os.path.isdir(ckpt) and os.listdir(ckpt), "the checkpoint")
+        os.kill(batch_shell, signal.SIGTERM)  # SLURM's SIGTERM while the trainer saves: not passed on
+        assert job.wait(timeout=240) == EXIT_PREEMPTED, open(log.name).read()[-4000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = open(log.name).read()
+    step = _latest_step(ckpt)
+    assert step >= 2 and _sft_steps(run_dir)[-1] == step, out[-4000:]
+    assert "slurm.sbatch: got SIGUSR1, passing it on to the trainer" in out
+    assert "slurm.sbatch: got SIGTERM again while the trainer stops (SIGUSR1 passed on): ignored" in out
+    assert out.count("torchrun.sh: got SIGUSR1, passing it on to torchrun") == 2, out[-4000:]
+    assert f"pre-empted by SIGUSR1 after step {step}" in out
+    assert [c["argv"] for c in _calls(tmp_path, "scontrol")][-1] == ["requeue", "4242"]
+    trainer = _calls(tmp_path, "srun")[-1]
+    assert trainer["env"]["NNODES"] == "2" and trainer["env"]["NPROC"] == "1"
+
+    # the requeued job: the same command (the plan adds checkpoint.load_dir), to completion
+    done = subprocess.run([*args, f"train.train_iters={step + 2}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in done.stdout
+    assert _calls(tmp_path, "srun")[-1]["argv"][-1] == f"checkpoint.load_dir={ckpt}"
+    assert _sft_steps(run_dir) == list(range(1, step + 3))  # every step once

@@ -145,10 +145,20 @@ def torchrun_signal_flags(signals: Sequence[str]) -> list[str]:
 
 
 def call_forwarding_signals(command: list[str], signals: Sequence[str], **popen: Any) -> int:
-    """Run `command` (a torchrun launcher) to its end, passing `signals` this process gets on to it."""
+    """Run `command` (a torchrun launcher) to its end, passing the first of `signals` this process gets
+    on to it; later ones are only logged (torchrun would give up on its ranks while they save)."""
     proc = subprocess.Popen(command, **popen)
     sigs = [signal.Signals[name] for name in signals]
-    previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in sigs}
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        if forwarded:
+            logger.warning("got %s again while the trainer stops: ignored", signal.Signals(signum).name)
+            return
+        forwarded.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
         return proc.wait()
     finally:
