@@ -253,3 +253,55 @@ def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tm
     assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in done.stdout
     assert _calls(tmp_path, "srun")[-1]["argv"][-1] == f"checkpoint.load_dir={ckpt}"
     assert _sft_steps(run_dir) == list(range(1, step + 3))  # every step once
+
+
+# ------------------------------------------------------------------ mcore-rl launch --dry-run
+
+def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path):
+    """2 trainer nodes x 8 GPUs (TP=2, PP=2, EP=2 on the MoE demo) plus an engine node of two
+    servers: every rank's groups as megatron-core forms them, the rendezvous, the engines, the
+    trainer's override. Nothing starts. A SLURM allocation too small for it: the numbers, named."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from mcore_rl.cli import main
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    args = ["launch", "--dry-run", "--nnodes", "2", "--nproc-per-node", "8", "--engine-nodes", "1",
+            "--engines-per-node", "2", "--engine-model", "/models/policy", "--hosts", "a,b,c", "train",
+            "configs/demo_moe.yaml", "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+            "parallel.expert_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "trainer: 2 node(s) x 8 rank(s) = world size 16 on a, b" in out
+    assert "layout: TP=2 PP=2 VPP=- CP=1 DP=4 | EP=2 ETP=2 EDP=2" in out
+    assert "rendezvous: c10d at a:29500" in out
+    assert "http://c:30000  GPUs 0,1,2,3 (TP 4)" in out and "http://c:30001  GPUs 4,5,6,7 (TP 4)" in out
+    assert "trainer overrides: rollout.engine_urls=[http://c:30000,http://c:30001]" in out
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines()[-16:]}
+    assert sorted(rows) == list(range(16))
+    # the columns are megatron-core's own groups (order tp-cp-ep-dp-pp): TP pairs, PP = r and r+8, ...
+    assert rows[0][1:4] == ["0", "a", "0"] and rows[9][1:4] == ["1", "b", "1"]
+    assert rows[5][4:] == ["4,5", "5,13", "1,3,5,7", "5", "5,7", "4,5", "1,5"]
+    dense = RankGenerator(tp=2, ep=1, dp=4, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    for r in range(16):
+        assert rows[r][6] == ",".join(map(str, next(g for g in dense.get_ranks("dp") if r in g)))
+    assert json.loads(main(args + ["--json"]) == 0 and capsys.readouterr().out)["world_size"] == 16
+
+    # inside an allocation of 2 nodes x 4 GPUs: 3 nodes of 8 needed
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert ("the SLURM allocation (job 77: 2 node(s) x 4 GPU(s)) cannot hold this plan: it needs 3 node(s) "
+            "(2 trainer + 1 engine) but the allocation has 2; it needs 8 GPU(s) per trainer node "
+            "(--nproc-per-node) but the allocation has 4 per node") in err
+    # a layout the world cannot hold names the key
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert main(["launch", "--dry-run", "--nnodes", "1", "--nproc-per-node", "6", "sft", "configs/sft_demo.yaml",
+                 "parallel.tensor_model_parallel_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert "world size 6 (1 node(s) x 6 rank(s))" in err and "parallel.tensor_model_parallel_size" in err
+    assert main(["launch", "sft", "configs/sft_demo.yaml"]) == 2  # plans only
+    assert "only plans (--dry-run)" in capsys.readouterr().err
