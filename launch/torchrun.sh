@@ -114,7 +114,8 @@ fi
 RUN_DIR="" PREEMPT_SIGNALS="SIGTERM SIGUSR1" TORCHRUN_SIGNAL_FLAGS=()
 if [[ "$PREFLIGHT" != 0 ]]; then
     errors="$(mktemp)"
-    if ! plan="$("$PYTHON" -m mcore_rl.parallel.launch_plan --emit shell "${PLAN_ARGS[@]}" "$MODE" "$RECIPE" "$@" 2>"$errors")"; then
+    if ! plan="$("$PYTHON" -m mcore_rl.parallel.launch_plan --emit shell "${PLAN_ARGS[@]}" "$MODE" "$RECIPE" "$@" \
+                 2>"$errors")"; then
         echo "torchrun.sh: config check for world size $((NNODES * NPROC)) failed:" \
              "$(sed 's/^mcore-rl launch: //' "$errors")" >&2
         rm -f "$errors"

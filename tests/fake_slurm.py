@@ -52,7 +52,8 @@ for line in open(script):
 nodes = int(opts.get("nodes", 1))
 hosts = os.environ["FAKE_SLURM_HOSTS"].split(",")[:nodes]
 env = dict(os.environ, SLURM_JOB_ID=os.environ.get("FAKE_SLURM_JOB_ID", "4242"), SLURM_JOB_NUM_NODES=str(nodes),
-           SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=",".join(hosts), SLURM_GPUS_ON_NODE=opts.get("gpus-per-node", "8"),
+           SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=",".join(hosts),
+           SLURM_GPUS_ON_NODE=opts.get("gpus-per-node", "8"),
            SLURM_SUBMIT_DIR=os.getcwd(), SLURM_CPUS_PER_TASK=opts.get("cpus-per-task", "1"))
 proc = subprocess.Popen(["bash", script, *args], env=env)
 with open(os.path.join(os.environ["FAKE_SLURM_DIR"], "batch.pid"), "w") as f:

@@ -93,6 +93,7 @@ def _rl_steps(run_dir: str) -> list[int]:
         return [json.loads(line)["rl_step"] for line in f if line.endswith("\n")]
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     """SIGTERM by pid once a step is done: the trainer finishes its step, saves, exits 75. The resumed
     run continues from that checkpoint; SIGUSR1 stops it the same way, and a second signal while it
@@ -169,7 +170,8 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     calls = _calls(tmp_path, "srun")  # started in the background, recorded in either order
     assert len(calls) == 2
     engines, trainer = sorted(calls, key=lambda c: not c["argv"][-1].endswith("launch/engines.sh"))
-    assert engines["argv"][:2] == ["--nodes=1", "--nodelist=127.0.0.3"] and engines["argv"][-1].endswith("launch/engines.sh")
+    assert engines["argv"][:2] == ["--nodes=1", "--nodelist=127.0.0.3"]
+    assert engines["argv"][-1].endswith("launch/engines.sh")
     urls = ["http://127.0.0.3:30000", "http://127.0.0.3:30001"]
     assert engines["env"]["ENGINE_PORTS"] == "30000 30001" and engines["env"]["ENGINE_GPUS"] == "0,1,2,3 4,5,6,7"
     assert engines["env"]["ENGINE_URLS"] == " ".join(urls) and engines["env"]["ENGINE_MODEL"] == "/models/policy"
@@ -208,6 +210,7 @@ def _sft_steps(run_dir: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.endswith("\n")]
 
 
+@pytest.mark.slow
 def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tmp_path):
     """The multi-node path on one machine: the fake srun starts launch/torchrun.sh on two "nodes"
     (127.0.0.1 and 127.0.0.2), i.e. two torchrun processes of one rank each meeting at a c10d

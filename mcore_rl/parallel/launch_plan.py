@@ -135,6 +135,9 @@ def _check_request(req: LaunchRequest) -> None:
 
 def _rank_groups(world: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> list[dict[str, list[int]]]:
     """Each rank's groups, from megatron-core's RankGenerator in initialize_model_parallel's order."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")  # as `mcore-rl` does
     from megatron.core.parallel_state import RankGenerator, initialize_model_parallel
 
     order = inspect.signature(initialize_model_parallel).parameters["order"].default
@@ -197,7 +200,8 @@ def make_plan(req: LaunchRequest, recipe: Optional[str], overrides: list[str], *
                   "where": f"global rank 0 ({trainer_hosts[0]})" if req.mode == "train" else "-"}
     cfg = _load(req, recipe, overrides + extra)
     if req.mode == "train" and not engines and cfg.rollout.engine_urls:
-        router = {"kind": "mcore-rl", "url": None, "where": "trainer (global rank 0), rollout.engine_urls of the recipe"}
+        router = {"kind": "mcore-rl", "url": None,
+                  "where": "trainer (global rank 0), rollout.engine_urls of the recipe"}
     world = req.nnodes * req.nproc_per_node
     validate = validate_rl_config if req.mode == "train" else validate_sft_config
     try:
@@ -217,7 +221,8 @@ def make_plan(req: LaunchRequest, recipe: Optional[str], overrides: list[str], *
     per_rank = _rank_groups(world, tp, pp, cp, ep, etp) if groups else [{} for _ in range(world)]
     ranks = [{"rank": r, "node": r // req.nproc_per_node, "host": trainer_hosts[r // req.nproc_per_node],
               "local_rank": r % req.nproc_per_node, **per_rank[r]} for r in range(world)]
-    return Plan(req.mode, world, sizes, trainer_hosts, req.nproc_per_node, f"{req.master_addr or trainer_hosts[0]}:{req.master_port}",
+    rendezvous = f"{req.master_addr or trainer_hosts[0]}:{req.master_port}"
+    return Plan(req.mode, world, sizes, trainer_hosts, req.nproc_per_node, rendezvous,
                 engine_hosts, engines, router, extra, ranks, cfg.run_dir, list(ck.preempt_signals),
                 asdict(allocation) if allocation is not None else None)
 
@@ -238,7 +243,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"engines: {len(plan.engines)} server(s) on {len(plan.engine_hosts)} node(s):")
         lines += [f"  {e['url']}  GPUs {e['gpus']} (TP {e['tp']})" for e in plan.engines]
     r = plan.router
-    lines.append(f"router: {r['kind']}" + (f" at {r['url']}" if r["url"] else "") + f" on {r['where']}")
+    if r["kind"] == "embedded":
+        lines.append(f"engines: embedded, on {r['where']} (rollout.engine_urls is empty)")
+    elif r["kind"] != "none":
+        lines.append(f"router: {r['kind']}" + (f" at {r['url']}" if r["url"] else "") + f" on {r['where']}")
     lines.append("trainer overrides: " + (" ".join(plan.trainer_overrides) or "(none)"))
     if plan.ranks and plan.ranks[0].get("tp") is not None:
         header = ["rank", "node", "host", "local"] + [g.upper() for g in GROUPS]
@@ -294,7 +302,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", help="YAML recipe; defaults if omitted")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for sft/train")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing (the only mode)")
-    p.add_argument("--nnodes", type=int, default=None, help="trainer nodes (default: the allocation's minus engine nodes)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="trainer nodes (default: the allocation's minus the engine nodes)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="trainer ranks per node (default: GPUs per node)")
     p.add_argument("--engine-nodes", type=int, default=0, help="nodes for inference servers (train)")
     p.add_argument("--engines-per-node", type=int, default=1, help="servers per engine node")
