@@ -308,3 +308,39 @@ def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path)
     assert "world size 6 (1 node(s) x 6 rank(s))" in err and "parallel.tensor_model_parallel_size" in err
     assert main(["launch", "sft", "configs/sft_demo.yaml"]) == 2  # plans only
     assert "only plans (--dry-run)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ pre-emption: the agreement, and bad input
+
+def _agree_world(rank: int, world_size: int) -> None:
+    from mcore_rl.parallel.preemption import preemption_guard, stop_requested
+
+    with preemption_guard(["SIGTERM", "SIGUSR1"]) as guard:
+        decisions = []
+        for step in range(4):
+            if step == 2 and rank == 1:  # the signal reaches one rank only, between two step boundaries
+                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGTERM)  # and again: ignored
+            decisions.append(stop_requested())
+        assert decisions == [None, None, "SIGUSR1", "SIGUSR1"], (rank, decisions)
+        assert (guard.received, guard.repeats) == ((signal.SIGUSR1, 1) if rank == 1 else (None, 0))
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # restored
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_step_when_only_one_got_the_signal():
+    from tests.world import run_world
+
+    run_world(2, _agree_world)
+
+
+def test_preempt_signals_are_checked_before_anything_starts():
+    from mcore_rl.config import ConfigError, RLConfig, SFTConfig, load_config, validate_rl_config, validate_sft_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_sft_config(load_config(SFTConfig, None, ["checkpoint.preempt_signals=[SIGTERM,SIGFOO,SIGKILL]"]), 1)
+    assert "checkpoint.preempt_signals: 'SIGFOO' is not a signal name" in str(err.value)
+    assert "checkpoint.preempt_signals: SIGKILL cannot be used" in str(err.value)
+    with pytest.raises(ConfigError, match="checkpoint.preempt_signals: lists a signal twice"):
+        validate_rl_config(load_config(RLConfig, None, ["checkpoint.preempt_signals=[SIGUSR1,SIGUSR1]"]), 1)
+    validate_rl_config(load_config(RLConfig, None, ["checkpoint.preempt_signals=[]"]), 1)  # off
