@@ -9,6 +9,7 @@
     mcore-rl profile MODEL [model.key=value ...] --cluster h100_sxm [--nodes N] [--layout tp=2,pp=2] [--measure]
     mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]
     mcore-rl parity [RECIPE.yaml] [key=value ...] [--precisions none bf16 fp8] [--engine-url URL] [--json PATH]
+    mcore-rl launch --dry-run {sft,train} [RECIPE.yaml] [key=value ...] --nnodes N --nproc-per-node G [--engine-nodes E]
 
 The config is loaded and validated for the world size it will run with *before* any worker starts,
 the directories it writes (run_dir, checkpoint.save_dir) are created and probed, and the data files
@@ -40,18 +41,25 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _relaunch(nproc: int, cli_args: list[str]) -> int:
+def _relaunch(nproc: int, cli_args: list[str], cfg=None) -> int:
     """Run `mcore-rl <cli_args>` again as `nproc` local ranks under torchrun; its exit code.
 
     torchrun gets SIGTERM when this process dies (SIGKILL included) and stops its workers, so
-    killing the command the user started stops the whole run.
+    killing the command the user started stops the whole run. The pre-emption signals of `cfg`
+    (`checkpoint.preempt_signals`) go on to the ranks, and their exit code 75 comes back.
     """
+    import time
+
+    from mcore_rl.parallel import preemption
     from mcore_rl.parallel.lifetime import preexec_die_with_parent
 
+    signals = list(cfg.checkpoint.preempt_signals) if cfg is not None else []
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "mcore_rl.cli", *cli_args]
+               *(preemption.torchrun_signal_flags(signals) if signals else []), "-m", "mcore_rl.cli", *cli_args]
     env = dict(os.environ, **{PREFLIGHT_DONE: "1"})
-    return subprocess.call(command, env=env, preexec_fn=preexec_die_with_parent())
+    start = time.time()
+    rc = preemption.call_forwarding_signals(command, signals, env=env, preexec_fn=preexec_die_with_parent())
+    return preemption.exit_code_after_launch(rc, cfg.run_dir, start) if cfg is not None else rc
 
 
 def _check_writable(key: str, path: str) -> None:
@@ -115,19 +123,25 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
         return 2
     _ttfs.mark("config_check")  # time to first step: loading, validating and preflighting the recipe
     if args.nproc_per_node > 1 and not _launched():
-        return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides])
+        return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides], cfg)
     from mcore_rl.parallel import setup
+    from mcore_rl.parallel.preemption import EXIT_PREEMPTED, Preempted, preemption_guard
     from mcore_rl.train.checkpoint import CheckpointError
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
-    try:
-        run(cfg)
-    except CheckpointError as err:  # says what to do; the traceback through megatron-core would not
-        print(f"mcore-rl {name}: {err}", file=sys.stderr)
-        return 1
-    finally:
-        setup.destroy()
+    with preemption_guard(cfg.checkpoint.preempt_signals):  # until the end: a second signal changes nothing
+        try:
+            run(cfg)
+        except CheckpointError as err:  # says what to do; the traceback through megatron-core would not
+            print(f"mcore-rl {name}: {err}", file=sys.stderr)
+            return 1
+        except Preempted as err:  # checkpoint written, engines and workers closed (docs/launch.md)
+            print(f"mcore-rl {name}: {err}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.load_dir)",
+                  file=sys.stderr)
+            return EXIT_PREEMPTED
+        finally:
+            setup.destroy()
     return 0
 
 
@@ -385,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(profile)
     profile.set_defaults(func=cmd_profile, usage=profile.format_usage)
     _add_plot_parser(sub)
+    from mcore_rl.parallel.launch_plan import add_launch_parser
+
+    add_launch_parser(sub)  # launch: `mcore-rl launch --dry-run`
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
     sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
     return parser

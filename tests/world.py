@@ -7,6 +7,7 @@ world rather than one world per check. An exception on any rank fails the callin
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -25,10 +26,11 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], 
     try:
         fn(rank, world_size, *args)
     finally:
-        from megatron.core import parallel_state
+        if "megatron.core.parallel_state" in sys.modules:  # (a check that never imported megatron skips it)
+            from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 

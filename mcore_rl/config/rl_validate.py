@@ -14,6 +14,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mcore_rl.config.observability import check_observability
+from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rl_recipes import check_recipes
 from mcore_rl.config.rules import (
@@ -77,6 +78,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_explorer(cfg, errors)
     check_recipes(cfg, errors)
     check_observability(cfg.logging, errors)  # observability
+    check_preempt_signals(cfg.checkpoint, errors)  # launch: pre-emption signals
     errors.raise_if_any()
     return DerivedSizes(dp, edp, 1)  # the learner's micro-batch count varies with the rollout
 

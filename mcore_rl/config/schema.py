@@ -192,6 +192,9 @@ class CheckpointConfig:
     save_dir: Optional[str] = None
     save_interval: int = 0  # 0 = only at the end (when save_dir is set)
     load_dir: Optional[str] = None  # resume from here (latest iteration)
+    # launch (pre-emption, docs/launch.md): these signals make `mcore-rl sft`/`train` finish the current
+    # step, save a checkpoint to save_dir and exit with code 75 (mcore_rl/parallel/preemption.py); [] = off
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mcore_rl.config.observability import check_observability
+from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rules import (
     Errors,
     check_layout,
@@ -46,6 +47,7 @@ def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Optional[Errors
     check_optimizer(cfg.optimizer, errors)
     check_data(cfg.data, errors)
     check_observability(cfg.logging, errors)  # observability
+    check_preempt_signals(cfg.checkpoint, errors)  # launch: pre-emption signals
     errors.raise_if_any()
     return DerivedSizes(dp, edp, num_microbatches)
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
 from mcore_rl.data.samples import Sample
+from mcore_rl.parallel.preemption import preempted, stop_requested
 from mcore_rl.runtime import early_stop
 from mcore_rl.runtime.judge_heads import add_judge_heads
 from mcore_rl.observe import ttfs
@@ -440,6 +441,12 @@ class RLRun:
         common = carry_provenance(self.hf_provenance, common, self.cfg.checkpoint.save_dir)
         return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
+    def checkpoint_path(self) -> Optional[str]:
+        """Where `save` put (or would put) the checkpoint of the current step; None without save_dir."""
+        from mcore_rl.train.checkpoint import checkpoint_dir
+
+        return checkpoint_dir(self.cfg.checkpoint.save_dir, self.state.rl_step) if self.cfg.checkpoint.save_dir else None
+
     def teach(self, samples: list[Sample], learner: Any) -> dict[str, float]:
         """Fill `Sample.teacher` of the batch before the update (collective): engine teachers on
         rank 0 (what the asynchronous scheduler did not score yet), in-trainer ones on every rank."""
@@ -553,7 +560,9 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 if k == len(records) - 1:
                     record.update(extra)
                 writer.write(record)
-            if cfg.checkpoint.save_dir and cfg.checkpoint.save_interval > 0 and st.rl_step % cfg.checkpoint.save_interval == 0:
+            stop = stop_requested() if st.rl_step < cfg.train.num_steps else None  # launch: pre-emption (collective)
+            ck = cfg.checkpoint
+            if ck.save_dir and ((ck.save_interval > 0 and st.rl_step % ck.save_interval == 0) or stop):
                 with observer.timer.phase("checkpoint"):
                     _log(f"saved {run.save()}")
             if run.teachers is not None:
@@ -566,6 +575,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 _log(f"step {st.rl_step:>4}/{cfg.train.num_steps} | reward {roll_metrics.get('reward/mean', float('nan')):.3f} | "
                      f"k3 {batch_metrics.get('mismatch/k3', float('nan')):.2e} | loss {records[-1].get('train/loss', float('nan')):.4f}"
                      + (f" | {_eval_line(extra)}" if "eval/score" in extra else ""))
+            if stop:  # saved above; the finally below closes engines and workers
+                raise preempted(cfg.run_dir, st.rl_step, stop, run.checkpoint_path())
         if bar is not None:
             bar.close()
         if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):

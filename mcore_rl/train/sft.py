@@ -16,6 +16,7 @@ from mcore_rl.data.sft import SFTBatches, build_sft_rows
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.run import RunObserver
+from mcore_rl.parallel.preemption import preempted, stop_requested
 from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
@@ -179,9 +180,13 @@ def _train(trainer: Trainer, observer: RunObserver) -> list[dict[str, Any]]:
         records.append(record)
         observer.writer.write(record)
         interval = cfg.checkpoint.save_interval
-        if cfg.checkpoint.save_dir and interval > 0 and trainer.iteration % interval == 0:
+        stop = stop_requested() if trainer.iteration < t.train_iters else None  # launch: pre-emption (collective)
+        if cfg.checkpoint.save_dir and ((interval > 0 and trainer.iteration % interval == 0) or stop):
             with timer.phase("checkpoint"):
                 _log0(f"saved {save(trainer)}")
+        if stop:
+            saved = checkpoint.checkpoint_dir(cfg.checkpoint.save_dir, trainer.iteration) if cfg.checkpoint.save_dir else None
+            raise preempted(cfg.run_dir, trainer.iteration, stop, saved)
     if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
         _log0(f"saved {save(trainer)}")
     if records and "eval_accuracy" in records[-1]:
