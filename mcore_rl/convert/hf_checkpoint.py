@@ -84,6 +84,17 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             return torch.empty(piece.get_shape(), dtype=_SAFETENSORS_DTYPES[piece.get_dtype()], device="meta")
         return handle.get_tensor(name)
 
+    def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Only the slice [start, stop) of tensor `name` along `dim` (0 or 1) is read from disk."""
+        if name not in self._files:
+            raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
+        piece = self._handle(self._files[name]).get_slice(name)
+        if dim == 0:
+            return piece[start:stop]
+        if dim == 1:
+            return piece[:, start:stop]
+        raise ValueError(f"{name}: slices are read along dim 0 or 1, not {dim}")
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
