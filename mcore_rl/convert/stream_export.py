@@ -149,7 +149,8 @@ def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: Stream
         stats.held(*shards, value)
         del shards
     whole = gather_data_parallel_shards(param, value)
-    stats.held(value, whole)
+    if whole is not value:
+        stats.held(value, whole)
     return whole
 
 
