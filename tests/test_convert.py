@@ -461,8 +461,8 @@ def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
 
 
 def _streaming_world(rank: int, world_size: int, tmp: str) -> None:
-    """Import in TP=2 / EP=2, export in TP=2, PP=2 and EP=2 with small shards; each rank records its
-    streaming counters and the bytes of its model shard."""
+    """Import in TP=2 / EP=2 (in the source dtype), export across two stages (PP=2) and gathering
+    TP/ETP shards (TP=2) with small shards; each rank records its streaming counters."""
     import torch.distributed as dist
 
     from mcore_rl.convert import hf_to_mcore, mcore_to_hf
@@ -470,9 +470,10 @@ def _streaming_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.convert.streaming import StreamStats
 
     record = {}
-    for name, into, outs in [("tall", P(tp=2), {"tp2": P(tp=2), "pp2": P(pp=2)}), ("moe", P(ep=2), {"ep2": P(ep=2)})]:
+    cases = [("tall", "bf16", P(tp=2), {"pp2": P(pp=2)}), ("moe", "fp32", P(ep=2), {"tp2": P(tp=2)})]
+    for name, precision, into, outs in cases:
         stats = StreamStats()
-        hf_to_mcore(f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", into, stats=stats)
+        hf_to_mcore(f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", into, precision, stats=stats)
         record[f"{name}/import"] = dataclasses.asdict(stats)
         for out, layout in outs.items():
             stats = StreamStats()
@@ -517,16 +518,18 @@ def test_streaming_conversion_holds_a_few_tensors_and_writes_shards(tmp_path, ca
         source = HFCheckpoint(str(tmp_path / name / "hf"))
         largest = max(source[k].numel() * source[k].element_size() for k in source)
         model = sum(source[k].numel() * source[k].element_size() for k in source)
+        tall = name == "tall"  # (the MoE is 2 layers: its largest tensor is not small next to the model)
         for r in range(2):  # read slices + the fused shard; with TP=2 each rank reads half of each tensor
-            bound = largest if name == "tall" else 2 * largest
+            bound = largest if tall else 2 * largest
             assert 0 < stats[r][f"{name}/import"]["peak_held_bytes"] <= bound, (name, r, stats[r])
-        for out in (["tp2", "pp2"] if name == "tall" else ["ep2"]):
-            _assert_same_checkpoint(tmp_path / name / "hf", tmp_path / name / out)
-            writer, other = stats[0][f"{name}/{out}"], stats[1][f"{name}/{out}"]
-            assert writer["bytes"] == model  # everything passed through the writer (same dtype)
-            assert writer["largest_tensor_bytes"] <= 2 * largest  # fused QKV / [gate; up] at most
-            assert writer["peak_held_bytes"] <= 3 * writer["largest_tensor_bytes"] < model / 4, (name, out, writer)
-            assert other["bytes"] == 0 and other["peak_held_bytes"] <= writer["largest_tensor_bytes"]
+        out = "pp2" if tall else "tp2"
+        _assert_same_checkpoint(tmp_path / name / "hf", tmp_path / name / out)
+        writer, other = stats[0][f"{name}/{out}"], stats[1][f"{name}/{out}"]
+        assert writer["bytes"] == model and writer["tensors"] == len(source)  # all through the writer
+        assert writer["largest_tensor_bytes"] <= 2 * largest  # fused QKV / [gate; up] at most
+        assert writer["peak_held_bytes"] <= 3 * writer["largest_tensor_bytes"], (name, writer)
+        assert writer["peak_held_bytes"] < model / 4 or not tall, writer
+        assert other["bytes"] == 0 and other["peak_held_bytes"] <= writer["largest_tensor_bytes"], other
     files = sorted(p.name for p in (tmp_path / "tall" / "pp2").glob("*.safetensors"))
     index = json.loads((tmp_path / "tall" / "pp2" / "model.safetensors.index.json").read_text())
     assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"

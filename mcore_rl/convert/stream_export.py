@@ -202,11 +202,11 @@ def stream_export(
                     dist.recv(full, src=source[name])
             if me != WRITER:
                 continue
-            stats.moved(full)
             for hf_name, piece in megatron_to_hf(name, full, mc):
                 cast = piece.to(dtype).contiguous()
                 stats.held(full, cast)
                 writer.write(hf_name, cast)
+                stats.moved(cast)
                 bar.update(nbytes(cast))
                 del cast
             bar.set_postfix_str(f"{i + 1}/{len(order)} tensors", refresh=False)

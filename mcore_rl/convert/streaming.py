@@ -16,8 +16,9 @@ import torch
 
 @dataclasses.dataclass
 class StreamStats:
-    """Counters a conversion fills in: tensors and bytes moved, and the most tensor bytes held at once
-    by this rank outside its model (read slices, gather buffers, full and cast tensors)."""
+    """Counters a conversion fills in: tensors and bytes moved (copied into parameters on import,
+    written to files on export), and the most tensor bytes this rank held at once outside its model
+    (read slices, gather buffers, full and cast tensors) and the largest single one of them."""
 
     tensors: int = 0
     bytes: int = 0
@@ -26,12 +27,13 @@ class StreamStats:
 
     def held(self, *tensors: Optional[torch.Tensor]) -> None:
         """Record that `tensors` are alive at the same time (their sum may be the new peak)."""
-        self.peak_held_bytes = max(self.peak_held_bytes, sum(nbytes(t) for t in tensors if t is not None))
+        sizes = [nbytes(t) for t in tensors if t is not None]
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(sizes))
+        self.largest_tensor_bytes = max([self.largest_tensor_bytes, *sizes])
 
     def moved(self, tensor: torch.Tensor) -> None:
         self.tensors += 1
         self.bytes += nbytes(tensor)
-        self.largest_tensor_bytes = max(self.largest_tensor_bytes, nbytes(tensor))
 
 
 def nbytes(tensor: torch.Tensor) -> int:
