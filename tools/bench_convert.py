@@ -80,19 +80,49 @@ def worker(args: argparse.Namespace) -> None:
     from mcore_rl.convert import hf_to_mcore, mcore_to_hf, parallel_config
     from mcore_rl.parallel import setup
 
+    import megatron.core.models.gpt  # noqa: F401  (in the baseline: every rank pays for these imports)
+    import transformers  # noqa: F401
+
+    from mcore_rl.convert import to_hf, to_mcore
+    from mcore_rl.models import shards
+    from mcore_rl.train import checkpoint
+
     pc = parallel_config(args.tp, args.pp)
     setup.init_distributed()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _max_rss()
+    marks: dict[str, int] = {}
+    # peak RSS when each phase ends: the model built, the weights in, the checkpoint written / read
+    for module, attr, label in [(to_mcore, "build_chunks", "built"), (to_hf, "build_chunks", "built"),
+                                (to_mcore, "stream_load", "weights_in"), (shards, "load_full_state_dict", "weights_in"),
+                                (checkpoint, "load_checkpoint", "weights_in")]:
+        _mark_after(module, attr, label, marks)
     start = time.perf_counter()
     if args.direction == "import":
         hf_to_mcore(args.input, args.output, pc, "bf16")
     else:
         mcore_to_hf(args.input, args.output, pc, max_shard_bytes=1024**3)
     wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(f"{args.report}.{os.environ['RANK']}", "w") as f:
-        json.dump({"wall": wall, "peak": peak, "base": base}, f)
+        json.dump({"wall": wall, "peak": _max_rss(), "base": base, **marks}, f)
     setup.destroy()
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mark_after(module, attr: str, label: str, marks: dict) -> None:
+    """Record this process's peak RSS when `module.attr` returns (a measurement hook, nothing else)."""
+    fn = getattr(module, attr, None)
+    if fn is None:  # e.g. the old importer has no stream_load
+        return
+
+    def measured(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        marks[label] = _max_rss()
+        return out
+
+    setattr(module, attr, measured)
 
 
 def _free_port() -> int:
@@ -115,7 +145,10 @@ def run_ranks(root: str, ranks: int, tp: int, pp: int, direction: str, src: str,
         if p.returncode:
             return {"error": f"rank exited {p.returncode}: {err[-1500:]}"}
     reports = [json.load(open(f"{report}.{r}")) for r in range(ranks)]
-    return {"wall": wall, "peaks": [r["peak"] for r in reports], "bases": [r["base"] for r in reports]}
+    got = {"wall": wall, "peaks": [r["peak"] for r in reports], "bases": [r["base"] for r in reports]}
+    for label in ("built", "weights_in"):
+        got[label] = [r.get(label, 0) for r in reports]
+    return got
 
 
 def main() -> None:
@@ -171,14 +204,17 @@ def _format(row: dict, info: dict) -> str:
         return f"{row['code']} {row['size']} {row['layout']} {row['direction']}: FAILED {row['error']}"
     gib = 2**30
     peak, median = max(row["peaks"]), statistics.median(row["peaks"])
+    built, weights = max(row.get("built", [0])), max(row.get("weights_in", [0]))
     return (f"| {row['code']} | {info['params'] / 1e6:.0f}M | {row['ranks']} | {row['layout']} | {row['direction']} | "
             f"{row['wall']:.0f} | {peak / gib:.2f} | {median / gib:.2f} | {max(row['bases']) / gib:.2f} | "
+            f"{built / gib:.2f} | {weights / gib:.2f} | "
             f"{peak / info['largest_bytes']:.1f} | {peak / info['bytes']:.2f} |")
 
 
 def _table(rows: list[dict], made: dict) -> str:
     head = ("| code | model | ranks | layout | direction | wall s | peak RSS/rank max GiB | median GiB | "
-            "RSS after imports GiB | peak / largest tensor | peak / model bytes |\n" + "|---" * 11 + "|")
+            "after imports | model built | weights in | peak / largest tensor | peak / model bytes |\n"
+            + "|---" * 13 + "|")
     return head + "\n" + "\n".join(_format(r, made[r["size"]]) for r in rows)
 
 
