@@ -2,7 +2,7 @@
 
 Makes Qwen3-style checkpoints with random bf16 weights here (written tensor by tensor, never a whole
 model in memory), then runs hf-to-mcore and mcore-to-hf with 1, 2 and 4 ranks (TP and PP). Each
-rank is a process of its own (this script with --worker) that reports its `ru_maxrss`; the table
+rank is a process of its own (this script with --worker) that reports its peak RSS (VmHWM); the table
 gives the max and median over ranks, the peak over the largest tensor and over the model's bytes.
 `--old-root /work/main` also runs the exporter/importer of another checkout (PYTHONPATH) on the
 sizes in `--old-sizes`, for comparison.
@@ -108,6 +108,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _max_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM (of this address space; `ru_maxrss` would carry the
+    launching process's peak over fork + exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
