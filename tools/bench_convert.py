@@ -184,7 +184,7 @@ def main() -> None:
         made[size] = info = make_checkpoint(size, os.path.join(work, "hf"))
         print(f"{size}: {info['params'] / 1e6:.0f}M parameters, {info['bytes'] / 2**30:.2f} GiB bf16, "
               f"largest tensor {info['largest_bytes'] / 2**20:.0f} MiB", flush=True)
-        runs = [("new", ROOT, name) for name in args.layouts.split(",")]
+        runs = [("new", ROOT, name) for name in args.layouts.split(",") if name]
         runs += [("old", args.old_root, name) for name in args.old_layouts.split(",") if size in old_sizes]
         for code, root, name in runs:
             ranks, tp, pp = layouts[name]
