@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -61,15 +62,8 @@ def make_checkpoint(size: str, out: str) -> dict:
         writer.write(name, t.to(torch.bfloat16))
     writer.close()
     cfg.save_pretrained(out)
-    params = sum(_numel(s) for s in shapes.values())
-    return {"params": params, "bytes": 2 * params, "largest_bytes": 2 * max(_numel(s) for s in shapes.values())}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    params = sum(math.prod(s) for s in shapes.values())
+    return {"params": params, "bytes": 2 * params, "largest_bytes": 2 * max(math.prod(s) for s in shapes.values())}
 
 
 def worker(args: argparse.Namespace) -> None:

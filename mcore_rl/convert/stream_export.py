@@ -15,6 +15,7 @@ unfinished operation always has all its ranks waiting on it: no deadlock.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -48,7 +49,7 @@ class SafetensorsShardWriter:
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
-            n = _numel(shape) * dtype.itemsize
+            n = math.prod(shape) * dtype.itemsize
             if shards[-1] and size + n > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -61,7 +62,7 @@ class SafetensorsShardWriter:
         self._next = 0
         self._file: Optional[Any] = None
         self._file_index = -1
-        self.total_bytes = sum(_numel(s) * d.itemsize for _, s, d in plan)
+        self.total_bytes = sum(math.prod(s) * d.itemsize for _, s, d in plan)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor (name, shape and dtype must be the planned ones)."""
@@ -81,7 +82,7 @@ class SafetensorsShardWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, shape, dtype in self._shards[shard]:
-            n = _numel(shape) * dtype.itemsize
+            n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -100,13 +101,6 @@ class SafetensorsShardWriter:
         with open(os.path.join(self.output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
         return self.files + ["model.safetensors.index.json"]
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
