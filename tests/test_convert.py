@@ -484,3 +484,86 @@ def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
     assert {k: exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == \
         {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
     assert (tmp_path / "export" / TOKENIZER_FILE).exists() and (tmp_path / "export" / "generation_config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming: bounded memory, shard files, progress bars
+# ---------------------------------------------------------------------------------------------
+
+
+def _streaming_world(rank: int, world_size: int, tmp: str) -> None:
+    """Import in TP=2 / EP=2 (in the source dtype), export across two stages (PP=2) and gathering
+    TP/ETP shards (TP=2) with small shards; each rank records its streaming counters."""
+    import torch.distributed as dist
+
+    from mcore_rl.convert import hf_to_mcore, mcore_to_hf
+    from mcore_rl.convert import parallel_config as P
+    from mcore_rl.convert.streaming import StreamStats
+
+    record = {}
+    cases = [("tall", "bf16", P(tp=2), {"pp2": P(pp=2)}), ("moe", "fp32", P(ep=2), {"tp2": P(tp=2)})]
+    for name, precision, into, outs in cases:
+        stats = StreamStats()
+        hf_to_mcore(f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", into, precision, stats=stats)
+        record[f"{name}/import"] = dataclasses.asdict(stats)
+        for out, layout in outs.items():
+            stats = StreamStats()
+            mcore_to_hf(f"{tmp}/{name}/mcore", f"{tmp}/{name}/{out}", layout, max_shard_bytes=_SHARD_BYTES, stats=stats)
+            record[f"{name}/{out}"] = dataclasses.asdict(stats)
+        dist.barrier()
+    with open(f"{tmp}/stats{rank}.json", "w") as f:
+        json.dump(record, f)
+
+
+_SHARD_BYTES = 100_000
+
+
+def _tall_config():
+    from transformers import Qwen3Config
+
+    # 12 layers of small matrices: the model is ~40x its largest tensor, so holding it shows
+    return Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       tie_word_embeddings=False)
+
+
+@pytest.mark.slow
+def test_streaming_conversion_holds_a_few_tensors_and_writes_shards(tmp_path, capfd, monkeypatch) -> None:
+    """Import reads only owned slices (peak <= the largest full tensor per rank, with TP=2), export
+    holds a few tensors at a time on the writer (<= 3x the largest) whatever the layout, writes shard
+    files of at most --max-shard-size, round-trips bit for bit, and draws progress bars on stderr."""
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.convert import HFCheckpoint
+    from tests.world import run_world
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_tall_config()).to(torch.bfloat16).save_pretrained(tmp_path / "tall" / "hf")
+    _save_stock("qwen3_moe", tmp_path / "moe" / "hf")
+    monkeypatch.setenv("MCORE_RL_PROGRESS", "1")
+    run_world(2, _streaming_world, str(tmp_path))
+    err = capfd.readouterr().err
+    assert "import (rank 0 shard)" in err and "export" in err and "tensors" in err and "B/s" in err
+    stats = [json.loads((tmp_path / f"stats{r}.json").read_text()) for r in range(2)]
+    for name in ("tall", "moe"):
+        source = HFCheckpoint(str(tmp_path / name / "hf"))
+        largest = max(source[k].numel() * source[k].element_size() for k in source)
+        model = sum(source[k].numel() * source[k].element_size() for k in source)
+        tall = name == "tall"  # (the MoE is 2 layers: its largest tensor is not small next to the model)
+        for r in range(2):  # read slices + the fused shard; with TP=2 each rank reads half of each tensor
+            bound = largest if tall else 2 * largest
+            assert 0 < stats[r][f"{name}/import"]["peak_held_bytes"] <= bound, (name, r, stats[r])
+        out = "pp2" if tall else "tp2"
+        _assert_same_checkpoint(tmp_path / name / "hf", tmp_path / name / out)
+        writer, other = stats[0][f"{name}/{out}"], stats[1][f"{name}/{out}"]
+        assert writer["bytes"] == model and writer["tensors"] == len(source)  # all through the writer
+        assert writer["largest_tensor_bytes"] <= 2 * largest  # fused QKV / [gate; up] at most
+        assert writer["peak_held_bytes"] <= 3 * writer["largest_tensor_bytes"], (name, writer)
+        assert writer["peak_held_bytes"] < model / 4 or not tall, writer
+        assert other["bytes"] == 0 and other["peak_held_bytes"] <= writer["largest_tensor_bytes"], other
+    files = sorted(p.name for p in (tmp_path / "tall" / "pp2").glob("*.safetensors"))
+    index = json.loads((tmp_path / "tall" / "pp2" / "model.safetensors.index.json").read_text())
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == files
+    for file in files:  # each shard at most the limit (plus its header), the tensors no more than it
+        assert os.path.getsize(tmp_path / "tall" / "pp2" / file) <= _SHARD_BYTES + 16_000

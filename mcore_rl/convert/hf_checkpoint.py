@@ -84,6 +84,22 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             return torch.empty(piece.get_shape(), dtype=_SAFETENSORS_DTYPES[piece.get_dtype()], device="meta")
         return handle.get_tensor(name)
 
+    def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Only the slice [start, stop) of tensor `name` along `dim` (0 or 1) is read from disk.
+
+        The file is opened for this one read: a handle kept open keeps the pages it read resident
+        (measured: RSS grew with every tensor read), which is what streaming must not do.
+        """
+        from safetensors import safe_open
+
+        if name not in self._files:
+            raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
+        if dim not in (0, 1):
+            raise ValueError(f"{name}: slices are read along dim 0 or 1, not {dim}")
+        with safe_open(self._files[name], "pt", device="cpu") as handle:
+            piece = handle.get_slice(name)
+            return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 

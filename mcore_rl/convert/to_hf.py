@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import sys
 from typing import TYPE_CHECKING, Any, Optional
@@ -14,6 +12,8 @@ import torch
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
 from mcore_rl.hf.rope import respell_rope_in_file
+from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stream_export
+from mcore_rl.convert.streaming import StreamStats
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -31,6 +31,11 @@ REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Tensors a stock class keeps in fp32 whatever the model's dtype (its `_keep_in_fp32_modules_strict`).
 FP32_TENSORS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
+
+
+def tensor_dtype(hf_name: str, kind: Optional[str], dtype: torch.dtype) -> torch.dtype:
+    """The dtype an exported tensor is written in: the export's, or fp32 where the stock family keeps it."""
+    return torch.float32 if kind and hf_name.endswith(FP32_TENSORS.get(kind, ())) else dtype
 # The remote-code files are the modules of mcore_rl.hf (a sibling package of this one).
 _HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf")
 # Source-config fields that are not architecture but belong to the model (special token ids).
@@ -128,34 +133,12 @@ def save_safetensors(
     tensors: dict[str, torch.Tensor], output_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> list[str]:
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index when over `max_shard_bytes`."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors, key=_natural_key):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(output_dir, file), metadata={"format": "pt"})
-        files.append(file)
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return files + ["model.safetensors.index.json"]
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+    names = sorted(tensors, key=natural_key)
+    writer = SafetensorsShardWriter(
+        output_dir, [(n, tuple(tensors[n].shape), tensors[n].dtype) for n in names], max_shard_bytes)
+    for name in names:
+        writer.write(name, tensors[name])
+    return writer.close()
 
 
 def write_hf_checkpoint(
@@ -168,14 +151,22 @@ def write_hf_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write config, weights (HF names), remote code if needed and assets; returns the export kind."""
+    kind = write_hf_files(mc, output_dir, dtype, source_config, assets_dir)
+    save_safetensors({k: v.to(tensor_dtype(k, kind, dtype)).contiguous() for k, v in hf_state.items()},
+                     output_dir, max_shard_bytes)
+    return kind
+
+
+def write_hf_files(
+    mc: "ModelConfig", output_dir: str, dtype: torch.dtype, source_config: Optional[dict[str, Any]] = None,
+    assets_dir: Optional[str] = None,
+) -> str:
+    """Everything of an HF checkpoint but the weights: config, remote code if needed, assets; the export kind."""
     cfg, kind = export_config(mc, dtype, source_config)
     code = remote_code_files() if kind == REMOTE else []
     os.makedirs(output_dir, exist_ok=True)
     if assets_dir and os.path.isdir(assets_dir):
         copy_assets(assets_dir, output_dir)
-    fp32 = FP32_TENSORS.get(kind, ())
-    save_safetensors({k: v.to(torch.float32 if k.endswith(fp32) else dtype).contiguous() for k, v in hf_state.items()},
-                     output_dir, max_shard_bytes)
     cfg.save_pretrained(output_dir)
     respell_rope_in_file(os.path.join(output_dir, "config.json"), mc.rope_scaling.hf_key)  # the source's spelling
     for path in code:
@@ -205,18 +196,18 @@ def mcore_to_hf(
     dtype: str = "auto",
     tokenizer_dir: Optional[str] = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    stats: Optional[StreamStats] = None,
 ) -> Optional[str]:
     """Export a megatron dist-checkpoint (a save dir or one `iter_*` dir) to HF (collective).
 
     `model_config` defaults to the one stored in the checkpoint. `dtype="auto"` keeps the source
-    HF dtype of a converted checkpoint, else the dtype the weights are stored in. Rank 0 writes;
-    returns the export kind there (None elsewhere).
+    HF dtype of a converted checkpoint, else the dtype the weights are stored in. Rank 0 writes,
+    streaming one tensor at a time (`stream_export`; `stats` gets its counters); returns the export
+    kind there (None elsewhere).
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.hf.weight_map import full_megatron_to_hf
-    from mcore_rl.models.shards import gather_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train import checkpoint
 
@@ -239,12 +230,12 @@ def mcore_to_hf(
     precision = "bf16" if stored == torch.bfloat16 else "fp32"
     chunks = build_chunks(mc, pc, precision)
     checkpoint.load_checkpoint(path, chunks, None)
-    hf_state = full_megatron_to_hf(gather_full_state_dict(chunks), mc)
     kind = None
     if dist.get_rank() == 0:
         save_dir = os.path.dirname(path) if os.path.exists(os.path.join(os.path.dirname(path), checkpoint.LATEST)) else path
         assets = tokenizer_dir or os.path.join(save_dir, ASSETS_DIR)
-        kind = write_hf_checkpoint(hf_state, mc, output_dir, out_dtype, common.get("hf_config"), assets, max_shard_bytes)
+        kind = write_hf_files(mc, output_dir, out_dtype, common.get("hf_config"), assets)
+    stream_export(chunks, mc, output_dir, out_dtype, max_shard_bytes, stats, kind)
     dist.barrier()
     return kind
 

@@ -3,35 +3,33 @@
 from __future__ import annotations
 
 import os
-import re
-from typing import TYPE_CHECKING, Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import build_chunks, check_layout
+from mcore_rl.convert.stream_import import stream_load
+from mcore_rl.convert.streaming import StreamStats
 from mcore_rl.hf.rope import rope_key_in_file
-from mcore_rl.hf.weight_map import EXPERT_NAME, LAYER_NAME
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
 RECIPE_FILE = "recipe.yaml"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "mcore_rl_tokenizer.json")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
-def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision: str = "fp32") -> str:
+def hf_to_mcore(
+    input_dir: str, output_dir: str, pc: "ParallelConfig", precision: str = "fp32",
+    stats: Optional[StreamStats] = None,
+) -> str:
     """Convert a local HF checkpoint to a model-only megatron dist-checkpoint (collective).
 
     Call on every rank of an initialised world (or a single process); returns the iteration dir.
+    Each rank streams in only the slices it owns (`stream_import`; `stats` gets its counters).
     """
     import torch.distributed as dist
 
     from mcore_rl.config import config_to_dict
-    from mcore_rl.hf.weight_map import hf_to_megatron
-    from mcore_rl.models.shards import load_full_state_dict
     from mcore_rl.parallel import setup
     from mcore_rl.train import checkpoint
 
@@ -45,8 +43,8 @@ def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision
     setup.init_model_parallel(pc)
     setup.set_seed(0)  # megatron-core modules draw from the model-parallel RNG tracker at build
     chunks = build_chunks(mc, pc, precision)
-    source = HFCheckpoint(input_dir, wanted=_wanted_by(chunks, mc))
-    load_full_state_dict(chunks, hf_to_megatron(source, mc))
+    source = HFCheckpoint(input_dir)
+    stream_load(chunks, source, mc, stats)
     common = {
         "model": config_to_dict(mc),
         "hf_config": hf_config.to_dict(),
@@ -59,42 +57,6 @@ def hf_to_mcore(input_dir: str, output_dir: str, pc: "ParallelConfig", precision
         write_recipe(output_dir, mc, assets)
     dist.barrier()
     return path
-
-
-def _wanted_by(chunks: list[torch.nn.Module], mc: "ModelConfig") -> Callable[[str], bool]:
-    """Which HF tensors this rank's chunks need (its layers, its experts, its end of the model)."""
-    from mcore_rl.models.shards import iter_local_params
-
-    layers: set[int] = set()
-    experts: set[tuple[int, int]] = set()
-    top: set[str] = set()
-    for _, name, _ in iter_local_params(chunks, with_buffers=True):
-        m = LAYER_NAME.match(name)
-        if not m:
-            top.add(name)
-            continue
-        layers.add(int(m.group(1)))
-        e = EXPERT_NAME.match(m.group(2))
-        if e:
-            experts.add((int(m.group(1)), int(e.group(1))))
-    need = {
-        "model.embed_tokens.weight": "embedding.word_embeddings.weight" in top
-        or (mc.tie_word_embeddings and "output_layer.weight" in top),
-        "lm_head.weight": "output_layer.weight" in top,
-        "model.norm.weight": "decoder.final_layernorm.weight" in top,
-    }
-
-    def wanted(name: str) -> bool:
-        m = _HF_LAYER.match(name)
-        if not m:
-            return need.get(name, True)  # other top-level tensors (new architectures): read them
-        layer = int(m.group(1))
-        if layer not in layers:
-            return False
-        e = _HF_EXPERT.match(m.group(2))
-        return e is None or (layer, int(e.group(1))) in experts
-
-    return wanted
 
 
 def write_recipe(output_dir: str, mc: "ModelConfig", assets_dir: Optional[str]) -> str:
