@@ -102,8 +102,9 @@ def test_reference_equals_stock_deepseek_v3(q_lora_rank) -> None:
         # incremental decoding through the latent cache = the full forward
         full = ours(x).logits
         out = ours(x[:, :10], use_cache=True)
+        first = out.cache.layers[0]  # (latent, rotated RoPE key) per layer, a transformers DynamicCache
+        assert first.keys.shape == (2, 1, 10, 32) and first.values.shape == (2, 1, 10, 8)
         step = ours(x[:, 10:], past_key_values=out.cache).logits
-        assert out.cache[0][0].shape == (2, 1, 10, 32) and out.cache[0][1].shape == (2, 1, 10, 8)
     torch.testing.assert_close(step, full[:, 10:], atol=1e-5, rtol=0)
 
 

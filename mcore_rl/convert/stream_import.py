@@ -20,7 +20,7 @@ from mcore_rl.convert.streaming import StreamStats, nbytes, owned_range, tensor_
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig
 
-_QKV = "self_attention.linear_qkv.weight"
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # fused per query group
 
 
 def full_shape(param: torch.nn.Parameter, global_name: str) -> list[int]:
