@@ -13,6 +13,9 @@ one JSON line. They behave like the real ones as far as the scripts rely on them
 - `srun --nodes=N ... CMD ...`: runs N tasks of CMD locally (SLURM_NODEID/SLURM_PROCID 0..N-1) when
   CMD mentions one of the words in `$FAKE_SRUN_RUN` (e.g. "torchrun.sh"), else only records it.
   Like srun it passes SIGTERM/SIGUSR1/SIGUSR2/SIGINT on to its tasks and exits with the highest code.
+  With `$FAKE_SRUN_WAIT_FOR` set, an srun whose command lacks that word first waits (up to 60 s) until
+  one that has it is recorded: a background srun the batch shell kills once the trainer's srun returns
+  (the engines) is then recorded whatever the load, as a real long-running one would be.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ sys.exit(proc.wait())
 _SRUN = _COMMON + r'''
 argv = sys.argv[1:]
 record("srun", argv)
+wait_for = os.environ.get("FAKE_SRUN_WAIT_FOR", "")  # an srun started in the background before this one
+if wait_for and wait_for not in " ".join(argv):
+    import time
+
+    deadline = time.monotonic() + 60
+    while wait_for not in open(os.environ["FAKE_SLURM_LOG"]).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
 opts, i = {}, 0
 while i < len(argv) and argv[i].startswith("--"):
     key, _, value = argv[i][2:].partition("=")

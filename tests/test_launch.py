@@ -163,7 +163,7 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     the first two with the rendezvous on the first and the servers' URLs as rollout.engine_urls.
     (Nothing runs: the fake srun only records.) An allocation too small for the plan fails, naming numbers."""
     env = _slurm_env(tmp_path, ENGINE_NODES="1", ENGINE_MODEL="/models/policy", ENGINE_WAIT_S="0",
-                     ENGINES_PER_NODE="2", MASTER_PORT="29511")
+                     ENGINES_PER_NODE="2", MASTER_PORT="29511", FAKE_SRUN_WAIT_FOR="engines.sh")
     proc = subprocess.run(["sbatch", "--wait", "--nodes", "3", SBATCH, "train", "configs/demo.yaml",
                            f"run_dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
