@@ -41,6 +41,8 @@ from mcore_rl.observe import ttfs
 from mcore_rl.observe.plot import plot_curves
 from mcore_rl.observe.run import RunObserver
 from mcore_rl.observe.sinks import read_metrics
+from mcore_rl.progress import is_rank0 as _rank0
+from mcore_rl.progress import log_line as _log
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +53,6 @@ class LoopState:
     opt_step: int = 0  # optimizer steps done (rejected MIPU updates included)
     version: int = 0  # weight version of the trainer's current weights (every sync makes a new one)
     samples_trained: int = 0
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _log(message: str) -> None:
-    if _rank0():
-        try:
-            from tqdm import tqdm
-
-            tqdm.write(message)
-        except ImportError:  # pragma: no cover
-            print(message, flush=True)
 
 
 def _broadcast(obj: Any) -> Any:
