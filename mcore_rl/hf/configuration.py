@@ -377,8 +377,13 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) ->
         raise ValueError("stock Qwen3-MoE has no shared expert; this config has no stock equivalent")
     if getattr(cfg, "moe_latent_size", None):
         raise ValueError("LatentMoE (moe_latent_size) has no stock transformers equivalent")
-    return Qwen3MoeConfig(
-        **common,
+    return Qwen3MoeConfig(**common, **_stock_moe_fields(cfg))
+
+
+def _stock_moe_fields(cfg: McoreRLQwen3Config) -> dict[str, Any]:
+    """The routed-expert fields stock Qwen3-MoE and Qwen2-MoE configs share (same names in both),
+    with the layer pattern in their `decoder_sparse_step` / `mlp_only_layers`."""
+    return dict(
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
         moe_intermediate_size=cfg.moe_intermediate_size,
@@ -455,18 +460,8 @@ def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) ->
         return Qwen2Config(**common)
     if not (gate and cfg.shared_expert_intermediate_size):
         raise ValueError("stock Qwen2-MoE always has a shared expert with a gate")
-    return Qwen2MoeConfig(
-        **common,
-        qkv_bias=bias,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        norm_topk_prob=cfg.norm_topk_prob,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1),
-        mlp_only_layers=list(getattr(cfg, "mlp_only_layers", None) or []),
-    )
+    return Qwen2MoeConfig(**common, qkv_bias=bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                          **_stock_moe_fields(cfg))
 
 
 def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[str]:
