@@ -27,14 +27,6 @@ NEW = 8
 CASES = {"dense": ModelConfig(), "attn_res": ModelConfig(attn_res="full")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def export(mc: ModelConfig, path: str) -> str:
     """A random reference model with peaked distributions, written as an HF export; returns its kind."""
     cfg = hf_config_from_model_config(mc)
