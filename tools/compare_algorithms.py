@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "tools"))
 
 from compare_mismatch import mean, run, series, smooth  # noqa: E402
-from mcore_rl.runtime.metrics import read_metrics  # noqa: E402
+from mcore_rl.observe.sinks import read_metrics  # noqa: E402
 
 # each method: the dotted overrides that turn it on in configs/demo.yaml (GRPO, PPO-clip with
 # clip-higher, TIS against the FP8 engine, 2 optimizer steps per rollout batch)

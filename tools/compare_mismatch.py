@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from mcore_rl.runtime.metrics import read_metrics  # noqa: E402
+from mcore_rl.observe.sinks import read_metrics  # noqa: E402
 
 COLORS = {"none": "tab:gray", "tis": "tab:blue", "mis": "tab:orange", "mipu": "tab:green", "icepop": "tab:red",
           "seq_tis": "tab:purple", "seq_mask_tis": "tab:brown", "slime_mis": "tab:pink", "seq_mis": "tab:olive",

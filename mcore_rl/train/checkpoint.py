@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mcore_rl.observe.sinks import drop_records_after  # noqa: F401 - lives with the metrics writer now
 from mcore_rl.parallel.lifetime import die_with_parent
 from mcore_rl.progress import progress
 
