@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -155,3 +156,154 @@ def test_tiny_code_problems_are_short_and_their_answers_pass() -> None:
     assert task.score("f(x)=x^2+1", "lambda x:x*x+1") == 1.0 and task.score("f(x)=x^2+1", "lambda x:x+1") == 0.0
     with pytest.raises(ValueError, match="tiny_code"):
         fn(RewardInput("g(y)=1", "lambda y:1"))
+
+
+# ------------------------------------------------------------------ programs that try to forge a reward
+# Each earned a reward it did not solve for when the program and the tests shared one interpreter and
+# one reporting channel (checked against that design); the checker (mcore_rl/rewards/checker.py) must
+# score each as the wrong answer it is. Tests: f(x) = 3x + 1; `abs` is the checker's own.
+
+FORGE_TESTS = ["assert f(1) == 4", "assert f(2) == 7", "assert abs(f(0) - 1) < 1e-9", "assert f(-1) == -2"]
+FORGERS = {
+    # every forked copy ran the tests and reported: 2 right answers counted twice -> 1.0
+    "fork_duplicates_reports": ("""
+import os
+pid = os.fork()
+if pid:
+    os.waitpid(pid, 0)
+def f(x):
+    return 3 * x + 1 if x > 0 else 0
+""", 0.5),
+    "patch_os_write": ("""
+import os
+_write = os.write
+os.write = lambda fd, data: _write(fd, data.replace(b" wrong ", b" pass ").replace(b"AssertionError", b"-"))
+def f(x):
+    return 0
+""", 0.0),
+    "patch_builtins_compile": ("""
+import builtins
+_compile = builtins.compile
+builtins.compile = lambda src, name, mode, *a, **k: _compile("pass" if name.startswith("test") else src, name, mode)
+def f(x):
+    return 0
+""", 0.0),
+    "patch_builtins_exec": ("""
+import builtins
+builtins.exec = lambda *a, **k: None
+def f(x):
+    return 0
+""", 0.0),
+    "frame_walk_for_the_token": ("""
+import os, sys
+frame = sys._getframe()
+while frame is not None and "token" not in frame.f_locals:
+    frame = frame.f_back
+token, n = frame.f_locals["token"], len(frame.f_locals["tests"])
+lines = [f"{token} program ok -"] + [f"{token} test {i} pass -" for i in range(n)] + [f"{token} done"]
+os.write(3, ("\\n".join(lines) + "\\n").encode())
+os._exit(0)
+""", 0.0),
+    "gc_finds_the_job": ("""
+import gc, os, re
+for o in gc.get_objects():
+    if type(o) is dict and "source" in o and "limits" in o:
+        token = re.search(r"_mcore_harness\\('([0-9a-f]{32})'", o["source"]).group(1)
+        n = len(re.search(r", (\\[.*\\])\\)\\n$", o["source"]).group(1).split("', '"))
+        lines = [f"{token} program ok -"] + [f"{token} test {i} pass -" for i in range(n)] + [f"{token} done"]
+        os.write(3, ("\\n".join(lines) + "\\n").encode())
+        os._exit(0)
+def f(x):
+    return 0
+""", 0.0),
+    "always_equal_int_subclass": ("""
+class Yes(int):
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = int.__hash__
+def f(x):
+    return Yes(0)
+""", 0.0),
+    "always_equal_object": ("""
+class Yes:
+    def __eq__(self, other):
+        return True
+    def __sub__(self, other):
+        return 0
+def f(x):
+    return Yes()
+""", 0.0),
+    "shadows_a_builtin_the_tests_use": ("""
+def abs(x):
+    return 0
+def f(x):
+    return 0
+""", 0.0),
+    # (against the checker's own protocol: replies sent before any request, out of turn)
+    "fake_replies_on_the_channel": ("""
+import os
+os.write(3, b'{"loaded":true}\\n' + b''.join(b'{"id":%d,"value":4}\\n' % i for i in range(1, 9)))
+def f(x):
+    return 0
+""", 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERS))
+def test_programs_cannot_forge_passes(name: str) -> None:
+    program, honest = FORGERS[name]
+    out = score_completion(f"```python\n{program}```", FORGE_TESTS, limits=QUICK)
+    assert out["reward"] == honest and out["passed"] <= out["total"], out
+
+
+def test_a_run_that_ends_in_error_scores_nothing_it_answered() -> None:
+    ends_badly = ("```python\nimport os\n_read = os.read\n"
+                  "os.read = lambda fd, n: _read(fd, n) or os._exit(3)\n"  # exit 3 once the checker is done
+                  "def f(x):\n    return 3 * x + 1\n```")
+    out = score_completion(ends_badly, FORGE_TESTS, limits=QUICK)
+    assert out["reward"] == 0.0 and out["kind"] == "error" and "exit status 3" in out["detail"], out
+
+
+def test_each_test_counts_once_and_the_score_stays_in_range() -> None:
+    forked = "```python\nimport os\nos.fork()\ndef f(x):\n    return 3 * x + 1\n```"
+    assert score_completion(forked, FORGE_TESTS, limits=QUICK)["reward"] == 1.0  # not 2.0
+
+
+def test_the_humaneval_reward_is_judged_outside_the_program() -> None:
+    fn = get_reward_fn("humaneval")
+    p0, p38 = problems()[0], problems()[38]
+    patched = ("```python\nimport builtins\n_compile = builtins.compile\n"
+               "builtins.compile = lambda s, n, m, *a, **k: _compile('pass' if n.startswith('test') else s, n, m)\n"
+               "def has_close_elements(numbers, threshold):\n    return False\n```")
+    assert fn(RewardInput(p0["prompt"], patched, p0))["reward"] == 0.0
+    # check(decode_cyclic) encodes with the prompt's encode_cyclic: redefining it in the program must not count
+    helper = "```python\nencode_cyclic = lambda s: s\ndef decode_cyclic(s: str):\n    return s\n```"
+    assert fn(RewardInput(p38["prompt"], helper, p38))["reward"] == 0.0
+    assert fn(RewardInput(p38["prompt"], p38["canonical_solution"], p38))["reward"] == 1.0
+
+
+def test_plain_data_crosses_and_nothing_else() -> None:
+    """What a candidate may return: exact built-in types, rebuilt as ours; the checker's own values
+    for every kind; a non-data answer fails the test that called it."""
+    from mcore_rl.rewards.candidate import WireError, from_wire, to_wire
+
+    values = [None, True, 0, -(10 ** 30), 1.5, float("inf"), "é", b"\x00", [1, (2, 3)], {"a": {1, 2}},
+              frozenset({4}), 1 + 2j, {(1, 2): [None]}]
+    for v in values:
+        back = from_wire(json.loads(json.dumps(to_wire(v))))
+        assert back == v and type(back) is type(v)
+    assert from_wire(json.loads(json.dumps(to_wire(float("nan"))))) != from_wire({"nan": 1})  # still a NaN
+    for bad in (True.__class__.__mro__[1].__subclasses__, object(), type("I", (int,), {})(3)):
+        with pytest.raises(WireError):
+            to_wire(bad)
+    for forged in ({"__class__": "x"}, {"t": 1}, {"s": [[1]]}, {"d": [[[], 1]]}, {"t": [], "s": []}):
+        with pytest.raises(WireError):
+            from_wire(forged)
+    tests = ["assert f(1) == (1, [2], {'k': {3}})", "assert f(0) is None", "assert isinstance(f(2), int)"]
+    ok = "```python\ndef f(x):\n    return [None, (1, [2], {'k': {3}}), 5][x]\n```"
+    assert score_completion(ok, tests, limits=QUICK)["reward"] == 1.0
+    gen = "```python\ndef f(x):\n    return (i for i in range(x))\n```"
+    out = score_completion(gen, ["assert list(f(2)) == [0, 1]"], limits=QUICK)
+    assert out["reward"] == 0.0 and out["kind"] == "error" and "not plain data" in out["detail"], out

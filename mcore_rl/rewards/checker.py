@@ -219,7 +219,8 @@ def _judge(channel: Channel, context: CodeType, tests: list[CodeType], entry_poi
                 break
             except Exception as exc:  # noqa: BLE001 - a failed test, counted once
                 if out.first_failure is None:
-                    out.first_failure = (_failure(exc), f"test {i}: {type(exc).__name__}: {str(exc)[:200]}")
+                    message = f": {str(exc)[:200]}" if str(exc) else ""
+                    out.first_failure = (_failure(exc), f"test {i}: {type(exc).__name__}{message}")
             else:
                 out.passed += 1
         out.finished = session.lost is None
@@ -238,12 +239,13 @@ def _stdlib_modules() -> frozenset[str]:
 
 def run_tests(program: str, tests: Sequence[str], limits: Limits = Limits(),
               files: Optional[Mapping[str, bytes | str]] = None, stdin: bytes = b"", *, context: str = "",
-              entry_points: Sequence[str] = ()) -> CodeOutcome:
+              entry_points: Sequence[str] = (), isolation: str = "auto") -> CodeOutcome:
     """Run `program` in the sandbox and each test here against it (module docstring).
 
     `context`: trusted code run in the tests' namespace first (helpers the tests use);
     `entry_points`: names always taken from the program (over the context's); any other name the
-    tests read and neither they, the context nor the builtins define is asked of the program."""
+    tests read and neither they, the context nor the builtins define is asked of the program;
+    `isolation`: `run_python`'s."""
     try:
         compiled = [compile(t, f"test_{i}.py", "exec") for i, t in enumerate(tests)]
         context_code = compile(context, "context.py", "exec")
@@ -251,7 +253,7 @@ def run_tests(program: str, tests: Sequence[str], limits: Limits = Limits(),
         raise ValueError(f"code reward: a test does not compile: {exc}") from None
     out = _Verdicts()
     wanted = free_names([context_code, *compiled])
-    res = run_python(candidate_main(program), files=files, stdin=stdin, limits=limits,
+    res = run_python(candidate_main(program), files=files, stdin=stdin, limits=limits, isolation=isolation,
                      converse=lambda channel: _judge(channel, context_code, compiled, entry_points, wanted, out))
     if res.status == "setup_error":
         raise RuntimeError(f"code reward: {res.error}")

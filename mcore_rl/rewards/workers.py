@@ -8,6 +8,11 @@ is killed (SIGKILL to its process group, by pid) and replaced, its sample gets t
 and the other calls never notice. Whatever the function does — raise SystemExit or
 KeyboardInterrupt, call `os._exit`, crash the interpreter — costs its own sample only.
 
+Each worker gets a temporary directory of its own (its `tempfile.tempdir`: the sandbox's run
+directories, with the program and its files, go there); the pool removes it when it kills or
+reaps the worker, so a worker SIGKILLed in the middle of a run leaves nothing on disk, and a pool
+removes the directories of workers whose pool died (SIGKILL of the trainer) when it starts.
+
 Workers die with the trainer: each asks the kernel for SIGKILL when its parent dies
 (`prctl(PR_SET_PDEATHSIG)`, Linux; it works when the parent is SIGKILLed and while the worker is
 stuck in C code holding the GIL), and a watchdog thread polls the parent pid (other systems). The
@@ -23,10 +28,12 @@ import functools
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -98,11 +105,34 @@ def _close_all() -> None:
         pool.close()
 
 
+_TMP_PREFIX = "mcore-reward-worker-"
+_SWEPT = False
+
+
+def _worker_tmp() -> str:
+    """A new worker's temporary directory, named after this process (its owner); the first call
+    removes those whose owner is dead."""
+    global _SWEPT
+    parent = tempfile.gettempdir()
+    if not _SWEPT:
+        _SWEPT = True
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(_TMP_PREFIX)]
+        except OSError:
+            names = []
+        for name in names:
+            owner = name[len(_TMP_PREFIX):].split("-", 1)[0]
+            if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=parent)
+
+
 @dataclass(eq=False)
 class _Worker:
     proc: subprocess.Popen
     conn: Connection
     ready_by: float  # monotonic time by which it must have loaded the function
+    tmp: str  # its temporary directory: removed with it
     ready: bool = False
     job: Optional[int] = None
     sent: float = 0.0
@@ -154,11 +184,16 @@ class WorkerPool:
     def _spawn(self) -> None:
         """Start one worker (it reports "ready" once it has loaded the function)."""
         mine, theirs = socket.socketpair()
+        tmp = None
         try:
+            tmp = _worker_tmp()
             proc = _SPAWNER.popen([sys.executable, "-c", _CHILD, _ROOT, str(theirs.fileno()), str(os.getpid())],
-                                  pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:  # out of processes or memory: the samples fail, the run goes on
+                                  pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+                                  env={**os.environ, "TMPDIR": tmp})
+        except OSError as exc:  # out of processes, memory or disk: the samples fail, the run goes on
             mine.close()
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             self.start_error = f"the worker could not be started: {type(exc).__name__}: {exc}"
             logger.warning("reward worker: %s", self.start_error)
             return
@@ -166,7 +201,7 @@ class WorkerPool:
             theirs.close()
         conn = Connection(mine.detach())
         conn.send((list(sys.path), self.path, self.per_group, self.options))
-        self._workers.append(_Worker(proc, conn, time.monotonic() + self.start_timeout_s))
+        self._workers.append(_Worker(proc, conn, time.monotonic() + self.start_timeout_s, tmp))
 
     def _kill(self, w: _Worker) -> None:
         """SIGKILL the worker's process group (the worker and anything it started), reap it."""
@@ -181,6 +216,7 @@ class WorkerPool:
             w.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # stuck in the kernel (D state): it will go when it can
             logger.warning("reward worker %d did not exit 10 s after SIGKILL", w.pid)
+        shutil.rmtree(w.tmp, ignore_errors=True)  # what its last call left: a sandbox run's directory
         if w in self._workers:
             self._workers.remove(w)
 
