@@ -13,15 +13,19 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner
+from mcore_rl.rewards.checker import run_tests
 from mcore_rl.rewards.code import code_reward
 from mcore_rl.rewards.sandbox import Limits, probe, run_python, seccomp_program
 
@@ -411,3 +415,139 @@ def test_a_reward_worker_killed_at_its_timeout_takes_its_sandbox_with_it() -> No
         top = "/sys/fs/cgroup/memory/mcore-rl-sandbox"
         owners = [d.split("-", 1)[0] for d in os.listdir(top) if os.path.isdir(os.path.join(top, d))]
         assert all(os.path.exists(f"/proc/{pid}") for pid in owners), owners
+
+
+# ------------------------------------------------------------- runs that attack their own supervision
+
+
+def _no_cgroups(monkeypatch, tmp_path) -> None:
+    """As on a machine without a cgroup we may write (cgroup v2 without delegation, not root)."""
+    from mcore_rl.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_CGROUP_ROOT", str(tmp_path / "no-cgroup-v1"))
+    monkeypatch.setattr(sandbox, "_CGROUP_V2", str(tmp_path / "no-cgroup-v2"), raising=False)
+
+
+@needs_ns
+@pytest.mark.parametrize("mode", ["auto", "user_ns"])
+def test_a_program_that_leaves_its_session_and_death_signal_dies_with_its_run(tmp_path, monkeypatch,
+                                                                               mode: str) -> None:
+    """Clearing PR_SET_PDEATHSIG and calling setsid() let the program outlive the run wherever no
+    cgroup held it; the death signal and the session are now locked (seccomp)."""
+    _no_cgroups(monkeypatch, tmp_path)
+    program = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+for attempt in range(2):
+    print("prctl", libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno(), flush=True)
+    try:
+        os.setsid()
+    except OSError as exc:
+        print("setsid", exc.errno, flush=True)
+    if attempt == 0 and os.fork() != 0:
+        break
+time.sleep(60)
+"""
+    res = run_python(program, limits=Limits(cpu_s=2, wall_s=1.5, memory_mb=256), isolation=mode, tmp_dir=str(tmp_path))
+    assert res.status == "timeout" and not res.mechanisms.get("cgroup_kill"), (res.status, res.mechanisms)
+    try:
+        _gone(str(tmp_path))
+    finally:  # (a regression must not leave them running)
+        for pid in _leftovers(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+    assert b"prctl -1 1" in res.stdout and b"setsid 1" in res.stdout, res.stdout
+
+
+@needs_ns
+def test_killing_its_process_group_does_not_reach_the_supervisor() -> None:
+    """kill(0, SIGKILL) reached the bootstrap on the non-root path (same uid, same group): the run
+    ended as a set-up error, a dropped sample. The program now has a session of its own."""
+    program = """
+import os, time
+if os.fork() == 0:
+    os.kill(0, 9)
+time.sleep(0.2)
+print("alive")
+"""
+    res = run_python(program, limits=FAST, isolation="user_ns")
+    assert res.status == "exited" and res.stdout == b"alive\n", (res.status, res.error)
+    out = run_tests(program + "\ndef f(x):\n    return x\n", ["assert f(1) == 1"], FAST, isolation="user_ns")
+    assert out.kind == "pass", out
+
+
+def _bootstraps_of_this_process(marker: str) -> list[int]:
+    out = []
+    for pid in _leftovers(marker):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                ppid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if ppid == os.getpid():
+            out.append(pid)
+    return out
+
+
+def test_a_supervisor_killed_while_the_program_runs_is_the_programs_failure(tmp_path, monkeypatch) -> None:
+    """What can kill the bootstrap once the program runs (the OOM killer at the run's limit, memory
+    no process is charged for) the program can cause: the run scores 0, it is not a reward error."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    slow = "import time\ntime.sleep(3)\ndef f(x):\n    return x\n"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_tests, slow, ["assert f(1) == 1"], Limits(cpu_s=5, wall_s=8))
+        deadline = time.monotonic() + 5
+        while not _bootstraps_of_this_process(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # the program runs
+        for pid in _bootstraps_of_this_process(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+        out = future.result(timeout=20)
+    assert out.reward() == 0.0 and out.kind == "error" and out.sandbox.status == "supervisor_killed", out
+    _gone(str(tmp_path))
+
+
+def test_a_reward_worker_killed_mid_run_leaves_no_files() -> None:
+    """The worker's temporary directory (the program, its files) goes with it."""
+    label = {"tests": ["assert f(1) == 1"], "limits": {"wall_s": 60, "cpu_s": 60}}
+    tmp = tempfile.gettempdir()
+
+    def ours() -> set[str]:
+        return {n for n in os.listdir(tmp) if n.startswith(("mcore-sandbox-", "mcore-reward-worker-"))}
+
+    before = ours()
+    with RewardRunner(RewardFunction(code_reward, timeout_s=1.5), max_concurrency=1) as runner:
+        runner.start(wait_ready=True)
+        results = runner.score_sync([RewardInput("p", "import time\ntime.sleep(60)", label)])
+        assert results[0].error is not None and "timeout" in results[0].error
+        left = ours() - before
+        for name in left:  # only the fresh worker's own (empty) directory remains
+            assert name.startswith(f"mcore-reward-worker-{os.getpid()}-"), left
+            assert os.listdir(os.path.join(tmp, name)) == [], name
+    assert ours() - before == set()
+
+
+def test_orphaned_run_directories_are_swept(tmp_path) -> None:
+    """A run directory whose owner died (SIGKILL before its `finally`) goes with the next run there."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"mcore-sandbox-{int(dead.stdout)}-x"
+    (orphan / "files").mkdir(parents=True)
+    (orphan / "job.json").write_text("{}")
+    assert run_python("pass", tmp_dir=str(tmp_path)).ok
+    assert not orphan.exists() and os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/memory"), reason="needs root and cgroup v1")
+def test_a_cgroup_v2_holds_the_run_without_cgroup_v1(tmp_path, monkeypatch) -> None:
+    """Without cgroup v1's memory controller, a cgroup-v2 cgroup (where one is writable) still holds
+    every process of the run and `cgroup.kill` ends them; it is removed after the run."""
+    from mcore_rl.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_CGROUP_ROOT", str(tmp_path / "no-cgroup-v1"))
+    home = sandbox._cgroup_v2_home()
+    if home is None:
+        pytest.skip("no writable cgroup v2 here")
+    res = run_python("import os\nprint(open('/proc/self/cgroup').read() if os.path.exists('/proc/self') else '')",
+                     limits=FAST, isolation="none")
+    assert res.ok and res.mechanisms["cgroup_kill"], res.mechanisms
+    parent = os.path.join(home, "mcore-rl-sandbox")
+    assert [d for d in os.listdir(parent) if d.startswith(f"{os.getpid()}-")] == []

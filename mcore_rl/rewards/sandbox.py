@@ -285,7 +285,7 @@ def _set_limits(lim: dict, nproc_base: int) -> None:
 def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int, results_fd: int,
            report_w: int, go_r: int) -> None:
     """The program's process: lock it down, report to the bootstrap, run the program. Never returns."""
-    import fcntl
+    import fcntl  # loaded by the bootstrap before any uid change (see `_bootstrap`)
 
     warnings: list[str] = []
     try:
@@ -499,7 +499,8 @@ def _bootstrap(argv: list[str]) -> None:
     job["bootstrap_pid"] = os.getpid()
     uid = _UID_BASE + os.getpid()
     job["files"] = _read_files(os.path.join(base, "files"))
-    __import__("resource")  # os.wait4 needs it, and after a uid change it may not be importable
+    for module in ("resource", "fcntl"):  # os.wait4 and `_child` need them; after a uid change they may
+        __import__(module)                # not be importable (a standard library under a private directory)
 
     def open_ro_paths() -> None:
         # in the new mount namespace (a bind mount's source must be in it), before any uid change
