@@ -15,20 +15,18 @@ from other processes on a shared machine hits them alike.
 
     .venv/bin/python tools/bench_rewards.py --code               # the code sandbox's cost, side by side
 
-`--code`: the code reward's harness (`mcore_rl/rewards/code.py`) on tiny_code answers and HumanEval
-canonical solutions, each program and its tests run (a) in the sandbox as the reward runs them
-("sandbox auto": the strongest isolation this machine allows; "sandbox user_ns"; "sandbox none":
-rlimits, uid and seccomp without namespaces), (b) unsandboxed in a fresh `python -I -S` subprocess,
-(c) with `exec` in this process (no process at all), for scale. `concurrency` calls at a time from a
-thread pool (default 2 here); throughput in samples/s and per-sample latency p50/p95, the modes
-interleaved over `repeats` rounds.
+`--code`: the code reward (`mcore_rl/rewards/checker.py`) on tiny_code answers and HumanEval
+canonical solutions, each program run (a) as the reward runs it: in the sandbox, its tests in the
+checker ("sandbox auto": the strongest isolation this machine allows; "sandbox user_ns"; "sandbox
+none": rlimits, uid and seccomp without namespaces), (b) with its tests in one fresh `python -I -S`
+subprocess, unsandboxed, (c) with `exec` in this process (no process at all), for scale.
+`concurrency` calls at a time from a thread pool (default 2 here); throughput in samples/s and
+per-sample latency p50/p90/p95, the modes interleaved over `repeats` rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -38,8 +36,8 @@ from typing import Callable
 
 import mcore_rl.data.tasks  # noqa: F401  (registers the addition reward)
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
-from mcore_rl.rewards.code import harness_source
-from mcore_rl.rewards.sandbox import Limits, probe, run_python
+from mcore_rl.rewards.checker import run_tests
+from mcore_rl.rewards.sandbox import Limits, probe
 
 
 def _batch(n: int) -> list[RewardInput]:
@@ -65,8 +63,8 @@ def _timed(runner: RewardRunner, samples: list[RewardInput]) -> float:
 # ------------------------------------------------------------------------------ the code sandbox
 
 
-def _code_workload(n: int) -> list[tuple[str, list[str]]]:
-    """(program, tests) pairs: tiny_code answers and HumanEval canonical solutions, alternating."""
+def _code_workload(n: int) -> list[dict]:
+    """Programs and their tests: tiny_code answers and HumanEval canonical solutions, alternating."""
     from mcore_rl.data.tasks.humaneval import problems, program_of
     from mcore_rl.data.tasks.tiny_code import checks_for, format_problem
 
@@ -75,45 +73,40 @@ def _code_workload(n: int) -> list[tuple[str, list[str]]]:
     for i in range(n):
         if i % 2 == 0:
             ex = tiny[i // 2 % len(tiny)]
-            out.append(("f = " + ex["response"], checks_for(ex["prompt"])))
+            out.append({"program": "f = " + ex["response"], "tests": checks_for(ex["prompt"]), "context": "",
+                        "entry_points": ()})
         else:
             p = problems()[i // 2 % 32]
-            out.append((program_of(p, p["canonical_solution"]), [f"{p['test']}\ncheck({p['entry_point']})\n"]))
+            out.append({"program": program_of(p, p["canonical_solution"]),
+                        "tests": [f"{p['test']}\ncheck({p['entry_point']})\n"], "context": p["prompt"],
+                        "entry_points": (p["entry_point"],)})
     return out
 
 
-def _passed(results: bytes, tests: list[str]) -> bool:
-    return results.count(b" pass ") == len(tests)
+def _one_process_source(item: dict) -> str:
+    """The program and its tests in one interpreter (no checker, no sandbox): the baselines."""
+    return f"scope = {{}}\nexec({item['program']!r}, scope)\nfor t in {item['tests']!r}:\n    exec(t, scope)\n"
 
 
-def _unsandboxed_subprocess(program: str, tests: list[str]) -> bool:
-    """The same harness in a fresh interpreter with no isolation (fd 3 = a pipe, as in the sandbox)."""
-    token = secrets.token_hex(16)
-    r, w = os.pipe()
-    source = "import os; os.dup2(int(os.environ['RESULTS_FD']), 3)\n" + harness_source(program, tests, token)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", source], pass_fds=(w,), env={"RESULTS_FD": str(w)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        results = f.read()
-    proc.communicate(timeout=30)
-    return _passed(results, tests)
+def _unsandboxed_subprocess(item: dict) -> bool:
+    """The program and its tests in a fresh interpreter with no isolation."""
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", _one_process_source(item)], env={},
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    return proc.returncode == 0
 
 
-def _in_process(program: str, tests: list[str]) -> bool:
-    scope: dict = {}
-    exec(compile(program, "solution.py", "exec"), scope)
-    for t in tests:
-        exec(compile(t, "test.py", "exec"), scope)
+def _in_process(item: dict) -> bool:
+    exec(_one_process_source(item), {})
     return True
 
 
-def _sandboxed(isolation: str) -> Callable[[str, list[str]], bool]:
+def _sandboxed(isolation: str) -> Callable[[dict], bool]:
     limits = Limits(cpu_s=10, wall_s=20, memory_mb=1024)
 
-    def run(program: str, tests: list[str]) -> bool:
-        res = run_python(harness_source(program, tests, secrets.token_hex(16)), limits=limits, isolation=isolation)
-        return _passed(res.results, tests)
+    def run(item: dict) -> bool:
+        out = run_tests(item["program"], item["tests"], limits, context=item["context"],
+                        entry_points=item["entry_points"], isolation=isolation)
+        return out.kind == "pass"
 
     return run
 
@@ -131,9 +124,9 @@ def bench_code(samples: int, concurrency: int, rounds: int) -> None:
     latencies: dict[str, list[float]] = {m: [] for m in modes}
     busy: dict[str, float] = {m: 0.0 for m in modes}
 
-    def timed(fn: Callable[[str, list[str]], bool], item: tuple[str, list[str]]) -> tuple[bool, float]:
+    def timed(fn: Callable[[dict], bool], item: dict) -> tuple[bool, float]:
         start = time.perf_counter()
-        ok = fn(*item)
+        ok = fn(item)
         return ok, time.perf_counter() - start
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -148,12 +141,14 @@ def bench_code(samples: int, concurrency: int, rounds: int) -> None:
     print(f"code reward harness: {per_round * rounds} samples per mode (tiny_code answers and HumanEval canonical "
           f"solutions, alternating), {concurrency} concurrent, {rounds} interleaved rounds")
     print("in force with auto: " + ", ".join(f"{k}={v}" for k, v in mech.items() if k not in ("status", "error")))
-    print(f"{'':<24}{'samples/s':>10}{'p50 ms':>10}{'p95 ms':>10}{'p50 vs subprocess':>19}")
+    print(f"{'':<24}{'samples/s':>10}{'p50 ms':>10}{'p90 ms':>10}{'p95 ms':>10}{'p50 vs subprocess':>19}")
     base = statistics.median(latencies["subprocess, no sandbox"])
     for name in modes:
         lat = sorted(latencies[name])
-        p50, p95 = statistics.median(lat), lat[min(len(lat) - 1, int(0.95 * len(lat)))]
-        print(f"{name:<24}{len(lat) / busy[name]:>10.1f}{p50 * 1e3:>10.1f}{p95 * 1e3:>10.1f}{p50 / base:>18.2f}x")
+        p50 = statistics.median(lat)
+        p90, p95 = (lat[min(len(lat) - 1, int(q * len(lat)))] for q in (0.9, 0.95))
+        print(f"{name:<24}{len(lat) / busy[name]:>10.1f}{p50 * 1e3:>10.1f}{p90 * 1e3:>10.1f}{p95 * 1e3:>10.1f}"
+              f"{p50 / base:>18.2f}x")
 
 
 def main() -> None:

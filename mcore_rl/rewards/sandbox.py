@@ -138,9 +138,9 @@ def seccomp_program(signals: bool = True) -> list[tuple[int, int, int, int]]:
     syscall -> EPERM; socket() of any family but AF_UNIX -> EAFNOSUPPORT; clone() with a namespace
     flag -> EPERM; clone3 -> ENOSYS (its flags sit in memory a filter cannot read: libc falls back
     to clone); setsid, setpgid and prctl(PR_SET_PDEATHSIG) -> EPERM (the program stays in the group
-    the caller kills and keeps the death signal that kills it with its bootstrap); kill(-1, ...) -> EPERM; with `signals=False` (the program shares the trainer's uid
-    and PID namespace: any signal could reach the trainer) every signal-sending call -> EPERM;
-    everything else allowed."""
+    the caller kills and keeps the death signal that kills it with its bootstrap); kill(-1, ...) ->
+    EPERM; with `signals=False` (the program shares the trainer's uid and PID namespace: any signal
+    could reach the trainer) every signal-sending call -> EPERM; everything else allowed."""
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
 
