@@ -8,8 +8,9 @@ with `--samples n` at `--temperature` (pass@1 = the unbiased estimator over n). 
   code defines the function (or continues it) and runs after the prompt's imports;
 * `completion`: the original protocol - the raw prompt, the model continues the body.
 
-Each program runs `check(entry_point)` in the sandbox (`mcore_rl.rewards.sandbox`: own namespaces
-and uid, rlimits, seccomp; 10 s CPU, 1 GiB), as the `humaneval` reward does in training.
+Each program runs in the sandbox (`mcore_rl.rewards.sandbox`: own namespaces and uid, rlimits,
+seccomp; 10 s CPU, 1 GiB) and `check(entry_point)` in the checker outside it, calling the entry
+point across (`mcore_rl.rewards.checker`), as the `humaneval` reward does in training.
 
     .venv/bin/python tools/eval_humaneval.py --model-path runs/smollm2/hf
     .venv/bin/python tools/eval_humaneval.py --model-path runs/smollm2_reasoning/hf --limit 40

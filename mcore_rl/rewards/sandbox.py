@@ -18,15 +18,21 @@ program:
   root, as root of a new user namespace with every capability dropped,
 - has `PR_SET_NO_NEW_PRIVS` and a seccomp filter: no sockets but AF_UNIX, no ptrace, mount,
   namespaces, kernel modules, bpf, perf, keyrings, io_uring, ... (x86_64),
-- dies when the bootstrap dies, which dies when its parent (the reward worker) does.
+- dies when the bootstrap dies, which dies when its parent (the reward worker) does; it cannot
+  clear that death signal or leave its session or process group (seccomp), and, where a cgroup
+  can be made (cgroup v1 memory as root; cgroup v2 as root or in a delegated subtree), all its
+  processes are in the run's cgroups, killed together at the end.
 
 The parent enforces the wall time, caps stdout and stderr (a flood is killed at the cap) and
-SIGKILLs the process group. A mechanism the kernel refuses is skipped with a warning logged once
+SIGKILLs the process group. A bootstrap that dies after the program started (the program can
+cause that) ends the run as `supervisor_killed`, the program's failure; only a sandbox that could
+not be built is a `setup_error`. A mechanism the kernel refuses is skipped with a warning logged once
 per process (`SandboxResult.mechanisms` says what was in force), so the same code runs on a laptop,
 in a container and on a cluster node; `probe()` reports what this machine allows.
 
-Besides stdout and stderr the program has a third channel: file descriptor 3, captured separately
-(`SandboxResult.results`), where a test harness reports what passed.
+Besides stdout and stderr the program has a third channel, file descriptor 3: a pipe captured as
+`SandboxResult.results`, or, with `run_python(converse=...)`, a socket to the caller, who talks to
+the running program one line at a time (the code reward's checker: `mcore_rl/rewards/checker.py`).
 """
 
 from __future__ import annotations
@@ -617,15 +623,16 @@ class Limits:
     nproc: int = 32
     nofile: int = 64
     output_bytes: int = 64 << 10
-    results_bytes: int = 1 << 20
+    results_bytes: int = 1 << 20  # fd 3: all of it (a pipe), or each line (a conversation)
 
 
 @dataclass
 class SandboxResult:
     """How a run ended. `status`: "exited" (see `returncode`), "timeout" (wall or CPU time),
     "output_limit" (stdout/stderr past the cap: killed), "signal" (killed by `signal`, e.g. SIGSEGV
-    when an allocation past the memory limit crashes C code), "setup_error" (the sandbox could not
-    be built: nothing ran)."""
+    when an allocation past the memory limit crashes C code), "supervisor_killed" (the bootstrap
+    died while the program ran: the program's failure), "protocol" (a line on the conversation's
+    fd 3 past `results_bytes`: killed), "setup_error" (the sandbox could not be built: nothing ran)."""
 
     status: str
     returncode: Optional[int] = None

@@ -4,8 +4,9 @@
     answer   "lambda x:3*x+1"   at most 14 bytes
 
 The reward "tiny_code" runs the completion (its first line, stop markers cut) as `f = <answer>` in
-the sandbox against unit tests at five points (`assert f(-3) == -8`, ...): reward = the fraction
-that pass, so a near miss (right slope, wrong offset) still earns something. Any program that
+the sandbox; unit tests at five points (`assert f(-3) == -8`, ...) run in the code reward's checker
+and call `f` across the sandbox (`mcore_rl/rewards/checker.py`): reward = the fraction that pass,
+so a near miss (right slope, wrong offset) still earns something. Any program that
 computes f passes (`lambda x:1+3*x`, `lambda x:x*3+1`); one that hangs or forks costs its sample.
 `score` is all-or-nothing. 178 distinct problems.
 
