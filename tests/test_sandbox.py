@@ -507,24 +507,21 @@ def test_a_supervisor_killed_while_the_program_runs_is_the_programs_failure(tmp_
     _gone(str(tmp_path))
 
 
-def test_a_reward_worker_killed_mid_run_leaves_no_files() -> None:
+def test_a_reward_worker_killed_mid_run_leaves_no_files(tmp_path, monkeypatch) -> None:
     """The worker's temporary directory (the program, its files) goes with it."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # this process's and (before the fix) its workers'
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     label = {"tests": ["assert f(1) == 1"], "limits": {"wall_s": 60, "cpu_s": 60}}
-    tmp = tempfile.gettempdir()
-
-    def ours() -> set[str]:
-        return {n for n in os.listdir(tmp) if n.startswith(("mcore-sandbox-", "mcore-reward-worker-"))}
-
-    before = ours()
     with RewardRunner(RewardFunction(code_reward, timeout_s=1.5), max_concurrency=1) as runner:
         runner.start(wait_ready=True)
         results = runner.score_sync([RewardInput("p", "import time\ntime.sleep(60)", label)])
         assert results[0].error is not None and "timeout" in results[0].error
-        left = ours() - before
-        for name in left:  # only the fresh worker's own (empty) directory remains
-            assert name.startswith(f"mcore-reward-worker-{os.getpid()}-"), left
-            assert os.listdir(os.path.join(tmp, name)) == [], name
-    assert ours() - before == set()
+        # only the replacement worker's own directory remains, empty
+        left = os.listdir(tmp_path)
+        assert len(left) <= len(runner.worker_pids()), left
+        for name in left:
+            assert name.startswith(f"mcore-reward-worker-{os.getpid()}-") and os.listdir(tmp_path / name) == [], left
+    assert os.listdir(tmp_path) == []
 
 
 def test_orphaned_run_directories_are_swept(tmp_path) -> None:
