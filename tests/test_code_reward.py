@@ -258,6 +258,13 @@ def test_programs_cannot_forge_passes(name: str) -> None:
     assert out["reward"] == honest and out["passed"] <= out["total"], out
 
 
+def test_an_exception_that_steers_iteration_does_not_pass() -> None:
+    """StopIteration out of the candidate inside `all(map(...))` ended the iteration: the test passed."""
+    stop = "```python\ndef f(x):\n    raise StopIteration\n```"
+    out = score_completion(stop, ["assert all(map(lambda x: f(x) == 3 * x + 1, [1, 2]))"], limits=QUICK)
+    assert out["reward"] == 0.0 and out["kind"] == "error", out
+
+
 def test_a_run_that_ends_in_error_scores_nothing_it_answered() -> None:
     ends_badly = ("```python\nimport os\n_read = os.read\n"
                   "os.read = lambda fd, n: _read(fd, n) or os._exit(3)\n"  # exit 3 once the checker is done

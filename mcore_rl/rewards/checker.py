@@ -89,11 +89,16 @@ def free_names(codes: Sequence[CodeType]) -> set[str]:
     return loaded - stored
 
 
+# exceptions that steer iteration: StopIteration out of `f` inside `all(map(f, xs))` would end the
+# iteration early and pass the test
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
+
+
 def _exception(reply: Mapping[str, Any]) -> Exception:
     """The candidate's exception as one of ours: the built-in class of that name, else CandidateError."""
     name, message = str(reply.get("raised")), str(reply.get("message", ""))
     cls = getattr(builtins, name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, _CONTROL_FLOW):
         try:
             return cls(message)
         except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError needs five arguments
