@@ -12,7 +12,6 @@ an object with a patched `__repr__` — reaches the checker as plain data or not
 controls what it answers (that is what is being tested), never how the answer is judged.
 """
 
-import base64
 import json
 import os
 import sys
@@ -47,6 +46,8 @@ def to_wire(value, depth=0):
     if t is set or t is frozenset:
         return {"s" if t is set else "fs": [to_wire(v, depth + 1) for v in value]}
     if t is bytes:
+        import base64  # only when bytes cross (its import costs a few ms of every run)
+
         return {"b": base64.b64encode(value).decode()}
     if t is complex:
         return {"c": [to_wire(value.real, depth + 1), to_wire(value.imag, depth + 1)]}
@@ -71,6 +72,8 @@ def from_wire(data, depth=0):
         if tag == "inf":
             return float("inf") if body == 1 else float("-inf")
         if tag == "b":
+            import base64
+
             return base64.b64decode(str(body), validate=True)
         if type(body) is not list:
             raise WireError("a %r value needs a list" % tag)

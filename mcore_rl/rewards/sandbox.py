@@ -766,8 +766,8 @@ _CGROUP_DIR = "mcore-rl-sandbox"
 
 
 def _make_cgroups(name: str, limits: Limits) -> list[dict[str, Any]]:
-    """The run's cgroups ({"path", "memory"}), each as far as this machine lets us make one: a
-    cgroup-v1 memory cgroup (root), and a cgroup-v2 one (root, or a delegated subtree without it)
+    """The run's cgroups ({"path", "memory"}), as far as this machine lets us make one: a
+    cgroup-v1 memory cgroup (root), else a cgroup-v2 one (root, or a delegated subtree without it)
     that holds every process of the run so that `cgroup.kill` ends them all, capped at the run's
     memory where the v2 memory controller is ours to enable. An empty list: none could be made
     (the PID namespace and the process group still hold the run's processes; docs/sandbox.md)."""
@@ -779,12 +779,12 @@ def _make_cgroups(name: str, limits: Limits) -> list[dict[str, Any]]:
             for knob in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
                 _write_knob(path, knob, str(cap))
             out.append({"path": path, "memory": True})
-    v2 = _cgroup_v2_home()
+    v2 = _cgroup_v2_home() if not out else None  # (a v1 cgroup already holds and kills every process)
     if v2 is not None:
         parent = os.path.join(v2, _CGROUP_DIR)
         path = _new_cgroup(parent, name)
         if path is not None:
-            memory = not out and _enable_v2_memory(v2, parent)
+            memory = _enable_v2_memory(v2, parent)
             if memory:
                 memory = _write_knob(path, "memory.max", str(cap))
                 _write_knob(path, "memory.swap.max", "0")
