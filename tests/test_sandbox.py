@@ -549,3 +549,49 @@ def test_a_cgroup_v2_holds_the_run_without_cgroup_v1(tmp_path, monkeypatch) -> N
     assert res.ok and res.mechanisms["cgroup_kill"], res.mechanisms
     parent = os.path.join(home, "mcore-rl-sandbox")
     assert [d for d in os.listdir(parent) if d.startswith(f"{os.getpid()}-")] == []
+
+
+@pytest.mark.skipif(not MECH.get("cgroup_memory"), reason="no memory cgroup here (needs root and cgroup v1)")
+@pytest.mark.parametrize("mode", ["auto", "user_ns"])
+def test_memory_no_process_is_charged_for_costs_the_program_not_the_sample(mode: str) -> None:
+    """memfd pages fill the run's cgroup without raising any process's RSS, so the OOM killer could
+    take the bootstrap (a reward error). The program's processes are the OOM killer's first choice
+    (oom_score_adj 1000), and a bootstrap lost anyway is the program's failure: the sample scores 0.
+    (Here the kernel took the program even before; the test holds the outcome.)"""
+    filler = """
+import os
+fds = []
+for i in range(40):
+    fd = os.memfd_create("x%d" % i)
+    os.write(fd, b"\\0" * (7 << 20))
+    fds.append(fd)
+def f(x):
+    return 3 * x + 1
+"""
+    limits = Limits(cpu_s=5, wall_s=8, memory_mb=64, file_size_mb=8, nofile=64)
+    out = run_tests(filler, ["assert f(1) == 4"], limits, isolation=mode)
+    assert out.reward() == 0.0 and out.kind in ("memory", "error") and out.sandbox.oom_killed, out
+
+
+@needs_ns
+def test_the_oom_killer_prefers_the_programs_processes(tmp_path) -> None:
+    box: dict = {}
+    program = "import os, time\nif os.fork() == 0:\n    time.sleep(2)\ntime.sleep(2)\n"
+    thread = threading.Thread(target=lambda: box.update(res=run_python(program, limits=FAST, tmp_dir=str(tmp_path))))
+    thread.start()
+    scores: dict[int, int] = {}
+    boots: list[int] = []
+    deadline = time.monotonic() + 4
+    while len(scores) < 3 and time.monotonic() < deadline:
+        boots = boots or _bootstraps_of_this_process(str(tmp_path))
+        for pid in _leftovers(str(tmp_path)):
+            try:
+                with open(f"/proc/{pid}/oom_score_adj") as f:
+                    scores[pid] = int(f.read())
+            except OSError:
+                continue
+        time.sleep(0.05)
+    thread.join()
+    assert len(scores) == 3 and len(boots) == 1 and scores[boots[0]] < 1000, (scores, boots)
+    assert sorted(v for p, v in scores.items() if p != boots[0]) == [1000, 1000], scores
+    assert box["res"].ok

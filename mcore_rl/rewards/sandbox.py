@@ -298,9 +298,10 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
         k.prctl(1, 9, "PR_SET_PDEATHSIG")  # SIGKILL when the bootstrap dies
         if job["bootstrap_pid"] != os.getppid() and not mech["pid_ns"]:
             os._exit(125)
-        try:  # back to the default the bootstrap lowered for itself
+        try:  # the OOM killer's first choice (raising needs no privilege; with a private root there
+            # is no /proc to lower it again): it takes the program, never its supervisor
             with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("0")
+                f.write("1000")
         except OSError:
             pass
         if mech["pid_ns"]:
@@ -524,7 +525,7 @@ def _bootstrap(argv: list[str]) -> None:
             mech["cgroup_kill"] = True
         except OSError:
             pass
-    try:  # the OOM killer at the run's memory limit takes the program, not its supervisor (root only)
+    try:  # the OOM killer never takes the supervisor (needs CAP_SYS_RESOURCE; the program's 1000 suffices)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-1000")
     except OSError:
