@@ -314,3 +314,16 @@ def test_plain_data_crosses_and_nothing_else() -> None:
     gen = "```python\ndef f(x):\n    return (i for i in range(x))\n```"
     out = score_completion(gen, ["assert list(f(2)) == [0, 1]"], limits=QUICK)
     assert out["reward"] == 0.0 and out["kind"] == "error" and "not plain data" in out["detail"], out
+
+
+def test_the_code_label_gives_the_checker_its_context_and_entry_points() -> None:
+    label = {"tests": ["assert g(2) == double(2)", "assert g(3) == double(3)"],
+             "context": "def double(x):\n    return 2 * x\ndef g(x):\n    return 2 * x\n", "entry_points": ["g"],
+             "limits": {"wall_s": 4}}
+    fn = get_reward_fn("code")
+    assert fn(RewardInput("p", "```python\ndef g(x):\n    return x + x\n```", label))["reward"] == 1.0
+    # the context's g is a stub the entry point replaces; its double is the tests' own
+    cheat = "```python\ndef double(x):\n    return 0\ndef g(x):\n    return 0\n```"
+    assert fn(RewardInput("p", cheat, label))["reward"] == 0.0
+    missing = fn(RewardInput("p", "```python\nh = 1\n```", label))
+    assert missing["reward"] == 0.0 and missing["kind"] == "error" and "NameError" in missing["detail"], missing
