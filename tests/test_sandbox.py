@@ -373,7 +373,7 @@ def test_seccomp_program_jumps_stay_inside_the_filter() -> None:
 
 def test_hostile_samples_cost_their_own_sample_in_the_reward_workers() -> None:
     tests = ["assert f(2) == 5", "assert f(0) == 1"]
-    label = {"tests": tests, "template": "f = {program}", "limits": {"wall_s": 2, "cpu_s": 2, "output_bytes": 4096}}
+    label = {"tests": tests, "template": "f = {program}", "limits": {"wall_s": 5, "cpu_s": 2, "output_bytes": 4096}}
     completions = [
         "lambda x: 2*x+1",
         "(__import__('os').kill(__import__('os').getppid(), 9), lambda x: 2*x+1)[1]",
@@ -493,13 +493,23 @@ def test_a_supervisor_killed_while_the_program_runs_is_the_programs_failure(tmp_
     """What can kill the bootstrap once the program runs (the OOM killer at the run's limit, memory
     no process is charged for) the program can cause: the run scores 0, it is not a reward error."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    slow = "import time\ntime.sleep(3)\ndef f(x):\n    return x\n"
+    slow = "import time\ntime.sleep(5)\ndef f(x):\n    return x\n"
+
+    def sleeping() -> bool:  # the program runs: it is in its time.sleep
+        for pid in _leftovers(str(tmp_path)):
+            try:
+                with open(f"/proc/{pid}/wchan") as f:
+                    if "nanosleep" in f.read():
+                        return True
+            except OSError:
+                continue
+        return False
+
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(run_tests, slow, ["assert f(1) == 1"], Limits(cpu_s=5, wall_s=8))
-        deadline = time.monotonic() + 5
-        while not _bootstraps_of_this_process(str(tmp_path)) and time.monotonic() < deadline:
+        future = pool.submit(run_tests, slow, ["assert f(1) == 1"], Limits(cpu_s=5, wall_s=10))
+        deadline = time.monotonic() + 8
+        while not sleeping() and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.5)  # the program runs
         for pid in _bootstraps_of_this_process(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
         out = future.result(timeout=20)
