@@ -448,7 +448,7 @@ for attempt in range(2):
         break
 time.sleep(60)
 """
-    res = run_python(program, limits=Limits(cpu_s=2, wall_s=1.5, memory_mb=256), isolation=mode,
+    res = run_python(program, limits=Limits(cpu_s=2, wall_s=4, memory_mb=256), isolation=mode,
                      tmp_dir=str(tmp_path))
     assert res.status == "timeout" and not res.mechanisms.get("cgroup_kill"), (res.status, res.mechanisms)
     try:
