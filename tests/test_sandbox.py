@@ -587,7 +587,8 @@ def f(x):
 def test_the_oom_killer_prefers_the_programs_processes(tmp_path) -> None:
     box: dict = {}
     program = "import os, time\nif os.fork() == 0:\n    time.sleep(2)\ntime.sleep(2)\n"
-    thread = threading.Thread(target=lambda: box.update(res=run_python(program, limits=FAST, tmp_dir=str(tmp_path))))
+    limits = Limits(cpu_s=2, wall_s=15, memory_mb=256)  # (the program sleeps 2 s; a loaded machine starts slowly)
+    thread = threading.Thread(target=lambda: box.update(res=run_python(program, limits=limits, tmp_dir=str(tmp_path))))
     thread.start()
     scores: dict[int, int] = {}
     boots: list[int] = []
