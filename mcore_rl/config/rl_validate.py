@@ -68,7 +68,8 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
-    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers,
+                  cfg.algorithm.uses_reference())
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
@@ -384,13 +385,14 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
 
 
 def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "",
-                  teachers: Sequence[Any] = ()) -> None:
+                  teachers: Sequence[Any] = (), reference_model: bool = True) -> None:
     """Registered distillation functions with a phase and options they accept, and the teacher
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
 
     from mcore_rl.algos import registry
-    from mcore_rl.algos.distill.base import REFERENCE_FIELDS, TOPK_FIELDS
+    from mcore_rl.algos.distill.base import (POLICY_REFERENCE_FIELDS, REFERENCE_FIELDS, TOPK_FIELDS,
+                                             UNFILLED_FIELDS, make_state)
 
     errors.need(not d.losses or bool(teachers), "distill.losses",
                 "no teacher fills Sample.teacher: add a `teachers:` entry (engine, privileged or frozen)")
@@ -420,6 +422,16 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
                         f"is not set, but {loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}) for the "
                         f"samples routed to {teacher_name(t, j)!r}: name an engine teacher serving its starting "
                         "weights (engine teachers only)")
+        for f in wanted:
+            errors.need(f not in UNFILLED_FIELDS, f"{key}.name", f"{loss.name!r} needs DistillBatch.{f}, which no "
+                        "rollout of this trainer fills yet (see docs/distillation.md): it would train nothing")
+            errors.need(f not in POLICY_REFERENCE_FIELDS or reference_model, "algorithm.reference_model",
+                        f"is off, but {key} {loss.name!r} reads the student's reference model (π_ref, the starting "
+                        "weights): set algorithm.reference_model: true")
+        try:  # a stateful term's options are checked by building its state
+            make_state(fn, loss.options)
+        except (ValueError, TypeError) as e:
+            errors.need(False, f"{key}.options", str(e))
         params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
                   if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
