@@ -10,7 +10,8 @@ code runs, …). What the trainer takes from it:
   `reference_head` names a head holding r(s, ā) (e.g. the reward model's score of the reference
   answer), and without it ā is the group's average response (r(s, ā) = the mean reward of the
   group's valid samples). Judges are reward heads; a judge passes when its head is >=
-  `pass_threshold`, and a judge a sample's domain does not have (NaN) does not apply to it.
+  `pass_threshold` (exactly at it included, at the heads' precision), and a judge a sample's
+  domain does not have (NaN) does not apply to it.
 * **per-task weights** (`weight_domains`): the update is Σ_l ρ_l ḡ_l. The clipped policy losses are
   positively homogeneous in the advantage, so scaling domain l's advantages by ρ_l scales its
   gradient by ρ_l, and ρ_l = 0 removes it exactly (`algorithm.domain_advantage_weights`).
@@ -33,11 +34,18 @@ from mcore_rl.algos.registry import register
 
 def violations(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], judges: Sequence[str], n: int,
                pass_threshold: float) -> torch.Tensor:
-    """[N] bool: the samples that fail at least one judge that applies to them."""
+    """[N] bool: the samples that fail at least one judge that applies to them.
+
+    A score exactly at `pass_threshold` passes. The comparison is made at the precision of the
+    heads: the learner's head matrix is float32, where a judge's 0.7 is stored as 0.69999999, so
+    the threshold is rounded to the heads' dtype first (else a score of exactly 0.7 would fail a
+    0.7 threshold)."""
+    dtype = torch.float64 if reward_heads is None else reward_heads.dtype
+    threshold = torch.tensor(pass_threshold, dtype=dtype).double()
     bad = torch.zeros(n, dtype=torch.bool)
     for judge in judges:
         col = head_column(reward_heads, head_names, judge, n)
-        bad |= ~col.isnan() & (col < pass_threshold)
+        bad |= ~col.isnan() & (col < threshold)
     return bad
 
 
