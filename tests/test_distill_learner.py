@@ -106,6 +106,10 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
       "algorithm.reference_model=true", "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
       "{kind: engine, name: r, urls: ['http://b']}]"],
      "distill.losses[0].options: distill 'direct_opd': options.alpha_min (3.0) is above alpha_max (2.5)"),
+    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "algorithm.kl_coef=0.01",
+      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b']}]"],
+     "algorithm.kl_coef: is 0.01, but distill.losses[0] 'direct_opd' carries its own adaptive KL to π_ref"),
     # TrOPD's imitation term: nothing generates teacher prefixes, so it would train nothing
     (["distill.losses=[{name: tropd_imitation}]"],
      "distill.losses[0].name: 'tropd_imitation' needs DistillBatch.teacher_generated, which no rollout"),

@@ -68,8 +68,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
-    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers,
-                  cfg.algorithm.uses_reference())
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers, cfg.algorithm)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
@@ -385,7 +384,7 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
 
 
 def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "",
-                  teachers: Sequence[Any] = (), reference_model: bool = True) -> None:
+                  teachers: Sequence[Any] = (), algorithm: Optional[AlgorithmConfig] = None) -> None:
     """Registered distillation functions with a phase and options they accept, and the teacher
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
@@ -425,9 +424,14 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
         for f in wanted:
             errors.need(f not in UNFILLED_FIELDS, f"{key}.name", f"{loss.name!r} needs DistillBatch.{f}, which no "
                         "rollout of this trainer fills yet (see docs/distillation.md): it would train nothing")
-            errors.need(f not in POLICY_REFERENCE_FIELDS or reference_model, "algorithm.reference_model",
+            errors.need(f not in POLICY_REFERENCE_FIELDS or algorithm is None or algorithm.uses_reference(),
+                        "algorithm.reference_model",
                         f"is off, but {key} {loss.name!r} reads the student's reference model (π_ref, the starting "
                         "weights): set algorithm.reference_model: true")
+        kl_coef = 0.0 if algorithm is None else algorithm.kl_coef
+        errors.need(not getattr(fn, "own_kl", False) or kl_coef == 0, "algorithm.kl_coef",
+                    f"is {kl_coef}, but {key} {loss.name!r} carries its own adaptive KL to π_ref (options.alpha); "
+                    "set algorithm.kl_coef: 0 so the KL is not counted twice")
         try:  # a stateful term's options are checked by building its state
             make_state(fn, loss.options)
         except (ValueError, TypeError) as e:

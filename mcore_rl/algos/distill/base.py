@@ -94,6 +94,13 @@ def stateful(factory: Callable[..., object]) -> Callable:
     return deco
 
 
+def own_kl(fn: Callable) -> Callable:
+    """Decorator: the function carries its own KL to the learner's reference model (Direct-OPD's
+    adaptive α), so config validation refuses `algorithm.kl_coef` > 0 beside it (two KLs)."""
+    fn.own_kl = True  # type: ignore[attr-defined]
+    return fn
+
+
 def make_state(fn: Callable, options: Mapping[str, Any]) -> Optional[object]:
     """The state of a `@stateful` function for one run (None for a stateless one): its factory
     called with the options it takes by name (Direct-OPD's α₀ and bounds; AntiSD's gate takes none).

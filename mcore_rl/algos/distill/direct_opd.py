@@ -8,7 +8,8 @@ stop-gradient weights A^w_t(v) = sg(p̄_t(v) r_t(v)), p̄_t the student's probab
 on S_t, minus α ∇KL to the student's starting weights π_S (the learner's reference model,
 `algorithm.reference_model`).
 
-The KL is part of this term, not the learner's `algorithm.kl_coef`: α adapts from batch to batch
+The KL is part of this term, not the learner's `algorithm.kl_coef` (validation refuses a second,
+fixed KL beside it; `adaptive: false` fixes α instead): α adapts from batch to batch
 with the sign of the batch's student-weighted shift mean r̄_m = mean_t Σ_{v∈S_t} p̄_t(v) r_t(v),
 α_{m+1} = clip(α_m (1 + ε·sign(r̄_m)), α_min, α_max) (ε = 0.01, [0.5, 2.5]; α₀ is not given: 1).
 `AdaptiveKL` is that controller, the term's state: r̄_m is measured once per rollout batch at π_old
@@ -34,6 +35,7 @@ from mcore_rl.algos.distill.base import (
     DistillBatch,
     DistillTerms,
     needs,
+    own_kl,
     phase,
     stateful,
 )
@@ -121,6 +123,7 @@ class AdaptiveKL:
 @register("distill", "direct_opd")
 @phase("loss")
 @needs(*TOPK_FIELDS, "teacher_ref_topk_logp", "student_ref_logp")
+@own_kl
 @stateful(AdaptiveKL)
 def direct_opd(
     batch: DistillBatch, *, alpha: float = 1.0, adaptive: bool = True, eps: float = 0.01, alpha_min: float = 0.5,
