@@ -30,22 +30,19 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, group_moments, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def violations(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], judges: Sequence[str], n: int,
                pass_threshold: float) -> torch.Tensor:
     """[N] bool: the samples that fail at least one judge that applies to them.
 
-    A score exactly at `pass_threshold` passes. The comparison is made at the precision of the
-    heads: the learner's head matrix is float32, where a judge's 0.7 is stored as 0.69999999, so
-    the threshold is rounded to the heads' dtype first (else a score of exactly 0.7 would fail a
-    0.7 threshold)."""
-    dtype = torch.float64 if reward_heads is None else reward_heads.dtype
-    threshold = torch.tensor(pass_threshold, dtype=dtype).double()
+    A score exactly at `pass_threshold` passes, compared at the scores' precision (`thresholds`:
+    the learner's head matrix is float32, where a judge's 0.7 is 0.69999999)."""
     bad = torch.zeros(n, dtype=torch.bool)
     for judge in judges:
         col = head_column(reward_heads, head_names, judge, n)
-        bad |= ~col.isnan() & (col < threshold)
+        bad |= ~col.isnan() & ~at_least(col, pass_threshold)
     return bad
 
 
