@@ -187,6 +187,30 @@ def test_sdar_has_one_weight_the_loss_entrys_coef():
     assert float(loss) == pytest.approx(0.01 * float((torch.sigmoid(5.0 * gap) * gap).sum()), rel=1e-12)
 
 
+def test_a_loss_entry_without_coef_gets_the_terms_own_default_weight():
+    """`{name: sdar}` weighs λ_SDAR = 0.01 and `{name: seed}` λ_opd = 0.01 (the papers'), in the loss
+    the learner adds; a given coef wins (0 included); a term without a default weighs 1; a YAML
+    `coef: null` is the default too, and a negative coef is still refused."""
+    from mcore_rl.train.distillation import call_terms, distill_terms
+
+    terms = distill_terms(tiny("distill.losses=[{name: sdar}, {name: seed, coef: null}, {name: reverse_kl}]"))
+    assert [(t.name, t.coef) for t in terms] == [("sdar", 0.01), ("seed", 0.01), ("reverse_kl", 1.0)]
+    given = distill_terms(tiny("distill.losses=[{name: sdar, coef: 1}, {name: seed, coef: 0}]"))
+    assert [(t.name, t.coef) for t in given] == [("sdar", 1.0), ("seed", 0.0)]
+    g = torch.Generator().manual_seed(4)
+    student = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    teacher = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    batch = DistillBatch(student_logp=student, old_logp=student, teacher_logp=teacher,
+                         mask=torch.ones(2, 5, dtype=torch.float64))
+    _, _, loss = call_terms(terms[:1], batch, {})
+    gap = teacher - student
+    assert float(loss) == pytest.approx(0.01 * float((torch.sigmoid(5.0 * gap) * gap).sum()), rel=1e-12)
+    frozen = "teachers=[{kind: frozen}]"
+    validate_rl_config(tiny("distill.losses=[{name: sdar}, {name: seed, coef: null}]", frozen), 1)
+    with pytest.raises(ConfigError, match=r"distill.losses\[0\].coef: must be >= 0"):
+        validate_rl_config(tiny("distill.losses=[{name: sdar, coef: -0.5}]", frozen), 1)
+
+
 # ------------------------------------------------------------------------------------ teacher view, packing, horizon
 
 

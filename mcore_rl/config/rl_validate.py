@@ -407,7 +407,8 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
         fn = registry.get("distill", loss.name)
         errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
                     f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
-        errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
+        errors.need(loss.coef is None or (math.isfinite(loss.coef) and loss.coef >= 0), f"{key}.coef",
+                    f"must be >= 0 or null (the term's default), got {loss.coef}")
         wanted = getattr(fn, "needs", ())
         references = reference_teachers(teachers)
         if any(f in TOPK_FIELDS or f == "teacher_ref_topk_logp" for f in wanted):

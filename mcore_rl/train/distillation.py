@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from mcore_rl.algos import registry
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state
+from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state, term_coef
 from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
 from mcore_rl.data.samples import Prompt, Sample
 
@@ -61,7 +61,7 @@ def distill_terms(cfg: Any) -> list[DistillTerm]:
     out = []
     for x in d.losses:
         fn = registry.get("distill", x.name)
-        out.append(DistillTerm(x.name, fn, x.coef, dict(x.options), make_state(fn, x.options)))
+        out.append(DistillTerm(x.name, fn, term_coef(fn, x.coef), dict(x.options), make_state(fn, x.options)))
     return out
 
 

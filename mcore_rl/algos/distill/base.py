@@ -17,6 +17,9 @@ Shapes follow `mcore_rl.algos`: [n, T] per token (right-padded, `mask` 1 on resp
 [n, T, k] for the teacher's top-k (ids fixed by the teacher; `student_topk_logp` is the student's
 log-prob of those same ids), [n] per sequence.
 
+A term's weight is its loss entry's `coef`; a function marked `@default_coef(w)` (SDAR's and
+SEED's λ = 0.01) gets w when the entry gives none, any other 1 (`term_coef`).
+
 A function that keeps state from one batch to the next (AntiSD's entropy gate, Direct-OPD's
 adaptive KL weight) is marked `@stateful(Factory)`: the learner creates one state per run with
 `make_state(fn, options)` (the factory gets the term's options it takes by name), passes that
@@ -92,6 +95,22 @@ def stateful(factory: Callable[..., object]) -> Callable:
         return fn
 
     return deco
+
+
+def default_coef(weight: float) -> Callable:
+    """Decorator: the term's weight when its loss entry gives no `coef` (SDAR's λ_SDAR = 0.01, the
+    paper's); a function without the mark weighs 1."""
+
+    def deco(fn: Callable) -> Callable:
+        fn.default_coef = float(weight)  # type: ignore[attr-defined]
+        return fn
+
+    return deco
+
+
+def term_coef(fn: Callable, coef: Optional[float]) -> float:
+    """The weight of a loss entry: its `coef`, or the function's `@default_coef` when unset (None)."""
+    return float(getattr(fn, "default_coef", 1.0)) if coef is None else float(coef)
 
 
 def own_kl(fn: Callable) -> Callable:

@@ -10,9 +10,9 @@ toward tokens the teacher endorses more than the student does, while tokens the 
 self-referential term β Δ g (1 − g) appears and destabilises training.
 
 Phase "loss": computed per micro-batch on the differentiable student log-probs, aggregated like
-the policy loss, and added to it. λ_SDAR is the loss entry's `coef` (`{name: sdar, coef: 0.01}`,
-the paper's value), the one weight every distillation term has; the function has no weight of
-its own, so a recipe's coef is the paper's λ and nothing multiplies it a second time.
+the policy loss, and added to it. λ_SDAR is the loss entry's `coef`, the one weight every
+distillation term has; an entry without `coef` gets the paper's 0.01 (`@default_coef`). The
+function has no weight of its own, so nothing multiplies λ a second time.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.algos.distill._common import loss_sum, masked_mean, require, valid_tokens, zero_where_not
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
+from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, default_coef, phase
 from mcore_rl.algos.registry import register
 
 GATES = ("gap", "entropy", "soft_or")
@@ -33,9 +33,10 @@ def sdar_gate(gap: torch.Tensor, beta: float = 5.0) -> torch.Tensor:
 
 @register("distill", "sdar")
 @phase("loss")
+@default_coef(0.01)  # λ_SDAR
 def sdar(batch: DistillBatch, *, beta: float = 5.0, gate: str = "gap") -> DistillTerms:
     """loss_sum = Σ_agg g_t (log π_T − log π_θ), g_t and π_T detached (the learner multiplies it
-    by the entry's coef = λ_SDAR).
+    by the entry's coef = λ_SDAR, 0.01 when the entry gives none).
 
     Gates: "gap" σ(βΔ) (the default and the paper's best), "entropy" σ(β h_t) and "soft_or"
     σ(β[1 − (1 − h_t)(1 − Δ_t)]), h_t the student's entropy (`batch.student_entropy`). The default
