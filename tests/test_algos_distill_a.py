@@ -326,8 +326,8 @@ def test_sdar_gradient_is_gated_log_likelihood() -> None:
     s_lp = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
     batch = DistillBatch(student_logp=s_lp, old_logp=s_lp.detach(), teacher_logp=teacher, mask=torch.ones(2, 4),
                          agg="seq-mean-token-sum")
-    coef = 0.3
-    call("sdar", batch, coef=coef).loss_sum.backward()
+    coef = 0.3  # λ_SDAR: the loss entry's coef, which the learner multiplies in
+    (coef * call("sdar", batch).loss_sum).backward()
     gate = torch.sigmoid(5.0 * (teacher - s_lp.detach()))
     closed = -coef * gate[..., None] * (torch.nn.functional.one_hot(tok, 6) - torch.softmax(logits, -1))
     assert torch.allclose(logits.grad, closed.detach())
@@ -359,7 +359,7 @@ def test_sdar_zero_coefficient_is_plain_grpo() -> None:
         total = out.loss_sum
         if with_sdar:
             batch = DistillBatch(student_logp=s_lp, old_logp=s_lp.detach(), teacher_logp=teacher, mask=mask)
-            total = total + call("sdar", batch, coef=0.0).loss_sum
+            total = total + 0.0 * call("sdar", batch).loss_sum  # λ_SDAR = the entry's coef = 0
         total.backward()
         return total.detach(), logits.grad.clone()
 
@@ -369,12 +369,12 @@ def test_sdar_zero_coefficient_is_plain_grpo() -> None:
 
 def test_sdar_gate_is_monotone_and_stop_gradient() -> None:
     """Property 4: g_t is non-decreasing in Δ_t, and the gradient does not flow through it: the
-    gradient per token is −coef·g_t, not −coef·(g_t + β Δ_t g_t (1 − g_t))."""
+    gradient per token is −g_t, not −(g_t + β Δ_t g_t (1 − g_t)) (λ_SDAR = 1)."""
     d = torch.linspace(-3, 3, 61, dtype=torch.float64)
     assert (sdar_gate(d)[1:] >= sdar_gate(d)[:-1]).all()
     s = torch.full((1, 61), -2.0, dtype=torch.float64, requires_grad=True)
     batch = DistillBatch(student_logp=s, old_logp=s.detach(), teacher_logp=(s.detach() + d), mask=torch.ones(1, 61))
-    call("sdar", batch, coef=1.0).loss_sum.backward()
+    call("sdar", batch).loss_sum.backward()
     assert torch.allclose(s.grad[0], -sdar_gate(d))
     through = sdar_gate(d) + 5.0 * d * sdar_gate(d) * (1 - sdar_gate(d))
     assert not torch.allclose(s.grad[0], -through)
@@ -384,7 +384,7 @@ def test_sdar_entropy_gates_and_infinite_teacher() -> None:
     batch, _ = random_batch()
     h = batch.student_entropy
     for gate, expect in (("entropy", torch.sigmoid(5.0 * h)), ):
-        out = call("sdar", replace(batch, student_logp=batch.student_logp.detach()), gate=gate, coef=1.0)
+        out = call("sdar", replace(batch, student_logp=batch.student_logp.detach()), gate=gate)
         assert out.metrics["sdar/gate_mean"].item() == pytest.approx(float(expect[batch.mask > 0].mean()))
     assert torch.isfinite(call("sdar", batch, gate="soft_or").loss_sum)
     with pytest.raises(ValueError, match="student_entropy"):
@@ -395,7 +395,7 @@ def test_sdar_entropy_gates_and_infinite_teacher() -> None:
     s = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     inf_batch = DistillBatch(student_logp=s, old_logp=s.detach(), teacher_logp=torch.tensor([[-float("inf"), -2.0]]),
                              mask=torch.ones(1, 2))
-    loss = call("sdar", inf_batch, coef=1.0).loss_sum
+    loss = call("sdar", inf_batch).loss_sum
     loss.backward()
     assert loss.item() == 0.0 and s.grad.tolist() == [[0.0, -0.5]]
 

@@ -205,7 +205,7 @@ def test_direct_opd_without_a_shift_has_no_gradient():
     g = torch.Generator().manual_seed(3)
     z = torch.randn(2, 3, 5, generator=g, dtype=torch.float64).requires_grad_()
     t = torch.log_softmax(torch.randn(2, 3, 5, generator=g, dtype=torch.float64), -1)
-    out = direct_opd(_direct_batch(z, t, t.clone()))
+    out = direct_opd(_direct_batch(z, t, t.clone()), alpha=0.0)  # the shift term alone
     out.loss_sum.backward()
     assert torch.equal(z.grad, torch.zeros_like(z))
 
@@ -220,12 +220,12 @@ def test_direct_opd_gradient_is_the_stop_gradient_weighted_score():
     b = _direct_batch(z, t, r)
     w = shift_weights(b.student_topk_logp, t, r)
     assert not w.requires_grad
-    direct_opd(b).loss_sum.backward()
+    direct_opd(b, alpha=0.0).loss_sum.backward()
     sm = torch.softmax(z.detach(), -1)
     want = -(w[..., :, None] * (torch.eye(6, dtype=torch.float64) - sm[..., None, :])).sum(-2)
     torch.testing.assert_close(z.grad, want)
     z.grad = None
-    direct_opd(_direct_batch(z, t, t - 0.7)).loss_sum.backward()  # r_t(v) = 0.7 for every v
+    direct_opd(_direct_batch(z, t, t - 0.7), alpha=0.0).loss_sum.backward()  # r_t(v) = 0.7 for every v
     torch.testing.assert_close(z.grad, torch.zeros_like(z), atol=1e-12, rtol=0)
 
 
@@ -241,7 +241,7 @@ def test_direct_opd_bandit_converges_to_the_tilted_initial_policy():
         b = _direct_batch(z[None, None], t[None, None], r[None, None])
         lp = torch.log_softmax(z, 0)
         kl = (lp.exp() * (lp - log_s)).sum()
-        (direct_opd(b).loss_sum + alpha * kl).backward()
+        (direct_opd(b, alpha=0.0).loss_sum + alpha * kl).backward()  # the exact KL over V
         opt.step()
     want = torch.softmax(log_s + (t - r) / alpha, 0)
     torch.testing.assert_close(torch.softmax(z.detach(), 0), want, atol=1e-7, rtol=0)
@@ -253,6 +253,116 @@ def test_direct_opd_alpha_controller():
     assert adapt_alpha(1.0, -0.3) == pytest.approx(0.99)
     assert adapt_alpha(2.5, 0.3) == 2.5 and adapt_alpha(0.5, -0.3) == 0.5
     assert adapt_alpha(1.3, 0.0) == 1.3
+
+
+def test_direct_opd_renormalises_on_a_candidate_set_smaller_than_the_vocabulary():
+    """p̄_t(v) = π_θ(v) / Σ_{u∈S_t} π_θ(u) on S_t = the teacher's top-3 of a 10-token vocabulary:
+    the learner hands over the *full-vocabulary* log-probs at the candidate ids (their exp sums
+    to < 1), and the weights and the gradient in the logits must use the renormalised p̄ (with S = V
+    the renormalisation is a no-op and cannot be told apart)."""
+    g = torch.Generator().manual_seed(11)
+    v, k = 10, 3
+    z = torch.randn(2, 3, v, generator=g, dtype=torch.float64).requires_grad_()
+    teacher = torch.log_softmax(torch.randn(2, 3, v, generator=g, dtype=torch.float64), -1)
+    ref = torch.log_softmax(torch.randn(2, 3, v, generator=g, dtype=torch.float64), -1)
+    ids = teacher.topk(k, -1).indices
+    full = torch.log_softmax(z, -1)
+    s_topk = full.gather(-1, ids)
+    assert float(s_topk.detach().exp().sum(-1).max()) < 0.99  # a proper subset of the mass
+    t_topk, r_topk = teacher.gather(-1, ids), ref.gather(-1, ids)
+    b = DistillBatch(student_logp=full[..., 0], old_logp=full[..., 0].detach(), teacher_logp=teacher[..., 0],
+                     mask=torch.ones(2, 3, dtype=torch.float64), teacher_topk_logp=t_topk, student_topk_logp=s_topk,
+                     teacher_ref_topk_logp=r_topk)
+    p = s_topk.detach().exp()
+    p_bar = p / p.sum(-1, keepdim=True)
+    want_w = p_bar * (t_topk - r_topk)
+    torch.testing.assert_close(shift_weights(s_topk, t_topk, r_topk), want_w, rtol=0, atol=1e-12)
+    out = direct_opd(b, alpha=0.0)
+    torch.testing.assert_close(out.metrics["shift_mean"], want_w.sum(-1).mean(), rtol=0, atol=1e-12)
+    out.loss_sum.backward()
+    # d/dz of -Σ_{v∈S} w(v) log softmax(z)_v = -Σ_{v∈S} w(v) (e_v - softmax(z)) over the whole vocabulary
+    onehot = torch.nn.functional.one_hot(ids, v).to(torch.float64)
+    want = -(want_w[..., None] * (onehot - torch.softmax(z.detach(), -1)[..., None, :])).sum(-2)
+    torch.testing.assert_close(z.grad, want, rtol=0, atol=1e-12)
+
+
+def _kl_batch(seed_: int = 12) -> DistillBatch:
+    g = torch.Generator().manual_seed(seed_)
+    s_topk = torch.log_softmax(torch.randn(2, 4, 3, generator=g, dtype=torch.float64), -1)
+    t_topk = torch.log_softmax(torch.randn(2, 4, 3, generator=g, dtype=torch.float64), -1)
+    logp = -torch.rand(2, 4, generator=g, dtype=torch.float64) * 2
+    mask = torch.ones(2, 4, dtype=torch.float64)
+    mask[1, 2:] = 0
+    return DistillBatch(student_logp=logp.requires_grad_(), old_logp=logp.detach(), teacher_logp=t_topk[..., 0],
+                        mask=mask, teacher_topk_logp=t_topk, student_topk_logp=s_topk,
+                        teacher_ref_topk_logp=t_topk - 0.3 * torch.randn(2, 4, 3, generator=g, dtype=torch.float64),
+                        student_ref_logp=logp.detach() + torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_direct_opd_carries_its_own_kl_weighted_by_alpha(estimator):
+    """loss = shift term + α·Σ_agg KL_t(π_θ‖π_S) on the sampled tokens, with the learner's estimators;
+    α comes from the state when there is one (not from the option)."""
+    from mcore_rl.algos.kl import kl_estimate
+
+    b = _kl_batch()
+    shift = direct_opd(b, alpha=0.0).loss_sum
+    kl = (kl_estimate(b.student_logp, b.student_ref_logp, estimator) * b.mask).sum()
+    out = direct_opd(b, alpha=0.7, kl_estimator=estimator)
+    torch.testing.assert_close(out.loss_sum, shift + 0.7 * kl)
+    (grad,) = torch.autograd.grad(out.loss_sum, b.student_logp)
+    (want,) = torch.autograd.grad(0.7 * kl, b.student_logp)
+    torch.testing.assert_close(grad, want)  # the shift term has no gradient in the sampled token's log-prob
+    state = direct_opd.make_state(alpha=2.0)
+    torch.testing.assert_close(direct_opd(b, alpha=0.7, kl_estimator=estimator, state=state).loss_sum, shift + 2.0 * kl)
+    with pytest.raises(ValueError, match="student_ref_logp"):
+        direct_opd(DistillBatch(**{**b.__dict__, "student_ref_logp": None}))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        direct_opd(b, kl_estimator="k4")
+
+
+def test_direct_opd_alpha_adapts_per_batch_with_the_sign_of_the_last_shift_and_round_trips():
+    """`AdaptiveKL.start_batch`: batch 0 trains with α₀, batch m with clip(α_{m−1}(1 + ε·sign r̄_{m−1}));
+    r̄ is the batch's student-weighted shift mean at π_old; the state saved after batch m continues
+    exactly as the uninterrupted controller; `adaptive: false` keeps α₀."""
+    from mcore_rl.algos.distill.direct_opd import AdaptiveKL, batch_shift_mean
+
+    up = _kl_batch()
+    up.teacher_ref_topk_logp = up.teacher_topk_logp - 0.5  # r_t(v) = +0.5: r̄ > 0
+    down = _kl_batch()
+    down.teacher_ref_topk_logp = down.teacher_topk_logp + 0.5  # r̄ < 0
+    assert batch_shift_mean(up) == pytest.approx(0.5) and batch_shift_mean(down) == pytest.approx(-0.5)
+    c = AdaptiveKL(alpha=1.0)
+    seen = []
+    for b in (up, up, down, up, up):
+        m = c.start_batch(b)
+        seen.append(c.alpha)
+        assert float(m["alpha"]) == c.alpha and float(m["shift_mean"]) == pytest.approx(batch_shift_mean(b))
+    want = [1.0]
+    for r in (0.5, 0.5, -0.5, 0.5):
+        want.append(adapt_alpha(want[-1], r))
+    assert seen == pytest.approx(want) and seen[1] == pytest.approx(1.01) and seen[3] == pytest.approx(1.01 * 1.01 * 0.99)
+    # resume after batch 2: a fresh controller with the saved state gives batches 3 and 4 the same α
+    c2 = AdaptiveKL(alpha=1.0)
+    for b in (up, up, down):
+        c2.start_batch(b)
+    saved = c2.state_dict()
+    fresh = AdaptiveKL(alpha=1.0)
+    fresh.load_state_dict(saved)
+    assert [fresh.start_batch(b) and fresh.alpha for b in (up, up)] == pytest.approx(seen[3:])
+    # bounds, and off
+    hi = AdaptiveKL(alpha=2.5)
+    for _ in range(3):
+        hi.start_batch(up)
+    assert hi.alpha == 2.5
+    fixed = AdaptiveKL(alpha=1.0, adaptive=False)
+    for b in (up, up, down):
+        fixed.start_batch(b)
+    assert fixed.alpha == 1.0
+    with pytest.raises(ValueError, match="options.alpha_min"):
+        AdaptiveKL(alpha_min=3.0)
+    with pytest.raises(ValueError, match="options.eps"):
+        AdaptiveKL(eps=-1.0)
 
 
 def test_direct_opd_needs_the_top_k_and_a_reference():

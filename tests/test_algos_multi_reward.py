@@ -108,6 +108,41 @@ def _task_sigma(r: torch.Tensor, g: torch.Tensor, prompts: list[int]) -> float:
     return math.sqrt(sum(float(r[g == u].std()) ** 2 for u in prompts) / len(prompts))
 
 
+def _golongrl_spec(r: torch.Tensor, g: torch.Tensor, dom: torch.Tensor, alpha: float) -> torch.Tensor:
+    """TMN-Reweight written out from the spec, per task and prompt, in float64."""
+    out = torch.zeros(len(r), dtype=torch.float64)
+    x = r.double()
+    for d in dom.unique():
+        prompts = g[dom == d].unique()
+        sigma = math.sqrt(sum(float(x[g == u].std()) ** 2 for u in prompts) / len(prompts))
+        mu_task = float(x[dom == d].mean())
+        for u in prompts:
+            sel = g == u
+            mu_u = float(x[sel].mean())
+            a_hat = (x[sel] - mu_u) / (sigma + 1e-6) if sigma > 0 else torch.zeros(int(sel.sum()), dtype=torch.float64)
+            mu_tilde = alpha * mu_u + (1 - alpha) * mu_task
+            w = math.exp(0.5 - float((x[sel] > mu_tilde).double().mean()))
+            out[sel] = torch.where(a_hat > 0, a_hat * w, a_hat / w)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.8, 0.3, 0.0, 1.0])
+def test_golongrl_smoothed_mean_weighs_the_prompt_by_alpha_and_the_task_by_one_minus_alpha(alpha: float) -> None:
+    """μ̃_u = α·μ_u + (1 − α)·μ_task with two and three prompts per task whose means differ, so
+    p̂ (the share above μ̃) depends on which mean gets which weight. The batch is built so that the
+    swapped weights give another p̂ for some prompt (checked), and the estimator equals the spec."""
+    # task 0: prompts of mean 0.625 and 0.25; task 1: three prompts, means 0.875, 0.5, 0.125
+    r = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.6, 0.2, 0.1, 0.1,
+                      1.0, 1.0, 1.0, 0.5, 0.9, 0.5, 0.3, 0.3, 0.5, 0.0, 0.0, 0.0])
+    g = _groups(5, 4)
+    dom = torch.tensor([0, 0, 1, 1, 1]).repeat_interleave(4)
+    want = _golongrl_spec(r, g, dom, alpha)
+    torch.testing.assert_close(golongrl(r, g, domain_ids=dom, alpha=alpha, delta=1e-6).double(), want,
+                               rtol=1e-5, atol=1e-6)
+    swapped = _golongrl_spec(r, g, dom, 1 - alpha)
+    assert not torch.allclose(swapped, want, rtol=1e-3, atol=1e-4)  # the test can tell the weights apart
+
+
 def test_golongrl_one_prompt_in_a_task_is_grpo() -> None:
     gen = _gen(5)
     rewards = torch.rand(12, generator=gen)
@@ -391,6 +426,29 @@ def test_cgpo_a_violated_judge_zeroes_the_reward() -> None:
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="judges"):
         cgpo_judges(r, torch.zeros(4, dtype=torch.long), judges=[])
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.7, 0.1, 1.0, 3.3])
+def test_cgpo_a_judge_score_exactly_at_the_threshold_passes(threshold: float) -> None:
+    """A judge passes when its score is >= pass_threshold: exactly at it the reward is kept (calibrated
+    or not), one float32 step below it is zeroed. The scores come the learner's way (Sample.reward_heads
+    through the sequence view's float32 head matrix), where 0.7 is 0.69999999 and must still pass 0.7."""
+    below = float(torch.nextafter(torch.tensor(threshold), torch.tensor(-math.inf)))
+    scores = [threshold, below, threshold, 2 * threshold + 1]
+    samples = [Sample(Prompt(index=0, text="p", ids=[1]), group=0, response_ids=[2],
+                      rollout_logp=[-1.0], policy_version=0, finish_reason="stop", reward=float(i + 2),
+                      reward_heads={"safe": sc}) for i, sc in enumerate(scores)]
+    view = sequence_view(samples)
+    for calibrate in (False, True):
+        out = cgpo_judges(view.rewards, view.group_ids, reward_heads=view.reward_heads, head_names=view.head_names,
+                          judges=["safe"], pass_threshold=threshold, calibrate=calibrate)
+        passed = (out != 0).tolist()
+        assert passed == [True, False, True, True], (calibrate, out.tolist())
+        if not calibrate:
+            assert out.tolist() == [2.0, 0.0, 4.0, 5.0]
+    exact = torch.tensor([[threshold], [threshold]], dtype=torch.float64)  # float64 heads: exact too
+    assert cgpo_judges(torch.tensor([1.0, 2.0]), torch.zeros(2, dtype=torch.long), reward_heads=exact,
+                       head_names=["safe"], judges=["safe"], pass_threshold=threshold).tolist() == [1.0, 2.0]
 
 
 def test_cgpo_calibrated_reward_is_in_the_unit_interval_and_half_at_the_reference() -> None:

@@ -97,6 +97,25 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
       "{kind: engine, name: r, urls: ['http://b']}, {kind: frozen, top_k: 4}]"],
      "teachers[2].reference: is not set, but 'direct_opd' needs a reference teacher (π_Tref: teacher_ref_topk_logp) "
      "for the samples routed to 'frozen2'"),
+    # Direct-OPD's own KL reads π_ref (the student's starting weights); its α options are checked
+    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4",
+      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b']}]"],
+     "algorithm.reference_model: is off, but distill.losses[0] 'direct_opd' reads the student's reference model"),
+    (["distill.losses=[{name: direct_opd, options: {alpha_min: 3.0}}]", "distill.top_k=4",
+      "algorithm.reference_model=true", "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b']}]"],
+     "distill.losses[0].options: distill 'direct_opd': options.alpha_min (3.0) is above alpha_max (2.5)"),
+    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "algorithm.kl_coef=0.01",
+      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+      "{kind: engine, name: r, urls: ['http://b']}]"],
+     "algorithm.kl_coef: is 0.01, but distill.losses[0] 'direct_opd' carries its own adaptive KL to π_ref"),
+    # TrOPD's imitation term: nothing generates teacher prefixes, so it would train nothing
+    (["distill.losses=[{name: tropd_imitation}]"],
+     "distill.losses[0].name: 'tropd_imitation' needs DistillBatch.teacher_generated, which no rollout"),
+    # SDAR has one weight, the entry's coef
+    (["distill.losses=[{name: sdar, options: {coef: 0.01}}]"],
+     "distill.losses[0].options.coef: is not an option of 'sdar'; its options: beta, gate"),
     (["teachers=[{kind: frozen, reference: r}, {kind: engine, name: r, urls: ['http://b']}]"],
      "teachers[0].reference: only engine teachers have a reference"),
     (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: nobody}]"],
@@ -125,7 +144,7 @@ def test_bad_distill_config_fails_naming_the_key(overrides, message):
 
 def test_direct_opd_with_a_reference_teacher_validates():
     """A reference teacher is no default teacher (never routed to), and its top_k is not checked."""
-    cfg = tiny("distill.losses=[{name: direct_opd}]", "distill.top_k=4",
+    cfg = tiny("distill.losses=[{name: direct_opd}]", "distill.top_k=4", "algorithm.reference_model=true",
                "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
                "{kind: engine, name: r, urls: ['http://b']}]")
     validate_rl_config(cfg, 1)
@@ -150,6 +169,46 @@ def test_stateful_terms_get_their_state_once_and_it_round_trips():
     assert fresh.distill[0].state is not gate and fresh.distill[0].state.warm_medians == []
     fresh.load_distill_state(saved)
     assert fresh.distill[0].state.state_dict() == gate.state_dict()
+
+
+def test_sdar_has_one_weight_the_loss_entrys_coef():
+    """`{name: sdar, coef: 0.01}` is λ_SDAR = 0.01 in the loss the learner adds (not 0.01 × a
+    default 0.01 of the function's own): the term is coef · Σ_agg σ(βΔ)·(log π_T − log π_θ)."""
+    from mcore_rl.train.distillation import call_terms, distill_terms
+
+    (term,) = distill_terms(tiny("distill.losses=[{name: sdar, coef: 0.01}]"))
+    g = torch.Generator().manual_seed(3)
+    student = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    teacher = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.float64)
+    batch = DistillBatch(student_logp=student, old_logp=student, teacher_logp=teacher, mask=mask)
+    _, _, loss = call_terms([term], batch, {})
+    gap = teacher - student
+    assert float(loss) == pytest.approx(0.01 * float((torch.sigmoid(5.0 * gap) * gap).sum()), rel=1e-12)
+
+
+def test_a_loss_entry_without_coef_gets_the_terms_own_default_weight():
+    """`{name: sdar}` weighs λ_SDAR = 0.01 and `{name: seed}` λ_opd = 0.01 (the papers'), in the loss
+    the learner adds; a given coef wins (0 included); a term without a default weighs 1; a YAML
+    `coef: null` is the default too, and a negative coef is still refused."""
+    from mcore_rl.train.distillation import call_terms, distill_terms
+
+    terms = distill_terms(tiny("distill.losses=[{name: sdar}, {name: seed, coef: null}, {name: reverse_kl}]"))
+    assert [(t.name, t.coef) for t in terms] == [("sdar", 0.01), ("seed", 0.01), ("reverse_kl", 1.0)]
+    given = distill_terms(tiny("distill.losses=[{name: sdar, coef: 1}, {name: seed, coef: 0}]"))
+    assert [(t.name, t.coef) for t in given] == [("sdar", 1.0), ("seed", 0.0)]
+    g = torch.Generator().manual_seed(4)
+    student = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    teacher = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    batch = DistillBatch(student_logp=student, old_logp=student, teacher_logp=teacher,
+                         mask=torch.ones(2, 5, dtype=torch.float64))
+    _, _, loss = call_terms(terms[:1], batch, {})
+    gap = teacher - student
+    assert float(loss) == pytest.approx(0.01 * float((torch.sigmoid(5.0 * gap) * gap).sum()), rel=1e-12)
+    frozen = "teachers=[{kind: frozen}]"
+    validate_rl_config(tiny("distill.losses=[{name: sdar}, {name: seed, coef: null}]", frozen), 1)
+    with pytest.raises(ConfigError, match=r"distill.losses\[0\].coef: must be >= 0"):
+        validate_rl_config(tiny("distill.losses=[{name: sdar, coef: -0.5}]", frozen), 1)
 
 
 # ------------------------------------------------------------------------------------ teacher view, packing, horizon

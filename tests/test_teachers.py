@@ -283,7 +283,9 @@ def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, ur
     from mcore_rl.runtime.loop import RLRun
     from mcore_rl.train.rl_step import Learner
 
-    opd = ["distill.losses=[{name: direct_opd}]", "distill.top_k=2", "algorithm.kl_coef=0.01",
+    from mcore_rl.algos.distill.direct_opd import adapt_alpha
+
+    opd = ["distill.losses=[{name: direct_opd}]", "distill.top_k=2", "algorithm.reference_model=true",
            f"teachers=[{{kind: engine, name: post, urls: ['{url_teacher}'], top_k: 2, reference: pre}}, "
            f"{{kind: engine, name: pre, urls: ['{url_ref}']}}]"]
     cfg = small(f"run_dir={tmp}/one", *opd)
@@ -315,14 +317,37 @@ def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, ur
             assert r["teacher/post/error_frac"] == 0 and r["teacher/pre/error_frac"] == 0
             assert r["teacher/routed_frac"] == 1 and "teacher/pre/routed_frac" not in r
             assert math.isfinite(r["distill/direct_opd/shift_mean"]) and r["distill/direct_opd/shift_mean"] != 0
+            assert math.isfinite(r["distill/direct_opd/loss"])
             if mode == "async":  # scored right after the rewards, the reference too
                 assert r["teacher/engine_scored_late_frac"] == 0
+
+    # the KL weight α adapts from step to step (α₀ = 1, then ×(1 ± 0.01) with the sign of the last
+    # step's shift mean) and a run resumed from the step-2 checkpoint goes on with the same α
+    def alphas(run_dir: str) -> list[tuple[int, float, float]]:
+        with open(f"{run_dir}/metrics.jsonl") as f:
+            recs = [json.loads(line) for line in f]
+        return [(r["rl_step"], r["distill/direct_opd/alpha"], r["distill/direct_opd/shift_mean"]) for r in recs]
+
+    ckpt = f"{tmp}/ckpt"
+    run_rl(small(f"run_dir={tmp}/full", *opd, "train.num_steps=4", f"checkpoint.save_dir={ckpt}",
+                 "checkpoint.save_interval=2"))
+    full = alphas(f"{tmp}/full")
+    assert [x[0] for x in full] == [1, 2, 3, 4] and full[0][1] == 1.0
+    for (_, a, shift), (_, a_next, _) in zip(full, full[1:]):
+        assert a_next == pytest.approx(adapt_alpha(a, shift), rel=1e-12)
+    assert len({a for _, a, _ in full}) > 1  # it moved
+    run_rl(small(f"run_dir={tmp}/resumed", *opd, "train.num_steps=4", f"checkpoint.load_dir={ckpt}/iter_0000002"))
+    resumed = alphas(f"{tmp}/resumed")
+    assert [x[0] for x in resumed][-2:] == [3, 4]
+    assert resumed[-2][1] == full[2][1] != 1.0  # α of step 3 comes from the checkpoint, not from α₀
+    assert resumed[-1][1] == pytest.approx(full[3][1], rel=1e-12)
 
 
 def test_direct_opd_with_a_reference_teacher_in_a_trainer_world(tmp_path, servers, ckpts):
     """Direct-OPD from YAML: teacher b with reference a (two `mcore-rl serve` processes with other
     weights); the reference's scores are a plain forward of a at the teacher's ids, and two steps of
-    a sync and of an async run train with `distill/direct_opd/...` logged."""
+    a sync and of an async run train with `distill/direct_opd/...` logged. Its KL weight α adapts
+    across four steps and a run resumed from the step-2 checkpoint continues with the same α."""
     from tests.world import run_world
 
     run_world(1, _direct_opd_world, str(tmp_path), servers["b"].urls[0], servers["a"].urls[0], ckpts["a"])

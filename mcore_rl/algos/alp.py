@@ -24,6 +24,7 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, group_moments, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def alp_penalty(correct: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
@@ -53,6 +54,6 @@ def alp(
         got = None if lengths is None else tuple(lengths.shape)
         raise ValueError(f"alp needs the response lengths [{n}], got {got}")
     score = rewards.double() if correct_head is None else head_column(reward_heads, head_names, correct_head, n)
-    correct = torch.nan_to_num(score, nan=float("-inf")) >= solved_threshold
+    correct = at_least(score, solved_threshold)  # NaN: not correct
     size = lengths.double() / (length_scale or 1.0)
     return (rewards.double() - alp_penalty(correct, size, group_ids, ok, beta)).to(torch.float32)

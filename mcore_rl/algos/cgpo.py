@@ -10,7 +10,8 @@ code runs, …). What the trainer takes from it:
   `reference_head` names a head holding r(s, ā) (e.g. the reward model's score of the reference
   answer), and without it ā is the group's average response (r(s, ā) = the mean reward of the
   group's valid samples). Judges are reward heads; a judge passes when its head is >=
-  `pass_threshold`, and a judge a sample's domain does not have (NaN) does not apply to it.
+  `pass_threshold` (exactly at it included, at the heads' precision), and a judge a sample's
+  domain does not have (NaN) does not apply to it.
 * **per-task weights** (`weight_domains`): the update is Σ_l ρ_l ḡ_l. The clipped policy losses are
   positively homogeneous in the advantage, so scaling domain l's advantages by ρ_l scales its
   gradient by ρ_l, and ρ_l = 0 removes it exactly (`algorithm.domain_advantage_weights`).
@@ -29,15 +30,19 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, group_moments, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def violations(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], judges: Sequence[str], n: int,
                pass_threshold: float) -> torch.Tensor:
-    """[N] bool: the samples that fail at least one judge that applies to them."""
+    """[N] bool: the samples that fail at least one judge that applies to them.
+
+    A score exactly at `pass_threshold` passes, compared at the scores' precision (`thresholds`:
+    the learner's head matrix is float32, where a judge's 0.7 is 0.69999999)."""
     bad = torch.zeros(n, dtype=torch.bool)
     for judge in judges:
         col = head_column(reward_heads, head_names, judge, n)
-        bad |= ~col.isnan() & (col < pass_threshold)
+        bad |= ~col.isnan() & ~at_least(col, pass_threshold)
     return bad
 
 

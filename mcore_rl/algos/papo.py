@@ -28,6 +28,7 @@ import torch
 from mcore_rl.algos.advantages import kept, valid_mask
 from mcore_rl.algos.multi_reward import group_index, group_moments, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def papo_parts(r_out: torch.Tensor, r_proc: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
@@ -37,7 +38,7 @@ def papo_parts(r_out: torch.Tensor, r_proc: torch.Tensor, group_ids: torch.Tenso
     inverse, k = group_index(group_ids)
     count, mu, var = group_moments(r_out, inverse, k, ok)
     a_out = (r_out.double() - mu[inverse]) / var.sqrt().clamp_min(eps)[inverse]
-    correct = ok & (r_out.double() >= correct_threshold) & ~r_proc.isnan()
+    correct = ok & at_least(r_out, correct_threshold) & ~r_proc.isnan()
     c_count, c_mu, c_var = group_moments(r_proc, inverse, k, correct)
     a_proc = (r_proc.double() - c_mu[inverse]) / c_var.sqrt().clamp_min(eps)[inverse]
     a_proc = torch.where(correct & (c_count[inverse] >= 2), a_proc, torch.zeros(()))

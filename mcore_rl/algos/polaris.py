@@ -41,6 +41,7 @@ import torch
 
 from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def _groups(group_ids: torch.Tensor) -> list[list[int]]:
@@ -63,7 +64,7 @@ def rescue_plan(rewards: torch.Tensor, group_ids: torch.Tensor, buffered: Sequen
     `buffered[i]`: sample i's prompt has a stored correct rollout."""
     plan: dict[int, int] = {}
     for idx in _groups(group_ids):
-        correct = [float(rewards[i]) >= correct_reward for i in idx]
+        correct = at_least(rewards[idx], correct_reward).tolist()
         if not any(correct) and all(buffered[i] for i in idx):
             plan[int(group_ids[idx[0]])] = idx[-1]
     return plan
@@ -95,7 +96,7 @@ def substitution_plan(rewards: torch.Tensor, group_ids: torch.Tensor, *,
 
 def pass_rates(rewards: torch.Tensor, group_ids: torch.Tensor, correct_reward: float = 1.0) -> dict[int, float]:
     """Pass rate of each group: #correct / #samples (POLARIS: of 8 rollouts)."""
-    return {int(group_ids[idx[0]]): float(np.mean([float(rewards[i]) >= correct_reward for i in idx]))
+    return {int(group_ids[idx[0]]): float(np.mean(at_least(rewards[idx], correct_reward).tolist()))
             for idx in _groups(group_ids)}
 
 

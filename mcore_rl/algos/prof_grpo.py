@@ -45,6 +45,7 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 VARIANTS = ("pos", "both")
 
@@ -125,7 +126,7 @@ def prof_grpo(
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
     outcome = rewards.double() if outcome_head is None else head_column(reward_heads, head_names, outcome_head, n)
-    correct = outcome >= correct_threshold  # NaN: wrong
+    correct = at_least(outcome, correct_threshold)  # NaN: wrong
     steps = (head_column(reward_heads, head_names, steps_head, n) if steps_head
              else torch.full((n,), float("nan"), dtype=torch.float64))
     sign = torch.where(correct, torch.ones(()), -torch.ones(()))

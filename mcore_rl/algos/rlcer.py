@@ -40,6 +40,7 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, head_column, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def pearson(v: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ def rlcer(
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
     outcome = rewards.double() if outcome_head is None else head_column(reward_heads, head_names, outcome_head, n)
-    correct = outcome >= correct_threshold
+    correct = at_least(outcome, correct_threshold)
     out = torch.where(correct, 1.0, -1.0).double() * (0.0 if cot_only else 1.0)
     v_all, w_all = rubric_columns(reward_heads, head_names, prefix, n)
     inverse, k = group_index(group_ids)

@@ -31,6 +31,7 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import group_index, need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def likelihood_ranks(seq_logp: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor
@@ -69,5 +70,5 @@ def unlikeliness(
         raise ValueError(f"unlikeliness ranks by π_old's sequence log-probs [{n}], got {got}")
     rank, size = likelihood_ranks(seq_logp, group_ids, ok)
     factor = 1.0 - beta_rank * (size - rank) / size.clamp_min(1)
-    correct = ok & (rewards.double() >= correct_threshold)
+    correct = ok & at_least(rewards, correct_threshold)
     return torch.where(correct, rewards.double() * factor, rewards.double()).to(torch.float32)

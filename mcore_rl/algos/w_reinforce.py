@@ -32,6 +32,7 @@ import torch
 from mcore_rl.algos.advantages import valid_mask
 from mcore_rl.algos.multi_reward import need
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 @register("advantage", "w_reinforce")
@@ -45,7 +46,7 @@ def w_reinforce(
     float32. (`normalize_std`, `group_ids`' statistics: none; W-REINFORCE has no baseline.)"""
     need(lam >= 0, "lam", f"must be >= 0 (the weight of the positive samples), got {lam}")
     ok = valid_mask(rewards, group_ids, valid)
-    correct = rewards.double() >= correct_threshold
+    correct = at_least(rewards, correct_threshold)
     adv = torch.where(correct, torch.full_like(rewards, lam, dtype=torch.float64),
                       torch.full_like(rewards, -1.0, dtype=torch.float64))
     return torch.where(ok, adv, torch.zeros_like(adv)).to(torch.float32)

@@ -352,7 +352,7 @@ class DistillLossConfig:
     """One distillation term: a function registered as kind "distill" (`mcore_rl.algos.names("distill")`)."""
 
     name: str = ""
-    coef: float = 1.0  # advantage phase: coef x token advantage; loss phase: coef x loss
+    coef: Optional[float] = None  # x token advantage / x loss; null: the term's own default (@default_coef, else 1)
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the function
 
 

@@ -68,7 +68,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
-    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers, cfg.algorithm)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
@@ -384,13 +384,14 @@ def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
 
 
 def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "",
-                  teachers: Sequence[Any] = ()) -> None:
+                  teachers: Sequence[Any] = (), algorithm: Optional[AlgorithmConfig] = None) -> None:
     """Registered distillation functions with a phase and options they accept, and the teacher
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
 
     from mcore_rl.algos import registry
-    from mcore_rl.algos.distill.base import REFERENCE_FIELDS, TOPK_FIELDS
+    from mcore_rl.algos.distill.base import (POLICY_REFERENCE_FIELDS, REFERENCE_FIELDS, TOPK_FIELDS,
+                                             UNFILLED_FIELDS, make_state)
 
     errors.need(not d.losses or bool(teachers), "distill.losses",
                 "no teacher fills Sample.teacher: add a `teachers:` entry (engine, privileged or frozen)")
@@ -406,7 +407,8 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
         fn = registry.get("distill", loss.name)
         errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
                     f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
-        errors.need(math.isfinite(loss.coef) and loss.coef >= 0, f"{key}.coef", f"must be >= 0, got {loss.coef}")
+        errors.need(loss.coef is None or (math.isfinite(loss.coef) and loss.coef >= 0), f"{key}.coef",
+                    f"must be >= 0 or null (the term's default), got {loss.coef}")
         wanted = getattr(fn, "needs", ())
         references = reference_teachers(teachers)
         if any(f in TOPK_FIELDS or f == "teacher_ref_topk_logp" for f in wanted):
@@ -420,6 +422,21 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
                         f"is not set, but {loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}) for the "
                         f"samples routed to {teacher_name(t, j)!r}: name an engine teacher serving its starting "
                         "weights (engine teachers only)")
+        for f in wanted:
+            errors.need(f not in UNFILLED_FIELDS, f"{key}.name", f"{loss.name!r} needs DistillBatch.{f}, which no "
+                        "rollout of this trainer fills yet (see docs/distillation.md): it would train nothing")
+            errors.need(f not in POLICY_REFERENCE_FIELDS or algorithm is None or algorithm.uses_reference(),
+                        "algorithm.reference_model",
+                        f"is off, but {key} {loss.name!r} reads the student's reference model (π_ref, the starting "
+                        "weights): set algorithm.reference_model: true")
+        kl_coef = 0.0 if algorithm is None else algorithm.kl_coef
+        errors.need(not getattr(fn, "own_kl", False) or kl_coef == 0, "algorithm.kl_coef",
+                    f"is {kl_coef}, but {key} {loss.name!r} carries its own adaptive KL to π_ref (options.alpha); "
+                    "set algorithm.kl_coef: 0 so the KL is not counted twice")
+        try:  # a stateful term's options are checked by building its state
+            make_state(fn, loss.options)
+        except (ValueError, TypeError) as e:
+            errors.need(False, f"{key}.options", str(e))
         params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
                   if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

@@ -8,7 +8,9 @@ Nothing here branches on a function's name:
   `distill.rl: false`), `token_mask` multiplies the loss mask on the distilled tokens;
 * loss phase, per micro-batch in `Learner.loss_fn`, with the differentiable log-probs (and the
   student's log-probs at the teacher's top-k ids, from the vocab-parallel logits): `coef · loss_sum`
-  is added to the policy loss, which shares its aggregation and count.
+  is added to the policy loss, which shares its aggregation and count. Once per batch, before the
+  update, `start_batch` moves the loss-phase terms' states (Direct-OPD's adaptive KL weight) and
+  logs the stateless ones' metrics at π_old.
 
 The teacher's view of a batch (`TeacherView`) is built from `Sample.teacher`: a sample without
 teacher scores, or whose teacher failed (`teacher.error`), or without the top-k the config asks
@@ -25,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from mcore_rl.algos import registry
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms
+from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state, term_coef
 from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
 from mcore_rl.data.samples import Prompt, Sample
 
@@ -59,7 +61,7 @@ def distill_terms(cfg: Any) -> list[DistillTerm]:
     out = []
     for x in d.losses:
         fn = registry.get("distill", x.name)
-        out.append(DistillTerm(x.name, fn, x.coef, dict(x.options), fn.make_state() if hasattr(fn, "make_state") else None))
+        out.append(DistillTerm(x.name, fn, term_coef(fn, x.coef), dict(x.options), make_state(fn, x.options)))
     return out
 
 
@@ -183,6 +185,21 @@ def call_terms(terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[
         for k, v in out.metrics.items():
             metrics[f"distill/{term.name}/{k.removeprefix(term.name + '/')}"] = float(v)
     return adv, mask, loss
+
+
+def start_batch(loss_terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[str, float]) -> None:
+    """Once per rollout batch, at π_old (`batch.student_logp = old_logp`), before the update: every
+    stateful loss-phase term's state takes its step (`state.start_batch(batch)`, e.g. Direct-OPD's
+    α for this batch) and the stateless ones report their metrics at π_old (their loss: per
+    optimizer step). Metrics land in `metrics` as distill/<name>/<key>."""
+    stateless = []
+    for term in loss_terms:
+        if term.state is None:
+            stateless.append(term)
+        elif hasattr(term.state, "start_batch"):
+            for k, v in term.state.start_batch(batch).items():
+                metrics[f"distill/{term.name}/{k}"] = float(v)
+    call_terms(stateless, batch, metrics)
 
 
 def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from mcore_rl.train.distillation import (
     horizon_at,
     load_terms_state,
     per_token,
+    start_batch,
     teacher_view,
     terms_state_dict,
 )
@@ -372,9 +373,7 @@ class Learner:
             norm_length=self.cfg.rollout.max_new_tokens)
         with torch.no_grad():
             adv, token_mask, _ = call_terms([x for x in self.distill if x.phase == "advantage"], batch, metrics)
-            # the loss-phase terms' metrics at π_old (their loss: per optimizer step); stateful ones
-            # are only called where they act
-            call_terms([x for x in self.loss_terms if x.state is None], batch, metrics)
+            start_batch(self.loss_terms, batch, metrics)  # loss-phase states' step; metrics at π_old
         token_mask = torch.ones_like(dmask) if token_mask is None else token_mask
         distilled = dmask * token_mask
         advantages = per_token(per_seq["advantages"], old) if d.rl else torch.zeros_like(old)
@@ -430,7 +429,8 @@ class Learner:
                 student_topk_logp=batch_topk(stats.topk_logprobs, pos), teacher_ref_logp=batch.get("teacher_ref_logp"),
                 teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"), rewards=batch["distill_rewards"],
                 group_ids=batch["distill_group_ids"], advantages=batch["advantages"], step=self.step,
-                student_entropy=batch["student_entropy"], agg=a.loss_agg, norm_length=norm_length)
+                student_entropy=batch["student_entropy"], student_ref_logp=batch.get("ref_logp"), agg=a.loss_agg,
+                norm_length=norm_length)
             for term in self.loss_terms:
                 terms = term(db)
                 total = total + term.coef * terms.loss_sum

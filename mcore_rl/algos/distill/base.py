@@ -17,16 +17,23 @@ Shapes follow `mcore_rl.algos`: [n, T] per token (right-padded, `mask` 1 on resp
 [n, T, k] for the teacher's top-k (ids fixed by the teacher; `student_topk_logp` is the student's
 log-prob of those same ids), [n] per sequence.
 
-A function that keeps state from one batch to the next (AntiSD's entropy gate) is marked
-`@stateful(Factory)`: the learner creates `fn.make_state()` once per run, passes that object as
-`state=` on every call, and saves `state.state_dict()` / restores `load_state_dict()` with its
-checkpoints. Functions without the mark are stateless.
+A term's weight is its loss entry's `coef`; a function marked `@default_coef(w)` (SDAR's and
+SEED's λ = 0.01) gets w when the entry gives none, any other 1 (`term_coef`).
+
+A function that keeps state from one batch to the next (AntiSD's entropy gate, Direct-OPD's
+adaptive KL weight) is marked `@stateful(Factory)`: the learner creates one state per run with
+`make_state(fn, options)` (the factory gets the term's options it takes by name), passes that
+object as `state=` on every call, and saves `state.state_dict()` / restores `load_state_dict()`
+with its checkpoints. A loss-phase function runs many times per batch and only *reads* its state;
+the state moves in `state.start_batch(batch) -> metrics`, which the learner calls once per rollout
+batch at π_old, before the update. Functions without the mark are stateless.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -49,8 +56,12 @@ class DistillBatch:
     # per-token entropies of the full distributions (AntiSD's teacher gate, SDAR's entropy gates)
     teacher_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_T(·|s_t))
     student_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_θ(·|s_t))
-    # 1 on response tokens the teacher generated (TrOPD's off-policy prefix), 0 on student tokens
+    # 1 on response tokens the teacher generated (TrOPD's off-policy prefix), 0 on student tokens;
+    # no rollout of this trainer generates teacher prefixes yet (UNFILLED_FIELDS)
     teacher_generated: Optional[torch.Tensor] = None  # [n, T]
+    # log π_ref(y_t) of the learner's reference model: the student's starting weights
+    # (`algorithm.reference_model`), for terms that carry their own KL to it (Direct-OPD)
+    student_ref_logp: Optional[torch.Tensor] = None  # [n, T]
     agg: str = "token-mean"
     norm_length: Optional[int] = None
 
@@ -75,9 +86,9 @@ def phase(kind: str) -> Callable:
     return deco
 
 
-def stateful(factory: Callable[[], object]) -> Callable:
-    """Decorator: the function keeps state across batches; the learner makes one `factory()` per
-    run and passes it as `state=` (see the module docstring)."""
+def stateful(factory: Callable[..., object]) -> Callable:
+    """Decorator: the function keeps state across batches; the learner makes one state per run
+    (`make_state`) and passes it as `state=` (see the module docstring)."""
 
     def deco(fn: Callable) -> Callable:
         fn.make_state = factory  # type: ignore[attr-defined]
@@ -86,8 +97,47 @@ def stateful(factory: Callable[[], object]) -> Callable:
     return deco
 
 
+def default_coef(weight: float) -> Callable:
+    """Decorator: the term's weight when its loss entry gives no `coef` (SDAR's λ_SDAR = 0.01, the
+    paper's); a function without the mark weighs 1."""
+
+    def deco(fn: Callable) -> Callable:
+        fn.default_coef = float(weight)  # type: ignore[attr-defined]
+        return fn
+
+    return deco
+
+
+def term_coef(fn: Callable, coef: Optional[float]) -> float:
+    """The weight of a loss entry: its `coef`, or the function's `@default_coef` when unset (None)."""
+    return float(getattr(fn, "default_coef", 1.0)) if coef is None else float(coef)
+
+
+def own_kl(fn: Callable) -> Callable:
+    """Decorator: the function carries its own KL to the learner's reference model (Direct-OPD's
+    adaptive α), so config validation refuses `algorithm.kl_coef` > 0 beside it (two KLs)."""
+    fn.own_kl = True  # type: ignore[attr-defined]
+    return fn
+
+
+def make_state(fn: Callable, options: Mapping[str, Any]) -> Optional[object]:
+    """The state of a `@stateful` function for one run (None for a stateless one): its factory
+    called with the options it takes by name (Direct-OPD's α₀ and bounds; AntiSD's gate takes none).
+    A bad option value raises ValueError here, which config validation reports."""
+    factory = getattr(fn, "make_state", None)
+    if factory is None:
+        return None
+    accepted = inspect.signature(factory).parameters
+    return factory(**{k: v for k, v in options.items() if k in accepted})
+
+
 TOPK_FIELDS = ("teacher_topk_logp", "student_topk_logp")
 REFERENCE_FIELDS = ("teacher_ref_logp", "teacher_ref_topk_logp")
+# the learner's reference model π_ref (kept with `algorithm.reference_model`)
+POLICY_REFERENCE_FIELDS = ("student_ref_logp",)
+# fields no rollout of this trainer fills yet: a function that needs one would train nothing from
+# it, so config validation refuses it (TrOPD's teacher-prefix imitation: no mixed rollouts)
+UNFILLED_FIELDS = ("teacher_generated",)
 
 
 def needs(*fields: str) -> Callable:

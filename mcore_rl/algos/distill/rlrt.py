@@ -28,6 +28,7 @@ from mcore_rl.algos.distill._common import (
 )
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
 from mcore_rl.algos.registry import register
+from mcore_rl.algos.thresholds import at_least
 
 
 def _signed_log_weight(log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def rlrt(
     with torch.no_grad():
         student = detached(batch.student_logp)
         teacher = detached(batch.teacher_logp)
-        correct = rewards.to(batch.mask.device) >= success_threshold
+        correct = at_least(rewards.to(batch.mask.device), success_threshold)
         ok = valid_tokens(batch, student, batch.teacher_logp) & correct[:, None]
         adv = rl_token_advantages(batch, student)
         s, t = zero_where_not(ok, student), zero_where_not(ok, teacher)

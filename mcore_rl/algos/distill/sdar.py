@@ -10,7 +10,9 @@ toward tokens the teacher endorses more than the student does, while tokens the 
 self-referential term β Δ g (1 − g) appears and destabilises training.
 
 Phase "loss": computed per micro-batch on the differentiable student log-probs, aggregated like
-the policy loss, and added to it.
+the policy loss, and added to it. λ_SDAR is the loss entry's `coef`, the one weight every
+distillation term has; an entry without `coef` gets the paper's 0.01 (`@default_coef`). The
+function has no weight of its own, so nothing multiplies λ a second time.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.algos.distill._common import loss_sum, masked_mean, require, valid_tokens, zero_where_not
-from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
+from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, default_coef, phase
 from mcore_rl.algos.registry import register
 
 GATES = ("gap", "entropy", "soft_or")
@@ -31,13 +33,15 @@ def sdar_gate(gap: torch.Tensor, beta: float = 5.0) -> torch.Tensor:
 
 @register("distill", "sdar")
 @phase("loss")
-def sdar(batch: DistillBatch, *, coef: float = 0.01, beta: float = 5.0, gate: str = "gap") -> DistillTerms:
-    """loss_sum = coef · Σ_agg g_t (log π_T − log π_θ), g_t and π_T detached.
+@default_coef(0.01)  # λ_SDAR
+def sdar(batch: DistillBatch, *, beta: float = 5.0, gate: str = "gap") -> DistillTerms:
+    """loss_sum = Σ_agg g_t (log π_T − log π_θ), g_t and π_T detached (the learner multiplies it
+    by the entry's coef = λ_SDAR, 0.01 when the entry gives none).
 
     Gates: "gap" σ(βΔ) (the default and the paper's best), "entropy" σ(β h_t) and "soft_or"
-    σ(β[1 − (1 − h_t)(1 − Δ_t)]), h_t the student's entropy (`batch.student_entropy`). Defaults
-    β = 5 and λ_SDAR = 0.01 are the paper's. A token whose teacher log-prob is not finite gets
-    g_t → 0 in the limit and contributes nothing."""
+    σ(β[1 − (1 − h_t)(1 − Δ_t)]), h_t the student's entropy (`batch.student_entropy`). The default
+    β = 5 is the paper's. A token whose teacher log-prob is not finite gets g_t → 0 in the limit
+    and contributes nothing."""
     if gate not in GATES:
         raise ValueError(f"distill 'sdar': unknown gate {gate!r}; expected one of {', '.join(GATES)}")
     ok = valid_tokens(batch, batch.student_logp, batch.teacher_logp)
@@ -52,7 +56,7 @@ def sdar(batch: DistillBatch, *, coef: float = 0.01, beta: float = 5.0, gate: st
             h = zero_where_not(ok, require(batch, "student_entropy", "sdar").detach().to(gap.dtype))
             g = torch.sigmoid(beta * (h if gate == "entropy" else 1.0 - (1.0 - h) * (1.0 - gap)))
         g = zero_where_not(ok, g)
-    total = coef * loss_sum(gap_live, g, batch)
+    total = loss_sum(gap_live, g, batch)
     metrics = {
         "sdar/gate_mean": masked_mean(g, ok),
         "sdar/gate_open_frac": masked_mean((g > 0.5).float(), ok),

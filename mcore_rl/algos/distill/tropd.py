@@ -23,9 +23,15 @@ Three registered functions, used together or alone:
 * `tropd_imitation` (phase "loss"): β · (log π_T − log π_S) on teacher-generated prefix tokens
   (`batch.teacher_generated`), an SFT-like push; 0 when there is no prefix.
 
-`prefix_length` is the annealing schedule of the teacher prefix (max length → 0; the paper does
-not give the shape: linear). Tokens with `teacher_generated` = 1 are left out of the on-policy
-terms (I[x∼π_S]).
+**Not used in training.** The imitation term needs mixed rollouts — the teacher generates the first
+part of a response, the student continues — and no rollout of this trainer builds them: engine
+teachers only *score* (prompt scoring), so no sample carries teacher-generated tokens and the
+learner never fills `teacher_generated`. Config validation therefore refuses `tropd_imitation` in
+`distill.losses` (`@needs("teacher_generated")`, an unfilled field) instead of training a term that
+is always 0; the function and `prefix_length` (the annealing schedule of the prefix, max length →
+0, linear: the paper gives no shape) are kept, tested, for when mixed rollouts exist. TrOPD in
+training is `tropd_trust` + `tropd_fkl`, both on student tokens only. Tokens with
+`teacher_generated` = 1 would be left out of the on-policy terms (I[x∼π_S]).
 """
 
 from __future__ import annotations
@@ -145,10 +151,12 @@ def tropd_fkl(batch: DistillBatch, *, weight: str = "outlier", tail: bool = Fals
 
 @register("distill", "tropd_imitation")
 @phase("loss")
+@needs("teacher_generated")  # no rollout fills it yet: validation refuses the term (module docstring)
 def tropd_imitation(batch: DistillBatch, *, beta: float = 0.001) -> DistillTerms:
     """loss_sum = β · Σ_agg (log π_T − log π_S) over teacher-generated tokens: its gradient is
     −β ∇ log π_S there (the objective's +β ∇ log π_S, SFT on the teacher's prefix), 0 elsewhere.
-    Without `teacher_generated` (prefix length 0, the end of annealing) it is 0."""
+    Without `teacher_generated` (prefix length 0, the end of annealing) it is 0. Not used in
+    training yet: nothing generates teacher prefixes (module docstring)."""
     zero = torch.zeros((), dtype=batch.student_logp.dtype, device=batch.student_logp.device)
     if batch.teacher_generated is None:
         return DistillTerms(loss_sum=zero, metrics={"tropd/teacher_token_frac": zero.detach()})
