@@ -476,7 +476,7 @@ def test_a_corrupted_delivery_is_found_and_the_engine_held_until_sent_again(serv
             assert f"checksum {stats.checksum.hexdigest()}" in stats.mismatched[url]  # both checksums, named
             assert request(url, "weights_checksum")["checksum"] != stats.checksum.hexdigest()
             # not serving: paused, out of routing, and no health check takes it back
-            assert _server_state(url)["paused"] and pool.live == [] and url in pool.router.unsynced
+            assert _server_state(url)["paused"] and pool.live == [] and pool.states.mixed(url)
             asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool._loop).result()
             assert pool.live == []
             again = _send(transport, weights, version, only=list(stats.mismatched))
