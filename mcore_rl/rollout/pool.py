@@ -424,7 +424,7 @@ class HTTPEnginePool:
         `delivered` for those that got everything. On the way out those continue
         (`/continue_generation`); every other engine paused here stays paused and waits for the
         next update, also when the update raised: it may hold a mix of two versions."""
-        from mcore_rl.rollout.router import NoHealthyEngine
+        from mcore_rl.rollout.router import NoEngineToSync
 
         deadline, logged = time.monotonic() + self.no_engine_timeout_s, False
         while True:
@@ -446,8 +446,8 @@ class HTTPEnginePool:
             if refused is not None:
                 raise refused
             waited = f" after waiting {self.no_engine_timeout_s:g} s (rollout.no_engine_timeout_s)" if logged else ""
-            raise NoHealthyEngine(f"weight update: no engine to send the weights to answered{waited}; "
-                                  f"{self.states.summary()}")
+            raise NoEngineToSync(f"weight update: no engine to send the weights to answered{waited}; "
+                                 f"{self.states.summary()}")
         paused = list(targets)
         self.states.sync_begin(paused)
         try:

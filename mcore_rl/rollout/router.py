@@ -48,6 +48,11 @@ class NoHealthyEngine(EngineUnavailable):
     a run when it persists (the message says which engines were tried and in what state)."""
 
 
+class NoEngineToSync(NoHealthyEngine):
+    """A weight update found no engine to send to, also after waiting `rollout.no_engine_timeout_s`
+    for one to come back. Fatal for a run."""
+
+
 class EngineRouter:
     """Least-outstanding-requests routing over SGLang-compatible engines."""
 
