@@ -51,6 +51,8 @@ class PreemptionGuard:
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = [signal.Signals[name] for name in signals]
         self.received: Optional[int] = None  # the first signal this rank got
+        self.received_at: Optional[float] = None  # time.monotonic() of it
+        self.agreed_at: Optional[float] = None  # when the ranks agreed to stop (the step boundary)
         self.repeats = 0  # signals after the first (ignored)
         self._previous: dict[int, Any] = {}
 
@@ -66,7 +68,7 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self.received_at = signum, time.monotonic()
             logger.warning("got %s: stopping after the current step with a checkpoint", signal.Signals(signum).name)
         else:  # e.g. SLURM's SIGTERM after its SIGUSR1, during the save: the save goes on
             self.repeats += 1
@@ -84,7 +86,17 @@ class PreemptionGuard:
             flag = torch.tensor([got], dtype=torch.int64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             got = int(flag.item())
+        if got and self.agreed_at is None:
+            self.agreed_at = time.monotonic()
         return signal.Signals(got).name if got else None
+
+    def phases(self) -> dict[str, float]:
+        """Seconds from this rank's signal to the step boundary, and from there to now (the save)."""
+        now = time.monotonic()
+        agreed = self.agreed_at if self.agreed_at is not None else now
+        out = {"to_step_boundary_s": round(agreed - self.received_at, 3)} if self.received_at is not None else {}
+        out["checkpoint_s"] = round(now - agreed, 3)
+        return out
 
 
 @contextlib.contextmanager
@@ -113,10 +125,13 @@ def stop_requested() -> Optional[str]:
 def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[str]) -> Preempted:
     """The exception a loop raises after its (collective) save; local rank 0 of every node leaves
     `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem."""
+    phases = _active.phases() if _active is not None else {}
+    logger.warning("pre-empted after step %d: %s", step, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, MARKER), "w") as f:
-            json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time()}, f)
+            json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time(),
+                       "phases": phases}, f)
     return Preempted(step, signal_name, checkpoint)
 
 
