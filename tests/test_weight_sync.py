@@ -730,7 +730,7 @@ srv = ServerThread(EngineServer(EngineDriver(EngineCore.from_model_path(None, co
                    shutdown_timeout=0.5)
 srv.start()
 pool = HTTPEnginePool([srv.url], timeout=30)
-TensorTransport(pool, shm_dir=sys.argv[1]).send(iter_buckets(_weights(1), 1 << 20), 1, SyncStats(1))
+TensorTransport(pool, shm_dir=sys.argv[1]).send(iter_buckets(_weights(1), 1 << 16), 1, SyncStats(1))
 print("synced", flush=True)
 time.sleep(600)
 """

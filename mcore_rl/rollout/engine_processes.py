@@ -11,8 +11,8 @@ weight sync fills them. The trainer then reaches the engines as any SGLang serve
 The processes die with the trainer, however it dies: each gets SIGTERM from the kernel when the
 thread that started it exits (`PR_SET_PDEATHSIG`, `parallel/lifetime.py`; so start and restart
 them from a thread that lives as long as they should, normally the main thread), and each leads
-its own process group, which `close()` signals (SIGTERM, then SIGKILL) so nothing it started
-survives it. `restart(i)` brings an engine back at the same URL with dummy weights again (returning
+its own process group, which `close()` kills (SIGKILL: nothing in an engine needs a graceful
+stop) so nothing it started survives it. `restart(i)` brings an engine back at the same URL with dummy weights again (returning
 once it answers); `relaunch(i)` and `poll_start(i)` do the same in two halves, so that the pool's
 restarter can bring several back at once. The pool then finds it at another weight version and
 keeps it waiting for weights, out of generation, until the next weight sync reaches it.
@@ -44,7 +44,7 @@ from mcore_rl.parallel.lifetime import preexec_die_with_parent
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 20  # of an engine's log, in a startup error
-STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL (the server itself exits within 3 s of SIGTERM)
+STOP_GRACE_S = 5.0  # restart of a live engine: SIGTERM -> SIGKILL (the server exits within 3 s of SIGTERM)
 _BIND_RETRIES = 3  # a free port taken by someone else between the probe and the server's bind
 _PORT_IN_USE = ("address already in use", "errno 98")
 
@@ -233,17 +233,20 @@ class EngineProcesses:
         return False
 
     def close(self) -> None:
-        """Stop every engine (SIGTERM to its process group, SIGKILL after `STOP_GRACE_S`);
-        idempotent."""
+        """Stop every engine: SIGKILL to its process group, then reap it; idempotent. No grace
+        period: an engine the trainer started holds nothing that outlives it (its weights come
+        from the trainer, its requests are the scheduler's, which checkpoints them), and a
+        graceful stop cost the trainer's exit 3-5 s, inside a scheduler's pre-emption grace."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
         for e in self._engines:
-            _signal_group(e, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+            _signal_group(e, signal.SIGKILL)
         for e in self._engines:
-            self._stop(e, deadline)
+            if e.proc is not None:
+                e.proc.wait()
+                e.proc = None
 
     def __enter__(self) -> "EngineProcesses":
         return self
