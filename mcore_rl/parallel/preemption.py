@@ -19,12 +19,14 @@ well: torchrun reports a worker's exit code only as "failed", so the launch scri
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -34,6 +36,7 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the run stopped on request, resum
 MARKER = "preempted.json"
 
 _active: Optional["PreemptionGuard"] = None  # the guard `stop_requested` asks (None: no signals caught)
+_preempted = False  # `preempted()` was called: the run saved and stops
 
 
 class Preempted(Exception):
@@ -100,9 +103,12 @@ class PreemptionGuard:
 
 
 @contextlib.contextmanager
-def preemption_guard(signals: Sequence[str]) -> Iterator[Optional[PreemptionGuard]]:
-    """Catch `signals` while the body runs (the main thread of a trainer process); [] catches none."""
-    global _active
+def preemption_guard(signals: Sequence[str], exit_process: bool = False) -> Iterator[Optional[PreemptionGuard]]:
+    """Catch `signals` while the body runs (the main thread of a trainer process); [] catches none.
+    With `exit_process` (the `mcore-rl` command), a body that was pre-empted (`preempted()`)
+    ends the process on its way out with `EXIT_PREEMPTED` at once (`exit_now`)."""
+    global _active, _preempted
+    _preempted = False
     if not signals:
         yield None
         return
@@ -114,6 +120,20 @@ def preemption_guard(signals: Sequence[str]) -> Iterator[Optional[PreemptionGuar
     finally:
         _active = None
         guard.restore()
+        if exit_process and _preempted:
+            exit_now(EXIT_PREEMPTED)
+
+
+def exit_now(code: int) -> None:
+    """Run the atexit handlers, flush, and end the process with `code`, skipping the interpreter's
+    teardown of every module: with torch and megatron-core loaded that garbage-collects the whole
+    heap and took 10 s of a pre-emption here (docs/launch.md), time a scheduler's grace period
+    does not have. Everything the run opened is closed by then."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def stop_requested() -> Optional[str]:
@@ -124,7 +144,10 @@ def stop_requested() -> Optional[str]:
 
 def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[str]) -> Preempted:
     """The exception a loop raises after its (collective) save; local rank 0 of every node leaves
-    `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem."""
+    `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem. It
+    holds the phases since the signal (`PreemptionGuard.phases`: to the step boundary, the save)."""
+    global _preempted
+    _preempted = True
     phases = _active.phases() if _active is not None else {}
     logger.warning("pre-empted after step %d: %s", step, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
