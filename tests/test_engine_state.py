@@ -75,6 +75,7 @@ TABLE = [
     (S.SYNCING, False, "delivered", ("4",), S.SYNCING, False),  # confirmed; serves at sync_end
     (S.SYNCING, False, "sync_end", (), S.WAITING, True),  # half-finished sync / checksum mismatch
     (S.DEAD, False, "sync_end", (), S.DEAD, True),  # killed mid-sync
+    (S.STARTING, False, "sync_end", (), S.STARTING, False),  # killed mid-sync and already restarted
 ]
 
 

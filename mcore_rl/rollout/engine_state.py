@@ -22,6 +22,7 @@ the methods below:
     sync_begin          SERVING, WAITING          SYNCING
     delivered           WAITING (outside a sync)  SERVING;  SYNCING: marked confirmed
     sync_end            SYNCING                   SERVING if confirmed, else WAITING + `mixed`
+                        DEAD                      DEAD + `mixed`;  STARTING: unchanged (a new process)
 
 `tests/test_engine_state.py` checks the class against this table. `mixed` survives a death (an engine reached again over the network still holds
 what it held) and is cleared only by a confirmed weight update or a fresh process.
@@ -166,6 +167,8 @@ class EngineStates:
                     e.state, e.mixed = S.SERVING, False
                     resume.append(u)
                     continue
+                if e.state is S.STARTING:
+                    continue  # restarted meanwhile: the new process holds none of the update
                 e.mixed = True
                 if e.state is S.SYNCING:
                     e.state = S.WAITING
