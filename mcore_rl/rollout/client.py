@@ -16,9 +16,10 @@ died or the connection dropped) raises `EngineUnavailable`, never a raw aiohttp 
 Timeouts: generation (`/generate`, the OpenAI routes) may run for minutes and gets `timeout`;
 weight updates get `weight_update_timeout` (one bucket, or one checkpoint from disk) and every
 other call (pause, continue, health, versions, checksums) `control_timeout`, both seconds by
-default, so a frozen engine costs a sync seconds, not the generation timeout. A call that timed
-out is not repeated: an engine that did not answer in time is taken as gone (the pool leaves it
-out until its `/health` answers again); refused connections and 502/503/504 are retried.
+default, so a frozen engine costs a sync seconds, not the generation timeout. A control call or
+weight update that timed out is not repeated: an engine that did not answer in time is taken as
+gone (the pool leaves it out until its `/health` answers again); refused connections and
+502/503/504 are retried, and so is a generation request that timed out (a busy engine).
 
 With `api_key`, every request carries `Authorization: Bearer <api_key>` (SGLang's `--api-key`);
 weight and control endpoints carry `admin_api_key` instead when one is given (`--admin-api-key`).
@@ -258,9 +259,9 @@ class EngineClient:
         last: Exception | None = None
         for attempt in range(attempts):
             if attempt:
-                if isinstance(last, asyncio.TimeoutError):
+                if isinstance(last, asyncio.TimeoutError) and path not in GENERATION_PATHS:
                     attempts = attempt
-                    break  # no answer within the timeout: asking again would only wait as long again
+                    break  # a control call unanswered in time: asking again would only wait as long again
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
                 await self.abort_quietly(rids)
             try:
