@@ -130,7 +130,7 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
-    with preemption_guard(cfg.checkpoint.preempt_signals):  # until the end: a second signal changes nothing
+    with preemption_guard(cfg.checkpoint.preempt_signals, exit_process=True):  # a second signal changes nothing
         try:
             run(cfg)
         except CheckpointError as err:  # says what to do; the traceback through megatron-core would not

@@ -8,6 +8,8 @@ a subprocess, killed with SIGKILL once its step-2 checkpoint exists, then starte
   so `accounting.json` balances (drawn = trained + filtered + dropped + failed + pending) with
   every step's batch trained exactly once. The samples regenerated after the resume come from the
   resumed weights at another time, so they are not the uninterrupted run's tokens.
+- in both, `provenance.jsonl` (the prompts each step trained) shows from the run directory alone
+  that no prompt was trained twice or lost across the kill (`check_provenance`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ import time
 
 import pytest
 
+from mcore_rl.runtime.accounting import (
+    check_provenance,
+    compact_ids,
+    expand_ids,
+    record_trained_prompts,
+    trained_by_step,
+)
 from tests.test_async_runtime import SMALL
 from tests.test_engine_faults import Engine
 
@@ -87,6 +96,7 @@ def test_a_sigkilled_learner_resumes_without_losing_or_repeating_a_sample(tmp_pa
             assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-4, abs=1e-7)
         acc = json.load(open(f"{tmp}/b/accounting.json"))
         assert acc["balanced"] and acc["trained"] == 4 * 4 and acc["drawn"] == 16 and acc["pending"] == 0
+        assert check_provenance(f"{tmp}/b").ok and trained_by_step(f"{tmp}/b") == trained_by_step(f"{tmp}/a")
 
         # staleness 1: killed with a batch generated ahead (in flight or buffered)
         s1 = [url, "rollout.runtime=async", "rollout.max_staleness=1", "rollout.max_new_tokens=24"]
@@ -99,5 +109,46 @@ def test_a_sigkilled_learner_resumes_without_losing_or_repeating_a_sample(tmp_pa
         assert acc["resent_after_resume"] + acc["restored_buffered"] > 0  # step 3's batch was ahead at the kill
         c = _records(f"{tmp}/c")
         assert [r["rl_step"] for r in c if "time/step_s" in r] == [1, 2, 3, 4]
+        check = check_provenance(f"{tmp}/c")
+        assert check.ok and check.trained == 16, check
     finally:
         engine.close()
+
+
+def test_provenance_is_compact_and_its_checker_finds_a_repeat_and_a_loss(tmp_path):
+    """The checker on hand-made run directories: ranges, a resumed run's lines replacing those a
+    killed run wrote after its checkpoint, a prompt trained twice, a prompt lost."""
+    assert compact_ids([9, 3, 4, 5, 5]) == [[3, 5], [9, 9]] and expand_ids([[3, 5], [9, 9]]) == [3, 4, 5, 9]
+
+    def run(name: str, steps: list[tuple[int, list[int]]], drawn: int, pending: int = 0, filtered: int = 0) -> str:
+        d = str(tmp_path / name)
+        for step, ids in steps:
+            record_trained_prompts(d, step, ids)
+        trained = len({i for _, ids in steps for i in ids})
+        with open(os.path.join(d, "accounting.json"), "w") as f:
+            json.dump({"drawn": drawn, "trained": trained, "filtered": filtered, "dropped_stale": 0, "failed": 0,
+                       "pending": pending}, f)
+        return d
+
+    # killed after writing step 3 (checkpoint of step 2), resumed: step 3 again with other prompts
+    resumed = run("resumed", [(1, [0, 1]), (2, [2, 3]), (3, [4, 5]), (3, [5, 6]), (4, [4, 7])], drawn=9, pending=1)
+    assert open(os.path.join(resumed, "provenance.jsonl")).readline() == '{"step": 1, "n": 2, "prompts": [[0, 1]]}\n'
+    assert trained_by_step(resumed) == {1: [0, 1], 2: [2, 3], 3: [5, 6], 4: [4, 7]}
+    assert check_provenance(resumed).ok
+
+    twice = run("twice", [(1, [0, 1]), (2, [1, 2])], drawn=3)
+    check = check_provenance(twice)
+    assert not check.ok and check.duplicates == {1: [1, 2]}
+
+    # the counts balance (one trained twice, one never), the ids do not
+    with open(os.path.join(twice, "accounting.json"), "w") as f:
+        json.dump({"drawn": 4, "trained": 4, "filtered": 0, "dropped_stale": 0, "failed": 0, "pending": 0}, f)
+    check = check_provenance(twice)
+    assert check.duplicates and any("3 prompts trained" in p for p in check.problems)
+
+    lost = run("lost", [(1, [0, 1]), (2, [3, 4])], drawn=6, filtered=1)  # 2 and 5 drawn; one accounted for
+    assert check_provenance(lost).problems == [
+        "2 drawn prompts were not trained, but accounting.json accounts for 1 (filtered + dropped + failed + "
+        "pending): 1 lost"]
+    gap = run("gap", [(1, [0]), (3, [1])], drawn=2)
+    assert check_provenance(gap).missing_steps == [2]

@@ -235,3 +235,81 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
 
 def test_started_colocated_engines_sleep_while_the_learner_trains_and_stop_with_the_run(tmp_path):
     run_world(1, _started, str(tmp_path))
+
+
+def _engine_ports(run_dir: str) -> dict[int, int]:
+    """pid -> port of the `mcore-rl serve` processes serving this run's model directory."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    found = {}
+    for line in out.splitlines():
+        if "serve" in line and f"{run_dir}/engines/" in line:
+            args = line.split()
+            found[int(args[0])] = int(args[args.index("--port") + 1])
+    return found
+
+
+def _get(port: int, path: str) -> bytes | None:
+    """The body of a 200 answer, else None."""
+    import urllib.request
+
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return r.read()
+    except OSError:
+        return None
+
+
+def _two_deaths(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_rl.runtime import run_rl
+    from mcore_rl.runtime.accounting import check_provenance
+
+    run_dir = f"{tmp}/two"
+    cfg = small(f"run_dir={run_dir}", "rollout.runtime=async", "rollout.max_staleness=1",
+                "rollout.num_embedded_engines=2", "rollout.health_check_interval_s=0.5", "train.num_steps=8",
+                "rollout.no_engine_timeout_s=400", "rollout.engine_startup_timeout_s=400")
+    metrics = f"{run_dir}/metrics.jsonl"
+    seen: dict = {}
+
+    def kill_two() -> None:
+        while not (os.path.exists(metrics) and any(json.loads(x).get("rl_step") == 2 for x in open(metrics))):
+            time.sleep(0.05)
+        engines = _engine_ports(run_dir)
+        (first, first_port), (second, second_port) = sorted(engines.items())
+        os.kill(first, signal.SIGKILL)
+        seen["first"] = first
+        end = time.monotonic() + 120
+        while time.monotonic() < end:  # the second, at the next weight sync (it pauses for it)
+            state = _get(second_port, "/get_server_info")
+            if state is not None and json.loads(state)["internal_states"][0]["paused"]:
+                break
+            time.sleep(0.01)
+        seen["paused"] = time.monotonic() < end
+        seen["first_back"] = _get(first_port, "/health") is not None
+        os.kill(second, signal.SIGKILL)
+        seen["second"] = second
+
+    killer = threading.Thread(target=kill_two, daemon=True)
+    killer.start()
+    summary = run_rl(cfg)
+    killer.join(60)
+    assert summary["state"]["rl_step"] == 8
+    assert seen["paused"] and not seen["first_back"], seen  # killed in a sync, while the first restarted
+    after = _engine_pids(run_dir)
+    assert not after  # stopped with the run
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["failed"] == 0 and acc["trained"] == 8 * 4, acc
+    check = check_provenance(run_dir)
+    assert check.ok and check.trained == 8 * 4, check
+    print("seen:", seen)
+
+
+@pytest.mark.slow
+def test_two_engine_deaths_close_together_do_not_end_the_run(tmp_path):
+    """One started engine SIGKILLed after step 2, the other SIGKILLed during the next weight sync,
+    while the first is still restarting: both restart at once, the sync waits for one and is sent
+    again, and the run finishes with every prompt accounted for (accounting.json and
+    provenance.jsonl)."""
+    run_world(1, _two_deaths, str(tmp_path))

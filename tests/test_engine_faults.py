@@ -235,6 +235,37 @@ def test_a_frozen_engine_costs_one_timeout_and_is_logged(engines, tmp_path, capl
         pool.close()
 
 
+def test_a_frozen_engine_costs_a_control_timeout_not_a_generation_timeout(engines, tmp_path):
+    """Pause, continue, health and weight updates have timeouts of their own, seconds by default,
+    and a call that timed out is not repeated: a SIGSTOPped engine costs the next sync one control
+    timeout, although a generation request may take 600 s."""
+    from mcore_rl.config.rl_schema import RolloutConfig
+    from mcore_rl.rollout.pool import engine_timeouts
+
+    assert engine_timeouts(RolloutConfig()) == {"control_timeout": 30.0, "weight_update_timeout": 120.0,
+                                                "no_engine_timeout_s": 120.0}
+    a, b = engines
+    pool = HTTPEnginePool([a.url, b.url], timeout=600, control_timeout=2, weight_update_timeout=4,
+                          health_interval=3600)
+    try:
+        transport = TensorTransport(pool, shm_dir=str(tmp_path))
+        transport.send(iter_buckets(_weights(1), 1 << 20), 1, SyncStats(1))
+        b.signal(signal.SIGSTOP)
+        start = time.monotonic()
+        transport.send(iter_buckets(_weights(2), 1 << 20), 2, SyncStats(2))
+        took = time.monotonic() - start
+        assert took < 2 + 8, f"the sync waited {took:.0f} s for a frozen engine"  # one control timeout
+        assert pool.live == [a.url] and _versions([a.url]) == ["2"]
+        start = time.monotonic()
+        assert asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool.loop).result() == {
+            a.url: True, b.url: False}
+        assert time.monotonic() - start < 2 + 3  # the health check gives up as soon
+        transport.close()
+    finally:
+        b.signal(signal.SIGCONT)
+        pool.close()
+
+
 def test_a_stream_whose_engine_dies_fails_over_and_finishes():
     slow, other = Engine(delay=0.02), Engine()
     try:

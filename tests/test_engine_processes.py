@@ -137,6 +137,36 @@ def test_a_killed_engine_restarts_at_its_url_and_waits_for_the_weights(pair, tmp
         pool.close()
 
 
+def test_two_engines_killed_close_together_restart_at_once_and_a_sync_waits_for_them(tmp_path):
+    """Both started engines die close together (one killed, the other killed while the first
+    restarts): the pool restarts both at once, each launched without waiting for the other to
+    answer, and a weight sync that finds no engine waits for a restarting one (up to
+    `no_engine_timeout_s`) instead of raising; both serve again after it."""
+    from mcore_rl.rollout.engine_state import EngineState
+
+    engines = EngineProcesses.start(MODEL, num=2, workdir=str(tmp_path / "engines"), seed=0, **START)
+    pool = HTTPEnginePool(engines.urls, timeout=30, health_interval=0.3, processes=engines, restart_dead=True,
+                          no_engine_timeout_s=240)
+    try:
+        _sync(pool, str(tmp_path), 1)
+        first, second = engines.pids
+        os.kill(first, signal.SIGKILL)
+        _wait_for(lambda: pool.states.state(engines.urls[0]) is EngineState.STARTING)
+        os.kill(second, signal.SIGKILL)  # while the first restarts
+        _wait_for(lambda: pool.states.state(engines.urls[1]) is EngineState.STARTING)
+        # both restart at once: the second was noticed before the first answered
+        assert pool.states.state(engines.urls[0]) is EngineState.STARTING
+        assert pool.live == [] and pool.update_targets() == []
+        _sync(pool, str(tmp_path), 2)  # waits for a restarted engine, then sends to it
+        assert "2" in _each([u for u in engines.urls if u in pool.live], "get_weight_version")
+        _wait_for(lambda: pool.update_targets() == engines.urls, timeout=240)
+        _sync(pool, str(tmp_path), 3)
+        assert pool.live == engines.urls and _each(engines.urls, "get_weight_version") == ["3", "3"]
+        assert first not in engines.pids and second not in engines.pids
+    finally:
+        pool.close()
+
+
 def test_close_leaves_no_process(pair):
     pids = pair.pids
     pair.close()

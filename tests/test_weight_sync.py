@@ -476,7 +476,7 @@ def test_a_corrupted_delivery_is_found_and_the_engine_held_until_sent_again(serv
             assert f"checksum {stats.checksum.hexdigest()}" in stats.mismatched[url]  # both checksums, named
             assert request(url, "weights_checksum")["checksum"] != stats.checksum.hexdigest()
             # not serving: paused, out of routing, and no health check takes it back
-            assert _server_state(url)["paused"] and pool.live == [] and url in pool.router.unsynced
+            assert _server_state(url)["paused"] and pool.live == [] and pool.states.mixed(url)
             asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool._loop).result()
             assert pool.live == []
             again = _send(transport, weights, version, only=list(stats.mismatched))
@@ -714,3 +714,56 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_tp2_trainer_to_engines_over_every_transport(tmp_path):
     run_world(2, _sync_world, str(tmp_path))
+
+
+_KILLED_TRAINER = """
+import sys, time, torch
+from mcore_rl.rollout.engine.core import EngineCore
+from mcore_rl.rollout.engine.driver import EngineDriver
+from mcore_rl.rollout.server import EngineServer, ServerThread
+from mcore_rl.rollout.pool import HTTPEnginePool
+from mcore_rl.rollout.weight_transports import SyncStats, TensorTransport
+from mcore_rl.train.weight_sync import iter_buckets
+from tests.test_engine_faults import _weights
+torch.set_num_threads(1)
+srv = ServerThread(EngineServer(EngineDriver(EngineCore.from_model_path(None, context_length=64, random_seed=0))),
+                   shutdown_timeout=0.5)
+srv.start()
+pool = HTTPEnginePool([srv.url], timeout=30)
+TensorTransport(pool, shm_dir=sys.argv[1]).send(iter_buckets(_weights(1), 1 << 16), 1, SyncStats(1))
+print("synced", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_trainer_leaves_no_weight_buckets_in_shared_memory(tmp_path):
+    """Shared memory is RAM that outlives the process: the buckets of a trainer killed with
+    SIGKILL after a sync are removed when it dies, and a trainer that starts (or resumes) removes
+    those an earlier, dead one left (here one whose pid is that of an exited process)."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    orphan = shm / f"mcore_rl_weights_{exited.pid}_0123abcd_0.safetensors"
+    orphan.write_bytes(b"\0" * 4096)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    trainer = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, str(shm)], stdout=subprocess.PIPE, text=True,
+                               env=env, cwd=root)
+    try:
+        assert trainer.stdout.readline().strip() == "synced"
+        names = sorted(p.name for p in shm.iterdir())
+        assert len(names) == 2 and all(n.startswith(f"mcore_rl_weights_{trainer.pid}_") for n in names), names
+        trainer.kill()
+        trainer.wait(10)
+        end = time.monotonic() + 10
+        while list(shm.iterdir()) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not list(shm.iterdir()), "the killed trainer's buckets are still in shared memory"
+    finally:
+        trainer.kill()
+        trainer.wait()

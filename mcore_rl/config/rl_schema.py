@@ -233,7 +233,9 @@ class RolloutConfig:
     sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls
     sync_dir: Optional[str] = None  # disk transport: a directory the engines can read
     sync_bucket_mb: int = 512
-    request_timeout_s: float = 600.0  # every call to an engine (generation, control, weight sync)
+    request_timeout_s: float = 600.0  # a generation request to an engine
+    control_timeout_s: float = 30.0  # pause, continue, health, versions, checksums: a frozen engine costs this
+    weight_update_timeout_s: float = 120.0  # one weight-update request (a bucket, or a checkpoint from disk)
     api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
     admin_api_key: Optional[str] = None  # for weight/control endpoints (--admin-api-key); default api_key
     # ---- sampling-mask replay: the engine returns the kept token set of every sampled position

@@ -187,6 +187,8 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     errors.need(r.runtime == "async" or r.placement == "disaggregated", "rollout.placement",
                 "colocated needs rollout.runtime=async (it is how the async runtime time-shares devices)")
     errors.need(r.no_engine_timeout_s > 0, "rollout.no_engine_timeout_s", f"must be > 0, got {r.no_engine_timeout_s}")
+    for key in ("control_timeout_s", "weight_update_timeout_s"):
+        errors.need(getattr(r, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(r, key)}")
     errors.need(r.health_check_interval_s > 0, "rollout.health_check_interval_s",
                 f"must be > 0, got {r.health_check_interval_s}")
     errors.need(r.engine_startup_timeout_s > 0, "rollout.engine_startup_timeout_s",

@@ -19,12 +19,14 @@ well: torchrun reports a worker's exit code only as "failed", so the launch scri
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -34,6 +36,7 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the run stopped on request, resum
 MARKER = "preempted.json"
 
 _active: Optional["PreemptionGuard"] = None  # the guard `stop_requested` asks (None: no signals caught)
+_preempted = False  # `preempted()` was called: the run saved and stops
 
 
 class Preempted(Exception):
@@ -51,6 +54,8 @@ class PreemptionGuard:
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = [signal.Signals[name] for name in signals]
         self.received: Optional[int] = None  # the first signal this rank got
+        self.received_at: Optional[float] = None  # time.monotonic() of it
+        self.agreed_at: Optional[float] = None  # when the ranks agreed to stop (the step boundary)
         self.repeats = 0  # signals after the first (ignored)
         self._previous: dict[int, Any] = {}
 
@@ -66,7 +71,7 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self.received_at = signum, time.monotonic()
             logger.warning("got %s: stopping after the current step with a checkpoint", signal.Signals(signum).name)
         else:  # e.g. SLURM's SIGTERM after its SIGUSR1, during the save: the save goes on
             self.repeats += 1
@@ -84,13 +89,26 @@ class PreemptionGuard:
             flag = torch.tensor([got], dtype=torch.int64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             got = int(flag.item())
+        if got and self.agreed_at is None:
+            self.agreed_at = time.monotonic()
         return signal.Signals(got).name if got else None
+
+    def phases(self) -> dict[str, float]:
+        """Seconds from this rank's signal to the step boundary, and from there to now (the save)."""
+        now = time.monotonic()
+        agreed = self.agreed_at if self.agreed_at is not None else now
+        out = {"to_step_boundary_s": round(agreed - self.received_at, 3)} if self.received_at is not None else {}
+        out["checkpoint_s"] = round(now - agreed, 3)
+        return out
 
 
 @contextlib.contextmanager
-def preemption_guard(signals: Sequence[str]) -> Iterator[Optional[PreemptionGuard]]:
-    """Catch `signals` while the body runs (the main thread of a trainer process); [] catches none."""
-    global _active
+def preemption_guard(signals: Sequence[str], exit_process: bool = False) -> Iterator[Optional[PreemptionGuard]]:
+    """Catch `signals` while the body runs (the main thread of a trainer process); [] catches none.
+    With `exit_process` (the `mcore-rl` command), a body that was pre-empted (`preempted()`)
+    ends the process on its way out with `EXIT_PREEMPTED` at once (`exit_now`)."""
+    global _active, _preempted
+    _preempted = False
     if not signals:
         yield None
         return
@@ -102,6 +120,20 @@ def preemption_guard(signals: Sequence[str]) -> Iterator[Optional[PreemptionGuar
     finally:
         _active = None
         guard.restore()
+        if exit_process and _preempted:
+            exit_now(EXIT_PREEMPTED)
+
+
+def exit_now(code: int) -> None:
+    """Run the atexit handlers, flush, and end the process with `code`, skipping the interpreter's
+    teardown of every module: with torch and megatron-core loaded that garbage-collects the whole
+    heap and took 10 s of a pre-emption here (docs/launch.md), time a scheduler's grace period
+    does not have. Everything the run opened is closed by then."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def stop_requested() -> Optional[str]:
@@ -112,11 +144,17 @@ def stop_requested() -> Optional[str]:
 
 def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[str]) -> Preempted:
     """The exception a loop raises after its (collective) save; local rank 0 of every node leaves
-    `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem."""
+    `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem. It
+    holds the phases since the signal (`PreemptionGuard.phases`: to the step boundary, the save)."""
+    global _preempted
+    _preempted = True
+    phases = _active.phases() if _active is not None else {}
+    logger.warning("pre-empted after step %d: %s", step, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, MARKER), "w") as f:
-            json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time()}, f)
+            json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time(),
+                       "phases": phases}, f)
     return Preempted(step, signal_name, checkpoint)
 
 

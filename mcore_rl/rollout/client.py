@@ -13,6 +13,14 @@ client can abort). `/init_weights_update_group` and `/update_weights_from_distri
 retried: each pairs with a collective on the trainer side. A stream that breaks off (the server
 died or the connection dropped) raises `EngineUnavailable`, never a raw aiohttp error.
 
+Timeouts: generation (`/generate`, the OpenAI routes) may run for minutes and gets `timeout`;
+weight updates get `weight_update_timeout` (one bucket, or one checkpoint from disk) and every
+other call (pause, continue, health, versions, checksums) `control_timeout`, both seconds by
+default, so a frozen engine costs a sync seconds, not the generation timeout. A control call or
+weight update that timed out is not repeated: an engine that did not answer in time is taken as
+gone (the pool leaves it out until its `/health` answers again); refused connections and
+502/503/504 are retried, and so is a generation request that timed out (a busy engine).
+
 With `api_key`, every request carries `Authorization: Bearer <api_key>` (SGLang's `--api-key`);
 weight and control endpoints carry `admin_api_key` instead when one is given (`--admin-api-key`).
 """
@@ -27,6 +35,14 @@ from typing import Any, AsyncIterator, Optional
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
+CONTROL_TIMEOUT_S = 30.0  # default of `control_timeout`: pause, continue, health, versions, checksums
+WEIGHT_UPDATE_TIMEOUT_S = 120.0  # default of `weight_update_timeout`: one weight-update request
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+WEIGHT_UPDATE_PATHS = frozenset({
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
+    "/resume_memory_occupation",
+})
 # SGLang's weight and control endpoints (and our /weights_checksum): with `--admin-api-key` only that
 # key opens them (the server enforces this set; the client sends the admin key to them).
 ADMIN_PATHS = frozenset({
@@ -69,9 +85,16 @@ class EngineClient:
         connect_timeout: float = 10.0,
         api_key: Optional[str] = None,
         admin_api_key: Optional[str] = None,
+        control_timeout: Optional[float] = None,
+        weight_update_timeout: Optional[float] = None,
     ) -> None:
+        """`control_timeout` / `weight_update_timeout`: None = the smaller of `timeout` and
+        `CONTROL_TIMEOUT_S` / `WEIGHT_UPDATE_TIMEOUT_S`."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.control_timeout = control_timeout if control_timeout is not None else min(timeout, CONTROL_TIMEOUT_S)
+        self.weight_update_timeout = (weight_update_timeout if weight_update_timeout is not None
+                                      else min(timeout, WEIGHT_UPDATE_TIMEOUT_S))
         self.connect_timeout = connect_timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin = admin_api_key or api_key
@@ -221,14 +244,24 @@ class EngineClient:
     def _headers_for(self, path: str) -> dict[str, str]:
         return self._admin_headers if path in ADMIN_PATHS else self._headers
 
+    def timeout_for(self, path: str) -> float:
+        """Generation's `timeout`, weight updates' `weight_update_timeout`, else `control_timeout`."""
+        if path in GENERATION_PATHS:
+            return self.timeout
+        return self.weight_update_timeout if path in WEIGHT_UPDATE_PATHS else self.control_timeout
+
     async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: list[str] = ()) -> Any:
         url = self.base_url + path
         headers = self._headers_for(path)
         attempts = self.retries + 1 if retry else 1
-        timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+        total = self.timeout_for(path)
+        timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout, total))
         last: Exception | None = None
         for attempt in range(attempts):
             if attempt:
+                if isinstance(last, asyncio.TimeoutError) and path not in GENERATION_PATHS:
+                    attempts = attempt
+                    break  # a control call unanswered in time: asking again would only wait as long again
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
                 await self.abort_quietly(rids)
             try:
@@ -242,7 +275,8 @@ class EngineClient:
                     return _decode(raw, resp.content_type)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
                 last = err
-        raise EngineUnavailable(f"{url}: {type(last).__name__}: {last} (after {attempts} attempt(s))") from last
+        what = f"{type(last).__name__}: " + (f"no answer within {total:g} s" if isinstance(last, asyncio.TimeoutError) else str(last))
+        raise EngineUnavailable(f"{url}: {what} (after {attempts} attempt(s))") from last
 
     async def _stream(self, path: str, body: dict, *, rids: list[str]) -> AsyncIterator[dict]:
         url = self.base_url + path
@@ -283,7 +317,7 @@ class EngineClient:
         """Best effort: make sure an earlier attempt of these requests is not still running."""
         for rid in rids:
             try:
-                timeout = aiohttp.ClientTimeout(total=self.connect_timeout)
+                timeout = aiohttp.ClientTimeout(total=min(self.connect_timeout, self.control_timeout))
                 async with self._http().post(self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout,
                                              headers=self._admin_headers):
                     pass
@@ -292,7 +326,8 @@ class EngineClient:
 
     async def _ok(self, path: str) -> bool:
         try:
-            timeout = aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+            timeout = aiohttp.ClientTimeout(total=self.control_timeout, connect=min(self.connect_timeout,
+                                                                                   self.control_timeout))
             async with self._http().get(self.base_url + path, timeout=timeout, headers=self._headers) as resp:
                 await resp.read()
                 return resp.status == 200

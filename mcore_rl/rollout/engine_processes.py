@@ -11,10 +11,11 @@ weight sync fills them. The trainer then reaches the engines as any SGLang serve
 The processes die with the trainer, however it dies: each gets SIGTERM from the kernel when the
 thread that started it exits (`PR_SET_PDEATHSIG`, `parallel/lifetime.py`; so start and restart
 them from a thread that lives as long as they should, normally the main thread), and each leads
-its own process group, which `close()` signals (SIGTERM, then SIGKILL) so nothing it started
-survives it. `restart(i)` brings an engine back at the same URL with dummy weights again; the
-pool's health check then finds it at another weight version and keeps it in `router.stale`, out
-of generation, until the next weight sync reaches it.
+its own process group, which `close()` kills (SIGKILL: nothing in an engine needs a graceful
+stop) so nothing it started survives it. `restart(i)` brings an engine back at the same URL with dummy weights again (returning
+once it answers); `relaunch(i)` and `poll_start(i)` do the same in two halves, so that the pool's
+restarter can bring several back at once. The pool then finds it at another weight version and
+keeps it waiting for weights, out of generation, until the next weight sync reaches it.
 
 The servers report log-probs of the temperature-scaled distribution they sample from
 (`SGLANG_RETURN_ORIGINAL_LOGPROB=0`), as the embedded pool's engines do, because that is what the
@@ -43,7 +44,7 @@ from mcore_rl.parallel.lifetime import preexec_die_with_parent
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 20  # of an engine's log, in a startup error
-STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL (the server itself exits within 3 s of SIGTERM)
+STOP_GRACE_S = 5.0  # restart of a live engine: SIGTERM -> SIGKILL (the server exits within 3 s of SIGTERM)
 _BIND_RETRIES = 3  # a free port taken by someone else between the probe and the server's bind
 _PORT_IN_USE = ("address already in use", "errno 98")
 
@@ -63,6 +64,7 @@ class _Engine:
     log_path: str
     proc: Optional[subprocess.Popen] = None
     log_offset: int = 0  # where this launch's lines start in the (appended) log
+    launched_at: float = 0.0  # time.monotonic() of the current launch
 
 
 class EngineProcesses:
@@ -185,33 +187,66 @@ class EngineProcesses:
         """Stop engine `i` if it still runs and start it again at the same URL, dummy weights
         again; returns once it answers `/health`. The pool keeps it out of generation until a
         weight sync reached it."""
-        if self._closed:
-            raise RuntimeError("restart: the engine processes are closed")
-        e = self._engines[i]
-        self._stop(e)
         for attempt in range(_BIND_RETRIES):
-            self._launch(e)
+            self.relaunch(i)
             try:
-                self._wait_ready(e, new_port_on_clash=False)
-                logger.warning("engine %d restarted at %s (pid %d)", i, self._url(e), e.proc.pid)
+                while not self.poll_start(i):
+                    time.sleep(0.1)
+                logger.warning("engine %d restarted at %s (pid %d)", i, self._url(self._engines[i]),
+                               self._engines[i].proc.pid)
                 return
             except _PortInUse:
                 time.sleep(0.5 * (attempt + 1))  # our URL is fixed: wait for the port to come free
+        e = self._engines[i]
         raise EngineStartError(f"engine {i}: port {e.port} stayed in use; cannot restart at {self._url(e)} "
                                f"(log: {e.log_path})")
 
+    def relaunch(self, i: int) -> None:
+        """Stop engine `i` if it still runs and launch it again at the same URL (dummy weights
+        again), without waiting for it: `poll_start(i)` says when it answers. Call it from the
+        thread that should outlive the engine (PDEATHSIG)."""
+        if self._closed:
+            raise RuntimeError("relaunch: the engine processes are closed")
+        e = self._engines[i]
+        self._stop(e)
+        self._launch(e)
+
+    def poll_start(self, i: int) -> bool:
+        """True once engine `i`, (re)launched, answers `/health`; False while it starts. Raises
+        `EngineStartError` (naming its log) if it exited or stayed silent for the startup timeout
+        (it is stopped then; `relaunch` starts it again); `_PortInUse` if its port was taken."""
+        e = self._engines[i]
+        if e.proc is None:
+            raise EngineStartError(f"engine {i} is not running")
+        code = e.proc.poll()
+        if code is not None:
+            if any(s in self._log_tail(e).lower() for s in _PORT_IN_USE):
+                raise _PortInUse(e.port)
+            raise EngineStartError(self._failure(e, f"exited with code {code} during startup"))
+        if _healthy(self._url(e)):
+            return True
+        if time.monotonic() - e.launched_at > self.startup_timeout_s:
+            message = self._failure(e, f"did not answer {self._url(e)}/health within {self.startup_timeout_s:g} s; "
+                                       "stopped it")
+            self._stop(e)
+            raise EngineStartError(message)
+        return False
+
     def close(self) -> None:
-        """Stop every engine (SIGTERM to its process group, SIGKILL after `STOP_GRACE_S`);
-        idempotent."""
+        """Stop every engine: SIGKILL to its process group, then reap it; idempotent. No grace
+        period: an engine the trainer started holds nothing that outlives it (its weights come
+        from the trainer, its requests are the scheduler's, which checkpoints them), and a
+        graceful stop cost the trainer's exit 3-5 s, inside a scheduler's pre-emption grace."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
         for e in self._engines:
-            _signal_group(e, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+            _signal_group(e, signal.SIGKILL)
         for e in self._engines:
-            self._stop(e, deadline)
+            if e.proc is not None:
+                e.proc.wait()
+                e.proc = None
 
     def __enter__(self) -> "EngineProcesses":
         return self
@@ -238,29 +273,19 @@ class EngineProcesses:
             log.flush()
             e.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e.env,
                                       start_new_session=True, preexec_fn=_preexec(e.cores))
+            e.launched_at = time.monotonic()
 
     def _wait_ready(self, e: _Engine, *, new_port_on_clash: bool) -> None:
         """Until `/health` answers 200. An engine whose port was taken meanwhile starts again on
         another one (`new_port_on_clash`) or raises `_PortInUse`."""
         for _ in range(_BIND_RETRIES):
-            deadline = time.monotonic() + self.startup_timeout_s
-            while True:
-                code = e.proc.poll()
-                if code is not None:
-                    break
-                if _healthy(self._url(e)):
-                    return
-                if time.monotonic() > deadline:
-                    message = self._failure(e, f"did not answer {self._url(e)}/health within "
-                                               f"{self.startup_timeout_s:g} s; stopped it")
-                    self._stop(e)
-                    raise EngineStartError(message)
-                time.sleep(0.1)
-            tail = self._log_tail(e)
-            if not any(s in tail.lower() for s in _PORT_IN_USE):
-                raise EngineStartError(self._failure(e, f"exited with code {code} during startup"))
-            if not new_port_on_clash:
-                raise _PortInUse(e.port)
+            try:
+                while not self.poll_start(e.index):
+                    time.sleep(0.1)
+                return
+            except _PortInUse:
+                if not new_port_on_clash:
+                    raise
             logger.warning("engine %d: port %d was taken; trying another", e.index, e.port)
             e.port = _free_port(self.host)
             self._launch(e)

@@ -106,6 +106,14 @@ def check_logprobs_mode(pool: "HTTPEnginePool", rollout: Any) -> None:
             )
 
 
+def engine_timeouts(rollout: Any) -> dict[str, float]:
+    """`HTTPEnginePool`'s timeouts besides generation's, from the rollout config (never longer
+    than a generation request's)."""
+    return {"control_timeout": min(rollout.control_timeout_s, rollout.request_timeout_s),
+            "weight_update_timeout": min(rollout.weight_update_timeout_s, rollout.request_timeout_s),
+            "no_engine_timeout_s": rollout.no_engine_timeout_s}
+
+
 def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int, *,
                       workdir: Optional[str] = None, tokenizer_path: Optional[str] = None) -> EnginePool:
     """The pool `rollout` asks for: the servers of `engine_urls`; else `mcore-rl serve` processes
@@ -119,7 +127,7 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
     if rollout.engine_urls:
         pool = HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                               admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s,
-                              num_layers=model.num_layers)
+                              num_layers=model.num_layers, **engine_timeouts(rollout))
         try:
             check_logprobs_mode(pool, rollout)
         except BaseException:
@@ -140,7 +148,7 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
             return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
                                   admin_api_key=rollout.admin_api_key, processes=procs,
                                   restart_dead=rollout.restart_engines, health_interval=rollout.health_check_interval_s,
-                                  num_layers=model.num_layers)
+                                  num_layers=model.num_layers, **engine_timeouts(rollout))
         except BaseException:
             procs.close()
             raise
@@ -242,25 +250,33 @@ class HTTPEnginePool:
     """SGLang-compatible servers, called from a private event-loop thread (the trainer is
     synchronous): generation through `EngineRouter`, control and weight updates to every live engine.
 
-    An engine that cannot be reached, or does not answer within `timeout`, is marked dead and left
-    out of everything (generation fails over, fan-outs skip it) until its `/health` answers again;
-    it then serves again only once it holds the pool's current weights (see `EngineRouter`).
-    Requests carry rids, so a failover never runs one twice. A fan-out that waits longer than
-    `log_wait_s` logs which engines and which call it is waiting for.
+    Every engine's state (starting, serving, waiting for weights, syncing, dead) is kept by
+    `router.states` (`engine_state.EngineStates`); the pool reports what it sees there. An engine
+    that cannot be reached, or does not answer within its timeout (`timeout` for generation,
+    `control_timeout` for control calls, `weight_update_timeout` for weight updates), is marked dead
+    and left out of everything (generation fails over, fan-outs skip it) until its `/health`
+    answers again; it then serves again only once it holds the pool's current weights. Requests
+    carry rids, so a failover never runs one twice. A fan-out that waits longer than `log_wait_s`
+    logs which engines and which call it is waiting for.
 
     With `processes` (the `EngineProcesses` that serve `urls`, in order) the pool owns them: it
-    stops them on `close()` and, with `restart_dead`, starts one again when its process died; the
-    restarted engine serves again after the next weight sync, like any engine that came back.
+    stops them on `close()` and, with `restart_dead`, starts one again when its process died —
+    several at once, each launched without waiting for the others to answer; a restarted engine
+    serves again after the next weight sync, like any engine that came back.
 
     Weight updates (`weight_update` ... `delivered`): an engine resumes only once it got the whole
     update and, when the transport passes the trainer's checksum, its `/weights_checksum` agrees;
     any other engine paused for the update (a sync that failed halfway, a mismatch) stays paused
-    and out of routing, since it may hold a mix of two versions, until a later update reaches it."""
+    and out of routing, since it may hold a mix of two versions, until a later update reaches it.
+    An update that finds no engine to send to waits up to `no_engine_timeout_s` for one (a
+    restarting engine, one that answers again) before it raises `NoHealthyEngine`."""
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
                  api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
                  health_interval: float = 5.0, log_wait_s: float = 10.0, processes: Any = None,
-                 restart_dead: bool = False, num_layers: Optional[int] = None) -> None:
+                 restart_dead: bool = False, num_layers: Optional[int] = None,
+                 control_timeout: Optional[float] = None, weight_update_timeout: Optional[float] = None,
+                 no_engine_timeout_s: float = 0.0) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
         if not urls:
@@ -269,19 +285,21 @@ class HTTPEnginePool:
         self.processes, self.restart_dead = processes, restart_dead
         self.num_layers = num_layers  # the served model's: shapes meta_info["routed_experts"] (routing replay)
         self.concurrency, self.timeout, self.log_wait_s = concurrency, timeout, log_wait_s
+        self.no_engine_timeout_s = no_engine_timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool-http", daemon=True)
         self._thread.start()
 
         async def make_router() -> Any:
             router = EngineRouter(self.urls, timeout=timeout, api_key=api_key, admin_api_key=admin_api_key,
-                                  health_interval=health_interval)
+                                  health_interval=health_interval, control_timeout=control_timeout,
+                                  weight_update_timeout=weight_update_timeout)
             router.start()
             return router
 
         self.router = self._run(make_router())
+        self.states = self.router.states
         self._transport: Any = None
-        self._updating: Optional[set[str]] = None  # engines delivered during the current weight_update
         self._no_checksum: set[str] = set()  # engines without /weights_checksum (real SGLang), logged once
         self._stop_watch = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -292,15 +310,29 @@ class HTTPEnginePool:
             self._watcher.start()
 
     def _restart_dead(self, interval: float) -> None:
-        """Start engine processes that died again (same URL); the router takes them back."""
-        while not self._stop_watch.wait(interval):
+        """Start engine processes that died again (same URL), all that died, without waiting for
+        one to answer before noticing the next; each waits for weights once it answers."""
+        starting: set[int] = set()  # launched again, not answering yet
+        while not self._stop_watch.wait(min(interval, 0.2) if starting else interval):
             for i, url in enumerate(self.urls):
-                if self._stop_watch.is_set() or self.processes.alive(i):
+                if self._stop_watch.is_set():
+                    return
+                if i in starting:
+                    try:
+                        if not self.processes.poll_start(i):
+                            continue
+                        self.states.process_ready(url, self._run(self.router._version_of(url)))
+                    except Exception:  # noqa: BLE001 - launched again next round; the others go on
+                        logger.exception("engine %s did not come back", url)
+                    starting.discard(i)
+                    continue
+                if self.processes.alive(i):
                     continue
                 logger.warning("engine process %s (%s) died; starting it again", i, url)
-                self._loop.call_soon_threadsafe(self.router.healthy.discard, url)
+                self.states.process_restarted(url)
                 try:
-                    self.processes.restart(i)
+                    self.processes.relaunch(i)
+                    starting.add(i)
                 except Exception:  # noqa: BLE001 - try again next round; the run goes on with the others
                     logger.exception("could not restart engine %s", url)
 
@@ -314,13 +346,15 @@ class HTTPEnginePool:
     @property
     def live(self) -> list[str]:
         """Engines that take generation requests, in URL order."""
-        return [u for u in self.urls if u in self.router.healthy]
+        routable = set(self.states.routable())
+        return [u for u in self.urls if u in routable]
 
     # ---- fan-out to every live engine (control and weight updates) ---------------------------
 
     def update_targets(self) -> list[str]:
         """Engines a weight update goes to: the live ones and those back but waiting for weights."""
-        return [u for u in self.urls if u in self.router.healthy or u in self.router.stale]
+        targets = set(self.states.update_targets())
+        return [u for u in self.urls if u in targets]
 
     def start(self, method: str, kwargs: dict | Callable[[int], dict],
               urls: Optional[Sequence[str]] = None) -> dict[str, Future]:
@@ -361,8 +395,9 @@ class HTTPEnginePool:
         while pending:
             done, _ = concurrent.futures.wait(pending.values(), timeout=self.log_wait_s)
             if not done:
+                limit = self.router.clients[next(iter(pending))].timeout_for(what)
                 logger.warning("waited %.0f s (timeout %.0f s) for %s from %s", time.monotonic() - start,
-                               self.timeout, what, ", ".join(sorted(pending)))
+                               limit, what, ", ".join(sorted(pending)))
             pending = {u: f for u, f in pending.items() if not f.done()}
         out: dict[str, tuple[Any, Optional[Exception]]] = {}
         for url, f in futures.items():
@@ -371,8 +406,7 @@ class HTTPEnginePool:
             except EngineUnavailable as err:
                 logger.warning("engine %s is unreachable during %s (%s); it is left out until it answers again",
                                url, what, err)
-                self.router.healthy.discard(url)
-                self.router.stale.discard(url)
+                self.states.unreachable(url)
             except Exception as err:  # noqa: BLE001 - the caller decides
                 out[url] = (None, err)
         return out
@@ -384,41 +418,42 @@ class HTTPEnginePool:
 
     @contextlib.contextmanager
     def weight_update(self, mode: str, urls: Optional[Sequence[str]] = None) -> Iterator[list[str]]:
-        """Pause `urls` (default: every update target) so that no token is generated from
-        half-updated weights; yields the engines that answered. Transports shrink the list as
-        engines drop out, then call `delivered` for those that got everything. On the way out those
-        continue (`/continue_generation`); every other engine paused here stays paused and moves to
-        `router.stale` (out of routing, and marked `unsynced` so that no health check takes it
-        back), also when the update raised: it may hold a mix of two versions."""
-        asked = self.update_targets() if urls is None else list(urls)
-        replies = self._settle(self.start("pause_generation", {"mode": mode}, asked), "/pause_generation")
-        targets = [u for u, (_, err) in replies.items() if err is None]
-        refused = next((err for _, err in replies.values() if err is not None), None)
+        """Pause `urls` (default: every update target, waiting up to `no_engine_timeout_s` for one
+        when there is none) so that no token is generated from half-updated weights; yields the
+        engines that answered. Transports shrink the list as engines drop out, then call
+        `delivered` for those that got everything. On the way out those continue
+        (`/continue_generation`); every other engine paused here stays paused and waits for the
+        next update, also when the update raised: it may hold a mix of two versions."""
+        from mcore_rl.rollout.router import NoEngineToSync
+
+        deadline, logged = time.monotonic() + self.no_engine_timeout_s, False
+        while True:
+            asked = self.update_targets() if urls is None else list(urls)
+            replies = self._settle(self.start("pause_generation", {"mode": mode}, asked), "/pause_generation")
+            targets = [u for u, (_, err) in replies.items() if err is None]
+            refused = next((err for _, err in replies.values() if err is not None), None)
+            if refused is not None or targets or urls is not None or time.monotonic() >= deadline:
+                break
+            if not logged:
+                logger.warning("weight update: no engine to send to (%s); waiting up to %.0f s "
+                               "(rollout.no_engine_timeout_s) for one to come back", self.states.summary(),
+                               self.no_engine_timeout_s)
+                logged = True
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         if refused is not None or not targets:  # nothing was sent yet: the paused ones may go on
             if targets:
                 self.call("continue_generation", {}, targets)
             if refused is not None:
                 raise refused
-            from mcore_rl.rollout.router import NoHealthyEngine
-
-            tried = ", ".join(asked) or "none"
-            raise NoHealthyEngine(f"/pause_generation: no engine to update answered (tried {tried})")
+            waited = f" after waiting {self.no_engine_timeout_s:g} s (rollout.no_engine_timeout_s)" if logged else ""
+            raise NoEngineToSync(f"weight update: no engine to send the weights to answered{waited}; "
+                                 f"{self.states.summary()}")
         paused = list(targets)
-        self._updating = set()
+        self.states.sync_begin(paused)
         try:
             yield targets
         finally:
-            done, self._updating = self._updating, None
-            for u in paused:
-                if u in done:
-                    continue
-                self.router.unsynced.add(u)
-                if u in self.router.healthy:
-                    self.router.healthy.discard(u)
-                    self.router.stale.add(u)
-                logger.warning("engine %s did not get (or did not confirm) the whole weight update; it stays paused "
-                               "and out of routing until a later update reaches it", u)
-            resume = [u for u in paused if u in done and u in self.router.healthy]
+            resume = self.states.sync_end(paused)
             if resume:
                 self.call("continue_generation", {}, resume)
 
@@ -426,20 +461,13 @@ class HTTPEnginePool:
                   checksum: Optional["WeightChecksum"] = None) -> dict[str, str]:
         """`urls` received every tensor of `version`. With `checksum` (the trainer's
         `WeightChecksum` of what it sent) each engine's `/weights_checksum` is compared first; the
-        engines that agree, or have no such endpoint (logged once), serve again. Returns the others,
-        with why (an engine that cannot be reached for the check just drops out)."""
+        engines that agree, or have no such endpoint (logged once), serve again (those paused for
+        the update once it ends). Returns the others, with why (an engine that cannot be reached
+        for the check just drops out)."""
         problems = self.verify(urls, version, checksum) if checksum is not None else {}
-        confirmed = [u for u in urls if u not in problems and (u in self.router.healthy or u in self.router.stale)]
-        for u in confirmed:
-            if u in self.router.stale:
-                logger.warning("engine %s has the current weights (version %s) and serves again", u, version)
-                self.router.stale.discard(u)
-                self.router.healthy.add(u)
-            self.router.unsynced.discard(u)
-            if self._updating is not None:
-                self._updating.add(u)
-        if confirmed:
-            self.router.expected_version = str(version)
+        for u in urls:
+            if u not in problems:
+                self.states.delivered(u, str(version))
         return problems
 
     def verify(self, urls: Sequence[str], version: int, checksum: "WeightChecksum") -> dict[str, str]:
@@ -473,7 +501,8 @@ class HTTPEnginePool:
         elif rollout.sync_transport == "disk":
             self._transport = DiskTransport(self, rollout.sync_dir)
         else:
-            self._transport = DistributedTransport(self, rendezvous_timeout_s=self.timeout)
+            self._transport = DistributedTransport(
+                self, rendezvous_timeout_s=self.router.clients[self.urls[0]].weight_update_timeout)
         return self._transport
 
     # ---- generation --------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """Spreading rollouts over many engines: least outstanding requests, health checks, failover.
 
-`EngineRouter(urls)` sends each `/generate` to the healthy engine with the fewest requests in
-flight from this router. When an engine cannot be reached (or answers 5xx), it is marked unhealthy,
+`EngineRouter(urls)` sends each `/generate` to a serving engine with the fewest requests in
+flight from this router. When an engine cannot be reached (or answers 5xx), it is marked dead,
 told to abort the request's rids (best effort: it may be alive behind a broken connection) and the
 request goes to another engine with the same rids; the caller gets exactly one result per request.
-A background task re-checks unhealthy engines (`/health`) and takes them back when they answer —
-at once if they report the weight version the pool last delivered (`expected_version`), else
-only after the next weight update reached them (they wait in `stale`: an engine that restarted
-must not serve old weights). An engine whose last weight update failed (`unsynced`: it may hold
-a mix of two versions under the old version's name) always waits for the next one. Control
-calls (pause, continue, flush, weight updates) go to every healthy engine.
+A background task re-checks engines that are down (`/health`) and takes them back when they
+answer — at once if they report the weight version the pool last delivered, else only after the
+next weight update reached them (they wait for weights: an engine that restarted must not serve
+old weights). Every engine's state lives in one `EngineStates` (`engine_state.py`); the router,
+the pool and the restarter report events to it. Control calls (pause, continue, flush, weight
+updates) go to every serving engine, with `control_timeout` rather than the generation timeout.
 
 A streamed request that fails over starts again on the new engine; SGLang's stream events are
 cumulative, so the last event is still the whole result.
@@ -38,11 +38,19 @@ from mcore_rl.rollout.client import (
     with_rids,
 )
 
+from mcore_rl.rollout.engine_state import EngineState, EngineStates
+
 logger = logging.getLogger(__name__)
 
 
 class NoHealthyEngine(EngineUnavailable):
-    """Every engine failed or is marked unhealthy."""
+    """No engine could take the call: every one failed, is down, or waits for weights. Fatal for
+    a run when it persists (the message says which engines were tried and in what state)."""
+
+
+class NoEngineToSync(NoHealthyEngine):
+    """A weight update found no engine to send to, also after waiting `rollout.no_engine_timeout_s`
+    for one to come back. Fatal for a run."""
 
 
 class EngineRouter:
@@ -57,18 +65,28 @@ class EngineRouter:
         health_interval: float = 5.0,
         api_key: Optional[str] = None,
         admin_api_key: Optional[str] = None,
+        control_timeout: Optional[float] = None,
+        weight_update_timeout: Optional[float] = None,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one engine URL is needed")
         self.clients = {u.rstrip("/"): EngineClient(u, timeout=timeout, retries=retries, api_key=api_key,
-                                                    admin_api_key=admin_api_key) for u in urls}
+                                                    admin_api_key=admin_api_key, control_timeout=control_timeout,
+                                                    weight_update_timeout=weight_update_timeout) for u in urls}
         self.outstanding = {u: 0 for u in self.clients}
-        self.healthy = set(self.clients)
-        self.stale: set[str] = set()  # alive again, but not yet given the current weights
-        self.unsynced: set[str] = set()  # a weight update to it failed: only a successful one takes it back
-        self.expected_version: Optional[str] = None  # the weight version the pool last delivered
+        self.states = EngineStates(list(self.clients))
         self.health_interval = health_interval
         self._health_task: Optional[asyncio.Task] = None
+
+    @property
+    def healthy(self) -> frozenset[str]:
+        """The engines generation goes to (a view of `states`)."""
+        return frozenset(self.states.routable())
+
+    @property
+    def stale(self) -> frozenset[str]:
+        """The engines that answer but wait for the current weights (a view of `states`)."""
+        return frozenset(self.states.in_state(EngineState.WAITING))
 
     async def __aenter__(self) -> "EngineRouter":
         self.start()
@@ -137,8 +155,8 @@ class EngineRouter:
     # ---- every engine ----------------------------------------------------------------------
 
     async def broadcast(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Call `EngineClient.<method>` on every healthy engine concurrently; {url: reply}."""
-        urls = sorted(self.healthy)
+        """Call `EngineClient.<method>` on every serving engine concurrently; {url: reply}."""
+        urls = sorted(self.states.routable())
         replies = await asyncio.gather(*(getattr(self.clients[u], method)(*args, **kwargs) for u in urls))
         return dict(zip(urls, replies))
 
@@ -158,23 +176,15 @@ class EngineRouter:
         return await self.broadcast("update_weights_from_disk", model_path, **fields)
 
     async def check_health(self) -> dict[str, bool]:
-        """Ask every engine's /health now and update the healthy set (an engine that answers
-        again with other weights than the pool's waits in `stale` for the next weight update)."""
+        """Ask every engine's /health now and report it to `states` (an engine that answers again
+        with other weights than the pool's waits for the next weight update)."""
         urls = list(self.clients)
         results = await asyncio.gather(*(self.clients[u].health() for u in urls))
         for url, ok in zip(urls, results):
             if not ok:
-                self.healthy.discard(url)
-                self.stale.discard(url)
-            elif url not in self.healthy and url not in self.stale:
-                if url not in self.unsynced and (
-                        self.expected_version is None or await self._version_of(url) == self.expected_version):
-                    logger.warning("engine %s is healthy again", url)
-                    self.healthy.add(url)
-                else:
-                    logger.warning("engine %s is back with other weights; it serves again after the next weight "
-                                   "update", url)
-                    self.stale.add(url)
+                self.states.health_failed(url)
+            elif self.states.is_down(url):
+                self.states.health_ok(url, await self._version_of(url))
         return dict(zip(urls, results))
 
     async def _version_of(self, url: str) -> Optional[str]:
@@ -186,14 +196,14 @@ class EngineRouter:
     # ---- internals -------------------------------------------------------------------------
 
     def _pick(self, tried: set[str]) -> str:
-        candidates = [u for u in self.healthy if u not in tried]
+        candidates = [u for u in self.states.routable() if u not in tried]
         if not candidates:
-            raise NoHealthyEngine(f"no healthy engine left to try (tried {sorted(tried)}, healthy {sorted(self.healthy)})")
+            raise NoHealthyEngine(f"no serving engine left to try (tried {sorted(tried)}; {self.states.summary()})")
         return min(candidates, key=lambda u: (self.outstanding[u], u))
 
     async def _failed(self, url: str, body: dict, err: Exception) -> None:
         logger.warning("engine %s failed (%s); retrying elsewhere", url, err)
-        self.healthy.discard(url)
+        self.states.unreachable(url)
         await self.clients[url].abort_quietly(request_rids(body))
 
     async def _health_loop(self) -> None:

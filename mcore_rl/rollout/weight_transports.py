@@ -28,8 +28,12 @@ and confirmed, the whole model resume.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
+import logging
 import os
+import re
+import subprocess
 import tempfile
 import uuid
 from concurrent.futures import Future
@@ -52,6 +56,9 @@ from mcore_rl.rollout.weight_protocol import (
     init_custom_process_group,
     write_safetensors,
 )
+
+logger = logging.getLogger(__name__)
+SHM_PREFIX = "mcore_rl_weights_"  # + the trainer's pid + "_": shared-memory buckets of `TensorTransport`
 
 
 class EngineFanout(Protocol):
@@ -252,7 +259,12 @@ class TensorTransport:
       `shm_dir` (default /dev/shm) and the request points at it — the CPU analogue of the CUDA IPC
       handles a colocated SGLang receives. Two such files alternate (the next bucket is written
       while the engines read the current one) and are rewritten in place from sync to sync, which
-      is several times faster than fresh shared memory; `close()` removes them;
+      is several times faster than fresh shared memory; `close()` removes them. Shared memory is
+      RAM that outlives a process killed before `close()`, so the files are also reclaimed when
+      the trainer dies by SIGKILL (a `sh` started with them waits on a pipe from the trainer and
+      removes them at its end of file), and every transport that creates its files first removes
+      those of trainers that no longer run (their pid is in the name): a resumed run, or any
+      later one on the host, reclaims what an earlier one left;
     - "inline": the bytes travel in the request (base64 safetensors), for engines elsewhere; JSON
       and base64 make this the slowest transport;
     - "sglang": SGLang's `MultiprocessingSerializer` format, for a colocated real SGLang server.
@@ -263,6 +275,7 @@ class TensorTransport:
     shm_dir: Optional[str] = None
     pause_mode: str = "retract"
     _files: list[str] = field(default_factory=list, init=False)
+    _reaper: Optional[subprocess.Popen] = field(default=None, init=False)
 
     def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
              only: Optional[Sequence[str]] = None) -> None:
@@ -288,14 +301,62 @@ class TensorTransport:
             return encode_named_tensors_sglang(bucket)
         if not self._files:
             shm_dir = self.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            stem = os.path.join(shm_dir, f"mcore_rl_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            reclaim_orphaned_buffers(shm_dir)
+            stem = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}")
             self._files = [f"{stem}_{k}.safetensors" for k in (0, 1)]
+            self._reaper = _start_reaper(self._files)
         write_safetensors(bucket, self._files[slot])
         return encode_tensor_file(self._files[slot])
 
     def close(self) -> None:
         _remove(self._files)
         self._files = []
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # its end of file: it removes files that are gone already, and exits
+            self._reaper.wait()
+            self._reaper = None
+
+
+def reclaim_orphaned_buffers(directory: str) -> list[str]:
+    """Remove the shared-memory buckets in `directory` of trainers that no longer run (and belong
+    to this user); returns their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(directory, f"{SHM_PREFIX}*_*.safetensors")):
+        m = re.match(rf"{SHM_PREFIX}(\d+)_", os.path.basename(path))
+        if m is None or _running(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == os.getuid():
+                os.remove(path)
+                removed.append(path)
+    if removed:
+        logger.warning("removed %d shared-memory weight bucket(s) a killed trainer left: %s", len(removed),
+                       ", ".join(removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def _start_reaper(paths: Sequence[str]) -> Optional[subprocess.Popen]:
+    """A `sh` that removes `paths` once this process is gone, however it ends: it waits for end of
+    file on a pipe whose only writer is this process (the pipe is not inherited across exec). Its
+    own session, so a signal to the trainer's process group does not reach it. None without `sh`."""
+    try:
+        return subprocess.Popen(["sh", "-c", 'cat >/dev/null; rm -f -- "$@"', "mcore-rl-shm-reaper", *paths],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError as err:
+        logger.warning("could not start the shared-memory reaper (%s): a SIGKILLed trainer leaves %s behind until "
+                       "the next run on this host removes them", err, ", ".join(paths))
+        return None
 
 
 def _remove(paths: Iterable[str]) -> None:

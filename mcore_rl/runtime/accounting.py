@@ -10,6 +10,11 @@ or in the buffer). The ledger counts them; `check()` verifies
 and `report()` is what `accounting.json` in the run directory holds. The counts are checkpointed,
 so the identity holds across a kill and resume (the pending groups are checkpointed with them).
 Groups regenerated after being found too stale count once, as the prompt they are.
+
+Counts alone cannot show that no prompt was lost or trained twice across a kill (one of each
+balances). So every step also appends the stream positions of the prompts it trained to
+`provenance.jsonl` (ranges, a line per step), and `check_provenance(run_dir)` checks the claim
+from the run directory alone (`python -m mcore_rl.runtime.accounting RUN_DIR` prints it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 
 @dataclass
@@ -76,3 +81,111 @@ class SampleLedger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, Counter(v) if k in ("filtered", "failed") else int(v))
+
+
+# --------------------------------------------------------------------------------------------
+# per-prompt provenance: which prompts each step trained
+# --------------------------------------------------------------------------------------------
+
+PROVENANCE = "provenance.jsonl"
+
+
+def compact_ids(ids: Iterable[int]) -> list[list[int]]:
+    """Sorted, distinct `ids` as inclusive ranges: [3, 4, 5, 9] -> [[3, 5], [9, 9]]."""
+    out: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def expand_ids(ranges: Iterable[Sequence[int]]) -> list[int]:
+    return [i for lo, hi in ranges for i in range(int(lo), int(hi) + 1)]
+
+
+def record_trained_prompts(run_dir: str, step: int, prompt_indices: Iterable[int]) -> None:
+    """Append the stream positions (`Prompt.index`) of the prompts step `step` trained to
+    `<run_dir>/provenance.jsonl`, as ranges; one line per step, written (and flushed to disk)
+    before the step's checkpoint, so that a resumed run that does a step again appends a line for
+    it that replaces the killed run's (see `check_provenance`)."""
+    ids = list(prompt_indices)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, PROVENANCE), "a") as f:
+        f.write(json.dumps({"step": int(step), "n": len(set(ids)), "prompts": compact_ids(ids)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def trained_by_step(run_dir: str) -> dict[int, list[int]]:
+    """The prompts each step of the run trained, as the run stands: a line for a step at or before
+    one already read means the run was resumed from a checkpoint of the step before it, so the
+    killed run's lines from that step on are dropped (their training was lost with the process)."""
+    steps: dict[int, list[int]] = {}
+    with open(os.path.join(run_dir, PROVENANCE)) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                step, ids = int(rec["step"]), expand_ids(rec["prompts"])
+            except (ValueError, KeyError, TypeError) as err:
+                if not line.endswith("\n"):  # the last line of a killed run, cut off mid-write
+                    continue
+                raise ValueError(f"{os.path.join(run_dir, PROVENANCE)}:{n}: not a provenance record ({err})") from None
+            for later in [s for s in steps if s >= step]:
+                del steps[later]
+            steps[step] = ids
+    return steps
+
+
+@dataclass
+class ProvenanceCheck:
+    trained: int  # distinct prompts trained
+    duplicates: dict[int, list[int]]  # prompt index -> the steps that trained it (more than one)
+    missing_steps: list[int]  # steps without a line
+    problems: list[str]  # against accounting.json, when the run directory has one
+
+    @property
+    def ok(self) -> bool:
+        return not (self.duplicates or self.missing_steps or self.problems)
+
+
+def check_provenance(run_dir: str) -> ProvenanceCheck:
+    """Check from the run directory alone that no prompt was trained twice (also across a kill and
+    resume) and, with `accounting.json`, that none was lost: the prompts trained are as many as
+    the ledger's `trained`, all among the `drawn` first of the stream, and the others are exactly
+    as many as the ledger's filtered + dropped + failed + pending."""
+    steps = trained_by_step(run_dir)
+    seen: dict[int, list[int]] = {}
+    for step in sorted(steps):
+        for i in steps[step]:
+            seen.setdefault(i, []).append(step)
+    duplicates = {i: s for i, s in seen.items() if len(s) > 1}
+    missing = [s for s in range(1, max(steps, default=0) + 1) if s not in steps]
+    problems: list[str] = []
+    acc_path = os.path.join(run_dir, "accounting.json")
+    if os.path.exists(acc_path):
+        with open(acc_path) as f:
+            acc = json.load(f)
+        if len(seen) != acc["trained"]:
+            problems.append(f"{len(seen)} prompts trained by the steps' records, accounting.json says {acc['trained']}")
+        beyond = sorted(i for i in seen if i >= acc["drawn"])
+        if beyond:
+            problems.append(f"prompts {compact_ids(beyond)} trained but beyond the {acc['drawn']} drawn")
+        others = acc["filtered"] + acc["dropped_stale"] + acc["failed"] + acc["pending"]
+        if acc["drawn"] - len(seen) != others:
+            problems.append(f"{acc['drawn'] - len(seen)} drawn prompts were not trained, but accounting.json accounts "
+                            f"for {others} (filtered + dropped + failed + pending): "
+                            f"{acc['drawn'] - len(seen) - others} lost")
+    return ProvenanceCheck(len(seen), duplicates, missing, problems)
+
+
+if __name__ == "__main__":
+    import sys
+
+    result = check_provenance(sys.argv[1])
+    print(json.dumps({"ok": result.ok, "trained": result.trained, "duplicates": result.duplicates,
+                      "missing_steps": result.missing_steps, "problems": result.problems}, indent=2))
+    sys.exit(0 if result.ok else 1)

@@ -36,6 +36,7 @@ from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_c
 from mcore_rl.data.samples import Sample
 from mcore_rl.parallel.preemption import preempted, stop_requested
 from mcore_rl.runtime import early_stop
+from mcore_rl.runtime.accounting import record_trained_prompts
 from mcore_rl.runtime.judge_heads import add_judge_heads
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.plot import plot_curves
@@ -548,6 +549,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 if k == len(records) - 1:
                     record.update(extra)
                 writer.write(record)
+            if rank0:  # which prompts this step trained (before its checkpoint: see accounting.py)
+                record_trained_prompts(cfg.run_dir, st.rl_step, (s.prompt.index for s in samples))
             stop = stop_requested() if st.rl_step < cfg.train.num_steps else None  # launch: pre-emption (collective)
             ck = cfg.checkpoint
             if ck.save_dir and ((ck.save_interval > 0 and st.rl_step % ck.save_interval == 0) or stop):

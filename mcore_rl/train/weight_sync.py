@@ -19,6 +19,9 @@ DESIGN.md decision 4. The flow, collective over the trainer world (every rank ca
    differ (or report another version) get the whole sync once more, alone; if one still differs the
    sync raises `WeightSyncError` naming the engine, the version and both checksums, on every rank.
    Engines without the endpoint (real SGLang) are not checked.
+5. A sync whose every engine dropped out while it ran (killed mid-sync, while the others were
+   restarting) is sent again, up to `LOST_ENGINE_RETRIES` times: the pool then waits up to
+   `rollout.no_engine_timeout_s` for an engine to come back before it gives up (`NoEngineToSync`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.weight_map import megatron_to_hf
+from mcore_rl.rollout.client import EngineUnavailable
+from mcore_rl.rollout.router import NoEngineToSync
 from mcore_rl.models.shards import gather_data_parallel_shards, iter_local_params, unshard
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
@@ -47,6 +52,7 @@ from mcore_rl.rollout.weight_protocol import (
 from mcore_rl.rollout.weight_transports import SyncStats, Transport
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+LOST_ENGINE_RETRIES = 3  # a sync every engine dropped out of is sent again (see 5. above)
 logger = logging.getLogger(__name__)
 
 
@@ -271,8 +277,14 @@ class WeightSync:
         elsewhere. Collective; a failure on rank 0 raises on every rank."""
         start = time.perf_counter()
         stats, error = self._ship(version, None)
-        mismatched = stats is not None and bool(stats.mismatched)
-        status = self._agree(_FAILED if error is not None else _RESYNC if mismatched else _OK)
+        status = self._agree(_status(stats, error, retries_left=LOST_ENGINE_RETRIES))
+        for retry in range(LOST_ENGINE_RETRIES):
+            if status != _AGAIN:
+                break
+            logger.warning("weight sync of version %s: every engine dropped out of it (%s); sending it again to the "
+                           "engines that answer", version, error)
+            stats, error = self._ship(version, None)
+            status = self._agree(_status(stats, error, retries_left=LOST_ENGINE_RETRIES - retry - 1))
         if status == _RESYNC:
             first = stats
             again = sorted(first.mismatched) if first is not None else None
@@ -328,7 +340,17 @@ class WeightSync:
         return int(t.item())
 
 
-_OK, _RESYNC, _FAILED = 0, 1, 2
+_OK, _RESYNC, _FAILED, _AGAIN = 0, 1, 2, 3
+
+
+def _status(stats: Optional[SyncStats], error: Optional[BaseException], retries_left: int) -> int:
+    """What rank 0's attempt asks of every rank: done, re-sync the mismatched engines, send the
+    whole sync again (every engine dropped out while it ran), or fail."""
+    if isinstance(error, EngineUnavailable) and not isinstance(error, NoEngineToSync) and retries_left > 0:
+        return _AGAIN
+    if error is not None:
+        return _FAILED
+    return _RESYNC if stats is not None and stats.mismatched else _OK
 
 
 def _counted(named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
