@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal, Optional
 
 import pytest
@@ -18,6 +19,9 @@ from mcore_rl.config import (
 )
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.validate import DerivedSizes
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(tmp_path, name, text):
@@ -243,8 +247,17 @@ def test_heads_and_groups_vs_tp():
     invalid(sft("parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"), 4, "model.num_query_groups")
     invalid(sft("parallel.tensor_model_parallel_size=8", "model.num_query_groups=4"), 8, "model.num_attention_heads")
     invalid(sft("model.num_query_groups=3"), 1, "model.num_query_groups")
-    invalid(sft("model.hidden_size=66"), 1, "model.kv_channels")
     validate_sft_config(sft("model.hidden_size=66", "model.kv_channels=16"), 1)
+
+
+def test_an_underivable_head_dim_names_the_key_the_user_set():
+    """`model.hidden_size=63` on the demo: the error names hidden_size (set) and num_attention_heads,
+    not kv_channels, a key the user never set (it is only where the derived head dim would go)."""
+    msg = invalid(sft("model.hidden_size=66"), 1, "model.hidden_size")
+    assert "model.num_attention_heads" in msg and "model.kv_channels:" not in msg
+    demo = load_config(RLConfig, os.path.join(ROOT, "configs", "demo.yaml"), ["model.hidden_size=63"])
+    lines = rl_errors(demo, 1)
+    assert [line.split(":", 1)[0] for line in lines] == ["model.hidden_size"], lines
 
 
 def test_moe_rules():
