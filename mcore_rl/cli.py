@@ -54,6 +54,14 @@ EXPECTED_ERRORS: dict[str, int] = {
 }
 
 
+# Warnings from inside megatron-core and torch.distributed.checkpoint that name the libraries' own
+# calls, so a user can do nothing about them: optional kernels not installed, and four deprecations
+# on every model build and checkpoint load (megatron-core 0.16's `load_state_dict`, ShardedTensor twice,
+# its cuda-graph scope default).
+LIBRARY_WARNINGS = (".*(Transformer Engine|Apex|apex).*", ".*ShardedTensor.*", ".*`load_state_dict` is deprecated.*",
+                    ".*full scope is deprecated.*")
+
+
 def expected_exit_code(err: BaseException) -> Optional[int]:
     """The exit code of an expected error (its class or a base class is listed); None for a bug."""
     for cls in type(err).__mro__:
@@ -488,7 +496,8 @@ def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.Argument
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    for message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("MCORE_RL_DEBUG", "0") not in ("", "0")
     command = _command_of(argv)
