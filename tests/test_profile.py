@@ -139,6 +139,10 @@ def test_a_recipe_is_profiled_with_its_own_shape_and_json_goes_to_stdout():
     assert (shape["global_batch_size"], shape["micro_batch_size"], shape["seq_length"]) == (64, 8, 128)
     sft = _cli(os.path.join(ROOT, "configs", "sft_demo.yaml"), "--json", "-")
     assert sft.returncode == 0 and json.loads(sft.stdout)["shape"]["seq_length"] == 64, sft.stderr
+    # a model-only recipe sets no training shape: the long-context default, not the schema's 8 x 64
+    big = _cli(os.path.join(ROOT, "configs", "profile_llama3_70b.yaml"), "--json", "-", "--nodes", "8")
+    shape = json.loads(big.stdout)["shape"]
+    assert (shape["global_batch_size"], shape["seq_length"], shape["precision"]) == (256, 4096, "bf16"), shape
 
 
 def test_measure_demo_matches_real_tensors(tmp_path):

@@ -78,7 +78,8 @@ DEFAULT_SHAPE = TrainShape()  # without a recipe (an HF checkpoint): 256 x 4096 
 
 def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, TrainShape]:
     """The model of a recipe (SFT or RL, chosen by its sections) or of an HF config, and the training
-    shape it runs with (`DEFAULT_SHAPE` for an HF config); ConfigError otherwise."""
+    shape it runs with (`DEFAULT_SHAPE` for an HF config or a recipe that sets no `train:` value);
+    ConfigError otherwise."""
     if os.path.isdir(source) or os.path.basename(source) == "config.json":
         from mcore_rl.convert import model_config_from_hf, read_hf_config
 
@@ -97,9 +98,11 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
     name = os.path.splitext(os.path.basename(source))[0]
     if isinstance(raw, dict) and ({"rollout", "algorithm", "init"} & set(raw)):
         rl = load_config(RLConfig, source, overrides)
-        return rl.model, name, recipe_shape_rl(rl)
+        return rl.model, name, recipe_shape_rl(rl) if rl.train != RLConfig().train else DEFAULT_SHAPE
     sft = load_config(SFTConfig, source, overrides)
     t = sft.train
+    if t == SFTConfig().train:  # a model-only recipe (configs/profile_*.yaml): its training shape is not its own
+        return sft.model, name, DEFAULT_SHAPE
     return sft.model, name, TrainShape(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
                                        sft.optimizer.name, t.recompute)
 
