@@ -503,6 +503,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     command = _command_of(argv)
     if command != "serve" and "--debug" in argv:
         debug, argv = True, [word for word in argv if word != "--debug"]
+        os.environ["MCORE_RL_DEBUG"] = "1"  # and so for the ranks of a relaunch under torchrun
     try:
         if command == "serve":
             return cmd_serve(argv[argv.index("serve") + 1:])
