@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import traceback
 import warnings
