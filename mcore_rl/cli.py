@@ -23,14 +23,51 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
+import traceback
 import warnings
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENGINES_LOST = 1, 2, 3  # and 75, EXIT_PREEMPTED (parallel/preemption.py)
+
+# The errors a user can act on, by class: one line `mcore-rl COMMAND: message` and this exit code
+# instead of a traceback through asyncio or megatron-core. Named, not imported: most live in modules
+# a bad recipe never loads (and an error of a module never imported cannot occur); a test checks
+# that every name still resolves to an exception class.
+EXPECTED_ERRORS: dict[str, int] = {
+    "mcore_rl.config.errors.ConfigError": EXIT_BAD_INPUT,
+    "mcore_rl.data.files.DataError": EXIT_BAD_INPUT,
+    "mcore_rl.rollout.launch_flags.LaunchFlagError": EXIT_BAD_INPUT,
+    "builtins.FileNotFoundError": EXIT_BAD_INPUT,
+    "mcore_rl.runtime.scheduler.EnginesLost": EXIT_ENGINES_LOST,
+    "mcore_rl.rollout.client.EngineUnavailable": EXIT_ENGINES_LOST,  # and NoHealthyEngine (rollout/router.py)
+    "mcore_rl.rollout.engine_processes.EngineStartError": EXIT_ENGINES_LOST,
+    "mcore_rl.rollout.teacher.TeacherError": EXIT_ENGINES_LOST,
+    "mcore_rl.rollout.explorer.ExplorerError": EXIT_ENGINES_LOST,
+    "mcore_rl.train.checkpoint.CheckpointError": EXIT_FAILED,
+    "mcore_rl.train.weight_sync.WeightSyncError": EXIT_FAILED,
+}
+
+
+# Warnings from inside megatron-core and torch.distributed.checkpoint that name the libraries' own
+# calls, so a user can do nothing about them: optional kernels not installed, and four deprecations
+# on every model build and checkpoint load (megatron-core 0.16's `load_state_dict`, ShardedTensor twice,
+# its cuda-graph scope default).
+LIBRARY_WARNINGS = (".*(Transformer Engine|Apex|apex).*", ".*ShardedTensor.*", ".*`load_state_dict` is deprecated.*",
+                    ".*full scope is deprecated.*")
+
+
+def expected_exit_code(err: BaseException) -> Optional[int]:
+    """The exit code of an expected error (its class or a base class is listed); None for a bug."""
+    for cls in type(err).__mro__:
+        code = EXPECTED_ERRORS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if code is not None:
+            return code
+    return None
 
 
 def _world_size(nproc: int) -> int:
@@ -111,31 +148,22 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     """
     import importlib
 
-    from mcore_rl.config import ConfigError, load_config
-    from mcore_rl.data.files import DataError
+    from mcore_rl.config import load_config
 
-    try:
-        cfg = load_config(root_cls, args.recipe, args.overrides)
-        validate(cfg, _world_size(args.nproc_per_node))
-        _preflight(cfg)
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"mcore-rl {name}: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(root_cls, args.recipe, args.overrides)  # a ConfigError, DataError, ...: one line, exit 2 (main)
+    validate(cfg, _world_size(args.nproc_per_node))
+    _preflight(cfg)
     _ttfs.mark("config_check")  # time to first step: loading, validating and preflighting the recipe
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides], cfg)
     from mcore_rl.parallel import setup
     from mcore_rl.parallel.preemption import EXIT_PREEMPTED, Preempted, preemption_guard
-    from mcore_rl.train.checkpoint import CheckpointError
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
     with preemption_guard(cfg.checkpoint.preempt_signals, exit_process=True):  # a second signal changes nothing
         try:
-            run(cfg)
-        except CheckpointError as err:  # says what to do; the traceback through megatron-core would not
-            print(f"mcore-rl {name}: {err}", file=sys.stderr)
-            return 1
+            run(cfg)  # EXPECTED_ERRORS (engines lost, a checkpoint not written, ...): one line in main
         except Preempted as err:  # checkpoint written, engines and workers closed (docs/launch.md)
             print(f"mcore-rl {name}: {err}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.load_dir)",
                   file=sys.stderr)
@@ -224,8 +252,8 @@ def cmd_gguf_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
-    convert = sub.add_parser("convert", help="Hugging Face <-> megatron-core checkpoint conversion")
+def _add_convert_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    convert = sub.add_parser("convert", help=help_text)
     directions = convert.add_subparsers(dest="direction", required=True)
     gguf = directions.add_parser("gguf-to-hf", help="GGUF file (Llama, Qwen3, Qwen3-MoE) -> float32 HF checkpoint dir")
     gguf.add_argument("--input", required=True, help="the .gguf file")
@@ -279,10 +307,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
+def _add_diagnose_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     from mcore_rl.diagnose import analyses
 
-    diagnose = sub.add_parser("diagnose", help="analyses of a run or its checkpoints (one per paper)")
+    diagnose = sub.add_parser("diagnose", help=help_text)
     which = diagnose.add_subparsers(dest="analysis", required=True)
     for name, a in analyses().items():
         p = which.add_parser(name, help=a.help)
@@ -303,10 +331,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+def _add_plot_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     from mcore_rl.observe import plot
 
-    p = sub.add_parser("plot", help="PNG curves of one or several runs' metrics.jsonl, side by side",
+    p = sub.add_parser("plot", help=help_text,
                        usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
     plot.add_arguments(p)
     p.set_defaults(func=plot.main, usage=p.format_usage)
@@ -359,23 +387,26 @@ def _recipe_or_override(args: argparse.Namespace) -> Optional[str]:
             f"(e.g. {key.strip()}={value.strip() or 'VALUE'})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sft = sub.add_parser("sft", help="supervised training of a megatron-core model",
+def _add_sft(sub: argparse._SubParsersAction, help_text: str) -> None:
+    sft = sub.add_parser("sft", help=help_text,
                          usage="mcore-rl sft [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
     sft.add_argument("recipe", nargs="?", help="YAML recipe (configs/*.yaml); defaults if omitted")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=50")
     sft.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     sft.set_defaults(func=cmd_sft, usage=sft.format_usage)
-    train = sub.add_parser("train", help="RL: rollouts from the engine(s), rewards, policy updates, weight sync",
+
+
+def _add_train(sub: argparse._SubParsersAction, help_text: str) -> None:
+    train = sub.add_parser("train", help=help_text,
                            usage="mcore-rl train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
     train.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=20")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     train.set_defaults(func=cmd_train, usage=train.format_usage)
-    _add_convert_parser(sub)
-    parity = sub.add_parser("parity", help="engine vs trainer log-probs, hidden states and MoE routing on the same tokens",
+
+
+def _add_parity(sub: argparse._SubParsersAction, help_text: str) -> None:
+    parity = sub.add_parser("parity", help=help_text,
                             usage="mcore-rl parity [RECIPE.yaml] [key.path=value ...] [--precisions none bf16 fp8] "
                                   "[--engine-url URL] [--json PATH]")
     parity.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
@@ -392,34 +423,105 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE: skip scoring with each engine's routing replayed in the trainer (R3)")
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
-    _add_diagnose_parser(sub)
+
+
+def _add_profile(sub: argparse._SubParsersAction, help_text: str) -> None:
     from mcore_rl.profile.command import add_arguments as add_profile_arguments
 
-    profile = sub.add_parser("profile", help="estimate parallel layouts and the RL train/inference GPU split")
+    profile = sub.add_parser("profile", help=help_text)
     add_profile_arguments(profile)
     profile.set_defaults(func=cmd_profile, usage=profile.format_usage)
-    _add_plot_parser(sub)
+
+
+def _add_launch(sub: argparse._SubParsersAction, help_text: str) -> None:
     from mcore_rl.parallel.launch_plan import add_launch_parser
 
-    add_launch_parser(sub)  # launch: `mcore-rl launch --dry-run`
+    add_launch_parser(sub)  # launch: `mcore-rl launch --dry-run` (its help line is its own)
+
+
+def _add_serve(sub: argparse._SubParsersAction, help_text: str) -> None:
     # `serve` is parsed by mcore_rl.rollout.launch_flags (SGLang's flag names); listed here for --help.
-    sub.add_parser("serve", add_help=False, help="the embedded SGLang-compatible inference server (SGLang's flags)")
+    sub.add_parser("serve", add_help=False, help=help_text)
+
+
+# name -> (one-line help, what adds its arguments). Only the command being run gets its arguments:
+# some of them (diagnose's analyses, profile's estimators) import torch, and `mcore-rl --help` or a
+# typo in a recipe should not pay seconds for that.
+COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction, str], None]]] = {
+    "sft": ("supervised training of a megatron-core model", _add_sft),
+    "train": ("RL: rollouts from the engine(s), rewards, policy updates, weight sync", _add_train),
+    "convert": ("Hugging Face <-> megatron-core checkpoint conversion", _add_convert_parser),
+    "parity": ("engine vs trainer log-probs, hidden states and MoE routing on the same tokens", _add_parity),
+    "diagnose": ("analyses of a run or its checkpoints (one per paper)", _add_diagnose_parser),
+    "profile": ("estimate parallel layouts and the RL train/inference GPU split", _add_profile),
+    "plot": ("PNG curves of one or several runs' metrics.jsonl, side by side", _add_plot_parser),
+    "launch": ("the plan of a torchrun/SLURM launch: nodes, ranks, groups, engines (--dry-run)", _add_launch),
+    "serve": ("the embedded SGLang-compatible inference server (SGLang's flags)", _add_serve),
+}
+
+EXIT_CODES_HELP = """exit codes:
+  0   finished
+  1   failed: an error in training (a checkpoint that could not be written, a weight sync, a bug)
+  2   bad input: config, files, flags, a layout the world cannot hold; nothing was started
+  3   inference engines lost: none could be started or reached (rollout, teachers, explorer)
+  75  pre-empted by a signal: checkpoint written, resume with checkpoint.load_dir
+
+An expected error is one line `mcore-rl COMMAND: message`; --debug (or MCORE_RL_DEBUG=1) also prints
+its traceback. An unexpected one (a bug) always prints its traceback."""
+
+
+def _command_of(argv: list[str]) -> Optional[str]:
+    """The command named on the command line (its first word that is not an option), if it is one."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """Every command with its help line, and the arguments of `commands` (`main` asks for the one
+    being run, none for `mcore-rl --help`)."""
+    parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.split("\n\n")[0],
+                                     epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of expected errors too (also MCORE_RL_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add) in COMMANDS.items():
+        if name in commands:
+            add(sub, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    for message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
-        return cmd_serve(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = _recipe_or_override(args)
-    if problem:
-        print(f"mcore-rl {args.command}: {problem}\n{args.usage()}", file=sys.stderr, end="")
-        return 2
-    args.argv = argv  # `convert` relaunches itself under torchrun with the same arguments
-    return args.func(args)
+    debug = os.environ.get("MCORE_RL_DEBUG", "0") not in ("", "0")
+    command = _command_of(argv)
+    if command != "serve" and "--debug" in argv:
+        debug, argv = True, [word for word in argv if word != "--debug"]
+        os.environ["MCORE_RL_DEBUG"] = "1"  # and so for the ranks of a relaunch under torchrun
+    try:
+        if command == "serve":
+            return cmd_serve(argv[argv.index("serve") + 1:])
+        parser = build_parser([command] if command else [])
+        args = parser.parse_args(argv)
+        problem = _recipe_or_override(args)
+        if problem:
+            print(f"mcore-rl {args.command}: {problem}\n{args.usage()}", file=sys.stderr, end="")
+            return EXIT_BAD_INPUT
+        args.argv = argv  # `convert` relaunches itself under torchrun with the same arguments
+        return args.func(args)
+    except Exception as err:
+        code = expected_exit_code(err)
+        if code is None:
+            raise  # a bug: its traceback
+        if debug:
+            traceback.print_exc()
+        print(f"mcore-rl {command}: {err}" if command else f"mcore-rl: {err}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal, Optional
 
 import pytest
@@ -18,6 +19,9 @@ from mcore_rl.config import (
 )
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.validate import DerivedSizes
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(tmp_path, name, text):
@@ -243,8 +247,17 @@ def test_heads_and_groups_vs_tp():
     invalid(sft("parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"), 4, "model.num_query_groups")
     invalid(sft("parallel.tensor_model_parallel_size=8", "model.num_query_groups=4"), 8, "model.num_attention_heads")
     invalid(sft("model.num_query_groups=3"), 1, "model.num_query_groups")
-    invalid(sft("model.hidden_size=66"), 1, "model.kv_channels")
     validate_sft_config(sft("model.hidden_size=66", "model.kv_channels=16"), 1)
+
+
+def test_an_underivable_head_dim_names_the_key_the_user_set():
+    """`model.hidden_size=63` on the demo: the error names hidden_size (set) and num_attention_heads,
+    not kv_channels, a key the user never set (it is only where the derived head dim would go)."""
+    msg = invalid(sft("model.hidden_size=66"), 1, "model.hidden_size")
+    assert "model.num_attention_heads" in msg and "model.kv_channels:" not in msg
+    demo = load_config(RLConfig, os.path.join(ROOT, "configs", "demo.yaml"), ["model.hidden_size=63"])
+    lines = rl_errors(demo, 1)
+    assert [line.split(":", 1)[0] for line in lines] == ["model.hidden_size"], lines
 
 
 def test_moe_rules():
@@ -535,3 +548,37 @@ def test_rl_literal_fields_list_their_values(override):
         rl(override)
     msg = str(e.value)
     assert f"'{key}' expects" in msg and "one of" in msg and value in msg
+
+
+# ------------------------------------------------------------------- one engine-group config
+
+
+def test_engine_groups_share_one_config_and_one_check(tmp_path):
+    """Engine teachers, the explorer and the rollout engines are one `EngineGroupConfig` (the rollout
+    under its own key names), so the same mistake gets the same message under each key; the cores
+    of engines a teacher starts are checked as the rollout's always were."""
+    from mcore_rl.config.rl_schema import EngineGroupConfig, ExplorerConfig, RolloutConfig, TeacherConfig
+
+    group = {f.name for f in dataclasses.fields(EngineGroupConfig)}
+    assert issubclass(TeacherConfig, EngineGroupConfig) and issubclass(ExplorerConfig, EngineGroupConfig)
+    assert set(RolloutConfig.ENGINE_KEYS) == group - {"model_path"}
+    r = rl("rollout.engine_urls=['http://a:1']", "rollout.num_embedded_engines=3", "rollout.request_timeout_s=9").rollout
+    assert (r.engines.urls, r.engines.num_engines, r.engines.request_timeout_s) == (["http://a:1"], 3, 9.0)
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    teacher = f"teachers=[{{kind: engine, model_path: {ckpt}, {{}}}}]"
+    explorer = [f"rollout.explorer.model_path={ckpt}", "algorithm.routing_replay=none"]
+    for setting, rule in [("engine_threads: 0", "must be null or >= 1, got 0"),
+                          ("request_timeout_s: 0", "must be > 0, got 0"),
+                          ("max_running_requests: 0", "must be >= 1, got 0"),
+                          ("engine_cores: [[100000]]", "cores [100000] do not exist")]:
+        field, value = setting.split(": ")
+        lines = rl_errors(rl(teacher.replace("{}", setting)), 1)
+        assert any(line.startswith(f"teachers[0].{field}") and rule in line for line in lines), (setting, lines)
+        lines = rl_errors(rl(*explorer, f"rollout.explorer.{field}={value}"), 1)
+        assert any(line.startswith(f"rollout.explorer.{field}") and rule in line for line in lines), (setting, lines)
+        rollout_key = "rollout." + RolloutConfig.ENGINE_KEYS[field]
+        started = ["rollout.runtime=async"] if field == "engine_cores" else []
+        lines = rl_errors(rl(*started, f"{rollout_key}={value}"), 1)
+        assert any(line.startswith(rollout_key) and rule in line for line in lines), (setting, lines)

@@ -126,6 +126,25 @@ def test_hf_config_input_and_json(tmp_path, capsys):
     assert set(first["memory"]) >= {"params", "grads", "optimizer", "optimizer_distributed", "activations", "total"}
 
 
+def test_a_recipe_is_profiled_with_its_own_shape_and_json_goes_to_stdout():
+    """`mcore-rl profile configs/demo.yaml` with no shape flags estimates the recipe's own rows (a fixed
+    4096-token default exceeded the demo's 256 positions); `--json -` prints only the JSON; a flag
+    still wins over the recipe."""
+    run = _cli(DEMO, "--top", "2")
+    assert run.returncode == 0, run.stderr
+    assert "global batch 64 x 64 tokens, micro-batch 8, fp32" in run.stdout  # 16 prompts x 8 / 2 minibatches
+    run = _cli(DEMO, "--json", "-", "--seq-length", "128")
+    assert run.returncode == 0, run.stderr
+    shape = json.loads(run.stdout)["shape"]
+    assert (shape["global_batch_size"], shape["micro_batch_size"], shape["seq_length"]) == (64, 8, 128)
+    sft = _cli(os.path.join(ROOT, "configs", "sft_demo.yaml"), "--json", "-")
+    assert sft.returncode == 0 and json.loads(sft.stdout)["shape"]["seq_length"] == 64, sft.stderr
+    # a model-only recipe sets no training shape: the long-context default, not the schema's 8 x 64
+    big = _cli(os.path.join(ROOT, "configs", "profile_llama3_70b.yaml"), "--json", "-", "--nodes", "8")
+    shape = json.loads(big.stdout)["shape"]
+    assert (shape["global_batch_size"], shape["seq_length"], shape["precision"]) == (256, 4096, "bf16"), shape
+
+
 def test_measure_demo_matches_real_tensors(tmp_path):
     """One world of 2 ranks runs the top 3 layouts (dp2, tp2, pp2) of the demo model."""
     report = tmp_path / "profile.json"

@@ -17,30 +17,38 @@ the spread of sampled accuracy between evaluation runs is printed too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
+from typing import Optional
 
 import numpy as np
+
+from mcore_rl.config.rl_schema import RLConfig
+from mcore_rl.progress import log_line, progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from screen_tasks import generate  # noqa: E402
 
 
-def score(cfg, engine, tok, rewards, prompts, n: int, temperature: float, seed: int) -> np.ndarray:
-    """[questions, n] rewards >= 1 (right) of n completions per held-out question."""
+def score(cfg, engine, tok, rewards, prompts, n: int, temperature: float, seed: int, desc: str) -> np.ndarray:
+    """[questions, n] rewards >= 1 (right) of n completions per held-out question; a progress bar
+    of the completions (a real model's pass takes minutes)."""
     from mcore_rl.data.samples import Sample
 
     out = np.zeros((len(prompts), n))
     by_budget: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_budget.setdefault(min(p.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens), []).append(i)
-    for budget, idx in by_budget.items():
-        groups, _, _ = generate(engine, [prompts[i].ids for i in idx], n, temperature, budget, seed)
-        samples = [Sample(prompts[i], i, o.output_ids, [], 0, "stop", tok.decode(o.output_ids, skip_special_tokens=True))
-                   for i, g in zip(idx, groups) for o in g]
-        rewards.score_sync(samples)
-        for k, s in enumerate(samples):
-            out[idx[k // n], k % n] = float(s.reward >= 1.0)
+    with progress(len(prompts) * n, desc, unit="completion") as bar:
+        for budget, idx in by_budget.items():
+            groups, _, _ = generate(engine, [prompts[i].ids for i in idx], n, temperature, budget, seed, bar)
+            samples = [Sample(prompts[i], i, o.output_ids, [], 0, "stop",
+                              tok.decode(o.output_ids, skip_special_tokens=True)) for i, g in zip(idx, groups) for o in g]
+            rewards.score_sync(samples)
+            for k, s in enumerate(samples):
+                out[idx[k // n], k % n] = float(s.reward >= 1.0)
     return out
 
 
@@ -50,24 +58,39 @@ def paired_ci(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[f
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def main() -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, with the recipe's dotted overrides allowed anywhere: after `--models a=x b=y` or
+    `--seeds 1 2` too, where argparse would read them as one more model or an invalid seed. A word
+    is an override when the part before its `=` starts with a section of the recipe (`eval.k=1`,
+    `run_dir=x`); a model is named so that it does not."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--models", nargs="+", required=True, help="name=HF checkpoint dir; the first is the baseline")
     ap.add_argument("--k", type=int, default=0, help="sampled completions per question (0 = greedy only)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[1])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    ap.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. eval.num_prompts=50")
+    sections = {f.name for f in dataclasses.fields(RLConfig)}
+    is_override = [re.split(r"[.\[=]", w, maxsplit=1)[0] in sections and "=" in w for w in argv]
+    args = ap.parse_args([w for w, o in zip(argv, is_override) if not o])
+    args.overrides += [w for w, o in zip(argv, is_override) if o]
+    for spec in args.models:
+        if "=" not in spec:
+            ap.error(f"--models: {spec!r} is not name=HF checkpoint dir")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
 
     from mcore_rl.config import load_config
-    from mcore_rl.config.rl_schema import RLConfig
     from mcore_rl.data.prompts import build_prompt_sets
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rollout.engine import EngineCore
     from mcore_rl.runtime.rollout_manager import build_reward_runner
 
     cfg = load_config(RLConfig, args.config, args.overrides)
+    log_line(f"{args.config}: building the held-out sets and the reward workers")
     tok = load_tokenizer(cfg.data.tokenizer_path)
     prompts = build_prompt_sets(cfg, tok).eval_prompts
     domains = list(dict.fromkeys(p.domain for p in prompts))
@@ -76,12 +99,14 @@ def main() -> None:
     try:
         for spec in args.models:
             name, path = spec.split("=", 1)
+            log_line(f"{name}: loading {path}")
             engine = EngineCore.from_model_path(path, dtype=args.dtype, max_running_requests=64,
                                                 context_length=cfg.rollout.context_length)
-            results[name] = {"greedy": score(cfg, engine, tok, rewards, prompts, 1, 0.0, 0)[:, 0]}
+            results[name] = {"greedy": score(cfg, engine, tok, rewards, prompts, 1, 0.0, 0, f"{name} greedy")[:, 0]}
             for s in args.seeds if args.k else []:
-                results[name][f"avg@{args.k} seed {s}"] = score(cfg, engine, tok, rewards, prompts, args.k,
-                                                                 cfg.rollout.temperature, 1000 * s).mean(axis=1)
+                results[name][f"avg@{args.k} seed {s}"] = score(
+                    cfg, engine, tok, rewards, prompts, args.k, cfg.rollout.temperature, 1000 * s,
+                    f"{name} avg@{args.k} seed {s}").mean(axis=1)
             del engine
     finally:
         rewards.close()

@@ -48,11 +48,21 @@ def fetch_gguf(out: str) -> str:
     return target
 
 
+NEXT = "mcore-rl train configs/smollm2_reasoning.yaml"  # the recipe this checkpoint is fetched for
+
+
 def convert(direction: str, src: str, dst: str) -> None:
+    """`mcore-rl convert` (its progress on stderr as it comes); of its report, all but the generic
+    "train from it: mcore-rl sft ..." hint, which is not the next step here (`NEXT` is)."""
     if os.path.exists(dst):
         return
     cli = os.path.join(os.path.dirname(sys.executable), "mcore-rl")
-    subprocess.run([cli, "convert", direction, "--input", src, "--output", dst], check=True)
+    run = subprocess.run([cli, "convert", direction, "--input", src, "--output", dst], stdout=subprocess.PIPE,
+                         text=True)
+    print("".join(line for line in run.stdout.splitlines(keepends=True) if "mcore-rl sft" not in line), end="",
+          flush=True)
+    if run.returncode != 0:
+        raise SystemExit(f"mcore-rl convert {direction} failed (exit code {run.returncode})")
 
 
 def main() -> None:
@@ -63,7 +73,10 @@ def main() -> None:
     print(f"GGUF: {gguf}", flush=True)
     convert("gguf-to-hf", gguf, os.path.join(args.out, "hf"))
     convert("hf-to-mcore", os.path.join(args.out, "hf"), os.path.join(args.out, "mcore"))
-    print(f"HF checkpoint: {args.out}/hf\nmegatron checkpoint: {args.out}/mcore", flush=True)
+    elsewhere = "" if os.path.normpath(args.out) == "runs/smollm2" else \
+        f" init.checkpoint={args.out}/mcore data.tokenizer_path={args.out}/hf"
+    print(f"HF checkpoint: {args.out}/hf\nmegatron checkpoint: {args.out}/mcore\nnext, GRPO on reasoning-gym "
+          f"tasks: {NEXT}{elsewhere}", flush=True)
 
 
 if __name__ == "__main__":

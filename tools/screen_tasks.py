@@ -20,8 +20,9 @@ import time
 import torch
 
 
-def generate(engine, prompts: list[list[int]], n: int, temperature: float, max_new: int, seed: int):
-    """All prompts x n through the engine at once; returns (outputs per prompt, seconds, tokens)."""
+def generate(engine, prompts: list[list[int]], n: int, temperature: float, max_new: int, seed: int, bar=None):
+    """All prompts x n through the engine at once; returns (outputs per prompt, seconds, tokens).
+    `bar` (a `mcore_rl.progress` bar) advances by one per finished completion."""
     from mcore_rl.rollout.engine import Request, SamplingParams
 
     t0 = time.perf_counter()
@@ -34,6 +35,8 @@ def generate(engine, prompts: list[list[int]], n: int, temperature: float, max_n
         for o in engine.step():
             if o.finished:
                 outs[o.rid] = o
+                if bar is not None:
+                    bar.update(1)
     dt = time.perf_counter() - t0
     grouped = [[outs[f"{i}-{j}"] for j in range(n)] for i in range(len(prompts))]
     return grouped, dt, sum(len(o.output_ids) for g in grouped for o in g)

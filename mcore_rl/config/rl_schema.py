@@ -10,8 +10,9 @@ their registries, so registering a new one needs no schema change.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from mcore_rl.config.observability import ObservabilityConfig
 from mcore_rl.config.schema import (
@@ -162,7 +163,30 @@ class GECConfig:
 
 
 @dataclass
-class ExplorerConfig:
+class EngineGroupConfig:
+    """A group of inference engines: the one set of settings of engine teachers (`teachers[i]`),
+    S2L-PO's explorer (`rollout.explorer`) and, under its own key names, the rollout engines
+    (`RolloutConfig.engines`); one function validates them all (`rl_validate.check_engine_group`).
+
+    The engines are the running SGLang / `mcore-rl serve` servers at `urls`, or `num_engines`
+    `mcore-rl serve` processes the trainer starts on the HF checkpoint `model_path`; the `engine_*`,
+    `quantization`, `context_length` and `max_running_requests` settings are those processes'.
+    """
+
+    urls: list[str] = field(default_factory=list)  # running SGLang / `mcore-rl serve` servers
+    model_path: Optional[str] = None  # or: start `mcore-rl serve` processes on this HF checkpoint
+    num_engines: int = 1  # with model_path
+    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
+    engine_threads: Optional[int] = None  # torch threads of each started engine (None = its default)
+    quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
+    context_length: Optional[int] = None  # started engines; None = rollout.context_length
+    max_running_requests: int = 64  # started engines: continuous-batching slots
+    request_timeout_s: float = 600.0  # every request to these engines
+    api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
+
+
+@dataclass
+class ExplorerConfig(EngineGroupConfig):
     """S2L-PO (`mcore_rl.algos.s2l_po`): a frozen smaller model supplies a decaying share of each group.
 
     Off unless `urls` (running SGLang / `mcore-rl serve` servers) or `model_path` (an HF checkpoint on
@@ -175,20 +199,10 @@ class ExplorerConfig:
     synced and must share the policy's tokenizer (checked before training).
     """
 
-    urls: list[str] = field(default_factory=list)
-    model_path: Optional[str] = None
-    num_engines: int = 1  # with model_path
     share: float = 1.0  # α_0: the explorer's share of a group at the first step
     mix_steps: int = 8  # T_mix: steps with explorer samples (α reaches 0 at step T_mix; <= 1: none)
     schedule: str = "s2l_po"  # registered in mcore_rl.algos as an "explorer_schedule"
     correction: Literal["explorer_logp", "none"] = "explorer_logp"
-    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
-    engine_threads: Optional[int] = None  # torch threads of each started engine
-    quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
-    context_length: Optional[int] = None  # started engines; None = rollout.context_length
-    max_running_requests: int = 64  # started engines
-    request_timeout_s: float = 600.0
-    api_key: Optional[str] = None
 
     @property
     def enabled(self) -> bool:
@@ -247,6 +261,20 @@ class RolloutConfig:
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
     polaris: PolarisConfig = field(default_factory=PolarisConfig)
     gec: GECConfig = field(default_factory=GECConfig)
+
+    # the rollout's engine settings under their own key names (the keys of every recipe since the
+    # first): EngineGroupConfig field -> rollout key. The rollout engines run the policy's weights,
+    # so the group has no model_path.
+    ENGINE_KEYS: ClassVar[dict[str, str]] = {
+        "urls": "engine_urls", "num_engines": "num_embedded_engines", "engine_cores": "engine_cores",
+        "engine_threads": "engine_threads", "quantization": "quantization", "context_length": "context_length",
+        "max_running_requests": "max_running_requests", "request_timeout_s": "request_timeout_s",
+        "api_key": "api_key"}
+
+    @property
+    def engines(self) -> EngineGroupConfig:
+        """The rollout engines as an engine group (a copy: set the rollout's own keys)."""
+        return EngineGroupConfig(**{f: copy.copy(getattr(self, k)) for f, k in self.ENGINE_KEYS.items()})
 
 
 @dataclass
@@ -444,7 +472,7 @@ class LoggingConfig(ObservabilityConfig):  # observability: sinks, MFU peak, pro
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(EngineGroupConfig):
     """One teacher of on-policy distillation; it fills `Sample.teacher` of the samples routed to it.
 
     kind: "engine" (a separate engine scores the student's tokens through SGLang's prompt-scoring
@@ -468,17 +496,9 @@ class TeacherConfig:
     domains: list[str] = field(default_factory=list)  # [] = every domain no other teacher claims
     top_k: int = 0  # engine: also the teacher's k most likely tokens per position (0 = sampled token only)
     reference: Optional[str] = None  # engine: name of the engine teacher that is this one's π_Tref (Direct-OPD)
-    # ---- engine
-    urls: list[str] = field(default_factory=list)  # running SGLang / `mcore-rl serve` servers of this teacher
-    model_path: Optional[str] = None  # or: start `mcore-rl serve` processes on this HF checkpoint
-    num_engines: int = 1  # with model_path
-    engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
-    engine_threads: Optional[int] = None  # torch threads of each started engine
-    quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
-    context_length: Optional[int] = None  # started engines; None = rollout.context_length
+    # ---- engine: the engine group's settings (urls or model_path, ...), and
+    request_timeout_s: float = 120.0  # (the group's field, a shorter default: scoring is one forward)
     max_concurrency: int = 64  # scoring requests in flight to this teacher
-    request_timeout_s: float = 120.0
-    api_key: Optional[str] = None
     # ---- privileged
     context: Literal["answer", "peer", "info"] = "answer"  # what the teacher sees that the student does not
     context_key: str = "skill"  # context=info: the key of Sample.info that holds it

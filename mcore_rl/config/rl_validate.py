@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from mcore_rl.config.rl_schema import (
         AlgorithmConfig,
         DistillConfig,
+        EngineGroupConfig,
         EvalConfig,
         InitConfig,
         RewardConfig,
@@ -130,15 +131,8 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
                       "untruncated one, so the mismatch correction sees only part of the difference (set "
                       "rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)", stacklevel=3)
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-    need_positive(errors, [
-        ("rollout.num_embedded_engines", r.num_embedded_engines),
-        ("rollout.max_running_requests", r.max_running_requests),
-    ])
-    errors.need(r.context_length >= 2, "rollout.context_length", f"must be >= 2, got {r.context_length}")
+    check_engine_group(r.engines, "rollout", started_engines(r), errors, r.ENGINE_KEYS)
     errors.need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
-    for j, url in enumerate(r.engine_urls):
-        errors.need(url.startswith(("http://", "https://")), f"rollout.engine_urls[{j}]",
-                    f"must be an http(s) URL, got {url!r}")
     if r.engine_urls and r.sync_transport == "disk":
         errors.need(bool(r.sync_dir), "rollout.sync_dir",
                     "the disk weight transport needs a directory the engines can read")
@@ -217,23 +211,13 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
 
 def check_engine_processes(r: RolloutConfig, errors: Errors) -> None:
     """Placement of the engine processes the trainer starts (cores, devices, threads)."""
-    if not started_engines(r):
-        for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
-            errors.need(not value, key, "only applies to engines the trainer starts (rollout.engine_urls is set or "
-                                        "rollout.engine_processes is false)")
+    if not started_engines(r):  # engine_cores, threads: check_engine_group
+        errors.need(not r.engine_devices, "rollout.engine_devices", "only applies to engines the trainer starts "
+                    "(rollout.engine_urls is set or rollout.engine_processes is false)")
         return
     n = r.num_embedded_engines
-    for key, value in (("rollout.engine_cores", r.engine_cores), ("rollout.engine_devices", r.engine_devices)):
-        errors.need(not value or len(value) == n, key,
-                    f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(value)}")
-    count = os.cpu_count() or 1
-    for i, cores in enumerate(r.engine_cores):
-        errors.need(bool(cores), f"rollout.engine_cores[{i}]", "must list at least one core")
-        missing = sorted(c for c in cores if not 0 <= c < count)
-        errors.need(not missing, f"rollout.engine_cores[{i}]",
-                    f"cores {missing} do not exist (this machine has cores 0-{count - 1})")
-    errors.need(r.engine_threads is None or r.engine_threads >= 1, "rollout.engine_threads",
-                f"must be null or >= 1, got {r.engine_threads}")
+    errors.need(not r.engine_devices or len(r.engine_devices) == n, "rollout.engine_devices",
+                f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(r.engine_devices)}")
 
 
 def check_sample_fits(t: RLTrainConfig, r: RolloutConfig, d: RLDataConfig, m: ModelConfig, task: Optional[Task],
@@ -595,21 +579,40 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
                 "`domains`")
 
 
-def check_engines_to_start(x: Any, key: str, default_context: int, errors: Errors) -> None:
-    """What an engine teacher and S2L-PO's explorer share: http(s) URLs, or an HF checkpoint with the
-    engines' count, cores, context and threads for the `mcore-rl serve` processes the trainer starts."""
-    for j, url in enumerate(x.urls):
-        errors.need(url.startswith(("http://", "https://")), f"{key}.urls[{j}]", f"must be an http(s) URL, got {url!r}")
-    if x.model_path:
-        errors.need(os.path.isfile(os.path.join(x.model_path, "config.json")), f"{key}.model_path",
-                    f"{x.model_path!r} is not an HF checkpoint directory (no config.json)")
-        errors.need(x.num_engines >= 1, f"{key}.num_engines", f"must be >= 1, got {x.num_engines}")
-        errors.need(not x.engine_cores or len(x.engine_cores) == x.num_engines, f"{key}.engine_cores",
-                    f"needs one entry per engine ({key}.num_engines={x.num_engines}), got {len(x.engine_cores)}")
-        ctx = x.context_length if x.context_length is not None else default_context
-        errors.need(ctx >= 2, f"{key}.context_length", f"must be >= 2, got {ctx}")
-    errors.need(x.engine_threads is None or x.engine_threads >= 1, f"{key}.engine_threads",
-                f"must be null or >= 1, got {x.engine_threads}")
+def check_engine_group(g: EngineGroupConfig, key: str, starts: bool, errors: Errors,
+                       keys: Optional[dict[str, str]] = None) -> None:
+    """Every group of engines (rollout, engine teachers, the explorer): http(s) URLs, an HF checkpoint
+    directory, and for the `mcore-rl serve` processes the trainer starts (`starts`) their count, one
+    list of existing cores per engine, threads, context and slots. `keys` maps a field to its name
+    under `key` (the rollout's own: `RolloutConfig.ENGINE_KEYS`)."""
+    def name(f: str) -> str:
+        return f"{key}.{(keys or {}).get(f, f)}"
+
+    for j, url in enumerate(g.urls):
+        errors.need(url.startswith(("http://", "https://")), f"{name('urls')}[{j}]", f"must be an http(s) URL, got {url!r}")
+    if g.model_path:
+        errors.need(os.path.isfile(os.path.join(g.model_path, "config.json")), name("model_path"),
+                    f"{g.model_path!r} is not an HF checkpoint directory (no config.json)")
+    if starts or not g.urls:
+        errors.need(g.num_engines >= 1, name("num_engines"), f"must be >= 1, got {g.num_engines}")
+    if not starts:
+        errors.need(not g.engine_cores, name("engine_cores"), "only applies to engines the trainer starts, not to "
+                    + (f"the servers of {name('urls')}" if g.urls else f"{key}'s (no engine processes)"))
+    else:
+        errors.need(not g.engine_cores or len(g.engine_cores) == g.num_engines, name("engine_cores"),
+                    f"needs one entry per engine ({name('num_engines')}={g.num_engines}), got {len(g.engine_cores)}")
+    count = os.cpu_count() or 1
+    for i, cores in enumerate(g.engine_cores if starts else []):
+        errors.need(bool(cores), f"{name('engine_cores')}[{i}]", "must list at least one core")
+        missing = sorted(c for c in cores if not 0 <= c < count)
+        errors.need(not missing, f"{name('engine_cores')}[{i}]",
+                    f"cores {missing} do not exist (this machine has cores 0-{count - 1})")
+    errors.need(g.engine_threads is None or g.engine_threads >= 1, name("engine_threads"),
+                f"must be null or >= 1, got {g.engine_threads}")
+    errors.need(g.context_length is None or g.context_length >= 2, name("context_length"),
+                f"must be >= 2, got {g.context_length}")  # None: rollout.context_length
+    errors.need(g.max_running_requests >= 1, name("max_running_requests"), f"must be >= 1, got {g.max_running_requests}")
+    errors.need(g.request_timeout_s > 0, name("request_timeout_s"), f"must be > 0, got {g.request_timeout_s}")
 
 
 def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: Errors) -> None:
@@ -617,9 +620,8 @@ def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: E
     errors.need(bool(t.urls) != bool(t.model_path), f"{key}.urls",
                 "an engine teacher needs either urls (running servers) or model_path (engines the trainer starts), "
                 f"got {'both' if t.urls else 'neither'}")
-    check_engines_to_start(t, key, r.context_length, errors)
+    check_engine_group(t, key, bool(t.model_path), errors)
     errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")
-    errors.need(t.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {t.request_timeout_s}")
 
 
 def check_explorer(cfg: RLConfig, errors: Errors) -> None:
@@ -634,10 +636,7 @@ def check_explorer(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(not (x.urls and x.model_path), f"{key}.urls",
                 "the explorer needs either urls (running servers) or model_path (engines the trainer starts), got both")
-    check_engines_to_start(x, key, cfg.rollout.context_length, errors)
-    errors.need(x.max_running_requests >= 1, f"{key}.max_running_requests",
-                f"must be >= 1, got {x.max_running_requests}")
-    errors.need(x.request_timeout_s > 0, f"{key}.request_timeout_s", f"must be > 0, got {x.request_timeout_s}")
+    check_engine_group(x, key, bool(x.model_path), errors)
     if need_registered(errors, f"{key}.schedule", "explorer schedule", x.schedule, algos.names("explorer_schedule")):
         try:
             algos.get("explorer_schedule", x.schedule)(0, 1, mix_steps=x.mix_steps, share=x.share)

@@ -68,6 +68,13 @@ def expert_tensor_parallel_size(p: ParallelConfig) -> int:
     return p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else p.tensor_model_parallel_size
 
 
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """`vocab_size` rounded up to a multiple of divisible_by x tp (Megatron's `_vocab_size_with_padding`);
+    here, not in models/vocab_padding.py, so that estimating memory (`mcore-rl profile`) needs no torch."""
+    multiple = max(divisible_by, 1) * max(tp, 1)
+    return -(-vocab_size // multiple) * multiple
+
+
 # ------------------------------------------------------------------- sizes (everything divides by them)
 
 
@@ -139,10 +146,10 @@ def check_attention(m: ModelConfig, errors: Errors) -> None:
     errors.need(m.num_attention_heads % m.num_query_groups == 0, "model.num_query_groups",
                 f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
                 f"{m.num_query_groups}")
-    if m.kv_channels is None:
-        errors.need(m.hidden_size % m.num_attention_heads == 0, "model.kv_channels",
-                    f"is null but hidden_size {m.hidden_size} is not divisible by num_attention_heads "
-                    f"{m.num_attention_heads}; set kv_channels explicitly")
+    if m.kv_channels is None:  # the head dim is derived: the error names the keys it comes from
+        errors.need(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+                    f"{m.hidden_size} is not divisible by model.num_attention_heads {m.num_attention_heads}, so the "
+                    "head dim cannot be derived from them; change either, or set model.kv_channels")
 
 
 def check_moe(m: ModelConfig, errors: Errors) -> None:

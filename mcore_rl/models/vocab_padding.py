@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.config.rules import padded_vocab_size  # noqa: F401  (pure arithmetic, also used without torch)
+
 # megatron global names of the tensors with one row per vocabulary entry
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """`vocab_size` rounded up to a multiple of divisible_by x tp (Megatron's `_vocab_size_with_padding`)."""
-    multiple = max(divisible_by, 1) * max(tp, 1)
-    return -(-vocab_size // multiple) * multiple
 
 
 def pad_vocab_rows(name: str, full: torch.Tensor, padded_rows: int) -> torch.Tensor:

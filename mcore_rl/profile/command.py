@@ -41,7 +41,6 @@ from mcore_rl.profile.memory import (
     stage_activations,
 )
 from mcore_rl.profile.report import SCHEMA_VERSION, format_layouts, format_measured, format_split
-from mcore_rl.profile.split import RolloutTarget, recommend_split, split_dict
 from mcore_rl.profile.timing import step_time
 
 
@@ -51,16 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="h100_sxm", help=f"preset ({', '.join(cluster_mod.PRESETS)}) or YAML file")
     p.add_argument("--nodes", type=int, help="override the cluster's node count")
     p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
-    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--seq-length", type=int, default=4096)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--global-batch", type=int,
+                   help="sequences per optimizer step (default: the recipe's, else 256)")
+    p.add_argument("--micro-batch", type=int, help="default: the recipe's, else 1")
+    p.add_argument("--seq-length", type=int, help="default: the recipe's, else 4096")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="default: the recipe's, else bf16")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], help="default: the recipe's, else adamw")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], help="default: the recipe's, else none")
     p.add_argument("--distributed-optimizer", action="store_true", help="rank by memory with ZeRO-1 sharding")
     p.add_argument("--layout", help="estimate only this layout, e.g. tp=2,pp=2,vpp=2,ep=4 (checked like the trainer)")
     p.add_argument("--top", type=int, default=10, help="layouts to print")
-    p.add_argument("--json", help="also write everything to this JSON file")
+    p.add_argument("--json", help="also write everything to this JSON file; `-`: only the JSON, to standard output")
     p.add_argument("--colocated-kv-tokens", type=int, default=0,
                    help="tokens of KV cache a colocated engine keeps on each trainer GPU (added to memory)")
     p.add_argument("--rollout-prompts", type=int, default=0, help="RL: prompts per step (enables the split)")
@@ -73,24 +73,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-steps", type=int, default=2)
 
 
-def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str]:
-    """The model of a recipe (SFT or RL, chosen by its sections) or of an HF config; ConfigError otherwise."""
+DEFAULT_SHAPE = TrainShape()  # without a recipe (an HF checkpoint): 256 x 4096 tokens, bf16
+
+
+def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, TrainShape]:
+    """The model of a recipe (SFT or RL, chosen by its sections) or of an HF config, and the training
+    shape it runs with (`DEFAULT_SHAPE` for an HF config or a recipe that sets no `train:` value);
+    ConfigError otherwise."""
     if os.path.isdir(source) or os.path.basename(source) == "config.json":
         from mcore_rl.convert import model_config_from_hf, read_hf_config
 
         directory = source if os.path.isdir(source) else os.path.dirname(source) or "."
         try:
-            return model_config_from_hf(read_hf_config(directory)), os.path.basename(os.path.abspath(directory))
+            model = model_config_from_hf(read_hf_config(directory))
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"{source}: {err}") from None
+        return model, os.path.basename(os.path.abspath(directory)), DEFAULT_SHAPE
     from mcore_rl.config import RLConfig, SFTConfig, load_config
 
     if not os.path.isfile(source):
         raise ConfigError(f"model: {source!r} is neither a recipe file, an HF checkpoint directory nor a config.json")
     with open(source) as f:
         raw = yaml.safe_load(f) or {}
-    root = RLConfig if isinstance(raw, dict) and ({"rollout", "algorithm", "init"} & set(raw)) else SFTConfig
-    return load_config(root, source, overrides).model, os.path.splitext(os.path.basename(source))[0]
+    name = os.path.splitext(os.path.basename(source))[0]
+    if isinstance(raw, dict) and ({"rollout", "algorithm", "init"} & set(raw)):
+        rl = load_config(RLConfig, source, overrides)
+        return rl.model, name, recipe_shape_rl(rl) if rl.train != RLConfig().train else DEFAULT_SHAPE
+    sft = load_config(SFTConfig, source, overrides)
+    t = sft.train
+    if t == SFTConfig().train:  # a model-only recipe (configs/profile_*.yaml): its training shape is not its own
+        return sft.model, name, DEFAULT_SHAPE
+    return sft.model, name, TrainShape(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
+                                       sft.optimizer.name, t.recompute)
+
+
+def recipe_shape_rl(cfg: Any) -> TrainShape:
+    """An RL recipe's learner shape: rows of `train.seq_length`, and per optimizer step as many rows
+    as the step has samples (an upper bound: short samples are packed several to a row), rounded up
+    to whole micro-batches."""
+    t, r = cfg.train, cfg.rollout
+    samples = -(-r.prompts_per_step * r.group_size // cfg.algorithm.num_minibatches)
+    rows = -(-samples // t.micro_batch_size) * t.micro_batch_size
+    return TrainShape(rows, t.micro_batch_size, t.seq_length, t.precision, cfg.optimizer.name, t.recompute)
+
+
+def train_shape(args: argparse.Namespace, recipe: TrainShape) -> TrainShape:
+    """The shape to estimate: each flag given on the command line, else the recipe's value."""
+    given = {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
+             "seq_length": args.seq_length, "precision": args.precision, "optimizer": args.optimizer,
+             "recompute": args.recompute}
+    return dataclasses.replace(recipe, distributed_optimizer=args.distributed_optimizer,
+                               **{k: v for k, v in given.items() if v is not None})
 
 
 def _estimate(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: cluster_mod.ClusterSpec,
@@ -128,7 +161,8 @@ def rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
-    model, model_name = load_model(args.model, args.overrides)
+    model, model_name, recipe_shape = load_model(args.model, args.overrides)
+    shape = train_shape(args, recipe_shape)
     check_supported(model)
     cluster = cluster_mod.load_cluster(args.cluster, {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node})
     calibration: Optional[dict[str, float]] = None
@@ -140,12 +174,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         if not torch.cuda.is_available():  # rank layouts by this CPU's real matmul rate
             from mcore_rl.profile.measure import model_matmul
 
-            calibration = calibrate_cpu(*model_matmul(model, TrainShape(args.global_batch, args.micro_batch,
-                                                                        args.seq_length)))
+            calibration = calibrate_cpu(*model_matmul(model, TrainShape(shape.global_batch_size,
+                                                                        shape.micro_batch_size, shape.seq_length)))
             cluster = dataclasses.replace(cluster, peak_tflops_fp32=calibration["fp32"] / 1e12,
                                           peak_tflops_bf16=calibration["bf16"] / 1e12, compute_efficiency=1.0)
-    shape = TrainShape(args.global_batch, args.micro_batch, args.seq_length, args.precision, args.optimizer,
-                       args.recompute, args.distributed_optimizer)
     attention = "flash" if cluster.has_transformer_engine else "local"
     world = cluster.world_size
     if args.layout:
@@ -168,6 +200,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_calibration_flops": calibration,
     }
     if args.rollout_prompts:
+        # the split runs the asynchronous scheduler's simulator, whose package imports torch: only when asked
+        from mcore_rl.profile.split import RolloutTarget, recommend_split, split_dict
+
         target = RolloutTarget(args.rollout_prompts, args.samples_per_prompt, args.prompt_length, args.response_length,
                                asynchronous=not args.sync)
 
@@ -218,8 +253,10 @@ def measure_top(model: ModelConfig, layouts: list[Layout], rows: list[dict[str, 
 
 
 def run(args: argparse.Namespace) -> str:
-    """The report as text (and the JSON file when asked)."""
+    """The report as text (and the JSON file when asked); with `--json -` the JSON alone."""
     result = profile(args)
+    if args.json == "-":
+        return json.dumps(result, indent=1, default=float)
     shown = dict(result, layouts=result["layouts"][: args.top])
     text = [format_layouts(shown)]
     if "rl_split" in result:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.rules import padded_vocab_size
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import is_moe_layer
-from mcore_rl.models.vocab_padding import padded_vocab_size
 from mcore_rl.profile.layouts import Layout, TrainShape
 
 GiB = float(1 << 30)

@@ -396,7 +396,7 @@ def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, wo
         procs = start_teacher_engines(
             t.model_path, num=t.num_engines, workdir=os.path.join(workdir, name),  # its own tokenizer: checked below
             context_length=t.context_length or cfg.rollout.context_length, quantization=t.quantization,
-            cores=t.engine_cores or None, threads=t.engine_threads,
+            max_running_requests=t.max_running_requests, cores=t.engine_cores or None, threads=t.engine_threads,
             startup_timeout_s=cfg.rollout.engine_startup_timeout_s)
         urls = procs.urls
     try:
