@@ -31,6 +31,9 @@ post-filter weights (`output_token_sampling_logprobs`) and the number of tokens
 vocabulary (temperature > 0 with top_k -1 and top_p 1) is refused with 400, and so is a top_k above
 the server's `--sampling-mask-max-tokens`; see `rollout/engine/core.py` for a support that outgrows it.
 
+`sampling_params` takes SGLang's fields, its penalties, `logit_bias` and `stop_regex` included
+(semantics in `rollout/engine/sampling.py`).
+
 Everything a request can fail is checked here, before it reaches the engine, so one bad item never
 leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). Every field
 SGLang's `GenerateReqInput` defines is accepted: those that change no token (metrics, routing and

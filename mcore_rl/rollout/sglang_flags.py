@@ -9,7 +9,8 @@ arguments documentation and `server_args.py`, 2025-2026 main) is listed here as 
   parallel transports, tokenizer workers), its deployment (logging, metrics, tracing, warmup), or a
   feature that stays off unless another flag or a request field turns it on (and those are refused
   where they would change something). No generated token and no reply changes: accepted, logged
-  once at start and listed in `/get_server_info` under `ignored_flags`.
+  once at start and listed in `/get_server_info` under `ignored_flags`. (`--skip-tokenizer-init`:
+  the engine keeps its tokenizer, so replies to token-id requests carry `text` as well.)
 - `REFUSED`: it changes what is generated or returned (speculative decoding, LoRA adapters, chat
   templates and output parsers, truncation, model overrides, TLS, a gRPC server, ...): an error
   naming the flag and why, before the model loads.
@@ -26,6 +27,7 @@ from __future__ import annotations
 IGNORED: frozenset[str] = frozenset(
     # model loading and the tokenizer's processes
     "--tokenizer-worker-num --detokenizer-worker-num --tokenizer-backend --model-loader-extra-config "
+    "--skip-tokenizer-init "
     "--enable-multimodal --model-impl --model-config-parser --download-dir --model-checksum "
     "--checkpoint-engine-wait-weights-before-ready --quantization-param-path --enable-quant-communications "
     "--modelopt-checkpoint-save-path --modelopt-export-path --rl-quant-profile --delete-ckpt-after-loading "
@@ -156,7 +158,6 @@ REFUSED: dict[str, str] = {
     "--json-model-override-args": "would change the model's config; edit config.json instead",
     "--revision": "the embedded engine reads a local directory (--model-path) only",
     "--is-embedding": "the embedded engine serves generation only",
-    "--skip-tokenizer-init": "the embedded engine always has a tokenizer (text in replies, stop strings)",
     "--enable-weights-cpu-backup": "released weights come back as zeros until a weight update here",
     "--enable-fp32-lm-head": "the LM head runs in --dtype here (use --dtype float32 for fp32 logits)",
     "--enable-tf32-matmul": "TF32 matmuls would change the engine's numerics",
