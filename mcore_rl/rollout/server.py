@@ -308,10 +308,11 @@ class EngineServer:
         handler = functools.partial(weight_receiver.update_weights_from_disk, allowed_dirs=self.weight_dirs)
 
         def load(core: EngineCore, body: dict) -> dict:
-            reply = handler(core, body)
-            core.model_path = body["model_path"]  # only reached when the load succeeded
-            self.args = dataclasses.replace(self.args, model_path=core.model_path, served_model_name=self.args.model_name,
-                                            weight_dirs=self.weight_dirs)
+            reply = handler(core, body)  # raises (a 400 reply) or answers success false on a failed load
+            if reply.get("success"):
+                core.model_path = body["model_path"]
+                self.args = dataclasses.replace(self.args, model_path=core.model_path,
+                                                served_model_name=self.args.model_name, weight_dirs=self.weight_dirs)
             return reply
 
         return await self._update(request, load, report_paused=True)
