@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="mcore-rl serve",
         description="The embedded SGLang-compatible engine (SGLang's native and OpenAI HTTP APIs).",
+        epilog="Other flags of SGLang's server are classified in mcore_rl/rollout/sglang_flags.py: performance "
+               "and deployment knobs are accepted, logged and ignored; flags that would change what is generated "
+               "or returned are refused, naming the flag.",
         allow_abbrev=False,
     )
     p.add_argument("--model-path", "--model", dest="model_path",
