@@ -19,8 +19,9 @@ documented choices:
 * `logprobs_mode` (engine-wide, `mcore-rl serve --logprobs-mode`, reported by `/get_server_info`):
   "raw" (the default) is the bullet above; "processed" makes `output_token_logprobs` the log-prob of
   each sampled token under the distribution it was drawn from — after the penalties, `logit_bias`,
-  the `min_new_tokens` mask, temperature, top-k, top-p and min-p, renormalised: log(w_y / Σ w) of the sampler's weights w
-  (0 for greedy rows). Prompt log-probs, top log-probs and `token_ids_logprob` stay raw in both modes.
+  the `min_new_tokens` mask, temperature, top-k, top-p and min-p, renormalised: log(w_y / Σ w) of
+  the sampler's weights w (0 for greedy rows). Prompt log-probs, top log-probs and
+  `token_ids_logprob` stay raw in both modes.
 * `return_sampling_mask` (SGLang's name) returns per output token the support S = {i : w_i > 0} of
   those weights (`output_token_sampling_mask`, ascending ids, the sampled id among them; a greedy
   row's S is {the token}) and log(w_y / Σ w) (`output_token_sampling_logprobs`), both read off the
