@@ -224,21 +224,29 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     if not rows:
         return logits
     out = logits.clone()
-    vocab = logits.shape[-1]
-    for j in rows:
-        p, row = params[j], out[j]
-        if outputs[j] and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-            counts = torch.bincount(torch.tensor(outputs[j], dtype=torch.long), minlength=vocab)[:vocab]
-            counts = counts.to(device=row.device, dtype=row.dtype)
-            seen = counts > 0
-            if p.repetition_penalty != 1.0:
-                scaled = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
-                row = torch.where(seen, scaled, row)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * seen.to(row.dtype)
-        if p.logit_bias:
-            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.long, device=row.device)
-            row = row.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
-        out[j] = row
+    vocab, dev, dt = logits.shape[-1], logits.device, logits.dtype
+    sub = out[rows]  # [R, V], one row per request with processors, all rows at once
+    longest = max(len(outputs[j]) for j in rows)
+    if longest:
+        ids = torch.full((len(rows), longest), vocab, dtype=torch.long)  # padded with an extra column
+        for r, j in enumerate(rows):
+            ids[r, : len(outputs[j])] = torch.tensor(outputs[j], dtype=torch.long)
+        counts = torch.zeros(len(rows), vocab + 1, dtype=dt).scatter_add_(1, ids, torch.ones(ids.shape, dtype=dt))
+        counts = counts[:, :vocab].to(dev)
+        seen = counts > 0
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([[getattr(params[j], name)] for j in rows], dtype=dt, device=dev)
+
+        rep = column("repetition_penalty")
+        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+        sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * seen.to(dt)
+    for r, j in enumerate(rows):
+        bias = params[j].logit_bias
+        if bias:
+            idx = torch.tensor([int(k) for k in bias], dtype=torch.long, device=dev)
+            sub[r] = sub[r].index_add(0, idx, torch.tensor(list(bias.values()), dtype=dt, device=dev))
+    out[rows] = sub
     return out
 
 
