@@ -660,7 +660,7 @@ def test_error_messages_use_sglangs_wording(server) -> None:
 
 
 # SGLang's launch lines of its HTTP tests (test_srt_endpoint, test_skip_tokenizer_init, ...) and
-# the knobs the issue named: performance and deployment flags only.
+# the knobs such launch lines carry: performance and deployment flags only.
 SGLANG_TEST_FLAGS = ["--enable-custom-logit-processor", "--mem-fraction-static", "0.7", "--cuda-graph-max-bs", "8",
                      "--cuda-graph-max-bs-decode", "8", "--stream-output", "--skip-tokenizer-init",
                      "--max-total-tokens", "1000", "--context-length", "1000", "--disable-overlap-schedule",
