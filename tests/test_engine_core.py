@@ -4,6 +4,7 @@ stop conditions, prompt scoring, abort, validation, weight loading and FP8 mode.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Callable
 
 import pytest
@@ -781,3 +782,125 @@ def test_fp8_paused_requests_use_the_new_quantized_weights(mode):
         scored = run(scorer, [full])["s"]
         torch.testing.assert_close(lps(o.output_token_logprobs)[BEFORE:], lps(scored.input_token_logprobs[1:])[BEFORE:],
                                    atol=1e-5, rtol=0)
+
+
+# --- SGLang's logit processors, stop_regex, the default context, the source's model type ----------
+
+
+def sglang_processed(logits: torch.Tensor, out_so_far: list[int], sp: SamplingParams) -> torch.Tensor:
+    """SGLang's penalizers and logit_bias written out for one row, from their definitions (not
+    through `penalize`): repetition scales a generated token's logit (/ if > 0, x if < 0), then
+    frequency subtracts penalty x count and presence subtracts penalty once; logit_bias adds."""
+    z = logits.clone()
+    for t in set(out_so_far):
+        z[t] = z[t] / sp.repetition_penalty if z[t] > 0 else z[t] * sp.repetition_penalty
+        z[t] -= sp.frequency_penalty * out_so_far.count(t) + sp.presence_penalty
+    for k, v in (sp.logit_bias or {}).items():
+        z[int(k)] += v
+    return z
+
+
+PENALIZED = dict(temperature=0.8, top_k=6, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.6,
+                 logit_bias={"65": 1.5, "66": -2.0}, max_new_tokens=24, ignore_eos=True, seed=5)
+
+
+def test_penalties_and_logit_bias_shape_the_processed_distribution():
+    """The processed log-prob of every sampled token (μ in --logprobs-mode processed) is that of
+    SGLang's penalized, biased, temperature-scaled, top-k-truncated distribution, recomputed here
+    from one full forward of the reference model; the raw log-probs stay the model's."""
+    model = tiny_model()
+    ref = copy.deepcopy(model).eval()
+    prompt = TOK.encode("aaaa bbbb")
+    sp = SamplingParams(**PENALIZED)
+    out = run(make_engine(model, logprobs_mode="processed"), [Request("p", prompt, sp, return_logprob=True)])["p"]
+    raw = run(make_engine(copy.deepcopy(ref)), [Request("p", prompt, SamplingParams(**PENALIZED), return_logprob=True)])["p"]
+    assert raw.output_ids == out.output_ids and len(out.output_ids) == 24
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.output_ids])).logits[0].float()
+    n = len(prompt)
+    for t, tok in enumerate(out.output_ids):
+        z = sglang_processed(logits[n - 1 + t], out.output_ids[:t], sp) / sp.temperature
+        kept = z.topk(sp.top_k).indices
+        assert tok in kept.tolist(), t
+        want = torch.log_softmax(z[kept], -1)[kept.tolist().index(tok)]
+        assert abs(out.output_token_logprobs[t][0] - want.item()) < 1e-5, t
+        assert abs(raw.output_token_logprobs[t][0] - torch.log_softmax(logits[n - 1 + t], -1)[tok].item()) < 1e-5
+    repeated = len(out.output_ids) - len(set(out.output_ids))
+    plain = run(make_engine(copy.deepcopy(ref)), [req("q", prompt, **{**PENALIZED, "frequency_penalty": 0.0,
+                "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None})])["q"]
+    assert repeated < len(plain.output_ids) - len(set(plain.output_ids))  # the penalties do what they are for
+
+
+def test_logit_bias_forces_and_forbids_tokens_without_touching_batch_mates():
+    """SGLang's test_logit_bias / test_forbidden_token / test_logit_bias_isolation on the engine."""
+    model = tiny_model()
+    prompt = TOK.encode("the capital of France is")
+    forced = req("forced", prompt, temperature=1.0, max_new_tokens=6, logit_bias={"80": 100.0}, seed=1)
+    greedy = run(make_engine(copy.deepcopy(model)), [req("g", prompt, temperature=0, max_new_tokens=8, ignore_eos=True)])["g"]
+    banned_id = greedy.output_ids[0]
+    banned = req("banned", prompt, temperature=0, max_new_tokens=8, ignore_eos=True, logit_bias={str(banned_id): -100.0})
+    alone = run(make_engine(copy.deepcopy(model)), [req("plain", prompt, temperature=1.0, max_new_tokens=6, seed=2)])
+    outs = run(make_engine(copy.deepcopy(model)),
+               [forced, banned, req("plain", prompt, temperature=1.0, max_new_tokens=6, seed=2)])
+    assert outs["forced"].output_ids == [80] * 6
+    assert banned_id not in outs["banned"].output_ids and outs["banned"].output_ids != greedy.output_ids
+    assert outs["plain"].output_ids == alone["plain"].output_ids
+    torch.testing.assert_close(lps(outs["plain"].output_token_logprobs), lps(alone["plain"].output_token_logprobs),
+                               rtol=0, atol=1e-5)  # batch mates change fp32 logits by rounding only
+
+
+def test_penalties_are_refused_out_of_sglang_ranges_and_next_to_a_sampling_mask():
+    e = make_engine()
+    for bad, field in [(dict(frequency_penalty=2.5), "frequency_penalty must be in \\[-2, 2\\]"),
+                       (dict(presence_penalty=-3.0), "presence_penalty must be in \\[-2, 2\\]"),
+                       (dict(repetition_penalty=0.0), "repetition_penalty must be in \\(0, 2\\]"),
+                       (dict(logit_bias={"384": 1.0}), "logit_bias must has keys in \\[0, 383\\]"),
+                       (dict(logit_bias={"x": 1.0}), "logit_bias: keys must be token ids"),
+                       (dict(stop_regex="(unclosed"), "stop_regex: '\\(unclosed' is not a valid regular expression")]:
+        with pytest.raises(ValueError, match=field):
+            e.add_request(req("x", "a", **bad))
+    masked = Request("m", TOK.encode("a"), SamplingParams(top_k=5, repetition_penalty=1.2), return_sampling_mask=True)
+    with pytest.raises(ValueError, match="return_sampling_mask: cannot be combined with sampling_params.repetition_penalty"):
+        e.add_request(masked)
+    assert not e.has_work()
+
+
+def test_stop_regex_ends_the_request_as_sglang_does():
+    from mcore_rl.rollout.engine.sampling import MAX_REGEX_TAIL, regex_tail_tokens
+
+    assert regex_tail_tokens(["and|or"]) == 4 and regex_tail_tokens(["ab{2,3}"]) == 5
+    assert regex_tail_tokens([r"[.!?]\s*$"]) == MAX_REGEX_TAIL + 1
+    model = tiny_model()
+    prompt = TOK.encode("hello")
+    free = run(make_engine(copy.deepcopy(model)), [req("f", prompt, temperature=0, max_new_tokens=30, ignore_eos=True)])["f"]
+    # a letter the output produces a few tokens in; the request must stop at the first output
+    # whose decoded tail (SGLang's: the last regex_tail_tokens tokens, special tokens skipped) matches
+    target = next(c for k in range(3, 30) for c in [TOK.decode(free.output_ids[k:k + 1])]
+                  if c.isascii() and c.isalnum() and c not in TOK.decode(free.output_ids[:k], skip_special_tokens=True))
+    for pat in (re.escape(target), f"(?:{re.escape(target)})+"):  # a bounded and an unbounded pattern
+        window = regex_tail_tokens([pat])
+        stop_at = next(k for k in range(1, 31) if re.search(pat, TOK.decode(free.output_ids[max(0, k - window):k],
+                                                                              skip_special_tokens=True)))
+        assert stop_at >= 3
+        out = run(make_engine(copy.deepcopy(model)), [req("r", prompt, temperature=0, max_new_tokens=30,
+                                                          ignore_eos=True, stop_regex=[r"(?!)", pat])])["r"]
+        assert out.finish_reason == {"type": "stop", "matched": pat}
+        assert out.output_ids == free.output_ids[:stop_at]
+
+
+def test_context_length_defaults_to_the_models_and_the_source_model_type_is_kept(tmp_path):
+    """SGLang's default context is the model's max_position_embeddings (not 2,048); /model_info's
+    model_type and architectures are those of the checkpoint (a stock Llama: llama)."""
+    from transformers import LlamaForCausalLM
+
+    from mcore_rl.hf import to_stock_hf_config
+
+    assert EngineCore(tiny_model(max_position_embeddings=4096), TOK).context_length == 4096
+    assert EngineCore(tiny_model(max_position_embeddings=96), TOK).context_length == 96
+    cfg = to_stock_hf_config(tiny_model(use_qk_norm=False, max_position_embeddings=3000).config)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    e = EngineCore.from_model_path(str(tmp_path))
+    assert e.context_length == 3000
+    assert (e.hf_model_type, e.hf_architectures) == ("llama", ["LlamaForCausalLM"])
+    demo = EngineCore.from_model_path(None)
+    assert demo.context_length == 2048 and demo.hf_model_type == "mcore_rl_qwen3"

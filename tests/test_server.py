@@ -508,7 +508,7 @@ BAD = [
     ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"text": "x", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
-    ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+    ({"text": "x", "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),  # SGLang's range: [-2, 2]
     ({"text": "x", "return_logprob": "yes"}, "return_logprob"),
     ({"text": "x", "temperature": 0.5}, "temperature"),
     ({"text": "x", "image_data": "cat.png"}, "image_data"),
@@ -554,7 +554,7 @@ def test_bad_requests_get_400_naming_the_field_while_others_are_served(server) -
 def test_rid_in_flight_is_refused(server) -> None:
     async def go(c: EngineClient):
         first = await _running(c, text="one", sampling_params=_greedy(LONG), rid="dup")
-        with pytest.raises(EngineHTTPError, match="rid"):
+        with pytest.raises(EngineHTTPError, match="rid: Duplicate request ID detected: dup"):  # SGLang's wording
             await c.generate(text="two", sampling_params=_greedy(2), rid="dup")
         assert (await first)["meta_info"]["completion_tokens"] == LONG
 
@@ -613,7 +613,7 @@ def test_launch_flags(monkeypatch) -> None:
     for argv, needle in [
         (["--tp-size", "2"], "--tp-size 2"),
         (["--quantization", "awq"], "--quantization awq"),
-        (["--enable-dp-attention"], "--enable-dp-attention"),
+        (["--enable-lora"], "--enable-lora"),
         (["--speculative-algorithm=EAGLE"], "--speculative-algorithm"),
         (["--port", "x"], "--port"),
         (["--load-format", "pt"], "--load-format"),
@@ -628,8 +628,9 @@ def test_mcore_rl_serve_command() -> None:
     bad = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "serve", "--tp-size", "4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--tp-size 4" in bad.stderr
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "64"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    sglang_knobs = ["--cuda-graph-max-bs-decode", "8", "--stream-output", "--mem-fraction-static", "0.7"]  # start, not refuse
+    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "64",
+                             *sglang_knobs], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -641,6 +642,8 @@ def test_mcore_rl_serve_command() -> None:
         req = urllib.request.Request(url + "/generate", data=json.dumps({"text": "hi", "sampling_params": _greedy(3)}).encode())
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["meta_info"]["completion_tokens"] == 3
+        info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=60).read())
+        assert info["ignored_flags"] == {"--cuda-graph-max-bs-decode": ["8"]} and info["incremental_streaming_output"]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -529,7 +529,7 @@ def test_sglang_length_checks_and_messages(server) -> None:
     status, err = call(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 10**9})
     assert status == 400 and err["error"]["message"].startswith("max_tokens: Requested token count exceeds")
     status, err = call(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9})
-    assert status == 400 and err["error"]["message"].startswith("max_tokens: Requested token count exceeds")
+    assert status == 400 and err["error"]["message"].startswith("max_tokens: max_completion_tokens is too large")
 
 
 def test_the_openai_client_works_against_the_server(server) -> None:
@@ -557,3 +557,166 @@ def test_the_openai_client_works_against_the_server(server) -> None:
         assert openai.OpenAI(base_url=keyed.url + "/v1", api_key="k1", max_retries=0).models.list().data
     finally:
         keyed.stop()
+
+
+# --- SGLang's own HTTP tests: sampling parameters, model and server info, launch flags, wording -------
+
+
+def test_penalties_logit_bias_and_stop_regex_as_sglangs_tests_use_them(server) -> None:
+    """SGLang's test_logit_bias, test_forbidden_token and test_finish_stop_regex_str, and its
+    penalty ranges, against the server (they were refused with 400)."""
+    url = server.url
+    body = {"text": "The capital of France is", "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "logit_bias": {"80": 100.0}}}
+    status, out = call(url, "/generate", body)
+    assert status == 200 and [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == [80] * 4, out
+    greedy = call(url, "/generate", {"text": "rice", "sampling_params": _greedy(8)})[1]["output_ids"]
+    banned = call(url, "/generate", {"text": "rice", "sampling_params": {**_greedy(8), "logit_bias": {str(greedy[0]): -100.0}}})
+    assert banned[0] == 200 and greedy[0] not in banned[1]["output_ids"]
+    for sp in ({"frequency_penalty": 1.0}, {"presence_penalty": -1.0}, {"repetition_penalty": 1.3}):
+        status, out = call(url, "/generate", {"text": "aaaa", "sampling_params": {**_greedy(16), **sp}})
+        assert status == 200 and out["meta_info"]["completion_tokens"] == 16, out
+    status, err = call(url, "/generate", {"text": "x", "sampling_params": {"frequency_penalty": 3}})
+    assert status == 400 and err["error"]["message"] == (
+        "sampling_params.frequency_penalty: frequency_penalty must be in [-2, 2], got 3.0.")
+    status, err = call(url, "/generate", {"text": "x", "return_sampling_mask": True,
+                                          "sampling_params": {"top_k": 4, "presence_penalty": 0.5}})
+    assert status == 400 and err["error"]["message"].startswith(
+        "return_sampling_mask: cannot be combined with sampling_params.presence_penalty")
+    any_char = r"[\s\S]"
+    for path, payload in [
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 50, "temperature": 0, "stop_regex": any_char}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 50,
+                                  "temperature": 0, "stop_regex": any_char, "frequency_penalty": 0.5,
+                                  "logit_bias": {"80": 3.0}}),
+    ]:
+        status, out = call(url, path, payload)
+        assert status == 200, out
+        assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["matched_stop"] == any_char, out
+
+
+def _llama_dir(path: str) -> str:
+    from transformers import LlamaForCausalLM
+
+    from mcore_rl.hf import to_stock_hf_config
+    from tests.test_engine_core import tiny_model
+
+    LlamaForCausalLM(to_stock_hf_config(tiny_model(use_qk_norm=False, max_position_embeddings=3000).config)).save_pretrained(path)
+    return path
+
+
+def test_model_and_server_info_follow_sglang(tmp_path) -> None:
+    """/model_info and /server_info (SGLang's current names) answer like /get_*; a stock Llama
+    reports llama / LlamaForCausalLM and its own context length; /get_server_info has
+    max_total_num_tokens; a successful /update_weights_from_disk moves model_path, a failed one not."""
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    llama = _llama_dir(str(tmp_path / "llama"))
+    srv = ServerThread(EngineServer(EngineDriver(EngineCore.from_model_path(llama)), ServerArgs(model_path=llama))).__enter__()
+    try:
+        for path in ("/model_info", "/get_model_info"):
+            status, info = call(srv.url, path, method="GET")
+            assert status == 200 and info["model_path"] == llama, info
+            assert (info["model_type"], info["architectures"]) == ("llama", ["LlamaForCausalLM"])
+        for path in ("/server_info", "/get_server_info"):
+            status, sinfo = call(srv.url, path, method="GET")
+            assert status == 200 and sinfo["context_length"] == 3000 and sinfo["max_req_input_len"] == 2999
+            assert isinstance(sinfo["max_total_num_tokens"], int) and sinfo["max_total_num_tokens"] >= 3000
+        update = str(tmp_path / "update")
+        os.makedirs(update)
+        norm = srv.server.core.model.model.norm.weight
+        save_file({"model.norm.weight": torch.full(tuple(norm.shape), 2.0)}, os.path.join(update, "model.safetensors"))
+        status, reply = call(srv.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")})
+        assert status == 400 and call(srv.url, "/model_info", method="GET")[1]["model_path"] == llama
+        status, reply = call(srv.url, "/update_weights_from_disk", {"model_path": update})
+        assert status == 200 and reply["success"], reply
+        assert call(srv.url, "/model_info", method="GET")[1]["model_path"] == update
+        sinfo = call(srv.url, "/server_info", method="GET")[1]
+        assert sinfo["model_path"] == update and sinfo["served_model_name"] == llama  # the name stays the launch's
+        assert sinfo["weight_dirs"][0] == os.path.abspath(llama)  # so do the directories weights may come from
+        assert call(srv.url, "/v1/models", method="GET")[1]["data"][0]["id"] == llama
+    finally:
+        srv.stop()
+
+
+def test_error_messages_use_sglangs_wording(server) -> None:
+    """Clients match on SGLang's messages: a request id already in flight or repeated in a batch,
+    an out-of-vocabulary token_ids_logprob id, a chat max_tokens above the context length."""
+    url = server.url
+    status, err = call(url, "/generate", {"text": ["a", "b"], "rid": ["x", "x"]})
+    assert status == 400 and err["error"]["message"] == "rid: Duplicate request IDs detected within the request: ['x']"
+    vocab = server.server.core.vocab_size
+    status, err = call(url, "/generate", {"text": "a", "return_logprob": True, "token_ids_logprob": [1, vocab]})
+    assert status == 400 and err["error"]["message"] == (
+        f"token_ids_logprob contains out-of-vocabulary token id {vocab}; valid range is [0, {vocab}).")
+    msgs = [{"role": "user", "content": "hello"}]
+    for key in ("max_tokens", "max_completion_tokens"):
+        status, err = call(url, "/v1/chat/completions", {"messages": msgs, key: CONTEXT + 176})
+        assert status == 400 and err["error"]["message"] == (
+            f"{key}: max_completion_tokens is too large: {CONTEXT + 176}. This model supports at most {CONTEXT} "
+            "completion tokens.")
+    status, err = call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": CONTEXT - 2})
+    assert status == 400 and "Requested token count exceeds the model's maximum context length" in err["error"]["message"]
+
+
+# SGLang's launch lines of its HTTP tests (test_srt_endpoint, test_skip_tokenizer_init, ...) and
+# the knobs such launch lines carry: performance and deployment flags only.
+SGLANG_TEST_FLAGS = ["--enable-custom-logit-processor", "--mem-fraction-static", "0.7", "--cuda-graph-max-bs", "8",
+                     "--cuda-graph-max-bs-decode", "8", "--stream-output", "--skip-tokenizer-init",
+                     "--max-total-tokens", "1000", "--context-length", "1000", "--disable-overlap-schedule",
+                     "--chunked-prefill-size=2048", "--page-size", "64", "--attention-backend", "fa3",
+                     "--enable-metrics", "--log-requests-target", "stdout", "/tmp/requests", "--tp", "1",
+                     "--enable-deterministic-inference", "--no-enable-tp-lm-head-all-to-all"]
+
+
+def test_every_sglang_launch_flag_is_classified() -> None:
+    """Performance and deployment knobs start the server (recorded in /server_info); flags that
+    change results are refused naming the flag; the tables do not overlap ours or each other."""
+    from mcore_rl.rollout import sglang_flags
+    from mcore_rl.rollout.launch_flags import LaunchFlagError, build_parser
+
+    ours = set(build_parser()._option_string_actions)
+    tables = [set(sglang_flags.IGNORED), set(sglang_flags.REFUSED), set(sglang_flags.ONLY)]
+    assert all(not (a & b) for i, a in enumerate(tables) for b in tables[i + 1:] + [ours])
+    args = parse_server_args(SGLANG_TEST_FLAGS)
+    assert args.incremental_streaming_output and args.context_length == 1000 and args.tp_size == 1
+    assert args.ignored_flags == {"--enable-custom-logit-processor": [], "--cuda-graph-max-bs-decode": ["8"],
+                                  "--skip-tokenizer-init": [], "--disable-overlap-schedule": [], "--page-size": ["64"],
+                                  "--enable-metrics": [], "--log-requests-target": ["stdout", "/tmp/requests"],
+                                  "--enable-deterministic-inference": [], "--no-enable-tp-lm-head-all-to-all": []}
+    srv = _serve(args)
+    try:
+        assert call(srv.url, "/server_info", method="GET")[1]["ignored_flags"]["--page-size"] == ["64"]
+    finally:
+        srv.stop()
+    for argv, message in [
+        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm: speculative decoding"),
+        (["--enable-lora"], "--enable-lora: LoRA"),
+        (["--chat-template", "x.jinja"], "--chat-template: "),
+        (["--allow-auto-truncate"], "--allow-auto-truncate: "),
+        (["--pp-size", "2"], "--pp-size 2: "),
+        (["--sampling-defaults", "model"], "--sampling-defaults model: "),
+        (["--ssl-certfile", "c.pem"], "--ssl-certfile: "),
+        (["--not-an-sglang-flag"], "--not-an-sglang-flag: not a flag of SGLang's server"),
+    ]:
+        with pytest.raises(LaunchFlagError, match=f"^{message}"):
+            parse_server_args(argv)
+    assert parse_server_args(["--pp-size", "1", "--sampling-defaults=openai"]).ignored_flags == {
+        "--pp-size": ["1"], "--sampling-defaults": ["openai"]}
+
+
+def test_incremental_streaming_output_sends_only_what_is_new(server) -> None:
+    """`--stream-output` / `--incremental-streaming-output`: the chunks of a streamed /generate,
+    joined, are the whole reply (SGLang's disjoint segments); without it each chunk is cumulative."""
+    body = {"text": "stream me", "sampling_params": {**_greedy(40), "stop": "zz"}, "stream": True}
+    srv = _serve(parse_server_args(["--stream-output"]))
+    try:
+        whole = call(srv.url, "/generate", {**body, "stream": False})[1]
+        chunks = stream(srv.url, "/generate", body)
+        assert len(chunks) > 2
+        assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+    finally:
+        srv.stop()
+    cumulative = stream(server.url, "/generate", body)
+    assert cumulative[-1]["output_ids"] == whole["output_ids"] and cumulative[-1]["text"] == whole["text"]

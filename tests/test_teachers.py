@@ -228,9 +228,9 @@ def test_token_ids_logprob_is_sglangs_and_equals_a_plain_forward(servers, ckpts)
     one = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
     assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, "x"])
     assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, 2.0])
-    assert f"token_ids_logprob: token id {TOK.vocab_size} is outside the vocabulary" in refused(
-        **one, token_ids_logprob=[1, TOK.vocab_size])
-    assert "token_ids_logprob: token id -1 is outside" in refused(**one, token_ids_logprob=[-1])
+    assert (f"token_ids_logprob contains out-of-vocabulary token id {TOK.vocab_size}; valid range is "
+            f"[0, {TOK.vocab_size}).") in refused(**one, token_ids_logprob=[1, TOK.vocab_size])  # SGLang's wording
+    assert "token_ids_logprob contains out-of-vocabulary token id -1" in refused(**one, token_ids_logprob=[-1])
     assert "token_ids_logprob: a list of lists needs a batch" in refused(**one, token_ids_logprob=[[1]])
     assert "token_ids_logprob: expected a list of token ids" in refused(**one, token_ids_logprob=True)
     batch = {**one, "input_ids": prompts}

@@ -1,7 +1,7 @@
 """`mcore-rl serve` flags, spelled as `python -m sglang.launch_server` spells them.
 
 A launch script written for SGLang should run the embedded engine by changing only the command.
-Flags fall in three groups:
+Flags fall in these groups:
 
 - **honoured**: `--model-path` (alias `--model`; none = the built-in tiny demo model),
   `--tokenizer-path`, `--host`, `--port`, `--dtype`, `--quantization fp8`, `--context-length`,
@@ -11,7 +11,8 @@ Flags fall in three groups:
   `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version` (any
   string, as in SGLang), `--enable-return-routed-experts` (requests may then ask for
   `return_routed_experts`: MoE routing replay), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
-  `mcore_rl/rollout/server.py`);
+  `mcore_rl/rollout/server.py`), `--incremental-streaming-output` (old name `--stream-output`:
+  streamed `/generate` chunks carry only the new `output_ids` and text);
 - **our own**: `--logprobs-mode raw|processed` (what `output_token_logprobs` are: the raw
   full-vocabulary log-probs, or those of the processed distribution each token was drawn from —
   after temperature and the top-k/top-p/min-p mask, renormalised; see `rollout/engine/core.py`;
@@ -28,12 +29,18 @@ Flags fall in three groups:
   `--disable-radix-cache`, `--attention-backend`, `--sampling-backend`, `--schedule-policy`,
   `--enable-memory-saver`, `--skip-server-warmup`, `--trust-remote-code`, `--log-level`,
   `--log-level-http`; they are recorded in `/get_server_info` and otherwise ignored;
-- **everything else** is rejected with a message naming the flag.
+- **every other flag of SGLang's server** is classified in `mcore_rl/rollout/sglang_flags.py`: the
+  performance and deployment knobs are accepted, logged at start and listed under `ignored_flags`
+  in `/get_server_info`; those that would change what is generated or returned are refused with a
+  message naming the flag and why; a flag SGLang does not have is refused too.
 
 Log-probs are those of the raw distribution (what SGLang returns with
 `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, the RL setting); with that variable set to `0` / `false` they
 are those of the temperature-scaled distribution, SGLang's plain default (see
 `mcore_rl/rollout/engine/core.py`).
+
+`--context-length` defaults, as in SGLang, to the model's own (`max_position_embeddings`, see
+`rollout/engine/core.py: default_context_length`).
 
 `--dtype auto` means float32 here (SGLang picks the checkpoint's half precision on a GPU; on CPU the
 embedded engine's job is to match the fp32 trainer unless asked otherwise). `--random-seed`
@@ -46,8 +53,10 @@ import argparse
 import dataclasses
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from mcore_rl.rollout import sglang_flags
 
 DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16",
           "half": "float16", "float16": "float16"}
@@ -110,6 +119,10 @@ class ServerArgs:
     # sampling-mask replay: what output_token_logprobs are, and the largest support returned per token
     logprobs_mode: str = "raw"
     sampling_mask_max_tokens: int = 16384
+    # streamed /generate chunks carry only what is new (SGLang's --incremental-streaming-output)
+    incremental_streaming_output: bool = False
+    # SGLang flags accepted and ignored (sglang_flags.IGNORED): flag -> its values as given
+    ignored_flags: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -171,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="mcore-rl serve",
         description="The embedded SGLang-compatible engine (SGLang's native and OpenAI HTTP APIs).",
+        epilog="Other flags of SGLang's server are classified in mcore_rl/rollout/sglang_flags.py: performance "
+               "and deployment knobs are accepted, logged and ignored; flags that would change what is generated "
+               "or returned are refused, naming the flag.",
         allow_abbrev=False,
     )
     p.add_argument("--model-path", "--model", dest="model_path",
@@ -185,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--served-model-name")
     p.add_argument("--weight-version", default="0", help="initial weight version (any string)")
-    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int, default=1)
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights from --random-seed, no weight file read (a weight sync fills them)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
@@ -204,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "distribution the token was drawn from (after temperature and top-k/top-p/min-p, renormalised)")
     p.add_argument("--sampling-mask-max-tokens", type=int, default=16384,
                    help="largest support return_sampling_mask returns per output token (SGLang's flag)")
+    p.add_argument("--incremental-streaming-output", "--stream-output", dest="incremental_streaming_output",
+                   action="store_true", help="streamed /generate chunks carry only the new output_ids and text")
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
@@ -220,18 +238,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_server_args(argv: list[str]) -> ServerArgs:
-    """Parse and check `mcore-rl serve` flags; `LaunchFlagError` names any flag it cannot honour."""
+    """Parse and check `mcore-rl serve` flags; `LaunchFlagError` names any flag it cannot honour.
+    SGLang flags it does not honour are classified by `sglang_flags` (ignored or refused)."""
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ours, ignored = _split_sglang_flags(argv, set(parser._option_string_actions))
+    ns, unknown = parser.parse_known_args(ours)
     if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        raise LaunchFlagError(
-            f"{flag.split('=')[0]}: not supported by the embedded engine (mcore-rl serve accepts these "
-            "SGLang flags: see `mcore-rl serve --help`; for the rest run `python -m sglang.launch_server`)"
-        )
-    args = ServerArgs(**vars(ns))
+        raise LaunchFlagError(f"{unknown[0]}: unexpected argument (mcore-rl serve takes flags only; see --help)")
+    args = ServerArgs(**vars(ns), ignored_flags=ignored)
     _check(args)
     return args
+
+
+def _split_sglang_flags(argv: list[str], ours: set[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(the arguments of flags this parser has, {ignored SGLang flag: its values}); a flag that
+    `sglang_flags.classify` refuses raises `LaunchFlagError`. The values of a flag are the arguments
+    up to the next `--flag` (or the part after `=`)."""
+    kept: list[str] = []
+    ignored: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        if not token.startswith("--") or flag in ours:
+            kept.extend(argv[i:j])
+        else:
+            values = [inline] if eq else argv[i + 1 : j]
+            why = sglang_flags.classify(flag, values)
+            if why is not None:
+                raise LaunchFlagError(why)
+            ignored[flag] = values
+        i = j
+    return kept, ignored
 
 
 def _check(a: ServerArgs) -> None:

@@ -17,7 +17,10 @@ value is one the engine honours: routing and cache hints with any value; the rea
 switches (`separate_reasoning`, `stream_reasoning`), which change nothing without a reasoning
 parser, as in SGLang; features the engine lacks (tools, LoRA, hidden states, grammars) only at
 their default. Other names are refused. Length checks are SGLang's (`protocol.check_lengths`): an
-explicit `max_tokens` (completions always have one, default 16) must fit beside the prompt.
+explicit `max_tokens` (completions always have one, default 16) must fit beside the prompt; a chat
+`max_tokens` / `max_completion_tokens` above the context length is refused first, with SGLang's
+"max_completion_tokens is too large" message. The penalties, `logit_bias` and `stop_regex` are
+SGLang's sampling parameters (`rollout/engine/sampling.py`).
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
     max_tokens, key = body.get("max_tokens"), "max_tokens"
     if body.get("max_completion_tokens") is not None:
         max_tokens, key = body["max_completion_tokens"], "max_completion_tokens"
+    if _is_int(max_tokens) and max_tokens > context_length:  # SGLang's chat check and wording (_validate_request)
+        raise RequestError(f"{key}: max_completion_tokens is too large: {max_tokens}. This model supports at most "
+                           f"{context_length} completion tokens.")
     end = getattr(tokenizer, "token_to_id", None)
     extra_stop = [end("<|im_end|>")] if end is not None and not hasattr(tokenizer, "apply_chat_template") else []
     return _build(body, [ids], max_tokens, key, logprobs, True, False,

@@ -31,11 +31,14 @@ post-filter weights (`output_token_sampling_logprobs`) and the number of tokens
 vocabulary (temperature > 0 with top_k -1 and top_p 1) is refused with 400, and so is a top_k above
 the server's `--sampling-mask-max-tokens`; see `rollout/engine/core.py` for a support that outgrows it.
 
+`sampling_params` takes SGLang's fields, its penalties, `logit_bias` and `stop_regex` included
+(semantics in `rollout/engine/sampling.py`).
+
 Everything a request can fail is checked here, before it reaches the engine, so one bad item never
 leaves half a batch running; each error names the field (`RequestError` -> HTTP 400). Every field
 SGLang's `GenerateReqInput` defines is accepted: those that change no token (metrics, routing and
 cache hints) with any value of their type, those for features the embedded engine lacks (images,
-LoRA, grammars, penalties, hidden states) only at SGLang's default value; names SGLang does not
+LoRA, grammars, custom logit processors, hidden states) only at SGLang's default value; names SGLang does not
 define are refused. SGLang's up-front length checks apply, with its messages: a prompt of
 `context_length` tokens or more, or an explicit `max_new_tokens` that does not fit next to the
 prompt, is refused (an absent `max_new_tokens` is clamped to the context instead).
@@ -57,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from mcore_rl.rollout.engine.core import Request, RequestOutput
-from mcore_rl.rollout.engine.sampling import SamplingParams
+from mcore_rl.rollout.engine.sampling import SamplingParams, mask_replay_conflict
 
 
 class RequestError(ValueError):
@@ -102,9 +105,7 @@ _UNSUPPORTED_FIELDS: dict[str, Any] = {
 _IGNORED_SAMPLING = {"spaces_between_special_tokens", "stream_interval"}
 # ... and those it cannot honour, accepted only at their neutral value.
 _NEUTRAL_SAMPLING = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "json_schema": None,
-    "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None, "custom_params": None,
-    "logit_bias": None,
+    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "custom_params": None,
 }
 
 
@@ -189,7 +190,10 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
 
 
 def _check_sampling_mask(sp: SamplingParams, max_tokens: int | None, where: str) -> None:
-    """SGLang's 400 for `return_sampling_mask` with a support that is not bounded (or over the cap)."""
+    """SGLang's 400 for `return_sampling_mask` with a support that is not bounded (or over the cap);
+    ours for logit processors, whose offsets a trainer's replay over the support would not reproduce."""
+    if sp.processes_logits:
+        raise RequestError(mask_replay_conflict(sp) + where)
     if sp.is_greedy:
         return
     if sp.top_k == -1 and sp.top_p >= 1.0:
@@ -347,8 +351,9 @@ def _token_ids_logprob(value: Any, batch: int, is_single: bool, n: int, vocab_si
         for t in ids or ():
             if not _is_int(t):
                 raise RequestError(f"{key}: expected integer token ids, got {show(t)}{where}")
-            if not 0 <= t < vocab_size:
-                raise RequestError(f"{key}: token id {t} is outside the vocabulary [0, {vocab_size}){where}")
+            if not 0 <= t < vocab_size:  # SGLang's wording (TokenizerManager._validate_token_ids_logprob)
+                raise RequestError(f"{key} contains out-of-vocabulary token id {t}; valid range is "
+                                   f"[0, {vocab_size}).{where}")
     return per
 
 
@@ -388,8 +393,9 @@ def _rids(rid: Any, batch: int, n: int, is_single: bool) -> list[str]:
     elif isinstance(rid, list) and not is_single and all(isinstance(r, str) and r for r in rid):
         if len(rid) != batch:
             raise RequestError(f"rid: {len(rid)} ids for a batch of {batch}")
-        if len(set(rid)) != len(rid):
-            raise RequestError("rid: duplicate request ids within the batch")
+        if len(set(rid)) != len(rid):  # SGLang's wording (GenerateReqInput._validate_rid_uniqueness)
+            dups = sorted({r for r in rid if rid.count(r) > 1})
+            raise RequestError(f"rid: Duplicate request IDs detected within the request: {dups}")
         if n == 1:
             return list(rid)
     else:

@@ -3,7 +3,8 @@
 Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
 
     GET  /health, /health_generate            200 or 503, empty body
-    GET  /get_model_info, /get_server_info, /get_weight_version, /get_load
+    GET  /model_info, /server_info (SGLang's current names; /get_model_info, /get_server_info too),
+         /get_weight_version, /get_load
     POST /generate (also PUT)                  JSON, or server-sent events when "stream": true
     POST /tokenize, /v1/tokenize               {"tokens", "count", "max_model_len"}
     POST /detokenize, /v1/detokenize           {"text"}
@@ -38,6 +39,7 @@ ends the process when the grace period is over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -98,7 +100,9 @@ class EngineServer:
             get("/health", self.health),
             get("/health_generate", self.health_generate),
             get("/get_model_info", self.get_model_info),
+            get("/model_info", self.get_model_info),
             get("/get_server_info", self.get_server_info),
+            get("/server_info", self.get_server_info),
             get("/get_weight_version", self.get_weight_version),
             get("/get_load", self.get_load),
             post("/generate", self.generate),
@@ -155,15 +159,19 @@ class EngineServer:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        cfg = self.core.config
+        """SGLang's model info: the path of the weights served (the last `/update_weights_from_disk`
+        that succeeded moves it, as in SGLang), and the checkpoint's own HF `model_type` and
+        `architectures` (e.g. llama / LlamaForCausalLM), not the engine's internal config class."""
         return _json({
             "model_path": self.core.model_path,
-            "tokenizer_path": self.args.tokenizer_path or self.core.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.core.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": str(self.core.weight_version),
-            "model_type": getattr(cfg, "model_type", None),
-            "architectures": getattr(cfg, "architectures", None),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.core.hf_model_type,
+            "architectures": self.core.hf_architectures,
         })
 
     async def get_server_info(self, request: web.Request) -> web.Response:
@@ -173,6 +181,7 @@ class EngineServer:
             "weight_version": str(core.weight_version),
             "context_length": core.context_length,
             "max_running_requests": core.max_running_requests,
+            "max_total_num_tokens": kv_pool_tokens(core),
             "max_req_input_len": core.context_length - 1,
             "dtype": core.dtype_name,
             "quantization": core.quantization,
@@ -237,8 +246,13 @@ class EngineServer:
                 results = [render(i, o) for i, o in enumerate(outs)]
                 return _json(results[0] if parsed.is_single else results)
 
+            sent = [(0, 0)] * len(streams)  # (output ids, text characters) already streamed, per request
+
             def chunk(i: int, out: RequestOutput) -> dict:
-                return render(i, out) if parsed.is_single else render(i, out) | {"index": i}
+                data = render(i, out)
+                if self.args.incremental_streaming_output:  # SGLang's flag: each chunk carries only what is new
+                    data = data | _new_part(data, out, streams[i].req, sent, i)
+                return data if parsed.is_single else data | {"index": i}
 
             return await _stream_sse(request, streams, chunk)
         finally:
@@ -289,8 +303,19 @@ class EngineServer:
     # ---- weights ---------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's: on success the served `model_path` becomes the request's (`/model_info`,
+        `/server_info`); the served model name and the weight directories stay those of the launch."""
         handler = functools.partial(weight_receiver.update_weights_from_disk, allowed_dirs=self.weight_dirs)
-        return await self._update(request, handler, report_paused=True)
+
+        def load(core: EngineCore, body: dict) -> dict:
+            reply = handler(core, body)  # raises (a 400 reply) or answers success false on a failed load
+            if reply.get("success"):
+                core.model_path = body["model_path"]
+                self.args = dataclasses.replace(self.args, model_path=core.model_path,
+                                                served_model_name=self.args.model_name, weight_dirs=self.weight_dirs)
+            return reply
+
+        return await self._update(request, load, report_paused=True)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         handler = functools.partial(weight_receiver.update_weights_from_tensor, allowed_dirs=self.weight_dirs)
@@ -477,6 +502,26 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return _json(error_body(f"internal error: {type(err).__name__}: {err}", 500), status=500)
 
 
+def _new_part(data: dict, out: RequestOutput, req: Request, sent: list[tuple[int, int]], i: int) -> dict:
+    """The `output_ids` and text of a streamed result not sent before (`sent[i]`: how many of each
+    were). Until the request finishes, text a later token could still change is held back: an
+    incomplete UTF-8 character, and the tail that might begin a stop string (trimmed at the end)."""
+    ids, chars = sent[i]
+    text = data["text"]
+    if not out.finished:
+        text = text.rstrip("\ufffd")
+        holdback = max((len(s) for s in req.sampling.stop or []), default=1) - 1
+        text = text[: max(chars, len(text) - holdback)]
+    sent[i] = (len(data["output_ids"]), max(chars, len(text)))
+    return {"output_ids": data["output_ids"][ids:], "text": text[chars:]}
+
+
+def kv_pool_tokens(core: EngineCore) -> int:
+    """SGLang's `max_total_num_tokens`: the tokens the engine's KV cache can hold at once (the
+    engine's `max_total_num_tokens` where it sizes a pool; else every slot at full context)."""
+    return int(getattr(core, "max_total_num_tokens", core.max_running_requests * core.context_length))
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=dumps(obj), status=status, content_type="application/json")
 
@@ -610,6 +655,9 @@ def build_server(args: ServerArgs) -> EngineServer:
     kw.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # SGLang picks the GPU by default
     core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **kw)
     core.weight_version = weight_receiver.core_version(args.weight_version)
+    if args.ignored_flags:
+        logger.warning("SGLang flags accepted and ignored by the embedded engine (they tune a GPU server or its "
+                       "deployment; no output changes): %s", " ".join(sorted(args.ignored_flags)))
     return EngineServer(EngineDriver(core), args)
 
 

@@ -13,18 +13,24 @@ documented choices:
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, the setting RL trainers use (slime sets it), because that is
   the distribution the trainer recomputes. SGLang's plain default is `log_softmax(logits / T)`;
   `return_original_logprob=False` gives that instead.
+* Penalties and `logit_bias` (SGLang's logit processors, `sampling.penalize`) and the
+  `min_new_tokens` mask change the logits before temperature and the filters; greedy rows take the
+  argmax of those processed logits, as in SGLang. Raw log-probs (below) stay the model's.
 * `logprobs_mode` (engine-wide, `mcore-rl serve --logprobs-mode`, reported by `/get_server_info`):
   "raw" (the default) is the bullet above; "processed" makes `output_token_logprobs` the log-prob of
-  each sampled token under the distribution it was drawn from — after temperature, top-k, top-p,
-  min-p and the `min_new_tokens` mask, renormalised: log(w_y / Σ w) of the sampler's weights w
-  (0 for greedy rows). Prompt log-probs, top log-probs and `token_ids_logprob` stay raw in both modes.
+  each sampled token under the distribution it was drawn from — after the penalties, `logit_bias`,
+  the `min_new_tokens` mask, temperature, top-k, top-p and min-p, renormalised: log(w_y / Σ w) of
+  the sampler's weights w (0 for greedy rows). Prompt log-probs, top log-probs and
+  `token_ids_logprob` stay raw in both modes.
 * `return_sampling_mask` (SGLang's name) returns per output token the support S = {i : w_i > 0} of
   those weights (`output_token_sampling_mask`, ascending ids, the sampled id among them; a greedy
   row's S is {the token}) and log(w_y / Σ w) (`output_token_sampling_logprobs`), both read off the
   tensor the draw used. A request whose support could be the whole vocabulary (temperature > 0,
   top_k -1, top_p 1) is refused, as is a top_k above `sampling_mask_max_tokens` (SGLang's
   `--sampling-mask-max-tokens`); a top-p / min-p support that turns out larger than that cap finishes
-  the request with finish_reason abort (the message names the cap), without the token.
+  the request with finish_reason abort (the message names the cap), without the token. So is a
+  request with a penalty or a logit bias: a trainer's replay renormalises its own log-probs over S and
+  cannot reproduce those offsets.
 * `input_token_logprobs` is aligned with `input_ids[start:]` and its first entry is always None,
   exactly as SGLang pads it; `logprob_start_len=-1` means `start = len(input_ids) - 1` (so one
   `(None, last_prompt_id)` entry), as SGLang normalises it.
@@ -34,7 +40,10 @@ documented choices:
   generator and every per-row computation is row-local (fp32 logits agree with a solo run to
   float rounding).
 * Finishing follows SGLang's `Req.check_finished`: length first, then eos / `stop_token_ids` (both
-  off with `ignore_eos`), then stop strings; `min_new_tokens` masks eos and stop tokens before that.
+  off with `ignore_eos`), then stop strings, then `stop_regex` (`re.search` in the decoded tail;
+  finish_reason `{"type": "stop", "matched": <the pattern>}`, and the text is trimmed only where the
+  pattern occurs literally, as SGLang's detokenizer trims); `min_new_tokens` masks eos and stop
+  tokens before that.
 * `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang's scheduler does the
   same; its HTTP front end, `rollout/protocol.py` here, refuses an explicit `max_new_tokens` that
   does not fit); a prompt of `context_length` tokens or more is rejected.
@@ -63,6 +72,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,10 +82,20 @@ import torch
 from torch import nn
 
 from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
+from mcore_rl.hf.rope import rope_scaling_of
 
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .model_runner import ModelRunner
-from .sampling import BatchSampling, RequestRandom, SamplingParams, sample, sample_with_support
+from .sampling import (
+    BatchSampling,
+    RequestRandom,
+    SamplingParams,
+    mask_replay_conflict,
+    penalize,
+    regex_tail_tokens,
+    sample,
+    sample_with_support,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -153,6 +173,7 @@ class _Live:
     rand: RequestRandom
     stop_ids: frozenset[int]
     stop_window: int  # tokens to decode when checking stop strings
+    regex_window: int = 0  # ... and stop_regex patterns
     length: int = 0  # tokens whose K/V are in the cache
     kv_epoch: int = 0  # the `EngineCore.weights_epoch` its cached K/V were computed under
     output_ids: list[int] = field(default_factory=list)
@@ -187,7 +208,7 @@ class EngineCore:
         tokenizer: Any,
         *,
         max_running_requests: int = 64,
-        context_length: int = 2048,
+        context_length: int | None = None,
         quantization: str | None = None,
         dtype: str = "float32",
         random_seed: int = 0,
@@ -202,6 +223,8 @@ class EngineCore:
             raise ValueError(f"quantization: {quantization!r} is not supported (choose from {list(QUANTIZATIONS)})")
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests: must be >= 1, got {max_running_requests}")
+        if context_length is None:  # SGLang's default: the model's own (get_context_length)
+            context_length = default_context_length(model.config)
         if context_length < 2:
             raise ValueError(f"context_length: must be >= 2, got {context_length}")
         if logprobs_mode not in LOGPROBS_MODES:
@@ -222,6 +245,9 @@ class EngineCore:
         self.model_path = model_path
         self.tokenizer_path: str | None = None  # None = the bundled byte tokenizer (or given in-process)
         self.config = model.config
+        # What /get_model_info reports: the source checkpoint's HF model_type and architectures.
+        self.hf_model_type: str | None = getattr(model.config, "model_type", None)
+        self.hf_architectures: list[str] | None = [type(model).__name__]
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer
         self.weight_version: int | str = 0
@@ -287,6 +313,7 @@ class EngineCore:
             tokenizer, engine_tokenizer_path = _load_path_tokenizer(path, config.vocab_size)
         engine = cls(model, tokenizer, model_path=path, **kw)
         engine.tokenizer_path = engine_tokenizer_path
+        engine.hf_model_type, engine.hf_architectures = _source_model_type(path)
         if load_format != "dummy":
             engine.load_safetensors_dir(path, strict=True)
         return engine
@@ -338,20 +365,26 @@ class EngineCore:
             if not isinstance(tid, list):
                 raise ValueError(f"token_ids_logprob: expected a list of token ids, got {tid!r}")
             for t in tid:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"token_ids_logprob: {t!r} is not a token id in [0, {self.vocab_size})")
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"token_ids_logprob: {t!r} is not a token id")
+                if not 0 <= t < self.vocab_size:  # SGLang's wording
+                    raise ValueError(f"token_ids_logprob contains out-of-vocabulary token id {t}; valid range is "
+                                     f"[0, {self.vocab_size}).")
         if req.return_routed_experts and not self.runner.has_moe:
             raise ValueError("return_routed_experts: the served model has no MoE layers, so no experts to return")
         if req.return_sampling_mask:
             self.check_sampling_mask(req.sampling)
         with self._lock:
             if req.rid in self._rids:
-                raise ValueError(f"rid: a request with rid {req.rid!r} is already in flight")
+                raise ValueError(duplicate_rid(req.rid))
             self._rids.add(req.rid)
             self._waiting.append(req)
 
     def check_sampling_mask(self, sp: SamplingParams) -> None:
-        """Refuse `return_sampling_mask` where the support is unbounded or over the cap (SGLang's 400)."""
+        """Refuse `return_sampling_mask` where the support is unbounded or over the cap (SGLang's 400),
+        or where penalties or a logit bias shift the logits (a replay could not reproduce them)."""
+        if sp.processes_logits:
+            raise ValueError(mask_replay_conflict(sp))
         if sp.is_greedy:
             return
         if sp.top_k == -1 and sp.top_p >= 1.0:
@@ -563,7 +596,8 @@ class EngineCore:
         stop_ids = set() if sp.ignore_eos else set(sp.stop_token_ids or []) | self.eos_token_ids
         window = 4 * max((len(s.encode()) for s in sp.stop or []), default=0) + 4
         max_new = min(sp.max_new_tokens, self.context_length - len(req.input_ids))
-        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window)
+        regex_window = regex_tail_tokens(sp.stop_regex) if sp.stop_regex else 0
+        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window, regex_window)
 
     def _input_logprobs(self, live: _Live, logits: torch.Tensor) -> None:
         """SGLang's prompt log-probs: aligned with input_ids[start:], the first entry None."""
@@ -602,6 +636,8 @@ class EngineCore:
         stream; then free finished slots (and `extra_done`)."""
         lives = [self._running[s] for s in slots]
         masked = self._min_new_tokens_mask(lives, logits) if ctl.any_min_new_tokens else logits
+        if ctl.any_penalties:  # SGLang's logit processors, over each request's own output so far
+            masked = penalize(masked, [live.sp for live in lives], [live.output_ids for live in lives])
         want_lp = [live.req.return_logprob for live in lives]
         want_mask = [live.req.return_sampling_mask for live in lives]
         processed = self.logprobs_mode == "processed" and any(want_lp)
@@ -674,6 +710,11 @@ class EngineCore:
             for s in live.sp.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if live.sp.stop_regex:
+            tail = self.tokenizer.decode(live.output_ids[-live.regex_window :], skip_special_tokens=live.sp.skip_special_tokens)
+            for pattern in live.sp.stop_regex:
+                if re.search(pattern, tail):
+                    return {"type": "stop", "matched": pattern}
         return None
 
     def _remove(self, slots: list[int]) -> None:
@@ -904,6 +945,30 @@ def _eos_ids(tokenizer: Any, model: nn.Module) -> set[int]:
     elif isinstance(extra, (list, tuple)):
         ids |= {int(i) for i in extra}
     return ids
+
+
+def duplicate_rid(rid: str) -> str:
+    """SGLang's message for a request id already in flight (TokenizerManager)."""
+    return f"rid: Duplicate request ID detected: {rid}"
+
+
+def default_context_length(config: Any) -> int:
+    """SGLang's `get_context_length`: the config's `max_position_embeddings` (x the factor of linear
+    RoPE scaling, which SGLang applies when no `original_max_position_embeddings` is given)."""
+    length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    scaling = rope_scaling_of(config) or {}
+    if scaling.get("rope_type") == "linear" and "original_max_position_embeddings" not in scaling:
+        length = int(length * float(scaling.get("factor", 1.0)))
+    return length
+
+
+def _source_model_type(path: str) -> tuple[str | None, list[str] | None]:
+    """`model_type` and `architectures` as the checkpoint's config.json states them (what SGLang's
+    /get_model_info reports), not those of the engine's own config class."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    arch = raw.get("architectures")
+    return raw.get("model_type"), list(arch) if isinstance(arch, list) else None
 
 
 _STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe", "mistral")

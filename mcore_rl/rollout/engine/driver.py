@@ -38,7 +38,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable, TypeVar
 
-from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
+from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput, duplicate_rid
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,7 +150,7 @@ class EngineDriver:
             seen: set[str] = set()
             for r in reqs:
                 if r.rid in self._streams or r.rid in seen:
-                    raise ValueError(f"rid: a request with rid {r.rid!r} is already in flight")
+                    raise ValueError(duplicate_rid(r.rid))
                 seen.add(r.rid)
             if self._holding() or self._when_idle:
                 self._held.extend(streams)
