@@ -885,6 +885,19 @@ class EngineCore:
         """True while requests cannot run: memory released, or weights not reloaded since."""
         return self.kv_cache_released or self.weights_released or self.weights_need_reload
 
+    def not_ready_reason(self) -> str | None:
+        """Why a request cannot run now (memory released, or weights zero since a resume), naming
+        what brings the engine back; None when it can."""
+        released = self.released_memory()
+        if released:
+            return (f"the engine's memory is released ({', '.join(released)}; /release_memory_occupation): "
+                    "call /resume_memory_occupation, and after a weights release update the weights, first")
+        if self.weights_need_reload:
+            return ("the weights are zero since /resume_memory_occupation (a release does not keep them, as in "
+                    "SGLang without --enable-weights-cpu-backup): update the weights (/update_weights_from_disk, "
+                    "_from_tensor or _from_distributed with a weight_version) before generating")
+        return None
+
     def released_memory(self) -> list[str]:
         return [t for t, on in (("weights", self.weights_released), ("kv_cache", self.kv_cache_released)) if on]
 

@@ -15,10 +15,12 @@ kv-head-major so the gather is a single `index_select` with no transpose copy; p
 slot's own length read the null page, which the attention mask gives zero weight.
 
 Memory: the pool is `torch.empty`, never read before it is written (a position is read only after
-its K/V were written; everything else reads the zeroed null page). On CPU the kernel backs such an
-allocation only where it is touched, and pages are handed out lowest first, so resident memory
-follows the peak number of tokens in use, not the bound; on a GPU it is reserved up front, as
-SGLang does.
+its K/V were written; everything else reads the zeroed null page), and pages are handed out lowest
+first. On CPU the kernel backs such an allocation only where it is touched, so the whole bound is
+allocated at once and resident memory follows the peak number of tokens in use. On a GPU memory
+is committed when allocated, so there the pool starts at `INITIAL_PAGES` and doubles (one copy)
+when a page beyond it is handed out, up to the bound: an engine sharing its GPU with a trainer
+takes what its requests use, as the slot cache did, but never more than the bound.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import torch
 
 PAGE_SIZE = 16  # tokens per page: the unit of allocation
+INITIAL_PAGES = 64  # a GPU pool's first allocation (it doubles up to the bound as pages are handed out)
 DEFAULT_MEM_FRACTION_STATIC = {"cuda": 0.88, "cpu": 0.5}  # of the device's memory, weights + KV pool
 
 
@@ -42,8 +45,9 @@ def pool_tokens(
     bytes_per_token: int,
 ) -> int:
     """The pool's capacity in tokens, with SGLang's semantics: `max_total_tokens` if given; else
-    (`mem_fraction_static` x the device's memory) - the weights, over the KV bytes per token. The
-    device's memory: a GPU's total; on CPU physical RAM, or the cgroup's limit if lower."""
+    (`mem_fraction_static` x the device's memory) - the weights, over the KV bytes per token. On a
+    GPU, as SGLang measures it: the fraction of its total less what is in use now (the weights among
+    it); on CPU: of physical RAM, or of the cgroup's limit if lower, less the weights."""
     if max_total_tokens is not None:
         if isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < PAGE_SIZE:
             raise ValueError(f"max_total_tokens: must be an integer >= {PAGE_SIZE} (one page), got {max_total_tokens!r}")
@@ -52,8 +56,12 @@ def pool_tokens(
     fraction = DEFAULT_MEM_FRACTION_STATIC[kind] if mem_fraction_static is None else mem_fraction_static
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ValueError(f"mem_fraction_static: must be a number in (0, 1), got {mem_fraction_static!r}")
-    total = torch.cuda.mem_get_info(device)[1] if kind == "cuda" else host_memory_bytes()
-    room = int(fraction * total) - weight_bytes
+    if kind == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        room = int(fraction * total) - (total - free)
+    else:
+        total = host_memory_bytes()
+        room = int(fraction * total) - weight_bytes
     tokens = room // bytes_per_token
     if tokens < PAGE_SIZE:
         raise ValueError(
@@ -92,6 +100,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         page_size: int = PAGE_SIZE,
+        grows: bool | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.page_size = page_size
@@ -102,12 +111,9 @@ class PagedKVCache:
         self.max_pages_per_slot = math.ceil(min(max_len, self.capacity) / page_size)
         self.page_table = torch.zeros(num_slots, self.max_pages_per_slot, dtype=torch.long, device=device)
         self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
-        # Free pages: the returned ones (a heap) and those never handed out (> _fresh). Lowest first
-        # keeps the touched memory dense; nothing is listed per page up front (pools run to millions).
-        self._returned: list[int] = []
-        self._fresh = 1
         self._offsets = torch.arange(page_size, device=device)
-        self._kv_rows = torch.arange(kv_heads, device=device) * self.rows
+        self._grows = device.type != "cpu" if grows is None else grows  # see the module docstring
+        self._allocated = 0  # pages backed by k and v (page 0 not counted)
         self.k = self.v = torch.empty(0)
         self.allocate()
 
@@ -115,10 +121,6 @@ class PagedKVCache:
     def capacity(self) -> int:
         """The pool's size in tokens (SGLang's `max_total_num_tokens`)."""
         return self.num_pages * self.page_size
-
-    @property
-    def rows(self) -> int:
-        return (self.num_pages + 1) * self.page_size
 
     @property
     def free_pages(self) -> int:
@@ -129,17 +131,34 @@ class PagedKVCache:
         return (self.num_pages - self.free_pages) * self.page_size
 
     def allocate(self) -> None:
-        """(Re)allocate the pool, empty but for the zeroed null page."""
-        shape = (self.num_layers, self.kv_heads, self.rows, self.head_dim)
-        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.k[:, :, : self.page_size].zero_()
-        self.v[:, :, : self.page_size].zero_()
+        """(Re)allocate the pool (with no page in use), empty but for the zeroed null page."""
+        # Free pages: the returned ones (a heap) and those never handed out (>= _fresh). Lowest first
+        # keeps the touched memory dense; nothing is listed per page up front (pools run to millions).
+        self._returned: list[int] = []
+        self._fresh = 1
+        self._allocated = 0
+        self._resize(min(self.num_pages, INITIAL_PAGES) if self._grows else self.num_pages)
+
+    def _resize(self, pages: int) -> None:
+        """Back pages 1..`pages` (keeping the K/V of those backed so far)."""
+        shape = (self.num_layers, self.kv_heads, (pages + 1) * self.page_size, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        keep = (self._allocated + 1) * self.page_size
+        if self._allocated:
+            k[:, :, :keep] = self.k[:, :, :keep]
+            v[:, :, :keep] = self.v[:, :, :keep]
+        else:
+            k[:, :, :keep].zero_()
+            v[:, :, :keep].zero_()
+        self.k, self.v, self._allocated = k, v, pages
+        self._kv_rows = torch.arange(self.kv_heads, device=self.device) * shape[2]  # a layer's [KV * rows, D] view
 
     def release(self) -> None:
         """Free the pool's memory (`release_memory_occupation`; only with no slot in use)."""
         assert self.free_pages == self.num_pages, "release with pages in use"
         self.k = self.v = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._allocated = 0
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +188,8 @@ class PagedKVCache:
     def _take(self) -> int:
         if self._returned:
             return heapq.heappop(self._returned)
+        if self._fresh > self._allocated:
+            self._resize(min(self.num_pages, 2 * self._allocated))
         self._fresh += 1
         return self._fresh - 1
 
