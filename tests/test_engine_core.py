@@ -842,11 +842,11 @@ def test_decode_out_of_pages_retracts_the_newest_and_every_request_finishes():
 
 
 def test_kv_pool_pages_move_grow_and_come_back():
-    """Pages: handed out lowest first, moved with their slot (no K/V copied), kept across a growth
-    (the GPU pool's doubling, forced here on CPU), returned on free and on release."""
+    """Pages: handed out lowest first, moved with their slot (no K/V copied), kept across the
+    pool's doubling, returned on free and on release."""
     from mcore_rl.rollout.engine.kv_cache import INITIAL_PAGES, PagedKVCache
 
-    cache = PagedKVCache(2, 4, 2, 8, 16 * 4 * INITIAL_PAGES, 10_000, torch.float32, torch.device("cpu"), grows=True)
+    cache = PagedKVCache(2, 4, 2, 8, 16 * 4 * INITIAL_PAGES, 10_000, torch.float32, torch.device("cpu"))
     assert cache.k.shape[2] == (INITIAL_PAGES + 1) * 16
     assert cache.reserve(0, 40) and cache._slot_pages[0] == [1, 2, 3]
     rows = cache.prefill_rows(0, [40], 40)

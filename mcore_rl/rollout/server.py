@@ -567,7 +567,7 @@ async def _stream_sse(request: web.Request, streams: list[RequestStream], chunk,
             for data in tail():
                 await resp.write(sse(data))
         except (RuntimeError, EngineDead) as err:
-            await resp.write(sse(error_body(str(err), 500)))
+            await resp.write(sse(error_body(str(err), 503 if isinstance(err, EngineNotReady) else 500)))
         await resp.write(SSE_DONE)
     except ConnectionResetError:  # the client went away; the caller aborts its requests
         pass

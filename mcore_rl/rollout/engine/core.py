@@ -45,9 +45,10 @@ documented choices:
   float rounding).
 * Finishing follows SGLang's `Req.check_finished`: length first, then eos / `stop_token_ids` (both
   off with `ignore_eos`), then stop strings; `min_new_tokens` masks eos and stop tokens before that.
-* `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang's scheduler does the
-  same; its HTTP front end, `rollout/protocol.py` here, refuses an explicit `max_new_tokens` that
-  does not fit); a prompt of `context_length` tokens or more is rejected.
+* `max_new_tokens` is clamped to `min(context_length, max_total_num_tokens) - len(input_ids)`
+  (SGLang's scheduler does the same; its HTTP front end, `rollout/protocol.py` here, refuses an
+  explicit `max_new_tokens` that does not fit the context); a prompt of that many tokens or more
+  is rejected.
 * Every output token records the weight version it was sampled under
   (`RequestOutput.output_token_weight_versions`, an extension SGLang does not have): a request that
   was paused across a weight update (a partial rollout) has the old version on its early tokens and

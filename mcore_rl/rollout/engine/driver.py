@@ -244,8 +244,7 @@ class EngineDriver:
     async def resume(self) -> None:
         def resume(core: EngineCore) -> None:
             self._paused = False
-            if not self._holding():
-                self._release_held()
+            self._release_held()
 
         await self.call(resume)
 
@@ -256,7 +255,7 @@ class EngineDriver:
     async def resume_memory(self, tags: list[str]) -> None:
         def resume(core: EngineCore) -> None:
             core.resume_memory(tags)
-            if not self._holding():
+            if not self._paused:
                 self._release_held()
 
         await self.call(resume)
@@ -265,9 +264,6 @@ class EngineDriver:
     def holding(self) -> bool:
         """A new request would not run now (paused: held; memory released or weights zero: refused)."""
         return self._paused or self.core.memory_held
-
-    def _holding(self) -> bool:
-        return self._paused
 
     async def flush_cache(self) -> bool:
         """SGLang's semantics: refused (False) while requests are in flight."""
@@ -358,7 +354,7 @@ class EngineDriver:
                 if self._idle_work():
                     while self._when_idle:
                         self._when_idle.popleft()()
-                    if not self._holding():
+                    if not self._paused:
                         self._release_held()
                 if self._can_step():
                     self._step()

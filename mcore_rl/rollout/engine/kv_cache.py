@@ -14,13 +14,12 @@ the rows of slots 0..B-1, positions 0..T-1, into one [kv_heads * B, T, head_dim]
 kv-head-major so the gather is a single `index_select` with no transpose copy; positions past a
 slot's own length read the null page, which the attention mask gives zero weight.
 
-Memory: the pool is `torch.empty`, never read before it is written (a position is read only after
-its K/V were written; everything else reads the zeroed null page), and pages are handed out lowest
-first. On CPU the kernel backs such an allocation only where it is touched, so the whole bound is
-allocated at once and resident memory follows the peak number of tokens in use. On a GPU memory
-is committed when allocated, so there the pool starts at `INITIAL_PAGES` and doubles (one copy)
-when a page beyond it is handed out, up to the bound: an engine sharing its GPU with a trainer
-takes what its requests use, as the slot cache did, but never more than the bound.
+Memory: the bound is not allocated up front. The pool starts at `INITIAL_PAGES` and doubles (one
+copy) when a page beyond it is handed out, up to the bound; pages are handed out lowest first, so
+the allocation follows the peak number of tokens in use (at most twice it), and an engine sharing
+its device with a trainer takes what its requests use, never more than the bound. The pool is
+`torch.empty`, never read before it is written (a position is read only after its K/V were
+written; everything else reads the zeroed null page).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import os
 import torch
 
 PAGE_SIZE = 16  # tokens per page: the unit of allocation
-INITIAL_PAGES = 64  # a GPU pool's first allocation (it doubles up to the bound as pages are handed out)
+INITIAL_PAGES = 64  # the pool's first allocation (it doubles up to the bound as pages are handed out)
 DEFAULT_MEM_FRACTION_STATIC = {"cuda": 0.88, "cpu": 0.5}  # of the device's memory, weights + KV pool
 
 
@@ -100,7 +99,6 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         page_size: int = PAGE_SIZE,
-        grows: bool | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.page_size = page_size
@@ -112,7 +110,6 @@ class PagedKVCache:
         self.page_table = torch.zeros(num_slots, self.max_pages_per_slot, dtype=torch.long, device=device)
         self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._offsets = torch.arange(page_size, device=device)
-        self._grows = device.type != "cpu" if grows is None else grows  # see the module docstring
         self._allocated = 0  # pages backed by k and v (page 0 not counted)
         self.k = self.v = torch.empty(0)
         self.allocate()
@@ -137,7 +134,7 @@ class PagedKVCache:
         self._returned: list[int] = []
         self._fresh = 1
         self._allocated = 0
-        self._resize(min(self.num_pages, INITIAL_PAGES) if self._grows else self.num_pages)
+        self._resize(min(self.num_pages, INITIAL_PAGES))
 
     def _resize(self, pages: int) -> None:
         """Back pages 1..`pages` (keeping the K/V of those backed so far)."""
