@@ -229,16 +229,15 @@ class PagedKVCache:
 
     def decode_rows(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For slots 0..B-1 writing their token at `positions` [B] and reading positions
-        0..length-1, rows of a layer's [kv_heads * rows, D] view: where the new K/V go ([B *
-        kv_heads], slot-major) and what to read ([kv_heads, B, length]; past a slot's position: the
-        null page). Computed once per step, shared by every layer; flat rows make the gather one
-        contiguous row copy."""
+        0..length-1: the flat rows the new K/V go to ([B * kv_heads], slot-major, in a layer's
+        [kv_heads * rows, D] view) and the rows to read ([B, length]; past a slot's position: the
+        null page). Computed once per step, shared by every layer."""
         b = positions.shape[0]
         rows = self._slot_rows(0, b, length)
         at = rows.gather(1, positions[:, None])  # [B, 1]
         write = (at + self._kv_rows[None, :]).reshape(-1)
         read = rows.masked_fill(torch.arange(length, device=rows.device)[None] > positions[:, None], 0)
-        return write, read[None] + self._kv_rows[:, None, None]
+        return write, read
 
     def write_decode(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, kv_heads, D] at the `decode_rows` write index."""
@@ -247,9 +246,8 @@ class PagedKVCache:
         self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
 
     def gather(self, layer: int, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at the `decode_rows` read rows [KV, B, T] as [KV * B, T, D] (kv-head-major)."""
-        kv, b, t = read.shape
-        flat, d = read.reshape(-1), self.head_dim
-        shape = (kv * b, t, d)
-        return (self.k[layer].view(-1, d).index_select(0, flat).view(shape),
-                self.v[layer].view(-1, d).index_select(0, flat).view(shape))
+        """Keys and values at `read` [B, T] as [kv_heads * B, T, D] (kv-head-major)."""
+        b, t = read.shape
+        flat = read.reshape(-1)
+        shape = (self.kv_heads * b, t, self.head_dim)
+        return self.k[layer].index_select(1, flat).view(shape), self.v[layer].index_select(1, flat).view(shape)

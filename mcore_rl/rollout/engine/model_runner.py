@@ -297,7 +297,7 @@ class ModelRunner:
         entry = torch.cat((latent, k_rot), dim=-1)  # [b, 1, s, r + dr]
         if decode_at is not None:
             write, read = decode_at
-            length = read.shape[2]
+            length = read.shape[1]
             self.cache.write_decode(li, write, entry[:, :, 0], entry[:, :, 0])
             entry = self.cache.gather(li, read)[0].view(b, 1, length, -1)  # one KV head: [b, 1, T, r + dr]
             allowed = bias.view(b, 1, 1, length) == 0
