@@ -904,3 +904,89 @@ def test_context_length_defaults_to_the_models_and_the_source_model_type_is_kept
     assert (e.hf_model_type, e.hf_architectures) == ("llama", ["LlamaForCausalLM"])
     demo = EngineCore.from_model_path(None)
     assert demo.context_length == 2048 and demo.hf_model_type == "mcore_rl_qwen3"
+# --- the bounded KV pool ------------------------------------------------------------------------
+
+
+def test_kv_pool_memory_is_bounded_whatever_the_prompt_lengths():
+    """The pool is sized once, in tokens: a long prompt among short ones changes neither its size
+    nor anyone's tokens (the slot cache gave every slot the longest sequence's capacity)."""
+    model = tiny_model(max_position_embeddings=1024)
+    e = make_engine(copy.deepcopy(model), context_length=1024, max_total_tokens=1024)
+    cache = e.runner.cache
+    size = cache.nbytes
+    assert e.max_total_num_tokens == cache.capacity == 1024
+    assert size == (1024 + cache.page_size) * e.runner.kv_bytes_per_token  # + the null page
+    reqs = lambda: [req("long", [7] * 700, temperature=0.0, max_new_tokens=8, ignore_eos=True)] + [  # noqa: E731
+        req(f"s{i}", f"short {i}", temperature=0.0, max_new_tokens=8, ignore_eos=True) for i in range(12)]
+    peak = 0
+    outs: dict[str, RequestOutput] = {}
+    for r in reqs():
+        e.add_request(r)
+    while e.has_work():
+        outs.update({o.rid: o for o in e.step() if o.finished})
+        peak = max(peak, cache.used_tokens)
+    assert cache.nbytes == size and 700 < peak <= 1024 and cache.used_tokens == 0
+    for r in reqs():
+        alone = run(make_engine(copy.deepcopy(model), context_length=1024), [r])[r.rid]
+        assert outs[r.rid].output_ids == alone.output_ids
+        torch.testing.assert_close(lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_request_that_cannot_fit_the_pool_is_refused_and_max_new_tokens_clamped():
+    e = make_engine(context_length=256, max_total_tokens=64)
+    assert e.max_req_len == 64
+    with pytest.raises(ValueError, match=r"input_ids: 64 tokens cannot fit the KV cache, which holds 64 tokens"):
+        e.add_request(req("big", [3] * 64))
+    out = run(e, [req("fits", [3] * 50, temperature=0.0, max_new_tokens=100, ignore_eos=True)])["fits"]
+    assert out.finish_reason == {"type": "length", "length": 14}  # SGLang clamps to what the pool holds
+    with pytest.raises(ValueError, match="max_total_tokens: must be an integer >= 16"):
+        make_engine(max_total_tokens=8)
+    with pytest.raises(ValueError, match=r"mem_fraction_static: must be a number in \(0, 1\)"):
+        make_engine(mem_fraction_static=1.5)
+    with pytest.raises(ValueError, match="mem_fraction_static: 1e-12 of .* not one page"):
+        make_engine(mem_fraction_static=1e-12)
+
+
+def test_decode_out_of_pages_retracts_the_newest_and_every_request_finishes():
+    """Requests admitted together outgrow the pool while decoding: the newest are retracted (their
+    pages freed, prefilled again later) and all finish with the tokens they get alone."""
+    model = tiny_model()
+    reqs = lambda: [req(f"r{i}", f"prompt number {i} " * 2, temperature=0.0, max_new_tokens=60, ignore_eos=True)  # noqa: E731
+                    for i in range(4)]
+    e = make_engine(copy.deepcopy(model), max_total_tokens=160)
+    outs = run(e, reqs())
+    assert e.retracted_for_room > 0 and e.recomputed_tokens > 0 and e.runner.cache.used_tokens == 0
+    for r in reqs():
+        alone = run(make_engine(copy.deepcopy(model)), [r])[r.rid]
+        assert outs[r.rid].output_ids == alone.output_ids
+        torch.testing.assert_close(lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+
+
+def test_kv_pool_pages_move_grow_and_come_back():
+    """Pages: handed out lowest first, moved with their slot (no K/V copied), kept across the
+    pool's doubling, returned on free and on release."""
+    from mcore_rl.rollout.engine.kv_cache import INITIAL_PAGES, PagedKVCache
+
+    cache = PagedKVCache(2, 4, 2, 8, 16 * 4 * INITIAL_PAGES, 10_000, torch.float32, torch.device("cpu"))
+    assert cache.k.shape[2] == (INITIAL_PAGES + 1) * 16
+    assert cache.reserve(0, 40) and cache._slot_pages[0] == [1, 2, 3]
+    rows = cache.prefill_rows(0, [40], 40)
+    k = torch.randn(1, 2, 40, 8)
+    cache.write_prefill(1, rows, k, -k)
+    assert cache.reserve(1, 16 * (INITIAL_PAGES + 5))  # beyond the first allocation: the pool doubles
+    assert cache.k.shape[2] == (2 * INITIAL_PAGES + 1) * 16
+    cache.move(0, 2)
+    write, read = cache.decode_rows(torch.tensor([5, 5, 39]), 40)
+    keys, vals = cache.gather(1, read)  # [KV * B, T, D]
+    assert torch.equal(keys.view(2, 3, 40, 8)[:, 2], k[0]) and torch.equal(vals.view(2, 3, 40, 8)[:, 2], -k[0])
+    assert torch.count_nonzero(keys.view(2, 3, 40, 8)[:, 0]) == 0  # slot 0 holds nothing now: the null page
+    assert not cache.reserve(3, 16 * 4 * INITIAL_PAGES)  # too few free pages: nothing taken
+    free = cache.free_pages
+    cache.free(2)
+    assert cache.free_pages == free + 3 and cache.reserve(3, 16) and cache._slot_pages[3] == [1]
+    cache.free(1)
+    cache.free(3)
+    cache.release()
+    assert cache.nbytes == 0 and cache.free_pages == cache.num_pages
+    cache.allocate()
+    assert cache.k.shape[2] == (INITIAL_PAGES + 1) * 16 and cache.reserve(0, 16) and cache._slot_pages[0] == [1]

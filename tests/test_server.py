@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavailable
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
-from mcore_rl.rollout.server import EngineServer, ServerThread
+from mcore_rl.rollout.engine.kv_cache import host_memory_bytes
+from mcore_rl.rollout.server import EngineServer, ServerThread, build_server
 from mcore_rl.rollout.weight_protocol import encode_named_tensors
 
 CONTEXT = 1024
@@ -415,6 +418,140 @@ def test_weight_update_waits_for_in_flight_requests(tmp_path) -> None:
             assert (await later)["meta_info"]["weight_version"] == "1"
 
         run(_with_client(srv.url, go))
+
+
+# --- no request waits forever: released, resumed without weights, paused, syncing ------------------
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 30) -> tuple[int, dict | None, float]:
+    """(status, JSON reply, seconds it took) of one raw request: errors are returned, never retried."""
+    t0 = time.monotonic()
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    return status, json.loads(raw) if raw else None, time.monotonic() - t0
+
+
+def test_generate_after_release_and_resume_is_refused_at_once_never_held() -> None:
+    """The reported hang: release, resume, /generate waited forever for a weight update nobody
+    sends. Now: 503 at once naming what brings the engine back, and served once it is back."""
+    core = _core()
+    original = [(n, p.detach().clone()) for n, p in core.model.named_parameters()]
+    body = {"text": "memory", "sampling_params": _greedy(4), "return_logprob": True}
+    with ServerThread(EngineServer(EngineDriver(core))) as srv:
+        before = _post(srv.url, "/generate", body)[1]
+        assert _post(srv.url, "/release_memory_occupation", {})[0] == 200
+        status, err, took = _post(srv.url, "/generate", body)
+        assert status == 503 and "memory is released" in err["error"]["message"] and took < 5
+        assert _post(srv.url, "/resume_memory_occupation", {})[0] == 200
+        status, err, took = _post(srv.url, "/generate", body)
+        assert status == 503 and took < 5, (status, err, took)
+        assert "weights are zero" in err["error"]["message"] and "update the weights" in err["error"]["message"]
+        assert urllib.request.urlopen(srv.url + "/health_generate").status == 200  # alive, just not ready
+        reply = _post(srv.url, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "back"})[1]
+        assert reply["success"], reply
+        status, after, _ = _post(srv.url, "/generate", body)
+        assert status == 200 and after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+        assert _post(srv.url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        status, err, took = _post(srv.url, "/generate", body)
+        assert status == 503 and "kv_cache" in err["error"]["message"] and took < 5
+        assert _post(srv.url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        assert _post(srv.url, "/generate", body)[1]["output_ids"] == before["output_ids"]
+
+
+def test_a_colocated_sleep_holds_requests_until_the_sync_and_continue() -> None:
+    """Paused, then released: requests are held (the trainer's own resume, sync and continue
+    release them). Continuing while the weights are still zero refuses the held ones at once."""
+    core = _core()
+    original = [(n, p.detach().clone()) for n, p in core.model.named_parameters()]
+    body = {"text": "asleep", "sampling_params": _greedy(3)}
+    with ServerThread(EngineServer(EngineDriver(core))) as srv:
+        before = _post(srv.url, "/generate", body)[1]
+        for path in ("/pause_generation", "/release_memory_occupation"):
+            assert _post(srv.url, path, {})[0] == 200
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(_post, srv.url, "/generate", body)
+            time.sleep(0.3)
+            assert not held.done()  # paused: held, as SGLang holds requests
+            assert _post(srv.url, "/resume_memory_occupation", {})[0] == 200
+            assert _post(srv.url, "/update_weights_from_tensor", {
+                "serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "1"})[1]["success"]
+            assert _post(srv.url, "/continue_generation", {})[0] == 200
+            status, out, _ = held.result(30)
+            assert status == 200 and out["output_ids"] == before["output_ids"]
+
+            for path in ("/pause_generation", "/release_memory_occupation", "/resume_memory_occupation"):
+                assert _post(srv.url, path, {})[0] == 200
+            held = pool.submit(_post, srv.url, "/generate", body)
+            time.sleep(0.3)
+            assert _post(srv.url, "/continue_generation", {})[0] == 200  # no sync came: the weights are zero
+            status, err, _ = held.result(30)
+            assert status == 503 and "weights are zero" in err["error"]["message"]
+
+
+def test_paused_requests_are_refused_after_max_hold_s() -> None:
+    """Paused with no continue: a held request gets 503 and a request paused in place ends with
+    finish_reason abort (its tokens so far) after `max_hold_s`, not never; then the engine serves."""
+    with ServerThread(EngineServer(EngineDriver(_core(), max_hold_s=1.0))) as srv:
+
+        async def go(c: EngineClient):
+            running = await _running(c, text="frozen", sampling_params=_greedy(LONG))
+            await c.pause_generation(mode="in_place")
+            t0 = time.monotonic()
+            status, err, _ = await asyncio.to_thread(_post, srv.url, "/generate", {"text": "x", "sampling_params": _greedy(2)})
+            assert status == 503 and "paused" in err["error"]["message"] and "held 1 s" in err["error"]["message"]
+            out = await running
+            assert time.monotonic() - t0 < 10
+            assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"]
+            assert "/continue_generation" in out["meta_info"]["finish_reason"]["message"]
+            await c.continue_generation()
+            assert (await c.generate(text="y", sampling_params=_greedy(2)))["meta_info"]["completion_tokens"] == 2
+
+        run(_with_client(srv.url, go))
+
+
+def test_a_request_held_for_a_weight_update_is_refused_after_max_hold_s(tmp_path) -> None:
+    """Syncing: an update waits for the request in flight and holds new ones; a held one waits
+    `max_hold_s` at most (here less than the running request needs)."""
+    core = _core()
+    save_file({n: p.detach().clone() for n, p in core.model.named_parameters()}, str(tmp_path / "m.safetensors"))
+    with ServerThread(EngineServer(EngineDriver(core, max_hold_s=0.3))) as srv:
+
+        async def go(c: EngineClient):
+            running = await _running(c, text="long", sampling_params=_greedy(LONG))
+            update = asyncio.create_task(c.update_weights_from_disk(str(tmp_path)))
+            await asyncio.sleep(0.1)
+            status, err, took = await asyncio.to_thread(_post, srv.url, "/generate", {"text": "l", "sampling_params": _greedy(2)})
+            assert status == 503 and "weight update" in err["error"]["message"] and took < 5
+            assert not running.done()
+            assert (await running)["meta_info"]["completion_tokens"] == LONG and (await update)["success"]
+
+        run(_with_client(srv.url, go))
+
+
+def test_kv_pool_flags_and_max_total_num_tokens() -> None:
+    """`--max-total-tokens` sizes the pool and `/get_server_info` reports it (SGLang's field); a
+    prompt that can never fit it is a 400 naming the pool, the server goes on serving."""
+    args = parse_server_args(["--context-length", "512", "--max-total-tokens", "160", "--device", "cpu"])
+    srv = build_server(args)
+    assert srv.core.max_total_num_tokens == 160 and srv.core.runner.cache.capacity == 160
+    with ServerThread(srv) as st:
+        info = json.loads(urllib.request.urlopen(st.url + "/get_server_info").read())
+        assert info["max_total_num_tokens"] == 160 and info["max_req_input_len"] == 159
+        status, err, _ = _post(st.url, "/generate", {"input_ids": [5] * 200, "sampling_params": _greedy(4)})
+        assert status == 400 and "max_total_num_tokens" in err["error"]["message"]
+        status, out, _ = _post(st.url, "/generate", {"input_ids": [5] * 150, "sampling_params": _greedy(40)})
+        assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}  # clamped
+    fraction = build_server(parse_server_args(["--context-length", "64", "--mem-fraction-static", "0.01", "--device", "cpu"]))
+    assert 0 < fraction.core.max_total_num_tokens * fraction.core.runner.kv_bytes_per_token <= 0.01 * host_memory_bytes()
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        build_server(parse_server_args(["--mem-fraction-static", "1.5", "--device", "cpu"]))
 
 
 def _free_port() -> int:

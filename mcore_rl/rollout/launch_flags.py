@@ -9,7 +9,9 @@ Flags fall in these groups:
   weights randomly from `--random-seed` and reads no weight file: for engines whose weights the
   trainer's first weight sync fills), `--device` (cpu / cuda; default: cuda when available),
   `--random-seed`, `--max-running-requests`, `--served-model-name`, `--weight-version` (any
-  string, as in SGLang), `--enable-return-routed-experts` (requests may then ask for
+  string, as in SGLang), `--max-total-tokens` (the KV pool's size in tokens) and
+  `--mem-fraction-static` (otherwise the pool is this fraction of the device's memory less the
+  weights; see `mcore_rl/rollout/engine/kv_cache.py`), `--enable-return-routed-experts` (requests may then ask for
   `return_routed_experts`: MoE routing replay), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
   `mcore_rl/rollout/server.py`), `--incremental-streaming-output` (old name `--stream-output`:
   streamed `/generate` chunks carry only the new `output_ids` and text);
@@ -24,8 +26,8 @@ Flags fall in these groups:
 - **accepted for compatibility**: `--tp-size`/`--tensor-parallel-size` and `--dp-size`/
   `--data-parallel-size` (only 1: the embedded engine is one process on one device),
   `--kv-cache-dtype auto`, and knobs that tune a GPU server
-  without changing a token: `--mem-fraction-static`, `--chunked-prefill-size`,
-  `--max-prefill-tokens`, `--max-total-tokens`, `--cuda-graph-max-bs`, `--disable-cuda-graph`,
+  without changing a token: `--chunked-prefill-size`,
+  `--max-prefill-tokens`, `--cuda-graph-max-bs`, `--disable-cuda-graph`,
   `--disable-radix-cache`, `--attention-backend`, `--sampling-backend`, `--schedule-policy`,
   `--enable-memory-saver`, `--skip-server-warmup`, `--trust-remote-code`, `--log-level`,
   `--log-level-http`; they are recorded in `/get_server_info` and otherwise ignored;
@@ -94,11 +96,12 @@ class ServerArgs:
     load_format: str = "auto"
     device: Optional[str] = None  # None = cuda when available, else cpu (SGLang's auto-detection)
     kv_cache_dtype: str = "auto"
-    # Accepted and ignored (see the module docstring).
+    # the KV pool (honoured by `server.build_server`)
     mem_fraction_static: Optional[float] = None
+    max_total_tokens: Optional[int] = None
+    # Accepted and ignored (see the module docstring).
     chunked_prefill_size: Optional[int] = None
     max_prefill_tokens: Optional[int] = None
-    max_total_tokens: Optional[int] = None
     cuda_graph_max_bs: Optional[int] = None
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False
@@ -222,10 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest support return_sampling_mask returns per output token (SGLang's flag)")
     p.add_argument("--incremental-streaming-output", "--stream-output", dest="incremental_streaming_output",
                    action="store_true", help="streamed /generate chunks carry only the new output_ids and text")
+    p.add_argument("--max-total-tokens", type=int, help="the KV cache pool's size in tokens")
+    p.add_argument("--mem-fraction-static", type=float,
+                   help="without --max-total-tokens: the pool is this fraction of the device's memory (CPU: RAM or "
+                        "the cgroup's limit) less the weights (default 0.88 on a GPU, 0.5 on CPU)")
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
-        ("--mem-fraction-static", float), ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
-        ("--max-total-tokens", int), ("--cuda-graph-max-bs", int), ("--attention-backend", str),
+        ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
+        ("--cuda-graph-max-bs", int), ("--attention-backend", str),
         ("--sampling-backend", str), ("--schedule-policy", str),
     ]:
         ignored.add_argument(flag, type=kind)

@@ -19,8 +19,11 @@ Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
     GET|POST /release_memory_occupation, /resume_memory_occupation {"tags"} -> 200, null
     GET  /v1/models, /v1/models/{model}; POST /v1/completions, /v1/chat/completions
 
-A bad request gets HTTP 400 `{"error": {"message": "<field>: ...", "code": 400}}`; an internal
-failure of one request gets 500 and the server keeps serving the others. Weight updates run
+A bad request gets HTTP 400 `{"error": {"message": "<field>: ...", "code": 400}}` (also a prompt
+that can never fit the KV pool, `--max-total-tokens` / `--mem-fraction-static`); a request the
+engine cannot serve now (memory released, weights zero after a resume, held `MAX_HOLD_S` while
+paused) gets 503 at once, never an open-ended wait; an internal failure of one request gets 500
+and the server keeps serving the others. Weight updates run
 through `EngineDriver.update_weights` (see there for how they interact with generation) and the
 handlers of `weight_receiver`, which read files only from `--weight-dirs`.
 
@@ -58,7 +61,7 @@ from aiohttp import web
 import mcore_rl
 from mcore_rl.rollout.client import ADMIN_PATHS
 from mcore_rl.rollout import openai_api, weight_receiver
-from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDriver, EngineDead, RequestStream
+from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDead, EngineDriver, EngineNotReady, RequestStream
 from mcore_rl.rollout.engine.core import MEMORY_TAGS, EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.sampling import SamplingParams
 from mcore_rl.rollout.launch_flags import ServerArgs
@@ -181,8 +184,8 @@ class EngineServer:
             "weight_version": str(core.weight_version),
             "context_length": core.context_length,
             "max_running_requests": core.max_running_requests,
-            "max_total_num_tokens": kv_pool_tokens(core),
-            "max_req_input_len": core.context_length - 1,
+            "max_total_num_tokens": core.max_total_num_tokens,  # the KV pool's size in tokens (SGLang's name)
+            "max_req_input_len": core.max_req_len - 1,
             "dtype": core.dtype_name,
             "quantization": core.quantization,
             "logprobs_mode": core.logprobs_mode,  # sampling-mask replay: "raw" | "processed" output_token_logprobs
@@ -376,7 +379,8 @@ class EngineServer:
         return _json(await self.engine.call(weight_receiver.weights_checksum))
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        """Free the KV cache and/or the weights (`EngineCore.release_memory`); requests wait meanwhile."""
+        """Free the KV cache and/or the weights (`EngineCore.release_memory`); until they are back, a
+        request is refused at once with 503 (held only while generation is paused: `EngineDriver`)."""
         tags = _memory_tags(await _body(request))
         try:
             await self.engine.release_memory(tags)
@@ -491,7 +495,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return _json(error_body(str(err), 400), status=400)
     except RecursionError:  # a body nested too deeply for a check or a message about it
         return _json(error_body("body: nested too deeply", 400), status=400)
-    except EngineDead as err:
+    except (EngineDead, EngineNotReady) as err:
         return _json(error_body(str(err), 503), status=503)
     except web.HTTPException as err:
         if err.status < 400:
@@ -514,12 +518,6 @@ def _new_part(data: dict, out: RequestOutput, req: Request, sent: list[tuple[int
         text = text[: max(chars, len(text) - holdback)]
     sent[i] = (len(data["output_ids"]), max(chars, len(text)))
     return {"output_ids": data["output_ids"][ids:], "text": text[chars:]}
-
-
-def kv_pool_tokens(core: EngineCore) -> int:
-    """SGLang's `max_total_num_tokens`: the tokens the engine's KV cache can hold at once (the
-    engine's `max_total_num_tokens` where it sizes a pool; else every slot at full context)."""
-    return int(getattr(core, "max_total_num_tokens", core.max_running_requests * core.context_length))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -607,7 +605,7 @@ async def _stream_sse(request: web.Request, streams: list[RequestStream], chunk,
             for data in tail():
                 await resp.write(sse(data))
         except (RuntimeError, EngineDead) as err:
-            await resp.write(sse(error_body(str(err), 500)))
+            await resp.write(sse(error_body(str(err), 503 if isinstance(err, EngineNotReady) else 500)))
         await resp.write(SSE_DONE)
     except ConnectionResetError:  # the client went away; the caller aborts its requests
         pass
@@ -653,6 +651,8 @@ def build_server(args: ServerArgs) -> EngineServer:
     """Load the model named by `args` (none: the built-in demo model) and wrap it in a server."""
     kw = args.engine_kwargs()
     kw.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # SGLang picks the GPU by default
+    kw.setdefault("max_total_tokens", args.max_total_tokens)  # the KV pool's bound (`engine/kv_cache.py`)
+    kw.setdefault("mem_fraction_static", args.mem_fraction_static)
     core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **kw)
     core.weight_version = weight_receiver.core_version(args.weight_version)
     if args.ignored_flags:

@@ -1,8 +1,18 @@
 """The embedded engine's synchronous core: continuous batching over the reference model.
 
-`EngineCore` owns one model, a slot KV cache and a queue. Each `step()` runs one decode token for
-every running request (one batched forward), then admits waiting requests into free slots with one
-batched prefill; requests join and leave the running batch between steps. No HTTP here: the async
+`EngineCore` owns one model, one bounded KV pool and a queue. Each `step()` runs one decode token
+for every running request (one batched forward), then admits waiting requests into free slots with
+one batched prefill; requests join and leave the running batch between steps.
+
+Memory (SGLang's scheduler): the KV pool holds `max_total_num_tokens` tokens (`--max-total-tokens`,
+else `--mem-fraction-static` of the device's memory minus the weights; `kv_cache.pool_tokens`),
+handed out a page at a time. A request is admitted only when the pages of its prompt are free
+(beside one page of headroom per running request), in arrival order; when a decode step finds too
+few pages, the most recently arrived running requests are retracted (their pages freed; they come
+back first, prefilled again) until the rest fit. As in SGLang, a request's length is capped by the
+pool as by the context: a prompt of `min(context_length, max_total_num_tokens)` tokens or more is
+refused, and `max_new_tokens` is clamped to what is left, so every request fits alone and the
+oldest running one always makes progress. No HTTP here: the async
 wrapper and the SGLang-compatible server sit on top (`mcore_rl.rollout.engine.driver`, `.server`).
 
 Semantics follow SGLang's `/generate` (field names, finish reasons, log-prob lists) with these
@@ -44,9 +54,10 @@ documented choices:
   finish_reason `{"type": "stop", "matched": <the pattern>}`, and the text is trimmed only where the
   pattern occurs literally, as SGLang's detokenizer trims); `min_new_tokens` masks eos and stop
   tokens before that.
-* `max_new_tokens` is clamped to `context_length - len(input_ids)` (SGLang's scheduler does the
-  same; its HTTP front end, `rollout/protocol.py` here, refuses an explicit `max_new_tokens` that
-  does not fit); a prompt of `context_length` tokens or more is rejected.
+* `max_new_tokens` is clamped to `min(context_length, max_total_num_tokens) - len(input_ids)`
+  (SGLang's scheduler does the same; its HTTP front end, `rollout/protocol.py` here, refuses an
+  explicit `max_new_tokens` that does not fit the context); a prompt of that many tokens or more
+  is rejected.
 * Every output token records the weight version it was sampled under
   (`RequestOutput.output_token_weight_versions`, an extension SGLang does not have): a request that
   was paused across a weight update (a partial rollout) has the old version on its early tokens and
@@ -85,6 +96,7 @@ from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tok
 from mcore_rl.hf.rope import rope_scaling_of
 
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
+from .kv_cache import pool_tokens
 from .model_runner import ModelRunner
 from .sampling import (
     BatchSampling,
@@ -173,7 +185,8 @@ class _Live:
     rand: RequestRandom
     stop_ids: frozenset[int]
     stop_window: int  # tokens to decode when checking stop strings
-    regex_window: int = 0  # ... and stop_regex patterns
+    arrival: int  # admission order (the newest are retracted first when the KV pool runs out)
+    regex_window: int = 0  # tokens to decode when checking stop_regex patterns
     length: int = 0  # tokens whose K/V are in the cache
     kv_epoch: int = 0  # the `EngineCore.weights_epoch` its cached K/V were computed under
     output_ids: list[int] = field(default_factory=list)
@@ -218,6 +231,8 @@ class EngineCore:
         model_path: str | None = None,
         logprobs_mode: str = "raw",
         sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
     ) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: {quantization!r} is not supported (choose from {list(QUANTIZATIONS)})")
@@ -260,6 +275,11 @@ class EngineCore:
             names = quantize_model_fp8(self.model, self.dtype)
             self.fp8_layers = {n: self.model.get_submodule(n) for n in names}
         self.runner = ModelRunner(self.model, max_running_requests, context_length, self.dtype, self.device)
+        cache = self.runner.allocate_cache(pool_tokens(
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static, device=self.device,
+            weight_bytes=_weight_bytes(self.model), bytes_per_token=self.runner.kv_bytes_per_token))
+        self.max_total_num_tokens = cache.capacity  # SGLang's name (`/get_server_info`)
+        self.max_req_len = min(context_length, cache.capacity)  # prompt + output tokens of one request
 
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self._seed_rng = torch.Generator().manual_seed(random_seed)
@@ -276,6 +296,8 @@ class EngineCore:
         self.weights_need_reload = False  # resumed after a release: zero until a weight update
         self.weights_epoch = 0  # bumped by every weight change; K/V of an older epoch is stale
         self.recomputed_tokens = 0  # K/V computed again: retracted re-prefills and stale recomputes
+        self.retracted_for_room = 0  # requests retracted because decode ran out of KV pages
+        self._arrivals = 0  # admission order: who is retracted first when the pool runs out
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -351,6 +373,11 @@ class EngineCore:
         if not isinstance(req.sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
         req.sampling.validate(self.context_length, len(ids), self.vocab_size)
+        if len(ids) >= self.max_req_len:  # the context check above is the one users meet unless the pool is smaller
+            raise ValueError(
+                f"input_ids: {len(ids)} tokens cannot fit the KV cache, which holds {self.max_total_num_tokens} "
+                "tokens in all (max_total_num_tokens; --max-total-tokens / --mem-fraction-static)"
+            )
         for name in ("return_logprob", "stream", "return_routed_experts", "return_sampling_mask"):
             if not isinstance(getattr(req, name), bool):
                 raise ValueError(f"{name}: expected a boolean, got {getattr(req, name)!r}")
@@ -431,10 +458,22 @@ class EngineCore:
         outputs and random stream carry on. Returns how many were retracted."""
         with self._lock:
             n = len(self._running)
+            for slot in range(n):
+                self.runner.cache.free(slot)
             self._retracted.extend(self._running)
+            self._retracted = deque(sorted(self._retracted, key=lambda live: live.arrival))
             self._running = []
             self._controls = None
             return n
+
+    def _retract_newest(self) -> None:
+        """Retract the running request that arrived last (its pages go back to the pool)."""
+        slot = max(range(len(self._running)), key=lambda i: self._running[i].arrival)
+        live = self._running[slot]
+        self._vacate(slot)
+        self._retracted.append(live)
+        self._retracted = deque(sorted(self._retracted, key=lambda x: x.arrival))
+        self.retracted_for_room += 1
 
     def has_work(self) -> bool:
         with self._lock:
@@ -471,6 +510,7 @@ class EngineCore:
             outs, self._pending = self._pending, []
             if self._running:
                 self._recompute_stale()
+                self._make_room()
                 self._decode(outs)
             self._admit(outs)
             return outs
@@ -485,6 +525,14 @@ class EngineCore:
         if self._controls is None:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
         self._emit(list(range(len(batch))), logits, self._controls, outs)
+
+    def _make_room(self) -> None:
+        """Pages for every running request's next token; retract the newest arrivals until they fit."""
+        cache = self.runner.cache
+        while sum(cache.missing_pages(i, live.length + 1) for i, live in enumerate(self._running)) > cache.free_pages:
+            self._retract_newest()
+        for i, live in enumerate(self._running):
+            cache.reserve(i, live.length + 1)
 
     def _recompute_stale(self) -> None:
         """Slots whose K/V were computed under other weights (a weight load while they were paused
@@ -516,12 +564,17 @@ class EngineCore:
         """Prefill retracted requests (prompt + tokens so far) and then new ones into free slots,
         in one batch; each samples its next token from the prefill's last position."""
         free = self.max_running_requests - len(self._running)
+        cache = self.runner.cache
         lives: list[_Live] = []
         longest = 0
         while (self._retracted or self._waiting) and len(lives) < free:
             n = len(self._retracted[0].sequence) if self._retracted else len(self._waiting[0].input_ids)
             if lives and max(longest, n) * (len(lives) + 1) > self.max_prefill_tokens:
                 break
+            slot = len(self._running) + len(lives)
+            if cache.missing_pages(slot, n) + slot > cache.free_pages:  # its prompt, and a page of headroom per running request
+                break
+            cache.reserve(slot, n)
             longest = max(longest, n)
             lives.append(self._retracted.popleft() if self._retracted else self._start(self._waiting.popleft()))
         if not lives:
@@ -595,9 +648,11 @@ class EngineCore:
         # As in SGLang, ignore_eos turns off every token match (stop_token_ids too), not stop strings.
         stop_ids = set() if sp.ignore_eos else set(sp.stop_token_ids or []) | self.eos_token_ids
         window = 4 * max((len(s.encode()) for s in sp.stop or []), default=0) + 4
-        max_new = min(sp.max_new_tokens, self.context_length - len(req.input_ids))
+        max_new = min(sp.max_new_tokens, self.max_req_len - len(req.input_ids))
         regex_window = regex_tail_tokens(sp.stop_regex) if sp.stop_regex else 0
-        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window, regex_window)
+        self._arrivals += 1
+        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window, self._arrivals,
+                     regex_window=regex_window)
 
     def _input_logprobs(self, live: _Live, logits: torch.Tensor) -> None:
         """SGLang's prompt log-probs: aligned with input_ids[start:], the first entry None."""
@@ -718,17 +773,20 @@ class EngineCore:
         return None
 
     def _remove(self, slots: list[int]) -> None:
-        """Free slots; the last running request moves into each hole so slots stay 0..B-1."""
+        """Finish the requests in `slots` (their pages go back to the pool)."""
         for slot in sorted(set(slots), reverse=True):
-            last = len(self._running) - 1
             self._rids.discard(self._running[slot].req.rid)
-            if slot != last:
-                moved = self._running[last]
-                self.runner.move(last, slot, moved.length)
-                self._running[slot] = moved
-            self._running.pop()
-        if slots:
-            self._controls = None
+            self._vacate(slot)
+
+    def _vacate(self, slot: int) -> None:
+        """Free a slot's pages; the last running request moves into the hole so slots stay 0..B-1."""
+        last = len(self._running) - 1
+        self.runner.cache.free(slot)
+        if slot != last:
+            self.runner.move(last, slot)
+            self._running[slot] = self._running[last]
+        self._running.pop()
+        self._controls = None
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -870,6 +928,19 @@ class EngineCore:
         """True while requests cannot run: memory released, or weights not reloaded since."""
         return self.kv_cache_released or self.weights_released or self.weights_need_reload
 
+    def not_ready_reason(self) -> str | None:
+        """Why a request cannot run now (memory released, or weights zero since a resume), naming
+        what brings the engine back; None when it can."""
+        released = self.released_memory()
+        if released:
+            return (f"the engine's memory is released ({', '.join(released)}; /release_memory_occupation): "
+                    "call /resume_memory_occupation, and after a weights release update the weights, first")
+        if self.weights_need_reload:
+            return ("the weights are zero since /resume_memory_occupation (a release does not keep them, as in "
+                    "SGLang without --enable-weights-cpu-backup): update the weights (/update_weights_from_disk, "
+                    "_from_tensor or _from_distributed with a weight_version) before generating")
+        return None
+
     def released_memory(self) -> list[str]:
         return [t for t, on in (("weights", self.weights_released), ("kv_cache", self.kv_cache_released)) if on]
 
@@ -921,8 +992,14 @@ class EngineCore:
                 self.weights_epoch += 1
                 self.runner.refresh()
             if "kv_cache" in tags and self.kv_cache_released:
-                self.runner.cache.shrink()
+                self.runner.cache.allocate()
                 self.kv_cache_released = False
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's tensors occupy (shared storages counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    return sum(storages.values())
 
 
 def _resolve_dtype(dtype: str, model: nn.Module) -> torch.dtype:

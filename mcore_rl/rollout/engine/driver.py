@@ -25,8 +25,17 @@ partial output included, on `resume()`.
 
 Memory (`release_memory` / `resume_memory`, SGLang's `release_memory_occupation` and
 `resume_memory_occupation`): while any memory is released, and after a weights resume until a
-weight update completes a sync (`EngineCore.weights_need_reload`), new requests are held as while
-paused, and start once the memory and the weights are back.
+weight update completes a sync (`EngineCore.weights_need_reload`: the weights are zero), the engine
+cannot generate. A request that would start then is refused at once with `EngineNotReady` (HTTP
+503, the message says what brings the engine back), never held: nothing but the caller's own next
+call would ever release it. While paused, requests are held as SGLang holds them (a colocated
+trainer pauses, releases, trains, resumes and syncs before it continues); if the engine still
+cannot generate when generation continues, the held ones are refused then.
+
+No request waits forever: a request held (paused, or waiting for a weight update to find the
+engine idle) or paused in the engine is refused (held: `EngineNotReady`; paused in the engine:
+finish_reason abort with its partial output) once it has waited `max_hold_s` (default
+`MAX_HOLD_S`, the client's default request timeout) for a `resume()` that never came.
 """
 
 from __future__ import annotations
@@ -43,10 +52,16 @@ from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput, dup
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "in_place", "retract")
+MAX_HOLD_S = 600.0  # longest a request waits for generation to continue (EngineClient's default timeout)
 
 
 class EngineDead(RuntimeError):
     """The engine thread stopped (closed, or crashed); nothing more will be served."""
+
+
+class EngineNotReady(RuntimeError):
+    """The engine cannot generate now (memory released, weights zero, or held too long while
+    paused); the message says why and what brings it back. HTTP 503."""
 
 
 class RequestStream:
@@ -59,6 +74,7 @@ class RequestStream:
         self.engine, self.req, self.loop = engine, req, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.created = time.monotonic()
+        self.held_at: float | None = None  # when it was held (not yet in the core); None = not held
         self.done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -91,8 +107,11 @@ class EngineDriver:
     """Runs `core` on a daemon thread until `close()`; every method is a coroutine safe to call
     from any event loop (outputs return to the loop that submitted the request)."""
 
-    def __init__(self, core: EngineCore, *, name: str = "mcore-rl-engine") -> None:
+    def __init__(self, core: EngineCore, *, name: str = "mcore-rl-engine", max_hold_s: float = MAX_HOLD_S) -> None:
+        if not max_hold_s > 0:
+            raise ValueError(f"max_hold_s: must be > 0 seconds, got {max_hold_s!r}")
         self.core = core
+        self.max_hold_s = max_hold_s
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
         # Engine-thread state (only the engine thread reads or writes these):
@@ -100,6 +119,7 @@ class EngineDriver:
         self._held: list[RequestStream] = []  # accepted while paused or draining, not in the core yet
         self._when_idle: deque[Callable[[], None]] = deque()  # weight updates waiting for in-flight requests
         self._paused = False
+        self._paused_at = 0.0  # time.monotonic() of the last pause
         self._closed = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -152,7 +172,14 @@ class EngineDriver:
                 if r.rid in self._streams or r.rid in seen:
                     raise ValueError(duplicate_rid(r.rid))
                 seen.add(r.rid)
-            if self._holding() or self._when_idle:
+            if not self._paused:
+                reason = core.not_ready_reason()
+                if reason is not None:
+                    raise EngineNotReady(reason)
+            if self._paused or self._when_idle:
+                now = time.monotonic()
+                for s in streams:
+                    s.held_at = now
                 self._held.extend(streams)
             else:
                 added = []
@@ -207,6 +234,8 @@ class EngineDriver:
                 self._abort_all("Aborted by pause_generation")
             elif mode == "retract":
                 core.retract()
+            if not self._paused:
+                self._paused_at = time.monotonic()
             self._paused = True
             return core.num_running_reqs + core.num_waiting_reqs
 
@@ -215,8 +244,7 @@ class EngineDriver:
     async def resume(self) -> None:
         def resume(core: EngineCore) -> None:
             self._paused = False
-            if not self._holding():
-                self._release_held()
+            self._release_held()
 
         await self.call(resume)
 
@@ -227,17 +255,14 @@ class EngineDriver:
     async def resume_memory(self, tags: list[str]) -> None:
         def resume(core: EngineCore) -> None:
             core.resume_memory(tags)
-            if not self._holding():
+            if not self._paused:
                 self._release_held()
 
         await self.call(resume)
 
     @property
     def holding(self) -> bool:
-        """New requests wait (paused, or memory released / weights not reloaded)."""
-        return self._holding()
-
-    def _holding(self) -> bool:
+        """A new request would not run now (paused: held; memory released or weights zero: refused)."""
         return self._paused or self.core.memory_held
 
     async def flush_cache(self) -> bool:
@@ -315,17 +340,21 @@ class EngineDriver:
             while True:
                 with self._cv:
                     while not (self._closed or self._commands or self._can_step() or self._idle_work()):
-                        self._cv.wait()
+                        deadline = self._next_deadline()
+                        if deadline is not None and deadline <= time.monotonic():
+                            break
+                        self._cv.wait(None if deadline is None else deadline - time.monotonic())
                     if self._closed:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
                 for command in commands:
                     command()
+                self._expire()
                 if self._idle_work():
                     while self._when_idle:
                         self._when_idle.popleft()()
-                    if not self._holding():
+                    if not self._paused:
                         self._release_held()
                 if self._can_step():
                     self._step()
@@ -343,6 +372,26 @@ class EngineDriver:
                     logger.exception("command after the engine stopped")
             dead = EngineDead(f"the engine stopped ({self.error!r})" if self.error else "the engine was closed")
             self._fail(list(self._streams.values()), dead)
+
+    def _next_deadline(self) -> float | None:
+        """When the longest-waiting held or paused request has waited `max_hold_s`; None if none waits."""
+        starts = [s.held_at for s in self._held if s.held_at is not None]
+        if self._paused and (self.core.num_running_reqs or self.core.num_waiting_reqs):
+            starts.append(self._paused_at)
+        return min(starts) + self.max_hold_s if starts else None
+
+    def _expire(self) -> None:
+        """Refuse what has waited `max_hold_s`: held requests (EngineNotReady) and, while paused,
+        the requests paused in the engine (finish_reason abort, partial output included)."""
+        now = time.monotonic()
+        late = [s for s in self._held if s.held_at is not None and now - s.held_at >= self.max_hold_s]
+        if late:
+            why = ("generation is paused (/pause_generation) and did not continue" if self._paused
+                   else "a weight update is waiting for the requests in flight to finish")
+            self._fail(late, EngineNotReady(f"held {self.max_hold_s:g} s without starting: {why}"))
+        core = self.core
+        if self._paused and now - self._paused_at >= self.max_hold_s and (core.num_running_reqs or core.num_waiting_reqs):
+            core.abort_all(f"paused for {self.max_hold_s:g} s and generation did not continue (/continue_generation)")
 
     def _idle_work(self) -> bool:
         return bool(self._when_idle) and not self.core.has_work()
@@ -398,8 +447,14 @@ class EngineDriver:
         return n
 
     def _release_held(self) -> None:
+        """Held requests into the core, or refused at once if the engine cannot generate."""
         held, self._held = self._held, []
+        reason = self.core.not_ready_reason() if held else None
+        if reason is not None:
+            self._fail(held, EngineNotReady(reason))
+            return
         for s in held:
+            s.held_at = None
             try:
                 self.core.add_request(s.req)
             except ValueError as err:

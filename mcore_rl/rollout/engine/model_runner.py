@@ -1,4 +1,4 @@
-"""Batched prefill and decode over the reference model's weights, with a slot KV cache.
+"""Batched prefill and decode over the reference model's weights, with a paged KV pool.
 
 The reference model's own `forward` concatenates its cache every step, repeats K/V heads for GQA
 and runs ~70 small ops per layer; serving a batch wants few, larger kernels. This runner computes
@@ -12,9 +12,10 @@ the same function from the same parameters with:
   roll-multiply-add on q and k together;
 * grouped-query attention as two batched GEMMs per layer (`baddbmm` with an additive mask,
   `bmm`): the `group` query heads of a KV head read that head's keys directly (query head h reads
-  KV head h // group, as in the reference model and megatron); decode reads the cache as a view
-  of slots 0..B-1 (`SlotKVCache`); the mask ([B*KV, 1, T], broadcast over the group) and the
-  cache rows the new K/V go to (one `index_copy_` each) are computed once per step, not per layer;
+  KV head h // group, as in the reference model and megatron); decode gathers each KV head's keys
+  of slots 0..B-1 from the paged pool (`PagedKVCache`) in one `index_select`, so its batched GEMMs
+  run kv-head-major; the mask ([KV*B, 1, T], broadcast over the group), the pool rows to read and
+  the rows the new K/V go to (one `index_copy_` each) are computed once per step, not per layer;
 * logits only at the positions a caller asks for.
 
 Numerics follow the reference op for op up to float rounding (scores in the model dtype, an
@@ -53,7 +54,7 @@ from mcore_rl.hf.modeling import rope_cos_sin
 from mcore_rl.hf.rope import rope_scaling_of
 
 from .fp8 import Fp8Linear, quantize_activation_fp8
-from .kv_cache import SlotKVCache
+from .kv_cache import PagedKVCache
 
 
 @dataclass
@@ -122,8 +123,9 @@ class ModelRunner:
         self.ngram_context = (
             torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device) if ngram is not None else None
         )
-        entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim if self.mla else self.head_dim
-        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, self.kv_heads, entry, max_len, dtype, device)
+        self.kv_entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim if self.mla else self.head_dim
+        self.num_slots, self.max_len = num_slots, max_len
+        self.cache: PagedKVCache | None = None  # `allocate_cache`, once the engine has sized the pool
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = rope_cos_sin(positions, self.head_dim, cfg.rope_theta, dtype, rope_scaling_of(cfg))
         half = self.head_dim // 2
@@ -140,6 +142,18 @@ class ModelRunner:
         self.routing_topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.last_routing: torch.Tensor | None = None  # [rows, layers, k] int32 of the last pass, -1 = dense
         self.refresh()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer (MLA keeps its latent entry in both)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.kv_heads * self.kv_entry * elem
+
+    def allocate_cache(self, max_tokens: int) -> PagedKVCache:
+        """The KV pool of `max_tokens` tokens (sequences up to `max_len` each)."""
+        self.cache = PagedKVCache(len(self.layers), self.num_slots, self.kv_heads, self.kv_entry, max_tokens,
+                                  self.max_len, self.dtype, self.device)
+        return self.cache
 
     def _plan(self, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -195,10 +209,9 @@ class ModelRunner:
             if isinstance(m, Fp8Linear):
                 m._dequantized = None
 
-    @torch.inference_mode()  # the cache grows inside prefill/decode, so it may hold inference tensors
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Move slot `src`'s state (its first `length` cached positions, its n-gram context) to `dst`."""
-        self.cache.move(src, dst, length)
+    def move(self, src: int, dst: int) -> None:
+        """Move slot `src`'s state (its KV pages, its n-gram context) to `dst`, whose pages are freed."""
+        self.cache.move(src, dst)
         if self.ngram_context is not None:
             self.ngram_context[dst] = self.ngram_context[src]
 
@@ -225,14 +238,14 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
         bias: torch.Tensor,
-        decode_at: tuple[torch.Tensor, int] | None,
-        slot0: int,
+        decode_at: tuple[torch.Tensor, torch.Tensor] | None,
+        prefill_at: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [b*s, hidden] -> (residual +) attention(input_layernorm(x)). `decode_at` = (flat cache
-        indices, key length) for a decode step (s == 1, keys from the cache); None for a prefill
-        into slots slot0.."""
+        """x [b*s, hidden] -> (residual +) attention(input_layernorm(x)). `decode_at` = (pool rows
+        to write, pool rows to read [b, T]) for a decode step (s == 1, keys from the pool); None for
+        a prefill, whose K/V go to `prefill_at` (the pool rows of slots slot0..)."""
         if self.mla:
-            return self._mla_attention(li, x, residual, b, s, cos, sin, bias, decode_at, slot0)
+            return self._mla_attention(li, x, residual, b, s, cos, sin, bias, decode_at, prefill_at)
         lay = self.layers[li]
         layer = lay.module
         H, KV, G, D = self.num_heads, self.kv_heads, self.group, self.head_dim
@@ -244,21 +257,22 @@ class ModelRunner:
         qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
         if decode_at is not None:
-            index, length = decode_at
-            self.cache.write_flat(li, index, k[:, 0], v[:, 0])
-            kc, vc = self.cache.view(li, b, length)
-            keys, vals = kc.reshape(b * KV, length, D), vc.reshape(b * KV, length, D)
-            q3 = q.reshape(b * KV, G, D)
+            write, read = decode_at
+            self.cache.write_decode(li, write, k[:, 0], v[:, 0])
+            keys, vals = self.cache.gather(li, read)  # [KV*b, T, D]
+            q3 = q.reshape(b, KV, G, D).transpose(0, 1).reshape(KV * b, G, D)
         else:
             k4, v4 = k.transpose(1, 2), v.transpose(1, 2)  # [b, KV, s, D]
-            self.cache.write_block(li, slot0, k4, v4)
+            self.cache.write_prefill(li, prefill_at, k4, v4)
             keys, vals = k4.reshape(b * KV, s, D), v4.reshape(b * KV, s, D)
             q3 = q.reshape(b, s, KV, G, D).permute(0, 2, 3, 1, 4).reshape(b * KV, G * s, D)
         scores = torch.baddbmm(bias, q3, keys.transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-        o = torch.bmm(probs, vals)  # [b*KV, G*s, D]
+        o = torch.bmm(probs, vals)  # [b*KV, G*s, D] (decode: [KV*b, G, D])
         if decode_at is None:
             o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
+        else:
+            o = o.view(KV, b, G, D).transpose(0, 1)
         return self._out(residual, o.reshape(b * s, H * D), lay.wo, lay.bo)
 
     def _mla_attention(
@@ -271,8 +285,8 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
         bias: torch.Tensor,
-        decode_at: tuple[torch.Tensor, int] | None,
-        slot0: int,
+        decode_at: tuple[torch.Tensor, torch.Tensor] | None,
+        prefill_at: torch.Tensor | None,
     ) -> torch.Tensor:
         """`_attention` for MLA, through the reference module's `project` / `attend`; the cache row
         of a token is cat(latent, k_rot). cos / sin_signed come in this runner's layout (first halves:
@@ -282,12 +296,13 @@ class ModelRunner:
         q_pass, q_rot, latent, k_rot = attn.project(h, cos[:, :, 0], -sin[:, :, 0])
         entry = torch.cat((latent, k_rot), dim=-1)  # [b, 1, s, r + dr]
         if decode_at is not None:
-            index, length = decode_at
-            self.cache.write_flat(li, index, entry[:, :, 0], entry[:, :, 0])
-            entry, _ = self.cache.view(li, b, length)
+            write, read = decode_at
+            length = read.shape[1]
+            self.cache.write_decode(li, write, entry[:, :, 0], entry[:, :, 0])
+            entry = self.cache.gather(li, read)[0].view(b, 1, length, -1)  # one KV head: [b, 1, T, r + dr]
             allowed = bias.view(b, 1, 1, length) == 0
         else:
-            self.cache.write_block(li, slot0, entry, entry)
+            self.cache.write_prefill(li, prefill_at, entry, entry)
             allowed = bias.view(b, self.num_heads, s, s) == 0
         latent, k_rot = entry.split([attn.kv_lora_rank, attn.rope], dim=-1)
         out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden)
@@ -312,18 +327,18 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
         bias: torch.Tensor,
-        decode_at: tuple[torch.Tensor, int] | None,
-        slot0: int = 0,
+        decode_at: tuple[torch.Tensor, torch.Tensor] | None,
+        prefill_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The embedding [b*s, hidden] through every decoder layer, before the final norm."""
         if not self.attn_res:  # plain residual stream, the adds folded into the output GEMMs
             for li in range(len(self.layers)):
-                x = self._attention(li, x, x, b, s, cos, sin, bias, decode_at, slot0)
+                x = self._attention(li, x, x, b, s, cos, sin, bias, decode_at, prefill_at)
                 x = self._mlp(li, x, x)
             return x
         state = DepthState(self.model.model, x)  # AttnRes: depth mixes instead of residual sums
         for li in range(len(self.layers)):
-            state.add(self._attention(li, state.input(li, 0), None, b, s, cos, sin, bias, decode_at, slot0))
+            state.add(self._attention(li, state.input(li, 0), None, b, s, cos, sin, bias, decode_at, prefill_at))
             state.add(self._mlp(li, state.input(li, 1), None))
         return state.output()
 
@@ -368,11 +383,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot0: int, logit_rows: list[tuple[int, int]]) -> torch.Tensor:
-        """Run prompts (right-padded into one batch) into slots slot0..; fp32 logits [N, V] at the
-        (row, position) pairs of `logit_rows`, in that order (none: only the cache is written)."""
+        """Run prompts (right-padded into one batch) into slots slot0.., whose pages must hold
+        them (`PagedKVCache.reserve`); fp32 logits [N, V] at the (row, position) pairs of
+        `logit_rows`, in that order (none: only the cache is written)."""
         b = len(prompts)
         s = max(len(t) for t in prompts)
-        self.cache.ensure_capacity(s)
+        rows = self.cache.prefill_rows(slot0, [len(t) for t in prompts], s)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, t in enumerate(prompts):
             ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -392,17 +408,17 @@ class ModelRunner:
             self.ngram_context[slot0 : slot0 + b] = torch.tensor(tails, dtype=torch.long).view(b, c).to(self.device)
         else:
             x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
-        x = self._decoder(x, b, s, cos, sin, bias, None, slot0)
+        x = self._decoder(x, b, s, cos, sin, bias, None, rows)
         self._collect_routing(b * s)  # row r * s + c: prompt r, position c
         flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
         return self._logits(x[flat])
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of slots 0..B-1 at its position (= tokens already cached); fp32 logits [B, V]."""
+        """One token for each of slots 0..B-1 at its position (= tokens already cached; the slot's
+        pages must hold position + 1 tokens); fp32 logits [B, V]."""
         b = len(tokens)
         length = max(positions) + 1
-        self.cache.ensure_capacity(length)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         # [b*KV, 1, length]: the G query heads of a KV head share their row (baddbmm broadcasts it)
@@ -411,7 +427,7 @@ class ModelRunner:
         if self.sliding_window:  # cached keys older than the window
             outside = self._positions[None, :length] <= pos[:, None] - self.sliding_window
             bias.masked_fill_(outside, torch.finfo(self.dtype).min)
-        bias = bias[:, None, None].expand(b, self.kv_heads, 1, length).reshape(b * self.kv_heads, 1, length)
+        bias = bias[None, :, None].expand(self.kv_heads, b, 1, length).reshape(self.kv_heads * b, 1, length)
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
             ctx = self.ngram_context[:b]
@@ -419,7 +435,7 @@ class ModelRunner:
             self.ngram_context[:b] = torch.cat((ctx[:, 1:], ids[:, None]), dim=1)
         else:
             x = self.model.model.embed_tokens(ids)
-        index = self.cache.flat_index(b, pos)  # where each row's new K/V go, shared by all layers
-        x = self._decoder(x, b, 1, cos, sin, bias, (index, length))
+        at = self.cache.decode_rows(pos, length)  # pool rows to write and to read, shared by all layers
+        x = self._decoder(x, b, 1, cos, sin, bias, at)
         self._collect_routing(b)
         return self._logits(x)
