@@ -176,9 +176,11 @@ class EffOPD(Recipe):
         e = cfg.distill.effopd
         if not e.enabled:
             return
-        errors.need(cfg.rollout.runtime == "sync", "distill.effopd.enabled", "EffOPD scores candidate weights on the "
-                    "engines between updates; it needs rollout.runtime=sync (async engines would generate training "
-                    "samples with the candidates)")
+        r = cfg.rollout
+        errors.need(r.runtime == "sync" or r.max_staleness == 0, "distill.effopd.enabled", "EffOPD scores candidate "
+                    "weights on the engines between updates; it needs rollout.max_staleness=0 (got "
+                    f"{r.max_staleness}) or rollout.runtime=sync (engines generating ahead would sample training groups "
+                    "from the candidates)")
         errors.need(cfg.algorithm.mismatch.name != "mipu", "distill.effopd.enabled",
                     "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
         need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),

@@ -4,9 +4,11 @@ the step's weight sync, a validation batch sampled from the synced candidate giv
 trainer and engine. Step 1 (the PPO clip times min(π_k/μ, w_max)) is the registered mismatch
 correction "mipu", a pure function; this module is the accept/rollback around it.
 
-The validation samples are used for the decision only. The rollback needs the update's weights to
-be the only ones the engines generated with (`rollout.max_staleness: 0`, the synchronous runtime):
-asynchronous engines would already have sampled training groups from the candidate.
+The validation samples are used for the decision only. The rollback needs that no training sample
+comes from the update it may roll back: `rollout.max_staleness: 0`, in either schedule (the
+asynchronous scheduler's gate admits the next batch's groups only after `step_done`, which the loop
+calls after this decision); with a larger bound the engines would already sample training groups
+from the candidate.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class MIPU(Recipe):
         m = a.mismatch
         if m.name != NAME:
             return
-        errors.need(r.runtime == "sync", "algorithm.mismatch.name",
-                    "mipu accepts or rolls back every update before the next rollout; it needs rollout.runtime=sync")
+        errors.need(r.runtime == "sync" or r.max_staleness == 0, "algorithm.mismatch.name",
+                    "mipu accepts or rolls back every update before the next rollout, so no sample may come from "
+                    f"the update it rolls back; it needs rollout.max_staleness=0 (got {r.max_staleness}) or "
+                    "rollout.runtime=sync")
         errors.need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
                     f"must be >= 1, got {m.mipu_validation_prompts}")
         if m.mipu_validation_group_size is None:
