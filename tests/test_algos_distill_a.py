@@ -640,7 +640,7 @@ class _Scores:
 @pytest.mark.parametrize("offload", [False, True])
 def test_effopd_trainer_rejection_restores_exactly(offload: bool) -> None:
     """Property 1 on a model: candidate 1 scores lower, so the weights are W_1 bit for bit."""
-    from mcore_rl.train.effopd import WeightExtrapolator
+    from mcore_rl.recipes.effopd import WeightExtrapolator
     model = _Tiny()
     ex = WeightExtrapolator([model], offload=offload)
     w0 = _weights(model)
@@ -660,7 +660,7 @@ def test_effopd_trainer_rejection_restores_exactly(offload: bool) -> None:
 def test_effopd_trainer_accepts(peak: Optional[int], expect: float) -> None:
     """Property 3 on a model: a monotone score keeps W + 10Δ, one peaking at coefficient 6
     (k = 3) keeps W + 6Δ; frozen params never move. The next Δ starts at the kept weights."""
-    from mcore_rl.train.effopd import WeightExtrapolator
+    from mcore_rl.recipes.effopd import WeightExtrapolator
     model = _Tiny()
     ex = WeightExtrapolator([model])
     w0 = _weights(model)
@@ -685,7 +685,7 @@ def test_effopd_trainer_bf16_masters_restore_exactly() -> None:
     """With the trainer's optimizer in bf16 mode the fp32 masters are the weights: candidates are
     computed there, and a rejection puts back params and masters bit for bit."""
     from mcore_rl.config.schema import OptimizerConfig
-    from mcore_rl.train.effopd import WeightExtrapolator
+    from mcore_rl.recipes.effopd import WeightExtrapolator
     from mcore_rl.train.optimizer import build_optimizer
     model = _Tiny(torch.bfloat16)
     cfg = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0)
@@ -720,7 +720,7 @@ def test_effopd_trainer_bf16_masters_restore_exactly() -> None:
 def test_effopd_trainer_state_and_failures() -> None:
     """An exception from evaluate restores the kept weights; the anchor survives a
     state_dict/load_state_dict round trip into a fresh extrapolator."""
-    from mcore_rl.train.effopd import WeightExtrapolator
+    from mcore_rl.recipes.effopd import WeightExtrapolator
     model = _Tiny()
     ex = WeightExtrapolator([model])
     state = {k: (list(v) if isinstance(v, list) else v) for k, v in ex.state_dict().items()}

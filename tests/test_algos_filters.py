@@ -280,7 +280,7 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rewards import RewardInput, RewardRunner
     from mcore_rl.rewards.judge import judge_reward_fn
-    from mcore_rl.runtime.judge_heads import add_segment_heads
+    from mcore_rl.recipes.judge_heads import add_segment_heads
     from mcore_rl.train.packing import sequence_view
     from tests.test_judges import ScriptedJudge
 
@@ -442,7 +442,7 @@ def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
     from mcore_rl.data.samples import Prompt, Sample
     from mcore_rl.rewards import RewardInput, RewardRunner
     from mcore_rl.rewards.judge import judge_reward_fn
-    from mcore_rl.runtime.judge_heads import add_rubric_heads
+    from mcore_rl.recipes.judge_heads import add_rubric_heads
     from mcore_rl.train.packing import sequence_view
     from tests.test_judges import ScriptedJudge
 

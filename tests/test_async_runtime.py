@@ -117,6 +117,37 @@ def test_async_runtime_matches_sync_overlaps_and_survives_a_killed_engine(tmp_pa
         b.close()
 
 
+def _mipu_runs(rank: int, world_size: int, tmp: str, url: str) -> None:
+    from mcore_rl.runtime import run_rl
+
+    mipu = [f"rollout.engine_urls=[{url}]", "algorithm.mismatch.name=mipu",
+            "algorithm.mismatch.mipu_validation_prompts=2", "algorithm.mismatch.mipu_bootstrap=0"]
+    run_rl(small(f"run_dir={tmp}/sync", *mipu))
+    run_rl(small(f"run_dir={tmp}/async0", *mipu, "rollout.runtime=async"))
+    sync, async0 = _records(f"{tmp}/sync"), _records(f"{tmp}/async0")
+    _same_numbers(sync, async0)  # the same samples: no training group came from a candidate before its decision
+    for recs in (sync, async0):
+        decided = [r for r in recs if "mipu/accepted" in r]
+        assert [r["rl_step"] for r in decided] == [1, 2, 3]  # one decision per step, after the sync
+        assert all(r["rollout/policy_version_min"] == r["rollout/policy_version_max"] for r in decided)
+    assert all(r["async/staleness_max"] == 0 for r in async0 if "async/staleness_max" in r)
+    first_sync = next(r for r in sync if "mipu/accepted" in r)
+    first_async = next(r for r in async0 if "mipu/accepted" in r)
+    # the same validation prompts and seeds from the same candidate: the same validation batch
+    assert first_sync["mipu/validation_reward"] == first_async["mipu/validation_reward"]
+    assert first_sync["mipu/t_post"] == pytest.approx(first_async["mipu/t_post"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_mipu_accepts_or_rolls_back_in_both_schedules(tmp_path):
+    """MIPU's accept/rollback, once sync-only, in the asynchronous runtime at max_staleness 0."""
+    engine = Engine()
+    try:
+        run_world(1, _mipu_runs, str(tmp_path), engine.url)
+    finally:
+        engine.close()
+
+
 def _all_dead(rank: int, world_size: int, tmp: str, urls: list[str], pids: list[int]) -> None:
     from mcore_rl.runtime import run_rl
 

@@ -379,7 +379,7 @@ def test_rl_valid_and_derived_sizes():
     (["rollout.runtime=async", "rollout.num_embedded_engines=2", "rollout.engine_cores=[[0]]"], "rollout.engine_cores"),
     (["rollout.runtime=async", "rollout.engine_cores=[[9999]]"], "rollout.engine_cores[0]"),
     (["rollout.runtime=async", "rollout.buffer_groups=1"], "rollout.buffer_groups"),
-    (["rollout.runtime=async", "algorithm.mismatch.name=mipu"], "algorithm.mismatch.name"),
+    (["rollout.runtime=async", "rollout.max_staleness=1", "algorithm.mismatch.name=mipu"], "algorithm.mismatch.name"),
     (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_validation_group_size=1"],
      "algorithm.mismatch.mipu_validation_group_size"),
     (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=-1"], "algorithm.mismatch.mipu_z"),

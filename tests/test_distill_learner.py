@@ -81,7 +81,8 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
      "distill.horizon.tokens: must be in [1, rollout.max_new_tokens=4], got 9"),
     (["distill.losses=[{name: popd}]", "distill.horizon.schedule=growing"], "distill.horizon.h0: the growing horizon"),
     (["distill.losses=[{name: antisd, options: {state: 1}}]"], "distill.losses[0].options.state: is not an option"),
-    (["distill.effopd.enabled=true", "rollout.runtime=async"], "distill.effopd.enabled: EffOPD scores candidate"),
+    (["distill.effopd.enabled=true", "rollout.runtime=async", "rollout.max_staleness=1"],
+     "distill.effopd.enabled: EffOPD scores candidate"),
     (["distill.effopd.enabled=true", "algorithm.mismatch.name=mipu"], "distill.effopd.enabled: EffOPD and MIPU"),
     (["distill.effopd.enabled=true", "distill.effopd.num_candidates=0"], "distill.effopd.num_candidates"),
     # what a function needs (`@needs`) must be there before training starts
@@ -492,14 +493,15 @@ def test_tp2_learner_distils_through_both_phases():
 # ------------------------------------------------------------------------------------ EffOPD in the loop
 
 
-def _effopd_world(rank: int, world: int, tmp: str) -> None:
+def _effopd_world(rank: int, world: int, tmp: str, schedule: str) -> None:
     import json
     import os
 
     from mcore_rl.runtime import run_rl
 
     cfg = tiny(f"run_dir={tmp}/effopd", "train.num_steps=3", "eval.interval=0", "eval.at_start=false",
-               "distill.effopd.enabled=true", "distill.effopd.validation_prompts=4", "distill.effopd.num_candidates=2")
+               "distill.effopd.enabled=true", "distill.effopd.validation_prompts=4", "distill.effopd.num_candidates=2",
+               f"rollout.runtime={schedule}")
     run_rl(cfg)
     with open(os.path.join(tmp, "effopd", "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
@@ -519,5 +521,6 @@ def _effopd_world(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_effopd_extrapolates_in_the_loop_at_steps_one_and_two(tmp_path):
-    run_world(1, _effopd_world, str(tmp_path))
+@pytest.mark.parametrize("schedule", ["sync", "async"])  # async: started engine processes, max_staleness 0
+def test_effopd_extrapolates_in_the_loop_at_steps_one_and_two(tmp_path, schedule):
+    run_world(1, _effopd_world, str(tmp_path), schedule)

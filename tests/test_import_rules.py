@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,14 @@ for _package in list(FORBIDDEN) + ["runtime", "convert"]:
 # `mcore-rl profile` likewise: it reads every layer above it, none reads it
 for _package in list(FORBIDDEN) + ["diagnose"]:
     FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.profile",)
+# the recipes (paper methods as plug-ins, `mcore_rl/hooks.py`) sit below the core: the core finds
+# them through `hooks.registered()` at run time and imports none of them
+for _package in list(FORBIDDEN) + ["runtime", "convert", "diagnose", "profile"]:
+    FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.recipes",)
+# the core files a new method must not need to touch, and the words that would say it did
+CORE_FILES = ("runtime/loop.py", "runtime/rollout_manager.py", "runtime/scheduler.py", "runtime/async_rollouts.py",
+              "train/rl_step.py", "config/rl_validate.py", "config/rl_recipes.py", "hooks.py")
+RECIPE_WORDS = ("mipu", "effopd", "polaris", "s2l", "gec", "remath", "re-math", "exprl", "rlcer", "explorer")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -91,6 +100,22 @@ def _violations(package: str, banned: tuple[str, ...]) -> list[str]:
 def test_no_forbidden_arrow(package: str) -> None:
     assert (PACKAGE / package).is_dir(), f"mcore_rl/{package} is gone: update FORBIDDEN"
     assert _violations(package, FORBIDDEN[package]) == []
+
+
+def test_top_level_modules_import_no_recipe() -> None:
+    """`hooks.py` (the protocol), `progress.py`, `cli.py`: no recipe module either."""
+    found = [f"{p.name}:{line}: imports {m}" for p in sorted(PACKAGE.glob("*.py"))
+             for line, m in imports_of(p, "mcore_rl") if _banned(m, ("mcore_rl.recipes",))]
+    assert found == []
+
+
+@pytest.mark.parametrize("name", CORE_FILES)
+def test_core_names_no_recipe(name: str) -> None:
+    """Adding a method touches its own module in `recipes/` and its registration, not the core:
+    the core's code and comments name no paper method."""
+    text = (PACKAGE / name).read_text().lower()
+    words = [w for w in RECIPE_WORDS if re.search(rf"\b{re.escape(w)}", text)]
+    assert words == [], f"mcore_rl/{name} names {words}: move the method behind its recipe's hooks"
 
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> None:

@@ -1,7 +1,7 @@
 """POLARIS and EDGE-GRPO's guided error correction in the rollout path.
 
 Pure tests of the decisions (`algos/polaris.py`, `algos/edge_gec.py`) and their application to
-samples (`runtime/group_repair.py`), one check of the repairs with the real embedded engine and
+samples (`recipes/polaris.py`, `recipes/gec.py`), one check of the repairs with the real embedded engine and
 reward workers (no megatron), the config keys and their validation, and one short run of the
 synchronous loop with every knob on.
 """
@@ -20,7 +20,9 @@ from mcore_rl.algos.edge_gec import KEEP, REFERENCE, REFLECT, gec_ops
 from mcore_rl.algos.polaris import histogram, offline_selection, pass_rates, rescue_plan, substitution_plan
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.samples import Prompt, Sample
-from mcore_rl.runtime.group_repair import RescueBuffer, answer_text, substitute
+from mcore_rl.hooks import active
+from mcore_rl.recipes.gec import answer_text
+from mcore_rl.recipes.polaris import Polaris, RescueBuffer, substitute
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = "rollout.temperature_stages=[{start_step: 0, temperature: 1.0}, {start_step: 2, temperature: 1.3}]"
@@ -240,7 +242,11 @@ def _engine_manager(*overrides: str):
     pool = EmbeddedEnginePool.build(cfg.model, tok, num=1, quantization="none", max_running_requests=64,
                                     context_length=64, seed=0)
     sets = build_prompt_sets(cfg, tok)
-    return RolloutManager(pool, sets.train, build_reward_runner(cfg), cfg), pool, tok
+    return RolloutManager(pool, sets.train, build_reward_runner(cfg), cfg, recipes=active(cfg)), pool, tok
+
+
+def _rescue_buffer(recipes) -> RescueBuffer:
+    return next(r for r in recipes if isinstance(r, Polaris)).rescue_buffer
 
 
 def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
@@ -267,7 +273,7 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
             want = torch.log_softmax(logits[n - 1:-1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(s.rollout_logp), want, atol=1e-4)  # μ: the engine's scoring
         # the buffer holds the policy's own correct rollouts only (not GEC's references)
-        assert all(not s.info.get("gec") for s in manager.rescue_buffer.entries.values())
+        assert all(not s.info.get("gec") for s in _rescue_buffer(manager.recipes).entries.values())
 
         manager.cfg.rollout.gec.probs = [0.5, 0.5, 0.0]  # ops 1 and 2
         again = manager.repair([list(g) for g in raw])
@@ -283,11 +289,11 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
             assert len(s.prompt.ids) + len(s.response_ids) <= manager.cfg.train.seq_length
 
         # rescue: a correct rollout of this prompt is stored, then an all-wrong group of it is rescued
-        manager.cfg.rollout.gec.enabled = False
+        manager.recipes = [r for r in manager.recipes if r.name != "gec"]  # GEC off
         ref = fixed[wrong[0][0]][wrong[0][1]]
-        manager.rescue_buffer.entries.clear()
-        manager.rescue_buffer.update([[Sample(ref.prompt, ref.group, ref.response_ids, ref.rollout_logp, 0, "stop",
-                                              reward=1.0)]])
+        buffer = _rescue_buffer(manager.recipes)
+        buffer.entries.clear()
+        buffer.update([[Sample(ref.prompt, ref.group, ref.response_ids, ref.rollout_logp, 0, "stop", reward=1.0)]])
         all_wrong = [s for s in raw[wrong[0][0]] if s.reward < 1]
         out = manager.repair([all_wrong])
         assert [s.reward for s in out[0]] == [0.0] * (len(all_wrong) - 1) + [1.0] and out[0][-1].info["polaris_rescued"]
@@ -367,7 +373,7 @@ def _loop(rank: int, world_size: int, tmp: str) -> None:
     run = RLRun(tiny(f"run_dir={tmp}/resumed", f"checkpoint.load_dir={tmp}/ckpt", *knobs))
     try:
         run.initialise()
-        assert [asdict(s) for s in run.manager.rescue_buffer.entries.values()] == buf["entries"]
+        assert [asdict(s) for s in _rescue_buffer(run.recipes).entries.values()] == buf["entries"]
     finally:
         run.close()
 

@@ -289,7 +289,7 @@ def test_sgd_refresh_contracts_the_conflict_subspace_geometrically() -> None:
 
 
 def test_patience_stop_counts_evaluations_without_improvement_in_the_stage() -> None:
-    from mcore_rl.runtime.early_stop import PatienceStop
+    from mcore_rl.recipes.remath import PatienceStop
 
     stop = PatienceStop(start_step=4, patience=2, metric="eval/math/score", min_delta=0.01)
     assert not stop.observe(2, {"eval/math/score": 0.9})  # before the stage: not its own

@@ -226,7 +226,8 @@ def _world(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
     pids: list[int] = []
     try:
         run.initialise()
-        pids = [p for p in run.explorer.pool.processes.pids if p is not None]
+        explorer = next(r for r in run.recipes if r.name == "s2l_po").explorer  # the recipe's engines
+        pids = [p for p in explorer.pool.processes.pids if p is not None]
         assert len(pids) == 1
         batches = []
         for step, want in enumerate([4, 2, 0, 0]):  # G = 4, T_mix = 3: α = 1, 1/2, 0, 0

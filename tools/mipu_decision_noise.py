@@ -9,7 +9,7 @@
    with MIPU's Step 1 loss and a weight sync after each (Step 2 does not gate them here: every
    update is kept, so all sizes are measured on the same weights).
 3. After `--at` RL steps: `--pool` fresh validation prompts × `--group-size` samples from the
-   synced FP8 engine, exactly as `RLRun.mipu_decide` draws them (validation stream, its sampling
+   synced FP8 engine, exactly as `recipes/mipu.py: MIPU.after_sync` draws them (validation stream, its sampling
    salt), π recomputed by the learner, per-group terms s_g = -Σ ρ_i Â_i. The pool is cut into
    disjoint validation batches of K prompts for each K of `--sizes`: those are independent
    batches of the size the loop would draw (groups are i.i.d.), not bootstrap copies.

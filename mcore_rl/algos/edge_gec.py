@@ -10,10 +10,10 @@ wrong response is, independently and at random,
 * op 3 (P = 0.25): replaced by a reference solution.
 
 This module holds the decision (which op for which sample) as a pure, seeded function; the repair
-itself (generation, the replaced tokens' μ) is `mcore_rl.runtime.group_repair`.
+itself (generation, the replaced tokens' μ) is `mcore_rl.recipes.gec`.
 
 Chosen where the notes are unclear ("which context the trainer conditions on, whether injected text
-is loss-masked"), documented again in `group_repair`:
+is loss-masked"), documented again in `recipes/gec.py`:
 
 * ops 1 and 2: the trainer conditions on the *repair context* (prompt + wrong response + reflection
   [+ answer hint]) and trains only on the new continuation, whose μ are the engine's log-probs of

@@ -15,7 +15,7 @@ A_t = s_t − s_T.
 
 How the segment scores reach the learner (chosen, since a reward head is one float per sample):
 the "exprl_process" reward leaves its prefix scores and segment ends (character offsets) in
-`Sample.info`; after the rollout, `runtime/judge_heads.py` turns them into reward heads
+`Sample.info`; after the rollout, `recipes/judge_heads.py` turns them into reward heads
 `<prefix>_s<k>` (the score of the k-th prefix, k = 0..T−1) and `<prefix>_e<k>` (the k-th segment's
 end as a *token* index of the response, exclusive; the last one is the response length) using the
 run's tokenizer. This function reads those heads, so it runs on any batch: a sample without them

@@ -16,7 +16,7 @@ What it changes in the rollout path, and why:
   picks them (`mcore_rl.data.domains.diversity_score`).
 
 This module holds the decisions only, as pure functions of group ids and rewards -> indices; applying
-them to `Sample`s is `mcore_rl.runtime.group_repair`.
+them to `Sample`s is `mcore_rl.recipes.polaris`.
 
 Chosen where the notes are unclear:
 

@@ -23,7 +23,7 @@ Choices where the notes are unclear:
 
 What reaches the trainer: reward shaping "rlcer" computes r^Rea for each sample from the reward
 heads `<prefix>_v<k>` (the verifier's verdict on rubric k) and `<prefix>_w<k>` (rubric k's signed
-score); `runtime/judge_heads.py` writes them from the "rubric" judge reward's verdicts and the
+score); `recipes/judge_heads.py` writes them from the "rubric" judge reward's verdicts and the
 prompt's `rubric_scores`. So the Reasoner side trains with the verifier judge over given rubrics
 (a file's `rubric` + `rubric_scores`). Not built: the Rubricator role — a second rollout of the same
 policy conditioned on a Reasoner CoT, whose rubrics feed the verifier and whose own reward is

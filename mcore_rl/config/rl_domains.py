@@ -233,7 +233,7 @@ def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:
 
 
 def _check_refresh_stop(cfg: RLConfig, st: Any, k: int, n_stages: int, names: list[str], errors: Errors) -> None:
-    """Re-Math's early stop (runtime/early_stop.py): the last stage, evaluated, sync, with a metric to watch."""
+    """Re-Math's early stop (recipes/remath.py): the last stage, evaluated, sync, with a metric to watch."""
     key = f"data.mixture.stages[{k}]"
     errors.need(st.stop_patience > 0, f"{key}.stop_patience", f"must be >= 1 (0 = off), got {st.stop_patience}")
     errors.need(k == n_stages - 1, f"{key}.stop_patience", "only the last stage can stop the run early")

@@ -96,7 +96,7 @@ class MixtureStageConfig:
     temperature: Optional[float] = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
     max_new_tokens: Optional[int] = None  # multi-stage response length (a cap on the domains' budgets)
     drop_solved_above: Optional[float] = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
-    # Re-Math's early-stopped refresh (runtime/early_stop.py; the last stage only): end the run after this many
+    # Re-Math's early-stopped refresh (recipes/remath.py; the last stage only): end the run after this many
     # evaluations in the stage without stop_metric improving by more than stop_min_delta; 0 = off
     stop_patience: int = 0
     stop_metric: Optional[str] = None  # None = eval/<the stage's only domain>/score
@@ -143,7 +143,7 @@ class TemperatureStageConfig:
 
 @dataclass
 class PolarisConfig:
-    """POLARIS's zero-signal group repair (`mcore_rl.algos.polaris`, `mcore_rl.runtime.group_repair`)."""
+    """POLARIS's zero-signal group repair (`mcore_rl.algos.polaris`, `mcore_rl.recipes.polaris`)."""
 
     rescue: bool = False  # an all-wrong group gets one wrong rollout replaced by its prompt's last correct one
     rescue_buffer_prompts: int = 100_000  # prompts the rescue buffer holds at most (least recently updated go)

@@ -4,6 +4,7 @@
 `mcore_rl.config.rules` on the RL config's own sections, then one `check_*` per RL section. Names
 of algorithms, mismatch corrections, rewards and tasks are checked against their registries
 (imported lazily: `mcore_rl.algos`, `mcore_rl.rewards` and `mcore_rl.data` import this package).
+Each registered recipe checks its own keys (`Recipe.check`, `mcore_rl/hooks.py`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from mcore_rl import hooks
 from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rl_domains import check_domains
-from mcore_rl.config.rl_recipes import check_recipes
+from mcore_rl.config.rl_recipes import check_stages
 from mcore_rl.config.rules import (
     Errors,
     build_task,
@@ -69,15 +71,15 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
-    check_distill(cfg.distill, cfg.rollout, errors, cfg.algorithm.mismatch.name, cfg.teachers, cfg.algorithm)
+    check_distill(cfg.distill, cfg.rollout, errors, cfg.teachers, cfg.algorithm)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     check_sampling_mask_replay(cfg, errors)
-    check_explorer(cfg, errors)
-    check_recipes(cfg, errors)
+    check_stages(cfg, errors)
+    hooks.check_all(cfg, errors)  # every registered recipe's keys (mcore_rl/recipes/)
     check_observability(cfg.logging, errors)  # observability
     check_preempt_signals(cfg.checkpoint, errors)  # launch: pre-emption signals
     errors.raise_if_any()
@@ -194,8 +196,6 @@ def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     check_engine_processes(r, errors)
     if r.runtime != "async":
         return
-    errors.need(a.mismatch.name != "mipu", "algorithm.mismatch.name",
-                "mipu accepts or rolls back every update before the next rollout; it needs rollout.runtime=sync")
     if r.max_inflight_requests:
         errors.need(r.max_inflight_requests >= r.group_size, "rollout.max_inflight_requests",
                     f"{r.max_inflight_requests} is fewer than one group (rollout.group_size={r.group_size})")
@@ -324,7 +324,8 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
 
 
 def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
-    """A registered correction with non-negative, ordered bounds; MIPU has rules of its own."""
+    """A registered correction with non-negative, ordered bounds (a recipe built around one checks
+    its own rules)."""
     from mcore_rl.algos import registry
 
     m = a.mismatch
@@ -339,38 +340,10 @@ def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None
     if m.mask_low is not None and m.mask_high is not None:
         errors.need(m.mask_low <= m.mask_high, "algorithm.mismatch.mask_low",
                     f"{m.mask_low} exceeds algorithm.mismatch.mask_high {m.mask_high}")
-    if m.name == "mipu":
-        check_mipu(a, r, errors)
 
 
-def check_mipu(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
-    """MIPU: a PPO clip times w = min(π_k/μ, w_max) (w_max = clip_high), validated on >= 2-sample groups."""
-    m = a.mismatch
-    errors.need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
-                f"must be >= 1, got {m.mipu_validation_prompts}")
-    if m.mipu_validation_group_size is None:
-        errors.need(r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt")
-    else:
-        errors.need(m.mipu_validation_group_size >= 2, "algorithm.mismatch.mipu_validation_group_size",
-                    f"MIPU's validation advantages need >= 2 samples per prompt, got {m.mipu_validation_group_size}")
-    errors.need(math.isfinite(m.mipu_z) and m.mipu_z >= 0, "algorithm.mismatch.mipu_z",
-                f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {m.mipu_z}")
-    errors.need(m.mipu_bootstrap >= 0, "algorithm.mismatch.mipu_bootstrap",
-                f"must be >= 0 (0: no bootstrap flip rate), got {m.mipu_bootstrap}")
-    errors.need(m.level in (None, "token", "sequence"), "algorithm.mismatch.level",
-                f"MIPU's weight is per token or per sequence, got {m.level!r}")
-    errors.need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",
-                f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}")
-    errors.need(m.clip_high is None or m.clip_high > 0, "algorithm.mismatch.clip_high",
-                "is MIPU's w_max, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, "
-                f"got {m.clip_high}")
-    for key in ("clip_low", "mask_low", "mask_high", "veto_threshold", "batch_normalize"):
-        errors.need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
-                    "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
-
-
-def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_name: str = "",
-                  teachers: Sequence[Any] = (), algorithm: Optional[AlgorithmConfig] = None) -> None:
+def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, teachers: Sequence[Any] = (),
+                  algorithm: Optional[AlgorithmConfig] = None) -> None:
     """Registered distillation functions with a phase and options they accept, and the teacher
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
@@ -431,16 +404,6 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, mismatch_n
                 errors.need(opt in accepted, f"{key}.options.{opt}",
                             f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}")
     errors.need(d.top_k >= 0, "distill.top_k", f"must be >= 0 (0 = no top-k), got {d.top_k}")
-    e = d.effopd
-    if e.enabled:
-        errors.need(r.runtime == "sync", "distill.effopd.enabled", "EffOPD scores candidate weights on the engines "
-                    "between updates; it needs rollout.runtime=sync (async engines would generate training samples "
-                    "with the candidates)")
-        errors.need(mismatch_name != "mipu", "distill.effopd.enabled",
-                    "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
-        need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),
-                               ("distill.effopd.num_candidates", e.num_candidates)])
-        errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
     errors.need(d.rl or bool(d.losses), "distill.rl", "is false (distillation alone) but distill.losses is empty: "
                 "nothing would be trained")
     h = d.horizon
@@ -622,29 +585,3 @@ def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: E
                 f"got {'both' if t.urls else 'neither'}")
     check_engine_group(t, key, bool(t.model_path), errors)
     errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")
-
-
-def check_explorer(cfg: RLConfig, errors: Errors) -> None:
-    """S2L-PO's explorer engines (`rollout.explorer`): servers or a checkpoint (not both), a schedule
-    that is registered and accepts `share` / `mix_steps`, the synchronous runtime, no routing replay.
-    Reachability and the tokenizer are checked when the trainer connects (`rollout/explorer.py`)."""
-    from mcore_rl import algos
-    from mcore_rl.algos.multi_reward import OptionError
-
-    x, key = cfg.rollout.explorer, "rollout.explorer"
-    if not x.enabled:
-        return
-    errors.need(not (x.urls and x.model_path), f"{key}.urls",
-                "the explorer needs either urls (running servers) or model_path (engines the trainer starts), got both")
-    check_engine_group(x, key, bool(x.model_path), errors)
-    if need_registered(errors, f"{key}.schedule", "explorer schedule", x.schedule, algos.names("explorer_schedule")):
-        try:
-            algos.get("explorer_schedule", x.schedule)(0, 1, mix_steps=x.mix_steps, share=x.share)
-        except OptionError as err:
-            errors.need(False, f"{key}.{err.option}", err.message)
-    errors.need(cfg.rollout.runtime == "sync", key,
-                "the explorer's share of each group is drawn by the synchronous rollout manager; it needs "
-                "rollout.runtime=sync (the async scheduler does not mix sources)")
-    errors.need(cfg.algorithm.routing_replay != "r3", key,
-                "routing replay r3 replays the engine's experts, and the explorer's are not the policy's; "
-                "use algorithm.routing_replay r2 or none")

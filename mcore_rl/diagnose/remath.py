@@ -32,7 +32,7 @@ hf-to-mcore` takes it back).
 
 `mcore-rl diagnose remath_activations MODEL --data domain.jsonl --output act.pt` writes the activation
 files from a Hugging Face model. The refresh, the paper's other repair (a short early-stopped GRPO run
-on the victim domain), is the trainer's `data.mixture.stages[-1].stop_patience` (runtime/early_stop.py).
+on the victim domain), is the trainer's `data.mixture.stages[-1].stop_patience` (recipes/remath.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Orchestration of `mcore-rl train`: the driver loop and what it needs beyond the parts below it.
 
-- `loop`: the driver (rollouts -> learner -> weight sync -> MIPU accept/reject -> eval ->
-  checkpoints, resume); it reads as the RL algorithm, the parts do the work:
-  `mcore_rl.data` (prompt streams, tasks), `mcore_rl.rollout` (the engine pool),
-  `mcore_rl.rewards`, `mcore_rl.train` (policy, RL step, weight sync);
+- `loop`: the driver (rollouts -> learner -> weight sync -> eval -> checkpoints, resume), with
+  the hooks of the run's recipes (`mcore_rl/hooks.py`, `mcore_rl/recipes/`) at fixed points; it
+  reads as the RL algorithm, the parts do the work: `mcore_rl.data` (prompt streams, tasks),
+  `mcore_rl.rollout` (the engine pool), `mcore_rl.rewards`, `mcore_rl.train` (policy, RL step,
+  weight sync);
 - `rollout_manager`: G completions per prompt from the engine pool, scored, dynamic sampling;
-- `evaluate`: held-out pass@1 / avg@k through the engine;
-- `metrics`: metrics.jsonl, TensorBoard, the curves PNG.
-
-The buffer and staleness gate of the asynchronous runtime will live here too.
+- `async_rollouts` over `scheduler` and `staleness`: the asynchronous runtime's buffer and gate;
+- `accounting`: where every drawn prompt went; `evaluate`: held-out pass@1 / avg@k.
 """
 
 from mcore_rl.runtime.loop import run_rl

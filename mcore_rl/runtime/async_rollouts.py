@@ -56,7 +56,7 @@ class PoolBackend:
 
     async def score(self, samples: list[Sample]) -> None:
         await self.rewards.score(samples)
-        self.prompts.observe([samples])  # per-prompt accuracy, for POLARIS's stage filter
+        self.prompts.observe([samples])  # per-prompt accuracy, for a stage's filter of solved prompts
         if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
             await self.teachers.ascore_engines(samples)
 

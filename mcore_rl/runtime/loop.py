@@ -2,8 +2,11 @@
 
     prompts -> rollout manager -> engine(s): tokens, μ, policy version -> rewards
     -> learner: π_old (and π_ref), advantages, mismatch correction, optimizer steps over mini-batches
-    -> weight sync to the engine(s) (MIPU: score a validation batch, accept or roll back + re-sync)
-    -> periodic held-out evaluation -> checkpoints -> next step.
+    -> weight sync to the engine(s) -> periodic held-out evaluation -> checkpoints -> next step.
+
+Paper methods that need more than a pure tensor function act through the hooks of their recipe
+(`mcore_rl/hooks.py`, one module each in `mcore_rl/recipes/`); the loop calls the hooks of the
+active recipes at fixed points of the step and names none of them.
 
 Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights,
 the learner trains on it, the new weights are synced, and only then is the next batch generated.
@@ -14,7 +17,7 @@ samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s, or 
 servers) and broadcasts each batch of samples to the other ranks; every rank runs the learner.
 
 A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
-the prompt streams' positions, the MIPU controller, the step/version counters, the sample ledger
+the prompt streams' positions, the recipes' states, the step/version counters, the sample ledger
 and (async) the buffered groups and the prompts in flight, so a resumed run draws the same prompts,
 neither repeats nor skips one, and continues the same metrics a run without interruption would
 (records a killed run logged after its last checkpoint are dropped first, so each step appears
@@ -32,12 +35,11 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
+from mcore_rl import hooks
 from mcore_rl.config import RLConfig, config_to_dict, save_config, validate_rl_config
 from mcore_rl.data.samples import Sample
 from mcore_rl.parallel.preemption import preempted, stop_requested
-from mcore_rl.runtime import early_stop
 from mcore_rl.runtime.accounting import record_trained_prompts
-from mcore_rl.runtime.judge_heads import add_judge_heads
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.plot import plot_curves
 from mcore_rl.observe.run import RunObserver
@@ -51,12 +53,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LoopState:
     rl_step: int = 0  # rollout steps done
-    opt_step: int = 0  # optimizer steps done (rejected MIPU updates included)
+    opt_step: int = 0  # optimizer steps done (updates a recipe rolled back included)
     version: int = 0  # weight version of the trainer's current weights (every sync makes a new one)
     samples_trained: int = 0
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast(obj: Any) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
@@ -82,12 +84,9 @@ class RLRun:
         self.prompts, self.val_prompts = prompt_sets.train, prompt_sets.validation
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: Optional[list] = None
-        self.mipu: Any = None
-        self.effopd: Any = None  # distill.effopd: the weight extrapolator
-        self.effopd_prompts: list = []
+        self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
         self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
         self.engines: Any = None
-        self.explorer: Any = None  # rank 0, rollout.explorer (S2L-PO)
         self.weight_sync: Any = None
         self.manager: Any = None
         self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
@@ -128,6 +127,9 @@ class RLRun:
             if rl.get("ledger"):
                 self.ledger.load_state_dict(rl["ledger"])
             self._rollout_state = rl.get("rollout")
+            for recipe in self.recipes:
+                if recipe.state_key is not None and rl.get(recipe.state_key):
+                    recipe.load_state_dict(rl[recipe.state_key])
             self._resume_common = rl
             ttfs.mark("checkpoint_load")
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
@@ -145,12 +147,12 @@ class RLRun:
                 ttfs.mark("warm_start")
         self._build_reference(resume)
         ttfs.mark("reference_model")
-        self._build_mipu()
         if cfg.teachers:
             from mcore_rl.train.teachers import build_teachers
 
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
-        self._build_effopd()
+        for recipe in self.recipes:
+            recipe.setup(self)
         self._build_engines()
         ttfs.mark("engine_start")
         self.sync(new_version=resume is None)
@@ -170,7 +172,7 @@ class RLRun:
                 made = build_engine_teachers(self.cfg, self.tokenizer, os.path.join(self.cfg.run_dir, "teachers"))
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 error = f"{type(err).__name__}: {err}"
-        error = _broadcast(error)
+        error = broadcast(error)
         if error is not None:
             from mcore_rl.rollout.teacher import TeacherError
 
@@ -204,50 +206,6 @@ class RLRun:
             checkpoint.save_checkpoint(os.path.join(cfg.checkpoint.save_dir, "reference"), 0, self.ref_chunks, None,
                                        {"model": config_to_dict(cfg.model)})
 
-    def _build_mipu(self) -> None:
-        m = self.cfg.algorithm.mismatch
-        if m.name != "mipu":
-            return
-        from mcore_rl.algos.mipu import MIPUController
-
-        self.mipu = MIPUController(self.optimizer.snapshot, self.optimizer.restore, lambda: self.sync(new_version=True),
-                                   c_start=m.mipu_c_start, c_end=m.mipu_c_end, anneal_steps=m.mipu_anneal_steps,
-                                   count_rejected=m.mipu_count_rejected, rule=m.mipu_decision, z=m.mipu_z,
-                                   bootstrap=m.mipu_bootstrap)
-        if self._resume_common is not None and self._resume_common.get("mipu"):
-            self.mipu.load_state_dict(self._resume_common["mipu"])
-
-    def _build_effopd(self) -> None:
-        """EffOPD: the anchor is the weights training starts (or resumes) from."""
-        e = self.cfg.distill.effopd
-        if not e.enabled:
-            return
-        from mcore_rl.train.effopd import WeightExtrapolator
-
-        self.effopd = WeightExtrapolator(self.chunks, self.optimizer, num_candidates=e.num_candidates, scale=e.scale)
-        self.effopd_prompts = self.val_prompts.take(e.validation_prompts)  # fixed for the run (every rank)
-
-    def effopd_step(self, step: int) -> dict[str, float]:
-        """EffOPD at `step` updates done (1, 2, 4, ...): each weights tried are synced to the engines
-        as a new version and scored there (greedy, mean reward on the fixed validation prompts); the
-        model keeps the accepted ones, which the step's usual sync then ships."""
-        from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
-
-        def evaluate() -> float:
-            self.sync(new_version=True)
-            score = None
-            if self.rank0:
-                groups = self.manager.generate(self.effopd_prompts, 1, 0.0, SALT_VALIDATION)
-                score = sum(g[0].reward for g in groups) / max(len(groups), 1)
-            return float(_broadcast(score))
-
-        start = time.perf_counter()
-        result = self.effopd.run(step, evaluate)
-        return {"effopd/accepted": float(result.accepted), "effopd/coefficient": result.coefficient,
-                "effopd/base_score": result.base_score, "effopd/candidates_scored": float(len(result.scores)),
-                "effopd/best_score": max([result.base_score] + result.scores[: result.accepted]),
-                "time/effopd_s": time.perf_counter() - start}
-
     def _build_engines(self) -> None:
         from mcore_rl.rollout.pool import build_engine_pool
         from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
@@ -262,15 +220,10 @@ class RLRun:
             transport = self.engines.weight_transport(r)
             if hasattr(transport, "pause_mode"):
                 transport.pause_mode = r.pause_mode
-            if r.explorer.enabled:  # S2L-PO: the frozen smaller model's engines (checked before training)
-                from mcore_rl.rollout.explorer import build_explorer
-
-                self.explorer = build_explorer(r, self.tokenizer, os.path.join(cfg.run_dir, "engines"), cfg.train.seed,
-                                               tokenizer_path=cfg.data.tokenizer_path)
+            for recipe in self.recipes:
+                recipe.engines_ready(self)  # e.g. a recipe's own engines (checked before training)
             self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg,
-                                          explorer=self.explorer)
-            if self._resume_common is not None and self._resume_common.get("group_repair"):
-                self.manager.load_state_dict(self._resume_common["group_repair"])
+                                          recipes=self.recipes)
             if r.runtime == "async":
                 from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
 
@@ -317,51 +270,23 @@ class RLRun:
                     self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
                 msg = ("batch", [s for g in groups for s in g], {**reward_metrics(groups, per_domain=per_domain),
                                                                  **stats.metrics()})
-            msg = _broadcast(msg)
+            msg = broadcast(msg)
             if msg[0] == "batch":
                 break
             _log("no engine serves: they wait for the current weights; syncing them again")
             self.sync(new_version=False)  # engines that came back get the weights, then serve
         _, samples, metrics = msg
         metrics["time/rollout_wait_s"] = time.perf_counter() - start
-        metrics.update(add_judge_heads(self.cfg.algorithm, samples, self.tokenizer))  # ExpRL, RLCER: info -> heads
-        stale = [s.policy_version for s in samples  # (POLARIS's rescued rollouts are stale by design)
+        for recipe in self.recipes:
+            metrics.update(recipe.batch_step(samples, self))
+        stale = [s.policy_version for s in samples  # (a recipe may keep samples that are stale by design)
                  if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
-                 and not s.info.get("polaris_rescued")]
+                 and not any(recipe.stale_ok(s) for recipe in self.recipes)]
         if stale:
             raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
                                f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
                                f"version {self.state.version}")
         return samples, metrics
-
-    def mipu_decide(self, learner: Any) -> dict[str, float]:
-        """MIPU Step 2: score a validation batch sampled from the synced candidate, accept or roll
-        back (trainer and engine). The validation samples are used for the decision only."""
-        from mcore_rl.algos.mipu import validation_estimate
-        from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
-        from mcore_rl.train.packing import sequence_view
-
-        m, r = self.cfg.algorithm.mismatch, self.cfg.rollout
-        payload = None
-        if self.rank0:
-            prompts = self.val_prompts.take(m.mipu_validation_prompts)
-            g_val = m.mipu_validation_group_size or r.group_size
-            groups = self.manager.generate(prompts, g_val, self.manager.temperature, SALT_VALIDATION)
-            payload = ([s for g in groups for s in g], self.val_prompts.state_dict())
-        samples, val_state = _broadcast(payload)
-        if not self.rank0:
-            self.val_prompts.load_state_dict(val_state)
-        view = sequence_view(samples)
-        pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        est = validation_estimate(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
-                                  valid=view.ok.bool())
-        decision = self.mipu.decide(est)
-        out = decision.metrics()
-        out["mipu/validation_groups"] = float(est.group_counts.numel())
-        out["mipu/informative_groups"] = float(est.informative_groups)  # non-constant rewards
-        out.update(self.mipu.metrics())
-        out["mipu/validation_reward"] = float(view.rewards.mean())
-        return out
 
     def evaluate(self) -> dict[str, float]:
         from mcore_rl.runtime.evaluate import evaluate
@@ -371,7 +296,7 @@ class RLRun:
             start = time.perf_counter()
             out = evaluate(self.manager, self.eval_prompts, self.cfg)
             out["time/eval_s"] = time.perf_counter() - start
-        out = _broadcast(out)
+        out = broadcast(out)
         self.eval_history.append({"rl_step": self.state.rl_step, **out})
         return out
 
@@ -418,11 +343,10 @@ class RLRun:
                 "state": asdict(self.state),
                 "prompts": rollout_state["prompts"] if rollout_state is not None else self.prompts.state_dict(),
                 "val_prompts": self.val_prompts.state_dict(),
-                "mipu": self.mipu.state_dict() if self.mipu is not None else None,
                 "ledger": self.ledger.state_dict(),
                 "rollout": rollout_state,
                 "distill": self.learner.distill_state_dict() if self.learner is not None else {},
-                "group_repair": self.manager.state_dict() if self.manager is not None else None,  # POLARIS's buffer
+                **{r.state_key: r.state_dict() for r in self.recipes if r.state_key is not None},
             },
         }
         from mcore_rl.train.hf_provenance import carry_provenance
@@ -453,7 +377,7 @@ class RLRun:
         # a teacher scores the full distribution, not the student's sampling mask
         return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(
                                        ss, t, chunks=chunks, sampling_masks=False)[0],
-                                   _broadcast, self.rank0, topk)
+                                   broadcast, self.rank0, topk)
 
     def close(self) -> None:
         if self.async_rollouts is not None:
@@ -466,8 +390,8 @@ class RLRun:
                     t.close()
         if self.engines is not None:
             self.engines.close()
-        if self.explorer is not None:
-            self.explorer.close()
+        for recipe in self.recipes:
+            recipe.close()
         if self.manager is not None:
             self.manager.rewards.close()
 
@@ -489,7 +413,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         run.initialise()
         if run._resume_common is not None:
             writer.resume(run.state.opt_step)
-        learner = run.learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
+        learner = run.learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id,
+                                        recipes=run.recipes)
         if run._resume_common is not None and run._resume_common.get("distill"):
             learner.load_distill_state(run._resume_common["distill"])
         st = run.state
@@ -501,14 +426,14 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             _log(f"held-out before RL: {_eval_line(first_eval)}")
         bar = _progress(cfg, st.rl_step)
         last_eval = first_eval
-        refresh_stop, stopping = early_stop.from_config(cfg), False  # Re-Math's early-stopped refresh stage
+        stopping = False  # a recipe ended the run after an evaluation
         while st.rl_step < cfg.train.num_steps and not stopping:
             step_start = time.perf_counter()
             samples, roll_metrics = run.rollouts()
             ttfs.mark("first_rollout")
             roll_metrics.update(run.teach(samples, learner))
-            if run.mipu is not None:
-                run.mipu.begin()
+            for recipe in run.recipes:
+                recipe.before_update()
             learner.temperature = stage_temperature(cfg, st.rl_step)  # π at the temperature the batch was sampled with
             steps = (st.opt_step + 1, st.opt_step + cfg.optimizer_steps_per_rollout)
             with run.engines_asleep(), observer.profile(*steps):  # colocated: the engines give the devices away
@@ -517,24 +442,26 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 train_s = time.perf_counter() - train_start
             st.samples_trained += len(samples)
             first_step = observer.first_step_done()  # time to first step: {} after the first
-            effopd = run.effopd_step(st.rl_step + 1) if run.effopd is not None and run.effopd.due(st.rl_step + 1) else {}
+            updated: dict[str, float] = {}
+            for recipe in run.recipes:
+                updated.update(recipe.after_optimizer(run, st.rl_step + 1))
             run.sync()
             extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
-                                       "rollout/weight_version": float(st.version), **effopd}
+                                       "rollout/weight_version": float(st.version), **updated}
             if cfg.rollout.placement == "colocated" and rank0:
                 extra["time/engine_release_resume_s"] = run.released_s
-            if run.mipu is not None:
-                extra.update(run.mipu_decide(learner))
+            for recipe in run.recipes:
+                extra.update(recipe.after_sync(run, learner))
             st.rl_step += 1
             if (cfg.eval.interval > 0 and st.rl_step % cfg.eval.interval == 0) or st.rl_step == cfg.train.num_steps:
                 last_eval = run.evaluate()
                 extra.update(last_eval)
-                if refresh_stop is not None and refresh_stop.observe(st.rl_step, last_eval):
-                    stopping = True
-                    extra["refresh/stopped"] = 1.0
-                    _log(f"early stop after step {st.rl_step}: {refresh_stop.metric} has not improved for "
-                         f"{refresh_stop.patience} evaluation(s); best {refresh_stop.best:.4f} after step "
-                         f"{refresh_stop.best_step}")
+                for recipe in run.recipes:
+                    verdict, reason = recipe.after_eval(st.rl_step, last_eval)
+                    extra.update(verdict)
+                    if reason is not None:
+                        stopping = True
+                        _log(reason)
             extra["time/step_s"] = time.perf_counter() - step_start
             extra["time/trainer_idle_frac"] = roll_metrics["time/rollout_wait_s"] / max(extra["time/step_s"], 1e-9)
             extra["time/elapsed_s"] = time.perf_counter() - run.t0
@@ -575,8 +502,8 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         wall = time.perf_counter() - run.t0
         summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st),
                    "accounting": run.write_accounting()}
-        if refresh_stop is not None:
-            summary["refresh"] = {"stopped": stopping, "best": refresh_stop.best, "best_step": refresh_stop.best_step}
+        for recipe in run.recipes:
+            summary.update(recipe.summary())
         if rank0:
             observer.close()
             if cfg.logging.plot and os.path.exists(writer.path):

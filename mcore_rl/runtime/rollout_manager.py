@@ -11,9 +11,13 @@ that raises, hangs or exits marks its sample with `reward_error` (and `error_rew
 goes on. Each sample is scored by its domain's heads (`Sample.reward_heads`) and its reward is
 their weighted sum. Each domain samples with its own top-p/top-k, response budget and group size.
 With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
-drawn until the batch is full or the round budget is spent. With `rollout.explorer` (S2L-PO) the first
-⌈α_t·G⌉ samples of each training group come from a frozen smaller model's engines, marked
-`source="explorer"` and carrying that model's μ.
+drawn until the batch is full or the round budget is spent.
+
+Recipes (`mcore_rl/hooks.py`) act on the rollout through their hooks, in registration order: a
+recipe with a second source of samples writes the first `co_samples(step, G)` samples of each
+training group (marked with its `source`, carrying its μ); `repair_round` / `observe_round` see
+every round of scored training groups, `finish_batch` the kept batch; their counts are logged as
+`rollout/repair/*`.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
 from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
+from mcore_rl.hooks import Recipe
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
-from mcore_rl.runtime.group_repair import RescueBuffer, guided_error_correction, substitute
 
 # salts that keep the sampling seeds of different purposes apart
 SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
@@ -40,6 +44,15 @@ SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
 
 def sample_seed(seed: int, salt: int, index: int, j: int) -> int:
     return int(np.random.SeedSequence([seed, salt, index, j]).generate_state(1)[0] % (2**31 - 1))
+
+
+def split_groups(flat: list[Sample], groups: Sequence[Sequence[Sample]]) -> list[list[Sample]]:
+    """`flat` cut into lists of the sizes of `groups`."""
+    out, k = [], 0
+    for g in groups:
+        out.append(flat[k:k + len(g)])
+        k += len(g)
+    return out
 
 
 def _head_key(h: RewardHead) -> tuple[str, str]:
@@ -136,9 +149,9 @@ class RolloutStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
-    explorer: dict[str, float] = field(default_factory=dict)  # S2L-PO: the explorer's share and rewards
-    repair: dict[str, float] = field(default_factory=dict)  # POLARIS / GEC group repairs (rollout/repair/*)
-    temperature: float = math.nan  # the sampling temperature of the batch (POLARIS's stages)
+    recipes: dict[str, float] = field(default_factory=dict)  # the recipes' `rollout_metrics`
+    repair: dict[str, float] = field(default_factory=dict)  # the recipes' group repairs (rollout/repair/*)
+    temperature: float = math.nan  # the sampling temperature of the batch (a stage's)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -148,7 +161,7 @@ class RolloutStats:
             "time/generate_s": self.seconds_generate,
             "time/reward_s": self.seconds_reward,
             "rollout/dynamic_sampling_fallback": float(self.fallback),
-            **self.explorer,
+            **self.recipes,
             "rollout/temperature": self.temperature,
             **{f"rollout/repair/{k}": v for k, v in self.repair.items()},
         }
@@ -158,25 +171,20 @@ class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
     def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any,
-                 explorer: Any = None) -> None:
+                 recipes: Sequence[Recipe] = ()) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
-        self.explorer = explorer  # S2L-PO (`rollout/explorer.py`): part of each training group, early on
+        self.recipes = list(recipes)  # their rollout-side hooks (mcore_rl/hooks.py)
+        sources = [r for r in self.recipes if r.source is not None]
+        if len(sources) > 1:
+            raise ValueError(f"recipes {[r.name for r in sources]} each generate part of a group; at most one may")
+        self.co_source: Optional[Recipe] = sources[0] if sources else None  # a second source of samples
         self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
-        p = cfg.rollout.polaris
-        # POLARIS's rescue buffer (per prompt, the latest correct rollout); part of the checkpoint
-        self.rescue_buffer = RescueBuffer(p.rescue_buffer_prompts, p.correct_reward) if p.rescue else None
         self.repair_counts: dict[str, float] = {}
 
-    def explorer_count(self, group_size: int) -> int:
-        """How many of a training group's `group_size` samples the explorer draws at this step."""
-        x = self.cfg.rollout.explorer
-        if self.explorer is None:
-            return 0
-        from mcore_rl.algos import registry
-
-        return int(registry.get("explorer_schedule", x.schedule)(self.step, group_size, mix_steps=x.mix_steps,
-                                                                 share=x.share))
+    def co_count(self, group_size: int) -> int:
+        """How many of a training group's `group_size` samples the second source draws at this step."""
+        return self.co_source.co_samples(self.step, group_size) if self.co_source is not None else 0
 
     def budget(self, prompt: Prompt) -> int:
         """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
@@ -217,15 +225,15 @@ class RolloutManager:
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
         routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
-        # sampling-mask replay: every sampled request (training, and MIPU validation, whose μ the learner
+        # sampling-mask replay: every sampled request (training, and a validation batch whose μ the learner
         # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
         mask = temperature > 0 and self.cfg.rollout.sampling_mask_replay
         reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
                                                        self.budget(p) if train else p.max_new_tokens, p.domain),
                            return_routed_experts=routed, return_sampling_mask=mask)
                 for p, k in zip(prompts, sizes) for j in range(k)]
-        # S2L-PO: the first explorer_count(k) samples of each training group from the explorer
-        counts = [self.explorer_count(k) if train else 0 for k in sizes]
+        # the first co_count(k) samples of each training group from the recipe that has a second source
+        counts = [self.co_count(k) if train else 0 for k in sizes]
         explore = [j < w for k, w in zip(sizes, counts) for j in range(k)]
         start = time.perf_counter()
         gens = self._generate_mixed(reqs, explore)
@@ -237,9 +245,10 @@ class RolloutManager:
             lp = list(g.output_logprobs if not mask else g.output_sampling_logprobs)
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
-            if x:  # the explorer's μ; its version is the policy's (staleness is the policy's), its engine is marked
+            if x:  # the second source's μ; its version is the policy's (staleness is the policy's), its engine marked
+                src = self.co_source.source if self.co_source is not None else "policy"
                 samples.append(Sample(p, p.index, list(g.output_ids), lp, version, g.finish_reason, g.text,
-                                      f"explorer@{g.engine}", source="explorer"))
+                                      f"{src}@{g.engine}", source=src))
             else:
                 samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text,
                                       g.engine, routed_experts=compact_routing(g.routed_experts)))
@@ -252,31 +261,20 @@ class RolloutManager:
         return [samples[ends[i]: ends[i + 1]] for i in range(len(prompts))]
 
     def _generate_mixed(self, reqs: list[GenRequest], explore: list[bool]) -> list[Any]:
-        """The generations of `reqs` in order: those marked in `explore` from the explorer's engines
+        """The generations of `reqs` in order: those marked in `explore` from the second source
         (sent first, so they run while the policy's engines generate), the others from the policy's."""
         if not any(explore):
             return self.engines.generate(reqs)
-        pending = self.explorer.submit([r for r, x in zip(reqs, explore) if x])
+        assert self.co_source is not None
+        pending = self.co_source.co_submit([r for r, x in zip(reqs, explore) if x])
         mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x]))
         theirs = iter(pending.result())
         return [next(theirs) if x else next(mine) for x in explore]
 
-    def explorer_metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
-        """S2L-PO: α of this step, the explorer's share of the batch, and each source's mean reward."""
-        if self.explorer is None:
-            return {}
-        x = self.cfg.rollout.explorer
-        from mcore_rl.algos.s2l_po import explorer_share
-
-        flat = [s for g in groups for s in g]
-        ours = [s.reward for s in flat if s.source == "explorer"]
-        theirs = [s.reward for s in flat if s.source != "explorer"]
-        out = {"explorer/alpha": explorer_share(self.step, mix_steps=x.mix_steps, share=x.share),
-               "explorer/samples_frac": len(ours) / max(len(flat), 1)}
-        if ours:
-            out["explorer/reward_mean"] = float(np.mean(ours))
-        if theirs:
-            out["explorer/policy_reward_mean"] = float(np.mean(theirs))
+    def recipe_metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.recipes:
+            out.update(r.rollout_metrics(groups, self.step))
         return out
 
     def score(self, samples: list[Sample]) -> None:
@@ -284,39 +282,26 @@ class RolloutManager:
 
     def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
         groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True)
-        self.prompts.observe(groups)  # per-prompt accuracy, for POLARIS's stage filter
+        self.prompts.observe(groups)  # per-prompt accuracy, for a stage's filter of solved prompts
         return self.repair(groups)
 
     def _count(self, key: str, n: float) -> None:
         self.repair_counts[key] = self.repair_counts.get(key, 0.0) + float(n)
 
     def repair(self, groups: list[list[Sample]]) -> list[list[Sample]]:
-        """One round's scored groups after POLARIS's rescue and EDGE-GRPO's GEC (`runtime/group_repair.py`);
-        then the round's correct rollouts go into the rescue buffer."""
-        if self.rescue_buffer is not None:
-            groups, n = self.rescue_buffer.rescue(groups)
-            self._count("rescued_groups", n)
-        if self.cfg.rollout.gec.enabled:
-            groups, counts = guided_error_correction(self, groups, self.tokenizer, self.temperature)
+        """One round's scored groups after every recipe's `repair_round`, then `observe_round`."""
+        for r in self.recipes:
+            groups, counts = r.repair_round(groups, self)
             for k, v in counts.items():
-                self._count(f"gec_{k}", v)
-        if self.rescue_buffer is not None:
-            self.rescue_buffer.update(groups)
-            self.repair_counts["rescue_buffer_prompts"] = float(len(self.rescue_buffer.entries))
+                self._count(k, v)
+        for r in self.recipes:
+            self.repair_counts.update(r.observe_round(groups))
         return groups
 
     @property
     def tokenizer(self) -> Any:
         src = self.prompts
         return src.tokenizer if hasattr(src, "tokenizer") else next(iter(src.sources.values())).tokenizer
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the synchronous rollout keeps across a resume (POLARIS's rescue buffer)."""
-        return {"rescue_buffer": self.rescue_buffer.state_dict() if self.rescue_buffer is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.rescue_buffer is not None and state.get("rescue_buffer") is not None:
-            self.rescue_buffer.load_state_dict(state["rescue_buffer"])
 
     def collect(self, step: Optional[int] = None) -> tuple[list[list[Sample]], RolloutStats]:
         """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
@@ -333,8 +318,8 @@ class RolloutManager:
             groups = self._train_groups(prompts)
             stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
-            groups = self._substitute(groups, stats)
-            stats.explorer = self.explorer_metrics(groups)
+            groups = self._finish(groups, stats)
+            stats.recipes = self.recipe_metrics(groups)
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
                                                   max_oversample=ds.max_oversample, tol=ds.std_tolerance)
@@ -352,15 +337,16 @@ class RolloutManager:
         if not batch:  # no group with a reward signal in the whole budget: train on the last round
             stats.fallback = True   # (zero advantages: the update only moves by the KL/entropy terms)
             batch = groups
-        batch = self._substitute(batch, stats)
-        stats.explorer = self.explorer_metrics(batch)
+        batch = self._finish(batch, stats)
+        stats.recipes = self.recipe_metrics(batch)
         return batch, stats
 
-    def _substitute(self, groups: list[list[Sample]], stats: RolloutStats) -> list[list[Sample]]:
-        """POLARIS's intra-batch substitution of the final batch; the repair counts into `stats`."""
-        if self.cfg.rollout.polaris.substitute:
-            groups, n = substitute(groups, self.cfg.algorithm.dynamic_sampling.std_tolerance)
-            self._count("substituted_groups", n)
+    def _finish(self, groups: list[list[Sample]], stats: RolloutStats) -> list[list[Sample]]:
+        """The recipes' `finish_batch` on the final batch; the repair counts into `stats`."""
+        for r in self.recipes:
+            groups, counts = r.finish_batch(groups, self)
+            for k, v in counts.items():
+                self._count(k, v)
         stats.repair = dict(self.repair_counts)
         return groups
 

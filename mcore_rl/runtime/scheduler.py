@@ -429,7 +429,7 @@ class RolloutScheduler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start`: the buffered groups come back, the pending prompts are sent again first."""
-        self.buffer = [[_sample_from_state(s) for s in g] for g in state["buffer"]]
+        self.buffer = [[sample_from_state(s) for s in g] for g in state["buffer"]]
         self.retry = deque(_Job(Prompt(**{k: v for k, v in p.items() if k != "_regenerations"}),
                                 int(p.get("_regenerations", 0))) for p in state["pending"])
         self.ledger.load_state_dict(state["ledger"])
@@ -449,7 +449,7 @@ def _key(reason: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in reason.lower())[:40].strip("_")
 
 
-def _sample_from_state(d: dict[str, Any]) -> Sample:
+def sample_from_state(d: dict[str, Any]) -> Sample:
     d = dict(d)
     d["prompt"] = Prompt(**d["prompt"])
     if d.get("teacher") is not None:

@@ -12,7 +12,9 @@ and DP ranks, so every term must share it).
 Every algorithm is looked up in `mcore_rl.algos.registry` by its config name and called with its
 kind's one signature, so nothing here branches on an algorithm's name. Distillation terms
 (`distill.losses`, see `train.distillation`) enter the same way: advantage-phase terms once per
-batch in `prepare`, loss-phase terms per micro-batch in `loss_fn`.
+batch in `prepare`, loss-phase terms per micro-batch in `loss_fn`. Recipes (`mcore_rl/hooks.py`)
+may change the μ the mismatch correction sees (`behaviour_logp`, e.g. for samples another model
+wrote) and add metrics (`learner_metrics`); the mismatch metrics are the policy's own samples'.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
-from mcore_rl.algos.s2l_po import behaviour_logp
 from mcore_rl.data.samples import Sample
+from mcore_rl.hooks import Recipe, active
 from mcore_rl.train.distillation import (
     DistillTerm,
     add_packed_topk,
@@ -149,21 +151,6 @@ def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantage
     return tokens
 
 
-def explorer_learner_metrics(explorer: torch.Tensor, old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-                             weights: torch.Tensor, seq_advantages: torch.Tensor,
-                             valid: torch.Tensor) -> dict[str, float]:
-    """S2L-PO: how far the explorer's samples are from π_old (K3 against the small model's μ), the IS
-    weight they train with, and their mean advantage next to the policy's samples' ("pushed down as
-    negatives"?)."""
-    rows = explorer[:, None].to(mask.dtype)
-    out = {k.replace("mismatch/", "explorer/", 1): float(v) for k, v in mismatch_metrics(old, mu, mask * rows).items()}
-    out["explorer/is_weight_mean"] = float(masked_mean(weights.float(), mask * rows))
-    ours, theirs = explorer & valid, ~explorer & valid
-    out["explorer/advantage_mean"] = float(seq_advantages[ours].mean()) if bool(ours.any()) else 0.0
-    out["explorer/policy_advantage_mean"] = float(seq_advantages[theirs].mean()) if bool(theirs.any()) else 0.0
-    return out
-
-
 def response_ids(samples: Sequence[Sample], num_positions: int) -> torch.Tensor:
     """[N, T] long: each sample's response token ids, right-padded with 0."""
     out = torch.zeros(len(samples), num_positions, dtype=torch.long)
@@ -187,8 +174,10 @@ def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollou
 class Learner:
     """Policy-update side of the loop, around megatron-core model chunks and their optimizer."""
 
-    def __init__(self, cfg: Any, chunks: list, optimizer: Any, ref_chunks: Optional[list], pad_id: int) -> None:
+    def __init__(self, cfg: Any, chunks: list, optimizer: Any, ref_chunks: Optional[list], pad_id: int,
+                 recipes: Optional[Sequence[Recipe]] = None) -> None:
         self.cfg, self.chunks, self.optimizer, self.ref_chunks, self.pad_id = cfg, chunks, optimizer, ref_chunks, pad_id
+        self.recipes = list(recipes) if recipes is not None else active(cfg)  # their learner-side hooks
         self.temperature = cfg.rollout.temperature
         self.distill: list[DistillTerm] = distill_terms(cfg)
         self.loss_terms = [x for x in self.distill if x.phase == "loss"]
@@ -303,14 +292,16 @@ class Learner:
         seq_advantages = advantages
         advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref,
                                        self._shaping_inputs(samples, view) if a.advantage_shaping else None)
-        explorer = torch.tensor([s.source == "explorer" for s in samples], dtype=torch.bool)  # S2L-PO's rows
-        mu = behaviour_logp(view.rollout_logp, old, explorer, self.cfg.rollout.explorer.correction)
+        mu = view.rollout_logp
+        for recipe in self.recipes:
+            mu = recipe.behaviour_logp(samples, mu, old)
         corr = registry.get("mismatch", a.mismatch.name)(old, mu, mask, **mismatch_overrides(self.cfg))
         weights, keep, mm = corr.weights, corr.mask, corr.metrics
-        mm.update(mismatch_metrics(old, view.rollout_logp, view.mask * ~explorer[:, None]))  # the policy's tokens
-        if bool(explorer.any()):
-            metrics.update(explorer_learner_metrics(explorer, old, view.rollout_logp, view.mask, weights * keep,
-                                                    seq_advantages, valid))
+        policy_rows = torch.tensor([s.source == "policy" for s in samples], dtype=torch.bool)
+        mm.update(mismatch_metrics(old, view.rollout_logp, view.mask * policy_rows[:, None]))  # the policy's tokens
+        for recipe in self.recipes:
+            metrics.update(recipe.learner_metrics(samples, old, view.rollout_logp, view.mask, weights * keep,
+                                                  seq_advantages, valid))
         if self.cfg.data.domains:  # a multi-domain run: the mismatch of each domain's samples too
             mm.update(domain_mismatch_metrics(samples, old, view.rollout_logp, view.mask))
         metrics.update({k: float(v) for k, v in mm.items()})

@@ -10,7 +10,7 @@ of the unbroken run whose score does not drop (≥: ties accept); the first drop
 If candidate 1 already drops, training continues from W_{2^n} unchanged (vanilla OPD).
 
 Not a loss: pure functions on lists of parameter tensors (one entry per tensor, any shards, as
-the arithmetic is elementwise). `mcore_rl.train.effopd.WeightExtrapolator` applies them to the
+the arithmetic is elementwise). `mcore_rl.recipes.effopd.WeightExtrapolator` applies them to the
 model chunks and the optimizer's fp32 masters.
 """
 

@@ -1,8 +1,8 @@
 """What judge rewards leave in `Sample.info`, as reward heads the learner's algorithms read.
 
 A reward head is one float per sample; some judges give several values per sample, in their info.
-`add_judge_heads` runs on every rank after a batch is broadcast (`RLRun.rollouts`), only for the
-algorithms the recipe names, and adds heads *after* the reward was summed, so they never enter
+`JudgeHeads.batch_step` runs on every rank after a batch is broadcast (`RLRun.rollouts`), only for
+the algorithms the recipe names, and adds heads *after* the reward was summed, so they never enter
 `Sample.reward`:
 
 * **ExpRL-Process** (advantage shaping "exprl_segments"): the "exprl_process" judge reward sees
@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from mcore_rl.algos.exprl import segment_heads
+from mcore_rl.hooks import Recipe
+
+SEGMENT_SHAPING, RUBRIC_SHAPING = "exprl_segments", "rlcer"  # the algorithms that read the heads
 
 
 def token_segment_ends(tokenizer: Any, ids: Sequence[int], char_ends: Sequence[int]) -> list[int]:
@@ -80,10 +83,25 @@ def add_judge_heads(algorithm: Any, samples: Sequence[Any], tokenizer: Any) -> d
     metrics: dict[str, float] = {}
     n = max(len(samples), 1)
     for step in algorithm.advantage_shaping:
-        if step.name == "exprl_segments":
+        if step.name == SEGMENT_SHAPING:
             metrics["exprl/segmented_frac"] = add_segment_heads(samples, tokenizer,
                                                                 step.options.get("prefix", "exprl")) / n
     for step in algorithm.reward_shaping:
-        if step.name == "rlcer":
+        if step.name == RUBRIC_SHAPING:
             metrics["rlcer/rubric_frac"] = add_rubric_heads(samples, step.options.get("prefix", "rlcer")) / n
     return metrics
+
+
+class JudgeHeads(Recipe):
+    """ExpRL's segment heads and RLCER's rubric heads on every batch, before the learner."""
+
+    name = "judge_heads"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        a = cfg.algorithm
+        return any(x.name == SEGMENT_SHAPING for x in a.advantage_shaping) or \
+            any(x.name == RUBRIC_SHAPING for x in a.reward_shaping)
+
+    def batch_step(self, samples: Sequence[Any], run: Any) -> dict[str, float]:
+        return add_judge_heads(self.cfg.algorithm, samples, run.tokenizer)

@@ -1,4 +1,5 @@
-"""EffOPD's weight extrapolation applied to the trainer's model chunks (the arithmetic and the
+"""EffOPD's weight extrapolation applied to the trainer's model chunks, and the recipe that runs it
+after the optimizer steps of steps 1, 2, 4, ... (`distill.effopd`; the arithmetic and the
 validation rule are the pure functions of `mcore_rl.algos.distill.effopd`).
 
 The weights that count are the optimizer's fp32 masters when it keeps them (bf16 training with
@@ -8,7 +9,7 @@ state (Adam moments, step count) is left as it is; the notes do not say what the
 Every rank extrapolates its own shards (the update is elementwise), so all ranks must take the
 same decisions: the score `evaluate` returns must be the same on every rank.
 
-How the loop calls it (`runtime/loop.py`):
+How the recipe calls it (`EffOPD.after_optimizer`):
 
     ex = WeightExtrapolator(model_chunks, optimizer)  # after the initial weights are loaded,
                                                       # before the first update: W_0 is the anchor
@@ -34,12 +35,17 @@ before the jump would fold each jump into the next Δ and compound them). At ste
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from mcore_rl.algos.distill.effopd import NUM_CANDIDATES, SCALE, accepts, candidate, displacement, is_extrapolation_step
+from mcore_rl.config.rules import Errors, need_positive
+from mcore_rl.hooks import Recipe
+from mcore_rl.runtime.loop import broadcast
+from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
 
 
 @dataclass
@@ -151,3 +157,57 @@ class WeightExtrapolator:
             raise ValueError(f"EffOPD anchor has {len(anchor)} tensors, the model {len(self.masters)}")
         self._anchor = [a.to(device="cpu" if self.offload else m.device, dtype=torch.float32, copy=True)
                         for a, m in zip(anchor, self.masters)]
+
+
+class EffOPD(Recipe):
+    """The extrapolator (anchored at the weights training starts or resumes from) and its fixed
+    validation prompts; after the optimizer steps of a due step, each weights tried are synced to
+    the engines as a new version and scored there (greedy, mean reward); the model keeps the
+    accepted ones, which the step's usual sync then ships."""
+
+    name = "effopd"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return cfg.distill.effopd.enabled
+
+    @classmethod
+    def check(cls, cfg: Any, errors: Errors) -> None:
+        e = cfg.distill.effopd
+        if not e.enabled:
+            return
+        r = cfg.rollout
+        errors.need(r.runtime == "sync" or r.max_staleness == 0, "distill.effopd.enabled", "EffOPD scores candidate "
+                    "weights on the engines between updates; it needs rollout.max_staleness=0 (got "
+                    f"{r.max_staleness}) or rollout.runtime=sync (engines generating ahead would sample training groups "
+                    "from the candidates)")
+        errors.need(cfg.algorithm.mismatch.name != "mipu", "distill.effopd.enabled",
+                    "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
+        need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),
+                               ("distill.effopd.num_candidates", e.num_candidates)])
+        errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
+
+    def setup(self, run: Any) -> None:
+        e = self.cfg.distill.effopd
+        self.extrapolator = WeightExtrapolator(run.chunks, run.optimizer, num_candidates=e.num_candidates,
+                                               scale=e.scale)
+        self.prompts = run.val_prompts.take(e.validation_prompts)  # fixed for the run (every rank)
+
+    def after_optimizer(self, run: Any, step: int) -> dict[str, float]:
+        if not self.extrapolator.due(step):
+            return {}
+
+        def evaluate() -> float:
+            run.sync(new_version=True)
+            score = None
+            if run.rank0:
+                groups = run.manager.generate(self.prompts, 1, 0.0, SALT_VALIDATION)
+                score = sum(g[0].reward for g in groups) / max(len(groups), 1)
+            return float(broadcast(score))
+
+        start = time.perf_counter()
+        result = self.extrapolator.run(step, evaluate)
+        return {"effopd/accepted": float(result.accepted), "effopd/coefficient": result.coefficient,
+                "effopd/base_score": result.base_score, "effopd/candidates_scored": float(len(result.scores)),
+                "effopd/best_score": max([result.base_score] + result.scores[: result.accepted]),
+                "time/effopd_s": time.perf_counter() - start}

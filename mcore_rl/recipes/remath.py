@@ -1,4 +1,4 @@
-"""Re-Math's early-stopped refresh (seed_B, "A Local Perturbation Theory for Cross-Domain Interference
+"""Re-Math's early-stopped refresh ("A Local Perturbation Theory for Cross-Domain Interference
 and Recovery in Multi-Domain RL"): after sequential multi-domain stages, a short GRPO stage on the
 domain that degraded, stopped as soon as that domain's held-out score stops improving. The paper
 gives no number of steps ("very few, early-stopped") and warns that a long refresh causes new
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mcore_rl.config.rl_domains import refresh_stop_metric
+from mcore_rl.hooks import Recipe
 
 
 @dataclass
@@ -52,3 +53,32 @@ def from_config(cfg: Any) -> Optional[PatienceStop]:
     metric = refresh_stop_metric(last)
     assert metric is not None, "validation requires a stop metric"
     return PatienceStop(last.start_step, last.stop_patience, metric, last.stop_min_delta)
+
+
+class RefreshStop(Recipe):
+    """Ends the run when the refresh stage's watched score stops improving."""
+
+    name = "remath_refresh"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        stop = from_config(cfg)
+        assert stop is not None, "enabled() requires a stop_patience"
+        self.stop = stop
+        self.stopped = False
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        stages = cfg.data.mixture.stages
+        return bool(stages) and stages[-1].stop_patience > 0
+
+    def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], Optional[str]]:
+        s = self.stop
+        if not s.observe(rl_step, metrics):
+            return {}, None
+        self.stopped = True
+        return {"refresh/stopped": 1.0}, (f"early stop after step {rl_step}: {s.metric} has not improved for "
+                                          f"{s.patience} evaluation(s); best {s.best:.4f} after step {s.best_step}")
+
+    def summary(self) -> dict[str, Any]:
+        return {"refresh": {"stopped": self.stopped, "best": self.stop.best, "best_step": self.stop.best_step}}
