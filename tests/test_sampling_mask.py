@@ -181,7 +181,9 @@ def test_http_fields_errors_and_pools(server) -> None:
     try:
         req = GenRequest(TOK.encode("hello"), {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40,
                                                "ignore_eos": True, "sampling_seed": 4}, return_sampling_mask=True)
-        gen = pool.generate([req])[0]
+        done: list[int] = []  # progress: one call per finished generation, as it finishes
+        gen = pool.generate([req], on_done=lambda: done.append(1))[0]
+        assert len(done) == 1
         with pytest.raises(ValueError, match="rollout.sampling_mask_replay: engine .* logprobs_mode='processed'"):
             check_logprobs_mode(pool, type("R", (), {"sampling_mask_replay": False})())
         check_logprobs_mode(pool, type("R", (), {"sampling_mask_replay": True})())
@@ -191,7 +193,9 @@ def test_http_fields_errors_and_pools(server) -> None:
     assert gen.output_sampling_masks == meta["output_token_sampling_mask"]
     assert gen.output_sampling_logprobs == meta["output_token_sampling_logprobs"] == gen.output_logprobs
     emb = EmbeddedEnginePool([EngineCore(server.server.engine.core.model, TOK, context_length=256)])
-    g2 = emb.generate([req])[0]
+    done.clear()
+    g2 = emb.generate([req], on_done=lambda: done.append(1))[0]
+    assert len(done) == 1
     assert g2.output_ids == gen.output_ids and g2.output_sampling_masks == gen.output_sampling_masks
     assert g2.output_sampling_logprobs == pytest.approx(gen.output_sampling_logprobs, abs=1e-9)
 

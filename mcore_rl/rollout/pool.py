@@ -71,7 +71,10 @@ class Generation:
 class EnginePool(Protocol):
     """What the rollout manager and the weight sync need of the engines."""
 
-    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]: ...
+    def generate(self, requests: Sequence[GenRequest],
+                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+        """The generations of `requests`, in order; `on_done()` after each one finishes (progress)."""
+        ...
 
     def weight_transport(self, rollout: Any) -> Any: ...
 
@@ -202,7 +205,8 @@ class EmbeddedEnginePool:
 
         return InProcessTransport(self.cores)
 
-    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]:
+    def generate(self, requests: Sequence[GenRequest],
+                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -238,6 +242,8 @@ class EmbeddedEnginePool:
                                         if requests[where[out.rid]].logprob_start_len is not None else None),
                     )
                     pending -= 1
+                    if on_done is not None:
+                        on_done()
             if not progressed:
                 raise RuntimeError(f"embedded engines went idle with {pending} requests unfinished")
         return results  # type: ignore[return-value]
@@ -507,15 +513,20 @@ class HTTPEnginePool:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]:
-        return self._run(self._generate(requests))
+    def generate(self, requests: Sequence[GenRequest],
+                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+        return self._run(self._generate(requests, on_done))
 
-    async def _generate(self, requests: Sequence[GenRequest]) -> list[Generation]:
+    async def _generate(self, requests: Sequence[GenRequest],
+                        on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
         sem = asyncio.Semaphore(self.concurrency)
 
         async def one(req: GenRequest) -> Generation:
             async with sem:
-                return await self.agenerate(req)
+                gen = await self.agenerate(req)
+            if on_done is not None:
+                on_done()
+            return gen
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 

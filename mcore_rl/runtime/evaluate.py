@@ -37,13 +37,11 @@ def _scores(greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: Any, t
 def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: Any, threshold: float = 1.0) -> dict[str, float]:
     e = cfg.eval
     with progress(len(prompts) * (int(e.greedy) + e.k), "evaluation", "sample") as bar:
-        greedy = manager.generate(prompts, 1, 0.0, SALT_EVAL) if e.greedy else []
-        bar.update(len(greedy))
+        greedy = manager.generate(prompts, 1, 0.0, SALT_EVAL, on_done=bar.update) if e.greedy else []
         sampled: list[list[Sample]] = []
         if e.k > 0:
             temperature = e.temperature if e.temperature is not None else manager.temperature
-            sampled = manager.generate(prompts, e.k, temperature, SALT_EVAL)
-            bar.update(len(prompts) * e.k)
+            sampled = manager.generate(prompts, e.k, temperature, SALT_EVAL, on_done=bar.update)
     out = _scores(greedy, sampled, cfg, threshold, "eval")
     if not cfg.data.domains:
         return out

@@ -26,7 +26,7 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.hooks import Recipe
+from mcore_rl.progress import progress
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
 
@@ -217,9 +218,10 @@ class RolloutManager:
         return sp
 
     def generate(self, prompts: Sequence[Prompt], n: Optional[int], temperature: float, salt: int,
-                 train: bool = False) -> list[list[Sample]]:
+                 train: bool = False, on_done: Optional[Callable[[], None]] = None) -> list[list[Sample]]:
         """n completions of each prompt (None: its domain's group size), scored: one group per
-        prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon)."""
+        prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon;
+        `on_done()` after each completion, for a progress bar)."""
         import time
 
         seed = self.cfg.train.seed
@@ -236,7 +238,7 @@ class RolloutManager:
         counts = [self.co_count(k) if train else 0 for k in sizes]
         explore = [j < w for k, w in zip(sizes, counts) for j in range(k)]
         start = time.perf_counter()
-        gens = self._generate_mixed(reqs, explore)
+        gens = self._generate_mixed(reqs, explore, on_done)
         self.last_generate_s = time.perf_counter() - start
         owners = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         samples = []
@@ -260,15 +262,19 @@ class RolloutManager:
         ends = np.cumsum([0] + sizes)
         return [samples[ends[i]: ends[i + 1]] for i in range(len(prompts))]
 
-    def _generate_mixed(self, reqs: list[GenRequest], explore: list[bool]) -> list[Any]:
+    def _generate_mixed(self, reqs: list[GenRequest], explore: list[bool],
+                        on_done: Optional[Callable[[], None]] = None) -> list[Any]:
         """The generations of `reqs` in order: those marked in `explore` from the second source
         (sent first, so they run while the policy's engines generate), the others from the policy's."""
         if not any(explore):
-            return self.engines.generate(reqs)
+            return self.engines.generate(reqs, on_done)
         assert self.co_source is not None
         pending = self.co_source.co_submit([r for r, x in zip(reqs, explore) if x])
-        mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x]))
-        theirs = iter(pending.result())
+        mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x], on_done))
+        second = pending.result()
+        for _ in second if on_done is not None else ():
+            on_done()
+        theirs = iter(second)
         return [next(theirs) if x else next(mine) for x in explore]
 
     def recipe_metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
@@ -281,7 +287,10 @@ class RolloutManager:
         self.rewards.score_sync(samples)
 
     def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
-        groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True)
+        # a transient bar under the run's: a real model's rollout takes minutes
+        total = sum(self.group_size(p) for p in prompts)
+        with progress(total, "rollout", "sample", enabled=self.cfg.logging.progress_bar, leave=False) as bar:
+            groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True, on_done=bar.update)
         self.prompts.observe(groups)  # per-prompt accuracy, for a stage's filter of solved prompts
         return self.repair(groups)
 

@@ -35,6 +35,7 @@ from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restric
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.data.samples import Sample
 from mcore_rl.hooks import Recipe, active
+from mcore_rl.progress import progress
 from mcore_rl.train.distillation import (
     DistillTerm,
     add_packed_topk,
@@ -458,36 +459,46 @@ class Learner:
         self.step = step
         dp_rank, dp_size = _dp()
         num_positions = per_seq["old_logp"].shape[1]
-        records = []
-        for epoch in range(a.ppo_epochs):
-            for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch):
-                start = time.perf_counter()
-                mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                         self.pad_id, num_positions, per_seq, routing=self.routing,
-                                         sampling_masks=self.cfg.rollout.sampling_mask_replay)
-                add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
-                store: list[dict[str, Any]] = []
-                step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
-                                            with_entropy=a.entropy_coef > 0, store=store)
-                for c in self.chunks:
-                    c.train()
-                sums = torch.zeros(2 + len(self.metric_keys), dtype=torch.float64)
-                kept = float(per_seq["keep"][part].sum())
-                if kept == 0:  # nothing to learn from (every token masked): no step
-                    records.append({"train/skipped": 1.0})
-                    continue
-                result = forward_backward(self.chunks, mbs, forward_step=step_fn)
-                for rep in store:
-                    sums += rep["metric_sums"].double().cpu()
-                sums = _reduce_last_stage(sums)
-                opt = self.optimizer.step()
-                tokens = max(float(sums[0]), 1.0)
-                rec = {"train/loss": result["loss"], "train/grad_norm": float(opt["grad_norm"]), "train/lr": float(opt["lr"]),
-                       "train/skipped": float(opt["skipped"]), "train/tokens": float(sums[0]),
-                       "time/train_step_s": time.perf_counter() - start}
-                for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
-                    rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
-                records.append(rec)
+        records: list[dict[str, float]] = []
+        parts = [part for epoch in range(a.ppo_epochs)
+                 for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch)]
+        # a transient bar under the run's: a real model's step takes minutes
+        with progress(len(parts), "learner", "minibatch", enabled=self.cfg.logging.progress_bar, leave=False) as bar:
+            for part in parts:
+                self._train_minibatch(samples, part, per_seq, num_positions, dp_rank, dp_size, records)
+                bar.update()
         routing_replay.clear(self.replay_taps)  # no later forward of the policy replays this batch's experts
         self.routing = None
         return records, batch_metrics
+
+    def _train_minibatch(self, samples: Sequence[Sample], part: Any, per_seq: dict[str, Any], num_positions: int,
+                         dp_rank: int, dp_size: int, records: list[dict[str, float]]) -> None:
+        """One optimizer step on the samples of `part`; its metrics record appended to `records`."""
+        a, t = self.cfg.algorithm, self.cfg.train
+        start = time.perf_counter()
+        mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
+                                 self.pad_id, num_positions, per_seq, routing=self.routing,
+                                 sampling_masks=self.cfg.rollout.sampling_mask_replay)
+        add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
+        store: list[dict[str, Any]] = []
+        step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
+                                    with_entropy=a.entropy_coef > 0, store=store)
+        for c in self.chunks:
+            c.train()
+        sums = torch.zeros(2 + len(self.metric_keys), dtype=torch.float64)
+        kept = float(per_seq["keep"][part].sum())
+        if kept == 0:  # nothing to learn from (every token masked): no step
+            records.append({"train/skipped": 1.0})
+            return
+        result = forward_backward(self.chunks, mbs, forward_step=step_fn)
+        for rep in store:
+            sums += rep["metric_sums"].double().cpu()
+        sums = _reduce_last_stage(sums)
+        opt = self.optimizer.step()
+        tokens = max(float(sums[0]), 1.0)
+        rec = {"train/loss": result["loss"], "train/grad_norm": float(opt["grad_norm"]), "train/lr": float(opt["lr"]),
+               "train/skipped": float(opt["skipped"]), "train/tokens": float(sums[0]),
+               "time/train_step_s": time.perf_counter() - start}
+        for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
+            rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
+        records.append(rec)
