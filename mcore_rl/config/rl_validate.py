@@ -544,7 +544,7 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
 
 def check_engine_group(g: EngineGroupConfig, key: str, starts: bool, errors: Errors,
                        keys: Optional[dict[str, str]] = None) -> None:
-    """Every group of engines (rollout, engine teachers, the explorer): http(s) URLs, an HF checkpoint
+    """Every group of engines (rollout, engine teachers, a recipe's engines): http(s) URLs, an HF checkpoint
     directory, and for the `mcore-rl serve` processes the trainer starts (`starts`) their count, one
     list of existing cores per engine, threads, context and slots. `keys` maps a field to its name
     under `key` (the rollout's own: `RolloutConfig.ENGINE_KEYS`)."""
