@@ -26,7 +26,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
 
@@ -57,11 +57,15 @@ EXPECTED_ERRORS: dict[str, int] = {
 # calls, so a user can do nothing about them: optional kernels not installed, and four deprecations
 # on every model build and checkpoint load (megatron-core 0.16's `load_state_dict`, ShardedTensor twice,
 # its cuda-graph scope default).
-LIBRARY_WARNINGS = (".*(Transformer Engine|Apex|apex).*", ".*ShardedTensor.*", ".*`load_state_dict` is deprecated.*",
-                    ".*full scope is deprecated.*")
+LIBRARY_WARNINGS = (
+    ".*(Transformer Engine|Apex|apex).*",
+    ".*ShardedTensor.*",
+    ".*`load_state_dict` is deprecated.*",
+    ".*full scope is deprecated.*",
+)
 
 
-def expected_exit_code(err: BaseException) -> Optional[int]:
+def expected_exit_code(err: BaseException) -> int | None:
     """The exit code of an expected error (its class or a base class is listed); None for a bug."""
     for cls in type(err).__mro__:
         code = EXPECTED_ERRORS.get(f"{cls.__module__}.{cls.__qualname__}")
@@ -91,8 +95,17 @@ def _relaunch(nproc: int, cli_args: list[str], cfg=None) -> int:
     from mcore_rl.parallel.lifetime import preexec_die_with_parent
 
     signals = list(cfg.checkpoint.preempt_signals) if cfg is not None else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *(preemption.torchrun_signal_flags(signals) if signals else []), "-m", "mcore_rl.cli", *cli_args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *(preemption.torchrun_signal_flags(signals) if signals else []),
+        "-m",
+        "mcore_rl.cli",
+        *cli_args,
+    ]
     env = dict(os.environ, **{PREFLIGHT_DONE: "1"})
     start = time.time()
     rc = preemption.call_forwarding_signals(command, signals, env=env, preexec_fn=preexec_die_with_parent())
@@ -125,8 +138,11 @@ def _preflight(cfg) -> None:
     if os.environ.get(PREFLIGHT_DONE) == "1":
         return
     rollout = getattr(cfg, "rollout", None)
-    for key, path in (("run_dir", cfg.run_dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir),
-                      ("rollout.sync_dir", getattr(rollout, "sync_dir", None))):
+    for key, path in (
+        ("run_dir", cfg.run_dir),
+        ("checkpoint.save_dir", cfg.checkpoint.save_dir),
+        ("rollout.sync_dir", getattr(rollout, "sync_dir", None)),
+    ):
         if path:
             _check_writable(key, path)
     if rollout is not None:
@@ -165,8 +181,10 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
         try:
             run(cfg)  # EXPECTED_ERRORS (engines lost, a checkpoint not written, ...): one line in main
         except Preempted as err:  # checkpoint written, engines and workers closed (docs/launch.md)
-            print(f"mcore-rl {name}: {err}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.load_dir)",
-                  file=sys.stderr)
+            print(
+                f"mcore-rl {name}: {err}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.load_dir)",
+                file=sys.stderr,
+            )
             return EXIT_PREEMPTED
         finally:
             setup.destroy()
@@ -191,10 +209,16 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from mcore_rl.data.files import DataError
     from mcore_rl.runtime.parity import ParityOptions, check_options, format_report, run_parity, write_json
 
-    opts = ParityOptions(precisions=list(args.precisions), engine_urls=list(args.engine_url or []),
-                         num_prompts=args.prompts, samples_per_prompt=args.samples,
-                         position_bins=args.position_bins, layers=not args.no_layers, checkpoint=args.checkpoint,
-                         routing_replay=not args.no_routing_replay)
+    opts = ParityOptions(
+        precisions=list(args.precisions),
+        engine_urls=list(args.engine_url or []),
+        num_prompts=args.prompts,
+        samples_per_prompt=args.samples,
+        position_bins=args.position_bins,
+        layers=not args.no_layers,
+        checkpoint=args.checkpoint,
+        routing_replay=not args.no_routing_replay,
+    )
     try:  # everything that can be checked before megatron-core is imported and a policy built
         check_options(opts)
         if args.checkpoint and not os.path.isdir(args.checkpoint):
@@ -247,8 +271,10 @@ def cmd_gguf_to_hf(args: argparse.Namespace) -> int:
         print(f"mcore-rl convert gguf-to-hf: {err}", file=sys.stderr)
         return 2
     summary = gguf_to_hf(args.input, args.output)
-    print(f"wrote {args.output}: {summary['model_type']} with {summary['parameters']:,} parameters "
-          f"(float32), tokenizer{' with chat template' if summary['chat_template'] else ''}, generation config")
+    print(
+        f"wrote {args.output}: {summary['model_type']} with {summary['parameters']:,} parameters "
+        f"(float32), tokenizer{' with chat template' if summary['chat_template'] else ''}, generation config"
+    )
     return 0
 
 
@@ -270,20 +296,33 @@ def _add_convert_parser(sub: argparse._SubParsersAction, help_text: str) -> None
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to convert in")
         p.add_argument("--ep", type=int, default=1, help="expert parallel size to convert in")
         p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
-        p.add_argument("--nproc-per-node", type=int, default=None,
-                       help="ranks to launch (default: the fewest the layout needs)")
+        p.add_argument(
+            "--nproc-per-node", type=int, default=None, help="ranks to launch (default: the fewest the layout needs)"
+        )
         p.set_defaults(func=cmd_convert)
         if name == "hf-to-mcore":
-            p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                           help="dtype of the stored megatron weights (fp32 holds bf16 sources exactly)")
+            p.add_argument(
+                "--precision",
+                choices=["fp32", "bf16"],
+                default="fp32",
+                help="dtype of the stored megatron weights (fp32 holds bf16 sources exactly)",
+            )
         else:
-            p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                           help="HF weight dtype (auto: the converted source's, else as stored)")
-            p.add_argument("--config", default=None,
-                           help="recipe with the model config, for checkpoints that do not record it")
+            p.add_argument(
+                "--dtype",
+                choices=["auto", "fp32", "bf16", "fp16"],
+                default="auto",
+                help="HF weight dtype (auto: the converted source's, else as stored)",
+            )
+            p.add_argument(
+                "--config", default=None, help="recipe with the model config, for checkpoints that do not record it"
+            )
             p.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. model.num_layers=4")
-            p.add_argument("--tokenizer", default=None,
-                           help="directory whose tokenizer files to copy (default: the checkpoint's hf_assets/)")
+            p.add_argument(
+                "--tokenizer",
+                default=None,
+                help="directory whose tokenizer files to copy (default: the checkpoint's hf_assets/)",
+            )
             p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB)")
 
 
@@ -334,8 +373,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _add_plot_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     from mcore_rl.observe import plot
 
-    p = sub.add_parser("plot", help=help_text,
-                       usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
+    p = sub.add_parser("plot", help=help_text, usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
     plot.add_arguments(p)
     p.set_defaults(func=plot.main, usage=p.format_usage)
 
@@ -366,7 +404,7 @@ def cmd_serve(argv: list[str]) -> int:
 _DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
-def _recipe_or_override(args: argparse.Namespace) -> Optional[str]:
+def _recipe_or_override(args: argparse.Namespace) -> str | None:
     """Sort out a first positional that is no recipe file. `mcore-rl train rollout.group_size=4`
     has no recipe: containing "=", it is the first override. One that looks like a dotted key
     without "=" (`rollout.group_size 4`, `rollout.group_size:4`) is a mistyped override: the message
@@ -383,13 +421,16 @@ def _recipe_or_override(args: argparse.Namespace) -> Optional[str]:
         return None  # a recipe path: the loader reports it missing
     if not value and args.overrides and "=" not in args.overrides[0]:
         value = args.overrides[0]
-    return (f"{recipe!r} is not a recipe file; it looks like an override, and overrides are written key=value "
-            f"(e.g. {key.strip()}={value.strip() or 'VALUE'})")
+    return (
+        f"{recipe!r} is not a recipe file; it looks like an override, and overrides are written key=value "
+        f"(e.g. {key.strip()}={value.strip() or 'VALUE'})"
+    )
 
 
 def _add_sft(sub: argparse._SubParsersAction, help_text: str) -> None:
-    sft = sub.add_parser("sft", help=help_text,
-                         usage="mcore-rl sft [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
+    sft = sub.add_parser(
+        "sft", help=help_text, usage="mcore-rl sft [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]"
+    )
     sft.add_argument("recipe", nargs="?", help="YAML recipe (configs/*.yaml); defaults if omitted")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=50")
     sft.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
@@ -397,8 +438,9 @@ def _add_sft(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction, help_text: str) -> None:
-    train = sub.add_parser("train", help=help_text,
-                           usage="mcore-rl train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]")
+    train = sub.add_parser(
+        "train", help=help_text, usage="mcore-rl train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]"
+    )
     train.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=20")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
@@ -406,21 +448,35 @@ def _add_train(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _add_parity(sub: argparse._SubParsersAction, help_text: str) -> None:
-    parity = sub.add_parser("parity", help=help_text,
-                            usage="mcore-rl parity [RECIPE.yaml] [key.path=value ...] [--precisions none bf16 fp8] "
-                                  "[--engine-url URL] [--json PATH]")
+    parity = sub.add_parser(
+        "parity",
+        help=help_text,
+        usage="mcore-rl parity [RECIPE.yaml] [key.path=value ...] [--precisions none bf16 fp8] "
+        "[--engine-url URL] [--json PATH]",
+    )
     parity.add_argument("recipe", nargs="?", help="YAML recipe (configs/demo.yaml); defaults if omitted")
     parity.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init.sft_steps=0")
-    parity.add_argument("--precisions", nargs="*", default=["none", "bf16", "fp8"],
-                        help="embedded engines to compare: none (fp32), bf16, fp8; the first one samples the sequences")
+    parity.add_argument(
+        "--precisions",
+        nargs="*",
+        default=["none", "bf16", "fp8"],
+        help="embedded engines to compare: none (fp32), bf16, fp8; the first one samples the sequences",
+    )
     parity.add_argument("--engine-url", action="append", help="an SGLang-compatible server to compare too (repeatable)")
-    parity.add_argument("--checkpoint", help="weights to compare (a megatron checkpoint dir) instead of the recipe's init")
+    parity.add_argument(
+        "--checkpoint", help="weights to compare (a megatron checkpoint dir) instead of the recipe's init"
+    )
     parity.add_argument("--prompts", type=int, default=16, help="training prompts to sample from")
     parity.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    parity.add_argument("--position-bins", type=int, default=16, help="response positions per bin of the by-position table")
+    parity.add_argument(
+        "--position-bins", type=int, default=16, help="response positions per bin of the by-position table"
+    )
     parity.add_argument("--no-layers", action="store_true", help="skip the per-layer hidden-state / routing report")
-    parity.add_argument("--no-routing-replay", action="store_true",
-                        help="MoE: skip scoring with each engine's routing replayed in the trainer (R3)")
+    parity.add_argument(
+        "--no-routing-replay",
+        action="store_true",
+        help="MoE: skip scoring with each engine's routing replayed in the trainer (R3)",
+    )
     parity.add_argument("--json", help="also write the numbers to this JSON file")
     parity.set_defaults(func=cmd_parity, usage=parity.format_usage)
 
@@ -470,7 +526,7 @@ An expected error is one line `mcore-rl COMMAND: message`; --debug (or MCORE_RL_
 its traceback. An unexpected one (a bug) always prints its traceback."""
 
 
-def _command_of(argv: list[str]) -> Optional[str]:
+def _command_of(argv: list[str]) -> str | None:
     """The command named on the command line (its first word that is not an option), if it is one."""
     for word in argv:
         if not word.startswith("-"):
@@ -481,10 +537,15 @@ def _command_of(argv: list[str]) -> Optional[str]:
 def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
     """Every command with its help line, and the arguments of `commands` (`main` asks for the one
     being run, none for `mcore-rl --help`)."""
-    parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.split("\n\n")[0],
-                                     epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--debug", action="store_true",
-                        help="print the traceback of expected errors too (also MCORE_RL_DEBUG=1)")
+    parser = argparse.ArgumentParser(
+        prog="mcore-rl",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of expected errors too (also MCORE_RL_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add) in COMMANDS.items():
         if name in commands:
@@ -494,7 +555,7 @@ def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.Argument
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     for message in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -505,7 +566,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ["MCORE_RL_DEBUG"] = "1"  # and so for the ranks of a relaunch under torchrun
     try:
         if command == "serve":
-            return cmd_serve(argv[argv.index("serve") + 1:])
+            return cmd_serve(argv[argv.index("serve") + 1 :])
         parser = build_parser([command] if command else [])
         args = parser.parse_args(argv)
         problem = _recipe_or_override(args)

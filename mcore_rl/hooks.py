@@ -32,7 +32,8 @@ hooks run, in the order of one RL step (see docs/architecture.md, "Recipes"):
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -46,8 +47,8 @@ class Recipe:
     """A method of a paper as a plug-in of the run; every hook defaults to doing nothing."""
 
     name: str = ""
-    state_key: Optional[str] = None  # key of its state in the checkpoint's `rl` section (None: stateless)
-    source: Optional[str] = None  # `Sample.source` of the samples its `co_submit` generates
+    state_key: str | None = None  # key of its state in the checkpoint's `rl` section (None: stateless)
+    source: str | None = None  # `Sample.source` of the samples its `co_submit` generates
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -104,14 +105,22 @@ class Recipe:
         """After the batch is broadcast, before the learner (e.g. reward heads from judges' info)."""
         return {}
 
-    def behaviour_logp(self, samples: Sequence[Sample], rollout_logp: torch.Tensor,
-                       old_logp: torch.Tensor) -> torch.Tensor:
+    def behaviour_logp(
+        self, samples: Sequence[Sample], rollout_logp: torch.Tensor, old_logp: torch.Tensor
+    ) -> torch.Tensor:
         """The [N, T] μ the mismatch correction sees (default: the engines' log-probs, as given)."""
         return rollout_logp
 
-    def learner_metrics(self, samples: Sequence[Sample], old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                        mask: torch.Tensor, weights: torch.Tensor, seq_advantages: torch.Tensor,
-                        valid: torch.Tensor) -> dict[str, float]:
+    def learner_metrics(
+        self,
+        samples: Sequence[Sample],
+        old_logp: torch.Tensor,
+        rollout_logp: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor,
+        seq_advantages: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> dict[str, float]:
         return {}
 
     def before_update(self) -> None:
@@ -125,7 +134,7 @@ class Recipe:
         """After the step's weight sync (collective)."""
         return {}
 
-    def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], Optional[str]]:
+    def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], str | None]:
         """After an evaluation: (metrics, a reason to end the run here or None)."""
         return {}, None
 

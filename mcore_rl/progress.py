@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
 def is_rank0() -> bool:
@@ -22,7 +22,7 @@ def bars_enabled(enabled: bool = True) -> bool:
     return enabled and os.environ.get("MCORE_RL_PROGRESS", "1") != "0" and is_rank0()
 
 
-def progress(total: Optional[float], desc: str, unit: str = "it", enabled: bool = True, **kwargs: Any) -> Any:
+def progress(total: float | None, desc: str, unit: str = "it", enabled: bool = True, **kwargs: Any) -> Any:
     """A tqdm bar on rank 0; a disabled one (same methods, draws nothing) elsewhere. With
     `unit="B"` it shows bytes/s in binary units."""
     from tqdm import tqdm
@@ -30,8 +30,15 @@ def progress(total: Optional[float], desc: str, unit: str = "it", enabled: bool 
     if unit == "B":
         kwargs.setdefault("unit_scale", True)
         kwargs.setdefault("unit_divisor", 1024)
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr,
-                disable=not bars_enabled(enabled), **kwargs)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=not bars_enabled(enabled),
+        **kwargs,
+    )
 
 
 def log_line(message: str) -> None:

@@ -24,7 +24,7 @@ import os
 import stat
 import sys
 
-_COMMON = r'''
+_COMMON = r"""
 import json, os, re, signal, subprocess, sys
 
 RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC", "RDZV_ID", "ENGINE_URLS", "ENGINE_PORTS",
@@ -34,9 +34,11 @@ RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC", "RDZV_ID", "ENG
 def record(tool, argv):
     with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
         f.write(json.dumps({"tool": tool, "argv": argv, "env": {k: os.environ.get(k) for k in RECORDED_ENV}}) + "\n")
-'''
+"""
 
-_SBATCH = _COMMON + r'''
+_SBATCH = (
+    _COMMON
+    + r"""
 argv = sys.argv[1:]
 record("sbatch", argv)
 opts, i = {}, 0
@@ -62,9 +64,12 @@ proc = subprocess.Popen(["bash", script, *args], env=env)
 with open(os.path.join(os.environ["FAKE_SLURM_DIR"], "batch.pid"), "w") as f:
     f.write(str(proc.pid))
 sys.exit(proc.wait())
-'''
+"""
+)
 
-_SRUN = _COMMON + r'''
+_SRUN = (
+    _COMMON
+    + r"""
 argv = sys.argv[1:]
 record("srun", argv)
 wait_for = os.environ.get("FAKE_SRUN_WAIT_FOR", "")  # an srun started in the background before this one
@@ -97,15 +102,19 @@ for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
     signal.signal(sig, forward)
 codes = [t.wait() for t in tasks]
 sys.exit(max(c if c >= 0 else 128 - c for c in codes))
-'''
+"""
+)
 
-_SCONTROL = _COMMON + r'''
+_SCONTROL = (
+    _COMMON
+    + r"""
 argv = sys.argv[1:]
 record("scontrol", argv)
 if argv[:2] == ["show", "hostnames"]:
     wanted = set(argv[2].split(","))
     print("\n".join(h for h in os.environ["FAKE_SLURM_HOSTS"].split(",") if h in wanted))
-'''
+"""
+)
 
 
 def install(bin_dir: str) -> None:

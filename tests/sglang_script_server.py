@@ -41,8 +41,9 @@ def main() -> None:
     async def forward(item: str, sampling: dict, auth: str | None) -> dict:
         headers = {"Authorization": auth} if auth else {}
         async with aiohttp.ClientSession() as http:
-            async with http.post(args.upstream + "/generate", json={"text": item, "sampling_params": sampling},
-                                 headers=headers) as r:
+            async with http.post(
+                args.upstream + "/generate", json={"text": item, "sampling_params": sampling}, headers=headers
+            ) as r:
                 return await r.json()
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -67,10 +68,19 @@ def main() -> None:
                 _, seconds, r = r.split(":", 2)
                 await asyncio.sleep(float(seconds))
             elif r.startswith("@length:"):
-                reason, r = "length", r[len("@length:"):]
-            out.append({"text": r, "output_ids": list(r.encode()),
-                        "meta_info": {"id": str(len(out)), "finish_reason": {"type": reason},
-                                      "prompt_tokens": 1, "completion_tokens": len(r)}})
+                reason, r = "length", r[len("@length:") :]
+            out.append(
+                {
+                    "text": r,
+                    "output_ids": list(r.encode()),
+                    "meta_info": {
+                        "id": str(len(out)),
+                        "finish_reason": {"type": reason},
+                        "prompt_tokens": 1,
+                        "completion_tokens": len(r),
+                    },
+                }
+            )
         return web.json_response(out if isinstance(body["text"], list) else out[0])
 
     async def health(_: web.Request) -> web.Response:

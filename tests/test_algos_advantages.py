@@ -77,8 +77,9 @@ def _random_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 24, (1,), generator=g))
     groups = torch.randint(0, 6, (n,), generator=g) * 7 - 3  # unsorted, negative, gaps
-    rewards = torch.where(torch.rand(n, generator=g) < 0.5, torch.randint(0, 2, (n,), generator=g).float(),
-                          torch.randn(n, generator=g))
+    rewards = torch.where(
+        torch.rand(n, generator=g) < 0.5, torch.randint(0, 2, (n,), generator=g).float(), torch.randn(n, generator=g)
+    )
     valid = torch.rand(n, generator=g) < 0.7
     return rewards, groups, valid
 
@@ -91,7 +92,9 @@ def test_failed_samples_leave_the_group_statistics() -> None:
     for name, fn in ESTIMATORS.items():
         assert fn(rewards, groups, valid=ok).tolist() == [0.0] * 4, name  # the two valid ones are equal: no signal
     mixed = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(grpo(mixed, groups, valid=ok), torch.tensor([0.7071, -0.7071, 0.0, 0.0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        grpo(mixed, groups, valid=ok), torch.tensor([0.7071, -0.7071, 0.0, 0.0]), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -199,5 +202,6 @@ def test_zero_variance_tolerance_is_explicit_and_configurable() -> None:
     assert cfg.algorithm.dynamic_sampling.std_tolerance == DEFAULT_STD_TOLERANCE
     validate_rl_config(cfg, 1)
     with pytest.raises(ConfigError, match="algorithm.dynamic_sampling.std_tolerance"):
-        validate_rl_config(tiny("algorithm.dynamic_sampling.enabled=true",
-                                "algorithm.dynamic_sampling.std_tolerance=-1"), 1)
+        validate_rl_config(
+            tiny("algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.std_tolerance=-1"), 1
+        )

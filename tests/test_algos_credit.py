@@ -57,8 +57,9 @@ def test_w_reinforce_advantages_have_no_baseline() -> None:
     a = w_reinforce(r, gids, valid=valid)
     assert a.tolist() == pytest.approx([0.1, -1.0, 0.0, -1.0, 0.1])
     assert w_reinforce(torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.long), lam=0.0).tolist() == [0.0, -1.0]
-    assert w_reinforce(torch.tensor([0.7, 0.3]), torch.zeros(2, dtype=torch.long), correct_threshold=0.5,
-                       lam=0.2).tolist() == pytest.approx([0.2, -1.0])
+    assert w_reinforce(
+        torch.tensor([0.7, 0.3]), torch.zeros(2, dtype=torch.long), correct_threshold=0.5, lam=0.2
+    ).tolist() == pytest.approx([0.2, -1.0])
 
 
 def test_lambda_one_is_vanilla_reinforce_and_lambda_zero_on_all_correct_gives_zero_gradient() -> None:
@@ -185,7 +186,8 @@ def test_unlikeliness_wrong_stay_zero_and_correct_lie_in_range() -> None:
     # wrong samples stay 0 at every rank, the most likely included
     r = torch.tensor([0.0, 1.0, 1.0, 0.0])
     assert unlikeliness(r, torch.zeros(4, dtype=torch.long), seq_logp=torch.tensor([-1.0, -2.0, -3.0, -4.0]))[
-        [0, 3]].tolist() == [0.0, 0.0]
+        [0, 3]
+    ].tolist() == [0.0, 0.0]
 
 
 def test_unlikeliness_strictly_increases_with_rank_among_correct() -> None:
@@ -228,8 +230,10 @@ def test_unlikeliness_values_at_g8_one_based_and_ties() -> None:
     out = unlikeliness(torch.ones(4), torch.zeros(4, dtype=torch.long), seq_logp=tied)
     assert out[1] == out[2] == pytest.approx(1 - 0.25 * 1.5 / 4)
     perm = torch.tensor([3, 1, 0, 2])
-    assert unlikeliness(torch.ones(4), torch.zeros(4, dtype=torch.long), seq_logp=tied[perm]).tolist() == \
-        out[perm].tolist()
+    assert (
+        unlikeliness(torch.ones(4), torch.zeros(4, dtype=torch.long), seq_logp=tied[perm]).tolist()
+        == out[perm].tolist()
+    )
 
 
 def test_unlikeliness_invalid_samples_keep_reward_and_do_not_rank() -> None:
@@ -265,8 +269,15 @@ def _ppo_tokens(seed: int = 3) -> dict:
     seq_adv = torch.tensor([1.2, -0.4, 0.8, -1.5, 0.6, -0.7])
     old_logits = torch.randn(n, t, v, generator=gen) * 2  # π_old
     logits_param = torch.randn(n, t, v, generator=gen, requires_grad=True)  # π_θ, away from π_old: clipping
-    return dict(ids=ids, mask=mask, adv=seq_adv[:, None] * mask, old=_logp_of(old_logits, ids), logits=logits_param,
-                old_logits=old_logits, logp_at=lambda at: torch.log_softmax(old_logits, -1)[..., at])
+    return dict(
+        ids=ids,
+        mask=mask,
+        adv=seq_adv[:, None] * mask,
+        old=_logp_of(old_logits, ids),
+        logits=logits_param,
+        old_logits=old_logits,
+        logp_at=lambda at: torch.log_softmax(old_logits, -1)[..., at],
+    )
 
 
 def _delta_call(d: dict, **options) -> torch.Tensor:
@@ -307,7 +318,7 @@ def test_lambda_is_detached_and_a_full_assignment_keeps_the_centroid() -> None:
     Control: a λ built from π_θ's log-probs (no detach) has a grad_fn and changes the gradient."""
     d = _ppo_tokens()
     logp = _logp_of(d["logits"], d["ids"])
-    grad_carrying = lambda at: torch.log_softmax(d["logits"], -1)[..., at]  # noqa: E731
+    grad_carrying = lambda at: torch.log_softmax(d["logits"], -1)[..., at]
     shaped = delta(d["adv"], d["mask"], old_logp=logp, response_ids=d["ids"], logp_at=grad_carrying)
     assert shaped.grad_fn is None and not shaped.requires_grad
     (g1,) = torch.autograd.grad(ppo_clip(logp, d["old"], shaped, d["mask"]).loss, d["logits"])
@@ -363,8 +374,10 @@ def test_sparse_proxy_equals_its_dense_form_and_side_specific_ids_weigh_more() -
     dense = torch.zeros(m, dim, dtype=torch.float64)
     dense[torch.arange(m), ids] = vals
     for k in (0, 1, 3):
-        torch.testing.assert_close(delta_weights((ids[:, None], vals[:, None]), adv, iterations=k),
-                                   delta_weights(dense_proxy(dense), adv, iterations=k))
+        torch.testing.assert_close(
+            delta_weights((ids[:, None], vals[:, None]), adv, iterations=k),
+            delta_weights(dense_proxy(dense), adv, iterations=k),
+        )
     # id 1 appears only in positive responses, id 3 only in negative ones, id 2 equally on both sides:
     # the discriminative tokens weigh more
     ids = torch.tensor([1, 2, 1, 2, 3, 3])
@@ -419,7 +432,8 @@ def test_delta_zero_advantage_tokens_and_inputs() -> None:
     assert torch.equal(torch.sign(only_sampled), torch.sign(d["adv"])) and not torch.equal(only_sampled, out)
     assert "response_ids" in declared_inputs(delta, "advantage_shaping", {"response_ids": 1, "mask": 2})
     assert declared_inputs(lambda advantages, mask: None, "advantage_shaping", {"response_ids": 1, "mask": 2}) == {
-        "mask": 2}
+        "mask": 2
+    }
     assert option_problems("advantage_shaping", "delta", {}) == []
 
 
@@ -452,18 +466,30 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path) -> N
     bad = [
         ("algorithm.advantage_options={lam: -0.1}", "algorithm.advantage_options.lam: must be >= 0"),
         ("algorithm.advantage_options={lambda: 0.1}", "algorithm.advantage_options.lambda: is not an option"),
-        ("algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 1.5}}]",
-         "algorithm.reward_shaping[0].options.beta_rank: must be in [0, 1]"),
-        ("algorithm.advantage_shaping=[{name: delta, options: {iterations: -1}}]",
-         "algorithm.advantage_shaping[0].options.iterations: must be >= 0"),
-        ("algorithm.advantage_shaping=[{name: delta, options: {iterations: 1.5}}]",
-         "algorithm.advantage_shaping[0].options.iterations: expects int"),
-        ("algorithm.advantage_shaping=[{name: delta, options: {lam_min: 1.0, lam_max: 0.5}}]",
-         "algorithm.advantage_shaping[0].options.lam_max: must be > 0 and >= lam_min"),
-        ("algorithm.advantage_shaping=[{name: delta, options: {support: -1}}]",
-         "algorithm.advantage_shaping[0].options.support: must be >= 0"),
-        ("algorithm.advantage_shaping=[{name: delta, options: {gamma: 0}}]",
-         "algorithm.advantage_shaping[0].options.gamma: must be null (adaptive) or > 0"),
+        (
+            "algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 1.5}}]",
+            "algorithm.reward_shaping[0].options.beta_rank: must be in [0, 1]",
+        ),
+        (
+            "algorithm.advantage_shaping=[{name: delta, options: {iterations: -1}}]",
+            "algorithm.advantage_shaping[0].options.iterations: must be >= 0",
+        ),
+        (
+            "algorithm.advantage_shaping=[{name: delta, options: {iterations: 1.5}}]",
+            "algorithm.advantage_shaping[0].options.iterations: expects int",
+        ),
+        (
+            "algorithm.advantage_shaping=[{name: delta, options: {lam_min: 1.0, lam_max: 0.5}}]",
+            "algorithm.advantage_shaping[0].options.lam_max: must be > 0 and >= lam_min",
+        ),
+        (
+            "algorithm.advantage_shaping=[{name: delta, options: {support: -1}}]",
+            "algorithm.advantage_shaping[0].options.support: must be >= 0",
+        ),
+        (
+            "algorithm.advantage_shaping=[{name: delta, options: {gamma: 0}}]",
+            "algorithm.advantage_shaping[0].options.gamma: must be null (adaptive) or > 0",
+        ),
         ("algorithm.policy_loss=reinforcee", "algorithm.policy_loss"),
     ]
     for override, message in bad:
@@ -471,8 +497,9 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path) -> N
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl_config(cfg, 1)
     # no baseline: W-REINFORCE runs with one sample per prompt
-    validate_rl_config(load_config(RLConfig, None, TINY + ["algorithm.advantage=w_reinforce", "rollout.group_size=1"]),
-                       1)
+    validate_rl_config(
+        load_config(RLConfig, None, TINY + ["algorithm.advantage=w_reinforce", "rollout.group_size=1"]), 1
+    )
 
 
 def test_demo_overrides_validate() -> None:
@@ -480,8 +507,11 @@ def test_demo_overrides_validate() -> None:
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
     for overrides in (
-        ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}",
-         "algorithm.policy_loss=reinforce"],
+        [
+            "algorithm.advantage=w_reinforce",
+            "algorithm.advantage_options={lam: 0.1}",
+            "algorithm.policy_loss=reinforce",
+        ],
         ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}"],
         ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
         ["algorithm.advantage_shaping=[{name: delta, options: {iterations: 1, support: 32}}]"],
@@ -492,8 +522,12 @@ def test_demo_overrides_validate() -> None:
 # ------------------------------------------------------------------------------------ learner
 
 LEARNER_OPTIONS = [
-    "algorithm.reward_shaping=[{name: unlikeliness}]", "algorithm.advantage_shaping=[{name: delta}]",
-    "algorithm.loss_agg=token-mean", "algorithm.num_minibatches=1", "train.micro_batch_size=4", "init.sft_steps=0",
+    "algorithm.reward_shaping=[{name: unlikeliness}]",
+    "algorithm.advantage_shaping=[{name: delta}]",
+    "algorithm.loss_agg=token-mean",
+    "algorithm.num_minibatches=1",
+    "train.micro_batch_size=4",
+    "init.sft_steps=0",
 ]
 
 
@@ -548,8 +582,13 @@ def _world(rank: int, world_size: int) -> None:
     assert len(records) == 1 and math.isfinite(records[0]["train/loss"])
 
     # W-REINFORCE with the plain REINFORCE loss, on the same policy
-    learner.cfg = tiny("algorithm.advantage=w_reinforce", "algorithm.policy_loss=reinforce",
-                       "algorithm.num_minibatches=1", "train.micro_batch_size=4", "init.sft_steps=0")
+    learner.cfg = tiny(
+        "algorithm.advantage=w_reinforce",
+        "algorithm.policy_loss=reinforce",
+        "algorithm.num_minibatches=1",
+        "train.micro_batch_size=4",
+        "init.sft_steps=0",
+    )
     per_seq, _ = learner.prepare(samples)
     torch.testing.assert_close(per_seq["advantages"], w_reinforce(v.rewards, v.group_ids, valid=valid))
     records, _ = learner.train(samples, 1)

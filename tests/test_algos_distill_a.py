@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
 
 import pytest
 import torch
@@ -36,13 +35,20 @@ def call(name: str, batch: DistillBatch, **options):
     return fn(batch, **options)
 
 
-def token_batch(student: list[float], teacher: list[float], *, adv: float = 1.0, reward: float = 1.0,
-                step: int = 0) -> DistillBatch:
+def token_batch(
+    student: list[float], teacher: list[float], *, adv: float = 1.0, reward: float = 1.0, step: int = 0
+) -> DistillBatch:
     """One sequence whose tokens have the given log-probs, RL advantage `adv` and reward."""
     s = torch.tensor([student], dtype=torch.float64)
-    return DistillBatch(student_logp=s, old_logp=s.clone(), teacher_logp=torch.tensor([teacher], dtype=torch.float64),
-                        mask=torch.ones_like(s), rewards=torch.tensor([reward]),
-                        advantages=torch.tensor([adv], dtype=torch.float64), step=step)
+    return DistillBatch(
+        student_logp=s,
+        old_logp=s.clone(),
+        teacher_logp=torch.tensor([teacher], dtype=torch.float64),
+        mask=torch.ones_like(s),
+        rewards=torch.tensor([reward]),
+        advantages=torch.tensor([adv], dtype=torch.float64),
+        step=step,
+    )
 
 
 def random_batch(n: int = 4, t: int = 6, k: int = 3, vocab: int = 8, seed: int = 0, pad: int = 2):
@@ -56,18 +62,23 @@ def random_batch(n: int = 4, t: int = 6, k: int = 3, vocab: int = 8, seed: int =
     t_lp = torch.log_softmax(t_logits, -1)
     topk_ids = t_lp.topk(k, -1).indices
     mask = torch.ones(n, t, dtype=torch.float64)
-    mask[1::2, t - pad:] = 0
+    mask[1::2, t - pad :] = 0
     pad_pos = mask == 0
     garbage = torch.full((n, t), float("nan"), dtype=torch.float64)
     student = torch.where(pad_pos, garbage, s_lp.gather(-1, tokens[..., None])[..., 0])
     teacher = torch.where(pad_pos, -torch.full_like(garbage, float("inf")), t_lp.gather(-1, tokens[..., None])[..., 0])
     batch = DistillBatch(
-        student_logp=student, old_logp=student.detach().clone(), teacher_logp=teacher, mask=mask,
+        student_logp=student,
+        old_logp=student.detach().clone(),
+        teacher_logp=teacher,
+        mask=mask,
         teacher_topk_logp=torch.where(pad_pos[..., None], float("nan"), t_lp.gather(-1, topk_ids)),
         student_topk_logp=torch.where(pad_pos[..., None], float("nan"), s_lp.gather(-1, topk_ids)),
-        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0][:n]), group_ids=torch.tensor([0, 0, 1, 1][:n]),
+        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0][:n]),
+        group_ids=torch.tensor([0, 0, 1, 1][:n]),
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5][:n], dtype=torch.float64),
-        teacher_entropy=-(t_lp.exp() * t_lp).sum(-1), student_entropy=-(s_lp.exp() * s_lp).sum(-1).detach(),
+        teacher_entropy=-(t_lp.exp() * t_lp).sum(-1),
+        student_entropy=-(s_lp.exp() * s_lp).sum(-1).detach(),
     )
     return batch, s_logits
 
@@ -78,8 +89,15 @@ def random_batch(n: int = 4, t: int = 6, k: int = 3, vocab: int = 8, seed: int =
 def test_registered_names_and_phases() -> None:
     assert set(MINE) <= set(names("distill"))
     phases = {n: get("distill", n).phase for n in MINE}
-    assert phases == {"antisd": "advantage", "rlrt": "advantage", "stepopsd": "advantage", "tropd_trust": "advantage",
-                      "sdar": "loss", "tropd_fkl": "loss", "tropd_imitation": "loss"}
+    assert phases == {
+        "antisd": "advantage",
+        "rlrt": "advantage",
+        "stepopsd": "advantage",
+        "tropd_trust": "advantage",
+        "sdar": "loss",
+        "tropd_fkl": "loss",
+        "tropd_imitation": "loss",
+    }
     assert isinstance(get("distill", "antisd").make_state(), AntiSDGate)
 
 
@@ -100,10 +118,13 @@ def test_padding_contributes_nothing(name: str) -> None:
         assert (terms.token_advantage[pad] == 0).all()
     else:
         assert torch.isfinite(terms.loss_sum)
-        fields = {f: getattr(batch, f) for f in ("student_logp", "old_logp", "teacher_logp", "teacher_topk_logp",
-                                                 "student_topk_logp")}
-        clean = replace(batch, **{f: torch.where(pad if v.ndim == 2 else pad[..., None], 0.0, v)
-                                  for f, v in fields.items()})
+        fields = {
+            f: getattr(batch, f)
+            for f in ("student_logp", "old_logp", "teacher_logp", "teacher_topk_logp", "student_topk_logp")
+        }
+        clean = replace(
+            batch, **{f: torch.where(pad if v.ndim == 2 else pad[..., None], 0.0, v) for f, v in fields.items()}
+        )
         assert torch.allclose(terms.loss_sum, call(name, clean).loss_sum)
 
 
@@ -239,7 +260,8 @@ def test_antisd_phi_values_and_bounds() -> None:
     # the same through the registered function (λ_max = 1): token advantage = −φ(u)
     batch = token_batch([-2.0, -2.0, -12.0], [-3.0, -1.0, -2.0])
     assert call("antisd", batch, gate=False).token_advantage[0].tolist() == pytest.approx(
-        [0.18994, -0.31006, -4.65345], abs=1e-5)
+        [0.18994, -0.31006, -4.65345], abs=1e-5
+    )
 
 
 def test_antisd_is_the_jsd_generator_derivative() -> None:
@@ -324,8 +346,9 @@ def test_sdar_gradient_is_gated_log_likelihood() -> None:
     """Property 1: with g_t and π_T detached, ∂ℓ_t/∂logits = −g_t (onehot − softmax)."""
     logits, tok, teacher = _tiny_logits()
     s_lp = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
-    batch = DistillBatch(student_logp=s_lp, old_logp=s_lp.detach(), teacher_logp=teacher, mask=torch.ones(2, 4),
-                         agg="seq-mean-token-sum")
+    batch = DistillBatch(
+        student_logp=s_lp, old_logp=s_lp.detach(), teacher_logp=teacher, mask=torch.ones(2, 4), agg="seq-mean-token-sum"
+    )
     coef = 0.3  # λ_SDAR: the loss entry's coef, which the learner multiplies in
     (coef * call("sdar", batch).loss_sum).backward()
     gate = torch.sigmoid(5.0 * (teacher - s_lp.detach()))
@@ -383,7 +406,7 @@ def test_sdar_gate_is_monotone_and_stop_gradient() -> None:
 def test_sdar_entropy_gates_and_infinite_teacher() -> None:
     batch, _ = random_batch()
     h = batch.student_entropy
-    for gate, expect in (("entropy", torch.sigmoid(5.0 * h)), ):
+    for gate, expect in (("entropy", torch.sigmoid(5.0 * h)),):
         out = call("sdar", replace(batch, student_logp=batch.student_logp.detach()), gate=gate)
         assert out.metrics["sdar/gate_mean"].item() == pytest.approx(float(expect[batch.mask > 0].mean()))
     assert torch.isfinite(call("sdar", batch, gate="soft_or").loss_sum)
@@ -393,8 +416,9 @@ def test_sdar_entropy_gates_and_infinite_teacher() -> None:
         call("sdar", batch, gate="nope")
     # a teacher that gives the token probability 0: the gate's limit is 0, the token adds nothing
     s = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
-    inf_batch = DistillBatch(student_logp=s, old_logp=s.detach(), teacher_logp=torch.tensor([[-float("inf"), -2.0]]),
-                             mask=torch.ones(1, 2))
+    inf_batch = DistillBatch(
+        student_logp=s, old_logp=s.detach(), teacher_logp=torch.tensor([[-float("inf"), -2.0]]), mask=torch.ones(1, 2)
+    )
     loss = call("sdar", inf_batch).loss_sum
     loss.backward()
     assert loss.item() == 0.0 and s.grad.tolist() == [[0.0, -0.5]]
@@ -552,8 +576,9 @@ def test_stepopsd_keeps_sign_and_bounds() -> None:
 def test_stepopsd_worked_example() -> None:
     """Property 3: A = +1, Δ = 2, α = 0.2, λ = 0.2: w_raw ≈ 1.7616 → 1.2, Ā = 1.04; A = −1:
     w_raw ≈ 0.2384 → 0.8, Ā = −0.96."""
-    w_raw, w = stepopsd_weight(torch.tensor([2.0, 2.0], dtype=torch.float64),
-                               torch.tensor([1.0, -1.0], dtype=torch.float64))
+    w_raw, w = stepopsd_weight(
+        torch.tensor([2.0, 2.0], dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    )
     assert w_raw.tolist() == pytest.approx([1.7616, 0.2384], abs=1e-4) and w.tolist() == pytest.approx([1.2, 0.8])
     for adv, expect in ((1.0, 1.04), (-1.0, -0.96)):
         b = token_batch([-2.0], [0.0], adv=adv)
@@ -641,6 +666,7 @@ class _Scores:
 def test_effopd_trainer_rejection_restores_exactly(offload: bool) -> None:
     """Property 1 on a model: candidate 1 scores lower, so the weights are W_1 bit for bit."""
     from mcore_rl.recipes.effopd import WeightExtrapolator
+
     model = _Tiny()
     ex = WeightExtrapolator([model], offload=offload)
     w0 = _weights(model)
@@ -657,10 +683,11 @@ def test_effopd_trainer_rejection_restores_exactly(offload: bool) -> None:
 
 
 @pytest.mark.parametrize("peak,expect", [(None, 10.0), (6, 6.0)])
-def test_effopd_trainer_accepts(peak: Optional[int], expect: float) -> None:
+def test_effopd_trainer_accepts(peak: int | None, expect: float) -> None:
     """Property 3 on a model: a monotone score keeps W + 10Δ, one peaking at coefficient 6
     (k = 3) keeps W + 6Δ; frozen params never move. The next Δ starts at the kept weights."""
     from mcore_rl.recipes.effopd import WeightExtrapolator
+
     model = _Tiny()
     ex = WeightExtrapolator([model])
     w0 = _weights(model)
@@ -687,6 +714,7 @@ def test_effopd_trainer_bf16_masters_restore_exactly() -> None:
     from mcore_rl.config.schema import OptimizerConfig
     from mcore_rl.recipes.effopd import WeightExtrapolator
     from mcore_rl.train.optimizer import build_optimizer
+
     model = _Tiny(torch.bfloat16)
     cfg = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0)
     opt = build_optimizer([model], cfg, "bf16", total_iters=10)
@@ -721,6 +749,7 @@ def test_effopd_trainer_state_and_failures() -> None:
     """An exception from evaluate restores the kept weights; the anchor survives a
     state_dict/load_state_dict round trip into a fresh extrapolator."""
     from mcore_rl.recipes.effopd import WeightExtrapolator
+
     model = _Tiny()
     ex = WeightExtrapolator([model])
     state = {k: (list(v) if isinstance(v, list) else v) for k, v in ex.state_dict().items()}

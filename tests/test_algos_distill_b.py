@@ -38,8 +38,14 @@ def _batch(n: int = 3, t: int = 5, seed_: int = 0, **kw) -> DistillBatch:
 
 
 def test_registered_with_their_phases():
-    want = {"reverse_kl": "advantage", "popd": "advantage", "topd": "advantage", "power_opd": "advantage",
-            "direct_opd": "loss", "seed": "loss"}
+    want = {
+        "reverse_kl": "advantage",
+        "popd": "advantage",
+        "topd": "advantage",
+        "power_opd": "advantage",
+        "direct_opd": "loss",
+        "seed": "loss",
+    }
     for name, ph in want.items():
         assert registry.get("distill", name).phase == ph, name
     assert registry.get("distill", "topd") is registry.get("distill", "popd")
@@ -66,8 +72,12 @@ def test_reverse_kl_policy_gradient_is_the_gradient_of_the_reverse_kl():
     log_q = torch.log_softmax(torch.randn(7, generator=torch.Generator().manual_seed(2), dtype=torch.float64), 0)
     log_p = torch.log_softmax(z, 0)
     ids = torch.arange(7)
-    b = DistillBatch(student_logp=log_p.detach()[None], old_logp=log_p.detach()[None], teacher_logp=log_q[None],
-                     mask=torch.ones(1, 7))
+    b = DistillBatch(
+        student_logp=log_p.detach()[None],
+        old_logp=log_p.detach()[None],
+        teacher_logp=log_q[None],
+        mask=torch.ones(1, 7),
+    )
     adv = reverse_kl(b).token_advantage[0]
     surrogate = (log_p.detach().exp() * adv * log_p[ids]).sum()  # exact expectation over y
     (g_pg,) = torch.autograd.grad(surrogate, z)
@@ -195,9 +205,15 @@ def _direct_batch(z: torch.Tensor, teacher: torch.Tensor, ref: torch.Tensor, mas
     """Student logits z [n, T, V] with the candidate set = the whole vocabulary."""
     lp = torch.log_softmax(z, -1)
     n, t, _ = z.shape
-    return DistillBatch(student_logp=lp[..., 0], old_logp=lp[..., 0].detach(), teacher_logp=teacher[..., 0],
-                        mask=torch.ones(n, t, dtype=z.dtype) if mask is None else mask, teacher_topk_logp=teacher,
-                        student_topk_logp=lp, teacher_ref_topk_logp=ref)
+    return DistillBatch(
+        student_logp=lp[..., 0],
+        old_logp=lp[..., 0].detach(),
+        teacher_logp=teacher[..., 0],
+        mask=torch.ones(n, t, dtype=z.dtype) if mask is None else mask,
+        teacher_topk_logp=teacher,
+        student_topk_logp=lp,
+        teacher_ref_topk_logp=ref,
+    )
 
 
 def test_direct_opd_without_a_shift_has_no_gradient():
@@ -270,9 +286,15 @@ def test_direct_opd_renormalises_on_a_candidate_set_smaller_than_the_vocabulary(
     s_topk = full.gather(-1, ids)
     assert float(s_topk.detach().exp().sum(-1).max()) < 0.99  # a proper subset of the mass
     t_topk, r_topk = teacher.gather(-1, ids), ref.gather(-1, ids)
-    b = DistillBatch(student_logp=full[..., 0], old_logp=full[..., 0].detach(), teacher_logp=teacher[..., 0],
-                     mask=torch.ones(2, 3, dtype=torch.float64), teacher_topk_logp=t_topk, student_topk_logp=s_topk,
-                     teacher_ref_topk_logp=r_topk)
+    b = DistillBatch(
+        student_logp=full[..., 0],
+        old_logp=full[..., 0].detach(),
+        teacher_logp=teacher[..., 0],
+        mask=torch.ones(2, 3, dtype=torch.float64),
+        teacher_topk_logp=t_topk,
+        student_topk_logp=s_topk,
+        teacher_ref_topk_logp=r_topk,
+    )
     p = s_topk.detach().exp()
     p_bar = p / p.sum(-1, keepdim=True)
     want_w = p_bar * (t_topk - r_topk)
@@ -293,10 +315,16 @@ def _kl_batch(seed_: int = 12) -> DistillBatch:
     logp = -torch.rand(2, 4, generator=g, dtype=torch.float64) * 2
     mask = torch.ones(2, 4, dtype=torch.float64)
     mask[1, 2:] = 0
-    return DistillBatch(student_logp=logp.requires_grad_(), old_logp=logp.detach(), teacher_logp=t_topk[..., 0],
-                        mask=mask, teacher_topk_logp=t_topk, student_topk_logp=s_topk,
-                        teacher_ref_topk_logp=t_topk - 0.3 * torch.randn(2, 4, 3, generator=g, dtype=torch.float64),
-                        student_ref_logp=logp.detach() + torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.5)
+    return DistillBatch(
+        student_logp=logp.requires_grad_(),
+        old_logp=logp.detach(),
+        teacher_logp=t_topk[..., 0],
+        mask=mask,
+        teacher_topk_logp=t_topk,
+        student_topk_logp=s_topk,
+        teacher_ref_topk_logp=t_topk - 0.3 * torch.randn(2, 4, 3, generator=g, dtype=torch.float64),
+        student_ref_logp=logp.detach() + torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.5,
+    )
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -341,7 +369,9 @@ def test_direct_opd_alpha_adapts_per_batch_with_the_sign_of_the_last_shift_and_r
     want = [1.0]
     for r in (0.5, 0.5, -0.5, 0.5):
         want.append(adapt_alpha(want[-1], r))
-    assert seen == pytest.approx(want) and seen[1] == pytest.approx(1.01) and seen[3] == pytest.approx(1.01 * 1.01 * 0.99)
+    assert (
+        seen == pytest.approx(want) and seen[1] == pytest.approx(1.01) and seen[3] == pytest.approx(1.01 * 1.01 * 0.99)
+    )
     # resume after batch 2: a fresh controller with the saved state gives batches 3 and 4 the same α
     c2 = AdaptiveKL(alpha=1.0)
     for b in (up, up, down):

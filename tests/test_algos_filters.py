@@ -16,10 +16,20 @@ from mcore_rl.algos.multi_reward import option_problems
 from mcore_rl.algos.prof_grpo import balanced_counts, consistency, prof_grpo
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 
-TINY = ["model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.max_position_embeddings=64", "train.seq_length=32",
-        "data.synthetic_max_digits=1", "rollout.group_size=4", "rollout.prompts_per_step=4",
-        "rollout.max_new_tokens=4", "rollout.context_length=64"]
+TINY = [
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=64",
+    "train.seq_length=32",
+    "data.synthetic_max_digits=1",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=4",
+    "rollout.context_length=64",
+]
 
 
 def _literal(text: str) -> str:
@@ -42,8 +52,14 @@ def _prof_batch(correct: list[int], prm: list[float], steps: list[float] | None 
 
 
 def _call(rewards, gids, heads, **options) -> torch.Tensor:
-    return prof_grpo(rewards, gids, valid=torch.ones(len(rewards), dtype=torch.bool), reward_heads=heads,
-                     head_names=HEADS, **{"steps_head": "prm_steps", **options})
+    return prof_grpo(
+        rewards,
+        gids,
+        valid=torch.ones(len(rewards), dtype=torch.bool),
+        reward_heads=heads,
+        head_names=HEADS,
+        **{"steps_head": "prm_steps", **options},
+    )
 
 
 def test_prof_balanced_counts() -> None:
@@ -122,8 +138,10 @@ def test_prof_pos_wrong_side_ignores_the_prm() -> None:
     draws = {tuple(_call(*_prof_batch(correct, prm), keep=8, variant="pos", seed=s)[4:].tolist()) for s in range(20)}
     assert len(draws) > 5  # really random over seeds
     # negative control: PROF-BOTH does follow the PRM on the wrong side
-    both = [_call(*_prof_batch(correct, prm[:4] + list(reversed(prm[4:]))), keep=8, variant="both"),
-            _call(*_prof_batch(correct, prm), keep=8, variant="both")]
+    both = [
+        _call(*_prof_batch(correct, prm[:4] + list(reversed(prm[4:]))), keep=8, variant="both"),
+        _call(*_prof_batch(correct, prm), keep=8, variant="both"),
+    ]
     assert not torch.equal(both[0][4:], both[1][4:])
 
 
@@ -137,11 +155,19 @@ def test_prof_step_penalty_before_the_outcome_sign() -> None:
     torch.testing.assert_close(plus, torch.tensor([0.35, 0.6, 0.35, 0.6], dtype=torch.float64))
     torch.testing.assert_close(minus, torch.tensor([-0.35, -0.6, -0.35, -0.6], dtype=torch.float64))
     # through the filter: a correct 1-step answer loses its place to a slightly worse multi-step one
-    keep = _call(*_prof_batch([1, 1, 0, 0, 0], [0.9, 0.8, 0.1, 0.2, 0.3], steps=[1, 5, 5, 5, 5]),
-                 keep=2, variant="both", step_penalty=0.5)
+    keep = _call(
+        *_prof_batch([1, 1, 0, 0, 0], [0.9, 0.8, 0.1, 0.2, 0.3], steps=[1, 5, 5, 5, 5]),
+        keep=2,
+        variant="both",
+        step_penalty=0.5,
+    )
     assert keep.tolist() == [False, True, True, False, False]
-    keep = _call(*_prof_batch([1, 1, 0, 0, 0], [0.9, 0.8, 0.1, 0.2, 0.3], steps=[1, 5, 5, 5, 5]),
-                 keep=2, variant="both", step_penalty=0.0)
+    keep = _call(
+        *_prof_batch([1, 1, 0, 0, 0], [0.9, 0.8, 0.1, 0.2, 0.3], steps=[1, 5, 5, 5, 5]),
+        keep=2,
+        variant="both",
+        step_penalty=0.0,
+    )
     assert keep.tolist() == [True, False, True, False, False]
     # a wrong 40-step answer's r^pro rises by λ: it becomes the clearer negative over a lower-PRM one
     batch = _prof_batch([1, 0, 0], [0.9, 0.2, 0.1], steps=[5, 40, 5])
@@ -162,30 +188,45 @@ def test_prof_never_touches_rewards_and_respects_valid() -> None:
     assert torch.equal(adv[~keep], torch.zeros(int((~keep).sum())))
     assert set(adv[keep].sign().tolist()) == {1.0, -1.0}
     # no PRM head in the batch: balanced seeded random sub-sampling, still m per group
-    keep = prof_grpo(r, g, valid=torch.ones(8, dtype=torch.bool), reward_heads=torch.zeros(8, 0), head_names=(),
-                     keep=4)
+    keep = prof_grpo(r, g, valid=torch.ones(8, dtype=torch.bool), reward_heads=torch.zeros(8, 0), head_names=(), keep=4)
     assert int(keep.sum()) == 4 and int(keep[:4].sum()) == 2
 
 
 def test_prof_options_and_config_keys() -> None:
     assert "prof_grpo" in algos.names("sample_filter")
-    assert option_problems("sample_filter", "prof_grpo", {"keep": 4, "variant": "both", "step_penalty": 0.1,
-                                                        "steps_head": "prm_steps"}) == []
+    assert (
+        option_problems(
+            "sample_filter", "prof_grpo", {"keep": 4, "variant": "both", "step_penalty": 0.1, "steps_head": "prm_steps"}
+        )
+        == []
+    )
     assert option_problems("sample_filter", "prof_grpo", {"variant": "neg"})[0][0] == "variant"
     assert option_problems("sample_filter", "prof_grpo", {"keep": 0})[0][0] == "keep"
-    cfg = load_config(RLConfig, None, TINY + [
-        "rollout.group_size=8", "algorithm.sample_filters=[{name: prof_grpo, options: {keep: 4, variant: both}}]"])
+    cfg = load_config(
+        RLConfig,
+        None,
+        TINY
+        + ["rollout.group_size=8", "algorithm.sample_filters=[{name: prof_grpo, options: {keep: 4, variant: both}}]"],
+    )
     validate_rl_config(cfg, 1)
     assert cfg.algorithm.sample_filters[0].options == {"keep": 4, "variant": "both"}
     for override, message in [
-        ("algorithm.sample_filters=[{name: prof_grpo, options: {variant: neg}}]",
-         "algorithm.sample_filters[0].options.variant: must be one of pos, both"),
-        ("algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: -1.0}}]",
-         "algorithm.sample_filters[0].options.step_penalty: must be >= 0"),
-        ("algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: 0.5}}]",
-         "algorithm.sample_filters[0].options.step_penalty: needs steps_head"),
-        ("algorithm.sample_filters=[{name: prof_grpo, options: {m: 4}}]",
-         "algorithm.sample_filters[0].options.m: is not an option"),
+        (
+            "algorithm.sample_filters=[{name: prof_grpo, options: {variant: neg}}]",
+            "algorithm.sample_filters[0].options.variant: must be one of pos, both",
+        ),
+        (
+            "algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: -1.0}}]",
+            "algorithm.sample_filters[0].options.step_penalty: must be >= 0",
+        ),
+        (
+            "algorithm.sample_filters=[{name: prof_grpo, options: {step_penalty: 0.5}}]",
+            "algorithm.sample_filters[0].options.step_penalty: needs steps_head",
+        ),
+        (
+            "algorithm.sample_filters=[{name: prof_grpo, options: {m: 4}}]",
+            "algorithm.sample_filters[0].options.m: is not an option",
+        ),
     ]:
         with pytest.raises(ConfigError, match=_literal(message)):
             validate_rl_config(load_config(RLConfig, None, TINY + [override]), 1)
@@ -212,12 +253,21 @@ def _segments(scores: list[list[float]], ends: list[list[int]], t: int, lengths:
 
 def _shape(adv_seq: torch.Tensor, heads, names, mask, valid=None, **options) -> torch.Tensor:
     n = mask.shape[0]
-    return exprl_segments(adv_seq[:, None] * mask, mask, rewards=torch.zeros(n),
-                          group_ids=torch.zeros(n, dtype=torch.long),
-                          valid=valid if valid is not None else torch.ones(n, dtype=torch.bool),
-                          domain_ids=torch.zeros(n, dtype=torch.long), reward_heads=heads, head_names=names,
-                          entropy=torch.zeros_like(mask), old_logp=torch.zeros_like(mask),
-                          rollout_logp=torch.zeros_like(mask), ref_logp=None, **options)
+    return exprl_segments(
+        adv_seq[:, None] * mask,
+        mask,
+        rewards=torch.zeros(n),
+        group_ids=torch.zeros(n, dtype=torch.long),
+        valid=valid if valid is not None else torch.ones(n, dtype=torch.bool),
+        domain_ids=torch.zeros(n, dtype=torch.long),
+        reward_heads=heads,
+        head_names=names,
+        entropy=torch.zeros_like(mask),
+        old_logp=torch.zeros_like(mask),
+        rollout_logp=torch.zeros_like(mask),
+        ref_logp=None,
+        **options,
+    )
 
 
 def test_exprl_delta_advantages_sum_to_zero_and_one_segment_gets_zero() -> None:
@@ -286,8 +336,11 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
 
     one, two = "étape un ###", "étape un ### step two ###"
     text = two + " answer 8"
-    rules = [[f"[Attempt]\n{one}\n", "Score: 2"], [f"[Attempt]\n{two}\n", "Score: 4"],
-             [f"[Attempt]\n{text}\n", "Score: 3"]]
+    rules = [
+        [f"[Attempt]\n{one}\n", "Score: 2"],
+        [f"[Attempt]\n{two}\n", "Score: 4"],
+        [f"[Attempt]\n{text}\n", "Score: 3"],
+    ]
     judge = ScriptedJudge(tmp_path, rules)
     try:
         with RewardRunner(judge_reward_fn("exprl_process", url=judge.url, reference="ref"), max_concurrency=2) as r:
@@ -298,35 +351,69 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
     tok = load_tokenizer()
     ids = tok.encode(text) + [tok.eos_id]
     prompt = Prompt(index=0, text="p", ids=[tok.bos_id] + tok.encode("p"))
-    s = Sample(prompt, 0, ids, [-1.0] * len(ids), policy_version=0, finish_reason="stop", text=text,
-               reward=res.reward, reward_heads={"exprl_process": res.reward}, info=dict(res.info))
-    plain = Sample(prompt, 0, ids[:4], [-1.0] * 4, policy_version=0, finish_reason="stop", reward=0.0,
-                   reward_heads={"exprl_process": 0.0})
+    s = Sample(
+        prompt,
+        0,
+        ids,
+        [-1.0] * len(ids),
+        policy_version=0,
+        finish_reason="stop",
+        text=text,
+        reward=res.reward,
+        reward_heads={"exprl_process": res.reward},
+        info=dict(res.info),
+    )
+    plain = Sample(
+        prompt,
+        0,
+        ids[:4],
+        [-1.0] * 4,
+        policy_version=0,
+        finish_reason="stop",
+        reward=0.0,
+        reward_heads={"exprl_process": 0.0},
+    )
     assert add_segment_heads([s, plain], tok) == 1
     e0, e1 = len(one.encode()), len(two.encode())  # token (byte) ends, not character ends
     assert (s.reward_heads["exprl_e0"], s.reward_heads["exprl_e1"], s.reward_heads["exprl_e2"]) == (e0, e1, len(ids))
     assert s.reward == 0.5  # the heads came after the sum: the reward is still s_T
     view = sequence_view([s, plain])
     mask = view.mask
-    out = exprl_segments(torch.ones(2, mask.shape[1]) * mask, mask, valid=view.ok.bool(),
-                         reward_heads=view.reward_heads, head_names=view.head_names)
-    assert out[0, :len(ids)].tolist() == [-0.25] * e0 + [0.5] * (e1 - e0) + [-0.25] * (len(ids) - e1)
+    out = exprl_segments(
+        torch.ones(2, mask.shape[1]) * mask,
+        mask,
+        valid=view.ok.bool(),
+        reward_heads=view.reward_heads,
+        head_names=view.head_names,
+    )
+    assert out[0, : len(ids)].tolist() == [-0.25] * e0 + [0.5] * (e1 - e0) + [-0.25] * (len(ids) - e1)
     assert out[1, :4].tolist() == [1.0] * 4  # no segments: the incoming advantage
 
 
 def test_exprl_config_keys() -> None:
-    cfg = load_config(RLConfig, None, TINY + [
-        "algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: end}}]"])
+    cfg = load_config(
+        RLConfig, None, TINY + ["algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: end}}]"]
+    )
     validate_rl_config(cfg, 1)
     with pytest.raises(ConfigError, match=_literal("algorithm.advantage_shaping[0].options.norm: must be one of")):
-        validate_rl_config(load_config(RLConfig, None, TINY + [
-            "algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: group}}]"]), 1)
+        validate_rl_config(
+            load_config(
+                RLConfig, None, TINY + ["algorithm.advantage_shaping=[{name: exprl_segments, options: {norm: group}}]"]
+            ),
+            1,
+        )
 
 
 # ============================================================================ RLCER
 
 from mcore_rl.algos.rlcer import (  # noqa: E402
-    cot_rewards, parse_rubrics, pearson, reasoner_rewards, rlcer, rubric_validity, rubricator_reward,
+    cot_rewards,
+    parse_rubrics,
+    pearson,
+    reasoner_rewards,
+    rlcer,
+    rubric_validity,
+    rubricator_reward,
 )
 
 
@@ -373,15 +460,16 @@ def test_rlcer_reasoner_reward_range_and_signed_rubrics() -> None:
     z = torch.tensor([1.0, 1.0, 0.0, 0.0])
     good = torch.tensor([1.0, 1.0, 0.0, 0.0])  # corr 1 with z
     v = torch.stack([good, good])
-    raw = lambda scores: (v * scores[:, None]).sum(0)  # noqa: E731
+    raw = lambda scores: (v * scores[:, None]).sum(0)
     assert raw(torch.tensor([2.0, -1.0]))[0] < raw(torch.tensor([2.0, 0.0]))[0]
     r_pos, _ = reasoner_rewards(z, good[None], torch.tensor([2.0]))
     r_neg, _ = reasoner_rewards(z, good[None], torch.tensor([-2.0]))
     assert r_pos.tolist() == [2.0, 2.0, -1.0, -1.0] and r_neg.tolist() == [1.0, 1.0, 0.0, 0.0]
     # only valid rubrics count: an invalid one with a huge score changes nothing
     bad = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    torch.testing.assert_close(cot_rewards(torch.stack([good, bad]), torch.tensor([1.0, 100.0]),
-                                           torch.tensor([True, False])), good.double())
+    torch.testing.assert_close(
+        cot_rewards(torch.stack([good, bad]), torch.tensor([1.0, 100.0]), torch.tensor([True, False])), good.double()
+    )
     # RQ1's rubric-only variant: r^Rea = r_cot
     r, _ = reasoner_rewards(z, good[None], torch.tensor([2.0]), cot_only=True)
     assert r.tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -424,9 +512,13 @@ def test_rlcer_reward_shaping_per_group() -> None:
     assert out[:4].tolist() == [2.0, 2.0, -1.0, -1.0]  # ±1 + minmax(3·v_0) — rubric 1 (corr 0) does not count
     assert out[4:].tolist() == [1.0, -1.0, -1.0, 1.0]  # no rubrics: the ±1 outcome
     # validity is per group: the same verdicts in a group where they do not track correctness
-    out = rlcer(torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.zeros(4, dtype=torch.long),
-                valid=torch.ones(4, dtype=torch.bool),
-                reward_heads=heads[:4], head_names=names)
+    out = rlcer(
+        torch.tensor([0.0, 0.0, 1.0, 1.0]),
+        torch.zeros(4, dtype=torch.long),
+        valid=torch.ones(4, dtype=torch.bool),
+        reward_heads=heads[:4],
+        head_names=names,
+    )
     assert out.tolist() == [-1.0, -1.0, 1.0, 1.0]
     # an invalid sample keeps its reward and is not in the group's statistics
     valid = torch.tensor([True, True, True, False] + [True] * 4)
@@ -450,9 +542,13 @@ def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
     label = {"answer": "4", "rubric": rubric, "rubric_scores": [2.0, -1.0]}
     texts = ["cot-A", "cot-B", "cot-C", "cot-D"]
     correct = [1.0, 1.0, 0.0, 0.0]
-    rules = [[["verifies the sum", "cot-A"], "Verdict: yes"], [["verifies the sum", "cot-B"], "Verdict: yes"],
-             [["verifies the sum"], "Verdict: no"], [["guesses", "cot-D"], "Verdict: yes"],
-             [["guesses"], "Verdict: no"]]
+    rules = [
+        [["verifies the sum", "cot-A"], "Verdict: yes"],
+        [["verifies the sum", "cot-B"], "Verdict: yes"],
+        [["verifies the sum"], "Verdict: no"],
+        [["guesses", "cot-D"], "Verdict: yes"],
+        [["guesses"], "Verdict: no"],
+    ]
     judge = ScriptedJudge(tmp_path, rules)
     try:
         with RewardRunner(judge_reward_fn("rubric", url=judge.url), max_concurrency=4) as runner:
@@ -461,23 +557,41 @@ def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
         judge.close()
     assert [r.info["verdicts"] for r in results] == [[1, 0], [1, 0], [0, 0], [0, 1]]
     prompt = Prompt(index=0, text="2+2=", ids=[1, 2], label=label)
-    samples = [Sample(prompt, 0, [5, 6], [-1.0, -1.0], policy_version=0, finish_reason="stop", text=t, reward=c,
-                      reward_heads={"correct": c, "rubric": r.reward}, info=dict(r.info))
-               for t, c, r in zip(texts, correct, results)]
+    samples = [
+        Sample(
+            prompt,
+            0,
+            [5, 6],
+            [-1.0, -1.0],
+            policy_version=0,
+            finish_reason="stop",
+            text=t,
+            reward=c,
+            reward_heads={"correct": c, "rubric": r.reward},
+            info=dict(r.info),
+        )
+        for t, c, r in zip(texts, correct, results)
+    ]
     assert add_rubric_heads(samples) == 4 and [s.reward for s in samples] == correct
     view = sequence_view(samples)
-    out = rlcer(view.rewards, view.group_ids, valid=view.ok.bool(), reward_heads=view.reward_heads,
-                head_names=view.head_names)
+    out = rlcer(
+        view.rewards, view.group_ids, valid=view.ok.bool(), reward_heads=view.reward_heads, head_names=view.head_names
+    )
     # rubric 0 tracks correctness (valid, +2), rubric 1 (only cot-D, wrong) has corr -0.58: invalid
     assert out.tolist() == [2.0, 2.0, -1.0, -1.0]
 
 
 def test_rlcer_config_keys() -> None:
-    validate_rl_config(load_config(RLConfig, None, TINY + [
-        "algorithm.reward_shaping=[{name: rlcer, options: {alpha: 0.2, cot_only: false}}]"]), 1)
+    validate_rl_config(
+        load_config(
+            RLConfig, None, TINY + ["algorithm.reward_shaping=[{name: rlcer, options: {alpha: 0.2, cot_only: false}}]"]
+        ),
+        1,
+    )
     with pytest.raises(ConfigError, match=_literal("algorithm.reward_shaping[0].options.alpha: must be in [-1, 1)")):
-        validate_rl_config(load_config(RLConfig, None, TINY + [
-            "algorithm.reward_shaping=[{name: rlcer, options: {alpha: 2.0}}]"]), 1)
+        validate_rl_config(
+            load_config(RLConfig, None, TINY + ["algorithm.reward_shaping=[{name: rlcer, options: {alpha: 2.0}}]"]), 1
+        )
 
 
 # ============================================================================ GRAPE
@@ -509,8 +623,8 @@ def test_grape_score_is_the_mean_log_prob_and_argmax_is_argmin_perplexity() -> N
         mask = (torch.arange(t)[None] < lengths[:, None]).float()
         s = grape_scores(lp, mask)
         for i in range(c):
-            assert abs(float(s[i]) - float(lp[i, :lengths[i]].mean())) < 1e-12
-        ppl = torch.exp(-torch.stack([lp[i, :lengths[i]].mean() for i in range(c)]))
+            assert abs(float(s[i]) - float(lp[i, : lengths[i]].mean())) < 1e-12
+        ppl = torch.exp(-torch.stack([lp[i, : lengths[i]].mean() for i in range(c)]))
         torch.testing.assert_close(perplexity(s), ppl)
         assert int(select(s, torch.zeros(c, dtype=torch.long))[0]) == int(ppl.argmin())
 
@@ -552,8 +666,10 @@ def test_grape_tool_scores_with_the_engine_and_the_reference_model_and_leaves_th
     engine = EngineCore.from_model_path(None, context_length=256)
     tok = engine.tokenizer
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    rows = [{"prompt": "12+34=", "id": "a", "candidates": ["64", "46", {"response": "4600000", "source": "big"}]},
-            {"prompt": "5+5=", "candidates": ["01", ""]}]
+    rows = [
+        {"prompt": "12+34=", "id": "a", "candidates": ["64", "46", {"response": "4600000", "source": "big"}]},
+        {"prompt": "5+5=", "candidates": ["01", ""]},
+    ]
     by_engine, _ = tool.grape_select(rows, tool.EngineScorer(engine), tok)
     ref = tool.ReferenceScorer(engine.model, 256)
     by_ref, empty = tool.grape_select(rows, ref, tok)
@@ -571,7 +687,7 @@ def test_grape_tool_scores_with_the_engine_and_the_reference_model_and_leaves_th
                 continue
             with torch.no_grad():
                 logits = engine.model(torch.tensor([p + r])).logits[0].double()
-            lp = torch.log_softmax(logits[len(p) - 1:-1], -1).gather(1, torch.tensor(r)[:, None])
+            lp = torch.log_softmax(logits[len(p) - 1 : -1], -1).gather(1, torch.tensor(r)[:, None])
             means.append(float(lp.mean()))
         assert kept["grape_index"] == max(range(len(means)), key=lambda j: (means[j], -j))
         assert abs(kept["grape_score"] - max(means)) < 1e-9
@@ -596,7 +712,10 @@ LEARNER_OPTIONS = [
     " steps_head: prm_steps}}]",
     "algorithm.reward_shaping=[{name: rlcer}]",
     "algorithm.advantage_shaping=[{name: exprl_segments}]",
-    "algorithm.num_minibatches=1", "train.micro_batch_size=2", "init.sft_steps=0", "rollout.group_size=6",
+    "algorithm.num_minibatches=1",
+    "train.micro_batch_size=2",
+    "init.sft_steps=0",
+    "rollout.group_size=6",
 ]
 
 
@@ -613,14 +732,29 @@ def _learner_samples(tokenizer) -> list:
         prompt = Prompt(index=g, text=f"{g}+1=", ids=[tokenizer.bos_id] + tokenizer.encode(f"{g}+1="))
         for i in range(6):
             correct = float(i % 2 == 0)
-            heads = {"correct": correct, "prm": round(rng.random(), 3), "prm_steps": float(rng.choice([1, 4, 7])),
-                     "rlcer_v0": float(correct if i < 4 else 1 - correct), "rlcer_w0": 2.0}
+            heads = {
+                "correct": correct,
+                "prm": round(rng.random(), 3),
+                "prm_steps": float(rng.choice([1, 4, 7])),
+                "rlcer_v0": float(correct if i < 4 else 1 - correct),
+                "rlcer_w0": 2.0,
+            }
             if i in (1, 2, 4):
                 s = [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) for _ in range(2)]
                 heads.update(segment_heads(s, [2, 6]))
             rsp = [rng.randrange(3, 60) for _ in range(6)]
-            out.append(Sample(prompt, g, rsp, [-1.0] * 6, policy_version=0, finish_reason="stop", reward=correct,
-                              reward_heads=heads))
+            out.append(
+                Sample(
+                    prompt,
+                    g,
+                    rsp,
+                    [-1.0] * 6,
+                    policy_version=0,
+                    finish_reason="stop",
+                    reward=correct,
+                    reward_heads=heads,
+                )
+            )
     return out
 
 
@@ -640,8 +774,17 @@ def _learner_world(rank: int, world_size: int) -> None:
     v = sequence_view(samples)
     common = dict(domain_ids=v.domain_ids, reward_heads=v.reward_heads, head_names=v.head_names)
     lengths = v.mask.sum(1).long()
-    keep = prof_grpo(v.rewards, v.group_ids, valid=v.ok.bool(), lengths=lengths, keep=4, variant="both",
-                     step_penalty=0.1, steps_head="prm_steps", **common)
+    keep = prof_grpo(
+        v.rewards,
+        v.group_ids,
+        valid=v.ok.bool(),
+        lengths=lengths,
+        keep=4,
+        variant="both",
+        step_penalty=0.1,
+        steps_head="prm_steps",
+        **common,
+    )
     assert int(keep.sum()) == 8 and metrics["filter/prof_grpo/dropped_frac"] == 4 / 12
     r = rlcer(v.rewards, v.group_ids, valid=keep, lengths=lengths, **common)
     adv = grpo(r, v.group_ids, normalize_std=True, valid=keep, **common)
@@ -677,8 +820,17 @@ def test_grape_tool_over_a_real_mcore_rl_serve(tmp_path) -> None:
     rows = [{"prompt": "12+34=", "candidates": ["64", "46", "4600000"]}, {"prompt": "5+5=", "candidates": ["01", "1"]}]
     local = EngineCore.from_model_path(None, context_length=256)
     want, _ = tool.grape_select(rows, tool.EngineScorer(local), local.tokenizer)
-    engines = EngineProcesses.start(ModelConfig(), num=1, workdir=str(tmp_path), seed=0, context_length=256,
-                                    max_running_requests=4, threads=1, api_key="k", startup_timeout_s=120)
+    engines = EngineProcesses.start(
+        ModelConfig(),
+        num=1,
+        workdir=str(tmp_path),
+        seed=0,
+        context_length=256,
+        max_running_requests=4,
+        threads=1,
+        api_key="k",
+        startup_timeout_s=120,
+    )
     try:
         scorer, tok = tool.build_scorer("url", None, None, engines.urls[0], 256, api_key="k")
         got, empty = tool.grape_select(rows, scorer, tok)

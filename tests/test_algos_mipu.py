@@ -96,9 +96,7 @@ def test_p4_t_post_zero_when_rho_one_and_equals_minus_covariance() -> None:
     assert t == pytest.approx(0.0, abs=1e-7) and accept(t, 0.0)
     pi = mu + 0.05 * torch.randn(12, 5, generator=g)
     rho = sequence_ratio(pi, mu, mask)
-    cov = sum(
-        float(((rho[groups == k] - rho[groups == k].mean()) * adv[groups == k]).mean()) for k in range(3)
-    ) / 3
+    cov = sum(float(((rho[groups == k] - rho[groups == k].mean()) * adv[groups == k]).mean()) for k in range(3)) / 3
     assert t_hat_post(pi, mu, mask, adv) == pytest.approx(-cov, abs=1e-6)
     # length-normalised: padding does not change ρ
     padded = torch.cat([pi, torch.zeros(12, 3)], 1), torch.cat([mu, torch.full((12, 3), -9.0)], 1)
@@ -139,7 +137,9 @@ def _trainer_checksum(model: torch.nn.Module, opt) -> str:
         for k in sorted(opt.optimizer.state.get(m, {})):
             v = opt.optimizer.state[m][k]
             tensors.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-    tensors.append(torch.tensor([opt.get_lr(), float(opt.scheduler.state_dict().get("num_steps", 0))], dtype=torch.float64))
+    tensors.append(
+        torch.tensor([opt.get_lr(), float(opt.scheduler.state_dict().get("num_steps", 0))], dtype=torch.float64)
+    )
     return _checksum(tensors) + repr(sorted(opt.scheduler.state_dict().items()))
 
 
@@ -240,7 +240,14 @@ def test_controller_requires_begin_and_counts_only_accepted_if_asked() -> None:
 def test_lr_decay_baseline() -> None:
     assert lr_decay_baseline(50, 1.0, None, 10) == 1.0
     assert [lr_decay_baseline(t, 1.0, 20, 10) for t in (19, 20, 29, 30, 40, 50, 60, 1000)] == [
-        1.0, 0.5, 0.5, 0.25, 0.125, 0.1, 0.1, 0.1,
+        1.0,
+        0.5,
+        0.5,
+        0.25,
+        0.125,
+        0.1,
+        0.1,
+        0.1,
     ]
     assert lr_decay_baseline(35, 1.0, 20, 10, factor=0.25, min_lr=0.01) == 0.25**2
 
@@ -364,10 +371,14 @@ def test_flip_probability_and_bootstrap_flip_rate() -> None:
     assert flip_probability(t, se, -t + se) == pytest.approx(0.1587, abs=1e-3)
     assert bootstrap_flip_rate(sums, counts, -t + se, 4000, seed=2) == pytest.approx(0.1587, abs=0.03)
     # seeded: the same resamples
-    assert bootstrap_flip_rate(sums, counts, -t + se, 300, seed=3) == bootstrap_flip_rate(sums, counts, -t + se, 300, seed=3)
+    assert bootstrap_flip_rate(sums, counts, -t + se, 300, seed=3) == bootstrap_flip_rate(
+        sums, counts, -t + se, 300, seed=3
+    )
     # the "se" rule's threshold is -c - z·SE
     assert flip_probability(t, se, -t - 2 * se, z=2.0) == pytest.approx(0.5)
-    assert bootstrap_flip_rate(sums, counts, -t - 2 * se, 2000, seed=4, rule="se", z=2.0) == pytest.approx(0.5, abs=0.08)
+    assert bootstrap_flip_rate(sums, counts, -t - 2 * se, 2000, seed=4, rule="se", z=2.0) == pytest.approx(
+        0.5, abs=0.08
+    )
     assert flip_probability(t, math.inf, 0.0) == 0.5 and flip_probability(-1.0, 0.0, 0.0) == 0.0
 
 
@@ -387,8 +398,16 @@ def test_se_decision_rule_rejects_only_beyond_z_standard_errors() -> None:
 
 def test_controller_with_the_se_rule_and_logged_noise() -> None:
     calls: list[str] = []
-    ctrl = MIPUController(lambda: "snap", lambda s: calls.append("restore"), lambda: calls.append("resync"),
-                          c_start=1e-3, c_end=1e-3, rule="se", z=2.0, bootstrap=100)
+    ctrl = MIPUController(
+        lambda: "snap",
+        lambda s: calls.append("restore"),
+        lambda: calls.append("resync"),
+        c_start=1e-3,
+        c_end=1e-3,
+        rule="se",
+        z=2.0,
+        bootstrap=100,
+    )
     sums = torch.tensor([-0.06, 0.0, -0.01, 0.02], dtype=torch.float64)
     counts = torch.full((4,), 8.0, dtype=torch.float64)
     t, se = ratio_se(sums, counts)
@@ -404,8 +423,9 @@ def test_controller_with_the_se_rule_and_logged_noise() -> None:
     ctrl.begin()
     with pytest.raises(ValueError, match="needs the estimate"):
         ctrl.decide(t)
-    plain = MIPUController(lambda: "snap", lambda s: calls.append("restore"), lambda: calls.append("resync"),
-                           c_start=1e-3, c_end=1e-3)
+    plain = MIPUController(
+        lambda: "snap", lambda s: calls.append("restore"), lambda: calls.append("resync"), c_start=1e-3, c_end=1e-3
+    )
     plain.begin()
     assert not plain.decide(est).accepted and calls == ["restore", "resync"]
     plain.begin()

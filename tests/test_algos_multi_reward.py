@@ -70,17 +70,17 @@ def test_golongrl_weight_is_one_at_half_solved_and_never_flips_a_sign() -> None:
 
 def test_golongrl_quarter_and_three_quarter_solved_factors() -> None:
     w = difficulty_weight(torch.tensor([0.25, 0.75]))
-    torch.testing.assert_close(w, torch.tensor([E ** 0.25, E ** -0.25]))
+    torch.testing.assert_close(w, torch.tensor([E**0.25, E**-0.25]))
     one = torch.tensor([1.0, -1.0])
     torch.testing.assert_close(reweight(one, w[:1].expand(2)), torch.tensor([1.2840, -0.7788]), atol=1e-4, rtol=0)
     torch.testing.assert_close(reweight(one, w[1:].expand(2)), torch.tensor([0.7788, -1.2840]), atol=1e-4, rtol=0)
     # through the estimator: one prompt, one of four solved -> p̂ = 1/4 (μ̃ = μ_u = μ_task = 0.25)
     r, g = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
     a_hat = golongrl(r, g, difficulty_reweight=False)
-    torch.testing.assert_close(golongrl(r, g), torch.cat([a_hat[:1] * E ** 0.25, a_hat[1:] / E ** 0.25]))
+    torch.testing.assert_close(golongrl(r, g), torch.cat([a_hat[:1] * E**0.25, a_hat[1:] / E**0.25]))
     r3 = 1 - r  # three of four: p̂ = 3/4
     a3 = golongrl(r3, g, difficulty_reweight=False)
-    torch.testing.assert_close(golongrl(r3, g), torch.cat([a3[:1] * E ** 0.25, a3[1:] / E ** 0.25]))
+    torch.testing.assert_close(golongrl(r3, g), torch.cat([a3[:1] * E**0.25, a3[1:] / E**0.25]))
 
 
 def test_golongrl_scaling_one_task_leaves_it_unchanged_and_keeps_relative_spread() -> None:
@@ -132,13 +132,15 @@ def test_golongrl_smoothed_mean_weighs_the_prompt_by_alpha_and_the_task_by_one_m
     p̂ (the share above μ̃) depends on which mean gets which weight. The batch is built so that the
     swapped weights give another p̂ for some prompt (checked), and the estimator equals the spec."""
     # task 0: prompts of mean 0.625 and 0.25; task 1: three prompts, means 0.875, 0.5, 0.125
-    r = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.6, 0.2, 0.1, 0.1,
-                      1.0, 1.0, 1.0, 0.5, 0.9, 0.5, 0.3, 0.3, 0.5, 0.0, 0.0, 0.0])
+    r = torch.tensor(
+        [1.0, 0.8, 0.5, 0.2, 0.6, 0.2, 0.1, 0.1, 1.0, 1.0, 1.0, 0.5, 0.9, 0.5, 0.3, 0.3, 0.5, 0.0, 0.0, 0.0]
+    )
     g = _groups(5, 4)
     dom = torch.tensor([0, 0, 1, 1, 1]).repeat_interleave(4)
     want = _golongrl_spec(r, g, dom, alpha)
-    torch.testing.assert_close(golongrl(r, g, domain_ids=dom, alpha=alpha, delta=1e-6).double(), want,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        golongrl(r, g, domain_ids=dom, alpha=alpha, delta=1e-6).double(), want, rtol=1e-5, atol=1e-6
+    )
     swapped = _golongrl_spec(r, g, dom, 1 - alpha)
     assert not torch.allclose(swapped, want, rtol=1e-3, atol=1e-4)  # the test can tell the weights apart
 
@@ -228,7 +230,8 @@ def test_dvao_constant_head_gets_no_weight_and_stays_finite() -> None:
     torch.testing.assert_close(a3, a2)  # the constant head's ŵ = 0
     assert bool(torch.isfinite(a3).all())
     closed = sum(w3[k] * (const[:, k] - _group_mean(const[:, k], g)) for k in range(3)) / sum(
-        w3[k] * _group_pop_std(const[:, k], g) for k in range(3))
+        w3[k] * _group_pop_std(const[:, k], g) for k in range(3)
+    )
     torch.testing.assert_close(a3, closed)
     all_const = torch.ones(len(g), 2, dtype=torch.float64)
     a0, _ = dvao_combine(all_const, torch.tensor([0.5, 0.5], dtype=torch.float64), g, ok)
@@ -250,8 +253,10 @@ def test_dvao_finite_differences_match_proposition_3() -> None:
     ok = torch.ones(len(g), dtype=torch.bool)
     big_g = 5
     a, _ = dvao_combine(r, w, g, ok)
-    mu, sd = torch.stack([_group_mean(r[:, k], g) for k in range(3)], 1), torch.stack(
-        [_group_pop_std(r[:, k], g) for k in range(3)], 1)
+    mu, sd = (
+        torch.stack([_group_mean(r[:, k], g) for k in range(3)], 1),
+        torch.stack([_group_pop_std(r[:, k], g) for k in range(3)], 1),
+    )
     a_k = (r - mu) / sd
     s = (w * sd).sum(1)
     h = 1e-6
@@ -272,8 +277,9 @@ def test_dvao_heads_from_the_matrix_weights_and_missing_domains() -> None:
     heads[g >= 2] = float("nan")  # prompts 2, 3 come from a domain without these heads
     scalar = torch.rand(16, generator=_gen(1))
     adv = dvao(scalar, g, reward_heads=heads, head_names=["acc", "fmt"], weights={"acc": 3, "fmt": 1})
-    a, _ = dvao_combine(r[g < 2], torch.tensor([0.75, 0.25], dtype=torch.float64), g[g < 2],
-                        torch.ones(8, dtype=torch.bool))
+    a, _ = dvao_combine(
+        r[g < 2], torch.tensor([0.75, 0.25], dtype=torch.float64), g[g < 2], torch.ones(8, dtype=torch.bool)
+    )
     torch.testing.assert_close(adv[g < 2], a.float())
     torch.testing.assert_close(adv[g >= 2], _pop_grpo(scalar[g >= 2], g[g >= 2]).float(), atol=1e-5, rtol=1e-5)
     scaled = dvao(scalar, g, reward_heads=heads, head_names=["acc", "fmt"], weights={"acc": 0.3, "fmt": 0.1})
@@ -333,13 +339,25 @@ def test_papo_mixed_group_signs() -> None:
     assert float(adv[1]) < 0  # a correct answer below zero only through its poor process score
     # outcome from a head, process head under another name; a correct sample without a score is left out of C
     heads = torch.stack([out, proc], 1)
-    named = papo(torch.zeros(6), g, reward_heads=heads, head_names=["correct", "steps"], outcome_head="correct",
-                 process_head="steps")
+    named = papo(
+        torch.zeros(6),
+        g,
+        reward_heads=heads,
+        head_names=["correct", "steps"],
+        outcome_head="correct",
+        process_head="steps",
+    )
     torch.testing.assert_close(named, adv.float())
     holes = heads.clone()
     holes[0, 1] = float("nan")
-    left_out = papo(torch.zeros(6), g, reward_heads=holes, head_names=["correct", "steps"], outcome_head="correct",
-                    process_head="steps")
+    left_out = papo(
+        torch.zeros(6),
+        g,
+        reward_heads=holes,
+        head_names=["correct", "steps"],
+        outcome_head="correct",
+        process_head="steps",
+    )
     torch.testing.assert_close(left_out[0], a_out[0].float())
     c = torch.tensor([1, 2, 5])
     want = (proc[c] - proc[c].mean()) / proc[c].std(unbiased=False) + a_out[c].float()
@@ -394,8 +412,15 @@ def test_alp_with_grpo_ranks_an_all_correct_group_by_length() -> None:
 def test_alp_uses_a_correctness_head_and_its_threshold() -> None:
     heads = torch.tensor([[1.0], [0.0], [float("nan")], [1.0]])
     r = torch.tensor([0.9, 0.2, 0.5, 0.6])  # e.g. accuracy + format, weighted
-    out = alp(r, torch.zeros(4, dtype=torch.long), lengths=torch.full((4,), 100), reward_heads=heads,
-              head_names=["correct"], correct_head="correct", beta=1e-3)
+    out = alp(
+        r,
+        torch.zeros(4, dtype=torch.long),
+        lengths=torch.full((4,), 100),
+        reward_heads=heads,
+        head_names=["correct"],
+        correct_head="correct",
+        beta=1e-3,
+    )
     torch.testing.assert_close(r - out, torch.full((4,), 1e-3 * 100 * 0.5))  # two of four solved
 
 
@@ -411,9 +436,15 @@ def test_cgpo_a_violated_judge_zeroes_the_reward() -> None:
         heads[torch.rand(n, 3, generator=gen) < 0.2] = float("nan")  # that judge does not apply
         g = _groups(3, 4)
         for calibrate in (False, True):
-            out = cgpo_judges(r, g, reward_heads=heads, head_names=["fmt", "safe", "style"], judges=["fmt", "safe"],
-                              calibrate=calibrate)
-            bad = ((heads[:, :2] == 0)).any(1)
+            out = cgpo_judges(
+                r,
+                g,
+                reward_heads=heads,
+                head_names=["fmt", "safe", "style"],
+                judges=["fmt", "safe"],
+                calibrate=calibrate,
+            )
+            bad = (heads[:, :2] == 0).any(1)
             assert bool((out[bad] == 0).all()), seed
             if not calibrate:
                 assert torch.equal(out[~bad], r[~bad])
@@ -435,20 +466,43 @@ def test_cgpo_a_judge_score_exactly_at_the_threshold_passes(threshold: float) ->
     through the sequence view's float32 head matrix), where 0.7 is 0.69999999 and must still pass 0.7."""
     below = float(torch.nextafter(torch.tensor(threshold), torch.tensor(-math.inf)))
     scores = [threshold, below, threshold, 2 * threshold + 1]
-    samples = [Sample(Prompt(index=0, text="p", ids=[1]), group=0, response_ids=[2],
-                      rollout_logp=[-1.0], policy_version=0, finish_reason="stop", reward=float(i + 2),
-                      reward_heads={"safe": sc}) for i, sc in enumerate(scores)]
+    samples = [
+        Sample(
+            Prompt(index=0, text="p", ids=[1]),
+            group=0,
+            response_ids=[2],
+            rollout_logp=[-1.0],
+            policy_version=0,
+            finish_reason="stop",
+            reward=float(i + 2),
+            reward_heads={"safe": sc},
+        )
+        for i, sc in enumerate(scores)
+    ]
     view = sequence_view(samples)
     for calibrate in (False, True):
-        out = cgpo_judges(view.rewards, view.group_ids, reward_heads=view.reward_heads, head_names=view.head_names,
-                          judges=["safe"], pass_threshold=threshold, calibrate=calibrate)
+        out = cgpo_judges(
+            view.rewards,
+            view.group_ids,
+            reward_heads=view.reward_heads,
+            head_names=view.head_names,
+            judges=["safe"],
+            pass_threshold=threshold,
+            calibrate=calibrate,
+        )
         passed = (out != 0).tolist()
         assert passed == [True, False, True, True], (calibrate, out.tolist())
         if not calibrate:
             assert out.tolist() == [2.0, 0.0, 4.0, 5.0]
     exact = torch.tensor([[threshold], [threshold]], dtype=torch.float64)  # float64 heads: exact too
-    assert cgpo_judges(torch.tensor([1.0, 2.0]), torch.zeros(2, dtype=torch.long), reward_heads=exact,
-                       head_names=["safe"], judges=["safe"], pass_threshold=threshold).tolist() == [1.0, 2.0]
+    assert cgpo_judges(
+        torch.tensor([1.0, 2.0]),
+        torch.zeros(2, dtype=torch.long),
+        reward_heads=exact,
+        head_names=["safe"],
+        judges=["safe"],
+        pass_threshold=threshold,
+    ).tolist() == [1.0, 2.0]
 
 
 def test_cgpo_calibrated_reward_is_in_the_unit_interval_and_half_at_the_reference() -> None:
@@ -459,11 +513,19 @@ def test_cgpo_calibrated_reward_is_in_the_unit_interval_and_half_at_the_referenc
     assert torch.equal(calibrated(a, a), torch.full((50,), 0.5))
     heads = torch.stack([torch.ones(4), torch.tensor([0.3, 0.1, 0.2, 0.3])], 1)
     r = torch.tensor([0.3, 0.5, 0.0, 1.0])
-    out = cgpo_judges(r, torch.zeros(4, dtype=torch.long), reward_heads=heads, head_names=["ok", "ref"], judges=["ok"],
-                      calibrate=True, reference_head="ref")
+    out = cgpo_judges(
+        r,
+        torch.zeros(4, dtype=torch.long),
+        reward_heads=heads,
+        head_names=["ok", "ref"],
+        judges=["ok"],
+        calibrate=True,
+        reference_head="ref",
+    )
     assert float(out[0]) == 0.5 and bool(((out > 0) & (out < 1)).all())
-    to_mean = cgpo_judges(r, torch.zeros(4, dtype=torch.long), reward_heads=heads, head_names=["ok", "ref"],
-                          judges=["ok"], calibrate=True)
+    to_mean = cgpo_judges(
+        r, torch.zeros(4, dtype=torch.long), reward_heads=heads, head_names=["ok", "ref"], judges=["ok"], calibrate=True
+    )
     torch.testing.assert_close(to_mean, torch.sigmoid(r - r.mean()))  # ā: the group's average response
 
 
@@ -534,8 +596,15 @@ def test_every_advantage_takes_domains_and_heads_and_the_old_ones_ignore_them() 
     needed = {"cgpo_judges": {"judges": ["a"]}}  # options without a default
     for name in algos.names("reward_shaping"):
         fn = algos.get("reward_shaping", name)
-        out = fn(r, g, valid=valid, lengths=torch.full((12,), 3), seq_logp=-torch.rand(12, generator=gen) * 5, **extra,
-                 **needed.get(name, {}))
+        out = fn(
+            r,
+            g,
+            valid=valid,
+            lengths=torch.full((12,), 3),
+            seq_logp=-torch.rand(12, generator=gen) * 5,
+            **extra,
+            **needed.get(name, {}),
+        )
         assert out.shape == (12,) and out.dtype == torch.float32 and bool(torch.isfinite(out).all()), name
     assert {"alp", "cgpo_judges"} <= set(algos.names("reward_shaping"))
     assert {"golongrl", "dvao", "papo"} <= set(algos.names("advantage"))
@@ -543,8 +612,16 @@ def test_every_advantage_takes_domains_and_heads_and_the_old_ones_ignore_them() 
 
 def _sample(domain: str, group: int, reward: float, heads: dict[str, float], n_tokens: int = 3) -> Sample:
     p = Prompt(index=group, text="q", ids=[1, 2], domain=domain)
-    return Sample(p, group, list(range(3, 3 + n_tokens)), [-0.5] * n_tokens, policy_version=0, finish_reason="stop",
-                  reward=reward, reward_heads=heads)
+    return Sample(
+        p,
+        group,
+        list(range(3, 3 + n_tokens)),
+        [-0.5] * n_tokens,
+        policy_version=0,
+        finish_reason="stop",
+        reward=reward,
+        reward_heads=heads,
+    )
 
 
 def test_sequence_view_carries_domain_ids_and_the_head_matrix() -> None:
@@ -560,8 +637,11 @@ def test_sequence_view_carries_domain_ids_and_the_head_matrix() -> None:
     assert view.head_names == ["correct", "format", "tests"]
     assert view.reward_heads.shape == (4, 3)
     nan = float("nan")
-    torch.testing.assert_close(view.reward_heads, torch.tensor(
-        [[1.0, nan, nan], [nan, 1.0, 0.5], [0.0, nan, nan], [nan, nan, nan]]), equal_nan=True)
+    torch.testing.assert_close(
+        view.reward_heads,
+        torch.tensor([[1.0, nan, nan], [nan, 1.0, 0.5], [0.0, nan, nan], [nan, nan, nan]]),
+        equal_nan=True,
+    )
     plain = sequence_view([_sample("", 0, 1.0, {})])
     assert plain.domain_names == [""] and plain.reward_heads.shape == (1, 0)
 
@@ -573,8 +653,13 @@ def test_restrict_to_domains_and_domain_metrics() -> None:
     assert restrict_to_domains(new, old, ids, names, ["math"]).tolist() == [1, 8, 3]
     assert restrict_to_domains(new, old, ids, names, ["code"]).tolist() == [1, 2, 3]  # not in this batch
     adv = torch.tensor([0.5, -1.0, 0.0, 2.0])
-    m = domain_metrics(adv, torch.tensor([1.0, 0.0, 0.5, 1.0]), torch.tensor([True, True, True, False]),
-                       torch.tensor([0, 1, 0, 1]), ["chat", "math"])
+    m = domain_metrics(
+        adv,
+        torch.tensor([1.0, 0.0, 0.5, 1.0]),
+        torch.tensor([True, True, True, False]),
+        torch.tensor([0, 1, 0, 1]),
+        ["chat", "math"],
+    )
     assert m["advantage/chat/samples"] == 2 and m["advantage/chat/mean"] == 0.25
     assert m["advantage/chat/zero_frac"] == 0.5 and m["advantage/math/abs_mean"] == 1.0
     assert m["advantage/math/reward_mean"] == 0.0  # the invalid sample counts nowhere
@@ -583,23 +668,33 @@ def test_restrict_to_domains_and_domain_metrics() -> None:
 def test_option_problems_name_the_option() -> None:
     assert option_problems("advantage", "golongrl", {"alpha": 0.5}) == []
     assert option_problems("advantage", "grpo", {"eps": 1e-8}) == []
-    (key, msg), = option_problems("advantage", "golongrl", {"alfa": 0.5})
+    ((key, msg),) = option_problems("advantage", "golongrl", {"alfa": 0.5})
     assert key == "alfa" and "alpha, delta, difficulty_reweight" in msg
-    (key, msg), = option_problems("advantage", "golongrl", {"alpha": 1.5})
+    ((key, msg),) = option_problems("advantage", "golongrl", {"alpha": 1.5})
     assert key == "alpha" and "[0, 1]" in msg
-    (key, msg), = option_problems("advantage", "golongrl", {"difficulty_reweight": "yes"})
+    ((key, msg),) = option_problems("advantage", "golongrl", {"difficulty_reweight": "yes"})
     assert key == "difficulty_reweight" and "bool" in msg
     assert option_problems("advantage", "golongrl", {"alpha": 1})[0:] == []  # an int is a float
-    (key, _), = option_problems("reward_shaping", "cgpo_judges", {})
+    ((key, _),) = option_problems("reward_shaping", "cgpo_judges", {})
     assert key == "judges"
-    (key, msg), = option_problems("advantage", "grpo", {"valid": None})
+    ((key, msg),) = option_problems("advantage", "grpo", {"valid": None})
     assert key == "valid" and "not an option" in msg  # the learner's inputs are not options
 
 
-TINY = ["model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.max_position_embeddings=64", "train.seq_length=32",
-        "data.synthetic_max_digits=1", "rollout.group_size=4", "rollout.prompts_per_step=4",
-        "rollout.max_new_tokens=4", "rollout.context_length=64"]
+TINY = [
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=64",
+    "train.seq_length=32",
+    "data.synthetic_max_digits=1",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=4",
+    "rollout.context_length=64",
+]
 
 EXAMPLE_YAML = """
 algorithm:
@@ -628,23 +723,35 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path) -> N
     bad = [
         ("algorithm.advantage_options={alpha: 2}", "algorithm.advantage_options.alpha: must be in [0, 1]"),
         ("algorithm.advantage_options={gamma: 2}", "algorithm.advantage_options.gamma: is not an option"),
-        ("algorithm.reward_shaping=[{name: lenpen}]",
-         "algorithm.reward_shaping[0].name: unknown reward shaping 'lenpen'"),
+        (
+            "algorithm.reward_shaping=[{name: lenpen}]",
+            "algorithm.reward_shaping[0].name: unknown reward shaping 'lenpen'",
+        ),
         ("algorithm.reward_shaping=[{name: cgpo_judges}]", "algorithm.reward_shaping[0].options.judges: must list"),
-        ("algorithm.reward_shaping=[{name: alp, options: {beta: -1}}]",
-         "algorithm.reward_shaping[0].options.beta: must be >= 0"),
-        ("algorithm.reward_shaping=[{name: alp, domains: [math, math]}]",
-         "algorithm.reward_shaping[0].domains: lists a domain twice"),
-        ("algorithm.domain_advantage_weights={math: -0.5}",
-         "algorithm.domain_advantage_weights.math: must be a number >= 0"),
-        ("algorithm.domain_advantage_weights={math: high}",
-         "algorithm.domain_advantage_weights.math: must be a number"),
+        (
+            "algorithm.reward_shaping=[{name: alp, options: {beta: -1}}]",
+            "algorithm.reward_shaping[0].options.beta: must be >= 0",
+        ),
+        (
+            "algorithm.reward_shaping=[{name: alp, domains: [math, math]}]",
+            "algorithm.reward_shaping[0].domains: lists a domain twice",
+        ),
+        (
+            "algorithm.domain_advantage_weights={math: -0.5}",
+            "algorithm.domain_advantage_weights.math: must be a number >= 0",
+        ),
+        (
+            "algorithm.domain_advantage_weights={math: high}",
+            "algorithm.domain_advantage_weights.math: must be a number",
+        ),
     ]
     for override, message in bad:
         cfg = load_config(RLConfig, None, TINY + ["algorithm.advantage=golongrl", override])
         with pytest.raises(ConfigError, match=_literal(message)):
             validate_rl_config(cfg, 1)
-    with pytest.raises(ConfigError, match=_literal("rollout.group_size: is 1, but the group-relative advantage 'papo'")):
+    with pytest.raises(
+        ConfigError, match=_literal("rollout.group_size: is 1, but the group-relative advantage 'papo'")
+    ):
         validate_rl_config(load_config(RLConfig, None, TINY + ["algorithm.advantage=papo", "rollout.group_size=1"]), 1)
 
 
@@ -659,7 +766,7 @@ def test_a_registration_without_the_kinds_signature_fails_validation() -> None:
 
     registry.register("advantage", "two_args_only")(lambda rewards, group_ids: rewards)
     try:
-        (key, msg), = option_problems("advantage", "two_args_only", {})
+        ((key, msg),) = option_problems("advantage", "two_args_only", {})
         assert key == "" and "unexpected keyword argument" in msg
     finally:
         del registry._TABLES["advantage"]["two_args_only"]

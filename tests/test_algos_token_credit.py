@@ -227,8 +227,15 @@ def test_vimpo_at_the_reference_policy_everything_vanishes() -> None:
     rewards, gids = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1])
     centred = dr_grpo(rewards, gids)
     torch.testing.assert_close(centred, torch.tensor([0.5, -0.5, 0.0, 0.0]))
-    out = vimpo_value(logp.clone().requires_grad_(), ref_logp=logp, mask=mask, seq_advantages=centred,
-                      agg="seq-mean-token-mean", rewards=rewards, group_ids=gids)
+    out = vimpo_value(
+        logp.clone().requires_grad_(),
+        ref_logp=logp,
+        mask=mask,
+        seq_advantages=centred,
+        agg="seq-mean-token-mean",
+        rewards=rewards,
+        group_ids=gids,
+    )
     torch.testing.assert_close(out.loss, (0.5 * centred.square()).mean().double())
     per_seq = 0.5 * centred.square().double()
     torch.testing.assert_close(value_loss_per_sequence(logp, logp, k3(logp, logp), centred, mask, 0.1), per_seq)
@@ -269,8 +276,13 @@ def test_vimpo_value_loss_has_no_gradient_through_the_kl() -> None:
         (grad,) = torch.autograd.grad(loss_fn(logp), logits)
         return grad
 
-    got = grad_of(lambda lp: vimpo_value(lp, ref_logp=ref_logp, mask=mask, seq_advantages=target, beta=beta,
-                                         agg="seq-mean-token-mean").loss_sum)
+    got = grad_of(
+        lambda lp: (
+            vimpo_value(
+                lp, ref_logp=ref_logp, mask=mask, seq_advantages=target, beta=beta, agg="seq-mean-token-mean"
+            ).loss_sum
+        )
+    )
     kl_const = k3(_token_stats(logits0, tokens)[0], ref_logp).detach().clone()
 
     def summed(lp, kl):  # the seq-mean-token-mean sum: Σ_i L_V,i
@@ -292,8 +304,9 @@ def test_vimpo_gae_limits_and_standardisation() -> None:
     torch.testing.assert_close(gae(td, mask, 1.0, 1.0), suffix)
     # γλ = 0.5 on a hand-checkable row
     row = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
-    torch.testing.assert_close(gae(row, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), 1.0, 0.5),
-                               torch.tensor([[3.0, 4.0, 4.0, 0.0]]))
+    torch.testing.assert_close(
+        gae(row, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), 1.0, 0.5), torch.tensor([[3.0, 4.0, 4.0, 0.0]])
+    )
     zeros = torch.zeros_like(old)
     kw = dict(old_logp=old, ref_logp=ref, beta=0.1)
     torch.testing.assert_close(vimpo(zeros, mask, lam=0.0, normalize=False, **kw), td.to(zeros.dtype))
@@ -322,10 +335,12 @@ def test_vimpo_needs_the_reference_and_checks_options() -> None:
 
 # ------------------------------------------------------------------------------------ config
 
-ALL_FOUR = ["algorithm.advantage=dr_grpo",
-            "algorithm.advantage_shaping=[{name: vimpo, options: {beta: 0.1, lam: 0.95}},"
-            " {name: entropy_adv, options: {alpha: 0.4, kappa: 2.0}}, {name: edge_eda}]",
-            "algorithm.aux_losses=[{name: vimpo_value, coef: 200.0, options: {beta: 0.1}}]"]
+ALL_FOUR = [
+    "algorithm.advantage=dr_grpo",
+    "algorithm.advantage_shaping=[{name: vimpo, options: {beta: 0.1, lam: 0.95}},"
+    " {name: entropy_adv, options: {alpha: 0.4, kappa: 2.0}}, {name: edge_eda}]",
+    "algorithm.aux_losses=[{name: vimpo_value, coef: 200.0, options: {beta: 0.1}}]",
+]
 
 YAML = """
 algorithm:
@@ -354,20 +369,32 @@ def test_config_keys_load_from_yaml_and_validation_names_the_key(tmp_path) -> No
     for name in ("entropy_adv", "edge_eda"):  # no π_ref needed
         validate_rl_config(load_config(RLConfig, DEMO, [f"algorithm.advantage_shaping=[{{name: {name}}}]"]), 1)
     bad = [
-        (["algorithm.advantage_shaping=[{name: entropy_adv, options: {kappa: 1.0}}]"],
-         "algorithm.advantage_shaping[0].options.kappa: must be > 1"),
-        (["algorithm.advantage_shaping=[{name: entropy_adv, options: {tau: 1.0}}]"],
-         "algorithm.advantage_shaping[0].options.tau: is not an option"),
-        (["algorithm.advantage_shaping=[{name: entropy_adv}, {name: edge_eda, options: {max_scale: 0.5}}]"],
-         "algorithm.advantage_shaping[1].options.max_scale: must be >= 1"),
-        (["algorithm.reference_model=true", "algorithm.advantage_shaping=[{name: vimpo, options: {lam: 2}}]"],
-         "algorithm.advantage_shaping[0].options.lam: must be in [0, 1]"),
-        (["algorithm.reference_model=true", "algorithm.aux_losses=[{name: vimpo_value, options: {beta: -1}}]"],
-         "algorithm.aux_losses[0].options.beta: must be > 0"),
+        (
+            ["algorithm.advantage_shaping=[{name: entropy_adv, options: {kappa: 1.0}}]"],
+            "algorithm.advantage_shaping[0].options.kappa: must be > 1",
+        ),
+        (
+            ["algorithm.advantage_shaping=[{name: entropy_adv, options: {tau: 1.0}}]"],
+            "algorithm.advantage_shaping[0].options.tau: is not an option",
+        ),
+        (
+            ["algorithm.advantage_shaping=[{name: entropy_adv}, {name: edge_eda, options: {max_scale: 0.5}}]"],
+            "algorithm.advantage_shaping[1].options.max_scale: must be >= 1",
+        ),
+        (
+            ["algorithm.reference_model=true", "algorithm.advantage_shaping=[{name: vimpo, options: {lam: 2}}]"],
+            "algorithm.advantage_shaping[0].options.lam: must be in [0, 1]",
+        ),
+        (
+            ["algorithm.reference_model=true", "algorithm.aux_losses=[{name: vimpo_value, options: {beta: -1}}]"],
+            "algorithm.aux_losses[0].options.beta: must be > 0",
+        ),
         (ALL_FOUR, "algorithm.reference_model: algorithm.advantage_shaping[0] 'vimpo' reads π_ref's log-probs"),
         (ALL_FOUR, "algorithm.reference_model: algorithm.aux_losses[0] 'vimpo_value' reads π_ref's log-probs"),
-        (ALL_FOUR + ["algorithm.reference_model=false", "algorithm.kl_coef=0.1"],
-         "algorithm.reference_model: algorithm.advantage_shaping[0] 'vimpo'"),
+        (
+            ALL_FOUR + ["algorithm.reference_model=false", "algorithm.kl_coef=0.1"],
+            "algorithm.reference_model: algorithm.advantage_shaping[0] 'vimpo'",
+        ),
     ]
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -377,8 +404,13 @@ def test_config_keys_load_from_yaml_and_validation_names_the_key(tmp_path) -> No
 
 # ------------------------------------------------------------------------------------ the learner
 
-LEARNER_OPTIONS = ALL_FOUR + ["algorithm.reference_model=true", "algorithm.num_minibatches=2",
-                              "train.micro_batch_size=2", "init.sft_steps=0", "algorithm.mismatch.name=tis"]
+LEARNER_OPTIONS = ALL_FOUR + [
+    "algorithm.reference_model=true",
+    "algorithm.num_minibatches=2",
+    "train.micro_batch_size=2",
+    "init.sft_steps=0",
+    "algorithm.mismatch.name=tis",
+]
 
 
 def _samples(tokenizer) -> list:
@@ -393,8 +425,17 @@ def _samples(tokenizer) -> list:
         for _ in range(4):
             n = rng.randint(1, 4)
             rsp = [rng.randrange(3, 60) for _ in range(n)]
-            out.append(Sample(prompt, g, rsp, [-1.0 - 0.1 * i for i in range(n)], policy_version=0,
-                              finish_reason="stop", reward=float(rng.random() < 0.5)))
+            out.append(
+                Sample(
+                    prompt,
+                    g,
+                    rsp,
+                    [-1.0 - 0.1 * i for i in range(n)],
+                    policy_version=0,
+                    finish_reason="stop",
+                    reward=float(rng.random() < 0.5),
+                )
+            )
     out[6].reward_error = "timeout after 2s"  # left out of the statistics
     return out
 
@@ -457,8 +498,9 @@ def _world(rank: int, world_size: int) -> None:
     tc = cfg.train
     controls = 0
     for part in split_minibatches(n, cfg.algorithm.num_minibatches, tc.seed, 0, 0):
-        mbs = build_microbatches(samples, part, tc.seq_length, tc.micro_batch_size, rank, world_size,
-                                 policy.tokenizer.pad_id, t, per_seq)
+        mbs = build_microbatches(
+            samples, part, tc.seq_length, tc.micro_batch_size, rank, world_size, policy.tokenizer.pad_id, t, per_seq
+        )
         mine = [(int(i), a.tolist()) for mb in mbs for i, a in zip(mb["seq_index"], mb["advantages"])]
         gathered = [None, None]
         dist.all_gather_object(gathered, mine)
@@ -471,8 +513,9 @@ def _world(rank: int, world_size: int) -> None:
         if own:  # (a rank may get no sample of a mini-batch)
             sub = [samples[i] for i in own]
             cut = max(len(x.response_ids) for x in sub)
-            local = _whole_batch_advantages(sub, *(x[own][:, :cut] for x in (per_seq["old_logp"], per_seq["ref_logp"],
-                                                                               entropy)))
+            local = _whole_batch_advantages(
+                sub, *(x[own][:, :cut] for x in (per_seq["old_logp"], per_seq["ref_logp"], entropy))
+            )
             assert not torch.allclose(local, want[own][:, :cut]), "a rank's share alone gave the batch's advantages"
             controls += 1
     counts = [None, None]
@@ -482,10 +525,18 @@ def _world(rank: int, world_size: int) -> None:
     # the first optimizer step's value loss is taken at θ = π_old: what the pure function gives on its mini-batch
     first = list(split_minibatches(n, cfg.algorithm.num_minibatches, tc.seed, 0, 0))[0]
     part = torch.tensor(sorted(first))
-    value = vimpo_value(per_seq["old_logp"][part], ref_logp=per_seq["ref_logp"][part], mask=per_seq["keep"][part],
-                        seq_advantages=per_seq["aux_seq_advantages"][part], agg=cfg.algorithm.loss_agg, beta=0.1)
-    torch.testing.assert_close(per_seq["aux_seq_advantages"], dr_grpo(per_seq["aux_rewards"], per_seq["aux_group_ids"],
-                                                                      valid=per_seq["keep"].sum(1) > 0))
+    value = vimpo_value(
+        per_seq["old_logp"][part],
+        ref_logp=per_seq["ref_logp"][part],
+        mask=per_seq["keep"][part],
+        seq_advantages=per_seq["aux_seq_advantages"][part],
+        agg=cfg.algorithm.loss_agg,
+        beta=0.1,
+    )
+    torch.testing.assert_close(
+        per_seq["aux_seq_advantages"],
+        dr_grpo(per_seq["aux_rewards"], per_seq["aux_group_ids"], valid=per_seq["keep"].sum(1) > 0),
+    )
     records, batch_metrics = learner.train(samples, 0)
     assert len(records) == 2
     got_value = torch.tensor(records[0]["aux/vimpo_value/loss"], dtype=torch.float64)

@@ -37,8 +37,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp: str, name: str, *overrides: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "mcore_rl.cli", "train", *SMALL, "train.num_steps=4", f"run_dir={tmp}/{name}",
-            "checkpoint.save_interval=1", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        *SMALL,
+        "train.num_steps=4",
+        f"run_dir={tmp}/{name}",
+        "checkpoint.save_interval=1",
+        *overrides,
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -126,8 +135,17 @@ def test_provenance_is_compact_and_its_checker_finds_a_repeat_and_a_loss(tmp_pat
             record_trained_prompts(d, step, ids)
         trained = len({i for _, ids in steps for i in ids})
         with open(os.path.join(d, "accounting.json"), "w") as f:
-            json.dump({"drawn": drawn, "trained": trained, "filtered": filtered, "dropped_stale": 0, "failed": 0,
-                       "pending": pending}, f)
+            json.dump(
+                {
+                    "drawn": drawn,
+                    "trained": trained,
+                    "filtered": filtered,
+                    "dropped_stale": 0,
+                    "failed": 0,
+                    "pending": pending,
+                },
+                f,
+            )
         return d
 
     # killed after writing step 3 (checkpoint of step 2), resumed: step 3 again with other prompts
@@ -149,6 +167,7 @@ def test_provenance_is_compact_and_its_checker_finds_a_repeat_and_a_loss(tmp_pat
     lost = run("lost", [(1, [0, 1]), (2, [3, 4])], drawn=6, filtered=1)  # 2 and 5 drawn; one accounted for
     assert check_provenance(lost).problems == [
         "2 drawn prompts were not trained, but accounting.json accounts for 1 (filtered + dropped + failed + "
-        "pending): 1 lost"]
+        "pending): 1 lost"
+    ]
     gap = run("gap", [(1, [0]), (3, [1])], drawn=2)
     assert check_provenance(gap).missing_steps == [2]

@@ -25,13 +25,28 @@ from tests.world import run_world
 
 # the engines serve the default model (ModelConfig()), so the trainer's model keeps the defaults
 SMALL = [
-    "train.num_steps=3", "train.seq_length=64", "train.micro_batch_size=8",
-    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.quantization=none", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
-    "rollout.request_timeout_s=20", "algorithm.num_minibatches=2", "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3", "optimizer.lr_decay_style=constant", "reward.name=tests.reward_fns:digit_count",
-    "eval.interval=0", "eval.at_start=false", "eval.num_prompts=4", "eval.k=0",
-    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "train.num_steps=3",
+    "train.seq_length=64",
+    "train.micro_batch_size=8",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.quantization=none",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=12",
+    "rollout.request_timeout_s=20",
+    "algorithm.num_minibatches=2",
+    "algorithm.mismatch.name=tis",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_decay_style=constant",
+    "reward.name=tests.reward_fns:digit_count",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "eval.num_prompts=4",
+    "eval.k=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
 ]
 
 
@@ -79,8 +94,14 @@ def _runs(rank: int, world_size: int, tmp: str, urls: list[str], victim_pid: int
     # 2. staleness 1 over two (slow) engines, one SIGKILLed after step 2: the run finishes, the
     #    killed engine's requests went to the other, nothing is lost, the bound holds
     both = f"rollout.engine_urls=[{','.join(urls)}]"
-    cfg = small(f"run_dir={tmp}/async1", both, "rollout.runtime=async", "rollout.max_staleness=1",
-                "train.num_steps=5", "rollout.max_new_tokens=24")
+    cfg = small(
+        f"run_dir={tmp}/async1",
+        both,
+        "rollout.runtime=async",
+        "rollout.max_staleness=1",
+        "train.num_steps=5",
+        "rollout.max_new_tokens=24",
+    )
     metrics = f"{tmp}/async1/metrics.jsonl"
 
     def kill_after_step_two() -> None:
@@ -120,8 +141,12 @@ def test_async_runtime_matches_sync_overlaps_and_survives_a_killed_engine(tmp_pa
 def _mipu_runs(rank: int, world_size: int, tmp: str, url: str) -> None:
     from mcore_rl.runtime import run_rl
 
-    mipu = [f"rollout.engine_urls=[{url}]", "algorithm.mismatch.name=mipu",
-            "algorithm.mismatch.mipu_validation_prompts=2", "algorithm.mismatch.mipu_bootstrap=0"]
+    mipu = [
+        f"rollout.engine_urls=[{url}]",
+        "algorithm.mismatch.name=mipu",
+        "algorithm.mismatch.mipu_validation_prompts=2",
+        "algorithm.mismatch.mipu_bootstrap=0",
+    ]
     run_rl(small(f"run_dir={tmp}/sync", *mipu))
     run_rl(small(f"run_dir={tmp}/async0", *mipu, "rollout.runtime=async"))
     sync, async0 = _records(f"{tmp}/sync"), _records(f"{tmp}/async0")
@@ -151,9 +176,15 @@ def test_mipu_accepts_or_rolls_back_in_both_schedules(tmp_path):
 def _all_dead(rank: int, world_size: int, tmp: str, urls: list[str], pids: list[int]) -> None:
     from mcore_rl.runtime import run_rl
 
-    cfg = small(f"run_dir={tmp}/dead", f"rollout.engine_urls=[{','.join(urls)}]", "rollout.runtime=async",
-                "rollout.max_staleness=1", "train.num_steps=50", "rollout.no_engine_timeout_s=3",
-                "rollout.request_timeout_s=5")
+    cfg = small(
+        f"run_dir={tmp}/dead",
+        f"rollout.engine_urls=[{','.join(urls)}]",
+        "rollout.runtime=async",
+        "rollout.max_staleness=1",
+        "train.num_steps=50",
+        "rollout.no_engine_timeout_s=3",
+        "rollout.request_timeout_s=5",
+    )
     metrics = f"{tmp}/dead/metrics.jsonl"
 
     def kill_all_after_step_one() -> None:
@@ -203,8 +234,13 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime import run_rl
 
     # no engine URL: the trainer starts its engine processes; colocated: they sleep while it trains
-    cfg = small(f"run_dir={tmp}/colo", "rollout.runtime=async", "rollout.placement=colocated",
-                "rollout.max_staleness=1", "rollout.quantization=fp8")
+    cfg = small(
+        f"run_dir={tmp}/colo",
+        "rollout.runtime=async",
+        "rollout.placement=colocated",
+        "rollout.max_staleness=1",
+        "rollout.quantization=fp8",
+    )
     seen: dict[str, list[int]] = {}
     threading.Thread(target=lambda: seen.setdefault("during", _wait_for_pids(f"{tmp}/colo", 1)), daemon=True).start()
     summary = run_rl(cfg)
@@ -219,8 +255,14 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
 
     # two started engines, one SIGKILLed after step 2: the trainer starts it again at its URL (it
     # serves again after the next sync), the run finishes, nothing is lost
-    cfg = small(f"run_dir={tmp}/restart", "rollout.runtime=async", "rollout.max_staleness=1",
-                "rollout.num_embedded_engines=2", "rollout.health_check_interval_s=0.5", "train.num_steps=12")
+    cfg = small(
+        f"run_dir={tmp}/restart",
+        "rollout.runtime=async",
+        "rollout.max_staleness=1",
+        "rollout.num_embedded_engines=2",
+        "rollout.health_check_interval_s=0.5",
+        "train.num_steps=12",
+    )
     metrics = f"{tmp}/restart/metrics.jsonl"
     seen = {}
 
@@ -251,10 +293,20 @@ def _started(rank: int, world_size: int, tmp: str) -> None:
 
     # an MoE with both replays through the started engines: they return routed experts and sampling
     # masks over HTTP, the learner replays them (a sample without its routing would fail the batch)
-    cfg = small(f"run_dir={tmp}/replay", "rollout.runtime=async", "rollout.max_staleness=1", "train.num_steps=2",
-                "model.arch=qwen3_moe", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
-                "rollout.quantization=fp8", "rollout.top_p=0.9", "algorithm.routing_replay=r3",
-                "rollout.sampling_mask_replay=true")
+    cfg = small(
+        f"run_dir={tmp}/replay",
+        "rollout.runtime=async",
+        "rollout.max_staleness=1",
+        "train.num_steps=2",
+        "model.arch=qwen3_moe",
+        "model.num_experts=4",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=32",
+        "rollout.quantization=fp8",
+        "rollout.top_p=0.9",
+        "algorithm.routing_replay=r3",
+        "rollout.sampling_mask_replay=true",
+    )
     summary = run_rl(cfg)
     recs = [r for r in _records(f"{tmp}/replay") if "rollout/sampling_mask_size_mean" in r]
     assert len(recs) >= 2 and all(r["rollout/sampling_mask_size_mean"] >= 1 for r in recs)
@@ -287,7 +339,8 @@ def _get(port: int, path: str) -> bytes | None:
 
     try:
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-                f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            f"http://127.0.0.1:{port}{path}", timeout=2
+        ) as r:
             return r.read()
     except OSError:
         return None
@@ -298,9 +351,16 @@ def _two_deaths(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime.accounting import check_provenance
 
     run_dir = f"{tmp}/two"
-    cfg = small(f"run_dir={run_dir}", "rollout.runtime=async", "rollout.max_staleness=1",
-                "rollout.num_embedded_engines=2", "rollout.health_check_interval_s=0.5", "train.num_steps=8",
-                "rollout.no_engine_timeout_s=400", "rollout.engine_startup_timeout_s=400")
+    cfg = small(
+        f"run_dir={run_dir}",
+        "rollout.runtime=async",
+        "rollout.max_staleness=1",
+        "rollout.num_embedded_engines=2",
+        "rollout.health_check_interval_s=0.5",
+        "train.num_steps=8",
+        "rollout.no_engine_timeout_s=400",
+        "rollout.engine_startup_timeout_s=400",
+    )
     metrics = f"{run_dir}/metrics.jsonl"
     seen: dict = {}
 

@@ -29,8 +29,13 @@ VOCAB = 100
 
 def tiny_config(**kw) -> McoreRLQwen3Config:
     base = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     )
     base.update(kw)
     return McoreRLQwen3Config(**base)
@@ -186,8 +191,16 @@ def test_depth_state_drives_any_layer_loop(variant: str) -> None:
 
 
 def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
-    mc = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=VOCAB, attn_res="block", attn_res_num_blocks=3)
+    mc = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        attn_res="block",
+        attn_res_num_blocks=3,
+    )
     hf = hf_config_from_model_config(mc)
     assert (hf.attn_res, hf.attn_res_num_blocks) == ("block", 3)
     back = model_config_from_hf_config(hf)
@@ -208,8 +221,15 @@ def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
 def test_weight_map_roundtrip() -> None:
     from mcore_rl.hf.weight_map import full_megatron_to_hf, hf_to_megatron
 
-    mc = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=VOCAB, attn_res="full")
+    mc = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        attn_res="full",
+    )
     state = make_model(hf_config_from_model_config(mc)).state_dict()
     meg = hf_to_megatron(state, mc)
     assert "decoder.final_res.query" in meg and "decoder.layers.1.mlp_res.norm.weight" in meg
@@ -241,8 +261,9 @@ def test_megatron_mixer_matches_reference() -> None:
 
     from mcore_rl.models.attn_res import AttnResMixer as MegatronMixer, inv_rms
 
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
-                               layernorm_epsilon=1e-6, use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=4, layernorm_epsilon=1e-6, use_cpu_initialization=True
+    )
     torch.manual_seed(0)
     ref = AttnResMixer(16, eps=1e-6)
     with torch.no_grad():
@@ -280,9 +301,16 @@ FULL = ModelConfig(arch="qwen3", num_layers=4, hidden_size=64, ffn_hidden_size=1
 # 8 sublayers in 3 blocks (2, 2, 4): pipeline boundaries fall inside and between blocks
 BLOCK = dataclasses.replace(FULL, attn_res="block", attn_res_num_blocks=3)
 BLOCK_MOE = ModelConfig(
-    arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4,
-    moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01,
-    attn_res="block", attn_res_num_blocks=3,
+    arch="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_aux_loss_coeff=0.01,
+    attn_res="block",
+    attn_res_num_blocks=3,
 )
 
 
@@ -333,9 +361,15 @@ def _sft_checkpoint_reshard(tmp: str) -> None:
 
     def cfg(run: str, parallel: list[str], **checkpoint: str) -> SFTConfig:
         overrides = [
-            f"run_dir={tmp}/{run}", "train.train_iters=3", "train.log_interval=100",
-            "train.micro_batch_size=2", "train.global_batch_size=8", "train.seq_length=32",
-            "data.synthetic_num_examples=256", "model.num_layers=4", "model.attn_res=block",
+            f"run_dir={tmp}/{run}",
+            "train.train_iters=3",
+            "train.log_interval=100",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "train.seq_length=32",
+            "data.synthetic_num_examples=256",
+            "model.num_layers=4",
+            "model.attn_res=block",
             "model.attn_res_num_blocks=3",
         ]
         overrides += [f"parallel.{p}" for p in parallel]
@@ -346,8 +380,11 @@ def _sft_checkpoint_reshard(tmp: str) -> None:
     losses = [r["loss"] for r in sft.run_sft(cfg("a", pp2, save_dir=f"{tmp}/ckpt"))]
     assert losses[-1] < losses[0], losses
     saved = gather_full_state_dict(sft.build_trainer(cfg("b", pp2, load_dir=f"{tmp}/ckpt")).chunks)
-    resharded = gather_full_state_dict(sft.build_trainer(
-        cfg("c", ["tensor_model_parallel_size=2", "sequence_parallel=true"], load_dir=f"{tmp}/ckpt")).chunks)
+    resharded = gather_full_state_dict(
+        sft.build_trainer(
+            cfg("c", ["tensor_model_parallel_size=2", "sequence_parallel=true"], load_dir=f"{tmp}/ckpt")
+        ).chunks
+    )
     assert set(saved) == set(resharded)
     assert sum(".query" in k for k in saved) == 4 * 2 + 1
     for key, value in saved.items():

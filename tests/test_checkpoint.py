@@ -21,9 +21,15 @@ def _cfg(run_dir: str, iters: int, parallel: dict, **checkpoint):
     from mcore_rl.config import SFTConfig, load_config
 
     overrides = [
-        f"run_dir={run_dir}", f"train.train_iters={iters}", "train.log_interval=100",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "train.seq_length=32",
-        "data.synthetic_num_examples=512", "model.num_layers=4", "optimizer.lr=3e-3",
+        f"run_dir={run_dir}",
+        f"train.train_iters={iters}",
+        "train.log_interval=100",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.seq_length=32",
+        "data.synthetic_num_examples=512",
+        "model.num_layers=4",
+        "optimizer.lr=3e-3",
         "optimizer.lr_warmup_iters=2",
     ]
     overrides += [f"parallel.{k}={v}" for k, v in parallel.items()]
@@ -56,8 +62,11 @@ def _resume_world(rank: int, world_size: int, tmp: str) -> None:
     reference = sft.build_trainer(_cfg(f"{tmp}/d", 6, tp2, load_dir=f"{tmp}/ckpt"))
     ref_weights, ref_step = _weights(reference), sft.train_step(reference)["loss"]
     assert ref_step == full[3]
-    for layout in ({"pipeline_model_parallel_size": 2}, {}, {"pipeline_model_parallel_size": 2,
-                   "virtual_pipeline_model_parallel_size": 2}):
+    for layout in (
+        {"pipeline_model_parallel_size": 2},
+        {},
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+    ):
         trainer = sft.build_trainer(_cfg(f"{tmp}/e", 6, layout, load_dir=f"{tmp}/ckpt"))
         weights = _weights(trainer)
         assert set(weights) == set(ref_weights)
@@ -85,9 +94,16 @@ def test_missing_checkpoint_names_the_path(tmp_path):
 # ------------------------------------------------------------------ a killed trainer leaves nothing behind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_SFT = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "train.seq_length=16",
-            "train.micro_batch_size=2", "train.global_batch_size=4", "data.synthetic_num_examples=64",
-            "train.log_interval=1000"]
+TINY_SFT = [
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "train.seq_length=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "data.synthetic_num_examples=64",
+    "train.log_interval=1000",
+]
 
 
 def _proc_table() -> dict[int, tuple[int, str, str]]:
@@ -132,13 +148,15 @@ def _env() -> dict[str, str]:
 def _start_trainer(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
     log = str(tmp_path / "trainer.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT
+        )
     return proc, log
 
 
-def _kill_and_expect_no_survivors(proc: subprocess.Popen, log: str, wait_for: str, after: str,
-                                  timeout: float = 240) -> None:
+def _kill_and_expect_no_survivors(
+    proc: subprocess.Popen, log: str, wait_for: str, after: str, timeout: float = 240
+) -> None:
     """Once the file `after` exists and a descendant whose command line contains `wait_for` runs,
     SIGKILL `proc` by pid and assert that every process it had started is gone within seconds."""
     kids: dict[int, str] = {}
@@ -146,7 +164,9 @@ def _kill_and_expect_no_survivors(proc: subprocess.Popen, log: str, wait_for: st
         deadline = time.monotonic() + timeout
         while not (os.path.exists(after) and any(wait_for in c for c in kids.values())):
             assert proc.poll() is None, f"trainer exited early (rc {proc.returncode}):\n{open(log).read()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {wait_for!r} process after {timeout} s:\n{open(log).read()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"no {wait_for!r} process after {timeout} s:\n{open(log).read()[-3000:]}"
+            )
             time.sleep(0.5)
             kids = _descendants(proc.pid)
         kids = _descendants(proc.pid)
@@ -165,16 +185,31 @@ def _kill_and_expect_no_survivors(proc: subprocess.Popen, log: str, wait_for: st
 
 
 def test_sigkill_of_the_trainer_takes_the_checkpoint_writer_along(tmp_path):
-    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000",
-                               f"checkpoint.save_dir={tmp_path}/ckpt", "checkpoint.save_interval=1", *TINY_SFT)
+    proc, log = _start_trainer(
+        tmp_path,
+        "sft",
+        f"run_dir={tmp_path}/run",
+        "train.train_iters=100000",
+        f"checkpoint.save_dir={tmp_path}/ckpt",
+        "checkpoint.save_interval=1",
+        *TINY_SFT,
+    )
     # killed after a complete save, with megatron-core's writer processes started
     _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")
 
 
 def test_sigkill_of_the_command_stops_the_torchrun_relaunch(tmp_path):
-    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000",
-                               f"checkpoint.save_dir={tmp_path}/ckpt", "checkpoint.save_interval=1", *TINY_SFT,
-                               "--nproc-per-node", "2")
+    proc, log = _start_trainer(
+        tmp_path,
+        "sft",
+        f"run_dir={tmp_path}/run",
+        "train.train_iters=100000",
+        f"checkpoint.save_dir={tmp_path}/ckpt",
+        "checkpoint.save_interval=1",
+        *TINY_SFT,
+        "--nproc-per-node",
+        "2",
+    )
     # torchrun, both ranks and each rank's writer processes: all gone with the command
     _kill_and_expect_no_survivors(proc, log, wait_for="multiprocessing.spawn", after=f"{tmp_path}/ckpt/latest")
 
@@ -182,18 +217,46 @@ def test_sigkill_of_the_command_stops_the_torchrun_relaunch(tmp_path):
 def test_sigkill_during_a_save_leaves_a_resumable_latest_and_no_writer(tmp_path):
     """Killed while megatron-core's forked writers are writing shards (a model big enough that a
     save takes a while): they die too, and `latest` still names a complete checkpoint."""
-    model = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "train.log_interval=1000",
-             "train.seq_length=16", "train.micro_batch_size=2", "train.global_batch_size=2",
-             "data.synthetic_num_examples=64"]
+    model = [
+        "model.num_layers=2",
+        "model.hidden_size=256",
+        "model.ffn_hidden_size=1024",
+        "train.log_interval=1000",
+        "train.seq_length=16",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "data.synthetic_num_examples=64",
+    ]
     ckpt = f"{tmp_path}/ckpt"
-    proc, log = _start_trainer(tmp_path, "sft", f"run_dir={tmp_path}/run", "train.train_iters=100000", *model,
-                               f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=1")
+    proc, log = _start_trainer(
+        tmp_path,
+        "sft",
+        f"run_dir={tmp_path}/run",
+        "train.train_iters=100000",
+        *model,
+        f"checkpoint.save_dir={ckpt}",
+        "checkpoint.save_interval=1",
+    )
     # forked writers carry the trainer's command line
     _kill_and_expect_no_survivors(proc, log, wait_for="mcore_rl.cli sft", after=f"{ckpt}/latest")
     step = _latest_step(ckpt)
-    resumed = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "sft", f"run_dir={tmp_path}/run", *model,
-                              f"train.train_iters={step + 1}", f"checkpoint.load_dir={ckpt}"], cwd=ROOT, env=_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mcore_rl.cli",
+            "sft",
+            f"run_dir={tmp_path}/run",
+            *model,
+            f"train.train_iters={step + 1}",
+            f"checkpoint.load_dir={ckpt}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in resumed.stdout
 
@@ -211,8 +274,9 @@ def _latest_step(save_dir: str) -> int:
         return -1
 
 
-def _kill_between_metrics_and_save(proc: subprocess.Popen, log: str, metrics: str, save_dir: str,
-                                   timeout: float = 240) -> int:
+def _kill_between_metrics_and_save(
+    proc: subprocess.Popen, log: str, metrics: str, save_dir: str, timeout: float = 240
+) -> int:
     """SIGKILL `proc` at a moment when `metrics` holds steps its newest checkpoint does not (frozen
     with SIGSTOP to check, so the moment is certain); returns the last step logged."""
     deadline = time.monotonic() + timeout
@@ -234,17 +298,37 @@ def test_sft_resume_after_a_kill_logs_each_step_once(tmp_path):
     """A kill after step s was logged but before it was saved: the resumed run's metrics.jsonl has
     every step once, with the numbers of a run that was never interrupted."""
     args = ["sft", *TINY_SFT, "train.train_iters=40", "train.log_interval=5"]
-    full = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args, f"run_dir={tmp_path}/full"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    full = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", *args, f"run_dir={tmp_path}/full"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert full.returncode == 0, full.stderr[-3000:]
     ckpt, metrics = f"{tmp_path}/ckpt", f"{tmp_path}/run/metrics.jsonl"
-    proc, log = _start_trainer(tmp_path, *args, f"run_dir={tmp_path}/run", f"checkpoint.save_dir={ckpt}",
-                               "checkpoint.save_interval=15")
+    proc, log = _start_trainer(
+        tmp_path, *args, f"run_dir={tmp_path}/run", f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=15"
+    )
     logged = _kill_between_metrics_and_save(proc, log, metrics, ckpt)
     assert logged > _latest_step(ckpt)
-    resumed = subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args, f"run_dir={tmp_path}/run",
-                              f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"], cwd=ROOT, env=_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mcore_rl.cli",
+            *args,
+            f"run_dir={tmp_path}/run",
+            f"checkpoint.save_dir={ckpt}",
+            f"checkpoint.load_dir={ckpt}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     measured = ("tokens_per_s", "time/", "perf/", "ttfs/")  # wall-clock figures (observe/)
 

@@ -20,25 +20,44 @@ SFT_DEMO = os.path.join(ROOT, "configs", "sft_demo.yaml")
 HEAVY = ("torch", "megatron", "transformers")
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: str = ROOT,
-         importtime: bool = False) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: str = ROOT, importtime: bool = False
+) -> subprocess.CompletedProcess:
     python = [sys.executable, *(["-X", "importtime"] if importtime else [])]
-    return subprocess.run([*python, "-m", "mcore_rl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="0", **(env or {})))
+    return subprocess.run(
+        [*python, "-m", "mcore_rl.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="0", **(env or {})),
+    )
 
 
 def _imported(stderr: str) -> set[str]:
     """The top-level packages a `python -X importtime` run imported."""
-    return {line.split("|")[2].strip().split(".")[0] for line in stderr.splitlines()
-            if line.startswith("import time:") and line.count("|") == 2}
+    return {
+        line.split("|")[2].strip().split(".")[0]
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"], ["sft", "--help"], ["train", "--help"], ["profile", "--help"], ["convert", "--help"],
-    ["launch", "--help"], ["plot", "--help"],
-    ["train", DEMO, "model.hiden_size=63"],  # a typo: the loader's error
-    ["sft", SFT_DEMO, "model.hidden_size=63"],  # a rule of the model: the validator's error
-], ids=lambda a: " ".join(os.path.basename(w) for w in a))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["sft", "--help"],
+        ["train", "--help"],
+        ["profile", "--help"],
+        ["convert", "--help"],
+        ["launch", "--help"],
+        ["plot", "--help"],
+        ["train", DEMO, "model.hiden_size=63"],  # a typo: the loader's error
+        ["sft", SFT_DEMO, "model.hidden_size=63"],  # a rule of the model: the validator's error
+    ],
+    ids=lambda a: " ".join(os.path.basename(w) for w in a),
+)
 def test_help_and_config_errors_import_nothing_heavy(args):
     run = _cli(*args, importtime=True)
     heavy = _imported(run.stderr) & set(HEAVY)
@@ -80,9 +99,17 @@ def test_a_config_error_is_one_line_and_its_traceback_is_there_with_debug():
 def test_engines_lost_is_one_line_and_exit_code_3(tmp_path):
     """The asynchronous runtime with its only engine at an address nothing listens on: the pool gives
     up (NoHealthyEngine / EnginesLost), and the user reads one line, not 30 through asyncio."""
-    run = _cli("train", *SMALL, "rollout.runtime=async", "rollout.engine_urls=[http://127.0.0.1:9]",
-               "rollout.no_engine_timeout_s=2", "init.sft_steps=0", f"run_dir={tmp_path}/run", timeout=600,
-               cwd=str(tmp_path))
+    run = _cli(
+        "train",
+        *SMALL,
+        "rollout.runtime=async",
+        "rollout.engine_urls=[http://127.0.0.1:9]",
+        "rollout.no_engine_timeout_s=2",
+        "init.sft_steps=0",
+        f"run_dir={tmp_path}/run",
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert run.returncode == EXIT_ENGINES_LOST, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     last = run.stderr.rstrip().splitlines()[-1]

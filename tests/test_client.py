@@ -27,8 +27,12 @@ def _engine(port: int = 0) -> ServerThread:
 
 
 def _body(i: int, tokens: int = 6) -> dict:
-    return {"text": f"prompt {i}", "rid": f"r{i}", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": tokens, "sampling_seed": i, "ignore_eos": True}}
+    return {
+        "text": f"prompt {i}",
+        "rid": f"r{i}",
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": tokens, "sampling_seed": i, "ignore_eos": True},
+    }
 
 
 class _Flaky:
@@ -133,6 +137,7 @@ def test_request_rids_follow_sglang_expansion() -> None:
 def test_router_spreads_load_and_fails_over_without_loss_or_duplicates() -> None:
     a, b = _engine(), _engine()
     try:
+
         async def go():
             bodies = [_body(i) for i in range(12)] + [_body(i, tokens=200) for i in range(12, 20)]
             async with EngineClient(a.url) as single:
@@ -165,6 +170,7 @@ def test_router_least_outstanding_and_health_readmission() -> None:
     a, b = _engine(), _engine()
     port_b = b.port
     try:
+
         async def go():
             async with EngineRouter([a.url, b.url], retries=0, health_interval=3600) as router:
                 picks = []
@@ -206,15 +212,26 @@ def test_sglang_router_is_optional() -> None:
 
 def test_n_samples_are_sent_as_prompts_with_rids_of_their_own() -> None:
     """SGLang gives the samples of `n` ids of its own, so the client asks for them one by one."""
-    body = expand_samples({"text": ["a", "b"], "rid": ["p", "q"], "return_logprob": [True, False],
-                           "sampling_params": {"n": 2, "temperature": 1.0}})
+    body = expand_samples(
+        {
+            "text": ["a", "b"],
+            "rid": ["p", "q"],
+            "return_logprob": [True, False],
+            "sampling_params": {"n": 2, "temperature": 1.0},
+        }
+    )
     assert body["text"] == ["a", "a", "b", "b"] and body["rid"] == ["p_0", "p_1", "q_0", "q_1"]
     assert body["return_logprob"] == [True, True, False, False]
     assert body["sampling_params"] == [{"temperature": 1.0}] * 4
     assert request_rids(body) == body["rid"]
     # token_ids_logprob: a list per prompt follows its prompt; one list of ids is every prompt's
     ids = {"text": ["a", "b"], "sampling_params": {"n": 2}}
-    assert expand_samples({**ids, "token_ids_logprob": [[1], [2, 3]]})["token_ids_logprob"] == [[1], [1], [2, 3], [2, 3]]
+    assert expand_samples({**ids, "token_ids_logprob": [[1], [2, 3]]})["token_ids_logprob"] == [
+        [1],
+        [1],
+        [2, 3],
+        [2, 3],
+    ]
     assert expand_samples({**ids, "token_ids_logprob": [4, 5]})["token_ids_logprob"] == [4, 5]
     assert expand_samples({"input_ids": [1, 2], "sampling_params": {"n": 3}})["input_ids"] == [[1, 2]] * 3
     plain = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
@@ -224,8 +241,11 @@ def test_n_samples_are_sent_as_prompts_with_rids_of_their_own() -> None:
         srv = _engine()
         try:
             async with EngineClient(srv.url) as c:
-                out = await c.generate(text=["1+1=", "2+2="], rid=["p", "q"],
-                                       sampling_params={"n": 2, "max_new_tokens": 3, "temperature": 1.0})
+                out = await c.generate(
+                    text=["1+1=", "2+2="],
+                    rid=["p", "q"],
+                    sampling_params={"n": 2, "max_new_tokens": 3, "temperature": 1.0},
+                )
             assert [r["meta_info"]["id"] for r in out] == ["p_0", "p_1", "q_0", "q_1"]
         finally:
             srv.stop()

@@ -41,14 +41,17 @@ def test_reward_is_the_fraction_passed_or_all_or_nothing() -> None:
         _score("lambda x: x", mode="most")
 
 
-@pytest.mark.parametrize("completion, kind", [
-    ("lambda x: 1/0", "error"),
-    ("lambda x: (", "error"),
-    ("lambda x: bytearray(8 << 30)", "memory"),
-    ("lambda x: [None for _ in iter(int, 1)]", "timeout"),
-    ("lambda x: print('y' * 10**6)", "output"),
-    ("", "no_code"),
-])
+@pytest.mark.parametrize(
+    "completion, kind",
+    [
+        ("lambda x: 1/0", "error"),
+        ("lambda x: (", "error"),
+        ("lambda x: bytearray(8 << 30)", "memory"),
+        ("lambda x: [None for _ in iter(int, 1)]", "timeout"),
+        ("lambda x: print('y' * 10**6)", "output"),
+        ("", "no_code"),
+    ],
+)
 def test_failure_kinds(completion: str, kind: str) -> None:
     out = _score(completion)
     assert out["reward"] == 0.0 and out["kind"] == kind, out
@@ -56,10 +59,12 @@ def test_failure_kinds(completion: str, kind: str) -> None:
 
 def test_cheating_does_not_pass() -> None:
     """Ending the run before the tests, or printing/writing fake results, scores nothing."""
-    for cheat in ("(__import__('sys').exit(0), lambda x: x)[1]",
-                  "(__import__('os')._exit(0), lambda x: x)[1]",
-                  "(__import__('os').write(3, b'x test 0 pass -\\nx test 1 pass -\\nx done\\n'), lambda x: x)[1]",
-                  "(print('test 0 pass'), lambda x: x)[1]"):
+    for cheat in (
+        "(__import__('sys').exit(0), lambda x: x)[1]",
+        "(__import__('os')._exit(0), lambda x: x)[1]",
+        "(__import__('os').write(3, b'x test 0 pass -\\nx test 1 pass -\\nx done\\n'), lambda x: x)[1]",
+        "(print('test 0 pass'), lambda x: x)[1]",
+    ):
         out = _score(cheat)
         assert out["reward"] <= 0.25 and out["kind"] in ("error", "wrong"), (cheat, out)
 
@@ -166,35 +171,48 @@ def test_tiny_code_problems_are_short_and_their_answers_pass() -> None:
 FORGE_TESTS = ["assert f(1) == 4", "assert f(2) == 7", "assert abs(f(0) - 1) < 1e-9", "assert f(-1) == -2"]
 FORGERS = {
     # every forked copy ran the tests and reported: 2 right answers counted twice -> 1.0
-    "fork_duplicates_reports": ("""
+    "fork_duplicates_reports": (
+        """
 import os
 pid = os.fork()
 if pid:
     os.waitpid(pid, 0)
 def f(x):
     return 3 * x + 1 if x > 0 else 0
-""", 0.5),
-    "patch_os_write": ("""
+""",
+        0.5,
+    ),
+    "patch_os_write": (
+        """
 import os
 _write = os.write
 os.write = lambda fd, data: _write(fd, data.replace(b" wrong ", b" pass ").replace(b"AssertionError", b"-"))
 def f(x):
     return 0
-""", 0.0),
-    "patch_builtins_compile": ("""
+""",
+        0.0,
+    ),
+    "patch_builtins_compile": (
+        """
 import builtins
 _compile = builtins.compile
 builtins.compile = lambda src, name, mode, *a, **k: _compile("pass" if name.startswith("test") else src, name, mode)
 def f(x):
     return 0
-""", 0.0),
-    "patch_builtins_exec": ("""
+""",
+        0.0,
+    ),
+    "patch_builtins_exec": (
+        """
 import builtins
 builtins.exec = lambda *a, **k: None
 def f(x):
     return 0
-""", 0.0),
-    "frame_walk_for_the_token": ("""
+""",
+        0.0,
+    ),
+    "frame_walk_for_the_token": (
+        """
 import os, sys
 frame = sys._getframe()
 while frame is not None and "token" not in frame.f_locals:
@@ -203,8 +221,11 @@ token, n = frame.f_locals["token"], len(frame.f_locals["tests"])
 lines = [f"{token} program ok -"] + [f"{token} test {i} pass -" for i in range(n)] + [f"{token} done"]
 os.write(3, ("\\n".join(lines) + "\\n").encode())
 os._exit(0)
-""", 0.0),
-    "gc_finds_the_job": ("""
+""",
+        0.0,
+    ),
+    "gc_finds_the_job": (
+        """
 import gc, os, re
 for o in gc.get_objects():
     if type(o) is dict and "source" in o and "limits" in o:
@@ -215,8 +236,11 @@ for o in gc.get_objects():
         os._exit(0)
 def f(x):
     return 0
-""", 0.0),
-    "always_equal_int_subclass": ("""
+""",
+        0.0,
+    ),
+    "always_equal_int_subclass": (
+        """
 class Yes(int):
     def __eq__(self, other):
         return True
@@ -225,8 +249,11 @@ class Yes(int):
     __hash__ = int.__hash__
 def f(x):
     return Yes(0)
-""", 0.0),
-    "always_equal_object": ("""
+""",
+        0.0,
+    ),
+    "always_equal_object": (
+        """
 class Yes:
     def __eq__(self, other):
         return True
@@ -234,20 +261,28 @@ class Yes:
         return 0
 def f(x):
     return Yes()
-""", 0.0),
-    "shadows_a_builtin_the_tests_use": ("""
+""",
+        0.0,
+    ),
+    "shadows_a_builtin_the_tests_use": (
+        """
 def abs(x):
     return 0
 def f(x):
     return 0
-""", 0.0),
+""",
+        0.0,
+    ),
     # (against the checker's own protocol: replies sent before any request, out of turn)
-    "fake_replies_on_the_channel": ("""
+    "fake_replies_on_the_channel": (
+        """
 import os
 os.write(3, b'{"loaded":true}\\n' + b''.join(b'{"id":%d,"value":4}\\n' % i for i in range(1, 9)))
 def f(x):
     return 0
-""", 0.0),
+""",
+        0.0,
+    ),
 }
 
 
@@ -266,9 +301,11 @@ def test_an_exception_that_steers_iteration_does_not_pass() -> None:
 
 
 def test_a_run_that_ends_in_error_scores_nothing_it_answered() -> None:
-    ends_badly = ("```python\nimport os\n_read = os.read\n"
-                  "os.read = lambda fd, n: _read(fd, n) or os._exit(3)\n"  # exit 3 once the checker is done
-                  "def f(x):\n    return 3 * x + 1\n```")
+    ends_badly = (
+        "```python\nimport os\n_read = os.read\n"
+        "os.read = lambda fd, n: _read(fd, n) or os._exit(3)\n"  # exit 3 once the checker is done
+        "def f(x):\n    return 3 * x + 1\n```"
+    )
     out = score_completion(ends_badly, FORGE_TESTS, limits=QUICK)
     assert out["reward"] == 0.0 and out["kind"] == "error" and "exit status 3" in out["detail"], out
 
@@ -281,9 +318,11 @@ def test_each_test_counts_once_and_the_score_stays_in_range() -> None:
 def test_the_humaneval_reward_is_judged_outside_the_program() -> None:
     fn = get_reward_fn("humaneval")
     p0, p38 = problems()[0], problems()[38]
-    patched = ("```python\nimport builtins\n_compile = builtins.compile\n"
-               "builtins.compile = lambda s, n, m, *a, **k: _compile('pass' if n.startswith('test') else s, n, m)\n"
-               "def has_close_elements(numbers, threshold):\n    return False\n```")
+    patched = (
+        "```python\nimport builtins\n_compile = builtins.compile\n"
+        "builtins.compile = lambda s, n, m, *a, **k: _compile('pass' if n.startswith('test') else s, n, m)\n"
+        "def has_close_elements(numbers, threshold):\n    return False\n```"
+    )
     assert fn(RewardInput(p0["prompt"], patched, p0))["reward"] == 0.0
     # check(decode_cyclic) encodes with the prompt's encode_cyclic: redefining it in the program must not count
     helper = "```python\nencode_cyclic = lambda s: s\ndef decode_cyclic(s: str):\n    return s\n```"
@@ -296,8 +335,21 @@ def test_plain_data_crosses_and_nothing_else() -> None:
     for every kind; a non-data answer fails the test that called it."""
     from mcore_rl.rewards.candidate import WireError, from_wire, to_wire
 
-    values = [None, True, 0, -(10 ** 30), 1.5, float("inf"), "é", b"\x00", [1, (2, 3)], {"a": {1, 2}},
-              frozenset({4}), 1 + 2j, {(1, 2): [None]}]
+    values = [
+        None,
+        True,
+        0,
+        -(10**30),
+        1.5,
+        float("inf"),
+        "é",
+        b"\x00",
+        [1, (2, 3)],
+        {"a": {1, 2}},
+        frozenset({4}),
+        1 + 2j,
+        {(1, 2): [None]},
+    ]
     for v in values:
         back = from_wire(json.loads(json.dumps(to_wire(v))))
         assert back == v and type(back) is type(v)
@@ -317,9 +369,12 @@ def test_plain_data_crosses_and_nothing_else() -> None:
 
 
 def test_the_code_label_gives_the_checker_its_context_and_entry_points() -> None:
-    label = {"tests": ["assert g(2) == double(2)", "assert g(3) == double(3)"],
-             "context": "def double(x):\n    return 2 * x\ndef g(x):\n    return 2 * x\n", "entry_points": ["g"],
-             "limits": {"wall_s": 4}}
+    label = {
+        "tests": ["assert g(2) == double(2)", "assert g(3) == double(3)"],
+        "context": "def double(x):\n    return 2 * x\ndef g(x):\n    return 2 * x\n",
+        "entry_points": ["g"],
+        "limits": {"wall_s": 4},
+    }
     fn = get_reward_fn("code")
     assert fn(RewardInput("p", "```python\ndef g(x):\n    return x + x\n```", label))["reward"] == 1.0
     # the context's g is a stub the entry point replaces; its double is the tests' own

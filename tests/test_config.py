@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
@@ -42,7 +42,10 @@ def test_defaults_without_yaml():
 
 
 def test_yaml_and_overrides(tmp_path):
-    path = write(tmp_path, "r.yaml", """
+    path = write(
+        tmp_path,
+        "r.yaml",
+        """
 run_dir: runs/x
 model:
   hidden_size: 128
@@ -52,14 +55,19 @@ optimizer:
   min_lr: 0         # int accepted for float
 train:
   precision: bf16
-""")
-    cfg = load_config(SFTConfig, path, [
-        "train.precision=fp32",
-        "parallel.sequence_parallel=true",
-        "model.kv_channels=null",
-        "optimizer.weight_decay=0.1",
-        "run_dir=2024",  # str field keeps the literal text
-    ])
+""",
+    )
+    cfg = load_config(
+        SFTConfig,
+        path,
+        [
+            "train.precision=fp32",
+            "parallel.sequence_parallel=true",
+            "model.kv_channels=null",
+            "optimizer.weight_decay=0.1",
+            "run_dir=2024",  # str field keeps the literal text
+        ],
+    )
     assert cfg.model.hidden_size == 128
     assert cfg.model.kv_channels is None
     assert cfg.optimizer.lr == pytest.approx(1e-3) and isinstance(cfg.optimizer.lr, float)
@@ -101,10 +109,15 @@ def test_override_into_a_listed_entry(tmp_path):
     key); an index the recipe does not have, a misspelt key or an index on a non-list is named."""
     from mcore_rl.config import RLConfig
 
-    path = write(tmp_path, "r.yaml", "data:\n  domains:\n    - {name: a, task: addition}\n"
-                 "    - {name: b, task: formatting, eval: {num_prompts: 5}}\n")
-    cfg = load_config(RLConfig, path, ["data.domains[0].weight=3", "data.domains[1].eval.num_prompts=7",
-                                       "data.domains[1].name=2024"])
+    path = write(
+        tmp_path,
+        "r.yaml",
+        "data:\n  domains:\n    - {name: a, task: addition}\n"
+        "    - {name: b, task: formatting, eval: {num_prompts: 5}}\n",
+    )
+    cfg = load_config(
+        RLConfig, path, ["data.domains[0].weight=3", "data.domains[1].eval.num_prompts=7", "data.domains[1].name=2024"]
+    )
     assert [(d.name, d.weight, d.eval.num_prompts) for d in cfg.data.domains] == [("a", 3.0, None), ("2024", 1.0, 7)]
     with pytest.raises(ConfigError, match=r"'data\.domains' has 2 entries in the recipe, so \[2\] does not exist"):
         load_config(RLConfig, path, ["data.domains[2].weight=1"])
@@ -175,8 +188,10 @@ def test_override_as_first_argument(capsys):
     assert main(["train", "eval.path=held.yaml", "rollout.max_staleness=3"]) == 2
     err = capsys.readouterr().err
     assert "rollout.max_staleness: 3 needs rollout.runtime=async" in err and "config file not found" not in err
-    for argv, hint in ((["train", "rollout.group_size", "4"], "rollout.group_size=4"),
-                       (["sft", "train.train_iters:5"], "train.train_iters=5")):
+    for argv, hint in (
+        (["train", "rollout.group_size", "4"], "rollout.group_size=4"),
+        (["sft", "train.train_iters:5"], "train.train_iters=5"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"{argv[1]!r} is not a recipe file; it looks like an override" in err and f"(e.g. {hint})" in err
@@ -192,8 +207,13 @@ def test_defaults_cycle(tmp_path):
 
 
 def test_round_trip(tmp_path):
-    cfg = sft("model.arch=qwen3_moe", "model.num_experts=4", "optimizer.lr=3e-4", "data.path=x.jsonl",
-              "parallel.virtual_pipeline_model_parallel_size=2")
+    cfg = sft(
+        "model.arch=qwen3_moe",
+        "model.num_experts=4",
+        "optimizer.lr=3e-4",
+        "data.path=x.jsonl",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    )
     path = str(tmp_path / "sub" / "config.yaml")
     save_config(cfg, path)
     again = load_config(SFTConfig, path, [])
@@ -209,7 +229,7 @@ class Inner:
 @dataclasses.dataclass
 class Root:
     xs: list[int] = dataclasses.field(default_factory=list)
-    inner: Optional[Inner] = None
+    inner: Inner | None = None
 
 
 def test_lists_and_nested_types(tmp_path):
@@ -269,8 +289,11 @@ def test_moe_rules():
     invalid(sft("model.num_experts=4"), 1, "model.num_experts")  # dense arch with experts
     invalid(sft("parallel.expert_model_parallel_size=2"), 2, "parallel.expert_model_parallel_size")
     # world 2: tp*pp*cp=1 fits, but expert tp (2) x ep (2) x pp (1) = 4 does not divide it
-    msg = invalid(sft(*moe, "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2"),
-                  2, "parallel.expert_model_parallel_size")
+    msg = invalid(
+        sft(*moe, "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2"),
+        2,
+        "parallel.expert_model_parallel_size",
+    )
     assert "4" in msg
     invalid(sft(*moe, "parallel.tensor_model_parallel_size=2"), 2, "parallel.sequence_parallel")
     validate_sft_config(sft(*moe, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"), 2)
@@ -283,13 +306,24 @@ def test_sequence_parallel_without_tp_warns():
 
 def test_pipeline_rules():
     invalid(sft("parallel.pipeline_model_parallel_size=2", "model.num_layers=3"), 2, "model.num_layers")
-    invalid(sft("parallel.virtual_pipeline_model_parallel_size=2"), 1,
-            "parallel.virtual_pipeline_model_parallel_size")
-    invalid(sft("parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
-                "model.num_layers=6", "train.global_batch_size=8"), 2, "model.num_layers")
+    invalid(sft("parallel.virtual_pipeline_model_parallel_size=2"), 1, "parallel.virtual_pipeline_model_parallel_size")
+    invalid(
+        sft(
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "model.num_layers=6",
+            "train.global_batch_size=8",
+        ),
+        2,
+        "model.num_layers",
+    )
     # 4 layers over pp=2 x vpp=2 is fine, but 3 micro-batches are not a multiple of pp=2
-    vpp = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
-           "model.num_layers=4", "train.micro_batch_size=1"]
+    vpp = [
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+        "model.num_layers=4",
+        "train.micro_batch_size=1",
+    ]
     invalid(sft(*vpp, "train.global_batch_size=3"), 2, "train.global_batch_size")
     validate_sft_config(sft(*vpp, "train.global_batch_size=4"), 2)
 
@@ -304,8 +338,9 @@ def test_context_parallel_needs_transformer_engine(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a)
+    )
     msg = invalid(sft("parallel.context_parallel_size=2"), 2, "parallel.context_parallel_size")
     assert "transformer-engine" in msg
 
@@ -325,11 +360,22 @@ def test_all_errors_reported_together():
 # ------------------------------------------------------------------- RL validation
 
 RL_SMALL = [
-    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.max_position_embeddings=64",
-    "train.seq_length=32", "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4", "rollout.context_length=64",
-    "algorithm.num_minibatches=2", "eval.num_prompts=4", "eval.k=2",
-    "init.sft_steps=3", "init.sft_seq_length=32", "init.sft_micro_batch_size=4",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.max_position_embeddings=64",
+    "train.seq_length=32",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=4",
+    "rollout.context_length=64",
+    "algorithm.num_minibatches=2",
+    "eval.num_prompts=4",
+    "eval.k=2",
+    "init.sft_steps=3",
+    "init.sft_seq_length=32",
+    "init.sft_micro_batch_size=4",
 ]
 
 
@@ -352,42 +398,58 @@ def test_rl_valid_and_derived_sizes():
     assert validate_rl_config(RLConfig(), 1) == DerivedSizes(1, 1, 1)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["rollout.max_staleness=2"], "rollout.max_staleness"),
-    (["rollout.group_size=1"], "rollout.group_size"),
-    (["rollout.temperature=0"], "rollout.temperature"),
-    (["train.seq_length=8"], "train.seq_length"),
-    (["algorithm.num_minibatches=100"], "algorithm.num_minibatches"),
-    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mask_low=0.5"], "algorithm.mismatch.mask_low"),
-    (["algorithm.mismatch.name=mipu", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
-    (["algorithm.mismatch.clip_low=3", "algorithm.mismatch.clip_high=2"], "algorithm.mismatch.clip_low"),
-    (["eval.score=avg@k", "eval.k=0"], "eval.score"),
-    (["reward.name=nope"], "reward.name"),
-    (["rollout.engine_urls=[localhost:1]"], "rollout.engine_urls[0]"),
-    (["rollout.engine_urls=[http://h:1]", "rollout.sync_transport=disk"], "rollout.sync_dir"),
-    (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
-    (["model.num_attention_heads=3"], "model.num_query_groups"),
-    (["parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
-     "parallel.virtual_pipeline_model_parallel_size"),  # RL steps have no fixed micro-batch count
-    (["init.sft_steps=2", "data.path=x.jsonl"], "init.sft_steps"),
-    # the asynchronous runtime: impossible settings fail before any engine process starts
-    (["rollout.runtime=async", "rollout.max_staleness=-1"], "rollout.max_staleness"),
-    (["rollout.runtime=async", "rollout.max_inflight_requests=100000"], "rollout.max_inflight_requests"),
-    (["rollout.runtime=async", "rollout.max_inflight_requests=2"], "rollout.max_inflight_requests"),
-    (["rollout.runtime=async", "rollout.placement=colocated", "rollout.engine_urls=[http://h:1]"], "rollout.placement"),
-    (["rollout.placement=colocated"], "rollout.placement"),
-    (["rollout.runtime=async", "rollout.num_embedded_engines=2", "rollout.engine_cores=[[0]]"], "rollout.engine_cores"),
-    (["rollout.runtime=async", "rollout.engine_cores=[[9999]]"], "rollout.engine_cores[0]"),
-    (["rollout.runtime=async", "rollout.buffer_groups=1"], "rollout.buffer_groups"),
-    (["rollout.runtime=async", "rollout.max_staleness=1", "algorithm.mismatch.name=mipu"], "algorithm.mismatch.name"),
-    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_validation_group_size=1"],
-     "algorithm.mismatch.mipu_validation_group_size"),
-    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=-1"], "algorithm.mismatch.mipu_z"),
-    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=inf"], "algorithm.mismatch.mipu_z"),
-    (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_bootstrap=-1"], "algorithm.mismatch.mipu_bootstrap"),
-    (["rollout.engine_devices=[gpu0]"], "rollout.engine_devices"),
-    (["rollout.runtime=async", "rollout.no_engine_timeout_s=0"], "rollout.no_engine_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout.max_staleness=2"], "rollout.max_staleness"),
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["rollout.temperature=0"], "rollout.temperature"),
+        (["train.seq_length=8"], "train.seq_length"),
+        (["algorithm.num_minibatches=100"], "algorithm.num_minibatches"),
+        (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mask_low=0.5"], "algorithm.mismatch.mask_low"),
+        (["algorithm.mismatch.name=mipu", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
+        (["algorithm.mismatch.clip_low=3", "algorithm.mismatch.clip_high=2"], "algorithm.mismatch.clip_low"),
+        (["eval.score=avg@k", "eval.k=0"], "eval.score"),
+        (["reward.name=nope"], "reward.name"),
+        (["rollout.engine_urls=[localhost:1]"], "rollout.engine_urls[0]"),
+        (["rollout.engine_urls=[http://h:1]", "rollout.sync_transport=disk"], "rollout.sync_dir"),
+        (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
+        (["model.num_attention_heads=3"], "model.num_query_groups"),
+        (
+            ["parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+            "parallel.virtual_pipeline_model_parallel_size",
+        ),  # RL steps have no fixed micro-batch count
+        (["init.sft_steps=2", "data.path=x.jsonl"], "init.sft_steps"),
+        # the asynchronous runtime: impossible settings fail before any engine process starts
+        (["rollout.runtime=async", "rollout.max_staleness=-1"], "rollout.max_staleness"),
+        (["rollout.runtime=async", "rollout.max_inflight_requests=100000"], "rollout.max_inflight_requests"),
+        (["rollout.runtime=async", "rollout.max_inflight_requests=2"], "rollout.max_inflight_requests"),
+        (
+            ["rollout.runtime=async", "rollout.placement=colocated", "rollout.engine_urls=[http://h:1]"],
+            "rollout.placement",
+        ),
+        (["rollout.placement=colocated"], "rollout.placement"),
+        (
+            ["rollout.runtime=async", "rollout.num_embedded_engines=2", "rollout.engine_cores=[[0]]"],
+            "rollout.engine_cores",
+        ),
+        (["rollout.runtime=async", "rollout.engine_cores=[[9999]]"], "rollout.engine_cores[0]"),
+        (["rollout.runtime=async", "rollout.buffer_groups=1"], "rollout.buffer_groups"),
+        (
+            ["rollout.runtime=async", "rollout.max_staleness=1", "algorithm.mismatch.name=mipu"],
+            "algorithm.mismatch.name",
+        ),
+        (
+            ["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_validation_group_size=1"],
+            "algorithm.mismatch.mipu_validation_group_size",
+        ),
+        (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=-1"], "algorithm.mismatch.mipu_z"),
+        (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_z=inf"], "algorithm.mismatch.mipu_z"),
+        (["algorithm.mismatch.name=mipu", "algorithm.mismatch.mipu_bootstrap=-1"], "algorithm.mismatch.mipu_bootstrap"),
+        (["rollout.engine_devices=[gpu0]"], "rollout.engine_devices"),
+        (["rollout.runtime=async", "rollout.no_engine_timeout_s=0"], "rollout.no_engine_timeout_s"),
+    ],
+)
 def test_rl_validation_names_the_key(overrides, key):
     assert any(line.startswith(key + ":") for line in rl_errors(rl(*overrides))), key
 
@@ -403,11 +465,15 @@ def test_unknown_algorithm_names_list_the_registry():
 
     assert "mipu" in registry.names("mismatch")
     assert f"algorithm.advantage: unknown advantage 'foo'; registered: {_names('advantage')}" in rl_errors(
-        rl("algorithm.advantage=foo"))
-    assert (f"algorithm.policy_loss: unknown policy loss 'foo'; registered: {_names('policy_loss')}"
-            in rl_errors(rl("algorithm.policy_loss=foo")))
-    assert (f"algorithm.mismatch.name: unknown mismatch correction 'bogus'; registered: {_names('mismatch')}"
-            in rl_errors(rl("algorithm.mismatch.name=bogus")))  # loads (a str field), refused by validation
+        rl("algorithm.advantage=foo")
+    )
+    assert f"algorithm.policy_loss: unknown policy loss 'foo'; registered: {_names('policy_loss')}" in rl_errors(
+        rl("algorithm.policy_loss=foo")
+    )
+    assert (
+        f"algorithm.mismatch.name: unknown mismatch correction 'bogus'; registered: {_names('mismatch')}"
+        in rl_errors(rl("algorithm.mismatch.name=bogus"))
+    )  # loads (a str field), refused by validation
 
 
 def test_unknown_task_and_reward_list_the_registry():
@@ -418,26 +484,35 @@ def test_unknown_task_and_reward_list_the_registry():
     assert task_line in rl_errors(rl("data.synthetic_task=nope"))
     assert task_line in invalid(sft("data.synthetic_task=nope"), 1, "data.synthetic_task")
     lines = rl_errors(rl("reward.name=nope"))
-    assert lines == [f"reward.name: unknown reward 'nope'; registered: {', '.join(reward_names())} "
-                     "(or 'package.module:function')"]  # and not also 'is scored by'
+    assert lines == [
+        f"reward.name: unknown reward 'nope'; registered: {', '.join(reward_names())} (or 'package.module:function')"
+    ]  # and not also 'is scored by'
     assert "addition" in reward_names() and "math" in reward_names()
 
 
 def test_reward_must_score_the_synthetic_task():
     assert rl_errors(rl("reward.name=math")) == [
-        "reward.name: the synthetic task 'addition' is scored by 'addition', got 'math'"]
+        "reward.name: the synthetic task 'addition' is scored by 'addition', got 'math'"
+    ]
     validate_rl_config(rl("reward.name=math", "data.path=x.jsonl", "init.sft_steps=0"), 2)
     validate_rl_config(rl("reward.name=tests.test_rewards:_length_reward"), 2)  # an import path is the user's choice
 
 
-@pytest.mark.parametrize("name, error", [
-    ("nosuchmod:fn", "ModuleNotFoundError: No module named 'nosuchmod'"),
-    ("mcore_rl.rewards.math_verify:no_such_fn", "AttributeError: module 'mcore_rl.rewards.math_verify' has no "
-                                                 "attribute 'no_such_fn'"),
-    ("mcore_rl.rewards.math_verify:logger", "TypeError: 'mcore_rl.rewards.math_verify:logger' is a Logger, "
-                                            "not a function"),
-    (":fn", "ValueError: Empty module name"),
-])
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("nosuchmod:fn", "ModuleNotFoundError: No module named 'nosuchmod'"),
+        (
+            "mcore_rl.rewards.math_verify:no_such_fn",
+            "AttributeError: module 'mcore_rl.rewards.math_verify' has no attribute 'no_such_fn'",
+        ),
+        (
+            "mcore_rl.rewards.math_verify:logger",
+            "TypeError: 'mcore_rl.rewards.math_verify:logger' is a Logger, not a function",
+        ),
+        (":fn", "ValueError: Empty module name"),
+    ],
+)
 def test_reward_import_path_is_resolved_when_validating(name, error):
     """Found now, not after the SFT warm start: the module is imported and the name must be callable."""
     assert rl_errors(rl(f"reward.name={name}")) == [f"reward.name: {name!r} cannot be loaded: {error}"]
@@ -490,33 +565,47 @@ def test_addition_prompt_length_sets_the_row_length():
     # "999+999=" is 8 tokens, + bos + 4 new tokens = 13
     validate_rl_config(rl("data.synthetic_max_digits=3", "train.seq_length=13"), 2)
     assert rl_errors(rl("data.synthetic_max_digits=3", "train.seq_length=12"))[0].startswith(
-        "train.seq_length: 12 is shorter than the longest sample (13 tokens")
+        "train.seq_length: 12 is shorter than the longest sample (13 tokens"
+    )
 
 
 def test_rl_errors_in_several_sections_are_reported_together():
-    lines = rl_errors(rl(
-        "parallel.tensor_model_parallel_size=3",  # world 2
-        "optimizer.min_lr=1.0",
-        "data.synthetic_task=nope",
-        "rollout.temperature=0",
-        "algorithm.advantage=foo",
-        "algorithm.mismatch.veto_threshold=-1",
-        "reward.timeout_s=0",
-        "eval.k=-1",
-        "init.sft_lr=-1",
-    ))
+    lines = rl_errors(
+        rl(
+            "parallel.tensor_model_parallel_size=3",  # world 2
+            "optimizer.min_lr=1.0",
+            "data.synthetic_task=nope",
+            "rollout.temperature=0",
+            "algorithm.advantage=foo",
+            "algorithm.mismatch.veto_threshold=-1",
+            "reward.timeout_s=0",
+            "eval.k=-1",
+            "init.sft_lr=-1",
+        )
+    )
     keys = [line.split(":", 1)[0] for line in lines]
-    for key in ["parallel.tensor_model_parallel_size", "optimizer.min_lr", "data.synthetic_task",
-                "rollout.temperature", "algorithm.advantage", "algorithm.mismatch.veto_threshold",
-                "reward.timeout_s", "eval.k", "init.sft_lr"]:
+    for key in [
+        "parallel.tensor_model_parallel_size",
+        "optimizer.min_lr",
+        "data.synthetic_task",
+        "rollout.temperature",
+        "algorithm.advantage",
+        "algorithm.mismatch.veto_threshold",
+        "reward.timeout_s",
+        "eval.k",
+        "init.sft_lr",
+    ]:
         assert key in keys, (key, lines)
     assert len(lines) == len(set(lines))  # each line once
 
 
 def test_rl_size_errors_do_not_stop_the_other_sections():
     lines = rl_errors(rl("train.micro_batch_size=0", "model.num_layers=0", "eval.num_prompts=0"))
-    assert lines == ["model.num_layers: must be >= 1, got 0", "train.micro_batch_size: must be >= 1, got 0",
-                     "eval.num_prompts: must be >= 1, got 0"]
+    assert lines == [
+        "model.num_layers: must be >= 1, got 0",
+        "train.micro_batch_size: must be >= 1, got 0",
+        "eval.num_prompts: must be >= 1, got 0",
+    ]
 
 
 MIPU = ["algorithm.mismatch.name=mipu"]
@@ -527,21 +616,31 @@ def test_mipu_clip_rules():
     validate_rl_config(rl(*MIPU, "algorithm.mismatch.clip_high=3"), 2)
     w_max = "algorithm.mismatch.clip_high: is MIPU's w_max"
     assert [line for line in rl_errors(rl(*MIPU, "algorithm.mismatch.clip_high=0")) if line.startswith(w_max)] == [
-        f"{w_max}, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, got 0.0"]
+        f"{w_max}, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, got 0.0"
+    ]
     assert any(line.startswith(w_max) for line in rl_errors(rl(*MIPU, "algorithm.mismatch.clip_high=-1")))
     assert rl_errors(rl(*MIPU, "algorithm.mismatch.clip_low=0.5")) == [
-        "algorithm.mismatch.clip_low: is not used by MIPU (its only parameters are clip_high = w_max, level and "
-        "mipu_*)"]
+        "algorithm.mismatch.clip_low: is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)"
+    ]
     # other corrections keep their own rules: TIS may truncate at 0
-    validate_rl_config(rl("algorithm.mismatch.name=tis", "algorithm.mismatch.clip_high=0",
-                          "algorithm.mismatch.clip_low=0"), 2)
+    validate_rl_config(
+        rl("algorithm.mismatch.name=tis", "algorithm.mismatch.clip_high=0", "algorithm.mismatch.clip_low=0"), 2
+    )
 
 
-@pytest.mark.parametrize("override", [
-    "train.precision=fp16", "train.recompute=some", "algorithm.loss_agg=mean", "algorithm.mismatch.level=batch",
-    "algorithm.kl_estimator=k4", "eval.score=pass@k", "rollout.quantization=int4",
-    "algorithm.mismatch.mipu_decision=strict",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.precision=fp16",
+        "train.recompute=some",
+        "algorithm.loss_agg=mean",
+        "algorithm.mismatch.level=batch",
+        "algorithm.kl_estimator=k4",
+        "eval.score=pass@k",
+        "rollout.quantization=int4",
+        "algorithm.mismatch.mipu_decision=strict",
+    ],
+)
 def test_rl_literal_fields_list_their_values(override):
     key, value = override.split("=")
     with pytest.raises(ConfigError) as e:
@@ -562,17 +661,21 @@ def test_engine_groups_share_one_config_and_one_check(tmp_path):
     group = {f.name for f in dataclasses.fields(EngineGroupConfig)}
     assert issubclass(TeacherConfig, EngineGroupConfig) and issubclass(ExplorerConfig, EngineGroupConfig)
     assert set(RolloutConfig.ENGINE_KEYS) == group - {"model_path"}
-    r = rl("rollout.engine_urls=['http://a:1']", "rollout.num_embedded_engines=3", "rollout.request_timeout_s=9").rollout
+    r = rl(
+        "rollout.engine_urls=['http://a:1']", "rollout.num_embedded_engines=3", "rollout.request_timeout_s=9"
+    ).rollout
     assert (r.engines.urls, r.engines.num_engines, r.engines.request_timeout_s) == (["http://a:1"], 3, 9.0)
     ckpt = tmp_path / "hf"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     teacher = f"teachers=[{{kind: engine, model_path: {ckpt}, {{}}}}]"
     explorer = [f"rollout.explorer.model_path={ckpt}", "algorithm.routing_replay=none"]
-    for setting, rule in [("engine_threads: 0", "must be null or >= 1, got 0"),
-                          ("request_timeout_s: 0", "must be > 0, got 0"),
-                          ("max_running_requests: 0", "must be >= 1, got 0"),
-                          ("engine_cores: [[100000]]", "cores [100000] do not exist")]:
+    for setting, rule in [
+        ("engine_threads: 0", "must be null or >= 1, got 0"),
+        ("request_timeout_s: 0", "must be > 0, got 0"),
+        ("max_running_requests: 0", "must be >= 1, got 0"),
+        ("engine_cores: [[100000]]", "cores [100000] do not exist"),
+    ]:
         field, value = setting.split(": ")
         lines = rl_errors(rl(teacher.replace("{}", setting)), 1)
         assert any(line.startswith(f"teachers[0].{field}") and rule in line for line in lines), (setting, lines)

@@ -36,15 +36,32 @@ IGNORED_CONFIG_KEYS = {"transformers_version"}
 def _stock_config(kind: str, vocab: int = VOCAB, tie: bool = False):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=50000.0,
-                  max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if kind == "qwen3":
         return Qwen3Config(**common)
     if kind == "llama":
         return LlamaConfig(**common)
-    return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          norm_topk_prob=False, router_aux_loss_coef=0.01)
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.01,
+    )
 
 
 def _save_stock(kind: str, path, dtype=torch.float32, tie: bool = False, vocab: int = VOCAB, seed: int = 0) -> None:
@@ -199,8 +216,14 @@ def test_sharded_safetensors_read_lazily(tmp_path) -> None:
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_rejects_bad_input_before_any_worker(tmp_path, capsys) -> None:
@@ -209,8 +232,10 @@ def test_cli_rejects_bad_input_before_any_worker(tmp_path, capsys) -> None:
     assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")]) == 2
     assert "no config.json" in capsys.readouterr().err
     _stock_config("qwen3").save_pretrained(tmp_path / "q")
-    assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o"),
-                 "--tp", "3"]) == 2
+    assert (
+        main(["convert", "hf-to-mcore", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o"), "--tp", "3"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--tp 3" in err and "model.num_attention_heads" in err
     assert main(["convert", "hf-to-mcore", "--input", str(tmp_path / "q"), "--output", str(tmp_path / "o")]) == 2
@@ -251,12 +276,27 @@ _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
 
 def _remote_logits(export, tokens: torch.Tensor, tmp_path) -> torch.Tensor:
     torch.save(tokens, tmp_path / "tokens.pt")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONPATH="")
+    env = dict(
+        os.environ,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+        PYTHONPATH="",
+    )
     run = subprocess.run(
-        [sys.executable, "-c", _LOAD_WITHOUT_MCORE_RL, str(export), str(tmp_path / "tokens.pt"),
-         str(tmp_path / "logits.pt")],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            _LOAD_WITHOUT_MCORE_RL,
+            str(export),
+            str(tmp_path / "tokens.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(tmp_path / "logits.pt")
@@ -276,19 +316,27 @@ def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 REMOTE_CASES = {
     "shared_expert_no_qk_norm": dataclasses.replace(
-        MOE, moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False),
-    "latent_moe": dataclasses.replace(MOE, num_experts=8, moe_router_topk=4, moe_latent_size=16,
-                                      moe_shared_expert_intermediate_size=48),
+        MOE, moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False
+    ),
+    "latent_moe": dataclasses.replace(
+        MOE, num_experts=8, moe_router_topk=4, moe_latent_size=16, moe_shared_expert_intermediate_size=48
+    ),
     "attn_res_block": dataclasses.replace(DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
     "attn_res_full": dataclasses.replace(DENSE, num_layers=4, attn_res="full"),
     "ngram": dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
     # Qwen2-style q/k/v biases and gated shared expert, Mistral's window, on a Qwen3-MoE (QK-norm): no stock class
-    "qwen2_features": dataclasses.replace(MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48,
-                                          moe_shared_expert_gate=True, sliding_window=6),
+    "qwen2_features": dataclasses.replace(
+        MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, sliding_window=6
+    ),
 }
 # the HF config field that shows the reference model knows the architecture yet
-_REFERENCE_FIELD = {"latent_moe": "moe_latent_size", "attn_res_block": "attn_res", "attn_res_full": "attn_res",
-                    "ngram": "ngram_orders", "qwen2_features": "shared_expert_gate"}
+_REFERENCE_FIELD = {
+    "latent_moe": "moe_latent_size",
+    "attn_res_block": "attn_res",
+    "attn_res_full": "attn_res",
+    "ngram": "ngram_orders",
+    "qwen2_features": "shared_expert_gate",
+}
 
 
 def _reference_supports(case: str) -> bool:
@@ -325,8 +373,15 @@ def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: str,
-                     attention_mask: torch.Tensor = None, hf_weights_out: str = None) -> None:
+def _megatron_logits(
+    mc: ModelConfig,
+    pc,
+    ckpt: str,
+    tokens: torch.Tensor,
+    out: str,
+    attention_mask: torch.Tensor = None,
+    hf_weights_out: str = None,
+) -> None:
     """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them.
     `attention_mask`: megatron's ([b, 1, s, s], True = masked). `hf_weights_out`: global rank 0 also
     saves the HF-named weights the weight sync (`iter_hf_weights`) gathers in this layout."""
@@ -356,8 +411,12 @@ def _megatron_logits(mc: ModelConfig, pc, ckpt: str, tokens: torch.Tensor, out: 
 
         return output, loss
 
-    batch = dict(tokens=tokens, position_ids=torch.arange(SEQ).expand_as(tokens).contiguous(),
-                 labels=tokens, loss_mask=torch.ones_like(tokens, dtype=torch.float))
+    batch = dict(
+        tokens=tokens,
+        position_ids=torch.arange(SEQ).expand_as(tokens).contiguous(),
+        labels=tokens,
+        loss_mask=torch.ones_like(tokens, dtype=torch.float),
+    )
     with torch.no_grad():
         forward_backward(chunks, [batch], forward_only=True, forward_step=step)
     if got and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
@@ -465,13 +524,23 @@ def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
     (tmp_path / "hf" / "config.json").write_text(json.dumps(source))
     bundled = os.path.join(BUNDLED_DIR, TOKENIZER_FILE)
     shutil.copyfile(bundled, tmp_path / "hf" / TOKENIZER_FILE)
-    run = _cli("convert", "hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"),
-               "--tp", "2")
+    run = _cli(
+        "convert", "hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"), "--tp", "2"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mcore-rl sft" in run.stdout and os.path.exists(tmp_path / "mcore" / "latest")
-    run = _cli("sft", str(tmp_path / "mcore" / "recipe.yaml"), f"run_dir={tmp_path}/run",
-               f"checkpoint.save_dir={tmp_path}/sft", "train.train_iters=1", "optimizer.lr=0",
-               "optimizer.min_lr=0", "parallel.pipeline_model_parallel_size=2", "--nproc-per-node", "2")
+    run = _cli(
+        "sft",
+        str(tmp_path / "mcore" / "recipe.yaml"),
+        f"run_dir={tmp_path}/run",
+        f"checkpoint.save_dir={tmp_path}/sft",
+        "train.train_iters=1",
+        "optimizer.lr=0",
+        "optimizer.min_lr=0",
+        "parallel.pipeline_model_parallel_size=2",
+        "--nproc-per-node",
+        "2",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from" in run.stdout
     run = _cli("convert", "mcore-to-hf", "--input", str(tmp_path / "sft"), "--output", str(tmp_path / "export"))
@@ -481,8 +550,11 @@ def test_cli_hf_to_sft_to_hf(tmp_path) -> None:
     assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) and tb[k].dtype == torch.bfloat16 for k in ta)
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["dtype"] == "bfloat16"
-    assert {k: exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == \
-        {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
+    assert {k: exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+        "bos_token_id": None,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
     assert (tmp_path / "export" / TOKENIZER_FILE).exists() and (tmp_path / "export" / "generation_config.json").exists()
 
 
@@ -522,9 +594,17 @@ def _tall_config():
     from transformers import Qwen3Config
 
     # 12 layers of small matrices: the model is ~40x its largest tensor, so holding it shows
-    return Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                       tie_word_embeddings=False)
+    return Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.mark.slow

@@ -28,7 +28,9 @@ TOK = load_tokenizer(None)
 # ------------------------------------------------------------------- tokenizer
 
 
-@pytest.mark.parametrize("text", ["", "hello world", "naïve café — 日本語 🙂🚀", "a\tb\n\x00\x7f", "e\u0301 <|reserved_3|>"])
+@pytest.mark.parametrize(
+    "text", ["", "hello world", "naïve café — 日本語 🙂🚀", "a\tb\n\x00\x7f", "e\u0301 <|reserved_3|>"]
+)
 def test_byte_tokenizer_round_trip(text):
     ids = TOK.encode(text)
     assert all(0 <= i < TOK.vocab_size for i in ids)
@@ -67,8 +69,9 @@ def test_local_hf_tokenizer(tmp_path):
     vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, "hello": 4, "world": 5}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(tmp_path))
+    PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(str(tmp_path))
     tok = load_tokenizer(str(tmp_path))
     assert tok.encode("hello world") == [4, 5]
     assert tok.decode([4, 5]) == "hello world"
@@ -84,17 +87,19 @@ def write_bytes(tmp_path, name, data: bytes) -> str:
     return str(p)
 
 
-BAD_JSONL = b"\n".join([
-    b'{"prompt": "1+1=", "response": "2"}',        # 1 ok
-    b'{"prompt": "1+1=", "response": ',            # 2 bad JSON
-    b'',                                            # 3 blank: ignored
-    b'{"question": "x"}',                          # 4 missing keys
-    b'{"prompt": "a", "response": 3}',             # 5 wrong type
-    b'[1, 2]',                                      # 6 not an object
-    b'{"text": "\xff\xfe"}',                       # 7 bad UTF-8
-    b'{"text": "a whole document"}',               # 8 ok
-    b'{"prompt": "p"}',                            # 9 missing response
-])
+BAD_JSONL = b"\n".join(
+    [
+        b'{"prompt": "1+1=", "response": "2"}',  # 1 ok
+        b'{"prompt": "1+1=", "response": ',  # 2 bad JSON
+        b"",  # 3 blank: ignored
+        b'{"question": "x"}',  # 4 missing keys
+        b'{"prompt": "a", "response": 3}',  # 5 wrong type
+        b"[1, 2]",  # 6 not an object
+        b'{"text": "\xff\xfe"}',  # 7 bad UTF-8
+        b'{"text": "a whole document"}',  # 8 ok
+        b'{"prompt": "p"}',  # 9 missing response
+    ]
+)
 
 
 def test_bad_lines_skip(tmp_path, caplog):
@@ -108,8 +113,17 @@ def test_bad_lines_skip(tmp_path, caplog):
     assert f"{path}:3:" not in caplog.text
 
 
-@pytest.mark.parametrize("lineno, problem", [(2, "invalid JSON"), (4, "missing keys"), (5, "expected strings"),
-                                             (6, "JSON object"), (7, "UTF-8"), (9, "missing key")])
+@pytest.mark.parametrize(
+    "lineno, problem",
+    [
+        (2, "invalid JSON"),
+        (4, "missing keys"),
+        (5, "expected strings"),
+        (6, "JSON object"),
+        (7, "UTF-8"),
+        (9, "missing key"),
+    ],
+)
 def test_bad_lines_error_names_file_and_line(tmp_path, lineno, problem):
     lines = BAD_JSONL.split(b"\n")
     # one good line, blank lines, then the bad line at `lineno`
@@ -140,13 +154,15 @@ def test_missing_and_empty_data_file(tmp_path):
 
 # ------------------------------------------------------------------- RL prompt files
 
-PROMPTS = b"\n".join([
-    b'{"prompt": "1+1=", "label": "2"}',  # 1 ok
-    b'{"prompt": "caf\xe9"}',             # 2 latin-1, not UTF-8
-    b'{"prompt": 3}',                      # 3 not a string
-    b'{"prompt": "2+2="',                  # 4 bad JSON
-    b'{"prompt": "3+3=", "label": "6"}',  # 5 ok
-])
+PROMPTS = b"\n".join(
+    [
+        b'{"prompt": "1+1=", "label": "2"}',  # 1 ok
+        b'{"prompt": "caf\xe9"}',  # 2 latin-1, not UTF-8
+        b'{"prompt": 3}',  # 3 not a string
+        b'{"prompt": "2+2="',  # 4 bad JSON
+        b'{"prompt": "3+3=", "label": "6"}',  # 5 ok
+    ]
+)
 
 
 @pytest.mark.parametrize("lineno, problem", [(2, "not valid UTF-8"), (3, "string 'prompt'"), (4, "invalid JSON")])
@@ -176,8 +192,6 @@ def test_prompt_file_skip_and_missing(tmp_path, caplog):
     assert read_prompt_files(cfg) == {"data.path": [("1+1=", "2"), ("3+3=", "6")]}
     with pytest.raises(DataError, match=r"no prompts \(1 bad line\(s\) skipped\)"):
         read_prompt_file(write_bytes(tmp_path, "q.jsonl", b"\xff\n"), "prompt", "label", on_bad_line="skip")
-
-
 
 
 def docs_of(rows, r):
@@ -224,7 +238,7 @@ def test_packing_invariants():
                 assert set(text) == {"y"}  # truncated long example: only response bytes, no eos
             else:
                 assert text.endswith("<eos>") and "=" not in text and "+" not in text  # response + eos only
-                prompt = TOK.decode(tok[idx[1]: idx[-1]].tolist()).split("=")[0] + "="
+                prompt = TOK.decode(tok[idx[1] : idx[-1]].tolist()).split("=")[0] + "="
                 assert verify_addition(prompt, text[: -len("<eos>")]) == 1.0
         pad = seg == 0
         assert (mask[pad] == 0).all() and (tok[pad] == TOK.pad_id).all()
@@ -255,8 +269,13 @@ def test_build_sft_rows_synthetic_and_file(tmp_path):
 
 def toy_rows(n=23, s=4):
     ids = torch.arange(n)[:, None].expand(n, s).contiguous()
-    return {"tokens": ids, "labels": ids.clone(), "loss_mask": torch.ones(n, s),
-            "position_ids": torch.zeros(n, s, dtype=torch.long), "segment_ids": torch.ones(n, s, dtype=torch.long)}
+    return {
+        "tokens": ids,
+        "labels": ids.clone(),
+        "loss_mask": torch.ones(n, s),
+        "position_ids": torch.zeros(n, s, dtype=torch.long),
+        "segment_ids": torch.ones(n, s, dtype=torch.long),
+    }
 
 
 def row_ids(step):

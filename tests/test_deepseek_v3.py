@@ -23,16 +23,41 @@ from mcore_rl.config.schema import ModelConfig
 VOCAB, SEQ = 128, 16
 
 MIXED = ModelConfig(
-    arch="qwen3_moe", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_experts=4, moe_router_topk=2,
-    moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01, moe_layer_pattern=[0, 0, 1, 1],
+    arch="qwen3_moe",
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_aux_loss_coeff=0.01,
+    moe_layer_pattern=[0, 0, 1, 1],
 )
 DSV3 = ModelConfig(
-    arch="deepseek_v3", vocab_size=VOCAB, num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-    num_query_groups=4, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=32,
-    moe_shared_expert_intermediate_size=64, moe_layer_pattern=[0, 1], moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01, moe_router_num_groups=4,
-    moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, multi_latent_attention=True, q_lora_rank=24,
-    kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+    arch="deepseek_v3",
+    vocab_size=VOCAB,
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=4,
+    num_experts=8,
+    moe_router_topk=4,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=64,
+    moe_layer_pattern=[0, 1],
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.01,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    multi_latent_attention=True,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
 )
 DSV3_FULL_Q = dataclasses.replace(DSV3, q_lora_rank=None, moe_layer_pattern=None)
 
@@ -40,12 +65,31 @@ DSV3_FULL_Q = dataclasses.replace(DSV3, q_lora_rank=None, moe_layer_pattern=None
 def _stock_deepseek_config(**kw):
     from transformers import DeepseekV3Config
 
-    args = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
-                routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
-                qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
-                max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                bos_token_id=1, eos_token_id=2)
+    args = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return DeepseekV3Config(**{**args, **kw})
 
 
@@ -113,10 +157,20 @@ def test_reference_equals_stock_qwen3_moe_with_dense_layers(mlp_only_layers, ste
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=mlp_only_layers,
-                            decoder_sparse_step=step)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=mlp_only_layers,
+        decoder_sparse_step=step,
+    )
     stock = AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(stock)
     mc, ours = _reference_of_stock(stock)
@@ -197,19 +251,31 @@ def test_bad_values_are_refused_naming_the_key() -> None:
         return str(err.value)
 
     assert "model.moe_layer_pattern: has 3 entries but num_layers is 4" in errors_of(
-        dataclasses.replace(MIXED, moe_layer_pattern=[0, 1, 1]))
+        dataclasses.replace(MIXED, moe_layer_pattern=[0, 1, 1])
+    )
     assert "model.moe_layer_pattern: entries must be 0 (dense) or 1" in errors_of(
-        dataclasses.replace(MIXED, moe_layer_pattern=[0, 2, 1, 1]))
+        dataclasses.replace(MIXED, moe_layer_pattern=[0, 2, 1, 1])
+    )
     assert "model.moe_layer_pattern" in errors_of(dataclasses.replace(MIXED, arch="qwen3", num_experts=0))
     assert "model.moe_router_group_topk" in errors_of(dataclasses.replace(DSV3, moe_router_group_topk=5))
     assert "model.moe_router_num_groups" in errors_of(dataclasses.replace(DSV3, moe_router_num_groups=3))
     assert "model.moe_norm_topk_prob" in errors_of(dataclasses.replace(DSV3, moe_norm_topk_prob=False))
     assert "model.multi_latent_attention" in errors_of(dataclasses.replace(DSV3, multi_latent_attention=False))
     assert "model.moe_router_enable_expert_bias" in errors_of(
-        dataclasses.replace(MIXED, moe_router_enable_expert_bias=True))
+        dataclasses.replace(MIXED, moe_router_enable_expert_bias=True)
+    )
     with pytest.raises(ValueError) as err:
-        model_config_from_hf(_stock_deepseek_config(topk_group=1, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}))
+        model_config_from_hf(
+            _stock_deepseek_config(
+                topk_group=1,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                },
+            )
+        )
     assert "topk_group=1" in str(err.value) and "rope_parameters.rope_type='yarn'" in str(err.value)
     with pytest.raises(ValueError, match="quantization_config='fp8'"):
         model_config_from_hf(_stock_deepseek_config(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}))
@@ -258,7 +324,7 @@ def _bias_moves_toward_balance(rank: int) -> None:
     prepare_config(config, chunks)
     optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4), "fp32", 10)
     router = next(m for m in chunks[0].modules() if hasattr(m, "expert_bias") and m.expert_bias is not None)
-    batches = _global_batch(mc.vocab_size)[rank * 2: rank * 2 + 2]
+    batches = _global_batch(mc.vocab_size)[rank * 2 : rank * 2 + 2]
     loads = []
     for _ in range(3):
         forward_backward(chunks, batches)  # finalize_model_grads updates the bias from this step's load

@@ -10,9 +10,15 @@ import os
 import pytest
 import torch
 
-from mcore_rl.diagnose.verif_horizon import (agreement, binned, doubling_edges, labels, parse_verifier,
-                                             verification_horizon)
-from mcore_rl.diagnose.vgh import (binary_headroom, costates, entropy_bound, headroom, token_entropy, usable_signal)
+from mcore_rl.diagnose.verif_horizon import (
+    agreement,
+    binned,
+    doubling_edges,
+    labels,
+    parse_verifier,
+    verification_horizon,
+)
+from mcore_rl.diagnose.vgh import binary_headroom, costates, entropy_bound, headroom, token_entropy, usable_signal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
@@ -63,8 +69,15 @@ def _tiny_model(seed: int = 0, layers: int = 2):
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(seed)
-    mc = ModelConfig(vocab_size=384, hidden_size=32, ffn_hidden_size=64, num_layers=layers, num_attention_heads=4,
-                     num_query_groups=2, max_position_embeddings=64)
+    mc = ModelConfig(
+        vocab_size=384,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_query_groups=2,
+        max_position_embeddings=64,
+    )
     model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).double().eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -77,7 +90,7 @@ def _batch(B: int = 3, S: int = 9, prompt: int = 4, seed: int = 1):
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]
     mask = torch.zeros(B, S, dtype=torch.bool)
-    mask[:, prompt - 1: S - 1] = True
+    mask[:, prompt - 1 : S - 1] = True
     return ids, targets, mask
 
 
@@ -224,8 +237,11 @@ def test_parse_verifier():
     assert parse_verifier("tests.reward_fns:digit_count") == ("tests.reward_fns:digit_count", {})
     with pytest.raises(ValueError, match="not JSON"):
         parse_verifier("formatting={pattern}")
-    assert labels([("formatting", {}), ("addition", {}), ("formatting", {"pattern": "x"})]) == \
-        ["formatting", "addition", "formatting#2"]
+    assert labels([("formatting", {}), ("addition", {}), ("formatting", {"pattern": "x"})]) == [
+        "formatting",
+        "addition",
+        "formatting#2",
+    ]
 
 
 # ---------------------------------------------------------------- the commands, end to end
@@ -240,8 +256,13 @@ def tiny_hf_model(tmp_path_factory):
     return path
 
 
-RECIPE = ["rollout.quantization=none", "rollout.max_new_tokens=16", "eval.num_prompts=8", "init.sft_steps=0",
-          "reward.name=tests.reward_fns:digit_count"]
+RECIPE = [
+    "rollout.quantization=none",
+    "rollout.max_new_tokens=16",
+    "eval.num_prompts=8",
+    "init.sft_steps=0",
+    "reward.name=tests.reward_fns:digit_count",
+]
 
 
 def test_vgh_command_end_to_end(tiny_hf_model, tmp_path, capsys):
@@ -250,9 +271,29 @@ def test_vgh_command_end_to_end(tiny_hf_model, tmp_path, capsys):
     from mcore_rl.cli import main
 
     out = tmp_path / "vgh.json"
-    argv = ["diagnose", "vgh", "--config", DEMO, *RECIPE, "--model", tiny_hf_model, "--prompts", "6",
-            "--group-size", "4", "--alpha", "1", "--alpha", "inf", "--threshold", "1", "--temperature", "1.5",
-            "--json", str(out)]
+    argv = [
+        "diagnose",
+        "vgh",
+        "--config",
+        DEMO,
+        *RECIPE,
+        "--model",
+        tiny_hf_model,
+        "--prompts",
+        "6",
+        "--group-size",
+        "4",
+        "--alpha",
+        "1",
+        "--alpha",
+        "inf",
+        "--threshold",
+        "1",
+        "--temperature",
+        "1.5",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "usable_signal" in printed and "P_gap" in printed
@@ -288,8 +329,23 @@ def test_commands_say_what_is_missing(tmp_path, capsys):
     assert f"--input {run_dir / 'checkpoints'}" in err
     assert main(["diagnose", "vgh", "--config", DEMO, "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["diagnose", "verif_horizon", "--config", DEMO, "--verifier", "addition", "--verifier", "formatting",
-                 "--samples", str(run_dir)]) == 2
+    assert (
+        main(
+            [
+                "diagnose",
+                "verif_horizon",
+                "--config",
+                DEMO,
+                "--verifier",
+                "addition",
+                "--verifier",
+                "formatting",
+                "--samples",
+                str(run_dir),
+            ]
+        )
+        == 2
+    )
     assert "runs do not save their rollouts" in capsys.readouterr().err
     assert main(["diagnose", "verif_horizon", "--config", DEMO, "--verifier", "addition"]) == 2
     assert "two or more --verifier" in capsys.readouterr().err
@@ -306,16 +362,37 @@ def test_verif_horizon_command_on_saved_and_on_sampled_rollouts(tiny_hf_model, t
     rows = []
     for a, b in [(12, 34), (50, 7), (99, 99), (3, 4)]:
         right = str(a + b)[::-1]
-        rows += [{"prompt": f"{a:02d}+{b:02d}=", "completion": right, "label": None, "response_tokens": 2},
-                 {"prompt": f"{a:02d}+{b:02d}=", "completion": "x", "label": None, "response_tokens": 2},
-                 {"prompt": f"{a:02d}+{b:02d}=", "completion": "1234567", "label": None, "response_tokens": 9},
-                 {"prompt": f"{a:02d}+{b:02d}=", "completion": right + "0", "label": None, "response_tokens": 9}]
+        rows += [
+            {"prompt": f"{a:02d}+{b:02d}=", "completion": right, "label": None, "response_tokens": 2},
+            {"prompt": f"{a:02d}+{b:02d}=", "completion": "x", "label": None, "response_tokens": 2},
+            {"prompt": f"{a:02d}+{b:02d}=", "completion": "1234567", "label": None, "response_tokens": 9},
+            {"prompt": f"{a:02d}+{b:02d}=", "completion": right + "0", "label": None, "response_tokens": 9},
+        ]
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "vh.json"
     loose = 'formatting={"pattern": "[0-9]+"}'
-    assert main(["diagnose", "verif_horizon", "--config", DEMO, "--samples", str(samples), "--verifier", "addition",
-                 "--verifier", loose, "--min-bin", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                "verif_horizon",
+                "--config",
+                DEMO,
+                "--samples",
+                str(samples),
+                "--verifier",
+                "addition",
+                "--verifier",
+                loose,
+                "--min-bin",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["rollouts"] == 16 and r["reference"] == "addition"
     assert [v["pass_rate"] for v in r["verifiers"]] == [0.5, 0.75] and r["verifiers"][1]["errors"] == 0
@@ -327,9 +404,32 @@ def test_verif_horizon_command_on_saved_and_on_sampled_rollouts(tiny_hf_model, t
     capsys.readouterr()
 
     out = tmp_path / "vh_sampled.json"
-    assert main(["diagnose", "verif_horizon", "--config", DEMO, *RECIPE, "--model", tiny_hf_model, "--prompts", "3",
-                 "--group-size", "2", "--verifier", "tests.reward_fns:digit_count", "--verifier", loose,
-                 "--verifier", 'formatting={"pattern": ".*"}', "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                "verif_horizon",
+                "--config",
+                DEMO,
+                *RECIPE,
+                "--model",
+                tiny_hf_model,
+                "--prompts",
+                "3",
+                "--group-size",
+                "2",
+                "--verifier",
+                "tests.reward_fns:digit_count",
+                "--verifier",
+                loose,
+                "--verifier",
+                'formatting={"pattern": ".*"}',
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["rollouts"] == 6 and r["rollouts_from"] == tiny_hf_model
     by_length = r["formatting_vs_tests.reward_fns:digit_count"]["by_length"]

@@ -67,76 +67,146 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
     assert tiny().distill.losses == []  # off by default
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["distill.losses=[{name: nope}]"], "distill.losses[0].name: unknown distill function 'nope'; registered: "),
-    (["distill.losses=[{name: power_opd, options: {alpha: 2.0, beta: 1}}]"],
-     "distill.losses[0].options.beta: is not an option of 'power_opd'; its options: alpha, normalize"),
-    (["distill.losses=[{name: reverse_kl}, {name: reverse_kl}]"], "distill.losses[1].name: 'reverse_kl' is listed twice"),
-    (["distill.losses=[{name: reverse_kl, coef: -1}]"], "distill.losses[0].coef: must be >= 0"),
-    (["distill.rl=false"], "distill.rl: is false (distillation alone) but distill.losses is empty"),
-    (["distill.top_k=-1"], "distill.top_k: must be >= 0"),
-    (["distill.horizon.schedule=fixed", "distill.horizon.rho=0.5"], "distill.horizon.schedule: is 'fixed' but"),
-    (["distill.losses=[{name: popd}]", "distill.horizon.schedule=fixed"], "distill.horizon.rho: a fixed horizon"),
-    (["distill.losses=[{name: popd}]", "distill.horizon.schedule=fixed", "distill.horizon.tokens=9"],
-     "distill.horizon.tokens: must be in [1, rollout.max_new_tokens=4], got 9"),
-    (["distill.losses=[{name: popd}]", "distill.horizon.schedule=growing"], "distill.horizon.h0: the growing horizon"),
-    (["distill.losses=[{name: antisd, options: {state: 1}}]"], "distill.losses[0].options.state: is not an option"),
-    (["distill.effopd.enabled=true", "rollout.runtime=async", "rollout.max_staleness=1"],
-     "distill.effopd.enabled: EffOPD scores candidate"),
-    (["distill.effopd.enabled=true", "algorithm.mismatch.name=mipu"], "distill.effopd.enabled: EffOPD and MIPU"),
-    (["distill.effopd.enabled=true", "distill.effopd.num_candidates=0"], "distill.effopd.num_candidates"),
-    # what a function needs (`@needs`) must be there before training starts
-    (["distill.losses=[{name: reverse_kl}]", "teachers=[]"], "distill.losses: no teacher fills Sample.teacher"),
-    (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=0"], "distill.top_k: is 0, but 'tropd_fkl' needs the teacher's top-k"),
-    (["distill.losses=[{name: tropd_fkl}]", "distill.top_k=8", "teachers=[{kind: frozen, top_k: 4}]"],
-     "teachers[0].top_k: is 4, but 'tropd_fkl' reads the top 8"),
-    # Direct-OPD: every teacher a distilled sample can reach needs a reference (an engine teacher)
-    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "teachers=[{kind: frozen, top_k: 4}]"],
-     "teachers[0].reference: is not set, but 'direct_opd' needs a reference teacher"),
-    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4",
-      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r, domains: [x]}, "
-      "{kind: engine, name: r, urls: ['http://b']}, {kind: frozen, top_k: 4}]"],
-     "teachers[2].reference: is not set, but 'direct_opd' needs a reference teacher (π_Tref: teacher_ref_topk_logp) "
-     "for the samples routed to 'frozen2'"),
-    # Direct-OPD's own KL reads π_ref (the student's starting weights); its α options are checked
-    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4",
-      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b']}]"],
-     "algorithm.reference_model: is off, but distill.losses[0] 'direct_opd' reads the student's reference model"),
-    (["distill.losses=[{name: direct_opd, options: {alpha_min: 3.0}}]", "distill.top_k=4",
-      "algorithm.reference_model=true", "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b']}]"],
-     "distill.losses[0].options: distill 'direct_opd': options.alpha_min (3.0) is above alpha_max (2.5)"),
-    (["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "algorithm.kl_coef=0.01",
-      "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b']}]"],
-     "algorithm.kl_coef: is 0.01, but distill.losses[0] 'direct_opd' carries its own adaptive KL to π_ref"),
-    # TrOPD's imitation term: nothing generates teacher prefixes, so it would train nothing
-    (["distill.losses=[{name: tropd_imitation}]"],
-     "distill.losses[0].name: 'tropd_imitation' needs DistillBatch.teacher_generated, which no rollout"),
-    # SDAR has one weight, the entry's coef
-    (["distill.losses=[{name: sdar, options: {coef: 0.01}}]"],
-     "distill.losses[0].options.coef: is not an option of 'sdar'; its options: beta, gate"),
-    (["teachers=[{kind: frozen, reference: r}, {kind: engine, name: r, urls: ['http://b']}]"],
-     "teachers[0].reference: only engine teachers have a reference"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: nobody}]"],
-     "teachers[0].reference: 'nobody' is not the name of another teacher"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: t}]"],
-     "teachers[0].reference: 't' is not the name of another teacher"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: frozen, name: r}]"],
-     "teachers[0].reference: 'r' is a 'frozen' teacher; a reference is an engine teacher"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b'], reference: t}]"],
-     "teachers[1].reference: 'r' is the reference of 't' and cannot have a reference itself"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b'], domains: [x], top_k: 2}]"],
-     "teachers[1].domains: 'r' is a reference teacher"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
-      "{kind: engine, name: r, urls: ['http://b'], top_k: 2}]"],
-     "teachers[1].top_k: 'r' is a reference teacher"),
-    (["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: engine, name: r}]"],
-     "teachers[1].urls: an engine teacher needs either urls"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["distill.losses=[{name: nope}]"], "distill.losses[0].name: unknown distill function 'nope'; registered: "),
+        (
+            ["distill.losses=[{name: power_opd, options: {alpha: 2.0, beta: 1}}]"],
+            "distill.losses[0].options.beta: is not an option of 'power_opd'; its options: alpha, normalize",
+        ),
+        (
+            ["distill.losses=[{name: reverse_kl}, {name: reverse_kl}]"],
+            "distill.losses[1].name: 'reverse_kl' is listed twice",
+        ),
+        (["distill.losses=[{name: reverse_kl, coef: -1}]"], "distill.losses[0].coef: must be >= 0"),
+        (["distill.rl=false"], "distill.rl: is false (distillation alone) but distill.losses is empty"),
+        (["distill.top_k=-1"], "distill.top_k: must be >= 0"),
+        (["distill.horizon.schedule=fixed", "distill.horizon.rho=0.5"], "distill.horizon.schedule: is 'fixed' but"),
+        (["distill.losses=[{name: popd}]", "distill.horizon.schedule=fixed"], "distill.horizon.rho: a fixed horizon"),
+        (
+            ["distill.losses=[{name: popd}]", "distill.horizon.schedule=fixed", "distill.horizon.tokens=9"],
+            "distill.horizon.tokens: must be in [1, rollout.max_new_tokens=4], got 9",
+        ),
+        (
+            ["distill.losses=[{name: popd}]", "distill.horizon.schedule=growing"],
+            "distill.horizon.h0: the growing horizon",
+        ),
+        (["distill.losses=[{name: antisd, options: {state: 1}}]"], "distill.losses[0].options.state: is not an option"),
+        (
+            ["distill.effopd.enabled=true", "rollout.runtime=async", "rollout.max_staleness=1"],
+            "distill.effopd.enabled: EffOPD scores candidate",
+        ),
+        (["distill.effopd.enabled=true", "algorithm.mismatch.name=mipu"], "distill.effopd.enabled: EffOPD and MIPU"),
+        (["distill.effopd.enabled=true", "distill.effopd.num_candidates=0"], "distill.effopd.num_candidates"),
+        # what a function needs (`@needs`) must be there before training starts
+        (["distill.losses=[{name: reverse_kl}]", "teachers=[]"], "distill.losses: no teacher fills Sample.teacher"),
+        (
+            ["distill.losses=[{name: tropd_fkl}]", "distill.top_k=0"],
+            "distill.top_k: is 0, but 'tropd_fkl' needs the teacher's top-k",
+        ),
+        (
+            ["distill.losses=[{name: tropd_fkl}]", "distill.top_k=8", "teachers=[{kind: frozen, top_k: 4}]"],
+            "teachers[0].top_k: is 4, but 'tropd_fkl' reads the top 8",
+        ),
+        # Direct-OPD: every teacher a distilled sample can reach needs a reference (an engine teacher)
+        (
+            ["distill.losses=[{name: direct_opd}]", "distill.top_k=4", "teachers=[{kind: frozen, top_k: 4}]"],
+            "teachers[0].reference: is not set, but 'direct_opd' needs a reference teacher",
+        ),
+        (
+            [
+                "distill.losses=[{name: direct_opd}]",
+                "distill.top_k=4",
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r, domains: [x]}, "
+                "{kind: engine, name: r, urls: ['http://b']}, {kind: frozen, top_k: 4}]",
+            ],
+            "teachers[2].reference: is not set, but 'direct_opd' needs a reference teacher (π_Tref: teacher_ref_topk_logp) "
+            "for the samples routed to 'frozen2'",
+        ),
+        # Direct-OPD's own KL reads π_ref (the student's starting weights); its α options are checked
+        (
+            [
+                "distill.losses=[{name: direct_opd}]",
+                "distill.top_k=4",
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b']}]",
+            ],
+            "algorithm.reference_model: is off, but distill.losses[0] 'direct_opd' reads the student's reference model",
+        ),
+        (
+            [
+                "distill.losses=[{name: direct_opd, options: {alpha_min: 3.0}}]",
+                "distill.top_k=4",
+                "algorithm.reference_model=true",
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b']}]",
+            ],
+            "distill.losses[0].options: distill 'direct_opd': options.alpha_min (3.0) is above alpha_max (2.5)",
+        ),
+        (
+            [
+                "distill.losses=[{name: direct_opd}]",
+                "distill.top_k=4",
+                "algorithm.kl_coef=0.01",
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b']}]",
+            ],
+            "algorithm.kl_coef: is 0.01, but distill.losses[0] 'direct_opd' carries its own adaptive KL to π_ref",
+        ),
+        # TrOPD's imitation term: nothing generates teacher prefixes, so it would train nothing
+        (
+            ["distill.losses=[{name: tropd_imitation}]"],
+            "distill.losses[0].name: 'tropd_imitation' needs DistillBatch.teacher_generated, which no rollout",
+        ),
+        # SDAR has one weight, the entry's coef
+        (
+            ["distill.losses=[{name: sdar, options: {coef: 0.01}}]"],
+            "distill.losses[0].options.coef: is not an option of 'sdar'; its options: beta, gate",
+        ),
+        (
+            ["teachers=[{kind: frozen, reference: r}, {kind: engine, name: r, urls: ['http://b']}]"],
+            "teachers[0].reference: only engine teachers have a reference",
+        ),
+        (
+            ["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: nobody}]"],
+            "teachers[0].reference: 'nobody' is not the name of another teacher",
+        ),
+        (
+            ["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: t}]"],
+            "teachers[0].reference: 't' is not the name of another teacher",
+        ),
+        (
+            ["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: frozen, name: r}]"],
+            "teachers[0].reference: 'r' is a 'frozen' teacher; a reference is an engine teacher",
+        ),
+        (
+            [
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b'], reference: t}]"
+            ],
+            "teachers[1].reference: 'r' is the reference of 't' and cannot have a reference itself",
+        ),
+        (
+            [
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b'], domains: [x], top_k: 2}]"
+            ],
+            "teachers[1].domains: 'r' is a reference teacher",
+        ),
+        (
+            [
+                "teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, "
+                "{kind: engine, name: r, urls: ['http://b'], top_k: 2}]"
+            ],
+            "teachers[1].top_k: 'r' is a reference teacher",
+        ),
+        (
+            ["teachers=[{kind: engine, name: t, urls: ['http://a'], reference: r}, {kind: engine, name: r}]"],
+            "teachers[1].urls: an engine teacher needs either urls",
+        ),
+    ],
+)
 def test_bad_distill_config_fails_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate_rl_config(tiny(*overrides), 1)
@@ -145,9 +215,13 @@ def test_bad_distill_config_fails_naming_the_key(overrides, message):
 
 def test_direct_opd_with_a_reference_teacher_validates():
     """A reference teacher is no default teacher (never routed to), and its top_k is not checked."""
-    cfg = tiny("distill.losses=[{name: direct_opd}]", "distill.top_k=4", "algorithm.reference_model=true",
-               "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
-               "{kind: engine, name: r, urls: ['http://b']}]")
+    cfg = tiny(
+        "distill.losses=[{name: direct_opd}]",
+        "distill.top_k=4",
+        "algorithm.reference_model=true",
+        "teachers=[{kind: engine, name: t, urls: ['http://a'], top_k: 4, reference: r}, "
+        "{kind: engine, name: r, urls: ['http://b']}]",
+    )
     validate_rl_config(cfg, 1)
 
 
@@ -201,8 +275,9 @@ def test_a_loss_entry_without_coef_gets_the_terms_own_default_weight():
     g = torch.Generator().manual_seed(4)
     student = -torch.rand(2, 5, generator=g, dtype=torch.float64)
     teacher = -torch.rand(2, 5, generator=g, dtype=torch.float64)
-    batch = DistillBatch(student_logp=student, old_logp=student, teacher_logp=teacher,
-                         mask=torch.ones(2, 5, dtype=torch.float64))
+    batch = DistillBatch(
+        student_logp=student, old_logp=student, teacher_logp=teacher, mask=torch.ones(2, 5, dtype=torch.float64)
+    )
     _, _, loss = call_terms(terms[:1], batch, {})
     gap = teacher - student
     assert float(loss) == pytest.approx(0.01 * float((torch.sigmoid(5.0 * gap) * gap).sum()), rel=1e-12)
@@ -248,8 +323,9 @@ def test_teacher_top_k_ids_sit_at_the_packed_positions_of_their_tokens():
     view = sequence_view(samples)
     n, t = view.mask.shape
     ids = torch.arange(n * t * 3).view(n, t, 3) % 384
-    mbs = build_microbatches(samples, list(range(n)), 16, 2, 0, 1, 0, t, {"teacher_topk_ids": ids,
-                                                                         "response_mask": view.mask})
+    mbs = build_microbatches(
+        samples, list(range(n)), 16, 2, 0, 1, 0, t, {"teacher_topk_ids": ids, "response_mask": view.mask}
+    )
     add_packed_topk(mbs)
     for mb in mbs:
         flat = mb["label_topk_ids"].reshape(-1, 3)
@@ -262,15 +338,25 @@ def test_teacher_top_k_ids_sit_at_the_packed_positions_of_their_tokens():
 def test_generation_budget_is_cut_at_the_horizon_of_the_step():
     p = Prompt(0, "1+1=", [1, 2], domain="arithmetic")
     other = Prompt(1, "x", [1], domain="code")
-    cfg = tiny("rollout.max_new_tokens=8", "distill.losses=[{name: popd}]", "distill.horizon.schedule=growing",
-               "distill.horizon.h0=2", "distill.horizon.delta_h=3", "distill.horizon.delta_k=2",
-               "distill.horizon.domains=[arithmetic]")
+    cfg = tiny(
+        "rollout.max_new_tokens=8",
+        "distill.losses=[{name: popd}]",
+        "distill.horizon.schedule=growing",
+        "distill.horizon.h0=2",
+        "distill.horizon.delta_h=3",
+        "distill.horizon.delta_k=2",
+        "distill.horizon.domains=[arithmetic]",
+    )
     assert [generation_budget(cfg, p, k) for k in (0, 1, 2, 4, 9)] == [2, 2, 5, 8, 8]
     assert generation_budget(cfg, other, 0) == 8  # not a distilled domain
     p.max_new_tokens = 1
     assert generation_budget(cfg, p, 4) == 1
-    topd = tiny("rollout.max_new_tokens=8", "distill.losses=[{name: topd}]", "distill.horizon.schedule=fixed",
-                "distill.horizon.rho=0.3")
+    topd = tiny(
+        "rollout.max_new_tokens=8",
+        "distill.losses=[{name: topd}]",
+        "distill.horizon.schedule=fixed",
+        "distill.horizon.rho=0.3",
+    )
     assert generation_budget(topd, other, 5) == 2  # floor(0.3 * 8), every domain
     assert generation_budget(tiny("rollout.max_new_tokens=8"), other, 5) == 8
 
@@ -283,12 +369,19 @@ def test_topd_rollouts_never_exceed_the_horizon():
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager, build_reward_runner
 
-    cfg = tiny("rollout.max_new_tokens=10", "rollout.context_length=64", "rollout.quantization=none",
-               "distill.losses=[{name: topd}]", "distill.horizon.schedule=fixed", "distill.horizon.rho=0.35")
+    cfg = tiny(
+        "rollout.max_new_tokens=10",
+        "rollout.context_length=64",
+        "rollout.quantization=none",
+        "distill.losses=[{name: topd}]",
+        "distill.horizon.schedule=fixed",
+        "distill.horizon.rho=0.35",
+    )
     tok = load_tokenizer(None)
     torch.manual_seed(0)
-    pool = EmbeddedEnginePool.build(cfg.model, tok, num=1, quantization="none", max_running_requests=32,
-                                    context_length=64, seed=0)
+    pool = EmbeddedEnginePool.build(
+        cfg.model, tok, num=1, quantization="none", max_running_requests=32, context_length=64, seed=0
+    )
     prompts = build_prompt_sets(cfg, tok).train
     manager = RolloutManager(pool, prompts, build_reward_runner(cfg), cfg)
     try:
@@ -372,8 +465,9 @@ def _topk_world_check(rank: int, world: int) -> None:
     torch.testing.assert_close(lp3, lp.detach(), rtol=0, atol=1e-12)
 
 
-def _sample_batch(learner, prompts, vocab: int, length: int, gen: torch.Generator, log_q: torch.Tensor,
-                  teacher_ok=lambda i: True) -> list[Sample]:
+def _sample_batch(
+    learner, prompts, vocab: int, length: int, gen: torch.Generator, log_q: torch.Tensor, teacher_ok=lambda i: True
+) -> list[Sample]:
     """Responses sampled from the student itself (on-policy), token by token from its full
     distribution (the student's log-probs at all ids), scored by the teacher q."""
     all_ids = torch.arange(vocab)
@@ -391,9 +485,16 @@ def _sample_batch(learner, prompts, vocab: int, length: int, gen: torch.Generato
     top = [log_q.topk(TOP_K).indices.tolist()] * length  # the teacher's top-k, most likely first
     out = []
     for i, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
-        teacher = TeacherScores(logp=[float(log_q[y]) for y in r], topk_ids=[list(x) for x in top],
-                                topk_logp=[[float(log_q[v]) for v in x] for x in top], source="fixed q") \
-            if teacher_ok(i) else TeacherScores(error="teacher down")
+        teacher = (
+            TeacherScores(
+                logp=[float(log_q[y]) for y in r],
+                topk_ids=[list(x) for x in top],
+                topk_logp=[[float(log_q[v]) for v in x] for x in top],
+                source="fixed q",
+            )
+            if teacher_ok(i)
+            else TeacherScores(error="teacher down")
+        )
         out.append(Sample(p, p.index, r, lp, 0, "length", reward=float(i % 2), teacher=teacher))
     return out
 
@@ -401,8 +502,9 @@ def _sample_batch(learner, prompts, vocab: int, length: int, gen: torch.Generato
 def _kl_to_teacher(learner, samples, vocab: int, log_q: torch.Tensor) -> float:
     """Mean over response positions of KL(π_θ(·|context) || q), from the full student distribution."""
     n, t = len(samples), len(samples[0].response_ids)
-    _, _, lp = learner.token_stats(samples, t, topk_ids=torch.arange(vocab).expand(n, t, vocab),
-                                   response_mask=torch.ones(n, t))
+    _, _, lp = learner.token_stats(
+        samples, t, topk_ids=torch.arange(vocab).expand(n, t, vocab), response_mask=torch.ones(n, t)
+    )
     return float((lp.exp() * (lp - log_q)).sum(-1).mean())
 
 
@@ -416,9 +518,15 @@ def _learner_world(rank: int, world: int) -> None:
 
     _topk_world_check(rank, world)
 
-    common = ["parallel.tensor_model_parallel_size=2", "optimizer.lr=1e-2", "algorithm.num_minibatches=1",
-              "rollout.max_new_tokens=4", "algorithm.mismatch.name=none", f"distill.top_k={TOP_K}",
-              f"teachers=[{{kind: frozen, top_k: {TOP_K}}}]"]  # validation wants one; the samples carry hand-made scores
+    common = [
+        "parallel.tensor_model_parallel_size=2",
+        "optimizer.lr=1e-2",
+        "algorithm.num_minibatches=1",
+        "rollout.max_new_tokens=4",
+        "algorithm.mismatch.name=none",
+        f"distill.top_k={TOP_K}",
+        f"teachers=[{{kind: frozen, top_k: {TOP_K}}}]",
+    ]  # validation wants one; the samples carry hand-made scores
     cfg = tiny(*common, "distill.losses=[{name: reverse_kl, coef: 1.0}]", "distill.rl=false")
     policy = build_policy(cfg, validate, 100)
     vocab = cfg.model.vocab_size
@@ -475,8 +583,9 @@ def _learner_world(rank: int, world: int) -> None:
     opt = build_optimizer(policy.chunks, loss_cfg.optimizer, loss_cfg.train.precision, 100)
     kl_learner = Learner(loss_cfg, policy.chunks, opt, None, policy.tokenizer.pad_id)
     for step in range(4):
-        records, batch_metrics = kl_learner.train(_sample_batch(kl_learner, prompts.take(16), vocab, 4, gen, log_q),
-                                                  step)
+        records, batch_metrics = kl_learner.train(
+            _sample_batch(kl_learner, prompts.take(16), vocab, 4, gen, log_q), step
+        )
         assert all("distill/test_topk_forward_kl/loss" in r for r in records)
         assert "distill/test_topk_forward_kl/kl" in batch_metrics
     kl2 = _kl_to_teacher(kl_learner, held_out, vocab, log_q)
@@ -499,9 +608,16 @@ def _effopd_world(rank: int, world: int, tmp: str, schedule: str) -> None:
 
     from mcore_rl.runtime import run_rl
 
-    cfg = tiny(f"run_dir={tmp}/effopd", "train.num_steps=3", "eval.interval=0", "eval.at_start=false",
-               "distill.effopd.enabled=true", "distill.effopd.validation_prompts=4", "distill.effopd.num_candidates=2",
-               f"rollout.runtime={schedule}")
+    cfg = tiny(
+        f"run_dir={tmp}/effopd",
+        "train.num_steps=3",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "distill.effopd.enabled=true",
+        "distill.effopd.validation_prompts=4",
+        "distill.effopd.num_candidates=2",
+        f"rollout.runtime={schedule}",
+    )
     run_rl(cfg)
     with open(os.path.join(tmp, "effopd", "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]

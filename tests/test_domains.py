@@ -49,14 +49,30 @@ from tests.world import run_world
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
-    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.max_position_embeddings=64",
-    "train.num_steps=3", "train.seq_length=32", "train.micro_batch_size=4",
-    "rollout.quantization=fp8", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
-    "rollout.context_length=64", "algorithm.num_minibatches=2", "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3", "optimizer.lr_decay_style=constant",
-    "eval.interval=2", "eval.num_prompts=4", "eval.k=2",
-    "logging.progress_bar=false", "logging.tensorboard=true", "logging.plot=true",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=64",
+    "train.num_steps=3",
+    "train.seq_length=32",
+    "train.micro_batch_size=4",
+    "rollout.quantization=fp8",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=4",
+    "rollout.context_length=64",
+    "algorithm.num_minibatches=2",
+    "algorithm.mismatch.name=tis",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_decay_style=constant",
+    "eval.interval=2",
+    "eval.num_prompts=4",
+    "eval.k=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=true",
+    "logging.plot=true",
 ]
 
 
@@ -75,18 +91,41 @@ def write_sum_file(path: str, n: int = 60) -> str:
 
 def recipe(tmp: str) -> dict:
     """The 2-domain recipe of these tests (configs/domains.yaml has the same shape)."""
-    return {"data": {
-        "domains": [
-            {"name": "sum2", "path": write_sum_file(os.path.join(tmp, "sum2.jsonl")), "template": "Q:{prompt}",
-             "rewards": [{"name": "addition"}], "group_size": 4, "weight": 1.0},
-            {"name": "fmt", "task": "formatting", "options": {"max_length": 3}, "num_prompts": 200, "group_size": 2,
-             "top_k": 20, "max_new_tokens": 3, "weight": 1.0, "eval": {"num_prompts": 3, "seed": 99},
-             "rewards": [{"name": "formatting", "weight": 1.0, "options": {"pattern": "[0-9]{1,3}"}},
-                         {"name": "tests.reward_fns:digit_count", "weight": 0.25}]},
-        ],
-        "mixture": {"stages": [{"start_step": 0}, {"start_step": 2, "weights": {"fmt": 1.0}, "max_new_tokens": 2,
-                                                   "temperature": 1.2}]},
-    }}
+    return {
+        "data": {
+            "domains": [
+                {
+                    "name": "sum2",
+                    "path": write_sum_file(os.path.join(tmp, "sum2.jsonl")),
+                    "template": "Q:{prompt}",
+                    "rewards": [{"name": "addition"}],
+                    "group_size": 4,
+                    "weight": 1.0,
+                },
+                {
+                    "name": "fmt",
+                    "task": "formatting",
+                    "options": {"max_length": 3},
+                    "num_prompts": 200,
+                    "group_size": 2,
+                    "top_k": 20,
+                    "max_new_tokens": 3,
+                    "weight": 1.0,
+                    "eval": {"num_prompts": 3, "seed": 99},
+                    "rewards": [
+                        {"name": "formatting", "weight": 1.0, "options": {"pattern": "[0-9]{1,3}"}},
+                        {"name": "tests.reward_fns:digit_count", "weight": 0.25},
+                    ],
+                },
+            ],
+            "mixture": {
+                "stages": [
+                    {"start_step": 0},
+                    {"start_step": 2, "weights": {"fmt": 1.0}, "max_new_tokens": 2, "temperature": 1.2},
+                ]
+            },
+        }
+    }
 
 
 def cfg_of(tmp: str, data: dict, *overrides: str, name: str = "r.yaml") -> RLConfig:
@@ -115,8 +154,11 @@ def test_recipe_and_example_config_are_valid(tmp_path):
     assert {d.reasoning_gym for d in real.data.domains} == {"products", "chain_sum", "gcd"}
     assert all(d.chat_template and d.rewards[0].options == {"extract": "last_number"} for d in real.data.domains)
     real.data.domains[2].rewards[0].options["extract"] = "first"  # a value outside the reward's Literal
-    with pytest.raises(ConfigError, match=r"data\.domains\[2\]\.rewards\[0\]\.options\.extract: .*'first' is not one of "
-                                          r"'auto', 'tag', 'last_number'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.domains\[2\]\.rewards\[0\]\.options\.extract: .*'first' is not one of "
+        r"'auto', 'tag', 'last_number'",
+    ):
         validate_rl_config(real, 1)
 
 
@@ -167,7 +209,8 @@ def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):
     data = recipe(tmp)
     data["data"]["domains"][1]["max_new_tokens"] = 9
     assert "data.domains[1].max_new_tokens: domain 'fmt': must be in [1, rollout.max_new_tokens=4]" in errors_of(
-        cfg_of(tmp, data))
+        cfg_of(tmp, data)
+    )
     data = recipe(tmp)
     assert "a staged temperature needs rollout.runtime=sync" in errors_of(cfg_of(tmp, data, "rollout.runtime=async"))
     data = recipe(tmp)
@@ -175,7 +218,8 @@ def test_bad_domains_fail_validation_naming_the_domain_and_key(tmp_path):
     data["data"]["domains"] = data["data"]["domains"][:1]
     data["data"]["mixture"] = {}
     assert "init.sft_steps: the SFT warm start trains on the answers of task" in errors_of(
-        cfg_of(tmp, data, "init.sft_steps=5"))
+        cfg_of(tmp, data, "init.sft_steps=5")
+    )
 
 
 def test_sft_warm_start_examples_of_the_task_domains(tmp_path):
@@ -186,8 +230,16 @@ def test_sft_warm_start_examples_of_the_task_domains(tmp_path):
 
     tmp = str(tmp_path)
     data = recipe(tmp)
-    data["data"]["domains"].append({"name": "add", "task": "addition", "options": {"max_digits": 2},
-                                    "template": "A:{prompt}", "weight": 3.0, "eval": {"num_prompts": 50}})
+    data["data"]["domains"].append(
+        {
+            "name": "add",
+            "task": "addition",
+            "options": {"max_digits": 2},
+            "template": "A:{prompt}",
+            "weight": 3.0,
+            "eval": {"num_prompts": 50},
+        }
+    )
     cfg = cfg_of(tmp, data, "init.sft_steps=5")
     tok = load_tokenizer(None)
     sets = build_domain_sets(cfg, tok)
@@ -222,8 +274,11 @@ def test_bad_domain_files_fail_before_training(tmp_path, capsys):
     with open(broken, "w") as f:
         f.write('{"prompt": "01+02="}\n{"prompt": 3}\n')
     data["data"]["domains"][0]["path"] = broken
-    with pytest.raises(DataError, match=r"data.domains\[0\].path \(domain 'sum2'\): .*broken.jsonl:2: expected an "
-                                        "object with a string 'prompt'"):
+    with pytest.raises(
+        DataError,
+        match=r"data.domains\[0\].path \(domain 'sum2'\): .*broken.jsonl:2: expected an "
+        "object with a string 'prompt'",
+    ):
         read_prompt_files(cfg_of(tmp, data))
     garbage = os.path.join(tmp, "garbage.parquet")
     with open(garbage, "wb") as f:
@@ -254,13 +309,17 @@ def test_parquet_domain_and_its_bad_rows(tmp_path):
 
 
 def _sources(tok, names=("a", "b", "c"), n=50):
-    return {d: PromptSource([(f"{d}{i}", None) for i in range(n)], tok, seed=k, domain=d)
-            for k, d in enumerate(names)}
+    return {d: PromptSource([(f"{d}{i}", None) for i in range(n)], tok, seed=k, domain=d) for k, d in enumerate(names)}
 
 
 def _stage(start, weights=None, **kw):
-    return SimpleNamespace(start_step=start, weights=weights or {}, temperature=kw.get("temperature"),
-                           max_new_tokens=kw.get("max_new_tokens"), drop_solved_above=kw.get("drop_solved_above"))
+    return SimpleNamespace(
+        start_step=start,
+        weights=weights or {},
+        temperature=kw.get("temperature"),
+        max_new_tokens=kw.get("max_new_tokens"),
+        drop_solved_above=kw.get("drop_solved_above"),
+    )
 
 
 def test_interleaved_mixture_keeps_every_domain_within_one_prompt_of_its_share():
@@ -288,8 +347,12 @@ def test_staged_schedules_switch_at_their_steps():
     (sync) and from the stream position (async: prompt k is for step k // prompts_per_step)."""
     tok = load_tokenizer(None)
     names = ("code", "math", "qa")
-    stages = [_stage(0, {"code": 1}), _stage(2, {"math": 1}), _stage(4, {"qa": 1}),
-              _stage(6, {"math": 1}, temperature=1.3, max_new_tokens=3)]
+    stages = [
+        _stage(0, {"code": 1}),
+        _stage(2, {"math": 1}),
+        _stage(4, {"qa": 1}),
+        _stage(6, {"math": 1}, temperature=1.3, max_new_tokens=3),
+    ]
     schedule = MixtureSchedule({d: 1.0 for d in names}, stages)
     expect = ["code", "code", "math", "math", "qa", "qa", "math"]
     sync = MixtureSource(_sources(tok, names), schedule, 0, prompts_per_step=4)
@@ -301,8 +364,10 @@ def test_staged_schedules_switch_at_their_steps():
         assert sync.temperature == (1.3 if step == 6 else None)
     stream = MixtureSource(_sources(tok, names), schedule, 0, prompts_per_step=4)
     assert [p.domain for p in stream.take(28)] == [d for d in expect for _ in range(4)]
-    cfg = SimpleNamespace(data=SimpleNamespace(domains=[1], mixture=SimpleNamespace(stages=stages)),
-                          rollout=SimpleNamespace(temperature=1.0))
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(domains=[1], mixture=SimpleNamespace(stages=stages)),
+        rollout=SimpleNamespace(temperature=1.0),
+    )
     assert [stage_temperature(cfg, s) for s in (0, 5, 6, 9)] == [1.0, 1.0, 1.3, 1.3]
 
 
@@ -334,8 +399,12 @@ def test_polaris_stage_filter_offline_filter_and_diversity():
     assert pass_rate_filter({"p8": 8 / 8, "p0": 0 / 8, "p3": 3 / 8}) == {"p0", "p3"}
     tok = load_tokenizer(None)
     pool = [(t, None) for t in acc]
-    src = MixtureSource({"m": PromptSource(pool, tok, 0, domain="m")},
-                        MixtureSchedule({"m": 1.0}, [_stage(0), _stage(1, drop_solved_above=0.9)]), 0, 4)
+    src = MixtureSource(
+        {"m": PromptSource(pool, tok, 0, domain="m")},
+        MixtureSchedule({"m": 1.0}, [_stage(0), _stage(1, drop_solved_above=0.9)]),
+        0,
+        4,
+    )
     src.set_step(0)
     seen = src.take(4)
     src.observe([[SimpleNamespace(prompt=p, reward=acc[p.text], reward_error=None)] for p in seen])
@@ -356,7 +425,7 @@ def test_reasoning_gym_domain_scored_by_its_own_scorer_in_a_worker():
     from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
     task = get_task("reasoning_gym", dataset="chain_sum", min_terms=2, max_terms=2)
-    (question, entry), = task.rl_examples(1, seed=3)
+    ((question, entry),) = task.rl_examples(1, seed=3)
     assert entry["question"] == question and entry["metadata"]["source_dataset"] == "chain_sum"
     with pytest.raises(ValueError, match="unknown reasoning-gym dataset 'nope'; available: .*basic_arithmetic"):
         get_task("reasoning_gym", dataset="nope")
@@ -365,10 +434,14 @@ def test_reasoning_gym_domain_scored_by_its_own_scorer_in_a_worker():
     runner = RewardRunner(RewardFunction(get_reward_fn("reasoning_gym"), timeout_s=60))
     try:
         assert runner.isolation == "process"
-        got = runner.score_sync([RewardInput(question, f"<answer>{entry['answer']}</answer>", entry),
-                                 RewardInput(question, entry["answer"] + "<|endoftext|>", entry),
-                                 RewardInput(question, "no idea", entry),
-                                 RewardInput(question, "1", "not an entry")])
+        got = runner.score_sync(
+            [
+                RewardInput(question, f"<answer>{entry['answer']}</answer>", entry),
+                RewardInput(question, entry["answer"] + "<|endoftext|>", entry),
+                RewardInput(question, "no idea", entry),
+                RewardInput(question, "1", "not an entry"),
+            ]
+        )
     finally:
         runner.close()
     assert [r.reward for r in got[:3]] == [1.0, 1.0, 0.0] and got[3].error is not None
@@ -382,8 +455,12 @@ def test_weighted_reward_heads_with_options_in_workers(tmp_path):
     rewards = build_reward_runner(cfg)
     try:
         add, fmt = Prompt(0, "12+34=", [], None, "sum2"), Prompt(1, "3 digits #5:", [], None, "fmt")
-        samples = [Sample(add, 0, [], [], 1, "stop", "64"), Sample(add, 0, [], [], 1, "stop", "65"),
-                   Sample(fmt, 1, [], [], 1, "stop", "1234"), Sample(fmt, 1, [], [], 1, "stop", "12")]
+        samples = [
+            Sample(add, 0, [], [], 1, "stop", "64"),
+            Sample(add, 0, [], [], 1, "stop", "65"),
+            Sample(fmt, 1, [], [], 1, "stop", "1234"),
+            Sample(fmt, 1, [], [], 1, "stop", "12"),
+        ]
         rewards.score_sync(samples)
     finally:
         rewards.close()
@@ -398,9 +475,15 @@ def test_held_out_sets_are_disjoint_from_training(tmp_path):
     tmp = str(tmp_path)
     data = recipe(tmp)
     data["data"]["domains"][1]["eval"]["seed"] = 1234 + DOMAIN_SEED_STRIDE  # fmt's training seed: the same draws
-    data["data"]["domains"].append({"name": "chain", "reasoning_gym": "chain_sum", "num_prompts": 40,
-                                    "options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-                                    "eval": {"num_prompts": 5}})
+    data["data"]["domains"].append(
+        {
+            "name": "chain",
+            "reasoning_gym": "chain_sum",
+            "num_prompts": 40,
+            "options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+            "eval": {"num_prompts": 5},
+        }
+    )
     cfg = cfg_of(tmp, data, "train.seq_length=128", "model.max_position_embeddings=128")
     validate_rl_config(cfg, 1)
     sets = build_prompt_sets(cfg, load_tokenizer(None))
@@ -424,11 +507,13 @@ def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     tmp = str(tmp_path)
-    raw = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, "user": 4, "system": 5},
-                                     unk_token="<unk>"))
+    raw = Tokenizer(
+        models.WordLevel({"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, "user": 4, "system": 5}, unk_token="<unk>")
+    )
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                 eos_token="</s>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     hf.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     hf.save_pretrained(os.path.join(tmp, "tok"))
     data = recipe(tmp)
@@ -448,7 +533,9 @@ def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):
     p = build_prompt_sets(cfg, tok).train.sources["sum2"].take(1)[0]
     assert p.ids[:2] == [tok.bos_id, tok.encode("system")[0]] and p.ids.count(tok.bos_id) == 1
     data["data"].pop("tokenizer_path")
-    assert "data.domains[0].chat_template: domain 'sum2': needs a Hugging Face tokenizer" in errors_of(cfg_of(tmp, data))
+    assert "data.domains[0].chat_template: domain 'sum2': needs a Hugging Face tokenizer" in errors_of(
+        cfg_of(tmp, data)
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
@@ -459,16 +546,23 @@ def test_group_relative_advantages_with_groups_of_different_sizes(name):
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
     groups = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2])
     fn = registry.get("advantage", name)
-    ones = lambda n: torch.ones(n, dtype=torch.bool)  # noqa: E731
+    ones = lambda n: torch.ones(n, dtype=torch.bool)
     adv = fn(rewards, groups, normalize_std=True, valid=ones(9))
     for g in range(3):
-        alone = fn(rewards[groups == g], torch.zeros(int((groups == g).sum()), dtype=torch.long),
-                   normalize_std=True, valid=ones(int((groups == g).sum())))
+        alone = fn(
+            rewards[groups == g],
+            torch.zeros(int((groups == g).sum()), dtype=torch.long),
+            normalize_std=True,
+            valid=ones(int((groups == g).sum())),
+        )
         torch.testing.assert_close(adv[groups == g], alone)
         r = rewards[groups == g].double()
         n = len(r)
-        want = {"grpo": (r - r.mean()) / (r.std() + 1e-6), "dr_grpo": r - r.mean(),
-                "rloo": (r - r.mean()) * n / (n - 1)}[name]
+        want = {
+            "grpo": (r - r.mean()) / (r.std() + 1e-6),
+            "dr_grpo": r - r.mean(),
+            "rloo": (r - r.mean()) * n / (n - 1),
+        }[name]
         torch.testing.assert_close(adv[groups == g].double(), want, atol=1e-4, rtol=1e-4)
 
 
@@ -480,8 +574,13 @@ def _records(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-PER_DOMAIN = ("reward/{}/mean", "response/{}/length_mean", "mismatch/{}/k3", "mismatch/{}/abs_logp_diff",
-              "rollout/{}/samples")
+PER_DOMAIN = (
+    "reward/{}/mean",
+    "response/{}/length_mean",
+    "mismatch/{}/k3",
+    "mismatch/{}/abs_logp_diff",
+    "rollout/{}/samples",
+)
 
 
 def _check_domain_records(recs: list[dict], domains: tuple[str, ...]) -> None:
@@ -552,10 +651,21 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
 
     # 4. the asynchronous runtime (an engine server on loopback): per-domain metrics, domains on the samples
     data["data"]["mixture"]["stages"][1].pop("temperature")  # a staged temperature needs the sync runtime
-    cfg = cfg_of(tmp, data, f"run_dir={tmp}/async", "rollout.runtime=async", "train.num_steps=2",
-                 "eval.interval=0", "logging.tensorboard=false")
-    core = EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)), load_tokenizer(None),
-                      context_length=64, quantization="fp8")
+    cfg = cfg_of(
+        tmp,
+        data,
+        f"run_dir={tmp}/async",
+        "rollout.runtime=async",
+        "train.num_steps=2",
+        "eval.interval=0",
+        "logging.tensorboard=false",
+    )
+    core = EngineCore(
+        Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)),
+        load_tokenizer(None),
+        context_length=64,
+        quantization="fp8",
+    )
     server = ServerThread(EngineServer(EngineDriver(core)))
     cfg.rollout.engine_urls = [server.start()]
     try:

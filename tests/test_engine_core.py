@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,8 +26,15 @@ TOK = load_tokenizer(None)
 
 
 def tiny_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
-    base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    base = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     base.update(kw)
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, input-dependent distributions, so that
@@ -79,7 +86,10 @@ PROMPTS = ["hello", "the quick brown fox", "1+1=", "a much longer prompt, to mak
 def test_greedy_logprobs_match_reference_forward():
     model = tiny_model()
     ref = copy.deepcopy(model).eval()
-    outs = run(make_engine(model), [req(f"r{i}", p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)])
+    outs = run(
+        make_engine(model),
+        [req(f"r{i}", p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)],
+    )
     for i, p in enumerate(PROMPTS):
         o = outs[f"r{i}"]
         prompt = TOK.encode(p)
@@ -124,37 +134,71 @@ def test_results_do_not_depend_on_batch_mates():
             torch.testing.assert_close(
                 torch.tensor([lp for lp, _ in b.output_token_logprobs]),
                 torch.tensor([lp for lp, _ in a.output_token_logprobs]),
-                atol=1e-5, rtol=0,
+                atol=1e-5,
+                rtol=0,
             )
 
 
 def test_seeds_reproduce_and_differ():
     model = tiny_model()
     e = make_engine(model)
-    outs = run(e, [req(f"s{i}", "seeded", temperature=1.0, seed=s, max_new_tokens=16, ignore_eos=True) for i, s in enumerate([7, 7, 8])])
+    outs = run(
+        e,
+        [
+            req(f"s{i}", "seeded", temperature=1.0, seed=s, max_new_tokens=16, ignore_eos=True)
+            for i, s in enumerate([7, 7, 8])
+        ],
+    )
     assert outs["s0"].output_ids == outs["s1"].output_ids
     assert outs["s0"].output_ids != outs["s2"].output_ids
     # Unseeded requests draw seeds from the engine's random_seed: the same engine seed repeats them.
-    a = run(make_engine(copy.deepcopy(model), random_seed=3), [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)])
-    b = run(make_engine(copy.deepcopy(model), random_seed=3), [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)])
+    a = run(
+        make_engine(copy.deepcopy(model), random_seed=3),
+        [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)],
+    )
+    b = run(
+        make_engine(copy.deepcopy(model), random_seed=3),
+        [req("u", "x", temperature=1.0, max_new_tokens=16, ignore_eos=True)],
+    )
     assert a["u"].output_ids == b["u"].output_ids
 
 
 def test_sampling_filters_degenerate_to_greedy():
     model = tiny_model()
-    greedy = run(make_engine(copy.deepcopy(model)), [req("g", "abc", temperature=0.0, max_new_tokens=10, ignore_eos=True)])["g"]
+    greedy = run(
+        make_engine(copy.deepcopy(model)), [req("g", "abc", temperature=0.0, max_new_tokens=10, ignore_eos=True)]
+    )["g"]
     for i, sp in enumerate([dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)]):
-        out = run(make_engine(copy.deepcopy(model)), [req("x", "abc", temperature=1.5, seed=i, max_new_tokens=10, ignore_eos=True, **sp)])["x"]
+        out = run(
+            make_engine(copy.deepcopy(model)),
+            [req("x", "abc", temperature=1.5, seed=i, max_new_tokens=10, ignore_eos=True, **sp)],
+        )["x"]
         assert out.output_ids == greedy.output_ids, sp
     # top_k=k: every sampled token is among the k most likely (top_logprobs lists them, raw distribution).
-    out = run(make_engine(copy.deepcopy(model)), [Request("k", TOK.encode("abc"), SamplingParams(temperature=2.0, top_k=3, seed=0, max_new_tokens=20, ignore_eos=True), return_logprob=True, top_logprobs_num=3)])["k"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [
+            Request(
+                "k",
+                TOK.encode("abc"),
+                SamplingParams(temperature=2.0, top_k=3, seed=0, max_new_tokens=20, ignore_eos=True),
+                return_logprob=True,
+                top_logprobs_num=3,
+            )
+        ],
+    )["k"]
     assert all(t in [i for _, i in top] for t, top in zip(out.output_ids, out.output_top_logprobs))
 
 
 def test_logprobs_are_raw_unless_asked_for_temperature_scaled():
     model = tiny_model()
-    raw = run(make_engine(copy.deepcopy(model)), [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)])["t"]
-    scaled = run(make_engine(copy.deepcopy(model), return_original_logprob=False), [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)])["t"]
+    raw = run(
+        make_engine(copy.deepcopy(model)), [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)]
+    )["t"]
+    scaled = run(
+        make_engine(copy.deepcopy(model), return_original_logprob=False),
+        [req("t", "abc", temperature=0.5, seed=1, max_new_tokens=5, ignore_eos=True)],
+    )["t"]
     assert raw.output_ids == scaled.output_ids
     ids = TOK.encode("abc") + raw.output_ids
     logits = model.eval()(torch.tensor([ids])).logits[0, len(TOK.encode("abc")) - 1 : -1].float()
@@ -162,7 +206,9 @@ def test_logprobs_are_raw_unless_asked_for_temperature_scaled():
     expect_raw = torch.log_softmax(logits, -1).gather(-1, tgt)[:, 0]
     expect_scaled = torch.log_softmax(logits / 0.5, -1).gather(-1, tgt)[:, 0]
     torch.testing.assert_close(torch.tensor([lp for lp, _ in raw.output_token_logprobs]), expect_raw, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.tensor([lp for lp, _ in scaled.output_token_logprobs]), expect_scaled, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in scaled.output_token_logprobs]), expect_scaled, atol=1e-5, rtol=0
+    )
 
 
 def test_prompt_scoring():
@@ -170,11 +216,21 @@ def test_prompt_scoring():
     ref = copy.deepcopy(model).eval()
     ids = TOK.encode("score every token of this text")
     e = make_engine(model)
-    outs = run(e, [
-        Request("all", ids, SamplingParams(max_new_tokens=0), return_logprob=True, top_logprobs_num=4, logprob_start_len=0),
-        Request("from5", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=5),
-        Request("default", ids, SamplingParams(max_new_tokens=0), return_logprob=True),
-    ])
+    outs = run(
+        e,
+        [
+            Request(
+                "all",
+                ids,
+                SamplingParams(max_new_tokens=0),
+                return_logprob=True,
+                top_logprobs_num=4,
+                logprob_start_len=0,
+            ),
+            Request("from5", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=5),
+            Request("default", ids, SamplingParams(max_new_tokens=0), return_logprob=True),
+        ],
+    )
     expected = ref_logprobs(ref, ids)
     a = outs["all"]
     assert a.output_ids == [] and a.finish_reason == {"type": "length", "length": 0} and a.completion_tokens == 0
@@ -183,21 +239,30 @@ def test_prompt_scoring():
     assert a.input_top_logprobs[0] is None and all(len(t) == 4 for t in a.input_top_logprobs[1:])
     full = torch.log_softmax(ref(torch.tensor([ids])).logits[0, :-1].float(), -1)
     top = full.topk(4, -1)
-    torch.testing.assert_close(torch.tensor([[v for v, _ in t] for t in a.input_top_logprobs[1:]]), top.values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([[v for v, _ in t] for t in a.input_top_logprobs[1:]]), top.values, atol=1e-5, rtol=0
+    )
     assert [[i for _, i in t] for t in a.input_top_logprobs[1:]] == top.indices.tolist()
     f = outs["from5"]  # SGLang: aligned with ids[5:], the first entry None
     assert [t for _, t in f.input_token_logprobs] == ids[5:] and f.input_token_logprobs[0][0] is None
-    torch.testing.assert_close(torch.tensor([lp for lp, _ in f.input_token_logprobs[1:]]), expected[5:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in f.input_token_logprobs[1:]]), expected[5:], atol=1e-5, rtol=0
+    )
     assert outs["default"].input_token_logprobs == [(None, ids[-1])]
 
 
 def test_stop_token_eos_string_and_min_new_tokens():
     model = tiny_model()
-    base = run(make_engine(copy.deepcopy(model)), [req("b", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True)])["b"].output_ids
+    base = run(
+        make_engine(copy.deepcopy(model)), [req("b", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True)]
+    )["b"].output_ids
     k = 5
     tok = base[k]
     first = base.index(tok)
-    out = run(make_engine(copy.deepcopy(model)), [req("t", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok])])["t"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [req("t", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok])],
+    )["t"]
     assert out.output_ids == base[: first + 1] and out.finish_reason == {"type": "stop", "matched": tok}
     assert out.text == TOK.decode(base[:first], skip_special_tokens=True)
     # eos: the tokenizer's eos id stops unless ignore_eos.
@@ -206,28 +271,45 @@ def test_stop_token_eos_string_and_min_new_tokens():
     out = run(e, [req("e", "stop here", temperature=0.0, max_new_tokens=40)])["e"]
     assert out.finish_reason == {"type": "stop", "matched": tok} and len(out.output_ids) == first + 1
     # SGLang's order: length before a stop token; ignore_eos turns stop_token_ids off too.
-    out = run(make_engine(copy.deepcopy(model)), [req("l", "stop here", temperature=0.0, max_new_tokens=first + 1, stop_token_ids=[tok])])["l"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [req("l", "stop here", temperature=0.0, max_new_tokens=first + 1, stop_token_ids=[tok])],
+    )["l"]
     assert out.finish_reason == {"type": "length", "length": first + 1}
-    out = run(make_engine(copy.deepcopy(model)), [req("i", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], ignore_eos=True)])["i"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [req("i", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], ignore_eos=True)],
+    )["i"]
     assert out.output_ids == base and out.finish_reason["type"] == "length"
     # min_new_tokens masks the stop token until that many tokens exist (greedy then takes another).
-    out = run(make_engine(copy.deepcopy(model)), [req("m", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], min_new_tokens=first + 1)])["m"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [req("m", "stop here", temperature=0.0, max_new_tokens=40, stop_token_ids=[tok], min_new_tokens=first + 1)],
+    )["m"]
     assert len(out.output_ids) >= first + 1 and tok not in out.output_ids[: first + 1]
     # stop strings: the first printable ASCII character produced.
     j = next(i for i, t in enumerate(base) if 33 <= t < 127)
     stop = chr(base[j])
     first_j = next(i for i, t in enumerate(base) if t == base[j])
-    out = run(make_engine(copy.deepcopy(model)), [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=stop)])["s"]
+    out = run(
+        make_engine(copy.deepcopy(model)),
+        [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=stop)],
+    )["s"]
     assert out.finish_reason == {"type": "stop", "matched": stop} and out.output_ids == base[: first_j + 1]
     assert stop not in out.text
-    kept = run(make_engine(copy.deepcopy(model)), [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=[stop], no_stop_trim=True)])["s"]
+    kept = run(
+        make_engine(copy.deepcopy(model)),
+        [req("s", "stop here", temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=[stop], no_stop_trim=True)],
+    )["s"]
     assert kept.text.endswith(stop)
 
 
 def test_streaming_outputs_every_step_and_context_clamp():
     e = make_engine(context_length=32)
     prompt = TOK.encode("x" * 20)
-    e.add_request(Request("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True), stream=True))
+    e.add_request(
+        Request("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True), stream=True)
+    )
     seen = []
     while e.has_work():
         seen += e.step()
@@ -306,7 +388,10 @@ def test_load_weights_and_from_model_path(tmp_path):
     out = run(e, [req("w", "weights", temperature=0.0, max_new_tokens=6, ignore_eos=True)])["w"]
     ids = TOK.encode("weights") + out.output_ids
     torch.testing.assert_close(
-        torch.tensor([lp for lp, _ in out.output_token_logprobs]), ref_logprobs(target, ids)[len(ids) - 7 :], atol=1e-5, rtol=0
+        torch.tensor([lp for lp, _ in out.output_token_logprobs]),
+        ref_logprobs(target, ids)[len(ids) - 7 :],
+        atol=1e-5,
+        rtol=0,
     )
     with pytest.raises(ValueError, match=r"^model.layers.0.mlp.nope.weight:"):
         e.load_weights([("model.layers.0.mlp.nope.weight", torch.zeros(1))])
@@ -329,8 +414,10 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
     tiny_model().config.save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         EngineCore.from_model_path(str(tmp_path))
-    a, b, c = (EngineCore.from_model_path(str(tmp_path), load_format="dummy", random_seed=s, context_length=64)
-               for s in (1, 1, 2))
+    a, b, c = (
+        EngineCore.from_model_path(str(tmp_path), load_format="dummy", random_seed=s, context_length=64)
+        for s in (1, 1, 2)
+    )
     wa, wb, wc = (e.model.lm_head.weight for e in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert run(a, [req("d", "dummy", temperature=0.0, max_new_tokens=3, ignore_eos=True)])["d"].completion_tokens == 3
@@ -351,7 +438,9 @@ def test_from_stock_qwen3_checkpoint(tmp_path):
     with torch.no_grad():
         logits = stock(torch.tensor([ids])).logits[0, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]]), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]]), expected, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -372,11 +461,16 @@ def test_other_architectures_match_reference(kw):
     ref = copy.deepcopy(model).eval()
     engine = make_engine(tiny_model(seed=9, **kw))  # other weights, then the model's loaded by name
     engine.load_weights(model.state_dict().items())
-    outs = run(engine, [req(f"r{i}", p, temperature=0.0, max_new_tokens=5, ignore_eos=True) for i, p in enumerate(PROMPTS[:3])])
+    outs = run(
+        engine, [req(f"r{i}", p, temperature=0.0, max_new_tokens=5, ignore_eos=True) for i, p in enumerate(PROMPTS[:3])]
+    )
     for i, p in enumerate(PROMPTS[:3]):
         ids = TOK.encode(p) + outs[f"r{i}"].output_ids
         torch.testing.assert_close(
-            torch.tensor([lp for lp, _ in outs[f"r{i}"].output_token_logprobs]), ref_logprobs(ref, ids)[len(TOK.encode(p)) - 1 :], atol=1e-5, rtol=0
+            torch.tensor([lp for lp, _ in outs[f"r{i}"].output_token_logprobs]),
+            ref_logprobs(ref, ids)[len(TOK.encode(p)) - 1 :],
+            atol=1e-5,
+            rtol=0,
         )
 
 
@@ -388,8 +482,13 @@ ARCHS = {
     "attn_res_block": dict(attn_res="block", attn_res_num_blocks=3),
     "ngram": dict(ngram_orders=[2, 3], ngram_table_size=1009, ngram_num_slices=2),
     "no_qk_norm": dict(use_qk_norm=False),
-    "latent_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_latent_size=32,
-                       shared_expert_intermediate_size=32),
+    "latent_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=32,
+        shared_expert_intermediate_size=32,
+    ),
 }
 
 
@@ -435,10 +534,19 @@ def assert_serves_like_reference(make: Callable[[], EngineCore], ref, atol: floa
             assert b.output_ids == a.output_ids, rid
             torch.testing.assert_close(lps(b.output_token_logprobs), lps(a.output_token_logprobs), atol=atol, rtol=0)
     ids = TOK.encode("score every token of this text, " * 2)
-    scored = run(make(), [
-        Request("all", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0),
-        Request("from7", ids[:20], SamplingParams(max_new_tokens=3, ignore_eos=True), return_logprob=True, logprob_start_len=7),
-    ])
+    scored = run(
+        make(),
+        [
+            Request("all", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0),
+            Request(
+                "from7",
+                ids[:20],
+                SamplingParams(max_new_tokens=3, ignore_eos=True),
+                return_logprob=True,
+                logprob_start_len=7,
+            ),
+        ],
+    )
     expected = ref_logprobs(ref, ids)
     assert [t for _, t in scored["all"].input_token_logprobs] == ids
     torch.testing.assert_close(lps(scored["all"].input_token_logprobs[1:]), expected, atol=atol, rtol=0)
@@ -531,8 +639,15 @@ def test_from_stock_llama_checkpoint(tmp_path, bias_tied):
 def test_stock_checkpoints_with_unsupported_fields_are_refused(tmp_path):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=384,
-                mlp_bias=True, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=384,
+        mlp_bias=True,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"(?s)model_path: cannot serve this llama.*mlp_bias.*rope_type='dynamic'"):
         EngineCore.from_model_path(str(tmp_path))
 
@@ -544,7 +659,9 @@ def test_bf16_mode_runs_close_to_fp32():
     bf16_engine = make_engine(copy.deepcopy(model), dtype="bfloat16")
     assert next(bf16_engine.model.parameters()).dtype == torch.bfloat16
     ids = TOK.encode("bf16 mode") + fp32.output_ids
-    scored = run(bf16_engine, [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)])["s"]
+    scored = run(
+        bf16_engine, [Request("s", ids, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0)]
+    )["s"]
     diff = torch.tensor([lp for lp, _ in scored.input_token_logprobs[1:]]) - ref_logprobs(model.eval(), ids)
     assert 0 < diff.abs().max() < 0.25
 
@@ -595,8 +712,14 @@ def fp8_emulated_reference(model: Qwen3ReferenceForCausalLM) -> Qwen3ReferenceFo
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-     ARCHS["latent_moe"], ARCHS["attn_res_block"], ARCHS["ngram"], ARCHS["no_qk_norm"]],
+    [
+        {},
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        ARCHS["latent_moe"],
+        ARCHS["attn_res_block"],
+        ARCHS["ngram"],
+        ARCHS["no_qk_norm"],
+    ],
     ids=["dense", "moe", "latent_moe", "attn_res_block", "ngram", "no_qk_norm"],
 )
 def test_fp8_engine_equals_emulated_fp8_reference(kw):
@@ -642,23 +765,29 @@ def test_fp8_engine_quantizes_and_differs_by_a_measured_amount():
     fp8b = torch.tensor([lp for lp, _ in run(e8b, copy.deepcopy(score))["s"].input_token_logprobs[1:]])
     torch.testing.assert_close(fp8b, fp8, atol=0, rtol=0)
     with pytest.raises(ValueError, match="weight_scale_inv"):
-        make_engine(copy.deepcopy(model)).load_weights([("model.layers.0.mlp.up_proj.weight_scale_inv", torch.ones(1, 1))])
+        make_engine(copy.deepcopy(model)).load_weights(
+            [("model.layers.0.mlp.up_proj.weight_scale_inv", torch.ones(1, 1))]
+        )
 
 
 def test_slots_move_after_the_cache_grew():
     """A request finishing moves the last slot into its hole; that works after the cache grew
     inside a prefill (where new cache tensors are inference-mode tensors) too."""
     model = tiny_model()
-    reqs = lambda: [req("a", "short", temperature=0.0, max_new_tokens=2, ignore_eos=True),  # noqa: E731
-                    req("b", "x" * 300, temperature=0.0, max_new_tokens=6, ignore_eos=True),
-                    req("c", "y" * 20, temperature=0.0, max_new_tokens=6, ignore_eos=True)]
+    reqs = lambda: [
+        req("a", "short", temperature=0.0, max_new_tokens=2, ignore_eos=True),
+        req("b", "x" * 300, temperature=0.0, max_new_tokens=6, ignore_eos=True),
+        req("c", "y" * 20, temperature=0.0, max_new_tokens=6, ignore_eos=True),
+    ]
     e = make_engine(copy.deepcopy(model), context_length=400)
     together = run(e, reqs())
     assert e.runner.cache.capacity > 256
     for r in reqs():
         alone = run(make_engine(copy.deepcopy(model), context_length=400), [r])[r.rid]
         assert together[r.rid].output_ids == alone.output_ids
-        torch.testing.assert_close(lps(together[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            lps(together[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_flush_cache_refuses_while_busy():
@@ -672,9 +801,11 @@ def test_flush_cache_refuses_while_busy():
 
 # ---- partial rollouts: pausing across a weight update ----------------------------------------
 
-PARTIAL = [("p0", "partial rollouts", dict(temperature=0.0)),
-           ("p1", "x", dict(temperature=1.0, sampling_seed=3)),
-           ("p2", "a longer prompt than the others, to pad the batch", dict(temperature=0.0))]
+PARTIAL = [
+    ("p0", "partial rollouts", dict(temperature=0.0)),
+    ("p1", "x", dict(temperature=1.0, sampling_seed=3)),
+    ("p2", "a longer prompt than the others, to pad the batch", dict(temperature=0.0)),
+]
 BEFORE, TOTAL = 5, 14  # tokens generated before the pause, and in all
 
 
@@ -777,11 +908,17 @@ def test_fp8_paused_requests_use_the_new_quantized_weights(mode):
     scorer.load_weights(new_state.items())
     for r in reqs:
         o, n = finals[r.rid], len(r.input_ids)
-        full = Request("s", r.input_ids + o.output_ids, SamplingParams(max_new_tokens=0), return_logprob=True,
-                       logprob_start_len=n - 1)
+        full = Request(
+            "s",
+            r.input_ids + o.output_ids,
+            SamplingParams(max_new_tokens=0),
+            return_logprob=True,
+            logprob_start_len=n - 1,
+        )
         scored = run(scorer, [full])["s"]
-        torch.testing.assert_close(lps(o.output_token_logprobs)[BEFORE:], lps(scored.input_token_logprobs[1:])[BEFORE:],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            lps(o.output_token_logprobs)[BEFORE:], lps(scored.input_token_logprobs[1:])[BEFORE:], atol=1e-5, rtol=0
+        )
 
 
 # --- SGLang's logit processors, stop_regex, the default context, the source's model type ----------
@@ -800,8 +937,17 @@ def sglang_processed(logits: torch.Tensor, out_so_far: list[int], sp: SamplingPa
     return z
 
 
-PENALIZED = dict(temperature=0.8, top_k=6, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.6,
-                 logit_bias={"65": 1.5, "66": -2.0}, max_new_tokens=24, ignore_eos=True, seed=5)
+PENALIZED = dict(
+    temperature=0.8,
+    top_k=6,
+    frequency_penalty=0.7,
+    presence_penalty=0.4,
+    repetition_penalty=1.6,
+    logit_bias={"65": 1.5, "66": -2.0},
+    max_new_tokens=24,
+    ignore_eos=True,
+    seed=5,
+)
 
 
 def test_penalties_and_logit_bias_shape_the_processed_distribution():
@@ -813,7 +959,9 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution():
     prompt = TOK.encode("aaaa bbbb")
     sp = SamplingParams(**PENALIZED)
     out = run(make_engine(model, logprobs_mode="processed"), [Request("p", prompt, sp, return_logprob=True)])["p"]
-    raw = run(make_engine(copy.deepcopy(ref)), [Request("p", prompt, SamplingParams(**PENALIZED), return_logprob=True)])["p"]
+    raw = run(
+        make_engine(copy.deepcopy(ref)), [Request("p", prompt, SamplingParams(**PENALIZED), return_logprob=True)]
+    )["p"]
     assert raw.output_ids == out.output_ids and len(out.output_ids) == 24
     with torch.no_grad():
         logits = ref(torch.tensor([prompt + out.output_ids])).logits[0].float()
@@ -826,8 +974,22 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution():
         assert abs(out.output_token_logprobs[t][0] - want.item()) < 1e-5, t
         assert abs(raw.output_token_logprobs[t][0] - torch.log_softmax(logits[n - 1 + t], -1)[tok].item()) < 1e-5
     repeated = len(out.output_ids) - len(set(out.output_ids))
-    plain = run(make_engine(copy.deepcopy(ref)), [req("q", prompt, **{**PENALIZED, "frequency_penalty": 0.0,
-                "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None})])["q"]
+    plain = run(
+        make_engine(copy.deepcopy(ref)),
+        [
+            req(
+                "q",
+                prompt,
+                **{
+                    **PENALIZED,
+                    "frequency_penalty": 0.0,
+                    "presence_penalty": 0.0,
+                    "repetition_penalty": 1.0,
+                    "logit_bias": None,
+                },
+            )
+        ],
+    )["q"]
     assert repeated < len(plain.output_ids) - len(set(plain.output_ids))  # the penalties do what they are for
 
 
@@ -836,31 +998,42 @@ def test_logit_bias_forces_and_forbids_tokens_without_touching_batch_mates():
     model = tiny_model()
     prompt = TOK.encode("the capital of France is")
     forced = req("forced", prompt, temperature=1.0, max_new_tokens=6, logit_bias={"80": 100.0}, seed=1)
-    greedy = run(make_engine(copy.deepcopy(model)), [req("g", prompt, temperature=0, max_new_tokens=8, ignore_eos=True)])["g"]
+    greedy = run(
+        make_engine(copy.deepcopy(model)), [req("g", prompt, temperature=0, max_new_tokens=8, ignore_eos=True)]
+    )["g"]
     banned_id = greedy.output_ids[0]
-    banned = req("banned", prompt, temperature=0, max_new_tokens=8, ignore_eos=True, logit_bias={str(banned_id): -100.0})
+    banned = req(
+        "banned", prompt, temperature=0, max_new_tokens=8, ignore_eos=True, logit_bias={str(banned_id): -100.0}
+    )
     alone = run(make_engine(copy.deepcopy(model)), [req("plain", prompt, temperature=1.0, max_new_tokens=6, seed=2)])
-    outs = run(make_engine(copy.deepcopy(model)),
-               [forced, banned, req("plain", prompt, temperature=1.0, max_new_tokens=6, seed=2)])
+    outs = run(
+        make_engine(copy.deepcopy(model)),
+        [forced, banned, req("plain", prompt, temperature=1.0, max_new_tokens=6, seed=2)],
+    )
     assert outs["forced"].output_ids == [80] * 6
     assert banned_id not in outs["banned"].output_ids and outs["banned"].output_ids != greedy.output_ids
     assert outs["plain"].output_ids == alone["plain"].output_ids
-    torch.testing.assert_close(lps(outs["plain"].output_token_logprobs), lps(alone["plain"].output_token_logprobs),
-                               rtol=0, atol=1e-5)  # batch mates change fp32 logits by rounding only
+    torch.testing.assert_close(
+        lps(outs["plain"].output_token_logprobs), lps(alone["plain"].output_token_logprobs), rtol=0, atol=1e-5
+    )  # batch mates change fp32 logits by rounding only
 
 
 def test_penalties_are_refused_out_of_sglang_ranges_and_next_to_a_sampling_mask():
     e = make_engine()
-    for bad, field in [(dict(frequency_penalty=2.5), "frequency_penalty must be in \\[-2, 2\\]"),
-                       (dict(presence_penalty=-3.0), "presence_penalty must be in \\[-2, 2\\]"),
-                       (dict(repetition_penalty=0.0), "repetition_penalty must be in \\(0, 2\\]"),
-                       (dict(logit_bias={"384": 1.0}), "logit_bias must has keys in \\[0, 383\\]"),
-                       (dict(logit_bias={"x": 1.0}), "logit_bias: keys must be token ids"),
-                       (dict(stop_regex="(unclosed"), "stop_regex: '\\(unclosed' is not a valid regular expression")]:
+    for bad, field in [
+        (dict(frequency_penalty=2.5), "frequency_penalty must be in \\[-2, 2\\]"),
+        (dict(presence_penalty=-3.0), "presence_penalty must be in \\[-2, 2\\]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be in \\(0, 2\\]"),
+        (dict(logit_bias={"384": 1.0}), "logit_bias must has keys in \\[0, 383\\]"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias: keys must be token ids"),
+        (dict(stop_regex="(unclosed"), "stop_regex: '\\(unclosed' is not a valid regular expression"),
+    ]:
         with pytest.raises(ValueError, match=field):
             e.add_request(req("x", "a", **bad))
     masked = Request("m", TOK.encode("a"), SamplingParams(top_k=5, repetition_penalty=1.2), return_sampling_mask=True)
-    with pytest.raises(ValueError, match="return_sampling_mask: cannot be combined with sampling_params.repetition_penalty"):
+    with pytest.raises(
+        ValueError, match="return_sampling_mask: cannot be combined with sampling_params.repetition_penalty"
+    ):
         e.add_request(masked)
     assert not e.has_work()
 
@@ -872,18 +1045,29 @@ def test_stop_regex_ends_the_request_as_sglang_does():
     assert regex_tail_tokens([r"[.!?]\s*$"]) == MAX_REGEX_TAIL + 1
     model = tiny_model()
     prompt = TOK.encode("hello")
-    free = run(make_engine(copy.deepcopy(model)), [req("f", prompt, temperature=0, max_new_tokens=30, ignore_eos=True)])["f"]
+    free = run(
+        make_engine(copy.deepcopy(model)), [req("f", prompt, temperature=0, max_new_tokens=30, ignore_eos=True)]
+    )["f"]
     # a letter the output produces a few tokens in; the request must stop at the first output
     # whose decoded tail (SGLang's: the last regex_tail_tokens tokens, special tokens skipped) matches
-    target = next(c for k in range(3, 30) for c in [TOK.decode(free.output_ids[k:k + 1])]
-                  if c.isascii() and c.isalnum() and c not in TOK.decode(free.output_ids[:k], skip_special_tokens=True))
+    target = next(
+        c
+        for k in range(3, 30)
+        for c in [TOK.decode(free.output_ids[k : k + 1])]
+        if c.isascii() and c.isalnum() and c not in TOK.decode(free.output_ids[:k], skip_special_tokens=True)
+    )
     for pat in (re.escape(target), f"(?:{re.escape(target)})+"):  # a bounded and an unbounded pattern
         window = regex_tail_tokens([pat])
-        stop_at = next(k for k in range(1, 31) if re.search(pat, TOK.decode(free.output_ids[max(0, k - window):k],
-                                                                              skip_special_tokens=True)))
+        stop_at = next(
+            k
+            for k in range(1, 31)
+            if re.search(pat, TOK.decode(free.output_ids[max(0, k - window) : k], skip_special_tokens=True))
+        )
         assert stop_at >= 3
-        out = run(make_engine(copy.deepcopy(model)), [req("r", prompt, temperature=0, max_new_tokens=30,
-                                                          ignore_eos=True, stop_regex=[r"(?!)", pat])])["r"]
+        out = run(
+            make_engine(copy.deepcopy(model)),
+            [req("r", prompt, temperature=0, max_new_tokens=30, ignore_eos=True, stop_regex=[r"(?!)", pat])],
+        )["r"]
         assert out.finish_reason == {"type": "stop", "matched": pat}
         assert out.output_ids == free.output_ids[:stop_at]
 
@@ -904,6 +1088,8 @@ def test_context_length_defaults_to_the_models_and_the_source_model_type_is_kept
     assert (e.hf_model_type, e.hf_architectures) == ("llama", ["LlamaForCausalLM"])
     demo = EngineCore.from_model_path(None)
     assert demo.context_length == 2048 and demo.hf_model_type == "mcore_rl_qwen3"
+
+
 # --- the bounded KV pool ------------------------------------------------------------------------
 
 
@@ -916,8 +1102,10 @@ def test_kv_pool_memory_is_bounded_whatever_the_prompt_lengths():
     size = cache.nbytes
     assert e.max_total_num_tokens == cache.capacity == 1024
     assert size == (1024 + cache.page_size) * e.runner.kv_bytes_per_token  # + the null page
-    reqs = lambda: [req("long", [7] * 700, temperature=0.0, max_new_tokens=8, ignore_eos=True)] + [  # noqa: E731
-        req(f"s{i}", f"short {i}", temperature=0.0, max_new_tokens=8, ignore_eos=True) for i in range(12)]
+    reqs = lambda: (
+        [req("long", [7] * 700, temperature=0.0, max_new_tokens=8, ignore_eos=True)]
+        + [req(f"s{i}", f"short {i}", temperature=0.0, max_new_tokens=8, ignore_eos=True) for i in range(12)]
+    )
     peak = 0
     outs: dict[str, RequestOutput] = {}
     for r in reqs():
@@ -929,7 +1117,9 @@ def test_kv_pool_memory_is_bounded_whatever_the_prompt_lengths():
     for r in reqs():
         alone = run(make_engine(copy.deepcopy(model), context_length=1024), [r])[r.rid]
         assert outs[r.rid].output_ids == alone.output_ids
-        torch.testing.assert_close(lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_a_request_that_cannot_fit_the_pool_is_refused_and_max_new_tokens_clamped():
@@ -951,15 +1141,18 @@ def test_decode_out_of_pages_retracts_the_newest_and_every_request_finishes():
     """Requests admitted together outgrow the pool while decoding: the newest are retracted (their
     pages freed, prefilled again later) and all finish with the tokens they get alone."""
     model = tiny_model()
-    reqs = lambda: [req(f"r{i}", f"prompt number {i} " * 2, temperature=0.0, max_new_tokens=60, ignore_eos=True)  # noqa: E731
-                    for i in range(4)]
+    reqs = lambda: [
+        req(f"r{i}", f"prompt number {i} " * 2, temperature=0.0, max_new_tokens=60, ignore_eos=True) for i in range(4)
+    ]
     e = make_engine(copy.deepcopy(model), max_total_tokens=160)
     outs = run(e, reqs())
     assert e.retracted_for_room > 0 and e.recomputed_tokens > 0 and e.runner.cache.used_tokens == 0
     for r in reqs():
         alone = run(make_engine(copy.deepcopy(model)), [r])[r.rid]
         assert outs[r.rid].output_ids == alone.output_ids
-        torch.testing.assert_close(lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            lps(outs[r.rid].output_token_logprobs), lps(alone.output_token_logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_kv_pool_pages_move_grow_and_come_back():

@@ -38,8 +38,9 @@ def _engine_main(port: int, ready, delay: float) -> None:
     from mcore_rl.rollout.server import EngineServer, ServerThread
     from tests.test_server import throttled
 
-    core = throttled(EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT,
-                                                random_seed=0), delay)
+    core = throttled(
+        EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0), delay
+    )
     ServerThread(EngineServer(EngineDriver(core)), port=port, shutdown_timeout=0.5).start()
     ready.set()
     while True:
@@ -110,8 +111,12 @@ def _info(url: str, what: str = "get_server_info") -> dict:
 
 
 def _requests(n: int, tokens: int = 4) -> list[GenRequest]:
-    return [GenRequest(list(b"12+34="), {"max_new_tokens": tokens, "temperature": 1.0, "sampling_seed": i,
-                                          "ignore_eos": True}) for i in range(n)]
+    return [
+        GenRequest(
+            list(b"12+34="), {"max_new_tokens": tokens, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}
+        )
+        for i in range(n)
+    ]
 
 
 def _wait_for(cond, timeout: float = 30.0) -> None:
@@ -242,11 +247,13 @@ def test_a_frozen_engine_costs_a_control_timeout_not_a_generation_timeout(engine
     from mcore_rl.config.rl_schema import RolloutConfig
     from mcore_rl.rollout.pool import engine_timeouts
 
-    assert engine_timeouts(RolloutConfig()) == {"control_timeout": 30.0, "weight_update_timeout": 120.0,
-                                                "no_engine_timeout_s": 120.0}
+    assert engine_timeouts(RolloutConfig()) == {
+        "control_timeout": 30.0,
+        "weight_update_timeout": 120.0,
+        "no_engine_timeout_s": 120.0,
+    }
     a, b = engines
-    pool = HTTPEnginePool([a.url, b.url], timeout=600, control_timeout=2, weight_update_timeout=4,
-                          health_interval=3600)
+    pool = HTTPEnginePool([a.url, b.url], timeout=600, control_timeout=2, weight_update_timeout=4, health_interval=3600)
     try:
         transport = TensorTransport(pool, shm_dir=str(tmp_path))
         transport.send(iter_buckets(_weights(1), 1 << 20), 1, SyncStats(1))
@@ -258,7 +265,9 @@ def test_a_frozen_engine_costs_a_control_timeout_not_a_generation_timeout(engine
         assert pool.live == [a.url] and _versions([a.url]) == ["2"]
         start = time.monotonic()
         assert asyncio.run_coroutine_threadsafe(pool.router.check_health(), pool.loop).result() == {
-            a.url: True, b.url: False}
+            a.url: True,
+            b.url: False,
+        }
         assert time.monotonic() - start < 2 + 3  # the health check gives up as soon
         transport.close()
     finally:
@@ -269,11 +278,15 @@ def test_a_frozen_engine_costs_a_control_timeout_not_a_generation_timeout(engine
 def test_a_stream_whose_engine_dies_fails_over_and_finishes():
     slow, other = Engine(delay=0.02), Engine()
     try:
+
         async def go() -> tuple[list[dict], str]:
             router = EngineRouter([slow.url, other.url], timeout=10, health_interval=60)
             router.outstanding[other.url] = 1  # the first pick is the slow engine
-            body = {"input_ids": list(b"12+34="), "rid": "s1",
-                    "sampling_params": {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}}
+            body = {
+                "input_ids": list(b"12+34="),
+                "rid": "s1",
+                "sampling_params": {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True},
+            }
             events = []
             try:
                 async for event in router.generate_stream(body):
@@ -297,11 +310,13 @@ def test_a_stream_whose_engine_dies_fails_over_and_finishes():
 def test_a_stream_that_breaks_off_raises_the_projects_error():
     slow = Engine(delay=0.02)
     try:
+
         async def go() -> None:
             async with EngineClient(slow.url, retries=0, timeout=10) as c:
                 n = 0
-                async for _ in c.generate_stream(input_ids=list(b"1+1="), rid="x",
-                                                 sampling_params={"max_new_tokens": 200, "ignore_eos": True}):
+                async for _ in c.generate_stream(
+                    input_ids=list(b"1+1="), rid="x", sampling_params={"max_new_tokens": 200, "ignore_eos": True}
+                ):
                     n += 1
                     if n == 2:
                         slow.signal(signal.SIGKILL)
@@ -320,9 +335,17 @@ def _rl_run_losing_an_engine(rank: int, world_size: int, tmp: str, urls: list[st
     from mcore_rl.runtime import run_rl
     from tests.test_rl_loop import tiny
 
-    cfg = tiny(f"run_dir={tmp}", f"rollout.engine_urls=[{','.join(urls)}]", "rollout.quantization=none",
-               "rollout.request_timeout_s=10", "train.num_steps=4", "eval.interval=0", "eval.at_start=false",
-               "logging.tensorboard=false", "logging.plot=false")
+    cfg = tiny(
+        f"run_dir={tmp}",
+        f"rollout.engine_urls=[{','.join(urls)}]",
+        "rollout.quantization=none",
+        "rollout.request_timeout_s=10",
+        "train.num_steps=4",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+    )
     cfg.model = ModelConfig()  # the engines serve the default (demo-shaped) model
     metrics = os.path.join(tmp, "metrics.jsonl")
 

@@ -94,7 +94,9 @@ def test_two_engines_start_with_dummy_weights_and_serve_through_the_pool(pair, t
     assert [i["load_format"] for i in infos] == ["dummy", "dummy"] and [i["random_seed"] for i in infos] == [0, 1]
     body = dict(input_ids=list(b"hello"), sampling_params=GREEDY, return_logprob=True)
     before = _each(pair.urls, "generate", **body)
-    assert before[0]["meta_info"]["output_token_logprobs"] != before[1]["meta_info"]["output_token_logprobs"]  # seed + i
+    assert (
+        before[0]["meta_info"]["output_token_logprobs"] != before[1]["meta_info"]["output_token_logprobs"]
+    )  # seed + i
 
     pool = HTTPEnginePool(pair.urls, timeout=30, health_interval=0.3)
     try:
@@ -110,8 +112,14 @@ def test_two_engines_start_with_dummy_weights_and_serve_through_the_pool(pair, t
     # between the two likeliest first tokens doubles at temperature 0.5.
     gaps = []
     for t in (1.0, 0.5):
-        out = _each(pair.urls[:1], "generate", input_ids=list(b"hello"), return_logprob=True, top_logprobs_num=2,
-                    sampling_params={"max_new_tokens": 1, "temperature": t, "sampling_seed": 0})[0]
+        out = _each(
+            pair.urls[:1],
+            "generate",
+            input_ids=list(b"hello"),
+            return_logprob=True,
+            top_logprobs_num=2,
+            sampling_params={"max_new_tokens": 1, "temperature": t, "sampling_seed": 0},
+        )[0]
         (a, _, _), (b, _, _) = out["meta_info"]["output_top_logprobs"][0]
         gaps.append(a - b)
     assert gaps[0] > 0.01 and gaps[1] == pytest.approx(2 * gaps[0], rel=1e-4)
@@ -145,8 +153,9 @@ def test_two_engines_killed_close_together_restart_at_once_and_a_sync_waits_for_
     from mcore_rl.rollout.engine_state import EngineState
 
     engines = EngineProcesses.start(MODEL, num=2, workdir=str(tmp_path / "engines"), seed=0, **START)
-    pool = HTTPEnginePool(engines.urls, timeout=30, health_interval=0.3, processes=engines, restart_dead=True,
-                          no_engine_timeout_s=240)
+    pool = HTTPEnginePool(
+        engines.urls, timeout=30, health_interval=0.3, processes=engines, restart_dead=True, no_engine_timeout_s=240
+    )
     try:
         _sync(pool, str(tmp_path), 1)
         first, second = engines.pids
@@ -206,8 +215,12 @@ time.sleep(600)
 def test_engines_die_with_the_trainer(tmp_path):
     """A trainer killed with SIGKILL runs no cleanup; its engines go anyway (PDEATHSIG)."""
     path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": path})
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     try:
         engine = int(trainer.stdout.readline())
         assert not _gone(engine)

@@ -13,8 +13,9 @@ S = EngineState
 URL = "http://e"
 
 
-def _in(state: EngineState, *, mixed: bool = False, routed_while_syncing: bool = True,
-        expected: str | None = "3") -> EngineStates:
+def _in(
+    state: EngineState, *, mixed: bool = False, routed_while_syncing: bool = True, expected: str | None = "3"
+) -> EngineStates:
     """An engine put into `state` through events only."""
     st = EngineStates([URL])
     if expected is not None:
@@ -96,7 +97,10 @@ def test_a_confirmed_update_resumes_the_engine_and_sets_the_expected_version() -
 
 def test_what_the_pool_reads_in_each_state() -> None:
     rows = {  # state: (routed, update target)
-        S.SERVING: (True, True), S.WAITING: (False, True), S.DEAD: (False, False), S.STARTING: (False, False),
+        S.SERVING: (True, True),
+        S.WAITING: (False, True),
+        S.DEAD: (False, False),
+        S.STARTING: (False, False),
     }
     for state, (routed, target) in rows.items():
         st = _in(state)

@@ -70,37 +70,57 @@ def test_generate_matches_engine(case: str, tmp_path) -> None:
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
 
     # greedy: one prompt at a time (no padding), the same tokens
-    greedy = engine_run(engine, [Request(f"g{i}", p, SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
-                                 for i, p in enumerate(PROMPTS)])
+    greedy = engine_run(
+        engine,
+        [
+            Request(f"g{i}", p, SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)
+        ],
+    )
     with torch.no_grad():
         for i, p in enumerate(PROMPTS):
             out = hf.generate(torch.tensor([p]), do_sample=False, **gen)
-            assert out.sequences[0, len(p):].tolist() == greedy[f"g{i}"].output_ids
+            assert out.sequences[0, len(p) :].tolist() == greedy[f"g{i}"].output_ids
 
     # sampled by transformers, scored by the engine
     torch.manual_seed(1)
     with torch.no_grad():
-        sampled = [hf.generate(torch.tensor([p]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **gen)
-                   for p in PROMPTS]
-    scored = engine_run(engine, [
-        Request(f"s{i}", out.sequences[0].tolist(), SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True),
-                return_logprob=True, logprob_start_len=len(p) - 1)
-        for i, (p, out) in enumerate(zip(PROMPTS, sampled))])
+        sampled = [
+            hf.generate(torch.tensor([p]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **gen) for p in PROMPTS
+        ]
+    scored = engine_run(
+        engine,
+        [
+            Request(
+                f"s{i}",
+                out.sequences[0].tolist(),
+                SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True),
+                return_logprob=True,
+                logprob_start_len=len(p) - 1,
+            )
+            for i, (p, out) in enumerate(zip(PROMPTS, sampled))
+        ],
+    )
     for i, (p, out) in enumerate(zip(PROMPTS, sampled)):
-        tokens = out.sequences[0, len(p):]
+        tokens = out.sequences[0, len(p) :]
         hf_lp = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, tokens)])
         engine_lp = [lp for lp, _ in scored[f"s{i}"].input_token_logprobs[1:]]
         assert [t for _, t in scored[f"s{i}"].input_token_logprobs[1:]] == tokens.tolist()
         torch.testing.assert_close(torch.tensor(engine_lp), hf_lp, atol=2e-5, rtol=0)
 
     # sampled by the engine (seeded), scored by transformers
-    drawn = engine_run(engine, [Request(f"e{i}", p, SamplingParams(max_new_tokens=NEW, seed=7, ignore_eos=True),
-                                        return_logprob=True) for i, p in enumerate(PROMPTS)])
+    drawn = engine_run(
+        engine,
+        [
+            Request(f"e{i}", p, SamplingParams(max_new_tokens=NEW, seed=7, ignore_eos=True), return_logprob=True)
+            for i, p in enumerate(PROMPTS)
+        ],
+    )
     for i, p in enumerate(PROMPTS):
         ids = torch.tensor([p + drawn[f"e{i}"].output_ids])
         with torch.no_grad():
             lp = torch.log_softmax(hf(ids).logits[0, len(p) - 1 : -1].float(), -1)
-        want = lp.gather(-1, ids[0, len(p):, None])[:, 0]
+        want = lp.gather(-1, ids[0, len(p) :, None])[:, 0]
         got = torch.tensor([x for x, _ in drawn[f"e{i}"].output_token_logprobs])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
@@ -126,7 +146,7 @@ def test_forward_takes_transformers_keywords(tmp_path) -> None:
         both = hf.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=NEW, pad_token_id=0)
         for row, p in enumerate(PROMPTS):
             alone = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
-            assert both[row, len(long_):].tolist() == alone[0, len(p):].tolist()
+            assert both[row, len(long_) :].tolist() == alone[0, len(p) :].tolist()
 
 
 def test_provenance_is_carried_from_run_to_run(tmp_path) -> None:
@@ -143,13 +163,19 @@ def test_provenance_is_carried_from_run_to_run(tmp_path) -> None:
     (converted / LATEST).write_text("iter_0000000")
     (converted / ASSETS_DIR).mkdir()
     (converted / ASSETS_DIR / "generation_config.json").write_text('{"eos_token_id": 2}')
-    common = {"hf_config": {"bos_token_id": None, "eos_token_id": 2}, "hf_dtype": "bfloat16", "hf_source": "/src",
-              "model": {}, "iteration": 0}
+    common = {
+        "hf_config": {"bos_token_id": None, "eos_token_id": 2},
+        "hf_dtype": "bfloat16",
+        "hf_source": "/src",
+        "model": {},
+        "iteration": 0,
+    }
     provenance = read_provenance(common, str(converted / "iter_0000000"))
     for run in ("sft", "rl"):
         saved = carry_provenance(provenance, {"model": {}, "data": run}, str(tmp_path / run))
-        assert {k: saved[k] for k in ("hf_config", "hf_dtype", "hf_source")} == \
-            {k: common[k] for k in ("hf_config", "hf_dtype", "hf_source")}
+        assert {k: saved[k] for k in ("hf_config", "hf_dtype", "hf_source")} == {
+            k: common[k] for k in ("hf_config", "hf_dtype", "hf_source")
+        }
         assert saved["data"] == run and "hf_assets_from" not in saved
         assert (tmp_path / run / ASSETS_DIR / "generation_config.json").read_text() == '{"eos_token_id": 2}'
         (tmp_path / run / "iter_0000001").mkdir()
@@ -167,15 +193,34 @@ def test_generate_with_a_sliding_window_and_latent_attention_equals_full_forward
     from mcore_rl.config.schema import ModelConfig
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 
-    base = ModelConfig(vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4,
-                       num_query_groups=2)
+    base = ModelConfig(
+        vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2
+    )
     cases = [
         dataclasses.replace(base, qk_layernorm=False, sliding_window=4),
-        ModelConfig(arch="deepseek_v3", vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2,
-                    num_attention_heads=4, num_query_groups=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
-                    moe_shared_expert_intermediate_size=16, moe_layer_pattern=[0, 1], moe_router_score_function="sigmoid",
-                    moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
-                    multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8),
+        ModelConfig(
+            arch="deepseek_v3",
+            vocab_size=96,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_layers=2,
+            num_attention_heads=4,
+            num_query_groups=4,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=16,
+            moe_shared_expert_intermediate_size=16,
+            moe_layer_pattern=[0, 1],
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            multi_latent_attention=True,
+            kv_lora_rank=16,
+            qk_head_dim=8,
+            qk_pos_emb_head_dim=4,
+            v_head_dim=8,
+        ),
     ]
     for mc in cases:
         torch.manual_seed(0)

@@ -11,11 +11,22 @@ from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 from mcore_rl.models.flops import forward_flops_per_token, mfu, train_flops_per_token
 
 CONFIGS = {
-    "dense": ModelConfig(vocab_size=96, hidden_size=32, ffn_hidden_size=80, num_layers=2,
-                         num_attention_heads=4, num_query_groups=2),
-    "moe": ModelConfig(arch="qwen3_moe", vocab_size=96, hidden_size=32, ffn_hidden_size=80, num_layers=2,
-                       num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
-                       moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=40),
+    "dense": ModelConfig(
+        vocab_size=96, hidden_size=32, ffn_hidden_size=80, num_layers=2, num_attention_heads=4, num_query_groups=2
+    ),
+    "moe": ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=96,
+        hidden_size=32,
+        ffn_hidden_size=80,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=40,
+    ),
 }
 
 

@@ -246,9 +246,7 @@ def test_aux_loss_value(norm_topk_prob: bool) -> None:
     mc = torch.zeros(())
     for logits in captured:
         routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 2, "softmax")
-        mc = mc + moe_utils.switch_load_balancing_loss_func(
-            scores, routing_map.sum(0), logits.shape[0], 2, 4, 0.1
-        )
+        mc = mc + moe_utils.switch_load_balancing_loss_func(scores, routing_map.sum(0), logits.shape[0], 2, 4, 0.1)
     torch.testing.assert_close(out.aux_loss.detach(), mc, atol=1e-7, rtol=1e-6)
 
 

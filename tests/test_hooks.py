@@ -57,12 +57,15 @@ def test_a_recipe_that_is_off_still_checks_its_keys():
         validate_rl_config(cfg, 1)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.polaris.rescue=true", "rollout.polaris.rescue"),
-    ("rollout.polaris.substitute=true", "rollout.polaris.substitute"),
-    ("rollout.gec.enabled=true", "rollout.gec.enabled"),
-    ("distill.effopd.enabled=true", "distill.effopd.enabled"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.polaris.rescue=true", "rollout.polaris.rescue"),
+        ("rollout.polaris.substitute=true", "rollout.polaris.substitute"),
+        ("rollout.gec.enabled=true", "rollout.gec.enabled"),
+        ("distill.effopd.enabled=true", "distill.effopd.enabled"),
+    ],
+)
 def test_a_method_the_async_schedule_cannot_run_is_refused_naming_its_key(override, key):
     with pytest.raises(ConfigError, match=rf"{key.replace('.', r'[.]')}: .*rollout\.runtime=sync"):
         validate_rl_config(tiny("rollout.runtime=async", "rollout.max_staleness=1", override), 1)
@@ -72,6 +75,9 @@ def test_mipu_runs_in_both_schedules_at_staleness_0_and_says_why_not_beyond():
     """MIPU's rollback needs that no training sample comes from the update it rolls back."""
     validate_rl_config(tiny("algorithm.mismatch.name=mipu"), 1)
     validate_rl_config(tiny("algorithm.mismatch.name=mipu", "rollout.runtime=async", "rollout.max_staleness=0"), 1)
-    with pytest.raises(ConfigError, match=r"algorithm\.mismatch\.name: mipu accepts or rolls back .* needs "
-                                          r"rollout\.max_staleness=0 \(got 1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm\.mismatch\.name: mipu accepts or rolls back .* needs "
+        r"rollout\.max_staleness=0 \(got 1\)",
+    ):
         validate_rl_config(tiny("algorithm.mismatch.name=mipu", "rollout.runtime=async", "rollout.max_staleness=1"), 1)

@@ -21,25 +21,72 @@ PACKAGE = ROOT / "mcore_rl"
 # package -> module prefixes it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # pure tensor functions: no Megatron, no HTTP, nothing of the trainer or the engines
-    "algos": ("megatron", "aiohttp", "mcore_rl.models", "mcore_rl.parallel", "mcore_rl.rollout",
-              "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.data", "mcore_rl.rewards", "mcore_rl.convert"),
+    "algos": (
+        "megatron",
+        "aiohttp",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.rollout",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.data",
+        "mcore_rl.rewards",
+        "mcore_rl.convert",
+    ),
     # exported as remote code and used by the engine: never Megatron
-    "hf": ("megatron", "mcore_rl.models", "mcore_rl.parallel", "mcore_rl.train", "mcore_rl.runtime",
-           "mcore_rl.rollout", "mcore_rl.convert"),
+    "hf": (
+        "megatron",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.rollout",
+        "mcore_rl.convert",
+    ),
     # the engine side knows nothing of the learner or the loop
     "rollout": ("mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert", "mcore_rl.rewards"),
-    "rewards": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.data",
-                "mcore_rl.models", "mcore_rl.parallel.setup", "mcore_rl.parallel.cpu_compat"),
+    "rewards": (
+        "megatron",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.rollout",
+        "mcore_rl.data",
+        "mcore_rl.models",
+        "mcore_rl.parallel.setup",
+        "mcore_rl.parallel.cpu_compat",
+    ),
     "models": ("mcore_rl.rollout", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.convert"),
     "parallel": ("mcore_rl.models", "mcore_rl.train", "mcore_rl.rollout", "mcore_rl.runtime", "mcore_rl.convert"),
-    "data": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
-             "mcore_rl.parallel", "mcore_rl.convert"),
+    "data": (
+        "megatron",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.rollout",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.convert",
+    ),
     "train": ("mcore_rl.runtime", "mcore_rl.convert"),
     # metrics, timers, MFU, profiles: under both `train` (SFT) and `runtime` (the RL loop)
-    "observe": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.convert",
-                "mcore_rl.data", "mcore_rl.rewards", "mcore_rl.parallel"),
-    "config": ("megatron", "mcore_rl.train", "mcore_rl.runtime", "mcore_rl.rollout", "mcore_rl.models",
-               "mcore_rl.parallel", "mcore_rl.convert"),
+    "observe": (
+        "megatron",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.rollout",
+        "mcore_rl.convert",
+        "mcore_rl.data",
+        "mcore_rl.rewards",
+        "mcore_rl.parallel",
+    ),
+    "config": (
+        "megatron",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.rollout",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.convert",
+    ),
 }
 # analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
 for _package in list(FORBIDDEN) + ["runtime", "convert"]:
@@ -52,8 +99,16 @@ for _package in list(FORBIDDEN) + ["diagnose"]:
 for _package in list(FORBIDDEN) + ["runtime", "convert", "diagnose", "profile"]:
     FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.recipes",)
 # the core files a new method must not need to touch, and the words that would say it did
-CORE_FILES = ("runtime/loop.py", "runtime/rollout_manager.py", "runtime/scheduler.py", "runtime/async_rollouts.py",
-              "train/rl_step.py", "config/rl_validate.py", "config/rl_recipes.py", "hooks.py")
+CORE_FILES = (
+    "runtime/loop.py",
+    "runtime/rollout_manager.py",
+    "runtime/scheduler.py",
+    "runtime/async_rollouts.py",
+    "train/rl_step.py",
+    "config/rl_validate.py",
+    "config/rl_recipes.py",
+    "hooks.py",
+)
 RECIPE_WORDS = ("mipu", "effopd", "polaris", "s2l", "gec", "remath", "re-math", "exprl", "rlcer", "explorer")
 
 
@@ -91,9 +146,12 @@ def _banned(module: str, banned: tuple[str, ...]) -> bool:
 
 
 def _violations(package: str, banned: tuple[str, ...]) -> list[str]:
-    return [f"{path.relative_to(ROOT)}:{line}: imports {module}"
-            for path in sorted((PACKAGE / package).rglob("*.py"))
-            for line, module in imports_of(path) if _banned(module, banned)]
+    return [
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line, module in imports_of(path)
+        if _banned(module, banned)
+    ]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -104,8 +162,12 @@ def test_no_forbidden_arrow(package: str) -> None:
 
 def test_top_level_modules_import_no_recipe() -> None:
     """`hooks.py` (the protocol), `progress.py`, `cli.py`: no recipe module either."""
-    found = [f"{p.name}:{line}: imports {m}" for p in sorted(PACKAGE.glob("*.py"))
-             for line, m in imports_of(p, "mcore_rl") if _banned(m, ("mcore_rl.recipes",))]
+    found = [
+        f"{p.name}:{line}: imports {m}"
+        for p in sorted(PACKAGE.glob("*.py"))
+        for line, m in imports_of(p, "mcore_rl")
+        if _banned(m, ("mcore_rl.recipes",))
+    ]
     assert found == []
 
 
@@ -120,7 +182,9 @@ def test_core_names_no_recipe(name: str) -> None:
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("import torch\ndef f():\n    from megatron.core import parallel_state\n    from ..train import sft\n")
+    probe.write_text(
+        "import torch\ndef f():\n    from megatron.core import parallel_state\n    from ..train import sft\n"
+    )
     found = [m for _, m in imports_of(probe, package="mcore_rl.hf")]
     assert found == ["torch", "megatron.core", "mcore_rl.train"]
     assert [m for m in found if _banned(m, FORBIDDEN["hf"])] == ["megatron.core", "mcore_rl.train"]

@@ -7,31 +7,42 @@ import pytest
 from mcore_rl.data.tasks import get_task
 from mcore_rl.data.tasks.word_format import FORMATS, constraints_for, format_example
 from mcore_rl.rewards import RewardInput, get_reward_fn
-from mcore_rl.rewards.instruction_following import (check, count_sentences, cross_validate, keep_response,
-                                                    preference_pairs, response_score, run_verifiers, satisfied)
+from mcore_rl.rewards.instruction_following import (
+    check,
+    count_sentences,
+    cross_validate,
+    keep_response,
+    preference_pairs,
+    response_score,
+    run_verifiers,
+    satisfied,
+)
 
 TEXT = "Hello world. This is a test! Is it?\n\nSecond paragraph here"
 
 
-@pytest.mark.parametrize("constraint, ok", [
-    ({"type": "words", "min": 10, "max": 11}, True),
-    ({"type": "words", "max": 9}, False),
-    ({"type": "sentences", "count": 4}, True),
-    ({"type": "chars", "min": len(TEXT)}, True),
-    ({"type": "chars", "max": 10}, False),
-    ({"type": "paragraphs", "count": 2}, True),
-    ({"type": "starts_with", "text": "Hello"}, True),
-    ({"type": "ends_with", "text": "here"}, True),
-    ({"type": "ends_with", "text": "."}, False),
-    ({"type": "include", "words": ["hello", "TEST"]}, True),
-    ({"type": "include", "words": ["tes"]}, False),  # whole words only
-    ({"type": "exclude", "words": ["banana"]}, True),
-    ({"type": "exclude", "words": ["world"]}, False),
-    ({"type": "frequency", "word": "is", "count": 2}, True),
-    ({"type": "frequency", "word": "is", "min": 3}, False),
-    ({"type": "no_commas"}, True),
-    ({"type": "case", "case": "lower"}, False),
-])
+@pytest.mark.parametrize(
+    "constraint, ok",
+    [
+        ({"type": "words", "min": 10, "max": 11}, True),
+        ({"type": "words", "max": 9}, False),
+        ({"type": "sentences", "count": 4}, True),
+        ({"type": "chars", "min": len(TEXT)}, True),
+        ({"type": "chars", "max": 10}, False),
+        ({"type": "paragraphs", "count": 2}, True),
+        ({"type": "starts_with", "text": "Hello"}, True),
+        ({"type": "ends_with", "text": "here"}, True),
+        ({"type": "ends_with", "text": "."}, False),
+        ({"type": "include", "words": ["hello", "TEST"]}, True),
+        ({"type": "include", "words": ["tes"]}, False),  # whole words only
+        ({"type": "exclude", "words": ["banana"]}, True),
+        ({"type": "exclude", "words": ["world"]}, False),
+        ({"type": "frequency", "word": "is", "count": 2}, True),
+        ({"type": "frequency", "word": "is", "min": 3}, False),
+        ({"type": "no_commas"}, True),
+        ({"type": "case", "case": "lower"}, False),
+    ],
+)
 def test_verifiers_on_one_text(constraint: dict, ok: bool) -> None:
     assert check(TEXT, constraint) is ok
 
@@ -42,7 +53,9 @@ def test_format_verifiers() -> None:
     assert check("SECTION 1\nx\nSECTION 2\ny", {"type": "sections", "marker": "SECTION", "count": 2})
     assert check("# A\n## B\ntext", {"type": "sections", "marker": "#", "min": 2})
     assert check("Dear [name], at [address]", {"type": "placeholders", "count": 2})
-    assert check("ALL CAPS 123!", {"type": "case", "case": "upper"}) and not check("Mixed", {"type": "case", "case": "upper"})
+    assert check("ALL CAPS 123!", {"type": "case", "case": "upper"}) and not check(
+        "Mixed", {"type": "case", "case": "upper"}
+    )
     assert check("Title Case Words", {"type": "case", "case": "title"})
     assert check('"quoted text"', {"type": "quoted"}) and not check('"half', {"type": "quoted"})
     assert count_sentences("") == 0 and count_sentences("No end") == 1 and count_sentences("3.5 is. Two!") == 2
@@ -53,7 +66,9 @@ def test_json_verifier() -> None:
     assert not check('{"a": 1}', {"type": "json", "keys": ["a", "b"]})
     assert check('Here it is:\n```json\n{"a": 1}\n```', {"type": "json", "kind": "object"})
     assert not check("{'a': 1}", {"type": "json"})  # Python, not JSON
-    assert check("[1, 2]", {"type": "json", "kind": "array"}) and not check("[1, 2]", {"type": "json", "kind": "object"})
+    assert check("[1, 2]", {"type": "json", "kind": "array"}) and not check(
+        "[1, 2]", {"type": "json", "kind": "object"}
+    )
 
 
 def test_bad_constraints_name_the_problem() -> None:
@@ -65,8 +80,12 @@ def test_bad_constraints_name_the_problem() -> None:
 
 def test_instruction_following_reward_fraction_or_all() -> None:
     fn = get_reward_fn("instruction_following")
-    constraints = [{"type": "words", "max": 5}, {"type": "include", "words": ["cat"]}, {"type": "no_commas"},
-                   {"type": "ends_with", "text": "!"}]
+    constraints = [
+        {"type": "words", "max": 5},
+        {"type": "include", "words": ["cat"]},
+        {"type": "no_commas"},
+        {"type": "ends_with", "text": "!"},
+    ]
     out = fn(RewardInput("p", "the cat, it sat<|endoftext|>ignored!", constraints))
     assert out["reward"] == 0.5 and out["failed"] == ["no_commas", "ends_with"]
     assert fn(RewardInput("p", "the cat sat!", {"constraints": constraints, "mode": "all"}))["reward"] == 1.0

@@ -23,9 +23,25 @@ from mcore_rl.algos.kl import kl_loss
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn, reward_names
 from mcore_rl.rewards.judge import (
-    CHAT_FORMATS, FIELDS, TEMPLATES, JudgeError, ScoreParser, VerdictParser, check_options, delta_advantages,
-    exprl_normalise, judge_reward_fn, polarization, polarization_stop, reference_of, render, rubric_mean,
-    rubric_of, segment_ends, template, token_advantages,
+    CHAT_FORMATS,
+    FIELDS,
+    TEMPLATES,
+    JudgeError,
+    ScoreParser,
+    VerdictParser,
+    check_options,
+    delta_advantages,
+    exprl_normalise,
+    judge_reward_fn,
+    polarization,
+    polarization_stop,
+    reference_of,
+    render,
+    rubric_mean,
+    rubric_of,
+    segment_ends,
+    template,
+    token_advantages,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,48 +52,101 @@ EXPRL = TEMPLATES["exprl"].parser
 # ------------------------------------------------------------------------------------------ parsing
 
 
-@pytest.mark.parametrize("text, score", [
-    ("Score: 7", 7), ("score:7", 7), ("SCORE = 3", 3), ("**Score:** 8", 8), ("**Score**: 8", 8),
-    ("Score: 8/10", 8), ("Rating: [[6]]", 6), ("Score: (4)", 4), ("Score: 7.5", 7.5), ("Score: 0", 0),
-    ("Score: 10.", 10), ("7", 7), (" 9/10 \n", 9), ("[[2]]", 2),
-    ("The response is fine.\nScore: 6", 6),
-    ("First guess score: 3 ... on reflection.\nScore: 9", 9),  # the last one counts
-    ("Score: 7\nA score 10 would need a proof.", 7),  # "Score: N" outranks a "score N" in passing
-    ("<think>maybe Score: 2</think>\nScore: 10", 10),  # a reasoning model's draft does not count
-    ("<think>long</think>5", 5),
-])
+@pytest.mark.parametrize(
+    "text, score",
+    [
+        ("Score: 7", 7),
+        ("score:7", 7),
+        ("SCORE = 3", 3),
+        ("**Score:** 8", 8),
+        ("**Score**: 8", 8),
+        ("Score: 8/10", 8),
+        ("Rating: [[6]]", 6),
+        ("Score: (4)", 4),
+        ("Score: 7.5", 7.5),
+        ("Score: 0", 0),
+        ("Score: 10.", 10),
+        ("7", 7),
+        (" 9/10 \n", 9),
+        ("[[2]]", 2),
+        ("The response is fine.\nScore: 6", 6),
+        ("First guess score: 3 ... on reflection.\nScore: 9", 9),  # the last one counts
+        ("Score: 7\nA score 10 would need a proof.", 7),  # "Score: N" outranks a "score N" in passing
+        ("<think>maybe Score: 2</think>\nScore: 10", 10),  # a reasoning model's draft does not count
+        ("<think>long</think>5", 5),
+    ],
+)
 def test_score_parser_reads_good_and_borderline_replies(text: str, score: float) -> None:
     assert SCORE(text) == score
     assert SCORE.normalise(SCORE(text)) == pytest.approx(score / 10)
 
 
-@pytest.mark.parametrize("text, why", [
-    ("", "empty"), ("   \n ", "empty"), ("<think>Score: 7</think>", "empty"),
-    ("<think>Score: 7 ... and then the tokens ran out", "never closed"),
-    ("The response is good.", "no score"), ("I would give it a seven", "no score"),
-    ("Score: high", "no score"), ("7 out of 10, maybe 8", "no score"), ("\x00\x1f\ufffd@@", "no score"),
-    ("Score: 11", "off the scale"), ("Score: -1", "off the scale"), ("Score: 100", "off the scale"),
-    ("Score: 4/5", "not on the scale"), ("Score: 7/100", "not on the scale"),
-])
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "empty"),
+        ("   \n ", "empty"),
+        ("<think>Score: 7</think>", "empty"),
+        ("<think>Score: 7 ... and then the tokens ran out", "never closed"),
+        ("The response is good.", "no score"),
+        ("I would give it a seven", "no score"),
+        ("Score: high", "no score"),
+        ("7 out of 10, maybe 8", "no score"),
+        ("\x00\x1f\ufffd@@", "no score"),
+        ("Score: 11", "off the scale"),
+        ("Score: -1", "off the scale"),
+        ("Score: 100", "off the scale"),
+        ("Score: 4/5", "not on the scale"),
+        ("Score: 7/100", "not on the scale"),
+    ],
+)
 def test_score_parser_refuses_garbage(text: str, why: str) -> None:
     with pytest.raises(JudgeError, match=why):
         SCORE(text)
 
 
-@pytest.mark.parametrize("text, verdict", [
-    ("Verdict: yes", 1), ("verdict: No", 0), ("Verdict: **YES**", 1), ("**Verdict:** no", 0),
-    ("Verdict = 1", 1), ("Verdict: 0", 0), ("Verdict: true", 1), ("Verdict: false.", 0),
-    ("Verdict: pass", 1), ("Verdict: fail", 0), ("Verdict: satisfied", 1), ("Verdict: not satisfied", 0),
-    ("Verdict: unsatisfied", 0), ("The response names Paris.\nVerdict: yes", 1),
-    ("It looks satisfied at first. Verdict: no", 0), ("yes", 1), ("No.", 0), ("**Yes**", 1),
-    ("<think>Verdict: no</think>Verdict: yes", 1),
-])
+@pytest.mark.parametrize(
+    "text, verdict",
+    [
+        ("Verdict: yes", 1),
+        ("verdict: No", 0),
+        ("Verdict: **YES**", 1),
+        ("**Verdict:** no", 0),
+        ("Verdict = 1", 1),
+        ("Verdict: 0", 0),
+        ("Verdict: true", 1),
+        ("Verdict: false.", 0),
+        ("Verdict: pass", 1),
+        ("Verdict: fail", 0),
+        ("Verdict: satisfied", 1),
+        ("Verdict: not satisfied", 0),
+        ("Verdict: unsatisfied", 0),
+        ("The response names Paris.\nVerdict: yes", 1),
+        ("It looks satisfied at first. Verdict: no", 0),
+        ("yes", 1),
+        ("No.", 0),
+        ("**Yes**", 1),
+        ("<think>Verdict: no</think>Verdict: yes", 1),
+    ],
+)
 def test_verdict_parser_reads_good_and_borderline_replies(text: str, verdict: int) -> None:
     assert VERDICT(text) == verdict
 
 
-@pytest.mark.parametrize("text", ["", "maybe", "Verdict: maybe", "yes and no", "Verdict:", "The answer is yes",
-                                  "<think>Verdict: yes", "Verdict: 2", "yess"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "maybe",
+        "Verdict: maybe",
+        "yes and no",
+        "Verdict:",
+        "The answer is yes",
+        "<think>Verdict: yes",
+        "Verdict: 2",
+        "yess",
+    ],
+)
 def test_verdict_parser_refuses_garbage(text: str) -> None:
     with pytest.raises(JudgeError):
         VERDICT(text)
@@ -135,7 +204,8 @@ def test_options_are_checked_before_any_sample() -> None:
     assert isinstance(fn, RewardFunction) and fn.is_async and fn.name == "rubric" and fn.timeout_s == 7
     assert RewardRunner(fn).isolation == "async"
     for name, opts, key in [
-        ("llm_judge", {}, "url"), ("llm_judge", {"url": "localhost:3000"}, "url"),
+        ("llm_judge", {}, "url"),
+        ("llm_judge", {"url": "localhost:3000"}, "url"),
         ("llm_judge", {"url": url, "temprature": 0.1}, "temprature"),
         ("llm_judge", {"url": url, "max_tokens": 0}, "max_tokens"),
         ("llm_judge", {"url": url, "temperature": -1}, "temperature"),
@@ -239,9 +309,12 @@ class ScriptedJudge:
     def __init__(self, tmp: pathlib.Path, rules: list, *args: str) -> None:
         self.script = tmp / f"script_{time.monotonic_ns()}.json"
         self.script.write_text(json.dumps(rules))
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sglang_script_server.py"),
-                                      str(self.script), *args], stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=preexec_die_with_parent())
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "sglang_script_server.py"), str(self.script), *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=preexec_die_with_parent(),
+        )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("PORT "), f"the scripted judge did not start: {line!r}"
         self.url = f"http://127.0.0.1:{int(line.split()[1])}"
@@ -297,8 +370,14 @@ def _score(fn: RewardFunction, samples: list[RewardInput]):
 
 
 def test_llm_judge_rewards_and_each_failure_costs_its_own_sample(scripted) -> None:
-    fn = judge_reward_fn("llm_judge", url=scripted.url, max_tokens=64, temperature=0.0, timeout=1.5,
-                         sampling={"top_p": 0.9, "stop": ["\n\n"]})
+    fn = judge_reward_fn(
+        "llm_judge",
+        url=scripted.url,
+        max_tokens=64,
+        temperature=0.0,
+        timeout=1.5,
+        sampling={"top_p": 0.9, "stop": ["\n\n"]},
+    )
     names = "ABCDEFGHS"
     t0 = time.monotonic()
     results = _score(fn, [RewardInput(f"question {c}", f"resp-{c}") for c in names])
@@ -306,14 +385,28 @@ def test_llm_judge_rewards_and_each_failure_costs_its_own_sample(scripted) -> No
     by = dict(zip(names, results))
     assert (by["A"].reward, by["A"].error, by["A"].info) == (0.7, None, {"judge_score": 7.0})
     assert (by["B"].reward, by["B"].error) == (1.0, None)
-    for c, why in [("C", "no score"), ("D", "off the scale"), ("E", "HTTP 500"), ("F", "not JSON"),
-                   ("G", "finish_reason length"), ("H", "empty"), ("S", "no reply within 1.5s")]:
+    for c, why in [
+        ("C", "no score"),
+        ("D", "off the scale"),
+        ("E", "HTTP 500"),
+        ("F", "not JSON"),
+        ("G", "finish_reason length"),
+        ("H", "empty"),
+        ("S", "no reply within 1.5s"),
+    ]:
         assert by[c].reward == 0.0 and by[c].error is not None and why in by[c].error, (c, by[c].error)
         assert by[c].error.startswith("JudgeError: judge")
-    sent = {r["body"]["text"].split("[Response]\n")[1][:6]: r["body"] for r in scripted.requests()
-            if isinstance(r["body"]["text"], str) and "[Response]" in r["body"]["text"]}
-    assert sent["resp-A"]["sampling_params"] == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 0.9,
-                                                 "stop": ["\n\n"]}
+    sent = {
+        r["body"]["text"].split("[Response]\n")[1][:6]: r["body"]
+        for r in scripted.requests()
+        if isinstance(r["body"]["text"], str) and "[Response]" in r["body"]["text"]
+    }
+    assert sent["resp-A"]["sampling_params"] == {
+        "max_new_tokens": 64,
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "stop": ["\n\n"],
+    }
     assert sent["resp-A"]["text"].startswith("You are grading") and "question A" in sent["resp-A"]["text"]
 
 
@@ -321,8 +414,15 @@ def test_rubric_reward_is_the_mean_verdict_and_a_bad_verdict_costs_the_sample(sc
     rubric = ["names the capital", "gives the population", "cites a source", "is under 100 words"]
     fn = judge_reward_fn("rubric", url=scripted.url, timeout=10)
     before = len(scripted.requests())
-    results = _score(fn, [RewardInput("q", "resp-R1", label=rubric), RewardInput("q", "resp-R2", label=rubric),
-                          RewardInput("q", "resp-R3", label={"rubric": rubric}), RewardInput("q", "resp-R1")])
+    results = _score(
+        fn,
+        [
+            RewardInput("q", "resp-R1", label=rubric),
+            RewardInput("q", "resp-R2", label=rubric),
+            RewardInput("q", "resp-R3", label={"rubric": rubric}),
+            RewardInput("q", "resp-R1"),
+        ],
+    )
     assert (results[0].reward, results[0].error, results[0].info) == (0.75, None, {"verdicts": [1.0, 0.0, 1.0, 1.0]})
     assert (results[1].reward, results[1].error) == (0.0, None)
     assert results[2].error is not None and "no verdict" in results[2].error  # 3 of 4 parsed: still an error
@@ -337,8 +437,9 @@ def test_rubric_reward_is_the_mean_verdict_and_a_bad_verdict_costs_the_sample(sc
 
 def test_exprl_judge_against_the_reference(scripted) -> None:
     fn = judge_reward_fn("exprl_judge", url=scripted.url)
-    results = _score(fn, [RewardInput("p", f"resp-X{k}", label="the reference") for k in range(1, 6)]
-                     + [RewardInput("p", "resp-X3")])
+    results = _score(
+        fn, [RewardInput("p", f"resp-X{k}", label="the reference") for k in range(1, 6)] + [RewardInput("p", "resp-X3")]
+    )
     assert [r.reward for r in results[:5]] == [0, 0.25, 0.5, 0.75, 1] and all(r.error is None for r in results[:5])
     assert "reference" in results[5].error  # no reference: no judging
     assert "[Reference solution]\nthe reference" in scripted.requests()[-1]["body"]["text"]
@@ -349,8 +450,10 @@ def test_exprl_outcome_with_a_5_or_1_judge_is_binary_grpo(scripted) -> None:
     reward, and GRPO's advantages are those of binary-reward GRPO."""
     answers = ["answer 42", "answer 41", "answer 42", "no idea", "answer 7", "answer 42", "answer 4", "answer 1"]
     correct = torch.tensor([float(a == "answer 42") for a in answers])
-    results = _score(judge_reward_fn("exprl_judge", url=scripted.url),
-                     [RewardInput("p", a, label={"reference": "42"}) for a in answers])
+    results = _score(
+        judge_reward_fn("exprl_judge", url=scripted.url),
+        [RewardInput("p", a, label={"reference": "42"}) for a in answers],
+    )
     rewards = torch.tensor([r.reward for r in results])
     assert torch.equal(rewards, correct)
     ids = make_group_ids(2, 4)
@@ -406,9 +509,17 @@ def engine(tmp_path_factory):
     from mcore_rl.config.schema import ModelConfig
     from mcore_rl.rollout.engine_processes import EngineProcesses
 
-    engines = EngineProcesses.start(ModelConfig(), num=1, workdir=str(tmp_path_factory.mktemp("engine")), seed=0,
-                                    context_length=2048, max_running_requests=8, threads=1, api_key="judge-key",
-                                    startup_timeout_s=120)
+    engines = EngineProcesses.start(
+        ModelConfig(),
+        num=1,
+        workdir=str(tmp_path_factory.mktemp("engine")),
+        seed=0,
+        context_length=2048,
+        max_running_requests=8,
+        threads=1,
+        api_key="judge-key",
+        startup_timeout_s=120,
+    )
     yield engines
     engines.close()
 
@@ -416,12 +527,13 @@ def engine(tmp_path_factory):
 def test_garbage_from_a_real_model_costs_exactly_its_samples(engine, tmp_path) -> None:
     """The tiny random model's replies are garbage: forwarded to it (through the scripted judge,
     in the same batch as sensible verdicts), those samples and only those get `reward_error`."""
-    judge = ScriptedJudge(tmp_path, [["resp-A", "Score: 7"], ["garbage", "@forward"]],
-                          "--upstream", engine.urls[0])
+    judge = ScriptedJudge(tmp_path, [["resp-A", "Score: 7"], ["garbage", "@forward"]], "--upstream", engine.urls[0])
     try:
         samples = [RewardInput("q", c) for c in ("resp-A", "garbage-1", "resp-A", "garbage-2")]
-        results = _score(judge_reward_fn("llm_judge", url=judge.url, max_tokens=12, accept_truncated=True,
-                                                  api_key="judge-key"), samples)
+        results = _score(
+            judge_reward_fn("llm_judge", url=judge.url, max_tokens=12, accept_truncated=True, api_key="judge-key"),
+            samples,
+        )
         assert [r.reward for r in results] == [0.7, 0.0, 0.7, 0.0]
         assert results[0].error is None and results[2].error is None
         for r in (results[1], results[3]):
@@ -434,15 +546,19 @@ def test_every_judge_reward_against_mcore_rl_serve(engine) -> None:
     """Straight to the engine with its API key: the wire format is SGLang's (200s with text), and
     the random model's garbage is an error per sample, for every judge reward; without the key, 401."""
     url = engine.urls[0]
-    samples = [RewardInput("q", "an answer ### and more", label={"reference": "4", "rubric": ["a", "b"]})
-               for _ in range(2)]
+    samples = [
+        RewardInput("q", "an answer ### and more", label={"reference": "4", "rubric": ["a", "b"]}) for _ in range(2)
+    ]
     for name in ("llm_judge", "rubric", "exprl_judge", "exprl_process"):
         for truncated in (False, True):
-            fn = judge_reward_fn(name, url=url, api_key="judge-key", max_tokens=8, accept_truncated=truncated,
-                                 chat_format="chatml")
+            fn = judge_reward_fn(
+                name, url=url, api_key="judge-key", max_tokens=8, accept_truncated=truncated, chat_format="chatml"
+            )
             results = _score(fn, samples)
-            assert all(r.error is not None and r.error.startswith("JudgeError: judge reply") for r in results), \
-                (name, [r.error for r in results])
+            assert all(r.error is not None and r.error.startswith("JudgeError: judge reply") for r in results), (
+                name,
+                [r.error for r in results],
+            )
     (r,) = _score(judge_reward_fn("llm_judge", url=url, max_tokens=8), samples[:1])
     assert "HTTP 401" in r.error
 
@@ -450,12 +566,17 @@ def test_every_judge_reward_against_mcore_rl_serve(engine) -> None:
 def test_an_engine_killed_mid_batch_costs_its_samples_not_the_run(engine) -> None:
     """Last test of the module: it kills the engine by its pid while the batch is in flight."""
     url, pid = engine.urls[0], engine.pids[0]
-    fn = judge_reward_fn("llm_judge", url=url, api_key="judge-key", max_tokens=1600, timeout=60,
-                         sampling={"ignore_eos": True})  # 8 x 1600 tokens: many seconds on a CPU
+    fn = judge_reward_fn(
+        "llm_judge", url=url, api_key="judge-key", max_tokens=1600, timeout=60, sampling={"ignore_eos": True}
+    )  # 8 x 1600 tokens: many seconds on a CPU
     threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     results = _score(fn, [RewardInput("q", f"r{i}") for i in range(8)])
     assert time.monotonic() - t0 < 30
     lost = ("ServerDisconnectedError", "ClientOSError", "ClientConnectorError")  # the connection, not a reply
-    assert all(r.error is not None and r.error.startswith(f"JudgeError: judge {url}/generate: ")
-               and any(e in r.error for e in lost) for r in results), [r.error for r in results]
+    assert all(
+        r.error is not None
+        and r.error.startswith(f"JudgeError: judge {url}/generate: ")
+        and any(e in r.error for e in lost)
+        for r in results
+    ), [r.error for r in results]

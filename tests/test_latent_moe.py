@@ -41,9 +41,17 @@ def hf_cfg(**kw):
     from mcore_rl.hf import McoreRLQwen3Config
 
     base = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=24, moe_latent_size=16,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_latent_size=16,
     )
     base.update(kw)
     return McoreRLQwen3Config(**base)
@@ -91,13 +99,19 @@ def test_shapes_and_linearity_of_the_up_projection() -> None:
     from mcore_rl.hf.modeling import route
 
     d, latent, n, m = 32, 8, 16, 24
-    block = make_model(hf_cfg(moe_latent_size=latent, num_experts=n, num_experts_per_tok=3,
-                              shared_expert_intermediate_size=20)).model.layers[0].mlp
+    block = (
+        make_model(
+            hf_cfg(moe_latent_size=latent, num_experts=n, num_experts_per_tok=3, shared_expert_intermediate_size=20)
+        )
+        .model.layers[0]
+        .mlp
+    )
     assert block.gate.weight.shape == (n, d)
     assert block.fc1_latent_proj.weight.shape == (latent, d)
     assert block.fc2_latent_proj.weight.shape == (d, latent)
-    assert all(e.gate_proj.weight.shape == (m, latent) and e.down_proj.weight.shape == (latent, m)
-               for e in block.experts)
+    assert all(
+        e.gate_proj.weight.shape == (m, latent) and e.down_proj.weight.shape == (latent, m) for e in block.experts
+    )
     assert block.shared_expert.gate_proj.weight.shape == (20, d)
     x = torch.randn(7, d)
     with torch.no_grad():
@@ -142,11 +156,21 @@ def test_aux_loss_and_gradients_reach_the_projections() -> None:
 
 
 LATENT = ModelConfig(
-    arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=8,
-    moe_router_topk=2, moe_ffn_hidden_size=32, moe_latent_size=16, moe_aux_loss_coeff=0.01,
+    arch="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_latent_size=16,
+    moe_aux_loss_coeff=0.01,
 )
 LATENT_SHARED = dataclasses.replace(
-    LATENT, moe_shared_expert_intermediate_size=48, moe_norm_topk_prob=False, moe_router_topk=4,
+    LATENT,
+    moe_shared_expert_intermediate_size=48,
+    moe_norm_topk_prob=False,
+    moe_router_topk=4,
 )
 
 
@@ -159,8 +183,9 @@ def test_model_config_round_trip_and_no_stock_equivalent() -> None:
     plain = dataclasses.replace(LATENT, moe_latent_size=None)
     assert hf_config_from_model_config(plain).moe_latent_size is None
     with pytest.raises(ValueError, match="moe_latent_size"):
-        to_stock_hf_config(hf_config_from_model_config(dataclasses.replace(LATENT_SHARED,
-                                                          moe_shared_expert_intermediate_size=None)))
+        to_stock_hf_config(
+            hf_config_from_model_config(dataclasses.replace(LATENT_SHARED, moe_shared_expert_intermediate_size=None))
+        )
 
 
 def test_weight_names_round_trip() -> None:
@@ -197,8 +222,10 @@ def test_save_and_load_pretrained_including_remote_code(tmp_path) -> None:
         assert torch.equal(again(x).logits, want)
 
     remote = tmp_path / "remote"
-    cfg.auto_map = {"AutoConfig": "configuration.McoreRLQwen3Config",
-                    "AutoModelForCausalLM": "modeling.Qwen3ReferenceForCausalLM"}
+    cfg.auto_map = {
+        "AutoConfig": "configuration.McoreRLQwen3Config",
+        "AutoModelForCausalLM": "modeling.Qwen3ReferenceForCausalLM",
+    }
     model.save_pretrained(remote)
     from transformers.dynamic_module_utils import get_relative_import_files
 
@@ -220,8 +247,9 @@ with torch.no_grad():
     assert torch.equal(m(io["x"]).logits, io["want"])
 """
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         cwd=tmp_path, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -238,7 +266,8 @@ def test_validation_names_the_key() -> None:
     assert "model.moe_latent_size: 65 exceeds hidden_size 64" in errors(moe_latent_size=65)
     assert "model.moe_latent_size: must be null or >= 1" in errors(moe_latent_size=0)
     assert "model.moe_latent_size: is 16 but LatentMoE needs model.arch=qwen3_moe" in errors(
-        arch="qwen3", num_experts=0)
+        arch="qwen3", num_experts=0
+    )
 
 
 # ---- the cost report ------------------------------------------------------------------------------
@@ -256,9 +285,15 @@ def test_report_closed_forms_equal_measurements() -> None:
     assert base.routed_params == eff.routed_params == acc.routed_params == 3 * n * d * m
     assert eff.params - base.params == 2 * d * (d // alpha) + d * n * (alpha - 1)  # W_down/W_up + router
     assert (base.active_routed_params, eff.active_routed_params, acc.active_routed_params) == (
-        3 * k * d * m, 3 * k * d * m // alpha, 3 * k * d * m)
+        3 * k * d * m,
+        3 * k * d * m // alpha,
+        3 * k * d * m,
+    )
     assert (base.a2a_bytes_per_token, eff.a2a_bytes_per_token, acc.a2a_bytes_per_token) == (
-        2 * k * d * b, 2 * k * d * b // alpha, 2 * k * d * b)
+        2 * k * d * b,
+        2 * k * d * b // alpha,
+        2 * k * d * b,
+    )
     assert base.flops_per_token == 2 * base.active_params
     # Principles I and II of the notes (GB200): t_exp threshold 1418 and ratio 9.04.
     assert int(tool.memory_bound_threshold(4096, 1536)) == 1418
@@ -278,8 +313,15 @@ def test_report_tool_runs(capsys, tmp_path) -> None:
 
 # Tiny configurations of the notes' three variants for the all-to-all buffer check (d=32, alpha=2).
 A2A_CASES = {
-    "baseline": ModelConfig(arch="qwen3_moe", num_layers=1, hidden_size=32, ffn_hidden_size=64,
-                            num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16),
+    "baseline": ModelConfig(
+        arch="qwen3_moe",
+        num_layers=1,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+    ),
 }
 A2A_CASES["eff"] = dataclasses.replace(A2A_CASES["baseline"], num_experts=8, moe_latent_size=16)
 A2A_CASES["acc"] = dataclasses.replace(A2A_CASES["eff"], moe_router_topk=4)
@@ -328,8 +370,14 @@ def _all_to_all_payload(rank: int) -> None:
 def _megatron_params_match_closed_form(chunks_state: dict, mc: ModelConfig) -> None:
     tool = _report_tool()
     alpha = mc.hidden_size // mc.moe_latent_size
-    closed = tool.closed_form(mc.hidden_size, mc.moe_ffn_hidden_size, alpha, mc.num_experts,
-                              mc.moe_router_topk, mc.moe_shared_expert_intermediate_size or 0)
+    closed = tool.closed_form(
+        mc.hidden_size,
+        mc.moe_ffn_hidden_size,
+        alpha,
+        mc.num_experts,
+        mc.moe_router_topk,
+        mc.moe_shared_expert_intermediate_size or 0,
+    )
     layer = {k: v for k, v in chunks_state.items() if k.startswith("decoder.layers.0.mlp.")}
     assert sum(v.numel() for v in layer.values()) == closed.params
     routed = sum(v.numel() for k, v in layer.items() if ".local_experts." in k)
@@ -379,13 +427,17 @@ def _two_rank_world(rank: int, world_size: int, tmp: str) -> None:
     from tests.test_parity import P, _global_batch, _layouts_world, _reference
 
     _all_to_all_payload(rank)
-    _layouts_world(rank, world_size, [
-        (LATENT, P(tp=2, sp=True)),
-        (LATENT, P(pp=2)),  # 1F1B, 4 micro-batches
-        (LATENT, P(ep=2)),
-        (LATENT_SHARED, P(ep=2)),
-        (LATENT_SHARED, P(tp=2, sp=True)),
-    ])
+    _layouts_world(
+        rank,
+        world_size,
+        [
+            (LATENT, P(tp=2, sp=True)),
+            (LATENT, P(pp=2)),  # 1F1B, 4 micro-batches
+            (LATENT, P(ep=2)),
+            (LATENT_SHARED, P(ep=2)),
+            (LATENT_SHARED, P(tp=2, sp=True)),
+        ],
+    )
     _, ref_state, _ = _reference(LATENT_SHARED, _global_batch(LATENT_SHARED.vocab_size))
     _checkpoint_reshards(tmp, LATENT_SHARED, ref_state)
 
@@ -400,10 +452,14 @@ def test_two_rank_layouts_payload_and_checkpoint(tmp_path) -> None:
 def _four_rank_world(rank: int, world_size: int) -> None:
     from tests.test_parity import P, _layouts_world
 
-    _layouts_world(rank, world_size, [
-        (LATENT, P(tp=2, ep=2, sp=True)),  # expert-TP 2 (= TP)
-        (LATENT_SHARED, P(tp=2, ep=2, sp=True, etp=1)),
-    ])
+    _layouts_world(
+        rank,
+        world_size,
+        [
+            (LATENT, P(tp=2, ep=2, sp=True)),  # expert-TP 2 (= TP)
+            (LATENT_SHARED, P(tp=2, ep=2, sp=True, etp=1)),
+        ],
+    )
 
 
 @pytest.mark.slow

@@ -41,8 +41,19 @@ def test_torchrun_usage_without_args():
     assert proc.stdout == ""
     usage = proc.stderr
     assert usage.startswith("usage:")
-    for word in ("RECIPE.yaml", "NNODES", "NODE_RANK", "NPROC", "MASTER_ADDR", "MASTER_PORT",
-                 "--rdzv-backend c10d", "-m mcore_rl.cli MODE", "[sft|train]", "SIGUSR1", "DRY_RUN"):
+    for word in (
+        "RECIPE.yaml",
+        "NNODES",
+        "NODE_RANK",
+        "NPROC",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "--rdzv-backend c10d",
+        "-m mcore_rl.cli MODE",
+        "[sft|train]",
+        "SIGUSR1",
+        "DRY_RUN",
+    ):
         assert word in usage, word
 
 
@@ -69,12 +80,23 @@ def test_torchrun_rejects_bad_input_before_launching():
 
 # ------------------------------------------------------------------ pre-emption: real signals, real resume
 
+
 def _rl_args(tmp_path, *extra: str) -> list[str]:
     """A tiny `mcore-rl train` (tests/test_rl_loop.py's TINY, no warm start or evaluation: only steps)."""
     from tests.test_rl_loop import TINY
 
-    return ["train", *TINY, "init.sft_steps=0", "eval.interval=0", "eval.at_start=false", "logging.plot=false",
-            "logging.tensorboard=false", f"run_dir={tmp_path}/run", f"checkpoint.save_dir={tmp_path}/ckpt", *extra]
+    return [
+        "train",
+        *TINY,
+        "init.sft_steps=0",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "logging.plot=false",
+        "logging.tensorboard=false",
+        f"run_dir={tmp_path}/run",
+        f"checkpoint.save_dir={tmp_path}/ckpt",
+        *extra,
+    ]
 
 
 def _wait_for(proc: subprocess.Popen, log: str, done, what: str, timeout: float = 240) -> None:
@@ -122,8 +144,12 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     try:
         _wait_for(proc, log, lambda: _rl_steps(run_dir)[-1:] > [first], "a step after the resume")
         os.kill(proc.pid, signal.SIGUSR1)
-        _wait_for(proc, log, lambda: any(int(d[5:]) > first for d in os.listdir(ckpt) if d.startswith("iter_")),
-                  "the new checkpoint")
+        _wait_for(
+            proc,
+            log,
+            lambda: any(int(d[5:]) > first for d in os.listdir(ckpt) if d.startswith("iter_")),
+            "the new checkpoint",
+        )
         os.kill(proc.pid, signal.SIGTERM)  # during the save
         assert proc.wait(timeout=240) == EXIT_PREEMPTED, open(log).read()[-3000:]
     finally:
@@ -142,14 +168,23 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
 
 # ------------------------------------------------------------------ SLURM, with fake sbatch/srun/scontrol
 
+
 def _slurm_env(tmp_path, **env: str) -> dict[str, str]:
     from tests import fake_slurm
 
     fake_slurm.install(str(tmp_path / "bin"))
     full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    full.update(PATH=f"{tmp_path}/bin{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=f"{tmp_path}/slurm.jsonl",
-                FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_HOSTS="127.0.0.1,127.0.0.2,127.0.0.3", PYTHON=sys.executable,
-                PYTHONPATH=REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
+    full.update(
+        PATH=f"{tmp_path}/bin{os.pathsep}{os.environ['PATH']}",
+        FAKE_SLURM_LOG=f"{tmp_path}/slurm.jsonl",
+        FAKE_SLURM_DIR=str(tmp_path),
+        FAKE_SLURM_HOSTS="127.0.0.1,127.0.0.2,127.0.0.3",
+        PYTHON=sys.executable,
+        PYTHONPATH=REPO,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        **env,
+    )
     return full
 
 
@@ -162,10 +197,23 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     """`train` on 3 nodes with ENGINE_NODES=1: the engine srun on the last node, the trainer srun on
     the first two with the rendezvous on the first and the servers' URLs as rollout.engine_urls.
     (Nothing runs: the fake srun only records.) An allocation too small for the plan fails, naming numbers."""
-    env = _slurm_env(tmp_path, ENGINE_NODES="1", ENGINE_MODEL="/models/policy", ENGINE_WAIT_S="0",
-                     ENGINES_PER_NODE="2", MASTER_PORT="29511", FAKE_SRUN_WAIT_FOR="engines.sh")
-    proc = subprocess.run(["sbatch", "--wait", "--nodes", "3", SBATCH, "train", "configs/demo.yaml",
-                           f"run_dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env = _slurm_env(
+        tmp_path,
+        ENGINE_NODES="1",
+        ENGINE_MODEL="/models/policy",
+        ENGINE_WAIT_S="0",
+        ENGINES_PER_NODE="2",
+        MASTER_PORT="29511",
+        FAKE_SRUN_WAIT_FOR="engines.sh",
+    )
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--nodes", "3", SBATCH, "train", "configs/demo.yaml", f"run_dir={tmp_path}/run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     calls = _calls(tmp_path, "srun")  # started in the background, recorded in either order
     assert len(calls) == 2
@@ -177,20 +225,33 @@ def test_sbatch_puts_trainer_and_engines_on_their_nodes(tmp_path):
     assert engines["env"]["ENGINE_URLS"] == " ".join(urls) and engines["env"]["ENGINE_MODEL"] == "/models/policy"
     assert trainer["argv"][:2] == ["--nodes=2", "--nodelist=127.0.0.1,127.0.0.2"]
     assert "--kill-on-bad-exit=1" in trainer["argv"]
-    command = trainer["argv"][trainer["argv"].index("bash"):]
+    command = trainer["argv"][trainer["argv"].index("bash") :]
     assert command[3:6] == [TORCHRUN_SH, "train", "configs/demo.yaml"], command
     assert command[-1] == f"rollout.engine_urls=[{','.join(urls)}]"  # the trainer's own EngineRouter spreads them
     assert {k: trainer["env"][k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC", "RDZV_ID")} == {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "NNODES": "2", "NPROC": "8", "RDZV_ID": "4242"}
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29511",
+        "NNODES": "2",
+        "NPROC": "8",
+        "RDZV_ID": "4242",
+    }
     assert "trainer 2 node(s) [127.0.0.1,127.0.0.2] x 8" in proc.stdout + proc.stderr
 
     # one node, asked for an engine node and 16 ranks per node: the plan fails before any srun
     os.remove(f"{tmp_path}/slurm.jsonl")
-    proc = subprocess.run(["sbatch", "--wait", "--nodes", "1", SBATCH, "train", "configs/demo.yaml"], cwd=REPO,
-                          env=dict(env, NPROC="16"), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--nodes", "1", SBATCH, "train", "configs/demo.yaml"],
+        cwd=REPO,
+        env=dict(env, NPROC="16"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert ("the SLURM allocation (job 4242: 1 node(s) x 8 GPU(s)) cannot hold this plan: it needs 2 node(s) "
-            "(1 trainer + 1 engine) but the allocation has 1; it needs 16 GPU(s) per trainer node") in proc.stderr
+    assert (
+        "the SLURM allocation (job 4242: 1 node(s) x 8 GPU(s)) cannot hold this plan: it needs 2 node(s) "
+        "(1 trainer + 1 engine) but the allocation has 1; it needs 16 GPU(s) per trainer node"
+    ) in proc.stderr
     assert _calls(tmp_path, "srun") == []
 
 
@@ -223,8 +284,21 @@ def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tm
 
     ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
     env = _slurm_env(tmp_path, FAKE_SRUN_RUN="torchrun.sh", MASTER_PORT=str(_free_port()))
-    args = ["sbatch", "--wait", "--nodes", "2", "--gpus-per-node", "1", SBATCH, "sft", "configs/sft_demo.yaml",
-            *TINY_SFT, f"run_dir={run_dir}", f"checkpoint.save_dir={ckpt}", "train.eval_interval=0"]
+    args = [
+        "sbatch",
+        "--wait",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        SBATCH,
+        "sft",
+        "configs/sft_demo.yaml",
+        *TINY_SFT,
+        f"run_dir={run_dir}",
+        f"checkpoint.save_dir={ckpt}",
+        "train.eval_interval=0",
+    ]
     log = open(f"{tmp_path}/job1.log", "w")
     job = subprocess.Popen([*args, "train.train_iters=100000"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -250,8 +324,9 @@ def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tm
     assert trainer["env"]["NNODES"] == "2" and trainer["env"]["NPROC"] == "1"
 
     # the requeued job: the same command (the plan adds checkpoint.load_dir), to completion
-    done = subprocess.run([*args, f"train.train_iters={step + 2}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*args, f"train.train_iters={step + 2}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in done.stdout
     assert _calls(tmp_path, "srun")[-1]["argv"][-1] == f"checkpoint.load_dir={ckpt}"
@@ -259,6 +334,7 @@ def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tm
 
 
 # ------------------------------------------------------------------ mcore-rl launch --dry-run
+
 
 def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path):
     """2 trainer nodes x 8 GPUs (TP=2, PP=2, EP=2 on the MoE demo) plus an engine node of two
@@ -270,10 +346,28 @@ def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path)
 
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
-    args = ["launch", "--dry-run", "--nnodes", "2", "--nproc-per-node", "8", "--engine-nodes", "1",
-            "--engines-per-node", "2", "--engine-model", "/models/policy", "--hosts", "a,b,c", "train",
-            "configs/demo_moe.yaml", "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-            "parallel.expert_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    args = [
+        "launch",
+        "--dry-run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--engine-nodes",
+        "1",
+        "--engines-per-node",
+        "2",
+        "--engine-model",
+        "/models/policy",
+        "--hosts",
+        "a,b,c",
+        "train",
+        "configs/demo_moe.yaml",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.expert_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "trainer: 2 node(s) x 8 rank(s) = world size 16 on a, b" in out
@@ -297,13 +391,29 @@ def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path)
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert ("the SLURM allocation (job 77: 2 node(s) x 4 GPU(s)) cannot hold this plan: it needs 3 node(s) "
-            "(2 trainer + 1 engine) but the allocation has 2; it needs 8 GPU(s) per trainer node "
-            "(--nproc-per-node) but the allocation has 4 per node") in err
+    assert (
+        "the SLURM allocation (job 77: 2 node(s) x 4 GPU(s)) cannot hold this plan: it needs 3 node(s) "
+        "(2 trainer + 1 engine) but the allocation has 2; it needs 8 GPU(s) per trainer node "
+        "(--nproc-per-node) but the allocation has 4 per node"
+    ) in err
     # a layout the world cannot hold names the key
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert main(["launch", "--dry-run", "--nnodes", "1", "--nproc-per-node", "6", "sft", "configs/sft_demo.yaml",
-                 "parallel.tensor_model_parallel_size=4"]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--dry-run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "6",
+                "sft",
+                "configs/sft_demo.yaml",
+                "parallel.tensor_model_parallel_size=4",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "world size 6 (1 node(s) x 6 rank(s))" in err and "parallel.tensor_model_parallel_size" in err
     assert main(["launch", "sft", "configs/sft_demo.yaml"]) == 2  # plans only
@@ -311,6 +421,7 @@ def test_dry_run_plan_for_two_nodes_of_eight_gpus(capsys, monkeypatch, tmp_path)
 
 
 # ------------------------------------------------------------------ pre-emption: the agreement, and bad input
+
 
 def _agree_world(rank: int, world_size: int) -> None:
     from mcore_rl.parallel.preemption import preemption_guard, stop_requested

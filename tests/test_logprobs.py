@@ -186,9 +186,7 @@ def _check(mc, pc, batches, ref, results: dict) -> None:
     assert set(grads) == set(expected), f"{name}: {sorted(set(grads) ^ set(expected))}"
     for key, want in expected.items():
         scale = float(want.abs().max()) or 1.0
-        torch.testing.assert_close(
-            grads[key], want, rtol=1e-5, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}"
-        )
+        torch.testing.assert_close(grads[key], want, rtol=1e-5, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}")
     results[name] = (result["loss"], grads)
 
     # forward-only (π_old / π_ref): same values on every stage

@@ -20,11 +20,15 @@ from tests.test_rl_loop import tiny
 from tests.world import run_world
 
 OPTIONS = [
-    "algorithm.advantage=golongrl", "algorithm.advantage_options={alpha: 0.6}",
+    "algorithm.advantage=golongrl",
+    "algorithm.advantage_options={alpha: 0.6}",
     "algorithm.reward_shaping=[{name: alp, domains: [math], options: {beta: 0.05, correct_head: correct}},"
     " {name: cgpo_judges, domains: [chat], options: {judges: [safe]}}]",
-    "algorithm.domain_advantage_weights={chat: 0.5}", "algorithm.num_minibatches=2", "train.micro_batch_size=2",
-    "init.sft_steps=0", "algorithm.mismatch.name=tis",
+    "algorithm.domain_advantage_weights={chat: 0.5}",
+    "algorithm.num_minibatches=2",
+    "train.micro_batch_size=2",
+    "init.sft_steps=0",
+    "algorithm.mismatch.name=tis",
 ]
 
 
@@ -47,8 +51,18 @@ def _samples(tokenizer) -> list:
             else:
                 heads = {"helpful": round(rng.random(), 2), "safe": float(rng.random() < 0.7)}
                 reward = heads["helpful"]
-            out.append(Sample(prompt, g, rsp, [-1.0] * n, policy_version=0, finish_reason="stop", reward=reward,
-                              reward_heads=heads))
+            out.append(
+                Sample(
+                    prompt,
+                    g,
+                    rsp,
+                    [-1.0] * n,
+                    policy_version=0,
+                    finish_reason="stop",
+                    reward=reward,
+                    reward_heads=heads,
+                )
+            )
     out[5].reward_error = "timeout after 2s"  # left out of the statistics
     return out
 
@@ -65,8 +79,11 @@ def _whole_batch_advantages(cfg, samples) -> torch.Tensor:
     math_, chat = v.domain_names.index("math"), v.domain_names.index("chat")
     common = dict(valid=valid, domain_ids=v.domain_ids, reward_heads=v.reward_heads, head_names=v.head_names)
     lengths = v.mask.sum(1).long()
-    r = torch.where(v.domain_ids == math_, alp(v.rewards, v.group_ids, lengths=lengths, beta=0.05,
-                                              correct_head="correct", **common), v.rewards)
+    r = torch.where(
+        v.domain_ids == math_,
+        alp(v.rewards, v.group_ids, lengths=lengths, beta=0.05, correct_head="correct", **common),
+        v.rewards,
+    )
     r = torch.where(v.domain_ids == chat, cgpo_judges(r, v.group_ids, lengths=lengths, judges=["safe"], **common), r)
     adv = golongrl(r, v.group_ids, alpha=0.6, **common)
     return weight_domains(adv, v.domain_ids, v.domain_names, {"chat": 0.5})
@@ -94,7 +111,7 @@ def _world(rank: int, world_size: int) -> None:
     per_seq, metrics = learner.prepare(samples)
     want = _whole_batch_advantages(cfg, samples)
     torch.testing.assert_close(per_seq["advantages"], want, rtol=0, atol=0)
-    assert bool((want[5] == 0)) and bool((want != 0).sum() > n // 2)
+    assert bool(want[5] == 0) and bool((want != 0).sum() > n // 2)
     both = [None, None]
     dist.all_gather_object(both, (per_seq["advantages"], metrics))
     assert torch.equal(both[0][0], both[1][0]) and both[0][1].keys() == both[1][1].keys()
@@ -106,8 +123,17 @@ def _world(rank: int, world_size: int) -> None:
     # the micro-batches each rank trains on (as Learner.train builds them) carry the whole batch's values
     t = cfg.train
     for part in split_minibatches(n, cfg.algorithm.num_minibatches, t.seed, 0, 0):
-        mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, rank, world_size,
-                                 policy.tokenizer.pad_id, per_seq["old_logp"].shape[1], per_seq)
+        mbs = build_microbatches(
+            samples,
+            part,
+            t.seq_length,
+            t.micro_batch_size,
+            rank,
+            world_size,
+            policy.tokenizer.pad_id,
+            per_seq["old_logp"].shape[1],
+            per_seq,
+        )
         mine = [(int(i), float(a)) for mb in mbs for i, a in zip(mb["seq_index"], mb["advantages"])]
         gathered = [None, None]
         dist.all_gather_object(gathered, mine)
@@ -121,9 +147,18 @@ def _world(rank: int, world_size: int) -> None:
         sub = [samples[i] for i in own]
         view = sequence_view(sub)
         valid = view.ok.bool()
-        local = weight_domains(golongrl(shaped_rewards(cfg.algorithm, view, valid), view.group_ids, alpha=0.6,
-                                        valid=valid, domain_ids=view.domain_ids),
-                               view.domain_ids, view.domain_names, cfg.algorithm.domain_advantage_weights)
+        local = weight_domains(
+            golongrl(
+                shaped_rewards(cfg.algorithm, view, valid),
+                view.group_ids,
+                alpha=0.6,
+                valid=valid,
+                domain_ids=view.domain_ids,
+            ),
+            view.domain_ids,
+            view.domain_names,
+            cfg.algorithm.domain_advantage_weights,
+        )
         assert own and not torch.allclose(local, want[own]), "a rank's share alone gave the batch's advantages"
 
     records, batch_metrics = learner.train(samples, 0)

@@ -41,8 +41,13 @@ def test_ids_injective_before_modulo():
     assert torch.equal(ids, expected)
     # partial n-grams (document start) never collide with full ones or each other before the modulo
     partial = ngram_hash_ids(trigrams, torch.zeros(len(trigrams), n, dtype=torch.long), [n], v, m)[0]
-    all_ids = torch.cat([ids, partial[:, -1].unique(), ngram_hash_ids(
-        trigrams[:, :2], torch.arange(2).expand(len(trigrams), 2), [n], v, m)[0][:, -1].unique()])
+    all_ids = torch.cat(
+        [
+            ids,
+            partial[:, -1].unique(),
+            ngram_hash_ids(trigrams[:, :2], torch.arange(2).expand(len(trigrams), 2), [n], v, m)[0][:, -1].unique(),
+        ]
+    )
     assert all_ids.unique().numel() == v**n + v + v * v
     assert int(all_ids.max()) < n * v**n
 
@@ -75,8 +80,16 @@ def test_modulus_coprime_with_vocab():
     pos = torch.arange(2).expand(v, 2)
     distinct = {m: ngram_hash_ids(pairs, pos, [2], v, m)[0][:, 1].unique().numel() for m in (21, 23, 20, 30)}
     assert distinct == {21: 10, 23: 10, 20: 2, 30: 3}
-    cfg = dict(vocab_size=v, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-               num_key_value_heads=1, ngram_orders=[2], ngram_num_slices=1)
+    cfg = dict(
+        vocab_size=v,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ngram_orders=[2],
+        ngram_num_slices=1,
+    )
     with pytest.warns(UserWarning, match="ngram_table_size=20 shares the factor 10"):
         McoreRLNgramEmbeddings(McoreRLQwen3Config(**cfg, ngram_table_size=20))
     with warnings.catch_warnings():
@@ -125,8 +138,17 @@ def test_sliced_table_identities():
 
 
 def _hf_config(**kw) -> McoreRLQwen3Config:
-    base = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, ngram_orders=[2, 3], ngram_table_size=97, ngram_num_slices=2)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ngram_orders=[2, 3],
+        ngram_table_size=97,
+        ngram_num_slices=2,
+    )
     base.update(kw)
     return McoreRLQwen3Config(**base)
 
@@ -144,8 +166,10 @@ def test_reference_parameters_and_effect():
     model = _model(_hf_config())
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if "ngram" in n}
     assert shapes == {
-        "model.ngram_embeddings.tables.2.0.weight": (97, 12), "model.ngram_embeddings.tables.2.1.weight": (97, 12),
-        "model.ngram_embeddings.tables.3.0.weight": (97, 8), "model.ngram_embeddings.tables.3.1.weight": (97, 8),
+        "model.ngram_embeddings.tables.2.0.weight": (97, 12),
+        "model.ngram_embeddings.tables.2.1.weight": (97, 12),
+        "model.ngram_embeddings.tables.3.0.weight": (97, 8),
+        "model.ngram_embeddings.tables.3.1.weight": (97, 8),
         "model.ngram_embeddings.projections.2.0.weight": (48, 12),
         "model.ngram_embeddings.projections.2.1.weight": (48, 12),
         "model.ngram_embeddings.projections.3.0.weight": (48, 8),
@@ -176,8 +200,9 @@ def test_kv_cache_decode_matches_full_forward():
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
         # an engine that keeps its own per-request state passes the context explicitly
         plain = [(layer.keys, layer.values) for layer in cache.layers]
-        explicit = model(x[:, 8:9], past_key_values=[(k[:, :, :8], v[:, :, :8]) for k, v in plain],
-                         ngram_context=x[:, 6:8]).logits
+        explicit = model(
+            x[:, 8:9], past_key_values=[(k[:, :, :8], v[:, :, :8]) for k, v in plain], ngram_context=x[:, 6:8]
+        ).logits
         torch.testing.assert_close(explicit, full[:, 8:9], atol=1e-5, rtol=0)
         # a prompt shorter than n-1: the -1 padding of the context is never used
         one = model(x[:, :1], use_cache=True)
@@ -186,7 +211,10 @@ def test_kv_cache_decode_matches_full_forward():
         torch.testing.assert_close(two, full[:, 1:2], atol=1e-5, rtol=0)
         # a legacy list cache comes back as a list that carries the context
         legacy = model(x[:, :1], past_key_values=[], use_cache=True).cache
-        assert isinstance(legacy, NgramKVCache) and legacy.ngram_context.tolist() == [[-1, int(x[0, 0])], [-1, int(x[1, 0])]]
+        assert isinstance(legacy, NgramKVCache) and legacy.ngram_context.tolist() == [
+            [-1, int(x[0, 0])],
+            [-1, int(x[1, 0])],
+        ]
         two = model(x[:, 1:2], past_key_values=legacy, use_cache=True).logits
         torch.testing.assert_close(two, full[:, 1:2], atol=1e-5, rtol=0)
 
@@ -217,8 +245,12 @@ def test_save_load_and_config_round_trip(tmp_path):
     x = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
-    mc = ModelConfig(vocab_size=VOCAB, hidden_size=48, ffn_hidden_size=64,
-                     ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=97, num_slices=2))
+    mc = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        ffn_hidden_size=64,
+        ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=97, num_slices=2),
+    )
     hf = hf_config_from_model_config(mc)
     assert (hf.ngram_orders, hf.ngram_table_size, hf.ngram_num_slices) == ([2, 3], 97, 2)
     assert model_config_from_hf_config(hf) == mc
@@ -232,8 +264,10 @@ def test_config_validation():
 
     def cfg(tp=1, cp=1, **ng):
         ngram = NgramEmbeddingConfig(**{"orders": [2, 3], "table_size": 97, **ng})
-        return SFTConfig(model=ModelConfig(ngram=ngram),
-                         parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp))
+        return SFTConfig(
+            model=ModelConfig(ngram=ngram),
+            parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -260,7 +294,10 @@ def test_config_validation():
 
 SEQ, MBS, NUM_MICROBATCHES = 16, 2, 4
 NGRAM = ModelConfig(
-    arch="qwen3", num_layers=2, hidden_size=48, ffn_hidden_size=96,
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=48,
+    ffn_hidden_size=96,
     ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=97, num_slices=2),
 )
 NGRAM_DP = dataclasses.replace(NGRAM, ngram=dataclasses.replace(NGRAM.ngram, shard_over_data_parallel=True))
@@ -282,8 +319,15 @@ def _packed_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
                 seg[r, start:end] = doc
                 start, doc = end, doc + 1
         loss_mask = (torch.rand(MBS, SEQ, generator=g) > 0.25).float()
-        batches.append(dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                            loss_mask=loss_mask, position_ids=pos, segment_ids=seg))
+        batches.append(
+            dict(
+                tokens=tokens[:, :-1].contiguous(),
+                labels=tokens[:, 1:].contiguous(),
+                loss_mask=loss_mask,
+                position_ids=pos,
+                segment_ids=seg,
+            )
+        )
     return batches
 
 
@@ -302,8 +346,13 @@ def _reference_packed(mc: ModelConfig, batches):
     for b in batches:
         seg = b["segment_ids"]
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]
-        out = model(b["tokens"], position_ids=b["position_ids"], attention_mask=mask,
-                    labels=b["labels"], loss_mask=b["loss_mask"])
+        out = model(
+            b["tokens"],
+            position_ids=b["position_ids"],
+            attention_mask=mask,
+            labels=b["labels"],
+            loss_mask=b["loss_mask"],
+        )
         n = float(b["loss_mask"].sum())
         lm_sum = lm_sum + out.loss.detach() * n
         objective = objective + out.loss * n / total

@@ -58,9 +58,17 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
     # 1. RL: two rollout steps of two optimizer steps; step 1 profiled; a checkpoint after each step
     rl = f"{tmp}/rl"
-    cfg = tiny(f"run_dir={rl}", "train.num_steps=2", "eval.interval=0", "eval.at_start=false",
-               "logging.profile_steps=[1]", f"checkpoint.save_dir={tmp}/ckpt",
-               "checkpoint.save_interval=1", "init.sft_steps=2", f"logging.wandb={HAS_WANDB}")
+    cfg = tiny(
+        f"run_dir={rl}",
+        "train.num_steps=2",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "logging.profile_steps=[1]",
+        f"checkpoint.save_dir={tmp}/ckpt",
+        "checkpoint.save_interval=1",
+        "init.sft_steps=2",
+        f"logging.wandb={HAS_WANDB}",
+    )
     run_rl(cfg)
     recs = _records(rl)
     closing = [r for r in recs if "time/step_s" in r]  # the record that closes each rollout step
@@ -71,8 +79,19 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         _check_perf(r, cfg.model, cfg.train.seq_length)
     assert "time/eval_s" not in closing[0] and closing[1]["time/eval_s"] > 0  # evaluated after the last step
     assert "time/checkpoint_s" not in closing[0] and closing[1]["time/checkpoint_s"] > 0  # the save after step 1
-    _check_ttfs(recs, ("imports", "distributed_init", "model_build", "warm_start", "engine_start", "first_weight_sync",
-                       "first_rollout", "first_train_step"))
+    _check_ttfs(
+        recs,
+        (
+            "imports",
+            "distributed_init",
+            "model_build",
+            "warm_start",
+            "engine_start",
+            "first_weight_sync",
+            "first_rollout",
+            "first_train_step",
+        ),
+    )
     trace = json.load(open(f"{rl}/profile/step_1.rank0.trace.json"))
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
     assert os.listdir(f"{rl}/profile") == ["step_1.rank0.trace.json"]
@@ -81,11 +100,24 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         assert os.listdir(f"{rl}/wandb")
 
     # 2. SFT: the same sinks, timers, MFU and time to first step (one process, a second run in it)
-    sft_cfg = load_config(SFTConfig, None, [
-        f"run_dir={tmp}/sft", "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
-        "train.seq_length=16", "train.micro_batch_size=2", "train.global_batch_size=2", "train.train_iters=3",
-        "train.eval_interval=0", "data.synthetic_num_examples=64", "logging.tensorboard=true",
-        "logging.memory_snapshot_steps=[2]"])
+    sft_cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            f"run_dir={tmp}/sft",
+            "model.num_layers=1",
+            "model.hidden_size=32",
+            "model.ffn_hidden_size=64",
+            "train.seq_length=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "train.train_iters=3",
+            "train.eval_interval=0",
+            "data.synthetic_num_examples=64",
+            "logging.tensorboard=true",
+            "logging.memory_snapshot_steps=[2]",
+        ],
+    )
     run_sft(sft_cfg)
     srecs = _records(f"{tmp}/sft")
     assert [r["step"] for r in srecs] == [1, 2, 3] and all(r["time/train_s"] > 0 for r in srecs)
@@ -106,8 +138,13 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     assert os.path.getsize(out) > 10_000
     assert cli(["plot", rl, "--keys", "reward/mean,no/such_key"]) == 2
     # the breakdown tool reads the same names
-    text = subprocess.run([sys.executable, f"{ROOT}/tools/phase_breakdown.py", f"{rl}/metrics.jsonl", "--skip", "0"],
-                          capture_output=True, text=True, timeout=60, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, f"{ROOT}/tools/phase_breakdown.py", f"{rl}/metrics.jsonl", "--skip", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "| weight sync |" in text and "trainer idle" in text and "checkpoints: 1 saves" in text
 
 
@@ -127,8 +164,10 @@ def test_plot_of_a_directory_without_metrics_names_it(tmp_path, capsys):
 
 @pytest.mark.skipif(HAS_WANDB, reason="wandb is installed: the offline sink is tested in the run")
 def test_wandb_without_the_package_fails_before_workers_naming_the_key():
-    for validate, cfg in ((validate_rl_config, load_config(RLConfig, None, ["logging.wandb=true"])),
-                          (validate_sft_config, load_config(SFTConfig, None, ["logging.wandb=true"]))):
+    for validate, cfg in (
+        (validate_rl_config, load_config(RLConfig, None, ["logging.wandb=true"])),
+        (validate_sft_config, load_config(SFTConfig, None, ["logging.wandb=true"])),
+    ):
         with pytest.raises(ConfigError, match=r"logging.wandb: is true but the `wandb` package is not installed"):
             validate(cfg, 1)
     from mcore_rl.observe.sinks import WandbSink
@@ -145,11 +184,18 @@ def test_bad_profile_steps_are_named():
 
 
 def test_gpu_check_on_cpu_skips_every_gpu_row_and_a_failing_row_reports_its_error(tmp_path):
-    out = subprocess.run(["bash", f"{ROOT}/tools/gpu_check.sh", "--no-install"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
+    out = subprocess.run(
+        ["bash", f"{ROOT}/tools/gpu_check.sh", "--no-install"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line for line in out.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith(("| check", "| ---"))]
+    rows = [
+        line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith(("| check", "| ---"))
+    ]
     assert len(rows) == 7 and all("skipped: no CUDA device" in line for line in rows), out.stdout
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
@@ -160,7 +206,9 @@ def test_gpu_check_on_cpu_skips_every_gpu_row_and_a_failing_row_reports_its_erro
     def broken(ctx):
         raise RuntimeError("boom")
 
-    rows = [gpu_check.Row("broken", broken, needs_cuda=False),
-            gpu_check.Row("fine", lambda ctx: "ok", needs_cuda=False)]
+    rows = [
+        gpu_check.Row("broken", broken, needs_cuda=False),
+        gpu_check.Row("fine", lambda ctx: "ok", needs_cuda=False),
+    ]
     results = gpu_check.run_rows(rows, gpu_check.Context(str(tmp_path), 60, cuda=False))
     assert results[0][1].startswith("error: RuntimeError: boom") and results[1][1].startswith("ok")

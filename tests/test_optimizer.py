@@ -15,9 +15,7 @@ from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.train.lr_schedule import LRScheduler
 from mcore_rl.train.optimizer import build_optimizer, load_deepspeed_cpu_adam
 
-BASE = OptimizerConfig(
-    lr=1e-2, weight_decay=0.1, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0
-)
+BASE = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0)
 
 
 class Tiny(torch.nn.Module):
@@ -49,7 +47,10 @@ def _torch_reference(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.opti
             {"params": decay, "weight_decay": cfg.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        foreach=True,
     )
 
 
@@ -119,9 +120,7 @@ def test_no_weight_decay_on_1d_params() -> None:
     opt = build_optimizer([model], BASE, "fp32", total_iters=10)
     decayed, plain = opt.optimizer.param_groups
     assert decayed["weight_decay"] == BASE.weight_decay and plain["weight_decay"] == 0.0
-    assert {id(p) for p in plain["params"]} == {
-        id(model.fc.bias), id(model.norm.weight), id(model.norm.bias)
-    }
+    assert {id(p) for p in plain["params"]} == {id(model.fc.bias), id(model.norm.weight), id(model.norm.bias)}
 
 
 def test_scheduler_drives_lr() -> None:
@@ -324,14 +323,10 @@ def test_sharded_state_dict_keys_and_roundtrip(precision: str) -> None:
     sd = opt_a.sharded_state_dict(_plain_sharded_sd(a, "decoder."))
     keys = {t.key for t in nested_values(sd) if isinstance(t, ShardedTensor)}
     names = [n for n, _ in a.named_parameters()]
-    expected = {
-        f"optimizer.state.{k}.decoder.{n}" for k in ("exp_avg", "exp_avg_sq") for n in names
-    }
+    expected = {f"optimizer.state.{k}.decoder.{n}" for k in ("exp_avg", "exp_avg_sq") for n in names}
     if precision == "bf16":
         expected |= {f"optimizer.state.fp32_param.decoder.{n}" for n in names}
-        assert all(
-            t.dtype == torch.float32 for t in nested_values(sd) if isinstance(t, ShardedTensor)
-        )
+        assert all(t.dtype == torch.float32 for t in nested_values(sd) if isinstance(t, ShardedTensor))
     assert keys == expected
     assert sd["optimizer"]["state"]["common_step"] == 2
 
@@ -376,8 +371,7 @@ def test_deepspeed_cpu_adam_matches_torch() -> None:
     # moments see grads of params that already differ by ~1e-7, hence the looser tolerance
     for md, mr in zip(ds.main_params, tr.main_params):
         for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(ds.optimizer.state[md][k], tr.optimizer.state[mr][k],
-                                       rtol=1e-4, atol=1e-8)
+            torch.testing.assert_close(ds.optimizer.state[md][k], tr.optimizer.state[mr][k], rtol=1e-4, atol=1e-8)
     # a torch-backend checkpoint resumes on the deepspeed backend (step type converted)
     ds.load_state_dict(tr.state_dict())
     assert isinstance(ds.optimizer.state[ds.main_params[0]]["step"], int)
@@ -399,10 +393,14 @@ def _tp2_worker(rank: int, world_size: int, ckpt_dir: str) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     g = torch.Generator().manual_seed(0)
     full = {  # the same on both ranks
-        "col": torch.randn(4, 3, generator=g), "col_g": torch.randn(4, 3, generator=g),
-        "exp": torch.randn(6, 2, generator=g), "exp_g": torch.randn(6, 2, generator=g),
-        "norm": torch.randn(3, generator=g), "norm_g": torch.randn(3, generator=g),
-        "emb": torch.randn(5, 3, generator=g), "emb_g": torch.randn(5, 3, generator=g),
+        "col": torch.randn(4, 3, generator=g),
+        "col_g": torch.randn(4, 3, generator=g),
+        "exp": torch.randn(6, 2, generator=g),
+        "exp_g": torch.randn(6, 2, generator=g),
+        "norm": torch.randn(3, generator=g),
+        "norm_g": torch.randn(3, generator=g),
+        "emb": torch.randn(5, 3, generator=g),
+        "emb_g": torch.randn(5, 3, generator=g),
     }
 
     def make(shard: bool) -> torch.nn.Module:
@@ -446,14 +444,12 @@ def _tp2_worker(rank: int, world_size: int, ckpt_dir: str) -> None:
                 "norm": ShardedTensor.from_rank_offsets("norm", m.norm, replica_id=rank),
                 "emb": ShardedTensor.from_rank_offsets("emb", m.emb, replica_id=rank),
             }
-        return {n: ShardedTensor.from_rank_offsets(n, p, replica_id=rank)
-                for n, p in m.named_parameters()}
+        return {n: ShardedTensor.from_rank_offsets(n, p, replica_id=rank) for n, p in m.named_parameters()}
 
     save({"optimizer": opt.sharded_state_dict(model_sd(tp, True))}, ckpt_dir)
     whole = make(shard=False)
     whole_opt = build_optimizer([whole], cfg, "fp32", 10)
-    loaded = load({"optimizer": whole_opt.sharded_state_dict(model_sd(whole, False), True)},
-                  ckpt_dir)
+    loaded = load({"optimizer": whole_opt.sharded_state_dict(model_sd(whole, False), True)}, ckpt_dir)
     whole_opt.load_sharded_state_dict(loaded["optimizer"])
     assert whole_opt.scheduler.num_steps == 1
     name_of = {id(p): n for n, p in whole.named_parameters()}
@@ -461,8 +457,7 @@ def _tp2_worker(rank: int, world_size: int, ckpt_dir: str) -> None:
     for m in whole_opt.main_params:
         n = name_of[id(m)]
         for k in ("exp_avg", "exp_avg_sq"):
-            gathered = [torch.empty_like(opt.optimizer.state[tp_by_name[n]][k])
-                        for _ in range(2)]
+            gathered = [torch.empty_like(opt.optimizer.state[tp_by_name[n]][k]) for _ in range(2)]
             dist.all_gather(gathered, opt.optimizer.state[tp_by_name[n]][k])
             want = torch.cat(gathered) if n in ("col", "exp") else gathered[0]
             assert torch.equal(whole_opt.optimizer.state[m][k], want), (n, k)

@@ -20,8 +20,14 @@ SEQ, MBS, NUM_MICROBATCHES = 16, 2, 4
 
 DENSE = ModelConfig(arch="qwen3", num_layers=4, hidden_size=64, ffn_hidden_size=128)
 MOE = ModelConfig(
-    arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4,
-    moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01,
+    arch="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_aux_loss_coeff=0.01,
 )
 MOE_SHARED = dataclasses.replace(MOE, moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False)
 
@@ -101,9 +107,7 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: 
     for key, want in expected.items():
         got = grads[key]
         scale = float(want.abs().max()) or 1.0
-        torch.testing.assert_close(
-            got, want.float(), rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}"
-        )
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}")
     if after is not None:
         after(chunks)
     return name
@@ -121,9 +125,14 @@ def _layouts_world(rank: int, world_size: int, cases: list[tuple[ModelConfig, Pa
 
 
 def P(**kw) -> ParallelConfig:
-    names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size",
-                 vpp="virtual_pipeline_model_parallel_size", ep="expert_model_parallel_size",
-                 sp="sequence_parallel", etp="expert_tensor_parallel_size")
+    names = dict(
+        tp="tensor_model_parallel_size",
+        pp="pipeline_model_parallel_size",
+        vpp="virtual_pipeline_model_parallel_size",
+        ep="expert_model_parallel_size",
+        sp="sequence_parallel",
+        etp="expert_tensor_parallel_size",
+    )
     return ParallelConfig(**{names[k]: v for k, v in kw.items()})
 
 

@@ -36,15 +36,40 @@ def test_routing_disagreement_compares_sets() -> None:
 
 
 def _parity(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore_rl.cli", "parity", "configs/demo_moe.yaml",
-                           f"run_dir={tmp_path}/run", "init.sft_steps=0", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mcore_rl.cli",
+            "parity",
+            "configs/demo_moe.yaml",
+            f"run_dir={tmp_path}/run",
+            "init.sft_steps=0",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_parity_command_moe(tmp_path) -> None:
     out = tmp_path / "parity.json"
-    proc = _parity(tmp_path, "--precisions", "none", "fp8", "--prompts", "3", "--samples", "2",
-                   "--position-bins", "2", "--json", str(out))
+    proc = _parity(
+        tmp_path,
+        "--precisions",
+        "none",
+        "fp8",
+        "--prompts",
+        "3",
+        "--samples",
+        "2",
+        "--position-bins",
+        "2",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "routing" in proc.stdout and "fp8" in proc.stdout
     report = json.loads(out.read_text())
@@ -86,13 +111,25 @@ def test_parity_against_an_engine_url(tmp_path) -> None:
     from mcore_rl.rollout.engine_processes import EngineProcesses
 
     mc = load_config(RLConfig, os.path.join(ROOT, "configs/demo_moe.yaml"), []).model
-    engines = EngineProcesses.start(mc, num=1, workdir=str(tmp_path / "engine"), quantization="fp8",
-                                    context_length=256, threads=1)
+    engines = EngineProcesses.start(
+        mc, num=1, workdir=str(tmp_path / "engine"), quantization="fp8", context_length=256, threads=1
+    )
     try:
         url = engines.urls[0]
         out = tmp_path / "parity.json"
-        proc = _parity(tmp_path, "--precisions", "none", "--engine-url", url, "--prompts", "2", "--samples", "2",
-                       "--json", str(out))
+        proc = _parity(
+            tmp_path,
+            "--precisions",
+            "none",
+            "--engine-url",
+            url,
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+            "--json",
+            str(out),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         fp32, remote = json.loads(out.read_text())["engines"]
         assert remote["engine"] == url and remote["tokens"] == fp32["tokens"] > 0

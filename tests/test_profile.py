@@ -28,15 +28,30 @@ from mcore_rl.profile.timing import step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
-MOE = ModelConfig(arch="qwen3_moe", vocab_size=1024, hidden_size=256, ffn_hidden_size=512, num_layers=8,
-                  num_attention_heads=8, num_query_groups=4, num_experts=8, moe_router_topk=2,
-                  max_position_embeddings=4096)
+MOE = ModelConfig(
+    arch="qwen3_moe",
+    vocab_size=1024,
+    hidden_size=256,
+    ffn_hidden_size=512,
+    num_layers=8,
+    num_attention_heads=8,
+    num_query_groups=4,
+    num_experts=8,
+    moe_router_topk=2,
+    max_position_embeddings=4096,
+)
 SHAPE = TrainShape(global_batch_size=64, micro_batch_size=1, seq_length=1024)
 
 
 def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore_rl.cli", "profile", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="0"))
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "profile", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="0"),
+    )
 
 
 def test_enumeration_is_the_trainers_validation():
@@ -70,8 +85,9 @@ def test_memory_and_time_move_the_right_way():
     t = step_time(MOE, pp, SHAPE, cluster, 8)
     t_vpp = step_time(MOE, dataclasses.replace(pp, vpp=2), SHAPE, cluster, 8)
     assert t.bubble_fraction == pytest.approx(1 / 8) and t_vpp.bubble_fraction == pytest.approx(1 / 16)
-    assert step_time(MOE, base, dataclasses.replace(SHAPE, global_batch_size=128), cluster, 8).compute_s \
-        == pytest.approx(2 * step_time(MOE, base, SHAPE, cluster, 4).compute_s)
+    assert step_time(
+        MOE, base, dataclasses.replace(SHAPE, global_batch_size=128), cluster, 8
+    ).compute_s == pytest.approx(2 * step_time(MOE, base, SHAPE, cluster, 4).compute_s)
     # the embedding lives on the first stage, the output layer on the last
     names0 = {p.name for p in param_tensors(MOE, pp, 0)}
     names1 = {p.name for p in param_tensors(MOE, pp, 1)}
@@ -95,8 +111,9 @@ def test_bad_inputs_name_the_key(tmp_path, capsys):
     assert "peak_tflops_bf16: missing" in str(err.value)
     with pytest.raises(ConfigError, match="--layout"):
         parse_layout("tp=3", 8)
-    code, err = _main(capsys, DEMO, "--cluster", "cpu_here", "--layout", "tp=4", "--seq-length", "64",
-                      "--global-batch", "8")
+    code, err = _main(
+        capsys, DEMO, "--cluster", "cpu_here", "--layout", "tp=4", "--seq-length", "64", "--global-batch", "8"
+    )
     assert code == 2 and "model.num_query_groups" in err, err
     code, err = _main(capsys, DEMO, "model.num_query_groups=3", "--cluster", "cpu_here", "--seq-length", "64")
     assert code == 2 and "model.num_query_groups" in err, err
@@ -105,24 +122,47 @@ def test_bad_inputs_name_the_key(tmp_path, capsys):
     # a vocabulary that does not split over TP is padded (model.make_vocab_size_divisible_by), as built
     odd = dataclasses.replace(MOE, vocab_size=385)
     validate_sft_config(sft_config_for(odd, Layout(tp=2, sp=True), SHAPE), 2)
-    embedding = next(t for t in param_tensors(odd, Layout(tp=2, sp=True)) if t.name == "embedding.word_embeddings.weight")
+    embedding = next(
+        t for t in param_tensors(odd, Layout(tp=2, sp=True)) if t.name == "embedding.word_embeddings.weight"
+    )
     assert embedding.numel == 386 // 2 * odd.hidden_size
 
 
 def test_hf_config_input_and_json(tmp_path, capsys):
     from transformers import Qwen3Config
 
-    Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=2048).save_pretrained(tmp_path / "hf")
+    Qwen3Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+    ).save_pretrained(tmp_path / "hf")
     out = tmp_path / "p.json"
-    code, err = _main(capsys, str(tmp_path / "hf" / "config.json"), "--cluster", "h100_sxm", "--nodes", "1",
-                      "--seq-length", "1024", "--global-batch", "32", "--json", str(out))
+    code, err = _main(
+        capsys,
+        str(tmp_path / "hf" / "config.json"),
+        "--cluster",
+        "h100_sxm",
+        "--nodes",
+        "1",
+        "--seq-length",
+        "1024",
+        "--global-batch",
+        "32",
+        "--json",
+        str(out),
+    )
     assert code == 0, err
     result = json.loads(out.read_text())
     assert result["model"]["num_layers"] == 4 and result["num_valid_layouts"] == len(result["layouts"]) > 1
     first = result["layouts"][0]
-    assert first["fits"] and first["time"]["total_s"] == min(r["time"]["total_s"] for r in result["layouts"]
-                                                             if r["fits"])
+    assert first["fits"] and first["time"]["total_s"] == min(
+        r["time"]["total_s"] for r in result["layouts"] if r["fits"]
+    )
     assert set(first["memory"]) >= {"params", "grads", "optimizer", "optimizer_distributed", "activations", "total"}
 
 
@@ -148,10 +188,37 @@ def test_a_recipe_is_profiled_with_its_own_shape_and_json_goes_to_stdout():
 def test_measure_demo_matches_real_tensors(tmp_path):
     """One world of 2 ranks runs the top 3 layouts (dp2, tp2, pp2) of the demo model."""
     report = tmp_path / "profile.json"
-    out = _cli(DEMO, "--cluster", "cpu_here", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2",
-               "--seq-length", "64", "--precision", "fp32", "--measure", "--measure-top", "3", "--measure-steps", "1",
-               "--json", str(report), "--rollout-prompts", "4", "--samples-per-prompt", "2", "--prompt-length", "16",
-               "--response-length", "32", timeout=400)
+    out = _cli(
+        DEMO,
+        "--cluster",
+        "cpu_here",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--seq-length",
+        "64",
+        "--precision",
+        "fp32",
+        "--measure",
+        "--measure-top",
+        "3",
+        "--measure-steps",
+        "1",
+        "--json",
+        str(report),
+        "--rollout-prompts",
+        "4",
+        "--samples-per-prompt",
+        "2",
+        "--prompt-length",
+        "16",
+        "--response-length",
+        "32",
+        timeout=400,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["schema_version"] == 1 and result["cpu_calibration_flops"]["fp32"] > 0

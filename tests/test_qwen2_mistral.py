@@ -32,16 +32,35 @@ WINDOW = 6  # < SEQ, so the window changes the logits
 def _stock_config(kind: str, vocab: int = VOCAB, **overrides):
     from transformers import MistralConfig, Qwen2Config, Qwen2MoeConfig
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0,
-                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     common.update(overrides)
     if kind == "qwen2":
         return Qwen2Config(**common)
     if kind == "mistral":
         return MistralConfig(**{"head_dim": 16, "sliding_window": WINDOW, **common})
-    return Qwen2MoeConfig(**{**dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, router_aux_loss_coef=0.01), **common})
+    return Qwen2MoeConfig(
+        **{
+            **dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                router_aux_loss_coef=0.01,
+            ),
+            **common,
+        }
+    )
 
 
 def _stock_model(kind: str, vocab: int = VOCAB, seed: int = 0, **overrides):
@@ -75,7 +94,11 @@ def test_model_configs_and_export_kinds() -> None:
     assert (qwen2.add_qkv_bias, qwen2.qk_layernorm, qwen2.sliding_window) == (True, False, None)
     assert qwen2.kv_channels is None
     assert (moe.arch, moe.add_qkv_bias, moe.moe_shared_expert_gate, moe.moe_shared_expert_intermediate_size) == (
-        "qwen3_moe", True, True, 48)
+        "qwen3_moe",
+        True,
+        True,
+        48,
+    )
     assert moe.moe_norm_topk_prob is False  # the stock default: softmax over all experts, keep the top k
     assert (mistral.add_qkv_bias, mistral.qk_layernorm, mistral.sliding_window) == (False, False, WINDOW)
     assert not model_config_from_hf(_stock_config("qwen2_moe", qkv_bias=False)).add_qkv_bias
@@ -104,10 +127,15 @@ def test_refusals_name_the_key() -> None:
         mc = model_config_from_hf(stock)
         assert mc.moe_layer_pattern == pattern[: stock.num_hidden_layers] + [1] * (stock.num_hidden_layers - 2)
         back = to_stock_hf_config(hf_config_from_model_config(mc), "qwen2_moe")
-        assert type(back).__name__ == "Qwen2MoeConfig" and model_config_from_hf(back).moe_layer_pattern == mc.moe_layer_pattern
+        assert (
+            type(back).__name__ == "Qwen2MoeConfig"
+            and model_config_from_hf(back).moe_layer_pattern == mc.moe_layer_pattern
+        )
     dense = ModelConfig(vocab_size=VOCAB)
-    for model, key in [(dataclasses.replace(dense, moe_shared_expert_gate=True), "model.moe_shared_expert_gate"),
-                       (dataclasses.replace(dense, sliding_window=0), "model.sliding_window")]:
+    for model, key in [
+        (dataclasses.replace(dense, moe_shared_expert_gate=True), "model.moe_shared_expert_gate"),
+        (dataclasses.replace(dense, sliding_window=0), "model.sliding_window"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             validate_sft_config(SFTConfig(model=model), 1)
 
@@ -166,19 +194,22 @@ def test_engine_generates_as_stock(kind: str, tmp_path) -> None:
     stock.save_pretrained(tmp_path)
     engine = EngineCore.from_model_path(str(tmp_path), context_length=64)
     prompt = list(range(40, 48))  # 8 tokens; 10 more decode well past a window of 6
-    engine.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True),
-                               return_logprob=True))
+    engine.add_request(
+        Request("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True), return_logprob=True)
+    )
     out = None
     while engine.has_work():
         out = next((o for o in engine.step() if o.finished), out)
     with torch.no_grad():
-        want = stock.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+        want = stock.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert out.output_ids == want
         ids = torch.tensor([prompt + want])
         lp = torch.log_softmax(stock(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor([p for p, _ in out.output_token_logprobs]), lp[len(prompt) - 1:],
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([p for p, _ in out.output_token_logprobs]), lp[len(prompt) - 1 :], atol=1e-4, rtol=0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,8 +237,14 @@ def _world(rank: int, world_size: int, tmp: str, cases: list) -> None:
         mc = model_config_from_hf(read_hf_config(src))
         tokens = _tokens(mc.vocab_size)
         for layout, pc in check_layouts.items():
-            _megatron_logits(mc, pc, mcore, tokens, f"{tmp}/{name}/logits_{layout}.pt",
-                             hf_weights_out=f"{tmp}/{name}/synced_{layout}.pt")
+            _megatron_logits(
+                mc,
+                pc,
+                mcore,
+                tokens,
+                f"{tmp}/{name}/logits_{layout}.pt",
+                hf_weights_out=f"{tmp}/{name}/synced_{layout}.pt",
+            )
         if mc.sliding_window:  # packed documents keep their mask next to the window
             pc = check_layouts["tp2"]
             _megatron_logits(mc, pc, mcore, tokens, f"{tmp}/{name}/logits_packed.pt", _packed_mask(tokens, 7))

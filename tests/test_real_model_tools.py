@@ -28,8 +28,22 @@ def _tool():
 
 def test_overrides_may_follow_the_seeds_and_the_models():
     tool = _tool()
-    args = tool.parse_args([DEMO, "--models", "base=a", "rl=b", "eval.num_prompts=8", "--k", "2",
-                            "--seeds", "1", "2", "rollout.quantization=none", "run_dir=x"])
+    args = tool.parse_args(
+        [
+            DEMO,
+            "--models",
+            "base=a",
+            "rl=b",
+            "eval.num_prompts=8",
+            "--k",
+            "2",
+            "--seeds",
+            "1",
+            "2",
+            "rollout.quantization=none",
+            "run_dir=x",
+        ]
+    )
     assert args.models == ["base=a", "rl=b"] and args.seeds == [1, 2] and args.k == 2
     assert args.overrides == ["eval.num_prompts=8", "rollout.quantization=none", "run_dir=x"]
     args = tool.parse_args([DEMO, "eval.k=0", "--models", "base=a"])  # before the flags, as before
@@ -48,19 +62,44 @@ def tiny_hf_model(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("hf_model"))
     torch.manual_seed(0)
-    mc = ModelConfig(vocab_size=384, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4,
-                     num_query_groups=2, max_position_embeddings=64)
+    mc = ModelConfig(
+        vocab_size=384,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        max_position_embeddings=64,
+    )
     Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
     return path
 
 
 def test_each_pass_shows_progress_and_the_table_is_printed(tiny_hf_model, tmp_path):
     run = subprocess.run(
-        [sys.executable, TOOL, DEMO, "eval.num_prompts=6", "rollout.quantization=none", "init.sft_steps=0",
-         "reward.name=tests.reward_fns:digit_count", "reward.max_concurrency=1",
-         "--models", f"base={tiny_hf_model}", f"other={tiny_hf_model}", "--k", "2", "--seeds", "1"],
-        cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="1"))
+        [
+            sys.executable,
+            TOOL,
+            DEMO,
+            "eval.num_prompts=6",
+            "rollout.quantization=none",
+            "init.sft_steps=0",
+            "reward.name=tests.reward_fns:digit_count",
+            "reward.max_concurrency=1",
+            "--models",
+            f"base={tiny_hf_model}",
+            f"other={tiny_hf_model}",
+            "--k",
+            "2",
+            "--seeds",
+            "1",
+        ],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=ROOT, MCORE_RL_PROGRESS="1"),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     for desc, total in [("base greedy", 6), ("base avg@2 seed 1", 12), ("other greedy", 6)]:
         assert f"{desc}: 100%" in run.stderr and f"{total}/{total}" in run.stderr, (desc, run.stderr[-3000:])
@@ -81,8 +120,14 @@ def test_fetch_smollm2_ends_with_the_training_recipe(tmp_path):
     out = tmp_path / "smollm2"
     (out / "gguf").mkdir(parents=True)
     write_gguf(tiny_llama(), str(out / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    run = subprocess.run([sys.executable, FETCH, "--out", str(out)], cwd=str(tmp_path), capture_output=True,
-                         text=True, timeout=600, env=_env())
+    run = subprocess.run(
+        [sys.executable, FETCH, "--out", str(out)],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "mcore" / "recipe.yaml").exists()
     last = run.stdout.rstrip().splitlines()[-1]
@@ -94,15 +139,32 @@ def test_fetch_smollm2_ends_with_the_training_recipe(tmp_path):
 def test_a_checkpoint_loads_without_the_libraries_deprecation_warnings(tmp_path):
     """`mcore-rl sft` saves, then resumes: megatron-core and torch.distributed.checkpoint warned four
     times about their own calls (load_state_dict, ShardedTensor x2, the cuda-graph scope)."""
-    common = [sys.executable, "-m", "mcore_rl.cli", "sft", SFT_DEMO, "train.eval_interval=0",
-              "logging.tensorboard=false"]
-    run = subprocess.run([*common, "train.train_iters=1", f"checkpoint.save_dir={tmp_path}/ckpt",
-                          f"run_dir={tmp_path}/a"], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-                         env=_env())
+    common = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "sft",
+        SFT_DEMO,
+        "train.eval_interval=0",
+        "logging.tensorboard=false",
+    ]
+    run = subprocess.run(
+        [*common, "train.train_iters=1", f"checkpoint.save_dir={tmp_path}/ckpt", f"run_dir={tmp_path}/a"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    run = subprocess.run([*common, "train.train_iters=2", f"checkpoint.load_dir={tmp_path}/ckpt",
-                          f"run_dir={tmp_path}/b"], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-                         env=_env())
+    run = subprocess.run(
+        [*common, "train.train_iters=2", f"checkpoint.load_dir={tmp_path}/ckpt", f"run_dir={tmp_path}/b"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from" in run.stdout + run.stderr
     assert "Warning" not in run.stderr, run.stderr

@@ -24,7 +24,7 @@ def test_answer_extraction_modes():
 
 def test_the_scorer_sees_the_extracted_answer():
     task = get_task("reasoning_gym", dataset="products", min_digits=1, max_digits=1)
-    (question, entry), = task.rl_examples(1, seed=7)
+    ((question, entry),) = task.rl_examples(1, seed=7)
     prose = f"The product is {entry['answer']}."
     assert reasoning_gym_reward(RewardInput(question, prose, entry), extract="last_number") == 1.0
     assert reasoning_gym_reward(RewardInput(question, prose, entry)) < 1.0  # the whole sentence is not the answer

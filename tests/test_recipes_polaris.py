@@ -34,8 +34,10 @@ def _prompt(k: int, text: str = "") -> Prompt:
 
 def _group(k: int, rewards: list[float], version: int = 1, prompt: Prompt | None = None) -> list[Sample]:
     p = prompt or _prompt(k)
-    return [Sample(p, p.index, [10 + k, 20 + j], [-0.5, -0.25 - j], version, "stop", f"r{k}.{j}", reward=r)
-            for j, r in enumerate(rewards)]
+    return [
+        Sample(p, p.index, [10 + k, 20 + j], [-0.5, -0.25 - j], version, "stop", f"r{k}.{j}", reward=r)
+        for j, r in enumerate(rewards)
+    ]
 
 
 # ------------------------------------------------------------------------------------ pass-rate filters
@@ -62,10 +64,18 @@ def test_offline_filter_drops_exactly_8_of_8_and_keeps_0_of_8_mirrored_j_never_r
 def _stage_config(tmp_path, *extra: str) -> RLConfig:
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": t, "label": "x"}) + "\n" for t in ("easy", "almost", "edge", "hard")))
-    return load_config(RLConfig, os.path.join(HERE, "configs", "demo.yaml"),
-                       [f"data.path={path}", STAGES, "data.drop_solved_above=0.9", "rollout.prompts_per_step=4",
-                        "init.sft_steps=0",
-                        *extra])
+    return load_config(
+        RLConfig,
+        os.path.join(HERE, "configs", "demo.yaml"),
+        [
+            f"data.path={path}",
+            STAGES,
+            "data.drop_solved_above=0.9",
+            "rollout.prompts_per_step=4",
+            "init.sft_steps=0",
+            *extra,
+        ],
+    )
 
 
 def test_stage_filter_drops_accuracy_above_0_9_keeps_0_9_and_resumes(tmp_path):
@@ -106,8 +116,15 @@ def test_stage_filter_drops_accuracy_above_0_9_keeps_0_9_and_resumes(tmp_path):
 
 
 def test_substitution_keeps_the_batch_size_and_leaves_every_group_mixed_by_index_copies():
-    groups = [_group(0, [1, 1, 1, 1]), _group(1, [0, 1, 0, 0]), _group(2, [0, 0, 0, 0]), _group(3, [1, 0, 1, 1]),
-              _group(4, [0, 0, 0, 0]), _group(5, [0, 0]), _group(6, [1, 1])]
+    groups = [
+        _group(0, [1, 1, 1, 1]),
+        _group(1, [0, 1, 0, 0]),
+        _group(2, [0, 0, 0, 0]),
+        _group(3, [1, 0, 1, 1]),
+        _group(4, [0, 0, 0, 0]),
+        _group(5, [0, 0]),
+        _group(6, [1, 1]),
+    ]
     before = [[(s.response_ids, s.reward) for s in g] for g in groups]
     rewards = torch.tensor([s.reward for g in groups for s in g])
     ids = torch.tensor([k for k, g in enumerate(groups) for _ in g])
@@ -192,8 +209,18 @@ def test_offline_filter_tool_samples_8_rollouts_per_prompt_and_writes_the_kept_p
     from polaris_filter import main
 
     out = tmp_path / "kept.jsonl"
-    report = main([os.path.join(HERE, "configs", "demo.yaml"), "--out", str(out), "--num", "6",
-                   "rollout.max_new_tokens=3", "rollout.quantization=none", "data.synthetic_num_prompts=300"])
+    report = main(
+        [
+            os.path.join(HERE, "configs", "demo.yaml"),
+            "--out",
+            str(out),
+            "--num",
+            "6",
+            "rollout.max_new_tokens=3",
+            "rollout.quantization=none",
+            "data.synthetic_num_prompts=300",
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert report["prompts"] == 6 and sum(report["histogram"]) == 6 and len(report["histogram"]) == 9
     assert len(rows) == report["kept"] == sum(report["kept_histogram"]) and all(r["pass_rate"] < 1 for r in rows)
@@ -214,7 +241,7 @@ def test_gec_op_choice_no_op2_op3_in_an_all_wrong_group_of_8_with_probability_ha
         ops = gec_ops([True] * 8, [(t, j) for j in range(8)], seed=11)
         counts += np.bincount(ops, minlength=4)
         none += all(op == REFLECT for op in ops)
-    p = 0.5 ** 8  # 0.0039
+    p = 0.5**8  # 0.0039
     assert abs(none / trials - p) < 4 * np.sqrt(p * (1 - p) / trials), none
     freq = counts / counts.sum()
     assert counts[KEEP] == 0 and np.allclose(freq[1:], [0.5, 0.25, 0.25], atol=0.01)
@@ -239,8 +266,9 @@ def _engine_manager(*overrides: str):
     cfg = tiny("rollout.quantization=none", "rollout.max_new_tokens=6", "train.seq_length=48", *overrides)
     validate_rl_config(cfg, 1)
     tok = load_tokenizer(None)
-    pool = EmbeddedEnginePool.build(cfg.model, tok, num=1, quantization="none", max_running_requests=64,
-                                    context_length=64, seed=0)
+    pool = EmbeddedEnginePool.build(
+        cfg.model, tok, num=1, quantization="none", max_running_requests=64, context_length=64, seed=0
+    )
     sets = build_prompt_sets(cfg, tok)
     return RolloutManager(pool, sets.train, build_reward_runner(cfg), cfg, recipes=active(cfg)), pool, tok
 
@@ -253,8 +281,9 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
     """An untrained model answers (nearly) everything wrong: op 3 makes every wrong answer the task's
     answer (reward 1) with μ the engine's log-probs of those tokens; ops 1 and 2 condition on the
     repair context and train on the continuation only; rescue brings a stored correct rollout back."""
-    manager, pool, tok = _engine_manager("rollout.gec.enabled=true", "rollout.gec.probs=[0, 0, 1]",
-                                         "rollout.polaris.rescue=true")
+    manager, pool, tok = _engine_manager(
+        "rollout.gec.enabled=true", "rollout.gec.probs=[0, 0, 1]", "rollout.polaris.rescue=true"
+    )
     try:
         prompts = manager.prompts.take(4)
         raw = manager.generate(prompts, None, 1.0, 1, train=True)
@@ -270,7 +299,7 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
             with torch.no_grad():
                 logits = model(ids).logits[0].float()
             n = len(s.prompt.ids)
-            want = torch.log_softmax(logits[n - 1:-1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            want = torch.log_softmax(logits[n - 1 : -1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(s.rollout_logp), want, atol=1e-4)  # μ: the engine's scoring
         # the buffer holds the policy's own correct rollouts only (not GEC's references)
         assert all(not s.info.get("gec") for s in _rescue_buffer(manager.recipes).entries.values())
@@ -305,13 +334,14 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
 
 
 def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path):
-    cfg = _stage_config(tmp_path, "rollout.polaris.rescue=true", "rollout.polaris.substitute=true",
-                        "rollout.gec.enabled=true")
+    cfg = _stage_config(
+        tmp_path, "rollout.polaris.rescue=true", "rollout.polaris.substitute=true", "rollout.gec.enabled=true"
+    )
     validate_rl_config(cfg, 1)
     assert [(s.start_step, s.temperature) for s in cfg.rollout.temperature_stages] == [(0, 1.0), (2, 1.3)]
     cases = {
         "rollout.temperature_stages[1].start_step": "rollout.temperature_stages=[{start_step: 3, temperature: 1.0}, "
-                                                    "{start_step: 3, temperature: 1.1}]",
+        "{start_step: 3, temperature: 1.1}]",
         "rollout.temperature_stages[0].temperature": "rollout.temperature_stages=[{start_step: 0, temperature: 0}]",
         "data.drop_solved_above": "data.drop_solved_above=1.5",
         "rollout.polaris.rescue_buffer_prompts": "rollout.polaris.rescue_buffer_prompts=0",
@@ -323,16 +353,23 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path):
             validate_rl_config(_stage_config(tmp_path, "rollout.gec.enabled=true", bad), 1)
     demo = os.path.join(HERE, "configs", "demo.yaml")
     # the asynchronous runtime refuses each knob by name
-    for key, on in (("rollout.temperature_stages", STAGES), ("rollout.polaris.rescue", "rollout.polaris.rescue=true"),
-                    ("rollout.polaris.substitute", "rollout.polaris.substitute=true"),
-                    ("rollout.gec.enabled", "rollout.gec.enabled=true")):
+    for key, on in (
+        ("rollout.temperature_stages", STAGES),
+        ("rollout.polaris.rescue", "rollout.polaris.rescue=true"),
+        ("rollout.polaris.substitute", "rollout.polaris.substitute=true"),
+        ("rollout.gec.enabled", "rollout.gec.enabled=true"),
+    ):
         with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: .*rollout.runtime=sync"):
             validate_rl_config(load_config(RLConfig, demo, ["rollout.runtime=async", on]), 1)
     with pytest.raises(ConfigError, match=r"data\.drop_solved_above: .*needs rollout\.temperature_stages"):
         validate_rl_config(load_config(RLConfig, demo, ["data.drop_solved_above=0.9"]), 1)
     with pytest.raises(ConfigError, match=r"rollout\.gec\.enabled: .*sampling_mask_replay"):
-        validate_rl_config(load_config(RLConfig, demo, ["rollout.gec.enabled=true", "rollout.sampling_mask_replay=true",
-                                                        "rollout.top_k=20"]), 1)
+        validate_rl_config(
+            load_config(
+                RLConfig, demo, ["rollout.gec.enabled=true", "rollout.sampling_mask_replay=true", "rollout.top_k=20"]
+            ),
+            1,
+        )
 
 
 # ------------------------------------------------------------------------------------ the sync loop
@@ -347,9 +384,17 @@ def _loop(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime.loop import RLRun
     from tests.test_rl_loop import _records, tiny
 
-    knobs = ["data.synthetic_num_prompts=8", "init.sft_steps=20", STAGES, "data.drop_solved_above=0.9",
-             "rollout.polaris.rescue=true", "rollout.polaris.substitute=true", "rollout.gec.enabled=true",
-             "reward.name=tests.recipes_rewards:starts_with_digit", "eval.interval=0"]
+    knobs = [
+        "data.synthetic_num_prompts=8",
+        "init.sft_steps=20",
+        STAGES,
+        "data.drop_solved_above=0.9",
+        "rollout.polaris.rescue=true",
+        "rollout.polaris.substitute=true",
+        "rollout.gec.enabled=true",
+        "reward.name=tests.recipes_rewards:starts_with_digit",
+        "eval.interval=0",
+    ]
     cfg = tiny(f"run_dir={tmp}/run", f"checkpoint.save_dir={tmp}/ckpt", "checkpoint.save_interval=3", *knobs)
     run_rl(cfg)
     recs = [r for r in _records(f"{tmp}/run") if "rollout/temperature" in r]
@@ -357,8 +402,10 @@ def _loop(rank: int, world_size: int, tmp: str) -> None:
     assert sorted({(r["rl_step"], r["rollout/temperature"]) for r in recs}) == [(1, 1.0), (2, 1.0), (3, 1.3)]
     for r in recs:
         assert "rollout/repair/substituted_groups" in r and "rollout/repair/rescued_groups" in r
-        assert r["rollout/repair/gec_fixed"] <= r["rollout/repair/gec_reference"] + r["rollout/repair/gec_inject"] \
-            + r["rollout/repair/gec_reflect"]
+        assert (
+            r["rollout/repair/gec_fixed"]
+            <= r["rollout/repair/gec_reference"] + r["rollout/repair/gec_inject"] + r["rollout/repair/gec_reflect"]
+        )
         assert np.isfinite(r["train/loss"])  # the learner trains on repaired samples (changed contexts, scored μ)
     assert sum(r["rollout/repair/gec_reference"] + r["rollout/repair/gec_inject"] for r in recs) > 0
     # (seeded run) step 3 rescues groups with rollouts of earlier weight versions, which the loop lets through

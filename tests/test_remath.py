@@ -70,8 +70,9 @@ def test_selection_takes_ceil_budget_times_all_neurons(budget: float) -> None:
     chosen = rm.select(scores, budget)
     assert sum(len(v) for v in chosen.values()) == math.ceil(budget * 100)
     picked = sorted((float(scores[layer][i]) for layer, ix in chosen.items() for i in ix.tolist()), reverse=True)
-    rest = [float(v) for layer, t in scores.items() for i, v in enumerate(t.tolist())
-            if i not in chosen[layer].tolist()]
+    rest = [
+        float(v) for layer, t in scores.items() for i, v in enumerate(t.tolist()) if i not in chosen[layer].tolist()
+    ]
     if picked and rest:
         assert min(picked) >= max(rest)
     with pytest.raises(ValueError):
@@ -175,8 +176,10 @@ def test_activation_stats_are_the_masked_mean_abs_input_of_down_proj() -> None:
     ids = torch.tensor([[1, 2, 3], [4, 0, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    hooks = [model.layers[i].mlp.down_proj.register_forward_pre_hook(
-        lambda _m, a, i=i: seen[i].append(a[0].detach())) for i in range(2)]
+    hooks = [
+        model.layers[i].mlp.down_proj.register_forward_pre_hook(lambda _m, a, i=i: seen[i].append(a[0].detach()))
+        for i in range(2)
+    ]
     model(ids)
     for h in hooks:
         h.remove()
@@ -203,24 +206,56 @@ def test_command_end_to_end_on_hf_dirs(tmp_path) -> None:
     torch.save(_acts(layers, f, 4), tmp_path / "act_math.pt")
     torch.save(_acts(layers, f, 5), tmp_path / "act_qa.pt")
     out = tmp_path / "out"
-    rc = main(["diagnose", "remath_rollback", "--before", str(tmp_path / "before"),
-               "--victim", str(tmp_path / "victim"),
-               "--interfered", str(tmp_path / "qa"), "--act-victim", str(tmp_path / "act_math.pt"),
-               "--act-interferer", str(tmp_path / "act_qa.pt"), "--budget", "0.25", "--output", str(out),
-               "--json", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "diagnose",
+            "remath_rollback",
+            "--before",
+            str(tmp_path / "before"),
+            "--victim",
+            str(tmp_path / "victim"),
+            "--interfered",
+            str(tmp_path / "qa"),
+            "--act-victim",
+            str(tmp_path / "act_math.pt"),
+            "--act-interferer",
+            str(tmp_path / "act_qa.pt"),
+            "--budget",
+            "0.25",
+            "--output",
+            str(out),
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     assert json.loads((out / "config.json").read_text())["which"] == "qa"
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["rolled_back"] == 3
     got = dict(HFCheckpoint(str(out)).items())
-    want, _ = rm.plan(weights["before"], weights["victim"], weights["qa"], _acts(layers, f, 4), _acts(layers, f, 5),
-                      0.25)
+    want, _ = rm.plan(
+        weights["before"], weights["victim"], weights["qa"], _acts(layers, f, 4), _acts(layers, f, 5), 0.25
+    )
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     # a second run refuses to overwrite it
-    assert main(["diagnose", "remath_rollback", "--before", str(tmp_path / "before"), "--victim",
-                 str(tmp_path / "victim"), "--interfered", str(tmp_path / "qa"), "--act-victim",
-                 str(tmp_path / "act_math.pt"), "--act-interferer", str(tmp_path / "act_qa.pt"),
-                 "--output", str(out)]) != 0 or pytest.fail("overwrote a non-empty output dir")
+    assert main(
+        [
+            "diagnose",
+            "remath_rollback",
+            "--before",
+            str(tmp_path / "before"),
+            "--victim",
+            str(tmp_path / "victim"),
+            "--interfered",
+            str(tmp_path / "qa"),
+            "--act-victim",
+            str(tmp_path / "act_math.pt"),
+            "--act-interferer",
+            str(tmp_path / "act_qa.pt"),
+            "--output",
+            str(out),
+        ]
+    ) != 0 or pytest.fail("overwrote a non-empty output dir")
 
 
 # ------------------------------------------------------------------------------ the theory, on a quadratic
@@ -305,8 +340,10 @@ def _refresh_data(tmp: str) -> dict:
     from tests.test_domains import recipe
 
     data = recipe(tmp)
-    data["data"]["mixture"]["stages"] = [{"start_step": 0}, {"start_step": 1, "weights": {"fmt": 1.0},
-                                                             "stop_patience": 1, "stop_min_delta": 1.0}]
+    data["data"]["mixture"]["stages"] = [
+        {"start_step": 0},
+        {"start_step": 1, "weights": {"fmt": 1.0}, "stop_patience": 1, "stop_min_delta": 1.0},
+    ]
     return data
 
 
@@ -334,8 +371,11 @@ def _refresh_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime import run_rl
     from tests.test_domains import cfg_of
 
-    summary = run_rl(cfg_of(tmp, _refresh_data(tmp), f"run_dir={tmp}/run", "train.num_steps=6", "eval.interval=1",
-                            "eval.at_start=false"))
+    summary = run_rl(
+        cfg_of(
+            tmp, _refresh_data(tmp), f"run_dir={tmp}/run", "train.num_steps=6", "eval.interval=1", "eval.at_start=false"
+        )
+    )
     # stage 2 starts at step 1: the eval after step 1 is its baseline, the one after step 2 does not beat it
     # by min_delta=1.0 (no score can), so patience 1 ends the run there instead of at step 6
     assert summary["state"]["rl_step"] == 2, summary["state"]
@@ -361,20 +401,43 @@ def test_activations_command_on_a_tiny_hf_model(tmp_path) -> None:
     from mcore_rl.data.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=384, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = Qwen3Config(
+        vocab_size=384,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(tmp_path / "hf")
     rows = [{"prompt": "12+34=", "response": "46"}, {"prompt": "7+8=", "response": "15"}, {"prompt": "1+1="}]
     (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["diagnose", "remath_activations", str(tmp_path / "hf"), "--data", str(tmp_path / "math.jsonl"),
-                 "--batch-size", "2", "--output", str(tmp_path / "act.pt")]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                "remath_activations",
+                str(tmp_path / "hf"),
+                "--data",
+                str(tmp_path / "math.jsonl"),
+                "--batch-size",
+                "2",
+                "--output",
+                str(tmp_path / "act.pt"),
+            ]
+        )
+        == 0
+    )
     got = rm.load_activations(str(tmp_path / "act.pt"))
     assert sorted(got) == [0, 1] and all(v.shape == (24,) for v in got.values())
     texts = rm.read_texts(str(tmp_path / "math.jsonl"), ["prompt", "response"], 10)
     assert texts == ["12+34= 46", "7+8= 15", "1+1="]
-    want = rm.mlp_activation_stats(Qwen3ForCausalLM.from_pretrained(tmp_path / "hf"),
-                                   rm.text_batches(texts, load_tokenizer(None), 2, 1024))
+    want = rm.mlp_activation_stats(
+        Qwen3ForCausalLM.from_pretrained(tmp_path / "hf"), rm.text_batches(texts, load_tokenizer(None), 2, 1024)
+    )
     for layer in (0, 1):
         torch.testing.assert_close(got[layer], want[layer])
         assert (got[layer] > 0).all()

@@ -71,12 +71,28 @@ def test_remote_code_exports_load_without_mcore_rl_or_megatron(tmp_path) -> None
     shipped = {name for name in os.listdir(tmp_path / "latent_moe") if name.endswith(".py")}
     assert {"configuration.py", "modeling.py", "layers.py", "latent_moe.py", "attn_res.py", "ngram.py"} <= shipped
     torch.save(x, tmp_path / "tokens.pt")
-    env = dict(os.environ, PYTHONPATH="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH="",
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+        HF_HUB_OFFLINE="1",
+    )
     run = subprocess.run(
-        [sys.executable, "-c", _LOAD_PURE, json.dumps(exports), str(tmp_path / "tokens.pt"),
-         str(tmp_path / "logits.pt")],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            _LOAD_PURE,
+            json.dumps(exports),
+            str(tmp_path / "tokens.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(tmp_path / "logits.pt")
@@ -99,8 +115,7 @@ def test_importing_mcore_rl_hf_imports_no_megatron() -> None:
         """
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     where, imported = run.stdout.strip().splitlines()[-2:]
     assert where.startswith(HF_DIR), where
@@ -118,8 +133,10 @@ def _relative_imports(path: str) -> tuple[set[str], list[str]]:
 
     nested = [
         name
-        for scope in ast.walk(tree) if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        for node in ast.walk(scope) for name in siblings(node)
+        for scope in ast.walk(tree)
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for node in ast.walk(scope)
+        for name in siblings(node)
     ]
     return {name for node in ast.walk(tree) for name in siblings(node)}, nested
 

@@ -199,8 +199,9 @@ async def _async_misbehave(s: RewardInput) -> float:
 def test_base_exceptions_cost_one_sample(isolation: str) -> None:
     """SystemExit, KeyboardInterrupt, any BaseException (and, in a worker, os._exit) end the call,
     not the run."""
-    fn = RewardFunction({"process": misbehave, "thread": lambda s: misbehave(s), "async": _async_misbehave}[isolation],
-                        timeout_s=10)
+    fn = RewardFunction(
+        {"process": misbehave, "thread": lambda s: misbehave(s), "async": _async_misbehave}[isolation], timeout_s=10
+    )
     kinds = ["exit", "interrupt", "base", "ok"] + (["os_exit", "ok"] if isolation == "process" else [])
     with RewardRunner(fn, max_concurrency=2) as runner:
         assert runner.isolation == isolation
@@ -233,8 +234,9 @@ def test_unloadable_function_fails_its_samples() -> None:
     with RewardRunner(RewardFunction(misbehave, path="nosuchmod:fn"), max_concurrency=2) as runner:
         results = runner.score_sync(_inputs("a", "b", "c"))
     assert [r.reward for r in results] == [0.0] * 3
-    assert results[0].error == ("no reward worker could load 'nosuchmod:fn': "
-                                "ModuleNotFoundError: No module named 'nosuchmod'")
+    assert results[0].error == (
+        "no reward worker could load 'nosuchmod:fn': ModuleNotFoundError: No module named 'nosuchmod'"
+    )
 
 
 _PARENT = """
@@ -263,8 +265,13 @@ def test_no_worker_outlives_the_trainer(how: str) -> None:
     """A trainer exits at once after a hang (closed or not), and its workers die with it, also when
     it is SIGKILLed while they are stuck."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT, "busy" if how == "sigkill" else "idle"], cwd=root,
-                            env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, "busy" if how == "sigkill" else "idle"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pids: list[int] = []
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -323,8 +330,15 @@ def test_math_equal(pred: str, gold, equal: bool) -> None:
 
 @pytest.mark.parametrize(
     "pred, gold, equal",
-    [("0.5", r"\frac{1}{2}", True), (r"\frac{\sqrt{2}}{2}", "1/sqrt(2)", True), ("x=2", "2", True),
-     ("50\\%", "50", True), ("1,000", "1000", True), ("3", "4", False), ("abc(", "1", False)],
+    [
+        ("0.5", r"\frac{1}{2}", True),
+        (r"\frac{\sqrt{2}}{2}", "1/sqrt(2)", True),
+        ("x=2", "2", True),
+        ("50\\%", "50", True),
+        ("1,000", "1000", True),
+        ("3", "4", False),
+        ("abc(", "1", False),
+    ],
 )
 def test_sympy_fallback(pred: str, gold: str, equal: bool, monkeypatch) -> None:
     monkeypatch.setattr(mv, "_math_verify_equal", lambda p, g: None)

@@ -24,17 +24,36 @@ from mcore_rl.train.packing import build_microbatches, sequence_view, split_mini
 from tests.world import run_world
 
 TINY = [
-    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.max_position_embeddings=64",
-    "train.num_steps=3", "train.seq_length=32", "train.micro_batch_size=4",
-    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.quantization=fp8", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=64",
+    "train.num_steps=3",
+    "train.seq_length=32",
+    "train.micro_batch_size=4",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.quantization=fp8",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=4",
     "rollout.context_length=64",
-    "algorithm.num_minibatches=2", "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3", "optimizer.lr_decay_style=constant",
-    "eval.interval=2", "eval.num_prompts=4", "eval.k=2",
-    "init.sft_steps=3", "init.sft_num_examples=64", "init.sft_seq_length=32", "init.sft_micro_batch_size=4",
-    "logging.progress_bar=false", "logging.tensorboard=true", "logging.plot=true",
+    "algorithm.num_minibatches=2",
+    "algorithm.mismatch.name=tis",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_decay_style=constant",
+    "eval.interval=2",
+    "eval.num_prompts=4",
+    "eval.k=2",
+    "init.sft_steps=3",
+    "init.sft_num_examples=64",
+    "init.sft_seq_length=32",
+    "init.sft_micro_batch_size=4",
+    "logging.progress_bar=false",
+    "logging.tensorboard=true",
+    "logging.plot=true",
 ]
 
 
@@ -75,11 +94,19 @@ def test_cli_train_with_an_unknown_reward_fails_in_seconds():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "train", "configs/demo.yaml", "reward.name=nosuchmod:fn"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "train", "configs/demo.yaml", "reward.name=nosuchmod:fn"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert out.returncode == 2, out.stderr
-    assert "reward.name: 'nosuchmod:fn' cannot be loaded: ModuleNotFoundError: No module named 'nosuchmod'" in out.stderr
+    assert (
+        "reward.name: 'nosuchmod:fn' cannot be loaded: ModuleNotFoundError: No module named 'nosuchmod'" in out.stderr
+    )
     assert out.stdout == "" and elapsed < 30, (elapsed, out.stdout)
 
 
@@ -93,8 +120,17 @@ def _samples() -> list[Sample]:
     for g, p in enumerate(src.take(5)):
         for j in range(3):
             rsp = tok.encode(str(g * 10 + j)[: 1 + j]) + ([tok.eos_id] if j != 1 else [])
-            out.append(Sample(p, p.index, rsp, [-0.1 * (k + 1) for k in range(len(rsp))], policy_version=7,
-                              finish_reason="stop", reward=float(j == 0)))
+            out.append(
+                Sample(
+                    p,
+                    p.index,
+                    rsp,
+                    [-0.1 * (k + 1) for k in range(len(rsp))],
+                    policy_version=7,
+                    finish_reason="stop",
+                    reward=float(j == 0),
+                )
+            )
     return out
 
 
@@ -106,8 +142,17 @@ def test_packed_microbatches_locate_every_response_token(dp):
     per_seq = {"rollout_logp": view.rollout_logp, "advantages": torch.arange(n, dtype=torch.float32)}
     seen = []
     for rank in range(dp):
-        mbs = build_microbatches(samples, list(range(n))[::-1], seq_length=16, micro_batch_size=2, dp_rank=rank,
-                                 dp_size=dp, pad_id=0, num_positions=t, per_seq=per_seq)
+        mbs = build_microbatches(
+            samples,
+            list(range(n))[::-1],
+            seq_length=16,
+            micro_batch_size=2,
+            dp_rank=rank,
+            dp_size=dp,
+            pad_id=0,
+            num_positions=t,
+            per_seq=per_seq,
+        )
         counts = {len(build_microbatches(samples, range(n), 16, 2, r, dp, 0, t)) for r in range(dp)}
         assert len(counts) == 1  # every DP rank runs the same number of micro-batches
         for mb in mbs:
@@ -146,8 +191,15 @@ def test_learner_leaves_failed_samples_out_of_the_group_statistics(monkeypatch):
     samples[3].reward_error = samples[4].reward_error = "ValueError: boom"  # group 1: one valid sample left
     learner = Learner(tiny(), chunks=[], optimizer=None, ref_chunks=None, pad_id=0)
     # the one forward-only log-prob path (token_logprobs goes through it too)
-    monkeypatch.setattr(learner, "token_stats", lambda s, t, chunks=None, with_entropy=False, **kw: (
-        torch.tensor([[-0.1] * t] * len(s)), torch.zeros(len(s), t), None))
+    monkeypatch.setattr(
+        learner,
+        "token_stats",
+        lambda s, t, chunks=None, with_entropy=False, **kw: (
+            torch.tensor([[-0.1] * t] * len(s)),
+            torch.zeros(len(s), t),
+            None,
+        ),
+    )
     per_seq, metrics = learner.prepare(samples)
     adv = per_seq["advantages"]
     torch.testing.assert_close(adv[:3], torch.tensor([0.7071, 0.0, -0.7071]), atol=1e-4, rtol=0)
@@ -211,9 +263,9 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     run_rl(b)
     resumed = _records(f"{tmp}/b")
     assert [r["step"] for r in resumed] == list(range(0, 3 * opt + 1))
-    assert resumed[: 2 * opt + 1] == recs[: 2 * opt + 1] and all(r["rl_step"] == 3 for r in resumed[2 * opt + 1:])
+    assert resumed[: 2 * opt + 1] == recs[: 2 * opt + 1] and all(r["rl_step"] == 3 for r in resumed[2 * opt + 1 :])
     measured = ("time/", "perf/", "ttfs/")  # wall-clock figures: the resumed run's first step has its ttfs/*
-    for x, y in zip(resumed[2 * opt + 1:], recs[-opt:]):
+    for x, y in zip(resumed[2 * opt + 1 :], recs[-opt:]):
         assert {k for k in x if not k.startswith(measured)} == {k for k in y if not k.startswith(measured)}
         for key in ("reward/mean", "rollout/policy_version_min", "response/length_mean"):
             assert x[key] == y[key], key
@@ -237,11 +289,21 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
 
     # 4. the other paths: MIPU (accept/reject + re-sync), KL to a reference (with its checkpoint),
     #    entropy bonus, dynamic sampling, seq-level aggregation, two PPO epochs
-    d = tiny(f"run_dir={tmp}/d", "train.num_steps=2", "algorithm.mismatch.name=mipu",
-             "algorithm.mismatch.mipu_validation_prompts=2", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01",
-             "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2",
-             "algorithm.loss_agg=seq-mean-token-mean", "algorithm.ppo_epochs=2", "init.sft_steps=30",
-             f"checkpoint.save_dir={tmp}/ckpt_d", "eval.at_start=false")
+    d = tiny(
+        f"run_dir={tmp}/d",
+        "train.num_steps=2",
+        "algorithm.mismatch.name=mipu",
+        "algorithm.mismatch.mipu_validation_prompts=2",
+        "algorithm.kl_coef=0.05",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.dynamic_sampling.max_rounds=2",
+        "algorithm.loss_agg=seq-mean-token-mean",
+        "algorithm.ppo_epochs=2",
+        "init.sft_steps=30",
+        f"checkpoint.save_dir={tmp}/ckpt_d",
+        "eval.at_start=false",
+    )
     run_rl(d)
     recs = _records(f"{tmp}/d")
     last = [r for r in recs if "mipu/accepted" in r]
@@ -255,8 +317,13 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     assert last[-1]["rollout/weight_version"] == 1 + 2 + sum(1 - r["mipu/accepted"] for r in last)
     assert os.path.exists(f"{tmp}/ckpt_d/reference/latest")
     # resuming a KL run finds the reference weights next to the checkpoints
-    e = tiny(f"run_dir={tmp}/e", "train.num_steps=3", "algorithm.kl_coef=0.05", f"checkpoint.load_dir={tmp}/ckpt_d",
-             "eval.interval=0")
+    e = tiny(
+        f"run_dir={tmp}/e",
+        "train.num_steps=3",
+        "algorithm.kl_coef=0.05",
+        f"checkpoint.load_dir={tmp}/ckpt_d",
+        "eval.interval=0",
+    )
     run_rl(e)
     assert [r["rl_step"] for r in _records(f"{tmp}/e")] == [3, 3]
 
@@ -275,8 +342,12 @@ def _http(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime import run_rl
 
     cfg = tiny(f"run_dir={tmp}/http", "train.num_steps=2", "eval.interval=0", "eval.at_start=false")
-    core = EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)), load_tokenizer(None),
-                      context_length=64, quantization="fp8")
+    core = EngineCore(
+        Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)),
+        load_tokenizer(None),
+        context_length=64,
+        quantization="fp8",
+    )
     server = ServerThread(EngineServer(EngineDriver(core)))
     url = server.start()
     try:
@@ -298,8 +369,13 @@ def test_engine_url_path_with_http_weight_sync(tmp_path):
 def _tp2(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime import run_rl
 
-    cfg = tiny(f"run_dir={tmp}/tp2", "parallel.tensor_model_parallel_size=2", "train.num_steps=2",
-               "eval.interval=0", "algorithm.kl_coef=0.01")
+    cfg = tiny(
+        f"run_dir={tmp}/tp2",
+        "parallel.tensor_model_parallel_size=2",
+        "train.num_steps=2",
+        "eval.interval=0",
+        "algorithm.kl_coef=0.01",
+    )
     summary = run_rl(cfg)
     assert summary["state"]["rl_step"] == 2
     if rank == 0:

@@ -25,16 +25,24 @@ from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
 
 # original_max_position_embeddings (8) is half the parity harness' sequence length (16), so
 # positions beyond it are trained and compared.
-LLAMA3 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embeddings=8,
-                           low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA3 = RopeScalingConfig(
+    type="llama3", factor=8.0, original_max_position_embeddings=8, low_freq_factor=1.0, high_freq_factor=4.0
+)
 LINEAR = RopeScalingConfig(type="linear", factor=4.0)
 YARN = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=8)
 # an explicit attention factor and unrounded ramp bounds: megatron-core's mscale path
 YARN_ATTENTION = dataclasses.replace(YARN, attention_factor=1.3, beta_fast=16.0, truncate=False)
 # A small RoPE base and a large init: most frequencies turn within 16 positions and attention is
 # sharp, so the scaling moves the loss well beyond the parity tolerance.
-BASE = ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, max_position_embeddings=64,
-                   rotary_base=100.0, init_method_std=0.2)
+BASE = ModelConfig(
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    max_position_embeddings=64,
+    rotary_base=100.0,
+    init_method_std=0.2,
+)
 LLAMA = dataclasses.replace(BASE, qk_layernorm=False)
 
 
@@ -44,9 +52,21 @@ LLAMA = dataclasses.replace(BASE, qk_layernorm=False)
 def _stock(kind: str, rope_scaling: dict, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_theta=10000.0,
-                  initializer_range=0.1, rope_scaling=dict(rope_scaling), bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        rope_scaling=dict(rope_scaling),
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # transformers warns when factor != max / original positions
         warnings.simplefilter("ignore")
@@ -56,12 +76,29 @@ def _stock(kind: str, rope_scaling: dict, seed: int = 0):
 
 
 STOCK_CASES = {
-    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 16}),
+    "llama3": (
+        "llama",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
     "yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
-    "yarn_attention_factor": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                        "attention_factor": 1.3, "beta_fast": 16.0, "truncate": False}),
+    "yarn_attention_factor": (
+        "qwen3",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "attention_factor": 1.3,
+            "beta_fast": 16.0,
+            "truncate": False,
+        },
+    ),
 }
 
 
@@ -109,13 +146,25 @@ def test_engine_greedy_tokens_equal_stock_generate(tmp_path) -> None:
             if o.finished:
                 out = o
     with torch.no_grad():
-        want = stock.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        want = stock.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     assert out is not None and out.output_ids == want
     plain = _stock("llama", {"rope_type": "default"})  # same weights, plain RoPE: other tokens
     with torch.no_grad():
-        other = plain.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        other = plain.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     assert other != want and len(set(want)) > 3
 
 
@@ -148,12 +197,14 @@ def test_bad_values_name_the_key() -> None:
 
     assert "model.rope_scaling.factor: must be >= 1" in problems(type="linear", factor=0.5)
     assert "model.rope_scaling.high_freq_factor: must be > low_freq_factor 4.0" in problems(
-        type="llama3", low_freq_factor=4.0, high_freq_factor=2.0)
+        type="llama3", low_freq_factor=4.0, high_freq_factor=2.0
+    )
     text = problems(type="yarn", beta_slow=0, original_max_position_embeddings=0)
     assert "model.rope_scaling.beta_slow: must be > 0" in text
     assert "model.rope_scaling.original_max_position_embeddings: must be null" in text
     assert "model.rope_scaling.attention_factor: 1.2 needs factor > 1" in problems(
-        type="yarn", factor=1.0, attention_factor=1.2)
+        type="yarn", factor=1.0, attention_factor=1.2
+    )
     with pytest.raises(ConfigError, match="model.rope_scaling.type"):
         load_config(SFTConfig, None, ["model.rope_scaling.type=dynamic"])
     cfg = load_config(SFTConfig, None, ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4"])
@@ -161,8 +212,16 @@ def test_bad_values_name_the_key() -> None:
 
 
 def _write_config(path, **fields) -> None:
-    base = dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    base = dict(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**base, **fields}))
 
@@ -183,8 +242,17 @@ def test_convert_errors_name_the_key_the_file_has(tmp_path) -> None:
     assert "rope_parameters.rope_type='dynamic'" in error(v5)
     _write_config(v4, rope_theta=1e4, rope_scaling={"type": "linear", "factor": 0.5})
     assert "rope_scaling.factor: must be >= 1" in error(v4)
-    _write_config(v4, rope_theta=1e4, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
-                                                    "high_freq_factor": 1.0, "original_max_position_embeddings": 64})
+    _write_config(
+        v4,
+        rope_theta=1e4,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 4.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     assert "rope_scaling.high_freq_factor: must be > low_freq_factor" in error(v4)
     _write_config(v4, rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0})
     mc = model_config_from_hf(read_hf_config(str(v4)), rope_key_in_file(str(v4)))

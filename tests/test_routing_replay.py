@@ -24,8 +24,16 @@ import torch
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from tests.world import run_world
 
-MOE = ModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4,
-                  moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01)
+MOE = ModelConfig(
+    arch="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_aux_loss_coeff=0.01,
+)
 
 
 def _reference(mc: ModelConfig, seed: int = 1234):
@@ -84,8 +92,15 @@ def test_engine_routed_experts_are_the_reference_routing_of_the_sequence():
     model = _reference(MOE)
     core = _engine(model, max_running_requests=3)
     prompts = [list(range(3, 3 + n)) for n in (4, 9, 6, 5)]  # 4 requests, 3 slots: one waits
-    reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=5 + i, temperature=1.0, sampling_seed=i),
-                    return_routed_experts=i != 1) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            f"r{i}",
+            p,
+            SamplingParams(max_new_tokens=5 + i, temperature=1.0, sampling_seed=i),
+            return_routed_experts=i != 1,
+        )
+        for i, p in enumerate(prompts)
+    ]
     outs = _run(core, reqs)
     assert outs["r1"].routed_experts is None  # not asked for
     for i, p in enumerate(prompts):
@@ -104,8 +119,14 @@ def test_engine_routed_experts_are_the_reference_routing_of_the_sequence():
     # the routing of the prefix are recomputed under the new weights) end with the new weights' routing
     core = _engine(model, max_running_requests=4)
     for i, p in enumerate(prompts):
-        core.add_request(Request(f"s{i}", p, SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=i),
-                                 return_routed_experts=True))
+        core.add_request(
+            Request(
+                f"s{i}",
+                p,
+                SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=i),
+                return_routed_experts=True,
+            )
+        )
     outs = {}
     for _ in range(3):
         outs.update({o.rid: o for o in core.step() if o.finished})
@@ -245,7 +266,9 @@ def _logprobs(chunks, samples, routing, num_positions: int) -> torch.Tensor:
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal routing; a sample's last token may be -1 (cut off by the row end: it is no model input)."""
-    return torch.equal(got[:-1].long(), want[:-1]) and (torch.equal(got[-1].long(), want[-1]) or bool((got[-1] == -1).all()))
+    return torch.equal(got[:-1].long(), want[:-1]) and (
+        torch.equal(got[-1].long(), want[-1]) or bool((got[-1] == -1).all())
+    )
 
 
 def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -> None:
@@ -269,7 +292,9 @@ def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -
     chunks = wrap_ddp(chunks, config)
     prepare_config(config, chunks)
     taps = rr.attach(chunks)
-    assert taps and all(isinstance(c.module.decoder.layers[0].mlp.router.router_replay, rr.ReplayRouting) for c in chunks)
+    assert taps and all(
+        isinstance(c.module.decoder.layers[0].mlp.router.router_replay, rr.ReplayRouting) for c in chunks
+    )
     T = max(len(s.response_ids) for s in samples)
     order = range(len(samples))
     mask = torch.zeros(len(samples), T)
@@ -313,13 +338,15 @@ def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -
     for key in routers + [k for k in want if "experts" in k][:2]:
         scale = float(want[key].abs().max())
         assert scale > 0, key
-        torch.testing.assert_close(grads[key], want[key], rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}")
+        torch.testing.assert_close(
+            grads[key], want[key], rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}"
+        )
     rr.clear(taps)
     ps.destroy_model_parallel()
 
 
 def _expectations(mc: ModelConfig, ref, samples, forced) -> dict:
-    natural, natural_lp, routing, forced_lp = [], [], [], []
+    natural, routing = [], []
     T = max(len(s.response_ids) for s in samples)
     nat_lp = torch.zeros(len(samples), T)
     f_lp = torch.zeros(len(samples), T)
@@ -357,8 +384,13 @@ def _layouts_world(rank: int, world_size: int, layouts: list[ParallelConfig]) ->
 
 
 def P(**kw) -> ParallelConfig:
-    names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size", ep="expert_model_parallel_size",
-                 sp="sequence_parallel", etp="expert_tensor_parallel_size")
+    names = dict(
+        tp="tensor_model_parallel_size",
+        pp="pipeline_model_parallel_size",
+        ep="expert_model_parallel_size",
+        sp="sequence_parallel",
+        etp="expert_tensor_parallel_size",
+    )
     return ParallelConfig(**{names[k]: v for k, v in kw.items()})
 
 
@@ -375,8 +407,15 @@ def test_replay_in_megatron_routers_expert_tensor_parallel():
 
 # ------------------------------------------------------------------------------------ learner
 
-LEARNER = ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
-           "model.moe_aux_loss_coeff=0.01", "init.sft_steps=0", "parallel.expert_model_parallel_size=2"]
+LEARNER = [
+    "model.arch=qwen3_moe",
+    "model.num_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_aux_loss_coeff=0.01",
+    "init.sft_steps=0",
+    "parallel.expert_model_parallel_size=2",
+]
 
 
 def test_config_rejects_replay_without_experts_or_with_full_recompute():
@@ -422,13 +461,25 @@ def _learner_world(rank: int, world_size: int) -> None:
     router_params = [p for c in policy.chunks for n, p in c.module.named_parameters() if n.endswith("router.weight")]
     assert router_params
     for step, part in enumerate(split_minibatches(len(samples), 2, t.seed, 0, 0)):
-        mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, ps.get_data_parallel_rank(), 2, pad,
-                                 T, per_seq, routing=routing)
+        mbs = build_microbatches(
+            samples,
+            part,
+            t.seq_length,
+            t.micro_batch_size,
+            ps.get_data_parallel_rank(),
+            2,
+            pad,
+            T,
+            per_seq,
+            routing=routing,
+        )
         clear_aux_losses_tracker()
         for c in policy.chunks:
             c.train()
         with rr.recording(learner.replay_taps):
-            forward_backward(policy.chunks, mbs, forward_step=make_forward_step(learner.loss_fn, cfg.rollout.temperature))
+            forward_backward(
+                policy.chunks, mbs, forward_step=make_forward_step(learner.loss_fn, cfg.rollout.temperature)
+            )
         used = rr.gather_recorded(learner.replay_taps, samples, part, t.seq_length, t.micro_batch_size, 2, 2)
         for i in part:
             assert torch.equal(used[i], routing[i]), f"R2 step {step}: sample {i} not routed as in π_old"
@@ -477,7 +528,9 @@ def test_fp8_engine_mismatch_with_and_without_replay():
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "routing_replay_report.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "routing_replay_report.py"
+    )
     spec = importlib.util.spec_from_file_location("routing_replay_report", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -503,7 +556,9 @@ def test_partial_rollouts_keep_the_latest_responses_routing():
 
     async def go():
         eng = SimulatedEngines(2, 16, lambda batch: 0.01 * (1 + batch / 16))
-        sch = RolloutScheduler(Routed(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4, max_staleness=2))
+        sch = RolloutScheduler(
+            Routed(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4, max_staleness=2)
+        )
         run = await simulate_learner(sch, eng, 8, lambda g: 1.0, sync_time=0.05, keep_batches=True)
         return run, sch
 

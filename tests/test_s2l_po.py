@@ -42,7 +42,7 @@ def test_schedule_endpoints_sum_and_monotone() -> None:
             alphas = [explorer_share(i, mix_steps=t_mix) for i in range(t_mix + 5)]
             assert alphas[0] == 1.0 and counts[0] == g
             assert alphas[t_mix - 1] == 0.0 and counts[t_mix - 1] == 0
-            assert all(c == 0 for c in counts[t_mix - 1:]) and all(a == 0 for a in alphas[t_mix - 1:])
+            assert all(c == 0 for c in counts[t_mix - 1 :]) and all(a == 0 for a in alphas[t_mix - 1 :])
             assert all(0 <= c <= g and c + (g - c) == g for c in counts)
             assert all(a >= b for a, b in zip(alphas, alphas[1:])) and all(a >= b for a, b in zip(counts, counts[1:]))
 
@@ -66,8 +66,11 @@ def test_tmix_one_or_zero_is_pure_grpo() -> None:
 
 
 def test_schedule_options_refuse_bad_values() -> None:
-    for kwargs, option in (({"mix_steps": -1}, "mix_steps"), ({"mix_steps": 4, "share": 1.5}, "share"),
-                           ({"mix_steps": 4, "share": -0.1}, "share")):
+    for kwargs, option in (
+        ({"mix_steps": -1}, "mix_steps"),
+        ({"mix_steps": 4, "share": 1.5}, "share"),
+        ({"mix_steps": 4, "share": -0.1}, "share"),
+    ):
         with pytest.raises(OptionError) as info:
             s2l_po_explorer_count(0, 8, **kwargs)
         assert info.value.option == option
@@ -95,7 +98,7 @@ def test_merged_group_advantage_is_plain_grpo_with_zero_mean_across_sources() ->
 
 
 def test_behaviour_logp_of_explorer_rows() -> None:
-    """"explorer_logp": μ stays the small model's, so TIS weights the explorer's tokens by π_old/μ_ω;
+    """ "explorer_logp": μ stays the small model's, so TIS weights the explorer's tokens by π_old/μ_ω;
     "none": μ = π_old on the explorer's rows only (weight 1), the policy's rows untouched."""
     g = torch.Generator().manual_seed(1)
     old, mu = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
@@ -114,18 +117,43 @@ def test_behaviour_logp_of_explorer_rows() -> None:
 # ------------------------------------------------------------------------------------ config
 
 TINY = [
-    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.max_position_embeddings=64",
-    "train.num_steps=3", "train.seq_length=32", "train.micro_batch_size=4",
-    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "rollout.context_length=64",
-    "algorithm.num_minibatches=1", "algorithm.mismatch.name=tis", "reward.name=tests.test_s2l_po:char_code_reward",
-    "optimizer.lr=1e-3", "optimizer.lr_decay_style=constant", "init.sft_steps=0",
-    "eval.interval=0", "eval.at_start=false", "eval.num_prompts=2", "eval.k=0",
-    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=64",
+    "train.num_steps=3",
+    "train.seq_length=32",
+    "train.micro_batch_size=4",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=2",
+    "rollout.max_new_tokens=6",
+    "rollout.context_length=64",
+    "algorithm.num_minibatches=1",
+    "algorithm.mismatch.name=tis",
+    "reward.name=tests.test_s2l_po:char_code_reward",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_decay_style=constant",
+    "init.sft_steps=0",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "eval.num_prompts=2",
+    "eval.k=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
 ]
-EXPLORER_MODEL = ModelConfig(hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=4,
-                             num_query_groups=2, max_position_embeddings=64)  # smaller than the policy
+EXPLORER_MODEL = ModelConfig(
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_layers=1,
+    num_attention_heads=4,
+    num_query_groups=2,
+    max_position_embeddings=64,
+)  # smaller than the policy
 
 
 def char_code_reward(s) -> float:
@@ -155,8 +183,9 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
     os.makedirs(ckpt)
     (tmp_path / "small" / "config.json").write_text("{}")  # validation only looks for config.json
     path = tmp_path / "recipe.yaml"
-    path.write_text(f"rollout:\n  explorer:\n    model_path: {ckpt}\n    share: 0.75\n    mix_steps: 5\n"
-                    "    correction: none\n")
+    path.write_text(
+        f"rollout:\n  explorer:\n    model_path: {ckpt}\n    share: 0.75\n    mix_steps: 5\n    correction: none\n"
+    )
     cfg = load_config(RLConfig, str(path), TINY)
     validate_rl_config(cfg, 1)
     x = cfg.rollout.explorer
@@ -167,8 +196,11 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
         (["rollout.explorer.mix_steps=-2"], "rollout.explorer.mix_steps: must be >= 0"),
         (["rollout.explorer.share=1.5"], "rollout.explorer.share: must be in [0, 1]"),
         (["rollout.explorer.schedule=cosine"], "rollout.explorer.schedule: unknown explorer schedule 'cosine'"),
-        (["rollout.runtime=async", "rollout.max_staleness=1"], "rollout.explorer: the explorer's share of each group "
-         "is drawn by the synchronous rollout manager; it needs rollout.runtime=sync"),
+        (
+            ["rollout.runtime=async", "rollout.max_staleness=1"],
+            "rollout.explorer: the explorer's share of each group "
+            "is drawn by the synchronous rollout manager; it needs rollout.runtime=sync",
+        ),
         (["rollout.explorer.urls=['http://127.0.0.1:1']"], "rollout.explorer.urls: the explorer needs either urls"),
         (["rollout.explorer.num_engines=0"], "rollout.explorer.num_engines: must be >= 1"),
         (["rollout.explorer.engine_cores=[[0], [1]]"], "rollout.explorer.engine_cores: needs one entry per engine"),
@@ -193,8 +225,11 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
 def test_demo_overrides_validate(tmp_path) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ckpt = write_explorer_checkpoint(str(tmp_path / "small"))
-    cfg = load_config(RLConfig, os.path.join(here, "configs", "demo.yaml"),
-                      [f"rollout.explorer.model_path={ckpt}", "rollout.explorer.mix_steps=8"])
+    cfg = load_config(
+        RLConfig,
+        os.path.join(here, "configs", "demo.yaml"),
+        [f"rollout.explorer.model_path={ckpt}", "rollout.explorer.mix_steps=8"],
+    )
     validate_rl_config(cfg, 1)
 
 
@@ -211,7 +246,7 @@ def _small_model_logp(ckpt: str, samples) -> list[torch.Tensor]:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         lp = torch.log_softmax(model(ids).logits.float(), -1)[0]
         p = len(s.prompt_ids)
-        out.append(lp[p - 1: p - 1 + len(s.response_ids)].gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
+        out.append(lp[p - 1 : p - 1 + len(s.response_ids)].gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
     return out
 
 
@@ -220,8 +255,17 @@ def _world(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
     from mcore_rl.runtime.loop import RLRun
     from mcore_rl.train.rl_step import Learner
 
-    cfg = load_config(RLConfig, None, TINY + [f"run_dir={tmp}/steps", f"rollout.explorer.model_path={ckpt}",
-                                              "rollout.explorer.mix_steps=3", "rollout.explorer.engine_threads=1"])
+    cfg = load_config(
+        RLConfig,
+        None,
+        TINY
+        + [
+            f"run_dir={tmp}/steps",
+            f"rollout.explorer.model_path={ckpt}",
+            "rollout.explorer.mix_steps=3",
+            "rollout.explorer.engine_threads=1",
+        ],
+    )
     run = RLRun(cfg)
     pids: list[int] = []
     try:
@@ -255,8 +299,10 @@ def _world(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
         pol = [s for s in mixed if s.source == "policy"]
         for s, ref in zip(ex, _small_model_logp(ckpt, ex)):
             torch.testing.assert_close(torch.tensor(s.rollout_logp), ref, rtol=0, atol=1e-4)
-        assert any(not torch.allclose(torch.tensor(s.rollout_logp), ref, atol=1e-2)
-                   for s, ref in zip(pol, _small_model_logp(ckpt, pol)))
+        assert any(
+            not torch.allclose(torch.tensor(s.rollout_logp), ref, atol=1e-2)
+            for s, ref in zip(pol, _small_model_logp(ckpt, pol))
+        )
         # the learner on the mixed batch: merged-group GRPO; TIS against μ_ω, or weight 1 with "none"
         learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id)
         per_seq, bm = learner.prepare(mixed, 1)
@@ -292,9 +338,19 @@ def _world(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
             os.kill(pid, 0)
 
     # the sync loop itself: 3 steps, the explorer's share and rewards in every record
-    summary = run_rl(load_config(RLConfig, None, TINY + [f"run_dir={tmp}/loop", f"rollout.explorer.model_path={ckpt}",
-                                                          "rollout.explorer.mix_steps=3",
-                                                          "rollout.explorer.engine_threads=1"]))
+    summary = run_rl(
+        load_config(
+            RLConfig,
+            None,
+            TINY
+            + [
+                f"run_dir={tmp}/loop",
+                f"rollout.explorer.model_path={ckpt}",
+                "rollout.explorer.mix_steps=3",
+                "rollout.explorer.engine_threads=1",
+            ],
+        )
+    )
     assert summary["state"]["rl_step"] == 3
     with open(f"{tmp}/loop/metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]

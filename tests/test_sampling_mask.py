@@ -36,11 +36,14 @@ def _support_by_definition(logits: torch.Tensor, sp: SamplingParams) -> set[int]
     return keep
 
 
-@pytest.mark.parametrize("sp", [
-    SamplingParams(temperature=0.7, top_p=0.9),
-    SamplingParams(temperature=1.3, top_k=5),
-    SamplingParams(temperature=1.0, top_p=0.5, top_k=20, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=20, min_p=0.05),
+    ],
+)
 def test_sampler_support_and_processed_logprob(sp: SamplingParams) -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=g) * 3
@@ -79,27 +82,44 @@ def _mask_req(rid: str, prompt: str, **sp) -> Request:
 
 def test_engine_mask_fields_tokens_unchanged_and_logprobs_modes() -> None:
     model = tiny_model()
-    plain = run(make_engine(model, return_original_logprob=False), [Request("a", TOK.encode("hello"), SamplingParams(
-        max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=3), return_logprob=True)])["a"]
+    plain = run(
+        make_engine(model, return_original_logprob=False),
+        [
+            Request(
+                "a",
+                TOK.encode("hello"),
+                SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=3),
+                return_logprob=True,
+            )
+        ],
+    )["a"]
     raw_engine = make_engine(model, return_original_logprob=False)  # raw = full-vocab log_softmax(logits / T)
-    out = run(raw_engine, [_mask_req("a", "hello", temperature=0.9, top_p=0.8, seed=3),
-                           _mask_req("g", "the fox", temperature=0.0),
-                           _mask_req("k", "1+1=", temperature=1.2, top_k=7, seed=5)])
+    out = run(
+        raw_engine,
+        [
+            _mask_req("a", "hello", temperature=0.9, top_p=0.8, seed=3),
+            _mask_req("g", "the fox", temperature=0.0),
+            _mask_req("k", "1+1=", temperature=1.2, top_k=7, seed=5),
+        ],
+    )
     a = out["a"]
     assert a.output_ids == plain.output_ids  # asking for the mask changes no token
     # raw log-probs, as without the mask (batch mates move fp32 rounding only)
-    assert [lp for lp, _ in a.output_token_logprobs] == pytest.approx([lp for lp, _ in plain.output_token_logprobs],
-                                                                      abs=1e-5)
+    assert [lp for lp, _ in a.output_token_logprobs] == pytest.approx(
+        [lp for lp, _ in plain.output_token_logprobs], abs=1e-5
+    )
     assert len(a.output_token_sampling_mask) == len(a.output_ids) == len(a.output_token_sampling_logprobs)
-    for tok, s, lp, (raw, _) in zip(a.output_ids, a.output_token_sampling_mask, a.output_token_sampling_logprobs,
-                                    a.output_token_logprobs):
+    for tok, s, lp, (raw, _) in zip(
+        a.output_ids, a.output_token_sampling_mask, a.output_token_sampling_logprobs, a.output_token_logprobs
+    ):
         assert tok in s and lp <= 0 and lp >= raw - 1e-6  # renormalising over S raises the log-prob
     assert all(s == [t] for s, t in zip(out["g"].output_token_sampling_mask, out["g"].output_ids))
     assert out["g"].output_token_sampling_logprobs == [0.0] * 12
     assert all(len(s) == 7 for s in out["k"].output_token_sampling_mask)
     # processed mode: output_token_logprobs are the processed ones, the tokens are the same
-    proc = run(make_engine(model, logprobs_mode="processed"),
-               [_mask_req("a", "hello", temperature=0.9, top_p=0.8, seed=3)])["a"]
+    proc = run(
+        make_engine(model, logprobs_mode="processed"), [_mask_req("a", "hello", temperature=0.9, top_p=0.8, seed=3)]
+    )["a"]
     assert proc.output_ids == a.output_ids
     assert [lp for lp, _ in proc.output_token_logprobs] == pytest.approx(a.output_token_sampling_logprobs, abs=1e-5)
     with pytest.raises(ValueError, match="logprobs_mode"):
@@ -125,8 +145,9 @@ def test_engine_refuses_unbounded_and_capped_supports_and_keeps_lists_across_ret
         engine.step()
     assert engine.retract() == 1
     final = [o for _ in range(20) for o in engine.step() if o.finished]
-    solo = run(make_engine(tiny_model()), [_mask_req("r", "hello", temperature=0.9, top_k=10, seed=1,
-                                                     max_new_tokens=10)])["r"]
+    solo = run(
+        make_engine(tiny_model()), [_mask_req("r", "hello", temperature=0.9, top_k=10, seed=1, max_new_tokens=10)]
+    )["r"]
     assert final[0].output_ids == solo.output_ids
     assert final[0].output_token_sampling_mask == solo.output_token_sampling_mask
     assert len(final[0].output_token_sampling_logprobs) == 10
@@ -144,16 +165,31 @@ def server():
 def test_http_fields_errors_and_pools(server) -> None:
     async def go(c: EngineClient):
         info = await c.get_server_info()
-        body = dict(input_ids=TOK.encode("hello"), return_sampling_mask=True, return_logprob=True,
-                    sampling_params={"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "ignore_eos": True,
-                                     "sampling_seed": 4})
+        body = dict(
+            input_ids=TOK.encode("hello"),
+            return_sampling_mask=True,
+            return_logprob=True,
+            sampling_params={
+                "max_new_tokens": 6,
+                "temperature": 0.8,
+                "top_p": 0.9,
+                "top_k": 40,
+                "ignore_eos": True,
+                "sampling_seed": 4,
+            },
+        )
         out = await c.generate(**body)
-        batch = await c.generate(input_ids=[TOK.encode("a"), TOK.encode("b")], return_sampling_mask=[True, False],
-                                 sampling_params={"max_new_tokens": 3, "top_k": 3})
+        batch = await c.generate(
+            input_ids=[TOK.encode("a"), TOK.encode("b")],
+            return_sampling_mask=[True, False],
+            sampling_params={"max_new_tokens": 3, "top_k": 3},
+        )
         errors = []
-        for bad in ({"return_sampling_mask": 1, "sampling_params": {"top_k": 3}},
-                    {"return_sampling_mask": True, "sampling_params": {"temperature": 1.0}},
-                    {"return_sampling_mask": True, "sampling_params": {"top_k": 65}}):
+        for bad in (
+            {"return_sampling_mask": 1, "sampling_params": {"top_k": 3}},
+            {"return_sampling_mask": True, "sampling_params": {"temperature": 1.0}},
+            {"return_sampling_mask": True, "sampling_params": {"top_k": 65}},
+        ):
             with pytest.raises(EngineHTTPError) as err:
                 await c.generate(input_ids=[1, 2, 3], **bad)
             errors.append((err.value.status, err.value.message))
@@ -179,8 +215,18 @@ def test_http_fields_errors_and_pools(server) -> None:
     # the HTTP pool (the path a real SGLang URL takes) and the embedded pool give the same Generation
     pool = HTTPEnginePool([server.url], timeout=60)
     try:
-        req = GenRequest(TOK.encode("hello"), {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40,
-                                               "ignore_eos": True, "sampling_seed": 4}, return_sampling_mask=True)
+        req = GenRequest(
+            TOK.encode("hello"),
+            {
+                "max_new_tokens": 6,
+                "temperature": 0.8,
+                "top_p": 0.9,
+                "top_k": 40,
+                "ignore_eos": True,
+                "sampling_seed": 4,
+            },
+            return_sampling_mask=True,
+        )
         done: list[int] = []  # progress: one call per finished generation, as it finishes
         gen = pool.generate([req], on_done=lambda: done.append(1))[0]
         assert len(done) == 1
@@ -235,8 +281,9 @@ def test_partial_rollouts_concatenate_supports_in_token_order() -> None:
 
     async def go():
         eng = SimulatedEngines(2, 16, lambda batch: 0.01 * (1 + batch / 16))
-        sch = RolloutScheduler(MaskBackend(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4,
-                                                                                  max_staleness=2))
+        sch = RolloutScheduler(
+            MaskBackend(eng, base_tokens=16), SchedulerConfig(group_size=4, batch_groups=4, max_staleness=2)
+        )
         return await simulate_learner(sch, eng, 8, lambda g: 1.0, sync_time=0.05, keep_batches=True)
 
     run = run_simulated(go())

@@ -26,8 +26,10 @@ def _supports(n: int, vocab: int, y: torch.Tensor, seed: int) -> list[list[int]]
 
 
 def _flat(supports: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([i for s in supports for i in s], dtype=torch.int32),
-            torch.tensor([len(s) for s in supports], dtype=torch.int32))
+    return (
+        torch.tensor([i for s in supports for i in s], dtype=torch.int32),
+        torch.tensor([len(s) for s in supports], dtype=torch.int32),
+    )
 
 
 def _naive(hidden, weight, y, supports, temperature):
@@ -89,8 +91,9 @@ def test_masked_logprob_only_backward_fp32_and_refusals() -> None:
     with pytest.raises(ValueError, match="mask_ids: expected"):
         vocab_parallel_topk_stats(hidden, weight, y, None, 1.0, 3, False, None, ids[:-1], counts)
     with pytest.raises(ValueError, match="top-k ids"):
-        vocab_parallel_topk_stats(hidden, weight, y, torch.zeros(n, 2, dtype=torch.long), 1.0, 3, False, None,
-                                  ids, counts)
+        vocab_parallel_topk_stats(
+            hidden, weight, y, torch.zeros(n, 2, dtype=torch.long), 1.0, 3, False, None, ids, counts
+        )
 
 
 def test_seq_major_masks_reorders_segments() -> None:
@@ -132,9 +135,15 @@ def _engine_samples(mc):
     params = [dict(top_p=0.9), dict(top_k=3), dict(top_p=0.2, top_k=50), dict(top_p=0.95, min_p=0.01), dict(top_k=1)]
     prompts = [torch.randint(0, mc.vocab_size, (3 + i,), generator=g).tolist() for i in range(8)]
     for i, prompt in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", prompt, SamplingParams(
-            max_new_tokens=6, temperature=TEMPERATURE, ignore_eos=True, seed=i, **params[i % 5]),
-            return_logprob=True, return_sampling_mask=True))
+        engine.add_request(
+            Request(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, ignore_eos=True, seed=i, **params[i % 5]),
+                return_logprob=True,
+                return_sampling_mask=True,
+            )
+        )
     outs = {}
     while engine.has_work():
         for o in engine.step():
@@ -145,8 +154,18 @@ def _engine_samples(mc):
         o = outs[f"r{i}"]
         assert [lp for lp, _ in o.output_token_logprobs] == o.output_token_sampling_logprobs  # processed mode
         ids, counts = flat_masks(o.output_token_sampling_mask)
-        samples.append(Sample(Prompt(i, "", prompt), i, list(o.output_ids), list(o.output_token_sampling_logprobs),
-                              0, "length", sampling_mask_ids=ids, sampling_mask_counts=counts))
+        samples.append(
+            Sample(
+                Prompt(i, "", prompt),
+                i,
+                list(o.output_ids),
+                list(o.output_token_sampling_logprobs),
+                0,
+                "length",
+                sampling_mask_ids=ids,
+                sampling_mask_counts=counts,
+            )
+        )
     sizes = [c for s in samples for c in s.sampling_mask_counts]
     assert min(sizes) < 5 and max(sizes) > 20, sizes  # small and large supports both
     return state, samples
@@ -174,15 +193,24 @@ def _check_layout(mc, pc, state, samples) -> None:
     keys = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_mask_ids", "label_mask_counts")
     results = {}
     for masked in (True, False):
-        mbs = build_microbatches(samples, range(len(samples)), 32, 2, ps.get_data_parallel_rank(), layout.dp, 0, t,
-                                 sampling_masks=masked)
-        stats = compute_token_stats(chunks, [{k: v for k, v in mb.items() if k in keys} for mb in mbs],
-                                    temperature=TEMPERATURE, chunk_size=5, with_entropy=True)
+        mbs = build_microbatches(
+            samples, range(len(samples)), 32, 2, ps.get_data_parallel_rank(), layout.dp, 0, t, sampling_masks=masked
+        )
+        stats = compute_token_stats(
+            chunks,
+            [{k: v for k, v in mb.items() if k in keys} for mb in mbs],
+            temperature=TEMPERATURE,
+            chunk_size=5,
+            with_entropy=True,
+        )
         got = {}
         for mb, st in zip(mbs, stats):
             for row, i in enumerate(mb["seq_index"].tolist()):
                 k = len(samples[i].response_ids)
-                got[i] = (st.logprobs.reshape(-1)[mb["seq_pos"][row, :k]], st.entropy.reshape(-1)[mb["seq_pos"][row, :k]])
+                got[i] = (
+                    st.logprobs.reshape(-1)[mb["seq_pos"][row, :k]],
+                    st.entropy.reshape(-1)[mb["seq_pos"][row, :k]],
+                )
         results[masked] = got
     assert results[True], pc
     for i, (lp, ent) in results[True].items():
@@ -221,9 +249,18 @@ def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
     from tests.test_rl_loop import tiny
 
     # fp32 engine with the trainer's weights: μ (processed) and the masked π_old are the same function
-    cfg = tiny(f"run_dir={tmp}/m", "rollout.quantization=none", "rollout.sampling_mask_replay=true",
-               "rollout.top_p=0.8", "rollout.top_k=30", "train.num_steps=1", "algorithm.kl_coef=0.05",
-               "algorithm.entropy_coef=0.01", "eval.interval=0", "eval.at_start=false")
+    cfg = tiny(
+        f"run_dir={tmp}/m",
+        "rollout.quantization=none",
+        "rollout.sampling_mask_replay=true",
+        "rollout.top_p=0.8",
+        "rollout.top_k=30",
+        "train.num_steps=1",
+        "algorithm.kl_coef=0.05",
+        "algorithm.entropy_coef=0.01",
+        "eval.interval=0",
+        "eval.at_start=false",
+    )
     run = RLRun(cfg)
     try:
         run.initialise()
@@ -233,7 +270,7 @@ def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
             assert sum(s.sampling_mask_counts) == len(s.sampling_mask_ids) and max(s.sampling_mask_counts) <= 30
             at = 0
             for tok, c in zip(s.response_ids, s.sampling_mask_counts):
-                assert tok in s.sampling_mask_ids[at: at + c]
+                assert tok in s.sampling_mask_ids[at : at + c]
                 at += c
         from mcore_rl.train.rl_step import Learner
 
@@ -245,7 +282,8 @@ def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
     assert metrics["mismatch/abs_logp_diff"] < 1e-5, metrics["mismatch/abs_logp_diff"]
     assert 1 <= metrics["rollout/sampling_mask_size_mean"] <= metrics["rollout/sampling_mask_size_max"] <= 30
     assert all(r.get("train/skipped", 0.0) == 0.0 for r in records) and all(
-        torch.isfinite(torch.tensor(v)) for r in records for v in r.values())
+        torch.isfinite(torch.tensor(v)) for r in records for v in r.values()
+    )
 
 
 def test_end_to_end_sampling_mask_replay(tmp_path) -> None:

@@ -46,8 +46,10 @@ needs_ns = pytest.mark.skipif(not MECH.get("pid_ns"), reason="this kernel refuse
 
 def _needs_stdlib(mode: str) -> None:
     if mode == "none" and not FALLBACK.get("stdlib"):
-        pytest.skip("without a private root this interpreter's standard library is not readable by the "
-                    "program's uid (it lives under a private directory such as /root)")
+        pytest.skip(
+            "without a private root this interpreter's standard library is not readable by the "
+            "program's uid (it lives under a private directory such as /root)"
+        )
 
 
 def _leftovers(marker: str) -> list[int]:
@@ -87,8 +89,9 @@ while True:
 """
     limits = Limits(cpu_s=5, wall_s=2, nproc=16)
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(bomb=run_python(bomb, limits=limits, isolation=mode,
-                                                                         tmp_dir=str(tmp_path))))
+    thread = threading.Thread(
+        target=lambda: box.update(bomb=run_python(bomb, limits=limits, isolation=mode, tmp_dir=str(tmp_path)))
+    )
     thread.start()
     time.sleep(0.5)
     other = run_python("print(sum(range(10)))", limits=FAST, isolation=mode)  # another sample meanwhile
@@ -171,18 +174,37 @@ def test_run_files_and_environment_are_not_readable(tmp_path, monkeypatch, mode:
     secret.write_text("sk-very-secret")
     secret.chmod(0o644)
     monkeypatch.setenv("MCORE_SECRET_TOKEN", "hunter2")
-    paths = [str(secret), os.path.abspath(__file__), "/etc/passwd", f"/proc/{os.getpid()}/environ",
-             "/proc/self/environ", os.path.expanduser("~/.bash_history"), "given.txt"]
-    res = run_python(f"PATHS = {paths!r}\n{_READER}", files={"given.txt": "task data"}, limits=FAST,
-                     isolation=mode)
+    paths = [
+        str(secret),
+        os.path.abspath(__file__),
+        "/etc/passwd",
+        f"/proc/{os.getpid()}/environ",
+        "/proc/self/environ",
+        os.path.expanduser("~/.bash_history"),
+        "given.txt",
+    ]
+    res = run_python(f"PATHS = {paths!r}\n{_READER}", files={"given.txt": "task data"}, limits=FAST, isolation=mode)
     out = _report(res)
     assert out["given.txt"] == "task data"  # what the task provides is there
     for path in paths[:-1]:
         assert out[path] in ("FileNotFoundError", "PermissionError"), (path, out[path])
     assert "hunter2" not in res.stdout.decode() and "sk-very-secret" not in res.stdout.decode()
     assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL"}
-    assert set(out["root"]) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "tmp", "work",
-                                "root", "opt", "home"}
+    assert set(out["root"]) <= {
+        "usr",
+        "bin",
+        "sbin",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "dev",
+        "tmp",
+        "work",
+        "root",
+        "opt",
+        "home",
+    }
     assert out["cwd"] == "/work"
 
 
@@ -260,8 +282,24 @@ victim.kill()
 @pytest.mark.parametrize("mode", MODES)
 def test_cannot_signal_the_trainer_or_other_processes(mode: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", _TRAINER, root, mode,
-                           _SIGNALLER], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            _TRAINER,
+            root,
+            mode,
+            _SIGNALLER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["victim_alive"], f"the program killed a process outside its sandbox: {report}"
@@ -430,8 +468,7 @@ def _no_cgroups(monkeypatch, tmp_path) -> None:
 
 @needs_ns
 @pytest.mark.parametrize("mode", ["auto", "user_ns"])
-def test_a_program_that_leaves_its_session_and_death_signal_dies_with_its_run(tmp_path, monkeypatch,
-                                                                               mode: str) -> None:
+def test_a_program_that_leaves_its_session_and_death_signal_dies_with_its_run(tmp_path, monkeypatch, mode: str) -> None:
     """Clearing PR_SET_PDEATHSIG and calling setsid() let the program outlive the run wherever no
     cgroup held it; the death signal and the session are now locked (seccomp)."""
     _no_cgroups(monkeypatch, tmp_path)
@@ -448,8 +485,7 @@ for attempt in range(2):
         break
 time.sleep(60)
 """
-    res = run_python(program, limits=Limits(cpu_s=2, wall_s=4, memory_mb=256), isolation=mode,
-                     tmp_dir=str(tmp_path))
+    res = run_python(program, limits=Limits(cpu_s=2, wall_s=4, memory_mb=256), isolation=mode, tmp_dir=str(tmp_path))
     assert res.status == "timeout" and not res.mechanisms.get("cgroup_kill"), (res.status, res.mechanisms)
     try:
         _gone(str(tmp_path))
@@ -554,8 +590,11 @@ def test_a_cgroup_v2_holds_the_run_without_cgroup_v1(tmp_path, monkeypatch) -> N
     home = sandbox._cgroup_v2_home()
     if home is None:
         pytest.skip("no writable cgroup v2 here")
-    res = run_python("import os\nprint(open('/proc/self/cgroup').read() if os.path.exists('/proc/self') else '')",
-                     limits=FAST, isolation="none")
+    res = run_python(
+        "import os\nprint(open('/proc/self/cgroup').read() if os.path.exists('/proc/self') else '')",
+        limits=FAST,
+        isolation="none",
+    )
     assert res.ok and res.mechanisms["cgroup_kill"], res.mechanisms
     parent = os.path.join(home, "mcore-rl-sandbox")
     assert [d for d in os.listdir(parent) if d.startswith(f"{os.getpid()}-")] == []

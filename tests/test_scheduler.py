@@ -79,8 +79,10 @@ def test_staleness_bound_holds_and_overlap_pays(s):
 def test_without_partial_rollouts_interrupted_requests_start_again():
     async def go():
         eng = _engines()
-        sch = RolloutScheduler(SimBackend(eng, base_tokens=16),
-                               SchedulerConfig(group_size=G, batch_groups=B, max_staleness=1, partial_rollouts=False))
+        sch = RolloutScheduler(
+            SimBackend(eng, base_tokens=16),
+            SchedulerConfig(group_size=G, batch_groups=B, max_staleness=1, partial_rollouts=False),
+        )
         run = await simulate_learner(sch, eng, 6, lambda g: 1.0, keep_batches=True)
         return run, sch
 
@@ -102,10 +104,18 @@ def _batch_after_restoring_a_stale_group(policy: str, **kw):
         eng = _engines()
         be = SimBackend(eng, base_tokens=4)
         be.drawn = 100
-        sch = RolloutScheduler(be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1,
-                                                   stale_policy=policy, **kw))
-        sch.load_state_dict({"buffer": [[asdict(x) for x in _group(7, 1)], [asdict(x) for x in _group(8, 3)]],
-                             "pending": [], "ledger": {"drawn": 2}, "steps_done": 2, "prompts": {}})
+        sch = RolloutScheduler(
+            be, SchedulerConfig(group_size=G, batch_groups=2, max_staleness=1, stale_policy=policy, **kw)
+        )
+        sch.load_state_dict(
+            {
+                "buffer": [[asdict(x) for x in _group(7, 1)], [asdict(x) for x in _group(8, 3)]],
+                "pending": [],
+                "ledger": {"drawn": 2},
+                "steps_done": 2,
+                "prompts": {},
+            }
+        )
         eng.resume(4)
         sch.start()
         groups, metrics = await sch.next_batch(trainer_version=4)
@@ -184,15 +194,18 @@ class _NoEngine(SimBackend):
 
 def test_no_engine_for_too_long_is_a_clear_error_not_a_hang():
     async def go():
-        sch = RolloutScheduler(_NoEngine(_engines()),
-                               SchedulerConfig(group_size=G, batch_groups=B, no_engine_timeout_s=30))
+        sch = RolloutScheduler(
+            _NoEngine(_engines()), SchedulerConfig(group_size=G, batch_groups=B, no_engine_timeout_s=30)
+        )
         sch.start()
         try:
             await sch.next_batch(1)
         finally:
             await sch.close()
 
-    with pytest.raises(EnginesLost, match=r"no inference engine has answered for 3\d s \(rollout.no_engine_timeout_s=30"):
+    with pytest.raises(
+        EnginesLost, match=r"no inference engine has answered for 3\d s \(rollout.no_engine_timeout_s=30"
+    ):
         run_simulated(go())
 
 
@@ -223,8 +236,11 @@ def test_snapshot_and_restore_neither_repeat_nor_skip_a_prompt():
     run2, sch = run_simulated(second())
     trained = [g[0].prompt.index for r in (run1, run2) for groups in r.batches for g in groups]
     assert len(trained) == len(set(trained)) == 7 * B
-    pending = {j.prompt.index for j in sch.running.values()} | {j.prompt.index for j in sch.retry} | {
-        g[0].prompt.index for g in sch.buffer}
+    pending = (
+        {j.prompt.index for j in sch.running.values()}
+        | {j.prompt.index for j in sch.retry}
+        | {g[0].prompt.index for g in sch.buffer}
+    )
     assert set(trained) | pending == set(range(sch.ledger.drawn))
     assert sch.ledger.resent_after_resume == len(state["pending"])
     sch.ledger.check(sch.pending())
@@ -244,9 +260,10 @@ def test_keep_trains_what_the_gate_admitted_and_regeneration_is_capped():
 def test_a_request_interrupted_too_often_fails_its_group_with_the_reason():
     async def go():
         eng = _engines()
-        sch = RolloutScheduler(SimBackend(eng, base_tokens=200, long_frac=0.0),
-                               SchedulerConfig(group_size=2, batch_groups=2, max_staleness=1, partial_rollouts=False,
-                                               max_parts=1))
+        sch = RolloutScheduler(
+            SimBackend(eng, base_tokens=200, long_frac=0.0),
+            SchedulerConfig(group_size=2, batch_groups=2, max_staleness=1, partial_rollouts=False, max_parts=1),
+        )
         await simulate_learner(sch, eng, 3, lambda g: 0.3)
         return sch
 

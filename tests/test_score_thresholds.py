@@ -27,15 +27,27 @@ from mcore_rl.train.packing import SequenceView, sequence_view
 T = 0.7  # not a float32 number: float32(0.7) < 0.7
 
 
-def view(rewards: list[float], heads: list[dict[str, float]] | None = None, group: list[int] | None = None
-         ) -> SequenceView:
+def view(
+    rewards: list[float], heads: list[dict[str, float]] | None = None, group: list[int] | None = None
+) -> SequenceView:
     """The learner's float32 view of samples with these rewards and reward heads (one group by default)."""
     heads = heads or [{} for _ in rewards]
     group = group or [0] * len(rewards)
-    return sequence_view([
-        Sample(Prompt(index=g, text=f"p{g}", ids=[1]), group=g, response_ids=[2, 3], rollout_logp=[-1.0, -1.0],
-               policy_version=0, finish_reason="stop", reward=r, reward_heads=h)
-        for r, h, g in zip(rewards, heads, group)])
+    return sequence_view(
+        [
+            Sample(
+                Prompt(index=g, text=f"p{g}", ids=[1]),
+                group=g,
+                response_ids=[2, 3],
+                rollout_logp=[-1.0, -1.0],
+                policy_version=0,
+                finish_reason="stop",
+                reward=r,
+                reward_heads=h,
+            )
+            for r, h, g in zip(rewards, heads, group)
+        ]
+    )
 
 
 def test_the_view_keeps_scores_as_float32_so_the_threshold_is_not_a_float32_number() -> None:
@@ -49,8 +61,12 @@ def test_at_least_is_exact_at_the_threshold_on_every_path(threshold: float) -> N
     """Exactly at the threshold passes whether the score is a Python float, float64, float32 or
     float32 widened back to float64; one float32 step below fails; NaN fails; shape is kept."""
     below = float(torch.nextafter(torch.tensor(threshold), torch.tensor(-math.inf)))
-    for x in (threshold, torch.tensor([threshold], dtype=torch.float64), torch.tensor([threshold]),
-              torch.tensor([threshold]).double()):
+    for x in (
+        threshold,
+        torch.tensor([threshold], dtype=torch.float64),
+        torch.tensor([threshold]),
+        torch.tensor([threshold]).double(),
+    ):
         assert bool(at_least(x, threshold))
     for x in (below, torch.tensor([below]), torch.tensor([below]).double()):
         assert not bool(at_least(x, threshold))
@@ -69,8 +85,16 @@ def test_alp_a_sample_exactly_at_the_solved_threshold_is_solved(head: str | None
     """3 of 4 correct at 0.7: p_solved = 3/4, so the penalty is β·N·3/4 (a miss gives the floor 1/4)."""
     scores = [T, T, T, 0.0]
     v = view(scores, [{"correct": s} for s in scores])
-    out = alp(v.rewards, v.group_ids, reward_heads=v.reward_heads, head_names=v.head_names,
-              lengths=v.mask.sum(1).long(), beta=0.01, correct_head=head, solved_threshold=T)
+    out = alp(
+        v.rewards,
+        v.group_ids,
+        reward_heads=v.reward_heads,
+        head_names=v.head_names,
+        lengths=v.mask.sum(1).long(),
+        beta=0.01,
+        correct_head=head,
+        solved_threshold=T,
+    )
     torch.testing.assert_close(out, (v.rewards.double() - 0.01 * 2 * 0.75).float())
 
 
@@ -79,8 +103,14 @@ def test_papo_outcomes_exactly_at_the_threshold_are_the_correct_subset(head: str
     """Two correct at 0.7 with different rubric scores: A_proc = ±1 on them (|C| = 2), not 0."""
     outs = [T, T, 0.0]
     v = view(outs, [{"outcome": o, "rubric": p} for o, p in zip(outs, [1.0, 0.0, 0.5])])
-    a = papo(v.rewards, v.group_ids, reward_heads=v.reward_heads, head_names=v.head_names, outcome_head=head,
-             correct_threshold=T).double()
+    a = papo(
+        v.rewards,
+        v.group_ids,
+        reward_heads=v.reward_heads,
+        head_names=v.head_names,
+        outcome_head=head,
+        correct_threshold=T,
+    ).double()
     a_out = (v.rewards.double() - v.rewards.double().mean()) / v.rewards.double().std(unbiased=False)
     torch.testing.assert_close(a - a_out, torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64), atol=1e-5, rtol=0)
 
@@ -104,8 +134,16 @@ def test_prof_grpo_an_outcome_exactly_at_the_threshold_is_on_the_correct_side(he
     outs = [T, 0.0, 0.0, 0.0, 0.0, 0.0]
     prm = [0.9, 0.1, 0.2, 0.3, 0.4, 0.5]
     v = view(outs, [{"outcome": o, "prm": p} for o, p in zip(outs, prm)])
-    keep = prof_grpo(v.rewards, v.group_ids, reward_heads=v.reward_heads, head_names=v.head_names, keep=2,
-                     variant="both", outcome_head=head, correct_threshold=T)
+    keep = prof_grpo(
+        v.rewards,
+        v.group_ids,
+        reward_heads=v.reward_heads,
+        head_names=v.head_names,
+        keep=2,
+        variant="both",
+        outcome_head=head,
+        correct_threshold=T,
+    )
     assert keep.tolist() == [True, True, False, False, False, False]
 
 
@@ -113,8 +151,14 @@ def test_prof_grpo_an_outcome_exactly_at_the_threshold_is_on_the_correct_side(he
 def test_rlcer_an_outcome_exactly_at_the_threshold_is_plus_one(head: str | None) -> None:
     outs = [T, 0.0]
     v = view(outs, [{"outcome": o} for o in outs])
-    out = rlcer(v.rewards, v.group_ids, reward_heads=v.reward_heads, head_names=v.head_names, outcome_head=head,
-                correct_threshold=T)
+    out = rlcer(
+        v.rewards,
+        v.group_ids,
+        reward_heads=v.reward_heads,
+        head_names=v.head_names,
+        outcome_head=head,
+        correct_threshold=T,
+    )
     assert out.tolist() == [1.0, -1.0]
 
 
@@ -129,9 +173,15 @@ def test_rlrt_gates_on_a_reward_exactly_at_the_success_threshold() -> None:
     """The learner hands distillation its rewards as float32: a rollout at 0.7 succeeds."""
     v = view([T, 0.0])
     s = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
-    batch = DistillBatch(student_logp=s, old_logp=s.clone(), teacher_logp=s - math.log(2.0), mask=torch.ones_like(s),
-                         rewards=v.rewards.float(), group_ids=v.group_ids,
-                         advantages=torch.tensor([1.0, -1.0], dtype=torch.float64))
+    batch = DistillBatch(
+        student_logp=s,
+        old_logp=s.clone(),
+        teacher_logp=s - math.log(2.0),
+        mask=torch.ones_like(s),
+        rewards=v.rewards.float(),
+        group_ids=v.group_ids,
+        advantages=torch.tensor([1.0, -1.0], dtype=torch.float64),
+    )
     out = get("distill", "rlrt")(batch, success_threshold=T)
     assert float(out.metrics["rlrt/gated_frac"]) == 0.5
     assert out.token_advantage[0].abs().min() > 0 and out.token_advantage[1].abs().max() == 0

@@ -109,8 +109,9 @@ def test_health_and_info(server) -> None:
 
 def test_generate_shapes_logprobs_and_scoring(server) -> None:
     async def go(c: EngineClient):
-        out = await c.generate(text="12+34=", sampling_params=_greedy(6), return_logprob=True,
-                               top_logprobs_num=3, rid="shape-1")
+        out = await c.generate(
+            text="12+34=", sampling_params=_greedy(6), return_logprob=True, top_logprobs_num=3, rid="shape-1"
+        )
         meta = out["meta_info"]
         assert meta["id"] == "shape-1" and meta["finish_reason"] == {"type": "length", "length": 6}
         assert meta["prompt_tokens"] == 6 and meta["completion_tokens"] == 6 and len(out["output_ids"]) == 6
@@ -132,8 +133,14 @@ def test_generate_shapes_logprobs_and_scoring(server) -> None:
 
         # Prompt scoring (teachers, reference models): max_new_tokens 0, log-probs of given tokens.
         ids = list(b"the prompt")
-        scored = await c.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                  logprob_start_len=0, top_logprobs_num=2, return_text_in_logprobs=True)
+        scored = await c.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 0},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=2,
+            return_text_in_logprobs=True,
+        )
         lps = scored["meta_info"]["input_token_logprobs"]
         assert scored["output_ids"] == [] and [t for _, t, _ in lps] == ids and lps[0][0] is None
         assert lps[1][2] == "h" and all(lp < 0 for lp, _, _ in lps[1:])
@@ -259,8 +266,9 @@ def _perturbed(core: EngineCore, seed: int = 1) -> list[tuple[str, torch.Tensor]
 
 async def _scored(c: EngineClient, ids: list[int], start: int) -> list[float]:
     """Log-probs of ids[start:] from one fresh prefill (prompt scoring: no K/V of any earlier request)."""
-    out = await c.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                           logprob_start_len=start - 1)
+    out = await c.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=start - 1
+    )
     return [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
 
 
@@ -337,13 +345,19 @@ def test_a_request_aborted_by_pause_continues_as_a_new_request() -> None:
             assert meta["output_token_weight_versions"] == ["0"] * len(partial)
             await c.update_weights_from_tensor([encode_named_tensors(new)], weight_version="1")
             await c.continue_generation()
-            rest = await c.generate(input_ids=prompt + partial, sampling_params=_greedy(30 - len(partial)),
-                                    return_logprob=True)
+            rest = await c.generate(
+                input_ids=prompt + partial, sampling_params=_greedy(30 - len(partial)), return_logprob=True
+            )
             assert rest["meta_info"]["output_token_weight_versions"] == ["1"] * (30 - len(partial))
             later = rest["meta_info"]
-            joined = {"output_ids": partial + rest["output_ids"], "meta_info": {
-                "output_token_weight_versions": meta["output_token_weight_versions"] + later["output_token_weight_versions"],
-                "output_token_logprobs": meta["output_token_logprobs"] + later["output_token_logprobs"]}}
+            joined = {
+                "output_ids": partial + rest["output_ids"],
+                "meta_info": {
+                    "output_token_weight_versions": meta["output_token_weight_versions"]
+                    + later["output_token_weight_versions"],
+                    "output_token_logprobs": meta["output_token_logprobs"] + later["output_token_logprobs"],
+                },
+            }
             await _check_against_scoring(c, prompt, joined, old, new)
 
         run(_with_client(srv.url, go))
@@ -380,7 +394,9 @@ def test_weight_updates_disk_tensor_version(tmp_path) -> None:
             # Tensor: the original weights back, in two buckets; the second names the version.
             items = list(original.items())
             half = len(items) // 2
-            assert (await c.update_weights_from_tensor([encode_named_tensors(items[:half])], flush_cache=False))["success"]
+            assert (await c.update_weights_from_tensor([encode_named_tensors(items[:half])], flush_cache=False))[
+                "success"
+            ]
             assert await c.get_weight_version() == "5"  # a bucket without weight_version leaves it
             await c.update_weights_from_tensor([encode_named_tensors(items[half:])], weight_version="6")
             again = await c.generate(**body)
@@ -426,7 +442,9 @@ def test_weight_update_waits_for_in_flight_requests(tmp_path) -> None:
 def _post(url: str, path: str, body: dict, timeout: float = 30) -> tuple[int, dict | None, float]:
     """(status, JSON reply, seconds it took) of one raw request: errors are returned, never retried."""
     t0 = time.monotonic()
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -451,8 +469,11 @@ def test_generate_after_release_and_resume_is_refused_at_once_never_held() -> No
         assert status == 503 and took < 5, (status, err, took)
         assert "weights are zero" in err["error"]["message"] and "update the weights" in err["error"]["message"]
         assert urllib.request.urlopen(srv.url + "/health_generate").status == 200  # alive, just not ready
-        reply = _post(srv.url, "/update_weights_from_tensor", {
-            "serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "back"})[1]
+        reply = _post(
+            srv.url,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "back"},
+        )[1]
         assert reply["success"], reply
         status, after, _ = _post(srv.url, "/generate", body)
         assert status == 200 and after["output_ids"] == before["output_ids"]
@@ -480,8 +501,11 @@ def test_a_colocated_sleep_holds_requests_until_the_sync_and_continue() -> None:
             time.sleep(0.3)
             assert not held.done()  # paused: held, as SGLang holds requests
             assert _post(srv.url, "/resume_memory_occupation", {})[0] == 200
-            assert _post(srv.url, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "1"})[1]["success"]
+            assert _post(
+                srv.url,
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [encode_named_tensors(original)], "weight_version": "1"},
+            )[1]["success"]
             assert _post(srv.url, "/continue_generation", {})[0] == 200
             status, out, _ = held.result(30)
             assert status == 200 and out["output_ids"] == before["output_ids"]
@@ -504,7 +528,9 @@ def test_paused_requests_are_refused_after_max_hold_s() -> None:
             running = await _running(c, text="frozen", sampling_params=_greedy(LONG))
             await c.pause_generation(mode="in_place")
             t0 = time.monotonic()
-            status, err, _ = await asyncio.to_thread(_post, srv.url, "/generate", {"text": "x", "sampling_params": _greedy(2)})
+            status, err, _ = await asyncio.to_thread(
+                _post, srv.url, "/generate", {"text": "x", "sampling_params": _greedy(2)}
+            )
             assert status == 503 and "paused" in err["error"]["message"] and "held 1 s" in err["error"]["message"]
             out = await running
             assert time.monotonic() - t0 < 10
@@ -527,7 +553,9 @@ def test_a_request_held_for_a_weight_update_is_refused_after_max_hold_s(tmp_path
             running = await _running(c, text="long", sampling_params=_greedy(LONG))
             update = asyncio.create_task(c.update_weights_from_disk(str(tmp_path)))
             await asyncio.sleep(0.1)
-            status, err, took = await asyncio.to_thread(_post, srv.url, "/generate", {"text": "l", "sampling_params": _greedy(2)})
+            status, err, took = await asyncio.to_thread(
+                _post, srv.url, "/generate", {"text": "l", "sampling_params": _greedy(2)}
+            )
             assert status == 503 and "weight update" in err["error"]["message"] and took < 5
             assert not running.done()
             assert (await running)["meta_info"]["completion_tokens"] == LONG and (await update)["success"]
@@ -548,8 +576,12 @@ def test_kv_pool_flags_and_max_total_num_tokens() -> None:
         assert status == 400 and "max_total_num_tokens" in err["error"]["message"]
         status, out, _ = _post(st.url, "/generate", {"input_ids": [5] * 150, "sampling_params": _greedy(40)})
         assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}  # clamped
-    fraction = build_server(parse_server_args(["--context-length", "64", "--mem-fraction-static", "0.01", "--device", "cpu"]))
-    assert 0 < fraction.core.max_total_num_tokens * fraction.core.runner.kv_bytes_per_token <= 0.01 * host_memory_bytes()
+    fraction = build_server(
+        parse_server_args(["--context-length", "64", "--mem-fraction-static", "0.01", "--device", "cpu"])
+    )
+    assert (
+        0 < fraction.core.max_total_num_tokens * fraction.core.runner.kv_bytes_per_token <= 0.01 * host_memory_bytes()
+    )
     with pytest.raises(ValueError, match="mem_fraction_static"):
         build_server(parse_server_args(["--mem-fraction-static", "1.5", "--device", "cpu"]))
 
@@ -587,7 +619,8 @@ def test_distributed_weight_update_endpoints() -> None:
                 init = await c.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
                 assert init["success"], init
                 reply = await c.update_weights_from_distributed(
-                    ["lm_head.weight"], ["float32"], [shape], load_format="flattened_bucket", weight_version="3")
+                    ["lm_head.weight"], ["float32"], [shape], load_format="flattened_bucket", weight_version="3"
+                )
                 assert reply["success"], reply
                 assert trainer.wait(60) == 0
             finally:
@@ -605,8 +638,9 @@ def test_distributed_weight_update_endpoints() -> None:
 
 def test_openai_completions_and_chat(server) -> None:
     async def go(c: EngineClient):
-        cmpl = await c.completions(model="m", prompt=["1+1=", "2+2="], max_tokens=4, temperature=0, n=2,
-                                   logprobs=2, ignore_eos=True)
+        cmpl = await c.completions(
+            model="m", prompt=["1+1=", "2+2="], max_tokens=4, temperature=0, n=2, logprobs=2, ignore_eos=True
+        )
         assert cmpl["object"] == "text_completion" and len(cmpl["choices"]) == 4
         assert cmpl["choices"][0]["text"] == cmpl["choices"][1]["text"]  # greedy: n copies agree
         lp = cmpl["choices"][0]["logprobs"]
@@ -615,24 +649,38 @@ def test_openai_completions_and_chat(server) -> None:
         native = await c.generate(text="1+1=", sampling_params=_greedy(4))
         assert cmpl["choices"][0]["text"] == native["text"]
 
-        chat = await c.chat_completions(messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                        temperature=0, logprobs=True, top_logprobs=2)
+        chat = await c.chat_completions(
+            messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+        )
         msg = chat["choices"][0]
         assert chat["object"] == "chat.completion" and msg["message"]["role"] == "assistant"
         assert len(msg["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
         # The byte tokenizer's chat layout is ChatML.
         prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        ref = await c.generate(text=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0,
-                                                             "stop_token_ids": [260]})
+        ref = await c.generate(
+            text=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0, "stop_token_ids": [260]}
+        )
         assert msg["message"]["content"] == ref["text"]
 
-        chunks = [ch async for ch in c.openai_stream("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=3, temperature=0, stream_options={"include_usage": True})]
+        chunks = [
+            ch
+            async for ch in c.openai_stream(
+                "/v1/chat/completions",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
+        ]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1]["usage"]["completion_tokens"] >= 1
         text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
         assert text == msg["message"]["content"]
-        pieces = [ch async for ch in c.openai_stream("/v1/completions", prompt="1+1=", max_tokens=4, temperature=0,
-                                                     ignore_eos=True)]
+        pieces = [
+            ch
+            async for ch in c.openai_stream(
+                "/v1/completions", prompt="1+1=", max_tokens=4, temperature=0, ignore_eos=True
+            )
+        ]
         assert "".join(p["choices"][0]["text"] for p in pieces) == cmpl["choices"][0]["text"]
 
     run(_with_client(server.url, go))
@@ -661,8 +709,12 @@ BAD = [
 
 def test_bad_requests_get_400_naming_the_field_while_others_are_served(server) -> None:
     async def go(c: EngineClient):
-        good = [asyncio.create_task(c.generate(text=f"good {i}", sampling_params={"max_new_tokens": 12, "sampling_seed": i}))
-                for i in range(6)]
+        good = [
+            asyncio.create_task(
+                c.generate(text=f"good {i}", sampling_params={"max_new_tokens": 12, "sampling_seed": i})
+            )
+            for i in range(6)
+        ]
         for body, field in BAD:
             with pytest.raises(EngineHTTPError) as err:
                 await c.generate(body)
@@ -670,14 +722,20 @@ def test_bad_requests_get_400_naming_the_field_while_others_are_served(server) -
         for path, body, field in [
             ("/v1/completions", {"prompt": "x", "max_tokens": -2}, "max_tokens"),
             ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+                "tools",
+            ),
             ("/pause_generation", {"mode": "later"}, "mode"),
             ("/update_weight_version", {"new_version": ["v2"]}, "new_version"),
         ]:
             with pytest.raises(EngineHTTPError) as err:
                 await c._call("POST", path, body, retry=False)
             assert err.value.status == 400 and field in err.value.message, (path, err.value.message)
-        req = urllib.request.Request(server.url + "/generate", data=b"{not json", headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            server.url + "/generate", data=b"{not json", headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req)
         assert err.value.code == 400 and "body" in json.loads(err.value.read())["error"]["message"]
@@ -705,9 +763,12 @@ def test_200_concurrent_requests_match_sequential(server) -> None:
     """Nothing lost or duplicated; every result equals the same request run alone (same seed)."""
 
     def body(i: int) -> dict:
-        return dict(text=f"request {i}: " + "ab" * (i % 7), rid=f"c{i}", return_logprob=True,
-                    sampling_params={"max_new_tokens": 4 + i % 5, "temperature": 1.0, "top_p": 0.9,
-                                     "sampling_seed": 1000 + i})
+        return dict(
+            text=f"request {i}: " + "ab" * (i % 7),
+            rid=f"c{i}",
+            return_logprob=True,
+            sampling_params={"max_new_tokens": 4 + i % 5, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 1000 + i},
+        )
 
     async def go(c: EngineClient):
         t0 = time.monotonic()
@@ -730,13 +791,39 @@ def test_200_concurrent_requests_match_sequential(server) -> None:
 
 
 def test_launch_flags(monkeypatch) -> None:
-    args = parse_server_args(["--model-path", "/m", "--port", "31000", "--dtype", "bfloat16", "--quantization", "fp8",
-                              "--context-length", "512", "--random-seed", "3", "--mem-fraction-static", "0.8",
-                              "--tp-size", "1", "--max-running-requests", "16"])
-    assert args.engine_kwargs() == {"dtype": "bfloat16", "quantization": "fp8", "random_seed": 3,
-                                    "context_length": 512, "max_running_requests": 16, "load_format": "auto",
-                                    "return_original_logprob": True, "logprobs_mode": "raw",
-                                    "sampling_mask_max_tokens": 16384}
+    args = parse_server_args(
+        [
+            "--model-path",
+            "/m",
+            "--port",
+            "31000",
+            "--dtype",
+            "bfloat16",
+            "--quantization",
+            "fp8",
+            "--context-length",
+            "512",
+            "--random-seed",
+            "3",
+            "--mem-fraction-static",
+            "0.8",
+            "--tp-size",
+            "1",
+            "--max-running-requests",
+            "16",
+        ]
+    )
+    assert args.engine_kwargs() == {
+        "dtype": "bfloat16",
+        "quantization": "fp8",
+        "random_seed": 3,
+        "context_length": 512,
+        "max_running_requests": 16,
+        "load_format": "auto",
+        "return_original_logprob": True,
+        "logprobs_mode": "raw",
+        "sampling_mask_max_tokens": 16384,
+    }
     processed = parse_server_args(["--logprobs-mode", "processed", "--sampling-mask-max-tokens", "99"]).engine_kwargs()
     assert processed["logprobs_mode"] == "processed" and processed["sampling_mask_max_tokens"] == 99
     with pytest.raises(LaunchFlagError, match="--sampling-mask-max-tokens 0"):
@@ -762,12 +849,22 @@ def test_launch_flags(monkeypatch) -> None:
 @pytest.mark.slow
 def test_mcore_rl_serve_command() -> None:
     """`mcore-rl serve` with no --model-path serves the demo model; bad flags exit 2 with a message."""
-    bad = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "serve", "--tp-size", "4"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "serve", "--tp-size", "4"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--tp-size 4" in bad.stderr
     port = _free_port()
-    sglang_knobs = ["--cuda-graph-max-bs-decode", "8", "--stream-output", "--mem-fraction-static", "0.7"]  # start, not refuse
-    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "64",
-                             *sglang_knobs], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    sglang_knobs = [
+        "--cuda-graph-max-bs-decode",
+        "8",
+        "--stream-output",
+        "--mem-fraction-static",
+        "0.7",
+    ]  # start, not refuse
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "64", *sglang_knobs],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -776,7 +873,9 @@ def test_mcore_rl_serve_command() -> None:
                     break
             except OSError:
                 time.sleep(0.1)
-        req = urllib.request.Request(url + "/generate", data=json.dumps({"text": "hi", "sampling_params": _greedy(3)}).encode())
+        req = urllib.request.Request(
+            url + "/generate", data=json.dumps({"text": "hi", "sampling_params": _greedy(3)}).encode()
+        )
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["meta_info"]["completion_tokens"] == 3
         info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=60).read())

@@ -30,12 +30,21 @@ from mcore_rl.rollout.weight_protocol import encode_named_tensors, encode_tensor
 from tests.test_server import CONTEXT, LONG, _core, _free_port, _greedy
 
 
-def call(url: str, path: str, body: Any = None, *, method: str = "POST", headers: dict | None = None,
-         raw: bytes | None = None, timeout: float = 60) -> tuple[int, Any]:
+def call(
+    url: str,
+    path: str,
+    body: Any = None,
+    *,
+    method: str = "POST",
+    headers: dict | None = None,
+    raw: bytes | None = None,
+    timeout: float = 60,
+) -> tuple[int, Any]:
     """(status, decoded JSON body or text) of one request; HTTP errors are returned, not raised."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, payload = resp.status, resp.read()
@@ -49,7 +58,9 @@ def call(url: str, path: str, body: Any = None, *, method: str = "POST", headers
 
 def stream(url: str, path: str, body: dict, timeout: float = 60) -> list[dict]:
     """The events of a server-sent-event response, up to [DONE]."""
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
@@ -66,7 +77,7 @@ def in_background(fn, *args, **kwargs) -> dict:
     def run() -> None:
         try:
             box["result"] = fn(*args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - inspected by the test
+        except Exception as err:
             box["error"] = err
 
     box["thread"] = threading.Thread(target=run, daemon=True)
@@ -114,13 +125,23 @@ def test_rendezvous_timeout_is_set_by_the_request(server) -> None:
 def test_sigterm_stops_the_server_while_a_rendezvous_and_a_request_hang() -> None:
     port = _free_port()
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "4096"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.cli", "serve", "--port", str(port), "--context-length", "4096"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log,
+        stderr=log,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _healthy(url), timeout=120)
-        group = dict(master_address="127.0.0.1", master_port=_closed_port(), rank_offset=1, world_size=2,
-                     backend="gloo", timeout_s=600)
+        group = dict(
+            master_address="127.0.0.1",
+            master_port=_closed_port(),
+            rank_offset=1,
+            world_size=2,
+            backend="gloo",
+            timeout_s=600,
+        )
         rendezvous = in_background(call, url, "/init_weights_update_group", group, timeout=120)
         generation = in_background(call, url, "/generate", {"text": "x", "sampling_params": _greedy(4000)}, timeout=120)
         time.sleep(1.5)  # both are in the server now
@@ -146,8 +167,14 @@ def _healthy(url: str) -> bool:
 
 
 def test_auth_decisions_follow_sglang() -> None:
-    def ok(path: str, api: str | None, admin: str | None, bearer: str | None = None, x_key: str | None = None,
-           method: str = "POST") -> bool:
+    def ok(
+        path: str,
+        api: str | None,
+        admin: str | None,
+        bearer: str | None = None,
+        x_key: str | None = None,
+        method: str = "POST",
+    ) -> bool:
         return request_allowed(method, path, None if bearer is None else f"Bearer {bearer}", x_key, api, admin)
 
     assert ok("/generate", None, None) and ok("/update_weights_from_disk", None, None)  # no keys: open
@@ -163,9 +190,18 @@ def test_auth_decisions_follow_sglang() -> None:
     # both: the api key does not open admin paths, the admin key does not open normal ones
     assert not ok("/update_weights_from_tensor", "k", "a", "k") and ok("/update_weights_from_tensor", "k", "a", "a")
     assert not ok("/generate", "k", "a", "a") and ok("/generate", "k", "a", "k")
-    assert {"/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
-            "/update_weight_version", "/pause_generation", "/continue_generation", "/abort_request",
-            "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"} <= ADMIN_PATHS
+    assert {
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    } <= ADMIN_PATHS
 
 
 def test_api_keys_on_a_live_server(tmp_path) -> None:
@@ -186,9 +222,12 @@ def test_api_keys_on_a_live_server(tmp_path) -> None:
         assert info["api_key"] == info["admin_api_key"] == "<set>" and "admin-key" not in json.dumps(info)
         # the weight and control endpoints take the admin key only
         save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "m.safetensors"))
-        for path, req in [("/update_weights_from_disk", {"model_path": str(tmp_path)}),
-                          ("/pause_generation", {}), ("/abort_request", {"abort_all": True}),
-                          ("/update_weight_version", {"new_version": "x"})]:
+        for path, req in [
+            ("/update_weights_from_disk", {"model_path": str(tmp_path)}),
+            ("/pause_generation", {}),
+            ("/abort_request", {"abort_all": True}),
+            ("/update_weight_version", {"new_version": "x"}),
+        ]:
             assert call(url, path, req)[0] == 401 and call(url, path, req, headers=user)[0] == 401, path
         assert call(url, "/update_weights_from_disk", {"model_path": str(tmp_path)}, headers=admin)[1]["success"]
         assert call(url, "/pause_generation", {}, headers=admin)[0] == 200
@@ -229,19 +268,28 @@ def test_weight_files_only_from_the_allowed_directories() -> None:
             assert exists.replace(outside, "P") == missing.replace(outside + "-nowhere", "P")
             assert "--weight-dirs" in exists
             refused("/update_weights_from_disk", "model_path", model_path=os.path.join(allowed, "link"))  # symlink out
-            refused("/update_weights_from_disk", "model_path", model_path=os.path.join(allowed, "..", os.path.basename(outside)))
+            refused(
+                "/update_weights_from_disk",
+                "model_path",
+                model_path=os.path.join(allowed, "..", os.path.basename(outside)),
+            )
             field = "serialized_named_tensors[0]"
-            file_msgs = [refused("/update_weights_from_tensor", field, serialized_named_tensors=[encode_tensor_file(p)])
-                         for p in (os.path.join(outside, "model.safetensors"), "/etc/passwd", "/nonexistent/x")]
+            file_msgs = [
+                refused("/update_weights_from_tensor", field, serialized_named_tensors=[encode_tensor_file(p)])
+                for p in (os.path.join(outside, "model.safetensors"), "/etc/passwd", "/nonexistent/x")
+            ]
             assert len({m.split("'")[0] + m.split("'")[-1] for m in file_msgs}) == 1
             assert torch.equal(norm, before)
             # inside: loaded
-            assert call(srv.url, "/update_weights_from_disk", {"model_path": os.path.join(allowed, "ckpt")})[1]["success"]
+            assert call(srv.url, "/update_weights_from_disk", {"model_path": os.path.join(allowed, "ckpt")})[1][
+                "success"
+            ]
             assert torch.equal(norm, torch.full((64,), 2.0))
             # no directories at all
             srv.server.weight_dirs = []
-            assert "reads no weight files" in refused("/update_weights_from_disk", "model_path",
-                                                      model_path=os.path.join(allowed, "ckpt"))
+            assert "reads no weight files" in refused(
+                "/update_weights_from_disk", "model_path", model_path=os.path.join(allowed, "ckpt")
+            )
         finally:
             srv.stop()
 
@@ -268,33 +316,110 @@ def test_parallel_samples_are_prompt_major_with_their_own_ids(server) -> None:
 # --- item 16: every SGLang field at its default ---------------------------------------------------
 
 GENERATE_DEFAULTS = {
-    "session_id": None, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-    "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
-    "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None, "token_ids_logprob": None,
-    "return_sampling_mask": False, "return_text_in_logprobs": False, "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_top_logprobs_b64": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
-    "return_routed_experts": False, "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None,
-    "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
-    "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
-    "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None, "data_parallel_rank": None,
-    "disagg_prefill_dp_rank": None, "kv_router_hint": None, "routing_key": None, "conversation_id": None,
-    "http_worker_ipc": None, "background": False, "require_reasoning": False, "max_thinking_tokens": None,
-    "priority": None, "extra_key": None, "no_logs": False, "custom_labels": None, "return_bytes": False,
-    "return_entropy": False, "return_prompt_token_ids": False, "external_trace_header": None, "received_time": None,
-    "need_wait_for_mm_inputs": None, "num_items_assigned": None, "encoder_urls": None, "max_dynamic_patch": None,
-    "min_dynamic_patch": None, "image_max_dynamic_patch": None, "video_max_dynamic_patch": None,
-    "images_config": None, "multi_item_delimiter_indices": None, "cache_salt": None,
+    "session_id": None,
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "mm_hashes": None,
+    "mm_content_hashes": None,
+    "use_audio_in_video": False,
+    "video_config": None,
+    "return_logprob": None,
+    "logprob_start_len": None,
+    "top_logprobs_num": None,
+    "token_ids_logprob": None,
+    "return_sampling_mask": False,
+    "return_text_in_logprobs": False,
+    "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": False,
+    "stream": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_indexer_topk": False,
+    "modalities": None,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "positional_embed_overrides": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "bootstrap_pair_key": None,
+    "decode_tp_size": None,
+    "routed_dp_rank": None,
+    "data_parallel_rank": None,
+    "disagg_prefill_dp_rank": None,
+    "kv_router_hint": None,
+    "routing_key": None,
+    "conversation_id": None,
+    "http_worker_ipc": None,
+    "background": False,
+    "require_reasoning": False,
+    "max_thinking_tokens": None,
+    "priority": None,
+    "extra_key": None,
+    "no_logs": False,
+    "custom_labels": None,
+    "return_bytes": False,
+    "return_entropy": False,
+    "return_prompt_token_ids": False,
+    "external_trace_header": None,
+    "received_time": None,
+    "need_wait_for_mm_inputs": None,
+    "num_items_assigned": None,
+    "encoder_urls": None,
+    "max_dynamic_patch": None,
+    "min_dynamic_patch": None,
+    "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None,
+    "images_config": None,
+    "multi_item_delimiter_indices": None,
+    "cache_salt": None,
 }
 CHAT_EXTRAS = {
-    "chat_template_kwargs": {}, "separate_reasoning": True, "continue_final_message": False, "stream_reasoning": True,
-    "reasoning_effort": "low", "return_hidden_states": False, "lora_path": None, "parallel_tool_calls": True,
-    "tool_choice": "auto", "return_routed_experts": False, "routed_experts_start_len": 0,
-    "return_cached_tokens_details": False, "return_prompt_token_ids": False, "return_token_ids": False,
-    "return_meta_info": False, "task": None, "session_id": "s", "session_params": None, "custom_params": None,
-    "custom_logit_processor": None, "max_dynamic_patch": None, "min_dynamic_patch": None, "use_audio_in_video": False,
-    "images_config": None, "rid": None, "extra_key": None, "cache_salt": None, "ngram_corpus_id": None,
-    "priority": None, "bootstrap_host": None, "routed_dp_rank": None, "data_parallel_rank": None, "stop_regex": None,
-    "ebnf": None, "regex": None, "top_k": None, "min_p": None, "repetition_penalty": None, "min_tokens": 0,
+    "chat_template_kwargs": {},
+    "separate_reasoning": True,
+    "continue_final_message": False,
+    "stream_reasoning": True,
+    "reasoning_effort": "low",
+    "return_hidden_states": False,
+    "lora_path": None,
+    "parallel_tool_calls": True,
+    "tool_choice": "auto",
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_cached_tokens_details": False,
+    "return_prompt_token_ids": False,
+    "return_token_ids": False,
+    "return_meta_info": False,
+    "task": None,
+    "session_id": "s",
+    "session_params": None,
+    "custom_params": None,
+    "custom_logit_processor": None,
+    "max_dynamic_patch": None,
+    "min_dynamic_patch": None,
+    "use_audio_in_video": False,
+    "images_config": None,
+    "rid": None,
+    "extra_key": None,
+    "cache_salt": None,
+    "ngram_corpus_id": None,
+    "priority": None,
+    "bootstrap_host": None,
+    "routed_dp_rank": None,
+    "data_parallel_rank": None,
+    "stop_regex": None,
+    "ebnf": None,
+    "regex": None,
+    "top_k": None,
+    "min_p": None,
+    "repetition_penalty": None,
+    "min_tokens": 0,
     "stream_options": {"include_usage": False, "continuous_usage_stats": False},
 }
 
@@ -303,45 +428,90 @@ def test_every_sglang_field_at_its_default_is_accepted(server) -> None:
     body = {"text": "1+1=", "sampling_params": _greedy(3), **GENERATE_DEFAULTS}
     status, out = call(server.url, "/generate", body)
     assert status == 200, out
-    assert out["output_ids"] == call(server.url, "/generate", {"text": "1+1=", "sampling_params": _greedy(3)})[1]["output_ids"]
+    assert (
+        out["output_ids"]
+        == call(server.url, "/generate", {"text": "1+1=", "sampling_params": _greedy(3)})[1]["output_ids"]
+    )
     msgs = [{"role": "user", "content": "hi"}]
     status, chat = call(server.url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, **CHAT_EXTRAS})
     assert status == 200, chat
-    status, cmpl = call(server.url, "/v1/completions", {
-        "prompt": "1+1=", "max_tokens": 3, "return_hidden_states": False, "return_token_ids": False,
-        "return_cached_tokens_details": False, "lora_path": None, "suffix": None, "response_format": None,
-        "session_id": "s", "custom_labels": {"team": "rl"}, "ngram_corpus_id": None, "stop_regex": None})
+    status, cmpl = call(
+        server.url,
+        "/v1/completions",
+        {
+            "prompt": "1+1=",
+            "max_tokens": 3,
+            "return_hidden_states": False,
+            "return_token_ids": False,
+            "return_cached_tokens_details": False,
+            "lora_path": None,
+            "suffix": None,
+            "response_format": None,
+            "session_id": "s",
+            "custom_labels": {"team": "rl"},
+            "ngram_corpus_id": None,
+            "stop_regex": None,
+        },
+    )
     assert status == 200, cmpl
-    abort = {"rid": "nothing-running", "abort_all": False, "finished_reason": None, "abort_message": None,
-             "weight_versions": None, "http_worker_ipc": None}
+    abort = {
+        "rid": "nothing-running",
+        "abort_all": False,
+        "finished_reason": None,
+        "abort_message": None,
+        "weight_versions": None,
+        "http_worker_ipc": None,
+    }
     assert call(server.url, "/abort_request", abort)[0] == 200
 
 
-@pytest.mark.parametrize("path,body,field", [
-    ("/generate", {"text": "x", "return_hidden_states": True}, "return_hidden_states"),
-    ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path"),
-    ("/generate", {"text": "x", "return_sampling_mask": True}, "return_sampling_mask"),
-    ("/generate", {"text": "x", "mm_hashes": ["h"]}, "mm_hashes"),
-    ("/generate", {"text": "x", "routed_experts_start_len": 2}, "routed_experts_start_len"),
-    ("/generate", {"text": "x", "priority": "high"}, "priority"),
-    ("/generate", {"text": "x", "no_such_field": 1}, "no_such_field"),
-    ("/abort_request", {"weight_versions": [[0, 1]]}, "weight_versions"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True},
-     "return_hidden_states"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "lora_path": "a"}, "lora_path"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"},
-     "reasoning_effort"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3},
-     "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
-     "continue_final_message"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "not_sglang": 1}, "not_sglang"),
-    ("/v1/completions", {"prompt": "x", "return_token_ids": True}, "return_token_ids"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/generate", {"text": "x", "return_hidden_states": True}, "return_hidden_states"),
+        ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path"),
+        ("/generate", {"text": "x", "return_sampling_mask": True}, "return_sampling_mask"),
+        ("/generate", {"text": "x", "mm_hashes": ["h"]}, "mm_hashes"),
+        ("/generate", {"text": "x", "routed_experts_start_len": 2}, "routed_experts_start_len"),
+        ("/generate", {"text": "x", "priority": "high"}, "priority"),
+        ("/generate", {"text": "x", "no_such_field": 1}, "no_such_field"),
+        ("/abort_request", {"weight_versions": [[0, 1]]}, "weight_versions"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True},
+            "return_hidden_states",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "lora_path": "a"}, "lora_path"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"},
+            "reasoning_effort",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3},
+            "chat_template_kwargs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            "continue_final_message",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "not_sglang": 1}, "not_sglang"),
+        ("/v1/completions", {"prompt": "x", "return_token_ids": True}, "return_token_ids"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ],
+)
 def test_values_the_engine_cannot_honour_are_refused_naming_the_field(server, path, body, field) -> None:
     status, err = call(server.url, path, body)
     assert status == 400 and err["error"]["message"].startswith(field), err
@@ -349,16 +519,25 @@ def test_values_the_engine_cannot_honour_are_refused_naming_the_field(server, pa
 
 def test_chat_extras_change_the_prompt_as_sglang_does(server) -> None:
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "12"}]
-    status, chat = call(server.url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "temperature": 0,
-                                                             "continue_final_message": True})
+    status, chat = call(
+        server.url,
+        "/v1/chat/completions",
+        {"messages": msgs, "max_tokens": 4, "temperature": 0, "continue_final_message": True},
+    )
     assert status == 200, chat
     prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n12"  # the last message left open
-    ref = call(server.url, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
-                                                                              "stop_token_ids": [260]}})[1]
+    ref = call(
+        server.url,
+        "/generate",
+        {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop_token_ids": [260]}},
+    )[1]
     assert chat["choices"][0]["message"]["content"] == ref["text"]
     ids = list(b"1+1=")
-    by_ids = call(server.url, "/v1/chat/completions", {"messages": msgs[:1], "input_ids": ids, "max_tokens": 3,
-                                                       "temperature": 0, "ignore_eos": True})[1]
+    by_ids = call(
+        server.url,
+        "/v1/chat/completions",
+        {"messages": msgs[:1], "input_ids": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )[1]
     native = call(server.url, "/generate", {"input_ids": ids, "sampling_params": _greedy(3)})[1]
     assert by_ids["choices"][0]["message"]["content"] == native["text"] and by_ids["usage"]["prompt_tokens"] == 4
 
@@ -371,8 +550,11 @@ def test_weight_versions_are_strings_and_a_version_update_aborts_by_default(tmp_
     try:
         url = srv.url
         status, reply = call(url, "/update_weight_version", {"new_version": "policy-v3"})
-        assert status == 200 and reply == {"success": True, "message": "Weight version updated to policy-v3",
-                                           "new_version": "policy-v3"}
+        assert status == 200 and reply == {
+            "success": True,
+            "message": "Weight version updated to policy-v3",
+            "new_version": "policy-v3",
+        }
         assert call(url, "/get_weight_version", method="GET")[1]["weight_version"] == "policy-v3"
         out = call(url, "/generate", {"text": "x", "sampling_params": _greedy(2)})[1]
         assert out["meta_info"]["weight_version"] == "policy-v3"
@@ -389,9 +571,13 @@ def test_weight_versions_are_strings_and_a_version_update_aborts_by_default(tmp_
         running["thread"].join(30)
         assert running["result"][1]["meta_info"]["finish_reason"]["type"] == "length"
         # disk updates take any string too; without one a non-integer version stays
-        save_file({n: p.detach().clone() for n, p in srv.server.core.model.named_parameters()},
-                  str(tmp_path / "model.safetensors"))
-        assert call(url, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "step-7"})[1]["success"]
+        save_file(
+            {n: p.detach().clone() for n, p in srv.server.core.model.named_parameters()},
+            str(tmp_path / "model.safetensors"),
+        )
+        assert call(url, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "step-7"})[1][
+            "success"
+        ]
         assert call(url, "/get_weight_version", method="GET")[1]["weight_version"] == "step-7"
         assert call(url, "/update_weights_from_disk", {"model_path": str(tmp_path)})[1]["success"]
         assert call(url, "/get_weight_version", method="GET")[1]["weight_version"] == "step-7"
@@ -459,12 +645,18 @@ def test_release_and_resume_memory_occupation() -> None:
         assert call(url, "/release_memory_occupation", {}) == (200, None)
         weights = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in core.model.parameters()}
         assert sum(s.nbytes() for s in weights.values()) == 0 and core.runner.cache.nbytes == 0  # really freed
-        assert call(url, "/get_server_info", method="GET")[1]["internal_states"][0]["memory_released"] == ["weights", "kv_cache"]
+        assert call(url, "/get_server_info", method="GET")[1]["internal_states"][0]["memory_released"] == [
+            "weights",
+            "kv_cache",
+        ]
         status, err = call(url, "/generate", body)
         assert status == 503 and "released" in err["error"]["message"]  # refused at once, never held
         assert call(url, "/health_generate", method="GET")[0] == 200
-        status, reply = call(url, "/update_weights_from_tensor",
-                             {"serialized_named_tensors": [encode_named_tensors(list(original.items()))]})
+        status, reply = call(
+            url,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors(list(original.items()))]},
+        )
         assert status == 400 and "released" in reply["message"]
         assert call(url, "/get_weights_by_name", {"name": "model.norm.weight"})[0] == 400
 
@@ -472,8 +664,11 @@ def test_release_and_resume_memory_occupation() -> None:
         assert all(torch.all(p == 0) for p in core.model.parameters()) and core.weights_need_reload
         status, err = call(url, "/generate", body)
         assert status == 503 and "weights are zero" in err["error"]["message"]  # until a sync brings them back
-        reply = call(url, "/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors(
-            list(original.items()))], "weight_version": "restored"})[1]
+        reply = call(
+            url,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors(list(original.items()))], "weight_version": "restored"},
+        )[1]
         assert reply["success"], reply
         after = call(url, "/generate", body)[1]
         assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "restored"
@@ -511,19 +706,32 @@ def test_sglang_length_checks_and_messages(server) -> None:
         "sampling_params.max_new_tokens: Requested token count exceeds the model's maximum context length of "
         f"{CONTEXT} tokens. You requested a total of {10**9 + 1} tokens: 1 tokens from the input messages and "
         f"{10**9} tokens for the completion. Please reduce the number of tokens in the input messages or the "
-        "completion to fit within the limit.")
+        "completion to fit within the limit."
+    )
     ids = [1] * 1000
     status, err = call(server.url, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 24}})
     assert status == 400 and "You requested a total of 1024 tokens" in err["error"]["message"]
-    assert call(server.url, "/generate", {"input_ids": ids, "sampling_params": _greedy(23)})[1]["meta_info"]["completion_tokens"] == 23
+    assert (
+        call(server.url, "/generate", {"input_ids": ids, "sampling_params": _greedy(23)})[1]["meta_info"][
+            "completion_tokens"
+        ]
+        == 23
+    )
     status, err = call(server.url, "/generate", {"input_ids": [1] * CONTEXT})
     assert status == 400 and err["error"]["message"] == (
-        f"input_ids: The input ({CONTEXT} tokens) is longer than the model's context length ({CONTEXT} tokens).")
-    out = call(server.url, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "ignore_eos": True}})[1]
-    assert out["meta_info"]["completion_tokens"] == CONTEXT - 1000  # no max_new_tokens: clamped, as SGLang's scheduler does
+        f"input_ids: The input ({CONTEXT} tokens) is longer than the model's context length ({CONTEXT} tokens)."
+    )
+    out = call(server.url, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "ignore_eos": True}})[
+        1
+    ]
+    assert (
+        out["meta_info"]["completion_tokens"] == CONTEXT - 1000
+    )  # no max_new_tokens: clamped, as SGLang's scheduler does
     status, err = call(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 10**9})
     assert status == 400 and err["error"]["message"].startswith("max_tokens: Requested token count exceeds")
-    status, err = call(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9})
+    status, err = call(
+        server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}
+    )
     assert status == 400 and err["error"]["message"].startswith("max_tokens: max_completion_tokens is too large")
 
 
@@ -538,11 +746,15 @@ def test_the_openai_client_works_against_the_server(server) -> None:
         client.models.retrieve("no-such-model")
     cmpl = client.completions.create(model=models[0].id, prompt="12+34=", max_tokens=4, temperature=0)
     assert cmpl.choices[0].finish_reason in ("length", "stop") and cmpl.usage.completion_tokens >= 1
-    chat = client.chat.completions.create(model=models[0].id, max_tokens=4, temperature=0,
-                                          messages=[{"role": "user", "content": "hi"}])
+    chat = client.chat.completions.create(
+        model=models[0].id, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
     assert chat.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=models[0].id, max_tokens=4, temperature=0, stream=True,
-                                                 messages=[{"role": "user", "content": "hi"}]))
+    chunks = list(
+        client.chat.completions.create(
+            model=models[0].id, max_tokens=4, temperature=0, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
+    )
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
     keyed = _serve(parse_server_args(["--api-key", "k1"]))
@@ -561,29 +773,47 @@ def test_penalties_logit_bias_and_stop_regex_as_sglangs_tests_use_them(server) -
     """SGLang's test_logit_bias, test_forbidden_token and test_finish_stop_regex_str, and its
     penalty ranges, against the server (they were refused with 400)."""
     url = server.url
-    body = {"text": "The capital of France is", "return_logprob": True,
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "logit_bias": {"80": 100.0}}}
+    body = {
+        "text": "The capital of France is",
+        "return_logprob": True,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "logit_bias": {"80": 100.0}},
+    }
     status, out = call(url, "/generate", body)
     assert status == 200 and [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == [80] * 4, out
     greedy = call(url, "/generate", {"text": "rice", "sampling_params": _greedy(8)})[1]["output_ids"]
-    banned = call(url, "/generate", {"text": "rice", "sampling_params": {**_greedy(8), "logit_bias": {str(greedy[0]): -100.0}}})
+    banned = call(
+        url, "/generate", {"text": "rice", "sampling_params": {**_greedy(8), "logit_bias": {str(greedy[0]): -100.0}}}
+    )
     assert banned[0] == 200 and greedy[0] not in banned[1]["output_ids"]
     for sp in ({"frequency_penalty": 1.0}, {"presence_penalty": -1.0}, {"repetition_penalty": 1.3}):
         status, out = call(url, "/generate", {"text": "aaaa", "sampling_params": {**_greedy(16), **sp}})
         assert status == 200 and out["meta_info"]["completion_tokens"] == 16, out
     status, err = call(url, "/generate", {"text": "x", "sampling_params": {"frequency_penalty": 3}})
     assert status == 400 and err["error"]["message"] == (
-        "sampling_params.frequency_penalty: frequency_penalty must be in [-2, 2], got 3.0.")
-    status, err = call(url, "/generate", {"text": "x", "return_sampling_mask": True,
-                                          "sampling_params": {"top_k": 4, "presence_penalty": 0.5}})
+        "sampling_params.frequency_penalty: frequency_penalty must be in [-2, 2], got 3.0."
+    )
+    status, err = call(
+        url,
+        "/generate",
+        {"text": "x", "return_sampling_mask": True, "sampling_params": {"top_k": 4, "presence_penalty": 0.5}},
+    )
     assert status == 400 and err["error"]["message"].startswith(
-        "return_sampling_mask: cannot be combined with sampling_params.presence_penalty")
+        "return_sampling_mask: cannot be combined with sampling_params.presence_penalty"
+    )
     any_char = r"[\s\S]"
     for path, payload in [
         ("/v1/completions", {"prompt": "hello", "max_tokens": 50, "temperature": 0, "stop_regex": any_char}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 50,
-                                  "temperature": 0, "stop_regex": any_char, "frequency_penalty": 0.5,
-                                  "logit_bias": {"80": 3.0}}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 50,
+                "temperature": 0,
+                "stop_regex": any_char,
+                "frequency_penalty": 0.5,
+                "logit_bias": {"80": 3.0},
+            },
+        ),
     ]:
         status, out = call(url, path, payload)
         assert status == 200, out
@@ -596,7 +826,9 @@ def _llama_dir(path: str) -> str:
     from mcore_rl.hf import to_stock_hf_config
     from tests.test_engine_core import tiny_model
 
-    LlamaForCausalLM(to_stock_hf_config(tiny_model(use_qk_norm=False, max_position_embeddings=3000).config)).save_pretrained(path)
+    LlamaForCausalLM(
+        to_stock_hf_config(tiny_model(use_qk_norm=False, max_position_embeddings=3000).config)
+    ).save_pretrained(path)
     return path
 
 
@@ -607,7 +839,9 @@ def test_model_and_server_info_follow_sglang(tmp_path) -> None:
     from mcore_rl.rollout.engine.core import EngineCore
 
     llama = _llama_dir(str(tmp_path / "llama"))
-    srv = ServerThread(EngineServer(EngineDriver(EngineCore.from_model_path(llama)), ServerArgs(model_path=llama))).__enter__()
+    srv = ServerThread(
+        EngineServer(EngineDriver(EngineCore.from_model_path(llama)), ServerArgs(model_path=llama))
+    ).__enter__()
     try:
         for path in ("/model_info", "/get_model_info"):
             status, info = call(srv.url, path, method="GET")
@@ -643,25 +877,52 @@ def test_error_messages_use_sglangs_wording(server) -> None:
     vocab = server.server.core.vocab_size
     status, err = call(url, "/generate", {"text": "a", "return_logprob": True, "token_ids_logprob": [1, vocab]})
     assert status == 400 and err["error"]["message"] == (
-        f"token_ids_logprob contains out-of-vocabulary token id {vocab}; valid range is [0, {vocab}).")
+        f"token_ids_logprob contains out-of-vocabulary token id {vocab}; valid range is [0, {vocab})."
+    )
     msgs = [{"role": "user", "content": "hello"}]
     for key in ("max_tokens", "max_completion_tokens"):
         status, err = call(url, "/v1/chat/completions", {"messages": msgs, key: CONTEXT + 176})
         assert status == 400 and err["error"]["message"] == (
             f"{key}: max_completion_tokens is too large: {CONTEXT + 176}. This model supports at most {CONTEXT} "
-            "completion tokens.")
+            "completion tokens."
+        )
     status, err = call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": CONTEXT - 2})
-    assert status == 400 and "Requested token count exceeds the model's maximum context length" in err["error"]["message"]
+    assert (
+        status == 400 and "Requested token count exceeds the model's maximum context length" in err["error"]["message"]
+    )
 
 
 # SGLang's launch lines of its HTTP tests (test_srt_endpoint, test_skip_tokenizer_init, ...) and
 # the knobs such launch lines carry: performance and deployment flags only.
-SGLANG_TEST_FLAGS = ["--enable-custom-logit-processor", "--mem-fraction-static", "0.7", "--cuda-graph-max-bs", "8",
-                     "--cuda-graph-max-bs-decode", "8", "--stream-output", "--skip-tokenizer-init",
-                     "--max-total-tokens", "1000", "--context-length", "1000", "--disable-overlap-schedule",
-                     "--chunked-prefill-size=2048", "--page-size", "64", "--attention-backend", "fa3",
-                     "--enable-metrics", "--log-requests-target", "stdout", "/tmp/requests", "--tp", "1",
-                     "--enable-deterministic-inference", "--no-enable-tp-lm-head-all-to-all"]
+SGLANG_TEST_FLAGS = [
+    "--enable-custom-logit-processor",
+    "--mem-fraction-static",
+    "0.7",
+    "--cuda-graph-max-bs",
+    "8",
+    "--cuda-graph-max-bs-decode",
+    "8",
+    "--stream-output",
+    "--skip-tokenizer-init",
+    "--max-total-tokens",
+    "1000",
+    "--context-length",
+    "1000",
+    "--disable-overlap-schedule",
+    "--chunked-prefill-size=2048",
+    "--page-size",
+    "64",
+    "--attention-backend",
+    "fa3",
+    "--enable-metrics",
+    "--log-requests-target",
+    "stdout",
+    "/tmp/requests",
+    "--tp",
+    "1",
+    "--enable-deterministic-inference",
+    "--no-enable-tp-lm-head-all-to-all",
+]
 
 
 def test_every_sglang_launch_flag_is_classified() -> None:
@@ -672,13 +933,20 @@ def test_every_sglang_launch_flag_is_classified() -> None:
 
     ours = set(build_parser()._option_string_actions)
     tables = [set(sglang_flags.IGNORED), set(sglang_flags.REFUSED), set(sglang_flags.ONLY)]
-    assert all(not (a & b) for i, a in enumerate(tables) for b in tables[i + 1:] + [ours])
+    assert all(not (a & b) for i, a in enumerate(tables) for b in tables[i + 1 :] + [ours])
     args = parse_server_args(SGLANG_TEST_FLAGS)
     assert args.incremental_streaming_output and args.context_length == 1000 and args.tp_size == 1
-    assert args.ignored_flags == {"--enable-custom-logit-processor": [], "--cuda-graph-max-bs-decode": ["8"],
-                                  "--skip-tokenizer-init": [], "--disable-overlap-schedule": [], "--page-size": ["64"],
-                                  "--enable-metrics": [], "--log-requests-target": ["stdout", "/tmp/requests"],
-                                  "--enable-deterministic-inference": [], "--no-enable-tp-lm-head-all-to-all": []}
+    assert args.ignored_flags == {
+        "--enable-custom-logit-processor": [],
+        "--cuda-graph-max-bs-decode": ["8"],
+        "--skip-tokenizer-init": [],
+        "--disable-overlap-schedule": [],
+        "--page-size": ["64"],
+        "--enable-metrics": [],
+        "--log-requests-target": ["stdout", "/tmp/requests"],
+        "--enable-deterministic-inference": [],
+        "--no-enable-tp-lm-head-all-to-all": [],
+    }
     srv = _serve(args)
     try:
         assert call(srv.url, "/server_info", method="GET")[1]["ignored_flags"]["--page-size"] == ["64"]
@@ -697,7 +965,9 @@ def test_every_sglang_launch_flag_is_classified() -> None:
         with pytest.raises(LaunchFlagError, match=f"^{message}"):
             parse_server_args(argv)
     assert parse_server_args(["--pp-size", "1", "--sampling-defaults=openai"]).ignored_flags == {
-        "--pp-size": ["1"], "--sampling-defaults": ["openai"]}
+        "--pp-size": ["1"],
+        "--sampling-defaults": ["openai"],
+    }
 
 
 def test_incremental_streaming_output_sends_only_what_is_new(server) -> None:

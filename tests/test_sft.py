@@ -16,8 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, "-m", "mcore_rl.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -28,8 +32,15 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_demo_recipe_loss_falls(tmp_path):
-    run = _cli("sft", "configs/sft_demo.yaml", f"run_dir={tmp_path}", "train.train_iters=60",
-               "train.log_interval=20", "train.eval_interval=60", "data.synthetic_max_digits=1")
+    run = _cli(
+        "sft",
+        "configs/sft_demo.yaml",
+        f"run_dir={tmp_path}",
+        "train.train_iters=60",
+        "train.log_interval=20",
+        "train.eval_interval=60",
+        "data.synthetic_max_digits=1",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 61))
@@ -47,11 +58,20 @@ def test_two_ranks_tensor_parallel_bf16_recompute_jsonl(tmp_path):
     lines = [json.dumps(x) for x in good[:20]] + ["{not json"] + [json.dumps(x) for x in good[20:]]
     data.write_text("\n".join(lines) + "\n")
     run = _cli(
-        "sft", f"run_dir={tmp_path}/run", f"data.path={data}", "data.on_bad_line=skip",
-        "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-        "train.precision=bf16", "train.recompute=full", "train.train_iters=12",
-        "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "--nproc-per-node", "2",
+        "sft",
+        f"run_dir={tmp_path}/run",
+        f"data.path={data}",
+        "data.on_bad_line=skip",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "train.precision=bf16",
+        "train.recompute=full",
+        "train.train_iters=12",
+        "train.seq_length=32",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "--nproc-per-node",
+        "2",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{data}:21" in run.stderr + run.stdout  # the bad line is reported with file:line
@@ -84,24 +104,35 @@ def test_missing_paths_are_named(tmp_path):
     assert run.returncode != 0 and f"{tmp_path}/no_ckpt" in run.stderr
 
 
-TINY = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "train.seq_length=16",
-        "train.micro_batch_size=2", "train.global_batch_size=2", "data.synthetic_num_examples=64",
-        "train.train_iters=1"]
+TINY = [
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "train.seq_length=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "data.synthetic_num_examples=64",
+    "train.train_iters=1",
+]
 
 
 def _cli_on_tmpfs(mount: str, options: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`_cli(*args)` in a private mount namespace with a tmpfs (`-o options`) at `mount`: real
     read-only and full filesystems. Needs root (or user namespaces); skips where the sandbox refuses."""
     os.makedirs(mount, exist_ok=True)
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o {options} tmpfs {shlex.quote(mount)}"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o {options} tmpfs {shlex.quote(mount)}"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     command = shlex.join([sys.executable, "-m", "mcore_rl.cli", *args])
     script = f"mount -t tmpfs -o {options} tmpfs {shlex.quote(mount)} && exec {command}"
-    return subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_unwritable_save_dir_fails_before_training(tmp_path):
@@ -128,8 +159,10 @@ def test_full_disk_at_save_says_so_and_where(tmp_path):
     run = _cli_on_tmpfs(full, "size=256k", "sft", *TINY, f"run_dir={tmp_path}/run", f"checkpoint.save_dir={full}/ckpt")
     assert run.returncode == 1, run.stderr[-3000:]
     message = run.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"mcore-rl sft: could not write checkpoint {full}/ckpt/iter_0000001: the disk holding "
-                              f"checkpoint.save_dir '{full}/ckpt' is full"), run.stderr[-3000:]
+    assert message.startswith(
+        f"mcore-rl sft: could not write checkpoint {full}/ckpt/iter_0000001: the disk holding "
+        f"checkpoint.save_dir '{full}/ckpt' is full"
+    ), run.stderr[-3000:]
     assert f"mounted at {full})" in message and "Traceback" not in run.stderr
 
 
@@ -137,14 +170,24 @@ def test_data_errors_come_before_any_worker_starts(tmp_path):
     """A bad line fails in the command itself, before torchrun and distributed initialisation."""
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "c"}\n')
-    run = _cli("sft", *TINY, "train.global_batch_size=4", f"run_dir={tmp_path}/run", f"data.path={data}",
-               "--nproc-per-node", "2", timeout=60)
+    run = _cli(
+        "sft",
+        *TINY,
+        "train.global_batch_size=4",
+        f"run_dir={tmp_path}/run",
+        f"data.path={data}",
+        "--nproc-per-node",
+        "2",
+        timeout=60,
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     assert run.stderr.splitlines()[-1].startswith(f"mcore-rl sft: {data}:2: not valid UTF-8")
     assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(b'{"prompt": "1+1="}\n\xff\n')
     run = _cli("train", f"run_dir={tmp_path}/rl", f"data.path={prompts}", timeout=60)
-    assert run.returncode == 2 and run.stderr.splitlines()[-1].startswith(f"mcore-rl train: {prompts}:2: not valid UTF-8")
+    assert run.returncode == 2 and run.stderr.splitlines()[-1].startswith(
+        f"mcore-rl train: {prompts}:2: not valid UTF-8"
+    )
     run = _cli("train", f"run_dir={tmp_path}/rl", f"data.path={tmp_path}/none.jsonl", timeout=60)
     assert run.returncode == 2 and f"data.path: no such file: {tmp_path}/none.jsonl" in run.stderr

@@ -124,7 +124,7 @@ def test_bf16_rounding_hides_tiny_updates_but_fp32_masters_keep_them() -> None:
     bf16 parameter unchanged; with fp32 masters (train.precision=bf16) it accumulates in the master
     and reaches the bf16 copy once the sum crosses the rounding boundary."""
     one = torch.ones(4, dtype=torch.bfloat16)
-    half_ulp = 2.0 ** -8  # bf16 has 8 significand bits: ulp(1) = 2^-7
+    half_ulp = 2.0**-8  # bf16 has 8 significand bits: ulp(1) = 2^-7
     assert torch.equal(one + torch.full_like(one, half_ulp * 0.9), one)
     assert not torch.equal(one + torch.full_like(one, half_ulp * 1.1), one)
 
@@ -183,8 +183,15 @@ def _sharded_state_dict_has_only_masters() -> None:
 def test_step_decay_constant_then_halving_to_the_floor() -> None:
     from mcore_rl.train.lr_schedule import LRScheduler
 
-    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="step", lr_warmup_iters=2,
-                          lr_step_start_iter=5, lr_step_period=3, lr_step_factor=0.5)
+    cfg = OptimizerConfig(
+        lr=1.0,
+        min_lr=0.1,
+        lr_decay_style="step",
+        lr_warmup_iters=2,
+        lr_step_start_iter=5,
+        lr_step_period=3,
+        lr_step_factor=0.5,
+    )
     sched = LRScheduler(cfg, total_iters=100)
     got = [sched.lr_at(s) for s in range(20)]
     want = [0.5, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125, 0.125, 0.125] + [0.1] * 6
@@ -213,12 +220,19 @@ def test_step_decay_drives_the_optimizer_and_its_keys_validate() -> None:
         lrs.append(opt.step()["lr"])
         opt.zero_grad()
     assert lrs == [0.1, 0.05, 0.025, 0.025]
-    ok = ["optimizer.lr_decay_style=step", "optimizer.lr_step_start_iter=20", "optimizer.lr_step_period=10",
-          "optimizer.min_lr=1e-4", "optimizer.lr=1e-3"]
+    ok = [
+        "optimizer.lr_decay_style=step",
+        "optimizer.lr_step_start_iter=20",
+        "optimizer.lr_step_period=10",
+        "optimizer.min_lr=1e-4",
+        "optimizer.lr=1e-3",
+    ]
     validate_rl_config(load_config(RLConfig, "configs/demo.yaml", ok), 1)
-    for bad, key in ((["optimizer.lr_step_period=0"], "optimizer.lr_step_period"),
-                     (["optimizer.lr_step_factor=1.5"], "optimizer.lr_step_factor"),
-                     (["optimizer.lr_warmup_iters=30"], "optimizer.lr_step_start_iter")):
+    for bad, key in (
+        (["optimizer.lr_step_period=0"], "optimizer.lr_step_period"),
+        (["optimizer.lr_step_factor=1.5"], "optimizer.lr_step_factor"),
+        (["optimizer.lr_warmup_iters=30"], "optimizer.lr_step_start_iter"),
+    ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate_rl_config(load_config(RLConfig, "configs/demo.yaml", ok + bad), 1)
 
@@ -330,9 +344,11 @@ def test_module_types_for_megatron_and_hf_names() -> None:
 
 def test_compare_reports_per_module_and_pools_overall() -> None:
     g = torch.Generator().manual_seed(9)
-    src = {"decoder.layers.0.mlp.linear_fc1.weight": torch.randn(8, 6, generator=g),
-           "decoder.layers.0.self_attention.linear_proj.weight": torch.randn(6, 6, generator=g),
-           "decoder.final_layernorm.weight": torch.ones(6)}
+    src = {
+        "decoder.layers.0.mlp.linear_fc1.weight": torch.randn(8, 6, generator=g),
+        "decoder.layers.0.self_attention.linear_proj.weight": torch.randn(6, 6, generator=g),
+        "decoder.final_layernorm.weight": torch.ones(6),
+    }
     trained = {k: v.clone() for k, v in src.items()}
     trained["decoder.layers.0.mlp.linear_fc1.weight"][2, 3] += 0.5  # one coordinate, FFN only
     out = us.compare(src, trained)
@@ -363,8 +379,10 @@ def test_effective_lr_formula_quantiles_and_decades() -> None:
     x = torch.tensor([0.5, 2.0, 3.0, 20.0, 50.0, 70.0, 200.0, 0.0])
     assert sa.decade_mass(x) == {"1e-1": 1 / 7, "1e0": 2 / 7, "1e1": 3 / 7, "1e2": 1 / 7}
     assert sa.quantiles(torch.arange(101.0))["q50"] == 50.0
-    moments = {"decoder.layers.0.mlp.linear_fc1.weight": torch.full((4, 4), 1e-12),  # η_eff = 1e-6 / 1e-6 = 1
-               "decoder.layers.0.self_attention.linear_proj.weight": torch.full((2, 2), 1e-10)}  # = 0.1
+    moments = {
+        "decoder.layers.0.mlp.linear_fc1.weight": torch.full((4, 4), 1e-12),  # η_eff = 1e-6 / 1e-6 = 1
+        "decoder.layers.0.self_attention.linear_proj.weight": torch.full((2, 2), 1e-10),
+    }  # = 0.1
     out = sa.summarize(moments, lr=1e-6, eps=0.0, step=1, beta2=0.0)
     rows = {r["module"]: r for r in out["by_module"]}
     assert rows["mlp_in"]["q50"] == pytest.approx(1.0) and rows["attn_out"]["q50"] == pytest.approx(0.1)
@@ -442,17 +460,26 @@ def _sgd_world(rank: int, world_size: int, tmp: str) -> None:
     ps.destroy_model_parallel()
 
     def cfg(run: str, iters: int, **ck: str) -> SFTConfig:
-        overrides = [f"run_dir={tmp}/{run}", f"train.train_iters={iters}", "train.log_interval=100",
-                     "train.micro_batch_size=2", "train.global_batch_size=4", "train.seq_length=32",
-                     "data.synthetic_num_examples=256", "optimizer.name=sgd", "optimizer.lr=0.05",
-                     "optimizer.lr_decay_style=constant",  # the 3-step run keeps the 6-step run's LRs
-                     "parallel.tensor_model_parallel_size=2"]
+        overrides = [
+            f"run_dir={tmp}/{run}",
+            f"train.train_iters={iters}",
+            "train.log_interval=100",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.seq_length=32",
+            "data.synthetic_num_examples=256",
+            "optimizer.name=sgd",
+            "optimizer.lr=0.05",
+            "optimizer.lr_decay_style=constant",  # the 3-step run keeps the 6-step run's LRs
+            "parallel.tensor_model_parallel_size=2",
+        ]
         return load_config(SFTConfig, None, overrides + [f"checkpoint.{k}={v}" for k, v in ck.items()])
 
     full = [r["loss"] for r in sft.run_sft(cfg("a", 6))]
     sft.run_sft(cfg("b", 3, save_dir=f"{tmp}/ckpt"))
-    resumed = [r["loss"] for r in sft.run_sft(cfg("c", 6, load_dir=f"{tmp}/ckpt", save_dir=f"{tmp}/ckpt",
-                                                 save_interval="1"))]
+    resumed = [
+        r["loss"] for r in sft.run_sft(cfg("c", 6, load_dir=f"{tmp}/ckpt", save_dir=f"{tmp}/ckpt", save_interval="1"))
+    ]
     assert resumed == full[3:], (resumed, full)
     assert full[-1] < full[0]  # SGD at this rate trains
     if rank == 0:
@@ -464,8 +491,16 @@ def _sgd_world(rank: int, world_size: int, tmp: str) -> None:
         assert 0.0 <= result["overall"]["sparsity"] < 1.0 and result["overall"]["relative_norm"] > 0
         assert {r["module"] for r in result["by_module"]} >= {"attn_qkv", "mlp_in", "mlp_out", "embedding"}
         _remath_on_dist_checkpoints(tmp)
-    adam = load_config(SFTConfig, None, [f"run_dir={tmp}/d", "parallel.tensor_model_parallel_size=2",
-                                         f"checkpoint.load_dir={tmp}/ckpt", "train.seq_length=32"])
+    adam = load_config(
+        SFTConfig,
+        None,
+        [
+            f"run_dir={tmp}/d",
+            "parallel.tensor_model_parallel_size=2",
+            f"checkpoint.load_dir={tmp}/ckpt",
+            "train.seq_length=32",
+        ],
+    )
     with pytest.raises(ValueError, match="optimizer.name=sgd"):
         sft.build_trainer(adam)
     _adam_effective_lr_of_a_real_checkpoint(tmp)
@@ -482,10 +517,20 @@ def _adam_effective_lr_of_a_real_checkpoint(tmp: str) -> None:
     from mcore_rl.models.shards import iter_local_params
     from mcore_rl.train import sft
 
-    cfg = load_config(SFTConfig, None, [f"run_dir={tmp}/adam", "parallel.tensor_model_parallel_size=2",
-                                        "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
-                                        "data.synthetic_num_examples=64", "optimizer.lr=1e-3",
-                                        f"checkpoint.save_dir={tmp}/adam_ckpt"])
+    cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            f"run_dir={tmp}/adam",
+            "parallel.tensor_model_parallel_size=2",
+            "train.seq_length=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "data.synthetic_num_examples=64",
+            "optimizer.lr=1e-3",
+            f"checkpoint.save_dir={tmp}/adam_ckpt",
+        ],
+    )
     trainer = sft.build_trainer(cfg)
     for _ in range(2):
         sft.train_step(trainer)
@@ -521,14 +566,26 @@ def _masked_retraining_under_tp2(tmp: str) -> None:
     from mcore_rl.train import sft
 
     if dist.get_rank() == 0:
-        out = us.write_mask(us.load_weights(f"{tmp}/ckpt/iter_0000003"), us.load_weights(f"{tmp}/ckpt"), 1e-5,
-                            f"{tmp}/mask.pt")
+        out = us.write_mask(
+            us.load_weights(f"{tmp}/ckpt/iter_0000003"), us.load_weights(f"{tmp}/ckpt"), 1e-5, f"{tmp}/mask.pt"
+        )
         assert 0 < out["density"] < 1, out
     dist.barrier()
-    cfg = load_config(SFTConfig, None, [f"run_dir={tmp}/masked", "parallel.tensor_model_parallel_size=2",
-                                        "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
-                                        "data.synthetic_num_examples=64", "optimizer.lr=1e-2",
-                                        "optimizer.weight_decay=0.1", f"optimizer.update_mask={tmp}/mask.pt"])
+    cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            f"run_dir={tmp}/masked",
+            "parallel.tensor_model_parallel_size=2",
+            "train.seq_length=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "data.synthetic_num_examples=64",
+            "optimizer.lr=1e-2",
+            "optimizer.weight_decay=0.1",
+            f"optimizer.update_mask={tmp}/mask.pt",
+        ],
+    )
     trainer = sft.build_trainer(cfg)
     before = gather_full_state_dict(trainer.chunks)
     for _ in range(3):
@@ -536,8 +593,10 @@ def _masked_retraining_under_tp2(tmp: str) -> None:
     after = gather_full_state_dict(trainer.chunks)
     masks = torch.load(f"{tmp}/mask.pt", weights_only=True)
     moved = 0
-    aliases = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}  # checkpoint key -> param name
+    aliases = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }  # checkpoint key -> param name
     for key, m in masks.items():
         name = next((key.replace(a, b) for a, b in aliases.items() if key.endswith(a)), key)
         assert torch.equal(after[name][~m], before[name][~m]), name

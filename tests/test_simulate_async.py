@@ -32,8 +32,9 @@ def _tool():
     return sys.modules["simulate_async"]
 
 
-MODEL = DecodeModel(step_fixed_s=5e-3, step_per_seq_s=1e-4, step_per_ctx_token_s=1e-6, prefill_per_token_s=1e-5,
-                    slots=4)
+MODEL = DecodeModel(
+    step_fixed_s=5e-3, step_per_seq_s=1e-4, step_per_ctx_token_s=1e-6, prefill_per_token_s=1e-5, slots=4
+)
 
 
 def _token_by_token(reqs: list[tuple[int, int]]) -> list[float]:
@@ -96,17 +97,47 @@ def test_response_lengths_are_long_tailed_and_capped():
     lengths = ResponseLengths(median=1000, sigma_prompt=0.6, sigma_sample=0.6, cap=8000)
     mean = lengths.mean(20_000)
     assert 1.2 * 1000 < mean < 1.6 * 1000  # lognormal: mean above the median
-    mixed = ResponseLengths(median=1000, sigma_prompt=0.0, sigma_sample=0.0, cap=100_000, long_frac=0.25,
-                            long_factor=8).mean(20_000)
+    mixed = ResponseLengths(
+        median=1000, sigma_prompt=0.0, sigma_sample=0.0, cap=100_000, long_frac=0.25, long_factor=8
+    ).mean(20_000)
     assert mixed == pytest.approx(1000 * (0.75 + 0.25 * 8), rel=0.05)
 
 
 def test_tool_async_beats_sync_within_the_staleness_bound(capsys):
     sim = _tool()
     t0 = time.process_time()  # CPU time: the budget holds on a loaded machine too
-    results = sim.main(["--total-gpus", "32", "--trainer-gpus", "8", "--staleness", "0,1,2", "--keep", "2",
-                        "--tp", "2", "--prompts", "16", "--group", "4", "--median", "600", "--cap", "4096",
-                        "--slice", "1", "--unit", "32", "--steps", "6", "--warmup", "2", "--jobs", "1"])
+    results = sim.main(
+        [
+            "--total-gpus",
+            "32",
+            "--trainer-gpus",
+            "8",
+            "--staleness",
+            "0,1,2",
+            "--keep",
+            "2",
+            "--tp",
+            "2",
+            "--prompts",
+            "16",
+            "--group",
+            "4",
+            "--median",
+            "600",
+            "--cap",
+            "4096",
+            "--slice",
+            "1",
+            "--unit",
+            "32",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--jobs",
+            "1",
+        ]
+    )
     elapsed = time.process_time() - t0
     out = capsys.readouterr().out
     assert "x sync" in out and "colocated" in out

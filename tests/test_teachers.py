@@ -83,8 +83,18 @@ def make_samples(n: int, domains=("",), seed: int = 0, prompt_len: int = 12, res
         ids += torch.randint(32, 127, (max(0, prompt_len - len(ids)),), generator=g).tolist()
         resp = torch.randint(32, 127, (response_len - i % 5,), generator=g).tolist()
         prompt = Prompt(i, text, ids, label=str(i * 8), domain=domains[i % len(domains)])
-        out.append(Sample(prompt, group=i // 4, response_ids=resp, rollout_logp=[-1.0] * len(resp), policy_version=1,
-                          finish_reason="stop", text=TOK.decode(resp), reward=float(i % 4 == 0)))
+        out.append(
+            Sample(
+                prompt,
+                group=i // 4,
+                response_ids=resp,
+                rollout_logp=[-1.0] * len(resp),
+                policy_version=1,
+                finish_reason="stop",
+                text=TOK.decode(resp),
+                reward=float(i % 4 == 0),
+            )
+        )
     return out
 
 
@@ -92,7 +102,7 @@ def make_samples(n: int, domains=("",), seed: int = 0, prompt_len: int = 12, res
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("teachers")
     swapped = [NAMED_SPECIAL_TOKENS[0], NAMED_SPECIAL_TOKENS[2], NAMED_SPECIAL_TOKENS[1], *NAMED_SPECIAL_TOKENS[3:]]
-    other_tok = ByteTokenizer(swapped + TOK.special_tokens[len(swapped):], TOK.vocab_size)  # <bos>/<eos> swapped
+    other_tok = ByteTokenizer(swapped + TOK.special_tokens[len(swapped) :], TOK.vocab_size)  # <bos>/<eos> swapped
     return {
         "a": write_checkpoint(str(root / "a"), 0),
         "b": write_checkpoint(str(root / "b"), 1),
@@ -109,8 +119,14 @@ def servers(ckpts):
     procs = {}
     try:
         for name, ck, n in (("a", "a", 2), ("b", "b", 1), ("other_tok", "other_tok", 1)):
-            procs[name] = start_teacher_engines(ckpts[ck], num=n, workdir=os.path.join(root, f"w_{name}"),
-                                                context_length=CONTEXT, threads=1, max_running_requests=32)
+            procs[name] = start_teacher_engines(
+                ckpts[ck],
+                num=n,
+                workdir=os.path.join(root, f"w_{name}"),
+                context_length=CONTEXT,
+                threads=1,
+                max_running_requests=32,
+            )
         yield procs
     finally:
         for p in procs.values():
@@ -133,8 +149,13 @@ def test_prompt_scoring_reply_is_sglangs_and_scores_are_the_teachers(servers, ck
 
     async def raw():
         async with EngineClient(url) as c:
-            return await c.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                    logprob_start_len=4, top_logprobs_num=3)
+            return await c.generate(
+                input_ids=ids,
+                sampling_params={"max_new_tokens": 0},
+                return_logprob=True,
+                logprob_start_len=4,
+                top_logprobs_num=3,
+            )
 
     import asyncio
 
@@ -196,8 +217,15 @@ def test_token_ids_logprob_is_sglangs_and_equals_a_plain_forward(servers, ckpts)
         assert err.value.status == 400
         return err.value.message
 
-    outs = asyncio.run(call(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                            logprob_start_len=2, token_ids_logprob=ids))  # one list per prompt of the batch
+    outs = asyncio.run(
+        call(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 0},
+            return_logprob=True,
+            logprob_start_len=2,
+            token_ids_logprob=ids,
+        )
+    )  # one list per prompt of the batch
     for prompt, want, out in zip(prompts, ids, outs):
         meta = out["meta_info"]
         lp = torch.log_softmax(model(torch.tensor([prompt])).logits.float(), -1)[0]
@@ -209,8 +237,15 @@ def test_token_ids_logprob_is_sglangs_and_equals_a_plain_forward(servers, ckpts)
         assert meta["output_token_ids_logprobs"] == []
     # one list for every prompt, generated tokens, text in the entries
     greedy = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
-    outs = asyncio.run(call(input_ids=prompts, sampling_params=greedy, return_logprob=True, token_ids_logprob=ids[1],
-                            return_text_in_logprobs=True))
+    outs = asyncio.run(
+        call(
+            input_ids=prompts,
+            sampling_params=greedy,
+            return_logprob=True,
+            token_ids_logprob=ids[1],
+            return_text_in_logprobs=True,
+        )
+    )
     for prompt, out in zip(prompts, outs):
         meta = out["meta_info"]
         assert meta["input_token_ids_logprobs"] == [None]  # logprob_start_len -1: the last prompt token only
@@ -220,16 +255,20 @@ def test_token_ids_logprob_is_sglangs_and_equals_a_plain_forward(servers, ckpts)
         assert len(gen) == len(out["output_ids"]) == 3
         for j, e in enumerate(gen):
             assert [x[1] for x in e] == ids[1] and [x[2] for x in e] == [TOK.decode([t]) for t in ids[1]]
-            torch.testing.assert_close(torch.tensor([x[0] for x in e]), lp[len(prompt) - 1 + j, ids[1]],
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor([x[0] for x in e]), lp[len(prompt) - 1 + j, ids[1]], rtol=0, atol=1e-5
+            )
     plain = asyncio.run(call(input_ids=prompts[0], sampling_params=greedy, return_logprob=True))
-    assert "input_token_ids_logprobs" not in plain["meta_info"] and "output_token_ids_logprobs" not in plain["meta_info"]
+    assert (
+        "input_token_ids_logprobs" not in plain["meta_info"] and "output_token_ids_logprobs" not in plain["meta_info"]
+    )
 
     one = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
     assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, "x"])
     assert "token_ids_logprob: expected integer token ids" in refused(**one, token_ids_logprob=[1, 2.0])
-    assert (f"token_ids_logprob contains out-of-vocabulary token id {TOK.vocab_size}; valid range is "
-            f"[0, {TOK.vocab_size}).") in refused(**one, token_ids_logprob=[1, TOK.vocab_size])  # SGLang's wording
+    assert (
+        f"token_ids_logprob contains out-of-vocabulary token id {TOK.vocab_size}; valid range is [0, {TOK.vocab_size})."
+    ) in refused(**one, token_ids_logprob=[1, TOK.vocab_size])  # SGLang's wording
     assert "token_ids_logprob contains out-of-vocabulary token id -1" in refused(**one, token_ids_logprob=[-1])
     assert "token_ids_logprob: a list of lists needs a batch" in refused(**one, token_ids_logprob=[[1]])
     assert "token_ids_logprob: expected a list of token ids" in refused(**one, token_ids_logprob=True)
@@ -248,8 +287,9 @@ def test_a_reference_teacher_scores_the_teachers_tokens_and_top_k_ids(servers, c
 
     teacher = EngineTeacher("b", servers["b"].urls, vocab_size=TOK.vocab_size, top_k=4)
     ref = EngineTeacher("a", servers["a"].urls[:1], vocab_size=TOK.vocab_size)
-    dead = EngineTeacher("gone", [f"http://127.0.0.1:{_free_port()}"], vocab_size=TOK.vocab_size, timeout=5,
-                         health_interval=60.0)
+    dead = EngineTeacher(
+        "gone", [f"http://127.0.0.1:{_free_port()}"], vocab_size=TOK.vocab_size, timeout=5, health_interval=60.0
+    )
     teacher.reference = ref
     try:
         samples = make_samples(5)
@@ -263,10 +303,12 @@ def test_a_reference_teacher_scores_the_teachers_tokens_and_top_k_ids(servers, c
             torch.testing.assert_close(torch.tensor(t.logp), chosen, rtol=0, atol=1e-5)
             rows = response_rows(ref_model, s)
             assert len(t.ref_logp) == len(t.ref_topk_logp) == len(s.response_ids)
-            torch.testing.assert_close(torch.tensor(t.ref_logp), rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0],
-                                       rtol=0, atol=1e-5)
-            torch.testing.assert_close(torch.tensor(t.ref_topk_logp), rows.gather(1, torch.tensor(t.topk_ids)),
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(t.ref_logp), rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0], rtol=0, atol=1e-5
+            )
+            torch.testing.assert_close(
+                torch.tensor(t.ref_topk_logp), rows.gather(1, torch.tensor(t.topk_ids)), rtol=0, atol=1e-5
+            )
         teacher.reference = dead
         start = time.monotonic()
         late = make_samples(2, seed=3)
@@ -285,9 +327,13 @@ def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, ur
 
     from mcore_rl.algos.distill.direct_opd import adapt_alpha
 
-    opd = ["distill.losses=[{name: direct_opd}]", "distill.top_k=2", "algorithm.reference_model=true",
-           f"teachers=[{{kind: engine, name: post, urls: ['{url_teacher}'], top_k: 2, reference: pre}}, "
-           f"{{kind: engine, name: pre, urls: ['{url_ref}']}}]"]
+    opd = [
+        "distill.losses=[{name: direct_opd}]",
+        "distill.top_k=2",
+        "algorithm.reference_model=true",
+        f"teachers=[{{kind: engine, name: post, urls: ['{url_teacher}'], top_k: 2, reference: pre}}, "
+        f"{{kind: engine, name: pre, urls: ['{url_ref}']}}]",
+    ]
     cfg = small(f"run_dir={tmp}/one", *opd)
     validate_rl_config(cfg, 1)
     run = RLRun(cfg)
@@ -300,14 +346,32 @@ def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, ur
         ref_model = reference_model(ckpt_ref)
         for s in samples:
             rows = response_rows(ref_model, s)
-            torch.testing.assert_close(torch.tensor(s.teacher.ref_logp),
-                                       rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0], rtol=0, atol=1e-5)
-            torch.testing.assert_close(torch.tensor(s.teacher.ref_topk_logp), rows.gather(1, torch.tensor(s.teacher.topk_ids)),
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(s.teacher.ref_logp),
+                rows.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0],
+                rtol=0,
+                atol=1e-5,
+            )
+            torch.testing.assert_close(
+                torch.tensor(s.teacher.ref_topk_logp),
+                rows.gather(1, torch.tensor(s.teacher.topk_ids)),
+                rtol=0,
+                atol=1e-5,
+            )
     finally:
         run.close()
-    for mode, extra in (("sync", []), ("async", ["rollout.runtime=async", "rollout.max_staleness=1",
-                                                  "rollout.request_timeout_s=20", "rollout.max_running_requests=32"])):
+    for mode, extra in (
+        ("sync", []),
+        (
+            "async",
+            [
+                "rollout.runtime=async",
+                "rollout.max_staleness=1",
+                "rollout.request_timeout_s=20",
+                "rollout.max_running_requests=32",
+            ],
+        ),
+    ):
         summary = run_rl(small(f"run_dir={tmp}/{mode}", *opd, *extra))
         assert summary["state"]["rl_step"] == 2
         with open(f"{tmp}/{mode}/metrics.jsonl") as f:
@@ -329,8 +393,15 @@ def _direct_opd_world(rank: int, world_size: int, tmp: str, url_teacher: str, ur
         return [(r["rl_step"], r["distill/direct_opd/alpha"], r["distill/direct_opd/shift_mean"]) for r in recs]
 
     ckpt = f"{tmp}/ckpt"
-    run_rl(small(f"run_dir={tmp}/full", *opd, "train.num_steps=4", f"checkpoint.save_dir={ckpt}",
-                 "checkpoint.save_interval=2"))
+    run_rl(
+        small(
+            f"run_dir={tmp}/full",
+            *opd,
+            "train.num_steps=4",
+            f"checkpoint.save_dir={ckpt}",
+            "checkpoint.save_interval=2",
+        )
+    )
     full = alphas(f"{tmp}/full")
     assert [x[0] for x in full] == [1, 2, 3, 4] and full[0][1] == 1.0
     for (_, a, shift), (_, a_next, _) in zip(full, full[1:]):
@@ -361,8 +432,11 @@ def test_tokenizer_and_reachability_are_checked_before_training(servers, ckpts):
         same.close()
     other = EngineTeacher("o", servers["other_tok"].urls, vocab_size=TOK.vocab_size)
     try:
-        with pytest.raises(TeacherError, match=r"teachers\[1\] \(o\).*does not share the student's tokenizer.*"
-                                               r"/tokenize of '<bos>'"):
+        with pytest.raises(
+            TeacherError,
+            match=r"teachers\[1\] \(o\).*does not share the student's tokenizer.*"
+            r"/tokenize of '<bos>'",
+        ):
             other.check(TOK, "teachers[1] (o)")
     finally:
         other.close()
@@ -395,8 +469,10 @@ def test_routing_by_domain_ui_mopd(servers):
 
     def score(desktop_urls):
         samples = make_samples(12, domains=("desktop", "mobile", "web"))
-        teachers = [EngineTeacher("desktop", desktop_urls, vocab_size=TOK.vocab_size),
-                    EngineTeacher("mobile", servers["b"].urls, vocab_size=TOK.vocab_size)]
+        teachers = [
+            EngineTeacher("desktop", desktop_urls, vocab_size=TOK.vocab_size),
+            EngineTeacher("mobile", servers["b"].urls, vocab_size=TOK.vocab_size),
+        ]
         try:
             routes = route_by_domain([["desktop"], ["mobile"]], [s.prompt.domain for s in samples])
             for i, t in enumerate(teachers):
@@ -426,8 +502,9 @@ def test_routing_by_domain_ui_mopd(servers):
 
 def test_a_teacher_engine_killed_mid_run_costs_its_requests_not_the_run(servers, ckpts):
     procs = servers["a"]
-    teacher = EngineTeacher("a", procs.urls, vocab_size=TOK.vocab_size, top_k=2, max_concurrency=64, timeout=30,
-                            health_interval=60.0)
+    teacher = EngineTeacher(
+        "a", procs.urls, vocab_size=TOK.vocab_size, top_k=2, max_concurrency=64, timeout=30, health_interval=60.0
+    )
     try:
         samples = make_samples(160, prompt_len=24, response_len=60)
         seen_busy = []
@@ -471,12 +548,24 @@ def test_a_teacher_engine_killed_mid_run_costs_its_requests_not_the_run(servers,
 # ------------------------------------------------------------------------------- config
 
 SMALL = [
-    "train.num_steps=2", "train.seq_length=64", "train.micro_batch_size=8",
-    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12", "rollout.context_length=256",
-    "algorithm.num_minibatches=1", "reward.name=tests.reward_fns:digit_count",
-    "eval.interval=0", "eval.at_start=false", "eval.num_prompts=4", "eval.k=0",
-    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "train.num_steps=2",
+    "train.seq_length=64",
+    "train.micro_batch_size=8",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=2",
+    "rollout.max_new_tokens=12",
+    "rollout.context_length=256",
+    "algorithm.num_minibatches=1",
+    "reward.name=tests.reward_fns:digit_count",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "eval.num_prompts=4",
+    "eval.k=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
 ]
 
 
@@ -496,13 +585,17 @@ def test_example_recipe_and_config_errors(tmp_path, ckpts):
             validate_rl_config(small(yaml_path=str(path)), 1)
         return str(info.value)
 
-    msg = errors("teachers:\n  - {kind: engine, urls: ['http://127.0.0.1:1'], domains: [math]}\n"
-                 "  - {kind: frozen, domains: [math, code]}\n")
+    msg = errors(
+        "teachers:\n  - {kind: engine, urls: ['http://127.0.0.1:1'], domains: [math]}\n"
+        "  - {kind: frozen, domains: [math, code]}\n"
+    )
     assert "teachers[1].domains" in msg and "'math' is also routed to teachers[0]" in msg
     assert "teachers: teachers [0, 1] all have no domains" in errors(
-        "teachers:\n  - {kind: frozen}\n  - {kind: privileged}\n")
-    msg = errors("teachers:\n  - {kind: engine}\n"
-                 "  - {kind: privileged, top_k: 400, domains: [x], urls: ['http://a']}\n")
+        "teachers:\n  - {kind: frozen}\n  - {kind: privileged}\n"
+    )
+    msg = errors(
+        "teachers:\n  - {kind: engine}\n  - {kind: privileged, top_k: 400, domains: [x], urls: ['http://a']}\n"
+    )
     assert "teachers[0].urls: an engine teacher needs either urls" in msg
     assert "teachers[1].top_k: must be in [0, model.vocab_size=384]" in msg
     assert "teachers[1].urls: only applies to kind 'engine'" in msg
@@ -510,7 +603,8 @@ def test_example_recipe_and_config_errors(tmp_path, ckpts):
     assert "got both" in msg and "teachers[0].urls[0]: must be an http(s) URL" in msg
     assert "teachers[0].model_path" in msg
     assert "teachers[0].template: must contain '{context}'" in errors(
-        "teachers:\n  - {kind: privileged, template: 'no placeholder'}\n")
+        "teachers:\n  - {kind: privileged, template: 'no placeholder'}\n"
+    )
     with pytest.raises(ConfigError, match=r"teachers\[0\]\.kind"):
         small("teachers=[{kind: oracle}]")
 
@@ -530,8 +624,11 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
     bad = small(f"run_dir={tmp}/bad", f"teachers=[{{kind: engine, name: wrong, urls: ['{url_other}']}}]")
     with pytest.raises(TeacherError, match=r"teachers\[0\] \(wrong\).*does not share the student's tokenizer"):
         RLRun(bad).initialise()
-    cfg = small(f"run_dir={tmp}/one", "rollout.health_check_interval_s=60",
-                f"teachers=[{{kind: engine, name: big, model_path: {ckpt_a}, num_engines: 2, top_k: 2}}]")
+    cfg = small(
+        f"run_dir={tmp}/one",
+        "rollout.health_check_interval_s=60",
+        f"teachers=[{{kind: engine, name: big, model_path: {ckpt_a}, num_engines: 2, top_k: 2}}]",
+    )
     run = RLRun(cfg)
     try:
         run.initialise()
@@ -560,8 +657,9 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         def logprobs(ss, t, chunks):
             return learner.token_logprobs(ss, t, chunks=chunks)[0]
 
-        priv = PrivilegedTeacher("priv", run.tokenizer, cfg.train.seq_length, context="answer",
-                                 template="Answer: {context}\n")
+        priv = PrivilegedTeacher(
+            "priv", run.tokenizer, cfg.train.seq_length, context="answer", template="Answer: {context}\n"
+        )
         batch = [s for s in samples]
         for s in batch:
             s.teacher = None
@@ -570,8 +668,9 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         assert batch[1].teacher.error == "no privileged context" and batch[1].teacher.logp == []
         copy = priv.privileged_samples([batch[0]], batch)[0]
         assert copy.prompt_ids[0] == run.tokenizer.bos_id
-        assert copy.prompt_ids[1:len(copy.prompt_ids) - len(batch[0].prompt_ids) + 1] == run.tokenizer.encode(
-            f"Answer: {batch[0].prompt.label}\n")
+        assert copy.prompt_ids[1 : len(copy.prompt_ids) - len(batch[0].prompt_ids) + 1] == run.tokenizer.encode(
+            f"Answer: {batch[0].prompt.label}\n"
+        )
         t = max(len(s.response_ids) for s in batch)
         want = logprobs([copy], t, None)[0, : len(batch[0].response_ids)]
         plain = logprobs([batch[0]], t, None)[0, : len(batch[0].response_ids)]
@@ -591,12 +690,20 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         frozen = FrozenTeacher("old", cfg, run.chunks, refresh_interval=2, version=run.state.version, top_k=3)
 
         def topk(ss, t, chunks):
-            return token_topk(chunks, ss, t, 3, seq_length=cfg.train.seq_length,
-                              micro_batch_size=cfg.train.micro_batch_size, pad_id=run.tokenizer.pad_id)
+            return token_topk(
+                chunks,
+                ss,
+                t,
+                3,
+                seq_length=cfg.train.seq_length,
+                micro_batch_size=cfg.train.micro_batch_size,
+                pad_id=run.tokenizer.pad_id,
+            )
 
         frozen.score(batch, batch, logprobs, topk)
-        mb = build_microbatches(batch, range(len(batch)), cfg.train.seq_length, cfg.train.micro_batch_size, 0, 1,
-                                run.tokenizer.pad_id, t)[0]
+        mb = build_microbatches(
+            batch, range(len(batch)), cfg.train.seq_length, cfg.train.micro_batch_size, 0, 1, run.tokenizer.pad_id, t
+        )[0]
         with torch.no_grad():
             logits = frozen.chunks[0](mb["tokens"], mb["position_ids"], attention_mask_from_segments(mb["segment_ids"]))
         full = torch.log_softmax(logits.float(), -1).reshape(-1, logits.shape[-1])
@@ -631,16 +738,25 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
 
     # 4. short runs: sync with a privileged teacher with top-k (an engine one for another domain);
     #    async with the engine teacher scoring right after the rewards (off the learner's path)
-    sync = (f"teachers=[{{kind: engine, urls: ['{url_b}'], domains: [other]}}, "
-            "{kind: privileged, name: hint, top_k: 2}]")
+    sync = (
+        f"teachers=[{{kind: engine, urls: ['{url_b}'], domains: [other]}}, {{kind: privileged, name: hint, top_k: 2}}]"
+    )
     summary = run_rl(small(f"run_dir={tmp}/sync", sync))
     assert summary["state"]["rl_step"] == 2
     with open(f"{tmp}/sync/metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert all(r["teacher/hint/error_frac"] == 0 and r["teacher/routed_frac"] == 1 for r in recs)
     teachers = f"teachers=[{{kind: engine, name: eng, urls: ['{url_b}']}}, {{kind: frozen, domains: [other]}}]"
-    run_rl(small(f"run_dir={tmp}/async", teachers, "rollout.runtime=async", "rollout.max_staleness=1",
-                 "rollout.request_timeout_s=20", "rollout.max_running_requests=32"))
+    run_rl(
+        small(
+            f"run_dir={tmp}/async",
+            teachers,
+            "rollout.runtime=async",
+            "rollout.max_staleness=1",
+            "rollout.request_timeout_s=20",
+            "rollout.max_running_requests=32",
+        )
+    )
     with open(f"{tmp}/async/metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert all(r["teacher/eng/error_frac"] == 0 and r["teacher/engine_scored_late_frac"] == 0 for r in recs)

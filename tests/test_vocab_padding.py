@@ -41,8 +41,9 @@ def test_padded_columns_are_not_scored(true_vocab: int) -> None:
     y = y.clamp_max(true_vocab - 1)
     pad = torch.full((16 - true_vocab, weight.shape[1]), 5.0).requires_grad_()  # would dominate the softmax
     topk = torch.randint(0, true_vocab, (hidden.shape[0], 3))
-    lp, ent, tk = vocab_parallel_topk_stats(hidden, torch.cat([weight, pad]), y, topk, TEMPERATURE, chunk_size=4,
-                                            vocab_size=true_vocab)
+    lp, ent, tk = vocab_parallel_topk_stats(
+        hidden, torch.cat([weight, pad]), y, topk, TEMPERATURE, chunk_size=4, vocab_size=true_vocab
+    )
     want_lp, want_ent = _naive(hidden, weight, y, TEMPERATURE)
     torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-6)
@@ -99,27 +100,37 @@ def _check(mc: ModelConfig, padded: int) -> list:
     tokens, labels = batches[0]["tokens"], batches[0]["labels"]
     with torch.no_grad():
         losses = gpt(tokens, batches[0]["position_ids"], None, labels=labels)
-    torch.testing.assert_close(-losses, _ref_logp(ref_state, mc, batches[0]),
-                               atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} sft loss {m}")
+    torch.testing.assert_close(
+        -losses, _ref_logp(ref_state, mc, batches[0]), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} sft loss {m}"
+    )
 
     # distillation top-k: never a padded id; the reference's ids and log-probs
     with torch.no_grad(), _decoder_output_only(gpt):
         hidden = tp_region(gpt(tokens, batches[0]["position_ids"], None), False)
     s, b, h = hidden.shape
     k = min(mc.vocab_size, 60)
-    vals, ids = vocab_parallel_topk(hidden.reshape(s * b, h), output_weight(gpt), k, TEMPERATURE, CHUNK,
-                                    ps.get_tensor_model_parallel_group(), mc.vocab_size)
+    vals, ids = vocab_parallel_topk(
+        hidden.reshape(s * b, h),
+        output_weight(gpt),
+        k,
+        TEMPERATURE,
+        CHUNK,
+        ps.get_tensor_model_parallel_group(),
+        mc.vocab_size,
+    )
     assert int(ids.max()) < mc.vocab_size, name
     want = (_ref_logits(ref_state, mc, batches[0]) / TEMPERATURE).log_softmax(-1).transpose(0, 1).reshape(s * b, -1)
-    torch.testing.assert_close(vals, want.topk(k, dim=-1).values, atol=1e-5, rtol=1e-5,
-                               msg=lambda m: f"{name} top-k {m}")
+    torch.testing.assert_close(
+        vals, want.topk(k, dim=-1).values, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} top-k {m}"
+    )
 
     # log-probs, entropy and gradients through the training step, against the unpadded reference
     chunks = wrap_ddp(chunks, config)
     prepare_config(config, chunks)
     store: list = []
-    result = forward_backward(chunks, batches, forward_step=make_forward_step(_loss, temperature=TEMPERATURE,
-                                                                              chunk_size=CHUNK, store=store))
+    result = forward_backward(
+        chunks, batches, forward_step=make_forward_step(_loss, temperature=TEMPERATURE, chunk_size=CHUNK, store=store)
+    )
     assert abs(result["loss"] - ref_obj) <= 1e-5 * abs(ref_obj) + 1e-7, f"{name}: {result['loss']} vs {ref_obj}"
     for report, (want_lp, want_ent) in zip(store, ref_stats):
         torch.testing.assert_close(report["logprobs"], want_lp, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} lp {m}")
@@ -128,7 +139,7 @@ def _check(mc: ModelConfig, padded: int) -> list:
     for key, want in hf_to_megatron(ref_grads, mc).items():
         got = grads[key]
         if key in VOCAB_TENSORS:  # no gradient in the padded rows
-            assert not got[mc.vocab_size:].any(), f"{name}: gradient in padded rows of {key}"
+            assert not got[mc.vocab_size :].any(), f"{name}: gradient in padded rows of {key}"
             got = got[: mc.vocab_size]
         scale = float(want.abs().max()) or 1.0
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale, msg=lambda m: f"{name} grad {key}: {m}")

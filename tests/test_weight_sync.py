@@ -84,8 +84,14 @@ def request(url: str, method: str, **fields):
 
 def engine_logprobs(url: str, ids: list[int]) -> torch.Tensor:
     """Prompt scoring through /generate: log p(ids[t] | ids[:t]) for t >= 1."""
-    out = request(url, "generate", input_ids=list(ids), sampling_params={"max_new_tokens": 0},
-                  return_logprob=True, logprob_start_len=0)
+    out = request(
+        url,
+        "generate",
+        input_ids=list(ids),
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
 
 
@@ -166,8 +172,12 @@ def test_safetensors_files_and_tensor_payloads(tmp_path):
 
     from mcore_rl.rollout.weight_protocol import read_safetensors_header, write_safetensors
 
-    named = [("x", torch.randn(2, 3)), ("odd", torch.randn(3).bfloat16()), ("y", torch.randn(4).to(FP8_DTYPE)),
-             ("t", torch.randn(3, 2).t())]
+    named = [
+        ("x", torch.randn(2, 3)),
+        ("odd", torch.randn(3).bfloat16()),
+        ("y", torch.randn(4).to(FP8_DTYPE)),
+        ("t", torch.randn(3, 2).t()),
+    ]
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -182,7 +192,9 @@ def test_safetensors_files_and_tensor_payloads(tmp_path):
     data = (tmp_path / "lib.safetensors").read_bytes()
     for n, t in named:
         e = entries[n]
-        assert same(torch.frombuffer(bytearray(data[e.begin:e.end]), dtype=torch.uint8).view(e.dtype).reshape(e.shape), t)
+        assert same(
+            torch.frombuffer(bytearray(data[e.begin : e.end]), dtype=torch.uint8).view(e.dtype).reshape(e.shape), t
+        )
     # /update_weights_from_tensor payloads: safetensors in base64; pickles are refused
     back, path = decode_tensor_payload(encode_named_tensors(named), "f")
     assert path is None and [n for n, _ in back] == [n for n, _ in named]
@@ -288,22 +300,47 @@ def test_bad_weight_updates_are_refused_naming_the_field(tmp_path):
             assert err.value.status == 400
 
         tensors = "update_weights_from_tensor"
-        refused(tensors, r"serialized_named_tensors\[0\]: 'lm_head.weight' has shape \[3, 3\]",
-                serialized_named_tensors=[encode_named_tensors(good + [("lm_head.weight", torch.zeros(3, 3))])])
-        refused(tensors, r"serialized_named_tensors\[0\]: 'model.nope.weight' is not a weight",
-                serialized_named_tensors=[encode_named_tensors(good + [("model.nope.weight", torch.zeros(1))])])
-        refused(tensors, r"is FP8, but the engine holds it in torch.float32",
-                serialized_named_tensors=[encode_named_tensors(
-                    [("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64).to(FP8_DTYPE))])])
-        refused(tensors, r"serialized_named_tensors\[0\]: a pickle",
-                serialized_named_tensors=[encode_named_tensors_sglang(good)])
+        refused(
+            tensors,
+            r"serialized_named_tensors\[0\]: 'lm_head.weight' has shape \[3, 3\]",
+            serialized_named_tensors=[encode_named_tensors(good + [("lm_head.weight", torch.zeros(3, 3))])],
+        )
+        refused(
+            tensors,
+            r"serialized_named_tensors\[0\]: 'model.nope.weight' is not a weight",
+            serialized_named_tensors=[encode_named_tensors(good + [("model.nope.weight", torch.zeros(1))])],
+        )
+        refused(
+            tensors,
+            r"is FP8, but the engine holds it in torch.float32",
+            serialized_named_tensors=[
+                encode_named_tensors([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64).to(FP8_DTYPE))])
+            ],
+        )
+        refused(
+            tensors,
+            r"serialized_named_tensors\[0\]: a pickle",
+            serialized_named_tensors=[encode_named_tensors_sglang(good)],
+        )
         refused(tensors, r"serialized_named_tensors: must hold one entry", serialized_named_tensors=[])
-        refused(tensors, r"weight_version: expected str or int",
-                serialized_named_tensors=[encode_named_tensors(good)], weight_version=["v2"])
-        refused(tensors, r"flush_cache: expected bool", serialized_named_tensors=[encode_named_tensors(good)],
-                flush_cache="yes")
-        refused(tensors, r"load_format: 'flattened_bucket' is not supported",
-                serialized_named_tensors=[encode_named_tensors(good)], load_format="flattened_bucket")
+        refused(
+            tensors,
+            r"weight_version: expected str or int",
+            serialized_named_tensors=[encode_named_tensors(good)],
+            weight_version=["v2"],
+        )
+        refused(
+            tensors,
+            r"flush_cache: expected bool",
+            serialized_named_tensors=[encode_named_tensors(good)],
+            flush_cache="yes",
+        )
+        refused(
+            tensors,
+            r"load_format: 'flattened_bucket' is not supported",
+            serialized_named_tensors=[encode_named_tensors(good)],
+            load_format="flattened_bucket",
+        )
         dist_fields = dict(names=["model.norm.weight"], dtypes=["float32"], shapes=[[64]])
         dist = "update_weights_from_distributed"
         refused(dist, r"group_name: 'weight_update_group' is not initialized", **dist_fields)
@@ -317,7 +354,9 @@ def test_bad_weight_updates_are_refused_naming_the_field(tmp_path):
         group = dict(master_address="127.0.0.1", master_port=1, world_size=2)
         refused("init_weights_update_group", r"rank_offset: must be >= 1", rank_offset=0, **group)
         refused("init_weights_update_group", r"backend: 'nccl' needs an engine on CUDA", rank_offset=1, **group)
-        refused("init_weights_update_group", r"backend: expected 'gloo' or 'nccl'", rank_offset=1, backend="mpi", **group)
+        refused(
+            "init_weights_update_group", r"backend: expected 'gloo' or 'nccl'", rank_offset=1, backend="mpi", **group
+        )
         refused("destroy_weights_update_group", r"does not exist", group_name="none")
         # nothing above changed a weight or the version, and the server still serves
         assert weight_version(url) == "0"
@@ -414,8 +453,11 @@ def test_every_transport_leaves_each_engine_with_the_checksum_of_what_was_sent(s
             stats = _send(transport, reference_model(version).state_dict().items(), version)
             assert stats.mismatched == {}, kind
             reply = request(url, "weights_checksum")
-            assert reply == {"weight_version": str(version), "checksum": stats.checksum.hexdigest(),
-                             "num_tensors": len(stats.checksum)}, kind
+            assert reply == {
+                "weight_version": str(version),
+                "checksum": stats.checksum.hexdigest(),
+                "num_tensors": len(stats.checksum),
+            }, kind
             assert not _server_state(url)["paused"] and pool.live == [url]
             seen.add(reply["checksum"])
         assert len(seen) == len(transports)  # other weights, another checksum
@@ -517,14 +559,27 @@ def test_engines_without_the_checksum_endpoint_are_not_checked(tmp_path, caplog)
 
 DENSE = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128)
 TIED = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, tie_word_embeddings=True)
-MOE = ModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4,
-                  moe_router_topk=2, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96)
+MOE = ModelConfig(
+    arch="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_shared_expert_intermediate_size=96,
+)
 
 
 def P(**kw) -> ParallelConfig:
-    names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size",
-                 vpp="virtual_pipeline_model_parallel_size", ep="expert_model_parallel_size",
-                 sp="sequence_parallel", etp="expert_tensor_parallel_size")
+    names = dict(
+        tp="tensor_model_parallel_size",
+        pp="pipeline_model_parallel_size",
+        vpp="virtual_pipeline_model_parallel_size",
+        ep="expert_model_parallel_size",
+        sp="sequence_parallel",
+        etp="expert_tensor_parallel_size",
+    )
     return ParallelConfig(**{names[k]: v for k, v in kw.items()})
 
 
@@ -545,22 +600,28 @@ def _gather_world(rank: int, world_size: int, cases) -> None:
             assert got == [], f"{pc}: only rank 0 holds full tensors"
             continue
         names = [n for n, _ in got]
-        assert len(names) == len(set(names)) and set(names) == set(expected), f"{mc.arch} {pc}: {set(names) ^ set(expected)}"
+        assert len(names) == len(set(names)) and set(names) == set(expected), (
+            f"{mc.arch} {pc}: {set(names) ^ set(expected)}"
+        )
         for name, tensor in got:
             assert torch.equal(tensor.cpu(), expected[name]), f"{mc.arch} {pc}: {name}"
 
 
 @pytest.mark.slow
 def test_gathered_hf_weights_equal_the_exporters_in_every_layout():
-    run_world(2, _gather_world, [
-        (DENSE, P(tp=2, sp=True)),
-        (DENSE, P(pp=2)),  # the second stage streams its buckets to rank 0
-        (DENSE, P(pp=2, vpp=2)),
-        (DENSE, P()),  # DP=2: only the first replica gathers
-        (TIED, P(pp=2)),  # the last stage's copy of the tied embedding is not sent
-        (MOE, P(ep=2)),  # experts gathered across EP
-        (MOE, P(tp=2, sp=True)),  # experts gathered across ETP
-    ])
+    run_world(
+        2,
+        _gather_world,
+        [
+            (DENSE, P(tp=2, sp=True)),
+            (DENSE, P(pp=2)),  # the second stage streams its buckets to rank 0
+            (DENSE, P(pp=2, vpp=2)),
+            (DENSE, P()),  # DP=2: only the first replica gathers
+            (TIED, P(pp=2)),  # the last stage's copy of the tied embedding is not sent
+            (MOE, P(ep=2)),  # experts gathered across EP
+            (MOE, P(tp=2, sp=True)),  # experts gathered across ETP
+        ],
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -678,8 +739,12 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
                     assert (engine_logprobs(fp32, IDS) - trainer).abs().max() <= 1e-5
                     assert weight_version(fp32) == str(version) and pool32.live == [fp32]
             else:
-                match = rf"version 51, sent twice: engine {fp32} reports .* the trainer sent weight_version 51, " \
-                        r"checksum [0-9a-f]{16}" if rank == 0 else "failed on global rank 0"
+                match = (
+                    rf"version 51, sent twice: engine {fp32} reports .* the trainer sent weight_version 51, "
+                    r"checksum [0-9a-f]{16}"
+                    if rank == 0
+                    else "failed on global rank 0"
+                )
                 with pytest.raises(WeightSyncError, match=match):
                     sync.sync(version)
                 if rank == 0:
@@ -700,8 +765,10 @@ def _sync_world(rank: int, world_size: int, tmp: str) -> None:
         if rank == 0:
             d = trainer - engine_logprobs(fp8, IDS)
             mismatch = k3(d)
-            print(f"\nFP8 engine vs TP=2 fp32 trainer: mean |d| = {d.abs().mean():.3e}, "
-                  f"max |d| = {d.abs().max():.3e}, mean token K3 = {mismatch:.3e} ({len(d)} tokens)")
+            print(
+                f"\nFP8 engine vs TP=2 fp32 trainer: mean |d| = {d.abs().mean():.3e}, "
+                f"max |d| = {d.abs().max():.3e}, mean token K3 = {mismatch:.3e} ({len(d)} tokens)"
+            )
             assert 1e-7 < mismatch < 5e-2
             assert weight_version(fp8) == "7"
             transport.close()
@@ -752,8 +819,9 @@ def test_a_sigkilled_trainer_leaves_no_weight_buckets_in_shared_memory(tmp_path)
     orphan = shm / f"mcore_rl_weights_{exited.pid}_0123abcd_0.safetensors"
     orphan.write_bytes(b"\0" * 4096)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    trainer = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, str(shm)], stdout=subprocess.PIPE, text=True,
-                               env=env, cwd=root)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_TRAINER, str(shm)], stdout=subprocess.PIPE, text=True, env=env, cwd=root
+    )
     try:
         assert trainer.stdout.readline().strip() == "synced"
         names = sorted(p.name for p in shm.iterdir())

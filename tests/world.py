@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -93,27 +93,43 @@ MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=256", "model.moe_aux_l
 
 # group -> (ranks, extra overrides for the whole group, {variant: overrides}); first = baseline
 GROUPS: dict[str, tuple[int, list[str], dict[str, list[str]]]] = {
-    "dense": (1, [], {
-        "baseline": [],
-        "attnres_full": ["model.attn_res=full"],
-        "attnres_block8": ["model.attn_res=block", "model.attn_res_num_blocks=8"],
-        "oe_m49157": OE + ["model.ngram.table_size=49157"],
-        "oe_m3079": OE + ["model.ngram.table_size=3079"],
-    }),
-    "moe": (1, [], {
-        "moe": MOE + ["model.num_experts=16", "model.moe_router_topk=2"],
-        "latent_eff": MOE + ["model.num_experts=64", "model.moe_router_topk=2", "model.moe_latent_size=64"],
-        "latent_acc": MOE + ["model.num_experts=64", "model.moe_router_topk=8", "model.moe_latent_size=64"],
-    }),
-    "dense_tp2": (2, ["parallel.tensor_model_parallel_size=2"], {
-        "baseline": [],
-        "oe_m49157": OE + ["model.ngram.table_size=49157"],
-    }),
-    "dense_dp2": (2, [], {
-        "baseline": [],
-        "oe_m49157": OE + ["model.ngram.table_size=49157"],
-        "oe_m49157_dpshard": OE + ["model.ngram.table_size=49157", "model.ngram.shard_over_data_parallel=true"],
-    }),
+    "dense": (
+        1,
+        [],
+        {
+            "baseline": [],
+            "attnres_full": ["model.attn_res=full"],
+            "attnres_block8": ["model.attn_res=block", "model.attn_res_num_blocks=8"],
+            "oe_m49157": OE + ["model.ngram.table_size=49157"],
+            "oe_m3079": OE + ["model.ngram.table_size=3079"],
+        },
+    ),
+    "moe": (
+        1,
+        [],
+        {
+            "moe": MOE + ["model.num_experts=16", "model.moe_router_topk=2"],
+            "latent_eff": MOE + ["model.num_experts=64", "model.moe_router_topk=2", "model.moe_latent_size=64"],
+            "latent_acc": MOE + ["model.num_experts=64", "model.moe_router_topk=8", "model.moe_latent_size=64"],
+        },
+    ),
+    "dense_tp2": (
+        2,
+        ["parallel.tensor_model_parallel_size=2"],
+        {
+            "baseline": [],
+            "oe_m49157": OE + ["model.ngram.table_size=49157"],
+        },
+    ),
+    "dense_dp2": (
+        2,
+        [],
+        {
+            "baseline": [],
+            "oe_m49157": OE + ["model.ngram.table_size=49157"],
+            "oe_m49157_dpshard": OE + ["model.ngram.table_size=49157", "model.ngram.shard_over_data_parallel=true"],
+        },
+    ),
 }
 LAYOUT = {"dense": "1 rank", "moe": "1 rank", "dense_tp2": "TP=2", "dense_dp2": "DP=2"}
 
@@ -189,9 +205,12 @@ def worker_speed(args) -> dict[str, Any]:
             if i >= args.warmup:
                 fb[name].append(t_fb)
                 step[name].append(t_step)
-    out = {"fb": {n: _max_over_ranks(v) for n, v in fb.items()},
-           "step": {n: _max_over_ranks(v) for n, v in step.items()},
-           "losses": losses, "params": {n: _num_params(t) for n, t in trainers.items()}}
+    out = {
+        "fb": {n: _max_over_ranks(v) for n, v in fb.items()},
+        "step": {n: _max_over_ranks(v) for n, v in step.items()},
+        "losses": losses,
+        "params": {n: _num_params(t) for n, t in trainers.items()},
+    }
     rank = dist.get_rank()
     setup.destroy()
     return out if rank == 0 else {}
@@ -245,8 +264,21 @@ def launch(args, worker: str, group: str, variant: str | None, steps: int, warmu
     fd, result_file = tempfile.mkstemp(suffix=".json", prefix="bench_arch_")
     os.close(fd)
     ranks = GROUPS[group][0]
-    worker_args = [os.path.abspath(__file__), "--worker", worker, "--group", group, "--steps", str(steps),
-                   "--warmup", str(warmup), "--threads", str(args.threads), "--result-file", result_file]
+    worker_args = [
+        os.path.abspath(__file__),
+        "--worker",
+        worker,
+        "--group",
+        group,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--threads",
+        str(args.threads),
+        "--result-file",
+        result_file,
+    ]
     if variant:
         worker_args += ["--variant", variant]
     worker_args += list(args.overrides)
@@ -259,7 +291,9 @@ def launch(args, worker: str, group: str, variant: str | None, steps: int, warmu
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+            )
         with open(result_file) as f:
             return json.load(f)
     finally:
@@ -289,8 +323,10 @@ def main() -> None:
     import platform
 
     print(f"bench_architectures: {' '.join(BASE + list(args.overrides))}")
-    print(f"{args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warmup) per variant; "
-          f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"{args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warmup) per variant; "
+        f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    )
     t_start, load0 = time.perf_counter(), os.getloadavg()
     speed: dict[str, list[dict]] = {g: [] for g in args.groups}
     for r in range(args.rounds):
@@ -316,22 +352,41 @@ def main() -> None:
             fb0 = [t for res in speed[g] for t in res["fb"][names[0]]]
             st0 = [t for res in speed[g] for t in res["step"][names[0]]]
             mem = memory.get((g, v), {})
-            rows.append(dict(group=g, variant=v, layout=LAYOUT[g], params=speed[g][0]["params"][v],
-                             fb_med=statistics.median(fb), fb_min=min(fb), st_med=statistics.median(st),
-                             st_min=min(st), peak=mem.get("peak_mib"), n=len(fb),
-                             fb_paired=statistics.median(a / b for a, b in zip(fb, fb0)),
-                             st_paired=statistics.median(a / b for a, b in zip(st, st0)),
-                             fb_all=fb, st_all=st,
-                             loss1=speed[g][0]["losses"][v][0], loss_last=speed[g][0]["losses"][v][-1]))
+            rows.append(
+                dict(
+                    group=g,
+                    variant=v,
+                    layout=LAYOUT[g],
+                    params=speed[g][0]["params"][v],
+                    fb_med=statistics.median(fb),
+                    fb_min=min(fb),
+                    st_med=statistics.median(st),
+                    st_min=min(st),
+                    peak=mem.get("peak_mib"),
+                    n=len(fb),
+                    fb_paired=statistics.median(a / b for a, b in zip(fb, fb0)),
+                    st_paired=statistics.median(a / b for a, b in zip(st, st0)),
+                    fb_all=fb,
+                    st_all=st,
+                    loss1=speed[g][0]["losses"][v][0],
+                    loss_last=speed[g][0]["losses"][v][-1],
+                )
+            )
     load = os.getloadavg()
-    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s; load average at start {load0[0]:.1f}, at end "
-          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores)")
-    print("times: s per step of 2048 tokens, median (min) over all timed steps; ratios vs the group's first row: "
-          "median/median, min/min, and paired = median over steps of variant/baseline of the adjacent steps; "
-          "peak MB = peak-RSS growth summed over ranks; params on rank 0")
-    header = (f"{'group':9s} {'variant':18s} {'layout':6s} {'params':>7s} {'fwd+bwd s':>13s} {'step s':>13s} "
-              f"{'peak MB':>7s} | {'fwd+bwd ratio med/min/paired':>28s} | {'step ratio med/min/paired':>25s} | "
-              f"{'MB ratio':>8s} | {'loss 1':>6s} {'loss N':>6s}")
+    print(
+        f"\nresults (wall {time.perf_counter() - t_start:.0f} s; load average at start {load0[0]:.1f}, at end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores)"
+    )
+    print(
+        "times: s per step of 2048 tokens, median (min) over all timed steps; ratios vs the group's first row: "
+        "median/median, min/min, and paired = median over steps of variant/baseline of the adjacent steps; "
+        "peak MB = peak-RSS growth summed over ranks; params on rank 0"
+    )
+    header = (
+        f"{'group':9s} {'variant':18s} {'layout':6s} {'params':>7s} {'fwd+bwd s':>13s} {'step s':>13s} "
+        f"{'peak MB':>7s} | {'fwd+bwd ratio med/min/paired':>28s} | {'step ratio med/min/paired':>25s} | "
+        f"{'MB ratio':>8s} | {'loss 1':>6s} {'loss N':>6s}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -340,9 +395,11 @@ def main() -> None:
         mb_ratio = f"{row['peak'] / base['peak']:7.2f}x" if row["peak"] is not None else f"{'-':>8s}"
         fbr = f"{row['fb_med'] / base['fb_med']:.2f} / {row['fb_min'] / base['fb_min']:.2f} / {row['fb_paired']:.2f}"
         str_ = f"{row['st_med'] / base['st_med']:.2f} / {row['st_min'] / base['st_min']:.2f} / {row['st_paired']:.2f}"
-        print(f"{row['group']:9s} {row['variant']:18s} {row['layout']:6s} {row['params'] / 1e6:6.2f}M "
-              f"{row['fb_med']:6.3f} ({row['fb_min']:.3f}) {row['st_med']:6.3f} ({row['st_min']:.3f}) {peak} | "
-              f"{fbr:>28s} | {str_:>25s} | {mb_ratio} | {row['loss1']:6.3f} {row['loss_last']:6.3f}")
+        print(
+            f"{row['group']:9s} {row['variant']:18s} {row['layout']:6s} {row['params'] / 1e6:6.2f}M "
+            f"{row['fb_med']:6.3f} ({row['fb_min']:.3f}) {row['st_med']:6.3f} ({row['st_min']:.3f}) {peak} | "
+            f"{fbr:>28s} | {str_:>25s} | {mb_ratio} | {row['loss1']:6.3f} {row['loss_last']:6.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -52,15 +52,32 @@ def recipe(args: argparse.Namespace, run_dir: str, data: str) -> list[str]:
     cores = sorted(os.sched_getaffinity(0))
     engine_core = cores[-1]
     return [
-        f"run_dir={run_dir}", f"data.path={data}", f"eval.path={data}", "eval.num_prompts=8", "eval.k=0",
-        "eval.interval=0", "eval.at_start=false", "reward.name=tests.reward_fns:digit_count",
-        f"train.num_steps={args.steps}", "train.seq_length=256", "train.micro_batch_size=4",
-        f"rollout.group_size={args.group_size}", f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.max_new_tokens={args.short * args.long_factor}", "rollout.context_length=512",
-        "rollout.quantization=none", f"rollout.engine_cores=[[{engine_core}]]", "rollout.engine_threads=1",
-        f"algorithm.num_minibatches={args.minibatches}", "algorithm.mismatch.name=tis", "optimizer.lr=3e-4",
-        "model.max_position_embeddings=512", f"train.seed={args.seed}",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+        f"run_dir={run_dir}",
+        f"data.path={data}",
+        f"eval.path={data}",
+        "eval.num_prompts=8",
+        "eval.k=0",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "reward.name=tests.reward_fns:digit_count",
+        f"train.num_steps={args.steps}",
+        "train.seq_length=256",
+        "train.micro_batch_size=4",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.max_new_tokens={args.short * args.long_factor}",
+        "rollout.context_length=512",
+        "rollout.quantization=none",
+        f"rollout.engine_cores=[[{engine_core}]]",
+        "rollout.engine_threads=1",
+        f"algorithm.num_minibatches={args.minibatches}",
+        "algorithm.mismatch.name=tis",
+        "optimizer.lr=3e-4",
+        "model.max_position_embeddings=512",
+        f"train.seed={args.seed}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
     ]
 
 
@@ -70,8 +87,14 @@ def run_once(args: argparse.Namespace, mode: str, run_dir: str, data: str) -> di
     cmd = [sys.executable, "-m", "mcore_rl.cli", "train", *recipe(args, run_dir, data), *MODES[mode]]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(len(trainer_cores)))
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, trainer_cores))
+    proc = subprocess.run(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, trainer_cores),
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -112,26 +135,36 @@ def main() -> None:
         for mode in MODES:
             out = run_once(args, mode, os.path.join(work, f"{mode.replace(' ', '_').replace('=', '')}_{k}"), data)
             results[mode].append(out)
-            print(f"round {k + 1}/{args.rounds} {mode:>9}: loop {out['loop_s']:6.1f} s (process {out['process_s']:.1f} s)",
-                  flush=True)
+            print(
+                f"round {k + 1}/{args.rounds} {mode:>9}: loop {out['loop_s']:6.1f} s (process {out['process_s']:.1f} s)",
+                flush=True,
+            )
 
     sync = results["sync"]
     bound = [sum(max(g, t) for g, t in zip(r["gen_s"], r["train_s"])) for r in sync]
     serial = [sum(g + t for g, t in zip(r["gen_s"], r["train_s"])) for r in sync]
     med_sync = statistics.median(r["loop_s"] for r in sync)
     med_bound = statistics.median(bound)
-    print(f"\n{args.steps} steps of {args.prompts} prompts x {args.group_size} samples, budgets {args.short} tokens "
-          f"({args.long_frac:.0%} of prompts: {args.short * args.long_factor}); {args.rounds} rounds, median [min-max]")
-    print(f"sync phase times (median over rounds): generation {statistics.median(sum(r['gen_s']) for r in sync):.1f} s, "
-          f"training+sync {statistics.median(sum(r['train_s']) for r in sync):.1f} s, their sum {statistics.median(serial):.1f} s; "
-          f"ideal-overlap bound {med_bound:.1f} s = {med_sync / med_bound:.2f}x faster than sync")
-    print(f"{'mode':>10} {'loop s':>18} {'speed-up':>9} {'of bound':>9} {'max lag':>8} {'engine idle':>12} {'final reward':>13}")
+    print(
+        f"\n{args.steps} steps of {args.prompts} prompts x {args.group_size} samples, budgets {args.short} tokens "
+        f"({args.long_frac:.0%} of prompts: {args.short * args.long_factor}); {args.rounds} rounds, median [min-max]"
+    )
+    print(
+        f"sync phase times (median over rounds): generation {statistics.median(sum(r['gen_s']) for r in sync):.1f} s, "
+        f"training+sync {statistics.median(sum(r['train_s']) for r in sync):.1f} s, their sum {statistics.median(serial):.1f} s; "
+        f"ideal-overlap bound {med_bound:.1f} s = {med_sync / med_bound:.2f}x faster than sync"
+    )
+    print(
+        f"{'mode':>10} {'loop s':>18} {'speed-up':>9} {'of bound':>9} {'max lag':>8} {'engine idle':>12} {'final reward':>13}"
+    )
     for mode, runs in results.items():
         loops = [r["loop_s"] for r in runs]
         med = statistics.median(loops)
-        print(f"{mode:>10} {med:7.1f} [{min(loops):5.1f}-{max(loops):5.1f}] {med_sync / med:8.2f}x {med_bound / med:8.0%} "
-              f"{max(r['staleness'] for r in runs):8.0f} {statistics.median(r['engine_idle'] for r in runs):12.2f} "
-              f"{statistics.median(r['curve'][-1][1] for r in runs):13.3f}")
+        print(
+            f"{mode:>10} {med:7.1f} [{min(loops):5.1f}-{max(loops):5.1f}] {med_sync / med:8.2f}x {med_bound / med:8.0%} "
+            f"{max(r['staleness'] for r in runs):8.0f} {statistics.median(r['engine_idle'] for r in runs):12.2f} "
+            f"{statistics.median(r['curve'][-1][1] for r in runs):13.3f}"
+        )
         for r in runs:
             assert r["accounting"]["balanced"], (mode, r["accounting"])
     try:

@@ -29,10 +29,22 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Qwen3-style shapes (GQA 16/8 heads, QK-norm, untied output layer); vocabulary 32768.
 SIZES = {
-    "250m": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=64),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
-               num_key_value_heads=8, head_dim=128),
+    "250m": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=18,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 # (ranks, layout name, --tp, --pp)
 LAYOUTS = [(1, "tp1", 1, 1), (2, "tp2", 2, 1), (2, "pp2", 1, 2), (4, "tp4", 4, 1), (4, "tp2pp2", 2, 2)]
@@ -45,8 +57,14 @@ def make_checkpoint(size: str, out: str) -> dict:
 
     from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key
 
-    cfg = Qwen3Config(vocab_size=32768, max_position_embeddings=4096, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, **SIZES[size])
+    cfg = Qwen3Config(
+        vocab_size=32768,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        **SIZES[size],
+    )
     cfg.dtype = torch.bfloat16
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
@@ -86,9 +104,13 @@ def worker(args: argparse.Namespace) -> None:
     base = _max_rss()
     marks: dict[str, int] = {}
     # peak RSS when each phase ends: the model built, the weights in, the checkpoint written / read
-    for module, attr, label in [(to_mcore, "build_chunks", "built"), (to_hf, "build_chunks", "built"),
-                                (to_mcore, "stream_load", "weights_in"), (shards, "load_full_state_dict", "weights_in"),
-                                (checkpoint, "load_checkpoint", "weights_in")]:
+    for module, attr, label in [
+        (to_mcore, "build_chunks", "built"),
+        (to_hf, "build_chunks", "built"),
+        (to_mcore, "stream_load", "weights_in"),
+        (shards, "load_full_state_dict", "weights_in"),
+        (checkpoint, "load_checkpoint", "weights_in"),
+    ]:
         _mark_after(module, attr, label, marks)
     start = time.perf_counter()
     if args.direction == "import":
@@ -132,13 +154,45 @@ def _free_port() -> int:
 
 
 def run_ranks(root: str, ranks: int, tp: int, pp: int, direction: str, src: str, dst: str, report: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=root, WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", MCORE_RL_PROGRESS="0", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--direction", direction, "--input", src,
-           "--output", dst, "--tp", str(tp), "--pp", str(pp), "--report", report]
+    env = dict(
+        os.environ,
+        PYTHONPATH=root,
+        WORLD_SIZE=str(ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+        MCORE_RL_PROGRESS="0",
+        PYTHONWARNINGS="ignore",
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--direction",
+        direction,
+        "--input",
+        src,
+        "--output",
+        dst,
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--report",
+        report,
+    ]
     start = time.perf_counter()
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=root,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
     errors = [p.communicate()[1] for p in procs]
     wall = time.perf_counter() - start
     for p, err in zip(procs, errors):
@@ -176,20 +230,31 @@ def main() -> None:
     for size in args.sizes.split(","):
         work = os.path.join(args.work_dir, size)
         made[size] = info = make_checkpoint(size, os.path.join(work, "hf"))
-        print(f"{size}: {info['params'] / 1e6:.0f}M parameters, {info['bytes'] / 2**30:.2f} GiB bf16, "
-              f"largest tensor {info['largest_bytes'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"{size}: {info['params'] / 1e6:.0f}M parameters, {info['bytes'] / 2**30:.2f} GiB bf16, "
+            f"largest tensor {info['largest_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
         runs = [("new", ROOT, name) for name in args.layouts.split(",") if name]
         runs += [("old", args.old_root, name) for name in args.old_layouts.split(",") if size in old_sizes]
         for code, root, name in runs:
             ranks, tp, pp = layouts[name]
             for direction in ("import", "export"):
                 src, dst = {"import": (f"{work}/hf", f"{work}/mcore"), "export": (f"{work}/mcore", f"{work}/export")}[
-                    direction]
+                    direction
+                ]
                 for stale in ([dst] if direction == "import" else []) + [f"{work}/export"]:
                     shutil.rmtree(stale, ignore_errors=True)
                 got = run_ranks(root, ranks, tp, pp, direction, src, dst, f"{work}/report")
-                row = {"code": code, "size": size, "params": info["params"], "ranks": ranks, "layout": name,
-                       "direction": direction, **got}
+                row = {
+                    "code": code,
+                    "size": size,
+                    "params": info["params"],
+                    "ranks": ranks,
+                    "layout": name,
+                    "direction": direction,
+                    **got,
+                }
                 rows.append(row)
                 print(_format(row, info), flush=True)
         shutil.rmtree(work, ignore_errors=True)  # one model on disk at a time
@@ -205,16 +270,19 @@ def _format(row: dict, info: dict) -> str:
     gib = 2**30
     peak, median = max(row["peaks"]), statistics.median(row["peaks"])
     built, weights = max(row.get("built", [0])), max(row.get("weights_in", [0]))
-    return (f"| {row['code']} | {info['params'] / 1e6:.0f}M | {row['ranks']} | {row['layout']} | {row['direction']} | "
-            f"{row['wall']:.0f} | {peak / gib:.2f} | {median / gib:.2f} | {max(row['bases']) / gib:.2f} | "
-            f"{built / gib:.2f} | {weights / gib:.2f} | "
-            f"{peak / info['largest_bytes']:.1f} | {peak / info['bytes']:.2f} |")
+    return (
+        f"| {row['code']} | {info['params'] / 1e6:.0f}M | {row['ranks']} | {row['layout']} | {row['direction']} | "
+        f"{row['wall']:.0f} | {peak / gib:.2f} | {median / gib:.2f} | {max(row['bases']) / gib:.2f} | "
+        f"{built / gib:.2f} | {weights / gib:.2f} | "
+        f"{peak / info['largest_bytes']:.1f} | {peak / info['bytes']:.2f} |"
+    )
 
 
 def _table(rows: list[dict], made: dict) -> str:
-    head = ("| code | model | ranks | layout | direction | wall s | peak RSS/rank max GiB | median GiB | "
-            "after imports | model built | weights in | peak / largest tensor | peak / model bytes |\n"
-            + "|---" * 13 + "|")
+    head = (
+        "| code | model | ranks | layout | direction | wall s | peak RSS/rank max GiB | median GiB | "
+        "after imports | model built | weights in | peak / largest tensor | peak / model bytes |\n" + "|---" * 13 + "|"
+    )
     return head + "\n" + "\n".join(_format(r, made[r["size"]]) for r in rows)
 
 

@@ -40,7 +40,12 @@ def build_models(size: str, seed: int):
     from transformers import Qwen3ForCausalLM
 
     from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config, to_stock_hf_config, to_stock_state_dict
+    from mcore_rl.hf import (
+        Qwen3ReferenceForCausalLM,
+        hf_config_from_model_config,
+        to_stock_hf_config,
+        to_stock_state_dict,
+    )
 
     config = hf_config_from_model_config(ModelConfig(**SIZES[size]))
     torch.manual_seed(seed)
@@ -60,12 +65,16 @@ def run_engine(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     from mcore_rl.rollout.engine.sampling import SamplingParams
 
     engine = EngineCore(
-        model, load_tokenizer(None), max_running_requests=len(prompts),
+        model,
+        load_tokenizer(None),
+        max_running_requests=len(prompts),
         context_length=len(prompts[0]) + new_tokens + 1,
     )
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
+        engine.add_request(
+            Request(str(i), p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        )
     outs = {}
     while engine.has_work():
         for o in engine.step():
@@ -79,10 +88,13 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, lis
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
     )
-    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+    return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
 
 
 def bench(size: str, batch: int, args) -> dict:
@@ -123,9 +135,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fp32, {args.rounds} rounds")
-    print("| size | batch | engine tok/s | transformers tok/s | engine / transformers | best-of: engine | best-of: transformers | best-of ratio | same tokens |")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fp32, {args.rounds} rounds"
+    )
+    print(
+        "| size | batch | engine tok/s | transformers tok/s | engine / transformers | best-of: engine | best-of: transformers | best-of ratio | same tokens |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in args.sizes:
         for batch in args.batches:

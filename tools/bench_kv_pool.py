@@ -31,8 +31,16 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-MODEL = dict(hidden_size=256, num_layers=4, ffn_hidden_size=512, num_attention_heads=2, num_query_groups=2,
-             kv_channels=128, max_position_embeddings=8192, vocab_size=384)
+MODEL = dict(
+    hidden_size=256,
+    num_layers=4,
+    ffn_hidden_size=512,
+    num_attention_heads=2,
+    num_query_groups=2,
+    kv_channels=128,
+    max_position_embeddings=8192,
+    vocab_size=384,
+)
 
 
 def write_model(path: str) -> None:
@@ -77,9 +85,25 @@ def mix(seed: int, shorts: int, longs: list[int], new_tokens: int) -> list[dict]
 
 def one_round(serve_flags: list[str], args: argparse.Namespace, model_dir: str) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "mcore_rl.cli", "serve", "--model-path", model_dir, "--load-format", "dummy",
-           "--port", str(port), "--context-length", "8192", "--max-running-requests", "16", "--device", "cpu",
-           *serve_flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "serve",
+        "--model-path",
+        model_dir,
+        "--load-format",
+        "dummy",
+        "--port",
+        str(port),
+        "--context-length",
+        "8192",
+        "--max-running-requests",
+        "16",
+        "--device",
+        "cpu",
+        *serve_flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -104,9 +128,16 @@ def one_round(serve_flags: list[str], args: argparse.Namespace, model_dir: str) 
         alive = proc.poll() is None
         peak = rss_kib(proc.pid, "VmHWM") if alive else None
         tokens = sum(r["meta_info"]["completion_tokens"] for r in ok)
-        return {"answered": len(ok), "sent": len(bodies), "alive": alive, "idle_rss_mib": idle / 1024,
-                "peak_rss_mib": None if peak is None else peak / 1024, "wall_s": wall, "tok_per_s": tokens / wall,
-                "max_total_num_tokens": info.get("max_total_num_tokens")}
+        return {
+            "answered": len(ok),
+            "sent": len(bodies),
+            "alive": alive,
+            "idle_rss_mib": idle / 1024,
+            "peak_rss_mib": None if peak is None else peak / 1024,
+            "wall_s": wall,
+            "tok_per_s": tokens / wall,
+            "max_total_num_tokens": info.get("max_total_num_tokens"),
+        }
     finally:
         proc.terminate()
         try:

@@ -101,8 +101,18 @@ def worker(variant: str, tokens: int, vocab: int, hidden: int, entropy: bool, th
 
 def _run(variant: str, args: argparse.Namespace) -> dict:
     cmd = [
-        sys.executable, __file__, "--worker", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-        "--hidden", str(args.hidden), "--threads", str(args.threads),
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--threads",
+        str(args.threads),
     ] + (["--entropy"] if args.entropy else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -130,14 +140,19 @@ def main() -> None:
         f"tokens {args.tokens}, vocab {args.vocab}, hidden {args.hidden}, fp32, forward+backward"
         f"{' with entropy' if args.entropy else ''}, {args.threads} threads"
     )
-    print(f"one [tokens x vocab] fp32 tensor: {logits_bytes / GIB:.2f} GiB; weight gradient: {weight_bytes / GIB:.2f} GiB")
+    print(
+        f"one [tokens x vocab] fp32 tensor: {logits_bytes / GIB:.2f} GiB; weight gradient: {weight_bytes / GIB:.2f} GiB"
+    )
     results = {"chunked": _run("chunked", args)}
     # measured: three [tokens x vocab] buffers at the peak (8192 x 150k: 13.2 GiB beyond the
     # weight gradient), two more with the entropy
     need = int(3.2 * logits_bytes) + weight_bytes + (2 * logits_bytes if args.entropy else 0)
     avail = _mem_available()
     if avail and avail < need * 1.1:
-        results["full"] = {"variant": "full", "error": f"skipped: needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"}
+        results["full"] = {
+            "variant": "full",
+            "error": f"skipped: needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available",
+        }
     else:
         results["full"] = _run("full", args)
 
@@ -155,11 +170,15 @@ def main() -> None:
         ratio = full["peak_growth_bytes"] / max(chunked["peak_growth_bytes"], 1)
         extra_full = full["peak_growth_bytes"] - weight_bytes
         extra_chunked = chunked["peak_growth_bytes"] - weight_bytes
-        print(f"ratio full / chunked: {ratio:.1f}x  (beyond the weight gradient: "
-              f"{extra_full / GIB:.2f} GiB vs {extra_chunked / GIB:.2f} GiB)")
+        print(
+            f"ratio full / chunked: {ratio:.1f}x  (beyond the weight gradient: "
+            f"{extra_full / GIB:.2f} GiB vs {extra_chunked / GIB:.2f} GiB)"
+        )
         rel = abs(full["logp_sum"] - chunked["logp_sum"]) / abs(full["logp_sum"])
-        print(f"same result: sum of log-probs rel. diff {rel:.1e}, "
-              f"|grad W| {full['grad_norm_w']:.6e} vs {chunked['grad_norm_w']:.6e}")
+        print(
+            f"same result: sum of log-probs rel. diff {rel:.1e}, "
+            f"|grad W| {full['grad_norm_w']:.6e} vs {chunked['grad_norm_w']:.6e}"
+        )
 
 
 if __name__ == "__main__":

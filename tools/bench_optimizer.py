@@ -18,15 +18,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 
 def layout(total: int, hidden: int = 512) -> list[tuple[int, ...]]:
     """Shapes of a decoder-like parameter set with about `total` elements."""
-    per_layer = [(3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden),
-                 (hidden,), (hidden,)]
+    per_layer = [
+        (3 * hidden, hidden),
+        (hidden, hidden),
+        (4 * hidden, hidden),
+        (hidden, 4 * hidden),
+        (hidden,),
+        (hidden,),
+    ]
     layer_numel = sum(torch.Size(s).numel() for s in per_layer)
     n_layers = max(1, (total - 1000 * hidden) // layer_numel)
     shapes = per_layer * n_layers
@@ -69,9 +75,7 @@ def wrapper_step(backend: str, shapes) -> Callable[[], object]:
     return build_optimizer([module], cfg, "fp32", total_iters=10_000).step
 
 
-def time_interleaved(
-    steps: dict[str, Callable[[], object]], warmup: int, n: int
-) -> dict[str, list[float]]:
+def time_interleaved(steps: dict[str, Callable[[], object]], warmup: int, n: int) -> dict[str, list[float]]:
     """Round-robin over the optimizers, so that load from other processes on a shared machine
     lands on all of them alike; milliseconds per step."""
     for fn in steps.values():
@@ -96,9 +100,11 @@ def main() -> None:
 
     shapes = layout(int(args.params))
     numel = sum(torch.Size(s).numel() for s in shapes)
-    print(f"{numel / 1e6:.2f}M fp32 params in {len(shapes)} tensors; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.steps} steps after {args.warmup} "
-          "warmup")
+    print(
+        f"{numel / 1e6:.2f}M fp32 params in {len(shapes)} tensors; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; median of {args.steps} steps after {args.warmup} "
+        "warmup"
+    )
 
     steps: dict[str, Callable[[], object]] = {}
     try:

@@ -41,11 +41,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def engine_generate(path: str, dtype: str, prompts: list[list[int]], new_tokens: int) -> float:
     from mcore_rl.rollout.engine import EngineCore, Request, SamplingParams
 
-    engine = EngineCore.from_model_path(path, dtype=dtype, max_running_requests=len(prompts),
-                                        context_length=len(prompts[0]) + new_tokens + 1)
+    engine = EngineCore.from_model_path(
+        path, dtype=dtype, max_running_requests=len(prompts), context_length=len(prompts[0]) + new_tokens + 1
+    )
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
+        engine.add_request(
+            Request(str(i), p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        )
     while engine.has_work():
         engine.step()
     return time.perf_counter() - t0
@@ -55,8 +58,13 @@ def engine_generate(path: str, dtype: str, prompts: list[list[int]], new_tokens:
 def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+    )
     return time.perf_counter() - t0
 
 
@@ -70,9 +78,13 @@ def bench_generate(args) -> None:
         model.generation_config.pad_token_id = 0
         hf[name] = model
     vocab = hf[args.dtypes[0]].config.vocab_size
-    print(f"generation: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds (tok/s: median, best)")
-    print("| batch | dtype | engine tok/s | transformers tok/s | engine / transformers | best: engine | best: transformers |")
+    print(
+        f"generation: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
+        f"{torch.get_num_threads()} threads, {args.rounds} rounds (tok/s: median, best)"
+    )
+    print(
+        "| batch | dtype | engine tok/s | transformers tok/s | engine / transformers | best: engine | best: transformers |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
@@ -80,9 +92,11 @@ def bench_generate(args) -> None:
         sides = [(kind, d) for d in args.dtypes for kind in ("engine", "hf")]
         times: dict[tuple[str, str], list[float]] = {s: [] for s in sides}
         for kind, d in sides:  # warm-up: every code path once
-            engine_generate(args.model_path, d, prompts[:1], 2) if kind == "engine" else hf_generate(hf[d], prompts[:1], 2)
+            engine_generate(args.model_path, d, prompts[:1], 2) if kind == "engine" else hf_generate(
+                hf[d], prompts[:1], 2
+            )
         for r in range(args.rounds):
-            for kind, d in sides[r % len(sides):] + sides[: r % len(sides)]:
+            for kind, d in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 if kind == "engine":
                     times[(kind, d)].append(engine_generate(args.model_path, d, prompts, args.new_tokens))
                 else:
@@ -106,12 +120,24 @@ def train_worker(args) -> None:
     from mcore_rl.train.sft import build_trainer, train_step
 
     recipe = os.path.join(args.mcore_path, "recipe.yaml")
-    cfg = load_config(SFTConfig, recipe, [
-        f"train.precision={args.precision}", f"train.seq_length={args.seq_length}", "train.micro_batch_size=1",
-        f"train.global_batch_size={args.rows}", f"train.train_iters={args.steps + 1}", "train.eval_interval=0",
-        f"data.tokenizer_path={args.model_path}", "data.synthetic_task=addition", "data.synthetic_num_examples=4096",
-        f"run_dir={tempfile.mkdtemp(prefix='bench_real_')}", "checkpoint.load_dir=null", "optimizer.lr=1e-6",
-    ])
+    cfg = load_config(
+        SFTConfig,
+        recipe,
+        [
+            f"train.precision={args.precision}",
+            f"train.seq_length={args.seq_length}",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={args.rows}",
+            f"train.train_iters={args.steps + 1}",
+            "train.eval_interval=0",
+            f"data.tokenizer_path={args.model_path}",
+            "data.synthetic_task=addition",
+            "data.synthetic_num_examples=4096",
+            f"run_dir={tempfile.mkdtemp(prefix='bench_real_')}",
+            "checkpoint.load_dir=null",
+            "optimizer.lr=1e-6",
+        ],
+    )
     trainer = build_trainer(cfg)
     times = []
     for i in range(args.steps + 1):
@@ -128,12 +154,27 @@ def bench_train(args) -> None:
     results: dict[str, list[float]] = {p: [] for p in args.dtypes}
     tokens = args.rows * args.seq_length
     for r in range(args.rounds):
-        for precision in (args.dtypes if r % 2 == 0 else args.dtypes[::-1]):
+        for precision in args.dtypes if r % 2 == 0 else args.dtypes[::-1]:
             fd, out = tempfile.mkstemp(suffix=".json")
             os.close(fd)
-            cmd = [sys.executable, os.path.abspath(__file__), "--model-path", args.model_path, "--mcore-path",
-                   args.mcore_path, "--worker-precision", precision, "--result-file", out, "--steps", str(args.steps),
-                   "--rows", str(args.rows), "--seq-length", str(args.seq_length)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--model-path",
+                args.model_path,
+                "--mcore-path",
+                args.mcore_path,
+                "--worker-precision",
+                precision,
+                "--result-file",
+                out,
+                "--steps",
+                str(args.steps),
+                "--rows",
+                str(args.rows),
+                "--seq-length",
+                str(args.seq_length),
+            ]
             env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             if proc.returncode:
@@ -141,21 +182,27 @@ def bench_train(args) -> None:
             with open(out) as f:
                 results[precision] += json.load(f)["times"]
             os.unlink(out)
-    print(f"\ntraining step: {args.rows} rows x {args.seq_length} tokens = {tokens} tokens, forward + backward + "
-          f"AdamW, {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"\ntraining step: {args.rows} rows x {args.seq_length} tokens = {tokens} tokens, forward + backward + "
+        f"AdamW, {args.rounds} rounds x {args.steps} steps"
+    )
     print("| precision | step s (median) | tok/s (median) | tok/s (best) | vs fp32 |")
     print("| --- | ---: | ---: | ---: | ---: |")
     base = tokens / statistics.median(results[args.dtypes[0]])
     for p in args.dtypes:
         med = statistics.median(results[p])
-        print(f"| {p} | {med:.2f} | {tokens / med:,.0f} | {tokens / min(results[p]):,.0f} | "
-              f"{tokens / med / base:.2f}x |", flush=True)
+        print(
+            f"| {p} | {med:.2f} | {tokens / med:,.0f} | {tokens / min(results[p]):,.0f} | {tokens / med / base:.2f}x |",
+            flush=True,
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="runs/smollm2/hf", help="the HF checkpoint (tools/fetch_smollm2.py)")
-    ap.add_argument("--mcore-path", default="runs/smollm2/mcore", help="its megatron conversion (recipe.yaml: the model)")
+    ap.add_argument(
+        "--mcore-path", default="runs/smollm2/mcore", help="its megatron conversion (recipe.yaml: the model)"
+    )
     ap.add_argument("--part", choices=["generate", "train", "both"], default="both")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
@@ -171,8 +218,9 @@ def main() -> None:
     if args.worker_precision:
         args.precision = args.worker_precision
         return train_worker(args)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{os.cpu_count()} cores")
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores"
+    )
     if args.part in ("generate", "both"):
         bench_generate(args)
     if args.part in ("train", "both"):

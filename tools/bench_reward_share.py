@@ -29,19 +29,38 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BASE = ["configs/domains.yaml", "data.domains=[{name: code, task: tiny_code, max_new_tokens: 16, eval: {num_prompts: 20}}]",
-        "init.sft_steps=150", "eval.interval=0", "eval.num_prompts=20", "eval.k=0", "eval.score=greedy",
-        "logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false"]
+BASE = [
+    "configs/domains.yaml",
+    "data.domains=[{name: code, task: tiny_code, max_new_tokens: 16, eval: {num_prompts: 20}}]",
+    "init.sft_steps=150",
+    "eval.interval=0",
+    "eval.num_prompts=20",
+    "eval.k=0",
+    "eval.score=greedy",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+    "logging.tensorboard=false",
+]
 ASYNC = ["rollout.runtime=async", "rollout.max_staleness=1"]
-REGEX = ["data.domains=[{name: code, task: tiny_code, max_new_tokens: 16, eval: {num_prompts: 20}, "
-         "rewards: [{name: formatting, options: {pattern: 'lambda x:[-+*0-9x]+'}}]}]"]
+REGEX = [
+    "data.domains=[{name: code, task: tiny_code, max_new_tokens: 16, eval: {num_prompts: 20}, "
+    "rewards: [{name: formatting, options: {pattern: 'lambda x:[-+*0-9x]+'}}]}]"
+]
 CONFIGS = {"sync+sandbox": [], "async+sandbox": ASYNC, "async+regex": ASYNC + REGEX}
 
 
 def run(name: str, steps: int, out: str, rep: int) -> dict[str, float]:
     run_dir = os.path.join(out, f"{name.replace('+', '_')}-{rep}")
-    cmd = [sys.executable, "-m", "mcore_rl.cli", "train", *BASE, *CONFIGS[name], f"run_dir={run_dir}",
-           f"train.num_steps={steps}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        *BASE,
+        *CONFIGS[name],
+        f"run_dir={run_dir}",
+        f"train.num_steps={steps}",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -52,8 +71,13 @@ def run(name: str, steps: int, out: str, rep: int) -> dict[str, float]:
         return statistics.median(vals) if vals else float("nan")
 
     step, reward = med("time/step_s"), med("time/reward_s")
-    return {"step_s": step, "reward_s": reward, "reward_share": reward / step if step else float("nan"),
-            "wait_s": med("time/rollout_wait_s"), "idle_frac": med("time/trainer_idle_frac")}
+    return {
+        "step_s": step,
+        "reward_s": reward,
+        "reward_share": reward / step if step else float("nan"),
+        "wait_s": med("time/rollout_wait_s"),
+        "idle_frac": med("time/trainer_idle_frac"),
+    }
 
 
 def main() -> None:
@@ -67,8 +91,10 @@ def main() -> None:
         order = list(CONFIGS) if rep % 2 == 0 else list(reversed(CONFIGS))
         for name in order:
             results[name].append(run(name, args.steps, args.out, rep))
-            print(f"{name:14s} repeat {rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name][-1].items()),
-                  flush=True)
+            print(
+                f"{name:14s} repeat {rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name][-1].items()),
+                flush=True,
+            )
 
     def cell(name: str, key: str) -> str:
         vals = sorted(r[key] for r in results[name])
@@ -80,7 +106,9 @@ def main() -> None:
     for name in CONFIGS:
         print(f"| {name} | " + " | ".join(cell(name, k) for k in keys) + " |")
     a, b = (statistics.median(r["wait_s"] for r in results[n]) for n in ("async+sandbox", "async+regex"))
-    print(f"\nlearner wait for a batch, async: sandbox {a:.3f} s vs regex {b:.3f} s (ratio {a / b if b else float('nan'):.2f})")
+    print(
+        f"\nlearner wait for a batch, async: sandbox {a:.3f} s vs regex {b:.3f} s (ratio {a / b if b else float('nan'):.2f})"
+    )
 
 
 if __name__ == "__main__":

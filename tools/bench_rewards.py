@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from collections.abc import Callable
 
 import mcore_rl.data.tasks  # noqa: F401  (registers the addition reward)
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
@@ -73,13 +73,24 @@ def _code_workload(n: int) -> list[dict]:
     for i in range(n):
         if i % 2 == 0:
             ex = tiny[i // 2 % len(tiny)]
-            out.append({"program": "f = " + ex["response"], "tests": checks_for(ex["prompt"]), "context": "",
-                        "entry_points": ()})
+            out.append(
+                {
+                    "program": "f = " + ex["response"],
+                    "tests": checks_for(ex["prompt"]),
+                    "context": "",
+                    "entry_points": (),
+                }
+            )
         else:
             p = problems()[i // 2 % 32]
-            out.append({"program": program_of(p, p["canonical_solution"]),
-                        "tests": [f"{p['test']}\ncheck({p['entry_point']})\n"], "context": p["prompt"],
-                        "entry_points": (p["entry_point"],)})
+            out.append(
+                {
+                    "program": program_of(p, p["canonical_solution"]),
+                    "tests": [f"{p['test']}\ncheck({p['entry_point']})\n"],
+                    "context": p["prompt"],
+                    "entry_points": (p["entry_point"],),
+                }
+            )
     return out
 
 
@@ -90,8 +101,13 @@ def _one_process_source(item: dict) -> str:
 
 def _unsandboxed_subprocess(item: dict) -> bool:
     """The program and its tests in a fresh interpreter with no isolation."""
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", _one_process_source(item)], env={},
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _one_process_source(item)],
+        env={},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=30,
+    )
     return proc.returncode == 0
 
 
@@ -104,17 +120,27 @@ def _sandboxed(isolation: str) -> Callable[[dict], bool]:
     limits = Limits(cpu_s=10, wall_s=20, memory_mb=1024)
 
     def run(item: dict) -> bool:
-        out = run_tests(item["program"], item["tests"], limits, context=item["context"],
-                        entry_points=item["entry_points"], isolation=isolation)
+        out = run_tests(
+            item["program"],
+            item["tests"],
+            limits,
+            context=item["context"],
+            entry_points=item["entry_points"],
+            isolation=isolation,
+        )
         return out.kind == "pass"
 
     return run
 
 
 def bench_code(samples: int, concurrency: int, rounds: int) -> None:
-    modes = {"sandbox auto": _sandboxed("auto"), "sandbox user_ns": _sandboxed("user_ns"),
-             "sandbox none": _sandboxed("none"), "subprocess, no sandbox": _unsandboxed_subprocess,
-             "exec in-process": _in_process}
+    modes = {
+        "sandbox auto": _sandboxed("auto"),
+        "sandbox user_ns": _sandboxed("user_ns"),
+        "sandbox none": _sandboxed("none"),
+        "subprocess, no sandbox": _unsandboxed_subprocess,
+        "exec in-process": _in_process,
+    }
     mech = probe()
     if not probe("none").get("stdlib"):
         del modes["sandbox none"]  # its uid cannot read this interpreter's standard library (docs/sandbox.md)
@@ -131,15 +157,17 @@ def bench_code(samples: int, concurrency: int, rounds: int) -> None:
 
     with ThreadPoolExecutor(concurrency) as pool:
         for r in range(rounds):
-            chunk = work[r * per_round:(r + 1) * per_round]
+            chunk = work[r * per_round : (r + 1) * per_round]
             for name, fn in modes.items():
                 start = time.perf_counter()
                 outs = list(pool.map(lambda item: timed(fn, item), chunk))
                 busy[name] += time.perf_counter() - start
                 assert all(ok for ok, _ in outs), f"{name}: a right program failed"
                 latencies[name] += [t for _, t in outs]
-    print(f"code reward harness: {per_round * rounds} samples per mode (tiny_code answers and HumanEval canonical "
-          f"solutions, alternating), {concurrency} concurrent, {rounds} interleaved rounds")
+    print(
+        f"code reward harness: {per_round * rounds} samples per mode (tiny_code answers and HumanEval canonical "
+        f"solutions, alternating), {concurrency} concurrent, {rounds} interleaved rounds"
+    )
     print("in force with auto: " + ", ".join(f"{k}={v}" for k, v in mech.items() if k not in ("status", "error")))
     print(f"{'':<24}{'samples/s':>10}{'p50 ms':>10}{'p90 ms':>10}{'p95 ms':>10}{'p50 vs subprocess':>19}")
     base = statistics.median(latencies["subprocess, no sandbox"])
@@ -147,8 +175,10 @@ def bench_code(samples: int, concurrency: int, rounds: int) -> None:
         lat = sorted(latencies[name])
         p50 = statistics.median(lat)
         p90, p95 = (lat[min(len(lat) - 1, int(q * len(lat)))] for q in (0.9, 0.95))
-        print(f"{name:<24}{len(lat) / busy[name]:>10.1f}{p50 * 1e3:>10.1f}{p90 * 1e3:>10.1f}{p95 * 1e3:>10.1f}"
-              f"{p50 / base:>18.2f}x")
+        print(
+            f"{name:<24}{len(lat) / busy[name]:>10.1f}{p50 * 1e3:>10.1f}{p90 * 1e3:>10.1f}{p95 * 1e3:>10.1f}"
+            f"{p50 / base:>18.2f}x"
+        )
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def _rss() -> int:
 class PeakRSS:
     """Peak resident set size above the starting level while the block runs."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.base = self.peak = _rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -61,8 +61,11 @@ def supports(targets: torch.Tensor, vocab: int, lo: int, hi: int, seed: int) -> 
     """Flat ids and counts: log-uniform sizes in [lo, hi], random ids, the target always in."""
     g = torch.Generator().manual_seed(seed)
     n = targets.numel()
-    sizes = torch.exp(torch.empty(n).uniform_(torch.log(torch.tensor(float(lo))).item(),
-                                               torch.log(torch.tensor(float(hi))).item(), generator=g)).long()
+    sizes = torch.exp(
+        torch.empty(n).uniform_(
+            torch.log(torch.tensor(float(lo))).item(), torch.log(torch.tensor(float(hi))).item(), generator=g
+        )
+    ).long()
     ids = torch.randint(0, vocab, (int(sizes.sum()),), generator=g, dtype=torch.int32)
     starts = torch.cumsum(sizes, 0) - sizes
     ids[starts] = targets.to(torch.int32)  # duplicates are harmless: the keep mask is a set
@@ -102,9 +105,11 @@ def main() -> None:
     mask = supports(targets, args.vocab, args.min_support, args.max_support, args.seed + 1)
     chunk = args.chunk or auto_chunk_size(args.vocab)
     sizes = mask[1].float()
-    print(f"vocab {args.vocab}, tokens {args.tokens}, hidden {args.hidden}, chunk {chunk} tokens, threads "
-          f"{args.threads}; supports: median {sizes.median():.0f}, mean {sizes.mean():.0f}, max {sizes.max():.0f} ids "
-          f"({mask[0].numel() * 4 / 2**20:.1f} MiB of int32 ids)")
+    print(
+        f"vocab {args.vocab}, tokens {args.tokens}, hidden {args.hidden}, chunk {chunk} tokens, threads "
+        f"{args.threads}; supports: median {sizes.median():.0f}, mean {sizes.mean():.0f}, max {sizes.max():.0f} ids "
+        f"({mask[0].numel() * 4 / 2**20:.1f} MiB of int32 ids)"
+    )
     run_once(hidden[:chunk], weight, targets[:chunk], chunk, None, 0.8)  # warm-up (allocator, threads)
     res: dict[str, list[tuple[float, float]]] = {"plain": [], "masked": []}
     for r in range(args.repeats):
@@ -116,10 +121,14 @@ def main() -> None:
     for side, rows in res.items():
         t, m = [x[0] for x in rows], [x[1] for x in rows]
         med[side] = (statistics.median(t), statistics.median(m))
-        print(f"{side:8} {med[side][0]:10.2f} ({min(t):.2f}-{max(t):.2f}) {'':6} {med[side][1]:10.0f} "
-              f"({min(m):.0f}-{max(m):.0f})")
-    print(f"masked / plain: time x{med['masked'][0] / med['plain'][0]:.2f}, peak memory "
-          f"x{med['masked'][1] / max(med['plain'][1], 1e-9):.2f}")
+        print(
+            f"{side:8} {med[side][0]:10.2f} ({min(t):.2f}-{max(t):.2f}) {'':6} {med[side][1]:10.0f} "
+            f"({min(m):.0f}-{max(m):.0f})"
+        )
+    print(
+        f"masked / plain: time x{med['masked'][0] / med['plain'][0]:.2f}, peak memory "
+        f"x{med['masked'][1] / max(med['plain'][1], 1e-9):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,13 @@ def main() -> None:
     batch_seconds(core, args.requests, args.tokens, False)  # warm-up
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds):
-        for penalized in ((False, True) if r % 2 == 0 else (True, False)):
+        for penalized in (False, True) if r % 2 == 0 else (True, False):
             times[penalized].append(batch_seconds(core, args.requests, args.tokens, penalized))
     for penalized, t in times.items():
-        print(f"{'penalties + logit_bias' if penalized else 'plain':>22}: median {statistics.median(t):.3f} s "
-              f"(min {min(t):.3f}, max {max(t):.3f}, {len(t)} rounds)")
+        print(
+            f"{'penalties + logit_bias' if penalized else 'plain':>22}: median {statistics.median(t):.3f} s "
+            f"(min {min(t):.3f}, max {max(t):.3f}, {len(t)} rounds)"
+        )
 
 
 if __name__ == "__main__":

@@ -162,8 +162,13 @@ def build_reference(cfg, weights: dict):
         for mb in microbatches:
             seg = mb["segment_ids"]
             allowed = (seg[:, :, None] == seg[:, None, :])[:, None]  # [b, 1, s, s], True = may attend
-            out = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
-                        loss_mask=mb["loss_mask"], attention_mask=allowed)
+            out = model(
+                mb["tokens"],
+                position_ids=mb["position_ids"],
+                labels=mb["labels"],
+                loss_mask=mb["loss_mask"],
+                attention_mask=allowed,
+            )
             n = float(mb["loss_mask"].sum())
             # megatron's objective: token-summed loss over the global token count (+ MoE aux loss,
             # weighted by the micro-batch's token count, as megatron-core scales it)
@@ -178,8 +183,8 @@ def build_reference(cfg, weights: dict):
 def _imports_for_baseline() -> None:
     """Import everything the variants use before the memory baseline, so no import counts as growth."""
     import megatron.core.pipeline_parallel  # noqa: F401
-    import mcore_rl.data.sft  # noqa: F401
-    import mcore_rl.models.builder  # noqa: F401
+    import mcore_rl.data.sft
+    import mcore_rl.models.builder
     import mcore_rl.train.sft  # noqa: F401
 
 
@@ -219,8 +224,13 @@ def worker_memory(cfg, args) -> dict[str, Any]:
         teardown()
     if rank != 0:
         return {}
-    return {"times": {args.worker: times}, "losses": {args.worker: losses}, "peak_mib": sum(growth),
-            "peak_mib_per_rank": growth, "world": len(growth)}
+    return {
+        "times": {args.worker: times},
+        "losses": {args.worker: losses},
+        "peak_mib": sum(growth),
+        "peak_mib_per_rank": growth,
+        "world": len(growth),
+    }
 
 
 def worker_pair(cfg, args) -> dict[str, Any]:
@@ -234,7 +244,7 @@ def worker_pair(cfg, args) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in steps}
     losses: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(args.warmup + args.steps):
-        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+        for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
             t0 = time.perf_counter()
             losses[name].append(steps[name]())
             if i >= args.warmup:
@@ -271,14 +281,24 @@ def launch(worker: str, tp: int, overrides: list[str], args, steps: int, warmup:
     fd, result_file = tempfile.mkstemp(suffix=".json", prefix="bench_sft_")
     os.close(fd)
     worker_args = [
-        os.path.abspath(__file__), "--worker", worker, "--config", args.config,
-        "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
-        "--result-file", result_file, *overrides,
+        os.path.abspath(__file__),
+        "--worker",
+        worker,
+        "--config",
+        args.config,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--threads",
+        str(args.threads),
+        "--result-file",
+        result_file,
+        *overrides,
     ]
     if tp > 1:
         worker_args.append(f"parallel.tensor_model_parallel_size={tp}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-               *worker_args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *worker_args]
     else:
         cmd = [sys.executable, *worker_args]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -304,18 +324,27 @@ def _summary(overrides: list[str], config: str) -> tuple[str, int]:
     qkv = m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
     layer = qkv + m.num_attention_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
     params = m.num_layers * layer + m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return (f"hidden {m.hidden_size}, {m.num_layers} layers, ffn {m.ffn_hidden_size}, heads "
-            f"{m.num_attention_heads}/{m.num_query_groups}, ~{params / 1e6:.2f}M params; seq {t.seq_length}, "
-            f"mbs {t.micro_batch_size}, gbs {t.global_batch_size} -> {t.global_batch_size * t.seq_length} "
-            f"tokens/step"), t.global_batch_size * t.seq_length
+    return (
+        f"hidden {m.hidden_size}, {m.num_layers} layers, ffn {m.ffn_hidden_size}, heads "
+        f"{m.num_attention_heads}/{m.num_query_groups}, ~{params / 1e6:.2f}M params; seq {t.seq_length}, "
+        f"mbs {t.micro_batch_size}, gbs {t.global_batch_size} -> {t.global_batch_size * t.seq_length} "
+        f"tokens/step"
+    ), t.global_batch_size * t.seq_length
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size, e.g. train.seq_length=128")
+    ap.add_argument(
+        "overrides", nargs="*", help="dotted config overrides applied to every size, e.g. train.seq_length=128"
+    )
     ap.add_argument("--config", default="configs/sft_demo.yaml")
-    ap.add_argument("--model-size", nargs="+", default=["demo", "big"], choices=sorted(SIZES),
-                    help="size presets to run (demo = the config as is; big = " + " ".join(SIZES["big"]) + ")")
+    ap.add_argument(
+        "--model-size",
+        nargs="+",
+        default=["demo", "big"],
+        choices=sorted(SIZES),
+        help="size presets to run (demo = the config as is; big = " + " ".join(SIZES["big"]) + ")",
+    )
     ap.add_argument("--tp2-sizes", nargs="*", default=["big"], help="sizes that also get an mcore TP=2 row (2 ranks)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per worker (default: per size)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per worker (default: per size)")
@@ -330,8 +359,10 @@ def main() -> None:
 
     import platform
 
-    print(f"bench_sft: {args.config} {' '.join(args.overrides)}; {args.rounds} rounds; "
-          f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"bench_sft: {args.config} {' '.join(args.overrides)}; {args.rounds} rounds; "
+        f"{args.threads} thread(s) per rank; {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    )
     t_start = time.perf_counter()
     table = []
     for size in args.model_size:
@@ -356,31 +387,62 @@ def main() -> None:
         memory = {v: timed(f"{v} alone (memory)", v, 1, 2, 1) for v in ("mcore", "reference")}
 
         rows = {
-            "mcore": ([t for p in pairs for t in p["times"]["mcore"]], memory["mcore"]["peak_mib"],
-                      pairs[0]["losses"]["mcore"], pairs[0]["threads"], 1),
-            "reference": ([t for p in pairs for t in p["times"]["reference"]], memory["reference"]["peak_mib"],
-                          pairs[0]["losses"]["reference"], pairs[0]["threads"], 1),
+            "mcore": (
+                [t for p in pairs for t in p["times"]["mcore"]],
+                memory["mcore"]["peak_mib"],
+                pairs[0]["losses"]["mcore"],
+                pairs[0]["threads"],
+                1,
+            ),
+            "reference": (
+                [t for p in pairs for t in p["times"]["reference"]],
+                memory["reference"]["peak_mib"],
+                pairs[0]["losses"]["reference"],
+                pairs[0]["threads"],
+                1,
+            ),
         }
         if tp2:
-            rows["mcore TP=2"] = ([t for p in tps for t in p["times"]["mcore"]], max(p["peak_mib"] for p in tps),
-                                  tps[0]["losses"]["mcore"], tps[0]["threads"], tps[0]["world"])
+            rows["mcore TP=2"] = (
+                [t for p in tps for t in p["times"]["mcore"]],
+                max(p["peak_mib"] for p in tps),
+                tps[0]["losses"]["mcore"],
+                tps[0]["threads"],
+                tps[0]["world"],
+            )
         for name, (times, peak, losses, threads, world) in rows.items():
-            table.append(dict(size=size, variant=name, tok_s=tokens_per_step / statistics.median(times),
-                              best=tokens_per_step / min(times), peak=peak, loss1=losses[0],
-                              loss_last=losses[-1], threads=threads, world=world))
+            table.append(
+                dict(
+                    size=size,
+                    variant=name,
+                    tok_s=tokens_per_step / statistics.median(times),
+                    best=tokens_per_step / min(times),
+                    peak=peak,
+                    loss1=losses[0],
+                    loss_last=losses[-1],
+                    threads=threads,
+                    world=world,
+                )
+            )
 
-    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); tokens/s = median (best) over all timed "
-          "steps; peak MB = peak-RSS growth, summed over ranks; ratio = variant / reference")
-    header = (f"{'size':5s} {'variant':11s} {'ranks x thr':>11s} {'tokens/s':>9s} {'(best)':>8s} {'peak MB':>8s} "
-              f"{'tok/s/core':>10s} {'tok/s ratio':>11s} {'MB ratio':>8s} {'loss step1':>11s} {'loss last':>10s}")
+    print(
+        f"\nresults (wall {time.perf_counter() - t_start:.0f} s); tokens/s = median (best) over all timed "
+        "steps; peak MB = peak-RSS growth, summed over ranks; ratio = variant / reference"
+    )
+    header = (
+        f"{'size':5s} {'variant':11s} {'ranks x thr':>11s} {'tokens/s':>9s} {'(best)':>8s} {'peak MB':>8s} "
+        f"{'tok/s/core':>10s} {'tok/s ratio':>11s} {'MB ratio':>8s} {'loss step1':>11s} {'loss last':>10s}"
+    )
     print(header)
     print("-" * len(header))
     for row in table:
         ref = next(x for x in table if x["size"] == row["size"] and x["variant"] == "reference")
-        print(f"{row['size']:5s} {row['variant']:11s} {str(row['world']) + ' x ' + str(row['threads']):>11s} "
-              f"{row['tok_s']:9.0f} {'(' + format(row['best'], '.0f') + ')':>8s} {row['peak']:8.1f} "
-              f"{row['tok_s'] / (row['world'] * row['threads']):10.0f} {row['tok_s'] / ref['tok_s']:10.2f}x {row['peak'] / ref['peak']:7.2f}x "
-              f"{row['loss1']:11.6f} {row['loss_last']:10.6f}")
+        print(
+            f"{row['size']:5s} {row['variant']:11s} {str(row['world']) + ' x ' + str(row['threads']):>11s} "
+            f"{row['tok_s']:9.0f} {'(' + format(row['best'], '.0f') + ')':>8s} {row['peak']:8.1f} "
+            f"{row['tok_s'] / (row['world'] * row['threads']):10.0f} {row['tok_s'] / ref['tok_s']:10.2f}x {row['peak'] / ref['peak']:7.2f}x "
+            f"{row['loss1']:11.6f} {row['loss_last']:10.6f}"
+        )
 
 
 if __name__ == "__main__":

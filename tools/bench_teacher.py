@@ -49,10 +49,14 @@ def _reset_peak(pid: str = "self") -> None:
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
     heads = max(1, args.hidden // 32)
-    return [f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.hidden * 4}",
-            f"model.num_layers={args.layers}", f"model.num_attention_heads={heads}",
-            f"model.num_query_groups={max(1, heads // 2)}",
-            f"model.max_position_embeddings={max(256, args.prompt + args.response + 8)}"]
+    return [
+        f"model.hidden_size={args.hidden}",
+        f"model.ffn_hidden_size={args.hidden * 4}",
+        f"model.num_layers={args.layers}",
+        f"model.num_attention_heads={heads}",
+        f"model.num_query_groups={max(1, heads // 2)}",
+        f"model.max_position_embeddings={max(256, args.prompt + args.response + 8)}",
+    ]
 
 
 def make_samples(n: int, prompt: int, response: int, seed: int = 0) -> list:
@@ -90,10 +94,21 @@ def main() -> None:
     from mcore_rl.rollout.teacher import EngineTeacher, start_teacher_engines
 
     seq = args.prompt + args.response
-    cfg = load_config(RLConfig, None, model_overrides(args) + [
-        f"train.seq_length={seq}", f"train.micro_batch_size={args.micro_batch}", "rollout.max_new_tokens=8",
-        f"rollout.context_length={seq + 8}", "data.synthetic_max_digits=1", "eval.num_prompts=1",
-        "logging.progress_bar=false", "logging.tensorboard=false"])
+    cfg = load_config(
+        RLConfig,
+        None,
+        model_overrides(args)
+        + [
+            f"train.seq_length={seq}",
+            f"train.micro_batch_size={args.micro_batch}",
+            "rollout.max_new_tokens=8",
+            f"rollout.context_length={seq + 8}",
+            "data.synthetic_max_digits=1",
+            "eval.num_prompts=1",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+        ],
+    )
     samples = make_samples(args.samples, args.prompt, args.response)
     tokens = args.samples * args.response
     tmp = tempfile.mkdtemp(prefix="bench_teacher_")
@@ -102,11 +117,23 @@ def main() -> None:
     model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model))
     model.save_pretrained(os.path.join(tmp, "teacher"))
     del model
-    procs = start_teacher_engines(os.path.join(tmp, "teacher"), num=1, workdir=os.path.join(tmp, "engine"),
-                                  context_length=seq + 8, threads=args.threads,
-                                  max_running_requests=max(1, args.samples))
-    engine = EngineTeacher("bench", procs.urls, vocab_size=cfg.model.vocab_size, top_k=args.top_k,
-                           max_concurrency=args.samples, processes=procs, restart_dead=False)
+    procs = start_teacher_engines(
+        os.path.join(tmp, "teacher"),
+        num=1,
+        workdir=os.path.join(tmp, "engine"),
+        context_length=seq + 8,
+        threads=args.threads,
+        max_running_requests=max(1, args.samples),
+    )
+    engine = EngineTeacher(
+        "bench",
+        procs.urls,
+        vocab_size=cfg.model.vocab_size,
+        top_k=args.top_k,
+        max_concurrency=args.samples,
+        processes=procs,
+        restart_dead=False,
+    )
     pid = str(procs.pids[0])
 
     # the in-trainer side: the policy world (1 rank, gloo) and a frozen copy of it
@@ -124,8 +151,9 @@ def main() -> None:
         return learner.token_logprobs(ss, t, chunks=chunks)[0]
 
     def topk(ss, t, chunks):
-        return token_topk(chunks, ss, t, args.top_k, seq_length=seq, micro_batch_size=args.micro_batch,
-                          pad_id=policy.tokenizer.pad_id)
+        return token_topk(
+            chunks, ss, t, args.top_k, seq_length=seq, micro_batch_size=args.micro_batch, pad_id=policy.tokenizer.pad_id
+        )
 
     def run_engine() -> tuple[float, float]:
         for s in samples:
@@ -153,7 +181,7 @@ def main() -> None:
         run_engine(), run_trainer()  # warm-up
         for r in range(args.repeats):
             order = [("engine", run_engine), ("in-trainer", run_trainer)]
-            for name, fn in (order if r % 2 == 0 else order[::-1]):
+            for name, fn in order if r % 2 == 0 else order[::-1]:
                 results[name].append(fn())
     finally:
         engine.close()
@@ -163,16 +191,22 @@ def main() -> None:
         return statistics.median(vals), min(vals), max(vals)
 
     n_params = sum(p.numel() for p in frozen.chunks[0].parameters())
-    print(f"teacher: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters; "
-          f"{args.samples} samples x ({args.prompt} prompt + {args.response} response) tokens; "
-          f"top-k {args.top_k}; {args.threads} thread(s) each; {args.repeats} repeats, alternating")
+    print(
+        f"teacher: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters; "
+        f"{args.samples} samples x ({args.prompt} prompt + {args.response} response) tokens; "
+        f"top-k {args.top_k}; {args.threads} thread(s) each; {args.repeats} repeats, alternating"
+    )
     print(f"{'':34}{'engine':>24}{'in-trainer':>24}{'engine / in-trainer':>22}")
     for label, k, unit in (("response tokens / s", 0, ""), ("peak memory (MiB)", 1, "")):
         e, t = stat("engine", k), stat("in-trainer", k)
-        print(f"{label:34}{e[0]:>10.0f} [{e[1]:.0f}-{e[2]:.0f}]{'':>3}{t[0]:>10.0f} [{t[1]:.0f}-{t[2]:.0f}]{'':>3}"
-              f"{e[0] / t[0]:>18.2f}x")
-    print("(median [min-max]; engine memory: the whole teacher process's peak RSS; in-trainer: the trainer's "
-          "peak RSS growth for the frozen copy and its forward)")
+        print(
+            f"{label:34}{e[0]:>10.0f} [{e[1]:.0f}-{e[2]:.0f}]{'':>3}{t[0]:>10.0f} [{t[1]:.0f}-{t[2]:.0f}]{'':>3}"
+            f"{e[0] / t[0]:>18.2f}x"
+        )
+    print(
+        "(median [min-max]; engine memory: the whole teacher process's peak RSS; in-trainer: the trainer's "
+        "peak RSS growth for the frozen copy and its forward)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,13 @@ from mcore_rl.train.weight_sync import iter_buckets
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_layers=args.layers,
-        num_attention_heads=args.heads, num_query_groups=args.groups, max_position_embeddings=256,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        max_position_embeddings=256,
     )
 
 
@@ -64,8 +69,9 @@ def make_core(mc: ModelConfig, seed: int):
     from mcore_rl.rollout.engine.core import EngineCore
 
     torch.manual_seed(seed)
-    return EngineCore(Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)), load_tokenizer(None),
-                      context_length=128)
+    return EngineCore(
+        Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)), load_tokenizer(None), context_length=128
+    )
 
 
 # --profile: what is timed in each process, as (module, attribute, label)
@@ -167,10 +173,12 @@ def main() -> None:
     weights = list(make_core(mc, seed=1).model.state_dict().items())  # the "trainer's" full HF tensors
     total = sum(t.numel() * t.element_size() for _, t in weights)
     bucket = args.bucket_mb << 20
-    print(f"weights: {total / 1e6:.1f} MB fp32 in {len(weights)} tensors (hidden {mc.hidden_size}, "
-          f"{mc.num_layers} layers, vocab {mc.vocab_size}); bucket {args.bucket_mb} MiB; "
-          f"{args.repeats} runs each; checksums {'off' if args.no_checksum else 'on'}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"weights: {total / 1e6:.1f} MB fp32 in {len(weights)} tensors (hidden {mc.hidden_size}, "
+        f"{mc.num_layers} layers, vocab {mc.vocab_size}); bucket {args.bucket_mb} MiB; "
+        f"{args.repeats} runs each; checksums {'off' if args.no_checksum else 'on'}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     if not args.no_checksum:
         from mcore_rl.rollout.weight_protocol import WeightChecksum
 
@@ -182,8 +190,10 @@ def main() -> None:
                 c.add(name, t)
             c.hexdigest()
             times.append(time.perf_counter() - t0)
-        print(f"checksum of all weights (one side): best {min(times):.3f} s, median {statistics.median(times):.3f} s "
-              f"({total / min(times) / 1e9:.1f} GB/s)")
+        print(
+            f"checksum of all weights (one side): best {min(times):.3f} s, median {statistics.median(times):.3f} s "
+            f"({total / min(times) / 1e9:.1f} GB/s)"
+        )
 
     ctx = mp.get_context("spawn")
     urls, stop = ctx.Queue(), ctx.Event()
@@ -211,8 +221,9 @@ def main() -> None:
         pool = HTTPEnginePool([url])
         transports = {
             "distributed, one broadcast per tensor": DistributedTransport(pool, group_name="bench-per-tensor"),
-            "distributed, flattened bucket": DistributedTransport(pool, group_name="bench-flat",
-                                                                  load_format="flattened_bucket"),
+            "distributed, flattened bucket": DistributedTransport(
+                pool, group_name="bench-flat", load_format="flattened_bucket"
+            ),
             "disk (safetensors files)": DiskTransport(pool, os.path.join(tmp.name, "w")),
             "tensor, shared-memory file": TensorTransport(pool),
             "tensor, inline (base64 in JSON)": TensorTransport(pool, payload="inline"),
@@ -226,8 +237,10 @@ def main() -> None:
         versions = iter(range(1, 1 << 30))
         # round-robin, so that load from other processes on a shared machine hits all alike
         for _ in range(args.repeats):
-            for name, fn in [("raw dist.broadcast, one tensor", raw),
-                             *[(k, t) for k, t in transports.items() if args.only in k]]:
+            for name, fn in [
+                ("raw dist.broadcast, one tensor", raw),
+                *[(k, t) for k, t in transports.items() if args.only in k],
+            ]:
                 t0 = time.perf_counter()
                 if fn is raw:
                     raw()
@@ -242,8 +255,10 @@ def main() -> None:
                 results.setdefault(name, []).append(time.perf_counter() - t0)
                 if phases is not None and fn is not raw:
                     commands.put("take")
-                    sides = {**{f"trainer: {k}": v for k, v in phases.take().items()},
-                             **{f"engine: {k}": v for k, v in replies.get(timeout=60).items()}}
+                    sides = {
+                        **{f"trainer: {k}": v for k, v in phases.take().items()},
+                        **{f"engine: {k}": v for k, v in replies.get(timeout=60).items()},
+                    }
                     for k, v in sides.items():
                         profile.setdefault(name, {})[k] = profile.get(name, {}).get(k, 0.0) + v / args.repeats
         receiver.join()
@@ -261,12 +276,16 @@ def main() -> None:
         server.join(30)
 
     raw_times = results["raw dist.broadcast, one tensor"]
-    print(f"\n{'transport':<40} {'best s':>7} {'median s':>9} {'worst s':>8} {'MB/s (median)':>14} "
-          f"{'vs raw, best':>13} {'vs raw, median':>15}")
+    print(
+        f"\n{'transport':<40} {'best s':>7} {'median s':>9} {'worst s':>8} {'MB/s (median)':>14} "
+        f"{'vs raw, best':>13} {'vs raw, median':>15}"
+    )
     for name, times in results.items():
         med = statistics.median(times)
-        print(f"{name:<40} {min(times):>7.3f} {med:>9.3f} {max(times):>8.3f} {total / med / 1e6:>14.0f} "
-              f"{min(raw_times) / min(times):>13.0%} {statistics.median(raw_times) / med:>15.0%}")
+        print(
+            f"{name:<40} {min(times):>7.3f} {med:>9.3f} {max(times):>8.3f} {total / med / 1e6:>14.0f} "
+            f"{min(raw_times) / min(times):>13.0%} {statistics.median(raw_times) / med:>15.0%}"
+        )
     if args.profile:
         print("\nwhere the time goes, ms per sync (mean; phases overlap: the engine works while the trainer waits)")
         for name, parts in profile.items():

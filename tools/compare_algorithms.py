@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -41,9 +40,13 @@ PRESETS: dict[str, list[str]] = {
     "w_reinforce": ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}"],
     "entropy_adv": ["algorithm.advantage_shaping=[{name: entropy_adv, options: {alpha: 0.4, kappa: 2.0}}]"],
     "edge_grpo": ["algorithm.advantage_shaping=[{name: edge_eda}]", "rollout.gec.enabled=true"],
-    "polaris": ["rollout.temperature_stages=[{start_step: 0, temperature: 1.0}, {start_step: 20, temperature: 1.1},"
-                " {start_step: 40, temperature: 1.2}]", "data.drop_solved_above=0.9", "rollout.polaris.rescue=true",
-                "rollout.polaris.substitute=true"],
+    "polaris": [
+        "rollout.temperature_stages=[{start_step: 0, temperature: 1.0}, {start_step: 20, temperature: 1.1},"
+        " {start_step: 40, temperature: 1.2}]",
+        "data.drop_solved_above=0.9",
+        "rollout.polaris.rescue=true",
+        "rollout.polaris.substitute=true",
+    ],
     "unlikeliness": ["algorithm.reward_shaping=[{name: unlikeliness, options: {beta_rank: 0.25}}]"],
     # plain SGD at the median of AdamW's effective per-coordinate rate lr/(sqrt(v̂)+ε) on this task, as the paper
     # sets it: `mcore-rl diagnose adam_effective_lr` on a 20-step AdamW checkpoint from the weak warm start gave 4.1
@@ -53,11 +56,25 @@ PRESETS: dict[str, list[str]] = {
     "edge_gec": ["rollout.gec.enabled=true"],
     "sgd_lr1": ["optimizer.name=sgd", "optimizer.lr=1.0"],
     "sgd_lr0.3": ["optimizer.name=sgd", "optimizer.lr=0.3"],
-    "w_reinforce_pg": ["algorithm.advantage=w_reinforce", "algorithm.advantage_options={lam: 0.1}",
-                       "algorithm.policy_loss=reinforce", "algorithm.num_minibatches=1"],
+    "w_reinforce_pg": [
+        "algorithm.advantage=w_reinforce",
+        "algorithm.advantage_options={lam: 0.1}",
+        "algorithm.policy_loss=reinforce",
+        "algorithm.num_minibatches=1",
+    ],
 }
-COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-          "tab:olive", "tab:cyan"]
+COLORS = [
+    "tab:gray",
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+]
 
 
 def evals(records: list[dict]) -> list[dict]:
@@ -70,12 +87,14 @@ def plot(results: dict[str, dict[int, list[dict]]], k: int, path: str, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward/mean", "training reward (sampled), 5-step mean", 5),
-              ("eval/greedy_pass@1", "held-out greedy pass@1", 1),
-              (f"eval/avg@{k}", f"held-out avg@{k} (sampled)", 1),
-              (f"eval/pass@{k}", f"held-out pass@{k} (sampled)", 1),
-              ("entropy/mean", "policy entropy on the rollouts, 5-step mean", 5),
-              ("advantage/abs_mean", "mean |advantage| (per sample), 5-step mean", 5)]
+    panels = [
+        ("reward/mean", "training reward (sampled), 5-step mean", 5),
+        ("eval/greedy_pass@1", "held-out greedy pass@1", 1),
+        (f"eval/avg@{k}", f"held-out avg@{k} (sampled)", 1),
+        (f"eval/pass@{k}", f"held-out pass@{k} (sampled)", 1),
+        ("entropy/mean", "policy entropy on the rollouts, 5-step mean", 5),
+        ("advantage/abs_mean", "mean |advantage| (per sample), 5-step mean", 5),
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
     for ax, (key, label, k_smooth) in zip(axes.flat, panels):
         for i, (method, by_seed) in enumerate(results.items()):
@@ -83,9 +102,15 @@ def plot(results: dict[str, dict[int, list[dict]]], k: int, path: str, title: st
                 xs, ys = series(recs, key)
                 if not xs:
                     continue
-                ax.plot(xs, smooth(ys, k_smooth), color=COLORS[i % len(COLORS)], alpha=0.9 if j == 0 else 0.4,
-                        marker="o" if key.startswith("eval/") else None, markersize=3,
-                        label=method if j == 0 else None)
+                ax.plot(
+                    xs,
+                    smooth(ys, k_smooth),
+                    color=COLORS[i % len(COLORS)],
+                    alpha=0.9 if j == 0 else 0.4,
+                    marker="o" if key.startswith("eval/") else None,
+                    markersize=3,
+                    label=method if j == 0 else None,
+                )
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
@@ -105,12 +130,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="configs/demo.yaml")
     parser.add_argument("--methods", nargs="+", default=list(PRESETS))
-    parser.add_argument("--method", action="append", default=[], metavar="NAME=OVERRIDE[;OVERRIDE...]",
-                        help="define (or redefine) a method by its overrides, separated by ';'")
+    parser.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDE[;OVERRIDE...]",
+        help="define (or redefine) a method by its overrides, separated by ';'",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=60, help="rollout steps per run")
-    parser.add_argument("--sft-steps", type=int, default=None,
-                        help="SFT steps of the shared warm start (default: the recipe's init.sft_steps)")
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="SFT steps of the shared warm start (default: the recipe's init.sft_steps)",
+    )
     parser.add_argument("--work", default="runs/compare_algorithms", help="run directories go here")
     parser.add_argument("--png", default="docs/algorithms.png")
     parser.add_argument("--reuse", action="store_true", help="skip runs whose metrics.jsonl is complete")
@@ -140,8 +174,18 @@ def main() -> None:
     if not (args.reuse and os.path.exists(os.path.join(sft_dir, "latest"))):
         print("SFT warm start ...", flush=True)
         sft = [] if args.sft_steps is None else [f"init.sft_steps={args.sft_steps}"]
-        times["sft"] = run(cli + [f"run_dir={work}/sft_run", "train.num_steps=0", f"checkpoint.save_dir={sft_dir}",
-                                  "eval.at_start=true", *sft, *common], os.path.join(work, "sft.log"))
+        times["sft"] = run(
+            cli
+            + [
+                f"run_dir={work}/sft_run",
+                "train.num_steps=0",
+                f"checkpoint.save_dir={sft_dir}",
+                "eval.at_start=true",
+                *sft,
+                *common,
+            ],
+            os.path.join(work, "sft.log"),
+        )
     results: dict[str, dict[int, list[dict]]] = {m: {} for m in args.methods}
     k = 4
     for i, seed in enumerate(args.seeds):
@@ -149,24 +193,42 @@ def main() -> None:
         for method in order:
             run_dir = os.path.join(work, f"{method}_s{seed}")
             metrics = os.path.join(run_dir, "metrics.jsonl")
-            done = args.reuse and os.path.exists(metrics) and any(
-                r.get("rl_step") == args.steps and "eval/score" in r for r in read_metrics(metrics))
+            done = (
+                args.reuse
+                and os.path.exists(metrics)
+                and any(r.get("rl_step") == args.steps and "eval/score" in r for r in read_metrics(metrics))
+            )
             if not done:
                 if os.path.exists(metrics):
                     os.remove(metrics)
                 print(f"{method} seed {seed} ...", flush=True)
-                times[f"{method}_s{seed}"] = run(cli + [
-                    f"run_dir={run_dir}", "init.sft_steps=0", f"init.checkpoint={sft_dir}", *presets[method],
-                    f"train.seed={seed}", f"train.num_steps={args.steps}", *common],
-                    os.path.join(work, f"{method}_s{seed}.log"))
+                times[f"{method}_s{seed}"] = run(
+                    cli
+                    + [
+                        f"run_dir={run_dir}",
+                        "init.sft_steps=0",
+                        f"init.checkpoint={sft_dir}",
+                        *presets[method],
+                        f"train.seed={seed}",
+                        f"train.num_steps={args.steps}",
+                        *common,
+                    ],
+                    os.path.join(work, f"{method}_s{seed}.log"),
+                )
             results[method][seed] = read_metrics(metrics)
-            k = next((int(key.split("@")[1]) for r in results[method][seed] for key in r
-                      if key.startswith("eval/avg@")), k)
+            k = next(
+                (int(key.split("@")[1]) for r in results[method][seed] for key in r if key.startswith("eval/avg@")), k
+            )
 
     png = os.path.join(HERE, args.png)
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    plot(results, k, png, f"{args.recipe}: {args.steps} rollout steps from one SFT warm start, seeds {args.seeds} "
-         "(faint lines: further seeds)")
+    plot(
+        results,
+        k,
+        png,
+        f"{args.recipe}: {args.steps} rollout steps from one SFT warm start, seeds {args.seeds} "
+        "(faint lines: further seeds)",
+    )
 
     keys = {"greedy": "eval/greedy_pass@1", "avgk": f"eval/avg@{k}", "passk": f"eval/pass@{k}"}
     rows = []
@@ -194,19 +256,37 @@ def main() -> None:
             return "—"
         return f"{r[name + '_diff']:+.1%} ({r[name + '_diff_min']:+.1%} to {r[name + '_diff_max']:+.1%})"
 
-    print(f"\n| method | greedy pass@1 | Δ vs GRPO | avg@{k} | Δ vs GRPO | pass@{k} | Δ vs GRPO | "
-          "entropy, last 10 steps | train reward, last 10 steps |")
+    print(
+        f"\n| method | greedy pass@1 | Δ vs GRPO | avg@{k} | Δ vs GRPO | pass@{k} | Δ vs GRPO | "
+        "entropy, last 10 steps | train reward, last 10 steps |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | ---: | ---: |")
     for r in rows:
-        print(f"| {r['method']} | {cell(r, 'greedy')} | {diff(r, 'greedy')} | {cell(r, 'avgk')} | {diff(r, 'avgk')} | "
-              f"{cell(r, 'passk')} | {diff(r, 'passk')} | {r['entropy_last10']:.3f} | {r['reward_last10']:.3f} |")
-    print(f"\nheld-out greedy pass@1 at the warm start: {rows[0]['before_greedy']:.1%}; cells: the mean over seeds of "
-          "the last 3 evaluations (seeds' min–max); Δ: paired by seed")
-    print("wall seconds per run (shared machine, indicative only): "
-          + ", ".join(f"{name} {v:.0f}" for name, v in times.items()))
+        print(
+            f"| {r['method']} | {cell(r, 'greedy')} | {diff(r, 'greedy')} | {cell(r, 'avgk')} | {diff(r, 'avgk')} | "
+            f"{cell(r, 'passk')} | {diff(r, 'passk')} | {r['entropy_last10']:.3f} | {r['reward_last10']:.3f} |"
+        )
+    print(
+        f"\nheld-out greedy pass@1 at the warm start: {rows[0]['before_greedy']:.1%}; cells: the mean over seeds of "
+        "the last 3 evaluations (seeds' min–max); Δ: paired by seed"
+    )
+    print(
+        "wall seconds per run (shared machine, indicative only): "
+        + ", ".join(f"{name} {v:.0f}" for name, v in times.items())
+    )
     with open(summary_path, "w") as f:
-        json.dump({"rows": rows, "seeds": args.seeds, "steps": args.steps, "times": times,
-                   "recipe": args.recipe, "overrides": args.overrides}, f, indent=1)
+        json.dump(
+            {
+                "rows": rows,
+                "seeds": args.seeds,
+                "steps": args.steps,
+                "times": times,
+                "recipe": args.recipe,
+                "overrides": args.overrides,
+            },
+            f,
+            indent=1,
+        )
     print(f"\n{png}\n{summary_path}")
 
 

@@ -33,9 +33,21 @@ sys.path.insert(0, HERE)
 
 from mcore_rl.observe.sinks import read_metrics  # noqa: E402
 
-COLORS = {"none": "tab:gray", "tis": "tab:blue", "mis": "tab:orange", "mipu": "tab:green", "icepop": "tab:red",
-          "seq_tis": "tab:purple", "seq_mask_tis": "tab:brown", "slime_mis": "tab:pink", "seq_mis": "tab:olive",
-          "r3": "tab:cyan", "mask": "tab:red", "r3_mask_tis": "black", "r2": "tab:purple"}
+COLORS = {
+    "none": "tab:gray",
+    "tis": "tab:blue",
+    "mis": "tab:orange",
+    "mipu": "tab:green",
+    "icepop": "tab:red",
+    "seq_tis": "tab:purple",
+    "seq_mask_tis": "tab:brown",
+    "slime_mis": "tab:pink",
+    "seq_mis": "tab:olive",
+    "r3": "tab:cyan",
+    "mask": "tab:red",
+    "r3_mask_tis": "black",
+    "r2": "tab:purple",
+}
 
 # Methods that are not (only) a registered mismatch correction: their overrides. Any other name is
 # `algorithm.mismatch.name=<name>`. R3 / R2 (MoE routing replay) and sampling-mask replay run
@@ -91,12 +103,14 @@ def plot(results: dict[str, dict[int, list[dict]]], k: int, path: str, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward/mean", "training reward (sampled, T=1), 5-step mean", 5, False),
-              (f"eval/avg@{k}", f"held-out avg@{k} (sampled, FP8 engine)", 1, False),
-              ("eval/greedy_pass@1", "held-out greedy pass@1 (FP8 engine)", 1, False),
-              ("mismatch/k3", "mismatch K3 = E[exp(d)-d-1], d = log π - log μ", 5, True),
-              ("mismatch/is_weight_max", "max IS weight π_old/μ (after truncation / masking)", 1, True),
-              ("train/grad_norm", "gradient norm, 5-step mean", 5, False)]
+    panels = [
+        ("reward/mean", "training reward (sampled, T=1), 5-step mean", 5, False),
+        (f"eval/avg@{k}", f"held-out avg@{k} (sampled, FP8 engine)", 1, False),
+        ("eval/greedy_pass@1", "held-out greedy pass@1 (FP8 engine)", 1, False),
+        ("mismatch/k3", "mismatch K3 = E[exp(d)-d-1], d = log π - log μ", 5, True),
+        ("mismatch/is_weight_max", "max IS weight π_old/μ (after truncation / masking)", 1, True),
+        ("train/grad_norm", "gradient norm, 5-step mean", 5, False),
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
     for ax, (key, label, k_smooth, log) in zip(axes.flat, panels):
         for method, by_seed in results.items():
@@ -105,9 +119,15 @@ def plot(results: dict[str, dict[int, list[dict]]], k: int, path: str, title: st
                 if not xs:
                     continue
                 ys = smooth(ys, k_smooth)
-                ax.plot(xs, ys, color=COLORS.get(method), alpha=0.9 if j == 0 else 0.45,
-                        marker="o" if key.startswith("eval/") else None, markersize=3,
-                        label=method if j == 0 else None)
+                ax.plot(
+                    xs,
+                    ys,
+                    color=COLORS.get(method),
+                    alpha=0.9 if j == 0 else 0.45,
+                    marker="o" if key.startswith("eval/") else None,
+                    markersize=3,
+                    label=method if j == 0 else None,
+                )
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
@@ -144,32 +164,59 @@ def main() -> None:
             times.update(json.load(f).get("times", {}))
     if not (args.reuse and os.path.exists(os.path.join(sft_dir, "latest"))):
         print("SFT warm start ...", flush=True)
-        times["sft"] = run(cli + [f"run_dir={work}/sft_run", "train.num_steps=0", f"checkpoint.save_dir={sft_dir}",
-                                  "eval.at_start=true", "logging.plot=false", *common], os.path.join(work, "sft.log"))
+        times["sft"] = run(
+            cli
+            + [
+                f"run_dir={work}/sft_run",
+                "train.num_steps=0",
+                f"checkpoint.save_dir={sft_dir}",
+                "eval.at_start=true",
+                "logging.plot=false",
+                *common,
+            ],
+            os.path.join(work, "sft.log"),
+        )
     results: dict[str, dict[int, list[dict]]] = {m: {} for m in args.methods}
     k = 4
     for seed in args.seeds:
         for method in args.methods:
             run_dir = os.path.join(work, f"{method}_s{seed}")
             metrics = os.path.join(run_dir, "metrics.jsonl")
-            done = args.reuse and os.path.exists(metrics) and any(
-                r.get("rl_step") == args.steps and "eval/score" in r for r in read_metrics(metrics))
+            done = (
+                args.reuse
+                and os.path.exists(metrics)
+                and any(r.get("rl_step") == args.steps and "eval/score" in r for r in read_metrics(metrics))
+            )
             if not done:
                 if os.path.exists(metrics):
                     os.remove(metrics)
                 print(f"{method} seed {seed} ...", flush=True)
-                times[f"{method}_s{seed}"] = run(cli + [
-                    f"run_dir={run_dir}", "init.sft_steps=0", f"init.checkpoint={sft_dir}",
-                    *method_overrides(method), f"train.seed={seed}", f"train.num_steps={args.steps}",
-                    *common], os.path.join(work, f"{method}_s{seed}.log"))
+                times[f"{method}_s{seed}"] = run(
+                    cli
+                    + [
+                        f"run_dir={run_dir}",
+                        "init.sft_steps=0",
+                        f"init.checkpoint={sft_dir}",
+                        *method_overrides(method),
+                        f"train.seed={seed}",
+                        f"train.num_steps={args.steps}",
+                        *common,
+                    ],
+                    os.path.join(work, f"{method}_s{seed}.log"),
+                )
             results[method][seed] = read_metrics(metrics)
-            k = next((int(key.split("@")[1]) for r in results[method][seed] for key in r
-                      if key.startswith("eval/avg@")), k)
+            k = next(
+                (int(key.split("@")[1]) for r in results[method][seed] for key in r if key.startswith("eval/avg@")), k
+            )
 
     png = os.path.join(HERE, args.png)
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    plot(results, k, png, f"{args.recipe}: FP8 rollouts, {args.steps} rollout steps, seeds {args.seeds} "
-         "(faint lines: further seeds)")
+    plot(
+        results,
+        k,
+        png,
+        f"{args.recipe}: FP8 rollouts, {args.steps} rollout steps, seeds {args.seeds} (faint lines: further seeds)",
+    )
 
     rows = []
     for method, by_seed in results.items():
@@ -178,39 +225,63 @@ def main() -> None:
         tail = [series(recs, "reward/mean")[1][-10:] for recs in by_seed.values()]
         k3 = [mean([r["mismatch/k3"] for r in recs if "mismatch/k3" in r]) for recs in by_seed.values()]
         acc = [mean([r.get("mipu/accepted") for r in recs if "mipu/accepted" in r]) for recs in by_seed.values()]
-        touched = [mean([(r.get("mismatch/clipfrac") or 0) + (r.get("mismatch/maskfrac") or 0)
-                         for r in recs if "mismatch/k3" in r]) for recs in by_seed.values()]
+        touched = [
+            mean(
+                [
+                    (r.get("mismatch/clipfrac") or 0) + (r.get("mismatch/maskfrac") or 0)
+                    for r in recs
+                    if "mismatch/k3" in r
+                ]
+            )
+            for recs in by_seed.values()
+        ]
         # per seed: the mean of the last 3 evaluations (one evaluation moves by ±3–5 points)
-        late = [mean([x[f"eval/avg@{k}"] for x in [r for r in recs if "eval/score" in r][-3:]]) for recs in by_seed.values()]
-        late_greedy = [mean([x["eval/greedy_pass@1"] for x in [r for r in recs if "eval/score" in r][-3:]])
-                       for recs in by_seed.values()]
-        rows.append({
-            "method": method,
-            "avgk_late": mean(late), "avgk_late_min": min(late), "avgk_late_max": max(late),
-            "greedy_late": mean(late_greedy), "greedy_late_min": min(late_greedy), "greedy_late_max": max(late_greedy),
-            "greedy_before": mean([f["eval/greedy_pass@1"] for f in first]),
-            "greedy_after": mean([x["eval/greedy_pass@1"] for x in last]),
-            "avgk_before": mean([f[f"eval/avg@{k}"] for f in first]),
-            "avgk_after": mean([x[f"eval/avg@{k}"] for x in last]),
-            "reward_last10": mean([mean(t) for t in tail]),
-            "k3_mean": mean(k3),
-            "mipu_accept": mean(acc),
-            "touched": mean(touched),
-            "wall_s": mean([times.get(f"{method}_s{s}", float("nan")) for s in by_seed]),
-        })
-    print(f"\n| method | held-out greedy pass@1 (before -> after) | held-out avg@{k} (before -> after) | "
-          f"avg@{k}, last 3 evals (seed min-max) | greedy, last 3 evals (seed min-max) | "
-          "train reward, last 10 steps | mean K3 | tokens truncated or masked | MIPU accept rate |")
+        late = [
+            mean([x[f"eval/avg@{k}"] for x in [r for r in recs if "eval/score" in r][-3:]]) for recs in by_seed.values()
+        ]
+        late_greedy = [
+            mean([x["eval/greedy_pass@1"] for x in [r for r in recs if "eval/score" in r][-3:]])
+            for recs in by_seed.values()
+        ]
+        rows.append(
+            {
+                "method": method,
+                "avgk_late": mean(late),
+                "avgk_late_min": min(late),
+                "avgk_late_max": max(late),
+                "greedy_late": mean(late_greedy),
+                "greedy_late_min": min(late_greedy),
+                "greedy_late_max": max(late_greedy),
+                "greedy_before": mean([f["eval/greedy_pass@1"] for f in first]),
+                "greedy_after": mean([x["eval/greedy_pass@1"] for x in last]),
+                "avgk_before": mean([f[f"eval/avg@{k}"] for f in first]),
+                "avgk_after": mean([x[f"eval/avg@{k}"] for x in last]),
+                "reward_last10": mean([mean(t) for t in tail]),
+                "k3_mean": mean(k3),
+                "mipu_accept": mean(acc),
+                "touched": mean(touched),
+                "wall_s": mean([times.get(f"{method}_s{s}", float("nan")) for s in by_seed]),
+            }
+        )
+    print(
+        f"\n| method | held-out greedy pass@1 (before -> after) | held-out avg@{k} (before -> after) | "
+        f"avg@{k}, last 3 evals (seed min-max) | greedy, last 3 evals (seed min-max) | "
+        "train reward, last 10 steps | mean K3 | tokens truncated or masked | MIPU accept rate |"
+    )
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         acc = "-" if math.isnan(r["mipu_accept"]) else f"{r['mipu_accept']:.0%}"
-        print(f"| {r['method']} | {r['greedy_before']:.1%} -> {r['greedy_after']:.1%} | "
-              f"{r['avgk_before']:.1%} -> {r['avgk_after']:.1%} | "
-              f"{r['avgk_late']:.1%} ({r['avgk_late_min']:.1%}-{r['avgk_late_max']:.1%}) | "
-              f"{r['greedy_late']:.1%} ({r['greedy_late_min']:.1%}-{r['greedy_late_max']:.1%}) | "
-              f"{r['reward_last10']:.3f} | {r['k3_mean']:.2e} | {r['touched']:.2%} | {acc} |")
-    print("\nwall seconds per run (shared machine, indicative only): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+        print(
+            f"| {r['method']} | {r['greedy_before']:.1%} -> {r['greedy_after']:.1%} | "
+            f"{r['avgk_before']:.1%} -> {r['avgk_after']:.1%} | "
+            f"{r['avgk_late']:.1%} ({r['avgk_late_min']:.1%}-{r['avgk_late_max']:.1%}) | "
+            f"{r['greedy_late']:.1%} ({r['greedy_late_min']:.1%}-{r['greedy_late_max']:.1%}) | "
+            f"{r['reward_last10']:.3f} | {r['k3_mean']:.2e} | {r['touched']:.2%} | {acc} |"
+        )
+    print(
+        "\nwall seconds per run (shared machine, indicative only): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in times.items())
+    )
     with open(summary_path, "w") as f:
         json.dump({"rows": rows, "seeds": args.seeds, "steps": args.steps, "times": times}, f, indent=1)
     print(f"\n{png}\n{summary_path}")

@@ -63,30 +63,49 @@ def _evals(run_dir: str) -> list[dict[str, float]]:
 def run_variant(name: str, seed: int, steps: int, hf: str, out: str) -> dict:
     config, extra = VARIANTS[name]
     run_dir = os.path.join(out, f"{name}-s{seed}")
-    args = ["train", config, f"run_dir={run_dir}", f"train.seed={seed}", f"train.num_steps={steps}",
-            "logging.progress_bar=false", "logging.plot=false", *extra]
+    args = [
+        "train",
+        config,
+        f"run_dir={run_dir}",
+        f"train.seed={seed}",
+        f"train.num_steps={steps}",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        *extra,
+    ]
     if config.endswith("distill.yaml"):
         args.append(f"teachers=[{{name: big, kind: engine, model_path: {hf}, top_k: 8, engine_threads: 1}}]")
     start = time.perf_counter()
     _cli(*args)
     wall = time.perf_counter() - start
     evals = _evals(run_dir)
-    domains = sorted({k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.endswith("/score")
-                      and k.count("/") == 2})
-    return {"variant": name, "seed": seed, "wall_s": wall, "domains": domains,
-            "curve": [{"step": r["rl_step"], **{d: r[f"eval/{d}/score"] for d in domains}, "all": r["eval/score"]}
-                      for r in evals]}
+    domains = sorted(
+        {k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.endswith("/score") and k.count("/") == 2}
+    )
+    return {
+        "variant": name,
+        "seed": seed,
+        "wall_s": wall,
+        "domains": domains,
+        "curve": [
+            {"step": r["rl_step"], **{d: r[f"eval/{d}/score"] for d in domains}, "all": r["eval/score"]} for r in evals
+        ],
+    }
 
 
 def _fmt(values: list[float]) -> str:
     values = sorted(values)
-    return f"{100 * statistics.median(values):.1f}" + (f" [{100 * values[0]:.1f}, {100 * values[-1]:.1f}]" if len(values) > 1 else "")
+    return f"{100 * statistics.median(values):.1f}" + (
+        f" [{100 * values[0]:.1f}, {100 * values[-1]:.1f}]" if len(values) > 1 else ""
+    )
 
 
 def table(results: list[dict]) -> str:
     domains = results[0]["domains"] + ["all"]
-    lines = ["| variant | " + " | ".join(f"{d} before → after" for d in domains) + " | wall s |",
-             "|---|" + "---|" * (len(domains) + 1)]
+    lines = [
+        "| variant | " + " | ".join(f"{d} before → after" for d in domains) + " | wall s |",
+        "|---|" + "---|" * (len(domains) + 1),
+    ]
     for name in dict.fromkeys(r["variant"] for r in results):
         rs = [r for r in results if r["variant"] == name]
         cells = [f"{_fmt([r['curve'][0][d] for r in rs])} → {_fmt([r['curve'][-1][d] for r in rs])}" for d in domains]
@@ -106,8 +125,13 @@ def plot(results: list[dict], path: str) -> None:
     for ax, d in zip(axes, domains):
         for r in results:
             xs = [p["step"] for p in r["curve"]]
-            ax.plot(xs, [100 * p[d] for p in r["curve"]], color=colors[r["variant"]], alpha=0.8,
-                    label=r["variant"] if r["seed"] == results[0]["seed"] else None)
+            ax.plot(
+                xs,
+                [100 * p[d] for p in r["curve"]],
+                color=colors[r["variant"]],
+                alpha=0.8,
+                label=r["variant"] if r["seed"] == results[0]["seed"] else None,
+            )
         ax.set_title(f"{d}: held-out avg@4" if d != "all" else "mean of the domains")
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
@@ -132,9 +156,15 @@ def main() -> None:
         order = args.variants if i % 2 == 0 else list(reversed(args.variants))
         for name in order:
             results.append(run_variant(name, seed, args.steps, hf, args.out))
-            print(f"  {name} seed {seed}: " + ", ".join(
-                f"{d} {100 * results[-1]['curve'][0][d]:.1f}->{100 * results[-1]['curve'][-1][d]:.1f}"
-                for d in results[-1]["domains"] + ["all"]) + f" ({results[-1]['wall_s']:.0f} s)", flush=True)
+            print(
+                f"  {name} seed {seed}: "
+                + ", ".join(
+                    f"{d} {100 * results[-1]['curve'][0][d]:.1f}->{100 * results[-1]['curve'][-1][d]:.1f}"
+                    for d in results[-1]["domains"] + ["all"]
+                )
+                + f" ({results[-1]['wall_s']:.0f} s)",
+                flush=True,
+            )
     results.sort(key=lambda r: (args.variants.index(r["variant"]), r["seed"]))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)

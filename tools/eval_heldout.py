@@ -21,7 +21,6 @@ import dataclasses
 import os
 import re
 import sys
-from typing import Optional
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.progress import log_line, progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from screen_tasks import generate  # noqa: E402
+from screen_tasks import generate
 
 
 def score(cfg, engine, tok, rewards, prompts, n: int, temperature: float, seed: int, desc: str) -> np.ndarray:
@@ -40,12 +39,17 @@ def score(cfg, engine, tok, rewards, prompts, n: int, temperature: float, seed: 
     out = np.zeros((len(prompts), n))
     by_budget: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        by_budget.setdefault(min(p.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens), []).append(i)
+        by_budget.setdefault(
+            min(p.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens), []
+        ).append(i)
     with progress(len(prompts) * n, desc, unit="completion") as bar:
         for budget, idx in by_budget.items():
             groups, _, _ = generate(engine, [prompts[i].ids for i in idx], n, temperature, budget, seed, bar)
-            samples = [Sample(prompts[i], i, o.output_ids, [], 0, "stop",
-                              tok.decode(o.output_ids, skip_special_tokens=True)) for i, g in zip(idx, groups) for o in g]
+            samples = [
+                Sample(prompts[i], i, o.output_ids, [], 0, "stop", tok.decode(o.output_ids, skip_special_tokens=True))
+                for i, g in zip(idx, groups)
+                for o in g
+            ]
             rewards.score_sync(samples)
             for k, s in enumerate(samples):
                 out[idx[k // n], k % n] = float(s.reward >= 1.0)
@@ -80,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
 
     from mcore_rl.config import load_config
@@ -100,21 +104,32 @@ def main(argv: Optional[list[str]] = None) -> None:
         for spec in args.models:
             name, path = spec.split("=", 1)
             log_line(f"{name}: loading {path}")
-            engine = EngineCore.from_model_path(path, dtype=args.dtype, max_running_requests=64,
-                                                context_length=cfg.rollout.context_length)
+            engine = EngineCore.from_model_path(
+                path, dtype=args.dtype, max_running_requests=64, context_length=cfg.rollout.context_length
+            )
             results[name] = {"greedy": score(cfg, engine, tok, rewards, prompts, 1, 0.0, 0, f"{name} greedy")[:, 0]}
             for s in args.seeds if args.k else []:
                 results[name][f"avg@{args.k} seed {s}"] = score(
-                    cfg, engine, tok, rewards, prompts, args.k, cfg.rollout.temperature, 1000 * s,
-                    f"{name} avg@{args.k} seed {s}").mean(axis=1)
+                    cfg,
+                    engine,
+                    tok,
+                    rewards,
+                    prompts,
+                    args.k,
+                    cfg.rollout.temperature,
+                    1000 * s,
+                    f"{name} avg@{args.k} seed {s}",
+                ).mean(axis=1)
             del engine
     finally:
         rewards.close()
     rng = np.random.default_rng(0)
     names = list(results)
     base = names[0]
-    print(f"held-out sets of {args.config}: {', '.join(f'{d} {sum(p.domain == d for p in prompts)}' for d in domains)} "
-          "questions")
+    print(
+        f"held-out sets of {args.config}: {', '.join(f'{d} {sum(p.domain == d for p in prompts)}' for d in domains)} "
+        "questions"
+    )
     for metric in results[base]:
         print(f"\n{metric}:")
         print("| task | " + " | ".join(names) + " | " + " | ".join(f"{n} - {base} (95% CI)" for n in names[1:]) + " |")
@@ -122,14 +137,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         for d in [*domains, "mean"]:
             mine = np.array([d == "mean" or p.domain == d for p in prompts])
             if d == "mean":  # the mean of the tasks' accuracies (each task weighs the same)
-                vals = {n: np.mean([results[n][metric][[p.domain == x for p in prompts]].mean() for x in domains])
-                        for n in names}
+                vals = {
+                    n: np.mean([results[n][metric][[p.domain == x for p in prompts]].mean() for x in domains])
+                    for n in names
+                }
             else:
                 vals = {n: results[n][metric][mine].mean() for n in names}
             cells = [f"{vals[n]:.1%}" for n in names]
             for n in names[1:]:
                 if d == "mean":
-                    per = [(results[n][metric] - results[base][metric])[[p.domain == x for p in prompts]] for x in domains]
+                    per = [
+                        (results[n][metric] - results[base][metric])[[p.domain == x for p in prompts]] for x in domains
+                    ]
                     boots = np.mean([x[rng.integers(0, len(x), (10_000, len(x)))].mean(axis=1) for x in per], axis=0)
                     lo, hi = np.percentile(boots, 2.5), np.percentile(boots, 97.5)
                 else:

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from screen_tasks import generate  # noqa: E402
+from screen_tasks import generate
 
 REQUEST = "Complete the following Python function. Reply with the whole function in a ```python block.\n\n"
 
@@ -50,13 +50,23 @@ def main() -> None:
     probs = list(problems())[: args.limit or None]
     tok = load_tokenizer(args.model_path)
     if args.mode == "chat":
-        texts = [tok.apply_chat_template([{"role": "user", "content": REQUEST + "```python\n" + p["prompt"] + "```"}],
-                                         add_generation_prompt=True, tokenize=False) for p in probs]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": REQUEST + "```python\n" + p["prompt"] + "```"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for p in probs
+        ]
     else:
         texts = [p["prompt"] for p in probs]
     ids = [tok.encode(t) for t in texts]
-    engine = EngineCore.from_model_path(args.model_path, dtype=args.dtype, max_running_requests=64,
-                                        context_length=max(map(len, ids)) + args.max_new_tokens + 1)
+    engine = EngineCore.from_model_path(
+        args.model_path,
+        dtype=args.dtype,
+        max_running_requests=64,
+        context_length=max(map(len, ids)) + args.max_new_tokens + 1,
+    )
     temperature = 0.0 if args.samples == 1 else args.temperature
     t0 = time.perf_counter()
     groups, gen_s, ntok = generate(engine, ids, args.samples, temperature, args.max_new_tokens, seed=0)
@@ -69,10 +79,13 @@ def main() -> None:
     for rs in results:
         for r in rs:
             kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-    print(f"HumanEval pass@1 {score:.1%} ({sum(passed)}/{len(probs) * args.samples} completions pass) | "
-          f"{args.mode} prompts, {'greedy' if args.samples == 1 else f'{args.samples} samples at T={temperature}'}, "
-          f"{args.dtype} | generation {gen_s:.0f} s ({ntok / gen_s:.0f} tok/s), all {time.perf_counter() - t0:.0f} s "
-          f"| outcomes {json.dumps(kinds, sort_keys=True)}", flush=True)
+    print(
+        f"HumanEval pass@1 {score:.1%} ({sum(passed)}/{len(probs) * args.samples} completions pass) | "
+        f"{args.mode} prompts, {'greedy' if args.samples == 1 else f'{args.samples} samples at T={temperature}'}, "
+        f"{args.dtype} | generation {gen_s:.0f} s ({ntok / gen_s:.0f} tok/s), all {time.perf_counter() - t0:.0f} s "
+        f"| outcomes {json.dumps(kinds, sort_keys=True)}",
+        flush=True,
+    )
     if args.out:
         with open(args.out, "w") as f:
             for p, cs, rs in zip(probs, completions, results):

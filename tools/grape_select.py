@@ -30,13 +30,14 @@ import json
 import os
 import sys
 import urllib.request
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcore_rl.algos.grape import grape_scores, perplexity, select  # noqa: E402
+from mcore_rl.algos.grape import grape_scores, perplexity, select
 
 Pair = tuple[list[int], list[int]]  # (prompt ids, response ids)
 
@@ -80,19 +81,20 @@ class EngineScorer:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def score(self, pairs: Sequence[Pair]) -> list[Optional[list[float]]]:
+    def score(self, pairs: Sequence[Pair]) -> list[list[float] | None]:
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
-        out: list[Optional[list[float]]] = [None] * len(pairs)
+        out: list[list[float] | None] = [None] * len(pairs)
         rid_of: dict[str, int] = {}
         for i, (p, r) in enumerate(pairs):
             if not r or not p or len(p) + len(r) > self.engine.context_length:
                 continue
             rid = f"grape-{i}"
             rid_of[rid] = i
-            self.engine.add_request(Request(rid, p + r, SamplingParams(max_new_tokens=0), return_logprob=True,
-                                            logprob_start_len=len(p) - 1))
+            self.engine.add_request(
+                Request(rid, p + r, SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=len(p) - 1)
+            )
         while self.engine.has_work():
             for res in self.engine.step():
                 if res.finished and res.rid in rid_of:
@@ -110,8 +112,8 @@ class ReferenceScorer:
     def __init__(self, model: torch.nn.Module, context_length: int) -> None:
         self.model, self.context_length = model.eval(), context_length
 
-    def score(self, pairs: Sequence[Pair]) -> list[Optional[list[float]]]:
-        out: list[Optional[list[float]]] = []
+    def score(self, pairs: Sequence[Pair]) -> list[list[float] | None]:
+        out: list[list[float] | None] = []
         param = next(self.model.parameters())
         with torch.inference_mode():
             for p, r in pairs:
@@ -119,8 +121,8 @@ class ReferenceScorer:
                     out.append(None)
                     continue
                 ids = torch.tensor([p + r], device=param.device)
-                logits = self.model(ids).logits[0, len(p) - 1: len(p) + len(r) - 1].double()
-                lp = torch.log_softmax(logits, -1).gather(1, ids[0, len(p):, None]).squeeze(1)
+                logits = self.model(ids).logits[0, len(p) - 1 : len(p) + len(r) - 1].double()
+                lp = torch.log_softmax(logits, -1).gather(1, ids[0, len(p) :, None]).squeeze(1)
                 out.append(lp.cpu().tolist())
         return out
 
@@ -128,7 +130,7 @@ class ReferenceScorer:
 class URLScorer:
     """SGLang's prompt-scoring `/generate` request (`rollout/teacher.py: scoring_body`) to a server."""
 
-    def __init__(self, url: str, timeout: float = 60.0, api_key: Optional[str] = None) -> None:
+    def __init__(self, url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
         base = url.rstrip("/")
         self.url = base if base.endswith("/generate") else base + "/generate"
         self.timeout = timeout
@@ -136,10 +138,10 @@ class URLScorer:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
-    def score(self, pairs: Sequence[Pair]) -> list[Optional[list[float]]]:
+    def score(self, pairs: Sequence[Pair]) -> list[list[float] | None]:
         from mcore_rl.rollout.teacher import parse_scores, scoring_body
 
-        out: list[Optional[list[float]]] = []
+        out: list[list[float] | None] = []
         for i, (p, r) in enumerate(pairs):
             if not r or not p:
                 out.append(None)
@@ -152,21 +154,29 @@ class URLScorer:
         return out
 
 
-def score_matrix(token_logps: Sequence[Optional[list[float]]]) -> torch.Tensor:
+def score_matrix(token_logps: Sequence[list[float] | None]) -> torch.Tensor:
     """GRAPE scores [C] from per-candidate token log-probs (None: not scored -> NaN)."""
     t = max((len(x) for x in token_logps if x), default=0)
     lp = torch.zeros(len(token_logps), t, dtype=torch.float64)
     mask = torch.zeros(len(token_logps), t)
     for i, x in enumerate(token_logps):
         if x:
-            lp[i, :len(x)] = torch.tensor(x, dtype=torch.float64)
-            mask[i, :len(x)] = 1
+            lp[i, : len(x)] = torch.tensor(x, dtype=torch.float64)
+            mask[i, : len(x)] = 1
     return grape_scores(lp, mask)
 
 
-def grape_select(rows: Sequence[dict[str, Any]], scorer: Any, tokenizer: Any, *, prompt_key: str = "prompt",
-                 candidates_key: str = "candidates", response_key: str = "response", reverse: bool = False,
-                 with_eos: bool = False) -> tuple[list[dict[str, Any]], list[int]]:
+def grape_select(
+    rows: Sequence[dict[str, Any]],
+    scorer: Any,
+    tokenizer: Any,
+    *,
+    prompt_key: str = "prompt",
+    candidates_key: str = "candidates",
+    response_key: str = "response",
+    reverse: bool = False,
+    with_eos: bool = False,
+) -> tuple[list[dict[str, Any]], list[int]]:
     """(the kept rows, the input rows that kept nothing)."""
     cands, pairs, group = [], [], []
     for g, row in enumerate(rows):
@@ -186,13 +196,27 @@ def grape_select(rows: Sequence[dict[str, Any]], scorer: Any, tokenizer: Any, *,
             continue
         extra = {k: v for k, v in rows[g].items() if k not in (candidates_key,)}
         s = float(scores[j])
-        out.append({**extra, **cands[j], prompt_key: rows[g][prompt_key], "grape_score": s,
-                    "grape_perplexity": float(perplexity(torch.tensor(s))), "grape_index": j - first[g]})
+        out.append(
+            {
+                **extra,
+                **cands[j],
+                prompt_key: rows[g][prompt_key],
+                "grape_score": s,
+                "grape_perplexity": float(perplexity(torch.tensor(s))),
+                "grape_index": j - first[g],
+            }
+        )
     return out, empty
 
 
-def build_scorer(kind: str, model: Optional[str], tokenizer_path: Optional[str], url: Optional[str],
-                 context_length: int, api_key: Optional[str] = None) -> tuple[Any, Any]:
+def build_scorer(
+    kind: str,
+    model: str | None,
+    tokenizer_path: str | None,
+    url: str | None,
+    context_length: int,
+    api_key: str | None = None,
+) -> tuple[Any, Any]:
     """(scorer, tokenizer) for `--scorer` (url: the tokenizer of --tokenizer, else --model's, else the
     bundled one; it must be the server's)."""
     from mcore_rl.data.tokenizer import load_tokenizer
@@ -209,7 +233,7 @@ def build_scorer(kind: str, model: Optional[str], tokenizer_path: Optional[str],
     return ReferenceScorer(engine.model, context_length), engine.tokenizer
 
 
-def main(argv: Optional[Iterable[str]] = None) -> int:
+def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("input", help="jsonl: a prompt and a list of candidates per row")
     ap.add_argument("output", help="jsonl of the kept (prompt, response) rows")
@@ -226,16 +250,26 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     ap.add_argument("--with-eos", action="store_true", help="score the eos token too (SFT trains on it)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     rows = read_rows(args.input, args.prompt_key, args.candidates_key)
-    scorer, tokenizer = build_scorer(args.scorer, args.model, args.tokenizer, args.url, args.context_length,
-                                     args.api_key)
-    kept, empty = grape_select(rows, scorer, tokenizer, prompt_key=args.prompt_key,
-                               candidates_key=args.candidates_key, response_key=args.response_key,
-                               reverse=args.reverse, with_eos=args.with_eos)
+    scorer, tokenizer = build_scorer(
+        args.scorer, args.model, args.tokenizer, args.url, args.context_length, args.api_key
+    )
+    kept, empty = grape_select(
+        rows,
+        scorer,
+        tokenizer,
+        prompt_key=args.prompt_key,
+        candidates_key=args.candidates_key,
+        response_key=args.response_key,
+        reverse=args.reverse,
+        with_eos=args.with_eos,
+    )
     with open(args.output, "w", encoding="utf-8") as f:
         for row in kept:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"kept {len(kept)} of {len(rows)} prompts ({sum(len(r[args.candidates_key]) for r in rows)} candidates)"
-          + (f"; nothing scorable in rows {empty}" if empty else ""))
+    print(
+        f"kept {len(kept)} of {len(rows)} prompts ({sum(len(r[args.candidates_key]) for r in rows)} candidates)"
+        + (f"; nothing scorable in rows {empty}" if empty else "")
+    )
     return 0
 
 

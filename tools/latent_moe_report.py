@@ -49,7 +49,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 
@@ -58,8 +57,14 @@ CONFIGS = {  # name: (alpha, N' = routed experts built, K' = top-k)
     "eff": (4, 256, 6),
     "acc": (4, 256, 24),
 }
-QUANTITIES = ("params", "routed_params", "active_params", "active_routed_params", "flops_per_token",
-              "a2a_bytes_per_token")
+QUANTITIES = (
+    "params",
+    "routed_params",
+    "active_params",
+    "active_routed_params",
+    "flops_per_token",
+    "a2a_bytes_per_token",
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,9 @@ class Costs:
     a2a_bytes_per_token: int  # dispatch + combine payload of the routed tokens
 
 
-def closed_form(d: int, m: int, alpha: int, num_experts: int, topk: int,
-                shared_intermediate: int = 0, bytes_per_elem: int = 2) -> Costs:
+def closed_form(
+    d: int, m: int, alpha: int, num_experts: int, topk: int, shared_intermediate: int = 0, bytes_per_elem: int = 2
+) -> Costs:
     """The notes' formulas. `num_experts`, `topk` are N', K' (what is built); l = d / alpha."""
     if d % alpha:
         raise ValueError(f"d={d} is not divisible by alpha={alpha}")
@@ -101,8 +107,13 @@ def build_block(d: int, m: int, alpha: int, num_experts: int, topk: int, shared_
     from mcore_rl.hf.modeling import Qwen3ReferenceSparseMoeBlock
 
     cfg = McoreRLQwen3Config(
-        hidden_size=d, intermediate_size=m, num_attention_heads=1, num_key_value_heads=1,
-        num_experts=num_experts, num_experts_per_tok=topk, moe_intermediate_size=m,
+        hidden_size=d,
+        intermediate_size=m,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        num_experts=num_experts,
+        num_experts_per_tok=topk,
+        moe_intermediate_size=m,
         shared_expert_intermediate_size=shared_intermediate,
         moe_latent_size=d // alpha if alpha > 1 else None,
     )
@@ -131,8 +142,17 @@ def _materialize_cheaply(block: torch.nn.Module, seed: int) -> None:
             getattr(expert, proj).weight = getattr(proto, proj).weight
 
 
-def measure(d: int, m: int, alpha: int, num_experts: int, topk: int, shared_intermediate: int = 0,
-            bytes_per_elem: int = 2, num_tokens: int = 64, seed: int = 0) -> Costs:
+def measure(
+    d: int,
+    m: int,
+    alpha: int,
+    num_experts: int,
+    topk: int,
+    shared_intermediate: int = 0,
+    bytes_per_elem: int = 2,
+    num_tokens: int = 64,
+    seed: int = 0,
+) -> Costs:
     """Count on the built reference block (see the module doc)."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -163,8 +183,7 @@ def measure(d: int, m: int, alpha: int, num_experts: int, topk: int, shared_inte
         h.remove()
     active_routed = sum(r * n for r, n in zip(rows, expert_numel))
     flops = counter.get_total_flops()
-    for name, value in (("active routed params", active_routed), ("FLOPs", flops),
-                        ("dispatched elements", elems[0])):
+    for name, value in (("active routed params", active_routed), ("FLOPs", flops), ("dispatched elements", elems[0])):
         if value % num_tokens:
             raise AssertionError(f"{name} {value} is not a whole number per token")
     return Costs(
@@ -189,15 +208,21 @@ def comm_compute_ratio(m: int, flops: float = 10e15, nvl_bw: float = 900e9) -> f
     return 5 * flops / (4 * m * nvl_bw)
 
 
-def report(d: int, m: int, shared_intermediate: int = 0, bytes_per_elem: int = 2,
-           configs: Optional[dict] = None) -> dict:
+def report(d: int, m: int, shared_intermediate: int = 0, bytes_per_elem: int = 2, configs: dict | None = None) -> dict:
     """{name: {"closed": Costs, "measured": Costs, "ok": bool}} for each configuration."""
     out = {}
     for name, (alpha, n, k) in (configs or CONFIGS).items():
         closed = closed_form(d, m, alpha, n, k, shared_intermediate, bytes_per_elem)
         measured = measure(d, m, alpha, n, k, shared_intermediate, bytes_per_elem)
-        out[name] = {"alpha": alpha, "num_experts": n, "topk": k, "latent": d // alpha,
-                     "closed": closed, "measured": measured, "ok": closed == measured}
+        out[name] = {
+            "alpha": alpha,
+            "num_experts": n,
+            "topk": k,
+            "latent": d // alpha,
+            "closed": closed,
+            "measured": measured,
+            "ok": closed == measured,
+        }
     return out
 
 
@@ -208,26 +233,32 @@ def _fmt(value: int) -> str:
     return str(value)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=2048, help="hidden size (default 2048, the notes' 16B-A2B)")
     ap.add_argument("--m", type=int, default=1408, help="expert intermediate size (default 1408)")
-    ap.add_argument("--shared-intermediate", type=int, default=0,
-                    help="total intermediate size of the shared experts (0 = none)")
+    ap.add_argument(
+        "--shared-intermediate", type=int, default=0, help="total intermediate size of the shared experts (0 = none)"
+    )
     ap.add_argument("--bytes", type=int, default=2, help="bytes per dispatched element (bf16: 2)")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args(argv)
 
     result = report(args.d, args.m, args.shared_intermediate, args.bytes)
     base = result["baseline"]["closed"]
-    print(f"LatentMoE, one MoE layer: d={args.d}, m={args.m}, shared intermediate="
-          f"{args.shared_intermediate}, {args.bytes} B/element")
+    print(
+        f"LatentMoE, one MoE layer: d={args.d}, m={args.m}, shared intermediate="
+        f"{args.shared_intermediate}, {args.bytes} B/element"
+    )
     print("each cell: closed form | measured on the built modules (ratio to the baseline)\n")
     names = list(result)
     print(f"{'':<22}" + "".join(f"{n:>32}" for n in names))
-    print(f"{'alpha, N, K, l':<22}" + "".join(
-        f"{', '.join(str(result[n][k]) for k in ('alpha', 'num_experts', 'topk', 'latent')):>32}"
-        for n in names))
+    print(
+        f"{'alpha, N, K, l':<22}"
+        + "".join(
+            f"{', '.join(str(result[n][k]) for k in ('alpha', 'num_experts', 'topk', 'latent')):>32}" for n in names
+        )
+    )
     for q in QUANTITIES:
         cells = []
         for n in names:
@@ -236,15 +267,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{q:<22}" + "".join(cells))
     all_ok = all(r["ok"] for r in result.values())
     print(f"{'check':<22}" + "".join(f"{'ok' if result[n]['ok'] else 'MISMATCH':>32}" for n in names))
-    print(f"\nPrinciple I  (GB200, F=10 PFLOPs, HBM 8 TB/s): memory-bound below t_exp = "
-          f"{memory_bound_threshold(args.d, args.m):.1f} tokens/expert at d={args.d}, m={args.m} "
-          f"(notes: 1418 at d=4096, m=1536 -> {memory_bound_threshold(4096, 1536):.1f})")
-    print(f"Principle II (NVL 900 GB/s): t_comm/t_comp = 5F/(4 m BW) = {comm_compute_ratio(args.m):.2f} "
-          f"at m={args.m} (notes: 9.04 at m=1536 -> {comm_compute_ratio(1536):.2f})")
+    print(
+        f"\nPrinciple I  (GB200, F=10 PFLOPs, HBM 8 TB/s): memory-bound below t_exp = "
+        f"{memory_bound_threshold(args.d, args.m):.1f} tokens/expert at d={args.d}, m={args.m} "
+        f"(notes: 1418 at d=4096, m=1536 -> {memory_bound_threshold(4096, 1536):.1f})"
+    )
+    print(
+        f"Principle II (NVL 900 GB/s): t_comm/t_comp = 5F/(4 m BW) = {comm_compute_ratio(args.m):.2f} "
+        f"at m={args.m} (notes: 9.04 at m=1536 -> {comm_compute_ratio(1536):.2f})"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: dict(v, closed=asdict(v["closed"]), measured=asdict(v["measured"]))
-                       for k, v in result.items()}, f, indent=2)
+            json.dump(
+                {k: dict(v, closed=asdict(v["closed"]), measured=asdict(v["measured"])) for k, v in result.items()},
+                f,
+                indent=2,
+            )
     if not all_ok:
         print("closed forms and measurements DISAGREE", file=sys.stderr)
         return 1

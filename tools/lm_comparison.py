@@ -96,22 +96,45 @@ MOE = ["model.arch=qwen3_moe", "model.moe_ffn_hidden_size=192", "model.moe_aux_l
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name -> (label, overrides)
     "dense": ("dense baseline", []),
     "dense_seed2": ("dense baseline, seed 4321", ["train.seed=4321"]),
-    "oe": ("Over-Encoding (2,3-gram, m=49157)",
-           ["model.ngram.orders=[2,3]", "model.ngram.table_size=49157", "model.ngram.num_slices=2"]),
+    "oe": (
+        "Over-Encoding (2,3-gram, m=49157)",
+        ["model.ngram.orders=[2,3]", "model.ngram.table_size=49157", "model.ngram.num_slices=2"],
+    ),
     "attnres": ("Block AttnRes (N=8)", ["model.attn_res=block", "model.attn_res_num_blocks=8"]),
     "moe": ("MoE baseline (N=8, K=2)", MOE + ["model.num_experts=8", "model.moe_router_topk=2"]),
-    "latent_acc": ("LatentMoE acc (a=4, N'=32, K'=8)",
-                   MOE + ["model.num_experts=32", "model.moe_router_topk=8", "model.moe_latent_size=32"]),
-    "latent_eff": ("LatentMoE eff (a=4, N'=32, K=2)",
-                   MOE + ["model.num_experts=32", "model.moe_router_topk=2", "model.moe_latent_size=32"]),
-    "latent_a1": ("LatentMoE a=1 (latent 128 = d, N=8, K=2)",
-                  MOE + ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_latent_size=128"]),
+    "latent_acc": (
+        "LatentMoE acc (a=4, N'=32, K'=8)",
+        MOE + ["model.num_experts=32", "model.moe_router_topk=8", "model.moe_latent_size=32"],
+    ),
+    "latent_eff": (
+        "LatentMoE eff (a=4, N'=32, K=2)",
+        MOE + ["model.num_experts=32", "model.moe_router_topk=2", "model.moe_latent_size=32"],
+    ),
+    "latent_a1": (
+        "LatentMoE a=1 (latent 128 = d, N=8, K=2)",
+        MOE + ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_latent_size=128"],
+    ),
 }
 DEFAULT_VARIANTS = ["dense", "dense_seed2", "oe", "attnres", "moe", "latent_acc"]
-BASELINE = {"dense_seed2": "dense", "oe": "dense", "attnres": "dense", "moe": "dense",
-            "latent_acc": "moe", "latent_eff": "moe", "latent_a1": "moe"}  # what the difference panel subtracts
-STYLE = {"dense": ("C0", "-"), "dense_seed2": ("C7", ":"), "oe": ("C1", "-"), "attnres": ("C2", "-"), "moe": ("C3", "--"),
-         "latent_acc": ("C4", "--"), "latent_eff": ("C5", "--"), "latent_a1": ("C8", "--")}
+BASELINE = {
+    "dense_seed2": "dense",
+    "oe": "dense",
+    "attnres": "dense",
+    "moe": "dense",
+    "latent_acc": "moe",
+    "latent_eff": "moe",
+    "latent_a1": "moe",
+}  # what the difference panel subtracts
+STYLE = {
+    "dense": ("C0", "-"),
+    "dense_seed2": ("C7", ":"),
+    "oe": ("C1", "-"),
+    "attnres": ("C2", "-"),
+    "moe": ("C3", "--"),
+    "latent_acc": ("C4", "--"),
+    "latent_eff": ("C5", "--"),
+    "latent_a1": ("C8", "--"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,8 +188,12 @@ def write_data(out_dir: str, seq_length: int) -> dict[str, Any]:
                 for chunk in chunk_text(text, seq_length - 1):
                     out.write(json.dumps({"text": chunk}) + "\n")
                     n_chunks += 1
-        stats[split] = {"files": len(chosen), "bytes": n_bytes, "chunks": n_chunks,
-                        "names": [os.path.basename(p) for p in chosen] if split == "eval" else None}
+        stats[split] = {
+            "files": len(chosen),
+            "bytes": n_bytes,
+            "chunks": n_chunks,
+            "names": [os.path.basename(p) for p in chosen] if split == "eval" else None,
+        }
     return stats
 
 
@@ -184,15 +211,23 @@ def train_variant(args) -> dict[str, Any]:
     from mcore_rl.parallel import setup
     from mcore_rl.train.sft import build_trainer, evaluate, train_step
 
-    overrides = BASE + VARIANTS[args.worker][1] + [
-        f"data.path={os.path.join(args.out_dir, 'train.jsonl')}", f"train.train_iters={args.steps}",
-    ]
+    overrides = (
+        BASE
+        + VARIANTS[args.worker][1]
+        + [
+            f"data.path={os.path.join(args.out_dir, 'train.jsonl')}",
+            f"train.train_iters={args.steps}",
+        ]
+    )
     cfg = load_config(SFTConfig, os.path.join(REPO, CONFIG), overrides)
     cfg.checkpoint.load_dir = cfg.checkpoint.save_dir = None
     trainer = build_trainer(cfg)
 
-    eval_cfg = load_config(SFTConfig, os.path.join(REPO, CONFIG),
-                           overrides[:-2] + [f"data.path={os.path.join(args.out_dir, 'eval.jsonl')}"]).data
+    eval_cfg = load_config(
+        SFTConfig,
+        os.path.join(REPO, CONFIG),
+        overrides[:-2] + [f"data.path={os.path.join(args.out_dir, 'eval.jsonl')}"],
+    ).data
     rows = build_sft_rows(eval_cfg, cfg.train.seq_length, load_tokenizer(None), cfg.train.seed)
     n = next(iter(rows.values())).shape[0]
     n_eval = min(args.eval_rows, n) // cfg.train.micro_batch_size * cfg.train.micro_batch_size
@@ -213,8 +248,17 @@ def train_variant(args) -> dict[str, Any]:
             evals.append({"step": step, "tokens": tokens, "loss": evaluate(trainer)})
             print(f"{args.worker}: step {step} loss {out['loss']:.4f} eval {evals[-1]['loss']:.4f}", flush=True)
     setup.destroy()
-    return {"variant": args.worker, "settings": _settings(args, args.worker), "params": params, "train": train, "eval": evals, "step_s": times,
-            "eval_tokens": eval_tokens, "eval_rows": n_eval, "train_rows": trainer.batches.num_rows}
+    return {
+        "variant": args.worker,
+        "settings": _settings(args, args.worker),
+        "params": params,
+        "train": train,
+        "eval": evals,
+        "step_s": times,
+        "eval_tokens": eval_tokens,
+        "eval_rows": n_eval,
+        "train_rows": trainer.batches.num_rows,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,8 +268,13 @@ def train_variant(args) -> dict[str, Any]:
 
 def _settings(args, variant: str) -> dict[str, Any]:
     """What a variant's results depend on (besides the code and the data), for `--reuse`."""
-    return {"steps": args.steps, "eval_interval": args.eval_interval, "eval_rows": args.eval_rows,
-            "base": BASE, "overrides": VARIANTS[variant][1]}
+    return {
+        "steps": args.steps,
+        "eval_interval": args.eval_interval,
+        "eval_rows": args.eval_rows,
+        "base": BASE,
+        "overrides": VARIANTS[variant][1],
+    }
 
 
 def _reusable(args, v: str) -> bool:
@@ -237,8 +286,9 @@ def _reusable(args, v: str) -> bool:
 
 
 def run_all(args) -> dict[str, dict]:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(args.threads))
+    env = dict(
+        os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=str(args.threads)
+    )
     pending = [v for v in args.variants if not _reusable(args, v)]
     for v in args.variants:
         if v not in pending:
@@ -249,11 +299,27 @@ def run_all(args) -> dict[str, dict]:
         while pending and len(running) < args.jobs:
             v = pending.pop(0)
             log = open(os.path.join(args.out_dir, f"{v}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", v, "--out-dir", args.out_dir,
-                   "--steps", str(args.steps), "--eval-interval", str(args.eval_interval),
-                   "--eval-rows", str(args.eval_rows), "--threads", str(args.threads)]
-            running[v] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
-                          time.perf_counter(), log)
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                v,
+                "--out-dir",
+                args.out_dir,
+                "--steps",
+                str(args.steps),
+                "--eval-interval",
+                str(args.eval_interval),
+                "--eval-rows",
+                str(args.eval_rows),
+                "--threads",
+                str(args.threads),
+            ]
+            running[v] = (
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                time.perf_counter(),
+                log,
+            )
             print(f"  started {v}", flush=True)
         time.sleep(1)
         for v, (proc, t0, log) in list(running.items()):
@@ -301,17 +367,39 @@ def plot(results: dict[str, dict], stats: dict, args) -> None:
         y = [r["loss"] for r in res["train"]]
         ax1.plot(x, y, color=color, alpha=0.12, lw=0.7)
         ax1.plot(x, smooth(y, args.smooth), color=color, ls=ls, lw=1.6, label=label)
-        ax2.plot([r["tokens"] / 1e6 for r in res["eval"]], [r["loss"] for r in res["eval"]],
-                 color=color, ls=ls, marker="o", ms=3, lw=1.4, label=label)
+        ax2.plot(
+            [r["tokens"] / 1e6 for r in res["eval"]],
+            [r["loss"] for r in res["eval"]],
+            color=color,
+            ls=ls,
+            marker="o",
+            ms=3,
+            lw=1.4,
+            label=label,
+        )
         base = BASELINE.get(v)
         if base in results:
             ref = {r["step"]: r["loss"] for r in results[base]["eval"]}
-            pts = [(r["tokens"] / 1e6, r["loss"] - ref[r["step"]]) for r in res["eval"] if r["step"] in ref and r["step"] > 0]
-            ax3.plot([p[0] for p in pts], [p[1] for p in pts], color=color, ls=ls, marker="o", ms=3, lw=1.4,
-                     label=f"{VARIANTS[v][0]} - {VARIANTS[base][0]}")
+            pts = [
+                (r["tokens"] / 1e6, r["loss"] - ref[r["step"]])
+                for r in res["eval"]
+                if r["step"] in ref and r["step"] > 0
+            ]
+            ax3.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=color,
+                ls=ls,
+                marker="o",
+                ms=3,
+                lw=1.4,
+                label=f"{VARIANTS[v][0]} - {VARIANTS[base][0]}",
+            )
     ax1.set_title(f"training loss ({args.smooth}-step moving average; raw faint)")
-    ax2.set_title(f"eval loss on {stats['eval']['files']} held-out stdlib files "
-                  f"({next(iter(results.values()))['eval_rows']} rows)")
+    ax2.set_title(
+        f"eval loss on {stats['eval']['files']} held-out stdlib files "
+        f"({next(iter(results.values()))['eval_rows']} rows)"
+    )
     ax3.set_title("eval loss minus its baseline's (below 0 = better)")
     ax3.axhline(0.0, color="k", lw=0.8)
     all_final = [r["train"][-1]["loss"] for r in results.values()]
@@ -324,8 +412,11 @@ def plot(results: dict[str, dict], stats: dict, args) -> None:
     ax3.set_ylabel("difference (nats / byte token)")
     ax2.legend(fontsize=8)
     ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
-    fig.suptitle(f"From scratch on Python {stats['python']} stdlib source (byte tokens), 8 layers x 128 hidden, "
-                 f"{args.steps} steps x 16 x 128, seed 1234, megatron-core fp32 on CPU", fontsize=10)
+    fig.suptitle(
+        f"From scratch on Python {stats['python']} stdlib source (byte tokens), 8 layers x 128 hidden, "
+        f"{args.steps} steps x 16 x 128, seed 1234, megatron-core fp32 on CPU",
+        fontsize=10,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
     fig.savefig(args.png, dpi=110, bbox_inches="tight")
@@ -362,10 +453,13 @@ def main() -> None:
     t_start = time.perf_counter()
     seq = int(next(o for o in BASE if o.startswith("train.seq_length=")).split("=")[1])
     stats = write_data(args.out_dir, seq)
-    print(f"data: Python {stats['python']} stdlib {stats['stdlib']}: train {stats['train']['files']} files "
-          f"{stats['train']['bytes'] / 1e6:.2f} MB -> {stats['train']['chunks']} chunks; eval "
-          f"{stats['eval']['files']} files {stats['eval']['bytes'] / 1e6:.2f} MB -> {stats['eval']['chunks']} chunks "
-          f"({', '.join(stats['eval']['names'])})", flush=True)
+    print(
+        f"data: Python {stats['python']} stdlib {stats['stdlib']}: train {stats['train']['files']} files "
+        f"{stats['train']['bytes'] / 1e6:.2f} MB -> {stats['train']['chunks']} chunks; eval "
+        f"{stats['eval']['files']} files {stats['eval']['bytes'] / 1e6:.2f} MB -> {stats['eval']['chunks']} chunks "
+        f"({', '.join(stats['eval']['names'])})",
+        flush=True,
+    )
     results = run_all(args)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump({"data": stats, "args": vars(args), "results": results}, f)
@@ -373,16 +467,20 @@ def main() -> None:
 
     import statistics
 
-    print(f"\nresults (wall {time.perf_counter() - t_start:.0f} s); {args.steps} steps; train loss = mean of the "
-          f"last {args.smooth} steps; eval = held-out files; s/step median (indicative only: {args.jobs} jobs share the CPU)")
+    print(
+        f"\nresults (wall {time.perf_counter() - t_start:.0f} s); {args.steps} steps; train loss = mean of the "
+        f"last {args.smooth} steps; eval = held-out files; s/step median (indicative only: {args.jobs} jobs share the CPU)"
+    )
     header = f"{'variant':34s} {'params':>7s} {'train loss':>10s} {'eval @0':>8s} {'eval mid':>8s} {'eval end':>8s} {'best eval':>9s} {'s/step':>7s}"
     print(header)
     print("-" * len(header))
     for v, res in results.items():
-        last = [r["loss"] for r in res["train"][-args.smooth:]]
+        last = [r["loss"] for r in res["train"][-args.smooth :]]
         ev = [r["loss"] for r in res["eval"]]
-        print(f"{VARIANTS[v][0]:34s} {res['params'] / 1e6:6.2f}M {statistics.mean(last):10.4f} {ev[0]:8.4f} "
-              f"{ev[len(ev) // 2]:8.4f} {ev[-1]:8.4f} {min(ev):9.4f} {statistics.median(res['step_s']):7.3f}")
+        print(
+            f"{VARIANTS[v][0]:34s} {res['params'] / 1e6:6.2f}M {statistics.mean(last):10.4f} {ev[0]:8.4f} "
+            f"{ev[len(ev) // 2]:8.4f} {ev[-1]:8.4f} {min(ev):9.4f} {statistics.median(res['step_s']):7.3f}"
+        )
     print(f"\nplot: {args.png}")
 
 

@@ -26,12 +26,24 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = [
-    "train.num_steps=50", "train.seq_length=64", "train.micro_batch_size=8",
-    "data.synthetic_max_digits=1", "data.synthetic_num_prompts=500",
-    "rollout.quantization=none", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
-    "rollout.runtime=async", "rollout.max_staleness=1", "algorithm.num_minibatches=2",
-    "reward.name=tests.reward_fns:digit_count", "eval.interval=0", "eval.at_start=false",
-    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "train.num_steps=50",
+    "train.seq_length=64",
+    "train.micro_batch_size=8",
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
+    "rollout.quantization=none",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=12",
+    "rollout.runtime=async",
+    "rollout.max_staleness=1",
+    "algorithm.num_minibatches=2",
+    "reward.name=tests.reward_fns:digit_count",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
 ]
 
 
@@ -45,8 +57,16 @@ def _steps(run_dir: str) -> int:
 
 def one_run(tmp: str, extra: list[str], seed: int) -> dict[str, float]:
     run_dir = os.path.join(tmp, "run")
-    args = [sys.executable, "-m", "mcore_rl.cli", "train", *RECIPE, f"run_dir={run_dir}",
-            f"checkpoint.save_dir={tmp}/ckpt", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        *RECIPE,
+        f"run_dir={run_dir}",
+        f"checkpoint.save_dir={tmp}/ckpt",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     with open(os.path.join(tmp, "log.txt"), "w") as log:
         proc = subprocess.Popen(args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)

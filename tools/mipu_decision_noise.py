@@ -41,8 +41,19 @@ def sft_checkpoint(recipe: str, work: str, common: list[str]) -> str:
     if os.path.exists(os.path.join(sft, "latest")):
         return sft
     log = os.path.join(work, "sft.log")
-    cmd = [sys.executable, "-m", "mcore_rl.cli", "train", recipe, f"run_dir={work}/sft_run", "train.num_steps=0",
-           f"checkpoint.save_dir={sft}", "eval.at_start=false", "logging.plot=false", *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        recipe,
+        f"run_dir={work}/sft_run",
+        "train.num_steps=0",
+        f"checkpoint.save_dir={sft}",
+        "eval.at_start=false",
+        "logging.plot=false",
+        *common,
+    ]
     print("SFT warm start ...", flush=True)
     with open(log, "w") as f:
         if subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE) != 0:
@@ -65,13 +76,14 @@ def draw_pool(run, learner, prompts, group_size: int, chunk: int = 128):
         if isinstance(prompts, int):
             batch = run.val_prompts.take(min(chunk, total - start))
         else:
-            batch = prompts[start:start + chunk]
+            batch = prompts[start : start + chunk]
         groups = run.manager.generate(batch, group_size, run.manager.temperature, SALT_VALIDATION)
         samples = [s for g in groups for s in g]
         view = sequence_view(samples)
         pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        est = validation_estimate(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
-                                  valid=view.ok.bool())
+        est = validation_estimate(
+            pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids, valid=view.ok.bool()
+        )
         sums.append(est.group_sums)
         counts.append(est.group_counts)
         _, inv = torch.unique(view.group_ids[view.ok.bool()], return_inverse=True)
@@ -92,7 +104,7 @@ def per_size(sums, counts, k: int, c: float, z: float, boot: int) -> dict:
     n = sums.numel() // k
     ts, ses, plain, plain0, se_rule, flips, bflips = [], [], [], [], [], [], []
     for b in range(n):
-        s, m = sums[b * k:(b + 1) * k], counts[b * k:(b + 1) * k]
+        s, m = sums[b * k : (b + 1) * k], counts[b * k : (b + 1) * k]
         t, se = ratio_se(s, m)
         ts.append(t)
         ses.append(se)
@@ -104,11 +116,20 @@ def per_size(sums, counts, k: int, c: float, z: float, boot: int) -> dict:
     tt = torch.tensor(ts, dtype=torch.float64)
     mean, sd = float(tt.mean()), float(tt.std()) if n > 1 else float("nan")
     p = sum(plain) / n
-    return {"K": k, "batches": n, "mean_t": mean, "sd_t": sd, "mean_se": sum(ses) / n,
-            "abs_mean_over_sd": abs(mean) / sd if sd and math.isfinite(sd) else float("nan"),
-            "accept_plain_c": p, "accept_plain_0": sum(plain0) / n, "accept_se_rule": sum(se_rule) / n,
-            "disagree_two_batches": 2 * p * (1 - p) * n / (n - 1) if n > 1 else float("nan"),
-            "flip_prob_normal": sum(flips) / n, "flip_bootstrap": sum(bflips) / n}
+    return {
+        "K": k,
+        "batches": n,
+        "mean_t": mean,
+        "sd_t": sd,
+        "mean_se": sum(ses) / n,
+        "abs_mean_over_sd": abs(mean) / sd if sd and math.isfinite(sd) else float("nan"),
+        "accept_plain_c": p,
+        "accept_plain_0": sum(plain0) / n,
+        "accept_se_rule": sum(se_rule) / n,
+        "disagree_two_batches": 2 * p * (1 - p) * n / (n - 1) if n > 1 else float("nan"),
+        "flip_prob_normal": sum(flips) / n,
+        "flip_bootstrap": sum(bflips) / n,
+    }
 
 
 def main() -> None:
@@ -124,9 +145,12 @@ def main() -> None:
     parser.add_argument("--bootstrap", type=int, default=200)
     parser.add_argument("--target", type=float, default=None, help="SE to size K_needed for (default c/3)")
     parser.add_argument("--out", default="noise.json", help="file name under WORK")
-    parser.add_argument("--crn", action="store_true",
-                        help="also: the same prompts and sampling seeds before and after one more update (common "
-                             "random numbers): how noisy is the change of T̂_post that one update makes")
+    parser.add_argument(
+        "--crn",
+        action="store_true",
+        help="also: the same prompts and sampling seeds before and after one more update (common "
+        "random numbers): how noisy is the change of T̂_post that one update makes",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides (after --)")
     args = parser.parse_args()
     target = args.target if args.target is not None else args.c / 3
@@ -143,10 +167,21 @@ def main() -> None:
     from mcore_rl.runtime.loop import RLRun
     from mcore_rl.train.rl_step import Learner
 
-    cfg = load_config(RLConfig, os.path.join(HERE, args.recipe), [
-        f"run_dir={work}/probe_{os.path.splitext(args.out)[0]}", "init.sft_steps=0", f"init.checkpoint={sft}", "algorithm.mismatch.name=mipu",
-        "eval.at_start=false", "eval.interval=0", "logging.plot=false",
-        f"train.num_steps={max(max(args.at), 1)}", *common])
+    cfg = load_config(
+        RLConfig,
+        os.path.join(HERE, args.recipe),
+        [
+            f"run_dir={work}/probe_{os.path.splitext(args.out)[0]}",
+            "init.sft_steps=0",
+            f"init.checkpoint={sft}",
+            "algorithm.mismatch.name=mipu",
+            "eval.at_start=false",
+            "eval.interval=0",
+            "logging.plot=false",
+            f"train.num_steps={max(max(args.at), 1)}",
+            *common,
+        ],
+    )
     validate_rl_config(cfg, 1)
     run = RLRun(cfg)
     results = []
@@ -166,12 +201,23 @@ def main() -> None:
             sums, counts, informative, reward = draw_pool(run, learner, args.pool, args.group_size)
             t_all, se_all = ratio_se(sums, counts)
             sd_g = se_all * math.sqrt(sums.numel())  # SE of one group: SE_K = sd_g / √K
-            row = {"rl_step": at, "weight_version": run.state.version, "groups": sums.numel(),
-                   "validation_reward": reward, "informative_frac": float(informative.double().mean()),
-                   "pooled_t": t_all, "pooled_se": se_all, "K_needed": math.ceil((sd_g / target) ** 2),
-                   "target_se": target, "draw_s": time.perf_counter() - start,
-                   "sizes": [per_size(sums, counts, k, args.c, args.z, args.bootstrap) for k in args.sizes
-                             if sums.numel() // k >= 2]}
+            row = {
+                "rl_step": at,
+                "weight_version": run.state.version,
+                "groups": sums.numel(),
+                "validation_reward": reward,
+                "informative_frac": float(informative.double().mean()),
+                "pooled_t": t_all,
+                "pooled_se": se_all,
+                "K_needed": math.ceil((sd_g / target) ** 2),
+                "target_se": target,
+                "draw_s": time.perf_counter() - start,
+                "sizes": [
+                    per_size(sums, counts, k, args.c, args.z, args.bootstrap)
+                    for k in args.sizes
+                    if sums.numel() // k >= 2
+                ],
+            }
             if args.crn:
                 fixed = run.val_prompts.take(args.pool)
                 s0, n0, _, _ = draw_pool(run, learner, fixed, args.group_size)
@@ -184,13 +230,21 @@ def main() -> None:
                 a, b = s0 / n0, s1 / n1
                 d = b - a
                 k = d.numel()
-                row["crn"] = {"groups": k, "t_before": float(a.mean()), "t_after": float(b.mean()),
-                              "delta": float(d.mean()), "se_delta_crn": float(d.std()) / math.sqrt(k),
-                              "se_delta_independent": math.sqrt(float(a.var()) + float(b.var())) / math.sqrt(k),
-                              "corr": float(torch.corrcoef(torch.stack([a, b]))[0, 1])}
+                row["crn"] = {
+                    "groups": k,
+                    "t_before": float(a.mean()),
+                    "t_after": float(b.mean()),
+                    "delta": float(d.mean()),
+                    "se_delta_crn": float(d.std()) / math.sqrt(k),
+                    "se_delta_independent": math.sqrt(float(a.var()) + float(b.var())) / math.sqrt(k),
+                    "corr": float(torch.corrcoef(torch.stack([a, b]))[0, 1]),
+                }
             results.append(row)
-            print(f"step {at}: pooled T̂_post {t_all:+.2e} ± {se_all:.1e} over {sums.numel()} groups "
-                  f"({row['draw_s']:.0f} s)", flush=True)
+            print(
+                f"step {at}: pooled T̂_post {t_all:+.2e} ± {se_all:.1e} over {sums.numel()} groups "
+                f"({row['draw_s']:.0f} s)",
+                flush=True,
+            )
     finally:
         run.close()
         setup.destroy()
@@ -198,29 +252,39 @@ def main() -> None:
     with open(os.path.join(work, args.out), "w") as f:
         json.dump(out, f, indent=1)
     for row in results:
-        print(f"\n### after {row['rl_step']} RL steps: pooled T̂_post = {row['pooled_t']:+.2e} ± {row['pooled_se']:.1e} "
-              f"({row['groups']} groups × {args.group_size}, {100 * row['informative_frac']:.0f}% with mixed rewards, "
-              f"validation reward {row['validation_reward']:.3f}); SE {target:.1e} needs K ≈ {row['K_needed']} prompts\n")
-        print("| K prompts × G | batches | mean T̂_post | SD over batches | formula SE | abs(mean)/SD | "
-              f"accept (c={args.c:g}) | accept (c=0) | accept ('se', z={args.z:g}) | two batches disagree | "
-              "flip prob (normal) | flip (bootstrap) |")
+        print(
+            f"\n### after {row['rl_step']} RL steps: pooled T̂_post = {row['pooled_t']:+.2e} ± {row['pooled_se']:.1e} "
+            f"({row['groups']} groups × {args.group_size}, {100 * row['informative_frac']:.0f}% with mixed rewards, "
+            f"validation reward {row['validation_reward']:.3f}); SE {target:.1e} needs K ≈ {row['K_needed']} prompts\n"
+        )
+        print(
+            "| K prompts × G | batches | mean T̂_post | SD over batches | formula SE | abs(mean)/SD | "
+            f"accept (c={args.c:g}) | accept (c=0) | accept ('se', z={args.z:g}) | two batches disagree | "
+            "flip prob (normal) | flip (bootstrap) |"
+        )
         print("| --- |" + " ---: |" * 11)
         for s in row["sizes"]:
-            print(f"| {s['K']} × {args.group_size} | {s['batches']} | {s['mean_t']:+.2e} | {s['sd_t']:.2e} | "
-                  f"{s['mean_se']:.2e} | {s['abs_mean_over_sd']:.2f} | {100 * s['accept_plain_c']:.0f}% | "
-                  f"{100 * s['accept_plain_0']:.0f}% | {100 * s['accept_se_rule']:.0f}% | "
-                  f"{100 * s['disagree_two_batches']:.0f}% | {s['flip_prob_normal']:.2f} | {s['flip_bootstrap']:.2f} |")
+            print(
+                f"| {s['K']} × {args.group_size} | {s['batches']} | {s['mean_t']:+.2e} | {s['sd_t']:.2e} | "
+                f"{s['mean_se']:.2e} | {s['abs_mean_over_sd']:.2f} | {100 * s['accept_plain_c']:.0f}% | "
+                f"{100 * s['accept_plain_0']:.0f}% | {100 * s['accept_se_rule']:.0f}% | "
+                f"{100 * s['disagree_two_batches']:.0f}% | {s['flip_prob_normal']:.2f} | {s['flip_bootstrap']:.2f} |"
+            )
     crn = [row for row in results if "crn" in row]
     if crn:
         print("\n### common random numbers: the change of T̂_post over one update, same prompts and seeds\n")
-        print("| after RL step | groups | T̂ before | T̂ after | change | SE of change (CRN) | SE (independent batches) "
-              "| corr(s_g before, after) | SE ratio at any K |")
+        print(
+            "| after RL step | groups | T̂ before | T̂ after | change | SE of change (CRN) | SE (independent batches) "
+            "| corr(s_g before, after) | SE ratio at any K |"
+        )
         print("| --- |" + " ---: |" * 8)
         for row in crn:
             c = row["crn"]
-            print(f"| {row['rl_step']} → {row['rl_step'] + 1} | {c['groups']} | {c['t_before']:+.2e} | "
-                  f"{c['t_after']:+.2e} | {c['delta']:+.2e} | {c['se_delta_crn']:.1e} | {c['se_delta_independent']:.1e} | "
-                  f"{c['corr']:.2f} | {c['se_delta_crn'] / c['se_delta_independent']:.2f} |")
+            print(
+                f"| {row['rl_step']} → {row['rl_step'] + 1} | {c['groups']} | {c['t_before']:+.2e} | "
+                f"{c['t_after']:+.2e} | {c['delta']:+.2e} | {c['se_delta_crn']:.1e} | {c['se_delta_independent']:.1e} | "
+                f"{c['corr']:.2f} | {c['se_delta_crn'] / c['se_delta_independent']:.2f} |"
+            )
     print(f"\nwall {out['wall_s']:.0f} s; {os.path.join(work, args.out)}")
 
 

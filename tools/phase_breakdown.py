@@ -37,7 +37,7 @@ def main() -> None:
             steps.append(r)
             train_steps.append(sum(pending))
             pending = []
-    steps, train_steps = steps[args.skip:], train_steps[args.skip:]
+    steps, train_steps = steps[args.skip :], train_steps[args.skip :]
     if not steps:
         raise SystemExit(f"{args.metrics}: no completed rollout steps after skipping {args.skip}")
     phases = {
@@ -53,16 +53,22 @@ def main() -> None:
     print("| phase | median s | min-max s | share of the median step |")
     print("| --- | ---: | ---: | ---: |")
     for name, vals in phases.items():
-        print(f"| {name} | {statistics.median(vals):.1f} | {min(vals):.1f}-{max(vals):.1f} | "
-              f"{statistics.median(vals) / med_total:.0%} |")
+        print(
+            f"| {name} | {statistics.median(vals):.1f} | {min(vals):.1f}-{max(vals):.1f} | "
+            f"{statistics.median(vals) / med_total:.0%} |"
+        )
     rest = [t - sum(p[i] for p in phases.values()) for i, t in enumerate(total)]
-    print(f"| other (batching, metrics, ...) | {statistics.median(rest):.1f} | {min(rest):.1f}-{max(rest):.1f} | "
-          f"{statistics.median(rest) / med_total:.0%} |")
+    print(
+        f"| other (batching, metrics, ...) | {statistics.median(rest):.1f} | {min(rest):.1f}-{max(rest):.1f} | "
+        f"{statistics.median(rest) / med_total:.0%} |"
+    )
     print(f"| **step (without evaluation)** | **{med_total:.1f}** | {min(total):.1f}-{max(total):.1f} | 100% |")
     idle = [r["time/idle_s"] for r in steps if "time/idle_s" in r]
     if idle:
-        print(f"trainer idle (waiting for rollouts): median {statistics.median(idle):.1f} s per step, "
-              f"{statistics.median(idle) / med_total:.0%} of the median step")
+        print(
+            f"trainer idle (waiting for rollouts): median {statistics.median(idle):.1f} s per step, "
+            f"{statistics.median(idle) / med_total:.0%} of the median step"
+        )
     if evals:
         print(f"evaluation: {len(evals)} runs, median {statistics.median(evals):.0f} s")
     if saves:

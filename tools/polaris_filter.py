@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 
-def sample_pool(cfg: Any, engine: Any, tok: Any, pool: list, rollouts: int, temperature: float,
-                seed: int) -> list[list[float]]:
+def sample_pool(
+    cfg: Any, engine: Any, tok: Any, pool: list, rollouts: int, temperature: float, seed: int
+) -> list[list[float]]:
     """Rewards [prompt][rollout] of `rollouts` samples of every (text, label) in `pool`."""
     from mcore_rl.data.prompts import PromptSource
     from mcore_rl.data.samples import Prompt, Sample
@@ -40,22 +41,30 @@ def sample_pool(cfg: Any, engine: Any, tok: Any, pool: list, rollouts: int, temp
     r = cfg.rollout
     for p in prompts:
         for j in range(rollouts):
-            sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                                sampling_seed=sample_seed(seed, 5, p.index, j))
+            sp = SamplingParams(
+                max_new_tokens=r.max_new_tokens,
+                temperature=temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+                sampling_seed=sample_seed(seed, 5, p.index, j),
+            )
             engine.add_request(Request(f"{p.index}-{j}", list(p.ids), sp))
     outs: dict[str, Any] = {}
     while engine.has_work():
         for o in engine.step():
             if o.finished:
                 outs[o.rid] = o
-    samples = [Sample(p, p.index, list(outs[f"{p.index}-{j}"].output_ids), [], 0, "stop",
-                      outs[f"{p.index}-{j}"].text or "") for p in prompts for j in range(rollouts)]
+    samples = [
+        Sample(p, p.index, list(outs[f"{p.index}-{j}"].output_ids), [], 0, "stop", outs[f"{p.index}-{j}"].text or "")
+        for p in prompts
+        for j in range(rollouts)
+    ]
     rewards = build_reward_runner(cfg)
     try:
         rewards.score_sync(samples)
     finally:
         rewards.close()
-    return [[s.reward for s in samples[i * rollouts:(i + 1) * rollouts]] for i in range(len(prompts))]
+    return [[s.reward for s in samples[i * rollouts : (i + 1) * rollouts]] for i in range(len(prompts))]
 
 
 def training_pool(cfg: Any, tok: Any) -> list:
@@ -68,7 +77,7 @@ def training_pool(cfg: Any, tok: Any) -> list:
     return list(train.pool if hasattr(train, "pool") else next(iter(train.sources.values())).pool)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--model-path", default=None, help="an HF checkpoint dir (None: the built-in demo model)")
@@ -93,8 +102,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     pool = training_pool(cfg, tok)
     if args.num:
         pool = pool[: args.num]
-    engine = EngineCore.from_model_path(args.model_path, max_running_requests=256,
-                                        context_length=cfg.rollout.context_length, random_seed=args.seed)
+    engine = EngineCore.from_model_path(
+        args.model_path, max_running_requests=256, context_length=cfg.rollout.context_length, random_seed=args.seed
+    )
     temperature = args.temperature if args.temperature is not None else cfg.rollout.temperature
     rewards = sample_pool(cfg, engine, tok, pool, args.rollouts, temperature, args.seed)
     flat = torch.tensor([x for row in rewards for x in row], dtype=torch.float64)
@@ -107,9 +117,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         for i in keep:
             text, label = pool[i][0], pool[i][1]
             f.write(json.dumps({d.prompt_key: text, d.label_key: label, "pass_rate": rates[i]}) + "\n")
-    report = {"prompts": len(pool), "kept": len(keep), "mode": args.mode, "rollouts": args.rollouts,
-              "histogram": histogram(rates, args.rollouts), "kept_histogram": histogram([rates[i] for i in keep],
-                                                                                        args.rollouts)}
+    report = {
+        "prompts": len(pool),
+        "kept": len(keep),
+        "mode": args.mode,
+        "rollouts": args.rollouts,
+        "histogram": histogram(rates, args.rollouts),
+        "kept_histogram": histogram([rates[i] for i in keep], args.rollouts),
+    }
     with open(args.out + ".histogram.json", "w") as f:
         json.dump(report, f, indent=1)
     print(f"{len(pool)} prompts, {args.rollouts} rollouts each; kept {len(keep)} ({args.mode}) -> {args.out}")

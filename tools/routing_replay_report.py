@@ -27,8 +27,17 @@ from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout.engine.core import EngineCore, Request
 from mcore_rl.rollout.engine.sampling import SamplingParams
 
-MODEL = ModelConfig(arch="qwen3_moe", num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
-                    num_query_groups=2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128)
+MODEL = ModelConfig(
+    arch="qwen3_moe",
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=128,
+)
 
 
 @torch.no_grad()
@@ -45,13 +54,20 @@ def _trainer(model: torch.nn.Module, seq: list[int], forced: torch.Tensor | None
     return lp, routed
 
 
-def measure(mc: ModelConfig = MODEL, prompts: int = 16, samples: int = 4, max_new_tokens: int = 24,
-            seed: int = 0) -> dict[str, float]:
+def measure(
+    mc: ModelConfig = MODEL, prompts: int = 16, samples: int = 4, max_new_tokens: int = 24, seed: int = 0
+) -> dict[str, float]:
     """Generate with an FP8 engine, score the engine's tokens with the fp32 model without and with R3."""
     torch.manual_seed(seed)
     model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().eval()
-    engine = EngineCore(copy.deepcopy(model), load_tokenizer(None), quantization="fp8", context_length=256,
-                        max_running_requests=64, random_seed=seed)
+    engine = EngineCore(
+        copy.deepcopy(model),
+        load_tokenizer(None),
+        quantization="fp8",
+        context_length=256,
+        max_running_requests=64,
+        random_seed=seed,
+    )
     g = torch.Generator().manual_seed(seed)
     reqs = {}
     for p in range(prompts):
@@ -59,9 +75,17 @@ def measure(mc: ModelConfig = MODEL, prompts: int = 16, samples: int = 4, max_ne
         for j in range(samples):
             rid = f"{p}:{j}"
             reqs[rid] = ids
-            engine.add_request(Request(rid, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
-                                                                sampling_seed=seed * 1000 + p * samples + j),
-                                       return_logprob=True, return_routed_experts=True))
+            engine.add_request(
+                Request(
+                    rid,
+                    ids,
+                    SamplingParams(
+                        max_new_tokens=max_new_tokens, temperature=1.0, sampling_seed=seed * 1000 + p * samples + j
+                    ),
+                    return_logprob=True,
+                    return_routed_experts=True,
+                )
+            )
     outs = {}
     while engine.has_work():
         outs.update({o.rid: o for o in engine.step() if o.finished})
@@ -81,15 +105,19 @@ def measure(mc: ModelConfig = MODEL, prompts: int = 16, samples: int = 4, max_ne
         flips += int((~same).sum())
         pairs += same.numel()
         mu[i, :k] = torch.tensor([lp_ for lp_, _ in o.output_token_logprobs])
-        natural[i, :k] = lp[len(prompt) - 1:]
-        replayed[i, :k] = lp_r3[len(prompt) - 1:]
+        natural[i, :k] = lp[len(prompt) - 1 :]
+        replayed[i, :k] = lp_r3[len(prompt) - 1 :]
         mask[i, :k] = 1
     none, r3 = mismatch_metrics(natural, mu, mask), mismatch_metrics(replayed, mu, mask)
     return {
-        "sequences": float(n), "response_tokens": float(mask.sum()), "token_layer_pairs": float(pairs),
+        "sequences": float(n),
+        "response_tokens": float(mask.sum()),
+        "token_layer_pairs": float(pairs),
         "routing_differs_frac": flips / max(pairs, 1),
-        "k3_no_replay": float(none["mismatch/k3"]), "abs_logp_diff_no_replay": float(none["mismatch/abs_logp_diff"]),
-        "k3_r3": float(r3["mismatch/k3"]), "abs_logp_diff_r3": float(r3["mismatch/abs_logp_diff"]),
+        "k3_no_replay": float(none["mismatch/k3"]),
+        "abs_logp_diff_no_replay": float(none["mismatch/abs_logp_diff"]),
+        "k3_r3": float(r3["mismatch/k3"]),
+        "abs_logp_diff_r3": float(r3["mismatch/abs_logp_diff"]),
     }
 
 
@@ -100,8 +128,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    print(json.dumps(measure(prompts=a.prompts, samples=a.samples, max_new_tokens=a.max_new_tokens, seed=a.seed),
-                     indent=1))
+    print(
+        json.dumps(
+            measure(prompts=a.prompts, samples=a.samples, max_new_tokens=a.max_new_tokens, seed=a.seed), indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

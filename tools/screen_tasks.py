@@ -68,17 +68,25 @@ def main() -> None:
     from mcore_rl.rollout.engine import EngineCore
 
     tok = load_tokenizer(args.model_path)
-    engine = EngineCore.from_model_path(args.model_path, quantization="fp8" if args.fp8 else None,
-                                        dtype=args.dtype,
-                                        max_running_requests=max(args.num * max(args.k, 1), 1), context_length=1024)
+    engine = EngineCore.from_model_path(
+        args.model_path,
+        quantization="fp8" if args.fp8 else None,
+        dtype=args.dtype,
+        max_running_requests=max(args.num * max(args.k, 1), 1),
+        context_length=1024,
+    )
     options = json.loads(args.options)
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     print(f"{'task':24s} {'greedy':>7s} {'avg@k':>7s} {'resp tok':>8s} {'cut':>5s} {'tok/s':>7s}")
     for name in args.tasks:
         task = ReasoningGymTask(name, **options.get(name, {}))
         examples = task.rl_examples(args.num, args.seed)
-        ids = [tok.apply_chat_template(system + [{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=False) for q, _ in examples]
+        ids = [
+            tok.apply_chat_template(
+                system + [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            )
+            for q, _ in examples
+        ]
         ids = [tok.encode(t) for t in ids]
         row, lengths, cut, tps = {}, [], [], []
         for label, n, temp in (("greedy", 1, 0.0), ("avg@k", args.k, args.temperature)):
@@ -98,8 +106,11 @@ def main() -> None:
             if label == "greedy" and args.show:
                 for (q, entry), g in list(zip(examples, groups))[: args.show]:
                     print(f"  Q: {q[:200]!r}\n  A: {tok.decode(g[0].output_ids)[:300]!r}  (answer {entry['answer']!r})")
-        print(f"{name:24s} {row['greedy']:7.1%} {row['avg@k']:7.1%} {sum(lengths) / len(lengths):8.1f} "
-              f"{sum(cut) / len(cut):5.0%} {sum(tps) / len(tps):7.1f}", flush=True)
+        print(
+            f"{name:24s} {row['greedy']:7.1%} {row['avg@k']:7.1%} {sum(lengths) / len(lengths):8.1f} "
+            f"{sum(cut) / len(cut):5.0%} {sum(tps) / len(tps):7.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
 from mcore_rl.runtime.simulation import (
@@ -77,7 +77,7 @@ class Scenario:
     # trainer (megatron-core): MFU is an assumption below Megatron-LM's published "up to 47%"
     train_mfu: float = 0.35
     train_passes: float = 4.0  # forward+backward (3 forwards) + the pi_old recompute (1); +1 with a KL reference
-    async_train_passes: Optional[float] = None  # passes in runs with s > 0 (verl's async skips pi_old: 3); None = same
+    async_train_passes: float | None = None  # passes in runs with s > 0 (verl's async skips pi_old: 3); None = same
     train_step_overhead_s: float = 2.0  # optimizer step, gradient reduction tail, batch broadcast
     # weight sync: 15.2 GB of bf16 weights at verl's measured 8.25 GB/s NCCL broadcast, + 1 s pause/resume
     weight_sync_s: float = 3.0
@@ -113,15 +113,17 @@ class Scenario:
             step_per_ctx_token_s=self.kv_bytes_per_token / (tp * self.hbm_bytes_per_s * self.bw_efficiency),
             prefill_per_token_s=2.0 * self.params / (tp * self.peak_flops * self.prefill_efficiency),
             prefill_per_token2_s=2.0 * self.layers * self.hidden / (tp * self.peak_flops * self.prefill_efficiency),
-            slots=self.slots, kv_tokens=kv_bytes / self.kv_bytes_per_token)
+            slots=self.slots,
+            kv_tokens=kv_bytes / self.kv_bytes_per_token,
+        )
 
     def sample_train_flops(self, total_tokens: float) -> float:
         """Trainer FLOPs for one packed sequence of prompt + response: dense 2N per token per
         forward plus causal attention 2 L d l^2, times the passes."""
-        attention = 2.0 * self.layers * self.hidden * total_tokens ** 2
+        attention = 2.0 * self.layers * self.hidden * total_tokens**2
         return self.train_passes * (2.0 * self.params * total_tokens + attention)
 
-    def train_time(self, groups: list, trainer_gpus: int, passes: Optional[float] = None) -> float:
+    def train_time(self, groups: list, trainer_gpus: int, passes: float | None = None) -> float:
         u = self.token_unit
         flops = sum(self.sample_train_flops((len(s.prompt.ids) + len(s.response_ids)) * u) for g in groups for s in g)
         if passes is not None:
@@ -139,8 +141,9 @@ class Config:
     keep_admitted: bool = False
 
 
-def configs(scn: Scenario, trainer_gpus: list[int], staleness: list[int], colocated: bool = True,
-            keep: list[int] = ()) -> list[Config]:
+def configs(
+    scn: Scenario, trainer_gpus: list[int], staleness: list[int], colocated: bool = True, keep: list[int] = ()
+) -> list[Config]:
     out = [Config("colocated", scn.total_gpus, scn.total_gpus, 0, True)] if colocated else []
     for t in trainer_gpus:
         for s in staleness:
@@ -153,8 +156,11 @@ def configs(scn: Scenario, trainer_gpus: list[int], staleness: list[int], coloca
 def _sliced(scn: Scenario, cfg: Config) -> tuple[int, int, int]:
     """Prompts per step, inference instances and trainer GPUs of the simulated slice."""
     k, tp = scn.slice, scn.tp
-    for what, n in (("prompts per step", scn.prompts_per_step), ("trainer GPUs", cfg.trainer_gpus),
-                    ("inference GPUs", cfg.inference_gpus)):
+    for what, n in (
+        ("prompts per step", scn.prompts_per_step),
+        ("trainer GPUs", cfg.trainer_gpus),
+        ("inference GPUs", cfg.inference_gpus),
+    ):
         if n % k:
             raise SystemExit(f"{what} ({n}) must be divisible by --slice {k}")
     if (cfg.inference_gpus // k) % tp:
@@ -171,27 +177,49 @@ def simulate(scn: Scenario, cfg: Config) -> dict[str, Any]:
 
     async def go():
         engines = ContinuousBatchingEngines(instances, scn.decode_model(), token_unit=u)
-        backend = LengthsBackend(engines, lengths=scn.lengths, prompt_tokens=scn.prompt_tokens, token_unit=u,
-                                 seed=scn.seed)
-        sch = RolloutScheduler(backend, SchedulerConfig(
-            group_size=scn.group_size, batch_groups=batch, max_staleness=cfg.max_staleness,
-            stale_policy="keep" if cfg.keep_admitted else scn.stale_policy, partial_rollouts=scn.partial_rollouts))
+        backend = LengthsBackend(
+            engines, lengths=scn.lengths, prompt_tokens=scn.prompt_tokens, token_unit=u, seed=scn.seed
+        )
+        sch = RolloutScheduler(
+            backend,
+            SchedulerConfig(
+                group_size=scn.group_size,
+                batch_groups=batch,
+                max_staleness=cfg.max_staleness,
+                stale_policy="keep" if cfg.keep_admitted else scn.stale_policy,
+                partial_rollouts=scn.partial_rollouts,
+            ),
+        )
         stats: list[dict[str, float]] = []
         loop = asyncio.get_running_loop()
 
         def on_step(k: int, groups: list, m: dict[str, float]) -> None:
             tokens = sum(len(s.response_ids) for g in groups for s in g) * u
-            stats.append({"tokens": float(tokens), "samples": float(sum(len(g) for g in groups)),
-                          "stale_mean": m["async/staleness_mean"], "stale_max": m["async/staleness_max"],
-                          "dropped": m["async/dropped_stale"], "regenerated": m["async/regenerated_stale"],
-                          "wait": m["async/trainer_wait_s"], "continued": m["async/partial_continued"]})
+            stats.append(
+                {
+                    "tokens": float(tokens),
+                    "samples": float(sum(len(g) for g in groups)),
+                    "stale_mean": m["async/staleness_mean"],
+                    "stale_max": m["async/staleness_max"],
+                    "dropped": m["async/dropped_stale"],
+                    "regenerated": m["async/regenerated_stale"],
+                    "wait": m["async/trainer_wait_s"],
+                    "continued": m["async/partial_continued"],
+                }
+            )
             if k in (scn.warmup - 1, scn.steps - 1):
                 marks[k] = (loop.time(), engines.counters())
 
         switch = scn.colocated_switch_s if cfg.colocated else scn.weight_sync_s
         passes = scn.async_train_passes if cfg.max_staleness > 0 else None
-        run = await simulate_learner(sch, engines, scn.steps, lambda g: scn.train_time(g, trainer_gpus, passes),
-                                     sync_time=switch, on_step=on_step)
+        run = await simulate_learner(
+            sch,
+            engines,
+            scn.steps,
+            lambda g: scn.train_time(g, trainer_gpus, passes),
+            sync_time=switch,
+            on_step=on_step,
+        )
         sch.ledger.check(sch.pending())
         report = sch.ledger.report(sch.pending(), scn.group_size)
         attempts = [n + 1 for n in backend._attempts.values()]
@@ -213,10 +241,16 @@ def simulate(scn: Scenario, cfg: Config) -> dict[str, Any]:
     inf_gpus = instances * scn.tp
     step_s = window / (n - w)
     return {
-        "label": cfg.label, "trainer_gpus": cfg.trainer_gpus, "inference_gpus": cfg.inference_gpus,
-        "max_staleness": cfg.max_staleness, "colocated": cfg.colocated, "keep_admitted": cfg.keep_admitted,
-        "step_s": step_s, "steps_per_h": 3600.0 / step_s,
-        "samples_per_s": trained / window * scn.slice, "tokens_per_s": tokens / window * scn.slice,
+        "label": cfg.label,
+        "trainer_gpus": cfg.trainer_gpus,
+        "inference_gpus": cfg.inference_gpus,
+        "max_staleness": cfg.max_staleness,
+        "colocated": cfg.colocated,
+        "keep_admitted": cfg.keep_admitted,
+        "step_s": step_s,
+        "steps_per_h": 3600.0 / step_s,
+        "samples_per_s": trained / window * scn.slice,
+        "tokens_per_s": tokens / window * scn.slice,
         "trainer_util": sum(run.train_times[w:]) / window,
         "train_s": sum(run.train_times[w:]) / (n - w),
         "trainer_wait_s": sum(x["wait"] for x in win) / (n - w),
@@ -229,7 +263,9 @@ def simulate(scn: Scenario, cfg: Config) -> dict[str, Any]:
         "staleness_max": max(x["stale_max"] for x in stats),
         "dropped_frac": dropped_groups / max(dropped_groups + trained / scn.group_size, 1.0),
         "mean_response_tokens": tokens / max(trained, 1.0),
-        "ledger": ledger, "sim_wall_s": run.wall_s, "cpu_s": cpu_s,
+        "ledger": ledger,
+        "sim_wall_s": run.wall_s,
+        "cpu_s": cpu_s,
         "step_times": [b - a for a, b in zip([0.0] + run.step_ends, run.step_ends)],
     }
 
@@ -249,8 +285,11 @@ def run_all(scn: Scenario, cfgs: list[Config], jobs: int = 1) -> list[dict[str, 
         for i, r in zip(order, done):
             results[i] = r
     coloc = next((r for r in results if r["colocated"]), None)
-    sync = {r["trainer_gpus"]: r for r in results
-            if not r["colocated"] and r["max_staleness"] == 0 and not r["keep_admitted"]}
+    sync = {
+        r["trainer_gpus"]: r
+        for r in results
+        if not r["colocated"] and r["max_staleness"] == 0 and not r["keep_admitted"]
+    }
     for r in results:
         base = sync.get(r["trainer_gpus"]) if not r["colocated"] else None
         # ratios of trained tokens per second: a schedule that drops long answers trains cheaper steps
@@ -260,14 +299,23 @@ def run_all(scn: Scenario, cfgs: list[Config], jobs: int = 1) -> list[dict[str, 
 
 
 COLUMNS = [  # header, key, format
-    ("trainer:infer", "label", "{:>13}"), ("s", "max_staleness", "{:>2}"), ("step s", "step_s", "{:>7.1f}"),
-    ("steps/h", "steps_per_h", "{:>7.1f}"), ("samples/s", "samples_per_s", "{:>9.1f}"),
-    ("ktok/s", "tokens_per_s", "{:>7.0f}"), ("train%", "trainer_util", "{:>6.0%}"),
-    ("inf busy", "inference_busy", "{:>8.0%}"), ("inf occ", "inference_occupancy", "{:>7.0%}"),
-    ("tok/s/infGPU", "decode_tok_per_s_per_gpu", "{:>12.0f}"), ("stale", "staleness_mean", "{:>5.2f}"),
-    ("max", "staleness_max", "{:>3.0f}"), ("dropped", "dropped_frac", "{:>7.1%}"),
-    ("gen/train", "generated_per_trained", "{:.2f}"), ("prefill/train", "prefill_per_trained", "{:.2f}"),
-    ("resp tok", "mean_response_tokens", "{:>8.0f}"), ("x sync", "x_sync", "{:>6.2f}"),
+    ("trainer:infer", "label", "{:>13}"),
+    ("s", "max_staleness", "{:>2}"),
+    ("step s", "step_s", "{:>7.1f}"),
+    ("steps/h", "steps_per_h", "{:>7.1f}"),
+    ("samples/s", "samples_per_s", "{:>9.1f}"),
+    ("ktok/s", "tokens_per_s", "{:>7.0f}"),
+    ("train%", "trainer_util", "{:>6.0%}"),
+    ("inf busy", "inference_busy", "{:>8.0%}"),
+    ("inf occ", "inference_occupancy", "{:>7.0%}"),
+    ("tok/s/infGPU", "decode_tok_per_s_per_gpu", "{:>12.0f}"),
+    ("stale", "staleness_mean", "{:>5.2f}"),
+    ("max", "staleness_max", "{:>3.0f}"),
+    ("dropped", "dropped_frac", "{:>7.1%}"),
+    ("gen/train", "generated_per_trained", "{:.2f}"),
+    ("prefill/train", "prefill_per_trained", "{:.2f}"),
+    ("resp tok", "mean_response_tokens", "{:>8.0f}"),
+    ("x sync", "x_sync", "{:>6.2f}"),
     ("x coloc", "x_colocated", "{:>7.2f}"),
 ]
 
@@ -292,42 +340,53 @@ def describe(scn: Scenario) -> str:
     ctx = scn.prompt_tokens + mean_len
     full = scn.slots / dm.step_s(scn.slots, scn.slots * ctx / 2)
     train_tok = scn.peak_flops * scn.train_mfu / (scn.sample_train_flops(ctx) / ctx)
-    return "\n".join([
-        f"model {scn.params / 1e9:.1f}B ({scn.layers} layers, hidden {scn.hidden}), {scn.total_gpus} GPUs "
-        f"({scn.peak_flops / 1e12:.0f} TFLOP/s, {scn.hbm_bytes_per_s / 1e12:.2f} TB/s); batch "
-        f"{scn.prompts_per_step} prompts x {scn.group_size}, prompt {scn.prompt_tokens} tokens",
-        f"responses: median {scn.lengths.median:.0f} x LogNormal(0,{scn.lengths.sigma_prompt}) per prompt x "
-        f"LogNormal(0,{scn.lengths.sigma_sample}) per sample"
-        + (f", {scn.lengths.long_frac:.0%} of prompts x{scn.lengths.long_factor:g}" if scn.lengths.long_frac else "")
-        + f", cap {scn.lengths.cap}: mean {mean_len:.0f} tokens",
-        f"inference: TP{scn.tp} instances, {scn.slots} slots, KV budget {dm.kv_tokens / 1e6:.2f}M tokens; decode step "
-        f"{dm.step_fixed_s * 1e3:.1f} ms + {dm.step_per_seq_s * 1e6:.1f} us/seq + {dm.step_per_ctx_token_s * 1e9:.1f} "
-        f"ns/context token: {1 / dm.step_s(1, ctx):.0f} tok/s alone, {full / scn.tp:.0f} tok/s/GPU with {scn.slots} "
-        f"running at mean context {ctx / 2:.0f}; prefill {1 / dm.prefill_per_token_s / scn.tp:.0f} tok/s/GPU",
-        f"trainer: MFU {scn.train_mfu:.0%} x {scn.train_passes:g} passes"
-        + (f" ({scn.async_train_passes:g} when s > 0)" if scn.async_train_passes is not None else "")
-        + f" -> {train_tok:.0f} tok/s/GPU at length "
-        f"{ctx:.0f}, +{scn.train_step_overhead_s:g} s/step; weight sync {scn.weight_sync_s:g} s; colocated switch "
-        f"{scn.colocated_switch_s:g} s; stale groups: {scn.stale_policy}; partial rollouts: {scn.partial_rollouts}",
-        f"simulated: 1/{scn.slice} of the cluster, {scn.token_unit}-token units, {scn.steps} steps "
-        f"(measured after {scn.warmup})",
-    ])
+    return "\n".join(
+        [
+            f"model {scn.params / 1e9:.1f}B ({scn.layers} layers, hidden {scn.hidden}), {scn.total_gpus} GPUs "
+            f"({scn.peak_flops / 1e12:.0f} TFLOP/s, {scn.hbm_bytes_per_s / 1e12:.2f} TB/s); batch "
+            f"{scn.prompts_per_step} prompts x {scn.group_size}, prompt {scn.prompt_tokens} tokens",
+            f"responses: median {scn.lengths.median:.0f} x LogNormal(0,{scn.lengths.sigma_prompt}) per prompt x "
+            f"LogNormal(0,{scn.lengths.sigma_sample}) per sample"
+            + (
+                f", {scn.lengths.long_frac:.0%} of prompts x{scn.lengths.long_factor:g}"
+                if scn.lengths.long_frac
+                else ""
+            )
+            + f", cap {scn.lengths.cap}: mean {mean_len:.0f} tokens",
+            f"inference: TP{scn.tp} instances, {scn.slots} slots, KV budget {dm.kv_tokens / 1e6:.2f}M tokens; decode step "
+            f"{dm.step_fixed_s * 1e3:.1f} ms + {dm.step_per_seq_s * 1e6:.1f} us/seq + {dm.step_per_ctx_token_s * 1e9:.1f} "
+            f"ns/context token: {1 / dm.step_s(1, ctx):.0f} tok/s alone, {full / scn.tp:.0f} tok/s/GPU with {scn.slots} "
+            f"running at mean context {ctx / 2:.0f}; prefill {1 / dm.prefill_per_token_s / scn.tp:.0f} tok/s/GPU",
+            f"trainer: MFU {scn.train_mfu:.0%} x {scn.train_passes:g} passes"
+            + (f" ({scn.async_train_passes:g} when s > 0)" if scn.async_train_passes is not None else "")
+            + f" -> {train_tok:.0f} tok/s/GPU at length "
+            f"{ctx:.0f}, +{scn.train_step_overhead_s:g} s/step; weight sync {scn.weight_sync_s:g} s; colocated switch "
+            f"{scn.colocated_switch_s:g} s; stale groups: {scn.stale_policy}; partial rollouts: {scn.partial_rollouts}",
+            f"simulated: 1/{scn.slice} of the cluster, {scn.token_unit}-token units, {scn.steps} steps "
+            f"(measured after {scn.warmup})",
+        ]
+    )
 
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def parse(argv: Optional[list[str]] = None) -> tuple[Scenario, argparse.Namespace]:
+def parse(argv: list[str] | None = None) -> tuple[Scenario, argparse.Namespace]:
     d = Scenario()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--total-gpus", type=int, default=d.total_gpus)
     p.add_argument("--trainer-gpus", type=_ints, default=[64, 96, 128], help="comma-separated; the rest infer")
     p.add_argument("--staleness", type=_ints, default=[0, 1, 2, 4], help="max_staleness bounds, comma-separated")
     p.add_argument("--no-colocated", action="store_true", help="skip the colocated synchronous baseline")
-    p.add_argument("--keep", type=_ints, default=[4],
-                   help="staleness bounds to also run with the what-if policy that trains every admitted group")
+    p.add_argument(
+        "--keep",
+        type=_ints,
+        default=[4],
+        help="staleness bounds to also run with the what-if policy that trains every admitted group",
+    )
     p.add_argument("--tp", type=int, default=d.tp, help="GPUs per inference instance")
     p.add_argument("--slots", type=int, default=d.slots)
     p.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
@@ -342,8 +401,12 @@ def parse(argv: Optional[list[str]] = None) -> tuple[Scenario, argparse.Namespac
     p.add_argument("--params", type=float, default=d.params)
     p.add_argument("--train-mfu", type=float, default=d.train_mfu)
     p.add_argument("--train-passes", type=float, default=d.train_passes)
-    p.add_argument("--async-passes", type=float, default=None,
-                   help="train passes when s > 0 (3 = pi_old taken from the engine, as verl's fully-async)")
+    p.add_argument(
+        "--async-passes",
+        type=float,
+        default=None,
+        help="train passes when s > 0 (3 = pi_old taken from the engine, as verl's fully-async)",
+    )
     p.add_argument("--peak-tflops", type=float, default=d.peak_flops / 1e12, help="dense bf16 TFLOP/s per GPU")
     p.add_argument("--hbm-tbps", type=float, default=d.hbm_bytes_per_s / 1e12, help="HBM TB/s per GPU")
     p.add_argument("--hbm-gb", type=float, default=d.hbm_bytes / 1e9, help="GPU memory, GB")
@@ -360,18 +423,36 @@ def parse(argv: Optional[list[str]] = None) -> tuple[Scenario, argparse.Namespac
     a = p.parse_args(argv)
     if not 1 <= a.warmup < a.steps:
         p.error("need 1 <= --warmup < --steps")
-    scn = replace(d, total_gpus=a.total_gpus, tp=a.tp, slots=a.slots, prompts_per_step=a.prompts, group_size=a.group,
-                  prompt_tokens=a.prompt_tokens, params=a.params, train_mfu=a.train_mfu, train_passes=a.train_passes,
-                  async_train_passes=a.async_passes, peak_flops=a.peak_tflops * 1e12, hbm_bytes_per_s=a.hbm_tbps * 1e12,
-                  hbm_bytes=a.hbm_gb * 1e9,
-                  weight_sync_s=a.sync_s, colocated_switch_s=a.colocated_switch_s, stale_policy=a.stale_policy,
-                  partial_rollouts=not a.no_partial, slice=a.slice, token_unit=a.unit, steps=a.steps,
-                  warmup=a.warmup, seed=a.seed,
-                  lengths=ResponseLengths(a.median, a.sigma_prompt, a.sigma_sample, a.cap, a.long_frac, a.long_factor))
+    scn = replace(
+        d,
+        total_gpus=a.total_gpus,
+        tp=a.tp,
+        slots=a.slots,
+        prompts_per_step=a.prompts,
+        group_size=a.group,
+        prompt_tokens=a.prompt_tokens,
+        params=a.params,
+        train_mfu=a.train_mfu,
+        train_passes=a.train_passes,
+        async_train_passes=a.async_passes,
+        peak_flops=a.peak_tflops * 1e12,
+        hbm_bytes_per_s=a.hbm_tbps * 1e12,
+        hbm_bytes=a.hbm_gb * 1e9,
+        weight_sync_s=a.sync_s,
+        colocated_switch_s=a.colocated_switch_s,
+        stale_policy=a.stale_policy,
+        partial_rollouts=not a.no_partial,
+        slice=a.slice,
+        token_unit=a.unit,
+        steps=a.steps,
+        warmup=a.warmup,
+        seed=a.seed,
+        lengths=ResponseLengths(a.median, a.sigma_prompt, a.sigma_sample, a.cap, a.long_frac, a.long_factor),
+    )
     return scn, a
 
 
-def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     scn, a = parse(argv)
     cfgs = configs(scn, a.trainer_gpus, a.staleness, colocated=not a.no_colocated, keep=a.keep)
     t0 = time.perf_counter()
@@ -379,8 +460,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     print(describe(scn))
     print()
     print(table(results))
-    print(f"\n{len(cfgs)} runs in {time.perf_counter() - t0:.1f} s ({a.jobs} processes; "
-          f"{sum(r['cpu_s'] for r in results):.1f} s of simulation)")
+    print(
+        f"\n{len(cfgs)} runs in {time.perf_counter() - t0:.1f} s ({a.jobs} processes; "
+        f"{sum(r['cpu_s'] for r in results):.1f} s of simulation)"
+    )
     return results
 
 

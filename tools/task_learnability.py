@@ -57,7 +57,7 @@ def learn(task_name: str, steps: int, seed: int = 0) -> dict[str, float]:
     for i in range(steps):
         for g in opt.param_groups:
             g["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * i / steps))
-        x, mask = _batch(data[i * BATCH:(i + 1) * BATCH])
+        x, mask = _batch(data[i * BATCH : (i + 1) * BATCH])
         logits = model(x[:, :-1])
         per_token = nn.functional.cross_entropy(logits.reshape(-1, EOT + 1), x[:, 1:].reshape(-1), reduction="none")
         loss = (per_token * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
@@ -73,14 +73,18 @@ def learn(task_name: str, steps: int, seed: int = 0) -> dict[str, float]:
             if nxt == EOT or len(seq) >= T - 1:
                 break
             seq.append(nxt)
-        return bytes(b for b in seq[len(prompt.encode()):] if b < EOT).decode(errors="replace")
+        return bytes(b for b in seq[len(prompt.encode()) :] if b < EOT).decode(errors="replace")
 
     held_out = task.examples(100, seed=99)
     answers = [greedy(p) for p, _ in held_out]
     fn = get_reward_fn(task.reward)
     rewards = [fn(RewardInput(p, a))["reward"] for a, (p, _) in zip(answers, held_out)]
-    return {"loss": loss.item(), "exact": sum(a == r for a, (_, r) in zip(answers, held_out)) / len(held_out),
-            "mean_reward": sum(rewards) / len(rewards), "all_pass": sum(r == 1.0 for r in rewards) / len(rewards)}
+    return {
+        "loss": loss.item(),
+        "exact": sum(a == r for a, (_, r) in zip(answers, held_out)) / len(held_out),
+        "mean_reward": sum(rewards) / len(rewards),
+        "all_pass": sum(r == 1.0 for r in rewards) / len(rewards),
+    }
 
 
 def main() -> None:
@@ -93,8 +97,10 @@ def main() -> None:
     for steps in args.steps:
         start = time.time()
         r = learn(args.task, steps)
-        print(f"{'':<{len(args.task) + 2}}{steps:>6}{r['loss']:>8.3f}{r['exact']:>8.2f}{r['mean_reward']:>8.2f}"
-              f"{r['all_pass']:>10.2f}   {time.time() - start:.0f}")
+        print(
+            f"{'':<{len(args.task) + 2}}{steps:>6}{r['loss']:>8.3f}{r['exact']:>8.2f}{r['mean_reward']:>8.2f}"
+            f"{r['all_pass']:>10.2f}   {time.time() - start:.0f}"
+        )
 
 
 if __name__ == "__main__":

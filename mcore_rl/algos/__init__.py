@@ -35,7 +35,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     vimpo,
     w_reinforce,
 )
-from mcore_rl.algos import dpo  # noqa: F401,E402  (AutoIF's preference loss)
+from mcore_rl.algos import dpo  # noqa: F401  (AutoIF's preference loss)
 from mcore_rl.algos.registry import get, names, register
 
 __all__ = ["get", "names", "register"]

@@ -21,13 +21,13 @@ the estimators here accept and ignore them.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from mcore_rl.algos.registry import register
 
-Heads = Optional[torch.Tensor]
+Heads = torch.Tensor | None
 
 
 def make_group_ids(num_groups: int, group_size: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def make_group_ids(num_groups: int, group_size: int) -> torch.Tensor:
     return torch.arange(num_groups).repeat_interleave(group_size)
 
 
-def valid_mask(values: torch.Tensor, group_ids: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+def valid_mask(values: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     if values.shape != group_ids.shape or values.ndim != 1:
         raise ValueError(f"rewards {tuple(values.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
     if valid is None:
@@ -54,7 +54,7 @@ def _valid_counts(group_ids: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tens
 
 
 def group_stats(
-    values: torch.Tensor, group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None
+    values: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample (valid samples in the group, their mean, their unbiased variance), each [N];
     invalid samples count nowhere (a group without valid samples has mean 0)."""
@@ -69,7 +69,7 @@ def group_stats(
     return count[inverse], mean[inverse], var[inverse]
 
 
-def too_few_valid_frac(group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None) -> float:
+def too_few_valid_frac(group_ids: torch.Tensor, valid: torch.Tensor | None = None) -> float:
     """The fraction of groups with fewer than 2 valid samples (every advantage of theirs is 0)."""
     count, _ = _valid_counts(group_ids, valid_mask(group_ids, group_ids, valid))
     return float((count < 2).double().mean()) if count.numel() else 0.0
@@ -82,9 +82,15 @@ def kept(adv: torch.Tensor, count: torch.Tensor, ok: torch.Tensor) -> torch.Tens
 
 @register("advantage", "grpo")
 def grpo(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
-    head_names: Sequence[str] = (), eps: float = 1e-6,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: Heads = None,
+    head_names: Sequence[str] = (),
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps), std with Bessel's correction (as verl and TRL).
 
@@ -98,8 +104,13 @@ def grpo(
 
 @register("advantage", "dr_grpo")
 def dr_grpo(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = False,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = False,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: Heads = None,
     head_names: Sequence[str] = (),
 ) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = r_i - mean_g, no std
@@ -111,8 +122,13 @@ def dr_grpo(
 
 @register("advantage", "rloo")
 def rloo(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = False,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None, reward_heads: Heads = None,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = False,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: Heads = None,
     head_names: Sequence[str] = (),
 ) -> torch.Tensor:
     """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j = G/(G-1) (r_i - mean_g), over the

@@ -17,7 +17,7 @@ missing head value (NaN) is not correct. Registered as kind "reward_shaping" (se
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -27,8 +27,9 @@ from mcore_rl.algos.registry import register
 from mcore_rl.algos.thresholds import at_least
 
 
-def alp_penalty(correct: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
-                beta: float) -> torch.Tensor:
+def alp_penalty(
+    correct: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor, beta: float
+) -> torch.Tensor:
     """β · N · max(p_solved, 1/K) per sample [N] float64 (0 where not ok)."""
     inverse, k = group_index(group_ids)
     count, p_solved, _ = group_moments((correct & ok).double(), inverse, k, ok)
@@ -38,11 +39,19 @@ def alp_penalty(correct: torch.Tensor, lengths: torch.Tensor, group_ids: torch.T
 
 @register("reward_shaping", "alp")
 def alp(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    beta: float = 1e-7, correct_head: Optional[str] = None, solved_threshold: float = 1.0,
-    length_scale: Optional[float] = None,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lengths: torch.Tensor | None = None,
+    seq_logp: torch.Tensor | None = None,
+    beta: float = 1e-7,
+    correct_head: str | None = None,
+    solved_threshold: float = 1.0,
+    length_scale: float | None = None,
 ) -> torch.Tensor:
     """The rewards minus ALP's penalty [N] float32. β = 1e-7 with N in tokens is the paper's larger
     setting (16K-token contexts); short-answer tasks need a larger β."""

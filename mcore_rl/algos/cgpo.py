@@ -23,7 +23,7 @@ losses of `policy_loss.py` take the place of CRPG's policy-gradient update.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -33,8 +33,13 @@ from mcore_rl.algos.registry import register
 from mcore_rl.algos.thresholds import at_least
 
 
-def violations(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], judges: Sequence[str], n: int,
-               pass_threshold: float) -> torch.Tensor:
+def violations(
+    reward_heads: torch.Tensor | None,
+    head_names: Sequence[str],
+    judges: Sequence[str],
+    n: int,
+    pass_threshold: float,
+) -> torch.Tensor:
     """[N] bool: the samples that fail at least one judge that applies to them.
 
     A score exactly at `pass_threshold` passes, compared at the scores' precision (`thresholds`:
@@ -53,16 +58,28 @@ def calibrated(reward: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 @register("reward_shaping", "cgpo_judges")
 def cgpo_judges(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    judges: Sequence[str] = (), pass_threshold: float = 0.5, calibrate: bool = False,
-    reward_head: Optional[str] = None, reference_head: Optional[str] = None,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lengths: torch.Tensor | None = None,
+    seq_logp: torch.Tensor | None = None,
+    judges: Sequence[str] = (),
+    pass_threshold: float = 0.5,
+    calibrate: bool = False,
+    reward_head: str | None = None,
+    reference_head: str | None = None,
 ) -> torch.Tensor:
     """The rewards [N] float32 with every judge violation set to 0 (and the rest calibrated if
     asked). `reward_head` is r(s, a) for the calibration (None: the scalar reward)."""
-    need(isinstance(judges, (list, tuple)) and len(judges) > 0 and all(isinstance(j, str) and j for j in judges),
-         "judges", f"must list the reward heads that are judges (constraints), got {judges!r}")
+    need(
+        isinstance(judges, (list, tuple)) and len(judges) > 0 and all(isinstance(j, str) and j for j in judges),
+        "judges",
+        f"must list the reward heads that are judges (constraints), got {judges!r}",
+    )
     need(reference_head is None or calibrate, "reference_head", "is only used with calibrate: true")
     need(reward_head is None or calibrate, "reward_head", "is only used with calibrate: true")
     ok = valid_mask(rewards, group_ids, valid)
@@ -81,8 +98,9 @@ def cgpo_judges(
     return torch.where(bad, torch.zeros(()), out).to(torch.float32)
 
 
-def weight_domains(advantages: torch.Tensor, domain_ids: torch.Tensor, domain_names: Sequence[str],
-                   weights: Mapping[str, float]) -> torch.Tensor:
+def weight_domains(
+    advantages: torch.Tensor, domain_ids: torch.Tensor, domain_names: Sequence[str], weights: Mapping[str, float]
+) -> torch.Tensor:
     """Advantages [N] (or [N, T]) scaled by their domain's ρ (domains not in `weights`: 1)."""
     if not weights:
         return advantages
@@ -91,8 +109,9 @@ def weight_domains(advantages: torch.Tensor, domain_ids: torch.Tensor, domain_na
     return advantages * (scale if advantages.ndim == 1 else scale[:, None])
 
 
-def codpo_pairs(scores: torch.Tensor, passed: torch.Tensor, group_ids: torch.Tensor,
-                valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def codpo_pairs(
+    scores: torch.Tensor, passed: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group (in sorted group-id order): (chosen [K], rejected [K]) sample indices — chosen the
     highest-scoring judge-passing sample, rejected the lowest-scoring failing one; -1 where a group
     has no passing (or no failing) valid sample."""

@@ -47,7 +47,7 @@ in Σλ, as they count in DAPO's token mean); if a side has no tokens, every α*
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,8 +70,9 @@ def support_ids(ids: torch.Tensor, k: int) -> torch.Tensor:
     return values[order[:k]]
 
 
-def logit_gradient_proxy(targets: torch.Tensor, target_logp: torch.Tensor, support: torch.Tensor,
-                         support_logp: torch.Tensor) -> Proxy:
+def logit_gradient_proxy(
+    targets: torch.Tensor, target_logp: torch.Tensor, support: torch.Tensor, support_logp: torch.Tensor
+) -> Proxy:
     """∂log π(y)/∂z = e_y − p on the ids `support` [S] (π's log-probs there: `support_logp` [M, S]),
     and 1 − π(y) at y when y is not in the support; `targets` [M], `target_logp` [M] log π(y)."""
     m = targets.shape[0]
@@ -87,14 +88,15 @@ def soft_assign(margin: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tens
     return torch.sigmoid(margin / gamma)
 
 
-def centroid(proxy: Proxy, weight: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
+def centroid(proxy: Proxy, weight: torch.Tensor, dim: int) -> torch.Tensor | None:
     """Σ w·v / Σ w as a dense [dim] vector; None when Σ w is 0 (an empty side)."""
     ids, vals = proxy
     total = weight.double().sum()
     if not total > 0:
         return None
-    acc = torch.zeros(dim, dtype=torch.float64).index_add_(0, ids.reshape(-1),
-                                                           (weight.double()[:, None] * vals.double()).reshape(-1))
+    acc = torch.zeros(dim, dtype=torch.float64).index_add_(
+        0, ids.reshape(-1), (weight.double()[:, None] * vals.double()).reshape(-1)
+    )
     return acc / total
 
 
@@ -106,8 +108,9 @@ def positive_margin(proxy: Proxy, mu_pos: torch.Tensor, mu_neg: torch.Tensor) ->
     return 2 * (diff[ids] * vals.double()).sum(-1) + mu_neg.dot(mu_neg) - mu_pos.dot(mu_pos)
 
 
-def _gamma(side_margin: torch.Tensor, on_side: torch.Tensor, gamma: Optional[float], scale: float,
-           eps: float) -> torch.Tensor:
+def _gamma(
+    side_margin: torch.Tensor, on_side: torch.Tensor, gamma: float | None, scale: float, eps: float
+) -> torch.Tensor:
     if gamma is not None:
         return torch.tensor(float(gamma), dtype=torch.float64)
     x = side_margin[on_side]
@@ -117,9 +120,17 @@ def _gamma(side_margin: torch.Tensor, on_side: torch.Tensor, gamma: Optional[flo
     return (scale * spread).clamp_min(eps)
 
 
-def delta_weights(proxy: Proxy, advantages: torch.Tensor, *, iterations: int = 1, lam_min: float = 0.5,
-                  lam_max: float = 1.5, gamma: Optional[float] = None, gamma_scale: float = 1.0,
-                  eps: float = 1e-8) -> torch.Tensor:
+def delta_weights(
+    proxy: Proxy,
+    advantages: torch.Tensor,
+    *,
+    iterations: int = 1,
+    lam_min: float = 0.5,
+    lam_max: float = 1.5,
+    gamma: float | None = None,
+    gamma_scale: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
     """DelTA's λ [M] float64 for M tokens with proxies `proxy` and advantages [M]; no gradient."""
     with torch.no_grad():
         ids, vals = proxy[0].long(), proxy[1].detach().double()
@@ -133,8 +144,9 @@ def delta_weights(proxy: Proxy, advantages: torch.Tensor, *, iterations: int = 1
             for k in range(iterations + 1):
                 up = positive_margin(proxy, mu_pos, mu_neg)
                 side = torch.where(pos, up, -up)  # Δ⁺ on the positive side, Δ⁻ = −Δ⁺ on the negative
-                g = torch.where(pos, _gamma(side, pos, gamma, gamma_scale, eps),
-                                _gamma(side, neg, gamma, gamma_scale, eps))
+                g = torch.where(
+                    pos, _gamma(side, pos, gamma, gamma_scale, eps), _gamma(side, neg, gamma, gamma_scale, eps)
+                )
                 alpha = soft_assign(side, g)
                 if k == iterations:  # step 3: α* at μ±⁽ᴷ⁾
                     break
@@ -148,13 +160,26 @@ def delta_weights(proxy: Proxy, advantages: torch.Tensor, *, iterations: int = 1
 
 @register("advantage_shaping", "delta")
 def delta(
-    advantages: torch.Tensor, mask: torch.Tensor, *, rewards: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    response_ids: Optional[torch.Tensor] = None, logp_at: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    support: int = 32, iterations: int = 1, lam_min: float = 0.5, lam_max: float = 1.5, gamma: Optional[float] = None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    response_ids: torch.Tensor | None = None,
+    logp_at: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    support: int = 32,
+    iterations: int = 1,
+    lam_min: float = 0.5,
+    lam_max: float = 1.5,
+    gamma: float | None = None,
     gamma_scale: float = 1.0,
 ) -> torch.Tensor:
     """The per-token advantages times λ/mean(λ) over the training tokens [N, T] float32 (detached),
@@ -164,13 +189,17 @@ def delta(
     need(iterations >= 0, "iterations", f"must be >= 0 (K, the alternating iterations), got {iterations}")
     need(lam_min >= 0, "lam_min", f"must be >= 0, got {lam_min}")
     need(lam_max >= lam_min and lam_max > 0, "lam_max", f"must be > 0 and >= lam_min ({lam_min}), got {lam_max}")
-    need(gamma is None or (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and gamma > 0), "gamma",
-         f"must be null (adaptive) or > 0, got {gamma!r}")
+    need(
+        gamma is None or (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and gamma > 0),
+        "gamma",
+        f"must be null (adaptive) or > 0, got {gamma!r}",
+    )
     need(gamma_scale > 0, "gamma_scale", f"must be > 0, got {gamma_scale}")
     if response_ids is None or old_logp is None or response_ids.shape != advantages.shape:
         got = None if response_ids is None else tuple(response_ids.shape)
-        raise ValueError(f"delta needs the sampled token ids {tuple(advantages.shape)} and π_old's log-probs, "
-                         f"got response_ids {got}")
+        raise ValueError(
+            f"delta needs the sampled token ids {tuple(advantages.shape)} and π_old's log-probs, got response_ids {got}"
+        )
     with torch.no_grad():
         on = mask > 0
         out = torch.zeros(advantages.shape, dtype=torch.float32)
@@ -185,7 +214,8 @@ def delta(
             ids = support_ids(targets, support)
             proxy = logit_gradient_proxy(targets, target_logp, ids, logp_at(ids).detach()[on])
         adv = advantages.detach()[on].double()
-        lam = delta_weights(proxy, adv, iterations=iterations, lam_min=lam_min, lam_max=lam_max, gamma=gamma,
-                            gamma_scale=gamma_scale)
+        lam = delta_weights(
+            proxy, adv, iterations=iterations, lam_min=lam_min, lam_max=lam_max, gamma=gamma, gamma_scale=gamma_scale
+        )
         out[on] = (adv * lam / lam.mean()).float()
         return out

@@ -16,8 +16,13 @@ from mcore_rl.algos.registry import register
 
 
 @register("preference", "dpo")
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+) -> torch.Tensor:
     """Per-pair DPO loss; log 2 wherever the policy equals the reference."""
     margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     return -F.logsigmoid(beta * margin)

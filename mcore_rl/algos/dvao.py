@@ -21,7 +21,7 @@ weights to make RC the domain's own reward.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,8 +30,9 @@ from mcore_rl.algos.multi_reward import group_index, group_moments, head_column,
 from mcore_rl.algos.registry import register
 
 
-def dvao_combine(heads: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
-                 beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def dvao_combine(
+    heads: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor, beta: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [N] float64, valid samples of each sample's group [N]) for a finite head matrix [N, n]
     and weights [n] (>= 0, summing to 1), over the `ok` samples of each group."""
     inverse, k = group_index(group_ids)
@@ -42,8 +43,9 @@ def dvao_combine(heads: torch.Tensor, weights: torch.Tensor, group_ids: torch.Te
         _, mu, var = group_moments(heads[:, j], inverse, k, ok)
         sigma = var.sqrt()
         share = weights[j] * sigma.pow(beta)  # 0^0 = 1: beta = 0 is AC, constant heads have A_k = 0
-        a_k = torch.where(sigma[inverse] > 0, (heads[:, j].double() - mu[inverse]) / sigma[inverse].clamp_min(1e-300),
-                          torch.zeros(()))
+        a_k = torch.where(
+            sigma[inverse] > 0, (heads[:, j].double() - mu[inverse]) / sigma[inverse].clamp_min(1e-300), torch.zeros(())
+        )
         num = num + share[inverse] * a_k
         den = den + share
     adv = torch.where(den[inverse] > 0, num / den[inverse].clamp_min(1e-300), torch.zeros(()))
@@ -52,26 +54,39 @@ def dvao_combine(heads: torch.Tensor, weights: torch.Tensor, group_ids: torch.Te
 
 @register("advantage", "dvao")
 def dvao(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None,
-    reward_heads: Optional[torch.Tensor] = None, head_names: Sequence[str] = (),
-    weights: Optional[dict[str, float]] = None, beta: float = 1.0,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    weights: dict[str, float] | None = None,
+    beta: float = 1.0,
 ) -> torch.Tensor:
     """DVAO advantages [N] over the heads named in `weights` (default: all of the batch's heads,
     equally). (`normalize_std`, `domain_ids`: part of the advantage signature only.)"""
     need(beta >= 0, "beta", f"must be >= 0, got {beta}")
     if weights is not None:
-        need(isinstance(weights, dict) and len(weights) > 0, "weights",
-             f"must map head names to weights (e.g. {{correct: 0.7, format: 0.3}}), got {weights!r}")
+        need(
+            isinstance(weights, dict) and len(weights) > 0,
+            "weights",
+            f"must map head names to weights (e.g. {{correct: 0.7, format: 0.3}}), got {weights!r}",
+        )
         for name, w in weights.items():
-            need(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0, "weights",
-                 f"the weight of head {name!r} must be a number >= 0, got {w!r}")
+            need(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0,
+                "weights",
+                f"the weight of head {name!r} must be a number >= 0, got {w!r}",
+            )
         need(sum(weights.values()) > 0, "weights", "must not all be 0")
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
     names = list(weights) if weights is not None else list(head_names)
-    w = torch.tensor([float(weights[h]) for h in names] if weights is not None else [1.0] * len(names),
-                     dtype=torch.float64)
+    w = torch.tensor(
+        [float(weights[h]) for h in names] if weights is not None else [1.0] * len(names), dtype=torch.float64
+    )
     cols = [head_column(reward_heads, head_names, h, n) for h in names]
     mat = torch.stack(cols, 1) if cols else torch.zeros(n, 0, dtype=torch.float64)
     inverse, k = group_index(group_ids)

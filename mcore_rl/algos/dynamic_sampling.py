@@ -8,7 +8,8 @@ surviving groups over several generation rounds and says how many prompts to ask
 from __future__ import annotations
 
 import math
-from typing import Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Sequence
 
 import torch
 
@@ -24,8 +25,9 @@ DEFAULT_STD_TOLERANCE = 1e-6
 
 
 @register("group_filter", "nonzero_std")
-def nonzero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor,
-                       tol: float = DEFAULT_STD_TOLERANCE) -> torch.Tensor:
+def nonzero_std_groups(
+    rewards: torch.Tensor, group_ids: torch.Tensor, tol: float = DEFAULT_STD_TOLERANCE
+) -> torch.Tensor:
     """Keep mask [N]: True for samples whose group's reward std is > `tol` (singletons dropped)."""
     count, _, var = group_stats(rewards, group_ids)
     return (count > 1) & (var.sqrt() > tol)

@@ -29,7 +29,7 @@ is loss-masked"), documented again in `recipes/gec.py`:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,8 +48,9 @@ def gec_probabilities(probs: Sequence[float]) -> tuple[float, float, float]:
 
 
 @register("group_repair", "edge_gec")
-def gec_ops(wrong: Sequence[bool], keys: Sequence[tuple[int, int]], *, seed: int = 0,
-            probs: Sequence[float] = GEC_PROBS) -> list[int]:
+def gec_ops(
+    wrong: Sequence[bool], keys: Sequence[tuple[int, int]], *, seed: int = 0, probs: Sequence[float] = GEC_PROBS
+) -> list[int]:
     """The op of each sample: KEEP for a correct one, else REFLECT / INJECT / REFERENCE drawn with
     `probs`, independently per response: keys[i] = (prompt stream index, sample index j), and sample
     j of a prompt uses the j-th uniform of a generator seeded by (seed, prompt stream index)."""

@@ -27,7 +27,7 @@ tokens are divided by its P̂. Registered as kind "advantage_shaping" (see `mult
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,11 +53,19 @@ def scaled_entropy(p: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor) -
 
 @register("advantage_shaping", "edge_eda")
 def edge_eda(
-    advantages: torch.Tensor, mask: torch.Tensor, *, rewards: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
     max_scale: float = 10.0,
 ) -> torch.Tensor:
     """A / max(P̂, 1/max_scale) per response, on its tokens [N, T] (0 outside `mask`)."""

@@ -6,7 +6,6 @@ materialising the logits); it is a loss *term*, so it comes back as (sum, count)
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -20,7 +19,7 @@ def entropy_bonus(
     mask: torch.Tensor,
     coef: float,
     agg: str = "token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(-coef · Σ H, count) to be added to the loss: minimising it raises the entropy."""
     total, count = aggregate(entropy, mask, agg, norm_length)

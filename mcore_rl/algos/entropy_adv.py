@@ -22,7 +22,7 @@ advantages' mean |A| (`advantage/shaped_abs_mean`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,12 +38,21 @@ def entropy_bonus(advantages: torch.Tensor, entropy: torch.Tensor, alpha: float,
 
 @register("advantage_shaping", "entropy_adv")
 def entropy_adv(
-    advantages: torch.Tensor, mask: torch.Tensor, *, rewards: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    alpha: float = 0.4, kappa: float = 2.0,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    alpha: float = 0.4,
+    kappa: float = 2.0,
 ) -> torch.Tensor:
     """A_t + min(α·H_t, |A_t|/κ) on the response tokens [N, T] (0 outside `mask`)."""
     need(alpha >= 0, "alpha", f"must be >= 0, got {alpha}")

@@ -28,7 +28,7 @@ trainer's usual `algorithm.kl_coef` with a reference model.
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -70,17 +70,24 @@ def spread_segments(values: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor
     return torch.where(count[:, None] > 0, out, torch.zeros(())) * mask
 
 
-def segment_columns(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], prefix: str, n: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_columns(
+    reward_heads: torch.Tensor | None, head_names: Sequence[str], prefix: str, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [N, K], token ends [N, K]) from the heads `<prefix>_s<k>` / `<prefix>_e<k>`; K = 0
     when the batch has none. A score without its end (or the reverse) counts as no segment."""
     pat = re.compile(rf"{re.escape(prefix)}_s(\d+)")
     ks = [int(m.group(1)) for h in head_names if (m := pat.fullmatch(h))]
     k = max(ks) + 1 if ks else 0
-    scores = torch.stack([head_column(reward_heads, head_names, f"{prefix}_s{i}", n) for i in range(k)], 1) \
-        if k else torch.zeros(n, 0, dtype=torch.float64)
-    ends = torch.stack([head_column(reward_heads, head_names, f"{prefix}_e{i}", n) for i in range(k)], 1) \
-        if k else torch.zeros(n, 0, dtype=torch.float64)
+    scores = (
+        torch.stack([head_column(reward_heads, head_names, f"{prefix}_s{i}", n) for i in range(k)], 1)
+        if k
+        else torch.zeros(n, 0, dtype=torch.float64)
+    )
+    ends = (
+        torch.stack([head_column(reward_heads, head_names, f"{prefix}_e{i}", n) for i in range(k)], 1)
+        if k
+        else torch.zeros(n, 0, dtype=torch.float64)
+    )
     missing = scores.isnan() | ends.isnan()
     nan = torch.full((), float("nan"), dtype=torch.float64)
     return torch.where(missing, nan, scores), torch.where(missing, nan, ends)
@@ -97,12 +104,21 @@ def segment_heads(scores: Sequence[float], token_ends: Sequence[int], prefix: st
 
 @register("advantage_shaping", "exprl_segments")
 def exprl_segments(
-    advantages: torch.Tensor, mask: torch.Tensor, *, rewards: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    prefix: str = "exprl", norm: str = "delta",
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    prefix: str = "exprl",
+    norm: str = "delta",
 ) -> torch.Tensor:
     """Per-token advantages [N, T]: the raw segment deltas on samples with segment heads, the
     incoming advantages elsewhere, 0 on invalid samples. (The other inputs: the kind's signature.)"""

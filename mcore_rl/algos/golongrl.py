@@ -19,7 +19,7 @@ formula (per-prompt μ_u). A task whose prompts are all constant has σ_task = 0
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,10 +40,17 @@ def reweight(a_hat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @register("advantage", "golongrl")
 def golongrl(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None,
-    reward_heads: Optional[torch.Tensor] = None, head_names: Sequence[str] = (),
-    alpha: float = 0.8, delta: float = 1e-6, difficulty_reweight: bool = True,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    alpha: float = 0.8,
+    delta: float = 1e-6,
+    difficulty_reweight: bool = True,
 ) -> torch.Tensor:
     """TMN-Reweight advantages [N]. `alpha` mixes the prompt mean into μ̃ (0.8 in the paper), `delta`
     guards the division, `difficulty_reweight=False` gives TMN alone. (`normalize_std`, the heads:
@@ -65,8 +72,9 @@ def golongrl(
     task_sq = torch.zeros(d, dtype=torch.float64).index_add_(0, gdom, var_u)
     task_groups = torch.zeros(d, dtype=torch.float64).index_add_(0, gdom, has.double())
     sigma_task = (task_sq / task_groups.clamp_min(1)).sqrt()
-    mu_task = (torch.zeros(d, dtype=torch.float64).index_add_(0, dom, r)
-               / torch.zeros(d, dtype=torch.float64).index_add_(0, dom, ok.double()).clamp_min(1))
+    mu_task = torch.zeros(d, dtype=torch.float64).index_add_(0, dom, r) / torch.zeros(
+        d, dtype=torch.float64
+    ).index_add_(0, dom, ok.double()).clamp_min(1)
     s = sigma_task[gdom][inverse]
     a_hat = torch.where(s > 0, (r - mu_u[inverse]) / (s + delta), torch.zeros_like(r))
     adv = a_hat

@@ -11,7 +11,6 @@ As a loss, ∇k1 = ∇log π_θ, ∇k2 = -d ∇log π_θ, ∇k3 = (1 - e^d) ∇l
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -65,7 +64,7 @@ def kl_loss(
     mask: torch.Tensor,
     kind: str = "k3",
     agg: str = "token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL as a loss term: (sum, count) of the per-token estimator under `agg` (see
     `policy_loss.aggregate`); multiply the sum by β and add it to the policy loss's sum."""

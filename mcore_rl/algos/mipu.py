@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -53,8 +54,8 @@ def step1_correction(
     train_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
     mask: torch.Tensor,
-    is_clip_high: Optional[float] = None,
-    is_level: Optional[str] = None,
+    is_clip_high: float | None = None,
+    is_level: str | None = None,
     **unused: Any,
 ) -> Correction:
     """Step 1 as a mismatch correction (the registry's signature): weights w̄ = min(π_k/μ_k, w_max)
@@ -65,12 +66,14 @@ def step1_correction(
     weights = truncated_mismatch_weight(train_logp, rollout_logp, mask, w_max, is_level or "token")
     ratio = torch.exp((train_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     metrics = mismatch_metrics(train_logp, rollout_logp, mask)
-    metrics.update({
-        "mismatch/is_weight_mean": masked_mean(weights, mask),
-        "mismatch/is_weight_max": weights.max() if weights.numel() else torch.zeros(()),
-        "mismatch/clipfrac": masked_mean((ratio > w_max).float(), mask),
-        "mismatch/maskfrac": torch.zeros(()),
-    })
+    metrics.update(
+        {
+            "mismatch/is_weight_mean": masked_mean(weights, mask),
+            "mismatch/is_weight_max": weights.max() if weights.numel() else torch.zeros(()),
+            "mismatch/clipfrac": masked_mean((ratio > w_max).float(), mask),
+            "mismatch/maskfrac": torch.zeros(()),
+        }
+    )
     return Correction(weights, mask, metrics)
 
 
@@ -84,9 +87,9 @@ def step1_loss(
     clip_high: float = 0.2,
     w_max: float = 2.0,
     level: str = "token",
-    dual_clip: Optional[float] = None,
+    dual_clip: float | None = None,
     agg: str = "token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> LossOutput:
     """Eq. 7 as a loss: -w̄ · min(r Â, clip(r, 1-ε, 1+ε) Â), r = π_θ/π_k, w̄ = min(π_k/μ_k, w_max).
 
@@ -94,7 +97,15 @@ def step1_loss(
     the same thing in two parts: `step1_correction` once per batch, `ppo_clip` per micro-batch."""
     w = step1_correction(old_logp, rollout_logp, mask, w_max, level).weights
     out = ppo_clip(
-        logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, is_weights=w, agg=agg,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+        is_weights=w,
+        agg=agg,
         norm_length=norm_length,
     )
     with torch.no_grad():
@@ -129,8 +140,12 @@ def t_hat_post(
 
 
 def validation_t_post(
-    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
-    group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None,
+    policy_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> float:
     """T̂_post of a validation batch sampled from the synced candidate: the groups' GRPO
     advantages Â (mean/std normalised) over the `valid` samples, then `t_hat_post` over those
@@ -167,7 +182,10 @@ class TPostEstimate:
 
 
 def t_post_groups(
-    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+    policy_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
     group_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s_g, n_g) per group, ordered by group id: s_g = -Σ_{i∈g} ρ_i Â_i."""
@@ -175,7 +193,9 @@ def t_post_groups(
     _, inverse = torch.unique(group_ids, return_inverse=True)
     k = int(inverse.max()) + 1 if inverse.numel() else 0
     sums = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse.cpu(), -(rho * advantages.double()).cpu())
-    counts = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse.cpu(), torch.ones(inverse.numel(), dtype=torch.float64))
+    counts = torch.zeros(k, dtype=torch.float64).index_add_(
+        0, inverse.cpu(), torch.ones(inverse.numel(), dtype=torch.float64)
+    )
     return sums, counts
 
 
@@ -193,8 +213,12 @@ def ratio_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float]:
 
 
 def validation_estimate(
-    policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
-    group_ids: torch.Tensor, valid: Optional[torch.Tensor] = None,
+    policy_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> TPostEstimate:
     """`validation_t_post` (the same number) with its standard error from the group terms."""
     ok = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device) if valid is None else valid.bool()
@@ -206,8 +230,7 @@ def validation_estimate(
     _, se = ratio_se(sums, counts)
     t = t_hat_post(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok])  # the decision's number, as before
     _, inverse = torch.unique(group_ids[ok], return_inverse=True)
-    informative = torch.zeros(sums.numel(), dtype=torch.bool).index_fill_(
-        0, inverse.cpu()[adv[ok].cpu() != 0], True)
+    informative = torch.zeros(sums.numel(), dtype=torch.bool).index_fill_(0, inverse.cpu()[adv[ok].cpu() != 0], True)
     return TPostEstimate(t, se, sums, counts, int(informative.sum()))
 
 
@@ -224,8 +247,13 @@ def flip_probability(t_post: float, se: float, c: float, z: float = 0.0) -> floa
 
 
 def bootstrap_flip_rate(
-    sums: torch.Tensor, counts: torch.Tensor, c: float, num_resamples: int = 200, seed: int = 0,
-    rule: str = "plain", z: float = 0.0,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    c: float,
+    num_resamples: int = 200,
+    seed: int = 0,
+    rule: str = "plain",
+    z: float = 0.0,
 ) -> float:
     """Fraction of group bootstrap resamples (K groups drawn with replacement, seeded) whose
     accept/reject differs from the observed batch's (with the same `rule`; "se" re-estimates SE
@@ -344,7 +372,7 @@ class MIPUController:
         """Take the pre-update snapshot (call before the first optimizer step of the update)."""
         self._snap = self._snapshot_fn()
 
-    def decide(self, t_post: "float | TPostEstimate") -> MIPUDecision:
+    def decide(self, t_post: float | TPostEstimate) -> MIPUDecision:
         """Accept or roll back on T̂_post (a float: no SE, only the plain rule can use it)."""
         if self._snap is None:
             raise RuntimeError("MIPUController.decide() without begin(): no snapshot to roll back to")
@@ -356,10 +384,19 @@ class MIPUController:
         c = tolerance(self.t, self.c_start, self.c_end, self.anneal_steps)
         ok = decide(t, se, c, self.rule, self.z)
         z = self.z if self.rule == "se" else 0.0
-        decision = MIPUDecision(self.t, t, c, ok, se, flip_probability(t, se, c, z) if est is not None else float("nan"))
+        decision = MIPUDecision(
+            self.t, t, c, ok, se, flip_probability(t, se, c, z) if est is not None else float("nan")
+        )
         if est is not None and self.bootstrap > 0:
-            decision.bootstrap_flip = bootstrap_flip_rate(est.group_sums, est.group_counts, c, self.bootstrap,
-                                                          seed=self.accepted + self.rejected, rule=self.rule, z=self.z)
+            decision.bootstrap_flip = bootstrap_flip_rate(
+                est.group_sums,
+                est.group_counts,
+                c,
+                self.bootstrap,
+                seed=self.accepted + self.rejected,
+                rule=self.rule,
+                z=self.z,
+            )
         if ok:
             self.accepted += 1
         else:
@@ -386,8 +423,13 @@ class MIPUController:
 
 
 def lr_decay_baseline(
-    step: int, base_lr: float, trigger_step: Optional[int], decay_period: int, floor_ratio: float = 0.1,
-    factor: float = 0.5, min_lr: Optional[float] = None,
+    step: int,
+    base_lr: float,
+    trigger_step: int | None,
+    decay_period: int,
+    floor_ratio: float = 0.1,
+    factor: float = 0.5,
+    min_lr: float | None = None,
 ) -> float:
     """η0 before the trigger; from the trigger on η0 · factor^(floor((t - trigger)/decay_period) + 1),
     floored at `min_lr` (default floor_ratio · η0). The first decay happens at the trigger itself (the

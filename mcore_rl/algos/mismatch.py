@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -118,10 +118,10 @@ class MismatchConfig:
     is_level: str = "token"
     is_clip_low: float = 0.0
     is_clip_high: float = 2.0
-    mask_level: Optional[str] = None
+    mask_level: str | None = None
     mask_low: float = 0.5
     mask_high: float = 5.0
-    veto_threshold: Optional[float] = None
+    veto_threshold: float | None = None
     batch_normalize: bool = False
 
     def __post_init__(self) -> None:
@@ -179,7 +179,9 @@ def correct(
     return Correction(weights.detach(), keep, metrics)
 
 
-def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_metrics(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """K3 = mean exp(d) - d - 1 and mean |d| with d = log π - log μ, over masked-in tokens."""
     d = log_ratio(train_logp, rollout_logp, mask)
     return {

@@ -38,7 +38,8 @@ std for DVAO and PAPO, Bessel's for TMN (its per-prompt σ_u), as their specs wr
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -48,15 +49,41 @@ ADVANTAGE_INPUTS = ("rewards", "group_ids", "normalize_std", "valid", "domain_id
 SHAPING_INPUTS = ("rewards", "group_ids", "valid", "domain_ids", "reward_heads", "head_names", "lengths", "seq_logp")
 FILTER_INPUTS = SHAPING_INPUTS
 # advantage_shaping: per-token [N, T] advantages, mask, π_old's entropy and log-probs, μ, π_ref's (or None)
-ADVANTAGE_SHAPING_INPUTS = ("advantages", "mask", "rewards", "group_ids", "valid", "domain_ids", "reward_heads",
-                            "head_names", "entropy", "old_logp", "rollout_logp", "ref_logp")
+ADVANTAGE_SHAPING_INPUTS = (
+    "advantages",
+    "mask",
+    "rewards",
+    "group_ids",
+    "valid",
+    "domain_ids",
+    "reward_heads",
+    "head_names",
+    "entropy",
+    "old_logp",
+    "rollout_logp",
+    "ref_logp",
+)
 # aux_loss: π_θ's log-probs [n, T] (with grad) and the micro-batch's per-sequence tensors: the shaped rewards
 # and the sequence-level advantage before advantage shaping ([n]; a micro-batch may hold part of a group, so
 # group statistics belong in the advantage phase), π_ref's log-probs (None without a reference model)
-AUX_LOSS_INPUTS = ("logp", "old_logp", "ref_logp", "mask", "rewards", "seq_advantages", "group_ids", "agg",
-                   "norm_length")
-KIND_INPUTS = {"advantage": ADVANTAGE_INPUTS, "reward_shaping": SHAPING_INPUTS, "sample_filter": FILTER_INPUTS,
-               "advantage_shaping": ADVANTAGE_SHAPING_INPUTS, "aux_loss": AUX_LOSS_INPUTS}
+AUX_LOSS_INPUTS = (
+    "logp",
+    "old_logp",
+    "ref_logp",
+    "mask",
+    "rewards",
+    "seq_advantages",
+    "group_ids",
+    "agg",
+    "norm_length",
+)
+KIND_INPUTS = {
+    "advantage": ADVANTAGE_INPUTS,
+    "reward_shaping": SHAPING_INPUTS,
+    "sample_filter": FILTER_INPUTS,
+    "advantage_shaping": ADVANTAGE_SHAPING_INPUTS,
+    "aux_loss": AUX_LOSS_INPUTS,
+}
 # Inputs a function of the kind receives only when its signature names them, so adding one breaks no
 # registered function. advantage_shaping: `response_ids` [N, T] long, the sampled token ids (0 off the
 # mask); `logp_at`, a function ids [k] -> [N, T, k] π_old's log-probs of those ids at every response
@@ -90,8 +117,9 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, (int(inverse.max()) + 1 if inverse.numel() else 0)
 
 
-def group_moments(values: torch.Tensor, inverse: torch.Tensor, k: int, ok: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_moments(
+    values: torch.Tensor, inverse: torch.Tensor, k: int, ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group [K] over its `ok` samples: (count, mean, population variance), float64.
     Values of samples that are not ok (NaN included) do not matter."""
     okd = ok.double()
@@ -103,7 +131,7 @@ def group_moments(values: torch.Tensor, inverse: torch.Tensor, k: int, ok: torch
     return count, mean, var
 
 
-def domains_of(domain_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
+def domains_of(domain_ids: torch.Tensor | None, n: int) -> torch.Tensor:
     """Domain ids [N] long (all 0 when None: one domain)."""
     if domain_ids is None:
         return torch.zeros(n, dtype=torch.long)
@@ -117,12 +145,11 @@ def group_domains(domain_ids: torch.Tensor, inverse: torch.Tensor, k: int) -> to
     lo = torch.full((k,), torch.iinfo(torch.long).max, dtype=torch.long).scatter_reduce_(0, inverse, domain_ids, "amin")
     hi = torch.full((k,), torch.iinfo(torch.long).min, dtype=torch.long).scatter_reduce_(0, inverse, domain_ids, "amax")
     if not torch.equal(lo, hi):
-        raise ValueError("a group (one prompt's samples) spans several domains: "
-                         f"{int((lo != hi).sum())} of {k} groups")
+        raise ValueError(f"a group (one prompt's samples) spans several domains: {int((lo != hi).sum())} of {k} groups")
     return lo
 
 
-def head_column(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], name: str, n: int) -> torch.Tensor:
+def head_column(reward_heads: torch.Tensor | None, head_names: Sequence[str], name: str, n: int) -> torch.Tensor:
     """Head `name` as [N] float64; NaN where a sample (or the whole batch) lacks it. A head absent
     from the batch is not an error: a batch may hold no sample of the domains that have it."""
     if reward_heads is None or name not in head_names:
@@ -132,8 +159,9 @@ def head_column(reward_heads: Optional[torch.Tensor], head_names: Sequence[str],
     return reward_heads[:, list(head_names).index(name)].double()
 
 
-def restrict_to_domains(new: torch.Tensor, old: torch.Tensor, domain_ids: torch.Tensor,
-                        domain_names: Sequence[str], domains: Sequence[str]) -> torch.Tensor:
+def restrict_to_domains(
+    new: torch.Tensor, old: torch.Tensor, domain_ids: torch.Tensor, domain_names: Sequence[str], domains: Sequence[str]
+) -> torch.Tensor:
     """`new` on the samples of `domains` (all when empty), `old` elsewhere. A domain that is not in
     this batch selects nothing."""
     if not domains:
@@ -144,8 +172,13 @@ def restrict_to_domains(new: torch.Tensor, old: torch.Tensor, domain_ids: torch.
     return torch.where(inside, new.to(old.dtype), old)
 
 
-def domain_metrics(advantages: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor, domain_ids: torch.Tensor,
-                   domain_names: Sequence[str]) -> dict[str, float]:
+def domain_metrics(
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    domain_ids: torch.Tensor,
+    domain_names: Sequence[str],
+) -> dict[str, float]:
     """`advantage/<domain>/...` over the valid samples of each domain in the batch: the mean reward
     the advantage saw, the mean and mean |A|, the share of zero advantages, the sample count."""
     out: dict[str, float] = {}
@@ -180,24 +213,41 @@ def _same_type(default: Any, value: Any) -> bool:
 def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
     """A two-sample batch (positional and keyword inputs) of `kind`, to try a function's options on."""
     rewards, gids = torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long)
-    common: dict[str, Any] = dict(valid=torch.ones(2, dtype=torch.bool), domain_ids=torch.zeros(2, dtype=torch.long),
-                                  reward_heads=torch.zeros(2, 0), head_names=())
+    common: dict[str, Any] = dict(
+        valid=torch.ones(2, dtype=torch.bool),
+        domain_ids=torch.zeros(2, dtype=torch.long),
+        reward_heads=torch.zeros(2, 0),
+        head_names=(),
+    )
     tokens = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]])
     if kind == "advantage":
         return (rewards, gids), dict(common, normalize_std=True)
     if kind in ("reward_shaping", "sample_filter"):
-        return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long),
-                                     seq_logp=tokens.sum(1))
+        return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long), seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":
         logits = torch.arange(24.0).reshape(2, 2, 6).sin()  # a vocabulary of 6 at the 2 x 2 response positions
         return (torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2)), dict(
-            common, rewards=rewards, group_ids=gids, entropy=torch.full((2, 2), 0.5), old_logp=tokens,
-            rollout_logp=tokens, ref_logp=tokens - 0.1, response_ids=torch.tensor([[3, 4], [3, 5]]),
-            logp_at=lambda ids: torch.log_softmax(logits, -1)[..., ids.long()])
+            common,
+            rewards=rewards,
+            group_ids=gids,
+            entropy=torch.full((2, 2), 0.5),
+            old_logp=tokens,
+            rollout_logp=tokens,
+            ref_logp=tokens - 0.1,
+            response_ids=torch.tensor([[3, 4], [3, 5]]),
+            logp_at=lambda ids: torch.log_softmax(logits, -1)[..., ids.long()],
+        )
     if kind == "aux_loss":
-        return (tokens.clone().requires_grad_(),), dict(old_logp=tokens, ref_logp=tokens - 0.1, mask=torch.ones(2, 2),
-                                                        rewards=rewards, seq_advantages=rewards - 0.5, group_ids=gids,
-                                                        agg="token-mean", norm_length=2)
+        return (tokens.clone().requires_grad_(),), dict(
+            old_logp=tokens,
+            ref_logp=tokens - 0.1,
+            mask=torch.ones(2, 2),
+            rewards=rewards,
+            seq_advantages=rewards - 0.5,
+            group_ids=gids,
+            agg="token-mean",
+            norm_length=2,
+        )
     raise KeyError(f"no sample inputs for algorithm kind {kind!r}")
 
 
@@ -210,8 +260,11 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
 
     fn = get(kind, name)
     inputs = KIND_INPUTS[kind] + OPTIONAL_INPUTS.get(kind, ())
-    params = {p.name: p for p in inspect.signature(fn).parameters.values()
-              if p.name not in inputs and p.kind == inspect.Parameter.KEYWORD_ONLY}
+    params = {
+        p.name: p
+        for p in inspect.signature(fn).parameters.values()
+        if p.name not in inputs and p.kind == inspect.Parameter.KEYWORD_ONLY
+    }
     problems: list[tuple[str, str]] = []
     for key, value in options.items():
         if key not in params:
@@ -229,6 +282,7 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     except OptionError as e:
         problems.append((e.option, e.message))
     except (TypeError, ValueError) as e:
-        problems.append(("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: "
-                             f"{type(e).__name__}: {e}"))
+        problems.append(
+            ("", f"{kind} {name!r} cannot be called with its kind's inputs and these options: {type(e).__name__}: {e}")
+        )
     return problems

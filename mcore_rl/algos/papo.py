@@ -21,7 +21,7 @@ not called or failed) is left out of C and gets A_proc = 0; a missing outcome co
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +31,14 @@ from mcore_rl.algos.registry import register
 from mcore_rl.algos.thresholds import at_least
 
 
-def papo_parts(r_out: torch.Tensor, r_proc: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
-               correct_threshold: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def papo_parts(
+    r_out: torch.Tensor,
+    r_proc: torch.Tensor,
+    group_ids: torch.Tensor,
+    ok: torch.Tensor,
+    correct_threshold: float = 1.0,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A_out, A_proc, valid samples of each sample's group), each [N] float64. `r_proc` may be
     NaN where there is no process score."""
     inverse, k = group_index(group_ids)
@@ -47,20 +53,33 @@ def papo_parts(r_out: torch.Tensor, r_proc: torch.Tensor, group_ids: torch.Tenso
 
 @register("advantage", "papo")
 def papo(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None,
-    reward_heads: Optional[torch.Tensor] = None, head_names: Sequence[str] = (),
-    outcome_head: Optional[str] = None, process_head: str = "rubric", correct_threshold: float = 1.0,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    outcome_head: str | None = None,
+    process_head: str = "rubric",
+    correct_threshold: float = 1.0,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """A_out + A_proc [N]. (`normalize_std`, `domain_ids`: part of the advantage signature only.)"""
     need(eps > 0, "eps", f"must be > 0 (it guards the all-correct group's σ_out = 0), got {eps}")
-    need(isinstance(process_head, str) and bool(process_head), "process_head",
-         f"must name a reward head, got {process_head!r}")
+    need(
+        isinstance(process_head, str) and bool(process_head),
+        "process_head",
+        f"must name a reward head, got {process_head!r}",
+    )
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
-    r_out = rewards.double() if outcome_head is None else torch.nan_to_num(
-        head_column(reward_heads, head_names, outcome_head, n), nan=0.0)
+    r_out = (
+        rewards.double()
+        if outcome_head is None
+        else torch.nan_to_num(head_column(reward_heads, head_names, outcome_head, n), nan=0.0)
+    )
     r_proc = head_column(reward_heads, head_names, process_head, n)
     a_out, a_proc, count = papo_parts(r_out, r_proc, group_ids, ok, correct_threshold, eps)
     return kept(a_out + a_proc, count, ok)

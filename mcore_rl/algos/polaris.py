@@ -34,7 +34,7 @@ Chosen where the notes are unclear:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -57,8 +57,9 @@ def _constant(values: torch.Tensor, tol: float) -> bool:
 
 
 @register("group_repair", "polaris_rescue")
-def rescue_plan(rewards: torch.Tensor, group_ids: torch.Tensor, buffered: Sequence[bool], *,
-                correct_reward: float = 1.0) -> dict[int, int]:
+def rescue_plan(
+    rewards: torch.Tensor, group_ids: torch.Tensor, buffered: Sequence[bool], *, correct_reward: float = 1.0
+) -> dict[int, int]:
     """Rollout rescue: {group id: index of the sample to replace by its prompt's buffered correct
     rollout}, for every group that is all wrong and whose prompt has a buffer entry.
     `buffered[i]`: sample i's prompt has a stored correct rollout."""
@@ -71,8 +72,9 @@ def rescue_plan(rewards: torch.Tensor, group_ids: torch.Tensor, buffered: Sequen
 
 
 @register("group_repair", "polaris_substitute")
-def substitution_plan(rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                      tol: float = DEFAULT_STD_TOLERANCE) -> list[int]:
+def substitution_plan(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, tol: float = DEFAULT_STD_TOLERANCE
+) -> list[int]:
     """Intra-batch informative substitution: `src` [N] with sample i to become a copy of sample
     src[i] (src[i] == i: unchanged). Every zero-signal group's samples are replaced, position by
     position, by those of a mixed group of the same size (cycling through them in batch order)."""
@@ -96,12 +98,13 @@ def substitution_plan(rewards: torch.Tensor, group_ids: torch.Tensor, *,
 
 def pass_rates(rewards: torch.Tensor, group_ids: torch.Tensor, correct_reward: float = 1.0) -> dict[int, float]:
     """Pass rate of each group: #correct / #samples (POLARIS: of 8 rollouts)."""
-    return {int(group_ids[idx[0]]): float(np.mean(at_least(rewards[idx], correct_reward).tolist()))
-            for idx in _groups(group_ids)}
+    return {
+        int(group_ids[idx[0]]): float(np.mean(at_least(rewards[idx], correct_reward).tolist()))
+        for idx in _groups(group_ids)
+    }
 
 
-def offline_selection(rates: Sequence[float], mode: str = "below_one", bins: int = 8,
-                      seed: int = 0) -> list[int]:
+def offline_selection(rates: Sequence[float], mode: str = "below_one", bins: int = 8, seed: int = 0) -> list[int]:
     """Indices of the prompts to keep, given each prompt's pass rate over `bins` rollouts.
     "below_one": every prompt with pass rate < 1 (8/8 dropped, 0/8 kept); "mirrored_j": of those,
     a seeded subset whose histogram over the pass rates k/bins never increases with k."""
@@ -115,7 +118,7 @@ def offline_selection(rates: Sequence[float], mode: str = "below_one", bins: int
         by_bin.setdefault(int(round(rates[i] * bins)), []).append(i)
     rng = np.random.default_rng(seed)
     out: list[int] = []
-    cap: Optional[int] = None
+    cap: int | None = None
     for k in range(bins):
         members = by_bin.get(k, [])
         if cap is not None and len(members) > cap:

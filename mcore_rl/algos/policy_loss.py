@@ -11,7 +11,6 @@ the batch was split. Every aggregation mode below is expressed that way; all ter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -36,7 +35,7 @@ class LossOutput:
 
 
 def aggregate(
-    values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: Optional[int] = None
+    values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of per-token `values` [N, T] under `mask`, for one of `AGG_MODES`:
 
@@ -83,7 +82,7 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     clip_low: float,
     clip_high: float,
-    dual_clip: Optional[float] = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token PPO loss max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high)), optionally dual-clipped.
 
@@ -110,9 +109,9 @@ def _finish(
     clipped: torch.Tensor,
     dual: torch.Tensor,
     mask: torch.Tensor,
-    is_weights: Optional[torch.Tensor],
+    is_weights: torch.Tensor | None,
     agg: str,
-    norm_length: Optional[int],
+    norm_length: int | None,
     prefix: str,
 ) -> LossOutput:
     if is_weights is not None:
@@ -133,15 +132,15 @@ def _finish(
 @register("policy_loss", "ppo_clip")
 def ppo_clip(
     logp: torch.Tensor,
-    old_logp: Optional[torch.Tensor],
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    dual_clip: Optional[float] = None,
-    is_weights: Optional[torch.Tensor] = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
     agg: str = "token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> LossOutput:
     """PPO clipped surrogate with token ratio r = π_θ/π_old.
 
@@ -165,15 +164,15 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 @register("policy_loss", "gspo")
 def gspo(
     logp: torch.Tensor,
-    old_logp: Optional[torch.Tensor],
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    dual_clip: Optional[float] = None,
-    is_weights: Optional[torch.Tensor] = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
     agg: str = "seq-mean-token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> LossOutput:
     """GSPO (Zheng et al. 2025): the ratio is the sequence's geometric mean
     s_i = exp((1/|y_i|) Σ_t log π_θ/π_old), clipped at the sequence level (defaults 3e-4 / 4e-4).
@@ -193,15 +192,15 @@ def gspo(
 @register("policy_loss", "reinforce")
 def reinforce(
     logp: torch.Tensor,
-    old_logp: Optional[torch.Tensor],
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    dual_clip: Optional[float] = None,
-    is_weights: Optional[torch.Tensor] = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
     agg: str = "token-mean",
-    norm_length: Optional[int] = None,
+    norm_length: int | None = None,
 ) -> LossOutput:
     """Plain REINFORCE, −A·log π_θ per token, times the mismatch-correction `is_weights`: no ratio
     to π_old and no clip (`clip_low`, `clip_high`, `dual_clip` are part of the signature only), as

@@ -38,7 +38,7 @@ Choices where the notes are unclear or wrong:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,8 +50,9 @@ from mcore_rl.algos.thresholds import at_least
 VARIANTS = ("pos", "both")
 
 
-def consistency(prm_mean: torch.Tensor, steps: torch.Tensor, outcome_sign: torch.Tensor, step_penalty: float,
-                max_steps: int) -> torch.Tensor:
+def consistency(
+    prm_mean: torch.Tensor, steps: torch.Tensor, outcome_sign: torch.Tensor, step_penalty: float, max_steps: int
+) -> torch.Tensor:
     """Eq. 1: r^pro = [mean PRM − λ·1(H = 1 or H >= H_λ)] · r^o, [N] float64 (NaN where no PRM score;
     a NaN step count means no penalty)."""
     penalised = (steps == 1) | (steps >= max_steps)  # False for NaN
@@ -70,7 +71,7 @@ def balanced_counts(n_pos: int, n_neg: int, m: int) -> tuple[int, int]:
 
 def _priority(seed: int, group: int, size: int) -> torch.Tensor:
     """A seeded random order of a group's positions (tie-breaks and PROF-POS's draw)."""
-    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(group)) % (2 ** 63))
+    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(group)) % (2**63))
     return torch.rand(size, generator=gen, dtype=torch.float64)
 
 
@@ -83,8 +84,15 @@ def _top(idx: torch.Tensor, score: torch.Tensor, tie: torch.Tensor, k: int) -> t
     return idx[torch.tensor(order[:k], dtype=torch.long)]
 
 
-def prof_keep(r_pro: torch.Tensor, correct: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor, m: int,
-              variant: str = "pos", seed: int = 0) -> torch.Tensor:
+def prof_keep(
+    r_pro: torch.Tensor,
+    correct: torch.Tensor,
+    group_ids: torch.Tensor,
+    ok: torch.Tensor,
+    m: int,
+    variant: str = "pos",
+    seed: int = 0,
+) -> torch.Tensor:
     """The keep-mask [N] bool: per group, the balanced top-k+ correct by r^pro and k− wrong (random
     for "pos", top by r^pro for "both"); groups with <= m ok samples are kept whole."""
     inverse, k = group_index(group_ids)
@@ -107,12 +115,24 @@ def prof_keep(r_pro: torch.Tensor, correct: torch.Tensor, group_ids: torch.Tenso
 
 @register("sample_filter", "prof_grpo")
 def prof_grpo(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    keep: int = 8, variant: str = "pos", prm_head: str = "prm", steps_head: Optional[str] = None,
-    step_penalty: float = 0.0, max_steps: int = 30, outcome_head: Optional[str] = None,
-    correct_threshold: float = 0.5, seed: int = 0,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lengths: torch.Tensor | None = None,
+    seq_logp: torch.Tensor | None = None,
+    keep: int = 8,
+    variant: str = "pos",
+    prm_head: str = "prm",
+    steps_head: str | None = None,
+    step_penalty: float = 0.0,
+    max_steps: int = 30,
+    outcome_head: str | None = None,
+    correct_threshold: float = 0.5,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Keep-mask [N] bool: m = `keep` samples per group, balanced between correct and wrong and
     chosen by process–outcome consistency (`variant` "pos" = PROF-POS, "both" = PROF-BOTH).
@@ -127,8 +147,11 @@ def prof_grpo(
     n = rewards.shape[0]
     outcome = rewards.double() if outcome_head is None else head_column(reward_heads, head_names, outcome_head, n)
     correct = at_least(outcome, correct_threshold)  # NaN: wrong
-    steps = (head_column(reward_heads, head_names, steps_head, n) if steps_head
-             else torch.full((n,), float("nan"), dtype=torch.float64))
+    steps = (
+        head_column(reward_heads, head_names, steps_head, n)
+        if steps_head
+        else torch.full((n,), float("nan"), dtype=torch.float64)
+    )
     sign = torch.where(correct, torch.ones(()), -torch.ones(()))
     r_pro = consistency(head_column(reward_heads, head_names, prm_head, n), steps, sign, step_penalty, max_steps)
     return prof_keep(r_pro, correct, group_ids, ok, keep, variant, seed)

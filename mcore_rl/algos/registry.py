@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 F = TypeVar("F", bound=Callable)
 

@@ -33,7 +33,7 @@ policy conditioned on a Reasoner CoT, whose rubrics feed the verifier and whose 
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -72,8 +72,9 @@ def cot_rewards(v: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> t
     return minmax(raw)
 
 
-def reasoner_rewards(correct: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, alpha: float = 0.2,
-                     cot_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def reasoner_rewards(
+    correct: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, alpha: float = 0.2, cot_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(r^Rea [N], valid rubrics [K]) for one question: ±1 outcome + r_cot (or r_cot alone)."""
     valid = rubric_validity(v, correct, alpha)
     cot = cot_rewards(v, scores, valid)
@@ -106,8 +107,9 @@ def parse_rubrics(text: str) -> tuple[list[tuple[str, float]], bool]:
     return rubrics, ok and bool(rubrics) and len(set(seen)) == len(seen)
 
 
-def rubric_columns(reward_heads: Optional[torch.Tensor], head_names: Sequence[str], prefix: str, n: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def rubric_columns(
+    reward_heads: torch.Tensor | None, head_names: Sequence[str], prefix: str, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(verdicts [N, K], scores [N, K]) from the heads `<prefix>_v<k>` / `<prefix>_w<k>`, NaN where a
     sample lacks rubric k (K = 0 when the batch has none)."""
     pat = re.compile(rf"{re.escape(prefix)}_v(\d+)")
@@ -122,10 +124,19 @@ def rubric_columns(reward_heads: Optional[torch.Tensor], head_names: Sequence[st
 
 @register("reward_shaping", "rlcer")
 def rlcer(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    prefix: str = "rlcer", alpha: float = 0.2, correct_threshold: float = 0.5, outcome_head: Optional[str] = None,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lengths: torch.Tensor | None = None,
+    seq_logp: torch.Tensor | None = None,
+    prefix: str = "rlcer",
+    alpha: float = 0.2,
+    correct_threshold: float = 0.5,
+    outcome_head: str | None = None,
     cot_only: bool = False,
 ) -> torch.Tensor:
     """The Reasoner's reward [N] float32: ±1 outcome + the group's min-max-normalised signed sum of

@@ -59,8 +59,9 @@ def s2l_po_explorer_count(step: int, group_size: int, *, mix_steps: int, share: 
     return min(group_size, max(0, math.ceil(alpha * group_size - _CEIL_TOL)))
 
 
-def behaviour_logp(rollout_logp: torch.Tensor, old_logp: torch.Tensor, explorer_rows: torch.Tensor,
-                   correction: str = "explorer_logp") -> torch.Tensor:
+def behaviour_logp(
+    rollout_logp: torch.Tensor, old_logp: torch.Tensor, explorer_rows: torch.Tensor, correction: str = "explorer_logp"
+) -> torch.Tensor:
     """The μ [N, T] the mismatch correction sees: the engines' log-probs, except on the explorer's
     rows with `correction` "none", where it is π_old (IS weight 1: the samples count as π_old's)."""
     need(correction in CORRECTIONS, "correction", f"must be one of {', '.join(CORRECTIONS)}, got {correction!r}")

@@ -15,14 +15,13 @@ learner (float32) thus decide alike for the same sample. NaN reaches nothing.
 
 from __future__ import annotations
 
-from typing import Union
 
 import torch
 
 # the coarsest precision a score is kept in on its way to the learner
 SCORE_DTYPE = torch.float32
 
-Scores = Union[torch.Tensor, float]
+Scores = torch.Tensor | float
 
 
 def _rounded(scores: Scores, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,4 +36,3 @@ def at_least(scores: Scores, threshold: float) -> torch.Tensor:
     """scores >= threshold (bool, the shape of `scores`), at the scores' precision (module docstring)."""
     s, t = _rounded(scores, threshold)
     return s >= t
-

@@ -24,7 +24,7 @@ The paper's other knobs (2–3 PPO epochs, KL coefficient 0.1) are `algorithm.pp
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -34,8 +34,9 @@ from mcore_rl.algos.registry import register
 from mcore_rl.algos.thresholds import at_least
 
 
-def likelihood_ranks(seq_logp: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def likelihood_ranks(
+    seq_logp: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(each ok sample's 1-based rank within its group's ok samples by descending `seq_logp`, ties
     sharing their mean rank; that group's ok count), both [N] float64, 0 where not ok."""
     inverse, k = group_index(group_ids)
@@ -56,10 +57,17 @@ def likelihood_ranks(seq_logp: torch.Tensor, group_ids: torch.Tensor, ok: torch.
 
 @register("reward_shaping", "unlikeliness")
 def unlikeliness(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), lengths: Optional[torch.Tensor] = None, seq_logp: Optional[torch.Tensor] = None,
-    beta_rank: float = 0.25, correct_threshold: float = 1.0,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lengths: torch.Tensor | None = None,
+    seq_logp: torch.Tensor | None = None,
+    beta_rank: float = 0.25,
+    correct_threshold: float = 1.0,
 ) -> torch.Tensor:
     """The rewards with each correct sample's scaled by 1 − β_rank·(G − rank)/G [N] float32."""
     need(0 <= beta_rank <= 1, "beta_rank", f"must be in [0, 1] (rewards stay >= 0), got {beta_rank}")

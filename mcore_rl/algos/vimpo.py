@@ -45,7 +45,7 @@ Both read π_ref's log-probs (`needs_reference`): validation asks for `algorithm
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -81,22 +81,35 @@ def standardize(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.T
     return ((x - mean) / (std + eps) * m).to(values.dtype)
 
 
-def _need_ref(ref_logp: Optional[torch.Tensor], like: torch.Tensor, name: str) -> torch.Tensor:
+def _need_ref(ref_logp: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor:
     if ref_logp is None or ref_logp.shape != like.shape:
         got = None if ref_logp is None else tuple(ref_logp.shape)
-        raise ValueError(f"{name} needs π_ref's log-probs {tuple(like.shape)} (algorithm.reference_model: true), "
-                         f"got {got}")
+        raise ValueError(
+            f"{name} needs π_ref's log-probs {tuple(like.shape)} (algorithm.reference_model: true), got {got}"
+        )
     return ref_logp
 
 
 @register("advantage_shaping", "vimpo")
 def vimpo(
-    advantages: torch.Tensor, mask: torch.Tensor, *, rewards: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-    domain_ids: Optional[torch.Tensor] = None, reward_heads: Optional[torch.Tensor] = None,
-    head_names: Sequence[str] = (), entropy: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    beta: float = 0.1, gamma: float = 1.0, lam: float = 0.95, normalize: bool = True, eps: float = 1e-6,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.1,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    normalize: bool = True,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """The standardised GAE of π_old's implied TD advantage [N, T]; `advantages` are replaced."""
     need(beta > 0, "beta", f"must be > 0, got {beta}")
@@ -111,8 +124,9 @@ def vimpo(
     return (standardize(out, mask, eps) if normalize else out).to(advantages.dtype)
 
 
-def value_loss_per_sequence(logp: torch.Tensor, ref_logp: torch.Tensor, kl: torch.Tensor, target: torch.Tensor,
-                            mask: torch.Tensor, beta: float) -> torch.Tensor:
+def value_loss_per_sequence(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kl: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, beta: float
+) -> torch.Tensor:
     """½ [Σ_t m_t (β(log π − log π_ref) − β·kl_t) − target]² per response [n]; `kl` is used as given
     (the caller decides whether it carries a gradient)."""
     m = mask.to(logp.dtype)
@@ -122,10 +136,17 @@ def value_loss_per_sequence(logp: torch.Tensor, ref_logp: torch.Tensor, kl: torc
 
 @register("aux_loss", "vimpo_value")
 def vimpo_value(
-    logp: torch.Tensor, *, old_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
-    mask: Optional[torch.Tensor] = None, rewards: Optional[torch.Tensor] = None,
-    seq_advantages: Optional[torch.Tensor] = None, group_ids: Optional[torch.Tensor] = None,
-    agg: str = "token-mean", norm_length: Optional[int] = None, beta: float = 0.1,
+    logp: torch.Tensor,
+    *,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+    seq_advantages: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    norm_length: int | None = None,
+    beta: float = 0.1,
 ) -> LossOutput:
     """L_V per response with sg[KL_θ], on each of its tokens, aggregated like the policy loss."""
     need(beta > 0, "beta", f"must be > 0, got {beta}")

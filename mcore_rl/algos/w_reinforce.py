@@ -25,7 +25,7 @@ paper's π-form objective, the reference the sampled form is tested against.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,23 +37,31 @@ from mcore_rl.algos.thresholds import at_least
 
 @register("advantage", "w_reinforce")
 def w_reinforce(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = False,
-    valid: Optional[torch.Tensor] = None, domain_ids: Optional[torch.Tensor] = None,
-    reward_heads: Optional[torch.Tensor] = None, head_names: Sequence[str] = (),
-    lam: float = 0.1, correct_threshold: float = 1.0,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    normalize_std: bool = False,
+    valid: torch.Tensor | None = None,
+    domain_ids: torch.Tensor | None = None,
+    reward_heads: torch.Tensor | None = None,
+    head_names: Sequence[str] = (),
+    lam: float = 0.1,
+    correct_threshold: float = 1.0,
 ) -> torch.Tensor:
     """A = λ where the reward is >= `correct_threshold`, −1 elsewhere, 0 for invalid samples [N]
     float32. (`normalize_std`, `group_ids`' statistics: none; W-REINFORCE has no baseline.)"""
     need(lam >= 0, "lam", f"must be >= 0 (the weight of the positive samples), got {lam}")
     ok = valid_mask(rewards, group_ids, valid)
     correct = at_least(rewards, correct_threshold)
-    adv = torch.where(correct, torch.full_like(rewards, lam, dtype=torch.float64),
-                      torch.full_like(rewards, -1.0, dtype=torch.float64))
+    adv = torch.where(
+        correct, torch.full_like(rewards, lam, dtype=torch.float64), torch.full_like(rewards, -1.0, dtype=torch.float64)
+    )
     return torch.where(ok, adv, torch.zeros_like(adv)).to(torch.float32)
 
 
-def pi_form_objective(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor,
-                      lam: float) -> torch.Tensor:
+def pi_form_objective(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, lam: float
+) -> torch.Tensor:
     """λ·L_PSR + L_NSR in the paper's token-level π form, per sample L = −R·(1/T) Σ_t π_θ(y_t|·) with
     R = +1 (correct, weighted λ) or −1 (wrong); summed over samples. `logits` [N, T, V], `targets`
     [N, T], `mask` [N, T], `correct` [N] bool. An analysis and test reference, not a training loss."""

@@ -16,7 +16,7 @@ import os
 import re
 import types
 import typing
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -84,8 +84,10 @@ def _read_recipe(path: str, root_cls: type, stack: tuple[str, ...]) -> dict[str,
     for base in bases:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
         if not os.path.isfile(base_path):
-            raise ConfigError(f"{path}: 'defaults' names {base!r}, which is not a file (looked for {base_path}; "
-                              "relative paths are relative to the recipe)")
+            raise ConfigError(
+                f"{path}: 'defaults' names {base!r}, which is not a file (looked for {base_path}; "
+                "relative paths are relative to the recipe)"
+            )
         _deep_merge(merged, _read_recipe(base_path, root_cls, stack + (path,)))
     _deep_merge(merged, data)
     return merged
@@ -107,8 +109,8 @@ def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 _INDEXED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\[(\d+)\]$")
 
 
-def _split_index(part: str) -> tuple[str, Optional[int]]:
-    """"domains[2]" -> ("domains", 2); "lr" -> ("lr", None)."""
+def _split_index(part: str) -> tuple[str, int | None]:
+    """ "domains[2]" -> ("domains", 2); "lr" -> ("lr", None)."""
     m = _INDEXED.match(part)
     return (m.group(1), int(m.group(2))) if m else (part, None)
 
@@ -133,7 +135,7 @@ def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
         raise ConfigError(f"override {item!r}: empty component in key {key!r}")
 
     cls: Any = root_cls
-    names: list[tuple[str, Optional[int]]] = []
+    names: list[tuple[str, int | None]] = []
     leaf_type: Any = None
     for i, part in enumerate(parts):
         name, index = _split_index(part)
@@ -168,8 +170,10 @@ def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
             items = node.get(name)
             if not isinstance(items, list) or not 0 <= index < len(items):
                 count = len(items) if isinstance(items, list) else 0
-                raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i] + [name])}' has {count} entr"
-                                  f"{'y' if count == 1 else 'ies'} in the recipe, so [{index}] does not exist")
+                raise ConfigError(
+                    f"override {item!r}: '{'.'.join(parts[:i] + [name])}' has {count} entr"
+                    f"{'y' if count == 1 else 'ies'} in the recipe, so [{index}] does not exist"
+                )
             if last:
                 items[index] = value
                 return
@@ -244,8 +248,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     missing = [
         f.name
         for f in dataclasses.fields(cls)
-        if f.init and f.name not in kwargs
-        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.init
+        and f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         where = prefix or "<root>"

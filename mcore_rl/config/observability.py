@@ -30,12 +30,17 @@ class ObservabilityConfig:
 
 
 def check_observability(o: ObservabilityConfig, errors: Errors) -> None:
-    errors.need(not o.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
-                "is true but the `wandb` package is not installed: pip install 'mcore-rl[wandb]' "
-                "(or set logging.wandb=false)")
+    errors.need(
+        not o.wandb or importlib.util.find_spec("wandb") is not None,
+        "logging.wandb",
+        "is true but the `wandb` package is not installed: pip install 'mcore-rl[wandb]' (or set logging.wandb=false)",
+    )
     errors.need(not o.wandb or bool(o.wandb_project), "logging.wandb_project", "must not be empty")
-    errors.need(o.peak_flops_per_device >= 0, "logging.peak_flops_per_device",
-                f"must be >= 0 (0 = by device kind), got {o.peak_flops_per_device}")
+    errors.need(
+        o.peak_flops_per_device >= 0,
+        "logging.peak_flops_per_device",
+        f"must be >= 0 (0 = by device kind), got {o.peak_flops_per_device}",
+    )
     for key in ("profile_steps", "memory_snapshot_steps"):
         bad = [s for s in getattr(o, key) if not isinstance(s, int) or s < 1]
         errors.need(not bad, f"logging.{key}", f"optimizer steps count from 1; got {bad}")

@@ -20,7 +20,11 @@ def check_preempt_signals(c: CheckpointConfig, errors: Errors) -> None:
         if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals):
             errors.need(False, key, f"{name!r} is not a signal name (e.g. SIGTERM, SIGUSR1, SIGUSR2)")
         else:
-            errors.need(name not in _UNCATCHABLE, key,
-                        f"{name} cannot be used (the trainer cannot catch it, or needs it itself)")
-    errors.need(len(set(c.preempt_signals)) == len(c.preempt_signals), key,
-                f"lists a signal twice: {c.preempt_signals}")
+            errors.need(
+                name not in _UNCATCHABLE,
+                key,
+                f"{name} cannot be used (the trainer cannot catch it, or needs it itself)",
+            )
+    errors.need(
+        len(set(c.preempt_signals)) == len(c.preempt_signals), key, f"lists a signal twice: {c.preempt_signals}"
+    )

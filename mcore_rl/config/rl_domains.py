@@ -31,17 +31,26 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         errors.need(not d.mixture.stages, "data.mixture.stages", "needs data.domains (the domains it mixes)")
         return
     errors.need(d.path is None, "data.path", "set data.domains or data.path, not both (a file is a domain's path)")
-    errors.need(cfg.init.sft_steps <= 0 or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
-                "init.sft_steps", "the SFT warm start trains on the answers of task or reasoning-gym domains, and "
-                "every domain reads a file; start from init.checkpoint instead")
+    errors.need(
+        cfg.init.sft_steps <= 0 or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
+        "init.sft_steps",
+        "the SFT warm start trains on the answers of task or reasoning-gym domains, and "
+        "every domain reads a file; start from init.checkpoint instead",
+    )
     names = [dom.name for dom in d.domains]
     for i, dom in enumerate(d.domains):
         check_domain(cfg, i, dom, errors)
-        errors.need(names.count(dom.name) == 1 or names.index(dom.name) == i, f"data.domains[{i}].name",
-                    f"domain {dom.name!r} is defined twice")
+        errors.need(
+            names.count(dom.name) == 1 or names.index(dom.name) == i,
+            f"data.domains[{i}].name",
+            f"domain {dom.name!r} is defined twice",
+        )
     weights = [dom.weight for dom in d.domains]
-    errors.need(sum(w for w in weights if math.isfinite(w) and w >= 0) > 0, "data.domains",
-                f"the mixture weights (data.domains[*].weight = {weights}) must sum to a positive number")
+    errors.need(
+        sum(w for w in weights if math.isfinite(w) and w >= 0) > 0,
+        "data.domains",
+        f"the mixture weights (data.domains[*].weight = {weights}) must sum to a positive number",
+    )
     check_mixture(cfg, names, errors)
 
 
@@ -53,28 +62,43 @@ def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> No
     from mcore_rl.data.domains import NAME
 
     key, who = _where(i, dom)
-    errors.need(bool(NAME.match(dom.name)), f"{key}.name",
-                f"{dom.name!r} must be a non-empty name of letters, digits, '_', '.', '-' (it becomes a metric key)")
+    errors.need(
+        bool(NAME.match(dom.name)),
+        f"{key}.name",
+        f"{dom.name!r} must be a non-empty name of letters, digits, '_', '.', '-' (it becomes a metric key)",
+    )
     sources = [k for k in ("path", "task", "reasoning_gym") if getattr(dom, k) is not None]
-    if not errors.need(len(sources) == 1, key, f"{who}needs exactly one source (path, task or reasoning_gym), got "
-                       f"{sources or 'none'}"):
+    if not errors.need(
+        len(sources) == 1, key, f"{who}needs exactly one source (path, task or reasoning_gym), got {sources or 'none'}"
+    ):
         return
     task = check_source(i, dom, errors)
     errors.need(dom.num_prompts >= 1, f"{key}.num_prompts", f"{who}must be >= 1, got {dom.num_prompts}")
-    errors.need(math.isfinite(dom.weight) and dom.weight >= 0, f"{key}.weight",
-                f"{who}must be a finite number >= 0, got {dom.weight}")
+    errors.need(
+        math.isfinite(dom.weight) and dom.weight >= 0,
+        f"{key}.weight",
+        f"{who}must be a finite number >= 0, got {dom.weight}",
+    )
     check_template(cfg, i, dom, errors)
     check_sampling(cfg, i, dom, task, errors)
     check_rewards(cfg, i, dom, task, errors)
     e = dom.eval
-    errors.need(e.num_prompts is None or e.num_prompts >= 1, f"{key}.eval.num_prompts",
-                f"{who}must be null or >= 1, got {e.num_prompts}")
+    errors.need(
+        e.num_prompts is None or e.num_prompts >= 1,
+        f"{key}.eval.num_prompts",
+        f"{who}must be null or >= 1, got {e.num_prompts}",
+    )
     if e.path is not None:
-        errors.need(e.path.endswith(FILE_SUFFIXES), f"{key}.eval.path",
-                    f"{who}{e.path!r} is neither .jsonl nor .parquet")
+        errors.need(
+            e.path.endswith(FILE_SUFFIXES), f"{key}.eval.path", f"{who}{e.path!r} is neither .jsonl nor .parquet"
+        )
     if dom.path is not None:
-        errors.need(e.seed is None, f"{key}.eval.seed", f"{who}a file domain's held-out set is a file (eval.path) or "
-                    "held out of its own file; a seed draws task and reasoning-gym prompts")
+        errors.need(
+            e.seed is None,
+            f"{key}.eval.seed",
+            f"{who}a file domain's held-out set is a file (eval.path) or "
+            "held out of its own file; a seed draws task and reasoning-gym prompts",
+        )
 
 
 def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
@@ -83,7 +107,9 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
 
     key, who = _where(i, dom)
     if dom.path is not None:
-        errors.need(dom.path.endswith(FILE_SUFFIXES), f"{key}.path", f"{who}{dom.path!r} is neither .jsonl nor .parquet")
+        errors.need(
+            dom.path.endswith(FILE_SUFFIXES), f"{key}.path", f"{who}{dom.path!r} is neither .jsonl nor .parquet"
+        )
         errors.need(not dom.options, f"{key}.options", f"{who}options are for a task or reasoning-gym generator")
         return None
     if dom.task is not None:
@@ -95,8 +121,11 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
         from mcore_rl.data.tasks.reasoning_gym import dataset_names
 
         names = dataset_names()
-        if not errors.need(dom.reasoning_gym in names, f"{key}.reasoning_gym",
-                           f"{who}unknown reasoning-gym task {dom.reasoning_gym!r}; available: {', '.join(names)}"):
+        if not errors.need(
+            dom.reasoning_gym in names,
+            f"{key}.reasoning_gym",
+            f"{who}unknown reasoning-gym task {dom.reasoning_gym!r}; available: {', '.join(names)}",
+        ):
             return None
         build = lambda: get_task("reasoning_gym", dataset=dom.reasoning_gym, **dom.options)  # noqa: E731
         leaf = "reasoning_gym"
@@ -118,40 +147,60 @@ def check_template(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> 
             ok, why = False, f"is not a format string with only {{prompt}}: {type(err).__name__}: {err}"
         errors.need(ok, f"{key}.template", f"{who}{dom.template!r} {why}")
     if dom.chat_template:
-        errors.need(cfg.data.tokenizer_path is not None, f"{key}.chat_template",
-                    f"{who}needs a Hugging Face tokenizer with a chat template (data.tokenizer_path); the bundled "
-                    "byte tokenizer has none")
-    errors.need(dom.system_prompt is None or dom.chat_template, f"{key}.system_prompt",
-                f"{who}is a chat-template message; set chat_template: true (or put it in the template)")
+        errors.need(
+            cfg.data.tokenizer_path is not None,
+            f"{key}.chat_template",
+            f"{who}needs a Hugging Face tokenizer with a chat template (data.tokenizer_path); the bundled "
+            "byte tokenizer has none",
+        )
+    errors.need(
+        dom.system_prompt is None or dom.chat_template,
+        f"{key}.system_prompt",
+        f"{who}is a chat-template message; set chat_template: true (or put it in the template)",
+    )
 
 
 def check_sampling(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: Errors) -> None:
     key, who = _where(i, dom)
     r = cfg.rollout
     errors.need(dom.top_p is None or 0 < dom.top_p <= 1, f"{key}.top_p", f"{who}must be in (0, 1], got {dom.top_p}")
-    errors.need(dom.top_k is None or dom.top_k == -1 or dom.top_k >= 1, f"{key}.top_k",
-                f"{who}must be -1 (off) or >= 1, got {dom.top_k}")
+    errors.need(
+        dom.top_k is None or dom.top_k == -1 or dom.top_k >= 1,
+        f"{key}.top_k",
+        f"{who}must be -1 (off) or >= 1, got {dom.top_k}",
+    )
     truncated = (dom.top_p is not None and dom.top_p < 1) or (dom.top_k is not None and dom.top_k != -1)
     if truncated and not r.sampling_mask_replay:
-        warnings.warn(f"data.domains[{i}].top_p/top_k truncate domain {dom.name!r}'s sampling distribution: the "
-                      "engine's log-probs μ are of the untruncated one, so the mismatch correction sees only part of "
-                      "the difference (set rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)",
-                      stacklevel=4)
+        warnings.warn(
+            f"data.domains[{i}].top_p/top_k truncate domain {dom.name!r}'s sampling distribution: the "
+            "engine's log-probs μ are of the untruncated one, so the mismatch correction sees only part of "
+            "the difference (set rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)",
+            stacklevel=4,
+        )
     if dom.max_new_tokens is not None:
-        errors.need(1 <= dom.max_new_tokens <= r.max_new_tokens, f"{key}.max_new_tokens",
-                    f"{who}must be in [1, rollout.max_new_tokens={r.max_new_tokens}] (the engines' and learner's "
-                    f"cap), got {dom.max_new_tokens}")
+        errors.need(
+            1 <= dom.max_new_tokens <= r.max_new_tokens,
+            f"{key}.max_new_tokens",
+            f"{who}must be in [1, rollout.max_new_tokens={r.max_new_tokens}] (the engines' and learner's "
+            f"cap), got {dom.max_new_tokens}",
+        )
     if dom.group_size is not None:
         errors.need(dom.group_size >= 1, f"{key}.group_size", f"{who}must be >= 1, got {dom.group_size}")
-        errors.need(dom.group_size != 1 or cfg.algorithm.advantage not in GROUP_RELATIVE, f"{key}.group_size",
-                    f"{who}is 1, but the group-relative advantage {cfg.algorithm.advantage!r} needs >= 2 samples")
+        errors.need(
+            dom.group_size != 1 or cfg.algorithm.advantage not in GROUP_RELATIVE,
+            f"{key}.group_size",
+            f"{who}is 1, but the group-relative advantage {cfg.algorithm.advantage!r} needs >= 2 samples",
+        )
     prompt = task.max_prompt_tokens() if task is not None else 0
     if prompt > 0:
         budget = dom.max_new_tokens or r.max_new_tokens
         longest = (1 if cfg.data.add_bos else 0) + prompt + budget
-        errors.need(longest <= cfg.train.seq_length, "train.seq_length",
-                    f"{cfg.train.seq_length} is shorter than the longest sample of domain {dom.name!r} ({longest} "
-                    "tokens: prompt + max_new_tokens)")
+        errors.need(
+            longest <= cfg.train.seq_length,
+            "train.seq_length",
+            f"{cfg.train.seq_length} is shorter than the longest sample of domain {dom.name!r} ({longest} "
+            "tokens: prompt + max_new_tokens)",
+        )
 
 
 def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: Errors) -> None:
@@ -164,15 +213,24 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
     heads = [h.name for h in dom.rewards]
     for j, h in enumerate(dom.rewards):
         hk = f"{key}.rewards[{j}]"
-        errors.need(heads.count(h.name) == 1, f"{hk}.name", f"{who}reward {h.name!r} is listed twice (each head is "
-                    "one entry of Sample.reward_heads)")
+        errors.need(
+            heads.count(h.name) == 1,
+            f"{hk}.name",
+            f"{who}reward {h.name!r} is listed twice (each head is one entry of Sample.reward_heads)",
+        )
         errors.need(math.isfinite(h.weight), f"{hk}.weight", f"{who}must be a finite number, got {h.weight}")
-        if not is_import_path(h.name) and not need_registered(errors, f"{hk}.name", "reward", h.name, reward_names(),
-                                                              f" (or 'package.module:function'; {who.rstrip(': ')})"):
+        if not is_import_path(h.name) and not need_registered(
+            errors,
+            f"{hk}.name",
+            "reward",
+            h.name,
+            reward_names(),
+            f" (or 'package.module:function'; {who.rstrip(': ')})",
+        ):
             continue
         try:
             fn = get_reward_fn(h.name)
-        except Exception as exc:  # noqa: BLE001 - whatever importing user code raises is a config error
+        except Exception as exc:
             errors.need(False, f"{hk}.name", f"{who}{h.name!r} cannot be loaded: {type(exc).__name__}: {exc}")
             continue
         if h.options:
@@ -185,8 +243,11 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                 continue
             for name, allowed in literal_choices(fn).items():
                 if name in h.options:
-                    errors.need(h.options[name] in allowed, f"{hk}.options.{name}",
-                                f"{who}{h.options[name]!r} is not one of {', '.join(map(repr, allowed))}")
+                    errors.need(
+                        h.options[name] in allowed,
+                        f"{hk}.options.{name}",
+                        f"{who}{h.options[name]!r} is not one of {', '.join(map(repr, allowed))}",
+                    )
 
 
 def literal_choices(fn: Any) -> dict[str, tuple]:
@@ -194,7 +255,7 @@ def literal_choices(fn: Any) -> dict[str, tuple]:
     reward option's value is checked here, not at the first sample it would fail)."""
     try:
         hints = typing.get_type_hints(inspect.unwrap(fn))
-    except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check
+    except Exception:
         return {}
     return {k: typing.get_args(v) for k, v in hints.items() if typing.get_origin(v) is typing.Literal}
 
@@ -208,26 +269,42 @@ def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:
         unknown = sorted(set(st.weights) - set(names))
         errors.need(not unknown, f"{key}.weights", f"unknown domain(s) {unknown}; the domains are {names}")
         vals = [v for v in st.weights.values()]
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                      for v in vals)
+        numeric = all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals
+        )
         errors.need(numeric, f"{key}.weights", f"must be finite numbers >= 0, got {st.weights}")
         if st.weights and numeric:
-            errors.need(sum(st.weights.get(n, 0.0) for n in names) > 0, f"{key}.weights",
-                        f"must sum to a positive number, got {st.weights}")
+            errors.need(
+                sum(st.weights.get(n, 0.0) for n in names) > 0,
+                f"{key}.weights",
+                f"must sum to a positive number, got {st.weights}",
+            )
         if st.temperature is not None:
             errors.need(st.temperature > 0, f"{key}.temperature", f"must be > 0, got {st.temperature}")
-            errors.need(r.runtime == "sync", f"{key}.temperature",
-                        "a staged temperature needs rollout.runtime=sync: the asynchronous runtime draws ahead of the "
-                        "learner, so one batch can hold groups of two stages, and the learner computes π at one "
-                        "temperature per batch")
+            errors.need(
+                r.runtime == "sync",
+                f"{key}.temperature",
+                "a staged temperature needs rollout.runtime=sync: the asynchronous runtime draws ahead of the "
+                "learner, so one batch can hold groups of two stages, and the learner computes π at one "
+                "temperature per batch",
+            )
         if st.max_new_tokens is not None:
-            errors.need(1 <= st.max_new_tokens <= r.max_new_tokens, f"{key}.max_new_tokens",
-                        f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}], got {st.max_new_tokens}")
+            errors.need(
+                1 <= st.max_new_tokens <= r.max_new_tokens,
+                f"{key}.max_new_tokens",
+                f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}], got {st.max_new_tokens}",
+            )
         if st.drop_solved_above is not None:
-            errors.need(0 <= st.drop_solved_above <= 1, f"{key}.drop_solved_above",
-                        f"must be in [0, 1] (an accuracy), got {st.drop_solved_above}")
-            errors.need(st.start_step > 0, f"{key}.drop_solved_above",
-                        "drops prompts solved in earlier stages; the first stage has none")
+            errors.need(
+                0 <= st.drop_solved_above <= 1,
+                f"{key}.drop_solved_above",
+                f"must be in [0, 1] (an accuracy), got {st.drop_solved_above}",
+            )
+            errors.need(
+                st.start_step > 0,
+                f"{key}.drop_solved_above",
+                "drops prompts solved in earlier stages; the first stage has none",
+            )
         if st.stop_patience != 0:
             _check_refresh_stop(cfg, st, k, len(m.stages), names, errors)
 
@@ -238,13 +315,19 @@ def _check_refresh_stop(cfg: RLConfig, st: Any, k: int, n_stages: int, names: li
     errors.need(st.stop_patience > 0, f"{key}.stop_patience", f"must be >= 1 (0 = off), got {st.stop_patience}")
     errors.need(k == n_stages - 1, f"{key}.stop_patience", "only the last stage can stop the run early")
     errors.need(cfg.eval.interval > 0, f"{key}.stop_patience", "needs periodic evaluations (eval.interval > 0)")
-    errors.need(cfg.rollout.runtime == "sync", f"{key}.stop_patience",
-                "needs rollout.runtime=sync (the asynchronous runtime has rollouts of later steps in flight)")
+    errors.need(
+        cfg.rollout.runtime == "sync",
+        f"{key}.stop_patience",
+        "needs rollout.runtime=sync (the asynchronous runtime has rollouts of later steps in flight)",
+    )
     errors.need(st.stop_min_delta >= 0, f"{key}.stop_min_delta", f"must be >= 0, got {st.stop_min_delta}")
     metric = refresh_stop_metric(st)
-    errors.need(metric is not None, f"{key}.stop_metric",
-                f"the stage trains several domains {sorted(d for d, w in st.weights.items() if w > 0)}: "
-                "name the metric to watch (e.g. eval/<domain>/score)")
+    errors.need(
+        metric is not None,
+        f"{key}.stop_metric",
+        f"the stage trains several domains {sorted(d for d, w in st.weights.items() if w > 0)}: "
+        "name the metric to watch (e.g. eval/<domain>/score)",
+    )
     if metric is not None and st.stop_metric is None:
         errors.need(metric.split("/")[1] in names, f"{key}.weights", f"unknown domain in {metric}")
 

@@ -22,18 +22,34 @@ def check_stages(cfg: RLConfig, errors: Errors) -> None:
     check_stage_starts(r.temperature_stages, "rollout.temperature_stages", errors)
     for k, st in enumerate(r.temperature_stages):
         key = f"rollout.temperature_stages[{k}]"
-        errors.need(math.isfinite(st.temperature) and st.temperature > 0, f"{key}.temperature",
-                    f"must be a finite number > 0, got {st.temperature}")
+        errors.need(
+            math.isfinite(st.temperature) and st.temperature > 0,
+            f"{key}.temperature",
+            f"must be a finite number > 0, got {st.temperature}",
+        )
     if r.temperature_stages:
-        errors.need(sync, "rollout.temperature_stages",
-                    "needs rollout.runtime=sync: the asynchronous runtime draws ahead of the learner, so one batch "
-                    "can hold groups of two stages, and the learner computes π at one temperature per batch")
-        errors.need(not d.domains, "rollout.temperature_stages",
-                    "with data.domains, stage the temperature with data.mixture.stages[k].temperature")
+        errors.need(
+            sync,
+            "rollout.temperature_stages",
+            "needs rollout.runtime=sync: the asynchronous runtime draws ahead of the learner, so one batch "
+            "can hold groups of two stages, and the learner computes π at one temperature per batch",
+        )
+        errors.need(
+            not d.domains,
+            "rollout.temperature_stages",
+            "with data.domains, stage the temperature with data.mixture.stages[k].temperature",
+        )
     if d.drop_solved_above is not None:
-        errors.need(0 <= d.drop_solved_above <= 1, "data.drop_solved_above",
-                    f"must be in [0, 1] (an accuracy), got {d.drop_solved_above}")
-        errors.need(not d.domains, "data.drop_solved_above",
-                    "with data.domains, use data.mixture.stages[k].drop_solved_above")
-        errors.need(any(st.start_step > 0 for st in r.temperature_stages), "data.drop_solved_above",
-                    "drops prompts entering a stage: it needs rollout.temperature_stages with a stage after step 0")
+        errors.need(
+            0 <= d.drop_solved_above <= 1,
+            "data.drop_solved_above",
+            f"must be in [0, 1] (an accuracy), got {d.drop_solved_above}",
+        )
+        errors.need(
+            not d.domains, "data.drop_solved_above", "with data.domains, use data.mixture.stages[k].drop_solved_above"
+        )
+        errors.need(
+            any(st.start_step > 0 for st in r.temperature_stages),
+            "data.drop_solved_above",
+            "drops prompts entering a stage: it needs rollout.temperature_stages with a stage after step 0",
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 from mcore_rl.config.observability import ObservabilityConfig
 from mcore_rl.config.schema import (
@@ -36,7 +36,7 @@ class RLTrainConfig:
     micro_batch_size: int = 4  # rows per micro-batch
     precision: Literal["fp32", "bf16"] = "fp32"
     recompute: Literal["none", "full", "selective"] = "none"
-    logprob_chunk_size: Optional[int] = None  # tokens per chunk of the vocab-parallel log-probs (None = auto)
+    logprob_chunk_size: int | None = None  # tokens per chunk of the vocab-parallel log-probs (None = auto)
 
 
 @dataclass
@@ -56,9 +56,9 @@ class DomainEvalConfig:
     another seed. Never overlapping the domain's training prompts (those are removed from training;
     a file domain without an eval file holds out part of its own file)."""
 
-    path: Optional[str] = None  # .jsonl / .parquet of held-out prompts (same keys as the domain's file)
-    num_prompts: Optional[int] = None  # None = eval.num_prompts
-    seed: Optional[int] = None  # task / reasoning-gym seed of the held-out set (None = train.seed + an offset)
+    path: str | None = None  # .jsonl / .parquet of held-out prompts (same keys as the domain's file)
+    num_prompts: int | None = None  # None = eval.num_prompts
+    seed: int | None = None  # task / reasoning-gym seed of the held-out set (None = train.seed + an offset)
 
 
 @dataclass
@@ -67,21 +67,21 @@ class DomainConfig:
     its prompts are rendered, how they are scored and sampled, and its share of the mixture."""
 
     name: str = ""
-    path: Optional[str] = None  # .jsonl or .parquet on local disk (prompt_key, label_key; optional max_new_tokens)
-    task: Optional[str] = None  # a task registered in mcore_rl.data.tasks
-    reasoning_gym: Optional[str] = None  # a reasoning-gym dataset name (reasoning-gym==0.1.25)
+    path: str | None = None  # .jsonl or .parquet on local disk (prompt_key, label_key; optional max_new_tokens)
+    task: str | None = None  # a task registered in mcore_rl.data.tasks
+    reasoning_gym: str | None = None  # a reasoning-gym dataset name (reasoning-gym==0.1.25)
     options: dict[str, Any] = field(default_factory=dict)  # the task's / reasoning-gym dataset's options
     num_prompts: int = 1000  # size of a task / reasoning-gym training pool
     prompt_key: str = "prompt"
     label_key: str = "label"
-    template: Optional[str] = None  # format string with {prompt} (the reward still sees the raw prompt)
+    template: str | None = None  # format string with {prompt} (the reward still sees the raw prompt)
     chat_template: bool = False  # render with the tokenizer's chat template (a Hugging Face tokenizer)
-    system_prompt: Optional[str] = None  # with chat_template: a system message first
+    system_prompt: str | None = None  # with chat_template: a system message first
     rewards: list[RewardHeadConfig] = field(default_factory=list)  # [] = the task's reward (files: reward.name)
-    top_p: Optional[float] = None  # None = rollout.top_p
-    top_k: Optional[int] = None  # None = rollout.top_k
-    max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens (its cap)
-    group_size: Optional[int] = None  # None = rollout.group_size
+    top_p: float | None = None  # None = rollout.top_p
+    top_k: int | None = None  # None = rollout.top_k
+    max_new_tokens: int | None = None  # None = rollout.max_new_tokens (its cap)
+    group_size: int | None = None  # None = rollout.group_size
     weight: float = 1.0  # mixture weight (normalised over the domains)
     eval: DomainEvalConfig = field(default_factory=DomainEvalConfig)
 
@@ -93,13 +93,13 @@ class MixtureStageConfig:
 
     start_step: int = 0
     weights: dict[str, float] = field(default_factory=dict)  # domain -> weight; {} = the domains' weights
-    temperature: Optional[float] = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
-    max_new_tokens: Optional[int] = None  # multi-stage response length (a cap on the domains' budgets)
-    drop_solved_above: Optional[float] = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
+    temperature: float | None = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
+    max_new_tokens: int | None = None  # multi-stage response length (a cap on the domains' budgets)
+    drop_solved_above: float | None = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
     # Re-Math's early-stopped refresh (recipes/remath.py; the last stage only): end the run after this many
     # evaluations in the stage without stop_metric improving by more than stop_min_delta; 0 = off
     stop_patience: int = 0
-    stop_metric: Optional[str] = None  # None = eval/<the stage's only domain>/score
+    stop_metric: str | None = None  # None = eval/<the stage's only domain>/score
     stop_min_delta: float = 0.0
 
 
@@ -117,20 +117,20 @@ class RLDataConfig:
     """Where prompts come from: a jsonl file (`prompt` + `label`), a registered synthetic task, or
     several domains (`domains`, mixed by `mixture`)."""
 
-    path: Optional[str] = None  # .jsonl with prompt_key / label_key; None = synthetic
+    path: str | None = None  # .jsonl with prompt_key / label_key; None = synthetic
     prompt_key: str = "prompt"
     label_key: str = "label"
     on_bad_line: Literal["skip", "error"] = "error"  # a bad line of data.path / eval.path: skip (logged) or stop
     synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
     synthetic_max_digits: int = 2
     synthetic_num_prompts: int = 100_000  # size of the synthetic training pool
-    tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer
+    tokenizer_path: str | None = None  # None = the bundled byte-level tokenizer
     add_bos: bool = True  # prompt ids start with the tokenizer's bos (as SFT rows do)
     domains: list[DomainConfig] = field(default_factory=list)  # [] = one domain: data.path or data.synthetic_task
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     # POLARIS's online filter (one data source): entering each rollout.temperature_stages stage, drop the
     # prompts whose last observed accuracy is > this (0.9 itself kept); None = off
-    drop_solved_above: Optional[float] = None
+    drop_solved_above: float | None = None
 
 
 @dataclass
@@ -174,15 +174,15 @@ class EngineGroupConfig:
     """
 
     urls: list[str] = field(default_factory=list)  # running SGLang / `mcore-rl serve` servers
-    model_path: Optional[str] = None  # or: start `mcore-rl serve` processes on this HF checkpoint
+    model_path: str | None = None  # or: start `mcore-rl serve` processes on this HF checkpoint
     num_engines: int = 1  # with model_path
     engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
-    engine_threads: Optional[int] = None  # torch threads of each started engine (None = its default)
+    engine_threads: int | None = None  # torch threads of each started engine (None = its default)
     quantization: Literal["fp8", "bf16", "none"] = "none"  # started engines
-    context_length: Optional[int] = None  # started engines; None = rollout.context_length
+    context_length: int | None = None  # started engines; None = rollout.context_length
     max_running_requests: int = 64  # started engines: continuous-batching slots
     request_timeout_s: float = 600.0  # every request to these engines
-    api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
+    api_key: str | None = None  # sent as `Authorization: Bearer` (the servers' --api-key)
 
 
 @dataclass
@@ -225,16 +225,20 @@ class RolloutConfig:
     # ---- runtime: synchronous (generate, train, sync) or the asynchronous actor-learner
     runtime: Literal["sync", "async"] = "sync"
     max_staleness: int = 0  # versions a sample may lag behind the weights it is trained with (async)
-    placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: engines release memory while training
-    engine_processes: Optional[bool] = None  # start `mcore-rl serve` processes (None: when async without engine_urls)
+    placement: Literal["disaggregated", "colocated"] = (
+        "disaggregated"  # colocated: engines release memory while training
+    )
+    engine_processes: bool | None = None  # start `mcore-rl serve` processes (None: when async without engine_urls)
     engine_cores: list[list[int]] = field(default_factory=list)  # CPU cores of each started engine ([] = all)
     engine_devices: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of each started engine
-    engine_threads: Optional[int] = None  # torch threads of each started engine (None = its default)
+    engine_threads: int | None = None  # torch threads of each started engine (None = its default)
     restart_engines: bool = True  # restart a started engine that died (it gets the weights before serving)
     health_check_interval_s: float = 5.0  # how often dead engines are probed (and started ones restarted)
     engine_startup_timeout_s: float = 300.0
     max_inflight_requests: int = 0  # async: requests in flight at once (0 = engines x max_running_requests)
-    buffer_groups: int = 0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)
+    buffer_groups: int = (
+        0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)
+    )
     # a group whose oldest token is > max_staleness versions old at batch time: drop, regenerate (at most
     # max_regenerations times, then drop), or keep (trust the submission gate, as AReaL does)
     stale_policy: Literal["drop", "regenerate", "keep"] = "drop"
@@ -245,13 +249,13 @@ class RolloutConfig:
     max_running_requests: int = 256  # embedded engine: continuous-batching slots
     context_length: int = 1024  # embedded engine
     sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls
-    sync_dir: Optional[str] = None  # disk transport: a directory the engines can read
+    sync_dir: str | None = None  # disk transport: a directory the engines can read
     sync_bucket_mb: int = 512
     request_timeout_s: float = 600.0  # a generation request to an engine
     control_timeout_s: float = 30.0  # pause, continue, health, versions, checksums: a frozen engine costs this
     weight_update_timeout_s: float = 120.0  # one weight-update request (a bucket, or a checkpoint from disk)
-    api_key: Optional[str] = None  # sent as `Authorization: Bearer` (the servers' --api-key)
-    admin_api_key: Optional[str] = None  # for weight/control endpoints (--admin-api-key); default api_key
+    api_key: str | None = None  # sent as `Authorization: Bearer` (the servers' --api-key)
+    admin_api_key: str | None = None  # for weight/control endpoints (--admin-api-key); default api_key
     # ---- sampling-mask replay: the engine returns the kept token set of every sampled position
     # (SGLang's return_sampling_mask), μ is the log-prob under that renormalised distribution, and the
     # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
@@ -266,10 +270,16 @@ class RolloutConfig:
     # first): EngineGroupConfig field -> rollout key. The rollout engines run the policy's weights,
     # so the group has no model_path.
     ENGINE_KEYS: ClassVar[dict[str, str]] = {
-        "urls": "engine_urls", "num_engines": "num_embedded_engines", "engine_cores": "engine_cores",
-        "engine_threads": "engine_threads", "quantization": "quantization", "context_length": "context_length",
-        "max_running_requests": "max_running_requests", "request_timeout_s": "request_timeout_s",
-        "api_key": "api_key"}
+        "urls": "engine_urls",
+        "num_engines": "num_embedded_engines",
+        "engine_cores": "engine_cores",
+        "engine_threads": "engine_threads",
+        "quantization": "quantization",
+        "context_length": "context_length",
+        "max_running_requests": "max_running_requests",
+        "request_timeout_s": "request_timeout_s",
+        "api_key": "api_key",
+    }
 
     @property
     def engines(self) -> EngineGroupConfig:
@@ -287,13 +297,13 @@ class MismatchCorrectionConfig:
     """
 
     name: str = "tis"  # registered in mcore_rl.algos as a "mismatch" correction
-    level: Optional[Literal["token", "sequence", "geometric"]] = None
-    clip_low: Optional[float] = None  # TIS lower truncation
-    clip_high: Optional[float] = None  # TIS truncation C (MIPU: w_max)
-    mask_low: Optional[float] = None  # MIS / IcePop / rejection bounds
-    mask_high: Optional[float] = None
-    veto_threshold: Optional[float] = None
-    batch_normalize: Optional[bool] = None
+    level: Literal["token", "sequence", "geometric"] | None = None
+    clip_low: float | None = None  # TIS lower truncation
+    clip_high: float | None = None  # TIS truncation C (MIPU: w_max)
+    mask_low: float | None = None  # MIS / IcePop / rejection bounds
+    mask_high: float | None = None
+    veto_threshold: float | None = None
+    batch_normalize: bool | None = None
     # MIPU Step 2 (accept/reject after each weight sync)
     mipu_validation_prompts: int = 8  # prompts of the validation batch (G samples each)
     mipu_c_start: float = 1e-3
@@ -301,7 +311,7 @@ class MismatchCorrectionConfig:
     mipu_anneal_steps: int = 100
     mipu_count_rejected: bool = True
     # MIPU Step 2's noise (issue 12): validation group size, decision rule, logged flip rate
-    mipu_validation_group_size: Optional[int] = None  # samples per validation prompt (null: rollout.group_size)
+    mipu_validation_group_size: int | None = None  # samples per validation prompt (null: rollout.group_size)
     mipu_decision: Literal["plain", "se"] = "plain"  # plain: T̂ ≥ -c (the paper); se: T̂ ≥ -c - z·SE
     mipu_z: float = 2.0  # the "se" rule's number of standard errors
     mipu_bootstrap: int = 200  # group-bootstrap resamples for the logged flip rate (0: off)
@@ -355,10 +365,12 @@ class AlgorithmConfig:
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
-    dual_clip: Optional[float] = None
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    dual_clip: float | None = None
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     kl_coef: float = 0.0  # 0 = no reference model (unless reference_model: true)
-    reference_model: Optional[bool] = None  # keep π_ref (null: when kl_coef > 0); true for steps that read ref_logp
+    reference_model: bool | None = None  # keep π_ref (null: when kl_coef > 0); true for steps that read ref_logp
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False  # True: r - β·KL (per sequence) instead of a loss term
     entropy_coef: float = 0.0
@@ -382,7 +394,7 @@ class DistillLossConfig:
     """One distillation term: a function registered as kind "distill" (`mcore_rl.algos.names("distill")`)."""
 
     name: str = ""
-    coef: Optional[float] = None  # x token advantage / x loss; null: the term's own default (@default_coef, else 1)
+    coef: float | None = None  # x token advantage / x loss; null: the term's own default (@default_coef, else 1)
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the function
 
 
@@ -391,8 +403,8 @@ class DistillHorizonConfig:
     """Generate and distil only the first H response tokens (POPD: growing H, TOPD: fixed H)."""
 
     schedule: Literal["none", "fixed", "growing"] = "none"
-    rho: Optional[float] = None  # fixed: H = floor(rho x rollout.max_new_tokens) ...
-    tokens: Optional[int] = None  # ... or H in tokens
+    rho: float | None = None  # fixed: H = floor(rho x rollout.max_new_tokens) ...
+    tokens: int | None = None  # ... or H in tokens
     h0: int = 0  # growing: H_k = min(rollout.max_new_tokens, h0 + delta_h x floor(k / delta_k))
     delta_h: int = 0
     delta_k: int = 1
@@ -440,10 +452,10 @@ class EvalConfig:
 
     interval: int = 10  # rollout steps; 0 = only before and after training
     num_prompts: int = 200
-    path: Optional[str] = None  # jsonl of held-out prompts; None = synthetic, drawn with another seed
+    path: str | None = None  # jsonl of held-out prompts; None = synthetic, drawn with another seed
     k: int = 4  # samples per prompt for avg@k / pass@k (0 = greedy only)
     greedy: bool = True
-    temperature: Optional[float] = None  # sampled eval; None = rollout.temperature
+    temperature: float | None = None  # sampled eval; None = rollout.temperature
     score: Literal["greedy", "avg@k"] = "greedy"  # which one is `eval/score`
     at_start: bool = True
 
@@ -452,7 +464,7 @@ class EvalConfig:
 class InitConfig:
     """Where the policy starts: a checkpoint (model weights only), then optionally SFT on the task."""
 
-    checkpoint: Optional[str] = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
+    checkpoint: str | None = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
     sft_steps: int = 0  # SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain)
     sft_lr: float = 3e-3
     sft_min_lr: float = 3e-5
@@ -495,7 +507,7 @@ class TeacherConfig(EngineGroupConfig):
     kind: Literal["engine", "privileged", "frozen"] = "engine"
     domains: list[str] = field(default_factory=list)  # [] = every domain no other teacher claims
     top_k: int = 0  # engine: also the teacher's k most likely tokens per position (0 = sampled token only)
-    reference: Optional[str] = None  # engine: name of the engine teacher that is this one's π_Tref (Direct-OPD)
+    reference: str | None = None  # engine: name of the engine teacher that is this one's π_Tref (Direct-OPD)
     # ---- engine: the engine group's settings (urls or model_path, ...), and
     request_timeout_s: float = 120.0  # (the group's field, a shorter default: scoring is one forward)
     max_concurrency: int = 64  # scoring requests in flight to this teacher
@@ -506,7 +518,7 @@ class TeacherConfig(EngineGroupConfig):
     peer_min_reward: float = 1.0  # context=peer: a peer of the group with at least this reward
     # ---- frozen
     refresh_interval: int = 0  # rollout steps between new copies of the student (0 = fixed)
-    checkpoint: Optional[str] = None  # a megatron checkpoint to take the (first) copy from
+    checkpoint: str | None = None  # a megatron checkpoint to take the (first) copy from
 
 
 @dataclass
@@ -536,25 +548,38 @@ class RLConfig:
     def sft_view(self, world_size: int) -> SFTConfig:
         """The shared sections as an `SFTConfig`, for the SFT warm start (validation does not use it)."""
         t, i = self.train, self.init
-        mp = (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
-              * self.parallel.context_parallel_size)
+        mp = (
+            self.parallel.tensor_model_parallel_size
+            * self.parallel.pipeline_model_parallel_size
+            * self.parallel.context_parallel_size
+        )
         dp = world_size // mp if mp > 0 and world_size % mp == 0 else 1
         return SFTConfig(
             run_dir=self.run_dir,
             model=self.model,
             parallel=self.parallel,
             optimizer=OptimizerConfig(
-                lr=i.sft_lr, min_lr=min(i.sft_min_lr, i.sft_lr), lr_warmup_iters=i.sft_warmup_steps,
-                lr_decay_style=i.sft_lr_decay_style, clip_grad=self.optimizer.clip_grad, backend=self.optimizer.backend,
+                lr=i.sft_lr,
+                min_lr=min(i.sft_min_lr, i.sft_lr),
+                lr_warmup_iters=i.sft_warmup_steps,
+                lr_decay_style=i.sft_lr_decay_style,
+                clip_grad=self.optimizer.clip_grad,
+                backend=self.optimizer.backend,
             ),
             data=DataConfig(
-                synthetic_task=self.data.synthetic_task, synthetic_max_digits=self.data.synthetic_max_digits,
-                synthetic_num_examples=i.sft_num_examples, tokenizer_path=self.data.tokenizer_path,
+                synthetic_task=self.data.synthetic_task,
+                synthetic_max_digits=self.data.synthetic_max_digits,
+                synthetic_num_examples=i.sft_num_examples,
+                tokenizer_path=self.data.tokenizer_path,
             ),
             train=TrainConfig(
-                seed=t.seed, seq_length=i.sft_seq_length, micro_batch_size=i.sft_micro_batch_size,
-                global_batch_size=i.sft_micro_batch_size * max(dp, 1), train_iters=i.sft_steps,
-                precision=t.precision, recompute=t.recompute, eval_interval=0,
+                seed=t.seed,
+                seq_length=i.sft_seq_length,
+                micro_batch_size=i.sft_micro_batch_size,
+                global_batch_size=i.sft_micro_batch_size * max(dp, 1),
+                train_iters=i.sft_steps,
+                precision=t.precision,
+                recompute=t.recompute,
+                eval_interval=0,
             ),
         )
-

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from mcore_rl import hooks
 from mcore_rl.config.observability import check_observability
@@ -90,8 +91,11 @@ def check_rl_train(t: RLTrainConfig, errors: Errors) -> bool:
     """Rows and micro-batches must be positive before the layout rules divide them."""
     ok = need_positive(errors, [("train.seq_length", t.seq_length), ("train.micro_batch_size", t.micro_batch_size)])
     errors.need(t.num_steps >= 0, "train.num_steps", f"must be >= 0, got {t.num_steps}")
-    errors.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1, "train.logprob_chunk_size",
-                f"must be null or >= 1, got {t.logprob_chunk_size}")
+    errors.need(
+        t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
+        "train.logprob_chunk_size",
+        f"must be null or >= 1, got {t.logprob_chunk_size}",
+    )
     return ok
 
 
@@ -99,13 +103,16 @@ def check_rl_pipeline(p: ParallelConfig, errors: Errors) -> None:
     """The interleaved schedule needs a multiple of pp micro-batches; RL steps have no fixed count."""
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     if vpp is not None and pp > 1:
-        errors.need(False, "parallel.virtual_pipeline_model_parallel_size",
-                    f"is {vpp}, but the interleaved pipeline schedule needs a multiple of "
-                    f"pipeline_model_parallel_size {pp} micro-batches per step, and an RL step has as many as its "
-                    "samples fill (the SFT warm start: 1); leave it null")
+        errors.need(
+            False,
+            "parallel.virtual_pipeline_model_parallel_size",
+            f"is {vpp}, but the interleaved pipeline schedule needs a multiple of "
+            f"pipeline_model_parallel_size {pp} micro-batches per step, and an RL step has as many as its "
+            "samples fill (the SFT warm start: 1); leave it null",
+        )
 
 
-def synthetic_task(d: RLDataConfig, errors: Errors) -> Optional[Task]:
+def synthetic_task(d: RLDataConfig, errors: Errors) -> Task | None:
     """The task the prompts come from when there is no `data.path` (None: a file, or an unknown name)."""
     return build_task(d.synthetic_task, d.synthetic_max_digits, errors) if d.path is None else None
 
@@ -114,30 +121,43 @@ def check_data(d: RLDataConfig, r: RolloutConfig, errors: Errors) -> None:
     """A registered task, and a synthetic pool large enough for one step's prompts."""
     check_task_name(d.synthetic_task, errors)
     errors.need(d.synthetic_max_digits >= 1, "data.synthetic_max_digits", f"must be >= 1, got {d.synthetic_max_digits}")
-    errors.need(d.synthetic_num_prompts >= r.prompts_per_step, "data.synthetic_num_prompts",
-                f"{d.synthetic_num_prompts} is fewer than rollout.prompts_per_step {r.prompts_per_step}")
+    errors.need(
+        d.synthetic_num_prompts >= r.prompts_per_step,
+        "data.synthetic_num_prompts",
+        f"{d.synthetic_num_prompts} is fewer than rollout.prompts_per_step {r.prompts_per_step}",
+    )
 
 
 def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     """Sampling must be stochastic and the engines reachable; groups must suit the advantage."""
     errors.need(r.group_size >= 1, "rollout.group_size", f"must be >= 1, got {r.group_size}")
-    errors.need(r.group_size != 1 or a.advantage not in GROUP_RELATIVE_ADVANTAGES, "rollout.group_size",
-                f"is 1, but the group-relative advantage {a.advantage!r} needs >= 2 samples per prompt")
+    errors.need(
+        r.group_size != 1 or a.advantage not in GROUP_RELATIVE_ADVANTAGES,
+        "rollout.group_size",
+        f"is 1, but the group-relative advantage {a.advantage!r} needs >= 2 samples per prompt",
+    )
     errors.need(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
-    errors.need(r.temperature > 0, "rollout.temperature", "must be > 0 (RL samples from the policy; greedy rollouts "
-                f"have no log-prob ratio), got {r.temperature}")
+    errors.need(
+        r.temperature > 0,
+        "rollout.temperature",
+        f"must be > 0 (RL samples from the policy; greedy rollouts have no log-prob ratio), got {r.temperature}",
+    )
     errors.need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     errors.need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
     if (r.top_p < 1 or r.top_k != -1) and not r.sampling_mask_replay:
-        warnings.warn("rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
-                      "untruncated one, so the mismatch correction sees only part of the difference (set "
-                      "rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)", stacklevel=3)
+        warnings.warn(
+            "rollout.top_p/top_k truncate the sampling distribution: the engine's log-probs μ are of the "
+            "untruncated one, so the mismatch correction sees only part of the difference (set "
+            "rollout.sampling_mask_replay: true to renormalise π over the engine's kept tokens)",
+            stacklevel=3,
+        )
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     check_engine_group(r.engines, "rollout", started_engines(r), errors, r.ENGINE_KEYS)
     errors.need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
     if r.engine_urls and r.sync_transport == "disk":
-        errors.need(bool(r.sync_dir), "rollout.sync_dir",
-                    "the disk weight transport needs a directory the engines can read")
+        errors.need(
+            bool(r.sync_dir), "rollout.sync_dir", "the disk weight transport needs a directory the engines can read"
+        )
     check_runtime(r, a, errors)
 
 
@@ -152,15 +172,26 @@ def check_sampling_mask_replay(cfg: RLConfig, errors: Errors) -> None:
     errors.need(r.temperature > 0, key, f"needs rollout.temperature > 0 (greedy has no mask), got {r.temperature}")
     streams = [("rollout", r.top_p, r.top_k)]
     for i, dom in enumerate(cfg.data.domains):
-        streams.append((f"data.domains[{i}] ({dom.name})", dom.top_p if dom.top_p is not None else r.top_p,
-                        dom.top_k if dom.top_k is not None else r.top_k))
+        streams.append(
+            (
+                f"data.domains[{i}] ({dom.name})",
+                dom.top_p if dom.top_p is not None else r.top_p,
+                dom.top_k if dom.top_k is not None else r.top_k,
+            )
+        )
     for where, top_p, top_k in streams:
-        errors.need(top_p < 1 or top_k != -1, key,
-                    f"{where} samples with top_p == 1 and top_k == -1: nothing to replay (the support is the whole "
-                    "vocabulary); set top_p < 1 or top_k >= 1 there, or turn sampling_mask_replay off")
-    errors.need(cfg.distill.top_k == 0, key,
-                f"does not combine with distill.top_k={cfg.distill.top_k} (the student's log-probs at the teacher's "
-                "top-k ids would need their own mask); set distill.top_k: 0 or turn sampling_mask_replay off")
+        errors.need(
+            top_p < 1 or top_k != -1,
+            key,
+            f"{where} samples with top_p == 1 and top_k == -1: nothing to replay (the support is the whole "
+            "vocabulary); set top_p < 1 or top_k >= 1 there, or turn sampling_mask_replay off",
+        )
+    errors.need(
+        cfg.distill.top_k == 0,
+        key,
+        f"does not combine with distill.top_k={cfg.distill.top_k} (the student's log-probs at the teacher's "
+        "top-k ids would need their own mask); set distill.top_k: 0 or turn sampling_mask_replay off",
+    )
 
 
 def started_engines(r: RolloutConfig) -> bool:
@@ -173,67 +204,114 @@ def started_engines(r: RolloutConfig) -> bool:
 def check_runtime(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     """The asynchronous runtime's settings: staleness, in-flight bound, buffer, engine processes."""
     errors.need(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
-    errors.need(r.runtime == "async" or r.max_staleness == 0, "rollout.max_staleness",
-                f"{r.max_staleness} needs rollout.runtime=async (the synchronous loop trains on fresh samples only)")
-    errors.need(not (r.placement == "colocated" and r.engine_urls), "rollout.placement",
-                "colocated (engines time-share the trainer's devices) needs engines this trainer starts; it cannot "
-                "release the memory of remote servers in rollout.engine_urls")
-    errors.need(not (r.placement == "colocated" and r.engine_processes is False), "rollout.placement",
-                "colocated needs engine processes (rollout.engine_processes must not be false)")
-    errors.need(r.runtime == "async" or r.placement == "disaggregated", "rollout.placement",
-                "colocated needs rollout.runtime=async (it is how the async runtime time-shares devices)")
+    errors.need(
+        r.runtime == "async" or r.max_staleness == 0,
+        "rollout.max_staleness",
+        f"{r.max_staleness} needs rollout.runtime=async (the synchronous loop trains on fresh samples only)",
+    )
+    errors.need(
+        not (r.placement == "colocated" and r.engine_urls),
+        "rollout.placement",
+        "colocated (engines time-share the trainer's devices) needs engines this trainer starts; it cannot "
+        "release the memory of remote servers in rollout.engine_urls",
+    )
+    errors.need(
+        not (r.placement == "colocated" and r.engine_processes is False),
+        "rollout.placement",
+        "colocated needs engine processes (rollout.engine_processes must not be false)",
+    )
+    errors.need(
+        r.runtime == "async" or r.placement == "disaggregated",
+        "rollout.placement",
+        "colocated needs rollout.runtime=async (it is how the async runtime time-shares devices)",
+    )
     errors.need(r.no_engine_timeout_s > 0, "rollout.no_engine_timeout_s", f"must be > 0, got {r.no_engine_timeout_s}")
     for key in ("control_timeout_s", "weight_update_timeout_s"):
         errors.need(getattr(r, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(r, key)}")
-    errors.need(r.health_check_interval_s > 0, "rollout.health_check_interval_s",
-                f"must be > 0, got {r.health_check_interval_s}")
-    errors.need(r.engine_startup_timeout_s > 0, "rollout.engine_startup_timeout_s",
-                f"must be > 0, got {r.engine_startup_timeout_s}")
-    errors.need(r.max_inflight_requests >= 0, "rollout.max_inflight_requests",
-                f"must be >= 0 (0 = what the engines accept), got {r.max_inflight_requests}")
+    errors.need(
+        r.health_check_interval_s > 0,
+        "rollout.health_check_interval_s",
+        f"must be > 0, got {r.health_check_interval_s}",
+    )
+    errors.need(
+        r.engine_startup_timeout_s > 0,
+        "rollout.engine_startup_timeout_s",
+        f"must be > 0, got {r.engine_startup_timeout_s}",
+    )
+    errors.need(
+        r.max_inflight_requests >= 0,
+        "rollout.max_inflight_requests",
+        f"must be >= 0 (0 = what the engines accept), got {r.max_inflight_requests}",
+    )
     errors.need(r.max_regenerations >= 0, "rollout.max_regenerations", f"must be >= 0, got {r.max_regenerations}")
     errors.need(r.buffer_groups >= 0, "rollout.buffer_groups", f"must be >= 0 (0 = automatic), got {r.buffer_groups}")
     check_engine_processes(r, errors)
     if r.runtime != "async":
         return
     if r.max_inflight_requests:
-        errors.need(r.max_inflight_requests >= r.group_size, "rollout.max_inflight_requests",
-                    f"{r.max_inflight_requests} is fewer than one group (rollout.group_size={r.group_size})")
+        errors.need(
+            r.max_inflight_requests >= r.group_size,
+            "rollout.max_inflight_requests",
+            f"{r.max_inflight_requests} is fewer than one group (rollout.group_size={r.group_size})",
+        )
         if started_engines(r):
             accept = r.num_embedded_engines * r.max_running_requests
-            errors.need(r.max_inflight_requests <= accept, "rollout.max_inflight_requests",
-                        f"{r.max_inflight_requests} is more than the started engines accept "
-                        f"(rollout.num_embedded_engines x rollout.max_running_requests = {accept})")
+            errors.need(
+                r.max_inflight_requests <= accept,
+                "rollout.max_inflight_requests",
+                f"{r.max_inflight_requests} is more than the started engines accept "
+                f"(rollout.num_embedded_engines x rollout.max_running_requests = {accept})",
+            )
     if r.buffer_groups:
-        errors.need(r.buffer_groups >= r.prompts_per_step, "rollout.buffer_groups",
-                    f"{r.buffer_groups} cannot hold one batch (rollout.prompts_per_step={r.prompts_per_step})")
+        errors.need(
+            r.buffer_groups >= r.prompts_per_step,
+            "rollout.buffer_groups",
+            f"{r.buffer_groups} cannot hold one batch (rollout.prompts_per_step={r.prompts_per_step})",
+        )
 
 
 def check_engine_processes(r: RolloutConfig, errors: Errors) -> None:
     """Placement of the engine processes the trainer starts (cores, devices, threads)."""
     if not started_engines(r):  # engine_cores, threads: check_engine_group
-        errors.need(not r.engine_devices, "rollout.engine_devices", "only applies to engines the trainer starts "
-                    "(rollout.engine_urls is set or rollout.engine_processes is false)")
+        errors.need(
+            not r.engine_devices,
+            "rollout.engine_devices",
+            "only applies to engines the trainer starts "
+            "(rollout.engine_urls is set or rollout.engine_processes is false)",
+        )
         return
     n = r.num_embedded_engines
-    errors.need(not r.engine_devices or len(r.engine_devices) == n, "rollout.engine_devices",
-                f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(r.engine_devices)}")
+    errors.need(
+        not r.engine_devices or len(r.engine_devices) == n,
+        "rollout.engine_devices",
+        f"needs one entry per engine (rollout.num_embedded_engines={n}), got {len(r.engine_devices)}",
+    )
 
 
-def check_sample_fits(t: RLTrainConfig, r: RolloutConfig, d: RLDataConfig, m: ModelConfig, task: Optional[Task],
-                      errors: Errors) -> None:
+def check_sample_fits(
+    t: RLTrainConfig, r: RolloutConfig, d: RLDataConfig, m: ModelConfig, task: Task | None, errors: Errors
+) -> None:
     """The longest sample (bos + prompt + response) must fit in one packed row and the engine's context."""
     prompt = task.max_prompt_tokens() if task is not None else 0  # 0: a file, length unknown
     if prompt > 0:
         longest = (1 if d.add_bos else 0) + prompt + r.max_new_tokens
-        errors.need(longest <= t.seq_length, "train.seq_length",
-                    f"{t.seq_length} is shorter than the longest sample ({longest} tokens: prompt + "
-                    f"rollout.max_new_tokens={r.max_new_tokens}); raise it or lower rollout.max_new_tokens")
+        errors.need(
+            longest <= t.seq_length,
+            "train.seq_length",
+            f"{t.seq_length} is shorter than the longest sample ({longest} tokens: prompt + "
+            f"rollout.max_new_tokens={r.max_new_tokens}); raise it or lower rollout.max_new_tokens",
+        )
         if not r.engine_urls:
-            errors.need(longest <= r.context_length, "rollout.context_length",
-                        f"{r.context_length} is shorter than the longest sample ({longest} tokens)")
-    errors.need(m.max_position_embeddings >= t.seq_length, "model.max_position_embeddings",
-                f"{m.max_position_embeddings} < train.seq_length {t.seq_length}")
+            errors.need(
+                longest <= r.context_length,
+                "rollout.context_length",
+                f"{r.context_length} is shorter than the longest sample ({longest} tokens)",
+            )
+    errors.need(
+        m.max_position_embeddings >= t.seq_length,
+        "model.max_position_embeddings",
+        f"{m.max_position_embeddings} < train.seq_length {t.seq_length}",
+    )
 
 
 def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
@@ -244,24 +322,34 @@ def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> Non
     need_registered(errors, "algorithm.policy_loss", "policy loss", a.policy_loss, registry.names("policy_loss"))
     errors.need(0 <= a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
     errors.need(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
-    errors.need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip",
-                f"must be null or > 1, got {a.dual_clip}")
+    errors.need(
+        a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", f"must be null or > 1, got {a.dual_clip}"
+    )
     errors.need(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
     errors.need(a.entropy_coef >= 0, "algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
     need_positive(errors, [("algorithm.num_minibatches", a.num_minibatches), ("algorithm.ppo_epochs", a.ppo_epochs)])
-    errors.need(a.num_minibatches <= r.prompts_per_step * r.group_size, "algorithm.num_minibatches",
-                f"{a.num_minibatches} mini-batches need at least as many samples; a rollout batch has "
-                f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step * r.group_size}")
+    errors.need(
+        a.num_minibatches <= r.prompts_per_step * r.group_size,
+        "algorithm.num_minibatches",
+        f"{a.num_minibatches} mini-batches need at least as many samples; a rollout batch has "
+        f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step * r.group_size}",
+    )
     if a.kl_in_reward and a.kl_coef > 0 and a.kl_estimator != "k1":
         warnings.warn("algorithm.kl_in_reward with a k2/k3 estimator: the InstructGPT penalty is k1", stacklevel=3)
     check_multi_reward(a, errors)
     ds = a.dynamic_sampling
     if ds.enabled:
         errors.need(ds.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds", f"must be >= 1, got {ds.max_rounds}")
-        errors.need(ds.max_oversample >= 1, "algorithm.dynamic_sampling.max_oversample",
-                    f"must be >= 1, got {ds.max_oversample}")
-        errors.need(math.isfinite(ds.std_tolerance) and ds.std_tolerance >= 0,
-                    "algorithm.dynamic_sampling.std_tolerance", f"must be a finite number >= 0, got {ds.std_tolerance}")
+        errors.need(
+            ds.max_oversample >= 1,
+            "algorithm.dynamic_sampling.max_oversample",
+            f"must be >= 1, got {ds.max_oversample}",
+        )
+        errors.need(
+            math.isfinite(ds.std_tolerance) and ds.std_tolerance >= 0,
+            "algorithm.dynamic_sampling.std_tolerance",
+            f"must be a finite number >= 0, got {ds.std_tolerance}",
+        )
 
 
 def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
@@ -269,12 +357,18 @@ def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
     mode = cfg.algorithm.routing_replay
     if mode == "none":
         return
-    errors.need(cfg.model.is_moe and cfg.model.num_experts > 0, "algorithm.routing_replay",
-                f"{mode!r} replays MoE routing, but the model is dense (model.arch={cfg.model.arch!r}, "
-                f"model.num_experts={cfg.model.num_experts})")
-    errors.need(cfg.train.recompute != "full", "algorithm.routing_replay",
-                f"{mode!r} with train.recompute=full: the recomputed forward in backward would route "
-                "another micro-batch's experts; use train.recompute none or selective")
+    errors.need(
+        cfg.model.is_moe and cfg.model.num_experts > 0,
+        "algorithm.routing_replay",
+        f"{mode!r} replays MoE routing, but the model is dense (model.arch={cfg.model.arch!r}, "
+        f"model.num_experts={cfg.model.num_experts})",
+    )
+    errors.need(
+        cfg.train.recompute != "full",
+        "algorithm.routing_replay",
+        f"{mode!r} with train.recompute=full: the recomputed forward in backward would route "
+        "another micro-batch's experts; use train.recompute none or selective",
+    )
 
 
 def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
@@ -294,17 +388,26 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
         if need_registered(errors, f"{key}.name", "reward shaping", shaping.name, registry.names("reward_shaping")):
             report(f"{key}.options", option_problems("reward_shaping", shaping.name, shaping.options))
         for j, domain in enumerate(shaping.domains):
-            errors.need(isinstance(domain, str) and bool(domain), f"{key}.domains[{j}]",
-                        f"must be a domain name, got {domain!r}")
-        errors.need(len(set(shaping.domains)) == len(shaping.domains), f"{key}.domains",
-                    f"lists a domain twice: {shaping.domains}")
+            errors.need(
+                isinstance(domain, str) and bool(domain),
+                f"{key}.domains[{j}]",
+                f"must be a domain name, got {domain!r}",
+            )
+        errors.need(
+            len(set(shaping.domains)) == len(shaping.domains),
+            f"{key}.domains",
+            f"lists a domain twice: {shaping.domains}",
+        )
     for field_name, kind in (("sample_filters", "sample_filter"), ("advantage_shaping", "advantage_shaping")):
         for i, step in enumerate(getattr(a, field_name)):
             key = f"algorithm.{field_name}[{i}]"
             if need_registered(errors, f"{key}.name", kind.replace("_", " "), step.name, registry.names(kind)):
                 report(f"{key}.options", option_problems(kind, step.name, step.options))
-            errors.need(all(isinstance(d, str) and d for d in step.domains), f"{key}.domains",
-                        f"must list domain names, got {step.domains!r}")
+            errors.need(
+                all(isinstance(d, str) and d for d in step.domains),
+                f"{key}.domains",
+                f"must list domain names, got {step.domains!r}",
+            )
     for i, term in enumerate(a.aux_losses):
         key = f"algorithm.aux_losses[{i}]"
         if need_registered(errors, f"{key}.name", "aux loss", term.name, registry.names("aux_loss")):
@@ -315,9 +418,12 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
             for i, step in enumerate(getattr(a, field_name)):
                 fn = registry.get(kind, step.name) if step.name in registry.names(kind) else None
                 if getattr(fn, "needs_reference", False):
-                    errors.need(False, "algorithm.reference_model",
-                                f"algorithm.{field_name}[{i}] {step.name!r} reads π_ref's log-probs; set "
-                                "algorithm.reference_model: true (or algorithm.kl_coef > 0)")
+                    errors.need(
+                        False,
+                        "algorithm.reference_model",
+                        f"algorithm.{field_name}[{i}] {step.name!r} reads π_ref's log-probs; set "
+                        "algorithm.reference_model: true (or algorithm.kl_coef > 0)",
+                    )
     for domain, rho in a.domain_advantage_weights.items():
         ok = isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0
         errors.need(ok, f"algorithm.domain_advantage_weights.{domain}", f"must be a number >= 0, got {rho!r}")
@@ -332,28 +438,48 @@ def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None
     need_registered(errors, "algorithm.mismatch.name", "mismatch correction", m.name, registry.names("mismatch"))
     for key in ("clip_low", "clip_high", "mask_low", "mask_high", "veto_threshold"):
         v = getattr(m, key)
-        errors.need(v is None or (v >= 0 and not math.isnan(v)), f"algorithm.mismatch.{key}",
-                    f"must be null or >= 0, got {v}")
+        errors.need(
+            v is None or (v >= 0 and not math.isnan(v)), f"algorithm.mismatch.{key}", f"must be null or >= 0, got {v}"
+        )
     if m.clip_low is not None and m.clip_high is not None:
-        errors.need(m.clip_low <= m.clip_high, "algorithm.mismatch.clip_low",
-                    f"{m.clip_low} exceeds algorithm.mismatch.clip_high {m.clip_high}")
+        errors.need(
+            m.clip_low <= m.clip_high,
+            "algorithm.mismatch.clip_low",
+            f"{m.clip_low} exceeds algorithm.mismatch.clip_high {m.clip_high}",
+        )
     if m.mask_low is not None and m.mask_high is not None:
-        errors.need(m.mask_low <= m.mask_high, "algorithm.mismatch.mask_low",
-                    f"{m.mask_low} exceeds algorithm.mismatch.mask_high {m.mask_high}")
+        errors.need(
+            m.mask_low <= m.mask_high,
+            "algorithm.mismatch.mask_low",
+            f"{m.mask_low} exceeds algorithm.mismatch.mask_high {m.mask_high}",
+        )
 
 
-def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, teachers: Sequence[Any] = (),
-                  algorithm: Optional[AlgorithmConfig] = None) -> None:
+def check_distill(
+    d: DistillConfig,
+    r: RolloutConfig,
+    errors: Errors,
+    teachers: Sequence[Any] = (),
+    algorithm: AlgorithmConfig | None = None,
+) -> None:
     """Registered distillation functions with a phase and options they accept, and the teacher
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
 
     from mcore_rl.algos import registry
-    from mcore_rl.algos.distill.base import (POLICY_REFERENCE_FIELDS, REFERENCE_FIELDS, TOPK_FIELDS,
-                                             UNFILLED_FIELDS, make_state)
+    from mcore_rl.algos.distill.base import (
+        POLICY_REFERENCE_FIELDS,
+        REFERENCE_FIELDS,
+        TOPK_FIELDS,
+        UNFILLED_FIELDS,
+        make_state,
+    )
 
-    errors.need(not d.losses or bool(teachers), "distill.losses",
-                "no teacher fills Sample.teacher: add a `teachers:` entry (engine, privileged or frozen)")
+    errors.need(
+        not d.losses or bool(teachers),
+        "distill.losses",
+        "no teacher fills Sample.teacher: add a `teachers:` entry (engine, privileged or frozen)",
+    )
 
     registered = registry.names("distill")
     seen: set[str] = set()
@@ -364,66 +490,105 @@ def check_distill(d: DistillConfig, r: RolloutConfig, errors: Errors, teachers: 
         errors.need(loss.name not in seen, f"{key}.name", f"{loss.name!r} is listed twice (its metrics share a name)")
         seen.add(loss.name)
         fn = registry.get("distill", loss.name)
-        errors.need(getattr(fn, "phase", None) in ("advantage", "loss"), f"{key}.name",
-                    f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))")
-        errors.need(loss.coef is None or (math.isfinite(loss.coef) and loss.coef >= 0), f"{key}.coef",
-                    f"must be >= 0 or null (the term's default), got {loss.coef}")
+        errors.need(
+            getattr(fn, "phase", None) in ("advantage", "loss"),
+            f"{key}.name",
+            f"{loss.name!r} has no phase (mark it with @phase('advantage') or @phase('loss'))",
+        )
+        errors.need(
+            loss.coef is None or (math.isfinite(loss.coef) and loss.coef >= 0),
+            f"{key}.coef",
+            f"must be >= 0 or null (the term's default), got {loss.coef}",
+        )
         wanted = getattr(fn, "needs", ())
         references = reference_teachers(teachers)
         if any(f in TOPK_FIELDS or f == "teacher_ref_topk_logp" for f in wanted):
             errors.need(d.top_k > 0, "distill.top_k", f"is 0, but {loss.name!r} needs the teacher's top-k")
             for j, t in enumerate(teachers):
-                errors.need(j in references or t.top_k >= d.top_k, f"teachers[{j}].top_k",
-                            f"is {t.top_k}, but {loss.name!r} reads the top {d.top_k} (distill.top_k) of every teacher")
+                errors.need(
+                    j in references or t.top_k >= d.top_k,
+                    f"teachers[{j}].top_k",
+                    f"is {t.top_k}, but {loss.name!r} reads the top {d.top_k} (distill.top_k) of every teacher",
+                )
         ref = [f for f in wanted if f in REFERENCE_FIELDS]
         for j, t in enumerate(teachers):  # every teacher a distilled sample can be routed to
-            errors.need(not ref or j in references or bool(t.reference), f"teachers[{j}].reference",
-                        f"is not set, but {loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}) for the "
-                        f"samples routed to {teacher_name(t, j)!r}: name an engine teacher serving its starting "
-                        "weights (engine teachers only)")
+            errors.need(
+                not ref or j in references or bool(t.reference),
+                f"teachers[{j}].reference",
+                f"is not set, but {loss.name!r} needs a reference teacher (π_Tref: {', '.join(ref)}) for the "
+                f"samples routed to {teacher_name(t, j)!r}: name an engine teacher serving its starting "
+                "weights (engine teachers only)",
+            )
         for f in wanted:
-            errors.need(f not in UNFILLED_FIELDS, f"{key}.name", f"{loss.name!r} needs DistillBatch.{f}, which no "
-                        "rollout of this trainer fills yet (see docs/distillation.md): it would train nothing")
-            errors.need(f not in POLICY_REFERENCE_FIELDS or algorithm is None or algorithm.uses_reference(),
-                        "algorithm.reference_model",
-                        f"is off, but {key} {loss.name!r} reads the student's reference model (π_ref, the starting "
-                        "weights): set algorithm.reference_model: true")
+            errors.need(
+                f not in UNFILLED_FIELDS,
+                f"{key}.name",
+                f"{loss.name!r} needs DistillBatch.{f}, which no "
+                "rollout of this trainer fills yet (see docs/distillation.md): it would train nothing",
+            )
+            errors.need(
+                f not in POLICY_REFERENCE_FIELDS or algorithm is None or algorithm.uses_reference(),
+                "algorithm.reference_model",
+                f"is off, but {key} {loss.name!r} reads the student's reference model (π_ref, the starting "
+                "weights): set algorithm.reference_model: true",
+            )
         kl_coef = 0.0 if algorithm is None else algorithm.kl_coef
-        errors.need(not getattr(fn, "own_kl", False) or kl_coef == 0, "algorithm.kl_coef",
-                    f"is {kl_coef}, but {key} {loss.name!r} carries its own adaptive KL to π_ref (options.alpha); "
-                    "set algorithm.kl_coef: 0 so the KL is not counted twice")
+        errors.need(
+            not getattr(fn, "own_kl", False) or kl_coef == 0,
+            "algorithm.kl_coef",
+            f"is {kl_coef}, but {key} {loss.name!r} carries its own adaptive KL to π_ref (options.alpha); "
+            "set algorithm.kl_coef: 0 so the KL is not counted twice",
+        )
         try:  # a stateful term's options are checked by building its state
             make_state(fn, loss.options)
         except (ValueError, TypeError) as e:
             errors.need(False, f"{key}.options", str(e))
-        params = [p for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
-                  if not (p.name == "state" and hasattr(fn, "make_state"))]  # the learner passes it
+        params = [
+            p
+            for p in list(inspect.signature(fn).parameters.values())[1:]  # after the batch
+            if not (p.name == "state" and hasattr(fn, "make_state"))
+        ]  # the learner passes it
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             accepted = [p.name for p in params]
             for opt in loss.options:
-                errors.need(opt in accepted, f"{key}.options.{opt}",
-                            f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}")
+                errors.need(
+                    opt in accepted,
+                    f"{key}.options.{opt}",
+                    f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}",
+                )
     errors.need(d.top_k >= 0, "distill.top_k", f"must be >= 0 (0 = no top-k), got {d.top_k}")
-    errors.need(d.rl or bool(d.losses), "distill.rl", "is false (distillation alone) but distill.losses is empty: "
-                "nothing would be trained")
+    errors.need(
+        d.rl or bool(d.losses),
+        "distill.rl",
+        "is false (distillation alone) but distill.losses is empty: nothing would be trained",
+    )
     h = d.horizon
     if h.schedule == "none":
         return
-    errors.need(bool(d.losses), "distill.horizon.schedule", f"is {h.schedule!r} but distill.losses is empty: "
-                "the horizon cuts generation for distillation")
+    errors.need(
+        bool(d.losses),
+        "distill.horizon.schedule",
+        f"is {h.schedule!r} but distill.losses is empty: the horizon cuts generation for distillation",
+    )
     if h.schedule == "fixed":
-        errors.need((h.rho is None) != (h.tokens is None), "distill.horizon.rho",
-                    "a fixed horizon needs exactly one of distill.horizon.rho and distill.horizon.tokens")
+        errors.need(
+            (h.rho is None) != (h.tokens is None),
+            "distill.horizon.rho",
+            "a fixed horizon needs exactly one of distill.horizon.rho and distill.horizon.tokens",
+        )
         errors.need(h.rho is None or 0 < h.rho <= 1, "distill.horizon.rho", f"must be in (0, 1], got {h.rho}")
-        errors.need(h.tokens is None or 1 <= h.tokens <= r.max_new_tokens, "distill.horizon.tokens",
-                    f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}], got {h.tokens}")
+        errors.need(
+            h.tokens is None or 1 <= h.tokens <= r.max_new_tokens,
+            "distill.horizon.tokens",
+            f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}], got {h.tokens}",
+        )
     else:
         errors.need(h.h0 >= 1, "distill.horizon.h0", f"the growing horizon starts at h0 >= 1 tokens, got {h.h0}")
         errors.need(h.delta_h >= 0, "distill.horizon.delta_h", f"must be >= 0, got {h.delta_h}")
         errors.need(h.delta_k >= 1, "distill.horizon.delta_k", f"must be >= 1 (steps), got {h.delta_k}")
 
 
-def check_reward(rw: RewardConfig, d: RLDataConfig, task: Optional[Task], errors: Errors) -> None:
+def check_reward(rw: RewardConfig, d: RLDataConfig, task: Task | None, errors: Errors) -> None:
     """A registered reward (or an import path) that loads now, not after the warm start, and for a
     synthetic task the one that scores it."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards, which reward_names() then lists)
@@ -432,17 +597,21 @@ def check_reward(rw: RewardConfig, d: RLDataConfig, task: Optional[Task], errors
     errors.need(rw.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {rw.timeout_s}")
     errors.need(rw.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {rw.max_concurrency}")
     path = is_import_path(rw.name)
-    if not path and not need_registered(errors, "reward.name", "reward", rw.name, reward_names(),
-                                        " (or 'package.module:function')"):
+    if not path and not need_registered(
+        errors, "reward.name", "reward", rw.name, reward_names(), " (or 'package.module:function')"
+    ):
         return
     try:  # imports the module, as the reward workers will
         get_reward_fn(rw.name)
-    except Exception as exc:  # noqa: BLE001 - whatever importing user code raises is a config error
+    except Exception as exc:
         errors.need(False, "reward.name", f"{rw.name!r} cannot be loaded: {type(exc).__name__}: {exc}")
         return
     if not path and task is not None:
-        errors.need(rw.name == task.reward, "reward.name",
-                    f"the synthetic task {task.name!r} is scored by {task.reward!r}, got {rw.name!r}")
+        errors.need(
+            rw.name == task.reward,
+            "reward.name",
+            f"the synthetic task {task.name!r} is scored by {task.reward!r}, got {rw.name!r}",
+        )
 
 
 def check_eval(e: EvalConfig, errors: Errors) -> None:
@@ -453,8 +622,9 @@ def check_eval(e: EvalConfig, errors: Errors) -> None:
     errors.need(e.greedy or e.k > 0, "eval.greedy", "is false and eval.k is 0: evaluation would measure nothing")
     errors.need(e.score != "avg@k" or e.k > 0, "eval.score", "is 'avg@k' but eval.k is 0")
     errors.need(e.score != "greedy" or e.greedy, "eval.score", "is 'greedy' but eval.greedy is false")
-    errors.need(e.temperature is None or e.temperature > 0, "eval.temperature",
-                f"must be null or > 0, got {e.temperature}")
+    errors.need(
+        e.temperature is None or e.temperature > 0, "eval.temperature", f"must be null or > 0, got {e.temperature}"
+    )
 
 
 def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -> None:
@@ -462,12 +632,18 @@ def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -
     errors.need(i.sft_steps >= 0, "init.sft_steps", f"must be >= 0, got {i.sft_steps}")
     if i.sft_steps <= 0:
         return
-    errors.need(d.path is None, "init.sft_steps",
-                "the SFT warm start trains on the synthetic task's answers; with data.path set, use init.checkpoint "
-                "(e.g. from `mcore-rl sft`) instead")
+    errors.need(
+        d.path is None,
+        "init.sft_steps",
+        "the SFT warm start trains on the synthetic task's answers; with data.path set, use init.checkpoint "
+        "(e.g. from `mcore-rl sft`) instead",
+    )
     errors.need(i.sft_micro_batch_size >= 1, "init.sft_micro_batch_size", f"must be >= 1, got {i.sft_micro_batch_size}")
-    errors.need(1 <= i.sft_seq_length <= m.max_position_embeddings, "init.sft_seq_length",
-                f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {i.sft_seq_length}")
+    errors.need(
+        1 <= i.sft_seq_length <= m.max_position_embeddings,
+        "init.sft_seq_length",
+        f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {i.sft_seq_length}",
+    )
     errors.need(i.sft_lr >= 0, "init.sft_lr", f"must be >= 0, got {i.sft_lr}")
 
 
@@ -499,30 +675,54 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
         names.setdefault(name, i)
         if t.reference is not None:
             j = all_names.get(t.reference)
-            errors.need(t.kind == "engine", f"{key}.reference",
-                        f"only engine teachers have a reference (its engine scores their top-k ids); this one is {t.kind!r}")
-            errors.need(j is not None and j != i, f"{key}.reference",
-                        f"{t.reference!r} is not the name of another teacher (names: {', '.join(all_names)})")
+            errors.need(
+                t.kind == "engine",
+                f"{key}.reference",
+                f"only engine teachers have a reference (its engine scores their top-k ids); this one is {t.kind!r}",
+            )
+            errors.need(
+                j is not None and j != i,
+                f"{key}.reference",
+                f"{t.reference!r} is not the name of another teacher (names: {', '.join(all_names)})",
+            )
             if j is not None and j != i:
                 ref = teachers[j]
-                errors.need(ref.kind == "engine", f"{key}.reference",
-                            f"{t.reference!r} is a {ref.kind!r} teacher; a reference is an engine teacher")
-                errors.need(ref.reference is None, f"teachers[{j}].reference",
-                            f"{t.reference!r} is the reference of {name!r} and cannot have a reference itself")
+                errors.need(
+                    ref.kind == "engine",
+                    f"{key}.reference",
+                    f"{t.reference!r} is a {ref.kind!r} teacher; a reference is an engine teacher",
+                )
+                errors.need(
+                    ref.reference is None,
+                    f"teachers[{j}].reference",
+                    f"{t.reference!r} is the reference of {name!r} and cannot have a reference itself",
+                )
         if i in references:
-            errors.need(not t.domains, f"{key}.domains", f"{name!r} is a reference teacher (named by `reference`): "
-                        "it scores the samples of the teacher naming it and is never routed to")
-            errors.need(t.top_k == 0, f"{key}.top_k", f"{name!r} is a reference teacher: it scores the top-k ids of "
-                        "the teacher naming it, its own top_k is not used")
+            errors.need(
+                not t.domains,
+                f"{key}.domains",
+                f"{name!r} is a reference teacher (named by `reference`): "
+                "it scores the samples of the teacher naming it and is never routed to",
+            )
+            errors.need(
+                t.top_k == 0,
+                f"{key}.top_k",
+                f"{name!r} is a reference teacher: it scores the top-k ids of "
+                "the teacher naming it, its own top_k is not used",
+            )
         elif not t.domains:
             defaults.append(i)
         for d in t.domains:
             errors.need(bool(d), f"{key}.domains", "holds an empty domain name")
-            errors.need(d not in claimed, f"{key}.domains",
-                        f"domain {d!r} is also routed to teachers[{claimed.get(d)}]; a sample has one teacher")
+            errors.need(
+                d not in claimed,
+                f"{key}.domains",
+                f"domain {d!r} is also routed to teachers[{claimed.get(d)}]; a sample has one teacher",
+            )
             claimed.setdefault(d, i)
-        errors.need(0 <= t.top_k <= vocab_size, f"{key}.top_k",
-                    f"must be in [0, model.vocab_size={vocab_size}], got {t.top_k}")
+        errors.need(
+            0 <= t.top_k <= vocab_size, f"{key}.top_k", f"must be in [0, model.vocab_size={vocab_size}], got {t.top_k}"
+        )
         if t.kind == "engine":
             check_engine_teacher(t, key, r, errors)
         else:
@@ -530,58 +730,97 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
                 errors.need(not value, f"{key}.{field_name}", f"only applies to kind 'engine' (this one is {t.kind!r})")
         if t.kind == "privileged":
             errors.need("{context}" in t.template, f"{key}.template", "must contain '{context}'")
-            errors.need(t.context != "info" or bool(t.context_key), f"{key}.context_key",
-                        "context 'info' needs the key of Sample.info that holds the context")
+            errors.need(
+                t.context != "info" or bool(t.context_key),
+                f"{key}.context_key",
+                "context 'info' needs the key of Sample.info that holds the context",
+            )
         if t.kind == "frozen":
-            errors.need(t.refresh_interval >= 0, f"{key}.refresh_interval",
-                        f"must be >= 0 (0 = a fixed copy), got {t.refresh_interval}")
-            errors.need(t.checkpoint is None or os.path.exists(t.checkpoint), f"{key}.checkpoint",
-                        f"{t.checkpoint!r} does not exist")
-    errors.need(len(defaults) <= 1, "teachers",
-                f"teachers {defaults} all have no domains (each would be the default); give all but one of them "
-                "`domains`")
+            errors.need(
+                t.refresh_interval >= 0,
+                f"{key}.refresh_interval",
+                f"must be >= 0 (0 = a fixed copy), got {t.refresh_interval}",
+            )
+            errors.need(
+                t.checkpoint is None or os.path.exists(t.checkpoint),
+                f"{key}.checkpoint",
+                f"{t.checkpoint!r} does not exist",
+            )
+    errors.need(
+        len(defaults) <= 1,
+        "teachers",
+        f"teachers {defaults} all have no domains (each would be the default); give all but one of them `domains`",
+    )
 
 
-def check_engine_group(g: EngineGroupConfig, key: str, starts: bool, errors: Errors,
-                       keys: Optional[dict[str, str]] = None) -> None:
+def check_engine_group(
+    g: EngineGroupConfig, key: str, starts: bool, errors: Errors, keys: dict[str, str] | None = None
+) -> None:
     """Every group of engines (rollout, engine teachers, a recipe's engines): http(s) URLs, an HF checkpoint
     directory, and for the `mcore-rl serve` processes the trainer starts (`starts`) their count, one
     list of existing cores per engine, threads, context and slots. `keys` maps a field to its name
     under `key` (the rollout's own: `RolloutConfig.ENGINE_KEYS`)."""
+
     def name(f: str) -> str:
         return f"{key}.{(keys or {}).get(f, f)}"
 
     for j, url in enumerate(g.urls):
-        errors.need(url.startswith(("http://", "https://")), f"{name('urls')}[{j}]", f"must be an http(s) URL, got {url!r}")
+        errors.need(
+            url.startswith(("http://", "https://")), f"{name('urls')}[{j}]", f"must be an http(s) URL, got {url!r}"
+        )
     if g.model_path:
-        errors.need(os.path.isfile(os.path.join(g.model_path, "config.json")), name("model_path"),
-                    f"{g.model_path!r} is not an HF checkpoint directory (no config.json)")
+        errors.need(
+            os.path.isfile(os.path.join(g.model_path, "config.json")),
+            name("model_path"),
+            f"{g.model_path!r} is not an HF checkpoint directory (no config.json)",
+        )
     if starts or not g.urls:
         errors.need(g.num_engines >= 1, name("num_engines"), f"must be >= 1, got {g.num_engines}")
     if not starts:
-        errors.need(not g.engine_cores, name("engine_cores"), "only applies to engines the trainer starts, not to "
-                    + (f"the servers of {name('urls')}" if g.urls else f"{key}'s (no engine processes)"))
+        errors.need(
+            not g.engine_cores,
+            name("engine_cores"),
+            "only applies to engines the trainer starts, not to "
+            + (f"the servers of {name('urls')}" if g.urls else f"{key}'s (no engine processes)"),
+        )
     else:
-        errors.need(not g.engine_cores or len(g.engine_cores) == g.num_engines, name("engine_cores"),
-                    f"needs one entry per engine ({name('num_engines')}={g.num_engines}), got {len(g.engine_cores)}")
+        errors.need(
+            not g.engine_cores or len(g.engine_cores) == g.num_engines,
+            name("engine_cores"),
+            f"needs one entry per engine ({name('num_engines')}={g.num_engines}), got {len(g.engine_cores)}",
+        )
     count = os.cpu_count() or 1
     for i, cores in enumerate(g.engine_cores if starts else []):
         errors.need(bool(cores), f"{name('engine_cores')}[{i}]", "must list at least one core")
         missing = sorted(c for c in cores if not 0 <= c < count)
-        errors.need(not missing, f"{name('engine_cores')}[{i}]",
-                    f"cores {missing} do not exist (this machine has cores 0-{count - 1})")
-    errors.need(g.engine_threads is None or g.engine_threads >= 1, name("engine_threads"),
-                f"must be null or >= 1, got {g.engine_threads}")
-    errors.need(g.context_length is None or g.context_length >= 2, name("context_length"),
-                f"must be >= 2, got {g.context_length}")  # None: rollout.context_length
-    errors.need(g.max_running_requests >= 1, name("max_running_requests"), f"must be >= 1, got {g.max_running_requests}")
+        errors.need(
+            not missing,
+            f"{name('engine_cores')}[{i}]",
+            f"cores {missing} do not exist (this machine has cores 0-{count - 1})",
+        )
+    errors.need(
+        g.engine_threads is None or g.engine_threads >= 1,
+        name("engine_threads"),
+        f"must be null or >= 1, got {g.engine_threads}",
+    )
+    errors.need(
+        g.context_length is None or g.context_length >= 2,
+        name("context_length"),
+        f"must be >= 2, got {g.context_length}",
+    )  # None: rollout.context_length
+    errors.need(
+        g.max_running_requests >= 1, name("max_running_requests"), f"must be >= 1, got {g.max_running_requests}"
+    )
     errors.need(g.request_timeout_s > 0, name("request_timeout_s"), f"must be > 0, got {g.request_timeout_s}")
 
 
 def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: Errors) -> None:
     """URLs of running servers, or a checkpoint to start engines on (not both)."""
-    errors.need(bool(t.urls) != bool(t.model_path), f"{key}.urls",
-                "an engine teacher needs either urls (running servers) or model_path (engines the trainer starts), "
-                f"got {'both' if t.urls else 'neither'}")
+    errors.need(
+        bool(t.urls) != bool(t.model_path),
+        f"{key}.urls",
+        "an engine teacher needs either urls (running servers) or model_path (engines the trainer starts), "
+        f"got {'both' if t.urls else 'neither'}",
+    )
     check_engine_group(t, key, bool(t.model_path), errors)
     errors.need(t.max_concurrency >= 1, f"{key}.max_concurrency", f"must be >= 1, got {t.max_concurrency}")

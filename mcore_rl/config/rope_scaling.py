@@ -12,8 +12,9 @@ from typing import Any
 from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
 
 
-def check_rope_scaling(s: RopeScalingConfig, max_position_embeddings: int, errors: Any,
-                       prefix: str = "model.rope_scaling") -> None:
+def check_rope_scaling(
+    s: RopeScalingConfig, max_position_embeddings: int, errors: Any, prefix: str = "model.rope_scaling"
+) -> None:
     """Record one `prefix.<key>: problem` line per bad value on `errors` (a `rules.Errors`)."""
     if s.type == "none":
         return
@@ -21,22 +22,32 @@ def check_rope_scaling(s: RopeScalingConfig, max_position_embeddings: int, error
     if s.type == "linear":
         return
     original = s.original_max_position_embeddings
-    errors.need(original is None or original >= 1, f"{prefix}.original_max_position_embeddings",
-                f"must be null (= max_position_embeddings {max_position_embeddings}) or >= 1, got {original}")
+    errors.need(
+        original is None or original >= 1,
+        f"{prefix}.original_max_position_embeddings",
+        f"must be null (= max_position_embeddings {max_position_embeddings}) or >= 1, got {original}",
+    )
     if s.type == "llama3":
         errors.need(s.low_freq_factor > 0, f"{prefix}.low_freq_factor", f"must be > 0, got {s.low_freq_factor}")
-        errors.need(s.high_freq_factor > s.low_freq_factor, f"{prefix}.high_freq_factor",
-                    f"must be > low_freq_factor {s.low_freq_factor}, got {s.high_freq_factor}")
+        errors.need(
+            s.high_freq_factor > s.low_freq_factor,
+            f"{prefix}.high_freq_factor",
+            f"must be > low_freq_factor {s.low_freq_factor}, got {s.high_freq_factor}",
+        )
         return
     errors.need(s.beta_slow > 0, f"{prefix}.beta_slow", f"must be > 0, got {s.beta_slow}")
-    errors.need(s.beta_fast > s.beta_slow, f"{prefix}.beta_fast",
-                f"must be > beta_slow {s.beta_slow}, got {s.beta_fast}")
+    errors.need(
+        s.beta_fast > s.beta_slow, f"{prefix}.beta_fast", f"must be > beta_slow {s.beta_slow}, got {s.beta_fast}"
+    )
     if s.attention_factor is not None:
-        errors.need(s.attention_factor > 0, f"{prefix}.attention_factor",
-                    f"must be null or > 0, got {s.attention_factor}")
-        errors.need(s.factor > 1.0 or s.attention_factor == 1.0, f"{prefix}.attention_factor",
-                    f"{s.attention_factor} needs factor > 1 (megatron-core scales attention only then), "
-                    f"got factor {s.factor}")
+        errors.need(
+            s.attention_factor > 0, f"{prefix}.attention_factor", f"must be null or > 0, got {s.attention_factor}"
+        )
+        errors.need(
+            s.factor > 1.0 or s.attention_factor == 1.0,
+            f"{prefix}.attention_factor",
+            f"{s.attention_factor} needs factor > 1 (megatron-core scales attention only then), got factor {s.factor}",
+        )
 
 
 def check_model_rope_scaling(m: ModelConfig, errors: Any) -> None:

@@ -9,7 +9,7 @@ overrides in `mcore_rl.config.loader`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from mcore_rl.config.observability import ObservabilityConfig
 
@@ -33,14 +33,14 @@ class RopeScalingConfig:
     type: Literal["none", "linear", "llama3", "yarn"] = "none"
     factor: float = 1.0  # linear, llama3, yarn: the context extension
     # llama3, yarn: the pre-training context; None = max_position_embeddings (as transformers)
-    original_max_position_embeddings: Optional[int] = None
+    original_max_position_embeddings: int | None = None
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn: ramp bounds in rotations
     beta_slow: float = 1.0  # yarn
-    mscale: Optional[float] = None  # yarn: with mscale_all_dim, the attention factor's numerator
-    mscale_all_dim: Optional[float] = None  # yarn: ... and denominator
-    attention_factor: Optional[float] = None  # yarn: scale of cos/sin; None = 0.1 ln(factor) + 1 (or mscales)
+    mscale: float | None = None  # yarn: with mscale_all_dim, the attention factor's numerator
+    mscale_all_dim: float | None = None  # yarn: ... and denominator
+    attention_factor: float | None = None  # yarn: scale of cos/sin; None = 0.1 ln(factor) + 1 (or mscales)
     truncate: bool = True  # yarn: round the ramp bounds to whole dimensions
     # The config.json key an export writes: the source's spelling ("rope_scaling" + top-level rope_theta
     # is what transformers 4.x reads; transformers 5 reads both)
@@ -58,7 +58,7 @@ class ModelConfig:
     num_layers: int = 2
     num_attention_heads: int = 4
     num_query_groups: int = 2  # key/value heads (GQA)
-    kv_channels: Optional[int] = None  # head dim; None = hidden_size // num_attention_heads
+    kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
     rotary_base: float = 10000.0
     max_position_embeddings: int = 2048
     norm_epsilon: float = 1e-6
@@ -68,14 +68,14 @@ class ModelConfig:
     # MoE (used when arch == "qwen3_moe")
     num_experts: int = 0
     moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None  # per-expert intermediate size; None = ffn_hidden_size
-    moe_shared_expert_intermediate_size: Optional[int] = None  # None = no shared expert
+    moe_ffn_hidden_size: int | None = None  # per-expert intermediate size; None = ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
     moe_aux_loss_coeff: float = 0.0
     moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (Qwen3-MoE default)
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     # LatentMoE (seed_C.md): routed experts work in a latent space of this size (W_down d->l,
     # experts in l, W_up l->d); None = ordinary MoE. Router and shared experts stay full width.
-    moe_latent_size: Optional[int] = None
+    moe_latent_size: int | None = None
     # AttnRes (seed_C.md): attention over depth instead of residual sums.
     attn_res: Literal["none", "full", "block"] = "none"
     attn_res_num_blocks: int = 8  # N for the Block variant
@@ -83,21 +83,21 @@ class ModelConfig:
     # Qwen2 / Qwen2-MoE / Mistral (issue 13, docs/qwen2_mistral.md)
     add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
-    sliding_window: Optional[int] = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
+    sliding_window: int | None = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
     # RoPE scaling (issue 13): Llama 3.x, YaRN, linear; type none = plain RoPE
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     # Mixed dense/MoE layers and DeepSeek-V3-style MoE (docs/deepseek_v3.md). moe_layer_pattern: one
     # entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size; None = every layer MoE.
-    moe_layer_pattern: Optional[list[int]] = None
+    moe_layer_pattern: list[int] | None = None
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (e_score_correction_bias)
     moe_router_bias_update_rate: float = 1e-3  # bias step per optimizer update, toward balance
-    moe_router_num_groups: Optional[int] = None  # grouped top-k: experts in groups (n_group)
-    moe_router_group_topk: Optional[int] = None  # ... of which this many are searched (topk_group)
-    moe_router_topk_scaling_factor: Optional[float] = None  # routed_scaling_factor; None = 1
+    moe_router_num_groups: int | None = None  # grouped top-k: experts in groups (n_group)
+    moe_router_group_topk: int | None = None  # ... of which this many are searched (topk_group)
+    moe_router_topk_scaling_factor: float | None = None  # routed_scaling_factor; None = 1
     # Multi-head latent attention (DeepSeek-V2/V3); q_lora_rank None = full-rank query projection
     multi_latent_attention: bool = False
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: int | None = None
     kv_lora_rank: int = 32
     qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
@@ -122,9 +122,9 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None  # None = same as tensor_model_parallel_size
+    expert_tensor_parallel_size: int | None = None  # None = same as tensor_model_parallel_size
     context_parallel_size: int = 1
     sequence_parallel: bool = False
 
@@ -152,14 +152,14 @@ class OptimizerConfig:
     lr_step_factor: float = 0.5  # step style: multiplier per decay, in (0, 1)
     # OPD-Sparsity's subnetwork retraining: a .pt {megatron name: bool mask} (`mcore-rl diagnose
     # update_sparsity --write-mask`); only True coordinates train, the rest stay bit-identical
-    update_mask: Optional[str] = None
+    update_mask: str | None = None
 
 
 @dataclass
 class DataConfig:
     """Where SFT examples come from: a jsonl/text file, or a built-in synthetic task."""
 
-    path: Optional[str] = None  # .jsonl (prompt/response or text) or plain text; None = synthetic
+    path: str | None = None  # .jsonl (prompt/response or text) or plain text; None = synthetic
     format: Literal["auto", "jsonl", "text"] = "auto"
     prompt_key: str = "prompt"
     response_key: str = "response"
@@ -168,7 +168,7 @@ class DataConfig:
     synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
     synthetic_num_examples: int = 4096
     synthetic_max_digits: int = 1  # addition operands have up to this many digits
-    tokenizer_path: Optional[str] = None  # None = the bundled byte-level tokenizer
+    tokenizer_path: str | None = None  # None = the bundled byte-level tokenizer
     pack_sequences: bool = True  # pack several examples per row; False = pad each example
     mask_prompt: bool = True  # no loss on prompt tokens
 
@@ -189,9 +189,9 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: Optional[str] = None
+    save_dir: str | None = None
     save_interval: int = 0  # 0 = only at the end (when save_dir is set)
-    load_dir: Optional[str] = None  # resume from here (latest iteration)
+    load_dir: str | None = None  # resume from here (latest iteration)
     # launch (pre-emption, docs/launch.md): these signals make `mcore-rl sft`/`train` finish the current
     # step, save a checkpoint to save_dir and exit with code 75 (mcore_rl/parallel/preemption.py); [] = off
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])

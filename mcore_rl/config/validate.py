@@ -8,7 +8,6 @@ reported together in one `ConfigError`, one line per rule, each naming the dotte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
@@ -33,7 +32,7 @@ class DerivedSizes:
     num_microbatches: int
 
 
-def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Optional[Errors] = None) -> DerivedSizes:
+def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Errors | None = None) -> DerivedSizes:
     """Raise `ConfigError` listing every impossible combination; otherwise return derived sizes.
     `errors` lets `mcore-rl profile` validate for a target cluster (`Errors(assume_transformer_engine=True)`)."""
     errors = errors if errors is not None else Errors()
@@ -54,11 +53,14 @@ def validate_sft_config(cfg: SFTConfig, world_size: int, errors: Optional[Errors
 
 def check_train_sizes(t: TrainConfig, errors: Errors) -> bool:
     """Row length and batch sizes must be positive before batches are divided into micro-batches."""
-    ok = need_positive(errors, [
-        ("train.seq_length", t.seq_length),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.global_batch_size", t.global_batch_size),
-    ])
+    ok = need_positive(
+        errors,
+        [
+            ("train.seq_length", t.seq_length),
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.global_batch_size", t.global_batch_size),
+        ],
+    )
     errors.need(t.train_iters >= 0, "train.train_iters", f"must be >= 0, got {t.train_iters}")
     return ok
 
@@ -69,15 +71,21 @@ def check_batch(t: TrainConfig, p: ParallelConfig, dp: int, errors: Errors) -> i
         return 0
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     per_step = t.micro_batch_size * dp
-    if not errors.need(t.global_batch_size % per_step == 0, "train.global_batch_size",
-                       f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
-                       f"data parallel size ({dp}) = {per_step}"):
+    if not errors.need(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
+        f"data parallel size ({dp}) = {per_step}",
+    ):
         return 0
     num_microbatches = t.global_batch_size // per_step
     if vpp is not None and pp > 1:
-        errors.need(num_microbatches % pp == 0, "train.global_batch_size",
-                    f"gives {num_microbatches} micro-batches per step, which the interleaved pipeline "
-                    f"schedule needs to be a multiple of pipeline_model_parallel_size {pp}")
+        errors.need(
+            num_microbatches % pp == 0,
+            "train.global_batch_size",
+            f"gives {num_microbatches} micro-batches per step, which the interleaved pipeline "
+            f"schedule needs to be a multiple of pipeline_model_parallel_size {pp}",
+        )
     return num_microbatches
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import check_layout, default_world_size, parallel_config
@@ -27,7 +27,7 @@ def _parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def _model_config_from_args(args: Any) -> Optional["ModelConfig"]:
+def _model_config_from_args(args: Any) -> ModelConfig | None:
     if not getattr(args, "config", None) and not getattr(args, "overrides", None):
         return None
     from mcore_rl.config import SFTConfig, load_config
@@ -35,7 +35,7 @@ def _model_config_from_args(args: Any) -> Optional["ModelConfig"]:
     return load_config(SFTConfig, args.config, list(args.overrides or [])).model
 
 
-def plan(args: Any) -> tuple["ParallelConfig", int]:
+def plan(args: Any) -> tuple[ParallelConfig, int]:
     """Check what can be checked before any worker starts; returns (layout, world size).
 
     Raises FileNotFoundError / ValueError / ConfigError with a message for the user.
@@ -55,8 +55,10 @@ def plan(args: Any) -> tuple["ParallelConfig", int]:
     else:
         if not os.path.isdir(args.input):
             raise FileNotFoundError(f"--input {args.input} does not exist")
-        if not (os.path.exists(os.path.join(args.input, "latest"))
-                or os.path.exists(os.path.join(args.input, "metadata.json"))):
+        if not (
+            os.path.exists(os.path.join(args.input, "latest"))
+            or os.path.exists(os.path.join(args.input, "metadata.json"))
+        ):
             raise FileNotFoundError(f"--input {args.input} holds no checkpoint (no 'latest' file, no metadata.json)")
         mc = _model_config_from_args(args)
         if mc is None and world > 1:  # check the layout before workers start (imports megatron)
@@ -90,12 +92,20 @@ def run(args: Any) -> int:
             path = hf_to_mcore(args.input, args.output, pc, args.precision)
             if dist.get_rank() == 0:
                 recipe = os.path.join(args.output, RECIPE_FILE)
-                print(f"wrote megatron checkpoint {path} (model only, converted with TP={pc.tensor_model_parallel_size} "
-                      f"PP={pc.pipeline_model_parallel_size} EP={pc.expert_model_parallel_size}; it loads in any layout)\n"
-                      f"train from it: mcore-rl sft {recipe} [key=value ...]", flush=True)
+                print(
+                    f"wrote megatron checkpoint {path} (model only, converted with TP={pc.tensor_model_parallel_size} "
+                    f"PP={pc.pipeline_model_parallel_size} EP={pc.expert_model_parallel_size}; it loads in any layout)\n"
+                    f"train from it: mcore-rl sft {recipe} [key=value ...]",
+                    flush=True,
+                )
         else:
             kind = mcore_to_hf(
-                args.input, args.output, pc, _model_config_from_args(args), args.dtype, args.tokenizer,
+                args.input,
+                args.output,
+                pc,
+                _model_config_from_args(args),
+                args.dtype,
+                args.tokenizer,
                 _parse_size(args.max_shard_size),
             )
             if dist.get_rank() == 0:

@@ -65,11 +65,16 @@ def inspect_gguf(path: str) -> dict[str, Any]:
     tokenizer_model = _field(reader, "tokenizer.ggml.model")
     if tokenizer_model is None:
         raise GGUFError(f"{path}: field 'tokenizer.ggml.model' is missing; the file carries no tokenizer")
-    return {"architecture": arch, "model_type": model_type, "tensors": len(reader.tensors),
-            "tokenizer_model": tokenizer_model, "name": _field(reader, "general.name"),
-            "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-            "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id")}
+    return {
+        "architecture": arch,
+        "model_type": model_type,
+        "tensors": len(reader.tensors),
+        "tokenizer_model": tokenizer_model,
+        "name": _field(reader, "general.name"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
 
 
 def gguf_to_hf(path: str, output: str) -> dict[str, Any]:
@@ -90,8 +95,10 @@ def gguf_to_hf(path: str, output: str) -> dict[str, Any]:
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
-        raise GGUFError(f"{path}: tensors do not match the {info['model_type']} model: "
-                        f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise GGUFError(
+            f"{path}: tensors do not match the {info['model_type']} model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if tied:
         plain.tie_weights()
     del loaded, state
@@ -101,9 +108,14 @@ def gguf_to_hf(path: str, output: str) -> dict[str, Any]:
     tokenizer.save_pretrained(output)
     gen = {k: info[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if isinstance(info[k], int)}
     GenerationConfig(**gen).save_pretrained(output)
-    summary = {"source": os.path.basename(path), "architecture": info["architecture"],
-               "model_type": info["model_type"], "parameters": sum(p.numel() for p in plain.parameters()),
-               "chat_template": bool(getattr(tokenizer, "chat_template", None)), **gen}
+    summary = {
+        "source": os.path.basename(path),
+        "architecture": info["architecture"],
+        "model_type": info["model_type"],
+        "parameters": sum(p.numel() for p in plain.parameters()),
+        "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+        **gen,
+    }
     with open(os.path.join(output, "gguf_source.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -6,7 +6,8 @@ import json
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -15,7 +16,16 @@ if TYPE_CHECKING:
 
     from mcore_rl.config.schema import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mcore_rl_qwen3", "qwen2", "qwen2_moe", "mistral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    "llama",
+    "mcore_rl_qwen3",
+    "qwen2",
+    "qwen2_moe",
+    "mistral",
+    "deepseek_v3",
+)
 # Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).
 ASSETS_DIR = "hf_assets"
 # Copied along as assets: small files that are not weights, config or code (tokenizer, chat
@@ -25,8 +35,15 @@ _NOT_ASSETS = re.compile(
 )
 _MAX_ASSET_BYTES = 100 * 1024**2
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -39,7 +56,7 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
     the tensors its own layers and experts need.
     """
 
-    def __init__(self, directory: str, wanted: Optional[Callable[[str], bool]] = None) -> None:
+    def __init__(self, directory: str, wanted: Callable[[str], bool] | None = None) -> None:
         self.directory = directory
         self.wanted = wanted
         index = os.path.join(directory, "model.safetensors.index.json")
@@ -112,7 +129,7 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
         return _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
 
 
-def read_hf_config(directory: str) -> "PretrainedConfig":
+def read_hf_config(directory: str) -> PretrainedConfig:
     """The `transformers` config of a local checkpoint directory (supported model types only)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
@@ -129,7 +146,7 @@ def read_hf_config(directory: str) -> "PretrainedConfig":
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
-def model_config_from_hf(hf: "PretrainedConfig", rope_key: Optional[str] = None) -> "ModelConfig":
+def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> ModelConfig:
     """`configuration.model_config_from_hf_config`, after rejecting what megatron-core here cannot
     express (every problem at once, each naming the `config.json` field). `rope_key`: the RoPE key
     the source file has (`rope_key_in_file`), named in errors and kept for export."""
@@ -154,11 +171,13 @@ def model_config_from_hf(hf: "PretrainedConfig", rope_key: Optional[str] = None)
     return mc
 
 
-def copy_assets(source_dir: str, target_dir: str) -> Optional[str]:
+def copy_assets(source_dir: str, target_dir: str) -> str | None:
     """Copy the small non-weight, non-config, non-code files (tokenizer, ...); None if there are none."""
     names = [
-        n for n in sorted(os.listdir(source_dir))
-        if os.path.isfile(os.path.join(source_dir, n)) and not _NOT_ASSETS.match(n)
+        n
+        for n in sorted(os.listdir(source_dir))
+        if os.path.isfile(os.path.join(source_dir, n))
+        and not _NOT_ASSETS.match(n)
         and os.path.getsize(os.path.join(source_dir, n)) <= _MAX_ASSET_BYTES
     ]
     if not names:

@@ -18,7 +18,8 @@ import json
 import math
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,9 @@ class SafetensorsShardWriter:
     files of at most `max_shard_bytes` each (a tensor larger than that gets a file of its own) plus the
     index json. `plan` is the (name, shape, dtype) of every tensor, in the order `write` will see them."""
 
-    def __init__(self, output_dir: str, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 max_shard_bytes: int) -> None:
+    def __init__(
+        self, output_dir: str, plan: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int
+    ) -> None:
         self.output_dir = output_dir
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
@@ -56,11 +58,14 @@ class SafetensorsShardWriter:
             shards[-1].append((name, tuple(shape), dtype))
             size += n
         self._shards = shards
-        self.files = (["model.safetensors"] if len(shards) == 1 else
-                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        self.files = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
         self._queue = [(i, *entry) for i, shard in enumerate(shards) for entry in shard]
         self._next = 0
-        self._file: Optional[Any] = None
+        self._file: Any | None = None
         self._file_index = -1
         self.total_bytes = sum(math.prod(s) * d.itemsize for _, s, d in plan)
 
@@ -107,8 +112,11 @@ def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.nn.Par
     """(global name, param) of this rank's parameters that go into the export."""
     from mcore_rl.models.shards import iter_local_params
 
-    return [(name, param) for _, name, param in iter_local_params(chunks, with_buffers=True)
-            if not (getattr(param, "shared_embedding", False) and name == "output_layer.weight")]
+    return [
+        (name, param)
+        for _, name, param in iter_local_params(chunks, with_buffers=True)
+        if not (getattr(param, "shared_embedding", False) and name == "output_layer.weight")
+    ]
 
 
 def _leader(param: torch.nn.Parameter, global_name: str) -> int:
@@ -122,7 +130,7 @@ def _leader(param: torch.nn.Parameter, global_name: str) -> int:
     return dist.get_global_rank(group, 0)
 
 
-def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: StreamStats) -> Optional[torch.Tensor]:
+def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: StreamStats) -> torch.Tensor | None:
     """The full tensor on the TP/ETP leader (None on the other members); DP-sharded tables are
     all-gathered over their TP and DP groups (they are small) and come back whole on every holder."""
     from mcore_rl.models.shards import _tp_group_rank_size, gather_data_parallel_shards, unshard
@@ -149,8 +157,13 @@ def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: Stream
 
 
 def stream_export(
-    chunks: list[torch.nn.Module], mc: "ModelConfig", output_dir: str, dtype: torch.dtype,
-    max_shard_bytes: int, stats: Optional[StreamStats] = None, kind: Optional[str] = None,
+    chunks: list[torch.nn.Module],
+    mc: ModelConfig,
+    output_dir: str,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    stats: StreamStats | None = None,
+    kind: str | None = None,
 ) -> StreamStats:
     """Write the HF safetensors of the model in `chunks` (collective over the world; rank 0 writes);
     `kind` (the export kind, known on the writer) says which tensors stay fp32 (`to_hf.tensor_dtype`)."""
@@ -163,8 +176,10 @@ def stream_export(
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = _exported(chunks)
     # names, full shapes and dtypes only: who could send each tensor, and the writer's plan
-    offer = [(name, full_shape(param, name), str(param.dtype).replace("torch.", ""), _leader(param, name))
-             for name, param in local]
+    offer = [
+        (name, full_shape(param, name), str(param.dtype).replace("torch.", ""), _leader(param, name))
+        for name, param in local
+    ]
     offers: list[Any] = [offer]
     if world > 1:
         offers = [None] * world
@@ -178,16 +193,20 @@ def stream_export(
     order = sorted(meta, key=natural_key)
     writer = None
     if me == WRITER:
-        plan = [(hf_name, tuple(piece.shape), tensor_dtype(hf_name, kind, dtype)) for name in order
-                for hf_name, piece in megatron_to_hf(name, torch.empty(meta[name][0], device="meta"), mc)]
+        plan = [
+            (hf_name, tuple(piece.shape), tensor_dtype(hf_name, kind, dtype))
+            for name in order
+            for hf_name, piece in megatron_to_hf(name, torch.empty(meta[name][0], device="meta"), mc)
+        ]
         writer = SafetensorsShardWriter(output_dir, plan, max_shard_bytes)
     params = dict(local)
     with progress(writer.total_bytes if writer else 0, "export", unit="B") as bar:
         for i, name in enumerate(order):
             full = None
             param = params.get(name)
-            if param is not None and (_leader(param, name) == source[name]
-                                      or getattr(param, "data_parallel_sharded", False)):
+            if param is not None and (
+                _leader(param, name) == source[name] or getattr(param, "data_parallel_sharded", False)
+            ):
                 full = _gather_to_leader(param, name, stats)
             if source[name] != WRITER:
                 if me == source[name]:

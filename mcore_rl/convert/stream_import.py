@@ -10,7 +10,8 @@ No full-model dict exists anywhere, and a TP rank never reads the rows of its pe
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
 
@@ -36,8 +37,11 @@ def full_shape(param: torch.nn.Parameter, global_name: str) -> list[int]:
 
 
 def read_owned_shard(
-    source: HFCheckpoint, param: torch.nn.Parameter, global_name: str, mc: "ModelConfig",
-    stats: Optional[StreamStats] = None,
+    source: HFCheckpoint,
+    param: torch.nn.Parameter,
+    global_name: str,
+    mc: ModelConfig,
+    stats: StreamStats | None = None,
 ) -> torch.Tensor:
     """This rank's slice of the megatron tensor `global_name`, read from the HF checkpoint."""
     from mcore_rl.hf.weight_map import merge_qkv, megatron_to_hf
@@ -67,8 +71,12 @@ def read_owned_shard(
     # fused along rows (QKV per query group, [gate; up] per half): the same fraction of every part
     parts = [source.read_rows(hf_name, 0, *owned_range(piece.shape[0], rank, size)) for hf_name, piece in pieces]
     if global_name.endswith(_QKV):
-        local = dataclasses.replace(mc, num_query_groups=mc.num_query_groups // size,
-                                    num_attention_heads=mc.num_attention_heads // size, kv_channels=mc.head_dim)
+        local = dataclasses.replace(
+            mc,
+            num_query_groups=mc.num_query_groups // size,
+            num_attention_heads=mc.num_attention_heads // size,
+            kv_channels=mc.head_dim,
+        )
         shard = merge_qkv(*parts, local)
     else:
         shard = torch.cat(parts, dim=0)
@@ -89,7 +97,7 @@ def _read_padded_rows(source: HFCheckpoint, hf_name: str, dim: int, start: int, 
     return torch.cat([real, real.new_zeros(shape)], dim=dim)
 
 
-def _ngram_table(source: HFCheckpoint, name: str, mc: "ModelConfig") -> torch.Tensor:
+def _ngram_table(source: HFCheckpoint, name: str, mc: ModelConfig) -> torch.Tensor:
     """A whole n-gram table or projection of one order (`weight_map`'s layout), from its k slices."""
     import re
 
@@ -104,7 +112,7 @@ def _ngram_table(source: HFCheckpoint, name: str, mc: "ModelConfig") -> torch.Te
 
 @torch.no_grad()
 def stream_load(
-    chunks: Iterable[torch.nn.Module], source: HFCheckpoint, mc: "ModelConfig", stats: Optional[StreamStats] = None
+    chunks: Iterable[torch.nn.Module], source: HFCheckpoint, mc: ModelConfig, stats: StreamStats | None = None
 ) -> StreamStats:
     """Copy the HF checkpoint into this rank's parameters, one owned slice at a time (rank 0 draws a bar)."""
     from mcore_rl.models.shards import iter_local_params
@@ -116,8 +124,9 @@ def stream_load(
         for i, (_, global_name, param) in enumerate(params):
             shard = read_owned_shard(source, param, global_name, mc, stats)
             if tuple(shard.shape) != tuple(param.shape):
-                raise ValueError(f"{global_name}: read a slice of shape {tuple(shard.shape)}, "
-                                 f"the parameter has {tuple(param.shape)}")
+                raise ValueError(
+                    f"{global_name}: read a slice of shape {tuple(shard.shape)}, the parameter has {tuple(param.shape)}"
+                )
             param.copy_(shard)
             stats.moved(param)
             bar.set_postfix_str(f"{i + 1}/{len(params)} tensors", refresh=False)

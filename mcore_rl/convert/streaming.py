@@ -9,7 +9,6 @@ padded row range (vocabulary padding) belongs there too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -25,7 +24,7 @@ class StreamStats:
     peak_held_bytes: int = 0
     largest_tensor_bytes: int = 0
 
-    def held(self, *tensors: Optional[torch.Tensor]) -> None:
+    def held(self, *tensors: torch.Tensor | None) -> None:
         """Record that `tensors` are alive at the same time (their sum may be the new peak)."""
         sizes = [nbytes(t) for t in tensors if t is not None]
         self.peak_held_bytes = max(self.peak_held_bytes, sum(sizes))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,9 +20,15 @@ if TYPE_CHECKING:
 
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
-STOCK_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+STOCK_CLASSES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
 REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
@@ -33,18 +39,26 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 FP32_TENSORS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
 
 
-def tensor_dtype(hf_name: str, kind: Optional[str], dtype: torch.dtype) -> torch.dtype:
+def tensor_dtype(hf_name: str, kind: str | None, dtype: torch.dtype) -> torch.dtype:
     """The dtype an exported tensor is written in: the export's, or fp32 where the stock family keeps it."""
     return torch.float32 if kind and hf_name.endswith(FP32_TENSORS.get(kind, ())) else dtype
+
+
 # The remote-code files are the modules of mcore_rl.hf (a sibling package of this one).
 _HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf")
 # Source-config fields that are not architecture but belong to the model (special token ids).
 _CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
-def export_kind(mc: "ModelConfig", family: Optional[str] = None) -> str:
+def export_kind(mc: ModelConfig, family: str | None = None) -> str:
     """'qwen3' | 'qwen3_moe' | 'llama' | 'qwen2' | 'qwen2_moe' | 'mistral' (stock transformers
     classes) or 'remote' (our modeling code).
 
@@ -74,8 +88,8 @@ def export_kind(mc: "ModelConfig", family: Optional[str] = None) -> str:
 
 
 def export_config(
-    mc: "ModelConfig", dtype: torch.dtype, source: Optional[dict[str, Any]] = None
-) -> tuple["PretrainedConfig", str]:
+    mc: ModelConfig, dtype: torch.dtype, source: dict[str, Any] | None = None
+) -> tuple[PretrainedConfig, str]:
     """The HF config to write, and the export kind (see `export_kind`)."""
     from mcore_rl.hf.configuration import hf_config_from_model_config, keep_source_layer_keys, to_stock_hf_config
 
@@ -135,7 +149,8 @@ def save_safetensors(
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index when over `max_shard_bytes`."""
     names = sorted(tensors, key=natural_key)
     writer = SafetensorsShardWriter(
-        output_dir, [(n, tuple(tensors[n].shape), tensors[n].dtype) for n in names], max_shard_bytes)
+        output_dir, [(n, tuple(tensors[n].shape), tensors[n].dtype) for n in names], max_shard_bytes
+    )
     for name in names:
         writer.write(name, tensors[name])
     return writer.close()
@@ -143,23 +158,27 @@ def save_safetensors(
 
 def write_hf_checkpoint(
     hf_state: dict[str, torch.Tensor],
-    mc: "ModelConfig",
+    mc: ModelConfig,
     output_dir: str,
     dtype: torch.dtype = torch.float32,
-    source_config: Optional[dict[str, Any]] = None,
-    assets_dir: Optional[str] = None,
+    source_config: dict[str, Any] | None = None,
+    assets_dir: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write config, weights (HF names), remote code if needed and assets; returns the export kind."""
     kind = write_hf_files(mc, output_dir, dtype, source_config, assets_dir)
-    save_safetensors({k: v.to(tensor_dtype(k, kind, dtype)).contiguous() for k, v in hf_state.items()},
-                     output_dir, max_shard_bytes)
+    save_safetensors(
+        {k: v.to(tensor_dtype(k, kind, dtype)).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes
+    )
     return kind
 
 
 def write_hf_files(
-    mc: "ModelConfig", output_dir: str, dtype: torch.dtype, source_config: Optional[dict[str, Any]] = None,
-    assets_dir: Optional[str] = None,
+    mc: ModelConfig,
+    output_dir: str,
+    dtype: torch.dtype,
+    source_config: dict[str, Any] | None = None,
+    assets_dir: str | None = None,
 ) -> str:
     """Everything of an HF checkpoint but the weights: config, remote code if needed, assets; the export kind."""
     cfg, kind = export_config(mc, dtype, source_config)
@@ -174,7 +193,7 @@ def write_hf_files(
     return kind
 
 
-def _stored_dtype(path: str, name: str = "embedding.word_embeddings.weight") -> Optional[torch.dtype]:
+def _stored_dtype(path: str, name: str = "embedding.word_embeddings.weight") -> torch.dtype | None:
     """The dtype a megatron dist-checkpoint stores a tensor in (None if not found)."""
     from megatron.core import dist_checkpointing
 
@@ -191,13 +210,13 @@ def _stored_dtype(path: str, name: str = "embedding.word_embeddings.weight") -> 
 def mcore_to_hf(
     input_path: str,
     output_dir: str,
-    pc: Optional["ParallelConfig"] = None,
-    model_config: Optional["ModelConfig"] = None,
+    pc: ParallelConfig | None = None,
+    model_config: ModelConfig | None = None,
     dtype: str = "auto",
-    tokenizer_dir: Optional[str] = None,
+    tokenizer_dir: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    stats: Optional[StreamStats] = None,
-) -> Optional[str]:
+    stats: StreamStats | None = None,
+) -> str | None:
     """Export a megatron dist-checkpoint (a save dir or one `iter_*` dir) to HF (collective).
 
     `model_config` defaults to the one stored in the checkpoint. `dtype="auto"` keeps the source
@@ -232,7 +251,9 @@ def mcore_to_hf(
     checkpoint.load_checkpoint(path, chunks, None)
     kind = None
     if dist.get_rank() == 0:
-        save_dir = os.path.dirname(path) if os.path.exists(os.path.join(os.path.dirname(path), checkpoint.LATEST)) else path
+        save_dir = (
+            os.path.dirname(path) if os.path.exists(os.path.join(os.path.dirname(path), checkpoint.LATEST)) else path
+        )
         assets = tokenizer_dir or os.path.join(save_dir, ASSETS_DIR)
         kind = write_hf_files(mc, output_dir, out_dtype, common.get("hf_config"), assets)
     stream_export(chunks, mc, output_dir, out_dtype, max_shard_bytes, stats, kind)
@@ -240,7 +261,7 @@ def mcore_to_hf(
     return kind
 
 
-def stored_model_config(common: dict[str, Any], path: str) -> "ModelConfig":
+def stored_model_config(common: dict[str, Any], path: str) -> ModelConfig:
     """The `ModelConfig` a checkpoint recorded in its common state (`common["model"]`)."""
     if "model" not in common:
         raise ValueError(
@@ -250,7 +271,7 @@ def stored_model_config(common: dict[str, Any], path: str) -> "ModelConfig":
     return model_config_from_dict(common["model"])
 
 
-def model_config_from_dict(data: dict[str, Any]) -> "ModelConfig":
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     """A `ModelConfig` from its plain dict (as checkpoints and recipes store it), type-checked."""
     from mcore_rl.config.loader import _build
     from mcore_rl.config.schema import ModelConfig

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import build_chunks, check_layout
@@ -15,12 +15,21 @@ if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
 RECIPE_FILE = "recipe.yaml"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "mcore_rl_tokenizer.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "mcore_rl_tokenizer.json",
+)
 
 
 def hf_to_mcore(
-    input_dir: str, output_dir: str, pc: "ParallelConfig", precision: str = "fp32",
-    stats: Optional[StreamStats] = None,
+    input_dir: str,
+    output_dir: str,
+    pc: ParallelConfig,
+    precision: str = "fp32",
+    stats: StreamStats | None = None,
 ) -> str:
     """Convert a local HF checkpoint to a model-only megatron dist-checkpoint (collective).
 
@@ -59,7 +68,7 @@ def hf_to_mcore(
     return path
 
 
-def write_recipe(output_dir: str, mc: "ModelConfig", assets_dir: Optional[str]) -> str:
+def write_recipe(output_dir: str, mc: ModelConfig, assets_dir: str | None) -> str:
     """`<output>/recipe.yaml`: model, checkpoint and tokenizer, for `mcore-rl sft` (or as `defaults`)."""
     import yaml
 
@@ -70,7 +79,9 @@ def write_recipe(output_dir: str, mc: "ModelConfig", assets_dir: Optional[str]) 
         recipe["data"] = {"tokenizer_path": os.path.abspath(assets_dir)}
     path = os.path.abspath(os.path.join(output_dir, RECIPE_FILE))
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# Written by `mcore-rl convert hf-to-mcore`: train from the converted weights with\n"
-                f"#   mcore-rl sft {path} [key=value ...]\n# or list this file under `defaults:` in a recipe.\n")
+        f.write(
+            "# Written by `mcore-rl convert hf-to-mcore`: train from the converted weights with\n"
+            f"#   mcore-rl sft {path} [key=value ...]\n# or list this file under `defaults:` in a recipe.\n"
+        )
         yaml.safe_dump(recipe, f, sort_keys=False, default_flow_style=False)
     return path

@@ -29,7 +29,8 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -104,15 +105,25 @@ def domain_specs(cfg: Any) -> dict[str, DomainSpec]:
     """Every domain of an `RLConfig` by name; the single-source config is one domain."""
     r = cfg.rollout
     if not cfg.data.domains:
-        return {legacy_domain_name(cfg): DomainSpec(legacy_domain_name(cfg), [RewardHead(cfg.reward.name)],
-                                                    r.group_size, r.top_p, r.top_k, r.max_new_tokens)}
+        return {
+            legacy_domain_name(cfg): DomainSpec(
+                legacy_domain_name(cfg), [RewardHead(cfg.reward.name)], r.group_size, r.top_p, r.top_k, r.max_new_tokens
+            )
+        }
     out = {}
     for d in cfg.data.domains:
-        heads = [RewardHead(h.name, h.weight, dict(h.options)) for h in d.rewards] or [RewardHead(default_reward(d, cfg))]
+        heads = [RewardHead(h.name, h.weight, dict(h.options)) for h in d.rewards] or [
+            RewardHead(default_reward(d, cfg))
+        ]
         out[d.name] = DomainSpec(
-            d.name, heads, d.group_size if d.group_size is not None else r.group_size,
-            d.top_p if d.top_p is not None else r.top_p, d.top_k if d.top_k is not None else r.top_k,
-            min(d.max_new_tokens or r.max_new_tokens, r.max_new_tokens), d.weight)
+            d.name,
+            heads,
+            d.group_size if d.group_size is not None else r.group_size,
+            d.top_p if d.top_p is not None else r.top_p,
+            d.top_k if d.top_k is not None else r.top_k,
+            min(d.max_new_tokens or r.max_new_tokens, r.max_new_tokens),
+            d.weight,
+        )
     return out
 
 
@@ -132,7 +143,7 @@ def read_domain_file(path: str, prompt_key: str, label_key: str, on_bad_line: st
         rows = pq.read_table(path).to_pylist()
     except ImportError as err:
         raise DataError(f"{key}: reading parquet needs pyarrow ({err})") from None
-    except Exception as err:  # noqa: BLE001 - whatever pyarrow raises on a broken file
+    except Exception as err:
         raise DataError(f"{path}: not a readable parquet file: {type(err).__name__}: {err}") from None
     bad = BadLines(path, on_bad_line)
     pool: list[tuple] = []
@@ -164,8 +175,9 @@ def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
                 continue
             key = domain_key(i, d, leaf)
             try:
-                out[f"data.domains[{i}].{leaf}"] = read_domain_file(path, d.prompt_key, d.label_key,
-                                                                   cfg.data.on_bad_line, key)
+                out[f"data.domains[{i}].{leaf}"] = read_domain_file(
+                    path, d.prompt_key, d.label_key, cfg.data.on_bad_line, key
+                )
             except DataError as err:
                 msg = str(err)
                 raise DataError(msg if msg.startswith(key) else f"{key}: {msg}") from None
@@ -181,7 +193,11 @@ def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
-    task = get_task("reasoning_gym", dataset=value, **d.options) if kind == "reasoning_gym" else get_task(value, **d.options)
+    task = (
+        get_task("reasoning_gym", dataset=value, **d.options)
+        if kind == "reasoning_gym"
+        else get_task(value, **d.options)
+    )
     make = getattr(task, "rl_examples", task.examples)
     return make(n, seed)
 
@@ -204,7 +220,11 @@ def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Sequence[
         from mcore_rl.data.tasks import get_task
 
         kind, value = domain_source(d)
-        task = get_task("reasoning_gym", dataset=value, **d.options) if kind == "reasoning_gym" else get_task(value, **d.options)
+        task = (
+            get_task("reasoning_gym", dataset=value, **d.options)
+            if kind == "reasoning_gym"
+            else get_task(value, **d.options)
+        )
         render = renderer(d, tokenizer) or (lambda text: text)
         k = max(1, round(n * d.weight / total)) if total > 0 else max(1, n // len(domains))
         for j, (prompt, answer) in enumerate(task.examples(k, seed + i * DOMAIN_SEED_STRIDE)):
@@ -236,8 +256,9 @@ class DomainPools:
     validation: list[tuple]
 
 
-def domain_pools(cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offset: int,
-                 validation_offset: int) -> DomainPools:
+def domain_pools(
+    cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offset: int, validation_offset: int
+) -> DomainPools:
     """The training, held-out and validation pools of domain i, the held-out texts removed from the
     other two (so evaluation never measures a prompt the run trained on)."""
     d, seed = cfg.data.domains[i], cfg.train.seed
@@ -267,28 +288,36 @@ def domain_pools(cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offse
     return DomainPools(train, held, validation)
 
 
-def renderer(d: Any, tokenizer: Any) -> Optional[Callable[[str], str]]:
+def renderer(d: Any, tokenizer: Any) -> Callable[[str], str] | None:
     """The text the model sees for a raw prompt: the format string, or the chat template."""
     if d.chat_template:
-        if not callable(getattr(tokenizer, "apply_chat_template", None)) or not getattr(tokenizer, "has_chat_template", False):
-            raise DataError(f"data.domains (domain {d.name!r}).chat_template: the tokenizer has no chat template "
-                            "(set data.tokenizer_path to a Hugging Face tokenizer that has one)")
+        if not callable(getattr(tokenizer, "apply_chat_template", None)) or not getattr(
+            tokenizer, "has_chat_template", False
+        ):
+            raise DataError(
+                f"data.domains (domain {d.name!r}).chat_template: the tokenizer has no chat template "
+                "(set data.tokenizer_path to a Hugging Face tokenizer that has one)"
+            )
         system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
-        return lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}],
-                                                          add_generation_prompt=True, tokenize=False)
+        return lambda text: tokenizer.apply_chat_template(
+            system + [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
     if d.template is not None:
         template = d.template
         return lambda text: template.format(prompt=text)
     return None
 
 
-def longest_prompt_check(name: str, pool: Sequence[tuple], encode: Callable[[str], list[int]], budget: int,
-                         seq_length: int) -> None:
+def longest_prompt_check(
+    name: str, pool: Sequence[tuple], encode: Callable[[str], list[int]], budget: int, seq_length: int
+) -> None:
     """Every sample (prompt + response budget) of the domain must fit a packed row."""
     longest = max(len(encode(x[0])) for x in pool)
     if longest + budget > seq_length:
-        raise DataError(f"domain {name!r}: its longest prompt has {longest} tokens; with max_new_tokens={budget} "
-                        f"it does not fit train.seq_length={seq_length}")
+        raise DataError(
+            f"domain {name!r}: its longest prompt has {longest} tokens; with max_new_tokens={budget} "
+            f"it does not fit train.seq_length={seq_length}"
+        )
 
 
 # ------------------------------------------------------------------------------------ schedule
@@ -298,9 +327,9 @@ def longest_prompt_check(name: str, pool: Sequence[tuple], encode: Callable[[str
 class Stage:
     start_step: int
     weights: dict[str, float]  # normalised, over every domain (0 for a domain left out)
-    temperature: Optional[float] = None
-    max_new_tokens: Optional[int] = None
-    drop_solved_above: Optional[float] = None
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    drop_solved_above: float | None = None
 
 
 class MixtureSchedule:
@@ -353,9 +382,16 @@ def single_source_stages(cfg: Any) -> list[Any]:
     `MixtureSchedule`: each its temperature, each after the first dropping the prompts solved above
     `data.drop_solved_above`."""
     above = cfg.data.drop_solved_above
-    return [SimpleNamespace(start_step=st.start_step, weights={}, temperature=st.temperature, max_new_tokens=None,
-                            drop_solved_above=above if st.start_step > 0 else None)
-            for st in cfg.rollout.temperature_stages]
+    return [
+        SimpleNamespace(
+            start_step=st.start_step,
+            weights={},
+            temperature=st.temperature,
+            max_new_tokens=None,
+            drop_solved_above=above if st.start_step > 0 else None,
+        )
+        for st in cfg.rollout.temperature_stages
+    ]
 
 
 def _normalised(weights: dict[str, float]) -> dict[str, float]:
@@ -382,7 +418,7 @@ def pass_rate_filter(pass_rates: dict[str, float], drop_at_or_above: float = 1.0
 def diversity_score(rollouts: Sequence[Sequence[Any]], n: int = 4) -> float:
     """POLARIS's distinct n-gram ratio over a group of rollouts: #unique n-grams / #n-grams, in (0, 1]
     (the temperature is set where this stays high); NaN with no n-gram at all."""
-    grams = [tuple(r[i:i + n]) for r in rollouts for i in range(len(r) - n + 1)]
+    grams = [tuple(r[i : i + n]) for r in rollouts for i in range(len(r) - n + 1)]
     return len(set(grams)) / len(grams) if grams else math.nan
 
 
@@ -394,14 +430,21 @@ class MixtureSource:
     mixed by a `MixtureSchedule`; the same interface as `PromptSource` (`take`, `state_dict`,
     `load_state_dict`) plus `set_step`, `observe` and the stage's `temperature`."""
 
-    def __init__(self, sources: dict[str, Any], schedule: MixtureSchedule, seed: int, prompts_per_step: int,
-                 sampling: str = "interleave", budgets: Optional[dict[str, int]] = None) -> None:
+    def __init__(
+        self,
+        sources: dict[str, Any],
+        schedule: MixtureSchedule,
+        seed: int,
+        prompts_per_step: int,
+        sampling: str = "interleave",
+        budgets: dict[str, int] | None = None,
+    ) -> None:
         self.sources, self.schedule, self.seed = dict(sources), schedule, seed
         self.base_pools = {d: list(s.pool) for d, s in self.sources.items()}
         self.prompts_per_step, self.sampling = prompts_per_step, sampling
         self.budgets = budgets or {}
         self.drawn = 0
-        self.step: Optional[int] = None  # set by the synchronous loop; else the stream position decides
+        self.step: int | None = None  # set by the synchronous loop; else the stream position decides
         self.stage = 0
         self.credits = {d: 0.0 for d in self.sources}
         self.counts = {d: 0 for d in self.sources}
@@ -417,7 +460,7 @@ class MixtureSource:
         self.step = step
 
     @property
-    def temperature(self) -> Optional[float]:
+    def temperature(self) -> float | None:
         """The stage's sampling temperature (None: rollout.temperature)."""
         return self.schedule.stage(self.current_step()).temperature
 
@@ -487,16 +530,25 @@ class MixtureSource:
     # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mixture": True, "drawn": self.drawn, "step": self.step, "stage": self.stage, "seed": self.seed,
-                "credits": dict(self.credits), "counts": dict(self.counts),
-                "domains": {d: s.state_dict() for d, s in self.sources.items()},
-                "accuracy": {d: dict(a) for d, a in self.accuracy.items()},
-                "dropped": {d: list(x) for d, x in self.dropped.items()}}
+        return {
+            "mixture": True,
+            "drawn": self.drawn,
+            "step": self.step,
+            "stage": self.stage,
+            "seed": self.seed,
+            "credits": dict(self.credits),
+            "counts": dict(self.counts),
+            "domains": {d: s.state_dict() for d, s in self.sources.items()},
+            "accuracy": {d: dict(a) for d, a in self.accuracy.items()},
+            "dropped": {d: list(x) for d, x in self.dropped.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state.get("mixture") or set(state["domains"]) != set(self.sources):
-            raise ValueError(f"data state is for domains {sorted(state.get('domains', {})) or 'of a single source'}, "
-                             f"but this run has {sorted(self.sources)}; the domains changed since the checkpoint")
+            raise ValueError(
+                f"data state is for domains {sorted(state.get('domains', {})) or 'of a single source'}, "
+                f"but this run has {sorted(self.sources)}; the domains changed since the checkpoint"
+            )
         self.drawn, self.step, self.stage = int(state["drawn"]), state["step"], int(state["stage"])
         self.credits = {d: float(v) for d, v in state["credits"].items()}
         self.counts = {d: int(v) for d, v in state["counts"].items()}
@@ -522,26 +574,37 @@ def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
         pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET)
         render = renderer(dom, tokenizer)
         src = PromptSource(pools.train, tokenizer, seed + i * DOMAIN_SEED_STRIDE, d.add_bos, dom.name, render)
-        longest_prompt_check(dom.name, pools.train + pools.eval, src.encode, specs[dom.name].max_new_tokens,
-                             cfg.train.seq_length)
+        longest_prompt_check(
+            dom.name, pools.train + pools.eval, src.encode, specs[dom.name].max_new_tokens, cfg.train.seq_length
+        )
         train[dom.name] = src
-        val[dom.name] = PromptSource(pools.validation, tokenizer, seed + VALIDATION_SEED_OFFSET + i * DOMAIN_SEED_STRIDE,
-                                     d.add_bos, dom.name, render)
+        val[dom.name] = PromptSource(
+            pools.validation,
+            tokenizer,
+            seed + VALIDATION_SEED_OFFSET + i * DOMAIN_SEED_STRIDE,
+            d.add_bos,
+            dom.name,
+            render,
+        )
         held = PromptSource(pools.eval, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos, dom.name, render)
         for p in held.take(len(pools.eval)):
-            eval_prompts.append(replace(p, index=len(eval_prompts), max_new_tokens=_cap(p.max_new_tokens,
-                                                                                        specs[dom.name].max_new_tokens)))
+            eval_prompts.append(
+                replace(
+                    p, index=len(eval_prompts), max_new_tokens=_cap(p.max_new_tokens, specs[dom.name].max_new_tokens)
+                )
+            )
     weights = {dom.name: dom.weight for dom in d.domains}
     budgets = {name: s.max_new_tokens for name, s in specs.items()}
     pps = cfg.rollout.prompts_per_step
     schedule = MixtureSchedule(weights, d.mixture.stages)
     return PromptSets(
         train=MixtureSource(train, schedule, seed, pps, d.mixture.sampling, budgets),  # type: ignore[arg-type]
-        validation=MixtureSource(val, MixtureSchedule(weights), seed + VALIDATION_SEED_OFFSET, pps,
-                                 d.mixture.sampling, budgets),  # type: ignore[arg-type]
+        validation=MixtureSource(
+            val, MixtureSchedule(weights), seed + VALIDATION_SEED_OFFSET, pps, d.mixture.sampling, budgets
+        ),  # type: ignore[arg-type]
         eval_prompts=eval_prompts,
     )
 
 
-def _cap(a: Optional[int], b: int) -> int:
+def _cap(a: int | None, b: int) -> int:
     return min(a, b) if a is not None else b

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class BadLines:
         logger.warning("skipping bad line %s", msg)
 
 
-def read_lines(path: Optional[str], bad: BadLines, key: str = "data.path") -> list[tuple[int, Optional[str]]]:
+def read_lines(path: str | None, bad: BadLines, key: str = "data.path") -> list[tuple[int, str | None]]:
     """(line number, text) of every line of `path`; None for a line that is not UTF-8 (reported to
     `bad`), so a single bad byte costs one line, not the file. `key` names the setting in errors."""
     if path is None or not os.path.isfile(path):
@@ -40,7 +41,7 @@ def read_lines(path: Optional[str], bad: BadLines, key: str = "data.path") -> li
         raise DataError(f"{key}: {what}: {path}")
     with open(path, "rb") as f:
         raw_lines = f.read().splitlines()
-    lines: list[tuple[int, Optional[str]]] = []
+    lines: list[tuple[int, str | None]] = []
     for lineno, raw in enumerate(raw_lines, start=1):
         try:
             lines.append((lineno, raw.decode("utf-8")))
@@ -50,7 +51,7 @@ def read_lines(path: Optional[str], bad: BadLines, key: str = "data.path") -> li
     return lines
 
 
-def json_objects(lines: list[tuple[int, Optional[str]]], bad: BadLines) -> Iterator[tuple[int, dict[str, Any]]]:
+def json_objects(lines: list[tuple[int, str | None]], bad: BadLines) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) of every line that is a JSON object; blank and undecodable lines are
     passed over, anything else is reported to `bad`."""
     for lineno, line in lines:

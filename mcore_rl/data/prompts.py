@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,8 +32,15 @@ class PromptSource:
     the epoch and position so a resumed run draws exactly the prompts an uninterrupted one would.
     """
 
-    def __init__(self, pool: list[tuple[str, Any]], tokenizer: Any, seed: int, add_bos: bool = True,
-                 domain: str = "", render: Optional[Callable[[str], str]] = None) -> None:
+    def __init__(
+        self,
+        pool: list[tuple[str, Any]],
+        tokenizer: Any,
+        seed: int,
+        add_bos: bool = True,
+        domain: str = "",
+        render: Callable[[str], str] | None = None,
+    ) -> None:
         if not pool:
             raise ValueError("the prompt pool is empty")
         self.pool, self.tokenizer, self.seed, self.add_bos = pool, tokenizer, seed, add_bos
@@ -54,7 +62,7 @@ class PromptSource:
         return [bos] + ids
 
     # one domain: no stages, nothing to learn from the scores (the interface of `MixtureSource`)
-    temperature: Optional[float] = None
+    temperature: float | None = None
 
     def set_step(self, step: int) -> None:
         pass
@@ -74,18 +82,26 @@ class PromptSource:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "drawn": self.drawn, "seed": self.seed,
-                "pool": len(self.pool)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "drawn": self.drawn,
+            "seed": self.seed,
+            "pool": len(self.pool),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if int(state["seed"]) != self.seed or int(state["pool"]) != len(self.pool):
-            raise ValueError(f"data state is for seed {state['seed']} with {state['pool']} prompts, but this run has "
-                             f"seed {self.seed} with {len(self.pool)}; the data or seed changed since the checkpoint")
+            raise ValueError(
+                f"data state is for seed {state['seed']} with {state['pool']} prompts, but this run has "
+                f"seed {self.seed} with {len(self.pool)}; the data or seed changed since the checkpoint"
+            )
         self.epoch, self.position, self.drawn = int(state["epoch"]), int(state["position"]), int(state["drawn"])
 
 
-def read_prompt_file(path: str, prompt_key: str, label_key: str, on_bad_line: str = "error",
-                     key: str = "data.path") -> list[tuple[str, Any]]:
+def read_prompt_file(
+    path: str, prompt_key: str, label_key: str, on_bad_line: str = "error", key: str = "data.path"
+) -> list[tuple[str, Any]]:
     """(prompt, label) pairs of a jsonl file (plus the line's `max_new_tokens`, a per-prompt response
     budget, when it has one). A bad line (not UTF-8, not JSON, no string prompt) is
     reported as `path:line: problem` and raises, or is skipped with `on_bad_line="skip"`
@@ -140,8 +156,11 @@ def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
 
         return read_domain_files(cfg)
     paths = {"data.path": d.path, "eval.path": cfg.eval.path}
-    return {key: read_prompt_file(path, d.prompt_key, d.label_key, d.on_bad_line, key)
-            for key, path in paths.items() if path is not None}
+    return {
+        key: read_prompt_file(path, d.prompt_key, d.label_key, d.on_bad_line, key)
+        for key, path in paths.items()
+        if path is not None
+    }
 
 
 def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
@@ -159,12 +178,20 @@ def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
         validation = pool
     else:
         pool = task_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
-        held_out = files["eval.path"] if e.path else task_pool(d.synthetic_task, e.num_prompts,
-                                                                seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits)
-        validation = task_pool(d.synthetic_task, max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
-                               seed + VALIDATION_SEED_OFFSET, d.synthetic_max_digits)
+        held_out = (
+            files["eval.path"]
+            if e.path
+            else task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits)
+        )
+        validation = task_pool(
+            d.synthetic_task,
+            max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
+            seed + VALIDATION_SEED_OFFSET,
+            d.synthetic_max_digits,
+        )
     eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos, domain).take(
-        min(e.num_prompts, len(held_out)))
+        min(e.num_prompts, len(held_out))
+    )
     held_out_texts = {p.text for p in eval_prompts}
     if d.path is None or e.path:
         pool = [x for x in pool if x[0] not in held_out_texts] or pool
@@ -173,8 +200,12 @@ def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     if cfg.rollout.temperature_stages:  # POLARIS: staged temperature (and stage filter) on one source
         from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages
 
-        train = MixtureSource({domain: train}, MixtureSchedule({domain: 1.0}, single_source_stages(cfg)), seed,
-                              cfg.rollout.prompts_per_step)
+        train = MixtureSource(
+            {domain: train},
+            MixtureSchedule({domain: 1.0}, single_source_stages(cfg)),
+            seed,
+            cfg.rollout.prompts_per_step,
+        )
     return PromptSets(
         train=train,
         validation=PromptSource(validation, tokenizer, seed + VALIDATION_SEED_OFFSET, d.add_bos, domain),

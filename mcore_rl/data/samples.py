@@ -10,7 +10,7 @@ mismatch correction uses μ, and a resumed run continues the prompt stream where
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Prompt:
     ids: list[int]
     label: Any = None
     domain: str = ""  # the task or file it came from (per-domain rewards and metrics key on it)
-    max_new_tokens: Optional[int] = None  # this prompt's response budget (capped by rollout.max_new_tokens)
+    max_new_tokens: int | None = None  # this prompt's response budget (capped by rollout.max_new_tokens)
 
 
 @dataclass
@@ -36,14 +36,14 @@ class TeacherScores:
     then gets no distillation term."""
 
     logp: list[float] = field(default_factory=list)
-    topk_ids: Optional[list[list[int]]] = None
-    topk_logp: Optional[list[list[float]]] = None
+    topk_ids: list[list[int]] | None = None
+    topk_logp: list[list[float]] | None = None
     # the teacher's reference (its weights before RL) on the same tokens / the same top-k ids, for
     # methods that distil the teacher's shift log π_T - log π_Tref (Direct-OPD); None when not asked for
-    ref_logp: Optional[list[float]] = None
-    ref_topk_logp: Optional[list[list[float]]] = None
+    ref_logp: list[float] | None = None
+    ref_topk_logp: list[list[float]] | None = None
     source: str = ""  # which teacher (engine URL, "privileged", "frozen:<version>")
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass
@@ -59,13 +59,13 @@ class Sample:
     text: str = ""  # decoded completion (stop token trimmed)
     engine: str = ""  # which engine (URL or "embedded:i")
     reward: float = 0.0  # the scalar the advantage uses (the domain's weighted sum of its reward heads)
-    reward_error: Optional[str] = None
+    reward_error: str | None = None
     reward_heads: dict[str, float] = field(default_factory=dict)  # each named reward of the domain, unweighted
     info: dict[str, Any] = field(default_factory=dict)
     # weight version of each response token (partial rollouts continue a sample across syncs);
     # None = all tokens from `policy_version`
-    token_versions: Optional[list[int]] = None
-    teacher: Optional[TeacherScores] = None  # on-policy distillation: the teacher's view of the response
+    token_versions: list[int] | None = None
+    teacher: TeacherScores | None = None  # on-policy distillation: the teacher's view of the response
     # routing replay (R3): the engine's experts per token, a torch int tensor [len(prompt_ids) +
     # len(response_ids) - 1, num_layers, topk] (SGLang's routed_experts; -1 = dense layer), see
     # `compact_routing`; None = not asked for / not returned
@@ -74,8 +74,8 @@ class Sample:
     # from, flat — `sampling_mask_counts[j]` ids per token j, `sampling_mask_ids` all of them in token
     # order (one flat list, not a list per token: no per-token objects, one tensor conversion);
     # rollout_logp is then the log-prob under the renormalised distribution. None = full vocabulary.
-    sampling_mask_ids: Optional[list[int]] = None
-    sampling_mask_counts: Optional[list[int]] = None
+    sampling_mask_ids: list[int] | None = None
+    sampling_mask_counts: list[int] | None = None
     # which model generated it: "policy" (the engines of the trained weights) or "explorer" (S2L-PO's
     # frozen smaller model, `rollout.explorer`: μ is then that model's log-probs, off-policy for π)
     source: str = "policy"
@@ -85,8 +85,14 @@ class Sample:
         return self.prompt.ids
 
     def provenance(self) -> dict[str, Any]:
-        return {"prompt_index": self.prompt.index, "domain": self.prompt.domain, "policy_version": self.policy_version,
-                "engine": self.engine, "finish_reason": self.finish_reason, "source": self.source}
+        return {
+            "prompt_index": self.prompt.index,
+            "domain": self.prompt.domain,
+            "policy_version": self.policy_version,
+            "engine": self.engine,
+            "finish_reason": self.finish_reason,
+            "source": self.source,
+        }
 
 
 def compact_routing(routed: Any) -> Any:

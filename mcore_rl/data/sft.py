@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Collection, Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 import torch

@@ -50,7 +50,7 @@ class ByteTokenizer:
         self.eos_id = self._special_to_id["<eos>"]
 
     @classmethod
-    def default(cls) -> "ByteTokenizer":
+    def default(cls) -> ByteTokenizer:
         reserved = [f"<|reserved_{i}|>" for i in range(DEFAULT_VOCAB_SIZE - NUM_BYTES - len(NAMED_SPECIAL_TOKENS))]
         return cls(NAMED_SPECIAL_TOKENS + reserved, DEFAULT_VOCAB_SIZE)
 
@@ -102,7 +102,7 @@ class ByteTokenizer:
         return path
 
     @classmethod
-    def from_file(cls, path: str) -> "ByteTokenizer":
+    def from_file(cls, path: str) -> ByteTokenizer:
         with open(path, encoding="utf-8") as f:
             spec = json.load(f)
         if spec.get("type") != "byte" or spec.get("num_byte_tokens") != NUM_BYTES:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 Runner = Callable[[argparse.Namespace], dict[str, Any]]
 AddArguments = Callable[[argparse.ArgumentParser], Runner]

@@ -43,7 +43,8 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
+from collections.abc import Iterable
 
 import torch
 
@@ -84,7 +85,7 @@ def mlp_neurons(weights: dict[str, torch.Tensor]) -> dict[int, tuple[int, list[S
                 _add(layers, layer, f, [Slice(name, 0, 0), Slice(name, 0, f)], name)
             else:
                 _add(layers, layer, t.shape[1], [Slice(name, 1, 0)], name)
-    for layer, (f, slices) in layers.items():
+    for layer, (_f, slices) in layers.items():
         if len(slices) != 3:
             raise ValueError(f"layer {layer}: found {len(slices)} of the 3 MLP slices (gate, up, down): {slices}")
     return dict(sorted(layers.items()))
@@ -102,7 +103,7 @@ def neuron_vectors(weights: dict[str, torch.Tensor], slices: list[Slice], f: int
     parts = []
     for s in slices:
         t = weights[s.name].float()
-        part = t[s.offset:s.offset + f] if s.axis == 0 else t[:, s.offset:s.offset + f].T
+        part = t[s.offset : s.offset + f] if s.axis == 0 else t[:, s.offset : s.offset + f].T
         parts.append(part)
     return torch.cat(parts, dim=1)
 
@@ -130,12 +131,16 @@ def conflict(victim_update: torch.Tensor, interferer_update: torch.Tensor) -> to
     return torch.where((na > 0) & (nb > 0), -cos, torch.zeros_like(cos))
 
 
-def neuron_scores(act_victim: torch.Tensor, act_interferer: torch.Tensor, victim_update: torch.Tensor,
-                  interferer_update: torch.Tensor) -> dict[str, torch.Tensor]:
+def neuron_scores(
+    act_victim: torch.Tensor, act_interferer: torch.Tensor, victim_update: torch.Tensor, interferer_update: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """A, M, C and S = A·M·C (float64, [F]) of one layer's neurons (module doc)."""
     f = victim_update.shape[0]
-    for what, t in (("act_victim", act_victim), ("act_interferer", act_interferer),
-                    ("interferer_update", interferer_update)):
+    for what, t in (
+        ("act_victim", act_victim),
+        ("act_interferer", act_interferer),
+        ("interferer_update", interferer_update),
+    ):
         if t.shape[0] != f:
             raise ValueError(f"{what} has {t.shape[0]} neurons, the layer has {f}")
     a = torch.minimum(percentile(act_victim), percentile(act_interferer))
@@ -158,8 +163,12 @@ def select(scores: dict[int, torch.Tensor], budget: float) -> dict[int, torch.Te
     return {layer: torch.tensor(sorted(ix), dtype=torch.long) for layer, ix in chosen.items()}
 
 
-def rollback(victim: dict[str, torch.Tensor], interfered: dict[str, torch.Tensor],
-             layers: dict[int, tuple[int, list[Slice]]], chosen: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rollback(
+    victim: dict[str, torch.Tensor],
+    interfered: dict[str, torch.Tensor],
+    layers: dict[int, tuple[int, list[Slice]]],
+    chosen: dict[int, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """The interfered weights with the chosen neurons' slices copied from the victim checkpoint."""
     out = {k: v.clone() for k, v in interfered.items()}
     for layer, idx in chosen.items():
@@ -175,14 +184,21 @@ def rollback(victim: dict[str, torch.Tensor], interfered: dict[str, torch.Tensor
     return out
 
 
-def plan(before: dict[str, torch.Tensor], victim: dict[str, torch.Tensor], interfered: dict[str, torch.Tensor],
-         act_victim: dict[int, torch.Tensor], act_interferer: dict[int, torch.Tensor],
-         budget: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def plan(
+    before: dict[str, torch.Tensor],
+    victim: dict[str, torch.Tensor],
+    interfered: dict[str, torch.Tensor],
+    act_victim: dict[int, torch.Tensor],
+    act_interferer: dict[int, torch.Tensor],
+    budget: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Score, select and roll back; returns the new weights and a summary."""
     for what, w in (("before", before), ("victim", victim)):
         if set(w) != set(interfered):
-            raise ValueError(f"the {what} checkpoint holds other tensors than the interfered one, e.g. "
-                             f"{sorted(set(w) ^ set(interfered))[:5]}")
+            raise ValueError(
+                f"the {what} checkpoint holds other tensors than the interfered one, e.g. "
+                f"{sorted(set(w) ^ set(interfered))[:5]}"
+            )
     layers = mlp_neurons(interfered)
     if not layers:
         raise ValueError("no dense MLP weights found (gate/up/down_proj or linear_fc1/fc2)")
@@ -200,10 +216,17 @@ def plan(before: dict[str, torch.Tensor], victim: dict[str, torch.Tensor], inter
         "neurons": n,
         "budget": budget,
         "rolled_back": sum(len(ix) for ix in chosen.values()),
-        "by_layer": [{"layer": layer, "neurons": layers[layer][0], "rolled_back": len(chosen[layer]),
-                      "conflicting": int((scores[layer]["C"] > 0).sum()),
-                      "mean_score": float(scores[layer]["S"].mean()),
-                      "max_score": float(scores[layer]["S"].max())} for layer in layers],
+        "by_layer": [
+            {
+                "layer": layer,
+                "neurons": layers[layer][0],
+                "rolled_back": len(chosen[layer]),
+                "conflicting": int((scores[layer]["C"] > 0).sum()),
+                "mean_score": float(scores[layer]["S"].mean()),
+                "max_score": float(scores[layer]["S"].max()),
+            }
+            for layer in layers
+        ],
     }
     return new, summary
 
@@ -217,7 +240,7 @@ def mlp_activation_stats(model: torch.nn.Module, batches: Iterable[dict[str, tor
     keyword arguments of one forward: input_ids, attention_mask; masked tokens do not count)."""
     sums: dict[int, torch.Tensor] = {}
     counts: dict[int, float] = {}
-    mask_box: list[Optional[torch.Tensor]] = [None]
+    mask_box: list[torch.Tensor | None] = [None]
     hooks = []
     for name, module in model.named_modules():
         m = re.search(r"layers\.(\d+)\.mlp\.down_proj$", name)
@@ -285,13 +308,22 @@ def write_result(new: dict[str, torch.Tensor], interfered_path: str, output: str
     mc = stored_model_config(common, path)
     dtype = next(iter(new.values())).dtype
     assets = os.path.join(os.path.dirname(path), ASSETS_DIR)
-    write_hf_checkpoint(full_megatron_to_hf(new, mc), mc, output, dtype, common.get("hf_config"),
-                        assets if os.path.isdir(assets) else None)
+    write_hf_checkpoint(
+        full_megatron_to_hf(new, mc),
+        mc,
+        output,
+        dtype,
+        common.get("hf_config"),
+        assets if os.path.isdir(assets) else None,
+    )
     return output
 
 
-@analysis("remath_rollback", "Re-Math's training-free neuron rollback: score MLP neurons by shared activation "
-          "x update magnitude x conflict and roll the top ones back to the pre-interference checkpoint")
+@analysis(
+    "remath_rollback",
+    "Re-Math's training-free neuron rollback: score MLP neurons by shared activation "
+    "x update magnitude x conflict and roll the top ones back to the pre-interference checkpoint",
+)
 def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--before", required=True, help="checkpoint before the victim domain's stage (e.g. Code_o)")
     p.add_argument("--victim", required=True, help="checkpoint after the victim's stage, before interference (Math_o)")
@@ -302,8 +334,14 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--output", required=True, help="new Hugging Face dir (must not exist or be empty)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        new, summary = plan(load_weights(args.before), load_weights(args.victim), load_weights(args.interfered),
-                            load_activations(args.act_victim), load_activations(args.act_interferer), args.budget)
+        new, summary = plan(
+            load_weights(args.before),
+            load_weights(args.victim),
+            load_weights(args.interfered),
+            load_activations(args.act_victim),
+            load_activations(args.act_interferer),
+            args.budget,
+        )
         return {"output": write_result(new, args.interfered, args.output), **summary}
 
     return run
@@ -337,19 +375,22 @@ def text_batches(texts: list[str], tokenizer: Any, batch_size: int, max_length: 
     """Right-padded `input_ids` / `attention_mask` batches of the project's `Tokenizer` protocol."""
     out = []
     for i in range(0, len(texts), batch_size):
-        ids = [tokenizer.encode(t)[:max_length] for t in texts[i:i + batch_size]]
+        ids = [tokenizer.encode(t)[:max_length] for t in texts[i : i + batch_size]]
         width = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), width), tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
         for row, x in enumerate(ids):
-            input_ids[row, :len(x)] = torch.tensor(x, dtype=torch.long)
-            mask[row, :len(x)] = 1
+            input_ids[row, : len(x)] = torch.tensor(x, dtype=torch.long)
+            mask[row, : len(x)] = 1
         out.append({"input_ids": input_ids, "attention_mask": mask})
     return out
 
 
-@analysis("remath_activations", "per-neuron MLP activation statistics of a Hugging Face model on one domain's "
-          "data (the .pt files remath_rollback reads)")
+@analysis(
+    "remath_activations",
+    "per-neuron MLP activation statistics of a Hugging Face model on one domain's "
+    "data (the .pt files remath_rollback reads)",
+)
 def add_activation_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("model", help="Hugging Face dir (e.g. `mcore-rl convert mcore-to-hf` of the victim checkpoint)")
     p.add_argument("--data", required=True, help="jsonl of the domain's examples")
@@ -366,8 +407,10 @@ def add_activation_arguments(p: argparse.ArgumentParser) -> Runner:
         from mcore_rl.data.tokenizer import load_tokenizer
 
         tok_dir = args.tokenizer
-        if tok_dir is None and any(os.path.exists(os.path.join(args.model, f))
-                                   for f in ("tokenizer.json", "tokenizer_config.json", "mcore_rl_tokenizer.json")):
+        if tok_dir is None and any(
+            os.path.exists(os.path.join(args.model, f))
+            for f in ("tokenizer.json", "tokenizer_config.json", "mcore_rl_tokenizer.json")
+        ):
             tok_dir = args.model
         tokenizer = load_tokenizer(tok_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
@@ -376,7 +419,12 @@ def add_activation_arguments(p: argparse.ArgumentParser) -> Runner:
         stats = mlp_activation_stats(model, batches)
         torch.save(stats, args.output)
         tokens = int(sum(b["attention_mask"].sum() for b in batches))
-        return {"output": args.output, "examples": len(texts), "tokens": tokens, "layers": len(stats),
-                "neurons": sum(int(v.numel()) for v in stats.values())}
+        return {
+            "output": args.output,
+            "examples": len(texts),
+            "tokens": tokens,
+            "layers": len(stats),
+            "neurons": sum(int(v.numel()) for v in stats.values()),
+        }
 
     return run

@@ -13,7 +13,7 @@ import argparse
 import copy
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,17 +22,27 @@ from mcore_rl.data.samples import Prompt, Sample
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default_prompts: int = 16, default_group: int = 8) -> None:
     """--config/overrides (the task, its rewards, sampling), --model, and how many rollouts."""
-    parser.add_argument("--config", default="configs/demo.yaml",
-                        help="the `mcore-rl train` recipe whose task, rewards and sampling to use")
+    parser.add_argument(
+        "--config",
+        default="configs/demo.yaml",
+        help="the `mcore-rl train` recipe whose task, rewards and sampling to use",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. rollout.max_new_tokens=8")
-    parser.add_argument("--model", default=None,
-                        help="HF-format model directory (config.json + *.safetensors; `mcore-rl convert mcore-to-hf` "
-                             "makes one from a checkpoint); default: the recipe's model, randomly initialised")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF-format model directory (config.json + *.safetensors; `mcore-rl convert mcore-to-hf` "
+        "makes one from a checkpoint); default: the recipe's model, randomly initialised",
+    )
     parser.add_argument("--prompts", type=int, default=default_prompts, help="prompts to sample")
     parser.add_argument("--group-size", type=int, default=default_group, help="rollouts per prompt (G)")
     parser.add_argument("--temperature", type=float, default=None, help="default: rollout.temperature")
-    parser.add_argument("--split", choices=["eval", "train"], default="eval",
-                        help="the held-out evaluation prompts, or the first prompts of the training stream")
+    parser.add_argument(
+        "--split",
+        choices=["eval", "train"],
+        default="eval",
+        help="the held-out evaluation prompts, or the first prompts of the training stream",
+    )
 
 
 def _is_megatron_checkpoint(path: str) -> bool:
@@ -52,14 +62,17 @@ def check_model_dir(path: str) -> None:
             f"--model {path!r} is a megatron checkpoint, not an HF-format model; the analysis samples with the "
             f"embedded engine, which loads HF weights: convert it first with `mcore-rl convert mcore-to-hf --input "
             f"{path} --output DIR --config RECIPE` (the run's recipe; its latest checkpoint is converted) and pass "
-            "--model DIR")
+            "--model DIR"
+        )
     if os.path.isfile(os.path.join(path, "metrics.jsonl")):
         raise ValueError(
             f"--model {path!r} is a run directory (metrics.jsonl), which holds no model the embedded engine can "
             "load: the run's checkpoints are in its checkpoint.save_dir; convert one with `mcore-rl convert "
-            "mcore-to-hf --input SAVE_DIR --output DIR --config RECIPE` and pass --model DIR")
-    raise ValueError(f"--model {path!r} has no config.json: expected an HF-format model directory "
-                     "(config.json + *.safetensors)")
+            "mcore-to-hf --input SAVE_DIR --output DIR --config RECIPE` and pass --model DIR"
+        )
+    raise ValueError(
+        f"--model {path!r} has no config.json: expected an HF-format model directory (config.json + *.safetensors)"
+    )
 
 
 @dataclass
@@ -97,8 +110,9 @@ def load_policy(args: argparse.Namespace) -> Policy:
         from mcore_rl.rollout.engine.core import EngineCore
 
         check_model_dir(args.model)
-        engine = EngineCore.from_model_path(args.model, tokenizer_path=cfg.data.tokenizer_path, max_running_requests=1,
-                                            context_length=8)
+        engine = EngineCore.from_model_path(
+            args.model, tokenizer_path=cfg.data.tokenizer_path, max_running_requests=1, context_length=8
+        )
         model, tokenizer, source = engine.model, engine.tokenizer, args.model
     model = model.float().eval()
     for p in model.parameters():
@@ -115,8 +129,9 @@ def take_prompts(policy: Policy, n: int, split: str) -> list[Prompt]:
     return sets.eval_prompts[:n] if split == "eval" else sets.train.take(n)
 
 
-def sample_groups(policy: Policy, prompts: list[Prompt], group_size: int,
-                  temperature: Optional[float] = None) -> list[list[Sample]]:
+def sample_groups(
+    policy: Policy, prompts: list[Prompt], group_size: int, temperature: float | None = None
+) -> list[list[Sample]]:
     """`group_size` rollouts of each prompt from an embedded engine holding a copy of the policy (full
     precision, whatever rollout.quantization says: the analysis measures the policy itself), seeded as
     training rollouts are, and scored by the recipe's reward heads (`Sample.reward`, `Sample.reward_heads`)."""
@@ -128,10 +143,14 @@ def sample_groups(policy: Policy, prompts: list[Prompt], group_size: int,
         raise ValueError(f"--group-size must be >= 1, got {group_size}")
     cfg = policy.cfg
     longest = max(len(p.ids) for p in prompts) + cfg.rollout.max_new_tokens
-    core = EngineCore(copy.deepcopy(policy.model), policy.tokenizer,
-                      max_running_requests=max(1, min(len(prompts) * group_size, cfg.rollout.max_running_requests)),
-                      context_length=max(longest, cfg.rollout.context_length), random_seed=cfg.train.seed,
-                      return_original_logprob=False)
+    core = EngineCore(
+        copy.deepcopy(policy.model),
+        policy.tokenizer,
+        max_running_requests=max(1, min(len(prompts) * group_size, cfg.rollout.max_running_requests)),
+        context_length=max(longest, cfg.rollout.context_length),
+        random_seed=cfg.train.seed,
+        return_original_logprob=False,
+    )
     rewards = build_reward_runner(cfg)
     manager = RolloutManager(EmbeddedEnginePool([core]), None, rewards, cfg)  # type: ignore[arg-type]
     t = cfg.rollout.temperature if temperature is None else temperature

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -26,14 +26,15 @@ from mcore_rl.diagnose.update_sparsity import dist_checkpoint_path, module_type
 _PREFIX = "optimizer.state.exp_avg_sq."
 
 
-def effective_lr(exp_avg_sq: torch.Tensor, lr: float, eps: float, step: int = 0, beta2: float = 0.0,
-                 bias_correction: bool = True) -> torch.Tensor:
+def effective_lr(
+    exp_avg_sq: torch.Tensor, lr: float, eps: float, step: int = 0, beta2: float = 0.0, bias_correction: bool = True
+) -> torch.Tensor:
     """η / (√v̂ + ε) per coordinate, float64; v̂ = v / (1 − β₂^step) when bias-corrected (step ≥ 1)."""
     v = exp_avg_sq.double()
     if bias_correction:
         if step < 1:
             raise ValueError(f"bias correction needs the optimizer step (>= 1), got {step}")
-        v = v / (1.0 - beta2 ** step)
+        v = v / (1.0 - beta2**step)
     return lr / (v.sqrt() + eps)
 
 
@@ -78,26 +79,35 @@ def read_second_moments(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     path = dist_checkpoint_path(path)
     opt = _optimizer_common(path)
     meta = FileSystemReader(path).read_metadata()
-    moments = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-               if isinstance(v, TensorStorageMetadata) and k.startswith(_PREFIX)}
+    moments = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.startswith(_PREFIX)
+    }
     if not moments:
         raise ValueError(f"{path} has no {_PREFIX}* tensors")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         load(moments, checkpoint_id=path, no_dist=True)
     group = opt["optimizer"]["param_groups"][0]
-    hyper = {"lr": float(opt["scheduler"]["max_lr"]), "eps": float(group["eps"]), "beta2": float(group["betas"][1]),
-             "step": int(opt["optimizer"]["state"].get("common_step", 0))}
-    return {k[len(_PREFIX):]: v for k, v in moments.items()}, hyper
+    hyper = {
+        "lr": float(opt["scheduler"]["max_lr"]),
+        "eps": float(group["eps"]),
+        "beta2": float(group["betas"][1]),
+        "step": int(opt["optimizer"]["state"].get("common_step", 0)),
+    }
+    return {k[len(_PREFIX) :]: v for k, v in moments.items()}, hyper
 
 
-def summarize(moments: dict[str, torch.Tensor], lr: float, eps: float, step: int, beta2: float,
-              bias_correction: bool = True) -> dict[str, Any]:
+def summarize(
+    moments: dict[str, torch.Tensor], lr: float, eps: float, step: int, beta2: float, bias_correction: bool = True
+) -> dict[str, Any]:
     """Quantiles and decade mass of η_eff overall, the median per module type, and the suggestion."""
     per_type: dict[str, list[torch.Tensor]] = {}
     for name, v in sorted(moments.items()):
         per_type.setdefault(module_type(name), []).append(
-            effective_lr(v, lr, eps, step, beta2, bias_correction).flatten())
+            effective_lr(v, lr, eps, step, beta2, bias_correction).flatten()
+        )
     everything = torch.cat([t for ts in per_type.values() for t in ts])
     overall = quantiles(everything)
     return {
@@ -105,15 +115,20 @@ def summarize(moments: dict[str, torch.Tensor], lr: float, eps: float, step: int
         "step": step,
         "overall": overall,
         "decade_mass": decade_mass(everything),
-        "by_module": [{"module": k, "params": sum(t.numel() for t in ts), **quantiles(torch.cat(ts), (0.1, 0.5, 0.9))}
-                      for k, ts in sorted(per_type.items())],
+        "by_module": [
+            {"module": k, "params": sum(t.numel() for t in ts), **quantiles(torch.cat(ts), (0.1, 0.5, 0.9))}
+            for k, ts in sorted(per_type.items())
+        ],
         "suggested_sgd_lr": overall["q50"],
         "suggested_ratio": overall["q50"] / lr if lr > 0 else math.inf,
     }
 
 
-@analysis("adam_effective_lr", "AdamW's effective per-coordinate LR lr/(sqrt(v)+eps) in a checkpoint: the "
-          "distribution SGD-vs-Adam-RLVR sets optimizer.name=sgd's lr from")
+@analysis(
+    "adam_effective_lr",
+    "AdamW's effective per-coordinate LR lr/(sqrt(v)+eps) in a checkpoint: the "
+    "distribution SGD-vs-Adam-RLVR sets optimizer.name=sgd's lr from",
+)
 def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("checkpoint", help="a megatron save dir / iter_* dir written with optimizer.name=adamw")
     p.add_argument("--lr", type=float, default=None, help="nominal η (default: the checkpoint's optimizer.lr)")
@@ -121,8 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         moments, hyper = read_second_moments(args.checkpoint)
-        lr: Optional[float] = args.lr if args.lr is not None else hyper["lr"]
-        return {"checkpoint": args.checkpoint, **summarize(moments, lr, hyper["eps"], hyper["step"], hyper["beta2"],
-                                                          not args.no_bias_correction)}
+        lr: float | None = args.lr if args.lr is not None else hyper["lr"]
+        return {
+            "checkpoint": args.checkpoint,
+            **summarize(moments, lr, hyper["eps"], hyper["step"], hyper["beta2"], not args.no_bias_correction),
+        }
 
     return run

@@ -215,8 +215,10 @@ def dist_checkpoint_path(path: str) -> str:
 
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"{path}: neither a Hugging Face dir (model.safetensors) nor a megatron checkpoint "
-                                "(metadata.json, or a 'latest' file)")
+        raise FileNotFoundError(
+            f"{path}: neither a Hugging Face dir (model.safetensors) nor a megatron checkpoint "
+            "(metadata.json, or a 'latest' file)"
+        )
     return found
 
 
@@ -226,15 +228,18 @@ def _load_dist_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
     path = dist_checkpoint_path(path)
     meta = FileSystemReader(path).read_metadata()
-    stored = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-              if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.") and "_extra_state" not in k}
+    stored = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.") and "_extra_state" not in k
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         load(stored, checkpoint_id=path, no_dist=True)  # the requested tensors only, in one process
     out: dict[str, torch.Tensor] = {}
     for name, tensor in stored.items():
         if name.startswith("decoder.layers."):
-            rest = name[len("decoder.layers."):]
+            rest = name[len("decoder.layers.") :]
             for i, layer in enumerate(tensor.unbind(0)):
                 out[f"decoder.layers.{i}.{rest}"] = layer
         else:
@@ -245,9 +250,19 @@ def _load_dist_checkpoint(path: str) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------- the analysis
 
 
-def compare(source: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], *, eps: float = 1e-5,
-            top_p: float = 0.01, top_k: int = 16, tau: float = 1e-5, energy: float = 0.99,
-            rank_fraction: float = 0.1, low_fraction: float = 0.1, spectral: bool = True) -> dict[str, Any]:
+def compare(
+    source: dict[str, torch.Tensor],
+    trained: dict[str, torch.Tensor],
+    *,
+    eps: float = 1e-5,
+    top_p: float = 0.01,
+    top_k: int = 16,
+    tau: float = 1e-5,
+    energy: float = 0.99,
+    rank_fraction: float = 0.1,
+    low_fraction: float = 0.1,
+    spectral: bool = True,
+) -> dict[str, Any]:
     """All quantities, overall and per module type (module doc). Names must match in both."""
     missing = sorted(set(source) ^ set(trained))
     if missing:
@@ -256,8 +271,17 @@ def compare(source: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], *
     for name in sorted(source):
         d = delta(trained[name], source[name])
         g = groups.setdefault(module_type(name), _Acc())
-        g.add(d, source[name], eps=eps, top_k=top_k, tau=tau, energy=energy, rank_fraction=rank_fraction,
-              low_fraction=low_fraction, spectral=spectral)
+        g.add(
+            d,
+            source[name],
+            eps=eps,
+            top_k=top_k,
+            tau=tau,
+            energy=energy,
+            rank_fraction=rank_fraction,
+            low_fraction=low_fraction,
+            spectral=spectral,
+        )
     total = _Acc()
     for g in groups.values():
         total.merge(g)
@@ -273,8 +297,19 @@ class _Acc(dict):
     def __init__(self) -> None:
         super().__init__(n=0, visible=0, d2=0.0, s2=0.0, sq=[], prin=0, low=0, mats={})
 
-    def add(self, d: torch.Tensor, src: torch.Tensor, *, eps: float, top_k: int, tau: float, energy: float,
-            rank_fraction: float, low_fraction: float, spectral: bool) -> None:
+    def add(
+        self,
+        d: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        eps: float,
+        top_k: int,
+        tau: float,
+        energy: float,
+        rank_fraction: float,
+        low_fraction: float,
+        spectral: bool,
+    ) -> None:
         vis = visible(d, eps)
         self["n"] += d.numel()
         self["visible"] += int(vis.sum())
@@ -287,12 +322,16 @@ class _Acc(dict):
             if not spectral:
                 continue
             self["prin"] += int((vm & principal_mask(sm, rank_fraction, low_fraction)).sum())
-            for key, value in (("e_k", spectral_energy(dm, top_k)), ("stable_rank", stable_rank(dm)),
-                               ("rank_tau", numerical_rank(dm, tau)), ("effective_rank", effective_rank(dm, energy)),
-                               ("principal_projection", principal_projection(dm, sm, rank_fraction))):
+            for key, value in (
+                ("e_k", spectral_energy(dm, top_k)),
+                ("stable_rank", stable_rank(dm)),
+                ("rank_tau", numerical_rank(dm, tau)),
+                ("effective_rank", effective_rank(dm, energy)),
+                ("principal_projection", principal_projection(dm, sm, rank_fraction)),
+            ):
                 self["mats"].setdefault(key, []).append(float(value))
 
-    def merge(self, other: "_Acc") -> None:
+    def merge(self, other: _Acc) -> None:
         for key in ("n", "visible", "d2", "s2", "prin", "low"):
             self[key] += other[key]
         self["sq"] += other["sq"]
@@ -316,20 +355,26 @@ class _Acc(dict):
         return out
 
 
-def write_mask(source: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], tau: float,
-               path: str) -> dict[str, Any]:
+def write_mask(
+    source: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], tau: float, path: str
+) -> dict[str, Any]:
     """Save {name: subnetwork_mask} (megatron names only: what `optimizer.update_mask` reads)."""
     if any(name.startswith("model.") or name == "lm_head.weight" for name in source):
-        raise ValueError("--write-mask needs megatron checkpoints (optimizer.update_mask is keyed by megatron "
-                         "names); convert the HF dirs with `mcore-rl convert hf-to-mcore` first")
+        raise ValueError(
+            "--write-mask needs megatron checkpoints (optimizer.update_mask is keyed by megatron "
+            "names); convert the HF dirs with `mcore-rl convert hf-to-mcore` first"
+        )
     masks = {name: subnetwork_mask(trained[name], source[name], tau) for name in sorted(source)}
     torch.save(masks, path)
     n = sum(m.numel() for m in masks.values())
     return {"path": path, "tau": tau, "density": sum(int(m.sum()) for m in masks.values()) / n if n else 0.0}
 
 
-@analysis("update_sparsity", "sparsity, rank and location of the update between two checkpoints "
-          "(OPD-Sparsity; SGD-vs-Adam-RLVR's sparsity and effective rank)")
+@analysis(
+    "update_sparsity",
+    "sparsity, rank and location of the update between two checkpoints "
+    "(OPD-Sparsity; SGD-vs-Adam-RLVR's sparsity and effective rank)",
+)
 def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("source", help="checkpoint before (megatron save dir / iter_* dir, or HF dir)")
     p.add_argument("trained", help="checkpoint after, in either format (names must match the source's)")
@@ -341,19 +386,31 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--rank-fraction", type=float, default=0.1, help="source principal subspace, share of min(m, n)")
     p.add_argument("--low-fraction", type=float, default=0.1, help="M_low (and M_prin) size, share of coordinates")
     p.add_argument("--no-svd", action="store_true", help="coordinate numbers only (SVDs are slow on big models)")
-    p.add_argument("--write-mask", default=None, help="also write the subnetwork mask |trained - source| > "
-                   "--mask-tau as a .pt for optimizer.update_mask (megatron checkpoints: megatron names)")
+    p.add_argument(
+        "--write-mask",
+        default=None,
+        help="also write the subnetwork mask |trained - source| > "
+        "--mask-tau as a .pt for optimizer.update_mask (megatron checkpoints: megatron names)",
+    )
     p.add_argument("--mask-tau", type=float, default=1e-5, help="the subnetwork mask's threshold τ")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         source, trained = load_weights(args.source), load_weights(args.trained)
-        result = compare(source, trained, eps=args.eps, top_p=args.top_p, top_k=args.top_k, tau=args.tau,
-                         energy=args.energy, rank_fraction=args.rank_fraction, low_fraction=args.low_fraction,
-                         spectral=not args.no_svd)
+        result = compare(
+            source,
+            trained,
+            eps=args.eps,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            tau=args.tau,
+            energy=args.energy,
+            rank_fraction=args.rank_fraction,
+            low_fraction=args.low_fraction,
+            spectral=not args.no_svd,
+        )
         out = {"source": args.source, "trained": args.trained, **result}
         if args.write_mask:
             out["mask"] = write_mask(source, trained, args.mask_tau, args.write_mask)
         return out
 
     return run
-

@@ -31,7 +31,8 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,8 +58,15 @@ def agreement(reference: Sequence[bool], other: Sequence[bool]) -> dict[str, Any
     neg, pos = ~ref, ref
     fpr = float(oth[neg].mean()) if neg.any() else None
     fnr = float((~oth[pos]).mean()) if pos.any() else None
-    return {"n": n, "agreement": p_o, "kappa": kappa, "fpr": fpr, "fnr": fnr,
-            "reference_pass": p_ref, "other_pass": p_oth}
+    return {
+        "n": n,
+        "agreement": p_o,
+        "kappa": kappa,
+        "fpr": fpr,
+        "fnr": fnr,
+        "reference_pass": p_ref,
+        "other_pass": p_oth,
+    }
 
 
 def doubling_edges(max_length: int) -> list[int]:
@@ -70,8 +78,9 @@ def doubling_edges(max_length: int) -> list[int]:
     return edges
 
 
-def binned(lengths: Sequence[int], reference: Sequence[bool], other: Sequence[bool],
-           edges: Sequence[int]) -> list[dict[str, Any]]:
+def binned(
+    lengths: Sequence[int], reference: Sequence[bool], other: Sequence[bool], edges: Sequence[int]
+) -> list[dict[str, Any]]:
     """`agreement` within each length bin [edges[i], edges[i+1]) that holds rollouts, and [edges[-1], inf)
     for longer ones; rollouts shorter than edges[0] are in no bin."""
     if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])):
@@ -82,12 +91,13 @@ def binned(lengths: Sequence[int], reference: Sequence[bool], other: Sequence[bo
     for lo, hi in zip(edges, list(edges[1:]) + [None]):
         sel = (lengths_a >= lo) & (lengths_a < hi if hi is not None else True)
         if sel.any():
-            rows.append({"tokens": f"[{lo},{hi if hi is not None else 'inf'})", "lo": lo,
-                         **agreement(ref[sel], oth[sel])})
+            rows.append(
+                {"tokens": f"[{lo},{hi if hi is not None else 'inf'})", "lo": lo, **agreement(ref[sel], oth[sel])}
+            )
     return rows
 
 
-def verification_horizon(rows: Sequence[dict[str, Any]], kappa_min: float, min_bin: int = 1) -> Optional[int]:
+def verification_horizon(rows: Sequence[dict[str, Any]], kappa_min: float, min_bin: int = 1) -> int | None:
     """The lower edge of the first bin (rows in length order) with at least `min_bin` rollouts whose κ is
     below `kappa_min`; None when none is."""
     for row in rows:
@@ -137,10 +147,12 @@ def labels(verifiers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
 def read_samples(path: str, tokenizer: Any) -> list[Rollout]:
     """Rollouts of a jsonl file (`prompt`, `completion`, `label`, optional `response_tokens`)."""
     if os.path.isdir(path):
-        raise ValueError(f"--samples {path!r} is a directory; runs do not save their rollouts (a run directory holds "
-                         "metrics.jsonl and checkpoints): sample them instead with --model (an HF-format model; "
-                         "`mcore-rl convert mcore-to-hf` makes one from a checkpoint) and --config, or give a jsonl "
-                         "file with prompt, completion, label (and optionally response_tokens) per line")
+        raise ValueError(
+            f"--samples {path!r} is a directory; runs do not save their rollouts (a run directory holds "
+            "metrics.jsonl and checkpoints): sample them instead with --model (an HF-format model; "
+            "`mcore-rl convert mcore-to-hf` makes one from a checkpoint) and --config, or give a jsonl "
+            "file with prompt, completion, label (and optionally response_tokens) per line"
+        )
     out = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -150,8 +162,11 @@ def read_samples(path: str, tokenizer: Any) -> list[Rollout]:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not JSON ({err})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) \
-                    or not isinstance(obj.get("completion"), str):
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(obj.get("prompt"), str)
+                or not isinstance(obj.get("completion"), str)
+            ):
                 raise ValueError(f"{path}:{lineno}: expected an object with string 'prompt' and 'completion'")
             tokens = obj.get("response_tokens")
             if tokens is None:
@@ -164,15 +179,19 @@ def read_samples(path: str, tokenizer: Any) -> list[Rollout]:
     return out
 
 
-def score(rollouts: Sequence[Rollout], name: str, options: dict[str, Any], timeout_s: float,
-          error_reward: float) -> tuple[list[float], int]:
+def score(
+    rollouts: Sequence[Rollout], name: str, options: dict[str, Any], timeout_s: float, error_reward: float
+) -> tuple[list[float], int]:
     """Each rollout's reward from one verifier (in reward worker processes, as training scores), and the
     number of calls that failed."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
     from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
-    runner = RewardRunner(RewardFunction(get_reward_fn(name), timeout_s=timeout_s, error_reward=error_reward,
-                                         name=name, options=dict(options)))
+    runner = RewardRunner(
+        RewardFunction(
+            get_reward_fn(name), timeout_s=timeout_s, error_reward=error_reward, name=name, options=dict(options)
+        )
+    )
     try:
         results = runner.score_sync([RewardInput(r.prompt, r.completion, r.label, dict(r.metadata)) for r in rollouts])
     finally:
@@ -180,10 +199,16 @@ def score(rollouts: Sequence[Rollout], name: str, options: dict[str, Any], timeo
     return [r.reward for r in results], sum(r.error is not None for r in results)
 
 
-def compare(rollouts: Sequence[Rollout], verifiers: Sequence[tuple[str, dict[str, Any]]],
-            rewards: Sequence[list[float]],
-            errors: Sequence[int], threshold: float, edges: Optional[Sequence[int]], kappa_min: float,
-            min_bin: int) -> dict[str, Any]:
+def compare(
+    rollouts: Sequence[Rollout],
+    verifiers: Sequence[tuple[str, dict[str, Any]]],
+    rewards: Sequence[list[float]],
+    errors: Sequence[int],
+    threshold: float,
+    edges: Sequence[int] | None,
+    kappa_min: float,
+    min_bin: int,
+) -> dict[str, Any]:
     """The tables: overall and per length bin, every verifier against the first."""
     lengths = [r.tokens for r in rollouts]
     edges = list(edges) if edges else doubling_edges(max(lengths))
@@ -191,31 +216,47 @@ def compare(rollouts: Sequence[Rollout], verifiers: Sequence[tuple[str, dict[str
     names = labels(verifiers)
     ref_name = names[0]
     out: dict[str, Any] = {
-        "rollouts": len(rollouts), "threshold": threshold, "reference": ref_name,
+        "rollouts": len(rollouts),
+        "threshold": threshold,
+        "reference": ref_name,
         "mean_response_tokens": float(np.mean(lengths)),
-        "verifiers": [{"verifier": n, "options": json.dumps(o, sort_keys=True), "pass_rate": float(np.mean(v)),
-                       "errors": e} for n, (_, o), v, e in zip(names, verifiers, verdicts, errors)],
+        "verifiers": [
+            {"verifier": n, "options": json.dumps(o, sort_keys=True), "pass_rate": float(np.mean(v)), "errors": e}
+            for n, (_, o), v, e in zip(names, verifiers, verdicts, errors)
+        ],
     }
     for name, v in zip(names[1:], verdicts[1:]):
         rows = binned(lengths, verdicts[0], v, edges)
         key = f"{name}_vs_{ref_name}"
-        out[key] = {"overall": agreement(verdicts[0], v), "by_length": rows,
-                    "verification_horizon_tokens": verification_horizon(rows, kappa_min, min_bin),
-                    "kappa_min": kappa_min}
+        out[key] = {
+            "overall": agreement(verdicts[0], v),
+            "by_length": rows,
+            "verification_horizon_tokens": verification_horizon(rows, kappa_min, min_bin),
+            "kappa_min": kappa_min,
+        }
     return out
 
 
-@analysis("verif_horizon", "VerifHorizon: agreement (Cohen's kappa, FPR/FNR) of two or more verifiers "
-                           "on the same rollouts, by response length")
+@analysis(
+    "verif_horizon",
+    "VerifHorizon: agreement (Cohen's kappa, FPR/FNR) of two or more verifiers "
+    "on the same rollouts, by response length",
+)
 def add_arguments(parser: argparse.ArgumentParser):
     from mcore_rl.diagnose.rollouts import add_policy_arguments
 
     add_policy_arguments(parser, default_prompts=32, default_group=4)
-    parser.add_argument("--verifier", action="append", required=True,
-                        help='a reward as NAME or NAME={"option": value}; give two or more, the first is the '
-                             "reference")
-    parser.add_argument("--samples", default=None,
-                        help="jsonl of rollouts (prompt, completion, label, response_tokens) instead of sampling")
+    parser.add_argument(
+        "--verifier",
+        action="append",
+        required=True,
+        help='a reward as NAME or NAME={"option": value}; give two or more, the first is the reference',
+    )
+    parser.add_argument(
+        "--samples",
+        default=None,
+        help="jsonl of rollouts (prompt, completion, label, response_tokens) instead of sampling",
+    )
     parser.add_argument("--threshold", type=float, default=1.0, help="a verifier passes a rollout at reward >= this")
     parser.add_argument("--edges", default=None, help="length bin edges in tokens, e.g. 0,4,16,64 (default: doubling)")
     parser.add_argument("--kappa-min", type=float, default=0.6, help="κ below this ends the verification horizon")
@@ -241,15 +282,33 @@ def add_arguments(parser: argparse.ArgumentParser):
             cfg = policy.cfg
             prompts = take_prompts(policy, args.prompts, args.split)
             groups = sample_groups(policy, prompts, args.group_size, args.temperature)
-            rollouts = [Rollout(s.prompt.text, s.text, s.prompt.label, len(s.response_ids),
-                                {"finish_reason": s.finish_reason, "domain": s.prompt.domain})
-                        for g in groups for s in g]
+            rollouts = [
+                Rollout(
+                    s.prompt.text,
+                    s.text,
+                    s.prompt.label,
+                    len(s.response_ids),
+                    {"finish_reason": s.finish_reason, "domain": s.prompt.domain},
+                )
+                for g in groups
+                for s in g
+            ]
             source = policy.source
         rc = cfg.reward
         scored = [score(rollouts, n, o, rc.timeout_s, rc.error_reward) for n, o in verifiers]
         out = {"rollouts_from": source}
-        out.update(compare(rollouts, verifiers, [s[0] for s in scored], [s[1] for s in scored], args.threshold, edges,
-                           args.kappa_min, args.min_bin))
+        out.update(
+            compare(
+                rollouts,
+                verifiers,
+                [s[0] for s in scored],
+                [s[1] for s in scored],
+                args.threshold,
+                edges,
+                args.kappa_min,
+                args.min_bin,
+            )
+        )
         return out
 
     return run

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -79,8 +80,14 @@ def binary_headroom(p: float | torch.Tensor, alpha: float) -> torch.Tensor:
 # ---------------------------------------------------------------- the value-gradient measurements
 
 
-def costates(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-             advantages: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def costates(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """λ̂ [B, S, d]: the gradient of Σ_{b,k} mask·Â_b·log π(targets[b,k] | ids[b,:k+1]) with respect to the
     hidden states entering the last decoder layer, and the logits [B, S, V] / temperature (detached).
 
@@ -101,8 +108,10 @@ def costates(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Ten
             logits = model(input_ids).logits
             logits = (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits) / temperature
             if not captured:
-                raise ValueError("the model's last decoder layer was not called (AttnRes models route around it); "
-                                 "the costate needs its input")
+                raise ValueError(
+                    "the model's last decoder layer was not called (AttnRes models route around it); "
+                    "the costate needs its input"
+                )
             logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
             objective = (logp * mask.to(logp.dtype) * advantages.to(logp.dtype)[:, None]).sum()
             (grad,) = torch.autograd.grad(objective, captured[0], allow_unused=False)
@@ -135,8 +144,9 @@ def usable_signal(costate_sq: torch.Tensor, bound: torch.Tensor) -> dict[str, fl
 # ---------------------------------------------------------------- the command
 
 
-def measure(model: torch.nn.Module, groups: list[list[Any]], temperature: float, alphas: Sequence[float],
-            threshold: float = 1.0) -> dict[str, Any]:
+def measure(
+    model: torch.nn.Module, groups: list[list[Any]], temperature: float, alphas: Sequence[float], threshold: float = 1.0
+) -> dict[str, Any]:
     """Every number of the analysis from scored groups of `Sample`s (one group per prompt)."""
     from mcore_rl.algos.advantages import grpo
 
@@ -157,8 +167,8 @@ def measure(model: torch.nn.Module, groups: list[list[Any]], temperature: float,
             ids[b, : len(x)] = torch.tensor(x)
             targets[b, : len(x) - 1] = torch.tensor(x[1:])
             p = len(s.prompt.ids)
-            mask[b, p - 1: len(x) - 1] = True
-        a = adv[start: start + len(g)]
+            mask[b, p - 1 : len(x) - 1] = True
+        a = adv[start : start + len(g)]
         start += len(g)
         if not mask.any():
             continue
@@ -175,8 +185,12 @@ def measure(model: torch.nn.Module, groups: list[list[Any]], temperature: float,
         h = float(headroom(rewards, alpha).mean())
         rows.append({"alpha": alpha, "H_alpha": h, "P_gap": signal["usable_signal"] * h})
     return {
-        "reward": {"mean": float(flat.mean()), "pass_rate": p_rate, "headroom_1_minus_pass_rate": 1.0 - p_rate,
-                   "constant_groups": float(sum(per_prompt_constant)) / len(groups)},
+        "reward": {
+            "mean": float(flat.mean()),
+            "pass_rate": p_rate,
+            "headroom_1_minus_pass_rate": 1.0 - p_rate,
+            "constant_groups": float(sum(per_prompt_constant)) / len(groups),
+        },
         "value_gradient": {
             "hidden_state": "input of the last decoder layer",
             "response_tokens": int(sq.numel()),
@@ -195,8 +209,13 @@ def add_arguments(parser: argparse.ArgumentParser):
     from mcore_rl.diagnose.rollouts import add_policy_arguments
 
     add_policy_arguments(parser)
-    parser.add_argument("--alpha", type=float, action="append", default=None,
-                        help="α of H_α (repeat for several; default 1; inf: max − mean)")
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        action="append",
+        default=None,
+        help="α of H_α (repeat for several; default 1; inf: max − mean)",
+    )
     parser.add_argument("--threshold", type=float, default=1.0, help="a rollout passes when its reward >= this")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:

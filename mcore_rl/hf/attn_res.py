@@ -38,7 +38,6 @@ oracle for `mcore_rl.models.attn_res`, which computes the same thing without sta
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import nn
@@ -126,7 +125,7 @@ class DepthState:
         if self.variant == "block":
             self.starts = block_starts(total, config.attn_res_num_blocks)
         self.values: list[torch.Tensor] = [embedding]  # Full: v_0 ..; Block: b_0 + finished blocks
-        self.partial: Optional[torch.Tensor] = None  # Block: the current block's partial sum
+        self.partial: torch.Tensor | None = None  # Block: the current block's partial sum
         self.residual = embedding  # none: the residual stream
 
     def _sources(self) -> list[torch.Tensor]:
@@ -164,7 +163,7 @@ def attn_res_decoder_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     allowed: torch.Tensor,
-    past_key_values: Optional[KVCache],
+    past_key_values: KVCache | None,
 ) -> tuple[torch.Tensor, KVCache, torch.Tensor]:
     """The decoder stack of `Qwen3ReferenceModel` with AttnRes instead of residual sums.
 

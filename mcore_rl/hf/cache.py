@@ -10,7 +10,7 @@ torch and transformers.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -32,7 +32,7 @@ def past_length(past: Any) -> int:
     return past[0][0].shape[2] if len(past) else 0
 
 
-def layer_pasts(past: Any) -> Optional[KVCache]:
+def layer_pasts(past: Any) -> KVCache | None:
     """Per-layer (k, v) of the cached positions, None when nothing is cached."""
     if past is None or past_length(past) == 0:
         return None
@@ -48,10 +48,10 @@ def store_presents(past: Any, presents: KVCache, new_tokens: int) -> Any:
     if not isinstance(past, Cache):
         return presents
     for i, (k, v) in enumerate(presents):
-        past.update(k[:, :, k.shape[2] - new_tokens:], v[:, :, v.shape[2] - new_tokens:], i)
+        past.update(k[:, :, k.shape[2] - new_tokens :], v[:, :, v.shape[2] - new_tokens :], i)
     return past
 
 
-def ngram_context_of(past: Any) -> Optional[torch.Tensor]:
+def ngram_context_of(past: Any) -> torch.Tensor | None:
     """The n-gram context a cache carries (Over-Encoding), None when it carries none."""
     return getattr(past, "ngram_context", None)

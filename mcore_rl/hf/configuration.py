@@ -11,7 +11,7 @@ dataclass, so that remote-code loading also works under transformers 4.x.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig
 
@@ -42,7 +42,7 @@ class McoreRLQwen3Config(PretrainedConfig):
         num_hidden_layers: int = 2,
         num_attention_heads: int = 4,
         num_key_value_heads: int = 2,
-        head_dim: Optional[int] = None,
+        head_dim: int | None = None,
         hidden_act: str = "silu",
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
@@ -52,35 +52,35 @@ class McoreRLQwen3Config(PretrainedConfig):
         attention_bias: bool = False,
         num_experts: int = 0,
         num_experts_per_tok: int = 2,
-        moe_intermediate_size: Optional[int] = None,
+        moe_intermediate_size: int | None = None,
         norm_topk_prob: bool = True,
-        shared_expert_intermediate_size: Optional[int] = 0,
+        shared_expert_intermediate_size: int | None = 0,
         router_aux_loss_coef: float = 0.0,
         use_qk_norm: bool = True,
-        moe_latent_size: Optional[int] = None,
+        moe_latent_size: int | None = None,
         attn_res: str = "none",
         attn_res_num_blocks: int = 8,
-        ngram_orders: Optional[list[int]] = None,
+        ngram_orders: list[int] | None = None,
         ngram_table_size: int = 0,
         ngram_num_slices: int = 1,
         qkv_bias: bool = False,
         shared_expert_gate: bool = False,
-        sliding_window: Optional[int] = None,
+        sliding_window: int | None = None,
         use_cache: bool = True,
-        rope_parameters: Optional[dict] = None,
-        rope_scaling: Optional[dict] = None,
+        rope_parameters: dict | None = None,
+        rope_scaling: dict | None = None,
         # mixed dense/MoE layers (transformers' Qwen3-MoE rule) and the DeepSeek-V3 family (deepseek_v3.py)
-        mlp_only_layers: Optional[list[int]] = None,
+        mlp_only_layers: list[int] | None = None,
         decoder_sparse_step: int = 1,
         family: str = "qwen3",
-        n_group: Optional[int] = None,
-        topk_group: Optional[int] = None,
+        n_group: int | None = None,
+        topk_group: int | None = None,
         routed_scaling_factor: float = 1.0,
-        q_lora_rank: Optional[int] = None,
-        kv_lora_rank: Optional[int] = None,
-        qk_nope_head_dim: Optional[int] = None,
-        qk_rope_head_dim: Optional[int] = None,
-        v_head_dim: Optional[int] = None,
+        q_lora_rank: int | None = None,
+        kv_lora_rank: int | None = None,
+        qk_nope_head_dim: int | None = None,
+        qk_rope_head_dim: int | None = None,
+        v_head_dim: int | None = None,
         rope_interleave: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -120,10 +120,13 @@ class McoreRLQwen3Config(PretrainedConfig):
         self.attn_res_num_blocks = attn_res_num_blocks
         # Over-Encoding (ngram.py): hashed n-gram input embeddings of these orders; [] = off.
         self.ngram_orders = [int(n) for n in (ngram_orders or [])]
-        if self.ngram_orders and (min(self.ngram_orders) < 2 or not 1 <= ngram_table_size < 2**31
-                                  or ngram_num_slices < 1):
-            raise ValueError(f"ngram_orders={self.ngram_orders} need orders >= 2, 1 <= ngram_table_size "
-                             f"< 2^31 (got {ngram_table_size}) and ngram_num_slices >= 1 (got {ngram_num_slices})")
+        if self.ngram_orders and (
+            min(self.ngram_orders) < 2 or not 1 <= ngram_table_size < 2**31 or ngram_num_slices < 1
+        ):
+            raise ValueError(
+                f"ngram_orders={self.ngram_orders} need orders >= 2, 1 <= ngram_table_size "
+                f"< 2^31 (got {ngram_table_size}) and ngram_num_slices >= 1 (got {ngram_num_slices})"
+            )
         self.ngram_table_size = ngram_table_size
         self.ngram_num_slices = ngram_num_slices
         # Qwen2 / Qwen2-MoE / Mistral: biases on q/k/v only (attention_bias also biases o_proj), the
@@ -205,14 +208,20 @@ def _mixed_and_deepseek_fields(mc: ModelConfig) -> dict[str, Any]:
     if mc.arch != "deepseek_v3":
         return out
     return dict(
-        out, family="deepseek_v3", n_group=mc.moe_router_num_groups, topk_group=mc.moe_router_group_topk,
-        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0, q_lora_rank=mc.q_lora_rank,
-        kv_lora_rank=mc.kv_lora_rank, qk_nope_head_dim=mc.qk_head_dim, qk_rope_head_dim=mc.qk_pos_emb_head_dim,
+        out,
+        family="deepseek_v3",
+        n_group=mc.moe_router_num_groups,
+        topk_group=mc.moe_router_group_topk,
+        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
+        q_lora_rank=mc.q_lora_rank,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_nope_head_dim=mc.qk_head_dim,
+        qk_rope_head_dim=mc.qk_pos_emb_head_dim,
         v_head_dim=mc.v_head_dim,
     )
 
 
-def moe_layer_pattern_of(hf: Any) -> Optional[list[int]]:
+def moe_layer_pattern_of(hf: Any) -> list[int] | None:
     """`model.moe_layer_pattern` of an HF config: None when every layer is MoE (or the model is dense).
 
     Qwen3-MoE / ours: layer i is MoE iff i not in `mlp_only_layers` and (i+1) % `decoder_sparse_step`
@@ -261,7 +270,7 @@ _NO_QK_NORM = ("llama", "qwen2", "qwen2_moe", "mistral")
 _WINDOWED = ("mistral", "mcore_rl_qwen3")
 
 
-def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = None) -> ModelConfig:
+def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = None) -> ModelConfig:
     """The trainer's `ModelConfig` of an HF config (ours, or stock `Qwen3Config`/`Qwen3MoeConfig`/
     `LlamaConfig`/`Qwen2Config`/`Qwen2MoeConfig`/`MistralConfig`). `mcore_rl.convert.model_config_from_hf`
     also rejects what it cannot map. `rope_key`: how the source file spells RoPE (`rope.rope_key_in_file`),
@@ -272,8 +281,11 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = 
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
     deepseek = getattr(hf, "model_type", None) == "deepseek_v3" or getattr(hf, "family", "qwen3") == "deepseek_v3"
-    num_experts = (getattr(hf, "n_routed_experts", 0) if getattr(hf, "model_type", None) == "deepseek_v3"
-                   else getattr(hf, "num_experts", 0)) or 0
+    num_experts = (
+        getattr(hf, "n_routed_experts", 0)
+        if getattr(hf, "model_type", None) == "deepseek_v3"
+        else getattr(hf, "num_experts", 0)
+    ) or 0
     model_type = getattr(hf, "model_type", None)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -315,8 +327,11 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = 
         ),
         # Qwen2 always has q/k/v biases; Qwen2-MoE says so in qkv_bias and always gates its shared expert.
         add_qkv_bias=bool(getattr(hf, "qkv_bias", model_type == "qwen2")),
-        moe_shared_expert_gate=bool(getattr(hf, "shared_expert_gate", model_type == "qwen2_moe")
-                                    and num_experts and getattr(hf, "shared_expert_intermediate_size", 0)),
+        moe_shared_expert_gate=bool(
+            getattr(hf, "shared_expert_gate", model_type == "qwen2_moe")
+            and num_experts
+            and getattr(hf, "shared_expert_intermediate_size", 0)
+        ),
         sliding_window=(getattr(hf, "sliding_window", None) or None) if model_type in _WINDOWED else None,
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
         moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
@@ -326,7 +341,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: Optional[str] = 
     return ModelConfig(**fields)
 
 
-def to_stock_hf_config(cfg: McoreRLQwen3Config, family: Optional[str] = None) -> PretrainedConfig:
+def to_stock_hf_config(cfg: McoreRLQwen3Config, family: str | None = None) -> PretrainedConfig:
     """A stock `transformers.Qwen3Config` (dense), `Qwen3MoeConfig` (MoE) or, without QK-norm,
     `LlamaConfig` (dense) with the same model; with q/k/v biases or a gated shared expert
     `Qwen2Config` / `Qwen2MoeConfig`, with a sliding window `MistralConfig`.
@@ -394,17 +409,24 @@ def _stock_moe_fields(cfg: McoreRLQwen3Config) -> dict[str, Any]:
     )
 
 
-def keep_source_layer_keys(stock: PretrainedConfig, source: Optional[dict[str, Any]]) -> None:
+def keep_source_layer_keys(stock: PretrainedConfig, source: dict[str, Any] | None) -> None:
     """Write a Qwen3-MoE / Qwen2-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
     `mlp_only_layers`) when they give the same pattern as the ones derived here."""
     family = getattr(stock, "model_type", None)
     if not source or family not in ("qwen3_moe", "qwen2_moe") or "decoder_sparse_step" not in source:
         return
-    theirs = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
-              "decoder_sparse_step": source.get("decoder_sparse_step"),
-              "mlp_only_layers": source.get("mlp_only_layers")}
-    ours = {"model_type": "qwen3_moe", "num_hidden_layers": stock.num_hidden_layers,
-            "decoder_sparse_step": stock.decoder_sparse_step, "mlp_only_layers": stock.mlp_only_layers}
+    theirs = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": stock.num_hidden_layers,
+        "decoder_sparse_step": source.get("decoder_sparse_step"),
+        "mlp_only_layers": source.get("mlp_only_layers"),
+    }
+    ours = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": stock.num_hidden_layers,
+        "decoder_sparse_step": stock.decoder_sparse_step,
+        "mlp_only_layers": stock.mlp_only_layers,
+    }
     if moe_layer_pattern_of(PretrainedConfig(**theirs)) == moe_layer_pattern_of(PretrainedConfig(**ours)):
         stock.decoder_sparse_step = theirs["decoder_sparse_step"] or 1
         stock.mlp_only_layers = list(theirs["mlp_only_layers"] or [])
@@ -417,27 +439,44 @@ def _to_stock_deepseek_v3(cfg: McoreRLQwen3Config) -> PretrainedConfig:
     pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
     first_k = pattern.index(True) if any(pattern) else len(pattern)
     if pattern != [False] * first_k + [True] * (len(pattern) - first_k):
-        raise ValueError(f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
-                         "stock DeepseekV3Config cannot express it")
+        raise ValueError(
+            f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
+            "stock DeepseekV3Config cannot express it"
+        )
     shared = cfg.shared_expert_intermediate_size
     if not shared or shared % cfg.moe_intermediate_size:
         raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
     if cfg.topk_group is None or cfg.topk_group < cfg.n_group and cfg.num_experts_per_tok // cfg.topk_group != 2:
         raise ValueError("stock DeepSeek-V3 ranks groups by their best 2 experts: needs topk // topk_group == 2")
     return DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        n_shared_experts=shared // cfg.moe_intermediate_size, n_routed_experts=cfg.num_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=first_k,
-        norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
-        max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.initializer_range,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=shared // cfg.moe_intermediate_size,
+        n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        first_k_dense_replace=first_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        hidden_act=cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        rope_interleave=cfg.rope_interleave, attention_bias=False,
+        rope_interleave=cfg.rope_interleave,
+        attention_bias=False,
     )
 
 
@@ -460,11 +499,15 @@ def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) ->
         return Qwen2Config(**common)
     if not (gate and cfg.shared_expert_intermediate_size):
         raise ValueError("stock Qwen2-MoE always has a shared expert with a gate")
-    return Qwen2MoeConfig(**common, qkv_bias=bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                          **_stock_moe_fields(cfg))
+    return Qwen2MoeConfig(
+        **common,
+        qkv_bias=bias,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        **_stock_moe_fields(cfg),
+    )
 
 
-def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[str]:
+def unsupported_stock_fields(hf: Any, rope_key: str | None = None) -> list[str]:
     """What of a stock Qwen3 / Qwen3-MoE / Llama config the reference and megatron models cannot
     compute, one `field=value: reason` line each (the converter and the engine refuse on these).
     `rope_key` names the RoPE key as the user's file spells it (`rope.rope_key_in_file`)."""
@@ -486,8 +529,10 @@ def unsupported_stock_fields(hf: Any, rope_key: Optional[str] = None) -> list[st
     if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0):
         problems.append(f"partial_rotary_factor={hf.partial_rotary_factor}: only full RoPE is supported")
     if getattr(hf, "use_sliding_window", False):  # Qwen2 / Qwen3: a window on some layers only
-        problems.append("use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
-                        "supported (a window on every layer is: Mistral's sliding_window)")
+        problems.append(
+            "use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
+            "supported (a window on every layer is: Mistral's sliding_window)"
+        )
     if getattr(hf, "model_type", None) == "deepseek_v3":
         problems += _unsupported_deepseek_v3_fields(hf)
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
@@ -499,16 +544,22 @@ def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
     """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
     problems = []
     if getattr(hf, "quantization_config", None):
-        problems.append(f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
-                        "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first")
+        problems.append(
+            f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
+            "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first"
+        )
     topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
     if group_topk < groups and topk // group_topk != 2:
-        problems.append(f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
-                        "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
-                        "topk // topk_group == 2")
+        problems.append(
+            f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
+            "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
+            "topk // topk_group == 2"
+        )
     if hf.n_routed_experts % groups or topk % group_topk:
-        problems.append(f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
-                        f"divide by n_group and num_experts_per_tok ({topk}) by topk_group")
+        problems.append(
+            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
+            f"divide by n_group and num_experts_per_tok ({topk}) by topk_group"
+        )
     if topk > 1 and not hf.norm_topk_prob:
         problems.append("norm_topk_prob=false: megatron-core always renormalises sigmoid top-k scores")
     if not hf.n_shared_experts:
@@ -520,7 +571,9 @@ def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
     for key in ROPE_KEYS:
         kind = rope_type_of(getattr(hf, key, None))
         if kind != "default":
-            problems.append(f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
-                            "(MLA here uses plain RoPE)")
+            problems.append(
+                f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
+                "(MLA here uses plain RoPE)"
+            )
             break
     return problems

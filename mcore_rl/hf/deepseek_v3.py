@@ -22,7 +22,7 @@ MLA caches the compressed latent per layer, as transformers does: the cache's (k
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,7 @@ from torch import nn
 from .layers import Qwen3ReferenceMLP, Qwen3ReferenceRMSNorm, RoutingTap, run_experts
 
 
-def grouped_topk(
-    scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]
-) -> torch.Tensor:
+def grouped_topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None) -> torch.Tensor:
     """Expert indices [T, k] of the top-k `scores` [T, E], limited to the best `group_topk` groups."""
     if not group_topk:
         return torch.topk(scores, topk, dim=-1).indices
@@ -140,7 +138,7 @@ class MLAReferenceAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: torch.Tensor,
-        past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         q_pass, q_rot, latent, k_rot = self.project(x, cos, sin)
         if past is not None:
@@ -163,7 +161,11 @@ class MLAReferenceAttention(nn.Module):
         return q_pass, rope(q_rot, cos, sin), latent, rope(k_rot, cos, sin)
 
     def attend(
-        self, q_pass: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+        self,
+        q_pass: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
         allowed: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of queries [b, heads, s, .] over the cached latents [b, 1, S, .] -> [b, s, hidden]."""

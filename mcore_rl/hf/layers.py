@@ -6,7 +6,7 @@ of the remote-code files form a DAG. Part of the remote-code modeling files: imp
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +139,9 @@ class RoutingTap:
         self.routed: torch.Tensor | None = None
         self.forced: torch.Tensor | None = None
 
-    def dispatch(self, tokens: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module], topk: int,
-                 norm_topk_prob: bool) -> torch.Tensor:
+    def dispatch(
+        self, tokens: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module], topk: int, norm_topk_prob: bool
+    ) -> torch.Tensor:
         out, idx = moe_dispatch(tokens, logits, experts, topk, norm_topk_prob, self.forced)
         self.routed = idx if self.record else None
         return out

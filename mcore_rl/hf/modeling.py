@@ -50,7 +50,7 @@ Conventions (megatron-style, documented because they differ from HF's `forward`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +70,7 @@ from .layers import (  # route, load_balancing_loss: unused here, imported from 
     Qwen3ReferenceRMSNorm,
     RoutingTap,
     is_moe_layer,
-    load_balancing_loss,
     moe_aux_loss,
-    route,
 )
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
 from .rope import rope_inv_freq, rope_scaling_of
@@ -87,13 +85,13 @@ except ImportError:  # pragma: no cover - transformers 4.x
 # `past_key_values=` keyword to `cache`); `.past_key_values` reads the same thing.
 @dataclass
 class Qwen3ReferenceModelOutput(ModelOutput):
-    last_hidden_state: Optional[torch.Tensor] = None
-    cache: Optional[Any] = None  # a transformers Cache, or the extended legacy list (cache.py)
-    aux_loss: Optional[torch.Tensor] = None
-    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
+    last_hidden_state: torch.Tensor | None = None
+    cache: Any | None = None  # a transformers Cache, or the extended legacy list (cache.py)
+    aux_loss: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def past_key_values(self) -> Optional[Any]:
+    def past_key_values(self) -> Any | None:
         return self.cache
 
 
@@ -103,19 +101,19 @@ class Qwen3ReferenceCausalLMOutput(ModelOutput):
     (already times the coefficient; a zero tensor without grad for dense models or coefficient 0).
     `loss` is the LM loss alone; `loss + aux_loss` has megatron's gradients."""
 
-    loss: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-    cache: Optional[Any] = None  # a transformers Cache, or the extended legacy list (cache.py)
-    aux_loss: Optional[torch.Tensor] = None
-    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Any | None = None  # a transformers Cache, or the extended legacy list (cache.py)
+    aux_loss: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def past_key_values(self) -> Optional[Any]:
+    def past_key_values(self) -> Any | None:
         return self.cache
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: Optional[dict] = None
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [b, s, head_dim] for the non-interleaved (rotate_half) RoPE, computed in fp32;
     `scaling` is the config's RoPE scaling dict (`rope.rope_scaling_of`; None = plain RoPE)."""
@@ -164,7 +162,7 @@ class Qwen3ReferenceAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: torch.Tensor,
-        past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -180,7 +178,7 @@ class Qwen3ReferenceAttention(nn.Module):
         scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.head_dim**-0.5
         # finfo.min rather than -inf: a fully masked row (left padding) gives no NaN. A sliding-window
         # layer of a transformers cache holds only its window: the mask's last columns are its keys.
-        scores = scores.masked_fill(~allowed[..., -k.shape[2]:], torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~allowed[..., -k.shape[2] :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v_rep).transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(out), present
@@ -197,8 +195,7 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         self.aux_loss_coef = config.router_aux_loss_coef
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            Qwen3ReferenceMLP(config.hidden_size, config.moe_intermediate_size)
-            for _ in range(config.num_experts)
+            Qwen3ReferenceMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
@@ -248,8 +245,8 @@ class Qwen3ReferenceDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: torch.Tensor,
-        past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         attn, present = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past)
         x = x + attn
         mlp = self.mlp(self.post_attention_layernorm(x))
@@ -260,8 +257,11 @@ class Qwen3ReferenceDecoderLayer(nn.Module):
 
 
 def _allowed_mask(
-    attention_mask: Optional[torch.Tensor], s: int, past_len: int, device: torch.device,
-    sliding_window: Optional[int] = None,
+    attention_mask: torch.Tensor | None,
+    s: int,
+    past_len: int,
+    device: torch.device,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Boolean [b|1, 1, s, past_len+s]: True where query (at past_len+i) may attend key j; with a
     `sliding_window` W only the W keys j > i - W (HF's window, counted in cache positions)."""
@@ -311,9 +311,7 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
         # Over-Encoding (ngram.py): hashed n-gram embeddings added to embed_tokens; None = off.
         orders = getattr(config, "ngram_orders", None)
         self.ngram_embeddings = McoreRLNgramEmbeddings(config) if orders else None
-        self.layers = nn.ModuleList(
-            Qwen3ReferenceDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(Qwen3ReferenceDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
         attn_res = getattr(config, "attn_res", "none") != "none"  # AttnRes: the output's depth mix
         self.final_res = AttnResMixer(config.hidden_size, config.rms_norm_eps) if attn_res else None
@@ -328,8 +326,8 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
     def embed(
         self,
         input_ids: torch.Tensor,
-        position_ids: Optional[torch.Tensor] = None,
-        ngram_context: Optional[torch.Tensor] = None,
+        position_ids: torch.Tensor | None = None,
+        ngram_context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Input embeddings: `embed_tokens`, plus the n-gram embeddings with Over-Encoding (which
         need the positions and, when decoding, the preceding tokens `ngram_context`, see ngram.py)."""
@@ -340,15 +338,15 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Any] = None,
-        use_cache: Optional[bool] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[Any] = None,
-        ngram_context: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+        use_cache: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        ngram_context: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs: Any,
     ) -> Qwen3ReferenceModelOutput:
         """`cache` (the transformers>=5 name) and `past_key_values` are aliases (module doc).
@@ -445,21 +443,21 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        loss_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Any] = None,
-        use_cache: Optional[bool] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[Any] = None,
-        ngram_context: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+        use_cache: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        ngram_context: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
-    ) -> Union[Qwen3ReferenceCausalLMOutput, tuple]:
+    ) -> Qwen3ReferenceCausalLMOutput | tuple:
         """Logits [b, s, vocab]; `loss` when labels are given (labels[t] = target of position t).
 
         `cache` / `past_key_values` and `ngram_context`: see `Qwen3ReferenceModel.forward`.
@@ -491,7 +489,7 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
 
 
 def masked_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """sum_t mask[t] * CE(logits[t], labels[t]) / sum_t mask[t], in fp32; labels == -100 are masked too."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
@@ -519,9 +517,7 @@ def _stock_moe_is_fused(config: McoreRLQwen3Config) -> bool:
     return any(name == "experts.gate_up_proj" for name, _ in block.named_parameters())
 
 
-def to_stock_state_dict(
-    state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config
-) -> dict[str, torch.Tensor]:
+def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config) -> dict[str, torch.Tensor]:
     """Our (= HF checkpoint) names -> the names the installed stock class's `state_dict` uses.
 
     Dense models and transformers 4.x: unchanged. transformers>=5 Qwen3-MoE: per layer,
@@ -541,9 +537,7 @@ def to_stock_state_dict(
     return out
 
 
-def from_stock_state_dict(
-    state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config
-) -> dict[str, torch.Tensor]:
+def from_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config) -> dict[str, torch.Tensor]:
     """Inverse of `to_stock_state_dict`: split fused experts back into per-expert checkpoint names."""
     fused = (".experts.gate_up_proj", ".experts.down_proj")
     out = {k: v for k, v in state_dict.items() if not k.endswith(fused)}

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -76,11 +76,11 @@ def check_table_size(table_size: int, vocab_size: int, key: str = "ngram_table_s
 
 def ngram_hash_ids(
     input_ids: torch.Tensor,
-    position_ids: Optional[torch.Tensor],
+    position_ids: torch.Tensor | None,
     orders: Sequence[int],
     vocab_size: int,
     table_size: int,
-    context: Optional[torch.Tensor] = None,
+    context: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Hashed n-gram ids, one [b, s] int64 tensor in [0, table_size) per order (module docstring).
 
@@ -129,9 +129,7 @@ def ngram_hash_ids(
     return out
 
 
-def next_ngram_context(
-    context: Optional[torch.Tensor], input_ids: torch.Tensor, size: int
-) -> torch.Tensor:
+def next_ngram_context(context: torch.Tensor | None, input_ids: torch.Tensor, size: int) -> torch.Tensor:
     """The last `size` tokens of context + input_ids ([b, size], -1 where there were none)."""
     b = input_ids.shape[0]
     pad = input_ids.new_full((b, size), -1, dtype=torch.long)
@@ -142,14 +140,12 @@ def next_ngram_context(
 class NgramKVCache(list):
     """The reference model's KV cache (a list of per-layer (k, v)) plus the n-gram context."""
 
-    def __init__(self, layers: Sequence = (), ngram_context: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, layers: Sequence = (), ngram_context: torch.Tensor | None = None) -> None:
         super().__init__(layers)
         self.ngram_context = ngram_context
 
 
-def sliced_lookup(
-    ids: torch.Tensor, tables: Sequence[nn.Embedding], projections: Sequence[nn.Linear]
-) -> torch.Tensor:
+def sliced_lookup(ids: torch.Tensor, tables: Sequence[nn.Embedding], projections: Sequence[nn.Linear]) -> torch.Tensor:
     """E^{m x d|k}(ids) = sum_i E_i(ids) W_i (the notes' sliced table)."""
     out = None
     for table, proj in zip(tables, projections):
@@ -188,8 +184,8 @@ class McoreRLNgramEmbeddings(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
+        position_ids: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """sum over orders of the sliced lookups, [b, s, hidden] (add it to the 1-gram embedding)."""
         ids = ngram_hash_ids(input_ids, position_ids, self.orders, self.vocab_size, self.table_size, context)

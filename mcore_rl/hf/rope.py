@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,14 +22,14 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling")
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 
 
-def rope_type_of(params: Optional[dict]) -> str:
+def rope_type_of(params: dict | None) -> str:
     """`rope_type` of a scaling dict (4.x files may say `type`); "default" for None or {}."""
     if not params:
         return "default"
     return str(params.get("rope_type", params.get("type", "default")))
 
 
-def rope_scaling_of(config: Any) -> Optional[dict[str, Any]]:
+def rope_scaling_of(config: Any) -> dict[str, Any] | None:
     """The scaling dict of an HF config (either spelling), None for plain RoPE.
 
     Like transformers' `standardize_rope_params`, llama3 and yarn get `original_max_position_embeddings`
@@ -135,7 +135,7 @@ def _yarn_inv_freq(head_dim: int, theta: float, params: dict[str, Any]) -> torch
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2] in fp32, attention factor) of plain or scaled RoPE."""
     kind = rope_type_of(scaling)
     if kind == "yarn":
@@ -154,16 +154,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
 _TYPE_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
 }
 # Written only when they differ from transformers' default, so a stock file comes back as it was.
-_OPTIONAL = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None,
-             "attention_factor": None, "truncate": True}
+_OPTIONAL = {
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": None,
+    "mscale_all_dim": None,
+    "attention_factor": None,
+    "truncate": True,
+}
 _CAST = {"original_max_position_embeddings": int, "truncate": bool}  # the others are floats
 
 
-def hf_rope_dict(scaling: Any, max_position_embeddings: int) -> Optional[dict[str, Any]]:
+def hf_rope_dict(scaling: Any, max_position_embeddings: int) -> dict[str, Any] | None:
     """The HF scaling dict (without `rope_theta`) of a `RopeScalingConfig`; None for type none."""
     if scaling.type == "none":
         return None
@@ -178,7 +192,7 @@ def hf_rope_dict(scaling: Any, max_position_embeddings: int) -> Optional[dict[st
     return out
 
 
-def rope_scaling_fields(config: Any, hf_key: Optional[str] = None) -> dict[str, Any]:
+def rope_scaling_fields(config: Any, hf_key: str | None = None) -> dict[str, Any]:
     """The `RopeScalingConfig` fields of an HF config (either spelling); `hf_key` is the spelling of
     its file (`rope_key_in_file`), kept for export."""
     fields: dict[str, Any] = {"hf_key": hf_key} if hf_key else {}

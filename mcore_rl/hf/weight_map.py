@@ -132,12 +132,17 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             out.update(_deepseek_hf_to_megatron(hf, p, q, mc, moe_layer))
             continue
         out[q + "self_attention.linear_qkv.weight"] = merge_qkv(
-            hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
-            hf[p + "self_attn.v_proj.weight"], mc,
+            hf[p + "self_attn.q_proj.weight"],
+            hf[p + "self_attn.k_proj.weight"],
+            hf[p + "self_attn.v_proj.weight"],
+            mc,
         )
         if mc.add_qkv_bias:  # Qwen2: fused like the weight rows, so each TP rank gets its groups' biases
             out[q + "self_attention.linear_qkv.bias"] = merge_qkv(
-                hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"], hf[p + "self_attn.v_proj.bias"], mc,
+                hf[p + "self_attn.q_proj.bias"],
+                hf[p + "self_attn.k_proj.bias"],
+                hf[p + "self_attn.v_proj.bias"],
+                mc,
             )
         out[q + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
         if mc.qk_layernorm:
@@ -152,18 +157,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
         out[q + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
         for expert in range(mc.num_experts):
             he, me = f"{p}mlp.experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
-            out[me + "linear_fc1.weight"] = torch.cat(
-                [hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0
-            )
+            out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0)
             out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
         if mc.moe_latent_size:
             for proj in ("fc1_latent_proj", "fc2_latent_proj"):
                 out[f"{q}mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
         if mc.moe_shared_expert_intermediate_size:
             hs, ms = p + "mlp.shared_expert.", q + "mlp.shared_experts."
-            out[ms + "linear_fc1.weight"] = torch.cat(
-                [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0
-            )
+            out[ms + "linear_fc1.weight"] = torch.cat([hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0)
             out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
             if mc.moe_shared_expert_gate:  # Qwen2-MoE
                 out[ms + "gate_weight"] = hf[p + "mlp.shared_expert_gate.weight"]
@@ -262,7 +263,8 @@ def _deepseek_hf_to_megatron(
     if mc.moe_shared_expert_intermediate_size:
         hs = mlp + "shared_experts."
         out[q + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]])
+            [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]]
+        )
         out[q + "mlp.shared_experts.linear_fc2.weight"] = hf[hs + "down_proj.weight"]
     return out
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,15 +75,13 @@ class AttnResMixer(torch.nn.Module):
         self.query = torch.nn.Parameter(
             torch.zeros(config.hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
-        setattr(self.query, "sequence_parallel", config.sequence_parallel)
+        self.query.sequence_parallel = config.sequence_parallel
         self.norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
     def forward(self, values: list[Tensor], inv_rms_values: list[Tensor]) -> Tensor:
         """sum_i softmax_i(query . RMSNorm(values[i])) * values[i]; inv_rms_values[i] = inv_rms(values[i])."""
         u = self.query.float() * self.norm.weight.float()
-        logits = torch.stack(
-            [torch.matmul(v, u.to(v.dtype)).float() * r for v, r in zip(values, inv_rms_values)]
-        )
+        logits = torch.stack([torch.matmul(v, u.to(v.dtype)).float() * r for v, r in zip(values, inv_rms_values)])
         alpha = logits.softmax(dim=0).to(values[0].dtype).unsqueeze(-1)
         out = values[0] * alpha[0]
         for i in range(1, len(values)):
@@ -103,7 +100,7 @@ class AttnResLayerMixin:
     def forward(self, *args, **kwargs):
         raise RuntimeError("an AttnRes layer is driven sublayer by sublayer by AttnResTransformerBlock")
 
-    def _sublayer_output(self, output_with_bias: tuple[Tensor, Optional[Tensor]]) -> Tensor:
+    def _sublayer_output(self, output_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
         out, bias = output_with_bias
         if bias is not None:
             out = out + bias
@@ -115,7 +112,7 @@ class AttnResLayerMixin:
         """f = dropout(attention(input_layernorm(h))) — no residual add."""
         return self._sublayer_output(self.self_attention(self.input_layernorm(h), **attention_kwargs))
 
-    def mlp_sublayer(self, h: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
+    def mlp_sublayer(self, h: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """f = dropout(mlp(pre_mlp_layernorm(h))) — no residual add."""
         return self._sublayer_output(self.mlp(self.pre_mlp_layernorm(h), padding_mask=padding_mask))
 
@@ -175,7 +172,7 @@ class AttnResTransformerBlock(TransformerBlock):
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection=None,
-        vp_stage: Optional[int] = None,
+        vp_stage: int | None = None,
     ) -> None:
         if not isinstance(spec, TransformerBlockSubmodules):
             raise TypeError("AttnResTransformerBlock takes TransformerBlockSubmodules (decoder_block_spec)")
@@ -198,11 +195,11 @@ class AttnResTransformerBlock(TransformerBlock):
             chunk_layer_offsets(config), config.num_layers, self.attn_res_num_blocks
         )
         self.final_res = AttnResMixer(config) if post_process else None
-        self.packed_input_tensor: Optional[Tensor] = None
+        self.packed_input_tensor: Tensor | None = None
 
     # ---- depth state <-> pipeline message ------------------------------------------------------
 
-    def set_input_tensor(self, input_tensor: Optional[Tensor]) -> None:
+    def set_input_tensor(self, input_tensor: Tensor | None) -> None:
         """The previous stage's packed depth state. `input_tensor` shows only its first slab (b_0),
         because GPTModel sizes the rotary embedding by `decoder.input_tensor.size(0)`."""
         self.packed_input_tensor = input_tensor
@@ -210,14 +207,14 @@ class AttnResTransformerBlock(TransformerBlock):
         if input_tensor is not None:
             self.input_tensor = input_tensor.narrow(0, 0, input_tensor.size(0) // self.p2p_seq_factor)
 
-    def _unpack(self, hidden_states: Tensor) -> tuple[list[Tensor], Optional[Tensor]]:
+    def _unpack(self, hidden_states: Tensor) -> tuple[list[Tensor], Tensor | None]:
         if self.pre_process:
             return [hidden_states], None  # b_0 = the embedding; no partial sum yet
         n = num_sources_after(2 * self.layer_offset, self.total_sublayers, self.attn_res_num_blocks)
         slabs = hidden_states.chunk(self.p2p_seq_factor, dim=0)
         return list(slabs[: n - 1]), slabs[n - 1]
 
-    def _pack(self, blocks: list[Tensor], partial: Optional[Tensor]) -> Tensor:
+    def _pack(self, blocks: list[Tensor], partial: Tensor | None) -> Tensor:
         assert partial is not None, "a pipeline stage must hold at least one layer"
         slabs = blocks + [partial]
         pad = self.p2p_seq_factor - len(slabs)
@@ -233,10 +230,10 @@ class AttnResTransformerBlock(TransformerBlock):
         start: int,
         end: int,
         blocks: list[Tensor],
-        partial: Optional[Tensor],
+        partial: Tensor | None,
         attention_kwargs: dict,
-        padding_mask: Optional[Tensor],
-    ) -> tuple[list[Tensor], Optional[Tensor]]:
+        padding_mask: Tensor | None,
+    ) -> tuple[list[Tensor], Tensor | None]:
         """Local layers [start, end) on the depth state (blocks incl. b_0, partial sum)."""
         eps = self.config.layernorm_epsilon
         blocks = list(blocks)
@@ -271,9 +268,7 @@ class AttnResTransformerBlock(TransformerBlock):
             raise ValueError(f"invalid recompute_method {self.config.recompute_method!r}")
         for start, end, checkpointed in groups:
             if not checkpointed:
-                blocks, partial = self._run_layers(
-                    start, end, blocks, partial, attention_kwargs, padding_mask
-                )
+                blocks, partial = self._run_layers(start, end, blocks, partial, attention_kwargs, padding_mask)
                 continue
             # Commit a finished block outside, so every checkpoint output is a new tensor.
             if self.block_starts[2 * (self.layers[start].layer_number - 1)] and partial is not None:
@@ -295,21 +290,21 @@ class AttnResTransformerBlock(TransformerBlock):
     def forward(
         self,
         hidden_states,
-        attention_mask: Optional[Tensor],
-        context: Optional[Tensor] = None,
-        context_mask: Optional[Tensor] = None,
-        rotary_pos_emb: Optional[Tensor] = None,
-        rotary_pos_cos: Optional[Tensor] = None,
-        rotary_pos_sin: Optional[Tensor] = None,
-        rotary_pos_cos_sin: Optional[Tensor] = None,
-        attention_bias: Optional[Tensor] = None,
+        attention_mask: Tensor | None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | None = None,
+        rotary_pos_cos: Tensor | None = None,
+        rotary_pos_sin: Tensor | None = None,
+        rotary_pos_cos_sin: Tensor | None = None,
+        attention_bias: Tensor | None = None,
         inference_context=None,
         packed_seq_params=None,
-        sequence_len_offset: Optional[Tensor] = None,
-        padding_mask: Optional[Tensor] = None,
+        sequence_len_offset: Tensor | None = None,
+        padding_mask: Tensor | None = None,
         *,
         inference_params=None,
-        dynamic_inference_decode_only: Optional[bool] = None,
+        dynamic_inference_decode_only: bool | None = None,
     ) -> Tensor:
         """[s, b, h] in ([K * s, b, h] from the previous stage); [s, b, h] out on the last stage,
         the packed depth state on the others."""
@@ -338,9 +333,7 @@ class AttnResTransformerBlock(TransformerBlock):
             if self.config.recompute_granularity == "full" and self.training:
                 blocks, partial = self._checkpointed_layers(blocks, partial, attention_kwargs, padding_mask)
             else:
-                blocks, partial = self._run_layers(
-                    0, len(self.layers), blocks, partial, attention_kwargs, padding_mask
-                )
+                blocks, partial = self._run_layers(0, len(self.layers), blocks, partial, attention_kwargs, padding_mask)
         if not self.post_process:
             return self._pack(blocks, partial)
         eps = self.config.layernorm_epsilon

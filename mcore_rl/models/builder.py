@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +47,7 @@ def transformer_config(
         moe.update(deepseek_v3.moe_kwargs(model))  # moe_layer_pattern, DeepSeek-V3 router
     recompute_kwargs: dict = {}
     if recompute == "full":
-        recompute_kwargs = dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
@@ -112,7 +109,7 @@ def build_model(
     parallel: ParallelConfig,
     precision: str = "fp32",
     recompute: str = "none",
-    config: Optional[TransformerConfig] = None,
+    config: TransformerConfig | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (a list of one without VPP).
 
@@ -129,8 +126,9 @@ def build_model(
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=attn_res.deferred_spec(block_spec, model),  # AttnRes: see below
-            vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                         parallel.tensor_model_parallel_size),
+            vocab_size=padded_vocab_size(
+                model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
+            ),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

@@ -59,7 +59,8 @@ def _mla(model: ModelConfig, context: float) -> tuple[float, float]:
     qk = model.qk_head_dim + model.qk_pos_emb_head_dim
     q = h * heads * qk if model.q_lora_rank is None else model.q_lora_rank * (h + heads * qk)
     kv = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * heads * (
-        model.qk_head_dim + model.v_head_dim)
+        model.qk_head_dim + model.v_head_dim
+    )
     out = heads * model.v_head_dim * h
     return 2.0 * (q + kv + out), 2.0 * heads * (qk + model.v_head_dim) * context
 
@@ -89,7 +90,7 @@ def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = Tru
     return ForwardFlops(projections, scores, mlp, 2.0 * h * model.vocab_size)
 
 
-def _attended_context(seq_len: int, causal: bool, window: "int | None") -> float:
+def _attended_context(seq_len: int, causal: bool, window: int | None) -> float:
     """Mean number of keys a query attends to: (s + 1) / 2 causal, s bidirectional; with a sliding
     window W (causal) query i reads min(i + 1, W) keys."""
     if not causal:

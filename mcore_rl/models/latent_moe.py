@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,14 +72,14 @@ class LatentProjection(MegatronModule):
         input_size: int,
         output_size: int,
         *,
-        parallel_mode: Optional[str],
+        parallel_mode: str | None,
         config: TransformerConfig,
         init_method: Callable[[torch.Tensor], Any],
         bias: bool,
         skip_bias_add: bool,
         skip_weight_param_allocation: bool = False,
         is_expert: bool = False,
-        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
         **_unused: Any,
     ) -> None:
         if parallel_mode != "duplicated" or is_expert or skip_weight_param_allocation:
@@ -89,22 +90,18 @@ class LatentProjection(MegatronModule):
         self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
-        )
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         self.bias = (
-            torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device))
-            if bias
-            else None
+            torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device)) if bias else None
         )
         if config.perform_initialization:
             with _quiet_cpu_fork(), get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name()):
                 init_method(self.weight)
         for param in (self.weight, self.bias):
             if param is not None:
-                setattr(param, "sequence_parallel", config.sequence_parallel)
+                param.sequence_parallel = config.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.skip_bias_add:
             return F.linear(x, self.weight), self.bias
         return F.linear(x, self.weight, self.bias), None

@@ -35,7 +35,6 @@ Context parallelism is not supported (a CP rank would lack the tokens before its
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -79,7 +78,7 @@ class NgramEmbedding(MegatronModule):
         check_table_size(self.table_size, vocab_size, key="model.ngram.table_size")
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        self.dp_group: Optional[dist.ProcessGroup] = None
+        self.dp_group: dist.ProcessGroup | None = None
         dp, dp_rank = 1, 0
         if ngram.shard_over_data_parallel:
             self.dp_group = parallel_state.get_data_parallel_group()
@@ -108,8 +107,9 @@ class NgramEmbedding(MegatronModule):
         for n in self.orders:
             width = self.num_slices * slice_width(h, n, self.num_slices)
             if width < 1:
-                raise ValueError(f"model.hidden_size {h} is too small for n-gram order {n} with "
-                                 f"{self.num_slices} slices")
+                raise ValueError(
+                    f"model.hidden_size {h} is too small for n-gram order {n} with {self.num_slices} slices"
+                )
             self.widths.append(width)
             table = torch.empty(self.rows_per_shard, width, dtype=dtype)
             proj = torch.empty(h, width, dtype=dtype)
@@ -150,9 +150,7 @@ class NgramEmbedding(MegatronModule):
         back = tensor_parallel.all_to_all(group, rows, send_sizes, recv_sizes)
         return back[inverse].reshape(*ids.shape, -1)
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor], scatter_to_sp: bool
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, scatter_to_sp: bool) -> torch.Tensor:
         """n-gram embeddings of input_ids [b, s]: [s, b, h], or [s/tp, b, h] if `scatter_to_sp`."""
         ids = ngram_hash_ids(input_ids, position_ids, self.orders, self.vocab_size, self.table_size)
         lookup = self._dp_lookup if self.dp_group is not None else self._local_lookup
@@ -171,9 +169,7 @@ class NgramEmbedding(MegatronModule):
 
     # ------------------------------------------------------------------------ checkpointing
 
-    def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
-    ) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Tables sharded by rows over TP (replicated over DP) or over TP x DP; projections replicated."""
         out = {}
         for n in self.orders:
@@ -184,8 +180,12 @@ class NgramEmbedding(MegatronModule):
             else:
                 axis = len(sharded_offsets)
                 out[key] = ShardedTensor.from_rank_offsets(
-                    key, table, *sharded_offsets, (axis, self.shard, self.num_shards),
-                    replica_id=0, prepend_axis_num=len(sharded_offsets),
+                    key,
+                    table,
+                    *sharded_offsets,
+                    (axis, self.shard, self.num_shards),
+                    replica_id=0,
+                    prepend_axis_num=len(sharded_offsets),
                 )
             pkey = f"{prefix}projections.{n}.weight"
             out[pkey] = make_sharded_tensor_for_checkpoint(
@@ -202,7 +202,7 @@ class NgramLanguageModelEmbedding(LanguageModelEmbedding):
     ngram: NgramEmbedding
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: Optional[int] = None
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: int | None = None
     ) -> torch.Tensor:
         embeddings = super().forward(input_ids, position_ids, tokentype_ids)
         scatter = bool(self.config.sequence_parallel and self.scatter_to_sequence_parallel)
@@ -246,9 +246,7 @@ class DataParallelShardedDDP(DistributedDataParallel):
     """
 
     def __init__(self, config: TransformerConfig, ddp_config, module: torch.nn.Module, **kwargs) -> None:
-        sharded = [
-            p for p in module.parameters() if p.requires_grad and getattr(p, "data_parallel_sharded", False)
-        ]
+        sharded = [p for p in module.parameters() if p.requires_grad and getattr(p, "data_parallel_sharded", False)]
         for p in sharded:
             p.requires_grad_(False)
         try:

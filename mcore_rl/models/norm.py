@@ -29,7 +29,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as the reference model (mcore_rl.hf): normalise in fp32, cast, scale.

@@ -8,7 +8,7 @@ gathering a whole model's state dict. The exporter, the weight sync and the test
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ def _is_gated_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def _tp_group_rank_size(param: torch.nn.Parameter, global_name: str) -> tuple[Optional[dist.ProcessGroup], int, int]:
+def _tp_group_rank_size(param: torch.nn.Parameter, global_name: str) -> tuple[dist.ProcessGroup | None, int, int]:
     from megatron.core import parallel_state as ps
 
     if _is_expert(global_name):
@@ -115,9 +115,7 @@ def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torc
         param.copy_(shard_for_rank(source, param, global_name).to(param.dtype))
 
 
-def gather_full_state_dict(
-    chunks: Iterable[torch.nn.Module], grads: bool = False
-) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(chunks: Iterable[torch.nn.Module], grads: bool = False) -> dict[str, torch.Tensor]:
     """Full megatron tensors (global names) of the whole model, on every rank.
 
     `grads=True` gathers `main_grad` (or `.grad`) instead of the weights. Uses object collectives
@@ -138,7 +136,7 @@ def gather_full_state_dict(
         local[global_name] = value.cpu().clone()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    everyone: list[Optional[dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
+    everyone: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     merged: dict[str, torch.Tensor] = {}
     for part in everyone:

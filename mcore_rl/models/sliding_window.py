@@ -11,14 +11,14 @@ HF's window W (`kv > q - W`: the token and the W - 1 before it) is megatron's `(
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.config.schema import ModelConfig
 
 _applied = False
 
 
-def window_size(model: ModelConfig) -> Optional[tuple[int, int]]:
+def window_size(model: ModelConfig) -> tuple[int, int] | None:
     """megatron-core's `window_size` for `model.sliding_window` (None = full causal attention)."""
     return None if model.sliding_window is None else (model.sliding_window - 1, 0)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -31,9 +30,7 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def decoder_layer_spec(
-    config: TransformerConfig, use_te: Optional[bool] = None, moe: Optional[bool] = None
-) -> ModuleSpec:
+def decoder_layer_spec(config: TransformerConfig, use_te: bool | None = None, moe: bool | None = None) -> ModuleSpec:
     """One decoder layer: GQA (or, with `multi_latent_attention`, MLA) self-attention with QK-norm
     and RoPE, SwiGLU MLP or MoE. `moe=False` builds a dense layer in an MoE model (mixed layers)."""
     if use_te is None:
@@ -42,11 +39,15 @@ def decoder_layer_spec(
     mla = bool(getattr(config, "multi_latent_attention", False))
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
             multi_latent_attention=mla,
         )
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+        num_experts=num_experts,
+        qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
         multi_latent_attention=mla,
     )
     attention = spec.submodules.self_attention
@@ -54,8 +55,13 @@ def decoder_layer_spec(
     norms = dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
     if mla:  # the local core attention with MLA's unequal q/k and v head sizes (models/deepseek_v3.py)
         use_local_mla()
-        norms = dict(q_layernorm=qk_norm, kv_layernorm=qk_norm, core_attention=MLADotProductAttention,
-                     linear_q_down_proj=LatentProjection, linear_kv_down_proj=LatentProjection)
+        norms = dict(
+            q_layernorm=qk_norm,
+            kv_layernorm=qk_norm,
+            core_attention=MLADotProductAttention,
+            linear_q_down_proj=LatentProjection,
+            linear_kv_down_proj=LatentProjection,
+        )
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **norms))
     submodules = dataclasses.replace(
         spec.submodules,
@@ -67,7 +73,7 @@ def decoder_layer_spec(
 
 
 def decoder_block_spec(
-    config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None
+    config: TransformerConfig, vp_stage: int | None = None, use_te: bool | None = None
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage (and virtual stage) builds, plus the final norm.
 
@@ -79,8 +85,10 @@ def decoder_block_spec(
     pattern = config.moe_layer_freq if config.num_moe_experts else 1
     if isinstance(pattern, list):
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        kinds = {0: decoder_layer_spec(config, use_te, moe=False),
-                 1: with_latent_moe(decoder_layer_spec(config, use_te, moe=True), config)}
+        kinds = {
+            0: decoder_layer_spec(config, use_te, moe=False),
+            1: with_latent_moe(decoder_layer_spec(config, use_te, moe=True), config),
+        }
         layers = [kinds[pattern[offset + i]] for i in range(num_layers)]
     else:
         layers = [with_latent_moe(decoder_layer_spec(config, use_te), config)] * num_layers

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from mcore_rl.observe.sinks import read_metrics
 from mcore_rl.observe.timers import PHASES, phase_key
@@ -35,7 +36,7 @@ def domains_of(records: Iterable[dict[str, Any]]) -> list[str]:
     return list(seen)
 
 
-def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] = None) -> str:
+def plot_curves(records: list[dict[str, Any]], path: str, title: str | None = None) -> str:
     """Training reward (per rollout batch), held-out eval score, mismatch K3 and, in a multi-domain
     run, the response length: one line for the run and one per domain."""
     import matplotlib
@@ -44,9 +45,11 @@ def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] =
     import matplotlib.pyplot as plt
 
     domains = domains_of(records)
-    panels = [("reward/mean", "reward/{}/mean", "training reward (mean over rollouts)"),
-              ("eval/score", "eval/{}/score", "held-out eval score"),
-              ("mismatch/k3", "mismatch/{}/k3", "mismatch K3 (exp(d)-d-1, d = log π - log μ)")]
+    panels = [
+        ("reward/mean", "reward/{}/mean", "training reward (mean over rollouts)"),
+        ("eval/score", "eval/{}/score", "held-out eval score"),
+        ("mismatch/k3", "mismatch/{}/k3", "mismatch K3 (exp(d)-d-1, d = log π - log μ)"),
+    ]
     if domains:
         panels.append(("response/length_mean", "response/{}/length_mean", "response length (tokens)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
@@ -55,8 +58,14 @@ def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] =
         for k, name in lines:
             xs, ys = _series(records, k)
             if xs:
-                ax.plot(xs, ys, marker="o" if key == "eval/score" else None, markersize=3, label=name,
-                        linewidth=2 if name == "all" else 1)
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o" if key == "eval/score" else None,
+                    markersize=3,
+                    label=name,
+                    linewidth=2 if name == "all" else 1,
+                )
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -75,8 +84,17 @@ def plot_curves(records: list[dict[str, Any]], path: str, title: Optional[str] =
 
 # what `mcore-rl plot` draws without --keys (those no run logged are left out); "time/*" is one
 # panel with a line per phase
-DEFAULT_KEYS = ("reward/mean", "eval/score", "train/loss", "loss", "eval_loss", "mismatch/k3", "time/*",
-                "perf/mfu", "perf/tokens_per_s_per_device")
+DEFAULT_KEYS = (
+    "reward/mean",
+    "eval/score",
+    "train/loss",
+    "loss",
+    "eval_loss",
+    "mismatch/k3",
+    "time/*",
+    "perf/mfu",
+    "perf/tokens_per_s_per_device",
+)
 
 
 def _run_records(run_dir: str) -> list[dict[str, Any]]:
@@ -95,7 +113,7 @@ def _phase_keys(runs: Sequence[list[dict[str, Any]]]) -> list[str]:
     return [phase_key(p) for p in PHASES if phase_key(p) in logged]
 
 
-def plot_runs(run_dirs: Sequence[str], out: str, keys: Optional[Sequence[str]] = None) -> tuple[str, list[str]]:
+def plot_runs(run_dirs: Sequence[str], out: str, keys: Sequence[str] | None = None) -> tuple[str, list[str]]:
     """One panel per key, one line per run; returns the PNG's path and the keys drawn. Chosen keys
     that no run logged are an error naming them; of the defaults, the missing are left out."""
     import matplotlib
@@ -138,7 +156,7 @@ def plot_runs(run_dirs: Sequence[str], out: str, keys: Optional[Sequence[str]] =
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(present):]:
+    for ax in list(axes.flat)[len(present) :]:
         ax.axis("off")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -149,8 +167,12 @@ def plot_runs(run_dirs: Sequence[str], out: str, keys: Optional[Sequence[str]] =
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
-    ap.add_argument("--keys", default="", help="comma-separated metric keys, one panel each ('time/*': every "
-                    f"phase's time); default: those of {', '.join(DEFAULT_KEYS)} the runs logged")
+    ap.add_argument(
+        "--keys",
+        default="",
+        help="comma-separated metric keys, one panel each ('time/*': every "
+        f"phase's time); default: those of {', '.join(DEFAULT_KEYS)} the runs logged",
+    )
     ap.add_argument("--out", default="", help="PNG path (default: <first run_dir>/plot.png)")
 
 

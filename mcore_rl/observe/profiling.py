@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -51,8 +51,9 @@ class StepProfiler:
         if memory and cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         cpu_memory = memory and not cuda
-        prof = torch.profiler.profile(activities=activities, record_shapes=cpu_memory, profile_memory=memory,
-                                      with_stack=cpu_memory)
+        prof = torch.profiler.profile(
+            activities=activities, record_shapes=cpu_memory, profile_memory=memory, with_stack=cpu_memory
+        )
         try:
             with prof:
                 yield

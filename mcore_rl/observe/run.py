@@ -6,7 +6,8 @@ Every rank builds one (the profiler and the timers run on every rank); rank 0 wr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.profiling import StepProfiler
@@ -25,8 +26,13 @@ class RunObserver:
         self.writer = MetricsWriter(cfg.run_dir, rank0, lg.tensorboard, lg, config_to_dict(cfg) if lg.wandb else None)
         self.timer = PhaseTimer()
         self.profiler = StepProfiler(cfg.run_dir, lg.profile_steps, lg.memory_snapshot_steps)
-        self.throughput = (Throughput.for_run(cfg.model, seq_length, cfg.train.recompute, cfg.train.precision,
-                                              lg.peak_flops_per_device, world_size) if rank0 else None)
+        self.throughput = (
+            Throughput.for_run(
+                cfg.model, seq_length, cfg.train.recompute, cfg.train.precision, lg.peak_flops_per_device, world_size
+            )
+            if rank0
+            else None
+        )
         self.clock.mark("metrics_setup")  # TensorBoard, W&B, the CPU peak's probe
         if self.throughput is not None:
             log(self.throughput.describe())

@@ -10,7 +10,7 @@ import json
 import math
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +22,27 @@ def _number(value: Any) -> bool:
 class WandbSink:
     """One W&B run in `run_dir/wandb`; numbers only, keyed by the record's `step`."""
 
-    def __init__(self, run_dir: str, project: str, name: str, mode: str, config: Optional[dict] = None,
-) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        project: str,
+        name: str,
+        mode: str,
+        config: dict | None = None,
+    ) -> None:
         try:
             import wandb
         except ImportError as err:
             raise ImportError("logging.wandb=true needs the `wandb` package: pip install 'mcore-rl[wandb]'") from err
         os.makedirs(os.path.join(run_dir, "wandb"), exist_ok=True)
-        self.run = wandb.init(project=project, name=name or os.path.basename(os.path.normpath(run_dir)),
-                              dir=run_dir, mode=mode, config=config or {}, reinit="finish_previous")
+        self.run = wandb.init(
+            project=project,
+            name=name or os.path.basename(os.path.normpath(run_dir)),
+            dir=run_dir,
+            mode=mode,
+            config=config or {},
+            reinit="finish_previous",
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -41,13 +53,14 @@ class WandbSink:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, logging: Any = None,
-                 config: Optional[dict] = None) -> None:
+    def __init__(
+        self, run_dir: str, enabled: bool, tensorboard: bool, logging: Any = None, config: dict | None = None
+    ) -> None:
         """`logging`: the run's `logging` section (config/observability.py), for the W&B sink."""
         self.run_dir, self.enabled = run_dir, enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tb: Any = None
-        self.wandb: Optional[WandbSink] = None
+        self.wandb: WandbSink | None = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
@@ -55,7 +68,7 @@ class MetricsWriter:
             if logging is not None and logging.wandb:
                 self.wandb = WandbSink(run_dir, logging.wandb_project, logging.wandb_name, logging.wandb_mode, config)
 
-    def _tensorboard(self, purge_step: Optional[int] = None) -> Any:
+    def _tensorboard(self, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=purge_step)

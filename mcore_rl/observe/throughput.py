@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ CUDA_PEAK_FLOPS: dict[str, dict[str, float]] = {
     "RTX 4090": {"bf16": 165e12, "fp32": 82.6e12},
 }
 
-_measured_cpu: Optional[float] = None
+_measured_cpu: float | None = None
 
 
 def measure_cpu_peak(size: int = 1024, seconds: float = 0.3) -> float:
@@ -70,20 +70,26 @@ class Throughput:
     world_size: int
 
     @classmethod
-    def for_run(cls, model: Any, seq_length: int, recompute: str, precision: str, configured_peak: float,
-                world_size: int) -> "Throughput":
+    def for_run(
+        cls, model: Any, seq_length: int, recompute: str, precision: str, configured_peak: float, world_size: int
+    ) -> Throughput:
         peak, measured = device_peak_flops(configured_peak, precision)
         return cls(train_flops_per_token(model, seq_length, recompute), peak, measured, world_size)
 
     def metrics(self, tokens: float, seconds: float) -> dict[str, float]:
         """`tokens` trained (forward + backward + optimizer) in `seconds`, over all devices."""
         per_device = tokens / max(seconds, 1e-12) / self.world_size
-        return {"perf/train_tokens": float(tokens), "perf/tokens_per_s_per_device": per_device,
-                "perf/mfu": mfu(per_device, self.flops_per_token, self.peak_flops_per_device),
-                "perf/peak_flops_per_device": self.peak_flops_per_device,
-                "perf/peak_measured": float(self.peak_measured)}
+        return {
+            "perf/train_tokens": float(tokens),
+            "perf/tokens_per_s_per_device": per_device,
+            "perf/mfu": mfu(per_device, self.flops_per_token, self.peak_flops_per_device),
+            "perf/peak_flops_per_device": self.peak_flops_per_device,
+            "perf/peak_measured": float(self.peak_measured),
+        }
 
     def describe(self) -> str:
         how = "measured (fp32 matmul on this CPU)" if self.peak_measured else "configured or by device kind"
-        return (f"MFU against {self.peak_flops_per_device / 1e12:.3g} TFLOP/s per device ({how}); "
-                f"{self.flops_per_token / 1e6:.3g} MFLOPs per trained token")
+        return (
+            f"MFU against {self.peak_flops_per_device / 1e12:.3g} TFLOP/s per device ({how}); "
+            f"{self.flops_per_token / 1e6:.3g} MFLOPs per trained token"
+        )

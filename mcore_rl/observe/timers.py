@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "idle")
 

@@ -11,18 +11,31 @@ steps are not "first".
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 # the phases in the order a run meets them (a run skips those it does not have)
-PHASES = ("config_check", "imports", "distributed_init", "model_build", "data", "metrics_setup", "checkpoint_load",
-          "warm_start", "reference_model", "engine_start", "first_weight_sync", "eval_at_start", "first_rollout",
-          "first_train_step")
+PHASES = (
+    "config_check",
+    "imports",
+    "distributed_init",
+    "model_build",
+    "data",
+    "metrics_setup",
+    "checkpoint_load",
+    "warm_start",
+    "reference_model",
+    "engine_start",
+    "first_weight_sync",
+    "eval_at_start",
+    "first_rollout",
+    "first_train_step",
+)
 
 _start = time.perf_counter()
 
 
 class TimeToFirstStep:
-    def __init__(self, start: Optional[float] = None) -> None:
+    def __init__(self, start: float | None = None) -> None:
         self.start = self.last = _start if start is None else start
         self.phases: dict[str, float] = {}
         self.done = False

@@ -19,7 +19,8 @@ import importlib.abc
 import importlib.util
 import sys
 import types
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +41,7 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_NullEvent":
+    def record_event(self, event: Any = None) -> _NullEvent:
         return _NullEvent()
 
     def query(self) -> bool:
@@ -119,8 +120,21 @@ class _CudaOnCpu(types.ModuleType):
 class _TorchForMegatron(types.ModuleType):
     """`torch` as megatron-core sees it: everything real except `cuda` and device literals."""
 
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
-                  "randint", "as_tensor", "empty_like", "zeros_like", "ones_like")
+    _FACTORIES = (
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "arange",
+        "randn",
+        "rand",
+        "randint",
+        "as_tensor",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+    )
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -204,7 +218,9 @@ def _move_to_cpu_for_alltoall(tensor: Any, as_numpy: bool = False, record_stream
 def _uneven_gather_fix(original: Callable[..., Any]) -> Callable[..., Any]:
     """gloo's all_gather needs equal sizes; the MoE dispatcher under TP gathers unequal ones."""
 
-    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def gather(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, *args, **kwargs)
         sizes = [int(n) for n in output_split_sizes]
@@ -220,7 +236,9 @@ def _uneven_gather_fix(original: Callable[..., Any]) -> Callable[..., Any]:
 def _uneven_reduce_scatter_fix(original: Callable[..., Any]) -> Callable[..., Any]:
     """gloo has no uneven reduce-scatter: all-reduce the whole tensor, keep this rank's rows."""
 
-    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def reduce_scatter(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, *args, **kwargs)
         summed = input_.contiguous().clone()
@@ -266,9 +284,7 @@ def _fix_module_functions(module: types.ModuleType) -> None:
         # Tied embeddings under PP: the first and last stage all-reduce `weight.data.cuda()`.
         cls = module.LanguageModule  # type: ignore[attr-defined]
         if not getattr(cls.setup_embeddings_and_output_layer, "_mcore_rl_cpu", False):
-            cls.setup_embeddings_and_output_layer = _without_tensor_cuda(
-                cls.setup_embeddings_and_output_layer
-            )
+            cls.setup_embeddings_and_output_layer = _without_tensor_cuda(cls.setup_embeddings_and_output_layer)
     elif name == "megatron.core.tensor_parallel.mappings":
         if not getattr(module, "_mcore_rl_cpu", False):
             module._gather_along_first_dim = _uneven_gather_fix(module._gather_along_first_dim)  # type: ignore[attr-defined]

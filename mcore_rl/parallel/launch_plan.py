@@ -26,7 +26,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.rules import expert_tensor_parallel_size
@@ -41,7 +41,7 @@ class Allocation:
 
     job_id: str
     nodes: int
-    gpus_per_node: Optional[int]  # None: the job did not ask for GPUs
+    gpus_per_node: int | None  # None: the job did not ask for GPUs
     hosts: list[str]
 
 
@@ -52,10 +52,10 @@ class LaunchRequest:
     nproc_per_node: int  # trainer ranks (GPUs) per node
     engine_nodes: int = 0  # nodes that run inference servers (train only)
     engines_per_node: int = 1  # servers per engine node; each gets gpus_per_node / engines_per_node GPUs
-    gpus_per_node: Optional[int] = None  # engine nodes' GPUs (default: the allocation's, else nproc_per_node)
-    engine_model: Optional[str] = None  # the HF checkpoint the servers start from (weights then come by sync)
+    gpus_per_node: int | None = None  # engine nodes' GPUs (default: the allocation's, else nproc_per_node)
+    engine_model: str | None = None  # the HF checkpoint the servers start from (weights then come by sync)
     hosts: list[str] = field(default_factory=list)  # node names in order (default: the allocation's)
-    master_addr: Optional[str] = None  # rendezvous host (default: the first trainer node)
+    master_addr: str | None = None  # rendezvous host (default: the first trainer node)
     master_port: int = 29500
     engine_port: int = 30000  # first server's port on each engine node; the next ones count up
     router_port: int = 30080
@@ -77,10 +77,10 @@ class Plan:
     ranks: list[dict[str, Any]]  # rank, node, host, local_rank, and one rank list per group
     run_dir: str
     preempt_signals: list[str]  # checkpoint.preempt_signals: what the launchers pass on to the trainer
-    allocation: Optional[dict[str, Any]] = None
+    allocation: dict[str, Any] | None = None
 
 
-def slurm_allocation(env: Optional[dict[str, str]] = None) -> Optional[Allocation]:
+def slurm_allocation(env: dict[str, str] | None = None) -> Allocation | None:
     """The current SLURM job's nodes and GPUs, or None outside a job."""
     env = dict(os.environ) if env is None else env
     if not env.get("SLURM_JOB_ID"):
@@ -90,12 +90,18 @@ def slurm_allocation(env: Optional[dict[str, str]] = None) -> Optional[Allocatio
     hosts: list[str] = []
     if env.get("SLURM_JOB_NODELIST"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
-                                 text=True, timeout=30, check=True).stdout
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
             hosts = out.split()
         except (OSError, subprocess.SubprocessError) as err:
-            raise ConfigError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r}: `scontrol show hostnames` "
-                              f"failed: {err}") from None
+            raise ConfigError(
+                f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r}: `scontrol show hostnames` failed: {err}"
+            ) from None
     return Allocation(env["SLURM_JOB_ID"], nodes, int(gpus.rsplit(":", 1)[-1]) if gpus else None, hosts)
 
 
@@ -104,22 +110,34 @@ def check_allocation(req: LaunchRequest, alloc: Allocation) -> None:
     need = req.nnodes + req.engine_nodes
     problems = []
     if need > alloc.nodes:
-        problems.append(f"it needs {need} node(s) ({req.nnodes} trainer + {req.engine_nodes} engine) but the "
-                        f"allocation has {alloc.nodes}")
+        problems.append(
+            f"it needs {need} node(s) ({req.nnodes} trainer + {req.engine_nodes} engine) but the "
+            f"allocation has {alloc.nodes}"
+        )
     if alloc.gpus_per_node is not None and req.nproc_per_node > alloc.gpus_per_node:
-        problems.append(f"it needs {req.nproc_per_node} GPU(s) per trainer node (--nproc-per-node) but the "
-                        f"allocation has {alloc.gpus_per_node} per node")
+        problems.append(
+            f"it needs {req.nproc_per_node} GPU(s) per trainer node (--nproc-per-node) but the "
+            f"allocation has {alloc.gpus_per_node} per node"
+        )
     if problems:
-        raise ConfigError(f"the SLURM allocation (job {alloc.job_id}: {alloc.nodes} node(s) x "
-                          f"{alloc.gpus_per_node if alloc.gpus_per_node is not None else 'no'} GPU(s)) cannot hold "
-                          f"this plan: " + "; ".join(problems))
+        raise ConfigError(
+            f"the SLURM allocation (job {alloc.job_id}: {alloc.nodes} node(s) x "
+            f"{alloc.gpus_per_node if alloc.gpus_per_node is not None else 'no'} GPU(s)) cannot hold "
+            f"this plan: " + "; ".join(problems)
+        )
 
 
 def _check_request(req: LaunchRequest) -> None:
-    bad = [f"{name} must be >= {low}, got {value}" for name, value, low in (
-        ("--nnodes", req.nnodes, 1), ("--nproc-per-node", req.nproc_per_node, 1),
-        ("--engine-nodes", req.engine_nodes, 0), ("--engines-per-node", req.engines_per_node, 1))
-        if value < low]
+    bad = [
+        f"{name} must be >= {low}, got {value}"
+        for name, value, low in (
+            ("--nnodes", req.nnodes, 1),
+            ("--nproc-per-node", req.nproc_per_node, 1),
+            ("--engine-nodes", req.engine_nodes, 0),
+            ("--engines-per-node", req.engines_per_node, 1),
+        )
+        if value < low
+    ]
     if req.mode not in ("sft", "train"):
         bad.append(f"mode must be sft or train, got {req.mode!r}")
     if req.engine_nodes and req.mode != "train":
@@ -143,8 +161,15 @@ def _rank_groups(world: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> li
     order = inspect.signature(initialize_model_parallel).parameters["order"].default
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
-    tokens = {"tp": (dense, "tp"), "pp": (dense, "pp"), "dp": (dense, "dp"), "cp": (dense, "cp"),
-              "ep": (expert, "ep"), "etp": (expert, "tp"), "edp": (expert, "dp")}
+    tokens = {
+        "tp": (dense, "tp"),
+        "pp": (dense, "pp"),
+        "dp": (dense, "dp"),
+        "cp": (dense, "cp"),
+        "ep": (expert, "ep"),
+        "etp": (expert, "tp"),
+        "edp": (expert, "dp"),
+    }
     out: list[dict[str, list[int]]] = [{} for _ in range(world)]
     for name, (gen, token) in tokens.items():
         for ranks in gen.get_ranks(token):
@@ -153,14 +178,20 @@ def _rank_groups(world: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> li
     return out
 
 
-def _load(req: LaunchRequest, recipe: Optional[str], overrides: list[str]) -> Any:
+def _load(req: LaunchRequest, recipe: str | None, overrides: list[str]) -> Any:
     from mcore_rl.config import RLConfig, SFTConfig, load_config
 
     return load_config(RLConfig if req.mode == "train" else SFTConfig, recipe, overrides)
 
 
-def make_plan(req: LaunchRequest, recipe: Optional[str], overrides: list[str], *, groups: bool = True,
-              allocation: Optional[Allocation] = None) -> Plan:
+def make_plan(
+    req: LaunchRequest,
+    recipe: str | None,
+    overrides: list[str],
+    *,
+    groups: bool = True,
+    allocation: Allocation | None = None,
+) -> Plan:
     """Everything `mcore-rl launch --dry-run` prints; ConfigError for a layout that cannot run."""
     from mcore_rl.config import validate_rl_config, validate_sft_config
 
@@ -172,72 +203,133 @@ def make_plan(req: LaunchRequest, recipe: Optional[str], overrides: list[str], *
     if not hosts:
         hosts = ["127.0.0.1"] if total == 1 else [f"node{i}" for i in range(total)]
     if len(hosts) < total:
-        raise ConfigError(f"launch: {total} node(s) needed ({req.nnodes} trainer + {req.engine_nodes} engine), "
-                          f"only {len(hosts)} host name(s) given: {hosts}")
-    trainer_hosts, engine_hosts = hosts[: req.nnodes], hosts[req.nnodes: total]
-    gpus = req.gpus_per_node or (allocation.gpus_per_node if allocation and allocation.gpus_per_node else None) \
+        raise ConfigError(
+            f"launch: {total} node(s) needed ({req.nnodes} trainer + {req.engine_nodes} engine), "
+            f"only {len(hosts)} host name(s) given: {hosts}"
+        )
+    trainer_hosts, engine_hosts = hosts[: req.nnodes], hosts[req.nnodes : total]
+    gpus = (
+        req.gpus_per_node
+        or (allocation.gpus_per_node if allocation and allocation.gpus_per_node else None)
         or req.nproc_per_node
+    )
     engines = []
     per_engine = gpus // req.engines_per_node
     for host in engine_hosts:
         for i in range(req.engines_per_node):
             port = req.engine_port + i
-            engines.append({"host": host, "port": port, "url": f"http://{host}:{port}", "tp": per_engine,
-                            "gpus": ",".join(str(g) for g in range(i * per_engine, (i + 1) * per_engine))})
+            engines.append(
+                {
+                    "host": host,
+                    "port": port,
+                    "url": f"http://{host}:{port}",
+                    "tp": per_engine,
+                    "gpus": ",".join(str(g) for g in range(i * per_engine, (i + 1) * per_engine)),
+                }
+            )
     overrides = list(overrides)
     extra: list[str] = []
     if engines:
         if importlib.util.find_spec("sglang_router") is not None:
-            router = {"kind": "sglang-router", "url": f"http://{engine_hosts[0]}:{req.router_port}",
-                      "where": engine_hosts[0]}
+            router = {
+                "kind": "sglang-router",
+                "url": f"http://{engine_hosts[0]}:{req.router_port}",
+                "where": engine_hosts[0],
+            }
             urls = [router["url"]]
         else:  # the trainer's own EngineRouter (rollout/router.py) spreads requests over every server
             router = {"kind": "mcore-rl", "url": None, "where": "trainer (global rank 0)"}
             urls = [e["url"] for e in engines]
         extra.append(f"rollout.engine_urls=[{','.join(urls)}]")
     else:
-        router = {"kind": "embedded" if req.mode == "train" else "none", "url": None,
-                  "where": f"global rank 0 ({trainer_hosts[0]})" if req.mode == "train" else "-"}
+        router = {
+            "kind": "embedded" if req.mode == "train" else "none",
+            "url": None,
+            "where": f"global rank 0 ({trainer_hosts[0]})" if req.mode == "train" else "-",
+        }
     cfg = _load(req, recipe, overrides + extra)
     if req.mode == "train" and not engines and cfg.rollout.engine_urls:
-        router = {"kind": "mcore-rl", "url": None,
-                  "where": "trainer (global rank 0), rollout.engine_urls of the recipe"}
+        router = {
+            "kind": "mcore-rl",
+            "url": None,
+            "where": "trainer (global rank 0), rollout.engine_urls of the recipe",
+        }
     world = req.nnodes * req.nproc_per_node
     validate = validate_rl_config if req.mode == "train" else validate_sft_config
     try:
         validate(cfg, world)
     except ConfigError as err:
-        raise ConfigError(f"the recipe cannot run on world size {world} ({req.nnodes} node(s) x "
-                          f"{req.nproc_per_node} rank(s)): {err}") from None
+        raise ConfigError(
+            f"the recipe cannot run on world size {world} ({req.nnodes} node(s) x {req.nproc_per_node} rank(s)): {err}"
+        ) from None
     ck = cfg.checkpoint
     if req.resume and ck.save_dir and not ck.load_dir and os.path.exists(os.path.join(ck.save_dir, "latest")):
         extra.append(f"checkpoint.load_dir={ck.save_dir}")
     p = cfg.parallel
-    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-                      p.expert_model_parallel_size)
+    tp, pp, cp, ep = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        p.expert_model_parallel_size,
+    )
     etp = expert_tensor_parallel_size(p)
-    sizes = {"tp": tp, "pp": pp, "vpp": p.virtual_pipeline_model_parallel_size, "cp": cp,
-             "dp": world // (tp * pp * cp), "ep": ep, "etp": etp, "edp": world // (etp * ep * pp)}
+    sizes = {
+        "tp": tp,
+        "pp": pp,
+        "vpp": p.virtual_pipeline_model_parallel_size,
+        "cp": cp,
+        "dp": world // (tp * pp * cp),
+        "ep": ep,
+        "etp": etp,
+        "edp": world // (etp * ep * pp),
+    }
     per_rank = _rank_groups(world, tp, pp, cp, ep, etp) if groups else [{} for _ in range(world)]
-    ranks = [{"rank": r, "node": r // req.nproc_per_node, "host": trainer_hosts[r // req.nproc_per_node],
-              "local_rank": r % req.nproc_per_node, **per_rank[r]} for r in range(world)]
+    ranks = [
+        {
+            "rank": r,
+            "node": r // req.nproc_per_node,
+            "host": trainer_hosts[r // req.nproc_per_node],
+            "local_rank": r % req.nproc_per_node,
+            **per_rank[r],
+        }
+        for r in range(world)
+    ]
     rendezvous = f"{req.master_addr or trainer_hosts[0]}:{req.master_port}"
-    return Plan(req.mode, world, sizes, trainer_hosts, req.nproc_per_node, rendezvous,
-                engine_hosts, engines, router, extra, ranks, cfg.run_dir, list(ck.preempt_signals),
-                asdict(allocation) if allocation is not None else None)
+    return Plan(
+        req.mode,
+        world,
+        sizes,
+        trainer_hosts,
+        req.nproc_per_node,
+        rendezvous,
+        engine_hosts,
+        engines,
+        router,
+        extra,
+        ranks,
+        cfg.run_dir,
+        list(ck.preempt_signals),
+        asdict(allocation) if allocation is not None else None,
+    )
 
 
 def format_plan(plan: Plan) -> str:
     s = plan.sizes
-    lines = [f"plan: mcore-rl {plan.mode} on {len(plan.trainer_hosts) + len(plan.engine_hosts)} node(s); "
-             "dry run, nothing started"]
+    lines = [
+        f"plan: mcore-rl {plan.mode} on {len(plan.trainer_hosts) + len(plan.engine_hosts)} node(s); "
+        "dry run, nothing started"
+    ]
     if plan.allocation:
         a = plan.allocation
         lines.append(f"allocation: SLURM job {a['job_id']}, {a['nodes']} node(s) x {a['gpus_per_node']} GPU(s)")
-    lines.append(f"trainer: {len(plan.trainer_hosts)} node(s) x {plan.nproc_per_node} rank(s) = world size "
-                 f"{plan.world_size} on {', '.join(plan.trainer_hosts)}")
-    lines.append(f"layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or '-'} CP={s['cp']} DP={s['dp']} | "
-                 f"EP={s['ep']} ETP={s['etp']} EDP={s['edp']}")
+    lines.append(
+        f"trainer: {len(plan.trainer_hosts)} node(s) x {plan.nproc_per_node} rank(s) = world size "
+        f"{plan.world_size} on {', '.join(plan.trainer_hosts)}"
+    )
+    lines.append(
+        f"layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or '-'} CP={s['cp']} DP={s['dp']} | "
+        f"EP={s['ep']} ETP={s['etp']} EDP={s['edp']}"
+    )
     lines.append(f"rendezvous: c10d at {plan.rendezvous} (torchrun --rdzv-endpoint; the first trainer node)")
     if plan.engines:
         lines.append(f"engines: {len(plan.engines)} server(s) on {len(plan.engine_hosts)} node(s):")
@@ -250,8 +342,10 @@ def format_plan(plan: Plan) -> str:
     lines.append("trainer overrides: " + (" ".join(plan.trainer_overrides) or "(none)"))
     if plan.ranks and plan.ranks[0].get("tp") is not None:
         header = ["rank", "node", "host", "local"] + [g.upper() for g in GROUPS]
-        rows = [[str(x["rank"]), str(x["node"]), x["host"], str(x["local_rank"])]
-                + [_ranks(x[g]) for g in GROUPS] for x in plan.ranks]
+        rows = [
+            [str(x["rank"]), str(x["node"]), x["host"], str(x["local_rank"])] + [_ranks(x[g]) for g in GROUPS]
+            for x in plan.ranks
+        ]
         widths = [max(len(c) for c in col) for col in zip(header, *rows)]
         lines.append("process groups (global ranks of each rank's group):")
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
@@ -268,33 +362,46 @@ def _ranks(ranks: list[int]) -> str:
 def emit_shell(plan: Plan) -> str:
     """The plan as shell assignments for `eval` in launch/slurm.sbatch."""
     values = {
-        "TRAINER_NODES": str(len(plan.trainer_hosts)), "TRAINER_NODELIST": ",".join(plan.trainer_hosts),
-        "NPROC": str(plan.nproc_per_node), "MASTER_ADDR": plan.rendezvous.rsplit(":", 1)[0],
-        "MASTER_PORT": plan.rendezvous.rsplit(":", 1)[1], "ENGINE_NODES": str(len(plan.engine_hosts)),
-        "ENGINE_NODELIST": ",".join(plan.engine_hosts), "ENGINE_URLS": " ".join(e["url"] for e in plan.engines),
+        "TRAINER_NODES": str(len(plan.trainer_hosts)),
+        "TRAINER_NODELIST": ",".join(plan.trainer_hosts),
+        "NPROC": str(plan.nproc_per_node),
+        "MASTER_ADDR": plan.rendezvous.rsplit(":", 1)[0],
+        "MASTER_PORT": plan.rendezvous.rsplit(":", 1)[1],
+        "ENGINE_NODES": str(len(plan.engine_hosts)),
+        "ENGINE_NODELIST": ",".join(plan.engine_hosts),
+        "ENGINE_URLS": " ".join(e["url"] for e in plan.engines),
         "ENGINE_PORTS": " ".join(sorted({str(e["port"]) for e in plan.engines}, key=int)),
         "ENGINE_GPUS": " ".join(sorted({e["gpus"] for e in plan.engines}, key=lambda g: int(g.split(",")[0])))
-        if plan.engines else "", "ROUTER": plan.router["kind"], "ROUTER_URL": plan.router["url"] or "",
+        if plan.engines
+        else "",
+        "ROUTER": plan.router["kind"],
+        "ROUTER_URL": plan.router["url"] or "",
         "ROUTER_PORT": plan.router["url"].rsplit(":", 1)[1] if plan.router["url"] else "",
     }
     values.update(RUN_DIR=plan.run_dir, PREEMPT_SIGNALS=" ".join(plan.preempt_signals))
     lines = [f"{k}={shlex.quote(v)}" for k, v in values.items()]
-    for name, items in (("TRAINER_OVERRIDES", plan.trainer_overrides),
-                        ("TORCHRUN_SIGNAL_FLAGS", torchrun_signal_flags(plan.preempt_signals) if plan.preempt_signals
-                         else [])):
+    for name, items in (
+        ("TRAINER_OVERRIDES", plan.trainer_overrides),
+        ("TORCHRUN_SIGNAL_FLAGS", torchrun_signal_flags(plan.preempt_signals) if plan.preempt_signals else []),
+    ):
         lines.append(f"{name}=(" + " ".join(shlex.quote(o) for o in items) + ")")
     return "\n".join(lines)
 
 
-USAGE = ("mcore-rl launch --dry-run [--nnodes N] [--nproc-per-node G] [--engine-nodes E ...] {sft,train} "
-         "[RECIPE.yaml] [key.path=value ...]")
+USAGE = (
+    "mcore-rl launch --dry-run [--nnodes N] [--nproc-per-node G] [--engine-nodes E ...] {sft,train} "
+    "[RECIPE.yaml] [key.path=value ...]"
+)
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
     """`mcore-rl launch`; the scripts in launch/ run `python -m mcore_rl.parallel.launch_plan` (the same
     parser), which skips importing every other command."""
-    build_parser(sub.add_parser("launch", usage=USAGE,
-                                help="the plan of a torchrun/SLURM launch: nodes, ranks, groups, engines (--dry-run)"))
+    build_parser(
+        sub.add_parser(
+            "launch", usage=USAGE, help="the plan of a torchrun/SLURM launch: nodes, ranks, groups, engines (--dry-run)"
+        )
+    )
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -302,8 +409,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", help="YAML recipe; defaults if omitted")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for sft/train")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing (the only mode)")
-    p.add_argument("--nnodes", type=int, default=None,
-                   help="trainer nodes (default: the allocation's minus the engine nodes)")
+    p.add_argument(
+        "--nnodes", type=int, default=None, help="trainer nodes (default: the allocation's minus the engine nodes)"
+    )
     p.add_argument("--nproc-per-node", type=int, default=None, help="trainer ranks per node (default: GPUs per node)")
     p.add_argument("--engine-nodes", type=int, default=0, help="nodes for inference servers (train)")
     p.add_argument("--engines-per-node", type=int, default=1, help="servers per engine node")
@@ -323,17 +431,31 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     if not (args.dry_run or args.emit):
-        print("mcore-rl launch: only plans (--dry-run); start a run with launch/torchrun.sh or launch/slurm.sbatch "
-              "(docs/launch.md)", file=sys.stderr)
+        print(
+            "mcore-rl launch: only plans (--dry-run); start a run with launch/torchrun.sh or launch/slurm.sbatch "
+            "(docs/launch.md)",
+            file=sys.stderr,
+        )
         return 2
     try:
         alloc = slurm_allocation()
         nproc = args.nproc_per_node or (alloc.gpus_per_node if alloc and alloc.gpus_per_node else None) or 1
         nnodes = args.nnodes or (max(1, alloc.nodes - args.engine_nodes) if alloc else 1)
-        req = LaunchRequest(args.mode, nnodes, nproc, args.engine_nodes, args.engines_per_node, args.gpus_per_node,
-                            args.engine_model, args.hosts.split(",") if args.hosts else [], args.master_addr,
-                            args.master_port,
-                            args.engine_port, args.router_port, args.resume)
+        req = LaunchRequest(
+            args.mode,
+            nnodes,
+            nproc,
+            args.engine_nodes,
+            args.engines_per_node,
+            args.gpus_per_node,
+            args.engine_model,
+            args.hosts.split(",") if args.hosts else [],
+            args.master_addr,
+            args.master_port,
+            args.engine_port,
+            args.router_port,
+            args.resume,
+        )
         plan = make_plan(req, args.recipe, args.overrides, groups=args.emit is None, allocation=alloc)
     except (ConfigError, FileNotFoundError) as err:
         print(f"mcore-rl launch: {err}", file=sys.stderr)

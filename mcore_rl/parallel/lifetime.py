@@ -14,12 +14,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 
 
-def _load_prctl() -> Optional[Callable[..., int]]:
+def _load_prctl() -> Callable[..., int] | None:
     # Resolved once at import, so a freshly forked child only calls it (no dlopen after fork).
     if not sys.platform.startswith("linux"):
         return None
@@ -40,7 +41,7 @@ def set_parent_death_signal(sig: int) -> bool:
     return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
-def die_with_parent(sig: int = signal.SIGKILL, parent_pid: Optional[int] = None) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) -> None:
     """Receive `sig` when the parent exits. `parent_pid` is the pid of the process that started this
     one: if it is no longer the parent, it died before this call could take effect, so go now."""
     parent = os.getppid() if parent_pid is None else parent_pid

@@ -28,21 +28,22 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the run stopped on request, resumable from its checkpoint
 MARKER = "preempted.json"
 
-_active: Optional["PreemptionGuard"] = None  # the guard `stop_requested` asks (None: no signals caught)
+_active: PreemptionGuard | None = None  # the guard `stop_requested` asks (None: no signals caught)
 _preempted = False  # `preempted()` was called: the run saved and stops
 
 
 class Preempted(Exception):
     """Raised by a training loop after it saved its checkpoint on a pre-emption signal."""
 
-    def __init__(self, step: int, signal_name: str, checkpoint: Optional[str]) -> None:
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None) -> None:
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.save_dir is not set)"
         super().__init__(f"pre-empted by {signal_name} after step {step}: {where}")
         self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
@@ -53,9 +54,9 @@ class PreemptionGuard:
 
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = [signal.Signals[name] for name in signals]
-        self.received: Optional[int] = None  # the first signal this rank got
-        self.received_at: Optional[float] = None  # time.monotonic() of it
-        self.agreed_at: Optional[float] = None  # when the ranks agreed to stop (the step boundary)
+        self.received: int | None = None  # the first signal this rank got
+        self.received_at: float | None = None  # time.monotonic() of it
+        self.agreed_at: float | None = None  # when the ranks agreed to stop (the step boundary)
         self.repeats = 0  # signals after the first (ignored)
         self._previous: dict[int, Any] = {}
 
@@ -75,10 +76,11 @@ class PreemptionGuard:
             logger.warning("got %s: stopping after the current step with a checkpoint", signal.Signals(signum).name)
         else:  # e.g. SLURM's SIGTERM after its SIGUSR1, during the save: the save goes on
             self.repeats += 1
-            logger.warning("got %s again while stopping: ignored, the checkpoint is being written",
-                           signal.Signals(signum).name)
+            logger.warning(
+                "got %s again while stopping: ignored, the checkpoint is being written", signal.Signals(signum).name
+            )
 
-    def agree(self) -> Optional[str]:
+    def agree(self) -> str | None:
         """Collective (every rank, at the same step boundary): the name of a signal some rank got, or None."""
         import torch
         import torch.distributed as dist
@@ -103,7 +105,7 @@ class PreemptionGuard:
 
 
 @contextlib.contextmanager
-def preemption_guard(signals: Sequence[str], exit_process: bool = False) -> Iterator[Optional[PreemptionGuard]]:
+def preemption_guard(signals: Sequence[str], exit_process: bool = False) -> Iterator[PreemptionGuard | None]:
     """Catch `signals` while the body runs (the main thread of a trainer process); [] catches none.
     With `exit_process` (the `mcore-rl` command), a body that was pre-empted (`preempted()`)
     ends the process on its way out with `EXIT_PREEMPTED` at once (`exit_now`)."""
@@ -136,13 +138,13 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def stop_requested() -> Optional[str]:
+def stop_requested() -> str | None:
     """Called by a training loop once per step on every rank (collective when a guard is installed):
     the signal to stop for, or None to go on."""
     return _active.agree() if _active is not None else None
 
 
-def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[str]) -> Preempted:
+def preempted(run_dir: str, step: int, signal_name: str, checkpoint: str | None) -> Preempted:
     """The exception a loop raises after its (collective) save; local rank 0 of every node leaves
     `<run_dir>/preempted.json`, so each node's launcher sees it without a shared filesystem. It
     holds the phases since the signal (`PreemptionGuard.phases`: to the step boundary, the save)."""
@@ -153,12 +155,14 @@ def preempted(run_dir: str, step: int, signal_name: str, checkpoint: Optional[st
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, MARKER), "w") as f:
-            json.dump({"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time(),
-                       "phases": phases}, f)
+            json.dump(
+                {"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time(), "phases": phases},
+                f,
+            )
     return Preempted(step, signal_name, checkpoint)
 
 
-def read_marker(run_dir: str, since: float = 0.0) -> Optional[dict[str, Any]]:
+def read_marker(run_dir: str, since: float = 0.0) -> dict[str, Any] | None:
     """The marker a run pre-empted after `since` (a time.time()) left, else None."""
     try:
         with open(os.path.join(run_dir, MARKER)) as f:
@@ -176,10 +180,19 @@ def exit_code_after_launch(returncode: int, run_dir: str, since: float) -> int:
 def torchrun_signal_flags(signals: Sequence[str]) -> list[str]:
     """torchrun flags that make it pass `signals` on to its workers (it handles SIGTERM, SIGINT,
     SIGHUP and SIGQUIT by default, and dies of SIGUSR1) and give them time to save before it kills them."""
-    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *[s for s in signals if s not in
-                                                         ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]]
-    return ["--signals-to-handle", ",".join(names),
-            "--shutdown-timeout", os.environ.get("MCORE_RL_SHUTDOWN_TIMEOUT", "600")]
+    names = [
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        *[s for s in signals if s not in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")],
+    ]
+    return [
+        "--signals-to-handle",
+        ",".join(names),
+        "--shutdown-timeout",
+        os.environ.get("MCORE_RL_SHUTDOWN_TIMEOUT", "600"),
+    ]
 
 
 def call_forwarding_signals(command: list[str], signals: Sequence[str], **popen: Any) -> int:

@@ -68,9 +68,7 @@ def init_model_parallel(cfg: ParallelConfig) -> ParallelLayout:
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
         create_gloo_process_groups=False,
     )
-    model_parallel = (
-        cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
-    )
+    model_parallel = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
     return ParallelLayout(
         world_size=world_size,
         rank=dist.get_rank(),

@@ -53,24 +53,62 @@ class ClusterSpec:
 # ~76 GiB to the trainer after the CUDA context and NCCL buffers. The efficiencies are stated
 # assumptions (what well-tuned megatron runs report at these sizes), not fitted to anything here.
 PRESETS: dict[str, dict[str, Any]] = {
-    "h100_sxm": dict(nodes=8, gpus_per_node=8, gpu_memory_gb=76.0, peak_tflops_bf16=989.0, peak_tflops_fp32=67.0,
-                     memory_bandwidth_gbps=3350.0, intra_node_bandwidth_gbps=450.0, inter_node_bandwidth_gbps=50.0,
-                     intra_node_latency_us=5.0, inter_node_latency_us=10.0, compute_efficiency=0.5,
-                     has_transformer_engine=True),
-    "h200": dict(nodes=8, gpus_per_node=8, gpu_memory_gb=135.0, peak_tflops_bf16=989.0, peak_tflops_fp32=67.0,
-                 memory_bandwidth_gbps=4800.0, intra_node_bandwidth_gbps=450.0, inter_node_bandwidth_gbps=50.0,
-                 intra_node_latency_us=5.0, inter_node_latency_us=10.0, compute_efficiency=0.5,
-                 has_transformer_engine=True),
+    "h100_sxm": dict(
+        nodes=8,
+        gpus_per_node=8,
+        gpu_memory_gb=76.0,
+        peak_tflops_bf16=989.0,
+        peak_tflops_fp32=67.0,
+        memory_bandwidth_gbps=3350.0,
+        intra_node_bandwidth_gbps=450.0,
+        inter_node_bandwidth_gbps=50.0,
+        intra_node_latency_us=5.0,
+        inter_node_latency_us=10.0,
+        compute_efficiency=0.5,
+        has_transformer_engine=True,
+    ),
+    "h200": dict(
+        nodes=8,
+        gpus_per_node=8,
+        gpu_memory_gb=135.0,
+        peak_tflops_bf16=989.0,
+        peak_tflops_fp32=67.0,
+        memory_bandwidth_gbps=4800.0,
+        intra_node_bandwidth_gbps=450.0,
+        inter_node_bandwidth_gbps=50.0,
+        intra_node_latency_us=5.0,
+        inter_node_latency_us=10.0,
+        compute_efficiency=0.5,
+        has_transformer_engine=True,
+    ),
     # this machine as a 4-rank gloo "cluster"; peak_tflops_* is replaced by a measured matmul rate
     # (`measure.calibrate_cpu`) when `--measure` runs, the number here is only a placeholder
-    "cpu_here": dict(nodes=1, gpus_per_node=4, gpu_memory_gb=8.0, peak_tflops_bf16=0.02, peak_tflops_fp32=0.05,
-                     memory_bandwidth_gbps=10.0, intra_node_bandwidth_gbps=2.0, inter_node_bandwidth_gbps=1.0,
-                     intra_node_latency_us=50.0, inter_node_latency_us=100.0, compute_efficiency=1.0,
-                     has_transformer_engine=False),
+    "cpu_here": dict(
+        nodes=1,
+        gpus_per_node=4,
+        gpu_memory_gb=8.0,
+        peak_tflops_bf16=0.02,
+        peak_tflops_fp32=0.05,
+        memory_bandwidth_gbps=10.0,
+        intra_node_bandwidth_gbps=2.0,
+        inter_node_bandwidth_gbps=1.0,
+        intra_node_latency_us=50.0,
+        inter_node_latency_us=100.0,
+        compute_efficiency=1.0,
+        has_transformer_engine=False,
+    ),
 }
 
-_POSITIVE = ("nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_bf16", "peak_tflops_fp32",
-             "memory_bandwidth_gbps", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
+_POSITIVE = (
+    "nodes",
+    "gpus_per_node",
+    "gpu_memory_gb",
+    "peak_tflops_bf16",
+    "peak_tflops_fp32",
+    "memory_bandwidth_gbps",
+    "intra_node_bandwidth_gbps",
+    "inter_node_bandwidth_gbps",
+)
 
 
 def cluster_from_dict(raw: Any, name: str, where: str = "cluster") -> ClusterSpec:

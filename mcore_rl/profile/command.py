@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -50,8 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="h100_sxm", help=f"preset ({', '.join(cluster_mod.PRESETS)}) or YAML file")
     p.add_argument("--nodes", type=int, help="override the cluster's node count")
     p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
-    p.add_argument("--global-batch", type=int,
-                   help="sequences per optimizer step (default: the recipe's, else 256)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the recipe's, else 256)")
     p.add_argument("--micro-batch", type=int, help="default: the recipe's, else 1")
     p.add_argument("--seq-length", type=int, help="default: the recipe's, else 4096")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="default: the recipe's, else bf16")
@@ -61,8 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", help="estimate only this layout, e.g. tp=2,pp=2,vpp=2,ep=4 (checked like the trainer)")
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--json", help="also write everything to this JSON file; `-`: only the JSON, to standard output")
-    p.add_argument("--colocated-kv-tokens", type=int, default=0,
-                   help="tokens of KV cache a colocated engine keeps on each trainer GPU (added to memory)")
+    p.add_argument(
+        "--colocated-kv-tokens",
+        type=int,
+        default=0,
+        help="tokens of KV cache a colocated engine keeps on each trainer GPU (added to memory)",
+    )
     p.add_argument("--rollout-prompts", type=int, default=0, help="RL: prompts per step (enables the split)")
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--prompt-length", type=int, default=512)
@@ -103,8 +106,11 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
     t = sft.train
     if t == SFTConfig().train:  # a model-only recipe (configs/profile_*.yaml): its training shape is not its own
         return sft.model, name, DEFAULT_SHAPE
-    return sft.model, name, TrainShape(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
-                                       sft.optimizer.name, t.recompute)
+    return (
+        sft.model,
+        name,
+        TrainShape(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision, sft.optimizer.name, t.recompute),
+    )
 
 
 def recipe_shape_rl(cfg: Any) -> TrainShape:
@@ -119,20 +125,34 @@ def recipe_shape_rl(cfg: Any) -> TrainShape:
 
 def train_shape(args: argparse.Namespace, recipe: TrainShape) -> TrainShape:
     """The shape to estimate: each flag given on the command line, else the recipe's value."""
-    given = {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
-             "seq_length": args.seq_length, "precision": args.precision, "optimizer": args.optimizer,
-             "recompute": args.recompute}
-    return dataclasses.replace(recipe, distributed_optimizer=args.distributed_optimizer,
-                               **{k: v for k, v in given.items() if v is not None})
+    given = {
+        "global_batch_size": args.global_batch,
+        "micro_batch_size": args.micro_batch,
+        "seq_length": args.seq_length,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "recompute": args.recompute,
+    }
+    return dataclasses.replace(
+        recipe, distributed_optimizer=args.distributed_optimizer, **{k: v for k, v in given.items() if v is not None}
+    )
 
 
-def _estimate(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: cluster_mod.ClusterSpec,
-              attention: str, kv_tokens: int) -> dict[str, Any]:
+def _estimate(
+    model: ModelConfig,
+    layout: Layout,
+    shape: TrainShape,
+    cluster: cluster_mod.ClusterSpec,
+    attention: str,
+    kv_tokens: int,
+) -> dict[str, Any]:
     m = shape.global_batch_size // (shape.micro_batch_size * layout.dp)
     plain = dataclasses.replace(shape, distributed_optimizer=False)
     states = [model_state(model, layout, plain, r) for r in sorted({0, layout.pp - 1})]
-    dist = [model_state(model, layout, dataclasses.replace(shape, distributed_optimizer=True), r)
-            for r in sorted({0, layout.pp - 1})]
+    dist = [
+        model_state(model, layout, dataclasses.replace(shape, distributed_optimizer=True), r)
+        for r in sorted({0, layout.pp - 1})
+    ]
     state = max(states, key=lambda s: s.total)
     act = activations(model, layout, shape, m, attention)
     kv = kv_tokens * kv_cache_bytes_per_token(model, layout.tp)
@@ -141,17 +161,29 @@ def _estimate(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: cl
     t = step_time(model, layout, shape, cluster, m)
     tokens_per_gpu_s = shape.global_batch_size * shape.seq_length / t.total_s / layout.world_size
     return {
-        "layout": layout.name(), "parallel": dataclasses.asdict(layout), "num_microbatches": m,
-        "memory": {"params": state.params, "grads": state.grads, "optimizer": state.optimizer,
-                   "optimizer_distributed": max(d.optimizer for d in dist), "activations": act.total,
-                   "activations_per_layer": act.per_layer, "layers_in_flight": act.layers_in_flight,
-                   "kv_cache": kv, "total": total,
-                   "by_stage": [dataclasses.asdict(s) for s in states]},
+        "layout": layout.name(),
+        "parallel": dataclasses.asdict(layout),
+        "num_microbatches": m,
+        "memory": {
+            "params": state.params,
+            "grads": state.grads,
+            "optimizer": state.optimizer,
+            "optimizer_distributed": max(d.optimizer for d in dist),
+            "activations": act.total,
+            "activations_per_layer": act.per_layer,
+            "layers_in_flight": act.layers_in_flight,
+            "kv_cache": kv,
+            "total": total,
+            "by_stage": [dataclasses.asdict(s) for s in states],
+        },
         "fits": total <= cluster.gpu_memory_gb * GiB,
         "time": t.as_dict(),
         "tokens_per_gpu_s": tokens_per_gpu_s,
-        "mfu": mfu(tokens_per_gpu_s, train_flops_per_token(model, shape.seq_length),  # model FLOPs: no recompute
-                   cluster.peak_flops(shape.precision)),
+        "mfu": mfu(
+            tokens_per_gpu_s,
+            train_flops_per_token(model, shape.seq_length),  # model FLOPs: no recompute
+            cluster.peak_flops(shape.precision),
+        ),
     }
 
 
@@ -165,7 +197,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     shape = train_shape(args, recipe_shape)
     check_supported(model)
     cluster = cluster_mod.load_cluster(args.cluster, {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node})
-    calibration: Optional[dict[str, float]] = None
+    calibration: dict[str, float] | None = None
     if args.measure:
         from mcore_rl.profile.measure import calibrate_cpu
 
@@ -174,10 +206,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         if not torch.cuda.is_available():  # rank layouts by this CPU's real matmul rate
             from mcore_rl.profile.measure import model_matmul
 
-            calibration = calibrate_cpu(*model_matmul(model, TrainShape(shape.global_batch_size,
-                                                                        shape.micro_batch_size, shape.seq_length)))
-            cluster = dataclasses.replace(cluster, peak_tflops_fp32=calibration["fp32"] / 1e12,
-                                          peak_tflops_bf16=calibration["bf16"] / 1e12, compute_efficiency=1.0)
+            calibration = calibrate_cpu(
+                *model_matmul(model, TrainShape(shape.global_batch_size, shape.micro_batch_size, shape.seq_length))
+            )
+            cluster = dataclasses.replace(
+                cluster,
+                peak_tflops_fp32=calibration["fp32"] / 1e12,
+                peak_tflops_bf16=calibration["bf16"] / 1e12,
+                compute_efficiency=1.0,
+            )
     attention = "flash" if cluster.has_transformer_engine else "local"
     world = cluster.world_size
     if args.layout:
@@ -185,30 +222,48 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         check_layout(model, layout, shape, cluster.has_transformer_engine)  # the trainer's ConfigError
         layouts, candidates = [layout], 1
     else:
-        check_layout(model, Layout(dp=1), dataclasses.replace(shape, global_batch_size=shape.micro_batch_size),
-                     cluster.has_transformer_engine)  # a model the trainer rejects fails here, naming the key
+        check_layout(
+            model,
+            Layout(dp=1),
+            dataclasses.replace(shape, global_batch_size=shape.micro_batch_size),
+            cluster.has_transformer_engine,
+        )  # a model the trainer rejects fails here, naming the key
         candidates = sum(1 for _ in candidate_layouts(model, world, cluster.gpus_per_node))
         layouts = enumerate_layouts(model, world, cluster.gpus_per_node, shape, cluster.has_transformer_engine)
         if not layouts:
-            raise ConfigError(f"no layout of {world} GPUs is valid for this model and batch (--global-batch "
-                              f"{shape.global_batch_size}, --micro-batch {shape.micro_batch_size}); try another batch")
+            raise ConfigError(
+                f"no layout of {world} GPUs is valid for this model and batch (--global-batch "
+                f"{shape.global_batch_size}, --micro-batch {shape.micro_batch_size}); try another batch"
+            )
     rows = rank([_estimate(model, lay, shape, cluster, attention, args.colocated_kv_tokens) for lay in layouts])
     result: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "model_name": model_name, "model": dataclasses.asdict(model),
-        "cluster": dataclasses.asdict(cluster), "shape": dataclasses.asdict(shape), "attention_kernel": attention,
-        "num_candidates": candidates, "num_valid_layouts": len(layouts), "layouts": rows,
+        "schema_version": SCHEMA_VERSION,
+        "model_name": model_name,
+        "model": dataclasses.asdict(model),
+        "cluster": dataclasses.asdict(cluster),
+        "shape": dataclasses.asdict(shape),
+        "attention_kernel": attention,
+        "num_candidates": candidates,
+        "num_valid_layouts": len(layouts),
+        "layouts": rows,
         "cpu_calibration_flops": calibration,
     }
     if args.rollout_prompts:
         # the split runs the asynchronous scheduler's simulator, whose package imports torch: only when asked
         from mcore_rl.profile.split import RolloutTarget, recommend_split, split_dict
 
-        target = RolloutTarget(args.rollout_prompts, args.samples_per_prompt, args.prompt_length, args.response_length,
-                               asynchronous=not args.sync)
+        target = RolloutTarget(
+            args.rollout_prompts,
+            args.samples_per_prompt,
+            args.prompt_length,
+            args.response_length,
+            asynchronous=not args.sync,
+        )
 
         def best_layout_for(n: int, train_shape: TrainShape):
-            sub = dataclasses.replace(cluster, nodes=max(1, n // cluster.gpus_per_node),
-                                      gpus_per_node=min(n, cluster.gpus_per_node))
+            sub = dataclasses.replace(
+                cluster, nodes=max(1, n // cluster.gpus_per_node), gpus_per_node=min(n, cluster.gpus_per_node)
+            )
             valid = enumerate_layouts(model, n, sub.gpus_per_node, train_shape, cluster.has_transformer_engine)
             est = rank([_estimate(model, lay, train_shape, sub, attention, 0) for lay in valid])
             est = [r for r in est if r["fits"]]
@@ -221,8 +276,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def measure_top(model: ModelConfig, layouts: list[Layout], rows: list[dict[str, Any]], shape: TrainShape,
-                cluster: cluster_mod.ClusterSpec, top: int, steps: int) -> list[dict[str, Any]]:
+def measure_top(
+    model: ModelConfig,
+    layouts: list[Layout],
+    rows: list[dict[str, Any]],
+    shape: TrainShape,
+    cluster: cluster_mod.ClusterSpec,
+    top: int,
+    steps: int,
+) -> list[dict[str, Any]]:
     from mcore_rl.profile.measure import measure_layouts
 
     by_name = {lay.name(): lay for lay in layouts}
@@ -237,18 +299,30 @@ def measure_top(model: ModelConfig, layouts: list[Layout], rows: list[dict[str, 
             est_act = stage_activations(model, lay, shape, m, pp_rank, "local").total
             meas = {**st["state"], "activation_peak": st["activation_peak"]}
             exact = (meas["params"], meas["grads"], meas["optimizer"]) == (est.params, est.grads, est.optimizer)
-            stages.append({"pp_rank": pp_rank, "measured": meas,
-                           "estimated": {**dataclasses.asdict(est), "activations": est_act},
-                           "model_state_exact": exact,
-                           "activation_ratio": est_act / max(st["activation_peak"], 1)})
+            stages.append(
+                {
+                    "pp_rank": pp_rank,
+                    "measured": meas,
+                    "estimated": {**dataclasses.asdict(est), "activations": est_act},
+                    "model_state_exact": exact,
+                    "activation_ratio": est_act / max(st["activation_peak"], 1),
+                }
+            )
         estimated = row["time"]["total_s"]
         if got["matmul_flops"]:  # CPU: the estimate at the matmul rate the ranks had while they were timed
             field = "peak_tflops_bf16" if shape.precision == "bf16" else "peak_tflops_fp32"
             at_rate = dataclasses.replace(cluster, **{field: got["matmul_flops"] / 1e12})
             estimated = step_time(model, lay, shape, at_rate, m).total_s
-        out.append({"layout": lay.name(), "stages": stages, "step_s_measured": got["step_s"],
-                    "matmul_flops_measured": got["matmul_flops"], "step_s_estimated": estimated,
-                    "step_time_ratio": estimated / max(got["step_s"], 1e-12)})
+        out.append(
+            {
+                "layout": lay.name(),
+                "stages": stages,
+                "step_s_measured": got["step_s"],
+                "matmul_flops_measured": got["matmul_flops"],
+                "step_s_estimated": estimated,
+                "step_time_ratio": estimated / max(got["step_s"], 1e-12),
+            }
+        )
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rules import Errors
@@ -37,9 +37,9 @@ class TrainShape:
 class Layout:
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     ep: int = 1
-    etp: Optional[int] = None  # None = tp
+    etp: int | None = None  # None = tp
     cp: int = 1
     dp: int = 1
     sp: bool = False
@@ -57,10 +57,15 @@ class Layout:
         return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                              virtual_pipeline_model_parallel_size=self.vpp, expert_model_parallel_size=self.ep,
-                              expert_tensor_parallel_size=self.etp, context_parallel_size=self.cp,
-                              sequence_parallel=self.sp)
+        return ParallelConfig(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            context_parallel_size=self.cp,
+            sequence_parallel=self.sp,
+        )
 
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp else [])
@@ -71,9 +76,13 @@ class Layout:
 
 
 def sft_config_for(model: ModelConfig, layout: Layout, shape: TrainShape) -> SFTConfig:
-    train = TrainConfig(seq_length=shape.seq_length, micro_batch_size=shape.micro_batch_size,
-                        global_batch_size=shape.global_batch_size, precision=shape.precision,  # type: ignore[arg-type]
-                        recompute=shape.recompute)  # type: ignore[arg-type]
+    train = TrainConfig(
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        global_batch_size=shape.global_batch_size,
+        precision=shape.precision,  # type: ignore[arg-type]
+        recompute=shape.recompute,
+    )  # type: ignore[arg-type]
     return SFTConfig(model=model, parallel=layout.parallel_config(), train=train)
 
 
@@ -106,14 +115,18 @@ def candidate_layouts(model: ModelConfig, world_size: int, gpus_per_node: int) -
                 for vpp in [None] + ([v for v in (2, 3, 4)] if pp > 1 else []):
                     eps = _divisors(world_size // pp) if model.is_moe else [1]
                     for ep in eps:
-                        for etp in ([None, 1] if model.is_moe and tp > 1 else [None]):
+                        for etp in [None, 1] if model.is_moe and tp > 1 else [None]:
                             yield Layout(tp, pp, vpp, ep, etp, cp, dp, sp=tp > 1)
 
 
-def enumerate_layouts(model: ModelConfig, world_size: int, gpus_per_node: int, shape: TrainShape,
-                      has_transformer_engine: bool) -> list[Layout]:
-    return [lay for lay in candidate_layouts(model, world_size, gpus_per_node)
-            if is_valid(model, lay, shape, has_transformer_engine)]
+def enumerate_layouts(
+    model: ModelConfig, world_size: int, gpus_per_node: int, shape: TrainShape, has_transformer_engine: bool
+) -> list[Layout]:
+    return [
+        lay
+        for lay in candidate_layouts(model, world_size, gpus_per_node)
+        if is_valid(model, lay, shape, has_transformer_engine)
+    ]
 
 
 _LAYOUT_KEYS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "cp": "cp", "dp": "dp"}
@@ -125,8 +138,9 @@ def parse_layout(text: str, world_size: int) -> Layout:
     for item in filter(None, (s.strip() for s in text.split(","))):
         m = re.fullmatch(r"([a-z]+)\s*=\s*(\w+)", item)
         if not m or m.group(1) not in list(_LAYOUT_KEYS) + ["sp"]:
-            raise ConfigError(f"--layout: cannot read {item!r}; write key=value with keys "
-                              f"{', '.join(list(_LAYOUT_KEYS) + ['sp'])}")
+            raise ConfigError(
+                f"--layout: cannot read {item!r}; write key=value with keys {', '.join(list(_LAYOUT_KEYS) + ['sp'])}"
+            )
         key, value = m.groups()
         if key == "sp":
             values["sp"] = value.lower() in ("1", "true", "yes")
@@ -139,10 +153,11 @@ def parse_layout(text: str, world_size: int) -> Layout:
         raise ConfigError(f"--layout: tp, pp and cp must be >= 1, got tp={tp} pp={pp} cp={cp}")
     dp = values.get("dp", world_size // (tp * pp * cp) if world_size % (tp * pp * cp) == 0 else 0)
     if dp * tp * pp * cp != world_size:
-        raise ConfigError(f"--layout: tp ({tp}) x pp ({pp}) x cp ({cp}) x dp ({dp}) = {tp * pp * cp * dp} "
-                          f"is not the cluster's {world_size} GPUs")
-    lay = Layout(tp, pp, values.get("vpp"), values.get("ep", 1), values.get("etp"), cp, dp,
-                 sp=values.get("sp", tp > 1))
+        raise ConfigError(
+            f"--layout: tp ({tp}) x pp ({pp}) x cp ({cp}) x dp ({dp}) = {tp * pp * cp * dp} "
+            f"is not the cluster's {world_size} GPUs"
+        )
+    lay = Layout(tp, pp, values.get("vpp"), values.get("ep", 1), values.get("etp"), cp, dp, sp=values.get("sp", tp > 1))
     return lay
 
 

@@ -30,8 +30,14 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.profile.layouts import Layout, TrainShape
 
 
-def calibrate_cpu(m: int = 512, k: int = 512, n: int = 512, seconds: float = 0.3, threads: int = 1,
-                  precisions: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+def calibrate_cpu(
+    m: int = 512,
+    k: int = 512,
+    n: int = 512,
+    seconds: float = 0.3,
+    threads: int = 1,
+    precisions: tuple[str, ...] = ("fp32", "bf16"),
+) -> dict[str, float]:
     """Achieved matmul FLOP/s of one CPU thread (each gloo rank runs with one) on an [m, k] x [k, n]
     product: the best of repeats over `seconds`, so a busy moment of a shared machine counts less."""
     torch.set_num_threads(threads)
@@ -60,8 +66,14 @@ def _batches(model: ModelConfig, shape: TrainShape, num_microbatches: int, seed:
     out = []
     for _ in range(num_microbatches):
         tokens = torch.randint(0, model.vocab_size, (b, s), generator=g)
-        out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(b, s),
-                        position_ids=torch.arange(s).expand(b, s).contiguous()))
+        out.append(
+            dict(
+                tokens=tokens,
+                labels=torch.roll(tokens, -1, 1),
+                loss_mask=torch.ones(b, s),
+                position_ids=torch.arange(s).expand(b, s).contiguous(),
+            )
+        )
     return out
 
 
@@ -96,8 +108,16 @@ def _cpu_peak(prof: Any) -> int:
     return peak
 
 
-def _measure_rank(rank: int, world_size: int, store: str, model: ModelConfig, layouts: list[Layout],
-                  shape: TrainShape, steps: int, queue: Any) -> None:
+def _measure_rank(
+    rank: int,
+    world_size: int,
+    store: str,
+    model: ModelConfig,
+    layouts: list[Layout],
+    shape: TrainShape,
+    steps: int,
+    queue: Any,
+) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -109,8 +129,9 @@ def _measure_rank(rank: int, world_size: int, store: str, model: ModelConfig, la
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         cpu_compat.apply()
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
+    )
     from megatron.core import parallel_state
 
     try:
@@ -175,12 +196,18 @@ def _measure_one(model: ModelConfig, layout: Layout, shape: TrainShape, steps: i
         if on_gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "state": state,
-            "activation_peak": peak, "step_s": statistics.median(times), "matmul_flops": rate}
+    return {
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "state": state,
+        "activation_peak": peak,
+        "step_s": statistics.median(times),
+        "matmul_flops": rate,
+    }
 
 
-def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape,
-                    steps: int = 3) -> list[dict[str, Any]]:
+def measure_layouts(
+    model: ModelConfig, layouts: list[Layout], shape: TrainShape, steps: int = 3
+) -> list[dict[str, Any]]:
     """Run `steps` timed steps of each layout (all of one world size) in one fresh world; per layout
     and pipeline rank: the measured model state, the activation peak (max over that stage's ranks),
     and the slowest rank's step time."""
@@ -191,8 +218,13 @@ def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_measure_rank, args=(n, os.path.join(tmp, "store"), model, layouts, shape, steps, queue),
-                           nprocs=n, join=True, start_method="spawn")
+        mp.start_processes(
+            _measure_rank,
+            args=(n, os.path.join(tmp, "store"), model, layouts, shape, steps, queue),
+            nprocs=n,
+            join=True,
+            start_method="spawn",
+        )
     rows = [queue.get() for _ in range(n * len(layouts))]
     out = []
     for k in range(len(layouts)):
@@ -201,6 +233,11 @@ def measure_layouts(model: ModelConfig, layouts: list[Layout], shape: TrainShape
         for r in mine:
             st = stages.setdefault(r["pp_rank"], {"state": r["state"], "activation_peak": 0})
             st["activation_peak"] = max(st["activation_peak"], r["activation_peak"])
-        out.append({"stages": stages, "step_s": max(r["step_s"] for r in mine),
-                    "matmul_flops": min(r["matmul_flops"] for r in mine)})
+        out.append(
+            {
+                "stages": stages,
+                "step_s": max(r["step_s"] for r in mine),
+                "matmul_flops": min(r["matmul_flops"] for r in mine),
+            }
+        )
     return out

@@ -39,12 +39,21 @@ class ParamTensor:
 def check_supported(model: ModelConfig) -> None:
     """The memory model covers the Qwen3 dense and MoE decoders; the research variants add tensors it
     does not count, so it says so instead of reporting a wrong number."""
-    unsupported = [(key, on) for key, on in (("model.moe_latent_size", model.moe_latent_size is not None),
-                                              ("model.attn_res", model.attn_res != "none"),
-                                              ("model.ngram.orders", bool(model.ngram.orders))) if on]
+    unsupported = [
+        (key, on)
+        for key, on in (
+            ("model.moe_latent_size", model.moe_latent_size is not None),
+            ("model.attn_res", model.attn_res != "none"),
+            ("model.ngram.orders", bool(model.ngram.orders)),
+        )
+        if on
+    ]
     if unsupported:
-        raise ConfigError("mcore-rl profile does not model " + ", ".join(k for k, _ in unsupported)
-                          + " (LatentMoE, AttnRes and n-gram embeddings add tensors the estimate does not count)")
+        raise ConfigError(
+            "mcore-rl profile does not model "
+            + ", ".join(k for k, _ in unsupported)
+            + " (LatentMoE, AttnRes and n-gram embeddings add tensors the estimate does not count)"
+        )
 
 
 def layers_on_stage(model: ModelConfig, layout: Layout, pp_rank: int) -> list[int]:
@@ -66,32 +75,42 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
         out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, False))
     for i in layers_on_stage(model, layout, pp_rank):
         p = f"decoder.layers.{i}."
-        out += [ParamTensor(p + "input_layernorm.weight", h, False),
-                ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
-                ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False)]
+        out += [
+            ParamTensor(p + "input_layernorm.weight", h, False),
+            ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
+            ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False),
+        ]
         if getattr(model, "add_qkv_bias", False):  # Qwen2 (issue 13's field; absent before it): q/k/v biases
             out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
         if model.qk_layernorm:
-            out += [ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
-                    ParamTensor(p + "self_attention.k_layernorm.weight", d, False)]
+            out += [
+                ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
+                ParamTensor(p + "self_attention.k_layernorm.weight", d, False),
+            ]
         out.append(ParamTensor(p + "pre_mlp_layernorm.weight", h, False))
         if is_moe_layer(model, i):
             f = model.moe_ffn_hidden_size or model.ffn_hidden_size
             out.append(ParamTensor(p + "mlp.router.weight", model.num_experts * h, False))
             n = model.num_experts // ep
             experts = p + f"mlp.experts.local_experts.[0-{n - 1}]."
-            out += [ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
-                    ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n)]
+            out += [
+                ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
+                ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n),
+            ]
             if model.moe_shared_expert_intermediate_size:
                 s = model.moe_shared_expert_intermediate_size
-                out += [ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", 2 * s // tp * h, False),
-                        ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * s // tp, False)]
+                out += [
+                    ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", 2 * s // tp * h, False),
+                    ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * s // tp, False),
+                ]
                 if getattr(model, "moe_shared_expert_gate", False):  # Qwen2-MoE: w_gate [1, h], replicated
                     out.append(ParamTensor(p + "mlp.shared_experts.gate_weight", h, False))
         else:
             f = model.ffn_hidden_size
-            out += [ParamTensor(p + "mlp.linear_fc1.weight", 2 * f // tp * h, False),
-                    ParamTensor(p + "mlp.linear_fc2.weight", h * f // tp, False)]
+            out += [
+                ParamTensor(p + "mlp.linear_fc1.weight", 2 * f // tp * h, False),
+                ParamTensor(p + "mlp.linear_fc2.weight", h * f // tp, False),
+            ]
     if last:
         out.append(ParamTensor("decoder.final_layernorm.weight", h, False))
         if not model.tie_word_embeddings or layout.pp > 1:  # tied with PP: the last stage keeps a copy
@@ -211,8 +230,15 @@ class Activations:
     pp_rank: int
 
 
-def stage_activations(model: ModelConfig, layout: Layout, shape: TrainShape, num_microbatches: int, pp_rank: int,
-                      attention: str = "flash", recompute: str | None = None) -> Activations:
+def stage_activations(
+    model: ModelConfig,
+    layout: Layout,
+    shape: TrainShape,
+    num_microbatches: int,
+    pp_rank: int,
+    attention: str = "flash",
+    recompute: str | None = None,
+) -> Activations:
     """Peak activation bytes of one rank of pipeline stage `pp_rank`."""
     recompute = recompute or shape.recompute
     e = 2 if shape.precision == "bf16" else 4
@@ -229,18 +255,32 @@ def stage_activations(model: ModelConfig, layout: Layout, shape: TrainShape, num
         held = n * per_layer
     output = 0.0
     if pp_rank == layout.pp - 1:  # final norm, fp32 logits (vocab-parallel), the loss's mask and labels
-        output = s * b / sp * (model.hidden_size * (e + 4 + e) + 4) + s * b * padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp) / layout.tp * 4
+        output = (
+            s * b / sp * (model.hidden_size * (e + 4 + e) + 4)
+            + s * b * padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp) / layout.tp * 4
+        )
         output += s * b * 4 * 2
     if pp_rank == 0:
         output += s * b * 8  # token ids
     return Activations(held + output, per_layer, n, output, pp_rank)
 
 
-def activations(model: ModelConfig, layout: Layout, shape: TrainShape, num_microbatches: int,
-                attention: str = "flash", recompute: str | None = None) -> Activations:
+def activations(
+    model: ModelConfig,
+    layout: Layout,
+    shape: TrainShape,
+    num_microbatches: int,
+    attention: str = "flash",
+    recompute: str | None = None,
+) -> Activations:
     """The busiest pipeline rank's peak (the first stage holds the most micro-batches, the last the logits)."""
-    return max((stage_activations(model, layout, shape, num_microbatches, r, attention, recompute)
-                for r in sorted({0, layout.pp - 1})), key=lambda a: a.total)
+    return max(
+        (
+            stage_activations(model, layout, shape, num_microbatches, r, attention, recompute)
+            for r in sorted({0, layout.pp - 1})
+        ),
+        key=lambda a: a.total,
+    )
 
 
 def kv_cache_bytes_per_token(model: ModelConfig, inference_tp: int, dtype_bytes: int = 2) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import forward_flops_per_token
@@ -45,13 +44,20 @@ def decode_model(model: ModelConfig, cluster: ClusterSpec, inference_tp: int) ->
     fwd = forward_flops_per_token(model, 1)
     per_token = fwd.total - fwd.attention_scores
     per_token2 = forward_flops_per_token(model, 2).attention_scores - fwd.attention_scores  # d/ds of scores
-    return DecodeModel(step_fixed_s=weights / bandwidth, step_per_seq_s=per_token / peak,
-                       step_per_ctx_token_s=kv_per_token / bandwidth, prefill_per_token_s=per_token / peak,
-                       prefill_per_token2_s=per_token2 / peak, slots=1024, kv_tokens=max(free, 0.0) / kv_per_token)
+    return DecodeModel(
+        step_fixed_s=weights / bandwidth,
+        step_per_seq_s=per_token / peak,
+        step_per_ctx_token_s=kv_per_token / bandwidth,
+        prefill_per_token_s=per_token / peak,
+        prefill_per_token2_s=per_token2 / peak,
+        slots=1024,
+        kv_tokens=max(free, 0.0) / kv_per_token,
+    )
 
 
-def rollout_seconds(model: ModelConfig, cluster: ClusterSpec, gpus: int, inference_tp: int,
-                    target: RolloutTarget) -> Optional[float]:
+def rollout_seconds(
+    model: ModelConfig, cluster: ClusterSpec, gpus: int, inference_tp: int, target: RolloutTarget
+) -> float | None:
     """Time for `gpus // inference_tp` engines to generate the batch; None if the weights do not fit."""
     dm = decode_model(model, cluster, inference_tp)
     engines = gpus // inference_tp
@@ -79,8 +85,14 @@ class Split:
     step_s: float
 
 
-def recommend_split(model: ModelConfig, cluster: ClusterSpec, shape: TrainShape, target: RolloutTarget,
-                    best_layout_for, inference_tps: tuple[int, ...] = (1, 2, 4, 8)) -> list[Split]:
+def recommend_split(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    shape: TrainShape,
+    target: RolloutTarget,
+    best_layout_for,
+    inference_tps: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[Split]:
     """Every split in whole nodes (or halves of the one node), fastest first. `best_layout_for(world,
     shape)` returns (layout name, train seconds) of the best layout on that many GPUs, or None."""
     world, gpn = cluster.world_size, cluster.gpus_per_node

@@ -48,8 +48,9 @@ def _collective(cluster: ClusterSpec, bytes_per_rank: float, n: int, stride: int
     return bytes_per_rank / bandwidth + hops * latency
 
 
-def step_time(model: ModelConfig, layout: Layout, shape: TrainShape, cluster: ClusterSpec,
-              num_microbatches: int) -> StepTime:
+def step_time(
+    model: ModelConfig, layout: Layout, shape: TrainShape, cluster: ClusterSpec, num_microbatches: int
+) -> StepTime:
     e = 2 if shape.precision == "bf16" else 4
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
     m, v = num_microbatches, layout.vpp or 1

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -73,8 +74,13 @@ class WeightExtrapolator:
     """Keeps the anchor weights between extrapolation steps and runs the accept/reject search."""
 
     def __init__(
-        self, model_chunks: Sequence[torch.nn.Module], optimizer: Optional[Any] = None, *,
-        num_candidates: int = NUM_CANDIDATES, scale: float = SCALE, offload: bool = False,
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any | None = None,
+        *,
+        num_candidates: int = NUM_CANDIDATES,
+        scale: float = SCALE,
+        offload: bool = False,
     ) -> None:
         """`offload=True` keeps the anchor (and, during `run`, W_step and Δ) in CPU memory instead
         of next to the params: two fp32 copies of the model's shards either way."""
@@ -100,8 +106,10 @@ class WeightExtrapolator:
         self._anchor = self._copy()
 
     def _copy(self) -> list[torch.Tensor]:
-        return [m.detach().to(device="cpu" if self.offload else m.device, dtype=torch.float32, copy=True)
-                for m in self.masters]
+        return [
+            m.detach().to(device="cpu" if self.offload else m.device, dtype=torch.float32, copy=True)
+            for m in self.masters
+        ]
 
     @torch.no_grad()
     def _load(self, base: list[torch.Tensor], delta: list[torch.Tensor], k: int) -> None:
@@ -110,7 +118,7 @@ class WeightExtrapolator:
             if m is not p:
                 p.copy_(m)
 
-    def run(self, step: int, evaluate: Callable[[], float], base_score: Optional[float] = None) -> ExtrapolationResult:
+    def run(self, step: int, evaluate: Callable[[], float], base_score: float | None = None) -> ExtrapolationResult:
         """Try candidates 1..num_candidates in order at an extrapolation step; keep the last one of
         the unbroken run that `accepts`, put back the kept weights after a rejection, and make
         them the next anchor. An exception from `evaluate` also restores the kept weights."""
@@ -119,7 +127,7 @@ class WeightExtrapolator:
         score = float(evaluate()) if base_score is None else float(base_score)
         with torch.no_grad():
             base = self._copy()
-            anchor: list[Optional[torch.Tensor]] = list(self._anchor)
+            anchor: list[torch.Tensor | None] = list(self._anchor)
             self._anchor = []
             delta = []
             for i, b in enumerate(base):  # Δ replaces the anchor tensor by tensor: 2 copies at most
@@ -155,8 +163,10 @@ class WeightExtrapolator:
         anchor = state["anchor"]
         if len(anchor) != len(self.masters):
             raise ValueError(f"EffOPD anchor has {len(anchor)} tensors, the model {len(self.masters)}")
-        self._anchor = [a.to(device="cpu" if self.offload else m.device, dtype=torch.float32, copy=True)
-                        for a, m in zip(anchor, self.masters)]
+        self._anchor = [
+            a.to(device="cpu" if self.offload else m.device, dtype=torch.float32, copy=True)
+            for a, m in zip(anchor, self.masters)
+        ]
 
 
 class EffOPD(Recipe):
@@ -177,20 +187,33 @@ class EffOPD(Recipe):
         if not e.enabled:
             return
         r = cfg.rollout
-        errors.need(r.runtime == "sync" or r.max_staleness == 0, "distill.effopd.enabled", "EffOPD scores candidate "
-                    "weights on the engines between updates; it needs rollout.max_staleness=0 (got "
-                    f"{r.max_staleness}) or rollout.runtime=sync (engines generating ahead would sample training groups "
-                    "from the candidates)")
-        errors.need(cfg.algorithm.mismatch.name != "mipu", "distill.effopd.enabled",
-                    "EffOPD and MIPU both accept or roll back weights after an update; use one of them")
-        need_positive(errors, [("distill.effopd.validation_prompts", e.validation_prompts),
-                               ("distill.effopd.num_candidates", e.num_candidates)])
+        errors.need(
+            r.runtime == "sync" or r.max_staleness == 0,
+            "distill.effopd.enabled",
+            "EffOPD scores candidate "
+            "weights on the engines between updates; it needs rollout.max_staleness=0 (got "
+            f"{r.max_staleness}) or rollout.runtime=sync (engines generating ahead would sample training groups "
+            "from the candidates)",
+        )
+        errors.need(
+            cfg.algorithm.mismatch.name != "mipu",
+            "distill.effopd.enabled",
+            "EffOPD and MIPU both accept or roll back weights after an update; use one of them",
+        )
+        need_positive(
+            errors,
+            [
+                ("distill.effopd.validation_prompts", e.validation_prompts),
+                ("distill.effopd.num_candidates", e.num_candidates),
+            ],
+        )
         errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
 
     def setup(self, run: Any) -> None:
         e = self.cfg.distill.effopd
-        self.extrapolator = WeightExtrapolator(run.chunks, run.optimizer, num_candidates=e.num_candidates,
-                                               scale=e.scale)
+        self.extrapolator = WeightExtrapolator(
+            run.chunks, run.optimizer, num_candidates=e.num_candidates, scale=e.scale
+        )
         self.prompts = run.val_prompts.take(e.validation_prompts)  # fixed for the run (every rank)
 
     def after_optimizer(self, run: Any, step: int) -> dict[str, float]:
@@ -207,7 +230,11 @@ class EffOPD(Recipe):
 
         start = time.perf_counter()
         result = self.extrapolator.run(step, evaluate)
-        return {"effopd/accepted": float(result.accepted), "effopd/coefficient": result.coefficient,
-                "effopd/base_score": result.base_score, "effopd/candidates_scored": float(len(result.scores)),
-                "effopd/best_score": max([result.base_score] + result.scores[: result.accepted]),
-                "time/effopd_s": time.perf_counter() - start}
+        return {
+            "effopd/accepted": float(result.accepted),
+            "effopd/coefficient": result.coefficient,
+            "effopd/base_score": result.base_score,
+            "effopd/candidates_scored": float(len(result.scores)),
+            "effopd/best_score": max([result.base_score] + result.scores[: result.accepted]),
+            "time/effopd_s": time.perf_counter() - start,
+        }

@@ -19,7 +19,8 @@ domain's reward.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from mcore_rl.algos.edge_gec import INJECT, REFERENCE, REFLECT, gec_ops
 from mcore_rl.config.rules import Errors
@@ -31,7 +32,7 @@ from mcore_rl.runtime.rollout_manager import sample_seed, split_groups
 SALT_GEC = 4  # sampling seeds of GEC's continuations (apart from the rollout's salts 1-3)
 
 
-def answer_text(label: Any) -> Optional[str]:
+def answer_text(label: Any) -> str | None:
     """The task's ground-truth answer as text (a string label, or a dict's "answer"); None if none."""
     if isinstance(label, dict):
         label = label.get("answer")
@@ -40,8 +41,9 @@ def answer_text(label: Any) -> Optional[str]:
     return label if isinstance(label, str) else str(label) if isinstance(label, (int, float)) else None
 
 
-def guided_error_correction(manager: Any, groups: Sequence[Sequence[Sample]], tokenizer: Any,
-                            temperature: float) -> tuple[list[list[Sample]], dict[str, int]]:
+def guided_error_correction(
+    manager: Any, groups: Sequence[Sequence[Sample]], tokenizer: Any, temperature: float
+) -> tuple[list[list[Sample]], dict[str, int]]:
     """EDGE-GRPO's GEC on a scored batch (see the module docstring): (groups, counts per op)."""
     g = manager.cfg.rollout.gec
     seed = manager.cfg.train.seed
@@ -61,8 +63,9 @@ def guided_error_correction(manager: Any, groups: Sequence[Sequence[Sample]], to
             op = REFLECT
         if op == REFERENCE:
             ref = tokenizer.encode(answer) + [eos]
-            req = GenRequest(s.prompt.ids + ref, {"temperature": 0.0, "max_new_tokens": 1},
-                             logprob_start_len=len(s.prompt.ids) - 1)
+            req = GenRequest(
+                s.prompt.ids + ref, {"temperature": 0.0, "max_new_tokens": 1}, logprob_start_len=len(s.prompt.ids) - 1
+            )
             score.append((i, req, ref, answer))
             continue
         response = list(s.response_ids)
@@ -71,33 +74,45 @@ def guided_error_correction(manager: Any, groups: Sequence[Sequence[Sample]], to
         text = g.reflection + (g.answer_hint.format(answer=answer) if op == INJECT else "")
         context = s.prompt.ids + response + tokenizer.encode(text)
         cfg = manager.cfg
-        room = min(manager.budget(s.prompt), cfg.train.seq_length - len(context),
-                   cfg.rollout.context_length - len(context))
+        room = min(
+            manager.budget(s.prompt), cfg.train.seq_length - len(context), cfg.rollout.context_length - len(context)
+        )
         if room < 1:
             counts["no_room"] += 1
             continue
-        sp = manager.sampling_params(temperature, sample_seed(seed, SALT_GEC, keys[i][0], keys[i][1]), room,
-                                     s.prompt.domain)
+        sp = manager.sampling_params(
+            temperature, sample_seed(seed, SALT_GEC, keys[i][0], keys[i][1]), room, s.prompt.domain
+        )
         regen.append((i, context, GenRequest(context, sp), op))
     reqs = [r for _, _, r, _ in regen] + [r for _, r, _, _ in score]
     gens = manager.engines.generate(reqs) if reqs else []
     repaired: dict[int, str] = {}  # flat index -> op name
-    for (i, context, _, op), gen in zip(regen, gens[:len(regen)]):
+    for (i, context, _, op), gen in zip(regen, gens[: len(regen)]):
         s = flat[i]
         if len(gen.output_logprobs) != len(gen.output_ids):
-            raise RuntimeError(f"engine {gen.engine} returned {len(gen.output_logprobs)} log-probs for "
-                               f"{len(gen.output_ids)} tokens")
-        flat[i] = Sample(replace(s.prompt, ids=context), s.group, list(gen.output_ids), list(gen.output_logprobs),
-                         gen.weight_version, gen.finish_reason, gen.text, gen.engine,
-                         info={})
+            raise RuntimeError(
+                f"engine {gen.engine} returned {len(gen.output_logprobs)} log-probs for {len(gen.output_ids)} tokens"
+            )
+        flat[i] = Sample(
+            replace(s.prompt, ids=context),
+            s.group,
+            list(gen.output_ids),
+            list(gen.output_logprobs),
+            gen.weight_version,
+            gen.finish_reason,
+            gen.text,
+            gen.engine,
+            info={},
+        )
         repaired[i] = "reflect" if op == REFLECT else "inject"
         counts[repaired[i]] += 1
-    for (i, _, ref, answer), gen in zip(score, gens[len(regen):]):
+    for (i, _, ref, answer), gen in zip(score, gens[len(regen) :]):
         s = flat[i]
         if gen.input_logprobs is None or len(gen.input_logprobs) != len(ref):
             raise RuntimeError(f"engine {gen.engine} returned no prompt log-probs for the {len(ref)} reference tokens")
-        flat[i] = Sample(s.prompt, s.group, ref, list(gen.input_logprobs), gen.weight_version, "stop", answer,
-                         gen.engine)
+        flat[i] = Sample(
+            s.prompt, s.group, ref, list(gen.input_logprobs), gen.weight_version, "stop", answer, gen.engine
+        )
         repaired[i] = "reference"
         counts["reference"] += 1
     if repaired:
@@ -122,23 +137,35 @@ class GuidedErrorCorrection(Recipe):
         r, g = cfg.rollout, cfg.rollout.gec
         if not g.enabled:
             return
-        errors.need(r.runtime == "sync", "rollout.gec.enabled", "repairs the wrong responses of a synchronous batch; "
-                    "it needs rollout.runtime=sync")
+        errors.need(
+            r.runtime == "sync",
+            "rollout.gec.enabled",
+            "repairs the wrong responses of a synchronous batch; it needs rollout.runtime=sync",
+        )
         probs = list(g.probs)
-        errors.need(len(probs) == 3 and min(probs, default=-1) >= 0 and abs(sum(probs) - 1) <= 1e-9,
-                    "rollout.gec.probs", "must be three non-negative probabilities (reflect, reflect + answer, "
-                    f"reference) summing to 1, got {probs}")
+        errors.need(
+            len(probs) == 3 and min(probs, default=-1) >= 0 and abs(sum(probs) - 1) <= 1e-9,
+            "rollout.gec.probs",
+            "must be three non-negative probabilities (reflect, reflect + answer, "
+            f"reference) summing to 1, got {probs}",
+        )
         if len(probs) == 3 and probs[1] > 0:
             try:
                 g.answer_hint.format(answer="1")
             except (KeyError, IndexError, ValueError) as err:
                 errors.need(False, "rollout.gec.answer_hint", f"must be a format string with only {{answer}}: {err!r}")
-        errors.need(not r.sampling_mask_replay, "rollout.gec.enabled",
-                    "a reference solution (op 3) was not sampled, so it has no sampling mask; turn off "
-                    "rollout.sampling_mask_replay")
-        errors.need(cfg.algorithm.routing_replay != "r3", "rollout.gec.enabled",
-                    "repaired responses have no engine routing of their training context; use "
-                    "algorithm.routing_replay r2 or none")
+        errors.need(
+            not r.sampling_mask_replay,
+            "rollout.gec.enabled",
+            "a reference solution (op 3) was not sampled, so it has no sampling mask; turn off "
+            "rollout.sampling_mask_replay",
+        )
+        errors.need(
+            cfg.algorithm.routing_replay != "r3",
+            "rollout.gec.enabled",
+            "repaired responses have no engine routing of their training context; use "
+            "algorithm.routing_replay r2 or none",
+        )
 
     def repair_round(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
         groups, counts = guided_error_correction(rollout, groups, rollout.tokenizer, rollout.temperature)

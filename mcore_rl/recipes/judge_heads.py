@@ -20,7 +20,8 @@ the algorithms the recipe names, and adds heads *after* the reward was summed, s
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from mcore_rl.algos.exprl import segment_heads
 from mcore_rl.hooks import Recipe
@@ -67,8 +68,12 @@ def add_rubric_heads(samples: Sequence[Any], prefix: str = "rlcer") -> int:
     done = 0
     for s in samples:
         verdicts, scores = s.info.get("verdicts"), rubric_scores_of(s.prompt.label)
-        if not verdicts or not isinstance(scores, (list, tuple)) or len(scores) != len(verdicts) \
-                or s.reward_error is not None:
+        if (
+            not verdicts
+            or not isinstance(scores, (list, tuple))
+            or len(scores) != len(verdicts)
+            or s.reward_error is not None
+        ):
             continue
         for k, (v, w) in enumerate(zip(verdicts, scores)):
             s.reward_heads[f"{prefix}_v{k}"] = float(v)
@@ -84,8 +89,9 @@ def add_judge_heads(algorithm: Any, samples: Sequence[Any], tokenizer: Any) -> d
     n = max(len(samples), 1)
     for step in algorithm.advantage_shaping:
         if step.name == SEGMENT_SHAPING:
-            metrics["exprl/segmented_frac"] = add_segment_heads(samples, tokenizer,
-                                                                step.options.get("prefix", "exprl")) / n
+            metrics["exprl/segmented_frac"] = (
+                add_segment_heads(samples, tokenizer, step.options.get("prefix", "exprl")) / n
+            )
     for step in algorithm.reward_shaping:
         if step.name == RUBRIC_SHAPING:
             metrics["rlcer/rubric_frac"] = add_rubric_heads(samples, step.options.get("prefix", "rlcer")) / n
@@ -100,8 +106,9 @@ class JudgeHeads(Recipe):
     @classmethod
     def enabled(cls, cfg: Any) -> bool:
         a = cfg.algorithm
-        return any(x.name == SEGMENT_SHAPING for x in a.advantage_shaping) or \
-            any(x.name == RUBRIC_SHAPING for x in a.reward_shaping)
+        return any(x.name == SEGMENT_SHAPING for x in a.advantage_shaping) or any(
+            x.name == RUBRIC_SHAPING for x in a.reward_shaping
+        )
 
     def batch_step(self, samples: Sequence[Any], run: Any) -> dict[str, float]:
         return add_judge_heads(self.cfg.algorithm, samples, run.tokenizer)

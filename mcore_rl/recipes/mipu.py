@@ -44,33 +44,60 @@ class MIPU(Recipe):
         m = a.mismatch
         if m.name != NAME:
             return
-        errors.need(r.runtime == "sync" or r.max_staleness == 0, "algorithm.mismatch.name",
-                    "mipu accepts or rolls back every update before the next rollout, so no sample may come from "
-                    f"the update it rolls back; it needs rollout.max_staleness=0 (got {r.max_staleness}) or "
-                    "rollout.runtime=sync")
-        errors.need(m.mipu_validation_prompts >= 1, "algorithm.mismatch.mipu_validation_prompts",
-                    f"must be >= 1, got {m.mipu_validation_prompts}")
+        errors.need(
+            r.runtime == "sync" or r.max_staleness == 0,
+            "algorithm.mismatch.name",
+            "mipu accepts or rolls back every update before the next rollout, so no sample may come from "
+            f"the update it rolls back; it needs rollout.max_staleness=0 (got {r.max_staleness}) or "
+            "rollout.runtime=sync",
+        )
+        errors.need(
+            m.mipu_validation_prompts >= 1,
+            "algorithm.mismatch.mipu_validation_prompts",
+            f"must be >= 1, got {m.mipu_validation_prompts}",
+        )
         if m.mipu_validation_group_size is None:
-            errors.need(r.group_size >= 2, "rollout.group_size",
-                        "MIPU's validation advantages need >= 2 samples per prompt")
+            errors.need(
+                r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt"
+            )
         else:
-            errors.need(m.mipu_validation_group_size >= 2, "algorithm.mismatch.mipu_validation_group_size",
-                        "MIPU's validation advantages need >= 2 samples per prompt, got "
-                        f"{m.mipu_validation_group_size}")
-        errors.need(math.isfinite(m.mipu_z) and m.mipu_z >= 0, "algorithm.mismatch.mipu_z",
-                    f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {m.mipu_z}")
-        errors.need(m.mipu_bootstrap >= 0, "algorithm.mismatch.mipu_bootstrap",
-                    f"must be >= 0 (0: no bootstrap flip rate), got {m.mipu_bootstrap}")
-        errors.need(m.level in (None, "token", "sequence"), "algorithm.mismatch.level",
-                    f"MIPU's weight is per token or per sequence, got {m.level!r}")
-        errors.need(a.policy_loss == "ppo_clip", "algorithm.policy_loss",
-                    f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}")
-        errors.need(m.clip_high is None or m.clip_high > 0, "algorithm.mismatch.clip_high",
-                    "is MIPU's w_max, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, "
-                    f"got {m.clip_high}")
+            errors.need(
+                m.mipu_validation_group_size >= 2,
+                "algorithm.mismatch.mipu_validation_group_size",
+                f"MIPU's validation advantages need >= 2 samples per prompt, got {m.mipu_validation_group_size}",
+            )
+        errors.need(
+            math.isfinite(m.mipu_z) and m.mipu_z >= 0,
+            "algorithm.mismatch.mipu_z",
+            f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {m.mipu_z}",
+        )
+        errors.need(
+            m.mipu_bootstrap >= 0,
+            "algorithm.mismatch.mipu_bootstrap",
+            f"must be >= 0 (0: no bootstrap flip rate), got {m.mipu_bootstrap}",
+        )
+        errors.need(
+            m.level in (None, "token", "sequence"),
+            "algorithm.mismatch.level",
+            f"MIPU's weight is per token or per sequence, got {m.level!r}",
+        )
+        errors.need(
+            a.policy_loss == "ppo_clip",
+            "algorithm.policy_loss",
+            f"MIPU Step 1 is a PPO clip on π_θ/π_k; it is not defined for {a.policy_loss!r}",
+        )
+        errors.need(
+            m.clip_high is None or m.clip_high > 0,
+            "algorithm.mismatch.clip_high",
+            "is MIPU's w_max, the cap of its weight min(π_k/μ, w_max); it must be null (= 2) or > 0, "
+            f"got {m.clip_high}",
+        )
         for key in ("clip_low", "mask_low", "mask_high", "veto_threshold", "batch_normalize"):
-            errors.need(getattr(m, key) is None, f"algorithm.mismatch.{key}",
-                        "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)")
+            errors.need(
+                getattr(m, key) is None,
+                f"algorithm.mismatch.{key}",
+                "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)",
+            )
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
@@ -79,11 +106,18 @@ class MIPU(Recipe):
 
     def setup(self, run: Any) -> None:
         m = self.cfg.algorithm.mismatch
-        self.controller = MIPUController(run.optimizer.snapshot, run.optimizer.restore,
-                                         lambda: run.sync(new_version=True),
-                                         c_start=m.mipu_c_start, c_end=m.mipu_c_end, anneal_steps=m.mipu_anneal_steps,
-                                         count_rejected=m.mipu_count_rejected, rule=m.mipu_decision, z=m.mipu_z,
-                                         bootstrap=m.mipu_bootstrap)
+        self.controller = MIPUController(
+            run.optimizer.snapshot,
+            run.optimizer.restore,
+            lambda: run.sync(new_version=True),
+            c_start=m.mipu_c_start,
+            c_end=m.mipu_c_end,
+            anneal_steps=m.mipu_anneal_steps,
+            count_rejected=m.mipu_count_rejected,
+            rule=m.mipu_decision,
+            z=m.mipu_z,
+            bootstrap=m.mipu_bootstrap,
+        )
         if self._state:
             self.controller.load_state_dict(self._state)
 
@@ -106,8 +140,9 @@ class MIPU(Recipe):
             run.val_prompts.load_state_dict(val_state)
         view = sequence_view(samples)
         pi, _ = learner.token_logprobs(samples, view.mask.shape[1])
-        est = validation_estimate(pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids,
-                                  valid=view.ok.bool())
+        est = validation_estimate(
+            pi, view.rollout_logp, view.mask * view.ok[:, None], view.rewards, view.group_ids, valid=view.ok.bool()
+        )
         decision = self.controller.decide(est)
         out = decision.metrics()
         out["mipu/validation_groups"] = float(est.group_counts.numel())

@@ -17,12 +17,14 @@ filter are the prompt stream's, `data/domains.py`):
   statistics see each copy as its own group, as in the paper) and say where they came from in
   `info["polaris_substituted_from"]`.
 """
+
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
 from dataclasses import asdict, replace
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -61,8 +63,13 @@ class RescueBuffer:
         n = 0
         for g in groups:
             for s in g:
-                if s.reward < self.correct_reward or s.reward_error is not None or s.info.get("polaris_rescued") \
-                        or s.info.get("gec") or s.info.get("polaris_substituted_from") is not None:
+                if (
+                    s.reward < self.correct_reward
+                    or s.reward_error is not None
+                    or s.info.get("polaris_rescued")
+                    or s.info.get("gec")
+                    or s.info.get("polaris_substituted_from") is not None
+                ):
                     continue
                 key = _key(s)
                 self.entries.pop(key, None)
@@ -79,8 +86,9 @@ class RescueBuffer:
         plan = rescue_plan(rewards, ids, [self.has(s) for s in flat], correct_reward=self.correct_reward)
         for i in plan.values():
             old, stored = flat[i], self.entries[_key(flat[i])]
-            flat[i] = replace(stored, prompt=old.prompt, group=old.group, teacher=None,
-                              info={**stored.info, "polaris_rescued": True})
+            flat[i] = replace(
+                stored, prompt=old.prompt, group=old.group, teacher=None, info={**stored.info, "polaris_rescued": True}
+            )
         return split_groups(flat, groups), len(plan)
 
     def state_dict(self) -> dict[str, Any]:
@@ -95,8 +103,9 @@ class RescueBuffer:
             self.entries.popitem(last=False)
 
 
-def substitute(groups: Sequence[Sequence[Sample]],
-               tol: float = DEFAULT_STD_TOLERANCE) -> tuple[list[list[Sample]], int]:
+def substitute(
+    groups: Sequence[Sequence[Sample]], tol: float = DEFAULT_STD_TOLERANCE
+) -> tuple[list[list[Sample]], int]:
     """POLARIS's intra-batch substitution: (groups, how many groups were replaced)."""
     flat, rewards, ids = _flat(groups)
     src = substitution_plan(rewards, ids, tol=tol)
@@ -104,8 +113,9 @@ def substitute(groups: Sequence[Sequence[Sample]],
     replaced = set()
     for i, j in enumerate(src):
         if i != j:
-            out[i] = replace(flat[j], group=flat[i].group,
-                             info={**flat[j].info, "polaris_substituted_from": flat[j].group})
+            out[i] = replace(
+                flat[j], group=flat[i].group, info={**flat[j].info, "polaris_substituted_from": flat[j].group}
+            )
             replaced.add(int(ids[i]))
     return split_groups(out, groups), len(replaced)
 
@@ -129,12 +139,19 @@ class Polaris(Recipe):
     def check(cls, cfg: Any, errors: Errors) -> None:
         p, sync = cfg.rollout.polaris, cfg.rollout.runtime == "sync"
         for name, on in (("rescue", p.rescue), ("substitute", p.substitute)):
-            errors.need(not on or sync, f"rollout.polaris.{name}",
-                        "repairs the groups of one synchronous batch; it needs rollout.runtime=sync")
-        errors.need(p.rescue_buffer_prompts >= 1, "rollout.polaris.rescue_buffer_prompts",
-                    f"must be >= 1, got {p.rescue_buffer_prompts}")
-        errors.need(math.isfinite(p.correct_reward), "rollout.polaris.correct_reward",
-                    f"must be finite, got {p.correct_reward}")
+            errors.need(
+                not on or sync,
+                f"rollout.polaris.{name}",
+                "repairs the groups of one synchronous batch; it needs rollout.runtime=sync",
+            )
+        errors.need(
+            p.rescue_buffer_prompts >= 1,
+            "rollout.polaris.rescue_buffer_prompts",
+            f"must be >= 1, got {p.rescue_buffer_prompts}",
+        )
+        errors.need(
+            math.isfinite(p.correct_reward), "rollout.polaris.correct_reward", f"must be finite, got {p.correct_reward}"
+        )
 
     def repair_round(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
         if self.rescue_buffer is None:

@@ -16,7 +16,7 @@ counter is not checkpointed: a resumed refresh starts counting afresh.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.config.rl_domains import refresh_stop_metric
 from mcore_rl.hooks import Recipe
@@ -28,8 +28,8 @@ class PatienceStop:
     patience: int
     metric: str
     min_delta: float = 0.0
-    best: Optional[float] = None
-    best_step: Optional[int] = None
+    best: float | None = None
+    best_step: int | None = None
     bad: int = 0
 
     def observe(self, rl_step: int, metrics: dict[str, Any]) -> bool:
@@ -44,7 +44,7 @@ class PatienceStop:
         return self.bad >= self.patience
 
 
-def from_config(cfg: Any) -> Optional[PatienceStop]:
+def from_config(cfg: Any) -> PatienceStop | None:
     """The refresh stop of the run's last mixture stage, if it has `stop_patience` (validated before)."""
     stages = cfg.data.mixture.stages
     if not stages or stages[-1].stop_patience <= 0:
@@ -72,13 +72,15 @@ class RefreshStop(Recipe):
         stages = cfg.data.mixture.stages
         return bool(stages) and stages[-1].stop_patience > 0
 
-    def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], Optional[str]]:
+    def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], str | None]:
         s = self.stop
         if not s.observe(rl_step, metrics):
             return {}, None
         self.stopped = True
-        return {"refresh/stopped": 1.0}, (f"early stop after step {rl_step}: {s.metric} has not improved for "
-                                          f"{s.patience} evaluation(s); best {s.best:.4f} after step {s.best_step}")
+        return {"refresh/stopped": 1.0}, (
+            f"early stop after step {rl_step}: {s.metric} has not improved for "
+            f"{s.patience} evaluation(s); best {s.best:.4f} after step {s.best_step}"
+        )
 
     def summary(self) -> dict[str, Any]:
         return {"refresh": {"stopped": self.stopped, "best": self.stop.best, "best_step": self.stop.best_step}}

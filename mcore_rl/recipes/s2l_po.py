@@ -12,7 +12,8 @@ correction sees, on those rows, the small model's μ (`correction: explorer_logp
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -31,9 +32,15 @@ from mcore_rl.rollout.explorer import Explorer, build_explorer
 SOURCE = "explorer"  # `Sample.source` of the explorer's samples
 
 
-def explorer_learner_metrics(explorer: torch.Tensor, old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-                             weights: torch.Tensor, seq_advantages: torch.Tensor,
-                             valid: torch.Tensor) -> dict[str, float]:
+def explorer_learner_metrics(
+    explorer: torch.Tensor,
+    old: torch.Tensor,
+    mu: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    seq_advantages: torch.Tensor,
+    valid: torch.Tensor,
+) -> dict[str, float]:
     """How far the explorer's samples are from π_old (K3 against the small model's μ), the IS
     weight they train with, and their mean advantage next to the policy's samples' ("pushed down as
     negatives"?)."""
@@ -72,28 +79,42 @@ class SmallModelExplorer(Recipe):
         x, key = cfg.rollout.explorer, "rollout.explorer"
         if not x.enabled:
             return
-        errors.need(not (x.urls and x.model_path), f"{key}.urls",
-                    "the explorer needs either urls (running servers) or model_path (engines the trainer starts), "
-                    "got both")
+        errors.need(
+            not (x.urls and x.model_path),
+            f"{key}.urls",
+            "the explorer needs either urls (running servers) or model_path (engines the trainer starts), got both",
+        )
         check_engine_group(x, key, bool(x.model_path), errors)
-        if need_registered(errors, f"{key}.schedule", "explorer schedule", x.schedule,
-                           algos.names("explorer_schedule")):
+        if need_registered(
+            errors, f"{key}.schedule", "explorer schedule", x.schedule, algos.names("explorer_schedule")
+        ):
             try:
                 algos.get("explorer_schedule", x.schedule)(0, 1, mix_steps=x.mix_steps, share=x.share)
             except OptionError as err:
                 errors.need(False, f"{key}.{err.option}", err.message)
-        errors.need(cfg.rollout.runtime == "sync", key,
-                    "the explorer's share of each group is drawn by the synchronous rollout manager; it needs "
-                    "rollout.runtime=sync (the async scheduler does not mix sources)")
-        errors.need(cfg.algorithm.routing_replay != "r3", key,
-                    "routing replay r3 replays the engine's experts, and the explorer's are not the policy's; "
-                    "use algorithm.routing_replay r2 or none")
+        errors.need(
+            cfg.rollout.runtime == "sync",
+            key,
+            "the explorer's share of each group is drawn by the synchronous rollout manager; it needs "
+            "rollout.runtime=sync (the async scheduler does not mix sources)",
+        )
+        errors.need(
+            cfg.algorithm.routing_replay != "r3",
+            key,
+            "routing replay r3 replays the engine's experts, and the explorer's are not the policy's; "
+            "use algorithm.routing_replay r2 or none",
+        )
 
     def engines_ready(self, run: Any) -> None:
         """The frozen smaller model's engines, checked before training."""
         cfg = self.cfg
-        self.explorer = build_explorer(cfg.rollout, run.tokenizer, os.path.join(cfg.run_dir, "engines"),
-                                       cfg.train.seed, tokenizer_path=cfg.data.tokenizer_path)
+        self.explorer = build_explorer(
+            cfg.rollout,
+            run.tokenizer,
+            os.path.join(cfg.run_dir, "engines"),
+            cfg.train.seed,
+            tokenizer_path=cfg.data.tokenizer_path,
+        )
 
     def co_samples(self, step: int, group_size: int) -> int:
         if self.explorer is None:
@@ -113,21 +134,31 @@ class SmallModelExplorer(Recipe):
         flat = [s for g in groups for s in g]
         ours = [s.reward for s in flat if s.source == SOURCE]
         theirs = [s.reward for s in flat if s.source != SOURCE]
-        out = {"explorer/alpha": explorer_share(step, mix_steps=x.mix_steps, share=x.share),
-               "explorer/samples_frac": len(ours) / max(len(flat), 1)}
+        out = {
+            "explorer/alpha": explorer_share(step, mix_steps=x.mix_steps, share=x.share),
+            "explorer/samples_frac": len(ours) / max(len(flat), 1),
+        }
         if ours:
             out["explorer/reward_mean"] = float(np.mean(ours))
         if theirs:
             out["explorer/policy_reward_mean"] = float(np.mean(theirs))
         return out
 
-    def behaviour_logp(self, samples: Sequence[Sample], rollout_logp: torch.Tensor,
-                       old_logp: torch.Tensor) -> torch.Tensor:
+    def behaviour_logp(
+        self, samples: Sequence[Sample], rollout_logp: torch.Tensor, old_logp: torch.Tensor
+    ) -> torch.Tensor:
         return behaviour_logp(rollout_logp, old_logp, _rows(samples), self.cfg.rollout.explorer.correction)
 
-    def learner_metrics(self, samples: Sequence[Sample], old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                        mask: torch.Tensor, weights: torch.Tensor, seq_advantages: torch.Tensor,
-                        valid: torch.Tensor) -> dict[str, float]:
+    def learner_metrics(
+        self,
+        samples: Sequence[Sample],
+        old_logp: torch.Tensor,
+        rollout_logp: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor,
+        seq_advantages: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> dict[str, float]:
         rows = _rows(samples)
         if not bool(rows.any()):
             return {}

@@ -9,5 +9,14 @@ from __future__ import annotations
 from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardResult, RewardRunner, annotate
 from mcore_rl.rewards.registry import get_reward_fn, is_import_path, register_reward, reward_names
 
-__all__ = ["RewardFunction", "RewardInput", "RewardResult", "RewardRunner", "annotate", "get_reward_fn",
-           "is_import_path", "register_reward", "reward_names"]
+__all__ = [
+    "RewardFunction",
+    "RewardInput",
+    "RewardResult",
+    "RewardRunner",
+    "annotate",
+    "get_reward_fn",
+    "is_import_path",
+    "register_reward",
+    "reward_names",
+]

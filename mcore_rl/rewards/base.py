@@ -36,7 +36,8 @@ import math
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 
 from mcore_rl.rewards.registry import import_path_of
 
@@ -61,7 +62,7 @@ class RewardResult:
     """`error` is the `reward_error` message (None when the function returned normally)."""
 
     reward: float
-    error: Optional[str] = None
+    error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
@@ -72,10 +73,10 @@ class RewardFunction:
 
     fn: Callable[..., Any]
     per_group: bool = False
-    timeout_s: Optional[float] = 30.0
+    timeout_s: float | None = 30.0
     error_reward: float = 0.0
     name: str = ""
-    path: Optional[str] = None  # "package.module:function" that worker processes import; derived from fn if it has one
+    path: str | None = None  # "package.module:function" that worker processes import; derived from fn if it has one
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of every call: fn(sample, **options)
 
     def __post_init__(self) -> None:
@@ -86,9 +87,7 @@ class RewardFunction:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None)
-        )
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__)
 
 
 class InvalidReward(ValueError):
@@ -116,7 +115,7 @@ def _to_result(value: Any) -> RewardResult:
     return RewardResult(float(value), info=info)
 
 
-def results_of(value: Any, group_size: Optional[int]) -> list[RewardResult]:
+def results_of(value: Any, group_size: int | None) -> list[RewardResult]:
     """What one call returned, checked: one result, or one per sample of a group of `group_size`."""
     if group_size is None:
         return [_to_result(value)]
@@ -146,7 +145,7 @@ async def _contained(work: Awaitable[Any]) -> Any:
         return await work
     except (Exception, asyncio.CancelledError):
         raise
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         raise _Escaped(exc) from None
 
 
@@ -157,17 +156,17 @@ class RewardRunner:
         self,
         reward: RewardFunction | Callable[..., Any],
         max_concurrency: int = 16,
-        executor: Optional[Executor] = None,
+        executor: Executor | None = None,
     ) -> None:
         self.reward = reward if isinstance(reward, RewardFunction) else RewardFunction(reward)
         self.max_concurrency = max_concurrency
         self._own_executor = executor is None
         self._executor = executor
-        self._workers: Optional[WorkerPool] = None
+        self._workers: WorkerPool | None = None
 
     @property
     def isolation(self) -> str:
-        """"process", "thread" or "async": where the calls run (module docstring)."""
+        """ "process", "thread" or "async": where the calls run (module docstring)."""
         if self.reward.is_async:
             return "async"
         return "process" if self._own_executor and self.reward.path else "thread"
@@ -182,8 +181,13 @@ class RewardRunner:
             from mcore_rl.rewards.workers import WorkerPool
 
             assert self.reward.path is not None
-            self._workers = WorkerPool(self.reward.path, self.max_concurrency, self.reward.per_group,
-                                       self.reward.timeout_s, options=self.reward.options)
+            self._workers = WorkerPool(
+                self.reward.path,
+                self.max_concurrency,
+                self.reward.per_group,
+                self.reward.timeout_s,
+                options=self.reward.options,
+            )
         return self._workers
 
     def start(self, wait_ready: bool = False) -> None:
@@ -205,7 +209,7 @@ class RewardRunner:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def __enter__(self) -> "RewardRunner":
+    def __enter__(self) -> RewardRunner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -225,7 +229,7 @@ class RewardRunner:
         logger.warning("reward function %s failed: %s", self.reward.name, msg)
         return [RewardResult(self.reward.error_reward, error=msg, elapsed_s=elapsed_s) for _ in range(n)]
 
-    async def _scored(self, sem: asyncio.Semaphore, arg: Any, group_size: Optional[int]) -> list[RewardResult]:
+    async def _scored(self, sem: asyncio.Semaphore, arg: Any, group_size: int | None) -> list[RewardResult]:
         n = 1 if group_size is None else group_size
         async with sem:
             start = time.monotonic()
@@ -233,11 +237,11 @@ class RewardRunner:
                 results = results_of(await self._call(arg), group_size)
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self._failed(n, f"timeout after {self.reward.timeout_s:g}s", time.monotonic() - start)
             except _Escaped as exc:
                 return self._failed(n, describe(exc.original), time.monotonic() - start)
-            except BaseException as exc:  # noqa: BLE001 - any failure of user code is contained, SystemExit too
+            except BaseException as exc:
                 return self._failed(n, describe(exc), time.monotonic() - start)
             for r in results:
                 r.elapsed_s = time.monotonic() - start
@@ -245,7 +249,7 @@ class RewardRunner:
 
     # ---------------------------------------------------------------- scoring
 
-    def _calls(self, samples: Sequence[RewardInput], group_ids: Optional[Sequence[Hashable]]) -> list[list[int]]:
+    def _calls(self, samples: Sequence[RewardInput], group_ids: Sequence[Hashable] | None) -> list[list[int]]:
         """The sample indices of each call: one sample each, or the members of each group."""
         if not self.reward.per_group:
             return [[i] for i in range(len(samples))]
@@ -272,14 +276,14 @@ class RewardRunner:
 
     @staticmethod
     def _in_order(n: int, calls: list[list[int]], scored: Sequence[list[RewardResult]]) -> list[RewardResult]:
-        out: list[Optional[RewardResult]] = [None] * n
+        out: list[RewardResult | None] = [None] * n
         for idx, results in zip(calls, scored):
             for i, r in zip(idx, results):
                 out[i] = r
         return out  # type: ignore[return-value]
 
     async def score(
-        self, samples: Sequence[RewardInput], group_ids: Optional[Sequence[Hashable]] = None
+        self, samples: Sequence[RewardInput], group_ids: Sequence[Hashable] | None = None
     ) -> list[RewardResult]:
         """One result per sample, in order. Per-group functions need `group_ids` (samples with the
         same id form a group, in their order); without them all samples are one group."""
@@ -293,7 +297,7 @@ class RewardRunner:
         return self._in_order(len(samples), calls, scored)
 
     def score_sync(
-        self, samples: Sequence[RewardInput], group_ids: Optional[Sequence[Hashable]] = None
+        self, samples: Sequence[RewardInput], group_ids: Sequence[Hashable] | None = None
     ) -> list[RewardResult]:
         """`score` from synchronous code (not from inside a running event loop)."""
         if self.isolation == "process":

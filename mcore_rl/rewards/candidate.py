@@ -146,7 +146,7 @@ def _answer(scope, request):
             args = from_wire(request.get("args", []))
             kwargs = from_wire(request.get("kwargs", {"d": []}))
             result = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - the candidate's exception is its answer
+        except BaseException as exc:
             return _describe(exc)
         try:
             return {"value": to_wire(result)}
@@ -164,7 +164,7 @@ def serve(program, fd=3):
     try:
         exec(compile(program, "solution.py", "exec"), scope)
         loaded = {"loaded": True}
-    except BaseException as exc:  # noqa: BLE001 - reported: the program does not load
+    except BaseException as exc:
         loaded = dict(_describe(exc), loaded=False)
     buffer = b""
     while True:
@@ -191,4 +191,4 @@ def serve(program, fd=3):
 
 def _write_all(fd, data):
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]

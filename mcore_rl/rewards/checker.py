@@ -26,7 +26,8 @@ import functools
 import marshal
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from mcore_rl.rewards import candidate
 from mcore_rl.rewards.candidate import WireError, dumps, from_wire, loads, to_wire
@@ -49,7 +50,7 @@ class CodeOutcome:
     total: int
     kind: str  # "pass" or a failure kind (mcore_rl/rewards/code.py)
     detail: str = ""
-    sandbox: Optional[SandboxResult] = field(default=None, repr=False)
+    sandbox: SandboxResult | None = field(default=None, repr=False)
 
     def reward(self, mode: str = "fraction") -> float:
         if self.total == 0:
@@ -115,7 +116,7 @@ def _exception(reply: Mapping[str, Any]) -> Exception:
     if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, _CONTROL_FLOW):
         try:
             return cls(message)
-        except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError needs five arguments
+        except Exception:
             pass
     return CandidateError(f"{name}: {message}")
 
@@ -126,7 +127,7 @@ class _Session:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.last_id = 0
-        self.lost: Optional[str] = None
+        self.lost: str | None = None
 
     def lose(self, why: str) -> RunLost:
         self.lost = self.lost or why
@@ -190,11 +191,11 @@ class _Proxy:
 
 @dataclass
 class _Verdicts:
-    loaded: Optional[dict[str, Any]] = None
+    loaded: dict[str, Any] | None = None
     passed: int = 0
-    first_failure: Optional[tuple[str, str]] = None
+    first_failure: tuple[str, str] | None = None
     finished: bool = False
-    lost: Optional[str] = None
+    lost: str | None = None
 
 
 def _failure(exc: BaseException) -> str:
@@ -203,8 +204,14 @@ def _failure(exc: BaseException) -> str:
     return "wrong" if isinstance(exc, AssertionError) else "error"
 
 
-def _judge(channel: Channel, context: CodeType, tests: list[CodeType], entry_points: Sequence[str],
-           wanted: frozenset[str], out: _Verdicts) -> None:
+def _judge(
+    channel: Channel,
+    context: CodeType,
+    tests: list[CodeType],
+    entry_points: Sequence[str],
+    wanted: frozenset[str],
+    out: _Verdicts,
+) -> None:
     """The checker's side of a run: bind the program's names, run each test once, count."""
     session = _Session(channel)
     try:
@@ -236,7 +243,7 @@ def _judge(channel: Channel, context: CodeType, tests: list[CodeType], entry_poi
                 exec(test, ns)
             except RunLost:
                 break
-            except Exception as exc:  # noqa: BLE001 - a failed test, counted once
+            except Exception as exc:
                 if out.first_failure is None:
                     message = f": {str(exc)[:200]}" if str(exc) else ""
                     out.first_failure = (_failure(exc), f"test {i}: {type(exc).__name__}{message}")
@@ -256,9 +263,17 @@ def _stdlib_modules() -> frozenset[str]:
     return frozenset(sys.stdlib_module_names)
 
 
-def run_tests(program: str, tests: Sequence[str], limits: Limits = Limits(),
-              files: Optional[Mapping[str, bytes | str]] = None, stdin: bytes = b"", *, context: str = "",
-              entry_points: Sequence[str] = (), isolation: str = "auto") -> CodeOutcome:
+def run_tests(
+    program: str,
+    tests: Sequence[str],
+    limits: Limits = Limits(),
+    files: Mapping[str, bytes | str] | None = None,
+    stdin: bytes = b"",
+    *,
+    context: str = "",
+    entry_points: Sequence[str] = (),
+    isolation: str = "auto",
+) -> CodeOutcome:
     """Run `program` in the sandbox and each test here against it (module docstring).
 
     `context`: trusted code run in the tests' namespace first (helpers the tests use);
@@ -267,16 +282,23 @@ def run_tests(program: str, tests: Sequence[str], limits: Limits = Limits(),
     `isolation`: `run_python`'s."""
     context_code, compiled, wanted = _compiled(context, tuple(tests))
     out = _Verdicts()
-    res = run_python(candidate_main(program), files=files, stdin=stdin, limits=limits, isolation=isolation,
-                     converse=lambda channel: _judge(channel, context_code, compiled, entry_points, wanted, out))
+    res = run_python(
+        candidate_main(program),
+        files=files,
+        stdin=stdin,
+        limits=limits,
+        isolation=isolation,
+        converse=lambda channel: _judge(channel, context_code, compiled, entry_points, wanted, out),
+    )
     if res.status == "setup_error":
         raise RuntimeError(f"code reward: {res.error}")
     total = len(tests)
     loaded = out.loaded or {}
     if loaded.get("loaded") is False:
         kind = "memory" if loaded.get("raised") == "MemoryError" else "error"
-        return CodeOutcome(0, total, kind, f"the program raised {loaded.get('raised')}: {loaded.get('message', '')}",
-                           sandbox=res)
+        return CodeOutcome(
+            0, total, kind, f"the program raised {loaded.get('raised')}: {loaded.get('message', '')}", sandbox=res
+        )
     if not res.ok or not out.finished:  # ended early, in error, killed: nothing it answered counts
         if res.status == "timeout":
             kind, detail = "timeout", res.error or ""

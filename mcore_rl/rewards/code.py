@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import fields
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from mcore_rl.rewards.base import RewardInput
 from mcore_rl.rewards.checker import CodeOutcome, run_tests
@@ -34,7 +35,7 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOT
 MODES = ("fraction", "all")
 
 
-def extract_program(completion: str) -> Optional[str]:
+def extract_program(completion: str) -> str | None:
     """The program in a completion (see the module docstring); None if there is nothing to run."""
     for stop in STOPS:
         completion = completion.split(stop, 1)[0]
@@ -53,7 +54,7 @@ def _label(sample: RewardInput) -> dict[str, Any]:
     return label
 
 
-def limits_of(options: Optional[Mapping[str, Any]]) -> Limits:
+def limits_of(options: Mapping[str, Any] | None) -> Limits:
     """`Limits` with a label's or a task's overrides (unknown keys are refused)."""
     if not options:
         return Limits()
@@ -64,10 +65,18 @@ def limits_of(options: Optional[Mapping[str, Any]]) -> Limits:
     return Limits(**options)
 
 
-def score_completion(completion: str, tests: Sequence[str], *, mode: str = "fraction", setup: str = "",
-                     template: str = "{program}", limits: Limits = Limits(),
-                     files: Optional[Mapping[str, bytes | str]] = None, context: str = "",
-                     entry_points: Sequence[str] = ()) -> dict[str, Any]:
+def score_completion(
+    completion: str,
+    tests: Sequence[str],
+    *,
+    mode: str = "fraction",
+    setup: str = "",
+    template: str = "{program}",
+    limits: Limits = Limits(),
+    files: Mapping[str, bytes | str] | None = None,
+    context: str = "",
+    entry_points: Sequence[str] = (),
+) -> dict[str, Any]:
     """The code reward of one completion: a dict with "reward" and the outcome as info. `setup`
     and `template` make the program (run in the sandbox); `context` and `entry_points` are the
     checker's (`checker.run_tests`)."""
@@ -78,13 +87,19 @@ def score_completion(completion: str, tests: Sequence[str], *, mode: str = "frac
         return {"reward": 0.0, "kind": "no_code", "passed": 0, "total": len(tests), "detail": "no program"}
     program = setup + template.replace("{program}", code)
     out = run_tests(program, tests, limits, files, context=context, entry_points=entry_points)
-    return {"reward": out.reward(mode), "kind": out.kind, "passed": out.passed, "total": out.total,
-            "detail": out.detail[:300]}
+    return {
+        "reward": out.reward(mode),
+        "kind": out.kind,
+        "passed": out.passed,
+        "total": out.total,
+        "detail": out.detail[:300],
+    }
 
 
 @register_reward("code")
-def code_reward(sample: RewardInput, mode: Optional[str] = None,
-                limits: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def code_reward(
+    sample: RewardInput, mode: str | None = None, limits: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Label: {"tests": [code, ...], "mode": "fraction" | "all", "setup": code run first,
     "template": "... {program} ..." (the program is substituted), "limits": {Limits field: value},
     "files": {relative path: text}, "context": trusted code the tests' namespace runs first,
@@ -92,14 +107,20 @@ def code_reward(sample: RewardInput, mode: Optional[str] = None,
     program in the sandbox (module docstring). The options (a reward head's `options`) `mode` and `limits`
     override the label's."""
     label = _label(sample)
-    return score_completion(sample.completion, label["tests"], mode=mode or label.get("mode", "fraction"),
-                            setup=label.get("setup", ""), template=label.get("template", "{program}"),
-                            limits=limits_of({**(label.get("limits") or {}), **(limits or {})}),
-                            files=label.get("files"), context=label.get("context", ""),
-                            entry_points=label.get("entry_points", ()))
+    return score_completion(
+        sample.completion,
+        label["tests"],
+        mode=mode or label.get("mode", "fraction"),
+        setup=label.get("setup", ""),
+        template=label.get("template", "{program}"),
+        limits=limits_of({**(label.get("limits") or {}), **(limits or {})}),
+        files=label.get("files"),
+        context=label.get("context", ""),
+        entry_points=label.get("entry_points", ()),
+    )
 
 
 @register_reward("code_all")
-def code_all_reward(sample: RewardInput, limits: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def code_all_reward(sample: RewardInput, limits: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`code` with `mode: "all"` whatever the label says: 1.0 only when every test passes."""
     return code_reward(sample, mode="all", limits=limits)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from mcore_rl.rewards.base import RewardInput
 from mcore_rl.rewards.registry import register_reward
@@ -41,7 +42,7 @@ _PLACEHOLDER = re.compile(r"\[[^\[\]\n]+\]")
 _JSON_BLOCK = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL)
 
 
-def _bounded(n: int, min: Optional[int] = None, max: Optional[int] = None, count: Optional[int] = None) -> bool:
+def _bounded(n: int, min: int | None = None, max: int | None = None, count: int | None = None) -> bool:
     if count is not None and n != count:
         return False
     return (min is None or n >= min) and (max is None or n <= max)
@@ -78,7 +79,7 @@ def _json_value(text: str) -> tuple[bool, Any]:
     return False, None
 
 
-def check_json(response: str, keys: Sequence[str] = (), kind: Optional[str] = None) -> bool:
+def check_json(response: str, keys: Sequence[str] = (), kind: str | None = None) -> bool:
     ok, value = _json_value(response)
     if not ok:
         return False
@@ -156,7 +157,7 @@ def clean(completion: str) -> str:
 
 def satisfied(response: str, constraints: Sequence[dict[str, Any]]) -> list[bool]:
     """One verdict per constraint; `python` ones share one sandbox run."""
-    out: list[Optional[bool]] = [None] * len(constraints)
+    out: list[bool | None] = [None] * len(constraints)
     python = [i for i, c in enumerate(constraints) if c.get("type") == "python"]
     if python:
         for i, v in zip(python, run_verifiers(response, [constraints[i]["code"] for i in python])):
@@ -188,18 +189,22 @@ def _constraints_of(label: Any) -> tuple[list[dict[str, Any]], str]:
 
 
 @register_reward("instruction_following")
-def instruction_following_reward(sample: RewardInput, mode: Optional[str] = None) -> dict[str, Any]:
+def instruction_following_reward(sample: RewardInput, mode: str | None = None) -> dict[str, Any]:
     """Fraction (or all, `mode: "all"`) of the label's constraints the completion satisfies; the
     option `mode` overrides the label's."""
     constraints, label_mode = _constraints_of(sample.label)
     verdicts = satisfied(clean(sample.completion), constraints)
-    return {"reward": score(verdicts, mode or label_mode), "satisfied": sum(verdicts), "total": len(verdicts),
-            "failed": [c.get("type") for c, v in zip(constraints, verdicts) if not v]}
+    return {
+        "reward": score(verdicts, mode or label_mode),
+        "satisfied": sum(verdicts),
+        "total": len(verdicts),
+        "failed": [c.get("type") for c, v in zip(constraints, verdicts) if not v],
+    }
 
 
 # ------------------------------------------------------------------ AutoIF verification functions
 
-_VERIFY_HARNESS = '''\
+_VERIFY_HARNESS = """\
 import os as _os
 def _mcore_verify(token, response, functions):
     for i, code in enumerate(functions):
@@ -210,7 +215,7 @@ def _mcore_verify(token, response, functions):
         except BaseException:
             ok = False
         _os.write(3, ("%s %d %d\\n" % (token, i, ok)).encode())
-'''
+"""
 
 
 def run_verifiers(response: str, functions: Sequence[str], limits: Any = None) -> list[bool]:

@@ -33,7 +33,6 @@ runner timeout (the HTTP timeout + 5 s) lets the judge's own timeout speak first
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import inspect
@@ -42,7 +41,8 @@ import math
 import re
 import string
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
@@ -58,11 +58,22 @@ class JudgeError(ValueError):
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 # "Score: 7", "**Score:** 7", "score = 7/10", "Rating: [[7]]"
 _SCORE_RE = re.compile(
-    rf"\b(?:score|rating)\b\s*\**\s*([:=]?)\s*\**\s*[\[(]*\s*({_NUMBER})\s*[\])]*\s*(?:/\s*({_NUMBER}))?",
-    re.IGNORECASE)
+    rf"\b(?:score|rating)\b\s*\**\s*([:=]?)\s*\**\s*[\[(]*\s*({_NUMBER})\s*[\])]*\s*(?:/\s*({_NUMBER}))?", re.IGNORECASE
+)
 _BARE_SCORE_RE = re.compile(rf"[\[(]*\s*({_NUMBER})\s*[\])]*\s*(?:/\s*({_NUMBER}))?\s*[.!]?")
-_VERDICT_WORDS = {"yes": 1, "no": 0, "1": 1, "0": 0, "true": 1, "false": 0, "pass": 1, "fail": 0,
-                  "satisfied": 1, "not satisfied": 0, "unsatisfied": 0}
+_VERDICT_WORDS = {
+    "yes": 1,
+    "no": 0,
+    "1": 1,
+    "0": 0,
+    "true": 1,
+    "false": 0,
+    "pass": 1,
+    "fail": 0,
+    "satisfied": 1,
+    "not satisfied": 0,
+    "unsatisfied": 0,
+}
 _VERDICT_ALT = "|".join(sorted((re.escape(w) for w in _VERDICT_WORDS), key=len, reverse=True))
 _VERDICT_RE = re.compile(rf"\bverdict\b\s*\**\s*[:=]?\s*\**\s*[\[(]*\s*({_VERDICT_ALT})\b", re.IGNORECASE)
 _BARE_VERDICT_RE = re.compile(rf"\**\s*({_VERDICT_ALT})\s*\**\s*[.!]?", re.IGNORECASE)
@@ -144,7 +155,7 @@ class VerdictParser:
         return score
 
 
-Parser = Union[ScoreParser, VerdictParser]
+Parser = ScoreParser | VerdictParser
 
 # ---------------------------------------------------------------------------- templates
 
@@ -249,12 +260,14 @@ def template_fields(prompt: str) -> set[str]:
         raise ValueError(f"judge prompt template is malformed: {err}") from None
     unknown = names - set(FIELDS)
     if unknown:
-        raise ValueError(f"judge prompt template has unknown fields {sorted(unknown)}; "
-                         f"allowed: {', '.join(FIELDS)} (write a literal brace as {{{{ or }}}})")
+        raise ValueError(
+            f"judge prompt template has unknown fields {sorted(unknown)}; "
+            f"allowed: {', '.join(FIELDS)} (write a literal brace as {{{{ or }}}})"
+        )
     return names
 
 
-def template(name: str, prompt: Optional[str] = None) -> JudgeTemplate:
+def template(name: str, prompt: str | None = None) -> JudgeTemplate:
     """`TEMPLATES[name]`, with its prompt replaced by `prompt` if given (the parser stays)."""
     if name not in TEMPLATES:
         raise ValueError(f"unknown judge template {name!r}; known: {', '.join(sorted(TEMPLATES))}")
@@ -265,7 +278,7 @@ def template(name: str, prompt: Optional[str] = None) -> JudgeTemplate:
     return t
 
 
-def render(t: JudgeTemplate, chat_format: str = "none", **values: Optional[str]) -> str:
+def render(t: JudgeTemplate, chat_format: str = "none", **values: str | None) -> str:
     """The judge prompt for one call; a field the template needs but the sample lacks is an error."""
     missing = sorted(f for f in t.fields if values.get(f) is None)
     if missing:
@@ -276,6 +289,7 @@ def render(t: JudgeTemplate, chat_format: str = "none", **values: Optional[str])
 
 # ---------------------------------------------------------------------------- the wire
 
+
 @dataclass(frozen=True)
 class JudgeServer:
     """Where the judge is and how to ask it (the options every judge reward takes)."""
@@ -284,10 +298,10 @@ class JudgeServer:
     max_tokens: int = 512
     temperature: float = 0.0
     timeout: float = 25.0  # under the runner's default 30 s, so the judge's own message is the one seen
-    api_key: Optional[str] = None
+    api_key: str | None = None
     chat_format: str = "none"
     accept_truncated: bool = False  # a reply cut at max_tokens: trusted, or an error (default)
-    sampling: Optional[dict] = None  # more SGLang sampling_params (top_p, stop, ignore_eos, ...)
+    sampling: dict | None = None  # more SGLang sampling_params (top_p, stop, ignore_eos, ...)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -303,8 +317,7 @@ class JudgeServer:
                 raise ValueError(f"sampling: a mapping of SGLang sampling_params is required, got {self.sampling!r}")
             taken = sorted({"max_new_tokens", "temperature"} & set(self.sampling))
             if taken:
-                raise ValueError(f"sampling.{taken[0]}: set it with the judge's own option "
-                                 "(max_tokens, temperature)")
+                raise ValueError(f"sampling.{taken[0]}: set it with the judge's own option (max_tokens, temperature)")
         if self.chat_format not in CHAT_FORMATS:
             raise ValueError(f"chat_format: {self.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
 
@@ -315,9 +328,14 @@ class JudgeServer:
 
     async def generate(self, prompts: Sequence[str]) -> list[str]:
         """The judge's reply to each prompt, in one `/generate` call (a batch when several)."""
-        body = {"text": list(prompts) if len(prompts) > 1 else prompts[0],
-                "sampling_params": {**(self.sampling or {}), "max_new_tokens": self.max_tokens,
-                                    "temperature": self.temperature}}
+        body = {
+            "text": list(prompts) if len(prompts) > 1 else prompts[0],
+            "sampling_params": {
+                **(self.sampling or {}),
+                "max_new_tokens": self.max_tokens,
+                "temperature": self.temperature,
+            },
+        }
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
@@ -325,7 +343,7 @@ class JudgeServer:
                 async with http.post(self.generate_url, json=body, headers=headers) as resp:
                     raw = await resp.read()
                     status = resp.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise JudgeError(f"judge {self.generate_url}: no reply within {self.timeout:g}s") from None
         except aiohttp.ClientError as err:
             raise JudgeError(f"judge {self.generate_url}: {type(err).__name__}: {err}") from None
@@ -336,10 +354,10 @@ class JudgeServer:
         except ValueError:
             raise JudgeError(f"judge {self.generate_url}: the response is not JSON: {raw[:120]!r}") from None
         items = out if isinstance(out, list) else [out]
-        if len(items) != len(prompts) or not all(isinstance(i, dict) and isinstance(i.get("text"), str)
-                                                 for i in items):
-            raise JudgeError(f"judge {self.generate_url}: expected {len(prompts)} generation(s) with a text, "
-                             f"got {str(out)[:120]}")
+        if len(items) != len(prompts) or not all(isinstance(i, dict) and isinstance(i.get("text"), str) for i in items):
+            raise JudgeError(
+                f"judge {self.generate_url}: expected {len(prompts)} generation(s) with a text, got {str(out)[:120]}"
+            )
         texts = []
         for item in items:
             reason = ((item.get("meta_info") or {}).get("finish_reason") or {}).get("type")
@@ -349,13 +367,14 @@ class JudgeServer:
         return texts
 
 
-async def _judge(server: JudgeServer, t: JudgeTemplate, values: Sequence[dict[str, Optional[str]]]) -> list[float]:
+async def _judge(server: JudgeServer, t: JudgeTemplate, values: Sequence[dict[str, str | None]]) -> list[float]:
     """The parsed (raw-scale) score of each rendered prompt: one call, every reply parsed."""
     prompts = [render(t, server.chat_format, **v) for v in values]
     return [t.parser(text) for text in await server.generate(prompts)]
 
 
 # ---------------------------------------------------------------------------- sample fields
+
 
 def _from_label(sample: RewardInput, keys: Sequence[str]) -> Any:
     for source in (sample.metadata, sample.label if isinstance(sample.label, dict) else {}):
@@ -365,7 +384,7 @@ def _from_label(sample: RewardInput, keys: Sequence[str]) -> Any:
     return None
 
 
-def reference_of(sample: RewardInput, reference: Optional[str] = None) -> Optional[str]:
+def reference_of(sample: RewardInput, reference: str | None = None) -> str | None:
     """The reference answer: the `reference` option, else the sample's metadata/label
     "reference" or "solution", else a label that is a plain string or number."""
     if reference is not None:
@@ -376,7 +395,7 @@ def reference_of(sample: RewardInput, reference: Optional[str] = None) -> Option
     return None if found is None else str(found)
 
 
-def rubric_of(sample: RewardInput, rubric: Optional[Sequence[str]] = None) -> list[str]:
+def rubric_of(sample: RewardInput, rubric: Sequence[str] | None = None) -> list[str]:
     """The rubric constraints: the `rubric` option (one rubric for the whole domain), else the
     sample's metadata/label "rubric", else a label that is a list of strings."""
     items = rubric if rubric is not None else _from_label(sample, ("rubric",))
@@ -391,9 +410,16 @@ def rubric_of(sample: RewardInput, rubric: Optional[Sequence[str]] = None) -> li
 
 # ---------------------------------------------------------------------------- rewards
 
-async def llm_judge_reward(sample: RewardInput, *, url: str, template: str = "score_0_10",
-                           prompt: Optional[str] = None, reference: Optional[str] = None,
-                           **server: Any) -> dict[str, Any]:
+
+async def llm_judge_reward(
+    sample: RewardInput,
+    *,
+    url: str,
+    template: str = "score_0_10",
+    prompt: str | None = None,
+    reference: str | None = None,
+    **server: Any,
+) -> dict[str, Any]:
     """Generic LLM-as-judge: the judge's score on the template's scale, normalised to [0, 1].
     `prompt` replaces the template's text (same parser); a template with {reference} uses the
     sample's reference answer (`reference_of`)."""
@@ -412,9 +438,15 @@ def rubric_mean(verdicts: Sequence[float]) -> float:
     return sum(verdicts) / len(verdicts)
 
 
-async def rubric_reward(sample: RewardInput, *, url: str, rubric: Optional[Sequence[str]] = None,
-                        template: str = "rubric_item", prompt: Optional[str] = None,
-                        **server: Any) -> dict[str, Any]:
+async def rubric_reward(
+    sample: RewardInput,
+    *,
+    url: str,
+    rubric: Sequence[str] | None = None,
+    template: str = "rubric_item",
+    prompt: str | None = None,
+    **server: Any,
+) -> dict[str, Any]:
     """DR-Rubric: a 0/1 verdict per constraint (all asked in one batched `/generate`), reward = the
     mean verdict. Any constraint without a verdict makes the whole sample an error."""
     t = _template(template, prompt)
@@ -441,8 +473,15 @@ def exprl_normalise(score: float) -> float:
     return TEMPLATES["exprl"].parser.normalise(score)
 
 
-async def exprl_reward(sample: RewardInput, *, url: str, reference: Optional[str] = None,
-                       template: str = "exprl", prompt: Optional[str] = None, **server: Any) -> dict[str, Any]:
+async def exprl_reward(
+    sample: RewardInput,
+    *,
+    url: str,
+    reference: str | None = None,
+    template: str = "exprl",
+    prompt: str | None = None,
+    **server: Any,
+) -> dict[str, Any]:
     """ExpRL-Outcome: the judge scores the whole response against the reference solution (1–5),
     reward s = (s̃ - 1) / 4 ∈ {0, .25, .5, .75, 1}. A sample without a reference is an error (the
     notes: without the matched reference the judge misplaces far more)."""
@@ -500,9 +539,17 @@ def token_advantages(advantages: Sequence[float], ends: Sequence[int], token_end
     return out
 
 
-async def exprl_process_reward(sample: RewardInput, *, url: str, reference: Optional[str] = None,
-                               delimiter: str = "###", norm: str = "delta", template: str = "exprl",
-                               prompt: Optional[str] = None, **server: Any) -> dict[str, Any]:
+async def exprl_process_reward(
+    sample: RewardInput,
+    *,
+    url: str,
+    reference: str | None = None,
+    delimiter: str = "###",
+    norm: str = "delta",
+    template: str = "exprl",
+    prompt: str | None = None,
+    **server: Any,
+) -> dict[str, Any]:
     """ExpRL-Process: judge every prefix y_≤t that ends a segment (one batched call of T prompts);
     reward = s_T (the full response's score), info: the prefix scores, the segment ends and the
     segment advantages (`delta_advantages`) that a process-level learner spreads over the tokens."""
@@ -511,13 +558,18 @@ async def exprl_process_reward(sample: RewardInput, *, url: str, reference: Opti
     ends = segment_ends(sample.completion, delimiter)
     values = [{"prompt": sample.prompt, "response": sample.completion[:e], "reference": ref} for e in ends]
     scores = [t.parser.normalise(s) for s in await _judge(JudgeServer(url, **server), t, values)]
-    return {"reward": scores[-1], "segment_scores": scores, "segment_ends": ends,
-            "segment_advantages": delta_advantages(scores, norm)}
+    return {
+        "reward": scores[-1],
+        "segment_scores": scores,
+        "segment_ends": ends,
+        "segment_advantages": delta_advantages(scores, norm),
+    }
 
 
 # ---------------------------------------------------------------------------- binding options
 
-def _template(name: str, prompt: Optional[str]) -> JudgeTemplate:
+
+def _template(name: str, prompt: str | None) -> JudgeTemplate:
     try:
         return template(name, prompt)
     except ValueError as err:
@@ -525,16 +577,21 @@ def _template(name: str, prompt: Optional[str]) -> JudgeTemplate:
 
 
 JUDGE_REWARDS: dict[str, Callable[..., Any]] = {
-    "llm_judge": llm_judge_reward, "rubric": rubric_reward,
-    "exprl_judge": exprl_reward, "exprl_process": exprl_process_reward,
+    "llm_judge": llm_judge_reward,
+    "rubric": rubric_reward,
+    "exprl_judge": exprl_reward,
+    "exprl_process": exprl_process_reward,
 }
 _SERVER_OPTIONS = {f.name for f in dataclasses.fields(JudgeServer)}
 
 
 def _own_options(fn: Callable[..., Any]) -> dict[str, Any]:
     """A judge reward's own keyword options and their defaults (the rest go to `JudgeServer`)."""
-    return {p.name: p.default for p in inspect.signature(fn).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.name != "url"}
+    return {
+        p.name: p.default
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name != "url"
+    }
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:
@@ -546,18 +603,19 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     unknown = set(own) - set(_own_options(JUDGE_REWARDS[name]))
     if unknown:
         known = set(_own_options(JUDGE_REWARDS[name])) | _SERVER_OPTIONS
-        raise ValueError(f"{sorted(unknown)[0]}: not an option of the {name!r} reward; options: "
-                         f"{', '.join(sorted(known))}")
-    JudgeServer(**{k: v for k, v in options.items() if k in _SERVER_OPTIONS and k != "url"},
-                url=options.get("url"))
+        raise ValueError(
+            f"{sorted(unknown)[0]}: not an option of the {name!r} reward; options: {', '.join(sorted(known))}"
+        )
+    JudgeServer(**{k: v for k, v in options.items() if k in _SERVER_OPTIONS and k != "url"}, url=options.get("url"))
     template(own["template"], own["prompt"])
     if name == "exprl_process":
         delta_advantages([0.0], own["norm"])
         segment_ends("", own["delimiter"])
 
 
-def judge_reward_fn(name: str, *, timeout_s: Optional[float] = None, error_reward: float = 0.0,
-                    **options: Any) -> RewardFunction:
+def judge_reward_fn(
+    name: str, *, timeout_s: float | None = None, error_reward: float = 0.0, **options: Any
+) -> RewardFunction:
     """The judge reward `name` with its options bound, checked first (`check_options`), as a
     `RewardFunction` for the runner. Its timeout (default: the HTTP timeout + 5 s) bounds the
     whole call, so a judge that hangs costs its sample at most that long."""
@@ -570,8 +628,33 @@ def judge_reward_fn(name: str, *, timeout_s: Optional[float] = None, error_rewar
     return RewardFunction(fn, timeout_s=timeout_s, error_reward=error_reward, name=name)
 
 
-__all__ = ["CHAT_FORMATS", "FIELDS", "JUDGE_REWARDS", "JudgeError", "JudgeServer", "JudgeTemplate",
-           "ScoreParser", "TEMPLATES", "VerdictParser", "check_options", "delta_advantages",
-           "exprl_normalise", "exprl_process_reward", "exprl_reward", "final_answer", "judge_reward_fn",
-           "llm_judge_reward", "polarization", "polarization_stop", "reference_of", "render", "rubric_mean",
-           "rubric_of", "rubric_reward", "segment_ends", "template", "template_fields", "token_advantages"]
+__all__ = [
+    "CHAT_FORMATS",
+    "FIELDS",
+    "JUDGE_REWARDS",
+    "JudgeError",
+    "JudgeServer",
+    "JudgeTemplate",
+    "ScoreParser",
+    "TEMPLATES",
+    "VerdictParser",
+    "check_options",
+    "delta_advantages",
+    "exprl_normalise",
+    "exprl_process_reward",
+    "exprl_reward",
+    "final_answer",
+    "judge_reward_fn",
+    "llm_judge_reward",
+    "polarization",
+    "polarization_stop",
+    "reference_of",
+    "render",
+    "rubric_mean",
+    "rubric_of",
+    "rubric_reward",
+    "segment_ends",
+    "template",
+    "template_fields",
+    "token_advantages",
+]

@@ -28,7 +28,8 @@ import re
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 from mcore_rl.rewards.base import RewardInput
 
@@ -43,7 +44,7 @@ class VerifyTimeout(BaseException):
 
 
 @contextmanager
-def deadline(seconds: Optional[float]) -> Iterator[bool]:
+def deadline(seconds: float | None) -> Iterator[bool]:
     """Raise `VerifyTimeout` in this block after `seconds` (a SIGALRM timer); yields whether a
     deadline is set: only in the main thread, where signal handlers run."""
     if seconds is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
@@ -61,6 +62,7 @@ def deadline(seconds: Optional[float]) -> Iterator[bool]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
+
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _FINAL_PATTERNS = [
     re.compile(r"final answer\s*(?:is|:)?\s*[:=]?\s*(.+)", re.IGNORECASE),
@@ -69,7 +71,7 @@ _FINAL_PATTERNS = [
 ]
 
 
-def _brace_group(text: str, start: int) -> Optional[tuple[str, int]]:
+def _brace_group(text: str, start: int) -> tuple[str, int] | None:
     """The content of the {...} group opening at `start` and the index after it; escaped braces
     (\\{ \\}) do not count. None if `start` is not '{' or the group never closes."""
     if start >= len(text) or text[start] != "{":
@@ -90,9 +92,9 @@ def _brace_group(text: str, start: int) -> Optional[tuple[str, int]]:
     return None
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last complete \\boxed{…} or \\fbox{…} (also `\\boxed 5`), else None."""
-    best: Optional[tuple[int, str]] = None
+    best: tuple[int, str] | None = None
     for cmd in _BOX_COMMANDS:
         pos = text.rfind(cmd)
         while pos != -1:
@@ -100,7 +102,7 @@ def last_boxed(text: str) -> Optional[str]:
             j = after
             while j < len(text) and text[j] == " ":
                 j += 1
-            content: Optional[str] = None
+            content: str | None = None
             if j < len(text) and text[j] == "{":
                 group = _brace_group(text, j)
                 content = group[0] if group else None
@@ -123,7 +125,7 @@ def _clean_line(ans: str) -> str:
     return ans.rstrip(".").strip()
 
 
-def extract_answer(text: str) -> Optional[str]:
+def extract_answer(text: str) -> str | None:
     """The completion's final answer as a string, or None if it states none."""
     boxed = last_boxed(text)
     if boxed:
@@ -140,7 +142,7 @@ def extract_answer(text: str) -> Optional[str]:
 # ------------------------------------------------------------------------- math-verify
 
 
-def _math_verify_equal(pred: str, gold: str) -> Optional[bool]:
+def _math_verify_equal(pred: str, gold: str) -> bool | None:
     """math-verify's verdict, or None if it is unavailable or could not parse either side."""
     try:
         from math_verify import parse, verify
@@ -152,7 +154,7 @@ def _math_verify_equal(pred: str, gold: str) -> Optional[bool]:
         if not gold_p or not pred_p:
             return None
         return bool(verify(gold_p, pred_p, timeout_seconds=None))
-    except Exception as exc:  # noqa: BLE001 - parser bugs on odd input must not escape
+    except Exception as exc:
         logger.debug("math-verify failed on %r vs %r: %s", pred, gold, exc)
         return None
 
@@ -193,7 +195,14 @@ def _replace_command(s: str, cmd: str, arity: int, template: str) -> str:
                 args.append(s[k])
                 k += 1
         args += [""] * (arity - len(args))
-        out.append(template.format(*[_replace_command(_replace_command(a, "\\frac", 2, "(({})/({}))"), "\\sqrt", 1, "sqrt({})") for a in args]))
+        out.append(
+            template.format(
+                *[
+                    _replace_command(_replace_command(a, "\\frac", 2, "(({})/({}))"), "\\sqrt", 1, "sqrt({})")
+                    for a in args
+                ]
+            )
+        )
         i = k
 
 
@@ -230,18 +239,18 @@ def sympy_equal(pred: str, gold: str, rel_tol: float = 1e-6) -> bool:
     try:
         a = parse_expr(a_txt, transformations=transforms, evaluate=True)
         b = parse_expr(b_txt, transformations=transforms, evaluate=True)
-    except Exception:  # noqa: BLE001 - unparsable: fall back to the string comparison above
+    except Exception:
         return False
     try:
         if sympy.simplify(a - b) == 0:
             return True
         av, bv = complex(sympy.N(a)), complex(sympy.N(b))
         return abs(av - bv) <= rel_tol * max(1.0, abs(bv))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
-def math_equal(pred: str, gold: Any, timeout_s: Optional[float] = VERIFY_TIMEOUT_S) -> bool:
+def math_equal(pred: str, gold: Any, timeout_s: float | None = VERIFY_TIMEOUT_S) -> bool:
     """Is the extracted answer `pred` the reference `gold` (a string or a number)? False also when
     no verdict comes within `timeout_s` (main thread only; see the module docstring)."""
     gold_s = str(gold).strip()

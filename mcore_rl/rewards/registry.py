@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 F = TypeVar("F", bound=Callable)
 
-_REWARDS: dict[str, Union[Callable, str]] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
+_REWARDS: dict[str, Callable | str] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
 # LLM judges (`judge.py`, aiohttp): async, options as keyword arguments (url, template, ...)
-_REWARDS.update({name: f"mcore_rl.rewards.judge:{fn}" for name, fn in (
-    ("llm_judge", "llm_judge_reward"), ("rubric", "rubric_reward"),
-    ("exprl_judge", "exprl_reward"), ("exprl_process", "exprl_process_reward"))})
+_REWARDS.update(
+    {
+        name: f"mcore_rl.rewards.judge:{fn}"
+        for name, fn in (
+            ("llm_judge", "llm_judge_reward"),
+            ("rubric", "rubric_reward"),
+            ("exprl_judge", "exprl_reward"),
+            ("exprl_process", "exprl_process_reward"),
+        )
+    }
+)
 
 
 def register_reward(name: str) -> Callable[[F], F]:
@@ -52,7 +61,7 @@ def resolve_import_path(path: str) -> Any:
     return obj
 
 
-def import_path_of(fn: Any) -> Optional[str]:
+def import_path_of(fn: Any) -> str | None:
     """fn's "module:qualname" when importing that gives back `fn` itself, else None (lambdas,
     closures, bound methods, callable objects, functions of `__main__` or wrapped under a new name)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
@@ -71,8 +80,10 @@ def get_reward_fn(name: str) -> Callable:
     if callable(target):
         return target
     if ":" not in target:
-        raise KeyError(f"unknown reward function {name!r}; registered: {', '.join(reward_names())} "
-                       "(or give 'package.module:function')")
+        raise KeyError(
+            f"unknown reward function {name!r}; registered: {', '.join(reward_names())} "
+            "(or give 'package.module:function')"
+        )
     fn = resolve_import_path(target)
     if not callable(fn):
         raise TypeError(f"{target!r} is a {type(fn).__name__}, not a function")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # -------------------------------------------------------------------------------- shared constants
 
@@ -75,9 +75,13 @@ class _Kernel:
         self._check(self.libc.unshare(flags), "unshare")
 
     def mount(self, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        enc = (lambda s: None if s is None else s.encode())
-        self._check(self.libc.mount(enc(src), enc(target), enc(fstype), self.ctypes.c_ulong(flags), enc(data)),
-                    f"mount {target}")
+        def enc(s: str | None) -> bytes | None:
+            return None if s is None else s.encode()
+
+        self._check(
+            self.libc.mount(enc(src), enc(target), enc(fstype), self.ctypes.c_ulong(flags), enc(data)),
+            f"mount {target}",
+        )
 
     def umount_detach(self, target: str) -> None:
         self._check(self.libc.umount2(target.encode(), 2), f"umount {target}")  # MNT_DETACH
@@ -116,18 +120,56 @@ class _Kernel:
 
 # seccomp (x86_64): syscalls that a test program has no business making -> EPERM.
 _DENIED_SYSCALLS = {
-    "ptrace": 101, "syslog": 103, "personality": 135, "vhangup": 153, "pivot_root": 155, "adjtimex": 159,
-    "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166, "swapon": 167,
-    "swapoff": 168, "reboot": 169, "iopl": 172, "ioperm": 173, "init_module": 175, "delete_module": 176,
-    "quotactl": 179, "clock_settime": 227, "kexec_load": 246, "add_key": 248, "request_key": 249,
-    "keyctl": 250, "unshare": 272, "perf_event_open": 298, "name_to_handle_at": 303,
-    "open_by_handle_at": 304, "setns": 308, "process_vm_readv": 310, "process_vm_writev": 311,
-    "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
-    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
-    "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-    "pidfd_getfd": 438, "mount_setattr": 442,
+    "ptrace": 101,
+    "syslog": 103,
+    "personality": 135,
+    "vhangup": 153,
+    "pivot_root": 155,
+    "adjtimex": 159,
+    "chroot": 161,
+    "acct": 163,
+    "settimeofday": 164,
+    "mount": 165,
+    "umount2": 166,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "iopl": 172,
+    "ioperm": 173,
+    "init_module": 175,
+    "delete_module": 176,
+    "quotactl": 179,
+    "clock_settime": 227,
+    "kexec_load": 246,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "unshare": 272,
+    "perf_event_open": 298,
+    "name_to_handle_at": 303,
+    "open_by_handle_at": 304,
+    "setns": 308,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "kcmp": 312,
+    "finit_module": 313,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "userfaultfd": 323,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "pidfd_getfd": 438,
+    "mount_setattr": 442,
     # leaving the run's session or process group: the caller kills the run by its group
-    "setsid": 112, "setpgid": 109,
+    "setsid": 112,
+    "setpgid": 109,
 }
 _SYS_PRCTL, _PR_SET_PDEATHSIG = 157, 1
 _SYS_SOCKET, _SYS_CLONE, _SYS_CLONE3 = 41, 56, 435
@@ -153,8 +195,14 @@ def seccomp_program(signals: bool = True) -> list[tuple[int, int, int, int]]:
     def errno(e: int) -> int:
         return 0x00050000 | e
 
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH_X86_64), (ret, 0, 0, kill),
-            (ld, 0, 0, 0), (jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]
+    prog = [
+        (ld, 0, 0, 4),
+        (jeq, 1, 0, _AUDIT_ARCH_X86_64),
+        (ret, 0, 0, kill),
+        (ld, 0, 0, 0),
+        (jge, 0, 1, 0x40000000),
+        (ret, 0, 0, kill),
+    ]
     for nr in sorted(_DENIED_SYSCALLS.values()):
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno(_EPERM))]
     if not signals:
@@ -164,13 +212,19 @@ def seccomp_program(signals: bool = True) -> list[tuple[int, int, int, int]]:
     # prctl(PR_SET_PDEATHSIG, ...): the death signal that takes the program with its bootstrap stays
     prog += [(jeq, 0, 3, _SYS_PRCTL), (ld, 0, 0, 16), (jeq, 0, 1, _PR_SET_PDEATHSIG), (ret, 0, 0, errno(_EPERM))]
     prog += [(ld, 0, 0, 0)]
-    ns_flags = (_CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET
-                | _CLONE_NEWCGROUP)
+    ns_flags = (
+        _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWCGROUP
+    )
     prog += [(jeq, 0, 3, _SYS_CLONE), (ld, 0, 0, 16), (jset, 0, 1, ns_flags), (ret, 0, 0, errno(_EPERM))]
     # kill(-1, sig) signals everything the caller may signal: never needed by a test program
     prog += [(ld, 0, 0, 0), (jeq, 0, 3, _SYS_KILL), (ld, 0, 0, 16), (jeq, 0, 1, 0xFFFFFFFF), (ret, 0, 0, errno(_EPERM))]
-    prog += [(ld, 0, 0, 0), (jeq, 0, 3, _SYS_SOCKET), (ld, 0, 0, 16), (jeq, 1, 0, _AF_UNIX),
-             (ret, 0, 0, errno(_EAFNOSUPPORT))]
+    prog += [
+        (ld, 0, 0, 0),
+        (jeq, 0, 3, _SYS_SOCKET),
+        (ld, 0, 0, 16),
+        (jeq, 1, 0, _AF_UNIX),
+        (ret, 0, 0, errno(_EAFNOSUPPORT)),
+    ]
     prog += [(ret, 0, 0, allow)]
     return prog
 
@@ -280,16 +334,23 @@ def _set_limits(lim: dict, nproc_base: int) -> None:
     mem = lim["memory_mb"] << 20
     fsize = lim["file_size_mb"] << 20
     # soft = hard: SIGKILL at the limit (pid 1 of a PID namespace ignores SIGXCPU, the soft limit's signal)
-    todo = [(resource.RLIMIT_CPU, cpu, cpu), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_FSIZE, fsize, fsize),
-            (resource.RLIMIT_NOFILE, lim["nofile"], lim["nofile"]), (resource.RLIMIT_CORE, 0, 0),
-            (resource.RLIMIT_MEMLOCK, 0, 0), (resource.RLIMIT_MSGQUEUE, 0, 0)]
+    todo = [
+        (resource.RLIMIT_CPU, cpu, cpu),
+        (resource.RLIMIT_AS, mem, mem),
+        (resource.RLIMIT_FSIZE, fsize, fsize),
+        (resource.RLIMIT_NOFILE, lim["nofile"], lim["nofile"]),
+        (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_MEMLOCK, 0, 0),
+        (resource.RLIMIT_MSGQUEUE, 0, 0),
+    ]
     todo.append((resource.RLIMIT_NPROC, nproc_base + lim["nproc"], nproc_base + lim["nproc"]))
     for which, soft, hard in todo:
         resource.setrlimit(which, (soft, hard))
 
 
-def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int, results_fd: int,
-           report_w: int, go_r: int) -> None:
+def _child(
+    k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int, results_fd: int, report_w: int, go_r: int
+) -> None:
     """The program's process: lock it down, report to the bootstrap, run the program. Never returns."""
     import fcntl  # loaded by the bootstrap before any uid change (see `_bootstrap`)
 
@@ -331,8 +392,10 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
         _set_limits(job["limits"], nproc_base=_tasks_of_uid(os.getuid()) if shared else 0)
         mech["rlimits"] = "all" if not shared else "all, RLIMIT_NPROC shared with this user's other processes"
         if shared:
-            warnings.append("the program runs as the trainer's user: its process limit is shared, and it may not "
-                            "send signals at all (seccomp)")
+            warnings.append(
+                "the program runs as the trainer's user: its process limit is shared, and it may not "
+                "send signals at all (seccomp)"
+            )
         __import__("traceback")  # loaded while the standard library is surely readable (see below)
 
         if mech["uid"] == "own":
@@ -341,8 +404,10 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
             os.setresuid(uid, uid, uid)
         mech["stdlib"] = os.access(os.path.dirname(os.__file__), os.R_OK | os.X_OK)
         if not mech["stdlib"]:  # e.g. Python under /root, seen without a private root by another uid
-            warnings.append(f"the standard library ({os.path.dirname(os.__file__)}) is not readable by the "
-                            "program's uid: it can import only modules already loaded")
+            warnings.append(
+                f"the standard library ({os.path.dirname(os.__file__)}) is not readable by the "
+                "program's uid: it can import only modules already loaded"
+            )
         # a change of uid clears PR_SET_PDEATHSIG: ask again (a bootstrap that died in between is seen
         # below, when the report cannot be written)
         k.prctl(1, 9, "PR_SET_PDEATHSIG")
@@ -374,10 +439,14 @@ def _child(k: _Kernel, base: str, job: dict, mech: dict, uid: int, stdin_fd: int
         if os.read(go_r, 1) != b"1":
             os._exit(125)
         os.closerange(_RESULTS_FD + 1, 1 << 16)
-    except BaseException as exc:  # noqa: BLE001 - the set-up failed: report it, run nothing
+    except BaseException as exc:
         try:
-            os.write(report_w, json.dumps({"mechanisms": mech, "warnings": warnings,
-                                           "setup_error": f"{type(exc).__name__}: {exc}"}).encode())
+            os.write(
+                report_w,
+                json.dumps(
+                    {"mechanisms": mech, "warnings": warnings, "setup_error": f"{type(exc).__name__}: {exc}"}
+                ).encode(),
+            )
         finally:
             os._exit(125)
     os._exit(_run_program(job["source"]))
@@ -402,13 +471,13 @@ def _run_program(source: str) -> int:
         else:
             print(exc.code, file=sys.stderr)
             status = 1
-    except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, status 1
+    except BaseException:
         traceback.print_exc()
         status = 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001 - a closed or broken stream
+        except BaseException:
             pass
     return status
 
@@ -443,16 +512,20 @@ def _enter_namespaces(k: _Kernel, want: str, mech: dict, uid: int, entered: Call
         except OSError as exc:
             errors.append(str(exc))
             continue
-        mech.update(pid_ns=True, net_ns=True, mount_ns=True, ipc_ns=True, user_ns=bool(flags & _CLONE_NEWUSER),
-                    uid=uid_mode)
+        mech.update(
+            pid_ns=True, net_ns=True, mount_ns=True, ipc_ns=True, user_ns=bool(flags & _CLONE_NEWUSER), uid=uid_mode
+        )
         return []
     entered()
-    mech.update(pid_ns=False, net_ns=False, mount_ns=False, ipc_ns=False, user_ns=False,
-                uid="own" if euid == 0 else "shared")
+    mech.update(
+        pid_ns=False, net_ns=False, mount_ns=False, ipc_ns=False, user_ns=False, uid="own" if euid == 0 else "shared"
+    )
     if want == "none":
         return ["namespaces disabled (isolation='none')"]
-    return [f"no namespaces ({'; '.join(errors) or 'not tried'}): the program shares this machine's network, "
-            "processes and files (seccomp still refuses network sockets where it is available)"]
+    return [
+        f"no namespaces ({'; '.join(errors) or 'not tried'}): the program shares this machine's network, "
+        "processes and files (seccomp still refuses network sockets where it is available)"
+    ]
 
 
 def _unshare_mapped(k: _Kernel, flags: int, uid: int, entered: Callable[[], None]) -> None:
@@ -507,13 +580,17 @@ def _bootstrap(argv: list[str]) -> None:
     uid = _UID_BASE + os.getpid()
     job["files"] = _read_files(os.path.join(base, "files"))
     for module in ("resource", "fcntl"):  # os.wait4 and `_child` need them; after a uid change they may
-        __import__(module)                # not be importable (a standard library under a private directory)
+        __import__(module)  # not be importable (a standard library under a private directory)
 
     def open_ro_paths() -> None:
         # in the new mount namespace (a bind mount's source must be in it), before any uid change
-        job["ro_entries"] = [(path, os.readlink(path), None) if os.path.islink(path) else
-                             (path, None, os.open(path, os.O_PATH | os.O_DIRECTORY))
-                             for path in job["ro_paths"] if os.path.islink(path) or os.path.isdir(path)]
+        job["ro_entries"] = [
+            (path, os.readlink(path), None)
+            if os.path.islink(path)
+            else (path, None, os.open(path, os.O_PATH | os.O_DIRECTORY))
+            for path in job["ro_paths"]
+            if os.path.islink(path) or os.path.isdir(path)
+        ]
 
     stdin_fd = os.open(os.path.join(base, "stdin"), os.O_RDONLY)
     mech: dict = {"cgroup_memory": False, "cgroup_kill": False}
@@ -550,8 +627,11 @@ def _bootstrap(argv: list[str]) -> None:
     while chunk := os.read(report_r, 65536):
         report += chunk
     try:
-        setup = json.loads(report) if report else {"mechanisms": mech, "setup_error": "the program's process "
-                                                   "died during set-up"}
+        setup = (
+            json.loads(report)
+            if report
+            else {"mechanisms": mech, "setup_error": "the program's process died during set-up"}
+        )
     except ValueError:
         setup = {"mechanisms": mech, "setup_error": f"unreadable set-up report {report[:200]!r}"}
     setup["warnings"] = warnings + setup.get("warnings", [])
@@ -564,8 +644,11 @@ def _bootstrap(argv: list[str]) -> None:
     _, status, usage = os.wait4(pid, 0)
     if not mech["pid_ns"] and mech["uid"] == "own":
         _kill_uid(uid)  # what the program left behind: every process of its uid
-    end = {"exit": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime,
-           "max_rss_kb": usage.ru_maxrss}
+    end = {
+        "exit": os.waitstatus_to_exitcode(status),
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "max_rss_kb": usage.ru_maxrss,
+    }
     os.write(ctl, json.dumps(end).encode() + b"\n")  # second line: how it ended
     os._exit(0)
 
@@ -604,7 +687,8 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Any, Mapping, Optional  # noqa: E402
+from typing import Any  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -636,8 +720,8 @@ class SandboxResult:
     fd 3 past `results_bytes`: killed), "setup_error" (the sandbox could not be built: nothing ran)."""
 
     status: str
-    returncode: Optional[int] = None
-    signal: Optional[str] = None
+    returncode: int | None = None
+    signal: str | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     results: bytes = b""
@@ -645,7 +729,7 @@ class SandboxResult:
     cpu_s: float = 0.0
     max_rss_mb: float = 0.0
     mechanisms: dict[str, Any] = field(default_factory=dict)
-    error: Optional[str] = None
+    error: str | None = None
     oom_killed: bool = False  # the kernel killed a process of the run at its cgroup's memory limit
 
     @property
@@ -656,8 +740,9 @@ class SandboxResult:
     def memory_error(self) -> bool:
         """The program ran out of its memory limit (Python's MemoryError, C code that crashed on it,
         or the OOM killer at the run's cgroup limit)."""
-        return (self.oom_killed or b"MemoryError" in self.stderr[-4096:]
-                or self.signal in ("SIGSEGV", "SIGABRT", "SIGBUS"))
+        return (
+            self.oom_killed or b"MemoryError" in self.stderr[-4096:] or self.signal in ("SIGSEGV", "SIGABRT", "SIGBUS")
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -678,19 +763,24 @@ def _ro_paths() -> tuple[list[str], list[str]]:
     return paths, hidden
 
 
-_CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
-              "LC_ALL": "C.UTF-8"}
+_CLEAN_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "TMPDIR": "/work",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+}
 
 
 def run_python(
     source: str,
     *,
-    files: Optional[Mapping[str, bytes | str]] = None,
+    files: Mapping[str, bytes | str] | None = None,
     stdin: bytes = b"",
     limits: Limits = Limits(),
     isolation: str = "auto",
-    tmp_dir: Optional[str] = None,
-    converse: Optional[Callable[["Channel"], None]] = None,
+    tmp_dir: str | None = None,
+    converse: Callable[[Channel], None] | None = None,
 ) -> SandboxResult:
     """Run `source` as `main.py` in the sandbox, with `files` (relative path -> content) in its
     working directory and `stdin` as its standard input.
@@ -730,13 +820,20 @@ def _remove_orphan_dirs(parent: str) -> None:
     except OSError:
         return
     for name in names:
-        owner = name[len(_DIR_PREFIX):].split("-", 1)[0]
+        owner = name[len(_DIR_PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
-def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes, limits: Limits,
-         isolation: str, converse: Optional[Callable[["Channel"], None]]) -> SandboxResult:
+def _run(
+    base: str,
+    source: str,
+    files: Mapping[str, bytes | str],
+    stdin: bytes,
+    limits: Limits,
+    isolation: str,
+    converse: Callable[[Channel], None] | None,
+) -> SandboxResult:
     ro, hidden = map(list, _ro_paths())
     os.chmod(base, 0o711)  # traversable by the program's uid (to mount its root on base/root), not listable
     os.mkdir(os.path.join(base, "root"), 0o755)
@@ -753,8 +850,17 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
     cgroups = _make_cgroups(os.path.basename(base), limits)
     try:
         with open(os.open(os.path.join(base, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            json.dump({"source": source, "limits": asdict(limits), "isolation": isolation, "ro_paths": ro,
-                       "hidden_paths": hidden, "cgroups": cgroups}, f)
+            json.dump(
+                {
+                    "source": source,
+                    "limits": asdict(limits),
+                    "isolation": isolation,
+                    "ro_paths": ro,
+                    "hidden_paths": hidden,
+                    "cgroups": cgroups,
+                },
+                f,
+            )
         return _launch(base, limits, cgroups, converse)
     finally:
         for cgroup in cgroups:
@@ -762,7 +868,7 @@ def _run(base: str, source: str, files: Mapping[str, bytes | str], stdin: bytes,
 
 
 _CGROUP_ROOT = "/sys/fs/cgroup/memory"  # cgroup v1's memory controller
-_CGROUP_V2: Optional[str] = None  # the cgroup2 mount; None: found in /proc/self/mounts
+_CGROUP_V2: str | None = None  # the cgroup2 mount; None: found in /proc/self/mounts
 _CGROUP_DIR = "mcore-rl-sandbox"
 
 
@@ -791,15 +897,19 @@ def _make_cgroups(name: str, limits: Limits) -> list[dict[str, Any]]:
                 _write_knob(path, "memory.swap.max", "0")
             out.append({"path": path, "memory": memory})
     if not out:
-        _warn_once("no cgroup for the run (needs root or a delegated cgroup-v2 subtree): memory is bounded per "
-                   "process only, and the run's processes are held by its PID namespace and process group")
+        _warn_once(
+            "no cgroup for the run (needs root or a delegated cgroup-v2 subtree): memory is bounded per "
+            "process only, and the run's processes are held by its PID namespace and process group"
+        )
     elif not any(c["memory"] for c in out):
-        _warn_once("no memory cgroup (neither cgroup v1's memory controller nor a v2 one we may enable): memory "
-                   "is bounded per process only")
+        _warn_once(
+            "no memory cgroup (neither cgroup v1's memory controller nor a v2 one we may enable): memory "
+            "is bounded per process only"
+        )
     return out
 
 
-def _cgroup_v2_home() -> Optional[str]:
+def _cgroup_v2_home() -> str | None:
     """The directory of this process's own cgroup-v2 cgroup, if it is writable."""
     mount = _CGROUP_V2
     if mount is None:
@@ -836,7 +946,7 @@ def _write_knob(path: str, knob: str, value: str) -> bool:
         return False
 
 
-def _new_cgroup(parent: str, name: str) -> Optional[str]:
+def _new_cgroup(parent: str, name: str) -> str | None:
     path = os.path.join(parent, f"{os.getpid()}-{name}")  # the owner's pid: see `_remove_orphan_cgroups`
     try:
         os.makedirs(parent, exist_ok=True)
@@ -922,14 +1032,14 @@ class Channel:
     and stderr and enforces the wall time, so a program that floods or stalls ends the run instead
     of blocking the caller."""
 
-    def __init__(self, watch: "_Watch") -> None:
+    def __init__(self, watch: _Watch) -> None:
         self._watch = watch
 
     def send(self, line: bytes) -> bool:
         """Queue `line` (it ends with a newline) for the program; False if the run has ended."""
         return self._watch.send(line)
 
-    def receive(self) -> Optional[bytes]:
+    def receive(self) -> bytes | None:
         """The program's next line (without the newline), or None: the run ended, timed out, closed
         its end, or sent a line longer than `Limits.results_bytes`."""
         return self._watch.receive()
@@ -939,17 +1049,22 @@ class _Watch:
     """The caller's side of one run: reads stdout, stderr, the bootstrap's report and fd 3 (a pipe
     it keeps, or a socket a conversation uses), enforces the wall time and the output caps."""
 
-    def __init__(self, proc: subprocess.Popen, ctl_r: int, chan: int, conversing: bool, limits: Limits,
-                 start: float) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, ctl_r: int, chan: int, conversing: bool, limits: Limits, start: float
+    ) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc, self.limits, self.chan, self.conversing = proc, limits, chan, conversing
         self.streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", ctl_r: "ctl", chan: "results"}
-        self.caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "ctl": 1 << 20,
-                     "results": limits.results_bytes}
+        self.caps = {
+            "stdout": limits.output_bytes,
+            "stderr": limits.output_bytes,
+            "ctl": 1 << 20,
+            "results": limits.results_bytes,
+        }
         self.data = {name: bytearray() for name in self.caps}
-        self.killed: Optional[str] = None
+        self.killed: str | None = None
         self.deadline = start + limits.wall_s
-        self.exited_at: Optional[float] = None  # when the bootstrap closed its report pipe: it has exited
+        self.exited_at: float | None = None  # when the bootstrap closed its report pipe: it has exited
         self.outgoing = bytearray()
         self.chan_open = True
         self.sel = selectors.DefaultSelector()
@@ -957,8 +1072,11 @@ class _Watch:
             self.sel.register(fd, selectors.EVENT_READ)
 
     def running(self) -> bool:
-        return (self.killed is None and bool(self.sel.get_map())
-                and (self.exited_at is None or time.monotonic() - self.exited_at <= 0.2))
+        return (
+            self.killed is None
+            and bool(self.sel.get_map())
+            and (self.exited_at is None or time.monotonic() - self.exited_at <= 0.2)
+        )
 
     def started(self) -> bool:
         """The program is running: the bootstrap's first report line came without a set-up error."""
@@ -977,7 +1095,7 @@ class _Watch:
             fd = key.fd
             if events & selectors.EVENT_WRITE:
                 try:
-                    del self.outgoing[:os.write(fd, self.outgoing)]
+                    del self.outgoing[: os.write(fd, self.outgoing)]
                 except OSError:  # the program closed its end
                     self.outgoing.clear()
                 if not self.outgoing:
@@ -1013,7 +1131,7 @@ class _Watch:
         self.outgoing += line
         return True
 
-    def receive(self) -> Optional[bytes]:
+    def receive(self) -> bytes | None:
         while b"\n" not in self.data["results"]:
             if not self.chan_open or not self.running():
                 return None
@@ -1033,8 +1151,9 @@ class _Watch:
             pass
 
 
-def _launch(base: str, limits: Limits, cgroups: list[dict[str, Any]],
-            converse: Optional[Callable[[Channel], None]]) -> SandboxResult:
+def _launch(
+    base: str, limits: Limits, cgroups: list[dict[str, Any]], converse: Callable[[Channel], None] | None
+) -> SandboxResult:
     ctl_r, ctl_w = os.pipe()
     if converse is None:
         chan, chan_w = os.pipe()
@@ -1044,10 +1163,25 @@ def _launch(base: str, limits: Limits, cgroups: list[dict[str, Any]],
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), base, str(ctl_w), str(chan_w),
-             str(os.getpid())],
-            env=_CLEAN_ENV, cwd=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(ctl_w, chan_w), start_new_session=True)
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-B",
+                os.path.abspath(__file__),
+                base,
+                str(ctl_w),
+                str(chan_w),
+                str(os.getpid()),
+            ],
+            env=_CLEAN_ENV,
+            cwd=base,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(ctl_w, chan_w),
+            start_new_session=True,
+        )
     except OSError as exc:
         for fd in (ctl_r, ctl_w, chan, chan_w):
             os.close(fd)
@@ -1071,8 +1205,15 @@ def _launch(base: str, limits: Limits, cgroups: list[dict[str, Any]],
             os.close(fd)
         proc.stdout.close()
         proc.stderr.close()
-    res = _result(watch.killed, bytes(watch.data["ctl"]), bytes(watch.data["stdout"]), bytes(watch.data["stderr"]),
-                  b"" if converse is not None else bytes(watch.data["results"]), time.monotonic() - start, limits)
+    res = _result(
+        watch.killed,
+        bytes(watch.data["ctl"]),
+        bytes(watch.data["stdout"]),
+        bytes(watch.data["stderr"]),
+        b"" if converse is not None else bytes(watch.data["results"]),
+        time.monotonic() - start,
+        limits,
+    )
     res.oom_killed = any(_oom_kills(cgroup) > 0 for cgroup in cgroups)
     if res.oom_killed and res.status in ("signal", "supervisor_killed"):
         res.error = f"killed at the {limits.memory_mb + limits.file_size_mb} MiB memory limit of the run"
@@ -1085,9 +1226,18 @@ def _kill_uid_processes(uid: int) -> None:
     """SIGKILL every process of the sandbox's own uid, from a process of that uid (kill(-1) as that
     uid reaches exactly them, not the caller). `Popen(user=)`: no fork of this possibly threaded process."""
     try:
-        subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[],
-                       env={"PATH": "/usr/bin:/bin"}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=10)
+        subprocess.run(
+            ["kill", "-9", "-1"],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("sandbox: could not kill what uid %d left: %s", uid, exc)
 
@@ -1109,8 +1259,9 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def _result(killed: Optional[str], ctl: bytes, stdout: bytes, stderr: bytes, results: bytes, wall: float,
-            limits: Limits) -> SandboxResult:
+def _result(
+    killed: str | None, ctl: bytes, stdout: bytes, stderr: bytes, results: bytes, wall: float, limits: Limits
+) -> SandboxResult:
     report: dict[str, Any] = {}
     for line in ctl.splitlines():
         try:
@@ -1119,15 +1270,24 @@ def _result(killed: Optional[str], ctl: bytes, stdout: bytes, stderr: bytes, res
             report.setdefault("setup_error", f"unreadable report from the sandbox: {line[:200]!r}")
     for warning in report.get("warnings", []):
         _warn_once(warning)
-    res = SandboxResult("exited", stdout=stdout, stderr=stderr, results=results, wall_s=wall,
-                        cpu_s=float(report.get("cpu_s", 0.0)), max_rss_mb=report.get("max_rss_kb", 0) / 1024,
-                        mechanisms=report.get("mechanisms", {}))
+    res = SandboxResult(
+        "exited",
+        stdout=stdout,
+        stderr=stderr,
+        results=results,
+        wall_s=wall,
+        cpu_s=float(report.get("cpu_s", 0.0)),
+        max_rss_mb=report.get("max_rss_kb", 0) / 1024,
+        mechanisms=report.get("mechanisms", {}),
+    )
     code = report.get("exit")
     if killed is not None:
         res.status = killed
-        res.error = {"timeout": f"ran past the {limits.wall_s:g}s wall-time limit",
-                     "output_limit": f"wrote more than {limits.output_bytes} bytes to stdout or stderr",
-                     "protocol": f"sent a line of more than {limits.results_bytes} bytes on fd 3"}[killed]
+        res.error = {
+            "timeout": f"ran past the {limits.wall_s:g}s wall-time limit",
+            "output_limit": f"wrote more than {limits.output_bytes} bytes to stdout or stderr",
+            "protocol": f"sent a line of more than {limits.results_bytes} bytes on fd 3",
+        }[killed]
     elif report.get("setup_error"):
         res.status, res.error = "setup_error", f"the sandbox could not be set up: {report['setup_error']}"
     elif code is None and "mechanisms" in report:
@@ -1141,7 +1301,7 @@ def _result(killed: Optional[str], ctl: bytes, stdout: bytes, stderr: bytes, res
         # RLIMIT_CPU counts whole seconds and rusage is coarse: a SIGKILL near the limit is the limit's
         cpu_out = res.signal == "SIGXCPU" or (res.signal == "SIGKILL" and res.cpu_s >= 0.9 * _cpu_limit(limits.cpu_s))
         res.status = "timeout" if cpu_out else "signal"
-        res.error = (f"ran past the {limits.cpu_s:g}s CPU-time limit" if cpu_out else f"killed by {res.signal}")
+        res.error = f"ran past the {limits.cpu_s:g}s CPU-time limit" if cpu_out else f"killed by {res.signal}"
     else:
         res.returncode = code
     return res

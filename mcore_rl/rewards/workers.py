@@ -40,7 +40,8 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from mcore_rl.parallel.lifetime import die_with_parent
 from mcore_rl.rewards.base import describe, results_of
@@ -56,8 +57,8 @@ _CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from mcore_rl.rewards.wor
 class Reply:
     """One call's outcome: (reward, info) per sample, or the `reward_error` message."""
 
-    values: Optional[list[tuple[float, dict]]]
-    error: Optional[str]
+    values: list[tuple[float, dict]] | None
+    error: str | None
     elapsed_s: float
 
 
@@ -69,16 +70,17 @@ class _Spawner:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: Optional[queue.SimpleQueue] = None
-        self._thread: Optional[threading.Thread] = None
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
         self._pid = -1
 
     def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen:
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
                 self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
-                self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name="reward-spawner",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._serve, args=(self._jobs,), name="reward-spawner", daemon=True
+                )
                 self._thread.start()
             jobs = self._jobs
         done: Future = Future()
@@ -91,12 +93,12 @@ class _Spawner:
             done, args, kwargs = jobs.get()
             try:
                 done.set_result(subprocess.Popen(args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            except BaseException as exc:
                 done.set_exception(exc)
 
 
 _SPAWNER = _Spawner()
-_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
 @atexit.register
@@ -121,7 +123,7 @@ def _worker_tmp() -> str:
         except OSError:
             names = []
         for name in names:
-            owner = name[len(_TMP_PREFIX):].split("-", 1)[0]
+            owner = name[len(_TMP_PREFIX) :].split("-", 1)[0]
             if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=parent)
@@ -134,7 +136,7 @@ class _Worker:
     ready_by: float  # monotonic time by which it must have loaded the function
     tmp: str  # its temporary directory: removed with it
     ready: bool = False
-    job: Optional[int] = None
+    job: int | None = None
     sent: float = 0.0
 
     @property
@@ -142,14 +144,14 @@ class _Worker:
         return self.proc.pid
 
 
-def _exit_code(w: _Worker) -> Optional[int]:
+def _exit_code(w: _Worker) -> int | None:
     try:
         return w.proc.wait(timeout=10)  # its pipe is closed: it has exited or is about to
     except subprocess.TimeoutExpired:
         return None
 
 
-def _exit_text(code: Optional[int]) -> str:
+def _exit_text(code: int | None) -> str:
     if code is None:
         return "is gone"
     if code < 0:
@@ -166,8 +168,15 @@ class WorkerPool:
     A payload is one `RewardInput` (or, with `per_group`, a list of them); the reply holds one
     (reward, info) per sample or the error. Not for concurrent use: `run` holds a lock."""
 
-    def __init__(self, path: str, size: int, per_group: bool = False, timeout_s: Optional[float] = 30.0,
-                 start_timeout_s: float = 60.0, options: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        per_group: bool = False,
+        timeout_s: float | None = 30.0,
+        start_timeout_s: float = 60.0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs size >= 1, got {size}")
         self.path, self.size, self.per_group = path, size, per_group
@@ -176,7 +185,7 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._owner = os.getpid()
-        self.start_error: Optional[str] = None  # why the last worker that failed to start did
+        self.start_error: str | None = None  # why the last worker that failed to start did
         _POOLS.add(self)
 
     # ---------------------------------------------------------------- processes
@@ -187,9 +196,13 @@ class WorkerPool:
         tmp = None
         try:
             tmp = _worker_tmp()
-            proc = _SPAWNER.popen([sys.executable, "-c", _CHILD, _ROOT, str(theirs.fileno()), str(os.getpid())],
-                                  pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
-                                  env={**os.environ, "TMPDIR": tmp})
+            proc = _SPAWNER.popen(
+                [sys.executable, "-c", _CHILD, _ROOT, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "TMPDIR": tmp},
+            )
         except OSError as exc:  # out of processes, memory or disk: the samples fail, the run goes on
             mine.close()
             if tmp is not None:
@@ -268,7 +281,7 @@ class WorkerPool:
             return self._run(payloads)
 
     def _run(self, payloads: Sequence[Any]) -> list[Reply]:
-        replies: list[Optional[Reply]] = [None] * len(payloads)
+        replies: list[Reply | None] = [None] * len(payloads)
         todo = collections.deque(range(len(payloads)))
         self.start_error = None
         self._grow(min(self.size, len(payloads)))
@@ -298,8 +311,9 @@ class WorkerPool:
             now = time.monotonic()
             for w in list(self._workers):
                 if w.job is not None and self.timeout_s is not None and now - w.sent >= self.timeout_s:
-                    replies[w.job] = Reply(None, f"timeout after {self.timeout_s:g}s (its worker was killed)",
-                                           now - w.sent)
+                    replies[w.job] = Reply(
+                        None, f"timeout after {self.timeout_s:g}s (its worker was killed)", now - w.sent
+                    )
                     self._replace(w, f"ran past the {self.timeout_s:g}s timeout")
                 elif not w.ready and now >= w.ready_by:
                     self._start_timed_out(w)
@@ -318,7 +332,7 @@ class WorkerPool:
             todo.appendleft(i)
             self._replace(w, f"{_exit_text(w.proc.poll())} while idle")
             return
-        except Exception as exc:  # noqa: BLE001 - the sample itself cannot be pickled
+        except Exception as exc:
             replies[i] = Reply(None, describe(exc, "the sample could not be sent to a reward worker: "), 0.0)
             return
         w.job, w.sent = i, now
@@ -361,7 +375,7 @@ def worker_main() -> None:
         fn = resolve_import_path(path)
         if options:
             fn = functools.partial(fn, **options)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         conn.send(("failed", describe(exc)))
         return
     conn.send(("ready", os.getpid()))
@@ -373,9 +387,9 @@ def worker_main() -> None:
         try:
             results = results_of(fn(arg), len(arg) if per_group else None)
             reply: tuple[str, Any] = ("ok", [(r.reward, r.info) for r in results])
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt cost this call only
+        except BaseException as exc:
             reply = ("error", describe(exc))
         try:
             conn.send(reply)
-        except Exception as exc:  # noqa: BLE001 - e.g. an `info` value that cannot be pickled
+        except Exception as exc:
             conn.send(("error", describe(exc, "the result could not be sent back: ")))

@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -38,22 +39,49 @@ RETRY_STATUSES = (502, 503, 504)
 CONTROL_TIMEOUT_S = 30.0  # default of `control_timeout`: pause, continue, health, versions, checksums
 WEIGHT_UPDATE_TIMEOUT_S = 120.0  # default of `weight_update_timeout`: one weight-update request
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-WEIGHT_UPDATE_PATHS = frozenset({
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
-    "/resume_memory_occupation",
-})
+WEIGHT_UPDATE_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    }
+)
 # SGLang's weight and control endpoints (and our /weights_checksum): with `--admin-api-key` only that
 # key opens them (the server enforces this set; the client sends the admin key to them).
-ADMIN_PATHS = frozenset({
-    "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
-    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
-    "/pause_generation", "/continue_generation", "/weights_checksum",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/weights_checksum",
+    }
+)
 # Per-prompt fields of a batch that `expand_samples` repeats with their prompt.
-PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                     "return_text_in_logprobs", "return_sampling_mask", "image_data", "lora_path", "custom_logit_processor")
+PER_PROMPT_FIELDS = (
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "return_sampling_mask",
+    "image_data",
+    "lora_path",
+    "custom_logit_processor",
+)
 
 
 class EngineError(RuntimeError):
@@ -83,25 +111,26 @@ class EngineClient:
         retries: int = 3,
         backoff: float = 0.5,
         connect_timeout: float = 10.0,
-        api_key: Optional[str] = None,
-        admin_api_key: Optional[str] = None,
-        control_timeout: Optional[float] = None,
-        weight_update_timeout: Optional[float] = None,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        control_timeout: float | None = None,
+        weight_update_timeout: float | None = None,
     ) -> None:
         """`control_timeout` / `weight_update_timeout`: None = the smaller of `timeout` and
         `CONTROL_TIMEOUT_S` / `WEIGHT_UPDATE_TIMEOUT_S`."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.control_timeout = control_timeout if control_timeout is not None else min(timeout, CONTROL_TIMEOUT_S)
-        self.weight_update_timeout = (weight_update_timeout if weight_update_timeout is not None
-                                      else min(timeout, WEIGHT_UPDATE_TIMEOUT_S))
+        self.weight_update_timeout = (
+            weight_update_timeout if weight_update_timeout is not None else min(timeout, WEIGHT_UPDATE_TIMEOUT_S)
+        )
         self.connect_timeout = connect_timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin = admin_api_key or api_key
         self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
-        self._session: Optional[aiohttp.ClientSession] = None
+        self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -114,7 +143,7 @@ class EngineClient:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def generate(self, body: Optional[dict] = None, **fields: Any) -> Any:
+    async def generate(self, body: dict | None = None, **fields: Any) -> Any:
         """POST /generate; a dict for one prompt, a list for a batch. `stream` must not be set
         (use `generate_stream`)."""
         body = with_rids(expand_samples({**(body or {}), **fields}))
@@ -122,7 +151,7 @@ class EngineClient:
             raise ValueError("stream: use generate_stream() for streaming")
         return await self._call("POST", "/generate", body, retry=True, rids=request_rids(body))
 
-    async def generate_stream(self, body: Optional[dict] = None, **fields: Any) -> AsyncIterator[dict]:
+    async def generate_stream(self, body: dict | None = None, **fields: Any) -> AsyncIterator[dict]:
         """POST /generate with `stream: true`; yields each event's JSON (cumulative text, ids and
         log-probs so far; the last has `meta_info.finish_reason`). Retried only before the first event."""
         body = with_rids(expand_samples({**(body or {}), **fields, "stream": True}))
@@ -158,12 +187,14 @@ class EngineClient:
     async def flush_cache(self) -> str:
         return await self._call("POST", "/flush_cache", None, retry=True)
 
-    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Free the engine's weights and/or KV cache ("weights", "kv_cache"; None = both), e.g.
         while a colocated trainer uses the device; the engine must be idle (pause it with abort)."""
-        return await self._call("POST", "/release_memory_occupation", {} if tags is None else {"tags": tags}, retry=True)
+        return await self._call(
+            "POST", "/release_memory_occupation", {} if tags is None else {"tags": tags}, retry=True
+        )
 
-    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Allocate it again; released weights must then be filled by a weight update before serving."""
         return await self._call("POST", "/resume_memory_occupation", {} if tags is None else {"tags": tags}, retry=True)
 
@@ -203,13 +234,25 @@ class EngineClient:
         return await self._call("POST", "/update_weights_from_tensor", body, retry=True)
 
     async def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: Optional[float] = None,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
     ) -> dict:
         """`timeout_s`: how long the engine waits for the rendezvous (the embedded engine's field;
         SGLang ignores it)."""
-        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                    world_size=world_size, group_name=group_name, backend=backend)
+        body = dict(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         return await self._call("POST", "/init_weights_update_group", body, retry=False)
@@ -273,9 +316,11 @@ class EngineClient:
                     if resp.status >= 400:
                         raise EngineHTTPError(url, resp.status, _message(raw))
                     return _decode(raw, resp.content_type)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
                 last = err
-        what = f"{type(last).__name__}: " + (f"no answer within {total:g} s" if isinstance(last, asyncio.TimeoutError) else str(last))
+        what = f"{type(last).__name__}: " + (
+            f"no answer within {total:g} s" if isinstance(last, asyncio.TimeoutError) else str(last)
+        )
         raise EngineUnavailable(f"{url}: {what} (after {attempts} attempt(s))") from last
 
     async def _stream(self, path: str, body: dict, *, rids: list[str]) -> AsyncIterator[dict]:
@@ -307,7 +352,7 @@ class EngineClient:
                         started = True
                         yield event
                     return
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
                 if started:
                     raise EngineUnavailable(f"{url}: stream broke off: {type(err).__name__}: {err}") from err
                 last = err
@@ -318,20 +363,22 @@ class EngineClient:
         for rid in rids:
             try:
                 timeout = aiohttp.ClientTimeout(total=min(self.connect_timeout, self.control_timeout))
-                async with self._http().post(self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout,
-                                             headers=self._admin_headers):
+                async with self._http().post(
+                    self.base_url + "/abort_request", json={"rid": rid}, timeout=timeout, headers=self._admin_headers
+                ):
                     pass
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return  # unreachable: nothing is running there that we could stop
 
     async def _ok(self, path: str) -> bool:
         try:
-            timeout = aiohttp.ClientTimeout(total=self.control_timeout, connect=min(self.connect_timeout,
-                                                                                   self.control_timeout))
+            timeout = aiohttp.ClientTimeout(
+                total=self.control_timeout, connect=min(self.connect_timeout, self.control_timeout)
+            )
             async with self._http().get(self.base_url + path, timeout=timeout, headers=self._headers) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
 

@@ -36,7 +36,7 @@ import urllib.error
 import urllib.request
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
@@ -60,9 +60,9 @@ class _Engine:
     port: int
     argv_tail: list[str]  # the flags after --port, fixed for the engine's life
     env: dict[str, str]
-    cores: Optional[list[int]]
+    cores: list[int] | None
     log_path: str
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
     log_offset: int = 0  # where this launch's lines start in the (appended) log
     launched_at: float = 0.0  # time.monotonic() of the current launch
 
@@ -83,25 +83,25 @@ class EngineProcesses:
     @classmethod
     def start(
         cls,
-        model_config: Optional[ModelConfig],
+        model_config: ModelConfig | None,
         *,
         num: int,
         workdir: str,
-        tokenizer_path: Optional[str] = None,
+        tokenizer_path: str | None = None,
         quantization: str = "none",
         max_running_requests: int = 256,
         context_length: int = 1024,
         seed: int = 0,
-        cores: Optional[Sequence[Sequence[int]]] = None,
-        devices: Optional[Sequence[str]] = None,
-        threads: Optional[int] = None,
-        api_key: Optional[str] = None,
-        admin_api_key: Optional[str] = None,
+        cores: Sequence[Sequence[int]] | None = None,
+        devices: Sequence[str] | None = None,
+        threads: int | None = None,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
         host: str = "127.0.0.1",
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 300.0,
-        model_path: Optional[str] = None,
-    ) -> "EngineProcesses":
+        model_path: str | None = None,
+    ) -> EngineProcesses:
         """Start `num` engines serving `model_config` and return once every one answers `/health`.
 
         With `model_path` (an HF-format directory with weights, e.g. a teacher of on-policy
@@ -128,8 +128,16 @@ class EngineProcesses:
             model_dir, load_format = write_model_dir(model_config, os.path.join(workdir, "model")), "dummy"
         else:
             raise ValueError("model_config / model_path: give one of them")
-        common = ["--model-path", model_dir, "--load-format", load_format, "--context-length", str(context_length),
-                  "--max-running-requests", str(max_running_requests)]
+        common = [
+            "--model-path",
+            model_dir,
+            "--load-format",
+            load_format,
+            "--context-length",
+            str(context_length),
+            "--max-running-requests",
+            str(max_running_requests),
+        ]
         common += ["--quantization", "fp8"] if quantization == "fp8" else []
         common += ["--dtype", "bfloat16" if quantization == "bf16" else "float32"]
         common += ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
@@ -144,8 +152,16 @@ class EngineProcesses:
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(devices[i])
                 tail += ["--device", "cuda"]
-            engines.append(_Engine(i, 0, [*tail, *extra_args], env, list(cores[i]) if cores is not None else None,
-                                   os.path.join(workdir, f"engine_{i}.log")))
+            engines.append(
+                _Engine(
+                    i,
+                    0,
+                    [*tail, *extra_args],
+                    env,
+                    list(cores[i]) if cores is not None else None,
+                    os.path.join(workdir, f"engine_{i}.log"),
+                )
+            )
         procs = cls(engines, host, model_dir, startup_timeout_s)
         try:
             for e in engines:  # all at once: their imports and model builds overlap
@@ -166,7 +182,7 @@ class EngineProcesses:
         return [self._url(e) for e in self._engines]
 
     @property
-    def pids(self) -> list[Optional[int]]:
+    def pids(self) -> list[int | None]:
         """The current process of each engine (None once closed)."""
         return [e.proc.pid if e.proc is not None else None for e in self._engines]
 
@@ -192,14 +208,16 @@ class EngineProcesses:
             try:
                 while not self.poll_start(i):
                     time.sleep(0.1)
-                logger.warning("engine %d restarted at %s (pid %d)", i, self._url(self._engines[i]),
-                               self._engines[i].proc.pid)
+                logger.warning(
+                    "engine %d restarted at %s (pid %d)", i, self._url(self._engines[i]), self._engines[i].proc.pid
+                )
                 return
             except _PortInUse:
                 time.sleep(0.5 * (attempt + 1))  # our URL is fixed: wait for the port to come free
         e = self._engines[i]
-        raise EngineStartError(f"engine {i}: port {e.port} stayed in use; cannot restart at {self._url(e)} "
-                               f"(log: {e.log_path})")
+        raise EngineStartError(
+            f"engine {i}: port {e.port} stayed in use; cannot restart at {self._url(e)} (log: {e.log_path})"
+        )
 
     def relaunch(self, i: int) -> None:
         """Stop engine `i` if it still runs and launch it again at the same URL (dummy weights
@@ -226,8 +244,9 @@ class EngineProcesses:
         if _healthy(self._url(e)):
             return True
         if time.monotonic() - e.launched_at > self.startup_timeout_s:
-            message = self._failure(e, f"did not answer {self._url(e)}/health within {self.startup_timeout_s:g} s; "
-                                       "stopped it")
+            message = self._failure(
+                e, f"did not answer {self._url(e)}/health within {self.startup_timeout_s:g} s; stopped it"
+            )
             self._stop(e)
             raise EngineStartError(message)
         return False
@@ -248,7 +267,7 @@ class EngineProcesses:
                 e.proc.wait()
                 e.proc = None
 
-    def __enter__(self) -> "EngineProcesses":
+    def __enter__(self) -> EngineProcesses:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -257,7 +276,7 @@ class EngineProcesses:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - best effort at interpreter teardown
+        except Exception:
             pass
 
     # ---- internals -------------------------------------------------------------------------
@@ -271,8 +290,15 @@ class EngineProcesses:
             e.log_offset = log.tell()
             log.write(f"--- engine {e.index}: {' '.join(argv)}\n".encode())
             log.flush()
-            e.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e.env,
-                                      start_new_session=True, preexec_fn=_preexec(e.cores))
+            e.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=e.env,
+                start_new_session=True,
+                preexec_fn=_preexec(e.cores),
+            )
             e.launched_at = time.monotonic()
 
     def _wait_ready(self, e: _Engine, *, new_port_on_clash: bool) -> None:
@@ -292,8 +318,10 @@ class EngineProcesses:
         raise EngineStartError(self._failure(e, f"found no free port in {_BIND_RETRIES} tries"))
 
     def _failure(self, e: _Engine, what: str) -> str:
-        return (f"engine {e.index} (pid {e.proc.pid}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
-                + self._log_tail(e))
+        return (
+            f"engine {e.index} (pid {e.proc.pid}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
+            + self._log_tail(e)
+        )
 
     def _log_tail(self, e: _Engine) -> str:
         try:
@@ -304,7 +332,7 @@ class EngineProcesses:
             return f"  (log unreadable: {err})"
         return "\n".join("  " + line for line in lines[-LOG_TAIL_LINES:])
 
-    def _stop(self, e: _Engine, deadline: Optional[float] = None) -> None:
+    def _stop(self, e: _Engine, deadline: float | None = None) -> None:
         """SIGTERM the engine's group (unless already sent), SIGKILL it at `deadline`, reap it."""
         if e.proc is None:
             return
@@ -334,7 +362,7 @@ def write_model_dir(model_config: ModelConfig, path: str) -> str:
     return os.path.abspath(path)
 
 
-def _child_env(threads: Optional[int]) -> dict[str, str]:
+def _child_env(threads: int | None) -> dict[str, str]:
     import mcore_rl
 
     env = dict(os.environ)
@@ -347,7 +375,7 @@ def _child_env(threads: Optional[int]) -> dict[str, str]:
     return env
 
 
-def _preexec(cores: Optional[list[int]]) -> Callable[[], None]:
+def _preexec(cores: list[int] | None) -> Callable[[], None]:
     """Runs in the child before exec: SIGTERM when the starting thread dies, then CPU affinity."""
     die = preexec_die_with_parent(signal.SIGTERM)
 

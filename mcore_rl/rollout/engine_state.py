@@ -36,7 +36,7 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class EngineState(enum.Enum):
 
 S = EngineState
 
+
 @dataclass
 class EngineRecord:
     state: EngineState = EngineState.SERVING
@@ -64,7 +65,7 @@ class EngineStates:
 
     def __init__(self, urls: Sequence[str]) -> None:
         self._engines = {u: EngineRecord() for u in urls}
-        self.expected_version: Optional[str] = None  # the weight version the pool last delivered
+        self.expected_version: str | None = None  # the weight version the pool last delivered
         self._lock = threading.RLock()
 
     # ---- queries ----------------------------------------------------------------------------
@@ -82,8 +83,11 @@ class EngineStates:
     def routable(self) -> list[str]:
         """Engines that take generation requests."""
         with self._lock:
-            return [u for u, e in self._engines.items()
-                    if e.state is S.SERVING or (e.state is S.SYNCING and e.routed_while_syncing)]
+            return [
+                u
+                for u, e in self._engines.items()
+                if e.state is S.SERVING or (e.state is S.SYNCING and e.routed_while_syncing)
+            ]
 
     def update_targets(self) -> list[str]:
         """Engines a weight update goes to: the serving ones and those that wait for weights."""
@@ -113,13 +117,13 @@ class EngineStates:
             e = self._engines[url]
             e.state, e.mixed, e.routed_while_syncing, e.confirmed = S.STARTING, False, False, False
 
-    def process_ready(self, url: str, version: Optional[str]) -> None:
+    def process_ready(self, url: str, version: str | None) -> None:
         """A restarted process answers `/health`, reporting weight version `version`."""
         with self._lock:
             if self._engines[url].state is S.STARTING:
                 self._answered(url, version)
 
-    def health_ok(self, url: str, version: Optional[str]) -> None:
+    def health_ok(self, url: str, version: str | None) -> None:
         """`/health` answered (with `version`, asked only for engines that were down)."""
         with self._lock:
             if self._engines[url].state in (S.DEAD, S.STARTING):
@@ -172,8 +176,11 @@ class EngineStates:
                 e.mixed = True
                 if e.state is S.SYNCING:
                     e.state = S.WAITING
-                logger.warning("engine %s did not get (or did not confirm) the whole weight update; it stays paused "
-                               "and out of routing until a later update reaches it", u)
+                logger.warning(
+                    "engine %s did not get (or did not confirm) the whole weight update; it stays paused "
+                    "and out of routing until a later update reaches it",
+                    u,
+                )
                 e.routed_while_syncing = e.confirmed = False
             for u in resume:
                 self._engines[u].routed_while_syncing = self._engines[u].confirmed = False
@@ -181,7 +188,7 @@ class EngineStates:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _answered(self, url: str, version: Optional[str]) -> None:
+    def _answered(self, url: str, version: str | None) -> None:
         e = self._engines[url]
         if not e.mixed and (self.expected_version is None or version == self.expected_version):
             logger.warning("engine %s is healthy again", url)

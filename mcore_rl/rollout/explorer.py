@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import Future
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
 
@@ -33,8 +34,9 @@ class Explorer:
     def urls(self) -> list[str]:
         return list(self.pool.urls)
 
-    def submit(self, requests: Sequence[GenRequest]) -> "Future[list[Generation]]":
+    def submit(self, requests: Sequence[GenRequest]) -> Future[list[Generation]]:
         """Generate `requests` on the explorer's event loop; the future holds the generations in order."""
+
         async def run() -> list[Generation]:
             sem = asyncio.Semaphore(self.pool.concurrency)
 
@@ -53,15 +55,17 @@ class Explorer:
         """Every engine answers and tokenizes like the policy; else `ExplorerError`."""
         from mcore_rl.rollout.teacher import check_engines
 
-        check_engines(self.pool, self.pool.urls, tokenizer, "rollout.explorer: the explorer engine", "the policy's",
-                      ExplorerError)
+        check_engines(
+            self.pool, self.pool.urls, tokenizer, "rollout.explorer: the explorer engine", "the policy's", ExplorerError
+        )
 
     def close(self) -> None:
         self.pool.close()  # also stops the processes it started
 
 
-def build_explorer(rollout: Any, tokenizer: Any, workdir: str, seed: int = 0,
-                   tokenizer_path: Optional[str] = None) -> Explorer:
+def build_explorer(
+    rollout: Any, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
+) -> Explorer:
     """Connect to (or start) the engines of `rollout.explorer` and check them."""
     from mcore_rl.rollout.engine_processes import EngineProcesses
 
@@ -71,16 +75,31 @@ def build_explorer(rollout: Any, tokenizer: Any, workdir: str, seed: int = 0,
     mode = expected_logprobs_mode(rollout)
     if x.model_path:
         procs = EngineProcesses.start(
-            None, num=x.num_engines, workdir=os.path.join(workdir, "explorer"), model_path=x.model_path,
-            tokenizer_path=tokenizer_path, context_length=x.context_length or rollout.context_length,
-            max_running_requests=x.max_running_requests, quantization=x.quantization, seed=seed,
-            cores=x.engine_cores or None, threads=x.engine_threads, api_key=x.api_key,
-            startup_timeout_s=rollout.engine_startup_timeout_s, extra_args=["--logprobs-mode", mode])
+            None,
+            num=x.num_engines,
+            workdir=os.path.join(workdir, "explorer"),
+            model_path=x.model_path,
+            tokenizer_path=tokenizer_path,
+            context_length=x.context_length or rollout.context_length,
+            max_running_requests=x.max_running_requests,
+            quantization=x.quantization,
+            seed=seed,
+            cores=x.engine_cores or None,
+            threads=x.engine_threads,
+            api_key=x.api_key,
+            startup_timeout_s=rollout.engine_startup_timeout_s,
+            extra_args=["--logprobs-mode", mode],
+        )
         urls = procs.urls
     try:
-        pool = HTTPEnginePool(urls, timeout=x.request_timeout_s, api_key=x.api_key, processes=procs,
-                              restart_dead=procs is not None and rollout.restart_engines,
-                              health_interval=rollout.health_check_interval_s)
+        pool = HTTPEnginePool(
+            urls,
+            timeout=x.request_timeout_s,
+            api_key=x.api_key,
+            processes=procs,
+            restart_dead=procs is not None and rollout.restart_engines,
+            health_interval=rollout.health_check_interval_s,
+        )
     except BaseException:
         if procs is not None:
             procs.close()

@@ -56,12 +56,18 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.rollout import sglang_flags
 
-DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16",
-          "half": "float16", "float16": "float16"}
+DTYPES = {
+    "auto": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "half": "float16",
+    "float16": "float16",
+}
 
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -80,43 +86,43 @@ class LaunchFlagError(ValueError):
 class ServerArgs:
     """The subset of SGLang's `ServerArgs` the embedded engine knows, with SGLang's field names."""
 
-    model_path: Optional[str] = None
-    tokenizer_path: Optional[str] = None
+    model_path: str | None = None
+    tokenizer_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     dtype: str = "auto"
-    quantization: Optional[str] = None
-    context_length: Optional[int] = None
+    quantization: str | None = None
+    context_length: int | None = None
     random_seed: int = 0
-    max_running_requests: Optional[int] = None
-    served_model_name: Optional[str] = None
+    max_running_requests: int | None = None
+    served_model_name: str | None = None
     weight_version: str = "0"
     tp_size: int = 1
     dp_size: int = 1
     load_format: str = "auto"
-    device: Optional[str] = None  # None = cuda when available, else cpu (SGLang's auto-detection)
+    device: str | None = None  # None = cuda when available, else cpu (SGLang's auto-detection)
     kv_cache_dtype: str = "auto"
     # the KV pool (honoured by `server.build_server`)
-    mem_fraction_static: Optional[float] = None
-    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
     # Accepted and ignored (see the module docstring).
-    chunked_prefill_size: Optional[int] = None
-    max_prefill_tokens: Optional[int] = None
-    cuda_graph_max_bs: Optional[int] = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int | None = None
+    cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False
-    attention_backend: Optional[str] = None
-    sampling_backend: Optional[str] = None
-    schedule_policy: Optional[str] = None
+    attention_backend: str | None = None
+    sampling_backend: str | None = None
+    schedule_policy: str | None = None
     enable_memory_saver: bool = False
     skip_server_warmup: bool = False
     trust_remote_code: bool = False
     log_level: str = "info"
-    log_level_http: Optional[str] = None
+    log_level_http: str | None = None
     # Security (SGLang's names), and the directories weight files may come from (ours).
-    api_key: Optional[str] = None
-    admin_api_key: Optional[str] = None
-    weight_dirs: Optional[list[str]] = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    weight_dirs: list[str] | None = None
     # routing replay: requests may ask for `return_routed_experts` (SGLang's flag)
     enable_return_routed_experts: bool = False
     # sampling-mask replay: what output_token_logprobs are, and the largest support returned per token
@@ -164,7 +170,7 @@ class ServerArgs:
         return d
 
 
-def default_weight_dirs(model_path: Optional[str]) -> list[str]:
+def default_weight_dirs(model_path: str | None) -> list[str]:
     """Where weight files may come from unless `--weight-dirs` says otherwise: the served model's
     directory, the temp dir (`tempfile.gettempdir()`, where tests and the default sync dirs live)
     and /dev/shm (the tensor transport's shared-memory files). Anyone who can call the weight
@@ -188,12 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-rl serve",
         description="The embedded SGLang-compatible engine (SGLang's native and OpenAI HTTP APIs).",
         epilog="Other flags of SGLang's server are classified in mcore_rl/rollout/sglang_flags.py: performance "
-               "and deployment knobs are accepted, logged and ignored; flags that would change what is generated "
-               "or returned are refused, naming the flag.",
+        "and deployment knobs are accepted, logged and ignored; flags that would change what is generated "
+        "or returned are refused, naming the flag.",
         allow_abbrev=False,
     )
-    p.add_argument("--model-path", "--model", dest="model_path",
-                   help="HF-format model directory (safetensors); omitted = the built-in tiny demo model")
+    p.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        help="HF-format model directory (safetensors); omitted = the built-in tiny demo model",
+    )
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model's, or the bundled one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -206,38 +216,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0", help="initial weight version (any string)")
     p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
     p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int, default=1)
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights from --random-seed, no weight file read (a weight sync fills them)")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="dummy: random weights from --random-seed, no weight file read (a weight sync fills them)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health*")
-    p.add_argument("--admin-api-key",
-                   help="require this key (instead of --api-key) on the weight and control endpoints")
-    p.add_argument("--weight-dirs", nargs="*", metavar="DIR",
-                   help="directories weight-update requests may read files from (default: the model's "
-                        "directory, the temp dir, /dev/shm; the flag alone: none)")
-    p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="let /generate requests ask for return_routed_experts (MoE routing replay)")
-    p.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
-                   help="output_token_logprobs: raw full-vocabulary log-probs (default) or those of the processed "
-                        "distribution the token was drawn from (after temperature and top-k/top-p/min-p, renormalised)")
-    p.add_argument("--sampling-mask-max-tokens", type=int, default=16384,
-                   help="largest support return_sampling_mask returns per output token (SGLang's flag)")
-    p.add_argument("--incremental-streaming-output", "--stream-output", dest="incremental_streaming_output",
-                   action="store_true", help="streamed /generate chunks carry only the new output_ids and text")
+    p.add_argument(
+        "--admin-api-key", help="require this key (instead of --api-key) on the weight and control endpoints"
+    )
+    p.add_argument(
+        "--weight-dirs",
+        nargs="*",
+        metavar="DIR",
+        help="directories weight-update requests may read files from (default: the model's "
+        "directory, the temp dir, /dev/shm; the flag alone: none)",
+    )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="let /generate requests ask for return_routed_experts (MoE routing replay)",
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        default="raw",
+        choices=["raw", "processed"],
+        help="output_token_logprobs: raw full-vocabulary log-probs (default) or those of the processed "
+        "distribution the token was drawn from (after temperature and top-k/top-p/min-p, renormalised)",
+    )
+    p.add_argument(
+        "--sampling-mask-max-tokens",
+        type=int,
+        default=16384,
+        help="largest support return_sampling_mask returns per output token (SGLang's flag)",
+    )
+    p.add_argument(
+        "--incremental-streaming-output",
+        "--stream-output",
+        dest="incremental_streaming_output",
+        action="store_true",
+        help="streamed /generate chunks carry only the new output_ids and text",
+    )
     p.add_argument("--max-total-tokens", type=int, help="the KV cache pool's size in tokens")
-    p.add_argument("--mem-fraction-static", type=float,
-                   help="without --max-total-tokens: the pool is this fraction of the device's memory (CPU: RAM or "
-                        "the cgroup's limit) less the weights (default 0.88 on a GPU, 0.5 on CPU)")
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        help="without --max-total-tokens: the pool is this fraction of the device's memory (CPU: RAM or "
+        "the cgroup's limit) less the weights (default 0.88 on a GPU, 0.5 on CPU)",
+    )
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
-        ("--chunked-prefill-size", int), ("--max-prefill-tokens", int),
-        ("--cuda-graph-max-bs", int), ("--attention-backend", str),
-        ("--sampling-backend", str), ("--schedule-policy", str),
+        ("--chunked-prefill-size", int),
+        ("--max-prefill-tokens", int),
+        ("--cuda-graph-max-bs", int),
+        ("--attention-backend", str),
+        ("--sampling-backend", str),
+        ("--schedule-policy", str),
     ]:
         ignored.add_argument(flag, type=kind)
-    for flag in ("--disable-cuda-graph", "--disable-radix-cache", "--enable-memory-saver",
-                 "--skip-server-warmup", "--trust-remote-code"):
+    for flag in (
+        "--disable-cuda-graph",
+        "--disable-radix-cache",
+        "--enable-memory-saver",
+        "--skip-server-warmup",
+        "--trust-remote-code",
+    ):
         ignored.add_argument(flag, action="store_true")
     ignored.add_argument("--log-level", default="info")
     ignored.add_argument("--log-level-http")
@@ -296,10 +342,14 @@ def _check(a: ServerArgs) -> None:
     if a.quantization not in (None, "fp8"):
         raise LaunchFlagError(f"--quantization {a.quantization}: the embedded engine supports only fp8")
     if a.load_format not in LOAD_FORMATS:
-        raise LaunchFlagError(f"--load-format {a.load_format}: the embedded engine reads safetensors or starts "
-                              f"from random weights ({', '.join(LOAD_FORMATS)})")
+        raise LaunchFlagError(
+            f"--load-format {a.load_format}: the embedded engine reads safetensors or starts "
+            f"from random weights ({', '.join(LOAD_FORMATS)})"
+        )
     if a.kv_cache_dtype != "auto":
-        raise LaunchFlagError(f"--kv-cache-dtype {a.kv_cache_dtype}: the embedded engine keeps the KV cache in the model dtype (auto)")
+        raise LaunchFlagError(
+            f"--kv-cache-dtype {a.kv_cache_dtype}: the embedded engine keeps the KV cache in the model dtype (auto)"
+        )
     if not 0 <= a.port <= 65535:
         raise LaunchFlagError(f"--port {a.port}: must be in [0, 65535]")
     if a.context_length is not None and a.context_length < 2:

@@ -35,39 +35,89 @@ from mcore_rl.rollout.protocol import RequestError, check_fields, check_lengths,
 
 # OpenAI name -> SGLang sampling_params name.
 _SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "no_stop_trim": "no_stop_trim", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "regex": "regex", "json_schema": "json_schema",
-    "ebnf": "ebnf", "stop_regex": "stop_regex", "custom_params": "custom_params",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "stop_regex": "stop_regex",
+    "custom_params": "custom_params",
 }
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", "response_format", *_SAMPLING}
 # Metadata, routing and cache hints (SGLang's and OpenAI's): no token changes; any value of the type.
 _IGNORED: dict[str, tuple[type, ...]] = {
-    "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,), "rid": (str, list),
-    "extra_body": (dict,), "session_id": (str,), "extra_key": (str, list), "cache_salt": (str, list),
-    "priority": (int,), "routed_dp_rank": (int,), "disagg_prefill_dp_rank": (int,), "data_parallel_rank": (int,),
+    "user": (str,),
+    "metadata": (dict,),
+    "store": (bool,),
+    "service_tier": (str,),
+    "rid": (str, list),
+    "extra_body": (dict,),
+    "session_id": (str,),
+    "extra_key": (str, list),
+    "cache_salt": (str, list),
+    "priority": (int,),
+    "routed_dp_rank": (int,),
+    "disagg_prefill_dp_rank": (int,),
+    "data_parallel_rank": (int,),
     "custom_labels": (dict,),
 }
 # SGLang features the engine lacks: accepted at their default only.
 _UNSUPPORTED: dict[str, object] = {
-    "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
-    "return_cached_tokens_details": False, "return_token_ids": False, "lora_path": None, "session_params": None,
-    "custom_logit_processor": None, "images_config": None, "bootstrap_host": None, "bootstrap_port": None,
-    "bootstrap_room": None, "ngram_corpus_id": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_cached_tokens_details": False,
+    "return_token_ids": False,
+    "lora_path": None,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "images_config": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "ngram_corpus_id": None,
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _COMPLETION_UNSUPPORTED = _UNSUPPORTED | {"suffix": None, "best_of": None}
 _CHAT_FIELDS = _COMMON | {
-    "messages", "top_logprobs", "max_completion_tokens", "tool_choice", "parallel_tool_calls", "input_ids",
-    "chat_template_kwargs", "reasoning_effort", "continue_final_message", "separate_reasoning",
-    "stream_reasoning", "task",
+    "messages",
+    "top_logprobs",
+    "max_completion_tokens",
+    "tool_choice",
+    "parallel_tool_calls",
+    "input_ids",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "continue_final_message",
+    "separate_reasoning",
+    "stream_reasoning",
+    "task",
 }
 _CHAT_UNSUPPORTED = _UNSUPPORTED | {
-    "tools": None, "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
-    "return_prompt_token_ids": False, "return_meta_info": False, "max_dynamic_patch": None,
-    "min_dynamic_patch": None, "use_audio_in_video": False,
+    "tools": None,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "return_prompt_token_ids": False,
+    "return_meta_info": False,
+    "max_dynamic_patch": None,
+    "min_dynamic_patch": None,
+    "use_audio_in_video": False,
 }
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -104,8 +154,19 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, context_length: i
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab_size):
         raise RequestError(f"logprobs: expected an integer in [0, {vocab_size}] or null, got {logprobs!r}")
     echo = _bool(body, "echo", False)
-    inp = _build(body, prompts, max_tokens, "max_tokens", logprobs, False, echo and logprobs is not None,
-                 tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=[])
+    inp = _build(
+        body,
+        prompts,
+        max_tokens,
+        "max_tokens",
+        logprobs,
+        False,
+        echo and logprobs is not None,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        extra_stop=[],
+    )
     inp.echo_texts = texts if echo else None
     return inp
 
@@ -119,8 +180,12 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
         _bool(body, key, True)  # no tools and no reasoning parser: nothing for them to change
     if body.get("task") not in (None, *_TASKS):
         raise RequestError(f"task: expected one of {', '.join(_TASKS)} or null, got {show(body['task'])}")
-    prompt = chat_prompt(body.get("messages"), tokenizer, continue_final=_bool(body, "continue_final_message", False),
-                         template_kwargs=chat_template_kwargs(body))
+    prompt = chat_prompt(
+        body.get("messages"),
+        tokenizer,
+        continue_final=_bool(body, "continue_final_message", False),
+        template_kwargs=chat_template_kwargs(body),
+    )
     ids = body.get("input_ids")
     if ids is None:
         ids = tokenizer.encode(prompt)
@@ -136,12 +201,25 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
     if body.get("max_completion_tokens") is not None:
         max_tokens, key = body["max_completion_tokens"], "max_completion_tokens"
     if _is_int(max_tokens) and max_tokens > context_length:  # SGLang's chat check and wording (_validate_request)
-        raise RequestError(f"{key}: max_completion_tokens is too large: {max_tokens}. This model supports at most "
-                           f"{context_length} completion tokens.")
+        raise RequestError(
+            f"{key}: max_completion_tokens is too large: {max_tokens}. This model supports at most "
+            f"{context_length} completion tokens."
+        )
     end = getattr(tokenizer, "token_to_id", None)
     extra_stop = [end("<|im_end|>")] if end is not None and not hasattr(tokenizer, "apply_chat_template") else []
-    return _build(body, [ids], max_tokens, key, logprobs, True, False,
-                  tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length, extra_stop=extra_stop)
+    return _build(
+        body,
+        [ids],
+        max_tokens,
+        key,
+        logprobs,
+        True,
+        False,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        extra_stop=extra_stop,
+    )
 
 
 def chat_template_kwargs(body: dict) -> dict:
@@ -158,12 +236,19 @@ def chat_template_kwargs(body: dict) -> dict:
             try:
                 effort = float(effort)
             except ValueError:
-                raise RequestError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a "
-                                   f"number in [0, 0.99], got {effort!r}") from None
-        if isinstance(effort, bool) or not isinstance(effort, (str, int, float)) or (
-                not isinstance(effort, str) and not 0.0 <= effort <= 0.99):
-            raise RequestError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a number "
-                               f"in [0, 0.99], got {show(body['reasoning_effort'])}")
+                raise RequestError(
+                    f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a "
+                    f"number in [0, 0.99], got {effort!r}"
+                ) from None
+        if (
+            isinstance(effort, bool)
+            or not isinstance(effort, (str, int, float))
+            or (not isinstance(effort, str) and not 0.0 <= effort <= 0.99)
+        ):
+            raise RequestError(
+                f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)} or a number "
+                f"in [0, 0.99], got {show(body['reasoning_effort'])}"
+            )
         kwargs.setdefault("thinking", effort != "none")
         kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
@@ -182,7 +267,9 @@ def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"messages[{i}].content[{j}]: only text parts are supported by the embedded engine")
+                    raise RequestError(
+                        f"messages[{i}].content[{j}]: only text parts are supported by the embedded engine"
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None:
@@ -207,8 +294,20 @@ def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template
     return text + "<|im_start|>assistant\n"
 
 
-def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, *, tokenizer, vocab_size,
-           context_length, extra_stop) -> OpenAIInput:
+def _build(
+    body,
+    prompts,
+    max_tokens,
+    max_key,
+    logprobs,
+    chat,
+    prompt_logprobs,
+    *,
+    tokenizer,
+    vocab_size,
+    context_length,
+    extra_stop,
+) -> OpenAIInput:
     n = body.get("n", 1)
     if not _is_int(n) or n < 1:
         raise RequestError(f"n: expected an integer >= 1, got {n!r}")
@@ -224,13 +323,15 @@ def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, 
         raise RequestError("stream_options.include_usage: expected true or false")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format: only {\"type\": \"text\"} is supported by the embedded engine")
+        raise RequestError('response_format: only {"type": "text"} is supported by the embedded engine')
     sp: dict[str, Any] = {_SAMPLING[k]: v for k, v in body.items() if k in _SAMPLING and v is not None}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     if extra_stop and not sp.get("ignore_eos"):
         stop_ids = sp.get("stop_token_ids", [])
-        sp["stop_token_ids"] = stop_ids + extra_stop if isinstance(stop_ids, list) else stop_ids  # a bad type is reported below
+        sp["stop_token_ids"] = (
+            stop_ids + extra_stop if isinstance(stop_ids, list) else stop_ids
+        )  # a bad type is reported below
     names = {v: k for k, v in _SAMPLING.items()} | {"max_new_tokens": max_key}
     requests = []
     base = uuid.uuid4().hex
@@ -247,10 +348,17 @@ def _build(body, prompts, max_tokens, max_key, logprobs, chat, prompt_logprobs, 
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise RequestError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
-            requests.append(Request(
-                rid=f"{base}-{p}-{j}", input_ids=ids, sampling=params, return_logprob=logprobs is not None,
-                top_logprobs_num=logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1, stream=stream,
-            ))
+            requests.append(
+                Request(
+                    rid=f"{base}-{p}-{j}",
+                    input_ids=ids,
+                    sampling=params,
+                    return_logprob=logprobs is not None,
+                    top_logprobs_num=logprobs or 0,
+                    logprob_start_len=0 if prompt_logprobs else -1,
+                    stream=stream,
+                )
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"model: expected a string, got {model!r}")
@@ -317,8 +425,14 @@ def completion_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: s
             text = inp.echo_texts[i // inp.n] + text
         reason, matched = finish(out)
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
-    return {"id": f"cmpl-{inp.id}", "object": "text_completion", "created": inp.created, "model": model,
-            "choices": choices, "usage": usage(inp, outs)}
+    return {
+        "id": f"cmpl-{inp.id}",
+        "object": "text_completion",
+        "created": inp.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(inp, outs),
+    }
 
 
 def chat_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, tokenizer) -> dict:
@@ -328,10 +442,23 @@ def chat_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, to
         lp = None
         if inp.logprobs is not None:
             lp = {"content": chat_logprobs(out.output_token_logprobs, out.output_top_logprobs, tokenizer, inp.logprobs)}
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text or ""},
-                        "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
-    return {"id": f"chatcmpl-{inp.id}", "object": "chat.completion", "created": inp.created, "model": model,
-            "choices": choices, "usage": usage(inp, outs)}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out.text or ""},
+                "logprobs": lp,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{inp.id}",
+        "object": "chat.completion",
+        "created": inp.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(inp, outs),
+    }
 
 
 def completion_logprobs(pairs, tops, tokenizer, k: int) -> dict:
@@ -372,10 +499,10 @@ class StreamState:
         if not out.finished:
             text = text.rstrip("\ufffd")
             text = text[: max(len(self.sent_text), len(text) - self.holdback)]
-        delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+        delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
         self.sent_text += delta
-        new_pairs = out.output_token_logprobs[self.sent_tokens:]
-        new_tops = out.output_top_logprobs[self.sent_tokens:]
+        new_pairs = out.output_token_logprobs[self.sent_tokens :]
+        new_tops = out.output_top_logprobs[self.sent_tokens :]
         self.sent_tokens = len(out.output_token_logprobs)
         reason, matched = finish(out) if out.finished else (None, None)
         if not delta and not out.finished and not new_pairs and self.started:
@@ -387,29 +514,52 @@ class StreamState:
             d = {"content": delta} if self.started else {"role": "assistant", "content": delta}
             self.started = True
             choice = {"index": self.index, "delta": d, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
-            return {"id": f"chatcmpl-{self.inp.id}", "object": "chat.completion.chunk", "created": self.inp.created,
-                    "model": model, "choices": [choice]}
+            return {
+                "id": f"chatcmpl-{self.inp.id}",
+                "object": "chat.completion.chunk",
+                "created": self.inp.created,
+                "model": model,
+                "choices": [choice],
+            }
         if self.inp.logprobs is not None:
             lp = completion_logprobs(new_pairs, new_tops, tokenizer, self.inp.logprobs)
         if not self.started and self.inp.echo_texts is not None:
             delta = self.inp.echo_texts[self.index // self.inp.n] + delta
         self.started = True
         choice = {"index": self.index, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
-        return {"id": f"cmpl-{self.inp.id}", "object": "text_completion", "created": self.inp.created,
-                "model": model, "choices": [choice]}
+        return {
+            "id": f"cmpl-{self.inp.id}",
+            "object": "text_completion",
+            "created": self.inp.created,
+            "model": model,
+            "choices": [choice],
+        }
 
 
 def usage_chunk(inp: OpenAIInput, outs: list[RequestOutput], model: str) -> dict:
     obj = "chat.completion.chunk" if inp.chat else "text_completion"
     prefix = "chatcmpl" if inp.chat else "cmpl"
-    return {"id": f"{prefix}-{inp.id}", "object": obj, "created": inp.created, "model": model, "choices": [],
-            "usage": usage(inp, outs)}
+    return {
+        "id": f"{prefix}-{inp.id}",
+        "object": obj,
+        "created": inp.created,
+        "model": model,
+        "choices": [],
+        "usage": usage(inp, outs),
+    }
 
 
 def model_card(model: str, context_length: int) -> dict:
     """SGLang's `ModelCard` (what the `openai` client's `models.retrieve` reads)."""
-    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mcore-rl", "root": model,
-            "parent": None, "max_model_len": context_length}
+    return {
+        "id": model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "mcore-rl",
+        "root": model,
+        "parent": None,
+        "max_model_len": context_length,
+    }
 
 
 def models_list(model: str, context_length: int) -> dict:
@@ -418,8 +568,14 @@ def models_list(model: str, context_length: int) -> dict:
 
 def model_not_found(model: str) -> dict:
     """SGLang's 404 body for `/v1/models/{model}` naming a model it does not serve."""
-    return {"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
-                      "param": "model", "code": "model_not_found"}}
+    return {
+        "error": {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
 
 
 def _object(body: Any) -> None:
@@ -442,8 +598,16 @@ def _bool(body: dict, key: str, default: bool) -> bool:
 
 # --- /tokenize, /detokenize ---------------------------------------------------------------------
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "tool_choice", "reasoning_effort", "continue_final_message",
-                    "chat_template_kwargs", "add_special_tokens"}
+_TOKENIZE_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "tool_choice",
+    "reasoning_effort",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "add_special_tokens",
+}
 
 
 def tokenize(body: Any, *, tokenizer, context_length: int) -> dict:
@@ -462,8 +626,12 @@ def tokenize(body: Any, *, tokenizer, context_length: int) -> dict:
         return tokenizer.encode(text, add_special_tokens=True) if special else tokenizer.encode(text)
 
     if messages is not None:
-        text = chat_prompt(messages, tokenizer, continue_final=_bool(body, "continue_final_message", False),
-                           template_kwargs=chat_template_kwargs(body))
+        text = chat_prompt(
+            messages,
+            tokenizer,
+            continue_final=_bool(body, "continue_final_message", False),
+            template_kwargs=chat_template_kwargs(body),
+        )
         tokens: Any = tokenizer.encode(text)  # the template already holds the special tokens
         count: Any = len(tokens)
     elif isinstance(prompt, str):

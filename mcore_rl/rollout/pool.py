@@ -21,7 +21,8 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -42,7 +43,7 @@ class GenRequest:
     return_routed_experts: bool = False
     return_sampling_mask: bool = False  # sampling-mask replay: ask for the support of every output token
     # prompt scoring: the log-probs of input_ids[start + 1:] (SGLang's logprob_start_len); None = not asked for
-    logprob_start_len: Optional[int] = None
+    logprob_start_len: int | None = None
 
 
 @dataclass
@@ -55,24 +56,23 @@ class Generation:
     engine: str
     # weight version of each output token, when the engine reports it (`mcore-rl serve`'s
     # meta_info `output_token_weight_versions`); None = all from `weight_version`
-    output_versions: Optional[list[int]] = None
+    output_versions: list[int] | None = None
     # routing replay (R3), with GenRequest.return_routed_experts: numpy int32 [len(input_ids) +
     # len(output_ids) - 1, num_layers, topk], the experts of every forwarded token (-1: dense layer)
     routed_experts: Any = None
     # sampling-mask replay (with GenRequest.return_sampling_mask; SGLang's meta_info
     # output_token_sampling_mask / output_token_sampling_logprobs): per output token the ids of the
     # support it was drawn from, and its log-prob under the renormalised post-filter weights
-    output_sampling_masks: Optional[list[list[int]]] = None
-    output_sampling_logprobs: Optional[list[float]] = None
+    output_sampling_masks: list[list[int]] | None = None
+    output_sampling_logprobs: list[float] | None = None
     # with GenRequest.logprob_start_len = s: the log-prob of each of input_ids[s + 1:] given the ones before
-    input_logprobs: Optional[list[float]] = None
+    input_logprobs: list[float] | None = None
 
 
 class EnginePool(Protocol):
     """What the rollout manager and the weight sync need of the engines."""
 
-    def generate(self, requests: Sequence[GenRequest],
-                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+    def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
         """The generations of `requests`, in order; `on_done()` after each one finishes (progress)."""
         ...
 
@@ -90,7 +90,7 @@ def expected_logprobs_mode(rollout: Any) -> str:
     return "processed" if getattr(rollout, "sampling_mask_replay", False) else "raw"
 
 
-def check_logprobs_mode(pool: "HTTPEnginePool", rollout: Any) -> None:
+def check_logprobs_mode(pool: HTTPEnginePool, rollout: Any) -> None:
     """Refuse engines whose `/get_server_info` reports `logprobs_mode: processed` when the trainer
     does not replay the sampling mask (μ would be a renormalised log-prob that π never is). An
     engine that does not report the mode (a real SGLang server), or has no `/get_server_info`, is
@@ -112,13 +112,22 @@ def check_logprobs_mode(pool: "HTTPEnginePool", rollout: Any) -> None:
 def engine_timeouts(rollout: Any) -> dict[str, float]:
     """`HTTPEnginePool`'s timeouts besides generation's, from the rollout config (never longer
     than a generation request's)."""
-    return {"control_timeout": min(rollout.control_timeout_s, rollout.request_timeout_s),
-            "weight_update_timeout": min(rollout.weight_update_timeout_s, rollout.request_timeout_s),
-            "no_engine_timeout_s": rollout.no_engine_timeout_s}
+    return {
+        "control_timeout": min(rollout.control_timeout_s, rollout.request_timeout_s),
+        "weight_update_timeout": min(rollout.weight_update_timeout_s, rollout.request_timeout_s),
+        "no_engine_timeout_s": rollout.no_engine_timeout_s,
+    }
 
 
-def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: int, *,
-                      workdir: Optional[str] = None, tokenizer_path: Optional[str] = None) -> EnginePool:
+def build_engine_pool(
+    rollout: Any,
+    model: ModelConfig,
+    tokenizer: Any,
+    seed: int,
+    *,
+    workdir: str | None = None,
+    tokenizer_path: str | None = None,
+) -> EnginePool:
     """The pool `rollout` asks for: the servers of `engine_urls`; else `mcore-rl serve` processes
     this trainer starts (async runtime, or `engine_processes: true`; their files and logs go to
     `workdir`); else embedded engines in this process. Engines the trainer builds run in the
@@ -128,9 +137,15 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
 
     mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
-        pool = HTTPEnginePool(rollout.engine_urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
-                              admin_api_key=rollout.admin_api_key, health_interval=rollout.health_check_interval_s,
-                              num_layers=model.num_layers, **engine_timeouts(rollout))
+        pool = HTTPEnginePool(
+            rollout.engine_urls,
+            timeout=rollout.request_timeout_s,
+            api_key=rollout.api_key,
+            admin_api_key=rollout.admin_api_key,
+            health_interval=rollout.health_check_interval_s,
+            num_layers=model.num_layers,
+            **engine_timeouts(rollout),
+        )
         try:
             check_logprobs_mode(pool, rollout)
         except BaseException:
@@ -141,24 +156,47 @@ def build_engine_pool(rollout: Any, model: ModelConfig, tokenizer: Any, seed: in
         from mcore_rl.rollout.engine_processes import EngineProcesses
 
         procs = EngineProcesses.start(
-            model, num=rollout.num_embedded_engines, workdir=workdir or "engines", tokenizer_path=tokenizer_path,
-            quantization=rollout.quantization, max_running_requests=rollout.max_running_requests,
-            context_length=rollout.context_length, seed=seed, cores=rollout.engine_cores or None,
-            devices=rollout.engine_devices or None, threads=rollout.engine_threads, api_key=rollout.api_key,
-            admin_api_key=rollout.admin_api_key, startup_timeout_s=rollout.engine_startup_timeout_s,
-            extra_args=["--logprobs-mode", mode])
+            model,
+            num=rollout.num_embedded_engines,
+            workdir=workdir or "engines",
+            tokenizer_path=tokenizer_path,
+            quantization=rollout.quantization,
+            max_running_requests=rollout.max_running_requests,
+            context_length=rollout.context_length,
+            seed=seed,
+            cores=rollout.engine_cores or None,
+            devices=rollout.engine_devices or None,
+            threads=rollout.engine_threads,
+            api_key=rollout.api_key,
+            admin_api_key=rollout.admin_api_key,
+            startup_timeout_s=rollout.engine_startup_timeout_s,
+            extra_args=["--logprobs-mode", mode],
+        )
         try:
-            return HTTPEnginePool(procs.urls, timeout=rollout.request_timeout_s, api_key=rollout.api_key,
-                                  admin_api_key=rollout.admin_api_key, processes=procs,
-                                  restart_dead=rollout.restart_engines, health_interval=rollout.health_check_interval_s,
-                                  num_layers=model.num_layers, **engine_timeouts(rollout))
+            return HTTPEnginePool(
+                procs.urls,
+                timeout=rollout.request_timeout_s,
+                api_key=rollout.api_key,
+                admin_api_key=rollout.admin_api_key,
+                processes=procs,
+                restart_dead=rollout.restart_engines,
+                health_interval=rollout.health_check_interval_s,
+                num_layers=model.num_layers,
+                **engine_timeouts(rollout),
+            )
         except BaseException:
             procs.close()
             raise
     return EmbeddedEnginePool.build(
-        model, tokenizer, num=rollout.num_embedded_engines, quantization=rollout.quantization,
-        max_running_requests=rollout.max_running_requests, context_length=rollout.context_length, seed=seed,
-        logprobs_mode=mode)
+        model,
+        tokenizer,
+        num=rollout.num_embedded_engines,
+        quantization=rollout.quantization,
+        max_running_requests=rollout.max_running_requests,
+        context_length=rollout.context_length,
+        seed=seed,
+        logprobs_mode=mode,
+    )
 
 
 class EmbeddedEnginePool:
@@ -168,9 +206,18 @@ class EmbeddedEnginePool:
         self.cores = list(cores)
 
     @classmethod
-    def build(cls, mc: ModelConfig, tokenizer: Any, *, num: int, quantization: str,
-              max_running_requests: int, context_length: int, seed: int,
-              logprobs_mode: str = "raw") -> "EmbeddedEnginePool":
+    def build(
+        cls,
+        mc: ModelConfig,
+        tokenizer: Any,
+        *,
+        num: int,
+        quantization: str,
+        max_running_requests: int,
+        context_length: int,
+        seed: int,
+        logprobs_mode: str = "raw",
+    ) -> EmbeddedEnginePool:
         """`num` engines holding an (uninitialised) reference model of `mc`; the first weight sync
         fills them. `quantization`: "fp8" (e4m3 block weights), "bf16" or "none" (fp32).
 
@@ -187,13 +234,20 @@ class EmbeddedEnginePool:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + i)
                 model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc))
-            cores.append(EngineCore(
-                model, tokenizer, max_running_requests=max_running_requests, context_length=context_length,
-                quantization="fp8" if quantization == "fp8" else None,
-                dtype="bfloat16" if quantization == "bf16" else "float32", random_seed=seed + i,
-                return_original_logprob=False, logprobs_mode=logprobs_mode,
-                device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
-            ))
+            cores.append(
+                EngineCore(
+                    model,
+                    tokenizer,
+                    max_running_requests=max_running_requests,
+                    context_length=context_length,
+                    quantization="fp8" if quantization == "fp8" else None,
+                    dtype="bfloat16" if quantization == "bf16" else "float32",
+                    random_seed=seed + i,
+                    return_original_logprob=False,
+                    logprobs_mode=logprobs_mode,
+                    device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
+                )
+            )
         return cls(cores)
 
     @property
@@ -205,8 +259,7 @@ class EmbeddedEnginePool:
 
         return InProcessTransport(self.cores)
 
-    def generate(self, requests: Sequence[GenRequest],
-                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+    def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -214,13 +267,18 @@ class EmbeddedEnginePool:
         where: dict[str, int] = {}
         for i, (req, rid) in enumerate(zip(requests, rids)):
             self.cores[i % len(self.cores)].add_request(
-                Request(rid, list(req.input_ids), SamplingParams(**req.sampling_params), return_logprob=True,
-                        return_routed_experts=req.return_routed_experts,
-                        return_sampling_mask=req.return_sampling_mask,
-                        logprob_start_len=req.logprob_start_len if req.logprob_start_len is not None else -1)
+                Request(
+                    rid,
+                    list(req.input_ids),
+                    SamplingParams(**req.sampling_params),
+                    return_logprob=True,
+                    return_routed_experts=req.return_routed_experts,
+                    return_sampling_mask=req.return_sampling_mask,
+                    logprob_start_len=req.logprob_start_len if req.logprob_start_len is not None else -1,
+                )
             )
             where[rid] = i
-        results: list[Optional[Generation]] = [None] * len(requests)
+        results: list[Generation | None] = [None] * len(requests)
         pending = len(requests)
         while pending:
             progressed = False
@@ -233,13 +291,20 @@ class EmbeddedEnginePool:
                         continue
                     mask = requests[where[out.rid]].return_sampling_mask
                     results[where[out.rid]] = Generation(
-                        list(out.output_ids), [lp for lp, _ in out.output_token_logprobs], int(out.weight_version),
-                        (out.finish_reason or {}).get("type", "abort"), out.text or "", f"embedded:{j}",
+                        list(out.output_ids),
+                        [lp for lp, _ in out.output_token_logprobs],
+                        int(out.weight_version),
+                        (out.finish_reason or {}).get("type", "abort"),
+                        out.text or "",
+                        f"embedded:{j}",
                         routed_experts=out.routed_experts,
                         output_sampling_masks=out.output_token_sampling_mask if mask else None,
                         output_sampling_logprobs=out.output_token_sampling_logprobs if mask else None,
-                        input_logprobs=([float(lp) for lp, _ in out.input_token_logprobs[1:]]
-                                        if requests[where[out.rid]].logprob_start_len is not None else None),
+                        input_logprobs=(
+                            [float(lp) for lp, _ in out.input_token_logprobs[1:]]
+                            if requests[where[out.rid]].logprob_start_len is not None
+                            else None
+                        ),
                     )
                     pending -= 1
                     if on_done is not None:
@@ -277,12 +342,23 @@ class HTTPEnginePool:
     An update that finds no engine to send to waits up to `no_engine_timeout_s` for one (a
     restarting engine, one that answers again) before it raises `NoHealthyEngine`."""
 
-    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, concurrency: int = 512,
-                 api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
-                 health_interval: float = 5.0, log_wait_s: float = 10.0, processes: Any = None,
-                 restart_dead: bool = False, num_layers: Optional[int] = None,
-                 control_timeout: Optional[float] = None, weight_update_timeout: Optional[float] = None,
-                 no_engine_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout: float = 600.0,
+        concurrency: int = 512,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        health_interval: float = 5.0,
+        log_wait_s: float = 10.0,
+        processes: Any = None,
+        restart_dead: bool = False,
+        num_layers: int | None = None,
+        control_timeout: float | None = None,
+        weight_update_timeout: float | None = None,
+        no_engine_timeout_s: float = 0.0,
+    ) -> None:
         from mcore_rl.rollout.router import EngineRouter
 
         if not urls:
@@ -297,9 +373,15 @@ class HTTPEnginePool:
         self._thread.start()
 
         async def make_router() -> Any:
-            router = EngineRouter(self.urls, timeout=timeout, api_key=api_key, admin_api_key=admin_api_key,
-                                  health_interval=health_interval, control_timeout=control_timeout,
-                                  weight_update_timeout=weight_update_timeout)
+            router = EngineRouter(
+                self.urls,
+                timeout=timeout,
+                api_key=api_key,
+                admin_api_key=admin_api_key,
+                health_interval=health_interval,
+                control_timeout=control_timeout,
+                weight_update_timeout=weight_update_timeout,
+            )
             router.start()
             return router
 
@@ -308,11 +390,12 @@ class HTTPEnginePool:
         self._transport: Any = None
         self._no_checksum: set[str] = set()  # engines without /weights_checksum (real SGLang), logged once
         self._stop_watch = threading.Event()
-        self._watcher: Optional[threading.Thread] = None
+        self._watcher: threading.Thread | None = None
         if processes is not None and restart_dead:
             # a thread of its own: an engine process dies with the thread that started it (PDEATHSIG)
-            self._watcher = threading.Thread(target=self._restart_dead, args=(health_interval,),
-                                             name="engine-restarter", daemon=True)
+            self._watcher = threading.Thread(
+                target=self._restart_dead, args=(health_interval,), name="engine-restarter", daemon=True
+            )
             self._watcher.start()
 
     def _restart_dead(self, interval: float) -> None:
@@ -328,7 +411,7 @@ class HTTPEnginePool:
                         if not self.processes.poll_start(i):
                             continue
                         self.states.process_ready(url, self._run(self.router._version_of(url)))
-                    except Exception:  # noqa: BLE001 - launched again next round; the others go on
+                    except Exception:
                         logger.exception("engine %s did not come back", url)
                     starting.discard(i)
                     continue
@@ -339,7 +422,7 @@ class HTTPEnginePool:
                 try:
                     self.processes.relaunch(i)
                     starting.add(i)
-                except Exception:  # noqa: BLE001 - try again next round; the run goes on with the others
+                except Exception:
                     logger.exception("could not restart engine %s", url)
 
     def _run(self, coro: Any) -> Any:
@@ -362,14 +445,16 @@ class HTTPEnginePool:
         targets = set(self.states.update_targets())
         return [u for u in self.urls if u in targets]
 
-    def start(self, method: str, kwargs: dict | Callable[[int], dict],
-              urls: Optional[Sequence[str]] = None) -> dict[str, Future]:
+    def start(
+        self, method: str, kwargs: dict | Callable[[int], dict], urls: Sequence[str] | None = None
+    ) -> dict[str, Future]:
         """Call `EngineClient.<method>(**kwargs)` on `urls` (default: the live engines; `kwargs` may
         be a function of the engine's index in `urls`); returns the pending futures by URL."""
         urls = self.live if urls is None else list(urls)
         return {
             u: asyncio.run_coroutine_threadsafe(
-                getattr(self.router.clients[u], method)(**(kwargs(i) if callable(kwargs) else kwargs)), self._loop)
+                getattr(self.router.clients[u], method)(**(kwargs(i) if callable(kwargs) else kwargs)), self._loop
+            )
             for i, u in enumerate(urls)
         }
 
@@ -391,7 +476,7 @@ class HTTPEnginePool:
             raise NoHealthyEngine(f"{what}: no engine answered (tried {', '.join(futures)})")
         return results
 
-    def _settle(self, futures: dict[str, Future], what: str) -> dict[str, tuple[Any, Optional[Exception]]]:
+    def _settle(self, futures: dict[str, Future], what: str) -> dict[str, tuple[Any, Exception | None]]:
         """(reply, None) or (None, error) by URL for the engines that answered, once all have, logging
         while it waits; an engine that cannot be reached is marked dead and left out."""
         from mcore_rl.rollout.client import EngineUnavailable
@@ -402,28 +487,35 @@ class HTTPEnginePool:
             done, _ = concurrent.futures.wait(pending.values(), timeout=self.log_wait_s)
             if not done:
                 limit = self.router.clients[next(iter(pending))].timeout_for(what)
-                logger.warning("waited %.0f s (timeout %.0f s) for %s from %s", time.monotonic() - start,
-                               limit, what, ", ".join(sorted(pending)))
+                logger.warning(
+                    "waited %.0f s (timeout %.0f s) for %s from %s",
+                    time.monotonic() - start,
+                    limit,
+                    what,
+                    ", ".join(sorted(pending)),
+                )
             pending = {u: f for u, f in pending.items() if not f.done()}
-        out: dict[str, tuple[Any, Optional[Exception]]] = {}
+        out: dict[str, tuple[Any, Exception | None]] = {}
         for url, f in futures.items():
             try:
                 out[url] = (f.result(), None)
             except EngineUnavailable as err:
-                logger.warning("engine %s is unreachable during %s (%s); it is left out until it answers again",
-                               url, what, err)
+                logger.warning(
+                    "engine %s is unreachable during %s (%s); it is left out until it answers again", url, what, err
+                )
                 self.states.unreachable(url)
-            except Exception as err:  # noqa: BLE001 - the caller decides
+            except Exception as err:
                 out[url] = (None, err)
         return out
 
-    def call(self, method: str, kwargs: dict | Callable[[int], dict],
-             urls: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    def call(
+        self, method: str, kwargs: dict | Callable[[int], dict], urls: Sequence[str] | None = None
+    ) -> dict[str, Any]:
         """`start` and `wait`: the replies by URL of the engines that answered."""
         return self.wait(self.start(method, kwargs, urls), f"/{method}")
 
     @contextlib.contextmanager
-    def weight_update(self, mode: str, urls: Optional[Sequence[str]] = None) -> Iterator[list[str]]:
+    def weight_update(self, mode: str, urls: Sequence[str] | None = None) -> Iterator[list[str]]:
         """Pause `urls` (default: every update target, waiting up to `no_engine_timeout_s` for one
         when there is none) so that no token is generated from half-updated weights; yields the
         engines that answered. Transports shrink the list as engines drop out, then call
@@ -441,9 +533,12 @@ class HTTPEnginePool:
             if refused is not None or targets or urls is not None or time.monotonic() >= deadline:
                 break
             if not logged:
-                logger.warning("weight update: no engine to send to (%s); waiting up to %.0f s "
-                               "(rollout.no_engine_timeout_s) for one to come back", self.states.summary(),
-                               self.no_engine_timeout_s)
+                logger.warning(
+                    "weight update: no engine to send to (%s); waiting up to %.0f s "
+                    "(rollout.no_engine_timeout_s) for one to come back",
+                    self.states.summary(),
+                    self.no_engine_timeout_s,
+                )
                 logged = True
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         if refused is not None or not targets:  # nothing was sent yet: the paused ones may go on
@@ -452,8 +547,9 @@ class HTTPEnginePool:
             if refused is not None:
                 raise refused
             waited = f" after waiting {self.no_engine_timeout_s:g} s (rollout.no_engine_timeout_s)" if logged else ""
-            raise NoEngineToSync(f"weight update: no engine to send the weights to answered{waited}; "
-                                 f"{self.states.summary()}")
+            raise NoEngineToSync(
+                f"weight update: no engine to send the weights to answered{waited}; {self.states.summary()}"
+            )
         paused = list(targets)
         self.states.sync_begin(paused)
         try:
@@ -463,8 +559,7 @@ class HTTPEnginePool:
             if resume:
                 self.call("continue_generation", {}, resume)
 
-    def delivered(self, urls: Sequence[str], version: int,
-                  checksum: Optional["WeightChecksum"] = None) -> dict[str, str]:
+    def delivered(self, urls: Sequence[str], version: int, checksum: WeightChecksum | None = None) -> dict[str, str]:
         """`urls` received every tensor of `version`. With `checksum` (the trainer's
         `WeightChecksum` of what it sent) each engine's `/weights_checksum` is compared first; the
         engines that agree, or have no such endpoint (logged once), serve again (those paused for
@@ -476,7 +571,7 @@ class HTTPEnginePool:
                 self.states.delivered(u, str(version))
         return problems
 
-    def verify(self, urls: Sequence[str], version: int, checksum: "WeightChecksum") -> dict[str, str]:
+    def verify(self, urls: Sequence[str], version: int, checksum: WeightChecksum) -> dict[str, str]:
         """Engines among `urls` whose `/weights_checksum` does not show `version` with exactly the
         tensors of `checksum`, with why. Engines that answer 404 (no such endpoint: a real SGLang
         server) are not checked; that is logged once per engine."""
@@ -488,8 +583,11 @@ class HTTPEnginePool:
         for url, (reply, err) in self._settle(futures, "/weights_checksum").items():
             if isinstance(err, EngineHTTPError) and err.status == 404:
                 self._no_checksum.add(url)
-                logger.warning("engine %s has no /weights_checksum (a real SGLang server?): the weights it loads "
-                               "are not checked against the trainer's checksum", url)
+                logger.warning(
+                    "engine %s has no /weights_checksum (a real SGLang server?): the weights it loads "
+                    "are not checked against the trainer's checksum",
+                    url,
+                )
             elif err is not None:
                 problems[url] = f"/weights_checksum failed: {err}"
             else:
@@ -508,17 +606,18 @@ class HTTPEnginePool:
             self._transport = DiskTransport(self, rollout.sync_dir)
         else:
             self._transport = DistributedTransport(
-                self, rendezvous_timeout_s=self.router.clients[self.urls[0]].weight_update_timeout)
+                self, rendezvous_timeout_s=self.router.clients[self.urls[0]].weight_update_timeout
+            )
         return self._transport
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenRequest],
-                 on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+    def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
         return self._run(self._generate(requests, on_done))
 
-    async def _generate(self, requests: Sequence[GenRequest],
-                        on_done: Optional[Callable[[], None]] = None) -> list[Generation]:
+    async def _generate(
+        self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None
+    ) -> list[Generation]:
         sem = asyncio.Semaphore(self.concurrency)
 
         async def one(req: GenRequest) -> Generation:
@@ -538,8 +637,11 @@ class HTTPEnginePool:
         if req.logprob_start_len is not None:
             fields["logprob_start_len"] = req.logprob_start_len
         out = await self.router.generate(
-            input_ids=list(req.input_ids), sampling_params=dict(req.sampling_params),
-            return_logprob=True, rid=req.rid or uuid.uuid4().hex, **fields,
+            input_ids=list(req.input_ids),
+            sampling_params=dict(req.sampling_params),
+            return_logprob=True,
+            rid=req.rid or uuid.uuid4().hex,
+            **fields,
         )
         meta = out["meta_info"]
         versions = meta.get("output_token_weight_versions")
@@ -549,12 +651,16 @@ class HTTPEnginePool:
 
             if self.num_layers is None:
                 raise ValueError("num_layers: HTTPEnginePool needs the model's layer count to decode routed_experts")
-            routed = decode_routed_experts(meta["routed_experts"], len(req.input_ids) + len(out["output_ids"]),
-                                           self.num_layers)
+            routed = decode_routed_experts(
+                meta["routed_experts"], len(req.input_ids) + len(out["output_ids"]), self.num_layers
+            )
         gen = Generation(
-            list(out["output_ids"]), [float(t[0]) for t in meta.get("output_token_logprobs", [])],
-            int(meta.get("weight_version", 0)), (meta.get("finish_reason") or {}).get("type", "abort"),
-            out.get("text", ""), str(meta.get("engine", "remote")),
+            list(out["output_ids"]),
+            [float(t[0]) for t in meta.get("output_token_logprobs", [])],
+            int(meta.get("weight_version", 0)),
+            (meta.get("finish_reason") or {}).get("type", "abort"),
+            out.get("text", ""),
+            str(meta.get("engine", "remote")),
             [int(v) for v in versions] if versions is not None else None,
             routed_experts=routed,
         )

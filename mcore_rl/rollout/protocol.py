@@ -70,8 +70,16 @@ class RequestError(ValueError):
 # --- /generate fields ---------------------------------------------------------------------------
 
 _GENERATE_FIELDS = {
-    "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
+    "rid",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "stream",
     "return_routed_experts",  # routing replay (needs --enable-return-routed-experts)
     "return_sampling_mask",  # sampling-mask replay
 }
@@ -79,33 +87,75 @@ _STR, _INT, _NUM, _BOOL, _DICT, _LIST = (str,), (int,), (int, float), (bool,), (
 # Metadata a real SGLang server uses for metrics, logging, routing or prefix-cache keys; it changes
 # no token. Any value of the type SGLang declares (or null) is accepted.
 _IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
-    "log_metrics": _BOOL, "priority": _INT, "custom_labels": _DICT, "no_logs": _BOOL, "routing_key": _STR,
-    "conversation_id": _STR, "session_id": _STR, "routed_dp_rank": _INT, "data_parallel_rank": _INT,
-    "disagg_prefill_dp_rank": _INT, "kv_router_hint": _DICT, "received_time": _NUM,
-    "external_trace_header": _DICT, "extra_key": _STR + _LIST, "cache_salt": _STR + _LIST,
-    "background": _BOOL, "http_worker_ipc": _STR,
+    "log_metrics": _BOOL,
+    "priority": _INT,
+    "custom_labels": _DICT,
+    "no_logs": _BOOL,
+    "routing_key": _STR,
+    "conversation_id": _STR,
+    "session_id": _STR,
+    "routed_dp_rank": _INT,
+    "data_parallel_rank": _INT,
+    "disagg_prefill_dp_rank": _INT,
+    "kv_router_hint": _DICT,
+    "received_time": _NUM,
+    "external_trace_header": _DICT,
+    "extra_key": _STR + _LIST,
+    "cache_salt": _STR + _LIST,
+    "background": _BOOL,
+    "http_worker_ipc": _STR,
 }
 # SGLang features the embedded engine does not have: accepted at SGLang's default (null, or the
 # value given here; a list of defaults for per-item fields), an error naming the field otherwise.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "mm_hashes": None,
-    "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "mm_hashes": None,
+    "mm_content_hashes": None,
+    "use_audio_in_video": False,
+    "video_config": None,
     "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_top_logprobs_b64": False, "return_hidden_states": False,
-    "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
-    "lora_path": None, "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
-    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
-    "decode_tp_size": None, "require_reasoning": False, "max_thinking_tokens": None, "return_bytes": False,
-    "return_entropy": False, "return_prompt_token_ids": False, "need_wait_for_mm_inputs": None,
-    "num_items_assigned": None, "encoder_urls": None, "max_dynamic_patch": None, "min_dynamic_patch": None,
-    "image_max_dynamic_patch": None, "video_max_dynamic_patch": None, "images_config": None,
+    "return_flat_raw_top_logprobs_b64": False,
+    "return_hidden_states": False,
+    "routed_experts_start_len": 0,
+    "return_indexer_topk": False,
+    "modalities": None,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "positional_embed_overrides": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "bootstrap_pair_key": None,
+    "decode_tp_size": None,
+    "require_reasoning": False,
+    "max_thinking_tokens": None,
+    "return_bytes": False,
+    "return_entropy": False,
+    "return_prompt_token_ids": False,
+    "need_wait_for_mm_inputs": None,
+    "num_items_assigned": None,
+    "encoder_urls": None,
+    "max_dynamic_patch": None,
+    "min_dynamic_patch": None,
+    "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None,
+    "images_config": None,
     "multi_item_delimiter_indices": None,
 }
 # sampling_params keys SGLang knows that the engine ignores (presentation/stream granularity only) ...
 _IGNORED_SAMPLING = {"spaces_between_special_tokens", "stream_interval"}
 # ... and those it cannot honour, accepted only at their neutral value.
 _NEUTRAL_SAMPLING = {
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "custom_params": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
 }
 
 
@@ -119,9 +169,15 @@ class GenerateInput:
     return_text_in_logprobs: bool
 
 
-def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int,
-                   enable_return_routed_experts: bool = False,
-                   sampling_mask_max_tokens: int | None = None) -> GenerateInput:
+def parse_generate(
+    body: Any,
+    *,
+    tokenizer,
+    vocab_size: int,
+    context_length: int,
+    enable_return_routed_experts: bool = False,
+    sampling_mask_max_tokens: int | None = None,
+) -> GenerateInput:
     """Validate a `/generate` body and turn it into engine requests; raises `RequestError`.
     `return_routed_experts` needs the server's `--enable-return-routed-experts`, as in SGLang."""
     if not isinstance(body, dict):
@@ -163,8 +219,14 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
         for k in range(n):
             where = "" if is_single and n == 1 else f" (batch item {i * n + k})"
             _check_ids(ids, vocab_size, where)
-            check_lengths(len(ids), sampling[i].get("max_new_tokens"), context_length, prompt_field,
-                          "sampling_params.max_new_tokens", where)
+            check_lengths(
+                len(ids),
+                sampling[i].get("max_new_tokens"),
+                context_length,
+                prompt_field,
+                "sampling_params.max_new_tokens",
+                where,
+            )
             try:
                 params = sampling_params_from_json(sampling[i])
                 params.validate(context_length, len(ids), vocab_size)
@@ -179,13 +241,20 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, context_length: int
                 _check_sampling_mask(params, sampling_mask_max_tokens, where)
             if not 0 <= top_num[i] <= vocab_size:
                 raise RequestError(f"top_logprobs_num: must be in [0, {vocab_size}], got {top_num[i]}{where}")
-            requests.append(Request(
-                rid=rids[i * n + k], input_ids=ids, sampling=params,
-                return_logprob=return_logprob[i], top_logprobs_num=top_num[i],
-                logprob_start_len=start_len[i], stream=stream, token_ids_logprob=token_ids[i],
-                return_routed_experts=routed,
-                return_sampling_mask=want_mask[i],
-            ))
+            requests.append(
+                Request(
+                    rid=rids[i * n + k],
+                    input_ids=ids,
+                    sampling=params,
+                    return_logprob=return_logprob[i],
+                    top_logprobs_num=top_num[i],
+                    logprob_start_len=start_len[i],
+                    stream=stream,
+                    token_ids_logprob=token_ids[i],
+                    return_routed_experts=routed,
+                    return_sampling_mask=want_mask[i],
+                )
+            )
     return GenerateInput(requests, is_single and n == 1, stream, with_text)
 
 
@@ -208,8 +277,9 @@ def _check_sampling_mask(sp: SamplingParams, max_tokens: int | None, where: str)
         )
 
 
-def check_lengths(prompt_len: int, max_new_tokens: Any, context_length: int, prompt_field: str,
-                  max_field: str, where: str = "") -> None:
+def check_lengths(
+    prompt_len: int, max_new_tokens: Any, context_length: int, prompt_field: str, max_field: str, where: str = ""
+) -> None:
     """SGLang's up-front checks (TokenizerManager._validate_one_request), with its messages: the
     prompt must be shorter than the context, and an explicit `max_new_tokens` must fit beside it."""
     if prompt_len >= context_length:
@@ -227,8 +297,13 @@ def check_lengths(prompt_len: int, max_new_tokens: Any, context_length: int, pro
         )
 
 
-def check_fields(body: dict, known: set[str], ignored: set[str] | dict[str, tuple[type, ...]],
-                 unsupported: set[str] | dict[str, Any], prefix: str = "") -> None:
+def check_fields(
+    body: dict,
+    known: set[str],
+    ignored: set[str] | dict[str, tuple[type, ...]],
+    unsupported: set[str] | dict[str, Any],
+    prefix: str = "",
+) -> None:
     """Unknown keys, ignored ones of the wrong type and unsupported features away from their
     default are errors naming the key. `ignored` may map names to accepted types; `unsupported`
     names to their default (a set: null / false / empty)."""
@@ -237,7 +312,11 @@ def check_fields(body: dict, known: set[str], ignored: set[str] | dict[str, tupl
             continue
         if key in ignored:
             kinds = ignored.get(key) if isinstance(ignored, dict) else None
-            if kinds and value is not None and not (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+            if (
+                kinds
+                and value is not None
+                and not (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)))
+            ):
                 want = " or ".join(k.__name__ for k in kinds)
                 raise RequestError(f"{prefix}{key}: expected {want} or null, got {show(value)}")
             continue
@@ -245,8 +324,9 @@ def check_fields(body: dict, known: set[str], ignored: set[str] | dict[str, tupl
             default = unsupported.get(key) if isinstance(unsupported, dict) else None
             if at_default(value, default):
                 continue
-            raise RequestError(f"{prefix}{key}: not supported by the embedded engine (only {json.dumps(default)}), "
-                               f"got {show(value)}")
+            raise RequestError(
+                f"{prefix}{key}: not supported by the embedded engine (only {json.dumps(default)}), got {show(value)}"
+            )
         raise RequestError(f"{prefix}{key}: unknown field (accepted: {', '.join(sorted(known))})")
 
 
@@ -330,30 +410,35 @@ def _token_ids_logprob(value: Any, batch: int, is_single: bool, n: int, vocab_si
     if _is_int(value):
         value = [value]
     if not isinstance(value, list):
-        raise RequestError(f"{key}: expected a list of token ids (or, for a batch, a list of such lists), "
-                           f"got {show(value)}")
+        raise RequestError(
+            f"{key}: expected a list of token ids (or, for a batch, a list of such lists), got {show(value)}"
+        )
     if all(_is_int(t) for t in value):
         per = [list(value)] * batch
     elif all(v is None or isinstance(v, list) for v in value):
         if is_single:
-            raise RequestError(f"{key}: a list of lists needs a batch of prompts; for one prompt give a list of "
-                               f"token ids, got {show(value)}")
+            raise RequestError(
+                f"{key}: a list of lists needs a batch of prompts; for one prompt give a list of "
+                f"token ids, got {show(value)}"
+            )
         if len(value) != batch:
             raise RequestError(f"{key}: {len(value)} lists for a batch of {batch} prompts")
         if n > 1:
             raise RequestError(f"{key}: Cannot use list {key} with parallel_sample_num > 1")
         per = [None if v is None else list(v) for v in value]
     else:
-        raise RequestError(f"{key}: expected integer token ids (or, for a batch, a list of lists of them), "
-                           f"got {show(value)}")
+        raise RequestError(
+            f"{key}: expected integer token ids (or, for a batch, a list of lists of them), got {show(value)}"
+        )
     for i, ids in enumerate(per):
         where = "" if is_single else f" (batch item {i})"
         for t in ids or ():
             if not _is_int(t):
                 raise RequestError(f"{key}: expected integer token ids, got {show(t)}{where}")
             if not 0 <= t < vocab_size:  # SGLang's wording (TokenizerManager._validate_token_ids_logprob)
-                raise RequestError(f"{key} contains out-of-vocabulary token id {t}; valid range is "
-                                   f"[0, {vocab_size}).{where}")
+                raise RequestError(
+                    f"{key} contains out-of-vocabulary token id {t}; valid range is [0, {vocab_size}).{where}"
+                )
     return per
 
 
@@ -445,20 +530,28 @@ def generate_output(
         meta["input_token_logprobs"] = logprob_triples(out.input_token_logprobs, with_text)
         meta["output_token_logprobs"] = logprob_triples(out.output_token_logprobs, with_text)
         if req.top_logprobs_num > 0:
-            meta["input_top_logprobs"] = [None if t is None else logprob_triples(t, with_text) for t in out.input_top_logprobs]
+            meta["input_top_logprobs"] = [
+                None if t is None else logprob_triples(t, with_text) for t in out.input_top_logprobs
+            ]
             meta["output_top_logprobs"] = [logprob_triples(t, with_text) for t in out.output_top_logprobs]
         if req.token_ids_logprob is not None:  # SGLang: a position without values (the first input one) is None
-            meta["input_token_ids_logprobs"] = [logprob_triples(t, with_text) if t else None
-                                                for t in out.input_token_ids_logprobs]
-            meta["output_token_ids_logprobs"] = [logprob_triples(t, with_text) if t else None
-                                                 for t in out.output_token_ids_logprobs]
+            meta["input_token_ids_logprobs"] = [
+                logprob_triples(t, with_text) if t else None for t in out.input_token_ids_logprobs
+            ]
+            meta["output_token_ids_logprobs"] = [
+                logprob_triples(t, with_text) if t else None for t in out.output_token_ids_logprobs
+            ]
     if req.return_routed_experts and out.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     if req.return_sampling_mask:  # sampling-mask replay (SGLang's meta_info fields)
         meta["output_token_sampling_mask"] = [list(m) for m in out.output_token_sampling_mask]
         meta["output_token_sampling_logprobs"] = list(out.output_token_sampling_logprobs)
         meta["output_token_sampling_mask_length"] = len(out.output_token_sampling_mask)
-    text = out.text if out.text is not None else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    text = (
+        out.text
+        if out.text is not None
+        else tokenizer.decode(out.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    )
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
@@ -475,8 +568,10 @@ def decode_routed_experts(value: str, num_tokens: int, num_layers: int) -> np.nd
     flat = np.frombuffer(base64.b64decode(value), dtype="<i4").astype(np.int32)
     rows = max(num_tokens - 1, 0)
     if flat.size % max(rows * num_layers, 1) or (rows == 0) != (flat.size == 0):
-        raise ValueError(f"routed_experts: {flat.size} expert ids do not split into {rows} tokens "
-                         f"(len(prompt) + len(output) - 1) x {num_layers} layers")
+        raise ValueError(
+            f"routed_experts: {flat.size} expert ids do not split into {rows} tokens "
+            f"(len(prompt) + len(output) - 1) x {num_layers} layers"
+        )
     return flat.reshape(rows, num_layers, -1)
 
 

@@ -26,7 +26,8 @@ import importlib.util
 import logging
 import subprocess
 import sys
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 from mcore_rl.rollout.client import (
     EngineClient,
@@ -63,20 +64,29 @@ class EngineRouter:
         timeout: float = 600.0,
         retries: int = 1,
         health_interval: float = 5.0,
-        api_key: Optional[str] = None,
-        admin_api_key: Optional[str] = None,
-        control_timeout: Optional[float] = None,
-        weight_update_timeout: Optional[float] = None,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        control_timeout: float | None = None,
+        weight_update_timeout: float | None = None,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one engine URL is needed")
-        self.clients = {u.rstrip("/"): EngineClient(u, timeout=timeout, retries=retries, api_key=api_key,
-                                                    admin_api_key=admin_api_key, control_timeout=control_timeout,
-                                                    weight_update_timeout=weight_update_timeout) for u in urls}
+        self.clients = {
+            u.rstrip("/"): EngineClient(
+                u,
+                timeout=timeout,
+                retries=retries,
+                api_key=api_key,
+                admin_api_key=admin_api_key,
+                control_timeout=control_timeout,
+                weight_update_timeout=weight_update_timeout,
+            )
+            for u in urls
+        }
         self.outstanding = {u: 0 for u in self.clients}
         self.states = EngineStates(list(self.clients))
         self.health_interval = health_interval
-        self._health_task: Optional[asyncio.Task] = None
+        self._health_task: asyncio.Task | None = None
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -88,7 +98,7 @@ class EngineRouter:
         """The engines that answer but wait for the current weights (a view of `states`)."""
         return frozenset(self.states.in_state(EngineState.WAITING))
 
-    async def __aenter__(self) -> "EngineRouter":
+    async def __aenter__(self) -> EngineRouter:
         self.start()
         return self
 
@@ -109,7 +119,7 @@ class EngineRouter:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def generate(self, body: Optional[dict] = None, **fields: Any) -> Any:
+    async def generate(self, body: dict | None = None, **fields: Any) -> Any:
         """`EngineClient.generate` on the least loaded engine, failing over to the others."""
         body = with_rids(expand_samples({**(body or {}), **fields}))
         tried: set[str] = set()
@@ -132,7 +142,7 @@ class EngineRouter:
             finally:
                 self.outstanding[url] -= 1
 
-    async def generate_stream(self, body: Optional[dict] = None, **fields: Any) -> AsyncIterator[dict]:
+    async def generate_stream(self, body: dict | None = None, **fields: Any) -> AsyncIterator[dict]:
         body = with_rids(expand_samples({**(body or {}), **fields}))
         tried: set[str] = set()
         while True:
@@ -187,7 +197,7 @@ class EngineRouter:
                 self.states.health_ok(url, await self._version_of(url))
         return dict(zip(urls, results))
 
-    async def _version_of(self, url: str) -> Optional[str]:
+    async def _version_of(self, url: str) -> str | None:
         try:
             return str(await self.clients[url].get_weight_version())
         except EngineError:
@@ -211,16 +221,28 @@ class EngineRouter:
             await asyncio.sleep(self.health_interval)
             try:
                 await self.check_health()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+            except Exception:
                 logger.exception("health check failed")
 
 
-def launch_sglang_router(urls: Sequence[str], port: int, host: str = "127.0.0.1",
-                         policy: str = "cache_aware") -> subprocess.Popen:
+def launch_sglang_router(
+    urls: Sequence[str], port: int, host: str = "127.0.0.1", policy: str = "cache_aware"
+) -> subprocess.Popen:
     """Start SGLang's router (`python -m sglang_router.launch_router`) in front of `urls`; talk to
     it with `EngineClient(f"http://{host}:{port}")`. Needs `pip install sglang-router`."""
     if importlib.util.find_spec("sglang_router") is None:
         raise RuntimeError("sglang_router is not installed (pip install sglang-router); use EngineRouter instead")
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-           "--host", host, "--port", str(port), "--policy", policy]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *urls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+    ]
     return subprocess.Popen(cmd)

@@ -53,7 +53,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import torch
 from aiohttp import web
@@ -99,44 +100,46 @@ class EngineServer:
         auth = auth_middleware(self.args.api_key, self.args.admin_api_key)
         self.app = web.Application(middlewares=[auth, _errors], client_max_size=MAX_BODY_BYTES)
         get, post = web.get, web.post
-        self.app.add_routes([
-            get("/health", self.health),
-            get("/health_generate", self.health_generate),
-            get("/get_model_info", self.get_model_info),
-            get("/model_info", self.get_model_info),
-            get("/get_server_info", self.get_server_info),
-            get("/server_info", self.get_server_info),
-            get("/get_weight_version", self.get_weight_version),
-            get("/get_load", self.get_load),
-            post("/generate", self.generate),
-            web.put("/generate", self.generate),
-            post("/tokenize", self.tokenize),
-            post("/v1/tokenize", self.tokenize),
-            post("/detokenize", self.detokenize),
-            post("/v1/detokenize", self.detokenize),
-            post("/abort_request", self.abort_request),
-            post("/pause_generation", self.pause_generation),
-            post("/continue_generation", self.continue_generation),
-            get("/flush_cache", self.flush_cache),
-            post("/flush_cache", self.flush_cache),
-            post("/update_weights_from_disk", self.update_weights_from_disk),
-            post("/update_weights_from_tensor", self.update_weights_from_tensor),
-            post("/update_weights_from_distributed", self.update_weights_from_distributed),
-            post("/init_weights_update_group", self.init_weights_update_group),
-            post("/destroy_weights_update_group", self.destroy_weights_update_group),
-            post("/update_weight_version", self.update_weight_version),
-            get("/get_weights_by_name", self.get_weights_by_name),
-            post("/get_weights_by_name", self.get_weights_by_name),
-            get("/weights_checksum", self.weights_checksum),
-            get("/release_memory_occupation", self.release_memory_occupation),
-            post("/release_memory_occupation", self.release_memory_occupation),
-            get("/resume_memory_occupation", self.resume_memory_occupation),
-            post("/resume_memory_occupation", self.resume_memory_occupation),
-            get("/v1/models", self.v1_models),
-            get("/v1/models/{model:.+}", self.v1_model),
-            post("/v1/completions", self.v1_completions),
-            post("/v1/chat/completions", self.v1_chat_completions),
-        ])
+        self.app.add_routes(
+            [
+                get("/health", self.health),
+                get("/health_generate", self.health_generate),
+                get("/get_model_info", self.get_model_info),
+                get("/model_info", self.get_model_info),
+                get("/get_server_info", self.get_server_info),
+                get("/server_info", self.get_server_info),
+                get("/get_weight_version", self.get_weight_version),
+                get("/get_load", self.get_load),
+                post("/generate", self.generate),
+                web.put("/generate", self.generate),
+                post("/tokenize", self.tokenize),
+                post("/v1/tokenize", self.tokenize),
+                post("/detokenize", self.detokenize),
+                post("/v1/detokenize", self.detokenize),
+                post("/abort_request", self.abort_request),
+                post("/pause_generation", self.pause_generation),
+                post("/continue_generation", self.continue_generation),
+                get("/flush_cache", self.flush_cache),
+                post("/flush_cache", self.flush_cache),
+                post("/update_weights_from_disk", self.update_weights_from_disk),
+                post("/update_weights_from_tensor", self.update_weights_from_tensor),
+                post("/update_weights_from_distributed", self.update_weights_from_distributed),
+                post("/init_weights_update_group", self.init_weights_update_group),
+                post("/destroy_weights_update_group", self.destroy_weights_update_group),
+                post("/update_weight_version", self.update_weight_version),
+                get("/get_weights_by_name", self.get_weights_by_name),
+                post("/get_weights_by_name", self.get_weights_by_name),
+                get("/weights_checksum", self.weights_checksum),
+                get("/release_memory_occupation", self.release_memory_occupation),
+                post("/release_memory_occupation", self.release_memory_occupation),
+                get("/resume_memory_occupation", self.resume_memory_occupation),
+                post("/resume_memory_occupation", self.resume_memory_occupation),
+                get("/v1/models", self.v1_models),
+                get("/v1/models/{model:.+}", self.v1_model),
+                post("/v1/completions", self.v1_completions),
+                post("/v1/chat/completions", self.v1_chat_completions),
+            ]
+        )
 
     # ---- health and info -------------------------------------------------------------------
 
@@ -149,15 +152,18 @@ class EngineServer:
         the round trip only, since a request would be held."""
         if self.engine.holding:
             return await self.health(request)
-        req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
-                      sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        req = Request(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            input_ids=[0],
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         try:
             stream = await self.engine.submit(req)
             try:
                 await asyncio.wait_for(stream.result(), HEALTH_TIMEOUT_S)
             finally:
                 stream.close()
-        except (asyncio.TimeoutError, EngineDead, RuntimeError):
+        except (TimeoutError, EngineDead, RuntimeError):
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -165,41 +171,47 @@ class EngineServer:
         """SGLang's model info: the path of the weights served (the last `/update_weights_from_disk`
         that succeeded moves it, as in SGLang), and the checkpoint's own HF `model_type` and
         `architectures` (e.g. llama / LlamaForCausalLM), not the engine's internal config class."""
-        return _json({
-            "model_path": self.core.model_path,
-            "tokenizer_path": self.args.tokenizer_path or self.core.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": str(self.core.weight_version),
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": self.core.hf_model_type,
-            "architectures": self.core.hf_architectures,
-        })
+        return _json(
+            {
+                "model_path": self.core.model_path,
+                "tokenizer_path": self.args.tokenizer_path or self.core.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": str(self.core.weight_version),
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": self.core.hf_model_type,
+                "architectures": self.core.hf_architectures,
+            }
+        )
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         core = self.core
-        return _json({
-            **self.args.to_dict(),
-            "weight_version": str(core.weight_version),
-            "context_length": core.context_length,
-            "max_running_requests": core.max_running_requests,
-            "max_total_num_tokens": core.max_total_num_tokens,  # the KV pool's size in tokens (SGLang's name)
-            "max_req_input_len": core.max_req_len - 1,
-            "dtype": core.dtype_name,
-            "quantization": core.quantization,
-            "logprobs_mode": core.logprobs_mode,  # sampling-mask replay: "raw" | "processed" output_token_logprobs
-            "sampling_mask_max_tokens": core.sampling_mask_max_tokens,
-            "internal_states": [{
-                "num_running_reqs": core.num_running_reqs,
-                "num_waiting_reqs": core.num_waiting_reqs,
-                "paused": self.engine.paused,
-                "memory_released": core.released_memory(),
-                "weights_need_reload": core.weights_need_reload,
-            }],
-            "version": mcore_rl.__version__,
-            "engine": "mcore-rl embedded",
-        })
+        return _json(
+            {
+                **self.args.to_dict(),
+                "weight_version": str(core.weight_version),
+                "context_length": core.context_length,
+                "max_running_requests": core.max_running_requests,
+                "max_total_num_tokens": core.max_total_num_tokens,  # the KV pool's size in tokens (SGLang's name)
+                "max_req_input_len": core.max_req_len - 1,
+                "dtype": core.dtype_name,
+                "quantization": core.quantization,
+                "logprobs_mode": core.logprobs_mode,  # sampling-mask replay: "raw" | "processed" output_token_logprobs
+                "sampling_mask_max_tokens": core.sampling_mask_max_tokens,
+                "internal_states": [
+                    {
+                        "num_running_reqs": core.num_running_reqs,
+                        "num_waiting_reqs": core.num_waiting_reqs,
+                        "paused": self.engine.paused,
+                        "memory_released": core.released_memory(),
+                        "weights_need_reload": core.weights_need_reload,
+                    }
+                ],
+                "version": mcore_rl.__version__,
+                "engine": "mcore-rl embedded",
+            }
+        )
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return _json({"weight_version": str(self.core.weight_version)})
@@ -209,39 +221,53 @@ class EngineServer:
         ones included), and tokens (in the KV cache + of waiting prompts; `num_pending_tokens` the
         latter)."""
         load = self.engine.load()
-        return _json([{
-            "dp_rank": 0,
-            "num_reqs": load["running"] + load["waiting"],
-            "num_waiting_reqs": load["waiting"],
-            "num_tokens": load["cached_tokens"] + load["waiting_tokens"],
-            "num_pending_tokens": load["waiting_tokens"],
-            "ts_tic": time.perf_counter(),
-        }])
+        return _json(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load["running"] + load["waiting"],
+                    "num_waiting_reqs": load["waiting"],
+                    "num_tokens": load["cached_tokens"] + load["waiting_tokens"],
+                    "num_pending_tokens": load["waiting_tokens"],
+                    "ts_tic": time.perf_counter(),
+                }
+            ]
+        )
 
     # ---- tokenizer -------------------------------------------------------------------------
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return _json(openai_api.tokenize(await _body(request), tokenizer=self.tokenizer,
-                                         context_length=self.core.context_length))
+        return _json(
+            openai_api.tokenize(await _body(request), tokenizer=self.tokenizer, context_length=self.core.context_length)
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return _json(openai_api.detokenize(await _body(request), tokenizer=self.tokenizer,
-                                           vocab_size=self.core.vocab_size))
+        return _json(
+            openai_api.detokenize(await _body(request), tokenizer=self.tokenizer, vocab_size=self.core.vocab_size)
+        )
 
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_generate(await _body(request), tokenizer=self.tokenizer,
-                                vocab_size=self.core.vocab_size, context_length=self.core.context_length,
-                                enable_return_routed_experts=self.args.enable_return_routed_experts,
-                                sampling_mask_max_tokens=self.core.sampling_mask_max_tokens)
+        parsed = parse_generate(
+            await _body(request),
+            tokenizer=self.tokenizer,
+            vocab_size=self.core.vocab_size,
+            context_length=self.core.context_length,
+            enable_return_routed_experts=self.args.enable_return_routed_experts,
+            sampling_mask_max_tokens=self.core.sampling_mask_max_tokens,
+        )
         streams = await self._submit(parsed.requests)
 
         def render(i: int, out: RequestOutput) -> dict:
             s = streams[i]
-            return generate_output(out, s.req, tokenizer=self.tokenizer,
-                                   return_text_in_logprobs=parsed.return_text_in_logprobs,
-                                   e2e_latency=time.monotonic() - s.created)
+            return generate_output(
+                out,
+                s.req,
+                tokenizer=self.tokenizer,
+                return_text_in_logprobs=parsed.return_text_in_logprobs,
+                e2e_latency=time.monotonic() - s.created,
+            )
 
         try:
             if not parsed.stream:
@@ -264,8 +290,12 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        check_fields(body, {"rid", "abort_all", "abort_message"}, {"finished_reason": (dict,), "http_worker_ipc": (str,)},
-                     {"weight_versions": None})
+        check_fields(
+            body,
+            {"rid", "abort_all", "abort_message"},
+            {"finished_reason": (dict,), "http_worker_ipc": (str,)},
+            {"weight_versions": None},
+        )
         rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
         message = body.get("abort_message") or "Aborted by request"
         if not isinstance(rid, str):
@@ -314,8 +344,12 @@ class EngineServer:
             reply = handler(core, body)  # raises (a 400 reply) or answers success false on a failed load
             if reply.get("success"):
                 core.model_path = body["model_path"]
-                self.args = dataclasses.replace(self.args, model_path=core.model_path,
-                                                served_model_name=self.args.model_name, weight_dirs=self.weight_dirs)
+                self.args = dataclasses.replace(
+                    self.args,
+                    model_path=core.model_path,
+                    served_model_name=self.args.model_name,
+                    weight_dirs=self.weight_dirs,
+                )
             return reply
 
         return await self._update(request, load, report_paused=True)
@@ -331,11 +365,15 @@ class EngineServer:
         # A rendezvous with the trainer, not a weight change: generation goes on meanwhile. On a
         # daemon thread, so a trainer that never comes cannot keep the process from exiting.
         body = await _body(request)
-        return _weight_reply(await _on_daemon_thread(_checked, weight_receiver.init_weights_update_group, self.core, body))
+        return _weight_reply(
+            await _on_daemon_thread(_checked, weight_receiver.init_weights_update_group, self.core, body)
+        )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        return _weight_reply(await _on_daemon_thread(_checked, weight_receiver.destroy_weights_update_group, self.core, body))
+        return _weight_reply(
+            await _on_daemon_thread(_checked, weight_receiver.destroy_weights_update_group, self.core, body)
+        )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """SGLang's: any string version; running requests are aborted unless `abort_all_requests` is false."""
@@ -392,8 +430,9 @@ class EngineServer:
         await self.engine.resume_memory(_memory_tags(await _body(request)))
         return _json(None)
 
-    async def _update(self, request: web.Request, handler: Callable[[EngineCore, dict], dict],
-                      report_paused: bool = False) -> web.Response:
+    async def _update(
+        self, request: web.Request, handler: Callable[[EngineCore, dict], dict], report_paused: bool = False
+    ) -> web.Response:
         body = await _body(request)
         if body.get("abort_all_requests") is True:  # SGLang aborts before waiting for in-flight requests
             await self.engine.abort_all("Aborted for a weight update")
@@ -421,8 +460,12 @@ class EngineServer:
         return await self._openai(request, openai_api.parse_chat, openai_api.chat_response)
 
     async def _openai(self, request: web.Request, parse, respond) -> web.StreamResponse:
-        inp = parse(await _body(request), tokenizer=self.tokenizer, vocab_size=self.core.vocab_size,
-                    context_length=self.core.context_length)
+        inp = parse(
+            await _body(request),
+            tokenizer=self.tokenizer,
+            vocab_size=self.core.vocab_size,
+            context_length=self.core.context_length,
+        )
         model = inp.model or self.args.model_name
         streams = await self._submit(inp.requests)
         try:
@@ -457,21 +500,33 @@ class EngineServer:
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def auth_middleware(api_key: Optional[str], admin_api_key: Optional[str]):
+def auth_middleware(api_key: str | None, admin_api_key: str | None):
     """SGLang's API-key checks as an aiohttp middleware (see the module docstring)."""
 
     @web.middleware
     async def _auth(request: web.Request, handler) -> web.StreamResponse:
-        if request_allowed(request.method, request.path, request.headers.get("Authorization"),
-                           request.headers.get("x-api-key"), api_key, admin_api_key):
+        if request_allowed(
+            request.method,
+            request.path,
+            request.headers.get("Authorization"),
+            request.headers.get("x-api-key"),
+            api_key,
+            admin_api_key,
+        ):
             return await handler(request)
         return _json({"error": "Unauthorized"}, status=401)
 
     return _auth
 
 
-def request_allowed(method: str, path: str, authorization: Optional[str], x_api_key: Optional[str],
-                    api_key: Optional[str], admin_api_key: Optional[str]) -> bool:
+def request_allowed(
+    method: str,
+    path: str,
+    authorization: str | None,
+    x_api_key: str | None,
+    api_key: str | None,
+    admin_api_key: str | None,
+) -> bool:
     """SGLang's `decide_request_auth` for its NORMAL and ADMIN_OPTIONAL levels (no endpoint here
     is ADMIN_FORCE): health probes and OPTIONS are open; an admin path takes the admin key if one
     is set, else the api key; any other path takes the api key."""
@@ -501,7 +556,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         if err.status < 400:
             raise
         return _json(error_body(f"{request.method} {request.path}: {err.reason}", err.status), status=err.status)
-    except Exception as err:  # noqa: BLE001 - one failing request must not take the server down
+    except Exception as err:
         logger.exception("%s %s failed", request.method, request.path)
         return _json(error_body(f"internal error: {type(err).__name__}: {err}", 500), status=500)
 
@@ -575,7 +630,7 @@ async def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
     def run() -> None:
         try:
             result, err = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+        except BaseException as e:
             result, err = None, e
 
         def settle() -> None:
@@ -624,7 +679,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         try:
             async for out in s:
                 queue.put_nowait((i, out))
-        except Exception as err:  # noqa: BLE001 - re-raised by the consumer
+        except Exception as err:
             queue.put_nowait((i, err))
         queue.put_nowait((i, None))
 
@@ -656,8 +711,11 @@ def build_server(args: ServerArgs) -> EngineServer:
     core = EngineCore.from_model_path(args.model_path, tokenizer_path=args.tokenizer_path, **kw)
     core.weight_version = weight_receiver.core_version(args.weight_version)
     if args.ignored_flags:
-        logger.warning("SGLang flags accepted and ignored by the embedded engine (they tune a GPU server or its "
-                       "deployment; no output changes): %s", " ".join(sorted(args.ignored_flags)))
+        logger.warning(
+            "SGLang flags accepted and ignored by the embedded engine (they tune a GPU server or its "
+            "deployment; no output changes): %s",
+            " ".join(sorted(args.ignored_flags)),
+        )
     return EngineServer(EngineDriver(core), args)
 
 
@@ -700,7 +758,9 @@ class ServerThread:
     `ServerThread(EngineServer(EngineDriver(core))).start()` returns the base URL (port 0 = a free one).
     """
 
-    def __init__(self, server: EngineServer, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0) -> None:
+    def __init__(
+        self, server: EngineServer, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0
+    ) -> None:
         self.server, self.host, self.port = server, host, port
         self.shutdown_timeout = shutdown_timeout
         self.url = ""
@@ -714,8 +774,9 @@ class ServerThread:
         return self.url
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.server.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.shutdown_timeout)
+        self._runner = web.AppRunner(
+            self.server.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.shutdown_timeout
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -736,7 +797,7 @@ class ServerThread:
         self._thread.join()
         self._loop.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.start()
         return self
 

@@ -203,8 +203,10 @@ ONLY: dict[str, tuple[tuple[str, ...], str]] = {
     "--node-rank": (("0",), "the embedded engine runs on one node"),
     "--disaggregation-mode": (("null",), "prefill/decode disaggregation is not supported by the embedded engine"),
     "--tokenizer-mode": (("auto",), "the tokenizer is loaded as it is (fast when available)"),
-    "--sampling-defaults": (("openai",), "unset sampling parameters take SGLang's/OpenAI's defaults here, not "
-                                         "generation_config.json's; pass 'openai'"),
+    "--sampling-defaults": (
+        ("openai",),
+        "unset sampling parameters take SGLang's/OpenAI's defaults here, not generation_config.json's; pass 'openai'",
+    ),
     "--torchao-config": (("",), "torchao quantization would change the engine's numerics"),
 }
 
@@ -222,5 +224,7 @@ def classify(flag: str, values: list[str]) -> str | None:
         if value in allowed:
             return None
         return f"{flag} {value}: {why} (only {' or '.join(repr(a) for a in allowed)})"
-    return (f"{flag}: not a flag of SGLang's server that mcore-rl serve knows (see `mcore-rl serve --help`, and "
-            "mcore_rl/rollout/sglang_flags.py for the SGLang flags it accepts and ignores or refuses)")
+    return (
+        f"{flag}: not a flag of SGLang's server that mcore-rl serve knows (see `mcore-rl serve --help`, and "
+        "mcore_rl/rollout/sglang_flags.py for the SGLang flags it accepts and ignores or refuses)"
+    )

@@ -40,7 +40,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from mcore_rl.data.samples import Sample, TeacherScores
 
@@ -63,8 +64,9 @@ class TeacherError(RuntimeError):
     training; the message names the teacher (`teachers[i]`) and the engine."""
 
 
-def route_by_domain(teacher_domains: Sequence[Sequence[str]], domains: Sequence[str],
-                    skip: Sequence[int] = ()) -> list[Optional[int]]:
+def route_by_domain(
+    teacher_domains: Sequence[Sequence[str]], domains: Sequence[str], skip: Sequence[int] = ()
+) -> list[int | None]:
     """The teacher of each sample: the one whose `domains` list the sample's domain, else the one
     with no `domains` (the default), else None (no teacher: no distillation term). Teachers in
     `skip` (references) are never routed to. The config guarantees that no domain is claimed twice
@@ -98,20 +100,22 @@ def parse_scores(reply: Any, response_ids: Sequence[int], top_k: int, vocab_size
     n = len(response_ids)
     if not isinstance(entries, list) or len(entries) != n + 1:
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
-        raise ValueError(f"input_token_logprobs: expected {n + 1} entries (last prompt token + {n} response tokens), "
-                         f"got {got}")
+        raise ValueError(
+            f"input_token_logprobs: expected {n + 1} entries (last prompt token + {n} response tokens), got {got}"
+        )
     logp: list[float] = []
     for j, (entry, tok) in enumerate(zip(entries[1:], response_ids)):
-        if not (isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[0], (int, float))
-                and entry[1] == tok):
+        if not (isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[0], (int, float)) and entry[1] == tok):
             raise ValueError(f"input_token_logprobs[{j + 1}]: expected [logprob, {tok}, ...], got {str(entry)[:80]}")
         logp.append(float(entry[0]))
     if top_k <= 0:
         return TeacherScores(logp=logp, source=source)
     tops = meta.get("input_top_logprobs")
     if not isinstance(tops, list) or len(tops) != n + 1:
-        raise ValueError(f"input_top_logprobs: expected {n + 1} entries, got "
-                         f"{len(tops) if isinstance(tops, list) else type(tops).__name__}")
+        raise ValueError(
+            f"input_top_logprobs: expected {n + 1} entries, got "
+            f"{len(tops) if isinstance(tops, list) else type(tops).__name__}"
+        )
     ids: list[list[int]] = []
     lps: list[list[float]] = []
     for j, pos in enumerate(tops[1:]):
@@ -119,17 +123,22 @@ def parse_scores(reply: Any, response_ids: Sequence[int], top_k: int, vocab_size
             raise ValueError(f"input_top_logprobs[{j + 1}]: expected {top_k} entries, got {str(pos)[:80]}")
         row_ids = [e[1] for e in pos if isinstance(e, list) and len(e) >= 2]
         row_lp = [e[0] for e in pos if isinstance(e, list) and len(e) >= 2]
-        if len(row_ids) != top_k or not all(isinstance(t, int) and 0 <= t < vocab_size for t in row_ids) \
-                or not all(isinstance(v, (int, float)) for v in row_lp):
-            raise ValueError(f"input_top_logprobs[{j + 1}]: expected [logprob, id < {vocab_size}] pairs, "
-                             f"got {str(pos)[:80]}")
+        if (
+            len(row_ids) != top_k
+            or not all(isinstance(t, int) and 0 <= t < vocab_size for t in row_ids)
+            or not all(isinstance(v, (int, float)) for v in row_lp)
+        ):
+            raise ValueError(
+                f"input_top_logprobs[{j + 1}]: expected [logprob, id < {vocab_size}] pairs, got {str(pos)[:80]}"
+            )
         ids.append(row_ids)
         lps.append([float(v) for v in row_lp])
     return TeacherScores(logp=logp, topk_ids=ids, topk_logp=lps, source=source)
 
 
-def reference_body(prompt_ids: Sequence[int], response_ids: Sequence[int], topk_ids: Optional[Sequence[Sequence[int]]],
-                   rid: str) -> tuple[dict[str, Any], Optional[list[int]]]:
+def reference_body(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], topk_ids: Sequence[Sequence[int]] | None, rid: str
+) -> tuple[dict[str, Any], list[int] | None]:
     """The reference's scoring body: the teacher's (no top-k) plus `token_ids_logprob` = the sorted
     union of the teacher's top-k ids of the sample (when it gave any); and that id list."""
     body = scoring_body(prompt_ids, response_ids, 0, rid)
@@ -139,8 +148,13 @@ def reference_body(prompt_ids: Sequence[int], response_ids: Sequence[int], topk_
     return body, ids
 
 
-def parse_reference(reply: Any, response_ids: Sequence[int], topk_ids: Optional[Sequence[Sequence[int]]],
-                    ids: Optional[Sequence[int]], vocab_size: int) -> tuple[list[float], Optional[list[list[float]]]]:
+def parse_reference(
+    reply: Any,
+    response_ids: Sequence[int],
+    topk_ids: Sequence[Sequence[int]] | None,
+    ids: Sequence[int] | None,
+    vocab_size: int,
+) -> tuple[list[float], list[list[float]] | None]:
     """(ref_logp, ref_topk_logp) from the reference's reply: the log-probs of the sampled tokens,
     and at every position j those of exactly `topk_ids[j]` (None without top-k); ValueError when
     the reply does not score `response_ids` at `ids`."""
@@ -159,7 +173,9 @@ def parse_reference(reply: Any, response_ids: Sequence[int], topk_ids: Optional[
         got = {}
         for e in pos:
             if not (isinstance(e, list) and len(e) >= 2 and isinstance(e[0], (int, float)) and isinstance(e[1], int)):
-                raise ValueError(f"input_token_ids_logprobs[{j + 1}]: expected [logprob, id] entries, got {str(e)[:80]}")
+                raise ValueError(
+                    f"input_token_ids_logprobs[{j + 1}]: expected [logprob, id] entries, got {str(e)[:80]}"
+                )
             got[e[1]] = float(e[0])
         missing = [t for t in want if t not in got]
         if missing:
@@ -173,19 +189,36 @@ class EngineTeacher:
     (router with failover, health checks; with `processes`, the engine processes it owns and
     restarts). Scoring never raises: a sample it cannot score is marked."""
 
-    def __init__(self, name: str, urls: Sequence[str], *, vocab_size: int, top_k: int = 0, timeout: float = 600.0,
-                 api_key: Optional[str] = None, max_concurrency: int = 64, health_interval: float = 5.0,
-                 processes: Any = None, restart_dead: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: Sequence[str],
+        *,
+        vocab_size: int,
+        top_k: int = 0,
+        timeout: float = 600.0,
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        health_interval: float = 5.0,
+        processes: Any = None,
+        restart_dead: bool = True,
+    ) -> None:
         from mcore_rl.rollout.pool import HTTPEnginePool
 
         self.name, self.top_k, self.vocab_size = name, top_k, vocab_size
-        self.pool = HTTPEnginePool(urls, timeout=timeout, api_key=api_key, health_interval=health_interval,
-                                   processes=processes, restart_dead=restart_dead and processes is not None)
+        self.pool = HTTPEnginePool(
+            urls,
+            timeout=timeout,
+            api_key=api_key,
+            health_interval=health_interval,
+            processes=processes,
+            restart_dead=restart_dead and processes is not None,
+        )
         self.urls = self.pool.urls
-        self._sem: Optional[asyncio.Semaphore] = None
+        self._sem: asyncio.Semaphore | None = None
         self.max_concurrency = max_concurrency
         self._count = 0
-        self.reference: Optional[EngineTeacher] = None  # π_Tref: scores what this teacher scored (Direct-OPD)
+        self.reference: EngineTeacher | None = None  # π_Tref: scores what this teacher scored (Direct-OPD)
 
     # ---- before training ---------------------------------------------------------------------
 
@@ -245,8 +278,9 @@ class EngineTeacher:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
         self._count += 1
-        body, ids = reference_body(s.prompt_ids, s.response_ids, main.topk_ids,
-                                   f"reference-{self.name}-{s.group}-{self._count}")
+        body, ids = reference_body(
+            s.prompt_ids, s.response_ids, main.topk_ids, f"reference-{self.name}-{s.group}-{self._count}"
+        )
         async with self._sem:
             try:
                 reply = await self.pool.router.generate(body)
@@ -281,7 +315,7 @@ def check_engines(pool: Any, urls: Sequence[str], tokenizer: Any, who: str, whos
             raise error(f"{who} {url} does not share {whose} tokenizer (data.tokenizer_path): {problem}")
 
 
-async def check_tokenizer(client: Any, tokenizer: Any) -> Optional[str]:
+async def check_tokenizer(client: Any, tokenizer: Any) -> str | None:
     """None if the engine behind `client` tokenizes like `tokenizer`, else what differs.
 
     Over HTTP, with SGLang's own endpoints: `/tokenize` of probe texts (`PROBE_TEXTS` and the
@@ -292,8 +326,11 @@ async def check_tokenizer(client: Any, tokenizer: Any) -> Optional[str]:
     from mcore_rl.rollout.client import EngineHTTPError
 
     vocab = int(tokenizer.vocab_size)
-    specials = [i for i in (getattr(tokenizer, "bos_id", None), tokenizer.eos_id, getattr(tokenizer, "pad_id", None))
-                if i is not None]
+    specials = [
+        i
+        for i in (getattr(tokenizer, "bos_id", None), tokenizer.eos_id, getattr(tokenizer, "pad_id", None))
+        if i is not None
+    ]
     texts = list(PROBE_TEXTS) + [tokenizer.decode([i]) for i in specials]
     want = [list(tokenizer.encode(t)) for t in texts]
     try:
@@ -315,11 +352,12 @@ async def check_tokenizer(client: Any, tokenizer: Any) -> Optional[str]:
     return None
 
 
-async def _check_by_generate(client: Any, tokenizer: Any, texts: list[str], want: list[list[int]]) -> Optional[str]:
+async def _check_by_generate(client: Any, tokenizer: Any, texts: list[str], want: list[list[int]]) -> str | None:
     bos = getattr(tokenizer, "bos_id", None)
     for text, w in zip(texts, want):
-        reply = await client.generate(text=text, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                      logprob_start_len=0)
+        reply = await client.generate(
+            text=text, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )
         got = [e[1] for e in reply["meta_info"]["input_token_logprobs"]]
         if got != w and not (bos is not None and got == [bos] + w):
             return f"/generate tokenizes {text!r} as {_short(got)}, the student's tokenizer as {_short(w)}"
@@ -331,15 +369,33 @@ def _short(ids: Sequence[int]) -> str:
     return str(ids) if len(ids) <= 16 else f"{ids[:16]}... ({len(ids)} ids)"
 
 
-def start_teacher_engines(model_path: str, *, num: int, workdir: str, tokenizer_path: Optional[str] = None,
-                          context_length: int = 1024, max_running_requests: int = 64, quantization: str = "none",
-                          cores: Optional[Sequence[Sequence[int]]] = None, threads: Optional[int] = None,
-                          startup_timeout_s: float = 300.0) -> Any:
+def start_teacher_engines(
+    model_path: str,
+    *,
+    num: int,
+    workdir: str,
+    tokenizer_path: str | None = None,
+    context_length: int = 1024,
+    max_running_requests: int = 64,
+    quantization: str = "none",
+    cores: Sequence[Sequence[int]] | None = None,
+    threads: int | None = None,
+    startup_timeout_s: float = 300.0,
+) -> Any:
     """`num` `mcore-rl serve` processes on the checkpoint `model_path` (HF format, with weights):
     the `EngineProcesses` to give `EngineTeacher(processes=...)`, which then owns them."""
     from mcore_rl.rollout.engine_processes import EngineProcesses
 
-    return EngineProcesses.start(None, num=num, workdir=workdir, model_path=model_path, tokenizer_path=tokenizer_path,
-                                 context_length=context_length, max_running_requests=max_running_requests,
-                                 quantization=quantization, cores=cores, threads=threads,
-                                 startup_timeout_s=startup_timeout_s)
+    return EngineProcesses.start(
+        None,
+        num=num,
+        workdir=workdir,
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        context_length=context_length,
+        max_running_requests=max_running_requests,
+        quantization=quantization,
+        cores=cores,
+        threads=threads,
+        startup_timeout_s=startup_timeout_s,
+    )

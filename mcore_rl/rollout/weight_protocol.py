@@ -30,7 +30,8 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,7 +137,7 @@ class BucketMeta:
     shapes: list[list[int]]
 
     @classmethod
-    def of(cls, named: NamedTensors) -> "BucketMeta":
+    def of(cls, named: NamedTensors) -> BucketMeta:
         return cls(
             names=[n for n, _ in named],
             dtypes=[dtype_name(t.dtype) for _, t in named],
@@ -161,9 +162,17 @@ class BucketMeta:
 # data, offsets relative to its start.
 
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
@@ -181,7 +190,7 @@ class StEntry:
     end: int
 
 
-def host_bytes(tensor: torch.Tensor) -> "np.ndarray":
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory (a copy only when the tensor is
     not a contiguous CPU tensor): the zero-copy bridge to file and buffer I/O."""
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -445,8 +454,7 @@ class WeightChecksum:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.add_digest(name, tensor.dtype, tuple(tensor.shape), self.digest_later(tensor))
 
-    def add_digest(self, name: str, dtype: torch.dtype, shape: Sequence[int],
-                   content: torch.Tensor | Future) -> None:
+    def add_digest(self, name: str, dtype: torch.dtype, shape: Sequence[int], content: torch.Tensor | Future) -> None:
         """`content`: `tensor_digest` of the tensor, or its future (computed as other bytes arrived)."""
         self._done.pop(name, None)
         self._pending[name] = (dtype, tuple(int(d) for d in shape), content)
@@ -503,10 +511,15 @@ def checksum_problem(reply: object, version: object, expected: WeightChecksum) -
     want = f"weight_version {version}, checksum {expected.hexdigest()} ({len(expected)} tensors)"
     if not isinstance(reply, dict):
         return f"answered {reply!r} to /weights_checksum"[:300]
-    got = (f"weight_version {reply.get('weight_version')}, checksum {reply.get('checksum')} "
-           f"({reply.get('num_tensors')} tensors)")
-    if str(reply.get("weight_version")) != str(version) or reply.get("checksum") != expected.hexdigest() \
-            or reply.get("num_tensors") != len(expected):
+    got = (
+        f"weight_version {reply.get('weight_version')}, checksum {reply.get('checksum')} "
+        f"({reply.get('num_tensors')} tensors)"
+    )
+    if (
+        str(reply.get("weight_version")) != str(version)
+        or reply.get("checksum") != expected.hexdigest()
+        or reply.get("num_tensors") != len(expected)
+    ):
         return f"reports {got}; the trainer sent {want}"
     return None
 
@@ -556,8 +569,9 @@ def init_custom_process_group(
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
-                      each: Callable[[int], None] | None = None) -> None:
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, each: Callable[[int], None] | None = None
+) -> None:
     """Broadcast tensors from group rank 0 in place, in order, each in its own dtype as SGLang's
     receiver expects; float8 goes as uint8 bytes (gloo has no float8; NCCL maps it to uint8 too).
     All are posted before waiting, so small tensors do not each pay a round trip. `each(i)` runs
@@ -572,7 +586,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
         if each is not None and error is None:
             try:
                 each(i)
-            except BaseException as e:  # noqa: BLE001 - raised once every broadcast is complete
+            except BaseException as e:
                 error = e
     if error is not None:
         raise error

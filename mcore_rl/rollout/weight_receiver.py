@@ -51,7 +51,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO, Iterable, Optional, Sequence
+from typing import Any, BinaryIO
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ class _Group:
 
     pg: dist.ProcessGroup
     backend: str
-    staging: Optional[torch.Tensor] = None
+    staging: torch.Tensor | None = None
 
     def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -93,11 +94,11 @@ class _Group:
         return self.staging[:nbytes]
 
 
-_groups: "weakref.WeakKeyDictionary[Any, dict[str, Optional[_Group]]]" = weakref.WeakKeyDictionary()
+_groups: weakref.WeakKeyDictionary[Any, dict[str, _Group | None]] = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
 
 
-_checksums: "weakref.WeakKeyDictionary[Any, WeightChecksum]" = weakref.WeakKeyDictionary()
+_checksums: weakref.WeakKeyDictionary[Any, WeightChecksum] = weakref.WeakKeyDictionary()
 
 
 def received(core: Any) -> WeightChecksum:
@@ -120,7 +121,7 @@ def weights_checksum(core: Any) -> dict:
     return {"weight_version": str(core.weight_version), "checksum": c.hexdigest(), "num_tensors": len(c)}
 
 
-def _load_recorded(core: Any, named: NamedTensors, digests: Optional[Sequence[Any]] = None) -> int:
+def _load_recorded(core: Any, named: NamedTensors, digests: Sequence[Any] | None = None) -> int:
     """`core.load_weights(named)`, recording what arrived for `/weights_checksum` (digests of the
     tensors as they arrived, before the load casts anything; `digests` if already under way). If
     the load fails, the bucket's names are unknown until sent again."""
@@ -167,7 +168,7 @@ def _field(req: dict, name: str, kind: type | tuple[type, ...], default: Any = .
     return value
 
 
-def _version(req: dict) -> Optional[str]:
+def _version(req: dict) -> str | None:
     value = _field(req, "weight_version", (str, int), None, allow_none=True)
     return None if value is None else str(value)
 
@@ -239,7 +240,7 @@ def _open_allowed(path: str, allowed_dirs: Sequence[str], field: str) -> BinaryI
     return f
 
 
-def _load_format(req: dict, allowed: tuple[Optional[str], ...]) -> Optional[str]:
+def _load_format(req: dict, allowed: tuple[str | None, ...]) -> str | None:
     fmt = _field(req, "load_format", str, None, allow_none=True)
     if fmt not in allowed:
         raise ValueError(f"load_format: {fmt!r} is not supported here (allowed: {list(allowed)})")
@@ -280,7 +281,9 @@ def check_weights(core: Any, items: Iterable[Item], field: str) -> None:
         if name.endswith(_FUSED_SUFFIXES) or name.endswith("rotary_emb.inv_freq"):
             continue  # stock fused MoE experts / derived buffers: load_weights splits or skips them
         if name not in expected:
-            raise ValueError(f"{field}: {name!r} is not a weight of the engine's model (quantization={core.quantization})")
+            raise ValueError(
+                f"{field}: {name!r} is not a weight of the engine's model (quantization={core.quantization})"
+            )
         want_shape, want_dtype = expected[name]
         if tuple(shape) != want_shape:
             raise ValueError(f"{field}: {name!r} has shape {list(shape)}, the model's is {list(want_shape)}")
@@ -294,8 +297,9 @@ def _items(named: NamedTensors) -> Iterable[Item]:
     return ((n, tuple(t.shape), t.dtype) for n, t in named)
 
 
-def load_named_tensors(core: Any, named: NamedTensors, field: str = "names",
-                       digests: Optional[Sequence[Any]] = None) -> int:
+def load_named_tensors(
+    core: Any, named: NamedTensors, field: str = "names", digests: Sequence[Any] | None = None
+) -> int:
     """Check a whole bucket, then copy it into the model (under the core's lock). `digests`: the
     tensors' content digests if the caller has them (the trainer's, for an in-process engine)."""
     check_weights(core, _items(named), field)
@@ -363,12 +367,14 @@ def init_weights_update_group(core: Any, req: dict, timeout: timedelta = GROUP_T
         groups[group_name] = None  # reserved while joining
     try:
         pg = init_custom_process_group(backend, address, port, rank_offset, world_size, group_name, timeout)
-    except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+    except Exception as e:
         with _groups_lock:
             groups.pop(group_name, None)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return _fail(f"Failed to initialize custom process group within {timeout.total_seconds():g} s: "
-                     f"{type(e).__name__}: {detail}"[:1000])
+        return _fail(
+            f"Failed to initialize custom process group within {timeout.total_seconds():g} s: "
+            f"{type(e).__name__}: {detail}"[:1000]
+        )
     with _groups_lock:
         groups[group_name] = _Group(pg, backend)
     return _ok(f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} of {world_size}.")
@@ -404,8 +410,9 @@ def _destinations(core: Any, device: torch.device) -> dict[str, torch.Tensor]:
     return {n: t for n, t in core.model.state_dict().items() if t.is_contiguous() and t.device == device}
 
 
-def _landing(dest: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape: Sequence[int],
-             device: torch.device) -> torch.Tensor:
+def _landing(
+    dest: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape: Sequence[int], device: torch.device
+) -> torch.Tensor:
     t = dest.get(name)
     if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
         return t
@@ -446,20 +453,25 @@ def update_weights_from_distributed(core: Any, req: dict) -> dict:
             named = [(n, _landing(dest, n, d, s, device)) for n, d, s in zip(names, dtypes, shapes)]
             # each tensor's digest while the later ones are still arriving
             sums = received(core)
-            broadcast_tensors([t for _, t in named], pg,
-                              each=None if refused else lambda i: digests.append(sums.digest_later(named[i][1])))
-    except Exception as e:  # noqa: BLE001 - reported to the caller; the server keeps running
+            broadcast_tensors(
+                [t for _, t in named],
+                pg,
+                each=None if refused else lambda i: digests.append(sums.digest_later(named[i][1])),
+            )
+    except Exception as e:
         if not refused:
             received(core).discard(names)
-        return _fail(f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
-                     f"send the whole model again): {type(e).__name__}: {e}")
+        return _fail(
+            f"Failed to receive weights over {group_name!r} (the model may be partially updated; "
+            f"send the whole model again): {type(e).__name__}: {e}"
+        )
     if refused:
         raise refused
     count = _load_recorded(core, named, digests or None)
     return _finish(core, req, count, f"distributed group {group_name!r}", whole_checkpoint=False)
 
 
-def update_weights_from_tensor(core: Any, req: dict, allowed_dirs: Optional[Sequence[str]] = None) -> dict:
+def update_weights_from_tensor(core: Any, req: dict, allowed_dirs: Sequence[str] | None = None) -> dict:
     """Load the tensors of `serialized_named_tensors[0]`: carried in the request, or in the
     shared-memory file it points at (a colocated trainer's bucket), which must lie in
     `allowed_dirs` (None: `default_weight_dirs`)."""
@@ -479,7 +491,7 @@ def update_weights_from_tensor(core: Any, req: dict, allowed_dirs: Optional[Sequ
     return _finish(core, req, count, "tensor", whole_checkpoint=False)
 
 
-def update_weights_from_disk(core: Any, req: dict, allowed_dirs: Optional[Sequence[str]] = None) -> dict:
+def update_weights_from_disk(core: Any, req: dict, allowed_dirs: Sequence[str] | None = None) -> dict:
     """Load every *.safetensors file under `model_path` (a whole checkpoint or a partial one),
     which must lie in `allowed_dirs` (None: `default_weight_dirs`)."""
     path = _field(req, "model_path", str)
@@ -495,12 +507,13 @@ def update_weights_from_disk(core: Any, req: dict, allowed_dirs: Optional[Sequen
     return _load_files(core, req, paths, "model_path", source=path, whole_checkpoint=True, allowed_dirs=allowed)
 
 
-def _allowed(core: Any, allowed_dirs: Optional[Sequence[str]]) -> list[str]:
+def _allowed(core: Any, allowed_dirs: Sequence[str] | None) -> list[str]:
     return list(allowed_dirs) if allowed_dirs is not None else default_weight_dirs(getattr(core, "model_path", None))
 
 
-def _load_files(core: Any, req: dict, files: list[str], field: str, source: str, whole_checkpoint: bool,
-                allowed_dirs: Sequence[str]) -> dict:
+def _load_files(
+    core: Any, req: dict, files: list[str], field: str, source: str, whole_checkpoint: bool, allowed_dirs: Sequence[str]
+) -> dict:
     """Check every file's header before any weight changes; then read each file's bytes straight
     into the model's parameters where dtype and shape match (else into a buffer that
     `load_weights` converts), one file at a time."""
@@ -536,7 +549,7 @@ def _load_files(core: Any, req: dict, files: list[str], field: str, source: str,
     return _finish(core, req, count, source, whole_checkpoint)
 
 
-def get_weights_by_name(core: Any, name: str, truncate_size: int = 100) -> Optional[list]:
+def get_weights_by_name(core: Any, name: str, truncate_size: int = 100) -> list | None:
     """SGLang's `/get_weights_by_name`: the weight as float32 nested lists, its first
     `truncate_size` rows (outermost dimension); None if the model has no such weight. FP8 layers
     give their e4m3 values (the scales are `<name>_scale_inv`)."""

@@ -38,7 +38,8 @@ import tempfile
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,17 +65,19 @@ SHM_PREFIX = "mcore_rl_weights_"  # + the trainer's pid + "_": shared-memory buc
 class EngineFanout(Protocol):
     """What an HTTP transport needs of the engine pool (`mcore_rl.rollout.pool.HTTPEnginePool`)."""
 
-    def weight_update(self, mode: str,
-                      urls: Optional[Sequence[str]] = None) -> contextlib.AbstractContextManager[list[str]]: ...
+    def weight_update(
+        self, mode: str, urls: Sequence[str] | None = None
+    ) -> contextlib.AbstractContextManager[list[str]]: ...
 
-    def start(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Future]: ...
+    def start(self, method: str, kwargs: Any, urls: Sequence[str] | None = None) -> dict[str, Future]: ...
 
     def wait(self, futures: dict[str, Future], what: str) -> dict[str, Any]: ...
 
-    def call(self, method: str, kwargs: Any, urls: Optional[Sequence[str]] = None) -> dict[str, Any]: ...
+    def call(self, method: str, kwargs: Any, urls: Sequence[str] | None = None) -> dict[str, Any]: ...
 
-    def delivered(self, urls: Sequence[str], version: int,
-                  checksum: Optional[WeightChecksum] = None) -> dict[str, str]: ...
+    def delivered(
+        self, urls: Sequence[str], version: int, checksum: WeightChecksum | None = None
+    ) -> dict[str, str]: ...
 
 
 @dataclass
@@ -84,7 +87,7 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     seconds: float = 0.0
-    checksum: Optional[WeightChecksum] = None  # of what was sent; None: engines are not checked
+    checksum: WeightChecksum | None = None  # of what was sent; None: engines are not checked
     mismatched: dict[str, str] = field(default_factory=dict)  # engine -> why its checksum differs
     resynced: list[str] = field(default_factory=list)  # engines that needed a second send
 
@@ -94,8 +97,9 @@ class SyncStats:
 
 
 class Transport(Protocol):
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
-             only: Optional[Sequence[str]] = None) -> None:
+    def send(
+        self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
+    ) -> None:
         """Every bucket to every engine (`only`: to these engines, by the names `stats.mismatched`
         uses), then check them against `stats.checksum` if set."""
 
@@ -118,14 +122,14 @@ class DistributedTransport:
     master_port: int = 0  # 0 = a free port
     group_name: str = "weight_update_group"
     backend: str = ""  # "" = nccl with CUDA, gloo without
-    load_format: Optional[str] = None
+    load_format: str | None = None
     pause_mode: str = "retract"
-    rendezvous_timeout_s: Optional[float] = None  # how long an engine waits to join the group
-    _group: Optional[dist.ProcessGroup] = field(default=None, init=False)
+    rendezvous_timeout_s: float | None = None  # how long an engine waits to join the group
+    _group: dist.ProcessGroup | None = field(default=None, init=False)
     _members: list[str] = field(default_factory=list, init=False)
-    _staging: Optional[torch.Tensor] = field(default=None, init=False)  # flattened buckets on CPU
+    _staging: torch.Tensor | None = field(default=None, init=False)  # flattened buckets on CPU
 
-    def connect(self, urls: Optional[Sequence[str]] = None) -> None:
+    def connect(self, urls: Sequence[str] | None = None) -> None:
         """Form the group with the engines `urls` (default: the pool's live ones); a group with
         other members is torn down first (an engine died or came back since it was formed)."""
         infos = self.engines.call("get_server_info", {}, urls)  # those that answer
@@ -138,11 +142,19 @@ class DistributedTransport:
         sizes = [int(infos[u].get("tp_size", 1)) for u in urls]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         world_size = 1 + sum(sizes)
-        futures = self.engines.start("init_weights_update_group", lambda i: dict(
-            master_address=self.master_address, master_port=port, rank_offset=offsets[i],
-            world_size=world_size, group_name=self.group_name, backend=self.backend,
-            timeout_s=self.rendezvous_timeout_s,
-        ), urls)
+        futures = self.engines.start(
+            "init_weights_update_group",
+            lambda i: dict(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=offsets[i],
+                world_size=world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+                timeout_s=self.rendezvous_timeout_s,
+            ),
+            urls,
+        )
         try:
             self._group = init_custom_process_group(
                 self.backend, self.master_address, port, 0, world_size, self.group_name
@@ -151,8 +163,9 @@ class DistributedTransport:
             self.engines.wait(futures, "/init_weights_update_group")
         self._members = urls
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
-             only: Optional[Sequence[str]] = None) -> None:
+    def send(
+        self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
+    ) -> None:
         """Every bucket to every member. An engine that dies while a broadcast is under way breaks
         the group's collectives: that sync fails (the next one forms a new group without it).
         With `only`, the group is formed with those engines alone (and re-formed for the next)."""
@@ -167,7 +180,8 @@ class DistributedTransport:
                     fields["weight_version"] = str(version)
                 futures = self.engines.start(
                     "update_weights_from_distributed",
-                    dict(names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, **fields), targets,
+                    dict(names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, **fields),
+                    targets,
                 )
                 try:
                     if self.load_format == "flattened_bucket":
@@ -181,8 +195,10 @@ class DistributedTransport:
                     answered = self.engines.wait(futures, "/update_weights_from_distributed")
                 if len(answered) < len(targets):  # the group lost a member: the next sync re-forms it
                     self._drop_group()
-                    raise RuntimeError(f"weight sync: engines {sorted(set(targets) - set(answered))} dropped out of "
-                                       "the broadcast group during a sync")
+                    raise RuntimeError(
+                        f"weight sync: engines {sorted(set(targets) - set(answered))} dropped out of "
+                        "the broadcast group during a sync"
+                    )
                 stats.buckets += 1
             stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
 
@@ -208,8 +224,7 @@ class DistributedTransport:
         """Tear the group down on both sides (`/destroy_weights_update_group`)."""
         self._staging = None
         if self._group is not None:
-            futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name},
-                                         self._members)
+            futures = self.engines.start("destroy_weights_update_group", {"group_name": self.group_name}, self._members)
             dist.destroy_process_group(self._group)
             self._group = None
             self._members = []
@@ -229,8 +244,9 @@ class DiskTransport:
     directory: str
     pause_mode: str = "retract"
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
-             only: Optional[Sequence[str]] = None) -> None:
+    def send(
+        self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
+    ) -> None:
         os.makedirs(self.directory, exist_ok=True)
         weight_map: dict[str, str] = {}
         written: set[str] = set()
@@ -240,14 +256,21 @@ class DiskTransport:
             weight_map.update((n, fname) for n, _ in bucket)
             written.add(fname)
             stats.buckets += 1
-        _remove(os.path.join(self.directory, f) for f in os.listdir(self.directory)
-                if f.endswith(".safetensors") and f not in written)
+        _remove(
+            os.path.join(self.directory, f)
+            for f in os.listdir(self.directory)
+            if f.endswith(".safetensors") and f not in written
+        )
         with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, f)
         with self.engines.weight_update(self.pause_mode, only) as targets:
-            targets[:] = list(self.engines.call(
-                "update_weights_from_disk",
-                dict(model_path=self.directory, weight_version=str(version), flush_cache=True), targets))
+            targets[:] = list(
+                self.engines.call(
+                    "update_weights_from_disk",
+                    dict(model_path=self.directory, weight_version=str(version), flush_cache=True),
+                    targets,
+                )
+            )
             stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
 
 
@@ -272,13 +295,14 @@ class TensorTransport:
 
     engines: EngineFanout
     payload: str = "shm"
-    shm_dir: Optional[str] = None
+    shm_dir: str | None = None
     pause_mode: str = "retract"
     _files: list[str] = field(default_factory=list, init=False)
-    _reaper: Optional[subprocess.Popen] = field(default=None, init=False)
+    _reaper: subprocess.Popen | None = field(default=None, init=False)
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
-             only: Optional[Sequence[str]] = None) -> None:
+    def send(
+        self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
+    ) -> None:
         if self.payload not in ("shm", "inline", "sglang"):
             raise ValueError(f"payload: expected 'shm', 'inline' or 'sglang', got {self.payload!r}")
         with self.engines.weight_update(self.pause_mode, only) as targets:
@@ -330,8 +354,9 @@ def reclaim_orphaned_buffers(directory: str) -> list[str]:
                 os.remove(path)
                 removed.append(path)
     if removed:
-        logger.warning("removed %d shared-memory weight bucket(s) a killed trainer left: %s", len(removed),
-                       ", ".join(removed))
+        logger.warning(
+            "removed %d shared-memory weight bucket(s) a killed trainer left: %s", len(removed), ", ".join(removed)
+        )
     return removed
 
 
@@ -345,17 +370,25 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _start_reaper(paths: Sequence[str]) -> Optional[subprocess.Popen]:
+def _start_reaper(paths: Sequence[str]) -> subprocess.Popen | None:
     """A `sh` that removes `paths` once this process is gone, however it ends: it waits for end of
     file on a pipe whose only writer is this process (the pipe is not inherited across exec). Its
     own session, so a signal to the trainer's process group does not reach it. None without `sh`."""
     try:
-        return subprocess.Popen(["sh", "-c", 'cat >/dev/null; rm -f -- "$@"', "mcore-rl-shm-reaper", *paths],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            ["sh", "-c", 'cat >/dev/null; rm -f -- "$@"', "mcore-rl-shm-reaper", *paths],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as err:
-        logger.warning("could not start the shared-memory reaper (%s): a SIGKILLed trainer leaves %s behind until "
-                       "the next run on this host removes them", err, ", ".join(paths))
+        logger.warning(
+            "could not start the shared-memory reaper (%s): a SIGKILLed trainer leaves %s behind until "
+            "the next run on this host removes them",
+            err,
+            ", ".join(paths),
+        )
         return None
 
 
@@ -373,8 +406,9 @@ class InProcessTransport:
 
     cores: Sequence[object]
 
-    def send(self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats,
-             only: Optional[Sequence[str]] = None) -> None:
+    def send(
+        self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
+    ) -> None:
         """`only`: names as in `stats.mismatched`, "embedded:<index>"."""
         from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 

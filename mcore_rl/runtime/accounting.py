@@ -23,7 +23,8 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 
 @dataclass
@@ -45,21 +46,28 @@ class SampleLedger:
     def check(self, pending: int) -> None:
         """Raise if a drawn prompt is unaccounted for (or counted twice)."""
         if self.drawn != self.finished() + pending:
-            raise AssertionError(f"sample accounting broken: drawn {self.drawn} != trained {self.trained} + filtered "
-                                 f"{sum(self.filtered.values())} + dropped {self.dropped_stale} + failed "
-                                 f"{sum(self.failed.values())} + pending {pending}")
+            raise AssertionError(
+                f"sample accounting broken: drawn {self.drawn} != trained {self.trained} + filtered "
+                f"{sum(self.filtered.values())} + dropped {self.dropped_stale} + failed "
+                f"{sum(self.failed.values())} + pending {pending}"
+            )
 
     def report(self, pending: int, group_size: int) -> dict[str, Any]:
         return {
             "unit": f"prompts (groups of {group_size} samples)",
-            "drawn": self.drawn, "trained": self.trained,
-            "filtered": sum(self.filtered.values()), "filtered_reasons": dict(self.filtered),
+            "drawn": self.drawn,
+            "trained": self.trained,
+            "filtered": sum(self.filtered.values()),
+            "filtered_reasons": dict(self.filtered),
             "dropped_stale": self.dropped_stale,
-            "failed": sum(self.failed.values()), "failed_reasons": dict(self.failed),
+            "failed": sum(self.failed.values()),
+            "failed_reasons": dict(self.failed),
             "pending": pending,
             "balanced": self.drawn == self.finished() + pending,
-            "regenerated_stale": self.regenerated_stale, "continued_requests": self.continued,
-            "restarted_requests": self.restarted, "resent_after_resume": self.resent_after_resume,
+            "regenerated_stale": self.regenerated_stale,
+            "continued_requests": self.continued,
+            "restarted_requests": self.restarted,
+            "resent_after_resume": self.resent_after_resume,
             "restored_buffered": self.restored_buffered,
         }
 
@@ -73,10 +81,18 @@ class SampleLedger:
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "trained": self.trained, "dropped_stale": self.dropped_stale,
-                "regenerated_stale": self.regenerated_stale, "filtered": dict(self.filtered),
-                "failed": dict(self.failed), "continued": self.continued, "restarted": self.restarted,
-                "resent_after_resume": self.resent_after_resume, "restored_buffered": self.restored_buffered}
+        return {
+            "drawn": self.drawn,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+            "regenerated_stale": self.regenerated_stale,
+            "filtered": dict(self.filtered),
+            "failed": dict(self.failed),
+            "continued": self.continued,
+            "restarted": self.restarted,
+            "resent_after_resume": self.resent_after_resume,
+            "restored_buffered": self.restored_buffered,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -176,9 +192,11 @@ def check_provenance(run_dir: str) -> ProvenanceCheck:
             problems.append(f"prompts {compact_ids(beyond)} trained but beyond the {acc['drawn']} drawn")
         others = acc["filtered"] + acc["dropped_stale"] + acc["failed"] + acc["pending"]
         if acc["drawn"] - len(seen) != others:
-            problems.append(f"{acc['drawn'] - len(seen)} drawn prompts were not trained, but accounting.json accounts "
-                            f"for {others} (filtered + dropped + failed + pending): "
-                            f"{acc['drawn'] - len(seen) - others} lost")
+            problems.append(
+                f"{acc['drawn'] - len(seen)} drawn prompts were not trained, but accounting.json accounts "
+                f"for {others} (filtered + dropped + failed + pending): "
+                f"{acc['drawn'] - len(seen) - others} lost"
+            )
     return ProvenanceCheck(len(seen), duplicates, missing, problems)
 
 
@@ -186,6 +204,16 @@ if __name__ == "__main__":
     import sys
 
     result = check_provenance(sys.argv[1])
-    print(json.dumps({"ok": result.ok, "trained": result.trained, "duplicates": result.duplicates,
-                      "missing_steps": result.missing_steps, "problems": result.problems}, indent=2))
+    print(
+        json.dumps(
+            {
+                "ok": result.ok,
+                "trained": result.trained,
+                "duplicates": result.duplicates,
+                "missing_steps": result.missing_steps,
+                "problems": result.problems,
+            },
+            indent=2,
+        )
+    )
     sys.exit(0 if result.ok else 1)

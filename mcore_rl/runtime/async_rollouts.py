@@ -10,7 +10,7 @@ trainer thread trains; the trainer calls it synchronously (`next_batch`, `step_d
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.data.prompts import PromptSource
@@ -24,8 +24,15 @@ _PART_SALT_STRIDE = 16
 
 
 class PoolBackend:
-    def __init__(self, pool: HTTPEnginePool, prompts: PromptSource, rewards: DomainRewards, manager: RolloutManager,
-                 cfg: Any, teachers: Any = None) -> None:
+    def __init__(
+        self,
+        pool: HTTPEnginePool,
+        prompts: PromptSource,
+        rewards: DomainRewards,
+        manager: RolloutManager,
+        cfg: Any,
+        teachers: Any = None,
+    ) -> None:
         self.pool, self.prompts, self.rewards, self.manager, self.cfg = pool, prompts, rewards, manager, cfg
         self.teachers = teachers  # `train.teachers.Teachers` with engine teachers: they score after the rewards
 
@@ -39,7 +46,7 @@ class PoolBackend:
     def prompt_state(self) -> dict[str, Any]:
         return self.prompts.state_dict()
 
-    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
+    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> GenRequest | None:
         r = self.cfg.rollout
         budget = self.manager.budget(prompt) - len(prefix)  # cut at the distillation horizon
         if budget <= 0:
@@ -47,9 +54,12 @@ class PoolBackend:
         seed = sample_seed(self.cfg.train.seed, SALT_TRAIN + _PART_SALT_STRIDE * part, prompt.index, j)
         sp = self.manager.sampling_params(r.temperature, seed, domain=prompt.domain)
         sp["max_new_tokens"] = budget
-        return GenRequest(list(prompt.ids) + list(prefix), sp,
-                          return_routed_experts=self.cfg.algorithm.routing_replay == "r3",  # routing replay
-                          return_sampling_mask=r.sampling_mask_replay)
+        return GenRequest(
+            list(prompt.ids) + list(prefix),
+            sp,
+            return_routed_experts=self.cfg.algorithm.routing_replay == "r3",  # routing replay
+            return_sampling_mask=r.sampling_mask_replay,
+        )
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.pool.agenerate(request)
@@ -60,7 +70,7 @@ class PoolBackend:
         if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
             await self.teachers.ascore_engines(samples)
 
-    def filter_reason(self, group: list[Sample]) -> Optional[str]:
+    def filter_reason(self, group: list[Sample]) -> str | None:
         ds = self.cfg.algorithm.dynamic_sampling
         if ds.enabled and is_constant([s.reward for s in group], ds.std_tolerance):
             return "constant_reward"  # DAPO dynamic sampling: no advantage signal
@@ -84,9 +94,15 @@ def scheduler_config(cfg: Any) -> SchedulerConfig:
     r = cfg.rollout
     inflight = r.max_inflight_requests or r.num_embedded_engines * r.max_running_requests
     return SchedulerConfig(
-        group_size=r.group_size, batch_groups=r.prompts_per_step, max_staleness=r.max_staleness,
-        max_inflight_groups=max(1, inflight // r.group_size), buffer_groups=r.buffer_groups,
-        stale_policy=r.stale_policy, max_regenerations=r.max_regenerations, partial_rollouts=r.partial_rollouts, no_engine_timeout_s=r.no_engine_timeout_s,
+        group_size=r.group_size,
+        batch_groups=r.prompts_per_step,
+        max_staleness=r.max_staleness,
+        max_inflight_groups=max(1, inflight // r.group_size),
+        buffer_groups=r.buffer_groups,
+        stale_policy=r.stale_policy,
+        max_regenerations=r.max_regenerations,
+        partial_rollouts=r.partial_rollouts,
+        no_engine_timeout_s=r.no_engine_timeout_s,
         total_steps=cfg.train.num_steps,
     )
 
@@ -94,8 +110,14 @@ def scheduler_config(cfg: Any) -> SchedulerConfig:
 class AsyncRollouts:
     """The scheduler on the engine pool's loop, driven from the trainer thread."""
 
-    def __init__(self, pool: HTTPEnginePool, backend: PoolBackend, cfg: SchedulerConfig,
-                 state: Optional[dict[str, Any]] = None, steps_done: int = 0) -> None:
+    def __init__(
+        self,
+        pool: HTTPEnginePool,
+        backend: PoolBackend,
+        cfg: SchedulerConfig,
+        state: dict[str, Any] | None = None,
+        steps_done: int = 0,
+    ) -> None:
         """`state`: the scheduler's state from a checkpoint; `steps_done`: the learner's finished
         steps (the checkpoint is written before the gate opens for the next one)."""
         self.pool = pool
@@ -116,7 +138,7 @@ class AsyncRollouts:
             self._run(start())
             self.started = True
 
-    def next_batch(self, trainer_version: int) -> Optional[tuple[list[list[Sample]], dict[str, float]]]:
+    def next_batch(self, trainer_version: int) -> tuple[list[list[Sample]], dict[str, float]] | None:
         """Blocks until a batch is ready; None when the engines wait for the current weights."""
         self.start()
         return self._run(self.scheduler.next_batch(trainer_version))

@@ -20,8 +20,9 @@ from mcore_rl.progress import progress
 from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager
 
 
-def _scores(greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: Any, threshold: float,
-            prefix: str) -> dict[str, float]:
+def _scores(
+    greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: Any, threshold: float, prefix: str
+) -> dict[str, float]:
     e, out = cfg.eval, {}
     if e.greedy:
         out[f"{prefix}/greedy_pass@1"] = float(np.mean([g[0].reward >= threshold for g in greedy]))
@@ -48,7 +49,14 @@ def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: Any, threshold
     domains = list(dict.fromkeys(p.domain for p in prompts))
     for d in domains:
         mine = [i for i, p in enumerate(prompts) if p.domain == d]
-        out.update(_scores([greedy[i] for i in mine] if greedy else [], [sampled[i] for i in mine] if sampled else [],
-                           cfg, threshold, f"eval/{d}"))
+        out.update(
+            _scores(
+                [greedy[i] for i in mine] if greedy else [],
+                [sampled[i] for i in mine] if sampled else [],
+                cfg,
+                threshold,
+                f"eval/{d}",
+            )
+        )
     out["eval/score"] = float(np.mean([out[f"eval/{d}/score"] for d in domains]))
     return out

@@ -31,7 +31,8 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -83,7 +84,7 @@ class RLRun:
         prompt_sets = build_prompt_sets(cfg, self.tokenizer)
         self.prompts, self.val_prompts = prompt_sets.train, prompt_sets.validation
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
-        self.ref_chunks: Optional[list] = None
+        self.ref_chunks: list | None = None
         self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
         self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
         self.engines: Any = None
@@ -93,7 +94,7 @@ class RLRun:
         self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
         self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
-        self._rollout_state: Optional[dict] = None  # the async scheduler's state from a checkpoint
+        self._rollout_state: dict | None = None  # the async scheduler's state from a checkpoint
         from mcore_rl.runtime.accounting import SampleLedger
 
         self.ledger = SampleLedger()  # sync runtime (the async scheduler keeps its own)
@@ -117,8 +118,10 @@ class RLRun:
 
             self.hf_provenance = read_provenance(common, resume)
             if "rl" not in common:
-                raise ValueError(f"{resume} is not an `mcore-rl train` checkpoint (no RL state); start from it with "
-                                 "init.checkpoint instead of checkpoint.load_dir")
+                raise ValueError(
+                    f"{resume} is not an `mcore-rl train` checkpoint (no RL state); start from it with "
+                    "init.checkpoint instead of checkpoint.load_dir"
+                )
             self.optimizer.reload_model_params()
             rl = common["rl"]
             self.state = LoopState(**rl["state"])
@@ -142,7 +145,9 @@ class RLRun:
                 self.optimizer.reload_model_params()
                 ttfs.mark("checkpoint_load")
             if cfg.init.sft_steps > 0:
-                self.init_metrics = sft_warm_start(cfg, self.chunks, self.tokenizer, self.world, _log, self.held_out_texts)
+                self.init_metrics = sft_warm_start(
+                    cfg, self.chunks, self.tokenizer, self.world, _log, self.held_out_texts
+                )
                 self.optimizer.reload_model_params()
                 ttfs.mark("warm_start")
         self._build_reference(resume)
@@ -170,7 +175,7 @@ class RLRun:
         if self.rank0:
             try:
                 made = build_engine_teachers(self.cfg, self.tokenizer, os.path.join(self.cfg.run_dir, "teachers"))
-            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            except Exception as err:
                 error = f"{type(err).__name__}: {err}"
         error = broadcast(error)
         if error is not None:
@@ -180,7 +185,7 @@ class RLRun:
         self._engine_teachers = made
         return made
 
-    def _build_reference(self, resume: Optional[str]) -> None:
+    def _build_reference(self, resume: str | None) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
         from mcore_rl.train import checkpoint
         from mcore_rl.train.policy import build_reference_model, copy_weights
@@ -196,15 +201,22 @@ class RLRun:
             ref_dir = os.path.join(root, "reference")
             path = checkpoint.latest_checkpoint(ref_dir) if os.path.isdir(ref_dir) else None
             if path is None:
-                raise FileNotFoundError(f"the run keeps π_ref (algorithm.kl_coef > 0 or reference_model) but {ref_dir} "
-                                        "holds no reference-model checkpoint "
-                                        "to resume with")
+                raise FileNotFoundError(
+                    f"the run keeps π_ref (algorithm.kl_coef > 0 or reference_model) but {ref_dir} "
+                    "holds no reference-model checkpoint "
+                    "to resume with"
+                )
             checkpoint.load_checkpoint(path, self.ref_chunks, None)
             return
         copy_weights(self.ref_chunks, self.chunks)
         if cfg.checkpoint.save_dir:
-            checkpoint.save_checkpoint(os.path.join(cfg.checkpoint.save_dir, "reference"), 0, self.ref_chunks, None,
-                                       {"model": config_to_dict(cfg.model)})
+            checkpoint.save_checkpoint(
+                os.path.join(cfg.checkpoint.save_dir, "reference"),
+                0,
+                self.ref_chunks,
+                None,
+                {"model": config_to_dict(cfg.model)},
+            )
 
     def _build_engines(self) -> None:
         from mcore_rl.rollout.pool import build_engine_pool
@@ -214,28 +226,41 @@ class RLRun:
         cfg, r = self.cfg, self.cfg.rollout
         transport = None
         if self.rank0:
-            self.engines = build_engine_pool(r, cfg.model, self.tokenizer, cfg.train.seed,
-                                             workdir=os.path.join(cfg.run_dir, "engines"),
-                                             tokenizer_path=cfg.data.tokenizer_path)
+            self.engines = build_engine_pool(
+                r,
+                cfg.model,
+                self.tokenizer,
+                cfg.train.seed,
+                workdir=os.path.join(cfg.run_dir, "engines"),
+                tokenizer_path=cfg.data.tokenizer_path,
+            )
             transport = self.engines.weight_transport(r)
             if hasattr(transport, "pause_mode"):
                 transport.pause_mode = r.pause_mode
             for recipe in self.recipes:
                 recipe.engines_ready(self)  # e.g. a recipe's own engines (checked before training)
-            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg,
-                                          recipes=self.recipes)
+            self.manager = RolloutManager(
+                self.engines, self.prompts, build_reward_runner(cfg), cfg, recipes=self.recipes
+            )
             if r.runtime == "async":
                 from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
 
                 if self._rollout_state is not None:
                     self.prompts.load_state_dict(self._rollout_state["prompts"])
                 teachers = self.teachers if self.teachers is not None and self.teachers.engine_teachers else None
-                backend = PoolBackend(self.engines, self.prompts, self.manager.rewards, self.manager, cfg,
-                                      teachers=teachers)  # engine teachers score right after the rewards
-                self.async_rollouts = AsyncRollouts(self.engines, backend, scheduler_config(cfg), self._rollout_state,
-                                                    steps_done=self.state.rl_step)
-        self.weight_sync = WeightSync(self.chunks, cfg.model, transport, bucket_bytes=r.sync_bucket_mb << 20,
-                                      quantization="fp8" if r.quantization == "fp8" else None)
+                backend = PoolBackend(
+                    self.engines, self.prompts, self.manager.rewards, self.manager, cfg, teachers=teachers
+                )  # engine teachers score right after the rewards
+                self.async_rollouts = AsyncRollouts(
+                    self.engines, backend, scheduler_config(cfg), self._rollout_state, steps_done=self.state.rl_step
+                )
+        self.weight_sync = WeightSync(
+            self.chunks,
+            cfg.model,
+            transport,
+            bucket_bytes=r.sync_bucket_mb << 20,
+            quantization="fp8" if r.quantization == "fp8" else None,
+        )
 
     def sync(self, new_version: bool = True) -> None:
         """Ship the trainer's weights to the engine(s) (collective); a new weight version unless
@@ -260,16 +285,26 @@ class RLRun:
             msg: Any = None
             if self.rank0 and self.async_rollouts is not None:
                 got = self.async_rollouts.next_batch(self.state.version)
-                msg = ("resync",) if got is None else (
-                    "batch", [s for g in got[0] for s in g], {**reward_metrics(got[0], per_domain=per_domain), **got[1]})
+                msg = (
+                    ("resync",)
+                    if got is None
+                    else (
+                        "batch",
+                        [s for g in got[0] for s in g],
+                        {**reward_metrics(got[0], per_domain=per_domain), **got[1]},
+                    )
+                )
             elif self.rank0:
                 groups, stats = self.manager.collect(self.state.rl_step)
                 self.ledger.drawn += stats.prompts_drawn
                 self.ledger.trained += len(groups)
                 if stats.prompts_drawn > len(groups):
                     self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
-                msg = ("batch", [s for g in groups for s in g], {**reward_metrics(groups, per_domain=per_domain),
-                                                                 **stats.metrics()})
+                msg = (
+                    "batch",
+                    [s for g in groups for s in g],
+                    {**reward_metrics(groups, per_domain=per_domain), **stats.metrics()},
+                )
             msg = broadcast(msg)
             if msg[0] == "batch":
                 break
@@ -279,13 +314,18 @@ class RLRun:
         metrics["time/rollout_wait_s"] = time.perf_counter() - start
         for recipe in self.recipes:
             metrics.update(recipe.batch_step(samples, self))
-        stale = [s.policy_version for s in samples  # (a recipe may keep samples that are stale by design)
-                 if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
-                 and not any(recipe.stale_ok(s) for recipe in self.recipes)]
+        stale = [
+            s.policy_version
+            for s in samples  # (a recipe may keep samples that are stale by design)
+            if self.state.version - s.policy_version > self.cfg.rollout.max_staleness
+            and not any(recipe.stale_ok(s) for recipe in self.recipes)
+        ]
         if stale:
-            raise RuntimeError(f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
-                               f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
-                               f"version {self.state.version}")
+            raise RuntimeError(
+                f"{len(stale)} samples were generated with weight versions {sorted(set(stale))}, more "
+                f"than rollout.max_staleness={self.cfg.rollout.max_staleness} behind the trainer's "
+                f"version {self.state.version}"
+            )
         return samples, metrics
 
     def evaluate(self) -> dict[str, float]:
@@ -324,7 +364,7 @@ class RLRun:
         if self.async_rollouts is not None:
             self.async_rollouts.step_done(self.state.version)
 
-    def write_accounting(self) -> Optional[dict]:
+    def write_accounting(self) -> dict | None:
         """`accounting.json`: where every drawn prompt went (rank 0)."""
         if not self.rank0:
             return None
@@ -352,13 +392,17 @@ class RLRun:
         from mcore_rl.train.hf_provenance import carry_provenance
 
         common = carry_provenance(self.hf_provenance, common, self.cfg.checkpoint.save_dir)
-        return checkpoint.save_checkpoint(self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
+        return checkpoint.save_checkpoint(
+            self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common
+        )
 
-    def checkpoint_path(self) -> Optional[str]:
+    def checkpoint_path(self) -> str | None:
         """Where `save` put (or would put) the checkpoint of the current step; None without save_dir."""
         from mcore_rl.train.checkpoint import checkpoint_dir
 
-        return checkpoint_dir(self.cfg.checkpoint.save_dir, self.state.rl_step) if self.cfg.checkpoint.save_dir else None
+        return (
+            checkpoint_dir(self.cfg.checkpoint.save_dir, self.state.rl_step) if self.cfg.checkpoint.save_dir else None
+        )
 
     def teach(self, samples: list[Sample], learner: Any) -> dict[str, float]:
         """Fill `Sample.teacher` of the batch before the update (collective): engine teachers on
@@ -370,14 +414,26 @@ class RLRun:
         tc = self.cfg.train
 
         def topk(k: int) -> Any:
-            return lambda ss, t, chunks: token_topk(chunks or self.chunks, ss, t, k, seq_length=tc.seq_length,
-                                                    micro_batch_size=tc.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                                    temperature=learner.temperature, chunk_size=tc.logprob_chunk_size)
+            return lambda ss, t, chunks: token_topk(
+                chunks or self.chunks,
+                ss,
+                t,
+                k,
+                seq_length=tc.seq_length,
+                micro_batch_size=tc.micro_batch_size,
+                pad_id=self.tokenizer.pad_id,
+                temperature=learner.temperature,
+                chunk_size=tc.logprob_chunk_size,
+            )
 
         # a teacher scores the full distribution, not the student's sampling mask
-        return self.teachers.score(samples, lambda ss, t, chunks: learner.token_logprobs(
-                                       ss, t, chunks=chunks, sampling_masks=False)[0],
-                                   broadcast, self.rank0, topk)
+        return self.teachers.score(
+            samples,
+            lambda ss, t, chunks: learner.token_logprobs(ss, t, chunks=chunks, sampling_masks=False)[0],
+            broadcast,
+            self.rank0,
+            topk,
+        )
 
     def close(self) -> None:
         if self.async_rollouts is not None:
@@ -413,12 +469,13 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         run.initialise()
         if run._resume_common is not None:
             writer.resume(run.state.opt_step)
-        learner = run.learner = Learner(cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id,
-                                        recipes=run.recipes)
+        learner = run.learner = Learner(
+            cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id, recipes=run.recipes
+        )
         if run._resume_common is not None and run._resume_common.get("distill"):
             learner.load_distill_state(run._resume_common["distill"])
         st = run.state
-        first_eval: Optional[dict[str, float]] = None
+        first_eval: dict[str, float] | None = None
         if run._resume_common is None and cfg.eval.at_start:
             first_eval = run.evaluate()
             ttfs.mark("eval_at_start")
@@ -446,8 +503,12 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             for recipe in run.recipes:
                 updated.update(recipe.after_optimizer(run, st.rl_step + 1))
             run.sync()
-            extra: dict[str, float] = {"time/sync_s": run.last_sync_s, "time/train_s": train_s,
-                                       "rollout/weight_version": float(st.version), **updated}
+            extra: dict[str, float] = {
+                "time/sync_s": run.last_sync_s,
+                "time/train_s": train_s,
+                "rollout/weight_version": float(st.version),
+                **updated,
+            }
             if cfg.rollout.placement == "colocated" and rank0:
                 extra["time/engine_release_resume_s"] = run.released_s
             for recipe in run.recipes:
@@ -490,9 +551,11 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 bar.set_postfix(_postfix(roll_metrics, batch_metrics, last_eval), refresh=False)
                 bar.update(1)
             if cfg.logging.print_interval > 0 and st.rl_step % cfg.logging.print_interval == 0:
-                _log(f"step {st.rl_step:>4}/{cfg.train.num_steps} | reward {roll_metrics.get('reward/mean', float('nan')):.3f} | "
-                     f"k3 {batch_metrics.get('mismatch/k3', float('nan')):.2e} | loss {records[-1].get('train/loss', float('nan')):.4f}"
-                     + (f" | {_eval_line(extra)}" if "eval/score" in extra else ""))
+                _log(
+                    f"step {st.rl_step:>4}/{cfg.train.num_steps} | reward {roll_metrics.get('reward/mean', float('nan')):.3f} | "
+                    f"k3 {batch_metrics.get('mismatch/k3', float('nan')):.2e} | loss {records[-1].get('train/loss', float('nan')):.4f}"
+                    + (f" | {_eval_line(extra)}" if "eval/score" in extra else "")
+                )
             if stop:  # saved above; the finally below closes engines and workers
                 raise preempted(cfg.run_dir, st.rl_step, stop, run.checkpoint_path())
         if bar is not None:
@@ -500,8 +563,13 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):
             _log(f"saved {run.save()}")
         wall = time.perf_counter() - run.t0
-        summary = {"eval_before": first_eval, "eval_after": last_eval, "wall_s": wall, "state": asdict(st),
-                   "accounting": run.write_accounting()}
+        summary = {
+            "eval_before": first_eval,
+            "eval_after": last_eval,
+            "wall_s": wall,
+            "state": asdict(st),
+            "accounting": run.write_accounting(),
+        }
         for recipe in run.recipes:
             summary.update(recipe.summary())
         if rank0:
@@ -510,15 +578,17 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
                 png = plot_curves(read_metrics(writer.path), os.path.join(cfg.run_dir, "curves.png"), title=cfg.run_dir)
                 summary["plot"] = png
             if first_eval and last_eval:
-                _log(f"held-out {_score_name(cfg)}: {first_eval['eval/score']:.1%} before RL -> "
-                     f"{last_eval['eval/score']:.1%} after {st.rl_step} steps ({wall:.0f} s in all)")
+                _log(
+                    f"held-out {_score_name(cfg)}: {first_eval['eval/score']:.1%} before RL -> "
+                    f"{last_eval['eval/score']:.1%} after {st.rl_step} steps ({wall:.0f} s in all)"
+                )
             _log(f"metrics: {writer.path}" + (f" | curves: {summary['plot']}" if "plot" in summary else ""))
         return summary
     finally:
         observer.close()
         try:
             run.write_accounting()  # also when the run failed: what was in flight is reported pending
-        except Exception:  # noqa: BLE001 - never hide the run's own error
+        except Exception:
             logger.exception("could not write accounting.json")
         run.close()
 
@@ -528,8 +598,11 @@ def _score_name(cfg: RLConfig) -> str:
 
 
 def _eval_line(ev: dict[str, float]) -> str:
-    parts = [f"{k.removeprefix('eval/')} {v:.1%}" for k, v in ev.items()
-             if k.startswith("eval/") and k != "eval/score" and "reward" not in k]
+    parts = [
+        f"{k.removeprefix('eval/')} {v:.1%}"
+        for k, v in ev.items()
+        if k.startswith("eval/") and k != "eval/score" and "reward" not in k
+    ]
     return " | ".join(parts)
 
 
@@ -541,8 +614,11 @@ def _progress(cfg: RLConfig, start: int) -> Any:
     return progress(cfg.train.num_steps, "rl", "step", initial=start)
 
 
-def _postfix(roll: dict[str, float], batch: dict[str, float], ev: Optional[dict[str, float]]) -> dict[str, str]:
-    out = {"reward": f"{roll.get('reward/mean', float('nan')):.3f}", "k3": f"{batch.get('mismatch/k3', float('nan')):.1e}"}
+def _postfix(roll: dict[str, float], batch: dict[str, float], ev: dict[str, float] | None) -> dict[str, str]:
+    out = {
+        "reward": f"{roll.get('reward/mean', float('nan')):.3f}",
+        "k3": f"{batch.get('mismatch/k3', float('nan')):.1e}",
+    }
     if ev:
         out["eval"] = f"{ev['eval/score']:.3f}"
     return out

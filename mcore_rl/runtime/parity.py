@@ -38,7 +38,8 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,12 +70,12 @@ class EngineParity:
     max_abs: float
     k3: float  # E[exp(d) − d − 1], d = log π − log μ
     by_position: list[PositionBin] = field(default_factory=list)
-    layer_rel_diff: Optional[list[float]] = None  # per decoder layer, then the final norm's output
-    routing_disagreement: Optional[list[Optional[float]]] = None  # per layer (None: dense layer)
-    scoring_vs_sampling: Optional[float] = None  # generating engine: mean |scored − sampled log-prob|
+    layer_rel_diff: list[float] | None = None  # per decoder layer, then the final norm's output
+    routing_disagreement: list[float | None] | None = None  # per layer (None: dense layer)
+    scoring_vs_sampling: float | None = None  # generating engine: mean |scored − sampled log-prob|
     # MoE: the trainer replaying this engine's routing of the same tokens (R3)
-    r3_mean_abs: Optional[float] = None
-    r3_k3: Optional[float] = None
+    r3_mean_abs: float | None = None
+    r3_k3: float | None = None
     seconds: float = 0.0
 
 
@@ -87,17 +88,23 @@ def token_mismatch(trainer: Sequence[float], engine: Sequence[float]) -> dict[st
     if d.numel() == 0:
         return {"mean_abs": math.nan, "p99_abs": math.nan, "max_abs": math.nan, "k3": math.nan}
     a = d.abs()
-    return {"mean_abs": float(a.mean()), "p99_abs": float(torch.quantile(a, 0.99)), "max_abs": float(a.max()),
-            "k3": float((torch.exp(d) - d - 1).mean())}
+    return {
+        "mean_abs": float(a.mean()),
+        "p99_abs": float(torch.quantile(a, 0.99)),
+        "max_abs": float(a.max()),
+        "k3": float((torch.exp(d) - d - 1).mean()),
+    }
 
 
-def position_bins(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float]], width: int) -> list[PositionBin]:
+def position_bins(
+    trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float]], width: int
+) -> list[PositionBin]:
     """`token_mismatch` by response position, in bins of `width` positions (per-sample lists)."""
     longest = max((len(t) for t in trainer), default=0)
     out = []
     for start in range(0, longest, width):
-        t = [x for row in trainer for x in row[start:start + width]]
-        e = [x for row in engine for x in row[start:start + width]]
+        t = [x for row in trainer for x in row[start : start + width]]
+        e = [x for row in engine for x in row[start : start + width]]
         m = token_mismatch(t, e)
         out.append(PositionBin(start, min(start + width, longest), len(t), m["mean_abs"], m["k3"]))
     return out
@@ -112,8 +119,8 @@ class Sampled:
 
     ids: list[int]
     logp: list[float]  # output_token_logprobs (raw: the full distribution at the sampling temperature)
-    masks: Optional[list[list[int]]] = None  # return_sampling_mask: the support of each token
-    processed_logp: Optional[list[float]] = None  # ... and its log-prob under the renormalised support
+    masks: list[list[int]] | None = None  # return_sampling_mask: the support of each token
+    processed_logp: list[float] | None = None  # ... and its log-prob under the renormalised support
     routed: Any = None  # return_routed_experts of the sampled sequence
 
 
@@ -135,53 +142,81 @@ class EmbeddedScorer:
                     done[out.rid] = out
         return done
 
-    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]], mask: bool = False,
-                 routing: bool = False) -> list["Sampled"]:
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        sampling: Sequence[dict[str, Any]],
+        mask: bool = False,
+        routing: bool = False,
+    ) -> list[Sampled]:
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
-        reqs = [Request(f"g{i}", list(p), SamplingParams(**sp), return_logprob=True, return_sampling_mask=mask,
-                        return_routed_experts=routing)
-                for i, (p, sp) in enumerate(zip(prompts, sampling))]
+        reqs = [
+            Request(
+                f"g{i}",
+                list(p),
+                SamplingParams(**sp),
+                return_logprob=True,
+                return_sampling_mask=mask,
+                return_routed_experts=routing,
+            )
+            for i, (p, sp) in enumerate(zip(prompts, sampling))
+        ]
         done = self._run(reqs)
-        return [Sampled(list(o.output_ids), [lp for lp, _ in o.output_token_logprobs],
-                        list(o.output_token_sampling_mask) if mask else None,
-                        list(o.output_token_sampling_logprobs) if mask else None,
-                        o.routed_experts if routing else None)
-                for o in (done[r.rid] for r in reqs)]
+        return [
+            Sampled(
+                list(o.output_ids),
+                [lp for lp, _ in o.output_token_logprobs],
+                list(o.output_token_sampling_mask) if mask else None,
+                list(o.output_token_sampling_logprobs) if mask else None,
+                o.routed_experts if routing else None,
+            )
+            for o in (done[r.rid] for r in reqs)
+        ]
 
-    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
-              ) -> tuple[list[list[float]], Optional[list[Any]]]:
+    def score(
+        self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
+    ) -> tuple[list[list[float]], list[Any] | None]:
         """Prompt-scoring log-probs of each response (and, with `routing`, the experts of every
         token, SGLang's routed_experts [tokens - 1, layers, k])."""
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
-        reqs = [Request(f"s{i}", list(p) + list(r), SamplingParams(max_new_tokens=0), return_logprob=True,
-                        logprob_start_len=len(p) - 1, return_routed_experts=routing)
-                for i, (p, r) in enumerate(zip(prompts, responses))]
+        reqs = [
+            Request(
+                f"s{i}",
+                list(p) + list(r),
+                SamplingParams(max_new_tokens=0),
+                return_logprob=True,
+                logprob_start_len=len(p) - 1,
+                return_routed_experts=routing,
+            )
+            for i, (p, r) in enumerate(zip(prompts, responses))
+        ]
         done = self._run(reqs)
         lps = [[lp for lp, _ in done[q.rid].input_token_logprobs[1:]] for q in reqs]
         return lps, ([done[q.rid].routed_experts for q in reqs] if routing else None)
 
     @torch.no_grad()
-    def hidden_and_routing(self, ids: list[int]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+    def hidden_and_routing(self, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Debug forward of the engine's model on `ids`: the residual stream after each decoder
         layer and the final norm ([s, h] fp32 each), and per layer the top-k expert ids [s, k]
         (None for dense layers)."""
         model = self.core.model
         inner = model.model
         hidden: list[torch.Tensor] = []
-        routes: list[Optional[torch.Tensor]] = [None] * len(inner.layers)
+        routes: list[torch.Tensor | None] = [None] * len(inner.layers)
         handles = []
         for i, layer in enumerate(inner.layers):
-            handles.append(layer.register_forward_hook(
-                lambda _m, _a, out: hidden.append(out[0][0].float().cpu())))
+            handles.append(layer.register_forward_hook(lambda _m, _a, out: hidden.append(out[0][0].float().cpu())))
             gate = getattr(getattr(layer, "mlp", None), "gate", None)
             topk = getattr(getattr(layer, "mlp", None), "topk", None)
             if isinstance(gate, torch.nn.Linear) and topk:
+
                 def hook(_m: Any, _a: Any, out: torch.Tensor, i: int = i, k: int = int(topk)) -> None:
                     routes[i] = torch.topk(out.reshape(-1, out.shape[-1]).float(), k, dim=-1).indices.cpu()
+
                 handles.append(gate.register_forward_hook(hook))
         handles.append(inner.norm.register_forward_hook(lambda _m, _a, out: hidden.append(out[0].float().cpu())))
         try:
@@ -208,11 +243,18 @@ class URLScorer:
 
         return asyncio.run(go())
 
-    def generate(self, prompts: Sequence[list[int]], sampling: Sequence[dict[str, Any]], mask: bool = False,
-                 routing: bool = False) -> list[Sampled]:
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        sampling: Sequence[dict[str, Any]],
+        mask: bool = False,
+        routing: bool = False,
+    ) -> list[Sampled]:
         from mcore_rl.rollout.protocol import decode_routed_experts
 
-        bodies = [{"input_ids": list(p), "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)]
+        bodies = [
+            {"input_ids": list(p), "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)
+        ]
         for b in bodies:
             if mask:
                 b["return_sampling_mask"] = True
@@ -222,16 +264,22 @@ class URLScorer:
         out = []
         for p, r in zip(prompts, replies):
             meta = r["meta_info"]
-            out.append(Sampled(
-                list(r["output_ids"]), [e[0] for e in meta["output_token_logprobs"]],
-                [list(m) for m in meta["output_token_sampling_mask"]] if mask else None,
-                [float(x) for x in meta["output_token_sampling_logprobs"]] if mask else None,
-                decode_routed_experts(meta["routed_experts"], len(p) + len(r["output_ids"]), self.num_layers)
-                if routing else None))
+            out.append(
+                Sampled(
+                    list(r["output_ids"]),
+                    [e[0] for e in meta["output_token_logprobs"]],
+                    [list(m) for m in meta["output_token_sampling_mask"]] if mask else None,
+                    [float(x) for x in meta["output_token_sampling_logprobs"]] if mask else None,
+                    decode_routed_experts(meta["routed_experts"], len(p) + len(r["output_ids"]), self.num_layers)
+                    if routing
+                    else None,
+                )
+            )
         return out
 
-    def score(self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
-              ) -> tuple[list[list[float]], Optional[list[Any]]]:
+    def score(
+        self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
+    ) -> tuple[list[list[float]], list[Any] | None]:
         from mcore_rl.rollout.protocol import decode_routed_experts
         from mcore_rl.rollout.teacher import parse_scores, scoring_body
 
@@ -248,8 +296,10 @@ class URLScorer:
                 raise ValueError(f"{self.name}: scoring reply {i}: {err}") from None
         routes = None
         if routing:
-            routes = [decode_routed_experts(reply["meta_info"]["routed_experts"], len(p) + len(r), self.num_layers)
-                      for reply, p, r in zip(replies, prompts, responses)]
+            routes = [
+                decode_routed_experts(reply["meta_info"]["routed_experts"], len(p) + len(r), self.num_layers)
+                for reply, p, r in zip(replies, prompts, responses)
+            ]
         return out, routes
 
 
@@ -257,7 +307,7 @@ class URLScorer:
 
 
 @torch.no_grad()
-def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The trainer's megatron-core model on `ids` (one rank, one chunk): the residual stream after
     each decoder layer and the final norm ([s, h] fp32), and each MoE layer's top-k expert ids."""
     from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
@@ -265,16 +315,21 @@ def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch
     gpt = unwrap_gpt(chunks[0])
     layers = gpt.decoder.layers
     hidden: list[torch.Tensor] = []
-    routes: list[Optional[torch.Tensor]] = [None] * len(layers)
+    routes: list[torch.Tensor | None] = [None] * len(layers)
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(
-            lambda _m, _a, out: hidden.append((out[0] if isinstance(out, tuple) else out)[:, 0].float().cpu())))
+        handles.append(
+            layer.register_forward_hook(
+                lambda _m, _a, out: hidden.append((out[0] if isinstance(out, tuple) else out)[:, 0].float().cpu())
+            )
+        )
         router = getattr(getattr(layer, "mlp", None), "router", None)
         if router is not None:
+
             def hook(m: Any, _a: Any, out: Any, i: int = i) -> None:
                 routing_map = out[1]  # [tokens, experts] bool
                 routes[i] = torch.topk(routing_map.float() + 0.0, m.topk, dim=-1).indices.cpu()
+
             handles.append(router.register_forward_hook(hook))
     final_norm = getattr(gpt.decoder, "final_layernorm", None)
     if final_norm is not None:
@@ -304,8 +359,9 @@ def routing_disagreement(engine: torch.Tensor, trainer: torch.Tensor) -> float:
     return float((engine.sort(-1).values != trainer.sort(-1).values).any(-1).float().mean())
 
 
-def layer_report(engine: EmbeddedScorer, chunks: list, sequences: Sequence[tuple[list[int], list[int]]]
-                 ) -> tuple[list[float], list[Optional[float]]]:
+def layer_report(
+    engine: EmbeddedScorer, chunks: list, sequences: Sequence[tuple[list[int], list[int]]]
+) -> tuple[list[float], list[float | None]]:
     """Per layer (and the final norm): the mean relative hidden-state difference over the response
     positions of `sequences` ((prompt, response) pairs), and the MoE routing disagreement."""
     diffs: list[list[float]] = []
@@ -343,7 +399,7 @@ class ParityOptions:
     position_bins: int = 16
     layers: bool = True  # the per-layer report (embedded engines, one rank)
     routing_replay: bool = True  # MoE: also score with the engine's routing replayed (R3)
-    checkpoint: Optional[str] = None  # weights to compare instead of the recipe's init
+    checkpoint: str | None = None  # weights to compare instead of the recipe's init
 
 
 def check_options(opts: ParityOptions) -> None:
@@ -379,30 +435,48 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if cfg.init.sft_steps > 0:
             sft_warm_start(cfg, run.chunks, run.tokenizer, run.world, log, run.held_out_texts)
     r = cfg.rollout
-    engines: list[tuple[Any, Optional[Any]]] = []  # (scorer, pool to close)
+    engines: list[tuple[Any, Any | None]] = []  # (scorer, pool to close)
     for p in opts.precisions:
-        pool = EmbeddedEnginePool.build(cfg.model, run.tokenizer, num=1, quantization=p,
-                                        max_running_requests=max(64, opts.num_prompts * opts.samples_per_prompt),
-                                        context_length=r.context_length, seed=cfg.train.seed)
-        WeightSync(run.chunks, cfg.model, pool.weight_transport(r), bucket_bytes=r.sync_bucket_mb << 20,
-                   quantization="fp8" if p == "fp8" else None).sync(1)
+        pool = EmbeddedEnginePool.build(
+            cfg.model,
+            run.tokenizer,
+            num=1,
+            quantization=p,
+            max_running_requests=max(64, opts.num_prompts * opts.samples_per_prompt),
+            context_length=r.context_length,
+            seed=cfg.train.seed,
+        )
+        WeightSync(
+            run.chunks,
+            cfg.model,
+            pool.weight_transport(r),
+            bucket_bytes=r.sync_bucket_mb << 20,
+            quantization="fp8" if p == "fp8" else None,
+        ).sync(1)
         engines.append((EmbeddedScorer(pool.cores[0], PRECISION_NAMES[p]), pool))
     for url in opts.engine_urls:
         rc = copy.deepcopy(r)
         rc.engine_urls = [url]
-        pool = build_engine_pool(rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir,
-                                 tokenizer_path=cfg.data.tokenizer_path)
-        WeightSync(run.chunks, cfg.model, pool.weight_transport(rc), bucket_bytes=r.sync_bucket_mb << 20,
-                   quantization="fp8" if r.quantization == "fp8" else None).sync(1)
+        pool = build_engine_pool(
+            rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir, tokenizer_path=cfg.data.tokenizer_path
+        )
+        WeightSync(
+            run.chunks,
+            cfg.model,
+            pool.weight_transport(rc),
+            bucket_bytes=r.sync_bucket_mb << 20,
+            quantization="fp8" if r.quantization == "fp8" else None,
+        ).sync(1)
         engines.append((URLScorer(url, cfg.model.num_layers), pool))
     log(f"parity: policy and {len(engines)} engine(s) ready in {time.perf_counter() - start:.1f} s")
 
     prompts: list[Prompt] = run.prompts.take(opts.num_prompts)
-    sp = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-          "max_new_tokens": r.max_new_tokens}
+    sp = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
     prompt_ids = [p.ids for p in prompts for _ in range(opts.samples_per_prompt)]
-    sampling = [dict(sp, sampling_seed=cfg.train.seed * 1000 + i) if r.temperature > 0 else dict(sp)
-                for i in range(len(prompt_ids))]
+    sampling = [
+        dict(sp, sampling_seed=cfg.train.seed * 1000 + i) if r.temperature > 0 else dict(sp)
+        for i in range(len(prompt_ids))
+    ]
     generator = engines[0][0]
     moe = cfg.model.is_moe
     # a truncated sampling distribution (top-p < 1 / top-k): also the behaviour-policy rows
@@ -415,15 +489,17 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     sampled_lp = [g.logp for g in generated]
     owners = [p for p in prompts for _ in range(opts.samples_per_prompt)]
     owners = [owners[i] for i in keep]
-    samples = [Sample(prompt=o, group=o.index, response_ids=g.ids, rollout_logp=g.logp, policy_version=1,
-                      finish_reason="stop") for o, g in zip(owners, generated)]
+    samples = [
+        Sample(prompt=o, group=o.index, response_ids=g.ids, rollout_logp=g.logp, policy_version=1, finish_reason="stop")
+        for o, g in zip(owners, generated)
+    ]
     rcfg = copy.deepcopy(cfg)
     rcfg.algorithm.routing_replay = "r3" if moe else "none"  # replay only when asked per call
     learner = Learner(rcfg, run.chunks, run.optimizer, None, run.tokenizer.pad_id)
     learner.temperature = 1.0
     width = max(len(x) for x in responses)
     logp, _ = learner.token_logprobs(samples, width)
-    trainer = [logp[i, :len(resp)].tolist() for i, resp in enumerate(responses)]
+    trainer = [logp[i, : len(resp)].tolist() for i, resp in enumerate(responses)]
 
     results: list[EngineParity] = []
     single_rank = run.world == 1 and len(run.chunks) == 1 and cfg.model.attn_res == "none"
@@ -433,14 +509,22 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         flat_t = [x for row in trainer for x in row]
         flat_e = [x for row in scored for x in row]
         m = token_mismatch(flat_t, flat_e)
-        res = EngineParity(scorer.name, len(flat_t), m["mean_abs"], m["p99_abs"], m["max_abs"], m["k3"],
-                           position_bins(trainer, scored, opts.position_bins))
+        res = EngineParity(
+            scorer.name,
+            len(flat_t),
+            m["mean_abs"],
+            m["p99_abs"],
+            m["max_abs"],
+            m["k3"],
+            position_bins(trainer, scored, opts.position_bins),
+        )
         if j == 0 and r.temperature == 1.0:  # sampled log-probs are temperature-scaled otherwise
             s = [x for row in sampled_lp for x in row]
             res.scoring_vs_sampling = float((torch.tensor(s) - torch.tensor(flat_e)).abs().mean())
         if opts.layers and single_rank and isinstance(scorer, EmbeddedScorer):
             res.layer_rel_diff, res.routing_disagreement = layer_report(
-                scorer, run.chunks, list(zip(prompt_ids, responses)))
+                scorer, run.chunks, list(zip(prompt_ids, responses))
+            )
         if routes is not None:  # the trainer on the same tokens, replaying this engine's experts
             from mcore_rl.data.samples import compact_routing
 
@@ -450,22 +534,33 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
 
             lp_r3, _, _ = learner.token_stats(samples, width, routing=learner.replay_routing(samples))
             routing_replay.clear(learner.replay_taps)  # later forwards route naturally again
-            m3 = token_mismatch([x for i, resp in enumerate(responses) for x in lp_r3[i, :len(resp)].tolist()], flat_e)
+            m3 = token_mismatch([x for i, resp in enumerate(responses) for x in lp_r3[i, : len(resp)].tolist()], flat_e)
             res.r3_mean_abs, res.r3_k3 = m3["mean_abs"], m3["k3"]
         res.seconds = time.perf_counter() - t0
         results.append(res)
-    behaviour = behaviour_rows(learner, samples, generated, width, r.temperature, moe and opts.routing_replay) \
-        if truncated else []
+    behaviour = (
+        behaviour_rows(learner, samples, generated, width, r.temperature, moe and opts.routing_replay)
+        if truncated
+        else []
+    )
     for _, pool in engines:
         if pool is not None:
             pool.close()
-    return {"recipe_model": asdict(cfg.model),
-            "num_sequences": len(responses), "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-            "engines": [asdict(x) for x in results], "behaviour_engine": generator.name, "behaviour": behaviour}
+    return {
+        "recipe_model": asdict(cfg.model),
+        "num_sequences": len(responses),
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "engines": [asdict(x) for x in results],
+        "behaviour_engine": generator.name,
+        "behaviour": behaviour,
+    }
 
 
-def behaviour_rows(learner: Any, samples: list[Sample], generated: list[Sampled], width: int, temperature: float,
-                   routing: bool) -> list[dict[str, Any]]:
+def behaviour_rows(
+    learner: Any, samples: list[Sample], generated: list[Sampled], width: int, temperature: float, routing: bool
+) -> list[dict[str, Any]]:
     """The mismatch against the distribution the tokens were actually drawn from: μ = the
     generating engine's processed log-probs (after temperature and the top-p / top-k mask,
     renormalised), and π the trainer's at the sampling temperature — over the full vocabulary (what
@@ -483,14 +578,19 @@ def behaviour_rows(learner: Any, samples: list[Sample], generated: list[Sampled]
     learner.temperature = temperature
     rows = []
     try:
-        for name, masked, r3 in (("full vocabulary", False, False), ("R3", False, True),
-                                 ("sampling mask", True, False), ("R3 + sampling mask", True, True)):
+        for name, masked, r3 in (
+            ("full vocabulary", False, False),
+            ("R3", False, True),
+            ("sampling mask", True, False),
+            ("R3 + sampling mask", True, True),
+        ):
             if r3 and not routing:
                 continue
-            lp, _, _ = learner.token_stats(samples, width, sampling_masks=masked,
-                                           routing=learner.replay_routing(samples) if r3 else None)
+            lp, _, _ = learner.token_stats(
+                samples, width, sampling_masks=masked, routing=learner.replay_routing(samples) if r3 else None
+            )
             routing_replay.clear(learner.replay_taps)
-            pi = [x for i, smp in enumerate(samples) for x in lp[i, :len(smp.response_ids)].tolist()]
+            pi = [x for i, smp in enumerate(samples) for x in lp[i, : len(smp.response_ids)].tolist()]
             rows.append({"trainer": name, **token_mismatch(pi, mu)})
     finally:
         learner.temperature = saved
@@ -499,29 +599,41 @@ def behaviour_rows(learner: Any, samples: list[Sample], generated: list[Sampled]
 
 def format_report(report: dict[str, Any]) -> str:
     """The terminal table of `run_parity`'s result."""
-    lines = [f"{report['num_sequences']} sequences sampled at T={report['temperature']} "
-             f"(top_p={report['top_p']}, top_k={report['top_k']}); scored at T=1; d = log π_trainer − log μ_engine",
-             "",
-             f"{'engine':<28}{'tokens':>8}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}{'score≈sample':>14}"
-             f"{'R3 mean|d|':>12}{'R3 K3':>11}"]
+    lines = [
+        f"{report['num_sequences']} sequences sampled at T={report['temperature']} "
+        f"(top_p={report['top_p']}, top_k={report['top_k']}); scored at T=1; d = log π_trainer − log μ_engine",
+        "",
+        f"{'engine':<28}{'tokens':>8}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}{'score≈sample':>14}"
+        f"{'R3 mean|d|':>12}{'R3 K3':>11}",
+    ]
     for e in report["engines"]:
         sv = e["scoring_vs_sampling"]
-        r3 = (f"{e['r3_mean_abs']:>12.2e}{e['r3_k3']:>11.2e}" if e.get("r3_k3") is not None else f"{'–':>12}{'–':>11}")
-        lines.append(f"{e['engine']:<28}{e['tokens']:>8}{e['mean_abs']:>11.2e}{e['p99_abs']:>11.2e}"
-                     f"{e['max_abs']:>11.2e}{e['k3']:>11.2e}{(f'{sv:.1e}' if sv is not None else '–'):>14}{r3}")
+        r3 = f"{e['r3_mean_abs']:>12.2e}{e['r3_k3']:>11.2e}" if e.get("r3_k3") is not None else f"{'–':>12}{'–':>11}"
+        lines.append(
+            f"{e['engine']:<28}{e['tokens']:>8}{e['mean_abs']:>11.2e}{e['p99_abs']:>11.2e}"
+            f"{e['max_abs']:>11.2e}{e['k3']:>11.2e}{(f'{sv:.1e}' if sv is not None else '–'):>14}{r3}"
+        )
     if report.get("behaviour"):
-        lines += ["", f"against the sampling distribution ({report['behaviour_engine']}'s processed log-probs: after temperature "
-                      "and the top-p/top-k mask, renormalised), π at the sampling temperature:",
-                  f"  {'trainer computes π over':<26}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}"]
+        lines += [
+            "",
+            f"against the sampling distribution ({report['behaviour_engine']}'s processed log-probs: after temperature "
+            "and the top-p/top-k mask, renormalised), π at the sampling temperature:",
+            f"  {'trainer computes π over':<26}{'mean|d|':>11}{'p99|d|':>11}{'max|d|':>11}{'K3':>11}",
+        ]
         for b in report["behaviour"]:
-            lines.append(f"  {b['trainer']:<26}{b['mean_abs']:>11.2e}{b['p99_abs']:>11.2e}{b['max_abs']:>11.2e}{b['k3']:>11.2e}")
+            lines.append(
+                f"  {b['trainer']:<26}{b['mean_abs']:>11.2e}{b['p99_abs']:>11.2e}{b['max_abs']:>11.2e}{b['k3']:>11.2e}"
+            )
     lines += ["", "by response position (mean|d| / K3):"]
     for e in report["engines"]:
         cells = [f"[{b['start']},{b['end']}) {b['mean_abs']:.1e}/{b['k3']:.1e}" for b in e["by_position"]]
         lines.append(f"  {e['engine']:<10} " + "  ".join(cells))
     if any(e["layer_rel_diff"] for e in report["engines"]):
-        lines += ["", "by layer: relative hidden-state difference ‖h_e − h_t‖/‖h_t‖ (last = final norm)"
-                      " and MoE routing disagreement (top-k sets differ)"]
+        lines += [
+            "",
+            "by layer: relative hidden-state difference ‖h_e − h_t‖/‖h_t‖ (last = final norm)"
+            " and MoE routing disagreement (top-k sets differ)",
+        ]
         for e in report["engines"]:
             if not e["layer_rel_diff"]:
                 continue

@@ -26,7 +26,8 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def split_groups(flat: list[Sample], groups: Sequence[Sequence[Sample]]) -> list
     """`flat` cut into lists of the sizes of `groups`."""
     out, k = [], 0
     for g in groups:
-        out.append(flat[k:k + len(g)])
+        out.append(flat[k : k + len(g)])
         k += len(g)
     return out
 
@@ -64,17 +65,27 @@ class DomainRewards:
     """The reward heads of every domain: one `RewardRunner` per distinct (reward, options), each
     sample scored by the heads of its domain; `Sample.reward` = Σ weight × head."""
 
-    def __init__(self, specs: dict[str, DomainSpec], timeout_s: float, error_reward: float,
-                 max_concurrency: int) -> None:
+    def __init__(
+        self, specs: dict[str, DomainSpec], timeout_s: float, error_reward: float, max_concurrency: int
+    ) -> None:
         import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
 
         self.specs = specs
         heads = {_head_key(h): h for spec in specs.values() for h in spec.rewards}
         per = max(1, max_concurrency // len(heads))  # the workers of all heads together
-        self.runners = {key: RewardRunner(RewardFunction(get_reward_fn(h.name), timeout_s=timeout_s,
-                                                         error_reward=error_reward, name=h.name,
-                                                         options=dict(h.options)), max_concurrency=per)
-                        for key, h in heads.items()}
+        self.runners = {
+            key: RewardRunner(
+                RewardFunction(
+                    get_reward_fn(h.name),
+                    timeout_s=timeout_s,
+                    error_reward=error_reward,
+                    name=h.name,
+                    options=dict(h.options),
+                ),
+                max_concurrency=per,
+            )
+            for key, h in heads.items()
+        }
 
     def start(self) -> None:
         for r in self.runners.values():
@@ -87,17 +98,26 @@ class DomainRewards:
     def _jobs(self, samples: Sequence[Sample]) -> list[tuple[tuple[str, str], list[int]]]:
         jobs = []
         for key in self.runners:
-            idx = [i for i, s in enumerate(samples)
-                   if any(_head_key(h) == key for h in self.specs[s.prompt.domain].rewards)]
+            idx = [
+                i
+                for i, s in enumerate(samples)
+                if any(_head_key(h) == key for h in self.specs[s.prompt.domain].rewards)
+            ]
             if idx:
                 jobs.append((key, idx))
         return jobs
 
     @staticmethod
     def _inputs(samples: Sequence[Sample], idx: list[int]) -> tuple[list[RewardInput], list[int]]:
-        inputs = [RewardInput(samples[i].prompt.text, samples[i].text, samples[i].prompt.label,
-                              {"finish_reason": samples[i].finish_reason, "domain": samples[i].prompt.domain})
-                  for i in idx]
+        inputs = [
+            RewardInput(
+                samples[i].prompt.text,
+                samples[i].text,
+                samples[i].prompt.label,
+                {"finish_reason": samples[i].finish_reason, "domain": samples[i].prompt.domain},
+            )
+            for i in idx
+        ]
         return inputs, [samples[i].group for i in idx]
 
     def _combine(self, samples: Sequence[Sample], jobs: list, results: list) -> None:
@@ -127,6 +147,7 @@ class DomainRewards:
             key, idx = jobs[0]
             results = [self.runners[key].score_sync(*self._inputs(samples, idx))]
         else:
+
             async def run() -> list:
                 return list(await asyncio.gather(*(self.runners[k].score(*self._inputs(samples, i)) for k, i in jobs)))
 
@@ -171,14 +192,20 @@ class RolloutStats:
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any,
-                 recipes: Sequence[Recipe] = ()) -> None:
+    def __init__(
+        self,
+        engines: EnginePool,
+        prompts: PromptSource,
+        rewards: DomainRewards,
+        cfg: Any,
+        recipes: Sequence[Recipe] = (),
+    ) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
         self.recipes = list(recipes)  # their rollout-side hooks (mcore_rl/hooks.py)
         sources = [r for r in self.recipes if r.source is not None]
         if len(sources) > 1:
             raise ValueError(f"recipes {[r.name for r in sources]} each generate part of a group; at most one may")
-        self.co_source: Optional[Recipe] = sources[0] if sources else None  # a second source of samples
+        self.co_source: Recipe | None = sources[0] if sources else None  # a second source of samples
         self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
         self.repair_counts: dict[str, float] = {}
@@ -203,22 +230,32 @@ class RolloutManager:
         spec = self.domains.get(prompt.domain)
         return spec.group_size if spec is not None else self.cfg.rollout.group_size
 
-    def sampling_params(self, temperature: float, seed: int | None, max_new_tokens: int | None = None,
-                        domain: Optional[str] = None) -> dict[str, Any]:
+    def sampling_params(
+        self, temperature: float, seed: int | None, max_new_tokens: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]:
         """SGLang sampling parameters; `max_new_tokens`: the prompt's own budget (at most the rollout's);
         `domain`: its top-p / top-k (else rollout.top_p / top_k)."""
         r = self.cfg.rollout
         spec = self.domains.get(domain) if domain is not None else None
-        sp: dict[str, Any] = {"temperature": temperature, "max_new_tokens": min(max_new_tokens or r.max_new_tokens,
-                                                                                 r.max_new_tokens)}
+        sp: dict[str, Any] = {
+            "temperature": temperature,
+            "max_new_tokens": min(max_new_tokens or r.max_new_tokens, r.max_new_tokens),
+        }
         if temperature > 0:
             sp.update(top_p=spec.top_p if spec else r.top_p, top_k=spec.top_k if spec else r.top_k)
             if seed is not None:
                 sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Prompt], n: Optional[int], temperature: float, salt: int,
-                 train: bool = False, on_done: Optional[Callable[[], None]] = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        n: int | None,
+        temperature: float,
+        salt: int,
+        train: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> list[list[Sample]]:
         """n completions of each prompt (None: its domain's group size), scored: one group per
         prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon;
         `on_done()` after each completion, for a progress bar)."""
@@ -230,10 +267,21 @@ class RolloutManager:
         # sampling-mask replay: every sampled request (training, and a validation batch whose μ the learner
         # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
         mask = temperature > 0 and self.cfg.rollout.sampling_mask_replay
-        reqs = [GenRequest(p.ids, self.sampling_params(temperature, sample_seed(seed, salt, p.index, j),
-                                                       self.budget(p) if train else p.max_new_tokens, p.domain),
-                           return_routed_experts=routed, return_sampling_mask=mask)
-                for p, k in zip(prompts, sizes) for j in range(k)]
+        reqs = [
+            GenRequest(
+                p.ids,
+                self.sampling_params(
+                    temperature,
+                    sample_seed(seed, salt, p.index, j),
+                    self.budget(p) if train else p.max_new_tokens,
+                    p.domain,
+                ),
+                return_routed_experts=routed,
+                return_sampling_mask=mask,
+            )
+            for p, k in zip(prompts, sizes)
+            for j in range(k)
+        ]
         # the first co_count(k) samples of each training group from the recipe that has a second source
         counts = [self.co_count(k) if train else 0 for k in sizes]
         explore = [j < w for k, w in zip(sizes, counts) for j in range(k)]
@@ -249,21 +297,44 @@ class RolloutManager:
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
             if x:  # the second source's μ; its version is the policy's (staleness is the policy's), its engine marked
                 src = self.co_source.source if self.co_source is not None else "policy"
-                samples.append(Sample(p, p.index, list(g.output_ids), lp, version, g.finish_reason, g.text,
-                                      f"{src}@{g.engine}", source=src))
+                samples.append(
+                    Sample(
+                        p,
+                        p.index,
+                        list(g.output_ids),
+                        lp,
+                        version,
+                        g.finish_reason,
+                        g.text,
+                        f"{src}@{g.engine}",
+                        source=src,
+                    )
+                )
             else:
-                samples.append(Sample(p, p.index, list(g.output_ids), lp, g.weight_version, g.finish_reason, g.text,
-                                      g.engine, routed_experts=compact_routing(g.routed_experts)))
+                samples.append(
+                    Sample(
+                        p,
+                        p.index,
+                        list(g.output_ids),
+                        lp,
+                        g.weight_version,
+                        g.finish_reason,
+                        g.text,
+                        g.engine,
+                        routed_experts=compact_routing(g.routed_experts),
+                    )
+                )
             if mask:
                 samples[-1].sampling_mask_ids, samples[-1].sampling_mask_counts = flat_masks(g.output_sampling_masks)
         start = time.perf_counter()
         self.score(samples)
         self.last_reward_s = time.perf_counter() - start
         ends = np.cumsum([0] + sizes)
-        return [samples[ends[i]: ends[i + 1]] for i in range(len(prompts))]
+        return [samples[ends[i] : ends[i + 1]] for i in range(len(prompts))]
 
-    def _generate_mixed(self, reqs: list[GenRequest], explore: list[bool],
-                        on_done: Optional[Callable[[], None]] = None) -> list[Any]:
+    def _generate_mixed(
+        self, reqs: list[GenRequest], explore: list[bool], on_done: Callable[[], None] | None = None
+    ) -> list[Any]:
         """The generations of `reqs` in order: those marked in `explore` from the second source
         (sent first, so they run while the policy's engines generate), the others from the policy's."""
         if not any(explore):
@@ -312,7 +383,7 @@ class RolloutManager:
         src = self.prompts
         return src.tokenizer if hasattr(src, "tokenizer") else next(iter(src.sources.values())).tokenizer
 
-    def collect(self, step: Optional[int] = None) -> tuple[list[list[Sample]], RolloutStats]:
+    def collect(self, step: int | None = None) -> tuple[list[list[Sample]], RolloutStats]:
         """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
         sampling: groups with non-constant rewards, possibly fewer when the round budget runs out).
         `step`: the training step, which picks the mixture's stage."""
@@ -330,8 +401,9 @@ class RolloutManager:
             groups = self._finish(groups, stats)
             stats.recipes = self.recipe_metrics(groups)
             return groups, stats
-        refill: GroupRefill[Sample] = GroupRefill(r.prompts_per_step, max_rounds=ds.max_rounds,
-                                                  max_oversample=ds.max_oversample, tol=ds.std_tolerance)
+        refill: GroupRefill[Sample] = GroupRefill(
+            r.prompts_per_step, max_rounds=ds.max_rounds, max_oversample=ds.max_oversample, tol=ds.std_tolerance
+        )
         groups: list[list[Sample]] = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
@@ -344,7 +416,7 @@ class RolloutManager:
         batch = refill.take()
         stats.groups_kept = len(batch)
         if not batch:  # no group with a reward signal in the whole budget: train on the last round
-            stats.fallback = True   # (zero advantages: the update only moves by the KL/entropy terms)
+            stats.fallback = True  # (zero advantages: the update only moves by the KL/entropy terms)
             batch = groups
         batch = self._finish(batch, stats)
         stats.recipes = self.recipe_metrics(batch)

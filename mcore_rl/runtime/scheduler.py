@@ -22,7 +22,8 @@ import asyncio
 import logging
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Deque, Literal, Optional, Protocol
+from typing import Any, Literal, Protocol
+from collections.abc import Awaitable
 
 from mcore_rl.data.samples import Prompt, Sample, TeacherScores, compact_routing
 from mcore_rl.rollout.pool import Generation, GenRequest
@@ -40,7 +41,7 @@ class RolloutBackend(Protocol):
 
     def prompt_state(self) -> dict[str, Any]: ...
 
-    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
+    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> GenRequest | None:
         """The request for sample j of `prompt`, continuing `prefix` (its tokens so far, part > 0);
         None when `prefix` used up the sample's token budget."""
         ...
@@ -49,7 +50,7 @@ class RolloutBackend(Protocol):
 
     def score(self, samples: list[Sample]) -> Awaitable[None]: ...
 
-    def filter_reason(self, group: list[Sample]) -> Optional[str]:
+    def filter_reason(self, group: list[Sample]) -> str | None:
         """Why the group is not trained on (e.g. "constant_reward"), or None to keep it."""
         ...
 
@@ -76,7 +77,7 @@ class SchedulerConfig:
     no_engine_timeout_s: float = 120.0
     retry_interval_s: float = 0.5
     max_parts: int = 64  # continuations of one request before its partial output is kept as is
-    total_steps: Optional[int] = None  # the run's training steps (no prompts drawn beyond them)
+    total_steps: int | None = None  # the run's training steps (no prompts drawn beyond them)
 
     def __post_init__(self) -> None:
         if self.buffer_groups <= 0:
@@ -113,8 +114,8 @@ class _Partial:
     engine: str = ""
     routed: Any = None  # routing replay: the latest response's routed experts, for the whole sequence
     # sampling-mask replay: the supports of `ids` (flat ids, per-token counts); None without
-    mask_ids: Optional[list[int]] = None
-    mask_counts: Optional[list[int]] = None
+    mask_ids: list[int] | None = None
+    mask_counts: list[int] | None = None
 
 
 @dataclass
@@ -138,17 +139,17 @@ class RolloutScheduler:
         self.gate = StalenessGate(cfg.batch_groups, cfg.max_staleness, cfg.total_steps)
         self.ledger = SampleLedger()
         self.buffer: list[list[Sample]] = []  # finished groups, by prompt index
-        self.retry: Deque[_Job] = deque()  # to submit before new prompts (regenerations, resumed in-flight)
+        self.retry: deque[_Job] = deque()  # to submit before new prompts (regenerations, resumed in-flight)
         self.running: dict[int, _Job] = {}  # prompt index -> job in flight
         self.steps_done = 0
         self.inflight_requests = 0
-        self.fatal: Optional[BaseException] = None
+        self.fatal: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._changed: Optional[asyncio.Condition] = None
-        self._no_engine_since: Optional[float] = None
-        self._window: Optional[_Window] = None
-        self._last_t: Optional[float] = None
-        self._main: Optional[asyncio.Task] = None
+        self._changed: asyncio.Condition | None = None
+        self._no_engine_since: float | None = None
+        self._window: _Window | None = None
+        self._last_t: float | None = None
+        self._main: asyncio.Task | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ clock and bookkeeping
@@ -189,10 +190,13 @@ class RolloutScheduler:
 
     def _may_submit(self) -> bool:
         c = self.cfg
-        return (self.fatal is None and not self._closed
-                and self.gate.capacity(self.steps_done, self.accepted(), len(self.running)) > 0
-                and len(self.running) < c.max_inflight_groups
-                and len(self.buffer) + len(self.running) < c.buffer_groups)
+        return (
+            self.fatal is None
+            and not self._closed
+            and self.gate.capacity(self.steps_done, self.accepted(), len(self.running)) > 0
+            and len(self.running) < c.max_inflight_groups
+            and len(self.buffer) + len(self.running) < c.buffer_groups
+        )
 
     async def run(self) -> None:
         assert self._changed is not None
@@ -213,7 +217,9 @@ class RolloutScheduler:
     async def _run_group(self, job: _Job) -> None:
         """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
         try:
-            parts = await asyncio.gather(*(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt))))
+            parts = await asyncio.gather(
+                *(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt)))
+            )
             group = [self._sample(job.prompt, p) for p in parts]
             for x in group:
                 x.info["regenerations"] = job.regenerations
@@ -225,7 +231,7 @@ class RolloutScheduler:
         except EnginesLost as err:
             self.fatal = self.fatal or err
             self._fail(job, "no engine")
-        except Exception as err:  # noqa: BLE001 - one group's failure costs that group, not the run
+        except Exception as err:
             logger.exception("rollout group of prompt %d failed", job.prompt.index)
             self._fail(job, f"{type(err).__name__}: {err}"[:200])
         else:
@@ -298,7 +304,7 @@ class RolloutScheduler:
                 return gen
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # noqa: BLE001 - classified below
+            except Exception as err:
                 kind = self.backend.error_kind(err)
                 if kind == "refused":
                     raise GroupFailed(f"engine refused the request: {err}"[:200]) from err
@@ -307,9 +313,11 @@ class RolloutScheduler:
                 now = self._now()
                 self._no_engine_since = self._no_engine_since or now
                 if now - self._no_engine_since > self.cfg.no_engine_timeout_s:
-                    raise EnginesLost(f"no inference engine has answered for {now - self._no_engine_since:.0f} s "
-                                      f"(rollout.no_engine_timeout_s={self.cfg.no_engine_timeout_s:g}); last error: "
-                                      f"{err}") from err
+                    raise EnginesLost(
+                        f"no inference engine has answered for {now - self._no_engine_since:.0f} s "
+                        f"(rollout.no_engine_timeout_s={self.cfg.no_engine_timeout_s:g}); last error: "
+                        f"{err}"
+                    ) from err
             finally:
                 self._tick()
                 self.inflight_requests -= 1
@@ -317,14 +325,26 @@ class RolloutScheduler:
 
     def _sample(self, prompt: Prompt, p: _Partial) -> Sample:
         versions = p.versions
-        return Sample(prompt, prompt.index, p.ids, p.logps, min(versions) if versions else 0, p.finish,
-                      p.text, p.engine, token_versions=list(versions) if len(set(versions)) > 1 else None,
-                      routed_experts=compact_routing(p.routed),
-                      sampling_mask_ids=p.mask_ids, sampling_mask_counts=p.mask_counts)
+        return Sample(
+            prompt,
+            prompt.index,
+            p.ids,
+            p.logps,
+            min(versions) if versions else 0,
+            p.finish,
+            p.text,
+            p.engine,
+            token_versions=list(versions) if len(set(versions)) > 1 else None,
+            routed_experts=compact_routing(p.routed),
+            sampling_mask_ids=p.mask_ids,
+            sampling_mask_counts=p.mask_counts,
+        )
 
     # ------------------------------------------------------------------ consumer (the learner)
 
-    async def next_batch(self, trainer_version: int, poll_s: float = 1.0) -> Optional[tuple[list[list[Sample]], dict[str, float]]]:
+    async def next_batch(
+        self, trainer_version: int, poll_s: float = 1.0
+    ) -> tuple[list[list[Sample]], dict[str, float]] | None:
         """The next `batch_groups` groups for weights `trainer_version`, and the metrics of the
         window since the last batch; None when engines wait for weights (re-sync, then call again)."""
         assert self._changed is not None
@@ -339,7 +359,7 @@ class RolloutScheduler:
                 if kept_stale:
                     stale = []
                 if not stale:
-                    self.buffer = self.buffer[self.cfg.batch_groups:]
+                    self.buffer = self.buffer[self.cfg.batch_groups :]
                     self.ledger.trained += len(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
                     metrics["async/kept_stale"] = float(kept_stale)
@@ -363,11 +383,12 @@ class RolloutScheduler:
                 raise RuntimeError(
                     f"rollout scheduler stalled: the batch needs {self.cfg.batch_groups} groups, {len(self.buffer)} are "
                     f"ready, none in flight, and the staleness gate admits none (steps done {self.steps_done}, "
-                    f"trained {self.ledger.trained}); step_done() was not called for a finished step")
+                    f"trained {self.ledger.trained}); step_done() was not called for a finished step"
+                )
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), poll_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def step_done(self, version: int) -> None:
@@ -430,8 +451,10 @@ class RolloutScheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start`: the buffered groups come back, the pending prompts are sent again first."""
         self.buffer = [[sample_from_state(s) for s in g] for g in state["buffer"]]
-        self.retry = deque(_Job(Prompt(**{k: v for k, v in p.items() if k != "_regenerations"}),
-                                int(p.get("_regenerations", 0))) for p in state["pending"])
+        self.retry = deque(
+            _Job(Prompt(**{k: v for k, v in p.items() if k != "_regenerations"}), int(p.get("_regenerations", 0)))
+            for p in state["pending"]
+        )
         self.ledger.load_state_dict(state["ledger"])
         self.ledger.resent_after_resume += len(self.retry)
         self.ledger.restored_buffered += len(self.buffer)

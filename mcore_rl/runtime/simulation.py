@@ -30,7 +30,8 @@ import selectors
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Literal, Optional
+from typing import Any, Literal
+from collections.abc import Callable
 
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rollout.pool import Generation, GenRequest
@@ -42,7 +43,7 @@ class _NoIOSelector(selectors.BaseSelector):
 
     def __init__(self) -> None:
         self._keys: dict[Any, selectors.SelectorKey] = {}
-        self.loop: Optional["VirtualTimeLoop"] = None
+        self.loop: VirtualTimeLoop | None = None
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         key = selectors.SelectorKey(fileobj, _fd(fileobj), events, data)
@@ -52,7 +53,7 @@ class _NoIOSelector(selectors.BaseSelector):
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         return self._keys.pop(fileobj)
 
-    def select(self, timeout: Optional[float] = None) -> list:
+    def select(self, timeout: float | None = None) -> list:
         if timeout is None:
             raise RuntimeError("simulation deadlock: nothing is scheduled and nothing can happen")
         assert self.loop is not None
@@ -111,7 +112,7 @@ class _PausesForSyncs:
     def __init__(self) -> None:
         self.version = 0
         self.paused = False
-        self._resumed: Optional[asyncio.Event] = None
+        self._resumed: asyncio.Event | None = None
 
     def _event(self) -> asyncio.Event:
         if self._resumed is None:
@@ -139,7 +140,7 @@ class SimulatedEngines(_PausesForSyncs):
         self.num_engines, self.slots, self.token_time = num_engines, slots, token_time
         self.running: list[list[_Running]] = [[] for _ in range(num_engines)]
         self.busy_s = [0.0] * num_engines  # time with at least one request running
-        self._busy_since: list[Optional[float]] = [None] * num_engines
+        self._busy_since: list[float | None] = [None] * num_engines
         self.requests = 0
 
     async def generate(self, req: GenRequest) -> Generation:
@@ -242,7 +243,7 @@ class _Instance:
         self.ctx = 0.0
         self.t = 0.0
         self.stall_until = 0.0
-        self.timer: Optional[asyncio.TimerHandle] = None
+        self.timer: asyncio.TimerHandle | None = None
         self.busy_s = 0.0  # time with at least one request (decoding or prefilling)
         self.occupancy_s = 0.0  # integral of running requests over time
         self.decoded = 0.0  # real tokens decoded (aborted ones included)
@@ -292,7 +293,7 @@ class ContinuousBatchingEngines(_PausesForSyncs):
         super().__init__()
         self.num_engines, self.model, self.token_unit = num_engines, model, token_unit
         self.instances = [_Instance(i, model) for i in range(num_engines)]
-        self.queue: Deque[_Req] = deque()
+        self.queue: deque[_Req] = deque()
         self.requests = 0
         self._seq = itertools.count()
         self._dispatch_pending = False
@@ -405,11 +406,13 @@ class ContinuousBatchingEngines(_PausesForSyncs):
         now = self._loop().time()
         for inst in self.instances:
             inst.advance(now)
-        return {"busy_s": sum(i.busy_s for i in self.instances),
-                "occupancy_s": sum(i.occupancy_s for i in self.instances),
-                "decoded": sum(i.decoded for i in self.instances),
-                "prefilled": sum(i.prefilled for i in self.instances),
-                "queued": float(len(self.queue))}
+        return {
+            "busy_s": sum(i.busy_s for i in self.instances),
+            "occupancy_s": sum(i.occupancy_s for i in self.instances),
+            "decoded": sum(i.decoded for i in self.instances),
+            "prefilled": sum(i.prefilled for i in self.instances),
+            "queued": float(len(self.queue)),
+        }
 
     def utilisation(self, elapsed: float) -> float:
         """Fraction of instance-time with at least one request (the `SimulatedEngines` measure)."""
@@ -438,15 +441,14 @@ class SimBackend:
 
     def take_prompt(self) -> Prompt:
         long = self._rng.random() < self.long_frac
-        p = Prompt(self.drawn, f"p{self.drawn}", [0], None, "sim",
-                   self.base_tokens * (self.long_factor if long else 1))
+        p = Prompt(self.drawn, f"p{self.drawn}", [0], None, "sim", self.base_tokens * (self.long_factor if long else 1))
         self.drawn += 1
         return p
 
     def prompt_state(self) -> dict[str, Any]:
         return {"drawn": self.drawn}
 
-    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
+    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> GenRequest | None:
         budget = (prompt.max_new_tokens or self.base_tokens) - len(prefix)
         return GenRequest(prompt.ids + prefix, {"max_new_tokens": budget}) if budget > 0 else None
 
@@ -457,7 +459,7 @@ class SimBackend:
         for s in samples:
             s.reward = self.reward(s)
 
-    def filter_reason(self, group: list[Sample]) -> Optional[str]:
+    def filter_reason(self, group: list[Sample]) -> str | None:
         if self.filter_constant and len({s.reward for s in group}) == 1:
             return "constant_reward"
         return None
@@ -495,8 +497,10 @@ class ResponseLengths:
 
     def mean(self, n: int = 200_000, seed: int = 1) -> float:
         rng = random.Random(seed)
-        return sum(self.length(rng.random() or 0.5, self.difficulty(rng.random() or 0.5, rng.random()))
-                   for _ in range(n)) / n
+        return (
+            sum(self.length(rng.random() or 0.5, self.difficulty(rng.random() or 0.5, rng.random())) for _ in range(n))
+            / n
+        )
 
 
 _STD_NORMAL = statistics.NormalDist()
@@ -532,14 +536,20 @@ class LengthsBackend(SimBackend):
         return max(1, math.ceil(tokens / self.token_unit))
 
     def take_prompt(self) -> Prompt:
-        p = Prompt(self.drawn, f"p{self.drawn}", [0] * self._units(self.prompt_tokens), None, "sim",
-                   self._units(self.lengths.cap))
+        p = Prompt(
+            self.drawn,
+            f"p{self.drawn}",
+            [0] * self._units(self.prompt_tokens),
+            None,
+            "sim",
+            self._units(self.lengths.cap),
+        )
         u1, u2 = _uniform(self.seed, p.index, 1), _uniform(self.seed, p.index, 2)
         self._difficulty[p.index] = self.lengths.difficulty(u1, u2)
         self.drawn += 1
         return p
 
-    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> Optional[GenRequest]:
+    def request(self, prompt: Prompt, j: int, prefix: list[int], part: int) -> GenRequest | None:
         key = (prompt.index, j)
         if not prefix or key not in self._target:  # a fresh answer
             n = self._attempts[key] = self._attempts.get(key, -1) + 1
@@ -569,11 +579,15 @@ class SimulatedRun:
     train_times: list[float] = field(default_factory=list)  # each step's training seconds
 
 
-async def simulate_learner(scheduler: RolloutScheduler, engines: Any, steps: int,
-                           train_time: Callable[[list[list[Sample]]], float], sync_time: float = 0.0,
-                           keep_batches: bool = False,
-                           on_step: Optional[Callable[[int, list[list[Sample]], dict[str, float]], None]] = None,
-                           ) -> SimulatedRun:
+async def simulate_learner(
+    scheduler: RolloutScheduler,
+    engines: Any,
+    steps: int,
+    train_time: Callable[[list[list[Sample]]], float],
+    sync_time: float = 0.0,
+    keep_batches: bool = False,
+    on_step: Callable[[int, list[list[Sample]], dict[str, float]], None] | None = None,
+) -> SimulatedRun:
     """`mcore-rl train`'s loop on virtual time: take a batch, train `train_time(batch)` s, pause
     the engines (abort) for `sync_time` s, resume with the new version, open the gate.
     `engines` is a `SimulatedEngines` or a `ContinuousBatchingEngines`; `on_step(k, groups,
@@ -607,6 +621,16 @@ async def simulate_learner(scheduler: RolloutScheduler, engines: Any, steps: int
     util = engines.utilisation(wall)
     await scheduler.close()
     lags = [m["async/staleness_mean"] for m in metrics]
-    return SimulatedRun(wall, steps, train_total, util, train_total / max(wall, 1e-9),
-                        sum(lags) / max(len(lags), 1), max((m["async/staleness_max"] for m in metrics), default=0.0),
-                        batches, metrics, ends, trains)
+    return SimulatedRun(
+        wall,
+        steps,
+        train_total,
+        util,
+        train_total / max(wall, 1e-9),
+        sum(lags) / max(len(lags), 1),
+        max((m["async/staleness_max"] for m in metrics), default=0.0),
+        batches,
+        metrics,
+        ends,
+        trains,
+    )

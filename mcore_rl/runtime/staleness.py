@@ -16,14 +16,13 @@ synchronous loop: the next batch is submitted only after the sync that follows t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
 class StalenessGate:
     batch_groups: int  # groups per training step
     max_staleness: int  # versions a sample may lag behind the weights it is trained with
-    total_steps: Optional[int] = None  # nothing is generated for steps the run will not train
+    total_steps: int | None = None  # nothing is generated for steps the run will not train
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1:

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import signal
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 
-_saving_pid: Optional[int] = None  # set during a save: processes forked then die with this one
+_saving_pid: int | None = None  # set during a save: processes forked then die with this one
 _writer_manager: Any = None  # the manager serving megatron-core's write-results queue
 
 
@@ -48,7 +48,7 @@ def checkpoint_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
-def latest_checkpoint(load_dir: str) -> Optional[str]:
+def latest_checkpoint(load_dir: str) -> str | None:
     """The newest complete checkpoint under `load_dir`, or `load_dir` itself if it is one."""
     if not os.path.isdir(load_dir):
         raise FileNotFoundError(f"checkpoint.load_dir {load_dir!r} does not exist")
@@ -146,7 +146,7 @@ def save_checkpoint(
     save_dir: str,
     iteration: int,
     chunks: list[torch.nn.Module],
-    optimizer: Optional[Any],
+    optimizer: Any | None,
     common: dict[str, Any],
 ) -> str:
     """Write a complete checkpoint for `iteration` (collective: every rank calls it).
@@ -164,8 +164,14 @@ def save_checkpoint(
     return path
 
 
-def _save(save_dir: str, path: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Optional[Any],
-          common: dict[str, Any]) -> None:
+def _save(
+    save_dir: str,
+    path: str,
+    iteration: int,
+    chunks: list[torch.nn.Module],
+    optimizer: Any | None,
+    common: dict[str, Any],
+) -> None:
     global _saving_pid
     from megatron.core import dist_checkpointing
 
@@ -212,7 +218,7 @@ def _state_bytes(state: Any) -> int:
     return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
 
 
-def _disk_full(save_dir: str, path: str, err: BaseException) -> Optional[CheckpointError]:
+def _disk_full(save_dir: str, path: str, err: BaseException) -> CheckpointError | None:
     """The error to raise instead of `err` if the save failed because the disk is full, else None.
 
     A full disk rarely says so: megatron-core's writer reports `RuntimeError: Worker failure:
@@ -234,7 +240,8 @@ def _disk_full(save_dir: str, path: str, err: BaseException) -> Optional[Checkpo
         f"could not write checkpoint {path}: the disk holding checkpoint.save_dir {save_dir!r} is full "
         f"({_bytes(usage.free)} free of {_bytes(usage.total)} on the filesystem mounted at {_mount_point(save_dir)}). "
         f"Free space there or point checkpoint.save_dir at a larger disk; {path} is incomplete and can be deleted "
-        f"({LATEST} was not moved to it, so a resume never reads it).")
+        f"({LATEST} was not moved to it, so a resume never reads it)."
+    )
 
 
 def _mount_point(path: str) -> str:
@@ -252,9 +259,7 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def load_checkpoint(
-    path: str, chunks: list[torch.nn.Module], optimizer: Optional[Any]
-) -> dict[str, Any]:
+def load_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer: Any | None) -> dict[str, Any]:
     """Load model (and optimizer) shards for this rank's layout; returns the common state.
 
     RNG streams are restored only when the layout matches the one that saved them (a different
@@ -301,7 +306,9 @@ def _check_optimizer_name(path: str, saved: str, current: str) -> None:
         raise ValueError(
             f"{path} was written by optimizer.name=sgd, which keeps no optimizer state, so "
             f"optimizer.name={current!r} cannot resume from it; resume with optimizer.name=sgd, or start "
-            "from its weights only (convert it, or point model loading at it)")
+            "from its weights only (convert it, or point model loading at it)"
+        )
     if saved != current:
-        logger.warning("%s was written by optimizer.name=%s; resuming with %s drops its optimizer state",
-                       path, saved, current)
+        logger.warning(
+            "%s was written by optimizer.name=%s; resuming with %s drops its optimizer state", path, saved, current
+        )

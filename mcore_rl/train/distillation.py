@@ -22,7 +22,8 @@ asks the engines for at most H tokens (`generation_budget`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,8 +33,18 @@ from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
 from mcore_rl.data.samples import Prompt, Sample
 
 # per-sample tensors the loss phase needs in each micro-batch (sliced by `build_microbatches`)
-DISTILL_KEYS = ("teacher_logp", "distill_mask", "teacher_topk_ids", "teacher_topk_logp", "teacher_ref_logp",
-                "teacher_ref_topk_logp", "response_mask", "distill_rewards", "distill_group_ids", "student_entropy")
+DISTILL_KEYS = (
+    "teacher_logp",
+    "distill_mask",
+    "teacher_topk_ids",
+    "teacher_topk_logp",
+    "teacher_ref_logp",
+    "teacher_ref_topk_logp",
+    "response_mask",
+    "distill_rewards",
+    "distill_group_ids",
+    "student_entropy",
+)
 
 
 @dataclass
@@ -76,7 +87,7 @@ def load_terms_state(terms: Sequence[DistillTerm], state: dict[str, Any]) -> Non
             t.state.load_state_dict(state[t.name])
 
 
-def horizon_at(cfg: Any, step: int, domain: Optional[str] = None) -> Optional[int]:
+def horizon_at(cfg: Any, step: int, domain: str | None = None) -> int | None:
     """H at rollout step `step` for a prompt of `domain` (None: every prompt; no cut: None)."""
     d = getattr(cfg, "distill", None)
     if d is None or not d.losses:
@@ -84,8 +95,16 @@ def horizon_at(cfg: Any, step: int, domain: Optional[str] = None) -> Optional[in
     h = d.horizon
     if domain is not None and h.domains and domain not in h.domains:
         return None
-    return horizon_tokens(h.schedule, step, cfg.rollout.max_new_tokens, rho=h.rho, tokens=h.tokens, h0=h.h0,
-                          delta_h=h.delta_h, delta_k=h.delta_k)
+    return horizon_tokens(
+        h.schedule,
+        step,
+        cfg.rollout.max_new_tokens,
+        rho=h.rho,
+        tokens=h.tokens,
+        h0=h.h0,
+        delta_h=h.delta_h,
+        delta_k=h.delta_k,
+    )
 
 
 def generation_budget(cfg: Any, prompt: Prompt, step: int) -> int:
@@ -102,15 +121,20 @@ class TeacherView:
 
     logp: torch.Tensor
     mask: torch.Tensor  # 1 on response tokens the teacher scored (and inside the horizon)
-    topk_ids: Optional[torch.Tensor] = None  # long
-    topk_logp: Optional[torch.Tensor] = None
-    ref_logp: Optional[torch.Tensor] = None
-    ref_topk_logp: Optional[torch.Tensor] = None
+    topk_ids: torch.Tensor | None = None  # long
+    topk_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    ref_topk_logp: torch.Tensor | None = None
     scored_frac: float = 0.0
 
 
-def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, horizons: Sequence[Optional[int]],
-                 vocab_size: Optional[int] = None) -> TeacherView:
+def teacher_view(
+    samples: Sequence[Sample],
+    num_positions: int,
+    top_k: int,
+    horizons: Sequence[int | None],
+    vocab_size: int | None = None,
+) -> TeacherView:
     """Teacher log-probs of every sample's response tokens, the first `top_k` of its top-k lists,
     and the reference teacher's when every scored sample has them. Top-k ids outside the student's
     vocabulary (`vocab_size`) are an error: their log-probs would silently be wrong."""
@@ -121,8 +145,9 @@ def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, hori
     topk = torch.zeros(n, t, top_k) if top_k else None
     scored = [s.teacher is not None and s.teacher.error is None and len(s.teacher.logp) > 0 for s in samples]
     with_ref = any(scored) and all(samples[i].teacher.ref_logp is not None for i in range(n) if scored[i])
-    with_ref_topk = bool(top_k) and any(scored) and all(
-        samples[i].teacher.ref_topk_logp is not None for i in range(n) if scored[i])
+    with_ref_topk = (
+        bool(top_k) and any(scored) and all(samples[i].teacher.ref_topk_logp is not None for i in range(n) if scored[i])
+    )
     ref = torch.zeros(n, t) if with_ref else None
     ref_topk = torch.zeros(n, t, top_k) if with_ref_topk else None
     for i, s in enumerate(samples):
@@ -130,17 +155,25 @@ def teacher_view(samples: Sequence[Sample], num_positions: int, top_k: int, hori
             continue
         ts, k = s.teacher, len(s.response_ids)
         if len(ts.logp) != k:
-            raise ValueError(f"teacher {ts.source!r} scored {len(ts.logp)} tokens of a {k}-token response "
-                             f"(prompt {s.prompt.index}); Sample.teacher.logp needs one log-prob per response token")
+            raise ValueError(
+                f"teacher {ts.source!r} scored {len(ts.logp)} tokens of a {k}-token response "
+                f"(prompt {s.prompt.index}); Sample.teacher.logp needs one log-prob per response token"
+            )
         if top_k:
-            if ts.topk_ids is None or ts.topk_logp is None or len(ts.topk_ids) != k or any(
-                    len(row) < top_k for row in ts.topk_ids):
+            if (
+                ts.topk_ids is None
+                or ts.topk_logp is None
+                or len(ts.topk_ids) != k
+                or any(len(row) < top_k for row in ts.topk_ids)
+            ):
                 scored[i] = False  # no usable top-k: this sample is not distilled
                 continue
             ids[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_ids], dtype=torch.long)
             if vocab_size is not None and (int(ids[i].max()) >= vocab_size or int(ids[i].min()) < 0):
-                raise ValueError(f"teacher {ts.source!r} returned top-k ids outside the student's vocabulary of "
-                                 f"{vocab_size} (prompt {s.prompt.index}): teachers must share the student's tokenizer")
+                raise ValueError(
+                    f"teacher {ts.source!r} returned top-k ids outside the student's vocabulary of "
+                    f"{vocab_size} (prompt {s.prompt.index}): teachers must share the student's tokenizer"
+                )
             topk[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_logp], dtype=torch.float32)
             if ref_topk is not None:
                 ref_topk[i, :k] = torch.tensor([row[:top_k] for row in ts.ref_topk_logp], dtype=torch.float32)
@@ -168,8 +201,9 @@ def add_packed_topk(mbs: list[dict[str, torch.Tensor]]) -> None:
             mb["label_topk_ids"] = packed_topk_ids(mb, mb["teacher_topk_ids"], mb["response_mask"])
 
 
-def call_terms(terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[str, float]
-               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+def call_terms(
+    terms: Sequence[DistillTerm], batch: DistillBatch, metrics: dict[str, float]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run `terms` on `batch`: (Σ coef·token_advantage, Π token_mask, Σ coef·loss_sum), None where
     no term gave one; each term's metrics land in `metrics` as distill/<name>/<key>."""
     adv = mask = loss = None
@@ -207,7 +241,7 @@ def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages[:, None].expand_as(like).clone() if advantages.ndim == 1 else advantages.clone()
 
 
-def batch_topk(stats_topk: Optional[torch.Tensor], pos: torch.Tensor) -> Optional[torch.Tensor]:
+def batch_topk(stats_topk: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor | None:
     """The student's [n, T, k] top-k log-probs gathered from a micro-batch's [b, s, k] stats."""
     if stats_topk is None:
         return None

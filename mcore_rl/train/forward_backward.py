@@ -9,7 +9,8 @@ batch was split into micro-batches and DP ranks, which the parity tests rely on.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def prepare_config(config: TransformerConfig, chunks: list[DistributedDataParall
 
 
 def wrap_ddp(
-    chunks: list[torch.nn.Module], config: TransformerConfig, bucket_size: Optional[int] = None
+    chunks: list[torch.nn.Module], config: TransformerConfig, bucket_size: int | None = None
 ) -> list[DistributedDataParallel]:
     """megatron-core DDP around each chunk: fp32 grad buffers (`param.main_grad`), DP all-reduce."""
     config.calculate_per_token_loss = True
@@ -60,7 +61,7 @@ def wrap_ddp(
     return wrapped
 
 
-def attention_mask_from_segments(segment_ids: torch.Tensor) -> Optional[torch.Tensor]:
+def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor | None:
     """Block-diagonal causal mask for packed rows ([b, 1, s, s], True = masked); None if unpacked.
 
     RoPE scores depend only on i - j, so with this mask a packed document attends exactly as if it

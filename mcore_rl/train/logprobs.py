@@ -43,7 +43,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def auto_chunk_size(local_vocab: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     return max(1, max_chunk_bytes // (4 * local_vocab))
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> None:
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
 
@@ -92,10 +93,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         inv_temp: float,
         chunk_size: int,
         with_entropy: bool,
-        group: Optional[dist.ProcessGroup],
-        mask_ids: Optional[torch.Tensor] = None,
-        mask_offsets: Optional[torch.Tensor] = None,
-        pad_from: Optional[int] = None,
+        group: dist.ProcessGroup | None,
+        mask_ids: torch.Tensor | None = None,
+        mask_offsets: torch.Tensor | None = None,
+        pad_from: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
@@ -144,7 +145,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 rows = stats.shape[0]
                 both = torch.cat([stats.reshape(-1), topk_z.reshape(-1)])
                 _all_reduce(both, dist.ReduceOp.SUM, group)
-                stats, topk_z = both[: rows * (e - s)].view(rows, e - s), both[rows * (e - s):].view(e - s, k)
+                stats, topk_z = both[: rows * (e - s)].view(rows, e - s), both[rows * (e - s) :].view(e - s, k)
             else:
                 _all_reduce(stats, dist.ReduceOp.SUM, group)
             log_sum = stats[0].log()
@@ -164,8 +165,12 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         return logp, entropy, topk_logp
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],  # type: ignore[override]
-                 grad_topk: Optional[torch.Tensor]):
+    def backward(
+        ctx: Any,
+        grad_logp: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,  # type: ignore[override]
+        grad_topk: torch.Tensor | None,
+    ):
         hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k = ctx.saved_tensors
         mask_ids, mask_offsets, vocab_start = ctx.mask
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -184,7 +189,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z = (hidden[s:e] @ weight.t()).to(acc)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            z[:, ctx.pad_from:] = float("-inf")  # padded ids: p = 0
+            z[:, ctx.pad_from :] = float("-inf")  # padded ids: p = 0
             drop = None
             if mask_ids is not None:
                 drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, weight.shape[0])
@@ -205,7 +210,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 # g = -p * (gl + gH * (z - E[z])), built in place in z
                 if drop is not None:  # p = 0 there; a finite z keeps the product 0
                     z.masked_fill_(drop, 0.0)
-                z[:, ctx.pad_from:] = 0.0
+                z[:, ctx.pad_from :] = 0.0
                 ge = grad_entropy[s:e].to(acc)
                 z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
@@ -226,8 +231,16 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None
 
 
-def _drop_mask(mask_ids: torch.Tensor, offsets: torch.Tensor, s: int, e: int, local_t: torch.Tensor,
-               in_shard: torch.Tensor, vocab_start: int, local_vocab: int) -> Optional[torch.Tensor]:
+def _drop_mask(
+    mask_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    s: int,
+    e: int,
+    local_t: torch.Tensor,
+    in_shard: torch.Tensor,
+    vocab_start: int,
+    local_vocab: int,
+) -> torch.Tensor | None:
     """[e-s, local_vocab] bool: True where a token of rows s..e-1 drops that vocabulary entry of this
     shard — all but its support's ids inside the shard and its target; nothing for rows without a
     support. None when no row of the chunk has one."""
@@ -250,10 +263,10 @@ def vocab_parallel_token_stats(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    vocab_size: Optional[int] = None,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and entropy, per token, from hidden [n, h] and this rank's vocab shard.
 
@@ -263,8 +276,9 @@ def vocab_parallel_token_stats(
     the entropy is zeros (and not differentiable) when `with_entropy` is False. `vocab_size`: the
     true size of a padded vocabulary (see `vocab_parallel_topk_stats`).
     """
-    logp, ent, _ = vocab_parallel_topk_stats(hidden, weight, targets, None, temperature, chunk_size, with_entropy,
-                                             tp_group, vocab_size=vocab_size)
+    logp, ent, _ = vocab_parallel_topk_stats(
+        hidden, weight, targets, None, temperature, chunk_size, with_entropy, tp_group, vocab_size=vocab_size
+    )
     return logp, ent
 
 
@@ -272,14 +286,14 @@ def vocab_parallel_topk_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    topk_ids: Optional[torch.Tensor],
+    topk_ids: torch.Tensor | None,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    mask_ids: Optional[torch.Tensor] = None,
-    mask_counts: Optional[torch.Tensor] = None,
-    vocab_size: Optional[int] = None,
+    tp_group: dist.ProcessGroup | None = None,
+    mask_ids: torch.Tensor | None = None,
+    mask_counts: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`vocab_parallel_token_stats` plus the log-probs of given ids per token: `topk_ids` [n, k]
     global ids (a teacher's top-k), returned as a differentiable [n, k] tensor ([n, 0] without ids).
@@ -301,8 +315,11 @@ def vocab_parallel_topk_stats(
     rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
     vocab_start = rank * weight.shape[0]
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
-    ids = (torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device) if topk_ids is None
-           else topk_ids.long().reshape(hidden.shape[0], -1))
+    ids = (
+        torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
+        if topk_ids is None
+        else topk_ids.long().reshape(hidden.shape[0], -1)
+    )
     offsets = None
     if mask_counts is not None:
         if topk_ids is not None and topk_ids.numel():
@@ -317,8 +334,18 @@ def vocab_parallel_topk_stats(
         if not bool((offsets[1:] > offsets[:-1]).any()):
             mask_ids = offsets = None  # nothing to mask
     return _VocabParallelTokenStats.apply(
-        hidden, weight, targets.long(), ids, vocab_start, 1.0 / temperature, chunk, with_entropy, tp_group,
-        mask_ids, offsets, padded_columns_from(vocab_size, vocab_start, weight.shape[0]),
+        hidden,
+        weight,
+        targets.long(),
+        ids,
+        vocab_start,
+        1.0 / temperature,
+        chunk,
+        with_entropy,
+        tp_group,
+        mask_ids,
+        offsets,
+        padded_columns_from(vocab_size, vocab_start, weight.shape[0]),
     )
 
 
@@ -332,8 +359,8 @@ class TokenStats:
     """Per-token outputs of the last pipeline stage, [batch, seq] fp32."""
 
     logprobs: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    topk_logprobs: Optional[torch.Tensor] = None  # [batch, seq, k] log-probs of given ids (a teacher's top-k)
+    entropy: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None = None  # [batch, seq, k] log-probs of given ids (a teacher's top-k)
 
 
 def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -385,14 +412,14 @@ def gpt_token_stats(
     model: torch.nn.Module,
     tokens: torch.Tensor,
     position_ids: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
+    attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
-    topk_ids: Optional[torch.Tensor] = None,
-    mask_ids: Optional[torch.Tensor] = None,
-    mask_counts: Optional[torch.Tensor] = None,
+    topk_ids: torch.Tensor | None = None,
+    mask_ids: torch.Tensor | None = None,
+    mask_counts: torch.Tensor | None = None,
 ) -> torch.Tensor | TokenStats:
     """Run one (possibly wrapped) GPTModel chunk. On the last pipeline stage return `TokenStats`
     for `labels` [b, s] (labels[:, t] is the token that follows position t), with the log-probs of
@@ -454,9 +481,9 @@ LossFn = Callable[[Batch, TokenStats], tuple[torch.Tensor, torch.Tensor, dict[st
 def make_forward_step(
     loss_fn: LossFn,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
-    store: Optional[list[dict[str, Any]]] = None,
+    store: list[dict[str, Any]] | None = None,
 ) -> Callable:
     """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
 
@@ -519,7 +546,7 @@ def compute_token_stats(
     chunks: list[torch.nn.Module],
     microbatches: list[Batch],
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     all_stages: bool = True,
 ) -> list[TokenStats]:
@@ -535,9 +562,7 @@ def compute_token_stats(
     from mcore_rl.train.forward_backward import forward_backward
 
     store: list[dict[str, Any]] = []
-    step = make_forward_step(
-        partial(_collect_loss, "loss_mask"), temperature, chunk_size, with_entropy, store=store
-    )
+    step = make_forward_step(partial(_collect_loss, "loss_mask"), temperature, chunk_size, with_entropy, store=store)
     forward_backward(chunks, microbatches, forward_only=True, forward_step=step)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -568,6 +593,5 @@ def compute_token_stats(
         elif not last:
             continue
         packed = packed.cpu()
-        out.append(TokenStats(packed[0], packed[1] if with_entropy else None,
-                              topk.cpu() if topk is not None else None))
+        out.append(TokenStats(packed[0], packed[1] if with_entropy else None, topk.cpu() if topk is not None else None))
     return out

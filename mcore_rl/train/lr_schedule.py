@@ -40,8 +40,10 @@ class LRScheduler:
         self.warmup_iters = int(cfg.lr_warmup_iters)
         self.decay_style = cfg.lr_decay_style
         if self.decay_style == "step" and (cfg.lr_step_period < 1 or not 0 < cfg.lr_step_factor < 1):
-            raise ValueError("optimizer.lr_decay_style=step needs lr_step_period >= 1 and lr_step_factor in (0, 1), "
-                             f"got {cfg.lr_step_period} and {cfg.lr_step_factor}")
+            raise ValueError(
+                "optimizer.lr_decay_style=step needs lr_step_period >= 1 and lr_step_factor in (0, 1), "
+                f"got {cfg.lr_step_period} and {cfg.lr_step_factor}"
+            )
         self.step_start = int(cfg.lr_step_start_iter)
         self.step_period = int(cfg.lr_step_period)
         self.step_factor = float(cfg.lr_step_factor)
@@ -55,8 +57,9 @@ class LRScheduler:
         if self.decay_style == "constant":
             return self.max_lr
         if self.decay_style == "step":
-            return lr_decay_baseline(step, self.max_lr, self.step_start, self.step_period, factor=self.step_factor,
-                                     min_lr=self.min_lr)
+            return lr_decay_baseline(
+                step, self.max_lr, self.step_start, self.step_period, factor=self.step_factor, min_lr=self.min_lr
+            )
         decay_iters = self.total_iters - self.warmup_iters
         if decay_iters <= 0:
             return self.min_lr

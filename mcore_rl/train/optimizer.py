@@ -24,7 +24,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -107,7 +107,11 @@ def _make_inner(
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.backend == "torch":
         return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            groups,
+            lr=cfg.lr,
+            betas=betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
             foreach=True,
         )
     if cfg.backend == "deepspeed":
@@ -120,7 +124,11 @@ def _make_inner(
             )
         cls = load_deepspeed_cpu_adam()
         return cls(
-            groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            groups,
+            lr=cfg.lr,
+            betas=betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
             adamw_mode=True,
         )
     raise ValueError(f"unknown optimizer.backend {cfg.backend!r} (expected 'torch' or 'deepspeed')")
@@ -231,16 +239,13 @@ class OptimizerSnapshot:
     """Deep copy of everything an update changes; see `ModelParallelAdamW.snapshot`."""
 
     model_params: list[torch.Tensor]
-    master_params: list[Optional[torch.Tensor]]
+    master_params: list[torch.Tensor | None]
     state: list[dict[str, Any]]
     scheduler: dict[str, Any]
 
 
 def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-        for k, v in state.items()
-    }
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
 
 
 class ModelParallelAdamW:
@@ -368,9 +373,7 @@ class ModelParallelAdamW:
 
         masters = [i for i in idx if self._has_master[i]]
         if masters:
-            torch._foreach_copy_(
-                [self.model_params[i].data for i in masters], [self.main_params[i] for i in masters]
-            )
+            torch._foreach_copy_([self.model_params[i].data for i in masters], [self.main_params[i] for i in masters])
         # Drop the `.grad`s set above: a param whose `.grad` still aliased its DDP `main_grad`
         # would have the next backward accumulate into `main_grad` twice (autograd adds into the
         # existing `.grad`, then DDP's hook adds `.grad` to `main_grad`).
@@ -440,10 +443,7 @@ class ModelParallelAdamW:
         copy of params + optimizer state). Grads are not part of it."""
         return OptimizerSnapshot(
             model_params=[p.detach().clone() for p in self.model_params],
-            master_params=[
-                m.detach().clone() if has else None
-                for m, has in zip(self.main_params, self._has_master)
-            ],
+            master_params=[m.detach().clone() if has else None for m, has in zip(self.main_params, self._has_master)],
             state=[_clone_state(self.optimizer.state.get(m, {})) for m in self.main_params],
             scheduler=copy.deepcopy(self.scheduler.state_dict()),
         )
@@ -476,9 +476,7 @@ class ModelParallelAdamW:
         ids, scheduler. Tensors are live references, as in torch's `state_dict()`."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "fp32_params": {
-                i: m for i, (m, has) in enumerate(zip(self.main_params, self._has_master)) if has
-            },
+            "fp32_params": {i: m for i, (m, has) in enumerate(zip(self.main_params, self._has_master)) if has},
             "scheduler": self.scheduler.state_dict(),
             "backend": self.cfg.backend,
             "precision": self.precision,
@@ -498,8 +496,7 @@ class ModelParallelAdamW:
         saved_groups = saved["param_groups"]
         if len(saved_groups) != len(current):
             raise ValueError(
-                f"optimizer checkpoint has {len(saved_groups)} param groups, this model has "
-                f"{len(current)}"
+                f"optimizer checkpoint has {len(saved_groups)} param groups, this model has {len(current)}"
             )
         groups = [
             {**{k: v for k, v in cur.items() if k != "params"}, "params": list(sg["params"])}
@@ -511,7 +508,7 @@ class ModelParallelAdamW:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self._normalize_steps()
 
-    def _load_masters(self, fp32_params: Optional[dict[int, torch.Tensor]]) -> None:
+    def _load_masters(self, fp32_params: dict[int, torch.Tensor] | None) -> None:
         if not any(self._has_master):
             return
         if not fp32_params:
@@ -545,9 +542,7 @@ class ModelParallelAdamW:
 
     # ---------------------------------------------------------------- distributed checkpoints
 
-    def sharded_state_dict(
-        self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False
-    ) -> dict[str, Any]:
+    def sharded_state_dict(self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False) -> dict[str, Any]:
         """Optimizer state as megatron `ShardedTensor`s keyed like the model's params, so a
         checkpoint saved with one TP/PP/EP layout loads into another.
 

@@ -25,7 +25,8 @@ order — no padding to the largest support, which at top-p can be thousands of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -64,12 +65,19 @@ def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) ->
         if k:
             mu[i, :k] = torch.tensor(s.rollout_logp, dtype=torch.float32)
             mask[i, :k] = 1.0
-    ok = torch.tensor([
-        float(s.finish_reason != "abort" and not (drop_reward_errors and s.reward_error is not None) and s.response_ids != [])
-        for s in samples
-    ])
+    ok = torch.tensor(
+        [
+            float(
+                s.finish_reason != "abort"
+                and not (drop_reward_errors and s.reward_error is not None)
+                and s.response_ids != []
+            )
+            for s in samples
+        ]
+    )
     return SequenceView(
-        rollout_logp=mu, mask=mask,
+        rollout_logp=mu,
+        mask=mask,
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
@@ -89,8 +97,12 @@ def domains_and_heads(samples: Sequence[Sample]) -> dict[str, Any]:
         for j, h in enumerate(head_names):
             if h in s.reward_heads:
                 heads[i, j] = float(s.reward_heads[h])
-    return dict(domain_ids=torch.tensor([index[s.prompt.domain] for s in samples], dtype=torch.long),
-                domain_names=domain_names, reward_heads=heads, head_names=head_names)
+    return dict(
+        domain_ids=torch.tensor([index[s.prompt.domain] for s in samples], dtype=torch.long),
+        domain_names=domain_names,
+        reward_heads=heads,
+        head_names=head_names,
+    )
 
 
 @dataclass
@@ -101,7 +113,9 @@ class Placement:
     col: int
 
 
-def pack_rows(samples: Sequence[Sample], order: Sequence[int], seq_length: int) -> tuple[list[list[int]], list[Placement]]:
+def pack_rows(
+    samples: Sequence[Sample], order: Sequence[int], seq_length: int
+) -> tuple[list[list[int]], list[Placement]]:
     """Greedy in-order packing of samples `order` into rows of seq_length + 1 tokens."""
     width = seq_length + 1
     rows: list[list[int]] = []
@@ -129,8 +143,8 @@ def build_microbatches(
     dp_size: int,
     pad_id: int,
     num_positions: int,
-    per_seq: Optional[dict[str, torch.Tensor]] = None,
-    routing: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    per_seq: dict[str, torch.Tensor] | None = None,
+    routing: Sequence[torch.Tensor | None] | None = None,
     sampling_masks: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """This DP rank's micro-batches for the samples `order` (indices into `samples`).
@@ -167,8 +181,10 @@ def build_microbatches(
         seq_pos_rows.append((i, place.row, label_pos))
         if sampling_masks and s.sampling_mask_counts is not None:
             if len(s.sampling_mask_counts) != len(rsp) or len(s.sampling_mask_ids or []) != sum(s.sampling_mask_counts):
-                raise ValueError(f"sample {i}: {len(s.sampling_mask_counts)} sampling-mask counts for {len(rsp)} "
-                                 f"response tokens, {len(s.sampling_mask_ids or [])} ids for {sum(s.sampling_mask_counts)}")
+                raise ValueError(
+                    f"sample {i}: {len(s.sampling_mask_counts)} sampling-mask counts for {len(rsp)} "
+                    f"response tokens, {len(s.sampling_mask_ids or [])} ids for {sum(s.sampling_mask_counts)}"
+                )
             masks_by_row.setdefault(place.row, []).append((c + len(p) - 1, s.sampling_mask_counts, s.sampling_mask_ids))
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     loss_mask = target[:, 1:].float()
@@ -208,8 +224,12 @@ def build_microbatches(
         if routing is not None:  # routing replay: the experts per token on the packed grid
             from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid
 
-            here = [(i, r - lo, place.col) for i, place in zip(order, places)
-                    for r in [place.row] if lo <= r < lo + micro_batch_size]
+            here = [
+                (i, r - lo, place.col)
+                for i, place in zip(order, places)
+                for r in [place.row]
+                if lo <= r < lo + micro_batch_size
+            ]
             mb[ROUTING_KEY] = packed_grid(samples, routing, here, micro_batch_size, seq_length)
         out.append(mb)
     return out

@@ -9,7 +9,8 @@ reference model with `build_reference_model`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -46,8 +47,10 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     setup.set_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})")
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} tokens, data.tokenizer_path={cfg.data.tokenizer_path!r})"
+        )
     t = cfg.train
     config = transformer_config(cfg.model, cfg.parallel, t.precision, t.recompute)
     chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)

@@ -20,7 +20,8 @@ wrote) and add metrics (`learner_metrics`); the mismatch metrics are the policy'
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,17 @@ from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_vi
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
 LOSS_METRICS = ("pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "kl/loss", "entropy/loss")
 # what the model's forward reads from a micro-batch
-MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "label_topk_ids", "routed_experts",
-              "label_mask_ids", "label_mask_counts")  # the last two: sampling-mask replay
+MODEL_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "segment_ids",
+    "label_topk_ids",
+    "routed_experts",
+    "label_mask_ids",
+    "label_mask_counts",
+)  # the last two: sampling-mask replay
 
 
 def _dp() -> tuple[int, int]:
@@ -85,17 +95,28 @@ def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
     if dp > 1:
         dist.all_reduce(buf, group=ps.get_data_parallel_group())
     if pp > 1:
-        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
     return buf.cpu()
 
 
 def mismatch_overrides(cfg: Any) -> dict[str, Any]:
     """`algorithm.mismatch`'s set fields as `MismatchConfig` overrides of the named correction."""
     m = cfg.algorithm.mismatch
-    return {k: v for k, v in dict(
-        is_level=m.level, is_clip_low=m.clip_low, is_clip_high=m.clip_high, mask_low=m.mask_low,
-        mask_high=m.mask_high, veto_threshold=m.veto_threshold, batch_normalize=m.batch_normalize,
-    ).items() if v is not None}
+    return {
+        k: v
+        for k, v in dict(
+            is_level=m.level,
+            is_clip_low=m.clip_low,
+            is_clip_high=m.clip_high,
+            mask_low=m.mask_low,
+            mask_high=m.mask_high,
+            veto_threshold=m.veto_threshold,
+            batch_normalize=m.batch_normalize,
+        ).items()
+        if v is not None
+    }
 
 
 def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
@@ -103,39 +124,51 @@ def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
     return dict(valid=valid, domain_ids=view.domain_ids, reward_heads=view.reward_heads, head_names=view.head_names)
 
 
-def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor, old: Optional[torch.Tensor] = None) -> torch.Tensor:
+def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor | None = None) -> torch.Tensor:
     """The batch's rewards after `algorithm.reward_shaping`, in order, each on its domains only
     (`old`: π_old's [N, T] log-probs, for `seq_logp`)."""
     rewards = view.rewards
     for shaping in a.reward_shaping:
         new = registry.get("reward_shaping", shaping.name)(
-            rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **shaping.options)
+            rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **shaping.options
+        )
         rewards = restrict_to_domains(new, rewards, view.domain_ids, view.domain_names, shaping.domains)
     return rewards
 
 
-def sequence_inputs(view: SequenceView, old: Optional[torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+def sequence_inputs(view: SequenceView, old: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     """Per-sequence inputs of reward shaping and sample filters: response lengths and π_old's
     summed log-prob of each response."""
     return dict(lengths=view.mask.sum(1).long(), seq_logp=None if old is None else (old * view.mask).sum(1))
 
 
-def filtered(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor,
-             metrics: dict[str, float]) -> torch.Tensor:
+def filtered(
+    a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor, metrics: dict[str, float]
+) -> torch.Tensor:
     """`valid` narrowed by `algorithm.sample_filters`, in order (each on its domains only): a
     filtered-out sample trains on nothing and leaves its group's statistics, like an unusable one."""
     for f in a.sample_filters:
         keep = registry.get("sample_filter", f.name)(
-            view.rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **f.options)
+            view.rewards, view.group_ids, **sequence_inputs(view, old), **batch_inputs(view, valid), **f.options
+        )
         keep = restrict_to_domains(keep.bool() & valid, valid, view.domain_ids, view.domain_names, f.domains)
         metrics[f"filter/{f.name}/dropped_frac"] = float((valid & ~keep).double().sum() / max(int(valid.sum()), 1))
         valid = keep
     return valid
 
 
-def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      rewards: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
-                      ref: Optional[torch.Tensor], optional_inputs: Optional[dict[str, Any]] = None) -> torch.Tensor:
+def shaped_advantages(
+    a: Any,
+    view: SequenceView,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    old: torch.Tensor,
+    entropy: torch.Tensor,
+    ref: torch.Tensor | None,
+    optional_inputs: dict[str, Any] | None = None,
+) -> torch.Tensor:
     """The advantages after `algorithm.advantage_shaping`, in order: [N] when there is none, else
     per token [N, T] (each step on its domains only). `optional_inputs` (`response_ids`, `logp_at`;
     see `multi_reward.OPTIONAL_INPUTS`) go to the functions that name them."""
@@ -145,9 +178,19 @@ def shaped_advantages(a: Any, view: SequenceView, valid: torch.Tensor, advantage
     for shaping in a.advantage_shaping:
         fn = registry.get("advantage_shaping", shaping.name)
         optional = declared_inputs(fn, "advantage_shaping", optional_inputs or {})
-        new = fn(tokens, mask, rewards=rewards, group_ids=view.group_ids, entropy=entropy, old_logp=old,
-                 rollout_logp=view.rollout_logp, ref_logp=ref, **batch_inputs(view, valid), **optional,
-                 **shaping.options)
+        new = fn(
+            tokens,
+            mask,
+            rewards=rewards,
+            group_ids=view.group_ids,
+            entropy=entropy,
+            old_logp=old,
+            rollout_logp=view.rollout_logp,
+            ref_logp=ref,
+            **batch_inputs(view, valid),
+            **optional,
+            **shaping.options,
+        )
         tokens = restrict_to_domains(new.float() * mask, tokens, view.domain_ids, view.domain_names, shaping.domains)
     return tokens
 
@@ -160,8 +203,9 @@ def response_ids(samples: Sequence[Sample], num_positions: int) -> torch.Tensor:
     return out
 
 
-def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor,
-                            mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def domain_mismatch_metrics(
+    samples: Sequence[Sample], old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """`mismatch_metrics` over each domain's samples: `mismatch/<domain>/k3`, `.../abs_logp_diff`."""
     out = {}
     domains = [s.prompt.domain for s in samples]
@@ -175,27 +219,42 @@ def domain_mismatch_metrics(samples: Sequence[Sample], old: torch.Tensor, rollou
 class Learner:
     """Policy-update side of the loop, around megatron-core model chunks and their optimizer."""
 
-    def __init__(self, cfg: Any, chunks: list, optimizer: Any, ref_chunks: Optional[list], pad_id: int,
-                 recipes: Optional[Sequence[Recipe]] = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        chunks: list,
+        optimizer: Any,
+        ref_chunks: list | None,
+        pad_id: int,
+        recipes: Sequence[Recipe] | None = None,
+    ) -> None:
         self.cfg, self.chunks, self.optimizer, self.ref_chunks, self.pad_id = cfg, chunks, optimizer, ref_chunks, pad_id
         self.recipes = list(recipes) if recipes is not None else active(cfg)  # their learner-side hooks
         self.temperature = cfg.rollout.temperature
         self.distill: list[DistillTerm] = distill_terms(cfg)
         self.loss_terms = [x for x in self.distill if x.phase == "loss"]
         # metric sums of one micro-batch: tokens, LOSS_METRICS, each loss-phase term's loss, the loss count
-        self.metric_keys = LOSS_METRICS + tuple(f"distill/{x.name}/loss" for x in self.loss_terms) + tuple(
-            f"aux/{x.name}/loss" for x in cfg.algorithm.aux_losses)
+        self.metric_keys = (
+            LOSS_METRICS
+            + tuple(f"distill/{x.name}/loss" for x in self.loss_terms)
+            + tuple(f"aux/{x.name}/loss" for x in cfg.algorithm.aux_losses)
+        )
         self.step = 0
         # MoE routing replay (train/routing_replay.py): the policy's routers only, never π_ref's
         self.replay_mode = cfg.algorithm.routing_replay
         self.replay_taps = routing_replay.attach(chunks) if self.replay_mode != "none" else []
-        self.routing: Optional[list] = None  # this batch's per-sample routing to replay (r3: engine's, r2: π_old's)
+        self.routing: list | None = None  # this batch's per-sample routing to replay (r3: engine's, r2: π_old's)
 
     # ---------------------------------------------------------------- forward-only log-probs
 
-    def token_logprobs(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
-                       with_entropy: bool = False, sampling_masks: Optional[bool] = None,
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def token_logprobs(
+        self,
+        samples: Sequence[Sample],
+        num_positions: int,
+        chunks: list | None = None,
+        with_entropy: bool = False,
+        sampling_masks: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[N, T] log-probs (and entropy) of every sample's response tokens under `chunks`
         (default: the policy), identical on every rank. `sampling_masks` (default
         `rollout.sampling_mask_replay`): renormalise over the samples' supports (a teacher's
@@ -203,11 +262,17 @@ class Learner:
         logp, entropy, _ = self.token_stats(samples, num_positions, chunks, with_entropy, sampling_masks=sampling_masks)
         return logp, entropy
 
-    def token_stats(self, samples: Sequence[Sample], num_positions: int, chunks: Optional[list] = None,
-                    with_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
-                    response_mask: Optional[torch.Tensor] = None, routing: Optional[list] = None,
-                    sampling_masks: Optional[bool] = None,
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def token_stats(
+        self,
+        samples: Sequence[Sample],
+        num_positions: int,
+        chunks: list | None = None,
+        with_entropy: bool = False,
+        topk_ids: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        routing: list | None = None,
+        sampling_masks: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`token_logprobs` plus, with `topk_ids` [N, T, k] (and the [N, T] `response_mask`), the
         [N, T, k] log-probs of those ids at every response position, from the vocab-parallel logits.
         `routing` (per sample): experts to replay in the policy's routers (routing replay)."""
@@ -215,10 +280,19 @@ class Learner:
         t = self.cfg.train
         dp_rank, dp_size = _dp()
         per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
-        mbs = build_microbatches(samples, range(len(samples)), t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions, per_seq, routing=routing,
-                                 sampling_masks=self.cfg.rollout.sampling_mask_replay if sampling_masks is None
-                                 else sampling_masks)
+        mbs = build_microbatches(
+            samples,
+            range(len(samples)),
+            t.seq_length,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            self.pad_id,
+            num_positions,
+            per_seq,
+            routing=routing,
+            sampling_masks=self.cfg.rollout.sampling_mask_replay if sampling_masks is None else sampling_masks,
+        )
         add_packed_topk(mbs)
         model_in = [{k: v for k, v in mb.items() if k in MODEL_KEYS} for mb in mbs]
         for c in chunks:
@@ -243,7 +317,7 @@ class Learner:
             flat = torch.cat([full.reshape(-1), full_topk.reshape(-1)]).to(_comm_device())
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             flat = flat.cpu()
-            full, full_topk = flat[: full.numel()].view_as(full), flat[full.numel():].view_as(full_topk)
+            full, full_topk = flat[: full.numel()].view_as(full), flat[full.numel() :].view_as(full_topk)
         return full[0], (full[1] if with_entropy else None), (full_topk if k else None)
 
     # ---------------------------------------------------------------- the update
@@ -263,14 +337,22 @@ class Learner:
         routing = self.replay_routing(samples)
         with routing_replay.recording(self.replay_taps if self.replay_mode == "r2" else []):
             if teacher is not None and teacher.topk_ids is not None:
-                old, entropy, old_topk = self.token_stats(samples, t, with_entropy=True, topk_ids=teacher.topk_ids,
-                                                          response_mask=view.mask, routing=routing)
+                old, entropy, old_topk = self.token_stats(
+                    samples, t, with_entropy=True, topk_ids=teacher.topk_ids, response_mask=view.mask, routing=routing
+                )
             else:
                 old, entropy, _ = self.token_stats(samples, t, with_entropy=True, routing=routing)
         if self.replay_mode == "r2":  # replay π_old's own routing in this batch's training forwards
             mc = self.cfg.model
-            routing = routing_replay.gather_recorded(self.replay_taps, samples, range(len(samples)), self.cfg.train.seq_length,
-                                                     self.cfg.train.micro_batch_size, mc.num_layers, mc.moe_router_topk)
+            routing = routing_replay.gather_recorded(
+                self.replay_taps,
+                samples,
+                range(len(samples)),
+                self.cfg.train.seq_length,
+                self.cfg.train.micro_batch_size,
+                mc.num_layers,
+                mc.moe_router_topk,
+            )
             routing_replay.clear(self.replay_taps)
         self.routing = routing
         ref = None
@@ -287,12 +369,26 @@ class Learner:
             if a.kl_in_reward:
                 rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
         advantages = registry.get("advantage", a.advantage)(
-            rewards, view.group_ids, normalize_std=a.advantage_std_normalize, **batch_inputs(view, valid),
-            **a.advantage_options)
+            rewards,
+            view.group_ids,
+            normalize_std=a.advantage_std_normalize,
+            **batch_inputs(view, valid),
+            **a.advantage_options,
+        )
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         seq_advantages = advantages
-        advantages = shaped_advantages(a, view, valid, advantages, mask, rewards, old, entropy, ref,
-                                       self._shaping_inputs(samples, view) if a.advantage_shaping else None)
+        advantages = shaped_advantages(
+            a,
+            view,
+            valid,
+            advantages,
+            mask,
+            rewards,
+            old,
+            entropy,
+            ref,
+            self._shaping_inputs(samples, view) if a.advantage_shaping else None,
+        )
         mu = view.rollout_logp
         for recipe in self.recipes:
             mu = recipe.behaviour_logp(samples, mu, old)
@@ -301,8 +397,11 @@ class Learner:
         policy_rows = torch.tensor([s.source == "policy" for s in samples], dtype=torch.bool)
         mm.update(mismatch_metrics(old, view.rollout_logp, view.mask * policy_rows[:, None]))  # the policy's tokens
         for recipe in self.recipes:
-            metrics.update(recipe.learner_metrics(samples, old, view.rollout_logp, view.mask, weights * keep,
-                                                  seq_advantages, valid))
+            metrics.update(
+                recipe.learner_metrics(
+                    samples, old, view.rollout_logp, view.mask, weights * keep, seq_advantages, valid
+                )
+            )
         if self.cfg.data.domains:  # a multi-domain run: the mismatch of each domain's samples too
             mm.update(domain_mismatch_metrics(samples, old, view.rollout_logp, view.mask))
         metrics.update({k: float(v) for k, v in mm.items()})
@@ -319,11 +418,17 @@ class Learner:
             metrics["rollout/sampling_mask_size_max"] = float(max(sizes))
         metrics["rollout/policy_version_min"] = float(view.versions.min())
         metrics["rollout/policy_version_max"] = float(view.versions.max())
-        per_seq = {"old_logp": old, "rollout_logp": mu, "is_weights": weights.float(),
-                   "keep": keep.float(), "advantages": advantages.float()}
+        per_seq = {
+            "old_logp": old,
+            "rollout_logp": mu,
+            "is_weights": weights.float(),
+            "keep": keep.float(),
+            "advantages": advantages.float(),
+        }
         if a.aux_losses:  # what the aux losses read per micro-batch (see `loss_fn`)
-            per_seq.update(aux_rewards=rewards.float(), aux_seq_advantages=seq_advantages.float(),
-                           aux_group_ids=view.group_ids)
+            per_seq.update(
+                aux_rewards=rewards.float(), aux_seq_advantages=seq_advantages.float(), aux_group_ids=view.group_ids
+            )
         if teacher is not None:
             self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, entropy, mask, rewards, step)
         if ref is not None:
@@ -341,7 +446,7 @@ class Learner:
 
         return {"response_ids": response_ids(samples, t), "logp_at": logp_at}
 
-    def replay_routing(self, samples: Sequence[Sample]) -> Optional[list]:
+    def replay_routing(self, samples: Sequence[Sample]) -> list | None:
         """R3: the samples' engine routing (shape-checked); otherwise None (natural routing)."""
         if self.replay_mode != "r3":
             return None
@@ -349,20 +454,41 @@ class Learner:
         routing_replay.check_samples(samples, mc.num_layers, mc.moe_router_topk)
         return [s.routed_experts for s in samples]
 
-    def _add_distillation(self, per_seq: dict[str, torch.Tensor], metrics: dict[str, float], view: Any,
-                          teacher: Any, old: torch.Tensor, old_topk: Optional[torch.Tensor], entropy: torch.Tensor,
-                          mask: torch.Tensor, rewards: torch.Tensor, step: int) -> None:
+    def _add_distillation(
+        self,
+        per_seq: dict[str, torch.Tensor],
+        metrics: dict[str, float],
+        view: Any,
+        teacher: Any,
+        old: torch.Tensor,
+        old_topk: torch.Tensor | None,
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        rewards: torch.Tensor,
+        step: int,
+    ) -> None:
         """Advantage-phase terms into the advantages and the loss mask; what the loss phase needs
         into the per-sample tensors (see `train.distillation`). `student_entropy` is π_old's in
         both phases."""
         d, a = self.cfg.distill, self.cfg.algorithm
         dmask = mask * teacher.mask
         batch = DistillBatch(
-            student_logp=old, old_logp=old, teacher_logp=teacher.logp, mask=dmask,
-            teacher_topk_logp=teacher.topk_logp, student_topk_logp=old_topk, teacher_ref_logp=teacher.ref_logp,
-            teacher_ref_topk_logp=teacher.ref_topk_logp, rewards=rewards, group_ids=view.group_ids,
-            advantages=per_seq["advantages"], step=step, student_entropy=entropy, agg=a.loss_agg,
-            norm_length=self.cfg.rollout.max_new_tokens)
+            student_logp=old,
+            old_logp=old,
+            teacher_logp=teacher.logp,
+            mask=dmask,
+            teacher_topk_logp=teacher.topk_logp,
+            student_topk_logp=old_topk,
+            teacher_ref_logp=teacher.ref_logp,
+            teacher_ref_topk_logp=teacher.ref_topk_logp,
+            rewards=rewards,
+            group_ids=view.group_ids,
+            advantages=per_seq["advantages"],
+            step=step,
+            student_entropy=entropy,
+            agg=a.loss_agg,
+            norm_length=self.cfg.rollout.max_new_tokens,
+        )
         with torch.no_grad():
             adv, token_mask, _ = call_terms([x for x in self.distill if x.phase == "advantage"], batch, metrics)
             start_batch(self.loss_terms, batch, metrics)  # loss-phase states' step; metrics at π_old
@@ -374,18 +500,29 @@ class Learner:
         keep = per_seq["keep"]
         # RL + distillation: the terms' masks act on the distilled tokens only; distillation alone:
         # only distilled tokens count
-        per_seq["keep"] = keep * torch.where(dmask > 0, token_mask, torch.ones_like(token_mask)) if d.rl \
-            else keep * distilled
+        per_seq["keep"] = (
+            keep * torch.where(dmask > 0, token_mask, torch.ones_like(token_mask)) if d.rl else keep * distilled
+        )
         per_seq["advantages"] = advantages.float()
         metrics["distill/scored_frac"] = teacher.scored_frac
         metrics["distill/tokens"] = float(distilled.sum())
         if adv is not None:
             metrics["distill/advantage_abs_mean"] = float(masked_mean(adv.abs(), dmask))
         if self.loss_terms:
-            per_seq.update(teacher_logp=teacher.logp, distill_mask=distilled, response_mask=view.mask,
-                           distill_rewards=rewards.float(), distill_group_ids=view.group_ids, student_entropy=entropy)
-            for key, value in (("teacher_topk_ids", teacher.topk_ids), ("teacher_topk_logp", teacher.topk_logp),
-                               ("teacher_ref_logp", teacher.ref_logp), ("teacher_ref_topk_logp", teacher.ref_topk_logp)):
+            per_seq.update(
+                teacher_logp=teacher.logp,
+                distill_mask=distilled,
+                response_mask=view.mask,
+                distill_rewards=rewards.float(),
+                distill_group_ids=view.group_ids,
+                student_entropy=entropy,
+            )
+            for key, value in (
+                ("teacher_topk_ids", teacher.topk_ids),
+                ("teacher_topk_logp", teacher.topk_logp),
+                ("teacher_ref_logp", teacher.ref_logp),
+                ("teacher_ref_topk_logp", teacher.ref_topk_logp),
+            ):
                 if value is not None:
                     per_seq[key] = value
 
@@ -396,8 +533,18 @@ class Learner:
         mask = batch["keep"]
         norm_length = self.cfg.rollout.max_new_tokens
         loss_fn = registry.get("policy_loss", a.policy_loss)
-        out = loss_fn(logp, batch["old_logp"], batch["advantages"], mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                      dual_clip=a.dual_clip, is_weights=batch["is_weights"], agg=a.loss_agg, norm_length=norm_length)
+        out = loss_fn(
+            logp,
+            batch["old_logp"],
+            batch["advantages"],
+            mask,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip=a.dual_clip,
+            is_weights=batch["is_weights"],
+            agg=a.loss_agg,
+            norm_length=norm_length,
+        )
         total = out.loss_sum
         tokens = mask.sum().detach()
         vals = {k: out.metrics.get(k, torch.zeros(())) * tokens for k in LOSS_METRICS[:4]}
@@ -416,13 +563,23 @@ class Learner:
             vals[f"distill/{term.name}/loss"] = torch.zeros(())
         if self.loss_terms and logp.numel():
             db = DistillBatch(
-                student_logp=logp, old_logp=batch["old_logp"], teacher_logp=batch["teacher_logp"],
-                mask=batch["distill_mask"], teacher_topk_logp=batch.get("teacher_topk_logp"),
-                student_topk_logp=batch_topk(stats.topk_logprobs, pos), teacher_ref_logp=batch.get("teacher_ref_logp"),
-                teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"), rewards=batch["distill_rewards"],
-                group_ids=batch["distill_group_ids"], advantages=batch["advantages"], step=self.step,
-                student_entropy=batch["student_entropy"], student_ref_logp=batch.get("ref_logp"), agg=a.loss_agg,
-                norm_length=norm_length)
+                student_logp=logp,
+                old_logp=batch["old_logp"],
+                teacher_logp=batch["teacher_logp"],
+                mask=batch["distill_mask"],
+                teacher_topk_logp=batch.get("teacher_topk_logp"),
+                student_topk_logp=batch_topk(stats.topk_logprobs, pos),
+                teacher_ref_logp=batch.get("teacher_ref_logp"),
+                teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"),
+                rewards=batch["distill_rewards"],
+                group_ids=batch["distill_group_ids"],
+                advantages=batch["advantages"],
+                step=self.step,
+                student_entropy=batch["student_entropy"],
+                student_ref_logp=batch.get("ref_logp"),
+                agg=a.loss_agg,
+                norm_length=norm_length,
+            )
             for term in self.loss_terms:
                 terms = term(db)
                 total = total + term.coef * terms.loss_sum
@@ -431,16 +588,27 @@ class Learner:
             vals[f"aux/{term.name}/loss"] = torch.zeros(())
             if logp.numel():
                 aux = registry.get("aux_loss", term.name)(
-                    logp, old_logp=batch["old_logp"], ref_logp=batch.get("ref_logp"), mask=mask,
-                    rewards=batch["aux_rewards"], seq_advantages=batch["aux_seq_advantages"],
-                    group_ids=batch["aux_group_ids"], agg=a.loss_agg, norm_length=norm_length, **term.options)
+                    logp,
+                    old_logp=batch["old_logp"],
+                    ref_logp=batch.get("ref_logp"),
+                    mask=mask,
+                    rewards=batch["aux_rewards"],
+                    seq_advantages=batch["aux_seq_advantages"],
+                    group_ids=batch["aux_group_ids"],
+                    agg=a.loss_agg,
+                    norm_length=norm_length,
+                    **term.options,
+                )
                 total = total + term.coef * aux.loss_sum
                 vals[f"aux/{term.name}/loss"] = aux.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),
-            "metric_sums": torch.stack([tokens.float()] + [vals[k].float().reshape(()) for k in self.metric_keys]
-                                       + [out.count.detach().float().reshape(())]),
+            "metric_sums": torch.stack(
+                [tokens.float()]
+                + [vals[k].float().reshape(()) for k in self.metric_keys]
+                + [out.count.detach().float().reshape(())]
+            ),
         }
         return total, count, report
 
@@ -460,8 +628,11 @@ class Learner:
         dp_rank, dp_size = _dp()
         num_positions = per_seq["old_logp"].shape[1]
         records: list[dict[str, float]] = []
-        parts = [part for epoch in range(a.ppo_epochs)
-                 for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch)]
+        parts = [
+            part
+            for epoch in range(a.ppo_epochs)
+            for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch)
+        ]
         # a transient bar under the run's: a real model's step takes minutes
         with progress(len(parts), "learner", "minibatch", enabled=self.cfg.logging.progress_bar, leave=False) as bar:
             for part in parts:
@@ -471,18 +642,37 @@ class Learner:
         self.routing = None
         return records, batch_metrics
 
-    def _train_minibatch(self, samples: Sequence[Sample], part: Any, per_seq: dict[str, Any], num_positions: int,
-                         dp_rank: int, dp_size: int, records: list[dict[str, float]]) -> None:
+    def _train_minibatch(
+        self,
+        samples: Sequence[Sample],
+        part: Any,
+        per_seq: dict[str, Any],
+        num_positions: int,
+        dp_rank: int,
+        dp_size: int,
+        records: list[dict[str, float]],
+    ) -> None:
         """One optimizer step on the samples of `part`; its metrics record appended to `records`."""
         a, t = self.cfg.algorithm, self.cfg.train
         start = time.perf_counter()
-        mbs = build_microbatches(samples, part, t.seq_length, t.micro_batch_size, dp_rank, dp_size,
-                                 self.pad_id, num_positions, per_seq, routing=self.routing,
-                                 sampling_masks=self.cfg.rollout.sampling_mask_replay)
+        mbs = build_microbatches(
+            samples,
+            part,
+            t.seq_length,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            self.pad_id,
+            num_positions,
+            per_seq,
+            routing=self.routing,
+            sampling_masks=self.cfg.rollout.sampling_mask_replay,
+        )
         add_packed_topk(mbs)  # the teacher's top-k ids on the packed grid (loss-phase distillation)
         store: list[dict[str, Any]] = []
-        step_fn = make_forward_step(self.loss_fn, self.temperature, t.logprob_chunk_size,
-                                    with_entropy=a.entropy_coef > 0, store=store)
+        step_fn = make_forward_step(
+            self.loss_fn, self.temperature, t.logprob_chunk_size, with_entropy=a.entropy_coef > 0, store=store
+        )
         for c in self.chunks:
             c.train()
         sums = torch.zeros(2 + len(self.metric_keys), dtype=torch.float64)
@@ -496,9 +686,14 @@ class Learner:
         sums = _reduce_last_stage(sums)
         opt = self.optimizer.step()
         tokens = max(float(sums[0]), 1.0)
-        rec = {"train/loss": result["loss"], "train/grad_norm": float(opt["grad_norm"]), "train/lr": float(opt["lr"]),
-               "train/skipped": float(opt["skipped"]), "train/tokens": float(sums[0]),
-               "time/train_step_s": time.perf_counter() - start}
+        rec = {
+            "train/loss": result["loss"],
+            "train/grad_norm": float(opt["grad_norm"]),
+            "train/lr": float(opt["lr"]),
+            "train/skipped": float(opt["skipped"]),
+            "train/tokens": float(sums[0]),
+            "time/train_step_s": time.perf_counter() - start,
+        }
         for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
             rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
         records.append(rec)

@@ -36,7 +36,8 @@ path is the unfused one; with `moe_router_fusion` megatron ignores `router_repla
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,24 +55,31 @@ class ReplayRouting(RouterReplay):
     Not registered in `RouterReplay.global_router_replay_instances` (megatron's static list), so
     only the router it is attached to sees it."""
 
-    def __init__(self, layer: int) -> None:  # noqa: D107 - no super().__init__: no global list
+    def __init__(self, layer: int) -> None:
         self.layer = layer  # global 0-based layer index
-        self.target: Optional[torch.Tensor] = None  # [tokens, k] long; rows of -1 route naturally
+        self.target: torch.Tensor | None = None  # [tokens, k] long; rows of -1 route naturally
         self.record = False
         self.recorded: list[torch.Tensor] = []  # [tokens, k] int32 per forward, in call order
         # what megatron's base class reads
         self.target_topk_idx = self.recorded_topk_idx = self.router_replay_action = None
         self.replay_backward_list: list[torch.Tensor] = []
 
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
-                        group_topk: Optional[int] = None, default_compute_topk: Any = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         values, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         target = self.target
         if target is not None:
             if tuple(target.shape) != tuple(idx.shape):
-                raise ValueError(f"{ROUTING_KEY}: layer {self.layer} has {tuple(target.shape)} replay ids for a router "
-                                 f"input of {tuple(idx.shape)} (tokens x topk)")
+                raise ValueError(
+                    f"{ROUTING_KEY}: layer {self.layer} has {tuple(target.shape)} replay ids for a router "
+                    f"input of {tuple(idx.shape)} (tokens x topk)"
+                )
             target = target.to(device=idx.device, dtype=idx.dtype)
             rows = target[:, 0] >= 0
             idx = torch.where(rows[:, None], target, idx)
@@ -98,7 +106,9 @@ def attach(chunks: Sequence[torch.nn.Module]) -> list[ReplayRouting]:
         mine = []
         for router in _routers(gpt):
             if router.layer_number is None:
-                raise ValueError("algorithm.routing_replay: a router without a layer number (not in a TransformerLayer)")
+                raise ValueError(
+                    "algorithm.routing_replay: a router without a layer number (not in a TransformerLayer)"
+                )
             router.router_replay = ReplayRouting(int(router.layer_number) - 1)
             mine.append(router.router_replay)
         gpt._routing_replay = mine
@@ -111,7 +121,7 @@ def attach(chunks: Sequence[torch.nn.Module]) -> list[ReplayRouting]:
     return taps
 
 
-def install(model: torch.nn.Module, routing: Optional[torch.Tensor]) -> None:
+def install(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
     """Set the replay target of every router in `model` (one chunk) from a micro-batch's
     `routed_experts` [b, s, layers, k]; None clears them (natural routing). No-op for a model
     without `attach`ed replay (π_ref, teachers)."""
@@ -130,8 +140,10 @@ def install(model: torch.nn.Module, routing: Optional[torch.Tensor]) -> None:
     cfg = gpt.config
     b, s, layers, k = routing.shape
     if layers != cfg.num_layers or k != cfg.moe_router_topk:
-        raise ValueError(f"{ROUTING_KEY}: micro-batch routing has {layers} layers x top-{k}, the policy "
-                         f"{cfg.num_layers} layers x top-{cfg.moe_router_topk} (model.num_layers, model.moe_router_topk)")
+        raise ValueError(
+            f"{ROUTING_KEY}: micro-batch routing has {layers} layers x top-{k}, the policy "
+            f"{cfg.num_layers} layers x top-{cfg.moe_router_topk} (model.num_layers, model.moe_router_topk)"
+        )
     rows = routing.permute(1, 0, 2, 3)  # [s, b, layers, k]: the router's s-major token order
     tp = ps.get_tensor_model_parallel_world_size()
     if cfg.sequence_parallel and tp > 1:
@@ -171,17 +183,26 @@ def check_samples(samples: Sequence[Sample], num_layers: int, topk: int) -> None
         r = smp.routed_experts
         want = (n - 1, num_layers, topk)
         if r is None:
-            raise ValueError(f"algorithm.routing_replay=r3: sample {i} (prompt {smp.prompt.index}, engine "
-                             f"{smp.engine or '?'}) has no routed_experts; the engine must return them "
-                             "(SGLang: --enable-return-routed-experts)")
+            raise ValueError(
+                f"algorithm.routing_replay=r3: sample {i} (prompt {smp.prompt.index}, engine "
+                f"{smp.engine or '?'}) has no routed_experts; the engine must return them "
+                "(SGLang: --enable-return-routed-experts)"
+            )
         if tuple(r.shape) != want:
-            raise ValueError(f"algorithm.routing_replay=r3: sample {i} (prompt {smp.prompt.index}) has routed_experts "
-                             f"of shape {tuple(r.shape)}, expected {want} = (len(prompt) + len(response) - 1, "
-                             f"model.num_layers, model.moe_router_topk)")
+            raise ValueError(
+                f"algorithm.routing_replay=r3: sample {i} (prompt {smp.prompt.index}) has routed_experts "
+                f"of shape {tuple(r.shape)}, expected {want} = (len(prompt) + len(response) - 1, "
+                f"model.num_layers, model.moe_router_topk)"
+            )
 
 
-def packed_grid(samples: Sequence[Sample], routing: Sequence[Optional[torch.Tensor]], rows: Sequence[tuple[int, int, int]],
-                micro_batch_size: int, seq_length: int) -> torch.Tensor:
+def packed_grid(
+    samples: Sequence[Sample],
+    routing: Sequence[torch.Tensor | None],
+    rows: Sequence[tuple[int, int, int]],
+    micro_batch_size: int,
+    seq_length: int,
+) -> torch.Tensor:
     """One micro-batch's `routed_experts` [b, s, layers, k] int16/int32: sample i at (row b, column
     c) puts its per-token routing ([m, layers, k], m <= its token count) at columns c.. of row b;
     everything else is -1. `rows`: (sample index, row within the micro-batch, first column)."""
@@ -199,8 +220,9 @@ def packed_grid(samples: Sequence[Sample], routing: Sequence[Optional[torch.Tens
     return grid
 
 
-def microbatch_rows(samples: Sequence[Sample], order: Sequence[int], seq_length: int, micro_batch_size: int,
-                    dp_rank: int, dp_size: int) -> list[list[tuple[int, int, int]]]:
+def microbatch_rows(
+    samples: Sequence[Sample], order: Sequence[int], seq_length: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[list[tuple[int, int, int]]]:
     """For each of this DP rank's micro-batches (as `build_microbatches` deals them): its samples
     as (sample index, row within the micro-batch, first column)."""
     rows, places = pack_rows(samples, order, seq_length)
@@ -214,8 +236,15 @@ def microbatch_rows(samples: Sequence[Sample], order: Sequence[int], seq_length:
     return out
 
 
-def gather_recorded(taps: Sequence[ReplayRouting], samples: Sequence[Sample], order: Sequence[int],
-                    seq_length: int, micro_batch_size: int, num_layers: int, topk: int) -> list[torch.Tensor]:
+def gather_recorded(
+    taps: Sequence[ReplayRouting],
+    samples: Sequence[Sample],
+    order: Sequence[int],
+    seq_length: int,
+    micro_batch_size: int,
+    num_layers: int,
+    topk: int,
+) -> list[torch.Tensor]:
     """The routing the policy's routers used in the last recorded pass over the micro-batches of
     `order`, per sample: int32 [len(prompt) + len(response), layers, k] (a token cut off by the row
     end stays -1), identical on every rank (collective over the trainer world).
@@ -234,8 +263,10 @@ def gather_recorded(taps: Sequence[ReplayRouting], samples: Sequence[Sample], or
     by_mb = microbatch_rows(samples, order, seq_length, micro_batch_size, dp_rank, dp_size)
     for tap in taps:
         if len(tap.recorded) != len(by_mb):
-            raise RuntimeError(f"routing replay: layer {tap.layer} recorded {len(tap.recorded)} forwards for "
-                               f"{len(by_mb)} micro-batches")
+            raise RuntimeError(
+                f"routing replay: layer {tap.layer} recorded {len(tap.recorded)} forwards for "
+                f"{len(by_mb)} micro-batches"
+            )
         for rec, mb_rows in zip(tap.recorded, by_mb):
             s_local = rec.shape[0] // micro_batch_size
             grid = rec.view(s_local, micro_batch_size, topk)  # [s_local, b, k]

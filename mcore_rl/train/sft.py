@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,13 +33,13 @@ class Trainer:
     chunks: list[torch.nn.Module]
     optimizer: Any
     batches: SFTBatches
-    eval_rows: Optional[dict[str, torch.Tensor]]
+    eval_rows: dict[str, torch.Tensor] | None
     tokenizer: Tokenizer
     iteration: int = 0
     hf_provenance: dict[str, Any] = field(default_factory=dict)  # carried into every save (hf_provenance.py)
 
 
-def _split_eval_rows(rows: dict[str, torch.Tensor], cfg: SFTConfig, dp: int) -> tuple[dict, Optional[dict]]:
+def _split_eval_rows(rows: dict[str, torch.Tensor], cfg: SFTConfig, dp: int) -> tuple[dict, dict | None]:
     """Hold out the rows evaluation needs (a fixed set, never trained on)."""
     t = cfg.train
     if t.eval_interval <= 0:
@@ -61,8 +61,12 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
     dp = policy.sizes.data_parallel_size
     train_rows, eval_rows = _split_eval_rows(rows, cfg, dp)
     batches = SFTBatches(
-        train_rows, cfg.train.micro_batch_size, policy.sizes.num_microbatches,
-        ps.get_data_parallel_rank(), dp, cfg.train.seed,
+        train_rows,
+        cfg.train.micro_batch_size,
+        policy.sizes.num_microbatches,
+        ps.get_data_parallel_rank(),
+        dp,
+        cfg.train.seed,
     )
     trainer = Trainer(cfg, chunks, optimizer, batches, eval_rows, tokenizer)
     ttfs.mark("data")
@@ -85,8 +89,11 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
 def save(trainer: Trainer) -> str:
     from mcore_rl.config import config_to_dict
 
-    common = {"data": trainer.batches.state_dict(), "data_seed": trainer.cfg.train.seed,
-              "model": config_to_dict(trainer.cfg.model)}  # lets `mcore-rl convert mcore-to-hf` read it
+    common = {
+        "data": trainer.batches.state_dict(),
+        "data_seed": trainer.cfg.train.seed,
+        "model": config_to_dict(trainer.cfg.model),
+    }  # lets `mcore-rl convert mcore-to-hf` read it
     common = carry_provenance(trainer.hf_provenance, common, trainer.cfg.checkpoint.save_dir)
     return checkpoint.save_checkpoint(
         trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
@@ -185,9 +192,15 @@ def _train(trainer: Trainer, observer: RunObserver) -> list[dict[str, Any]]:
             with timer.phase("checkpoint"):
                 _log0(f"saved {save(trainer)}")
         if stop:
-            saved = checkpoint.checkpoint_dir(cfg.checkpoint.save_dir, trainer.iteration) if cfg.checkpoint.save_dir else None
+            saved = (
+                checkpoint.checkpoint_dir(cfg.checkpoint.save_dir, trainer.iteration)
+                if cfg.checkpoint.save_dir
+                else None
+            )
             raise preempted(cfg.run_dir, trainer.iteration, stop, saved)
-    if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval):
+    if cfg.checkpoint.save_dir and (
+        cfg.checkpoint.save_interval <= 0 or trainer.iteration % cfg.checkpoint.save_interval
+    ):
         _log0(f"saved {save(trainer)}")
     if records and "eval_accuracy" in records[-1]:
         _log0(
@@ -197,7 +210,7 @@ def _train(trainer: Trainer, observer: RunObserver) -> list[dict[str, Any]]:
     return records
 
 
-def _task_accuracy(trainer: Trainer) -> Optional[float]:
+def _task_accuracy(trainer: Trainer) -> float | None:
     """Greedy accuracy on the task's held-out problems; None when training on a data file."""
     cfg = trainer.cfg
     if cfg.data.path is not None or cfg.train.eval_interval <= 0:

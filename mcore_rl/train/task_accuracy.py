@@ -31,7 +31,11 @@ def reference_model_from_chunks(chunks: list[torch.nn.Module], mc: ModelConfig) 
 
 
 def greedy_task_accuracy(
-    chunks: list[torch.nn.Module], mc: ModelConfig, task: Task, tokenizer: Tokenizer, seed: int,
+    chunks: list[torch.nn.Module],
+    mc: ModelConfig,
+    task: Task,
+    tokenizer: Tokenizer,
+    seed: int,
     num_problems: int = 200,
 ) -> float:
     """Greedy accuracy on freshly drawn problems of `task` (collective; same value on every rank)."""

@@ -32,7 +32,8 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,15 +43,21 @@ from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domai
 logger = logging.getLogger(__name__)
 
 # token_logprobs(samples, num_positions, chunks) -> [N, T] log-probs of the response tokens (Learner's)
-LogprobFn = Callable[[Sequence[Sample], int, Optional[list]], torch.Tensor]
+LogprobFn = Callable[[Sequence[Sample], int, list | None], torch.Tensor]
 # topk(samples, num_positions, chunks) -> ([N, T, k] log-probs, [N, T, k] ids) of the k most likely tokens
-TopkFn = Callable[[Sequence[Sample], int, Optional[list]], tuple[torch.Tensor, torch.Tensor]]
+TopkFn = Callable[[Sequence[Sample], int, list | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
-                        chunk_size: Optional[int] = None, tp_group: Any = None,
-                        vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    tp_group: Any = None,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and global ids ([n, k] each, most likely first) of the k most likely tokens per
     row of hidden [n, h], from this TP rank's [vocab/TP, h] output-weight shard. The softmax
     normaliser is all-reduced (max, sum of exponentials) and each rank's own top-k all-gathered:
@@ -91,9 +98,18 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 
 
 @torch.no_grad()
-def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: int, *, seq_length: int,
-               micro_batch_size: int, pad_id: int, temperature: float = 1.0,
-               chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_topk(
+    chunks: list,
+    samples: Sequence[Sample],
+    num_positions: int,
+    k: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, T, k] log-probs and ids of the k most likely tokens at every response position of
     `samples` under `chunks` (packed as the learner packs them), identical on every rank."""
     from functools import partial
@@ -106,8 +122,9 @@ def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: i
     from mcore_rl.train.packing import build_microbatches
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mbs = build_microbatches(samples, range(len(samples)), seq_length, micro_batch_size, dp_rank, dp_size, pad_id,
-                             num_positions)
+    mbs = build_microbatches(
+        samples, range(len(samples)), seq_length, micro_batch_size, dp_rank, dp_size, pad_id, num_positions
+    )
     store: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def collect(out: tuple[torch.Tensor, torch.Tensor]) -> tuple:
@@ -125,8 +142,15 @@ def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: i
             return hidden, collect
         hidden = tp_region(hidden, gpt.config.sequence_parallel)  # [s, b, h]
         s, b, h = hidden.shape
-        v, i = vocab_parallel_topk(hidden.reshape(s * b, h), output_weight(gpt), k, temperature, chunk_size,
-                                   ps.get_tensor_model_parallel_group(), getattr(gpt, "unpadded_vocab_size", None))
+        v, i = vocab_parallel_topk(
+            hidden.reshape(s * b, h),
+            output_weight(gpt),
+            k,
+            temperature,
+            chunk_size,
+            ps.get_tensor_model_parallel_group(),
+            getattr(gpt, "unpadded_vocab_size", None),
+        )
         return (v.view(s, b, k).transpose(0, 1), i.view(s, b, k).transpose(0, 1)), partial(collect)
 
     for c in chunks:
@@ -152,14 +176,16 @@ def token_topk(chunks: list, samples: Sequence[Sample], num_positions: int, k: i
         if dp_size > 1:  # each sample lives on exactly one DP rank
             dist.all_reduce(buf, group=ps.get_data_parallel_group())
         if pp > 1:  # the last stage has them
-            dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         t.copy_(buf.cpu())
     return vals, ids
 
 
-def privileged_context(sample: Sample, batch: Sequence[Sample], source: str, key: str = "skill",
-                       peer_min_reward: float = 1.0) -> Optional[str]:
+def privileged_context(
+    sample: Sample, batch: Sequence[Sample], source: str, key: str = "skill", peer_min_reward: float = 1.0
+) -> str | None:
     """The privileged text for `sample` (None when there is none): see the module docstring."""
     if source == "answer":
         label = sample.prompt.label
@@ -168,8 +194,16 @@ def privileged_context(sample: Sample, batch: Sequence[Sample], source: str, key
         value = sample.info.get(key)
         return None if value is None or value == "" else str(value)
     if source == "peer":
-        peers = [s for s in batch if s is not sample and s.group == sample.group and s.reward_error is None
-                 and s.finish_reason != "abort" and s.reward >= peer_min_reward and s.text]
+        peers = [
+            s
+            for s in batch
+            if s is not sample
+            and s.group == sample.group
+            and s.reward_error is None
+            and s.finish_reason != "abort"
+            and s.reward >= peer_min_reward
+            and s.text
+        ]
         if not peers:
             return None
         best = max(peers, key=lambda s: s.reward)  # the first of equals: batch order
@@ -177,7 +211,7 @@ def privileged_context(sample: Sample, batch: Sequence[Sample], source: str, key
     raise ValueError(f"context: unknown privileged-context source {source!r} (answer, peer, info)")
 
 
-def with_context(sample: Sample, context_ids: Sequence[int], bos_id: Optional[int]) -> Sample:
+def with_context(sample: Sample, context_ids: Sequence[int], bos_id: int | None) -> Sample:
     """A copy of `sample` whose prompt has `context_ids` in front (after its leading bos, if any);
     the response tokens are the same objects."""
     ids = sample.prompt.ids
@@ -191,29 +225,40 @@ class PrivilegedTeacher:
 
     kind = "privileged"
 
-    def __init__(self, name: str, tokenizer: Any, seq_length: int, *, context: str = "answer",
-                 context_key: str = "skill", template: str = "Reference solution: {context}\n",
-                 peer_min_reward: float = 1.0, top_k: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        tokenizer: Any,
+        seq_length: int,
+        *,
+        context: str = "answer",
+        context_key: str = "skill",
+        template: str = "Reference solution: {context}\n",
+        peer_min_reward: float = 1.0,
+        top_k: int = 0,
+    ) -> None:
         self.name, self.tokenizer, self.seq_length, self.top_k = name, tokenizer, seq_length, top_k
         self.context, self.context_key, self.template = context, context_key, template
         self.peer_min_reward = peer_min_reward
 
-    def privileged_samples(self, samples: Sequence[Sample], batch: Sequence[Sample]) -> list[Optional[Sample]]:
+    def privileged_samples(self, samples: Sequence[Sample], batch: Sequence[Sample]) -> list[Sample | None]:
         """Each sample with its privileged prompt; None (marked by `score`) when it has no context or
         does not fit a row of train.seq_length + 1 tokens."""
-        out: list[Optional[Sample]] = []
+        out: list[Sample | None] = []
         for s in samples:
             ctx = privileged_context(s, batch, self.context, self.context_key, self.peer_min_reward)
             if ctx is None:
                 out.append(None)
                 continue
-            p = with_context(s, self.tokenizer.encode(self.template.format(context=ctx)),
-                             getattr(self.tokenizer, "bos_id", None))
+            p = with_context(
+                s, self.tokenizer.encode(self.template.format(context=ctx)), getattr(self.tokenizer, "bos_id", None)
+            )
             out.append(p if len(p.prompt_ids) + len(p.response_ids) <= self.seq_length + 1 else None)
         return out
 
-    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn,
-              topk: Optional[TopkFn] = None) -> None:
+    def score(
+        self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn, topk: TopkFn | None = None
+    ) -> None:
         priv = self.privileged_samples(samples, batch)
         usable = [p for p in priv if p is not None and p.response_ids]
         width = max([len(p.response_ids) for p in usable] + [1])
@@ -222,10 +267,13 @@ class PrivilegedTeacher:
         k = 0
         for s, p in zip(samples, priv):
             if p is None or not p.response_ids:
-                why = ("empty response" if not s.response_ids else
-                       "no privileged context" if privileged_context(s, batch, self.context, self.context_key,
-                                                                     self.peer_min_reward) is None
-                       else f"privileged prompt + response longer than train.seq_length + 1 = {self.seq_length + 1}")
+                why = (
+                    "empty response"
+                    if not s.response_ids
+                    else "no privileged context"
+                    if privileged_context(s, batch, self.context, self.context_key, self.peer_min_reward) is None
+                    else f"privileged prompt + response longer than train.seq_length + 1 = {self.seq_length + 1}"
+                )
                 s.teacher = TeacherScores(source=self.name, error=why)
                 continue
             s.teacher = _scores(lp, top, k, len(s.response_ids), self.name)
@@ -237,8 +285,17 @@ class FrozenTeacher:
 
     kind = "frozen"
 
-    def __init__(self, name: str, cfg: Any, policy_chunks: list, *, refresh_interval: int = 0,
-                 checkpoint: Optional[str] = None, version: int = 0, top_k: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: Any,
+        policy_chunks: list,
+        *,
+        refresh_interval: int = 0,
+        checkpoint: str | None = None,
+        version: int = 0,
+        top_k: int = 0,
+    ) -> None:
         from mcore_rl.train.policy import build_reference_model, copy_weights
 
         self.name, self.refresh_interval, self.policy_chunks = name, refresh_interval, policy_chunks
@@ -268,8 +325,9 @@ class FrozenTeacher:
     def source(self) -> str:
         return f"frozen:{self.version}"
 
-    def score(self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn,
-              topk: Optional[TopkFn] = None) -> None:
+    def score(
+        self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn, topk: TopkFn | None = None
+    ) -> None:
         usable = [s for s in samples if s.response_ids]
         width = max([len(s.response_ids) for s in usable] + [1])
         lp = logprobs(usable, width, self.chunks) if usable else None
@@ -283,12 +341,14 @@ class FrozenTeacher:
             k += 1
 
 
-def _scores(lp: torch.Tensor, top: Optional[tuple[torch.Tensor, torch.Tensor]], k: int, n: int,
-            source: str) -> TeacherScores:
+def _scores(
+    lp: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, k: int, n: int, source: str
+) -> TeacherScores:
     if top is None:
         return TeacherScores(logp=lp[k, :n].tolist(), source=source)
-    return TeacherScores(logp=lp[k, :n].tolist(), topk_ids=top[1][k, :n].tolist(), topk_logp=top[0][k, :n].tolist(),
-                         source=source)
+    return TeacherScores(
+        logp=lp[k, :n].tolist(), topk_ids=top[1][k, :n].tolist(), topk_logp=top[0][k, :n].tolist(), source=source
+    )
 
 
 class Teachers:
@@ -305,8 +365,10 @@ class Teachers:
         self.teachers = list(teachers)  # None where an engine teacher lives on another rank
         # reference teachers (π_Tref of another one) are never routed to; `reference_of[j]`: whose
         self.references = reference_teachers(configs)
-        self.reference_of = {j: [i for i, t in enumerate(configs) if getattr(t, "reference", None) == self.names[j]]
-                             for j in self.references}
+        self.reference_of = {
+            j: [i for i, t in enumerate(configs) if getattr(t, "reference", None) == self.names[j]]
+            for j in self.references
+        }
 
     def __len__(self) -> int:
         return len(self.names)
@@ -315,7 +377,7 @@ class Teachers:
     def engine_teachers(self) -> list[tuple[int, EngineTeacher]]:
         return [(i, t) for i, t in enumerate(self.teachers) if isinstance(t, EngineTeacher)]
 
-    def route(self, samples: Sequence[Sample]) -> list[Optional[int]]:
+    def route(self, samples: Sequence[Sample]) -> list[int | None]:
         return route_by_domain(self.domains, [s.prompt.domain for s in samples], skip=self.references)
 
     async def ascore_engines(self, samples: Sequence[Sample]) -> None:
@@ -323,11 +385,19 @@ class Teachers:
         import asyncio
 
         routes = self.route(samples)
-        jobs = [t.ascore(mine) for i, t in self.engine_teachers if (mine := [s for s, r in zip(samples, routes) if r == i])]
+        jobs = [
+            t.ascore(mine) for i, t in self.engine_teachers if (mine := [s for s, r in zip(samples, routes) if r == i])
+        ]
         await asyncio.gather(*jobs)
 
-    def score(self, samples: Sequence[Sample], logprobs: LogprobFn, broadcast: Callable[[Any], Any],
-              rank0: bool, topk: Optional[Callable[[int], TopkFn]] = None) -> dict[str, float]:
+    def score(
+        self,
+        samples: Sequence[Sample],
+        logprobs: LogprobFn,
+        broadcast: Callable[[Any], Any],
+        rank0: bool,
+        topk: Callable[[int], TopkFn] | None = None,
+    ) -> dict[str, float]:
         """Fill `Sample.teacher` of every routed sample (collective). Engine teachers score on rank 0
         what has no scores yet (the asynchronous scheduler may have scored it already) and the scores
         are broadcast; then each in-trainer teacher scores its samples on every rank."""
@@ -357,7 +427,7 @@ class Teachers:
             out["teacher/engine_scored_late_frac"] = late / engine_samples
         return out
 
-    def metrics(self, samples: Sequence[Sample], routes: Sequence[Optional[int]], seconds: float) -> dict[str, float]:
+    def metrics(self, samples: Sequence[Sample], routes: Sequence[int | None], seconds: float) -> dict[str, float]:
         out = {"time/teacher_s": seconds}
         n = max(len(samples), 1)
         out["teacher/routed_frac"] = sum(r is not None for r in routes) / n
@@ -366,15 +436,21 @@ class Teachers:
             if not mine:
                 continue
             out[f"teacher/{name}/samples"] = float(len(mine))
-            out[f"teacher/{name}/error_frac"] = sum(s.teacher is None or s.teacher.error is not None
-                                                    for s in mine) / len(mine)
+            out[f"teacher/{name}/error_frac"] = sum(
+                s.teacher is None or s.teacher.error is not None for s in mine
+            ) / len(mine)
         for j, mains in self.reference_of.items():  # a reference: the samples its teachers scored
             tag = f"reference {self.names[j]}:"
-            asked = [s for s, r in zip(samples, routes) if r in mains and s.teacher is not None
-                     and (s.teacher.error is None or s.teacher.error.startswith(tag))]
+            asked = [
+                s
+                for s, r in zip(samples, routes)
+                if r in mains and s.teacher is not None and (s.teacher.error is None or s.teacher.error.startswith(tag))
+            ]
             if asked:
                 out[f"teacher/{self.names[j]}/samples"] = float(len(asked))
-                out[f"teacher/{self.names[j]}/error_frac"] = sum(s.teacher.error is not None for s in asked) / len(asked)
+                out[f"teacher/{self.names[j]}/error_frac"] = sum(s.teacher.error is not None for s in asked) / len(
+                    asked
+                )
         return out
 
     def step_done(self, rl_step: int, version: int) -> None:
@@ -394,15 +470,29 @@ def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, wo
     urls = list(t.urls)
     if t.model_path:
         procs = start_teacher_engines(
-            t.model_path, num=t.num_engines, workdir=os.path.join(workdir, name),  # its own tokenizer: checked below
-            context_length=t.context_length or cfg.rollout.context_length, quantization=t.quantization,
-            max_running_requests=t.max_running_requests, cores=t.engine_cores or None, threads=t.engine_threads,
-            startup_timeout_s=cfg.rollout.engine_startup_timeout_s)
+            t.model_path,
+            num=t.num_engines,
+            workdir=os.path.join(workdir, name),  # its own tokenizer: checked below
+            context_length=t.context_length or cfg.rollout.context_length,
+            quantization=t.quantization,
+            max_running_requests=t.max_running_requests,
+            cores=t.engine_cores or None,
+            threads=t.engine_threads,
+            startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
+        )
         urls = procs.urls
     try:
-        teacher = EngineTeacher(name, urls, vocab_size=cfg.model.vocab_size, top_k=t.top_k,
-                                timeout=t.request_timeout_s, api_key=t.api_key, max_concurrency=t.max_concurrency,
-                                health_interval=cfg.rollout.health_check_interval_s, processes=procs)
+        teacher = EngineTeacher(
+            name,
+            urls,
+            vocab_size=cfg.model.vocab_size,
+            top_k=t.top_k,
+            timeout=t.request_timeout_s,
+            api_key=t.api_key,
+            max_concurrency=t.max_concurrency,
+            health_interval=cfg.rollout.health_check_interval_s,
+            processes=procs,
+        )
     except BaseException:
         if procs is not None:
             procs.close()
@@ -415,16 +505,17 @@ def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, wo
     return teacher
 
 
-def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Optional[EngineTeacher]]:
+def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
     """Rank 0, before training: every engine teacher connected and checked (`TeacherError` if one
     is unreachable or has another tokenizer); None for the other kinds."""
     from mcore_rl.config.rl_validate import teacher_name
 
-    out: list[Optional[EngineTeacher]] = []
+    out: list[EngineTeacher | None] = []
     try:
         for i, t in enumerate(cfg.teachers):
-            out.append(build_engine_teacher(t, i, teacher_name(t, i), cfg, tokenizer, workdir)
-                       if t.kind == "engine" else None)
+            out.append(
+                build_engine_teacher(t, i, teacher_name(t, i), cfg, tokenizer, workdir) if t.kind == "engine" else None
+            )
         names = [teacher_name(t, i) for i, t in enumerate(cfg.teachers)]
         for i, t in enumerate(cfg.teachers):  # a teacher's reference π_Tref (validated: another engine teacher)
             if t.kind == "engine" and t.reference:
@@ -437,8 +528,9 @@ def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Option
     return out
 
 
-def build_teachers(cfg: Any, tokenizer: Any, policy_chunks: list, engine_teachers: Sequence[Optional[EngineTeacher]],
-                   version: int = 0) -> Teachers:
+def build_teachers(
+    cfg: Any, tokenizer: Any, policy_chunks: list, engine_teachers: Sequence[EngineTeacher | None], version: int = 0
+) -> Teachers:
     """The `Teachers` of `cfg.teachers`: the engine teachers given (rank 0; None elsewhere) and the
     in-trainer ones built here (every rank)."""
     from mcore_rl.config.rl_validate import teacher_name
@@ -449,12 +541,30 @@ def build_teachers(cfg: Any, tokenizer: Any, policy_chunks: list, engine_teacher
         if t.kind == "engine":
             made.append(engine_teachers[i] if i < len(engine_teachers) else None)
         elif t.kind == "privileged":
-            made.append(PrivilegedTeacher(name, tokenizer, cfg.train.seq_length, context=t.context,
-                                          context_key=t.context_key, template=t.template,
-                                          peer_min_reward=t.peer_min_reward, top_k=t.top_k))
+            made.append(
+                PrivilegedTeacher(
+                    name,
+                    tokenizer,
+                    cfg.train.seq_length,
+                    context=t.context,
+                    context_key=t.context_key,
+                    template=t.template,
+                    peer_min_reward=t.peer_min_reward,
+                    top_k=t.top_k,
+                )
+            )
         elif t.kind == "frozen":
-            made.append(FrozenTeacher(name, cfg, policy_chunks, refresh_interval=t.refresh_interval,
-                                      checkpoint=t.checkpoint, version=version, top_k=t.top_k))
+            made.append(
+                FrozenTeacher(
+                    name,
+                    cfg,
+                    policy_chunks,
+                    refresh_interval=t.refresh_interval,
+                    checkpoint=t.checkpoint,
+                    version=version,
+                    top_k=t.top_k,
+                )
+            )
         else:
             raise TeacherError(f"teachers[{i}].kind: unknown teacher kind {t.kind!r}")
     return Teachers(cfg.teachers, made)

@@ -8,7 +8,8 @@ optimizer starts fresh afterwards.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Collection, Optional
+from typing import Any
+from collections.abc import Callable, Collection
 
 from mcore_rl.progress import progress
 from mcore_rl.train import checkpoint
@@ -27,8 +28,15 @@ def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) ->
     return read_provenance(common, found)
 
 
-def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log: Callable[[str], None],
-                   exclude: Collection[str] = (), log_every: Optional[int] = None) -> dict[str, float]:
+def sft_warm_start(
+    cfg: Any,
+    chunks: list,
+    tokenizer: Any,
+    world_size: int,
+    log: Callable[[str], None],
+    exclude: Collection[str] = (),
+    log_every: int | None = None,
+) -> dict[str, float]:
     """`init.sft_steps` SFT steps on the task (with `data.domains`: on every task domain's answers);
     returns the last loss and the time taken. Problems whose prompt is in `exclude` (the held-out
     evaluation set) are left out."""
@@ -48,8 +56,14 @@ def sft_warm_start(cfg: Any, chunks: list, tokenizer: Any, world_size: int, log:
         examples = task_examples(d.synthetic_task, d.synthetic_max_digits, d.synthetic_num_examples, t.seed, exclude)
     rows = build_rows([tokenize_example(ex, tokenizer, True) for ex in examples], t.seq_length, True, tokenizer.pad_id)
     dp = ps.get_data_parallel_world_size()
-    batches = SFTBatches(rows, t.micro_batch_size, t.global_batch_size // (t.micro_batch_size * dp),
-                         ps.get_data_parallel_rank(), dp, t.seed)
+    batches = SFTBatches(
+        rows,
+        t.micro_batch_size,
+        t.global_batch_size // (t.micro_batch_size * dp),
+        ps.get_data_parallel_rank(),
+        dp,
+        t.seed,
+    )
     optimizer = build_optimizer(chunks, sft.optimizer, t.precision, t.train_iters)
     log_every = log_every or max(1, t.train_iters // 5)
     start = time.perf_counter()

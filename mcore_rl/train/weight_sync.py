@@ -30,7 +30,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,7 @@ def _role() -> _Role:
 
 def _stage_holders(role: _Role) -> list[int]:
     """Global rank of each pipeline stage's holder; every stage must have exactly one."""
-    roles: list[Optional[_Role]] = [None] * dist.get_world_size()
+    roles: list[_Role | None] = [None] * dist.get_world_size()
     dist.all_gather_object(roles, role)
     pp = 1 + max(r.pp_rank for r in roles)
     holders: list[list[int]] = [[] for _ in range(pp)]
@@ -194,7 +194,7 @@ def iter_hf_weights(
 
 def _recv_stage(src: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     while True:
-        box: list[Optional[BucketMeta]] = [None]
+        box: list[BucketMeta | None] = [None]
         dist.recv_object_list(box, src=src)
         meta = box[0]
         if meta is None:
@@ -225,8 +225,9 @@ def quantize_for_fp8_engine(named: Iterable[tuple[str, torch.Tensor]]) -> Iterat
             yield name, tensor
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 checksum: Optional[WeightChecksum] = None) -> Iterator[NamedTensors]:
+def iter_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, checksum: WeightChecksum | None = None
+) -> Iterator[NamedTensors]:
     """Consecutive groups of at most `bucket_bytes` (a larger tensor forms a bucket of its own).
     With `checksum`, every tensor is added to it as it joins a bucket: what the transport sends."""
     if bucket_bytes <= 0:
@@ -261,9 +262,9 @@ class WeightSync:
 
     chunks: Sequence[torch.nn.Module]
     model_config: ModelConfig
-    transport: Optional[Transport]  # used on rank 0 only
+    transport: Transport | None  # used on rank 0 only
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    quantization: Optional[str] = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
@@ -271,7 +272,7 @@ class WeightSync:
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be positive, got {self.bucket_bytes}")
 
-    def sync(self, version: int) -> Optional[SyncStats]:
+    def sync(self, version: int) -> SyncStats | None:
         """Ship the current weights as `version`, check every engine's checksum, and re-sync the
         engines that differ once (see the module docstring); returns stats on rank 0, None
         elsewhere. Collective; a failure on rank 0 raises on every rank."""
@@ -281,17 +282,24 @@ class WeightSync:
         for retry in range(LOST_ENGINE_RETRIES):
             if status != _AGAIN:
                 break
-            logger.warning("weight sync of version %s: every engine dropped out of it (%s); sending it again to the "
-                           "engines that answer", version, error)
+            logger.warning(
+                "weight sync of version %s: every engine dropped out of it (%s); sending it again to the "
+                "engines that answer",
+                version,
+                error,
+            )
             stats, error = self._ship(version, None)
             status = self._agree(_status(stats, error, retries_left=LOST_ENGINE_RETRIES - retry - 1))
         if status == _RESYNC:
             first = stats
             again = sorted(first.mismatched) if first is not None else None
             if first is not None:
-                logger.warning("weight sync of version %s: sending it again to %d engine(s) that do not hold what was "
-                               "sent: %s", version, len(again),
-                               "; ".join(f"{u} {why}" for u, why in first.mismatched.items()))
+                logger.warning(
+                    "weight sync of version %s: sending it again to %d engine(s) that do not hold what was sent: %s",
+                    version,
+                    len(again),
+                    "; ".join(f"{u} {why}" for u, why in first.mismatched.items()),
+                )
             stats, error = self._ship(version, again)
             if stats is not None:
                 stats.resynced, stats.buckets = again, stats.buckets + first.buckets
@@ -299,7 +307,8 @@ class WeightSync:
                     error = WeightSyncError(
                         f"weight sync of version {version}, sent twice: "
                         + "; ".join(f"engine {u} {why}" for u, why in stats.mismatched.items())
-                        + " (left paused and out of routing)")
+                        + " (left paused and out of routing)"
+                    )
             status = self._agree(_FAILED if error is not None else _OK)
         if status == _FAILED:
             if error is not None:
@@ -309,7 +318,7 @@ class WeightSync:
             stats.seconds = time.perf_counter() - start
         return stats
 
-    def _ship(self, version: int, only: Optional[Sequence[str]]) -> tuple[Optional[SyncStats], Optional[BaseException]]:
+    def _ship(self, version: int, only: Sequence[str] | None) -> tuple[SyncStats | None, BaseException | None]:
         """Gather and send once (collective): rank 0 returns its stats and the error it hit, if any
         (the collectives are finished first, so the other ranks are not left hanging)."""
         named = iter_hf_weights(self.chunks, self.model_config, self.bucket_bytes)
@@ -320,9 +329,10 @@ class WeightSync:
         stats = SyncStats(version, checksum=WeightChecksum(background=True))  # digests overlap the sending
         stream = quantize_for_fp8_engine(named) if self.quantization == "fp8" else named
         try:
-            self.transport.send(iter_buckets(_counted(stream, stats), self.bucket_bytes, stats.checksum), version,
-                                stats, only)
-        except BaseException as err:  # noqa: BLE001 - raised by sync() once every rank knows
+            self.transport.send(
+                iter_buckets(_counted(stream, stats), self.bucket_bytes, stats.checksum), version, stats, only
+            )
+        except BaseException as err:
             for _ in named:
                 pass
             if not isinstance(err, Exception):
@@ -343,7 +353,7 @@ class WeightSync:
 _OK, _RESYNC, _FAILED, _AGAIN = 0, 1, 2, 3
 
 
-def _status(stats: Optional[SyncStats], error: Optional[BaseException], retries_left: int) -> int:
+def _status(stats: SyncStats | None, error: BaseException | None, retries_left: int) -> int:
     """What rank 0's attempt asks of every rank: done, re-sync the mismatched engines, send the
     whole sync again (every engine dropped out while it ran), or fail."""
     if isinstance(error, EngineUnavailable) and not isinstance(error, NoEngineToSync) and retries_left > 0:

@@ -8,7 +8,6 @@ leak into the result.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -17,7 +16,7 @@ from mcore_rl.algos.distill.base import DistillBatch
 from mcore_rl.algos.policy_loss import aggregate
 
 
-def valid_tokens(batch: DistillBatch, *tensors: Optional[torch.Tensor]) -> torch.Tensor:
+def valid_tokens(batch: DistillBatch, *tensors: torch.Tensor | None) -> torch.Tensor:
     """Bool [n, T]: on the mask and finite in every given per-token tensor."""
     ok = batch.mask > 0
     for t in tensors:
@@ -43,8 +42,10 @@ def rl_token_advantages(batch: DistillBatch, like: torch.Tensor) -> torch.Tensor
     adv = batch.advantages
     if adv is None:
         if batch.rewards is None or batch.group_ids is None:
-            raise ValueError("this distillation method needs the RL advantage: DistillBatch.advantages, "
-                             "or rewards and group_ids to compute GRPO's")
+            raise ValueError(
+                "this distillation method needs the RL advantage: DistillBatch.advantages, "
+                "or rewards and group_ids to compute GRPO's"
+            )
         adv = grpo(batch.rewards, batch.group_ids)
     adv = adv.detach().to(like.dtype)
     if adv.shape == like.shape:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ class AntiSDGate:
     def __init__(self, initial: int = 1) -> None:
         self.initial = initial
         self.warm_medians: list[float] = []
-        self.warm_entropy: Optional[float] = None
+        self.warm_entropy: float | None = None
         self.g = 0
 
     def update(self, median_entropy: float, warmup_steps: int = 5, down_ratio: float = 0.93) -> int:
@@ -76,8 +76,12 @@ class AntiSDGate:
         return self.g
 
     def state_dict(self) -> dict[str, Any]:
-        return {"initial": self.initial, "warm_medians": list(self.warm_medians),
-                "warm_entropy": self.warm_entropy, "g": self.g}
+        return {
+            "initial": self.initial,
+            "warm_medians": list(self.warm_medians),
+            "warm_entropy": self.warm_entropy,
+            "g": self.g,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.initial = int(state["initial"])
@@ -86,7 +90,7 @@ class AntiSDGate:
         self.g = int(state["g"])
 
 
-def median_teacher_entropy(batch: DistillBatch) -> Optional[float]:
+def median_teacher_entropy(batch: DistillBatch) -> float | None:
     """The median of the teacher's per-token entropy over the mask (None on an empty mask).
 
     Uses `teacher_entropy` (full vocabulary) when the teacher provided it, else the entropy of the
@@ -98,8 +102,10 @@ def median_teacher_entropy(batch: DistillBatch) -> Optional[float]:
         p = torch.exp(lp)
         ent = -zero_where_not(p > 0, p * lp).sum(-1)
     else:
-        raise ValueError("distill 'antisd' with its gate needs DistillBatch.teacher_entropy "
-                         "(or teacher_topk_logp); set gate=False for a constant λ")
+        raise ValueError(
+            "distill 'antisd' with its gate needs DistillBatch.teacher_entropy "
+            "(or teacher_topk_logp); set gate=False for a constant λ"
+        )
     ok = valid_tokens(batch, ent)
     if not bool(ok.any()):
         return None
@@ -110,8 +116,13 @@ def median_teacher_entropy(batch: DistillBatch) -> Optional[float]:
 @phase("advantage")
 @stateful(AntiSDGate)
 def antisd(
-    batch: DistillBatch, *, lam_max: float = 1.0, gate: bool = True, warmup_steps: int = 5,
-    down_ratio: float = 0.93, state: Optional[AntiSDGate] = None,
+    batch: DistillBatch,
+    *,
+    lam_max: float = 1.0,
+    gate: bool = True,
+    warmup_steps: int = 5,
+    down_ratio: float = 0.93,
+    state: AntiSDGate | None = None,
 ) -> DistillTerms:
     """token_advantage = −λ · φ(log π_T − log π_S), λ = g · λ_max (or λ_max with gate=False).
 
@@ -124,8 +135,10 @@ def antisd(
         lam = lam_max
         if gate:
             if state is None:
-                raise ValueError("distill 'antisd' with gate=True needs its state (the learner passes "
-                                 "state=antisd.make_state()); set gate=False for a constant λ")
+                raise ValueError(
+                    "distill 'antisd' with gate=True needs its state (the learner passes "
+                    "state=antisd.make_state()); set gate=False for a constant λ"
+                )
             h = median_teacher_entropy(batch)
             if h is not None:
                 g = state.update(h, warmup_steps, down_ratio)

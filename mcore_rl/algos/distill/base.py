@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -44,33 +45,33 @@ class DistillBatch:
     old_logp: torch.Tensor  # [n, T] log π_old(y_t) of the sampling policy, recomputed by the trainer
     teacher_logp: torch.Tensor  # [n, T] log π_T(y_t) of the teacher
     mask: torch.Tensor  # [n, T] float, 1 on response tokens that count (teacher scored, sample usable)
-    teacher_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] teacher log-probs of its top-k ids
-    student_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] student log-probs of the same ids
+    teacher_topk_logp: torch.Tensor | None = None  # [n, T, k] teacher log-probs of its top-k ids
+    student_topk_logp: torch.Tensor | None = None  # [n, T, k] student log-probs of the same ids
     # a reference teacher (the teacher before its RL, for methods that distil the teacher's shift)
-    teacher_ref_logp: Optional[torch.Tensor] = None  # [n, T]
-    teacher_ref_topk_logp: Optional[torch.Tensor] = None  # [n, T, k] at the teacher's top-k ids
-    rewards: Optional[torch.Tensor] = None  # [n] scalar rewards (for gated methods)
-    group_ids: Optional[torch.Tensor] = None  # [n]
-    advantages: Optional[torch.Tensor] = None  # [n] or [n, T]: the RL advantage (before distillation)
+    teacher_ref_logp: torch.Tensor | None = None  # [n, T]
+    teacher_ref_topk_logp: torch.Tensor | None = None  # [n, T, k] at the teacher's top-k ids
+    rewards: torch.Tensor | None = None  # [n] scalar rewards (for gated methods)
+    group_ids: torch.Tensor | None = None  # [n]
+    advantages: torch.Tensor | None = None  # [n] or [n, T]: the RL advantage (before distillation)
     step: int = 0  # rollout step (for schedules)
     # per-token entropies of the full distributions (AntiSD's teacher gate, SDAR's entropy gates)
-    teacher_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_T(·|s_t))
-    student_entropy: Optional[torch.Tensor] = None  # [n, T] H(π_θ(·|s_t))
+    teacher_entropy: torch.Tensor | None = None  # [n, T] H(π_T(·|s_t))
+    student_entropy: torch.Tensor | None = None  # [n, T] H(π_θ(·|s_t))
     # 1 on response tokens the teacher generated (TrOPD's off-policy prefix), 0 on student tokens;
     # no rollout of this trainer generates teacher prefixes yet (UNFILLED_FIELDS)
-    teacher_generated: Optional[torch.Tensor] = None  # [n, T]
+    teacher_generated: torch.Tensor | None = None  # [n, T]
     # log π_ref(y_t) of the learner's reference model: the student's starting weights
     # (`algorithm.reference_model`), for terms that carry their own KL to it (Direct-OPD)
-    student_ref_logp: Optional[torch.Tensor] = None  # [n, T]
+    student_ref_logp: torch.Tensor | None = None  # [n, T]
     agg: str = "token-mean"
-    norm_length: Optional[int] = None
+    norm_length: int | None = None
 
 
 @dataclass
 class DistillTerms:
-    token_advantage: Optional[torch.Tensor] = None  # [n, T], advantage phase
-    token_mask: Optional[torch.Tensor] = None  # [n, T] in [0, 1], advantage phase
-    loss_sum: Optional[torch.Tensor] = None  # scalar, loss phase (aggregated like the policy loss)
+    token_advantage: torch.Tensor | None = None  # [n, T], advantage phase
+    token_mask: torch.Tensor | None = None  # [n, T] in [0, 1], advantage phase
+    loss_sum: torch.Tensor | None = None  # scalar, loss phase (aggregated like the policy loss)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -108,7 +109,7 @@ def default_coef(weight: float) -> Callable:
     return deco
 
 
-def term_coef(fn: Callable, coef: Optional[float]) -> float:
+def term_coef(fn: Callable, coef: float | None) -> float:
     """The weight of a loss entry: its `coef`, or the function's `@default_coef` when unset (None)."""
     return float(getattr(fn, "default_coef", 1.0)) if coef is None else float(coef)
 
@@ -120,7 +121,7 @@ def own_kl(fn: Callable) -> Callable:
     return fn
 
 
-def make_state(fn: Callable, options: Mapping[str, Any]) -> Optional[object]:
+def make_state(fn: Callable, options: Mapping[str, Any]) -> object | None:
     """The state of a `@stateful` function for one run (None for a stateless one): its factory
     called with the options it takes by name (Direct-OPD's α₀ and bounds; AntiSD's gate takes none).
     A bad option value raises ValueError here, which config validation reports."""

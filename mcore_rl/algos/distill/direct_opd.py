@@ -26,7 +26,7 @@ be fixed before the student's forward; the estimator is the same on any fixed ca
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,16 +51,18 @@ def sequence_shift(teacher_logp: torch.Tensor, ref_logp: torch.Tensor, mask: tor
     return ((teacher_logp - ref_logp) * mask.to(teacher_logp.dtype)).sum(-1)
 
 
-def adapt_alpha(alpha: float, shift_mean: float, eps: float = 0.01, alpha_min: float = 0.5,
-                alpha_max: float = 2.5) -> float:
+def adapt_alpha(
+    alpha: float, shift_mean: float, eps: float = 0.01, alpha_min: float = 0.5, alpha_max: float = 2.5
+) -> float:
     """α_{m+1} = clip(α_m (1 + ε·sign(r̄_m)), α_min, α_max): a positive mean shift strengthens the
     anchor, a negative one weakens it."""
     sign = (shift_mean > 0) - (shift_mean < 0)
     return min(max(alpha * (1.0 + eps * sign), alpha_min), alpha_max)
 
 
-def shift_weights(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor,
-                  ref_topk_logp: torch.Tensor) -> torch.Tensor:
+def shift_weights(
+    student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, ref_topk_logp: torch.Tensor
+) -> torch.Tensor:
     """A^w_t(v) = sg(p̄_t(v) · r_t(v)) on the candidate set, [N, T, k]."""
     with torch.no_grad():
         p_bar = torch.softmax(student_topk_logp.detach(), dim=-1)
@@ -68,11 +70,16 @@ def shift_weights(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tens
 
 
 def _topk_inputs(batch: DistillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    need = {"student_topk_logp": batch.student_topk_logp, "teacher_topk_logp": batch.teacher_topk_logp,
-            "teacher_ref_topk_logp": batch.teacher_ref_topk_logp}
+    need = {
+        "student_topk_logp": batch.student_topk_logp,
+        "teacher_topk_logp": batch.teacher_topk_logp,
+        "teacher_ref_topk_logp": batch.teacher_ref_topk_logp,
+    }
     missing = [k for k, v in need.items() if v is None]
     if missing:
-        raise ValueError(f"direct_opd needs {', '.join(missing)} (set distill.top_k > 0 and a teacher with a reference)")
+        raise ValueError(
+            f"direct_opd needs {', '.join(missing)} (set distill.top_k > 0 and a teacher with a reference)"
+        )
     return batch.student_topk_logp, batch.teacher_topk_logp, batch.teacher_ref_topk_logp  # type: ignore[return-value]
 
 
@@ -89,10 +96,19 @@ class AdaptiveKL:
     keeps this batch's for the next, so batch m trains with α_m whether or not the run was resumed
     in between. `adaptive=False` keeps α = α₀."""
 
-    def __init__(self, alpha: float = 1.0, adaptive: bool = True, eps: float = 0.01, alpha_min: float = 0.5,
-                 alpha_max: float = 2.5) -> None:
-        bad = [(k, v) for k, v in (("alpha", alpha), ("eps", eps), ("alpha_min", alpha_min), ("alpha_max", alpha_max))
-               if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)]
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        adaptive: bool = True,
+        eps: float = 0.01,
+        alpha_min: float = 0.5,
+        alpha_max: float = 2.5,
+    ) -> None:
+        bad = [
+            (k, v)
+            for k, v in (("alpha", alpha), ("eps", eps), ("alpha_min", alpha_min), ("alpha_max", alpha_max))
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+        ]
         if bad:
             raise ValueError(f"distill 'direct_opd': options.{bad[0][0]} must be a number >= 0, got {bad[0][1]!r}")
         if alpha_min > alpha_max:
@@ -100,8 +116,13 @@ class AdaptiveKL:
         if not isinstance(adaptive, bool):
             raise ValueError(f"distill 'direct_opd': options.adaptive must be true or false, got {adaptive!r}")
         self.alpha = float(alpha)
-        self.adaptive, self.eps, self.alpha_min, self.alpha_max = adaptive, float(eps), float(alpha_min), float(alpha_max)
-        self.last_shift: Optional[float] = None  # r̄ of the last batch, applied at the next one
+        self.adaptive, self.eps, self.alpha_min, self.alpha_max = (
+            adaptive,
+            float(eps),
+            float(alpha_min),
+            float(alpha_max),
+        )
+        self.last_shift: float | None = None  # r̄ of the last batch, applied at the next one
 
     def start_batch(self, batch: DistillBatch) -> dict[str, torch.Tensor]:
         """One rollout batch at π_old: α for this batch, and r̄ kept for the next. Metrics."""
@@ -109,8 +130,10 @@ class AdaptiveKL:
         if self.adaptive and self.last_shift is not None:
             self.alpha = adapt_alpha(self.alpha, self.last_shift, self.eps, self.alpha_min, self.alpha_max)
         self.last_shift = shift
-        return {"alpha": torch.tensor(self.alpha, dtype=torch.float64),
-                "shift_mean": torch.tensor(shift, dtype=torch.float64)}
+        return {
+            "alpha": torch.tensor(self.alpha, dtype=torch.float64),
+            "shift_mean": torch.tensor(shift, dtype=torch.float64),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "last_shift": self.last_shift}
@@ -126,8 +149,15 @@ class AdaptiveKL:
 @own_kl
 @stateful(AdaptiveKL)
 def direct_opd(
-    batch: DistillBatch, *, alpha: float = 1.0, adaptive: bool = True, eps: float = 0.01, alpha_min: float = 0.5,
-    alpha_max: float = 2.5, kl_estimator: str = "k3", state: Optional[AdaptiveKL] = None,
+    batch: DistillBatch,
+    *,
+    alpha: float = 1.0,
+    adaptive: bool = True,
+    eps: float = 0.01,
+    alpha_min: float = 0.5,
+    alpha_max: float = 2.5,
+    kl_estimator: str = "k3",
+    state: AdaptiveKL | None = None,
 ) -> DistillTerms:
     """Loss Σ_t [−Σ_{v∈S_t} A^w_t(v) log π_θ(v|s_t) + α·KL_t(π_θ ‖ π_S)], aggregated like the policy loss.
 
@@ -135,8 +165,10 @@ def direct_opd(
     and `alpha_max` configure) or, called without a state, `alpha` itself. `alpha: 0` drops the
     KL; otherwise `batch.student_ref_logp` (π_S's log-probs of the sampled tokens) is required."""
     if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"distill 'direct_opd': options.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, "
-                         f"got {kl_estimator!r}")
+        raise ValueError(
+            f"distill 'direct_opd': options.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, "
+            f"got {kl_estimator!r}"
+        )
     student_topk, teacher_topk, ref_topk = _topk_inputs(batch)
     w = shift_weights(student_topk, teacher_topk, ref_topk)
     per_token = -(w * student_topk).sum(-1)
@@ -144,12 +176,21 @@ def direct_opd(
     metrics = {"shift_mean": masked_mean(w.sum(-1), batch.mask), "alpha": torch.tensor(a, dtype=torch.float64)}
     if a != 0:
         if batch.student_ref_logp is None:
-            raise ValueError("distill 'direct_opd' needs DistillBatch.student_ref_logp for its KL to the student's "
-                             "starting weights (algorithm.reference_model: true), or options.alpha: 0")
+            raise ValueError(
+                "distill 'direct_opd' needs DistillBatch.student_ref_logp for its KL to the student's "
+                "starting weights (algorithm.reference_model: true), or options.alpha: 0"
+            )
         ok = (batch.mask > 0) & torch.isfinite(batch.student_ref_logp) & torch.isfinite(batch.student_logp)
         zero = torch.zeros((), dtype=batch.student_logp.dtype, device=batch.student_logp.device)
-        kl = torch.where(ok, kl_estimate(torch.where(ok, batch.student_logp, zero),
-                                         torch.where(ok, batch.student_ref_logp.to(zero.dtype), zero), kl_estimator), zero)
+        kl = torch.where(
+            ok,
+            kl_estimate(
+                torch.where(ok, batch.student_logp, zero),
+                torch.where(ok, batch.student_ref_logp.to(zero.dtype), zero),
+                kl_estimator,
+            ),
+            zero,
+        )
         per_token = per_token + a * kl
         metrics["kl"] = masked_mean(kl.detach(), batch.mask)
     loss_sum, _ = aggregate(per_token, batch.mask, batch.agg, batch.norm_length)

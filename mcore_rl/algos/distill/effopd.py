@@ -16,7 +16,7 @@ model chunks and the optimizer's fp32 masters.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,7 +37,10 @@ def displacement(current: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]
 
 
 def candidate(
-    base: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], k: int, scale: float = SCALE,
+    base: Sequence[torch.Tensor],
+    delta: Sequence[torch.Tensor],
+    k: int,
+    scale: float = SCALE,
 ) -> list[torch.Tensor]:
     """W̃_k = base + scale·k·Δ (fp32); k = 0 is `base` itself, exactly."""
     if k == 0:

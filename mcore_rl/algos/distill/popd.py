@@ -17,7 +17,6 @@ registered as "popd" and, for the fixed horizon, also as "topd".
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -40,8 +39,16 @@ def topd_horizon(rho: float, t_max: int) -> int:
     return max(1, math.floor(rho * t_max + 1e-9))
 
 
-def horizon_tokens(schedule: str, step: int, t_max: int, rho: Optional[float] = None, tokens: Optional[int] = None,
-                   h0: int = 0, delta_h: int = 0, delta_k: int = 1) -> Optional[int]:
+def horizon_tokens(
+    schedule: str,
+    step: int,
+    t_max: int,
+    rho: float | None = None,
+    tokens: int | None = None,
+    h0: int = 0,
+    delta_h: int = 0,
+    delta_k: int = 1,
+) -> int | None:
     """The horizon at `step` of schedule "none" (None: no cut), "fixed" (TOPD: `tokens`, or ρ·T_max)
     or "growing" (POPD)."""
     if schedule == "none":
@@ -53,7 +60,7 @@ def horizon_tokens(schedule: str, step: int, t_max: int, rho: Optional[float] = 
     raise ValueError(f"unknown horizon schedule {schedule!r}; expected none, fixed or growing")
 
 
-def horizon_mask(num_positions: int, horizon: Optional[int]) -> torch.Tensor:
+def horizon_mask(num_positions: int, horizon: int | None) -> torch.Tensor:
     """[T] float: 1 on positions < H (all of them without a horizon)."""
     pos = torch.arange(num_positions)
     return (pos < (num_positions if horizon is None else horizon)).float()
@@ -84,8 +91,7 @@ def popd(batch: DistillBatch, gamma: float = 0.0) -> DistillTerms:
         m = batch.mask.to(batch.old_logp.dtype)
         r = batch.teacher_logp.detach() - batch.old_logp.detach()
         adv = discounted_returns(r, m, gamma)
-        return DistillTerms(token_advantage=adv, metrics={"log_ratio": masked_mean(r, m),
-                                                          "distilled_tokens": m.sum()})
+        return DistillTerms(token_advantage=adv, metrics={"log_ratio": masked_mean(r, m), "distilled_tokens": m.sum()})
 
 
 register("distill", "topd")(popd)  # TOPD: the same loss with `distill.horizon.schedule: fixed`

@@ -18,8 +18,9 @@ from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.algos.registry import register
 
 
-def power_reward(teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: float,
-                 normalize: bool = False) -> torch.Tensor:
+def power_reward(
+    teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: float, normalize: bool = False
+) -> torch.Tensor:
     """π_T^α - π_θ^α from log-probs, as expm1(α log p) - expm1(α log q) (exact for tiny α);
     divided by α when `normalize` (then α → 0 gives the log-ratio). No gradient."""
     if alpha <= 0:
@@ -35,5 +36,6 @@ def power_opd(batch: DistillBatch, alpha: float = 1.0, normalize: bool = False) 
     """Token advantage sg[π_T(y_t)^α - π_old(y_t)^α] on the distilled tokens."""
     m = batch.mask.to(batch.old_logp.dtype)
     r = power_reward(batch.teacher_logp, batch.old_logp, alpha, normalize) * m
-    return DistillTerms(token_advantage=r, metrics={"reward_mean": masked_mean(r, m),
-                                                     "reward_abs_mean": masked_mean(r.abs(), m)})
+    return DistillTerms(
+        token_advantage=r, metrics={"reward_mean": masked_mean(r, m), "reward_abs_mean": masked_mean(r.abs(), m)}
+    )

@@ -10,7 +10,6 @@ teacher finds unlikely). It is computed once per batch, without gradient; the le
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -21,7 +20,7 @@ from mcore_rl.algos.registry import register
 
 @register("distill", "reverse_kl")
 @phase("advantage")
-def reverse_kl(batch: DistillBatch, clip: Optional[float] = None) -> DistillTerms:
+def reverse_kl(batch: DistillBatch, clip: float | None = None) -> DistillTerms:
     """Token advantage log π_T(y_t) - log π_old(y_t) on the distilled tokens (0 elsewhere);
     `clip` bounds |A_t| (off by default, as in slime)."""
     with torch.no_grad():

@@ -14,7 +14,6 @@ The weight is an advantage coefficient, computed once per batch without gradient
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -38,8 +37,10 @@ def _signed_log_weight(log_ratio: torch.Tensor, advantages: torch.Tensor) -> tor
 
 
 def rlrt_weight(
-    student_logp: torch.Tensor, teacher_logp: torch.Tensor, advantages: torch.Tensor,
-    eps_w: Optional[float] = None,
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_w: float | None = None,
 ) -> torch.Tensor:
     """w_t = exp(sign(A) · (log P_S − log P_T)), clipped to [1 − ε_w, 1 + ε_w] unless eps_w is None."""
     w = torch.exp(_signed_log_weight(student_logp - teacher_logp, advantages))
@@ -54,7 +55,11 @@ def rlsd_weight(student_logp: torch.Tensor, teacher_logp: torch.Tensor, advantag
 @register("distill", "rlrt")
 @phase("advantage")
 def rlrt(
-    batch: DistillBatch, *, lam: float = 0.5, eps_w: float = 1.0, success_threshold: float = 1.0,
+    batch: DistillBatch,
+    *,
+    lam: float = 0.5,
+    eps_w: float = 1.0,
+    success_threshold: float = 1.0,
 ) -> DistillTerms:
     """token_advantage = A · λ · (clip(w_t) − 1) on the tokens of rollouts with reward ≥
     `success_threshold` (r = 1 for a 0/1 verifier), 0 elsewhere.

@@ -36,6 +36,10 @@ def seed(batch: DistillBatch, beta: float = 5.0) -> DistillTerms:
     g = seed_gate(skill, batch.student_logp, beta)
     per_token = g * (skill - batch.student_logp)
     loss_sum, _ = aggregate(per_token, batch.mask, batch.agg, batch.norm_length)
-    return DistillTerms(loss_sum=loss_sum, metrics={"gate_mean": masked_mean(g, batch.mask),
-                                                     "shift_mean": masked_mean(skill - batch.student_logp.detach(),
-                                                                               batch.mask)})
+    return DistillTerms(
+        loss_sum=loss_sum,
+        metrics={
+            "gate_mean": masked_mean(g, batch.mask),
+            "shift_mean": masked_mean(skill - batch.student_logp.detach(), batch.mask),
+        },
+    )

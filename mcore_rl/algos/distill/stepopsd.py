@@ -16,7 +16,6 @@ and `mask` marks, the tokens to shape; the others keep A).
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -25,7 +24,7 @@ from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, phase
 from mcore_rl.algos.registry import register
 
 
-def mix_schedule(step: int, lam_mix: float = 0.2, decay_steps: Optional[int] = 50) -> float:
+def mix_schedule(step: int, lam_mix: float = 0.2, decay_steps: int | None = 50) -> float:
     """λ_mix at `step`: lam_mix at 0, linearly to 0 at decay_steps (constant if decay_steps is None)."""
     if decay_steps is None:
         return lam_mix
@@ -35,7 +34,9 @@ def mix_schedule(step: int, lam_mix: float = 0.2, decay_steps: Optional[int] = 5
 
 
 def stepopsd_weight(
-    gap: torch.Tensor, advantages: torch.Tensor, alpha_clip: float = 0.2,
+    gap: torch.Tensor,
+    advantages: torch.Tensor,
+    alpha_clip: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_raw, w) = (2σ(sign(A)Δ), clip(w_raw, 1 ± α)); A = 0 gives w_raw = 1 even for Δ = ±inf."""
     zero = torch.zeros((), dtype=gap.dtype, device=gap.device)
@@ -47,7 +48,11 @@ def stepopsd_weight(
 @register("distill", "stepopsd")
 @phase("advantage")
 def stepopsd(
-    batch: DistillBatch, *, lam_mix: float = 0.2, alpha_clip: float = 0.2, decay_steps: Optional[int] = 50,
+    batch: DistillBatch,
+    *,
+    lam_mix: float = 0.2,
+    alpha_clip: float = 0.2,
+    decay_steps: int | None = 50,
 ) -> DistillTerms:
     """token_advantage = Ā − A = λ(step) · (w − 1) · A on the masked tokens with a finite teacher
     log-prob. Defaults are the paper's (α = 0.2, λ = 0.2 → 0 at step 50); its best settings were

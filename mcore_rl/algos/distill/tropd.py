@@ -64,7 +64,9 @@ def _on_policy(batch: DistillBatch) -> torch.Tensor:
 
 
 def topk_forward_kl(
-    teacher_topk_logp: torch.Tensor, student_topk_logp: torch.Tensor, tail: bool = False,
+    teacher_topk_logp: torch.Tensor,
+    student_topk_logp: torch.Tensor,
+    tail: bool = False,
 ) -> torch.Tensor:
     """Σ_{v∈top-k} π_T,v (log π_T,v − log π_S,v) per position [n, T].
 
@@ -169,4 +171,3 @@ def tropd_imitation(batch: DistillBatch, *, beta: float = 0.001) -> DistillTerms
         "tropd/imitation_k1": masked_mean(teacher - student, ok),
     }
     return DistillTerms(loss_sum=total, metrics=metrics)
-

@@ -6,7 +6,8 @@ function (in `mcore_rl.rewards`), as `mcore_rl.algos` does for algorithms.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from mcore_rl.data.tasks.base import Task
 

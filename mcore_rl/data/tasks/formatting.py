@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Optional
+from typing import Any
 
 from mcore_rl.data.tasks import register_task
 from mcore_rl.rewards import RewardInput, register_reward
@@ -21,7 +21,7 @@ _PROMPT = re.compile(r"^\s*(\d+) digits #\d+:\s*$")
 STOPS = ("<|endoftext|>", "<|im_end|>", "</s>", "\n")
 
 
-def check_format(prompt: str, completion: str, pattern: Optional[str] = None) -> float:
+def check_format(prompt: str, completion: str, pattern: str | None = None) -> float:
     """1.0 when the completion (cut at a stop marker) is exactly N digits, or fully matches `pattern`."""
     for stop in STOPS:
         completion = completion.split(stop, 1)[0]
@@ -34,7 +34,7 @@ def check_format(prompt: str, completion: str, pattern: Optional[str] = None) ->
 
 
 @register_reward("formatting")
-def formatting_reward(sample: RewardInput, pattern: Optional[str] = None) -> float:
+def formatting_reward(sample: RewardInput, pattern: str | None = None) -> float:
     return check_format(sample.prompt, sample.completion, pattern)
 
 

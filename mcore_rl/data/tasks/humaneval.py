@@ -18,7 +18,8 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from mcore_rl.data.tasks import register_task
 from mcore_rl.rewards import RewardInput, register_reward
@@ -61,8 +62,13 @@ def check_completion(problem: Mapping[str, Any], completion: str, limits: Limits
     test = f"{problem['test']}\ncheck({problem['entry_point']})\n"
     # the program runs in the sandbox; `check` runs in the checker with the prompt's helpers and the
     # entry point as a proxy to the program (mcore_rl/rewards/checker.py)
-    out = run_tests(program_of(problem, completion), [test], limits, context=problem["prompt"],
-                    entry_points=[problem["entry_point"]])
+    out = run_tests(
+        program_of(problem, completion),
+        [test],
+        limits,
+        context=problem["prompt"],
+        entry_points=[problem["entry_point"]],
+    )
     return {"reward": out.reward("all"), "kind": out.kind, "task_id": problem["task_id"], "detail": out.detail[:300]}
 
 
@@ -76,8 +82,7 @@ def humaneval_reward(sample: RewardInput) -> dict[str, Any]:
     if not isinstance(label, Mapping):
         label = _by_prompt().get(sample.prompt)
     if label is None or "test" not in label:
-        raise ValueError("not a HumanEval problem: the label is neither a problem nor a task_id, nor is the "
-                         "prompt one")
+        raise ValueError("not a HumanEval problem: the label is neither a problem nor a task_id, nor is the prompt one")
     return check_completion(label, sample.completion)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import re
 import typing
-from functools import lru_cache
-from typing import Any, Callable, Literal
+from functools import cache
+from typing import Any, Literal
+from collections.abc import Callable
 
 from mcore_rl.data.tasks import register_task
 from mcore_rl.rewards import RewardInput, register_reward
@@ -38,7 +39,7 @@ def _config_fields(dataset: str) -> set[str]:
     return {f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[dataset][1])}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _scorer(dataset: str) -> Callable[[str, dict], float]:
     import reasoning_gym
 
@@ -111,8 +112,9 @@ class ReasoningGymTask:
         return [(e["question"], str(e["answer"])) for e in self._entries(n, seed)]
 
     def score(self, prompt: str, completion: str) -> float:
-        raise ValueError("a reasoning-gym completion is scored against its entry (the RL label): use the "
-                         "'reasoning_gym' reward")
+        raise ValueError(
+            "a reasoning-gym completion is scored against its entry (the RL label): use the 'reasoning_gym' reward"
+        )
 
     def max_prompt_tokens(self) -> int:
         return 0  # unknown: checked on the drawn prompts when the pools are built

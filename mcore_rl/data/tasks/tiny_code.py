@@ -59,7 +59,7 @@ def parse(prompt: str) -> tuple[int, int, int]:
 
 def checks_for(prompt: str) -> list[str]:
     a, p, b = parse(prompt)
-    return [f"assert f({x}) == {a * x ** p + b}" for x in POINTS]
+    return [f"assert f({x}) == {a * x**p + b}" for x in POINTS]
 
 
 def answer_of(completion: str) -> str:
@@ -72,8 +72,9 @@ def answer_of(completion: str) -> str:
 def tiny_code_reward(sample: RewardInput, mode: str = "fraction") -> dict[str, Any]:
     """Fraction of the prompt's unit tests that `f = <completion>` passes, run in the sandbox (option
     `mode: all`: 1.0 only when all pass)."""
-    return score_completion(answer_of(sample.completion), checks_for(sample.prompt), mode=mode,
-                            template="f = {program}", limits=LIMITS)
+    return score_completion(
+        answer_of(sample.completion), checks_for(sample.prompt), mode=mode, template="f = {program}", limits=LIMITS
+    )
 
 
 @register_task("tiny_code")
@@ -90,8 +91,11 @@ class TinyCodeTask:
         return [(ex["prompt"], ex["response"]) for ex in (format_problem(*rng.choice(probs)) for _ in range(n))]
 
     def score(self, prompt: str, completion: str) -> float:
-        return float(score_completion(answer_of(completion), checks_for(prompt), mode="all", template="f = {program}",
-                                      limits=LIMITS)["reward"])
+        return float(
+            score_completion(
+                answer_of(completion), checks_for(prompt), mode="all", template="f = {program}", limits=LIMITS
+            )["reward"]
+        )
 
     def max_prompt_tokens(self) -> int:
         return len("f(x)=x^2+9")

@@ -87,7 +87,8 @@ import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -152,7 +153,9 @@ class RequestOutput:
     rid: str
     output_ids: list[int]  # all generated tokens so far (a matched stop/eos token included)
     finished: bool
-    finish_reason: dict | None  # {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", "message": str}
+    finish_reason: (
+        dict | None
+    )  # {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", "message": str}
     prompt_tokens: int
     completion_tokens: int
     output_token_logprobs: list[tuple[float, int]]  # (logprob, token_id) per generated token
@@ -244,8 +247,11 @@ class EngineCore:
             raise ValueError(f"context_length: must be >= 2, got {context_length}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: {logprobs_mode!r} is not one of {list(LOGPROBS_MODES)}")
-        if isinstance(sampling_mask_max_tokens, bool) or not isinstance(sampling_mask_max_tokens, int) \
-                or sampling_mask_max_tokens < 1:
+        if (
+            isinstance(sampling_mask_max_tokens, bool)
+            or not isinstance(sampling_mask_max_tokens, int)
+            or sampling_mask_max_tokens < 1
+        ):
             raise ValueError(f"sampling_mask_max_tokens: must be an integer >= 1, got {sampling_mask_max_tokens!r}")
         self.logprobs_mode = logprobs_mode
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
@@ -275,9 +281,15 @@ class EngineCore:
             names = quantize_model_fp8(self.model, self.dtype)
             self.fp8_layers = {n: self.model.get_submodule(n) for n in names}
         self.runner = ModelRunner(self.model, max_running_requests, context_length, self.dtype, self.device)
-        cache = self.runner.allocate_cache(pool_tokens(
-            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static, device=self.device,
-            weight_bytes=_weight_bytes(self.model), bytes_per_token=self.runner.kv_bytes_per_token))
+        cache = self.runner.allocate_cache(
+            pool_tokens(
+                max_total_tokens=max_total_tokens,
+                mem_fraction_static=mem_fraction_static,
+                device=self.device,
+                weight_bytes=_weight_bytes(self.model),
+                bytes_per_token=self.runner.kv_bytes_per_token,
+            )
+        )
         self.max_total_num_tokens = cache.capacity  # SGLang's name (`/get_server_info`)
         self.max_req_len = min(context_length, cache.capacity)  # prompt + output tokens of one request
 
@@ -302,8 +314,9 @@ class EngineCore:
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_model_path(cls, path: str | None, *, tokenizer_path: str | None = None, load_format: str = "auto",
-                        **kw: Any) -> "EngineCore":
+    def from_model_path(
+        cls, path: str | None, *, tokenizer_path: str | None = None, load_format: str = "auto", **kw: Any
+    ) -> EngineCore:
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
         *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
@@ -395,8 +408,10 @@ class EngineCore:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise ValueError(f"token_ids_logprob: {t!r} is not a token id")
                 if not 0 <= t < self.vocab_size:  # SGLang's wording
-                    raise ValueError(f"token_ids_logprob contains out-of-vocabulary token id {t}; valid range is "
-                                     f"[0, {self.vocab_size}).")
+                    raise ValueError(
+                        f"token_ids_logprob contains out-of-vocabulary token id {t}; valid range is "
+                        f"[0, {self.vocab_size})."
+                    )
         if req.return_routed_experts and not self.runner.has_moe:
             raise ValueError("return_routed_experts: the served model has no MoE layers, so no experts to return")
         if req.return_sampling_mask:
@@ -572,7 +587,9 @@ class EngineCore:
             if lives and max(longest, n) * (len(lives) + 1) > self.max_prefill_tokens:
                 break
             slot = len(self._running) + len(lives)
-            if cache.missing_pages(slot, n) + slot > cache.free_pages:  # its prompt, and a page of headroom per running request
+            if (
+                cache.missing_pages(slot, n) + slot > cache.free_pages
+            ):  # its prompt, and a page of headroom per running request
                 break
             cache.reserve(slot, n)
             longest = max(longest, n)
@@ -634,7 +651,9 @@ class EngineCore:
         end = pos + n
         buf = live.routing
         if buf is None or buf.shape[0] < end:
-            grown = torch.full((max(end, 2 * (0 if buf is None else buf.shape[0])), *got.shape[1:]), -1, dtype=torch.int32)
+            grown = torch.full(
+                (max(end, 2 * (0 if buf is None else buf.shape[0])), *got.shape[1:]), -1, dtype=torch.int32
+            )
             if buf is not None:
                 grown[: buf.shape[0]] = buf
             live.routing = buf = grown
@@ -651,8 +670,15 @@ class EngineCore:
         max_new = min(sp.max_new_tokens, self.max_req_len - len(req.input_ids))
         regex_window = regex_tail_tokens(sp.stop_regex) if sp.stop_regex else 0
         self._arrivals += 1
-        return _Live(req, max_new, RequestRandom.seeded(seed), frozenset(stop_ids), window, self._arrivals,
-                     regex_window=regex_window)
+        return _Live(
+            req,
+            max_new,
+            RequestRandom.seeded(seed),
+            frozenset(stop_ids),
+            window,
+            self._arrivals,
+            regex_window=regex_window,
+        )
 
     def _input_logprobs(self, live: _Live, logits: torch.Tensor) -> None:
         """SGLang's prompt log-probs: aligned with input_ids[start:], the first entry None."""
@@ -709,7 +735,11 @@ class EngineCore:
             tokens = sample(masked, ctl, uniforms_t)
         chosen = tops = None
         if any(want_lp):
-            src = logits if self.return_original_logprob else logits / torch.where(ctl.temperature > 0, ctl.temperature, 1.0)[:, None]
+            src = (
+                logits
+                if self.return_original_logprob
+                else logits / torch.where(ctl.temperature > 0, ctl.temperature, 1.0)[:, None]
+            )
             lp = torch.log_softmax(src, dim=-1)
             chosen = drawn_lp if processed else lp.gather(-1, tokens[:, None])[:, 0].tolist()
             kmax = max(live.req.top_logprobs_num for live in lives)
@@ -719,10 +749,19 @@ class EngineCore:
         finished: list[int] = list(extra_done or [])
         for j, (slot, live, tok) in enumerate(zip(slots, lives, tokens.tolist())):
             if want_mask[j] and drawn_sizes[j] > self.sampling_mask_max_tokens:
-                outs.append(self._output(live, {"type": "abort", "message": (
-                    f"return_sampling_mask: the support of output token {len(live.output_ids)} has {drawn_sizes[j]} "
-                    f"ids, more than sampling_mask_max_tokens={self.sampling_mask_max_tokens} "
-                    "(--sampling-mask-max-tokens); lower top_p / top_k or raise the cap")}))
+                outs.append(
+                    self._output(
+                        live,
+                        {
+                            "type": "abort",
+                            "message": (
+                                f"return_sampling_mask: the support of output token {len(live.output_ids)} has {drawn_sizes[j]} "
+                                f"ids, more than sampling_mask_max_tokens={self.sampling_mask_max_tokens} "
+                                "(--sampling-mask-max-tokens); lower top_p / top_k or raise the cap"
+                            ),
+                        },
+                    )
+                )
                 finished.append(slot)
                 continue
             if want_mask[j]:
@@ -761,12 +800,16 @@ class EngineCore:
         if tok in live.stop_ids:
             return {"type": "stop", "matched": tok}
         if live.sp.stop:
-            tail = self.tokenizer.decode(live.output_ids[-live.stop_window :], skip_special_tokens=live.sp.skip_special_tokens)
+            tail = self.tokenizer.decode(
+                live.output_ids[-live.stop_window :], skip_special_tokens=live.sp.skip_special_tokens
+            )
             for s in live.sp.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
         if live.sp.stop_regex:
-            tail = self.tokenizer.decode(live.output_ids[-live.regex_window :], skip_special_tokens=live.sp.skip_special_tokens)
+            tail = self.tokenizer.decode(
+                live.output_ids[-live.regex_window :], skip_special_tokens=live.sp.skip_special_tokens
+            )
             for pattern in live.sp.stop_regex:
                 if re.search(pattern, tail):
                     return {"type": "stop", "matched": pattern}
@@ -884,7 +927,9 @@ class EngineCore:
         if name.endswith(SCALE_SUFFIX):
             layer = self.fp8_layers.get(name[: -len(SCALE_SUFFIX)])
             if layer is None:
-                raise ValueError(f"{name}: FP8 scales for a layer this engine does not hold in FP8 (quantization={self.quantization})")
+                raise ValueError(
+                    f"{name}: FP8 scales for a layer this engine does not hold in FP8 (quantization={self.quantization})"
+                )
             layer.set_quantized(scale_inv=tensor.to(self.device))
             return
         module_name = name.removesuffix(".weight")
@@ -933,12 +978,16 @@ class EngineCore:
         what brings the engine back; None when it can."""
         released = self.released_memory()
         if released:
-            return (f"the engine's memory is released ({', '.join(released)}; /release_memory_occupation): "
-                    "call /resume_memory_occupation, and after a weights release update the weights, first")
+            return (
+                f"the engine's memory is released ({', '.join(released)}; /release_memory_occupation): "
+                "call /resume_memory_occupation, and after a weights release update the weights, first"
+            )
         if self.weights_need_reload:
-            return ("the weights are zero since /resume_memory_occupation (a release does not keep them, as in "
-                    "SGLang without --enable-weights-cpu-backup): update the weights (/update_weights_from_disk, "
-                    "_from_tensor or _from_distributed with a weight_version) before generating")
+            return (
+                "the weights are zero since /resume_memory_occupation (a release does not keep them, as in "
+                "SGLang without --enable-weights-cpu-backup): update the weights (/update_weights_from_disk, "
+                "_from_tensor or _from_distributed with a weight_version) before generating"
+            )
         return None
 
     def released_memory(self) -> list[str]:
@@ -1115,4 +1164,3 @@ def _split_fused(named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[st
                 yield f"{prefix}{j}.down_proj.weight", t[j]
         else:
             yield name, t
-

@@ -45,7 +45,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
 
 from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput, duplicate_rid
 
@@ -70,14 +71,14 @@ class RequestStream:
     Closing it before the final output aborts the request, so a client that went away frees its slot.
     """
 
-    def __init__(self, engine: "EngineDriver", req: Request, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: EngineDriver, req: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.engine, self.req, self.loop = engine, req, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.created = time.monotonic()
         self.held_at: float | None = None  # when it was held (not yet in the core); None = not held
         self.done = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -93,8 +94,8 @@ class RequestStream:
     async def result(self) -> RequestOutput:
         """The final output (intermediate streamed ones are skipped)."""
         last = None
-        async for last in self:
-            pass
+        async for out in self:
+            last = out
         return last
 
     def close(self) -> None:
@@ -280,7 +281,7 @@ class EngineDriver:
             core = self.core
             try:
                 _resolve(fut, (fn(core), core.num_running_reqs + core.num_waiting_reqs), None)
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            except BaseException as err:
                 _resolve(fut, None, err)
 
         def schedule(core: EngineCore) -> None:
@@ -301,7 +302,7 @@ class EngineDriver:
         def command() -> None:
             try:
                 _resolve(fut, fn(self.core), None)
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            except BaseException as err:
                 _resolve(fut, None, err)
 
         self._post(command)
@@ -312,7 +313,7 @@ class EngineDriver:
         try:
             await asyncio.wait_for(self.call(lambda core: None), timeout)
             return True
-        except (asyncio.TimeoutError, EngineDead):
+        except (TimeoutError, EngineDead):
             return False
 
     def close(self, timeout: float = 30.0) -> None:
@@ -358,7 +359,7 @@ class EngineDriver:
                         self._release_held()
                 if self._can_step():
                     self._step()
-        except BaseException as err:  # noqa: BLE001 - recorded, then every waiter is told
+        except BaseException as err:
             logger.exception("engine thread crashed")
             self.error = err
         finally:
@@ -368,7 +369,7 @@ class EngineDriver:
             for command in late:  # so that no awaiting coroutine hangs
                 try:
                     command()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("command after the engine stopped")
             dead = EngineDead(f"the engine stopped ({self.error!r})" if self.error else "the engine was closed")
             self._fail(list(self._streams.values()), dead)
@@ -386,11 +387,18 @@ class EngineDriver:
         now = time.monotonic()
         late = [s for s in self._held if s.held_at is not None and now - s.held_at >= self.max_hold_s]
         if late:
-            why = ("generation is paused (/pause_generation) and did not continue" if self._paused
-                   else "a weight update is waiting for the requests in flight to finish")
+            why = (
+                "generation is paused (/pause_generation) and did not continue"
+                if self._paused
+                else "a weight update is waiting for the requests in flight to finish"
+            )
             self._fail(late, EngineNotReady(f"held {self.max_hold_s:g} s without starting: {why}"))
         core = self.core
-        if self._paused and now - self._paused_at >= self.max_hold_s and (core.num_running_reqs or core.num_waiting_reqs):
+        if (
+            self._paused
+            and now - self._paused_at >= self.max_hold_s
+            and (core.num_running_reqs or core.num_waiting_reqs)
+        ):
             core.abort_all(f"paused for {self.max_hold_s:g} s and generation did not continue (/continue_generation)")
 
     def _idle_work(self) -> bool:
@@ -399,7 +407,7 @@ class EngineDriver:
     def _step(self) -> None:
         try:
             outs = self.core.step()
-        except Exception as err:  # noqa: BLE001 - one bad step must not take the server down
+        except Exception as err:
             logger.exception("engine step failed; failing the requests in flight")
             failed = [s for s in self._streams.values() if s not in self._held]
             self._fail(failed, RuntimeError(f"engine step failed: {type(err).__name__}: {err}"))
@@ -464,10 +472,19 @@ class EngineDriver:
 def _aborted_output(req: Request, message: str, weight_version: int | str) -> RequestOutput:
     """The final output of a request aborted before it reached the engine."""
     return RequestOutput(
-        rid=req.rid, output_ids=[], finished=True, finish_reason={"type": "abort", "message": message},
-        prompt_tokens=len(req.input_ids), completion_tokens=0, output_token_logprobs=[], output_top_logprobs=[],
-        input_token_logprobs=[], input_top_logprobs=[], weight_version=weight_version,
-        output_token_weight_versions=[], text="",
+        rid=req.rid,
+        output_ids=[],
+        finished=True,
+        finish_reason={"type": "abort", "message": message},
+        prompt_tokens=len(req.input_ids),
+        completion_tokens=0,
+        output_token_logprobs=[],
+        output_top_logprobs=[],
+        input_token_logprobs=[],
+        input_top_logprobs=[],
+        weight_version=weight_version,
+        output_token_weight_versions=[],
+        text="",
     )
 
 

@@ -55,7 +55,9 @@ def dequantize_block_fp8(
     out, inp = q.shape
     expected = (-(-out // block), -(-inp // block))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for weight {tuple(q.shape)}")
+        raise ValueError(
+            f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for weight {tuple(q.shape)}"
+        )
     scale = scale_inv.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
     return (q.float() * scale).to(dtype)
 
@@ -79,18 +81,22 @@ class Fp8Linear(nn.Module):
     or `weight_scale_inv` is replaced (weight updates go through `set_weight`/`set_quantized`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = dtype
         nb = (-(-out_features // BLOCK), -(-in_features // BLOCK))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale_inv", torch.ones(nb, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
         self._dequantized: torch.Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
         m.set_weight(linear.weight.detach())
         if linear.bias is not None:

@@ -49,7 +49,9 @@ def pool_tokens(
     it); on CPU: of physical RAM, or of the cgroup's limit if lower, less the weights."""
     if max_total_tokens is not None:
         if isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < PAGE_SIZE:
-            raise ValueError(f"max_total_tokens: must be an integer >= {PAGE_SIZE} (one page), got {max_total_tokens!r}")
+            raise ValueError(
+                f"max_total_tokens: must be an integer >= {PAGE_SIZE} (one page), got {max_total_tokens!r}"
+            )
         return max_total_tokens
     kind = "cuda" if device.type == "cuda" else "cpu"
     fraction = DEFAULT_MEM_FRACTION_STATIC[kind] if mem_fraction_static is None else mem_fraction_static

@@ -98,7 +98,9 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         cfg = model.config
         self.model = model
         self.num_heads = cfg.num_attention_heads
@@ -121,7 +123,9 @@ class ModelRunner:
         self.ngram_context_size = ngram.context_size if ngram is not None else 0
         # Over-Encoding: the last n_max - 1 token ids of each slot (-1 = none), the decode context.
         self.ngram_context = (
-            torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device) if ngram is not None else None
+            torch.full((num_slots, self.ngram_context_size), -1, dtype=torch.long, device=device)
+            if ngram is not None
+            else None
         )
         self.kv_entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim if self.mla else self.head_dim
         self.num_slots, self.max_len = num_slots, max_len
@@ -151,8 +155,16 @@ class ModelRunner:
 
     def allocate_cache(self, max_tokens: int) -> PagedKVCache:
         """The KV pool of `max_tokens` tokens (sequences up to `max_len` each)."""
-        self.cache = PagedKVCache(len(self.layers), self.num_slots, self.kv_heads, self.kv_entry, max_tokens,
-                                  self.max_len, self.dtype, self.device)
+        self.cache = PagedKVCache(
+            len(self.layers),
+            self.num_slots,
+            self.kv_heads,
+            self.kv_entry,
+            max_tokens,
+            self.max_len,
+            self.dtype,
+            self.device,
+        )
         return self.cache
 
     def _plan(self, layer: nn.Module) -> _Layer:
@@ -160,8 +172,15 @@ class ModelRunner:
         dense = hasattr(mlp, "gate_proj")
         if self.mla:  # attention runs through the reference module (`_mla_attention`)
             w_gate_up = _fuse_params([mlp.gate_proj, mlp.up_proj], "weight") if dense else None
-            return _Layer(layer, torch.empty(0), None, attn.o_proj.weight, None, w_gate_up,
-                          mlp.down_proj.weight if dense else None)
+            return _Layer(
+                layer,
+                torch.empty(0),
+                None,
+                attn.o_proj.weight,
+                None,
+                w_gate_up,
+                mlp.down_proj.weight if dense else None,
+            )
         proj = [attn.q_proj, attn.k_proj, attn.v_proj]
         if self.fp8:  # fused dequantized copies come from refresh()
             empty = torch.empty(0)
@@ -192,7 +211,11 @@ class ModelRunner:
                 if lay.w_gate_up is not None:
                     lay.w_gate_up = torch.cat((_weight(mlp.gate_proj), _weight(mlp.up_proj)), dim=0)
                     lay.w_down = _weight(mlp.down_proj)
-                for m in (*proj, attn.o_proj, *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else [])):
+                for m in (
+                    *proj,
+                    attn.o_proj,
+                    *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if lay.w_gate_up is not None else []),
+                ):
                     m._dequantized = None  # the fused copies above are the ones in use
 
     def drop_derived(self) -> None:
@@ -221,7 +244,9 @@ class ModelRunner:
         """A GEMM input: rounded to e4m3 per token per 128 channels in FP8 mode."""
         return quantize_activation_fp8(x) if self.fp8 else x
 
-    def _out(self, residual: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _out(
+        self, residual: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    ) -> torch.Tensor:
         """residual + x @ w.T (+ b), the add fused into the GEMM; without a residual x @ w.T (+ b)."""
         if residual is None:
             return F.linear(self._act(x), w, b)
@@ -347,7 +372,11 @@ class ModelRunner:
         b, sq, sk = allowed.shape
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return bias[:, None, None].expand(b, self.kv_heads, self.group, sq, sk).reshape(b * self.kv_heads, self.group * sq, sk)
+        return (
+            bias[:, None, None]
+            .expand(b, self.kv_heads, self.group, sq, sk)
+            .reshape(b * self.kv_heads, self.group * sq, sk)
+        )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         m = self.model

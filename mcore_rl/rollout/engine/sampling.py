@@ -63,7 +63,7 @@ class SamplingParams:
     stop_regex: list[str] | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a JSON `sampling_params` object; unknown keys and wrong types raise
         ValueError("sampling_params.<field>: ..."). JSON null means "the default", as in SGLang."""
         if d is None:
@@ -97,10 +97,14 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"sampling_params.stop: expected a non-empty string or a list of them, got {self.stop!r}")
+                raise ValueError(
+                    f"sampling_params.stop: expected a non-empty string or a list of them, got {self.stop!r}"
+                )
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple, set)):
-                raise ValueError(f"sampling_params.stop_token_ids: expected a list of ints, got {self.stop_token_ids!r}")
+                raise ValueError(
+                    f"sampling_params.stop_token_ids: expected a list of ints, got {self.stop_token_ids!r}"
+                )
             for t in self.stop_token_ids:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise ValueError(f"sampling_params.stop_token_ids: expected ints, got {t!r}")
@@ -111,14 +115,17 @@ class SamplingParams:
             self.stop_regex = [self.stop_regex]
         if self.stop_regex is not None:
             if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
-                raise ValueError(f"sampling_params.stop_regex: expected a non-empty string or a list of them, "
-                                 f"got {self.stop_regex!r}")
+                raise ValueError(
+                    f"sampling_params.stop_regex: expected a non-empty string or a list of them, "
+                    f"got {self.stop_regex!r}"
+                )
             for pattern in self.stop_regex:
                 try:
                     re.compile(pattern)
                 except re.error as err:
-                    raise ValueError(f"sampling_params.stop_regex: {pattern!r} is not a valid regular expression "
-                                     f"({err})") from None
+                    raise ValueError(
+                        f"sampling_params.stop_regex: {pattern!r} is not a valid regular expression ({err})"
+                    ) from None
 
     def validate(self, context_length: int, prompt_len: int, vocab_size: int | None = None) -> None:
         """Raise ValueError("sampling_params.<field>: ...") for values SGLang would reject."""
@@ -143,8 +150,10 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"sampling_params.{name}: {name} must be in [-2, 2], got {getattr(self, name)}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError("sampling_params.repetition_penalty: repetition_penalty must be in (0, 2] (1.0 = no "
-                             f"penalty), got {self.repetition_penalty}.")
+            raise ValueError(
+                "sampling_params.repetition_penalty: repetition_penalty must be in (0, 2] (1.0 = no "
+                f"penalty), got {self.repetition_penalty}."
+            )
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
             raise ValueError(
                 f"sampling_params.sampling_seed: {self.sampling_seed} contradicts seed={self.seed} (give one)"
@@ -155,8 +164,9 @@ class SamplingParams:
                     raise ValueError(f"sampling_params.stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
             for key in self.logit_bias or {}:
                 if not 0 <= int(key) < vocab_size:
-                    raise ValueError(f"sampling_params.logit_bias: logit_bias must has keys in [0, {vocab_size - 1}], "
-                                     f"got {key}.")
+                    raise ValueError(
+                        f"sampling_params.logit_bias: logit_bias must has keys in [0, {vocab_size - 1}], got {key}."
+                    )
         if prompt_len >= context_length:
             raise ValueError(
                 f"input_ids: the prompt has {prompt_len} tokens; context_length is {context_length} "
@@ -174,14 +184,21 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """A penalty or a logit bias changes this request's logits before the draw."""
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
-                or any(v != 0.0 for v in (self.logit_bias or {}).values()))
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or any(v != 0.0 for v in (self.logit_bias or {}).values())
+        )
 
     @property
     def logit_processors(self) -> list[str]:
         """The names of the fields that change this request's logits (for error messages)."""
-        out = [n for n, off in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))
-               if getattr(self, n) != off]
+        out = [
+            n
+            for n, off in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))
+            if getattr(self, n) != off
+        ]
         return out + (["logit_bias"] if any(v != 0.0 for v in (self.logit_bias or {}).values()) else [])
 
 
@@ -189,9 +206,11 @@ def mask_replay_conflict(sp: SamplingParams) -> str:
     """Why `return_sampling_mask` is refused next to penalties or a logit bias: sampling-mask replay
     renormalises the trainer's log-probs over the support, which cannot reproduce per-token offsets
     (docs/serving.md, "Sampling masks")."""
-    return (f"return_sampling_mask: cannot be combined with sampling_params.{', '.join(sp.logit_processors)} (the "
-            "trainer's replay renormalises over the support and cannot reproduce per-token penalties or biases); "
-            "drop them or the mask")
+    return (
+        f"return_sampling_mask: cannot be combined with sampling_params.{', '.join(sp.logit_processors)} (the "
+        "trainer's replay renormalises over the support and cannot reproduce per-token penalties or biases); "
+        "drop them or the mask"
+    )
 
 
 def _expect_int(name: str, v: Any) -> None:
@@ -289,7 +308,7 @@ class RequestRandom:
     pos: int = 0
 
     @classmethod
-    def seeded(cls, seed: int) -> "RequestRandom":
+    def seeded(cls, seed: int) -> RequestRandom:
         g = torch.Generator()
         g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         return cls(g)
@@ -316,13 +335,15 @@ class BatchSampling:
     any_penalties: bool = True  # some row has a penalty or a logit bias (`penalize`)
 
     @classmethod
-    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "BatchSampling":
+    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> BatchSampling:
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
         ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         ps = [p.top_p for p in params]
         mps = [p.min_p for p in params]
         greedy = all(t == 0.0 for t in temps)
-        any_filter = not greedy and (any(k < vocab_size for k in ks) or any(p < 1.0 for p in ps) or any(m > 0 for m in mps))
+        any_filter = not greedy and (
+            any(k < vocab_size for k in ks) or any(p < 1.0 for p in ps) or any(m > 0 for m in mps)
+        )
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(ks, dtype=torch.long, device=device),
@@ -383,8 +404,9 @@ def sample_with_support(logits: torch.Tensor, ctl: BatchSampling, uniforms: torc
     return SampledSupport(tokens, torch.where(greedy, zeros, logp), torch.where(greedy, ones, sizes), probs)
 
 
-def _draw(logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None,
-          greedy_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(
+    logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None, greedy_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, the post-filter weights [B, V] the sampled rows drew from)."""
     temp = torch.where(ctl.temperature > 0, ctl.temperature, torch.ones_like(ctl.temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
