@@ -72,6 +72,8 @@ from .layers import (  # route, load_balancing_loss: unused here, imported from 
     is_moe_layer,
     moe_aux_loss,
 )
+from .layers import load_balancing_loss as load_balancing_loss  # re-exported (hf/__init__, remote code)
+from .layers import route as route  # re-exported
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
 from .rope import rope_inv_freq, rope_scaling_of
 

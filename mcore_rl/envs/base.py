@@ -1,0 +1,66 @@
+"""What an environment is: an interactive task the policy acts in over several turns.
+
+An episode starts from one prompt of the domain's stream (`reset(prompt, seed)`: the same prompt and
+seed give the same initial state, so a group starts G copies of one state), then alternates a model
+turn (`step(action)`) with the environment's answer: messages to append to the conversation (tool
+results, observations, feedback), a reward, whether the episode is over, and a short text of the
+state reached (step-level credit groups steps by it). Environments speak chat messages, never token
+ids: rendering them with the model's chat template is the trajectory's job, so one environment works
+for every model family.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tool_calls import ParsedTurn, ToolSpec
+
+Message = dict[str, Any]  # an OpenAI-style chat message: role, content (and name / tool_call_id for tools)
+
+
+@dataclass
+class EnvReset:
+    """The start of an episode: the opening messages (system, user), the tools offered, the state text."""
+
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    state: str = ""
+
+
+@dataclass
+class AgentAction:
+    """One model turn as the environment sees it: the decoded text, its parsed tool calls, and whether it
+    was cut at the per-turn token cap (`truncated`)."""
+
+    text: str
+    parsed: ParsedTurn
+    truncated: bool = False
+
+
+@dataclass
+class EnvStep:
+    """The environment's answer to a turn. `reward` is this step's reward (the episode's return is their
+    sum unless the environment says otherwise in `info`); `messages` are appended before the next turn."""
+
+    messages: list[Message]
+    reward: float = 0.0
+    done: bool = False
+    state: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """One episode's environment. Built fresh per episode by its registered factory; not shared."""
+
+    @abstractmethod
+    def reset(self, prompt: Prompt, seed: int) -> EnvReset: ...
+
+    @abstractmethod
+    def step(self, action: AgentAction) -> EnvStep: ...
+
+    def close(self) -> None:
+        """Release what the episode holds (a sandbox, a subprocess); called once, also after a failure."""
+        return None
