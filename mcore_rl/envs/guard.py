@@ -63,16 +63,16 @@ class EpisodeFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
-class _Timeout(Exception):
-    pass
+class CallTimeout(Exception):
+    """A call ran past its timeout (it was abandoned, still running, in its daemon thread)."""
 
 
 class _Invalid(Exception):
     """What the environment returned is not a valid reset or step."""
 
 
-def _call(fn: Callable[[], T], timeout_s: float, name: str) -> T:
-    """`fn()` in a daemon thread; its exception re-raised here, `_Timeout` if it runs past `timeout_s`."""
+def call_with_timeout(fn: Callable[[], T], timeout_s: float, name: str) -> T:
+    """`fn()` in a daemon thread; its exception re-raised here, `CallTimeout` if it runs past `timeout_s`."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -85,7 +85,7 @@ def _call(fn: Callable[[], T], timeout_s: float, name: str) -> T:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise _Timeout(f"{name} ran past {timeout_s:g} s")
+        raise CallTimeout(f"{name} ran past {timeout_s:g} s")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -116,13 +116,13 @@ class GuardedEnv:
 
     def reset(self, prompt: Prompt, seed: int) -> EnvReset:
         try:
-            start = _call(lambda: self.env.reset(prompt, seed), self.guards.step_timeout_s, "reset")
+            start = call_with_timeout(lambda: self.env.reset(prompt, seed), self.guards.step_timeout_s, "reset")
             if not isinstance(start, EnvReset):
                 raise _Invalid(f"reset returned {type(start).__name__}, not EnvReset")
             _check_messages(start.messages, "EnvReset")
             if not isinstance(start.state, str):
                 raise _Invalid(f"EnvReset.state is {type(start.state).__name__}, not str")
-        except _Timeout as exc:
+        except CallTimeout as exc:
             self.close()
             raise EpisodeFailed("env_timeout", str(exc)) from None
         except _Invalid as exc:
@@ -140,9 +140,9 @@ class GuardedEnv:
             return self._end("step_after_done", "the episode had already ended")
         self.turns += 1
         try:
-            out = _call(lambda: self.env.step(action), self.guards.step_timeout_s, "step")
+            out = call_with_timeout(lambda: self.env.step(action), self.guards.step_timeout_s, "step")
             self._check_step(out)
-        except _Timeout as exc:
+        except CallTimeout as exc:
             return self._end("env_timeout", str(exc))
         except _Invalid as exc:
             return self._end("env_invalid", str(exc))
@@ -167,7 +167,7 @@ class GuardedEnv:
             return
         self.closed = True
         try:
-            _call(self.env.close, self.guards.step_timeout_s, "close")
+            call_with_timeout(self.env.close, self.guards.step_timeout_s, "close")
         except BaseException:  # a failing or hung close is abandoned: the episode already ended
             pass
 
