@@ -91,7 +91,7 @@ def env_names() -> list[str]:
     return sorted(_ENVS)
 
 
-from mcore_rl.envs import guess_number  # noqa: E402,F401  (registers the environment)
+from mcore_rl.envs import code_repair, frozen_lake, guess_number, reasoning_tools, taxi  # noqa: E402,F401  (each registers its environment)
 
 __all__ = [
     "AgentAction",
