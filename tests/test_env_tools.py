@@ -4,6 +4,10 @@ and the Python tool's persistent sandboxed interpreter (real sandbox processes).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -116,11 +120,11 @@ def test_invalid_calls_become_messages_and_end_the_episode_at_the_limit() -> Non
         "error: the tool call could not be parsed: bad JSON at char 5",
         "error: unknown tool 'calc'; tools: calculator",
     ]
-    assert first.events == {"invalid_tool_call": 2} and first.end_reason is None
+    assert first.events == {"invalid_call": 2} and first.end_reason is None
     # a valid call resets the count of invalid ones in a row
     assert tools.run(turn(call("calculator", expression="1+1"))).messages[0]["content"] == "2"
     second = tools.run(turn(call("calculator", expression=3), call("calculator"), call("calculator", x="1")))
-    assert second.events == {"invalid_tool_call": 3} and second.end_reason == "max_invalid_calls"
+    assert second.events == {"invalid_call": 3} and second.end_reason == "max_invalid_calls"
     assert "arguments.expression: expected string, got int" in second.messages[0]["content"]
     assert "arguments.expression: required" in second.messages[1]["content"]
 
@@ -264,3 +268,59 @@ def test_a_closed_or_expired_sandbox_is_restarted_on_the_next_call() -> None:
     finally:
         tool.close()
     assert tool.session.ended.is_set() and tool.session.result is not None  # close ended the sandbox
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc's children lists)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                if kid not in out:
+                    out.add(kid)
+                    todo.append(kid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_interpreter_dies_with_its_owner_killed_by_sigkill() -> None:
+    """The episode's owner (a rollout worker) SIGKILLed mid-episode: the sandboxed interpreter goes too."""
+    script = (
+        "from mcore_rl.envs.tools.python_tool import PythonTool\n"
+        "t = PythonTool()\n"
+        "print(t.run({'code': 'x = 1\\nx'}, 5.0), flush=True)\n"
+        "import time\ntime.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline() == "1\n"
+        sandbox = _descendants(owner.pid)
+        assert len(sandbox) >= 2  # the bootstrap, the supervisor, the worker
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in sandbox) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in sandbox if _alive(p)]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

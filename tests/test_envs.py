@@ -214,3 +214,19 @@ def test_truncate_keeps_the_budget(side: str) -> None:
     text, cut = truncate("0123456789" * 100, 100, side)  # type: ignore[arg-type]
     assert cut and len(text) <= 100
     assert truncate("short", 100) == ("short", False)
+
+
+def test_binary_search_solves_every_secret_in_the_default_budget() -> None:
+    """The task is learnable in principle: the optimal policy always wins within `max_guesses`."""
+    options = env_options("guess_number")
+    for secret in range(options.lo, options.hi + 1):
+        env = make_env("guess_number")
+        env.reset(prompt("guess 1-16", label=secret), seed=0)
+        lo, hi = options.lo, options.hi
+        while True:
+            guess = (lo + hi) // 2
+            out = env.step(act(str(guess)))
+            if out.done:
+                break
+            lo, hi = (guess + 1, hi) if out.messages[0]["content"] == "higher" else (lo, guess - 1)
+        assert out.info["solved"], secret

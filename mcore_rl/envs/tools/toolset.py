@@ -161,7 +161,7 @@ class Toolset:
         return text
 
     def _invalid(self, out: ToolRun, call: ToolCall | None, message: str) -> None:
-        out.count("invalid_tool_call")
+        out.count("invalid_call")
         out.messages.append(tool_message(call, message))
         self.invalid_in_a_row += 1
         limit = self.limits.max_consecutive_invalid
