@@ -1,0 +1,126 @@
+"""Environment and tool overhead per turn: what one `step` of each shipped environment and one call of
+each tool costs on this machine's CPU (to set against a turn's generation time).
+
+    python tools/bench_env_overhead.py                 # 5 rounds, the cases alternated every round
+    python tools/bench_env_overhead.py --rounds 9 --json out.json
+
+Cases (each timed as wall time around the call, in this process):
+
+* `guess_number.step`, `frozen_lake.step`, `taxi.step`: one move of the game (reset not counted);
+* `calculator`, `search`: one tool call through `Toolset.run` (schema check, thread, answer);
+* `python.first_call`: a new `PythonTool` and its first cell (`x = 1`) — the sandbox's start;
+* `python.call`: a later cell (`x += 1; x`) in the running interpreter;
+* `code_repair.step[tiny_code]`: one attempt checked by the sandboxed code checker;
+* `guarded.step`: `guess_number.step` behind `GuardedEnv` (the guard's thread and checks).
+
+The cases are run round-robin, one sample each per round, so background load hits them alike;
+printed: median and min..max over rounds, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tool_calls import ParsedTurn, ToolCall
+from mcore_rl.envs import env_prompts, make_env
+from mcore_rl.envs.base import AgentAction
+from mcore_rl.envs.guard import GuardedEnv
+from mcore_rl.envs.tools import Toolset
+from mcore_rl.envs.tools.calculator import Calculator
+from mcore_rl.envs.tools.python_tool import PythonTool
+from mcore_rl.envs.tools.search import Search
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def act(text: str, *calls: ToolCall) -> AgentAction:
+    return AgentAction(text=text, parsed=ParsedTurn(content=text, calls=list(calls)))
+
+
+def first_prompt(name: str, **options: object) -> Prompt:
+    text, label = env_prompts(name, **options).examples(1, 0)[0]
+    return Prompt(0, text, [], label)
+
+
+def timed(setup: Callable[[], Callable[[], object]]) -> float:
+    """Milliseconds of the call that `setup()` returns (setup itself not timed)."""
+    call = setup()
+    t0 = time.perf_counter()
+    call()
+    return 1000 * (time.perf_counter() - t0)
+
+
+def game_step(name: str, move: str, guarded: bool = False) -> Callable[[], Callable[[], object]]:
+    def setup() -> Callable[[], object]:
+        env = make_env(name)
+        target = GuardedEnv(env) if guarded else env
+        target.reset(first_prompt(name), 0)
+        return lambda: (target.step(act(move)), env.close())
+
+    return setup
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    calculator, search = Toolset([Calculator()]), Toolset([Search()])
+    python = PythonTool()
+    python.run({"code": "x = 0"}, 10.0)
+    repair_prompt = Prompt(0, "f(x)=3x+1", [], None)
+
+    def repair() -> Callable[[], object]:
+        env = make_env("code_repair", task="tiny_code")
+        env.reset(repair_prompt, 0)
+        return lambda: env.step(act("lambda x:3*x"))
+
+    def fresh_python() -> Callable[[], object]:
+        def call() -> object:
+            tool = PythonTool()
+            try:
+                return tool.run({"code": "x = 1"}, 10.0)
+            finally:
+                tool.close()
+
+        return call
+
+    cases: dict[str, Callable[[], Callable[[], object]]] = {
+        "guess_number.step": game_step("guess_number", "8"),
+        "guarded.step": game_step("guess_number", "8", guarded=True),
+        "frozen_lake.step": game_step("frozen_lake", "right"),
+        "taxi.step": game_step("taxi", "north"),
+        "calculator": lambda: (
+            lambda: calculator.run(ParsedTurn("", [ToolCall("calculator", {"expression": "17*23-sqrt(16)"})]))
+        ),
+        "search": lambda: lambda: search.run(ParsedTurn("", [ToolCall("search", {"query": "capital of Canada"})])),
+        "python.call": lambda: lambda: python.run({"code": "x += 1\nx"}, 10.0),
+        "python.first_call": fresh_python,
+        "code_repair.step[tiny_code]": repair,
+    }
+    for setup in cases.values():  # warm-up: imports, corpus index, gymnasium
+        timed(setup)
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(args.rounds):
+        names = list(cases)
+        names = names[r % len(names) :] + names[: r % len(names)]  # rotate the order every round
+        for name in names:
+            samples[name].append(timed(cases[name]))
+    python.close()
+    print(f"{'case':32s} {'median ms':>10s} {'min..max ms':>20s}")
+    for name, xs in samples.items():
+        print(f"{name:32s} {statistics.median(xs):10.2f} {min(xs):9.2f}..{max(xs):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": args.rounds, "ms": samples}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
