@@ -61,7 +61,13 @@ def game_step(name: str, move: str, guarded: bool = False) -> Callable[[], Calla
         env = make_env(name)
         target = GuardedEnv(env) if guarded else env
         target.reset(first_prompt(name), 0)
-        return lambda: (target.step(act(move)), env.close())
+
+        def call() -> object:
+            out = target.step(act(move))
+            env.close()
+            return out
+
+        return call
 
     return setup
 
