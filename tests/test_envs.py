@@ -10,7 +10,7 @@ import pytest
 
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tool_calls import ParsedTurn
-from mcore_rl.envs import env_names, env_options, env_prompts, make_env
+from mcore_rl.envs import env_names, env_options, env_prompts, env_tools, make_env
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
 from mcore_rl.envs.guard import EnvGuards, EpisodeFailed, GuardedEnv
 from mcore_rl.envs.guess_number import GuessNumberEnv
@@ -230,3 +230,15 @@ def test_binary_search_solves_every_secret_in_the_default_budget() -> None:
                 break
             lo, hi = (guess + 1, hi) if out.messages[0]["content"] == "higher" else (lo, guess - 1)
         assert out.info["solved"], secret
+
+
+def test_env_tools_says_which_environments_need_a_tool_call_format() -> None:
+    assert env_tools("guess_number") == []
+    assert [t.name for t in env_tools("reasoning_tools", tools=("calculator",))] == ["calculator"]
+    assert [t.name for t in env_tools("reasoning_tools")] == ["python", "calculator"]
+
+
+def test_the_guard_is_an_environment() -> None:
+    guarded: Environment = GuardedEnv(make_env("guess_number"))
+    assert guarded.reset(prompt("guess 1-16", label=5), 0).state == "1-16"
+    assert guarded.step(act("5")).reward == 1.0

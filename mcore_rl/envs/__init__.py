@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mcore_rl.data.tool_calls import ToolSpec
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep, Message
 
 
@@ -27,31 +28,43 @@ class PromptSource(Protocol):
 
 @dataclass(frozen=True)
 class EnvEntry:
-    """A registered environment: its options dataclass, the factory of one episode's environment, and
-    the factory of its prompt source (both called with the same options object)."""
+    """A registered environment: its options dataclass, the factory of one episode's environment, the
+    factory of its prompt source, and the tools it offers (all three called with the same options)."""
 
     name: str
     options: type
     factory: Callable[[Any], Environment]
     prompts: Callable[[Any], PromptSource]
     origin: str  # where the prompts come from, in words ("own generator", "task humaneval", ...)
+    tools: Callable[[Any], list[ToolSpec]]
 
 
 _ENVS: dict[str, EnvEntry] = {}
 
 
+def _no_tools(options: Any) -> list[ToolSpec]:
+    return []
+
+
 def register_env(
-    name: str, *, options: type, prompts: Callable[[Any], PromptSource], origin: str
+    name: str,
+    *,
+    options: type,
+    prompts: Callable[[Any], PromptSource],
+    origin: str,
+    tools: Callable[[Any], list[ToolSpec]] = _no_tools,
 ) -> Callable[[Callable[[Any], Environment]], Callable[[Any], Environment]]:
     """Decorator over an environment factory (a class taking the options object): make it available as
-    `make_env(name, **options)`, its prompts as `env_prompts(name, **options)`."""
+    `make_env(name, **options)`, its prompts as `env_prompts(name, **options)`, the tools it offers as
+    `env_tools(name, **options)` (so a config check can refuse a domain whose model family has no
+    tool-call format for an environment with tools, before any worker starts)."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"environment {name!r}: options must be a dataclass, got {options!r}")
 
     def deco(factory: Callable[[Any], Environment]) -> Callable[[Any], Environment]:
         if name in _ENVS and _ENVS[name].factory is not factory:
             raise ValueError(f"environment {name!r} is already registered ({_ENVS[name].factory.__module__})")
-        _ENVS[name] = EnvEntry(name, options, factory, prompts, origin)
+        _ENVS[name] = EnvEntry(name, options, factory, prompts, origin, tools)
         return factory
 
     return deco
@@ -87,6 +100,11 @@ def env_prompts(name: str, **options: Any) -> PromptSource:
     return env_entry(name).prompts(env_options(name, **options))
 
 
+def env_tools(name: str, **options: Any) -> list[ToolSpec]:
+    """The tools environment `name` offers with these options (empty: its turns are plain text)."""
+    return env_entry(name).tools(env_options(name, **options))
+
+
 def env_names() -> list[str]:
     return sorted(_ENVS)
 
@@ -105,6 +123,7 @@ __all__ = [
     "env_names",
     "env_options",
     "env_prompts",
+    "env_tools",
     "make_env",
     "register_env",
 ]

@@ -104,9 +104,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-class GuardedEnv:
-    """One episode's environment behind the guards (see the module docstring). Not an `Environment`
-    itself: `reset` may raise `EpisodeFailed`, `step` never raises."""
+class GuardedEnv(Environment):
+    """One episode's environment behind the guards (see the module docstring), itself an `Environment`
+    (a runner takes it in place of the one it wraps): `reset` raises only `EpisodeFailed`, `step` and
+    `close` never raise."""
 
     def __init__(self, env: Environment, guards: EnvGuards = EnvGuards()) -> None:
         self.env, self.guards = env, guards

@@ -30,7 +30,7 @@ from mcore_rl.envs.tools.python_tool import PythonTool
 from mcore_rl.envs.tools.search import Search
 from mcore_rl.rewards import RewardInput
 
-TOOLS = {"python": PythonTool, "calculator": Calculator, "search": Search}
+TOOLS: dict[str, type[Tool]] = {"python": PythonTool, "calculator": Calculator, "search": Search}
 SYSTEM = (
     "Solve the problem. You may call the tools to compute. "
     "When you are done, give the final answer as <answer>...</answer> without a tool call."
@@ -81,6 +81,7 @@ class _RLExamples:
     options=ReasoningToolsOptions,
     prompts=lambda options: _RLExamples(_prompts(options)),
     origin="reasoning-gym dataset (option 'dataset')",
+    tools=lambda options: [TOOLS[name].spec for name in options.tools],
 )
 class ReasoningToolsEnv(Environment):
     def __init__(self, options: ReasoningToolsOptions) -> None:
