@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from mcore_rl.data.samples import Prompt
-from mcore_rl.data.tool_calls import ParsedTurn, ToolCall
+from mcore_rl.data.tool_calls import ParsedTurn, ToolCall, parse_tool_calls, render_tool_calls
 from mcore_rl.envs import env_entry, env_names, env_prompts, make_env
 from mcore_rl.envs.base import AgentAction, Environment
 from mcore_rl.envs.guard import GuardedEnv
@@ -184,3 +184,28 @@ def test_reasoning_tools_max_turns_and_bad_options(arithmetic: Prompt) -> None:
         make_env("reasoning_tools", tools=("shell",))
     with pytest.raises(ValueError, match="option 'dataset': 'nope' is not a reasoning-gym dataset"):
         make_env("reasoning_tools", dataset="nope")
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_reasoning_tools_from_the_model_familys_own_text(arithmetic: Prompt, fmt: str) -> None:
+    """The model's text in its family's format, parsed by `parse_tool_calls`, drives the episode; a
+    malformed call is answered as invalid, not raised."""
+    expression = arithmetic.label["metadata"]["expression"]
+    call = ToolCall("calculator", {"expression": expression})
+    env = GuardedEnv(make_env("reasoning_tools", tools=("calculator",)))
+    env.reset(arithmetic, seed=0)
+    computed = env.step(
+        AgentAction(render_tool_calls("", [call], fmt), parse_tool_calls(render_tool_calls("", [call], fmt), fmt))
+    )
+    value = computed.messages[0]["content"]
+    assert float(value) == pytest.approx(float(arithmetic.label["answer"]))
+    broken = (
+        '<tool_call>{"name": "calculator", "arguments": </tool_call>'
+        if fmt == "hermes"
+        else '{"name": "calculator", "parameters": '
+    )
+    bad = env.step(AgentAction(broken, parse_tool_calls(broken, fmt)))
+    assert bad.info["events"] == {"invalid_call": 1} and "could not be parsed" in bad.messages[0]["content"]
+    answer = f"The result is <answer>{round(float(value))}</answer>"
+    final = env.step(AgentAction(answer, parse_tool_calls(answer, fmt)))
+    assert final.done and final.reward == 1.0
