@@ -17,7 +17,7 @@ import pytest
 from mcore_rl.data.tool_calls import ParsedTurn, ToolCall, ToolSpec
 from mcore_rl.envs.tools import Tool, ToolError, ToolLimits, Toolset
 from mcore_rl.envs.tools.calculator import Calculator, calculate
-from mcore_rl.envs.tools.python_tool import PythonTool, python_limits
+from mcore_rl.envs.tools.python_tool import PythonSession, PythonTool, python_limits
 from mcore_rl.envs.tools.schema import unsupported, validate
 from mcore_rl.envs.tools.search import Search, read_corpus
 
@@ -324,3 +324,16 @@ def test_the_interpreter_dies_with_its_owner_killed_by_sigkill() -> None:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_late_reply_is_never_taken_for_the_next_cells() -> None:
+    """The caller gave up on a cell (its answer came too late); the next cell gets its own answer."""
+    session = PythonSession(startup_s=0.3)
+    try:
+        assert session.execute("1", 5.0) == {"status": "ok", "output": "1\n"}
+        slow = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ntime.sleep(1.5)"
+        assert session.execute(slow, 0.2) is None  # the supervisor answers at ~1.2 s: after the caller left
+        time.sleep(1.5)
+        assert session.execute("2 + 2", 5.0) == {"status": "ok", "output": "4\n"}
+    finally:
+        session.close()

@@ -242,3 +242,28 @@ def test_the_guard_is_an_environment() -> None:
     guarded: Environment = GuardedEnv(make_env("guess_number"))
     assert guarded.reset(prompt("guess 1-16", label=5), 0).state == "1-16"
     assert guarded.step(act("5")).reward == 1.0
+
+
+class BadStart(Environment):
+    def __init__(self, start: object) -> None:
+        self.start = start
+
+    def reset(self, prompt: Prompt, seed: int) -> EnvReset:
+        return self.start  # type: ignore[return-value]  # invalid on purpose: what the guard must catch
+
+    def step(self, action: AgentAction) -> EnvStep:
+        return EnvStep([])
+
+
+@pytest.mark.parametrize(
+    ("start", "detail"),
+    [
+        (EnvReset([{"role": "user", "content": "go"}], tools=["python"]), "EnvReset.tools is not a list of ToolSpec"),  # type: ignore[list-item]
+        (EnvReset([{"role": "user"}]), "EnvReset.messages[0] is not a chat message"),
+        (None, "reset returned NoneType, not EnvReset"),
+    ],
+)
+def test_an_invalid_start_costs_the_episode(start: object, detail: str) -> None:
+    with pytest.raises(EpisodeFailed, match="env_invalid") as info:
+        GuardedEnv(BadStart(start)).reset(prompt("p"), 0)
+    assert detail in info.value.detail

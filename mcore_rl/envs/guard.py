@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tool_calls import ToolSpec
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep, Message
 from mcore_rl.envs.truncation import SIDES, TruncationSide, truncate
 
@@ -121,6 +122,8 @@ class GuardedEnv(Environment):
             if not isinstance(start, EnvReset):
                 raise _Invalid(f"reset returned {type(start).__name__}, not EnvReset")
             _check_messages(start.messages, "EnvReset")
+            if not isinstance(start.tools, list) or not all(isinstance(t, ToolSpec) for t in start.tools):
+                raise _Invalid("EnvReset.tools is not a list of ToolSpec")
             if not isinstance(start.state, str):
                 raise _Invalid(f"EnvReset.state is {type(start.state).__name__}, not str")
         except CallTimeout as exc:

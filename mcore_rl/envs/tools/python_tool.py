@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import threading
+import time
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -41,9 +42,12 @@ class PythonSession:
     """One sandboxed interpreter: `execute(code, timeout_s)` -> {"status", "output"}, or None when the
     sandbox has ended (its `result` says how)."""
 
-    def __init__(self, limits: Limits = SESSION_LIMITS, isolation: str = "auto") -> None:
+    def __init__(self, limits: Limits = SESSION_LIMITS, isolation: str = "auto", startup_s: float = STARTUP_S) -> None:
+        self.startup_s = startup_s
         self.requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        # (request id, reply): a reply that comes after its caller gave up is told apart by its id
+        self.replies: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self.sent = 0
         self.result: SandboxResult | None = None
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._serve, args=(limits, isolation), name="python-tool", daemon=True)
@@ -61,24 +65,36 @@ class PythonSession:
     def _converse(self, channel: Channel) -> None:
         while True:
             request = self.requests.get()
-            if request is None or not channel.send(json.dumps(request).encode() + b"\n"):
+            if request is None:
+                return
+            number = request.pop("id")
+            if not channel.send(json.dumps(request).encode() + b"\n"):
                 return
             line = channel.receive()
             if line is None:
                 return
             try:
-                self.replies.put(json.loads(line))
+                self.replies.put((number, json.loads(line)))
             except json.JSONDecodeError:
                 return
 
     def execute(self, code: str, timeout_s: float) -> dict[str, Any] | None:
+        """The cell's reply, or None: the sandbox ended, or gave no answer by `timeout_s + startup_s`."""
         if self.ended.is_set():
             return None
-        self.requests.put({"code": code, "timeout": timeout_s})
-        try:
-            return self.replies.get(timeout=timeout_s + STARTUP_S)
-        except queue.Empty:
-            return None
+        self.sent += 1
+        self.requests.put({"id": self.sent, "code": code, "timeout": timeout_s})
+        deadline = time.monotonic() + timeout_s + self.startup_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self.replies.get(timeout=left)
+            except queue.Empty:
+                return None
+            if item is None:
+                return None
+            if item[0] == self.sent:
+                return item[1]
+        return None
 
     def close(self, wait_s: float = 10.0) -> None:
         self.requests.put(None)

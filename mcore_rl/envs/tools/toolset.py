@@ -22,7 +22,7 @@ from mcore_rl.envs.guard import CallTimeout, call_with_timeout
 from mcore_rl.envs.tools.schema import unsupported, validate
 from mcore_rl.envs.truncation import SIDES, TruncationSide, truncate
 
-GRACE_S = 3.0  # beyond a call's timeout, for a tool that enforces it itself (the Python tool) to answer
+GRACE_S = 3.0  # how long past a call's timeout the toolset waits before it abandons the call (`Tool.grace_s`)
 
 
 class ToolError(Exception):
@@ -35,10 +35,11 @@ class ToolTimeout(ToolError):
 
 class Tool(ABC):
     """One tool. `run` gets arguments already checked against `spec.parameters` and the call's
-    timeout (a tool that can stop its own work at it does; the toolset abandons it `GRACE_S` later)."""
+    timeout (a tool that can stop its own work at it does; the toolset abandons it `grace_s` later)."""
 
     spec: ToolSpec
     timeout_s: float | None = None  # this tool's timeout; None: `ToolLimits.timeout_s`
+    grace_s: float = GRACE_S  # how long past the timeout the toolset waits before it abandons the call
 
     @abstractmethod
     def run(self, arguments: dict[str, Any], timeout_s: float) -> str: ...
@@ -139,7 +140,7 @@ class Toolset:
     def _answer(self, out: ToolRun, tool: Tool, call: ToolCall) -> str:
         timeout = tool.timeout_s or self.limits.timeout_s
         try:
-            text = call_with_timeout(lambda: tool.run(call.arguments, timeout), timeout + GRACE_S, call.name)
+            text = call_with_timeout(lambda: tool.run(call.arguments, timeout), timeout + tool.grace_s, call.name)
         except CallTimeout:
             out.count("tool_timeout")
             return f"error: {call.name} timed out after {timeout:g} s"
