@@ -80,6 +80,7 @@ class Sleepy(Tool):
     """A tool that ignores its timeout (a hung library call)."""
 
     spec = ToolSpec("sleepy", parameters={"type": "object", "properties": {}})
+    grace_s = 0.1
 
     def __init__(self) -> None:
         self.release = threading.Event()
