@@ -15,12 +15,18 @@ Cases (each timed as wall time around the call, in this process):
 
 The cases are run round-robin, one sample each per round, so background load hits them alike;
 printed: median and min..max over rounds, in milliseconds.
+
+    python tools/bench_env_overhead.py --sessions 4    # memory of 4 live Python-tool interpreters
+
+`--sessions N` instead starts N Python tools, runs a cell in each and prints their processes'
+proportional set size (PSS, shared pages split between the processes that share them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import warnings
@@ -72,11 +78,52 @@ def game_step(name: str, move: str, guarded: bool = False) -> Callable[[], Calla
     return setup
 
 
+def _descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = {int(k) for k in f.read().split()}
+            except OSError:
+                continue
+            todo += sorted(kids - out)
+            out |= kids
+    return out
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def sessions_memory(n: int) -> None:
+    tools = [PythonTool() for _ in range(n)]
+    try:
+        for tool in tools:
+            tool.run({"code": "x = 1"}, 30.0)
+        procs = _descendants(os.getpid())
+        total = sum(_pss_kb(p) for p in procs) / 1024
+        print(f"{n} interpreters: {len(procs)} processes, PSS {total:.1f} MiB ({total / n:.1f} MiB each)")
+    finally:
+        for tool in tools:
+            tool.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default="")
+    ap.add_argument("--sessions", type=int, default=0)
     args = ap.parse_args()
+    if args.sessions:
+        sessions_memory(args.sessions)
+        return
 
     calculator, search = Toolset([Calculator()]), Toolset([Search()])
     python = PythonTool()
