@@ -11,7 +11,9 @@ Cases (each timed as wall time around the call, in this process):
 * `python.first_call`: a new `PythonTool` and its first cell (`x = 1`) — the sandbox's start;
 * `python.call`: a later cell (`x += 1; x`) in the running interpreter;
 * `code_repair.step[tiny_code]`: one attempt checked by the sandboxed code checker;
-* `guarded.step`: `guess_number.step` behind `GuardedEnv` (the guard's thread and checks).
+* `guarded.step`: `guess_number.step` behind `GuardedEnv` (the guard's thread and checks);
+* `process_env.start`: `make_process_env("guess_number")` and its close (a child interpreter);
+* `process_env.step`: `guess_number.step` in that child (a pickled round trip).
 
 The cases are run round-robin, one sample each per round, so background load hits them alike;
 printed: median and min..max over rounds, in milliseconds.
@@ -37,6 +39,7 @@ from mcore_rl.data.tool_calls import ParsedTurn, ToolCall
 from mcore_rl.envs import env_prompts, make_env
 from mcore_rl.envs.base import AgentAction
 from mcore_rl.envs.guard import GuardedEnv
+from mcore_rl.envs.process import make_process_env
 from mcore_rl.envs.tools import Toolset
 from mcore_rl.envs.tools.calculator import Calculator
 from mcore_rl.envs.tools.python_tool import PythonTool
@@ -145,7 +148,23 @@ def main() -> None:
 
         return call
 
+    def process_start() -> Callable[[], object]:
+        return lambda: make_process_env("guess_number").close()
+
+    def process_step() -> Callable[[], object]:
+        env = make_process_env("guess_number")
+        env.reset(first_prompt("guess_number"), 0)
+
+        def call() -> object:
+            out = env.step(act("8"))
+            env.close()
+            return out
+
+        return call
+
     cases: dict[str, Callable[[], Callable[[], object]]] = {
+        "process_env.start": process_start,
+        "process_env.step": process_step,
         "guess_number.step": game_step("guess_number", "8"),
         "guarded.step": game_step("guess_number", "8", guarded=True),
         "frozen_lake.step": game_step("frozen_lake", "right"),
