@@ -4,6 +4,9 @@ not abandoned. The misbehaving environments are real registered environments run
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -115,3 +118,27 @@ def test_a_crashing_environment_costs_its_episode() -> None:
     out = env.step(act("crash"))
     assert out.done and out.info["end_reason"] == "env_error"
     assert "EnvProcessError: the environment's process exited with status 7" in out.info["end_detail"]
+
+
+def test_the_child_dies_with_its_sigkilled_owner() -> None:
+    script = (
+        "from mcore_rl.envs.process import make_process_env\n"
+        "env = make_process_env('guess_number')\n"
+        "print(env.proc.pid, flush=True)\n"
+        "import time\ntime.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        child = int(owner.stdout.readline())
+        assert alive(child)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
