@@ -25,6 +25,7 @@ import select
 import signal
 import sys
 import traceback
+from typing import Any, BinaryIO
 
 OUTPUT_CAP = 16384
 HARD_KILL_AFTER_S = 1.0
@@ -36,13 +37,14 @@ class CellTimeout(BaseException):
 
 
 class CappedText(io.TextIOBase):
-    def __init__(self, cap):
-        self.parts, self.size, self.dropped, self.cap = [], 0, 0, cap
+    def __init__(self, cap: int) -> None:
+        self.parts: list[str] = []
+        self.size, self.dropped, self.cap = 0, 0, cap
 
-    def writable(self):
+    def writable(self) -> bool:
         return True
 
-    def write(self, text):
+    def write(self, text: str) -> int:
         room = self.cap - self.size
         if room > 0:
             self.parts.append(text[:room])
@@ -50,14 +52,14 @@ class CappedText(io.TextIOBase):
         self.dropped += max(0, len(text) - max(room, 0))
         return len(text)
 
-    def value(self):
+    def value(self) -> str:
         text = "".join(self.parts)
         if self.dropped:
             text += f"\n[...{self.dropped} more characters of output dropped]"
         return text
 
 
-def run_cell(code, scope, timeout):
+def run_cell(code: str, scope: dict[str, Any], timeout: float) -> tuple[str, str]:
     """(status, output) of one cell run in `scope`."""
     out = CappedText(OUTPUT_CAP)
     status = "ok"
@@ -66,9 +68,11 @@ def run_cell(code, scope, timeout):
     signal.setitimer(signal.ITIMER_REAL, max(timeout, 0.001))
     try:
         tree = ast.parse(code, "<cell>", "exec")
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        last: ast.Expression | None = None
+        final = tree.body[-1] if tree.body else None
+        if isinstance(final, ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(final.value)
         exec(compile(tree, "<cell>", "exec"), scope)
         if last is not None:
             value = eval(compile(last, "<cell>", "eval"), scope)
@@ -93,15 +97,15 @@ def run_cell(code, scope, timeout):
     return status, out.value()
 
 
-def worker(requests, replies):
-    def alarm(signum, frame):
+def worker(requests: int, replies: int) -> None:
+    def alarm(signum: int, frame: Any) -> None:
         raise CellTimeout()
 
     signal.signal(signal.SIGALRM, alarm)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    scope: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     reader = os.fdopen(requests, "r", encoding="utf-8")
     for line in reader:
         request = json.loads(line)
@@ -110,7 +114,7 @@ def worker(requests, replies):
     os._exit(0)
 
 
-def start_worker():
+def start_worker() -> tuple[int, int, BinaryIO]:
     to_worker_r, to_worker_w = os.pipe()
     from_worker_r, from_worker_w = os.pipe()
     pid = os.fork()
@@ -127,20 +131,20 @@ def start_worker():
     return pid, to_worker_w, os.fdopen(from_worker_r, "rb")
 
 
-def stop_worker(pid, *fds):
+def stop_worker(pid: int, to_worker: int, from_worker: BinaryIO) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         os._exit(3)  # signals refused here: end the whole sandbox (the caller starts a fresh one)
     os.waitpid(pid, 0)
-    for f in fds:
+    for close in (lambda: os.close(to_worker), from_worker.close):
         try:
-            f.close() if hasattr(f, "close") else os.close(f)
+            close()
         except OSError:
             pass
 
 
-def main():
+def main() -> None:
     channel = os.fdopen(CHANNEL, "rb", buffering=0)
     pid, to_worker, from_worker = start_worker()
     buffered = b""
