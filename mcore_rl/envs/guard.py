@@ -38,9 +38,11 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class EnvGuards:
-    """Limits on one episode's environment. `max_turns` 0: the environment decides alone."""
+    """Limits on one episode's environment. `max_turns` 0: the environment decides alone.
+    `step_timeout_s` bounds a whole step, tool calls included: an environment with tools needs more than
+    its calls per turn times their timeout, plus a sandbox's start (`reasoning_tools`' defaults: 4 x 10 s)."""
 
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = 120.0
     max_turns: int = 0
     max_observation_chars: int = 8192
     truncate_side: TruncationSide = "right"
