@@ -9,10 +9,11 @@ import pytest
 
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tool_calls import ParsedTurn, ToolCall, parse_tool_calls, render_tool_calls
-from mcore_rl.envs import env_entry, env_names, env_prompts, make_env
+from mcore_rl.envs import env_entry, env_names, env_options, env_prompts, make_env
 from mcore_rl.envs.base import AgentAction, Environment
-from mcore_rl.envs.guard import GuardedEnv
+from mcore_rl.envs.guard import EnvGuards, GuardedEnv
 from mcore_rl.envs.gym_text import parse_action
+from mcore_rl.envs.tools import ToolLimits
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -209,3 +210,11 @@ def test_reasoning_tools_from_the_model_familys_own_text(arithmetic: Prompt, fmt
     answer = f"The result is <answer>{round(float(value))}</answer>"
     final = env.step(AgentAction(answer, parse_tool_calls(answer, fmt)))
     assert final.done and final.reward == 1.0
+
+
+def test_the_default_step_timeout_fits_a_turn_of_tool_calls() -> None:
+    """A turn of reasoning_tools may make `max_calls_per_turn` calls of `tool_timeout_s` each, after a
+    sandbox start: the guard's default must not cut such a turn."""
+    options = env_options("reasoning_tools")
+    worst = ToolLimits().max_calls_per_turn * options.tool_timeout_s + 10.0  # a start under load: up to 8 s seen
+    assert EnvGuards().step_timeout_s > worst
