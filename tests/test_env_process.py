@@ -100,8 +100,8 @@ def spinning() -> ProcessEnv:
 def test_a_step_stuck_in_c_code_is_killed_not_abandoned() -> None:
     inner = spinning()
     pid = inner.proc.pid
+    inner.reset(Prompt(0, "go", [], None), 0)  # outside the guard: only the step is timed
     env = GuardedEnv(inner, EnvGuards(step_timeout_s=1.0))
-    env.reset(Prompt(0, "go", [], None), 0)
     t0 = time.monotonic()
     out = env.step(act("spin"))
     assert out.done and out.info["end_reason"] == "env_timeout"
