@@ -140,7 +140,12 @@ class RoutingTap:
         self.forced: torch.Tensor | None = None
 
     def dispatch(
-        self, tokens: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module], topk: int, norm_topk_prob: bool
+        self,
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        experts: nn.ModuleList | Sequence[nn.Module],
+        topk: int,
+        norm_topk_prob: bool,
     ) -> torch.Tensor:
         out, idx = moe_dispatch(tokens, logits, experts, topk, norm_topk_prob, self.forced)
         self.routed = idx if self.record else None

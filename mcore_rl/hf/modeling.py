@@ -82,7 +82,7 @@ from .rope import rope_inv_freq, rope_scaling_of
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
 except ImportError:  # pragma: no cover - transformers 4.x
-    from torch.nn import init as _init
+    from torch.nn import init as _init  # type: ignore[no-redef]  # the same functions under torch's module
 
 
 # The cache field is called `cache`, as in transformers>=5 outputs (whose ModelOutput renames a
@@ -301,8 +301,8 @@ class McoreRLPreTrainedModel(PreTrainedModel):
             _init.ones_(module.weight)
         elif isinstance(module, AttnResMixer):  # zero pseudo-queries: uniform depth weights
             _init.zeros_(module.query)
-        elif hasattr(module, "init_reference_weights"):  # a family's own module (e.g. a router's expert bias)
-            module.init_reference_weights(_init, std)
+        elif callable(own_init := getattr(module, "init_reference_weights", None)):  # a family's own module
+            own_init(_init, std)
 
 
 class McoreRLModel(McoreRLPreTrainedModel):
