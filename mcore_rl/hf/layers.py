@@ -85,7 +85,7 @@ def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.
 def moe_dispatch(
     tokens: torch.Tensor,
     logits: torch.Tensor,
-    experts: Sequence[nn.Module],
+    experts: nn.ModuleList | Sequence[nn.Module],
     topk: int,
     norm_topk_prob: bool,
     forced: torch.Tensor | None = None,
