@@ -16,8 +16,8 @@ import torch
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf import (
-    McoreRLQwen3Config,
-    Qwen3ReferenceForCausalLM,
+    McoreRLConfig,
+    McoreRLForCausalLM,
     hf_config_from_model_config,
     model_config_from_hf_config,
     to_stock_hf_config,
@@ -27,7 +27,7 @@ from mcore_rl.hf.attn_res import AttnResMixer, block_index, block_starts, num_so
 VOCAB = 100
 
 
-def tiny_config(**kw) -> McoreRLQwen3Config:
+def tiny_config(**kw) -> McoreRLConfig:
     base = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -38,13 +38,13 @@ def tiny_config(**kw) -> McoreRLQwen3Config:
         head_dim=16,
     )
     base.update(kw)
-    return McoreRLQwen3Config(**base)
+    return McoreRLConfig(**base)
 
 
-def make_model(cfg: McoreRLQwen3Config, seed: int = 0, query_std: float = 0.5) -> Qwen3ReferenceForCausalLM:
+def make_model(cfg: McoreRLConfig, seed: int = 0, query_std: float = 0.5) -> McoreRLForCausalLM:
     """Random weights, non-trivial norms and (unless query_std=0) non-zero pseudo-queries."""
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(cfg).eval()
+    model = McoreRLForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".query"):
@@ -207,12 +207,12 @@ def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
     assert (back.attn_res, back.attn_res_num_blocks) == ("block", 3)
     with pytest.raises(ValueError, match="AttnRes"):
         to_stock_hf_config(hf)
-    fresh = Qwen3ReferenceForCausalLM(hf)  # paper: pseudo-queries start at zero (uniform weights)
+    fresh = McoreRLForCausalLM(hf)  # paper: pseudo-queries start at zero (uniform weights)
     queries = [p for n, p in fresh.named_parameters() if n.endswith(".query")]
     assert len(queries) == 2 * 2 + 1 and all(bool((q == 0).all()) for q in queries)
     model = make_model(hf)
     model.save_pretrained(tmp_path)
-    loaded = Qwen3ReferenceForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = McoreRLForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.attn_res == "block" and loaded.config.attn_res_num_blocks == 3
     x = ids()
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)

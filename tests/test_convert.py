@@ -131,14 +131,14 @@ def test_reference_without_qk_norm_is_stock_llama() -> None:
     """The reference model (embedded engine, remote-code export) runs Llama checkpoints too."""
     from transformers import LlamaForCausalLM
 
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config, to_stock_hf_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config, to_stock_hf_config
     from mcore_rl.convert import model_config_from_hf
 
     torch.manual_seed(0)
     stock = LlamaForCausalLM(_stock_config("llama")).eval()
     cfg = hf_config_from_model_config(model_config_from_hf(stock.config))
     assert cfg.use_qk_norm is False and type(to_stock_hf_config(cfg)).__name__ == "LlamaConfig"
-    ref = Qwen3ReferenceForCausalLM(cfg).eval()
+    ref = McoreRLForCausalLM(cfg).eval()
     ref.load_state_dict(stock.state_dict(), strict=True)  # same names, no q_norm / k_norm
     with torch.no_grad():
         torch.testing.assert_close(ref(_tokens()).logits, stock(_tokens()).logits, atol=1e-5, rtol=0)
@@ -266,7 +266,7 @@ _LOAD_WITHOUT_MCORE_RL = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     export, tokens, out = sys.argv[1:4]
     model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3ReferenceForCausalLM", type(model)
+    assert type(model).__name__ == "McoreRLForCausalLM", type(model)
     assert not [m for m in sys.modules if m.split(".")[0] in ("mcore_rl", "megatron")]
     with torch.no_grad():
         torch.save(model(torch.load(tokens)).logits, out)
@@ -303,10 +303,10 @@ def _remote_logits(export, tokens: torch.Tensor, tmp_path) -> torch.Tensor:
 
 
 def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
     _randomize(model)
     state = model.state_dict()
     if mc.tie_word_embeddings:
@@ -349,18 +349,18 @@ def _reference_supports(case: str) -> bool:
 @pytest.mark.slow
 def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
     """Export from HF-named weights (no megatron): config, auto_map, code files, logits."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.convert import write_hf_checkpoint
 
     mc = REMOTE_CASES["shared_expert_no_qk_norm"]
     state = _reference_state(mc)
     assert write_hf_checkpoint(state, mc, str(tmp_path / "export")) == "remote"
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["model_type"] == "mcore_rl_qwen3" and config["use_qk_norm"] is False
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.Qwen3ReferenceForCausalLM"
-    assert config["auto_map"]["AutoModel"] == "modeling.Qwen3ReferenceModel"
+    assert config["model_type"] == "mcore_rl" and config["use_qk_norm"] is False
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.McoreRLForCausalLM"
+    assert config["auto_map"]["AutoModel"] == "modeling.McoreRLModel"
     assert (tmp_path / "export" / "modeling.py").exists()
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).eval()
     model.load_state_dict(state)
     x = _tokens()
     with torch.no_grad():

@@ -115,11 +115,11 @@ def _tokens() -> torch.Tensor:
 
 def _reference_of_stock(stock: torch.nn.Module):
     from mcore_rl.convert import model_config_from_hf
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.hf.modeling import from_stock_state_dict
 
     mc = model_config_from_hf(stock.config)
-    ours = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().eval()
+    ours = McoreRLForCausalLM(hf_config_from_model_config(mc)).float().eval()
     ours.load_state_dict(from_stock_state_dict(stock.state_dict(), ours.config), strict=True)
     return mc, ours
 
@@ -188,10 +188,10 @@ def test_embedded_engine_serves_deepseek_v3_like_the_reference() -> None:
     from mcore_rl.hf import hf_config_from_model_config
     from tests.test_engine_core import PROMPTS, assert_matches_reference, make_engine, req, run
 
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM
+    from mcore_rl.hf import McoreRLForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(dataclasses.replace(DSV3, vocab_size=384)))
+    model = McoreRLForCausalLM(hf_config_from_model_config(dataclasses.replace(DSV3, vocab_size=384)))
     _randomize(model)
     ref = copy.deepcopy(model).eval()
     engine = make_engine(model)
@@ -286,10 +286,10 @@ def test_bf16_export_keeps_the_router_in_fp32(tmp_path) -> None:
     from transformers import DeepseekV3ForCausalLM
 
     from mcore_rl.convert import write_hf_checkpoint
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from tests.test_convert import _load_tensors
 
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(DSV3))
+    model = McoreRLForCausalLM(hf_config_from_model_config(DSV3))
     assert write_hf_checkpoint(model.state_dict(), DSV3, str(tmp_path), torch.bfloat16) == "deepseek_v3"
     tensors = _load_tensors(tmp_path)
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32

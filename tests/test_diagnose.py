@@ -66,7 +66,7 @@ def test_headroom_limits_in_alpha():
 
 def _tiny_model(seed: int = 0, layers: int = 2):
     from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(seed)
     mc = ModelConfig(
@@ -78,7 +78,7 @@ def _tiny_model(seed: int = 0, layers: int = 2):
         num_query_groups=2,
         max_position_embeddings=64,
     )
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).double().eval()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).double().eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -596,7 +596,7 @@ def _check_domain_records(recs: list[dict], domains: tuple[str, ...]) -> None:
 def _runs(rank: int, world_size: int, tmp: str) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.engine.core import EngineCore
     from mcore_rl.rollout.engine.driver import EngineDriver
     from mcore_rl.rollout.server import EngineServer, ServerThread
@@ -661,7 +661,7 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
         "logging.tensorboard=false",
     )
     core = EngineCore(
-        Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)),
+        McoreRLForCausalLM(hf_config_from_model_config(cfg.model)),
         load_tokenizer(None),
         context_length=64,
         quantization="fp8",

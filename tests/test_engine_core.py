@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.hf import McoreRLQwen3Config, Qwen3ReferenceForCausalLM
+from mcore_rl.hf import McoreRLConfig, McoreRLForCausalLM
 from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.fp8 import (
     FP8_DTYPE,
@@ -25,7 +25,7 @@ from mcore_rl.rollout.engine.sampling import SamplingParams
 TOK = load_tokenizer(None)
 
 
-def tiny_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
+def tiny_model(seed: int = 0, **kw) -> McoreRLForCausalLM:
     base = dict(
         vocab_size=384,
         hidden_size=64,
@@ -39,7 +39,7 @@ def tiny_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, input-dependent distributions, so that
     # greedy/sampled tokens actually exercise the model rather than near-uniform noise.
-    return Qwen3ReferenceForCausalLM(McoreRLQwen3Config(initializer_range=0.2, **base))
+    return McoreRLForCausalLM(McoreRLConfig(initializer_range=0.2, **base))
 
 
 def make_engine(model=None, **kw) -> EngineCore:
@@ -73,7 +73,7 @@ def req(rid: str, prompt, logprobs: bool = True, **sp) -> Request:
 
 
 @torch.no_grad()
-def ref_logprobs(model: Qwen3ReferenceForCausalLM, ids: list[int]) -> torch.Tensor:
+def ref_logprobs(model: McoreRLForCausalLM, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1, from one full forward of the reference model (no cache)."""
     logits = model(torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits[:-1], dim=-1)
@@ -492,7 +492,7 @@ ARCHS = {
 }
 
 
-def arch_model(seed: int = 0, **kw) -> Qwen3ReferenceForCausalLM:
+def arch_model(seed: int = 0, **kw) -> McoreRLForCausalLM:
     """`tiny_model` with AttnRes pseudo-queries and key norms made non-trivial (they start at zero
     and one: uniform depth weights)."""
     model = tiny_model(seed, **kw)
@@ -698,7 +698,7 @@ def test_activation_fp8_groups():
     assert not torch.equal(y, x)
 
 
-def fp8_emulated_reference(model: Qwen3ReferenceForCausalLM) -> Qwen3ReferenceForCausalLM:
+def fp8_emulated_reference(model: McoreRLForCausalLM) -> McoreRLForCausalLM:
     """The reference model with what FP8 mode changes done by hand: quantized-dequantized weights
     and e4m3-rounded inputs for every decoder Linear except the MoE router."""
     emu = copy.deepcopy(model).eval()
@@ -1087,7 +1087,7 @@ def test_context_length_defaults_to_the_models_and_the_source_model_type_is_kept
     assert e.context_length == 3000
     assert (e.hf_model_type, e.hf_architectures) == ("llama", ["LlamaForCausalLM"])
     demo = EngineCore.from_model_path(None)
-    assert demo.context_length == 2048 and demo.hf_model_type == "mcore_rl_qwen3"
+    assert demo.context_length == 2048 and demo.hf_model_type == "mcore_rl"
 
 
 # --- the bounded KV pool ------------------------------------------------------------------------

@@ -84,11 +84,11 @@ def engines():
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.config.schema import ModelConfig
 
     torch.manual_seed(seed)
-    return list(Qwen3ReferenceForCausalLM(hf_config_from_model_config(ModelConfig())).state_dict().items())
+    return list(McoreRLForCausalLM(hf_config_from_model_config(ModelConfig())).state_dict().items())
 
 
 def _versions(urls: list[str]) -> list[str]:

@@ -38,11 +38,11 @@ def pair(tmp_path_factory):
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     """Weights for MODEL's shapes, initialised wide enough (std 0.2) for peaked distributions."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(seed)
     wide = ModelConfig(init_method_std=0.2)
-    return list(Qwen3ReferenceForCausalLM(hf_config_from_model_config(wide)).state_dict().items())
+    return list(McoreRLForCausalLM(hf_config_from_model_config(wide)).state_dict().items())
 
 
 def _sync(pool: HTTPEnginePool, shm: str, version: int) -> None:

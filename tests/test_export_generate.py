@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.convert.to_hf import REMOTE, write_hf_checkpoint
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout.engine.core import EngineCore, Request
 from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -32,7 +32,7 @@ def export(mc: ModelConfig, path: str) -> str:
     cfg = hf_config_from_model_config(mc)
     cfg.initializer_range = 0.2  # peaked, input-dependent distributions (greedy ties are unlikely)
     torch.manual_seed(0)
-    model = Qwen3ReferenceForCausalLM(cfg)
+    model = McoreRLForCausalLM(cfg)
     return write_hf_checkpoint(model.state_dict(), mc, path, torch.float32)
 
 
@@ -44,7 +44,7 @@ def load_export(path: str, kind: str):
         return AutoModelForCausalLM.from_pretrained(path).eval()
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    cls = get_class_from_dynamic_module("modeling.Qwen3ReferenceForCausalLM", path)
+    cls = get_class_from_dynamic_module("modeling.McoreRLForCausalLM", path)
     assert cls.__module__.startswith("transformers_modules")  # the export's code, not mcore_rl's
     return cls.from_pretrained(path).eval()
 
@@ -65,7 +65,7 @@ def test_generate_matches_engine(case: str, tmp_path) -> None:
     kind = export(CASES[case], str(tmp_path))
     assert (kind == REMOTE) == (case == "attn_res")
     hf = load_export(str(tmp_path), kind)
-    assert type(hf).__name__ == ("Qwen3ReferenceForCausalLM" if kind == REMOTE else "Qwen3ForCausalLM")
+    assert type(hf).__name__ == ("McoreRLForCausalLM" if kind == REMOTE else "Qwen3ForCausalLM")
     engine = EngineCore.from_model_path(str(tmp_path), context_length=64)
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
 
@@ -191,7 +191,7 @@ def test_generate_with_a_sliding_window_and_latent_attention_equals_full_forward
     import dataclasses
 
     from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     base = ModelConfig(
         vocab_size=96, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2
@@ -224,7 +224,7 @@ def test_generate_with_a_sliding_window_and_latent_attention_equals_full_forward
     ]
     for mc in cases:
         torch.manual_seed(0)
-        model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+        model = McoreRLForCausalLM(hf_config_from_model_config(mc)).eval()
         ids = torch.randint(0, mc.vocab_size, (1, 5))
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)

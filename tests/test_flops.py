@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.models.flops import forward_flops_per_token, mfu, train_flops_per_token
 
 CONFIGS = {
@@ -36,7 +36,7 @@ def test_matmul_flops_match_torch_flop_counter(name: str) -> None:
     forward must agree (non-causal: torch counts SDPA over the full square)."""
     mc = CONFIGS[name]
     torch.manual_seed(0)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).eval()
     seq = 16
     ids = torch.randint(0, mc.vocab_size, (1, seq))
     with FlopCounterMode(display=False) as counter, torch.no_grad():

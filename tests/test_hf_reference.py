@@ -10,8 +10,8 @@ from transformers import DynamicCache
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf import (
-    McoreRLQwen3Config,
-    Qwen3ReferenceForCausalLM,
+    McoreRLConfig,
+    McoreRLForCausalLM,
     from_stock_state_dict,
     hf_config_from_model_config,
     model_config_from_hf_config,
@@ -32,7 +32,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_config(**kw) -> McoreRLQwen3Config:
+def tiny_config(**kw) -> McoreRLConfig:
     base = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -44,17 +44,17 @@ def tiny_config(**kw) -> McoreRLQwen3Config:
         rope_theta=10000.0,
     )
     base.update(kw)
-    return McoreRLQwen3Config(**base)
+    return McoreRLConfig(**base)
 
 
-def moe_config(**kw) -> McoreRLQwen3Config:
+def moe_config(**kw) -> McoreRLConfig:
     return tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, **kw)
 
 
-def make_model(cfg: McoreRLQwen3Config, seed: int = 0) -> Qwen3ReferenceForCausalLM:
+def make_model(cfg: McoreRLConfig, seed: int = 0) -> McoreRLForCausalLM:
     """Model with non-trivial norms and a router sharp enough for routing modes to differ."""
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(cfg).eval()
+    model = McoreRLForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -123,7 +123,7 @@ def test_checkpoint_files_load_into_stock_and_auto_classes(tmp_path) -> None:
     ref = make_model(cfg)
     ref.save_pretrained(tmp_path / "ours")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert isinstance(again, Qwen3ReferenceForCausalLM)
+    assert isinstance(again, McoreRLForCausalLM)
     ref.save_pretrained(tmp_path / "stock")
     to_stock_hf_config(cfg).save_pretrained(tmp_path / "stock")  # overwrite config.json
     assert json.loads((tmp_path / "stock" / "config.json").read_text())["model_type"] == "qwen3_moe"
@@ -165,7 +165,7 @@ def test_shared_expert_is_added_ungated() -> None:
 
 
 @pytest.mark.parametrize("cfg", [tiny_config(), moe_config()], ids=["dense", "moe"])
-def test_kv_cache_decode_equals_full_forward(cfg: McoreRLQwen3Config) -> None:
+def test_kv_cache_decode_equals_full_forward(cfg: McoreRLConfig) -> None:
     model = make_model(cfg)
     x = ids(b=2, s=8)
     with torch.no_grad():
@@ -183,7 +183,7 @@ def test_kv_cache_decode_equals_full_forward(cfg: McoreRLQwen3Config) -> None:
 
 
 @pytest.mark.parametrize("cfg", [tiny_config(), moe_config()], ids=["dense", "moe"])
-def test_packed_documents_equal_separate_runs(cfg: McoreRLQwen3Config) -> None:
+def test_packed_documents_equal_separate_runs(cfg: McoreRLConfig) -> None:
     model = make_model(cfg)
     a, b = ids(b=1, s=4, seed=2), ids(b=1, s=5, seed=3)
     packed = torch.cat((a, b), dim=1)

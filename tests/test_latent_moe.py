@@ -38,7 +38,7 @@ def _report_tool():
 
 
 def hf_cfg(**kw):
-    from mcore_rl.hf import McoreRLQwen3Config
+    from mcore_rl.hf import McoreRLConfig
 
     base = dict(
         vocab_size=VOCAB,
@@ -54,14 +54,14 @@ def hf_cfg(**kw):
         moe_latent_size=16,
     )
     base.update(kw)
-    return McoreRLQwen3Config(**base)
+    return McoreRLConfig(**base)
 
 
 def make_model(cfg, seed: int = 0):
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM
+    from mcore_rl.hf import McoreRLForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(cfg).eval()
+    model = McoreRLForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -223,8 +223,8 @@ def test_save_and_load_pretrained_including_remote_code(tmp_path) -> None:
 
     remote = tmp_path / "remote"
     cfg.auto_map = {
-        "AutoConfig": "configuration.McoreRLQwen3Config",
-        "AutoModelForCausalLM": "modeling.Qwen3ReferenceForCausalLM",
+        "AutoConfig": "configuration.McoreRLConfig",
+        "AutoModelForCausalLM": "modeling.McoreRLForCausalLM",
     }
     model.save_pretrained(remote)
     from transformers.dynamic_module_utils import get_relative_import_files
@@ -240,7 +240,7 @@ import sys, torch
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained({str(remote)!r}, trust_remote_code=True).eval()
 assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
-assert type(m.model.layers[0].mlp).__name__ == "Qwen3ReferenceLatentMoeBlock"
+assert type(m.model.layers[0].mlp).__name__ == "ReferenceLatentMoeBlock"
 assert "mcore_rl" not in sys.modules
 io = torch.load({str(tmp_path / "io.pt")!r})
 with torch.no_grad():

@@ -111,10 +111,10 @@ def _batches(vocab: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _reference(mc, batches):
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(1234)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:

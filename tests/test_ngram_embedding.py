@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config, model_config_from_hf_config
-from mcore_rl.hf.configuration import McoreRLQwen3Config, to_stock_hf_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
+from mcore_rl.hf.configuration import McoreRLConfig, to_stock_hf_config
 from mcore_rl.hf.ngram import McoreRLNgramEmbeddings, NgramKVCache, ngram_hash_ids, sliced_lookup
 
 VOCAB = 100
@@ -91,10 +91,10 @@ def test_modulus_coprime_with_vocab():
         ngram_num_slices=1,
     )
     with pytest.warns(UserWarning, match="ngram_table_size=20 shares the factor 10"):
-        McoreRLNgramEmbeddings(McoreRLQwen3Config(**cfg, ngram_table_size=20))
+        McoreRLNgramEmbeddings(McoreRLConfig(**cfg, ngram_table_size=20))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        McoreRLNgramEmbeddings(McoreRLQwen3Config(**cfg, ngram_table_size=21))
+        McoreRLNgramEmbeddings(McoreRLConfig(**cfg, ngram_table_size=21))
 
 
 def test_ids_never_cross_documents():
@@ -137,7 +137,7 @@ def test_sliced_table_identities():
 # ---------------------------------------------------------------------------------- reference
 
 
-def _hf_config(**kw) -> McoreRLQwen3Config:
+def _hf_config(**kw) -> McoreRLConfig:
     base = dict(
         vocab_size=VOCAB,
         hidden_size=48,
@@ -150,12 +150,12 @@ def _hf_config(**kw) -> McoreRLQwen3Config:
         ngram_num_slices=2,
     )
     base.update(kw)
-    return McoreRLQwen3Config(**base)
+    return McoreRLConfig(**base)
 
 
-def _model(cfg: McoreRLQwen3Config, seed: int = 0) -> Qwen3ReferenceForCausalLM:
+def _model(cfg: McoreRLConfig, seed: int = 0) -> McoreRLForCausalLM:
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(cfg).eval()
+    model = McoreRLForCausalLM(cfg).eval()
     with torch.no_grad():  # n-gram tables as large as the token embedding, so they matter
         for p in model.model.ngram_embeddings.parameters():
             p.normal_(0.0, 0.3)
@@ -240,7 +240,7 @@ def test_packed_documents_and_left_padding():
 def test_save_load_and_config_round_trip(tmp_path):
     model = _model(_hf_config(), seed=3)
     model.save_pretrained(tmp_path)
-    loaded = Qwen3ReferenceForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = McoreRLForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.ngram_orders == [2, 3] and loaded.config.ngram_table_size == 97
     x = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
@@ -334,7 +334,7 @@ def _packed_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
 def _reference_packed(mc: ModelConfig, batches):
     """Loss, HF state and HF gradients of the global token-mean loss on packed rows."""
     torch.manual_seed(1234)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:

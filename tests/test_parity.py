@@ -51,10 +51,10 @@ def _global_batch(vocab: int) -> list[dict[str, torch.Tensor]]:
 
 def _reference(mc: ModelConfig, batches: list[dict[str, torch.Tensor]]):
     """Loss and HF-named gradients of the objective megatron-core optimises (see below)."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(1234)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
     with torch.no_grad():  # non-trivial norm weights so their gradients are tested too
         for name, p in model.named_parameters():
             if p.ndim == 1:

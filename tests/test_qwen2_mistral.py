@@ -74,10 +74,10 @@ def _stock_model(kind: str, vocab: int = VOCAB, seed: int = 0, **overrides):
 
 def _reference_of(stock):
     from mcore_rl.convert import model_config_from_hf
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, from_stock_state_dict, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, from_stock_state_dict, hf_config_from_model_config
 
     cfg = hf_config_from_model_config(model_config_from_hf(stock.config))
-    ref = Qwen3ReferenceForCausalLM(cfg).eval()
+    ref = McoreRLForCausalLM(cfg).eval()
     ref.load_state_dict(from_stock_state_dict(stock.state_dict(), cfg), strict=True)
     return ref
 

@@ -58,7 +58,7 @@ def tiny_hf_model(tmp_path_factory):
     import torch
 
     from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     path = str(tmp_path_factory.mktemp("hf_model"))
     torch.manual_seed(0)
@@ -71,7 +71,7 @@ def tiny_hf_model(tmp_path_factory):
         num_query_groups=2,
         max_position_embeddings=64,
     )
-    Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
+    McoreRLForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
     return path
 
 

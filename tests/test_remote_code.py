@@ -55,7 +55,7 @@ def test_remote_code_exports_load_without_mcore_rl_or_megatron(tmp_path) -> None
     """LatentMoE, AttnRes and n-gram exports (tiny, HF-named weights, the real exporter) load with
     `trust_remote_code=True` and give the reference model's logits, with nothing of either package."""
     from mcore_rl.convert import write_hf_checkpoint
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     x = _tokens()
     exports, want = {}, {}
@@ -64,7 +64,7 @@ def test_remote_code_exports_load_without_mcore_rl_or_megatron(tmp_path) -> None
         state = _reference_state(mc)
         exports[case] = str(tmp_path / case)
         assert write_hf_checkpoint(state, mc, exports[case]) == "remote"
-        model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+        model = McoreRLForCausalLM(hf_config_from_model_config(mc)).eval()
         model.load_state_dict(state)
         with torch.no_grad():
             want[case] = model(x).logits

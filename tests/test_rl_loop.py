@@ -335,7 +335,7 @@ def test_three_step_end_to_end_run_and_resume(tmp_path):
 def _http(rank: int, world_size: int, tmp: str) -> None:
     """The engine-URL path: a `mcore-rl serve`-style server (FP8) in this process, weights synced
     over `/update_weights_from_tensor`, rollouts over `/generate`."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.engine.driver import EngineDriver
     from mcore_rl.rollout.engine.core import EngineCore
     from mcore_rl.rollout.server import EngineServer, ServerThread
@@ -343,7 +343,7 @@ def _http(rank: int, world_size: int, tmp: str) -> None:
 
     cfg = tiny(f"run_dir={tmp}/http", "train.num_steps=2", "eval.interval=0", "eval.at_start=false")
     core = EngineCore(
-        Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)),
+        McoreRLForCausalLM(hf_config_from_model_config(cfg.model)),
         load_tokenizer(None),
         context_length=64,
         quantization="fp8",

@@ -105,7 +105,7 @@ STOCK_CASES = {
 @pytest.mark.parametrize("case", list(STOCK_CASES))
 def test_reference_logits_equal_stock_transformers(case) -> None:
     from mcore_rl.convert import export_kind, model_config_from_hf
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.hf.configuration import to_stock_hf_config
 
     kind, scaling = STOCK_CASES[case]
@@ -119,7 +119,7 @@ def test_reference_logits_equal_stock_transformers(case) -> None:
     ids = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(5))  # 4x the original context
     logits = {}
     for name, m in [("scaled", mc), ("plain", dataclasses.replace(mc, rope_scaling=RopeScalingConfig()))]:
-        ref = Qwen3ReferenceForCausalLM(hf_config_from_model_config(m)).eval()
+        ref = McoreRLForCausalLM(hf_config_from_model_config(m)).eval()
         ref.load_state_dict(stock.state_dict(), strict=True)
         with torch.no_grad():
             logits[name] = ref(ids).logits

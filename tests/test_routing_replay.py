@@ -37,10 +37,10 @@ MOE = ModelConfig(
 
 
 def _reference(mc: ModelConfig, seed: int = 1234):
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(seed)
-    return Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().eval()
+    return McoreRLForCausalLM(hf_config_from_model_config(mc)).float().eval()
 
 
 def _taps(model) -> list:

@@ -163,11 +163,11 @@ def char_code_reward(s) -> float:
 
 def write_explorer_checkpoint(path: str, seed: int = 7) -> str:
     """An HF checkpoint of the smaller model (the project's reference modeling, `save_pretrained`)."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(EXPLORER_MODEL))
+        model = McoreRLForCausalLM(hf_config_from_model_config(EXPLORER_MODEL))
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)  # peaked next-token distributions: far from the near-uniform policy's
     model.save_pretrained(path)
@@ -238,9 +238,9 @@ def test_demo_overrides_validate(tmp_path) -> None:
 
 @torch.no_grad()
 def _small_model_logp(ckpt: str, samples) -> list[torch.Tensor]:
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM
+    from mcore_rl.hf import McoreRLForCausalLM
 
-    model = Qwen3ReferenceForCausalLM.from_pretrained(ckpt).eval()
+    model = McoreRLForCausalLM.from_pretrained(ckpt).eval()
     out = []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])

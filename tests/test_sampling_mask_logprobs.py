@@ -116,7 +116,7 @@ def _engine_samples(mc):
     """Weights of a reference model; samples the embedded engine drew with top-p/top-k masks."""
     from mcore_rl.data.samples import Prompt, Sample
     from mcore_rl.data.tokenizer import load_tokenizer
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.engine.core import EngineCore, Request
     from mcore_rl.rollout.engine.sampling import SamplingParams
     from mcore_rl.runtime.rollout_manager import flat_masks
@@ -124,7 +124,7 @@ def _engine_samples(mc):
     torch.manual_seed(1234)
     hf = hf_config_from_model_config(mc)
     hf.initializer_range = 0.2  # peaked, input-dependent distributions: top-p supports of a few to many ids
-    model = Qwen3ReferenceForCausalLM(hf).float()
+    model = McoreRLForCausalLM(hf).float()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:

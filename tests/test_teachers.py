@@ -42,11 +42,11 @@ TOK = load_tokenizer(None)
 
 def write_checkpoint(path: str, seed: int, tokenizer: ByteTokenizer | None = None) -> str:
     """An HF checkpoint of the default model, weights from `seed` (and a tokenizer file, if given)."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(ModelConfig()))
+        model = McoreRLForCausalLM(hf_config_from_model_config(ModelConfig()))
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save(path)
@@ -54,9 +54,9 @@ def write_checkpoint(path: str, seed: int, tokenizer: ByteTokenizer | None = Non
 
 
 def reference_model(path: str):
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM
+    from mcore_rl.hf import McoreRLForCausalLM
 
-    return Qwen3ReferenceForCausalLM.from_pretrained(path).eval()
+    return McoreRLForCausalLM.from_pretrained(path).eval()
 
 
 @torch.no_grad()

@@ -147,9 +147,9 @@ def _check(mc: ModelConfig, padded: int) -> list:
 
 
 def _ref_logits(state: dict, mc: ModelConfig, batch: dict) -> torch.Tensor:
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc))
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc))
     model.load_state_dict(state)
     with torch.no_grad():
         return model(batch["tokens"], position_ids=batch["position_ids"]).logits.float()

@@ -19,7 +19,7 @@ import torch
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout import weight_receiver as rx
 from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.client import EngineClient, EngineHTTPError
@@ -57,9 +57,9 @@ def k3(d: torch.Tensor) -> float:
     return float((torch.exp(d) - d - 1).mean())
 
 
-def reference_model(seed: int, mc: ModelConfig = ModelConfig()) -> Qwen3ReferenceForCausalLM:
+def reference_model(seed: int, mc: ModelConfig = ModelConfig()) -> McoreRLForCausalLM:
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).eval()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).eval()
     with torch.no_grad():  # peaked distributions, so that different weights give different log-probs
         for p in model.parameters():
             p.mul_(8.0) if p.ndim == 2 else p.add_(0.3 * torch.randn_like(p))

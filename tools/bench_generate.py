@@ -6,7 +6,7 @@ several batch sizes; printed side by side with the engine/transformers ratio.
     .venv/bin/python tools/bench_generate.py                       # demo + big, batch 1/16/64
     .venv/bin/python tools/bench_generate.py --sizes big --batches 64 --rounds 5
 
-* engine: `EngineCore` (fp32) over `Qwen3ReferenceForCausalLM`; all B requests are added at once
+* engine: `EngineCore` (fp32) over `McoreRLForCausalLM`; all B requests are added at once
   and `step()` is called until they finish (prefill of the batch, then batched decode steps).
 * transformers: stock `transformers.Qwen3ForCausalLM` built from `to_stock_hf_config(config)` with
   the same state dict, `generate(input_ids, attention_mask, do_sample=False, max_new_tokens=N,
@@ -41,7 +41,7 @@ def build_models(size: str, seed: int):
 
     from mcore_rl.config.schema import ModelConfig
     from mcore_rl.hf import (
-        Qwen3ReferenceForCausalLM,
+        McoreRLForCausalLM,
         hf_config_from_model_config,
         to_stock_hf_config,
         to_stock_state_dict,
@@ -49,7 +49,7 @@ def build_models(size: str, seed: int):
 
     config = hf_config_from_model_config(ModelConfig(**SIZES[size]))
     torch.manual_seed(seed)
-    ours = Qwen3ReferenceForCausalLM(config).eval()
+    ours = McoreRLForCausalLM(config).eval()
     stock = Qwen3ForCausalLM(to_stock_hf_config(config)).eval()
     missing, unexpected = stock.load_state_dict(to_stock_state_dict(ours.state_dict(), config), strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:

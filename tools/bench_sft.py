@@ -11,7 +11,7 @@ Variants:
 * `mcore`     -- the real training step: `build_trainer` + `train_step` from `mcore_rl.train.sft`
   (megatron-core GPTModel in megatron-core DDP, its no-pipelining schedule, `ModelParallelAdamW`),
   one rank, fp32.
-* `reference` -- `Qwen3ReferenceForCausalLM` (mcore_rl.hf) with the same weights, trained on the same
+* `reference` -- `McoreRLForCausalLM` (mcore_rl.hf) with the same weights, trained on the same
   micro-batches (`SFTBatches`, same rows, same seed) with its own forward: labels already aligned,
   `loss_mask`, `position_ids` restarting per document and a block-diagonal `attention_mask`
   (True = may attend) built from `segment_ids`. The loss is megatron's objective (token-summed over
@@ -107,10 +107,10 @@ def _initial_weights(cfg) -> dict:
     """HF-named fp32 state dict of a freshly initialised reference model (seeded)."""
     import torch
 
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     torch.manual_seed(cfg.train.seed)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(cfg.model)).float()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -136,12 +136,12 @@ def build_mcore(cfg, weights: dict):
 
 
 def build_reference(cfg, weights: dict):
-    """`Qwen3ReferenceForCausalLM` with `weights` (HF names), the same batch stream as `build_trainer`
+    """`McoreRLForCausalLM` with `weights` (HF names), the same batch stream as `build_trainer`
     on one rank and the same optimizer wrapper; returns the step function (returning the loss)."""
     from mcore_rl.config import validate_sft_config
     from mcore_rl.data.sft import SFTBatches, build_sft_rows
     from mcore_rl.data.tokenizer import load_tokenizer
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.train.optimizer import build_optimizer
     from mcore_rl.train.sft import _split_eval_rows
 
@@ -149,7 +149,7 @@ def build_reference(cfg, weights: dict):
     rows = build_sft_rows(cfg.data, cfg.train.seq_length, load_tokenizer(cfg.data.tokenizer_path), cfg.train.seed)
     train_rows, _ = _split_eval_rows(rows, cfg, 1)
     batches = SFTBatches(train_rows, cfg.train.micro_batch_size, sizes.num_microbatches, 0, 1, cfg.train.seed)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(cfg.model)).float()
     model.load_state_dict(weights)
     optimizer = build_optimizer([model], cfg.optimizer, "fp32", cfg.train.train_iters)
 

@@ -90,7 +90,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from mcore_rl.config import RLConfig, load_config
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.teacher import EngineTeacher, start_teacher_engines
 
     seq = args.prompt + args.response
@@ -114,7 +114,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_teacher_")
 
     # the engine side: a checkpoint, one `mcore-rl serve` process, EngineTeacher
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model))
+    model = McoreRLForCausalLM(hf_config_from_model_config(cfg.model))
     model.save_pretrained(os.path.join(tmp, "teacher"))
     del model
     procs = start_teacher_engines(

@@ -65,13 +65,11 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def make_core(mc: ModelConfig, seed: int):
     from mcore_rl.data.tokenizer import load_tokenizer
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.engine.core import EngineCore
 
     torch.manual_seed(seed)
-    return EngineCore(
-        Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)), load_tokenizer(None), context_length=128
-    )
+    return EngineCore(McoreRLForCausalLM(hf_config_from_model_config(mc)), load_tokenizer(None), context_length=128)
 
 
 # --profile: what is timed in each process, as (module, attribute, label)

@@ -112,7 +112,7 @@ def te_parity(precision: str) -> Callable[[Context], str]:
         import torch
 
         from mcore_rl.config import ModelConfig, ParallelConfig
-        from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+        from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
         from mcore_rl.models.builder import build_model, transformer_config
         from mcore_rl.parallel.setup import set_seed
         from mcore_rl.train.weight_sync import iter_hf_weights
@@ -132,7 +132,7 @@ def te_parity(precision: str) -> Callable[[Context], str]:
         chunks = build_model(mc, pc, config=transformer_config(mc, pc, precision, "none"))
         model = chunks[0].eval()
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        ref = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).cuda().eval()
+        ref = McoreRLForCausalLM(hf_config_from_model_config(mc)).cuda().eval()
         ref.load_state_dict({k: v.float() for k, v in iter_hf_weights(chunks, mc)}, strict=True)
         ref = ref.to(dtype)
         gen = torch.Generator("cuda").manual_seed(0)

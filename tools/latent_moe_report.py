@@ -21,7 +21,7 @@ every quantity is computed twice and the two are checked against each other:
     FLOPs / token       2 * active       (forward matmuls; every active weight is used once)
     all-to-all / token  dispatch K'*l*b + combine K'*l*b   (eff: K*d*b/alpha, acc: K*d*b)
 - *measured* on the reference modules the exporter and the embedded engine use
-  (`mcore_rl.hf.latent_moe.Qwen3ReferenceLatentMoeBlock`, `Qwen3ReferenceSparseMoeBlock` for the
+  (`mcore_rl.hf.latent_moe.ReferenceLatentMoeBlock`, `ReferenceSparseMoeBlock` for the
   baseline): parameters by summing `numel` of the module built on the meta device; active
   parameters, FLOPs and dispatched elements from a real forward of T tokens — forward hooks count
   the rows each expert receives (and their width: what an all-to-all carries, once each way), and
@@ -102,11 +102,11 @@ def closed_form(
 
 def build_block(d: int, m: int, alpha: int, num_experts: int, topk: int, shared_intermediate: int = 0):
     """The reference MoE block (LatentMoE for alpha > 1, standard for alpha = 1) on the meta device."""
-    from mcore_rl.hf.configuration import McoreRLQwen3Config
-    from mcore_rl.hf.latent_moe import Qwen3ReferenceLatentMoeBlock
-    from mcore_rl.hf.modeling import Qwen3ReferenceSparseMoeBlock
+    from mcore_rl.hf.configuration import McoreRLConfig
+    from mcore_rl.hf.latent_moe import ReferenceLatentMoeBlock
+    from mcore_rl.hf.modeling import ReferenceSparseMoeBlock
 
-    cfg = McoreRLQwen3Config(
+    cfg = McoreRLConfig(
         hidden_size=d,
         intermediate_size=m,
         num_attention_heads=1,
@@ -119,8 +119,8 @@ def build_block(d: int, m: int, alpha: int, num_experts: int, topk: int, shared_
     )
     with torch.device("meta"):
         if cfg.moe_latent_size:
-            return Qwen3ReferenceLatentMoeBlock(cfg)
-        return Qwen3ReferenceSparseMoeBlock(cfg)
+            return ReferenceLatentMoeBlock(cfg)
+        return ReferenceSparseMoeBlock(cfg)
 
 
 def _materialize_cheaply(block: torch.nn.Module, seed: int) -> None:

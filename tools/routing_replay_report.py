@@ -23,7 +23,7 @@ import torch
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout.engine.core import EngineCore, Request
 from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ def measure(
 ) -> dict[str, float]:
     """Generate with an FP8 engine, score the engine's tokens with the fp32 model without and with R3."""
     torch.manual_seed(seed)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float().eval()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float().eval()
     engine = EngineCore(
         copy.deepcopy(model),
         load_tokenizer(None),

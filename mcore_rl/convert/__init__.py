@@ -22,7 +22,7 @@ checkpoint:
   `Qwen2MoeForCausalLM`, a sliding window (or a Mistral source) -> `MistralForCausalLM`;
 - everything else (LatentMoE, AttnRes, n-gram embeddings, shared experts, MoE without QK-norm, and
   any future field the stock configs cannot express) -> our remote-code model: `config.json` with
-  `model_type: mcore_rl_qwen3` and an `auto_map`, plus the modeling files of `mcore_rl/hf/` that
+  `model_type: mcore_rl` (`mcore_rl_qwen3` in exports before the rename, still read) and an `auto_map`, plus the modeling files of `mcore_rl/hf/` that
   `configuration.py` and `modeling.py` import (relative imports, followed transitively), so
   `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without mcore_rl.
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from mcore_rl.hf.families import FAMILIES
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -20,11 +22,12 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "llama",
-    "mcore_rl_qwen3",
+    "mcore_rl",
+    "mcore_rl_qwen3",  # exports written before the reference classes were renamed
     "qwen2",
     "qwen2_moe",
     "mistral",
-    "deepseek_v3",
+    *(family.stock_model_type for family in FAMILIES),
 )
 # Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).
 ASSETS_DIR = "hf_assets"
@@ -140,7 +143,7 @@ def read_hf_config(directory: str) -> PretrainedConfig:
         raise ValueError(
             f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    import mcore_rl.hf  # noqa: F401  (registers mcore_rl_qwen3 with AutoConfig)
+    import mcore_rl.hf  # noqa: F401  (registers our model_types with AutoConfig)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -168,6 +171,7 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
         problems += errors.lines
     if problems:
         raise ValueError(f"cannot convert this {model_type} checkpoint:\n  " + "\n  ".join(problems))
+    assert mc is not None  # built whenever there were no problems
     return mc
 
 

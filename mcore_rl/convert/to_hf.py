@@ -11,6 +11,7 @@ import torch
 
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
+from mcore_rl.hf.families import FAMILIES
 from mcore_rl.hf.rope import respell_rope_in_file
 from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stream_export
 from mcore_rl.convert.streaming import StreamStats
@@ -27,16 +28,16 @@ STOCK_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mistral": "MistralForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
+    **{family.stock_model_type: family.stock_class for family in FAMILIES},
 }
 REMOTE = "remote"
 REMOTE_CODE_ENTRY = ("configuration.py", "modeling.py")
-REMOTE_CONFIG_CLASS = "McoreRLQwen3Config"
-REMOTE_MODEL_CLASS = "Qwen3ReferenceForCausalLM"
-REMOTE_BASE_CLASS = "Qwen3ReferenceModel"
+REMOTE_CONFIG_CLASS = "McoreRLConfig"
+REMOTE_MODEL_CLASS = "McoreRLForCausalLM"
+REMOTE_BASE_CLASS = "McoreRLModel"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Tensors a stock class keeps in fp32 whatever the model's dtype (its `_keep_in_fp32_modules_strict`).
-FP32_TENSORS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
+FP32_TENSORS = {family.stock_model_type: family.fp32_tensors for family in FAMILIES if family.fp32_tensors}
 
 
 def tensor_dtype(hf_name: str, kind: str | None, dtype: torch.dtype) -> torch.dtype:
@@ -96,6 +97,7 @@ def export_config(
     family = (source or {}).get("model_type")
     kind = export_kind(mc, family)
     ours = hf_config_from_model_config(mc)
+    cfg: PretrainedConfig
     if kind == REMOTE:
         cfg = ours
         cfg.architectures = [REMOTE_MODEL_CLASS]

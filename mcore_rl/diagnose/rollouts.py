@@ -78,7 +78,7 @@ def check_model_dir(path: str) -> None:
 @dataclass
 class Policy:
     cfg: Any  # RLConfig
-    model: torch.nn.Module  # Qwen3ReferenceForCausalLM, fp32, eval mode
+    model: torch.nn.Module  # McoreRLForCausalLM, fp32, eval mode
     tokenizer: Any
     source: str  # what was loaded
 
@@ -98,13 +98,13 @@ def load_recipe(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def load_policy(args: argparse.Namespace) -> Policy:
     """The recipe and the model to analyse (`--model`, else the recipe's model, randomly initialised)."""
-    from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
     cfg, tokenizer = load_recipe(args)
     if args.model is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)
-            model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(cfg.model))
+            model = McoreRLForCausalLM(hf_config_from_model_config(cfg.model))
         source = f"{args.config}: model, random initialisation (seed {cfg.train.seed})"
     else:
         from mcore_rl.rollout.engine.core import EngineCore

@@ -91,7 +91,7 @@ def costates(
     """λ̂ [B, S, d]: the gradient of Σ_{b,k} mask·Â_b·log π(targets[b,k] | ids[b,:k+1]) with respect to the
     hidden states entering the last decoder layer, and the logits [B, S, V] / temperature (detached).
 
-    `model` is a `Qwen3ReferenceForCausalLM`; `mask[b, s]` marks the positions whose next token is a
+    `model` is a `McoreRLForCausalLM`; `mask[b, s]` marks the positions whose next token is a
     response token (`targets[b, s]`); `advantages` [B] is the (stop-gradient) sequence advantage.
     Right padding is harmless: a causal model's real positions never see it."""
     layers = model.model.layers

@@ -1,19 +1,20 @@
 """Pure-PyTorch reference models (Hugging Face conventions) and HF config conversions."""
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration import (
-    McoreRLQwen3Config,
+    OWN_MODEL_TYPES,
+    McoreRLConfig,
     hf_config_from_model_config,
     model_config_from_hf_config,
     to_stock_hf_config,
 )
 from .modeling import (
     KVCache,
-    Qwen3ReferenceCausalLMOutput,
-    Qwen3ReferenceForCausalLM,
-    Qwen3ReferenceModel,
-    Qwen3ReferencePreTrainedModel,
+    McoreRLCausalLMOutput,
+    McoreRLForCausalLM,
+    McoreRLModel,
+    McoreRLPreTrainedModel,
     from_stock_state_dict,
     load_balancing_loss,
     masked_token_loss,
@@ -21,18 +22,27 @@ from .modeling import (
     to_stock_state_dict,
 )
 
-# In-process registration, so AutoConfig / AutoModelForCausalLM resolve "mcore_rl_qwen3" once
-# mcore_rl.hf is imported (remote-code `auto_map` export comes with the checkpoint exporter).
-AutoConfig.register(McoreRLQwen3Config.model_type, McoreRLQwen3Config, exist_ok=True)
-AutoModelForCausalLM.register(McoreRLQwen3Config, Qwen3ReferenceForCausalLM, exist_ok=True)
+from .legacy_names import McoreRLQwen3Config, Qwen3ReferenceForCausalLM, Qwen3ReferenceModel
+
+# In-process registration, so AutoConfig / AutoModel(ForCausalLM) resolve our model_types (today's and
+# the one of exports before the rename) once mcore_rl.hf is imported (remote-code `auto_map` export
+# comes with the checkpoint exporter).
+for _config, _base, _lm in (
+    (McoreRLConfig, McoreRLModel, McoreRLForCausalLM),
+    (McoreRLQwen3Config, Qwen3ReferenceModel, Qwen3ReferenceForCausalLM),
+):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _base, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
 
 __all__ = [
     "KVCache",
-    "McoreRLQwen3Config",
-    "Qwen3ReferenceCausalLMOutput",
-    "Qwen3ReferenceForCausalLM",
-    "Qwen3ReferenceModel",
-    "Qwen3ReferencePreTrainedModel",
+    "McoreRLConfig",
+    "OWN_MODEL_TYPES",
+    "McoreRLCausalLMOutput",
+    "McoreRLForCausalLM",
+    "McoreRLModel",
+    "McoreRLPreTrainedModel",
     "from_stock_state_dict",
     "hf_config_from_model_config",
     "load_balancing_loss",

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import KVCache, Qwen3ReferenceRMSNorm
+from .layers import KVCache, ReferenceRMSNorm
 
 
 def num_sublayers(num_layers: int) -> int:
@@ -85,7 +85,7 @@ class AttnResMixer(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(hidden_size))
-        self.norm = Qwen3ReferenceRMSNorm(hidden_size, eps)
+        self.norm = ReferenceRMSNorm(hidden_size, eps)
 
     def weights(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """alpha [n, ...]: softmax over the n sources (dim 0) of query . RMSNorm(source), in fp32."""
@@ -102,7 +102,7 @@ class AttnResMixer(nn.Module):
 class DepthState:
     """The residual stream of the reference model, generalised to AttnRes.
 
-    Any loop over the decoder layers (`Qwen3ReferenceModel.forward`, the embedded engine's batched
+    Any loop over the decoder layers (`McoreRLModel.forward`, the embedded engine's batched
     prefill/decode) can run every architecture by asking this object for each sublayer's input and
     handing it each sublayer's output, in order::
 
@@ -165,7 +165,7 @@ def attn_res_decoder_forward(
     allowed: torch.Tensor,
     past_key_values: KVCache | None,
 ) -> tuple[torch.Tensor, KVCache, torch.Tensor]:
-    """The decoder stack of `Qwen3ReferenceModel` with AttnRes instead of residual sums.
+    """The decoder stack of `McoreRLModel` with AttnRes instead of residual sums.
 
     `x` is the embedding; returns (the final mix, before `model.norm`; the per-layer KV cache;
     the summed MoE aux loss).

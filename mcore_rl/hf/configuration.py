@@ -1,6 +1,8 @@
-"""Hugging Face config for the reference Qwen3 / Qwen3-MoE model, and conversions.
+"""Hugging Face config of the reference model (every family here), and conversions.
 
-`McoreRLQwen3Config` uses the field names of stock `Qwen3Config` / `Qwen3MoeConfig`, so a
+`McoreRLConfig` (model_type `mcore_rl`) describes every architecture the trainer builds: the GQA
+decoder (Qwen3 / Qwen3-MoE; Llama 3, Qwen2 / Qwen2-MoE and Mistral as fields of it), LatentMoE,
+AttnRes and n-gram embeddings here, and the families of `families.py` through their own fields. It uses the field names of stock `Qwen3Config` / `Qwen3MoeConfig`, so a
 `config.json` written from it reads like a stock one; the only additions are the shared expert
 (`shared_expert_intermediate_size`, which stock Qwen3-MoE lacks) and `num_experts == 0` meaning dense;
 Qwen2 / Qwen2-MoE / Mistral add `qkv_bias` and `sliding_window` (the stock names) and `shared_expert_gate`
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PretrainedConfig
 
 from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
-from .layers import is_moe_layer
+from .families import FAMILIES, family_named, family_of
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
@@ -25,13 +27,18 @@ if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote co
         pass
 
 
-class McoreRLQwen3Config(PretrainedConfig):
-    """Dense Qwen3 (`num_experts == 0`) or Qwen3-MoE (`num_experts > 0`), HF field names.
+# Our model_type, and the one exports written before the reference classes got neutral names carry
+# (`legacy_names.py` registers it, so those checkpoints still load).
+OWN_MODEL_TYPES = ("mcore_rl", "mcore_rl_qwen3")
+
+
+class McoreRLConfig(PretrainedConfig):
+    """Dense (`num_experts == 0`) or MoE (`num_experts > 0`) decoder, HF field names.
 
     `use_qk_norm=False` drops the per-head QK RMSNorm (Llama-style attention).
     """
 
-    model_type = "mcore_rl_qwen3"
+    model_type = "mcore_rl"
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
@@ -69,19 +76,11 @@ class McoreRLQwen3Config(PretrainedConfig):
         use_cache: bool = True,
         rope_parameters: dict | None = None,
         rope_scaling: dict | None = None,
-        # mixed dense/MoE layers (transformers' Qwen3-MoE rule) and the DeepSeek-V3 family (deepseek_v3.py)
+        # mixed dense/MoE layers (transformers' Qwen3-MoE rule)
         mlp_only_layers: list[int] | None = None,
         decoder_sparse_step: int = 1,
+        # "qwen3" (the GQA decoder) or a family of families.py, whose fields come through kwargs
         family: str = "qwen3",
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        routed_scaling_factor: float = 1.0,
-        q_lora_rank: int | None = None,
-        kv_lora_rank: int | None = None,
-        qk_nope_head_dim: int | None = None,
-        qk_rope_head_dim: int | None = None,
-        v_head_dim: int | None = None,
-        rope_interleave: bool = True,
         **kwargs: Any,
     ) -> None:
         if hidden_act != "silu":
@@ -138,19 +137,19 @@ class McoreRLQwen3Config(PretrainedConfig):
         # Mixed dense/MoE layers: layer i is MoE iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
         self.mlp_only_layers = [int(i) for i in (mlp_only_layers or [])]
         self.decoder_sparse_step = int(decoder_sparse_step or 1)
-        # "deepseek_v3": MLA attention and the sigmoid-routed MoE with DeepSeek-V3 names (deepseek_v3.py)
-        if family not in ("qwen3", "deepseek_v3"):
-            raise ValueError(f"family={family!r}: expected 'qwen3' or 'deepseek_v3'")
+        own = family_named(family)
+        if family != "qwen3" and own is None:
+            raise ValueError(f"family={family!r}: expected one of {', '.join(['qwen3', *(f.name for f in FAMILIES)])}")
         self.family = family
-        self.n_group, self.topk_group = n_group, topk_group
-        self.routed_scaling_factor = routed_scaling_factor
-        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.rope_interleave = rope_interleave
-        if family == "deepseek_v3":  # the RoPE part of MLA's heads is what rope_cos_sin rotates
-            self.head_dim = qk_rope_head_dim
+        # Every family's fields on every config (their defaults where unused), so config.json has one key set.
+        for each in FAMILIES:
+            for key, default in each.config_fields.items():
+                setattr(self, key, kwargs.pop(key, default))
+        if own:
+            own.configure(self)
         # Passed through kwargs: transformers 4.x resets tie_word_embeddings in its own __init__.
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+        super().__init__(**kwargs)
 
     # transformers 5 turns every config subclass into a dataclass whose generated __eq__ compares
     # only the base-class fields; compare everything, like PretrainedConfig itself does.
@@ -164,10 +163,10 @@ class McoreRLQwen3Config(PretrainedConfig):
         return self.num_experts > 0
 
 
-def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
+def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
     """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
     moe = mc.is_moe
-    return McoreRLQwen3Config(
+    return McoreRLConfig(
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,
         intermediate_size=mc.ffn_hidden_size,
@@ -197,77 +196,39 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLQwen3Config:
         shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
-        **_mixed_and_deepseek_fields(mc),
+        **_mixed_and_family_fields(mc),
     )
 
 
-def _mixed_and_deepseek_fields(mc: ModelConfig) -> dict[str, Any]:
-    """HF fields of `model.moe_layer_pattern` and the DeepSeek-V3 family (MLA, sigmoid router)."""
+def _mixed_and_family_fields(mc: ModelConfig) -> dict[str, Any]:
+    """HF fields of `model.moe_layer_pattern` and of the model's family (`families.py`), if any."""
     pattern = mc.moe_layer_pattern if mc.is_moe else None
     out: dict[str, Any] = dict(mlp_only_layers=[i for i, p in enumerate(pattern or []) if not p])
-    if mc.arch != "deepseek_v3":
-        return out
-    return dict(
-        out,
-        family="deepseek_v3",
-        n_group=mc.moe_router_num_groups,
-        topk_group=mc.moe_router_group_topk,
-        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
-        q_lora_rank=mc.q_lora_rank,
-        kv_lora_rank=mc.kv_lora_rank,
-        qk_nope_head_dim=mc.qk_head_dim,
-        qk_rope_head_dim=mc.qk_pos_emb_head_dim,
-        v_head_dim=mc.v_head_dim,
-    )
+    family = family_named(mc.arch)
+    return dict(out, **family.hf_fields(mc)) if family else out
 
 
 def moe_layer_pattern_of(hf: Any) -> list[int] | None:
     """`model.moe_layer_pattern` of an HF config: None when every layer is MoE (or the model is dense).
 
     Qwen3-MoE / ours: layer i is MoE iff i not in `mlp_only_layers` and (i+1) % `decoder_sparse_step`
-    == 0 (transformers' rule). DeepSeek: iff i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0.
+    == 0 (transformers' rule); a stock config of another family: that family's rule.
     """
     n = hf.num_hidden_layers
-    if getattr(hf, "model_type", None) == "deepseek_v3":
-        k, freq = getattr(hf, "first_k_dense_replace", 0) or 0, getattr(hf, "moe_layer_freq", 1) or 1
-        pattern = [int(i >= k and i % freq == 0) for i in range(n)]
+    family = family_of(hf)
+    if family and getattr(hf, "model_type", None) == family.stock_model_type:
+        pattern = family.moe_layer_pattern(hf)
     else:
         step, dense = getattr(hf, "decoder_sparse_step", 1) or 1, set(getattr(hf, "mlp_only_layers", None) or [])
         pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
     return None if all(pattern) else pattern
 
 
-def _deepseek_model_fields(hf: Any) -> dict[str, Any]:
-    """ModelConfig fields of a DeepSeek-V3 config (stock `DeepseekV3Config` or ours with family deepseek_v3)."""
-    stock = getattr(hf, "model_type", None) == "deepseek_v3"
-    shared = (hf.n_shared_experts or 0) * hf.moe_intermediate_size if stock else hf.shared_expert_intermediate_size
-    return dict(
-        arch="deepseek_v3",
-        num_experts=hf.n_routed_experts if stock else hf.num_experts,
-        num_query_groups=hf.num_attention_heads,  # MLA: every head has its own keys and values
-        kv_channels=None,
-        qk_layernorm=True,  # the latent q / kv RMSNorms
-        moe_shared_expert_intermediate_size=shared or None,
-        moe_aux_loss_coeff=0.0,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=hf.n_group,
-        moe_router_group_topk=hf.topk_group,
-        moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
-        multi_latent_attention=True,
-        q_lora_rank=hf.q_lora_rank,
-        kv_lora_rank=hf.kv_lora_rank,
-        qk_head_dim=hf.qk_nope_head_dim,
-        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
-        v_head_dim=hf.v_head_dim,
-    )
-
-
 # Stock families without QK-norm (Qwen3 and Qwen3-MoE always have it), and what each one implies.
 _NO_QK_NORM = ("llama", "qwen2", "qwen2_moe", "mistral")
 # Families whose config keeps sliding_window only to describe a window it applies (Qwen2's needs
 # use_sliding_window, refused by `unsupported_stock_fields`).
-_WINDOWED = ("mistral", "mcore_rl_qwen3")
+_WINDOWED = ("mistral", *OWN_MODEL_TYPES)
 
 
 def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = None) -> ModelConfig:
@@ -280,12 +241,8 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
-    deepseek = getattr(hf, "model_type", None) == "deepseek_v3" or getattr(hf, "family", "qwen3") == "deepseek_v3"
-    num_experts = (
-        getattr(hf, "n_routed_experts", 0)
-        if getattr(hf, "model_type", None) == "deepseek_v3"
-        else getattr(hf, "num_experts", 0)
-    ) or 0
+    family = family_of(hf)
+    num_experts = (family.num_experts(hf) if family else getattr(hf, "num_experts", 0)) or 0
     model_type = getattr(hf, "model_type", None)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -336,12 +293,12 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
         moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
     )
-    if deepseek:
-        fields.update(_deepseek_model_fields(hf))
+    if family:
+        fields.update(family.model_fields(hf))
     return ModelConfig(**fields)
 
 
-def to_stock_hf_config(cfg: McoreRLQwen3Config, family: str | None = None) -> PretrainedConfig:
+def to_stock_hf_config(cfg: McoreRLConfig, family: str | None = None) -> PretrainedConfig:
     """A stock `transformers.Qwen3Config` (dense), `Qwen3MoeConfig` (MoE) or, without QK-norm,
     `LlamaConfig` (dense) with the same model; with q/k/v biases or a gated shared expert
     `Qwen2Config` / `Qwen2MoeConfig`, with a sliding window `MistralConfig`.
@@ -356,8 +313,9 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: str | None = None) -> Pr
         raise ValueError("AttnRes (attn_res) has no stock transformers equivalent")
     if getattr(cfg, "ngram_orders", None):
         raise ValueError("Over-Encoding n-gram embeddings (ngram_orders) have no stock transformers equivalent")
-    if getattr(cfg, "family", "qwen3") == "deepseek_v3":
-        return _to_stock_deepseek_v3(cfg)
+    own = family_named(getattr(cfg, "family", "qwen3"))
+    if own:
+        return own.to_stock(cfg)
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -395,7 +353,7 @@ def to_stock_hf_config(cfg: McoreRLQwen3Config, family: str | None = None) -> Pr
     return Qwen3MoeConfig(**common, **_stock_moe_fields(cfg))
 
 
-def _stock_moe_fields(cfg: McoreRLQwen3Config) -> dict[str, Any]:
+def _stock_moe_fields(cfg: McoreRLConfig) -> dict[str, Any]:
     """The routed-expert fields stock Qwen3-MoE and Qwen2-MoE configs share (same names in both),
     with the layer pattern in their `decoder_sparse_step` / `mlp_only_layers`."""
     return dict(
@@ -432,55 +390,7 @@ def keep_source_layer_keys(stock: PretrainedConfig, source: dict[str, Any] | Non
         stock.mlp_only_layers = list(theirs["mlp_only_layers"] or [])
 
 
-def _to_stock_deepseek_v3(cfg: McoreRLQwen3Config) -> PretrainedConfig:
-    """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
-    from transformers import DeepseekV3Config
-
-    pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
-    first_k = pattern.index(True) if any(pattern) else len(pattern)
-    if pattern != [False] * first_k + [True] * (len(pattern) - first_k):
-        raise ValueError(
-            f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
-            "stock DeepseekV3Config cannot express it"
-        )
-    shared = cfg.shared_expert_intermediate_size
-    if not shared or shared % cfg.moe_intermediate_size:
-        raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
-    if cfg.topk_group is None or cfg.topk_group < cfg.n_group and cfg.num_experts_per_tok // cfg.topk_group != 2:
-        raise ValueError("stock DeepSeek-V3 ranks groups by their best 2 experts: needs topk // topk_group == 2")
-    return DeepseekV3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads,
-        n_shared_experts=shared // cfg.moe_intermediate_size,
-        n_routed_experts=cfg.num_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor,
-        kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        num_experts_per_tok=cfg.num_experts_per_tok,
-        first_k_dense_replace=first_k,
-        norm_topk_prob=cfg.norm_topk_prob,
-        hidden_act=cfg.hidden_act,
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.initializer_range,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        rope_interleave=cfg.rope_interleave,
-        attention_bias=False,
-    )
-
-
-def _qwen2_or_mistral_config(cfg: McoreRLQwen3Config, common: dict[str, Any]) -> PretrainedConfig:
+def _qwen2_or_mistral_config(cfg: McoreRLConfig, common: dict[str, Any]) -> PretrainedConfig:
     """`to_stock_hf_config` for Qwen2 (dense, q/k/v biases), Qwen2-MoE (gated shared expert) and
     Mistral (no biases, optional sliding window); all three have no QK-norm."""
     from transformers import MistralConfig, Qwen2Config, Qwen2MoeConfig
@@ -533,47 +443,9 @@ def unsupported_stock_fields(hf: Any, rope_key: str | None = None) -> list[str]:
             "use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
             "supported (a window on every layer is: Mistral's sliding_window)"
         )
-    if getattr(hf, "model_type", None) == "deepseek_v3":
-        problems += _unsupported_deepseek_v3_fields(hf)
+    family = family_of(hf)
+    if family and getattr(hf, "model_type", None) == family.stock_model_type:
+        problems += family.unsupported(hf)
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         problems.append(f"pretraining_tp={hf.pretraining_tp}: only 1 is supported")
-    return problems
-
-
-def _unsupported_deepseek_v3_fields(hf: Any) -> list[str]:
-    """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
-    problems = []
-    if getattr(hf, "quantization_config", None):
-        problems.append(
-            f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
-            "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first"
-        )
-    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
-    if group_topk < groups and topk // group_topk != 2:
-        problems.append(
-            f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
-            "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
-            "topk // topk_group == 2"
-        )
-    if hf.n_routed_experts % groups or topk % group_topk:
-        problems.append(
-            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
-            f"divide by n_group and num_experts_per_tok ({topk}) by topk_group"
-        )
-    if topk > 1 and not hf.norm_topk_prob:
-        problems.append("norm_topk_prob=false: megatron-core always renormalises sigmoid top-k scores")
-    if not hf.n_shared_experts:
-        problems.append("n_shared_experts=0: DeepSeek-V3 without shared experts is not supported")
-    if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
-        problems.append(f"num_key_value_heads={hf.num_key_value_heads}: MLA has one key/value per head")
-    if getattr(hf, "rope_interleave", True) is not True:
-        problems.append("rope_interleave=false: only DeepSeek's interleaved RoPE checkpoints are converted")
-    for key in ROPE_KEYS:
-        kind = rope_type_of(getattr(hf, key, None))
-        if kind != "default":
-            problems.append(
-                f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
-                "(MLA here uses plain RoPE)"
-            )
-            break
     return problems

@@ -1,6 +1,9 @@
-"""DeepSeek-V3 blocks of the reference model: multi-head latent attention and the sigmoid MoE.
+"""The DeepSeek-V3 family: multi-head latent attention and the sigmoid MoE of the reference model,
+its HF config translation (stock `DeepseekV3Config` <-> `ModelConfig` <-> ours with
+`family="deepseek_v3"`), what of a stock config it refuses, and its weight names; registered in
+`families.py` as `FAMILY` (the megatron-core side is `mcore_rl/models/deepseek_v3.py`).
 
-Part of the remote-code modeling files (imports only torch and `.layers`). Parameter names are those
+Part of the remote-code modeling files (imports only torch and its siblings). Parameter names are those
 of stock `DeepseekV3ForCausalLM` checkpoints::
 
     model.layers.{i}.self_attn.q_proj.weight                          (q_lora_rank None)
@@ -22,19 +25,28 @@ MLA caches the compressed latent per layer, as transformers does: the cache's (k
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Qwen3ReferenceMLP, Qwen3ReferenceRMSNorm, RoutingTap, run_experts
+from .family import ModelFamily
+from .layers import ReferenceMLP, ReferenceRMSNorm, RoutingTap, is_moe_layer, run_experts
+from .rope import ROPE_KEYS, rope_type_of
+
+if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
+    try:
+        from mcore_rl.config.schema import ModelConfig
+    except ImportError:
+        pass
 
 
 def grouped_topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None) -> torch.Tensor:
     """Expert indices [T, k] of the top-k `scores` [T, E], limited to the best `group_topk` groups."""
     if not group_topk:
         return torch.topk(scores, topk, dim=-1).indices
+    assert num_groups, "topk_group needs n_group"
     t, e = scores.shape
     grouped = scores.view(t, num_groups, e // num_groups)
     group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(-1)
@@ -54,7 +66,13 @@ class DeepseekV3ReferenceRouter(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts), persistent=True)
+
+    def init_reference_weights(self, init: Any, std: float) -> None:
+        """`McoreRLPreTrainedModel._init_weights`: the weight normal(0, std), the expert bias zero."""
+        init.normal_(self.weight, mean=0.0, std=std)
+        init.zeros_(self.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs [T, k] fp32, expert ids [T, k]) for tokens x [T, hidden]."""
@@ -74,10 +92,10 @@ class DeepseekV3ReferenceMoeBlock(nn.Module):
         super().__init__()
         self.gate = DeepseekV3ReferenceRouter(config)
         self.experts = nn.ModuleList(
-            Qwen3ReferenceMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+            ReferenceMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
         shared = config.shared_expert_intermediate_size
-        self.shared_experts = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = ReferenceMLP(config.hidden_size, shared) if shared else None
         self.routing = RoutingTap()  # the engine records the routed experts through it
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +143,10 @@ class MLAReferenceAttention(nn.Module):
             self.q_proj = nn.Linear(h, q_out, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = Qwen3ReferenceRMSNorm(self.q_lora_rank, eps)
+            self.q_a_layernorm = ReferenceRMSNorm(self.q_lora_rank, eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = Qwen3ReferenceRMSNorm(self.kv_lora_rank, eps)
+        self.kv_a_layernorm = ReferenceRMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
 
@@ -179,3 +197,255 @@ class MLAReferenceAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
         return self.o_proj(out)
+
+
+# ---- HF config <-> ModelConfig ------------------------------------------------------------------
+
+
+# Our config's DeepSeek-V3 fields (stock `DeepseekV3Config`'s names) and their defaults.
+CONFIG_FIELDS: dict[str, Any] = dict(
+    n_group=None,
+    topk_group=None,
+    routed_scaling_factor=1.0,
+    q_lora_rank=None,
+    kv_lora_rank=None,
+    qk_nope_head_dim=None,
+    qk_rope_head_dim=None,
+    v_head_dim=None,
+    rope_interleave=True,
+)
+
+
+def configure(cfg: Any) -> None:
+    """The RoPE part of MLA's heads is what `rope_cos_sin` rotates."""
+    cfg.head_dim = cfg.qk_rope_head_dim
+
+
+def _stock(hf: Any) -> bool:
+    return getattr(hf, "model_type", None) == "deepseek_v3"
+
+
+def num_experts(hf: Any) -> int:
+    return (hf.n_routed_experts if _stock(hf) else getattr(hf, "num_experts", 0)) or 0
+
+
+def model_fields(hf: Any) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V3 config (stock `DeepseekV3Config` or ours with family deepseek_v3)."""
+    stock = _stock(hf)
+    shared = (hf.n_shared_experts or 0) * hf.moe_intermediate_size if stock else hf.shared_expert_intermediate_size
+    return dict(
+        arch="deepseek_v3",
+        num_experts=num_experts(hf),
+        num_query_groups=hf.num_attention_heads,  # MLA: every head has its own keys and values
+        kv_channels=None,
+        qk_layernorm=True,  # the latent q / kv RMSNorms
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_aux_loss_coeff=0.0,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=hf.n_group,
+        moe_router_group_topk=hf.topk_group,
+        moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
+        multi_latent_attention=True,
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_head_dim=hf.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+    )
+
+
+def hf_fields(mc: ModelConfig) -> dict[str, Any]:
+    """Our HF config's DeepSeek-V3 fields (MLA, sigmoid router) of a `ModelConfig`."""
+    return dict(
+        family="deepseek_v3",
+        n_group=mc.moe_router_num_groups,
+        topk_group=mc.moe_router_group_topk,
+        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
+        q_lora_rank=mc.q_lora_rank,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_nope_head_dim=mc.qk_head_dim,
+        qk_rope_head_dim=mc.qk_pos_emb_head_dim,
+        v_head_dim=mc.v_head_dim,
+    )
+
+
+def moe_layer_pattern(hf: Any) -> list[int]:
+    """Stock DeepSeek-V3: layer i is MoE iff i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0."""
+    k, freq = getattr(hf, "first_k_dense_replace", 0) or 0, getattr(hf, "moe_layer_freq", 1) or 1
+    return [int(i >= k and i % freq == 0) for i in range(hf.num_hidden_layers)]
+
+
+def to_stock(cfg: Any) -> Any:
+    """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
+    from transformers import DeepseekV3Config
+
+    pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
+    first_k = pattern.index(True) if any(pattern) else len(pattern)
+    if pattern != [False] * first_k + [True] * (len(pattern) - first_k):
+        raise ValueError(
+            f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
+            "stock DeepseekV3Config cannot express it"
+        )
+    shared = cfg.shared_expert_intermediate_size
+    if not shared or shared % cfg.moe_intermediate_size:
+        raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
+    if cfg.topk_group is None or cfg.topk_group < cfg.n_group and cfg.num_experts_per_tok // cfg.topk_group != 2:
+        raise ValueError("stock DeepSeek-V3 ranks groups by their best 2 experts: needs topk // topk_group == 2")
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=shared // cfg.moe_intermediate_size,
+        n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        first_k_dense_replace=first_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        hidden_act=cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_interleave=cfg.rope_interleave,
+        attention_bias=False,
+    )
+
+
+def unsupported(hf: Any) -> list[str]:
+    """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
+    problems = []
+    if getattr(hf, "quantization_config", None):
+        problems.append(
+            f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
+            "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first"
+        )
+    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
+    if group_topk < groups and topk // group_topk != 2:
+        problems.append(
+            f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
+            "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
+            "topk // topk_group == 2"
+        )
+    if hf.n_routed_experts % groups or topk % group_topk:
+        problems.append(
+            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
+            f"divide by n_group and num_experts_per_tok ({topk}) by topk_group"
+        )
+    if topk > 1 and not hf.norm_topk_prob:
+        problems.append("norm_topk_prob=false: megatron-core always renormalises sigmoid top-k scores")
+    if not hf.n_shared_experts:
+        problems.append("n_shared_experts=0: DeepSeek-V3 without shared experts is not supported")
+    if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
+        problems.append(f"num_key_value_heads={hf.num_key_value_heads}: MLA has one key/value per head")
+    if getattr(hf, "rope_interleave", True) is not True:
+        problems.append("rope_interleave=false: only DeepSeek's interleaved RoPE checkpoints are converted")
+    for key in ROPE_KEYS:
+        kind = rope_type_of(getattr(hf, key, None))
+        if kind != "default":
+            problems.append(
+                f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
+                "(MLA here uses plain RoPE)"
+            )
+            break
+    return problems
+
+
+def stock_experts_fused(config: Any) -> bool:
+    """Whether the installed stock `DeepseekV3ForCausalLM` stores experts fused (transformers>=5)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
+
+    with torch.device("meta"):
+        experts = stock.DeepseekV3Experts(to_stock(config))
+    return any(name == "gate_up_proj" for name, _ in experts.named_parameters())
+
+
+# ---- weight names: megatron global <-> HF ------------------------------------------------------
+# The RoPE rows need no reordering: megatron-core's MLA de-interleaves DeepSeek's RoPE pairs itself
+# (`_apply_rotary_pos_emb_bshd(multi_latent_attention=True)`), as transformers' `rope_interleave` does.
+_DIRECT = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE spec
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE spec
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+}
+
+
+def megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """HF names of one layer tensor (`rest` within layer `prefix`); None: the shared names apply."""
+    if rest in _DIRECT:
+        return [(prefix + _DIRECT[rest], tensor)]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        shared = prefix + "mlp.shared_experts."
+        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return [(prefix + "mlp.shared_experts.down_proj.weight", tensor)]
+    return None
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_layer: bool) -> dict[str, torch.Tensor]:
+    """One DeepSeek-V3 layer's megatron tensors, without its norms (`hf_to_megatron` adds them)."""
+    a, s = p + "self_attn.", q + "self_attention."
+    query = ("linear_q_proj",) if mc.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
+    out = {s + n + ".weight": hf[p + _DIRECT[f"self_attention.{n}.weight"]] for n in names}
+    out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
+    mlp = p + "mlp."
+    if not moe_layer:
+        out[q + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+        out[q + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
+        return out
+    out[q + "mlp.router.weight"] = hf[mlp + "gate.weight"]
+    if mlp + "gate.e_score_correction_bias" in hf:  # a buffer: absent from gradient dicts
+        out[q + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
+    for expert in range(mc.num_experts):
+        he, me = f"{mlp}experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
+        out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]])
+        out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
+    if mc.moe_shared_expert_intermediate_size:
+        hs = mlp + "shared_experts."
+        out[q + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]]
+        )
+        out[q + "mlp.shared_experts.linear_fc2.weight"] = hf[hs + "down_proj.weight"]
+    return out
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v3",
+    stock_model_type="deepseek_v3",
+    stock_class="DeepseekV3ForCausalLM",
+    config_fields=CONFIG_FIELDS,
+    configure=configure,
+    num_experts=num_experts,
+    model_fields=model_fields,
+    hf_fields=hf_fields,
+    moe_layer_pattern=moe_layer_pattern,
+    to_stock=to_stock,
+    unsupported=unsupported,
+    attention=MLAReferenceAttention,
+    moe_block=DeepseekV3ReferenceMoeBlock,
+    stock_experts_fused=stock_experts_fused,
+    megatron_to_hf=megatron_to_hf,
+    hf_to_megatron=hf_to_megatron,
+    fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.hf.modeling import Qwen3ReferenceForCausalLM
+from mcore_rl.hf.modeling import McoreRLForCausalLM
 
 
 @torch.no_grad()
 def greedy_generate(
-    model: Qwen3ReferenceForCausalLM, prompts: list[list[int]], max_new_tokens: int, eos_id: int
+    model: McoreRLForCausalLM, prompts: list[list[int]], max_new_tokens: int, eos_id: int
 ) -> list[list[int]]:
     """Continue equal-length prompts greedily; each completion stops at (and excludes) eos."""
     if len({len(p) for p in prompts}) != 1:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import Qwen3ReferenceMLP, RoutingTap, moe_aux_loss
+from .layers import ReferenceMLP, RoutingTap, moe_aux_loss
 
 
-class Qwen3ReferenceLatentMoeBlock(nn.Module):
+class ReferenceLatentMoeBlock(nn.Module):
     """Router on x (full width), W_down, routed experts in the latent space, W_up, shared experts."""
 
     def __init__(self, config) -> None:
@@ -39,11 +39,11 @@ class Qwen3ReferenceLatentMoeBlock(nn.Module):
         self.gate = nn.Linear(d, config.num_experts, bias=False)
         self.fc1_latent_proj = nn.Linear(d, latent, bias=False)  # W_down
         self.experts = nn.ModuleList(
-            Qwen3ReferenceMLP(latent, config.moe_intermediate_size) for _ in range(config.num_experts)
+            ReferenceMLP(latent, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
         self.fc2_latent_proj = nn.Linear(latent, d, bias=False)  # W_up
         shared = config.shared_expert_intermediate_size
-        self.shared_expert = Qwen3ReferenceMLP(d, shared) if shared else None
+        self.shared_expert = ReferenceMLP(d, shared) if shared else None
         self.routing = RoutingTap()  # routing replay: record / force the experts (layers.py)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

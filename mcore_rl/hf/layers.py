@@ -15,7 +15,7 @@ from torch import nn
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class Qwen3ReferenceRMSNorm(nn.Module):
+class ReferenceRMSNorm(nn.Module):
     """RMSNorm computed in fp32, cast back, then scaled (HF Qwen3 order of operations)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -29,7 +29,7 @@ class Qwen3ReferenceRMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class Qwen3ReferenceMLP(nn.Module):
+class ReferenceMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -85,7 +85,7 @@ def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.
 def moe_dispatch(
     tokens: torch.Tensor,
     logits: torch.Tensor,
-    experts: Sequence[nn.Module],
+    experts: nn.ModuleList | Sequence[nn.Module],
     topk: int,
     norm_topk_prob: bool,
     forced: torch.Tensor | None = None,
@@ -114,7 +114,7 @@ def moe_dispatch(
 
 
 def run_experts(
-    tokens: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor, experts: Sequence[nn.Module]
+    tokens: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor, experts: nn.ModuleList | Sequence[nn.Module]
 ) -> torch.Tensor:
     """sum_k probs[t, k] * experts[idx[t, k]](tokens[t]): each expert runs on the rows that picked it,
     weighted in the tokens' dtype."""
@@ -140,7 +140,12 @@ class RoutingTap:
         self.forced: torch.Tensor | None = None
 
     def dispatch(
-        self, tokens: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module], topk: int, norm_topk_prob: bool
+        self,
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        experts: nn.ModuleList | Sequence[nn.Module],
+        topk: int,
+        norm_topk_prob: bool,
     ) -> torch.Tensor:
         out, idx = moe_dispatch(tokens, logits, experts, topk, norm_topk_prob, self.forced)
         self.routed = idx if self.record else None

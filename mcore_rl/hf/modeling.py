@@ -1,4 +1,6 @@
-"""Pure-PyTorch reference Qwen3 / Qwen3-MoE, written to Hugging Face conventions.
+"""Pure-PyTorch reference model of every family here (`McoreRLForCausalLM`), written to Hugging Face
+conventions: Qwen3 / Qwen3-MoE and what differs from them as config fields (Llama 3, Qwen2, Mistral,
+LatentMoE, AttnRes, n-gram embeddings); a family of `families.py` brings its own attention and MoE.
 
 This is the oracle the megatron-core models are tested against, the model inside the embedded
 inference engine and the target of checkpoint export, so it favours directness over speed:
@@ -61,13 +63,13 @@ from transformers.utils import ModelOutput
 
 from .attn_res import AttnResMixer, attn_res_decoder_forward
 from .cache import layer_pasts, new_cache, ngram_context_of, past_length, store_presents
-from .configuration import McoreRLQwen3Config, to_stock_hf_config
-from .deepseek_v3 import DeepseekV3ReferenceMoeBlock, DeepseekV3ReferenceRouter, MLAReferenceAttention
-from .latent_moe import Qwen3ReferenceLatentMoeBlock
+from .configuration import McoreRLConfig, to_stock_hf_config
+from .families import family_named
+from .latent_moe import ReferenceLatentMoeBlock
 from .layers import (  # route, load_balancing_loss: unused here, imported from here by callers
     KVCache,
-    Qwen3ReferenceMLP,
-    Qwen3ReferenceRMSNorm,
+    ReferenceMLP,
+    ReferenceRMSNorm,
     RoutingTap,
     is_moe_layer,
     moe_aux_loss,
@@ -80,13 +82,13 @@ from .rope import rope_inv_freq, rope_scaling_of
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
 except ImportError:  # pragma: no cover - transformers 4.x
-    from torch.nn import init as _init
+    from torch.nn import init as _init  # type: ignore[no-redef]  # the same functions under torch's module
 
 
 # The cache field is called `cache`, as in transformers>=5 outputs (whose ModelOutput renames a
 # `past_key_values=` keyword to `cache`); `.past_key_values` reads the same thing.
 @dataclass
-class Qwen3ReferenceModelOutput(ModelOutput):
+class McoreRLModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     cache: Any | None = None  # a transformers Cache, or the extended legacy list (cache.py)
     aux_loss: torch.Tensor | None = None
@@ -98,7 +100,7 @@ class Qwen3ReferenceModelOutput(ModelOutput):
 
 
 @dataclass
-class Qwen3ReferenceCausalLMOutput(ModelOutput):
+class McoreRLCausalLMOutput(ModelOutput):
     """Like `CausalLMOutputWithPast`, plus `aux_loss`: the sum over layers of `load_balancing_loss`
     (already times the coefficient; a zero tensor without grad for dense models or coefficient 0).
     `loss` is the LM loss alone; `loss + aux_loss` has megatron's gradients."""
@@ -136,10 +138,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-class Qwen3ReferenceAttention(nn.Module):
+class ReferenceAttention(nn.Module):
     """GQA self-attention with per-head QK RMSNorm applied before RoPE (none if not `use_qk_norm`)."""
 
-    def __init__(self, config: McoreRLQwen3Config) -> None:
+    def __init__(self, config: McoreRLConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -153,8 +155,8 @@ class Qwen3ReferenceAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         if getattr(config, "use_qk_norm", True):
-            self.q_norm: nn.Module = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm: nn.Module = Qwen3ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm: nn.Module = ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: nn.Module = ReferenceRMSNorm(self.head_dim, config.rms_norm_eps)
         else:  # Llama-style attention: no QK-norm (and no parameters for it)
             self.q_norm = self.k_norm = nn.Identity()
 
@@ -186,21 +188,21 @@ class Qwen3ReferenceAttention(nn.Module):
         return self.o_proj(out), present
 
 
-class Qwen3ReferenceSparseMoeBlock(nn.Module):
+class ReferenceSparseMoeBlock(nn.Module):
     """Router + experts (+ optional shared expert): y = sum_k p_k * expert_k(x) + g(x) * shared(x),
     g = 1, or sigmoid(shared_expert_gate(x)) with `shared_expert_gate` (Qwen2-MoE)."""
 
-    def __init__(self, config: McoreRLQwen3Config) -> None:
+    def __init__(self, config: McoreRLConfig) -> None:
         super().__init__()
         self.topk = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.aux_loss_coef = config.router_aux_loss_coef
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            Qwen3ReferenceMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+            ReferenceMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
         shared = config.shared_expert_intermediate_size
-        self.shared_expert = Qwen3ReferenceMLP(config.hidden_size, shared) if shared else None
+        self.shared_expert = ReferenceMLP(config.hidden_size, shared) if shared else None
         gated = shared and getattr(config, "shared_expert_gate", False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.routing = RoutingTap()  # routing replay: record / force the experts (layers.py)
@@ -218,25 +220,25 @@ class Qwen3ReferenceSparseMoeBlock(nn.Module):
         return out.reshape(shape), moe_aux_loss(logits, self.topk, self.aux_loss_coef)
 
 
-class Qwen3ReferenceDecoderLayer(nn.Module):
+class ReferenceDecoderLayer(nn.Module):
     """One layer; `layer_idx` picks its MLP kind in a model with mixed dense/MoE layers
-    (`layers.is_moe_layer`); the DeepSeek-V3 family has MLA and its own MoE block (deepseek_v3.py)."""
+    (`layers.is_moe_layer`); a family of families.py brings its own attention and MoE block."""
 
-    def __init__(self, config: McoreRLQwen3Config, layer_idx: int = 0) -> None:
+    def __init__(self, config: McoreRLConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        deepseek = getattr(config, "family", "qwen3") == "deepseek_v3"
-        self.self_attn = MLAReferenceAttention(config) if deepseek else Qwen3ReferenceAttention(config)
+        family = family_named(getattr(config, "family", "qwen3"))
+        self.self_attn = family.attention(config) if family else ReferenceAttention(config)
         moe = is_moe_layer(config, layer_idx)
-        if moe and deepseek:
-            self.mlp: nn.Module = DeepseekV3ReferenceMoeBlock(config)
+        if moe and family:
+            self.mlp: nn.Module = family.moe_block(config)
         elif moe and getattr(config, "moe_latent_size", None):
-            self.mlp = Qwen3ReferenceLatentMoeBlock(config)
+            self.mlp = ReferenceLatentMoeBlock(config)
         elif moe:
-            self.mlp = Qwen3ReferenceSparseMoeBlock(config)
+            self.mlp = ReferenceSparseMoeBlock(config)
         else:
-            self.mlp = Qwen3ReferenceMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = ReferenceMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
         if getattr(config, "attn_res", "none") != "none":  # AttnRes: depth mixers (attn_res.py)
             self.attn_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
             self.mlp_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
@@ -282,10 +284,10 @@ def _allowed_mask(
     raise ValueError(f"attention_mask must be [b, s_k] or [b, 1, s_q, s_k], got {shape}")
 
 
-class Qwen3ReferencePreTrainedModel(PreTrainedModel):
-    config_class = McoreRLQwen3Config
+class McoreRLPreTrainedModel(PreTrainedModel):
+    config_class: type[McoreRLConfig] = McoreRLConfig
     base_model_prefix = "model"
-    _no_split_modules = ["Qwen3ReferenceDecoderLayer"]
+    _no_split_modules = ["ReferenceDecoderLayer"]
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -295,26 +297,25 @@ class Qwen3ReferencePreTrainedModel(PreTrainedModel):
             _init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 _init.zeros_(module.bias)
-        elif isinstance(module, Qwen3ReferenceRMSNorm):
+        elif isinstance(module, ReferenceRMSNorm):
             _init.ones_(module.weight)
         elif isinstance(module, AttnResMixer):  # zero pseudo-queries: uniform depth weights
             _init.zeros_(module.query)
-        elif isinstance(module, DeepseekV3ReferenceRouter):  # the expert bias starts at zero
-            _init.normal_(module.weight, mean=0.0, std=std)
-            _init.zeros_(module.e_score_correction_bias)
+        elif callable(own_init := getattr(module, "init_reference_weights", None)):  # a family's own module
+            own_init(_init, std)
 
 
-class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
+class McoreRLModel(McoreRLPreTrainedModel):
     """Embedding, decoder layers, final norm."""
 
-    def __init__(self, config: McoreRLQwen3Config) -> None:
+    def __init__(self, config: McoreRLConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # Over-Encoding (ngram.py): hashed n-gram embeddings added to embed_tokens; None = off.
         orders = getattr(config, "ngram_orders", None)
         self.ngram_embeddings = McoreRLNgramEmbeddings(config) if orders else None
-        self.layers = nn.ModuleList(Qwen3ReferenceDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(ReferenceDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = ReferenceRMSNorm(config.hidden_size, config.rms_norm_eps)
         attn_res = getattr(config, "attn_res", "none") != "none"  # AttnRes: the output's depth mix
         self.final_res = AttnResMixer(config.hidden_size, config.rms_norm_eps) if attn_res else None
         self.post_init()
@@ -350,7 +351,7 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         **kwargs: Any,
-    ) -> Qwen3ReferenceModelOutput:
+    ) -> McoreRLModelOutput:
         """`cache` (the transformers>=5 name) and `past_key_values` are aliases (module doc).
         `ngram_context` ([b, c] tokens before `input_ids`, -1 = none) overrides the one the cache
         carries. `output_hidden_states`: the input of every layer, then the final normed output."""
@@ -394,7 +395,7 @@ class Qwen3ReferenceModel(Qwen3ReferencePreTrainedModel):
             else:
                 out_cache.ngram_context = context
         x = self.norm(x)
-        return Qwen3ReferenceModelOutput(
+        return McoreRLModelOutput(
             last_hidden_state=x,
             cache=out_cache,
             aux_loss=aux_loss,
@@ -419,15 +420,15 @@ _TIED = (
 )
 
 
-class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
-    """Causal LM head on `Qwen3ReferenceModel`; megatron-style labels and loss mask (module doc).
+class McoreRLForCausalLM(McoreRLPreTrainedModel, GenerationMixin):
+    """Causal LM head on `McoreRLModel`; megatron-style labels and loss mask (module doc).
     `GenerationMixin` gives it `generate` (with a `DynamicCache`), as stock transformers models."""
 
     _tied_weights_keys = _TIED
 
-    def __init__(self, config: McoreRLQwen3Config) -> None:
+    def __init__(self, config: McoreRLConfig) -> None:
         super().__init__(config)
-        self.model = Qwen3ReferenceModel(config)
+        self.model = McoreRLModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -459,10 +460,10 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs: Any,
-    ) -> Qwen3ReferenceCausalLMOutput | tuple:
+    ) -> McoreRLCausalLMOutput | tuple:
         """Logits [b, s, vocab]; `loss` when labels are given (labels[t] = target of position t).
 
-        `cache` / `past_key_values` and `ngram_context`: see `Qwen3ReferenceModel.forward`.
+        `cache` / `past_key_values` and `ngram_context`: see `McoreRLModel.forward`.
         `logits_to_keep`: an int k keeps the last k positions (0 = all), a tensor the positions it
         lists (as in stock transformers). `return_dict=False` returns the output's tuple.
         """
@@ -482,7 +483,7 @@ class Qwen3ReferenceForCausalLM(Qwen3ReferencePreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = masked_token_loss(logits, labels, loss_mask)
-        result = Qwen3ReferenceCausalLMOutput(
+        result = McoreRLCausalLMOutput(
             loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss, hidden_states=out.hidden_states
         )
         if return_dict is None:
@@ -504,22 +505,19 @@ def masked_token_loss(
 # ---- stock transformers Qwen3-MoE state dict <-> checkpoint (per-expert) names ------------------
 
 
-def _stock_moe_is_fused(config: McoreRLQwen3Config) -> bool:
+def _stock_moe_is_fused(config: McoreRLConfig) -> bool:
     """Whether the installed stock `Qwen3MoeForCausalLM` stores experts fused (transformers>=5)."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as stock
 
-    if getattr(config, "family", "qwen3") == "deepseek_v3":
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock_ds
-
-        with torch.device("meta"):
-            experts = stock_ds.DeepseekV3Experts(to_stock_hf_config(config))
-        return any(name == "gate_up_proj" for name, _ in experts.named_parameters())
+    family = family_named(getattr(config, "family", "qwen3"))
+    if family:
+        return family.stock_experts_fused(config)
     with torch.device("meta"):
         block = stock.Qwen3MoeSparseMoeBlock(to_stock_hf_config(config))
     return any(name == "experts.gate_up_proj" for name, _ in block.named_parameters())
 
 
-def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config) -> dict[str, torch.Tensor]:
+def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLConfig) -> dict[str, torch.Tensor]:
     """Our (= HF checkpoint) names -> the names the installed stock class's `state_dict` uses.
 
     Dense models and transformers 4.x: unchanged. transformers>=5 Qwen3-MoE: per layer,
@@ -539,7 +537,7 @@ def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLQwen
     return out
 
 
-def from_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLQwen3Config) -> dict[str, torch.Tensor]:
+def from_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLConfig) -> dict[str, torch.Tensor]:
     """Inverse of `to_stock_state_dict`: split fused experts back into per-expert checkpoint names."""
     fused = (".experts.gate_up_proj", ".experts.down_proj")
     out = {k: v for k, v in state_dict.items() if not k.endswith(fused)}

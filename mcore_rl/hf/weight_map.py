@@ -20,6 +20,7 @@ import re
 import torch
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.hf.families import family_named
 from mcore_rl.hf.ngram import padded_table_rows
 
 # A megatron layer parameter (layer index, rest) and, within a layer, an expert one (expert index, rest).
@@ -77,8 +78,11 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
         raise KeyError(f"no HF name for megatron parameter {name!r}")
     layer, rest = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
-    if mc.arch == "deepseek_v3" and (rest in _DEEPSEEK_DIRECT or "shared_experts" in rest):
-        return _deepseek_megatron_to_hf(prefix, rest, tensor, mc)
+    family = family_named(mc.arch)
+    if family:  # a family's own names (families.py) before the shared ones
+        pairs = family.megatron_to_hf(prefix, rest, tensor, mc)
+        if pairs is not None:
+            return pairs
     if rest in _LAYER_DIRECT:
         return [(prefix + _LAYER_DIRECT[rest], tensor)]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # bias: Qwen2
@@ -119,6 +123,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     if not mc.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
     attn_res = mc.attn_res != "none"
+    family = family_named(mc.arch)
     for name in _ATTN_RES_TOP if attn_res else ():
         out[name] = hf[_TOP_DIRECT[name]]
     for layer in range(mc.num_layers):
@@ -128,8 +133,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
         out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[q + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
         moe_layer = mc.is_moe and (mc.moe_layer_pattern is None or bool(mc.moe_layer_pattern[layer]))
-        if mc.arch == "deepseek_v3":
-            out.update(_deepseek_hf_to_megatron(hf, p, q, mc, moe_layer))
+        if family:
+            out.update(family.hf_to_megatron(hf, p, q, mc, moe_layer))
             continue
         out[q + "self_attention.linear_qkv.weight"] = merge_qkv(
             hf[p + "self_attn.q_proj.weight"],
@@ -205,67 +210,6 @@ def _ngram_hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[
         out[f"embedding.ngram.projections.{n}.weight"] = torch.cat(
             [hf[f"{p}projections.{n}.{i}.weight"] for i in range(k)], dim=1
         )
-    return out
-
-
-# DeepSeek-V3 (mcore_rl/hf/deepseek_v3.py): MLA and the sigmoid-routed MoE with shared experts. The
-# RoPE rows need no reordering: megatron-core's MLA de-interleaves DeepSeek's RoPE pairs itself
-# (`_apply_rotary_pos_emb_bshd(multi_latent_attention=True)`), as transformers' `rope_interleave` does.
-_DEEPSEEK_DIRECT = {
-    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
-    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
-    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE spec
-    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE spec
-    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
-    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
-}
-
-
-def _deepseek_megatron_to_hf(
-    prefix: str, rest: str, tensor: torch.Tensor, mc: ModelConfig
-) -> list[tuple[str, torch.Tensor]]:
-    if rest in _DEEPSEEK_DIRECT:
-        return [(prefix + _DEEPSEEK_DIRECT[rest], tensor)]
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        gate, up = tensor.chunk(2, dim=0)
-        shared = prefix + "mlp.shared_experts."
-        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
-    if rest == "mlp.shared_experts.linear_fc2.weight":
-        return [(prefix + "mlp.shared_experts.down_proj.weight", tensor)]
-    raise KeyError(f"no HF name for megatron parameter {prefix}{rest!r}")
-
-
-def _deepseek_hf_to_megatron(
-    hf: dict[str, torch.Tensor], p: str, q: str, mc: ModelConfig, moe_layer: bool
-) -> dict[str, torch.Tensor]:
-    """One DeepSeek-V3 layer's megatron tensors, without its norms (`hf_to_megatron` adds them)."""
-    a, s = p + "self_attn.", q + "self_attention."
-    query = ("linear_q_proj",) if mc.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
-    names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
-    out = {s + n + ".weight": hf[p + _DEEPSEEK_DIRECT[f"self_attention.{n}.weight"]] for n in names}
-    out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
-    mlp = p + "mlp."
-    if not moe_layer:
-        out[q + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-        out[q + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
-        return out
-    out[q + "mlp.router.weight"] = hf[mlp + "gate.weight"]
-    if mlp + "gate.e_score_correction_bias" in hf:  # a buffer: absent from gradient dicts
-        out[q + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
-    for expert in range(mc.num_experts):
-        he, me = f"{mlp}experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
-        out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]])
-        out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
-    if mc.moe_shared_expert_intermediate_size:
-        hs = mlp + "shared_experts."
-        out[q + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]]
-        )
-        out[q + "mlp.shared_experts.linear_fc2.weight"] = hf[hs + "down_proj.weight"]
     return out
 
 

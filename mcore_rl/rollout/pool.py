@@ -226,14 +226,14 @@ class EmbeddedEnginePool:
         same temperature, so μ and π are the same function of the logits. `logprobs_mode`
         "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
         distribution instead (`EngineCore`)."""
-        from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+        from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
         from mcore_rl.rollout.engine.core import EngineCore
 
         cores = []
         for i in range(num):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + i)
-                model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc))
+                model = McoreRLForCausalLM(hf_config_from_model_config(mc))
             cores.append(
                 EngineCore(
                     model,

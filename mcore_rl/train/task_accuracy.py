@@ -13,16 +13,16 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.prompts import HELD_OUT_SEED_OFFSET
 from mcore_rl.data.tasks import Task
 from mcore_rl.data.tokenizer import Tokenizer
-from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
+from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.hf.generation import greedy_generate
 from mcore_rl.hf.weight_map import full_megatron_to_hf
 from mcore_rl.models.shards import gather_full_state_dict
 
 
-def reference_model_from_chunks(chunks: list[torch.nn.Module], mc: ModelConfig) -> Qwen3ReferenceForCausalLM:
+def reference_model_from_chunks(chunks: list[torch.nn.Module], mc: ModelConfig) -> McoreRLForCausalLM:
     """The reference model holding the trainer's current weights (collective over all ranks)."""
     hf_state = full_megatron_to_hf(gather_full_state_dict(chunks), mc)
-    model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(mc)).float()
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in hf_state.items()}, strict=False)
     allowed_missing = {"lm_head.weight"} if mc.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:

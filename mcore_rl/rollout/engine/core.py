@@ -215,7 +215,7 @@ class _Live:
 
 
 class EngineCore:
-    """Continuous-batching inference over a `Qwen3ReferenceForCausalLM`; all methods are thread-safe
+    """Continuous-batching inference over a `McoreRLForCausalLM`; all methods are thread-safe
     (one lock: a step, a weight load, an add or an abort never interleave)."""
 
     def __init__(
@@ -319,13 +319,13 @@ class EngineCore:
     ) -> EngineCore:
         """None -> the built-in demo model (`ModelConfig()` defaults, initialised with
         `random_seed`, bundled byte tokenizer); a path -> an HF-format directory (config.json +
-        *.safetensors) of our `mcore_rl_qwen3` (every architecture: MoE, LatentMoE, AttnRes, n-gram
+        *.safetensors) of our `model_type: mcore_rl` (every architecture: MoE, LatentMoE, AttnRes, n-gram
         embeddings, no QK-norm) or stock `qwen3` / `qwen3_moe` / `llama` / `qwen2` / `qwen2_moe` /
         `mistral`. `load_format="dummy"` (SGLang's name) keeps the random initialisation and reads no
         weight file: config.json is all the directory needs, and a weight update brings the real weights."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
-        from mcore_rl.hf import Qwen3ReferenceForCausalLM
+        from mcore_rl.hf import McoreRLForCausalLM
 
         seed = kw.get("random_seed", 0)
         if path is None:
@@ -334,14 +334,14 @@ class EngineCore:
 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = Qwen3ReferenceForCausalLM(hf_config_from_model_config(ModelConfig()))
+                model = McoreRLForCausalLM(hf_config_from_model_config(ModelConfig()))
             engine = cls(model, load_tokenizer(tokenizer_path), **kw)
             engine.tokenizer_path = tokenizer_path
             return engine
         config = _load_config(path)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen3ReferenceForCausalLM(config)
+            model = McoreRLForCausalLM(config)
         if tokenizer_path is not None:
             tokenizer, engine_tokenizer_path = load_tokenizer(tokenizer_path), tokenizer_path
         else:
@@ -1101,10 +1101,10 @@ _STOCK_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe", "mist
 
 
 def _load_config(path: str):
-    """Our config of an HF directory: `mcore_rl_qwen3` as it is; stock Qwen3 / Qwen3-MoE / Llama
+    """Our config of an HF directory: ours (`OWN_MODEL_TYPES`) as it is; stock Qwen3 / Qwen3-MoE / Llama
     mapped through `model_config_from_hf_config` (Llama: no QK-norm), after refusing what the
     reference model cannot compute (each problem naming its `config.json` field)."""
-    from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
+    from mcore_rl.hf import OWN_MODEL_TYPES, hf_config_from_model_config, model_config_from_hf_config
     from mcore_rl.hf.configuration import unsupported_stock_fields
     from mcore_rl.hf.rope import rope_key_in_file
 
@@ -1113,11 +1113,11 @@ def _load_config(path: str):
         raise FileNotFoundError(f"model_path: {path} has no config.json")
     with open(cfg_file, encoding="utf-8") as f:
         model_type = json.load(f).get("model_type")
-    if model_type == McoreRLQwen3Config.model_type:
-        return McoreRLQwen3Config.from_pretrained(path)
-    if model_type in _STOCK_MODEL_TYPES:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
+    if model_type in OWN_MODEL_TYPES:  # mcore_rl.hf registers both with AutoConfig
+        return AutoConfig.from_pretrained(path)
+    if model_type in _STOCK_MODEL_TYPES:
         stock = AutoConfig.from_pretrained(path)
         rope_key = rope_key_in_file(cfg_file)
         problems = unsupported_stock_fields(stock, rope_key)
@@ -1129,7 +1129,7 @@ def _load_config(path: str):
         return config
     raise ValueError(
         f"model_path: model_type {model_type!r} is not supported by the embedded engine "
-        f"(supported: {McoreRLQwen3Config.model_type}, {', '.join(_STOCK_MODEL_TYPES)})"
+        f"(supported: {', '.join(OWN_MODEL_TYPES)}, {', '.join(_STOCK_MODEL_TYPES)})"
     )
 
 

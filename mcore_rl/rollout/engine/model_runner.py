@@ -32,7 +32,7 @@ Every architecture the trainer supports:
   `state.output()`. The mix is per token, so the KV cache is unchanged. Without AttnRes the residual
   adds stay folded into the output GEMMs;
 * Over-Encoding n-gram embeddings (`config.ngram_orders`): inputs are embedded by the reference
-  `Qwen3ReferenceModel.embed`; each slot keeps its last n_max - 1 token ids (`-1` = none) in a
+  `McoreRLModel.embed`; each slot keeps its last n_max - 1 token ids (`-1` = none) in a
   [slots, n_max - 1] tensor that decode passes as `ngram_context`, shifts by one token per step and
   that moves with the slot's KV (`move`);
 * attention without QK-norm (`use_qk_norm=False`, Llama): q and k go straight to RoPE.

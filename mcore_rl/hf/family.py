@@ -1,0 +1,56 @@
+"""What a model family brings to the shared reference model, its HF configs and its weight names.
+
+The shared code (`configuration.py`, `modeling.py`, `weight_map.py`, the converter) handles the GQA
+decoder every family here starts from: Qwen3 / Qwen3-MoE, with Llama 3, Qwen2 / Qwen2-MoE and
+Mistral as fields of it (no QK-norm, q/k/v biases, a gated shared expert, a sliding window). A
+family that differs in more than fields (its own attention, router or weight names) is one module
+that fills a `ModelFamily` and is listed once in `families.py: FAMILIES`; the shared code asks the
+family of a config for those parts and names no family. `docs/architectures.md` walks through one.
+
+Part of the remote-code modeling files (imports only the standard library).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Callables take HF configs (ours or stock) and `ModelConfig`s as `Any`: this file is also remote
+# code, where neither `mcore_rl` nor every stock config class can be imported.
+HFConfig = Any
+ModelConfigT = Any
+Tensor = Any  # torch.Tensor; not imported so this record stays importable without torch
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family's parts, each called by the shared code where the family differs from the GQA decoder.
+
+    `name` is both `McoreRLConfig.family` and `ModelConfig.arch`; `stock_model_type` /
+    `stock_class` the transformers family it converts from and exports to.
+    """
+
+    name: str
+    stock_model_type: str
+    stock_class: str
+    # our HF config (configuration.py): the family's own fields with their defaults, and what it
+    # derives from them once they are set
+    config_fields: dict[str, Any]
+    configure: Callable[[HFConfig], None]
+    # HF config <-> ModelConfig (configuration.py)
+    num_experts: Callable[[HFConfig], int]  # routed experts of an HF config (ours or stock)
+    model_fields: Callable[[HFConfig], dict[str, Any]]  # ModelConfig fields beyond the GQA decoder's
+    hf_fields: Callable[[ModelConfigT], dict[str, Any]]  # McoreRLConfig fields beyond the GQA decoder's
+    moe_layer_pattern: Callable[[HFConfig], list[int]]  # of a stock config: 1 = MoE layer
+    to_stock: Callable[[HFConfig], Any]  # the stock transformers config of our config
+    unsupported: Callable[[HFConfig], list[str]]  # `field=value: reason` lines of a stock config
+    # reference modeling (modeling.py): modules built from our config
+    attention: Callable[[HFConfig], Any]
+    moe_block: Callable[[HFConfig], Any]
+    stock_experts_fused: Callable[[HFConfig], bool]  # the installed stock class keeps experts fused
+    # weight names (weight_map.py): one layer's megatron global name <-> HF names
+    megatron_to_hf: Callable[[str, str, Tensor, ModelConfigT], list[tuple[str, Tensor]] | None]
+    hf_to_megatron: Callable[[dict[str, Tensor], str, str, ModelConfigT, bool], dict[str, Tensor]]
+    # export (convert/to_hf.py): tensors the stock class keeps in fp32 whatever the model's dtype
+    fp32_tensors: tuple[str, ...] = ()
