@@ -1,7 +1,7 @@
 """Credit assignment: W-REINFORCE (advantage "w_reinforce", policy loss "reinforce"), the Unlikeliness
 reward (reward shaping "unlikeliness") and DelTA (advantage shaping "delta").
 
-Each spec's testable properties are tests here, with autograd on real logits where they are about
+Each paper's testable properties (docs/papers.md) are tests here, with autograd on real logits where they are about
 gradients; the config test loads every key from YAML and checks that bad values name their dotted key;
 the learner test runs them in a spawned gloo world.
 """

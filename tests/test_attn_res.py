@@ -1,6 +1,6 @@
 """AttnRes (Full and Block): the reference model's properties, and megatron-core parity.
 
-Fast tests check the reference (`mcore_rl/hf/attn_res.py`) against the properties in seed_C.md:
+Fast tests check the reference (`mcore_rl/hf/attn_res.py`) against the properties the paper states (arXiv:2603.15031):
 Block with N = L equals Full, Block with N = 1 and zero queries is the standard residual network,
 depth weights are a convex combination that ignores the scale of a source, incremental decoding
 with the KV cache equals the full forward. The slow test checks the megatron-core block against
@@ -80,7 +80,7 @@ def test_block_layout() -> None:
         tiny_config(attn_res="blocks")
 
 
-# ---- reference properties (seed_C.md "Testable properties") -------------------------------------
+# ---- reference properties (the paper's) -------------------------------------------------------
 
 
 @pytest.mark.parametrize("moe", [False, True])

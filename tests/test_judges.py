@@ -1,5 +1,5 @@
 """LLM-judge rewards (`rewards/judge.py`): the parsers on good, borderline and garbage replies, the
-DR-Rubric and ExpRL properties of seed_B.md, and end to end over real servers on loopback — a
+DR-Rubric and ExpRL properties their papers state (docs/papers.md), and end to end over real servers on loopback — a
 scripted SGLang `/generate` server (tests/sglang_script_server.py) for verdicts that must become
 the right rewards and for every way a judge fails, and a real `mcore-rl serve` whose tiny random
 model answers garbage. A failing judge costs its own sample, never the batch."""
@@ -228,7 +228,7 @@ def test_options_are_checked_before_any_sample() -> None:
         assert RewardFunction(get_reward_fn(name)).is_async
 
 
-# ------------------------------------------------------------------------------ the spec properties
+# --------------------------------------------------------------------------- the papers' properties
 
 
 def test_dr_rubric_reward_is_the_fraction_of_satisfied_constraints() -> None:

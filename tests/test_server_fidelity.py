@@ -1,4 +1,4 @@
-"""The embedded server against SGLang's own definitions (issue 9, items 4 and 14-19), over raw
+"""The embedded server against SGLang's own definitions (docs/serving.md), over raw
 HTTP on loopback (the `openai` package is not installed here): rendezvous timeouts and SIGTERM,
 API keys and the directories weight files may come from, `n` > 1 order and ids, every SGLang
 field at its default, string weight versions, the tokenizer / load / model / weight / memory

@@ -16,12 +16,12 @@ of `configs/sft_demo.yaml` packed into the rows (the content does not matter for
 Groups (the first variant of each group is its baseline; ratios are variant / baseline):
 
 * `dense` (1 rank): `baseline` (dense Qwen3-style), `attnres_full` (model.attn_res=full: 16
-  sublayer sources), `attnres_block8` (model.attn_res=block, N=8 blocks of 2 sublayers, the notes'
+  sublayer sources), `attnres_block8` (model.attn_res=block, N=8 blocks of 2 sublayers, the paper's
   N ~ 8), `oe_m49157` (Over-Encoding, orders [2, 3], 2 slices per order, table size 49157 ~ 128 x
   vocab -- coprime with 384; the tables hold 10.5M params, more than the 8.1M-param body, as in
   the paper's regime where the tables dwarf the model) and `oe_m3079` (the same with m = 3079 ~ 8 x
   vocab: 0.68M table params).
-* `moe` (1 rank), the LatentMoE notes' three configurations scaled down from (alpha, N, K) =
+* `moe` (1 rank), the LatentMoE paper's three configurations scaled down from (alpha, N, K) =
   (1, 64, 6) / (4, 256, 6) / (4, 256, 24) to d = 256, expert intermediate m = 256:
   `moe` (alpha 1, N 16, K 2), `latent_eff` (alpha 4 -> latent 64, N' 64, K 2) and `latent_acc`
   (alpha 4, N' 64, K' 8). No shared experts; all 8 layers are MoE; load-balancing aux loss 0.01.
@@ -32,7 +32,7 @@ Groups (the first variant of each group is its baseline; ratios are variant / ba
 * `dense_dp2` (2 ranks, DP=2): `baseline` vs `oe_m49157` with the tables replicated over DP (their
   gradients all-reduced like every other parameter) vs `oe_m49157_dpshard`
   (model.ngram.shard_over_data_parallel=true: rows sharded over the DP ranks, all-to-all lookups
-  -- the notes' recommended layout instead of FSDP).
+  -- the paper's recommended layout instead of FSDP).
 
 Time: every group runs in one process (or one torchrun job), its variants stepped alternately with
 the order rotated every step, so background load from other processes on a shared machine hits

@@ -4,7 +4,7 @@ Makes Qwen3-style checkpoints with random bf16 weights here (written tensor by t
 model in memory), then runs hf-to-mcore and mcore-to-hf with 1, 2 and 4 ranks (TP and PP). Each
 rank is a process of its own (this script with --worker) that reports its peak RSS (VmHWM); the table
 gives the max and median over ranks, the peak over the largest tensor and over the model's bytes.
-`--old-root /work/main` also runs the exporter/importer of another checkout (PYTHONPATH) on the
+`--old-root DIR` (another checkout) also runs the exporter/importer of another checkout (PYTHONPATH) on the
 sizes in `--old-sizes`, for comparison.
 
     python tools/bench_convert.py --work-dir /tmp/bench_convert [--sizes 250m,1b] [--old-root DIR]

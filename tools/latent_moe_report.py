@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """LatentMoE cost report: parameters, active parameters, FLOPs and all-to-all bytes per token.
 
-For the three MoE-layer configurations of the LatentMoE notes (seed_C.md), at a chosen hidden
+For the three MoE-layer configurations of the LatentMoE paper (arXiv:2601.18089), at a chosen hidden
 size d and expert intermediate size m:
 
     baseline   alpha=1, N=64,  K=6    (standard MoE, no latent projections)
@@ -10,7 +10,7 @@ size d and expert intermediate size m:
 
 every quantity is computed twice and the two are checked against each other:
 
-- *closed form* (the notes, per MoE layer, l = d/alpha, b bytes per element, S_I the shared
+- *closed form* (the paper, per MoE layer, l = d/alpha, b bytes per element, S_I the shared
   experts' total intermediate size):
     routed params       alpha*N * 3*l*m  = 3*N*d*m
     projections         2*d*l            (W_down, W_up; none for the baseline)
@@ -35,7 +35,7 @@ one fp32 routing probability per (token, expert) pair (4*K' bytes), not counted 
 megatron-side counterparts (parameter counts of the built megatron-core layer, the shapes of the
 actual all-to-all buffers under EP=2) are checked in tests/test_latent_moe.py.
 
-Also printed: the notes' hardware principles — the memory-bound threshold t_exp of
+Also printed: the paper's hardware principles — the memory-bound threshold t_exp of
 2*t*d*m / (d*m + t*(d+m)) >= F/BW_HBM (1418 for d=4096, m=1536 on GB200) and the
 comm/compute ratio 5F / (4*m*BW_NVL) (9.04 for m=1536).
 
@@ -80,7 +80,7 @@ class Costs:
 def closed_form(
     d: int, m: int, alpha: int, num_experts: int, topk: int, shared_intermediate: int = 0, bytes_per_elem: int = 2
 ) -> Costs:
-    """The notes' formulas. `num_experts`, `topk` are N', K' (what is built); l = d / alpha."""
+    """The paper's formulas. `num_experts`, `topk` are N', K' (what is built); l = d / alpha."""
     if d % alpha:
         raise ValueError(f"d={d} is not divisible by alpha={alpha}")
     latent = d // alpha
@@ -235,7 +235,7 @@ def _fmt(value: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d", type=int, default=2048, help="hidden size (default 2048, the notes' 16B-A2B)")
+    ap.add_argument("--d", type=int, default=2048, help="hidden size (default 2048, the paper's 16B-A2B)")
     ap.add_argument("--m", type=int, default=1408, help="expert intermediate size (default 1408)")
     ap.add_argument(
         "--shared-intermediate", type=int, default=0, help="total intermediate size of the shared experts (0 = none)"

@@ -17,7 +17,7 @@ requests / slots), decode tokens per inference GPU per second, the staleness of 
 (mean and max lag), the stale groups dropped, tokens decoded and prefilled per trained token (waste
 and the re-prefill of continued requests), the mean trained response, and the ratio of trained
 tokens per second to the synchronous schedule (s = 0) on the same split and to a colocated
-synchronous run (all GPUs generate, then all train: the baseline the anchors' 2.3-2.8x are
+synchronous run (all GPUs generate, then all train: the baseline the published 2.3-2.8x are
 measured against). Rows marked "keep" run `stale_policy="keep"`: every group the gate admitted is
 trained, instead of dropping the ones whose oldest token is more than s versions old at batch
 time (the default rule).

@@ -314,7 +314,7 @@ class MismatchCorrectionConfig:
     mipu_c_end: float = 0.0  # MIPU: c after annealing
     mipu_anneal_steps: int = 100  # MIPU: decisions over which c anneals from start to end
     mipu_count_rejected: bool = True  # MIPU: rejected updates advance the annealing clock too
-    # MIPU Step 2's noise (issue 12): validation group size, decision rule, logged flip rate
+    # MIPU Step 2's noise (docs/mismatch_correction.md): validation group size, decision rule, logged flip rate
     mipu_validation_group_size: int | None = None  # samples per validation prompt (null: rollout.group_size)
     mipu_decision: Literal["plain", "se"] = "plain"  # plain: T̂ ≥ -c (the paper); se: T̂ ≥ -c - z·SE
     mipu_z: float = 2.0  # the "se" rule's number of standard errors

@@ -16,7 +16,7 @@ from mcore_rl.config.observability import ObservabilityConfig
 
 @dataclass
 class NgramEmbeddingConfig:
-    """Over-Encoding (OverTok, seed_B.md): hashed n-gram input embeddings added to the 1-gram one."""
+    """Over-Encoding (OverTok, arXiv:2501.16975): hashed n-gram input embeddings added to the 1-gram one."""
 
     orders: list[int] = field(default_factory=list)  # e.g. [2, 3]; empty = off
     table_size: int = 0  # rows m per order (hashed ids mod m); gcd(m, vocab) != 1 warns
@@ -24,7 +24,7 @@ class NgramEmbeddingConfig:
     shard_over_data_parallel: bool = False  # also split table rows across data-parallel ranks
 
 
-# RoPE scaling (issue 13: Llama 3.x, YaRN, linear) ------------------------------------------------
+# RoPE scaling (Llama 3.x, YaRN, linear) --------------------------------------------------------------
 @dataclass
 class RopeScalingConfig:
     """RoPE scaling as Hugging Face configs state it (`rope_parameters` / `rope_scaling`), with
@@ -75,18 +75,18 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (Qwen3-MoE default)
     # megatron-core's token dispatcher across expert-parallel ranks
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    # LatentMoE (seed_C.md): routed experts work in a latent space of this size (W_down d->l,
+    # LatentMoE (arXiv:2601.18089): routed experts work in a latent space of this size (W_down d->l,
     # experts in l, W_up l->d); None = ordinary MoE. Router and shared experts stay full width.
     moe_latent_size: int | None = None
-    # AttnRes (seed_C.md): attention over depth instead of residual sums.
+    # AttnRes (arXiv:2603.15031): attention over depth instead of residual sums.
     attn_res: Literal["none", "full", "block"] = "none"
     attn_res_num_blocks: int = 8  # N for the Block variant
     ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
-    # Qwen2 / Qwen2-MoE / Mistral (issue 13, docs/qwen2_mistral.md)
+    # Qwen2 / Qwen2-MoE / Mistral (docs/qwen2_mistral.md)
     add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
     sliding_window: int | None = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
-    # RoPE scaling (issue 13): Llama 3.x, YaRN, linear; type none = plain RoPE
+    # RoPE scaling: Llama 3.x, YaRN, linear; type none = plain RoPE
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     # Mixed dense/MoE layers and DeepSeek-V3-style MoE (docs/deepseek_v3.md). moe_layer_pattern: one
     # entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size; None = every layer MoE.
@@ -146,7 +146,7 @@ class OptimizerConfig:
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
     clip_grad: float = 1.0  # 0 disables clipping
-    # step = MIPU's LR-decay baseline ("Beyond Precision", seed_C): constant, then x lr_step_factor
+    # step = MIPU's LR-decay baseline ("Beyond Precision", docs/papers.md): constant, then x lr_step_factor
     # at update lr_step_start_iter and every lr_step_period updates after it, floored at min_lr
     # (the paper's floor: min_lr = 0.1 * lr)
     lr_decay_style: Literal["constant", "linear", "cosine", "step"] = "cosine"
