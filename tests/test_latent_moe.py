@@ -26,11 +26,11 @@ VOCAB = 96
 
 
 def _report_tool():
-    """tools/latent_moe_report.py as a module (tools/ is not a package)."""
+    """benchmarks/latent_moe_report.py as a module (benchmarks/ is not a package)."""
     import sys
 
     if "latent_moe_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("latent_moe_report", ROOT / "tools" / "latent_moe_report.py")
+        spec = importlib.util.spec_from_file_location("latent_moe_report", ROOT / "benchmarks" / "latent_moe_report.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)

@@ -529,7 +529,7 @@ def test_fp8_engine_mismatch_with_and_without_replay():
     import os
 
     path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "routing_replay_report.py"
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "routing_replay_report.py"
     )
     spec = importlib.util.spec_from_file_location("routing_replay_report", path)
     tool = importlib.util.module_from_spec(spec)

@@ -7,8 +7,8 @@ phases from `preempted.json` (`parallel/preemption.py`): the rest of the step (r
 weight sync, evaluation), the checkpoint, and — by the process's exit time — the teardown (engines,
 reward workers, the interpreter). Prints each run and the median (min-max) of each phase.
 
-    python tools/measure_preemption.py                 # 3 runs
-    python tools/measure_preemption.py --runs 5 rollout.max_staleness=0
+    python benchmarks/measure_preemption.py                 # 3 runs
+    python benchmarks/measure_preemption.py --runs 5 rollout.max_staleness=0
 """
 
 from __future__ import annotations

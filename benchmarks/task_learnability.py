@@ -5,8 +5,8 @@ bytes + end-of-text), learned positions instead of RoPE; 32 examples per step, A
 cosine decay, loss on the answer only. It then answers 100 newly drawn prompts greedily and the
 task's own reward scores them (for code tasks, in the sandbox).
 
-    .venv/bin/python tools/task_learnability.py tiny_code --steps 50 100 300
-    .venv/bin/python tools/task_learnability.py word_format --steps 300
+    .venv/bin/python benchmarks/task_learnability.py tiny_code --steps 50 100 300
+    .venv/bin/python benchmarks/task_learnability.py word_format --steps 300
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Teacher scoring through an engine vs an in-trainer teacher forward, on the same samples.
 
-    python tools/bench_teacher.py                                   # 64 samples, 32 + 96 tokens
-    python tools/bench_teacher.py --hidden 256 --layers 4 --samples 128 --repeats 5 --top-k 8
+    python benchmarks/bench_teacher.py                                   # 64 samples, 32 + 96 tokens
+    python benchmarks/bench_teacher.py --hidden 256 --layers 4 --samples 128 --repeats 5 --top-k 8
 
 One teacher model (a Qwen3-style `ModelConfig` of the given size, random weights) scores N
 samples (prompt + response token ids; every response token's log-prob), two ways:

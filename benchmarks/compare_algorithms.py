@@ -1,11 +1,11 @@
 """Algorithms of the zoo against a GRPO baseline on the demo task, same seeds, same warm start.
 
-    .venv/bin/python tools/compare_algorithms.py --sft-steps 300 --work runs/compare_algorithms_weak \
+    .venv/bin/python benchmarks/compare_algorithms.py --sft-steps 300 --work runs/compare_algorithms_weak \
         --png docs/algorithms_weak.png                               # the docs/algorithms.md run (weak warm start)
-    .venv/bin/python tools/compare_algorithms.py                     # from the demo's warm start (near the ceiling)
-    .venv/bin/python tools/compare_algorithms.py --methods grpo w_reinforce --seeds 1 2 3 --steps 60
-    .venv/bin/python tools/compare_algorithms.py --method mine="algorithm.advantage=rloo" --methods grpo mine
-    .venv/bin/python tools/compare_algorithms.py -- rollout.quantization=none   # extra overrides for every run
+    .venv/bin/python benchmarks/compare_algorithms.py                     # from the demo's warm start (near the ceiling)
+    .venv/bin/python benchmarks/compare_algorithms.py --methods grpo w_reinforce --seeds 1 2 3 --steps 60
+    .venv/bin/python benchmarks/compare_algorithms.py --method mine="algorithm.advantage=rloo" --methods grpo mine
+    .venv/bin/python benchmarks/compare_algorithms.py -- rollout.quantization=none   # extra overrides for every run
 
 1. One SFT warm start (the demo's), saved as a checkpoint, so every method starts from the same weights.
 2. For each seed and method: `mcore-rl train RECIPE init.sft_steps=0 init.checkpoint=WORK/sft <the
@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "tools"))
+sys.path.insert(0, os.path.join(HERE, "benchmarks"))
 
 from compare_mismatch import mean, run, series, smooth  # noqa: E402
 from mcore_rl.observe.sinks import read_metrics  # noqa: E402

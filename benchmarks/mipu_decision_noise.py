@@ -1,7 +1,7 @@
 """How noisy is MIPU's Step 2 decision on the demo, and how large a validation batch makes it stable?
 
-    .venv/bin/python tools/mipu_decision_noise.py            # the docs/mismatch_correction.md numbers
-    .venv/bin/python tools/mipu_decision_noise.py --at 0 5 --pool 256 --sizes 8 32 -- rollout.quantization=none
+    .venv/bin/python benchmarks/mipu_decision_noise.py            # the docs/mismatch_correction.md numbers
+    .venv/bin/python benchmarks/mipu_decision_noise.py --at 0 5 --pool 256 --sizes 8 32 -- rollout.quantization=none
 
 1. The demo's SFT warm start, saved as a checkpoint (reused if WORK/sft holds one):
    `mcore-rl train configs/demo.yaml train.num_steps=0 checkpoint.save_dir=WORK/sft`.

@@ -4,10 +4,10 @@ Why: a sync moves the whole model every RL step; this shows what each transport 
 the fastest thing the wire can do — one broadcast of one tensor of the same total size between the
 same two processes over the same kind of group (gloo here, NCCL on GPUs).
 
-    .venv/bin/python tools/bench_weight_sync.py                      # ~315 MB of fp32 weights
-    .venv/bin/python tools/bench_weight_sync.py --hidden 512 --bucket-mb 64 --repeats 5
-    .venv/bin/python tools/bench_weight_sync.py --no-checksum         # transports alone
-    .venv/bin/python tools/bench_weight_sync.py --profile             # where the time goes, both sides
+    .venv/bin/python benchmarks/bench_weight_sync.py                      # ~315 MB of fp32 weights
+    .venv/bin/python benchmarks/bench_weight_sync.py --hidden 512 --bucket-mb 64 --repeats 5
+    .venv/bin/python benchmarks/bench_weight_sync.py --no-checksum         # transports alone
+    .venv/bin/python benchmarks/bench_weight_sync.py --profile             # where the time goes, both sides
 
 Setup: the "trainer" is this process holding the full HF-named weights of a Qwen3-style model
 (the output of the megatron-core gather, which is not timed: it is TP/EP all-gathers whose cost

@@ -9,8 +9,8 @@ each holding its target. Time is the wall clock of forward + backward; memory is
 the level before the call (a 1 ms sampling thread on /proc/self/statm: the torch CPU allocator is
 invisible to tracemalloc), i.e. what the call allocates on top of its inputs.
 
-    python tools/bench_sampling_mask.py                    # vocab 151936, 8192 tokens, hidden 64
-    python tools/bench_sampling_mask.py --tokens 1024 --repeats 2
+    python benchmarks/bench_sampling_mask.py                    # vocab 151936, 8192 tokens, hidden 64
+    python benchmarks/bench_sampling_mask.py --tokens 1024 --repeats 2
 """
 
 from __future__ import annotations

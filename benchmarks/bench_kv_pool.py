@@ -6,9 +6,9 @@ resident memory (VmHWM of its process), its resident memory before the mix, the 
 throughput and whether every request was answered. Run it with PYTHONPATH pointing at two
 checkouts to compare them; flags after `--` go to `mcore-rl serve` (e.g. `--max-total-tokens`).
 
-    python tools/bench_kv_pool.py                                   # default pool (mem-fraction)
-    python tools/bench_kv_pool.py -- --max-total-tokens 12288       # a tight pool: long prompts wait
-    python tools/bench_kv_pool.py --rounds 3 --json out.json
+    python benchmarks/bench_kv_pool.py                                   # default pool (mem-fraction)
+    python benchmarks/bench_kv_pool.py -- --max-total-tokens 12288       # a tight pool: long prompts wait
+    python benchmarks/bench_kv_pool.py --rounds 3 --json out.json
 
 The model: hidden 256, 4 layers, 2 query / 2 KV heads of 128 (8 KiB of fp32 K/V per token),
 max_position_embeddings 8192, `--max-running-requests 16`. Few heads keep the prefill's attention

@@ -9,8 +9,8 @@ take sum over steps of max(generation, training + sync) instead of their sum. Th
 of that bound says how close the scheduler gets. It also writes the reward-vs-wall-clock curves
 of all runs to one PNG, to show that the speed does not cost learning.
 
-    .venv/bin/python tools/bench_async.py                         # 3 rounds, ~10 min on 2 cores
-    .venv/bin/python tools/bench_async.py --rounds 1 --steps 6    # a quick look
+    .venv/bin/python benchmarks/bench_async.py                         # 3 rounds, ~10 min on 2 cores
+    .venv/bin/python benchmarks/bench_async.py --rounds 1 --steps 6    # a quick look
 
 Setup: engines are `mcore-rl serve` processes the trainer starts (disaggregated: the engine pinned
 to one core, the trainer to the other, the same in every mode), the demo-sized model, a synthetic

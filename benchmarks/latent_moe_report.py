@@ -39,8 +39,8 @@ Also printed: the paper's hardware principles — the memory-bound threshold t_e
 2*t*d*m / (d*m + t*(d+m)) >= F/BW_HBM (1418 for d=4096, m=1536 on GB200) and the
 comm/compute ratio 5F / (4*m*BW_NVL) (9.04 for m=1536).
 
-    python tools/latent_moe_report.py                        # d=2048, m=1408
-    python tools/latent_moe_report.py --d 4096 --m 1536 --shared-intermediate 3072 --bytes 1
+    python benchmarks/latent_moe_report.py                        # d=2048, m=1408
+    python benchmarks/latent_moe_report.py --d 4096 --m 1536 --shared-intermediate 3072 --bytes 1
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Same weights, same prompts, greedy decoding of a fixed number of new tokens (eos ignored), at
 several batch sizes; printed side by side with the engine/transformers ratio.
 
-    .venv/bin/python tools/bench_generate.py                       # demo + big, batch 1/16/64
-    .venv/bin/python tools/bench_generate.py --sizes big --batches 64 --rounds 5
+    .venv/bin/python benchmarks/bench_generate.py                       # demo + big, batch 1/16/64
+    .venv/bin/python benchmarks/bench_generate.py --sizes big --batches 64 --rounds 5
 
 * engine: `EngineCore` (fp32) over `Qwen3ReferenceForCausalLM`; all B requests are added at once
   and `step()` is called until they finish (prefill of the batch, then batched decode steps).
@@ -32,7 +32,7 @@ import torch
 
 SIZES: dict[str, dict[str, int]] = {
     "demo": {},  # ModelConfig() defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 384
-    "big": {"hidden_size": 256, "num_layers": 4, "ffn_hidden_size": 1024},  # as tools/bench_sft.py "big"
+    "big": {"hidden_size": 256, "num_layers": 4, "ffn_hidden_size": 1024},  # as benchmarks/bench_sft.py "big"
 }
 
 

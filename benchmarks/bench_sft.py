@@ -2,9 +2,9 @@
 
 Same config, same initial weights, same data batches, same optimizer wrapper; printed as ratios.
 
-    .venv/bin/python tools/bench_sft.py                      # demo + big size, TP=2 row for big (~2 min)
-    .venv/bin/python tools/bench_sft.py --model-size demo --tp2-sizes   # demo only, no TP=2 row
-    .venv/bin/python tools/bench_sft.py --model-size big train.micro_batch_size=8 --rounds 3
+    .venv/bin/python benchmarks/bench_sft.py                      # demo + big size, TP=2 row for big (~2 min)
+    .venv/bin/python benchmarks/bench_sft.py --model-size demo --tp2-sizes   # demo only, no TP=2 row
+    .venv/bin/python benchmarks/bench_sft.py --model-size big train.micro_batch_size=8 --rounds 3
 
 Variants:
 

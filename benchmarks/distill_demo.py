@@ -1,6 +1,6 @@
 """The multi-domain RL and on-policy distillation demos, side by side, over seeds.
 
-    python tools/distill_demo.py [--seeds 1234 1235] [--steps 40] [--variants rl reverse_kl ...]
+    python benchmarks/distill_demo.py [--seeds 1234 1235] [--steps 40] [--variants rl reverse_kl ...]
 
 1. The teacher (configs/distill_teacher.yaml: 4 layers, 128 wide, SFT on the three domains of
    configs/domains.yaml), exported as an HF checkpoint; cached in runs/distill_teacher/hf.

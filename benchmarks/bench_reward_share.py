@@ -1,6 +1,6 @@
 """What the code sandbox costs an RL step, and whether it stalls the learner.
 
-    python tools/bench_reward_share.py [--steps 12] [--repeats 2]
+    python benchmarks/bench_reward_share.py [--steps 12] [--repeats 2]
 
 One domain, `tiny_code` ("f(x)=3x+1" -> "lambda x:3*x+1"), every completion run against its unit
 tests in the sandbox (`rewards/sandbox.py`), after a short SFT warm start so that completions are

@@ -7,7 +7,7 @@ gives the max and median over ranks, the peak over the largest tensor and over t
 `--old-root DIR` (another checkout) also runs the exporter/importer of another checkout (PYTHONPATH) on the
 sizes in `--old-sizes`, for comparison.
 
-    python tools/bench_convert.py --work-dir /tmp/bench_convert [--sizes 250m,1b] [--old-root DIR]
+    python benchmarks/bench_convert.py --work-dir /tmp/bench_convert [--sizes 250m,1b] [--old-root DIR]
 
 Disk: the source (bf16), the megatron checkpoint (bf16) and one export at a time: < 6 GB for 1b.
 """

@@ -17,8 +17,8 @@ state); they alternate, `--rounds` times, each timing `--steps` steps after one 
 On the 2-core AVX2 development machine the bf16 sides are slow: the batch-64 rows take minutes a
 round, and `--part train` did not finish within 12 minutes (docs/real_model.md).
 
-    .venv/bin/python tools/bench_real_model.py --model-path runs/smollm2/hf              # both parts
-    .venv/bin/python tools/bench_real_model.py --model-path runs/smollm2/hf --part generate --batches 16
+    .venv/bin/python benchmarks/bench_real_model.py --model-path runs/smollm2/hf              # both parts
+    .venv/bin/python benchmarks/bench_real_model.py --model-path runs/smollm2/hf --part generate --batches 16
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ machine at hand, and what the project's wrapper (grad norm, clipping) adds on to
 are stepped round-robin, so load from other processes on a shared machine hits them alike; the
 median and the minimum are both printed.
 
-    .venv/bin/python tools/bench_optimizer.py            # 20M fp32 params, median of 20 steps
-    .venv/bin/python tools/bench_optimizer.py --params 5e6 --steps 50 --no-wrapper
+    .venv/bin/python benchmarks/bench_optimizer.py            # 20M fp32 params, median of 20 steps
+    .venv/bin/python benchmarks/bench_optimizer.py --params 5e6 --steps 50 --no-wrapper
 
 Parameters are split like a small decoder (hidden 512: qkv, out-proj, fc1, fc2 and two norm
 weights per layer, then an embedding for the rest), a few dozen tensors in all. DeepSpeed's op

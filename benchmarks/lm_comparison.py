@@ -1,9 +1,9 @@
 """A small from-scratch language-modelling comparison on CPU: dense vs Over-Encoding vs Block AttnRes,
 and an MoE baseline vs LatentMoE -- same data, same token budget, same seed, one PNG.
 
-    .venv/bin/python tools/lm_comparison.py         # 6 default variants -> docs/lm_comparison.png
-    .venv/bin/python tools/lm_comparison.py --variants dense dense_seed2 oe attnres moe latent_acc latent_eff latent_a1
-    .venv/bin/python tools/lm_comparison.py --steps 100 --jobs 1   # quicker, noisier
+    .venv/bin/python benchmarks/lm_comparison.py         # 6 default variants -> docs/lm_comparison.png
+    .venv/bin/python benchmarks/lm_comparison.py --variants dense dense_seed2 oe attnres moe latent_acc latent_eff latent_a1
+    .venv/bin/python benchmarks/lm_comparison.py --steps 100 --jobs 1   # quicker, noisier
 
 The default set costs ~1000 CPU-seconds of training (2 jobs: an estimated ~10 min on an idle 2-core machine;
 16 min were measured at a load average of ~12); the 8-variant line (which drew the committed
@@ -52,7 +52,7 @@ Results are written to `<out-dir>/results.json` and plotted to `--png`: left, th
 minus that of the variant's baseline (`BASELINE`: dense for OE, AttnRes, MoE and the second seed;
 the MoE baseline for the LatentMoE variants). The step times in the
 summary are only indicative (the processes share the machine with each other and anything else);
-`tools/bench_architectures.py` measures speed properly.
+`benchmarks/bench_architectures.py` measures speed properly.
 """
 
 from __future__ import annotations

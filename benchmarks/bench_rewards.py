@@ -4,8 +4,8 @@ Why: sync rewards now run in worker processes that can be killed (`mcore_rl/rewa
 instead of threads that cannot; this measures what that costs on the demo's addition reward,
 which takes microseconds, so what is measured is the runner itself.
 
-    .venv/bin/python tools/bench_rewards.py                      # 1,024 samples, 16 workers
-    .venv/bin/python tools/bench_rewards.py --samples 4096 --concurrency 4 --repeats 7
+    .venv/bin/python benchmarks/bench_rewards.py                      # 1,024 samples, 16 workers
+    .venv/bin/python benchmarks/bench_rewards.py --samples 4096 --concurrency 4 --repeats 7
 
 start-up: a new runner's first batch of `concurrency` samples (thread pool: creating threads;
 workers: starting every process and loading the function in it).
@@ -13,7 +13,7 @@ per call: a warm batch of `samples` samples, divided by `samples`, median (and m
 `repeats`; "direct" is calling the function in a loop, for scale. The modes alternate, so load
 from other processes on a shared machine hits them alike.
 
-    .venv/bin/python tools/bench_rewards.py --code               # the code sandbox's cost, side by side
+    .venv/bin/python benchmarks/bench_rewards.py --code               # the code sandbox's cost, side by side
 
 `--code`: the code reward (`mcore_rl/rewards/checker.py`) on tiny_code answers and HumanEval
 canonical solutions, each program run (a) as the reward runs it: in the sandbox, its tests in the

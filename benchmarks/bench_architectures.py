@@ -5,9 +5,9 @@ Every architecture is timed through the real megatron-core training step (`build
 schedule, forward and backward -- and the optimizer step), fp32, against the plain model of the
 same width and depth, and printed as ratios:
 
-    .venv/bin/python tools/bench_architectures.py                       # everything (10-12 min on 2 cores)
-    .venv/bin/python tools/bench_architectures.py --groups dense moe    # single-rank groups only
-    .venv/bin/python tools/bench_architectures.py --rounds 3 --steps 8  # more samples
+    .venv/bin/python benchmarks/bench_architectures.py                       # everything (10-12 min on 2 cores)
+    .venv/bin/python benchmarks/bench_architectures.py --groups dense moe    # single-rank groups only
+    .venv/bin/python benchmarks/bench_architectures.py --rounds 3 --steps 8  # more samples
 
 Size (`BASE`): hidden 256, 8 layers, SwiGLU ffn 1024, 4 heads / 2 KV groups (head dim 64), byte
 vocabulary 384, seq 256, micro-batch 4, global batch 8 (2048 tokens per step), the synthetic data
@@ -50,7 +50,7 @@ machine the 2-rank rows are far noisier than the 1-rank ones (their median can b
 
 Memory: each variant then runs alone in its own process (job for 2 ranks): peak-RSS growth over a
 baseline taken after all imports and before `build_trainer` (data rows, model, grad buffers, Adam
-state, activations of 1 + 2 steps), summed over ranks, measured as in `tools/bench_sft.py` (whose
+state, activations of 1 + 2 steps), summed over ranks, measured as in `benchmarks/bench_sft.py` (whose
 helpers it uses; see its docstring for what RSS does and does not capture). "params" is the
 number of parameters on rank 0 (for sharded tables: the rank's shard).
 

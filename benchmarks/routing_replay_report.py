@@ -9,7 +9,7 @@ Printed: K3 = mean(exp(d) - d - 1) and mean |d| over response tokens, d = log π
 `mismatch/k3`, `mismatch/abs_logp_diff` the learner logs), and the fraction of (token, layer) pairs
 whose expert *set* differs between engine and trainer.
 
-    PYTHONPATH=. python tools/routing_replay_report.py [--prompts 16] [--samples 4] [--seed 0]
+    PYTHONPATH=. python benchmarks/routing_replay_report.py [--prompts 16] [--samples 4] [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Peak memory of chunked log-probs (`mcore_rl.train.logprobs`) vs materialising the full logits.
 
-    .venv/bin/python tools/bench_logprobs.py                       # 8192 tokens, vocab 150k, h 1024
-    .venv/bin/python tools/bench_logprobs.py --tokens 2048 --vocab 32000 --entropy
+    .venv/bin/python benchmarks/bench_logprobs.py                       # 8192 tokens, vocab 150k, h 1024
+    .venv/bin/python benchmarks/bench_logprobs.py --tokens 2048 --vocab 32000 --entropy
 
 Both variants compute, in fp32 on one rank, the log-prob of a given token at every position from
 hidden states [tokens, hidden] and an output weight [vocab, hidden] (optionally the entropy too),

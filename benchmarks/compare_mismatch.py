@@ -1,9 +1,9 @@
 """No correction vs TIS vs MIS vs MIPU on the demo task with FP8 rollouts, same seeds.
 
-    .venv/bin/python tools/compare_mismatch.py                       # the docs/mismatch_correction.md run
-    .venv/bin/python tools/compare_mismatch.py --seeds 1 2 3 --steps 60 --methods none tis
-    .venv/bin/python tools/compare_mismatch.py -- rollout.quantization=none   # extra overrides for every run
-    .venv/bin/python tools/compare_mismatch.py --recipe configs/demo_moe.yaml --work runs/mismatch_moe \
+    .venv/bin/python benchmarks/compare_mismatch.py                       # the docs/mismatch_correction.md run
+    .venv/bin/python benchmarks/compare_mismatch.py --seeds 1 2 3 --steps 60 --methods none tis
+    .venv/bin/python benchmarks/compare_mismatch.py -- rollout.quantization=none   # extra overrides for every run
+    .venv/bin/python benchmarks/compare_mismatch.py --recipe configs/demo_moe.yaml --work runs/mismatch_moe \
         --png docs/mismatch_moe.png --seeds 1 2 3 --methods none tis mis mipu r3 mask r3_mask_tis
                                                 # the issue-12 experiment: MoE, FP8, T=1, top-p 0.9
 

@@ -1,7 +1,7 @@
 """Cluster-scale simulation of the asynchronous runtime: the real `RolloutScheduler` on a virtual clock.
 
-    .venv/bin/python tools/simulate_async.py                 # the default table, ~256 GPUs, 7B, 512x16
-    .venv/bin/python tools/simulate_async.py --trainer-gpus 64 --staleness 0,1 --slice 1   # full size
+    .venv/bin/python benchmarks/simulate_async.py                 # the default table, ~256 GPUs, 7B, 512x16
+    .venv/bin/python benchmarks/simulate_async.py --trainer-gpus 64 --staleness 0,1 --slice 1   # full size
 
 Nothing here schedules: the scheduler (`mcore_rl/runtime/scheduler.py`: staleness gate, buffer,
 partial rollouts, stale-group policy) is the one `mcore-rl train` runs, driven by the learner loop

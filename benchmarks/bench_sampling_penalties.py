@@ -5,7 +5,7 @@ The demo model, `--requests` requests of `--tokens` sampled tokens each, with an
 alternate within each round so load from other processes hits both alike. Prints the median, min
 and max wall time of the whole batch (prefill included) per side.
 
-    PYTHONPATH=. python tools/bench_sampling_penalties.py --rounds 4
+    PYTHONPATH=. python benchmarks/bench_sampling_penalties.py --rounds 4
 """
 
 from __future__ import annotations
