@@ -32,7 +32,7 @@ from mcore_rl.algos.policy_loss import clipped_surrogate, ppo_clip, reinforce
 from mcore_rl.algos.unlikeliness import likelihood_ranks, unlikeliness
 from mcore_rl.algos.w_reinforce import pi_form_objective, w_reinforce
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
-from tests.test_rl_loop import TINY, tiny
+from tests.helpers import TINY, tiny
 from tests.world import run_world
 
 

@@ -332,7 +332,7 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
     from mcore_rl.rewards.judge import judge_reward_fn
     from mcore_rl.recipes.judge_heads import add_segment_heads
     from mcore_rl.train.packing import sequence_view
-    from tests.test_judges import ScriptedJudge
+    from tests.helpers import ScriptedJudge
 
     one, two = "étape un ###", "étape un ### step two ###"
     text = two + " answer 8"
@@ -536,7 +536,7 @@ def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
     from mcore_rl.rewards.judge import judge_reward_fn
     from mcore_rl.recipes.judge_heads import add_rubric_heads
     from mcore_rl.train.packing import sequence_view
-    from tests.test_judges import ScriptedJudge
+    from tests.helpers import ScriptedJudge
 
     rubric = ["verifies the sum", "guesses"]
     label = {"answer": "4", "rubric": rubric, "rubric_scores": [2.0, -1.0]}
@@ -763,7 +763,7 @@ def _learner_world(rank: int, world_size: int) -> None:
     from mcore_rl.train.packing import sequence_view
     from mcore_rl.train.policy import build_policy
     from mcore_rl.train.rl_step import Learner
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny(*LEARNER_OPTIONS)
     policy = build_policy(cfg, validate_rl_config, total_iters=2)

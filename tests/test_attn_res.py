@@ -320,7 +320,8 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.models import attn_res
     from mcore_rl.models.builder import build_model, transformer_config
     from mcore_rl.parallel.setup import init_model_parallel
-    from tests.test_parity import P, _check_layout, _global_batch, _reference
+    from tests.helpers import P, _check_layout, _global_batch
+    from tests.test_parity import _reference
 
     cases = [
         (FULL, P(tp=2, sp=True), "none"),

@@ -334,7 +334,7 @@ def _all_to_all_payload(rank: int) -> None:
 
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
-    from tests.test_parity import P
+    from tests.helpers import P
 
     pc = P(ep=2)
     original = token_dispatcher.all_to_all
@@ -395,7 +395,7 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.checkpoint import _model_sharded_state_dict
-    from tests.test_parity import P
+    from tests.helpers import P
 
     path = os.path.join(tmp, "latent_ckpt")
     if dist.get_rank() == 0:
@@ -424,7 +424,8 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
 
 
 def _two_rank_world(rank: int, world_size: int, tmp: str) -> None:
-    from tests.test_parity import P, _global_batch, _layouts_world, _reference
+    from tests.helpers import P, _global_batch
+    from tests.test_parity import _layouts_world, _reference
 
     _all_to_all_payload(rank)
     _layouts_world(
@@ -450,7 +451,8 @@ def test_two_rank_layouts_payload_and_checkpoint(tmp_path) -> None:
 
 
 def _four_rank_world(rank: int, world_size: int) -> None:
-    from tests.test_parity import P, _layouts_world
+    from tests.helpers import P
+    from tests.test_parity import _layouts_world
 
     _layouts_world(
         rank,

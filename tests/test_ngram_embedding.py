@@ -393,7 +393,7 @@ def _after_checks(mc, ref, ckpt_dir, save, load):
 
 
 def _ngram_world(rank: int, world_size: int, cases, ckpt_dir: str) -> None:
-    from tests.test_parity import _check_layout
+    from tests.helpers import _check_layout
 
     refs: dict = {}
     batches = _packed_batches(NGRAM.vocab_size)
@@ -406,7 +406,7 @@ def _ngram_world(rank: int, world_size: int, cases, ckpt_dir: str) -> None:
 
 @pytest.mark.slow
 def test_parity_two_ranks(tmp_path):
-    from tests.test_parity import P
+    from tests.helpers import P
     from tests.world import run_world
 
     cases = [
@@ -421,7 +421,7 @@ def test_parity_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_parity_four_ranks(tmp_path):
-    from tests.test_parity import P
+    from tests.helpers import P
     from tests.world import run_world
 
     cases = [

@@ -27,7 +27,7 @@ from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.launch_flags import ServerArgs, default_weight_dirs, parse_server_args
 from mcore_rl.rollout.server import ADMIN_PATHS, EngineServer, ServerThread, request_allowed
 from mcore_rl.rollout.weight_protocol import encode_named_tensors, encode_tensor_file
-from tests.test_server import CONTEXT, LONG, _core, _free_port, _greedy
+from tests.helpers import CONTEXT, LONG, _core, _free_port, _greedy
 
 
 def call(

@@ -19,7 +19,7 @@ import torch
 from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.diagnose import update_sparsity as us
 from mcore_rl.train.optimizer import PlainSGD, build_optimizer
-from tests.test_optimizer import Tiny, _backward
+from tests.helpers import Tiny, _backward
 
 SGD = OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant")
 
