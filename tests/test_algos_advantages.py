@@ -184,7 +184,7 @@ def test_zero_variance_tolerance_is_explicit_and_configurable() -> None:
     from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE, is_constant
     from mcore_rl.config import validate_rl_config
     from mcore_rl.config.errors import ConfigError
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     from mcore_rl.algos.advantages import group_stats
 

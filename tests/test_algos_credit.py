@@ -1,7 +1,7 @@
 """Credit assignment: W-REINFORCE (advantage "w_reinforce", policy loss "reinforce"), the Unlikeliness
 reward (reward shaping "unlikeliness") and DelTA (advantage shaping "delta").
 
-Each spec's testable properties are tests here, with autograd on real logits where they are about
+Each paper's testable properties (docs/papers.md) are tests here, with autograd on real logits where they are about
 gradients; the config test loads every key from YAML and checks that bad values name their dotted key;
 the learner test runs them in a spawned gloo world.
 """
@@ -32,7 +32,7 @@ from mcore_rl.algos.policy_loss import clipped_surrogate, ppo_clip, reinforce
 from mcore_rl.algos.unlikeliness import likelihood_ranks, unlikeliness
 from mcore_rl.algos.w_reinforce import pi_form_objective, w_reinforce
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
-from tests.test_rl_loop import TINY, tiny
+from tests.helpers import TINY, tiny
 from tests.world import run_world
 
 

@@ -1,5 +1,6 @@
 """Distillation methods RLRT, AntiSD, SDAR, TrOPD, StepOPSD and EffOPD: every testable property of
-their specs (seed_A.md, numbered there and cited here as "property n"), plus the contract of the
+their papers (docs/papers.md; "property n" is the n-th property a test module lists for its
+method), plus the contract of the
 "distill" kind: padding contributes nothing, an empty mask gives zeros, loss-phase gradients reach
 the student's masked tokens only and never the teacher.
 """

@@ -1,5 +1,5 @@
-"""Distillation functions of distill-B, each against the testable properties of its spec
-(reference/seed_B.md: POPD/TOPD, PowerOPD; seed_C.md: Direct-OPD, SEED) and reverse-KL OPD (K1)
+"""Distillation functions POPD/TOPD, PowerOPD, Direct-OPD and SEED, each against the testable
+properties of its paper (docs/papers.md), and reverse-KL OPD (K1)
 against the identity that makes it a reverse-KL gradient."""
 
 from __future__ import annotations

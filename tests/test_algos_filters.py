@@ -1,6 +1,6 @@
-"""Filters, judges and rubrics: PROF-GRPO (seed_C), ExpRL-Process's segment advantages (seed_B), RLCER's
-rubric rewards (seed_C) and GRAPE's candidate selection (seed_A) — each testable property of their
-specs, their config keys and the errors of bad option values. Pure: no megatron."""
+"""Filters, judges and rubrics: PROF-GRPO, ExpRL-Process's segment advantages, RLCER's rubric
+rewards and GRAPE's candidate selection (docs/papers.md) — each testable property of their
+papers, their config keys and the errors of bad option values. Pure: no megatron."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_prof_correct_side_is_the_top_by_consistency_and_order_free() -> None:
     # PROF-BOTH: G- keeps its highest r^pro, i.e. the wrong answers with the *lowest* PRM score
     keep = _call(r, g, h, keep=6, variant="both")
     assert set(torch.nonzero(keep[6:]).flatten().add(6).tolist()) == {10, 6, 11}  # prm 0.05, 0.3, 0.45
-    # negative control: the notes' literal "lowest r^pro" would have kept 0.8, 0.6, 0.5 instead
+    # negative control: the summary's literal "lowest r^pro" would have kept 0.8, 0.6, 0.5 instead
     assert not keep[7] and not keep[8] and not keep[9]
 
 
@@ -332,7 +332,7 @@ def test_exprl_process_end_to_end_from_a_judge_server_to_token_advantages(tmp_pa
     from mcore_rl.rewards.judge import judge_reward_fn
     from mcore_rl.recipes.judge_heads import add_segment_heads
     from mcore_rl.train.packing import sequence_view
-    from tests.test_judges import ScriptedJudge
+    from tests.helpers import ScriptedJudge
 
     one, two = "étape un ###", "étape un ### step two ###"
     text = two + " answer 8"
@@ -536,7 +536,7 @@ def test_rlcer_from_a_rubric_judge_to_the_reasoner_reward(tmp_path) -> None:
     from mcore_rl.rewards.judge import judge_reward_fn
     from mcore_rl.recipes.judge_heads import add_rubric_heads
     from mcore_rl.train.packing import sequence_view
-    from tests.test_judges import ScriptedJudge
+    from tests.helpers import ScriptedJudge
 
     rubric = ["verifies the sum", "guesses"]
     label = {"answer": "4", "rubric": rubric, "rubric_scores": [2.0, -1.0]}
@@ -763,7 +763,7 @@ def _learner_world(rank: int, world_size: int) -> None:
     from mcore_rl.train.packing import sequence_view
     from mcore_rl.train.policy import build_policy
     from mcore_rl.train.rl_step import Learner
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny(*LEARNER_OPTIONS)
     policy = build_policy(cfg, validate_rl_config, total_iters=2)

@@ -1,4 +1,4 @@
-"""MIPU (seed_C.md, testable properties 1-6) and the LR-decay baseline; the accept/reject gate
+"""MIPU (arXiv:2606.29526, testable properties 1-6) and the LR-decay baseline; the accept/reject gate
 with the project's real `ModelParallelAdamW.snapshot()/restore()`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TIS / MIS / IcePop / geometric mask / veto (anchors.md §1C) and the mismatch metrics."""
+"""TIS / MIS / IcePop / geometric mask / veto (docs/mismatch_correction.md) and the mismatch metrics."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Advantages across domains and reward heads: TMN-Reweight (GoLongRL), DVAO, PAPO, ALP, CGPO — each
-property its spec lists (`reference/seed_A.md`, `seed_C.md`) — and how they reach the learner: the
+property its paper states (docs/papers.md) — and how they reach the learner: the
 kinds' signatures, the sequence view's domain ids and head matrix, the config keys and their errors."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _task_sigma(r: torch.Tensor, g: torch.Tensor, prompts: list[int]) -> float:
 
 
 def _golongrl_spec(r: torch.Tensor, g: torch.Tensor, dom: torch.Tensor, alpha: float) -> torch.Tensor:
-    """TMN-Reweight written out from the spec, per task and prompt, in float64."""
+    """TMN-Reweight written out from the paper, per task and prompt, in float64."""
     out = torch.zeros(len(r), dtype=torch.float64)
     x = r.double()
     for d in dom.unique():
@@ -130,7 +130,7 @@ def _golongrl_spec(r: torch.Tensor, g: torch.Tensor, dom: torch.Tensor, alpha: f
 def test_golongrl_smoothed_mean_weighs_the_prompt_by_alpha_and_the_task_by_one_minus_alpha(alpha: float) -> None:
     """μ̃_u = α·μ_u + (1 − α)·μ_task with two and three prompts per task whose means differ, so
     p̂ (the share above μ̃) depends on which mean gets which weight. The batch is built so that the
-    swapped weights give another p̂ for some prompt (checked), and the estimator equals the spec."""
+    swapped weights give another p̂ for some prompt (checked), and the estimator equals the paper's."""
     # task 0: prompts of mean 0.625 and 0.25; task 1: three prompts, means 0.875, 0.5, 0.125
     r = torch.tensor(
         [1.0, 0.8, 0.5, 0.2, 0.6, 0.2, 0.1, 0.1, 1.0, 1.0, 1.0, 0.5, 0.9, 0.5, 0.3, 0.3, 0.5, 0.0, 0.0, 0.0]

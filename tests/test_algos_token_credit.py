@@ -461,7 +461,7 @@ def _world(rank: int, world_size: int) -> None:
     from mcore_rl.train.packing import build_microbatches, split_minibatches
     from mcore_rl.train.policy import build_policy, build_reference_model, copy_weights
     from mcore_rl.train.rl_step import Learner
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny(*LEARNER_OPTIONS)
     policy = build_policy(cfg, validate_rl_config, total_iters=4)

@@ -30,8 +30,8 @@ from mcore_rl.runtime.accounting import (
     record_trained_prompts,
     trained_by_step,
 )
-from tests.test_async_runtime import SMALL
-from tests.test_engine_faults import Engine
+from tests.helpers import SMALL
+from tests.helpers import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

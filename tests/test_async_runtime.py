@@ -20,34 +20,9 @@ import time
 
 import pytest
 
-from tests.test_engine_faults import Engine
+from tests.helpers import Engine
 from tests.world import run_world
-
-# the engines serve the default model (ModelConfig()), so the trainer's model keeps the defaults
-SMALL = [
-    "train.num_steps=3",
-    "train.seq_length=64",
-    "train.micro_batch_size=8",
-    "data.synthetic_max_digits=1",
-    "data.synthetic_num_prompts=500",
-    "rollout.quantization=none",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=12",
-    "rollout.request_timeout_s=20",
-    "algorithm.num_minibatches=2",
-    "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3",
-    "optimizer.lr_decay_style=constant",
-    "reward.name=tests.reward_fns:digit_count",
-    "eval.interval=0",
-    "eval.at_start=false",
-    "eval.num_prompts=4",
-    "eval.k=0",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "logging.plot=false",
-]
+from tests.helpers import SMALL
 
 
 def small(*overrides: str):

@@ -1,6 +1,6 @@
 """AttnRes (Full and Block): the reference model's properties, and megatron-core parity.
 
-Fast tests check the reference (`mcore_rl/hf/attn_res.py`) against the properties in seed_C.md:
+Fast tests check the reference (`mcore_rl/hf/attn_res.py`) against the properties the paper states (arXiv:2603.15031):
 Block with N = L equals Full, Block with N = 1 and zero queries is the standard residual network,
 depth weights are a convex combination that ignores the scale of a source, incremental decoding
 with the KV cache equals the full forward. The slow test checks the megatron-core block against
@@ -80,7 +80,7 @@ def test_block_layout() -> None:
         tiny_config(attn_res="blocks")
 
 
-# ---- reference properties (seed_C.md "Testable properties") -------------------------------------
+# ---- reference properties (the paper's) -------------------------------------------------------
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -320,7 +320,8 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.models import attn_res
     from mcore_rl.models.builder import build_model, transformer_config
     from mcore_rl.parallel.setup import init_model_parallel
-    from tests.test_parity import P, _check_layout, _global_batch, _reference
+    from tests.helpers import P, _check_layout, _global_batch
+    from tests.test_parity import _reference
 
     cases = [
         (FULL, P(tp=2, sp=True), "none"),

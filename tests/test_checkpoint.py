@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.world import run_world
+from tests.helpers import TINY_SFT, _env, _latest_step, _start_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +95,6 @@ def test_missing_checkpoint_names_the_path(tmp_path):
 # ------------------------------------------------------------------ a killed trainer leaves nothing behind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_SFT = [
-    "model.num_layers=1",
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "train.seq_length=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "data.synthetic_num_examples=64",
-    "train.log_interval=1000",
-]
 
 
 def _proc_table() -> dict[int, tuple[int, str, str]]:
@@ -137,21 +128,6 @@ def _descendants(pid: int) -> dict[int, str]:
 def _alive(pids) -> dict[int, str]:
     table = _proc_table()
     return {p: table[p][2] for p in pids if p in table and table[p][1] not in ("Z", "X")}
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def _start_trainer(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
-    log = str(tmp_path / "trainer.log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT
-        )
-    return proc, log
 
 
 def _kill_and_expect_no_survivors(
@@ -264,14 +240,6 @@ def test_sigkill_during_a_save_leaves_a_resumable_latest_and_no_writer(tmp_path)
 def _read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _latest_step(save_dir: str) -> int:
-    try:
-        with open(os.path.join(save_dir, "latest")) as f:
-            return int(f.read().strip().removeprefix("iter_"))
-    except (OSError, ValueError):
-        return -1
 
 
 def _kill_between_metrics_and_save(

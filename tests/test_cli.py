@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mcore_rl.cli import EXIT_BAD_INPUT, EXIT_ENGINES_LOST, EXPECTED_ERRORS, expected_exit_code
-from tests.test_async_runtime import SMALL
+from tests.helpers import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")

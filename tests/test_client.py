@@ -16,7 +16,7 @@ from mcore_rl.rollout.client import EngineClient, EngineHTTPError, EngineUnavail
 from mcore_rl.rollout.engine.core import EngineCore
 from mcore_rl.rollout.router import EngineRouter, NoHealthyEngine, launch_sglang_router
 from mcore_rl.rollout.server import EngineServer, ServerThread
-from tests.test_server import throttled
+from tests.helpers import throttled
 
 
 def _engine(port: int = 0) -> ServerThread:

@@ -19,6 +19,7 @@ from mcore_rl.config import (
 )
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.validate import DerivedSizes
+from tests.helpers import rl, rl_errors
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -358,38 +359,6 @@ def test_all_errors_reported_together():
 
 
 # ------------------------------------------------------------------- RL validation
-
-RL_SMALL = [
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "model.max_position_embeddings=64",
-    "train.seq_length=32",
-    "data.synthetic_max_digits=1",
-    "data.synthetic_num_prompts=500",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=4",
-    "rollout.context_length=64",
-    "algorithm.num_minibatches=2",
-    "eval.num_prompts=4",
-    "eval.k=2",
-    "init.sft_steps=3",
-    "init.sft_seq_length=32",
-    "init.sft_micro_batch_size=4",
-]
-
-
-def rl(*overrides: str) -> RLConfig:
-    return load_config(RLConfig, None, RL_SMALL + list(overrides))
-
-
-def rl_errors(cfg: RLConfig, world_size: int = 2) -> list[str]:
-    """The lines of the one ConfigError that validation raises."""
-    with pytest.raises(ConfigError) as e:
-        validate_rl_config(cfg, world_size)
-    head, *lines = str(e.value).splitlines()
-    assert head == "invalid config:"
-    return [line.strip() for line in lines]
 
 
 def test_rl_valid_and_derived_sizes():

@@ -21,11 +21,20 @@ import pytest
 import torch
 
 from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+from tests.helpers import (
+    CONVERT_DENSE as DENSE,
+    MOE,
+    REMOTE_CASES,
+    VOCAB,
+    _assert_same_checkpoint,
+    _check_export,
+    _load_tensors,
+    _randomize,
+    _round_trip_world,
+    _tokens,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, SEQ = 128, 16
-# Config fields that are bookkeeping, not the model (may differ after a round trip).
-IGNORED_CONFIG_KEYS = {"transformers_version"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,42 +81,6 @@ def _save_stock(kind: str, path, dtype=torch.float32, tie: bool = False, vocab: 
     model = AutoModelForCausalLM.from_config(_stock_config(kind, vocab, tie))
     _randomize(model)
     model.to(dtype).save_pretrained(path)
-
-
-@torch.no_grad()
-def _randomize(model: torch.nn.Module) -> None:
-    """Non-trivial norms, a sharp router, and matrices at 1/sqrt(fan-in): with the default
-    initializer_range (0.02) the routed experts of a tiny MoE move the logits by ~1e-5, too little
-    for an atol-1e-4 comparison to notice a wrong expert path."""
-    for name, p in model.named_parameters():
-        if p.ndim == 1:
-            p.normal_(1.0, 0.2)
-        elif name.endswith("mlp.gate.weight"):
-            p.normal_(0.0, 0.5)
-        elif "embed" not in name and "tables" not in name:
-            p.normal_(0.0, p.shape[1] ** -0.5)
-
-
-def _tokens(vocab: int = VOCAB) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def _load_tensors(path) -> dict[str, torch.Tensor]:
-    from mcore_rl.convert import HFCheckpoint
-
-    ckpt = HFCheckpoint(str(path))
-    return {k: ckpt[k] for k in ckpt}
-
-
-def _assert_same_checkpoint(a, b) -> None:
-    """Same tensors (bit for bit, same dtype) and the same config.json."""
-    ta, tb = _load_tensors(a), _load_tensors(b)
-    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))
-    for k in ta:
-        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
-    ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
-    diff = {k: (ca.get(k), cb.get(k)) for k in set(ca) | set(cb) - IGNORED_CONFIG_KEYS if ca.get(k) != cb.get(k)}
-    assert not diff, diff
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,10 +132,6 @@ def test_unsupported_checkpoints_name_the_field() -> None:
 
     with pytest.raises(ValueError, match="norm_topk_prob=false"):
         model_config_from_hf(DeepseekV3Config(norm_topk_prob=False))
-
-
-DENSE = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB)
-MOE = dataclasses.replace(DENSE, arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
 
 
 @pytest.mark.parametrize(
@@ -314,21 +283,6 @@ def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-REMOTE_CASES = {
-    "shared_expert_no_qk_norm": dataclasses.replace(
-        MOE, moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False
-    ),
-    "latent_moe": dataclasses.replace(
-        MOE, num_experts=8, moe_router_topk=4, moe_latent_size=16, moe_shared_expert_intermediate_size=48
-    ),
-    "attn_res_block": dataclasses.replace(DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
-    "attn_res_full": dataclasses.replace(DENSE, num_layers=4, attn_res="full"),
-    "ngram": dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
-    # Qwen2-style q/k/v biases and gated shared expert, Mistral's window, on a Qwen3-MoE (QK-norm): no stock class
-    "qwen2_features": dataclasses.replace(
-        MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, sliding_window=6
-    ),
-}
 # the HF config field that shows the reference model knows the architecture yet
 _REFERENCE_FIELD = {
     "latent_moe": "moe_latent_size",
@@ -371,92 +325,6 @@ def test_remote_code_export_loads_without_mcore_rl(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 # through megatron: round trips and logits in other layouts
 # ---------------------------------------------------------------------------------------------
-
-
-def _megatron_logits(
-    mc: ModelConfig,
-    pc,
-    ckpt: str,
-    tokens: torch.Tensor,
-    out: str,
-    attention_mask: torch.Tensor = None,
-    hf_weights_out: str = None,
-) -> None:
-    """Forward the converted checkpoint in layout `pc`; the rank with the full logits saves them.
-    `attention_mask`: megatron's ([b, 1, s, s], True = masked). `hf_weights_out`: global rank 0 also
-    saves the HF-named weights the weight sync (`iter_hf_weights`) gathers in this layout."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    from mcore_rl.models.builder import build_model, transformer_config
-    from mcore_rl.parallel.setup import init_model_parallel, set_seed
-    from mcore_rl.train.checkpoint import latest_checkpoint, load_checkpoint
-    from mcore_rl.train.forward_backward import forward_backward
-
-    init_model_parallel(pc)
-    set_seed(1)
-    chunks = build_model(mc, pc, config=transformer_config(mc, pc))
-    load_checkpoint(latest_checkpoint(ckpt), chunks, None)
-    for chunk in chunks:
-        chunk.eval()
-    got: list[torch.Tensor] = []
-
-    def step(iterator, model):
-        batch = next(iterator)
-        output = model(batch["tokens"], batch["position_ids"], attention_mask)
-
-        def loss(logits):
-            got.append(tensor_parallel.gather_from_tensor_model_parallel_region(logits).detach().clone())
-            return logits.sum() * 0, torch.tensor(1), {"lm_loss": torch.zeros(2)}
-
-        return output, loss
-
-    batch = dict(
-        tokens=tokens,
-        position_ids=torch.arange(SEQ).expand_as(tokens).contiguous(),
-        labels=tokens,
-        loss_mask=torch.ones_like(tokens, dtype=torch.float),
-    )
-    with torch.no_grad():
-        forward_backward(chunks, [batch], forward_only=True, forward_step=step)
-    if got and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save(got[0], out)
-    if hf_weights_out:
-        import torch.distributed as dist
-
-        from mcore_rl.train.weight_sync import iter_hf_weights
-
-        weights = {name: tensor.clone() for name, tensor in iter_hf_weights(chunks, mc)}
-        if dist.get_rank() == 0:
-            torch.save(weights, hf_weights_out)
-
-
-def _round_trip_world(rank: int, world_size: int, tmp: str, cases: list) -> None:
-    """For each case: HF -> megatron (layout A) -> HF, and megatron logits in layout B."""
-    import torch.distributed as dist
-
-    from mcore_rl.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
-
-    for name, convert_layout, check_layout in cases:
-        src, mcore, export = f"{tmp}/{name}/hf", f"{tmp}/{name}/mcore", f"{tmp}/{name}/export"
-        hf_to_mcore(src, mcore, convert_layout)
-        mcore_to_hf(mcore, export)
-        mc = model_config_from_hf(read_hf_config(src))
-        _megatron_logits(mc, check_layout, mcore, _tokens(mc.vocab_size), f"{tmp}/{name}/megatron_logits.pt")
-        dist.barrier()
-
-
-def _check_export(case_dir, stock_class: str = None) -> None:
-    from transformers import AutoModelForCausalLM
-
-    _assert_same_checkpoint(case_dir / "hf", case_dir / "export")
-    model = AutoModelForCausalLM.from_pretrained(case_dir / "export", dtype=torch.float32).eval()
-    if stock_class:
-        assert type(model).__name__ == stock_class
-    x = _tokens(model.config.vocab_size)
-    with torch.no_grad():
-        logits = model(x).logits
-    torch.testing.assert_close(torch.load(case_dir / "megatron_logits.pt"), logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -287,7 +287,7 @@ def test_bf16_export_keeps_the_router_in_fp32(tmp_path) -> None:
 
     from mcore_rl.convert import write_hf_checkpoint
     from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-    from tests.test_convert import _load_tensors
+    from tests.helpers import _load_tensors
 
     model = McoreRLForCausalLM(hf_config_from_model_config(DSV3))
     assert write_hf_checkpoint(model.state_dict(), DSV3, str(tmp_path), torch.bfloat16) == "deepseek_v3"
@@ -313,7 +313,7 @@ def _bias_moves_toward_balance(rank: int) -> None:
     from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
     from mcore_rl.train.optimizer import build_optimizer
     from mcore_rl.train.weight_sync import iter_hf_weights
-    from tests.test_parity import P, _global_batch
+    from tests.helpers import P, _global_batch
 
     mc = dataclasses.replace(DSV3, moe_router_bias_update_rate=0.05)
     pc = P(ep=2)
@@ -345,8 +345,9 @@ def _bias_moves_toward_balance(rank: int) -> None:
 def _world(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from tests.test_convert import _round_trip_world
-    from tests.test_parity import P, _check_layout, _global_batch, _reference
+    from tests.helpers import _round_trip_world
+    from tests.helpers import P, _check_layout, _global_batch
+    from tests.test_parity import _reference
 
     for mc, layouts in [
         (MIXED, [P(pp=2)]),  # stage 0 holds only dense layers, stage 1 only MoE ones
@@ -366,7 +367,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 def test_megatron_parity_bias_update_and_round_trip(tmp_path) -> None:
     from transformers import DeepseekV3ForCausalLM
 
-    from tests.test_convert import _assert_same_checkpoint, _check_export
+    from tests.helpers import _assert_same_checkpoint, _check_export
     from tests.world import run_world
 
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ def test_binary_headroom_matches_the_closed_form(alpha):
     rows = [[1.0] * k + [0.0] * (G - k) for k in range(G + 1)]
     h = headroom(rows, alpha)
     p = torch.arange(G + 1, dtype=torch.float64) / G
-    closed = torch.log(1 - p + p * math.exp(alpha)) / alpha - p  # the spec's formula, written out
+    closed = torch.log(1 - p + p * math.exp(alpha)) / alpha - p  # the paper's formula, written out
     torch.testing.assert_close(h, closed, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(binary_headroom(p, alpha), closed, rtol=1e-12, atol=1e-14)
     assert h[0] == 0 and h[-1] == 0 and (h[1:-1] > 0).all()

@@ -27,7 +27,7 @@ from mcore_rl.data.samples import Prompt, Sample, TeacherScores
 from mcore_rl.train.distillation import add_packed_topk, generation_budget, teacher_view
 from mcore_rl.train.logprobs import vocab_parallel_topk_stats
 from mcore_rl.train.packing import build_microbatches, sequence_view
-from tests.test_rl_loop import TINY, _samples, tiny
+from tests.helpers import TINY, _samples, tiny
 from tests.world import run_world
 
 

@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.domains import (
@@ -45,101 +44,9 @@ from mcore_rl.data.files import DataError
 from mcore_rl.data.prompts import PromptSource, build_prompt_sets, read_prompt_files
 from mcore_rl.data.tokenizer import load_tokenizer
 from tests.world import run_world
+from tests.helpers import cfg_of, errors_of, recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-TINY = [
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "model.num_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.max_position_embeddings=64",
-    "train.num_steps=3",
-    "train.seq_length=32",
-    "train.micro_batch_size=4",
-    "rollout.quantization=fp8",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=4",
-    "rollout.context_length=64",
-    "algorithm.num_minibatches=2",
-    "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3",
-    "optimizer.lr_decay_style=constant",
-    "eval.interval=2",
-    "eval.num_prompts=4",
-    "eval.k=2",
-    "logging.progress_bar=false",
-    "logging.tensorboard=true",
-    "logging.plot=true",
-]
-
-
-def write_sum_file(path: str, n: int = 60) -> str:
-    """2-digit addition prompts (the file domain), one line with its own response budget."""
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for i in range(n):
-            a, b = rng.integers(0, 100, 2)
-            line = {"prompt": f"{a:02d}+{b:02d}=", "label": None}
-            if i == 0:
-                line["max_new_tokens"] = 2
-            f.write(json.dumps(line) + "\n")
-    return path
-
-
-def recipe(tmp: str) -> dict:
-    """The 2-domain recipe of these tests (configs/domains.yaml has the same shape)."""
-    return {
-        "data": {
-            "domains": [
-                {
-                    "name": "sum2",
-                    "path": write_sum_file(os.path.join(tmp, "sum2.jsonl")),
-                    "template": "Q:{prompt}",
-                    "rewards": [{"name": "addition"}],
-                    "group_size": 4,
-                    "weight": 1.0,
-                },
-                {
-                    "name": "fmt",
-                    "task": "formatting",
-                    "options": {"max_length": 3},
-                    "num_prompts": 200,
-                    "group_size": 2,
-                    "top_k": 20,
-                    "max_new_tokens": 3,
-                    "weight": 1.0,
-                    "eval": {"num_prompts": 3, "seed": 99},
-                    "rewards": [
-                        {"name": "formatting", "weight": 1.0, "options": {"pattern": "[0-9]{1,3}"}},
-                        {"name": "tests.reward_fns:digit_count", "weight": 0.25},
-                    ],
-                },
-            ],
-            "mixture": {
-                "stages": [
-                    {"start_step": 0},
-                    {"start_step": 2, "weights": {"fmt": 1.0}, "max_new_tokens": 2, "temperature": 1.2},
-                ]
-            },
-        }
-    }
-
-
-def cfg_of(tmp: str, data: dict, *overrides: str, name: str = "r.yaml") -> RLConfig:
-    path = os.path.join(tmp, name)
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
-    return load_config(RLConfig, path, TINY + list(overrides))
-
-
-def errors_of(cfg: RLConfig) -> str:
-    with pytest.raises(ConfigError) as err:
-        validate_rl_config(cfg, 1)
-    return str(err.value)
-
 
 # ------------------------------------------------------------------------------------ validation
 

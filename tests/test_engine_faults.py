@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -20,59 +18,7 @@ from mcore_rl.rollout.router import EngineRouter, NoHealthyEngine
 from mcore_rl.rollout.weight_protocol import WeightChecksum
 from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, SyncStats, TensorTransport
 from mcore_rl.train.weight_sync import iter_buckets
-
-CONTEXT = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _engine_main(port: int, ready, delay: float) -> None:
-    """An embedded engine server on `port` (each step also sleeps `delay`), until killed."""
-    torch.set_num_threads(1)
-    from mcore_rl.rollout.engine.core import EngineCore
-    from mcore_rl.rollout.engine.driver import EngineDriver
-    from mcore_rl.rollout.server import EngineServer, ServerThread
-    from tests.test_server import throttled
-
-    core = throttled(
-        EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0), delay
-    )
-    ServerThread(EngineServer(EngineDriver(core)), port=port, shutdown_timeout=0.5).start()
-    ready.set()
-    while True:
-        time.sleep(3600)
-
-
-class Engine:
-    """One engine process at a fixed URL, so that a restart comes back where the pool expects it."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.port, self.delay = _free_port(), delay
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: mp.Process | None = None
-        self.start()
-
-    def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        self.proc = ctx.Process(target=_engine_main, args=(self.port, ready, self.delay), daemon=True)
-        self.proc.start()
-        assert ready.wait(120), "engine did not start"
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-        if sig == signal.SIGKILL:
-            self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.join(10)
+from tests.helpers import ENGINE_FAULTS_CONTEXT as CONTEXT, Engine
 
 
 @pytest.fixture
@@ -333,7 +279,7 @@ def _rl_run_losing_an_engine(rank: int, world_size: int, tmp: str, urls: list[st
 
     from mcore_rl.config.schema import ModelConfig
     from mcore_rl.runtime import run_rl
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny(
         f"run_dir={tmp}",

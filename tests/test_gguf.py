@@ -13,117 +13,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
+from tests.helpers import _gguf_tokens as _tokens, tiny_llama, write_gguf
 
 gguf = pytest.importorskip("gguf")
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "he ll", "Ġ w"]
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's printable stand-in for every byte (the alphabet of byte-level BPE)."""
-    keep = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
-def _tokens() -> list[str]:
-    return SPECIALS + _byte_chars() + [m.replace(" ", "") for m in MERGES]
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's row order for q/k (the inverse of what transformers undoes when reading)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(_tokens()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, so a wrong norm mapping shows in the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
-
-
-def write_gguf(model, path: str, arch: str = "llama", quantize_ffn: bool = False) -> None:
-    cfg = model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name("tiny-llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(_tokens())
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(_tokens()) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], h))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], kv))
-        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-            t = sd[p + f"mlp.{theirs}.weight"]
-            if quantize_ffn:
-                q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-                w.add_tensor(f"blk.{i}.{ours}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            else:
-                w.add_tensor(f"blk.{i}.{ours}.weight", t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module")

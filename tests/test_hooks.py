@@ -16,7 +16,7 @@ import pytest
 
 from mcore_rl import hooks
 from mcore_rl.config import ConfigError, validate_rl_config
-from tests.test_rl_loop import tiny
+from tests.helpers import tiny
 
 RECIPES_DIR = pathlib.Path(__file__).resolve().parents[1] / "mcore_rl" / "recipes"
 

@@ -1,17 +1,14 @@
 """LLM-judge rewards (`rewards/judge.py`): the parsers on good, borderline and garbage replies, the
-DR-Rubric and ExpRL properties of seed_B.md, and end to end over real servers on loopback — a
+DR-Rubric and ExpRL properties their papers state (docs/papers.md), and end to end over real servers on loopback — a
 scripted SGLang `/generate` server (tests/sglang_script_server.py) for verdicts that must become
 the right rewards and for every way a judge fails, and a real `mcore-rl serve` whose tiny random
 model answers garbage. A failing judge costs its own sample, never the batch."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +17,6 @@ import torch
 
 from mcore_rl.algos.advantages import grpo, make_group_ids
 from mcore_rl.algos.kl import kl_loss
-from mcore_rl.parallel.lifetime import preexec_die_with_parent
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn, reward_names
 from mcore_rl.rewards.judge import (
     CHAT_FORMATS,
@@ -43,6 +39,7 @@ from mcore_rl.rewards.judge import (
     template,
     token_advantages,
 )
+from tests.helpers import ScriptedJudge
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCORE = ScoreParser(0, 10)
@@ -228,7 +225,7 @@ def test_options_are_checked_before_any_sample() -> None:
         assert RewardFunction(get_reward_fn(name)).is_async
 
 
-# ------------------------------------------------------------------------------ the spec properties
+# --------------------------------------------------------------------------- the papers' properties
 
 
 def test_dr_rubric_reward_is_the_fraction_of_satisfied_constraints() -> None:
@@ -301,32 +298,6 @@ def test_exprl_every_token_of_a_segment_gets_its_raw_delta() -> None:
 
 
 # ------------------------------------------------------------------------------ scripted judge server
-
-
-class ScriptedJudge:
-    """tests/sglang_script_server.py as a process on an ephemeral loopback port."""
-
-    def __init__(self, tmp: pathlib.Path, rules: list, *args: str) -> None:
-        self.script = tmp / f"script_{time.monotonic_ns()}.json"
-        self.script.write_text(json.dumps(rules))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "sglang_script_server.py"), str(self.script), *args],
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=preexec_die_with_parent(),
-        )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("PORT "), f"the scripted judge did not start: {line!r}"
-        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
-
-    def requests(self) -> list[dict]:
-        log = pathlib.Path(str(self.script) + ".log")
-        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture(scope="module")

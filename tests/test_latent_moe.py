@@ -1,6 +1,6 @@
-"""LatentMoE (seed_C.md): reference block, megatron-core layer in TP/SP/PP/EP layouts, cost report.
+"""LatentMoE (arXiv:2601.18089): reference block, megatron-core layer in TP/SP/PP/EP layouts, cost report.
 
-Fast tests check the notes' testable properties on the reference model (alpha=1 identity
+Fast tests check the paper's testable properties on the reference model (alpha=1 identity
 equivalence, shapes, linearity of W_up, KV-cache decoding, configs and weight names) and the cost
 report's closed forms against measurements on the built modules. The slow tests spawn gloo worlds:
 parity with the reference for TP=2+SP, PP=2, EP=2 (and TPxEP on 4 ranks), the all-to-all buffer
@@ -26,11 +26,11 @@ VOCAB = 96
 
 
 def _report_tool():
-    """tools/latent_moe_report.py as a module (tools/ is not a package)."""
+    """benchmarks/latent_moe_report.py as a module (benchmarks/ is not a package)."""
     import sys
 
     if "latent_moe_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("latent_moe_report", ROOT / "tools" / "latent_moe_report.py")
+        spec = importlib.util.spec_from_file_location("latent_moe_report", ROOT / "benchmarks" / "latent_moe_report.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
@@ -75,7 +75,7 @@ def ids(b: int = 2, s: int = 9, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-# ---- reference block: the notes' properties -----------------------------------------------------
+# ---- reference block: the paper's properties -----------------------------------------------------
 
 
 def test_alpha_one_with_identity_projections_equals_standard_moe() -> None:
@@ -274,7 +274,7 @@ def test_validation_names_the_key() -> None:
 
 
 def test_report_closed_forms_equal_measurements() -> None:
-    """The notes' three configurations at a small d, m: closed forms == counts on built modules,
+    """The paper's three configurations at a small d, m: closed forms == counts on built modules,
     and property 3 (routed params 3Ndm for all; active routed 3Kdm/alpha vs 3Kdm) and property 2
     (payload K*d, K*d/alpha, K*d)."""
     tool = _report_tool()
@@ -295,7 +295,7 @@ def test_report_closed_forms_equal_measurements() -> None:
         2 * k * d * b,
     )
     assert base.flops_per_token == 2 * base.active_params
-    # Principles I and II of the notes (GB200): t_exp threshold 1418 and ratio 9.04.
+    # Principles I and II of the paper (GB200): t_exp threshold 1418 and ratio 9.04.
     assert int(tool.memory_bound_threshold(4096, 1536)) == 1418
     assert round(tool.comm_compute_ratio(1536), 2) == 9.04
     assert tool.memory_bound_threshold(256, 64) == float("inf")
@@ -311,7 +311,7 @@ def test_report_tool_runs(capsys, tmp_path) -> None:
 
 # ---- megatron-core: multi-rank worlds ---------------------------------------------------------------
 
-# Tiny configurations of the notes' three variants for the all-to-all buffer check (d=32, alpha=2).
+# Tiny configurations of the paper's three variants for the all-to-all buffer check (d=32, alpha=2).
 A2A_CASES = {
     "baseline": ModelConfig(
         arch="qwen3_moe",
@@ -334,7 +334,7 @@ def _all_to_all_payload(rank: int) -> None:
 
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
-    from tests.test_parity import P
+    from tests.helpers import P
 
     pc = P(ep=2)
     original = token_dispatcher.all_to_all
@@ -395,7 +395,7 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
     from mcore_rl.models.builder import build_model
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.checkpoint import _model_sharded_state_dict
-    from tests.test_parity import P
+    from tests.helpers import P
 
     path = os.path.join(tmp, "latent_ckpt")
     if dist.get_rank() == 0:
@@ -424,7 +424,8 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
 
 
 def _two_rank_world(rank: int, world_size: int, tmp: str) -> None:
-    from tests.test_parity import P, _global_batch, _layouts_world, _reference
+    from tests.helpers import P, _global_batch
+    from tests.test_parity import _layouts_world, _reference
 
     _all_to_all_payload(rank)
     _layouts_world(
@@ -450,7 +451,8 @@ def test_two_rank_layouts_payload_and_checkpoint(tmp_path) -> None:
 
 
 def _four_rank_world(rank: int, world_size: int) -> None:
-    from tests.test_parity import P, _layouts_world
+    from tests.helpers import P
+    from tests.test_parity import _layouts_world
 
     _layouts_world(
         rank,

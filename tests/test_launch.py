@@ -83,7 +83,7 @@ def test_torchrun_rejects_bad_input_before_launching():
 
 def _rl_args(tmp_path, *extra: str) -> list[str]:
     """A tiny `mcore-rl train` (tests/test_rl_loop.py's TINY, no warm start or evaluation: only steps)."""
-    from tests.test_rl_loop import TINY
+    from tests.helpers import TINY
 
     return [
         "train",
@@ -122,7 +122,7 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path):
     saves is ignored. Every rollout step is logged once. (A checkpoint written under a second signal
     resumes to the end in the SLURM test below.)"""
     from mcore_rl.parallel.preemption import EXIT_PREEMPTED, read_marker
-    from tests.test_checkpoint import _latest_step, _start_trainer
+    from tests.helpers import _latest_step, _start_trainer
 
     ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
     proc, log = _start_trainer(tmp_path, *_rl_args(tmp_path, "train.num_steps=50"))
@@ -280,7 +280,7 @@ def test_two_node_torchrun_under_sbatch_usr1_checkpoints_requeues_and_resumes(tm
     passed on) and the job exits 75 and requeues itself. The requeued job resumes from that
     checkpoint and runs to completion."""
     from mcore_rl.parallel.preemption import EXIT_PREEMPTED
-    from tests.test_checkpoint import TINY_SFT, _latest_step
+    from tests.helpers import TINY_SFT, _latest_step
 
     ckpt, run_dir = f"{tmp_path}/ckpt", f"{tmp_path}/run"
     env = _slurm_env(tmp_path, FAKE_SRUN_RUN="torchrun.sh", MASTER_PORT=str(_free_port()))

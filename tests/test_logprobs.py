@@ -10,20 +10,9 @@ import pytest
 import torch
 
 from mcore_rl.train.logprobs import auto_chunk_size, vocab_parallel_token_stats
-from tests.test_parity import DENSE, MBS, P, SEQ, _global_batch
+from tests.helpers import DENSE, P
 from tests.world import run_world
-
-
-def _naive(hidden: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float = 1.0):
-    logsm = ((hidden @ weight.t()) / temperature).log_softmax(-1)
-    return logsm.gather(1, y[:, None]).squeeze(1), -(logsm.exp() * logsm).sum(-1)
-
-
-def _inputs(n: int = 13, h: int = 5, vocab: int = 11, dtype=torch.float64, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g, dtype=dtype).requires_grad_()
-    weight = torch.randn(vocab, h, generator=g, dtype=dtype).requires_grad_()
-    return hidden, weight, torch.randint(0, vocab, (n,), generator=g)
+from tests.helpers import CHUNK, TEMPERATURE, _batches, _inputs, _loss, _naive
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -96,18 +85,7 @@ def test_rejects_bad_temperature_and_auto_chunk() -> None:
 # megatron-core layouts vs the reference model (2-rank gloo world)
 # --------------------------------------------------------------------------------------------
 
-TEMPERATURE = 0.8
-CHUNK = 5  # 32 tokens per micro-batch: uneven chunks
 TIED = dataclasses.replace(DENSE, tie_word_embeddings=True)
-
-
-def _batches(vocab: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(11)
-    batches = _global_batch(vocab)
-    for b in batches:  # per-token coefficients, so that both outputs get non-trivial gradients
-        b["coef_lp"] = torch.randn(MBS, SEQ, generator=g)
-        b["coef_ent"] = torch.randn(MBS, SEQ, generator=g)
-    return batches
 
 
 def _reference(mc, batches):
@@ -134,17 +112,6 @@ def _reference(mc, batches):
     if mc.tie_word_embeddings:
         grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
     return float(objective.detach()), stats, state, grads
-
-
-def _loss(batch, stats):
-    mask = batch["loss_mask"]
-    loss = (mask * (batch["coef_lp"] * stats.logprobs + batch["coef_ent"] * stats.entropy)).sum()
-    report = {
-        "lm_loss": torch.stack([loss.detach(), mask.sum()]),
-        "logprobs": stats.logprobs.detach(),
-        "entropy": stats.entropy.detach(),
-    }
-    return loss, mask.sum().to(torch.int), report
 
 
 def _check(mc, pc, batches, ref, results: dict) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_rl_loop import tiny
+from tests.helpers import tiny
 from tests.world import run_world
 
 OPTIONS = [

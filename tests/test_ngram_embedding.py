@@ -1,4 +1,4 @@
-"""Over-Encoding n-gram input embeddings (OverTok, seed_B.md): ids, reference model, megatron parity."""
+"""Over-Encoding n-gram input embeddings (OverTok, arXiv:2501.16975): ids, reference model, megatron parity."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_ids_exact_for_large_vocab():
 
 
 def test_modulus_coprime_with_vocab():
-    """seed_B property 2: distinct 2-gram ids for a fixed current token over all previous ones."""
+    """The paper's property 2: distinct 2-gram ids for a fixed current token over all previous ones."""
     v = 10
     prev = torch.arange(v)
     pairs = torch.stack([prev, torch.full_like(prev, 3)], dim=1)  # [x_{t-1}, x_t = 3]
@@ -117,7 +117,7 @@ def test_ids_never_cross_documents():
 
 
 def test_sliced_table_identities():
-    """seed_B properties 3-4: zero tables give the plain embedding; k=1 with W=I is a plain lookup."""
+    """The paper's properties 3-4: zero tables give the plain embedding; k=1 with W=I is a plain lookup."""
     ids = torch.randint(0, 50, (2, 7))
     table = torch.nn.Embedding(50, 16)
     eye = torch.nn.Linear(16, 16, bias=False)
@@ -393,7 +393,7 @@ def _after_checks(mc, ref, ckpt_dir, save, load):
 
 
 def _ngram_world(rank: int, world_size: int, cases, ckpt_dir: str) -> None:
-    from tests.test_parity import _check_layout
+    from tests.helpers import _check_layout
 
     refs: dict = {}
     batches = _packed_batches(NGRAM.vocab_size)
@@ -406,7 +406,7 @@ def _ngram_world(rank: int, world_size: int, cases, ckpt_dir: str) -> None:
 
 @pytest.mark.slow
 def test_parity_two_ranks(tmp_path):
-    from tests.test_parity import P
+    from tests.helpers import P
     from tests.world import run_world
 
     cases = [
@@ -421,7 +421,7 @@ def test_parity_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_parity_four_ranks(tmp_path):
-    from tests.test_parity import P
+    from tests.helpers import P
     from tests.world import run_world
 
     cases = [

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from mcore_rl.config import ConfigError, RLConfig, SFTConfig, load_config, validate_rl_config, validate_sft_config
-from tests.test_rl_loop import tiny
+from tests.helpers import tiny
 from tests.world import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,29 +14,9 @@ import torch
 from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.train.lr_schedule import LRScheduler
 from mcore_rl.train.optimizer import build_optimizer, load_deepspeed_cpu_adam
+from tests.helpers import Tiny, _backward
 
 BASE = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, lr_decay_style="constant", lr_warmup_iters=0)
-
-
-class Tiny(torch.nn.Module):
-    """Matrices (weight-decayed) plus a bias and a norm weight (not decayed)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.fc = torch.nn.Linear(6, 5)
-        self.norm = torch.nn.LayerNorm(5)
-        self.out = torch.nn.Linear(5, 3, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(self.fc(x)))
-
-
-def _backward(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 6, generator=g)
-    loss = model(x.to(next(model.parameters()).dtype)).float().pow(2).sum() * scale
-    loss.backward()
 
 
 def _torch_reference(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mcore_rl.config.schema import ModelConfig
-from tests.test_convert import (
-    SEQ,
+from tests.helpers import (
+    CONVERT_SEQ as SEQ,
     VOCAB,
     _assert_same_checkpoint,
     _load_tensors,

@@ -115,7 +115,7 @@ def test_fetch_smollm2_ends_with_the_training_recipe(tmp_path):
     """The conversions of a (tiny, local) GGUF in place of the downloaded one: the last line names
     the RL recipe, and the converter's generic `mcore-rl sft` hint is not shown."""
     pytest.importorskip("gguf")
-    from tests.test_gguf import tiny_llama, write_gguf
+    from tests.helpers import tiny_llama, write_gguf
 
     out = tmp_path / "smollm2"
     (out / "gguf").mkdir(parents=True)

@@ -261,7 +261,7 @@ def _engine_manager(*overrides: str):
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny("rollout.quantization=none", "rollout.max_new_tokens=6", "train.seq_length=48", *overrides)
     validate_rl_config(cfg, 1)
@@ -382,7 +382,7 @@ def _loop(rank: int, world_size: int, tmp: str) -> None:
 
     from mcore_rl.runtime import run_rl
     from mcore_rl.runtime.loop import RLRun
-    from tests.test_rl_loop import _records, tiny
+    from tests.helpers import _records, tiny
 
     knobs = [
         "data.synthetic_num_prompts=8",

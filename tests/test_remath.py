@@ -337,7 +337,7 @@ def test_patience_stop_counts_evaluations_without_improvement_in_the_stage() -> 
 
 
 def _refresh_data(tmp: str) -> dict:
-    from tests.test_domains import recipe
+    from tests.helpers import recipe
 
     data = recipe(tmp)
     data["data"]["mixture"]["stages"] = [
@@ -349,7 +349,7 @@ def _refresh_data(tmp: str) -> dict:
 
 def test_refresh_stop_keys_validate(tmp_path) -> None:
     from mcore_rl.config import validate_rl_config
-    from tests.test_domains import cfg_of, errors_of
+    from tests.helpers import cfg_of, errors_of
 
     tmp = str(tmp_path)
     data = _refresh_data(tmp)
@@ -369,7 +369,7 @@ def test_refresh_stop_keys_validate(tmp_path) -> None:
 
 def _refresh_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime import run_rl
-    from tests.test_domains import cfg_of
+    from tests.helpers import cfg_of
 
     summary = run_rl(
         cfg_of(

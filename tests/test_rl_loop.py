@@ -10,7 +10,6 @@ the HTTP path (engine URL + weight sync over `/update_weights_from_tensor`) work
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -19,47 +18,10 @@ import torch
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.data.prompts import PromptSource, task_pool
-from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.samples import Prompt
 from mcore_rl.train.packing import build_microbatches, sequence_view, split_minibatches
 from tests.world import run_world
-
-TINY = [
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "model.num_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.max_position_embeddings=64",
-    "train.num_steps=3",
-    "train.seq_length=32",
-    "train.micro_batch_size=4",
-    "data.synthetic_max_digits=1",
-    "data.synthetic_num_prompts=500",
-    "rollout.quantization=fp8",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=4",
-    "rollout.context_length=64",
-    "algorithm.num_minibatches=2",
-    "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3",
-    "optimizer.lr_decay_style=constant",
-    "eval.interval=2",
-    "eval.num_prompts=4",
-    "eval.k=2",
-    "init.sft_steps=3",
-    "init.sft_num_examples=64",
-    "init.sft_seq_length=32",
-    "init.sft_micro_batch_size=4",
-    "logging.progress_bar=false",
-    "logging.tensorboard=true",
-    "logging.plot=true",
-]
-
-
-def tiny(*overrides: str) -> RLConfig:
-    return load_config(RLConfig, None, TINY + list(overrides))
-
+from tests.helpers import _records, _samples, tiny
 
 # ------------------------------------------------------------------------------------ config
 
@@ -111,27 +73,6 @@ def test_cli_train_with_an_unknown_reward_fails_in_seconds():
 
 
 # ------------------------------------------------------------------------------------ batches
-
-
-def _samples() -> list[Sample]:
-    tok = load_tokenizer(None)
-    src = PromptSource(task_pool("addition", 50, 0, 2), tok, seed=0)
-    out = []
-    for g, p in enumerate(src.take(5)):
-        for j in range(3):
-            rsp = tok.encode(str(g * 10 + j)[: 1 + j]) + ([tok.eos_id] if j != 1 else [])
-            out.append(
-                Sample(
-                    p,
-                    p.index,
-                    rsp,
-                    [-0.1 * (k + 1) for k in range(len(rsp))],
-                    policy_version=7,
-                    finish_reason="stop",
-                    reward=float(j == 0),
-                )
-            )
-    return out
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -221,11 +162,6 @@ def test_prompt_stream_resumes():
 
 
 # ------------------------------------------------------------------------------------ end to end
-
-
-def _records(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _e2e(rank: int, world_size: int, tmp: str) -> None:

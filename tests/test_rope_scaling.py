@@ -265,7 +265,7 @@ def test_convert_errors_name_the_key_the_file_has(tmp_path) -> None:
 def _save_llama3_v4_checkpoint(directory) -> None:
     """A stock llama3 checkpoint made with transformers, its config.json in 4.x spelling
     (`rope_scaling` + top-level `rope_theta`, as Llama 3.1 files on the Hub)."""
-    from tests.test_convert import _randomize
+    from tests.helpers import _randomize
 
     model = _stock("llama", STOCK_CASES["llama3"][1])
     _randomize(model)
@@ -283,7 +283,8 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
     from mcore_rl.convert import hf_to_mcore, mcore_to_hf
     from mcore_rl.convert import parallel_config as convert_layout
-    from tests.test_parity import P, _check_layout, _global_batch, _reference
+    from tests.helpers import P, _check_layout, _global_batch
+    from tests.test_parity import _reference
 
     cases = [
         (dataclasses.replace(LLAMA, rope_scaling=LLAMA3), [P(tp=2, sp=True), P(pp=2)]),
@@ -308,7 +309,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 def test_megatron_parity_and_conversion_round_trip(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tests.test_convert import _assert_same_checkpoint
+    from tests.helpers import _assert_same_checkpoint
     from tests.world import run_world
 
     _save_llama3_v4_checkpoint(tmp_path / "hf")

@@ -421,7 +421,7 @@ LEARNER = [
 def test_config_rejects_replay_without_experts_or_with_full_recompute():
     from mcore_rl.config import validate_rl_config
     from mcore_rl.config.errors import ConfigError
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     with pytest.raises(ConfigError, match="algorithm.routing_replay.*dense"):
         validate_rl_config(tiny("algorithm.routing_replay=r3"), 1)
@@ -443,7 +443,7 @@ def _learner_world(rank: int, world_size: int) -> None:
     from mcore_rl.train.packing import build_microbatches, split_minibatches
     from mcore_rl.train.policy import build_policy
     from mcore_rl.train.rl_step import Learner
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     cfg = tiny(*LEARNER, "algorithm.routing_replay=r2")
     policy = build_policy(cfg, validate_rl_config, total_iters=8)
@@ -529,7 +529,7 @@ def test_fp8_engine_mismatch_with_and_without_replay():
     import os
 
     path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "routing_replay_report.py"
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "routing_replay_report.py"
     )
     spec = importlib.util.spec_from_file_location("routing_replay_report", path)
     tool = importlib.util.module_from_spec(spec)

@@ -1,7 +1,7 @@
 """S2L-PO (`mcore_rl.algos.s2l_po`, `rollout.explorer`): a frozen smaller model supplies a decaying
 share of each GRPO group through a second engine pool.
 
-- the spec's testable properties (seed_B "S2L-PO"): α(1) = 1 ⇒ G_w = G, α(T_mix) = 0 ⇒ G_w = 0 and
+- the paper's testable properties (arXiv:2605.30789): α(1) = 1 ⇒ G_w = G, α(T_mix) = 0 ⇒ G_w = 0 and
   after, G_w + G_s = G, α non-increasing; G = 8, T_mix = 5 gives [8, 6, 4, 2, 0]; T_mix = 1 is pure
   GRPO; the merged group's advantage is plain GRPO (zero mean across both sources);
 - what the mismatch correction sees for the explorer's samples (their own μ, or π_old);

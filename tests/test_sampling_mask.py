@@ -248,7 +248,7 @@ def test_http_fields_errors_and_pools(server) -> None:
 
 def test_config_validation_and_the_engines_the_trainer_builds() -> None:
     from mcore_rl.rollout.pool import build_engine_pool
-    from tests.test_config import rl, rl_errors
+    from tests.helpers import rl, rl_errors
 
     errs = rl_errors(rl("rollout.sampling_mask_replay=true"))
     assert any(e.startswith("rollout.sampling_mask_replay:") and "top_p == 1 and top_k == -1" in e for e in errs), errs

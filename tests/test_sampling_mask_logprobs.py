@@ -226,7 +226,7 @@ def _check_layout(mc, pc, state, samples) -> None:
 
 
 def _mask_world(rank: int, world_size: int) -> None:
-    from tests.test_parity import DENSE, P
+    from tests.helpers import DENSE, P
 
     state, samples = _engine_samples(DENSE)
     for pc in (P(), P(tp=2), P(tp=2, sp=True), P(pp=2)):
@@ -246,7 +246,7 @@ def test_trainer_masked_logprobs_match_engine_processed_tp1_tp2() -> None:
 
 def _e2e_mask(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.runtime.loop import RLRun
-    from tests.test_rl_loop import tiny
+    from tests.helpers import tiny
 
     # fp32 engine with the trainer's weights: μ (processed) and the masked π_old are the same function
     cfg = tiny(

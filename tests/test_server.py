@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,26 +25,7 @@ from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
 from mcore_rl.rollout.engine.kv_cache import host_memory_bytes
 from mcore_rl.rollout.server import EngineServer, ServerThread, build_server
 from mcore_rl.rollout.weight_protocol import encode_named_tensors
-
-CONTEXT = 1024
-LONG = 900  # tokens: at least 0.9 s (see `throttled`), long enough to act on a request while it runs
-
-
-def throttled(core: EngineCore, delay: float = 0.001) -> EngineCore:
-    """The real engine, with every step also sleeping `delay` seconds: tests that act on a request
-    while it runs (abort, pause, disconnect, weight update) then do not depend on the engine's speed."""
-    step = core.step
-
-    def slow_step():
-        time.sleep(delay)
-        return step()
-
-    core.step = slow_step
-    return core
-
-
-def _core() -> EngineCore:
-    return throttled(EngineCore.from_model_path(None, max_running_requests=32, context_length=CONTEXT, random_seed=0))
+from tests.helpers import CONTEXT, LONG, _core, _free_port, _greedy, throttled
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +43,6 @@ def run(coro):
 async def _with_client(url: str, fn):
     async with EngineClient(url, retries=0, timeout=120) as c:
         return await fn(c)
-
-
-def _greedy(n: int) -> dict:
-    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
 
 async def _running(c: EngineClient, **body) -> asyncio.Task:
@@ -584,12 +560,6 @@ def test_kv_pool_flags_and_max_total_num_tokens() -> None:
     )
     with pytest.raises(ValueError, match="mem_fraction_static"):
         build_server(parse_server_args(["--mem-fraction-static", "1.5", "--device", "cpu"]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _TRAINER = """

@@ -1,4 +1,4 @@
-"""The embedded server against SGLang's own definitions (issue 9, items 4 and 14-19), over raw
+"""The embedded server against SGLang's own definitions (docs/serving.md), over raw
 HTTP on loopback (the `openai` package is not installed here): rendezvous timeouts and SIGTERM,
 API keys and the directories weight files may come from, `n` > 1 order and ids, every SGLang
 field at its default, string weight versions, the tokenizer / load / model / weight / memory
@@ -27,7 +27,7 @@ from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.launch_flags import ServerArgs, default_weight_dirs, parse_server_args
 from mcore_rl.rollout.server import ADMIN_PATHS, EngineServer, ServerThread, request_allowed
 from mcore_rl.rollout.weight_protocol import encode_named_tensors, encode_tensor_file
-from tests.test_server import CONTEXT, LONG, _core, _free_port, _greedy
+from tests.helpers import CONTEXT, LONG, _core, _free_port, _greedy
 
 
 def call(

@@ -19,7 +19,7 @@ import torch
 from mcore_rl.config.schema import OptimizerConfig
 from mcore_rl.diagnose import update_sparsity as us
 from mcore_rl.train.optimizer import PlainSGD, build_optimizer
-from tests.test_optimizer import Tiny, _backward
+from tests.helpers import Tiny, _backward
 
 SGD = OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant")
 
@@ -120,7 +120,7 @@ def test_snapshot_restore_and_state_dict_roundtrip_bf16() -> None:
 
 
 def test_bf16_rounding_hides_tiny_updates_but_fp32_masters_keep_them() -> None:
-    """Spec property 4 and the open question of the notes: an update below half a bf16 ulp leaves a
+    """Property 4 of the paper and an open question of its summary: an update below half a bf16 ulp leaves a
     bf16 parameter unchanged; with fp32 masters (train.precision=bf16) it accumulates in the master
     and reaches the bf16 copy once the sum crosses the rounding boundary."""
     one = torch.ones(4, dtype=torch.bfloat16)
@@ -416,7 +416,7 @@ def test_update_mask_keeps_frozen_coordinates_bit_identical(name: str, precision
 
 
 def test_zeroing_the_gradient_alone_lets_weight_decay_move_frozen_coordinates() -> None:
-    """Negative control for the test above: what the spec warns about."""
+    """Negative control for the test above: what the paper warns about."""
     model = Tiny()
     opt = build_optimizer([model], replace(SGD, name="adamw", lr=1e-2, weight_decay=0.1), "fp32", 20)
     p = opt.model_params[0]

@@ -1,4 +1,4 @@
-"""The cluster-scale simulator (tools/simulate_async.py) and its engine model.
+"""The cluster-scale simulator (benchmarks/simulate_async.py) and its engine model.
 
 The engine model (`ContinuousBatchingEngines`) advances all running requests of an instance one
 token per decode step in closed form between events; checked against stepping it token by token.
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    """tools/simulate_async.py as a module (tools/ is not a package)."""
+    """benchmarks/simulate_async.py as a module (benchmarks/ is not a package)."""
     if "simulate_async" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("simulate_async", ROOT / "tools" / "simulate_async.py")
+        spec = importlib.util.spec_from_file_location("simulate_async", ROOT / "benchmarks" / "simulate_async.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)

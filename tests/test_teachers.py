@@ -283,7 +283,7 @@ def test_a_reference_teacher_scores_the_teachers_tokens_and_top_k_ids(servers, c
     thread and from another event loop (the async scheduler's); a reference that fails marks the sample."""
     import asyncio
 
-    from tests.test_engine_faults import _free_port
+    from tests.helpers import _free_port
 
     teacher = EngineTeacher("b", servers["b"].urls, vocab_size=TOK.vocab_size, top_k=4)
     ref = EngineTeacher("a", servers["a"].urls[:1], vocab_size=TOK.vocab_size)
@@ -440,7 +440,7 @@ def test_tokenizer_and_reachability_are_checked_before_training(servers, ckpts):
             other.check(TOK, "teachers[1] (o)")
     finally:
         other.close()
-    from tests.test_engine_faults import _free_port
+    from tests.helpers import _free_port
 
     dead = f"http://127.0.0.1:{_free_port()}"
     gone = EngineTeacher("d", [servers["b"].urls[0], dead], vocab_size=TOK.vocab_size)

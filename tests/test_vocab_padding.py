@@ -12,8 +12,9 @@ import torch
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.vocab_padding import VOCAB_TENSORS, pad_vocab_rows, padded_columns_from, padded_vocab_size
 from mcore_rl.train.logprobs import vocab_parallel_topk_stats
-from tests.test_logprobs import CHUNK, TEMPERATURE, _batches, _inputs, _loss, _naive, _reference
-from tests.test_parity import P
+from tests.helpers import CHUNK, TEMPERATURE, _batches, _inputs, _loss, _naive
+from tests.test_logprobs import _reference
+from tests.helpers import P
 from tests.world import run_world
 
 SMALL = ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128)

@@ -218,7 +218,9 @@ def nccl_weight_sync(ctx: Context) -> str:
         raise Skip(
             f"needs 2 GPUs ({torch.cuda.device_count()} visible): NCCL puts no two ranks of a group on one device"
         )
-    out = _run([PY, "tools/bench_weight_sync.py", "--repeats", "2", "--only", "broadcast"], ctx, "bench_weight_sync")
+    out = _run(
+        [PY, "benchmarks/bench_weight_sync.py", "--repeats", "2", "--only", "broadcast"], ctx, "bench_weight_sync"
+    )
     lines = [line for line in out.stdout.splitlines() if "broadcast" in line]
     return " / ".join(" ".join(line.split()) for line in lines) or out.stdout.strip().splitlines()[-1]
 

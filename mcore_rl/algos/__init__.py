@@ -1,4 +1,4 @@
-"""RL algorithms as pure functions on tensors, registered by name (DESIGN.md decision 6).
+"""RL algorithms as pure functions on tensors, registered by name (docs/design.md#pure-algorithms).
 
 Nothing here knows about Megatron, process groups or HTTP: inputs are log-probs, masks, rewards and
 group ids; outputs are tensors. Importing the package registers every algorithm, so

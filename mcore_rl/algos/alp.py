@@ -6,7 +6,7 @@ long. ALP makes the reward group-aware:
     r = r_task − β · N · max(p_solved, 1/K),   p_solved = the share of the group's K rollouts that are correct,
 
 floored at 1/K so an unsolved prompt still pays a slight penalty. N is the response length in
-tokens, divided by `length_scale` if given (the spec is unclear whether the paper's N is the length
+tokens, divided by `length_scale` if given (the summary is unclear whether the paper's N is the length
 or the length over the budget; with `length_scale` = the budget, N = |y| / max_tokens). With a 0/1
 task reward r_task is the paper's accuracy term; with a richer reward the penalty is subtracted
 from it. K counts the group's valid samples; invalid samples keep their reward.

@@ -37,7 +37,7 @@ the same logit gradient are the same point here whatever their context. `delta_w
 as sparse rows (ids, values) — a dense [M, D] matrix is `dense_proxy(v)` — so the paper's proxy plugs
 in once the learner hands it over.
 
-Chosen where the spec is unclear: γ± = `gamma_scale` · the population std of the side's current
+Chosen where the summary is unclear: γ± = `gamma_scale` · the population std of the side's current
 margins (adaptive from the first iteration; their mean |Δ| where that std is 0; `gamma` fixes it
 instead); K = `iterations` = 1 (the paper's most stable); λ ∈ [`lam_min`, `lam_max`] = [0.5, 1.5] (not
 given; only their ratio matters after the normalisation); `support` = 32 ids; one pair of centroids

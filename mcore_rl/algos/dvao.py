@@ -9,7 +9,7 @@ weight times its within-group population std), which simplifies to
 
 bounded by the RC advantage: |A_DVAO| <= |A_sum| (equality when the heads are perfectly
 positively correlated). A head constant in a group (σ_k = 0) gets weight 0 there; a group where
-every head is constant gets advantage 0 (the spec leaves it open; GRPO does the same).
+every head is constant gets advantage 0 (the summary leaves it open; GRPO does the same).
 `beta` is the note author's extension ŵ_k ∝ w_k σ_k^β, not the paper's: β = 0 gives AC.
 
 Heads come from the reward-head matrix: `weights` maps head names to w_k (default: equal weights

@@ -12,14 +12,15 @@ wrong response is, independently and at random,
 This module holds the decision (which op for which sample) as a pure, seeded function; the repair
 itself (generation, the replaced tokens' μ) is `mcore_rl.recipes.gec`.
 
-Chosen where the notes are unclear ("which context the trainer conditions on, whether injected text
+Chosen where the summary is unclear (docs/design.md#paper-methods; "which context the trainer
+conditions on, whether injected text
 is loss-masked"), documented again in `recipes/gec.py`:
 
 * ops 1 and 2: the trainer conditions on the *repair context* (prompt + wrong response + reflection
   [+ answer hint]) and trains only on the new continuation, whose μ are the engine's log-probs of
   tokens it sampled: the injected text is context, so it is loss-masked by construction, and no
   token without a behaviour log-prob is trained on. The sample keeps its group (the original
-  prompt's), so GRPO compares it with its siblings: the "different states" caveat of the notes.
+  prompt's), so GRPO compares it with its siblings: the "different states" caveat of the summary.
 * op 3: the trainer conditions on the original prompt and trains on the reference solution; its μ
   are the engine's log-probs of those tokens under the current policy (prompt scoring), so the
   mismatch correction sees them like sampled tokens (μ = π_old up to the engine's numerics).

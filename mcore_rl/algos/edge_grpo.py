@@ -11,7 +11,7 @@ so confident (low-entropy) responses get larger magnitudes and uncertain ones sm
 change. EDA is invariant to scaling all P_i by one constant and is the identity when all P_i are equal.
 (The paper's other half, GEC — repairing wrong responses in the rollout — is not built here.)
 
-Choices where the spec is unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 * H_t is π_old's full-vocabulary entropy (the learner's, without a gradient; the paper writes π_θ):
   EDA only rescales the advantage, so no gradient should flow through it.
 * The group mean runs over the group's valid samples with at least one response token.

@@ -9,9 +9,9 @@ instead adds a *detached*, clipped entropy bonus to the advantage, so the policy
 The clip keeps the sign: for A_t < 0, A_t + ψ <= A_t (1 − 1/κ) < 0, and A_t = 0 stays 0. It turns a
 per-response GRPO advantage into a per-token one (high-entropy "forking" tokens get more credit).
 
-Choices where the spec is unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 * H_t is π_old's full-vocabulary entropy (the learner computes it with π_old's log-probs, without
-  a gradient; the spec leaves π_θ vs π_old open). The function detaches it anyway, so a caller that
+  a gradient; the summary leaves π_θ vs π_old open). The function detaches it anyway, so a caller that
   passes π_θ's entropy gets no entropy gradient either.
 * κ is not given by the paper (only κ > 1): default κ = 2, i.e. the bonus is at most half of |A_t|.
 * α = 0.4 is the paper's GRPO setting (0.1 with PPO); a tiny negative entropy (round-off) counts as 0.

@@ -12,7 +12,7 @@ smoothed mean μ̃ = α μ_u + (1 − α) μ_task: positive advantages ×w, the 
 amplify their successes and damp their failures (easy ones the reverse); w ∈ [e^−0.5, e^0.5].
 
 Task = domain (`domain_ids`; None = one task). μ_task is the mean reward of the domain's valid
-samples in the batch; σ_task is over the domain's groups with >= 2 valid samples. The spec's note
+samples in the batch; σ_task is over the domain's groups with >= 2 valid samples. The summary's note
 that "the mean subtracted is the mean over all tasks" contradicts its formula; this implements the
 formula (per-prompt μ_u). A task whose prompts are all constant has σ_task = 0: advantage 0.
 """

@@ -16,7 +16,7 @@ Choices: ties go to the first candidate (lowest index), so a selection is reprod
 without a score (NaN: nothing to score, the scorer failed) is never kept unless a group has nothing
 else (then the group keeps nothing, -1). The paper warns that self-generated candidates hurt;
 nothing here can tell where a candidate came from, so that is the caller's to respect. Token-level
-GRAPE (token probabilities as loss weights) is not built: the notes do not give its weighting.
+GRAPE (token probabilities as loss weights) is not built: the summary we worked from does not give its weighting.
 """
 
 from __future__ import annotations

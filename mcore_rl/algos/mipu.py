@@ -1,5 +1,5 @@
 """MIPU — "The Mirage of Optimizing Training Policies: Monotonic Inference Policies as the Real
-Objective for LLM RL" (TJU & Alibaba, 2026); spec in `reference/seed_C.md`.
+Objective for LLM RL" (TJU & Alibaba, 2026), arXiv:2606.29526.
 
 What matters is the improvement of the *inference* policy μ (the engine), not of the trainer's π.
 
@@ -7,7 +7,7 @@ Step 1 (decoupled update): the PPO clip acts only on r = π_θ/π_k (π_k: the t
 log-probs of the pre-update weights) and the whole term is multiplied by the constant, truncated
 mismatch weight w̄ = min(π_k/μ_k, w_max), w_max = 2, ε = 0.2. Clipping π_θ/μ_k directly would let
 the pre-update mismatch trigger the clip even when r ≈ 1. Whether w̄ and r are per token or per
-sequence is unclear in the notes; both are offered (`level`), per token by default.
+sequence is unclear in the summary; both are offered (`level`), per token by default.
 
 Step 2 (accept/reject): after the candidate weights are synced to the engine, sample a validation
 batch from it (μ_{k+1}), recompute π_{k+1} on it and form
@@ -157,7 +157,7 @@ def validation_t_post(
     return t_hat_post(policy_logp[ok], rollout_logp[ok], mask[ok], adv[ok])
 
 
-# --- how noisy T̂_post is (issue 12: the decision on an 8 × 8 batch is close to a coin flip)
+# --- how noisy T̂_post is (docs/mismatch_correction.md: the decision on an 8 × 8 batch is close to a coin flip)
 #
 # The samples of a group share its advantages' mean and std, so they are not independent; the
 # groups are (independent prompts, independent sampling seeds). Per group g with n_g valid
@@ -338,7 +338,7 @@ class MIPUController:
     `ModelParallelAdamW.snapshot()/restore()` does, bit-identically. `resync` must push the
     restored weights to the engine(s). In an async pipeline, rollouts produced by the rejected
     weights must be discarded by the caller. `count_rejected` chooses whether a rejected step
-    advances the annealing clock t (the notes leave it open; default: every decision counts).
+    advances the annealing clock t (the summary leaves it open; default: every decision counts).
     `rule`/`z` choose the decision (`decide`: "plain" is the paper's); given the validation
     estimate (`validation_estimate`), `decide` also reports SE, flip probability and a seeded
     bootstrap flip rate over `bootstrap` resamples of the groups (0: not computed).

@@ -1,10 +1,10 @@
 """Train–inference mismatch correction: the engine's μ (FP8, other kernels) is not the trainer's π.
 
 Tokens were sampled by the engine, whose per-token log-probs μ ride along with every sample
-(DESIGN.md decision 5); the trainer recomputes π_old on the same tokens. With the log-ratio
+(docs/design.md#provenance); the trainer recomputes π_old on the same tokens. With the log-ratio
 log r_t = log π_old(y_t) - log μ(y_t) (clamped to ±20 as slime/verl do), this module turns r into
 constant per-token weights that multiply the policy loss, and into masks that drop tokens or
-sequences (formulas and defaults from the anchors, `reference/anchors.md` §1C):
+sequences (formulas and defaults as slime and verl implement them; papers in docs/papers.md):
 
 - TIS (truncated importance sampling): w = clamp(r, low, C), C = 2 — token level (r_t), sequence
   level (Π_t r_t = exp Σ log r_t) or geometric (exp mean_t log r_t); slime, verl, NeMo-RL, Megatron-RL;

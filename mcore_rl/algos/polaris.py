@@ -18,10 +18,10 @@ What it changes in the rollout path, and why:
 This module holds the decisions only, as pure functions of group ids and rewards -> indices; applying
 them to `Sample`s is `mcore_rl.recipes.polaris`.
 
-Chosen where the notes are unclear:
+Chosen where the summary is unclear (docs/design.md#paper-methods):
 
 * "correct" is reward >= `correct_reward` (1.0: POLARIS's 0/1 reward); "wrong" is everything else.
-* Rescue replaces the *last* wrong sample of the group (the notes do not say which one); a group is
+* Rescue replaces the *last* wrong sample of the group (the summary does not say which one); a group is
   rescued only when it is all wrong (an all-correct group is left to substitution).
 * Substitution copies mixed groups of the same size in batch order, cycling when there are more
   zero-signal groups than mixed ones; a zero-signal group with no mixed group of its size is left

@@ -13,7 +13,7 @@ by λ). Each group is split into correct G+ and wrong G−; k+ + k− = m maximi
 k+ <= |G+|, k− <= |G−| (balanced, the short side kept whole). G+ keeps its top-k+ by r^pro; G−
 keeps k− at random (variant "pos", PROF-POS) or by r^pro (variant "both", PROF-BOTH).
 
-Choices where the notes are unclear or wrong:
+Choices where the summary is unclear or wrong (docs/design.md#paper-methods):
 
 * **Sign of PROF-BOTH.** The notes say "keep the lowest r^pro" among wrong answers, which under
   Eq. 1 would keep the wrong answers with the *best* PRM score. The paper's abstract says it
@@ -33,7 +33,7 @@ Choices where the notes are unclear or wrong:
 * **Randomness.** PROF-POS's draw is seeded by (`seed`, group id): deterministic, resumable, and a
   function of the group's sample positions only — never of the PRM scores.
 * A group with at most m valid samples is kept whole (nothing to filter). Invalid samples stay
-  out and are not counted in n. λ is not given by the notes (default 0); H_λ = 30.
+  out and are not counted in n. λ is not given by the summary (default 0); H_λ = 30.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from wrong: corr(v_k, z) > α (α = 0.2, strict) and std(v_k) > 0, z the rollout
     r^Rea = r_outcome (±1) + r_cot  ∈ [-1, 2]            (RQ1's rubric-only variant: r_cot alone),
     r^Rub = K_valid / K + 1(format correct)  ∈ [0, 2].
 
-Choices where the notes are unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 
 * corr is **Pearson** over the question's valid rollouts. When z is constant (all right or all
   wrong) it is undefined, and **no rubric is valid** there (nothing to tell apart); a rubric whose
@@ -19,7 +19,7 @@ Choices where the notes are unclear:
   satisfy the same ones) gives r_cot = 0, so the reward is the plain ±1 outcome there.
 * The rubricator's output format (`parse_rubrics`): one rubric per line, "N. (score) criterion",
   score a signed number; the format is correct when there is at least one rubric, every non-empty
-  line is one, and no criterion repeats (the notes' comment on duplicate rubrics).
+  line is one, and no criterion repeats (the summary's comment on duplicate rubrics).
 
 What reaches the trainer: reward shaping "rlcer" computes r^Rea for each sample from the reward
 heads `<prefix>_v<k>` (the verifier's verdict on rubric k) and `<prefix>_w<k>` (rubric k's signed

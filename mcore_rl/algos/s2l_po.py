@@ -10,13 +10,13 @@ and after T_mix steps G_w = 0: plain GRPO. The merged group gets the standard GR
 (`advantages.grpo`): nothing here changes the advantage or the loss, which is what makes "merged
 group = plain GRPO" a property to test rather than a function to write.
 
-Choices where the notes are unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 - α_0 (`share`, default 1 as in the paper's schedule, α(1) = 1) scales the whole ramp; the trainer's
   0-based `rl_step` is the paper's i − 1.
 - G_w is the paper's ceil (not a round); ⌈·⌉ is taken with a 1e-9 tolerance so that 0.75 · 8, which
   is 6.000000000000001 in floating point, gives 6 and not 7.
 - T_mix ≤ 1 would divide by zero: it means pure GRPO (no explorer sample at any step).
-- The explorer's samples are off-policy for π_θ and the notes give no correction for them
+- The explorer's samples are off-policy for π_θ and the summary gives no correction for them
   (**[note-writer]**: "they need correction and are likely to be pushed down as negatives").
   `behaviour_logp` decides what μ the mismatch correction sees for them: "explorer_logp" (default)
   keeps the small model's own log-probs, so the configured `algorithm.mismatch` (TIS: w =

@@ -9,11 +9,11 @@ its likelihood rank in its group, so the most likely correct responses get the l
 
 wrong samples keep their reward (0 for the paper's 0/1 verifier).
 
-Chosen where the spec is unclear:
+Chosen where the summary is unclear (docs/design.md#paper-methods):
 * **1-based rank**, as in the formula: the most likely correct sample gets 1 − β(G−1)/G (0.78125 at
   G = 8), the least likely 1; every correct reward lies in [1 − β, 1] times R.
 * Ranked among all G **valid** samples of the group, correct and wrong (G = their count), by π_old's
-  **summed response log-prob** (`seq_logp`, raw, not length-normalised, as the notes give it).
+  **summed response log-prob** (`seq_logp`, raw, not length-normalised, as the summary gives it).
 * **Ties** (e.g. identical responses) share the mean of the ranks they span, so equal responses
   get equal rewards whatever their order in the batch.
 * A sample is correct when its reward is >= `correct_threshold` (1.0); invalid samples keep their

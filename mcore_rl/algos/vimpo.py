@@ -13,7 +13,7 @@ policy/reference log-ratio *is* an implicit value function. Two terms follow:
   estimator its advantage is the target (a variant).
 * the actor's advantage (kind "advantage_shaping", `vimpo`) is the policy-implied TD advantage
   Â^TD_t = β·log π_old(a_t)/π_ref(a_t) − β·KL_old(s_t) (zero mean under π), accumulated GAE-style,
-  Â_t = Σ_l (γλ)^l Â^TD_{t+l} (the notes' summand index t is read as t+l, see the spec), and
+  Â_t = Σ_l (γλ)^l Â^TD_{t+l} (the summary's summand index t is read as t+l), and
   standardised. It *replaces* the incoming advantage (the reward is not in it); the existing
   `ppo_clip` policy loss trains on it.
 
@@ -23,12 +23,12 @@ paper's loss times 1/c_A; Adam is invariant to that scale (up to its ε and grad
 c_A = 0 (value loss only, which the paper finds slow) is not expressible: the policy loss always
 has weight 1.
 
-Choices where the spec is unclear:
-* KL(s_t): the spec asks for the exact full-vocabulary KL against π_ref; the learner keeps only
+Choices where the summary is unclear (docs/design.md#paper-methods):
+* KL(s_t): the summary asks for the exact full-vocabulary KL against π_ref; the learner keeps only
   the sampled tokens' log-probs of π_ref, so KL(s_t) is the k3 estimate e^d − 1 − d (d = log π_ref −
   log π at the sampled token). Its expectation under π is the exact KL (Σ_a π_ref(a) = 1), so
   E_π[Â^TD] = 0 holds exactly, as the paper's does; per token it is noisier.
-* The actor advantage uses π_old (computed once per batch, no gradient: the spec leaves the detach
+* The actor advantage uses π_old (computed once per batch, no gradient: the summary leaves the detach
   open; an advantage is a constant of the PPO surrogate). L_V uses π_θ with its gradient and
   sg[KL_θ].
 * Standardisation is over the response tokens of the whole rollout batch (the learner's advantage

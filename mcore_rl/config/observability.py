@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # rules imports schema, which imports this module
 class ObservabilityConfig:
     tensorboard: bool = False  # run_dir/tensorboard (metrics.jsonl is always written); RL turns it on
     wandb: bool = False  # Weights & Biases (optional extra `wandb`); files under run_dir/wandb
-    wandb_project: str = "mcore-rl"
+    wandb_project: str = "mcore-rl"  # Weights & Biases project
     wandb_name: str = ""  # "" = the run directory's name
     wandb_mode: Literal["offline", "online"] = "offline"  # offline needs no network (`wandb sync` later)
     # MFU's denominator, FLOP/s of one device at the training precision; 0 = a table by device kind

@@ -30,12 +30,13 @@ from mcore_rl.config.schema import (
 class RLTrainConfig:
     """How long to train and how the learner batches its work."""
 
-    seed: int = 1234
+    seed: int = 1234  # seeds weights, prompt order, sampling and the held-out draw
     num_steps: int = 100  # rollout steps (each: one rollout batch, several optimizer steps)
     seq_length: int = 128  # row length: samples are packed into rows of this many tokens
     micro_batch_size: int = 4  # rows per micro-batch
+    # parameter and compute dtype of the learner (bf16 keeps fp32 master weights)
     precision: Literal["fp32", "bf16"] = "fp32"
-    recompute: Literal["none", "full", "selective"] = "none"
+    recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation in the backward pass
     logprob_chunk_size: int | None = None  # tokens per chunk of the vocab-parallel log-probs (None = auto)
 
 
@@ -45,9 +46,9 @@ class RewardHeadConfig:
     `fn(sample, **options)`; its value is `Sample.reward_heads[name]`, and `Sample.reward` is the
     weighted sum over the domain's heads."""
 
-    name: str = ""
-    weight: float = 1.0
-    options: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # a registered reward or package.module:function
+    weight: float = 1.0  # weight of this head in Sample.reward
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the call
 
 
 @dataclass
@@ -66,14 +67,14 @@ class DomainConfig:
     """One dataset of a multi-domain run: a source (exactly one of path, task, reasoning_gym), how
     its prompts are rendered, how they are scored and sampled, and its share of the mixture."""
 
-    name: str = ""
+    name: str = ""  # the domain's name, in metrics (reward/<name>/mean) and Prompt.domain
     path: str | None = None  # .jsonl or .parquet on local disk (prompt_key, label_key; optional max_new_tokens)
     task: str | None = None  # a task registered in mcore_rl.data.tasks
     reasoning_gym: str | None = None  # a reasoning-gym dataset name (reasoning-gym==0.1.25)
     options: dict[str, Any] = field(default_factory=dict)  # the task's / reasoning-gym dataset's options
     num_prompts: int = 1000  # size of a task / reasoning-gym training pool
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = "prompt"  # file domains: the prompt field
+    label_key: str = "label"  # file domains: the answer field the reward sees
     template: str | None = None  # format string with {prompt} (the reward still sees the raw prompt)
     chat_template: bool = False  # render with the tokenizer's chat template (a Hugging Face tokenizer)
     system_prompt: str | None = None  # with chat_template: a system message first
@@ -91,7 +92,7 @@ class MixtureStageConfig:
     """A stage of a staged schedule (POLARIS, Re-Math's sequential stages and refresh): from
     `start_step` on, these weights (and optionally a sampling temperature and response budget)."""
 
-    start_step: int = 0
+    start_step: int = 0  # the first rollout step of the stage
     weights: dict[str, float] = field(default_factory=dict)  # domain -> weight; {} = the domains' weights
     temperature: float | None = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
     max_new_tokens: int | None = None  # multi-stage response length (a cap on the domains' budgets)
@@ -100,7 +101,7 @@ class MixtureStageConfig:
     # evaluations in the stage without stop_metric improving by more than stop_min_delta; 0 = off
     stop_patience: int = 0
     stop_metric: str | None = None  # None = eval/<the stage's only domain>/score
-    stop_min_delta: float = 0.0
+    stop_min_delta: float = 0.0  # Re-Math's stop: smallest change that counts as an improvement
 
 
 @dataclass
@@ -108,6 +109,7 @@ class MixtureConfig:
     """How the domains share the prompts of a step: deterministic interleaving (each domain gets
     its share to within one prompt at every point of the stream) or seeded random draws."""
 
+    # interleave: every domain within one prompt of its share; random: seeded draws
     sampling: Literal["interleave", "random"] = "interleave"
     stages: list[MixtureStageConfig] = field(default_factory=list)  # [] = the domains' fixed weights
 
@@ -118,11 +120,11 @@ class RLDataConfig:
     several domains (`domains`, mixed by `mixture`)."""
 
     path: str | None = None  # .jsonl with prompt_key / label_key; None = synthetic
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = "prompt"  # data.path: the prompt field
+    label_key: str = "label"  # data.path: the answer field the reward sees
     on_bad_line: Literal["skip", "error"] = "error"  # a bad line of data.path / eval.path: skip (logged) or stop
     synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
-    synthetic_max_digits: int = 2
+    synthetic_max_digits: int = 2  # addition operands have up to this many digits
     synthetic_num_prompts: int = 100_000  # size of the synthetic training pool
     tokenizer_path: str | None = None  # None = the bundled byte-level tokenizer
     add_bos: bool = True  # prompt ids start with the tokenizer's bos (as SFT rows do)
@@ -137,8 +139,8 @@ class RLDataConfig:
 class TemperatureStageConfig:
     """POLARIS: from training step `start_step` on, the rollouts sample at `temperature`."""
 
-    start_step: int = 0
-    temperature: float = 1.0
+    start_step: int = 0  # the first training step at this temperature
+    temperature: float = 1.0  # sampling temperature of the rollouts from then on
 
 
 @dataclass
@@ -155,7 +157,7 @@ class PolarisConfig:
 class GECConfig:
     """EDGE-GRPO's guided error correction of wrong responses (`mcore_rl.algos.edge_gec`)."""
 
-    enabled: bool = False
+    enabled: bool = False  # repair wrong responses of a group (refuses rollout.runtime: async)
     probs: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.25])  # reflect / reflect + answer / reference
     reflection: str = " Wait!"  # appended after the wrong response (ops 1 and 2)
     answer_hint: str = " The answer is {answer}."  # op 2, after the reflection ({answer}: the task's answer)
@@ -202,6 +204,7 @@ class ExplorerConfig(EngineGroupConfig):
     share: float = 1.0  # α_0: the explorer's share of a group at the first step
     mix_steps: int = 8  # T_mix: steps with explorer samples (α reaches 0 at step T_mix; <= 1: none)
     schedule: str = "s2l_po"  # registered in mcore_rl.algos as an "explorer_schedule"
+    # what the mismatch correction sees as μ of explorer samples
     correction: Literal["explorer_logp", "none"] = "explorer_logp"
 
     @property
@@ -217,11 +220,11 @@ class RolloutConfig:
     num_embedded_engines: int = 1  # with engine_urls empty: embedded engines (in-process, or started processes)
     quantization: Literal["fp8", "bf16", "none"] = "none"  # engine weights: FP8 blocks, bf16, or fp32
     group_size: int = 8  # G samples per prompt
-    prompts_per_step: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
+    prompts_per_step: int = 16  # prompts per rollout step (each sampled group_size times)
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling (1 = off)
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_new_tokens: int = 64  # response budget in tokens
     # ---- runtime: synchronous (generate, train, sync) or the asynchronous actor-learner
     runtime: Literal["sync", "async"] = "sync"
     max_staleness: int = 0  # versions a sample may lag behind the weights it is trained with (async)
@@ -234,7 +237,7 @@ class RolloutConfig:
     engine_threads: int | None = None  # torch threads of each started engine (None = its default)
     restart_engines: bool = True  # restart a started engine that died (it gets the weights before serving)
     health_check_interval_s: float = 5.0  # how often dead engines are probed (and started ones restarted)
-    engine_startup_timeout_s: float = 300.0
+    engine_startup_timeout_s: float = 300.0  # a started engine must answer /health within this
     max_inflight_requests: int = 0  # async: requests in flight at once (0 = engines x max_running_requests)
     buffer_groups: int = (
         0  # async: finished + in-flight groups held at most (0 = (max_staleness + 1) x prompts_per_step)
@@ -242,7 +245,7 @@ class RolloutConfig:
     # a group whose oldest token is > max_staleness versions old at batch time: drop, regenerate (at most
     # max_regenerations times, then drop), or keep (trust the submission gate, as AReaL does)
     stale_policy: Literal["drop", "regenerate", "keep"] = "drop"
-    max_regenerations: int = 2
+    max_regenerations: int = 2  # stale_policy=regenerate: attempts before a group is dropped
     pause_mode: Literal["abort", "in_place", "retract"] = "abort"  # how engines pause for a weight sync
     partial_rollouts: bool = True  # continue requests a sync interrupted (else start them again)
     no_engine_timeout_s: float = 120.0  # async: stop with an error after this long without any engine
@@ -250,7 +253,7 @@ class RolloutConfig:
     context_length: int = 1024  # embedded engine
     sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls
     sync_dir: str | None = None  # disk transport: a directory the engines can read
-    sync_bucket_mb: int = 512
+    sync_bucket_mb: int = 512  # weight-sync bucket size (tensors are packed into buckets of this many MB)
     request_timeout_s: float = 600.0  # a generation request to an engine
     control_timeout_s: float = 30.0  # pause, continue, health, versions, checksums: a frozen engine costs this
     weight_update_timeout_s: float = 120.0  # one weight-update request (a bucket, or a checkpoint from disk)
@@ -297,20 +300,21 @@ class MismatchCorrectionConfig:
     """
 
     name: str = "tis"  # registered in mcore_rl.algos as a "mismatch" correction
+    # token, sequence or geometric ratio; None = the preset's
     level: Literal["token", "sequence", "geometric"] | None = None
     clip_low: float | None = None  # TIS lower truncation
     clip_high: float | None = None  # TIS truncation C (MIPU: w_max)
     mask_low: float | None = None  # MIS / IcePop / rejection bounds
-    mask_high: float | None = None
-    veto_threshold: float | None = None
-    batch_normalize: bool | None = None
+    mask_high: float | None = None  # MIS / IcePop / rejection upper bound
+    veto_threshold: float | None = None  # veto a sequence with any token ratio below this
+    batch_normalize: bool | None = None  # normalise the weights to mean 1 over the batch; None = the preset's
     # MIPU Step 2 (accept/reject after each weight sync)
     mipu_validation_prompts: int = 8  # prompts of the validation batch (G samples each)
-    mipu_c_start: float = 1e-3
-    mipu_c_end: float = 0.0
-    mipu_anneal_steps: int = 100
-    mipu_count_rejected: bool = True
-    # MIPU Step 2's noise (issue 12): validation group size, decision rule, logged flip rate
+    mipu_c_start: float = 1e-3  # MIPU: tolerance c of the accept test at the first decision
+    mipu_c_end: float = 0.0  # MIPU: c after annealing
+    mipu_anneal_steps: int = 100  # MIPU: decisions over which c anneals from start to end
+    mipu_count_rejected: bool = True  # MIPU: rejected updates advance the annealing clock too
+    # MIPU Step 2's noise (docs/mismatch_correction.md): validation group size, decision rule, logged flip rate
     mipu_validation_group_size: int | None = None  # samples per validation prompt (null: rollout.group_size)
     mipu_decision: Literal["plain", "se"] = "plain"  # plain: T̂ ≥ -c (the paper); se: T̂ ≥ -c - z·SE
     mipu_z: float = 2.0  # the "se" rule's number of standard errors
@@ -321,9 +325,9 @@ class MismatchCorrectionConfig:
 class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
 
-    enabled: bool = False
-    max_rounds: int = 4
-    max_oversample: float = 4.0
+    enabled: bool = False  # drop constant-reward groups and draw more prompts (DAPO)
+    max_rounds: int = 4  # sampling rounds per step at most
+    max_oversample: float = 4.0  # prompts drawn per step at most, as a multiple of prompts_per_step
     std_tolerance: float = 1e-6  # a group whose reward std is <= this counts as constant (dropped)
 
 
@@ -335,9 +339,9 @@ class RewardShapingConfig:
     "sample_filter": which samples the batch trains on) and `advantage_shaping` (kind
     "advantage_shaping": per-token advantages -> per-token advantages)."""
 
-    name: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    domains: list[str] = field(default_factory=list)
+    name: str = ""  # a registered step of this kind
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the step
+    domains: list[str] = field(default_factory=list)  # domains whose samples it changes ([] = all)
 
 
 @dataclass
@@ -345,9 +349,9 @@ class AuxLossConfig:
     """One extra loss term (kind "aux_loss", e.g. VIMPO's value loss): added as coef x its sum to the
     policy loss of every micro-batch, with the same aggregation."""
 
-    name: str = ""
-    coef: float = 1.0
-    options: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # a registered aux_loss
+    coef: float = 1.0  # weight of the term in the loss
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the term
 
 
 @dataclass
@@ -363,19 +367,20 @@ class AlgorithmConfig:
     aux_losses: list[AuxLossConfig] = field(default_factory=list)  # added to the policy loss
     domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
-    clip_low: float = 0.2
+    clip_low: float = 0.2  # PPO ratio clip below 1: 1 - clip_low
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
-    dual_clip: float | None = None
+    dual_clip: float | None = None  # dual-clip bound c for negative advantages (None = off)
+    # how token losses become one number: over all tokens, or per sequence first
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
     kl_coef: float = 0.0  # 0 = no reference model (unless reference_model: true)
     reference_model: bool | None = None  # keep π_ref (null: when kl_coef > 0); true for steps that read ref_logp
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # estimator of KL(π_θ || π_ref)
     kl_in_reward: bool = False  # True: r - β·KL (per sequence) instead of a loss term
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus weight (0 = off)
     num_minibatches: int = 1  # optimizer steps per rollout batch (per epoch)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each rollout batch
     drop_reward_errors: bool = True  # samples whose reward function failed get no loss and leave the group statistics
     mismatch: MismatchCorrectionConfig = field(default_factory=MismatchCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -393,7 +398,7 @@ class AlgorithmConfig:
 class DistillLossConfig:
     """One distillation term: a function registered as kind "distill" (`mcore_rl.algos.names("distill")`)."""
 
-    name: str = ""
+    name: str = ""  # a registered distill term
     coef: float | None = None  # x token advantage / x loss; null: the term's own default (@default_coef, else 1)
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the function
 
@@ -402,12 +407,13 @@ class DistillLossConfig:
 class DistillHorizonConfig:
     """Generate and distil only the first H response tokens (POPD: growing H, TOPD: fixed H)."""
 
+    # none = whole responses; fixed = H tokens (TOPD); growing = H grows with the step (POPD)
     schedule: Literal["none", "fixed", "growing"] = "none"
     rho: float | None = None  # fixed: H = floor(rho x rollout.max_new_tokens) ...
     tokens: int | None = None  # ... or H in tokens
     h0: int = 0  # growing: H_k = min(rollout.max_new_tokens, h0 + delta_h x floor(k / delta_k))
-    delta_h: int = 0
-    delta_k: int = 1
+    delta_h: int = 0  # growing: tokens added to H per growth
+    delta_k: int = 1  # growing: rollout steps between growths
     domains: list[str] = field(default_factory=list)  # prompts of these domains only ([] = every prompt)
 
 
@@ -416,9 +422,9 @@ class EffOPDConfig:
     """EffOPD weight extrapolation: at rollout steps 1, 2, 4, 8, ... try W + 2k·Δ (k = 1..num_candidates)
     on a validation set and keep the last candidate of the run whose score does not drop."""
 
-    enabled: bool = False
+    enabled: bool = False  # try extrapolated weights at steps 1, 2, 4, 8, ...
     validation_prompts: int = 50  # the paper: 50 training samples (greedy, mean reward)
-    num_candidates: int = 5
+    num_candidates: int = 5  # candidates per try (k = 1 .. num_candidates)
     scale: float = 2.0  # candidate k = W + scale·k·Δ
 
 
@@ -431,8 +437,9 @@ class DistillConfig:
     RL advantage is zero and only distilled tokens count); `rl: true` adds it to the RL objective.
     Samples without teacher scores (or whose teacher failed) are not distilled."""
 
+    # the distillation terms (kind distill), each with its coefficient and options
     losses: list[DistillLossConfig] = field(default_factory=list)
-    rl: bool = True
+    rl: bool = True  # false: distillation alone (no RL advantage)
     top_k: int = 0  # teacher top-k entries read per position (0: none; the student's log-probs of those ids too)
     horizon: DistillHorizonConfig = field(default_factory=DistillHorizonConfig)
     effopd: EffOPDConfig = field(default_factory=EffOPDConfig)
@@ -441,9 +448,9 @@ class DistillConfig:
 @dataclass
 class RewardConfig:
     name: str = "addition"  # registered in mcore_rl.rewards ("addition", "math", ...) or "package.module:function"
-    timeout_s: float = 30.0
-    error_reward: float = 0.0
-    max_concurrency: int = 16
+    timeout_s: float = 30.0  # a call past this has its worker killed; the sample gets error_reward
+    error_reward: float = 0.0  # reward of a sample whose reward call failed
+    max_concurrency: int = 16  # reward worker processes
 
 
 @dataclass
@@ -451,13 +458,13 @@ class EvalConfig:
     """Held-out evaluation through the engine (what the inference policy scores)."""
 
     interval: int = 10  # rollout steps; 0 = only before and after training
-    num_prompts: int = 200
+    num_prompts: int = 200  # held-out prompts per evaluation
     path: str | None = None  # jsonl of held-out prompts; None = synthetic, drawn with another seed
     k: int = 4  # samples per prompt for avg@k / pass@k (0 = greedy only)
-    greedy: bool = True
+    greedy: bool = True  # also score greedy decoding (greedy_pass@1)
     temperature: float | None = None  # sampled eval; None = rollout.temperature
     score: Literal["greedy", "avg@k"] = "greedy"  # which one is `eval/score`
-    at_start: bool = True
+    at_start: bool = True  # evaluate before the first step
 
 
 @dataclass
@@ -466,19 +473,19 @@ class InitConfig:
 
     checkpoint: str | None = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
     sft_steps: int = 0  # SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain)
-    sft_lr: float = 3e-3
-    sft_min_lr: float = 3e-5
-    sft_warmup_steps: int = 10
-    sft_lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
-    sft_micro_batch_size: int = 8
-    sft_seq_length: int = 64
-    sft_num_examples: int = 8192
+    sft_lr: float = 3e-3  # warm start: peak learning rate
+    sft_min_lr: float = 3e-5  # warm start: final learning rate
+    sft_warmup_steps: int = 10  # warm start: linear warmup steps
+    sft_lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"  # warm start: learning-rate decay
+    sft_micro_batch_size: int = 8  # warm start: rows per micro-batch
+    sft_seq_length: int = 64  # warm start: tokens per row
+    sft_num_examples: int = 8192  # warm start: examples drawn from the task
 
 
 @dataclass
 class LoggingConfig(ObservabilityConfig):  # observability: sinks, MFU peak, profiles (config/observability.py)
-    tensorboard: bool = True
-    progress_bar: bool = True
+    tensorboard: bool = True  # run_dir/tensorboard (on by default for RL)
+    progress_bar: bool = True  # one rank-0 progress bar per phase
     plot: bool = True  # curves.png in run_dir at the end
     print_interval: int = 0  # print a metrics line every N rollout steps (0 = progress bar only)
 
@@ -504,7 +511,7 @@ class TeacherConfig(EngineGroupConfig):
     """
 
     name: str = ""  # in metrics and TeacherScores.source; "" = "<kind><index>"
-    kind: Literal["engine", "privileged", "frozen"] = "engine"
+    kind: Literal["engine", "privileged", "frozen"] = "engine"  # who scores: see the class docstring
     domains: list[str] = field(default_factory=list)  # [] = every domain no other teacher claims
     top_k: int = 0  # engine: also the teacher's k most likely tokens per position (0 = sampled token only)
     reference: str | None = None  # engine: name of the engine teacher that is this one's π_Tref (Direct-OPD)
@@ -525,7 +532,7 @@ class TeacherConfig(EngineGroupConfig):
 class RLConfig:
     """Root of `mcore-rl train` recipes."""
 
-    run_dir: str = "runs/rl"
+    run_dir: str = "runs/rl"  # metrics.jsonl, accounting.json, plots and logs of the run
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, lr_decay_style="constant"))

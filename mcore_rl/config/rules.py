@@ -136,7 +136,7 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_moe(m, errors)
     check_attn_res(m, errors)
     check_qwen2_mistral(m, errors)
-    check_model_rope_scaling(m, errors)  # RoPE scaling (issue 13)
+    check_model_rope_scaling(m, errors)  # RoPE scaling (Llama 3.x, YaRN, linear)
     check_mixed_moe(m, errors)  # moe_layer_pattern, DeepSeek-V3 router, MLA (moe_rules.py)
 
 

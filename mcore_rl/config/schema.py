@@ -16,7 +16,7 @@ from mcore_rl.config.observability import ObservabilityConfig
 
 @dataclass
 class NgramEmbeddingConfig:
-    """Over-Encoding (OverTok, seed_B.md): hashed n-gram input embeddings added to the 1-gram one."""
+    """Over-Encoding (OverTok, arXiv:2501.16975): hashed n-gram input embeddings added to the 1-gram one."""
 
     orders: list[int] = field(default_factory=list)  # e.g. [2, 3]; empty = off
     table_size: int = 0  # rows m per order (hashed ids mod m); gcd(m, vocab) != 1 warns
@@ -24,12 +24,13 @@ class NgramEmbeddingConfig:
     shard_over_data_parallel: bool = False  # also split table rows across data-parallel ranks
 
 
-# RoPE scaling (issue 13: Llama 3.x, YaRN, linear) ------------------------------------------------
+# RoPE scaling (Llama 3.x, YaRN, linear) --------------------------------------------------------------
 @dataclass
 class RopeScalingConfig:
     """RoPE scaling as Hugging Face configs state it (`rope_parameters` / `rope_scaling`), with
     transformers' defaults; each type reads only its own fields (validated in config/rope_scaling.py)."""
 
+    # none = plain RoPE; linear / llama3 (Llama 3.x) / yarn, each reading only its own fields
     type: Literal["none", "linear", "llama3", "yarn"] = "none"
     factor: float = 1.0  # linear, llama3, yarn: the context extension
     # llama3, yarn: the pre-training context; None = max_position_embeddings (as transformers)
@@ -52,39 +53,40 @@ class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
 
     arch: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"  # deepseek_v3: MoE with DeepSeek names
-    vocab_size: int = 384
-    hidden_size: int = 64
-    ffn_hidden_size: int = 256
-    num_layers: int = 2
-    num_attention_heads: int = 4
+    vocab_size: int = 384  # true vocabulary size (padding for TP: make_vocab_size_divisible_by)
+    hidden_size: int = 64  # model width d
+    ffn_hidden_size: int = 256  # intermediate size of a dense MLP
+    num_layers: int = 2  # transformer layers
+    num_attention_heads: int = 4  # query heads
     num_query_groups: int = 2  # key/value heads (GQA)
     kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
-    rotary_base: float = 10000.0
-    max_position_embeddings: int = 2048
-    norm_epsilon: float = 1e-6
-    qk_layernorm: bool = True
-    tie_word_embeddings: bool = False
-    init_method_std: float = 0.02
+    rotary_base: float = 10000.0  # RoPE theta
+    max_position_embeddings: int = 2048  # longest position the model is configured for
+    norm_epsilon: float = 1e-6  # RMSNorm epsilon
+    qk_layernorm: bool = True  # RMSNorm on queries and keys per head (Qwen3); False for Llama / Qwen2 / Mistral
+    tie_word_embeddings: bool = False  # the output layer shares the input embedding
+    init_method_std: float = 0.02  # std of the normal weight init of a model built from scratch
     # MoE (used when arch == "qwen3_moe")
-    num_experts: int = 0
-    moe_router_topk: int = 2
+    num_experts: int = 0  # routed experts per MoE layer (0 = dense MLPs)
+    moe_router_topk: int = 2  # experts per token
     moe_ffn_hidden_size: int | None = None  # per-expert intermediate size; None = ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = 0.0  # load-balancing aux loss weight (0 = off)
     moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (Qwen3-MoE default)
+    # megatron-core's token dispatcher across expert-parallel ranks
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    # LatentMoE (seed_C.md): routed experts work in a latent space of this size (W_down d->l,
+    # LatentMoE (arXiv:2601.18089): routed experts work in a latent space of this size (W_down d->l,
     # experts in l, W_up l->d); None = ordinary MoE. Router and shared experts stay full width.
     moe_latent_size: int | None = None
-    # AttnRes (seed_C.md): attention over depth instead of residual sums.
+    # AttnRes (arXiv:2603.15031): attention over depth instead of residual sums.
     attn_res: Literal["none", "full", "block"] = "none"
     attn_res_num_blocks: int = 8  # N for the Block variant
     ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
-    # Qwen2 / Qwen2-MoE / Mistral (issue 13, docs/qwen2_mistral.md)
+    # Qwen2 / Qwen2-MoE / Mistral (docs/qwen2_mistral.md)
     add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
     sliding_window: int | None = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
-    # RoPE scaling (issue 13): Llama 3.x, YaRN, linear; type none = plain RoPE
+    # RoPE scaling: Llama 3.x, YaRN, linear; type none = plain RoPE
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     # Mixed dense/MoE layers and DeepSeek-V3-style MoE (docs/deepseek_v3.md). moe_layer_pattern: one
     # entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size; None = every layer MoE.
@@ -97,11 +99,11 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float | None = None  # routed_scaling_factor; None = 1
     # Multi-head latent attention (DeepSeek-V2/V3); q_lora_rank None = full-rank query projection
     multi_latent_attention: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
+    q_lora_rank: int | None = None  # MLA: low-rank query projection's rank
+    kv_lora_rank: int = 32  # MLA: rank of the compressed key/value projection
     qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
-    v_head_dim: int = 16
+    v_head_dim: int = 16  # MLA: per-head value size
     # Vocabulary padding (models/vocab_padding.py): the megatron embedding and output layer have
     # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
     # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
@@ -120,12 +122,14 @@ class ModelConfig:
 class ParallelConfig:
     """Model-parallel sizes; data-parallel size is whatever the world size leaves."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: ranks that split each layer's matmuls
+    pipeline_model_parallel_size: int = 1  # PP: ranks that split the layers into stages
+    # VPP: model chunks per pipeline rank (interleaved 1F1B); None = off
     virtual_pipeline_model_parallel_size: int | None = None
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # EP: ranks that split the routed experts
     expert_tensor_parallel_size: int | None = None  # None = same as tensor_model_parallel_size
-    context_parallel_size: int = 1
+    context_parallel_size: int = 1  # CP: ranks that split the sequence in attention (needs transformer-engine)
+    # SP: shard activations outside TP regions along the sequence (needed for MoE with TP)
     sequence_parallel: bool = False
 
 
@@ -135,18 +139,18 @@ class OptimizerConfig:
     # 1e-6); adam_* are unused and backend must be torch
     name: Literal["adamw", "sgd"] = "adamw"
     backend: Literal["torch", "deepspeed"] = "torch"  # deepspeed = DeepSpeedCPUAdam (CPU only)
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 0.0  # floor of the linear / cosine / step decay
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
     clip_grad: float = 1.0  # 0 disables clipping
-    # step = MIPU's LR-decay baseline ("Beyond Precision", seed_C): constant, then x lr_step_factor
+    # step = MIPU's LR-decay baseline ("Beyond Precision", docs/papers.md): constant, then x lr_step_factor
     # at update lr_step_start_iter and every lr_step_period updates after it, floored at min_lr
     # (the paper's floor: min_lr = 0.1 * lr)
     lr_decay_style: Literal["constant", "linear", "cosine", "step"] = "cosine"
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = 0  # linear warmup from 0 over this many optimizer steps
     lr_step_start_iter: int = 0  # step style: the first decayed update (0-based)
     lr_step_period: int = 0  # step style: updates between two decays (>= 1)
     lr_step_factor: float = 0.5  # step style: multiplier per decay, in (0, 1)
@@ -160,13 +164,14 @@ class DataConfig:
     """Where SFT examples come from: a jsonl/text file, or a built-in synthetic task."""
 
     path: str | None = None  # .jsonl (prompt/response or text) or plain text; None = synthetic
-    format: Literal["auto", "jsonl", "text"] = "auto"
-    prompt_key: str = "prompt"
-    response_key: str = "response"
-    text_key: str = "text"
+    format: Literal["auto", "jsonl", "text"] = "auto"  # auto = by the file's suffix
+    prompt_key: str = "prompt"  # jsonl: the prompt field (no loss on its tokens when mask_prompt)
+    response_key: str = "response"  # jsonl: the response field
+    text_key: str = "text"  # jsonl: the field of a plain-text example
+    # a malformed line of data.path: stop there naming file:line, or skip it (logged)
     on_bad_line: Literal["skip", "error"] = "error"
     synthetic_task: str = "addition"  # a task registered in mcore_rl.data.tasks
-    synthetic_num_examples: int = 4096
+    synthetic_num_examples: int = 4096  # examples drawn from the synthetic task
     synthetic_max_digits: int = 1  # addition operands have up to this many digits
     tokenizer_path: str | None = None  # None = the bundled byte-level tokenizer
     pack_sequences: bool = True  # pack several examples per row; False = pad each example
@@ -175,21 +180,21 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = 1234
-    seq_length: int = 64
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    train_iters: int = 100
-    precision: Literal["fp32", "bf16"] = "fp32"
-    recompute: Literal["none", "full", "selective"] = "none"
-    log_interval: int = 10
+    seed: int = 1234  # seeds weights, data order, dropout and sampling
+    seq_length: int = 64  # tokens per row
+    micro_batch_size: int = 4  # rows per micro-batch on one data-parallel rank
+    global_batch_size: int = 8  # rows per optimizer step over all data-parallel ranks
+    train_iters: int = 100  # optimizer steps
+    precision: Literal["fp32", "bf16"] = "fp32"  # parameter and compute dtype (bf16 keeps fp32 master weights)
+    recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation in the backward pass
+    log_interval: int = 10  # optimizer steps between printed metrics lines
     eval_interval: int = 0  # 0 = no evaluation
-    eval_iters: int = 2
+    eval_iters: int = 2  # held-out batches per evaluation
 
 
 @dataclass
 class CheckpointConfig:
-    save_dir: str | None = None
+    save_dir: str | None = None  # where checkpoints go (None = no checkpoints)
     save_interval: int = 0  # 0 = only at the end (when save_dir is set)
     load_dir: str | None = None  # resume from here (latest iteration)
     # launch (pre-emption, docs/launch.md): these signals make `mcore-rl sft`/`train` finish the current
@@ -201,7 +206,7 @@ class CheckpointConfig:
 class SFTConfig:
     """Root of `mcore-rl sft` recipes."""
 
-    run_dir: str = "runs/sft"
+    run_dir: str = "runs/sft"  # metrics.jsonl, logs and plots of the run
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -1,6 +1,6 @@
 """Prompts and samples with their provenance: the unit that flows from data to the learner.
 
-Every sample carries what made it (DESIGN.md decision 5): the policy (weight) version the engine
+Every sample carries what made it (docs/design.md#provenance): the policy (weight) version the engine
 reported for it (per token when a partial rollout continued it across weight syncs; then
 `policy_version` is the oldest), the engine's per-token log-probs μ of its response tokens, and
 the position of its prompt in the data stream. The learner checks the versions against its staleness bound, the

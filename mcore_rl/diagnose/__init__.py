@@ -1,5 +1,5 @@
 """`mcore-rl diagnose <analysis>`: analyses of a finished run or of its checkpoints, one module per
-paper (issue 15's "analyses as tools").
+paper (docs/papers.md).
 
 Each analysis computes its paper's central quantity on what a run leaves behind (the run directory's
 metrics, two checkpoints, saved rollouts) and prints it as a table (and JSON with `--json`). It is

@@ -1,4 +1,4 @@
-"""`remath_rollback`: Re-Math's training-free repair of cross-domain interference (seed_B, "A Local
+"""`remath_rollback`: Re-Math's training-free repair of cross-domain interference ("A Local
 Perturbation Theory for Cross-Domain Interference and Recovery in Multi-Domain RL", TJU & Baidu 2026).
 
 After sequential multi-domain RL (Code → Math → QA → CW) the early domain (the *victim*, Math) is
@@ -14,7 +14,7 @@ the interference. Neuron i of layer ℓ is scored
 and the ⌈budget·N⌉ best neurons (N: all MLP neurons of the model) take the victim checkpoint's
 values; everything else keeps the interfered checkpoint's.
 
-Choices where the notes are unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 * a neuron is an MLP intermediate unit: its row of gate_proj and of up_proj and its column of
   down_proj (megatron: rows i and F+i of linear_fc1, column i of linear_fc2); its update vector is
   those three slices, concatenated. Attention neurons (the paper's 32% budget) are not built.

@@ -1,5 +1,5 @@
 """`adam_effective_lr`: the distribution of AdamW's per-coordinate learning rate in a checkpoint, which
-is how SGD-vs-Adam-RLVR (seed_B, "Do We Need Adam?") sets the SGD learning rate (`optimizer.name:
+is how SGD-vs-Adam-RLVR ("Do We Need Adam?", arXiv:2602.07729) sets the SGD learning rate (`optimizer.name:
 sgd`, about 10^5 x AdamW's nominal rate: 1e-1 against 1e-6).
 
     η_eff = η / (√v̂ + ε),   v̂ = v / (1 − β₂^t)   (v: AdamW's second moment `exp_avg_sq`, t: its step)

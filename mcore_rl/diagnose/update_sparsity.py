@@ -1,15 +1,15 @@
 """`update_sparsity`: how sparse, how low-rank and where an update is, from two checkpoints of a run.
 
-OPD-Sparsity (seed_B, "Dense Supervision, Sparse Updates", NJU & Alibaba 2026) measures the delta
-ΔW = W_trained − W_src of on-policy distillation: tiny, coordinate-sparse, concentrated in the FFN,
-numerically full-rank but spectrally concentrated, away from the source weights' principal subspace
-and on coordinates where the source weight is near zero. SGD-vs-Adam-RLVR (seed_B, "Do We Need
-Adam?") measures its SGD updates the same way: sparsity = 1 − ‖θ¹ − θ⁰‖₀ / n with the ℓ0 threshold
-1e-5, and the effective rank (singular values holding 99% of the spectral energy) averaged over the
+OPD-Sparsity ("Dense Supervision, Sparse Updates", NJU & Alibaba 2026, arXiv:2606.13657) measures
+the delta ΔW = W_trained − W_src of on-policy distillation: tiny, coordinate-sparse, concentrated in
+the FFN, numerically full-rank but spectrally concentrated, away from the source weights' principal
+subspace and on coordinates where the source weight is near zero. SGD-vs-Adam-RLVR ("Do We Need
+Adam?", arXiv:2602.07729) measures its SGD updates the same way: sparsity = 1 − ‖θ¹ − θ⁰‖₀ / n with
+the ℓ0 threshold 1e-5, and the effective rank (singular values holding 99% of the spectral energy) averaged over the
 2-D weights. Both are here, each quantity a function of tensors, computed in float32 (singular
 values in float64, so that "k equal singular values" stays exact enough to count).
 
-Choices where the notes are unclear:
+Choices where the summary is unclear (docs/design.md#paper-methods):
 * c_p's p is not given: `--top-p` defaults to 1% of the coordinates (⌈p·n⌉ of them).
 * M_prin, the "principal-coordinate mask", is not defined: here the 10% of coordinates (the same
   size as M_low) with the largest |entry| of the source's rank-k approximation U_k Σ_k V_kᵀ, k = the

@@ -11,7 +11,7 @@ one such as `formatting`, `math` or a judge), and for every response-length bin 
 tokens): agreement, Cohen's κ, the false-positive rate (the other passes what the reference fails: the
 reward-hacking direction) and the false-negative rate.
 
-Choices where the notes give nothing to copy (the paper reports no such table):
+Choices where the summary gives nothing to copy (the paper reports no such table):
 
 - The horizon of a rollout is its response length in tokens; bins are [0, 1), [1, 2), [2, 4), [4, 8), ...
   (doubling, since horizons span orders of magnitude) unless `--edges` gives them. Empty bins are omitted.

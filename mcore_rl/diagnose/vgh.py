@@ -9,7 +9,7 @@ starting checkpoint N* = argmax_N P_gap(θ_N). Nothing in training changes; this
 What is measured, on G rollouts per prompt of the policy (embedded engine, the recipe's reward):
 
 - Reward headroom H_α(θ) = E_q[(1/α) log E_τ e^{αR(τ)} − E_τ R(τ)] from the sampled group rewards
-  (`headroom`); exact, and the only part the spec calls usable in a real trainer. For 0/1 rewards with
+  (`headroom`); exact, and the only part the summary calls usable in a real trainer. For 0/1 rewards with
   pass rate p it is (1/α) log(1 − p + p e^α) − p (`binary_headroom`); 1 − pass rate is reported too.
 - The empirical costate λ̂_t = ∂/∂h_t Σ_{k≥t} Â_k ℓ_k (`costates`), with Â_k the GRPO group-normalised
   reward of the sequence and ℓ_k = log π_θ(o_k | s_k) (the PPO/GRPO surrogate at ρ = 1 has this gradient).
@@ -17,7 +17,7 @@ What is measured, on G rollouts per prompt of the policy (embedded engine, the r
 - The entropy bound of Proposition 2, b_t = sqrt(H_t / log|V|) (`entropy_bound`): the relative size of the
   Jacobian term through the sampled token that the attention path misses.
 
-Choices where the notes are unclear (each reported in the output):
+Choices where the summary is unclear (docs/design.md#paper-methods; each reported in the output):
 
 - h_t^{(L)} is the residual stream *entering* the last decoder layer. The output of the last layer feeds only
   the LM head, so a gradient there has no attention path J_{t+1←t} at all and the recursion of λ̂ would be
@@ -26,7 +26,7 @@ Choices where the notes are unclear (each reported in the output):
   verifier's reward it cannot be measured. Σ = E‖G_t‖² is estimated by E‖λ̂_t‖² and the costate error
   ‖E[λ̂_t|h_t] − G_t‖ by the entropy bound with C = 1, ‖λ̂_t‖·b_t, so Λ̂ = E[‖λ̂_t‖² b_t] and the usable
   signal Ŝ = E[‖λ̂_t‖² (1 − b_t)] (`usable_signal`). This is a proxy built from the paper's own bound, not
-  the paper's S_m (whose index m the notes do not define); P_gap is reported as Ŝ·H_α with that caveat.
+  the paper's S_m (whose index m the summary does not define); P_gap is reported as Ŝ·H_α with that caveat.
 - α is not given: `--alpha` (several allowed), default 1. ℓ and H_t are those of the sampling distribution
   (logits / temperature), as the engine samples and the learner recomputes π.
 """

@@ -1,4 +1,4 @@
-"""Attention Residuals (AttnRes, Kimi Team 2026; seed_C.md) in the pure-torch reference model.
+"""Attention Residuals (AttnRes, Kimi Team 2026, arXiv:2603.15031) in the pure-torch reference model.
 
 Every *sublayer* (each attention and each MLP counts as one; a model with `num_hidden_layers`
 decoder layers has L = 2 * num_hidden_layers of them) reads a softmax-weighted mix over depth of
@@ -13,13 +13,13 @@ sublayer. The sources `v_i` are
 * ``attn_res="block"``: the sublayers are cut into N = `attn_res_num_blocks` consecutive blocks
   of S = L // N sublayers (the last block takes the remainder, so there are exactly N). The sources
   are `b_0` (the embedding), the sums `b_1 .. b_{n-1}` of the finished blocks and, from the second
-  sublayer of block n on, the partial sum `b_n^{i-1}` of block n so far (Eq. 5/6, with the notes'
+  sublayer of block n on, the partial sum `b_n^{i-1}` of block n so far (Eq. 5/6, with the summary's
   typo fixed). With N = L every block is one sublayer and this *is* Full AttnRes; with N = 1 and
   zero queries it is half the standard residual stream (tests/test_attn_res.py checks both).
 
 The sublayer itself is unchanged: `f = attn(input_layernorm(h))`, `f = mlp(post_attention_layernorm(h))`.
 After the last sublayer one more mix (its own query and key norm, `model.final_res`) over all
-sources (Full: `v_0 .. v_L`; Block: `b_0 .. b_N`) feeds the final norm and the LM head; the notes
+sources (Full: `v_0 .. v_L`; Block: `b_0 .. b_N`) feeds the final norm and the LM head; the summary
 leave this output aggregation open, this follows the public reference implementations.
 
 The depth mix is per token, so the KV cache is the ordinary per-layer (k, v) cache: decoding one

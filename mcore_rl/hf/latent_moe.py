@@ -1,4 +1,5 @@
-"""LatentMoE block of the reference model (seed_C.md, "LatentMoE", NVIDIA 2026).
+"""LatentMoE block of the reference model ("LatentMoE: Toward Optimal Accuracy per FLOP and
+Parameter in Mixture of Experts", NVIDIA 2026, arXiv:2601.18089).
 
 The routed experts work in a latent space of size l = d / alpha::
 

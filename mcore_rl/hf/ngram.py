@@ -1,4 +1,5 @@
-"""Over-Encoding (OverTok, seed_B.md): hashed n-gram input embeddings, pure-torch reference.
+"""Over-Encoding (OverTok: "Over-Tokenized Transformer: Vocabulary is Generally Worth Scaling",
+arXiv:2501.16975): hashed n-gram input embeddings, pure-torch reference.
 
 Ships as Hugging Face remote code next to `modeling.py`: imports only torch (and is imported
 relatively). The megatron-core module (`mcore_rl.models.ngram_embedding`) uses the same id function,
@@ -10,9 +11,9 @@ The input embedding of token t becomes
 
 with one table per order n and slice i, `E_{n,i}` of shape [m, w_n] and `W_{n,i}` [w_n, d]
 (stored as an `nn.Linear(w_n, d)`), w_n = d // (n * k): the order-n table is d/n wide in total,
-split into k column slices (the notes' E^{m x d/n | k}). Note that every slice is indexed by the
+split into k column slices (the paper's E^{m x d/n | k}). Note that every slice is indexed by the
 same id, so the k slices with their projections equal one [m, k*w_n] table with one projection; the
-split is kept because the notes (and the parameter names) define it that way.
+split is kept because the paper (and the parameter names) define it that way.
 
 **n-gram ids.** With z_1 = x_t (the current token), z_2 = x_{t-1}, ..., z_n = x_{t-n+1}, the id is
 the base-V number f = sum_i z_i V^(i-1) (exact: injective for ids in [0, V)), hashed mod m.
@@ -58,7 +59,7 @@ def padded_table_rows(table_size: int) -> int:
 
 
 def slice_width(hidden_size: int, order: int, num_slices: int) -> int:
-    """Width of one slice of the order-n table: d_model // (n * k) (the notes' d/(n k))."""
+    """Width of one slice of the order-n table: d_model // (n * k) (the paper's d/(n k))."""
     return hidden_size // (order * num_slices)
 
 
@@ -68,7 +69,7 @@ def check_table_size(table_size: int, vocab_size: int, key: str = "ngram_table_s
     if g != 1:
         warnings.warn(
             f"{key}={table_size} shares the factor {g} with vocab_size={vocab_size}: hashed n-gram "
-            f"ids then collide systematically (the notes: m must be coprime with V); pick a table "
+            f"ids then collide systematically (the paper: m must be coprime with V); pick a table "
             f"size with gcd(m, V) = 1, e.g. a prime",
             stacklevel=3,
         )
@@ -146,7 +147,7 @@ class NgramKVCache(list):
 
 
 def sliced_lookup(ids: torch.Tensor, tables: Sequence[nn.Embedding], projections: Sequence[nn.Linear]) -> torch.Tensor:
-    """E^{m x d|k}(ids) = sum_i E_i(ids) W_i (the notes' sliced table)."""
+    """E^{m x d|k}(ids) = sum_i E_i(ids) W_i (the paper's sliced table)."""
     out = None
     for table, proj in zip(tables, projections):
         y = proj(table(ids))

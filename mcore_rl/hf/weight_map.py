@@ -10,7 +10,7 @@ Three views of the same weights:
 This module maps HF <-> megatron global with plain tensors and never imports megatron-core (it is
 part of `mcore_rl.hf`); local <-> global, which needs the process groups, is
 `mcore_rl.models.shards`. The exporter, the weight sync to inference engines and the parity tests
-all go through these two, so a name means the same thing everywhere (DESIGN.md decision 4).
+all go through these two, so a name means the same thing everywhere (docs/design.md#weights-by-name).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention Residuals (AttnRes, seed_C.md) as a megatron-core transformer block.
+"""Attention Residuals (AttnRes, arXiv:2603.15031) as a megatron-core transformer block.
 
 The math, the Full/Block variants and the parameter names are documented in the reference
 implementation, `mcore_rl/hf/attn_res.py`; this module computes the same thing inside megatron-core:

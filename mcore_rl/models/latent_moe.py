@@ -1,4 +1,4 @@
-"""LatentMoE (seed_C.md) on megatron-core's MoE layer.
+"""LatentMoE (arXiv:2601.18089) on megatron-core's MoE layer.
 
 megatron-core 0.16.1 already threads `TransformerConfig.moe_latent_size` through its MoE layer:
 `MoELayer.preprocess` applies `fc1_latent_proj` (W_down, d -> l) to the tokens *before*

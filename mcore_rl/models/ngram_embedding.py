@@ -1,4 +1,4 @@
-"""Over-Encoding (OverTok, seed_B.md) on megatron-core: hashed n-gram input embeddings.
+"""Over-Encoding (OverTok, arXiv:2501.16975) on megatron-core: hashed n-gram input embeddings.
 
 The formulas, the n-gram id (exact, overflow-free, never crossing a document) and the padding id
 for missing context are those of the reference, `mcore_rl.hf.ngram` (this module calls the same

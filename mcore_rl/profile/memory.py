@@ -80,7 +80,7 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
             ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
             ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False),
         ]
-        if getattr(model, "add_qkv_bias", False):  # Qwen2 (issue 13's field; absent before it): q/k/v biases
+        if getattr(model, "add_qkv_bias", False):  # Qwen2 (a field older configs lack): q/k/v biases
             out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
         if model.qk_layernorm:
             out += [

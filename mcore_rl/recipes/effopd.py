@@ -5,7 +5,8 @@ validation rule are the pure functions of `mcore_rl.algos.distill.effopd`).
 The weights that count are the optimizer's fp32 masters when it keeps them (bf16 training with
 `ModelParallelAdamW`): candidates are computed and restored there and copied into the model's
 params, so a rejected candidate leaves params *and* masters bit-identical to before. Optimizer
-state (Adam moments, step count) is left as it is; the notes do not say what the paper does.
+state (Adam moments, step count) is left as it is; the summary we worked from does not say what
+the paper does (docs/design.md#paper-methods).
 Every rank extrapolates its own shards (the update is elementwise), so all ranks must take the
 same decisions: the score `evaluate` returns must be the same on every rank.
 
@@ -29,7 +30,7 @@ validation set (the paper: 50 training samples) and returns its score (mean rewa
 checkpoints; without it, a resumed run re-anchors at its resume weights (`reset_anchor()`).
 
 Δ at step 2^n is measured from the weights training continued from at step 2^(n−1), i.e. after
-that step's accepted extrapolation (the notes leave pre/post open; measuring from the weights
+that step's accepted extrapolation (the summary leaves pre/post open; measuring from the weights
 before the jump would fold each jump into the next Δ and compound them). At step 1, Δ = W_1 − W_0.
 """
 

@@ -1,4 +1,4 @@
-"""Embedded engines as their own processes, started and owned by the trainer (DESIGN.md decision 9).
+"""Embedded engines as their own processes, started and owned by the trainer (docs/design.md#engines-are-processes).
 
 In asynchronous mode with no engine URL configured, generation must overlap training, so the
 engines cannot be `EngineCore`s stepped by the trainer's own thread. `EngineProcesses.start`

@@ -1,4 +1,4 @@
-"""The engine pool: the one place that holds the inference engines (DESIGN.md decision 9).
+"""The engine pool: the one place that holds the inference engines (docs/design.md#engines-are-processes).
 
 Two kinds, one interface: `EmbeddedEnginePool` (`EngineCore`s in this process) and
 `HTTPEnginePool` (SGLang-compatible servers: `sglang.launch_server`, `mcore-rl serve`). Both take

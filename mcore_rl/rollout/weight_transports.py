@@ -1,6 +1,6 @@
 """The engine side of trainer -> engine weight sync: the transports that ship HF-named buckets.
 
-DESIGN.md decision 4. A transport gets buckets of full HF-named tensors (from
+docs/design.md#weights-by-name. A transport gets buckets of full HF-named tensors (from
 `mcore_rl.train.weight_sync`) and delivers them to every engine of an engine pool:
 
 - `DiskTransport`: safetensors shards + `/update_weights_from_disk`;

@@ -1,4 +1,4 @@
-"""The RL loop driver, `mcore-rl train` (DESIGN.md, "Data flow of one RL step"):
+"""The RL loop driver, `mcore-rl train` (docs/design.md#data-flow):
 
     prompts -> rollout manager -> engine(s): tokens, μ, policy version -> rewards
     -> learner: π_old (and π_ref), advantages, mismatch correction, optimizer steps over mini-batches

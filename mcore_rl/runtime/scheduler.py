@@ -12,7 +12,7 @@ over to another engine; with no engine left the request waits (an engine may com
 
 The scheduler knows nothing of HTTP or of the trainer: it runs on any asyncio loop through a
 `RolloutBackend`. The trainer runs it on the engine pool's loop (`async_rollouts`); the cluster
-simulator (`tools/simulate_async.py`) runs the same code on a virtual-time loop with simulated
+simulator (`benchmarks/simulate_async.py`) runs the same code on a virtual-time loop with simulated
 engines. Time is the loop's clock (`loop.time()`), so both measure the same quantities.
 """
 

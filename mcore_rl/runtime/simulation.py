@@ -9,7 +9,7 @@ the `RolloutScheduler` prompts with long-tailed budgets and these engines; `simu
 drives it like `mcore-rl train` does (next batch, train for a while, sync, step done). Tests use it
 to check the scheduler's guarantees.
 
-For cluster-scale what-ifs (`tools/simulate_async.py`) there is a second engine model,
+For cluster-scale what-ifs (`benchmarks/simulate_async.py`) there is a second engine model,
 `ContinuousBatchingEngines`: N inference instances whose requests all advance one token per decode
 step, the step time growing with the running requests and their summed context (`DecodeModel`), a
 prefill that stalls the instance, slots and a KV-token budget per instance, and one FIFO queue in

@@ -1,10 +1,10 @@
 """Learning-rate schedule: linear warmup, then constant / linear / cosine / step decay to `min_lr`.
 
-`step` is the LR-decay baseline of MIPU (seed_C: "Beyond Precision: Training-Inference Mismatch is
+`step` is the LR-decay baseline of MIPU ("Beyond Precision: Training-Inference Mismatch is
 an Optimization Problem and Simple LR Scheduling Fixes It"): a constant rate, then, from update
 `lr_step_start_iter` on, the rate times `lr_step_factor` (0.5: halved) every `lr_step_period` updates,
 never below `min_lr` (the paper: 0.1·lr). The paper starts phase 2 when "a potential-instability
-signal" appears, which the notes leave unclear: here the start is an update number fixed beforehand
+signal" appears, which the summary we worked from leaves unclear: here the start is an update number fixed beforehand
 (from a pilot run's response length, as the paper finds its period), and the first halving happens
 at that update itself (the signal is a reason to act at once).
 

@@ -71,7 +71,7 @@ def load_deepspeed_cpu_adam() -> type:
 
 
 class PlainSGD(torch.optim.Optimizer):
-    """Vanilla SGD, θ ← θ − lr·g (SGD-vs-Adam-RLVR, seed_B): no momentum, no adaptive rate, and no
+    """Vanilla SGD, θ ← θ − lr·g (SGD-vs-Adam-RLVR, arXiv:2602.07729): no momentum, no adaptive rate, and no
     per-parameter state at all (`state` stays empty, so checkpoints and snapshots carry none).
 
     Not `torch.optim.SGD`: its foreach kernel computes θ + (−lr)·g fused, which differs from θ − lr·g
@@ -400,7 +400,7 @@ class ModelParallelAdamW:
 
     def set_update_mask(self, masks: dict[int, torch.Tensor]) -> None:
         """Train only where `masks[i]` (a bool tensor shaped like `model_params[i]`) is True; params
-        without an entry train everywhere. OPD-Sparsity's subnetwork retraining (seed_B): outside the
+        without an entry train everywhere. OPD-Sparsity's subnetwork retraining (arXiv:2606.13657): outside the
         mask the gradient is zeroed before the norm (clipping and the moments never see it), and after
         the update the coordinates are put back, since weight decay would move them: they stay
         bit-identical to their values before the first masked step, for any number of steps."""

@@ -1,7 +1,7 @@
 """The trainer side of trainer -> engine weight sync: gather megatron-core shards into full Hugging
 Face tensors, quantize for FP8 engines, pack them into buckets, hand them to a transport.
 
-DESIGN.md decision 4. The flow, collective over the trainer world (every rank calls `WeightSync.sync`):
+docs/design.md#weights-by-name. The flow, collective over the trainer world (every rank calls `WeightSync.sync`):
 
 1. `iter_hf_weights` walks each rank's model chunks. Shards are gathered where they live —
    TP/ETP shards with `all_gather` in the TP/ETP group, experts across the EP group — by the one

@@ -53,7 +53,7 @@ def gate_update(g: int, entropy: float, warm_entropy: float, down_ratio: float =
 class AntiSDGate:
     """The gate's state across batches: the warm-up medians, H_warm once known, and g.
 
-    The gate's initial value after warm-up is not given in the notes; it starts open (`initial=1`,
+    The gate's initial value after warm-up is not given in the summary; it starts open (`initial=1`,
     the method switched on at the entropy it was calibrated on) and the first post-warm-up batch
     already applies the hysteresis rule."""
 
@@ -126,7 +126,7 @@ def antisd(
 ) -> DistillTerms:
     """token_advantage = −λ · φ(log π_T − log π_S), λ = g · λ_max (or λ_max with gate=False).
 
-    λ_max is not given in the notes: 1.0, which keeps the per-token bonus (≤ ½ log 2 ≈ 0.35)
+    λ_max is not given in the summary: 1.0, which keeps the per-token bonus (≤ ½ log 2 ≈ 0.35)
     below a standardised sequence advantage. `batch.advantages` is not used: the term is
     additive, and the learner adds it to the sequence advantage. Tokens without a finite student
     or teacher log-prob get 0."""

@@ -65,7 +65,7 @@ def rlrt(
     `success_threshold` (r = 1 for a 0/1 verifier), 0 elsewhere.
 
     Defaults: the paper's best ε_w is model-dependent (Base 1.0, Instruct 0.5, Thinking 0.2) and
-    larger is better for base models, so 1.0; λ is not reported, 0.5 (the notes' worked example).
+    larger is better for base models, so 1.0; λ is not reported, 0.5 (the summary's worked example).
     `teacher_logp` must come from the privileged self-teacher (prompt + a correct solution)."""
     rewards = require(batch, "rewards", "rlrt")
     with torch.no_grad():

@@ -10,7 +10,7 @@ signal (up where it agrees with the advantage's direction). λ decays linearly t
 default), after which the method only diagnoses.
 
 The note author marks the paper "use with caution". Not implemented: its per-step rescaling
-"equal_step_mean_abs" (no formula in the notes) and the step-span extraction (the teacher scores,
+"equal_step_mean_abs" (no formula in the summary) and the step-span extraction (the teacher scores,
 and `mask` marks, the tokens to shape; the others keep A).
 """
 

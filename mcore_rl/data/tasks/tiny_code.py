@@ -10,7 +10,7 @@ so a near miss (right slope, wrong offset) still earns something. Any program th
 computes f passes (`lambda x:1+3*x`, `lambda x:x*3+1`); one that hangs or forks costs its sample.
 `score` is all-or-nothing. 178 distinct problems.
 
-Difficulty (`tools/task_learnability.py tiny_code --steps 50 100 300`: a plain-torch stand-in of the
+Difficulty (`benchmarks/task_learnability.py tiny_code --steps 50 100 300`: a plain-torch stand-in of the
 demo shape, 2 layers, 64 wide, byte-level, 32 examples per step, greedy on 100 new draws): 6% of the
 answers pass every test after 50 SFT steps, 78% after 100, 100% after 300. So an SFT warm start of
 50-100 steps leaves RL or distillation room to improve.

@@ -13,7 +13,7 @@ constraints (`constraints_for`): the format's own (case, bullet count, JSON arra
 words (all present: `include`) and their number. The reward "word_format" is the fraction satisfied,
 so a response with the right words in the wrong format earns part of it; `score` is all-or-nothing.
 
-Difficulty (`tools/task_learnability.py word_format --steps 50 100 300`, the stand-in of tiny_code's
+Difficulty (`benchmarks/task_learnability.py word_format --steps 50 100 300`, the stand-in of tiny_code's
 docstring): exactly right 1% / 12% / 93% of the time after 50 / 100 / 300 SFT steps, mean reward
 0.27 / 0.69 / 0.98 (the words come before the formats).
 """
