@@ -87,7 +87,19 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "mcore_rl.parallel",
         "mcore_rl.convert",
     ),
+    # multi-turn episodes: after the engines' side, before the learner
+    "agent": (
+        "megatron",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.convert",
+    ),
 }
+# the packages above `agent` in the data flow never import it
+for _package in ("algos", "hf", "rollout", "rewards", "models", "parallel", "data", "observe", "config"):
+    FORBIDDEN[_package] = FORBIDDEN[_package] + ("mcore_rl.agent",)
 # analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
 for _package in list(FORBIDDEN) + ["runtime", "convert"]:
     FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.diagnose",)
