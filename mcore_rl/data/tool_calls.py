@@ -8,6 +8,8 @@ served model would have been understood to say.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,3 +47,235 @@ class ParsedTurn:
     content: str
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One family's tool-call syntax: how to read calls out of a model turn and how to write them back.
+
+    `render(content, calls)` is the inverse of `parse`: the text of an assistant turn with those calls
+    exactly as the family's chat template renders an assistant message with `tool_calls` (what follows
+    the assistant header), so history the harness writes matches what the model would have said.
+    """
+
+    name: str
+    sglang_parser: str  # SGLang's `--tool-call-parser` name for the same syntax
+    model_types: tuple[str, ...]  # Hugging Face `config.model_type`s whose chat templates use it
+    parse: Callable[[str], ParsedTurn]
+    render: Callable[[str, Sequence[ToolCall]], str]
+
+
+def _arguments(obj: dict[str, Any]) -> dict[str, Any] | str:
+    """The call's arguments (`arguments`, or Llama's `parameters`), or why they are not an object."""
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string, as the OpenAI API does
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as err:
+            return f"arguments: invalid JSON string ({err.msg} at column {err.colno})"
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        return f"arguments: expected an object, got {type(args).__name__}"
+    return args
+
+
+def _call_of(obj: Any, raw: str, index: int) -> ToolCall | str:
+    """A `ToolCall` from one decoded JSON value, or the reason it is not one."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object with name and arguments, got {type(obj).__name__}"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return 'no "name" (a non-empty string)'
+    args = _arguments(obj)
+    if isinstance(args, str):
+        return args
+    return ToolCall(name=name.strip(), arguments=args, id=f"call_{index}", raw=raw)
+
+
+def _json_error(err: json.JSONDecodeError) -> str:
+    return f"invalid JSON: {err.msg} at column {err.colno}"
+
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
+
+    The prose is the text before the first call (stripped), as SGLang's `qwen25` parser keeps it; a
+    block without its closing tag (a turn cut at the token cap inside a call) is an error.
+    """
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=text[:start].strip())
+    pos = start
+    while pos >= 0:
+        body_at = pos + len(_HERMES_OPEN)
+        end = text.find(_HERMES_CLOSE, body_at)
+        n = len(turn.calls) + len(turn.errors) + 1
+        if end < 0:
+            turn.errors.append(f"tool call {n}: no closing {_HERMES_CLOSE} (the turn ended inside the call)")
+            break
+        raw = text[pos : end + len(_HERMES_CLOSE)]
+        try:
+            call = _call_of(json.loads(text[body_at:end]), raw, len(turn.calls))
+        except json.JSONDecodeError as err:
+            call = _json_error(err)
+        if isinstance(call, str):
+            turn.errors.append(f"tool call {n}: {call}")
+        else:
+            turn.calls.append(call)
+        pos = text.find(_HERMES_OPEN, end + len(_HERMES_CLOSE))
+    return turn
+
+
+def render_hermes(content: str, calls: Sequence[ToolCall]) -> str:
+    """As the Qwen2.5 and Qwen3 chat templates render an assistant message with tool calls."""
+    blocks = [
+        f'{_HERMES_OPEN}\n{{"name": "{c.name}", "arguments": {json.dumps(c.arguments, ensure_ascii=False)}}}\n'
+        f"{_HERMES_CLOSE}"
+        for c in calls
+    ]
+    if not blocks:
+        return content
+    return (content + "\n" if content else "") + "\n".join(blocks)
+
+
+PYTHON_TAG = "<|python_tag|>"
+_LLAMA_SEPARATOR = ";"
+
+
+def parse_llama3_json(text: str) -> ParsedTurn:
+    """Llama 3.x JSON tool calls: `{"name": ..., "parameters": {...}}`, after an optional `<|python_tag|>`.
+
+    As SGLang's `llama3` parser reads them: a turn is a call when it holds the python tag (the prose is
+    what precedes it) or starts with `{` / `[` (no prose); several calls are separated by `;` or form
+    a JSON list. A turn that starts with `{` but is no call is an error, not prose: in this format the
+    model chose to call.
+    """
+    if PYTHON_TAG in text:
+        content, action = text.split(PYTHON_TAG, 1)
+    elif text.lstrip().startswith(("{", "[")):
+        content, action = "", text
+    else:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=content.strip())
+    action = action.strip()
+    if action.startswith("["):
+        try:
+            items = json.loads(action)
+        except json.JSONDecodeError as err:
+            turn.errors.append(f"tool call 1: {_json_error(err)}")
+            return turn
+        objects = [
+            (obj, json.dumps(obj, ensure_ascii=False)) for obj in (items if isinstance(items, list) else [items])
+        ]
+    else:
+        objects = []
+        decoder, pos = json.JSONDecoder(), 0
+        while pos < len(action):
+            try:
+                obj, end = decoder.raw_decode(action, pos)
+            except json.JSONDecodeError as err:
+                objects.append((err, action[pos:]))
+                break
+            objects.append((obj, action[pos:end]))
+            pos = end
+            while pos < len(action) and (action[pos].isspace() or action[pos] == _LLAMA_SEPARATOR):
+                pos += 1
+    for n, (obj, raw) in enumerate(objects, 1):
+        call = _json_error(obj) if isinstance(obj, json.JSONDecodeError) else _call_of(obj, raw, len(turn.calls))
+        if isinstance(call, str):
+            turn.errors.append(f"tool call {n}: {call}")
+        else:
+            turn.calls.append(call)
+    return turn
+
+
+def render_llama3_json(content: str, calls: Sequence[ToolCall]) -> str:
+    """As the Llama 3.1 chat template renders an assistant message with a tool call: the JSON object
+    alone (the template drops the message's content; it allows one call, so several are joined with
+    SGLang's `;` separator)."""
+    if not calls:
+        return content
+    return "; ".join(
+        f'{{"name": "{c.name}", "parameters": {json.dumps(c.arguments, ensure_ascii=False)}}}' for c in calls
+    )
+
+
+TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
+    f.name: f
+    for f in (
+        ToolCallFormat(
+            name="hermes",
+            sglang_parser="qwen25",
+            model_types=("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mcore_rl_qwen3"),
+            parse=parse_hermes,
+            render=render_hermes,
+        ),
+        ToolCallFormat(
+            name="llama3_json",
+            sglang_parser="llama3",
+            model_types=("llama",),
+            parse=parse_llama3_json,
+            render=render_llama3_json,
+        ),
+    )
+}
+
+
+def tool_call_format(name: str) -> ToolCallFormat:
+    """The format registered as `name` (or under SGLang's parser name for it); a clear error otherwise."""
+    for fmt in TOOL_CALL_FORMATS.values():
+        if name in (fmt.name, fmt.sglang_parser):
+            return fmt
+    known = ", ".join(f"{f.name} (SGLang: {f.sglang_parser})" for f in TOOL_CALL_FORMATS.values())
+    raise ValueError(f"unknown tool-call format {name!r}; known: {known}")
+
+
+def tool_call_format_for(model_type: str) -> str | None:
+    """The tool-call format of a model family (its HF `config.model_type`), or None when none is known."""
+    for fmt in TOOL_CALL_FORMATS.values():
+        if model_type in fmt.model_types:
+            return fmt.name
+    return None
+
+
+def parse_tool_calls(text: str, fmt: str) -> ParsedTurn:
+    """Split a model turn into prose and tool calls in the format `fmt`; malformed calls go to `errors`."""
+    return tool_call_format(fmt).parse(text)
+
+
+def render_tool_calls(content: str, calls: Sequence[ToolCall], fmt: str) -> str:
+    """The assistant text carrying `calls` in the format `fmt` (the inverse of `parse_tool_calls`)."""
+    return tool_call_format(fmt).render(content, calls)
+
+
+def openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Calls as an OpenAI assistant message's `tool_calls` (arguments as a JSON string, as the API has them)."""
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in calls
+    ]
+
+
+def tool_calls_from_openai(items: Any, where: str = "tool_calls") -> list[ToolCall]:
+    """An OpenAI assistant message's `tool_calls` as `ToolCall`s; a ValueError naming the bad field."""
+    if not isinstance(items, list):
+        raise ValueError(f"{where}: expected a list of tool calls")
+    calls = []
+    for i, item in enumerate(items):
+        fn = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{i}].function: expected an object with a string name")
+        args = _arguments(fn)
+        if isinstance(args, str):
+            raise ValueError(f"{where}[{i}].function.{args}")
+        calls.append(ToolCall(name=fn["name"], arguments=args, id=str(item.get("id") or "")))
+    return calls
