@@ -38,7 +38,7 @@ SEQ_KEYS = ("old_logp", "rollout_logp", "ref_logp", "is_weights", "keep", "advan
 @dataclass
 class SequenceView:
     rollout_logp: torch.Tensor  # [N, T] μ
-    mask: torch.Tensor  # [N, T] 1 on response tokens
+    mask: torch.Tensor  # [N, T] 1 on response tokens the learner trains (`Sample.trainable`)
     rewards: torch.Tensor  # [N]
     group_ids: torch.Tensor  # [N]
     versions: torch.Tensor  # [N] policy version that generated each sample
@@ -64,7 +64,8 @@ def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) ->
         k = len(s.response_ids)
         if k:
             mu[i, :k] = torch.tensor(s.rollout_logp, dtype=torch.float32)
-            mask[i, :k] = 1.0
+            # a multi-turn episode trains only the model's own tokens (not the observations between them)
+            mask[i, :k] = 1.0 if s.trainable is None else torch.tensor(s.trainable, dtype=torch.float32)
     ok = torch.tensor(
         [
             float(
