@@ -67,6 +67,19 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "mcore_rl.convert",
     ),
     "train": ("mcore_rl.runtime", "mcore_rl.convert"),
+    # interactive tasks and their tools: they may use `data` (prompts, tasks, tool calls) and `rewards`
+    # (the sandbox, the scorers), nothing of the engines, the learner or the loop that runs them
+    "envs": (
+        "megatron",
+        "aiohttp",
+        "mcore_rl.rollout",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.convert",
+        "mcore_rl.config",
+    ),
     # metrics, timers, MFU, profiles: under both `train` (SFT) and `runtime` (the RL loop)
     "observe": (
         "megatron",
@@ -100,6 +113,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 # the packages above `agent` in the data flow never import it
 for _package in ("algos", "hf", "rollout", "rewards", "models", "parallel", "data", "observe", "config"):
     FORBIDDEN[_package] = FORBIDDEN[_package] + ("mcore_rl.agent",)
+# `envs` sits below `data` and `rewards` in the data flow: none of the packages above it imports it
+for _package in ("algos", "hf", "rewards", "data", "models", "parallel", "observe"):
+    FORBIDDEN[_package] = FORBIDDEN[_package] + ("mcore_rl.envs",)
 # analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
 for _package in list(FORBIDDEN) + ["runtime", "convert"]:
     FORBIDDEN[_package] = FORBIDDEN.get(_package, ()) + ("mcore_rl.diagnose",)
@@ -205,7 +221,7 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> N
 def test_light_packages_import_without_megatron_or_http() -> None:
     script = (
         "import sys\n"
-        "import mcore_rl.algos, mcore_rl.hf, mcore_rl.rewards, mcore_rl.data.tasks, mcore_rl.data.prompts\n"
+        "import mcore_rl.algos, mcore_rl.hf, mcore_rl.rewards, mcore_rl.data.tasks, mcore_rl.data.prompts, mcore_rl.envs\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('megatron', 'aiohttp')})\n"
         "print(','.join(heavy))\n"
     )

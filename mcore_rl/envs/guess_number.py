@@ -1,0 +1,118 @@
+"""Guess-the-number: the policy guesses a secret integer, the environment answers "higher" or "lower".
+
+A multi-turn task the 2-layer demo model (byte-level tokenizer, 256 positions) can learn: every message
+is a few bytes (prompt "guess 1-16", a guess "8", feedback "higher"), and the optimal policy, binary
+search, needs at most ceil(log2(hi - lo + 1)) guesses, so the reward of fewer guesses rewards search.
+
+The secret is the prompt's label (the prompt source draws it from its seed), so the G episodes of a
+group start from the same state; a prompt without a label draws it from the reset seed. The state text
+is the interval the feedback so far leaves ("9-16"): steps with the same knowledge share it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.data.samples import Prompt
+from mcore_rl.envs import register_env
+from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
+
+_INT = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class GuessNumberOptions:
+    """`lo`..`hi` inclusive; `max_guesses` turns (an unreadable guess costs one); the reward of a right
+    guess is 1 minus `turn_penalty` per guess before it (never below 0), a miss scores 0."""
+
+    lo: int = 1
+    hi: int = 16
+    max_guesses: int = 6
+    turn_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.hi <= self.lo:
+            raise ValueError(f"option 'hi' ({self.hi}) must be above 'lo' ({self.lo})")
+        if self.max_guesses < 1:
+            raise ValueError(f"option 'max_guesses' must be >= 1, got {self.max_guesses}")
+        if not 0.0 <= self.turn_penalty <= 1.0:
+            raise ValueError(f"option 'turn_penalty' must be in [0, 1], got {self.turn_penalty}")
+
+
+def prompt_text(options: GuessNumberOptions) -> str:
+    return f"guess {options.lo}-{options.hi}"
+
+
+@dataclass(frozen=True)
+class GuessNumberPrompts:
+    """The prompt source: the same question, a secret per prompt (the label), drawn from the seed."""
+
+    options: GuessNumberOptions
+
+    def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
+        rng = random.Random(seed)
+        text = prompt_text(self.options)
+        return [(text, rng.randint(self.options.lo, self.options.hi)) for _ in range(n)]
+
+
+def parse_guess(text: str) -> int | None:
+    """The first integer of the model's text, or None."""
+    m = _INT.search(text)
+    return int(m.group()) if m else None
+
+
+@register_env(
+    "guess_number", options=GuessNumberOptions, prompts=GuessNumberPrompts, origin="own generator (secret per prompt)"
+)
+class GuessNumberEnv(Environment):
+    def __init__(self, options: GuessNumberOptions) -> None:
+        self.options = options
+        self.secret = options.lo
+        self.low, self.high = options.lo, options.hi  # what the feedback so far leaves open
+        self.guesses = 0
+
+    def _state(self) -> str:
+        return f"{self.low}-{self.high}"
+
+    def reset(self, prompt: Prompt, seed: int) -> EnvReset:
+        o = self.options
+        label = prompt.label
+        if isinstance(label, int) and not isinstance(label, bool):
+            if not o.lo <= label <= o.hi:
+                raise ValueError(f"guess_number: the prompt's secret {label} is outside {o.lo}-{o.hi}")
+            self.secret = label
+        else:
+            self.secret = random.Random(seed).randint(o.lo, o.hi)
+        self.low, self.high, self.guesses = o.lo, o.hi, 0
+        return EnvReset(messages=[{"role": "user", "content": prompt_text(o)}], state=self._state())
+
+    def step(self, action: AgentAction) -> EnvStep:
+        o = self.options
+        self.guesses += 1
+        left = o.max_guesses - self.guesses
+        guess = parse_guess(action.text)
+        info: dict[str, Any] = {"guesses": self.guesses}
+        if guess is None or not o.lo <= guess <= o.hi:
+            info["events"] = {"invalid_action": 1}
+            feedback = f"say a number {o.lo}-{o.hi}"
+        elif guess == self.secret:
+            reward = max(0.0, 1.0 - o.turn_penalty * (self.guesses - 1))
+            info["solved"] = True
+            return EnvStep([_user("yes")], reward=reward, done=True, state="solved", info=info)
+        elif guess < self.secret:
+            self.low = max(self.low, guess + 1)
+            feedback = "higher"
+        else:
+            self.high = min(self.high, guess - 1)
+            feedback = "lower"
+        done = left <= 0
+        if done:
+            info["solved"] = False
+        return EnvStep([_user(feedback)], reward=0.0, done=done, state=self._state(), info=info)
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
