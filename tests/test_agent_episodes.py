@@ -146,7 +146,8 @@ def test_an_environment_that_raises_costs_its_episode_not_the_group(pool):
     bad, good = eps
     assert bad.finish == "env_error" and envs[0].closed == 1
     (s,) = bad.samples()
-    assert s.reward_error is not None and "step raised RuntimeError: the environment broke" in s.reward_error
+    assert s.reward_error == "env_error: RuntimeError: the environment broke"
+    assert episode_metrics([[s]])["episode/events/env_error"] == 1
     assert good.finish == "done" and good.samples()[0].reward_error is None
 
 

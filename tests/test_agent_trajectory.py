@@ -90,6 +90,20 @@ def test_byte_tokenizer_chatml_keeps_engine_ids_and_masks_the_rest():
     assert s.finish_reason == "length" and s.episode is None
 
 
+def test_a_turn_that_ends_on_eos_keeps_it_and_is_closed_by_the_harness():
+    """The byte model may stop on its eos instead of `<|im_end|>`: the eos is the model's (trained),
+    the whole closing is the harness's, and the prefix invariant still holds."""
+    tok = load_tokenizer(None)
+    traj = Trajectory(ChatFormat(tok), OPENING)
+    traj.add_model_turn(tok.encode("7") + [tok.eos_id], [-0.1, -0.2], [0, 0], "stop")
+    traj.add_observation([{"role": "user", "content": "higher"}])
+    traj.add_model_turn(tok.encode("9"), [-0.3], [0], "length")
+    assert traj.drift == 0
+    (s,) = traj.samples(prompt(), "length")
+    assert tok.decode(s.response_ids).startswith("7<eos><|im_end|>\n<|im_start|>user\nhigher")
+    assert s.trainable[:3] == [1, 1, 0]
+
+
 def test_engine_ids_are_never_re_encoded():
     """A non-canonical tokenization (a then b, where the tokenizer would merge "ab") stays as sampled."""
     tok = bpe_tokenizer(QWEN_STYLE)

@@ -5,8 +5,9 @@ generates from the trajectory so far (`Episode.request`), its output is parsed f
 family's format, the environment steps, and its messages are appended (`Episode.advance`). Guards end
 an episode, counted by reason: `max_turns`, the token budget of the whole episode (`length`), and
 `max_invalid_calls` consecutive invalid turns (unparseable calls, or an environment that reports an
-invalid action); a per-turn token cap bounds each generation. An environment that raises costs its
-episode (its samples carry `reward_error`), never the run.
+invalid action); a per-turn token cap bounds each generation. The environment runs behind
+`envs.guard.GuardedEnv`: one that raises, hangs or returns an invalid step costs its episode (its
+samples carry `reward_error`, its reason is counted), never the run.
 
 Two forms of samples (`EpisodeSettings.trajectory`): `conversation`, one growing token-exact
 conversation per episode (`trajectory.Trajectory`: one sample, or one per segment under the `split`
@@ -32,6 +33,7 @@ from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, parse_tool_calls
 from mcore_rl.envs.base import AgentAction, Environment
+from mcore_rl.envs.guard import EnvGuards, EpisodeFailed, GuardedEnv
 from mcore_rl.rollout.pool import Generation, GenRequest
 
 TrajectoryForm = Literal["conversation", "stepwise"]
@@ -84,6 +86,10 @@ def parse_turn(text: str, tool_format: str) -> ParsedTurn:
     return ParsedTurn(text) if tool_format == "none" else parse_tool_calls(text, tool_format)
 
 
+# the guard's reasons for an episode its environment lost (`envs.guard.GuardedEnv`)
+FAILURES = ("env_error", "env_timeout", "env_invalid")
+
+
 def _invalid(parsed: ParsedTurn, info: dict[str, Any]) -> bool:
     """An unparseable call, or an environment that reports an invalid action / call."""
     events = info.get("events") or {}
@@ -103,8 +109,10 @@ class Episode:
         tokenizer: Tokenizer,
         settings: EpisodeSettings,
         sampling: dict[str, Any],
+        guards: EnvGuards | None = None,
     ) -> None:
-        self.env, self.prompt, self.index, self.settings = env, prompt, index, settings
+        self.env = GuardedEnv(env, guards if guards is not None else EnvGuards())
+        self.prompt, self.index, self.settings = prompt, index, settings
         self.sampling = dict(sampling)  # SGLang sampling params; the per-turn seed is derived from its seed
         self.rewards: list[float] = []
         self.turns = 0
@@ -116,14 +124,15 @@ class Episode:
         self.history: list[list[Message]] = []  # stepwise memory: each step's action and observation
         self.states: list[str] = []
         self.info: dict[str, Any] = {}
+        self.events: dict[str, int] = {}  # the environment's counted events (`EnvStep.info["events"]`)
         try:
             reset = env.reset(prompt, seed)
             self.chat = ChatFormat(tokenizer, reset.tools)
             self.opening = list(reset.messages)
             self.states.append(reset.state)
             self.trajectory = Trajectory(self.chat, self.opening, settings.template_policy)
-        except Exception as err:  # a broken environment costs this episode
-            self._fail(f"reset raised {type(err).__name__}: {err}")
+        except EpisodeFailed as err:  # a broken environment costs this episode
+            self._fail(err.reason, err.detail)
             self.chat = ChatFormat(tokenizer)
             self.opening = [{"role": "user", "content": prompt.text}]
             self.trajectory = Trajectory(self.chat, self.opening, settings.template_policy)
@@ -134,15 +143,12 @@ class Episode:
     def done(self) -> bool:
         return self.finish is not None
 
-    def _fail(self, reason: str) -> None:
-        self.error, self.finish = reason[:300], "env_error"
+    def _fail(self, reason: str, detail: str) -> None:
+        self.error, self.finish = f"{reason}: {detail}"[:300], reason
         self.close()
 
     def close(self) -> None:
-        try:
-            self.env.close()
-        except Exception:  # a close that fails must not cost the group
-            pass
+        self.env.close()  # the guard closes once, under its timeout, and never raises
 
     def context_ids(self) -> list[int]:
         """What the next turn continues: the conversation so far, or the step's prompt (stepwise)."""
@@ -187,14 +193,16 @@ class Episode:
             self.steps.append(_Step(self.context_ids(), out, self.states[-1] if self.states else ""))
         content = self.chat.decode([i for i in out.ids if i not in self.chat.stop_ids])
         parsed = parse_turn(content, s.tool_format)
-        try:
-            step = self.env.step(AgentAction(content, parsed, truncated=out.finish_reason == "length"))
-        except Exception as err:
-            self._fail(f"step raised {type(err).__name__}: {err}")
-            return
+        step = self.env.step(AgentAction(content, parsed, truncated=out.finish_reason == "length"))
         self.rewards.append(float(step.reward))
         self.states.append(step.state)
-        self.info.update({k: v for k, v in step.info.items() if k != "events"})
+        for name, n in (step.info.get("events") or {}).items():
+            self.events[name] = self.events.get(name, 0) + int(n)
+        self.info.update({k: v for k, v in step.info.items() if k not in ("events", "end_detail")})
+        end = step.info.get("end_reason")
+        if end in FAILURES:
+            self._fail(str(end), str(step.info.get("end_detail", "")))
+            return
         if _invalid(parsed, step.info):
             self.invalid += 1
             self.invalid_run += 1
@@ -203,7 +211,7 @@ class Episode:
         if s.trajectory == "stepwise":
             self.history.append([{"role": "assistant", "content": content}, *step.messages])
         if step.done:
-            self.finish = "done"
+            self.finish = str(end) if end else "done"
         elif self.invalid_run >= s.max_invalid_calls:
             self.finish = "invalid_calls"
         elif self.turns >= s.max_turns:
@@ -212,7 +220,7 @@ class Episode:
             try:
                 self.trajectory.add_observation(step.messages)
             except Exception as err:  # a message the template cannot render
-                self._fail(f"observation not renderable: {type(err).__name__}: {err}")
+                self._fail("observation_unrenderable", f"{type(err).__name__}: {err}")
                 return
             if self._budget() <= 0:
                 self.finish = "length"
@@ -261,9 +269,12 @@ class Episode:
             "episode/invalid_turns": self.invalid,
             "episode/template_drift": self.trajectory.drift,
             "episode/template_splits": self.trajectory.splits,
+            **{f"episode/events/{k}": v for k, v in self.events.items()},
         }
+        oldest = min((s.policy_version for s in out), default=0)
         for k, s in enumerate(out):
             s.episode, s.step_index = self.index, k
+            s.policy_version = oldest  # the staleness bound counts the episode's oldest token
             s.reward = self.episode_return
             s.reward_heads = {"environment": self.episode_return}
             s.reward_error = self.error
@@ -290,6 +301,8 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         "episode/template_drift": float(sum(int(s.info["episode/template_drift"]) for s in firsts)),
         "episode/template_splits": float(sum(int(s.info["episode/template_splits"]) for s in firsts)),
     }
+    for key in sorted({k for s in firsts for k in s.info if k.startswith("episode/events/")}):
+        out[key] = float(sum(int(s.info.get(key, 0)) for s in firsts))
     for reason in sorted({str(s.info["episode/finish"]) for s in firsts}):
         out[f"episode/finish/{reason}"] = float(sum(s.info["episode/finish"] == reason for s in firsts))
     return out

@@ -115,14 +115,20 @@ class ChatFormat:
                 ids.append(head[0])
         return ids
 
+    def closes(self, output_ids: list[int]) -> bool:
+        """Did the model end its turn with the closing's own first token (`<|im_end|>`)? Then that
+        token stands for the start of the closing; any other ending (an eos, a cut) is content."""
+        if not output_ids or output_ids[-1] not in self.stop_ids:
+            return False
+        said = self.decode(output_ids[-1:])
+        return bool(said) and self.closing.startswith(said)
+
     def end_of_turn(self, output_ids: list[int]) -> list[int]:
         """The ids the harness appends after a model turn so that it ends as the template ends an
-        assistant message: the rest of the closing after a stop token the model produced, or the
+        assistant message: the rest of the closing after the model's own end-of-turn token, or the
         whole closing after a turn that was cut (or stopped on another token)."""
-        if output_ids and output_ids[-1] in self.stop_ids:
-            said = self.decode(output_ids[-1:])
-            if said and self.closing.startswith(said):
-                return self.encode(self.closing[len(said) :])
+        if self.closes(output_ids):
+            return self.encode(self.closing[len(self.decode(output_ids[-1:])) :])
         return self.encode(self.closing)
 
 
@@ -208,11 +214,8 @@ class Trajectory:
 
     def _content(self, output_ids: list[int]) -> str:
         """The assistant message's content as the template would have to render it: the decoded
-        output without the stop token the closing stands for."""
-        ids = output_ids
-        if ids and ids[-1] in self.chat.stop_ids:
-            ids = ids[:-1]
-        return self.chat.decode(ids)
+        output without the end-of-turn token the closing stands for (an eos stays: it is content)."""
+        return self.chat.decode(output_ids[:-1] if self.chat.closes(output_ids) else output_ids)
 
     def add_observation(self, messages: list[Message]) -> None:
         """Environment / tool messages, rendered as the template's increment (not trainable), ending

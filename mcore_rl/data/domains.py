@@ -76,11 +76,15 @@ class DomainSpec:
 
 
 def domain_source(d: Any) -> tuple[str, str]:
-    """("path" | "task" | "reasoning_gym", value) of a `DomainConfig` (the first one set)."""
+    """("path" | "task" | "reasoning_gym" | "environment", value) of a `DomainConfig` (the first one
+    set; an environment's name when the domain has no other source: its prompts are the environment's)."""
     for kind in ("path", "task", "reasoning_gym"):
         value = getattr(d, kind)
         if value is not None:
             return kind, value
+    env = getattr(d, "environment", None)
+    if env is not None:
+        return "environment", env.name
     return "", ""
 
 
@@ -193,6 +197,10 @@ def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
+    if kind == "environment":
+        from mcore_rl.envs import env_prompts  # the environments import `data`: a cycle at module level
+
+        return env_prompts(value, **d.environment.options).examples(n, seed)
     task = (
         get_task("reasoning_gym", dataset=value, **d.options)
         if kind == "reasoning_gym"
@@ -280,12 +288,35 @@ def domain_pools(
         held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed)
         validation = task_examples(d, max(64, cfg.algorithm.mismatch.mipu_validation_prompts), own + validation_offset)
     held = held[:n_eval]
+    if domain_source(d)[0] == "environment":
+        return environment_pools(d, train, held, validation)
     held_texts = {x[0] for x in held}
     train = [x for x in train if x[0] not in held_texts]
     validation = [x for x in validation if x[0] not in held_texts] or train
     if not train:
         raise DataError(f"{domain_key(i, d, 'eval')}: every training prompt is also in the evaluation set")
     return DomainPools(train, held, validation)
+
+
+def environment_pools(d: Any, train: list[tuple], held: list[tuple], validation: list[tuple]) -> DomainPools:
+    """An environment's pools: its prompts share one text (the state is in the label: a secret, a
+    seed), so the held-out (text, label) pairs leave the training pool; an environment whose states
+    are fewer than the held-out set (guess-the-number's 16 secrets) cannot hold any out, and says so."""
+    held_keys = {_state_key(x) for x in held}
+    kept = [x for x in train if _state_key(x) not in held_keys]
+    if not kept:
+        logger.warning(
+            "domain %r: the environment has no state outside the %d held-out prompts; "
+            "evaluation measures states the run also trains on",
+            d.name,
+            len(held),
+        )
+        return DomainPools(train, held, validation)
+    return DomainPools(kept, held, [x for x in validation if _state_key(x) not in held_keys] or kept)
+
+
+def _state_key(example: tuple) -> tuple[str, str]:
+    return example[0], repr(example[1])
 
 
 def renderer(d: Any, tokenizer: Any) -> Callable[[str], str] | None:
