@@ -233,3 +233,13 @@ def test_join_by_prefix_appends_what_the_agent_added_untrainable():
     assert first.trainable == [1, 1, 0, 0, 1] and first.logps == [-0.1, -0.2, 0.0, 0.0, -0.3]
     assert first.versions == [5, 5, 5, 5, 6]
     assert second.prompt_ids == [1, 2, 8] and second.ids == [3] and second.trainable == [1]
+
+
+def test_tool_call_parser_flag_takes_sglang_and_our_names():
+    from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
+
+    assert parse_server_args(["--tool-call-parser", "qwen25"]).tool_call_parser == "qwen25"
+    assert parse_server_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert parse_server_args([]).tool_call_parser is None  # the model family's format
+    with pytest.raises(LaunchFlagError, match="--tool-call-parser pythonic: unknown tool-call format 'pythonic'"):
+        parse_server_args(["--tool-call-parser", "pythonic"])
