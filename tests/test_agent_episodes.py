@@ -179,3 +179,17 @@ def test_a_turn_aborted_by_a_weight_sync_is_continued_with_its_tokens_versions(p
     assert s.token_versions is not None and s.policy_version == 0  # the oldest token counts for staleness
     model_versions = [v for v, t in zip(s.token_versions, s.trainable or []) if t]
     assert model_versions[:2] == [0, 0] and 1 in model_versions
+
+
+def test_the_learner_masks_every_token_the_model_did_not_sample(pool):
+    """The sequence view's response mask (loss, KL, entropy, advantage broadcast) is `Sample.trainable`."""
+    from mcore_rl.train.packing import sequence_view
+
+    (e,) = episodes([CountdownEnv()], EpisodeSettings(max_tokens_per_turn=4))
+    run_lockstep([e], pool.generate)
+    (s,) = e.samples()
+    plain = s.__class__(PROMPT, 11, [65, 66], [-1.0, -1.0], 0, "stop")
+    view = sequence_view([s, plain])
+    assert view.mask[0, : len(s.response_ids)].tolist() == [float(t) for t in s.trainable or []]
+    assert 0 < view.mask[0].sum() < len(s.response_ids)  # observation tokens are out
+    assert view.mask[1].tolist()[:2] == [1.0, 1.0] and view.mask[1].sum() == 2

@@ -297,7 +297,7 @@ class RLRun:
             elif self.rank0:
                 groups, stats = self.manager.collect(self.state.rl_step)
                 self.ledger.drawn += stats.prompts_drawn
-                self.ledger.trained += len(groups)
+                self.ledger.count_trained(groups)
                 if stats.prompts_drawn > len(groups):
                     self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
                 msg = (
