@@ -176,6 +176,7 @@ def test_a_turn_aborted_by_a_weight_sync_is_continued_with_its_tokens_versions(p
     (s,) = e.samples()
     aborted = [i for i in range(len(calls) - 1) if calls[i + 1].input_ids[:-2] == calls[i].input_ids]
     assert aborted, "no turn was continued"
+    assert e.continued == len(aborted) and s.info["episode/continued_requests"] == len(aborted)
     assert s.token_versions is not None and s.policy_version == 0  # the oldest token counts for staleness
     model_versions = [v for v, t in zip(s.token_versions, s.trainable or []) if t]
     assert model_versions[:2] == [0, 0] and 1 in model_versions
