@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+
+import pytest
 
 from tests.world import run_world
 
@@ -128,3 +132,46 @@ def test_environment_config_errors_name_the_key(tmp_path):
     env.max_tokens_per_turn, env.max_turns = 4, 3
     cfg.data.domains[0].task = "addition"
     assert "domain 'guess': an environment domain draws its environment's prompts; drop ['task']" in errors(cfg)
+
+
+ENV_YAML = """
+data:
+  domains:
+    - name: guess
+      environment:
+        name: guess_number
+        options: {lo: 1, hi: 8, max_guesses: 3}
+        max_turns: 3
+        max_tokens_per_turn: 4
+      eval: {num_prompts: 4}
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_learner_reruns_its_in_flight_episodes_and_loses_none(tmp_path):
+    """`mcore-rl train` with an environment domain, asynchronous at staleness 1, SIGKILLed once its
+    step-2 checkpoint exists and started again from it: the episodes in flight at the kill are run
+    again from their initial state, the buffered ones come back, every step trains its groups once."""
+    from tests.test_async_resume import _finish, _kill_after_checkpoint
+
+    tmp = str(tmp_path)
+    recipe = os.path.join(tmp, "env.yaml")
+    with open(recipe, "w") as f:
+        f.write(ENV_YAML)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def train(*extra: str) -> subprocess.Popen:
+        args = [sys.executable, "-m", "mcore_rl.cli", "train", recipe, *ENV_RUN, "train.num_steps=4"]
+        args += [f"run_dir={tmp}/run", f"checkpoint.save_dir={tmp}/ckpt", "checkpoint.save_interval=1"]
+        args += ["rollout.runtime=async", "rollout.max_staleness=1", *extra]
+        env = dict(os.environ, PYTHONPATH=root)
+        return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    _kill_after_checkpoint(train(), f"{tmp}/ckpt", 2)
+    _finish(train(f"checkpoint.load_dir={tmp}/ckpt"))
+    acc = json.load(open(f"{tmp}/run/accounting.json"))
+    assert acc["balanced"] and acc["trained"] == 4 * 2 and acc["failed"] == 0
+    assert acc["resent_after_resume"] + acc["restored_buffered"] > 0  # step 3's groups were ahead at the kill
+    steps = [json.loads(x) for x in open(f"{tmp}/run/metrics.jsonl")]
+    assert [r["rl_step"] for r in steps if "time/step_s" in r] == [1, 2, 3, 4]
+    assert all(r["episode/count"] == 8 for r in steps if "time/step_s" in r)
