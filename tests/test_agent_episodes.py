@@ -134,6 +134,9 @@ def test_guards_end_episodes_with_their_reason(pool):
     run_lockstep(many + invalid + budget, pool.generate)
     assert (many[0].finish, many[0].turns) == ("max_turns", 2)
     assert (invalid[0].finish, invalid[0].turns, invalid[0].invalid) == ("invalid_calls", 2, 2)
+    penalised = episodes([CountdownEnv(turns=2, invalid=True)], EpisodeSettings(invalid_penalty=0.25))
+    run_lockstep(penalised, pool.generate)
+    assert penalised[0].episode_return == sum(penalised[0].rewards) - 0.5
     assert budget[0].finish == "length"
     (s,) = budget[0].samples()
     assert len(s.response_ids) <= 30 and s.finish_reason == "length"

@@ -51,6 +51,7 @@ class EpisodeSettings:
     memory_k: int = 2  # stepwise: the previous steps in each step's prompt
     template_policy: TemplatePolicy = "keep"
     max_episode_tokens: int = 256  # the response budget of the whole episode (model + observation tokens)
+    invalid_penalty: float = 0.0  # subtracted from the return per invalid turn (a format signal from the start)
 
 
 @dataclass
@@ -240,7 +241,8 @@ class Episode:
     @property
     def episode_return(self) -> float:
         ret = self.info.get("return")
-        return float(ret) if isinstance(ret, (int, float)) else float(sum(self.rewards))
+        base = float(ret) if isinstance(ret, (int, float)) else float(sum(self.rewards))
+        return base - self.settings.invalid_penalty * self.invalid
 
     def samples(self) -> list[Sample]:
         """The episode's samples, each with the episode's return, its ids and its episode's summary

@@ -78,6 +78,7 @@ class EpisodeGroups:
             memory_k=env.memory_k,
             template_policy=env.template_policy,
             max_episode_tokens=cap,
+            invalid_penalty=env.invalid_penalty,
         )
         guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
         seed = self.reset_seed(prompt)
