@@ -75,12 +75,20 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
     assert acc["balanced"] and acc["trained"] == 4 and acc["episodes_trained"] == 16
     assert acc["episode_samples_trained"] == 16
 
-    # step-wise: a sample per step, each knowing its episode and step
-    cfg = env_config(f"{tmp}/stepwise", trajectory="stepwise")
+    # step-wise, mixed with a single-turn task domain in one batch: a sample per step, each knowing
+    # its episode and step; the task's groups generated and scored as before
+    from mcore_rl.config.rl_schema import DomainConfig, DomainEvalConfig
+
+    cfg = env_config(f"{tmp}/stepwise", "data.mixture.sampling=interleave", trajectory="stepwise")
+    add = DomainConfig(name="add", task="addition", options={"max_digits": 1}, max_new_tokens=8)
+    add.eval = DomainEvalConfig(num_prompts=4)
+    cfg.data.domains.append(add)
+    validate_rl_config(cfg, 1)
     summary = run_rl(cfg)
     recs = _records(f"{tmp}/stepwise")
-    assert all(r["episode/count"] == 8 and r["episode/samples"] == 8 * r["episode/turns_mean"] for r in recs)
-    assert summary["accounting"]["episodes_trained"] == 16
+    assert all(r["episode/count"] == 4 and r["episode/samples"] == 4 * r["episode/turns_mean"] for r in recs)
+    assert all("reward/add/mean" in r and "reward/guess/mean" in r for r in recs)
+    assert summary["accounting"]["episodes_trained"] == 8 and summary["accounting"]["trained"] == 4
 
     # asynchronous, one version of staleness: started engine processes, the episodes' turns run while
     # the learner trains; every trained sample's oldest token within the bound
