@@ -134,6 +134,9 @@ def test_guards_end_episodes_with_their_reason(pool):
     run_lockstep(many + invalid + budget, pool.generate)
     assert (many[0].finish, many[0].turns) == ("max_turns", 2)
     assert (invalid[0].finish, invalid[0].turns, invalid[0].invalid) == ("invalid_calls", 2, 2)
+    penalised = episodes([CountdownEnv(turns=2, invalid=True)], EpisodeSettings(invalid_penalty=0.25))
+    run_lockstep(penalised, pool.generate)
+    assert penalised[0].episode_return == sum(penalised[0].rewards) - 0.5
     assert budget[0].finish == "length"
     (s,) = budget[0].samples()
     assert len(s.response_ids) <= 30 and s.finish_reason == "length"
@@ -176,6 +179,21 @@ def test_a_turn_aborted_by_a_weight_sync_is_continued_with_its_tokens_versions(p
     (s,) = e.samples()
     aborted = [i for i in range(len(calls) - 1) if calls[i + 1].input_ids[:-2] == calls[i].input_ids]
     assert aborted, "no turn was continued"
+    assert e.continued == len(aborted) and s.info["episode/continued_requests"] == len(aborted)
     assert s.token_versions is not None and s.policy_version == 0  # the oldest token counts for staleness
     model_versions = [v for v, t in zip(s.token_versions, s.trainable or []) if t]
     assert model_versions[:2] == [0, 0] and 1 in model_versions
+
+
+def test_the_learner_masks_every_token_the_model_did_not_sample(pool):
+    """The sequence view's response mask (loss, KL, entropy, advantage broadcast) is `Sample.trainable`."""
+    from mcore_rl.train.packing import sequence_view
+
+    (e,) = episodes([CountdownEnv()], EpisodeSettings(max_tokens_per_turn=4))
+    run_lockstep([e], pool.generate)
+    (s,) = e.samples()
+    plain = s.__class__(PROMPT, 11, [65, 66], [-1.0, -1.0], 0, "stop")
+    view = sequence_view([s, plain])
+    assert view.mask[0, : len(s.response_ids)].tolist() == [float(t) for t in s.trainable or []]
+    assert 0 < view.mask[0].sum() < len(s.response_ids)  # observation tokens are out
+    assert view.mask[1].tolist()[:2] == [1.0, 1.0] and view.mask[1].sum() == 2

@@ -184,3 +184,28 @@ def test_model_turn_with_mismatched_logprobs_is_refused():
     traj = Trajectory(ChatFormat(load_tokenizer(None)), OPENING)
     with pytest.raises(ValueError, match="a model turn of 2 ids came with 1 μ and 2 versions"):
         traj.add_model_turn([65, 66], [-1.0], [0, 0], "stop")
+
+
+def test_the_real_qwen2_5_template_with_tools_keeps_the_prefix_invariant():
+    """Qwen2.5-Instruct's own template (its default system prompt, tools in the system turn, tool
+    results grouped into a user turn): every increment extends the conversation exactly."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "chat_templates", "qwen2_5_instruct.jinja")
+    with open(path, encoding="utf-8") as f:
+        tok = bpe_tokenizer(f.read())
+    calc = ToolSpec(
+        "calculator", "evaluates arithmetic", {"type": "object", "properties": {"expr": {"type": "string"}}}
+    )
+    traj = Trajectory(ChatFormat(tok, tools=[calc]), [{"role": "user", "content": "what is 6*7"}])
+    opening = tok.decode(traj.context_ids)
+    assert opening.startswith("<|im_start|>system\nYou are Qwen") and "<tools>" in opening
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expr": "6*7"}}\n</tool_call>')
+    traj.add_model_turn(call + [tok.eos_id], [-0.1] * (len(call) + 1), [0] * (len(call) + 1), "stop")
+    traj.add_observation([{"role": "tool", "content": "42"}])
+    assert tok.decode(traj.context_ids).endswith(
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    traj.add_model_turn(tok.encode("42") + [tok.eos_id], [-0.2] * 3, [0] * 3, "stop")
+    traj.add_observation([{"role": "user", "content": "and 6*8?"}])
+    assert traj.drift == 0

@@ -51,6 +51,7 @@ class EpisodeSettings:
     memory_k: int = 2  # stepwise: the previous steps in each step's prompt
     template_policy: TemplatePolicy = "keep"
     max_episode_tokens: int = 256  # the response budget of the whole episode (model + observation tokens)
+    invalid_penalty: float = 0.0  # subtracted from the return per invalid turn (a format signal from the start)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Episode:
         self.turns = 0
         self.invalid_run = 0  # consecutive invalid turns
         self.invalid = 0
+        self.continued = 0  # requests that continued a turn a weight sync had aborted (partial rollouts)
         self.finish: str | None = None  # why it ended
         self.error: str | None = None  # the environment's failure, if it failed
         self.steps: list[_Step] = []
@@ -187,6 +189,7 @@ class Episode:
         """Feed a finished model turn: append it, parse it, step the environment, append its answer."""
         s = self.settings
         self.turns += 1
+        self.continued += max(0, out.parts - 1)
         if s.trajectory == "conversation":
             self.trajectory.add_model_turn(out.ids, out.logps, out.versions, out.finish_reason)
         else:
@@ -238,7 +241,8 @@ class Episode:
     @property
     def episode_return(self) -> float:
         ret = self.info.get("return")
-        return float(ret) if isinstance(ret, (int, float)) else float(sum(self.rewards))
+        base = float(ret) if isinstance(ret, (int, float)) else float(sum(self.rewards))
+        return base - self.settings.invalid_penalty * self.invalid
 
     def samples(self) -> list[Sample]:
         """The episode's samples, each with the episode's return, its ids and its episode's summary
@@ -267,6 +271,7 @@ class Episode:
             "episode/turns": self.turns,
             "episode/finish": finish,
             "episode/invalid_turns": self.invalid,
+            "episode/continued_requests": self.continued,
             "episode/template_drift": self.trajectory.drift,
             "episode/template_splits": self.trajectory.splits,
             **{f"episode/events/{k}": v for k, v in self.events.items()},
@@ -298,6 +303,7 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         "episode/return_mean": sum(float(s.info["episode/return"]) for s in firsts) / n,
         "episode/turns_mean": sum(float(s.info["episode/turns"]) for s in firsts) / n,
         "episode/invalid_turns": float(sum(int(s.info["episode/invalid_turns"]) for s in firsts)),
+        "episode/continued_requests": float(sum(int(s.info["episode/continued_requests"]) for s in firsts)),
         "episode/template_drift": float(sum(int(s.info["episode/template_drift"]) for s in firsts)),
         "episode/template_splits": float(sum(int(s.info["episode/template_splits"]) for s in firsts)),
     }

@@ -17,13 +17,22 @@ from typing import Any
 import numpy as np
 
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode, run_lockstep
-from mcore_rl.config.rl_schema import EnvironmentConfig, RLConfig
+from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.envs import env_prompts, make_env
 from mcore_rl.envs.guard import EnvGuards
 from mcore_rl.rollout.pool import Generation, GenRequest
 
 SALT_RESET = 17  # keeps the environments' reset seeds apart from the sampling seeds
+
+
+def environment_examples(domain: DomainConfig, n: int, seed: int) -> list[tuple]:
+    """The (prompt text, label) pairs an environment domain draws (`data` cannot import `envs`)."""
+    env = domain.environment
+    if env is None:
+        raise ValueError(f"domain {domain.name!r} has no environment")
+    return env_prompts(env.name, **env.options).examples(n, seed)
 
 
 class EpisodeGroups:
@@ -58,8 +67,6 @@ class EpisodeGroups:
     def episodes(self, prompt: Prompt, samplings: Sequence[dict[str, Any]], budget: int | None = None) -> list[Episode]:
         """The group's episodes, one per sampling-parameter set (each with its own sampling seed);
         `budget`: the episode's token budget when the schedule cuts it (else the domain's)."""
-        from mcore_rl.envs import make_env  # the registry imports every environment module: only when used
-
         env = self.environments[prompt.domain]
         cap = self.budgets[prompt.domain] if budget is None else min(budget, self.budgets[prompt.domain])
         settings = EpisodeSettings(
@@ -71,6 +78,7 @@ class EpisodeGroups:
             memory_k=env.memory_k,
             template_policy=env.template_policy,
             max_episode_tokens=cap,
+            invalid_penalty=env.invalid_penalty,
         )
         guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
         seed = self.reset_seed(prompt)

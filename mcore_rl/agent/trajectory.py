@@ -29,8 +29,8 @@ from typing import Any, Literal
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ToolSpec
+from mcore_rl.envs.base import Message
 
-Message = dict[str, Any]  # an OpenAI-style chat message (as `mcore_rl.envs.base.Message`)
 TemplatePolicy = Literal["keep", "split"]
 
 # the ChatML layout of the byte tokenizer, which has no chat template of its own (the same layout
@@ -107,12 +107,13 @@ class ChatFormat:
         return text[at + len(probe) :]
 
     def _stop_ids(self) -> list[int]:
-        """The ids that end a model turn: the eos, and the closing's first token when it is one."""
+        """The ids that end a model turn: the eos, and the closing's first token when it is a special
+        token of its own (ChatML's `<|im_end|>`; not a newline byte)."""
         ids = [int(self.tokenizer.eos_id)]
         head = self.encode(self.closing)[:1]
-        if head and self.decode(head) and self.closing.startswith(self.decode(head)) and head[0] not in ids:
-            if len(self.decode(head)) > 1:  # a special token (`<|im_end|>`), not a newline byte
-                ids.append(head[0])
+        said = self.decode(head) if head else ""
+        if head and head[0] not in ids and len(said) > 1 and self.closing.startswith(said):
+            ids.append(head[0])
         return ids
 
     def closes(self, output_ids: list[int]) -> bool:

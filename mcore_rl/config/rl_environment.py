@@ -10,6 +10,7 @@ Hugging Face model's family is its `config.json` `model_type` (next to `data.tok
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,11 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
     for name in ("max_turns", "max_tokens_per_turn", "max_invalid_calls"):
         value = getattr(env, name)
         errors.need(value >= 1, f"{key}.{name}", f"{who}must be >= 1, got {value}")
+    errors.need(
+        math.isfinite(env.invalid_penalty) and env.invalid_penalty >= 0,
+        f"{key}.invalid_penalty",
+        f"{who}must be a finite number >= 0, got {env.invalid_penalty}",
+    )
     errors.need(env.memory_k >= 0, f"{key}.memory_k", f"{who}must be >= 0, got {env.memory_k}")
     errors.need(env.step_timeout_s > 0, f"{key}.step_timeout_s", f"{who}must be > 0, got {env.step_timeout_s}")
     errors.need(

@@ -72,6 +72,7 @@ class EnvironmentConfig:
     max_turns: int = 8  # model turns per episode
     max_tokens_per_turn: int = 64  # new tokens of one model turn (the episode's budget: the domain's max_new_tokens)
     max_invalid_calls: int = 3  # consecutive invalid turns (bad tool calls, invalid actions) that end the episode
+    invalid_penalty: float = 0.0  # subtracted from the episode's return per invalid turn
     trajectory: Literal["conversation", "stepwise"] = "conversation"
     memory_k: int = 2  # stepwise: the previous steps each step's prompt shows
     template_policy: Literal["keep", "split"] = "keep"  # a chat template that is not append-only (Qwen3)

@@ -38,6 +38,7 @@ from mcore_rl.data.files import BadLines, DataError
 from mcore_rl.data.prompts import (
     HELD_OUT_SEED_OFFSET,
     VALIDATION_SEED_OFFSET,
+    ExampleSource,
     PromptSets,
     PromptSource,
     read_prompt_file,
@@ -191,16 +192,19 @@ def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
 # ------------------------------------------------------------------------------------ pools
 
 
-def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
+def task_examples(d: Any, n: int, seed: int, environment_examples: ExampleSource | None = None) -> list[tuple]:
     """(prompt, label) pairs of a task or reasoning-gym domain (the RL label: a task's
     `rl_examples` when it has them, e.g. reasoning-gym's whole entry for its scorer)."""
     from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
     if kind == "environment":
-        from mcore_rl.envs import env_prompts  # the environments import `data`: a cycle at module level
-
-        return env_prompts(value, **d.environment.options).examples(n, seed)
+        if environment_examples is None:
+            raise DataError(
+                f"domain {d.name!r}: the prompts of environment {value!r} come from the environment; "
+                "build the prompt sets with its examples (mcore_rl.agent.groups.environment_examples)"
+            )
+        return environment_examples(d, n, seed)
     task = (
         get_task("reasoning_gym", dataset=value, **d.options)
         if kind == "reasoning_gym"
@@ -265,7 +269,12 @@ class DomainPools:
 
 
 def domain_pools(
-    cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offset: int, validation_offset: int
+    cfg: Any,
+    i: int,
+    files: dict[str, list[tuple]],
+    held_out_offset: int,
+    validation_offset: int,
+    environment_examples: ExampleSource | None = None,
 ) -> DomainPools:
     """The training, held-out and validation pools of domain i, the held-out texts removed from the
     other two (so evaluation never measures a prompt the run trained on)."""
@@ -284,9 +293,11 @@ def domain_pools(
         validation = train
     else:
         own = seed + i * DOMAIN_SEED_STRIDE
-        train = task_examples(d, d.num_prompts, own)
-        held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed)
-        validation = task_examples(d, max(64, cfg.algorithm.mismatch.mipu_validation_prompts), own + validation_offset)
+        examples = environment_examples
+        train = task_examples(d, d.num_prompts, own, examples)
+        held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed, examples)
+        n_val = max(64, cfg.algorithm.mismatch.mipu_validation_prompts)
+        validation = task_examples(d, n_val, own + validation_offset, examples)
     held = held[:n_eval]
     if domain_source(d)[0] == "environment":
         return environment_pools(d, train, held, validation)
@@ -594,7 +605,7 @@ class MixtureSource:
 # ------------------------------------------------------------------------------------ the run's sets
 
 
-def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
+def build_domain_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
     """The training and validation streams (mixtures over the domains) and the held-out set (every
     domain's, in domain order) of a multi-domain `RLConfig`."""
     d, seed = cfg.data, cfg.train.seed
@@ -602,7 +613,7 @@ def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     files = read_domain_files(cfg)
     train, val, eval_prompts = {}, {}, []
     for i, dom in enumerate(d.domains):
-        pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET)
+        pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET, environment_examples)
         render = renderer(dom, tokenizer)
         src = PromptSource(pools.train, tokenizer, seed + i * DOMAIN_SEED_STRIDE, d.add_bos, dom.name, render)
         longest_prompt_check(

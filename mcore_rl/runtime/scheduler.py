@@ -375,7 +375,7 @@ class RolloutScheduler:
                     stale = []
                 if not stale:
                     self.buffer = self.buffer[self.cfg.batch_groups :]
-                    self.ledger.trained += len(groups)
+                    self.ledger.count_trained(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
                     metrics["async/kept_stale"] = float(kept_stale)
                     await self._notify()
