@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(url, model dir) of a `mcore-rl serve` process serving the trained tool model."""
+    """(url, model dir, process) of a `mcore-rl serve` process serving the trained tool model."""
     model_dir = save_tool_model(str(tmp_path_factory.mktemp("tool_model")))
     port = _free_port()
     proc = subprocess.Popen(
@@ -57,7 +57,7 @@ def served(tmp_path_factory):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"mcore-rl serve did not come up (exit code {proc.poll()})") from None
                 time.sleep(0.2)
-        yield url, model_dir
+        yield url, model_dir, proc
     finally:
         proc.terminate()
         proc.wait(30)
@@ -65,7 +65,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy(served):
-    url, model_dir = served
+    url, model_dir, _ = served
     pool = HTTPEnginePool([url], timeout=120)
     tok = load_tokenizer(model_dir)
     px = EpisodeProxy(pool, tok, tool_format="hermes", context_length=CONTEXT, vocab_size=tok.vocab_size)
@@ -80,7 +80,7 @@ def client(base_url: str):
 
 
 def test_served_chat_completions_return_tool_calls_to_the_openai_client(served):
-    url, _ = served
+    url, _, _ = served
     c = client(url + "/v1")
     first = c.chat.completions.create(
         model="tiny-tools", messages=[{"role": "user", "content": QUESTION}], tools=[ADD_TOOL], temperature=0
@@ -162,7 +162,7 @@ def test_tool_choice_required_and_named_open_the_call_in_the_prompt():
 
 
 def test_an_unmodified_agent_through_the_proxy_is_recorded_token_by_token(served, proxy):
-    url, model_dir = served
+    url, model_dir, _ = served
     tok = load_tokenizer(model_dir)
     base = proxy.open("ep-1")
     answer, messages = agent(client(base), "whatever-the-agent-names")
@@ -243,3 +243,21 @@ def test_tool_call_parser_flag_takes_sglang_and_our_names():
     assert parse_server_args([]).tool_call_parser is None  # the model family's format
     with pytest.raises(LaunchFlagError, match="--tool-call-parser pythonic: unknown tool-call format 'pythonic'"):
         parse_server_args(["--tool-call-parser", "pythonic"])
+
+
+def test_an_engine_that_stops_answering_costs_the_call_not_the_proxy(served):
+    import signal
+
+    url, model_dir, proc = served
+    tok = load_tokenizer(model_dir)
+    pool = HTTPEnginePool([url], timeout=3)
+    with EpisodeProxy(pool, tok, tool_format="hermes", context_length=CONTEXT, vocab_size=tok.vocab_size) as px:
+        c = client(px.open("ep-stall"))
+        os.kill(proc.pid, signal.SIGSTOP)  # a real stall: the engine process stops answering
+        try:
+            with pytest.raises(openai.InternalServerError, match="engine: "):
+                c.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert px.engine_errors == 1 and px.end("ep-stall").completions == []
+    pool.close()

@@ -125,8 +125,8 @@ def engine_sampling(params: SamplingParams) -> dict[str, Any]:
 
 class EpisodeProxy:
     """The proxy server (aiohttp, own thread and event loop): `start()` -> its URL, `open(id)` -> an
-    episode's base URL, `end(id)` -> its `EpisodeRecord`. `refused_after_end` and `unknown_episode`
-    count the calls it turned away."""
+    episode's base URL, `end(id)` -> its `EpisodeRecord`. `refused_after_end`, `unknown_episode` and
+    `engine_errors` count the calls it turned away or could not serve."""
 
     def __init__(
         self,
@@ -145,6 +145,7 @@ class EpisodeProxy:
         self.host, self.port, self.url = host, port, ""
         self.refused_after_end = 0
         self.unknown_episode = 0
+        self.engine_errors = 0  # calls the engines failed (answered 502, not recorded)
         self._episodes: dict[str, EpisodeRecord] = {}
         self._ended: dict[str, EpisodeRecord] = {}
         self._lock = threading.Lock()
@@ -261,7 +262,11 @@ class EpisodeProxy:
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             # "as long as the context allows"; an explicit limit must leave a position free (SGLang's check)
             sampling["max_new_tokens"] = self.context_length - len(req.input_ids) - 1
-        gen = await self._generate(GenRequest(list(req.input_ids), sampling))
+        try:
+            gen = await self._generate(GenRequest(list(req.input_ids), sampling))
+        except Exception as err:  # the engine refused or failed this call: it costs the call, not the proxy
+            self.engine_errors += 1
+            return _error(502, f"engine: {type(err).__name__}: {err}", "engine_error")
         versions = gen.output_versions or [gen.weight_version] * len(gen.output_ids)
         completion = Completion(
             list(req.input_ids), list(gen.output_ids), list(gen.output_logprobs), versions, gen.finish_reason, gen.text
