@@ -101,11 +101,21 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "mcore_rl.parallel",
         "mcore_rl.convert",
     ),
+    # multi-turn episodes: after the engines' side, before the learner
+    "agent": (
+        "megatron",
+        "mcore_rl.models",
+        "mcore_rl.parallel",
+        "mcore_rl.train",
+        "mcore_rl.runtime",
+        "mcore_rl.convert",
+    ),
 }
-# `envs` sits below `data` and `rewards` in the data flow: none of the packages above it imports it,
-# except `data` lazily, where a domain that names an environment draws that environment's prompts
-# (`env_prompts`), as config validation reads the registries' names
-for _package in ("algos", "hf", "rewards", "models", "parallel", "observe"):
+# the packages above `agent` in the data flow never import it
+for _package in ("algos", "hf", "rollout", "rewards", "models", "parallel", "data", "observe", "config"):
+    FORBIDDEN[_package] = FORBIDDEN[_package] + ("mcore_rl.agent",)
+# `envs` sits below `data` and `rewards` in the data flow: none of the packages above it imports it
+for _package in ("algos", "hf", "rewards", "data", "models", "parallel", "observe"):
     FORBIDDEN[_package] = FORBIDDEN[_package] + ("mcore_rl.envs",)
 # analyses of finished runs (`mcore-rl diagnose`) sit below everything: only the command imports them
 for _package in list(FORBIDDEN) + ["runtime", "convert"]:

@@ -15,6 +15,7 @@ import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from mcore_rl.config.rl_environment import check_environment
 from mcore_rl.config.rules import Errors, check_stage_starts, need_registered
 
 if TYPE_CHECKING:
@@ -68,11 +69,17 @@ def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> No
         f"{dom.name!r} must be a non-empty name of letters, digits, '_', '.', '-' (it becomes a metric key)",
     )
     sources = [k for k in ("path", "task", "reasoning_gym") if getattr(dom, k) is not None]
-    if not errors.need(
+    if dom.environment is not None:  # a multi-turn domain: the environment's own prompts
+        errors.need(not sources, key, f"{who}an environment domain draws its environment's prompts; drop {sources}")
+        errors.need(not dom.options, f"{key}.options", f"{who}an environment's options go in environment.options")
+        check_environment(cfg, i, dom, errors)
+        task = None
+    elif not errors.need(
         len(sources) == 1, key, f"{who}needs exactly one source (path, task or reasoning_gym), got {sources or 'none'}"
     ):
         return
-    task = check_source(i, dom, errors)
+    else:
+        task = check_source(i, dom, errors)
     errors.need(dom.num_prompts >= 1, f"{key}.num_prompts", f"{who}must be >= 1, got {dom.num_prompts}")
     errors.need(
         math.isfinite(dom.weight) and dom.weight >= 0,

@@ -63,6 +63,26 @@ class DomainEvalConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """A domain's interactive environment (`mcore_rl.envs`, run by `mcore_rl.agent`): each prompt of
+    the domain starts a group of episodes from one seeded state; the episode's return is the reward."""
+
+    name: str = ""  # a registered environment (mcore_rl.envs: make_env); its prompts are the domain's
+    options: dict[str, Any] = field(default_factory=dict)  # the environment's options (its options dataclass)
+    tool_format: str = "none"  # "none" (plain text turns) or a tool-call format of the model's family ("hermes", ...)
+    max_turns: int = 8  # model turns per episode
+    max_tokens_per_turn: int = 64  # new tokens of one model turn (the episode's budget: the domain's max_new_tokens)
+    max_invalid_calls: int = 3  # consecutive invalid turns (bad tool calls, invalid actions) that end the episode
+    invalid_penalty: float = 0.0  # subtracted from the episode's return per invalid turn
+    trajectory: Literal["conversation", "stepwise"] = "conversation"
+    memory_k: int = 2  # stepwise: the previous steps each step's prompt shows
+    template_policy: Literal["keep", "split"] = "keep"  # a chat template that is not append-only (Qwen3)
+    step_timeout_s: float = 30.0  # one reset / step / close of the environment (then the episode is lost)
+    max_observation_chars: int = 8192  # one step's messages together, cut from truncate_side
+    truncate_side: Literal["left", "right", "middle"] = "right"
+
+
+@dataclass
 class DomainConfig:
     """One dataset of a multi-domain run: a source (exactly one of path, task, reasoning_gym), how
     its prompts are rendered, how they are scored and sampled, and its share of the mixture."""
@@ -85,6 +105,8 @@ class DomainConfig:
     group_size: int | None = None  # None = rollout.group_size
     weight: float = 1.0  # mixture weight (normalised over the domains)
     eval: DomainEvalConfig = field(default_factory=DomainEvalConfig)
+    # multi-turn: the domain's prompts start episodes of this environment (its own prompts: no other source)
+    environment: EnvironmentConfig | None = None
 
 
 @dataclass

@@ -38,6 +38,7 @@ from mcore_rl.data.files import BadLines, DataError
 from mcore_rl.data.prompts import (
     HELD_OUT_SEED_OFFSET,
     VALIDATION_SEED_OFFSET,
+    ExampleSource,
     PromptSets,
     PromptSource,
     read_prompt_file,
@@ -76,11 +77,15 @@ class DomainSpec:
 
 
 def domain_source(d: Any) -> tuple[str, str]:
-    """("path" | "task" | "reasoning_gym", value) of a `DomainConfig` (the first one set)."""
+    """("path" | "task" | "reasoning_gym" | "environment", value) of a `DomainConfig` (the first one
+    set; an environment's name when the domain has no other source: its prompts are the environment's)."""
     for kind in ("path", "task", "reasoning_gym"):
         value = getattr(d, kind)
         if value is not None:
             return kind, value
+    env = getattr(d, "environment", None)
+    if env is not None:
+        return "environment", env.name
     return "", ""
 
 
@@ -187,12 +192,19 @@ def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
 # ------------------------------------------------------------------------------------ pools
 
 
-def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
+def task_examples(d: Any, n: int, seed: int, environment_examples: ExampleSource | None = None) -> list[tuple]:
     """(prompt, label) pairs of a task or reasoning-gym domain (the RL label: a task's
     `rl_examples` when it has them, e.g. reasoning-gym's whole entry for its scorer)."""
     from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
+    if kind == "environment":
+        if environment_examples is None:
+            raise DataError(
+                f"domain {d.name!r}: the prompts of environment {value!r} come from the environment; "
+                "build the prompt sets with its examples (mcore_rl.agent.groups.environment_examples)"
+            )
+        return environment_examples(d, n, seed)
     task = (
         get_task("reasoning_gym", dataset=value, **d.options)
         if kind == "reasoning_gym"
@@ -257,7 +269,12 @@ class DomainPools:
 
 
 def domain_pools(
-    cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offset: int, validation_offset: int
+    cfg: Any,
+    i: int,
+    files: dict[str, list[tuple]],
+    held_out_offset: int,
+    validation_offset: int,
+    environment_examples: ExampleSource | None = None,
 ) -> DomainPools:
     """The training, held-out and validation pools of domain i, the held-out texts removed from the
     other two (so evaluation never measures a prompt the run trained on)."""
@@ -276,16 +293,41 @@ def domain_pools(
         validation = train
     else:
         own = seed + i * DOMAIN_SEED_STRIDE
-        train = task_examples(d, d.num_prompts, own)
-        held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed)
-        validation = task_examples(d, max(64, cfg.algorithm.mismatch.mipu_validation_prompts), own + validation_offset)
+        examples = environment_examples
+        train = task_examples(d, d.num_prompts, own, examples)
+        held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed, examples)
+        n_val = max(64, cfg.algorithm.mismatch.mipu_validation_prompts)
+        validation = task_examples(d, n_val, own + validation_offset, examples)
     held = held[:n_eval]
+    if domain_source(d)[0] == "environment":
+        return environment_pools(d, train, held, validation)
     held_texts = {x[0] for x in held}
     train = [x for x in train if x[0] not in held_texts]
     validation = [x for x in validation if x[0] not in held_texts] or train
     if not train:
         raise DataError(f"{domain_key(i, d, 'eval')}: every training prompt is also in the evaluation set")
     return DomainPools(train, held, validation)
+
+
+def environment_pools(d: Any, train: list[tuple], held: list[tuple], validation: list[tuple]) -> DomainPools:
+    """An environment's pools: its prompts share one text (the state is in the label: a secret, a
+    seed), so the held-out (text, label) pairs leave the training pool; an environment whose states
+    are fewer than the held-out set (guess-the-number's 16 secrets) cannot hold any out, and says so."""
+    held_keys = {_state_key(x) for x in held}
+    kept = [x for x in train if _state_key(x) not in held_keys]
+    if not kept:
+        logger.warning(
+            "domain %r: the environment has no state outside the %d held-out prompts; "
+            "evaluation measures states the run also trains on",
+            d.name,
+            len(held),
+        )
+        return DomainPools(train, held, validation)
+    return DomainPools(kept, held, [x for x in validation if _state_key(x) not in held_keys] or kept)
+
+
+def _state_key(example: tuple) -> tuple[str, str]:
+    return example[0], repr(example[1])
 
 
 def renderer(d: Any, tokenizer: Any) -> Callable[[str], str] | None:
@@ -563,7 +605,7 @@ class MixtureSource:
 # ------------------------------------------------------------------------------------ the run's sets
 
 
-def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
+def build_domain_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
     """The training and validation streams (mixtures over the domains) and the held-out set (every
     domain's, in domain order) of a multi-domain `RLConfig`."""
     d, seed = cfg.data, cfg.train.seed
@@ -571,7 +613,7 @@ def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     files = read_domain_files(cfg)
     train, val, eval_prompts = {}, {}, []
     for i, dom in enumerate(d.domains):
-        pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET)
+        pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET, environment_examples)
         render = renderer(dom, tokenizer)
         src = PromptSource(pools.train, tokenizer, seed + i * DOMAIN_SEED_STRIDE, d.add_bos, dom.name, render)
         longest_prompt_check(

@@ -21,6 +21,9 @@ from mcore_rl.data.samples import Prompt
 
 logger = logging.getLogger(__name__)
 
+# (domain config, n, seed) -> n (prompt text, label) pairs of a domain `data` cannot draw itself
+ExampleSource = Callable[[Any, int, int], list[tuple]]
+
 HELD_OUT_SEED_OFFSET = 1_000_003  # evaluation problems are drawn with seed + this (SFT and RL)
 VALIDATION_SEED_OFFSET = 2_000_003  # MIPU validation prompts: i.i.d., neither training nor eval
 
@@ -163,12 +166,13 @@ def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
     }
 
 
-def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
-    """The training stream, validation stream and held-out set an `RLConfig` describes."""
+def build_prompt_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
+    """The training stream, validation stream and held-out set an `RLConfig` describes
+    (`environment_examples`: the prompts of environment domains, which `data` cannot import)."""
     if cfg.data.domains:
         from mcore_rl.data.domains import build_domain_sets
 
-        return build_domain_sets(cfg, tokenizer)
+        return build_domain_sets(cfg, tokenizer, environment_examples)
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
     domain = d.synthetic_task if d.path is None else d.path
     files = read_prompt_files(cfg)

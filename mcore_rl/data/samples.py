@@ -79,6 +79,11 @@ class Sample:
     # which model generated it: "policy" (the engines of the trained weights) or "explorer" (S2L-PO's
     # frozen smaller model, `rollout.explorer`: μ is then that model's log-probs, off-policy for π)
     source: str = "policy"
+    # multi-turn episodes (`mcore_rl.agent`): per response token, 1 where the learner trains (the
+    # model's own tokens), 0 on tokens the environment, the tools or the template wrote; None = all 1
+    trainable: list[int] | None = None
+    episode: int | None = None  # which of its group's episodes it comes from (None: not an episode)
+    step_index: int | None = None  # its position in the episode (a step-wise sample's step, a split's segment)
 
     @property
     def prompt_ids(self) -> list[int]:

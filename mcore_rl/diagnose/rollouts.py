@@ -121,11 +121,12 @@ def load_policy(args: argparse.Namespace) -> Policy:
 
 
 def take_prompts(policy: Policy, n: int, split: str) -> list[Prompt]:
+    from mcore_rl.agent.groups import environment_examples
     from mcore_rl.data.prompts import build_prompt_sets
 
     if n < 1:
         raise ValueError(f"--prompts must be >= 1, got {n}")
-    sets = build_prompt_sets(policy.cfg, policy.tokenizer)
+    sets = build_prompt_sets(policy.cfg, policy.tokenizer, environment_examples)
     return sets.eval_prompts[:n] if split == "eval" else sets.train.take(n)
 
 

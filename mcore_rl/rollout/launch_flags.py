@@ -14,7 +14,9 @@ Flags fall in these groups:
   weights; see `mcore_rl/rollout/engine/kv_cache.py`), `--enable-return-routed-experts` (requests may then ask for
   `return_routed_experts`: MoE routing replay), `--api-key` and `--admin-api-key` (SGLang's bearer-token checks, see
   `mcore_rl/rollout/server.py`), `--incremental-streaming-output` (old name `--stream-output`:
-  streamed `/generate` chunks carry only the new `output_ids` and text);
+  streamed `/generate` chunks carry only the new `output_ids` and text), `--tool-call-parser`
+  (`qwen25` / `llama3`, or our names `hermes` / `llama3_json`: how chat replies with `tools` are read;
+  default: the model family's format, `mcore_rl/data/tool_calls.py`);
 - **our own**: `--logprobs-mode raw|processed` (what `output_token_logprobs` are: the raw
   full-vocabulary log-probs, or those of the processed distribution each token was drawn from —
   after temperature and the top-k/top-p/min-p mask, renormalised; see `rollout/engine/core.py`;
@@ -58,6 +60,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_rl.data.tool_calls import tool_call_format
 from mcore_rl.rollout import sglang_flags
 
 DTYPES = {
@@ -130,6 +133,8 @@ class ServerArgs:
     sampling_mask_max_tokens: int = 16384
     # streamed /generate chunks carry only what is new (SGLang's --incremental-streaming-output)
     incremental_streaming_output: bool = False
+    # how chat replies with `tools` are parsed (SGLang's name, or ours); None = the model family's format
+    tool_call_parser: str | None = None
     # SGLang flags accepted and ignored (sglang_flags.IGNORED): flag -> its values as given
     ignored_flags: dict[str, list[str]] = field(default_factory=dict)
 
@@ -262,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-total-tokens", type=int, help="the KV cache pool's size in tokens")
     p.add_argument(
+        "--tool-call-parser",
+        help="the tool-call format of chat replies with tools: qwen25 (= hermes) or llama3 (= llama3_json); "
+        "default: the model family's (see mcore_rl/data/tool_calls.py)",
+    )
+    p.add_argument(
         "--mem-fraction-static",
         type=float,
         help="without --max-total-tokens: the pool is this fraction of the device's memory (CPU: RAM or "
@@ -356,6 +366,11 @@ def _check(a: ServerArgs) -> None:
         raise LaunchFlagError(f"--context-length {a.context_length}: must be >= 2")
     if a.sampling_mask_max_tokens < 1:
         raise LaunchFlagError(f"--sampling-mask-max-tokens {a.sampling_mask_max_tokens}: must be >= 1")
+    if a.tool_call_parser is not None:
+        try:
+            tool_call_format(a.tool_call_parser)
+        except ValueError as err:
+            raise LaunchFlagError(f"--tool-call-parser {a.tool_call_parser}: {err}") from None
     if a.max_running_requests is not None and a.max_running_requests < 1:
         raise LaunchFlagError(f"--max-running-requests {a.max_running_requests}: must be >= 1")
     for flag, key in (("--api-key", a.api_key), ("--admin-api-key", a.admin_api_key)):

@@ -12,11 +12,23 @@ SGLang does); otherwise (the bundled byte tokenizer) the ChatML layout
 `continue_final_message`, the last assistant message left open), and `<|im_end|>` as an extra
 stop token. `input_ids` replaces the templated prompt, as in SGLang.
 
+Tools, as SGLang serves them with a `--tool-call-parser`: `tools` go to the chat template
+(`apply_chat_template(tools=...)`; the ChatML fallback lists them in the system message), earlier
+assistant `tool_calls` are handed to the template with their arguments as objects, and the reply is
+parsed in the model family's format (`data/tool_calls.py`): the calls come back as the message's
+`tool_calls` with `finish_reason` "tool_calls", the prose before them as its content. `tool_choice`
+"none" neither renders nor parses tools; "required" and a named function are enforced by writing
+the opening of a call (`<tool_call>\n` or `<tool_call>\n{"name": "f", "arguments": ` in the hermes
+format) at the start of the reply as part of the prompt: the engine has no grammar, so the
+arguments themselves are not constrained to the schema, and a reply whose call does not parse comes
+back as plain content. A streamed reply with tools is sent whole when it finishes (one content and
+tool-call delta), not token by token.
+
 Every field SGLang's `CompletionRequest` / `ChatCompletionRequest` define is accepted when its
 value is one the engine honours: routing and cache hints with any value; the reasoning-parser
 switches (`separate_reasoning`, `stream_reasoning`), which change nothing without a reasoning
-parser, as in SGLang; features the engine lacks (tools, LoRA, hidden states, grammars) only at
-their default. Other names are refused. Length checks are SGLang's (`protocol.check_lengths`): an
+parser, as in SGLang; features the engine lacks (legacy `functions`, LoRA, hidden states, grammars)
+only at their default. Other names are refused. Length checks are SGLang's (`protocol.check_lengths`): an
 explicit `max_tokens` (completions always have one, default 16) must fit beside the prompt; a chat
 `max_tokens` / `max_completion_tokens` above the context length is refused first, with SGLang's
 "max_completion_tokens is too large" message. The penalties, `logit_bias` and `stop_regex` are
@@ -25,11 +37,20 @@ SGLang's sampling parameters (`rollout/engine/sampling.py`).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_rl.data.tool_calls import (
+    ParsedTurn,
+    ToolCall,
+    openai_tool_calls,
+    parse_tool_calls,
+    render_tool_calls,
+    tool_calls_from_openai,
+)
 from mcore_rl.rollout.engine.core import Request, RequestOutput
 from mcore_rl.rollout.protocol import RequestError, check_fields, check_lengths, sampling_params_from_json, show
 
@@ -96,6 +117,7 @@ _CHAT_FIELDS = _COMMON | {
     "messages",
     "top_logprobs",
     "max_completion_tokens",
+    "tools",
     "tool_choice",
     "parallel_tool_calls",
     "input_ids",
@@ -107,7 +129,6 @@ _CHAT_FIELDS = _COMMON | {
     "task",
 }
 _CHAT_UNSUPPORTED = _UNSUPPORTED | {
-    "tools": None,
     "functions": None,
     "function_call": None,
     "audio": None,
@@ -125,6 +146,26 @@ _TASKS = ("action", "query", "authority", "domain", "title", "read_url")
 
 
 @dataclass
+class ChatTools:
+    """The tools of a chat request that uses them: what the template is given, how the reply is read."""
+
+    tools: list[dict[str, Any]]  # the request's `tools`, as the template takes them
+    fmt: str  # the tool-call format the reply is parsed in (`data/tool_calls.py`)
+    required: bool = False  # tool_choice "required" or a named function
+    function: str | None = None  # tool_choice names this function
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+    prefix: str = ""  # the opening of a call written at the start of the reply (required / named)
+
+    def parse(self, text: str) -> ParsedTurn:
+        turn = parse_tool_calls(self.prefix + text, self.fmt)
+        if not self.parallel:
+            turn.calls = turn.calls[:1]
+        for call in turn.calls:  # ids unique across a conversation, as SGLang's "call_<hex>"
+            call.id = f"call_{uuid.uuid4().hex[:24]}"
+        return turn
+
+
+@dataclass
 class OpenAIInput:
     """A parsed OpenAI request: `n` engine requests per prompt, prompt by prompt."""
 
@@ -137,6 +178,7 @@ class OpenAIInput:
     logprobs: int | None  # top-k per position when log-probs are asked for, else None
     model: str | None = None  # as the request named it
     echo_texts: list[str] | None = None
+    tools: ChatTools | None = None  # chat with tools in use (see the module docstring)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -171,21 +213,30 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, context_length: i
     return inp
 
 
-def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) -> OpenAIInput:
+def parse_chat(
+    body: Any, *, tokenizer, vocab_size: int, context_length: int, tool_format: str | None = None
+) -> OpenAIInput:
+    """`tool_format`: the server's tool-call parser (None: a request with tools is refused)."""
     _object(body)
     check_fields(body, _CHAT_FIELDS, _IGNORED, _CHAT_UNSUPPORTED)
-    if body.get("tool_choice") not in (None, "none", "auto"):  # without tools "auto" is "none"
-        raise RequestError("tool_choice: tools are not supported by the embedded engine (only 'none' or 'auto')")
-    for key in ("parallel_tool_calls", "separate_reasoning", "stream_reasoning"):
-        _bool(body, key, True)  # no tools and no reasoning parser: nothing for them to change
+    for key in ("separate_reasoning", "stream_reasoning"):
+        _bool(body, key, True)  # no reasoning parser: nothing for them to change
     if body.get("task") not in (None, *_TASKS):
         raise RequestError(f"task: expected one of {', '.join(_TASKS)} or null, got {show(body['task'])}")
+    tools = chat_tools(body, tool_format)
+    continue_final = _bool(body, "continue_final_message", False)
+    if tools is not None and tools.prefix and continue_final:
+        raise RequestError("tool_choice: a required or named tool call cannot continue the final message")
     prompt = chat_prompt(
         body.get("messages"),
         tokenizer,
-        continue_final=_bool(body, "continue_final_message", False),
+        continue_final=continue_final,
         template_kwargs=chat_template_kwargs(body),
+        tools=tools,
+        tool_format=tool_format,
     )
+    if tools is not None:
+        prompt += tools.prefix
     ids = body.get("input_ids")
     if ids is None:
         ids = tokenizer.encode(prompt)
@@ -207,7 +258,9 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
         )
     end = getattr(tokenizer, "token_to_id", None)
     extra_stop = [end("<|im_end|>")] if end is not None and not hasattr(tokenizer, "apply_chat_template") else []
-    return _build(
+    if tools is not None and body.get("skip_special_tokens") is None:
+        body = {**body, "skip_special_tokens": False}  # as SGLang: a call may open with a special token
+    inp = _build(
         body,
         [ids],
         max_tokens,
@@ -220,6 +273,56 @@ def parse_chat(body: Any, *, tokenizer, vocab_size: int, context_length: int) ->
         context_length=context_length,
         extra_stop=extra_stop,
     )
+    inp.tools = tools
+    return inp
+
+
+def chat_tools(body: dict, tool_format: str | None) -> ChatTools | None:
+    """The request's `tools` / `tool_choice` / `parallel_tool_calls`, checked; None when no tools are
+    in use (none given, or tool_choice "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = _bool(body, "parallel_tool_calls", True)
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):  # without tools "auto" is "none"
+            raise RequestError(f"tool_choice: {show(choice)} needs tools; none were given")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools: expected a list of {type: function, function: {name, parameters}} objects")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(f"tools[{i}]: expected {{type: function, function: {{name, parameters}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}].function.name: expected a non-empty string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters: expected a JSON schema object")
+        names.append(fn["name"])
+    function = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError('tool_choice: expected "none", "auto", "required" or {type: function, function: {name}}')
+        function = fn["name"]
+        if function not in names:
+            raise RequestError(f"tool_choice.function.name: {function!r} is not among the tools ({', '.join(names)})")
+    elif choice not in (None, "none", "auto", "required"):
+        raise RequestError(f'tool_choice: expected "none", "auto", "required" or a named function, got {show(choice)}')
+    if choice == "none":
+        return None
+    if tool_format is None:
+        raise RequestError(
+            "tools: this server has no tool-call parser for its model; start it with --tool-call-parser "
+            "(hermes / qwen25 or llama3_json / llama3)"
+        )
+    offered = [t for t in tools if function is None or t["function"]["name"] == function]
+    required = choice == "required" or function is not None
+    prefix = ""
+    if required:
+        opening = render_tool_calls("", [ToolCall(function or "\x00", {})], tool_format)
+        # the text of a call up to its name (required) or up to its arguments (named function)
+        prefix = opening[: opening.index("\x00")] if function is None else opening[: opening.index("{}")]
+    return ChatTools(offered, tool_format, required, function, parallel, prefix)
 
 
 def chat_template_kwargs(body: dict) -> dict:
@@ -254,8 +357,16 @@ def chat_template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template_kwargs: dict | None = None) -> str:
-    """The prompt text for a chat request (see the module docstring)."""
+def chat_prompt(
+    messages: Any,
+    tokenizer,
+    continue_final: bool = False,
+    template_kwargs: dict | None = None,
+    tools: ChatTools | None = None,
+    tool_format: str | None = None,
+) -> str:
+    """The prompt text for a chat request (see the module docstring). `tool_format` renders earlier
+    tool calls in the ChatML fallback (default: hermes)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty list of {role, content} objects")
     clean = []
@@ -276,7 +387,19 @@ def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template
             content = ""
         elif not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: expected a string or a list of text parts")
-        clean.append({"role": m["role"], "content": content})
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            try:
+                calls = tool_calls_from_openai(m["tool_calls"], f"messages[{i}].tool_calls")
+            except ValueError as err:
+                raise RequestError(str(err)) from None
+            msg["tool_calls"] = [  # templates take the arguments as an object (`| tojson`)
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        clean.append(msg)
     if continue_final and clean[-1]["role"] != "assistant":
         raise RequestError("continue_final_message: the last message must be an assistant message to continue")
     template = getattr(tokenizer, "apply_chat_template", None)
@@ -284,14 +407,34 @@ def chat_prompt(messages: Any, tokenizer, continue_final: bool = False, template
         extra = dict(template_kwargs or {})
         if continue_final:
             extra["continue_final_message"] = True
+        if tools is not None:
+            extra["tools"] = tools.tools
         try:
             return template(clean, add_generation_prompt=not continue_final, tokenize=False, **extra)
         except ValueError:  # an HF tokenizer without a chat template: fall back to ChatML
             pass
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in clean)
+    text = "".join(f"<|im_start|>{m['role']}\n{chatml_content(m, tool_format)}<|im_end|>\n" for m in clean)
+    if tools is not None:
+        text = chatml_tools(tools) + text
     if continue_final:  # leave the last (assistant) message open
         return text[: -len("<|im_end|>\n")]
     return text + "<|im_start|>assistant\n"
+
+
+def chatml_content(message: dict[str, Any], tool_format: str | None) -> str:
+    """A message's text in the ChatML fallback: an assistant's tool calls written in the format."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message["content"]
+    parsed = [ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]
+    return render_tool_calls(message["content"], parsed, tool_format or "hermes")
+
+
+def chatml_tools(tools: ChatTools) -> str:
+    """The ChatML fallback's system message offering the tools: one JSON object a line, as Qwen2.5's
+    template lists them (a model without a chat template has no trained tool prompt to match)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.tools)
+    return f"<|im_start|>system\n<tools>\n{lines}\n</tools><|im_end|>\n"
 
 
 def _build(
@@ -442,10 +585,11 @@ def chat_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, to
         lp = None
         if inp.logprobs is not None:
             lp = {"content": chat_logprobs(out.output_token_logprobs, out.output_top_logprobs, tokenizer, inp.logprobs)}
+        message, reason = chat_message(inp, out.text or "", reason)
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": out.text or ""},
+                "message": message,
                 "logprobs": lp,
                 "finish_reason": reason,
                 "matched_stop": matched,
@@ -459,6 +603,18 @@ def chat_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, to
         "choices": choices,
         "usage": usage(inp, outs),
     }
+
+
+def chat_message(inp: OpenAIInput, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of one choice and its finish reason: with tools in use, the calls the
+    reply holds as `tool_calls` ("tool_calls" when the engine stopped on its own), as SGLang does."""
+    if inp.tools is None:
+        return {"role": "assistant", "content": text}, reason
+    turn = inp.tools.parse(text)
+    if not turn.calls:  # no call, or none that parsed: the reply as it came
+        return {"role": "assistant", "content": inp.tools.prefix + text}, reason
+    message = {"role": "assistant", "content": turn.content or None, "tool_calls": openai_tool_calls(turn.calls)}
+    return message, "tool_calls" if reason == "stop" else reason
 
 
 def completion_logprobs(pairs, tops, tokenizer, k: int) -> dict:
@@ -496,7 +652,9 @@ class StreamState:
 
     def chunk(self, out: RequestOutput, *, model: str, tokenizer) -> dict | None:
         text = out.text or ""
-        if not out.finished:
+        if self.inp.chat and self.inp.tools is not None and not out.finished:
+            text = ""  # a reply with tools is parsed whole: sent when it finishes
+        elif not out.finished:
             text = text.rstrip("\ufffd")
             text = text[: max(len(self.sent_text), len(text) - self.holdback)]
         delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
@@ -511,7 +669,12 @@ class StreamState:
         if self.inp.chat:
             if self.inp.logprobs is not None:
                 lp = {"content": chat_logprobs(new_pairs, new_tops, tokenizer, self.inp.logprobs)}
-            d = {"content": delta} if self.started else {"role": "assistant", "content": delta}
+            d: dict[str, Any] = {"content": delta} if self.started else {"role": "assistant", "content": delta}
+            if self.inp.tools is not None and out.finished:
+                message, reason = chat_message(self.inp, self.sent_text, reason)
+                d["content"] = message["content"]
+                if message.get("tool_calls"):
+                    d["tool_calls"] = [{"index": k} | c for k, c in enumerate(message["tool_calls"])]
             self.started = True
             choice = {"index": self.index, "delta": d, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
             return {

@@ -60,6 +60,7 @@ import torch
 from aiohttp import web
 
 import mcore_rl
+from mcore_rl.data.tool_calls import tool_call_format_for
 from mcore_rl.rollout.client import ADMIN_PATHS
 from mcore_rl.rollout import openai_api, weight_receiver
 from mcore_rl.rollout.engine.driver import PAUSE_MODES, EngineDead, EngineDriver, EngineNotReady, RequestStream
@@ -97,6 +98,8 @@ class EngineServer:
         self.tokenizer = self.core.tokenizer
         self.args = args or ServerArgs(model_path=self.core.model_path)
         self.weight_dirs = self.args.allowed_weight_dirs
+        # how chat replies are read for tool calls: --tool-call-parser, else the model family's format
+        self.tool_format = self.args.tool_call_parser or tool_call_format_for(self.core.hf_model_type or "")
         auth = auth_middleware(self.args.api_key, self.args.admin_api_key)
         self.app = web.Application(middlewares=[auth, _errors], client_max_size=MAX_BODY_BYTES)
         get, post = web.get, web.post
@@ -457,7 +460,8 @@ class EngineServer:
         return await self._openai(request, openai_api.parse_completion, openai_api.completion_response)
 
     async def v1_chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, openai_api.parse_chat, openai_api.chat_response)
+        parse = functools.partial(openai_api.parse_chat, tool_format=self.tool_format)
+        return await self._openai(request, parse, openai_api.chat_response)
 
     async def _openai(self, request: web.Request, parse, respond) -> web.StreamResponse:
         inp = parse(

@@ -39,6 +39,17 @@ class SampleLedger:
     restarted: int = 0  # requests aborted by a sync and started again from scratch
     resent_after_resume: int = 0  # in flight at the checkpoint, submitted again by the resumed run
     restored_buffered: int = 0  # finished groups in the checkpoint's buffer, trained by the resumed run
+    # multi-turn domains: the episodes of the trained groups, and the samples they became (one per
+    # episode, one per step, or one per segment of a split conversation)
+    episodes_trained: int = 0
+    episode_samples_trained: int = 0
+
+    def count_trained(self, groups: Sequence[Sequence[Any]]) -> None:
+        """`groups` (of `Sample`s) were handed to the learner."""
+        self.trained += len(groups)
+        episodic = [s for g in groups for s in g if s.episode is not None]
+        self.episodes_trained += len({(s.group, s.episode) for s in episodic})
+        self.episode_samples_trained += len(episodic)
 
     def finished(self) -> int:
         return self.trained + sum(self.filtered.values()) + self.dropped_stale + sum(self.failed.values())
@@ -69,6 +80,8 @@ class SampleLedger:
             "restarted_requests": self.restarted,
             "resent_after_resume": self.resent_after_resume,
             "restored_buffered": self.restored_buffered,
+            "episodes_trained": self.episodes_trained,
+            "episode_samples_trained": self.episode_samples_trained,
         }
 
     def write(self, path: str, pending: int, group_size: int) -> dict[str, Any]:
@@ -92,6 +105,8 @@ class SampleLedger:
             "restarted": self.restarted,
             "resent_after_resume": self.resent_after_resume,
             "restored_buffered": self.restored_buffered,
+            "episodes_trained": self.episodes_trained,
+            "episode_samples_trained": self.episode_samples_trained,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ trainer thread trains; the trainer calls it synchronously (`next_batch`, `step_d
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from mcore_rl.algos.dynamic_sampling import is_constant
@@ -64,8 +65,26 @@ class PoolBackend:
     async def generate(self, request: GenRequest) -> Generation:
         return await self.pool.agenerate(request)
 
+    def run_episodes(
+        self, prompt: Prompt, generate: Callable[[GenRequest], Awaitable[Generation]]
+    ) -> Awaitable[list[Sample]] | None:
+        """An environment prompt's group: its domain's episodes (`mcore_rl.agent`); None otherwise."""
+        episodes = self.manager.episodes
+        if episodes is None or not episodes.handles(prompt):
+            return None
+        r = self.cfg.rollout
+        samplings = [
+            self.manager.sampling_params(
+                r.temperature, sample_seed(self.cfg.train.seed, SALT_TRAIN, prompt.index, j), domain=prompt.domain
+            )
+            for j in range(self.group_size(prompt))
+        ]
+        return episodes.run_group(prompt, samplings, generate)
+
     async def score(self, samples: list[Sample]) -> None:
-        await self.rewards.score(samples)
+        plain = [s for s in samples if s.episode is None]  # an episode's reward is its environment's return
+        if plain:
+            await self.rewards.score(plain)
         self.prompts.observe([samples])  # per-prompt accuracy, for a stage's filter of solved prompts
         if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
             await self.teachers.ascore_engines(samples)

@@ -71,6 +71,7 @@ class RLRun:
     """All state of one `mcore-rl train` process (one rank)."""
 
     def __init__(self, cfg: RLConfig) -> None:
+        from mcore_rl.agent.groups import environment_examples
         from mcore_rl.data.prompts import build_prompt_sets
         from mcore_rl.train.policy import build_policy
 
@@ -81,7 +82,7 @@ class RLRun:
         self.chunks, self.optimizer = policy.chunks, policy.optimizer
         self.rank0 = _rank0()
         self.state = LoopState()
-        prompt_sets = build_prompt_sets(cfg, self.tokenizer)
+        prompt_sets = build_prompt_sets(cfg, self.tokenizer, environment_examples)
         self.prompts, self.val_prompts = prompt_sets.train, prompt_sets.validation
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: list | None = None
@@ -297,7 +298,7 @@ class RLRun:
             elif self.rank0:
                 groups, stats = self.manager.collect(self.state.rl_step)
                 self.ledger.drawn += stats.prompts_drawn
-                self.ledger.trained += len(groups)
+                self.ledger.count_trained(groups)
                 if stats.prompts_drawn > len(groups):
                     self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
                 msg = (

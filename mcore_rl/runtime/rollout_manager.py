@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mcore_rl.agent.episodes import episode_metrics
+from mcore_rl.agent.groups import EpisodeGroups
 from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
 from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
@@ -174,6 +176,7 @@ class RolloutStats:
     recipes: dict[str, float] = field(default_factory=dict)  # the recipes' `rollout_metrics`
     repair: dict[str, float] = field(default_factory=dict)  # the recipes' group repairs (rollout/repair/*)
     temperature: float = math.nan  # the sampling temperature of the batch (a stage's)
+    episodes: dict[str, float] = field(default_factory=dict)  # multi-turn domains: `episode/*`
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -186,6 +189,7 @@ class RolloutStats:
             **self.recipes,
             "rollout/temperature": self.temperature,
             **{f"rollout/repair/{k}": v for k, v in self.repair.items()},
+            **self.episodes,
         }
 
 
@@ -209,6 +213,8 @@ class RolloutManager:
         self.domains = rewards.specs
         self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
         self.repair_counts: dict[str, float] = {}
+        # the multi-turn domains: their prompts' groups are episodes of an environment (`mcore_rl.agent`)
+        self.episodes = EpisodeGroups.from_config(cfg, self.tokenizer) if cfg.data.domains else None
 
     def co_count(self, group_size: int) -> int:
         """How many of a training group's `group_size` samples the second source draws at this step."""
@@ -263,6 +269,8 @@ class RolloutManager:
 
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
+        if self.episodes is not None and any(self.episodes.handles(p) for p in prompts):
+            return self._generate_episodes(prompts, sizes, temperature, salt, train, on_done)
         routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
         # sampling-mask replay: every sampled request (training, and a validation batch whose μ the learner
         # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
@@ -332,6 +340,52 @@ class RolloutManager:
         ends = np.cumsum([0] + sizes)
         return [samples[ends[i] : ends[i + 1]] for i in range(len(prompts))]
 
+    def _generate_episodes(
+        self,
+        prompts: Sequence[Prompt],
+        sizes: list[int],
+        temperature: float,
+        salt: int,
+        train: bool,
+        on_done: Callable[[], None] | None,
+    ) -> list[list[Sample]]:
+        """`generate` for a batch with environment prompts: their groups are episodes (the runner
+        scores them with the environment's return), the other prompts' groups are generated as usual."""
+        import time
+
+        assert self.episodes is not None
+        mine = [i for i, p in enumerate(prompts) if self.episodes.handles(p)]
+        rest = [i for i in range(len(prompts)) if i not in set(mine)]
+        seed = self.cfg.train.seed
+        start = time.perf_counter()
+        episodic = self.episodes.run_sync(
+            [prompts[i] for i in mine],
+            [
+                [
+                    self.sampling_params(
+                        temperature, sample_seed(seed, salt, prompts[i].index, j), None, prompts[i].domain
+                    )
+                    for j in range(sizes[i])
+                ]
+                for i in mine
+            ],
+            self.engines.generate,
+            [self.budget(prompts[i]) if train else prompts[i].max_new_tokens for i in mine],
+        )
+        if on_done is not None:
+            for _ in range(sum(sizes[i] for i in mine)):
+                on_done()
+        seconds = time.perf_counter() - start
+        plain = self.generate([prompts[i] for i in rest], None, temperature, salt, train, on_done) if rest else []
+        self.last_generate_s = seconds + (self.last_generate_s if rest else 0.0)
+        self.last_reward_s = self.last_reward_s if rest else 0.0
+        out: list[list[Sample]] = [[] for _ in prompts]
+        for i, g in zip(mine, episodic):
+            out[i] = g
+        for i, g in zip(rest, plain):
+            out[i] = g
+        return out
+
     def _generate_mixed(
         self, reqs: list[GenRequest], explore: list[bool], on_done: Callable[[], None] | None = None
     ) -> list[Any]:
@@ -400,6 +454,7 @@ class RolloutManager:
             stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
             groups = self._finish(groups, stats)
             stats.recipes = self.recipe_metrics(groups)
+            stats.episodes = episode_metrics(groups)
             return groups, stats
         refill: GroupRefill[Sample] = GroupRefill(
             r.prompts_per_step, max_rounds=ds.max_rounds, max_oversample=ds.max_oversample, tol=ds.std_tolerance
@@ -420,6 +475,7 @@ class RolloutManager:
             batch = groups
         batch = self._finish(batch, stats)
         stats.recipes = self.recipe_metrics(batch)
+        stats.episodes = episode_metrics(batch)
         return batch, stats
 
     def _finish(self, groups: list[list[Sample]], stats: RolloutStats) -> list[list[Sample]]:

@@ -23,8 +23,9 @@ import logging
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
+from mcore_rl.agent.episodes import episode_metrics
 from mcore_rl.data.samples import Prompt, Sample, TeacherScores, compact_routing
 from mcore_rl.rollout.pool import Generation, GenRequest
 from mcore_rl.runtime.accounting import SampleLedger
@@ -59,6 +60,15 @@ class RolloutBackend(Protocol):
     def engines_need_weights(self) -> bool:
         """No engine serves, but some wait for the current weights (the trainer should re-sync)."""
         ...
+
+
+class EpisodeBackend(RolloutBackend, Protocol):
+    """A backend with multi-turn domains: `run_episodes(prompt, generate)` is the group of an
+    environment prompt (its episodes, each turn through `generate`), None for any other prompt."""
+
+    def run_episodes(
+        self, prompt: Prompt, generate: Callable[[GenRequest], Awaitable[Generation]]
+    ) -> Awaitable[list[Sample]] | None: ...
 
 
 @dataclass
@@ -217,10 +227,15 @@ class RolloutScheduler:
     async def _run_group(self, job: _Job) -> None:
         """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
         try:
-            parts = await asyncio.gather(
-                *(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt)))
-            )
-            group = [self._sample(job.prompt, p) for p in parts]
+            episodes = getattr(self.backend, "run_episodes", None)  # the seam of multi-turn domains
+            run = episodes(job.prompt, self._generate) if episodes is not None else None
+            if run is not None:
+                group = await run
+            else:
+                parts = await asyncio.gather(
+                    *(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt)))
+                )
+                group = [self._sample(job.prompt, p) for p in parts]
             for x in group:
                 x.info["regenerations"] = job.regenerations
             await self.backend.score(group)
@@ -360,7 +375,7 @@ class RolloutScheduler:
                     stale = []
                 if not stale:
                     self.buffer = self.buffer[self.cfg.batch_groups :]
-                    self.ledger.trained += len(groups)
+                    self.ledger.count_trained(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
                     metrics["async/kept_stale"] = float(kept_stale)
                     await self._notify()
@@ -431,6 +446,7 @@ class RolloutScheduler:
             out[f"async/failed/{_key(reason)}"] = float(n)
         for reason, n in w.filtered.items():
             out[f"async/filtered/{_key(reason)}"] = float(n)
+        out.update(episode_metrics(groups))  # multi-turn domains
         self._window = _Window(self._now())
         return out
 

@@ -36,6 +36,16 @@ shard (the target is always kept), sets the logits outside it to −inf, and the
 Σe^z·z all-reduces follow; masked entries get probability 0 and gradient 0 (the z·p products are
 taken with z zeroed there, so no −inf·0). Tokens without S (prompt positions, no mask) use the
 full vocabulary. Extra memory: one bool [chunk × vocab/TP] buffer and the flat ids.
+
+Only where they are needed: with `token_mask` (per token, whether its statistics are wanted; the
+micro-batch key `stats_mask`, which `train/packing.py` sets to the trainable response tokens) the
+hidden states of the other tokens — the prompt, and in a multi-turn episode the observations, tool
+results and template text between the model's turns — never enter the output projection: the kept
+rows are selected before the chunked statistics (forward and the backward recompute) and the
+results scattered back, 0 elsewhere. The values and gradients at the kept tokens are unchanged
+(tested against the full computation, also at TP=2); the output-layer work and its [chunk × vocab]
+buffers scale with the kept tokens instead of all of them. Every TP rank selects the same rows (the
+micro-batch is replicated over TP), so the all-reduces still pair up.
 """
 
 from __future__ import annotations
@@ -294,6 +304,7 @@ def vocab_parallel_topk_stats(
     mask_ids: torch.Tensor | None = None,
     mask_counts: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`vocab_parallel_token_stats` plus the log-probs of given ids per token: `topk_ids` [n, k]
     global ids (a teacher's top-k), returned as a differentiable [n, k] tensor ([n, 0] without ids).
@@ -309,7 +320,25 @@ def vocab_parallel_topk_stats(
     Each TP rank reads the logits of the ids inside its vocabulary shard (zero for the others), the
     log-sum-exp is the vocab-parallel one the target log-prob uses, and the [n, k] block travels in
     the same all-reduce as the per-token statistics: nothing vocabulary-sized leaves a rank.
+
+    `token_mask` [n] (bool): compute only these tokens' statistics (the others are 0 and get no
+    gradient); the same on every TP rank.
     """
+    if token_mask is not None:
+        return _kept_tokens_only(
+            hidden,
+            weight,
+            targets,
+            topk_ids,
+            token_mask,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            tp_group=tp_group,
+            mask_ids=mask_ids,
+            mask_counts=mask_counts,
+            vocab_size=vocab_size,
+        )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
@@ -346,6 +375,57 @@ def vocab_parallel_topk_stats(
         mask_ids,
         offsets,
         padded_columns_from(vocab_size, vocab_start, weight.shape[0]),
+    )
+
+
+def _kept_tokens_only(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    topk_ids: torch.Tensor | None,
+    token_mask: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+    tp_group: dist.ProcessGroup | None,
+    mask_ids: torch.Tensor | None,
+    mask_counts: torch.Tensor | None,
+    vocab_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`vocab_parallel_topk_stats` of the rows `token_mask` keeps, scattered back to all n rows."""
+    n = hidden.shape[0]
+    keep = token_mask.reshape(-1).to(device=hidden.device, dtype=torch.bool)
+    if keep.numel() != n:
+        raise ValueError(f"token_mask: {keep.numel()} entries for {n} tokens")
+    rows = keep.nonzero().squeeze(1)
+    if mask_counts is not None:  # the supports of the kept tokens, still flat and in order
+        counts = mask_counts.reshape(-1).long().to(hidden.device)
+        if mask_ids is not None and mask_ids.numel() == int(counts.sum()):
+            mask_ids = mask_ids[torch.repeat_interleave(keep, counts)]
+        mask_counts = counts[rows]
+    ids = None if topk_ids is None else topk_ids.reshape(n, -1)[rows]
+    logp, ent, topk = vocab_parallel_topk_stats(
+        hidden.index_select(0, rows),
+        weight,
+        targets.reshape(-1)[rows],
+        ids,
+        temperature,
+        chunk_size,
+        with_entropy,
+        tp_group,
+        mask_ids=mask_ids,
+        mask_counts=mask_counts,
+        vocab_size=vocab_size,
+    )
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
+
+    return (
+        spread(logp),
+        spread(ent) if with_entropy else torch.zeros(n, dtype=ent.dtype, device=ent.device),
+        spread(topk),
     )
 
 
@@ -420,12 +500,14 @@ def gpt_token_stats(
     topk_ids: torch.Tensor | None = None,
     mask_ids: torch.Tensor | None = None,
     mask_counts: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | TokenStats:
     """Run one (possibly wrapped) GPTModel chunk. On the last pipeline stage return `TokenStats`
     for `labels` [b, s] (labels[:, t] is the token that follows position t), with the log-probs of
     `topk_ids` [b, s, k] at each position when given; on other stages the hidden states to send on.
     Sampling-mask replay: `mask_counts` [b, s] and the flat `mask_ids` (row-major over [b, s]) give
-    the support each label was sampled from (see `vocab_parallel_topk_stats`)."""
+    the support each label was sampled from (see `vocab_parallel_topk_stats`). `token_mask` [b, s]:
+    only these labels' statistics are computed (the others are 0; see the module docstring)."""
     from megatron.core import parallel_state
 
     gpt = unwrap_gpt(model)
@@ -450,6 +532,7 @@ def gpt_token_stats(
         mask_ids=mask_ids,
         mask_counts=mask_counts,
         vocab_size=getattr(gpt, "unpadded_vocab_size", None),
+        token_mask=None if token_mask is None else token_mask.t().reshape(-1),
     )
     topk_out = None if topk_ids is None else topk.view(s, b, -1).permute(1, 0, 2)
     return TokenStats(logp.view(s, b).t(), ent.view(s, b).t() if with_entropy else None, topk_out)
@@ -488,7 +571,8 @@ def make_forward_step(
     """A megatron-core `forward_step(data_iterator, model)` for `train.forward_backward`.
 
     Micro-batches hold `tokens`, `labels`, `position_ids` and optionally `segment_ids` (packed
-    rows), `label_topk_ids` ([b, s, k] ids whose log-probs are wanted too), `routed_experts` (the experts
+    rows), `stats_mask` ([b, s]: only these labels' statistics are computed), `label_topk_ids` ([b, s, k]
+    ids whose log-probs are wanted too), `routed_experts` (the experts
     to replay, see `train.routing_replay`), `label_mask_counts` [b, s] and `label_mask_ids` (sampling-mask
     replay: each label's support, flat, row-major) plus whatever `loss_fn` reads (masks, advantages,
     old/rollout log-probs). `loss_fn`
@@ -521,6 +605,7 @@ def make_forward_step(
             topk_ids=batch.get("label_topk_ids"),
             mask_ids=batch.get("label_mask_ids"),
             mask_counts=batch.get("label_mask_counts"),
+            token_mask=batch.get("stats_mask"),
         )
         return out, partial(_loss, batch)
 

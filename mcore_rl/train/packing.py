@@ -38,7 +38,7 @@ SEQ_KEYS = ("old_logp", "rollout_logp", "ref_logp", "is_weights", "keep", "advan
 @dataclass
 class SequenceView:
     rollout_logp: torch.Tensor  # [N, T] μ
-    mask: torch.Tensor  # [N, T] 1 on response tokens
+    mask: torch.Tensor  # [N, T] 1 on response tokens the learner trains (`Sample.trainable`)
     rewards: torch.Tensor  # [N]
     group_ids: torch.Tensor  # [N]
     versions: torch.Tensor  # [N] policy version that generated each sample
@@ -64,7 +64,8 @@ def sequence_view(samples: Sequence[Sample], drop_reward_errors: bool = True) ->
         k = len(s.response_ids)
         if k:
             mu[i, :k] = torch.tensor(s.rollout_logp, dtype=torch.float32)
-            mask[i, :k] = 1.0
+            # a multi-turn episode trains only the model's own tokens (not the observations between them)
+            mask[i, :k] = 1.0 if s.trainable is None else torch.tensor(s.trainable, dtype=torch.float32)
     ok = torch.tensor(
         [
             float(
@@ -165,6 +166,7 @@ def build_microbatches(
     pos = torch.zeros((num_rows, width), dtype=torch.long)
     seg = torch.zeros((num_rows, width), dtype=torch.long)
     target = torch.zeros((num_rows, width), dtype=torch.bool)
+    trained = torch.zeros((num_rows, width), dtype=torch.bool)  # the response tokens the learner trains
     seq_pos_rows: list[tuple[int, int, torch.Tensor]] = []  # (sample, row, flat positions within row)
     for i, place in zip(order, places):
         s = samples[i]
@@ -175,6 +177,9 @@ def build_microbatches(
         pos[place.row, c : c + n] = torch.arange(n)
         seg[place.row, c : c + n] = int(seg[place.row].max()) + 1
         target[place.row, c + len(p) : c + n] = True
+        trained[place.row, c + len(p) : c + n] = (
+            True if s.trainable is None else torch.tensor(s.trainable, dtype=torch.bool)
+        )
         # response token j sits at c + len(p) + j; its label position is one before
         label_pos = torch.zeros(num_positions, dtype=torch.long)
         label_pos[: len(rsp)] = c + len(p) - 1 + torch.arange(len(rsp))
@@ -188,6 +193,7 @@ def build_microbatches(
             masks_by_row.setdefault(place.row, []).append((c + len(p) - 1, s.sampling_mask_counts, s.sampling_mask_ids))
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     loss_mask = target[:, 1:].float()
+    stats_mask = trained[:, 1:].contiguous()  # log-probs and entropy only there (train/logprobs.py)
     by_row: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for i, row, lp in seq_pos_rows:
         by_row.setdefault(row, []).append((i, lp))
@@ -199,6 +205,7 @@ def build_microbatches(
             "tokens": tokens[lo : lo + micro_batch_size],
             "labels": labels[lo : lo + micro_batch_size],
             "loss_mask": loss_mask[lo : lo + micro_batch_size],
+            "stats_mask": stats_mask[lo : lo + micro_batch_size],
             "position_ids": pos[lo : lo + micro_batch_size, :-1].contiguous(),
             "segment_ids": seg[lo : lo + micro_batch_size, :-1].contiguous(),
         }

@@ -62,6 +62,7 @@ MODEL_KEYS = (
     "tokens",
     "labels",
     "loss_mask",
+    "stats_mask",  # log-probs and entropy only at the trained tokens (train/logprobs.py)
     "position_ids",
     "segment_ids",
     "label_topk_ids",

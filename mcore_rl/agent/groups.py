@@ -1,0 +1,120 @@
+"""The multi-turn domains of a run, as the rollout sees them: one prompt in, one group of episode samples out.
+
+This is the seam between the rollout schedules and the episode runner. The synchronous rollout
+manager hands its environment prompts to `run_sync` (every episode of the batch advanced in
+lockstep, one batched generation per round); the asynchronous scheduler hands each one to `run_group`
+with its own `generate` (which waits out engine outages and whose aborted requests the runner
+continues). Either way the group is G episodes of the domain's environment from one seeded state,
+each episode's samples carrying its return as their reward; the reward workers never see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode, run_lockstep
+from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
+from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.envs import env_prompts, make_env
+from mcore_rl.envs.guard import EnvGuards
+from mcore_rl.rollout.pool import Generation, GenRequest
+
+SALT_RESET = 17  # keeps the environments' reset seeds apart from the sampling seeds
+
+
+def environment_examples(domain: DomainConfig, n: int, seed: int) -> list[tuple]:
+    """The (prompt text, label) pairs an environment domain draws (`data` cannot import `envs`)."""
+    env = domain.environment
+    if env is None:
+        raise ValueError(f"domain {domain.name!r} has no environment")
+    return env_prompts(env.name, **env.options).examples(n, seed)
+
+
+class EpisodeGroups:
+    """The environment of each multi-turn domain, and how its groups are run."""
+
+    def __init__(
+        self, environments: dict[str, EnvironmentConfig], budgets: dict[str, int], tokenizer: Tokenizer, seed: int
+    ) -> None:
+        self.environments, self.budgets, self.tokenizer, self.seed = environments, budgets, tokenizer, seed
+
+    @classmethod
+    def from_config(cls, cfg: RLConfig, tokenizer: Tokenizer) -> EpisodeGroups | None:
+        """The run's environment domains; None when it has none."""
+        r = cfg.rollout
+        envs = {d.name: d.environment for d in cfg.data.domains if d.environment is not None}
+        if not envs:
+            return None
+        budgets = {
+            d.name: min(d.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+            for d in cfg.data.domains
+            if d.name in envs
+        }
+        return cls(envs, budgets, tokenizer, cfg.train.seed)
+
+    def handles(self, prompt: Prompt) -> bool:
+        return prompt.domain in self.environments
+
+    def reset_seed(self, prompt: Prompt) -> int:
+        """The seed every episode of `prompt`'s group resets from (one initial state per group)."""
+        return int(np.random.SeedSequence([self.seed, SALT_RESET, prompt.index]).generate_state(1)[0] % (2**31 - 1))
+
+    def episodes(self, prompt: Prompt, samplings: Sequence[dict[str, Any]], budget: int | None = None) -> list[Episode]:
+        """The group's episodes, one per sampling-parameter set (each with its own sampling seed);
+        `budget`: the episode's token budget when the schedule cuts it (else the domain's)."""
+        env = self.environments[prompt.domain]
+        cap = self.budgets[prompt.domain] if budget is None else min(budget, self.budgets[prompt.domain])
+        settings = EpisodeSettings(
+            tool_format=env.tool_format,
+            max_turns=env.max_turns,
+            max_tokens_per_turn=env.max_tokens_per_turn,
+            max_invalid_calls=env.max_invalid_calls,
+            trajectory=env.trajectory,
+            memory_k=env.memory_k,
+            template_policy=env.template_policy,
+            max_episode_tokens=cap,
+            invalid_penalty=env.invalid_penalty,
+        )
+        guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
+        seed = self.reset_seed(prompt)
+        return [
+            Episode(make_env(env.name, **env.options), prompt, j, seed, self.tokenizer, settings, sp, guards)
+            for j, sp in enumerate(samplings)
+        ]
+
+    def run_sync(
+        self,
+        prompts: Sequence[Prompt],
+        samplings: Sequence[Sequence[dict[str, Any]]],
+        generate: Callable[[list[GenRequest]], list[Generation]],
+        budgets: Sequence[int | None] | None = None,
+    ) -> list[list[Sample]]:
+        """The groups of `prompts` (one list of sampling parameters per prompt: its group), all their
+        episodes advanced together, one batched `generate` per round."""
+        groups = [
+            self.episodes(p, sps, budgets[i] if budgets is not None else None)
+            for i, (p, sps) in enumerate(zip(prompts, samplings))
+        ]
+        run_lockstep([e for g in groups for e in g], generate)
+        return [[s for e in g for s in e.samples()] for g in groups]
+
+    async def run_group(
+        self,
+        prompt: Prompt,
+        samplings: Sequence[dict[str, Any]],
+        generate: Callable[[GenRequest], Awaitable[Generation]],
+    ) -> list[Sample]:
+        """One group on the asynchronous engines: its episodes run concurrently, each turn continued
+        across weight syncs."""
+        episodes = self.episodes(prompt, samplings)
+        try:
+            done = await asyncio.gather(*(run_episode(e, generate) for e in episodes))
+        finally:
+            for e in episodes:  # a cancelled group (the run stops) releases its environments
+                e.close()
+        return [s for e in done for s in e.samples()]

@@ -1,0 +1,107 @@
+"""Rules of `data.domains[i].environment` (a multi-turn domain), checked with the rest of the RL config
+before any worker starts; every message names the dotted key.
+
+The environment must be registered (`mcore_rl.envs`, imported lazily as the other registries are) and
+accept its options; its tool-call format must be one the model's family speaks: the bundled byte
+tokenizer has no chat template of its own and is rendered as ChatML, the Hermes / Qwen layout; a
+Hugging Face model's family is its `config.json` `model_type` (next to `data.tokenizer_path`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING
+
+from mcore_rl.config.rules import Errors, need_registered
+
+if TYPE_CHECKING:
+    from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
+
+# the tool-call format of the byte tokenizer's ChatML rendering
+BYTE_TOKENIZER_FORMAT = "hermes"
+
+
+def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> None:
+    """The environment's name, options, guards and tool-call format."""
+    env = dom.environment
+    if env is None:
+        return
+    key, who = f"data.domains[{i}].environment", f"domain {dom.name!r}: "
+    from mcore_rl.envs import env_names, env_options
+
+    if need_registered(errors, f"{key}.name", "environment", env.name, env_names(), f" ({who.rstrip(': ')})"):
+        try:
+            env_options(env.name, **env.options)
+        except ValueError as err:
+            errors.need(False, f"{key}.options", f"{who}{err}")
+    for name in ("max_turns", "max_tokens_per_turn", "max_invalid_calls"):
+        value = getattr(env, name)
+        errors.need(value >= 1, f"{key}.{name}", f"{who}must be >= 1, got {value}")
+    errors.need(
+        math.isfinite(env.invalid_penalty) and env.invalid_penalty >= 0,
+        f"{key}.invalid_penalty",
+        f"{who}must be a finite number >= 0, got {env.invalid_penalty}",
+    )
+    errors.need(env.memory_k >= 0, f"{key}.memory_k", f"{who}must be >= 0, got {env.memory_k}")
+    errors.need(env.step_timeout_s > 0, f"{key}.step_timeout_s", f"{who}must be > 0, got {env.step_timeout_s}")
+    errors.need(
+        env.max_observation_chars >= 64,
+        f"{key}.max_observation_chars",
+        f"{who}must be >= 64, got {env.max_observation_chars}",
+    )
+    budget = dom.max_new_tokens or cfg.rollout.max_new_tokens
+    errors.need(
+        env.max_tokens_per_turn <= budget,
+        f"{key}.max_tokens_per_turn",
+        f"{who}{env.max_tokens_per_turn} is more than the episode's whole budget "
+        f"(data.domains[{i}].max_new_tokens or rollout.max_new_tokens = {budget})",
+    )
+    errors.need(
+        not dom.rewards,
+        f"data.domains[{i}].rewards",
+        f"{who}an environment domain is scored by its environment (the episode's return); list no reward heads",
+    )
+    errors.need(
+        dom.template is None and not dom.chat_template,
+        f"data.domains[{i}].template",
+        f"{who}an environment's messages are rendered with the model's chat template; no prompt template",
+    )
+    check_tool_format(cfg, key, who, env, errors)
+
+
+def check_tool_format(cfg: RLConfig, key: str, who: str, env: EnvironmentConfig, errors: Errors) -> None:
+    """A known format, and the model family's own (`none` always fits)."""
+    from mcore_rl.data.tool_calls import TOOL_CALL_FORMATS, tool_call_format_for
+
+    if env.tool_format == "none":
+        return
+    names = sorted(TOOL_CALL_FORMATS)
+    if not need_registered(errors, f"{key}.tool_format", "tool-call format", env.tool_format, ["none", *names]):
+        return
+    path = cfg.data.tokenizer_path
+    if path is None:
+        family, want = "the bundled byte tokenizer (ChatML)", BYTE_TOKENIZER_FORMAT
+    else:
+        model_type = _model_type(path)
+        if model_type is None:
+            return  # no config.json to tell the family: the format is the recipe's word
+        family, want = f"model_type {model_type!r}", tool_call_format_for(model_type) or ""
+    errors.need(
+        env.tool_format == want,
+        f"{key}.tool_format",
+        f"{who}{env.tool_format!r} is not the tool-call format of {family}"
+        + (f" (its format: {want!r})" if want else " (no known tool-call format)"),
+    )
+
+
+def _model_type(path: str) -> str | None:
+    """The `model_type` of the `config.json` in the tokenizer's directory, if there is one."""
+    config = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            value = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, str) else None
