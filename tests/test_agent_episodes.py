@@ -23,6 +23,7 @@ class CountdownEnv(Environment):
 
     turns: int = 3
     fail_at: int | None = None
+    fail_reset: bool = False
     invalid: bool = False
     seen: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
@@ -30,6 +31,8 @@ class CountdownEnv(Environment):
 
     def reset(self, prompt: Prompt, seed: int) -> EnvReset:
         self.seeds.append(seed)
+        if self.fail_reset:
+            raise ValueError("no such secret")
         return EnvReset([{"role": "user", "content": f"count {prompt.label}"}], state=f"left {self.turns}")
 
     def step(self, action: AgentAction) -> EnvStep:
@@ -152,6 +155,14 @@ def test_an_environment_that_raises_costs_its_episode_not_the_group(pool):
     assert s.reward_error == "env_error: RuntimeError: the environment broke"
     assert episode_metrics([[s]])["episode/events/env_error"] == 1
     assert good.finish == "done" and good.samples()[0].reward_error is None
+    # a reset that raises: the episode is over before its first turn; one empty sample the learner
+    # leaves out (no tokens, finish "abort") keeps the group's shape and names the reason
+    broken = episodes([CountdownEnv(fail_reset=True), CountdownEnv()], EpisodeSettings(max_tokens_per_turn=4))
+    run_lockstep(broken, pool.generate)
+    (lost,) = broken[0].samples()
+    assert broken[0].finish == "env_error" and broken[0].turns == 0 and broken[1].finish == "done"
+    assert lost.response_ids == [] and lost.finish_reason == "abort"
+    assert lost.reward_error == "env_error: ValueError: no such secret" and lost.episode == 0
 
 
 def test_a_turn_aborted_by_a_weight_sync_is_continued_with_its_tokens_versions(pool):

@@ -128,7 +128,7 @@ class Episode:
         self.info: dict[str, Any] = {}
         self.events: dict[str, int] = {}  # the environment's counted events (`EnvStep.info["events"]`)
         try:
-            reset = env.reset(prompt, seed)
+            reset = self.env.reset(prompt, seed)
             self.chat = ChatFormat(tokenizer, reset.tools)
             self.opening = list(reset.messages)
             self.states.append(reset.state)
@@ -266,6 +266,9 @@ class Episode:
                 )
                 for t, st in enumerate(self.steps)
             ]
+        if not out:  # lost before its first turn (a reset that failed): one empty, unusable sample keeps
+            # the group's shape, its reason in `reward_error` (the learner leaves it out: no tokens)
+            out = [Sample(replace(self.prompt, ids=self.trajectory.context_ids), self.prompt.index, [], [], 0, "abort")]
         summary = {
             "episode/return": self.episode_return,
             "episode/turns": self.turns,

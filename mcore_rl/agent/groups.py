@@ -101,7 +101,7 @@ class EpisodeGroups:
             for i, (p, sps) in enumerate(zip(prompts, samplings))
         ]
         run_lockstep([e for g in groups for e in g], generate)
-        return [[s for e in g for s in e.samples()] for g in groups]
+        return [_group(g) for g in groups]
 
     async def run_group(
         self,
@@ -117,4 +117,15 @@ class EpisodeGroups:
         finally:
             for e in episodes:  # a cancelled group (the run stops) releases its environments
                 e.close()
-        return [s for e in done for s in e.samples()]
+        return _group(done)
+
+
+def _group(episodes: Sequence[Episode]) -> list[Sample]:
+    """The samples of a group's episodes; an episode lost before its first turn has no tokens and
+    takes the group's oldest version, so it never makes the group look stale."""
+    samples = [s for e in episodes for s in e.samples()]
+    versions = [s.policy_version for s in samples if s.response_ids]
+    for s in samples:
+        if not s.response_ids and versions:
+            s.policy_version = min(versions)
+    return samples
