@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
@@ -60,6 +61,31 @@ class RolloutBackend(Protocol):
         """No engine serves, but some wait for the current weights (the trainer should re-sync)."""
         ...
 
+    def co_count(self, prompt: Prompt, group_size: int) -> int:
+        """How many of the group's first samples a second source generates (0: none)."""
+        ...
+
+    def co_generate(self, prompt: Prompt, count: int) -> Awaitable[list[Sample]]:
+        """The second source's `count` samples of `prompt` (unscored)."""
+        ...
+
+    def repair(self, groups: list[list[Sample]]) -> Awaitable[list[list[Sample]]]:
+        """The group steps of one round of scored groups (repairs, what a round ended as)."""
+        ...
+
+    def finish(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The batch steps of the groups handed to the learner: (groups, their metrics)."""
+        ...
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature of the training stream now."""
+        ...
+
+    def stale_ok(self, sample: Sample) -> bool:
+        """True for a sample that is old by design (its version does not make its group stale)."""
+        ...
+
 
 @dataclass
 class SchedulerConfig:
@@ -78,10 +104,19 @@ class SchedulerConfig:
     retry_interval_s: float = 0.5
     max_parts: int = 64  # continuations of one request before its partial output is kept as is
     total_steps: int | None = None  # the run's training steps (no prompts drawn beyond them)
+    # the synchronous schedule (max_staleness 0): each batch is drawn when the learner asks for it,
+    # in rounds of groups submitted together (an embedded engine batches a round's requests as one);
+    # filtered or failed groups are refilled by further rounds, at most `max_rounds`, each drawing
+    # what is missing over the keep rate seen so far, at most `max_oversample` times as many
+    rounds: bool = False
+    max_rounds: int = 1
+    max_oversample: float = 1.0
 
     def __post_init__(self) -> None:
         if self.buffer_groups <= 0:
             self.buffer_groups = (self.max_staleness + 1) * self.batch_groups
+        if self.rounds and self.max_staleness != 0:
+            raise ValueError(f"rounds (the synchronous schedule) needs max_staleness 0, got {self.max_staleness}")
 
 
 class GroupFailed(Exception):
@@ -133,6 +168,30 @@ class _Window:
     filtered: Counter = field(default_factory=Counter)
 
 
+@dataclass
+class RoundStats:
+    """One batch of the synchronous schedule: its rounds of groups."""
+
+    prompts_drawn: int = 0
+    groups_kept: int = 0
+    rounds: int = 0
+    seconds_generate: float = 0.0
+    seconds_reward: float = 0.0
+    fallback: bool = False  # no group passed the filter in any round: the last round was used unfiltered
+    temperature: float = float("nan")  # the sampling temperature of the batch (a stage's)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/prompts_drawn": float(self.prompts_drawn),
+            "rollout/groups_kept": float(self.groups_kept),
+            "rollout/rounds": float(self.rounds),
+            "time/generate_s": self.seconds_generate,
+            "time/reward_s": self.seconds_reward,
+            "rollout/dynamic_sampling_fallback": float(self.fallback),
+            "rollout/temperature": self.temperature,
+        }
+
+
 class RolloutScheduler:
     def __init__(self, backend: RolloutBackend, cfg: SchedulerConfig) -> None:
         self.backend, self.cfg = backend, cfg
@@ -151,6 +210,7 @@ class RolloutScheduler:
         self._last_t: float | None = None
         self._main: asyncio.Task | None = None
         self._closed = False
+        self._round_times = (0.0, 0.0)  # the last round's start and the end of its generation
 
     # ------------------------------------------------------------------ clock and bookkeeping
 
@@ -186,7 +246,8 @@ class RolloutScheduler:
         self._changed = asyncio.Condition()
         self._last_t = self._now()
         self._window = _Window(self._last_t)
-        self._main = asyncio.get_running_loop().create_task(self.run())
+        if not self.cfg.rounds:  # the synchronous schedule draws each batch in `next_batch`
+            self._main = asyncio.get_running_loop().create_task(self.run())
 
     def _may_submit(self) -> bool:
         c = self.cfg
@@ -215,15 +276,53 @@ class RolloutScheduler:
                 await self._changed.wait()
 
     async def _run_group(self, job: _Job) -> None:
-        """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
+        """A group from submission to the buffer (a round of one); a cancelled group (the run
+        stops) stays pending."""
+        for group, reason in await self._run_round([job]):
+            if reason is None:
+                self.buffer.append(group)
+                self.buffer.sort(key=lambda g: g[0].prompt.index)
+        await self._notify()
+
+    async def _run_round(self, jobs: list[_Job]) -> list[tuple[list[Sample], str | None]]:
+        """Groups submitted together: each produced and scored, then the round's group steps
+        (`backend.repair`) on all of them, then the filter. Returns (group, why it is filtered
+        or None) for each group that did not fail, in submission order."""
+        for job in jobs:
+            self.running[job.prompt.index] = job
+        start = self._now()
+        produced = await asyncio.gather(*(self._produce_scored(job) for job in jobs))
+        self._round_times = (start, max((t for _, t in produced if t is not None), default=start))
+        done = [(job, g) for job, (g, _) in zip(jobs, produced) if g is not None]
         try:
-            parts = await asyncio.gather(
-                *(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt)))
-            )
-            group = [self._sample(job.prompt, p) for p in parts]
-            for x in group:
-                x.info["regenerations"] = job.regenerations
+            groups = await self.backend.repair([g for _, g in done])
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a failing group step costs the round's groups, not the run
+            logger.exception("the group steps of a round of %d groups failed", len(done))
+            for job, _ in done:
+                self._fail(job, f"group step: {type(err).__name__}: {err}"[:200])
+            return []
+        out: list[tuple[list[Sample], str | None]] = []
+        for (job, _), group in zip(done, groups):
+            self.running.pop(job.prompt.index, None)
+            reason = self.backend.filter_reason(group)
+            if reason is not None:
+                self.ledger.filtered[reason] += 1
+                self._win().filtered[reason] += 1
+            out.append((group, reason))
+        return out
+
+    async def _produce_scored(self, job: _Job) -> tuple[list[Sample] | None, float | None]:
+        """The job's group, scored, and when its generation ended; (None, None) if it failed
+        (recorded)."""
+        try:
+            group = await self.produce_group(job.prompt)
+            generated = self._now()
             await self.backend.score(group)
+            for x in group:  # (after scoring, which sets `info` anew)
+                x.info["regenerations"] = job.regenerations
+            return group, generated
         except asyncio.CancelledError:
             raise
         except GroupFailed as err:
@@ -234,16 +333,19 @@ class RolloutScheduler:
         except Exception as err:
             logger.exception("rollout group of prompt %d failed", job.prompt.index)
             self._fail(job, f"{type(err).__name__}: {err}"[:200])
-        else:
-            self.running.pop(job.prompt.index, None)
-            reason = self.backend.filter_reason(group)
-            if reason is not None:
-                self.ledger.filtered[reason] += 1
-                self._win().filtered[reason] += 1
-            else:
-                self.buffer.append(group)
-                self.buffer.sort(key=lambda g: g[0].prompt.index)
-        await self._notify()
+        return None, None
+
+    async def produce_group(self, prompt: Prompt) -> list[Sample]:
+        """The one place a group of samples for one prompt is produced from the backend (unscored):
+        the second source's first samples, if any, and the engines' others, each continued across
+        weight syncs."""
+        size = self._group_size(prompt)
+        co = self.backend.co_count(prompt, size)
+        theirs, mine = await asyncio.gather(
+            self.backend.co_generate(prompt, co),
+            asyncio.gather(*(self._run_sample(prompt, j) for j in range(co, size))),
+        )
+        return list(theirs) + [self._sample(prompt, p) for p in mine]
 
     def _group_size(self, prompt: Prompt) -> int:
         """The prompt's domain's group size when the backend has one per domain, else the config's."""
@@ -277,7 +379,7 @@ class RolloutScheduler:
                 continue
             out.ids += list(gen.output_ids)
             if gen.output_sampling_masks is not None:  # sampling-mask replay: μ is the processed log-prob
-                out.logps += list(gen.output_sampling_logprobs)
+                out.logps += list(gen.output_sampling_logprobs or ())
                 out.mask_ids = (out.mask_ids or []) + [int(i) for m in gen.output_sampling_masks for i in m]
                 out.mask_counts = (out.mask_counts or []) + [len(m) for m in gen.output_sampling_masks]
             else:
@@ -348,13 +450,17 @@ class RolloutScheduler:
         """The next `batch_groups` groups for weights `trainer_version`, and the metrics of the
         window since the last batch; None when engines wait for weights (re-sync, then call again)."""
         assert self._changed is not None
+        if self.cfg.rounds:
+            return await self._next_batch_in_rounds()
         start = self._now()
         while True:
             if self.fatal is not None:
                 raise self.fatal
             if len(self.buffer) >= self.cfg.batch_groups:
                 groups = self.buffer[: self.cfg.batch_groups]
-                stale = [g for g in groups if self.gate.is_too_stale(trainer_version, min(x.policy_version for x in g))]
+                stale = [
+                    g for g in groups if self.gate.is_too_stale(trainer_version, self._version(g, trainer_version))
+                ]
                 kept_stale = len(stale) if self.cfg.stale_policy == "keep" else 0
                 if kept_stale:
                     stale = []
@@ -363,8 +469,9 @@ class RolloutScheduler:
                     self.ledger.trained += len(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
                     metrics["async/kept_stale"] = float(kept_stale)
+                    groups, finished = self.backend.finish(groups)
                     await self._notify()
-                    return groups, metrics
+                    return groups, {**metrics, **finished}
                 self.buffer = [g for g in self.buffer if not any(g is x for x in stale)]
                 for g in stale:
                     done = int(g[0].info.get("regenerations", 0))
@@ -390,6 +497,57 @@ class RolloutScheduler:
                     await asyncio.wait_for(self._changed.wait(), poll_s)
                 except TimeoutError:
                     pass
+
+    async def _next_batch_in_rounds(self) -> tuple[list[list[Sample]], dict[str, float]] | None:
+        """The synchronous schedule: a batch drawn now, in rounds (see `SchedulerConfig.rounds`);
+        None when engines wait for weights."""
+        if self.fatal is not None:
+            raise self.fatal
+        if self.backend.engines_need_weights():
+            return None
+        c = self.cfg
+        stats = RoundStats(temperature=self.backend.temperature)
+        kept: list[list[Sample]] = []
+        last: list[tuple[list[Sample], str | None]] = []
+        seen = 0
+        while len(kept) < c.batch_groups and stats.rounds < c.max_rounds:
+            needed = c.batch_groups - len(kept)
+            keep_rate = len(kept) / seen if seen else 1.0
+            n = max(1, math.ceil(needed * min(1.0 / max(keep_rate, 1e-9), c.max_oversample)))
+            jobs = []
+            for _ in range(n):
+                if self.retry:
+                    jobs.append(self.retry.popleft())
+                else:
+                    jobs.append(_Job(self.backend.take_prompt()))
+                    self.ledger.drawn += 1
+                    stats.prompts_drawn += 1
+            last = await self._run_round(jobs)
+            start, generated = self._round_times
+            stats.rounds += 1
+            stats.seconds_generate += generated - start
+            stats.seconds_reward += self._now() - generated
+            seen += len(last)
+            kept += [g for g, reason in last if reason is None]
+            if self.fatal is not None:
+                raise self.fatal
+        batch, surplus = kept[: c.batch_groups], kept[c.batch_groups :]
+        stats.groups_kept = len(batch)
+        if surplus:  # kept by an oversampled round beyond the batch
+            self.ledger.filtered["surplus"] += len(surplus)
+        if not batch and last:  # nothing passed the filter in any round: train on the last round
+            stats.fallback = True  # (zero advantages: the update only moves by the KL/entropy terms)
+            batch = [g for g, _ in last]
+            self.ledger.filtered.subtract(reason for _, reason in last if reason is not None)
+            self.ledger.filtered = +self.ledger.filtered  # (no reason left at zero)
+        self.ledger.trained += len(batch)
+        self._window = _Window(self._now())
+        batch, finished = self.backend.finish(batch)
+        return batch, {**stats.metrics(), **finished}
+
+    def _version(self, group: list[Sample], trainer_version: int) -> int:
+        """The oldest weight version of the group's samples (those old by design aside)."""
+        return min((x.policy_version for x in group if not self.backend.stale_ok(x)), default=trainer_version)
 
     async def step_done(self, version: int) -> None:
         """The learner finished a step and synced `version`: the gate opens one batch further."""
