@@ -334,6 +334,39 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
         backend.rewards.close()
 
 
+@pytest.mark.parametrize("rounds", [True, False])
+def test_rescue_substitution_and_gec_in_both_schedules(rounds):
+    """The group steps (rescue, GEC) and the batch step (substitution) run in the synchronous
+    schedule's rounds and in the streaming schedule (a round of one group, max_staleness 1), with
+    the real embedded engine and reward workers."""
+    from mcore_rl.runtime.rollouts import Rollouts
+    from mcore_rl.runtime.scheduler import SchedulerConfig
+
+    backend, pool, tok = _engine_manager(
+        "rollout.gec.enabled=true",
+        "rollout.gec.probs=[0, 0, 1]",
+        "rollout.polaris.rescue=true",
+        "rollout.polaris.substitute=true",
+    )
+    r = backend.cfg.rollout
+    cfg = SchedulerConfig(r.group_size, r.prompts_per_step, max_staleness=0 if rounds else 1, rounds=rounds)
+    rollouts = Rollouts(pool, backend, cfg)
+    try:
+        got = rollouts.next_batch(0, 0)
+        assert got is not None
+        groups, metrics = got
+        assert len(groups) == r.prompts_per_step
+        fixed = [s for g in groups for s in g if s.info.get("gec") == "reference"]
+        assert fixed and all(s.reward == 1.0 for s in fixed)  # an untrained model: GEC's op 3 fixed them
+        assert metrics["rollout/repair/gec_reference"] == len(fixed)
+        for key in ("rollout/repair/substituted_groups", "rollout/repair/rescue_buffer_prompts"):
+            assert key in metrics
+        assert ("rollout/rounds" in metrics) == rounds and ("async/staleness_mean" in metrics) != rounds
+    finally:
+        rollouts.close()
+        backend.rewards.close()
+
+
 # ------------------------------------------------------------------------------------ config
 
 
