@@ -1,5 +1,5 @@
 """POLARIS ("POLARIS: a post-training recipe for scaling RL on advanced reasoning models", HKU &
-ByteDance & Fudan, 2025): zero-signal groups of a synchronous rollout batch repaired by rollout
+ByteDance & Fudan, 2025): zero-signal groups of a rollout batch repaired by rollout
 rescue and intra-batch substitution.
 
 The decisions (which groups, which samples) are pure functions in `mcore_rl.algos.polaris`; this

@@ -1,6 +1,6 @@
 """The RL loop driver, `mcore-rl train` (DESIGN.md, "Data flow of one RL step"):
 
-    prompts -> rollout manager -> engine(s): tokens, μ, policy version -> rewards
+    prompts -> rollout scheduler -> engine(s): tokens, μ, policy version -> rewards
     -> learner: π_old (and π_ref), advantages, mismatch correction, optimizer steps over mini-batches
     -> weight sync to the engine(s) -> periodic held-out evaluation -> checkpoints -> next step.
 
@@ -8,17 +8,19 @@ Paper methods that need more than a pure tensor function act through the hooks o
 (`mcore_rl/hooks.py`, one module each in `mcore_rl/recipes/`); the loop calls the hooks of the
 active recipes at fixed points of the step and names none of them.
 
-Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights,
-the learner trains on it, the new weights are synced, and only then is the next batch generated.
-Asynchronous (`rollout.runtime: async`, `runtime.async_rollouts`): the engines are processes that
-generate all the time; the scheduler on rank 0 keeps them busy within the staleness bound and the
-learner takes each batch from its buffer. With `max_staleness: 0` it gives the synchronous loop's
-samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s, or clients of HTTP
-servers) and broadcasts each batch of samples to the other ranks; every rank runs the learner.
+Rollouts take one path (`runtime/rollouts.py` over `runtime/scheduler.py`) in two schedules.
+Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights, in
+rounds the scheduler submits together, the learner trains on it, the new weights are synced, and
+only then is the next batch generated. Asynchronous (`rollout.runtime: async`): the engines are
+processes that generate all the time; the scheduler on rank 0 streams groups within the staleness
+bound and the learner takes each batch from its buffer. With `max_staleness: 0` it gives the
+synchronous schedule's samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s,
+or clients of HTTP servers) and broadcasts each batch of samples to the other ranks; every rank
+runs the learner.
 
 A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
-the prompt streams' positions, the recipes' states, the step/version counters, the sample ledger
-and (async) the buffered groups and the prompts in flight, so a resumed run draws the same prompts,
+the prompt streams' positions, the recipes' states, the step/version counters, the scheduler's
+sample ledger, buffered groups and prompts in flight, so a resumed run draws the same prompts,
 neither repeats nor skips one, and continues the same metrics a run without interruption would
 (records a killed run logged after its last checkpoint are dropped first, so each step appears
 once). `accounting.json` in the run directory says where every drawn prompt went.

@@ -1,4 +1,10 @@
-"""The asynchronous rollout scheduler: engines kept busy, staleness gated at submission, a buffer.
+"""The rollout scheduler, the one rollout path: engines kept busy, staleness gated at submission.
+
+Two schedules. Streaming (`rollout.runtime: async`), below. Synchronous (`SchedulerConfig.rounds`,
+max_staleness 0): each batch is drawn when the learner asks for it (`next_batch`), in rounds of
+groups submitted together, the filtered and failed ones refilled by further rounds. Both produce a
+group the same way (`produce_group`), score it, run the round's group steps (`backend.repair`),
+filter it, and run the batch steps (`backend.finish`) as the batch is handed out.
 
 One coroutine (`run`) submits groups (a prompt x G samples) while the staleness gate, the in-flight
 bound and the buffer bound allow; each group runs as its own task: G requests to the engines,
@@ -11,7 +17,7 @@ over to another engine; with no engine left the request waits (an engine may com
 `no_engine_timeout_s` the run stops with a clear error.
 
 The scheduler knows nothing of HTTP or of the trainer: it runs on any asyncio loop through a
-`RolloutBackend`. The trainer runs it on the engine pool's loop (`async_rollouts`); the cluster
+`RolloutBackend`. The trainer runs it through `runtime/rollouts.py`; the cluster
 simulator (`tools/simulate_async.py`) runs the same code on a virtual-time loop with simulated
 engines. Time is the loop's clock (`loop.time()`), so both measure the same quantities.
 """
