@@ -1,5 +1,5 @@
 """EDGE-GRPO's guided error correction (GEC; "EDGE-GRPO: Entropy-Driven GRPO with Guided Error
-Correction", Beihang, 2025): each wrong response of a synchronous rollout round, with probabilities
+Correction", Beihang, 2025): each wrong response of a rollout round, with probabilities
 `rollout.gec.probs`, regenerated after a reflection, after a reflection and the answer, or replaced
 by the reference solution. The choice of op is `mcore_rl.algos.edge_gec.gec_ops` (pure).
 
