@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any, Literal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.config import RLConfig
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.hooks import Recipe
+from mcore_rl.progress import progress
 from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest, HTTPEnginePool
 from mcore_rl.runtime.rollout_manager import SALT_TRAIN, DomainRewards, RolloutManager, flat_masks, sample_seed
 from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
@@ -58,6 +59,7 @@ class PoolBackend:
             raise ValueError(f"recipes {[r.name for r in sources]} each generate part of a group; at most one may")
         self.co_source: Recipe | None = sources[0] if sources else None  # a second source of samples
         self.repair_counts: dict[str, float] = {}  # the recipes' group repairs since the last batch
+        self.on_done: Callable[[], None] | None = None  # after each finished generation (a progress bar)
 
     # ---- what the recipes' group steps see (hooks.RolloutContext)
 
@@ -121,7 +123,10 @@ class PoolBackend:
         )
 
     async def generate(self, request: GenRequest) -> Generation:
-        return await self.pool.agenerate(request)
+        gen = await self.pool.agenerate(request)
+        if self.on_done is not None and gen.finish_reason != "abort":
+            self.on_done()
+        return gen
 
     def co_count(self, prompt: Prompt, group_size: int) -> int:
         return self.co_source.co_samples(self.manager.step, group_size) if self.co_source is not None else 0
@@ -274,7 +279,22 @@ class Rollouts:
         for the current weights."""
         self.backend.set_step(step, stage=self.scheduler.cfg.rounds)
         self.start()
-        return self._run(self.scheduler.next_batch(trainer_version))
+        if not self.scheduler.cfg.rounds:
+            return self._run(self.scheduler.next_batch(trainer_version))
+        # a transient bar under the run's: a real model's rollout takes minutes
+        c = self.scheduler.cfg
+        with progress(
+            c.batch_groups * c.group_size,
+            "rollout",
+            "sample",
+            enabled=self.backend.cfg.logging.progress_bar,
+            leave=False,
+        ) as bar:
+            self.backend.on_done = bar.update
+            try:
+                return self._run(self.scheduler.next_batch(trainer_version))
+            finally:
+                self.backend.on_done = None
 
     def step_done(self, version: int) -> None:
         self._run(self.scheduler.step_done(version))
