@@ -60,6 +60,7 @@ class PoolBackend:
         self.co_source: Recipe | None = sources[0] if sources else None  # a second source of samples
         self.repair_counts: dict[str, float] = {}  # the recipes' group repairs since the last batch
         self.on_done: Callable[[], None] | None = None  # after each finished generation (a progress bar)
+        self.synced_version = 0  # the weight version last synced to the engines (the trainer's)
 
     # ---- what the recipes' group steps see (hooks.RolloutContext)
 
@@ -139,7 +140,7 @@ class PoolBackend:
         src = self.co_source.source or "policy"
         reqs = [self.request(prompt, j, [], 0) for j in range(count)]
         gens = await asyncio.wrap_future(self.co_source.co_submit([q for q in reqs if q is not None]))
-        version = self.pool.weight_version
+        version = self.synced_version  # (known here: asking the engines would block their event loop)
         return [
             Sample(
                 prompt,
@@ -278,6 +279,7 @@ class Rollouts:
         """The batch of training step `step` (blocks until it is ready); None when the engines wait
         for the current weights."""
         self.backend.set_step(step, stage=self.scheduler.cfg.rounds)
+        self.backend.synced_version = trainer_version
         self.start()
         if not self.scheduler.cfg.rounds:
             return self._run(self.scheduler.next_batch(trainer_version))
@@ -297,6 +299,7 @@ class Rollouts:
                 self.backend.on_done = None
 
     def step_done(self, version: int) -> None:
+        self.backend.synced_version = version
         self._run(self.scheduler.step_done(version))
 
     def state_dict(self) -> dict[str, Any]:
