@@ -149,3 +149,31 @@ def test_without_the_exemption_old_samples_make_their_group_stale():
         return dropped
 
     assert run_simulated(go()) > 0 and be.finished == []
+
+
+class _ResetsInfo(SimBackend):
+    """Scores as the real rewards do: `info` is set anew for every scored sample."""
+
+    async def score(self, samples: list[Sample]) -> None:
+        for s in samples:
+            s.info, s.reward = {}, float(len(s.response_ids) % 2)
+
+
+def test_regenerations_survive_scoring_and_stay_capped():
+    """A group regenerated because it came out too stale keeps its count through scoring (which
+    sets `info` anew), so it is dropped after `max_regenerations` instead of being sent forever."""
+    be = _ResetsInfo(_engines(), base_tokens=4)
+    cfg = SchedulerConfig(group_size=2, batch_groups=2, max_staleness=1, stale_policy="regenerate", max_regenerations=2)
+
+    async def go():
+        be.engines.resume(1)
+        sch = RolloutScheduler(be, cfg)
+        sch.start()
+        with contextlib.suppress(TimeoutError):  # the trainer is 99 versions ahead: every group is too stale
+            await asyncio.wait_for(sch.next_batch(100), 3.0)
+        counts = sch.ledger.regenerated_stale, sch.ledger.dropped_stale
+        await sch.close()
+        return counts
+
+    regenerated, dropped = run_simulated(go())
+    assert dropped > 0 and regenerated <= cfg.max_regenerations * (dropped + cfg.buffer_groups)
