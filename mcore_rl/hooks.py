@@ -3,8 +3,8 @@
 A method that needs more than a pure tensor function of `mcore_rl.algos` (state across steps, its
 own engines, a decision after the weight sync, a repair of rollout groups) is one module in
 `mcore_rl/recipes/`, a subclass of `Recipe` listed once in `mcore_rl/recipes/__init__.py: RECIPES`.
-The core (`runtime/loop.py`, `runtime/rollout_manager.py`, `train/rl_step.py`,
-`config/rl_validate.py`) calls the hooks of the active recipes in registration order and names
+The core (`runtime/loop.py`, `runtime/rollouts.py`, `train/rl_step.py`, `config/rl_validate.py`)
+calls the hooks of the active recipes in registration order and names
 none of them; `tests/test_import_rules.py` keeps it so. The core finds the recipes through
 `registered()`, which imports the registration module by name, as a plug-in entry point would
 (the same upward arrow as the names config validation reads from the registries).
@@ -16,10 +16,11 @@ hooks run, in the order of one RL step (see docs/architecture.md, "Recipes"):
   before any worker starts, with the key named in each error.
 * `setup(run)` (every rank, after the weights are loaded, before the engines start) and
   `engines_ready(run)` (rank 0, once the engine pool exists, before the rollout manager).
-* Rollout side (rank 0): `co_samples` / `co_submit` (a second source of samples: the first
-  `co_samples(step, G)` samples of a training group come from it), `repair_round` (each round of
-  scored groups), `observe_round` (what a round ended as), `finish_batch` (the kept batch),
-  `rollout_metrics`, `stale_ok` (a sample that is old by design).
+* Rollout side (rank 0, the scheduler's, in both schedules): `co_samples` / `co_submit` (a second
+  source of samples: the first `co_samples(step, G)` samples of a training group come from it),
+  `repair_round` (each round of scored groups: the synchronous schedule's rounds, or one group
+  as it finishes in the streaming one), `observe_round` (what a round ended as), `finish_batch`
+  (the batch handed to the learner), `rollout_metrics`, `stale_ok` (a sample old by design).
 * `batch_step(samples, run)` (every rank, after the batch is broadcast, before the learner).
 * Learner (every rank): `behaviour_logp` (the μ the mismatch correction sees) and
   `learner_metrics`.
@@ -32,15 +33,39 @@ hooks run, in the order of one RL step (see docs/architecture.md, "Recipes"):
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Sequence
 
 if TYPE_CHECKING:
     import torch
 
-    from mcore_rl.data.samples import Sample
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.rollout.pool import Generation, GenRequest
 
 RECIPES_MODULE = "mcore_rl.recipes"  # where the recipes are registered (its RECIPES tuple)
+
+
+class RolloutContext(Protocol):
+    """What the rollout-side hooks may use: the run's config, the training stream's sampling, and
+    the engines and rewards of the scheduler's event loop (`runtime/rollouts.py: PoolBackend`)."""
+
+    cfg: Any
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    def budget(self, prompt: Prompt) -> int: ...
+
+    def sampling_params(
+        self, temperature: float, seed: int | None, max_new_tokens: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]: ...
+
+    async def generate_many(self, requests: Sequence[GenRequest]) -> list[Generation]: ...
+
+    async def score_rewards(self, samples: list[Sample]) -> None: ...
 
 
 class Recipe:
@@ -80,15 +105,20 @@ class Recipe:
         """Start generating `requests`; returns an object whose `result()` is their `Generation`s."""
         raise NotImplementedError(f"recipe {self.name!r} generates no samples")
 
-    def repair_round(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
-        """One round of scored training groups: (groups, counts added to `rollout/repair/*`)."""
+    async def repair_round(
+        self, groups: list[list[Sample]], rollout: RolloutContext
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        """One round of scored training groups (on the scheduler's event loop): (groups, counts
+        added to `rollout/repair/*`)."""
         return groups, {}
 
     def observe_round(self, groups: list[list[Sample]]) -> dict[str, float]:
         """The round's groups after every repair; values set in `rollout/repair/*`."""
         return {}
 
-    def finish_batch(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
+    def finish_batch(
+        self, groups: list[list[Sample]], rollout: RolloutContext
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
         """The batch the learner gets: (groups, counts added to `rollout/repair/*`)."""
         return groups, {}
 

@@ -7,7 +7,7 @@ import torch
 
 from mcore_rl import algos
 from mcore_rl.algos.advantages import dr_grpo, grpo, make_group_ids, rloo, to_tokens, too_few_valid_frac
-from mcore_rl.algos.dynamic_sampling import GroupRefill, nonzero_std_groups
+from mcore_rl.algos.dynamic_sampling import nonzero_std_groups
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 0.25, 0.75])
 GROUPS = torch.tensor([7, 7, 7, 7, 3, 3, 3, 9, 9, 42, 42])  # unsorted labels, unequal sizes
@@ -152,32 +152,6 @@ def test_nonzero_std_filter() -> None:
     assert not bool(nonzero_std_groups(torch.tensor([1.0]), torch.tensor([0]))[0])  # singleton
 
 
-def test_refill_collects_until_target_with_oversampling() -> None:
-    refill: GroupRefill[str] = GroupRefill(target_groups=3, max_rounds=5)
-    assert refill.prompts_to_request() == 3  # no keep rate seen yet
-    kept = refill.add([["a1", "a2"], ["b1", "b2"], ["c1", "c2"]], [[1, 1], [0, 1], [0, 0]])
-    assert kept == 1 and refill.needed == 2 and refill.keep_rate == pytest.approx(1 / 3)
-    assert refill.prompts_to_request() == 6  # 2 needed / (1/3) kept
-    refill.add([["d1", "d2"], ["e1", "e2"], ["f1", "f2"]], [[0, 1], [1, 0], [0.5, 0]])
-    assert refill.done and refill.prompts_to_request() == 0
-    assert refill.take() == [["b1", "b2"], ["d1", "d2"], ["e1", "e2"]]  # f dropped (no carry-over)
-    assert refill.needed == 3 and refill.rounds == 0
-
-
-def test_refill_carry_over_cap_and_exhaustion() -> None:
-    refill: GroupRefill[int] = GroupRefill(target_groups=1, max_rounds=2, max_oversample=2.0, carry_over=True)
-    refill.add([[1, 2], [3, 4]], [[0, 1], [1, 0]])
-    assert refill.take() == [[1, 2]]
-    assert refill.done  # [3, 4] was carried
-    refill.take()
-    refill.add([[5, 6]], [[1, 1]])
-    assert refill.prompts_to_request() == 2  # keep rate 2/3 -> 1.5 -> 2, within the 2x cap
-    refill.add([[7, 8]], [[0, 0]])
-    assert refill.exhausted and not refill.done and refill.take() == []
-    with pytest.raises(ValueError):
-        refill.add([[1]], [[1.0, 2.0]])
-
-
 def test_zero_variance_tolerance_is_explicit_and_configurable() -> None:
     """[0.1, 0.1, 0.1] in float64 has a std of ~1.7e-17 (computed from sums): constant for the default tolerance, kept only
     with tol=0 (the old, accidental behaviour); the tolerance is a config key with a checked value."""
@@ -195,9 +169,6 @@ def test_zero_variance_tolerance_is_explicit_and_configurable() -> None:
     assert nonzero_std_groups(rewards, groups, tol=0.0).tolist() == [True] * 6
     assert is_constant(rewards[:3].tolist()) and not is_constant(rewards[:3].tolist(), tol=0.0)
     assert is_constant([0.5]) and not is_constant([0.5, 0.5 + 10 * DEFAULT_STD_TOLERANCE])
-    refill: GroupRefill[str] = GroupRefill(target_groups=1)
-    assert refill.add([["a", "b", "c"]], [rewards[:3].tolist()]) == 0  # dropped, as DAPO means
-    assert GroupRefill(target_groups=1, tol=0.0).add([["a", "b", "c"]], [rewards[:3].tolist()]) == 1
     cfg = tiny("algorithm.dynamic_sampling.enabled=true")
     assert cfg.algorithm.dynamic_sampling.std_tolerance == DEFAULT_STD_TOLERANCE
     validate_rl_config(cfg, 1)

@@ -368,6 +368,7 @@ def test_topd_rollouts_never_exceed_the_horizon():
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager, build_reward_runner
+    from mcore_rl.runtime.rollouts import PoolBackend, Rollouts, scheduler_config
 
     cfg = tiny(
         "rollout.max_new_tokens=10",
@@ -384,13 +385,17 @@ def test_topd_rollouts_never_exceed_the_horizon():
     )
     prompts = build_prompt_sets(cfg, tok).train
     manager = RolloutManager(pool, prompts, build_reward_runner(cfg), cfg)
+    rollouts = Rollouts(pool, PoolBackend(pool, prompts, manager.rewards, manager, cfg), scheduler_config(cfg))
     try:
-        groups, _ = manager.collect()
+        got = rollouts.next_batch(0, 0)  # the synchronous schedule's batch of step 0
+        assert got is not None
+        groups = got[0]
         lengths = [len(s.response_ids) for g in groups for s in g]
         assert len(lengths) == 16 and max(lengths) <= math.floor(0.35 * 10) == 3
         evals = manager.generate(prompts.take(4), 4, 1.0, SALT_EVAL)
         assert max(len(s.response_ids) for g in evals for s in g) > 3  # random weights rarely stop early
     finally:
+        rollouts.close()
         manager.rewards.close()
 
 

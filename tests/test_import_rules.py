@@ -132,7 +132,7 @@ CORE_FILES = (
     "runtime/loop.py",
     "runtime/rollout_manager.py",
     "runtime/scheduler.py",
-    "runtime/async_rollouts.py",
+    "runtime/rollouts.py",
     "train/rl_step.py",
     "config/rl_validate.py",
     "config/rl_recipes.py",

@@ -8,6 +8,8 @@ synchronous loop with every knob on.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 from types import SimpleNamespace
@@ -261,6 +263,7 @@ def _engine_manager(*overrides: str):
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
+    from mcore_rl.runtime.rollouts import PoolBackend
     from tests.helpers import tiny
 
     cfg = tiny("rollout.quantization=none", "rollout.max_new_tokens=6", "train.seq_length=48", *overrides)
@@ -270,7 +273,8 @@ def _engine_manager(*overrides: str):
         cfg.model, tok, num=1, quantization="none", max_running_requests=64, context_length=64, seed=0
     )
     sets = build_prompt_sets(cfg, tok)
-    return RolloutManager(pool, sets.train, build_reward_runner(cfg), cfg, recipes=active(cfg)), pool, tok
+    manager = RolloutManager(pool, sets.train, build_reward_runner(cfg), cfg)
+    return PoolBackend(pool, sets.train, manager.rewards, manager, cfg, recipes=active(cfg)), pool, tok
 
 
 def _rescue_buffer(recipes) -> RescueBuffer:
@@ -281,15 +285,15 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
     """An untrained model answers (nearly) everything wrong: op 3 makes every wrong answer the task's
     answer (reward 1) with μ the engine's log-probs of those tokens; ops 1 and 2 condition on the
     repair context and train on the continuation only; rescue brings a stored correct rollout back."""
-    manager, pool, tok = _engine_manager(
+    backend, pool, tok = _engine_manager(
         "rollout.gec.enabled=true", "rollout.gec.probs=[0, 0, 1]", "rollout.polaris.rescue=true"
     )
     try:
-        prompts = manager.prompts.take(4)
-        raw = manager.generate(prompts, None, 1.0, 1, train=True)
+        prompts = backend.prompts.take(4)
+        raw = backend.manager.generate(prompts, None, 1.0, 1, train=True)
         wrong = [(k, j) for k, g in enumerate(raw) for j, s in enumerate(g) if s.reward < 1]
         assert wrong  # an untrained model
-        fixed = manager.repair([list(g) for g in raw])
+        fixed = asyncio.run(backend.repair([list(g) for g in raw]))  # the scheduler's group steps
         model = pool.cores[0].model
         for k, j in wrong:
             s = fixed[k][j]
@@ -302,10 +306,10 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
             want = torch.log_softmax(logits[n - 1 : -1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(s.rollout_logp), want, atol=1e-4)  # μ: the engine's scoring
         # the buffer holds the policy's own correct rollouts only (not GEC's references)
-        assert all(not s.info.get("gec") for s in _rescue_buffer(manager.recipes).entries.values())
+        assert all(not s.info.get("gec") for s in _rescue_buffer(backend.recipes).entries.values())
 
-        manager.cfg.rollout.gec.probs = [0.5, 0.5, 0.0]  # ops 1 and 2
-        again = manager.repair([list(g) for g in raw])
+        backend.cfg.rollout.gec.probs = [0.5, 0.5, 0.0]  # ops 1 and 2
+        again = asyncio.run(backend.repair([list(g) for g in raw]))
         ops = {s.info.get("gec") for g in again for s in g}
         assert ops - {None} == {"reflect", "inject"}
         for k, j in wrong:
@@ -315,19 +319,52 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
             assert s.prompt.ids == old.prompt.ids + rsp + tok.encode(hint)  # the repair context
             assert s.prompt.text == old.prompt.text and s.group == old.group  # verified against the original
             assert 0 < len(s.response_ids) == len(s.rollout_logp) and all(lp <= 0 for lp in s.rollout_logp)
-            assert len(s.prompt.ids) + len(s.response_ids) <= manager.cfg.train.seq_length
+            assert len(s.prompt.ids) + len(s.response_ids) <= backend.cfg.train.seq_length
 
         # rescue: a correct rollout of this prompt is stored, then an all-wrong group of it is rescued
-        manager.recipes = [r for r in manager.recipes if r.name != "gec"]  # GEC off
+        backend.recipes = [r for r in backend.recipes if r.name != "gec"]  # GEC off
         ref = fixed[wrong[0][0]][wrong[0][1]]
-        buffer = _rescue_buffer(manager.recipes)
+        buffer = _rescue_buffer(backend.recipes)
         buffer.entries.clear()
         buffer.update([[Sample(ref.prompt, ref.group, ref.response_ids, ref.rollout_logp, 0, "stop", reward=1.0)]])
         all_wrong = [s for s in raw[wrong[0][0]] if s.reward < 1]
-        out = manager.repair([all_wrong])
+        out = asyncio.run(backend.repair([all_wrong]))
         assert [s.reward for s in out[0]] == [0.0] * (len(all_wrong) - 1) + [1.0] and out[0][-1].info["polaris_rescued"]
     finally:
-        manager.rewards.close()
+        backend.rewards.close()
+
+
+@pytest.mark.parametrize("rounds", [True, False])
+def test_rescue_substitution_and_gec_in_both_schedules(rounds):
+    """The group steps (rescue, GEC) and the batch step (substitution) run in the synchronous
+    schedule's rounds and in the streaming schedule (a round of one group, max_staleness 1), with
+    the real embedded engine and reward workers."""
+    from mcore_rl.runtime.rollouts import Rollouts
+    from mcore_rl.runtime.scheduler import SchedulerConfig
+
+    backend, pool, tok = _engine_manager(
+        "rollout.gec.enabled=true",
+        "rollout.gec.probs=[0, 0, 1]",
+        "rollout.polaris.rescue=true",
+        "rollout.polaris.substitute=true",
+    )
+    r = backend.cfg.rollout
+    cfg = SchedulerConfig(r.group_size, r.prompts_per_step, max_staleness=0 if rounds else 1, rounds=rounds)
+    rollouts = Rollouts(pool, backend, cfg)
+    try:
+        got = rollouts.next_batch(0, 0)
+        assert got is not None
+        groups, metrics = got
+        assert len(groups) == r.prompts_per_step
+        fixed = [s for g in groups for s in g if s.info.get("gec") == "reference"]
+        assert fixed and all(s.reward == 1.0 for s in fixed)  # an untrained model: GEC's op 3 fixed them
+        assert metrics["rollout/repair/gec_reference"] == len(fixed)
+        for key in ("rollout/repair/substituted_groups", "rollout/repair/rescue_buffer_prompts"):
+            assert key in metrics
+        assert ("rollout/rounds" in metrics) == rounds and ("async/staleness_mean" in metrics) != rounds
+    finally:
+        rollouts.close()
+        backend.rewards.close()
 
 
 # ------------------------------------------------------------------------------------ config
@@ -352,15 +389,12 @@ def test_config_keys_load_from_yaml_and_bad_values_name_their_key(tmp_path):
         with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace(".", r"\.") + ":"):
             validate_rl_config(_stage_config(tmp_path, "rollout.gec.enabled=true", bad), 1)
     demo = os.path.join(HERE, "configs", "demo.yaml")
-    # the asynchronous runtime refuses each knob by name
-    for key, on in (
-        ("rollout.temperature_stages", STAGES),
-        ("rollout.polaris.rescue", "rollout.polaris.rescue=true"),
-        ("rollout.polaris.substitute", "rollout.polaris.substitute=true"),
-        ("rollout.gec.enabled", "rollout.gec.enabled=true"),
-    ):
-        with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: .*rollout.runtime=sync"):
-            validate_rl_config(load_config(RLConfig, demo, ["rollout.runtime=async", on]), 1)
+    # the asynchronous runtime refuses the stages by name (it draws ahead of the learner); the group
+    # repairs are the scheduler's group and batch steps in both schedules
+    with pytest.raises(ConfigError, match=r"rollout[.]temperature_stages: .*rollout.runtime=sync"):
+        validate_rl_config(load_config(RLConfig, demo, ["rollout.runtime=async", STAGES]), 1)
+    for on in ("rollout.polaris.rescue=true", "rollout.polaris.substitute=true", "rollout.gec.enabled=true"):
+        validate_rl_config(load_config(RLConfig, demo, ["rollout.runtime=async", "rollout.max_staleness=1", on]), 1)
     with pytest.raises(ConfigError, match=r"data\.drop_solved_above: .*needs rollout\.temperature_stages"):
         validate_rl_config(load_config(RLConfig, demo, ["data.drop_solved_above=0.9"]), 1)
     with pytest.raises(ConfigError, match=r"rollout\.gec\.enabled: .*sampling_mask_replay"):

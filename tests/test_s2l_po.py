@@ -196,11 +196,6 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
         (["rollout.explorer.mix_steps=-2"], "rollout.explorer.mix_steps: must be >= 0"),
         (["rollout.explorer.share=1.5"], "rollout.explorer.share: must be in [0, 1]"),
         (["rollout.explorer.schedule=cosine"], "rollout.explorer.schedule: unknown explorer schedule 'cosine'"),
-        (
-            ["rollout.runtime=async", "rollout.max_staleness=1"],
-            "rollout.explorer: the explorer's share of each group "
-            "is drawn by the synchronous rollout manager; it needs rollout.runtime=sync",
-        ),
         (["rollout.explorer.urls=['http://127.0.0.1:1']"], "rollout.explorer.urls: the explorer needs either urls"),
         (["rollout.explorer.num_engines=0"], "rollout.explorer.num_engines: must be >= 1"),
         (["rollout.explorer.engine_cores=[[0], [1]]"], "rollout.explorer.engine_cores: needs one entry per engine"),
@@ -209,6 +204,8 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=_literal(message)):
             validate_rl_config(load_config(RLConfig, None, TINY + on + overrides), 1)
+    # the scheduler mixes the sources in both schedules
+    validate_rl_config(load_config(RLConfig, None, TINY + on + ["rollout.runtime=async", "rollout.max_staleness=1"]), 1)
     for overrides, message in [
         (["rollout.explorer.model_path=" + str(tmp_path / "nowhere")], "rollout.explorer.model_path: "),
         (["rollout.explorer.urls=['ftp://x']"], "rollout.explorer.urls[0]: must be an http(s) URL"),

@@ -1,5 +1,5 @@
 """EDGE-GRPO's guided error correction (GEC; "EDGE-GRPO: Entropy-Driven GRPO with Guided Error
-Correction", Beihang, 2025): each wrong response of a synchronous rollout round, with probabilities
+Correction", Beihang, 2025): each wrong response of a rollout round, with probabilities
 `rollout.gec.probs`, regenerated after a reflection, after a reflection and the answer, or replaced
 by the reference solution. The choice of op is `mcore_rl.algos.edge_gec.gec_ops` (pure).
 
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from mcore_rl.algos.edge_gec import INJECT, REFERENCE, REFLECT, gec_ops
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
-from mcore_rl.hooks import Recipe
+from mcore_rl.hooks import Recipe, RolloutContext
 from mcore_rl.rollout.pool import GenRequest
 from mcore_rl.runtime.rollout_manager import sample_seed, split_groups
 
@@ -41,12 +41,13 @@ def answer_text(label: Any) -> str | None:
     return label if isinstance(label, str) else str(label) if isinstance(label, (int, float)) else None
 
 
-def guided_error_correction(
-    manager: Any, groups: Sequence[Sequence[Sample]], tokenizer: Any, temperature: float
+async def guided_error_correction(
+    rollout: RolloutContext, groups: Sequence[Sequence[Sample]]
 ) -> tuple[list[list[Sample]], dict[str, int]]:
-    """EDGE-GRPO's GEC on a scored batch (see the module docstring): (groups, counts per op)."""
-    g = manager.cfg.rollout.gec
-    seed = manager.cfg.train.seed
+    """EDGE-GRPO's GEC on a round of scored groups (see the module docstring): (groups, counts per op)."""
+    g = rollout.cfg.rollout.gec
+    seed = rollout.cfg.train.seed
+    tokenizer, temperature = rollout.tokenizer, rollout.temperature
     flat = [s for grp in groups for s in grp]
     keys = [(s.prompt.index, j) for grp in groups for j, s in enumerate(grp)]
     wrong = [s.reward < g.correct_reward and not s.info.get("polaris_rescued") for s in flat]
@@ -61,7 +62,7 @@ def guided_error_correction(
         answer = answer_text(s.prompt.label)
         if answer is None:
             op = REFLECT
-        if op == REFERENCE:
+        if op == REFERENCE and answer is not None:
             ref = tokenizer.encode(answer) + [eos]
             req = GenRequest(
                 s.prompt.ids + ref, {"temperature": 0.0, "max_new_tokens": 1}, logprob_start_len=len(s.prompt.ids) - 1
@@ -73,19 +74,19 @@ def guided_error_correction(
             response = response[:-1]
         text = g.reflection + (g.answer_hint.format(answer=answer) if op == INJECT else "")
         context = s.prompt.ids + response + tokenizer.encode(text)
-        cfg = manager.cfg
+        cfg = rollout.cfg
         room = min(
-            manager.budget(s.prompt), cfg.train.seq_length - len(context), cfg.rollout.context_length - len(context)
+            rollout.budget(s.prompt), cfg.train.seq_length - len(context), cfg.rollout.context_length - len(context)
         )
         if room < 1:
             counts["no_room"] += 1
             continue
-        sp = manager.sampling_params(
+        sp = rollout.sampling_params(
             temperature, sample_seed(seed, SALT_GEC, keys[i][0], keys[i][1]), room, s.prompt.domain
         )
         regen.append((i, context, GenRequest(context, sp), op))
     reqs = [r for _, _, r, _ in regen] + [r for _, r, _, _ in score]
-    gens = manager.engines.generate(reqs) if reqs else []
+    gens = await rollout.generate_many(reqs) if reqs else []
     repaired: dict[int, str] = {}  # flat index -> op name
     for (i, context, _, op), gen in zip(regen, gens[: len(regen)]):
         s = flat[i]
@@ -116,7 +117,7 @@ def guided_error_correction(
         repaired[i] = "reference"
         counts["reference"] += 1
     if repaired:
-        manager.score([flat[i] for i in repaired])  # (scoring resets `info`: the op is marked after it)
+        await rollout.score_rewards([flat[i] for i in repaired])  # (scoring resets `info`: the op is marked after it)
         for i, op_name in repaired.items():
             flat[i].info["gec"] = op_name
         counts["fixed"] = sum(flat[i].reward >= g.correct_reward for i in repaired)
@@ -137,11 +138,6 @@ class GuidedErrorCorrection(Recipe):
         r, g = cfg.rollout, cfg.rollout.gec
         if not g.enabled:
             return
-        errors.need(
-            r.runtime == "sync",
-            "rollout.gec.enabled",
-            "repairs the wrong responses of a synchronous batch; it needs rollout.runtime=sync",
-        )
         probs = list(g.probs)
         errors.need(
             len(probs) == 3 and min(probs, default=-1) >= 0 and abs(sum(probs) - 1) <= 1e-9,
@@ -167,6 +163,8 @@ class GuidedErrorCorrection(Recipe):
             "algorithm.routing_replay r2 or none",
         )
 
-    def repair_round(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
-        groups, counts = guided_error_correction(rollout, groups, rollout.tokenizer, rollout.temperature)
+    async def repair_round(
+        self, groups: list[list[Sample]], rollout: RolloutContext
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        groups, counts = await guided_error_correction(rollout, groups)
         return groups, {f"gec_{k}": float(v) for k, v in counts.items()}

@@ -1,5 +1,5 @@
 """POLARIS ("POLARIS: a post-training recipe for scaling RL on advanced reasoning models", HKU &
-ByteDance & Fudan, 2025): zero-signal groups of a synchronous rollout batch repaired by rollout
+ByteDance & Fudan, 2025): zero-signal groups of a rollout batch repaired by rollout
 rescue and intra-batch substitution.
 
 The decisions (which groups, which samples) are pure functions in `mcore_rl.algos.polaris`; this
@@ -32,7 +32,7 @@ from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE
 from mcore_rl.algos.polaris import rescue_plan, substitution_plan
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
-from mcore_rl.hooks import Recipe
+from mcore_rl.hooks import Recipe, RolloutContext
 from mcore_rl.runtime.rollout_manager import split_groups
 from mcore_rl.runtime.scheduler import sample_from_state
 
@@ -137,13 +137,7 @@ class Polaris(Recipe):
 
     @classmethod
     def check(cls, cfg: Any, errors: Errors) -> None:
-        p, sync = cfg.rollout.polaris, cfg.rollout.runtime == "sync"
-        for name, on in (("rescue", p.rescue), ("substitute", p.substitute)):
-            errors.need(
-                not on or sync,
-                f"rollout.polaris.{name}",
-                "repairs the groups of one synchronous batch; it needs rollout.runtime=sync",
-            )
+        p = cfg.rollout.polaris
         errors.need(
             p.rescue_buffer_prompts >= 1,
             "rollout.polaris.rescue_buffer_prompts",
@@ -153,7 +147,9 @@ class Polaris(Recipe):
             math.isfinite(p.correct_reward), "rollout.polaris.correct_reward", f"must be finite, got {p.correct_reward}"
         )
 
-    def repair_round(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
+    async def repair_round(
+        self, groups: list[list[Sample]], rollout: RolloutContext
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
         if self.rescue_buffer is None:
             return groups, {}
         groups, n = self.rescue_buffer.rescue(groups)
@@ -166,7 +162,9 @@ class Polaris(Recipe):
         self.rescue_buffer.update(groups)
         return {"rescue_buffer_prompts": float(len(self.rescue_buffer.entries))}
 
-    def finish_batch(self, groups: list[list[Sample]], rollout: Any) -> tuple[list[list[Sample]], dict[str, float]]:
+    def finish_batch(
+        self, groups: list[list[Sample]], rollout: RolloutContext
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
         if not self.cfg.rollout.polaris.substitute:
             return groups, {}
         groups, n = substitute(groups, self.cfg.algorithm.dynamic_sampling.std_tolerance)

@@ -74,7 +74,7 @@ class SmallModelExplorer(Recipe):
     @classmethod
     def check(cls, cfg: Any, errors: Errors) -> None:
         """Servers or a checkpoint (not both), a schedule that is registered and accepts `share` /
-        `mix_steps`, the synchronous runtime, no routing replay. Reachability and the tokenizer are
+        `mix_steps`, no routing replay. Reachability and the tokenizer are
         checked when the trainer connects (`rollout/explorer.py`)."""
         x, key = cfg.rollout.explorer, "rollout.explorer"
         if not x.enabled:
@@ -92,12 +92,6 @@ class SmallModelExplorer(Recipe):
                 algos.get("explorer_schedule", x.schedule)(0, 1, mix_steps=x.mix_steps, share=x.share)
             except OptionError as err:
                 errors.need(False, f"{key}.{err.option}", err.message)
-        errors.need(
-            cfg.rollout.runtime == "sync",
-            key,
-            "the explorer's share of each group is drawn by the synchronous rollout manager; it needs "
-            "rollout.runtime=sync (the async scheduler does not mix sources)",
-        )
         errors.need(
             cfg.algorithm.routing_replay != "r3",
             key,

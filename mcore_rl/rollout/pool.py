@@ -200,10 +200,13 @@ def build_engine_pool(
 
 
 class EmbeddedEnginePool:
-    """`EngineCore`s in this process, stepped in turn until every request has finished."""
+    """`EngineCore`s in this process, stepped in turn until every request has finished: all at
+    once (`generate`), or from an event loop one step at a time (`agenerate`)."""
 
     def __init__(self, cores: Sequence[Any]) -> None:
         self.cores = list(cores)
+        self._arriving: list[tuple[GenRequest, asyncio.Future[Generation]]] = []  # for `agenerate`
+        self._stepper: asyncio.Task[None] | None = None
 
     @classmethod
     def build(
@@ -259,12 +262,12 @@ class EmbeddedEnginePool:
 
         return InProcessTransport(self.cores)
 
-    def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
+    def _add(self, requests: Sequence[GenRequest]) -> list[str]:
+        """Hand `requests` to the engines in turn (request i to engine i mod n); their request ids."""
         from mcore_rl.rollout.engine.core import Request
         from mcore_rl.rollout.engine.sampling import SamplingParams
 
         rids = [r.rid or uuid.uuid4().hex for r in requests]
-        where: dict[str, int] = {}
         for i, (req, rid) in enumerate(zip(requests, rids)):
             self.cores[i % len(self.cores)].add_request(
                 Request(
@@ -277,41 +280,90 @@ class EmbeddedEnginePool:
                     logprob_start_len=req.logprob_start_len if req.logprob_start_len is not None else -1,
                 )
             )
-            where[rid] = i
+        return rids
+
+    def _step(self, wanted: Callable[[str], GenRequest | None]) -> tuple[bool, list[tuple[str, Generation]]]:
+        """One step of every engine with work: (whether any had work, the finished requests that
+        `wanted` knows, as (rid, Generation))."""
+        done: list[tuple[str, Generation]] = []
+        progressed = False
+        for j, core in enumerate(self.cores):
+            if not core.has_work():
+                continue
+            progressed = True
+            for out in core.step():
+                req = wanted(out.rid) if out.finished else None
+                if req is None:
+                    continue
+                mask = req.return_sampling_mask
+                gen = Generation(
+                    list(out.output_ids),
+                    [lp for lp, _ in out.output_token_logprobs],
+                    int(out.weight_version),
+                    (out.finish_reason or {}).get("type", "abort"),
+                    out.text or "",
+                    f"embedded:{j}",
+                    routed_experts=out.routed_experts,
+                    output_sampling_masks=out.output_token_sampling_mask if mask else None,
+                    output_sampling_logprobs=out.output_token_sampling_logprobs if mask else None,
+                    input_logprobs=(
+                        [float(lp) for lp, _ in out.input_token_logprobs[1:]]
+                        if req.logprob_start_len is not None
+                        else None
+                    ),
+                )
+                done.append((out.rid, gen))
+        return progressed, done
+
+    def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
+        rids = self._add(requests)
+        where = {rid: i for i, rid in enumerate(rids)}
         results: list[Generation | None] = [None] * len(requests)
         pending = len(requests)
         while pending:
-            progressed = False
-            for j, core in enumerate(self.cores):
-                if not core.has_work():
-                    continue
-                progressed = True
-                for out in core.step():
-                    if not out.finished or out.rid not in where:
-                        continue
-                    mask = requests[where[out.rid]].return_sampling_mask
-                    results[where[out.rid]] = Generation(
-                        list(out.output_ids),
-                        [lp for lp, _ in out.output_token_logprobs],
-                        int(out.weight_version),
-                        (out.finish_reason or {}).get("type", "abort"),
-                        out.text or "",
-                        f"embedded:{j}",
-                        routed_experts=out.routed_experts,
-                        output_sampling_masks=out.output_token_sampling_mask if mask else None,
-                        output_sampling_logprobs=out.output_token_sampling_logprobs if mask else None,
-                        input_logprobs=(
-                            [float(lp) for lp, _ in out.input_token_logprobs[1:]]
-                            if requests[where[out.rid]].logprob_start_len is not None
-                            else None
-                        ),
-                    )
-                    pending -= 1
-                    if on_done is not None:
-                        on_done()
+            progressed, done = self._step(lambda rid: requests[where[rid]] if rid in where else None)
+            for rid, gen in done:
+                results[where[rid]] = gen
+                pending -= 1
+                if on_done is not None:
+                    on_done()
             if not progressed:
                 raise RuntimeError(f"embedded engines went idle with {pending} requests unfinished")
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # every slot was filled: pending reached 0
+
+    async def agenerate(self, req: GenRequest) -> Generation:
+        """One request from a running event loop (the rollout scheduler's call): the requests that
+        arrive within one turn of the loop join the engines together, as one `generate` call's
+        would, and a stepping task runs the engines, yielding to the loop after every step."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Generation] = loop.create_future()
+        self._arriving.append((req, fut))
+        if self._stepper is None or self._stepper.done():
+            self._stepper = loop.create_task(self._run_engines())
+        return await fut
+
+    async def _run_engines(self) -> None:
+        running: dict[str, tuple[GenRequest, asyncio.Future[Generation]]] = {}
+        try:
+            while self._arriving or running:
+                if self._arriving:
+                    batch, self._arriving = self._arriving, []
+                    for rid, (req, fut) in zip(self._add([r for r, _ in batch]), batch):
+                        running[rid] = (req, fut)
+                progressed, done = self._step(lambda rid: running[rid][0] if rid in running else None)
+                for rid, gen in done:
+                    _, fut = running.pop(rid)
+                    if not fut.done():
+                        fut.set_result(gen)
+                if not progressed and running:
+                    raise RuntimeError(f"embedded engines went idle with {len(running)} requests unfinished")
+                await asyncio.sleep(0)  # let the finished requests' callers go on (and new ones arrive)
+        except BaseException as err:
+            for _, fut in [*running.values(), *self._arriving]:
+                if not fut.done():
+                    fut.set_exception(err if isinstance(err, Exception) else RuntimeError("engine stepping cancelled"))
+            self._arriving = []
+            raise
 
     def close(self) -> None:
         pass

@@ -5,8 +5,9 @@
   reads as the RL algorithm, the parts do the work: `mcore_rl.data` (prompt streams, tasks),
   `mcore_rl.rollout` (the engine pool), `mcore_rl.rewards`, `mcore_rl.train` (policy, RL step,
   weight sync);
-- `rollout_manager`: G completions per prompt from the engine pool, scored, dynamic sampling;
-- `async_rollouts` over `scheduler` and `staleness`: the asynchronous runtime's buffer and gate;
+- `rollouts` over `scheduler` and `staleness`: the one rollout path, in the synchronous schedule
+  (rounds) or the streaming one (buffer and gate), with the recipes' group and batch steps;
+- `rollout_manager`: sampling parameters, seeds and rewards; evaluation and validation batches;
 - `accounting`: where every drawn prompt went; `evaluate`: held-out pass@1 / avg@k.
 """
 

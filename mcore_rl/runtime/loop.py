@@ -1,6 +1,6 @@
 """The RL loop driver, `mcore-rl train` (docs/design.md#data-flow):
 
-    prompts -> rollout manager -> engine(s): tokens, μ, policy version -> rewards
+    prompts -> rollout scheduler -> engine(s): tokens, μ, policy version -> rewards
     -> learner: π_old (and π_ref), advantages, mismatch correction, optimizer steps over mini-batches
     -> weight sync to the engine(s) -> periodic held-out evaluation -> checkpoints -> next step.
 
@@ -8,17 +8,19 @@ Paper methods that need more than a pure tensor function act through the hooks o
 (`mcore_rl/hooks.py`, one module each in `mcore_rl/recipes/`); the loop calls the hooks of the
 active recipes at fixed points of the step and names none of them.
 
-Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights,
-the learner trains on it, the new weights are synced, and only then is the next batch generated.
-Asynchronous (`rollout.runtime: async`, `runtime.async_rollouts`): the engines are processes that
-generate all the time; the scheduler on rank 0 keeps them busy within the staleness bound and the
-learner takes each batch from its buffer. With `max_staleness: 0` it gives the synchronous loop's
-samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s, or clients of HTTP
-servers) and broadcasts each batch of samples to the other ranks; every rank runs the learner.
+Rollouts take one path (`runtime/rollouts.py` over `runtime/scheduler.py`) in two schedules.
+Synchronous (`rollout.runtime: sync`): the engines generate one batch with the current weights, in
+rounds the scheduler submits together, the learner trains on it, the new weights are synced, and
+only then is the next batch generated. Asynchronous (`rollout.runtime: async`): the engines are
+processes that generate all the time; the scheduler on rank 0 streams groups within the staleness
+bound and the learner takes each batch from its buffer. With `max_staleness: 0` it gives the
+synchronous schedule's samples and losses. Global rank 0 holds the engines (embedded `EngineCore`s,
+or clients of HTTP servers) and broadcasts each batch of samples to the other ranks; every rank
+runs the learner.
 
 A checkpoint (after a rollout step) holds the model, optimizer moments, LR schedule, RNG streams,
-the prompt streams' positions, the recipes' states, the step/version counters, the sample ledger
-and (async) the buffered groups and the prompts in flight, so a resumed run draws the same prompts,
+the prompt streams' positions, the recipes' states, the step/version counters, the scheduler's
+sample ledger, buffered groups and prompts in flight, so a resumed run draws the same prompts,
 neither repeats nor skips one, and continues the same metrics a run without interruption would
 (records a killed run logged after its last checkpoint are dropped first, so each step appears
 once). `accounting.json` in the run directory says where every drawn prompt went.
@@ -31,7 +33,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -47,6 +49,9 @@ from mcore_rl.observe.run import RunObserver
 from mcore_rl.observe.sinks import read_metrics
 from mcore_rl.progress import is_rank0 as _rank0
 from mcore_rl.progress import log_line as _log
+
+if TYPE_CHECKING:
+    from mcore_rl.runtime.rollouts import Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +96,12 @@ class RLRun:
         self.engines: Any = None
         self.weight_sync: Any = None
         self.manager: Any = None
-        self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
+        self.rollout_source: Rollouts | None = None  # rank 0: the scheduler, in either schedule
         self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
         self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
-        self._rollout_state: dict | None = None  # the async scheduler's state from a checkpoint
-        from mcore_rl.runtime.accounting import SampleLedger
-
-        self.ledger = SampleLedger()  # sync runtime (the async scheduler keeps its own)
+        self._rollout_state: dict | None = None  # the scheduler's state from a checkpoint
+        self._resumed_ledger: dict | None = None  # a checkpoint's ledger without scheduler state
         self.eval_history: list[dict[str, float]] = []
         self.init_metrics: dict[str, float] = {}
 
@@ -128,9 +131,8 @@ class RLRun:
             self.state = LoopState(**rl["state"])
             self.prompts.load_state_dict(rl["prompts"])
             self.val_prompts.load_state_dict(rl["val_prompts"])
-            if rl.get("ledger"):
-                self.ledger.load_state_dict(rl["ledger"])
             self._rollout_state = rl.get("rollout")
+            self._resumed_ledger = rl.get("ledger")
             for recipe in self.recipes:
                 if recipe.state_key is not None and rl.get(recipe.state_key):
                     recipe.load_state_dict(rl[recipe.state_key])
@@ -222,6 +224,7 @@ class RLRun:
     def _build_engines(self) -> None:
         from mcore_rl.rollout.pool import build_engine_pool
         from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
+        from mcore_rl.runtime.rollouts import PoolBackend, Rollouts, scheduler_config
         from mcore_rl.train.weight_sync import WeightSync
 
         cfg, r = self.cfg, self.cfg.rollout
@@ -240,21 +243,25 @@ class RLRun:
                 transport.pause_mode = r.pause_mode
             for recipe in self.recipes:
                 recipe.engines_ready(self)  # e.g. a recipe's own engines (checked before training)
-            self.manager = RolloutManager(
-                self.engines, self.prompts, build_reward_runner(cfg), cfg, recipes=self.recipes
+            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
+            if self._rollout_state is not None:
+                self.prompts.load_state_dict(self._rollout_state["prompts"])
+            # engine teachers score right after the rewards in the streaming schedule
+            streaming = r.runtime == "async" and self.teachers is not None and self.teachers.engine_teachers
+            backend = PoolBackend(
+                self.engines,
+                self.prompts,
+                self.manager.rewards,
+                self.manager,
+                cfg,
+                teachers=self.teachers if streaming else None,
+                recipes=self.recipes,
             )
-            if r.runtime == "async":
-                from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
-
-                if self._rollout_state is not None:
-                    self.prompts.load_state_dict(self._rollout_state["prompts"])
-                teachers = self.teachers if self.teachers is not None and self.teachers.engine_teachers else None
-                backend = PoolBackend(
-                    self.engines, self.prompts, self.manager.rewards, self.manager, cfg, teachers=teachers
-                )  # engine teachers score right after the rewards
-                self.async_rollouts = AsyncRollouts(
-                    self.engines, backend, scheduler_config(cfg), self._rollout_state, steps_done=self.state.rl_step
-                )
+            self.rollout_source = Rollouts(
+                self.engines, backend, scheduler_config(cfg), self._rollout_state, steps_done=self.state.rl_step
+            )
+            if self._rollout_state is None and self._resumed_ledger:  # a checkpoint of the synchronous loop
+                self.rollout_source.scheduler.ledger.load_state_dict(self._resumed_ledger)
         self.weight_sync = WeightSync(
             self.chunks,
             cfg.model,
@@ -275,17 +282,16 @@ class RLRun:
     # ---------------------------------------------------------------- one step
 
     def rollouts(self) -> tuple[list[Sample], dict[str, float]]:
-        """The next training batch (every rank): collected now (sync), or from the buffer (async)."""
+        """The next training batch (every rank): from the rollout scheduler on rank 0, broadcast."""
         from mcore_rl.runtime.rollout_manager import reward_metrics
 
         start = time.perf_counter()
-        if self.manager is not None:
-            self.manager.step = self.state.rl_step  # the distillation horizon of this step (POPD grows it)
         per_domain = bool(self.cfg.data.domains)  # a multi-domain run: metrics by domain too
         while True:
             msg: Any = None
-            if self.rank0 and self.async_rollouts is not None:
-                got = self.async_rollouts.next_batch(self.state.version)
+            if self.rank0:
+                assert self.rollout_source is not None
+                got = self.rollout_source.next_batch(self.state.version, self.state.rl_step)
                 msg = (
                     ("resync",)
                     if got is None
@@ -294,17 +300,6 @@ class RLRun:
                         [s for g in got[0] for s in g],
                         {**reward_metrics(got[0], per_domain=per_domain), **got[1]},
                     )
-                )
-            elif self.rank0:
-                groups, stats = self.manager.collect(self.state.rl_step)
-                self.ledger.drawn += stats.prompts_drawn
-                self.ledger.count_trained(groups)
-                if stats.prompts_drawn > len(groups):
-                    self.ledger.filtered["constant_reward"] += stats.prompts_drawn - len(groups)
-                msg = (
-                    "batch",
-                    [s for g in groups for s in g],
-                    {**reward_metrics(groups, per_domain=per_domain), **stats.metrics()},
                 )
             msg = broadcast(msg)
             if msg[0] == "batch":
@@ -361,30 +356,27 @@ class RLRun:
             self.released_s += time.perf_counter() - start
 
     def step_done(self) -> None:
-        """The step's weights are synced (and evaluated, saved): the async gate opens one step further."""
-        if self.async_rollouts is not None:
-            self.async_rollouts.step_done(self.state.version)
+        """The step's weights are synced (and evaluated, saved): the gate opens one step further."""
+        if self.rollout_source is not None:
+            self.rollout_source.step_done(self.state.version)
 
     def write_accounting(self) -> dict | None:
         """`accounting.json`: where every drawn prompt went (rank 0)."""
-        if not self.rank0:
+        if not self.rank0 or self.rollout_source is None:
             return None
-        path = os.path.join(self.cfg.run_dir, "accounting.json")
-        if self.async_rollouts is not None:
-            return self.async_rollouts.write_report(path)
-        return self.ledger.write(path, 0, self.cfg.rollout.group_size)
+        return self.rollout_source.write_report(os.path.join(self.cfg.run_dir, "accounting.json"))
 
     def save(self) -> str:
         from mcore_rl.train import checkpoint
 
-        rollout_state = self.async_rollouts.state_dict() if self.async_rollouts is not None else None
+        rollout_state = self.rollout_source.state_dict() if self.rollout_source is not None else None
         common = {
             "model": config_to_dict(self.cfg.model),
             "rl": {
                 "state": asdict(self.state),
                 "prompts": rollout_state["prompts"] if rollout_state is not None else self.prompts.state_dict(),
                 "val_prompts": self.val_prompts.state_dict(),
-                "ledger": self.ledger.state_dict(),
+                "ledger": rollout_state["ledger"] if rollout_state is not None else None,
                 "rollout": rollout_state,
                 "distill": self.learner.distill_state_dict() if self.learner is not None else {},
                 **{r.state_key: r.state_dict() for r in self.recipes if r.state_key is not None},
@@ -437,8 +429,8 @@ class RLRun:
         )
 
     def close(self) -> None:
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()
+        if self.rollout_source is not None:
+            self.rollout_source.close()
         if self.teachers is not None:
             self.teachers.close()
         else:  # initialise failed between connecting the engine teachers and building the set

@@ -1,4 +1,4 @@
-"""The rollout manager: prompts -> G completions each from the engine(s) -> rewards -> groups.
+"""The rollout manager: prompts -> n completions each from the engine(s) -> rewards -> groups.
 
 Runs on global rank 0 (which holds the engines). Each completion becomes a `Sample` carrying its
 provenance: the weight version the engine generated it with and μ, the engine's log-prob of every
@@ -10,14 +10,10 @@ domains, which calls a sync reward in worker processes that it kills at the time
 that raises, hangs or exits marks its sample with `reward_error` (and `error_reward`), and the run
 goes on. Each sample is scored by its domain's heads (`Sample.reward_heads`) and its reward is
 their weighted sum. Each domain samples with its own top-p/top-k, response budget and group size.
-With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
-drawn until the batch is full or the round budget is spent.
-
-Recipes (`mcore_rl/hooks.py`) act on the rollout through their hooks, in registration order: a
-recipe with a second source of samples writes the first `co_samples(step, G)` samples of each
-training group (marked with its `source`, carrying its μ); `repair_round` / `observe_round` see
-every round of scored training groups, `finish_batch` the kept batch; their counts are logged as
-`rollout/repair/*`.
+Training batches are drawn by the rollout scheduler (`runtime/rollouts.py` over `scheduler.py`),
+which uses this module's sampling parameters, seeds and rewards; the manager itself generates the
+batches that are not trained on: held-out evaluation (`evaluate.py`) and the recipes' validation
+batches.
 """
 
 from __future__ import annotations
@@ -25,20 +21,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mcore_rl.agent.episodes import episode_metrics
 from mcore_rl.agent.groups import EpisodeGroups
-from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
-from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
+from mcore_rl.algos.dynamic_sampling import is_constant
+from mcore_rl.data.domains import DomainSpec, MixtureSource, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
-from mcore_rl.hooks import Recipe
-from mcore_rl.progress import progress
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
 
@@ -165,60 +157,15 @@ def build_reward_runner(cfg: Any) -> DomainRewards:
     return rewards
 
 
-@dataclass
-class RolloutStats:
-    prompts_drawn: int = 0
-    groups_kept: int = 0
-    rounds: int = 0
-    seconds_generate: float = 0.0
-    seconds_reward: float = 0.0
-    fallback: bool = False  # dynamic sampling kept no group; the last round was used unfiltered
-    recipes: dict[str, float] = field(default_factory=dict)  # the recipes' `rollout_metrics`
-    repair: dict[str, float] = field(default_factory=dict)  # the recipes' group repairs (rollout/repair/*)
-    temperature: float = math.nan  # the sampling temperature of the batch (a stage's)
-    episodes: dict[str, float] = field(default_factory=dict)  # multi-turn domains: `episode/*`
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "rollout/prompts_drawn": float(self.prompts_drawn),
-            "rollout/groups_kept": float(self.groups_kept),
-            "rollout/rounds": float(self.rounds),
-            "time/generate_s": self.seconds_generate,
-            "time/reward_s": self.seconds_reward,
-            "rollout/dynamic_sampling_fallback": float(self.fallback),
-            **self.recipes,
-            "rollout/temperature": self.temperature,
-            **{f"rollout/repair/{k}": v for k, v in self.repair.items()},
-            **self.episodes,
-        }
-
-
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(
-        self,
-        engines: EnginePool,
-        prompts: PromptSource,
-        rewards: DomainRewards,
-        cfg: Any,
-        recipes: Sequence[Recipe] = (),
-    ) -> None:
+    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
-        self.recipes = list(recipes)  # their rollout-side hooks (mcore_rl/hooks.py)
-        sources = [r for r in self.recipes if r.source is not None]
-        if len(sources) > 1:
-            raise ValueError(f"recipes {[r.name for r in sources]} each generate part of a group; at most one may")
-        self.co_source: Recipe | None = sources[0] if sources else None  # a second source of samples
         self.domains = rewards.specs
-        self.step = 0  # the rollout step being collected (the distillation horizon grows with it)
-        self.repair_counts: dict[str, float] = {}
+        self.step = 0  # the training step the rollouts are for (the distillation horizon grows with it)
         # the multi-turn domains: their prompts' groups are episodes of an environment (`mcore_rl.agent`)
         self.episodes = EpisodeGroups.from_config(cfg, self.tokenizer) if cfg.data.domains else None
-
-    def co_count(self, group_size: int) -> int:
-        """How many of a training group's `group_size` samples the second source draws at this step."""
-        return self.co_source.co_samples(self.step, group_size) if self.co_source is not None else 0
 
     def budget(self, prompt: Prompt) -> int:
         """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
@@ -269,8 +216,6 @@ class RolloutManager:
 
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
-        if self.episodes is not None and any(self.episodes.handles(p) for p in prompts):
-            return self._generate_episodes(prompts, sizes, temperature, salt, train, on_done)
         routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
         # sampling-mask replay: every sampled request (training, and a validation batch whose μ the learner
         # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
@@ -290,202 +235,47 @@ class RolloutManager:
             for p, k in zip(prompts, sizes)
             for j in range(k)
         ]
-        # the first co_count(k) samples of each training group from the recipe that has a second source
-        counts = [self.co_count(k) if train else 0 for k in sizes]
-        explore = [j < w for k, w in zip(sizes, counts) for j in range(k)]
         start = time.perf_counter()
-        gens = self._generate_mixed(reqs, explore, on_done)
+        gens = self.engines.generate(reqs, on_done)
         self.last_generate_s = time.perf_counter() - start
         owners = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         samples = []
-        version = self.engines.weight_version if any(explore) else 0  # the policy's: the batch trains at it
-        for p, g, x in zip(owners, gens, explore):
-            lp = list(g.output_logprobs if not mask else g.output_sampling_logprobs)
+        for p, g in zip(owners, gens):
+            lp = list(g.output_logprobs if not mask else g.output_sampling_logprobs or ())
             if len(lp) != len(g.output_ids):
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
-            if x:  # the second source's μ; its version is the policy's (staleness is the policy's), its engine marked
-                src = self.co_source.source if self.co_source is not None else "policy"
-                samples.append(
-                    Sample(
-                        p,
-                        p.index,
-                        list(g.output_ids),
-                        lp,
-                        version,
-                        g.finish_reason,
-                        g.text,
-                        f"{src}@{g.engine}",
-                        source=src,
-                    )
+            samples.append(
+                Sample(
+                    p,
+                    p.index,
+                    list(g.output_ids),
+                    lp,
+                    g.weight_version,
+                    g.finish_reason,
+                    g.text,
+                    g.engine,
+                    routed_experts=compact_routing(g.routed_experts),
                 )
-            else:
-                samples.append(
-                    Sample(
-                        p,
-                        p.index,
-                        list(g.output_ids),
-                        lp,
-                        g.weight_version,
-                        g.finish_reason,
-                        g.text,
-                        g.engine,
-                        routed_experts=compact_routing(g.routed_experts),
-                    )
-                )
+            )
             if mask:
-                samples[-1].sampling_mask_ids, samples[-1].sampling_mask_counts = flat_masks(g.output_sampling_masks)
+                samples[-1].sampling_mask_ids, samples[-1].sampling_mask_counts = flat_masks(
+                    g.output_sampling_masks or ()
+                )
         start = time.perf_counter()
         self.score(samples)
         self.last_reward_s = time.perf_counter() - start
         ends = np.cumsum([0] + sizes)
         return [samples[ends[i] : ends[i + 1]] for i in range(len(prompts))]
 
-    def _generate_episodes(
-        self,
-        prompts: Sequence[Prompt],
-        sizes: list[int],
-        temperature: float,
-        salt: int,
-        train: bool,
-        on_done: Callable[[], None] | None,
-    ) -> list[list[Sample]]:
-        """`generate` for a batch with environment prompts: their groups are episodes (the runner
-        scores them with the environment's return), the other prompts' groups are generated as usual."""
-        import time
-
-        assert self.episodes is not None
-        mine = [i for i, p in enumerate(prompts) if self.episodes.handles(p)]
-        rest = [i for i in range(len(prompts)) if i not in set(mine)]
-        seed = self.cfg.train.seed
-        start = time.perf_counter()
-        episodic = self.episodes.run_sync(
-            [prompts[i] for i in mine],
-            [
-                [
-                    self.sampling_params(
-                        temperature, sample_seed(seed, salt, prompts[i].index, j), None, prompts[i].domain
-                    )
-                    for j in range(sizes[i])
-                ]
-                for i in mine
-            ],
-            self.engines.generate,
-            [self.budget(prompts[i]) if train else prompts[i].max_new_tokens for i in mine],
-        )
-        if on_done is not None:
-            for _ in range(sum(sizes[i] for i in mine)):
-                on_done()
-        seconds = time.perf_counter() - start
-        plain = self.generate([prompts[i] for i in rest], None, temperature, salt, train, on_done) if rest else []
-        self.last_generate_s = seconds + (self.last_generate_s if rest else 0.0)
-        self.last_reward_s = self.last_reward_s if rest else 0.0
-        out: list[list[Sample]] = [[] for _ in prompts]
-        for i, g in zip(mine, episodic):
-            out[i] = g
-        for i, g in zip(rest, plain):
-            out[i] = g
-        return out
-
-    def _generate_mixed(
-        self, reqs: list[GenRequest], explore: list[bool], on_done: Callable[[], None] | None = None
-    ) -> list[Any]:
-        """The generations of `reqs` in order: those marked in `explore` from the second source
-        (sent first, so they run while the policy's engines generate), the others from the policy's."""
-        if not any(explore):
-            return self.engines.generate(reqs, on_done)
-        assert self.co_source is not None
-        pending = self.co_source.co_submit([r for r, x in zip(reqs, explore) if x])
-        mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x], on_done))
-        second = pending.result()
-        for _ in second if on_done is not None else ():
-            on_done()
-        theirs = iter(second)
-        return [next(theirs) if x else next(mine) for x in explore]
-
-    def recipe_metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in self.recipes:
-            out.update(r.rollout_metrics(groups, self.step))
-        return out
-
     def score(self, samples: list[Sample]) -> None:
         self.rewards.score_sync(samples)
-
-    def _train_groups(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
-        # a transient bar under the run's: a real model's rollout takes minutes
-        total = sum(self.group_size(p) for p in prompts)
-        with progress(total, "rollout", "sample", enabled=self.cfg.logging.progress_bar, leave=False) as bar:
-            groups = self.generate(prompts, None, self.temperature, SALT_TRAIN, train=True, on_done=bar.update)
-        self.prompts.observe(groups)  # per-prompt accuracy, for a stage's filter of solved prompts
-        return self.repair(groups)
-
-    def _count(self, key: str, n: float) -> None:
-        self.repair_counts[key] = self.repair_counts.get(key, 0.0) + float(n)
-
-    def repair(self, groups: list[list[Sample]]) -> list[list[Sample]]:
-        """One round's scored groups after every recipe's `repair_round`, then `observe_round`."""
-        for r in self.recipes:
-            groups, counts = r.repair_round(groups, self)
-            for k, v in counts.items():
-                self._count(k, v)
-        for r in self.recipes:
-            self.repair_counts.update(r.observe_round(groups))
-        return groups
 
     @property
     def tokenizer(self) -> Any:
         src = self.prompts
-        return src.tokenizer if hasattr(src, "tokenizer") else next(iter(src.sources.values())).tokenizer
-
-    def collect(self, step: int | None = None) -> tuple[list[list[Sample]], RolloutStats]:
-        """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
-        sampling: groups with non-constant rewards, possibly fewer when the round budget runs out).
-        `step`: the training step, which picks the mixture's stage."""
-        r, ds = self.cfg.rollout, self.cfg.algorithm.dynamic_sampling
-        if step is not None:
-            self.prompts.set_step(step)
-            self.step = step
-        stats = RolloutStats(temperature=self.temperature)
-        self.repair_counts = {}
-        if not ds.enabled:
-            prompts = self.prompts.take(r.prompts_per_step)
-            groups = self._train_groups(prompts)
-            stats.prompts_drawn, stats.groups_kept, stats.rounds = len(prompts), len(groups), 1
-            stats.seconds_generate, stats.seconds_reward = self.last_generate_s, self.last_reward_s
-            groups = self._finish(groups, stats)
-            stats.recipes = self.recipe_metrics(groups)
-            stats.episodes = episode_metrics(groups)
-            return groups, stats
-        refill: GroupRefill[Sample] = GroupRefill(
-            r.prompts_per_step, max_rounds=ds.max_rounds, max_oversample=ds.max_oversample, tol=ds.std_tolerance
-        )
-        groups: list[list[Sample]] = []
-        while not refill.done and not refill.exhausted:
-            prompts = self.prompts.take(refill.prompts_to_request())
-            groups = self._train_groups(prompts)
-            refill.add(groups, [[s.reward for s in g] for g in groups])
-            stats.prompts_drawn += len(prompts)
-            stats.seconds_generate += self.last_generate_s
-            stats.seconds_reward += self.last_reward_s
-        stats.rounds = refill.rounds
-        batch = refill.take()
-        stats.groups_kept = len(batch)
-        if not batch:  # no group with a reward signal in the whole budget: train on the last round
-            stats.fallback = True  # (zero advantages: the update only moves by the KL/entropy terms)
-            batch = groups
-        batch = self._finish(batch, stats)
-        stats.recipes = self.recipe_metrics(batch)
-        stats.episodes = episode_metrics(batch)
-        return batch, stats
-
-    def _finish(self, groups: list[list[Sample]], stats: RolloutStats) -> list[list[Sample]]:
-        """The recipes' `finish_batch` on the final batch; the repair counts into `stats`."""
-        for r in self.recipes:
-            groups, counts = r.finish_batch(groups, self)
-            for k, v in counts.items():
-                self._count(k, v)
-        stats.repair = dict(self.repair_counts)
-        return groups
+        if isinstance(src, MixtureSource):  # every domain's stream has the run's tokenizer
+            return next(iter(src.sources.values())).tokenizer
+        return src.tokenizer
 
 
 def reward_metrics(groups: list[list[Sample]], prefix: str = "reward", per_domain: bool = False) -> dict[str, float]:

@@ -1,4 +1,10 @@
-"""The asynchronous rollout scheduler: engines kept busy, staleness gated at submission, a buffer.
+"""The rollout scheduler, the one rollout path: engines kept busy, staleness gated at submission.
+
+Two schedules. Streaming (`rollout.runtime: async`), below. Synchronous (`SchedulerConfig.rounds`,
+max_staleness 0): each batch is drawn when the learner asks for it (`next_batch`), in rounds of
+groups submitted together, the filtered and failed ones refilled by further rounds. Both produce a
+group the same way (`produce_group`), score it, run the round's group steps (`backend.repair`),
+filter it, and run the batch steps (`backend.finish`) as the batch is handed out.
 
 One coroutine (`run`) submits groups (a prompt x G samples) while the staleness gate, the in-flight
 bound and the buffer bound allow; each group runs as its own task: G requests to the engines,
@@ -11,7 +17,7 @@ over to another engine; with no engine left the request waits (an engine may com
 `no_engine_timeout_s` the run stops with a clear error.
 
 The scheduler knows nothing of HTTP or of the trainer: it runs on any asyncio loop through a
-`RolloutBackend`. The trainer runs it on the engine pool's loop (`async_rollouts`); the cluster
+`RolloutBackend`. The trainer runs it through `runtime/rollouts.py`; the cluster
 simulator (`benchmarks/simulate_async.py`) runs the same code on a virtual-time loop with simulated
 engines. Time is the loop's clock (`loop.time()`), so both measure the same quantities.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
@@ -61,6 +68,31 @@ class RolloutBackend(Protocol):
         """No engine serves, but some wait for the current weights (the trainer should re-sync)."""
         ...
 
+    def co_count(self, prompt: Prompt, group_size: int) -> int:
+        """How many of the group's first samples a second source generates (0: none)."""
+        ...
+
+    def co_generate(self, prompt: Prompt, count: int) -> Awaitable[list[Sample]]:
+        """The second source's `count` samples of `prompt` (unscored)."""
+        ...
+
+    def repair(self, groups: list[list[Sample]]) -> Awaitable[list[list[Sample]]]:
+        """The group steps of one round of scored groups (repairs, what a round ended as)."""
+        ...
+
+    def finish(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The batch steps of the groups handed to the learner: (groups, their metrics)."""
+        ...
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature of the training stream now."""
+        ...
+
+    def stale_ok(self, sample: Sample) -> bool:
+        """True for a sample that is old by design (its version does not make its group stale)."""
+        ...
+
 
 class EpisodeBackend(RolloutBackend, Protocol):
     """A backend with multi-turn domains: `run_episodes(prompt, generate)` is the group of an
@@ -88,10 +120,19 @@ class SchedulerConfig:
     retry_interval_s: float = 0.5
     max_parts: int = 64  # continuations of one request before its partial output is kept as is
     total_steps: int | None = None  # the run's training steps (no prompts drawn beyond them)
+    # the synchronous schedule (max_staleness 0): each batch is drawn when the learner asks for it,
+    # in rounds of groups submitted together (an embedded engine batches a round's requests as one);
+    # filtered or failed groups are refilled by further rounds, at most `max_rounds`, each drawing
+    # what is missing over the keep rate seen so far, at most `max_oversample` times as many
+    rounds: bool = False
+    max_rounds: int = 1
+    max_oversample: float = 1.0
 
     def __post_init__(self) -> None:
         if self.buffer_groups <= 0:
             self.buffer_groups = (self.max_staleness + 1) * self.batch_groups
+        if self.rounds and self.max_staleness != 0:
+            raise ValueError(f"rounds (the synchronous schedule) needs max_staleness 0, got {self.max_staleness}")
 
 
 class GroupFailed(Exception):
@@ -143,6 +184,30 @@ class _Window:
     filtered: Counter = field(default_factory=Counter)
 
 
+@dataclass
+class RoundStats:
+    """One batch of the synchronous schedule: its rounds of groups."""
+
+    prompts_drawn: int = 0
+    groups_kept: int = 0
+    rounds: int = 0
+    seconds_generate: float = 0.0
+    seconds_reward: float = 0.0
+    fallback: bool = False  # no group passed the filter in any round: the last round was used unfiltered
+    temperature: float = float("nan")  # the sampling temperature of the batch (a stage's)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/prompts_drawn": float(self.prompts_drawn),
+            "rollout/groups_kept": float(self.groups_kept),
+            "rollout/rounds": float(self.rounds),
+            "time/generate_s": self.seconds_generate,
+            "time/reward_s": self.seconds_reward,
+            "rollout/dynamic_sampling_fallback": float(self.fallback),
+            "rollout/temperature": self.temperature,
+        }
+
+
 class RolloutScheduler:
     def __init__(self, backend: RolloutBackend, cfg: SchedulerConfig) -> None:
         self.backend, self.cfg = backend, cfg
@@ -161,6 +226,7 @@ class RolloutScheduler:
         self._last_t: float | None = None
         self._main: asyncio.Task | None = None
         self._closed = False
+        self._round_times = (0.0, 0.0)  # the last round's start and the end of its generation
 
     # ------------------------------------------------------------------ clock and bookkeeping
 
@@ -196,7 +262,8 @@ class RolloutScheduler:
         self._changed = asyncio.Condition()
         self._last_t = self._now()
         self._window = _Window(self._last_t)
-        self._main = asyncio.get_running_loop().create_task(self.run())
+        if not self.cfg.rounds:  # the synchronous schedule draws each batch in `next_batch`
+            self._main = asyncio.get_running_loop().create_task(self.run())
 
     def _may_submit(self) -> bool:
         c = self.cfg
@@ -225,20 +292,53 @@ class RolloutScheduler:
                 await self._changed.wait()
 
     async def _run_group(self, job: _Job) -> None:
-        """A group from submission to the buffer; a cancelled group (the run stops) stays pending."""
+        """A group from submission to the buffer (a round of one); a cancelled group (the run
+        stops) stays pending."""
+        for group, reason in await self._run_round([job]):
+            if reason is None:
+                self.buffer.append(group)
+                self.buffer.sort(key=lambda g: g[0].prompt.index)
+        await self._notify()
+
+    async def _run_round(self, jobs: list[_Job]) -> list[tuple[list[Sample], str | None]]:
+        """Groups submitted together: each produced and scored, then the round's group steps
+        (`backend.repair`) on all of them, then the filter. Returns (group, why it is filtered
+        or None) for each group that did not fail, in submission order."""
+        for job in jobs:
+            self.running[job.prompt.index] = job
+        start = self._now()
+        produced = await asyncio.gather(*(self._produce_scored(job) for job in jobs))
+        self._round_times = (start, max((t for _, t in produced if t is not None), default=start))
+        done = [(job, g) for job, (g, _) in zip(jobs, produced) if g is not None]
         try:
-            episodes = getattr(self.backend, "run_episodes", None)  # the seam of multi-turn domains
-            run = episodes(job.prompt, self._generate) if episodes is not None else None
-            if run is not None:
-                group = await run
-            else:
-                parts = await asyncio.gather(
-                    *(self._run_sample(job.prompt, j) for j in range(self._group_size(job.prompt)))
-                )
-                group = [self._sample(job.prompt, p) for p in parts]
-            for x in group:
-                x.info["regenerations"] = job.regenerations
+            groups = await self.backend.repair([g for _, g in done])
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a failing group step costs the round's groups, not the run
+            logger.exception("the group steps of a round of %d groups failed", len(done))
+            for job, _ in done:
+                self._fail(job, f"group step: {type(err).__name__}: {err}"[:200])
+            return []
+        out: list[tuple[list[Sample], str | None]] = []
+        for (job, _), group in zip(done, groups):
+            self.running.pop(job.prompt.index, None)
+            reason = self.backend.filter_reason(group)
+            if reason is not None:
+                self.ledger.filtered[reason] += 1
+                self._win().filtered[reason] += 1
+            out.append((group, reason))
+        return out
+
+    async def _produce_scored(self, job: _Job) -> tuple[list[Sample] | None, float | None]:
+        """The job's group, scored, and when its generation ended; (None, None) if it failed
+        (recorded)."""
+        try:
+            group = await self.produce_group(job.prompt)
+            generated = self._now()
             await self.backend.score(group)
+            for x in group:  # (after scoring, which sets `info` anew)
+                x.info["regenerations"] = job.regenerations
+            return group, generated
         except asyncio.CancelledError:
             raise
         except GroupFailed as err:
@@ -249,16 +349,23 @@ class RolloutScheduler:
         except Exception as err:
             logger.exception("rollout group of prompt %d failed", job.prompt.index)
             self._fail(job, f"{type(err).__name__}: {err}"[:200])
-        else:
-            self.running.pop(job.prompt.index, None)
-            reason = self.backend.filter_reason(group)
-            if reason is not None:
-                self.ledger.filtered[reason] += 1
-                self._win().filtered[reason] += 1
-            else:
-                self.buffer.append(group)
-                self.buffer.sort(key=lambda g: g[0].prompt.index)
-        await self._notify()
+        return None, None
+
+    async def produce_group(self, prompt: Prompt) -> list[Sample]:
+        """The one place a group of samples for one prompt is produced from the backend (unscored):
+        the second source's first samples, if any, and the engines' others, each continued across
+        weight syncs."""
+        episodes = getattr(self.backend, "run_episodes", None)  # the seam of multi-turn domains
+        run = episodes(prompt, self._generate) if episodes is not None else None
+        if run is not None:  # an environment prompt: its group is its episodes (`mcore_rl.agent`)
+            return await run
+        size = self._group_size(prompt)
+        co = self.backend.co_count(prompt, size)
+        theirs, mine = await asyncio.gather(
+            self.backend.co_generate(prompt, co),
+            asyncio.gather(*(self._run_sample(prompt, j) for j in range(co, size))),
+        )
+        return list(theirs) + [self._sample(prompt, p) for p in mine]
 
     def _group_size(self, prompt: Prompt) -> int:
         """The prompt's domain's group size when the backend has one per domain, else the config's."""
@@ -292,7 +399,7 @@ class RolloutScheduler:
                 continue
             out.ids += list(gen.output_ids)
             if gen.output_sampling_masks is not None:  # sampling-mask replay: μ is the processed log-prob
-                out.logps += list(gen.output_sampling_logprobs)
+                out.logps += list(gen.output_sampling_logprobs or ())
                 out.mask_ids = (out.mask_ids or []) + [int(i) for m in gen.output_sampling_masks for i in m]
                 out.mask_counts = (out.mask_counts or []) + [len(m) for m in gen.output_sampling_masks]
             else:
@@ -363,13 +470,17 @@ class RolloutScheduler:
         """The next `batch_groups` groups for weights `trainer_version`, and the metrics of the
         window since the last batch; None when engines wait for weights (re-sync, then call again)."""
         assert self._changed is not None
+        if self.cfg.rounds:
+            return await self._next_batch_in_rounds()
         start = self._now()
         while True:
             if self.fatal is not None:
                 raise self.fatal
             if len(self.buffer) >= self.cfg.batch_groups:
                 groups = self.buffer[: self.cfg.batch_groups]
-                stale = [g for g in groups if self.gate.is_too_stale(trainer_version, min(x.policy_version for x in g))]
+                stale = [
+                    g for g in groups if self.gate.is_too_stale(trainer_version, self._version(g, trainer_version))
+                ]
                 kept_stale = len(stale) if self.cfg.stale_policy == "keep" else 0
                 if kept_stale:
                     stale = []
@@ -378,8 +489,9 @@ class RolloutScheduler:
                     self.ledger.count_trained(groups)
                     metrics = self._metrics(groups, trainer_version, self._now() - start)
                     metrics["async/kept_stale"] = float(kept_stale)
+                    groups, finished = self.backend.finish(groups)
                     await self._notify()
-                    return groups, metrics
+                    return groups, {**metrics, **finished}
                 self.buffer = [g for g in self.buffer if not any(g is x for x in stale)]
                 for g in stale:
                     done = int(g[0].info.get("regenerations", 0))
@@ -405,6 +517,57 @@ class RolloutScheduler:
                     await asyncio.wait_for(self._changed.wait(), poll_s)
                 except TimeoutError:
                     pass
+
+    async def _next_batch_in_rounds(self) -> tuple[list[list[Sample]], dict[str, float]] | None:
+        """The synchronous schedule: a batch drawn now, in rounds (see `SchedulerConfig.rounds`);
+        None when engines wait for weights."""
+        if self.fatal is not None:
+            raise self.fatal
+        if self.backend.engines_need_weights():
+            return None
+        c = self.cfg
+        stats = RoundStats(temperature=self.backend.temperature)
+        kept: list[list[Sample]] = []
+        last: list[tuple[list[Sample], str | None]] = []
+        seen = 0
+        while len(kept) < c.batch_groups and stats.rounds < c.max_rounds:
+            needed = c.batch_groups - len(kept)
+            keep_rate = len(kept) / seen if seen else 1.0
+            n = max(1, math.ceil(needed * min(1.0 / max(keep_rate, 1e-9), c.max_oversample)))
+            jobs = []
+            for _ in range(n):
+                if self.retry:
+                    jobs.append(self.retry.popleft())
+                else:
+                    jobs.append(_Job(self.backend.take_prompt()))
+                    self.ledger.drawn += 1
+                    stats.prompts_drawn += 1
+            last = await self._run_round(jobs)
+            start, generated = self._round_times
+            stats.rounds += 1
+            stats.seconds_generate += generated - start
+            stats.seconds_reward += self._now() - generated
+            seen += len(last)
+            kept += [g for g, reason in last if reason is None]
+            if self.fatal is not None:
+                raise self.fatal
+        batch, surplus = kept[: c.batch_groups], kept[c.batch_groups :]
+        stats.groups_kept = len(batch)
+        if surplus:  # kept by an oversampled round beyond the batch
+            self.ledger.filtered["surplus"] += len(surplus)
+        if not batch and last:  # nothing passed the filter in any round: train on the last round
+            stats.fallback = True  # (zero advantages: the update only moves by the KL/entropy terms)
+            batch = [g for g, _ in last]
+            self.ledger.filtered.subtract(reason for _, reason in last if reason is not None)
+            self.ledger.filtered = +self.ledger.filtered  # (no reason left at zero)
+        self.ledger.count_trained(batch)
+        self._window = _Window(self._now())
+        batch, finished = self.backend.finish(batch)
+        return batch, {**stats.metrics(), **finished, **episode_metrics(batch)}
+
+    def _version(self, group: list[Sample], trainer_version: int) -> int:
+        """The oldest weight version of the group's samples (those old by design aside)."""
+        return min((x.policy_version for x in group if not self.backend.stale_ok(x)), default=trainer_version)
 
     async def step_done(self, version: int) -> None:
         """The learner finished a step and synced `version`: the gate opens one batch further."""

@@ -470,6 +470,26 @@ class SimBackend:
     def engines_need_weights(self) -> bool:
         return False
 
+    # a simulated run has no second source of samples and no group or batch steps
+    def co_count(self, prompt: Prompt, group_size: int) -> int:
+        return 0
+
+    async def co_generate(self, prompt: Prompt, count: int) -> list[Sample]:
+        return []
+
+    async def repair(self, groups: list[list[Sample]]) -> list[list[Sample]]:
+        return groups
+
+    def finish(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
+        return groups, {}
+
+    @property
+    def temperature(self) -> float:
+        return 1.0
+
+    def stale_ok(self, sample: Sample) -> bool:
+        return False
+
 
 @dataclass(frozen=True)
 class ResponseLengths:
