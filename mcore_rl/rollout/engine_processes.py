@@ -208,9 +208,7 @@ class EngineProcesses:
             try:
                 while not self.poll_start(i):
                     time.sleep(0.1)
-                logger.warning(
-                    "engine %d restarted at %s (pid %d)", i, self._url(self._engines[i]), self._engines[i].proc.pid
-                )
+                logger.warning("engine %d restarted at %s (pid %s)", i, self._url(self._engines[i]), self.pids[i])
                 return
             except _PortInUse:
                 time.sleep(0.5 * (attempt + 1))  # our URL is fixed: wait for the port to come free
@@ -319,7 +317,7 @@ class EngineProcesses:
 
     def _failure(self, e: _Engine, what: str) -> str:
         return (
-            f"engine {e.index} (pid {e.proc.pid}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
+            f"engine {e.index} (pid {e.proc.pid if e.proc is not None else None}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
             + self._log_tail(e)
         )
 

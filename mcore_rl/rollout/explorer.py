@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Sequence
 
+from mcore_rl.config.rl_schema import RolloutConfig
 from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
 
 
@@ -64,7 +65,7 @@ class Explorer:
 
 
 def build_explorer(
-    rollout: Any, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
+    rollout: RolloutConfig, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
 ) -> Explorer:
     """Connect to (or start) the engines of `rollout.explorer` and check them."""
     from mcore_rl.rollout.engine_processes import EngineProcesses

@@ -21,12 +21,20 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RolloutConfig
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.rollout.weight_transports import (
+    DiskTransport,
+    DistributedTransport,
+    InProcessTransport,
+    TensorTransport,
+    Transport,
+)
 
 if TYPE_CHECKING:
     from mcore_rl.rollout.weight_protocol import WeightChecksum
@@ -76,7 +84,7 @@ class EnginePool(Protocol):
         """The generations of `requests`, in order; `on_done()` after each one finishes (progress)."""
         ...
 
-    def weight_transport(self, rollout: Any) -> Any: ...
+    def weight_transport(self, rollout: RolloutConfig) -> Transport: ...
 
     @property
     def weight_version(self) -> int: ...
@@ -84,18 +92,18 @@ class EnginePool(Protocol):
     def close(self) -> None: ...
 
 
-def expected_logprobs_mode(rollout: Any) -> str:
+def expected_logprobs_mode(rollout: RolloutConfig) -> str:
     """The engines' `logprobs_mode` the trainer expects: "processed" with sampling-mask replay (μ is
     then the log-prob under the distribution the token was drawn from), else "raw"."""
-    return "processed" if getattr(rollout, "sampling_mask_replay", False) else "raw"
+    return "processed" if rollout.sampling_mask_replay else "raw"
 
 
-def check_logprobs_mode(pool: HTTPEnginePool, rollout: Any) -> None:
+def check_logprobs_mode(pool: HTTPEnginePool, rollout: RolloutConfig) -> None:
     """Refuse engines whose `/get_server_info` reports `logprobs_mode: processed` when the trainer
     does not replay the sampling mask (μ would be a renormalised log-prob that π never is). An
     engine that does not report the mode (a real SGLang server), or has no `/get_server_info`, is
     taken as "raw"."""
-    if getattr(rollout, "sampling_mask_replay", False):
+    if rollout.sampling_mask_replay:
         return  # μ comes from output_token_sampling_logprobs, whatever output_token_logprobs are
     replies = pool._settle(pool.start("get_server_info", {}), "/get_server_info")
     for url, (info, err) in replies.items():  # an engine without the endpoint (an error) reports no mode
@@ -109,7 +117,13 @@ def check_logprobs_mode(pool: HTTPEnginePool, rollout: Any) -> None:
             )
 
 
-def engine_timeouts(rollout: Any) -> dict[str, float]:
+class EngineTimeouts(TypedDict):
+    control_timeout: float
+    weight_update_timeout: float
+    no_engine_timeout_s: float
+
+
+def engine_timeouts(rollout: RolloutConfig) -> EngineTimeouts:
     """`HTTPEnginePool`'s timeouts besides generation's, from the rollout config (never longer
     than a generation request's)."""
     return {
@@ -120,7 +134,7 @@ def engine_timeouts(rollout: Any) -> dict[str, float]:
 
 
 def build_engine_pool(
-    rollout: Any,
+    rollout: RolloutConfig,
     model: ModelConfig,
     tokenizer: Any,
     seed: int,
@@ -254,9 +268,7 @@ class EmbeddedEnginePool:
     def weight_version(self) -> int:
         return self.cores[0].weight_version
 
-    def weight_transport(self, rollout: Any) -> Any:
-        from mcore_rl.rollout.weight_transports import InProcessTransport
-
+    def weight_transport(self, rollout: RolloutConfig) -> Transport:
         return InProcessTransport(self.cores)
 
     def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
@@ -387,7 +399,7 @@ class HTTPEnginePool:
 
         self.router = self._run(make_router())
         self.states = self.router.states
-        self._transport: Any = None
+        self._transport: Transport | None = None
         self._no_checksum: set[str] = set()  # engines without /weights_checksum (real SGLang), logged once
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -596,13 +608,13 @@ class HTTPEnginePool:
                     problems[url] = problem
         return problems
 
-    def weight_transport(self, rollout: Any) -> Any:
+    def weight_transport(self, rollout: RolloutConfig) -> Transport:
         """The weight transport `rollout.sync_transport` names, to every engine of the pool."""
-        from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, TensorTransport
-
         if rollout.sync_transport == "tensor":
             self._transport = TensorTransport(self)
         elif rollout.sync_transport == "disk":
+            if rollout.sync_dir is None:  # the validation refuses this before any worker starts
+                raise ValueError("rollout.sync_dir: required with rollout.sync_transport: disk")
             self._transport = DiskTransport(self, rollout.sync_dir)
         else:
             self._transport = DistributedTransport(

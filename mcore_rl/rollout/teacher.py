@@ -161,6 +161,8 @@ def parse_reference(
     logp = parse_scores(reply, response_ids, 0, vocab_size, "").logp
     if not ids:
         return logp, None
+    if topk_ids is None:
+        raise ValueError("reference scores at the teacher's top-k ids need those ids (topk_ids)")
     entries = reply["meta_info"].get("input_token_ids_logprobs")
     n = len(response_ids)
     if not isinstance(entries, list) or len(entries) != n + 1:
@@ -170,17 +172,17 @@ def parse_reference(
     for j, (pos, want) in enumerate(zip(entries[1:], topk_ids)):
         if not isinstance(pos, list) or len(pos) != len(ids):
             raise ValueError(f"input_token_ids_logprobs[{j + 1}]: expected {len(ids)} entries, got {str(pos)[:80]}")
-        got = {}
+        by_id: dict[int, float] = {}
         for e in pos:
             if not (isinstance(e, list) and len(e) >= 2 and isinstance(e[0], (int, float)) and isinstance(e[1], int)):
                 raise ValueError(
                     f"input_token_ids_logprobs[{j + 1}]: expected [logprob, id] entries, got {str(e)[:80]}"
                 )
-            got[e[1]] = float(e[0])
-        missing = [t for t in want if t not in got]
+            by_id[e[1]] = float(e[0])
+        missing = [t for t in want if t not in by_id]
         if missing:
             raise ValueError(f"input_token_ids_logprobs[{j + 1}]: no log-prob of the teacher's top-k ids {missing[:8]}")
-        out.append([got[t] for t in want])
+        out.append([by_id[t] for t in want])
     return logp, out
 
 
@@ -253,7 +255,9 @@ class EngineTeacher:
             return TeacherScores(source=self.name, error="empty response")
         self._count += 1
         body = scoring_body(s.prompt_ids, s.response_ids, self.top_k, f"teacher-{self.name}-{s.group}-{self._count}")
-        async with self._sem:
+        sem = self._sem
+        assert sem is not None  # made by _score_all
+        async with sem:
             try:
                 reply = await self.pool.router.generate(body)
             except EngineError as err:  # every engine of the teacher failed, or one refused the request
