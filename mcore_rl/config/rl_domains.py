@@ -9,6 +9,7 @@ reasoning-gym and reward names are checked against their registries (imported la
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import typing
@@ -115,7 +116,7 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
     if dom.task is not None:
         if not need_registered(errors, f"{key}.task", "task", dom.task, task_names(), f" ({who.rstrip(': ')})"):
             return None
-        build: Any = lambda: get_task(dom.task, **dom.options)  # noqa: E731
+        build = functools.partial(get_task, dom.task, **dom.options)
         leaf = "task"
     else:
         from mcore_rl.data.tasks.reasoning_gym import dataset_names
@@ -127,7 +128,7 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
             f"{who}unknown reasoning-gym task {dom.reasoning_gym!r}; available: {', '.join(names)}",
         ):
             return None
-        build = lambda: get_task("reasoning_gym", dataset=dom.reasoning_gym, **dom.options)  # noqa: E731
+        build = functools.partial(get_task, "reasoning_gym", dataset=dom.reasoning_gym, **dom.options)
         leaf = "reasoning_gym"
     try:
         return build()

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -202,7 +202,7 @@ def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     return make(n, seed)
 
 
-def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Sequence[str] = ()) -> list[Any]:
+def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Collection[str] = ()) -> list[Any]:
     """The SFT warm start's (rendered prompt, reference answer) pairs of a multi-domain run: about
     `n` in all, shared by the domains' mixture weights, from every domain whose source is a task
     or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
@@ -569,7 +569,8 @@ def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
     d, seed = cfg.data, cfg.train.seed
     specs = domain_specs(cfg)
     files = read_domain_files(cfg)
-    train, val, eval_prompts = {}, {}, []
+    train, val = {}, {}
+    eval_prompts: list[Prompt] = []
     for i, dom in enumerate(d.domains):
         pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET)
         render = renderer(dom, tokenizer)

@@ -85,7 +85,7 @@ def _parse_jsonl(lines: list[tuple[int, str | None]], cfg: DataConfig, bad: BadL
     out: list[SFTExample] = []
     for lineno, obj in json_objects(lines, bad):
         if pk in obj or rk in obj:
-            keys = (pk, rk)
+            keys: tuple[str, ...] = (pk, rk)
         elif tk in obj:
             keys = (tk,)
         else:
@@ -163,12 +163,12 @@ def build_rows(
     tgt_t = torch.zeros((n, row_len), dtype=torch.bool)
     pos_t = torch.zeros((n, row_len), dtype=torch.long)
     seg_t = torch.zeros((n, row_len), dtype=torch.long)
-    for r, (ids, target, pos, seg) in enumerate(rows):
+    for r, (ids, target, pos, segs) in enumerate(rows):
         k = len(ids)
         ids_t[r, :k] = torch.tensor(ids)
         tgt_t[r, :k] = torch.tensor(target, dtype=torch.bool)
         pos_t[r, :k] = torch.tensor(pos)
-        seg_t[r, :k] = torch.tensor(seg)
+        seg_t[r, :k] = torch.tensor(segs)
     same_doc = (seg_t[:, 1:] == seg_t[:, :-1]) & (seg_t[:, :-1] > 0)
     return {
         "tokens": ids_t[:, :-1].contiguous(),
