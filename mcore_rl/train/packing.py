@@ -185,7 +185,13 @@ def build_microbatches(
                     f"sample {i}: {len(s.sampling_mask_counts)} sampling-mask counts for {len(rsp)} "
                     f"response tokens, {len(s.sampling_mask_ids or [])} ids for {sum(s.sampling_mask_counts)}"
                 )
-            masks_by_row.setdefault(place.row, []).append((c + len(p) - 1, s.sampling_mask_counts, s.sampling_mask_ids))
+            masks_by_row.setdefault(place.row, []).append(
+                (
+                    c + len(p) - 1,
+                    s.sampling_mask_counts,
+                    s.sampling_mask_ids or [],
+                )  # (checked above: as many as counted)
+            )
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     loss_mask = target[:, 1:].float()
     by_row: dict[int, list[tuple[int, torch.Tensor]]] = {}

@@ -279,7 +279,11 @@ class Learner:
         chunks = chunks or self.chunks
         t = self.cfg.train
         dp_rank, dp_size = _dp()
-        per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
+        per_seq = None
+        if topk_ids is not None:
+            if response_mask is None:
+                raise ValueError("token_stats: topk_ids need the response_mask")
+            per_seq = {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(
             samples,
             range(len(samples)),
@@ -308,9 +312,12 @@ class Learner:
                 continue
             full[0, mb["seq_index"]] = st.logprobs.reshape(-1)[mb["seq_pos"]]
             if with_entropy:
+                assert st.entropy is not None  # asked for
                 full[1, mb["seq_index"]] = st.entropy.reshape(-1)[mb["seq_pos"]]
             if k:
-                full_topk[mb["seq_index"]] = batch_topk(st.topk_logprobs, mb["seq_pos"])
+                topk_at = batch_topk(st.topk_logprobs, mb["seq_pos"])
+                assert topk_at is not None  # asked for (topk_ids)
+                full_topk[mb["seq_index"]] = topk_at
         if dp_size > 1:  # each sample lives on exactly one DP rank
             from megatron.core import parallel_state as ps
 
@@ -342,6 +349,7 @@ class Learner:
                 )
             else:
                 old, entropy, _ = self.token_stats(samples, t, with_entropy=True, routing=routing)
+        assert entropy is not None  # asked for (with_entropy=True)
         if self.replay_mode == "r2":  # replay π_old's own routing in this batch's training forwards
             mc = self.cfg.model
             routing = routing_replay.gather_recorded(
@@ -442,7 +450,9 @@ class Learner:
 
         def logp_at(ids: torch.Tensor) -> torch.Tensor:
             wanted = ids.long().reshape(1, 1, -1).expand(n, t, -1).contiguous()
-            return self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+            at_ids = self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+            assert at_ids is not None  # asked for (topk_ids)
+            return at_ids
 
         return {"response_ids": response_ids(samples, t), "logp_at": logp_at}
 
@@ -582,6 +592,8 @@ class Learner:
             )
             for term in self.loss_terms:
                 terms = term(db)
+                if terms.loss_sum is None:
+                    raise ValueError(f"distill.{term.name}: a loss-phase term returned no loss_sum")
                 total = total + term.coef * terms.loss_sum
                 vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
         for term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation

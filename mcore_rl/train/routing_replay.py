@@ -36,8 +36,11 @@ path is the unfused one; with `moe_router_fusion` megatron ignores `router_repla
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator, Sequence
+
+if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
+    from megatron.core.transformer.moe.router import TopKRouter
 
 import torch
 import torch.distributed as dist
@@ -89,7 +92,7 @@ class ReplayRouting(RouterReplay):
         return values, idx
 
 
-def _routers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+def _routers(chunk: torch.nn.Module) -> list[TopKRouter]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in chunk.modules() if isinstance(m, TopKRouter)]

@@ -94,10 +94,11 @@ def save(trainer: Trainer) -> str:
         "data_seed": trainer.cfg.train.seed,
         "model": config_to_dict(trainer.cfg.model),
     }  # lets `mcore-rl convert mcore-to-hf` read it
-    common = carry_provenance(trainer.hf_provenance, common, trainer.cfg.checkpoint.save_dir)
-    return checkpoint.save_checkpoint(
-        trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
-    )
+    save_dir = trainer.cfg.checkpoint.save_dir
+    if save_dir is None:
+        raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
+    common = carry_provenance(trainer.hf_provenance, common, save_dir)
+    return checkpoint.save_checkpoint(save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common)
 
 
 def sft_step(chunks: list[torch.nn.Module], optimizer: Any, batches: SFTBatches) -> dict[str, float]:

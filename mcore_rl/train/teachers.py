@@ -276,6 +276,7 @@ class PrivilegedTeacher:
                 )
                 s.teacher = TeacherScores(source=self.name, error=why)
                 continue
+            assert lp is not None  # computed for the usable samples, this is one
             s.teacher = _scores(lp, top, k, len(s.response_ids), self.name)
             k += 1
 
@@ -337,6 +338,7 @@ class FrozenTeacher:
             if not s.response_ids:
                 s.teacher = TeacherScores(source=self.source, error="empty response")
                 continue
+            assert lp is not None  # computed for the samples with a response, this is one
             s.teacher = _scores(lp, top, k, len(s.response_ids), self.source)
             k += 1
 
@@ -448,9 +450,9 @@ class Teachers:
             ]
             if asked:
                 out[f"teacher/{self.names[j]}/samples"] = float(len(asked))
-                out[f"teacher/{self.names[j]}/error_frac"] = sum(s.teacher.error is not None for s in asked) / len(
-                    asked
-                )
+                out[f"teacher/{self.names[j]}/error_frac"] = sum(
+                    s.teacher is not None and s.teacher.error is not None for s in asked
+                ) / len(asked)
         return out
 
     def step_done(self, rl_step: int, version: int) -> None:
@@ -518,8 +520,9 @@ def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Engine
             )
         names = [teacher_name(t, i) for i, t in enumerate(cfg.teachers)]
         for i, t in enumerate(cfg.teachers):  # a teacher's reference π_Tref (validated: another engine teacher)
-            if t.kind == "engine" and t.reference:
-                out[i].reference = out[names.index(t.reference)]
+            engine = out[i]
+            if t.kind == "engine" and t.reference and engine is not None:  # (built above for every engine teacher)
+                engine.reference = out[names.index(t.reference)]
     except BaseException:
         for t in out:
             if t is not None:
