@@ -27,8 +27,15 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
+
+if TYPE_CHECKING:  # annotations only: the config package loads when a command needs it (`--help` stays fast)
+    from mcore_rl.config.rl_schema import RLConfig
+    from mcore_rl.config.schema import SFTConfig
+
+RootConfig = TypeVar("RootConfig", "SFTConfig", "RLConfig")
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -130,32 +137,39 @@ def _check_writable(key: str, path: str) -> None:
         raise ConfigError(f"{key}: cannot write to {path!r}: {err.strerror or err}{where}") from None
 
 
-def _preflight(cfg) -> None:
+def _preflight(cfg: SFTConfig | RLConfig) -> None:
     """The checks that need the filesystem (validation itself is pure), before any worker starts:
     otherwise they fail after distributed initialisation, or at the first save after training.
     The directories the run writes must be writable; the data files are read and checked (SFT
     examples, RL prompt files), bad lines reported as `file:line: problem` as training would."""
     if os.environ.get(PREFLIGHT_DONE) == "1":
         return
-    rollout = getattr(cfg, "rollout", None)
+    from mcore_rl.config.rl_schema import RLConfig  # lazy, as the module's others: `--help` stays fast
+
     for key, path in (
         ("run_dir", cfg.run_dir),
         ("checkpoint.save_dir", cfg.checkpoint.save_dir),
-        ("rollout.sync_dir", getattr(rollout, "sync_dir", None)),
+        ("rollout.sync_dir", cfg.rollout.sync_dir if isinstance(cfg, RLConfig) else None),
     ):
         if path:
             _check_writable(key, path)
-    if rollout is not None:
-        from mcore_rl.data.prompts import read_prompt_files
+    if isinstance(cfg, RLConfig):
+        from mcore_rl.data.prompts import read_prompt_files  # lazy: numpy, only for this command
 
         read_prompt_files(cfg)
     elif cfg.data.path is not None:
-        from mcore_rl.data.sft import read_examples
+        from mcore_rl.data.sft import read_examples  # lazy: torch, only for this command
 
         read_examples(cfg.data)
 
 
-def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
+def _run_job(
+    args: argparse.Namespace,
+    name: str,
+    root_cls: type[RootConfig],
+    validate: Callable[[RootConfig, int], Any],
+    entry: str,
+) -> int:
     """Load and validate the recipe for the world it will run in, check the files it names; relaunch
     under torchrun or run.
 

@@ -101,6 +101,7 @@ def load_policy(args: argparse.Namespace) -> Policy:
     from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
 
     cfg, tokenizer = load_recipe(args)
+    model: torch.nn.Module
     if args.model is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)

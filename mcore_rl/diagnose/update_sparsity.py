@@ -267,7 +267,7 @@ def compare(
     missing = sorted(set(source) ^ set(trained))
     if missing:
         raise ValueError(f"the checkpoints hold different tensors, e.g. {missing[:5]}")
-    groups: dict[str, dict[str, Any]] = {}
+    groups: dict[str, _Acc] = {}
     for name in sorted(source):
         d = delta(trained[name], source[name])
         g = groups.setdefault(module_type(name), _Acc())

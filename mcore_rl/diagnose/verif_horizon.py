@@ -41,7 +41,7 @@ from mcore_rl.diagnose import analysis
 # ---------------------------------------------------------------- the statistics
 
 
-def agreement(reference: Sequence[bool], other: Sequence[bool]) -> dict[str, Any]:
+def agreement(reference: Sequence[bool] | np.ndarray, other: Sequence[bool] | np.ndarray) -> dict[str, Any]:
     """Agreement of two pass/fail verdicts on the same rollouts: the fraction that agree, Cohen's
     κ = (p_o − p_e)/(1 − p_e), FPR = P(other passes | reference fails), FNR = P(other fails | reference
     passes). Undefined rates (no rollout to condition on, p_e = 1) are None."""

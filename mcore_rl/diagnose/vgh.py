@@ -94,7 +94,8 @@ def costates(
     `model` is a `Qwen3ReferenceForCausalLM`; `mask[b, s]` marks the positions whose next token is a
     response token (`targets[b, s]`); `advantages` [B] is the (stop-gradient) sequence advantage.
     Right padding is harmless: a causal model's real positions never see it."""
-    layers = model.model.layers
+    decoder: Any = model.model  # the reference model's decoder stack, read by name (torch types it `Tensor | Module`)
+    layers = decoder.layers
     captured: list[torch.Tensor] = []
 
     def leaf(module: torch.nn.Module, args: tuple) -> tuple:

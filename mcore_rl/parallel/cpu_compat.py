@@ -254,11 +254,11 @@ def _uneven_reduce_scatter_fix(original: Callable[..., Any]) -> Callable[..., An
 def _tensor_cuda_is_identity():
     """`tensor.cuda()` is a method, out of reach of the torch view; disable it for one call."""
     original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *a, **k: self
     try:
         yield
     finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
+        torch.Tensor.cuda = original
 
 
 def _without_tensor_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -282,14 +282,14 @@ def _fix_module_functions(module: types.ModuleType) -> None:
             module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]
     elif name == "megatron.core.models.common.language_module.language_module":
         # Tied embeddings under PP: the first and last stage all-reduce `weight.data.cuda()`.
-        cls = module.LanguageModule  # type: ignore[attr-defined]
+        cls = module.LanguageModule
         if not getattr(cls.setup_embeddings_and_output_layer, "_mcore_rl_cpu", False):
             cls.setup_embeddings_and_output_layer = _without_tensor_cuda(cls.setup_embeddings_and_output_layer)
     elif name == "megatron.core.tensor_parallel.mappings":
         if not getattr(module, "_mcore_rl_cpu", False):
             module._gather_along_first_dim = _uneven_gather_fix(module._gather_along_first_dim)  # type: ignore[attr-defined]
             module._reduce_scatter_along_first_dim = _uneven_reduce_scatter_fix(  # type: ignore[attr-defined]
-                module._reduce_scatter_along_first_dim  # type: ignore[attr-defined]
+                module._reduce_scatter_along_first_dim
             )
             module._mcore_rl_cpu = True  # type: ignore[attr-defined]
     elif name == "megatron.core.tensor_parallel.random":

@@ -213,7 +213,8 @@ def make_plan(
         or (allocation.gpus_per_node if allocation and allocation.gpus_per_node else None)
         or req.nproc_per_node
     )
-    engines = []
+    engines: list[dict[str, Any]] = []
+    router: dict[str, Any]
     per_engine = gpus // req.engines_per_node
     for host in engine_hosts:
         for i in range(req.engines_per_node):

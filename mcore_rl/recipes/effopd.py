@@ -61,7 +61,7 @@ class ExtrapolationResult:
 
 def _trainable(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
     seen: set[int] = set()
-    out = []
+    out: list[torch.Tensor] = []
     for chunk in model_chunks:
         for p in chunk.parameters():
             if p.requires_grad and id(p) not in seen:
@@ -131,7 +131,9 @@ class WeightExtrapolator:
             self._anchor = []
             delta = []
             for i, b in enumerate(base):  # Δ replaces the anchor tensor by tensor: 2 copies at most
-                delta.append(displacement((b,), (anchor[i],))[0])
+                prev = anchor[i]
+                assert prev is not None  # each anchor tensor is dropped only after its Δ
+                delta.append(displacement((b,), (prev,))[0])
                 anchor[i] = None
         result = ExtrapolationResult(step=step, accepted=0, coefficient=0.0, base_score=score)
         best, loaded = score, 0

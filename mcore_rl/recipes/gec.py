@@ -61,7 +61,7 @@ def guided_error_correction(
         answer = answer_text(s.prompt.label)
         if answer is None:
             op = REFLECT
-        if op == REFERENCE:
+        if op == REFERENCE and answer is not None:  # (an op without an answer became REFLECT above)
             ref = tokenizer.encode(answer) + [eos]
             req = GenRequest(
                 s.prompt.ids + ref, {"temperature": 0.0, "max_new_tokens": 1}, logprob_start_len=len(s.prompt.ids) - 1

@@ -196,6 +196,7 @@ class RLRun:
         self.ref_chunks = build_reference_model(cfg)
         if resume is not None:
             root = cfg.checkpoint.load_dir  # the save_dir, or one of its iter_* directories
+            assert root is not None  # `resume` was found in it
             if os.path.exists(os.path.join(root, "metadata.json")):
                 root = os.path.dirname(os.path.normpath(root))
             ref_dir = os.path.join(root, "reference")
@@ -391,9 +392,12 @@ class RLRun:
         }
         from mcore_rl.train.hf_provenance import carry_provenance
 
-        common = carry_provenance(self.hf_provenance, common, self.cfg.checkpoint.save_dir)
+        save_dir = self.cfg.checkpoint.save_dir
+        if save_dir is None:
+            raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
+        common = carry_provenance(self.hf_provenance, common, save_dir)
         return checkpoint.save_checkpoint(
-            self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common
+            save_dir, self.state.rl_step, self.chunks, self.optimizer, common
         )
 
     def checkpoint_path(self) -> str | None:
@@ -563,7 +567,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):
             _log(f"saved {run.save()}")
         wall = time.perf_counter() - run.t0
-        summary = {
+        summary: dict[str, Any] = {
             "eval_before": first_eval,
             "eval_after": last_eval,
             "wall_s": wall,

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, build_engine_pool
 
 # engine precisions the embedded engine offers (rollout.quantization's values)
 PRECISIONS = ("none", "bf16", "fp8")
@@ -313,7 +314,8 @@ def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch
     from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
 
     gpt = unwrap_gpt(chunks[0])
-    layers = gpt.decoder.layers
+    decoder: Any = gpt.decoder  # megatron-core's TransformerBlock (torch types a submodule `Tensor | Module`)
+    layers = decoder.layers
     hidden: list[torch.Tensor] = []
     routes: list[torch.Tensor | None] = [None] * len(layers)
     handles = []
@@ -417,7 +419,6 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     """Build the recipe's policy, sync it to each engine, and compare (module docstring)."""
     import copy
 
-    from mcore_rl.rollout.pool import EmbeddedEnginePool, build_engine_pool
     from mcore_rl.runtime.loop import RLRun
     from mcore_rl.train.rl_step import Learner
     from mcore_rl.train.weight_sync import WeightSync
@@ -435,7 +436,7 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if cfg.init.sft_steps > 0:
             sft_warm_start(cfg, run.chunks, run.tokenizer, run.world, log, run.held_out_texts)
     r = cfg.rollout
-    engines: list[tuple[Any, Any | None]] = []  # (scorer, pool to close)
+    engines: list[tuple[EmbeddedScorer | URLScorer, EnginePool | None]] = []  # (scorer, pool to close)
     for p in opts.precisions:
         pool = EmbeddedEnginePool.build(
             cfg.model,
@@ -457,17 +458,17 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     for url in opts.engine_urls:
         rc = copy.deepcopy(r)
         rc.engine_urls = [url]
-        pool = build_engine_pool(
+        url_pool = build_engine_pool(
             rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir, tokenizer_path=cfg.data.tokenizer_path
         )
         WeightSync(
             run.chunks,
             cfg.model,
-            pool.weight_transport(rc),
+            url_pool.weight_transport(rc),
             bucket_bytes=r.sync_bucket_mb << 20,
             quantization="fp8" if r.quantization == "fp8" else None,
         ).sync(1)
-        engines.append((URLScorer(url, cfg.model.num_layers), pool))
+        engines.append((URLScorer(url, cfg.model.num_layers), url_pool))
     log(f"parity: policy and {len(engines)} engine(s) ready in {time.perf_counter() - start:.1f} s")
 
     prompts: list[Prompt] = run.prompts.take(opts.num_prompts)
@@ -543,9 +544,9 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if truncated
         else []
     )
-    for _, pool in engines:
-        if pool is not None:
-            pool.close()
+    for _, to_close in engines:
+        if to_close is not None:
+            to_close.close()
     return {
         "recipe_model": asdict(cfg.model),
         "num_sequences": len(responses),
@@ -571,9 +572,10 @@ def behaviour_rows(
     from mcore_rl.train import routing_replay
 
     for smp, g in zip(samples, generated):
+        assert g.masks is not None and g.processed_logp is not None  # asked for with every generation here
         smp.sampling_mask_ids, smp.sampling_mask_counts = flat_masks(g.masks)
         smp.routed_experts = compact_routing(g.routed) if routing else None
-    mu = [x for g in generated for x in g.processed_logp]
+    mu = [x for g in generated for x in (g.processed_logp or [])]  # (all present: asserted above)
     saved = learner.temperature
     learner.temperature = temperature
     rows = []

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
-from mcore_rl.data.domains import DomainSpec, RewardHead, domain_specs
+from mcore_rl.data.domains import DomainSpec, MixtureSource, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.hooks import Recipe
@@ -195,7 +195,7 @@ class RolloutManager:
     def __init__(
         self,
         engines: EnginePool,
-        prompts: PromptSource,
+        prompts: PromptSource | MixtureSource,
         rewards: DomainRewards,
         cfg: Any,
         recipes: Sequence[Recipe] = (),
@@ -297,6 +297,7 @@ class RolloutManager:
                 raise RuntimeError(f"engine {g.engine} returned {len(lp)} log-probs for {len(g.output_ids)} tokens")
             if x:  # the second source's μ; its version is the policy's (staleness is the policy's), its engine marked
                 src = self.co_source.source if self.co_source is not None else "policy"
+                assert src is not None  # a recipe with a second source names it (`Recipe.source`)
                 samples.append(
                     Sample(
                         p,
@@ -343,8 +344,9 @@ class RolloutManager:
         pending = self.co_source.co_submit([r for r, x in zip(reqs, explore) if x])
         mine = iter(self.engines.generate([r for r, x in zip(reqs, explore) if not x], on_done))
         second = pending.result()
-        for _ in second if on_done is not None else ():
-            on_done()
+        if on_done is not None:
+            for _ in second:
+                on_done()
         theirs = iter(second)
         return [next(theirs) if x else next(mine) for x in explore]
 
@@ -381,7 +383,7 @@ class RolloutManager:
     @property
     def tokenizer(self) -> Any:
         src = self.prompts
-        return src.tokenizer if hasattr(src, "tokenizer") else next(iter(src.sources.values())).tokenizer
+        return src.tokenizer if isinstance(src, PromptSource) else next(iter(src.sources.values())).tokenizer
 
     def collect(self, step: int | None = None) -> tuple[list[list[Sample]], RolloutStats]:
         """One rollout batch: `prompts_per_step` groups of their domains' group sizes (dynamic
@@ -404,7 +406,7 @@ class RolloutManager:
         refill: GroupRefill[Sample] = GroupRefill(
             r.prompts_per_step, max_rounds=ds.max_rounds, max_oversample=ds.max_oversample, tol=ds.std_tolerance
         )
-        groups: list[list[Sample]] = []
+        groups = []
         while not refill.done and not refill.exhausted:
             prompts = self.prompts.take(refill.prompts_to_request())
             groups = self._train_groups(prompts)

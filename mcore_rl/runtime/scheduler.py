@@ -277,6 +277,7 @@ class RolloutScheduler:
                 continue
             out.ids += list(gen.output_ids)
             if gen.output_sampling_masks is not None:  # sampling-mask replay: μ is the processed log-prob
+                assert gen.output_sampling_logprobs is not None  # the engine returns both or neither
                 out.logps += list(gen.output_sampling_logprobs)
                 out.mask_ids = (out.mask_ids or []) + [int(i) for m in gen.output_sampling_masks for i in m]
                 out.mask_counts = (out.mask_counts or []) + [len(m) for m in gen.output_sampling_masks]
