@@ -41,7 +41,7 @@ import asyncio
 import dataclasses
 import logging
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from mcore_rl.data.samples import Sample, TeacherScores
 
@@ -65,7 +65,7 @@ class TeacherError(RuntimeError):
 
 
 def route_by_domain(
-    teacher_domains: Sequence[Sequence[str]], domains: Sequence[str], skip: Sequence[int] = ()
+    teacher_domains: Sequence[Sequence[str]], domains: Sequence[str], skip: Collection[int] = ()
 ) -> list[int | None]:
     """The teacher of each sample: the one whose `domains` list the sample's domain, else the one
     with no `domains` (the default), else None (no teacher: no distillation term). Teachers in
