@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
+from mcore_rl.config.rl_schema import DomainConfig, RLConfig
 from mcore_rl.data.files import BadLines, DataError
 from mcore_rl.data.prompts import (
     HELD_OUT_SEED_OFFSET,
@@ -84,7 +85,7 @@ def domain_source(d: Any) -> tuple[str, str]:
     return "", ""
 
 
-def default_reward(d: Any, cfg: Any) -> str:
+def default_reward(d: DomainConfig, cfg: RLConfig) -> str:
     """The reward of a domain that lists none: its task's, reasoning-gym's scorer, or reward.name."""
     kind, value = domain_source(d)
     if kind == "reasoning_gym":
@@ -96,12 +97,12 @@ def default_reward(d: Any, cfg: Any) -> str:
     return cfg.reward.name
 
 
-def legacy_domain_name(cfg: Any) -> str:
+def legacy_domain_name(cfg: RLConfig) -> str:
     d = cfg.data
     return d.synthetic_task if d.path is None else d.path
 
 
-def domain_specs(cfg: Any) -> dict[str, DomainSpec]:
+def domain_specs(cfg: RLConfig) -> dict[str, DomainSpec]:
     """Every domain of an `RLConfig` by name; the single-source config is one domain."""
     r = cfg.rollout
     if not cfg.data.domains:
@@ -165,7 +166,7 @@ def domain_key(i: int, d: Any, leaf: str) -> str:
     return f"data.domains[{i}].{leaf} (domain {d.name!r})"
 
 
-def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
+def read_domain_files(cfg: RLConfig) -> dict[str, list[tuple]]:
     """The files the domains name, read and checked, keyed by their config key (`data.domains[i].path`,
     `data.domains[i].eval.path`); a problem raises `DataError` naming the domain and the key."""
     out = {}
@@ -202,7 +203,7 @@ def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     return make(n, seed)
 
 
-def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Collection[str] = ()) -> list[Any]:
+def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Collection[str] = ()) -> list[Any]:
     """The SFT warm start's (rendered prompt, reference answer) pairs of a multi-domain run: about
     `n` in all, shared by the domains' mixture weights, from every domain whose source is a task
     or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
@@ -257,7 +258,7 @@ class DomainPools:
 
 
 def domain_pools(
-    cfg: Any, i: int, files: dict[str, list[tuple]], held_out_offset: int, validation_offset: int
+    cfg: RLConfig, i: int, files: dict[str, list[tuple]], held_out_offset: int, validation_offset: int
 ) -> DomainPools:
     """The training, held-out and validation pools of domain i, the held-out texts removed from the
     other two (so evaluation never measures a prompt the run trained on)."""
@@ -361,7 +362,7 @@ class MixtureSchedule:
         return self.stage(step).weights
 
 
-def stage_temperature(cfg: Any, step: int) -> float:
+def stage_temperature(cfg: RLConfig, step: int) -> float:
     """The sampling temperature of training step `step` (its stage's, else rollout.temperature):
     the learner computes π_old and π_θ at it."""
     t = None
@@ -377,7 +378,7 @@ def stage_temperature(cfg: Any, step: int) -> float:
     return t if t is not None else cfg.rollout.temperature
 
 
-def single_source_stages(cfg: Any) -> list[Any]:
+def single_source_stages(cfg: RLConfig) -> list[Any]:
     """`rollout.temperature_stages` (POLARIS on one data source) as the stages of a one-domain
     `MixtureSchedule`: each its temperature, each after the first dropping the prompts solved above
     `data.drop_solved_above`."""
@@ -563,7 +564,7 @@ class MixtureSource:
 # ------------------------------------------------------------------------------------ the run's sets
 
 
-def build_domain_sets(cfg: Any, tokenizer: Any) -> PromptSets:
+def build_domain_sets(cfg: RLConfig, tokenizer: Any) -> PromptSets:
     """The training and validation streams (mixtures over the domains) and the held-out set (every
     domain's, in domain order) of a multi-domain `RLConfig`."""
     d, seed = cfg.data, cfg.train.seed

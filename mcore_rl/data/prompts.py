@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.samples import Prompt
 
@@ -155,7 +156,7 @@ class PromptSets:
         return {p.text for p in self.eval_prompts}
 
 
-def read_prompt_files(cfg: Any) -> dict[str, list[PoolEntry]]:
+def read_prompt_files(cfg: RLConfig) -> dict[str, list[PoolEntry]]:
     """The prompt files an `RLConfig` names (`data.path`, `eval.path`), read and checked; the CLI
     calls this before any worker starts so a bad file fails in a second."""
     d = cfg.data
@@ -171,7 +172,7 @@ def read_prompt_files(cfg: Any) -> dict[str, list[PoolEntry]]:
     }
 
 
-def build_prompt_sets(cfg: Any, tokenizer: Any) -> PromptSets:
+def build_prompt_sets(cfg: RLConfig, tokenizer: Any) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes."""
     if cfg.data.domains:
         from mcore_rl.data.domains import build_domain_sets

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 
 
@@ -77,7 +78,7 @@ def check_model_dir(path: str) -> None:
 
 @dataclass
 class Policy:
-    cfg: Any  # RLConfig
+    cfg: RLConfig
     model: torch.nn.Module  # Qwen3ReferenceForCausalLM, fp32, eval mode
     tokenizer: Any
     source: str  # what was loaded

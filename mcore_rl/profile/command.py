@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import mfu, train_flops_per_token
@@ -113,7 +114,7 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
     )
 
 
-def recipe_shape_rl(cfg: Any) -> TrainShape:
+def recipe_shape_rl(cfg: RLConfig) -> TrainShape:
     """An RL recipe's learner shape: rows of `train.seq_length`, and per optimizer step as many rows
     as the step has samples (an upper bound: short samples are packed several to a row), rounded up
     to whole micro-batches."""

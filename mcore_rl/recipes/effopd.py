@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.distill.effopd import NUM_CANDIDATES, SCALE, accepts, candidate, displacement, is_extrapolation_step
 from mcore_rl.config.rules import Errors, need_positive
 from mcore_rl.hooks import Recipe
@@ -180,11 +181,11 @@ class EffOPD(Recipe):
     name = "effopd"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.distill.effopd.enabled
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         e = cfg.distill.effopd
         if not e.enabled:
             return

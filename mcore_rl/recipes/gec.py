@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 from collections.abc import Sequence
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.edge_gec import INJECT, REFERENCE, REFLECT, gec_ops
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
@@ -129,11 +130,11 @@ class GuidedErrorCorrection(Recipe):
     name = "gec"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.rollout.gec.enabled
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         r, g = cfg.rollout, cfg.rollout.gec
         if not g.enabled:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
@@ -30,7 +31,7 @@ class PoolBackend:
         prompts: PromptSource,
         rewards: DomainRewards,
         manager: RolloutManager,
-        cfg: Any,
+        cfg: RLConfig,
         teachers: Any = None,
     ) -> None:
         self.pool, self.prompts, self.rewards, self.manager, self.cfg = pool, prompts, rewards, manager, cfg
@@ -90,7 +91,7 @@ class PoolBackend:
         return not router.healthy and bool(router.stale)
 
 
-def scheduler_config(cfg: Any) -> SchedulerConfig:
+def scheduler_config(cfg: RLConfig) -> SchedulerConfig:
     r = cfg.rollout
     inflight = r.max_inflight_requests or r.num_embedded_engines * r.max_running_requests
     return SchedulerConfig(

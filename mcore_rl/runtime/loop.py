@@ -396,9 +396,7 @@ class RLRun:
         if save_dir is None:
             raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
         common = carry_provenance(self.hf_provenance, common, save_dir)
-        return checkpoint.save_checkpoint(
-            save_dir, self.state.rl_step, self.chunks, self.optimizer, common
-        )
+        return checkpoint.save_checkpoint(save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
     def checkpoint_path(self) -> str | None:
         """Where `save` put (or would put) the checkpoint of the current step; None without save_dir."""

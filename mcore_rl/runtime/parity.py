@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, build_engine_pool
 
@@ -415,7 +416,7 @@ def check_options(opts: ParityOptions) -> None:
         raise ValueError("--prompts, --samples and --position-bins must be >= 1")
 
 
-def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the recipe's policy, sync it to each engine, and compare (module docstring)."""
     import copy
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import GroupRefill, is_constant
 from mcore_rl.data.domains import DomainSpec, MixtureSource, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
@@ -155,7 +156,7 @@ class DomainRewards:
         self._combine(samples, jobs, results)
 
 
-def build_reward_runner(cfg: Any) -> DomainRewards:
+def build_reward_runner(cfg: RLConfig) -> DomainRewards:
     """The rewards of the run's domains (the single-source config: `reward.name`, one head)."""
     rc = cfg.reward
     rewards = DomainRewards(domain_specs(cfg), rc.timeout_s, rc.error_reward, rc.max_concurrency)
@@ -197,7 +198,7 @@ class RolloutManager:
         engines: EnginePool,
         prompts: PromptSource | MixtureSource,
         rewards: DomainRewards,
-        cfg: Any,
+        cfg: RLConfig,
         recipes: Sequence[Recipe] = (),
     ) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg

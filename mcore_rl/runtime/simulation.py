@@ -158,6 +158,7 @@ class SimulatedEngines(_PausesForSyncs):
         self.running[i].append(run)
         self.requests += 1
         duration = budget * self.token_time(len(self.running[i]))
+
         def finish_at_budget() -> None:
             if not run.done.done():
                 run.done.set_result("length")

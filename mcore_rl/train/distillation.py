@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state, term_coef
 from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
@@ -63,7 +64,7 @@ class DistillTerm:
         return self.fn(batch, **self.options, **({} if self.state is None else {"state": self.state}))
 
 
-def distill_terms(cfg: Any) -> list[DistillTerm]:
+def distill_terms(cfg: RLConfig) -> list[DistillTerm]:
     """The configured terms, looked up in the registry (validation has checked names and options);
     a `@stateful` function gets its state object here, once per run."""
     d = getattr(cfg, "distill", None)
@@ -87,7 +88,7 @@ def load_terms_state(terms: Sequence[DistillTerm], state: dict[str, Any]) -> Non
             t.state.load_state_dict(state[t.name])
 
 
-def horizon_at(cfg: Any, step: int, domain: str | None = None) -> int | None:
+def horizon_at(cfg: RLConfig, step: int, domain: str | None = None) -> int | None:
     """H at rollout step `step` for a prompt of `domain` (None: every prompt; no cut: None)."""
     d = getattr(cfg, "distill", None)
     if d is None or not d.losses:
@@ -107,7 +108,7 @@ def horizon_at(cfg: Any, step: int, domain: str | None = None) -> int | None:
     )
 
 
-def generation_budget(cfg: Any, prompt: Prompt, step: int) -> int:
+def generation_budget(cfg: RLConfig, prompt: Prompt, step: int) -> int:
     """New tokens a training rollout of `prompt` may generate: the prompt's budget, at most
     `rollout.max_new_tokens`, cut at the distillation horizon."""
     cap = min(prompt.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
@@ -101,7 +102,7 @@ def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
     return buf.cpu()
 
 
-def mismatch_overrides(cfg: Any) -> dict[str, Any]:
+def mismatch_overrides(cfg: RLConfig) -> dict[str, Any]:
     """`algorithm.mismatch`'s set fields as `MismatchConfig` overrides of the named correction."""
     m = cfg.algorithm.mismatch
     return {
@@ -221,7 +222,7 @@ class Learner:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: RLConfig,
         chunks: list,
         optimizer: Any,
         ref_chunks: list | None,
@@ -596,10 +597,10 @@ class Learner:
                     raise ValueError(f"distill.{term.name}: a loss-phase term returned no loss_sum")
                 total = total + term.coef * terms.loss_sum
                 vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
-        for term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation
-            vals[f"aux/{term.name}/loss"] = torch.zeros(())
+        for aux_term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation
+            vals[f"aux/{aux_term.name}/loss"] = torch.zeros(())
             if logp.numel():
-                aux = registry.get("aux_loss", term.name)(
+                aux = registry.get("aux_loss", aux_term.name)(
                     logp,
                     old_logp=batch["old_logp"],
                     ref_logp=batch.get("ref_logp"),
@@ -609,10 +610,10 @@ class Learner:
                     group_ids=batch["aux_group_ids"],
                     agg=a.loss_agg,
                     norm_length=norm_length,
-                    **term.options,
+                    **aux_term.options,
                 )
-                total = total + term.coef * aux.loss_sum
-                vals[f"aux/{term.name}/loss"] = aux.loss_sum.detach()
+                total = total + aux_term.coef * aux.loss_sum
+                vals[f"aux/{aux_term.name}/loss"] = aux.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),

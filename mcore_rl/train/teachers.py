@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig, TeacherConfig
 from mcore_rl.data.samples import Sample, TeacherScores
 from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domain, start_teacher_engines
 
@@ -289,7 +290,7 @@ class FrozenTeacher:
     def __init__(
         self,
         name: str,
-        cfg: Any,
+        cfg: RLConfig,
         policy_chunks: list,
         *,
         refresh_interval: int = 0,
@@ -466,7 +467,9 @@ class Teachers:
                 t.close()
 
 
-def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, workdir: str) -> EngineTeacher:
+def build_engine_teacher(
+    t: TeacherConfig, i: int, name: str, cfg: RLConfig, tokenizer: Any, workdir: str
+) -> EngineTeacher:
     """Connect to (or start) an engine teacher and check it: reachable, the student's tokenizer."""
     procs = None
     urls = list(t.urls)
@@ -507,7 +510,7 @@ def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, wo
     return teacher
 
 
-def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
+def build_engine_teachers(cfg: RLConfig, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
     """Rank 0, before training: every engine teacher connected and checked (`TeacherError` if one
     is unreachable or has another tokenizer); None for the other kinds."""
     from mcore_rl.config.rl_validate import teacher_name
@@ -524,15 +527,19 @@ def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Engine
             if t.kind == "engine" and t.reference and engine is not None:  # (built above for every engine teacher)
                 engine.reference = out[names.index(t.reference)]
     except BaseException:
-        for t in out:
-            if t is not None:
-                t.close()
+        for made in out:
+            if made is not None:
+                made.close()
         raise
     return out
 
 
 def build_teachers(
-    cfg: Any, tokenizer: Any, policy_chunks: list, engine_teachers: Sequence[EngineTeacher | None], version: int = 0
+    cfg: RLConfig,
+    tokenizer: Any,
+    policy_chunks: list,
+    engine_teachers: Sequence[EngineTeacher | None],
+    version: int = 0,
 ) -> Teachers:
     """The `Teachers` of `cfg.teachers`: the engine teachers given (rank 0; None elsewhere) and the
     in-trainer ones built here (every rank)."""

@@ -11,6 +11,7 @@ import time
 from typing import Any
 from collections.abc import Callable, Collection
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.progress import progress
 from mcore_rl.train import checkpoint
 
@@ -29,7 +30,7 @@ def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) ->
 
 
 def sft_warm_start(
-    cfg: Any,
+    cfg: RLConfig,
     chunks: list,
     tokenizer: Any,
     world_size: int,
