@@ -652,9 +652,9 @@ def teacher_name(t: TeacherConfig, i: int) -> str:
     return t.name or f"{t.kind}{i}"
 
 
-def reference_teachers(teachers: Sequence[Any]) -> set[int]:
+def reference_teachers(teachers: Sequence[TeacherConfig]) -> set[int]:
     """Indices of the teachers some other teacher names as its `reference` (never routed to)."""
-    named = {getattr(t, "reference", None) for t in teachers} - {None}
+    named = {t.reference for t in teachers} - {None}
     return {i for i, t in enumerate(teachers) if teacher_name(t, i) in named}
 
 

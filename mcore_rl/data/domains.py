@@ -366,14 +366,14 @@ def stage_temperature(cfg: RLConfig, step: int) -> float:
     """The sampling temperature of training step `step` (its stage's, else rollout.temperature):
     the learner computes π_old and π_θ at it."""
     t = None
-    for st in getattr(cfg.rollout, "temperature_stages", ()):  # POLARIS on one data source
+    for st in cfg.rollout.temperature_stages:  # POLARIS on one data source
         if st.start_step <= step:
             t = st.temperature
     if cfg.data.domains:
-        for st in cfg.data.mixture.stages:
-            if st.start_step <= step and st.temperature is not None:
-                t = st.temperature
-            elif st.start_step <= step:
+        for stage in cfg.data.mixture.stages:
+            if stage.start_step <= step and stage.temperature is not None:
+                t = stage.temperature
+            elif stage.start_step <= step:
                 t = None
     return t if t is not None else cfg.rollout.temperature
 

@@ -36,7 +36,8 @@ from mcore_rl.rollout.weight_transports import (
     Transport,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only (the engine processes module: loaded when the trainer starts some)
+    from mcore_rl.rollout.engine_processes import EngineProcesses
     from mcore_rl.rollout.weight_protocol import WeightChecksum
 
 logger = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ class HTTPEnginePool:
         admin_api_key: str | None = None,
         health_interval: float = 5.0,
         log_wait_s: float = 10.0,
-        processes: Any = None,
+        processes: EngineProcesses | None = None,
         restart_dead: bool = False,
         num_layers: int | None = None,
         control_timeout: float | None = None,
@@ -413,6 +414,8 @@ class HTTPEnginePool:
     def _restart_dead(self, interval: float) -> None:
         """Start engine processes that died again (same URL), all that died, without waiting for
         one to answer before noticing the next; each waits for weights once it answers."""
+        processes = self.processes
+        assert processes is not None  # the watcher runs only for a pool that started its engines
         starting: set[int] = set()  # launched again, not answering yet
         while not self._stop_watch.wait(min(interval, 0.2) if starting else interval):
             for i, url in enumerate(self.urls):
@@ -420,19 +423,19 @@ class HTTPEnginePool:
                     return
                 if i in starting:
                     try:
-                        if not self.processes.poll_start(i):
+                        if not processes.poll_start(i):
                             continue
                         self.states.process_ready(url, self._run(self.router._version_of(url)))
                     except Exception:
                         logger.exception("engine %s did not come back", url)
                     starting.discard(i)
                     continue
-                if self.processes.alive(i):
+                if processes.alive(i):
                     continue
                 logger.warning("engine process %s (%s) died; starting it again", i, url)
                 self.states.process_restarted(url)
                 try:
-                    self.processes.relaunch(i)
+                    processes.relaunch(i)
                     starting.add(i)
                 except Exception:
                     logger.exception("could not restart engine %s", url)

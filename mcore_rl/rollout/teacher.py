@@ -44,6 +44,7 @@ from typing import Any
 from collections.abc import Collection, Sequence
 
 from mcore_rl.data.samples import Sample, TeacherScores
+from mcore_rl.rollout.engine_processes import EngineProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class EngineTeacher:
         api_key: str | None = None,
         max_concurrency: int = 64,
         health_interval: float = 5.0,
-        processes: Any = None,
+        processes: EngineProcesses | None = None,
         restart_dead: bool = True,
     ) -> None:
         from mcore_rl.rollout.pool import HTTPEnginePool
@@ -388,7 +389,6 @@ def start_teacher_engines(
 ) -> Any:
     """`num` `mcore-rl serve` processes on the checkpoint `model_path` (HF format, with weights):
     the `EngineProcesses` to give `EngineTeacher(processes=...)`, which then owns them."""
-    from mcore_rl.rollout.engine_processes import EngineProcesses
 
     return EngineProcesses.start(
         None,

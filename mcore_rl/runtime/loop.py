@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -47,6 +47,14 @@ from mcore_rl.observe.run import RunObserver
 from mcore_rl.observe.sinks import read_metrics
 from mcore_rl.progress import is_rank0 as _rank0
 from mcore_rl.progress import log_line as _log
+
+if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
+    from mcore_rl.rollout.pool import EnginePool, HTTPEnginePool
+    from mcore_rl.runtime.async_rollouts import AsyncRollouts
+    from mcore_rl.runtime.rollout_manager import RolloutManager
+    from mcore_rl.train.rl_step import Learner
+    from mcore_rl.train.teachers import Teachers
+    from mcore_rl.train.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +94,13 @@ class RLRun:
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: list | None = None
         self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
-        self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
-        self.engines: Any = None
-        self.weight_sync: Any = None
-        self.manager: Any = None
-        self.async_rollouts: Any = None  # rank 0, rollout.runtime=async
+        self.learner: Learner | None = None  # set by run_rl (its stateful distillation terms are checkpointed)
+        self.engines: EnginePool | None = None
+        self.weight_sync: WeightSync | None = None
+        self.manager: RolloutManager | None = None
+        self.async_rollouts: AsyncRollouts | None = None  # rank 0, rollout.runtime=async
         self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
-        self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
+        self.teachers: Teachers | None = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: dict | None = None  # the async scheduler's state from a checkpoint
         from mcore_rl.runtime.accounting import SampleLedger
@@ -219,6 +227,15 @@ class RLRun:
                 {"model": config_to_dict(cfg.model)},
             )
 
+    def _http_engines(self) -> HTTPEnginePool:
+        """The pool of the asynchronous runtime and of colocated engines: `mcore-rl serve` processes or
+        servers (the validation allows no other)."""
+        from mcore_rl.rollout.pool import HTTPEnginePool  # lazy, as the trainer's other parts here
+
+        if not isinstance(self.engines, HTTPEnginePool):
+            raise RuntimeError(f"this needs HTTP engines (mcore-rl serve or SGLang), not {type(self.engines).__name__}")
+        return self.engines
+
     def _build_engines(self) -> None:
         from mcore_rl.rollout.pool import build_engine_pool
         from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
@@ -249,11 +266,16 @@ class RLRun:
                 if self._rollout_state is not None:
                     self.prompts.load_state_dict(self._rollout_state["prompts"])
                 teachers = self.teachers if self.teachers is not None and self.teachers.engine_teachers else None
+                assert self.manager is not None  # built above, on rank 0
                 backend = PoolBackend(
-                    self.engines, self.prompts, self.manager.rewards, self.manager, cfg, teachers=teachers
+                    self._http_engines(), self.prompts, self.manager.rewards, self.manager, cfg, teachers=teachers
                 )  # engine teachers score right after the rewards
                 self.async_rollouts = AsyncRollouts(
-                    self.engines, backend, scheduler_config(cfg), self._rollout_state, steps_done=self.state.rl_step
+                    self._http_engines(),
+                    backend,
+                    scheduler_config(cfg),
+                    self._rollout_state,
+                    steps_done=self.state.rl_step,
                 )
         self.weight_sync = WeightSync(
             self.chunks,
@@ -269,6 +291,7 @@ class RLRun:
         if new_version:
             self.state.version += 1
         start = time.perf_counter()
+        assert self.weight_sync is not None  # built with the engines
         self.weight_sync.sync(self.state.version)
         self.last_sync_s = time.perf_counter() - start
 
@@ -296,6 +319,7 @@ class RLRun:
                     )
                 )
             elif self.rank0:
+                assert self.manager is not None  # built on rank 0
                 groups, stats = self.manager.collect(self.state.rl_step)
                 self.ledger.drawn += stats.prompts_drawn
                 self.ledger.trained += len(groups)
@@ -335,6 +359,7 @@ class RLRun:
         out = None
         if self.rank0:
             start = time.perf_counter()
+            assert self.manager is not None  # built on rank 0
             out = evaluate(self.manager, self.eval_prompts, self.cfg)
             out["time/eval_s"] = time.perf_counter() - start
         out = broadcast(out)
@@ -350,14 +375,15 @@ class RLRun:
             yield
             return
         start = time.perf_counter()
-        self.engines.call("pause_generation", {"mode": "abort"})
-        self.engines.call("release_memory_occupation", {})
+        engines = self._http_engines()
+        engines.call("pause_generation", {"mode": "abort"})
+        engines.call("release_memory_occupation", {})
         self.released_s = time.perf_counter() - start
         try:
             yield
         finally:
             start = time.perf_counter()
-            self.engines.call("resume_memory_occupation", {})
+            engines.call("resume_memory_occupation", {})
             self.released_s += time.perf_counter() - start
 
     def step_done(self) -> None:

@@ -67,9 +67,7 @@ class DistillTerm:
 def distill_terms(cfg: RLConfig) -> list[DistillTerm]:
     """The configured terms, looked up in the registry (validation has checked names and options);
     a `@stateful` function gets its state object here, once per run."""
-    d = getattr(cfg, "distill", None)
-    if d is None:
-        return []
+    d = cfg.distill
     out = []
     for x in d.losses:
         fn = registry.get("distill", x.name)
@@ -90,8 +88,8 @@ def load_terms_state(terms: Sequence[DistillTerm], state: dict[str, Any]) -> Non
 
 def horizon_at(cfg: RLConfig, step: int, domain: str | None = None) -> int | None:
     """H at rollout step `step` for a prompt of `domain` (None: every prompt; no cut: None)."""
-    d = getattr(cfg, "distill", None)
-    if d is None or not d.losses:
+    d = cfg.distill
+    if not d.losses:
         return None
     h = d.horizon
     if domain is not None and h.domains and domain not in h.domains:

@@ -56,7 +56,7 @@ def vocab_parallel_topk(
     k: int,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    tp_group: Any = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and global ids ([n, k] each, most likely first) of the k most likely tokens per
@@ -359,7 +359,7 @@ class Teachers:
 
     Engine teachers exist on rank 0 only (`engine_ranks`); in-trainer ones on every rank."""
 
-    def __init__(self, configs: Sequence[Any], teachers: Sequence[Any]) -> None:
+    def __init__(self, configs: Sequence[TeacherConfig], teachers: Sequence[Any]) -> None:
         from mcore_rl.config.rl_validate import reference_teachers, teacher_name
 
         self.names = [teacher_name(t, i) for i, t in enumerate(configs)]
@@ -369,8 +369,7 @@ class Teachers:
         # reference teachers (π_Tref of another one) are never routed to; `reference_of[j]`: whose
         self.references = reference_teachers(configs)
         self.reference_of = {
-            j: [i for i, t in enumerate(configs) if getattr(t, "reference", None) == self.names[j]]
-            for j in self.references
+            j: [i for i, t in enumerate(configs) if t.reference == self.names[j]] for j in self.references
         }
 
     def __len__(self) -> int:
