@@ -60,7 +60,7 @@ def _where(i: int, dom: DomainConfig) -> tuple[str, str]:
 
 
 def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> None:
-    from mcore_rl.data.domains import NAME
+    from mcore_rl.data.domains import NAME  # lazy: import cycle
 
     key, who = _where(i, dom)
     errors.need(
@@ -104,7 +104,7 @@ def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> No
 
 def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
     """The task the domain draws from (None for a file, or a source that does not build)."""
-    from mcore_rl.data.tasks import get_task, task_names
+    from mcore_rl.data.tasks import get_task, task_names  # lazy: registries, read at validation
 
     key, who = _where(i, dom)
     if dom.path is not None:
@@ -119,7 +119,7 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
         build = functools.partial(get_task, dom.task, **dom.options)
         leaf = "task"
     else:
-        from mcore_rl.data.tasks.reasoning_gym import dataset_names
+        from mcore_rl.data.tasks.reasoning_gym import dataset_names  # lazy: registries, read at validation
 
         names = dataset_names()
         if not errors.need(
@@ -208,7 +208,12 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
     """Each head a registered reward (or an import path that loads) that accepts its options (a
     domain without heads is scored by its task's reward, or by reward.name for a file)."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-    from mcore_rl.rewards import RewardInput, get_reward_fn, is_import_path, reward_names
+    from mcore_rl.rewards import (
+        RewardInput,
+        get_reward_fn,
+        is_import_path,
+        reward_names,
+    )  # lazy: registries, read at validation
 
     key, who = _where(i, dom)
     heads = [h.name for h in dom.rewards]

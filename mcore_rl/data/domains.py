@@ -44,6 +44,7 @@ from mcore_rl.data.prompts import (
     read_prompt_file,
 )
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tasks import get_task
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,6 @@ def default_reward(d: DomainConfig, cfg: RLConfig) -> str:
     if kind == "reasoning_gym":
         return "reasoning_gym"
     if kind == "task":
-        from mcore_rl.data.tasks import get_task
-
         return get_task(value, **d.options).reward
     return cfg.reward.name
 
@@ -191,7 +190,6 @@ def read_domain_files(cfg: RLConfig) -> dict[str, list[tuple]]:
 def task_examples(d: Any, n: int, seed: int) -> list[tuple]:
     """(prompt, label) pairs of a task or reasoning-gym domain (the RL label: a task's
     `rl_examples` when it has them, e.g. reasoning-gym's whole entry for its scorer)."""
-    from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
     task = (
@@ -209,7 +207,7 @@ def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Coll
     or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
     from each domain's training seed with its held-out prompts (`exclude`, raw texts) left out, so
     the warm start never sees a prompt that evaluation scores."""
-    from mcore_rl.data.sft import SFTExample
+    from mcore_rl.data.sft import SFTExample  # lazy: torch
 
     domains = [(i, d) for i, d in enumerate(cfg.data.domains) if domain_source(d)[0] in ("task", "reasoning_gym")]
     if not domains:
@@ -218,8 +216,6 @@ def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Coll
     drop = set(exclude)
     out = []
     for i, d in domains:
-        from mcore_rl.data.tasks import get_task
-
         kind, value = domain_source(d)
         task = (
             get_task("reasoning_gym", dataset=value, **d.options)

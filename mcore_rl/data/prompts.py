@@ -19,6 +19,7 @@ import numpy as np
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tasks import get_task
 
 # One prompt of a pool: (text, label), or (text, label, max_new_tokens) when the line sets a budget.
 PoolEntry = tuple[str, Any] | tuple[str, Any, int]
@@ -135,7 +136,6 @@ def read_prompt_file(
 
 def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, Any]]:
     """(prompt, answer) pairs of a registered task (the answer is the SFT response and the label)."""
-    from mcore_rl.data.tasks import get_task
 
     try:
         return get_task(task, max_digits=max_digits).examples(n, seed)
@@ -161,7 +161,7 @@ def read_prompt_files(cfg: RLConfig) -> dict[str, list[PoolEntry]]:
     calls this before any worker starts so a bad file fails in a second."""
     d = cfg.data
     if d.domains:
-        from mcore_rl.data.domains import read_domain_files
+        from mcore_rl.data.domains import read_domain_files  # lazy: import cycle
 
         return read_domain_files(cfg)
     paths = {"data.path": d.path, "eval.path": cfg.eval.path}
@@ -175,7 +175,7 @@ def read_prompt_files(cfg: RLConfig) -> dict[str, list[PoolEntry]]:
 def build_prompt_sets(cfg: RLConfig, tokenizer: Any) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes."""
     if cfg.data.domains:
-        from mcore_rl.data.domains import build_domain_sets
+        from mcore_rl.data.domains import build_domain_sets  # lazy: import cycle
 
         return build_domain_sets(cfg, tokenizer)
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
@@ -212,7 +212,7 @@ def build_prompt_sets(cfg: RLConfig, tokenizer: Any) -> PromptSets:
         validation = [x for x in validation if x[0] not in held_out_texts] or validation
     train: Any = PromptSource(pool, tokenizer, seed, d.add_bos, domain)
     if cfg.rollout.temperature_stages:  # POLARIS: staged temperature (and stage filter) on one source
-        from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages
+        from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages  # lazy: import cycle
 
         train = MixtureSource(
             {domain: train},

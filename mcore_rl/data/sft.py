@@ -30,6 +30,7 @@ import torch
 from mcore_rl.config.schema import DataConfig
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.data.prompts import task_pool
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ def load_examples(cfg: DataConfig, seed: int) -> list[SFTExample]:
 
 def task_examples(task: str, max_digits: int, n: int, seed: int, exclude: Collection[str] = ()) -> list[SFTExample]:
     """`n` prompt/answer pairs of a task (`mcore_rl.data.tasks`), leaving out prompts in `exclude`."""
-    from mcore_rl.data.prompts import task_pool
 
     pairs = task_pool(task, n, seed, max_digits)
     drop = set(exclude)

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from mcore_rl.diagnose import analysis
+import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
+from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
 # ---------------------------------------------------------------- the statistics
 
@@ -184,8 +186,6 @@ def score(
 ) -> tuple[list[float], int]:
     """Each rollout's reward from one verifier (in reward worker processes, as training scores), and the
     number of calls that failed."""
-    import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-    from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
     runner = RewardRunner(
         RewardFunction(
@@ -243,7 +243,7 @@ def compare(
     "on the same rollouts, by response length",
 )
 def add_arguments(parser: argparse.ArgumentParser):
-    from mcore_rl.diagnose.rollouts import add_policy_arguments
+    from mcore_rl.diagnose.rollouts import add_policy_arguments  # lazy: torch
 
     add_policy_arguments(parser, default_prompts=32, default_group=4)
     parser.add_argument(
@@ -263,7 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--min-bin", type=int, default=8, help="rollouts a bin needs to end the horizon")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        from mcore_rl.diagnose.rollouts import load_policy, load_recipe, sample_groups, take_prompts
+        from mcore_rl.diagnose.rollouts import load_policy, load_recipe, sample_groups, take_prompts  # lazy: torch
 
         verifiers = [parse_verifier(v) for v in args.verifier]
         if len(verifiers) < 2:

@@ -178,7 +178,7 @@ class RewardRunner:
 
     def _worker_pool(self) -> WorkerPool:
         if self._workers is None:
-            from mcore_rl.rewards.workers import WorkerPool
+            from mcore_rl.rewards.workers import WorkerPool  # lazy: import cycle
 
             assert self.reward.path is not None
             self._workers = WorkerPool(

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
+import mcore_rl
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ class _PortInUse(Exception):
 def write_model_dir(model_config: ModelConfig, path: str) -> str:
     """An HF-format directory with the config.json of `model_config` (no weights: the engines
     start with `--load-format dummy`); returns its absolute path."""
-    from mcore_rl.hf import hf_config_from_model_config
+    from mcore_rl.hf import hf_config_from_model_config  # lazy: transformers
 
     os.makedirs(path, exist_ok=True)
     hf_config_from_model_config(model_config).save_pretrained(path)
@@ -361,8 +362,6 @@ def write_model_dir(model_config: ModelConfig, path: str) -> str:
 
 
 def _child_env(threads: int | None) -> dict[str, str]:
-    import mcore_rl
-
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(mcore_rl.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)  # this mcore_rl

@@ -35,6 +35,9 @@ from mcore_rl.rollout.weight_transports import (
     TensorTransport,
     Transport,
 )
+from mcore_rl.config.rl_validate import started_engines
+from mcore_rl.rollout.engine_processes import EngineProcesses
+from mcore_rl.rollout.weight_protocol import checksum_problem
 
 if TYPE_CHECKING:  # annotations only (the engine processes module: loaded when the trainer starts some)
     from mcore_rl.rollout.engine_processes import EngineProcesses
@@ -148,7 +151,6 @@ def build_engine_pool(
     `workdir`); else embedded engines in this process. Engines the trainer builds run in the
     `logprobs_mode` it expects (`expected_logprobs_mode`); given servers are checked
     (`check_logprobs_mode`)."""
-    from mcore_rl.config.rl_validate import started_engines
 
     mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
@@ -168,8 +170,6 @@ def build_engine_pool(
             raise
         return pool
     if started_engines(rollout):
-        from mcore_rl.rollout.engine_processes import EngineProcesses
-
         procs = EngineProcesses.start(
             model,
             num=rollout.num_embedded_engines,
@@ -241,8 +241,8 @@ class EmbeddedEnginePool:
         same temperature, so μ and π are the same function of the logits. `logprobs_mode`
         "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
         distribution instead (`EngineCore`)."""
-        from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config
-        from mcore_rl.rollout.engine.core import EngineCore
+        from mcore_rl.hf import Qwen3ReferenceForCausalLM, hf_config_from_model_config  # lazy: transformers
+        from mcore_rl.rollout.engine.core import EngineCore  # lazy: transformers
 
         cores = []
         for i in range(num):
@@ -273,8 +273,8 @@ class EmbeddedEnginePool:
         return InProcessTransport(self.cores)
 
     def generate(self, requests: Sequence[GenRequest], on_done: Callable[[], None] | None = None) -> list[Generation]:
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         rids = [r.rid or uuid.uuid4().hex for r in requests]
         where: dict[str, int] = {}
@@ -372,7 +372,7 @@ class HTTPEnginePool:
         weight_update_timeout: float | None = None,
         no_engine_timeout_s: float = 0.0,
     ) -> None:
-        from mcore_rl.rollout.router import EngineRouter
+        from mcore_rl.rollout.router import EngineRouter  # lazy: aiohttp
 
         if not urls:
             raise ValueError("urls: need at least one engine URL")
@@ -477,7 +477,7 @@ class HTTPEnginePool:
         """The replies of the engines that answered. An engine that cannot be reached (or timed
         out) is marked dead and left out; an engine's refusal (HTTP 4xx) is raised; so is
         `NoHealthyEngine` when no engine answered."""
-        from mcore_rl.rollout.router import NoHealthyEngine
+        from mcore_rl.rollout.router import NoHealthyEngine  # lazy: aiohttp
 
         results, error = {}, None
         for url, (reply, err) in self._settle(futures, what).items():
@@ -494,7 +494,7 @@ class HTTPEnginePool:
     def _settle(self, futures: dict[str, Future], what: str) -> dict[str, tuple[Any, Exception | None]]:
         """(reply, None) or (None, error) by URL for the engines that answered, once all have, logging
         while it waits; an engine that cannot be reached is marked dead and left out."""
-        from mcore_rl.rollout.client import EngineUnavailable
+        from mcore_rl.rollout.client import EngineUnavailable  # lazy: aiohttp
 
         pending = dict(futures)
         start = time.monotonic()
@@ -537,7 +537,7 @@ class HTTPEnginePool:
         `delivered` for those that got everything. On the way out those continue
         (`/continue_generation`); every other engine paused here stays paused and waits for the
         next update, also when the update raised: it may hold a mix of two versions."""
-        from mcore_rl.rollout.router import NoEngineToSync
+        from mcore_rl.rollout.router import NoEngineToSync  # lazy: aiohttp
 
         deadline, logged = time.monotonic() + self.no_engine_timeout_s, False
         while True:
@@ -590,8 +590,7 @@ class HTTPEnginePool:
         """Engines among `urls` whose `/weights_checksum` does not show `version` with exactly the
         tensors of `checksum`, with why. Engines that answer 404 (no such endpoint: a real SGLang
         server) are not checked; that is logged once per engine."""
-        from mcore_rl.rollout.client import EngineHTTPError
-        from mcore_rl.rollout.weight_protocol import checksum_problem
+        from mcore_rl.rollout.client import EngineHTTPError  # lazy: aiohttp
 
         futures = self.start("weights_checksum", {}, [u for u in urls if u not in self._no_checksum])
         problems: dict[str, str] = {}
@@ -662,7 +661,7 @@ class HTTPEnginePool:
         versions = meta.get("output_token_weight_versions")
         routed = None
         if req.return_routed_experts and meta.get("routed_experts") is not None:
-            from mcore_rl.rollout.protocol import decode_routed_experts
+            from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
             if self.num_layers is None:
                 raise ValueError("num_layers: HTTPEnginePool needs the model's layer count to decode routed_experts")

@@ -206,7 +206,7 @@ class EngineTeacher:
         processes: EngineProcesses | None = None,
         restart_dead: bool = True,
     ) -> None:
-        from mcore_rl.rollout.pool import HTTPEnginePool
+        from mcore_rl.rollout.pool import HTTPEnginePool  # lazy: torch
 
         self.name, self.top_k, self.vocab_size = name, top_k, vocab_size
         self.pool = HTTPEnginePool(
@@ -250,7 +250,7 @@ class EngineTeacher:
             s.teacher = res
 
     async def _score_one(self, s: Sample) -> TeacherScores:
-        from mcore_rl.rollout.client import EngineError
+        from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
         if not s.response_ids:
             return TeacherScores(source=self.name, error="empty response")
@@ -278,7 +278,7 @@ class EngineTeacher:
     async def _reference_one(self, s: Sample, main: TeacherScores) -> TeacherScores:
         """`main` (the teacher's scores of `s`) with this reference's `ref_logp` / `ref_topk_logp`;
         on failure marked (error set, lists empty) like a failure of the teacher itself."""
-        from mcore_rl.rollout.client import EngineError
+        from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
@@ -307,7 +307,7 @@ class EngineTeacher:
 def check_engines(pool: Any, urls: Sequence[str], tokenizer: Any, who: str, whose: str, error: type) -> None:
     """Every engine of `pool` at `urls` answers and tokenizes like `tokenizer`; else `error` naming
     `who` (e.g. "teachers[0] (math): the teacher engine") and the engine, before training starts."""
-    from mcore_rl.rollout.client import EngineError
+    from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
     for url in urls:
         client = pool.router.clients[url]
@@ -328,7 +328,7 @@ async def check_tokenizer(client: Any, tokenizer: Any) -> str | None:
     `/detokenize` of ids spread over the student's vocabulary (its last id and its special ids
     included) its text. A server without `/tokenize` (older SGLang: 404) is probed through
     `/generate` instead: the ids it reports for a scored text prompt (a leading BOS allowed)."""
-    from mcore_rl.rollout.client import EngineHTTPError
+    from mcore_rl.rollout.client import EngineHTTPError  # lazy: aiohttp
 
     vocab = int(tokenizer.vocab_size)
     specials = [

@@ -60,6 +60,7 @@ from mcore_rl.rollout.weight_protocol import (
     init_custom_process_group,
     write_safetensors,
 )
+from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 
 logger = logging.getLogger(__name__)
 SHM_PREFIX = "mcore_rl_weights_"  # + the trainer's pid + "_": shared-memory buckets of `TensorTransport`
@@ -416,7 +417,6 @@ class InProcessTransport:
         self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
     ) -> None:
         """`only`: names as in `stats.mismatched`, "embedded:<index>"."""
-        from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 
         cores = {f"embedded:{i}": c for i, c in enumerate(self.cores) if only is None or f"embedded:{i}" in only}
         for bucket in buckets:

@@ -78,7 +78,7 @@ class PoolBackend:
         return None
 
     def error_kind(self, err: BaseException) -> Literal["no_engine", "refused", "other"]:
-        from mcore_rl.rollout.client import EngineHTTPError, EngineUnavailable
+        from mcore_rl.rollout.client import EngineHTTPError, EngineUnavailable  # lazy: aiohttp
 
         if isinstance(err, EngineUnavailable):  # NoHealthyEngine included
             return "no_engine"

@@ -47,6 +47,20 @@ from mcore_rl.observe.run import RunObserver
 from mcore_rl.observe.sinks import read_metrics
 from mcore_rl.progress import is_rank0 as _rank0
 from mcore_rl.progress import log_line as _log
+from mcore_rl.progress import progress
+from mcore_rl.train.policy import build_policy
+from mcore_rl.train import checkpoint
+from mcore_rl.train.teachers import build_engine_teachers
+from mcore_rl.train.policy import build_reference_model, copy_weights
+from mcore_rl.rollout.pool import HTTPEnginePool  # lazy, as the trainer's other parts here
+from mcore_rl.rollout.pool import build_engine_pool
+from mcore_rl.train.hf_provenance import carry_provenance
+from mcore_rl.train.checkpoint import checkpoint_dir
+from mcore_rl.train.teachers import token_topk
+from mcore_rl.train.hf_provenance import read_provenance
+from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
+from mcore_rl.train.teachers import build_teachers
+from mcore_rl.rollout.teacher import TeacherError
 
 if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
     from mcore_rl.rollout.pool import EnginePool, HTTPEnginePool
@@ -79,8 +93,7 @@ class RLRun:
     """All state of one `mcore-rl train` process (one rank)."""
 
     def __init__(self, cfg: RLConfig) -> None:
-        from mcore_rl.data.prompts import build_prompt_sets
-        from mcore_rl.train.policy import build_policy
+        from mcore_rl.data.prompts import build_prompt_sets  # lazy: numpy
 
         self.t0 = time.perf_counter()
         self.cfg = cfg
@@ -103,7 +116,7 @@ class RLRun:
         self.teachers: Teachers | None = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: dict | None = None  # the async scheduler's state from a checkpoint
-        from mcore_rl.runtime.accounting import SampleLedger
+        from mcore_rl.runtime.accounting import SampleLedger  # lazy: import cycle
 
         self.ledger = SampleLedger()  # sync runtime (the async scheduler keeps its own)
         self.eval_history: list[dict[str, float]] = []
@@ -113,7 +126,6 @@ class RLRun:
 
     def initialise(self) -> None:
         """Resume, or start from init.checkpoint / the SFT warm start; then engines and first sync."""
-        from mcore_rl.train import checkpoint
 
         cfg = self.cfg
         engine_teachers = self._connect_teachers()  # an unreachable or mismatched teacher fails here, first
@@ -122,7 +134,6 @@ class RLRun:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
         if resume is not None:
             common = checkpoint.load_checkpoint(resume, self.chunks, self.optimizer)
-            from mcore_rl.train.hf_provenance import read_provenance
 
             self.hf_provenance = read_provenance(common, resume)
             if "rl" not in common:
@@ -146,7 +157,6 @@ class RLRun:
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
         else:
             self._resume_common = None
-            from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
             if cfg.init.checkpoint:
                 self.hf_provenance = load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
@@ -161,8 +171,6 @@ class RLRun:
         self._build_reference(resume)
         ttfs.mark("reference_model")
         if cfg.teachers:
-            from mcore_rl.train.teachers import build_teachers
-
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
         for recipe in self.recipes:
             recipe.setup(self)
@@ -176,7 +184,6 @@ class RLRun:
         if one is unreachable or has another tokenizer."""
         if not any(t.kind == "engine" for t in self.cfg.teachers):
             return []
-        from mcore_rl.train.teachers import build_engine_teachers
 
         made: list = []
         error = None
@@ -187,16 +194,12 @@ class RLRun:
                 error = f"{type(err).__name__}: {err}"
         error = broadcast(error)
         if error is not None:
-            from mcore_rl.rollout.teacher import TeacherError
-
             raise TeacherError(error)
         self._engine_teachers = made
         return made
 
     def _build_reference(self, resume: str | None) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
-        from mcore_rl.train import checkpoint
-        from mcore_rl.train.policy import build_reference_model, copy_weights
 
         cfg = self.cfg
         if not cfg.algorithm.uses_reference():
@@ -230,16 +233,14 @@ class RLRun:
     def _http_engines(self) -> HTTPEnginePool:
         """The pool of the asynchronous runtime and of colocated engines: `mcore-rl serve` processes or
         servers (the validation allows no other)."""
-        from mcore_rl.rollout.pool import HTTPEnginePool  # lazy, as the trainer's other parts here
 
         if not isinstance(self.engines, HTTPEnginePool):
             raise RuntimeError(f"this needs HTTP engines (mcore-rl serve or SGLang), not {type(self.engines).__name__}")
         return self.engines
 
     def _build_engines(self) -> None:
-        from mcore_rl.rollout.pool import build_engine_pool
-        from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
-        from mcore_rl.train.weight_sync import WeightSync
+        from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner  # lazy: import cycle
+        from mcore_rl.train.weight_sync import WeightSync  # lazy: transformers
 
         cfg, r = self.cfg, self.cfg.rollout
         transport = None
@@ -261,7 +262,11 @@ class RLRun:
                 self.engines, self.prompts, build_reward_runner(cfg), cfg, recipes=self.recipes
             )
             if r.runtime == "async":
-                from mcore_rl.runtime.async_rollouts import AsyncRollouts, PoolBackend, scheduler_config
+                from mcore_rl.runtime.async_rollouts import (
+                    AsyncRollouts,
+                    PoolBackend,
+                    scheduler_config,
+                )  # lazy: import cycle
 
                 if self._rollout_state is not None:
                     self.prompts.load_state_dict(self._rollout_state["prompts"])
@@ -299,7 +304,7 @@ class RLRun:
 
     def rollouts(self) -> tuple[list[Sample], dict[str, float]]:
         """The next training batch (every rank): collected now (sync), or from the buffer (async)."""
-        from mcore_rl.runtime.rollout_manager import reward_metrics
+        from mcore_rl.runtime.rollout_manager import reward_metrics  # lazy: import cycle
 
         start = time.perf_counter()
         if self.manager is not None:
@@ -354,7 +359,7 @@ class RLRun:
         return samples, metrics
 
     def evaluate(self) -> dict[str, float]:
-        from mcore_rl.runtime.evaluate import evaluate
+        from mcore_rl.runtime.evaluate import evaluate  # lazy: import cycle
 
         out = None
         if self.rank0:
@@ -401,8 +406,6 @@ class RLRun:
         return self.ledger.write(path, 0, self.cfg.rollout.group_size)
 
     def save(self) -> str:
-        from mcore_rl.train import checkpoint
-
         rollout_state = self.async_rollouts.state_dict() if self.async_rollouts is not None else None
         common = {
             "model": config_to_dict(self.cfg.model),
@@ -416,7 +419,6 @@ class RLRun:
                 **{r.state_key: r.state_dict() for r in self.recipes if r.state_key is not None},
             },
         }
-        from mcore_rl.train.hf_provenance import carry_provenance
 
         save_dir = self.cfg.checkpoint.save_dir
         if save_dir is None:
@@ -426,7 +428,6 @@ class RLRun:
 
     def checkpoint_path(self) -> str | None:
         """Where `save` put (or would put) the checkpoint of the current step; None without save_dir."""
-        from mcore_rl.train.checkpoint import checkpoint_dir
 
         return (
             checkpoint_dir(self.cfg.checkpoint.save_dir, self.state.rl_step) if self.cfg.checkpoint.save_dir else None
@@ -437,7 +438,6 @@ class RLRun:
         rank 0 (what the asynchronous scheduler did not score yet), in-trainer ones on every rank."""
         if self.teachers is None:
             return {}
-        from mcore_rl.train.teachers import token_topk
 
         tc = self.cfg.train
 
@@ -482,8 +482,8 @@ class RLRun:
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Train as configured. Returns a summary (eval before/after, wall time) on every rank."""
-    from mcore_rl.data.domains import stage_temperature
-    from mcore_rl.train.rl_step import Learner
+    from mcore_rl.data.domains import stage_temperature  # lazy: numpy
+    from mcore_rl.train.rl_step import Learner  # lazy: megatron
 
     ttfs.begin_run()  # time to first step: the process's clock, or a new one for a second run in it
     run = RLRun(cfg)
@@ -637,7 +637,6 @@ def _eval_line(ev: dict[str, float]) -> str:
 def _progress(cfg: RLConfig, start: int) -> Any:
     if not (_rank0() and cfg.logging.progress_bar):
         return None
-    from mcore_rl.progress import progress
 
     return progress(cfg.train.num_steps, "rl", "step", initial=start)
 

@@ -46,6 +46,11 @@ import torch
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, build_engine_pool
+from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
+from mcore_rl.runtime.loop import RLRun
+from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
+from mcore_rl.data.samples import compact_routing
+from mcore_rl.rollout.teacher import parse_scores, scoring_body
 
 # engine precisions the embedded engine offers (rollout.quantization's values)
 PRECISIONS = ("none", "bf16", "fp8")
@@ -151,8 +156,8 @@ class EmbeddedScorer:
         mask: bool = False,
         routing: bool = False,
     ) -> list[Sampled]:
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         reqs = [
             Request(
@@ -182,8 +187,8 @@ class EmbeddedScorer:
     ) -> tuple[list[list[float]], list[Any] | None]:
         """Prompt-scoring log-probs of each response (and, with `routing`, the experts of every
         token, SGLang's routed_experts [tokens - 1, layers, k])."""
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         reqs = [
             Request(
@@ -237,7 +242,7 @@ class URLScorer:
         self.name, self.num_layers = url, num_layers
 
     def _gather(self, bodies: list[dict[str, Any]]) -> list[Any]:
-        from mcore_rl.rollout.client import EngineClient
+        from mcore_rl.rollout.client import EngineClient  # lazy: aiohttp
 
         async def go() -> list[Any]:
             async with EngineClient(self.name) as client:
@@ -252,7 +257,7 @@ class URLScorer:
         mask: bool = False,
         routing: bool = False,
     ) -> list[Sampled]:
-        from mcore_rl.rollout.protocol import decode_routed_experts
+        from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
         bodies = [
             {"input_ids": list(p), "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)
@@ -282,8 +287,7 @@ class URLScorer:
     def score(
         self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
     ) -> tuple[list[list[float]], list[Any] | None]:
-        from mcore_rl.rollout.protocol import decode_routed_experts
-        from mcore_rl.rollout.teacher import parse_scores, scoring_body
+        from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
         bodies = [scoring_body(p, r, 0, f"parity-{i}") for i, (p, r) in enumerate(zip(prompts, responses))]
         if routing:
@@ -312,7 +316,6 @@ class URLScorer:
 def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The trainer's megatron-core model on `ids` (one rank, one chunk): the residual stream after
     each decoder layer and the final norm ([s, h] fp32), and each MoE layer's top-k expert ids."""
-    from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
 
     gpt = unwrap_gpt(chunks[0])
     decoder: Any = gpt.decoder  # megatron-core's TransformerBlock (torch types a submodule `Tensor | Module`)
@@ -420,14 +423,12 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
     """Build the recipe's policy, sync it to each engine, and compare (module docstring)."""
     import copy
 
-    from mcore_rl.runtime.loop import RLRun
-    from mcore_rl.train.rl_step import Learner
-    from mcore_rl.train.weight_sync import WeightSync
+    from mcore_rl.train.rl_step import Learner  # lazy: megatron
+    from mcore_rl.train.weight_sync import WeightSync  # lazy: transformers
 
     check_options(opts)
     start = time.perf_counter()
     run = RLRun(cfg)
-    from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
     if opts.checkpoint:
         load_initial_weights(opts.checkpoint, run.chunks, log)
@@ -528,11 +529,9 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
                 scorer, run.chunks, list(zip(prompt_ids, responses))
             )
         if routes is not None:  # the trainer on the same tokens, replaying this engine's experts
-            from mcore_rl.data.samples import compact_routing
-
             for smp, rt in zip(samples, routes):
                 smp.routed_experts = compact_routing(rt)
-            from mcore_rl.train import routing_replay
+            from mcore_rl.train import routing_replay  # lazy: megatron
 
             lp_r3, _, _ = learner.token_stats(samples, width, routing=learner.replay_routing(samples))
             routing_replay.clear(learner.replay_taps)  # later forwards route naturally again
@@ -568,9 +567,8 @@ def behaviour_rows(
     renormalised), and π the trainer's at the sampling temperature — over the full vocabulary (what
     a trainer without sampling-mask replay computes), over the same support (replay), and each
     with the engine's experts replayed (R3) for MoE."""
-    from mcore_rl.data.samples import compact_routing
-    from mcore_rl.runtime.rollout_manager import flat_masks
-    from mcore_rl.train import routing_replay
+    from mcore_rl.runtime.rollout_manager import flat_masks  # lazy: numpy
+    from mcore_rl.train import routing_replay  # lazy: megatron
 
     for smp, g in zip(samples, generated):
         assert g.masks is not None and g.processed_logp is not None  # asked for with every generation here

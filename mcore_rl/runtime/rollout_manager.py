@@ -40,6 +40,8 @@ from mcore_rl.hooks import Recipe
 from mcore_rl.progress import progress
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
+import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
+from mcore_rl.train.distillation import generation_budget
 
 # salts that keep the sampling seeds of different purposes apart
 SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
@@ -69,8 +71,6 @@ class DomainRewards:
     def __init__(
         self, specs: dict[str, DomainSpec], timeout_s: float, error_reward: float, max_concurrency: int
     ) -> None:
-        import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-
         self.specs = specs
         heads = {_head_key(h): h for spec in specs.values() for h in spec.rewards}
         per = max(1, max_concurrency // len(heads))  # the workers of all heads together
@@ -217,7 +217,6 @@ class RolloutManager:
 
     def budget(self, prompt: Prompt) -> int:
         """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
-        from mcore_rl.train.distillation import generation_budget
 
         return generation_budget(self.cfg, prompt, self.step)
 

@@ -68,7 +68,7 @@ def latest_checkpoint(load_dir: str) -> str | None:
 
 
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.models.shards import unwrap_model  # lazy: transformers
 
     return {f"chunk{i}": cast("MegatronModule", unwrap_model(c)).sharded_state_dict() for i, c in enumerate(chunks)}
 
@@ -289,7 +289,7 @@ def load_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer: Any | N
     with progress(_state_bytes(request), f"loading {os.path.basename(path)}", "B") as bar:
         loaded = dist_checkpointing.load(request, path)
         bar.update(bar.total)
-    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.models.shards import unwrap_model  # lazy: transformers
 
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)

@@ -504,7 +504,7 @@ def make_forward_step(
     divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
     ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
     """
-    from mcore_rl.train.forward_backward import attention_mask_from_segments
+    from mcore_rl.train.forward_backward import attention_mask_from_segments  # lazy: megatron
 
     def _loss(batch: Batch, stats: TokenStats) -> tuple:
         loss, count, report = loss_fn(batch, stats)
@@ -513,7 +513,7 @@ def make_forward_step(
         return loss, count, report
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
-        from mcore_rl.train import routing_replay
+        from mcore_rl.train import routing_replay  # lazy: megatron
 
         batch = next(data_iterator)
         routing_replay.install(model, batch.get(routing_replay.ROUTING_KEY))  # MoE routing replay, if attached
@@ -567,7 +567,7 @@ def compute_token_stats(
     """
     from megatron.core import parallel_state
 
-    from mcore_rl.train.forward_backward import forward_backward
+    from mcore_rl.train.forward_backward import forward_backward  # lazy: megatron
 
     store: list[dict[str, Any]] = []
     step = make_forward_step(partial(_collect_loss, "loss_mask"), temperature, chunk_size, with_entropy, store=store)

@@ -415,7 +415,7 @@ class ModelParallelAdamW:
     def load_update_mask(self, path: str, model_chunks: list[torch.nn.Module]) -> None:
         """`optimizer.update_mask`: a `.pt` file {global megatron name: full bool mask} (written by
         `mcore-rl diagnose update_sparsity --write-mask`), sliced to this rank's shards."""
-        from mcore_rl.models.shards import iter_local_params, shard_for_rank
+        from mcore_rl.models.shards import iter_local_params, shard_for_rank  # lazy: transformers
 
         full = torch.load(path, map_location="cpu", weights_only=True)
         position = {id(p): i for i, p in enumerate(self.model_params)}

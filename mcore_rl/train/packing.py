@@ -228,7 +228,7 @@ def build_microbatches(
         for key, value in (per_seq or {}).items():
             mb[key] = value[mb["seq_index"]]
         if routing is not None:  # routing replay: the experts per token on the packed grid
-            from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid
+            from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid  # lazy: import cycle
 
             here = [
                 (i, r - lo, place.col)

@@ -101,7 +101,7 @@ def _routers(chunk: torch.nn.Module) -> list[TopKRouter]:
 def attach(chunks: Sequence[torch.nn.Module]) -> list[ReplayRouting]:
     """Give every router of `chunks` (one model's pipeline chunks) its `ReplayRouting`; returns them.
     Raises ValueError when the chunks hold no MoE router (a dense model)."""
-    from mcore_rl.train.logprobs import unwrap_gpt
+    from mcore_rl.train.logprobs import unwrap_gpt  # lazy: yaml
 
     taps = []
     for chunk in chunks:
@@ -130,7 +130,7 @@ def install(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
     without `attach`ed replay (π_ref, teachers)."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.train.logprobs import unwrap_gpt
+    from mcore_rl.train.logprobs import unwrap_gpt  # lazy: yaml
 
     gpt = unwrap_gpt(model)
     taps: list[ReplayRouting] = getattr(gpt, "_routing_replay", None) or []

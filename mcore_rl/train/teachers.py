@@ -40,6 +40,14 @@ import torch
 from mcore_rl.config.rl_schema import RLConfig, TeacherConfig
 from mcore_rl.data.samples import Sample, TeacherScores
 from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domain, start_teacher_engines
+from mcore_rl.models.vocab_padding import mask_padded_logits
+from mcore_rl.train.logprobs import auto_chunk_size
+from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
+from mcore_rl.train.packing import build_microbatches
+from mcore_rl.config.rl_validate import teacher_name
+from mcore_rl.train.policy import build_reference_model, copy_weights
+from mcore_rl.config.rl_validate import reference_teachers
+from mcore_rl.train.warm_start import load_initial_weights
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +73,6 @@ def vocab_parallel_topk(
     k values per token and rank cross ranks, never the vocabulary. `vocab_size`: the true size of a
     padded vocabulary, whose padded ids are masked (never chosen, not in the normaliser)."""
     import torch.distributed as dist
-
-    from mcore_rl.models.vocab_padding import mask_padded_logits
-    from mcore_rl.train.logprobs import auto_chunk_size
 
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     rank = dist.get_rank(tp_group) if tp > 1 else 0
@@ -118,9 +123,7 @@ def token_topk(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.train.forward_backward import attention_mask_from_segments, forward_backward
-    from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
-    from mcore_rl.train.packing import build_microbatches
+    from mcore_rl.train.forward_backward import attention_mask_from_segments, forward_backward  # lazy: megatron
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mbs = build_microbatches(
@@ -298,14 +301,10 @@ class FrozenTeacher:
         version: int = 0,
         top_k: int = 0,
     ) -> None:
-        from mcore_rl.train.policy import build_reference_model, copy_weights
-
         self.name, self.refresh_interval, self.policy_chunks = name, refresh_interval, policy_chunks
         self.top_k = top_k
         self.chunks = build_reference_model(cfg)
         if checkpoint:
-            from mcore_rl.train.warm_start import load_initial_weights
-
             load_initial_weights(checkpoint, self.chunks, logger.info)
             self.version: int | str = "checkpoint"
         else:
@@ -313,8 +312,6 @@ class FrozenTeacher:
             self.version = version
 
     def refresh(self, version: int) -> None:
-        from mcore_rl.train.policy import copy_weights
-
         copy_weights(self.chunks, self.policy_chunks)
         self.version = version
 
@@ -360,8 +357,6 @@ class Teachers:
     Engine teachers exist on rank 0 only (`engine_ranks`); in-trainer ones on every rank."""
 
     def __init__(self, configs: Sequence[TeacherConfig], teachers: Sequence[Any]) -> None:
-        from mcore_rl.config.rl_validate import reference_teachers, teacher_name
-
         self.names = [teacher_name(t, i) for i, t in enumerate(configs)]
         self.domains = [list(t.domains) for t in configs]
         self.kinds = [t.kind for t in configs]
@@ -512,7 +507,6 @@ def build_engine_teacher(
 def build_engine_teachers(cfg: RLConfig, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
     """Rank 0, before training: every engine teacher connected and checked (`TeacherError` if one
     is unreachable or has another tokenizer); None for the other kinds."""
-    from mcore_rl.config.rl_validate import teacher_name
 
     out: list[EngineTeacher | None] = []
     try:
@@ -542,7 +536,6 @@ def build_teachers(
 ) -> Teachers:
     """The `Teachers` of `cfg.teachers`: the engine teachers given (rank 0; None elsewhere) and the
     in-trainer ones built here (every rank)."""
-    from mcore_rl.config.rl_validate import teacher_name
 
     made: list[Any] = []
     for i, t in enumerate(cfg.teachers):

@@ -50,6 +50,7 @@ from mcore_rl.rollout.weight_protocol import (
     unflatten,
 )
 from mcore_rl.rollout.weight_transports import SyncStats, Transport
+from mcore_rl.rollout.engine.fp8 import is_quantized_linear_name, quantize_block_fp8
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 LOST_ENGINE_RETRIES = 3  # a sync every engine dropped out of is sent again (see 5. above)
@@ -216,7 +217,6 @@ def _recv_stage(src: int, device: torch.device) -> Iterator[tuple[str, torch.Ten
 def quantize_for_fp8_engine(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """`x.weight` -> `x.weight` (e4m3) + `x.weight_scale_inv` (fp32 128x128 block scales) for every
     Linear an FP8 engine holds in FP8; everything else passes through unchanged."""
-    from mcore_rl.rollout.engine.fp8 import is_quantized_linear_name, quantize_block_fp8
 
     for name, tensor in named:
         module = name.removesuffix(".weight")

@@ -109,6 +109,10 @@ from .sampling import (
     sample,
     sample_with_support,
 )
+from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
+from mcore_rl.hf.configuration import unsupported_stock_fields
+from mcore_rl.hf.rope import rope_key_in_file
+from mcore_rl.hf import Qwen3ReferenceForCausalLM
 
 _DTYPES = {
     "float32": torch.float32,
@@ -326,12 +330,10 @@ class EngineCore:
         weight file: config.json is all the directory needs, and a weight update brings the real weights."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
-        from mcore_rl.hf import Qwen3ReferenceForCausalLM
 
         seed = kw.get("random_seed", 0)
         if path is None:
-            from mcore_rl.config.schema import ModelConfig
-            from mcore_rl.hf import hf_config_from_model_config
+            from mcore_rl.config.schema import ModelConfig  # lazy: yaml
 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -1109,9 +1111,6 @@ def _load_config(path: str):
     """Our config of an HF directory: `mcore_rl_qwen3` as it is; stock Qwen3 / Qwen3-MoE / Llama
     mapped through `model_config_from_hf_config` (Llama: no QK-norm), after refusing what the
     reference model cannot compute (each problem naming its `config.json` field)."""
-    from mcore_rl.hf import McoreRLQwen3Config, hf_config_from_model_config, model_config_from_hf_config
-    from mcore_rl.hf.configuration import unsupported_stock_fields
-    from mcore_rl.hf.rope import rope_key_in_file
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
