@@ -160,4 +160,4 @@ def vimpo_value(
 
 
 vimpo.needs_reference = True  # type: ignore[attr-defined]  # a flag on the function, read by the validation (algorithm.reference_model)
-vimpo_value.needs_reference = True  # type: ignore[attr-defined]
+vimpo_value.needs_reference = True  # type: ignore[attr-defined]  # a flag on the function object

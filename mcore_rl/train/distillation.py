@@ -58,7 +58,7 @@ class DistillTerm:
 
     @property
     def phase(self) -> str:
-        return self.fn.phase  # type: ignore[attr-defined]
+        return self.fn.phase  # type: ignore[attr-defined]  # a flag on the function object
 
     def __call__(self, batch: DistillBatch) -> DistillTerms:
         return self.fn(batch, **self.options, **({} if self.state is None else {"state": self.state}))
