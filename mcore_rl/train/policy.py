@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mcore_rl.config import DerivedSizes
+from mcore_rl.config import DerivedSizes, RLConfig, SFTConfig
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.observe import ttfs
 
@@ -30,7 +30,7 @@ class Policy:
     sizes: DerivedSizes
 
 
-def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_iters: int) -> Policy:
+def build_policy(cfg: SFTConfig | RLConfig, validate: Callable[[Any, int], DerivedSizes], total_iters: int) -> Policy:
     """The policy of a config with `model`, `parallel`, `optimizer`, `train` (seed, precision,
     recompute) and `data.tokenizer_path` sections; `validate(cfg, world_size)` raises on a bad config
     before anything else is built. `total_iters` sizes the LR schedule."""
@@ -60,7 +60,7 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     return Policy(chunks, optimizer, tokenizer, world_size, sizes)
 
 
-def build_reference_model(cfg: Any) -> list[torch.nn.Module]:
+def build_reference_model(cfg: RLConfig) -> list[torch.nn.Module]:
     """Frozen, unwrapped model chunks of the policy's architecture and layout (π_ref for the KL
     term, or a teacher): forward only, no recomputation, per-token loss scaling like the policy."""
     from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
