@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     from mcore_rl.parallel import setup
 
     import megatron.core.models.gpt  # noqa: F401  (in the baseline: every rank pays for these imports)
-    import transformers  # noqa: F401
+    import transformers  # noqa: F401  (as above)
 
     from mcore_rl.convert import to_hf, to_mcore
     from mcore_rl.models import shards

@@ -182,10 +182,10 @@ def build_reference(cfg, weights: dict):
 
 def _imports_for_baseline() -> None:
     """Import everything the variants use before the memory baseline, so no import counts as growth."""
-    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401  (imported for the baseline only)
     import mcore_rl.data.sft
     import mcore_rl.models.builder
-    import mcore_rl.train.sft  # noqa: F401
+    import mcore_rl.train.sft  # noqa: F401  (as above)
 
 
 def worker_memory(cfg, args) -> dict[str, Any]:

@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "benchmarks"))
 
-from compare_mismatch import mean, run, series, smooth  # noqa: E402
-from mcore_rl.observe.sinks import read_metrics  # noqa: E402
+from compare_mismatch import mean, run, series, smooth  # noqa: E402  (after the sys.path entries above)
+from mcore_rl.observe.sinks import read_metrics  # noqa: E402  (as above)
 
 # each method: the dotted overrides that turn it on in configs/demo.yaml (GRPO, PPO-clip with
 # clip-higher, TIS against the FP8 engine, 2 optimizer steps per rollout batch)

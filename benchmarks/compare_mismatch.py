@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from mcore_rl.observe.sinks import read_metrics  # noqa: E402
+from mcore_rl.observe.sinks import read_metrics  # noqa: E402  (after the sys.path entry above)
 
 COLORS = {
     "none": "tab:gray",

@@ -329,7 +329,7 @@ def table(results: list[dict[str, Any]]) -> str:
             cells.append("-" if isinstance(v, float) and math.isnan(v) else fmt.format(v).strip())
         rows.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in rows)) for i, (h, _, _) in enumerate(COLUMNS)]
-    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731  (a one-line helper, local to this table)
     head = line([h for h, _, _ in COLUMNS])
     return "\n".join([head, "-" * len(head)] + [line(c) for c in rows])
 

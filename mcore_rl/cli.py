@@ -27,8 +27,15 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock starts here
+
+if TYPE_CHECKING:  # annotations only: the config package loads when a command needs it (`--help` stays fast)
+    from mcore_rl.config.rl_schema import RLConfig
+    from mcore_rl.config.schema import SFTConfig
+
+RootConfig = TypeVar("RootConfig", "SFTConfig", "RLConfig")
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -91,8 +98,8 @@ def _relaunch(nproc: int, cli_args: list[str], cfg=None) -> int:
     """
     import time
 
-    from mcore_rl.parallel import preemption
-    from mcore_rl.parallel.lifetime import preexec_die_with_parent
+    from mcore_rl.parallel import preemption  # lazy: fast --help
+    from mcore_rl.parallel.lifetime import preexec_die_with_parent  # lazy: fast --help
 
     signals = list(cfg.checkpoint.preempt_signals) if cfg is not None else []
     command = [
@@ -115,7 +122,7 @@ def _relaunch(nproc: int, cli_args: list[str], cfg=None) -> int:
 def _check_writable(key: str, path: str) -> None:
     """Create the directory `path` and a probe file in it (removed again); a ConfigError naming `key`
     if that fails, so a read-only or misplaced directory fails now rather than at the first save."""
-    from mcore_rl.config import ConfigError
+    from mcore_rl.config import ConfigError  # lazy: fast --help
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}: {path!r} is a file, not a directory")
@@ -130,32 +137,39 @@ def _check_writable(key: str, path: str) -> None:
         raise ConfigError(f"{key}: cannot write to {path!r}: {err.strerror or err}{where}") from None
 
 
-def _preflight(cfg) -> None:
+def _preflight(cfg: SFTConfig | RLConfig) -> None:
     """The checks that need the filesystem (validation itself is pure), before any worker starts:
     otherwise they fail after distributed initialisation, or at the first save after training.
     The directories the run writes must be writable; the data files are read and checked (SFT
     examples, RL prompt files), bad lines reported as `file:line: problem` as training would."""
     if os.environ.get(PREFLIGHT_DONE) == "1":
         return
-    rollout = getattr(cfg, "rollout", None)
+    from mcore_rl.config.rl_schema import RLConfig  # lazy, as the module's others: `--help` stays fast
+
     for key, path in (
         ("run_dir", cfg.run_dir),
         ("checkpoint.save_dir", cfg.checkpoint.save_dir),
-        ("rollout.sync_dir", getattr(rollout, "sync_dir", None)),
+        ("rollout.sync_dir", cfg.rollout.sync_dir if isinstance(cfg, RLConfig) else None),
     ):
         if path:
             _check_writable(key, path)
-    if rollout is not None:
-        from mcore_rl.data.prompts import read_prompt_files
+    if isinstance(cfg, RLConfig):
+        from mcore_rl.data.prompts import read_prompt_files  # lazy: numpy, only for this command
 
         read_prompt_files(cfg)
     elif cfg.data.path is not None:
-        from mcore_rl.data.sft import read_examples
+        from mcore_rl.data.sft import read_examples  # lazy: torch, only for this command
 
         read_examples(cfg.data)
 
 
-def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entry: str) -> int:
+def _run_job(
+    args: argparse.Namespace,
+    name: str,
+    root_cls: type[RootConfig],
+    validate: Callable[[RootConfig, int], Any],
+    entry: str,
+) -> int:
     """Load and validate the recipe for the world it will run in, check the files it names; relaunch
     under torchrun or run.
 
@@ -164,7 +178,7 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     """
     import importlib
 
-    from mcore_rl.config import load_config
+    from mcore_rl.config import load_config  # lazy: fast --help
 
     cfg = load_config(root_cls, args.recipe, args.overrides)  # a ConfigError, DataError, ...: one line, exit 2 (main)
     validate(cfg, _world_size(args.nproc_per_node))
@@ -172,8 +186,8 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
     _ttfs.mark("config_check")  # time to first step: loading, validating and preflighting the recipe
     if args.nproc_per_node > 1 and not _launched():
         return _relaunch(args.nproc_per_node, [name, *([args.recipe] if args.recipe else []), *args.overrides], cfg)
-    from mcore_rl.parallel import setup
-    from mcore_rl.parallel.preemption import EXIT_PREEMPTED, Preempted, preemption_guard
+    from mcore_rl.parallel import setup  # lazy: fast --help
+    from mcore_rl.parallel.preemption import EXIT_PREEMPTED, Preempted, preemption_guard  # lazy: fast --help
 
     module, function = entry.split(":")
     run = getattr(importlib.import_module(module), function)
@@ -192,22 +206,28 @@ def _run_job(args: argparse.Namespace, name: str, root_cls: type, validate, entr
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from mcore_rl.config import SFTConfig, validate_sft_config
+    from mcore_rl.config import SFTConfig, validate_sft_config  # lazy: fast --help
 
     return _run_job(args, "sft", SFTConfig, validate_sft_config, "mcore_rl.train.sft:run_sft")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from mcore_rl.config import RLConfig, validate_rl_config
+    from mcore_rl.config import RLConfig, validate_rl_config  # lazy: fast --help
 
     return _run_job(args, "train", RLConfig, validate_rl_config, "mcore_rl.runtime:run_rl")
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
     """Engine vs trainer on the same tokens (`mcore_rl.runtime.parity`), one rank."""
-    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
-    from mcore_rl.data.files import DataError
-    from mcore_rl.runtime.parity import ParityOptions, check_options, format_report, run_parity, write_json
+    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config  # lazy: fast --help
+    from mcore_rl.data.files import DataError  # lazy: fast --help
+    from mcore_rl.runtime.parity import (
+        ParityOptions,
+        check_options,
+        format_report,
+        run_parity,
+        write_json,
+    )  # lazy: fast --help
 
     opts = ParityOptions(
         precisions=list(args.precisions),
@@ -229,7 +249,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, FileNotFoundError, ValueError) as err:
         print(f"mcore-rl parity: {err}", file=sys.stderr)
         return 2
-    from mcore_rl.parallel import setup
+    from mcore_rl.parallel import setup  # lazy: fast --help
 
     try:
         report = run_parity(cfg, opts)
@@ -246,8 +266,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mcore_rl.config import ConfigError
-    from mcore_rl import convert
+    from mcore_rl.config import ConfigError  # lazy: fast --help
+    from mcore_rl import convert  # lazy: fast --help
 
     try:
         _, world = convert.plan(args)  # fails fast, before any worker starts
@@ -261,7 +281,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_gguf_to_hf(args: argparse.Namespace) -> int:
     """One process, no torchrun: dequantise a GGUF file into an HF checkpoint directory."""
-    from mcore_rl.convert.gguf import gguf_to_hf, inspect_gguf
+    from mcore_rl.convert.gguf import gguf_to_hf, inspect_gguf  # lazy: fast --help
 
     try:
         inspect_gguf(args.input)
@@ -330,8 +350,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     """One analysis of a run or its checkpoints (`mcore_rl.diagnose`): its table, and JSON on request."""
     import json
 
-    from mcore_rl.config import ConfigError
-    from mcore_rl.diagnose.report import format_table
+    from mcore_rl.config import ConfigError  # lazy: fast --help
+    from mcore_rl.diagnose.report import format_table  # lazy: fast --help
 
     try:
         result = args.run_analysis(args)
@@ -347,7 +367,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _add_diagnose_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
-    from mcore_rl.diagnose import analyses
+    from mcore_rl.diagnose import analyses  # lazy: fast --help
 
     diagnose = sub.add_parser("diagnose", help=help_text)
     which = diagnose.add_subparsers(dest="analysis", required=True)
@@ -359,8 +379,8 @@ def _add_diagnose_parser(sub: argparse._SubParsersAction, help_text: str) -> Non
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Parallel layouts (and the RL GPU split) estimated for a cluster (`mcore_rl.profile`)."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.profile import command
+    from mcore_rl.config import ConfigError  # lazy: fast --help
+    from mcore_rl.profile import command  # lazy: fast --help
 
     try:
         print(command.run(args))
@@ -371,7 +391,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _add_plot_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
-    from mcore_rl.observe import plot
+    from mcore_rl.observe import plot  # lazy: fast --help
 
     p = sub.add_parser("plot", help=help_text, usage="mcore-rl plot RUN_DIR [RUN_DIR ...] [--keys k1,k2] [--out PNG]")
     plot.add_arguments(p)
@@ -382,7 +402,7 @@ def cmd_serve(argv: list[str]) -> int:
     """The embedded SGLang-compatible engine; flags as `python -m sglang.launch_server` takes them."""
     import logging
 
-    from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args
+    from mcore_rl.rollout.launch_flags import LaunchFlagError, parse_server_args  # lazy: fast --help
 
     try:
         args = parse_server_args(argv)
@@ -390,7 +410,7 @@ def cmd_serve(argv: list[str]) -> int:
         print(f"mcore-rl serve: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mcore_rl.rollout.server import build_server, run_server
+    from mcore_rl.rollout.server import build_server, run_server  # lazy: fast --help
 
     try:
         server = build_server(args)
@@ -482,7 +502,7 @@ def _add_parity(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _add_profile(sub: argparse._SubParsersAction, help_text: str) -> None:
-    from mcore_rl.profile.command import add_arguments as add_profile_arguments
+    from mcore_rl.profile.command import add_arguments as add_profile_arguments  # lazy: fast --help
 
     profile = sub.add_parser("profile", help=help_text)
     add_profile_arguments(profile)
@@ -490,7 +510,7 @@ def _add_profile(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _add_launch(sub: argparse._SubParsersAction, help_text: str) -> None:
-    from mcore_rl.parallel.launch_plan import add_launch_parser
+    from mcore_rl.parallel.launch_plan import add_launch_parser  # lazy: fast --help
 
     add_launch_parser(sub)  # launch: `mcore-rl launch --dry-run` (its help line is its own)
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Sequence
 
 if TYPE_CHECKING:
+    from mcore_rl.config.rl_schema import RLConfig
     import torch
 
     from mcore_rl.data.samples import Prompt, Sample
@@ -75,16 +76,16 @@ class Recipe:
     state_key: str | None = None  # key of its state in the checkpoint's `rl` section (None: stateless)
     source: str | None = None  # `Sample.source` of the samples its `co_submit` generates
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RLConfig) -> None:
         self.cfg = cfg
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         """Whether the recipe acts in a run of `cfg`."""
         return False
 
     @classmethod
-    def check(cls, cfg: Any, errors: Any) -> None:
+    def check(cls, cfg: RLConfig, errors: Any) -> None:
         """Config rules of its keys (`config.rules.Errors`), checked for every run."""
 
     # ------------------------------------------------------------------ setup
@@ -189,12 +190,12 @@ def registered() -> tuple[type[Recipe], ...]:
     return tuple(importlib.import_module(RECIPES_MODULE).RECIPES)
 
 
-def active(cfg: Any) -> list[Recipe]:
+def active(cfg: RLConfig) -> list[Recipe]:
     """One instance of each recipe that acts in a run of `cfg`."""
     return [cls(cfg) for cls in registered() if cls.enabled(cfg)]
 
 
-def check_all(cfg: Any, errors: Any) -> None:
+def check_all(cfg: RLConfig, errors: Any) -> None:
     """Every registered recipe's config rules."""
     for cls in registered():
         cls.check(cfg, errors)

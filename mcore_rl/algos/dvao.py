@@ -84,7 +84,7 @@ def dvao(
     ok = valid_mask(rewards, group_ids, valid)
     n = rewards.shape[0]
     names = list(weights) if weights is not None else list(head_names)
-    w = torch.tensor(
+    head_w = torch.tensor(
         [float(weights[h]) for h in names] if weights is not None else [1.0] * len(names), dtype=torch.float64
     )
     cols = [head_column(reward_heads, head_names, h, n) for h in names]
@@ -93,6 +93,8 @@ def dvao(
     present = (~mat.isnan()).any(1) & ok  # valid samples with at least one of the heads
     group_has = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, present.double()) > 0
     scalar = ~group_has[inverse]  # groups without any of the heads: the scalar reward alone
-    with_heads, count = dvao_combine(torch.nan_to_num(mat, nan=0.0), w / w.sum() if names else w, group_ids, ok, beta)
+    with_heads, count = dvao_combine(
+        torch.nan_to_num(mat, nan=0.0), head_w / head_w.sum() if names else head_w, group_ids, ok, beta
+    )
     alone, _ = dvao_combine(rewards.double()[:, None], torch.ones(1, dtype=torch.float64), group_ids, ok, beta)
     return kept(torch.where(scalar, alone, with_heads), count, ok)

@@ -45,7 +45,7 @@ def gec_probabilities(probs: Sequence[float]) -> tuple[float, float, float]:
     p = tuple(float(x) for x in probs)
     if len(p) != 3 or min(p) < 0 or abs(sum(p) - 1.0) > 1e-9:
         raise ValueError(f"GEC probabilities: expected three non-negative numbers summing to 1, got {list(probs)}")
-    return p  # type: ignore[return-value]
+    return p
 
 
 @register("group_repair", "edge_gec")

@@ -377,7 +377,7 @@ class MIPUController:
         if self._snap is None:
             raise RuntimeError("MIPUController.decide() without begin(): no snapshot to roll back to")
         est = t_post if isinstance(t_post, TPostEstimate) else None
-        t = est.t_post if est is not None else float(t_post)
+        t = t_post.t_post if isinstance(t_post, TPostEstimate) else float(t_post)
         se = est.se if est is not None else float("nan")
         if self.rule == "se" and est is None:
             raise ValueError("MIPU's 'se' decision rule needs the estimate with its SE (validation_estimate)")

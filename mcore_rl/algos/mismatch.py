@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +223,7 @@ PRESETS: dict[str, MismatchConfig] = {
 }
 
 
-def _make_preset(cfg: MismatchConfig):
+def _make_preset(cfg: MismatchConfig) -> Callable[..., Correction]:
     def fn(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, **overrides: Any) -> Correction:
         return correct(train_logp, rollout_logp, mask, dataclasses.replace(cfg, **overrides))
 

@@ -256,7 +256,7 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     pairs (option "" when the call fails as a whole): unknown names, values of the wrong type for
     the option's default, and values the function itself rejects when called with the kind's
     inputs on a two-sample batch (which also catches a registration without the kind's signature)."""
-    from mcore_rl.algos.registry import get
+    from mcore_rl.algos.registry import get  # lazy: import cycle
 
     fn = get(kind, name)
     inputs = KIND_INPUTS[kind] + OPTIONAL_INPUTS.get(kind, ())

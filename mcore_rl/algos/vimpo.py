@@ -159,5 +159,5 @@ def vimpo_value(
     return LossOutput(total, count, {"vimpo/value_loss": per_seq.detach().mean()})
 
 
-vimpo.needs_reference = True  # type: ignore[attr-defined]  (validation: algorithm.reference_model)
-vimpo_value.needs_reference = True  # type: ignore[attr-defined]
+vimpo.needs_reference = True  # type: ignore[attr-defined]  # a flag on the function, read by the validation (algorithm.reference_model)
+vimpo_value.needs_reference = True  # type: ignore[attr-defined]  # a flag on the function object

@@ -212,11 +212,11 @@ def _is_union(tp: Any) -> bool:
 
 def _dataclass_in(tp: Any) -> type | None:
     """The dataclass a field holds (looking through Optional), or None for a leaf field."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     if _is_union(tp):
         for arg in typing.get_args(tp):
-            if dataclasses.is_dataclass(arg):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
                 return arg
     return None
 
@@ -311,7 +311,7 @@ def _try_convert(tp: Any, value: Any, key: str) -> Any:
         return items if origin is list else tuple(items)
     if origin is dict:
         return dict(value) if isinstance(value, dict) else _MISSING
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key) if isinstance(value, (dict, tp)) else _MISSING
     if tp is bool:
         return value if isinstance(value, bool) else _MISSING

@@ -90,11 +90,12 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if groups is None and group_topk is None:
         return
-    if not errors.need(
-        groups is not None and group_topk is not None,
-        "model.moe_router_group_topk",
-        "grouped top-k needs both moe_router_num_groups and moe_router_group_topk",
-    ):
+    if groups is None or group_topk is None:
+        errors.need(
+            False,
+            "model.moe_router_group_topk",
+            "grouped top-k needs both moe_router_num_groups and moe_router_group_topk",
+        )
         return
     if not errors.need(
         groups >= 1 and 1 <= group_topk <= groups,

@@ -9,6 +9,7 @@ reasoning-gym and reward names are checked against their registries (imported la
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import typing
@@ -60,7 +61,7 @@ def _where(i: int, dom: DomainConfig) -> tuple[str, str]:
 
 
 def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> None:
-    from mcore_rl.data.domains import NAME
+    from mcore_rl.data.domains import NAME  # lazy: import cycle
 
     key, who = _where(i, dom)
     errors.need(
@@ -110,7 +111,7 @@ def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> No
 
 def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
     """The task the domain draws from (None for a file, or a source that does not build)."""
-    from mcore_rl.data.tasks import get_task, task_names
+    from mcore_rl.data.tasks import get_task, task_names  # lazy: registries, read at validation
 
     key, who = _where(i, dom)
     if dom.path is not None:
@@ -122,10 +123,10 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
     if dom.task is not None:
         if not need_registered(errors, f"{key}.task", "task", dom.task, task_names(), f" ({who.rstrip(': ')})"):
             return None
-        build: Any = lambda: get_task(dom.task, **dom.options)  # noqa: E731
+        build = functools.partial(get_task, dom.task, **dom.options)
         leaf = "task"
     else:
-        from mcore_rl.data.tasks.reasoning_gym import dataset_names
+        from mcore_rl.data.tasks.reasoning_gym import dataset_names  # lazy: registries, read at validation
 
         names = dataset_names()
         if not errors.need(
@@ -134,7 +135,7 @@ def check_source(i: int, dom: DomainConfig, errors: Errors) -> Any:
             f"{who}unknown reasoning-gym task {dom.reasoning_gym!r}; available: {', '.join(names)}",
         ):
             return None
-        build = lambda: get_task("reasoning_gym", dataset=dom.reasoning_gym, **dom.options)  # noqa: E731
+        build = functools.partial(get_task, "reasoning_gym", dataset=dom.reasoning_gym, **dom.options)
         leaf = "reasoning_gym"
     try:
         return build()
@@ -214,7 +215,12 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
     """Each head a registered reward (or an import path that loads) that accepts its options (a
     domain without heads is scored by its task's reward, or by reward.name for a file)."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-    from mcore_rl.rewards import RewardInput, get_reward_fn, is_import_path, reward_names
+    from mcore_rl.rewards import (
+        RewardInput,
+        get_reward_fn,
+        is_import_path,
+        reward_names,
+    )  # lazy: registries, read at validation
 
     key, who = _where(i, dom)
     heads = [h.name for h in dom.rewards]

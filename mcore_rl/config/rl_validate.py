@@ -316,7 +316,7 @@ def check_sample_fits(
 
 def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
     """Registered advantage and policy loss, PPO clip ranges, loss weights, mini-batching."""
-    from mcore_rl.algos import registry
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
 
     need_registered(errors, "algorithm.advantage", "advantage", a.advantage, registry.names("advantage"))
     need_registered(errors, "algorithm.policy_loss", "policy loss", a.policy_loss, registry.names("policy_loss"))
@@ -374,8 +374,8 @@ def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
 def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
     """The advantage's options, the reward-shaping list (registered names, their options, the
     domains they apply to) and the per-domain advantage weights, each error under its dotted key."""
-    from mcore_rl.algos import registry
-    from mcore_rl.algos.multi_reward import option_problems
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
+    from mcore_rl.algos.multi_reward import option_problems  # lazy: registries, read at validation
 
     def report(prefix: str, problems: list[tuple[str, str]]) -> None:
         for option, message in problems:
@@ -432,7 +432,7 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
 def check_mismatch(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> None:
     """A registered correction with non-negative, ordered bounds (a recipe built around one checks
     its own rules)."""
-    from mcore_rl.algos import registry
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
 
     m = a.mismatch
     need_registered(errors, "algorithm.mismatch.name", "mismatch correction", m.name, registry.names("mismatch"))
@@ -466,8 +466,8 @@ def check_distill(
     signals they need (`@needs`: a teacher at all, its top-k, a reference teacher); a horizon that cuts."""
     import inspect
 
-    from mcore_rl.algos import registry
-    from mcore_rl.algos.distill.base import (
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
+    from mcore_rl.algos.distill.base import (  # lazy: registries, read at validation
         POLICY_REFERENCE_FIELDS,
         REFERENCE_FIELDS,
         TOPK_FIELDS,
@@ -592,7 +592,7 @@ def check_reward(rw: RewardConfig, d: RLDataConfig, task: Task | None, errors: E
     """A registered reward (or an import path) that loads now, not after the warm start, and for a
     synthetic task the one that scores it."""
     import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards, which reward_names() then lists)
-    from mcore_rl.rewards import get_reward_fn, is_import_path, reward_names
+    from mcore_rl.rewards import get_reward_fn, is_import_path, reward_names  # lazy: registries, read at validation
 
     errors.need(rw.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {rw.timeout_s}")
     errors.need(rw.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {rw.max_concurrency}")
@@ -652,9 +652,9 @@ def teacher_name(t: TeacherConfig, i: int) -> str:
     return t.name or f"{t.kind}{i}"
 
 
-def reference_teachers(teachers: Sequence[Any]) -> set[int]:
+def reference_teachers(teachers: Sequence[TeacherConfig]) -> set[int]:
     """Indices of the teachers some other teacher names as its `reference` (never routed to)."""
-    named = {getattr(t, "reference", None) for t in teachers} - {None}
+    named = {t.reference for t in teachers} - {None}
     return {i for i, t in enumerate(teachers) if teacher_name(t, i) in named}
 
 

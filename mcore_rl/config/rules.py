@@ -440,14 +440,14 @@ def need_registered(errors: Errors, key: str, what: str, name: str, registered: 
 
 def check_task_name(name: str, errors: Errors) -> bool:
     """`data.synthetic_task` must be a task registered in `mcore_rl.data.tasks`."""
-    from mcore_rl.data.tasks import task_names
+    from mcore_rl.data.tasks import task_names  # lazy: registries, read at validation
 
     return need_registered(errors, "data.synthetic_task", "task", name, task_names())
 
 
 def build_task(name: str, max_digits: int, errors: Errors) -> Task | None:
     """The synthetic task the run will use (None if its name is unknown or its options are refused)."""
-    from mcore_rl.data.tasks import get_task, task_names
+    from mcore_rl.data.tasks import get_task, task_names  # lazy: registries, read at validation
 
     if name not in task_names():
         return None

@@ -30,10 +30,11 @@ import re
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
+from mcore_rl.config.rl_schema import DomainConfig, RLConfig
 from mcore_rl.data.files import BadLines, DataError
 from mcore_rl.data.prompts import (
     HELD_OUT_SEED_OFFSET,
@@ -44,6 +45,7 @@ from mcore_rl.data.prompts import (
     read_prompt_file,
 )
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tasks import get_task
 
 logger = logging.getLogger(__name__)
 
@@ -89,24 +91,22 @@ def domain_source(d: Any) -> tuple[str, str]:
     return "", ""
 
 
-def default_reward(d: Any, cfg: Any) -> str:
+def default_reward(d: DomainConfig, cfg: RLConfig) -> str:
     """The reward of a domain that lists none: its task's, reasoning-gym's scorer, or reward.name."""
     kind, value = domain_source(d)
     if kind == "reasoning_gym":
         return "reasoning_gym"
     if kind == "task":
-        from mcore_rl.data.tasks import get_task
-
         return get_task(value, **d.options).reward
     return cfg.reward.name
 
 
-def legacy_domain_name(cfg: Any) -> str:
+def legacy_domain_name(cfg: RLConfig) -> str:
     d = cfg.data
     return d.synthetic_task if d.path is None else d.path
 
 
-def domain_specs(cfg: Any) -> dict[str, DomainSpec]:
+def domain_specs(cfg: RLConfig) -> dict[str, DomainSpec]:
     """Every domain of an `RLConfig` by name; the single-source config is one domain."""
     r = cfg.rollout
     if not cfg.data.domains:
@@ -170,7 +170,7 @@ def domain_key(i: int, d: Any, leaf: str) -> str:
     return f"data.domains[{i}].{leaf} (domain {d.name!r})"
 
 
-def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
+def read_domain_files(cfg: RLConfig) -> dict[str, list[tuple]]:
     """The files the domains name, read and checked, keyed by their config key (`data.domains[i].path`,
     `data.domains[i].eval.path`); a problem raises `DataError` naming the domain and the key."""
     out = {}
@@ -195,7 +195,6 @@ def read_domain_files(cfg: Any) -> dict[str, list[tuple]]:
 def task_examples(d: Any, n: int, seed: int, environment_examples: ExampleSource | None = None) -> list[tuple]:
     """(prompt, label) pairs of a task or reasoning-gym domain (the RL label: a task's
     `rl_examples` when it has them, e.g. reasoning-gym's whole entry for its scorer)."""
-    from mcore_rl.data.tasks import get_task
 
     kind, value = domain_source(d)
     if kind == "environment":
@@ -214,13 +213,13 @@ def task_examples(d: Any, n: int, seed: int, environment_examples: ExampleSource
     return make(n, seed)
 
 
-def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Sequence[str] = ()) -> list[Any]:
+def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Collection[str] = ()) -> list[Any]:
     """The SFT warm start's (rendered prompt, reference answer) pairs of a multi-domain run: about
     `n` in all, shared by the domains' mixture weights, from every domain whose source is a task
     or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
     from each domain's training seed with its held-out prompts (`exclude`, raw texts) left out, so
     the warm start never sees a prompt that evaluation scores."""
-    from mcore_rl.data.sft import SFTExample
+    from mcore_rl.data.sft import SFTExample  # lazy: torch
 
     domains = [(i, d) for i, d in enumerate(cfg.data.domains) if domain_source(d)[0] in ("task", "reasoning_gym")]
     if not domains:
@@ -229,8 +228,6 @@ def sft_examples(cfg: Any, tokenizer: Any, n: int, seed: int, exclude: Sequence[
     drop = set(exclude)
     out = []
     for i, d in domains:
-        from mcore_rl.data.tasks import get_task
-
         kind, value = domain_source(d)
         task = (
             get_task("reasoning_gym", dataset=value, **d.options)
@@ -269,7 +266,7 @@ class DomainPools:
 
 
 def domain_pools(
-    cfg: Any,
+    cfg: RLConfig,
     i: int,
     files: dict[str, list[tuple]],
     held_out_offset: int,
@@ -403,23 +400,23 @@ class MixtureSchedule:
         return self.stage(step).weights
 
 
-def stage_temperature(cfg: Any, step: int) -> float:
+def stage_temperature(cfg: RLConfig, step: int) -> float:
     """The sampling temperature of training step `step` (its stage's, else rollout.temperature):
     the learner computes π_old and π_θ at it."""
     t = None
-    for st in getattr(cfg.rollout, "temperature_stages", ()):  # POLARIS on one data source
+    for st in cfg.rollout.temperature_stages:  # POLARIS on one data source
         if st.start_step <= step:
             t = st.temperature
     if cfg.data.domains:
-        for st in cfg.data.mixture.stages:
-            if st.start_step <= step and st.temperature is not None:
-                t = st.temperature
-            elif st.start_step <= step:
+        for stage in cfg.data.mixture.stages:
+            if stage.start_step <= step and stage.temperature is not None:
+                t = stage.temperature
+            elif stage.start_step <= step:
                 t = None
     return t if t is not None else cfg.rollout.temperature
 
 
-def single_source_stages(cfg: Any) -> list[Any]:
+def single_source_stages(cfg: RLConfig) -> list[Any]:
     """`rollout.temperature_stages` (POLARIS on one data source) as the stages of a one-domain
     `MixtureSchedule`: each its temperature, each after the first dropping the prompts solved above
     `data.drop_solved_above`."""
@@ -605,13 +602,14 @@ class MixtureSource:
 # ------------------------------------------------------------------------------------ the run's sets
 
 
-def build_domain_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
+def build_domain_sets(cfg: RLConfig, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
     """The training and validation streams (mixtures over the domains) and the held-out set (every
     domain's, in domain order) of a multi-domain `RLConfig`."""
     d, seed = cfg.data, cfg.train.seed
     specs = domain_specs(cfg)
     files = read_domain_files(cfg)
-    train, val, eval_prompts = {}, {}, []
+    train, val = {}, {}
+    eval_prompts: list[Prompt] = []
     for i, dom in enumerate(d.domains):
         pools = domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET, environment_examples)
         render = renderer(dom, tokenizer)

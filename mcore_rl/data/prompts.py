@@ -12,12 +12,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tasks import get_task
+
+# One prompt of a pool: (text, label), or (text, label, max_new_tokens) when the line sets a budget.
+PoolEntry = tuple[str, Any] | tuple[str, Any, int]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +42,7 @@ class PromptSource:
 
     def __init__(
         self,
-        pool: list[tuple[str, Any]],
+        pool: Sequence[PoolEntry],
         tokenizer: Any,
         seed: int,
         add_bos: bool = True,
@@ -78,8 +83,9 @@ class PromptSource:
         for _ in range(n):
             if self.position >= len(self.pool):
                 self.epoch, self.position = self.epoch + 1, 0
-            text, label, *budget = self.pool[int(self._permutation()[self.position])]
-            out.append(Prompt(self.drawn, text, self.encode(text), label, self.domain, budget[0] if budget else None))
+            entry = self.pool[int(self._permutation()[self.position])]
+            text, label, budget = entry[0], entry[1], entry[2] if len(entry) == 3 else None
+            out.append(Prompt(self.drawn, text, self.encode(text), label, self.domain, budget))
             self.position += 1
             self.drawn += 1
         return out
@@ -104,13 +110,13 @@ class PromptSource:
 
 def read_prompt_file(
     path: str, prompt_key: str, label_key: str, on_bad_line: str = "error", key: str = "data.path"
-) -> list[tuple[str, Any]]:
+) -> list[PoolEntry]:
     """(prompt, label) pairs of a jsonl file (plus the line's `max_new_tokens`, a per-prompt response
     budget, when it has one). A bad line (not UTF-8, not JSON, no string prompt) is
     reported as `path:line: problem` and raises, or is skipped with `on_bad_line="skip"`
     (`mcore_rl.data.files`); `key` names the setting when the file is missing."""
     bad = BadLines(path, on_bad_line)
-    pool = []
+    pool: list[PoolEntry] = []
     for lineno, obj in json_objects(read_lines(path, bad, key), bad):
         if not isinstance(obj.get(prompt_key), str):
             bad.report(lineno, f"expected an object with a string {prompt_key!r}")
@@ -119,7 +125,11 @@ def read_prompt_file(
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             bad.report(lineno, f"'max_new_tokens' must be a positive integer, got {budget!r}")
             continue
-        pool.append((obj[prompt_key], obj.get(label_key)) + ((budget,) if budget is not None else ()))
+        pool.append(
+            (obj[prompt_key], obj.get(label_key), budget)
+            if budget is not None
+            else (obj[prompt_key], obj.get(label_key))
+        )
     if bad.count:
         logger.warning("%s: skipped %d bad line(s)", path, bad.count)
     if not pool:
@@ -129,7 +139,6 @@ def read_prompt_file(
 
 def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, Any]]:
     """(prompt, answer) pairs of a registered task (the answer is the SFT response and the label)."""
-    from mcore_rl.data.tasks import get_task
 
     try:
         return get_task(task, max_digits=max_digits).examples(n, seed)
@@ -150,12 +159,12 @@ class PromptSets:
         return {p.text for p in self.eval_prompts}
 
 
-def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
+def read_prompt_files(cfg: RLConfig) -> dict[str, list[PoolEntry]]:
     """The prompt files an `RLConfig` names (`data.path`, `eval.path`), read and checked; the CLI
     calls this before any worker starts so a bad file fails in a second."""
     d = cfg.data
     if d.domains:
-        from mcore_rl.data.domains import read_domain_files
+        from mcore_rl.data.domains import read_domain_files  # lazy: import cycle
 
         return read_domain_files(cfg)
     paths = {"data.path": d.path, "eval.path": cfg.eval.path}
@@ -166,32 +175,37 @@ def read_prompt_files(cfg: Any) -> dict[str, list[tuple[str, Any]]]:
     }
 
 
-def build_prompt_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
+def build_prompt_sets(cfg: RLConfig, tokenizer: Any, environment_examples: ExampleSource | None = None) -> PromptSets:
     """The training stream, validation stream and held-out set an `RLConfig` describes
     (`environment_examples`: the prompts of environment domains, which `data` cannot import)."""
     if cfg.data.domains:
-        from mcore_rl.data.domains import build_domain_sets
+        from mcore_rl.data.domains import build_domain_sets  # lazy: import cycle
 
         return build_domain_sets(cfg, tokenizer, environment_examples)
     d, e, seed = cfg.data, cfg.eval, cfg.train.seed
     domain = d.synthetic_task if d.path is None else d.path
     files = read_prompt_files(cfg)
+    pool: list[PoolEntry]
+    held_out: list[PoolEntry]
+    validation: list[PoolEntry]
     if d.path is not None:
         pool = files["data.path"]
         held_out = files.get("eval.path", pool)
         validation = pool
     else:
-        pool = task_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits)
+        pool = list(task_pool(d.synthetic_task, d.synthetic_num_prompts, seed, d.synthetic_max_digits))
         held_out = (
             files["eval.path"]
             if e.path
-            else task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits)
+            else list(task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
         )
-        validation = task_pool(
-            d.synthetic_task,
-            max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
-            seed + VALIDATION_SEED_OFFSET,
-            d.synthetic_max_digits,
+        validation = list(
+            task_pool(
+                d.synthetic_task,
+                max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
+                seed + VALIDATION_SEED_OFFSET,
+                d.synthetic_max_digits,
+            )
         )
     eval_prompts = PromptSource(held_out, tokenizer, seed + HELD_OUT_SEED_OFFSET, d.add_bos, domain).take(
         min(e.num_prompts, len(held_out))
@@ -202,7 +216,7 @@ def build_prompt_sets(cfg: Any, tokenizer: Any, environment_examples: ExampleSou
         validation = [x for x in validation if x[0] not in held_out_texts] or validation
     train: Any = PromptSource(pool, tokenizer, seed, d.add_bos, domain)
     if cfg.rollout.temperature_stages:  # POLARIS: staged temperature (and stage filter) on one source
-        from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages
+        from mcore_rl.data.domains import MixtureSchedule, MixtureSource, single_source_stages  # lazy: import cycle
 
         train = MixtureSource(
             {domain: train},

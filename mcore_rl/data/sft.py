@@ -30,6 +30,7 @@ import torch
 from mcore_rl.config.schema import DataConfig
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.data.prompts import task_pool
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ def load_examples(cfg: DataConfig, seed: int) -> list[SFTExample]:
 
 def task_examples(task: str, max_digits: int, n: int, seed: int, exclude: Collection[str] = ()) -> list[SFTExample]:
     """`n` prompt/answer pairs of a task (`mcore_rl.data.tasks`), leaving out prompts in `exclude`."""
-    from mcore_rl.data.prompts import task_pool
 
     pairs = task_pool(task, n, seed, max_digits)
     drop = set(exclude)
@@ -85,7 +85,7 @@ def _parse_jsonl(lines: list[tuple[int, str | None]], cfg: DataConfig, bad: BadL
     out: list[SFTExample] = []
     for lineno, obj in json_objects(lines, bad):
         if pk in obj or rk in obj:
-            keys = (pk, rk)
+            keys: tuple[str, ...] = (pk, rk)
         elif tk in obj:
             keys = (tk,)
         else:
@@ -163,12 +163,12 @@ def build_rows(
     tgt_t = torch.zeros((n, row_len), dtype=torch.bool)
     pos_t = torch.zeros((n, row_len), dtype=torch.long)
     seg_t = torch.zeros((n, row_len), dtype=torch.long)
-    for r, (ids, target, pos, seg) in enumerate(rows):
+    for r, (ids, target, pos, segs) in enumerate(rows):
         k = len(ids)
         ids_t[r, :k] = torch.tensor(ids)
         tgt_t[r, :k] = torch.tensor(target, dtype=torch.bool)
         pos_t[r, :k] = torch.tensor(pos)
-        seg_t[r, :k] = torch.tensor(seg)
+        seg_t[r, :k] = torch.tensor(segs)
     same_doc = (seg_t[:, 1:] == seg_t[:, :-1]) & (seg_t[:, :-1] > 0)
     return {
         "tokens": ids_t[:, :-1].contiguous(),

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only: transformers loads with the first HF tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILE = "mcore_rl_tokenizer.json"
 BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
@@ -113,7 +116,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local Hugging Face tokenizer behind the same interface (no special tokens added by encode)."""
 
-    def __init__(self, tok) -> None:
+    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
         self._tok = tok
         self.vocab_size = len(tok)
         if tok.eos_token_id is None:
@@ -126,15 +129,21 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
     @property
     def has_chat_template(self) -> bool:
         return getattr(self._tok, "chat_template", None) is not None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, **template_kwargs
-    ):
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> Any:  # the text, or with tokenize=True its ids (transformers' own union)
         """The model's own chat format (the server falls back to ChatML when there is none);
         `template_kwargs` go to the template (`continue_final_message`, `enable_thinking`, ...)."""
         if not self.has_chat_template:

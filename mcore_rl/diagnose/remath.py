@@ -50,6 +50,7 @@ import torch
 
 from mcore_rl.diagnose import Runner, analysis
 from mcore_rl.diagnose.update_sparsity import _is_hf_dir, dist_checkpoint_path, load_weights
+from mcore_rl.data.tokenizer import load_tokenizer
 
 # ------------------------------------------------------------------- neurons of a checkpoint
 
@@ -285,7 +286,7 @@ def load_activations(path: str) -> dict[int, torch.Tensor]:
 def write_result(new: dict[str, torch.Tensor], interfered_path: str, output: str) -> str:
     """A Hugging Face dir: from an HF input, its files with the new weights; from a megatron
     dist-checkpoint, the project's export of the new weights (config and assets from its common state)."""
-    from mcore_rl.convert.to_hf import save_safetensors
+    from mcore_rl.convert.to_hf import save_safetensors  # lazy: transformers
 
     if os.path.exists(output) and os.listdir(output):
         raise ValueError(f"--output {output} exists and is not empty")
@@ -299,9 +300,9 @@ def write_result(new: dict[str, torch.Tensor], interfered_path: str, output: str
         return output
     from megatron.core import dist_checkpointing  # only the common state: no world needed
 
-    from mcore_rl.convert.hf_checkpoint import ASSETS_DIR
-    from mcore_rl.convert.to_hf import stored_model_config, write_hf_checkpoint
-    from mcore_rl.hf.weight_map import full_megatron_to_hf
+    from mcore_rl.convert.hf_checkpoint import ASSETS_DIR  # lazy: transformers
+    from mcore_rl.convert.to_hf import stored_model_config, write_hf_checkpoint  # lazy: transformers
+    from mcore_rl.hf.weight_map import full_megatron_to_hf  # lazy: transformers
 
     path = dist_checkpoint_path(interfered_path)
     common = dist_checkpointing.load_common_state_dict(path)["common"]
@@ -403,8 +404,6 @@ def add_activation_arguments(p: argparse.ArgumentParser) -> Runner:
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM
-
-        from mcore_rl.data.tokenizer import load_tokenizer
 
         tok_dir = args.tokenizer
         if tok_dir is None and any(

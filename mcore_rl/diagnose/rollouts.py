@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.rollout.pool import EmbeddedEnginePool
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default_prompts: int = 16, default_group: int = 8) -> None:
@@ -77,7 +80,7 @@ def check_model_dir(path: str) -> None:
 
 @dataclass
 class Policy:
-    cfg: Any  # RLConfig
+    cfg: RLConfig
     model: torch.nn.Module  # McoreRLForCausalLM, fp32, eval mode
     tokenizer: Any
     source: str  # what was loaded
@@ -85,8 +88,6 @@ class Policy:
 
 def load_recipe(args: argparse.Namespace) -> tuple[Any, Any]:
     """The recipe (validated as `mcore-rl train` validates it) and its tokenizer."""
-    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
-    from mcore_rl.data.tokenizer import load_tokenizer
 
     try:
         cfg = load_config(RLConfig, args.config, list(args.overrides or []))
@@ -98,16 +99,17 @@ def load_recipe(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def load_policy(args: argparse.Namespace) -> Policy:
     """The recipe and the model to analyse (`--model`, else the recipe's model, randomly initialised)."""
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config  # lazy: transformers
 
     cfg, tokenizer = load_recipe(args)
+    model: torch.nn.Module
     if args.model is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)
             model = McoreRLForCausalLM(hf_config_from_model_config(cfg.model))
         source = f"{args.config}: model, random initialisation (seed {cfg.train.seed})"
     else:
-        from mcore_rl.rollout.engine.core import EngineCore
+        from mcore_rl.rollout.engine.core import EngineCore  # lazy: transformers
 
         check_model_dir(args.model)
         engine = EngineCore.from_model_path(
@@ -121,8 +123,8 @@ def load_policy(args: argparse.Namespace) -> Policy:
 
 
 def take_prompts(policy: Policy, n: int, split: str) -> list[Prompt]:
-    from mcore_rl.agent.groups import environment_examples
-    from mcore_rl.data.prompts import build_prompt_sets
+    from mcore_rl.agent.groups import environment_examples  # lazy: the engine stack
+    from mcore_rl.data.prompts import build_prompt_sets  # lazy: numpy
 
     if n < 1:
         raise ValueError(f"--prompts must be >= 1, got {n}")
@@ -136,9 +138,8 @@ def sample_groups(
     """`group_size` rollouts of each prompt from an embedded engine holding a copy of the policy (full
     precision, whatever rollout.quantization says: the analysis measures the policy itself), seeded as
     training rollouts are, and scored by the recipe's reward heads (`Sample.reward`, `Sample.reward_heads`)."""
-    from mcore_rl.rollout.engine.core import EngineCore
-    from mcore_rl.rollout.pool import EmbeddedEnginePool
-    from mcore_rl.runtime.rollout_manager import SALT_TRAIN, RolloutManager, build_reward_runner
+    from mcore_rl.rollout.engine.core import EngineCore  # lazy: transformers
+    from mcore_rl.runtime.rollout_manager import SALT_TRAIN, RolloutManager, build_reward_runner  # lazy: numpy
 
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1, got {group_size}")

@@ -137,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
     def run(args: argparse.Namespace) -> dict[str, Any]:
         moments, hyper = read_second_moments(args.checkpoint)
         lr: float | None = args.lr if args.lr is not None else hyper["lr"]
+        if lr is None:
+            raise ValueError(f"{args.checkpoint}: no learning rate recorded; pass --lr")
         return {
             "checkpoint": args.checkpoint,
             **summarize(moments, lr, hyper["eps"], hyper["step"], hyper["beta2"], not args.no_bias_correction),

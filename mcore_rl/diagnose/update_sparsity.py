@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mcore_rl.diagnose import Runner, analysis
+from mcore_rl.train.checkpoint import latest_checkpoint
 
 # ------------------------------------------------------------------- coordinate quantities
 
@@ -202,7 +203,7 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
     split into `decoder.layers.<i>.…`, the global names of `mcore_rl.hf.weight_map`). Optimizer state
     and megatron's `_extra_state` objects are left out."""
     if _is_hf_dir(path):
-        from mcore_rl.convert.hf_checkpoint import HFCheckpoint
+        from mcore_rl.convert.hf_checkpoint import HFCheckpoint  # lazy: transformers
 
         ckpt = HFCheckpoint(path)
         return {name: ckpt[name] for name in ckpt}
@@ -211,7 +212,6 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
 
 def dist_checkpoint_path(path: str) -> str:
     """The `iter_*` dir of a megatron save dir (its `latest`), or `path` if it is one."""
-    from mcore_rl.train.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(path)
     if found is None:
@@ -267,7 +267,7 @@ def compare(
     missing = sorted(set(source) ^ set(trained))
     if missing:
         raise ValueError(f"the checkpoints hold different tensors, e.g. {missing[:5]}")
-    groups: dict[str, dict[str, Any]] = {}
+    groups: dict[str, _Acc] = {}
     for name in sorted(source):
         d = delta(trained[name], source[name])
         g = groups.setdefault(module_type(name), _Acc())

@@ -37,11 +37,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from mcore_rl.diagnose import analysis
+import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
+from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
 # ---------------------------------------------------------------- the statistics
 
 
-def agreement(reference: Sequence[bool], other: Sequence[bool]) -> dict[str, Any]:
+def agreement(reference: Sequence[bool] | np.ndarray, other: Sequence[bool] | np.ndarray) -> dict[str, Any]:
     """Agreement of two pass/fail verdicts on the same rollouts: the fraction that agree, Cohen's
     κ = (p_o − p_e)/(1 − p_e), FPR = P(other passes | reference fails), FNR = P(other fails | reference
     passes). Undefined rates (no rollout to condition on, p_e = 1) are None."""
@@ -184,8 +186,6 @@ def score(
 ) -> tuple[list[float], int]:
     """Each rollout's reward from one verifier (in reward worker processes, as training scores), and the
     number of calls that failed."""
-    import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-    from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 
     runner = RewardRunner(
         RewardFunction(
@@ -243,7 +243,7 @@ def compare(
     "on the same rollouts, by response length",
 )
 def add_arguments(parser: argparse.ArgumentParser):
-    from mcore_rl.diagnose.rollouts import add_policy_arguments
+    from mcore_rl.diagnose.rollouts import add_policy_arguments  # lazy: torch
 
     add_policy_arguments(parser, default_prompts=32, default_group=4)
     parser.add_argument(
@@ -263,7 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--min-bin", type=int, default=8, help="rollouts a bin needs to end the horizon")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        from mcore_rl.diagnose.rollouts import load_policy, load_recipe, sample_groups, take_prompts
+        from mcore_rl.diagnose.rollouts import load_policy, load_recipe, sample_groups, take_prompts  # lazy: torch
 
         verifiers = [parse_verifier(v) for v in args.verifier]
         if len(verifiers) < 2:

@@ -94,7 +94,8 @@ def costates(
     `model` is a `McoreRLForCausalLM`; `mask[b, s]` marks the positions whose next token is a
     response token (`targets[b, s]`); `advantages` [B] is the (stop-gradient) sequence advantage.
     Right padding is harmless: a causal model's real positions never see it."""
-    layers = model.model.layers
+    decoder: Any = model.model  # the reference model's decoder stack, read by name (torch types it `Tensor | Module`)
+    layers = decoder.layers
     captured: list[torch.Tensor] = []
 
     def leaf(module: torch.nn.Module, args: tuple) -> tuple:
@@ -148,7 +149,7 @@ def measure(
     model: torch.nn.Module, groups: list[list[Any]], temperature: float, alphas: Sequence[float], threshold: float = 1.0
 ) -> dict[str, Any]:
     """Every number of the analysis from scored groups of `Sample`s (one group per prompt)."""
-    from mcore_rl.algos.advantages import grpo
+    from mcore_rl.algos.advantages import grpo  # lazy: numpy
 
     rewards = [[float(s.reward) for s in g] for g in groups]
     flat = torch.tensor([r for g in rewards for r in g], dtype=torch.float64)
@@ -206,7 +207,7 @@ def measure(
 
 @analysis("vgh", "VGH: usable value-gradient signal x reward headroom (P_gap) of a model on a recipe's task")
 def add_arguments(parser: argparse.ArgumentParser):
-    from mcore_rl.diagnose.rollouts import add_policy_arguments
+    from mcore_rl.diagnose.rollouts import add_policy_arguments  # lazy: yaml
 
     add_policy_arguments(parser)
     parser.add_argument(
@@ -219,7 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--threshold", type=float, default=1.0, help="a rollout passes when its reward >= this")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        from mcore_rl.diagnose.rollouts import load_policy, sample_groups, take_prompts
+        from mcore_rl.diagnose.rollouts import load_policy, sample_groups, take_prompts  # lazy: yaml
 
         alphas = args.alpha or [1.0]
         for a in alphas:

@@ -14,12 +14,11 @@ from mcore_rl.observe.profiling import StepProfiler
 from mcore_rl.observe.sinks import MetricsWriter
 from mcore_rl.observe.throughput import Throughput
 from mcore_rl.observe.timers import PhaseTimer
+from mcore_rl.config import config_to_dict
 
 
 class RunObserver:
     def __init__(self, cfg: Any, rank0: bool, world_size: int, seq_length: int, log: Callable[[str], None]) -> None:
-        from mcore_rl.config import config_to_dict
-
         lg = cfg.logging
         self.log, self.rank0 = log, rank0
         self.clock = ttfs.TTFS  # begun by the run's driver (`ttfs.begin_run()`) before the model was built

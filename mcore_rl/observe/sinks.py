@@ -10,7 +10,12 @@ import json
 import math
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: TensorBoard and the config load when a run asks for them
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mcore_rl.config.observability import ObservabilityConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +59,17 @@ class WandbSink:
 
 class MetricsWriter:
     def __init__(
-        self, run_dir: str, enabled: bool, tensorboard: bool, logging: Any = None, config: dict | None = None
+        self,
+        run_dir: str,
+        enabled: bool,
+        tensorboard: bool,
+        logging: ObservabilityConfig | None = None,
+        config: dict | None = None,
     ) -> None:
         """`logging`: the run's `logging` section (config/observability.py), for the W&B sink."""
         self.run_dir, self.enabled = run_dir, enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.tb: Any = None
+        self.tb: SummaryWriter | None = None
         self.wandb: WandbSink | None = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)

@@ -166,7 +166,7 @@ _TORCH_VIEW: _TorchForMegatron | None = None
 
 def _patch_module(module: types.ModuleType) -> None:
     if getattr(module, "torch", None) is torch:
-        module.torch = _TORCH_VIEW  # type: ignore[attr-defined]
+        module.torch = _TORCH_VIEW  # type: ignore[attr-defined]  # patching a megatron-core module
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -254,11 +254,11 @@ def _uneven_reduce_scatter_fix(original: Callable[..., Any]) -> Callable[..., An
 def _tensor_cuda_is_identity():
     """`tensor.cuda()` is a method, out of reach of the torch view; disable it for one call."""
     original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *a, **k: self
     try:
         yield
     finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
+        torch.Tensor.cuda = original
 
 
 def _without_tensor_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -266,7 +266,7 @@ def _without_tensor_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _tensor_cuda_is_identity():
             return fn(*args, **kwargs)
 
-    wrapper._mcore_rl_cpu = True  # type: ignore[attr-defined]
+    wrapper._mcore_rl_cpu = True  # type: ignore[attr-defined]  # patching a megatron-core module
     return wrapper
 
 
@@ -274,27 +274,27 @@ def _fix_module_functions(module: types.ModuleType) -> None:
     """Replace the few functions that are wrong on CPU even with the torch view in place."""
     name = module.__name__
     if name == "megatron.core.transformer.moe.moe_utils":
-        module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]
+        module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]  # patching a megatron-core module
         if not hasattr(module, "te_general_gemm"):
-            module.te_general_gemm = None  # type: ignore[attr-defined]
+            module.te_general_gemm = None  # type: ignore[attr-defined]  # patching a megatron-core module
     elif name == "megatron.core.transformer.moe.token_dispatcher":
         if hasattr(module, "maybe_move_tensor_to_cpu"):
-            module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]
+            module.maybe_move_tensor_to_cpu = _move_to_cpu_for_alltoall  # type: ignore[attr-defined]  # patching a megatron-core module
     elif name == "megatron.core.models.common.language_module.language_module":
         # Tied embeddings under PP: the first and last stage all-reduce `weight.data.cuda()`.
-        cls = module.LanguageModule  # type: ignore[attr-defined]
+        cls = module.LanguageModule
         if not getattr(cls.setup_embeddings_and_output_layer, "_mcore_rl_cpu", False):
             cls.setup_embeddings_and_output_layer = _without_tensor_cuda(cls.setup_embeddings_and_output_layer)
     elif name == "megatron.core.tensor_parallel.mappings":
         if not getattr(module, "_mcore_rl_cpu", False):
-            module._gather_along_first_dim = _uneven_gather_fix(module._gather_along_first_dim)  # type: ignore[attr-defined]
-            module._reduce_scatter_along_first_dim = _uneven_reduce_scatter_fix(  # type: ignore[attr-defined]
-                module._reduce_scatter_along_first_dim  # type: ignore[attr-defined]
+            module._gather_along_first_dim = _uneven_gather_fix(module._gather_along_first_dim)  # type: ignore[attr-defined]  # patching a megatron-core module
+            module._reduce_scatter_along_first_dim = _uneven_reduce_scatter_fix(  # type: ignore[attr-defined]  # patching a megatron-core module
+                module._reduce_scatter_along_first_dim
             )
-            module._mcore_rl_cpu = True  # type: ignore[attr-defined]
+            module._mcore_rl_cpu = True  # type: ignore[attr-defined]  # patching a megatron-core module
     elif name == "megatron.core.tensor_parallel.random":
-        module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
-        module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[attr-defined]
+        module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]  # patching a megatron-core module
+        module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[attr-defined]  # patching a megatron-core module
 
 
 def megatron_core_version() -> str:

@@ -31,6 +31,8 @@ from typing import Any
 from mcore_rl.config import ConfigError
 from mcore_rl.config.rules import expert_tensor_parallel_size
 from mcore_rl.parallel.preemption import torchrun_signal_flags
+from mcore_rl.config import RLConfig, SFTConfig, load_config
+from mcore_rl.config import validate_rl_config, validate_sft_config
 
 GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")  # edp: the expert-data-parallel group
 
@@ -179,8 +181,6 @@ def _rank_groups(world: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> li
 
 
 def _load(req: LaunchRequest, recipe: str | None, overrides: list[str]) -> Any:
-    from mcore_rl.config import RLConfig, SFTConfig, load_config
-
     return load_config(RLConfig if req.mode == "train" else SFTConfig, recipe, overrides)
 
 
@@ -193,7 +193,6 @@ def make_plan(
     allocation: Allocation | None = None,
 ) -> Plan:
     """Everything `mcore-rl launch --dry-run` prints; ConfigError for a layout that cannot run."""
-    from mcore_rl.config import validate_rl_config, validate_sft_config
 
     _check_request(req)
     if allocation is not None:
@@ -213,7 +212,8 @@ def make_plan(
         or (allocation.gpus_per_node if allocation and allocation.gpus_per_node else None)
         or req.nproc_per_node
     )
-    engines = []
+    engines: list[dict[str, Any]] = []
+    router: dict[str, Any]
     per_engine = gpus // req.engines_per_node
     for host in engine_hosts:
         for i in range(req.engines_per_node):

@@ -42,6 +42,7 @@ from mcore_rl.profile.memory import (
 )
 from mcore_rl.profile.report import SCHEMA_VERSION, format_layouts, format_measured, format_split
 from mcore_rl.profile.timing import step_time
+from mcore_rl.config import RLConfig, SFTConfig, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,7 +85,7 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
     shape it runs with (`DEFAULT_SHAPE` for an HF config or a recipe that sets no `train:` value);
     ConfigError otherwise."""
     if os.path.isdir(source) or os.path.basename(source) == "config.json":
-        from mcore_rl.convert import model_config_from_hf, read_hf_config
+        from mcore_rl.convert import model_config_from_hf, read_hf_config  # lazy: transformers
 
         directory = source if os.path.isdir(source) else os.path.dirname(source) or "."
         try:
@@ -92,7 +93,6 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"{source}: {err}") from None
         return model, os.path.basename(os.path.abspath(directory)), DEFAULT_SHAPE
-    from mcore_rl.config import RLConfig, SFTConfig, load_config
 
     if not os.path.isfile(source):
         raise ConfigError(f"model: {source!r} is neither a recipe file, an HF checkpoint directory nor a config.json")
@@ -113,7 +113,7 @@ def load_model(source: str, overrides: list[str]) -> tuple[ModelConfig, str, Tra
     )
 
 
-def recipe_shape_rl(cfg: Any) -> TrainShape:
+def recipe_shape_rl(cfg: RLConfig) -> TrainShape:
     """An RL recipe's learner shape: rows of `train.seq_length`, and per optimizer step as many rows
     as the step has samples (an upper bound: short samples are packed several to a row), rounded up
     to whole micro-batches."""
@@ -199,12 +199,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     cluster = cluster_mod.load_cluster(args.cluster, {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node})
     calibration: dict[str, float] | None = None
     if args.measure:
-        from mcore_rl.profile.measure import calibrate_cpu
+        from mcore_rl.profile.measure import calibrate_cpu  # lazy: torch
 
         import torch
 
         if not torch.cuda.is_available():  # rank layouts by this CPU's real matmul rate
-            from mcore_rl.profile.measure import model_matmul
+            from mcore_rl.profile.measure import model_matmul  # lazy: torch
 
             calibration = calibrate_cpu(
                 *model_matmul(model, TrainShape(shape.global_batch_size, shape.micro_batch_size, shape.seq_length))
@@ -285,7 +285,7 @@ def measure_top(
     top: int,
     steps: int,
 ) -> list[dict[str, Any]]:
-    from mcore_rl.profile.measure import measure_layouts
+    from mcore_rl.profile.measure import measure_layouts  # lazy: torch
 
     by_name = {lay.name(): lay for lay in layouts}
     chosen = [by_name[r["layout"]] for r in rows[:top]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Literal
 from collections.abc import Iterator
 
 from mcore_rl.config.errors import ConfigError
@@ -27,9 +28,9 @@ class TrainShape:
     global_batch_size: int = 256
     micro_batch_size: int = 1
     seq_length: int = 4096
-    precision: str = "bf16"  # fp32 | bf16
+    precision: Literal["fp32", "bf16"] = "bf16"
     optimizer: str = "adamw"  # adamw | sgd
-    recompute: str = "none"  # none | selective | full
+    recompute: Literal["none", "full", "selective"] = "none"
     distributed_optimizer: bool = False  # ZeRO-1: optimizer state and masters sharded over DP
 
 
@@ -80,9 +81,9 @@ def sft_config_for(model: ModelConfig, layout: Layout, shape: TrainShape) -> SFT
         seq_length=shape.seq_length,
         micro_batch_size=shape.micro_batch_size,
         global_batch_size=shape.global_batch_size,
-        precision=shape.precision,  # type: ignore[arg-type]
+        precision=shape.precision,
         recompute=shape.recompute,
-    )  # type: ignore[arg-type]
+    )
     return SFTConfig(model=model, parallel=layout.parallel_config(), train=train)
 
 

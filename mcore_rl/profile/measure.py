@@ -122,7 +122,7 @@ def _measure_rank(
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from mcore_rl.parallel import cpu_compat
+    from mcore_rl.parallel import cpu_compat  # lazy: patches megatron-core
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -149,11 +149,11 @@ def _measure_one(model: ModelConfig, layout: Layout, shape: TrainShape, steps: i
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mcore_rl.config.schema import OptimizerConfig
-    from mcore_rl.models.builder import build_model, transformer_config
-    from mcore_rl.parallel import setup
-    from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
-    from mcore_rl.train.optimizer import build_optimizer
+    from mcore_rl.config.schema import OptimizerConfig  # lazy: patches megatron-core
+    from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
+    from mcore_rl.parallel import setup  # lazy: numpy
+    from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp  # lazy: megatron
+    from mcore_rl.train.optimizer import build_optimizer  # lazy: numpy
 
     parallel = layout.parallel_config()
     setup.init_model_parallel(parallel)

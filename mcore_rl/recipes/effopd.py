@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.distill.effopd import NUM_CANDIDATES, SCALE, accepts, candidate, displacement, is_extrapolation_step
 from mcore_rl.config.rules import Errors, need_positive
 from mcore_rl.hooks import Recipe
@@ -62,7 +63,7 @@ class ExtrapolationResult:
 
 def _trainable(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
     seen: set[int] = set()
-    out = []
+    out: list[torch.Tensor] = []
     for chunk in model_chunks:
         for p in chunk.parameters():
             if p.requires_grad and id(p) not in seen:
@@ -132,7 +133,9 @@ class WeightExtrapolator:
             self._anchor = []
             delta = []
             for i, b in enumerate(base):  # Δ replaces the anchor tensor by tensor: 2 copies at most
-                delta.append(displacement((b,), (anchor[i],))[0])
+                prev = anchor[i]
+                assert prev is not None  # each anchor tensor is dropped only after its Δ
+                delta.append(displacement((b,), (prev,))[0])
                 anchor[i] = None
         result = ExtrapolationResult(step=step, accepted=0, coefficient=0.0, base_score=score)
         best, loaded = score, 0
@@ -179,11 +182,11 @@ class EffOPD(Recipe):
     name = "effopd"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.distill.effopd.enabled
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         e = cfg.distill.effopd
         if not e.enabled:
             return

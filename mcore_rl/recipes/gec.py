@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 from collections.abc import Sequence
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.edge_gec import INJECT, REFERENCE, REFLECT, gec_ops
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
@@ -62,7 +63,7 @@ async def guided_error_correction(
         answer = answer_text(s.prompt.label)
         if answer is None:
             op = REFLECT
-        if op == REFERENCE and answer is not None:
+        if op == REFERENCE and answer is not None:  # (an op without an answer became REFLECT above)
             ref = tokenizer.encode(answer) + [eos]
             req = GenRequest(
                 s.prompt.ids + ref, {"temperature": 0.0, "max_new_tokens": 1}, logprob_start_len=len(s.prompt.ids) - 1
@@ -130,11 +131,11 @@ class GuidedErrorCorrection(Recipe):
     name = "gec"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.rollout.gec.enabled
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         r, g = cfg.rollout, cfg.rollout.gec
         if not g.enabled:
             return

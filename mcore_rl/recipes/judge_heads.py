@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Sequence
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.exprl import segment_heads
 from mcore_rl.hooks import Recipe
 
@@ -104,7 +105,7 @@ class JudgeHeads(Recipe):
     name = "judge_heads"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         a = cfg.algorithm
         return any(x.name == SEGMENT_SHAPING for x in a.advantage_shaping) or any(
             x.name == RUBRIC_SHAPING for x in a.reward_shaping

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.mipu import MIPUController, validation_estimate
 from mcore_rl.config.rules import Errors
 from mcore_rl.hooks import Recipe
@@ -33,11 +34,11 @@ class MIPU(Recipe):
     state_key = "mipu"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.algorithm.mismatch.name == NAME
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         """A PPO clip times w = min(π_k/μ, w_max) (w_max = clip_high), validated on >= 2-sample
         groups, accepted or rolled back before the next rollout."""
         a, r = cfg.algorithm, cfg.rollout
@@ -99,7 +100,7 @@ class MIPU(Recipe):
                 "is not used by MIPU (its only parameters are clip_high = w_max, level and mipu_*)",
             )
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
         self.controller: MIPUController | None = None
         self._state: Any = None

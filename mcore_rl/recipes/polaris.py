@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE
 from mcore_rl.algos.polaris import rescue_plan, substitution_plan
 from mcore_rl.config.rules import Errors
@@ -126,17 +127,17 @@ class Polaris(Recipe):
     name = "polaris"
     state_key = "group_repair"  # the checkpoint key of its rescue buffer
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
         p = cfg.rollout.polaris
         self.rescue_buffer = RescueBuffer(p.rescue_buffer_prompts, p.correct_reward) if p.rescue else None
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.rollout.polaris.rescue or cfg.rollout.polaris.substitute
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         p = cfg.rollout.polaris
         errors.need(
             p.rescue_buffer_prompts >= 1,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.config.rl_domains import refresh_stop_metric
 from mcore_rl.hooks import Recipe
 
@@ -44,7 +45,7 @@ class PatienceStop:
         return self.bad >= self.patience
 
 
-def from_config(cfg: Any) -> PatienceStop | None:
+def from_config(cfg: RLConfig) -> PatienceStop | None:
     """The refresh stop of the run's last mixture stage, if it has `stop_patience` (validated before)."""
     stages = cfg.data.mixture.stages
     if not stages or stages[-1].stop_patience <= 0:
@@ -60,7 +61,7 @@ class RefreshStop(Recipe):
 
     name = "remath_refresh"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
         stop = from_config(cfg)
         assert stop is not None, "enabled() requires a stop_patience"
@@ -68,7 +69,7 @@ class RefreshStop(Recipe):
         self.stopped = False
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         stages = cfg.data.mixture.stages
         return bool(stages) and stages[-1].stop_patience > 0
 

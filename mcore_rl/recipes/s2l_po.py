@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl import algos
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import OptionError
@@ -63,16 +64,16 @@ class SmallModelExplorer(Recipe):
     name = "s2l_po"
     source = SOURCE
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
         self.explorer: Explorer | None = None
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: RLConfig) -> bool:
         return cfg.rollout.explorer.enabled
 
     @classmethod
-    def check(cls, cfg: Any, errors: Errors) -> None:
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
         """Servers or a checkpoint (not both), a schedule that is registered and accepts `share` /
         `mix_steps`, no routing replay. Reachability and the tokenizer are
         checked when the trainer connects (`rollout/explorer.py`)."""

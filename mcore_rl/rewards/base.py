@@ -107,7 +107,7 @@ def _to_result(value: Any) -> RewardResult:
         raise InvalidReward(f"reward must be a number, got {type(value).__name__}: {value!r:.80}")
     if not isinstance(value, (int, float)):
         try:  # numpy / torch scalars
-            value = float(value)  # type: ignore[arg-type]
+            value = float(value)
         except (TypeError, ValueError):
             raise InvalidReward(f"reward must be a number, got {type(value).__name__}: {value!r:.80}") from None
     if not math.isfinite(value):
@@ -178,7 +178,7 @@ class RewardRunner:
 
     def _worker_pool(self) -> WorkerPool:
         if self._workers is None:
-            from mcore_rl.rewards.workers import WorkerPool
+            from mcore_rl.rewards.workers import WorkerPool  # lazy: import cycle
 
             assert self.reward.path is not None
             self._workers = WorkerPool(
@@ -271,6 +271,7 @@ class RewardRunner:
             if rep.error is not None:
                 scored.append(self._failed(len(idx), rep.error, rep.elapsed_s))
             else:
+                assert rep.values is not None  # a reply without an error carries its values
                 scored.append([RewardResult(r, info=info, elapsed_s=rep.elapsed_s) for r, info in rep.values])
         return scored
 

@@ -15,6 +15,7 @@ controls what it answers (that is what is being tested), never how the answer is
 import json
 import os
 import sys
+from typing import Any
 
 _MAX_DEPTH = 64
 _TAGS = ("t", "d", "s", "fs", "b", "c", "nan", "inf")
@@ -24,7 +25,7 @@ class WireError(ValueError):
     """A value that is not plain data, or a message that is not in the format."""
 
 
-def to_wire(value, depth=0):
+def to_wire(value: Any, depth: int = 0) -> Any:
     """`value` as JSON-able data (exact built-in types only; WireError otherwise)."""
     if depth > _MAX_DEPTH:
         raise WireError("nested deeper than %d levels" % _MAX_DEPTH)
@@ -54,7 +55,7 @@ def to_wire(value, depth=0):
     raise WireError("a %s is not plain data" % t.__name__)
 
 
-def from_wire(data, depth=0):
+def from_wire(data: Any, depth: int = 0) -> Any:
     """The value `to_wire` encoded, rebuilt from exact built-in types (WireError otherwise)."""
     if depth > _MAX_DEPTH:
         raise WireError("nested deeper than %d levels" % _MAX_DEPTH)
@@ -97,12 +98,12 @@ def from_wire(data, depth=0):
         raise WireError("%s: %s" % (type(exc).__name__, exc)) from None
 
 
-def dumps(message):
+def dumps(message: dict[str, Any]) -> bytes:
     """One line of the protocol (JSON, no raw newline)."""
     return (json.dumps(message, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
-def loads(line):
+def loads(line: str | bytes) -> dict[str, Any]:
     """A message line -> dict (WireError if it is not one)."""
     try:
         message = json.loads(line)
@@ -116,11 +117,11 @@ def loads(line):
 # ------------------------------------------------------------------------------ in the sandbox
 
 
-def _describe(exc):
+def _describe(exc: BaseException) -> dict[str, Any]:
     return {"raised": type(exc).__name__, "message": str(exc)[:300]}
 
 
-def _answer(scope, request):
+def _answer(scope: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
     """The reply to one request (see the module docstring)."""
     op = request.get("op")
     if op == "names":
@@ -139,7 +140,7 @@ def _answer(scope, request):
                     kinds[name] = {"kind": "opaque", "why": str(exc)}
         return {"names": kinds}
     if op == "call":
-        fn = scope.get(request.get("name"))
+        fn = scope.get(str(request.get("name")))
         if fn is None:
             return {"raised": "NameError", "message": "name %r is not defined" % request.get("name")}
         try:
@@ -155,7 +156,7 @@ def _answer(scope, request):
     return {"raised": "ValueError", "message": "unknown request %r" % (op,)}
 
 
-def serve(program, fd=3):
+def serve(program: str, fd: int = 3) -> None:
     """Load `program` as module `solution`, then answer requests on `fd` until it closes."""
     import builtins
 
@@ -163,7 +164,7 @@ def serve(program, fd=3):
     scope = {"__name__": "solution", "__builtins__": builtins}
     try:
         exec(compile(program, "solution.py", "exec"), scope)
-        loaded = {"loaded": True}
+        loaded: dict[str, Any] | None = {"loaded": True}
     except BaseException as exc:
         loaded = dict(_describe(exc), loaded=False)
     buffer = b""
@@ -189,6 +190,6 @@ def serve(program, fd=3):
         _write_all(fd, dumps(reply))
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data) :]

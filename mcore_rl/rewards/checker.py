@@ -226,7 +226,8 @@ def _judge(
             raise session.lose("a broken reply to the names request")
         for name in names:
             info = kinds.get(name)
-            kind = info.get("kind") if isinstance(info, dict) else None
+            info = info if isinstance(info, dict) else {}
+            kind = info.get("kind")
             if kind == "callable":
                 ns[name] = _Proxy(session, name)
             elif kind == "value":

@@ -30,6 +30,7 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 from mcore_rl.rewards.base import RewardInput
+from mcore_rl.rewards.sandbox import Limits, run_python
 from mcore_rl.rewards.registry import register_reward
 
 STOPS = ("<|endoftext|>", "<|im_end|>", "</s>")
@@ -218,12 +219,10 @@ def _mcore_verify(token, response, functions):
 """
 
 
-def run_verifiers(response: str, functions: Sequence[str], limits: Any = None) -> list[bool]:
+def run_verifiers(response: str, functions: Sequence[str], limits: Limits | None = None) -> list[bool]:
     """f(response) for each verification function (code defining `evaluate(response) -> bool`), in
     one sandbox run; a function that fails to compile, raises, returns a non-True value or runs out
     of time counts as False. A sandbox that cannot be built raises."""
-    from mcore_rl.rewards.sandbox import Limits, run_python
-
     token = secrets.token_hex(16)
     source = f"{_VERIFY_HARNESS}_mcore_verify({token!r}, {response!r}, {list(functions)!r})\n"
     res = run_python(source, limits=limits or Limits(cpu_s=5, wall_s=10, memory_mb=256))

@@ -451,7 +451,9 @@ async def rubric_reward(
     mean verdict. Any constraint without a verdict makes the whole sample an error."""
     t = _template(template, prompt)
     items = rubric_of(sample, rubric)
-    values = [{"prompt": sample.prompt, "response": sample.completion, "criterion": c} for c in items]
+    values: list[dict[str, str | None]] = [
+        {"prompt": sample.prompt, "response": sample.completion, "criterion": c} for c in items
+    ]
     verdicts = [t.parser.normalise(s) for s in await _judge(JudgeServer(url, **server), t, values)]
     return {"reward": rubric_mean(verdicts), "verdicts": verdicts}
 
@@ -606,7 +608,8 @@ def check_options(name: str, options: dict[str, Any]) -> None:
         raise ValueError(
             f"{sorted(unknown)[0]}: not an option of the {name!r} reward; options: {', '.join(sorted(known))}"
         )
-    JudgeServer(**{k: v for k, v in options.items() if k in _SERVER_OPTIONS and k != "url"}, url=options.get("url"))
+    url: Any = options.get("url")  # as the user wrote it (JudgeServer checks it, None included)
+    JudgeServer(**{k: v for k, v in options.items() if k in _SERVER_OPTIONS and k != "url"}, url=url)
     template(own["template"], own["prompt"])
     if name == "exprl_process":
         delta_advantages([0.0], own["norm"])

@@ -37,6 +37,7 @@ the running program one line at a time (the code reward's checker: `mcore_rl/rew
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -59,8 +60,6 @@ class _Kernel:
     """The few system calls Python 3.11's `os` lacks, through libc."""
 
     def __init__(self) -> None:
-        import ctypes
-
         self.ctypes = ctypes
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.syscall.restype = ctypes.c_long
@@ -105,12 +104,12 @@ class _Kernel:
         self._check(self.libc.syscall(self.nr["capset"], header, data), "capset")
 
     def seccomp(self, program: list[tuple[int, int, int, int]]) -> None:
-        c = self.ctypes
+        c = ctypes
 
-        class SockFilter(c.Structure):
+        class SockFilter(ctypes.Structure):
             _fields_ = [("code", c.c_uint16), ("jt", c.c_uint8), ("jf", c.c_uint8), ("k", c.c_uint32)]
 
-        class SockFprog(c.Structure):
+        class SockFprog(ctypes.Structure):
             _fields_ = [("len", c.c_uint16), ("filter", c.POINTER(SockFilter))]
 
         filters = (SockFilter * len(program))(*[SockFilter(*ins) for ins in program])
@@ -626,6 +625,7 @@ def _bootstrap(argv: list[str]) -> None:
     report = b""
     while chunk := os.read(report_r, 65536):
         report += chunk
+    setup: dict[str, Any]
     try:
         setup = (
             json.loads(report)
@@ -634,7 +634,7 @@ def _bootstrap(argv: list[str]) -> None:
         )
     except ValueError:
         setup = {"mechanisms": mech, "setup_error": f"unreadable set-up report {report[:200]!r}"}
-    setup["warnings"] = warnings + setup.get("warnings", [])
+    setup["warnings"] = list(warnings) + setup.get("warnings", [])
     os.write(ctl, json.dumps(setup).encode() + b"\n")  # first line: what is in force (sent before it runs)
     try:
         os.write(go_w, b"1")
@@ -676,19 +676,19 @@ if __name__ == "__main__":
 
 # ================================================================================= parent side
 
-import errno  # noqa: E402
-import functools  # noqa: E402
-import logging  # noqa: E402
-import selectors  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+import errno  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import functools  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import logging  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import selectors  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import shutil  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import signal  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import socket  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import subprocess  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import tempfile  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+import time  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+from dataclasses import asdict, dataclass, field  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+from typing import Any  # noqa: E402  (parent side: the bootstrap run exits above, without these)
+from collections.abc import Mapping  # noqa: E402  (parent side: the bootstrap run exits above, without these)
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()

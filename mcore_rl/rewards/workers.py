@@ -40,7 +40,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 from collections.abc import Sequence
 
 from mcore_rl.parallel.lifetime import die_with_parent
@@ -83,6 +83,7 @@ class _Spawner:
                 )
                 self._thread.start()
             jobs = self._jobs
+        assert jobs is not None  # made above, under the lock
         done: Future = Future()
         jobs.put((done, args, kwargs))
         return done.result()
@@ -246,7 +247,9 @@ class WorkerPool:
             while wait_ready and any(not w.ready for w in self._workers):
                 starting = {w.conn: w for w in self._workers if not w.ready}
                 first_deadline = min(w.ready_by for w in starting.values())
-                for conn in wait(list(starting), max(0.0, first_deadline - time.monotonic())):
+                for conn in cast(
+                    list[Connection], wait(list(starting), max(0.0, first_deadline - time.monotonic()))
+                ):  # only Connections are waited on
                     w = starting[conn]
                     try:
                         msg = conn.recv()
@@ -301,7 +304,7 @@ class WorkerPool:
             if not self._workers:
                 continue
             by_conn = {w.conn: w for w in self._workers}
-            for conn in wait(list(by_conn), wait_s):
+            for conn in cast(list[Connection], wait(list(by_conn), wait_s)):  # only Connections are waited on
                 w = by_conn[conn]
                 try:
                     msg = conn.recv()

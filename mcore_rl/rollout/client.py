@@ -31,7 +31,7 @@ import asyncio
 import json
 import uuid
 from typing import Any
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -293,7 +293,7 @@ class EngineClient:
             return self.timeout
         return self.weight_update_timeout if path in WEIGHT_UPDATE_PATHS else self.control_timeout
 
-    async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: list[str] = ()) -> Any:
+    async def _call(self, method: str, path: str, body: Any, *, retry: bool, rids: Sequence[str] = ()) -> Any:
         url = self.base_url + path
         headers = self._headers_for(path)
         attempts = self.retries + 1 if retry else 1
@@ -358,7 +358,7 @@ class EngineClient:
                 last = err
         raise EngineUnavailable(f"{url}: {type(last).__name__}: {last} (after {self.retries + 1} attempt(s))") from last
 
-    async def abort_quietly(self, rids: list[str]) -> None:
+    async def abort_quietly(self, rids: Sequence[str]) -> None:
         """Best effort: make sure an earlier attempt of these requests is not still running."""
         for rid in rids:
             try:
@@ -391,7 +391,7 @@ def expand_samples(body: dict) -> dict:
     if n <= 1:
         return body
     key = "text" if body.get("text") is not None else "input_ids"
-    prompts = body.get(key)
+    prompts: Any = body.get(key)  # JSON: a prompt or a list of them
     batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
     items = list(prompts) if batch else [prompts]
     params = sp if isinstance(sp, list) else [sp] * len(items)
@@ -415,7 +415,7 @@ def expand_samples(body: dict) -> dict:
 def with_rids(body: dict) -> dict:
     """Give a generate request rids (one per prompt) so that it can be retried safely."""
     if body.get("rid") is None:
-        prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+        prompts: Any = body.get("text") if body.get("text") is not None else body.get("input_ids")
         batch = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
         body["rid"] = [uuid.uuid4().hex for _ in prompts] if batch else uuid.uuid4().hex
     return body

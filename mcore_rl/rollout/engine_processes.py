@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
+import mcore_rl
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +209,7 @@ class EngineProcesses:
             try:
                 while not self.poll_start(i):
                     time.sleep(0.1)
-                logger.warning(
-                    "engine %d restarted at %s (pid %d)", i, self._url(self._engines[i]), self._engines[i].proc.pid
-                )
+                logger.warning("engine %d restarted at %s (pid %s)", i, self._url(self._engines[i]), self.pids[i])
                 return
             except _PortInUse:
                 time.sleep(0.5 * (attempt + 1))  # our URL is fixed: wait for the port to come free
@@ -319,7 +318,7 @@ class EngineProcesses:
 
     def _failure(self, e: _Engine, what: str) -> str:
         return (
-            f"engine {e.index} (pid {e.proc.pid}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
+            f"engine {e.index} (pid {e.proc.pid if e.proc is not None else None}, {self._url(e)}) {what}; log: {e.log_path}; its last lines:\n"
             + self._log_tail(e)
         )
 
@@ -355,7 +354,7 @@ class _PortInUse(Exception):
 def write_model_dir(model_config: ModelConfig, path: str) -> str:
     """An HF-format directory with the config.json of `model_config` (no weights: the engines
     start with `--load-format dummy`); returns its absolute path."""
-    from mcore_rl.hf import hf_config_from_model_config
+    from mcore_rl.hf import hf_config_from_model_config  # lazy: transformers
 
     os.makedirs(path, exist_ok=True)
     hf_config_from_model_config(model_config).save_pretrained(path)
@@ -363,8 +362,6 @@ def write_model_dir(model_config: ModelConfig, path: str) -> str:
 
 
 def _child_env(threads: int | None) -> dict[str, str]:
-    import mcore_rl
-
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(mcore_rl.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)  # this mcore_rl

@@ -17,7 +17,10 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Sequence
 
+from mcore_rl.config.rl_schema import RolloutConfig
 from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
+from mcore_rl.rollout.engine_processes import EngineProcesses
+from mcore_rl.rollout.teacher import check_engines
 
 
 class ExplorerError(RuntimeError):
@@ -53,7 +56,6 @@ class Explorer:
 
     def check(self, tokenizer: Any) -> None:
         """Every engine answers and tokenizes like the policy; else `ExplorerError`."""
-        from mcore_rl.rollout.teacher import check_engines
 
         check_engines(
             self.pool, self.pool.urls, tokenizer, "rollout.explorer: the explorer engine", "the policy's", ExplorerError
@@ -64,10 +66,9 @@ class Explorer:
 
 
 def build_explorer(
-    rollout: Any, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
+    rollout: RolloutConfig, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
 ) -> Explorer:
     """Connect to (or start) the engines of `rollout.explorer` and check them."""
-    from mcore_rl.rollout.engine_processes import EngineProcesses
 
     x = rollout.explorer
     procs = None

@@ -551,7 +551,7 @@ def usage(inp: OpenAIInput, outs: list[RequestOutput]) -> dict:
 
 def finish(out: RequestOutput) -> tuple[str | None, Any]:
     reason = out.finish_reason or {}
-    return _REASONS.get(reason.get("type")), reason.get("matched")
+    return _REASONS.get(str(reason.get("type"))), reason.get("matched")
 
 
 def completion_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: str, tokenizer) -> dict:
@@ -560,7 +560,8 @@ def completion_response(inp: OpenAIInput, outs: list[RequestOutput], *, model: s
         text = out.text or ""
         lp = None
         if inp.logprobs is not None:
-            pairs, tops = list(out.output_token_logprobs), list(out.output_top_logprobs)
+            pairs: list[tuple[float | None, int]] = list(out.output_token_logprobs)
+            tops: list[list[tuple[float, int]] | None] = list(out.output_top_logprobs)
             if inp.echo_texts is not None:
                 pairs, tops = list(out.input_token_logprobs) + pairs, list(out.input_top_logprobs) + tops
             lp = completion_logprobs(pairs, tops, tokenizer, inp.logprobs)

@@ -21,14 +21,26 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RolloutConfig
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.rollout.weight_transports import (
+    DiskTransport,
+    DistributedTransport,
+    InProcessTransport,
+    TensorTransport,
+    Transport,
+)
+from mcore_rl.config.rl_validate import started_engines
+from mcore_rl.rollout.engine_processes import EngineProcesses
+from mcore_rl.rollout.weight_protocol import checksum_problem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only (the engine processes module: loaded when the trainer starts some)
+    from mcore_rl.rollout.engine_processes import EngineProcesses
     from mcore_rl.rollout.weight_protocol import WeightChecksum
 
 logger = logging.getLogger(__name__)
@@ -76,7 +88,7 @@ class EnginePool(Protocol):
         """The generations of `requests`, in order; `on_done()` after each one finishes (progress)."""
         ...
 
-    def weight_transport(self, rollout: Any) -> Any: ...
+    def weight_transport(self, rollout: RolloutConfig) -> Transport: ...
 
     @property
     def weight_version(self) -> int: ...
@@ -84,18 +96,18 @@ class EnginePool(Protocol):
     def close(self) -> None: ...
 
 
-def expected_logprobs_mode(rollout: Any) -> str:
+def expected_logprobs_mode(rollout: RolloutConfig) -> str:
     """The engines' `logprobs_mode` the trainer expects: "processed" with sampling-mask replay (μ is
     then the log-prob under the distribution the token was drawn from), else "raw"."""
-    return "processed" if getattr(rollout, "sampling_mask_replay", False) else "raw"
+    return "processed" if rollout.sampling_mask_replay else "raw"
 
 
-def check_logprobs_mode(pool: HTTPEnginePool, rollout: Any) -> None:
+def check_logprobs_mode(pool: HTTPEnginePool, rollout: RolloutConfig) -> None:
     """Refuse engines whose `/get_server_info` reports `logprobs_mode: processed` when the trainer
     does not replay the sampling mask (μ would be a renormalised log-prob that π never is). An
     engine that does not report the mode (a real SGLang server), or has no `/get_server_info`, is
     taken as "raw"."""
-    if getattr(rollout, "sampling_mask_replay", False):
+    if rollout.sampling_mask_replay:
         return  # μ comes from output_token_sampling_logprobs, whatever output_token_logprobs are
     replies = pool._settle(pool.start("get_server_info", {}), "/get_server_info")
     for url, (info, err) in replies.items():  # an engine without the endpoint (an error) reports no mode
@@ -109,7 +121,13 @@ def check_logprobs_mode(pool: HTTPEnginePool, rollout: Any) -> None:
             )
 
 
-def engine_timeouts(rollout: Any) -> dict[str, float]:
+class EngineTimeouts(TypedDict):
+    control_timeout: float
+    weight_update_timeout: float
+    no_engine_timeout_s: float
+
+
+def engine_timeouts(rollout: RolloutConfig) -> EngineTimeouts:
     """`HTTPEnginePool`'s timeouts besides generation's, from the rollout config (never longer
     than a generation request's)."""
     return {
@@ -120,7 +138,7 @@ def engine_timeouts(rollout: Any) -> dict[str, float]:
 
 
 def build_engine_pool(
-    rollout: Any,
+    rollout: RolloutConfig,
     model: ModelConfig,
     tokenizer: Any,
     seed: int,
@@ -133,7 +151,6 @@ def build_engine_pool(
     `workdir`); else embedded engines in this process. Engines the trainer builds run in the
     `logprobs_mode` it expects (`expected_logprobs_mode`); given servers are checked
     (`check_logprobs_mode`)."""
-    from mcore_rl.config.rl_validate import started_engines
 
     mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
@@ -153,8 +170,6 @@ def build_engine_pool(
             raise
         return pool
     if started_engines(rollout):
-        from mcore_rl.rollout.engine_processes import EngineProcesses
-
         procs = EngineProcesses.start(
             model,
             num=rollout.num_embedded_engines,
@@ -229,8 +244,8 @@ class EmbeddedEnginePool:
         same temperature, so μ and π are the same function of the logits. `logprobs_mode`
         "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
         distribution instead (`EngineCore`)."""
-        from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-        from mcore_rl.rollout.engine.core import EngineCore
+        from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config  # lazy: transformers
+        from mcore_rl.rollout.engine.core import EngineCore  # lazy: transformers
 
         cores = []
         for i in range(num):
@@ -257,15 +272,13 @@ class EmbeddedEnginePool:
     def weight_version(self) -> int:
         return self.cores[0].weight_version
 
-    def weight_transport(self, rollout: Any) -> Any:
-        from mcore_rl.rollout.weight_transports import InProcessTransport
-
+    def weight_transport(self, rollout: RolloutConfig) -> Transport:
         return InProcessTransport(self.cores)
 
     def _add(self, requests: Sequence[GenRequest]) -> list[str]:
         """Hand `requests` to the engines in turn (request i to engine i mod n); their request ids."""
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         rids = [r.rid or uuid.uuid4().hex for r in requests]
         for i, (req, rid) in enumerate(zip(requests, rids)):
@@ -404,14 +417,14 @@ class HTTPEnginePool:
         admin_api_key: str | None = None,
         health_interval: float = 5.0,
         log_wait_s: float = 10.0,
-        processes: Any = None,
+        processes: EngineProcesses | None = None,
         restart_dead: bool = False,
         num_layers: int | None = None,
         control_timeout: float | None = None,
         weight_update_timeout: float | None = None,
         no_engine_timeout_s: float = 0.0,
     ) -> None:
-        from mcore_rl.rollout.router import EngineRouter
+        from mcore_rl.rollout.router import EngineRouter  # lazy: aiohttp
 
         if not urls:
             raise ValueError("urls: need at least one engine URL")
@@ -439,7 +452,7 @@ class HTTPEnginePool:
 
         self.router = self._run(make_router())
         self.states = self.router.states
-        self._transport: Any = None
+        self._transport: Transport | None = None
         self._no_checksum: set[str] = set()  # engines without /weights_checksum (real SGLang), logged once
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -453,6 +466,8 @@ class HTTPEnginePool:
     def _restart_dead(self, interval: float) -> None:
         """Start engine processes that died again (same URL), all that died, without waiting for
         one to answer before noticing the next; each waits for weights once it answers."""
+        processes = self.processes
+        assert processes is not None  # the watcher runs only for a pool that started its engines
         starting: set[int] = set()  # launched again, not answering yet
         while not self._stop_watch.wait(min(interval, 0.2) if starting else interval):
             for i, url in enumerate(self.urls):
@@ -460,19 +475,19 @@ class HTTPEnginePool:
                     return
                 if i in starting:
                     try:
-                        if not self.processes.poll_start(i):
+                        if not processes.poll_start(i):
                             continue
                         self.states.process_ready(url, self._run(self.router._version_of(url)))
                     except Exception:
                         logger.exception("engine %s did not come back", url)
                     starting.discard(i)
                     continue
-                if self.processes.alive(i):
+                if processes.alive(i):
                     continue
                 logger.warning("engine process %s (%s) died; starting it again", i, url)
                 self.states.process_restarted(url)
                 try:
-                    self.processes.relaunch(i)
+                    processes.relaunch(i)
                     starting.add(i)
                 except Exception:
                     logger.exception("could not restart engine %s", url)
@@ -514,7 +529,7 @@ class HTTPEnginePool:
         """The replies of the engines that answered. An engine that cannot be reached (or timed
         out) is marked dead and left out; an engine's refusal (HTTP 4xx) is raised; so is
         `NoHealthyEngine` when no engine answered."""
-        from mcore_rl.rollout.router import NoHealthyEngine
+        from mcore_rl.rollout.router import NoHealthyEngine  # lazy: aiohttp
 
         results, error = {}, None
         for url, (reply, err) in self._settle(futures, what).items():
@@ -531,7 +546,7 @@ class HTTPEnginePool:
     def _settle(self, futures: dict[str, Future], what: str) -> dict[str, tuple[Any, Exception | None]]:
         """(reply, None) or (None, error) by URL for the engines that answered, once all have, logging
         while it waits; an engine that cannot be reached is marked dead and left out."""
-        from mcore_rl.rollout.client import EngineUnavailable
+        from mcore_rl.rollout.client import EngineUnavailable  # lazy: aiohttp
 
         pending = dict(futures)
         start = time.monotonic()
@@ -574,7 +589,7 @@ class HTTPEnginePool:
         `delivered` for those that got everything. On the way out those continue
         (`/continue_generation`); every other engine paused here stays paused and waits for the
         next update, also when the update raised: it may hold a mix of two versions."""
-        from mcore_rl.rollout.router import NoEngineToSync
+        from mcore_rl.rollout.router import NoEngineToSync  # lazy: aiohttp
 
         deadline, logged = time.monotonic() + self.no_engine_timeout_s, False
         while True:
@@ -627,8 +642,7 @@ class HTTPEnginePool:
         """Engines among `urls` whose `/weights_checksum` does not show `version` with exactly the
         tensors of `checksum`, with why. Engines that answer 404 (no such endpoint: a real SGLang
         server) are not checked; that is logged once per engine."""
-        from mcore_rl.rollout.client import EngineHTTPError
-        from mcore_rl.rollout.weight_protocol import checksum_problem
+        from mcore_rl.rollout.client import EngineHTTPError  # lazy: aiohttp
 
         futures = self.start("weights_checksum", {}, [u for u in urls if u not in self._no_checksum])
         problems: dict[str, str] = {}
@@ -648,13 +662,13 @@ class HTTPEnginePool:
                     problems[url] = problem
         return problems
 
-    def weight_transport(self, rollout: Any) -> Any:
+    def weight_transport(self, rollout: RolloutConfig) -> Transport:
         """The weight transport `rollout.sync_transport` names, to every engine of the pool."""
-        from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, TensorTransport
-
         if rollout.sync_transport == "tensor":
             self._transport = TensorTransport(self)
         elif rollout.sync_transport == "disk":
+            if rollout.sync_dir is None:  # the validation refuses this before any worker starts
+                raise ValueError("rollout.sync_dir: required with rollout.sync_transport: disk")
             self._transport = DiskTransport(self, rollout.sync_dir)
         else:
             self._transport = DistributedTransport(
@@ -699,7 +713,7 @@ class HTTPEnginePool:
         versions = meta.get("output_token_weight_versions")
         routed = None
         if req.return_routed_experts and meta.get("routed_experts") is not None:
-            from mcore_rl.rollout.protocol import decode_routed_experts
+            from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
             if self.num_layers is None:
                 raise ValueError("num_layers: HTTPEnginePool needs the model's layer count to decode routed_experts")

@@ -54,6 +54,7 @@ import base64
 import json
 import reprlib
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,7 +301,7 @@ def check_lengths(
 def check_fields(
     body: dict,
     known: set[str],
-    ignored: set[str] | dict[str, tuple[type, ...]],
+    ignored: set[str] | Mapping[str, tuple[type, ...]],
     unsupported: set[str] | dict[str, Any],
     prefix: str = "",
 ) -> None:
@@ -413,6 +414,7 @@ def _token_ids_logprob(value: Any, batch: int, is_single: bool, n: int, vocab_si
         raise RequestError(
             f"{key}: expected a list of token ids (or, for a batch, a list of such lists), got {show(value)}"
         )
+    per: list[list[Any] | None]
     if all(_is_int(t) for t in value):
         per = [list(value)] * batch
     elif all(v is None or isinstance(v, list) for v in value):

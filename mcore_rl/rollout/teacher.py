@@ -41,9 +41,10 @@ import asyncio
 import dataclasses
 import logging
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from mcore_rl.data.samples import Sample, TeacherScores
+from mcore_rl.rollout.engine_processes import EngineProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class TeacherError(RuntimeError):
 
 
 def route_by_domain(
-    teacher_domains: Sequence[Sequence[str]], domains: Sequence[str], skip: Sequence[int] = ()
+    teacher_domains: Sequence[Sequence[str]], domains: Sequence[str], skip: Collection[int] = ()
 ) -> list[int | None]:
     """The teacher of each sample: the one whose `domains` list the sample's domain, else the one
     with no `domains` (the default), else None (no teacher: no distillation term). Teachers in
@@ -161,6 +162,8 @@ def parse_reference(
     logp = parse_scores(reply, response_ids, 0, vocab_size, "").logp
     if not ids:
         return logp, None
+    if topk_ids is None:
+        raise ValueError("reference scores at the teacher's top-k ids need those ids (topk_ids)")
     entries = reply["meta_info"].get("input_token_ids_logprobs")
     n = len(response_ids)
     if not isinstance(entries, list) or len(entries) != n + 1:
@@ -170,17 +173,17 @@ def parse_reference(
     for j, (pos, want) in enumerate(zip(entries[1:], topk_ids)):
         if not isinstance(pos, list) or len(pos) != len(ids):
             raise ValueError(f"input_token_ids_logprobs[{j + 1}]: expected {len(ids)} entries, got {str(pos)[:80]}")
-        got = {}
+        by_id: dict[int, float] = {}
         for e in pos:
             if not (isinstance(e, list) and len(e) >= 2 and isinstance(e[0], (int, float)) and isinstance(e[1], int)):
                 raise ValueError(
                     f"input_token_ids_logprobs[{j + 1}]: expected [logprob, id] entries, got {str(e)[:80]}"
                 )
-            got[e[1]] = float(e[0])
-        missing = [t for t in want if t not in got]
+            by_id[e[1]] = float(e[0])
+        missing = [t for t in want if t not in by_id]
         if missing:
             raise ValueError(f"input_token_ids_logprobs[{j + 1}]: no log-prob of the teacher's top-k ids {missing[:8]}")
-        out.append([got[t] for t in want])
+        out.append([by_id[t] for t in want])
     return logp, out
 
 
@@ -200,10 +203,10 @@ class EngineTeacher:
         api_key: str | None = None,
         max_concurrency: int = 64,
         health_interval: float = 5.0,
-        processes: Any = None,
+        processes: EngineProcesses | None = None,
         restart_dead: bool = True,
     ) -> None:
-        from mcore_rl.rollout.pool import HTTPEnginePool
+        from mcore_rl.rollout.pool import HTTPEnginePool  # lazy: torch
 
         self.name, self.top_k, self.vocab_size = name, top_k, vocab_size
         self.pool = HTTPEnginePool(
@@ -247,13 +250,15 @@ class EngineTeacher:
             s.teacher = res
 
     async def _score_one(self, s: Sample) -> TeacherScores:
-        from mcore_rl.rollout.client import EngineError
+        from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
         if not s.response_ids:
             return TeacherScores(source=self.name, error="empty response")
         self._count += 1
         body = scoring_body(s.prompt_ids, s.response_ids, self.top_k, f"teacher-{self.name}-{s.group}-{self._count}")
-        async with self._sem:
+        sem = self._sem
+        assert sem is not None  # made by _score_all
+        async with sem:
             try:
                 reply = await self.pool.router.generate(body)
             except EngineError as err:  # every engine of the teacher failed, or one refused the request
@@ -273,7 +278,7 @@ class EngineTeacher:
     async def _reference_one(self, s: Sample, main: TeacherScores) -> TeacherScores:
         """`main` (the teacher's scores of `s`) with this reference's `ref_logp` / `ref_topk_logp`;
         on failure marked (error set, lists empty) like a failure of the teacher itself."""
-        from mcore_rl.rollout.client import EngineError
+        from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
@@ -302,7 +307,7 @@ class EngineTeacher:
 def check_engines(pool: Any, urls: Sequence[str], tokenizer: Any, who: str, whose: str, error: type) -> None:
     """Every engine of `pool` at `urls` answers and tokenizes like `tokenizer`; else `error` naming
     `who` (e.g. "teachers[0] (math): the teacher engine") and the engine, before training starts."""
-    from mcore_rl.rollout.client import EngineError
+    from mcore_rl.rollout.client import EngineError  # lazy: aiohttp
 
     for url in urls:
         client = pool.router.clients[url]
@@ -323,7 +328,7 @@ async def check_tokenizer(client: Any, tokenizer: Any) -> str | None:
     `/detokenize` of ids spread over the student's vocabulary (its last id and its special ids
     included) its text. A server without `/tokenize` (older SGLang: 404) is probed through
     `/generate` instead: the ids it reports for a scored text prompt (a leading BOS allowed)."""
-    from mcore_rl.rollout.client import EngineHTTPError
+    from mcore_rl.rollout.client import EngineHTTPError  # lazy: aiohttp
 
     vocab = int(tokenizer.vocab_size)
     specials = [
@@ -384,7 +389,6 @@ def start_teacher_engines(
 ) -> Any:
     """`num` `mcore-rl serve` processes on the checkpoint `model_path` (HF format, with weights):
     the `EngineProcesses` to give `EngineTeacher(processes=...)`, which then owns them."""
-    from mcore_rl.rollout.engine_processes import EngineProcesses
 
     return EngineProcesses.start(
         None,

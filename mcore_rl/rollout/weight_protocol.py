@@ -30,7 +30,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     import numpy as np
+    from torch.distributed.distributed_c10d import GroupName  # not in every torch the pin admits
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -216,7 +217,7 @@ def write_safetensors(named: NamedTensors, path: str) -> None:
     with open(path, "r+b" if os.path.exists(path) else "wb") as f:
         f.write(safetensors_header(named))
         for _, t in named:
-            f.write(host_bytes(t))
+            f.write(host_bytes(t).data)
         f.truncate()
 
 
@@ -227,7 +228,7 @@ def safetensors_bytes(named: NamedTensors) -> bytearray:
     view, at = memoryview(buf), len(header)
     for _, t in named:
         data = host_bytes(t)
-        view[at : at + data.size] = data
+        view[at : at + data.size] = data.data
         at += data.size
     return buf
 
@@ -470,7 +471,7 @@ class WeightChecksum:
         for a receiver that holds the very tensors added here (an in-process engine), so that it
         need not read them again."""
         got = [self._pending.get(n) for n in names]
-        return None if any(g is None for g in got) else [g[2] for g in got]
+        return [g[2] for g in got if g is not None] if all(g is not None for g in got) else None
 
     def discard(self, names: Iterable[str]) -> None:
         """Forget these names (their tensors may be partly overwritten: unknown until sent again)."""
@@ -560,7 +561,7 @@ def init_custom_process_group(
     # `global_ranks_in_group=[]` makes the helper build a standalone group: it neither needs nor
     # consults a default group.
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+        world_size, rank, [], Backend(backend), store, group_name=cast("GroupName", group_name), timeout=timeout
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

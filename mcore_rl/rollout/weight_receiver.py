@@ -45,13 +45,14 @@ allow, so a sync costs one copy on the engine side.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO
+from typing import Any
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -230,7 +231,7 @@ def _refusal(path: object, allowed_dirs: Sequence[str], field: str) -> ValueErro
     return ValueError(f"{field}: {path!r} is not inside a directory this server reads weights from (--weight-dirs)")
 
 
-def _open_allowed(path: str, allowed_dirs: Sequence[str], field: str) -> BinaryIO:
+def _open_allowed(path: str, allowed_dirs: Sequence[str], field: str) -> io.BufferedReader:
     """Open a checked path and check again what was opened (a symlink swapped in meanwhile)."""
     f = open(path, "rb")
     opened = f"/proc/self/fd/{f.fileno()}"
@@ -270,7 +271,7 @@ def _bucket_meta(req: dict) -> tuple[list[str], list[torch.dtype], list[list[int
 # --------------------------------------------------------------------------------------------
 
 _FUSED_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-Item = tuple[str, tuple[int, ...], torch.dtype]
+Item = tuple[str, Sequence[int], torch.dtype]
 
 
 def check_weights(core: Any, items: Iterable[Item], field: str) -> None:
@@ -534,13 +535,13 @@ def _load_files(
         try:
             with _open_allowed(f, allowed_dirs, field) as fh:
                 named, digests = [], []
-                for e in entries:
-                    target = _landing(dest, e.name, e.dtype, e.shape, cpu)
-                    fh.seek(e.begin)
-                    if fh.readinto(host_bytes(target)) != e.end - e.begin:
+                for entry in entries:
+                    target = _landing(dest, entry.name, entry.dtype, entry.shape, cpu)
+                    fh.seek(entry.begin)
+                    if fh.readinto(host_bytes(target).data) != entry.end - entry.begin:
                         received(core).discard(x.name for x in entries)
-                        return _fail(f"Failed to read {e.name!r} from {f} (the model may be partially updated)")
-                    named.append((e.name, target))
+                        return _fail(f"Failed to read {entry.name!r} from {f} (the model may be partially updated)")
+                    named.append((entry.name, target))
                     digests.append(received(core).digest_later(target))  # while the next one is read
         except BaseException:
             received(core).discard(x.name for x in entries)

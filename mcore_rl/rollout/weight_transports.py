@@ -38,11 +38,14 @@ import tempfile
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only: the engine (and its model code) loads with the engines that use it
+    from mcore_rl.rollout.engine.core import EngineCore
 
 from mcore_rl.rollout.weight_protocol import (
     BucketMeta,
@@ -57,6 +60,7 @@ from mcore_rl.rollout.weight_protocol import (
     init_custom_process_group,
     write_safetensors,
 )
+from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 
 logger = logging.getLogger(__name__)
 SHM_PREFIX = "mcore_rl_weights_"  # + the trainer's pid + "_": shared-memory buckets of `TensorTransport`
@@ -172,6 +176,8 @@ class DistributedTransport:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         with self.engines.weight_update(self.pause_mode, only) as targets:
             self.connect(targets)
+            group = self._group
+            assert group is not None  # connect() formed it
             targets[:] = list(self._members)
             for bucket, last in _with_last(buckets):
                 meta = BucketMeta.of(bucket)
@@ -185,9 +191,9 @@ class DistributedTransport:
                 )
                 try:
                     if self.load_format == "flattened_bucket":
-                        broadcast_tensors([self._flatten(bucket, meta.total_bytes, device)], self._group)
+                        broadcast_tensors([self._flatten(bucket, meta.total_bytes, device)], group)
                     else:
-                        broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], self._group)
+                        broadcast_tensors([t.detach().to(device).contiguous() for _, t in bucket], group)
                 except BaseException:
                     self._drop_group()
                     raise
@@ -336,7 +342,8 @@ class TensorTransport:
         _remove(self._files)
         self._files = []
         if self._reaper is not None:
-            self._reaper.stdin.close()  # its end of file: it removes files that are gone already, and exits
+            if self._reaper.stdin is not None:  # always: it is started with a pipe
+                self._reaper.stdin.close()  # its end of file: it removes files that are gone already, and exits
             self._reaper.wait()
             self._reaper = None
 
@@ -404,13 +411,12 @@ class InProcessTransport:
     same checks as the endpoints. Generation must not run meanwhile: pause the engine around the
     sync (`EngineDriver.pause("in_place")` ... `resume()`), as the HTTP transports do."""
 
-    cores: Sequence[object]
+    cores: Sequence[EngineCore]
 
     def send(
         self, buckets: Iterable[NamedTensors], version: int, stats: SyncStats, only: Sequence[str] | None = None
     ) -> None:
         """`only`: names as in `stats.mismatched`, "embedded:<index>"."""
-        from mcore_rl.rollout.weight_receiver import load_named_tensors, weights_checksum
 
         cores = {f"embedded:{i}": c for i, c in enumerate(self.cores) if only is None or f"embedded:{i}" in only}
         for bucket in buckets:

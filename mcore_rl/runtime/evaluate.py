@@ -11,17 +11,16 @@ the mean of the domains' scores, so a large domain does not hide a small one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.progress import progress
 from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager
 
 
 def _scores(
-    greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: Any, threshold: float, prefix: str
+    greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: RLConfig, threshold: float, prefix: str
 ) -> dict[str, float]:
     e, out = cfg.eval, {}
     if e.greedy:
@@ -35,7 +34,7 @@ def _scores(
     return out
 
 
-def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: Any, threshold: float = 1.0) -> dict[str, float]:
+def evaluate(manager: RolloutManager, prompts: list[Prompt], cfg: RLConfig, threshold: float = 1.0) -> dict[str, float]:
     e = cfg.eval
     with progress(len(prompts) * (int(e.greedy) + e.k), "evaluation", "sample") as bar:
         greedy = manager.generate(prompts, 1, 0.0, SALT_EVAL, on_done=bar.update) if e.greedy else []

@@ -49,6 +49,27 @@ from mcore_rl.observe.run import RunObserver
 from mcore_rl.observe.sinks import read_metrics
 from mcore_rl.progress import is_rank0 as _rank0
 from mcore_rl.progress import log_line as _log
+from mcore_rl.progress import progress
+from mcore_rl.train.policy import build_policy
+from mcore_rl.train import checkpoint
+from mcore_rl.train.teachers import build_engine_teachers
+from mcore_rl.train.policy import build_reference_model, copy_weights
+from mcore_rl.rollout.pool import HTTPEnginePool  # lazy, as the trainer's other parts here
+from mcore_rl.rollout.pool import build_engine_pool
+from mcore_rl.train.hf_provenance import carry_provenance
+from mcore_rl.train.checkpoint import checkpoint_dir
+from mcore_rl.train.teachers import token_topk
+from mcore_rl.train.hf_provenance import read_provenance
+from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
+from mcore_rl.train.teachers import build_teachers
+from mcore_rl.rollout.teacher import TeacherError
+
+if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
+    from mcore_rl.rollout.pool import EnginePool, HTTPEnginePool
+    from mcore_rl.runtime.rollout_manager import RolloutManager
+    from mcore_rl.train.rl_step import Learner
+    from mcore_rl.train.teachers import Teachers
+    from mcore_rl.train.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from mcore_rl.runtime.rollouts import Rollouts
@@ -76,9 +97,8 @@ class RLRun:
     """All state of one `mcore-rl train` process (one rank)."""
 
     def __init__(self, cfg: RLConfig) -> None:
-        from mcore_rl.agent.groups import environment_examples
-        from mcore_rl.data.prompts import build_prompt_sets
-        from mcore_rl.train.policy import build_policy
+        from mcore_rl.agent.groups import environment_examples  # lazy: the engine stack
+        from mcore_rl.data.prompts import build_prompt_sets  # lazy: numpy
 
         self.t0 = time.perf_counter()
         self.cfg = cfg
@@ -92,13 +112,13 @@ class RLRun:
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: list | None = None
         self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
-        self.learner: Any = None  # set by run_rl (its stateful distillation terms are checkpointed)
-        self.engines: Any = None
-        self.weight_sync: Any = None
-        self.manager: Any = None
+        self.learner: Learner | None = None  # set by run_rl (its stateful distillation terms are checkpointed)
+        self.engines: EnginePool | None = None
+        self.weight_sync: WeightSync | None = None
+        self.manager: RolloutManager | None = None
         self.rollout_source: Rollouts | None = None  # rank 0: the scheduler, in either schedule
         self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
-        self.teachers: Any = None  # on-policy distillation (`teachers:`), train/teachers.py
+        self.teachers: Teachers | None = None  # on-policy distillation (`teachers:`), train/teachers.py
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: dict | None = None  # the scheduler's state from a checkpoint
         self._resumed_ledger: dict | None = None  # a checkpoint's ledger without scheduler state
@@ -109,7 +129,6 @@ class RLRun:
 
     def initialise(self) -> None:
         """Resume, or start from init.checkpoint / the SFT warm start; then engines and first sync."""
-        from mcore_rl.train import checkpoint
 
         cfg = self.cfg
         engine_teachers = self._connect_teachers()  # an unreachable or mismatched teacher fails here, first
@@ -118,7 +137,6 @@ class RLRun:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
         if resume is not None:
             common = checkpoint.load_checkpoint(resume, self.chunks, self.optimizer)
-            from mcore_rl.train.hf_provenance import read_provenance
 
             self.hf_provenance = read_provenance(common, resume)
             if "rl" not in common:
@@ -141,7 +159,6 @@ class RLRun:
             _log(f"resumed from {resume} at rollout step {self.state.rl_step} (optimizer step {self.state.opt_step})")
         else:
             self._resume_common = None
-            from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
             if cfg.init.checkpoint:
                 self.hf_provenance = load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
@@ -156,8 +173,6 @@ class RLRun:
         self._build_reference(resume)
         ttfs.mark("reference_model")
         if cfg.teachers:
-            from mcore_rl.train.teachers import build_teachers
-
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
         for recipe in self.recipes:
             recipe.setup(self)
@@ -171,7 +186,6 @@ class RLRun:
         if one is unreachable or has another tokenizer."""
         if not any(t.kind == "engine" for t in self.cfg.teachers):
             return []
-        from mcore_rl.train.teachers import build_engine_teachers
 
         made: list = []
         error = None
@@ -182,16 +196,12 @@ class RLRun:
                 error = f"{type(err).__name__}: {err}"
         error = broadcast(error)
         if error is not None:
-            from mcore_rl.rollout.teacher import TeacherError
-
             raise TeacherError(error)
         self._engine_teachers = made
         return made
 
     def _build_reference(self, resume: str | None) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""
-        from mcore_rl.train import checkpoint
-        from mcore_rl.train.policy import build_reference_model, copy_weights
 
         cfg = self.cfg
         if not cfg.algorithm.uses_reference():
@@ -199,6 +209,7 @@ class RLRun:
         self.ref_chunks = build_reference_model(cfg)
         if resume is not None:
             root = cfg.checkpoint.load_dir  # the save_dir, or one of its iter_* directories
+            assert root is not None  # `resume` was found in it
             if os.path.exists(os.path.join(root, "metadata.json")):
                 root = os.path.dirname(os.path.normpath(root))
             ref_dir = os.path.join(root, "reference")
@@ -221,11 +232,18 @@ class RLRun:
                 {"model": config_to_dict(cfg.model)},
             )
 
+    def _http_engines(self) -> HTTPEnginePool:
+        """The pool of the asynchronous runtime and of colocated engines: `mcore-rl serve` processes or
+        servers (the validation allows no other)."""
+
+        if not isinstance(self.engines, HTTPEnginePool):
+            raise RuntimeError(f"this needs HTTP engines (mcore-rl serve or SGLang), not {type(self.engines).__name__}")
+        return self.engines
+
     def _build_engines(self) -> None:
-        from mcore_rl.rollout.pool import build_engine_pool
-        from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner
-        from mcore_rl.runtime.rollouts import PoolBackend, Rollouts, scheduler_config
-        from mcore_rl.train.weight_sync import WeightSync
+        from mcore_rl.runtime.rollout_manager import RolloutManager, build_reward_runner  # lazy: import cycle
+        from mcore_rl.runtime.rollouts import PoolBackend, Rollouts, scheduler_config  # lazy: import cycle
+        from mcore_rl.train.weight_sync import WeightSync  # lazy: transformers
 
         cfg, r = self.cfg, self.cfg.rollout
         transport = None
@@ -276,6 +294,7 @@ class RLRun:
         if new_version:
             self.state.version += 1
         start = time.perf_counter()
+        assert self.weight_sync is not None  # built with the engines
         self.weight_sync.sync(self.state.version)
         self.last_sync_s = time.perf_counter() - start
 
@@ -325,11 +344,12 @@ class RLRun:
         return samples, metrics
 
     def evaluate(self) -> dict[str, float]:
-        from mcore_rl.runtime.evaluate import evaluate
+        from mcore_rl.runtime.evaluate import evaluate  # lazy: import cycle
 
         out = None
         if self.rank0:
             start = time.perf_counter()
+            assert self.manager is not None  # built on rank 0
             out = evaluate(self.manager, self.eval_prompts, self.cfg)
             out["time/eval_s"] = time.perf_counter() - start
         out = broadcast(out)
@@ -345,14 +365,15 @@ class RLRun:
             yield
             return
         start = time.perf_counter()
-        self.engines.call("pause_generation", {"mode": "abort"})
-        self.engines.call("release_memory_occupation", {})
+        engines = self._http_engines()
+        engines.call("pause_generation", {"mode": "abort"})
+        engines.call("release_memory_occupation", {})
         self.released_s = time.perf_counter() - start
         try:
             yield
         finally:
             start = time.perf_counter()
-            self.engines.call("resume_memory_occupation", {})
+            engines.call("resume_memory_occupation", {})
             self.released_s += time.perf_counter() - start
 
     def step_done(self) -> None:
@@ -382,16 +403,15 @@ class RLRun:
                 **{r.state_key: r.state_dict() for r in self.recipes if r.state_key is not None},
             },
         }
-        from mcore_rl.train.hf_provenance import carry_provenance
 
-        common = carry_provenance(self.hf_provenance, common, self.cfg.checkpoint.save_dir)
-        return checkpoint.save_checkpoint(
-            self.cfg.checkpoint.save_dir, self.state.rl_step, self.chunks, self.optimizer, common
-        )
+        save_dir = self.cfg.checkpoint.save_dir
+        if save_dir is None:
+            raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
+        common = carry_provenance(self.hf_provenance, common, save_dir)
+        return checkpoint.save_checkpoint(save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
     def checkpoint_path(self) -> str | None:
         """Where `save` put (or would put) the checkpoint of the current step; None without save_dir."""
-        from mcore_rl.train.checkpoint import checkpoint_dir
 
         return (
             checkpoint_dir(self.cfg.checkpoint.save_dir, self.state.rl_step) if self.cfg.checkpoint.save_dir else None
@@ -402,7 +422,6 @@ class RLRun:
         rank 0 (what the asynchronous scheduler did not score yet), in-trainer ones on every rank."""
         if self.teachers is None:
             return {}
-        from mcore_rl.train.teachers import token_topk
 
         tc = self.cfg.train
 
@@ -447,8 +466,8 @@ class RLRun:
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Train as configured. Returns a summary (eval before/after, wall time) on every rank."""
-    from mcore_rl.data.domains import stage_temperature
-    from mcore_rl.train.rl_step import Learner
+    from mcore_rl.data.domains import stage_temperature  # lazy: numpy
+    from mcore_rl.train.rl_step import Learner  # lazy: megatron
 
     ttfs.begin_run()  # time to first step: the process's clock, or a new one for a second run in it
     run = RLRun(cfg)
@@ -556,7 +575,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if cfg.checkpoint.save_dir and (cfg.checkpoint.save_interval <= 0 or st.rl_step % cfg.checkpoint.save_interval):
             _log(f"saved {run.save()}")
         wall = time.perf_counter() - run.t0
-        summary = {
+        summary: dict[str, Any] = {
             "eval_before": first_eval,
             "eval_after": last_eval,
             "wall_s": wall,
@@ -602,7 +621,6 @@ def _eval_line(ev: dict[str, float]) -> str:
 def _progress(cfg: RLConfig, start: int) -> Any:
     if not (_rank0() and cfg.logging.progress_bar):
         return None
-    from mcore_rl.progress import progress
 
     return progress(cfg.train.num_steps, "rl", "step", initial=start)
 

@@ -43,7 +43,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, build_engine_pool
+from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
+from mcore_rl.runtime.loop import RLRun
+from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
+from mcore_rl.data.samples import compact_routing
+from mcore_rl.rollout.teacher import parse_scores, scoring_body
 
 # engine precisions the embedded engine offers (rollout.quantization's values)
 PRECISIONS = ("none", "bf16", "fp8")
@@ -149,8 +156,8 @@ class EmbeddedScorer:
         mask: bool = False,
         routing: bool = False,
     ) -> list[Sampled]:
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         reqs = [
             Request(
@@ -180,8 +187,8 @@ class EmbeddedScorer:
     ) -> tuple[list[list[float]], list[Any] | None]:
         """Prompt-scoring log-probs of each response (and, with `routing`, the experts of every
         token, SGLang's routed_experts [tokens - 1, layers, k])."""
-        from mcore_rl.rollout.engine.core import Request
-        from mcore_rl.rollout.engine.sampling import SamplingParams
+        from mcore_rl.rollout.engine.core import Request  # lazy: transformers
+        from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: transformers
 
         reqs = [
             Request(
@@ -235,7 +242,7 @@ class URLScorer:
         self.name, self.num_layers = url, num_layers
 
     def _gather(self, bodies: list[dict[str, Any]]) -> list[Any]:
-        from mcore_rl.rollout.client import EngineClient
+        from mcore_rl.rollout.client import EngineClient  # lazy: aiohttp
 
         async def go() -> list[Any]:
             async with EngineClient(self.name) as client:
@@ -250,7 +257,7 @@ class URLScorer:
         mask: bool = False,
         routing: bool = False,
     ) -> list[Sampled]:
-        from mcore_rl.rollout.protocol import decode_routed_experts
+        from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
         bodies = [
             {"input_ids": list(p), "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)
@@ -280,8 +287,7 @@ class URLScorer:
     def score(
         self, prompts: Sequence[list[int]], responses: Sequence[list[int]], routing: bool = False
     ) -> tuple[list[list[float]], list[Any] | None]:
-        from mcore_rl.rollout.protocol import decode_routed_experts
-        from mcore_rl.rollout.teacher import parse_scores, scoring_body
+        from mcore_rl.rollout.protocol import decode_routed_experts  # lazy: transformers
 
         bodies = [scoring_body(p, r, 0, f"parity-{i}") for i, (p, r) in enumerate(zip(prompts, responses))]
         if routing:
@@ -310,10 +316,10 @@ class URLScorer:
 def trainer_hidden_and_routing(chunks: list, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The trainer's megatron-core model on `ids` (one rank, one chunk): the residual stream after
     each decoder layer and the final norm ([s, h] fp32), and each MoE layer's top-k expert ids."""
-    from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
 
     gpt = unwrap_gpt(chunks[0])
-    layers = gpt.decoder.layers
+    decoder: Any = gpt.decoder  # megatron-core's TransformerBlock (torch types a submodule `Tensor | Module`)
+    layers = decoder.layers
     hidden: list[torch.Tensor] = []
     routes: list[torch.Tensor | None] = [None] * len(layers)
     handles = []
@@ -413,19 +419,16 @@ def check_options(opts: ParityOptions) -> None:
         raise ValueError("--prompts, --samples and --position-bins must be >= 1")
 
 
-def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the recipe's policy, sync it to each engine, and compare (module docstring)."""
     import copy
 
-    from mcore_rl.rollout.pool import EmbeddedEnginePool, build_engine_pool
-    from mcore_rl.runtime.loop import RLRun
-    from mcore_rl.train.rl_step import Learner
-    from mcore_rl.train.weight_sync import WeightSync
+    from mcore_rl.train.rl_step import Learner  # lazy: megatron
+    from mcore_rl.train.weight_sync import WeightSync  # lazy: transformers
 
     check_options(opts)
     start = time.perf_counter()
     run = RLRun(cfg)
-    from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 
     if opts.checkpoint:
         load_initial_weights(opts.checkpoint, run.chunks, log)
@@ -435,7 +438,7 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if cfg.init.sft_steps > 0:
             sft_warm_start(cfg, run.chunks, run.tokenizer, run.world, log, run.held_out_texts)
     r = cfg.rollout
-    engines: list[tuple[Any, Any | None]] = []  # (scorer, pool to close)
+    engines: list[tuple[EmbeddedScorer | URLScorer, EnginePool | None]] = []  # (scorer, pool to close)
     for p in opts.precisions:
         pool = EmbeddedEnginePool.build(
             cfg.model,
@@ -457,17 +460,17 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
     for url in opts.engine_urls:
         rc = copy.deepcopy(r)
         rc.engine_urls = [url]
-        pool = build_engine_pool(
+        url_pool = build_engine_pool(
             rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir, tokenizer_path=cfg.data.tokenizer_path
         )
         WeightSync(
             run.chunks,
             cfg.model,
-            pool.weight_transport(rc),
+            url_pool.weight_transport(rc),
             bucket_bytes=r.sync_bucket_mb << 20,
             quantization="fp8" if r.quantization == "fp8" else None,
         ).sync(1)
-        engines.append((URLScorer(url, cfg.model.num_layers), pool))
+        engines.append((URLScorer(url, cfg.model.num_layers), url_pool))
     log(f"parity: policy and {len(engines)} engine(s) ready in {time.perf_counter() - start:.1f} s")
 
     prompts: list[Prompt] = run.prompts.take(opts.num_prompts)
@@ -526,11 +529,9 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
                 scorer, run.chunks, list(zip(prompt_ids, responses))
             )
         if routes is not None:  # the trainer on the same tokens, replaying this engine's experts
-            from mcore_rl.data.samples import compact_routing
-
             for smp, rt in zip(samples, routes):
                 smp.routed_experts = compact_routing(rt)
-            from mcore_rl.train import routing_replay
+            from mcore_rl.train import routing_replay  # lazy: megatron
 
             lp_r3, _, _ = learner.token_stats(samples, width, routing=learner.replay_routing(samples))
             routing_replay.clear(learner.replay_taps)  # later forwards route naturally again
@@ -543,9 +544,9 @@ def run_parity(cfg: Any, opts: ParityOptions, log: Callable[[str], None] = print
         if truncated
         else []
     )
-    for _, pool in engines:
-        if pool is not None:
-            pool.close()
+    for _, to_close in engines:
+        if to_close is not None:
+            to_close.close()
     return {
         "recipe_model": asdict(cfg.model),
         "num_sequences": len(responses),
@@ -566,14 +567,14 @@ def behaviour_rows(
     renormalised), and π the trainer's at the sampling temperature — over the full vocabulary (what
     a trainer without sampling-mask replay computes), over the same support (replay), and each
     with the engine's experts replayed (R3) for MoE."""
-    from mcore_rl.data.samples import compact_routing
-    from mcore_rl.runtime.rollout_manager import flat_masks
-    from mcore_rl.train import routing_replay
+    from mcore_rl.runtime.rollout_manager import flat_masks  # lazy: numpy
+    from mcore_rl.train import routing_replay  # lazy: megatron
 
     for smp, g in zip(samples, generated):
+        assert g.masks is not None and g.processed_logp is not None  # asked for with every generation here
         smp.sampling_mask_ids, smp.sampling_mask_counts = flat_masks(g.masks)
         smp.routed_experts = compact_routing(g.routed) if routing else None
-    mu = [x for g in generated for x in g.processed_logp]
+    mu = [x for g in generated for x in (g.processed_logp or [])]  # (all present: asserted above)
     saved = learner.temperature
     learner.temperature = temperature
     rows = []

@@ -27,12 +27,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mcore_rl.agent.groups import EpisodeGroups
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.data.domains import DomainSpec, MixtureSource, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
 from mcore_rl.rollout.pool import EnginePool, GenRequest
+import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
+from mcore_rl.train.distillation import generation_budget
 
 # salts that keep the sampling seeds of different purposes apart
 SALT_TRAIN, SALT_VALIDATION, SALT_EVAL = 1, 2, 3
@@ -62,8 +65,6 @@ class DomainRewards:
     def __init__(
         self, specs: dict[str, DomainSpec], timeout_s: float, error_reward: float, max_concurrency: int
     ) -> None:
-        import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
-
         self.specs = specs
         heads = {_head_key(h): h for spec in specs.values() for h in spec.rewards}
         per = max(1, max_concurrency // len(heads))  # the workers of all heads together
@@ -149,7 +150,7 @@ class DomainRewards:
         self._combine(samples, jobs, results)
 
 
-def build_reward_runner(cfg: Any) -> DomainRewards:
+def build_reward_runner(cfg: RLConfig) -> DomainRewards:
     """The rewards of the run's domains (the single-source config: `reward.name`, one head)."""
     rc = cfg.reward
     rewards = DomainRewards(domain_specs(cfg), rc.timeout_s, rc.error_reward, rc.max_concurrency)
@@ -160,7 +161,9 @@ def build_reward_runner(cfg: Any) -> DomainRewards:
 class RolloutManager:
     """Generates and scores groups of samples (rank 0 only)."""
 
-    def __init__(self, engines: EnginePool, prompts: PromptSource, rewards: DomainRewards, cfg: Any) -> None:
+    def __init__(
+        self, engines: EnginePool, prompts: PromptSource | MixtureSource, rewards: DomainRewards, cfg: RLConfig
+    ) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
         self.domains = rewards.specs
         self.step = 0  # the training step the rollouts are for (the distillation horizon grows with it)
@@ -169,7 +172,6 @@ class RolloutManager:
 
     def budget(self, prompt: Prompt) -> int:
         """New tokens of a training rollout of `prompt`: its budget, cut at the distillation horizon."""
-        from mcore_rl.train.distillation import generation_budget
 
         return generation_budget(self.cfg, prompt, self.step)
 
@@ -273,9 +275,7 @@ class RolloutManager:
     @property
     def tokenizer(self) -> Any:
         src = self.prompts
-        if isinstance(src, MixtureSource):  # every domain's stream has the run's tokenizer
-            return next(iter(src.sources.values())).tokenizer
-        return src.tokenizer
+        return src.tokenizer if isinstance(src, PromptSource) else next(iter(src.sources.values())).tokenizer
 
 
 def reward_metrics(groups: list[list[Sample]], prefix: str = "reward", per_domain: bool = False) -> dict[str, float]:

@@ -158,14 +158,20 @@ class SimulatedEngines(_PausesForSyncs):
         self.running[i].append(run)
         self.requests += 1
         duration = budget * self.token_time(len(self.running[i]))
-        timer = loop.call_later(duration, lambda: run.done.done() or run.done.set_result("length"))
+
+        def finish_at_budget() -> None:
+            if not run.done.done():
+                run.done.set_result("length")
+
+        timer = loop.call_later(duration, finish_at_budget)
         try:
             reason = await run.done
         finally:
             timer.cancel()
             self.running[i].remove(run)
-            if not self.running[i] and self._busy_since[i] is not None:
-                self.busy_s[i] += loop.time() - self._busy_since[i]
+            since = self._busy_since[i]
+            if not self.running[i] and since is not None:
+                self.busy_s[i] += loop.time() - since
                 self._busy_since[i] = None
         per_token = duration / max(budget, 1)
         n = budget if reason == "length" else min(budget, int((loop.time() - run.started) / per_token))

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.parallel.lifetime import die_with_parent
 from mcore_rl.progress import progress
+
+if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
+    from megatron.core.transformer.module import MegatronModule
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +68,9 @@ def latest_checkpoint(load_dir: str) -> str | None:
 
 
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.models.shards import unwrap_model  # lazy: transformers
 
-    return {f"chunk{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"chunk{i}": cast("MegatronModule", unwrap_model(c)).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -225,7 +228,8 @@ def _disk_full(save_dir: str, path: str, err: BaseException) -> CheckpointError 
     [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`. So besides ENOSPC in the
     chain of causes, a disk with (nearly) nothing left after the failure counts as full.
     """
-    chain, seen = [], err
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
     while seen is not None and len(chain) < 16:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
@@ -285,7 +289,7 @@ def load_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer: Any | N
     with progress(_state_bytes(request), f"loading {os.path.basename(path)}", "B") as bar:
         loaded = dist_checkpointing.load(request, path)
         bar.update(bar.total)
-    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.models.shards import unwrap_model  # lazy: transformers
 
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)

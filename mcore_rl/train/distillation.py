@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state, term_coef
 from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
@@ -57,18 +58,16 @@ class DistillTerm:
 
     @property
     def phase(self) -> str:
-        return self.fn.phase  # type: ignore[attr-defined]
+        return self.fn.phase  # type: ignore[attr-defined]  # a flag on the function object
 
     def __call__(self, batch: DistillBatch) -> DistillTerms:
         return self.fn(batch, **self.options, **({} if self.state is None else {"state": self.state}))
 
 
-def distill_terms(cfg: Any) -> list[DistillTerm]:
+def distill_terms(cfg: RLConfig) -> list[DistillTerm]:
     """The configured terms, looked up in the registry (validation has checked names and options);
     a `@stateful` function gets its state object here, once per run."""
-    d = getattr(cfg, "distill", None)
-    if d is None:
-        return []
+    d = cfg.distill
     out = []
     for x in d.losses:
         fn = registry.get("distill", x.name)
@@ -87,10 +86,10 @@ def load_terms_state(terms: Sequence[DistillTerm], state: dict[str, Any]) -> Non
             t.state.load_state_dict(state[t.name])
 
 
-def horizon_at(cfg: Any, step: int, domain: str | None = None) -> int | None:
+def horizon_at(cfg: RLConfig, step: int, domain: str | None = None) -> int | None:
     """H at rollout step `step` for a prompt of `domain` (None: every prompt; no cut: None)."""
-    d = getattr(cfg, "distill", None)
-    if d is None or not d.losses:
+    d = cfg.distill
+    if not d.losses:
         return None
     h = d.horizon
     if domain is not None and h.domains and domain not in h.domains:
@@ -107,7 +106,7 @@ def horizon_at(cfg: Any, step: int, domain: str | None = None) -> int | None:
     )
 
 
-def generation_budget(cfg: Any, prompt: Prompt, step: int) -> int:
+def generation_budget(cfg: RLConfig, prompt: Prompt, step: int) -> int:
     """New tokens a training rollout of `prompt` may generate: the prompt's budget, at most
     `rollout.max_new_tokens`, cut at the distillation horizon."""
     cap = min(prompt.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens)
@@ -144,16 +143,18 @@ def teacher_view(
     ids = torch.zeros(n, t, top_k, dtype=torch.long) if top_k else None
     topk = torch.zeros(n, t, top_k) if top_k else None
     scored = [s.teacher is not None and s.teacher.error is None and len(s.teacher.logp) > 0 for s in samples]
-    with_ref = any(scored) and all(samples[i].teacher.ref_logp is not None for i in range(n) if scored[i])
-    with_ref_topk = (
-        bool(top_k) and any(scored) and all(samples[i].teacher.ref_topk_logp is not None for i in range(n) if scored[i])
-    )
+    scored_teachers = [
+        s.teacher for s in samples if s.teacher is not None and s.teacher.error is None and s.teacher.logp
+    ]
+    with_ref = any(scored) and all(ts.ref_logp is not None for ts in scored_teachers)
+    with_ref_topk = bool(top_k) and any(scored) and all(ts.ref_topk_logp is not None for ts in scored_teachers)
     ref = torch.zeros(n, t) if with_ref else None
     ref_topk = torch.zeros(n, t, top_k) if with_ref_topk else None
     for i, s in enumerate(samples):
         if not scored[i]:
             continue
         ts, k = s.teacher, len(s.response_ids)
+        assert ts is not None  # scored
         if len(ts.logp) != k:
             raise ValueError(
                 f"teacher {ts.source!r} scored {len(ts.logp)} tokens of a {k}-token response "
@@ -168,6 +169,7 @@ def teacher_view(
             ):
                 scored[i] = False  # no usable top-k: this sample is not distilled
                 continue
+            assert ids is not None and topk is not None  # made with top_k
             ids[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_ids], dtype=torch.long)
             if vocab_size is not None and (int(ids[i].max()) >= vocab_size or int(ids[i].min()) < 0):
                 raise ValueError(
@@ -175,10 +177,10 @@ def teacher_view(
                     f"{vocab_size} (prompt {s.prompt.index}): teachers must share the student's tokenizer"
                 )
             topk[i, :k] = torch.tensor([row[:top_k] for row in ts.topk_logp], dtype=torch.float32)
-            if ref_topk is not None:
+            if ref_topk is not None and ts.ref_topk_logp is not None:  # (with_ref_topk: every scored one has them)
                 ref_topk[i, :k] = torch.tensor([row[:top_k] for row in ts.ref_topk_logp], dtype=torch.float32)
         logp[i, :k] = torch.tensor(ts.logp, dtype=torch.float32)
-        if ref is not None:
+        if ref is not None and ts.ref_logp is not None:  # (with_ref: every scored one has them)
             ref[i, :k] = torch.tensor(ts.ref_logp, dtype=torch.float32)
         mask[i, :k] = horizon_mask(t, horizons[i])[:k]
     return TeacherView(logp, mask, ids, topk, ref, ref_topk, scored_frac=sum(scored) / max(n, 1))

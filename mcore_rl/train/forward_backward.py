@@ -9,8 +9,11 @@ batch was split into micro-batches and DP ranks, which the parity tests rely on.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
+
+if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
+    from megatron.core.distributed import DistributedDataParallel
 
 import torch
 import torch.distributed as dist
@@ -61,7 +64,7 @@ def wrap_ddp(
     return wrapped
 
 
-def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor | None:
+def attention_mask_from_segments(segment_ids: torch.Tensor | None) -> torch.Tensor | None:
     """Block-diagonal causal mask for packed rows ([b, 1, s, s], True = masked); None if unpacked.
 
     RoPE scores depend only on i - j, so with this mask a packed document attends exactly as if it
@@ -100,14 +103,14 @@ def _forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tup
 def _p2p_seq_factor(chunks: list[torch.nn.Module]) -> int:
     """How many [s, b, h] slabs a pipeline message holds: AttnRes stages send their depth state
     stacked along the sequence dim (mcore_rl.models.attn_res); 1 for every other model."""
-    module = chunks[0]
+    module: Any = chunks[0]  # a wrapper's `.module`
     while hasattr(module, "module"):
         module = module.module
     return getattr(getattr(module, "decoder", None), "p2p_seq_factor", 1)
 
 
 def forward_backward(
-    chunks: list[torch.nn.Module],
+    chunks: list[DistributedDataParallel],
     microbatches: list[Batch],
     forward_only: bool = False,
     forward_step: Callable = _forward_step,

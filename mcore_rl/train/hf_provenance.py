@@ -24,7 +24,7 @@ _ASSETS_FROM = "hf_assets_from"  # where the loaded checkpoint's assets are (not
 
 def checkpoint_save_dir(path: str) -> str:
     """The save dir of a checkpoint path (`<save_dir>/iter_*`; a bare checkpoint dir is its own)."""
-    from mcore_rl.train.checkpoint import LATEST
+    from mcore_rl.train.checkpoint import LATEST  # lazy: torch
 
     parent = os.path.dirname(os.path.abspath(path))
     return parent if os.path.exists(os.path.join(parent, LATEST)) else os.path.abspath(path)

@@ -53,13 +53,16 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.models.vocab_padding import padded_columns_from
+
+if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
+    from megatron.core.models.gpt import GPTModel
 
 Batch = dict[str, torch.Tensor]
 
@@ -72,7 +75,7 @@ def auto_chunk_size(local_vocab: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     return max(1, max_chunk_bytes // (4 * local_vocab))
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
 
@@ -93,7 +96,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -132,6 +135,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             z[:, pad_from:] = float("-inf")  # padded ids: never in the normaliser
             drop = None
             if mask_ids is not None:
+                assert mask_offsets is not None  # ids and offsets come together
                 drop = _drop_mask(mask_ids, mask_offsets, s, e, local_t, in_shard, vocab_start, local_vocab)
                 if drop is not None:
                     z.masked_fill_(drop, float("-inf"))
@@ -178,7 +182,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     def backward(
         ctx: Any,
         grad_logp: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,  # type: ignore[override]
+        grad_entropy: torch.Tensor | None,
         grad_topk: torch.Tensor | None,
     ):
         hidden, weight, local_t, in_shard, lse, mean_z, local_k, in_k = ctx.saved_tensors
@@ -208,6 +212,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             gl = grad_logp[s:e].to(acc)
             gk = None
             if use_topk:  # d log p_v / dz_j = 1[j = v] - p_j: the -p_j parts add up with the target's
+                assert grad_topk is not None  # use_topk says so
                 gk = grad_topk[s:e].to(acc) * in_k[s:e]
                 gl_all = gl + grad_topk[s:e].to(acc).sum(-1)
             else:
@@ -221,6 +226,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 if drop is not None:  # p = 0 there; a finite z keeps the product 0
                     z.masked_fill_(drop, 0.0)
                 z[:, ctx.pad_from :] = 0.0
+                assert grad_entropy is not None  # use_entropy says so
                 ge = grad_entropy[s:e].to(acc)
                 z.sub_(mean_z[s:e, None]).mul_(ge[:, None]).add_(gl_all[:, None]).mul_(p).neg_()
                 g = z
@@ -231,9 +237,9 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 g.scatter_add_(1, local_k[s:e], gk)
             if inv_temp != 1.0:
                 g.mul_(inv_temp)
-            if need_h:
+            if grad_hidden is not None:
                 grad_hidden[s:e] = g.to(hidden.dtype) @ weight
-            if need_w:  # in place: `+= g.t() @ h` would allocate a weight-sized temporary per chunk
+            if grad_weight is not None:  # in place: `+= g.t() @ h` would allocate a weight-sized temporary per chunk
                 grad_weight.addmm_(g.t(), hidden[s:e].to(acc))
             del z, p, g
         if grad_weight is not None:
@@ -443,19 +449,20 @@ class TokenStats:
     topk_logprobs: torch.Tensor | None = None  # [batch, seq, k] log-probs of given ids (a teacher's top-k)
 
 
-def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_gpt(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside DDP / Float16Module wrappers."""
     from megatron.core.models.gpt import GPTModel
 
-    while not isinstance(model, GPTModel) and hasattr(model, "module"):
-        model = model.module
-    if not isinstance(model, GPTModel):
-        raise TypeError(f"expected a megatron-core GPTModel (possibly wrapped), got {type(model).__name__}")
-    return model
+    inner: Any = model  # a wrapper's `.module`
+    while not isinstance(inner, GPTModel) and hasattr(inner, "module"):
+        inner = inner.module
+    if not isinstance(inner, GPTModel):
+        raise TypeError(f"expected a megatron-core GPTModel (possibly wrapped), got {type(inner).__name__}")
+    return inner
 
 
 @contextlib.contextmanager
-def _decoder_output_only(gpt: torch.nn.Module) -> Iterator[None]:
+def _decoder_output_only(gpt: GPTModel) -> Iterator[None]:
     """Make GPTModel.forward return the final-normed hidden states instead of logits.
 
     `_postprocess` returns the decoder output before the output layer when `post_process` is
@@ -481,7 +488,7 @@ def tp_region(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
 
 
-def output_weight(gpt: torch.nn.Module) -> torch.Tensor:
+def output_weight(gpt: GPTModel) -> torch.Tensor:
     """This stage's output-projection shard (the embedding on a tied single-stage model)."""
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
@@ -519,6 +526,7 @@ def gpt_token_stats(
     s, b, h = hidden.shape
     ids = None if topk_ids is None else topk_ids.permute(1, 0, 2).reshape(s * b, -1)  # [s·b, k], like the labels
     if mask_counts is not None:
+        assert mask_ids is not None  # counts and ids come together
         mask_ids, mask_counts = seq_major_masks(mask_ids.to(hidden.device), mask_counts.to(hidden.device))
     logp, ent, topk = vocab_parallel_topk_stats(
         hidden.reshape(s * b, h),
@@ -580,7 +588,7 @@ def make_forward_step(
     divided by; megatron-core divides the gradients by the count summed over micro-batches and DP
     ranks. If `store` is given, each micro-batch's report dict is appended to it (last stage only).
     """
-    from mcore_rl.train.forward_backward import attention_mask_from_segments
+    from mcore_rl.train.forward_backward import attention_mask_from_segments  # lazy: megatron
 
     def _loss(batch: Batch, stats: TokenStats) -> tuple:
         loss, count, report = loss_fn(batch, stats)
@@ -589,7 +597,7 @@ def make_forward_step(
         return loss, count, report
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
-        from mcore_rl.train import routing_replay
+        from mcore_rl.train import routing_replay  # lazy: megatron
 
         batch = next(data_iterator)
         routing_replay.install(model, batch.get(routing_replay.ROUTING_KEY))  # MoE routing replay, if attached
@@ -644,7 +652,7 @@ def compute_token_stats(
     """
     from megatron.core import parallel_state
 
-    from mcore_rl.train.forward_backward import forward_backward
+    from mcore_rl.train.forward_backward import forward_backward  # lazy: megatron
 
     store: list[dict[str, Any]] = []
     step = make_forward_step(partial(_collect_loss, "loss_mask"), temperature, chunk_size, with_entropy, store=store)

@@ -275,11 +275,11 @@ class ModelParallelAdamW:
         no_decay: list[torch.Tensor] = []
         seen: set[int] = set()
         for chunk in model_chunks:
-            for _, p in chunk.named_parameters():
-                if not p.requires_grad or id(p) in seen:
+            for _, param in chunk.named_parameters():
+                if not param.requires_grad or id(param) in seen:
                     continue
-                seen.add(id(p))
-                (no_decay if p.ndim <= 1 else decay).append(p)
+                seen.add(id(param))
+                (no_decay if param.ndim <= 1 else decay).append(param)
         self.model_params: list[torch.Tensor] = decay + no_decay
         if not self.model_params:
             raise ValueError("the model chunks have no trainable parameters")
@@ -328,7 +328,7 @@ class ModelParallelAdamW:
         grads: list[torch.Tensor] = []
         borrowed: list[int] = []
         for i, (p, main) in enumerate(zip(self.model_params, self.main_params)):
-            g = getattr(p, "main_grad", None)
+            g: torch.Tensor | None = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
             if g is None:
@@ -415,7 +415,7 @@ class ModelParallelAdamW:
     def load_update_mask(self, path: str, model_chunks: list[torch.nn.Module]) -> None:
         """`optimizer.update_mask`: a `.pt` file {global megatron name: full bool mask} (written by
         `mcore-rl diagnose update_sparsity --write-mask`), sliced to this rank's shards."""
-        from mcore_rl.models.shards import iter_local_params, shard_for_rank
+        from mcore_rl.models.shards import iter_local_params, shard_for_rank  # lazy: transformers
 
         full = torch.load(path, map_location="cpu", weights_only=True)
         position = {id(p): i for i, p in enumerate(self.model_params)}
@@ -456,14 +456,14 @@ class ModelParallelAdamW:
         backwards, recomputes it with pow() instead of a running product, so an update replayed
         after a restore can differ from the original in the last bits (the restored state itself is
         exact)."""
-        for p, saved in zip(self.model_params, snap.model_params):
-            p.copy_(saved)
-        for m, saved in zip(self.main_params, snap.master_params):
-            if saved is not None:
-                m.copy_(saved)
-        for m, saved in zip(self.main_params, snap.state):
-            if saved:
-                self.optimizer.state[m] = _clone_state(saved)
+        for p, saved_p in zip(self.model_params, snap.model_params):
+            p.copy_(saved_p)
+        for m, saved_m in zip(self.main_params, snap.master_params):
+            if saved_m is not None:
+                m.copy_(saved_m)
+        for m, saved_state in zip(self.main_params, snap.state):
+            if saved_state:
+                self.optimizer.state[m] = _clone_state(saved_state)
             else:
                 self.optimizer.state.pop(m, None)
         self.scheduler.load_state_dict(snap.scheduler)

@@ -190,7 +190,13 @@ def build_microbatches(
                     f"sample {i}: {len(s.sampling_mask_counts)} sampling-mask counts for {len(rsp)} "
                     f"response tokens, {len(s.sampling_mask_ids or [])} ids for {sum(s.sampling_mask_counts)}"
                 )
-            masks_by_row.setdefault(place.row, []).append((c + len(p) - 1, s.sampling_mask_counts, s.sampling_mask_ids))
+            masks_by_row.setdefault(place.row, []).append(
+                (
+                    c + len(p) - 1,
+                    s.sampling_mask_counts,
+                    s.sampling_mask_ids or [],
+                )  # (checked above: as many as counted)
+            )
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     loss_mask = target[:, 1:].float()
     stats_mask = trained[:, 1:].contiguous()  # log-probs and entropy only there (train/logprobs.py)
@@ -229,7 +235,7 @@ def build_microbatches(
         for key, value in (per_seq or {}).items():
             mb[key] = value[mb["seq_index"]]
         if routing is not None:  # routing replay: the experts per token on the packed grid
-            from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid
+            from mcore_rl.train.routing_replay import ROUTING_KEY, packed_grid  # lazy: import cycle
 
             here = [
                 (i, r - lo, place.col)

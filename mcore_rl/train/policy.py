@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mcore_rl.config import DerivedSizes
+from mcore_rl.config import DerivedSizes, RLConfig, SFTConfig
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.observe import ttfs
 
@@ -30,14 +30,14 @@ class Policy:
     sizes: DerivedSizes
 
 
-def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_iters: int) -> Policy:
+def build_policy(cfg: SFTConfig | RLConfig, validate: Callable[[Any, int], DerivedSizes], total_iters: int) -> Policy:
     """The policy of a config with `model`, `parallel`, `optimizer`, `train` (seed, precision,
     recompute) and `data.tokenizer_path` sections; `validate(cfg, world_size)` raises on a bad config
     before anything else is built. `total_iters` sizes the LR schedule."""
-    from mcore_rl.models.builder import build_model, transformer_config
-    from mcore_rl.parallel import setup
-    from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
-    from mcore_rl.train.optimizer import build_optimizer
+    from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
+    from mcore_rl.parallel import setup  # lazy: numpy
+    from mcore_rl.train.forward_backward import prepare_config, wrap_ddp  # lazy: megatron
+    from mcore_rl.train.optimizer import build_optimizer  # lazy: numpy
 
     ttfs.mark("imports")  # megatron-core comes in with the builder
     _, world_size = setup.init_distributed()
@@ -60,10 +60,10 @@ def build_policy(cfg: Any, validate: Callable[[Any, int], DerivedSizes], total_i
     return Policy(chunks, optimizer, tokenizer, world_size, sizes)
 
 
-def build_reference_model(cfg: Any) -> list[torch.nn.Module]:
+def build_reference_model(cfg: RLConfig) -> list[torch.nn.Module]:
     """Frozen, unwrapped model chunks of the policy's architecture and layout (π_ref for the KL
     term, or a teacher): forward only, no recomputation, per-token loss scaling like the policy."""
-    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
 
     config = transformer_config(cfg.model, cfg.parallel, cfg.train.precision, "none")
     config.calculate_per_token_loss = True
@@ -77,7 +77,7 @@ def build_reference_model(cfg: Any) -> list[torch.nn.Module]:
 @torch.no_grad()
 def copy_weights(dst: list[torch.nn.Module], src: list[torch.nn.Module]) -> None:
     """Copy the (possibly DDP-wrapped) `src` chunks' parameters into `dst`, same layout."""
-    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.models.shards import unwrap_model  # lazy: transformers
 
     for d, s in zip(dst, src):
         for (n1, p1), (n2, p2) in zip(d.named_parameters(), unwrap_model(s).named_parameters()):

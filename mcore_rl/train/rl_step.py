@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
@@ -102,7 +103,7 @@ def _reduce_last_stage(vec: torch.Tensor) -> torch.Tensor:
     return buf.cpu()
 
 
-def mismatch_overrides(cfg: Any) -> dict[str, Any]:
+def mismatch_overrides(cfg: RLConfig) -> dict[str, Any]:
     """`algorithm.mismatch`'s set fields as `MismatchConfig` overrides of the named correction."""
     m = cfg.algorithm.mismatch
     return {
@@ -222,7 +223,7 @@ class Learner:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: RLConfig,
         chunks: list,
         optimizer: Any,
         ref_chunks: list | None,
@@ -280,7 +281,11 @@ class Learner:
         chunks = chunks or self.chunks
         t = self.cfg.train
         dp_rank, dp_size = _dp()
-        per_seq = None if topk_ids is None else {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
+        per_seq = None
+        if topk_ids is not None:
+            if response_mask is None:
+                raise ValueError("token_stats: topk_ids need the response_mask")
+            per_seq = {"teacher_topk_ids": topk_ids, "response_mask": response_mask}
         mbs = build_microbatches(
             samples,
             range(len(samples)),
@@ -309,9 +314,12 @@ class Learner:
                 continue
             full[0, mb["seq_index"]] = st.logprobs.reshape(-1)[mb["seq_pos"]]
             if with_entropy:
+                assert st.entropy is not None  # asked for
                 full[1, mb["seq_index"]] = st.entropy.reshape(-1)[mb["seq_pos"]]
             if k:
-                full_topk[mb["seq_index"]] = batch_topk(st.topk_logprobs, mb["seq_pos"])
+                topk_at = batch_topk(st.topk_logprobs, mb["seq_pos"])
+                assert topk_at is not None  # asked for (topk_ids)
+                full_topk[mb["seq_index"]] = topk_at
         if dp_size > 1:  # each sample lives on exactly one DP rank
             from megatron.core import parallel_state as ps
 
@@ -343,6 +351,7 @@ class Learner:
                 )
             else:
                 old, entropy, _ = self.token_stats(samples, t, with_entropy=True, routing=routing)
+        assert entropy is not None  # asked for (with_entropy=True)
         if self.replay_mode == "r2":  # replay π_old's own routing in this batch's training forwards
             mc = self.cfg.model
             routing = routing_replay.gather_recorded(
@@ -443,7 +452,9 @@ class Learner:
 
         def logp_at(ids: torch.Tensor) -> torch.Tensor:
             wanted = ids.long().reshape(1, 1, -1).expand(n, t, -1).contiguous()
-            return self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+            at_ids = self.token_stats(samples, t, topk_ids=wanted, response_mask=view.mask, routing=self.routing)[2]
+            assert at_ids is not None  # asked for (topk_ids)
+            return at_ids
 
         return {"response_ids": response_ids(samples, t), "logp_at": logp_at}
 
@@ -583,12 +594,14 @@ class Learner:
             )
             for term in self.loss_terms:
                 terms = term(db)
+                if terms.loss_sum is None:
+                    raise ValueError(f"distill.{term.name}: a loss-phase term returned no loss_sum")
                 total = total + term.coef * terms.loss_sum
                 vals[f"distill/{term.name}/loss"] = terms.loss_sum.detach()
-        for term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation
-            vals[f"aux/{term.name}/loss"] = torch.zeros(())
+        for aux_term in a.aux_losses:  # e.g. VIMPO's value loss, with the policy loss's aggregation
+            vals[f"aux/{aux_term.name}/loss"] = torch.zeros(())
             if logp.numel():
-                aux = registry.get("aux_loss", term.name)(
+                aux = registry.get("aux_loss", aux_term.name)(
                     logp,
                     old_logp=batch["old_logp"],
                     ref_logp=batch.get("ref_logp"),
@@ -598,10 +611,10 @@ class Learner:
                     group_ids=batch["aux_group_ids"],
                     agg=a.loss_agg,
                     norm_length=norm_length,
-                    **term.options,
+                    **aux_term.options,
                 )
-                total = total + term.coef * aux.loss_sum
-                vals[f"aux/{term.name}/loss"] = aux.loss_sum.detach()
+                total = total + aux_term.coef * aux.loss_sum
+                vals[f"aux/{aux_term.name}/loss"] = aux.loss_sum.detach()
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),

@@ -36,8 +36,11 @@ path is the unfused one; with `moe_router_fusion` megatron ignores `router_repla
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator, Sequence
+
+if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
+    from megatron.core.transformer.moe.router import TopKRouter
 
 import torch
 import torch.distributed as dist
@@ -89,7 +92,7 @@ class ReplayRouting(RouterReplay):
         return values, idx
 
 
-def _routers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+def _routers(chunk: torch.nn.Module) -> list[TopKRouter]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
@@ -98,7 +101,7 @@ def _routers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
 def attach(chunks: Sequence[torch.nn.Module]) -> list[ReplayRouting]:
     """Give every router of `chunks` (one model's pipeline chunks) its `ReplayRouting`; returns them.
     Raises ValueError when the chunks hold no MoE router (a dense model)."""
-    from mcore_rl.train.logprobs import unwrap_gpt
+    from mcore_rl.train.logprobs import unwrap_gpt  # lazy: yaml
 
     taps = []
     for chunk in chunks:
@@ -127,7 +130,7 @@ def install(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
     without `attach`ed replay (π_ref, teachers)."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.train.logprobs import unwrap_gpt
+    from mcore_rl.train.logprobs import unwrap_gpt  # lazy: yaml
 
     gpt = unwrap_gpt(model)
     taps: list[ReplayRouting] = getattr(gpt, "_routing_replay", None) or []

@@ -21,6 +21,8 @@ from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
 from mcore_rl.train.policy import build_policy
+from mcore_rl.config import config_to_dict
+from mcore_rl.data.tasks import get_task
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +89,16 @@ def build_trainer(cfg: SFTConfig) -> Trainer:
 
 
 def save(trainer: Trainer) -> str:
-    from mcore_rl.config import config_to_dict
-
     common = {
         "data": trainer.batches.state_dict(),
         "data_seed": trainer.cfg.train.seed,
         "model": config_to_dict(trainer.cfg.model),
     }  # lets `mcore-rl convert mcore-to-hf` read it
-    common = carry_provenance(trainer.hf_provenance, common, trainer.cfg.checkpoint.save_dir)
-    return checkpoint.save_checkpoint(
-        trainer.cfg.checkpoint.save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common
-    )
+    save_dir = trainer.cfg.checkpoint.save_dir
+    if save_dir is None:
+        raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
+    common = carry_provenance(trainer.hf_provenance, common, save_dir)
+    return checkpoint.save_checkpoint(save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common)
 
 
 def sft_step(chunks: list[torch.nn.Module], optimizer: Any, batches: SFTBatches) -> dict[str, float]:
@@ -215,8 +216,7 @@ def _task_accuracy(trainer: Trainer) -> float | None:
     cfg = trainer.cfg
     if cfg.data.path is not None or cfg.train.eval_interval <= 0:
         return None
-    from mcore_rl.data.tasks import get_task
-    from mcore_rl.train.task_accuracy import greedy_task_accuracy
+    from mcore_rl.train.task_accuracy import greedy_task_accuracy  # lazy: transformers
 
     task = get_task(cfg.data.synthetic_task, max_digits=cfg.data.synthetic_max_digits)
     return greedy_task_accuracy(trainer.chunks, cfg.model, task, trainer.tokenizer, cfg.train.seed)

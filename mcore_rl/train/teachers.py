@@ -37,8 +37,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.rl_schema import RLConfig, TeacherConfig
 from mcore_rl.data.samples import Sample, TeacherScores
 from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domain, start_teacher_engines
+from mcore_rl.models.vocab_padding import mask_padded_logits
+from mcore_rl.train.logprobs import auto_chunk_size
+from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
+from mcore_rl.train.packing import build_microbatches
+from mcore_rl.config.rl_validate import teacher_name
+from mcore_rl.train.policy import build_reference_model, copy_weights
+from mcore_rl.config.rl_validate import reference_teachers
+from mcore_rl.train.warm_start import load_initial_weights
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,7 @@ def vocab_parallel_topk(
     k: int,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    tp_group: Any = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and global ids ([n, k] each, most likely first) of the k most likely tokens per
@@ -64,9 +73,6 @@ def vocab_parallel_topk(
     k values per token and rank cross ranks, never the vocabulary. `vocab_size`: the true size of a
     padded vocabulary, whose padded ids are masked (never chosen, not in the normaliser)."""
     import torch.distributed as dist
-
-    from mcore_rl.models.vocab_padding import mask_padded_logits
-    from mcore_rl.train.logprobs import auto_chunk_size
 
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     rank = dist.get_rank(tp_group) if tp > 1 else 0
@@ -117,9 +123,7 @@ def token_topk(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.train.forward_backward import attention_mask_from_segments, forward_backward
-    from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
-    from mcore_rl.train.packing import build_microbatches
+    from mcore_rl.train.forward_backward import attention_mask_from_segments, forward_backward  # lazy: megatron
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mbs = build_microbatches(
@@ -276,6 +280,7 @@ class PrivilegedTeacher:
                 )
                 s.teacher = TeacherScores(source=self.name, error=why)
                 continue
+            assert lp is not None  # computed for the usable samples, this is one
             s.teacher = _scores(lp, top, k, len(s.response_ids), self.name)
             k += 1
 
@@ -288,7 +293,7 @@ class FrozenTeacher:
     def __init__(
         self,
         name: str,
-        cfg: Any,
+        cfg: RLConfig,
         policy_chunks: list,
         *,
         refresh_interval: int = 0,
@@ -296,14 +301,10 @@ class FrozenTeacher:
         version: int = 0,
         top_k: int = 0,
     ) -> None:
-        from mcore_rl.train.policy import build_reference_model, copy_weights
-
         self.name, self.refresh_interval, self.policy_chunks = name, refresh_interval, policy_chunks
         self.top_k = top_k
         self.chunks = build_reference_model(cfg)
         if checkpoint:
-            from mcore_rl.train.warm_start import load_initial_weights
-
             load_initial_weights(checkpoint, self.chunks, logger.info)
             self.version: int | str = "checkpoint"
         else:
@@ -311,8 +312,6 @@ class FrozenTeacher:
             self.version = version
 
     def refresh(self, version: int) -> None:
-        from mcore_rl.train.policy import copy_weights
-
         copy_weights(self.chunks, self.policy_chunks)
         self.version = version
 
@@ -337,6 +336,7 @@ class FrozenTeacher:
             if not s.response_ids:
                 s.teacher = TeacherScores(source=self.source, error="empty response")
                 continue
+            assert lp is not None  # computed for the samples with a response, this is one
             s.teacher = _scores(lp, top, k, len(s.response_ids), self.source)
             k += 1
 
@@ -356,9 +356,7 @@ class Teachers:
 
     Engine teachers exist on rank 0 only (`engine_ranks`); in-trainer ones on every rank."""
 
-    def __init__(self, configs: Sequence[Any], teachers: Sequence[Any]) -> None:
-        from mcore_rl.config.rl_validate import reference_teachers, teacher_name
-
+    def __init__(self, configs: Sequence[TeacherConfig], teachers: Sequence[Any]) -> None:
         self.names = [teacher_name(t, i) for i, t in enumerate(configs)]
         self.domains = [list(t.domains) for t in configs]
         self.kinds = [t.kind for t in configs]
@@ -366,8 +364,7 @@ class Teachers:
         # reference teachers (π_Tref of another one) are never routed to; `reference_of[j]`: whose
         self.references = reference_teachers(configs)
         self.reference_of = {
-            j: [i for i, t in enumerate(configs) if getattr(t, "reference", None) == self.names[j]]
-            for j in self.references
+            j: [i for i, t in enumerate(configs) if t.reference == self.names[j]] for j in self.references
         }
 
     def __len__(self) -> int:
@@ -448,9 +445,9 @@ class Teachers:
             ]
             if asked:
                 out[f"teacher/{self.names[j]}/samples"] = float(len(asked))
-                out[f"teacher/{self.names[j]}/error_frac"] = sum(s.teacher.error is not None for s in asked) / len(
-                    asked
-                )
+                out[f"teacher/{self.names[j]}/error_frac"] = sum(
+                    s.teacher is not None and s.teacher.error is not None for s in asked
+                ) / len(asked)
         return out
 
     def step_done(self, rl_step: int, version: int) -> None:
@@ -464,7 +461,9 @@ class Teachers:
                 t.close()
 
 
-def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, workdir: str) -> EngineTeacher:
+def build_engine_teacher(
+    t: TeacherConfig, i: int, name: str, cfg: RLConfig, tokenizer: Any, workdir: str
+) -> EngineTeacher:
     """Connect to (or start) an engine teacher and check it: reachable, the student's tokenizer."""
     procs = None
     urls = list(t.urls)
@@ -505,10 +504,9 @@ def build_engine_teacher(t: Any, i: int, name: str, cfg: Any, tokenizer: Any, wo
     return teacher
 
 
-def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
+def build_engine_teachers(cfg: RLConfig, tokenizer: Any, workdir: str) -> list[EngineTeacher | None]:
     """Rank 0, before training: every engine teacher connected and checked (`TeacherError` if one
     is unreachable or has another tokenizer); None for the other kinds."""
-    from mcore_rl.config.rl_validate import teacher_name
 
     out: list[EngineTeacher | None] = []
     try:
@@ -518,22 +516,26 @@ def build_engine_teachers(cfg: Any, tokenizer: Any, workdir: str) -> list[Engine
             )
         names = [teacher_name(t, i) for i, t in enumerate(cfg.teachers)]
         for i, t in enumerate(cfg.teachers):  # a teacher's reference π_Tref (validated: another engine teacher)
-            if t.kind == "engine" and t.reference:
-                out[i].reference = out[names.index(t.reference)]
+            engine = out[i]
+            if t.kind == "engine" and t.reference and engine is not None:  # (built above for every engine teacher)
+                engine.reference = out[names.index(t.reference)]
     except BaseException:
-        for t in out:
-            if t is not None:
-                t.close()
+        for made in out:
+            if made is not None:
+                made.close()
         raise
     return out
 
 
 def build_teachers(
-    cfg: Any, tokenizer: Any, policy_chunks: list, engine_teachers: Sequence[EngineTeacher | None], version: int = 0
+    cfg: RLConfig,
+    tokenizer: Any,
+    policy_chunks: list,
+    engine_teachers: Sequence[EngineTeacher | None],
+    version: int = 0,
 ) -> Teachers:
     """The `Teachers` of `cfg.teachers`: the engine teachers given (rank 0; None elsewhere) and the
     in-trainer ones built here (every rank)."""
-    from mcore_rl.config.rl_validate import teacher_name
 
     made: list[Any] = []
     for i, t in enumerate(cfg.teachers):

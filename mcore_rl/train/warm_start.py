@@ -11,14 +11,15 @@ import time
 from typing import Any
 from collections.abc import Callable, Collection
 
+from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.progress import progress
 from mcore_rl.train import checkpoint
+from mcore_rl.train.hf_provenance import read_provenance
 
 
 def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) -> dict[str, Any]:
     """Weights only (any optimizer state in the checkpoint is ignored); returns the checkpoint's HF
     provenance, which the run's checkpoints carry (train/hf_provenance.py)."""
-    from mcore_rl.train.hf_provenance import read_provenance
 
     found = checkpoint.latest_checkpoint(path)
     if found is None:
@@ -29,7 +30,7 @@ def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) ->
 
 
 def sft_warm_start(
-    cfg: Any,
+    cfg: RLConfig,
     chunks: list,
     tokenizer: Any,
     world_size: int,
@@ -42,14 +43,14 @@ def sft_warm_start(
     evaluation set) are left out."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.data.sft import SFTBatches, build_rows, task_examples, tokenize_example
-    from mcore_rl.train.optimizer import build_optimizer
-    from mcore_rl.train.sft import sft_step
+    from mcore_rl.data.sft import SFTBatches, build_rows, task_examples, tokenize_example  # lazy: numpy
+    from mcore_rl.train.optimizer import build_optimizer  # lazy: numpy
+    from mcore_rl.train.sft import sft_step  # lazy: megatron
 
     sft = cfg.sft_view(world_size)
     t, d = sft.train, sft.data
     if cfg.data.domains:  # every task domain's answers, shared by the mixture weights
-        from mcore_rl.data.domains import sft_examples
+        from mcore_rl.data.domains import sft_examples  # lazy: numpy
 
         examples = sft_examples(cfg, tokenizer, d.synthetic_num_examples, t.seed, exclude)
     else:

@@ -50,6 +50,7 @@ from mcore_rl.rollout.weight_protocol import (
     unflatten,
 )
 from mcore_rl.rollout.weight_transports import SyncStats, Transport
+from mcore_rl.rollout.engine.fp8 import is_quantized_linear_name, quantize_block_fp8
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 LOST_ENGINE_RETRIES = 3  # a sync every engine dropped out of is sent again (see 5. above)
@@ -94,9 +95,10 @@ def _stage_holders(role: _Role) -> list[int]:
     """Global rank of each pipeline stage's holder; every stage must have exactly one."""
     roles: list[_Role | None] = [None] * dist.get_world_size()
     dist.all_gather_object(roles, role)
-    pp = 1 + max(r.pp_rank for r in roles)
+    filled = [r for r in roles if r is not None]  # all_gather_object filled every slot
+    pp = 1 + max(r.pp_rank for r in filled)
     holders: list[list[int]] = [[] for _ in range(pp)]
-    for rank, r in enumerate(roles):
+    for rank, r in enumerate(filled):
         if r.holder:
             holders[r.pp_rank].append(rank)
     if any(len(h) != 1 for h in holders) or holders[0] != [0]:
@@ -130,6 +132,8 @@ def _gather_ep(global_name: str, value: torch.Tensor, num_local_experts: int) ->
     parts = [torch.empty_like(value) for _ in range(size)]
     dist.all_gather(parts, value.contiguous(), group=ps.get_expert_model_parallel_group())
     m = _EXPERT_INDEX.search(global_name)
+    if m is None:
+        raise ValueError(f"{global_name}: an expert parameter without an expert index")
     local = int(m.group(1)) - ps.get_expert_model_parallel_rank() * num_local_experts
     return [
         (global_name[: m.start(1)] + str(r * num_local_experts + local) + global_name[m.end(1) :], part)
@@ -213,7 +217,6 @@ def _recv_stage(src: int, device: torch.device) -> Iterator[tuple[str, torch.Ten
 def quantize_for_fp8_engine(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """`x.weight` -> `x.weight` (e4m3) + `x.weight_scale_inv` (fp32 128x128 block scales) for every
     Linear an FP8 engine holds in FP8; everything else passes through unchanged."""
-    from mcore_rl.rollout.engine.fp8 import is_quantized_linear_name, quantize_block_fp8
 
     for name, tensor in named:
         module = name.removesuffix(".weight")
@@ -292,8 +295,9 @@ class WeightSync:
             status = self._agree(_status(stats, error, retries_left=LOST_ENGINE_RETRIES - retry - 1))
         if status == _RESYNC:
             first = stats
-            again = sorted(first.mismatched) if first is not None else None
+            again: list[str] | None = None
             if first is not None:
+                again = sorted(first.mismatched)
                 logger.warning(
                     "weight sync of version %s: sending it again to %d engine(s) that do not hold what was sent: %s",
                     version,
@@ -302,6 +306,7 @@ class WeightSync:
                 )
             stats, error = self._ship(version, again)
             if stats is not None:
+                assert first is not None and again is not None  # rank 0 has both
                 stats.resynced, stats.buckets = again, stats.buckets + first.buckets
                 if error is None and stats.mismatched:
                     error = WeightSyncError(
@@ -326,6 +331,8 @@ class WeightSync:
             for _ in named:
                 pass
             return None, None
+        if self.transport is None:
+            raise RuntimeError("weight sync: global rank 0 has no transport")
         stats = SyncStats(version, checksum=WeightChecksum(background=True))  # digests overlap the sending
         stream = quantize_for_fp8_engine(named) if self.quantization == "fp8" else named
         try:

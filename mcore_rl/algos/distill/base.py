@@ -81,7 +81,7 @@ def phase(kind: str) -> Callable:
         raise ValueError(f"phase must be 'advantage' or 'loss', got {kind!r}")
 
     def deco(fn: Callable) -> Callable:
-        fn.phase = kind  # type: ignore[attr-defined]
+        fn.phase = kind  # type: ignore[attr-defined]  # a flag on the function object
         return fn
 
     return deco
@@ -92,7 +92,7 @@ def stateful(factory: Callable[..., object]) -> Callable:
     (`make_state`) and passes it as `state=` (see the module docstring)."""
 
     def deco(fn: Callable) -> Callable:
-        fn.make_state = factory  # type: ignore[attr-defined]
+        fn.make_state = factory  # type: ignore[attr-defined]  # a flag on the function object
         return fn
 
     return deco
@@ -103,7 +103,7 @@ def default_coef(weight: float) -> Callable:
     paper's); a function without the mark weighs 1."""
 
     def deco(fn: Callable) -> Callable:
-        fn.default_coef = float(weight)  # type: ignore[attr-defined]
+        fn.default_coef = float(weight)  # type: ignore[attr-defined]  # a flag on the function object
         return fn
 
     return deco
@@ -117,7 +117,7 @@ def term_coef(fn: Callable, coef: float | None) -> float:
 def own_kl(fn: Callable) -> Callable:
     """Decorator: the function carries its own KL to the learner's reference model (Direct-OPD's
     adaptive α), so config validation refuses `algorithm.kl_coef` > 0 beside it (two KLs)."""
-    fn.own_kl = True  # type: ignore[attr-defined]
+    fn.own_kl = True  # type: ignore[attr-defined]  # a flag on the function object
     return fn
 
 
@@ -150,7 +150,7 @@ def needs(*fields: str) -> Callable:
         raise ValueError(f"needs: {unknown} are not DistillBatch fields")
 
     def deco(fn: Callable) -> Callable:
-        fn.needs = tuple(fields)  # type: ignore[attr-defined]
+        fn.needs = tuple(fields)  # type: ignore[attr-defined]  # a flag on the function object
         return fn
 
     return deco

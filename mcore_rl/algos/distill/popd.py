@@ -54,7 +54,11 @@ def horizon_tokens(
     if schedule == "none":
         return None
     if schedule == "fixed":
-        return min(tokens, t_max) if tokens is not None else topd_horizon(float(rho), t_max)
+        if tokens is not None:
+            return min(tokens, t_max)
+        if rho is None:
+            raise ValueError('horizon schedule "fixed": needs tokens or rho')
+        return topd_horizon(float(rho), t_max)
     if schedule == "growing":
         return popd_horizon(step, h0, delta_h, delta_k, t_max)
     raise ValueError(f"unknown horizon schedule {schedule!r}; expected none, fixed or growing")

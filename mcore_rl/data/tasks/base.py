@@ -13,8 +13,13 @@ from typing import Any, Protocol
 
 
 class Task(Protocol):
-    name: str
-    reward: str  # the registered reward function that scores this task's completions
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def reward(self) -> str:
+        """The registered reward function that scores this task's completions."""
+        ...
 
     def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
         """`n` (prompt, reference answer) pairs, deterministic in `seed`. The answer is the SFT

@@ -54,14 +54,14 @@ def constraints_for(prompt: str) -> list[dict[str, Any]]:
     if not sep or fmt not in FORMATS or not words:
         raise ValueError(f"not a word_format prompt: {prompt!r}")
     n = len(words)
-    own = {
+    by_format: dict[str, list[dict[str, Any]]] = {
         "up": [{"type": "case", "case": "upper"}],
         "low": [{"type": "case", "case": "lower"}],
         "list": [{"type": "bullets", "count": n}, {"type": "lines", "count": n}],
         "json": [{"type": "json", "kind": "array"}, {"type": "starts_with", "text": "["}],
         "quote": [{"type": "quoted"}],
-    }[fmt]
-    return own + [{"type": "include", "words": words}, {"type": "words", "count": n}]
+    }
+    return by_format[fmt] + [{"type": "include", "words": words}, {"type": "words", "count": n}]
 
 
 @register_reward("word_format")

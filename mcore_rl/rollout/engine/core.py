@@ -87,8 +87,8 @@ import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,6 +109,9 @@ from .sampling import (
     sample,
     sample_with_support,
 )
+from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
+from mcore_rl.hf.configuration import unsupported_stock_fields
+from mcore_rl.hf.rope import rope_key_in_file
 
 _DTYPES = {
     "float32": torch.float32,
@@ -265,11 +268,12 @@ class EngineCore:
         self.return_original_logprob = return_original_logprob
         self.model_path = model_path
         self.tokenizer_path: str | None = None  # None = the bundled byte tokenizer (or given in-process)
-        self.config = model.config
+        config: Any = model.config  # the HF config: its keys are dynamic attributes
+        self.config = config
         # What /get_model_info reports: the source checkpoint's HF model_type and architectures.
-        self.hf_model_type: str | None = getattr(model.config, "model_type", None)
+        self.hf_model_type: str | None = getattr(config, "model_type", None)
         self.hf_architectures: list[str] | None = [type(model).__name__]
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size: int = config.vocab_size
         self.tokenizer = tokenizer
         self.weight_version: int | str = 0
 
@@ -279,7 +283,7 @@ class EngineCore:
         self.fp8_layers: dict[str, Fp8Linear] = {}
         if quantization == "fp8":
             names = quantize_model_fp8(self.model, self.dtype)
-            self.fp8_layers = {n: self.model.get_submodule(n) for n in names}
+            self.fp8_layers = {n: m for n in names if isinstance(m := self.model.get_submodule(n), Fp8Linear)}
         self.runner = ModelRunner(self.model, max_running_requests, context_length, self.dtype, self.device)
         cache = self.runner.allocate_cache(
             pool_tokens(
@@ -325,12 +329,10 @@ class EngineCore:
         weight file: config.json is all the directory needs, and a weight update brings the real weights."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
-        from mcore_rl.hf import McoreRLForCausalLM
 
         seed = kw.get("random_seed", 0)
         if path is None:
-            from mcore_rl.config.schema import ModelConfig
-            from mcore_rl.hf import hf_config_from_model_config
+            from mcore_rl.config.schema import ModelConfig  # lazy: yaml
 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -342,6 +344,7 @@ class EngineCore:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = McoreRLForCausalLM(config)
+        engine_tokenizer_path: str | None
         if tokenizer_path is not None:
             tokenizer, engine_tokenizer_path = load_tokenizer(tokenizer_path), tokenizer_path
         else:
@@ -474,7 +477,7 @@ class EngineCore:
         with self._lock:
             n = len(self._running)
             for slot in range(n):
-                self.runner.cache.free(slot)
+                self.runner.kv.free(slot)
             self._retracted.extend(self._running)
             self._retracted = deque(sorted(self._retracted, key=lambda live: live.arrival))
             self._running = []
@@ -543,7 +546,7 @@ class EngineCore:
 
     def _make_room(self) -> None:
         """Pages for every running request's next token; retract the newest arrivals until they fit."""
-        cache = self.runner.cache
+        cache = self.runner.kv
         while sum(cache.missing_pages(i, live.length + 1) for i, live in enumerate(self._running)) > cache.free_pages:
             self._retract_newest()
         for i, live in enumerate(self._running):
@@ -579,7 +582,7 @@ class EngineCore:
         """Prefill retracted requests (prompt + tokens so far) and then new ones into free slots,
         in one batch; each samples its next token from the prefill's last position."""
         free = self.max_running_requests - len(self._running)
-        cache = self.runner.cache
+        cache = self.runner.kv
         lives: list[_Live] = []
         longest = 0
         while (self._retracted or self._waiting) and len(lives) < free:
@@ -765,14 +768,16 @@ class EngineCore:
                 finished.append(slot)
                 continue
             if want_mask[j]:
+                assert drawn is not None  # drawn whenever a request wants its mask
                 live.out_mask.append(drawn.support(j))
                 live.out_mask_lp.append(drawn_lp[j])
             live.output_ids.append(tok)
             live.out_versions.append(self.weight_version)
             if want_lp[j]:
+                assert chosen is not None  # computed whenever a request wants log-probs
                 live.out_lp.append((chosen[j], tok))
                 k = live.req.top_logprobs_num
-                live.out_top.append(list(zip(tops[0][j][:k], tops[1][j][:k])) if k else [])
+                live.out_top.append(list(zip(tops[0][j][:k], tops[1][j][:k])) if k and tops else [])
                 tid = live.req.token_ids_logprob
                 if tid is not None:
                     live.out_tid.append(list(zip(lp[j, tid].tolist(), tid)) if tid else [])
@@ -824,7 +829,7 @@ class EngineCore:
     def _vacate(self, slot: int) -> None:
         """Free a slot's pages; the last running request moves into the hole so slots stay 0..B-1."""
         last = len(self._running) - 1
-        self.runner.cache.free(slot)
+        self.runner.kv.free(slot)
         if slot != last:
             self.runner.move(last, slot)
             self._running[slot] = self._running[last]
@@ -910,9 +915,10 @@ class EngineCore:
         `weight_version` (the weight-update endpoints do). Returns the (per-expert) names loaded.
         """
         with self._lock:
-            params = dict(self.model.named_parameters())
+            params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
             if self.config.tie_word_embeddings:
-                params.setdefault("lm_head.weight", self.model.get_input_embeddings().weight)
+                hf_model: Any = self.model  # a transformers PreTrainedModel (held as nn.Module)
+                params.setdefault("lm_head.weight", hf_model.get_input_embeddings().weight)
             loaded: list[str] = []
             try:
                 for name, tensor in _split_fused(named_tensors):
@@ -1003,7 +1009,7 @@ class EngineCore:
                     "abort them or pause with mode 'abort' first)"
                 )
             if "kv_cache" in tags and not self.kv_cache_released:
-                self.runner.cache.release()
+                self.runner.kv.release()
                 self.kv_cache_released = True
             if "weights" in tags and self._released_weights is None:
                 names = set(self.weight_names())
@@ -1032,7 +1038,7 @@ class EngineCore:
             if "weights" in tags and self._released_weights is not None:
                 for st, nbytes in self._released_weights:
                     st.resize_(nbytes)
-                    st.fill_(0)
+                    st.fill_(0)  # type: ignore[attr-defined]  # torch's stubs omit UntypedStorage.fill_
                 for t, shape in self._swapped_weights:
                     t.data = torch.zeros(shape, dtype=t.dtype, device=t.device)
                 self._swapped_weights = []
@@ -1041,7 +1047,7 @@ class EngineCore:
                 self.weights_epoch += 1
                 self.runner.refresh()
             if "kv_cache" in tags and self.kv_cache_released:
-                self.runner.cache.allocate()
+                self.runner.kv.allocate()
                 self.kv_cache_released = False
 
 
@@ -1104,9 +1110,6 @@ def _load_config(path: str):
     """Our config of an HF directory: ours (`OWN_MODEL_TYPES`) as it is; stock Qwen3 / Qwen3-MoE / Llama
     mapped through `model_config_from_hf_config` (Llama: no QK-norm), after refusing what the
     reference model cannot compute (each problem naming its `config.json` field)."""
-    from mcore_rl.hf import OWN_MODEL_TYPES, hf_config_from_model_config, model_config_from_hf_config
-    from mcore_rl.hf.configuration import unsupported_stock_fields
-    from mcore_rl.hf.rope import rope_key_in_file
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):

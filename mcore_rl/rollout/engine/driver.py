@@ -96,6 +96,8 @@ class RequestStream:
         last = None
         async for out in self:
             last = out
+        if last is None:
+            raise RuntimeError("the request ended without an output")
         return last
 
     def close(self) -> None:

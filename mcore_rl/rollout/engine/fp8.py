@@ -81,6 +81,10 @@ class Fp8Linear(nn.Module):
     or `weight_scale_inv` is replaced (weight updates go through `set_weight`/`set_quantized`).
     """
 
+    weight: torch.Tensor  # buffers, registered in __init__
+    weight_scale_inv: torch.Tensor
+    bias: nn.Parameter | None
+
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -99,7 +103,7 @@ class Fp8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
         m.set_weight(linear.weight.detach())
-        if linear.bias is not None:
+        if linear.bias is not None and m.bias is not None:
             m.bias.data.copy_(linear.bias.detach().to(dtype))
         return m
 

@@ -44,6 +44,7 @@ Every architecture the trainer supports:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ from .kv_cache import PagedKVCache
 class _Layer:
     """One decoder layer's tensors in the shapes the runner multiplies."""
 
-    module: nn.Module
+    module: Any  # the reference decoder layer, read by submodule name (see `ModelRunner.__init__`)
     wqkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
     bqkv: torch.Tensor | None
     wo: torch.Tensor
@@ -85,7 +86,14 @@ def _fuse_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
-def _weight(m: nn.Module) -> torch.Tensor:
+def _fused_weight(linears: list[nn.Linear]) -> torch.Tensor:
+    """`_fuse_params` of the weights, which every Linear has."""
+    fused = _fuse_params(linears, "weight")
+    assert fused is not None
+    return fused
+
+
+def _weight(m: nn.Linear | Fp8Linear) -> torch.Tensor:
     return m.dequantized_weight() if isinstance(m, Fp8Linear) else m.weight
 
 
@@ -101,8 +109,12 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        cfg = model.config
-        self.model = model
+        # The runner walks the reference model's module tree by name (model.model.layers[i].self_attn...):
+        # torch types every submodule attribute as `Tensor | Module` and HF configs' keys are dynamic,
+        # so the tree and its config are read untyped here; `model` itself is checked at the call.
+        tree: Any = model.model
+        cfg: Any = model.config
+        self.model, self._tree = model, tree
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.group = self.num_heads // self.kv_heads
@@ -119,7 +131,7 @@ class ModelRunner:
         if self.mla:
             self.kv_heads, self.group, self.use_qk_norm = 1, self.num_heads, False
         self.attn_res = getattr(cfg, "attn_res", "none") != "none"
-        ngram = getattr(model.model, "ngram_embeddings", None)
+        ngram = getattr(tree, "ngram_embeddings", None)
         self.ngram_context_size = ngram.context_size if ngram is not None else 0
         # Over-Encoding: the last n_max - 1 token ids of each slot (-1 = none), the decode context.
         self.ngram_context = (
@@ -140,9 +152,9 @@ class ModelRunner:
         self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
         if self.fp8 and self.mla:
             raise ValueError("the embedded engine's FP8 mode does not cover multi-head latent attention (DeepSeek-V3)")
-        self.layers = [self._plan(layer) for layer in model.model.layers]
+        self.layers = [self._plan(layer) for layer in tree.layers]
         # routing replay (SGLang's return_routed_experts): the MoE blocks' taps, None for dense layers
-        self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in model.model.layers]
+        self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in tree.layers]
         self.routing_topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.last_routing: torch.Tensor | None = None  # [rows, layers, k] int32 of the last pass, -1 = dense
         self.refresh()
@@ -167,11 +179,17 @@ class ModelRunner:
         )
         return self.cache
 
-    def _plan(self, layer: nn.Module) -> _Layer:
+    @property
+    def kv(self) -> PagedKVCache:
+        if self.cache is None:
+            raise RuntimeError("the KV pool is not allocated yet (call allocate_cache first)")
+        return self.cache
+
+    def _plan(self, layer: Any) -> _Layer:  # a decoder layer of the tree above
         attn, mlp = layer.self_attn, layer.mlp
         dense = hasattr(mlp, "gate_proj")
         if self.mla:  # attention runs through the reference module (`_mla_attention`)
-            w_gate_up = _fuse_params([mlp.gate_proj, mlp.up_proj], "weight") if dense else None
+            w_gate_up = _fused_weight([mlp.gate_proj, mlp.up_proj]) if dense else None
             return _Layer(
                 layer,
                 torch.empty(0),
@@ -187,11 +205,11 @@ class ModelRunner:
             return _Layer(layer, empty, None, empty, None, empty if dense else None, empty if dense else None)
         return _Layer(
             module=layer,
-            wqkv=_fuse_params(proj, "weight"),
+            wqkv=_fused_weight(proj),
             bqkv=_fuse_params(proj, "bias"),
             wo=attn.o_proj.weight,
             bo=attn.o_proj.bias,
-            w_gate_up=_fuse_params([mlp.gate_proj, mlp.up_proj], "weight") if dense else None,
+            w_gate_up=_fused_weight([mlp.gate_proj, mlp.up_proj]) if dense else None,
             w_down=mlp.down_proj.weight if dense else None,
         )
 
@@ -234,7 +252,7 @@ class ModelRunner:
 
     def move(self, src: int, dst: int) -> None:
         """Move slot `src`'s state (its KV pages, its n-gram context) to `dst`, whose pages are freed."""
-        self.cache.move(src, dst)
+        self.kv.move(src, dst)
         if self.ngram_context is not None:
             self.ngram_context[dst] = self.ngram_context[src]
 
@@ -283,12 +301,13 @@ class ModelRunner:
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
         if decode_at is not None:
             write, read = decode_at
-            self.cache.write_decode(li, write, k[:, 0], v[:, 0])
-            keys, vals = self.cache.gather(li, read)  # [KV*b, T, D]
+            self.kv.write_decode(li, write, k[:, 0], v[:, 0])
+            keys, vals = self.kv.gather(li, read)  # [KV*b, T, D]
             q3 = q.reshape(b, KV, G, D).transpose(0, 1).reshape(KV * b, G, D)
         else:
+            assert prefill_at is not None  # a prefill always names its pool rows
             k4, v4 = k.transpose(1, 2), v.transpose(1, 2)  # [b, KV, s, D]
-            self.cache.write_prefill(li, prefill_at, k4, v4)
+            self.kv.write_prefill(li, prefill_at, k4, v4)
             keys, vals = k4.reshape(b * KV, s, D), v4.reshape(b * KV, s, D)
             q3 = q.reshape(b, s, KV, G, D).permute(0, 2, 3, 1, 4).reshape(b * KV, G * s, D)
         scores = torch.baddbmm(bias, q3, keys.transpose(1, 2), alpha=self.scale)
@@ -323,11 +342,12 @@ class ModelRunner:
         if decode_at is not None:
             write, read = decode_at
             length = read.shape[1]
-            self.cache.write_decode(li, write, entry[:, :, 0], entry[:, :, 0])
-            entry = self.cache.gather(li, read)[0].view(b, 1, length, -1)  # one KV head: [b, 1, T, r + dr]
+            self.kv.write_decode(li, write, entry[:, :, 0], entry[:, :, 0])
+            entry = self.kv.gather(li, read)[0].view(b, 1, length, -1)  # one KV head: [b, 1, T, r + dr]
             allowed = bias.view(b, 1, 1, length) == 0
         else:
-            self.cache.write_prefill(li, prefill_at, entry, entry)
+            assert prefill_at is not None  # a prefill always names its pool rows
+            self.kv.write_prefill(li, prefill_at, entry, entry)
             allowed = bias.view(b, self.num_heads, s, s) == 0
         latent, k_rot = entry.split([attn.kv_lora_rank, attn.rope], dim=-1)
         out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden)
@@ -342,6 +362,7 @@ class ModelRunner:
             return out if residual is None else residual + out
         gu = F.linear(self._act(h2), lay.w_gate_up)
         inter = gu.shape[-1] // 2
+        assert lay.w_down is not None  # a dense layer has both
         return self._out(residual, F.silu(gu[:, :inter]) * gu[:, inter:], lay.w_down, None)
 
     def _decoder(
@@ -361,7 +382,7 @@ class ModelRunner:
                 x = self._attention(li, x, x, b, s, cos, sin, bias, decode_at, prefill_at)
                 x = self._mlp(li, x, x)
             return x
-        state = DepthState(self.model.model, x)  # AttnRes: depth mixes instead of residual sums
+        state = DepthState(self._tree, x)  # AttnRes: depth mixes instead of residual sums
         for li in range(len(self.layers)):
             state.add(self._attention(li, state.input(li, 0), None, b, s, cos, sin, bias, decode_at, prefill_at))
             state.add(self._mlp(li, state.input(li, 1), None))
@@ -379,8 +400,8 @@ class ModelRunner:
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        return F.linear(_rms(hidden, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+        head: Any = self.model.lm_head  # the tree's modules by name (see `__init__`)
+        return F.linear(_rms(hidden, self._tree.norm.weight, self.eps), head.weight).float()
 
     # ---- routing replay ----------------------------------------------------------------------
 
@@ -417,7 +438,7 @@ class ModelRunner:
         `logit_rows`, in that order (none: only the cache is written)."""
         b = len(prompts)
         s = max(len(t) for t in prompts)
-        rows = self.cache.prefill_rows(slot0, [len(t) for t in prompts], s)
+        rows = self.kv.prefill_rows(slot0, [len(t) for t in prompts], s)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, t in enumerate(prompts):
             ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -431,12 +452,12 @@ class ModelRunner:
         cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
         if self.ngram_context is not None:
             # Right padding follows the prompt, and n-grams only look back: padding changes nothing.
-            x = self.model.model.embed(ids, pos.expand(b, s)).view(b * s, self.hidden)
+            x = self._tree.embed(ids, pos.expand(b, s)).view(b * s, self.hidden)
             c = self.ngram_context_size
             tails = [([-1] * c + t)[len(t) :] for t in prompts]  # the last c tokens, -1 where none
             self.ngram_context[slot0 : slot0 + b] = torch.tensor(tails, dtype=torch.long).view(b, c).to(self.device)
         else:
-            x = self.model.model.embed_tokens(ids).view(b * s, self.hidden)
+            x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
         x = self._decoder(x, b, s, cos, sin, bias, None, rows)
         self._collect_routing(b * s)  # row r * s + c: prompt r, position c
         flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
@@ -460,11 +481,11 @@ class ModelRunner:
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
             ctx = self.ngram_context[:b]
-            x = self.model.model.embed(ids[:, None], pos[:, None], ngram_context=ctx)[:, 0]
+            x = self._tree.embed(ids[:, None], pos[:, None], ngram_context=ctx)[:, 0]
             self.ngram_context[:b] = torch.cat((ctx[:, 1:], ids[:, None]), dim=1)
         else:
-            x = self.model.model.embed_tokens(ids)
-        at = self.cache.decode_rows(pos, length)  # pool rows to write and to read, shared by all layers
+            x = self._tree.embed_tokens(ids)
+        at = self.kv.decode_rows(pos, length)  # pool rows to write and to read, shared by all layers
         x = self._decoder(x, b, 1, cos, sin, bias, at)
         self._collect_routing(b)
         return self._logits(x)

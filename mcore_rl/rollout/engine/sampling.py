@@ -28,7 +28,7 @@ from typing import Any
 try:  # Python >= 3.11
     import re._parser as sre_parse
 except ImportError:  # pragma: no cover
-    import sre_parse  # type: ignore[no-redef]
+    import sre_parse  # type: ignore[no-redef, unused-ignore]  # the 3.10 module of the same API
 
 import torch
 
@@ -419,6 +419,8 @@ def _draw(
         drop |= probs_sorted < probs_sorted[:, :1] * ctl.min_p[:, None]
         # Back to vocabulary order, so a row's draw does not depend on whether the batch filters.
         probs = torch.zeros_like(probs).scatter_(-1, order, probs_sorted.masked_fill(drop, 0.0))
+    if uniforms is None:
+        raise ValueError("sampling: uniforms are needed unless every row is greedy")
     cdf = probs.cumsum(-1)
     picked = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     # Never land past the last token with probability > 0 (float edge of the CDF).
