@@ -145,7 +145,7 @@ def build_engine_pool(
     *,
     workdir: str | None = None,
     tokenizer_path: str | None = None,
-) -> EnginePool:
+) -> EmbeddedEnginePool | HTTPEnginePool:
     """The pool `rollout` asks for: the servers of `engine_urls`; else `mcore-rl serve` processes
     this trainer starts (async runtime, or `engine_processes: true`; their files and logs go to
     `workdir`); else embedded engines in this process. Engines the trainer builds run in the

@@ -65,7 +65,7 @@ from mcore_rl.train.teachers import build_teachers
 from mcore_rl.rollout.teacher import TeacherError
 
 if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
-    from mcore_rl.rollout.pool import EnginePool, HTTPEnginePool
+    from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import RolloutManager
     from mcore_rl.train.rl_step import Learner
     from mcore_rl.train.teachers import Teachers
@@ -113,7 +113,7 @@ class RLRun:
         self.ref_chunks: list | None = None
         self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
         self.learner: Learner | None = None  # set by run_rl (its stateful distillation terms are checkpointed)
-        self.engines: EnginePool | None = None
+        self.engines: EmbeddedEnginePool | HTTPEnginePool | None = None
         self.weight_sync: WeightSync | None = None
         self.manager: RolloutManager | None = None
         self.rollout_source: Rollouts | None = None  # rank 0: the scheduler, in either schedule
