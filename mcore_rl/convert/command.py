@@ -45,6 +45,7 @@ def plan(args: Any) -> tuple[ParallelConfig, int]:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     world = int(os.environ.get("WORLD_SIZE", args.nproc_per_node or default_world_size(pc)))
+    mc: ModelConfig | None
     if args.direction == "hf-to-mcore":
         mc = model_config_from_hf(read_hf_config(args.input), rope_key_in_file(args.input))
         check_layout(mc, pc, world)
@@ -67,6 +68,7 @@ def plan(args: Any) -> tuple[ParallelConfig, int]:
             from mcore_rl.train.checkpoint import latest_checkpoint
 
             path = latest_checkpoint(args.input)
+            assert path is not None  # checked above: --input holds a checkpoint
             mc = stored_model_config(dist_checkpointing.load_common_state_dict(path)["common"], path)
         if mc is not None:
             check_layout(mc, pc, world)
@@ -109,6 +111,7 @@ def run(args: Any) -> int:
                 _parse_size(args.max_shard_size),
             )
             if dist.get_rank() == 0:
+                assert kind is not None  # mcore_to_hf returns the export kind on rank 0
                 if kind == REMOTE:
                     how = f"AutoModelForCausalLM.from_pretrained({args.output!r}, trust_remote_code=True)"
                     what = f"remote-code {REMOTE_MODEL_CLASS}"

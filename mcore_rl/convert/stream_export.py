@@ -76,8 +76,9 @@ class SafetensorsShardWriter:
             raise RuntimeError(f"export wrote {name} {tuple(tensor.shape)} {tensor.dtype} where the plan has {planned}")
         if shard != self._file_index:
             self._open(shard)
+        assert self._file is not None  # opened by _open for this shard
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._file.write(memoryview(data.numpy()))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
         self._next += 1
         if self._next == len(self._queue) or self._queue[self._next][0] != shard:
             self._file.close()
@@ -108,7 +109,7 @@ class SafetensorsShardWriter:
         return self.files + ["model.safetensors.index.json"]
 
 
-def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(global name, param) of this rank's parameters that go into the export."""
     from mcore_rl.models.shards import iter_local_params
 
@@ -119,7 +120,7 @@ def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.nn.Par
     ]
 
 
-def _leader(param: torch.nn.Parameter, global_name: str) -> int:
+def _leader(param: torch.Tensor, global_name: str) -> int:
     """The global rank that holds this parameter whole once its TP/ETP group gathered it."""
     from mcore_rl.models.shards import _tp_group_rank_size
 
@@ -127,10 +128,11 @@ def _leader(param: torch.nn.Parameter, global_name: str) -> int:
     if size == 1:
         return dist.get_rank()
     group, _, _ = _tp_group_rank_size(param, global_name)
+    assert group is not None  # parallel state is initialized: the TP/ETP group exists
     return dist.get_global_rank(group, 0)
 
 
-def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: StreamStats) -> torch.Tensor | None:
+def _gather_to_leader(param: torch.Tensor, global_name: str, stats: StreamStats) -> torch.Tensor | None:
     """The full tensor on the TP/ETP leader (None on the other members); DP-sharded tables are
     all-gathered over their TP and DP groups (they are small) and come back whole on every holder."""
     from mcore_rl.models.shards import _tp_group_rank_size, gather_data_parallel_shards, unshard
@@ -140,6 +142,7 @@ def _gather_to_leader(param: torch.nn.Parameter, global_name: str, stats: Stream
     dp_sharded = getattr(param, "data_parallel_sharded", False)
     if size > 1:
         group, _, _ = _tp_group_rank_size(param, global_name)
+        assert group is not None  # parallel state is initialized: the TP/ETP group exists
         shards = [torch.empty_like(value) for _ in range(size)] if rank == 0 or dp_sharded else None
         if dp_sharded:
             dist.all_gather(shards, value.contiguous(), group=group)
@@ -210,6 +213,7 @@ def stream_export(
                 full = _gather_to_leader(param, name, stats)
             if source[name] != WRITER:
                 if me == source[name]:
+                    assert full is not None  # the source is the leader, which gathered it
                     dist.send(full.contiguous(), dst=WRITER)
                     full = None
                 elif me == WRITER:
@@ -217,6 +221,7 @@ def stream_export(
                     dist.recv(full, src=source[name])
             if me != WRITER:
                 continue
+            assert full is not None and writer is not None  # the writer holds or received every tensor
             for hf_name, piece in megatron_to_hf(name, full, mc):
                 cast = piece.to(tensor_dtype(hf_name, kind, dtype)).contiguous()
                 stats.held(full, cast)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # fused per query group
 
 
-def full_shape(param: torch.nn.Parameter, global_name: str) -> list[int]:
+def full_shape(param: torch.Tensor, global_name: str) -> list[int]:
     """The shape of the whole megatron tensor a (TP/ETP and DP sharded) parameter is a slice of."""
     from mcore_rl.models.shards import _dp_size
 
@@ -38,7 +38,7 @@ def full_shape(param: torch.nn.Parameter, global_name: str) -> list[int]:
 
 def read_owned_shard(
     source: HFCheckpoint,
-    param: torch.nn.Parameter,
+    param: torch.Tensor,
     global_name: str,
     mc: ModelConfig,
     stats: StreamStats | None = None,
@@ -77,7 +77,8 @@ def read_owned_shard(
             num_attention_heads=mc.num_attention_heads // size,
             kv_channels=mc.head_dim,
         )
-        shard = merge_qkv(*parts, local)
+        q, k, v = parts  # the three HF tensors of a fused QKV
+        shard = merge_qkv(q, k, v, local)
     else:
         shard = torch.cat(parts, dim=0)
     if stats:

@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from mcore_rl.models.param_attrs import megatron_attrs
+
 
 @dataclasses.dataclass
 class StreamStats:
@@ -48,11 +50,11 @@ def owned_range(length: int, rank: int, size: int) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
-def tensor_split(param: torch.nn.Parameter, global_name: str) -> tuple[int, int, int]:
+def tensor_split(param: torch.Tensor, global_name: str) -> tuple[int, int, int]:
     """(dim, rank, size) of the TP/ETP split of a parameter; (0, 0, 1) when it is not split."""
     from mcore_rl.models.shards import _tp_group_rank_size
 
     if not getattr(param, "tensor_model_parallel", False):
         return 0, 0, 1
     _, rank, size = _tp_group_rank_size(param, global_name)
-    return param.partition_dim, rank, size
+    return megatron_attrs(param).partition_dim, rank, size

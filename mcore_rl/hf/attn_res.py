@@ -39,10 +39,16 @@ oracle for `mcore_rl.models.attn_res`, which computes the same thing without sta
 from __future__ import annotations
 
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from .layers import KVCache, ReferenceRMSNorm
+
+if TYPE_CHECKING:
+    from .modeling import McoreRLModel, ReferenceDecoderLayer
 
 
 def num_sublayers(num_layers: int) -> int:
@@ -117,7 +123,7 @@ class DepthState:
     computations.
     """
 
-    def __init__(self, model: nn.Module, embedding: torch.Tensor) -> None:
+    def __init__(self, model: McoreRLModel, embedding: torch.Tensor) -> None:
         config = model.config
         self.model = model
         self.variant = getattr(config, "attn_res", "none")
@@ -137,7 +143,7 @@ class DepthState:
             return self.residual
         if self.variant == "block" and self.starts[2 * layer + sub] and self.partial is not None:
             self.values, self.partial = self.values + [self.partial], None
-        decoder_layer = self.model.layers[layer]
+        decoder_layer = cast("ReferenceDecoderLayer", self.model.layers[layer])
         mixer = decoder_layer.attn_res if sub == 0 else decoder_layer.mlp_res
         return mixer(self._sources())
 
@@ -154,11 +160,12 @@ class DepthState:
         """The decoder's output before the final norm (AttnRes: the `final_res` depth mix)."""
         if self.variant == "none":
             return self.residual
+        assert self.model.final_res is not None  # built for every AttnRes variant
         return self.model.final_res(self._sources())
 
 
 def attn_res_decoder_forward(
-    model: nn.Module,
+    model: McoreRLModel,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -173,7 +180,7 @@ def attn_res_decoder_forward(
     state = DepthState(model, x)
     presents: KVCache = []
     aux_loss = x.new_zeros((), dtype=torch.float32)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(cast("Iterable[ReferenceDecoderLayer]", model.layers)):
         past = past_key_values[i] if past_key_values else None
         out, present = layer.self_attn(layer.input_layernorm(state.input(i, 0)), cos, sin, allowed, past)
         presents.append(present)

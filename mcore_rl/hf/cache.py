@@ -10,12 +10,15 @@ torch and transformers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .layers import KVCache
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import CacheLayerMixin
 
 
 def new_cache(config: Any) -> DynamicCache:
@@ -37,7 +40,9 @@ def layer_pasts(past: Any) -> KVCache | None:
     if past is None or past_length(past) == 0:
         return None
     if isinstance(past, Cache):
-        return [(layer.keys, layer.values) for layer in past.layers]
+        # attention layers only (this model builds no linear-attention ones), filled: past_length > 0
+        layers = cast("list[CacheLayerMixin]", past.layers)
+        return [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in layers]
     return list(past)
 
 

@@ -52,7 +52,7 @@ Conventions (megatron-style, documented because they differ from HF's `forward`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -296,7 +296,7 @@ class McoreRLPreTrainedModel(PreTrainedModel):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             _init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
-                _init.zeros_(module.bias)
+                _init.zeros_(cast(torch.Tensor, module.bias))  # a Linear's bias, present (checked above)
         elif isinstance(module, ReferenceRMSNorm):
             _init.ones_(module.weight)
         elif isinstance(module, AttnResMixer):  # zero pseudo-queries: uniform depth weights
@@ -323,7 +323,7 @@ class McoreRLModel(McoreRLPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]  # transformers types it nn.Module; this model's input embedding is an nn.Embedding
         self.embed_tokens = value
 
     def embed(
@@ -361,14 +361,20 @@ class McoreRLModel(McoreRLPreTrainedModel):
             past = new_cache(self.config)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        b, s = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        device = (input_ids if input_ids is not None else inputs_embeds).device
+        given = input_ids if input_ids is not None else inputs_embeds
+        assert given is not None  # exactly one of them was passed (checked above)
+        b, s = given.shape[:2]
+        device = given.device
         past_len, pasts = past_length(past), layer_pasts(past)
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + s, device=device).expand(b, s)
         if ngram_context is None:
             ngram_context = ngram_context_of(past)
-        x = self.embed(input_ids, position_ids, ngram_context) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            assert input_ids is not None  # exactly one of them was passed (checked above)
+            x = self.embed(input_ids, position_ids, ngram_context)
+        else:
+            x = inputs_embeds
         cos, sin = rope_cos_sin(
             position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
         )
@@ -389,10 +395,14 @@ class McoreRLModel(McoreRLPreTrainedModel):
                     aux_loss = aux_loss + aux
         out_cache = store_presents(past, presents, s) if use_cache else None
         if use_cache and self.ngram_embeddings is not None:  # the cache keeps the last n-1 tokens
+            assert input_ids is not None, (
+                "an n-gram model's cache needs input_ids (not inputs_embeds) to carry its n-gram context"
+            )
             context = next_ngram_context(ngram_context, input_ids, self.ngram_embeddings.context_size)
             if isinstance(out_cache, list):
                 out_cache = NgramKVCache(out_cache, context)
             else:
+                assert out_cache is not None  # use_cache: store_presents built it
                 out_cache.ngram_context = context
         x = self.norm(x)
         return McoreRLModelOutput(
@@ -424,7 +434,7 @@ class McoreRLForCausalLM(McoreRLPreTrainedModel, GenerationMixin):
     """Causal LM head on `McoreRLModel`; megatron-style labels and loss mask (module doc).
     `GenerationMixin` gives it `generate` (with a `DynamicCache`), as stock transformers models."""
 
-    _tied_weights_keys = _TIED
+    _tied_weights_keys = _TIED  # type: ignore[assignment]  # transformers 4 takes a list here; the installed 5.x annotates only the dict
 
     def __init__(self, config: McoreRLConfig) -> None:
         super().__init__(config)
@@ -435,7 +445,7 @@ class McoreRLForCausalLM(McoreRLPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]  # transformers types it nn.Module; this model's input embedding is an nn.Embedding
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -513,7 +523,9 @@ def _stock_moe_is_fused(config: McoreRLConfig) -> bool:
     if family:
         return family.stock_experts_fused(config)
     with torch.device("meta"):
-        block = stock.Qwen3MoeSparseMoeBlock(to_stock_hf_config(config))
+        block = stock.Qwen3MoeSparseMoeBlock(
+            cast(stock.Qwen3MoeConfig, to_stock_hf_config(config))
+        )  # MoE: a Qwen3MoeConfig
     return any(name == "experts.gate_up_proj" for name, _ in block.named_parameters())
 
 

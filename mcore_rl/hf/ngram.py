@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -146,12 +147,13 @@ class NgramKVCache(list):
         self.ngram_context = ngram_context
 
 
-def sliced_lookup(ids: torch.Tensor, tables: Sequence[nn.Embedding], projections: Sequence[nn.Linear]) -> torch.Tensor:
+def sliced_lookup(ids: torch.Tensor, tables: Iterable[nn.Embedding], projections: Iterable[nn.Linear]) -> torch.Tensor:
     """E^{m x d|k}(ids) = sum_i E_i(ids) W_i (the paper's sliced table)."""
     out = None
     for table, proj in zip(tables, projections):
         y = proj(table(ids))
         out = y if out is None else out + y
+    assert out is not None, "an n-gram table needs at least one slice"
     return out
 
 
@@ -192,6 +194,9 @@ class McoreRLNgramEmbeddings(nn.Module):
         ids = ngram_hash_ids(input_ids, position_ids, self.orders, self.vocab_size, self.table_size, context)
         out = None
         for n, idx in zip(self.orders, ids):
-            y = sliced_lookup(idx, self.tables[str(n)], self.projections[str(n)])
+            tables = cast("Iterable[nn.Embedding]", self.tables[str(n)])  # a ModuleList of the slices
+            projections = cast("Iterable[nn.Linear]", self.projections[str(n)])
+            y = sliced_lookup(idx, tables, projections)
             out = y if out is None else out + y
+        assert out is not None  # built only with n-gram orders
         return out

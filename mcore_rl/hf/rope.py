@@ -139,10 +139,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
     """(inverse frequencies [head_dim / 2] in fp32, attention factor) of plain or scaled RoPE."""
     kind = rope_type_of(scaling)
     if kind == "yarn":
+        assert scaling is not None  # rope_type_of(None) is "default"
         return _yarn_inv_freq(head_dim, theta, scaling), yarn_attention_factor(scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if kind == "default":
         return inv_freq, 1.0
+    assert scaling is not None  # rope_type_of(None) is "default"
     if kind == "linear":
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "llama3":

@@ -16,6 +16,7 @@ all go through these two, so a name means the same thing everywhere (docs/design
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -199,7 +200,7 @@ def _ngram_megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> l
     ]
 
 
-def _ngram_hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+def _ngram_hf_to_megatron(hf: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     k = mc.ngram.num_slices
     for n in mc.ngram.orders:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,10 @@ from mcore_rl.hf.attn_res import (
     num_sublayers,
 )
 from mcore_rl.models.norm import RMSNorm, _init_device
+from mcore_rl.models.param_attrs import megatron_attrs
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 Tensor = torch.Tensor
 
@@ -75,7 +80,7 @@ class AttnResMixer(torch.nn.Module):
         self.query = torch.nn.Parameter(
             torch.zeros(config.hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
-        self.query.sequence_parallel = config.sequence_parallel
+        megatron_attrs(self.query).sequence_parallel = config.sequence_parallel
         self.norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
     def forward(self, values: list[Tensor], inv_rms_values: list[Tensor]) -> Tensor:
@@ -91,6 +96,15 @@ class AttnResMixer(torch.nn.Module):
 
 class AttnResLayerMixin:
     """Adds the two depth mixers to a `TransformerLayer` and exposes its sublayers one by one."""
+
+    # provided by the `TransformerLayer` this is mixed into
+    config: TransformerConfig
+    training: bool
+    hidden_dropout: float
+    self_attention: torch.nn.Module
+    input_layernorm: torch.nn.Module
+    mlp: torch.nn.Module
+    pre_mlp_layernorm: torch.nn.Module
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -338,6 +352,7 @@ class AttnResTransformerBlock(TransformerBlock):
             return self._pack(blocks, partial)
         eps = self.config.layernorm_epsilon
         values = blocks + ([partial] if partial is not None else [])
+        assert self.final_res is not None  # built when post_process
         hidden_states = self.final_res(values, [inv_rms(v, eps) for v in values])
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
@@ -355,7 +370,7 @@ def deferred_spec(spec: TransformerBlockSubmodules, model: ModelConfig) -> Trans
     return TransformerBlockSubmodules(layer_specs=[], layer_norm=spec.layer_norm)
 
 
-def install_decoder(chunk: torch.nn.Module, spec: TransformerBlockSubmodules, model: ModelConfig) -> None:
+def install_decoder(chunk: GPTModel, spec: TransformerBlockSubmodules, model: ModelConfig) -> None:
     """Replace the placeholder decoder of a `GPTModel` chunk by the AttnRes block (no-op otherwise)."""
     if model.attn_res == "none":
         return

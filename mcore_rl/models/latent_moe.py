@@ -44,6 +44,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from mcore_rl.models.param_attrs import megatron_attrs
+
 
 @contextlib.contextmanager
 def _quiet_cpu_fork() -> Iterator[None]:
@@ -99,7 +101,7 @@ class LatentProjection(MegatronModule):
                 init_method(self.weight)
         for param in (self.weight, self.bias):
             if param is not None:
-                param.sequence_parallel = config.sequence_parallel
+                megatron_attrs(param).sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.skip_bias_add:

@@ -35,6 +35,8 @@ Context parallelism is not supported (a CP rank would lack the tokens before its
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,10 @@ from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_shar
 
 from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
 from mcore_rl.hf.ngram import check_table_size, ngram_hash_ids, padded_table_rows, slice_width
+from mcore_rl.models.param_attrs import megatron_attrs
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 class _Weight(torch.nn.Module):
@@ -120,9 +126,9 @@ class NgramEmbedding(MegatronModule):
             table = torch.nn.Parameter(table.to(device))
             set_tensor_model_parallel_attributes(table, is_parallel=True, dim=0, stride=1)
             if self.dp_group is not None:
-                table.data_parallel_sharded = True
+                megatron_attrs(table).data_parallel_sharded = True
             proj = torch.nn.Parameter(proj.to(device))
-            proj.sequence_parallel = config.sequence_parallel  # partial grads under SP: sum over TP
+            megatron_attrs(proj).sequence_parallel = config.sequence_parallel  # partial grads under SP: sum over TP
             self.tables[str(n)] = _Weight(table)
             self.projections[str(n)] = _Weight(proj)
 
@@ -154,7 +160,7 @@ class NgramEmbedding(MegatronModule):
         """n-gram embeddings of input_ids [b, s]: [s, b, h], or [s/tp, b, h] if `scatter_to_sp`."""
         ids = ngram_hash_ids(input_ids, position_ids, self.orders, self.vocab_size, self.table_size)
         lookup = self._dp_lookup if self.dp_group is not None else self._local_lookup
-        parts = [lookup(self.tables[str(n)].weight, idx) for n, idx in zip(self.orders, ids)]
+        parts = [lookup(cast(_Weight, self.tables[str(n)]).weight, idx) for n, idx in zip(self.orders, ids)]
         looked = torch.cat(parts, dim=-1).transpose(0, 1).contiguous()  # [s, b, sum of widths]
         if scatter_to_sp:
             looked = tensor_parallel.reduce_scatter_to_sequence_parallel_region(looked, group=self.tp_group)
@@ -162,9 +168,10 @@ class NgramEmbedding(MegatronModule):
             looked = tensor_parallel.reduce_from_tensor_model_parallel_region(looked, group=self.tp_group)
         out, offset = None, 0
         for n, width in zip(self.orders, self.widths):
-            y = F.linear(looked[..., offset : offset + width], self.projections[str(n)].weight)
+            y = F.linear(looked[..., offset : offset + width], cast(_Weight, self.projections[str(n)]).weight)
             out = y if out is None else out + y
             offset += width
+        assert out is not None  # orders is non-empty: built only for n-gram models
         return out
 
     # ------------------------------------------------------------------------ checkpointing
@@ -209,7 +216,7 @@ class NgramLanguageModelEmbedding(LanguageModelEmbedding):
         return embeddings + self.ngram(input_ids, position_ids, scatter).to(embeddings.dtype)
 
 
-def add_ngram_embedding(gpt_model: torch.nn.Module, model: ModelConfig) -> None:
+def add_ngram_embedding(gpt_model: GPTModel, model: ModelConfig) -> None:
     """Give a built GPTModel's first-stage embedding the n-gram tables (no-op without them).
 
     The existing `LanguageModelEmbedding` is kept (its word embeddings carry megatron-core's tied /
@@ -230,7 +237,7 @@ def add_ngram_embedding(gpt_model: torch.nn.Module, model: ModelConfig) -> None:
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:
     if param.grad is not None:
-        param.main_grad.add_(param.grad)
+        megatron_attrs(param).main_grad.add_(param.grad)
         param.grad = None
 
 
@@ -261,27 +268,27 @@ class DataParallelShardedDDP(DistributedDataParallel):
             self._dp_sharded_scale = 1.0 / self.dp_cp_group.size()
         for p in sharded:
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else p.dtype
-            p.main_grad = torch.zeros_like(p, dtype=grad_dtype)
-            p.grad_added_to_main_grad = False
+            megatron_attrs(p).main_grad = torch.zeros_like(p, dtype=grad_dtype)
+            megatron_attrs(p).grad_added_to_main_grad = False
             if not getattr(p, "_main_grad_hooked", False):
                 p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-                p._main_grad_hooked = True
+                megatron_attrs(p)._main_grad_hooked = True
 
     def finish_grad_sync(self, *args, **kwargs) -> None:
         super().finish_grad_sync(*args, **kwargs)
         if self._dp_sharded_scale != 1.0:
             for p in self.dp_sharded_params:
-                p.main_grad.mul_(self._dp_sharded_scale)
+                megatron_attrs(p).main_grad.mul_(self._dp_sharded_scale)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         super().scale_gradients(scaling_factor)
         for p in self.dp_sharded_params:
-            p.main_grad.mul_(scaling_factor)
+            megatron_attrs(p).main_grad.mul_(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         super().zero_grad_buffer()
         for p in self.dp_sharded_params:
-            p.main_grad.zero_()
+            megatron_attrs(p).main_grad.zero_()
 
     def broadcast_params(self) -> None:
         for param in self.module.parameters():

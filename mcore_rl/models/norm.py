@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
+from mcore_rl.models.param_attrs import megatron_attrs
 
 
 class RMSNorm(torch.nn.Module):
@@ -29,7 +30,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
-        self.weight.sequence_parallel = config.sequence_parallel
+        megatron_attrs(self.weight).sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as the reference model (mcore_rl.hf): normalise in fp32, cast, scale.

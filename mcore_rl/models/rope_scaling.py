@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 @dataclass
@@ -87,7 +89,7 @@ def gpt_model_kwargs(model: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
-def configure_rotary_embedding(chunk: torch.nn.Module, model: ModelConfig) -> None:
+def configure_rotary_embedding(chunk: GPTModel, model: ModelConfig) -> None:
     """Llama 3.x: the chunk's RoPE frequencies with the configured low/high frequency factors and
     original context (megatron-core's `_apply_scaling`); a no-op for the other types."""
     s = model.rope_scaling

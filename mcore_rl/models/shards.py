@@ -9,12 +9,17 @@ gathering a whole model's state dict. The exporter, the weight sync and the test
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.hf.weight_map import EXPERT_NAME, LAYER_NAME
 from mcore_rl.models.vocab_padding import pad_vocab_rows
+from mcore_rl.models.param_attrs import megatron_attrs
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def _is_expert(name: str) -> bool:
@@ -25,7 +30,7 @@ def _is_gated_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def _tp_group_rank_size(param: torch.nn.Parameter, global_name: str) -> tuple[dist.ProcessGroup | None, int, int]:
+def _tp_group_rank_size(param: torch.Tensor, global_name: str) -> tuple[dist.ProcessGroup | None, int, int]:
     from megatron.core import parallel_state as ps
 
     if _is_expert(global_name):
@@ -48,7 +53,7 @@ WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 
 def iter_local_params(
     chunks: Iterable[torch.nn.Module], with_buffers: bool = False
-) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(local name, global name, param) for every parameter of this rank's model chunks;
     `with_buffers` adds the `WEIGHT_BUFFERS` (replicated tensors, no gradient)."""
     from megatron.core import parallel_state as ps
@@ -56,7 +61,7 @@ def iter_local_params(
 
     for chunk in chunks:
         module = unwrap_model(chunk)
-        config = module.config
+        config = cast("TransformerConfig", module.config)
         vp_stage = getattr(module, "vp_stage", None)
         layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         num_local_experts = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
@@ -80,14 +85,14 @@ def _global_name(local: str, layer_offset: int, expert_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
-def shard_for_rank(full: torch.Tensor, param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
+def shard_for_rank(full: torch.Tensor, param: torch.Tensor, global_name: str) -> torch.Tensor:
     """This rank's TP/ETP slice of a full megatron tensor (a true-size vocabulary is padded first)."""
     if not getattr(param, "tensor_model_parallel", False):
         return pad_vocab_rows(global_name, full, param.shape[0])
     if getattr(param, "data_parallel_sharded", False):  # n-gram tables: shard dp_rank * tp + tp_rank
-        full = full.chunk(_dp_size(), dim=param.partition_dim)[_dp_rank()]
+        full = full.chunk(_dp_size(), dim=megatron_attrs(param).partition_dim)[_dp_rank()]
     _, rank, size = _tp_group_rank_size(param, global_name)
-    dim = param.partition_dim
+    dim = megatron_attrs(param).partition_dim
     full = pad_vocab_rows(global_name, full, param.shape[0] * size)
     if _is_gated_fc1(global_name):  # [gate; up]: each half is split, then re-concatenated
         gate, up = full.chunk(2, dim=0)
@@ -95,8 +100,8 @@ def shard_for_rank(full: torch.Tensor, param: torch.nn.Parameter, global_name: s
     return full.chunk(size, dim=dim)[rank]
 
 
-def unshard(shards: list[torch.Tensor], param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
-    dim = param.partition_dim
+def unshard(shards: list[torch.Tensor], param: torch.Tensor, global_name: str) -> torch.Tensor:
+    dim = megatron_attrs(param).partition_dim
     if _is_gated_fc1(global_name):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -156,7 +161,7 @@ def _dp_rank() -> int:
     return ps.get_data_parallel_rank()
 
 
-def gather_data_parallel_shards(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+def gather_data_parallel_shards(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """For a param sharded over data parallel too (`data_parallel_sharded`, n-gram tables with
     `shard_over_data_parallel`): the concatenation of all DP ranks' TP-gathered `value`s (every DP
     rank must call it). Any other param: `value` unchanged."""
@@ -166,10 +171,10 @@ def gather_data_parallel_shards(param: torch.nn.Parameter, value: torch.Tensor) 
 
     parts = [torch.empty_like(value) for _ in range(_dp_size())]
     dist.all_gather(parts, value.contiguous(), group=ps.get_data_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=megatron_attrs(param).partition_dim)
 
 
-def grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+def grad_of(param: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient in fp32: `main_grad` (megatron DDP's buffer), else `.grad`, else zeros."""
     grad = getattr(param, "main_grad", None)
     if grad is None:
@@ -182,5 +187,5 @@ def grad_of(param: torch.nn.Parameter) -> torch.Tensor:
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     """The megatron-core model inside its wrappers (DDP and the like keep it as `.module`)."""
     while hasattr(module, "module"):
-        module = module.module
+        module = cast(torch.nn.Module, module.module)  # the wrapped model
     return module

@@ -13,9 +13,14 @@ vocab-parallel log-probs and entropy (`train/logprobs.py`) and the top-k of dist
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mcore_rl.config.rules import padded_vocab_size  # noqa: F401  (pure arithmetic, also used without torch)
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 # megatron global names of the tensors with one row per vocabulary entry
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -46,7 +51,7 @@ def mask_padded_logits(logits: torch.Tensor, vocab_size: int | None, vocab_start
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def install_vocab_padding(gpt: torch.nn.Module, vocab_size: int) -> None:
+def install_vocab_padding(gpt: GPTModel, vocab_size: int) -> None:
     """Record the true vocabulary size on a GPT chunk (`unpadded_vocab_size`, read by the log-prob
     code) and, when it is padded, mask the padded columns of its output layer's logits."""
     gpt.unpadded_vocab_size = vocab_size

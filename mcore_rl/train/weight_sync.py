@@ -106,7 +106,7 @@ def _stage_holders(role: _Role) -> list[int]:
     return [h[0] for h in holders]
 
 
-def _gather_tp(param: torch.nn.Parameter, global_name: str, value: torch.Tensor, expert: bool) -> torch.Tensor:
+def _gather_tp(param: torch.Tensor, global_name: str, value: torch.Tensor, expert: bool) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     if not getattr(param, "tensor_model_parallel", False):
