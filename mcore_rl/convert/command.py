@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
+from mcore_rl.config import SFTConfig, load_config
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import check_layout, default_world_size, parallel_config
 from mcore_rl.convert.to_hf import REMOTE, REMOTE_MODEL_CLASS, STOCK_CLASSES, mcore_to_hf, stored_model_config
 from mcore_rl.convert.to_mcore import RECIPE_FILE, hf_to_mcore
 from mcore_rl.hf.rope import rope_key_in_file
+from mcore_rl.parallel import setup
+from mcore_rl.train.checkpoint import latest_checkpoint
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
@@ -30,7 +36,6 @@ def _parse_size(text: str) -> int:
 def _model_config_from_args(args: Any) -> ModelConfig | None:
     if not getattr(args, "config", None) and not getattr(args, "overrides", None):
         return None
-    from mcore_rl.config import SFTConfig, load_config
 
     return load_config(SFTConfig, args.config, list(args.overrides or [])).model
 
@@ -63,9 +68,7 @@ def plan(args: Any) -> tuple[ParallelConfig, int]:
             raise FileNotFoundError(f"--input {args.input} holds no checkpoint (no 'latest' file, no metadata.json)")
         mc = _model_config_from_args(args)
         if mc is None and world > 1:  # check the layout before workers start (imports megatron)
-            from megatron.core import dist_checkpointing
-
-            from mcore_rl.train.checkpoint import latest_checkpoint
+            from megatron.core import dist_checkpointing  # lazy: megatron
 
             path = latest_checkpoint(args.input)
             assert path is not None  # checked above: --input holds a checkpoint
@@ -80,11 +83,6 @@ def plan(args: Any) -> tuple[ParallelConfig, int]:
 
 def run(args: Any) -> int:
     """One rank's share of `mcore-rl convert` (a world of one outside torchrun)."""
-    import warnings
-
-    import torch.distributed as dist
-
-    from mcore_rl.parallel import setup
 
     for message in (".*ShardedTensor.*", ".*`load_state_dict` is deprecated.*", ".*full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=message)

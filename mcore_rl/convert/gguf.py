@@ -46,7 +46,7 @@ def inspect_gguf(path: str) -> dict[str, Any]:
         head = f.read(4)
     if head != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (it starts with {head!r}, a GGUF file with {GGUF_MAGIC!r})")
-    import gguf
+    import gguf  # lazy: gguf, an optional dependency
 
     try:
         reader = gguf.GGUFReader(path)
@@ -55,7 +55,7 @@ def inspect_gguf(path: str) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: field 'general.architecture' is missing; cannot tell which model this is")
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES  # lazy: needs gguf
 
     model_type = GGUF_ARCH_TO_MODEL_TYPE.get(arch)
     readable = arch in GGUF_SUPPORTED_ARCHITECTURES or arch.replace("moe", "_moe") in GGUF_SUPPORTED_ARCHITECTURES
@@ -79,8 +79,8 @@ def inspect_gguf(path: str) -> dict[str, Any]:
 
 def gguf_to_hf(path: str, output: str) -> dict[str, Any]:
     """Write `path` (a GGUF file) as a float32 HF checkpoint in `output`; returns what was written."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    import torch  # lazy: torch, only for this command
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # lazy: transformers
 
     info = inspect_gguf(path)
     if os.path.exists(output) and os.listdir(output):

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig
 
+from mcore_rl.config.rope_scaling import check_rope_scaling
+from mcore_rl.config.rules import Errors
+from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
 from mcore_rl.hf.families import FAMILIES
 
 if TYPE_CHECKING:
@@ -70,8 +75,6 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
                 weight_map = json.load(f)["weight_map"]
             self._files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
         elif os.path.exists(single):
-            from safetensors import safe_open
-
             with safe_open(single, "pt", device="cpu") as f:
                 self._files = {name: single for name in f.keys()}
         else:
@@ -90,8 +93,6 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
-            from safetensors import safe_open
-
             self._handles[path] = safe_open(path, "pt", device="cpu")
         return self._handles[path]
 
@@ -110,7 +111,6 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
         The file is opened for this one read: a handle kept open keeps the pages it read resident
         (measured: RSS grew with every tensor read), which is what streaming must not do.
         """
-        from safetensors import safe_open
 
         if name not in self._files:
             raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
@@ -144,7 +144,6 @@ def read_hf_config(directory: str) -> PretrainedConfig:
             f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     import mcore_rl.hf  # noqa: F401  (registers our model_types with AutoConfig)
-    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
@@ -153,9 +152,6 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
     """`configuration.model_config_from_hf_config`, after rejecting what megatron-core here cannot
     express (every problem at once, each naming the `config.json` field). `rope_key`: the RoPE key
     the source file has (`rope_key_in_file`), named in errors and kept for export."""
-    from mcore_rl.config.rope_scaling import check_rope_scaling
-    from mcore_rl.config.rules import Errors
-    from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
 
     model_type = getattr(hf, "model_type", None)
     problems: list[str] = []

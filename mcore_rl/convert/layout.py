@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mcore_rl.config import ConfigError, SFTConfig, TrainConfig, validate_sft_config
+from mcore_rl.config.schema import ParallelConfig
+
 if TYPE_CHECKING:
-    from mcore_rl.config.schema import ModelConfig, ParallelConfig
+    from mcore_rl.config.schema import ModelConfig
 
 
 def parallel_config(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> ParallelConfig:
     """The layout to convert in (sequence parallelism on with TP: megatron-core's MoE needs it)."""
-    from mcore_rl.config.schema import ParallelConfig
 
     return ParallelConfig(
         tensor_model_parallel_size=tp,
@@ -36,7 +38,6 @@ def check_layout(mc: ModelConfig, pc: ParallelConfig, world_size: int) -> None:
 
     Runs the trainer's own validation (so every architecture's rules apply) on a minimal config.
     """
-    from mcore_rl.config import ConfigError, SFTConfig, TrainConfig, validate_sft_config
 
     tp, pp = pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size
     dp = world_size // (tp * pp) if tp * pp and world_size % (tp * pp) == 0 else 1
@@ -63,7 +64,7 @@ def check_layout(mc: ModelConfig, pc: ParallelConfig, world_size: int) -> None:
 
 def build_chunks(mc: ModelConfig, pc: ParallelConfig, precision: str) -> list[torch.nn.Module]:
     """This rank's model chunks in layout `pc` (the model-parallel groups must be set up)."""
-    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
 
     # (Random init is wasted work here, but megatron-core 0.16 sets the tensor-parallel attributes
     # that `shard_for_rank` reads inside its init functions: perform_initialization=False drops them.)

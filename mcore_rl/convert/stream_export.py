@@ -27,6 +27,9 @@ import torch.distributed as dist
 from mcore_rl.convert.hf_checkpoint import _SAFETENSORS_DTYPES
 from mcore_rl.convert.stream_import import full_shape
 from mcore_rl.convert.streaming import StreamStats, nbytes, tensor_split
+from mcore_rl.hf.weight_map import megatron_to_hf
+from mcore_rl.models.shards import _tp_group_rank_size, gather_data_parallel_shards, iter_local_params, unshard
+from mcore_rl.progress import progress
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig
@@ -111,7 +114,6 @@ class SafetensorsShardWriter:
 
 def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(global name, param) of this rank's parameters that go into the export."""
-    from mcore_rl.models.shards import iter_local_params
 
     return [
         (name, param)
@@ -122,7 +124,6 @@ def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor
 
 def _leader(param: torch.Tensor, global_name: str) -> int:
     """The global rank that holds this parameter whole once its TP/ETP group gathered it."""
-    from mcore_rl.models.shards import _tp_group_rank_size
 
     _, _, size = tensor_split(param, global_name)
     if size == 1:
@@ -135,7 +136,6 @@ def _leader(param: torch.Tensor, global_name: str) -> int:
 def _gather_to_leader(param: torch.Tensor, global_name: str, stats: StreamStats) -> torch.Tensor | None:
     """The full tensor on the TP/ETP leader (None on the other members); DP-sharded tables are
     all-gathered over their TP and DP groups (they are small) and come back whole on every holder."""
-    from mcore_rl.models.shards import _tp_group_rank_size, gather_data_parallel_shards, unshard
 
     value = param.detach()
     dim, rank, size = tensor_split(param, global_name)
@@ -170,9 +170,7 @@ def stream_export(
 ) -> StreamStats:
     """Write the HF safetensors of the model in `chunks` (collective over the world; rank 0 writes);
     `kind` (the export kind, known on the writer) says which tensors stay fp32 (`to_hf.tensor_dtype`)."""
-    from mcore_rl.convert.to_hf import tensor_dtype
-    from mcore_rl.hf.weight_map import megatron_to_hf
-    from mcore_rl.progress import progress
+    from mcore_rl.convert.to_hf import tensor_dtype  # lazy: import cycle (to_hf imports this module)
 
     stats = stats if stats is not None else StreamStats()
     me = dist.get_rank() if dist.is_initialized() else 0

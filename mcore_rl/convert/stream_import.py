@@ -10,6 +10,7 @@ No full-model dict exists anywhere, and a TP rank never reads the rows of its pe
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING
 from collections.abc import Iterable
 
@@ -17,6 +18,9 @@ import torch
 
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint
 from mcore_rl.convert.streaming import StreamStats, nbytes, owned_range, tensor_split
+from mcore_rl.hf.weight_map import _ngram_hf_to_megatron, megatron_to_hf, merge_qkv
+from mcore_rl.models.shards import _dp_size, iter_local_params, shard_for_rank
+from mcore_rl.progress import progress
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig
@@ -26,7 +30,6 @@ _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  #
 
 def full_shape(param: torch.Tensor, global_name: str) -> list[int]:
     """The shape of the whole megatron tensor a (TP/ETP and DP sharded) parameter is a slice of."""
-    from mcore_rl.models.shards import _dp_size
 
     shape = list(param.shape)
     dim, _, size = tensor_split(param, global_name)
@@ -44,8 +47,6 @@ def read_owned_shard(
     stats: StreamStats | None = None,
 ) -> torch.Tensor:
     """This rank's slice of the megatron tensor `global_name`, read from the HF checkpoint."""
-    from mcore_rl.hf.weight_map import merge_qkv, megatron_to_hf
-    from mcore_rl.models.shards import shard_for_rank
 
     name = global_name
     if name == "output_layer.weight" and mc.tie_word_embeddings:
@@ -100,9 +101,6 @@ def _read_padded_rows(source: HFCheckpoint, hf_name: str, dim: int, start: int, 
 
 def _ngram_table(source: HFCheckpoint, name: str, mc: ModelConfig) -> torch.Tensor:
     """A whole n-gram table or projection of one order (`weight_map`'s layout), from its k slices."""
-    import re
-
-    from mcore_rl.hf.weight_map import _ngram_hf_to_megatron
 
     m = re.match(r"^embedding\.ngram\.(?:tables|projections)\.(\d+)\.weight$", name)
     if not m:
@@ -116,8 +114,6 @@ def stream_load(
     chunks: Iterable[torch.nn.Module], source: HFCheckpoint, mc: ModelConfig, stats: StreamStats | None = None
 ) -> StreamStats:
     """Copy the HF checkpoint into this rank's parameters, one owned slice at a time (rank 0 draws a bar)."""
-    from mcore_rl.models.shards import iter_local_params
-    from mcore_rl.progress import progress
 
     stats = stats if stats is not None else StreamStats()
     params = list(iter_local_params(chunks, with_buffers=True))  # with DeepSeek-V3's expert bias

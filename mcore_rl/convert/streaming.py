@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from mcore_rl.models.param_attrs import megatron_attrs
+from mcore_rl.models.shards import _tp_group_rank_size
 
 
 @dataclasses.dataclass
@@ -52,7 +53,6 @@ def owned_range(length: int, rank: int, size: int) -> tuple[int, int]:
 
 def tensor_split(param: torch.Tensor, global_name: str) -> tuple[int, int, int]:
     """(dim, rank, size) of the TP/ETP split of a parameter; (0, 0, 1) when it is not split."""
-    from mcore_rl.models.shards import _tp_group_rank_size
 
     if not getattr(param, "tensor_model_parallel", False):
         return 0, 0, 1

@@ -8,18 +8,29 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from mcore_rl.config.loader import _build
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
 from mcore_rl.hf.families import FAMILIES
 from mcore_rl.hf.rope import respell_rope_in_file
 from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stream_export
 from mcore_rl.convert.streaming import StreamStats
+from mcore_rl.hf.configuration import (
+    hf_config_from_model_config,
+    keep_source_layer_keys,
+    model_config_from_hf_config,
+    to_stock_hf_config,
+)
+from mcore_rl.parallel import setup
+from mcore_rl.train import checkpoint
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from mcore_rl.config.schema import ModelConfig, ParallelConfig
+    from mcore_rl.config.schema import ParallelConfig
 
 STOCK_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -69,11 +80,6 @@ def export_kind(mc: ModelConfig, family: str | None = None) -> str:
     checkpoint's model_type) picks between stock classes that compute the same model (Mistral
     without a window is Llama).
     """
-    from mcore_rl.hf.configuration import (
-        hf_config_from_model_config,
-        model_config_from_hf_config,
-        to_stock_hf_config,
-    )
 
     if mc.moe_latent_size or mc.attn_res != "none" or mc.ngram.orders:
         return REMOTE
@@ -92,7 +98,6 @@ def export_config(
     mc: ModelConfig, dtype: torch.dtype, source: dict[str, Any] | None = None
 ) -> tuple[PretrainedConfig, str]:
     """The HF config to write, and the export kind (see `export_kind`)."""
-    from mcore_rl.hf.configuration import hf_config_from_model_config, keep_source_layer_keys, to_stock_hf_config
 
     family = (source or {}).get("model_type")
     kind = export_kind(mc, family)
@@ -124,7 +129,7 @@ def remote_code_files() -> list[str]:
     transformers' remote-code loader looks (it refuses to load a model whose files import a
     package that is not installed, so an export must not need mcore_rl).
     """
-    from transformers.dynamic_module_utils import get_imports, get_relative_imports
+    from transformers.dynamic_module_utils import get_imports, get_relative_imports  # lazy: transformers
 
     todo, seen = list(REMOTE_CODE_ENTRY), []
     while todo:
@@ -197,7 +202,7 @@ def write_hf_files(
 
 def _stored_dtype(path: str, name: str = "embedding.word_embeddings.weight") -> torch.dtype | None:
     """The dtype a megatron dist-checkpoint stores a tensor in (None if not found)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # lazy: megatron
 
     try:
         meta = dist_checkpointing.load_tensors_metadata(path)
@@ -226,11 +231,7 @@ def mcore_to_hf(
     streaming one tensor at a time (`stream_export`; `stats` gets its counters); returns the export
     kind there (None elsewhere).
     """
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    from mcore_rl.parallel import setup
-    from mcore_rl.train import checkpoint
+    from megatron.core import dist_checkpointing  # lazy: megatron
 
     path = checkpoint.latest_checkpoint(input_path)
     if path is None:
@@ -275,7 +276,5 @@ def stored_model_config(common: dict[str, Any], path: str) -> ModelConfig:
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     """A `ModelConfig` from its plain dict (as checkpoints and recipes store it), type-checked."""
-    from mcore_rl.config.loader import _build
-    from mcore_rl.config.schema import ModelConfig
 
     return _build(ModelConfig, data, "model")

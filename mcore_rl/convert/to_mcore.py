@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+import yaml
+
+from mcore_rl.config import config_to_dict
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import build_chunks, check_layout
 from mcore_rl.convert.stream_import import stream_load
 from mcore_rl.convert.streaming import StreamStats
 from mcore_rl.hf.rope import rope_key_in_file
+from mcore_rl.parallel import setup
+from mcore_rl.train import checkpoint
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
@@ -36,11 +42,6 @@ def hf_to_mcore(
     Call on every rank of an initialised world (or a single process); returns the iteration dir.
     Each rank streams in only the slices it owns (`stream_import`; `stats` gets its counters).
     """
-    import torch.distributed as dist
-
-    from mcore_rl.config import config_to_dict
-    from mcore_rl.parallel import setup
-    from mcore_rl.train import checkpoint
 
     hf_config = read_hf_config(input_dir)
     mc = model_config_from_hf(hf_config, rope_key_in_file(input_dir))
@@ -70,9 +71,6 @@ def hf_to_mcore(
 
 def write_recipe(output_dir: str, mc: ModelConfig, assets_dir: str | None) -> str:
     """`<output>/recipe.yaml`: model, checkpoint and tokenizer, for `mcore-rl sft` (or as `defaults`)."""
-    import yaml
-
-    from mcore_rl.config import config_to_dict
 
     recipe: dict[str, Any] = {"model": config_to_dict(mc), "checkpoint": {"load_dir": os.path.abspath(output_dir)}}
     if assets_dir and any(os.path.exists(os.path.join(assets_dir, f)) for f in _TOKENIZER_FILES):
