@@ -9,8 +9,8 @@ backward of `vocab_parallel_topk_stats` with the entropy, default chunk size): p
 process's peak RSS above its RSS once the inputs exist (on CUDA, `max_memory_allocated` above the
 inputs); the variants alternate, `--repeats` times each, and the median and the range are printed.
 
-    python tools/measure_logprob_memory.py                     # CPU, the defaults
-    python tools/measure_logprob_memory.py --device cuda --repeats 5
+    python benchmarks/measure_logprob_memory.py                     # CPU, the defaults
+    python benchmarks/measure_logprob_memory.py --device cuda --repeats 5
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Environment and tool overhead per turn: what one `step` of each shipped environment and one call of
 each tool costs on this machine's CPU (to set against a turn's generation time).
 
-    python tools/bench_env_overhead.py                 # 5 rounds, the cases alternated every round
-    python tools/bench_env_overhead.py --rounds 9 --json out.json
+    python benchmarks/bench_env_overhead.py                 # 5 rounds, the cases alternated every round
+    python benchmarks/bench_env_overhead.py --rounds 9 --json out.json
 
 Cases (each timed as wall time around the call, in this process):
 
@@ -18,7 +18,7 @@ Cases (each timed as wall time around the call, in this process):
 The cases are run round-robin, one sample each per round, so background load hits them alike;
 printed: median and min..max over rounds, in milliseconds.
 
-    python tools/bench_env_overhead.py --sessions 4    # memory of 4 live Python-tool interpreters
+    python benchmarks/bench_env_overhead.py --sessions 4    # memory of 4 live Python-tool interpreters
 
 `--sessions N` instead starts N Python tools, runs a cell in each and prints their processes'
 proportional set size (PSS, shared pages split between the processes that share them).
