@@ -273,7 +273,7 @@ def test_staged_schedules_switch_at_their_steps():
     assert [p.domain for p in stream.take(28)] == [d for d in expect for _ in range(4)]
     cfg = SimpleNamespace(
         data=SimpleNamespace(domains=[1], mixture=SimpleNamespace(stages=stages)),
-        rollout=SimpleNamespace(temperature=1.0),
+        rollout=SimpleNamespace(temperature=1.0, temperature_stages=[]),
     )
     assert [stage_temperature(cfg, s) for s in (0, 5, 6, 9)] == [1.0, 1.0, 1.3, 1.3]
 

@@ -60,9 +60,6 @@ def test_a_recipe_that_is_off_still_checks_its_keys():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("rollout.polaris.rescue=true", "rollout.polaris.rescue"),
-        ("rollout.polaris.substitute=true", "rollout.polaris.substitute"),
-        ("rollout.gec.enabled=true", "rollout.gec.enabled"),
         ("distill.effopd.enabled=true", "distill.effopd.enabled"),
     ],
 )

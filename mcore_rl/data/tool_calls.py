@@ -211,7 +211,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
         ToolCallFormat(
             name="hermes",
             sglang_parser="qwen25",
-            model_types=("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mcore_rl_qwen3"),
+            model_types=("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mcore_rl_qwen3", "mcore_rl"),
             parse=parse_hermes,
             render=render_hermes,
         ),
