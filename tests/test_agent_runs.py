@@ -1,8 +1,8 @@
 """An environment domain through `mcore-rl train` in both schedules, and its config checks.
 
-The synchronous schedule runs each batch's episodes in lockstep on the embedded engine; the
-asynchronous one runs them on started `mcore-rl serve` processes, one coroutine per episode, its
-turns continued across weight syncs. Both train only at the model's tokens and count the episodes
+Both schedules run each episode as one coroutine through the scheduler's `produce_group`: the
+synchronous one on the embedded engine, the asynchronous one on started `mcore-rl serve` processes,
+its turns continued across weight syncs. Both train only at the model's tokens and count the episodes
 in `accounting.json`.
 """
 

@@ -1,10 +1,8 @@
 """The multi-turn domains of a run, as the rollout sees them: one prompt in, one group of episode samples out.
 
-This is the seam between the rollout schedules and the episode runner. The synchronous rollout
-manager hands its environment prompts to `run_sync` (every episode of the batch advanced in
-lockstep, one batched generation per round); the asynchronous scheduler hands each one to `run_group`
-with its own `generate` (which waits out engine outages and whose aborted requests the runner
-continues). Either way the group is G episodes of the domain's environment from one seeded state,
+This is the seam between the one rollout path and the episode runner: the scheduler's
+`produce_group` hands each environment prompt to `run_group` with its own `generate` (which waits
+out engine outages and whose aborted requests the runner continues), in both schedules. The group is G episodes of the domain's environment from one seeded state,
 each episode's samples carrying its return as their reward; the reward workers never see them.
 """
 
@@ -16,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode, run_lockstep
+from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode
 from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
@@ -86,22 +84,6 @@ class EpisodeGroups:
             Episode(make_env(env.name, **env.options), prompt, j, seed, self.tokenizer, settings, sp, guards)
             for j, sp in enumerate(samplings)
         ]
-
-    def run_sync(
-        self,
-        prompts: Sequence[Prompt],
-        samplings: Sequence[Sequence[dict[str, Any]]],
-        generate: Callable[[list[GenRequest]], list[Generation]],
-        budgets: Sequence[int | None] | None = None,
-    ) -> list[list[Sample]]:
-        """The groups of `prompts` (one list of sampling parameters per prompt: its group), all their
-        episodes advanced together, one batched `generate` per round."""
-        groups = [
-            self.episodes(p, sps, budgets[i] if budgets is not None else None)
-            for i, (p, sps) in enumerate(zip(prompts, samplings))
-        ]
-        run_lockstep([e for g in groups for e in g], generate)
-        return [_group(g) for g in groups]
 
     async def run_group(
         self,
