@@ -124,7 +124,7 @@ def test_importing_mcore_rl_hf_imports_no_megatron() -> None:
 
 
 def _relative_imports(path: str) -> tuple[set[str], list[str]]:
-    """(every sibling the module imports, the ones imported inside a function or class body)."""
+    """(every sibling the module imports at run time, the ones imported inside a function or class body)."""
     tree = ast.parse(open(path, encoding="utf-8").read())
 
     def siblings(node: ast.AST) -> list[str]:
@@ -139,7 +139,16 @@ def _relative_imports(path: str) -> tuple[set[str], list[str]]:
         for node in ast.walk(scope)
         for name in siblings(node)
     ]
-    return {name for node in ast.walk(tree) for name in siblings(node)}, nested
+    # Imports under `if TYPE_CHECKING:` never run: they are annotations, not edges of the import graph.
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+    runtime = {name for node in ast.walk(tree) if id(node) not in typing_only for name in siblings(node)}
+    return runtime, nested
 
 
 def test_hf_modules_import_each_other_as_a_dag() -> None:

@@ -97,7 +97,11 @@ class ProcessEnv(Environment):
                 self.conn.send((method, args))
                 status, value = self.conn.recv()
             except (EOFError, OSError) as exc:
-                code = self.proc.poll()
+                # The socket closes a moment before the child is reaped: give it that moment to say why.
+                try:
+                    code: int | None = self.proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    code = None
                 why = f"exited with status {code}" if code is not None else f"its connection broke ({exc})"
                 raise EnvProcessError(f"the environment's process {why}") from None
         if status == "error":
