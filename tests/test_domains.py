@@ -41,7 +41,7 @@ from mcore_rl.data.domains import (
     task_examples,
 )
 from mcore_rl.data.files import DataError
-from mcore_rl.data.prompts import PromptSource, build_prompt_sets, read_prompt_files
+from mcore_rl.data.prompts import HELD_OUT_SEED_OFFSET, PromptSource, build_prompt_sets, read_prompt_files
 from mcore_rl.data.tokenizer import load_tokenizer
 from tests.world import run_world
 from tests.helpers import cfg_of, errors_of, recipe
@@ -388,12 +388,16 @@ def test_held_out_sets_are_disjoint_from_training(tmp_path):
             "reasoning_gym": "chain_sum",
             "num_prompts": 40,
             "options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-            "eval": {"num_prompts": 5},
+            "eval": {"num_prompts": 30},  # 30 draws of ~100 questions repeat some: the set must not
         }
     )
     cfg = cfg_of(tmp, data, "train.seq_length=128", "model.max_position_embeddings=128")
     validate_rl_config(cfg, 1)
     sets = build_prompt_sets(cfg, load_tokenizer(None))
+    chain = [p.text for p in sets.eval_prompts if p.domain == "chain"]
+    assert len(chain) == len(set(chain)) == 30
+    chain_seed = 1234 + HELD_OUT_SEED_OFFSET + 2 * DOMAIN_SEED_STRIDE
+    assert len({x[0] for x in task_examples(cfg.data.domains[2], 30, chain_seed)}) < 30  # the raw draw repeats
     raw = {x[0] for x in task_examples(cfg.data.domains[1], 200, 1234 + DOMAIN_SEED_STRIDE)}
     assert {p.text for p in sets.eval_prompts if p.domain == "fmt"} <= raw  # they overlapped before removal
     for d in ("sum2", "fmt", "chain"):
@@ -407,6 +411,19 @@ def test_held_out_sets_are_disjoint_from_training(tmp_path):
     # the file domain's template reaches the ids, not the text the reward reads
     p = sets.train.sources["sum2"].take(1)[0]
     assert p.ids[1:] == load_tokenizer(None).encode("Q:" + p.text)
+
+
+def test_a_single_task_held_out_set_has_distinct_questions(caplog):
+    """The demo's path (`data.synthetic_task`): 1-digit addition has 100 questions; a held-out set of 150
+    is the 100, each once, and the run says so; the training pool keeps none of them."""
+    cfg = load_config(
+        RLConfig, os.path.join(ROOT, "configs", "demo.yaml"), ["data.synthetic_max_digits=1", "eval.num_prompts=150"]
+    )
+    with caplog.at_level("WARNING"):
+        sets = build_prompt_sets(cfg, load_tokenizer(None))
+    texts = [p.text for p in sets.eval_prompts]
+    assert len(texts) == len(set(texts)) == 100
+    assert "only 100 distinct questions for a held-out set of 150" in caplog.text
 
 
 def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):

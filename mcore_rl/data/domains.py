@@ -42,6 +42,7 @@ from mcore_rl.data.prompts import (
     ExampleSource,
     PromptSets,
     PromptSource,
+    distinct_draw,
     read_prompt_file,
 )
 from mcore_rl.data.samples import Prompt
@@ -292,7 +293,12 @@ def domain_pools(
         own = seed + i * DOMAIN_SEED_STRIDE
         examples = environment_examples
         train = task_examples(d, d.num_prompts, own, examples)
-        held = files[f"data.domains[{i}].eval.path"] if d.eval.path else task_examples(d, n_eval, eval_seed, examples)
+        if d.eval.path:
+            held = files[f"data.domains[{i}].eval.path"]
+        elif domain_source(d)[0] == "environment":  # its states, not its prompt texts, tell episodes apart
+            held = task_examples(d, n_eval, eval_seed, examples)
+        else:
+            held = distinct_draw(lambda m: task_examples(d, m, eval_seed, examples), n_eval, f"domain {d.name!r}")
         n_val = max(64, cfg.algorithm.mismatch.mipu_validation_prompts)
         validation = task_examples(d, n_val, own + validation_offset, examples)
     held = held[:n_eval]
@@ -303,6 +309,14 @@ def domain_pools(
     validation = [x for x in validation if x[0] not in held_texts] or train
     if not train:
         raise DataError(f"{domain_key(i, d, 'eval')}: every training prompt is also in the evaluation set")
+    logger.info(
+        "domain %s: %d training prompts (%d distinct), %d held-out (%d distinct)",
+        d.name,
+        len(train),
+        len({x[0] for x in train}),
+        len(held),
+        len(held_texts),
+    )
     return DomainPools(train, held, validation)
 
 

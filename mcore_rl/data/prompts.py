@@ -146,6 +146,23 @@ def task_pool(task: str, n: int, seed: int, max_digits: int) -> list[tuple[str, 
         raise DataError(f"data.synthetic_task: {err.args[0]}") from None
 
 
+def distinct_draw(draw: Callable[[int], Sequence[Any]], n: int, what: str) -> list[Any]:
+    """`n` examples with distinct prompt texts (`x[0]`), the first of each text in the order `draw(m)`
+    makes them: a held-out set that repeats a question counts it twice and makes its confidence
+    interval too narrow. Draws n, then 4n and 16n where the generator repeats itself; a generator with
+    fewer than `n` distinct questions gives what it has, and says so."""
+    out: list[Any] = []
+    for m in (n, 4 * n, 16 * n):
+        first: dict[str, Any] = {}
+        for x in draw(m):
+            first.setdefault(x[0], x)
+        out = list(first.values())
+        if len(out) >= n:
+            return out[:n]
+    logger.warning("%s: only %d distinct questions for a held-out set of %d", what, len(out), n)
+    return out
+
+
 @dataclass
 class PromptSets:
     """The three prompt sets of an RL run."""
@@ -197,7 +214,11 @@ def build_prompt_sets(cfg: RLConfig, tokenizer: Any, environment_examples: Examp
         held_out = (
             files["eval.path"]
             if e.path
-            else list(task_pool(d.synthetic_task, e.num_prompts, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits))
+            else distinct_draw(
+                lambda m: task_pool(d.synthetic_task, m, seed + HELD_OUT_SEED_OFFSET, d.synthetic_max_digits),
+                e.num_prompts,
+                f"data.synthetic_task {d.synthetic_task!r}",
+            )
         )
         validation = list(
             task_pool(
