@@ -23,6 +23,7 @@ from mcore_rl.algos.polaris import histogram, offline_selection, pass_rates, res
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.hooks import active
+from mcore_rl.recipes.config.gec import GECConfig
 from mcore_rl.recipes.gec import answer_text
 from mcore_rl.recipes.polaris import Polaris, RescueBuffer, substitute
 
@@ -308,7 +309,7 @@ def test_gec_and_rescue_with_the_real_embedded_engine_and_reward_workers():
         # the buffer holds the policy's own correct rollouts only (not GEC's references)
         assert all(not s.info.get("gec") for s in _rescue_buffer(backend.recipes).entries.values())
 
-        backend.cfg.rollout.gec.probs = [0.5, 0.5, 0.0]  # ops 1 and 2
+        backend.cfg.rollout.section(GECConfig).probs = [0.5, 0.5, 0.0]  # ops 1 and 2
         again = asyncio.run(backend.repair([list(g) for g in raw]))
         ops = {s.info.get("gec") for g in again for s in g}
         assert ops - {None} == {"reflect", "inject"}

@@ -33,6 +33,7 @@ from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE
 from mcore_rl.algos.polaris import rescue_plan, substitution_plan
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
+from mcore_rl.recipes.config.polaris import PolarisConfig
 from mcore_rl.hooks import Recipe, RolloutContext
 from mcore_rl.runtime.rollout_manager import split_groups
 from mcore_rl.runtime.scheduler import sample_from_state
@@ -129,16 +130,17 @@ class Polaris(Recipe):
 
     def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
-        p = cfg.rollout.polaris
+        p = cfg.rollout.section(PolarisConfig)
         self.rescue_buffer = RescueBuffer(p.rescue_buffer_prompts, p.correct_reward) if p.rescue else None
 
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
-        return cfg.rollout.polaris.rescue or cfg.rollout.polaris.substitute
+        p = cfg.rollout.section(PolarisConfig)
+        return p.rescue or p.substitute
 
     @classmethod
     def check(cls, cfg: RLConfig, errors: Errors) -> None:
-        p = cfg.rollout.polaris
+        p = cfg.rollout.section(PolarisConfig)
         errors.need(
             p.rescue_buffer_prompts >= 1,
             "rollout.polaris.rescue_buffer_prompts",
@@ -166,7 +168,7 @@ class Polaris(Recipe):
     def finish_batch(
         self, groups: list[list[Sample]], rollout: RolloutContext
     ) -> tuple[list[list[Sample]], dict[str, float]]:
-        if not self.cfg.rollout.polaris.substitute:
+        if not self.cfg.rollout.section(PolarisConfig).substitute:
             return groups, {}
         groups, n = substitute(groups, self.cfg.algorithm.dynamic_sampling.std_tolerance)
         return groups, {"substituted_groups": float(n)}
