@@ -52,7 +52,7 @@ async def guided_error_correction(
     tokenizer, temperature = rollout.tokenizer, rollout.temperature
     flat = [s for grp in groups for s in grp]
     keys = [(s.prompt.index, j) for grp in groups for j, s in enumerate(grp)]
-    wrong = [s.reward < g.correct_reward and not s.info.get("polaris_rescued") for s in flat]
+    wrong = [s.reward < g.correct_reward and not s.marks.rescued for s in flat]
     ops = gec_ops(wrong, keys, seed=seed, probs=g.probs)
     counts = {"reflect": 0, "inject": 0, "reference": 0, "no_room": 0, "fixed": 0}
     eos = tokenizer.eos_id
@@ -119,9 +119,9 @@ async def guided_error_correction(
         repaired[i] = "reference"
         counts["reference"] += 1
     if repaired:
-        await rollout.score_rewards([flat[i] for i in repaired])  # (scoring resets `info`: the op is marked after it)
+        await rollout.score_rewards([flat[i] for i in repaired])
         for i, op_name in repaired.items():
-            flat[i].info["gec"] = op_name
+            flat[i].marks = replace(flat[i].marks, corrected_by=op_name)
         counts["fixed"] = sum(flat[i].reward >= g.correct_reward for i in repaired)
     return split_groups(flat, groups), counts
 
