@@ -359,7 +359,10 @@ def test_rescue_substitution_and_gec_in_both_schedules(rounds):
         assert len(groups) == r.prompts_per_step
         fixed = [s for g in groups for s in g if s.marks.corrected_by == "reference"]
         assert fixed and all(s.reward == 1.0 for s in fixed)  # an untrained model: GEC's op 3 fixed them
-        assert metrics["rollout/repair/gec_reference"] == len(fixed)
+        # the counts cover every group repaired since the last batch: in the streaming schedule that can
+        # include finished groups still buffered for the next batch (more of them on a loaded machine)
+        repaired = metrics["rollout/repair/gec_reference"]
+        assert repaired == len(fixed) if rounds else repaired >= len(fixed)
         for key in ("rollout/repair/substituted_groups", "rollout/repair/rescue_buffer_prompts"):
             assert key in metrics
         assert ("rollout/rounds" in metrics) == rounds and ("async/staleness_mean" in metrics) != rounds
