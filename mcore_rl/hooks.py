@@ -2,7 +2,7 @@
 
 A method that needs more than a pure tensor function of `mcore_rl.algos` (state across steps, its
 own engines, a decision after the weight sync, a repair of rollout groups) is one module in
-`mcore_rl/recipes/`, a subclass of `Recipe` listed once in `mcore_rl/recipes/__init__.py: RECIPES`.
+`mcore_rl/recipes/`, a subclass of `Recipe` listed once in `mcore_rl/recipes/registry.py: RECIPES`.
 The core (`runtime/loop.py`, `runtime/rollouts.py`, `train/rl_step.py`, `config/rl_validate.py`)
 calls the hooks of the active recipes in registration order and names
 none of them; `tests/test_import_rules.py` keeps it so. The core finds the recipes through
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from mcore_rl.data.samples import Prompt, Sample
     from mcore_rl.rollout.pool import Generation, GenRequest
 
-RECIPES_MODULE = "mcore_rl.recipes"  # where the recipes are registered (its RECIPES tuple)
+RECIPES_MODULE = "mcore_rl.recipes.registry"  # where the recipes are registered (its RECIPES tuple)
 
 
 class RolloutContext(Protocol):

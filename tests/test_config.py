@@ -222,6 +222,43 @@ def test_round_trip(tmp_path):
     assert config_to_dict(again)["model"]["num_experts"] == 4
 
 
+def test_recipe_sections_load_at_their_yaml_keys_and_round_trip(tmp_path):
+    """A recipe's keys are its own dataclass, registered under a core section (`config/sections.py`):
+    nested (`rollout.polaris.*`) or flat among the owner's keys (`algorithm.mismatch.mipu_*`, a list
+    entry's `data.mixture.stages[k].stop_*`); they load from YAML and overrides typed, a misspelt
+    one fails like any key, and the saved config writes them back at the same keys."""
+    from mcore_rl.recipes.config.mipu import MIPUConfig
+    from mcore_rl.recipes.config.polaris import PolarisConfig
+    from mcore_rl.recipes.config.remath import RefreshStopConfig
+
+    path = write(
+        tmp_path,
+        "r.yaml",
+        "rollout:\n  polaris:\n    rescue: true\nalgorithm:\n  mismatch:\n    mipu_c_start: 0.01\n"
+        "data:\n  mixture:\n    stages:\n      - {start_step: 0}\n      - {start_step: 3, stop_patience: 2}\n",
+    )
+    cfg = load_config(RLConfig, path, ["rollout.polaris.correct_reward=0.5", "algorithm.mismatch.mipu_z=1"])
+    assert cfg.rollout.section(PolarisConfig) == PolarisConfig(rescue=True, correct_reward=0.5)
+    mipu = cfg.algorithm.mismatch.section(MIPUConfig)
+    assert (mipu.c_start, mipu.z, mipu.bootstrap) == (0.01, 1.0, 200) and isinstance(mipu.z, float)
+    stages = cfg.data.mixture.stages
+    assert [st.section(RefreshStopConfig).patience for st in stages] == [0, 2]
+    saved = str(tmp_path / "config.yaml")
+    save_config(cfg, saved)
+    plain = config_to_dict(cfg)
+    assert plain["rollout"]["polaris"]["rescue"] is True and plain["algorithm"]["mismatch"]["mipu_c_start"] == 0.01
+    assert plain["data"]["mixture"]["stages"][1]["stop_patience"] == 2 and "sections" not in plain["rollout"]
+    assert load_config(RLConfig, saved, []) == cfg
+    with pytest.raises(ConfigError, match=r"'rollout\.polaris\.rescu'; did you mean 'rollout\.polaris\.rescue'"):
+        rl("rollout.polaris.rescu=true")
+    with pytest.raises(ConfigError, match=r"'algorithm\.mismatch\.mipu_cstart'; did you mean .*mipu_c_start"):
+        rl("algorithm.mismatch.mipu_cstart=1")
+    with pytest.raises(ConfigError, match=r"config key 'rollout\.polaris\.rescue' expects bool"):
+        rl("rollout.polaris.rescue=3")
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.sections'"):
+        rl("rollout.sections={}")
+
+
 @dataclasses.dataclass
 class Inner:
     kind: Literal["a", "b"] = "a"
@@ -625,7 +662,8 @@ def test_engine_groups_share_one_config_and_one_check(tmp_path):
     """Engine teachers, the explorer and the rollout engines are one `EngineGroupConfig` (the rollout
     under its own key names), so the same mistake gets the same message under each key; the cores
     of engines a teacher starts are checked as the rollout's always were."""
-    from mcore_rl.config.rl_schema import EngineGroupConfig, ExplorerConfig, RolloutConfig, TeacherConfig
+    from mcore_rl.config.rl_schema import EngineGroupConfig, RolloutConfig, TeacherConfig
+    from mcore_rl.recipes.config.s2l_po import ExplorerConfig
 
     group = {f.name for f in dataclasses.fields(EngineGroupConfig)}
     assert issubclass(TeacherConfig, EngineGroupConfig) and issubclass(ExplorerConfig, EngineGroupConfig)

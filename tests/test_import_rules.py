@@ -134,7 +134,10 @@ CORE_FILES = (
     "runtime/scheduler.py",
     "runtime/rollouts.py",
     "train/rl_step.py",
+    "config/rl_schema.py",
     "config/rl_validate.py",
+    "config/loader.py",
+    "config/sections.py",
     "config/rl_recipes.py",
     "hooks.py",
 )
@@ -217,6 +220,21 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> N
     found = [m for _, m in imports_of(probe, package="mcore_rl.hf")]
     assert found == ["torch", "megatron.core", "mcore_rl.train"]
     assert [m for m in found if _banned(m, FORBIDDEN["hf"])] == ["megatron.core", "mcore_rl.train"]
+
+
+def test_recipe_config_sections_load_without_the_recipes() -> None:
+    """Loading a config reads the recipes' sections (`recipes/config/`) by name; that import stays
+    light: no torch, no recipe machinery, so `load_config` costs what it did before."""
+    script = (
+        "import sys\n"
+        "from mcore_rl.config import RLConfig, load_config\n"
+        "load_config(RLConfig, None, ['rollout.polaris.rescue=true', 'algorithm.mismatch.mipu_z=1'])\n"
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'aiohttp')\n"
+        "    or m.startswith('mcore_rl.recipes.') and not m.startswith('mcore_rl.recipes.config'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
 
 
 def test_light_packages_import_without_megatron_or_http() -> None:

@@ -29,6 +29,7 @@ from mcore_rl.algos.multi_reward import OptionError
 from mcore_rl.algos.s2l_po import behaviour_logp, explorer_share, s2l_po_explorer_count
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.recipes.config.s2l_po import ExplorerConfig
 
 # ------------------------------------------------------------------------------- the schedule
 
@@ -188,9 +189,9 @@ def test_config_keys_load_and_bad_values_name_their_key(tmp_path) -> None:
     )
     cfg = load_config(RLConfig, str(path), TINY)
     validate_rl_config(cfg, 1)
-    x = cfg.rollout.explorer
+    x = cfg.rollout.section(ExplorerConfig)
     assert x.enabled and (x.model_path, x.share, x.mix_steps, x.correction) == (ckpt, 0.75, 5, "none")
-    assert not load_config(RLConfig, None, TINY).rollout.explorer.enabled
+    assert not load_config(RLConfig, None, TINY).rollout.section(ExplorerConfig).enabled
     on = [f"rollout.explorer.model_path={ckpt}"]
     bad = [
         (["rollout.explorer.mix_steps=-2"], "rollout.explorer.mix_steps: must be >= 0"),
@@ -321,11 +322,11 @@ def _world(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
         torch.testing.assert_close(per_seq["is_weights"] * mask, want_w, rtol=1e-6, atol=1e-6)
         assert bm["explorer/k3"] > 1e-3 > bm["mismatch/k3"]  # the small model is far from π; the policy's engine not
         assert {"explorer/is_weight_mean", "explorer/advantage_mean", "explorer/policy_advantage_mean"} <= set(bm)
-        learner.cfg.rollout.explorer.correction = "none"
+        learner.cfg.rollout.section(ExplorerConfig).correction = "none"
         per_none, _ = learner.prepare(mixed, 1)
         torch.testing.assert_close(per_none["is_weights"][rows] * mask[rows], mask[rows])
         torch.testing.assert_close(per_none["is_weights"][~rows], per_seq["is_weights"][~rows])
-        learner.cfg.rollout.explorer.correction = "explorer_logp"
+        learner.cfg.rollout.section(ExplorerConfig).correction = "explorer_logp"
         records, _ = learner.train(mixed, 1)  # the loss path with explorer rows
         assert all(math.isfinite(r["train/loss"]) for r in records)
     finally:

@@ -11,12 +11,12 @@ tests/test_async_runtime.py.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
-from mcore_rl.data.samples import Prompt, Sample
-from mcore_rl.runtime.scheduler import EnginesLost, RolloutScheduler, SchedulerConfig
+from mcore_rl.data.samples import Prompt, Sample, SampleMarks
+from mcore_rl.runtime.scheduler import EnginesLost, RolloutScheduler, SchedulerConfig, sample_from_state
 from mcore_rl.runtime.simulation import SimBackend, SimulatedEngines, run_simulated, simulate_learner
 from mcore_rl.runtime.staleness import StalenessGate
 
@@ -136,6 +136,23 @@ def test_a_group_found_too_stale_is_dropped_or_regenerated(policy):
         assert all(x.policy_version == 4 for g in groups if g[0].prompt.index == 7 for x in g)
     assert all(4 - x.policy_version <= 1 for g in groups for x in g)
     sch.ledger.check(sch.pending())
+
+
+def test_marks_survive_a_checkpoint_and_old_info_keys_are_read():
+    """What the rollout did to a sample (`SampleMarks`) goes into the scheduler's checkpoint and
+    comes back typed; a checkpoint from when those were string keys of `info` restores them as
+    marks too; a regenerated group's samples say how often it was regenerated."""
+    s = _group(7, 1)[0]
+    marked = replace(s, marks=SampleMarks(regenerations=1, rescued=True, substituted_from=3, corrected_by="inject"))
+    assert sample_from_state(asdict(marked)) == marked
+    old = {k: v for k, v in asdict(s).items() if k != "marks"}
+    old["info"] = {"polaris_rescued": True, "gec": "reference", "regenerations": 2, "verdicts": [1]}
+    back = sample_from_state(old)
+    assert back.marks == SampleMarks(regenerations=2, rescued=True, corrected_by="reference")
+    assert back.info == {"verdicts": [1]}
+    groups, _, _ = _batch_after_restoring_a_stale_group("regenerate")
+    assert {x.marks.regenerations for g in groups for x in g if x.prompt.index == 7} == {1}
+    assert all(x.marks.regenerations == 0 for g in groups for x in g if x.prompt.index != 7)
 
 
 class _Refusing(SimBackend):

@@ -10,6 +10,7 @@ loaded first and the recipe's own keys are merged over them, mapping by mapping.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -21,6 +22,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.sections import Sectioned, is_sections_field, sections_of
 
 T = TypeVar("T")
 
@@ -41,8 +43,28 @@ def load_config(root_cls: type[T], yaml_path: str | None = None, overrides: list
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain nested dict of a config tree (what `save_config` writes)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict of a config tree (what `save_config` writes), recipe sections at their YAML keys."""
+    out = _plain(cfg)
+    assert isinstance(out, dict)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if not (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        if isinstance(value, (list, tuple)):
+            return type(value)(_plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: _plain(v) for k, v in value.items()}
+        return copy.deepcopy(value)
+    out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not is_sections_field(f)}
+    if isinstance(value, Sectioned):
+        for s in sections_of(type(value)):
+            body = _plain(value.section(s.cls))
+            if s.flat:
+                out.update({key: body[name] for key, name in s.yaml_keys().items()})
+            else:
+                out[s.key] = body
+    return out
 
 
 def save_config(cfg: Any, path: str) -> None:
@@ -142,7 +164,7 @@ def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
         dotted = ".".join(parts[:i] + [name])
         if cls is None:
             raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i])}' is not a section, it has no key {name!r}")
-        field_types = _field_types(cls)
+        field_types = _keys(cls)
         if name not in field_types:
             raise ConfigError(f"override {item!r}: {_unknown_key_message(dotted, name, list(field_types))}")
         if index is None:
@@ -203,7 +225,20 @@ def _accepts_str(tp: Any) -> bool:
 
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not is_sections_field(f)}
+
+
+def _keys(cls: type) -> dict[str, Any]:
+    """Every YAML key of `cls`'s mapping and its type: its fields, then the registered recipe sections
+    (`config/sections.py`): a nested one as its key, a flat one as its prefixed fields."""
+    keys = _field_types(cls)
+    for s in sections_of(cls):
+        if s.flat:
+            hints = _field_types(s.cls)
+            keys.update({key: hints[name] for key, name in s.yaml_keys().items()})
+        else:
+            keys[s.key] = s.cls
+    return keys
 
 
 def _is_union(tp: Any) -> bool:
@@ -237,14 +272,17 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"'{prefix or '<root>'}' must be a mapping of {cls.__name__} fields, got {data!r}")
     field_types = _field_types(cls)
+    allowed = _keys(cls)
     for key in data:
-        if key not in field_types:
+        if key not in allowed:
             dotted = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(_unknown_key_message(dotted, str(key), list(field_types)))
-    kwargs = {}
+            raise ConfigError(_unknown_key_message(dotted, str(key), list(allowed)))
+    kwargs: dict[str, Any] = {}
     for name, tp in field_types.items():
         if name in data:
             kwargs[name] = _convert(tp, data[name], f"{prefix}.{name}" if prefix else name)
+    if issubclass(cls, Sectioned):
+        kwargs["sections"] = _build_sections(cls, data, prefix)
     missing = [
         f.name
         for f in dataclasses.fields(cls)
@@ -257,6 +295,20 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         where = prefix or "<root>"
         raise ConfigError(f"missing required config key(s) {', '.join(f'{where}.{m}' for m in missing)}")
     return cls(**kwargs)
+
+
+def _build_sections(owner: type, data: dict[str, Any], prefix: str) -> dict[type, object]:
+    """Every registered section of `owner` from its keys in `data` (defaults where it has none)."""
+    out: dict[type, object] = {}
+    where = f"{prefix}." if prefix else ""
+    for s in sections_of(owner):
+        if s.flat:
+            body = {name: data[key] for key, name in s.yaml_keys().items() if key in data}
+            hints = _field_types(s.cls)
+            out[s.cls] = s.cls(**{name: _convert(hints[name], v, f"{where}{s.key}{name}") for name, v in body.items()})
+        else:
+            out[s.cls] = _convert(s.cls, data[s.key], f"{where}{s.key}") if s.key in data else s.cls()
+    return out
 
 
 def _type_name(tp: Any) -> str:

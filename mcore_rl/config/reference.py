@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.config.schema import SFTConfig
+from mcore_rl.config.sections import Sectioned, is_sections_field, sections_of
 
 ROOTS: tuple[tuple[str, type], ...] = (("mcore-rl sft", SFTConfig), ("mcore-rl train", RLConfig))
 
@@ -104,6 +105,8 @@ def walk(cls: type, prefix: str = "", instance: object | None = None) -> Iterato
         instance = cls()
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if is_sections_field(f):
+            continue
         path = f"{prefix}{f.name}"
         help_ = _comment_of(cls, f.name)
         sub, is_list = _nested(hints[f.name])
@@ -118,6 +121,22 @@ def walk(cls: type, prefix: str = "", instance: object | None = None) -> Iterato
         else:
             yield Key(path, type_name, "(section)", help_)
             yield from walk(sub, f"{path}.", getattr(instance, f.name))
+    if isinstance(instance, Sectioned):
+        yield from _recipe_sections(instance, prefix)
+
+
+def _recipe_sections(owner: Sectioned, prefix: str) -> Iterator[Key]:
+    """The keys of the recipes' sections registered under `owner` (`config/sections.py`)."""
+    for s in sections_of(type(owner)):
+        section: object = owner.section(s.cls)
+        if not s.flat:
+            path = f"{prefix}{s.key}"
+            yield Key(path, s.cls.__name__, "(section)", s.help or _first_sentence(s.cls.__doc__))
+            yield from walk(s.cls, f"{path}.", section)
+            continue
+        for f in dataclasses.fields(s.cls):
+            help_ = _comment_of(s.cls, f.name)
+            yield Key(f"{prefix}{s.key}{f.name}", str(f.type).replace("typing.", ""), _default(f, section), help_)
 
 
 def _cell(text: str) -> str:
@@ -132,7 +151,8 @@ def render() -> str:
         "     tests/test_config_reference.py fails when this page and the schema differ. -->",
         "",
         "Every key of the two recipe roots, from the dataclasses in `mcore_rl/config/` (`schema.py`,",
-        "`rl_schema.py`, `observability.py`), with its type, its default and the field's own comment.",
+        "`rl_schema.py`, `observability.py`) and the sections the recipes register",
+        "(`mcore_rl/recipes/config/`), with its type, its default and the field's own comment.",
         "A recipe is YAML (`defaults: [base.yaml]` to start from another); any key can be overridden on",
         "the command line as `dotted.key=value` (`data.domains[0].weight=3` for a listed entry).",
         "Unknown keys, wrong types and values the rules refuse fail before any worker starts, naming",

@@ -318,36 +318,3 @@ def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:
                 f"{key}.drop_solved_above",
                 "drops prompts solved in earlier stages; the first stage has none",
             )
-        if st.stop_patience != 0:
-            _check_refresh_stop(cfg, st, k, len(m.stages), names, errors)
-
-
-def _check_refresh_stop(cfg: RLConfig, st: Any, k: int, n_stages: int, names: list[str], errors: Errors) -> None:
-    """Re-Math's early stop (recipes/remath.py): the last stage, evaluated, sync, with a metric to watch."""
-    key = f"data.mixture.stages[{k}]"
-    errors.need(st.stop_patience > 0, f"{key}.stop_patience", f"must be >= 1 (0 = off), got {st.stop_patience}")
-    errors.need(k == n_stages - 1, f"{key}.stop_patience", "only the last stage can stop the run early")
-    errors.need(cfg.eval.interval > 0, f"{key}.stop_patience", "needs periodic evaluations (eval.interval > 0)")
-    errors.need(
-        cfg.rollout.runtime == "sync",
-        f"{key}.stop_patience",
-        "needs rollout.runtime=sync (the asynchronous runtime has rollouts of later steps in flight)",
-    )
-    errors.need(st.stop_min_delta >= 0, f"{key}.stop_min_delta", f"must be >= 0, got {st.stop_min_delta}")
-    metric = refresh_stop_metric(st)
-    errors.need(
-        metric is not None,
-        f"{key}.stop_metric",
-        f"the stage trains several domains {sorted(d for d, w in st.weights.items() if w > 0)}: "
-        "name the metric to watch (e.g. eval/<domain>/score)",
-    )
-    if metric is not None and st.stop_metric is None:
-        errors.need(metric.split("/")[1] in names, f"{key}.weights", f"unknown domain in {metric}")
-
-
-def refresh_stop_metric(stage: Any) -> Any:
-    """`stop_metric`, else `eval/<domain>/score` for a stage that trains one domain (None otherwise)."""
-    if stage.stop_metric:
-        return stage.stop_metric
-    active = [d for d, w in stage.weights.items() if w > 0]
-    return f"eval/{active[0]}/score" if len(active) == 1 else None

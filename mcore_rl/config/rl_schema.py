@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from mcore_rl.config.observability import ObservabilityConfig
+from mcore_rl.config.sections import Sectioned
 from mcore_rl.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -110,20 +111,15 @@ class DomainConfig:
 
 
 @dataclass
-class MixtureStageConfig:
-    """A stage of a staged schedule (POLARIS, Re-Math's sequential stages and refresh): from
+class MixtureStageConfig(Sectioned):
+    """A stage of a staged schedule (sequential stages, rising temperatures, a refresh): from
     `start_step` on, these weights (and optionally a sampling temperature and response budget)."""
 
     start_step: int = 0  # the first rollout step of the stage
     weights: dict[str, float] = field(default_factory=dict)  # domain -> weight; {} = the domains' weights
-    temperature: float | None = None  # POLARIS: raised per stage (all domains); None = rollout.temperature
+    temperature: float | None = None  # the stage's sampling temperature (all domains); None = rollout.temperature
     max_new_tokens: int | None = None  # multi-stage response length (a cap on the domains' budgets)
-    drop_solved_above: float | None = None  # POLARIS: entering the stage, drop prompts whose accuracy > this
-    # Re-Math's early-stopped refresh (recipes/remath.py; the last stage only): end the run after this many
-    # evaluations in the stage without stop_metric improving by more than stop_min_delta; 0 = off
-    stop_patience: int = 0
-    stop_metric: str | None = None  # None = eval/<the stage's only domain>/score
-    stop_min_delta: float = 0.0  # Re-Math's stop: smallest change that counts as an improvement
+    drop_solved_above: float | None = None  # entering the stage, drop prompts whose accuracy > this
 
 
 @dataclass
@@ -152,44 +148,23 @@ class RLDataConfig:
     add_bos: bool = True  # prompt ids start with the tokenizer's bos (as SFT rows do)
     domains: list[DomainConfig] = field(default_factory=list)  # [] = one domain: data.path or data.synthetic_task
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
-    # POLARIS's online filter (one data source): entering each rollout.temperature_stages stage, drop the
+    # the online filter of solved prompts (one data source): entering each rollout.temperature_stages stage, drop the
     # prompts whose last observed accuracy is > this (0.9 itself kept); None = off
     drop_solved_above: float | None = None
 
 
 @dataclass
 class TemperatureStageConfig:
-    """POLARIS: from training step `start_step` on, the rollouts sample at `temperature`."""
+    """From training step `start_step` on, the rollouts sample at `temperature`."""
 
     start_step: int = 0  # the first training step at this temperature
     temperature: float = 1.0  # sampling temperature of the rollouts from then on
 
 
 @dataclass
-class PolarisConfig:
-    """POLARIS's zero-signal group repair (`mcore_rl.algos.polaris`, `mcore_rl.recipes.polaris`)."""
-
-    rescue: bool = False  # an all-wrong group gets one wrong rollout replaced by its prompt's last correct one
-    rescue_buffer_prompts: int = 100_000  # prompts the rescue buffer holds at most (least recently updated go)
-    substitute: bool = False  # all-correct / all-wrong groups replaced by copies of mixed groups of the batch
-    correct_reward: float = 1.0  # a rollout is correct when its reward is >= this
-
-
-@dataclass
-class GECConfig:
-    """EDGE-GRPO's guided error correction of wrong responses (`mcore_rl.algos.edge_gec`)."""
-
-    enabled: bool = False  # repair wrong responses of a group (refuses rollout.runtime: async)
-    probs: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.25])  # reflect / reflect + answer / reference
-    reflection: str = " Wait!"  # appended after the wrong response (ops 1 and 2)
-    answer_hint: str = " The answer is {answer}."  # op 2, after the reflection ({answer}: the task's answer)
-    correct_reward: float = 1.0  # a response is wrong when its reward is < this
-
-
-@dataclass
 class EngineGroupConfig:
     """A group of inference engines: the one set of settings of engine teachers (`teachers[i]`),
-    S2L-PO's explorer (`rollout.explorer`) and, under its own key names, the rollout engines
+    a recipe's engines (registered sections) and, under its own key names, the rollout engines
     (`RolloutConfig.engines`); one function validates them all (`rl_validate.check_engine_group`).
 
     The engines are the running SGLang / `mcore-rl serve` servers at `urls`, or `num_engines`
@@ -210,32 +185,7 @@ class EngineGroupConfig:
 
 
 @dataclass
-class ExplorerConfig(EngineGroupConfig):
-    """S2L-PO (`mcore_rl.algos.s2l_po`): a frozen smaller model supplies a decaying share of each group.
-
-    Off unless `urls` (running SGLang / `mcore-rl serve` servers) or `model_path` (an HF checkpoint on
-    which the trainer starts `num_engines` `mcore-rl serve` processes) is set. During the first
-    `mix_steps` training steps ⌈α·G⌉ samples of every training group come from these engines (α decays
-    linearly from `share` to 0, `schedule` names the registered "explorer_schedule"), the rest from
-    the policy's; evaluation and validation batches never use them. Their μ is the small model's
-    log-probs; `correction` says what the mismatch correction sees for them ("explorer_logp": that
-    μ, so TIS/MIS weight them as off-policy; "none": π_old, IS weight 1). The engines are never
-    synced and must share the policy's tokenizer (checked before training).
-    """
-
-    share: float = 1.0  # α_0: the explorer's share of a group at the first step
-    mix_steps: int = 8  # T_mix: steps with explorer samples (α reaches 0 at step T_mix; <= 1: none)
-    schedule: str = "s2l_po"  # registered in mcore_rl.algos as an "explorer_schedule"
-    # what the mismatch correction sees as μ of explorer samples
-    correction: Literal["explorer_logp", "none"] = "explorer_logp"
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.urls or self.model_path)
-
-
-@dataclass
-class RolloutConfig:
+class RolloutConfig(Sectioned):
     """Engines, sampling and batch shape of the rollouts."""
 
     engine_urls: list[str] = field(default_factory=list)  # SGLang / `mcore-rl serve` URLs; [] = embedded
@@ -285,11 +235,9 @@ class RolloutConfig:
     # (SGLang's return_sampling_mask), μ is the log-prob under that renormalised distribution, and the
     # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
     sampling_mask_replay: bool = False
-    explorer: ExplorerConfig = field(default_factory=ExplorerConfig)  # S2L-PO's smaller model (off by default)
-    # ---- POLARIS / EDGE-GRPO recipes in the rollout path
+    # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
-    polaris: PolarisConfig = field(default_factory=PolarisConfig)
-    gec: GECConfig = field(default_factory=GECConfig)
+    # (the recipes' sections under rollout are registered by the recipes: config/sections.py)
 
     # the rollout's engine settings under their own key names (the keys of every recipe since the
     # first): EngineGroupConfig field -> rollout key. The rollout engines run the policy's weights,
@@ -313,11 +261,11 @@ class RolloutConfig:
 
 
 @dataclass
-class MismatchCorrectionConfig:
+class MismatchCorrectionConfig(Sectioned):
     """Train-inference mismatch correction with the engine's log-probs μ (`mcore_rl.algos.mismatch`).
 
     name: a registered correction (`mcore_rl.algos.names("mismatch")`): none | tis | mis | icepop |
-    seq_tis | seq_mis | seq_mask_tis | slime_mis | mipu.
+    seq_tis | seq_mis | seq_mask_tis | slime_mis | a recipe's.
     Unset (null) parameters keep the preset's defaults (TIS C=2, MIS/IcePop bounds [0.5, 5]).
     """
 
@@ -325,22 +273,11 @@ class MismatchCorrectionConfig:
     # token, sequence or geometric ratio; None = the preset's
     level: Literal["token", "sequence", "geometric"] | None = None
     clip_low: float | None = None  # TIS lower truncation
-    clip_high: float | None = None  # TIS truncation C (MIPU: w_max)
+    clip_high: float | None = None  # TIS truncation C (or the registered correction's w_max)
     mask_low: float | None = None  # MIS / IcePop / rejection bounds
     mask_high: float | None = None  # MIS / IcePop / rejection upper bound
     veto_threshold: float | None = None  # veto a sequence with any token ratio below this
     batch_normalize: bool | None = None  # normalise the weights to mean 1 over the batch; None = the preset's
-    # MIPU Step 2 (accept/reject after each weight sync)
-    mipu_validation_prompts: int = 8  # prompts of the validation batch (G samples each)
-    mipu_c_start: float = 1e-3  # MIPU: tolerance c of the accept test at the first decision
-    mipu_c_end: float = 0.0  # MIPU: c after annealing
-    mipu_anneal_steps: int = 100  # MIPU: decisions over which c anneals from start to end
-    mipu_count_rejected: bool = True  # MIPU: rejected updates advance the annealing clock too
-    # MIPU Step 2's noise (docs/mismatch_correction.md): validation group size, decision rule, logged flip rate
-    mipu_validation_group_size: int | None = None  # samples per validation prompt (null: rollout.group_size)
-    mipu_decision: Literal["plain", "se"] = "plain"  # plain: T̂ ≥ -c (the paper); se: T̂ ≥ -c - z·SE
-    mipu_z: float = 2.0  # the "se" rule's number of standard errors
-    mipu_bootstrap: int = 200  # group-bootstrap resamples for the logged flip rate (0: off)
 
 
 @dataclass
@@ -440,18 +377,7 @@ class DistillHorizonConfig:
 
 
 @dataclass
-class EffOPDConfig:
-    """EffOPD weight extrapolation: at rollout steps 1, 2, 4, 8, ... try W + 2k·Δ (k = 1..num_candidates)
-    on a validation set and keep the last candidate of the run whose score does not drop."""
-
-    enabled: bool = False  # try extrapolated weights at steps 1, 2, 4, 8, ...
-    validation_prompts: int = 50  # the paper: 50 training samples (greedy, mean reward)
-    num_candidates: int = 5  # candidates per try (k = 1 .. num_candidates)
-    scale: float = 2.0  # candidate k = W + scale·k·Δ
-
-
-@dataclass
-class DistillConfig:
+class DistillConfig(Sectioned):
     """On-policy distillation from the teacher scores on each sample (`Sample.teacher`).
 
     Each entry of `losses` is looked up in the registry; advantage-phase terms are added to the
@@ -464,7 +390,6 @@ class DistillConfig:
     rl: bool = True  # false: distillation alone (no RL advantage)
     top_k: int = 0  # teacher top-k entries read per position (0: none; the student's log-probs of those ids too)
     horizon: DistillHorizonConfig = field(default_factory=DistillHorizonConfig)
-    effopd: EffOPDConfig = field(default_factory=EffOPDConfig)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 
 from mcore_rl.config.rl_schema import DomainConfig, RLConfig
+from mcore_rl.config.sections import validation_prompts_needed
 from mcore_rl.data.files import BadLines, DataError
 from mcore_rl.data.prompts import (
     HELD_OUT_SEED_OFFSET,
@@ -299,7 +300,7 @@ def domain_pools(
             held = task_examples(d, n_eval, eval_seed, examples)
         else:
             held = distinct_draw(lambda m: task_examples(d, m, eval_seed, examples), n_eval, f"domain {d.name!r}")
-        n_val = max(64, cfg.algorithm.mismatch.mipu_validation_prompts)
+        n_val = max(64, validation_prompts_needed(cfg))
         validation = task_examples(d, n_val, own + validation_offset, examples)
     held = held[:n_eval]
     if domain_source(d)[0] == "environment":

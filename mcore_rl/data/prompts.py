@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mcore_rl.config.rl_schema import RLConfig
+from mcore_rl.config.sections import validation_prompts_needed
 from mcore_rl.data.files import BadLines, DataError, json_objects, read_lines
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tasks import get_task
@@ -223,7 +224,7 @@ def build_prompt_sets(cfg: RLConfig, tokenizer: Any, environment_examples: Examp
         validation = list(
             task_pool(
                 d.synthetic_task,
-                max(1000, cfg.algorithm.mismatch.mipu_validation_prompts),
+                max(1000, validation_prompts_needed(cfg)),
                 seed + VALIDATION_SEED_OFFSET,
                 d.synthetic_max_digits,
             )

@@ -10,7 +10,7 @@ mismatch correction uses μ, and a resumed run continues the prompt stream where
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -44,6 +44,35 @@ class TeacherScores:
     ref_topk_logp: list[list[float]] | None = None
     source: str = ""  # which teacher (engine URL, "privileged", "frozen:<version>")
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class SampleMarks:
+    """What the rollout did to a sample after generating it, typed (never string keys of `info`,
+    which holds what its reward function said and is set anew by every scoring). Frozen: a step
+    that marks a sample replaces its marks (`dataclasses.replace`), so copies never share them."""
+
+    regenerations: int = 0  # times its group was generated again, its first try too stale
+    rescued: bool = False  # put back from an earlier step by a group repair: old by design (`Recipe.stale_ok`)
+    substituted_from: int | None = None  # a copy of a sample of this group, standing in for one of its own
+    corrected_by: str | None = None  # the error-correction op that rewrote it ("reflect", "inject", "reference")
+
+    # the `info` keys older checkpoints kept these in: key -> field (read once by `restore`)
+    LEGACY_INFO_KEYS: ClassVar[dict[str, str]] = {
+        "regenerations": "regenerations",
+        "polaris_rescued": "rescued",
+        "polaris_substituted_from": "substituted_from",
+        "gec": "corrected_by",
+    }
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any] | None, info: dict[str, Any]) -> SampleMarks:
+        """The marks of a sample saved by a checkpoint: its `marks`, or those an older one left in
+        `info` (taken out of it)."""
+        if saved is not None:
+            return cls(**saved)
+        legacy = {f: info.pop(k) for k, f in cls.LEGACY_INFO_KEYS.items() if k in info}
+        return cls(**legacy)
 
 
 @dataclass
@@ -84,6 +113,7 @@ class Sample:
     trainable: list[int] | None = None
     episode: int | None = None  # which of its group's episodes it comes from (None: not an episode)
     step_index: int | None = None  # its position in the episode (a step-wise sample's step, a split's segment)
+    marks: SampleMarks = field(default_factory=SampleMarks)  # what the rollout's repairs did to it
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -47,6 +47,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.distill.effopd import NUM_CANDIDATES, SCALE, accepts, candidate, displacement, is_extrapolation_step
 from mcore_rl.config.rules import Errors, need_positive
 from mcore_rl.hooks import Recipe
+from mcore_rl.recipes.config.effopd import EffOPDConfig
 from mcore_rl.runtime.loop import broadcast
 from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
 
@@ -183,11 +184,11 @@ class EffOPD(Recipe):
 
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
-        return cfg.distill.effopd.enabled
+        return cfg.distill.section(EffOPDConfig).enabled
 
     @classmethod
     def check(cls, cfg: RLConfig, errors: Errors) -> None:
-        e = cfg.distill.effopd
+        e = cfg.distill.section(EffOPDConfig)
         if not e.enabled:
             return
         r = cfg.rollout
@@ -214,7 +215,7 @@ class EffOPD(Recipe):
         errors.need(e.scale > 0, "distill.effopd.scale", f"must be > 0, got {e.scale}")
 
     def setup(self, run: Any) -> None:
-        e = self.cfg.distill.effopd
+        e = self.cfg.distill.section(EffOPDConfig)
         self.extrapolator = WeightExtrapolator(
             run.chunks, run.optimizer, num_candidates=e.num_candidates, scale=e.scale
         )

@@ -26,6 +26,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.edge_gec import INJECT, REFERENCE, REFLECT, gec_ops
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
+from mcore_rl.recipes.config.gec import GECConfig
 from mcore_rl.hooks import Recipe, RolloutContext
 from mcore_rl.rollout.pool import GenRequest
 from mcore_rl.runtime.rollout_manager import sample_seed, split_groups
@@ -46,12 +47,12 @@ async def guided_error_correction(
     rollout: RolloutContext, groups: Sequence[Sequence[Sample]]
 ) -> tuple[list[list[Sample]], dict[str, int]]:
     """EDGE-GRPO's GEC on a round of scored groups (see the module docstring): (groups, counts per op)."""
-    g = rollout.cfg.rollout.gec
+    g = rollout.cfg.rollout.section(GECConfig)
     seed = rollout.cfg.train.seed
     tokenizer, temperature = rollout.tokenizer, rollout.temperature
     flat = [s for grp in groups for s in grp]
     keys = [(s.prompt.index, j) for grp in groups for j, s in enumerate(grp)]
-    wrong = [s.reward < g.correct_reward and not s.info.get("polaris_rescued") for s in flat]
+    wrong = [s.reward < g.correct_reward and not s.marks.rescued for s in flat]
     ops = gec_ops(wrong, keys, seed=seed, probs=g.probs)
     counts = {"reflect": 0, "inject": 0, "reference": 0, "no_room": 0, "fixed": 0}
     eos = tokenizer.eos_id
@@ -118,9 +119,9 @@ async def guided_error_correction(
         repaired[i] = "reference"
         counts["reference"] += 1
     if repaired:
-        await rollout.score_rewards([flat[i] for i in repaired])  # (scoring resets `info`: the op is marked after it)
+        await rollout.score_rewards([flat[i] for i in repaired])
         for i, op_name in repaired.items():
-            flat[i].info["gec"] = op_name
+            flat[i].marks = replace(flat[i].marks, corrected_by=op_name)
         counts["fixed"] = sum(flat[i].reward >= g.correct_reward for i in repaired)
     return split_groups(flat, groups), counts
 
@@ -132,11 +133,11 @@ class GuidedErrorCorrection(Recipe):
 
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
-        return cfg.rollout.gec.enabled
+        return cfg.rollout.section(GECConfig).enabled
 
     @classmethod
     def check(cls, cfg: RLConfig, errors: Errors) -> None:
-        r, g = cfg.rollout, cfg.rollout.gec
+        r, g = cfg.rollout, cfg.rollout.section(GECConfig)
         if not g.enabled:
             return
         probs = list(g.probs)

@@ -20,6 +20,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.mipu import MIPUController, validation_estimate
 from mcore_rl.config.rules import Errors
 from mcore_rl.hooks import Recipe
+from mcore_rl.recipes.config.mipu import MIPUConfig
 from mcore_rl.runtime.loop import broadcast
 from mcore_rl.runtime.rollout_manager import SALT_VALIDATION
 from mcore_rl.train.packing import sequence_view
@@ -45,6 +46,7 @@ class MIPU(Recipe):
         m = a.mismatch
         if m.name != NAME:
             return
+        v = m.section(MIPUConfig)
         errors.need(
             r.runtime == "sync" or r.max_staleness == 0,
             "algorithm.mismatch.name",
@@ -53,29 +55,29 @@ class MIPU(Recipe):
             "rollout.runtime=sync",
         )
         errors.need(
-            m.mipu_validation_prompts >= 1,
+            v.validation_prompts >= 1,
             "algorithm.mismatch.mipu_validation_prompts",
-            f"must be >= 1, got {m.mipu_validation_prompts}",
+            f"must be >= 1, got {v.validation_prompts}",
         )
-        if m.mipu_validation_group_size is None:
+        if v.validation_group_size is None:
             errors.need(
                 r.group_size >= 2, "rollout.group_size", "MIPU's validation advantages need >= 2 samples per prompt"
             )
         else:
             errors.need(
-                m.mipu_validation_group_size >= 2,
+                v.validation_group_size >= 2,
                 "algorithm.mismatch.mipu_validation_group_size",
-                f"MIPU's validation advantages need >= 2 samples per prompt, got {m.mipu_validation_group_size}",
+                f"MIPU's validation advantages need >= 2 samples per prompt, got {v.validation_group_size}",
             )
         errors.need(
-            math.isfinite(m.mipu_z) and m.mipu_z >= 0,
+            math.isfinite(v.z) and v.z >= 0,
             "algorithm.mismatch.mipu_z",
-            f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {m.mipu_z}",
+            f"is the 'se' rule's number of standard errors; it must be finite and >= 0, got {v.z}",
         )
         errors.need(
-            m.mipu_bootstrap >= 0,
+            v.bootstrap >= 0,
             "algorithm.mismatch.mipu_bootstrap",
-            f"must be >= 0 (0: no bootstrap flip rate), got {m.mipu_bootstrap}",
+            f"must be >= 0 (0: no bootstrap flip rate), got {v.bootstrap}",
         )
         errors.need(
             m.level in (None, "token", "sequence"),
@@ -106,18 +108,18 @@ class MIPU(Recipe):
         self._state: Any = None
 
     def setup(self, run: Any) -> None:
-        m = self.cfg.algorithm.mismatch
+        v = self.cfg.algorithm.mismatch.section(MIPUConfig)
         self.controller = MIPUController(
             run.optimizer.snapshot,
             run.optimizer.restore,
             lambda: run.sync(new_version=True),
-            c_start=m.mipu_c_start,
-            c_end=m.mipu_c_end,
-            anneal_steps=m.mipu_anneal_steps,
-            count_rejected=m.mipu_count_rejected,
-            rule=m.mipu_decision,
-            z=m.mipu_z,
-            bootstrap=m.mipu_bootstrap,
+            c_start=v.c_start,
+            c_end=v.c_end,
+            anneal_steps=v.anneal_steps,
+            count_rejected=v.count_rejected,
+            rule=v.decision,
+            z=v.z,
+            bootstrap=v.bootstrap,
         )
         if self._state:
             self.controller.load_state_dict(self._state)
@@ -129,11 +131,11 @@ class MIPU(Recipe):
     def after_sync(self, run: Any, learner: Any) -> dict[str, float]:
         """Score a validation batch sampled from the synced candidate, accept or roll back."""
         assert self.controller is not None
-        m, r = self.cfg.algorithm.mismatch, self.cfg.rollout
+        v, r = self.cfg.algorithm.mismatch.section(MIPUConfig), self.cfg.rollout
         payload = None
         if run.rank0:
-            prompts = run.val_prompts.take(m.mipu_validation_prompts)
-            g_val = m.mipu_validation_group_size or r.group_size
+            prompts = run.val_prompts.take(v.validation_prompts)
+            g_val = v.validation_group_size or r.group_size
             groups = run.manager.generate(prompts, g_val, run.manager.temperature, SALT_VALIDATION)
             payload = ([s for g in groups for s in g], run.val_prompts.state_dict())
         samples, val_state = broadcast(payload)

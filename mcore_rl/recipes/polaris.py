@@ -10,12 +10,12 @@ filter are the prompt stream's, `data/domains.py`):
   correct rollout seen, bounded to `rescue_buffer_prompts` prompts (the least recently updated go).
   A rescued sample is that stored rollout as it was generated: its tokens, its μ and its (older)
   `policy_version`, so the mismatch correction weighs it by π_old/μ like any stale sample; it is
-  marked `info["polaris_rescued"]` and the loop exempts it from `rollout.max_staleness` (`stale_ok`:
+  marked `Sample.marks.rescued` and the loop exempts it from `rollout.max_staleness` (`stale_ok`:
   it is stale by design). The buffer is part of the checkpoint (`rl.group_repair`).
 * **Substitution** (`rollout.polaris.substitute`): every constant-reward group is replaced by copies
   of a mixed group's samples; the copies keep the group id of the group they replace (so group
   statistics see each copy as its own group, as in the paper) and say where they came from in
-  `info["polaris_substituted_from"]`.
+  `Sample.marks.substituted_from`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from mcore_rl.algos.dynamic_sampling import DEFAULT_STD_TOLERANCE
 from mcore_rl.algos.polaris import rescue_plan, substitution_plan
 from mcore_rl.config.rules import Errors
 from mcore_rl.data.samples import Sample
+from mcore_rl.recipes.config.polaris import PolarisConfig
 from mcore_rl.hooks import Recipe, RolloutContext
 from mcore_rl.runtime.rollout_manager import split_groups
 from mcore_rl.runtime.scheduler import sample_from_state
@@ -67,9 +68,9 @@ class RescueBuffer:
                 if (
                     s.reward < self.correct_reward
                     or s.reward_error is not None
-                    or s.info.get("polaris_rescued")
-                    or s.info.get("gec")
-                    or s.info.get("polaris_substituted_from") is not None
+                    or s.marks.rescued
+                    or s.marks.corrected_by is not None
+                    or s.marks.substituted_from is not None
                 ):
                     continue
                 key = _key(s)
@@ -88,7 +89,12 @@ class RescueBuffer:
         for i in plan.values():
             old, stored = flat[i], self.entries[_key(flat[i])]
             flat[i] = replace(
-                stored, prompt=old.prompt, group=old.group, teacher=None, info={**stored.info, "polaris_rescued": True}
+                stored,
+                prompt=old.prompt,
+                group=old.group,
+                teacher=None,
+                info=dict(stored.info),
+                marks=replace(stored.marks, rescued=True),
             )
         return split_groups(flat, groups), len(plan)
 
@@ -115,7 +121,10 @@ def substitute(
     for i, j in enumerate(src):
         if i != j:
             out[i] = replace(
-                flat[j], group=flat[i].group, info={**flat[j].info, "polaris_substituted_from": flat[j].group}
+                flat[j],
+                group=flat[i].group,
+                info=dict(flat[j].info),
+                marks=replace(flat[j].marks, substituted_from=flat[j].group),
             )
             replaced.add(int(ids[i]))
     return split_groups(out, groups), len(replaced)
@@ -129,16 +138,17 @@ class Polaris(Recipe):
 
     def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
-        p = cfg.rollout.polaris
+        p = cfg.rollout.section(PolarisConfig)
         self.rescue_buffer = RescueBuffer(p.rescue_buffer_prompts, p.correct_reward) if p.rescue else None
 
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
-        return cfg.rollout.polaris.rescue or cfg.rollout.polaris.substitute
+        p = cfg.rollout.section(PolarisConfig)
+        return p.rescue or p.substitute
 
     @classmethod
     def check(cls, cfg: RLConfig, errors: Errors) -> None:
-        p = cfg.rollout.polaris
+        p = cfg.rollout.section(PolarisConfig)
         errors.need(
             p.rescue_buffer_prompts >= 1,
             "rollout.polaris.rescue_buffer_prompts",
@@ -166,13 +176,13 @@ class Polaris(Recipe):
     def finish_batch(
         self, groups: list[list[Sample]], rollout: RolloutContext
     ) -> tuple[list[list[Sample]], dict[str, float]]:
-        if not self.cfg.rollout.polaris.substitute:
+        if not self.cfg.rollout.section(PolarisConfig).substitute:
             return groups, {}
         groups, n = substitute(groups, self.cfg.algorithm.dynamic_sampling.std_tolerance)
         return groups, {"substituted_groups": float(n)}
 
     def stale_ok(self, sample: Sample) -> bool:
-        return bool(sample.info.get("polaris_rescued"))
+        return sample.marks.rescued
 
     def state_dict(self) -> dict[str, Any]:
         return {"rescue_buffer": self.rescue_buffer.state_dict() if self.rescue_buffer is not None else None}

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_rl.config.rl_schema import RLConfig
-from mcore_rl.config.rl_domains import refresh_stop_metric
+from mcore_rl.config.rl_schema import MixtureStageConfig, RLConfig
+from mcore_rl.config.rules import Errors
 from mcore_rl.hooks import Recipe
+from mcore_rl.recipes.config.remath import RefreshStopConfig
 
 
 @dataclass
@@ -45,15 +46,25 @@ class PatienceStop:
         return self.bad >= self.patience
 
 
+def refresh_stop_metric(stage: MixtureStageConfig) -> str | None:
+    """`stop_metric`, else `eval/<domain>/score` for a stage that trains one domain (None otherwise)."""
+    metric = stage.section(RefreshStopConfig).metric
+    if metric:
+        return metric
+    active = [d for d, w in stage.weights.items() if w > 0]
+    return f"eval/{active[0]}/score" if len(active) == 1 else None
+
+
 def from_config(cfg: RLConfig) -> PatienceStop | None:
     """The refresh stop of the run's last mixture stage, if it has `stop_patience` (validated before)."""
     stages = cfg.data.mixture.stages
-    if not stages or stages[-1].stop_patience <= 0:
+    if not stages or stages[-1].section(RefreshStopConfig).patience <= 0:
         return None
     last = stages[-1]
+    stop = last.section(RefreshStopConfig)
     metric = refresh_stop_metric(last)
     assert metric is not None, "validation requires a stop metric"
-    return PatienceStop(last.start_step, last.stop_patience, metric, last.stop_min_delta)
+    return PatienceStop(last.start_step, stop.patience, metric, stop.min_delta)
 
 
 class RefreshStop(Recipe):
@@ -71,7 +82,36 @@ class RefreshStop(Recipe):
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
         stages = cfg.data.mixture.stages
-        return bool(stages) and stages[-1].stop_patience > 0
+        return bool(stages) and stages[-1].section(RefreshStopConfig).patience > 0
+
+    @classmethod
+    def check(cls, cfg: RLConfig, errors: Errors) -> None:
+        """The last stage, evaluated, sync, with a metric to watch."""
+        stages = cfg.data.mixture.stages
+        names = [d.name for d in cfg.data.domains]
+        for k, st in enumerate(stages):
+            stop = st.section(RefreshStopConfig)
+            if stop.patience == 0:
+                continue
+            key = f"data.mixture.stages[{k}]"
+            errors.need(stop.patience > 0, f"{key}.stop_patience", f"must be >= 1 (0 = off), got {stop.patience}")
+            errors.need(k == len(stages) - 1, f"{key}.stop_patience", "only the last stage can stop the run early")
+            errors.need(cfg.eval.interval > 0, f"{key}.stop_patience", "needs periodic evaluations (eval.interval > 0)")
+            errors.need(
+                cfg.rollout.runtime == "sync",
+                f"{key}.stop_patience",
+                "needs rollout.runtime=sync (the asynchronous runtime has rollouts of later steps in flight)",
+            )
+            errors.need(stop.min_delta >= 0, f"{key}.stop_min_delta", f"must be >= 0, got {stop.min_delta}")
+            metric = refresh_stop_metric(st)
+            errors.need(
+                metric is not None,
+                f"{key}.stop_metric",
+                f"the stage trains several domains {sorted(d for d, w in st.weights.items() if w > 0)}: "
+                "name the metric to watch (e.g. eval/<domain>/score)",
+            )
+            if metric is not None and stop.metric is None:
+                errors.need(metric.split("/")[1] in names, f"{key}.weights", f"unknown domain in {metric}")
 
     def after_eval(self, rl_step: int, metrics: dict[str, float]) -> tuple[dict[str, float], str | None]:
         s = self.stop

@@ -27,6 +27,7 @@ from mcore_rl.algos.s2l_po import behaviour_logp, explorer_share
 from mcore_rl.config.rl_validate import check_engine_group
 from mcore_rl.config.rules import Errors, need_registered
 from mcore_rl.data.samples import Sample
+from mcore_rl.recipes.config.s2l_po import ExplorerConfig
 from mcore_rl.hooks import Recipe
 from mcore_rl.rollout.explorer import Explorer, build_explorer
 
@@ -70,14 +71,14 @@ class SmallModelExplorer(Recipe):
 
     @classmethod
     def enabled(cls, cfg: RLConfig) -> bool:
-        return cfg.rollout.explorer.enabled
+        return cfg.rollout.section(ExplorerConfig).enabled
 
     @classmethod
     def check(cls, cfg: RLConfig, errors: Errors) -> None:
         """Servers or a checkpoint (not both), a schedule that is registered and accepts `share` /
         `mix_steps`, no routing replay. Reachability and the tokenizer are
         checked when the trainer connects (`rollout/explorer.py`)."""
-        x, key = cfg.rollout.explorer, "rollout.explorer"
+        x, key = cfg.rollout.section(ExplorerConfig), "rollout.explorer"
         if not x.enabled:
             return
         errors.need(
@@ -104,6 +105,7 @@ class SmallModelExplorer(Recipe):
         """The frozen smaller model's engines, checked before training."""
         cfg = self.cfg
         self.explorer = build_explorer(
+            cfg.rollout.section(ExplorerConfig),
             cfg.rollout,
             run.tokenizer,
             os.path.join(cfg.run_dir, "engines"),
@@ -114,7 +116,7 @@ class SmallModelExplorer(Recipe):
     def co_samples(self, step: int, group_size: int) -> int:
         if self.explorer is None:
             return 0
-        x = self.cfg.rollout.explorer
+        x = self.cfg.rollout.section(ExplorerConfig)
         return int(algos.get("explorer_schedule", x.schedule)(step, group_size, mix_steps=x.mix_steps, share=x.share))
 
     def co_submit(self, requests: list) -> Any:
@@ -125,7 +127,7 @@ class SmallModelExplorer(Recipe):
         """α of this step, the explorer's share of the batch, and each source's mean reward."""
         if self.explorer is None:
             return {}
-        x = self.cfg.rollout.explorer
+        x = self.cfg.rollout.section(ExplorerConfig)
         flat = [s for g in groups for s in g]
         ours = [s.reward for s in flat if s.source == SOURCE]
         theirs = [s.reward for s in flat if s.source != SOURCE]
@@ -142,7 +144,9 @@ class SmallModelExplorer(Recipe):
     def behaviour_logp(
         self, samples: Sequence[Sample], rollout_logp: torch.Tensor, old_logp: torch.Tensor
     ) -> torch.Tensor:
-        return behaviour_logp(rollout_logp, old_logp, _rows(samples), self.cfg.rollout.explorer.correction)
+        return behaviour_logp(
+            rollout_logp, old_logp, _rows(samples), self.cfg.rollout.section(ExplorerConfig).correction
+        )
 
     def learner_metrics(
         self,

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Sequence
 
-from mcore_rl.config.rl_schema import RolloutConfig
+from mcore_rl.config.rl_schema import EngineGroupConfig, RolloutConfig
 from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
 from mcore_rl.rollout.engine_processes import EngineProcesses
 from mcore_rl.rollout.teacher import check_engines
@@ -66,11 +66,16 @@ class Explorer:
 
 
 def build_explorer(
-    rollout: RolloutConfig, tokenizer: Any, workdir: str, seed: int = 0, tokenizer_path: str | None = None
+    x: EngineGroupConfig,
+    rollout: RolloutConfig,
+    tokenizer: Any,
+    workdir: str,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
 ) -> Explorer:
-    """Connect to (or start) the engines of `rollout.explorer` and check them."""
+    """Connect to (or start) the engine group `x` (`rollout.explorer`) and check them; `rollout` gives
+    the run's engine settings (context length, restarts, health checks, the log-probs mode)."""
 
-    x = rollout.explorer
     procs = None
     urls = list(x.urls)
     mode = expected_logprobs_mode(rollout)

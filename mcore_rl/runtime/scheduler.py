@@ -28,12 +28,12 @@ import asyncio
 import logging
 import math
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol
 from collections.abc import Awaitable, Callable
 
 from mcore_rl.agent.episodes import episode_metrics
-from mcore_rl.data.samples import Prompt, Sample, TeacherScores, compact_routing
+from mcore_rl.data.samples import Prompt, Sample, SampleMarks, TeacherScores, compact_routing
 from mcore_rl.rollout.pool import Generation, GenRequest
 from mcore_rl.runtime.accounting import SampleLedger
 from mcore_rl.runtime.staleness import StalenessGate
@@ -336,8 +336,8 @@ class RolloutScheduler:
             group = await self.produce_group(job.prompt)
             generated = self._now()
             await self.backend.score(group)
-            for x in group:  # (after scoring, which sets `info` anew)
-                x.info["regenerations"] = job.regenerations
+            for x in group:
+                x.marks = replace(x.marks, regenerations=job.regenerations)
             return group, generated
         except asyncio.CancelledError:
             raise
@@ -494,7 +494,7 @@ class RolloutScheduler:
                     return groups, {**metrics, **finished}
                 self.buffer = [g for g in self.buffer if not any(g is x for x in stale)]
                 for g in stale:
-                    done = int(g[0].info.get("regenerations", 0))
+                    done = g[0].marks.regenerations
                     if self.cfg.stale_policy == "regenerate" and done < self.cfg.max_regenerations:
                         self.ledger.regenerated_stale += 1
                         self._win().regenerated += 1
@@ -656,4 +656,6 @@ def sample_from_state(d: dict[str, Any]) -> Sample:
     d["prompt"] = Prompt(**d["prompt"])
     if d.get("teacher") is not None:
         d["teacher"] = TeacherScores(**d["teacher"])
+    d["info"] = dict(d.get("info") or {})
+    d["marks"] = SampleMarks.restore(d.get("marks"), d["info"])
     return Sample(**d)
