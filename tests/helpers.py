@@ -437,7 +437,7 @@ class ScriptedJudge:
             text=True,
             preexec_fn=preexec_die_with_parent(),
         )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]  # started with stdout=PIPE, so stdout is set
         assert line.startswith("PORT "), f"the scripted judge did not start: {line!r}"
         self.url = f"http://127.0.0.1:{int(line.split()[1])}"
 
