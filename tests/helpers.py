@@ -36,7 +36,9 @@ from mcore_rl.data.prompts import PromptSource, task_pool
 from mcore_rl.data.samples import Sample
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
-from mcore_rl.rollout.engine.core import EngineCore
+from mcore_rl.hf import McoreRLConfig, McoreRLForCausalLM
+from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
+from mcore_rl.rollout.engine.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---- from test_rl_loop.py ----------------------------------------------------------------------
 
 
-TINY = [
+# a tiny RL run's model, train, rollout, algorithm, optimizer, eval and logging keys
+TINY_RUN = [
     "model.hidden_size=32",
     "model.ffn_hidden_size=64",
     "model.num_layers=2",
@@ -54,8 +57,6 @@ TINY = [
     "train.num_steps=3",
     "train.seq_length=32",
     "train.micro_batch_size=4",
-    "data.synthetic_max_digits=1",
-    "data.synthetic_num_prompts=500",
     "rollout.quantization=fp8",
     "rollout.group_size=4",
     "rollout.prompts_per_step=4",
@@ -68,13 +69,17 @@ TINY = [
     "eval.interval=2",
     "eval.num_prompts=4",
     "eval.k=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=true",
+    "logging.plot=true",
+]
+TINY = TINY_RUN + [
+    "data.synthetic_max_digits=1",
+    "data.synthetic_num_prompts=500",
     "init.sft_steps=3",
     "init.sft_num_examples=64",
     "init.sft_seq_length=32",
     "init.sft_micro_batch_size=4",
-    "logging.progress_bar=false",
-    "logging.tensorboard=true",
-    "logging.plot=true",
 ]
 
 
@@ -215,34 +220,6 @@ def rl_errors(cfg: RLConfig, world_size: int = 2) -> list[str]:
 # ---- from test_domains.py ----------------------------------------------------------------------
 
 
-DOMAINS_TINY = [
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "model.num_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.max_position_embeddings=64",
-    "train.num_steps=3",
-    "train.seq_length=32",
-    "train.micro_batch_size=4",
-    "rollout.quantization=fp8",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=4",
-    "rollout.context_length=64",
-    "algorithm.num_minibatches=2",
-    "algorithm.mismatch.name=tis",
-    "optimizer.lr=1e-3",
-    "optimizer.lr_decay_style=constant",
-    "eval.interval=2",
-    "eval.num_prompts=4",
-    "eval.k=2",
-    "logging.progress_bar=false",
-    "logging.tensorboard=true",
-    "logging.plot=true",
-]
-
-
 def write_sum_file(path: str, n: int = 60) -> str:
     """2-digit addition prompts (the file domain), one line with its own response budget."""
     rng = np.random.default_rng(0)
@@ -299,7 +276,8 @@ def cfg_of(tmp: str, data: dict, *overrides: str, name: str = "r.yaml") -> RLCon
     path = os.path.join(tmp, name)
     with open(path, "w") as f:
         yaml.safe_dump(data, f)
-    return load_config(RLConfig, path, DOMAINS_TINY + list(overrides))
+    # the domains bring their own data, and no SFT warm start
+    return load_config(RLConfig, path, TINY_RUN + list(overrides))
 
 
 def errors_of(cfg: RLConfig) -> str:
@@ -437,7 +415,7 @@ class ScriptedJudge:
             text=True,
             preexec_fn=preexec_die_with_parent(),
         )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]  # started with stdout=PIPE, so stdout is set
         assert line.startswith("PORT "), f"the scripted judge did not start: {line!r}"
         self.url = f"http://127.0.0.1:{int(line.split()[1])}"
 
@@ -833,3 +811,204 @@ def _loss(batch, stats):
 def _naive(hidden: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float = 1.0):
     logsm = ((hidden @ weight.t()) / temperature).log_softmax(-1)
     return logsm.gather(1, y[:, None]).squeeze(1), -(logsm.exp() * logsm).sum(-1)
+
+
+# ---- moved from test_engine_core.py (shared with other test modules) ----
+
+TOK = load_tokenizer(None)
+
+
+def tiny_model(seed: int = 0, **kw) -> McoreRLForCausalLM:
+    base = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    base.update(kw)
+    torch.manual_seed(seed)
+    # A larger init than the default 0.02 gives peaked, input-dependent distributions, so that
+    # greedy/sampled tokens actually exercise the model rather than near-uniform noise.
+    return McoreRLForCausalLM(McoreRLConfig(initializer_range=0.2, **base))
+
+
+def make_engine(model=None, **kw) -> EngineCore:
+    kw.setdefault("context_length", 256)
+    return EngineCore(model if model is not None else tiny_model(), TOK, **kw)
+
+
+def run(engine: EngineCore, reqs: list[Request], stagger: int = 0) -> dict[str, RequestOutput]:
+    """Run to completion; with stagger > 0, add one request every `stagger` steps (joins mid-batch)."""
+    finals: dict[str, RequestOutput] = {}
+    pending = list(reqs)
+    steps = 0
+    if not stagger:
+        for r in pending:
+            engine.add_request(r)
+        pending = []
+    while pending or engine.has_work():
+        if pending and steps % stagger == 0:
+            engine.add_request(pending.pop(0))
+        for out in engine.step():
+            if out.finished:
+                assert out.rid not in finals, f"{out.rid} finished twice"
+                finals[out.rid] = out
+        steps += 1
+    return finals
+
+
+def req(rid: str, prompt, logprobs: bool = True, **sp) -> Request:
+    ids = TOK.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return Request(rid, ids, SamplingParams(**sp), return_logprob=logprobs, top_logprobs_num=3 if logprobs else 0)
+
+
+@torch.no_grad()
+def ref_logprobs(model: McoreRLForCausalLM, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, from one full forward of the reference model (no cache)."""
+    logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+PROMPTS = ["hello", "the quick brown fox", "1+1=", "a much longer prompt, to make rows of different lengths"]
+
+
+def lps(pairs) -> torch.Tensor:
+    return torch.tensor([lp for lp, _ in pairs])
+
+
+def assert_matches_reference(ref, reqs: list[Request], outs: dict[str, RequestOutput], atol: float = 1e-5) -> None:
+    """Every generated token's log-prob equals one full (cache-free) forward of the reference model."""
+    for r in reqs:
+        o = outs[r.rid]
+        assert [t for _, t in o.output_token_logprobs] == o.output_ids
+        expected = ref_logprobs(ref, r.input_ids + o.output_ids)[len(r.input_ids) - 1 :]
+        torch.testing.assert_close(lps(o.output_token_logprobs), expected, atol=atol, rtol=0)
+
+
+# ---- moved from test_parity.py (shared with other test modules) ----
+
+
+def _parity_reference(mc: ModelConfig, batches: list[dict[str, torch.Tensor]]):
+    """Loss and HF-named gradients of the objective megatron-core optimises (see below)."""
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    torch.manual_seed(1234)
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
+    with torch.no_grad():  # non-trivial norm weights so their gradients are tested too
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    total_tokens = sum(float(b["loss_mask"].sum()) for b in batches)
+    objective, lm_sum = 0.0, 0.0
+    for b in batches:
+        out = model(b["tokens"], position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+        n = float(b["loss_mask"].sum())
+        lm_sum = lm_sum + out.loss.detach() * n
+        # megatron-core (calculate_per_token_loss): token-summed LM loss over the global token
+        # count, plus each micro-batch's aux loss weighted by its token count over the same count.
+        objective = objective + (out.loss * n + out.aux_loss * b["tokens"].numel()) / total_tokens
+    objective.backward()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if mc.tie_word_embeddings:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
+    return float(lm_sum) / total_tokens, state, grads
+
+
+def _layouts_world(rank: int, world_size: int, cases: list[tuple[ModelConfig, ParallelConfig]]) -> None:
+    batches = {}
+    refs = {}
+    for mc, pc in cases:
+        key = repr(mc)
+        if key not in refs:
+            batches[key] = _global_batch(mc.vocab_size)
+            refs[key] = _parity_reference(mc, batches[key])
+        _check_layout(mc, pc, batches[key], refs[key])
+
+
+# ---- moved from test_convert.py (shared with other test modules) ----
+
+
+def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    torch.manual_seed(seed)
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
+    _randomize(model)
+    state = model.state_dict()
+    if mc.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+# ---- moved from test_logprobs.py (shared with other test modules) ----
+
+
+def _logprob_reference(mc, batches):
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    torch.manual_seed(1234)
+    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    total = sum(float(b["loss_mask"].sum()) for b in batches)
+    objective, stats = 0.0, []
+    for b in batches:
+        logits = model(b["tokens"], position_ids=b["position_ids"]).logits / TEMPERATURE
+        logsm = logits.float().log_softmax(-1)
+        lp = logsm.gather(-1, b["labels"][..., None]).squeeze(-1)
+        ent = -(logsm.exp() * logsm).sum(-1)
+        objective = objective + (b["loss_mask"] * (b["coef_lp"] * lp + b["coef_ent"] * ent)).sum() / total
+        stats.append((lp.detach(), ent.detach()))
+    objective.backward()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if mc.tie_word_embeddings:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
+    return float(objective.detach()), stats, state, grads
+
+
+# ---- moved from test_engine_faults.py (shared with other test modules) ----
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.config.schema import ModelConfig
+
+    torch.manual_seed(seed)
+    return list(McoreRLForCausalLM(hf_config_from_model_config(ModelConfig())).state_dict().items())
+
+
+# ---- moved from test_async_resume.py (shared with other test modules) ----
+
+
+def _finish(p: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:  # timed out: leave no trainer behind
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, out[-3000:]
+    return out
+
+
+def _kill_after_checkpoint(p: subprocess.Popen, save_dir: str, iteration: int, timeout: float = 300) -> None:
+    latest = os.path.join(save_dir, "latest")
+    end = time.monotonic() + timeout
+    while True:
+        if p.poll() is not None or time.monotonic() > end:
+            p.kill()
+            out, _ = p.communicate()
+            raise AssertionError(f"no step-{iteration} checkpoint while the run was alive:\n{out[-3000:]}")
+        if os.path.exists(latest) and open(latest).read().strip().endswith(f"{iteration:07d}"):
+            break
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate(timeout=30)

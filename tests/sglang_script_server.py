@@ -94,7 +94,7 @@ def main() -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        print("PORT", site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
+        print("PORT", site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]  # the site has started, so its server is set
         await asyncio.Event().wait()
 
     asyncio.run(serve())

@@ -13,7 +13,7 @@ from mcore_rl.agent.episodes import Episode, EpisodeSettings, episode_metrics, r
 from mcore_rl.data.samples import Prompt
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
 from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest
-from tests.test_engine_core import TOK, make_engine
+from tests.helpers import TOK, make_engine
 
 
 @dataclass

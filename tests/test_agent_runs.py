@@ -160,7 +160,7 @@ def test_a_sigkilled_learner_reruns_its_in_flight_episodes_and_loses_none(tmp_pa
     """`mcore-rl train` with an environment domain, asynchronous at staleness 1, SIGKILLed once its
     step-2 checkpoint exists and started again from it: the episodes in flight at the kill are run
     again from their initial state, the buffered ones come back, every step trains its groups once."""
-    from tests.test_async_resume import _finish, _kill_after_checkpoint
+    from tests.helpers import _finish, _kill_after_checkpoint
 
     tmp = str(tmp_path)
     recipe = os.path.join(tmp, "env.yaml")

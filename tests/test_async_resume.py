@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,6 +29,7 @@ from mcore_rl.runtime.accounting import (
     trained_by_step,
 )
 from tests.helpers import SMALL
+from tests.helpers import _finish, _kill_after_checkpoint
 from tests.helpers import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,32 +49,6 @@ def _train(tmp: str, name: str, *overrides: str) -> subprocess.Popen:
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(p: subprocess.Popen, timeout: float = 300) -> str:
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:  # timed out: leave no trainer behind
-            p.kill()
-            p.communicate()
-    assert p.returncode == 0, out[-3000:]
-    return out
-
-
-def _kill_after_checkpoint(p: subprocess.Popen, save_dir: str, iteration: int, timeout: float = 300) -> None:
-    latest = os.path.join(save_dir, "latest")
-    end = time.monotonic() + timeout
-    while True:
-        if p.poll() is not None or time.monotonic() > end:
-            p.kill()
-            out, _ = p.communicate()
-            raise AssertionError(f"no step-{iteration} checkpoint while the run was alive:\n{out[-3000:]}")
-        if os.path.exists(latest) and open(latest).read().strip().endswith(f"{iteration:07d}"):
-            break
-        time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.communicate(timeout=30)
 
 
 def _records(run_dir: str) -> list[dict]:

@@ -321,7 +321,7 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.models.builder import build_model, transformer_config
     from mcore_rl.parallel.setup import init_model_parallel
     from tests.helpers import P, _check_layout, _global_batch
-    from tests.test_parity import _reference
+    from tests.helpers import _parity_reference
 
     cases = [
         (FULL, P(tp=2, sp=True), "none"),
@@ -336,7 +336,7 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
         key = repr(mc)
         if key not in refs:
             batches = _global_batch(mc.vocab_size)
-            refs[key] = (batches, _reference(mc, batches))
+            refs[key] = (batches, _parity_reference(mc, batches))
         batches, ref = refs[key]
         _check_layout(mc, pc, batches, ref, recompute=recompute)
 

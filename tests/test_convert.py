@@ -22,6 +22,7 @@ import torch
 
 from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
 from tests.helpers import (
+    _reference_state,
     CONVERT_DENSE as DENSE,
     MOE,
     REMOTE_CASES,
@@ -269,18 +270,6 @@ def _remote_logits(export, tokens: torch.Tensor, tmp_path) -> torch.Tensor:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(tmp_path / "logits.pt")
-
-
-def _reference_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-
-    torch.manual_seed(seed)
-    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
-    _randomize(model)
-    state = model.state_dict()
-    if mc.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    return state
 
 
 # the HF config field that shows the reference model knows the architecture yet

@@ -186,7 +186,7 @@ def test_embedded_engine_serves_deepseek_v3_like_the_reference() -> None:
     import copy
 
     from mcore_rl.hf import hf_config_from_model_config
-    from tests.test_engine_core import PROMPTS, assert_matches_reference, make_engine, req, run
+    from tests.helpers import PROMPTS, assert_matches_reference, make_engine, req, run
 
     from mcore_rl.hf import McoreRLForCausalLM
 
@@ -347,7 +347,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
     from tests.helpers import _round_trip_world
     from tests.helpers import P, _check_layout, _global_batch
-    from tests.test_parity import _reference
+    from tests.helpers import _parity_reference
 
     for mc, layouts in [
         (MIXED, [P(pp=2)]),  # stage 0 holds only dense layers, stage 1 only MoE ones
@@ -355,7 +355,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         (DSV3_FULL_Q, [P(pp=2)]),  # full-rank query projection; an MoE layer on each stage
     ]:
         batches = _global_batch(mc.vocab_size)
-        ref = _reference(mc, batches)
+        ref = _parity_reference(mc, batches)
         for pc in layouts:
             _check_layout(mc, pc, batches, ref)
     _bias_moves_toward_balance(rank)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.hf import McoreRLConfig, McoreRLForCausalLM
+from tests.helpers import PROMPTS, TOK, assert_matches_reference, lps, make_engine, ref_logprobs, req, run, tiny_model
+from mcore_rl.hf import McoreRLForCausalLM
 from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.fp8 import (
     FP8_DTYPE,
@@ -21,66 +21,6 @@ from mcore_rl.rollout.engine.fp8 import (
     quantize_block_fp8,
 )
 from mcore_rl.rollout.engine.sampling import SamplingParams
-
-TOK = load_tokenizer(None)
-
-
-def tiny_model(seed: int = 0, **kw) -> McoreRLForCausalLM:
-    base = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    base.update(kw)
-    torch.manual_seed(seed)
-    # A larger init than the default 0.02 gives peaked, input-dependent distributions, so that
-    # greedy/sampled tokens actually exercise the model rather than near-uniform noise.
-    return McoreRLForCausalLM(McoreRLConfig(initializer_range=0.2, **base))
-
-
-def make_engine(model=None, **kw) -> EngineCore:
-    kw.setdefault("context_length", 256)
-    return EngineCore(model if model is not None else tiny_model(), TOK, **kw)
-
-
-def run(engine: EngineCore, reqs: list[Request], stagger: int = 0) -> dict[str, RequestOutput]:
-    """Run to completion; with stagger > 0, add one request every `stagger` steps (joins mid-batch)."""
-    finals: dict[str, RequestOutput] = {}
-    pending = list(reqs)
-    steps = 0
-    if not stagger:
-        for r in pending:
-            engine.add_request(r)
-        pending = []
-    while pending or engine.has_work():
-        if pending and steps % stagger == 0:
-            engine.add_request(pending.pop(0))
-        for out in engine.step():
-            if out.finished:
-                assert out.rid not in finals, f"{out.rid} finished twice"
-                finals[out.rid] = out
-        steps += 1
-    return finals
-
-
-def req(rid: str, prompt, logprobs: bool = True, **sp) -> Request:
-    ids = TOK.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    return Request(rid, ids, SamplingParams(**sp), return_logprob=logprobs, top_logprobs_num=3 if logprobs else 0)
-
-
-@torch.no_grad()
-def ref_logprobs(model: McoreRLForCausalLM, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t >= 1, from one full forward of the reference model (no cache)."""
-    logits = model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], dim=-1)
-    return lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-PROMPTS = ["hello", "the quick brown fox", "1+1=", "a much longer prompt, to make rows of different lengths"]
 
 
 def test_greedy_logprobs_match_reference_forward():
@@ -502,19 +442,6 @@ def arch_model(seed: int = 0, **kw) -> McoreRLForCausalLM:
             if "attn_res." in name or "mlp_res." in name or "final_res." in name:
                 p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + torch.randn(p.shape, generator=g) * 0.2)
     return model
-
-
-def lps(pairs) -> torch.Tensor:
-    return torch.tensor([lp for lp, _ in pairs])
-
-
-def assert_matches_reference(ref, reqs: list[Request], outs: dict[str, RequestOutput], atol: float = 1e-5) -> None:
-    """Every generated token's log-prob equals one full (cache-free) forward of the reference model."""
-    for r in reqs:
-        o = outs[r.rid]
-        assert [t for _, t in o.output_token_logprobs] == o.output_ids
-        expected = ref_logprobs(ref, r.input_ids + o.output_ids)[len(r.input_ids) - 1 :]
-        torch.testing.assert_close(lps(o.output_token_logprobs), expected, atol=atol, rtol=0)
 
 
 def assert_serves_like_reference(make: Callable[[], EngineCore], ref, atol: float = 1e-5) -> None:

@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from mcore_rl.rollout.client import EngineClient, EngineUnavailable
 from mcore_rl.rollout.pool import GenRequest, HTTPEnginePool
@@ -19,6 +18,7 @@ from mcore_rl.rollout.weight_protocol import WeightChecksum
 from mcore_rl.rollout.weight_transports import DiskTransport, DistributedTransport, SyncStats, TensorTransport
 from mcore_rl.train.weight_sync import iter_buckets
 from tests.helpers import ENGINE_FAULTS_CONTEXT as CONTEXT, Engine
+from tests.helpers import _weights
 
 
 @pytest.fixture
@@ -27,14 +27,6 @@ def engines():
     yield pair
     for e in pair:
         e.close()
-
-
-def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-    from mcore_rl.config.schema import ModelConfig
-
-    torch.manual_seed(seed)
-    return list(McoreRLForCausalLM(hf_config_from_model_config(ModelConfig())).state_dict().items())
 
 
 def _versions(urls: list[str]) -> list[str]:

@@ -187,9 +187,9 @@ def test_a_huge_observation_is_cut_and_counted() -> None:
     ("step", "detail"),
     [
         (EnvStep([], reward=math.nan), "reward is nan"),
-        (EnvStep([], reward="1"), "reward is '1'"),  # type: ignore[arg-type]
+        (EnvStep([], reward="1"), "reward is '1'"),  # type: ignore[arg-type]  # a wrong type on purpose: the check is what is tested
         (EnvStep([{"role": "robot", "content": "hi"}]), "messages[0] is not a chat message"),
-        (EnvStep([], done=1), "done is 1"),  # type: ignore[arg-type]
+        (EnvStep([], done=1), "done is 1"),  # type: ignore[arg-type]  # a wrong type on purpose: the check is what is tested
         (EnvStep([], info={"events": {"x": "many"}}), "events"),
         ({"messages": []}, "step returned dict, not EnvStep"),
     ],
@@ -211,7 +211,7 @@ def test_max_turns_ends_the_episode() -> None:
 
 @pytest.mark.parametrize("side", ["left", "right", "middle"])
 def test_truncate_keeps_the_budget(side: str) -> None:
-    text, cut = truncate("0123456789" * 100, 100, side)  # type: ignore[arg-type]
+    text, cut = truncate("0123456789" * 100, 100, side)  # type: ignore[arg-type]  # the parametrized side is a str; truncate types it as the Literal of the same three
     assert cut and len(text) <= 100
     assert truncate("short", 100) == ("short", False)
 
@@ -258,7 +258,7 @@ class BadStart(Environment):
 @pytest.mark.parametrize(
     ("start", "detail"),
     [
-        (EnvReset([{"role": "user", "content": "go"}], tools=["python"]), "EnvReset.tools is not a list of ToolSpec"),  # type: ignore[list-item]
+        (EnvReset([{"role": "user", "content": "go"}], tools=["python"]), "EnvReset.tools is not a list of ToolSpec"),  # type: ignore[list-item]  # a wrong type on purpose: the check is what is tested
         (EnvReset([{"role": "user"}]), "EnvReset.messages[0] is not a chat message"),
         (None, "reset returned NoneType, not EnvReset"),
     ],

@@ -425,7 +425,7 @@ def _checkpoint_reshards(tmp: str, mc: ModelConfig, ref_state: dict) -> None:
 
 def _two_rank_world(rank: int, world_size: int, tmp: str) -> None:
     from tests.helpers import P, _global_batch
-    from tests.test_parity import _layouts_world, _reference
+    from tests.helpers import _layouts_world, _parity_reference
 
     _all_to_all_payload(rank)
     _layouts_world(
@@ -439,7 +439,7 @@ def _two_rank_world(rank: int, world_size: int, tmp: str) -> None:
             (LATENT_SHARED, P(tp=2, sp=True)),
         ],
     )
-    _, ref_state, _ = _reference(LATENT_SHARED, _global_batch(LATENT_SHARED.vocab_size))
+    _, ref_state, _ = _parity_reference(LATENT_SHARED, _global_batch(LATENT_SHARED.vocab_size))
     _checkpoint_reshards(tmp, LATENT_SHARED, ref_state)
 
 
@@ -452,7 +452,7 @@ def test_two_rank_layouts_payload_and_checkpoint(tmp_path) -> None:
 
 def _four_rank_world(rank: int, world_size: int) -> None:
     from tests.helpers import P
-    from tests.test_parity import _layouts_world
+    from tests.helpers import _layouts_world
 
     _layouts_world(
         rank,

@@ -11,6 +11,7 @@ import torch
 
 from mcore_rl.train.logprobs import auto_chunk_size, vocab_parallel_token_stats
 from tests.helpers import DENSE, P
+from tests.helpers import _logprob_reference
 from tests.world import run_world
 from tests.helpers import CHUNK, TEMPERATURE, _batches, _inputs, _loss, _naive
 
@@ -88,32 +89,6 @@ def test_rejects_bad_temperature_and_auto_chunk() -> None:
 TIED = dataclasses.replace(DENSE, tie_word_embeddings=True)
 
 
-def _reference(mc, batches):
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-
-    torch.manual_seed(1234)
-    model = McoreRLForCausalLM(hf_config_from_model_config(mc)).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    total = sum(float(b["loss_mask"].sum()) for b in batches)
-    objective, stats = 0.0, []
-    for b in batches:
-        logits = model(b["tokens"], position_ids=b["position_ids"]).logits / TEMPERATURE
-        logsm = logits.float().log_softmax(-1)
-        lp = logsm.gather(-1, b["labels"][..., None]).squeeze(-1)
-        ent = -(logsm.exp() * logsm).sum(-1)
-        objective = objective + (b["loss_mask"] * (b["coef_lp"] * lp + b["coef_ent"] * ent)).sum() / total
-        stats.append((lp.detach(), ent.detach()))
-    objective.backward()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if mc.tie_word_embeddings:
-        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
-    return float(objective.detach()), stats, state, grads
-
-
 def _check(mc, pc, batches, ref, results: dict) -> None:
     from megatron.core import parallel_state as ps
 
@@ -171,7 +146,7 @@ def _world(rank: int, world_size: int, cases) -> None:
         key = repr(mc)
         if key not in refs:
             batches[key] = _batches(mc.vocab_size)
-            refs[key] = _reference(mc, batches[key])
+            refs[key] = _logprob_reference(mc, batches[key])
         _check(mc, pc, batches[key], refs[key], results)
     # TP=1 vs TP=2 vs PP=2 directly (not only through the reference): same loss and grads.
     dense = [v for k, v in results.items() if "tied=False" in k]

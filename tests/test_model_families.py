@@ -1,12 +1,13 @@
 """Model families: one module each, registered once in `hf/families.py`, named nowhere else.
 
-Adding a family touches its module and the `FAMILIES` tuple (docs/architectures.md): the shared
+Adding a family touches its module and the `FAMILIES` tuple (docs/model_families.md): the shared
 config, modeling, weight-name and export code asks the registry and names no family, and what the
 converter and exporter accept follows from the registration.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -32,6 +33,72 @@ SHARED_FILES = (
 def _words(family_name: str) -> list[str]:
     """The family's name and its first word (`deepseek_v3` -> also `deepseek`)."""
     return sorted({family_name, family_name.split("_")[0]})
+
+
+def _bundle(family: ModelFamily) -> set[str]:
+    """A family's files: its reference modeling and HF side, and its megatron-core half."""
+    return {f"hf/{family.name}.py", f"models/{family.name}.py"}
+
+
+# The registration, and the declaration of what users write under `model:` (the family's keys and
+# its `arch` value stay in one `ModelConfig` so recipes keep their keys: docs/model_families.md);
+# nothing else outside a bundle.
+REGISTRATION = "hf/families.py"
+KEY_DECLARATION = "config/schema.py"
+
+
+def _code_names(path: pathlib.Path) -> set[str]:
+    """Identifiers, attribute and keyword names, imported modules and string constants of a file's
+    code, lower-case; docstrings and comments (prose) are left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.update((node.name, node.asname or ""))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.add(node.value)
+    return {n.lower() for n in names if n}
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_a_family_is_its_bundle_plus_one_registration(family: ModelFamily) -> None:
+    """No code outside the family's two files names it (branches on its name, imports its module)
+    or reads its `model.*` keys, but the registration and the keys' declaration: its config
+    rules, FLOPs, megatron-core spec and TransformerConfig, weight names and the engine's cache
+    layout are hooks of the bundle the shared code calls."""
+    words = _words(family.name)
+    keys = set(family.model_keys)
+    named, read = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in _bundle(family):
+            continue
+        code = _code_names(path)
+        if rel not in (REGISTRATION, KEY_DECLARATION):
+            named += [f"{rel}: {n!r}" for n in sorted(code) if any(w in n for w in words)]
+        if rel != KEY_DECLARATION:
+            read += [f"{rel}: {k}" for k in sorted(keys & code)]
+    assert named == [], f"code outside {family.name}'s bundle names it: {named}"
+    assert read == [], f"code outside {family.name}'s bundle reads its model keys: {read}"
+    assert keys, "the family's model keys are listed (ModelFamily.model_keys)"
 
 
 @pytest.mark.parametrize("name", SHARED_FILES)

@@ -18,7 +18,7 @@ import textwrap
 import torch
 
 from tests.helpers import REMOTE_CASES, ROOT, _tokens
-from tests.test_convert import _reference_state
+from tests.helpers import _reference_state
 
 HF_DIR = os.path.join(ROOT, "mcore_rl", "hf")
 # One architecture per remote-code module (latent_moe.py, attn_res.py, ngram.py).

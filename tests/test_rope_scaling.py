@@ -284,7 +284,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.convert import hf_to_mcore, mcore_to_hf
     from mcore_rl.convert import parallel_config as convert_layout
     from tests.helpers import P, _check_layout, _global_batch
-    from tests.test_parity import _reference
+    from tests.helpers import _parity_reference
 
     cases = [
         (dataclasses.replace(LLAMA, rope_scaling=LLAMA3), [P(tp=2, sp=True), P(pp=2)]),
@@ -294,8 +294,8 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     ]
     for mc, layouts in cases:
         batches = _global_batch(mc.vocab_size)
-        ref = _reference(mc, batches)
-        plain = _reference(dataclasses.replace(mc, rope_scaling=RopeScalingConfig()), batches)
+        ref = _parity_reference(mc, batches)
+        plain = _parity_reference(dataclasses.replace(mc, rope_scaling=RopeScalingConfig()), batches)
         assert abs(ref[0] - plain[0]) > 1e-3 * abs(ref[0]), (mc.rope_scaling, ref[0], plain[0])
         for pc in layouts:
             _check_layout(mc, pc, batches, ref)

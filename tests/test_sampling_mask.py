@@ -15,7 +15,7 @@ from mcore_rl.rollout.engine.driver import EngineDriver
 from mcore_rl.rollout.engine.sampling import BatchSampling, SamplingParams, sample, sample_with_support
 from mcore_rl.rollout.pool import EmbeddedEnginePool, GenRequest, HTTPEnginePool, check_logprobs_mode
 from mcore_rl.rollout.server import EngineServer, ServerThread
-from tests.test_engine_core import TOK, make_engine, run, tiny_model
+from tests.helpers import TOK, make_engine, run, tiny_model
 
 
 def _support_by_definition(logits: torch.Tensor, sp: SamplingParams) -> set[int]:

@@ -189,7 +189,7 @@ def test_every_drawn_prompt_is_accounted_for_under_filtering_and_failures():
             checks.append((sch.ledger.drawn, sch.ledger.finished() + sch.pending()))
             return got
 
-        sch.next_batch = checked  # type: ignore[method-assign]
+        sch.next_batch = checked  # type: ignore[method-assign]  # wraps the method to record the ledger at every batch
         run = await simulate_learner(sch, eng, 6, lambda g: 0.5)
         return run, sch, checks
 

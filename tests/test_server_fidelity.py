@@ -824,7 +824,7 @@ def _llama_dir(path: str) -> str:
     from transformers import LlamaForCausalLM
 
     from mcore_rl.hf import to_stock_hf_config
-    from tests.test_engine_core import tiny_model
+    from tests.helpers import tiny_model
 
     LlamaForCausalLM(
         to_stock_hf_config(tiny_model(use_qk_norm=False, max_position_embeddings=3000).config)

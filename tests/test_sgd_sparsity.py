@@ -154,7 +154,7 @@ def test_config_validation_and_build() -> None:
     with pytest.raises(Exception, match="optimizer.name"):
         load_config(RLConfig, "configs/demo.yaml", ["optimizer.name=lion"])
     with pytest.raises(ValueError, match="optimizer.name"):
-        build_optimizer([Tiny()], replace(SGD, name="lion"), "fp32", 10)  # type: ignore[arg-type]
+        build_optimizer([Tiny()], replace(SGD, name="lion"), "fp32", 10)  # type: ignore[arg-type]  # an unknown optimizer name on purpose: its refusal is what is tested
 
 
 def _sharded_state_dict_has_only_masters() -> None:

@@ -13,7 +13,7 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.vocab_padding import VOCAB_TENSORS, pad_vocab_rows, padded_columns_from, padded_vocab_size
 from mcore_rl.train.logprobs import vocab_parallel_topk_stats
 from tests.helpers import CHUNK, TEMPERATURE, _batches, _inputs, _loss, _naive
-from tests.test_logprobs import _reference
+from tests.helpers import _logprob_reference
 from tests.helpers import P
 from tests.world import run_world
 
@@ -70,7 +70,7 @@ def _check(mc: ModelConfig, padded: int) -> list:
 
     name = f"vocab {mc.vocab_size} -> {padded}"
     batches = _batches(mc.vocab_size)
-    ref_obj, ref_stats, ref_state, ref_grads = _reference(mc, batches)
+    ref_obj, ref_stats, ref_state, ref_grads = _logprob_reference(mc, batches)
     pc = P(tp=2)
     config = transformer_config(mc, pc)
     chunks = build_model(mc, pc, config=config)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mcore_rl.config.schema import ModelConfig, ParallelConfig
+from tests.helpers import P
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout import weight_receiver as rx
@@ -571,18 +572,6 @@ MOE = ModelConfig(
 )
 
 
-def P(**kw) -> ParallelConfig:
-    names = dict(
-        tp="tensor_model_parallel_size",
-        pp="pipeline_model_parallel_size",
-        vpp="virtual_pipeline_model_parallel_size",
-        ep="expert_model_parallel_size",
-        sp="sequence_parallel",
-        etp="expert_tensor_parallel_size",
-    )
-    return ParallelConfig(**{names[k]: v for k, v in kw.items()})
-
-
 def _gather_world(rank: int, world_size: int, cases) -> None:
     from mcore_rl.hf.weight_map import full_megatron_to_hf
     from mcore_rl.models.shards import gather_full_state_dict
@@ -791,7 +780,7 @@ from mcore_rl.rollout.server import EngineServer, ServerThread
 from mcore_rl.rollout.pool import HTTPEnginePool
 from mcore_rl.rollout.weight_transports import SyncStats, TensorTransport
 from mcore_rl.train.weight_sync import iter_buckets
-from tests.test_engine_faults import _weights
+from tests.helpers import _weights
 torch.set_num_threads(1)
 srv = ServerThread(EngineServer(EngineDriver(EngineCore.from_model_path(None, context_length=64, random_seed=0))),
                    shutdown_timeout=0.5)

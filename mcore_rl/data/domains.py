@@ -653,10 +653,10 @@ def build_domain_sets(cfg: RLConfig, tokenizer: Any, environment_examples: Examp
     pps = cfg.rollout.prompts_per_step
     schedule = MixtureSchedule(weights, d.mixture.stages)
     return PromptSets(
-        train=MixtureSource(train, schedule, seed, pps, d.mixture.sampling, budgets),  # type: ignore[arg-type]
+        train=MixtureSource(train, schedule, seed, pps, d.mixture.sampling, budgets),  # type: ignore[arg-type]  # a MixtureSource serves as a PromptSource (same take/state methods)
         validation=MixtureSource(
             val, MixtureSchedule(weights), seed + VALIDATION_SEED_OFFSET, pps, d.mixture.sampling, budgets
-        ),  # type: ignore[arg-type]
+        ),  # type: ignore[arg-type]  # a MixtureSource serves as a PromptSource (same take/state methods)
         eval_prompts=eval_prompts,
     )
 

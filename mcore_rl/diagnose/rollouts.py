@@ -154,7 +154,7 @@ def sample_groups(
         return_original_logprob=False,
     )
     rewards = build_reward_runner(cfg)
-    manager = RolloutManager(EmbeddedEnginePool([core]), None, rewards, cfg)  # type: ignore[arg-type]
+    manager = RolloutManager(EmbeddedEnginePool([core]), None, rewards, cfg)  # type: ignore[arg-type]  # the analysis passes its own prompts to each call; the manager's stream is never read
     t = cfg.rollout.temperature if temperature is None else temperature
     try:
         return manager.generate(prompts, group_size, t, SALT_TRAIN)

@@ -156,7 +156,7 @@ class McoreRLConfig(PretrainedConfig):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PretrainedConfig) and self.__dict__ == other.__dict__
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # __eq__ compares mutable state, so instances are unhashable, as PretrainedConfig's
 
     @property
     def is_moe(self) -> bool:

@@ -37,6 +37,7 @@ from .rope import ROPE_KEYS, rope_type_of
 
 if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
     try:
+        from mcore_rl.config.rules import Errors
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
         pass
@@ -149,6 +150,17 @@ class MLAReferenceAttention(nn.Module):
         self.kv_a_layernorm = ReferenceRMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+
+    @property
+    def cache_entry_width(self) -> int:
+        """What the embedded engine's KV pool keeps per token and layer (rollout/engine/model_runner.py):
+        cat(latent, k_rot), one entry all heads read."""
+        return self.kv_lora_rank + self.rope
+
+    def split_cache_entry(self, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An engine cache entry [..., cache_entry_width] -> (latent, k_rot), as `attend` takes them."""
+        latent, k_rot = entry.split([self.kv_lora_rank, self.rope], dim=-1)
+        return latent, k_rot
 
     def forward(
         self,
@@ -430,6 +442,161 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
     return out
 
 
+# ---- ModelConfig: the family's `model.*` keys and their rules (config/moe_rules.py runs them) -------
+
+# Declared in config/schema.py (the YAML keys users write); a model of another arch leaves them at
+# their defaults.
+MODEL_KEYS = (
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
+
+
+def check_model_config(m: ModelConfig, errors: Errors) -> None:
+    """The sigmoid router with expert bias and grouped top-k, and MLA's shapes."""
+    check_router(m, errors)
+    check_latent_attention(m, errors)
+
+
+def check_router(m: ModelConfig, errors: Errors) -> None:
+    """The sigmoid router with expert bias, grouped top-k and scaling belongs to this arch (its reference MoE block)."""
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    deepseek = m.arch == "deepseek_v3"
+    if deepseek:
+        errors.need(
+            sigmoid and m.moe_router_enable_expert_bias,
+            "model.moe_router_score_function",
+            "arch deepseek_v3 routes with sigmoid scores and the expert bias: set "
+            "moe_router_score_function=sigmoid and moe_router_enable_expert_bias=true "
+            "(moe_router_bias_update_rate=0 freezes the bias)",
+        )
+        errors.need(
+            m.multi_latent_attention,
+            "model.multi_latent_attention",
+            "arch deepseek_v3 has multi-head latent attention; set multi_latent_attention=true",
+        )
+    else:
+        for key, value, default in [
+            ("moe_router_score_function", m.moe_router_score_function, "softmax"),
+            ("moe_router_num_groups", m.moe_router_num_groups, None),
+            ("moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
+            ("multi_latent_attention", m.multi_latent_attention, False),
+        ]:
+            errors.need(
+                value == default, f"model.{key}", f"is {value} but needs model.arch=deepseek_v3 (arch is {m.arch!r})"
+            )
+    if m.moe_router_enable_expert_bias:
+        errors.need(
+            sigmoid,
+            "model.moe_router_enable_expert_bias",
+            "the expert bias (aux-loss-free balancing) needs moe_router_score_function=sigmoid",
+        )
+        errors.need(
+            m.moe_router_bias_update_rate >= 0,
+            "model.moe_router_bias_update_rate",
+            f"must be >= 0, got {m.moe_router_bias_update_rate}",
+        )
+    if sigmoid and m.moe_router_topk > 1:
+        # megatron-core always renormalises sigmoid top-k scores (topk > 1)
+        errors.need(
+            m.moe_norm_topk_prob,
+            "model.moe_norm_topk_prob",
+            "must be true with moe_router_score_function=sigmoid and moe_router_topk > 1 "
+            "(megatron-core renormalises sigmoid top-k scores)",
+        )
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is None and group_topk is None:
+        return
+    if groups is None or group_topk is None:
+        errors.need(
+            False,
+            "model.moe_router_group_topk",
+            "grouped top-k needs both moe_router_num_groups and moe_router_group_topk",
+        )
+        return
+    if not errors.need(
+        groups >= 1 and 1 <= group_topk <= groups,
+        "model.moe_router_group_topk",
+        f"must be in [1, moe_router_num_groups={groups}], got {group_topk}",
+    ):
+        return
+    if errors.need(
+        m.num_experts % groups == 0,
+        "model.moe_router_num_groups",
+        f"num_experts {m.num_experts} is not divisible by {groups} groups",
+    ):
+        per_group = m.num_experts // groups
+        errors.need(
+            m.moe_router_topk % group_topk == 0
+            and m.moe_router_topk // group_topk <= per_group
+            and m.moe_router_topk <= group_topk * per_group,
+            "model.moe_router_topk",
+            f"{m.moe_router_topk} must be a multiple of moe_router_group_topk {group_topk} and fit in "
+            f"{group_topk} groups of {per_group} experts",
+        )
+
+
+def check_latent_attention(m: ModelConfig, errors: Errors) -> None:
+    """MLA shapes, as megatron-core's `MLATransformerConfig` and the reference attention take them."""
+    if not m.multi_latent_attention:
+        return
+    for key, value in [
+        ("model.kv_lora_rank", m.kv_lora_rank),
+        ("model.qk_head_dim", m.qk_head_dim),
+        ("model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim),
+        ("model.v_head_dim", m.v_head_dim),
+    ]:
+        errors.need(value >= 1, key, f"must be >= 1 with multi_latent_attention, got {value}")
+    errors.need(
+        m.q_lora_rank is None or m.q_lora_rank >= 1,
+        "model.q_lora_rank",
+        f"must be null (full-rank query) or >= 1, got {m.q_lora_rank}",
+    )
+    errors.need(
+        m.qk_pos_emb_head_dim % 2 == 0,
+        "model.qk_pos_emb_head_dim",
+        f"must be even (RoPE rotates pairs), got {m.qk_pos_emb_head_dim}",
+    )
+    errors.need(
+        m.qk_layernorm,
+        "model.qk_layernorm",
+        "must be true with multi_latent_attention (it turns on the latent q/kv RMSNorms)",
+    )
+    errors.need(
+        m.rope_scaling.type == "none",
+        "model.rope_scaling.type",
+        f"{m.rope_scaling.type!r} with multi_latent_attention is not built (MLA uses plain RoPE here)",
+    )
+
+
+def attention_flops(model: ModelConfig, context: float) -> tuple[float, float]:
+    """One layer of multi-head latent attention: (projections, scores) FLOPs per token.
+
+    Queries: h -> q_lora_rank -> heads x (qk_head_dim + qk_pos_emb_head_dim), or straight from h
+    without q_lora_rank; keys/values: h -> kv_lora_rank + qk_pos_emb_head_dim (the latent and the
+    shared RoPE key), latent -> heads x (qk_head_dim + v_head_dim); output heads x v_head_dim -> h.
+    Scores: QK^T over qk_head_dim + qk_pos_emb_head_dim, softmax(.)V over v_head_dim (the latent is
+    expanded per token, not absorbed into the query)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+    q = h * heads * qk if model.q_lora_rank is None else model.q_lora_rank * (h + heads * qk)
+    kv = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * heads * (
+        model.qk_head_dim + model.v_head_dim
+    )
+    out = heads * model.v_head_dim * h
+    return 2.0 * (q + kv + out), 2.0 * heads * (qk + model.v_head_dim) * context
+
+
 FAMILY = ModelFamily(
     name="deepseek_v3",
     stock_model_type="deepseek_v3",
@@ -448,4 +615,8 @@ FAMILY = ModelFamily(
     megatron_to_hf=megatron_to_hf,
     hf_to_megatron=hf_to_megatron,
     fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+    model_keys=MODEL_KEYS,
+    check_model=check_model_config,
+    attention_flops=attention_flops,
+    megatron="mcore_rl.models.deepseek_v3",
 )

@@ -5,7 +5,7 @@ decoder every family here starts from: Qwen3 / Qwen3-MoE, with Llama 3, Qwen2 / 
 Mistral as fields of it (no QK-norm, q/k/v biases, a gated shared expert, a sliding window). A
 family that differs in more than fields (its own attention, router or weight names) is one module
 that fills a `ModelFamily` and is listed once in `families.py: FAMILIES`; the shared code asks the
-family of a config for those parts and names no family. `docs/architectures.md` walks through one.
+family of a config for those parts and names no family. `docs/model_families.md` walks through one.
 
 Part of the remote-code modeling files (imports only the standard library).
 """
@@ -20,7 +20,12 @@ from typing import Any
 # code, where neither `mcore_rl` nor every stock config class can be imported.
 HFConfig = Any
 ModelConfigT = Any
+Errors = Any  # mcore_rl.config.rules.Errors: `need(ok, key, message)` records a config error
 Tensor = Any  # torch.Tensor; not imported so this record stays importable without torch
+
+
+def _no_checks(model: ModelConfigT, errors: Errors) -> None:
+    """A family without `model.*` keys of its own has nothing to check."""
 
 
 @dataclass(frozen=True)
@@ -54,3 +59,14 @@ class ModelFamily:
     hf_to_megatron: Callable[[dict[str, Tensor], str, str, ModelConfigT, bool], dict[str, Tensor]]
     # export (convert/to_hf.py): tensors the stock class keeps in fp32 whatever the model's dtype
     fp32_tensors: tuple[str, ...] = ()
+    # `ModelConfig` (config/rules.py): the `model.*` keys the family owns (declared in
+    # config/schema.py, where the YAML keys users write live) and their rules, run on every config:
+    # a model of another arch must leave them at their defaults
+    model_keys: tuple[str, ...] = ()
+    check_model: Callable[[ModelConfigT, Errors], None] = _no_checks
+    # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
+    # (projections, scores); None = the GQA decoder's count
+    attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None
+    # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
+    # models/family.py), found by name because hf/ imports no megatron; "" = none
+    megatron: str = ""

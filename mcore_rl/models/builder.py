@@ -10,7 +10,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
-from mcore_rl.models import attn_res, deepseek_v3, megatron_fixes, rope_scaling, sliding_window
+from mcore_rl.models import attn_res, megatron_fixes, rope_scaling, sliding_window
+from mcore_rl.models.family import megatron_family
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 from mcore_rl.models.vocab_padding import install_vocab_padding, padded_vocab_size
@@ -26,6 +27,7 @@ def transformer_config(
 ) -> TransformerConfig:
     """The megatron-core `TransformerConfig` for a Qwen3(-MoE) decoder in the given layout."""
     dtype = _DTYPES[precision]
+    family = megatron_family(model)  # a family's own attention and router (models/<family>.py)
     moe: dict = {}
     if model.is_moe:
         moe = dict(
@@ -44,16 +46,20 @@ def transformer_config(
             moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
             moe_shared_expert_gate=model.moe_shared_expert_gate,  # Qwen2-MoE
         )
-        moe.update(deepseek_v3.moe_kwargs(model))  # moe_layer_pattern, DeepSeek-V3 router
+        if model.moe_layer_pattern is not None:  # mixed layers: spec.decoder_block_spec reads the list
+            moe["moe_layer_freq"] = [int(p) for p in model.moe_layer_pattern]
+        if family is not None:
+            moe.update(family.moe_kwargs(model))
     recompute_kwargs: dict = {}
     if recompute == "full":
         recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
-    config_class, mla = deepseek_v3.config_class_and_kwargs(model)  # MLA: MLATransformerConfig
-    if not mla:
-        config_class = rope_scaling.transformer_config_class(model)  # YaRN: + its yarn_* fields
+    if family is not None:
+        config_class, family_fields = family.transformer_config(model)
+    else:
+        config_class, family_fields = rope_scaling.transformer_config_class(model), {}  # YaRN: + yarn_*
     return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -100,7 +106,7 @@ def transformer_config(
         **moe,
         **recompute_kwargs,
         **rope_scaling.transformer_config_kwargs(model),
-        **mla,
+        **family_fields,
     )
 
 
@@ -122,7 +128,7 @@ def build_model(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        block_spec = decoder_block_spec(config, vp_stage=stage)
+        block_spec = decoder_block_spec(config, vp_stage=stage, family=megatron_family(model))
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=attn_res.deferred_spec(block_spec, model),  # AttnRes: see below

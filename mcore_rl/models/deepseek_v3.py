@@ -1,8 +1,6 @@
-"""megatron-core settings of mixed dense/MoE layers and of the DeepSeek-V3 family.
+"""megatron-core settings of the DeepSeek-V3 family (`MEGATRON`, found through `hf/deepseek_v3.py`).
 
-`moe_layer_pattern` becomes megatron-core's list-valued `moe_layer_freq` (`spec.decoder_block_spec`
-builds each layer's spec from its global index, so pipeline stages may hold different kinds). The
-DeepSeek-V3 router (sigmoid scores, expert bias for selection only, grouped top-k, scaling) and
+The DeepSeek-V3 router (sigmoid scores, expert bias for selection only, grouped top-k, scaling) and
 multi-head latent attention are megatron-core's own (`TopKRouter`, `MLASelfAttention` with the local
 or TE spec); the expert bias moves toward balance in megatron-core's `finalize_model_grads`, which
 the train path installs (`train.forward_backward.prepare_config`).
@@ -13,17 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.models.family import MegatronFamily
 from mcore_rl.models.latent_moe import LatentProjection
 
 
 def moe_kwargs(model: ModelConfig) -> dict[str, Any]:
-    """TransformerConfig MoE fields for the layer pattern and the DeepSeek-V3 router."""
+    """TransformerConfig MoE fields of the DeepSeek-V3 router."""
     out: dict[str, Any] = {}
-    if model.moe_layer_pattern is not None:
-        out["moe_layer_freq"] = [int(p) for p in model.moe_layer_pattern]
     if model.moe_router_score_function == "sigmoid":
         out.update(
             moe_router_score_function="sigmoid",
@@ -38,10 +36,8 @@ def moe_kwargs(model: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def config_class_and_kwargs(model: ModelConfig) -> tuple[type[TransformerConfig], dict[str, Any]]:
-    """`MLATransformerConfig` with plain RoPE for multi-head latent attention, else `TransformerConfig`."""
-    if not model.multi_latent_attention:
-        return TransformerConfig, {}
+def transformer_config(model: ModelConfig) -> tuple[type[TransformerConfig], dict[str, Any]]:
+    """`MLATransformerConfig` with plain RoPE for multi-head latent attention."""
     return MLATransformerConfig, dict(
         q_lora_rank=model.q_lora_rank,
         kv_lora_rank=model.kv_lora_rank,
@@ -87,3 +83,24 @@ def use_local_mla() -> None:
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
         multi_latent_attention.TELinear = LatentProjection
+
+
+def local_attention_submodules(qk_norm: type) -> dict[str, type | ModuleSpec]:
+    """The local spec's MLA submodules: the latent q/kv RMSNorms, the core attention with MLA's
+    unequal q/k and v head sizes, and the down projections duplicated on every TP rank."""
+    use_local_mla()
+    return dict(
+        q_layernorm=qk_norm,
+        kv_layernorm=qk_norm,
+        core_attention=MLADotProductAttention,
+        linear_q_down_proj=LatentProjection,
+        linear_kv_down_proj=LatentProjection,
+    )
+
+
+MEGATRON = MegatronFamily(
+    transformer_config=transformer_config,
+    moe_kwargs=moe_kwargs,
+    layer_spec_kwargs=dict(multi_latent_attention=True),
+    local_attention_submodules=local_attention_submodules,
+)

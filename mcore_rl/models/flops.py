@@ -4,7 +4,8 @@ One count serves the MFU in the run metrics and the step-time estimate of `mcore
 the two agree. A multiply-add is 2 FLOPs; only matrix products are counted (norms, activations,
 softmax and the router's top-k are a few percent at real sizes and not matmuls). Attention's
 score and value products depend on the context a token attends to: for a causal sequence of
-length s that is (s + 1) / 2 positions on average.
+length s that is (s + 1) / 2 positions on average. A family with its own attention counts it in
+its bundle (`ModelFamily.attention_flops`, hf/<family>.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.hf.families import family_named
 
 
 @dataclass(frozen=True)
@@ -47,24 +49,6 @@ def _moe_layer(model: ModelConfig) -> float:
     return flops
 
 
-def _mla(model: ModelConfig, context: float) -> tuple[float, float]:
-    """One layer of multi-head latent attention: (projections, scores) FLOPs per token.
-
-    Queries: h -> q_lora_rank -> heads x (qk_head_dim + qk_pos_emb_head_dim), or straight from h
-    without q_lora_rank; keys/values: h -> kv_lora_rank + qk_pos_emb_head_dim (the latent and the
-    shared RoPE key), latent -> heads x (qk_head_dim + v_head_dim); output heads x v_head_dim -> h.
-    Scores: QK^T over qk_head_dim + qk_pos_emb_head_dim, softmax(.)V over v_head_dim (the latent is
-    expanded per token, not absorbed into the query)."""
-    h, heads = model.hidden_size, model.num_attention_heads
-    qk = model.qk_head_dim + model.qk_pos_emb_head_dim
-    q = h * heads * qk if model.q_lora_rank is None else model.q_lora_rank * (h + heads * qk)
-    kv = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * heads * (
-        model.qk_head_dim + model.v_head_dim
-    )
-    out = heads * model.v_head_dim * h
-    return 2.0 * (q + kv + out), 2.0 * heads * (qk + model.v_head_dim) * context
-
-
 def is_moe_layer(model: ModelConfig, layer: int) -> bool:
     """Whether decoder layer `layer` (0-based) has a MoE MLP; every layer does in a MoE model
     unless a per-layer pattern (`model.moe_layer_pattern`, when the config has one) says otherwise."""
@@ -78,8 +62,9 @@ def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = Tru
     """Forward FLOPs of one token in a sequence of `seq_len` tokens."""
     h, L = model.hidden_size, model.num_layers
     context = _attended_context(seq_len, causal, model.sliding_window)
-    if model.multi_latent_attention:
-        projections, scores = _mla(model, context)
+    family = family_named(model.arch)
+    if family is not None and family.attention_flops is not None:  # its own attention (hf/<family>.py)
+        projections, scores = family.attention_flops(model, context)
         projections, scores = L * projections, L * scores
     else:
         q_dim = model.num_attention_heads * model.head_dim

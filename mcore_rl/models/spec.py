@@ -21,8 +21,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_rl.models.deepseek_v3 import MLADotProductAttention, use_local_mla
-from mcore_rl.models.latent_moe import LatentProjection, with_latent_moe
+from mcore_rl.models.family import MegatronFamily
+from mcore_rl.models.latent_moe import with_latent_moe
 from mcore_rl.models.norm import RMSNorm
 
 
@@ -30,39 +30,37 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def decoder_layer_spec(config: TransformerConfig, use_te: bool | None = None, moe: bool | None = None) -> ModuleSpec:
-    """One decoder layer: GQA (or, with `multi_latent_attention`, MLA) self-attention with QK-norm
-    and RoPE, SwiGLU MLP or MoE. `moe=False` builds a dense layer in an MoE model (mixed layers)."""
+def decoder_layer_spec(
+    config: TransformerConfig,
+    use_te: bool | None = None,
+    moe: bool | None = None,
+    family: MegatronFamily | None = None,
+) -> ModuleSpec:
+    """One decoder layer: GQA (or the `family`'s own) self-attention with QK-norm and RoPE, SwiGLU
+    MLP or MoE. `moe=False` builds a dense layer in an MoE model (mixed layers)."""
     if use_te is None:
         use_te = transformer_engine_available()
     num_experts = config.num_moe_experts if moe is None or moe else None
-    mla = bool(getattr(config, "multi_latent_attention", False))
+    family_kwargs = family.layer_spec_kwargs if family is not None else {}
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
             qk_layernorm=config.qk_layernorm,
-            multi_latent_attention=mla,
+            **family_kwargs,
         )
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
-        multi_latent_attention=mla,
+        **family_kwargs,
     )
     attention = spec.submodules.self_attention
     qk_norm = RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm
-    norms = dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
-    if mla:  # the local core attention with MLA's unequal q/k and v head sizes (models/deepseek_v3.py)
-        use_local_mla()
-        norms = dict(
-            q_layernorm=qk_norm,
-            kv_layernorm=qk_norm,
-            core_attention=MLADotProductAttention,
-            linear_q_down_proj=LatentProjection,
-            linear_kv_down_proj=LatentProjection,
-        )
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **norms))
+    replaced: dict[str, type | ModuleSpec] = dict(q_layernorm=qk_norm, k_layernorm=qk_norm)
+    if family is not None:  # the family's attention without transformer-engine (models/<family>.py)
+        replaced = family.local_attention_submodules(qk_norm)
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **replaced))
     submodules = dataclasses.replace(
         spec.submodules,
         input_layernorm=RMSNorm,
@@ -73,7 +71,10 @@ def decoder_layer_spec(config: TransformerConfig, use_te: bool | None = None, mo
 
 
 def decoder_block_spec(
-    config: TransformerConfig, vp_stage: int | None = None, use_te: bool | None = None
+    config: TransformerConfig,
+    vp_stage: int | None = None,
+    use_te: bool | None = None,
+    family: MegatronFamily | None = None,
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage (and virtual stage) builds, plus the final norm.
 
@@ -86,12 +87,12 @@ def decoder_block_spec(
     if isinstance(pattern, list):
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         kinds = {
-            0: decoder_layer_spec(config, use_te, moe=False),
-            1: with_latent_moe(decoder_layer_spec(config, use_te, moe=True), config),
+            0: decoder_layer_spec(config, use_te, moe=False, family=family),
+            1: with_latent_moe(decoder_layer_spec(config, use_te, moe=True, family=family), config),
         }
         layers = [kinds[pattern[offset + i]] for i in range(num_layers)]
     else:
-        layers = [with_latent_moe(decoder_layer_spec(config, use_te), config)] * num_layers
+        layers = [with_latent_moe(decoder_layer_spec(config, use_te, family=family), config)] * num_layers
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 

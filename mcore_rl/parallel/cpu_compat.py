@@ -155,7 +155,7 @@ class _TorchDeviceMeta(type):
 class _TorchDevice(metaclass=_TorchDeviceMeta):
     """`torch.device("cuda", i)` becomes the CPU device; isinstance checks still work."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[misc]
+    def __new__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[misc]  # a stand-in class whose constructor returns a real torch.device
         if args and isinstance(args[0], str) and args[0].startswith("cuda"):
             return torch.device("cpu")
         return torch.device(*args, **kwargs)

@@ -161,7 +161,7 @@ def _measure_one(model: ModelConfig, layout: Layout, shape: TrainShape, steps: i
     config = transformer_config(model, parallel, shape.precision, shape.recompute)
     chunks = wrap_ddp(build_model(model, parallel, config=config), config)
     prepare_config(config, chunks)
-    opt_cfg = OptimizerConfig(name=shape.optimizer, lr=1e-4)  # type: ignore[arg-type]
+    opt_cfg = OptimizerConfig(name=shape.optimizer, lr=1e-4)  # type: ignore[arg-type]  # the layout's optimizer is a plain str naming one of the same two optimizers
     optimizer = build_optimizer(chunks, opt_cfg, shape.precision, 100)
     m = shape.global_batch_size // (shape.micro_batch_size * layout.dp)
     batches = _batches(model, shape, m, seed=parallel_state.get_data_parallel_rank())

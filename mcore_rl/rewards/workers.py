@@ -320,7 +320,7 @@ class WorkerPool:
                     self._replace(w, f"ran past the {self.timeout_s:g}s timeout")
                 elif not w.ready and now >= w.ready_by:
                     self._start_timed_out(w)
-        return replies  # type: ignore[return-value]
+        return replies  # type: ignore[return-value]  # the loop runs until every job has a reply, so no None is left
 
     def _start_timed_out(self, w: _Worker) -> None:
         self.start_error = f"the worker did not load it within {self.start_timeout_s:g}s"

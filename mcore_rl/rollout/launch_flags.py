@@ -190,7 +190,7 @@ def default_weight_dirs(model_path: str | None) -> list[str]:
 class _Parser(argparse.ArgumentParser):
     """argparse that raises `LaunchFlagError` instead of exiting, so callers choose how to report."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse types error() as NoReturn; this one raises too
         raise LaunchFlagError(message)
 
 

@@ -83,7 +83,7 @@ class PlainSGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # takes no closure, so it returns None where torch's returns the closure's loss
         assert closure is None, "PlainSGD takes no closure"
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]

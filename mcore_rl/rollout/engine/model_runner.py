@@ -125,10 +125,12 @@ class ModelRunner:
         self.dtype, self.device = dtype, device
         self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", True))
         self.sliding_window = getattr(cfg, "sliding_window", None)  # Mistral: keys j > i - W only
-        # DeepSeek-V3 MLA (hf/deepseek_v3.py): the cache keeps one latent + shared RoPE key per token,
-        # [kv_lora_rank + qk_rope_head_dim] wide as a single "KV head" that all query heads read.
-        self.mla = getattr(cfg, "family", "qwen3") == "deepseek_v3"
-        if self.mla:
+        # A family's attention that caches one latent entry per token (multi-head latent attention,
+        # hf/<family>.py) says how wide it is (`cache_entry_width`); the pool keeps it as a single
+        # "KV head" that all query heads read, and the module projects and attends (`_latent_attention`).
+        first_attention = tree.layers[0].self_attn
+        self.latent_cache = hasattr(first_attention, "cache_entry_width")
+        if self.latent_cache:
             self.kv_heads, self.group, self.use_qk_norm = 1, self.num_heads, False
         self.attn_res = getattr(cfg, "attn_res", "none") != "none"
         ngram = getattr(tree, "ngram_embeddings", None)
@@ -139,7 +141,7 @@ class ModelRunner:
             if ngram is not None
             else None
         )
-        self.kv_entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim if self.mla else self.head_dim
+        self.kv_entry = first_attention.cache_entry_width if self.latent_cache else self.head_dim
         self.num_slots, self.max_len = num_slots, max_len
         self.cache: PagedKVCache | None = None  # `allocate_cache`, once the engine has sized the pool
         positions = torch.arange(max_len, device=device)[None]
@@ -150,8 +152,10 @@ class ModelRunner:
         self._sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         self._positions = torch.arange(max_len, device=device)
         self.fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
-        if self.fp8 and self.mla:
-            raise ValueError("the embedded engine's FP8 mode does not cover multi-head latent attention (DeepSeek-V3)")
+        if self.fp8 and self.latent_cache:
+            raise ValueError(
+                "the embedded engine's FP8 mode does not cover multi-head latent attention (a latent KV cache)"
+            )
         self.layers = [self._plan(layer) for layer in tree.layers]
         # routing replay (SGLang's return_routed_experts): the MoE blocks' taps, None for dense layers
         self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in tree.layers]
@@ -161,7 +165,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in every layer (MLA keeps its latent entry in both)."""
+        """K and V of one token in every layer (a latent cache keeps its entry in both)."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return 2 * len(self.layers) * self.kv_heads * self.kv_entry * elem
 
@@ -188,7 +192,7 @@ class ModelRunner:
     def _plan(self, layer: Any) -> _Layer:  # a decoder layer of the tree above
         attn, mlp = layer.self_attn, layer.mlp
         dense = hasattr(mlp, "gate_proj")
-        if self.mla:  # attention runs through the reference module (`_mla_attention`)
+        if self.latent_cache:  # attention runs through the reference module (`_latent_attention`)
             w_gate_up = _fused_weight([mlp.gate_proj, mlp.up_proj]) if dense else None
             return _Layer(
                 layer,
@@ -287,8 +291,8 @@ class ModelRunner:
         """x [b*s, hidden] -> (residual +) attention(input_layernorm(x)). `decode_at` = (pool rows
         to write, pool rows to read [b, T]) for a decode step (s == 1, keys from the pool); None for
         a prefill, whose K/V go to `prefill_at` (the pool rows of slots slot0..)."""
-        if self.mla:
-            return self._mla_attention(li, x, residual, b, s, cos, sin, bias, decode_at, prefill_at)
+        if self.latent_cache:
+            return self._latent_attention(li, x, residual, b, s, cos, sin, bias, decode_at, prefill_at)
         lay = self.layers[li]
         layer = lay.module
         H, KV, G, D = self.num_heads, self.kv_heads, self.group, self.head_dim
@@ -319,7 +323,7 @@ class ModelRunner:
             o = o.view(KV, b, G, D).transpose(0, 1)
         return self._out(residual, o.reshape(b * s, H * D), lay.wo, lay.bo)
 
-    def _mla_attention(
+    def _latent_attention(
         self,
         li: int,
         x: torch.Tensor,
@@ -332,7 +336,7 @@ class ModelRunner:
         decode_at: tuple[torch.Tensor, torch.Tensor] | None,
         prefill_at: torch.Tensor | None,
     ) -> torch.Tensor:
-        """`_attention` for MLA, through the reference module's `project` / `attend`; the cache row
+        """`_attention` for a latent cache (MLA), through the reference module's `project` / `attend`; the cache row
         of a token is cat(latent, k_rot). cos / sin_signed come in this runner's layout (first halves:
         cos, -sin of each frequency); the bias rows are those of one KV head with G = heads."""
         attn = self.layers[li].module.self_attn
@@ -349,7 +353,7 @@ class ModelRunner:
             assert prefill_at is not None  # a prefill always names its pool rows
             self.kv.write_prefill(li, prefill_at, entry, entry)
             allowed = bias.view(b, self.num_heads, s, s) == 0
-        latent, k_rot = entry.split([attn.kv_lora_rank, attn.rope], dim=-1)
+        latent, k_rot = attn.split_cache_entry(entry)
         out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden)
         return out if residual is None else residual + out
 
