@@ -15,8 +15,8 @@ import pytest
 import transformers
 
 from mcore_rl.hf import McoreRLConfig
-from mcore_rl.hf.families import FAMILIES, family_named, family_of
-from mcore_rl.hf.family import ModelFamily
+from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_named, family_of, stock_decoder
+from mcore_rl.hf.family import ModelFamily, StockDecoder
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mcore_rl"
 # The shared code every family goes through; none of it may name one.
@@ -91,6 +91,9 @@ def test_a_family_is_its_bundle_plus_one_registration(family: ModelFamily) -> No
         rel = path.relative_to(PACKAGE).as_posix()
         if rel in _bundle(family):
             continue
+        text = path.read_text().lower()
+        if not any(w in text for w in [*words, *keys]):  # a cheap pre-filter: most files name neither
+            continue
         code = _code_names(path)
         if rel not in (REGISTRATION, KEY_DECLARATION):
             named += [f"{rel}: {n!r}" for n in sorted(code) if any(w in n for w in words)]
@@ -128,3 +131,43 @@ def test_registration_is_all_the_shared_code_needs(family: ModelFamily) -> None:
 def test_unknown_family_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"family='gpt2': expected one of qwen3, " + FAMILIES[0].name):
         McoreRLConfig(family="gpt2")
+
+
+@pytest.mark.parametrize("decoder", STOCK_DECODERS, ids=lambda d: d.model_type)
+def test_a_stock_decoder_is_its_record(decoder: StockDecoder) -> None:
+    """A stock GQA-decoder model type is read and exported by its record alone: the converter
+    accepts it, exports to its class, and a stock config of it that says nothing of QK-norm,
+    biases, a shared-expert gate or a window translates to what the record says it implies."""
+    from mcore_rl.convert.hf_checkpoint import SUPPORTED_MODEL_TYPES
+    from mcore_rl.convert.to_hf import STOCK_CLASSES
+    from mcore_rl.hf import model_config_from_hf_config
+
+    assert decoder.model_type in SUPPORTED_MODEL_TYPES
+    assert STOCK_CLASSES[decoder.model_type] == decoder.stock_class
+    assert hasattr(transformers, decoder.stock_class)
+    assert stock_decoder(decoder.model_type) is decoder and family_of(McoreRLConfig()) is None
+    moe = "moe" in decoder.model_type
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
+    if moe:
+        sizes.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    stock = transformers.AutoConfig.for_model(decoder.model_type, **sizes)
+    mc = model_config_from_hf_config(stock)
+    implied = dict(
+        use_qk_norm=("qk_layernorm", decoder.qk_norm),
+        qkv_bias=("add_qkv_bias", decoder.qkv_bias),
+        shared_expert_gate=("moe_shared_expert_gate", decoder.shared_expert_gate and moe),
+    )
+    checked = [key for field, (key, value) in implied.items() if not hasattr(stock, field)]
+    for field, (key, value) in implied.items():
+        if not hasattr(stock, field):  # the stock config is silent: the record says
+            assert getattr(mc, key) == value, key
+    assert checked, "the stock config states every field; nothing of the record was read"
+    assert (mc.sliding_window == 16) == decoder.windowed

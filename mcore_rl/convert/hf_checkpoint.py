@@ -15,8 +15,8 @@ from transformers import AutoConfig
 
 from mcore_rl.config.rope_scaling import check_rope_scaling
 from mcore_rl.config.rules import Errors
-from mcore_rl.hf.configuration import model_config_from_hf_config, unsupported_stock_fields
-from mcore_rl.hf.families import FAMILIES
+from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
+from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -24,14 +24,8 @@ if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig
 
 SUPPORTED_MODEL_TYPES = (
-    "qwen3",
-    "qwen3_moe",
-    "llama",
-    "mcore_rl",
-    "mcore_rl_qwen3",  # exports written before the reference classes were renamed
-    "qwen2",
-    "qwen2_moe",
-    "mistral",
+    *(decoder.model_type for decoder in STOCK_DECODERS),
+    *OWN_MODEL_TYPES,  # with exports written before the reference classes were renamed
     *(family.stock_model_type for family in FAMILIES),
 )
 # Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).

@@ -14,7 +14,7 @@ from mcore_rl.config.loader import _build
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
-from mcore_rl.hf.families import FAMILIES
+from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
 from mcore_rl.hf.rope import respell_rope_in_file
 from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stream_export
 from mcore_rl.convert.streaming import StreamStats
@@ -33,12 +33,7 @@ if TYPE_CHECKING:
     from mcore_rl.config.schema import ParallelConfig
 
 STOCK_CLASSES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "mistral": "MistralForCausalLM",
+    **{decoder.model_type: decoder.stock_class for decoder in STOCK_DECODERS},
     **{family.stock_model_type: family.stock_class for family in FAMILIES},
 }
 REMOTE = "remote"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PretrainedConfig
 
 from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
-from .families import FAMILIES, family_named, family_of
+from .families import FAMILIES, family_named, family_of, stock_decoder
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
@@ -224,11 +224,12 @@ def moe_layer_pattern_of(hf: Any) -> list[int] | None:
     return None if all(pattern) else pattern
 
 
-# Stock families without QK-norm (Qwen3 and Qwen3-MoE always have it), and what each one implies.
-_NO_QK_NORM = ("llama", "qwen2", "qwen2_moe", "mistral")
-# Families whose config keeps sliding_window only to describe a window it applies (Qwen2's needs
-# use_sliding_window, refused by `unsupported_stock_fields`).
-_WINDOWED = ("mistral", *OWN_MODEL_TYPES)
+def _windowed(model_type: str | None) -> bool:
+    """Whether the config keeps sliding_window only to describe a window it applies on every layer:
+    ours, and a stock type whose record says so (Qwen2's needs use_sliding_window, refused by
+    `unsupported_stock_fields`)."""
+    stock = stock_decoder(model_type)
+    return stock.windowed if stock else model_type in OWN_MODEL_TYPES
 
 
 def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = None) -> ModelConfig:
@@ -244,6 +245,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     family = family_of(hf)
     num_experts = (family.num_experts(hf) if family else getattr(hf, "num_experts", 0)) or 0
     model_type = getattr(hf, "model_type", None)
+    stock = stock_decoder(model_type)  # what a stock GQA-decoder config implies (stock_decoders.py)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope_theta = getattr(hf, "rope_theta", None)
@@ -262,7 +264,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
         max_position_embeddings=hf.max_position_embeddings,
         norm_epsilon=hf.rms_norm_eps,
         # Llama has no QK-norm; our config says so explicitly; stock Qwen3 / Qwen3-MoE always have it.
-        qk_layernorm=bool(getattr(hf, "use_qk_norm", model_type not in _NO_QK_NORM)),
+        qk_layernorm=bool(getattr(hf, "use_qk_norm", stock.qk_norm if stock else True)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         init_method_std=getattr(hf, "initializer_range", 0.02),
         num_experts=num_experts,
@@ -283,13 +285,13 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
             num_slices=getattr(hf, "ngram_num_slices", 1) or 1,
         ),
         # Qwen2 always has q/k/v biases; Qwen2-MoE says so in qkv_bias and always gates its shared expert.
-        add_qkv_bias=bool(getattr(hf, "qkv_bias", model_type == "qwen2")),
+        add_qkv_bias=bool(getattr(hf, "qkv_bias", stock is not None and stock.qkv_bias)),
         moe_shared_expert_gate=bool(
-            getattr(hf, "shared_expert_gate", model_type == "qwen2_moe")
+            getattr(hf, "shared_expert_gate", stock is not None and stock.shared_expert_gate)
             and num_experts
             and getattr(hf, "shared_expert_intermediate_size", 0)
         ),
-        sliding_window=(getattr(hf, "sliding_window", None) or None) if model_type in _WINDOWED else None,
+        sliding_window=(getattr(hf, "sliding_window", None) or None) if _windowed(model_type) else None,
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
         moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
     )
@@ -370,8 +372,8 @@ def _stock_moe_fields(cfg: McoreRLConfig) -> dict[str, Any]:
 def keep_source_layer_keys(stock: PretrainedConfig, source: dict[str, Any] | None) -> None:
     """Write a Qwen3-MoE / Qwen2-MoE layer pattern with the source checkpoint's own keys (`decoder_sparse_step`,
     `mlp_only_layers`) when they give the same pattern as the ones derived here."""
-    family = getattr(stock, "model_type", None)
-    if not source or family not in ("qwen3_moe", "qwen2_moe") or "decoder_sparse_step" not in source:
+    record = stock_decoder(getattr(stock, "model_type", None))
+    if not source or record is None or not record.layer_pattern_keys or "decoder_sparse_step" not in source:
         return
     theirs = {
         "model_type": "qwen3_moe",

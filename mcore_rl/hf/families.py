@@ -1,4 +1,6 @@
-"""The model families beyond the GQA decoder (`family.py`), registered once: add yours to `FAMILIES`.
+"""The model families beyond the GQA decoder (`family.py`), registered once: add yours to `FAMILIES`;
+and the stock model types that are the GQA decoder with fields set (`stock_decoders.py`), in
+`STOCK_DECODERS`.
 
 Part of the remote-code modeling files (imports only the families' modules).
 """
@@ -9,9 +11,11 @@ from typing import Any
 
 # `from .x import` (not `from . import x`): transformers' remote-code loader follows only this form.
 from .deepseek_v3 import FAMILY as DEEPSEEK_V3
-from .family import ModelFamily
+from .family import ModelFamily, StockDecoder
+from .stock_decoders import LLAMA, MISTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3,)
+STOCK_DECODERS: tuple[StockDecoder, ...] = (QWEN3, QWEN3_MOE, LLAMA, QWEN2, QWEN2_MOE, MISTRAL)
 
 
 def family_named(name: str | None) -> ModelFamily | None:
@@ -25,3 +29,8 @@ def family_of(hf: Any) -> ModelFamily | None:
     return next(
         (f for f in FAMILIES if f.stock_model_type == model_type or f.name == getattr(hf, "family", None)), None
     )
+
+
+def stock_decoder(model_type: str | None) -> StockDecoder | None:
+    """The record of a stock GQA-decoder model type; None for ours and the families'."""
+    return next((d for d in STOCK_DECODERS if d.model_type == model_type), None)

@@ -70,3 +70,18 @@ class ModelFamily:
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""
+
+
+@dataclass(frozen=True)
+class StockDecoder:
+    """A stock `transformers` model type that is the GQA decoder with some fields set (Llama,
+    Qwen2, Mistral, ...): what its config implies where it is silent, and the class it exports to.
+    They differ in fields only, so they share one module (`stock_decoders.py`) and no code."""
+
+    model_type: str
+    stock_class: str
+    qk_norm: bool  # the stock class always (Qwen3) or never (Llama, Qwen2, Mistral) has QK-norm
+    qkv_bias: bool = False  # q/k/v biases without a `qkv_bias` field (Qwen2 always has them)
+    shared_expert_gate: bool = False  # a gated shared expert without a `shared_expert_gate` field (Qwen2-MoE)
+    windowed: bool = False  # its `sliding_window` is a window on every layer (Mistral)
+    layer_pattern_keys: bool = False  # it writes the MoE layer pattern as decoder_sparse_step / mlp_only_layers
