@@ -41,6 +41,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -105,6 +106,21 @@ SHAPES: dict[str, ModelConfig] = {
 }
 
 
+class _AnyIds:
+    """The byte tokenizer for a model whose vocabulary is wider than its 384 ids (the 135M shape's
+    49,152): the engine decodes each turn's text, and random weights sample any id; the text is not
+    used here, so ids past the bytes decode as one byte each."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return str(self.tokenizer.decode([i % 256 for i in ids], **kwargs))
+
+
 def generate_turn(shape: str, context: int, turn_tokens: int) -> Callable[[], Callable[[], object]]:
     """One turn on the embedded engine: prefill `context` tokens, decode `turn_tokens` (eos ignored)."""
     from mcore_rl.data.tokenizer import load_tokenizer
@@ -116,7 +132,7 @@ def generate_turn(shape: str, context: int, turn_tokens: int) -> Callable[[], Ca
     shaped = dataclasses.replace(SHAPES[shape], max_position_embeddings=context + turn_tokens + 8)
     config = hf_config_from_model_config(shaped)
     model = McoreRLForCausalLM(config).eval()
-    tokenizer = load_tokenizer(None)
+    tokenizer = _AnyIds(load_tokenizer(None))
     ids = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def setup() -> Callable[[], object]:
