@@ -123,7 +123,7 @@ def common(args: argparse.Namespace, run_dir: str) -> list[str]:
 
 def multi_turn_recipe(args: argparse.Namespace, work: str) -> str:
     """The multi-turn workload as a recipe file (a list of domains is not an override)."""
-    per_turn = args.short + 16  # the turn, the "go on" and the template's headers
+    per_turn = args.short + 32  # the turn, the "go on" and the chat template's headers (~26 tokens)
     budget = args.long_turns * per_turn
     path = os.path.join(work, "multi_turn.yaml")
     with open(path, "w") as f:
