@@ -15,8 +15,15 @@ Cases (each timed as wall time around the call, in this process):
 * `process_env.start`: `make_process_env("guess_number")` and its close (a child interpreter);
 * `process_env.step`: `guess_number.step` in that child (a pickled round trip).
 
+* `generate.turn[tiny]`, `generate.turn[135m]`: one model turn on the embedded engine (`EngineCore`,
+  fp32, batch 1, random weights): the prefill of a `--context`-token conversation and `--turn-tokens`
+  decoded tokens, for the demo's 2-layer shape and a SmolLM2-135M-like one (30 layers, hidden 576,
+  9 heads / 3 KV heads, FFN 1536, vocabulary 49,152).
+
 The cases are run round-robin, one sample each per round, so background load hits them alike;
-printed: median and min..max over rounds, in milliseconds.
+printed: median and min..max over rounds, in milliseconds, and each environment/tool case's median
+as a share of each shape's median turn (batch 1: a rollout batches turns, so this is the share in
+one episode's own latency, not in the engine's throughput).
 
     python benchmarks/bench_env_overhead.py --sessions 4    # memory of 4 live Python-tool interpreters
 
@@ -27,13 +34,18 @@ proportional set size (PSS, shared pages split between the processes that share 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
+import torch
+
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tool_calls import ParsedTurn, ToolCall
 from mcore_rl.envs import env_prompts, make_env
@@ -75,6 +87,62 @@ def game_step(name: str, move: str, guarded: bool = False) -> Callable[[], Calla
             out = target.step(act(move))
             env.close()
             return out
+
+        return call
+
+    return setup
+
+
+SHAPES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),  # the defaults: the demo's 2 layers, hidden 64, vocabulary 384
+    "135m": ModelConfig(  # SmolLM2-135M's shape (its config.json), with this package's Qwen3-style blocks
+        hidden_size=576,
+        ffn_hidden_size=1536,
+        num_layers=30,
+        num_attention_heads=9,
+        num_query_groups=3,
+        vocab_size=49152,
+    ),
+}
+
+
+class _AnyIds:
+    """The byte tokenizer for a model whose vocabulary is wider than its 384 ids (the 135M shape's
+    49,152): the engine decodes each turn's text, and random weights sample any id; the text is not
+    used here, so ids past the bytes decode as one byte each."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return str(self.tokenizer.decode([i % 256 for i in ids], **kwargs))
+
+
+def generate_turn(shape: str, context: int, turn_tokens: int) -> Callable[[], Callable[[], object]]:
+    """One turn on the embedded engine: prefill `context` tokens, decode `turn_tokens` (eos ignored)."""
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.core import EngineCore, Request
+    from mcore_rl.rollout.engine.sampling import SamplingParams  # lazy: the generation cases alone need these
+
+    torch.manual_seed(0)
+    shaped = dataclasses.replace(SHAPES[shape], max_position_embeddings=context + turn_tokens + 8)
+    config = hf_config_from_model_config(shaped)
+    model = McoreRLForCausalLM(config).eval()
+    tokenizer = _AnyIds(load_tokenizer(None))
+    ids = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def setup() -> Callable[[], object]:
+        engine = EngineCore(model, tokenizer, max_running_requests=1, context_length=context + turn_tokens + 1)
+
+        def call() -> object:
+            engine.add_request(Request("0", ids, SamplingParams(max_new_tokens=turn_tokens, ignore_eos=True)))
+            while engine.has_work():
+                engine.step()
+            return None
 
         return call
 
@@ -123,6 +191,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default="")
     ap.add_argument("--sessions", type=int, default=0)
+    ap.add_argument("--context", type=int, default=256, help="generation cases: tokens of the conversation so far")
+    ap.add_argument("--turn-tokens", type=int, default=32, help="generation cases: tokens of the model's turn")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES), help="generation cases")
     args = ap.parse_args()
     if args.sessions:
         sessions_memory(args.sessions)
@@ -177,6 +248,8 @@ def main() -> None:
         "python.first_call": fresh_python,
         "code_repair.step[tiny_code]": repair,
     }
+    turns = {f"generate.turn[{shape}]": generate_turn(shape, args.context, args.turn_tokens) for shape in args.shapes}
+    cases.update(turns)
     for setup in cases.values():  # warm-up: imports, corpus index, gymnasium
         timed(setup)
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -189,9 +262,20 @@ def main() -> None:
     print(f"{'case':32s} {'median ms':>10s} {'min..max ms':>20s}")
     for name, xs in samples.items():
         print(f"{name:32s} {statistics.median(xs):10.2f} {min(xs):9.2f}..{max(xs):.2f}")
+    if turns:
+        print(f"\nshare of one turn (batch 1, {args.context}-token context, {args.turn_tokens} new tokens), medians:")
+        print(f"{'case':32s} " + " ".join(f"{name[len('generate.') :]:>18s}" for name in turns))
+        turn_ms = [statistics.median(samples[name]) for name in turns]
+        for name, xs in samples.items():
+            if name not in turns:
+                print(f"{name:32s} " + " ".join(f"{statistics.median(xs) / t:18.2%}" for t in turn_ms))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "ms": samples}, f, indent=1)
+            json.dump(
+                {"rounds": args.rounds, "context": args.context, "turn_tokens": args.turn_tokens, "ms": samples},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

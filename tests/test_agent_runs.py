@@ -64,10 +64,16 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
     from mcore_rl.config.rl_validate import validate_rl_config
     from mcore_rl.runtime import run_rl
 
-    # synchronous: 2 prompts x 4 episodes a step, one sample each
-    cfg = env_config(f"{tmp}/sync")
+    # synchronous: 2 prompts x 4 episodes a step, one sample each; the held-out evaluation plays
+    # episodes too (scored by the environment: the random model's invalid guesses cost their penalty;
+    # a reward function would fail on these prompts and give the error reward, 0)
+    cfg = env_config(f"{tmp}/sync", "eval.at_start=true")
+    cfg.data.domains[0].environment.invalid_penalty = 0.5
     validate_rl_config(cfg, 1)
     summary = run_rl(cfg)
+    with open(os.path.join(f"{tmp}/sync", "metrics.jsonl")) as f:
+        first_eval = next(r for r in map(json.loads, f) if "eval/guess/greedy_reward" in r)
+    assert first_eval["eval/guess/greedy_reward"] < 0, first_eval
     recs = _records(f"{tmp}/sync")
     assert len(recs) == 2 and all(r["episode/count"] == 8 and r["episode/samples"] == 8 for r in recs)
     assert all(r["episode/template_drift"] == 0 for r in recs)  # ChatML is append-only

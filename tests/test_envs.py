@@ -89,6 +89,28 @@ def test_same_prompt_and_seed_same_start() -> None:
         GuessNumberEnv(env_options("guess_number")).reset(prompt("guess 1-16", label=17), seed=0)
 
 
+def test_interval_feedback_and_a_range_per_prompt() -> None:
+    """`feedback: interval` names the numbers still open; `min_span` draws a range per prompt (in the text
+    and the label), so (range, secret) pairs can be held out; guesses outside the prompt's range are invalid."""
+    options = {"lo": 1, "hi": 9, "min_span": 6, "max_guesses": 3, "feedback": "interval"}
+    drawn = env_prompts("guess_number", **options).examples(200, 3)
+    assert all(t == f"guess {lab['lo']}-{lab['hi']}" and lab["hi"] - lab["lo"] >= 5 for t, lab in drawn)
+    assert all(lab["lo"] <= lab["secret"] <= lab["hi"] for _, lab in drawn)
+    assert len({(t, lab["secret"]) for t, lab in drawn}) > 40
+    env = make_env("guess_number", **options)
+    start = env.reset(prompt("guess 3-9", label={"lo": 3, "hi": 9, "secret": 8}), seed=0)
+    assert start.messages == [{"role": "user", "content": "guess 3-9"}] and start.state == "3-9"
+    steps = play(env, ["2", "6", "8"])
+    assert [s.messages[0]["content"] for s in steps] == ["say a number 3-9", "higher 7-9", "yes"]
+    assert steps[0].info["events"] == {"invalid_action": 1} and steps[-1].reward == 1.0
+    with pytest.raises(ValueError, match="option 'min_span' must be 0 .* or 2..9"):
+        env_options("guess_number", lo=1, hi=9, min_span=10)
+    with pytest.raises(ValueError, match="option 'feedback' must be 'direction' or 'interval'"):
+        env_options("guess_number", feedback="hot")
+    with pytest.raises(ValueError, match="range 0-5 is outside 1-9"):
+        env.reset(prompt("guess 0-5", label={"lo": 0, "hi": 5, "secret": 2}), seed=0)
+
+
 # ------------------------------------------------------------------------------------------ the guard
 
 

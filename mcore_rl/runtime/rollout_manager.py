@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from typing import Any
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mcore_rl.agent.episodes import run_lockstep
 from mcore_rl.agent.groups import EpisodeGroups
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import is_constant
@@ -214,10 +216,23 @@ class RolloutManager:
         """n completions of each prompt (None: its domain's group size), scored: one group per
         prompt, in prompt order (`train`: training rollouts, cut at the distillation horizon;
         `on_done()` after each completion, for a progress bar)."""
-        import time
-
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
+        episodic = [i for i, p in enumerate(prompts) if self.episodes is not None and self.episodes.handles(p)]
+        if episodic:  # an environment's prompts are scored by their episodes, never by a reward function
+            groups: list[list[Sample]] = [[] for _ in prompts]
+            ran = self.episode_groups([prompts[i] for i in episodic], [sizes[i] for i in episodic], temperature, salt)
+            for i, group in zip(episodic, ran):
+                groups[i] = group
+                if on_done is not None:
+                    for _ in range(sizes[i]):
+                        on_done()
+            rest = [i for i in range(len(prompts)) if i not in set(episodic)]
+            if rest:
+                others = self.generate([prompts[i] for i in rest], n, temperature, salt, train, on_done)
+                for i, group in zip(rest, others):
+                    groups[i] = group
+            return groups
         routed = train and self.cfg.algorithm.routing_replay == "r3"  # routing replay: the engine's experts
         # sampling-mask replay: every sampled request (training, and a validation batch whose μ the learner
         # compares with π: with engines in logprobs_mode processed, μ is renormalised either way)
@@ -268,6 +283,29 @@ class RolloutManager:
         self.last_reward_s = time.perf_counter() - start
         ends = np.cumsum([0] + sizes)
         return [samples[ends[i] : ends[i + 1]] for i in range(len(prompts))]
+
+    def episode_groups(
+        self, prompts: Sequence[Prompt], sizes: Sequence[int], temperature: float, salt: int
+    ) -> list[list[Sample]]:
+        """The groups of environment prompts outside the training stream (held-out evaluation, validation
+        batches): every episode advanced in lockstep, one batched generation per round, each episode's
+        samples carrying its return."""
+        assert self.episodes is not None
+        seed = self.cfg.train.seed
+        groups = [
+            self.episodes.episodes(
+                p,
+                [
+                    self.sampling_params(temperature, sample_seed(seed, salt, p.index, j), None, p.domain)
+                    for j in range(k)
+                ],
+            )
+            for p, k in zip(prompts, sizes)
+        ]
+        start = time.perf_counter()
+        run_lockstep([e for g in groups for e in g], lambda reqs: self.engines.generate(reqs))
+        self.last_generate_s = time.perf_counter() - start
+        return [[s for e in g for s in e.samples()] for g in groups]
 
     def score(self, samples: list[Sample]) -> None:
         self.rewards.score_sync(samples)
