@@ -10,7 +10,7 @@ examples, as the episode would render them with the model's chat template:
 2. the same plus that call and the tool's real answer (the environment runs the call in its sandbox)
    -> `<answer><the tool's output></answer>`.
 
-    .venv/bin/python tools/make_tool_demos.py configs/smollm2_python_tool.yaml --out runs/tool_demos.jsonl
+    .venv/bin/python tools/make_tool_demos.py configs/smollm2_tool_demos.yaml --out runs/tool_demos.jsonl
 """
 
 from __future__ import annotations
