@@ -23,6 +23,7 @@ TOOLS = os.path.join(ROOT, "tools")
 
 def _module(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

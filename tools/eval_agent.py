@@ -26,13 +26,23 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.progress import log_line
+from mcore_rl.rollout.pool import Generation, GenRequest
 
 MODES = ("tool", "plain")
+
+
+class Generates(Protocol):
+    """What runs the model turns: an `EmbeddedEnginePool` here (any batch generator in the tests)."""
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[Generation]: ...
 
 
 @dataclass
@@ -74,7 +84,7 @@ def mode_config(cfg: RLConfig, mode: str) -> RLConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, domains=domains))
 
 
-def outcome(samples: list[Sample], tokenizer_decode: object = None) -> tuple[bool, bool, bool, int, str]:
+def outcome(samples: list[Sample]) -> tuple[bool, bool, bool, int, str]:
     """(correct, called a tool, made an invalid call, turns, finish) of one episode's samples."""
     first = samples[0]
     info = first.info
@@ -90,18 +100,20 @@ def outcome(samples: list[Sample], tokenizer_decode: object = None) -> tuple[boo
     )
 
 
-def run_mode(cfg: RLConfig, pool: object, tokenizer: object, prompts: list[Prompt], show: int) -> dict[str, ModeResult]:
+def run_mode(
+    cfg: RLConfig, pool: Generates, tokenizer: Tokenizer, prompts: list[Prompt], show: int
+) -> dict[str, ModeResult]:
     """One greedy episode per held-out prompt of the environment domains; per-domain results."""
     from mcore_rl.agent.episodes import run_lockstep  # lazy: the engine stack
     from mcore_rl.agent.groups import EpisodeGroups
 
-    groups = EpisodeGroups.from_config(cfg, tokenizer)  # type: ignore[arg-type]  # a loaded Tokenizer
+    groups = EpisodeGroups.from_config(cfg, tokenizer)
     if groups is None:
         raise SystemExit("the recipe has no environment domain (data.domains[i].environment)")
     mine = [p for p in prompts if groups.handles(p)]
     episodes = [e for p in mine for e in groups.episodes(p, [{"temperature": 0.0}])]
     try:
-        run_lockstep(episodes, pool.generate)  # type: ignore[attr-defined]  # EmbeddedEnginePool
+        run_lockstep(episodes, pool.generate)
     finally:
         for e in episodes:
             e.close()
