@@ -2,9 +2,13 @@
 before any worker starts; every message names the dotted key.
 
 The environment must be registered (`mcore_rl.envs`, imported lazily as the other registries are) and
-accept its options; its tool-call format must be one the model's family speaks: the bundled byte
-tokenizer has no chat template of its own and is rendered as ChatML, the Hermes / Qwen layout; a
-Hugging Face model's family is its `config.json` `model_type` (next to `data.tokenizer_path`).
+accept its options; its tool-call format must be the one the model's chat template speaks. The
+template decides, not the architecture: SmolLM2 is a `llama` by `model_type` but chats in ChatML and
+was tuned on `<tool_call>` blocks, never on Llama 3's `<|python_tag|>` / `ipython` turns. So, in order:
+a chat template that writes tool calls (`<tool_call>`: hermes; `<|python_tag|>` or an `ipython` turn:
+llama3_json); else a ChatML template (`<|im_start|>`), whose tool layout is Hermes'; else, with no
+template to read, the family of the `config.json` `model_type` next to `data.tokenizer_path`. The
+bundled byte tokenizer has no chat template of its own and is rendered as ChatML.
 """
 
 from __future__ import annotations
@@ -84,16 +88,53 @@ def check_tool_format(cfg: RLConfig, key: str, who: str, env: EnvironmentConfig,
     if path is None:
         family, want = "the bundled byte tokenizer (ChatML)", BYTE_TOKENIZER_FORMAT
     else:
+        template = _chat_template(path)
+        by_template = template_tool_format(template) if template is not None else None
         model_type = _model_type(path)
-        if model_type is None:
-            return  # no config.json to tell the family: the format is the recipe's word
-        family, want = f"model_type {model_type!r}", tool_call_format_for(model_type) or ""
+        if by_template is not None:
+            family, want = f"the chat template of {path!r}{by_template[1]}", by_template[0]
+        elif model_type is None:
+            return  # no template nor config.json to tell the family: the format is the recipe's word
+        else:
+            family, want = f"model_type {model_type!r}", tool_call_format_for(model_type) or ""
     errors.need(
         env.tool_format == want,
         f"{key}.tool_format",
         f"{who}{env.tool_format!r} is not the tool-call format of {family}"
         + (f" (its format: {want!r})" if want else " (no known tool-call format)"),
     )
+
+
+def template_tool_format(template: str) -> tuple[str, str] | None:
+    """(format, why) a chat template speaks, or None when it says nothing of tools: a template that
+    writes calls names its format; a ChatML one that does not is Hermes' layout (the one built on it)."""
+    if "<tool_call>" in template:
+        return "hermes", " (it writes <tool_call> blocks)"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json", " (it writes <|python_tag|> / ipython turns)"
+    if "<|im_start|>" in template:
+        return "hermes", " (ChatML, whose tool-call layout is Hermes')"
+    return None
+
+
+def _chat_template(path: str) -> str | None:
+    """The tokenizer's default chat template (`chat_template.jinja`, else `tokenizer_config.json`'s
+    `chat_template`: a string, or a list of named ones), if it has one."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("tool_use") or named.get("default")
+    return value if isinstance(value, str) else None
 
 
 def _model_type(path: str) -> str | None:

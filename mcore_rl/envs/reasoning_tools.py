@@ -11,6 +11,7 @@ The Python tool keeps one sandboxed interpreter for the episode and closes it wi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ SYSTEM = (
     "Solve the problem. You may call the tools to compute. "
     "When you are done, give the final answer as <answer>...</answer> without a tool call."
 )
+SYSTEM_NO_TOOLS = "Solve the problem. Give the final answer as <answer>...</answer>."
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class ReasoningToolsOptions:
     tool_timeout_s: float = 10.0
     max_response_chars: int = 1000
     max_invalid_calls: int = 3
+    # the system message; None = SYSTEM (SYSTEM_NO_TOOLS without tools). "{tools}" in it becomes the
+    # offered tools' specs as JSON, one a line: for a chat template that does not render `tools` itself
+    # (SmolLM2's plain ChatML), the system message is the only place the model can learn of them
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -98,6 +104,13 @@ class ReasoningToolsEnv(Environment):
             max_consecutive_invalid=o.max_invalid_calls,
         )
 
+    def system_message(self) -> str:
+        o = self.options
+        if o.system_prompt is None:
+            return SYSTEM if o.tools else SYSTEM_NO_TOOLS
+        specs = "\n".join(json.dumps(TOOLS[name].spec.to_openai()["function"]) for name in o.tools)
+        return o.system_prompt.replace("{tools}", specs)
+
     def reset(self, prompt: Prompt, seed: int) -> EnvReset:
         if not isinstance(prompt.label, dict) or "metadata" not in prompt.label:
             raise ValueError("reasoning_tools: the prompt's label is not a reasoning-gym entry")
@@ -105,7 +118,7 @@ class ReasoningToolsEnv(Environment):
         tools: list[Tool] = [TOOLS[name]() for name in self.options.tools]
         self.toolset = Toolset(tools, self._limits())
         self.prompt, self.turns = prompt, 0
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt.text}]
+        messages = [{"role": "system", "content": self.system_message()}, {"role": "user", "content": prompt.text}]
         return EnvReset(messages=messages, tools=self.toolset.specs, state="turn 0")
 
     def step(self, action: AgentAction) -> EnvStep:
