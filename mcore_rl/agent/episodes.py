@@ -16,10 +16,10 @@ prompt is the opening messages plus the last `memory_k` steps (their actions and
 whose response is that step's model output. Every sample knows its group (`Sample.group`), episode
 (`Sample.episode`) and step (`Sample.step_index`), and gets the episode's return as its reward.
 
-Two drivers over the same `Episode`: `run_lockstep` (the synchronous schedule: each round, one batch
-of requests for every episode still running) and `run_episode` (the asynchronous schedule: one
-coroutine per episode; a turn that a weight sync aborted is continued as context + tokens so far,
-each token keeping the version it was sampled under, so a sync never ends an episode).
+One driver for both schedules: `run_episode`, one coroutine per episode through the rollout
+scheduler's `generate` (an embedded engine batches the turns that arrive together); a turn that a
+weight sync aborted is continued as context + tokens so far, each token keeping the version it was
+sampled under, so a sync never ends an episode.
 """
 
 from __future__ import annotations
@@ -320,28 +320,6 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
 # ---------------------------------------------------------------------- drivers
 
 
-def run_lockstep(
-    episodes: Sequence[Episode], generate: Callable[[list[GenRequest]], list[Generation]]
-) -> list[Episode]:
-    """Every episode to its end, one batched `generate` per round over the episodes still running
-    (the synchronous schedule: no weight sync happens inside a rollout, so no turn is aborted)."""
-    while True:
-        live: list[tuple[Episode, GenRequest]] = []
-        for e in episodes:
-            req = None if e.done else e.request()
-            if req is not None:
-                live.append((e, req))
-            elif not e.done:
-                e.cut()
-        if not live:
-            return list(episodes)
-        gens = generate([req for _, req in live])
-        for (e, _), gen in zip(live, gens):
-            out = TurnOutput()
-            out.add(gen)
-            e.advance(out)
-
-
 async def generate_turn(
     episode: Episode, generate: Callable[[GenRequest], Awaitable[Generation]], max_parts: int = 64
 ) -> TurnOutput | None:
@@ -363,7 +341,7 @@ async def generate_turn(
 
 
 async def run_episode(episode: Episode, generate: Callable[[GenRequest], Awaitable[Generation]]) -> Episode:
-    """One episode to its end on the asynchronous engines (a sync in between continues its turn)."""
+    """One episode to its end through `generate` (a sync in between continues its turn)."""
     while not episode.done:
         out = await generate_turn(episode, generate)
         if out is None:
