@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 from openai import OpenAI
 
@@ -29,14 +30,15 @@ def main() -> None:
     plan = dict(item.split(":") for item in os.environ.get("MISBEHAVE", "").split(",") if item)
     client, model = OpenAI(max_retries=0), os.environ.get("OPENAI_MODEL", "policy")
     if key in plan:
-        messages = [{"role": "user", "content": question}]
-        client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)
+        messages: Any = [{"role": "user", "content": question}]  # (the client's TypedDicts, as plain dicts)
+        tools: Any = TOOLS
+        client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=8)
         if plan[key] == "crash":
             sys.exit(3)
         if plan[key] == "silent":
             return
         for _ in range(100):  # greedy: more completions than any episode is allowed
-            client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=1)
+            client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=1)
         return
     answer, messages = run(client, model, question)
     with open(os.path.join(os.environ["TRANSCRIPT_DIR"], f"{key}.json"), "w") as f:

@@ -144,7 +144,7 @@ def _check_answered(samples, transcripts: str, tok) -> int:
     """Every answered episode's sample is its conversation as the engine produced it: the agent's
     transcript rendered, the model's turns trainable with μ, the tool results and headers not; its
     reward is the math reward of its answer against its prompt's label. Returns how many."""
-    from calculator_agent import TOOLS  # type: ignore[import-not-found]  # examples/agents, put on sys.path
+    from calculator_agent import TOOLS  # examples/agents, put on sys.path
 
     from mcore_rl.rollout.openai_api import chat_prompt, chat_tools
 
@@ -154,6 +154,7 @@ def _check_answered(samples, transcripts: str, tok) -> int:
         if s.info["episode/finish"] != "answered":
             continue
         n += 1
+        assert s.info["episode/template_drift"] == 0  # the agent sends its history back as it was: one sample
         with open(os.path.join(transcripts, f"{s.group}-{s.episode}.json")) as f:
             messages = json.load(f)
         final = messages[-1]["content"]
@@ -183,7 +184,7 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
     import mcore_rl.runtime.rollouts as rollouts
 
     sys.path.insert(0, os.path.join(ROOT, "examples", "agents"))
-    from calculator_agent import TOOLS  # type: ignore[import-not-found]  # examples/agents, put on sys.path
+    from calculator_agent import TOOLS  # examples/agents, put on sys.path
     from tests.tool_agent import save_tool_model
 
     hf = save_tool_model(f"{tmp}/hf", steps=300, tools=TOOLS, answer=AGENT_ANSWER)
@@ -214,7 +215,6 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
         first = recs[0]
         assert first["episode/finish/exit_nonzero"] == 1 and first["episode/finish/no_answer"] == 1
         assert first["episode/finish/max_completions"] == 1 and first["episode/finish/answered"] == 5
-        assert all(r["episode/template_drift"] == 0 for r in recs)  # the agent sends its history back as it was
         acc = summary["accounting"]
         assert acc["balanced"] and acc["trained"] == 4 and acc["episodes_trained"] == 16
         assert _check_answered(seen, transcripts, tok) >= 8
@@ -234,7 +234,79 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
         assert _check_answered(seen, transcripts, tok) >= 8
     finally:
         rollouts.score_answers = original
+    _hermes_environment_run(tmp, init)
+
+
+def _hermes_environment_run(tmp: str, init: str) -> None:
+    """An environment domain with `tool_format: hermes` trains: the same model's `add` calls are parsed
+    in the hermes format and answered by reasoning_tools' calculator toolset (a call to `add`, a tool
+    it does not have, is an invalid call, counted); the episodes end by the guard or an answer, and
+    the step trains."""
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.config.rl_schema import DomainConfig, DomainEvalConfig, EnvironmentConfig
+    from mcore_rl.config.rl_validate import validate_rl_config
+    from mcore_rl.runtime import run_rl
+
+    overrides = [f"run_dir={tmp}/hermes", f"init.checkpoint={init}", *RUN, "train.num_steps=1", "rollout.group_size=2"]
+    cfg = load_config(RLConfig, None, overrides)
+    env = EnvironmentConfig(
+        name="reasoning_tools",
+        options={"dataset": "basic_arithmetic", "tools": ["calculator"], "max_turns": 2},
+        tool_format="hermes",
+        max_turns=2,
+        max_tokens_per_turn=80,
+        max_invalid_calls=2,
+    )
+    cfg.data.domains = [DomainConfig(name="arith", environment=env, eval=DomainEvalConfig(num_prompts=1))]
+    validate_rl_config(cfg, 1)
+    summary = run_rl(cfg)
+    (rec,) = _records(f"{tmp}/hermes")
+    calls = rec.get("episode/events/invalid_call", 0) + rec.get("episode/events/tool_call", 0)
+    assert rec["episode/count"] == 4 and calls >= 1  # the model's turns were parsed as hermes calls
+    assert summary["accounting"]["trained"] == 2 and summary["accounting"]["episodes_trained"] == 4
 
 
 def test_the_example_agent_trains_in_both_schedules(tmp_path):
     run_world(1, _runs, str(tmp_path))
+
+
+def test_the_shipped_config_validates_and_agent_keys_are_named_in_errors(monkeypatch):
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.config.errors import ConfigError
+    from mcore_rl.config.rl_schema import EnvironmentConfig
+    from mcore_rl.config.rl_validate import validate_rl_config
+
+    monkeypatch.chdir(ROOT)  # the recipe's paths are from the repository root
+    cfg = load_config(RLConfig, os.path.join(ROOT, "configs", "agent_demo.yaml"), [])
+    validate_rl_config(cfg, 1)
+
+    def errors() -> str:
+        try:
+            validate_rl_config(cfg, 1)
+        except ConfigError as err:
+            return str(err)
+        return ""
+
+    dom = cfg.data.domains[0]
+    agent = dom.agent
+    assert agent is not None
+    agent.command = ["no-such-program-here", "examples/agents/missing.py"]
+    agent.tool_format, agent.timeout_s, agent.max_completions = "llama3_json", 0.0, 0
+    dom.template = "Q: {prompt}"
+    msg = errors()
+    for line in (
+        "data.domains[0].agent.command: domain 'sums': 'no-such-program-here' is not an executable",
+        "data.domains[0].agent.command: domain 'sums': 'examples/agents/missing.py' is not a file",
+        "data.domains[0].agent.tool_format: domain 'sums': 'llama3_json' is not the tool-call format of the "
+        "bundled byte tokenizer (ChatML) (its format: 'hermes')",
+        "data.domains[0].agent.timeout_s: domain 'sums': must be a finite number > 0, got 0.0",
+        "data.domains[0].agent.max_completions: domain 'sums': must be >= 1, got 0",
+        "data.domains[0].template: domain 'sums': the agent writes its own messages",
+    ):
+        assert line in msg, msg
+    agent.command, agent.tool_format, agent.timeout_s, agent.max_completions = [], "hermes", 5.0, 2
+    dom.template = None
+    assert "data.domains[0].agent.command: domain 'sums': must be a non-empty list" in errors()
+    agent.command = [sys.executable]
+    dom.environment = EnvironmentConfig(name="guess_number")
+    assert "data.domains[0].agent: domain 'sums': an agent domain or an environment domain, not both" in errors()

@@ -60,15 +60,15 @@ def run(client: OpenAI, model: str, question: str, max_turns: int = 4) -> tuple[
         if not msg.tool_calls:
             messages.append({"role": "assistant", "content": msg.content})
             return msg.content or "", messages
+        function_calls = [c for c in msg.tool_calls if c.type == "function"]  # (no custom tools offered)
         calls = [
             {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in msg.tool_calls
+            for c in function_calls
         ]
         messages.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
-        for c in msg.tool_calls:
-            messages.append(
-                {"role": "tool", "tool_call_id": c.id, "content": call_tool(c.function.name, c.function.arguments)}
-            )
+        for c in function_calls:
+            result = call_tool(c.function.name, c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
     return "", messages
 
 
