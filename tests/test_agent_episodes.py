@@ -1,5 +1,9 @@
 """The episode runner over a real embedded engine (a tiny random model): G episodes from one state,
-token-exact conversations, step-wise samples, the guards, a failing environment, partial turns."""
+token-exact conversations, step-wise samples, the guards, a failing environment, partial turns.
+
+Episodes run as the rollout scheduler runs them: one `run_episode` coroutine each, every turn through
+the embedded pool's `agenerate`, stepped from the event loop (the requests of a turn's episodes join
+the engine together)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mcore_rl.agent.episodes import Episode, EpisodeSettings, episode_metrics, run_episode, run_lockstep
+from mcore_rl.agent.episodes import Episode, EpisodeSettings, episode_metrics, run_episode
 from mcore_rl.data.samples import Prompt
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
 from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest
@@ -60,18 +64,28 @@ def pool() -> EmbeddedEnginePool:
 
 
 class Recorder:
-    """The pool's `generate`, keeping every request and generation it saw."""
+    """The pool's `agenerate`, keeping every request and generation it saw."""
 
     def __init__(self, pool: EmbeddedEnginePool) -> None:
         self.pool = pool
         self.requests: list[GenRequest] = []
         self.gens: list[Generation] = []
 
-    def __call__(self, reqs: list[GenRequest]) -> list[Generation]:
-        gens = self.pool.generate(reqs)
-        self.requests += reqs
-        self.gens += gens
-        return gens
+    async def __call__(self, req: GenRequest) -> Generation:
+        gen = await self.pool.agenerate(req)
+        self.requests.append(req)
+        self.gens.append(gen)
+        return gen
+
+
+def run(eps: list[Episode], pool: EmbeddedEnginePool, recorder: Recorder | None = None) -> None:
+    """Every episode to its end, concurrently, through the pool (the production driver)."""
+    generate = recorder if recorder is not None else pool.agenerate
+
+    async def main() -> None:
+        await asyncio.gather(*(run_episode(e, generate) for e in eps))
+
+    asyncio.run(main())
 
 
 PROMPT = Prompt(index=11, text="count", ids=[1], label=5, domain="count")
@@ -89,13 +103,13 @@ def test_conversation_episodes_are_token_exact_and_trained_only_at_model_tokens(
     envs = [CountdownEnv() for _ in range(3)]
     eps = episodes(envs, EpisodeSettings(max_tokens_per_turn=6, max_episode_tokens=200))
     rec = Recorder(pool)
-    run_lockstep(eps, rec)
+    run(eps, pool, rec)
     assert [e.seeds for e in envs] == [[99]] * 3  # the group starts from one seeded state
     assert all(e.finish == "done" and e.turns == 3 and env.closed == 1 for e, env in zip(eps, envs))
     samples = [s for e in eps for s in e.samples()]
     assert len(samples) == 3 and [s.episode for s in samples] == [0, 1, 2]
     by_episode: dict[int, list[list[int]]] = {0: [], 1: [], 2: []}
-    for req, gen in zip(rec.requests, rec.gens):  # lockstep: one request per live episode per round
+    for req, gen in zip(rec.requests, rec.gens):  # the turn's seed names the episode
         j = (req.sampling_params["sampling_seed"] - 5) % 7919
         by_episode[j].append(list(gen.output_ids))
     for s, e in zip(samples, eps):
@@ -116,7 +130,7 @@ def test_conversation_episodes_are_token_exact_and_trained_only_at_model_tokens(
 def test_stepwise_samples_carry_episode_step_state_and_a_memory_of_k_steps(pool):
     envs = [CountdownEnv(turns=4) for _ in range(2)]
     eps = episodes(envs, EpisodeSettings(trajectory="stepwise", memory_k=1, max_tokens_per_turn=5))
-    run_lockstep(eps, pool.generate)
+    run(eps, pool)
     for e in eps:
         ss = e.samples()
         assert [s.step_index for s in ss] == [0, 1, 2, 3] and {s.episode for s in ss} == {e.index}
@@ -134,11 +148,11 @@ def test_guards_end_episodes_with_their_reason(pool):
         [CountdownEnv(turns=99, invalid=True)], EpisodeSettings(max_invalid_calls=2, max_tokens_per_turn=4)
     )
     budget = episodes([CountdownEnv(turns=99)], EpisodeSettings(max_tokens_per_turn=8, max_episode_tokens=30))
-    run_lockstep(many + invalid + budget, pool.generate)
+    run(many + invalid + budget, pool)
     assert (many[0].finish, many[0].turns) == ("max_turns", 2)
     assert (invalid[0].finish, invalid[0].turns, invalid[0].invalid) == ("invalid_calls", 2, 2)
     penalised = episodes([CountdownEnv(turns=2, invalid=True)], EpisodeSettings(invalid_penalty=0.25))
-    run_lockstep(penalised, pool.generate)
+    run(penalised, pool)
     assert penalised[0].episode_return == sum(penalised[0].rewards) - 0.5
     assert budget[0].finish == "length"
     (s,) = budget[0].samples()
@@ -148,7 +162,7 @@ def test_guards_end_episodes_with_their_reason(pool):
 def test_an_environment_that_raises_costs_its_episode_not_the_group(pool):
     envs = [CountdownEnv(fail_at=2), CountdownEnv()]
     eps = episodes(envs, EpisodeSettings(max_tokens_per_turn=4))
-    run_lockstep(eps, pool.generate)
+    run(eps, pool)
     bad, good = eps
     assert bad.finish == "env_error" and envs[0].closed == 1
     (s,) = bad.samples()
@@ -158,7 +172,7 @@ def test_an_environment_that_raises_costs_its_episode_not_the_group(pool):
     # a reset that raises: the episode is over before its first turn; one empty sample the learner
     # leaves out (no tokens, finish "abort") keeps the group's shape and names the reason
     broken = episodes([CountdownEnv(fail_reset=True), CountdownEnv()], EpisodeSettings(max_tokens_per_turn=4))
-    run_lockstep(broken, pool.generate)
+    run(broken, pool)
     (lost,) = broken[0].samples()
     assert broken[0].finish == "env_error" and broken[0].turns == 0 and broken[1].finish == "done"
     assert lost.response_ids == [] and lost.finish_reason == "abort"
@@ -201,7 +215,7 @@ def test_the_learner_masks_every_token_the_model_did_not_sample(pool):
     from mcore_rl.train.packing import sequence_view
 
     (e,) = episodes([CountdownEnv()], EpisodeSettings(max_tokens_per_turn=4))
-    run_lockstep([e], pool.generate)
+    run([e], pool)
     (s,) = e.samples()
     plain = s.__class__(PROMPT, 11, [65, 66], [-1.0, -1.0], 0, "stop")
     view = sequence_view([s, plain])

@@ -101,11 +101,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "mcore_rl.parallel",
         "mcore_rl.convert",
     ),
-    # multi-turn episodes: after the engines' side, before the learner
+    # multi-turn episodes: after the engines' side, before the learner (agent programs die with the
+    # trainer through `parallel.lifetime`, as an environment's child process does)
     "agent": (
         "megatron",
         "mcore_rl.models",
-        "mcore_rl.parallel",
+        "mcore_rl.parallel.setup",
+        "mcore_rl.parallel.cpu_compat",
         "mcore_rl.train",
         "mcore_rl.runtime",
         "mcore_rl.convert",

@@ -22,11 +22,14 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call
 ANSWER = "It is 5."
 
 
-def conversation_replies() -> list[tuple[str, str]]:
-    """(prompt text, reply text) of the two model turns the agent's conversation has."""
+def conversation_replies(
+    tools: list[dict] | None = None, question: str = QUESTION, answer: str = ANSWER
+) -> list[tuple[str, str]]:
+    """(prompt text, reply text) of the two model turns the agent's conversation has (`tools`: the
+    agent's tool list, default [ADD_TOOL])."""
     tok = load_tokenizer(None)
-    tools = chat_tools({"tools": [ADD_TOOL]}, "hermes")
-    user = [{"role": "user", "content": QUESTION}]
+    rendered = chat_tools({"tools": tools or [ADD_TOOL]}, "hermes")
+    user = [{"role": "user", "content": question}]
     call_msg = {
         "role": "assistant",
         "content": None,
@@ -35,12 +38,12 @@ def conversation_replies() -> list[tuple[str, str]]:
         ],
     }
     tool_msg = {"role": "tool", "tool_call_id": "call_1", "content": "5"}
-    first = chat_prompt(user, tok, tools=tools, tool_format="hermes")
-    second = chat_prompt(user + [call_msg, tool_msg], tok, tools=tools, tool_format="hermes")
-    return [(first, CALL), (second, ANSWER)]
+    first = chat_prompt(user, tok, tools=rendered, tool_format="hermes")
+    second = chat_prompt(user + [call_msg, tool_msg], tok, tools=rendered, tool_format="hermes")
+    return [(first, CALL), (second, answer)]
 
 
-def train_tool_model(steps: int = 150, seed: int = 0):
+def train_tool_model(steps: int = 150, seed: int = 0, tools: list[dict] | None = None, answer: str = ANSWER):
     """The demo model after learning the conversation's two replies (greedy decoding reproduces them).
 
     One sequence holds both: the second prompt begins with the first prompt and the first reply, so
@@ -50,7 +53,7 @@ def train_tool_model(steps: int = 150, seed: int = 0):
 
     tok = load_tokenizer(None)
     end = tok.token_to_id("<|im_end|>")  # type: ignore[attr-defined]  # the byte tokenizer names it
-    (first, call), (second, answer) = conversation_replies()
+    (first, call), (second, answer) = conversation_replies(tools, answer=answer)
     assert second.startswith(first + call + "<|im_end|>")
     ids = torch.tensor(tok.encode(second + answer) + [end])
     labels = torch.full_like(ids, -100)
@@ -76,9 +79,9 @@ def train_tool_model(steps: int = 150, seed: int = 0):
     return model.eval()
 
 
-def save_tool_model(directory: str, steps: int = 150) -> str:
+def save_tool_model(directory: str, steps: int = 150, tools: list[dict] | None = None, answer: str = ANSWER) -> str:
     """The trained model as an HF directory `mcore-rl serve --model-path` reads (with the byte tokenizer)."""
-    model = train_tool_model(steps)
+    model = train_tool_model(steps, tools=tools, answer=answer)
     model.save_pretrained(directory, safe_serialization=True)
     load_tokenizer(None).save(directory)  # type: ignore[attr-defined]  # the byte tokenizer saves itself
     return directory

@@ -16,10 +16,11 @@ prompt is the opening messages plus the last `memory_k` steps (their actions and
 whose response is that step's model output. Every sample knows its group (`Sample.group`), episode
 (`Sample.episode`) and step (`Sample.step_index`), and gets the episode's return as its reward.
 
-Two drivers over the same `Episode`: `run_lockstep` (the synchronous schedule: each round, one batch
-of requests for every episode still running) and `run_episode` (the asynchronous schedule: one
-coroutine per episode; a turn that a weight sync aborted is continued as context + tokens so far,
-each token keeping the version it was sampled under, so a sync never ends an episode).
+One driver for both schedules: `run_episode`, one coroutine per episode through the rollout
+scheduler's `generate` (an embedded engine batches the turns that arrive together); a turn that a
+weight sync aborted is continued as context + tokens so far, each token keeping the version it was
+sampled under, so a sync never ends an episode. Held-out evaluation, between training steps, plays
+its episodes with `run_lockstep` over a pool's blocking `generate` (one batch per round).
 """
 
 from __future__ import annotations
@@ -323,8 +324,9 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
 def run_lockstep(
     episodes: Sequence[Episode], generate: Callable[[list[GenRequest]], list[Generation]]
 ) -> list[Episode]:
-    """Every episode to its end, one batched `generate` per round over the episodes still running
-    (the synchronous schedule: no weight sync happens inside a rollout, so no turn is aborted)."""
+    """Every episode to its end, one batched `generate` per round over the episodes still running: the
+    driver of held-out evaluation and validation batches, which run between training steps on any
+    engine pool's blocking `generate` (no weight sync happens inside, so no turn is aborted)."""
     while True:
         live: list[tuple[Episode, GenRequest]] = []
         for e in episodes:
@@ -363,7 +365,7 @@ async def generate_turn(
 
 
 async def run_episode(episode: Episode, generate: Callable[[GenRequest], Awaitable[Generation]]) -> Episode:
-    """One episode to its end on the asynchronous engines (a sync in between continues its turn)."""
+    """One episode to its end through `generate` (a sync in between continues its turn)."""
     while not episode.done:
         out = await generate_turn(episode, generate)
         if out is None:

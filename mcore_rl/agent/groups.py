@@ -1,9 +1,11 @@
 """The multi-turn domains of a run, as the rollout sees them: one prompt in, one group of episode samples out.
 
-This is the seam between the one rollout path and the episode runner: the scheduler's
-`produce_group` hands each environment prompt to `run_group` with its own `generate` (which waits
-out engine outages and whose aborted requests the runner continues), in both schedules. The group is G episodes of the domain's environment from one seeded state,
-each episode's samples carrying its return as their reward; the reward workers never see them.
+This is the seam between the one rollout path and the episode runners: the scheduler's
+`produce_group` hands each environment or agent prompt to `run_group` with its own `generate`
+(which waits out engine outages and whose aborted requests the runners continue), in both
+schedules. An environment domain's group is G episodes of its environment from one seeded state,
+each episode's samples carrying its return as their reward (the reward workers never see them); an
+agent domain's group is G runs of its agent program (`programs.py`), each scored by its answer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode
+from mcore_rl.agent.programs import AgentGroups
 from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
@@ -34,29 +37,42 @@ def environment_examples(domain: DomainConfig, n: int, seed: int) -> list[tuple]
 
 
 class EpisodeGroups:
-    """The environment of each multi-turn domain, and how its groups are run."""
+    """The environment of each multi-turn domain, and how its groups are run; the agent domains'
+    groups (`agents`) are run by their own runner."""
 
     def __init__(
-        self, environments: dict[str, EnvironmentConfig], budgets: dict[str, int], tokenizer: Tokenizer, seed: int
+        self,
+        environments: dict[str, EnvironmentConfig],
+        budgets: dict[str, int],
+        tokenizer: Tokenizer,
+        seed: int,
+        agents: AgentGroups | None = None,
     ) -> None:
         self.environments, self.budgets, self.tokenizer, self.seed = environments, budgets, tokenizer, seed
+        self.agents = agents
 
     @classmethod
     def from_config(cls, cfg: RLConfig, tokenizer: Tokenizer) -> EpisodeGroups | None:
-        """The run's environment domains; None when it has none."""
+        """The run's environment and agent domains; None when it has neither."""
         r = cfg.rollout
         envs = {d.name: d.environment for d in cfg.data.domains if d.environment is not None}
-        if not envs:
+        agents = AgentGroups.from_config(cfg, tokenizer)
+        if not envs and agents is None:
             return None
         budgets = {
             d.name: min(d.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
             for d in cfg.data.domains
             if d.name in envs
         }
-        return cls(envs, budgets, tokenizer, cfg.train.seed)
+        return cls(envs, budgets, tokenizer, cfg.train.seed, agents)
 
     def handles(self, prompt: Prompt) -> bool:
-        return prompt.domain in self.environments
+        return prompt.domain in self.environments or (self.agents is not None and self.agents.handles(prompt))
+
+    def close(self) -> None:
+        """Stop the agents' proxies and kill any agent still running."""
+        if self.agents is not None:
+            self.agents.close()
 
     def reset_seed(self, prompt: Prompt) -> int:
         """The seed every episode of `prompt`'s group resets from (one initial state per group)."""
@@ -90,24 +106,27 @@ class EpisodeGroups:
         prompt: Prompt,
         samplings: Sequence[dict[str, Any]],
         generate: Callable[[GenRequest], Awaitable[Generation]],
+        fresh_version: int = 0,
     ) -> list[Sample]:
-        """One group on the asynchronous engines: its episodes run concurrently, each turn continued
-        across weight syncs."""
+        """One group on the engines: its episodes run concurrently, each turn continued across weight
+        syncs. `fresh_version`: the weights synced now, the version of a group lost before any token."""
+        if self.agents is not None and self.agents.handles(prompt):
+            return _group(await self.agents.run_group(prompt, samplings, generate), fresh_version)
         episodes = self.episodes(prompt, samplings)
         try:
             done = await asyncio.gather(*(run_episode(e, generate) for e in episodes))
         finally:
             for e in episodes:  # a cancelled group (the run stops) releases its environments
                 e.close()
-        return _group(done)
+        return _group([s for e in done for s in e.samples()], fresh_version)
 
 
-def _group(episodes: Sequence[Episode]) -> list[Sample]:
+def _group(samples: list[Sample], fresh_version: int) -> list[Sample]:
     """The samples of a group's episodes; an episode lost before its first turn has no tokens and
-    takes the group's oldest version, so it never makes the group look stale."""
-    samples = [s for e in episodes for s in e.samples()]
+    takes the group's oldest version (`fresh_version` when no episode has a token), so it never makes
+    the group look stale."""
     versions = [s.policy_version for s in samples if s.response_ids]
     for s in samples:
-        if not s.response_ids and versions:
-            s.policy_version = min(versions)
+        if not s.response_ids:
+            s.policy_version = min(versions, default=fresh_version)
     return samples

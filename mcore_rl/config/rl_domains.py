@@ -16,6 +16,7 @@ import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from mcore_rl.config.rl_agent import check_agent
 from mcore_rl.config.rl_environment import check_environment
 from mcore_rl.config.rules import Errors, check_stage_starts, need_registered
 
@@ -81,6 +82,7 @@ def check_domain(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) -> No
         return
     else:
         task = check_source(i, dom, errors)
+    check_agent(cfg, i, dom, errors)
     errors.need(dom.num_prompts >= 1, f"{key}.num_prompts", f"{who}must be >= 1, got {dom.num_prompts}")
     errors.need(
         math.isfinite(dom.weight) and dom.weight >= 0,

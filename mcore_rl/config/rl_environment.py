@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from mcore_rl.config.rules import Errors, need_registered
 
 if TYPE_CHECKING:
-    from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
+    from mcore_rl.config.rl_schema import DomainConfig, RLConfig
 
 # the tool-call format of the byte tokenizer's ChatML rendering
 BYTE_TOKENIZER_FORMAT = "hermes"
@@ -72,17 +72,17 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
         f"data.domains[{i}].template",
         f"{who}an environment's messages are rendered with the model's chat template; no prompt template",
     )
-    check_tool_format(cfg, key, who, env, errors)
+    check_tool_format(cfg, key, who, env.tool_format, errors)
 
 
-def check_tool_format(cfg: RLConfig, key: str, who: str, env: EnvironmentConfig, errors: Errors) -> None:
-    """A known format, and the model family's own (`none` always fits)."""
+def check_tool_format(cfg: RLConfig, key: str, who: str, tool_format: str, errors: Errors) -> None:
+    """A known format, and the model family's own (`none` always fits); `key`: the section holding it."""
     from mcore_rl.data.tool_calls import TOOL_CALL_FORMATS, tool_call_format_for
 
-    if env.tool_format == "none":
+    if tool_format == "none":
         return
     names = sorted(TOOL_CALL_FORMATS)
-    if not need_registered(errors, f"{key}.tool_format", "tool-call format", env.tool_format, ["none", *names]):
+    if not need_registered(errors, f"{key}.tool_format", "tool-call format", tool_format, ["none", *names]):
         return
     path = cfg.data.tokenizer_path
     if path is None:
@@ -98,9 +98,9 @@ def check_tool_format(cfg: RLConfig, key: str, who: str, env: EnvironmentConfig,
         else:
             family, want = f"model_type {model_type!r}", tool_call_format_for(model_type) or ""
     errors.need(
-        env.tool_format == want,
+        tool_format == want,
         f"{key}.tool_format",
-        f"{who}{env.tool_format!r} is not the tool-call format of {family}"
+        f"{who}{tool_format!r} is not the tool-call format of {family}"
         + (f" (its format: {want!r})" if want else " (no known tool-call format)"),
     )
 

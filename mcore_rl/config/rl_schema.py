@@ -84,6 +84,21 @@ class EnvironmentConfig:
 
 
 @dataclass
+class AgentConfig:
+    """An unmodified agent program (`mcore_rl.agent.programs`): one child process per episode, given
+    its episode's OpenAI base URL on the episode proxy and the task on stdin; its stdout is the final
+    answer, scored by the domain's rewards (never by the agent)."""
+
+    command: list[str] = field(default_factory=list)  # argv, e.g. [python, my_agent.py] (cwd: the run's)
+    tool_format: str = "none"  # tool-call format the proxy renders and parses `tools` in ("hermes", ...)
+    timeout_s: float = 120.0  # one episode; then its process group is killed and the episode lost
+    max_completions: int = 16  # chat completions per episode (one more loses it)
+    max_parallel: int = 16  # agent processes running at once (all domains' groups together)
+    model_name: str = "policy"  # OPENAI_MODEL, and the name the proxy answers with
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables of the agent
+
+
+@dataclass
 class DomainConfig:
     """One dataset of a multi-domain run: a source (exactly one of path, task, reasoning_gym), how
     its prompts are rendered, how they are scored and sampled, and its share of the mixture."""
@@ -108,6 +123,8 @@ class DomainConfig:
     eval: DomainEvalConfig = field(default_factory=DomainEvalConfig)
     # multi-turn: the domain's prompts start episodes of this environment (its own prompts: no other source)
     environment: EnvironmentConfig | None = None
+    # an unmodified agent program per episode (the domain's prompts and rewards are its task's)
+    agent: AgentConfig | None = None
 
 
 @dataclass

@@ -462,6 +462,8 @@ class RLRun:
             recipe.close()
         if self.manager is not None:
             self.manager.rewards.close()
+            if self.manager.episodes is not None:
+                self.manager.episodes.close()  # agent domains: their proxies, any agent still running
 
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Awaitable, Callable, Sequence
 
+from mcore_rl.agent.programs import score_answers
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.config import RLConfig
 from mcore_rl.data.prompts import PromptSource
@@ -171,12 +172,13 @@ class PoolBackend:
             )
             for j in range(self.group_size(prompt))
         ]
-        return episodes.run_group(prompt, samplings, generate)
+        return episodes.run_group(prompt, samplings, generate, self.synced_version)
 
     async def score(self, samples: list[Sample]) -> None:
         plain = [s for s in samples if s.episode is None]  # an episode's reward is its environment's return
         if plain:
             await self.rewards.score(plain)
+        await score_answers(samples, self.rewards.score)  # an agent episode's: its answer's, by the domain's reward
         self.prompts.observe([samples])  # per-prompt accuracy, for a stage's filter of solved prompts
         if self.teachers is not None:  # off the learner's critical path; a failure only marks samples
             await self.teachers.ascore_engines(samples)
