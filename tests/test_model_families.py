@@ -171,3 +171,12 @@ def test_a_stock_decoder_is_its_record(decoder: StockDecoder) -> None:
             assert getattr(mc, key) == value, key
     assert checked, "the stock config states every field; nothing of the record was read"
     assert (mc.sliding_window == 16) == decoder.windowed
+
+
+def test_config_knows_which_keys_the_families_own() -> None:
+    """Validation skips importing the bundles when none of their keys is set: the list it reads must be
+    exactly the registered families' keys, and no family may be named like the decoder's archs."""
+    from mcore_rl.config.schema import DECODER_ARCHS, FAMILY_MODEL_KEYS
+
+    assert set(FAMILY_MODEL_KEYS) == {k for f in FAMILIES for k in f.model_keys}
+    assert not {f.name for f in FAMILIES} & set(DECODER_ARCHS)

@@ -8,10 +8,9 @@ import os
 
 import pytest
 
-from mcore_rl.config.rl_environment import template_tool_format
+from mcore_rl.config.rl_environment import check_tool_format, template_tool_format
 from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.config.rules import Errors
-from mcore_rl.config.rl_environment import check_tool_format
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 
@@ -39,7 +38,7 @@ def problems(path: str, fmt: str) -> list[str]:
     env = EnvironmentConfig(name="reasoning_tools", tool_format=fmt)
     cfg.data.domains = [DomainConfig(name="d", environment=env)]
     errors = Errors()
-    check_tool_format(cfg, "data.domains[0].environment", "domain 'd': ", env, errors)
+    check_tool_format(cfg, "data.domains[0].environment", "domain 'd': ", env.tool_format, errors)
     return list(errors.lines)
 
 

@@ -67,7 +67,12 @@ class EpisodeGroups:
         return cls(envs, budgets, tokenizer, cfg.train.seed, agents)
 
     def handles(self, prompt: Prompt) -> bool:
-        return prompt.domain in self.environments or (self.agents is not None and self.agents.handles(prompt))
+        return self.plays(prompt) or (self.agents is not None and self.agents.handles(prompt))
+
+    def plays(self, prompt: Prompt) -> bool:
+        """The prompt is an environment's: its episodes can be played here, outside the rollout path
+        (held-out evaluation); an agent program's prompts are answered only on the rollout path."""
+        return prompt.domain in self.environments
 
     def close(self) -> None:
         """Stop the agents' proxies and kill any agent still running."""

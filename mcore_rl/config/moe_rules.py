@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mcore_rl.config.schema import ModelConfig
+from mcore_rl.config.schema import DECODER_ARCHS, FAMILY_MODEL_KEYS, ModelConfig
 
 if TYPE_CHECKING:
     from mcore_rl.config.rules import Errors
@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
     """Layer pattern, and each registered family's keys (its router, its attention, ...)."""
     check_moe_layer_pattern(m, errors)
-    # imported here: mcore_rl.hf loads transformers, which the config tree alone does not need
+    defaults = ModelConfig()
+    if m.arch in DECODER_ARCHS and all(getattr(m, k) == getattr(defaults, k) for k in FAMILY_MODEL_KEYS):
+        return  # no family's key is set: nothing of theirs to check, and no bundle to import
+    # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
     from mcore_rl.hf.families import FAMILIES
 
     for family in FAMILIES:

@@ -48,6 +48,27 @@ class RopeScalingConfig:
     hf_key: Literal["rope_parameters", "rope_scaling"] = "rope_parameters"
 
 
+# The model.* keys that a registered family's bundle owns and checks (`ModelFamily.model_keys`, registered
+# in hf/families.py; a test keeps the two equal), and the archs that are no family's. Validation imports
+# the bundles (torch, transformers) only when `arch` names a family or one of these keys is set, so a
+# config error needs no heavy import.
+FAMILY_MODEL_KEYS: tuple[str, ...] = (
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
+DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
+
+
 @dataclass
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.hf.families import family_named
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,9 @@ def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = Tru
     """Forward FLOPs of one token in a sequence of `seq_len` tokens."""
     h, L = model.hidden_size, model.num_layers
     context = _attended_context(seq_len, causal, model.sliding_window)
+    # imported here: mcore_rl.hf loads torch and transformers; `mcore-rl profile --help` needs neither
+    from mcore_rl.hf.families import family_named
+
     family = family_named(model.arch)
     if family is not None and family.attention_flops is not None:  # its own attention (hf/<family>.py)
         projections, scores = family.attention_flops(model, context)

@@ -218,7 +218,7 @@ class RolloutManager:
         `on_done()` after each completion, for a progress bar)."""
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
-        episodic = [i for i, p in enumerate(prompts) if self.episodes is not None and self.episodes.handles(p)]
+        episodic = [i for i, p in enumerate(prompts) if self.episodes is not None and self.episodes.plays(p)]
         if episodic:  # an environment's prompts are scored by their episodes, never by a reward function
             groups: list[list[Sample]] = [[] for _ in prompts]
             ran = self.episode_groups([prompts[i] for i in episodic], [sizes[i] for i in episodic], temperature, salt)
