@@ -413,19 +413,6 @@ def test_held_out_sets_are_disjoint_from_training(tmp_path):
     assert p.ids[1:] == load_tokenizer(None).encode("Q:" + p.text)
 
 
-def test_a_single_task_held_out_set_has_distinct_questions(caplog):
-    """The demo's path (`data.synthetic_task`): 1-digit addition has 100 questions; a held-out set of 150
-    is the 100, each once, and the run says so; the training pool keeps none of them."""
-    cfg = load_config(
-        RLConfig, os.path.join(ROOT, "configs", "demo.yaml"), ["data.synthetic_max_digits=1", "eval.num_prompts=150"]
-    )
-    with caplog.at_level("WARNING"):
-        sets = build_prompt_sets(cfg, load_tokenizer(None))
-    texts = [p.text for p in sets.eval_prompts]
-    assert len(texts) == len(set(texts)) == 100
-    assert "only 100 distinct questions for a held-out set of 150" in caplog.text
-
-
 def test_chat_template_domain_renders_with_the_tokenizers_template(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
