@@ -36,7 +36,7 @@ from mcore_rl.data.prompts import PromptSource, task_pool
 from mcore_rl.data.samples import Sample
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
-from mcore_rl.hf import McoreRLConfig, McoreRLForCausalLM
+from mcore_rl.hf import McoreRLConfig, McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout.engine.core import EngineCore, Request, RequestOutput
 from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -81,6 +81,22 @@ TINY = TINY_RUN + [
     "init.sft_seq_length=32",
     "init.sft_micro_batch_size=4",
 ]
+
+
+def save_tiny_hf_model(path: str, max_position_embeddings: int) -> str:
+    """An HF-format directory at `path`: a 2-layer model (hidden 32) with the byte tokenizer's vocabulary."""
+    torch.manual_seed(0)
+    mc = ModelConfig(
+        vocab_size=384,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        max_position_embeddings=max_position_embeddings,
+    )
+    McoreRLForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
+    return path
 
 
 def tiny(*overrides: str) -> RLConfig:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from tests.helpers import save_tiny_hf_model
+
 from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.rollout.pool import Generation, GenRequest
@@ -128,24 +130,7 @@ def test_the_system_prompt_names_the_offered_tools():
 @pytest.fixture(scope="module")
 def tiny_hf_model(tmp_path_factory):
     """An HF-format directory of a 2-layer model with the byte tokenizer's vocabulary."""
-    import torch
-
-    from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-
-    path = str(tmp_path_factory.mktemp("hf_model"))
-    torch.manual_seed(0)
-    mc = ModelConfig(
-        vocab_size=384,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        max_position_embeddings=1024,
-    )
-    McoreRLForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("hf_model")), max_position_embeddings=1024)
 
 
 def test_the_command_scores_both_modes_of_a_checkpoint(tiny_hf_model, tmp_path, capsys):

@@ -55,24 +55,9 @@ def test_overrides_may_follow_the_seeds_and_the_models():
 @pytest.fixture(scope="module")
 def tiny_hf_model(tmp_path_factory):
     """An HF-format directory of a 2-layer model with the demo's vocabulary."""
-    import torch
+    from tests.helpers import save_tiny_hf_model
 
-    from mcore_rl.config.schema import ModelConfig
-    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
-
-    path = str(tmp_path_factory.mktemp("hf_model"))
-    torch.manual_seed(0)
-    mc = ModelConfig(
-        vocab_size=384,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        max_position_embeddings=64,
-    )
-    McoreRLForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("hf_model")), max_position_embeddings=64)
 
 
 def test_each_pass_shows_progress_and_the_table_is_printed(tiny_hf_model, tmp_path):

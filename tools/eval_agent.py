@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
+import os
 import sys
 import time
 from collections import Counter
@@ -35,6 +35,9 @@ from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.progress import log_line
 from mcore_rl.rollout.pool import Generation, GenRequest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eval_heldout import parse_recipe_args
 
 MODES = ("tool", "plain")
 
@@ -148,14 +151,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "overrides", nargs="*", help="dotted overrides of the recipe, e.g. data.domains[0].eval.num_prompts=20"
     )
-    sections = {f.name for f in dataclasses.fields(RLConfig)}
-    is_override = [re.split(r"[.\[=]", w, maxsplit=1)[0] in sections and "=" in w for w in argv]
-    args = ap.parse_args([w for w, o in zip(argv, is_override) if not o])
-    args.overrides += [w for w, o in zip(argv, is_override) if o]
-    for spec in args.models:
-        if "=" not in spec:
-            ap.error(f"--models: {spec!r} is not name=HF checkpoint dir")
-    return args
+    return parse_recipe_args(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,6 +74,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. eval.num_prompts=50")
+    return parse_recipe_args(ap, argv)
+
+
+def parse_recipe_args(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`ap` (with `--models` and a positional `overrides`) over `argv`, the overrides taken out first
+    wherever they stand; every model named `name=HF checkpoint dir` (also for `eval_agent.py`)."""
     sections = {f.name for f in dataclasses.fields(RLConfig)}
     is_override = [re.split(r"[.\[=]", w, maxsplit=1)[0] in sections and "=" in w for w in argv]
     args = ap.parse_args([w for w, o in zip(argv, is_override) if not o])
