@@ -225,6 +225,10 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
         assert lost["exit_nonzero"].reward_error.startswith("agent exit_nonzero: exit code 3")
         assert lost["exit_nonzero"].response_ids  # its completion is recorded, but it trains nothing
         assert lost["no_answer"].reward_error.startswith("agent no_answer")
+        # the greedy one spent its completions: the policy's doing, so a wrong answer that trains, not a lost one
+        spent = [s for s in seen if s.info.get("episode/finish") == "max_completions"]
+        assert spent and any(s.response_ids for s in spent)
+        assert all(s.reward_error is None and s.reward == 0.0 and s.info["episode/return"] == 0.0 for s in spent)
 
         # asynchronous, one version of staleness, on started engine processes
         seen.clear()

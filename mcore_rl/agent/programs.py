@@ -8,11 +8,14 @@ recorded token by token by the proxy and joined by prefix into samples (`proxy.r
 
 The reward is the trainer's: the answer text is scored with the domain's reward heads against the
 prompt's label (`score_answers`, called by the rollout's scoring step); nothing else the program
-prints or does sets it. An episode is lost — its samples carry `reward_error` (no loss, out of the
-group's statistics), its reason counted as `episode/finish/<reason>` — when the program exits
-non-zero (`exit_nonzero`), runs past `timeout_s` (`timeout`: its process group is killed), prints no
-answer (`no_answer`), or exceeds `max_completions` / the domain's token budget on the proxy
-(`max_completions`, `max_tokens`: killed at once). Calls for an episode that has ended are refused
+prints or does sets it. An episode that spends its budget on the proxy — more than `max_completions`
+completions or the domain's token budget (`max_completions`, `max_tokens`: the program is killed at
+once) — is the policy's own doing and is scored as an answer that is wrong: reward 0, trained on, as an
+environment episode cut at its budget is (were it left out, a policy could escape a wrong answer by
+looping). An episode is lost — its samples carry `reward_error` (no loss, out of the group's
+statistics) — when the program itself fails: it exits non-zero (`exit_nonzero`), runs past
+`timeout_s` (`timeout`: its process group is killed) or prints no answer (`no_answer`). Each reason
+is counted as `episode/finish/<reason>`. Calls for an episode that has ended are refused
 (409) and counted (`episode/events/refused_after_end`). Every child process dies with its episode
 (its process group is killed when the episode ends, however it ends) and with the trainer (a parent
 death signal).
@@ -34,6 +37,8 @@ from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
 
+# finishes that are the policy's doing (its episode spent the budget): reward 0, trained on, not lost
+BUDGET_SPENT = ("max_completions", "max_tokens")
 MAX_ANSWER_BYTES = 1 << 16  # the answer read from stdout (the rest is read and dropped)
 STDERR_TAIL = 300  # characters of the program's stderr kept in a lost episode's error
 ANSWER_KEY = "agent/answer"  # where an answered episode's first sample carries the text to score
@@ -222,7 +227,8 @@ def episode_samples(
     a lost episode's samples carry its reason in `reward_error`; one with no completion is one empty
     sample (no tokens: the learner leaves it out) that keeps the group's shape."""
     last = record.completions[-1].finish_reason if record.completions else "abort"
-    out = record_samples(record, prompt, last if outcome.finish == "answered" else "abort", tokenizer)
+    scored = outcome.finish == "answered" or outcome.finish in BUDGET_SPENT
+    out = record_samples(record, prompt, last if scored else "abort", tokenizer)
     if not out:
         out = [Sample(prompt, prompt.index, [], [], 0, "abort")]
     summary: dict[str, Any] = {
@@ -235,7 +241,7 @@ def episode_samples(
         "episode/template_splits": record.drift,
         "episode/events/refused_after_end": record.refused,
     }
-    error = None if outcome.finish == "answered" else f"agent {outcome.finish}: {outcome.detail}"[:300]
+    error = None if scored else f"agent {outcome.finish}: {outcome.detail}"[:300]
     oldest = min((s.policy_version for s in out if s.response_ids), default=0)
     for k, s in enumerate(out):
         s.episode, s.step_index, s.policy_version = j, k, oldest
