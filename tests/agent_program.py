@@ -2,7 +2,7 @@
 
 Run by `mcore-rl train` as an agent program (`data.domains[i].agent.command`), it runs
 `examples/agents/calculator_agent.py`'s loop unchanged and writes the conversation it had to
-`$TRANSCRIPT_DIR/<prompt index>-<episode>.json`, so the test can compare the trained samples with what
+`$TRANSCRIPT_DIR/<prompt index>-<episode>.json` (held-out prompts: `eval<index>-<episode>.json`), so the test can compare the trained samples with what
 the agent saw. `$MISBEHAVE` (e.g. `0-1:crash,0-2:silent`) makes chosen episodes of chosen prompts
 (`<prompt index>-<episode>`, read from the episode's base URL) misbehave after their first completion:
 `crash` exits with status 3, `silent` exits 0 having printed nothing, `greedy` keeps asking (past

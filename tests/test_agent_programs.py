@@ -221,6 +221,11 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
         acc = summary["accounting"]
         assert acc["balanced"] and acc["trained"] == 4 and acc["episodes_trained"] == 16
         assert _check_answered(seen, transcripts, tok) >= 8
+        # the held-out evaluation (after the last step) ran the agent too, scored by its answer
+        with open(os.path.join(transcripts, "eval0-0.json")) as f:
+            final = json.load(f)[-1]["content"]
+        right = 1.0 if final.strip() == "Answer: 8" else 0.0
+        assert summary["eval_after"]["eval/calc/greedy_pass@1"] == right, (final, summary["eval_after"])
         lost = {s.info["episode/finish"]: s for s in seen if s.group == 0 and s.episode in (1, 2)}
         assert lost["exit_nonzero"].reward_error.startswith("agent exit_nonzero: exit code 3")
         assert lost["exit_nonzero"].response_ids  # its completion is recorded, but it trains nothing

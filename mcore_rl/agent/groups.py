@@ -70,8 +70,9 @@ class EpisodeGroups:
         return self.plays(prompt) or (self.agents is not None and self.agents.handles(prompt))
 
     def plays(self, prompt: Prompt) -> bool:
-        """The prompt is an environment's: its episodes can be played here, outside the rollout path
-        (held-out evaluation); an agent program's prompts are answered only on the rollout path."""
+        """The prompt is an environment's: its episodes can be stepped here in lockstep, outside the
+        rollout path (held-out evaluation); an agent program's prompts run as processes on an event loop
+        (`run_group`, also what evaluation calls)."""
         return prompt.domain in self.environments
 
     def close(self) -> None:

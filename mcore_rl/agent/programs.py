@@ -110,14 +110,20 @@ class AgentGroups:
         return self._slots
 
     async def run_group(
-        self, prompt: Prompt, samplings: Sequence[dict[str, Any]], generate: EngineCall
+        self, prompt: Prompt, samplings: Sequence[dict[str, Any]], generate: EngineCall, purpose: str = ""
     ) -> list[Sample]:
-        """The prompt's group: one agent episode per sampling-parameter set, concurrently."""
-        done = await asyncio.gather(*(self.run_episode(prompt, j, sp, generate) for j, sp in enumerate(samplings)))
+        """The prompt's group: one agent episode per sampling-parameter set, concurrently. `purpose`
+        ("eval" for held-out prompts, whose indexes are their own) goes into the episode's id."""
+        done = await asyncio.gather(
+            *(self.run_episode(prompt, j, sp, generate, purpose) for j, sp in enumerate(samplings))
+        )
         return [s for episode in done for s in episode]
 
-    async def run_episode(self, prompt: Prompt, j: int, sampling: dict[str, Any], generate: EngineCall) -> list[Sample]:
-        """Episode `j` of `prompt`'s group: the agent process to its end, its completions as samples."""
+    async def run_episode(
+        self, prompt: Prompt, j: int, sampling: dict[str, Any], generate: EngineCall, purpose: str = ""
+    ) -> list[Sample]:
+        """Episode `j` of `prompt`'s group: the agent process to its end, its completions as samples.
+        Its id, in its base URL: `<domain>-<purpose><prompt index>-<j>-<random>`."""
         agent, proxy = self.agents[prompt.domain], self.proxy(prompt.domain)
         loop = asyncio.get_running_loop()
         failed = asyncio.Event()
@@ -128,7 +134,7 @@ class AgentGroups:
         route = EpisodeRoute(
             generate, loop, sampling, max_completions=agent.max_completions, max_tokens=self.budgets[prompt.domain]
         )
-        episode_id = f"{prompt.domain}-{prompt.index}-{j}-{uuid.uuid4().hex[:8]}"
+        episode_id = f"{prompt.domain}-{purpose}{prompt.index}-{j}-{uuid.uuid4().hex[:8]}"
         async with self._semaphore():
             base_url = proxy.open(episode_id, route, on_failure=on_failure)
             try:

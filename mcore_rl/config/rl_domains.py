@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from mcore_rl.config.rl_schema import DomainConfig, RLConfig
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# what a judge reward's `url` is checked with where a judge group is named (its servers: known at run time)
+JUDGE_GROUP_URL = "http://judge-group.invalid"
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
 
 
@@ -223,6 +225,7 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
         is_import_path,
         reward_names,
     )  # lazy: registries, read at validation
+    from mcore_rl.rewards.judge import JUDGE_REWARDS, check_options as check_judge_options  # lazy: aiohttp
 
     key, who = _where(i, dom)
     heads = [h.name for h in dom.rewards]
@@ -248,20 +251,39 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
         except Exception as exc:
             errors.need(False, f"{hk}.name", f"{who}{h.name!r} cannot be loaded: {type(exc).__name__}: {exc}")
             continue
-        if h.options:
+        options = dict(h.options)
+        if "judge" in options:  # a judge group by name: its servers become the reward's `url`
+            groups = [g.name for g in cfg.judges]
+            errors.need(
+                options["judge"] in groups,
+                f"{hk}.options.judge",
+                f"{who}{options['judge']!r} is not the name of a judge group (judges: {', '.join(groups) or 'none'})",
+            )
+            errors.need(
+                "url" not in options, f"{hk}.options.url", f"{who}give the judge's `url` or a `judge` group, not both"
+            )
+            options["url"] = JUDGE_GROUP_URL
+            del options["judge"]
+        if h.name in JUDGE_REWARDS:  # every option and server setting, not just the signature (it takes **server)
             try:
-                inspect.signature(fn).bind(RewardInput("", ""), **h.options)
+                check_judge_options(h.name, options)
+            except ValueError as err:
+                errors.need(False, f"{hk}.options", f"{who}{err}")
+                continue
+        if options:
+            try:
+                inspect.signature(fn).bind(RewardInput("", ""), **options)
             except TypeError as err:
                 errors.need(False, f"{hk}.options", f"{who}{h.name!r} does not take the options {h.options}: {err}")
                 continue
             except ValueError:  # no signature (a builtin): found out at the first call
                 continue
             for name, allowed in literal_choices(fn).items():
-                if name in h.options:
+                if name in options:
                     errors.need(
-                        h.options[name] in allowed,
+                        options[name] in allowed,
                         f"{hk}.options.{name}",
-                        f"{who}{h.options[name]!r} is not one of {', '.join(map(repr, allowed))}",
+                        f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
                     )
 
 

@@ -202,6 +202,17 @@ class EngineGroupConfig:
 
 
 @dataclass
+class JudgeConfig(EngineGroupConfig):
+    """A group of judge servers, by name: a judge reward's option `judge: <name>` sends its calls to
+    them (round-robin, the next one when one cannot be reached) instead of to one `url`. The servers
+    at `urls`, or `num_engines` `mcore-rl serve` processes the trainer starts on the HF checkpoint
+    `model_path` and stops with the run. Judges are asked with text (SGLang's `/generate`), so
+    their tokenizer is their own."""
+
+    name: str = ""  # what judge rewards' `judge` option names
+
+
+@dataclass
 class RolloutConfig(Sectioned):
     """Engines, sampling and batch shape of the rollouts."""
 
@@ -511,6 +522,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     teachers: list[TeacherConfig] = field(default_factory=list)  # on-policy distillation: who fills Sample.teacher
+    judges: list[JudgeConfig] = field(default_factory=list)  # judge servers that judge rewards name (`judge: <name>`)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

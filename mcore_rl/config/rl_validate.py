@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         EngineGroupConfig,
         EvalConfig,
         InitConfig,
+        JudgeConfig,
         RewardConfig,
         RLConfig,
         RLDataConfig,
@@ -78,6 +79,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
+    check_judges(cfg.judges, errors)
     check_sampling_mask_replay(cfg, errors)
     check_stages(cfg, errors)
     hooks.check_all(cfg, errors)  # every registered recipe's keys (mcore_rl/recipes/)
@@ -812,6 +814,24 @@ def check_engine_group(
         g.max_running_requests >= 1, name("max_running_requests"), f"must be >= 1, got {g.max_running_requests}"
     )
     errors.need(g.request_timeout_s > 0, name("request_timeout_s"), f"must be > 0, got {g.request_timeout_s}")
+
+
+def check_judges(judges: Sequence[JudgeConfig], errors: Errors) -> None:
+    """Each judge group named once, running servers or a checkpoint to start (not both), checked as
+    every engine group is. (Which rewards name them: `rl_domains.check_rewards`.)"""
+    seen: dict[str, int] = {}
+    for i, g in enumerate(judges):
+        key = f"judges[{i}]"
+        errors.need(bool(g.name), f"{key}.name", "a judge group needs a name (judge rewards name it: `judge: <name>`)")
+        errors.need(g.name not in seen, f"{key}.name", f"{g.name!r} is also the name of judges[{seen.get(g.name)}]")
+        seen.setdefault(g.name, i)
+        errors.need(
+            bool(g.urls) != bool(g.model_path),
+            f"{key}.urls",
+            "a judge group needs either urls (running servers) or model_path (engines the trainer starts), "
+            f"got {'both' if g.urls else 'neither'}",
+        )
+        check_engine_group(g, key, bool(g.model_path), errors)
 
 
 def check_engine_teacher(t: TeacherConfig, key: str, r: RolloutConfig, errors: Errors) -> None:

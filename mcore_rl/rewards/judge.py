@@ -290,11 +290,26 @@ def render(t: JudgeTemplate, chat_format: str = "none", **values: str | None) ->
 # ---------------------------------------------------------------------------- the wire
 
 
+_NEXT: dict[tuple[str, ...], int] = {}  # per group of judge servers: the index of the next one asked (this process)
+
+
+class _Unreachable(Exception):
+    """A judge server that cannot be reached (refused, reset): the call goes on to the next one."""
+
+
+def _generate_url(url: str) -> str:
+    base = url.rstrip("/")
+    return base if base.endswith("/generate") else base + "/generate"
+
+
 @dataclass(frozen=True)
 class JudgeServer:
-    """Where the judge is and how to ask it (the options every judge reward takes)."""
+    """Where the judge is and how to ask it (the options every judge reward takes). `url`: one
+    server, or several (a judge group's, `judges[i]`): each call goes to the next one in turn, and on
+    to the one after when a server cannot be reached (a dead engine costs no sample while another
+    answers; a server that hangs still costs its samples at the timeout)."""
 
-    url: str
+    url: str | Sequence[str]
     max_tokens: int = 512
     temperature: float = 0.0
     timeout: float = 25.0  # under the runner's default 30 s, so the judge's own message is the one seen
@@ -304,8 +319,12 @@ class JudgeServer:
     sampling: dict | None = None  # more SGLang sampling_params (top_p, stop, ignore_eos, ...)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+        urls = [self.url] if isinstance(self.url, str) else self.url
+        if not isinstance(urls, (list, tuple)) or not urls:
             raise ValueError(f"url: the judge server's http(s) address is required, got {self.url!r}")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"url: the judge server's http(s) address is required, got {u!r}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens: a positive integer is required, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -322,12 +341,29 @@ class JudgeServer:
             raise ValueError(f"chat_format: {self.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
 
     @property
+    def urls(self) -> tuple[str, ...]:
+        return (self.url,) if isinstance(self.url, str) else tuple(self.url)
+
+    @property
     def generate_url(self) -> str:
-        base = self.url.rstrip("/")
-        return base if base.endswith("/generate") else base + "/generate"
+        """The `/generate` endpoint of the server this call goes to first (the next in turn)."""
+        return _generate_url(self.urls[_NEXT.get(self.urls, 0) % len(self.urls)])
 
     async def generate(self, prompts: Sequence[str]) -> list[str]:
-        """The judge's reply to each prompt, in one `/generate` call (a batch when several)."""
+        """The judge's reply to each prompt, in one `/generate` call (a batch when several), from the
+        next server in turn; one that cannot be reached passes the call on to the one after."""
+        urls = self.urls
+        first = _NEXT.get(urls, 0) % len(urls)
+        _NEXT[urls] = first + 1
+        for k in range(len(urls)):
+            try:
+                return await self._generate(_generate_url(urls[(first + k) % len(urls)]), prompts)
+            except _Unreachable as err:
+                if k == len(urls) - 1:
+                    raise JudgeError(str(err)) from None
+        raise AssertionError("unreachable")  # (the loop returns or raises)
+
+    async def _generate(self, url: str, prompts: Sequence[str]) -> list[str]:
         body = {
             "text": list(prompts) if len(prompts) > 1 else prompts[0],
             "sampling_params": {
@@ -340,24 +376,24 @@ class JudgeServer:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as http:
-                async with http.post(self.generate_url, json=body, headers=headers) as resp:
+                async with http.post(url, json=body, headers=headers) as resp:
                     raw = await resp.read()
                     status = resp.status
         except TimeoutError:
-            raise JudgeError(f"judge {self.generate_url}: no reply within {self.timeout:g}s") from None
+            raise JudgeError(f"judge {url}: no reply within {self.timeout:g}s") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
+            raise _Unreachable(f"judge {url}: {type(err).__name__}: {err}") from None
         except aiohttp.ClientError as err:
-            raise JudgeError(f"judge {self.generate_url}: {type(err).__name__}: {err}") from None
+            raise JudgeError(f"judge {url}: {type(err).__name__}: {err}") from None
         if status != 200:
-            raise JudgeError(f"judge {self.generate_url}: HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
+            raise JudgeError(f"judge {url}: HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
         try:
             out = json.loads(raw)
         except ValueError:
-            raise JudgeError(f"judge {self.generate_url}: the response is not JSON: {raw[:120]!r}") from None
+            raise JudgeError(f"judge {url}: the response is not JSON: {raw[:120]!r}") from None
         items = out if isinstance(out, list) else [out]
         if len(items) != len(prompts) or not all(isinstance(i, dict) and isinstance(i.get("text"), str) for i in items):
-            raise JudgeError(
-                f"judge {self.generate_url}: expected {len(prompts)} generation(s) with a text, got {str(out)[:120]}"
-            )
+            raise JudgeError(f"judge {url}: expected {len(prompts)} generation(s) with a text, got {str(out)[:120]}")
         texts = []
         for item in items:
             reason = ((item.get("meta_info") or {}).get("finish_reason") or {}).get("type")

@@ -38,6 +38,7 @@ import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
+from mcore_rl.config.rl_schema import EngineGroupConfig
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.parallel.lifetime import preexec_die_with_parent
 import mcore_rl
@@ -345,6 +346,39 @@ class EngineProcesses:
         _signal_group(e, signal.SIGKILL)  # also whatever it started, even if it exited itself
         e.proc.wait()
         e.proc = None
+
+
+def start_engine_group(
+    group: EngineGroupConfig,
+    *,
+    workdir: str,
+    context_length: int,
+    startup_timeout_s: float,
+    tokenizer_path: str | None = None,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+) -> EngineProcesses | None:
+    """The `mcore-rl serve` processes of an engine group with `model_path` (engine teachers, the
+    explorer, judges), started and healthy; None for a group of running servers (`urls`).
+    `context_length`: the run's, for a group that sets none."""
+    if not group.model_path:
+        return None
+    return EngineProcesses.start(
+        None,
+        num=group.num_engines,
+        workdir=workdir,
+        model_path=group.model_path,
+        tokenizer_path=tokenizer_path,
+        context_length=group.context_length or context_length,
+        max_running_requests=group.max_running_requests,
+        quantization=group.quantization,
+        seed=seed,
+        cores=group.engine_cores or None,
+        threads=group.engine_threads,
+        api_key=group.api_key,
+        startup_timeout_s=startup_timeout_s,
+        extra_args=extra_args,
+    )
 
 
 class _PortInUse(Exception):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from mcore_rl.config.rl_schema import EngineGroupConfig, RolloutConfig
 from mcore_rl.rollout.pool import GenRequest, Generation, HTTPEnginePool, check_logprobs_mode, expected_logprobs_mode
-from mcore_rl.rollout.engine_processes import EngineProcesses
+from mcore_rl.rollout.engine_processes import start_engine_group
 from mcore_rl.rollout.teacher import check_engines
 
 
@@ -76,27 +76,17 @@ def build_explorer(
     """Connect to (or start) the engine group `x` (`rollout.explorer`) and check them; `rollout` gives
     the run's engine settings (context length, restarts, health checks, the log-probs mode)."""
 
-    procs = None
-    urls = list(x.urls)
     mode = expected_logprobs_mode(rollout)
-    if x.model_path:
-        procs = EngineProcesses.start(
-            None,
-            num=x.num_engines,
-            workdir=os.path.join(workdir, "explorer"),
-            model_path=x.model_path,
-            tokenizer_path=tokenizer_path,
-            context_length=x.context_length or rollout.context_length,
-            max_running_requests=x.max_running_requests,
-            quantization=x.quantization,
-            seed=seed,
-            cores=x.engine_cores or None,
-            threads=x.engine_threads,
-            api_key=x.api_key,
-            startup_timeout_s=rollout.engine_startup_timeout_s,
-            extra_args=["--logprobs-mode", mode],
-        )
-        urls = procs.urls
+    procs = start_engine_group(
+        x,
+        workdir=os.path.join(workdir, "explorer"),
+        context_length=rollout.context_length,
+        startup_timeout_s=rollout.engine_startup_timeout_s,
+        tokenizer_path=tokenizer_path,
+        seed=seed,
+        extra_args=["--logprobs-mode", mode],
+    )
+    urls = procs.urls if procs is not None else list(x.urls)
     try:
         pool = HTTPEnginePool(
             urls,

@@ -88,6 +88,10 @@ class EnginePool(Protocol):
         """The generations of `requests`, in order; `on_done()` after each one finishes (progress)."""
         ...
 
+    async def agenerate(self, req: GenRequest) -> Generation:
+        """One request from the pool's event loop (`PoolLoop`): the scheduler's and the agents' call."""
+        ...
+
     def weight_transport(self, rollout: RolloutConfig) -> Transport: ...
 
     @property
@@ -135,6 +139,36 @@ def engine_timeouts(rollout: RolloutConfig) -> EngineTimeouts:
         "weight_update_timeout": min(rollout.weight_update_timeout_s, rollout.request_timeout_s),
         "no_engine_timeout_s": rollout.no_engine_timeout_s,
     }
+
+
+class PoolLoop:
+    """Where coroutines that call a pool's `agenerate` run from synchronous code: the HTTP pool's own
+    event-loop thread, or (embedded engines) one loop of the calling thread, made on first use and
+    kept, because the embedded pool's stepping task must stay on the loop it was started on. The
+    rollout scheduler and the held-out evaluation of agent domains share one."""
+
+    def __init__(self, pool: EmbeddedEnginePool | HTTPEnginePool) -> None:
+        self._pool_loop = pool.loop if isinstance(pool, HTTPEnginePool) else None
+        self._own_loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, coro: Any) -> Any:
+        """Run `coro` to its end on the pool's loop and return its result (blocks the caller)."""
+        if self._pool_loop is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self._pool_loop).result()
+        if self._own_loop is None:
+            self._own_loop = asyncio.new_event_loop()
+        return self._own_loop.run_until_complete(coro)
+
+    @property
+    def usable(self) -> bool:
+        """False once the loop it runs on is closed (the pool closed, or `close()`)."""
+        loop = self._pool_loop or self._own_loop
+        return loop is None or not loop.is_closed()
+
+    def close(self) -> None:
+        """Close the loop this object made (the HTTP pool's loop is the pool's to close)."""
+        if self._own_loop is not None and not self._own_loop.is_closed():
+            self._own_loop.close()
 
 
 def build_engine_pool(

@@ -19,17 +19,31 @@ from mcore_rl.progress import progress
 from mcore_rl.runtime.rollout_manager import SALT_EVAL, RolloutManager
 
 
+def outcomes(group: list[Sample]) -> list[float]:
+    """The rewards of a group's attempts: one per sample, or one per episode where the samples are an
+    episode's (a multi-turn episode may be several samples, all carrying its return)."""
+    seen: dict[int, float] = {}
+    plain = []
+    for s in group:
+        if s.episode is None:
+            plain.append(s.reward)
+        else:
+            seen.setdefault(s.episode, s.reward)
+    return plain + list(seen.values())
+
+
 def _scores(
     greedy: list[list[Sample]], sampled: list[list[Sample]], cfg: RLConfig, threshold: float, prefix: str
 ) -> dict[str, float]:
     e, out = cfg.eval, {}
     if e.greedy:
-        out[f"{prefix}/greedy_pass@1"] = float(np.mean([g[0].reward >= threshold for g in greedy]))
-        out[f"{prefix}/greedy_reward"] = float(np.mean([g[0].reward for g in greedy]))
+        first = [(outcomes(g) or [0.0])[0] for g in greedy]
+        out[f"{prefix}/greedy_pass@1"] = float(np.mean([r >= threshold for r in first]))
+        out[f"{prefix}/greedy_reward"] = float(np.mean(first))
     if e.k > 0:
-        right = np.array([[s.reward >= threshold for s in g] for g in sampled], dtype=np.float64)
-        out[f"{prefix}/avg@{e.k}"] = float(right.mean())
-        out[f"{prefix}/pass@{e.k}"] = float(right.max(axis=1).mean())
+        right = [[r >= threshold for r in outcomes(g)] for g in sampled]  # (an episode lost untried: none)
+        out[f"{prefix}/avg@{e.k}"] = float(np.mean([float(x) for r in right for x in r] or [0.0]))
+        out[f"{prefix}/pass@{e.k}"] = float(np.mean([any(r) for r in right]))
     out[f"{prefix}/score"] = out[f"{prefix}/greedy_pass@1"] if e.score == "greedy" else out[f"{prefix}/avg@{e.k}"]
     return out
 

@@ -62,6 +62,7 @@ from mcore_rl.train.teachers import token_topk
 from mcore_rl.train.hf_provenance import read_provenance
 from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 from mcore_rl.train.teachers import build_teachers
+from mcore_rl.rollout.judges import JudgeEngines
 from mcore_rl.rollout.teacher import TeacherError
 
 if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
@@ -119,6 +120,7 @@ class RLRun:
         self.rollout_source: Rollouts | None = None  # rank 0: the scheduler, in either schedule
         self.hf_provenance: dict = {}  # the source's HF config, dtype and assets, carried (train/hf_provenance.py)
         self.teachers: Teachers | None = None  # on-policy distillation (`teachers:`), train/teachers.py
+        self.judges: JudgeEngines | None = None  # judge servers (`judges:`) the rewards call
         self._engine_teachers: list = []  # rank 0: connected before the Teachers set exists
         self._rollout_state: dict | None = None  # the scheduler's state from a checkpoint
         self._resumed_ledger: dict | None = None  # a checkpoint's ledger without scheduler state
@@ -261,7 +263,15 @@ class RLRun:
                 transport.pause_mode = r.pause_mode
             for recipe in self.recipes:
                 recipe.engines_ready(self)  # e.g. a recipe's own engines (checked before training)
-            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg), cfg)
+            if cfg.judges:  # judge servers the rewards name (started ones: this run's, stopped with it)
+                self.judges = JudgeEngines(
+                    cfg.judges,
+                    workdir=os.path.join(cfg.run_dir, "engines"),
+                    context_length=r.context_length,
+                    startup_timeout_s=r.engine_startup_timeout_s,
+                )
+            judge_urls = self.judges.urls if self.judges is not None else None
+            self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg, judge_urls), cfg)
             if self._rollout_state is not None:
                 self.prompts.load_state_dict(self._rollout_state["prompts"])
             # engine teachers score right after the rewards in the streaming schedule
@@ -276,7 +286,12 @@ class RLRun:
                 recipes=self.recipes,
             )
             self.rollout_source = Rollouts(
-                self.engines, backend, scheduler_config(cfg), self._rollout_state, steps_done=self.state.rl_step
+                self.engines,
+                backend,
+                scheduler_config(cfg),
+                self._rollout_state,
+                steps_done=self.state.rl_step,
+                engine_loop=self.manager.engine_loop,  # one loop with the evaluation of agent domains
             )
             if self._rollout_state is None and self._resumed_ledger:  # a checkpoint of the synchronous loop
                 self.rollout_source.scheduler.ledger.load_state_dict(self._resumed_ledger)
@@ -462,6 +477,9 @@ class RLRun:
             recipe.close()
         if self.manager is not None:
             self.manager.rewards.close()
+        if self.judges is not None:
+            self.judges.close()
+        if self.manager is not None:
             if self.manager.episodes is not None:
                 self.manager.episodes.close()  # agent domains: their proxies, any agent still running
 

@@ -23,19 +23,20 @@ import json
 import math
 import time
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from mcore_rl.agent.episodes import run_lockstep
 from mcore_rl.agent.groups import EpisodeGroups
+from mcore_rl.agent.programs import score_answers
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos.dynamic_sampling import is_constant
 from mcore_rl.data.domains import DomainSpec, MixtureSource, RewardHead, domain_specs
 from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample, compact_routing
 from mcore_rl.rewards import RewardFunction, RewardInput, RewardRunner, get_reward_fn
-from mcore_rl.rollout.pool import EnginePool, GenRequest
+from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, GenRequest, HTTPEnginePool, PoolLoop
 import mcore_rl.data.tasks  # noqa: F401  (registers the tasks' rewards)
 from mcore_rl.train.distillation import generation_budget
 
@@ -152,10 +153,24 @@ class DomainRewards:
         self._combine(samples, jobs, results)
 
 
-def build_reward_runner(cfg: RLConfig) -> DomainRewards:
-    """The rewards of the run's domains (the single-source config: `reward.name`, one head)."""
+def with_judge_urls(specs: dict[str, DomainSpec], judge_urls: Mapping[str, list[str]]) -> dict[str, DomainSpec]:
+    """The domains' reward heads with each `judge: <name>` option made the group's servers (`url`)."""
+    for spec in specs.values():
+        for h in spec.rewards:
+            if "judge" in h.options:
+                name = h.options.pop("judge")
+                if name not in judge_urls:
+                    raise ValueError(f"reward {h.name!r}: judge group {name!r} is not among the run's judges")
+                h.options["url"] = list(judge_urls[name])
+    return specs
+
+
+def build_reward_runner(cfg: RLConfig, judge_urls: Mapping[str, list[str]] | None = None) -> DomainRewards:
+    """The rewards of the run's domains (the single-source config: `reward.name`, one head);
+    `judge_urls`: the servers of each judge group the heads name (`judges:`, `rollout/judges.py`)."""
     rc = cfg.reward
-    rewards = DomainRewards(domain_specs(cfg), rc.timeout_s, rc.error_reward, rc.max_concurrency)
+    specs = with_judge_urls(domain_specs(cfg), judge_urls or {})
+    rewards = DomainRewards(specs, rc.timeout_s, rc.error_reward, rc.max_concurrency)
     rewards.start()
     return rewards
 
@@ -168,6 +183,8 @@ class RolloutManager:
     ) -> None:
         self.engines, self.prompts, self.rewards, self.cfg = engines, prompts, rewards, cfg
         self.domains = rewards.specs
+        # where agent episodes run from here (evaluation): the pool's loop, shared with the rollout scheduler
+        self.engine_loop = PoolLoop(engines) if isinstance(engines, (EmbeddedEnginePool, HTTPEnginePool)) else None
         self.step = 0  # the training step the rollouts are for (the distillation horizon grows with it)
         # the multi-turn domains: their prompts' groups are episodes of an environment (`mcore_rl.agent`)
         self.episodes = EpisodeGroups.from_config(cfg, self.tokenizer) if cfg.data.domains else None
@@ -218,8 +235,8 @@ class RolloutManager:
         `on_done()` after each completion, for a progress bar)."""
         seed = self.cfg.train.seed
         sizes = [n if n is not None else self.group_size(p) for p in prompts]
-        episodic = [i for i, p in enumerate(prompts) if self.episodes is not None and self.episodes.plays(p)]
-        if episodic:  # an environment's prompts are scored by their episodes, never by a reward function
+        episodic = [i for i, p in enumerate(prompts) if self.episodes is not None and self.episodes.handles(p)]
+        if episodic:  # an environment's or agent's prompts are scored by their episodes, not by a reward function
             groups: list[list[Sample]] = [[] for _ in prompts]
             ran = self.episode_groups([prompts[i] for i in episodic], [sizes[i] for i in episodic], temperature, salt)
             for i, group in zip(episodic, ran):
@@ -289,9 +306,19 @@ class RolloutManager:
     ) -> list[list[Sample]]:
         """The groups of environment prompts outside the training stream (held-out evaluation, validation
         batches): every episode advanced in lockstep, one batched generation per round, each episode's
-        samples carrying its return."""
+        samples carrying its return; agent-program prompts among them go to `agent_groups`."""
         assert self.episodes is not None
         seed = self.cfg.train.seed
+        if not all(self.episodes.plays(p) for p in prompts):  # agent programs among them: run apart
+            out: list[list[Sample]] = [[] for _ in prompts]
+            for played in (True, False):
+                mine = [i for i, p in enumerate(prompts) if self.episodes.plays(p) == played]
+                if not mine:
+                    continue
+                run = self.episode_groups if played else self.agent_groups
+                for i, group in zip(mine, run([prompts[i] for i in mine], [sizes[i] for i in mine], temperature, salt)):
+                    out[i] = group
+            return out
         groups = [
             self.episodes.episodes(
                 p,
@@ -306,6 +333,41 @@ class RolloutManager:
         run_lockstep([e for g in groups for e in g], lambda reqs: self.engines.generate(reqs))
         self.last_generate_s = time.perf_counter() - start
         return [[s for e in g for s in e.samples()] for g in groups]
+
+    def agent_groups(
+        self, prompts: Sequence[Prompt], sizes: Sequence[int], temperature: float, salt: int
+    ) -> list[list[Sample]]:
+        """The groups of agent-program prompts outside the training stream (held-out evaluation): each
+        episode the agent process as in training, its answer scored by the domain's reward; a lost
+        episode (the program failed) scores 0 here, as a wrong answer."""
+        episodes, loop = self.episodes, self.engine_loop
+        assert episodes is not None and episodes.agents is not None
+        if loop is None:
+            raise RuntimeError("agent domains need an embedded or HTTP engine pool to be evaluated")
+        agents, seed = episodes.agents, self.cfg.train.seed
+
+        async def play() -> list[list[Sample]]:
+            groups = await asyncio.gather(
+                *(
+                    agents.run_group(
+                        p,
+                        [
+                            self.sampling_params(temperature, sample_seed(seed, salt, p.index, j), None, p.domain)
+                            for j in range(k)
+                        ],
+                        self.engines.agenerate,
+                        "eval" if salt == SALT_EVAL else "validation",
+                    )
+                    for p, k in zip(prompts, sizes)
+                )
+            )
+            await score_answers([s for g in groups for s in g], self.rewards.score)
+            return list(groups)
+
+        start = time.perf_counter()
+        out: list[list[Sample]] = loop.run(play())
+        self.last_generate_s = time.perf_counter() - start
+        return out
 
     def score(self, samples: list[Sample]) -> None:
         self.rewards.score_sync(samples)

@@ -27,7 +27,7 @@ from mcore_rl.data.prompts import PromptSource
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.hooks import Recipe
 from mcore_rl.progress import progress
-from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest, HTTPEnginePool
+from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest, HTTPEnginePool, PoolLoop
 from mcore_rl.runtime.rollout_manager import SALT_TRAIN, DomainRewards, RolloutManager, flat_masks, sample_seed
 from mcore_rl.runtime.scheduler import RolloutScheduler, SchedulerConfig
 
@@ -267,24 +267,21 @@ class Rollouts:
         cfg: SchedulerConfig,
         state: dict[str, Any] | None = None,
         steps_done: int = 0,
+        engine_loop: PoolLoop | None = None,
     ) -> None:
         """`state`: the scheduler's state from a checkpoint; `steps_done`: the learner's finished
-        steps (the checkpoint is written before the gate opens for the next one)."""
+        steps (the checkpoint is written before the gate opens for the next one); `engine_loop`: where
+        the scheduler runs (shared with the manager's evaluation of agent domains; else its own)."""
         self.pool, self.backend = pool, backend
         self.scheduler = RolloutScheduler(backend, cfg)
         if state is not None:
             self.scheduler.load_state_dict(state)
         self.scheduler.steps_done = steps_done
         self.started = False
-        # the HTTP pool's loop thread, or a loop of the calling thread for embedded engines
-        self._pool_loop = pool.loop if isinstance(pool, HTTPEnginePool) else None
-        self._own_loop = asyncio.new_event_loop() if self._pool_loop is None else None
+        self.engine_loop = engine_loop if engine_loop is not None else PoolLoop(pool)
 
     def _run(self, coro: Any) -> Any:
-        if self._own_loop is not None:
-            return self._own_loop.run_until_complete(coro)
-        assert self._pool_loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._pool_loop).result()
+        return self.engine_loop.run(coro)
 
     def start(self) -> None:
         async def start() -> None:
@@ -335,9 +332,6 @@ class Rollouts:
         return self._run(report())
 
     def close(self) -> None:
-        if self._own_loop is not None:
-            if not self._own_loop.is_closed():
-                self._run(self.scheduler.close())
-                self._own_loop.close()
-        elif self._pool_loop is not None and not self._pool_loop.is_closed():
+        if self.engine_loop.usable:
             self._run(self.scheduler.close())
+        self.engine_loop.close()

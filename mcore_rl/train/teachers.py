@@ -39,7 +39,8 @@ import torch
 
 from mcore_rl.config.rl_schema import RLConfig, TeacherConfig
 from mcore_rl.data.samples import Sample, TeacherScores
-from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domain, start_teacher_engines
+from mcore_rl.rollout.engine_processes import start_engine_group
+from mcore_rl.rollout.teacher import EngineTeacher, TeacherError, route_by_domain
 from mcore_rl.models.vocab_padding import mask_padded_logits
 from mcore_rl.train.logprobs import auto_chunk_size
 from mcore_rl.train.logprobs import _decoder_output_only, output_weight, tp_region, unwrap_gpt
@@ -465,21 +466,13 @@ def build_engine_teacher(
     t: TeacherConfig, i: int, name: str, cfg: RLConfig, tokenizer: Any, workdir: str
 ) -> EngineTeacher:
     """Connect to (or start) an engine teacher and check it: reachable, the student's tokenizer."""
-    procs = None
-    urls = list(t.urls)
-    if t.model_path:
-        procs = start_teacher_engines(
-            t.model_path,
-            num=t.num_engines,
-            workdir=os.path.join(workdir, name),  # its own tokenizer: checked below
-            context_length=t.context_length or cfg.rollout.context_length,
-            quantization=t.quantization,
-            max_running_requests=t.max_running_requests,
-            cores=t.engine_cores or None,
-            threads=t.engine_threads,
-            startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
-        )
-        urls = procs.urls
+    procs = start_engine_group(
+        t,
+        workdir=os.path.join(workdir, name),  # its own tokenizer: checked below
+        context_length=cfg.rollout.context_length,
+        startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
+    )
+    urls = procs.urls if procs is not None else list(t.urls)
     try:
         teacher = EngineTeacher(
             name,
