@@ -32,8 +32,6 @@ from .kv_cache import PagedKVCache
 from .model_runner import ModelRunner
 from .sampling import BatchSampling, SamplingParams, inverse_cdf, processed_weights
 
-DRAFT_KINDS = ("NGRAM", "STANDALONE")
-
 
 @dataclass
 class Draft:
@@ -69,11 +67,6 @@ class NgramDrafter:
     """Prompt lookup: the continuation of the latest earlier match of the sequence's last n tokens."""
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(
-                f"speculative ngram window: need 1 <= min ({min_ngram}) <= max ({max_ngram}) "
-                "(--speculative-ngram-min-match-window-size / --speculative-ngram-max-match-window-size)"
-            )
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def propose(
