@@ -398,3 +398,40 @@ def test_serve_flags(tmp_path) -> None:
         [req("a", "abcabcabc", max_new_tokens=12, temperature=0.0)],
     )
     assert outs["a"].output_ids == plain["a"].output_ids and engine.spec_stats["accepted"] > 0
+
+
+def test_rollout_keys_turn_it_on(tmp_path) -> None:
+    """`rollout.speculative_*`: checked before any worker starts, then the embedded engines draft."""
+    from mcore_rl.rollout.pool import EmbeddedEnginePool, speculative_flags, speculative_settings
+    from tests.helpers import rl, rl_errors, save_tiny_hf_model
+
+    spec = "rollout.speculative_algorithm"
+    assert "rollout.speculative_num_steps: must be >= 1, got 0" in rl_errors(
+        rl(f"{spec}=ngram", "rollout.speculative_num_steps=0")
+    )
+    assert any(
+        e.startswith("rollout.speculative_draft_model_path: standalone needs")
+        for e in rl_errors(rl(f"{spec}=standalone"))
+    )
+    assert any(
+        "--speculative-* flags" in e for e in rl_errors(rl(f"{spec}=ngram", "rollout.engine_urls=[http://127.0.0.1:9]"))
+    )
+    path = save_tiny_hf_model(str(tmp_path / "draft"), 256)
+    keys = (f"{spec}=standalone", f"rollout.speculative_draft_model_path={path}", "rollout.speculative_num_steps=2")
+    cfg = rl(*keys)
+    assert speculative_flags(cfg.rollout) == [
+        "--speculative-algorithm",
+        "STANDALONE",
+        "--speculative-num-steps",
+        "2",
+        "--speculative-draft-model-path",
+        path,
+    ]
+    settings = speculative_settings(cfg.rollout)
+    mc = copy.deepcopy(cfg.model)
+    mc.vocab_size = 384  # the draft's
+    pool = EmbeddedEnginePool.build(
+        mc, TOK, num=2, quantization="none", max_running_requests=4, context_length=64, seed=0, speculative=settings
+    )
+    drafters = [core.drafter for core in pool.cores]
+    assert all(d is not None for d in drafters) and drafters[0] is not drafters[1]

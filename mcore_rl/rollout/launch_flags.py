@@ -63,10 +63,13 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcore_rl.data.tool_calls import tool_call_format
 from mcore_rl.rollout import sglang_flags
+
+if TYPE_CHECKING:  # annotations only: the engine package loads torch and transformers
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
 
 DTYPES = {
     "auto": "float32",
@@ -174,9 +177,8 @@ class ServerArgs:
             kw["speculative"] = self.speculative_settings()
         return kw
 
-    def speculative_settings(self) -> Any:
-        """The engine's `SpeculativeSettings` of the `--speculative-*` flags (typed Any: the engine
-        package is imported lazily here, so that parsing flags does not load torch)."""
+    def speculative_settings(self) -> SpeculativeSettings:
+        """The engine's `SpeculativeSettings` of the `--speculative-*` flags."""
         from mcore_rl.rollout.engine.speculative import SpeculativeSettings  # lazy: torch, transformers
 
         return SpeculativeSettings(

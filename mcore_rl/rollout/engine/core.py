@@ -323,7 +323,9 @@ class EngineCore:
         self._arrivals = 0  # admission order: who is retracted first when the pool runs out
         self.speculative = speculative
         self.drafter: Drafter | None = None
-        self.spec_stats = {"verify_passes": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        # speculative decoding's counters: target passes that verified drafts, requests in them, tokens
+        # drafted, drafts accepted, tokens emitted by those passes (accepted + the residual's or bonus)
+        self.spec_stats = {"verify_passes": 0, "rows_verified": 0, "drafted": 0, "accepted": 0, "emitted": 0}
         if speculative is not None:
             self.drafter = self._build_drafter(speculative, draft_model)
 
@@ -620,6 +622,7 @@ class EngineCore:
         self._routing_pass(batch)
         logits = self.runner.extend([[live.output_ids[-1], *d.tokens] for live, d in zip(batch, drafts)], base)
         self.spec_stats["verify_passes"] += 1
+        self.spec_stats["rows_verified"] += len(batch)
         self.spec_stats["drafted"] += sum(len(d.tokens) for d in drafts)
         width = logits.shape[1]
         step_outs: list[RequestOutput] = []
