@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ JOINT_VOCAB = 48  # a small vocabulary: every id is in the prompt, so prompt loo
 # a draft the model sometimes (rarely) agrees with
 JOINT_PROMPT = torch.randperm(JOINT_VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
 JOINT_TOKENS = 4
-JOINT_SP = dict(temperature=1.0, top_k=3, max_new_tokens=JOINT_TOKENS, ignore_eos=True)
+JOINT_SP: dict[str, Any] = dict(temperature=1.0, top_k=3, max_new_tokens=JOINT_TOKENS, ignore_eos=True)
 
 
 @torch.no_grad()
@@ -159,7 +160,7 @@ def exact_joint(
     [("NGRAM", dict(frequency_penalty=0.7)), ("STANDALONE", {})],
     ids=["prompt_lookup_with_penalty", "bad_draft_model"],
 )
-def test_engine_samples_the_exact_joint_distribution(kind: str, extra: dict) -> None:
+def test_engine_samples_the_exact_joint_distribution(kind: str, extra: dict[str, Any]) -> None:
     """2,000 seeded requests, four tokens each (the first from the prefill, then up to three per
     verification): the joint of the four equals plain sampling's exactly computed one."""
     model = tiny_model(vocab_size=JOINT_VOCAB)
