@@ -436,3 +436,17 @@ def test_rollout_keys_turn_it_on(tmp_path) -> None:
     )
     drafters = [core.drafter for core in pool.cores]
     assert all(d is not None for d in drafters) and drafters[0] is not drafters[1]
+
+
+def test_draft_model_near_the_context_end() -> None:
+    """A request at the end of its context next to one far from it: the draft model drafts only
+    what each may emit, and writes no position past the context (greedy: plain decoding's tokens)."""
+    spec = SpeculativeSettings("STANDALONE", num_steps=4)
+    reqs = [
+        req("near", list(range(40, 70)), max_new_tokens=20, temperature=0.0),
+        req("far", "ab", max_new_tokens=20, temperature=0.0),
+    ]
+    plain = run(make_engine(tiny_model(), context_length=36), copy.deepcopy(reqs))
+    got = run(make_engine(tiny_model(), context_length=36, speculative=spec, draft_model=near_draft()), reqs)
+    assert {k: o.output_ids for k, o in got.items()} == {k: o.output_ids for k, o in plain.items()}
+    assert len(got["near"].output_ids) == 36 - 30

@@ -171,19 +171,21 @@ class ModelDrafter:
         if k <= 0:
             return [Draft([]) for _ in sequences]
         starts = [self._valid(i, seq) for i, seq in enumerate(sequences)]
-        for i, seq in enumerate(sequences):  # room for the sequence and k - 1 drafted tokens' K/V
-            if not self.cache.reserve(i, len(seq) + k):
+        # Slot i writes positions len(seq) .. len(seq) + max(lengths[i], 1) - 1 and no further: its
+        # drafted tokens but the last, then (while others still draft) a throwaway write at the next
+        # position, never recorded as cached. All inside its budget, so inside the context.
+        for i, seq in enumerate(sequences):
+            if not self.cache.reserve(i, len(seq) + max(lengths[i], 1)):
                 return [Draft([]) for _ in sequences]  # the draft pool is full: plain decoding this step
         ctl = BatchSampling.of(params, self.vocab_size, self.device)
         logits = self.runner.extend([seq[s:] for seq, s in zip(sequences, starts)], starts)  # [b, s_max, V]
         last = torch.tensor([len(seq) - s - 1 for seq, s in zip(sequences, starts)], device=logits.device)
         step_logits = logits[torch.arange(b, device=logits.device), last]
+        self.forwards += 1
         for i, seq in enumerate(sequences):
             self._cached[i] = list(seq)
         tokens: list[list[int]] = [[] for _ in range(b)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        positions = [len(seq) for seq in sequences]
-        self.forwards += 1
         for t in range(k):
             w = processed_weights(step_logits, ctl)
             u = torch.tensor(
@@ -198,9 +200,13 @@ class ModelDrafter:
                     probs[i].append(w[i])
             if t == k - 1:
                 break
+            positions = []
+            for i, seq in enumerate(sequences):
+                if t + 1 < lengths[i]:  # slot i drafts another token: its K/V of this one are kept
+                    positions.append(len(seq) + t)
+                    self._cached[i].append(drawn[i])
+                else:
+                    positions.append(len(seq) + max(lengths[i], 1) - 1)
             step_logits = self.runner.decode(drawn, positions)
             self.forwards += 1
-            for i in range(b):
-                self._cached[i].append(drawn[i])
-                positions[i] += 1
         return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]
