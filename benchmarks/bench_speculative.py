@@ -148,11 +148,15 @@ def main() -> None:
             per_forward = stats["emitted"] / max(1, stats["rows_verified"])
             p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
             print(
-                f"| {kind} | {batch} | {accept:.2f} | {per_forward:.2f} | {p:,.0f} ({min(rates['plain']):,.0f}-"
-                f"{max(rates['plain']):,.0f}) | {s:,.0f} ({min(rates['spec']):,.0f}-{max(rates['spec']):,.0f}) "
+                f"| {kind} | {batch} | {accept:.2f} | {per_forward:.2f} | {_rate(p)} ({_rate(min(rates['plain']))}-"
+                f"{_rate(max(rates['plain']))}) | {_rate(s)} ({_rate(min(rates['spec']))}-{_rate(max(rates['spec']))}) "
                 f"| {s / p:.2f}x |",
                 flush=True,
             )
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 if __name__ == "__main__":
