@@ -184,8 +184,15 @@ def test_engine_samples_the_exact_joint_distribution(kind: str, extra: dict[str,
 
 
 def _greedy_requests(**kw) -> list[Request]:
+    """Four plain requests, one whose stop token is masked by min_new_tokens for a while and then ends
+    it inside a verified block, one that a stop string ends inside a block."""
     prompts = ["abcabcabcabc", "the cat the cat the cat", "hello", "1+1=2, 1+1=2, 1+1="]
-    return [req(f"r{i}", p, max_new_tokens=24 + 3 * i, temperature=0.0, **kw) for i, p in enumerate(prompts)]
+    out = [req(f"r{i}", p, max_new_tokens=24 + 3 * i, temperature=0.0, **kw) for i, p in enumerate(prompts)]
+    out.append(
+        req("min_new", prompts[1], max_new_tokens=24, temperature=0.0, stop_token_ids=[154, 95], min_new_tokens=10)
+    )
+    out.append(req("stop_string", prompts[0], max_new_tokens=24, temperature=0.0, stop=["&&"]))
+    return out
 
 
 @functools.cache
@@ -212,6 +219,10 @@ def test_greedy_is_plain_decoding_token_for_token(spec, stagger: int) -> None:
     engine = make_engine(tiny_model(), speculative=spec, draft_model=near_draft())
     outs = run(engine, _greedy_requests(), stagger=stagger)
     assert engine.spec_stats["accepted"] > 0
+    # (154 would end it after 8 tokens but is masked; 95 ends it at 19)
+    assert plain_greedy()["min_new"].finish_reason == {"type": "stop", "matched": 95}
+    assert len(plain_greedy()["min_new"].output_ids) == 19
+    assert plain_greedy()["stop_string"].finish_reason == {"type": "stop", "matched": "&&"}
     for rid, want in plain_greedy().items():
         got = outs[rid]
         assert got.output_ids == want.output_ids and got.finish_reason == want.finish_reason
