@@ -263,6 +263,11 @@ class RolloutConfig(Sectioned):
     # (SGLang's return_sampling_mask), μ is the log-prob under that renormalised distribution, and the
     # learner renormalises π_old, π_θ, π_ref and the entropy over the same set (needs top_p < 1 or top_k > 0)
     sampling_mask_replay: bool = False
+    # ---- exact speculative decoding in the engines this trainer builds (embedded or started `mcore-rl
+    # serve`; docs/speculative.md): the tokens, μ, masks and experts stay the policy's, only faster
+    speculative_algorithm: Literal["none", "ngram", "standalone"] = "none"  # prompt lookup, or a draft model
+    speculative_num_steps: int = 4  # tokens drafted per verification
+    speculative_draft_model_path: str | None = None  # standalone: HF directory, the policy's tokenizer; fixed weights
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
     # (the recipes' sections under rollout are registered by the recipes: config/sections.py)

@@ -155,12 +155,41 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
         )
     errors.need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     check_engine_group(r.engines, "rollout", started_engines(r), errors, r.ENGINE_KEYS)
+    check_speculative(r, errors)
     errors.need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
     if r.engine_urls and r.sync_transport == "disk":
         errors.need(
             bool(r.sync_dir), "rollout.sync_dir", "the disk weight transport needs a directory the engines can read"
         )
     check_runtime(r, a, errors)
+
+
+def check_speculative(r: RolloutConfig, errors: Errors) -> None:
+    """`rollout.speculative_*` configure the engines the trainer builds; servers at `engine_urls` take
+    their own `--speculative-*` flags."""
+    if r.speculative_algorithm == "none":
+        errors.need(
+            r.speculative_draft_model_path is None,
+            "rollout.speculative_draft_model_path",
+            "is set but rollout.speculative_algorithm is none (set it to standalone)",
+        )
+        return
+    errors.need(
+        not r.engine_urls,
+        "rollout.speculative_algorithm",
+        "configures the engines the trainer builds; give the servers at rollout.engine_urls their own "
+        "--speculative-* flags instead",
+    )
+    errors.need(
+        r.speculative_num_steps >= 1, "rollout.speculative_num_steps", f"must be >= 1, got {r.speculative_num_steps}"
+    )
+    if r.speculative_algorithm == "standalone":
+        path = r.speculative_draft_model_path
+        errors.need(
+            bool(path) and os.path.isfile(os.path.join(path or "", "config.json")),
+            "rollout.speculative_draft_model_path",
+            f"standalone needs an HF model directory with config.json, got {path!r}",
+        )
 
 
 def check_sampling_mask_replay(cfg: RLConfig, errors: Errors) -> None:

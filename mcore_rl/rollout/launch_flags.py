@@ -17,6 +17,11 @@ Flags fall in these groups:
   streamed `/generate` chunks carry only the new `output_ids` and text), `--tool-call-parser`
   (`qwen25` / `llama3`, or our names `hermes` / `llama3_json`: how chat replies with `tools` are read;
   default: the model family's format, `mcore_rl/data/tool_calls.py`);
+- **speculative decoding** (SGLang's names): `--speculative-algorithm NGRAM|STANDALONE` (prompt lookup, or
+  a separate draft model at `--speculative-draft-model-path`, alias `--speculative-draft-model`),
+  `--speculative-num-steps` (tokens drafted per verification), `--speculative-ngram-min-match-window-size`
+  and `--speculative-ngram-max-match-window-size`; exact: the output distribution, log-probs, masks and
+  experts are the target's (`rollout/engine/speculative.py`, docs/speculative.md); EAGLE / NEXTN are refused;
 - **our own**: `--logprobs-mode raw|processed` (what `output_token_logprobs` are: the raw
   full-vocabulary log-probs, or those of the processed distribution each token was drawn from —
   after temperature and the top-k/top-p/min-p mask, renormalised; see `rollout/engine/core.py`;
@@ -58,10 +63,13 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcore_rl.data.tool_calls import tool_call_format
 from mcore_rl.rollout import sglang_flags
+
+if TYPE_CHECKING:  # annotations only: the engine package loads torch and transformers
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
 
 DTYPES = {
     "auto": "float32",
@@ -135,6 +143,12 @@ class ServerArgs:
     incremental_streaming_output: bool = False
     # how chat replies with `tools` are parsed (SGLang's name, or ours); None = the model family's format
     tool_call_parser: str | None = None
+    # speculative decoding (SGLang's flag names; see rollout/engine/speculative.py): NGRAM or STANDALONE
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 4
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 3
     # SGLang flags accepted and ignored (sglang_flags.IGNORED): flag -> its values as given
     ignored_flags: dict[str, list[str]] = field(default_factory=dict)
 
@@ -159,7 +173,21 @@ class ServerArgs:
             kw["context_length"] = self.context_length
         if self.max_running_requests is not None:
             kw["max_running_requests"] = self.max_running_requests
+        if self.speculative_algorithm is not None:
+            kw["speculative"] = self.speculative_settings()
         return kw
+
+    def speculative_settings(self) -> SpeculativeSettings:
+        """The engine's `SpeculativeSettings` of the `--speculative-*` flags."""
+        from mcore_rl.rollout.engine.speculative import SpeculativeSettings  # lazy: torch, transformers
+
+        return SpeculativeSettings(
+            algorithm=self.speculative_algorithm or "NGRAM",
+            num_steps=self.speculative_num_steps,
+            draft_model_path=self.speculative_draft_model_path,
+            ngram_min=self.speculative_ngram_min_match_window_size,
+            ngram_max=self.speculative_ngram_max_match_window_size,
+        )
 
     @property
     def allowed_weight_dirs(self) -> list[str]:
@@ -277,6 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="without --max-total-tokens: the pool is this fraction of the device's memory (CPU: RAM or "
         "the cgroup's limit) less the weights (default 0.88 on a GPU, 0.5 on CPU)",
     )
+    spec = p.add_argument_group("speculative decoding (exact: rejection sampling against the target)")
+    spec.add_argument(
+        "--speculative-algorithm",
+        help="NGRAM (prompt lookup, no model) or STANDALONE (a separate draft model, "
+        "--speculative-draft-model-path); EAGLE / NEXTN heads are not served here",
+    )
+    spec.add_argument("--speculative-num-steps", type=int, default=4, help="tokens drafted per verification")
+    spec.add_argument(
+        "--speculative-draft-model-path",
+        "--speculative-draft-model",
+        dest="speculative_draft_model_path",
+        help="STANDALONE: HF directory of a draft model with the target's tokenizer",
+    )
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=3)
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--chunked-prefill-size", int),
@@ -366,6 +409,25 @@ def _check(a: ServerArgs) -> None:
         raise LaunchFlagError(f"--context-length {a.context_length}: must be >= 2")
     if a.sampling_mask_max_tokens < 1:
         raise LaunchFlagError(f"--sampling-mask-max-tokens {a.sampling_mask_max_tokens}: must be >= 1")
+    if a.speculative_algorithm is not None:
+        if a.speculative_algorithm not in ("NGRAM", "STANDALONE"):
+            raise LaunchFlagError(
+                f"--speculative-algorithm: speculative decoding with {a.speculative_algorithm} is not served by the "
+                "embedded engine (it has no EAGLE / MTP draft heads); it serves NGRAM (prompt lookup) and "
+                "STANDALONE (a separate draft model)"
+            )
+        if a.speculative_algorithm == "STANDALONE" and not a.speculative_draft_model_path:
+            raise LaunchFlagError("--speculative-algorithm STANDALONE: needs --speculative-draft-model-path")
+        if a.speculative_num_steps < 1:
+            raise LaunchFlagError(f"--speculative-num-steps {a.speculative_num_steps}: must be >= 1")
+        low, high = a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise LaunchFlagError(
+                f"--speculative-ngram-min-match-window-size {low} / --speculative-ngram-max-match-window-size "
+                f"{high}: need 1 <= min <= max"
+            )
+    elif a.speculative_draft_model_path is not None:
+        raise LaunchFlagError("--speculative-draft-model-path: needs --speculative-algorithm STANDALONE")
     if a.tool_call_parser is not None:
         try:
             tool_call_format(a.tool_call_parser)

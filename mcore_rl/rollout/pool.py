@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -40,6 +41,7 @@ from mcore_rl.rollout.engine_processes import EngineProcesses
 from mcore_rl.rollout.weight_protocol import checksum_problem
 
 if TYPE_CHECKING:  # annotations only (the engine processes module: loaded when the trainer starts some)
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
     from mcore_rl.rollout.engine_processes import EngineProcesses
     from mcore_rl.rollout.weight_protocol import WeightChecksum
 
@@ -219,7 +221,7 @@ def build_engine_pool(
             api_key=rollout.api_key,
             admin_api_key=rollout.admin_api_key,
             startup_timeout_s=rollout.engine_startup_timeout_s,
-            extra_args=["--logprobs-mode", mode],
+            extra_args=["--logprobs-mode", mode, *speculative_flags(rollout)],
         )
         try:
             return HTTPEnginePool(
@@ -245,6 +247,31 @@ def build_engine_pool(
         context_length=rollout.context_length,
         seed=seed,
         logprobs_mode=mode,
+        speculative=speculative_settings(rollout),
+    )
+
+
+def speculative_flags(rollout: RolloutConfig) -> list[str]:
+    """`mcore-rl serve` flags of `rollout.speculative_*` (none when off)."""
+    if rollout.speculative_algorithm == "none":
+        return []
+    flags = ["--speculative-algorithm", rollout.speculative_algorithm.upper()]
+    flags += ["--speculative-num-steps", str(rollout.speculative_num_steps)]
+    if rollout.speculative_draft_model_path:
+        flags += ["--speculative-draft-model-path", rollout.speculative_draft_model_path]
+    return flags
+
+
+def speculative_settings(rollout: RolloutConfig) -> SpeculativeSettings | None:
+    """The embedded engines' `SpeculativeSettings` of `rollout.speculative_*` (None when off)."""
+    if rollout.speculative_algorithm == "none":
+        return None
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings  # lazy: transformers
+
+    return SpeculativeSettings(
+        algorithm=rollout.speculative_algorithm.upper(),
+        num_steps=rollout.speculative_num_steps,
+        draft_model_path=rollout.speculative_draft_model_path,
     )
 
 
@@ -269,6 +296,7 @@ class EmbeddedEnginePool:
         context_length: int,
         seed: int,
         logprobs_mode: str = "raw",
+        speculative: SpeculativeSettings | None = None,
     ) -> EmbeddedEnginePool:
         """`num` engines holding an (uninitialised) reference model of `mc`; the first weight sync
         fills them. `quantization`: "fp8" (e4m3 block weights), "bf16" or "none" (fp32).
@@ -277,10 +305,16 @@ class EmbeddedEnginePool:
         (SGLang's default, `return_original_logprob=False`), and the learner recomputes π at the
         same temperature, so μ and π are the same function of the logits. `logprobs_mode`
         "processed" (sampling-mask replay) makes them those of the renormalised top-k/top-p
-        distribution instead (`EngineCore`)."""
+        distribution instead (`EngineCore`). `speculative` (`SpeculativeSettings`, None = off): exact
+        speculative decoding, a STANDALONE draft model loaded once from its path and copied per engine."""
         from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config  # lazy: transformers
-        from mcore_rl.rollout.engine.core import EngineCore  # lazy: transformers
+        from mcore_rl.rollout.engine.core import EngineCore, load_draft_model  # lazy: transformers
 
+        draft = None
+        if speculative is not None and speculative.algorithm == "STANDALONE":
+            if not speculative.draft_model_path:
+                raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
+            draft = load_draft_model(speculative.draft_model_path)
         cores = []
         for i in range(num):
             with torch.random.fork_rng(devices=[]):
@@ -298,6 +332,8 @@ class EmbeddedEnginePool:
                     return_original_logprob=False,
                     logprobs_mode=logprobs_mode,
                     device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
+                    speculative=speculative,
+                    draft_model=copy.deepcopy(draft) if draft is not None else None,
                 )
             )
         return cls(cores)

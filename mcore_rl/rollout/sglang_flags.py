@@ -108,7 +108,7 @@ IGNORED: frozenset[str] = frozenset(
     "--enable-lora-overlap-loading --max-lora-rank --lora-target-modules --max-loras-per-batch "
     "--max-loaded-loras --lora-eviction-policy --lora-backend --max-lora-chunk-size "
     "--lora-drain-wait-threshold --speculative-draft-model-revision --speculative-draft-load-format "
-    "--speculative-num-steps --speculative-eagle-topk --speculative-num-draft-tokens "
+    "--speculative-eagle-topk --speculative-num-draft-tokens "
     "--speculative-accept-threshold-single --speculative-accept-threshold-acc --speculative-token-map "
     "--speculative-attention-mode --speculative-draft-attention-backend --speculative-moe-runner-backend "
     "--speculative-moe-a2a-backend --speculative-draft-model-quantization "
@@ -140,9 +140,6 @@ IGNORED: frozenset[str] = frozenset(
 
 # ---- refused: they change what is generated or returned ----------------------------------------
 REFUSED: dict[str, str] = {
-    "--speculative-algorithm": "speculative decoding is not implemented by the embedded engine",
-    "--speculative-draft-model-path": "speculative decoding is not implemented by the embedded engine",
-    "--speculative-draft-model": "speculative decoding is not implemented by the embedded engine",
     "--enable-lora": "LoRA adapters are not supported by the embedded engine",
     "--lora-paths": "LoRA adapters are not supported by the embedded engine",
     "--chat-template": "chat prompts use the tokenizer's own template (or ChatML) here; a custom template would change them",

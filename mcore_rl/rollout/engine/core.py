@@ -87,7 +87,7 @@ import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -96,6 +96,7 @@ from torch import nn
 from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
 from mcore_rl.hf.rope import rope_scaling_of
 
+from .drafts import Draft, Drafter, ModelDrafter, NgramDrafter
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .kv_cache import pool_tokens
 from .model_runner import ModelRunner
@@ -106,9 +107,12 @@ from .sampling import (
     mask_replay_conflict,
     penalize,
     regex_tail_tokens,
+    SampledSupport,
     sample,
     sample_with_support,
+    support_of,
 )
+from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
 from mcore_rl.hf.rope import rope_key_in_file
@@ -206,6 +210,7 @@ class _Live:
     routing: torch.Tensor | None = None  # return_routed_experts: [>= positions forwarded, layers, k] int32
     out_mask: list[list[int]] = field(default_factory=list)  # sampling-mask replay: support per output token
     out_mask_lp: list[float] = field(default_factory=list)  # ... and the processed log-prob
+    draft_budget: int = 0  # speculative decoding: tokens it may draft this step (its pages are reserved)
 
     @property
     def sp(self) -> SamplingParams:
@@ -239,6 +244,8 @@ class EngineCore:
         sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
         max_total_tokens: int | None = None,
         mem_fraction_static: float | None = None,
+        speculative: SpeculativeSettings | None = None,
+        draft_model: nn.Module | None = None,
     ) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: {quantization!r} is not supported (choose from {list(QUANTIZATIONS)})")
@@ -314,6 +321,13 @@ class EngineCore:
         self.recomputed_tokens = 0  # K/V computed again: retracted re-prefills and stale recomputes
         self.retracted_for_room = 0  # requests retracted because decode ran out of KV pages
         self._arrivals = 0  # admission order: who is retracted first when the pool runs out
+        self.speculative = speculative
+        self.drafter: Drafter | None = None
+        # speculative decoding's counters: target passes that verified drafts, requests in them, tokens
+        # drafted, drafts accepted, tokens emitted by those passes (accepted + the residual's or bonus)
+        self.spec_stats = {"verify_passes": 0, "rows_verified": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        if speculative is not None:
+            self.drafter = self._build_drafter(speculative, draft_model)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -331,6 +345,11 @@ class EngineCore:
             raise ValueError(f"load_format: {load_format!r} is not one of auto, safetensors, dummy")
 
         seed = kw.get("random_seed", 0)
+        spec = kw.get("speculative")
+        if spec is not None and spec.algorithm == "STANDALONE" and kw.get("draft_model") is None:
+            if not spec.draft_model_path:
+                raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
+            kw["draft_model"] = load_draft_model(spec.draft_model_path)
         if path is None:
             from mcore_rl.config.schema import ModelConfig  # lazy: yaml
 
@@ -373,6 +392,28 @@ class EngineCore:
             if missing:
                 raise ValueError(f"model_path: {path} lacks weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         return loaded
+
+    def _build_drafter(self, spec: SpeculativeSettings, draft_model: nn.Module | None) -> Drafter:
+        """The drafter of `spec`, refusing what the engine cannot verify (checked before any request)."""
+        spec.check()
+        if self.runner.latent_cache or self.runner.ngram_context is not None:
+            raise ValueError(
+                f"speculative_algorithm: {spec.algorithm} needs the multi-token verification pass, which does "
+                "not cover this model's latent KV cache (multi-head latent attention) or n-gram embeddings"
+            )
+        if spec.algorithm == "NGRAM":
+            return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if draft_model is None:
+            raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
+        return ModelDrafter(
+            draft_model,
+            num_slots=self.max_running_requests,
+            max_len=self.context_length,
+            max_tokens=self.max_total_num_tokens,
+            dtype=self.dtype,
+            device=self.device,
+            vocab_size=self.vocab_size,
+        )
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -478,6 +519,8 @@ class EngineCore:
             n = len(self._running)
             for slot in range(n):
                 self.runner.kv.free(slot)
+            if self.drafter is not None:
+                self.drafter.reset()
             self._retracted.extend(self._running)
             self._retracted = deque(sorted(self._retracted, key=lambda live: live.arrival))
             self._running = []
@@ -528,8 +571,13 @@ class EngineCore:
             outs, self._pending = self._pending, []
             if self._running:
                 self._recompute_stale()
+                if self.drafter is not None:
+                    self._plan_drafts()
                 self._make_room()
-                self._decode(outs)
+                if any(live.draft_budget for live in self._running):
+                    self._speculate(outs)
+                else:
+                    self._decode(outs)
             self._admit(outs)
             return outs
 
@@ -544,13 +592,104 @@ class EngineCore:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
         self._emit(list(range(len(batch))), logits, self._controls, outs)
 
+    def _plan_drafts(self) -> None:
+        """How many tokens each running request may draft this step: `num_steps`, less what would
+        overrun its max_new_tokens (a step emits up to the drafts + 1)."""
+        assert self.speculative is not None  # only with a drafter
+        k = self.speculative.num_steps
+        for live in self._running:
+            live.draft_budget = max(0, min(k, live.max_new - len(live.output_ids) - 1))
+
+    def _speculate(self, outs: list[RequestOutput]) -> None:
+        """One speculative step for the running batch: draft, verify every draft in one forward of
+        the target over the last token and the drafts (`ModelRunner.extend`), then settle the
+        positions in order with `speculative.verify_position`; a row stops at its first rejection
+        (the residual's token ends it), at a finish, or after its bonus token."""
+        assert self.drafter is not None  # only with a drafter
+        batch = list(self._running)
+        drafts: list[Draft] = self.drafter.propose(
+            [live.sequence for live in batch],
+            [live.draft_budget for live in batch],
+            [live.sp for live in batch],
+            lambda i, n: [batch[i].rand.next() for _ in range(n)],
+        )
+        for live in batch:
+            live.draft_budget = 0
+        if not any(d.tokens for d in drafts):
+            self._decode(outs)
+            return
+        base = [live.length for live in batch]
+        self._routing_pass(batch)
+        logits = self.runner.extend([[live.output_ids[-1], *d.tokens] for live, d in zip(batch, drafts)], base)
+        self.spec_stats["verify_passes"] += 1
+        self.spec_stats["rows_verified"] += len(batch)
+        self.spec_stats["drafted"] += sum(len(d.tokens) for d in drafts)
+        width = logits.shape[1]
+        step_outs: list[RequestOutput] = []
+        finished: list[int] = []
+        active = list(range(len(batch)))
+        for t in range(width):
+            if not active:
+                break
+            lives = [batch[i] for i in active]
+            for i, live in zip(active, lives):
+                self._keep_routing(live, base[i] + t, i * width + t, 1)
+                live.length = base[i] + t + 1
+            proposed = [drafts[i].tokens[t] if t < len(drafts[i].tokens) else NO_DRAFT for i in active]
+            ctl = BatchSampling.of([live.sp for live in lives], self.vocab_size, self.device)
+            verdict: list[bool] = []
+            settle = self._settler(lives, [drafts[i] for i in active], t, proposed, verdict)
+            done = self._emit(active, logits[active, t], ctl, step_outs, pick=settle, remove=False)
+            finished += done
+            self.spec_stats["emitted"] += len(active)
+            self.spec_stats["accepted"] += sum(verdict)
+            active = [i for i, ok in zip(active, verdict) if ok and i not in done]
+        last: dict[str, RequestOutput] = {}
+        for out in step_outs:  # one output per request and step, the latest (as plain decoding streams)
+            last[out.rid] = out
+        outs.extend(last.values())
+        self._remove(finished)
+
+    def _settler(
+        self, lives: list[_Live], drafts: list[Draft], t: int, proposed: list[int], accepted: list[bool]
+    ) -> Callable[[torch.Tensor, BatchSampling], SampledSupport]:
+        """`_emit`'s draw for position t of a speculative step: each row's draft `proposed[r]`
+        (`NO_DRAFT`: its bonus token) settled by rejection sampling against the processed logits
+        `_emit` hands over; whether each draft was accepted is appended to `accepted`."""
+        vocab, dev = self.vocab_size, self.device
+
+        def pick(masked: torch.Tensor, ctl: BatchSampling) -> SampledSupport:
+            q = None
+            if any(d.probs is not None for d in drafts):  # a model draft's q; point-mass rows one-hot
+                q = torch.zeros(len(lives), vocab, dtype=masked.dtype, device=dev)
+                for r, (d, x) in enumerate(zip(drafts, proposed)):
+                    if x == NO_DRAFT:
+                        continue
+                    if d.probs is not None:
+                        q[r] = d.probs[t].to(q.dtype)
+                    else:
+                        q[r, x] = 1.0
+            # two uniforms per sampled row and position: the acceptance test and the draw
+            u = [(live.rand.next(), live.rand.next()) if not live.sp.is_greedy else (0.0, 0.0) for live in lives]
+            u_t = torch.tensor(u, dtype=torch.float64, device=dev)
+            drafts_t = torch.tensor(proposed, dtype=torch.long, device=dev)
+            verdict = verify_position(masked, ctl, drafts_t, q, u_t[:, 0], u_t[:, 1])
+            accepted.extend(verdict.accepted.tolist())
+            return support_of(verdict.tokens, verdict.weights, ctl)
+
+        return pick
+
     def _make_room(self) -> None:
         """Pages for every running request's next token; retract the newest arrivals until they fit."""
         cache = self.runner.kv
-        while sum(cache.missing_pages(i, live.length + 1) for i, live in enumerate(self._running)) > cache.free_pages:
+
+        def need(live: _Live) -> int:  # the next token, and the drafts it will verify with it
+            return live.length + 1 + live.draft_budget
+
+        while sum(cache.missing_pages(i, need(live)) for i, live in enumerate(self._running)) > cache.free_pages:
             self._retract_newest()
         for i, live in enumerate(self._running):
-            cache.reserve(i, live.length + 1)
+            cache.reserve(i, need(live))
 
     def _recompute_stale(self) -> None:
         """Slots whose K/V were computed under other weights (a weight load while they were paused
@@ -715,9 +854,13 @@ class EngineCore:
         ctl: BatchSampling,
         outs: list[RequestOutput],
         extra_done: list[int] | None = None,
-    ) -> None:
+        pick: Callable[[torch.Tensor, BatchSampling], SampledSupport] | None = None,
+        remove: bool = True,
+    ) -> list[int]:
         """Sample one token for each slot in `slots` (rows of `logits`), record it, finish and
-        stream; then free finished slots (and `extra_done`)."""
+        stream; then free finished slots (and `extra_done`) unless not `remove`. `pick` replaces the
+        draw (speculative verification: it gets the processed logits and returns the tokens with
+        their support). Returns the finished slots."""
         lives = [self._running[s] for s in slots]
         masked = self._min_new_tokens_mask(lives, logits) if ctl.any_min_new_tokens else logits
         if ctl.any_penalties:  # SGLang's logit processors, over each request's own output so far
@@ -726,11 +869,15 @@ class EngineCore:
         want_mask = [live.req.return_sampling_mask for live in lives]
         processed = self.logprobs_mode == "processed" and any(want_lp)
         uniforms_t = None
-        if not ctl.all_greedy:  # argmax rows: no uniforms drawn (a greedy row never consumes one)
+        if not ctl.all_greedy and pick is None:  # argmax rows: no uniforms drawn (a greedy row never consumes one)
             uniforms = [0.0 if live.sp.is_greedy else live.rand.next() for live in lives]
             uniforms_t = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)
         drawn = None
-        if any(want_mask) or processed:  # the same draw, with the support and log(w_y / sum w) of its weights
+        if pick is not None:
+            drawn = pick(masked, ctl)
+            tokens = drawn.tokens
+            drawn_lp, drawn_sizes = drawn.logprobs.tolist(), drawn.sizes.tolist()
+        elif any(want_mask) or processed:  # the same draw, with the support and log(w_y / sum w) of its weights
             drawn = sample_with_support(masked, ctl, uniforms_t)
             tokens = drawn.tokens
             drawn_lp, drawn_sizes = drawn.logprobs.tolist(), drawn.sizes.tolist()
@@ -787,7 +934,9 @@ class EngineCore:
                 finished.append(slot)
             elif live.req.stream:
                 outs.append(self._output(live, None))
-        self._remove(finished)
+        if remove:
+            self._remove(finished)
+        return finished
 
     def _min_new_tokens_mask(self, lives: list[_Live], logits: torch.Tensor) -> torch.Tensor:
         rows = [j for j, live in enumerate(lives) if len(live.output_ids) < live.sp.min_new_tokens and live.stop_ids]
@@ -830,8 +979,12 @@ class EngineCore:
         """Free a slot's pages; the last running request moves into the hole so slots stay 0..B-1."""
         last = len(self._running) - 1
         self.runner.kv.free(slot)
+        if self.drafter is not None:
+            self.drafter.free(slot)
         if slot != last:
             self.runner.move(last, slot)
+            if self.drafter is not None:
+                self.drafter.move(last, slot)
             self._running[slot] = self._running[last]
         self._running.pop()
         self._controls = None
@@ -1134,6 +1287,34 @@ def _load_config(path: str):
         f"model_path: model_type {model_type!r} is not supported by the embedded engine "
         f"(supported: {', '.join(OWN_MODEL_TYPES)}, {', '.join(_STOCK_MODEL_TYPES)})"
     )
+
+
+def load_draft_model(path: str) -> nn.Module:
+    """A draft model for STANDALONE speculative decoding: the reference model of the HF directory
+    `path` (the kinds `EngineCore.from_model_path` serves), its weights from the directory's safetensors."""
+    from safetensors import safe_open  # lazy: only a draft model's path reads files here
+
+    config = _load_config(path)
+    model = McoreRLForCausalLM(config)
+    params = dict(model.named_parameters())
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"speculative_draft_model_path: no *.safetensors files in {path}")
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name, tensor in _split_fused((n, sf.get_tensor(n)) for n in sf.keys()):
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name not in params:
+                    raise ValueError(f"speculative_draft_model_path: {path}: {name} is no weight of the draft model")
+                params[name].data.copy_(tensor.to(params[name].dtype))
+                loaded.add(name)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = sorted(n for n in params if n not in loaded and not (tied and n == "lm_head.weight"))
+    if missing:
+        raise ValueError(f"speculative_draft_model_path: {path} lacks weights {missing[:8]}")
+    return model
 
 
 def _load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:

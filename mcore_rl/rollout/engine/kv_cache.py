@@ -241,6 +241,25 @@ class PagedKVCache:
         read = rows.masked_fill(torch.arange(length, device=rows.device)[None] > positions[:, None], 0)
         return write, read
 
+    def extend_rows(
+        self, positions: torch.Tensor, counts: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_rows` for `counts[i]` tokens per slot (at most `width`), slot i's at positions[i]..:
+        the flat write rows ([B * width * kv_heads], slot-major then position; padding past a slot's
+        count writes the null page) and the rows to read ([B, T], T = the furthest position + 1;
+        past a slot's last new token: the null page)."""
+        b = positions.shape[0]
+        length = int((positions + counts).max())
+        rows = self._slot_rows(0, b, length)
+        offsets = torch.arange(width, device=rows.device)[None]
+        at = positions[:, None] + offsets  # [B, width]
+        pad = offsets >= counts[:, None]
+        at = rows.gather(1, at.masked_fill(pad, 0)).masked_fill(pad, 0)
+        write = (at[:, :, None] + self._kv_rows[None, None, :]).reshape(-1)
+        last = positions + counts - 1
+        read = rows.masked_fill(torch.arange(length, device=rows.device)[None] > last[:, None], 0)
+        return write, read
+
     def write_decode(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, kv_heads, D] at the `decode_rows` write index."""
         d = self.head_dim

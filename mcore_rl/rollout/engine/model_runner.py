@@ -305,9 +305,12 @@ class ModelRunner:
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
         if decode_at is not None:
             write, read = decode_at
-            self.kv.write_decode(li, write, k[:, 0], v[:, 0])
+            self.kv.write_decode(li, write, k.reshape(b * s, KV, D), v.reshape(b * s, KV, D))
             keys, vals = self.kv.gather(li, read)  # [KV*b, T, D]
-            q3 = q.reshape(b, KV, G, D).transpose(0, 1).reshape(KV * b, G, D)
+            if s == 1:
+                q3 = q.reshape(b, KV, G, D).transpose(0, 1).reshape(KV * b, G, D)
+            else:  # `extend`: s new tokens per slot, kv-head-major as decode
+                q3 = q.reshape(b, s, KV, G, D).permute(2, 0, 3, 1, 4).reshape(KV * b, G * s, D)
         else:
             assert prefill_at is not None  # a prefill always names its pool rows
             k4, v4 = k.transpose(1, 2), v.transpose(1, 2)  # [b, KV, s, D]
@@ -319,8 +322,10 @@ class ModelRunner:
         o = torch.bmm(probs, vals)  # [b*KV, G*s, D] (decode: [KV*b, G, D])
         if decode_at is None:
             o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
-        else:
+        elif s == 1:
             o = o.view(KV, b, G, D).transpose(0, 1)
+        else:
+            o = o.view(KV, b, G, s, D).permute(1, 3, 0, 2, 4)
         return self._out(residual, o.reshape(b * s, H * D), lay.wo, lay.bo)
 
     def _latent_attention(
@@ -493,3 +498,43 @@ class ModelRunner:
         x = self._decoder(x, b, 1, cos, sin, bias, at)
         self._collect_routing(b)
         return self._logits(x)
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Slots 0..B-1 each run `tokens[i]` (at least one) from position `positions[i]` on (= tokens
+        already cached; the slot's pages must hold positions[i] + len(tokens[i])), reading their cached
+        K/V and each other causally: decode of several tokens at once, the pass that verifies a
+        speculative draft. fp32 logits [B, s, V], s the longest row (a shorter row's tail is padding)."""
+        if self.latent_cache or self.ngram_context is not None:
+            raise ValueError(
+                "speculative decoding: the embedded engine's multi-token pass does not cover latent KV "
+                "caches (multi-head latent attention) or n-gram embeddings"
+            )
+        b = len(tokens)
+        s = max(len(t) for t in tokens)
+        ids = torch.zeros(b, s, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ids = ids.to(self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        counts = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=self.device)
+        write, read = self.kv.extend_rows(pos, counts, s)
+        length = read.shape[1]
+        qpos = pos[:, None] + torch.arange(s, device=self.device)[None]  # [b, s]
+        keys = self._positions[None, None, :length]
+        allowed = keys <= qpos[:, :, None]  # [b, s, T]
+        if self.sliding_window:
+            allowed = allowed & (keys > qpos[:, :, None] - self.sliding_window)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        bias = (
+            bias[None, :, None]
+            .expand(self.kv_heads, b, self.group, s, length)
+            .reshape(self.kv_heads * b, self.group * s, length)
+        )
+        qpos = qpos.clamp(max=self.max_len - 1)  # padding past the context reads the last table row
+        cos, sin = self._cos[qpos][:, :, None], self._sin_signed[qpos][:, :, None]
+        x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
+        x = self._decoder(x, b, s, cos, sin, bias, (write, read))
+        self._collect_routing(b * s)  # row i * s + t: slot i, position positions[i] + t
+        return self._logits(x).view(b, s, -1)

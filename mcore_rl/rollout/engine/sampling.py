@@ -397,6 +397,16 @@ def sample_with_support(logits: torch.Tensor, ctl: BatchSampling, uniforms: torc
     if ctl.all_greedy:
         return SampledSupport(greedy_tokens, zeros, ones, None)
     tokens, probs = _draw(logits, ctl, uniforms, greedy_tokens)
+    return support_of(tokens, probs, ctl)
+
+
+def support_of(tokens: torch.Tensor, probs: torch.Tensor | None, ctl: BatchSampling) -> SampledSupport:
+    """The `SampledSupport` of `tokens` drawn from the post-filter weights `probs` [B, V] (None: every
+    row is greedy)."""
+    ones = torch.ones_like(tokens)
+    zeros = torch.zeros(tokens.shape[0], dtype=torch.float64, device=tokens.device)
+    if probs is None:
+        return SampledSupport(tokens, zeros, ones, None)
     greedy = ctl.temperature <= 0
     w = probs.double()
     logp = w.gather(-1, tokens[:, None]).squeeze(-1).log() - w.sum(-1).log()
@@ -408,6 +418,17 @@ def _draw(
     logits: torch.Tensor, ctl: BatchSampling, uniforms: torch.Tensor | None, greedy_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, the post-filter weights [B, V] the sampled rows drew from)."""
+    probs = processed_weights(logits, ctl)
+    if uniforms is None:
+        raise ValueError("sampling: uniforms are needed unless every row is greedy")
+    sampled = inverse_cdf(probs, uniforms)
+    return torch.where(ctl.temperature > 0, sampled, greedy_tokens), probs
+
+
+def processed_weights(logits: torch.Tensor, ctl: BatchSampling) -> torch.Tensor:
+    """The post-filter weights w [B, V] a sampled row draws from: softmax(logits / T), then top-k,
+    top-p and min-p zero what they drop (not renormalised; greedy rows as if T were 1). Speculative
+    verification accepts drafts against exactly these (`speculative.py`)."""
     temp = torch.where(ctl.temperature > 0, ctl.temperature, torch.ones_like(ctl.temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if ctl.any_filter:
@@ -419,12 +440,15 @@ def _draw(
         drop |= probs_sorted < probs_sorted[:, :1] * ctl.min_p[:, None]
         # Back to vocabulary order, so a row's draw does not depend on whether the batch filters.
         probs = torch.zeros_like(probs).scatter_(-1, order, probs_sorted.masked_fill(drop, 0.0))
-    if uniforms is None:
-        raise ValueError("sampling: uniforms are needed unless every row is greedy")
-    cdf = probs.cumsum(-1)
+    return probs
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of the (unnormalised, non-negative) `weights` [B, V] with `uniforms` [B] in
+    [0, 1): the first id whose cumulative weight exceeds u x the total, never past the last id of
+    positive weight (the float edge of the CDF)."""
+    cdf = weights.cumsum(-1)
     picked = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    # Never land past the last token with probability > 0 (float edge of the CDF).
-    vocab = torch.arange(probs.shape[-1], device=probs.device)
-    last_kept = torch.where(probs > 0, vocab, 0).amax(-1)
-    sampled = torch.minimum(picked, last_kept)
-    return torch.where(ctl.temperature > 0, sampled, greedy_tokens), probs
+    vocab = torch.arange(weights.shape[-1], device=weights.device)
+    last_kept = torch.where(weights > 0, vocab, 0).amax(-1)
+    return torch.minimum(picked, last_kept)

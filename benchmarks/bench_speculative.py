@@ -1,0 +1,163 @@
+"""Speculative decoding in the embedded engine: acceptance and tokens/s against plain decoding.
+
+    .venv/bin/python benchmarks/bench_speculative.py                                # demo model
+    .venv/bin/python benchmarks/bench_speculative.py --model-path runs/smollm2/hf   # SmolLM2-135M (HF dir)
+
+For each batch size and draft kind, B requests (prompts that quote a passage and ask for it again,
+so prompt lookup has something to find, cycled to B) run to `--new-tokens` tokens each (eos
+ignored) at `--temperature` (1.0: RL rollouts), plain and speculative alternately within each round
+(the order swaps every round). Printed per row: the acceptance rate (accepted drafts / drafted),
+the mean tokens per target forward (emitted / verification passes: accepted drafts + the
+residual's or the bonus token), tokens/s of both (median over `--rounds`, and the spread min-max),
+and the ratio of the medians.
+
+Draft kinds: `ngram` (prompt lookup, 1..3-grams) and `standalone` with the target's first
+`--draft-layers` layers as the draft model (its embeddings, final norm and head; a layer-skip
+draft, the only smaller model of the same tokenizer at hand). Both are exact: the output
+distribution is the target's either way (tests/test_speculative.py).
+
+At batch 1 the decode step of plain decoding reads every weight once per token, so its tokens/s
+is bounded by (measured copy bandwidth) / (weight bytes); the line printed first gives that bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+PASSAGES = [
+    "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
+    "The quick brown fox jumps over the lazy dog. The dog does not move.",
+    "for i in range(10):\n    total += values[i] * weights[i]\n",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+]
+
+
+def load_target(path: str | None, seed: int):
+    """(model, tokenizer) of `path` (an HF directory), or the demo model and the byte tokenizer."""
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    engine = EngineCore.from_model_path(path, max_total_tokens=1 << 14, random_seed=seed)
+    return engine.model, engine.tokenizer
+
+
+def layer_skip_draft(model, layers: int):
+    """The target's first `layers` decoder layers, its embeddings, final norm and head."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    return draft
+
+
+def prompts_for(tokenizer, batch: int) -> list[list[int]]:
+    texts = [f"Copy this text exactly.\n{p}\nCopy:\n{p[: len(p) // 3]}" for p in PASSAGES]
+    return [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
+
+
+def run_once(model, tokenizer, prompts, args, spec, draft) -> tuple[float, dict[str, int]]:
+    from mcore_rl.rollout.engine.core import EngineCore, Request
+    from mcore_rl.rollout.engine.sampling import SamplingParams
+
+    longest = max(len(p) for p in prompts)
+    engine = EngineCore(
+        model,
+        tokenizer,
+        max_running_requests=len(prompts),
+        context_length=longest + args.new_tokens + 1,
+        max_total_tokens=len(prompts) * (longest + args.new_tokens + 16),
+        speculative=spec,
+        draft_model=draft,
+    )
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=i)
+        engine.add_request(Request(str(i), p, sp))
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t0, dict(engine.spec_stats)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device copy (read + write counted once each)."""
+    src = torch.empty(64 * 2**20 // 4)  # 64 MiB of fp32
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="HF directory of the target (default: the demo model)")
+    ap.add_argument("--kinds", nargs="+", default=["ngram", "standalone"], choices=["ngram", "standalone"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--num-steps", type=int, default=4, help="tokens drafted per verification")
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
+
+    model, tokenizer = load_target(args.model_path, args.seed)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth()
+    print(
+        f"target {args.model_path or 'demo'}: {weight_bytes / 2**20:.1f} MiB of weights; copy bandwidth "
+        f"{bw / 2**30:.1f} GiB/s -> batch-1 bound {bw / weight_bytes:,.0f} tokens/s; {args.threads} thread(s), "
+        f"{args.new_tokens} new tokens, temperature {args.temperature}, k={args.num_steps}, {args.rounds} rounds"
+    )
+    print(
+        "| draft | batch | acceptance | tokens per request and target forward | plain tok/s (min-max) | spec tok/s (min-max) "
+        "| spec / plain |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for kind in args.kinds:
+        spec = SpeculativeSettings(kind.upper(), num_steps=args.num_steps)
+        draft = layer_skip_draft(model, args.draft_layers) if kind == "standalone" else None
+        for batch in args.batches:
+            prompts = prompts_for(tokenizer, batch)
+            run_once(copy.deepcopy(model), tokenizer, prompts[:2], args, spec, copy.deepcopy(draft))  # warm-up
+            rates: dict[str, list[float]] = {"plain": [], "spec": []}
+            stats: dict[str, int] = {}
+            for r in range(args.rounds):
+                for side in ["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]:
+                    on = side == "spec"
+                    dt, got = run_once(
+                        copy.deepcopy(model),
+                        tokenizer,
+                        prompts,
+                        args,
+                        spec if on else None,
+                        copy.deepcopy(draft) if on else None,
+                    )
+                    rates[side].append(batch * args.new_tokens / dt)
+                    if on:
+                        stats = got
+            accept = stats["accepted"] / max(1, stats["drafted"])
+            per_forward = stats["emitted"] / max(1, stats["rows_verified"])
+            p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+            print(
+                f"| {kind} | {batch} | {accept:.2f} | {per_forward:.2f} | {_rate(p)} ({_rate(min(rates['plain']))}-"
+                f"{_rate(max(rates['plain']))}) | {_rate(s)} ({_rate(min(rates['spec']))}-{_rate(max(rates['spec']))}) "
+                f"| {s / p:.2f}x |",
+                flush=True,
+            )
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+if __name__ == "__main__":
+    main()
