@@ -4,8 +4,10 @@ Such a checkpoint stores a linear weight [rows, cols] as `float8_e4m3fn` and bes
 `<name>_scale_inv` [ceil(rows / br), ceil(cols / bc)] in fp32, one factor per br x bc block
 (`quantization_config.weight_block_size`, [128, 128] in the released files; the last block of a
 dimension may be partial). The weight is `fp8 * scale_inv` of its block, computed in fp32 and
-rounded once to the checkpoint's dtype (DeepSeek's own `weight_dequant` does the same). Only the
-rows a rank reads are dequantized: a row range needs only the scale rows of its blocks.
+rounded once to the checkpoint's dtype (DeepSeek's own `weight_dequant` does the same), one block
+row at a time, so the fp32 intermediates are a block row (128 x 18432 x 4 B x 2 = 19 MB for the
+largest released matrix) beside the output. Only the rows a rank reads are dequantized: a row range
+needs only the scale rows of its blocks.
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def dequantize(
     cover `weight` (the first one being the block of `first_row` / `first_col`)."""
     rows, cols = weight.shape
     br, bc = block
-    row_block = (torch.arange(rows) + first_row) // br - first_row // br
     col_block = (torch.arange(cols) + first_col) // bc - first_col // bc
-    scales = scale_inv.float()[row_block][:, col_block]
-    return (weight.float() * scales).to(dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
+    # one block row at a time: the fp32 intermediates stay a block row, not the whole slice
+    edges = [0, *range(br - first_row % br, rows, br), rows]
+    for i, (start, stop) in enumerate(zip(edges[:-1], edges[1:])):
+        if start < stop:
+            scales = scale_inv[i].float()[col_block]
+            out[start:stop] = (weight[start:stop].float() * scales).to(dtype)
+    return out
 
 
 def scale_rows_for(start: int, stop: int, block_rows: int) -> tuple[int, int]:
