@@ -5,7 +5,9 @@ model in memory), then runs hf-to-mcore and mcore-to-hf with 1, 2 and 4 ranks (T
 rank is a process of its own (this script with --worker) that reports its peak RSS (VmHWM); the table
 gives the max and median over ranks, the peak over the largest tensor and over the model's bytes.
 `--old-root DIR` (another checkout) also runs the exporter/importer of another checkout (PYTHONPATH) on the
-sizes in `--old-sizes`, for comparison.
+sizes in `--old-sizes`, for comparison. The `dsv3-*` sizes are DeepSeek-V3-shaped checkpoints as
+released: block-scaled FP8 linear weights (128 x 128 blocks, dequantized on import), YaRN and one
+MTP layer (carried through), convertible in the `ep2` layout too.
 
     python benchmarks/bench_convert.py --work-dir /tmp/bench_convert [--sizes 250m,1b] [--old-root DIR]
 
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Qwen3-style shapes (GQA 16/8 heads, QK-norm, untied output layer); vocabulary 32768.
@@ -46,12 +49,138 @@ SIZES = {
         head_dim=128,
     ),
 }
-# (ranks, layout name, --tp, --pp)
-LAYOUTS = [(1, "tp1", 1, 1), (2, "tp2", 2, 1), (2, "pp2", 1, 2), (4, "tp4", 4, 1), (4, "tp2pp2", 2, 2)]
+# DeepSeek-V3 shapes (MLA, 32 routed experts in 4 groups, one shared, first layer dense, one MTP layer)
+DSV3_SIZES = {
+    "dsv3-300m": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_attention_heads=8,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+    ),
+    "dsv3-1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        moe_intermediate_size=1024,
+        num_attention_heads=16,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+}
+FP8_BLOCK = 128
+# (ranks, layout name, --tp, --pp); ep2 below
+LAYOUTS = [
+    (1, "tp1", 1, 1),
+    (2, "tp2", 2, 1),
+    (2, "pp2", 1, 2),
+    (4, "tp4", 4, 1),
+    (4, "tp2pp2", 2, 2),
+    (2, "ep2", 1, 1),
+]
+EXPERT_PARALLEL = {"ep2": 2}
+
+
+def make_dsv3_checkpoint(size: str, out: str) -> dict:
+    """A random DeepSeek-V3-shaped checkpoint as released (FP8 blocks, YaRN, an MTP layer), in shards
+    of 500 MB, written one tensor at a time; the counts are of the dequantized (bf16) model."""
+    import torch
+    from transformers import DeepseekV3Config
+
+    from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.hf.configuration import model_config_from_hf_config
+
+    layers = 4
+    fields: dict[str, Any] = dict(
+        vocab_size=32768,
+        num_hidden_layers=layers,
+        num_key_value_heads=DSV3_SIZES[size]["num_attention_heads"],
+        n_shared_experts=1,
+        n_routed_experts=32,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        rope_theta=10000,
+        num_nextn_predict_layers=1,
+        bos_token_id=0,
+        eos_token_id=1,
+        **DSV3_SIZES[size],
+    )
+    cfg = DeepseekV3Config.from_dict(fields)
+    with torch.device("meta"):  # our reference model has the checkpoint's (per-expert) names
+        model = McoreRLForCausalLM(hf_config_from_model_config(model_config_from_hf_config(cfg)))
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    mtp = {
+        k.replace(f"layers.{layers - 1}.", f"layers.{layers}."): v
+        for k, v in shapes.items()
+        if f"layers.{layers - 1}." in k
+    }
+    h = cfg.hidden_size
+    mtp |= {f"model.layers.{layers}.{n}.weight": (h,) for n in ("enorm", "hnorm", "shared_head.norm")}
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = (h, 2 * h)
+    shapes |= mtp
+
+    def quantized(name: str) -> bool:
+        return len(shapes[name]) == 2 and name.endswith("proj.weight")
+
+    def scale_shape(name: str) -> tuple[int, int]:
+        rows, cols = shapes[name]
+        return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+
+    plan = []
+    for name in sorted(shapes, key=natural_key):
+        if quantized(name):
+            plan += [(name, shapes[name], torch.float8_e4m3fn), (name + "_scale_inv", scale_shape(name), torch.float32)]
+        else:
+            dtype = torch.float32 if name.endswith(("mlp.gate.weight", "e_score_correction_bias")) else torch.bfloat16
+            plan.append((name, shapes[name], dtype))
+    os.makedirs(out, exist_ok=True)
+    writer = SafetensorsShardWriter(out, plan, 500 * 1024**2)
+    gen = torch.Generator().manual_seed(0)
+    for name, shape, dtype in plan:
+        if name.endswith("_scale_inv"):
+            t = torch.full(shape, shapes[name[: -len("_scale_inv")]][1] ** -0.5 / 448 * 3)
+        elif len(shape) == 1:
+            t = torch.ones(shape) if not name.endswith("e_score_correction_bias") else torch.zeros(shape)
+        elif dtype == torch.float8_e4m3fn:
+            t = (torch.randn(shape, generator=gen) * 448 / 3).clamp(-448, 448)
+        else:
+            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+        writer.write(name, t.to(dtype))
+    writer.close()
+    cfg.quantization_config = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }
+    cfg.save_pretrained(out)
+    params = sum(math.prod(s) for s in shapes.values())
+    return {"params": params, "bytes": 2 * params, "largest_bytes": 2 * max(math.prod(s) for s in shapes.values())}
 
 
 def make_checkpoint(size: str, out: str) -> dict:
     """A random bf16 Qwen3 checkpoint in shards of 500 MB, written one tensor at a time."""
+    if size in DSV3_SIZES:
+        return make_dsv3_checkpoint(size, out)
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -99,7 +228,7 @@ def worker(args: argparse.Namespace) -> None:
     from mcore_rl.models import shards
     from mcore_rl.train import checkpoint
 
-    pc = parallel_config(args.tp, args.pp)
+    pc = parallel_config(args.tp, args.pp, args.ep)
     setup.init_distributed()
     base = _max_rss()
     marks: dict[str, int] = {}
@@ -153,7 +282,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(root: str, ranks: int, tp: int, pp: int, direction: str, src: str, dst: str, report: str) -> dict:
+def run_ranks(
+    root: str, ranks: int, tp: int, pp: int, direction: str, src: str, dst: str, report: str, ep: int = 1
+) -> dict:
     env = dict(
         os.environ,
         PYTHONPATH=root,
@@ -178,6 +309,8 @@ def run_ranks(root: str, ranks: int, tp: int, pp: int, direction: str, src: str,
         str(tp),
         "--pp",
         str(pp),
+        "--ep",
+        str(ep),
         "--report",
         report,
     ]
@@ -219,6 +352,7 @@ def main() -> None:
         p.add_argument(f"--{flag}", help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -245,7 +379,8 @@ def main() -> None:
                 ]
                 for stale in ([dst] if direction == "import" else []) + [f"{work}/export"]:
                     shutil.rmtree(stale, ignore_errors=True)
-                got = run_ranks(root, ranks, tp, pp, direction, src, dst, f"{work}/report")
+                ep = EXPERT_PARALLEL.get(name, 1)
+                got = run_ranks(root, ranks, tp, pp, direction, src, dst, f"{work}/report", ep)
                 row = {
                     "code": code,
                     "size": size,

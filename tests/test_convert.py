@@ -131,8 +131,8 @@ def test_unsupported_checkpoints_name_the_field() -> None:
     # mixed dense/MoE layers (mlp_only_layers) convert now: tests/test_deepseek_v3.py
     from transformers import DeepseekV3Config
 
-    with pytest.raises(ValueError, match="norm_topk_prob=false"):
-        model_config_from_hf(DeepseekV3Config(norm_topk_prob=False))
+    with pytest.raises(ValueError, match="n_shared_experts=0"):  # norm_topk_prob=false converts now
+        model_config_from_hf(DeepseekV3Config(n_shared_experts=0))
 
 
 @pytest.mark.parametrize(

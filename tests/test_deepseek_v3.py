@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from mcore_rl.config.schema import ModelConfig
+from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
 
 VOCAB, SEQ = 128, 16
 
@@ -60,6 +60,38 @@ DSV3 = ModelConfig(
     v_head_dim=16,
 )
 DSV3_FULL_Q = dataclasses.replace(DSV3, q_lora_rank=None, moe_layer_pattern=None)
+# What the released models set and megatron-core alone routes or rotates differently: YaRN on MLA
+# with DeepSeek's mscale / mscale_all_dim, a group ranked by its best 2 whatever topk // topk_group
+# (3 here), no renormalisation (norm_topk_prob false); and MTP layers carried.
+DSV3_RELEASED = dataclasses.replace(
+    DSV3,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_topk=3,
+    moe_norm_topk_prob=False,
+    max_position_embeddings=640,
+    rope_scaling=RopeScalingConfig(
+        type="yarn", factor=40.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0
+    ),
+    mtp_num_layers_carried=1,
+)
+RELEASED_STOCK = dict(
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=3,
+    norm_topk_prob=False,
+    max_position_embeddings=640,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 16,
+    },
+    num_nextn_predict_layers=1,
+)
+FP8_BLOCK = [8, 8]
 
 
 def _stock_deepseek_config(**kw):
@@ -241,7 +273,6 @@ def test_layer_patterns_of_configs_and_flops() -> None:
 def test_bad_values_are_refused_naming_the_key() -> None:
     from mcore_rl.config.errors import ConfigError
     from mcore_rl.config.rules import Errors, check_model
-    from mcore_rl.convert import model_config_from_hf
 
     def errors_of(mc: ModelConfig) -> str:
         errors = Errors()
@@ -259,26 +290,17 @@ def test_bad_values_are_refused_naming_the_key() -> None:
     assert "model.moe_layer_pattern" in errors_of(dataclasses.replace(MIXED, arch="qwen3", num_experts=0))
     assert "model.moe_router_group_topk" in errors_of(dataclasses.replace(DSV3, moe_router_group_topk=5))
     assert "model.moe_router_num_groups" in errors_of(dataclasses.replace(DSV3, moe_router_num_groups=3))
-    assert "model.moe_norm_topk_prob" in errors_of(dataclasses.replace(DSV3, moe_norm_topk_prob=False))
     assert "model.multi_latent_attention" in errors_of(dataclasses.replace(DSV3, multi_latent_attention=False))
     assert "model.moe_router_enable_expert_bias" in errors_of(
         dataclasses.replace(MIXED, moe_router_enable_expert_bias=True)
     )
-    with pytest.raises(ValueError) as err:
-        model_config_from_hf(
-            _stock_deepseek_config(
-                topk_group=1,
-                rope_parameters={
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 4.0,
-                    "original_max_position_embeddings": 128,
-                },
-            )
-        )
-    assert "topk_group=1" in str(err.value) and "rope_parameters.rope_type='yarn'" in str(err.value)
-    with pytest.raises(ValueError, match="quantization_config='fp8'"):
-        model_config_from_hf(_stock_deepseek_config(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}))
+    assert "model.mtp_num_layers_carried" in errors_of(dataclasses.replace(MIXED, mtp_num_layers_carried=1))
+    linear = dataclasses.replace(DSV3, rope_scaling=RopeScalingConfig(type="linear", factor=2.0))
+    assert "model.rope_scaling.type" in errors_of(linear)
+    # what released configs set is not refused (tests/test_deepseek_v3_released.py converts them)
+    errors = Errors()
+    check_model(DSV3_RELEASED, errors)
+    assert not errors.lines, errors.lines
 
 
 def test_bf16_export_keeps_the_router_in_fp32(tmp_path) -> None:
@@ -345,13 +367,13 @@ def _bias_moves_toward_balance(rank: int) -> None:
 def _world(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from tests.helpers import _round_trip_world
-    from tests.helpers import P, _check_layout, _global_batch
-    from tests.helpers import _parity_reference
+    from mcore_rl.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
+    from tests.helpers import P, _check_layout, _global_batch, _megatron_logits, _parity_reference
+    from tests.helpers import _tokens as convert_tokens
 
     for mc, layouts in [
         (MIXED, [P(pp=2)]),  # stage 0 holds only dense layers, stage 1 only MoE ones
-        (DSV3, [P(tp=2, sp=True), P(ep=2)]),
+        (DSV3_RELEASED, [P(tp=2, sp=True), P(ep=2)]),
         (DSV3_FULL_Q, [P(pp=2)]),  # full-rank query projection; an MoE layer on each stage
     ]:
         batches = _global_batch(mc.vocab_size)
@@ -360,21 +382,86 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
             _check_layout(mc, pc, batches, ref)
     _bias_moves_toward_balance(rank)
     dist.barrier()
-    _round_trip_world(rank, world_size, tmp, [("deepseek_v3", P(ep=2), P(tp=2, sp=True))])
+    # the FP8 checkpoint with an MTP layer: HF -> megatron (EP=2) -> HF, megatron logits in TP=2
+    case = f"{tmp}/deepseek_v3"
+    hf_to_mcore(f"{case}/fp8", f"{case}/mcore", P(ep=2))
+    mcore_to_hf(f"{case}/mcore", f"{case}/export")
+    mc = model_config_from_hf(read_hf_config(f"{case}/fp8"))
+    assert mc.rope_scaling == DSV3_RELEASED.rope_scaling and mc.mtp_num_layers_carried == 1
+    _megatron_logits(mc, P(tp=2, sp=True), f"{case}/mcore", convert_tokens(mc.vocab_size), f"{case}/megatron_logits.pt")
+    dist.barrier()
+
+
+def _released_checkpoints(root) -> None:
+    """`root/hf`: a tiny stock DeepSeek-V3 with the released settings (`RELEASED_STOCK`) in bf16, its
+    linear weights on an FP8 block grid and an MTP layer (`model.layers.2.*`, past its 2 layers);
+    `root/fp8`: the same as released files store it (FP8 + `weight_scale_inv`, `quantization_config`)."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from tests.helpers import _load_tensors
+    from tests.test_deepseek_v3_released import FP8, quantize_fp8_blocks
+
+    torch.manual_seed(0)
+    stock = DeepseekV3ForCausalLM(_stock_deepseek_config(num_hidden_layers=2, **RELEASED_STOCK)).float()
+    _randomize(stock)
+    stock.to(torch.bfloat16).save_pretrained(root / "hf")
+    tensors = _load_tensors(root / "hf")
+    mtp = {k.replace("layers.1.", "layers.2."): v for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    g = torch.Generator().manual_seed(5)
+    mtp |= {
+        f"model.layers.2.{n}.weight": (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+        for n in ("enorm", "hnorm", "shared_head.norm")
+    }
+    mtp["model.layers.2.eh_proj.weight"] = (0.1 * torch.randn(64, 128, generator=g)).bfloat16()
+    tensors |= mtp
+    hf, fp8 = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.gate.weight") or name.endswith("e_score_correction_bias"):
+            t = t.float()  # stock keeps the router in fp32 (_keep_in_fp32_modules_strict)
+        if t.ndim == 2 and name.endswith("proj.weight") and "embed" not in name:
+            q, scale = quantize_fp8_blocks(t, tuple(FP8_BLOCK))
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            expanded = scale.repeat_interleave(FP8_BLOCK[0], 0)[: t.shape[0]].repeat_interleave(FP8_BLOCK[1], 1)
+            t = (q.float() * expanded[:, : t.shape[1]]).bfloat16()  # DeepSeek's weight_dequant
+        else:
+            fp8[name] = t.clone()
+        hf[name] = t.clone()  # the MTP layer's copies must not share storage
+    save_file(hf, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "fp8").mkdir()
+    save_file(fp8, str(root / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "hf" / "config.json").read_text())
+    (root / "fp8" / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {**FP8, "weight_block_size": FP8_BLOCK}})
+    )
 
 
 @pytest.mark.slow
 def test_megatron_parity_bias_update_and_round_trip(tmp_path) -> None:
-    from transformers import DeepseekV3ForCausalLM
+    """Layouts, the expert bias, and a released-style FP8 checkpoint with an MTP layer: converted and
+    exported, it comes back as its dequantized bf16 self bit for bit (MTP layer included), the
+    export's stock logits equal megatron's, and the export generates with its cache as without."""
+    from transformers import AutoModelForCausalLM
 
-    from tests.helpers import _assert_same_checkpoint, _check_export
+    from tests.helpers import _check_export
     from tests.world import run_world
 
-    torch.manual_seed(0)
-    stock = DeepseekV3ForCausalLM(_stock_deepseek_config(num_hidden_layers=2)).float()
-    _randomize(stock)
-    stock.save_pretrained(tmp_path / "deepseek_v3" / "hf")
+    case = tmp_path / "deepseek_v3"
+    _released_checkpoints(case)
     run_world(2, _world, str(tmp_path))
-    _check_export(tmp_path / "deepseek_v3", "DeepseekV3ForCausalLM")
-    _assert_same_checkpoint(tmp_path / "deepseek_v3" / "hf", tmp_path / "deepseek_v3" / "export")
-    assert json.loads((tmp_path / "deepseek_v3" / "export" / "config.json").read_text())["first_k_dense_replace"] == 1
+    _check_export(case, "DeepseekV3ForCausalLM")  # export == hf (weights, MTP, config); logits
+    exported = json.loads((case / "export" / "config.json").read_text())
+    assert exported["first_k_dense_replace"] == 1 and exported["num_nextn_predict_layers"] == 1
+    assert exported["rope_parameters"]["rope_type"] == "yarn" and "quantization_config" not in exported
+    # stock transformers reads the FP8 files (dequantizing on CPU) as the bf16 ones
+    with torch.no_grad():
+        dequantized = AutoModelForCausalLM.from_pretrained(case / "fp8", dtype=torch.float32).eval()
+        export = AutoModelForCausalLM.from_pretrained(case / "export", dtype=torch.float32).eval()
+        for name, value in export.state_dict().items():
+            assert torch.equal(dequantized.state_dict()[name].bfloat16().float(), value), name
+        prompt = _tokens()[:1, :6]
+        generated = export.generate(prompt, max_new_tokens=5, do_sample=False)
+        ids = prompt
+        for _ in range(5):  # greedy without a cache, one full forward per token
+            ids = torch.cat([ids, export(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, ids)

@@ -36,8 +36,8 @@ def check_rope_scaling(
         )
         return
     errors.need(s.beta_slow > 0, f"{prefix}.beta_slow", f"must be > 0, got {s.beta_slow}")
-    errors.need(
-        s.beta_fast > s.beta_slow, f"{prefix}.beta_fast", f"must be > beta_slow {s.beta_slow}, got {s.beta_fast}"
+    errors.need(  # equal bounds (Kimi-K2: 1 and 1) are a step, which both models compute alike
+        s.beta_fast >= s.beta_slow, f"{prefix}.beta_fast", f"must be >= beta_slow {s.beta_slow}, got {s.beta_fast}"
     )
     if s.attention_factor is not None:
         errors.need(

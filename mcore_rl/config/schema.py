@@ -65,6 +65,7 @@ FAMILY_MODEL_KEYS: tuple[str, ...] = (
     "qk_head_dim",
     "qk_pos_emb_head_dim",
     "v_head_dim",
+    "mtp_num_layers_carried",
 )
 DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
 
@@ -125,6 +126,9 @@ class ModelConfig:
     qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
     v_head_dim: int = 16  # MLA: per-head value size
+    # DeepSeek-V3's multi-token-prediction layers (HF num_nextn_predict_layers): their tensors are
+    # carried through conversion unchanged, not built or trained here (docs/deepseek_v3.md)
+    mtp_num_layers_carried: int = 0
     # Vocabulary padding (models/vocab_padding.py): the megatron embedding and output layer have
     # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
     # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from mcore_rl.config.rope_scaling import check_rope_scaling
+from mcore_rl.convert.fp8 import SCALE_SUFFIX, block_size_of, dequantize, scale_rows_for
 from mcore_rl.config.rules import Errors
 from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
@@ -27,6 +28,7 @@ SUPPORTED_MODEL_TYPES = (
     *(decoder.model_type for decoder in STOCK_DECODERS),
     *OWN_MODEL_TYPES,  # with exports written before the reference classes were renamed
     *(family.stock_model_type for family in FAMILIES),
+    *(alias for family in FAMILIES for alias in family.config_aliases),
 )
 # Where a converted megatron checkpoint keeps the source's assets (`copy_assets`).
 ASSETS_DIR = "hf_assets"
@@ -47,6 +49,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # block-scaled FP8 checkpoints (convert/fp8.py)
 }
 
 
@@ -55,7 +58,9 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
 
     With `wanted`, a name it rejects comes back as a *meta* tensor of the right shape and dtype
     (nothing is read): `hf_to_megatron` can then build every megatron tensor, and a rank reads only
-    the tensors its own layers and experts need.
+    the tensors its own layers and experts need. A block-scaled FP8 checkpoint (`convert/fp8.py`)
+    reads as its dequantized self: each FP8 weight comes back in the checkpoint's dtype and its
+    `*_scale_inv` tensors are not listed.
     """
 
     def __init__(self, directory: str, wanted: Callable[[str], bool] | None = None) -> None:
@@ -84,6 +89,12 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
                 "not a checkpoint one; re-save with transformers' save_pretrained (per-expert names)"
             )
         self._handles: dict[str, Any] = {}
+        self.block = block_size_of(directory)
+        scales = {n for n in self._files if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._files}
+        self._hidden = scales if self.block else set()  # read through their weights, not listed
+        self._quantized = {n[: -len(SCALE_SUFFIX)] for n in self._hidden}
+        self._names = [n for n in self._files if n not in self._hidden]
+        self._dtype: torch.dtype | None = None
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -93,11 +104,25 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
-        handle = self._handle(self._files[name])
         if self.wanted is not None and not self.wanted(name):
-            piece = handle.get_slice(name)
-            return torch.empty(piece.get_shape(), dtype=_SAFETENSORS_DTYPES[piece.get_dtype()], device="meta")
+            return self.meta(name)
+        handle = self._handle(self._files[name])
+        if name in self._quantized:
+            assert self.block is not None  # only block-scaled checkpoints list quantized names
+            scale = self._handle(self._files[name + SCALE_SUFFIX]).get_tensor(name + SCALE_SUFFIX)
+            return dequantize(handle.get_tensor(name), scale, self.block, self.dtype())
         return handle.get_tensor(name)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A *meta* tensor of `name`'s shape and the dtype it reads as (nothing is read)."""
+        if name not in self._files:
+            raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
+        piece = self._handle(self._files[name]).get_slice(name)
+        dtype = self.dtype() if name in self._quantized else _SAFETENSORS_DTYPES[piece.get_dtype()]
+        return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files and name not in self._hidden
 
     def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Only the slice [start, stop) of tensor `name` along `dim` (0 or 1) is read from disk.
@@ -112,18 +137,30 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             raise ValueError(f"{name}: slices are read along dim 0 or 1, not {dim}")
         with safe_open(self._files[name], "pt", device="cpu") as handle:
             piece = handle.get_slice(name)
-            return piece[start:stop] if dim == 0 else piece[:, start:stop]
+            rows = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        if name not in self._quantized:
+            return rows
+        assert self.block is not None  # only block-scaled checkpoints list quantized names
+        first, last = scale_rows_for(start, stop, self.block[dim])
+        with safe_open(self._files[name + SCALE_SUFFIX], "pt", device="cpu") as handle:
+            piece = handle.get_slice(name + SCALE_SUFFIX)
+            scale = piece[first:last] if dim == 0 else piece[:, first:last]
+        at = (start, 0) if dim == 0 else (0, start)
+        return dequantize(rows, scale, self.block, self.dtype(), *at)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._names)
 
     def dtype(self) -> torch.dtype:
-        """The dtype of the (first) embedding tensor: what the checkpoint is stored in."""
-        name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in self._files else next(iter(self._files))
-        return _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
+        """The dtype of the (first) embedding tensor: what the checkpoint is stored in (and what its
+        FP8 weights are dequantized to)."""
+        if self._dtype is None:
+            name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in self._files else self._names[0]
+            self._dtype = _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
+        return self._dtype
 
 
 def read_hf_config(directory: str) -> PretrainedConfig:
@@ -132,13 +169,18 @@ def read_hf_config(directory: str) -> PretrainedConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory (no config.json)")
     with open(path, encoding="utf-8") as f:
-        model_type = json.load(f).get("model_type")
+        data = json.load(f)
+    model_type = data.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     import mcore_rl.hf  # noqa: F401  (registers our model_types with AutoConfig)
 
+    alias_of = next((f for f in FAMILIES if model_type in f.config_aliases), None)
+    if alias_of is not None:  # the family's stock config under another model_type (no remote code run)
+        data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+        return AutoConfig.for_model(alias_of.stock_model_type, **data)
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 

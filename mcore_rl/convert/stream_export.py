@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from mcore_rl.convert.hf_checkpoint import _SAFETENSORS_DTYPES
+from mcore_rl.convert.hf_checkpoint import _SAFETENSORS_DTYPES, HFCheckpoint
 from mcore_rl.convert.stream_import import full_shape
 from mcore_rl.convert.streaming import StreamStats, nbytes, tensor_split
 from mcore_rl.hf.weight_map import megatron_to_hf
@@ -167,9 +167,11 @@ def stream_export(
     max_shard_bytes: int,
     stats: StreamStats | None = None,
     kind: str | None = None,
+    carried: HFCheckpoint | None = None,
 ) -> StreamStats:
     """Write the HF safetensors of the model in `chunks` (collective over the world; rank 0 writes);
-    `kind` (the export kind, known on the writer) says which tensors stay fp32 (`to_hf.tensor_dtype`)."""
+    `kind` (the export kind, known on the writer) says which tensors stay fp32 (`to_hf.tensor_dtype`);
+    `carried` (on the writer): tensors written after the model's as they are (`convert/carried.py`)."""
     from mcore_rl.convert.to_hf import tensor_dtype  # lazy: import cycle (to_hf imports this module)
 
     stats = stats if stats is not None else StreamStats()
@@ -199,6 +201,10 @@ def stream_export(
             for name in order
             for hf_name, piece in megatron_to_hf(name, torch.empty(meta[name][0], device="meta"), mc)
         ]
+        for carried_name in carried or []:
+            assert carried is not None  # iterated only when given
+            piece = carried.meta(carried_name)
+            plan.append((carried_name, tuple(piece.shape), piece.dtype))
         writer = SafetensorsShardWriter(output_dir, plan, max_shard_bytes)
     params = dict(local)
     with progress(writer.total_bytes if writer else 0, "export", unit="B") as bar:
@@ -229,6 +235,13 @@ def stream_export(
                 del cast
             bar.set_postfix_str(f"{i + 1}/{len(order)} tensors", refresh=False)
             del full
+        if writer is not None and carried is not None:  # layers the model does not hold, as they are
+            for carried_name in carried:
+                tensor = carried[carried_name]
+                writer.write(carried_name, tensor)
+                stats.moved(tensor)
+                bar.update(nbytes(tensor))
+                del tensor
     if writer is not None:
         writer.close()
     return stats

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mcore_rl.config.loader import _build
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.convert.carried import open_carried
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
@@ -247,14 +248,15 @@ def mcore_to_hf(
     precision = "bf16" if stored == torch.bfloat16 else "fp32"
     chunks = build_chunks(mc, pc, precision)
     checkpoint.load_checkpoint(path, chunks, None)
-    kind = None
+    kind, carried = None, None
     if dist.get_rank() == 0:
         save_dir = (
             os.path.dirname(path) if os.path.exists(os.path.join(os.path.dirname(path), checkpoint.LATEST)) else path
         )
         assets = tokenizer_dir or os.path.join(save_dir, ASSETS_DIR)
         kind = write_hf_files(mc, output_dir, out_dtype, common.get("hf_config"), assets)
-    stream_export(chunks, mc, output_dir, out_dtype, max_shard_bytes, stats, kind)
+        carried = open_carried(save_dir)  # layers the model does not compute: convert/carried.py
+    stream_export(chunks, mc, output_dir, out_dtype, max_shard_bytes, stats, kind, carried)
     dist.barrier()
     return kind
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import yaml
 
 from mcore_rl.config import config_to_dict
+from mcore_rl.convert.carried import carried_names, save_carried
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import build_chunks, check_layout
 from mcore_rl.convert.stream_import import stream_load
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from mcore_rl.config.schema import ModelConfig, ParallelConfig
 
 RECIPE_FILE = "recipe.yaml"
+CARRIED_SHARD_BYTES = 5 * 1024**3
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -64,6 +66,8 @@ def hf_to_mcore(
     path = checkpoint.save_checkpoint(output_dir, 0, chunks, None, common)
     if dist.get_rank() == 0:
         assets = copy_assets(input_dir, os.path.join(output_dir, ASSETS_DIR))
+        # layers past the model's (DeepSeek's MTP layers): kept for the export, not trained
+        save_carried(source, carried_names(source, mc.num_layers), output_dir, CARRIED_SHARD_BYTES)
         write_recipe(output_dir, mc, assets)
     dist.barrier()
     return path

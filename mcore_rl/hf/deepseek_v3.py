@@ -13,11 +13,11 @@ of stock `DeepseekV3ForCausalLM` checkpoints::
     model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight
 
-Routing follows megatron-core's `topk_routing_with_score_function` (which, for the shapes the
-converter accepts, is what stock DeepSeek-V3 computes): sigmoid scores; the expert bias is added
-only to choose the experts; grouped top-k ranks each group by the sum of its best
-`topk // topk_group` biased scores (DeepSeek: the best 2) and searches the best `topk_group` groups;
-the chosen (unbiased) scores are renormalised and multiplied by `routed_scaling_factor`.
+Routing is `route` (stock `DeepseekV3TopkRouter`'s arithmetic, which the megatron-core router of
+`models/deepseek_v3.py` also calls): sigmoid scores; the expert bias is added only to choose the
+experts; grouped top-k ranks each group by the sum of its best 2 biased scores and searches the
+best `topk_group` groups; the chosen (unbiased) scores are renormalised when `norm_topk_prob` and
+multiplied by `routed_scaling_factor`.
 
 MLA caches the compressed latent per layer, as transformers does: the cache's (k, v) pair is
 (normalised kv latent [b, 1, s, kv_lora_rank], rotated shared key [b, 1, s, qk_rope_head_dim]).
@@ -33,7 +33,7 @@ from torch import nn
 
 from .family import ModelFamily
 from .layers import ReferenceMLP, ReferenceRMSNorm, RoutingTap, is_moe_layer, run_experts
-from .rope import ROPE_KEYS, rope_type_of
+from .rope import ROPE_KEYS, rope_scaling_of, rope_type_of, yarn_mscale
 
 if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
     try:
@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skip
         pass
 
 
+# DeepSeek-V3 ranks a group by the sum of its best two (biased) scores, whatever topk and topk_group
+# (stock `DeepseekV3TopkRouter`; megatron-core's own `group_limited_topk` takes topk // topk_group).
+GROUP_RANK_EXPERTS = 2
+
+
 def grouped_topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None) -> torch.Tensor:
     """Expert indices [T, k] of the top-k `scores` [T, E], limited to the best `group_topk` groups."""
     if not group_topk:
@@ -50,11 +55,35 @@ def grouped_topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_
     assert num_groups, "topk_group needs n_group"
     t, e = scores.shape
     grouped = scores.view(t, num_groups, e // num_groups)
-    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(-1)
+    group_scores = grouped.topk(GROUP_RANK_EXPERTS, dim=-1).values.sum(-1)
     chosen = torch.topk(group_scores, group_topk, dim=-1, sorted=False).indices
     mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0).bool()
     mask = mask[:, :, None].expand(t, num_groups, e // num_groups).reshape(t, e)
     return torch.topk(scores.masked_fill(~mask, float("-inf")), topk, dim=-1).indices
+
+
+def route(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk: int,
+    num_groups: int | None,
+    group_topk: int | None,
+    norm_topk_prob: bool,
+    scaling: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing of router logits [T, E]: (probs [T, k] fp32, expert ids [T, k]).
+
+    Sigmoid scores; the expert bias is added only to choose the experts (grouped top-k); the chosen
+    unbiased scores are renormalised when `norm_topk_prob` (also for k = 1, as stock does) and
+    multiplied by `scaling`. The reference router and the megatron-core router
+    (`models/deepseek_v3.py`) both call it, so the two route alike by construction."""
+    scores = torch.sigmoid(logits.float())
+    biased = scores if expert_bias is None else scores + expert_bias.float()
+    idx = grouped_topk(biased, topk, num_groups, group_topk)
+    probs = scores.gather(1, idx)
+    if norm_topk_prob:
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    return probs * (scaling or 1.0), idx
 
 
 class DeepseekV3ReferenceRouter(nn.Module):
@@ -78,12 +107,15 @@ class DeepseekV3ReferenceRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs [T, k] fp32, expert ids [T, k]) for tokens x [T, hidden]."""
         logits = F.linear(x.float(), self.weight.float())
-        scores = torch.sigmoid(logits)
-        idx = grouped_topk(scores + self.e_score_correction_bias.float(), self.topk, self.num_groups, self.group_topk)
-        probs = scores.gather(1, idx)
-        if self.norm_topk_prob and self.topk > 1:
-            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-        return probs * self.scaling, idx
+        return route(
+            logits,
+            self.e_score_correction_bias,
+            self.topk,
+            self.num_groups,
+            self.group_topk,
+            self.norm_topk_prob,
+            self.scaling,
+        )
 
 
 class DeepseekV3ReferenceMoeBlock(nn.Module):
@@ -127,6 +159,16 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return x * cos.unsqueeze(1) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(1)
 
 
+def softmax_scale(qk_head_size: int, scaling: dict[str, Any] | None) -> float:
+    """MLA's softmax scale: 1 / sqrt(query-key head size), times m(factor, mscale_all_dim)^2 under
+    YaRN (DeepSeek-V2's attention temperature; stock `yarn_apply_mscale`, megatron-core's
+    `MLASelfAttention.softmax_scale`). The RoPE cos/sin carry YaRN's other factor (`rope.py`)."""
+    scale = qk_head_size**-0.5
+    if rope_type_of(scaling) == "yarn" and scaling is not None and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+    return float(scale)
+
+
 class MLAReferenceAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
     bottleneck, keys and values from one compressed latent plus a RoPE key shared by all heads."""
@@ -150,6 +192,7 @@ class MLAReferenceAttention(nn.Module):
         self.kv_a_layernorm = ReferenceRMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+        self.softmax_scale = softmax_scale(self.nope + self.rope, rope_scaling_of(config))
 
     @property
     def cache_entry_width(self) -> int:
@@ -204,7 +247,7 @@ class MLAReferenceAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
         q = torch.cat((q_pass, q_rot), dim=-1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.nope + self.rope) ** -0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
@@ -225,6 +268,7 @@ CONFIG_FIELDS: dict[str, Any] = dict(
     qk_rope_head_dim=None,
     v_head_dim=None,
     rope_interleave=True,
+    num_nextn_predict_layers=0,  # MTP layers: carried by the converter, not computed (the reference ignores them)
 )
 
 
@@ -264,6 +308,7 @@ def model_fields(hf: Any) -> dict[str, Any]:
         qk_head_dim=hf.qk_nope_head_dim,
         qk_pos_emb_head_dim=hf.qk_rope_head_dim,
         v_head_dim=hf.v_head_dim,
+        mtp_num_layers_carried=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
     )
 
 
@@ -279,6 +324,7 @@ def hf_fields(mc: ModelConfig) -> dict[str, Any]:
         qk_nope_head_dim=mc.qk_head_dim,
         qk_rope_head_dim=mc.qk_pos_emb_head_dim,
         v_head_dim=mc.v_head_dim,
+        num_nextn_predict_layers=mc.mtp_num_layers_carried,
     )
 
 
@@ -302,8 +348,9 @@ def to_stock(cfg: Any) -> Any:
     shared = cfg.shared_expert_intermediate_size
     if not shared or shared % cfg.moe_intermediate_size:
         raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
-    if cfg.topk_group is None or cfg.topk_group < cfg.n_group and cfg.num_experts_per_tok // cfg.topk_group != 2:
-        raise ValueError("stock DeepSeek-V3 ranks groups by their best 2 experts: needs topk // topk_group == 2")
+    if not cfg.n_group or not cfg.topk_group:
+        raise ValueError("stock DeepSeek-V3 always routes in groups: needs n_group and topk_group (1 and 1 = none)")
+    scaling = {k: v for k, v in (rope_scaling_of(cfg) or {}).items() if k != "rope_theta"}
     return DeepseekV3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -330,34 +377,41 @@ def to_stock(cfg: Any) -> Any:
         initializer_range=cfg.initializer_range,
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters={"rope_type": "default", **scaling, "rope_theta": cfg.rope_theta},
         rope_interleave=cfg.rope_interleave,
         attention_bias=False,
+        num_mtp_layers=cfg.num_nextn_predict_layers,  # written as num_nextn_predict_layers (attribute_map)
     )
 
 
+# The released checkpoints' quantization: FP8 (e4m3) weights with one fp32 `weight_scale_inv` per
+# 128 x 128 block, which the converter dequantizes on import (`convert/fp8.py`).
+FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3"}
+
+
 def unsupported(hf: Any) -> list[str]:
-    """What of a stock DeepSeek-V3 config megatron-core's MoE/MLA here cannot compute the same way."""
+    """What of a stock DeepSeek-V3 config the reference and megatron-core models here cannot compute."""
     problems = []
-    if getattr(hf, "quantization_config", None):
-        problems.append(
-            f"quantization_config={dict(hf.quantization_config).get('quant_method', '?')!r}: quantized "
-            "(e.g. FP8 block-scaled) weights are not read; dequantize to bf16 first"
-        )
+    quantization = dict(getattr(hf, "quantization_config", None) or {})
+    if quantization:
+        block = quantization.get("weight_block_size")
+        known = all(quantization.get(k, v) == v for k, v in FP8_BLOCK_QUANTIZATION.items())
+        if not (known and isinstance(block, (list, tuple)) and len(block) == 2):
+            problems.append(
+                f"quantization_config={quantization}: only DeepSeek's block-scaled FP8 (quant_method "
+                "'fp8', fmt 'e4m3', weight_block_size [rows, cols]) is dequantized on import"
+            )
     topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
-    if group_topk < groups and topk // group_topk != 2:
+    if (
+        hf.n_routed_experts % groups
+        or hf.n_routed_experts // groups < GROUP_RANK_EXPERTS
+        or topk > group_topk * (hf.n_routed_experts // groups)
+    ):
         problems.append(
-            f"topk_group={group_topk} with num_experts_per_tok={topk}: megatron-core ranks groups by "
-            "their best topk // topk_group experts, DeepSeek-V3 by its best 2; they agree only when "
-            "topk // topk_group == 2"
+            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must divide "
+            f"into n_group groups of at least {GROUP_RANK_EXPERTS}, and topk_group groups must hold "
+            f"num_experts_per_tok ({topk}) experts"
         )
-    if hf.n_routed_experts % groups or topk % group_topk:
-        problems.append(
-            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must "
-            f"divide by n_group and num_experts_per_tok ({topk}) by topk_group"
-        )
-    if topk > 1 and not hf.norm_topk_prob:
-        problems.append("norm_topk_prob=false: megatron-core always renormalises sigmoid top-k scores")
     if not hf.n_shared_experts:
         problems.append("n_shared_experts=0: DeepSeek-V3 without shared experts is not supported")
     if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
@@ -365,12 +419,22 @@ def unsupported(hf: Any) -> list[str]:
     if getattr(hf, "rope_interleave", True) is not True:
         problems.append("rope_interleave=false: only DeepSeek's interleaved RoPE checkpoints are converted")
     for key in ROPE_KEYS:
-        kind = rope_type_of(getattr(hf, key, None))
-        if kind != "default":
+        params = getattr(hf, key, None)
+        kind = rope_type_of(params)
+        if kind not in ("default", "yarn"):
             problems.append(
-                f"{key}.rope_type={kind!r}: RoPE scaling for multi-head latent attention is not built "
-                "(MLA here uses plain RoPE)"
+                f"{key}.rope_type={kind!r}: multi-head latent attention here takes plain RoPE or YaRN "
+                "(megatron-core's MLA RoPE types)"
             )
+        elif kind == "yarn" and params is not None:
+            if params.get("attention_factor") is not None:
+                problems.append(
+                    f"{key}.attention_factor={params['attention_factor']}: megatron-core's MLA derives "
+                    "YaRN's attention factor from factor, mscale and mscale_all_dim only"
+                )
+            if params.get("truncate", True) is not True:
+                problems.append(f"{key}.truncate=false: megatron-core's MLA always rounds YaRN's ramp bounds")
+        if kind != "default":
             break
     return problems
 
@@ -459,6 +523,7 @@ MODEL_KEYS = (
     "qk_head_dim",
     "qk_pos_emb_head_dim",
     "v_head_dim",
+    "mtp_num_layers_carried",
 )
 
 
@@ -491,10 +556,16 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
             ("moe_router_num_groups", m.moe_router_num_groups, None),
             ("moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
             ("multi_latent_attention", m.multi_latent_attention, False),
+            ("mtp_num_layers_carried", m.mtp_num_layers_carried, 0),
         ]:
             errors.need(
                 value == default, f"model.{key}", f"is {value} but needs model.arch=deepseek_v3 (arch is {m.arch!r})"
             )
+    errors.need(
+        m.mtp_num_layers_carried >= 0,
+        "model.mtp_num_layers_carried",
+        f"must be >= 0, got {m.mtp_num_layers_carried}",
+    )
     if m.moe_router_enable_expert_bias:
         errors.need(
             sigmoid,
@@ -505,14 +576,6 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
             m.moe_router_bias_update_rate >= 0,
             "model.moe_router_bias_update_rate",
             f"must be >= 0, got {m.moe_router_bias_update_rate}",
-        )
-    if sigmoid and m.moe_router_topk > 1:
-        # megatron-core always renormalises sigmoid top-k scores (topk > 1)
-        errors.need(
-            m.moe_norm_topk_prob,
-            "model.moe_norm_topk_prob",
-            "must be true with moe_router_score_function=sigmoid and moe_router_topk > 1 "
-            "(megatron-core renormalises sigmoid top-k scores)",
         )
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if groups is None and group_topk is None:
@@ -537,12 +600,11 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
     ):
         per_group = m.num_experts // groups
         errors.need(
-            m.moe_router_topk % group_topk == 0
-            and m.moe_router_topk // group_topk <= per_group
-            and m.moe_router_topk <= group_topk * per_group,
+            per_group >= GROUP_RANK_EXPERTS and m.moe_router_topk <= group_topk * per_group,
             "model.moe_router_topk",
-            f"{m.moe_router_topk} must be a multiple of moe_router_group_topk {group_topk} and fit in "
-            f"{group_topk} groups of {per_group} experts",
+            f"{m.moe_router_topk} experts must fit in moe_router_group_topk={group_topk} groups of "
+            f"{per_group} experts (a group is ranked by its best {GROUP_RANK_EXPERTS}, so it needs at least "
+            f"{GROUP_RANK_EXPERTS})",
         )
 
 
@@ -572,11 +634,23 @@ def check_latent_attention(m: ModelConfig, errors: Errors) -> None:
         "model.qk_layernorm",
         "must be true with multi_latent_attention (it turns on the latent q/kv RMSNorms)",
     )
+    s = m.rope_scaling
     errors.need(
-        m.rope_scaling.type == "none",
+        s.type in ("none", "yarn"),
         "model.rope_scaling.type",
-        f"{m.rope_scaling.type!r} with multi_latent_attention is not built (MLA uses plain RoPE here)",
+        f"{s.type!r} with multi_latent_attention is not built (megatron-core's MLA takes plain RoPE or yarn)",
     )
+    if s.type == "yarn":
+        errors.need(
+            s.attention_factor is None,
+            "model.rope_scaling.attention_factor",
+            "must be null with multi_latent_attention (megatron-core's MLA derives it from mscale / mscale_all_dim)",
+        )
+        errors.need(
+            s.truncate,
+            "model.rope_scaling.truncate",
+            "must be true with multi_latent_attention (megatron-core's MLA rounds YaRN's ramp bounds)",
+        )
 
 
 def attention_flops(model: ModelConfig, context: float) -> tuple[float, float]:
@@ -618,5 +692,6 @@ FAMILY = ModelFamily(
     model_keys=MODEL_KEYS,
     check_model=check_model_config,
     attention_flops=attention_flops,
+    config_aliases=("kimi_k2",),  # Kimi-K2 ships DeepSeek-V3's config and weights as model_type kimi_k2
     megatron="mcore_rl.models.deepseek_v3",
 )

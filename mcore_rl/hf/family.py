@@ -67,6 +67,8 @@ class ModelFamily:
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count
     attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None
+    # model types whose config.json is this family's stock config under another name (read as it)
+    config_aliases: tuple[str, ...] = ()
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""

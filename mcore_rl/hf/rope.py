@@ -86,7 +86,8 @@ def respell_rope_in_file(path: str, key: str) -> None:
         f.write("\n")
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's m(s, x) = 0.1 x ln s + 1 (1 when s <= 1): the attention temperature of a scale s."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -96,8 +97,8 @@ def yarn_attention_factor(params: dict[str, Any]) -> float:
         return float(params["attention_factor"])
     factor, mscale, mscale_all_dim = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-    return _yarn_mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

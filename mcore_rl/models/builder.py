@@ -56,6 +56,7 @@ def transformer_config(
     elif recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     on_cpu = not torch.cuda.is_available()
+    own_rope = family is not None and family.rope_in_attention  # e.g. MLA's RoPE: GPTModel builds none
     if family is not None:
         config_class, family_fields = family.transformer_config(model)
     else:
@@ -105,7 +106,7 @@ def transformer_config(
         calculate_per_token_loss=True,
         **moe,
         **recompute_kwargs,
-        **rope_scaling.transformer_config_kwargs(model),
+        **({} if own_rope else rope_scaling.transformer_config_kwargs(model)),
         **family_fields,
     )
 
@@ -125,10 +126,13 @@ def build_model(
     sliding_window.apply()  # windowed attention keeps the packed-document mask
     config = config or transformer_config(model, parallel, precision, recompute)
     vpp = parallel.virtual_pipeline_model_parallel_size
+    family = megatron_family(model)
+    own_rope = family is not None and family.rope_in_attention  # the family's attention builds its RoPE
+    rope_kwargs = dict(position_embedding_type="rope") if own_rope else rope_scaling.gpt_model_kwargs(model)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        block_spec = decoder_block_spec(config, vp_stage=stage, family=megatron_family(model))
+        block_spec = decoder_block_spec(config, vp_stage=stage, family=family)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=attn_res.deferred_spec(block_spec, model),  # AttnRes: see below
@@ -141,9 +145,10 @@ def build_model(
             share_embeddings_and_output_weights=model.tie_word_embeddings,
             rotary_base=int(model.rotary_base),
             vp_stage=stage,
-            **rope_scaling.gpt_model_kwargs(model),  # position_embedding_type; linear's interpolation
+            **rope_kwargs,  # position_embedding_type; linear's interpolation
         )
-        rope_scaling.configure_rotary_embedding(chunk, model)  # Llama 3.x frequencies; no-op otherwise
+        if not own_rope:
+            rope_scaling.configure_rotary_embedding(chunk, model)  # Llama 3.x frequencies; no-op otherwise
         attn_res.install_decoder(chunk, block_spec, model)  # AttnRes block; no-op without AttnRes
         add_ngram_embedding(chunk, model)  # Over-Encoding n-gram tables (first stage); no-op without
         install_vocab_padding(chunk, model.vocab_size)  # padded logits masked; no-op without padding

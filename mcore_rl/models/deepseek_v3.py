@@ -1,20 +1,29 @@
 """megatron-core settings of the DeepSeek-V3 family (`MEGATRON`, found through `hf/deepseek_v3.py`).
 
-The DeepSeek-V3 router (sigmoid scores, expert bias for selection only, grouped top-k, scaling) and
-multi-head latent attention are megatron-core's own (`TopKRouter`, `MLASelfAttention` with the local
-or TE spec); the expert bias moves toward balance in megatron-core's `finalize_model_grads`, which
-the train path installs (`train.forward_backward.prepare_config`).
+Multi-head latent attention is megatron-core's own (`MLASelfAttention` with the local or TE spec),
+with its own RoPE: plain or YaRN (`rope_type="yarn"`, the `mscale` / `mscale_all_dim` attention
+temperature), so GPTModel builds none. The router is megatron-core's `TopKRouter` with its routing
+step replaced by the reference's `route` (`DeepseekV3Router`): megatron-core ranks groups by their
+best topk // topk_group scores and always renormalises sigmoid scores, the released models rank by
+their best 2 and some do not renormalise (norm_topk_prob false). The expert bias moves toward
+balance in megatron-core's `finalize_model_grads`, which the train path installs
+(`train.forward_backward.prepare_config`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.hf.deepseek_v3 import route
 from mcore_rl.models.family import MegatronFamily
 from mcore_rl.models.latent_moe import LatentProjection
 
@@ -33,23 +42,84 @@ def moe_kwargs(model: ModelConfig) -> dict[str, Any]:
         out.update(moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk)
     if model.moe_router_topk_scaling_factor is not None:
         out["moe_router_topk_scaling_factor"] = model.moe_router_topk_scaling_factor
+    out["moe_router_norm_topk_prob"] = model.moe_norm_topk_prob
     return out
 
 
+@dataclass
+class DeepseekV3TransformerConfig(MLATransformerConfig):
+    """`MLATransformerConfig` with the router's renormalisation switch (stock `norm_topk_prob`), which
+    megatron-core's sigmoid routing lacks (it always renormalises); `DeepseekV3Router` reads it."""
+
+    moe_router_norm_topk_prob: bool = True
+
+
 def transformer_config(model: ModelConfig) -> tuple[type[TransformerConfig], dict[str, Any]]:
-    """`MLATransformerConfig` with plain RoPE for multi-head latent attention."""
-    return MLATransformerConfig, dict(
+    """`MLATransformerConfig` with MLA's own RoPE: plain, or YaRN with DeepSeek's attention temperature.
+
+    megatron-core's MLA scales cos/sin by m(factor, mscale) / m(factor, mscale_all_dim) and the
+    softmax by m(factor, mscale_all_dim)^2 / sqrt(q head size), m(f, x) = 0.1 x ln f + 1: what
+    transformers computes from the same fields (its `attention_factor` is refused for MLA)."""
+    s = model.rope_scaling
+    rope: dict[str, Any] = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if s.type == "yarn":
+        rope = dict(
+            rope_type="yarn",
+            rotary_scaling_factor=s.factor,
+            original_max_position_embeddings=s.original_max_position_embeddings or model.max_position_embeddings,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            # transformers: m(factor, mscale) / m(factor, mscale_all_dim) only when both are set and
+            # non-zero, else m(factor, 1); megatron-core's m(f, 0) = 1 makes the second case (1, 0)
+            mscale=float(s.mscale) if s.mscale and s.mscale_all_dim else 1.0,
+            mscale_all_dim=float(s.mscale_all_dim or 0.0) if s.mscale else 0.0,
+        )
+    return DeepseekV3TransformerConfig, dict(
         q_lora_rank=model.q_lora_rank,
         kv_lora_rank=model.kv_lora_rank,
         qk_head_dim=model.qk_head_dim,
         qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
         v_head_dim=model.v_head_dim,
-        rope_type="rope",  # YaRN for MLA: refused by the converter until RoPE scaling lands here
         rotary_base=model.rotary_base,
-        rotary_scaling_factor=1.0,  # softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim)
-        mscale=1.0,
-        mscale_all_dim=0.0,
+        **rope,
     )
+
+
+class DeepseekV3Router(TopKRouter):
+    """megatron-core's `TopKRouter` (gating, expert bias and its load counts, aux losses) routing with
+    DeepSeek-V3's `route`: groups ranked by their best 2 scores, renormalisation per `norm_topk_prob`."""
+
+    config: DeepseekV3TransformerConfig
+
+    def routing(
+        self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.view(-1, self.config.num_moe_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        probs_k, idx = route(
+            logits,
+            self.expert_bias,
+            self.topk,
+            self.config.moe_router_num_groups,
+            self.config.moe_router_group_topk,
+            self.config.moe_router_norm_topk_prob,
+            self.config.moe_router_topk_scaling_factor,
+        )
+        probs = torch.zeros_like(logits).scatter(1, idx, probs_k.type_as(logits))
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            aux_map, aux_scores = compute_routing_scores_for_aux_loss(
+                logits, self.topk, self.score_function, fused=False, padding_mask=padding_mask
+            )
+            masked = padding_mask is not None
+            probs = self._apply_aux_loss(probs, aux_scores, aux_map, with_padding_mask=masked)
+            probs = self._apply_seq_aux_loss(probs, aux_scores, aux_map, seq_length, bsz, with_padding_mask=masked)
+            probs = self._apply_global_aux_loss(probs, aux_scores, aux_map, with_padding_mask=masked)
+        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        return probs, routing_map
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -103,4 +173,6 @@ MEGATRON = MegatronFamily(
     moe_kwargs=moe_kwargs,
     layer_spec_kwargs=dict(multi_latent_attention=True),
     local_attention_submodules=local_attention_submodules,
+    router=DeepseekV3Router,
+    rope_in_attention=True,
 )

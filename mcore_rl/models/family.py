@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -33,6 +34,11 @@ class MegatronFamily:
     # the local (no transformer-engine) spec's self-attention submodules to replace, given the
     # QK-norm class; called once per spec, so it may also patch megatron-core for the local path
     local_attention_submodules: Callable[[type], dict[str, type | ModuleSpec]]
+    # the MoE layers' router class (megatron-core's `TopKRouter` when None)
+    router: type[TopKRouter] | None = None
+    # the family's attention builds its RoPE (plain or scaled) from its TransformerConfig fields, so
+    # GPTModel builds none and `models/rope_scaling.py` adds nothing
+    rope_in_attention: bool = False
 
 
 def megatron_family(model: ModelConfig) -> MegatronFamily | None:

@@ -43,11 +43,14 @@ def decoder_layer_spec(
     num_experts = config.num_moe_experts if moe is None or moe else None
     family_kwargs = family.layer_spec_kwargs if family is not None else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts,
-            moe_grouped_gemm=False,
-            qk_layernorm=config.qk_layernorm,
-            **family_kwargs,
+        return with_router(
+            get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts,
+                moe_grouped_gemm=False,
+                qk_layernorm=config.qk_layernorm,
+                **family_kwargs,
+            ),
+            family,
         )
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
@@ -67,7 +70,16 @@ def decoder_layer_spec(
         pre_mlp_layernorm=RMSNorm,
         self_attention=attention,
     )
-    return dataclasses.replace(spec, submodules=submodules)
+    return with_router(dataclasses.replace(spec, submodules=submodules), family)
+
+
+def with_router(spec: ModuleSpec, family: MegatronFamily | None) -> ModuleSpec:
+    """The layer spec with the family's own router class in its MoE layer (unchanged without one)."""
+    mlp = spec.submodules.mlp
+    if family is None or family.router is None or not hasattr(mlp.submodules, "router"):
+        return spec
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, router=family.router))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
 def decoder_block_spec(
