@@ -6,6 +6,7 @@ One spawned 2-rank gloo world runs every multi-rank check (`_world`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.files import DataError
 from mcore_rl.data.preferences import read_preference_file, task_pairs
 from mcore_rl.data.tasks import get_task
-from tests.helpers import ROOT, P
+from tests.helpers import ROOT, P, _assert_same_checkpoint, _randomize
 from tests.world import run_world
 
 MC = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=128)
@@ -306,6 +307,117 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
     assert resumed[-1]["eval_accuracy"] == full[-1]["eval_accuracy"]
     print(f"train {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    _check_conversion(rank, tmp)
+    print(f"convert {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _save_llama_classifier(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    config.num_labels = HEADS
+    model = LlamaForSequenceClassification(config).float()
+    _randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _scored_tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows (pad id 0) of different lengths, and each row's last real position."""
+    tokens = torch.randint(1, vocab, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    last = torch.tensor([SEQ - 1, 5, 8])
+    for row, end in enumerate(last.tolist()):
+        tokens[row, end + 1 :] = 0
+    return tokens, last
+
+
+@torch.no_grad()
+def _megatron_scores(ckpt: str, mc: ModelConfig, heads: int, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[rows, heads] from a reward-model checkpoint in TP=2 (no SP: every rank gets the values)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.value_head import install_value_head
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    pc = P(tp=2)
+    init_model_parallel(pc)
+    set_seed(1)
+    (chunk,) = build_model(mc, pc, config=transformer_config(mc, pc))
+    install_value_head(chunk, heads, seed=3)
+    path = latest_checkpoint(ckpt)
+    assert path is not None
+    load_checkpoint(path, [chunk], None)
+    chunk.eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+    values = chunk(tokens, positions, None)
+    ps.destroy_model_parallel()
+    return values[torch.arange(tokens.shape[0]), last]
+
+
+def _hf_scores(path: str, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return type(model).__name__, model(tokens, attention_mask=(tokens != model.config.pad_token_id).long()).logits
+
+
+def _check_conversion(rank: int, tmp: str) -> None:
+    """A stock Llama sequence classifier -> megatron (TP=2) -> HF, bit for bit; megatron's scores
+    equal HF's; the reward model trained above exports as a stock Qwen3 sequence classifier."""
+    import pathlib
+
+    import torch.distributed as dist
+
+    from mcore_rl.convert.reward_model import hf_reward_model_to_mcore, mcore_reward_model_to_hf
+    from mcore_rl.convert import model_config_from_hf, read_hf_config
+
+    src, mcore, export = f"{tmp}/hf_rm", f"{tmp}/mcore_rm", f"{tmp}/export_rm"
+    if rank == 0:
+        _save_llama_classifier(src)
+    dist.barrier()
+    hf_reward_model_to_mcore(src, mcore, P(tp=2))
+    _destroy()
+    mcore_reward_model_to_hf(mcore, export)
+    _destroy()
+    mc = dataclasses.replace(model_config_from_hf(read_hf_config(src)), tie_word_embeddings=False)
+    tokens, last = _scored_tokens(mc.vocab_size)
+    megatron = _megatron_scores(mcore, mc, HEADS, tokens, last)
+    if rank == 0:
+        _assert_same_checkpoint(pathlib.Path(src), pathlib.Path(export))
+        name, hf = _hf_scores(export, tokens)
+        assert name == "LlamaForSequenceClassification"
+        torch.testing.assert_close(megatron, hf, atol=1e-5, rtol=0)
+    trained = _rm_run_cfg(f"{tmp}/unused", 1)
+    mcore_reward_model_to_hf(f"{tmp}/ckpt", f"{tmp}/trained_hf")
+    _destroy()
+    tokens, last = _scored_tokens(256)  # bytes
+    tokens[tokens == 0] = 256  # the byte tokenizer's <pad>
+    megatron = _megatron_scores(f"{tmp}/ckpt", trained.model, 2, tokens, last)
+    if rank == 0:
+        name, hf = _hf_scores(f"{tmp}/trained_hf", tokens)
+        assert name == "Qwen3ForSequenceClassification"
+        torch.testing.assert_close(megatron, hf, atol=1e-5, rtol=0)
+    dist.barrier()
+
+
+def _destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
 
 
 def test_parity_training_and_resume_in_a_two_rank_world(tmp_path):

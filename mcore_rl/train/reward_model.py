@@ -268,6 +268,11 @@ def save(trainer: RMTrainer) -> str:
         "data_seed": cfg.train.seed,
         "model": config_to_dict(cfg.model),
         "reward_model": config_to_dict(cfg.reward_model),  # the export's num_heads
+        "special_tokens": {  # the export's config: HF's classifier pools at the last token that is not padding
+            "pad_token_id": trainer.tokenizer.pad_id,
+            "bos_token_id": trainer.tokenizer.bos_id,
+            "eos_token_id": trainer.tokenizer.eos_id,
+        },
     }
     save_dir = cfg.checkpoint.save_dir
     if save_dir is None:
