@@ -25,8 +25,8 @@ class PreferenceDataConfig(DataConfig):
     responses `{prompt, response, label[, head]}` (`data/preferences.py`); None = pairs made from
     `data.synthetic_task` (correct vs wrong answers, with `data.artifact` planted)."""
 
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
+    chosen_key: str = "chosen"  # jsonl pairs: the preferred response
+    rejected_key: str = "rejected"  # jsonl pairs: the other response
     margin_key: str = "margin"  # optional: preference strength >= 0
     tie_key: str = "tie"  # optional: true = neither response is preferred
     label_key: str = "label"  # binary objective: 1 = good, 0 = bad (soft labels in [0, 1] allowed)
@@ -41,6 +41,6 @@ class PreferenceDataConfig(DataConfig):
 class RMConfig(SFTConfig):
     """Root of `mcore-rl rm-train` recipes."""
 
-    run_dir: str = "runs/rm"
+    run_dir: str = "runs/rm"  # metrics.jsonl, logs and plots of the run
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

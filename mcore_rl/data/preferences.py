@@ -43,7 +43,7 @@ from mcore_rl.data.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 ARTIFACTS = ("none", "length", "format")
-_LENGTH_SUFFIX = " I checked this carefully step by step, and I am completely sure it is right."
+_LENGTH_SUFFIX = " - I checked it twice."
 
 
 @dataclass
