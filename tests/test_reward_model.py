@@ -68,6 +68,45 @@ def test_pointwise_binary():
     assert right[:2] == [1.0, 0.0] and math.isnan(right[2])
 
 
+def test_beta_prm_properties():
+    from mcore_rl.algos.beta_prm import (
+        adaptive_stop,
+        beta_binomial_log_pmf,
+        beta_head,
+        beta_prm_loss,
+        reliability_regularizer,
+    )
+
+    n = torch.tensor(8.0)
+    for mu, kappa in ((0.3, 0.5), (0.9, 20.0), (0.5, 1e3)):  # the pmf sums to 1 over K = 0..N
+        k = torch.arange(9.0)
+        pmf = beta_binomial_log_pmf(k, n.expand(9), torch.tensor(mu).expand(9), torch.tensor(kappa).expand(9)).exp()
+        assert abs(float(pmf.sum()) - 1.0) < 1e-4, (mu, kappa, float(pmf.sum()))
+    # kappa -> infinity: the Binomial NLL with p = mu
+    k, mu = torch.tensor(3.0), torch.tensor(0.3)
+    binomial = torch.distributions.Binomial(8, probs=mu).log_prob(k)
+    assert abs(float(beta_binomial_log_pmf(k, n, mu, torch.tensor(1e7)) - binomial)) < 1e-3
+    # the regulariser: zero where mu = K/N, growing with kappa elsewhere
+    assert float(reliability_regularizer(torch.tensor(2.0), n, torch.tensor(0.25), torch.tensor(50.0))) == 0.0
+    wrong = [float(reliability_regularizer(k, n, torch.tensor(0.9), torch.tensor(c))) for c in (1.0, 10.0, 100.0)]
+    assert 0 < wrong[0] < wrong[1] < wrong[2]
+    # the head and the loss train: gradient steps move mu toward K/N
+    raw = torch.zeros(4, 2, requires_grad=True)
+    counts = torch.tensor([0.0, 2.0, 6.0, 8.0])
+    opt = torch.optim.Adam([raw], lr=0.1)
+    for _ in range(300):
+        opt.zero_grad()
+        beta_prm_loss(raw, counts, n.expand(4)).sum().backward()
+        opt.step()
+    mu_fit, _ = beta_head(raw.detach())
+    assert torch.allclose(mu_fit, counts / 8, atol=0.08), mu_fit
+    # adaptive compute: stop exactly when LCB(best) > max UCB of the others
+    assert adaptive_stop(torch.tensor([0.9, 0.5]), torch.tensor([0.1, 0.1]))
+    assert not adaptive_stop(torch.tensor([0.9, 0.75]), torch.tensor([0.1, 0.1]))
+    assert not adaptive_stop(torch.tensor([0.9, 0.7]), torch.tensor([0.1, 0.1]))  # equal bounds: go on
+    assert adaptive_stop(torch.tensor([0.9, 0.7]), torch.tensor([0.1, 0.1]), z=0.9)
+
+
 # ---- data ---------------------------------------------------------------------------------------
 
 
