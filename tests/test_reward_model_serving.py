@@ -82,3 +82,24 @@ def test_another_tokenizer_is_refused(model_dir):
         asyncio.run(reward_model_score(_sample([1], [2]), model_dir=model_dir, eos_token_id=2))
     with pytest.raises(ValueError, match="head 2 is not one of the model's 2 scores"):
         asyncio.run(reward_model_score(_sample([1], [2]), model_dir=model_dir, head=2))
+
+
+def test_a_domain_head_scores_the_policy_tokens(model_dir):
+    """The rollout's reward path hands the policy's token ids to the head, with the domain's other heads."""
+    from mcore_rl.data.domains import DomainSpec, RewardHead
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.runtime.rollout_manager import DomainRewards
+
+    head = RewardHead("reward_model", 2.0, {"model_dir": model_dir, "eos_token_id": EOS})
+    specs = {"sums": DomainSpec("sums", [head], group_size=2, top_p=1.0, top_k=-1, max_new_tokens=4)}
+    rewards = DomainRewards(specs, timeout_s=60, error_reward=0.0, max_concurrency=2)
+    prompt = Prompt(0, "1+1=", [1, 7, 8], domain="sums")
+    samples = [Sample(prompt, 0, [9, EOS], [0.0, 0.0], 0, "stop"), Sample(prompt, 0, [10], [0.0], 0, "length")]
+    try:
+        rewards.score_sync(samples)
+    finally:
+        rewards.close()
+    for s, ids in zip(samples, ([1, 7, 8, 9, EOS], [1, 7, 8, 10, EOS])):
+        assert s.reward_error is None, s.reward_error
+        assert abs(s.reward_heads["reward_model"] - float(_alone(model_dir, ids)[0])) < 1e-5
+        assert s.reward == 2.0 * s.reward_heads["reward_model"]
