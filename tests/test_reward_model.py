@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -300,7 +301,7 @@ def _check_parity(pc, batches, ref) -> None:
     ps.destroy_model_parallel()
 
 
-def _rm_run_cfg(run_dir: str, iters: int, **checkpoint) -> RMConfig:
+def _rm_run_cfg(run_dir: str, iters: int, *extra: str, **checkpoint) -> RMConfig:
     overrides = [
         f"run_dir={run_dir}",
         f"train.train_iters={iters}",
@@ -322,10 +323,12 @@ def _rm_run_cfg(run_dir: str, iters: int, **checkpoint) -> RMConfig:
         "parallel.sequence_parallel=true",
     ]
     overrides += [f"checkpoint.{k}={v}" for k, v in checkpoint.items()]
-    return load_config(RMConfig, None, overrides)
+    return load_config(RMConfig, None, overrides + list(extra))
 
 
 def _world(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
     from mcore_rl.train import reward_model
 
     pairs, labels = _pair_batches(), _label_batches()
@@ -345,6 +348,20 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     resumed = reward_model.run_rm(_rm_run_cfg(f"{tmp}/c", 4, load_dir=f"{tmp}/ckpt"))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
     assert resumed[-1]["eval_accuracy"] == full[-1]["eval_accuracy"]
+    # a causal LM's checkpoint, or one with other heads, is refused naming it
+    from mcore_rl.convert import hf_to_mcore
+    from tests.helpers import save_tiny_hf_model
+
+    if rank == 0:
+        save_tiny_hf_model(f"{tmp}/lm_hf", 64)
+    dist.barrier()
+    hf_to_mcore(f"{tmp}/lm_hf", f"{tmp}/lm_mcore", P(tp=2))
+    for cfg, message in (
+        (_rm_run_cfg(f"{tmp}/f", 4, load_dir=f"{tmp}/lm_mcore"), "is a language model's checkpoint"),
+        (_rm_run_cfg(f"{tmp}/f", 4, "reward_model.num_heads=1", load_dir=f"{tmp}/ckpt"), "has 2 value head(s)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reward_model.build_trainer(cfg)
     print(f"train {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
     _check_conversion(rank, tmp)

@@ -250,6 +250,7 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
         path = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir)
         if path is None:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
+        _check_reward_model_checkpoint(path, cfg)
         common = checkpoint.load_checkpoint(path, trainer.chunks, trainer.optimizer)
         trainer.hf_provenance = read_provenance(common, path)
         trainer.optimizer.reload_model_params()
@@ -259,6 +260,25 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
         ttfs.mark("checkpoint_load")
         _log0(f"resumed from {path} at iteration {trainer.iteration}")
     return trainer
+
+
+def _check_reward_model_checkpoint(path: str, cfg: RMConfig) -> None:
+    """A causal LM's checkpoint has the vocabulary's output layer where the value head goes: refused,
+    as is one with another number of heads."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    stored = common.get("reward_model")
+    if stored is None:
+        raise ValueError(
+            f"checkpoint.load_dir: {path} is a language model's checkpoint, not a reward model's; convert the "
+            "model to a Hugging Face sequence classifier and back (docs/reward_models.md) to start from it"
+        )
+    if int(stored.get("num_heads", 1)) != cfg.reward_model.num_heads:
+        raise ValueError(
+            f"checkpoint.load_dir: {path} has {stored.get('num_heads')} value head(s), "
+            f"reward_model.num_heads is {cfg.reward_model.num_heads}"
+        )
 
 
 def save(trainer: RMTrainer) -> str:
