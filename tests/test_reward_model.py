@@ -174,6 +174,31 @@ def test_task_pairs_are_verified_and_carry_the_artifact():
     assert task_pairs("addition", 20, 0, 2) == task_pairs("addition", 20, 0, 2)  # deterministic
 
 
+def test_rrm_augmentation_and_filter():
+    from mcore_rl.algos.reward_model import rrm_keep
+    from mcore_rl.data.preferences import rrm_augment
+
+    pairs = task_pairs("addition", 30, 0, 2, artifact="length")
+    out = rrm_augment(pairs, seed=0)
+    assert out[: len(pairs)] == pairs and out == rrm_augment(pairs, seed=0)
+    new = out[len(pairs) :]
+    own = {p.prompt: (p.chosen, p.rejected) for p in pairs}
+    others = {r for p in pairs for r in (p.chosen, p.rejected)}
+    ties = [p for p in new if p.tie]
+    wins = [p for p in new if not p.tie]
+    assert len(wins) % 3 == 0 and 0 < len(ties) <= 2 * len(wins) // 3  # a tie of two equal answers is dropped
+    for p in wins:  # the prompt's own response wins over another prompt's, correct or not
+        assert p.chosen in own[p.prompt] and p.rejected not in own[p.prompt] and p.rejected in others
+    for p in ties:  # two other prompts' responses: a tie
+        assert p.chosen not in own[p.prompt] and p.rejected not in own[p.prompt]
+    # the artefact no longer predicts the label: some winners lack it while their loser has it
+    assert any(not p.chosen.endswith("twice.") and p.rejected.endswith("twice.") for p in wins)
+    # the filter keeps what the base model gets wrong by >= 0.2
+    first, second = torch.tensor([2.0, 0.0, 0.0, 0.1]), torch.tensor([0.0, 0.0, 2.0, 0.0])
+    target = torch.tensor([1.0, 0.5, 0.5, 1.0])
+    assert rrm_keep(first, second, target).tolist() == [False, False, True, True]
+
+
 def test_config_rules():
     with pytest.raises(ConfigError) as err:
         validate_rm_config(
@@ -183,6 +208,8 @@ def test_config_rules():
         assert key in str(err.value)
     with pytest.raises(ConfigError, match="reward_model.objective"):
         validate_rm_config(_rm_cfg("reward_model.objective=binary"), 1)
+    with pytest.raises(ConfigError, match="data.rrm"):
+        validate_rm_config(_rm_cfg("reward_model.objective=binary", "data.rrm=true", "data.path=x.jsonl"), 1)
 
 
 # ---- parity, training and resume in one 2-rank world ---------------------------------------------

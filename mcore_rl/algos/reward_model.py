@@ -59,3 +59,11 @@ def binary_correct(score: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     """Per-response 1.0 where σ(score) falls on the label's side of ½, NaN for a label of exactly ½."""
     right = ((score > 0) == (label > 0.5)).float()
     return torch.where(label == 0.5, torch.full_like(right, float("nan")), right)
+
+
+def rrm_keep(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, threshold: float = 0.2) -> torch.Tensor:
+    """RRM's filter of augmented pairs ("RRM: Robust Reward Model Training Mitigates Reward
+    Hacking", arXiv:2409.12822): keep a pair where the base model's P(first ≻ second) = σ(r₁ − r₂)
+    is off its target (1 for a preference, ½ for a tie) by at least `threshold` (bool [P])."""
+    p_hat = torch.sigmoid(first.float() - second.float())
+    return (p_hat - target.float()).abs() >= threshold

@@ -34,6 +34,8 @@ class PreferenceDataConfig(DataConfig):
     # synthetic pairs: a spurious feature of the correct answers in the training pairs (reversed in the
     # held-out ones), which a reward model can latch onto instead of correctness
     artifact: Literal["none", "length", "format"] = "none"
+    # RRM's causal augmentation of the training pairs (data/preferences.py: rrm_augment), unfiltered
+    rrm: bool = False
     pack_sequences: bool = False  # one sequence per row: a reward model scores each at its last token
 
 

@@ -13,6 +13,11 @@ def validate_rm_config(cfg: RMConfig, world_size: int) -> DerivedSizes:
     rm = cfg.reward_model
     errors.need(rm.num_heads >= 1, "reward_model.num_heads", f"must be >= 1, got {rm.num_heads}")
     errors.need(
+        not cfg.data.rrm or rm.objective == "bradley_terry",
+        "data.rrm",
+        "RRM's augmentation makes preference pairs; reward_model.objective is binary",
+    )
+    errors.need(
         not cfg.model.tie_word_embeddings,
         "model.tie_word_embeddings",
         "must be false for a reward model: its value head replaces the output layer",

@@ -204,6 +204,37 @@ def task_pairs(
     return pairs
 
 
+def rrm_augment(pairs: Sequence[PreferencePair], seed: int) -> list[PreferencePair]:
+    """RRM's causal augmentation ("RRM: Robust Reward Model Training Mitigates Reward Hacking",
+    arXiv:2409.12822): each pair i, with pairs σ₁(i) and σ₂(i) of two random permutations, adds
+    non-contextual pairs — its own response wins over another prompt's, whatever their quality:
+    (yw_i ≻ yw_σ₁), (yw_i ≻ yl_σ₁), (yl_i ≻ yw_σ₁) — and neutral ones, ties between two other
+    prompts' responses: (yw_σ₁ ~ yl_σ₁), (yw_σ₁ ~ yw_σ₂). A context-free artefact then predicts
+    none of the new labels. Returns the originals followed by the new pairs (shuffled), before the
+    paper's filter (`algos/reward_model.py: rrm_keep`, which needs a base model's scores)."""
+    rng = random.Random(seed)
+    n = len(pairs)
+    s1, s2 = list(range(n)), list(range(n))
+    rng.shuffle(s1)
+    rng.shuffle(s2)
+    new: list[PreferencePair] = []
+    for i, p in enumerate(pairs):
+        a, b = pairs[s1[i]], pairs[s2[i]]
+        if a.prompt == p.prompt or b.prompt == p.prompt:
+            continue  # the same prompt: not a counterfactual
+        src = f"rrm({p.source})"
+        candidates = [
+            PreferencePair(p.prompt, p.chosen, a.chosen, head=p.head, source=src),
+            PreferencePair(p.prompt, p.chosen, a.rejected, head=p.head, source=src),
+            PreferencePair(p.prompt, p.rejected, a.chosen, head=p.head, source=src),
+            PreferencePair(p.prompt, a.chosen, a.rejected, tie=True, head=p.head, source=src),
+            PreferencePair(p.prompt, a.chosen, b.chosen, tie=True, head=p.head, source=src),
+        ]
+        new += [c for c in candidates if c.chosen != c.rejected]
+    rng.shuffle(new)
+    return list(pairs) + new
+
+
 def pair_to_json(pair: PreferencePair) -> dict[str, Any]:
     """The jsonl object of a pair (optional fields only where they differ from their defaults)."""
     obj: dict[str, Any] = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected}

@@ -34,6 +34,7 @@ from mcore_rl.data.preferences import (
     labelled_rows,
     pair_rows,
     read_preference_file,
+    rrm_augment,
     task_pairs,
 )
 from mcore_rl.data.sft import SFTBatches
@@ -85,6 +86,8 @@ def build_rows(cfg: RMConfig, tokenizer: Tokenizer, dp: int) -> tuple[Batch, Bat
     n_eval = t.eval_iters * t.micro_batch_size * dp if t.eval_interval > 0 else 0
     if d.path is None:
         train = task_pairs(d.synthetic_task, d.synthetic_num_examples, t.seed, d.synthetic_max_digits, d.artifact)
+        if d.rrm:
+            train = rrm_augment(train, t.seed)
         held = task_pairs(
             d.synthetic_task,
             n_eval,
@@ -94,13 +97,15 @@ def build_rows(cfg: RMConfig, tokenizer: Tokenizer, dp: int) -> tuple[Batch, Bat
             reverse_artifact=d.artifact != "none",
         )
         return _rows(cfg, train, tokenizer), (_rows(cfg, held, tokenizer) if n_eval else None)
-    rows = _rows(cfg, read_preference_file(d, cfg.reward_model.objective, cfg.reward_model.num_heads), tokenizer)
-    if not n_eval:
-        return rows, None
-    n = next(iter(rows.values())).shape[0]
+    examples = read_preference_file(d, cfg.reward_model.objective, cfg.reward_model.num_heads)
+    n = len(examples)
     if n_eval >= n:
         raise ValueError(f"train.eval_iters={t.eval_iters} holds out {n_eval} examples; {d.path} has only {n}")
-    return {k: v[: n - n_eval] for k, v in rows.items()}, {k: v[n - n_eval :] for k, v in rows.items()}
+    held_out = examples[n - n_eval :]
+    kept = examples[: n - n_eval]
+    if d.rrm:
+        kept = rrm_augment(cast(list[PreferencePair], kept), t.seed)
+    return _rows(cfg, kept, tokenizer), (_rows(cfg, held_out, tokenizer) if n_eval else None)
 
 
 def model_batch(mb: Batch) -> Batch:
