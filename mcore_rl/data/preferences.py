@@ -230,7 +230,12 @@ def rrm_augment(pairs: Sequence[PreferencePair], seed: int) -> list[PreferencePa
             PreferencePair(p.prompt, a.chosen, a.rejected, tie=True, head=p.head, source=src),
             PreferencePair(p.prompt, a.chosen, b.chosen, tie=True, head=p.head, source=src),
         ]
-        new += [c for c in candidates if c.chosen != c.rejected]
+        own = (p.chosen, p.rejected)  # another prompt's response that is also this one's is no counterfactual
+        new += [
+            c
+            for c in candidates
+            if c.chosen != c.rejected and c.rejected not in own and (not c.tie or c.chosen not in own)
+        ]
     rng.shuffle(new)
     return list(pairs) + new
 
