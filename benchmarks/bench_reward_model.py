@@ -1,13 +1,15 @@
 """Reward-model figures of docs/reward_models.md, on one CPU rank.
 
 1. Held-out pair accuracy of a reward model trained on addition pairs (verified answer vs a wrong
-   one), plain and with a planted artefact on the correct answers (`data.artifact`: length, format);
-   the held-out pairs carry the artefact on the wrong answer, so a model that learned the artefact
-   scores below chance there. Several seeds each.
+   one), plain and with a planted artefact on the correct answers (`data.artifact`: length, format),
+   with or without RRM's augmentation (`+rrm`: `data.rrm=true`); the held-out pairs carry the
+   artefact on the wrong answer, so a model that learned the artefact scores below chance there.
+   Several seeds each.
 2. Training throughput of `mcore-rl rm-train` against `mcore-rl sft` on the same model, sequence
    length and rows per step (a pair is two rows): median seconds per step, alternated A/B.
 
-    python benchmarks/bench_reward_model.py --steps 300 --seeds 3 --throughput-steps 40
+    python benchmarks/bench_reward_model.py --steps 60 --seeds 2 --throughput-steps 12 --rounds 2
+    python benchmarks/bench_reward_model.py --steps 60 --seeds 2 --variants length+rrm,format+rrm --rounds 0
 """
 
 from __future__ import annotations
@@ -65,24 +67,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--throughput-steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds of the throughput comparison")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds of the throughput comparison (0: none)")
+    ap.add_argument("--variants", default="none,length,format", help="data.artifact values, '+rrm' for RRM")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_rm_")
     rows = []
-    for artifact in ("none", "length", "format"):
+    for variant in args.variants.split(","):
+        artifact, _, rrm = variant.partition("+")
         accs, trains = [], []
         for seed in range(args.seeds):
-            records = _rm(f"{tmp}/{artifact}_{seed}", artifact, 1234 + seed, args.steps)
+            extra = ["data.rrm=true"] if rrm else []
+            records = _rm(f"{tmp}/{variant}_{seed}", artifact, 1234 + seed, args.steps, extra)
             accs.append(records[-1]["eval_accuracy"])
             trains.append(statistics.mean(r["accuracy"] for r in records[-20:]))
-        rows.append((artifact, accs, trains))
-        print(f"artifact {artifact}: held-out {accs}, train (last 20 steps) {trains}", flush=True)
+        rows.append((variant, accs, trains))
+        print(f"{variant}: held-out {accs}, train (last 20 steps) {trains}", flush=True)
     print("\n| data.artifact | held-out pair accuracy (per seed) | median | train accuracy, last 20 steps (median) |")
     print("| --- | --- | --- | --- |")
-    for artifact, accs, trains in rows:
+    for variant, accs, trains in rows:
         per_seed = ", ".join(f"{a:.1%}" for a in accs)
-        print(f"| {artifact} | {per_seed} | {statistics.median(accs):.1%} | {statistics.median(trains):.1%} |")
+        print(f"| {variant} | {per_seed} | {statistics.median(accs):.1%} | {statistics.median(trains):.1%} |")
 
+    if not args.rounds:
+        return
     rm_times, sft_times = [], []
     for r in range(args.rounds):  # alternate, so a neighbour's load hits both alike
         skip = 5  # the first steps warm up
