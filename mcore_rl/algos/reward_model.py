@@ -63,7 +63,7 @@ def binary_correct(score: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
 
 def rrm_keep(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, threshold: float = 0.2) -> torch.Tensor:
     """RRM's filter of augmented pairs ("RRM: Robust Reward Model Training Mitigates Reward
-    Hacking", arXiv:2409.12822): keep a pair where the base model's P(first ≻ second) = σ(r₁ − r₂)
+    Hacking", arXiv:2409.13156): keep a pair where the base model's P(first ≻ second) = σ(r₁ − r₂)
     is off its target (1 for a preference, ½ for a tie) by at least `threshold` (bool [P])."""
     p_hat = torch.sigmoid(first.float() - second.float())
     return (p_hat - target.float()).abs() >= threshold

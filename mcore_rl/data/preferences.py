@@ -206,7 +206,7 @@ def task_pairs(
 
 def rrm_augment(pairs: Sequence[PreferencePair], seed: int) -> list[PreferencePair]:
     """RRM's causal augmentation ("RRM: Robust Reward Model Training Mitigates Reward Hacking",
-    arXiv:2409.12822): each pair i, with pairs σ₁(i) and σ₂(i) of two random permutations, adds
+    arXiv:2409.13156): each pair i, with pairs σ₁(i) and σ₂(i) of two random permutations, adds
     non-contextual pairs — its own response wins over another prompt's, whatever their quality:
     (yw_i ≻ yw_σ₁), (yw_i ≻ yl_σ₁), (yl_i ≻ yw_σ₁) — and neutral ones, ties between two other
     prompts' responses: (yw_σ₁ ~ yl_σ₁), (yw_σ₁ ~ yw_σ₂). A context-free artefact then predicts
