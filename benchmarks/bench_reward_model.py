@@ -10,21 +10,29 @@
 
     python benchmarks/bench_reward_model.py --steps 60 --seeds 2 --throughput-steps 12 --rounds 2
     python benchmarks/bench_reward_model.py --steps 60 --seeds 2 --variants length+rrm,format+rrm --rounds 0
+    python benchmarks/bench_reward_model.py --steps 60 --seeds 2 --variants length+rrm_filtered --rounds 0
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import statistics
 import tempfile
 
+RRM_SOURCE_PAIRS = 1000  # training pairs whose counterfactuals the base RM scores (rrm_filtered)
 MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128"]
 
 
 def _rm(run_dir: str, artifact: str, seed: int, steps: int, extra: list[str] | None = None) -> list[dict]:
+    from mcore_rl.train.reward_model import run_rm
+
+    return run_rm(_rm_cfg(run_dir, artifact, seed, steps, extra))
+
+
+def _rm_cfg(run_dir: str, artifact: str, seed: int, steps: int, extra: list[str] | None = None) -> Any:
     from mcore_rl.config import load_config
     from mcore_rl.config.rm_schema import RMConfig
-    from mcore_rl.train.reward_model import run_rm
 
     overrides = MODEL + [
         f"run_dir={run_dir}",
@@ -41,7 +49,46 @@ def _rm(run_dir: str, artifact: str, seed: int, steps: int, extra: list[str] | N
         "data.synthetic_num_examples=4000",
         f"data.artifact={artifact}",
     ]
-    return run_rm(load_config(RMConfig, None, overrides + (extra or [])))
+    return load_config(RMConfig, None, overrides + (extra or []))
+
+
+def _rrm_filtered(run_dir: str, artifact: str, seed: int, steps: int) -> tuple[list[dict], int, int]:
+    """RRM as the paper runs it: a base RM trained on the plain pairs scores the augmented pairs,
+    those it gets wrong by >= 0.2 join the training pairs, a second RM trains on them. The held-out
+    pairs (artefact reversed) are the data file's last rows, as `rm-train` holds out a file's."""
+    import json
+    import random
+
+    import torch
+
+    from mcore_rl.algos.reward_model import rrm_keep
+    from mcore_rl.data.preferences import pair_rows, pair_to_json, rrm_augment, task_pairs
+    from mcore_rl.train import reward_model as rm
+
+    _rm(f"{run_dir}/base", artifact, seed, steps, [f"checkpoint.save_dir={run_dir}/base_ckpt"])
+    base = rm.build_trainer(
+        _rm_cfg(f"{run_dir}/base", artifact, seed, steps, [f"checkpoint.load_dir={run_dir}/base_ckpt"])
+    )
+    train = task_pairs("addition", 4000, seed, 2, artifact)
+    source = train[:RRM_SOURCE_PAIRS]  # scoring every augmented pair of 4000 is too slow on a CPU
+    augmented = rrm_augment(source, seed)[len(source) :]
+    rows = pair_rows(augmented, 40, base.tokenizer)
+    first, second = (
+        rm.score_rows(
+            base.chunks, {"tokens": rows[f"{s}_tokens"], "index": rows[f"{s}_index"], "head": rows["head"]}, 64
+        )
+        for s in ("chosen", "rejected")
+    )
+    keep = rrm_keep(first, second, torch.where(rows["tie"], 0.5, 1.0)).tolist()
+    kept = [p for p, k in zip(augmented, keep) if k]
+    data = train + kept
+    random.Random(seed).shuffle(data)
+    held = task_pairs("addition", 256, seed + rm.HELD_OUT_SEED_OFFSET, 2, artifact, reverse_artifact=True)
+    path = f"{run_dir}/pairs.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for pair in data + held:
+            f.write(json.dumps(pair_to_json(pair)) + "\n")
+    return _rm(f"{run_dir}/rrm", "none", seed, steps, [f"data.path={path}"]), len(kept), len(augmented)
 
 
 def _sft(run_dir: str, steps: int) -> list[dict]:
@@ -68,7 +115,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--throughput-steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3, help="A/B rounds of the throughput comparison (0: none)")
-    ap.add_argument("--variants", default="none,length,format", help="data.artifact values, '+rrm' for RRM")
+    ap.add_argument(
+        "--variants",
+        default="none,length,format",
+        help="data.artifact values; '+rrm' adds RRM's pairs unfiltered, '+rrm_filtered' those a base RM gets wrong",
+    )
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_rm_")
     rows = []
@@ -76,8 +127,12 @@ def main() -> None:
         artifact, _, rrm = variant.partition("+")
         accs, trains = [], []
         for seed in range(args.seeds):
-            extra = ["data.rrm=true"] if rrm else []
-            records = _rm(f"{tmp}/{variant}_{seed}", artifact, 1234 + seed, args.steps, extra)
+            if rrm == "rrm_filtered":
+                records, kept, made = _rrm_filtered(f"{tmp}/{variant}_{seed}", artifact, 1234 + seed, args.steps)
+                print(f"{variant} seed {seed}: kept {kept} of {made} augmented pairs", flush=True)
+            else:
+                extra = ["data.rrm=true"] if rrm else []
+                records = _rm(f"{tmp}/{variant}_{seed}", artifact, 1234 + seed, args.steps, extra)
             accs.append(records[-1]["eval_accuracy"])
             trains.append(statistics.mean(r["accuracy"] for r in records[-20:]))
         rows.append((variant, accs, trains))

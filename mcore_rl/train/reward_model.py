@@ -189,6 +189,42 @@ def rm_forward_backward(chunks: list[torch.nn.Module], microbatches: list[Batch]
     return {"loss": result["loss"], "count": result["num_tokens"], "accuracy": _accuracy(stats)}
 
 
+@torch.no_grad()
+def score_rows(chunks: list[torch.nn.Module], rows: Batch, micro_batch_size: int) -> torch.Tensor:
+    """Each row's score under its head [n] (`tokens`, `index`, `head` rows, as `labelled_rows` makes),
+    on every rank: a base model's view of data (RRM's filter). Forward only, every row on every
+    data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        chunk.eval()
+    scores: list[torch.Tensor] = []
+
+    def capture(batch: Batch, values: torch.Tensor) -> tuple:
+        scores.append(sequence_scores(values, batch["index"], batch["head"]).float().cpu())
+        zero = values.sum() * 0
+        return zero, torch.tensor(1, dtype=torch.int), {"lm_loss": torch.zeros(2)}
+
+    def step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
+        batch = next(data_iterator)
+        return model(batch["tokens"], batch["position_ids"], None), partial(capture, batch)
+
+    n = rows["tokens"].shape[0]
+    microbatches = [
+        model_batch({k: v[i : i + micro_batch_size] for k, v in rows.items()}) for i in range(0, n, micro_batch_size)
+    ]
+    if microbatches[-1]["tokens"].shape[0] != micro_batch_size:  # the schedule wants equal micro-batches
+        pad = micro_batch_size - microbatches[-1]["tokens"].shape[0]
+        microbatches[-1] = {k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) for k, v in microbatches[-1].items()}
+    forward_backward(chunks, microbatches, forward_only=True, forward_step=step)
+    out = torch.cat(scores)[:n] if scores else torch.zeros(n)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            out, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    return out
+
+
 def train_step(trainer: RMTrainer) -> dict[str, float]:
     for chunk in trainer.chunks:
         chunk.train()
