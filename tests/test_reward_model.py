@@ -445,8 +445,15 @@ def _megatron_scores(ckpt: str, mc: ModelConfig, heads: int, tokens: torch.Tenso
     chunk.eval()
     positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
     values = chunk(tokens, positions, None)
+    scores = values[torch.arange(tokens.shape[0]), last]
+    # score_rows (RRM's filter reads a base model with it): the same scores, 3 rows in micro-batches of 2
+    from mcore_rl.train.reward_model import score_rows
+
+    for head in range(heads):
+        rows = {"tokens": tokens, "index": last, "head": torch.full_like(last, head)}
+        torch.testing.assert_close(score_rows([chunk], rows, 2), scores[:, head], atol=1e-6, rtol=0)
     ps.destroy_model_parallel()
-    return values[torch.arange(tokens.shape[0]), last]
+    return scores
 
 
 def _hf_scores(path: str, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
