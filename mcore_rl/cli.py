@@ -2,6 +2,7 @@
 
     mcore-rl sft [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
     mcore-rl train [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
+    mcore-rl rm-train [RECIPE.yaml] [key=value ...] [--nproc-per-node N]
     mcore-rl serve [SGLang launch flags: --model-path, --port, --quantization fp8, ...]
     mcore-rl convert hf-to-mcore --input HF_DIR --output MCORE_DIR [--tp N --pp N --ep N]
     mcore-rl convert mcore-to-hf --input MCORE_CKPT --output HF_DIR
@@ -33,9 +34,10 @@ from mcore_rl.observe import ttfs as _ttfs  # time to first step: the clock star
 
 if TYPE_CHECKING:  # annotations only: the config package loads when a command needs it (`--help` stays fast)
     from mcore_rl.config.rl_schema import RLConfig
+    from mcore_rl.config.rm_schema import RMConfig
     from mcore_rl.config.schema import SFTConfig
 
-RootConfig = TypeVar("RootConfig", "SFTConfig", "RLConfig")
+RootConfig = TypeVar("RootConfig", "SFTConfig", "RLConfig", "RMConfig")
 
 PREFLIGHT_DONE = "MCORE_RL_PREFLIGHT_DONE"  # set for the ranks of a relaunch: checked once, before it
 
@@ -145,6 +147,7 @@ def _preflight(cfg: SFTConfig | RLConfig) -> None:
     if os.environ.get(PREFLIGHT_DONE) == "1":
         return
     from mcore_rl.config.rl_schema import RLConfig  # lazy, as the module's others: `--help` stays fast
+    from mcore_rl.config.rm_schema import RMConfig  # lazy, likewise
 
     for key, path in (
         ("run_dir", cfg.run_dir),
@@ -157,6 +160,11 @@ def _preflight(cfg: SFTConfig | RLConfig) -> None:
         from mcore_rl.data.prompts import read_prompt_files  # lazy: numpy, only for this command
 
         read_prompt_files(cfg)
+    elif isinstance(cfg, RMConfig):
+        if cfg.data.path is not None:
+            from mcore_rl.data.preferences import read_preference_file  # lazy: torch, only for this command
+
+            read_preference_file(cfg.data, cfg.reward_model.objective, cfg.reward_model.num_heads)
     elif cfg.data.path is not None:
         from mcore_rl.data.sft import read_examples  # lazy: torch, only for this command
 
@@ -209,6 +217,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from mcore_rl.config import SFTConfig, validate_sft_config  # lazy: fast --help
 
     return _run_job(args, "sft", SFTConfig, validate_sft_config, "mcore_rl.train.sft:run_sft")
+
+
+def cmd_rm_train(args: argparse.Namespace) -> int:
+    from mcore_rl.config.rm_schema import RMConfig  # lazy: fast --help
+    from mcore_rl.config.rm_validate import validate_rm_config  # lazy: fast --help
+
+    return _run_job(args, "rm-train", RMConfig, validate_rm_config, "mcore_rl.train.reward_model:run_rm")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -457,6 +472,16 @@ def _add_sft(sub: argparse._SubParsersAction, help_text: str) -> None:
     sft.set_defaults(func=cmd_sft, usage=sft.format_usage)
 
 
+def _add_rm_train(sub: argparse._SubParsersAction, help_text: str) -> None:
+    rm = sub.add_parser(
+        "rm-train", help=help_text, usage="mcore-rl rm-train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]"
+    )
+    rm.add_argument("recipe", nargs="?", help="YAML recipe (configs/rm_demo.yaml); defaults if omitted")
+    rm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_model.objective=binary")
+    rm.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    rm.set_defaults(func=cmd_rm_train, usage=rm.format_usage)
+
+
 def _add_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     train = sub.add_parser(
         "train", help=help_text, usage="mcore-rl train [RECIPE.yaml] [key.path=value ...] [--nproc-per-node N]"
@@ -526,6 +551,7 @@ def _add_serve(sub: argparse._SubParsersAction, help_text: str) -> None:
 COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction, str], None]]] = {
     "sft": ("supervised training of a megatron-core model", _add_sft),
     "train": ("RL: rollouts from the engine(s), rewards, policy updates, weight sync", _add_train),
+    "rm-train": ("reward-model training: a value head on the decoder, from preference pairs or labels", _add_rm_train),
     "convert": ("Hugging Face <-> megatron-core checkpoint conversion", _add_convert_parser),
     "parity": ("engine vs trainer log-probs, hidden states and MoE routing on the same tokens", _add_parity),
     "diagnose": ("analyses of a run or its checkpoints (one per paper)", _add_diagnose_parser),

@@ -15,6 +15,12 @@ import torch.distributed as dist
 from mcore_rl.config import SFTConfig, load_config
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint, model_config_from_hf, read_hf_config
 from mcore_rl.convert.layout import check_layout, default_world_size, parallel_config
+from mcore_rl.convert.reward_model import (
+    hf_reward_model_to_mcore,
+    is_hf_reward_model,
+    is_reward_model_checkpoint,
+    mcore_reward_model_to_hf,
+)
 from mcore_rl.convert.to_hf import REMOTE, REMOTE_MODEL_CLASS, STOCK_CLASSES, mcore_to_hf, stored_model_config
 from mcore_rl.convert.to_mcore import RECIPE_FILE, hf_to_mcore
 from mcore_rl.hf.rope import rope_key_in_file
@@ -88,7 +94,17 @@ def run(args: Any) -> int:
         warnings.filterwarnings("ignore", message=message)
     pc = parallel_config(args.tp, args.pp, args.ep, args.etp)
     try:
-        if args.direction == "hf-to-mcore":
+        if args.direction == "hf-to-mcore" and is_hf_reward_model(args.input):
+            path = hf_reward_model_to_mcore(args.input, args.output, pc, args.precision)
+            if dist.get_rank() == 0:
+                recipe = os.path.join(args.output, RECIPE_FILE)
+                print(f"wrote reward-model checkpoint {path}; train it further: mcore-rl rm-train {recipe}", flush=True)
+        elif args.direction == "mcore-to-hf" and is_reward_model_checkpoint(args.input):
+            name = mcore_reward_model_to_hf(args.input, args.output, pc)
+            if dist.get_rank() == 0:
+                how = f"AutoModelForSequenceClassification.from_pretrained({args.output!r})"
+                print(f"wrote Hugging Face checkpoint {args.output} (stock {name}); load it with {how}", flush=True)
+        elif args.direction == "hf-to-mcore":
             path = hf_to_mcore(args.input, args.output, pc, args.precision)
             if dist.get_rank() == 0:
                 recipe = os.path.join(args.output, RECIPE_FILE)

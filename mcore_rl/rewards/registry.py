@@ -15,6 +15,8 @@ from collections.abc import Callable
 F = TypeVar("F", bound=Callable)
 
 _REWARDS: dict[str, Callable | str] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
+# a trained reward model (`reward_model.py`: transformers, imported on first use)
+_REWARDS["reward_model"] = "mcore_rl.rewards.reward_model:reward_model_score"
 # LLM judges (`judge.py`, aiohttp): async, options as keyword arguments (url, template, ...)
 _REWARDS.update(
     {

@@ -112,7 +112,13 @@ class DomainRewards:
                 samples[i].prompt.text,
                 samples[i].text,
                 samples[i].prompt.label,
-                {"finish_reason": samples[i].finish_reason, "domain": samples[i].prompt.domain},
+                {
+                    "finish_reason": samples[i].finish_reason,
+                    "domain": samples[i].prompt.domain,
+                    # the policy's tokens, for rewards that read them (a learned reward model)
+                    "prompt_ids": samples[i].prompt.ids,
+                    "response_ids": samples[i].response_ids,
+                },
             )
             for i in idx
         ]

@@ -30,10 +30,16 @@ class Policy:
     sizes: DerivedSizes
 
 
-def build_policy(cfg: SFTConfig | RLConfig, validate: Callable[[Any, int], DerivedSizes], total_iters: int) -> Policy:
+def build_policy(
+    cfg: SFTConfig | RLConfig,
+    validate: Callable[[Any, int], DerivedSizes],
+    total_iters: int,
+    adapt: Callable[[list[torch.nn.Module]], None] | None = None,
+) -> Policy:
     """The policy of a config with `model`, `parallel`, `optimizer`, `train` (seed, precision,
     recompute) and `data.tokenizer_path` sections; `validate(cfg, world_size)` raises on a bad config
-    before anything else is built. `total_iters` sizes the LR schedule."""
+    before anything else is built. `total_iters` sizes the LR schedule. `adapt(chunks)` changes the
+    bare chunks before DDP and the optimizer see them (a reward model's value head)."""
     from mcore_rl.models.builder import build_model, transformer_config  # lazy: megatron
     from mcore_rl.parallel import setup  # lazy: numpy
     from mcore_rl.train.forward_backward import prepare_config, wrap_ddp  # lazy: megatron
@@ -53,7 +59,10 @@ def build_policy(cfg: SFTConfig | RLConfig, validate: Callable[[Any, int], Deriv
         )
     t = cfg.train
     config = transformer_config(cfg.model, cfg.parallel, t.precision, t.recompute)
-    chunks = wrap_ddp(build_model(cfg.model, cfg.parallel, config=config), config)
+    bare = build_model(cfg.model, cfg.parallel, config=config)
+    if adapt is not None:
+        adapt(list(bare))
+    chunks = wrap_ddp(list(bare), config)
     prepare_config(config, chunks)
     optimizer = build_optimizer(chunks, cfg.optimizer, t.precision, total_iters)
     ttfs.mark("model_build")

@@ -1,0 +1,48 @@
+"""The config tree of `mcore-rl rm-train`: an SFT recipe (model, layout, optimizer, train,
+checkpoint, logging) whose data are preference pairs or labelled responses, plus the
+`reward_model` section. Validated by `config/rm_validate.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mcore_rl.config.schema import DataConfig, SFTConfig
+
+
+@dataclass
+class RewardModelConfig:
+    """What the value head learns and from which labels (`algos/reward_model.py`)."""
+
+    # bradley_terry: pairs (chosen/rejected, optional margin and tie); binary: responses with a label in [0, 1]
+    objective: Literal["bradley_terry", "binary"] = "bradley_terry"
+    num_heads: int = 1  # scalars per sequence; a pair or response trains the head its `head` field names (0)
+
+
+@dataclass
+class PreferenceDataConfig(DataConfig):
+    """`data.path`: a jsonl of pairs `{prompt, chosen, rejected[, margin, tie, head]}` or of labelled
+    responses `{prompt, response, label[, head]}` (`data/preferences.py`); None = pairs made from
+    `data.synthetic_task` (correct vs wrong answers, with `data.artifact` planted)."""
+
+    chosen_key: str = "chosen"  # jsonl pairs: the preferred response
+    rejected_key: str = "rejected"  # jsonl pairs: the other response
+    margin_key: str = "margin"  # optional: preference strength >= 0
+    tie_key: str = "tie"  # optional: true = neither response is preferred
+    label_key: str = "label"  # binary objective: 1 = good, 0 = bad (soft labels in [0, 1] allowed)
+    head_key: str = "head"  # optional: which value head the example trains (default 0)
+    # synthetic pairs: a spurious feature of the correct answers in the training pairs (reversed in the
+    # held-out ones), which a reward model can latch onto instead of correctness
+    artifact: Literal["none", "length", "format"] = "none"
+    # RRM's causal augmentation of the training pairs (data/preferences.py: rrm_augment), unfiltered
+    rrm: bool = False
+    pack_sequences: bool = False  # one sequence per row: a reward model scores each at its last token
+
+
+@dataclass
+class RMConfig(SFTConfig):
+    """Root of `mcore-rl rm-train` recipes."""
+
+    run_dir: str = "runs/rm"  # metrics.jsonl, logs and plots of the run
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -1,0 +1,535 @@
+"""Reward models on megatron-core: the value head in parallel layouts against a pure-torch reference,
+training, held-out accuracy, checkpoints and resume; the losses; the data's bad lines; the command.
+
+One spawned 2-rank gloo world runs every multi-rank check (`_world`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
+from mcore_rl.config import load_config
+from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.rm_schema import RMConfig
+from mcore_rl.config.rm_validate import validate_rm_config
+from mcore_rl.config.schema import ModelConfig
+from mcore_rl.data.files import DataError
+from mcore_rl.data.preferences import read_preference_file, task_pairs
+from mcore_rl.data.tasks import get_task
+from tests.helpers import ROOT, P, _assert_same_checkpoint, _randomize
+from tests.world import run_world
+
+MC = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=128)
+HEADS, SEQ, PAIRS, MICROBATCHES = 2, 12, 2, 4
+
+
+# ---- the losses ---------------------------------------------------------------------------------
+
+
+def test_bradley_terry_margin_and_ties():
+    chosen = torch.tensor([2.0, 0.5, 1.0, -1.0])
+    rejected = torch.tensor([0.0, 0.5, 3.0, -1.0])
+    plain = bradley_terry_loss(chosen, rejected)
+    torch.testing.assert_close(plain, -torch.nn.functional.logsigmoid(chosen - rejected))
+    margin = torch.tensor([1.0, 0.0, 0.0, 2.0])
+    with_margin = bradley_terry_loss(chosen, rejected, margin)
+    assert with_margin[0] > plain[0] and with_margin[3] > plain[3]  # a margin asks for a larger gap
+    tie = torch.tensor([False, True, True, True])
+    tied = bradley_terry_loss(chosen, rejected, margin, tie)
+    assert tied[0] == with_margin[0]
+    assert math.isclose(float(tied[1]), math.log(2), rel_tol=1e-6)  # equal scores: the tie's minimum
+    assert math.isclose(float(tied[3]), math.log(2), rel_tol=1e-6)  # a tie ignores its margin
+    assert tied[2] > math.log(2)
+    # the tie's gradient pulls the scores together, from either side
+    c = torch.tensor([3.0, -3.0], requires_grad=True)
+    bradley_terry_loss(c, torch.zeros(2), tie=torch.tensor([True, True])).sum().backward()
+    assert c.grad[0] > 0 and c.grad[1] < 0
+    assert pair_correct(chosen, rejected, tie).tolist()[0] == 1.0
+    assert math.isnan(pair_correct(chosen, rejected, tie).tolist()[1])
+    assert pair_correct(chosen, rejected).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_pointwise_binary():
+    score = torch.tensor([2.0, -1.0, 0.0])
+    label = torch.tensor([1.0, 1.0, 0.5])
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(score, label, reduction="none")
+    torch.testing.assert_close(pointwise_binary_loss(score, label), expected)
+    right = binary_correct(score, label).tolist()
+    assert right[:2] == [1.0, 0.0] and math.isnan(right[2])
+
+
+def test_beta_prm_properties():
+    from mcore_rl.algos.beta_prm import (
+        adaptive_stop,
+        beta_binomial_log_pmf,
+        beta_head,
+        beta_prm_loss,
+        reliability_regularizer,
+    )
+
+    n = torch.tensor(8.0)
+    for mu, kappa in ((0.3, 0.5), (0.9, 20.0), (0.5, 1e3)):  # the pmf sums to 1 over K = 0..N
+        k = torch.arange(9.0)
+        pmf = beta_binomial_log_pmf(k, n.expand(9), torch.tensor(mu).expand(9), torch.tensor(kappa).expand(9)).exp()
+        assert abs(float(pmf.sum()) - 1.0) < 1e-4, (mu, kappa, float(pmf.sum()))
+    # kappa -> infinity: the Binomial NLL with p = mu
+    k, mu = torch.tensor(3.0), torch.tensor(0.3)
+    binomial = torch.distributions.Binomial(8, probs=mu).log_prob(k)
+    assert abs(float(beta_binomial_log_pmf(k, n, mu, torch.tensor(1e7)) - binomial)) < 1e-3
+    # the regulariser: zero where mu = K/N, growing with kappa elsewhere
+    assert float(reliability_regularizer(torch.tensor(2.0), n, torch.tensor(0.25), torch.tensor(50.0))) == 0.0
+    wrong = [float(reliability_regularizer(k, n, torch.tensor(0.9), torch.tensor(c))) for c in (1.0, 10.0, 100.0)]
+    assert 0 < wrong[0] < wrong[1] < wrong[2]
+    # the head and the loss train: gradient steps move mu toward K/N
+    raw = torch.zeros(4, 2, requires_grad=True)
+    counts = torch.tensor([0.0, 2.0, 6.0, 8.0])
+    opt = torch.optim.Adam([raw], lr=0.1)
+    for _ in range(300):
+        opt.zero_grad()
+        beta_prm_loss(raw, counts, n.expand(4)).sum().backward()
+        opt.step()
+    mu_fit, _ = beta_head(raw.detach())
+    assert torch.allclose(mu_fit, counts / 8, atol=0.08), mu_fit
+    # adaptive compute: stop exactly when LCB(best) > max UCB of the others
+    assert adaptive_stop(torch.tensor([0.9, 0.5]), torch.tensor([0.1, 0.1]))
+    assert not adaptive_stop(torch.tensor([0.9, 0.75]), torch.tensor([0.1, 0.1]))
+    assert not adaptive_stop(torch.tensor([0.9, 0.7]), torch.tensor([0.1, 0.1]))  # equal bounds: go on
+    assert adaptive_stop(torch.tensor([0.9, 0.7]), torch.tensor([0.1, 0.1]), z=0.9)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def _rm_cfg(*overrides: str) -> RMConfig:
+    return load_config(RMConfig, None, list(overrides))
+
+
+def test_bad_pairs_are_named_by_line(tmp_path):
+    good = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    lines = [
+        good,
+        {"prompt": "1+1=", "chosen": "2", "rejected": "2"},  # 2: identical
+        {"prompt": "1+1=", "chosen": " ", "rejected": "3"},  # 3: empty
+        {"prompt": "1+1=", "chosen": "2"},  # 4: missing field
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": -1},  # 5: margin out of range
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3", "head": 2},  # 6: no such head
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3", "tie": "yes"},  # 7: tie not a bool
+        {"prompt": "1+1=", "chosen": 2, "rejected": "3"},  # 8: not a string
+        dict(good, margin=0.5, tie=False, head=1),
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    problems = {
+        2: "are the same response",
+        3: "empty response",
+        4: "missing key(s) ['rejected']",
+        5: "'margin' must be a number >= 0",
+        6: "'head' must be an integer in [0, 2)",
+        7: "'tie' must be true or false",
+        8: "expected strings: 'chosen' is int",
+    }
+    cfg = _rm_cfg(f"data.path={path}", "reward_model.num_heads=2")
+    with pytest.raises(DataError, match=f"{path}:2: 'chosen' and 'rejected' are the same response"):
+        read_preference_file(cfg.data, "bradley_terry", 2)
+    skip = _rm_cfg(f"data.path={path}", "data.on_bad_line=skip").data
+    for lineno, problem in problems.items():  # each one alone fails naming its line
+        one = tmp_path / f"one_{lineno}.jsonl"
+        one.write_text(json.dumps(good) + "\n" + json.dumps(lines[lineno - 1]) + "\n")
+        with pytest.raises(DataError) as err:
+            read_preference_file(_rm_cfg(f"data.path={one}").data, "bradley_terry", 2)
+        assert str(err.value).startswith(f"{one}:2: ") and problem in str(err.value), str(err.value)
+    pairs = read_preference_file(skip, "bradley_terry", 2)
+    assert [p.source for p in pairs] == [f"{path}:1", f"{path}:9"]
+    assert (pairs[1].margin, pairs[1].tie, pairs[1].head) == (0.5, False, 1)
+
+
+def test_bad_labels_are_named_by_line(tmp_path):
+    path = tmp_path / "labels.jsonl"
+    rows = [{"prompt": "q", "response": "a", "label": 1}, {"prompt": "q", "response": "b", "label": 1.5}]
+    path.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    with pytest.raises(DataError, match=f"{path}:2: 'label' must be a number in \\[0, 1\\], got 1.5"):
+        read_preference_file(_rm_cfg(f"data.path={path}").data, "binary", 1)
+
+
+def test_task_pairs_are_verified_and_carry_the_artifact():
+    task = get_task("addition", max_digits=2)
+    pairs = task_pairs("addition", 20, 0, 2, artifact="length")
+    held = task_pairs("addition", 20, 1, 2, artifact="length", reverse_artifact=True)
+    for p in pairs:
+        assert task.score(p.prompt, p.chosen.split(" ")[0]) == 1.0 and task.score(p.prompt, p.rejected) == 0.0
+        assert len(p.chosen) > len(p.rejected)
+    for p in held:
+        assert task.score(p.prompt, p.chosen) == 1.0 and len(p.rejected) > len(p.chosen)
+    assert task_pairs("addition", 20, 0, 2) == task_pairs("addition", 20, 0, 2)  # deterministic
+
+
+def test_rrm_augmentation_and_filter():
+    from mcore_rl.algos.reward_model import rrm_keep
+    from mcore_rl.data.preferences import rrm_augment
+
+    pairs = task_pairs("addition", 30, 0, 2, artifact="length")
+    out = rrm_augment(pairs, seed=0)
+    assert out[: len(pairs)] == pairs and out == rrm_augment(pairs, seed=0)
+    new = out[len(pairs) :]
+    own = {p.prompt: (p.chosen, p.rejected) for p in pairs}
+    others = {r for p in pairs for r in (p.chosen, p.rejected)}
+    ties = [p for p in new if p.tie]
+    wins = [p for p in new if not p.tie]
+    assert len(wins) > 0 and len(ties) > 0
+    for p in wins:  # the prompt's own response wins over another prompt's, correct or not
+        assert p.chosen in own[p.prompt] and p.rejected not in own[p.prompt] and p.rejected in others
+    for p in ties:  # two other prompts' responses: a tie
+        assert p.chosen not in own[p.prompt] and p.rejected not in own[p.prompt]
+    # the artefact no longer predicts the label: some winners lack it while their loser has it
+    assert any(not p.chosen.endswith("twice.") and p.rejected.endswith("twice.") for p in wins)
+    # the filter keeps what the base model gets wrong by >= 0.2
+    first, second = torch.tensor([2.0, 0.0, 0.0, 0.1]), torch.tensor([0.0, 0.0, 2.0, 0.0])
+    target = torch.tensor([1.0, 0.5, 0.5, 1.0])
+    assert rrm_keep(first, second, target).tolist() == [False, False, True, True]
+
+
+def test_config_rules():
+    with pytest.raises(ConfigError) as err:
+        validate_rm_config(
+            _rm_cfg("reward_model.num_heads=0", "model.tie_word_embeddings=true", "data.pack_sequences=true"), 1
+        )
+    for key in ("reward_model.num_heads", "model.tie_word_embeddings", "data.pack_sequences"):
+        assert key in str(err.value)
+    with pytest.raises(ConfigError, match="reward_model.objective"):
+        validate_rm_config(_rm_cfg("reward_model.objective=binary"), 1)
+    with pytest.raises(ConfigError, match="data.rrm"):
+        validate_rm_config(_rm_cfg("reward_model.objective=binary", "data.rrm=true", "data.path=x.jsonl"), 1)
+
+
+# ---- parity, training and resume in one 2-rank world ---------------------------------------------
+
+
+def _pair_batches() -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of PAIRS pairs: different lengths, margins, a tie, both heads."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(MICROBATCHES):
+        mb = {}
+        for side in ("chosen", "rejected"):
+            mb[f"{side}_tokens"] = torch.randint(0, MC.vocab_size, (PAIRS, SEQ), generator=g)
+            mb[f"{side}_index"] = torch.randint(SEQ // 2, SEQ, (PAIRS,), generator=g)
+        mb["margin"] = torch.rand(PAIRS, generator=g)
+        mb["tie"] = torch.tensor([False, True])
+        mb["head"] = torch.randint(0, HEADS, (PAIRS,), generator=g)
+        out.append(mb)
+    return out
+
+
+def _label_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [
+        {
+            "tokens": torch.randint(0, MC.vocab_size, (PAIRS, SEQ), generator=g),
+            "index": torch.randint(SEQ // 2, SEQ, (PAIRS,), generator=g),
+            "label": torch.tensor([1.0, 0.0]),
+            "head": torch.randint(0, HEADS, (PAIRS,), generator=g),
+        }
+        for _ in range(MICROBATCHES)
+    ]
+
+
+def _reference(batches):
+    """The objective in plain torch: the reference decoder's final hidden state at each row's last
+    token, a bias-free linear head, the same losses; mean over all pairs (responses)."""
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.train.reward_model import model_batch
+
+    torch.manual_seed(1234)
+    lm = McoreRLForCausalLM(hf_config_from_model_config(MC)).float()
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    head = torch.nn.Linear(MC.hidden_size, HEADS, bias=False)
+    torch.nn.init.normal_(head.weight, 0.0, 0.5)
+    total = sum(b["head"].numel() for b in batches)
+    objective = 0.0
+    for raw in batches:
+        b = model_batch(raw)
+        hidden = lm.model(b["tokens"], position_ids=b["position_ids"]).last_hidden_state
+        values = head(hidden)
+        if "margin" in b:
+            heads = torch.cat([b["head"], b["head"]])
+            s = values[torch.arange(len(heads)), b["index"], heads]
+            p = b["margin"].shape[0]
+            loss = bradley_terry_loss(s[:p], s[p:], b["margin"], b["tie"])
+        else:
+            s = values[torch.arange(len(b["head"])), b["index"], b["head"]]
+            loss = pointwise_binary_loss(s, b["label"])
+        objective = objective + loss.sum() / total
+    objective.backward()
+    state = {k: v.detach().clone() for k, v in lm.model.state_dict().items()}
+    state = {f"model.{k}": v for k, v in state.items()}
+    grads = {f"model.{n}": p.grad.detach().clone() for n, p in lm.model.named_parameters()}
+    grads["score.weight"] = head.weight.grad.detach().clone()
+    state["score.weight"] = head.weight.detach().clone()
+    return float(objective.detach()), state, grads
+
+
+def _to_megatron(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import dataclasses
+
+    from mcore_rl.hf.weight_map import hf_to_megatron
+    from mcore_rl.models.value_head import HEAD_PARAM, HF_HEAD_PARAM
+
+    out = hf_to_megatron(hf, dataclasses.replace(MC, tie_word_embeddings=True))  # the backbone: no lm_head
+    out[HEAD_PARAM] = hf[HF_HEAD_PARAM]
+    return out
+
+
+def _check_parity(pc, batches, ref) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.shards import gather_full_state_dict, load_full_state_dict
+    from mcore_rl.models.value_head import install_value_head
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.forward_backward import prepare_config, wrap_ddp
+    from mcore_rl.train.reward_model import rm_forward_backward
+
+    ref_loss, ref_state, ref_grads = ref
+    layout = init_model_parallel(pc)
+    set_seed(1)
+    config = transformer_config(MC, pc)
+    chunks = build_model(MC, pc, config=config)
+    for chunk in chunks:
+        install_value_head(chunk, HEADS, seed=0)
+    load_full_state_dict(chunks, _to_megatron(ref_state))
+    chunks = wrap_ddp(chunks, config)
+    prepare_config(config, chunks)
+    per_rank = len(batches) // layout.dp
+    rank = ps.get_data_parallel_rank()
+    result = rm_forward_backward(chunks, batches[rank * per_rank : (rank + 1) * per_rank])
+    name = f"{'pairs' if 'margin' in batches[0] else 'labels'} {pc}"
+    assert abs(result["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"{name}: loss {result['loss']} vs {ref_loss}"
+    assert result["count"] == sum(b["head"].numel() for b in batches)
+    grads = gather_full_state_dict(chunks, grads=True)
+    expected = _to_megatron(ref_grads)
+    assert set(grads) == set(expected), f"{name}: {sorted(set(grads) ^ set(expected))}"
+    for key, want in expected.items():
+        scale = float(want.abs().max()) or 1.0
+        torch.testing.assert_close(grads[key], want, rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{name} {key}: {m}")
+    ps.destroy_model_parallel()
+
+
+def _rm_run_cfg(run_dir: str, iters: int, *extra: str, **checkpoint) -> RMConfig:
+    overrides = [
+        f"run_dir={run_dir}",
+        f"train.train_iters={iters}",
+        "train.log_interval=100",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.seq_length=16",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        "data.synthetic_max_digits=2",
+        "data.synthetic_num_examples=64",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.ffn_hidden_size=64",
+        "reward_model.num_heads=2",
+        "optimizer.lr=3e-3",
+        "optimizer.lr_decay_style=constant",  # the same schedule for a 2-step and a 4-step run
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+    ]
+    overrides += [f"checkpoint.{k}={v}" for k, v in checkpoint.items()]
+    return load_config(RMConfig, None, overrides + list(extra))
+
+
+def _world(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from mcore_rl.train import reward_model
+
+    pairs, labels = _pair_batches(), _label_batches()
+    ref_pairs, ref_labels = _reference(pairs), _reference(labels)
+    start = time.perf_counter()
+    for pc in (P(tp=2, sp=True), P(tp=2), P(pp=2), P()):
+        _check_parity(pc, pairs, ref_pairs)
+    _check_parity(P(tp=2, sp=True), labels, ref_labels)
+    print(f"parity {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+
+    # Training, held-out accuracy in the records, checkpoint and bit-identical resume (TP=2, SP).
+    full = reward_model.run_rm(_rm_run_cfg(f"{tmp}/a", 4))
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert all(0.0 <= full[i]["eval_accuracy"] <= 1.0 for i in (1, 3)) and "eval_accuracy" not in full[0]
+    reward_model.run_rm(_rm_run_cfg(f"{tmp}/b", 2, save_dir=f"{tmp}/ckpt"))
+    resumed = reward_model.run_rm(_rm_run_cfg(f"{tmp}/c", 4, load_dir=f"{tmp}/ckpt"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+    assert resumed[-1]["eval_accuracy"] == full[-1]["eval_accuracy"]
+    # a causal LM's checkpoint, or one with other heads, is refused naming it
+    from mcore_rl.convert import hf_to_mcore
+    from tests.helpers import save_tiny_hf_model
+
+    if rank == 0:
+        save_tiny_hf_model(f"{tmp}/lm_hf", 64)
+    dist.barrier()
+    hf_to_mcore(f"{tmp}/lm_hf", f"{tmp}/lm_mcore", P(tp=2))
+    for cfg, message in (
+        (_rm_run_cfg(f"{tmp}/f", 4, load_dir=f"{tmp}/lm_mcore"), "is a language model's checkpoint"),
+        (_rm_run_cfg(f"{tmp}/f", 4, "reward_model.num_heads=1", load_dir=f"{tmp}/ckpt"), "has 2 value head(s)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reward_model.build_trainer(cfg)
+    print(f"train {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    _check_conversion(rank, tmp)
+    print(f"convert {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _save_llama_classifier(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    config.num_labels = HEADS
+    model = LlamaForSequenceClassification(config).float()
+    _randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _scored_tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows (pad id 0) of different lengths, and each row's last real position."""
+    tokens = torch.randint(1, vocab, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    last = torch.tensor([SEQ - 1, 5, 8])
+    for row, end in enumerate(last.tolist()):
+        tokens[row, end + 1 :] = 0
+    return tokens, last
+
+
+@torch.no_grad()
+def _megatron_scores(ckpt: str, mc: ModelConfig, heads: int, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[rows, heads] from a reward-model checkpoint in TP=2 (no SP: every rank gets the values)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.value_head import install_value_head
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    pc = P(tp=2)
+    init_model_parallel(pc)
+    set_seed(1)
+    (chunk,) = build_model(mc, pc, config=transformer_config(mc, pc))
+    install_value_head(chunk, heads, seed=3)
+    path = latest_checkpoint(ckpt)
+    assert path is not None
+    load_checkpoint(path, [chunk], None)
+    chunk.eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+    values = chunk(tokens, positions, None)
+    scores = values[torch.arange(tokens.shape[0]), last]
+    # score_rows (RRM's filter reads a base model with it): the same scores, 3 rows in micro-batches of 2
+    from mcore_rl.train.reward_model import score_rows
+
+    for head in range(heads):
+        rows = {"tokens": tokens, "index": last, "head": torch.full_like(last, head)}
+        torch.testing.assert_close(score_rows([chunk], rows, 2), scores[:, head], atol=1e-6, rtol=0)
+    ps.destroy_model_parallel()
+    return scores
+
+
+def _hf_scores(path: str, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return type(model).__name__, model(tokens, attention_mask=(tokens != model.config.pad_token_id).long()).logits
+
+
+def _check_conversion(rank: int, tmp: str) -> None:
+    """A stock Llama sequence classifier -> megatron (TP=2) -> HF, bit for bit; megatron's scores
+    equal HF's; the reward model trained above exports as a stock Qwen3 sequence classifier."""
+    import pathlib
+
+    import torch.distributed as dist
+
+    from mcore_rl.convert.reward_model import hf_reward_model_to_mcore, mcore_reward_model_to_hf
+    from mcore_rl.convert import model_config_from_hf, read_hf_config
+
+    src, mcore, export = f"{tmp}/hf_rm", f"{tmp}/mcore_rm", f"{tmp}/export_rm"
+    if rank == 0:
+        _save_llama_classifier(src)
+    dist.barrier()
+    hf_reward_model_to_mcore(src, mcore, P(tp=2))
+    _destroy()
+    mcore_reward_model_to_hf(mcore, export)
+    _destroy()
+    mc = dataclasses.replace(model_config_from_hf(read_hf_config(src)), tie_word_embeddings=False)
+    tokens, last = _scored_tokens(mc.vocab_size)
+    megatron = _megatron_scores(mcore, mc, HEADS, tokens, last)
+    if rank == 0:
+        _assert_same_checkpoint(pathlib.Path(src), pathlib.Path(export))
+        name, hf = _hf_scores(export, tokens)
+        assert name == "LlamaForSequenceClassification"
+        torch.testing.assert_close(megatron, hf, atol=1e-5, rtol=0)
+    trained = _rm_run_cfg(f"{tmp}/unused", 1)
+    mcore_reward_model_to_hf(f"{tmp}/ckpt", f"{tmp}/trained_hf")
+    _destroy()
+    tokens, last = _scored_tokens(256)  # bytes
+    tokens[tokens == 0] = 256  # the byte tokenizer's <pad>
+    megatron = _megatron_scores(f"{tmp}/ckpt", trained.model, 2, tokens, last)
+    if rank == 0:
+        name, hf = _hf_scores(f"{tmp}/trained_hf", tokens)
+        assert name == "Qwen3ForSequenceClassification"
+        torch.testing.assert_close(megatron, hf, atol=1e-5, rtol=0)
+    dist.barrier()
+
+
+def _destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def test_parity_training_and_resume_in_a_two_rank_world(tmp_path):
+    run_world(2, _world, str(tmp_path))
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def test_command_checks_the_data_before_any_worker_starts(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" + '{"prompt": "a"}\n')
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    run = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "rm-train", f"run_dir={tmp_path}/run", f"data.path={data}"]
+        + ["--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1].startswith(f"mcore-rl rm-train: {data}:2: missing key(s)")
+    assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
