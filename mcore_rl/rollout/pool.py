@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -152,6 +153,8 @@ def build_engine_pool(
     `logprobs_mode` it expects (`expected_logprobs_mode`); given servers are checked
     (`check_logprobs_mode`)."""
 
+    if rollout.engine_kind == "vllm":
+        return build_vllm_pool(rollout, model, tokenizer, seed, workdir=workdir)
     mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
         pool = HTTPEnginePool(
@@ -212,6 +215,52 @@ def build_engine_pool(
         seed=seed,
         logprobs_mode=mode,
     )
+
+
+def build_vllm_pool(
+    rollout: RolloutConfig, model: ModelConfig, tokenizer: Any, seed: int, *, workdir: str | None = None
+) -> HTTPEnginePool:
+    """`rollout.engine_kind: vllm`: the vLLM servers of `engine_urls`, else `num_embedded_engines`
+    vLLM processes this trainer starts (`vllm_processes.py`; files and logs in `workdir`), behind
+    `VLLMEngineClient`s; the trainer's tokenizer decodes their token ids."""
+    from mcore_rl.rollout.vllm_client import VLLMEngineClient  # lazy: aiohttp
+    from mcore_rl.rollout.vllm_processes import VLLMEngineProcesses  # lazy: the vLLM backend only
+
+    client = functools.partial(
+        VLLMEngineClient,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        eos_token_id=tokenizer.eos_id,
+    )
+    common: dict[str, Any] = dict(
+        timeout=rollout.request_timeout_s,
+        api_key=rollout.api_key,
+        admin_api_key=rollout.admin_api_key,
+        health_interval=rollout.health_check_interval_s,
+        num_layers=model.num_layers,
+        client_factory=client,
+        **engine_timeouts(rollout),
+    )
+    if rollout.engine_urls:
+        return HTTPEnginePool(rollout.engine_urls, **common)
+    procs = VLLMEngineProcesses.start_vllm(
+        model,
+        num=rollout.num_embedded_engines,
+        workdir=workdir or "engines",
+        python=rollout.vllm_python,
+        dtype="bfloat16" if rollout.quantization == "bf16" else "float32",
+        max_running_requests=rollout.max_running_requests,
+        context_length=rollout.context_length,
+        seed=seed,
+        cores=rollout.engine_cores or None,
+        threads=rollout.engine_threads,
+        api_key=rollout.api_key,
+        startup_timeout_s=rollout.engine_startup_timeout_s,
+    )
+    try:
+        return HTTPEnginePool(procs.urls, processes=procs, restart_dead=rollout.restart_engines, **common)
+    except BaseException:
+        procs.close()
+        raise
 
 
 class EmbeddedEnginePool:
@@ -423,7 +472,11 @@ class HTTPEnginePool:
         control_timeout: float | None = None,
         weight_update_timeout: float | None = None,
         no_engine_timeout_s: float = 0.0,
+        client_factory: Callable[..., Any] | None = None,
     ) -> None:
+        """`client_factory`: the engines' client class (None: `EngineClient`, SGLang's protocol;
+        `VLLMEngineClient` with its options bound for vLLM servers)."""
+        from mcore_rl.rollout.client import EngineClient  # lazy: aiohttp
         from mcore_rl.rollout.router import EngineRouter  # lazy: aiohttp
 
         if not urls:
@@ -446,6 +499,7 @@ class HTTPEnginePool:
                 health_interval=health_interval,
                 control_timeout=control_timeout,
                 weight_update_timeout=weight_update_timeout,
+                client_factory=client_factory or EngineClient,
             )
             router.start()
             return router
