@@ -85,6 +85,8 @@ class VLLMEngineProcesses(EngineProcesses):
             model_dir = os.path.abspath(model_path)
         elif model_config is not None:
             model_dir = write_vllm_model_dir(model_config, os.path.join(workdir, "model"), seed)
+            # vLLM refuses a context longer than the model's positions (SGLang's servers cap it themselves)
+            context_length = min(context_length, model_config.max_position_embeddings)
         else:
             raise ValueError("model_config / model_path: give one of them")
         common = [
