@@ -1,17 +1,21 @@
 """The vLLM backend against a real vLLM server process the pool starts (one for the module).
 
 Skipped without the vLLM venv (`bash tools/setup_vllm.sh`; CI creates it and runs this tier).
-The model is tiny and made here (head dim 32: vLLM's CPU attention takes no smaller one); its
-reference is the same weights in `McoreRLForCausalLM`, the trainer's HF-side model, in fp32.
+The model is the RL demo's (`configs/demo.yaml`) with a head dim of 32 (vLLM's CPU attention takes
+no smaller one), made here; its reference is the same weights in `McoreRLForCausalLM`, the
+trainer's HF-side model, in fp32. The demo itself trains a few steps against the same server
+(through `rollout.engine_urls`), and the last test kills the server's process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -19,7 +23,7 @@ import pytest
 import torch
 
 from mcore_rl.config.rl_schema import RolloutConfig
-from mcore_rl.config.rl_vllm import vllm_python
+from mcore_rl.config.rl_vllm import vllm_python, vllm_venv_ready
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.data.tokenizer import ByteTokenizer
 from mcore_rl.rollout.client import EngineHTTPError
@@ -28,20 +32,28 @@ from mcore_rl.rollout.pool import Generation, GenRequest, HTTPEnginePool, build_
 from mcore_rl.rollout.weight_transports import SyncStats
 
 pytestmark = pytest.mark.skipif(
-    not os.path.isfile(vllm_python()),
+    not vllm_venv_ready(),
     reason=f"no vLLM venv at {os.path.dirname(os.path.dirname(vllm_python()))} (bash tools/setup_vllm.sh)",
 )
 
 SEED = 11
-MC = ModelConfig(
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MC = ModelConfig(  # configs/demo.yaml's model, head dim 32
     vocab_size=384,
     hidden_size=64,
-    ffn_hidden_size=128,
+    ffn_hidden_size=256,
     num_layers=2,
-    num_attention_heads=2,
-    num_query_groups=1,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=32,
     max_position_embeddings=256,
 )
+VLLM_DEMO = [
+    "rollout.engine_kind=vllm",
+    "rollout.quantization=none",
+    "model.kv_channels=32",
+    "rollout.sync_transport=disk",
+]
 PROMPTS = [[257, *b"12+34="], [257, *b"7+5="], [257, *b"99+1="]]
 
 
@@ -76,8 +88,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPEnginePool]:
         sync_transport="disk",
         sync_dir=str(root / "weights"),
         health_check_interval_s=0.5,
-        engine_startup_timeout_s=240.0,
-        no_engine_timeout_s=240.0,
+        engine_startup_timeout_s=600.0,  # the loaded 2-core machine: one start took 240 s
+        no_engine_timeout_s=600.0,
     )
     p = build_vllm_pool(rollout, MC, ByteTokenizer.default(), SEED, workdir=str(root / "engines"))
     p.test_rollout = rollout  # type: ignore[attr-defined]  # the tests' sync needs the config
@@ -142,22 +154,17 @@ def test_weight_sync_by_disk_changes_output_and_the_original_restores_it(pool: H
 
 
 def test_pause_in_place_keeps_requests_abort_ends_them_retract_is_refused(pool: HTTPEnginePool) -> None:
-    long = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True, "sampling_seed": 1}
-    fut = run(pool, GenRequest(PROMPTS[0], long))
-    _wait(lambda: _running(pool) > 0, "the request to start")
-    pool.call("pause_generation", {"mode": "in_place"})
+    fut = _paused_mid_request(pool, "in_place")
     time.sleep(0.5)  # paused: a request that were still running would finish in this time
     assert not fut.done()
     pool.call("continue_generation", {})
     gen = fut.result(timeout=120)
-    assert gen.finish_reason == "length" and len(gen.output_ids) == 160
+    assert gen.finish_reason == "length" and len(gen.output_ids) == LONG["max_new_tokens"]
 
-    fut = run(pool, GenRequest(PROMPTS[1], long))
-    _wait(lambda: _running(pool) > 0, "the request to start")
-    pool.call("pause_generation", {"mode": "abort"})
+    fut = _paused_mid_request(pool, "abort")
     gen = fut.result(timeout=60)
     pool.call("continue_generation", {})
-    assert gen.finish_reason == "abort" and len(gen.output_ids) < 160
+    assert gen.finish_reason == "abort" and len(gen.output_ids) < LONG["max_new_tokens"]
     assert len(gen.output_logprobs) == len(gen.output_ids)  # a partial rollout keeps its μ
 
     with pytest.raises(EngineHTTPError, match="retract"):
@@ -166,14 +173,44 @@ def test_pause_in_place_keeps_requests_abort_ends_them_retract_is_refused(pool: 
         pool.call("update_weights_from_tensor", {"serialized_named_tensors": []})
 
 
+def test_rl_demo_trains_with_the_vllm_engine(pool: HTTPEnginePool, tmp_path: str) -> None:
+    """`mcore-rl train configs/demo.yaml`, 2 steps from the module's vLLM server: in fp32 the
+    engine's μ equals the trainer's π_old of the same tokens to rounding."""
+    run_dir = os.path.join(tmp_path, "run")
+    argv = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        os.path.join(ROOT, "configs", "demo.yaml"),
+        *VLLM_DEMO,
+        f"rollout.engine_urls=[{pool.urls[0]}]",
+        f"rollout.sync_dir={os.path.join(tmp_path, 'weights')}",
+        f"run_dir={run_dir}",
+        "train.num_steps=2",
+        "init.sft_steps=0",
+        "eval.at_start=false",
+        "eval.interval=0",
+        "eval.num_prompts=8",
+        "eval.k=1",
+    ]
+    env = {**os.environ, "MCORE_RL_PROGRESS": "0"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "mismatch/abs_logp_diff" in m]
+    assert [m["rl_step"] for m in steps][-1] == 2
+    for m in steps:
+        assert m["mismatch/abs_logp_diff"] < 1e-4  # vLLM fp32 vs the trainer's fp32 log-probs of the same tokens
+        assert m["rollout/policy_version_min"] == m["rl_step"]  # each step sampled from the weights synced to vLLM
+
+
 def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePool) -> None:
     """Last in the module: the restarted engine serves again once a weight sync reached it."""
     from mcore_rl.rollout.router import NoHealthyEngine
 
     assert pool.processes is not None
-    long = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
-    futs = [run(pool, GenRequest(p, long)) for p in PROMPTS]
-    _wait(lambda: _running(pool) > 0, "the requests to start")
+    futs = [_in_flight(pool, p) for p in PROMPTS]
     pid = pool.processes.pids[0]
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -181,20 +218,53 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
         with pytest.raises(NoHealthyEngine):
             fut.result(timeout=60)
     url = pool.urls[0]
-    _wait(lambda: pool.states.state(url) is EngineState.WAITING, "the restarted engine to answer", 240)
+    _wait(lambda: pool.states.state(url) is EngineState.WAITING, "the restarted engine to answer", 600)
+    assert not _group_members(pid), "a child of the killed vLLM server (EngineCore, worker) outlived it"
     sync(pool, SEED, 3)
     assert pool.states.state(url) is EngineState.SERVING
     gen = pool.generate([GenRequest(PROMPTS[0], {"temperature": 1.0, "max_new_tokens": 4})])[0]
     assert gen.weight_version == 3 and gen.output_ids
 
 
-def _running(pool: HTTPEnginePool) -> int:
-    """Requests the engine is running now (its Prometheus gauge)."""
-    with urllib.request.urlopen(pool.urls[0] + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return int(
-        sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
-    )
+LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
+
+
+def _in_flight(pool: HTTPEnginePool, prompt: list[int]) -> Future[Generation]:
+    """A long request the engine is running: vLLM schedules first come, first served, so once a
+    one-token request sent after it has finished, it runs (and is checked to be unfinished)."""
+    for _ in range(5):
+        fut = run(pool, GenRequest(prompt, LONG))
+        _wait(lambda: sum(pool.router.outstanding.values()) > 0, "the request to be sent")
+        pool.generate([GenRequest(PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 1})])
+        if not fut.done():
+            return fut
+        fut.result()
+    pytest.fail("every long request finished before it could be caught running")
+
+
+def _paused_mid_request(pool: HTTPEnginePool, mode: str) -> Future[Generation]:
+    """A long request caught running, and the engine paused with `mode` while it runs."""
+    for _ in range(5):
+        fut = _in_flight(pool, PROMPTS[0])
+        pool.call("pause_generation", {"mode": mode})
+        if not fut.done() or fut.result().finish_reason == "abort":
+            return fut
+        pool.call("continue_generation", {})  # it finished between the check and the pause
+    pytest.fail(f"could not pause ({mode}) while a request ran")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a started engine leads its own group)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(pid))
+    return found
 
 
 def _wait(cond: object, what: str, timeout: float = 30.0) -> None:

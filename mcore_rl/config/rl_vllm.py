@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_VENV_ENV = "MCORE_RL_VLLM_VENV"
 VLLM_SETUP = "tools/setup_vllm.sh"
+VLLM_READY_STAMP = ".mcore_rl_vllm_ok"  # written into the venv by the setup script once it is complete
 
 
 def check_vllm_engines(cfg: RLConfig, errors: Errors) -> None:
@@ -100,3 +101,10 @@ def vllm_python(configured: str | None = None) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     venv = os.environ.get(VLLM_VENV_ENV) or os.path.join(root, ".vllm-venv")
     return os.path.join(venv, "bin", "python")
+
+
+def vllm_venv_ready(configured: str | None = None) -> bool:
+    """Has `tools/setup_vllm.sh` finished the venv of `vllm_python(configured)`? (The interpreter
+    exists long before vLLM is installed: CI creates the venv while the main suite runs.)"""
+    venv = os.path.dirname(os.path.dirname(vllm_python(configured)))
+    return os.path.isfile(os.path.join(venv, VLLM_READY_STAMP))

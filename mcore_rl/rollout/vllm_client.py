@@ -134,13 +134,18 @@ class VLLMEngineClient(EngineClient):
         }
         if start is not None and start >= 0:
             request["prompt_logprobs"] = 0
+        scoring = request.get("max_tokens") == 0  # SGLang's prompt scoring; vLLM generates at least one token
+        if scoring:
+            request["max_tokens"] = 1
         reply = await self._call("POST", "/v1/completions", request, retry=True, rids=[rid])
         choice = reply["choices"][0]
-        ids = [int(t) for t in choice.get("token_ids") or []]
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        ids = [] if scoring else [int(t) for t in choice.get("token_ids") or []]
+        logprobs = [] if scoring else (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(logprobs) != len(ids):
+            raise ValueError(f"{self.base_url}: vLLM answered {len(ids)} output ids but {len(logprobs)} log-probs")
         meta: dict[str, Any] = {
             "id": rid,
-            "finish_reason": {"type": choice.get("finish_reason") or "abort"},
+            "finish_reason": {"type": "length" if scoring else choice.get("finish_reason") or "abort"},
             "prompt_tokens": len(input_ids),
             "completion_tokens": len(ids),
             "output_token_logprobs": [[float(lp), t, None] for lp, t in zip(logprobs, ids)],
