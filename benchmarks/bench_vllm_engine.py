@@ -47,7 +47,9 @@ def mcore_rl(*args: str) -> None:
 def parity(dtype: str, prompts: int, samples: int) -> None:
     precision = "none" if dtype == "float32" else "bf16"
     with tempfile.TemporaryDirectory() as tmp:
-        with VLLMEngineProcesses.start_vllm(DEMO_MODEL, num=1, workdir=tmp, dtype=dtype, context_length=256) as procs:
+        with VLLMEngineProcesses.start_vllm(
+            DEMO_MODEL, num=1, workdir=tmp, dtype=dtype, context_length=256, startup_timeout_s=900
+        ) as procs:
             out = os.path.join(tmp, "parity.json")
             overrides = [*COMMON, "rollout.engine_kind=vllm", "rollout.sync_transport=disk"]
             overrides += [f"rollout.sync_dir={os.path.join(tmp, 'weights')}", f"run_dir={os.path.join(tmp, 'run')}"]

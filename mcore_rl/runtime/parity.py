@@ -473,10 +473,13 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
         url_pool = build_engine_pool(
             rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir, tokenizer_path=cfg.data.tokenizer_path
         )
+        url_transport = url_pool.weight_transport(rc)
+        if hasattr(url_transport, "pause_mode"):  # as the trainer's loop does (vLLM refuses SGLang's retract)
+            url_transport.pause_mode = rc.pause_mode
         WeightSync(
             run.chunks,
             cfg.model,
-            url_pool.weight_transport(rc),
+            url_transport,
             bucket_bytes=r.sync_bucket_mb << 20,
             quantization="fp8" if r.quantization == "fp8" else None,
         ).sync(1)
