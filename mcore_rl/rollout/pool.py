@@ -704,7 +704,7 @@ class HTTPEnginePool:
             if isinstance(err, EngineHTTPError) and err.status == 404:
                 self._no_checksum.add(url)
                 logger.warning(
-                    "engine %s has no /weights_checksum (a real SGLang server?): the weights it loads "
+                    "engine %s has no /weights_checksum (a real SGLang or vLLM server): the weights it loads "
                     "are not checked against the trainer's checksum",
                     url,
                 )
