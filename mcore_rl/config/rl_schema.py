@@ -217,6 +217,10 @@ class RolloutConfig(Sectioned):
     """Engines, sampling and batch shape of the rollouts."""
 
     engine_urls: list[str] = field(default_factory=list)  # SGLang / `mcore-rl serve` URLs; [] = embedded
+    # the engines' server: "sglang" (SGLang's protocol: SGLang, `mcore-rl serve`, embedded) or "vllm"
+    # (vLLM servers at engine_urls, else num_embedded_engines vLLM processes the trainer starts)
+    engine_kind: Literal["sglang", "vllm"] = "sglang"
+    vllm_python: str | None = None  # engine_kind vllm: its venv's python (None: $MCORE_RL_VLLM_VENV, .vllm-venv)
     num_embedded_engines: int = 1  # with engine_urls empty: embedded engines (in-process, or started processes)
     quantization: Literal["fp8", "bf16", "none"] = "none"  # engine weights: FP8 blocks, bf16, or fp32
     group_size: int = 8  # G samples per prompt

@@ -20,6 +20,7 @@ from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rl_recipes import check_stages
+from mcore_rl.config.rl_vllm import check_vllm_engines
 from mcore_rl.config.rules import (
     Errors,
     build_task,
@@ -81,6 +82,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     check_judges(cfg.judges, errors)
     check_sampling_mask_replay(cfg, errors)
+    check_vllm_engines(cfg, errors)
     check_stages(cfg, errors)
     hooks.check_all(cfg, errors)  # every registered recipe's keys (mcore_rl/recipes/)
     check_observability(cfg.logging, errors)  # observability
@@ -157,7 +159,7 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
     check_engine_group(r.engines, "rollout", started_engines(r), errors, r.ENGINE_KEYS)
     check_speculative(r, errors)
     errors.need(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", f"must be >= 1, got {r.sync_bucket_mb}")
-    if r.engine_urls and r.sync_transport == "disk":
+    if (r.engine_urls or r.engine_kind == "vllm") and r.sync_transport == "disk":
         errors.need(
             bool(r.sync_dir), "rollout.sync_dir", "the disk weight transport needs a directory the engines can read"
         )
@@ -226,9 +228,12 @@ def check_sampling_mask_replay(cfg: RLConfig, errors: Errors) -> None:
 
 
 def started_engines(r: RolloutConfig) -> bool:
-    """Does the trainer start `mcore-rl serve` processes itself?"""
+    """Does the trainer start engine processes itself (`mcore-rl serve`, or vLLM servers, which
+    are never embedded)?"""
     if r.engine_urls:
         return False
+    if r.engine_kind == "vllm":
+        return True
     return r.runtime == "async" if r.engine_processes is None else r.engine_processes
 
 

@@ -284,8 +284,12 @@ class EngineProcesses:
     def _url(self, e: _Engine) -> str:
         return f"http://{self.host}:{e.port}"
 
+    def _argv(self, e: _Engine) -> list[str]:
+        """The command line of engine `e` (a subclass starts another server: `vllm_processes.py`)."""
+        return [sys.executable, "-m", "mcore_rl.cli", "serve", "--host", self.host, "--port", str(e.port), *e.argv_tail]
+
     def _launch(self, e: _Engine) -> None:
-        argv = [sys.executable, "-m", "mcore_rl.cli", "serve", "--host", self.host, "--port", str(e.port), *e.argv_tail]
+        argv = self._argv(e)
         with open(e.log_path, "ab") as log:
             e.log_offset = log.tell()
             log.write(f"--- engine {e.index}: {' '.join(argv)}\n".encode())

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -188,6 +189,8 @@ def build_engine_pool(
     `logprobs_mode` it expects (`expected_logprobs_mode`); given servers are checked
     (`check_logprobs_mode`)."""
 
+    if rollout.engine_kind == "vllm":
+        return build_vllm_pool(rollout, model, tokenizer, seed, workdir=workdir)
     mode = expected_logprobs_mode(rollout)
     if rollout.engine_urls:
         pool = HTTPEnginePool(
@@ -273,6 +276,52 @@ def speculative_settings(rollout: RolloutConfig) -> SpeculativeSettings | None:
         num_steps=rollout.speculative_num_steps,
         draft_model_path=rollout.speculative_draft_model_path,
     )
+
+
+def build_vllm_pool(
+    rollout: RolloutConfig, model: ModelConfig, tokenizer: Any, seed: int, *, workdir: str | None = None
+) -> HTTPEnginePool:
+    """`rollout.engine_kind: vllm`: the vLLM servers of `engine_urls`, else `num_embedded_engines`
+    vLLM processes this trainer starts (`vllm_processes.py`; files and logs in `workdir`), behind
+    `VLLMEngineClient`s; the trainer's tokenizer decodes their token ids."""
+    from mcore_rl.rollout.vllm_client import VLLMEngineClient  # lazy: aiohttp
+    from mcore_rl.rollout.vllm_processes import VLLMEngineProcesses  # lazy: the vLLM backend only
+
+    client = functools.partial(
+        VLLMEngineClient,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        eos_token_id=tokenizer.eos_id,
+    )
+    common: dict[str, Any] = dict(
+        timeout=rollout.request_timeout_s,
+        api_key=rollout.api_key,
+        admin_api_key=rollout.admin_api_key,
+        health_interval=rollout.health_check_interval_s,
+        num_layers=model.num_layers,
+        client_factory=client,
+        **engine_timeouts(rollout),
+    )
+    if rollout.engine_urls:
+        return HTTPEnginePool(rollout.engine_urls, **common)
+    procs = VLLMEngineProcesses.start_vllm(
+        model,
+        num=rollout.num_embedded_engines,
+        workdir=workdir or "engines",
+        python=rollout.vllm_python,
+        dtype="bfloat16" if rollout.quantization == "bf16" else "float32",
+        max_running_requests=rollout.max_running_requests,
+        context_length=rollout.context_length,
+        seed=seed,
+        cores=rollout.engine_cores or None,
+        threads=rollout.engine_threads,
+        api_key=rollout.api_key,
+        startup_timeout_s=rollout.engine_startup_timeout_s,
+    )
+    try:
+        return HTTPEnginePool(procs.urls, processes=procs, restart_dead=rollout.restart_engines, **common)
+    except BaseException:
+        procs.close()
+        raise
 
 
 class EmbeddedEnginePool:
@@ -493,7 +542,11 @@ class HTTPEnginePool:
         control_timeout: float | None = None,
         weight_update_timeout: float | None = None,
         no_engine_timeout_s: float = 0.0,
+        client_factory: Callable[..., Any] | None = None,
     ) -> None:
+        """`client_factory`: the engines' client class (None: `EngineClient`, SGLang's protocol;
+        `VLLMEngineClient` with its options bound for vLLM servers)."""
+        from mcore_rl.rollout.client import EngineClient  # lazy: aiohttp
         from mcore_rl.rollout.router import EngineRouter  # lazy: aiohttp
 
         if not urls:
@@ -516,6 +569,7 @@ class HTTPEnginePool:
                 health_interval=health_interval,
                 control_timeout=control_timeout,
                 weight_update_timeout=weight_update_timeout,
+                client_factory=client_factory or EngineClient,
             )
             router.start()
             return router
@@ -720,7 +774,7 @@ class HTTPEnginePool:
             if isinstance(err, EngineHTTPError) and err.status == 404:
                 self._no_checksum.add(url)
                 logger.warning(
-                    "engine %s has no /weights_checksum (a real SGLang server?): the weights it loads "
+                    "engine %s has no /weights_checksum (a real SGLang or vLLM server): the weights it loads "
                     "are not checked against the trainer's checksum",
                     url,
                 )

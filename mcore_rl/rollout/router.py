@@ -27,7 +27,7 @@ import logging
 import subprocess
 import sys
 from typing import Any
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from mcore_rl.rollout.client import (
     EngineClient,
@@ -68,11 +68,14 @@ class EngineRouter:
         admin_api_key: str | None = None,
         control_timeout: float | None = None,
         weight_update_timeout: float | None = None,
+        client_factory: Callable[..., EngineClient] = EngineClient,
     ) -> None:
+        """`client_factory`: the client class of the engines' protocol (`EngineClient`: SGLang's;
+        `vllm_client.VLLMEngineClient` for vLLM servers), called with a URL and the client options."""
         if not urls:
             raise ValueError("urls: at least one engine URL is needed")
         self.clients = {
-            u.rstrip("/"): EngineClient(
+            u.rstrip("/"): client_factory(
                 u,
                 timeout=timeout,
                 retries=retries,

@@ -45,7 +45,7 @@ import torch
 
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
-from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, build_engine_pool
+from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, HTTPEnginePool, build_engine_pool
 from mcore_rl.train.logprobs import _decoder_output_only, unwrap_gpt
 from mcore_rl.runtime.loop import RLRun
 from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
@@ -236,13 +236,23 @@ class EmbeddedScorer:
 
 
 class URLScorer:
-    """An SGLang-compatible server (a real SGLang URL or `mcore-rl serve`), over its HTTP API."""
+    """An SGLang-compatible server (a real SGLang URL or `mcore-rl serve`), over its HTTP API; with
+    `pool` (the `HTTPEnginePool` of that URL) through the pool's client, which speaks the engine's
+    protocol (SGLang's, or vLLM's with `rollout.engine_kind: vllm`)."""
 
-    def __init__(self, url: str, num_layers: int) -> None:
-        self.name, self.num_layers = url, num_layers
+    def __init__(self, url: str, num_layers: int, pool: HTTPEnginePool | None = None) -> None:
+        self.name, self.num_layers, self.pool = url, num_layers, pool
 
     def _gather(self, bodies: list[dict[str, Any]]) -> list[Any]:
         from mcore_rl.rollout.client import EngineClient  # lazy: aiohttp
+
+        if self.pool is not None:
+            client = self.pool.router.clients[self.name.rstrip("/")]
+
+            async def through_pool() -> list[Any]:
+                return await asyncio.gather(*(client.generate(b) for b in bodies))
+
+            return asyncio.run_coroutine_threadsafe(through_pool(), self.pool.loop).result()
 
         async def go() -> list[Any]:
             async with EngineClient(self.name) as client:
@@ -463,14 +473,19 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
         url_pool = build_engine_pool(
             rc, cfg.model, run.tokenizer, cfg.train.seed, workdir=cfg.run_dir, tokenizer_path=cfg.data.tokenizer_path
         )
+        url_transport = url_pool.weight_transport(rc)
+        if hasattr(url_transport, "pause_mode"):  # as the trainer's loop does (vLLM refuses SGLang's retract)
+            url_transport.pause_mode = rc.pause_mode
         WeightSync(
             run.chunks,
             cfg.model,
-            url_pool.weight_transport(rc),
+            url_transport,
             bucket_bytes=r.sync_bucket_mb << 20,
             quantization="fp8" if r.quantization == "fp8" else None,
         ).sync(1)
-        engines.append((URLScorer(url, cfg.model.num_layers), url_pool))
+        engines.append(
+            (URLScorer(url, cfg.model.num_layers, url_pool if isinstance(url_pool, HTTPEnginePool) else None), url_pool)
+        )
     log(f"parity: policy and {len(engines)} engine(s) ready in {time.perf_counter() - start:.1f} s")
 
     prompts: list[Prompt] = run.prompts.take(opts.num_prompts)

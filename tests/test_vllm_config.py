@@ -1,0 +1,90 @@
+"""`rollout.engine_kind: vllm` without a vLLM server: what the validation refuses, and the client's
+pure translations of SGLang's fields (the server tests are in test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+from mcore_rl.rollout.vllm_client import prompt_logprobs, vllm_request_id, vllm_sampling_params
+
+VLLM = [
+    "rollout.engine_kind=vllm",
+    "rollout.sync_transport=disk",
+    "rollout.sync_dir=/tmp/weights",
+    "rollout.vllm_python=/bin/sh",  # any existing file: the venv itself is not needed to validate
+    "model.hidden_size=64",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.ffn_hidden_size=128",
+    "model.num_layers=2",
+    "rollout.max_new_tokens=4",
+    "train.seq_length=32",
+    "init.sft_steps=0",
+]
+
+
+def problems(*overrides: str) -> str:
+    try:
+        validate_rl_config(load_config(RLConfig, None, [*VLLM, *overrides]), 1)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def test_a_cpu_vllm_config_validates() -> None:
+    assert problems() == ""
+
+
+@pytest.mark.filterwarnings("ignore:rollout.top_p/top_k truncate")
+@pytest.mark.parametrize(
+    "override, key, reason",
+    [
+        ("rollout.sync_transport=tensor", "rollout.sync_transport", "from disk only"),
+        ("rollout.sync_transport=distributed", "rollout.sync_transport", "need an accelerator"),
+        ("rollout.placement=colocated", "rollout.placement", "frees no memory"),
+        ("rollout.pause_mode=retract", "rollout.pause_mode", "recomputes in-flight"),
+        ("rollout.quantization=fp8", "rollout.quantization", "not on CPU"),
+        ("rollout.top_p=0.9", "rollout.top_p/top_k", "temperature-scaled full distribution"),
+        ("rollout.top_k=5", "rollout.top_p/top_k", "temperature-scaled full distribution"),
+        ("model.num_attention_heads=4", "model.kv_channels", "head dim 16"),
+        ("rollout.vllm_python=/nonexistent/python", "rollout.vllm_python", "setup_vllm.sh"),
+        ("rollout.sync_dir=null", "rollout.sync_dir", "directory the engines can read"),
+    ],
+)
+def test_what_vllm_cannot_do_on_cpu_is_refused_naming_the_key(override: str, key: str, reason: str) -> None:
+    found = [line for line in problems(override).splitlines() if line.strip().startswith(key + ":")]
+    assert any(reason in line for line in found), problems(override)
+
+
+def test_vllm_python_only_applies_to_vllm_engines() -> None:
+    err = "\n".join(line for line in problems("rollout.engine_kind=sglang").splitlines() if "vllm_python" in line)
+    assert "only applies with rollout.engine_kind: vllm" in err
+
+
+def test_sampling_params_map_to_vllm_names_and_stop_at_eos() -> None:
+    sp = {"temperature": 0.7, "max_new_tokens": 5, "sampling_seed": 3, "top_p": 1.0, "stop_token_ids": [9]}
+    assert vllm_sampling_params(sp, 258) == {
+        "temperature": 0.7,
+        "max_tokens": 5,
+        "seed": 3,
+        "top_p": 1.0,
+        "stop_token_ids": [9, 258],
+    }
+    assert "stop_token_ids" not in vllm_sampling_params({"ignore_eos": True}, 258)
+    with pytest.raises(ValueError, match="sampling_params.stop:"):
+        vllm_sampling_params({"stop": ["\n"]}, 258)
+
+
+def test_prompt_logprobs_in_sglang_shape() -> None:
+    reply = [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.0}}, {"7": {"logprob": -3.0}}]
+    assert prompt_logprobs([4, 5, 6, 7], reply, 0) == [
+        [None, 4, None],
+        [-1.0, 5, None],
+        [-2.0, 6, None],
+        [-3.0, 7, None],
+    ]
+    assert prompt_logprobs([4, 5, 6, 7], reply, 2) == [[None, 6, None], [-3.0, 7, None]]
+    with pytest.raises(ValueError, match="expected 4 entries"):
+        prompt_logprobs([4, 5, 6, 7], reply[:2], 0)
+    assert vllm_request_id("r1") == "cmpl-r1-0"

@@ -1,0 +1,274 @@
+"""The vLLM backend against a real vLLM server process the pool starts (one for the module).
+
+Skipped without the vLLM venv (`bash tools/setup_vllm.sh`; CI creates it and runs this tier).
+The model is the RL demo's (`configs/demo.yaml`) with a head dim of 32 (vLLM's CPU attention takes
+no smaller one), made here; its reference is the same weights in `McoreRLForCausalLM`, the
+trainer's HF-side model, in fp32. The demo itself trains a few steps against the same server
+(through `rollout.engine_urls`), and the last test kills the server's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from mcore_rl.config.rl_schema import RolloutConfig
+from mcore_rl.config.rl_vllm import vllm_python, vllm_venv_ready
+from mcore_rl.config.schema import ModelConfig
+from mcore_rl.data.tokenizer import ByteTokenizer
+from mcore_rl.rollout.client import EngineHTTPError
+from mcore_rl.rollout.engine_state import EngineState
+from mcore_rl.rollout.pool import Generation, GenRequest, HTTPEnginePool, build_vllm_pool
+from mcore_rl.rollout.weight_transports import SyncStats
+
+pytestmark = pytest.mark.skipif(
+    not vllm_venv_ready(),
+    reason=f"no vLLM venv at {os.path.dirname(os.path.dirname(vllm_python()))} (bash tools/setup_vllm.sh)",
+)
+
+SEED = 11
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MC = ModelConfig(  # configs/demo.yaml's model, head dim 32
+    vocab_size=384,
+    hidden_size=64,
+    ffn_hidden_size=256,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=32,
+    max_position_embeddings=256,
+)
+VLLM_DEMO = [
+    "rollout.engine_kind=vllm",
+    "rollout.quantization=none",
+    "model.kv_channels=32",
+    "rollout.sync_transport=disk",
+]
+PROMPTS = [[257, *b"12+34="], [257, *b"7+5="], [257, *b"99+1="]]
+
+
+def reference(seed: int) -> torch.nn.Module:
+    """The weights `write_vllm_model_dir` / `named_weights` make from `seed`, in the trainer's HF model."""
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return McoreRLForCausalLM(hf_config_from_model_config(MC)).float().eval()
+
+
+def named_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v.contiguous()) for k, v in reference(seed).state_dict().items()]
+
+
+def ref_logprobs(model: torch.nn.Module, prompt: list[int], out: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPEnginePool]:
+    root = tmp_path_factory.mktemp("vllm")
+    rollout = RolloutConfig(
+        engine_kind="vllm",
+        num_embedded_engines=1,
+        max_running_requests=8,
+        context_length=256,
+        sync_transport="disk",
+        sync_dir=str(root / "weights"),
+        health_check_interval_s=0.5,
+        engine_startup_timeout_s=600.0,  # the loaded 2-core machine: one start took 240 s
+        no_engine_timeout_s=600.0,
+    )
+    p = build_vllm_pool(rollout, MC, ByteTokenizer.default(), SEED, workdir=str(root / "engines"))
+    p.test_rollout = rollout  # type: ignore[attr-defined]  # the tests' sync needs the config
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def run(pool: HTTPEnginePool, req: GenRequest) -> Future[Generation]:
+    return asyncio.run_coroutine_threadsafe(pool.agenerate(req), pool.loop)
+
+
+def sync(pool: HTTPEnginePool, seed: int, version: int) -> float:
+    transport = pool.weight_transport(pool.test_rollout)  # type: ignore[attr-defined]
+    transport.pause_mode = "abort"  # type: ignore[attr-defined]
+    start = time.perf_counter()
+    transport.send([named_weights(seed)], version, SyncStats(version))
+    return time.perf_counter() - start
+
+
+def test_generation_logprobs_match_the_trainer_model_in_fp32(pool: HTTPEnginePool) -> None:
+    ref = reference(SEED)
+    for temperature in (1.0, 0.6):
+        reqs = [
+            GenRequest(p, {"temperature": temperature, "max_new_tokens": 8, "sampling_seed": i}, logprob_start_len=0)
+            for i, p in enumerate(PROMPTS)
+        ]
+        for req, gen in zip(reqs, pool.generate(reqs)):
+            assert gen.finish_reason in ("stop", "length") and gen.output_ids
+            assert len(gen.output_logprobs) == len(gen.output_ids)
+            assert gen.text == ByteTokenizer.default().decode(gen.output_ids, skip_special_tokens=True)
+            want = ref_logprobs(ref, req.input_ids, gen.output_ids, temperature)
+            assert max(abs(a - b) for a, b in zip(gen.output_logprobs, want)) < 1e-4
+            assert gen.input_logprobs is not None and len(gen.input_logprobs) == len(req.input_ids) - 1
+            prompt_ref = ref_logprobs(ref, req.input_ids[:1], req.input_ids[1:], 1.0)
+            assert max(abs(a - b) for a, b in zip(gen.input_logprobs, prompt_ref)) < 1e-4
+    # a sampling seed makes a sample reproducible; the eos id stops it and stays in the ids (as SGLang's)
+    a, b = pool.generate([GenRequest(PROMPTS[0], {"temperature": 1.0, "max_new_tokens": 20, "sampling_seed": 5})] * 2)
+    assert a.output_ids == b.output_ids
+    with pytest.raises(EngineHTTPError, match="sampling_params.stop"):
+        pool.generate([GenRequest(PROMPTS[0], {"max_new_tokens": 4, "stop": ["x"]})])
+
+
+def test_weight_sync_by_disk_changes_output_and_the_original_restores_it(pool: HTTPEnginePool) -> None:
+    greedy = [GenRequest(p, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}) for p in PROMPTS]
+    before = pool.generate(greedy)
+    sync(pool, SEED + 1, 1)
+    assert pool.weight_version == 1
+    after = pool.generate(greedy)
+    assert all(g.weight_version == 1 for g in after)
+    assert [g.output_ids for g in after] != [g.output_ids for g in before]
+    other = reference(SEED + 1)
+    for req, gen in zip(greedy, after):
+        want = ref_logprobs(other, req.input_ids, gen.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(gen.output_logprobs, want)) < 1e-4
+    sync(pool, SEED, 2)
+    restored = pool.generate(greedy)
+    assert [g.output_ids for g in restored] == [g.output_ids for g in before]
+    assert [g.output_logprobs for g in restored] == [g.output_logprobs for g in before]  # bit-identical
+    assert pool.weight_version == 2
+
+
+def test_pause_in_place_keeps_requests_abort_ends_them_retract_is_refused(pool: HTTPEnginePool) -> None:
+    fut = _paused_mid_request(pool, "in_place")
+    time.sleep(0.5)  # paused: a request that were still running would finish in this time
+    assert not fut.done()
+    pool.call("continue_generation", {})
+    gen = fut.result(timeout=120)
+    assert gen.finish_reason == "length" and len(gen.output_ids) == LONG["max_new_tokens"]
+
+    fut = _paused_mid_request(pool, "abort")
+    gen = fut.result(timeout=60)
+    pool.call("continue_generation", {})
+    assert gen.finish_reason == "abort" and len(gen.output_ids) < LONG["max_new_tokens"]
+    assert len(gen.output_logprobs) == len(gen.output_ids)  # a partial rollout keeps its μ
+
+    with pytest.raises(EngineHTTPError, match="retract"):
+        pool.call("pause_generation", {"mode": "retract"})
+    with pytest.raises(EngineHTTPError, match="sync_transport: disk"):
+        pool.call("update_weights_from_tensor", {"serialized_named_tensors": []})
+
+
+def test_rl_demo_trains_with_the_vllm_engine(pool: HTTPEnginePool, tmp_path: str) -> None:
+    """`mcore-rl train configs/demo.yaml`, 2 steps from the module's vLLM server: in fp32 the
+    engine's μ equals the trainer's π_old of the same tokens to rounding."""
+    run_dir = os.path.join(tmp_path, "run")
+    argv = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        os.path.join(ROOT, "configs", "demo.yaml"),
+        *VLLM_DEMO,
+        f"rollout.engine_urls=[{pool.urls[0]}]",
+        f"rollout.sync_dir={os.path.join(tmp_path, 'weights')}",
+        f"run_dir={run_dir}",
+        "train.num_steps=2",
+        "init.sft_steps=0",
+        "eval.at_start=false",
+        "eval.interval=0",
+        "eval.num_prompts=8",
+        "eval.k=1",
+    ]
+    env = {**os.environ, "MCORE_RL_PROGRESS": "0"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "mismatch/abs_logp_diff" in m]
+    assert [m["rl_step"] for m in steps][-1] == 2
+    for m in steps:
+        assert m["mismatch/abs_logp_diff"] < 1e-4  # vLLM fp32 vs the trainer's fp32 log-probs of the same tokens
+        assert m["rollout/policy_version_min"] == m["rl_step"]  # each step sampled from the weights synced to vLLM
+
+
+def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePool) -> None:
+    """Last in the module: the restarted engine serves again once a weight sync reached it."""
+    from mcore_rl.rollout.router import NoHealthyEngine
+
+    assert pool.processes is not None
+    futs = [_in_flight(pool, p) for p in PROMPTS]
+    pid = pool.processes.pids[0]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    for fut in futs:
+        with pytest.raises(NoHealthyEngine):
+            fut.result(timeout=60)
+    url = pool.urls[0]
+    _wait(lambda: pool.states.state(url) is EngineState.WAITING, "the restarted engine to answer", 600)
+    assert not _group_members(pid), "a child of the killed vLLM server (EngineCore, worker) outlived it"
+    sync(pool, SEED, 3)
+    assert pool.states.state(url) is EngineState.SERVING
+    gen = pool.generate([GenRequest(PROMPTS[0], {"temperature": 1.0, "max_new_tokens": 4})])[0]
+    assert gen.weight_version == 3 and gen.output_ids
+
+
+LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
+
+
+def _in_flight(pool: HTTPEnginePool, prompt: list[int]) -> Future[Generation]:
+    """A long request the engine is running: vLLM schedules first come, first served, so once a
+    one-token request sent after it has finished, it runs (and is checked to be unfinished)."""
+    for _ in range(5):
+        fut = run(pool, GenRequest(prompt, LONG))
+        _wait(lambda: sum(pool.router.outstanding.values()) > 0, "the request to be sent")
+        pool.generate([GenRequest(PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 1})])
+        if not fut.done():
+            return fut
+        fut.result()
+    pytest.fail("every long request finished before it could be caught running")
+
+
+def _paused_mid_request(pool: HTTPEnginePool, mode: str) -> Future[Generation]:
+    """A long request caught running, and the engine paused with `mode` while it runs."""
+    for _ in range(5):
+        fut = _in_flight(pool, PROMPTS[0])
+        pool.call("pause_generation", {"mode": mode})
+        if not fut.done() or fut.result().finish_reason == "abort":
+            return fut
+        pool.call("continue_generation", {})  # it finished between the check and the pause
+    pytest.fail(f"could not pause ({mode}) while a request ran")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a started engine leads its own group)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _wait(cond: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
