@@ -24,6 +24,19 @@ def test_registry_builds_the_addition_task_and_registers_its_reward() -> None:
     assert get_reward_fn(task.reward)(RewardInput(prompt, answer + "<|endoftext|>")) == 1.0
 
 
+def test_addition_lsd_writes_every_number_least_significant_digit_first() -> None:
+    task = get_task("addition_lsd", max_digits=2)
+    pairs = task.examples(200, seed=3)
+    plain = get_task("addition", max_digits=2).examples(200, seed=3)
+    for (prompt, answer), (p0, a0) in zip(pairs, plain):  # the same problems, the operands reversed
+        x, y = p0[:-1].split("+")
+        assert prompt == f"{x[::-1]}+{y[::-1]}=" and answer == a0
+        assert task.score(prompt, answer) == 1.0
+    assert task.score("70+53=", "240") == 1.0 and task.score("70+53=", "321") == 0.0  # 07 + 35, not 70 + 53
+    assert get_reward_fn(task.reward)(RewardInput("70+53=", "240<|endoftext|>")) == 1.0
+    assert get_reward_fn("addition")(RewardInput("70+53=", "321")) == 1.0  # the plain reward reads 70 + 53
+
+
 def test_unknown_task_lists_the_registered_ones() -> None:
     with pytest.raises(KeyError, match="unknown task 'nope'; registered: .*addition"):
         get_task("nope")

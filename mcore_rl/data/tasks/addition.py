@@ -37,24 +37,26 @@ DEFAULT_MAX_DIGITS = 1
 _PROMPT = re.compile(r"^\s*(\d+)\+(\d+)=\s*$")
 
 
-def format_addition(a: int, b: int, max_digits: int) -> dict[str, str]:
-    """The prompt/response pair for a + b."""
-    return {
-        "prompt": f"{a:0{max_digits}d}+{b:0{max_digits}d}=",
-        "response": f"{a + b:0{max_digits + 1}d}"[::-1],
-    }
+def format_addition(a: int, b: int, max_digits: int, reversed_operands: bool = False) -> dict[str, str]:
+    """The prompt/response pair for a + b (`reversed_operands`: the operands too least-significant first)."""
+    x, y = f"{a:0{max_digits}d}", f"{b:0{max_digits}d}"
+    if reversed_operands:
+        x, y = x[::-1], y[::-1]
+    return {"prompt": f"{x}+{y}=", "response": f"{a + b:0{max_digits + 1}d}"[::-1]}
 
 
-def make_addition_examples(n: int, seed: int, max_digits: int = DEFAULT_MAX_DIGITS) -> list[dict[str, str]]:
+def make_addition_examples(
+    n: int, seed: int, max_digits: int = DEFAULT_MAX_DIGITS, reversed_operands: bool = False
+) -> list[dict[str, str]]:
     """`n` random problems with operands of up to `max_digits` digits (deterministic in `seed`)."""
     if max_digits < 1:
         raise ValueError(f"max_digits must be >= 1, got {max_digits}")
     rng = random.Random(seed)
     hi = 10**max_digits - 1
-    return [format_addition(rng.randint(0, hi), rng.randint(0, hi), max_digits) for _ in range(n)]
+    return [format_addition(rng.randint(0, hi), rng.randint(0, hi), max_digits, reversed_operands) for _ in range(n)]
 
 
-def verify_addition(prompt: str, completion: str) -> float:
+def verify_addition(prompt: str, completion: str, reversed_operands: bool = False) -> float:
     """1.0 if `completion` is the reversed sum of the prompt's operands, else 0.0.
 
     Surrounding whitespace is ignored, and so are leading/trailing zeros (the value is compared, so
@@ -66,7 +68,8 @@ def verify_addition(prompt: str, completion: str) -> float:
     answer = completion.strip()
     if not answer.isdigit() or not answer.isascii():
         return 0.0
-    return 1.0 if int(answer[::-1]) == int(m.group(1)) + int(m.group(2)) else 0.0
+    x, y = (m.group(1)[::-1], m.group(2)[::-1]) if reversed_operands else (m.group(1), m.group(2))
+    return 1.0 if int(answer[::-1]) == int(x) + int(y) else 0.0
 
 
 @register_reward("addition")
@@ -78,6 +81,15 @@ def addition_reward(sample: RewardInput) -> float:
     for stop in ("<|endoftext|>", "<|im_end|>", "</s>", "\n"):
         completion = completion.split(stop, 1)[0]
     return verify_addition(sample.prompt, completion)
+
+
+@register_reward("addition_lsd")
+def addition_lsd_reward(sample: RewardInput) -> float:
+    """`addition_reward` for prompts whose operands are written least-significant digit first."""
+    completion = sample.completion
+    for stop in ("<|endoftext|>", "<|im_end|>", "</s>", "\n"):
+        completion = completion.split(stop, 1)[0]
+    return verify_addition(sample.prompt, completion, reversed_operands=True)
 
 
 @register_task("addition")
@@ -100,3 +112,24 @@ class AdditionTask:
 
     def max_answer_tokens(self) -> int:
         return self.max_digits + 2  # the reversed sum has max_digits + 1 digits, then end-of-text
+
+
+@register_task("addition_lsd")
+@dataclass(frozen=True)
+class AdditionLSDTask(AdditionTask):
+    """Addition with every number least-significant digit first: "70+53=" is 07 + 35, answer "240".
+
+    Each answer digit then sits a fixed distance after the two operand digits it adds (and after the
+    previous pair, whose carry it needs), for every digit position: relative position (RoPE) alone
+    finds them. With the operands most-significant first the distances differ per digit, so the model
+    must first learn where it is in the answer; that is the plateau of "addition" (the digits at
+    chance for a seed-dependent number of steps, docs/demo.md)."""
+
+    name: str = "addition_lsd"
+    reward: str = "addition_lsd"
+
+    def examples(self, n: int, seed: int) -> list[tuple[str, Any]]:
+        return [(ex["prompt"], ex["response"]) for ex in make_addition_examples(n, seed, self.max_digits, True)]
+
+    def score(self, prompt: str, completion: str) -> float:
+        return verify_addition(prompt, completion, reversed_operands=True)
