@@ -89,7 +89,7 @@ def test_each_pass_shows_progress_and_the_table_is_printed(tiny_hf_model, tmp_pa
     for desc, total in [("base greedy", 6), ("base avg@2 seed 1", 12), ("other greedy", 6)]:
         assert f"{desc}: 100%" in run.stderr and f"{total}/{total}" in run.stderr, (desc, run.stderr[-3000:])
     assert "base: loading" in run.stdout  # log_line: between the bars
-    assert "| addition |" in run.stdout and "other - base (95% CI)" in run.stdout, run.stdout
+    assert "| addition_lsd |" in run.stdout and "other - base (95% CI)" in run.stdout, run.stdout  # the demo's task
 
 
 def _env() -> dict[str, str]:
