@@ -344,11 +344,6 @@ class JudgeServer:
     def urls(self) -> tuple[str, ...]:
         return (self.url,) if isinstance(self.url, str) else tuple(self.url)
 
-    @property
-    def generate_url(self) -> str:
-        """The `/generate` endpoint of the server this call goes to first (the next in turn)."""
-        return _generate_url(self.urls[_NEXT.get(self.urls, 0) % len(self.urls)])
-
     async def generate(self, prompts: Sequence[str]) -> list[str]:
         """The judge's reply to each prompt, in one `/generate` call (a batch when several), from the
         next server in turn; one that cannot be reached passes the call on to the one after."""
