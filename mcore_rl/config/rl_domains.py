@@ -37,10 +37,10 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(d.path is None, "data.path", "set data.domains or data.path, not both (a file is a domain's path)")
     errors.need(
-        cfg.init.sft_steps <= 0 or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
+        cfg.init.sft_steps <= 0 or any(_feeds_warm_start(dom) for dom in d.domains),
         "init.sft_steps",
-        "the SFT warm start trains on the answers of task or reasoning-gym domains, and "
-        "every domain reads a file; start from init.checkpoint instead",
+        "the SFT warm start trains on the answers of task or reasoning-gym domains and on the turns of "
+        "an environment's scripted player, and no domain has either; start from init.checkpoint instead",
     )
     names = [dom.name for dom in d.domains]
     for i, dom in enumerate(d.domains):
@@ -57,6 +57,15 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         f"the mixture weights (data.domains[*].weight = {weights}) must sum to a positive number",
     )
     check_mixture(cfg, names, errors)
+
+
+def _feeds_warm_start(dom: DomainConfig) -> bool:
+    """A task or reasoning-gym domain, or an environment with a scripted player (`demonstrate`)."""
+    if dom.environment is not None:
+        from mcore_rl.envs import env_has_player, env_names  # lazy: every environment module
+
+        return dom.environment.name in env_names() and env_has_player(dom.environment.name)
+    return dom.task is not None or dom.reasoning_gym is not None
 
 
 def _where(i: int, dom: DomainConfig) -> tuple[str, str]:

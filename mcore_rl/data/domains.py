@@ -215,18 +215,34 @@ def task_examples(d: Any, n: int, seed: int, environment_examples: ExampleSource
     return make(n, seed)
 
 
-def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Collection[str] = ()) -> list[Any]:
+def warm_start_source(d: DomainConfig, has_player: Callable[[str], bool] | None = None) -> bool:
+    """Can domain `d` feed the SFT warm start: a task or reasoning-gym source (they know their answers),
+    or an environment with a scripted player (`has_player(name)`; none when not given: `data` cannot
+    import the environments)."""
+    kind = domain_source(d)[0]
+    if kind == "environment" and d.environment is not None:
+        return has_player is not None and has_player(d.environment.name)
+    return kind in ("task", "reasoning_gym")
+
+
+def sft_examples(
+    cfg: RLConfig,
+    tokenizer: Any,
+    n: int,
+    seed: int,
+    exclude: Collection[str] = (),
+    has_player: Callable[[str], bool] | None = None,
+) -> list[Any]:
     """The SFT warm start's (rendered prompt, reference answer) pairs of a multi-domain run: about
-    `n` in all, shared by the domains' mixture weights, from every domain whose source is a task
-    or a reasoning-gym generator (they know their answers; a file's label need not be one). Drawn
+    `n` in all, shared by the mixture weights of every domain that can feed the warm start (an
+    environment's share is played by its scripted player: `agent/demonstrations.py`), from every
+    domain whose source is a task or a reasoning-gym generator (a file's label need not be one). Drawn
     from each domain's training seed with its held-out prompts (`exclude`, raw texts) left out, so
     the warm start never sees a prompt that evaluation scores."""
     from mcore_rl.data.sft import SFTExample  # lazy: torch
 
     domains = [(i, d) for i, d in enumerate(cfg.data.domains) if domain_source(d)[0] in ("task", "reasoning_gym")]
-    if not domains:
-        raise DataError("init.sft_steps: no domain has a task or reasoning-gym source to take SFT answers from")
-    total = sum(d.weight for _, d in domains)
+    total = sum(d.weight for d in cfg.data.domains if warm_start_source(d, has_player))
     drop = set(exclude)
     out = []
     for i, d in domains:
@@ -243,6 +259,13 @@ def sft_examples(cfg: RLConfig, tokenizer: Any, n: int, seed: int, exclude: Coll
                 out.append(SFTExample(render(prompt), str(answer), f"{d.name}:{j}"))
     np.random.default_rng(seed).shuffle(out)  # domains interleaved in the packed rows
     return out
+
+
+def training_pool(cfg: RLConfig, i: int, environment_examples: ExampleSource | None = None) -> list[tuple]:
+    """Domain i's training pool as the run draws it (its held-out prompts already removed): what a
+    warm start may learn from without ever seeing a prompt that evaluation scores."""
+    files = read_domain_files(cfg)
+    return domain_pools(cfg, i, files, HELD_OUT_SEED_OFFSET, VALIDATION_SEED_OFFSET, environment_examples).train
 
 
 def hold_out(pool: list[tuple], n: int, seed: int) -> tuple[list[tuple], list[tuple]]:

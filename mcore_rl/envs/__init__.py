@@ -105,6 +105,16 @@ def env_tools(name: str, **options: Any) -> list[ToolSpec]:
     return env_entry(name).tools(env_options(name, **options))
 
 
+def env_has_player(name: str) -> bool:
+    """Does environment `name` ship a scripted player (`Environment.demonstrate`) for warm starts?"""
+    factory = env_entry(name).factory
+    return (
+        isinstance(factory, type)
+        and issubclass(factory, Environment)
+        and (factory.demonstrate is not Environment.demonstrate)
+    )
+
+
 def env_names() -> list[str]:
     return sorted(_ENVS)
 
@@ -120,6 +130,7 @@ __all__ = [
     "Message",
     "PromptSource",
     "env_entry",
+    "env_has_player",
     "env_names",
     "env_options",
     "env_prompts",

@@ -11,6 +11,7 @@ for every model family.
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,4 +64,9 @@ class Environment(ABC):
 
     def close(self) -> None:
         """Release what the episode holds (a sandbox, a subprocess); called once, also after a failure."""
+        return None
+
+    def demonstrate(self, rng: random.Random) -> str | None:
+        """The next turn of the environment's scripted player, from the state reached: what the SFT
+        warm start's demonstrations are made of (`agent/demonstrations.py`). None: no player."""
         return None

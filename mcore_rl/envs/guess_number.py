@@ -14,6 +14,12 @@ the interval) depends on the last message alone, not on remembering the whole co
 `min_span > 0` gives every prompt its own range inside `lo`-`hi` ("guess 3-7", at least `min_span`
 numbers), so a (range, secret) pair can be held out of training: with one fixed range there are only
 `hi - lo + 1` states.
+
+Its scripted player (`demonstrate`, for an SFT warm start) plays by `player`: "open" names a number
+still open, uniformly (valid play that reads the feedback but does not search: 69% solved on the
+agentic demo's options), "range" any number of the range (feedback ignored: 38.5%), "middle" the
+middle of the numbers still open (binary search: 97%). `benchmarks/guess_number_baselines.py`
+measures each.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class GuessNumberOptions:
     turn_penalty: float = 0.0
     feedback: Literal["direction", "interval"] = "direction"
     min_span: int = 0
+    player: Literal["open", "range", "middle"] = "open"  # the scripted player of warm starts (`demonstrate`)
 
     def __post_init__(self) -> None:
         if self.hi <= self.lo:
@@ -53,6 +60,8 @@ class GuessNumberOptions:
             raise ValueError(f"option 'turn_penalty' must be in [0, 1], got {self.turn_penalty}")
         if self.feedback not in ("direction", "interval"):
             raise ValueError(f"option 'feedback' must be 'direction' or 'interval', got {self.feedback!r}")
+        if self.player not in ("open", "range", "middle"):
+            raise ValueError(f"option 'player' must be 'open', 'range' or 'middle', got {self.player!r}")
         if self.min_span != 0 and not 2 <= self.min_span <= self.hi - self.lo + 1:
             raise ValueError(
                 f"option 'min_span' must be 0 (one fixed range) or 2..{self.hi - self.lo + 1} (hi - lo + 1), "
@@ -147,6 +156,14 @@ class GuessNumberEnv(Environment):
         if done:
             info["solved"] = False
         return EnvStep([_user(feedback)], reward=0.0, done=done, state=self._state(), info=info)
+
+    def demonstrate(self, rng: random.Random) -> str | None:
+        player = self.options.player
+        if player == "range":
+            return str(rng.randint(self.lo, self.hi))
+        if player == "middle":
+            return str((self.low + self.high) // 2)
+        return str(rng.randint(self.low, self.high))
 
 
 def _user(text: str) -> dict[str, Any]:

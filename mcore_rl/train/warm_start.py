@@ -38,7 +38,8 @@ def sft_warm_start(
     exclude: Collection[str] = (),
     log_every: int | None = None,
 ) -> dict[str, float]:
-    """`init.sft_steps` SFT steps on the task (with `data.domains`: on every task domain's answers);
+    """`init.sft_steps` SFT steps on the task (with `data.domains`: on every task domain's answers and
+    the scripted players' turns of the environment domains, `agent/demonstrations.py`);
     returns the last loss and the time taken. Problems whose prompt is in `exclude` (the held-out
     evaluation set) are left out."""
     from megatron.core import parallel_state as ps
@@ -49,13 +50,18 @@ def sft_warm_start(
 
     sft = cfg.sft_view(world_size)
     t, d = sft.train, sft.data
+    played: list[tuple[list[int], list[int]]] = []  # environment domains: their scripted players' turns
     if cfg.data.domains:  # every task domain's answers, shared by the mixture weights
+        from mcore_rl.agent.demonstrations import environment_rows  # lazy: the engine stack
         from mcore_rl.data.domains import sft_examples  # lazy: numpy
+        from mcore_rl.envs import env_has_player  # lazy: every environment module
 
-        examples = sft_examples(cfg, tokenizer, d.synthetic_num_examples, t.seed, exclude)
+        examples = sft_examples(cfg, tokenizer, d.synthetic_num_examples, t.seed, exclude, env_has_player)
+        played = environment_rows(cfg, tokenizer, d.synthetic_num_examples, t.seed)
     else:
         examples = task_examples(d.synthetic_task, d.synthetic_max_digits, d.synthetic_num_examples, t.seed, exclude)
-    rows = build_rows([tokenize_example(ex, tokenizer, True) for ex in examples], t.seq_length, True, tokenizer.pad_id)
+    tokenized = [tokenize_example(ex, tokenizer, True) for ex in examples] + played
+    rows = build_rows(tokenized, t.seq_length, True, tokenizer.pad_id)
     dp = ps.get_data_parallel_world_size()
     batches = SFTBatches(
         rows,

@@ -1,0 +1,87 @@
+"""Demonstrations from an environment's scripted player: the SFT warm start of an environment domain.
+
+A language model that starts from random weights must learn an environment's format (what a valid
+turn looks like) before reinforcement has anything to reinforce; a task domain's warm start learns
+it from reference answers, an environment has none. Its scripted player (`Environment.demonstrate`)
+stands in: it plays episodes from the domain's training prompts (the held-out (prompt, state) pairs
+are never among them) through the same `Episode` the rollouts use, so each demonstrated turn is
+trained on exactly the ids an RL sample of that turn has: the step's prompt (stepwise: the opening
+and the last `memory_k` steps) or the conversation so far, then the player's text and the model's
+end-of-turn token. Only those action tokens are targets. A weak player (valid play without the
+best strategy) leaves RL something to learn: what the warm start taught is measured against what RL
+adds (docs/agent_episodes.md).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from mcore_rl.agent.episodes import Episode, TurnOutput
+from mcore_rl.agent.groups import EpisodeGroups, environment_examples
+from mcore_rl.config.rl_schema import RLConfig
+from mcore_rl.data.domains import DOMAIN_SEED_STRIDE, training_pool, warm_start_source
+from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.envs import env_has_player
+
+Row = tuple[list[int], list[int]]  # token ids, and 1 where a token is a training target
+
+
+def play(episode: Episode, rng: random.Random) -> list[Row]:
+    """One episode played by its environment's scripted player: a row per turn."""
+    rows: list[Row] = []
+    end = episode.chat.stop_ids[-1:]  # the end of a model turn (ChatML's `<|im_end|>`, else the eos)
+    while (request := episode.request()) is not None:
+        text = episode.env.env.demonstrate(rng)
+        if text is None:
+            raise ValueError(f"environment {type(episode.env.env).__name__} has no scripted player")
+        ids = episode.chat.encode(text) + end
+        cap = episode.settings.max_tokens_per_turn
+        if len(ids) > cap:
+            raise ValueError(
+                f"the scripted player's turn {text!r} has {len(ids)} tokens, more than a model turn may have "
+                f"({cap}: environment.max_tokens_per_turn)"
+            )
+        if len(ids) > request.sampling_params["max_new_tokens"]:  # the episode's budget is spent, as in a rollout
+            episode.cut()
+            break
+        rows.append((request.input_ids + ids, [0] * len(request.input_ids) + [1] * len(ids)))
+        episode.advance(TurnOutput(ids=ids, logps=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop"))
+    episode.close()
+    return rows
+
+
+def domain_rows(groups: EpisodeGroups, domain: str, pool: Sequence[tuple], n: int, seed: int) -> list[Row]:
+    """About `n` demonstrated turns of one environment domain, its pool's prompts in a seeded order."""
+    rng = random.Random(seed)
+    order = list(range(len(pool)))
+    rows: list[Row] = []
+    j = 0
+    while len(rows) < n:
+        if j % len(order) == 0:
+            rng.shuffle(order)
+        text, label = pool[order[j % len(order)]][:2]
+        (episode,) = groups.episodes(Prompt(j, text, [], label, domain), [{}])
+        rows += play(episode, rng)
+        j += 1
+    return rows[:n]
+
+
+def environment_rows(cfg: RLConfig, tokenizer: Tokenizer, n: int, seed: int) -> list[Row]:
+    """The warm start's demonstrated turns of every environment domain with a player: `n` shared
+    with the task domains by the mixture weights (as `data.domains.sft_examples` shares them)."""
+    domains = cfg.data.domains
+    total = sum(d.weight for d in domains if warm_start_source(d, env_has_player))
+    groups = EpisodeGroups.from_config(cfg, tokenizer)
+    rows: list[Row] = []
+    for i, d in enumerate(domains):
+        if d.environment is None or not warm_start_source(d, env_has_player) or groups is None:
+            continue
+        k = max(1, round(n * d.weight / total))
+        pool = training_pool(cfg, i, environment_examples)
+        rows += domain_rows(groups, d.name, pool, k, seed + i * DOMAIN_SEED_STRIDE)
+    order = np.random.default_rng(seed).permutation(len(rows))
+    return [rows[k] for k in order]
