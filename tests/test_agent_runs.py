@@ -82,15 +82,25 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
     assert acc["episode_samples_trained"] == 16
 
     # step-wise, mixed with a single-turn task domain in one batch: a sample per step, each knowing
-    # its episode and step; the task's groups generated and scored as before
+    # its episode and step; the task's groups generated and scored as before. The SFT warm start
+    # trains on the task's answers and on the environment's scripted player (binary search): the
+    # random model's greedy guesses are invalid (penalty 0.5 each, as above), the warm-started
+    # model's first evaluation has none
     from mcore_rl.config.rl_schema import DomainConfig, DomainEvalConfig
 
-    cfg = env_config(f"{tmp}/stepwise", "data.mixture.sampling=interleave", trajectory="stepwise")
+    warm = ["init.sft_steps=120", "init.sft_seq_length=128", "init.sft_micro_batch_size=16", "eval.at_start=true"]
+    cfg = env_config(f"{tmp}/stepwise", "data.mixture.sampling=interleave", *warm, trajectory="stepwise")
+    assert cfg.data.domains[0].environment is not None
+    cfg.data.domains[0].environment.invalid_penalty = 0.5
+    cfg.data.domains[0].environment.options["player"] = "middle"
     add = DomainConfig(name="add", task="addition", options={"max_digits": 1}, max_new_tokens=8)
     add.eval = DomainEvalConfig(num_prompts=4)
     cfg.data.domains.append(add)
     validate_rl_config(cfg, 1)
     summary = run_rl(cfg)
+    with open(os.path.join(f"{tmp}/stepwise", "metrics.jsonl")) as f:
+        first_eval = next(r for r in map(json.loads, f) if "eval/guess/greedy_reward" in r)
+    assert first_eval["eval/guess/greedy_reward"] >= 0, first_eval
     recs = _records(f"{tmp}/stepwise")
     assert all(r["episode/count"] == 4 and r["episode/samples"] == 4 * r["episode/turns_mean"] for r in recs)
     assert all("reward/add/mean" in r and "reward/guess/mean" in r for r in recs)
