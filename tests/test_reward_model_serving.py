@@ -103,3 +103,26 @@ def test_a_domain_head_scores_the_policy_tokens(model_dir):
         assert s.reward_error is None, s.reward_error
         assert abs(s.reward_heads["reward_model"] - float(_alone(model_dir, ids)[0])) < 1e-5
         assert s.reward == 2.0 * s.reward_heads["reward_model"]
+
+
+def test_a_reward_model_that_cannot_read_every_policy_id_is_refused_before_workers_start(model_dir, tmp_path):
+    """An id past the reward model's vocabulary makes its sample a reward error (left out of the loss),
+    so a policy with a larger vocabulary could escape a low score: refused at validation, naming the key."""
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.config.errors import ConfigError
+    from mcore_rl.config.rl_schema import DomainConfig, RewardHeadConfig
+    from mcore_rl.config.rl_validate import validate_rl_config
+
+    def config(vocab: int, path: str) -> RLConfig:
+        cfg = load_config(RLConfig, None, [f"model.vocab_size={vocab}"])
+        head = RewardHeadConfig(name="reward_model", options={"model_dir": path})
+        cfg.data.domains = [DomainConfig(name="add", task="addition", rewards=[head])]
+        return cfg
+
+    validate_rl_config(config(VOCAB, model_dir), 1)  # the same vocabulary: accepted
+    with pytest.raises(
+        ConfigError, match=r"data.domains\[0\].rewards\[0\].options.model_dir: domain 'add': the reward "
+    ):
+        validate_rl_config(config(VOCAB + 1, model_dir), 1)
+    with pytest.raises(ConfigError, match=r"options.model_dir: domain 'add': .*config.json cannot be read"):
+        validate_rl_config(config(VOCAB, str(tmp_path / "nowhere")), 1)

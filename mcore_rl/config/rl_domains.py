@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
+import os
 import typing
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -294,6 +296,27 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                         f"{hk}.options.{name}",
                         f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
                     )
+        if h.name == "reward_model" and isinstance(options.get("model_dir"), str):
+            check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, f"{hk}.options.model_dir", who, errors)
+
+
+def check_reward_model_vocab(model_dir: str, policy_vocab: int, key: str, who: str, errors: Errors) -> None:
+    """A reward model must read every id the policy can write: an id past its vocabulary would make
+    that sample a reward error, left out of the loss, so a policy could escape a low score by
+    writing one. Read from the model's config.json, before any worker starts."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError) as err:
+        errors.need(False, key, f"{who}{path} cannot be read: {type(err).__name__}: {err}")
+        return
+    errors.need(
+        isinstance(vocab, int) and vocab >= policy_vocab,
+        key,
+        f"{who}the reward model's vocabulary ({vocab}, {path}) is smaller than the policy's "
+        f"(model.vocab_size = {policy_vocab}): ids it cannot read would escape its score",
+    )
 
 
 def literal_choices(fn: Any) -> dict[str, tuple]:
