@@ -25,6 +25,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.domains import DOMAIN_SEED_STRIDE, training_pool, warm_start_source
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.data.tool_calls import ParsedTurn, render_tool_calls
 from mcore_rl.envs import env_has_player
 
 Row = tuple[list[int], list[int]]  # token ids, and 1 where a token is a training target
@@ -35,9 +36,10 @@ def play(episode: Episode, rng: random.Random) -> list[Row]:
     rows: list[Row] = []
     end = episode.chat.stop_ids[-1:]  # the end of a model turn (ChatML's `<|im_end|>`, else the eos)
     while (request := episode.request()) is not None:
-        text = episode.env.env.demonstrate(rng)
-        if text is None:
+        turn = episode.env.env.demonstrate(rng)
+        if turn is None:
             raise ValueError(f"environment {type(episode.env.env).__name__} has no scripted player")
+        text = turn if isinstance(turn, str) else render_turn(turn, episode.settings.tool_format)
         ids = episode.chat.encode(text) + end
         cap = episode.settings.max_tokens_per_turn
         if len(ids) > cap:
@@ -52,6 +54,15 @@ def play(episode: Episode, rng: random.Random) -> list[Row]:
         episode.advance(TurnOutput(ids=ids, logps=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop"))
     episode.close()
     return rows
+
+
+def render_turn(turn: ParsedTurn, tool_format: str) -> str:
+    """A player's prose and tool calls as the model writes them in the domain's tool-call format."""
+    if not turn.calls:
+        return turn.content
+    if tool_format == "none":
+        raise ValueError("the scripted player calls tools, but the domain's environment.tool_format is 'none'")
+    return render_tool_calls(turn.content, turn.calls, tool_format)
 
 
 def domain_rows(groups: EpisodeGroups, domain: str, pool: Sequence[tuple], n: int, seed: int) -> list[Row]:

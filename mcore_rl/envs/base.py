@@ -66,7 +66,9 @@ class Environment(ABC):
         """Release what the episode holds (a sandbox, a subprocess); called once, also after a failure."""
         return None
 
-    def demonstrate(self, rng: random.Random) -> str | None:
+    def demonstrate(self, rng: random.Random) -> str | ParsedTurn | None:
         """The next turn of the environment's scripted player, from the state reached: what the SFT
-        warm start's demonstrations are made of (`agent/demonstrations.py`). None: no player."""
+        warm start's demonstrations are made of (`agent/demonstrations.py`). Text, or prose with tool
+        calls (written in the episode's tool-call format by the caller: environments know no format).
+        None: no player."""
         return None

@@ -15,6 +15,12 @@ the interval) depends on the last message alone, not on remembering the whole co
 numbers), so a (range, secret) pair can be held out of training: with one fixed range there are only
 `hi - lo + 1` states.
 
+With `fresh_secret`, every group draws its secret from its reset seed (the prompt gives only the
+range): with a few secrets per range in the training pool, a policy can learn *those* secrets (a
+search tree that finds them, and misses the held-out ones); with fresh secrets only search pays. The
+held-out games stay fixed (their reset seeds are), but a held-out (range, secret) pair is then no
+longer kept out of training: what is held out is a set of games, not a set of states.
+
 Its scripted player (`demonstrate`, for an SFT warm start) plays by `player`: "open" names a number
 still open, uniformly (valid play that reads the feedback but does not search: 69% solved on the
 agentic demo's options), "range" any number of the range (feedback ignored: 38.5%), "middle" the
@@ -50,6 +56,7 @@ class GuessNumberOptions:
     feedback: Literal["direction", "interval"] = "direction"
     min_span: int = 0
     player: Literal["open", "range", "middle"] = "open"  # the scripted player of warm starts (`demonstrate`)
+    fresh_secret: bool = False  # draw each group's secret from its reset seed, not the prompt's label
 
     def __post_init__(self) -> None:
         if self.hi <= self.lo:
@@ -121,6 +128,8 @@ class GuessNumberEnv(Environment):
             self.lo, self.hi, label = int(label["lo"]), int(label["hi"]), label["secret"]
             if not o.lo <= self.lo < self.hi <= o.hi:
                 raise ValueError(f"guess_number: the prompt's range {self.lo}-{self.hi} is outside {o.lo}-{o.hi}")
+        if o.fresh_secret:
+            label = None
         if isinstance(label, int) and not isinstance(label, bool):
             if not self.lo <= label <= self.hi:
                 raise ValueError(f"guess_number: the prompt's secret {label} is outside {self.lo}-{self.hi}")

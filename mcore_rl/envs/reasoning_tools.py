@@ -12,10 +12,12 @@ The Python tool keeps one sandboxed interpreter for the episode and closes it wi
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tool_calls import ParsedTurn, ToolCall
 from mcore_rl.data.tasks.reasoning_gym import (
     EXTRACTIONS,
     Extraction,
@@ -139,6 +141,17 @@ class ReasoningToolsEnv(Environment):
         elif self.turns >= self.options.max_turns:
             done, info["end_reason"] = True, "max_turns"  # still calling tools at the last turn: no answer
         return EnvStep(run.messages, reward=0.0, done=done, state=f"turn {self.turns}", info=info)
+
+    def demonstrate(self, rng: random.Random) -> str | ParsedTurn | None:
+        """A player that knows the entry: the calculator on the entry's expression first (where the
+        calculator is offered and the generator records one, as `basic_arithmetic` does), then the
+        reference answer in the answer tag."""
+        assert self.prompt is not None, "demonstrate before reset"
+        entry = self.prompt.label
+        expression = (entry.get("metadata") or {}).get("expression")
+        if self.turns == 0 and "calculator" in self.options.tools and isinstance(expression, str):
+            return ParsedTurn("", [ToolCall("calculator", {"expression": expression})])
+        return f"<answer>{entry['answer']}</answer>"
 
     def close(self) -> None:
         if self.toolset is not None:
