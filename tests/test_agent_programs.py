@@ -251,14 +251,18 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
 
 def _hermes_environment_run(tmp: str, init: str) -> None:
     """An environment domain with `tool_format: hermes` trains: every turn is parsed in the hermes
-    format by reasoning_tools' calculator toolset, the episodes end, and the step trains. (The tool
-    model emits no call under this environment's system prompt: calls are not shown counted here.)"""
+    format by reasoning_tools' calculator toolset, the episodes end, and the step trains. The tool
+    model (taught the example agent's `add` tool) is warm-started on the environment's scripted player
+    (a calculator call on the problem's expression, then the answer), so it calls the calculator here,
+    and its calls are counted: run, invalid (bad JSON or arguments) or failed, each by its event."""
     from mcore_rl.config import RLConfig, load_config
     from mcore_rl.config.rl_schema import DomainConfig, DomainEvalConfig, EnvironmentConfig
     from mcore_rl.config.rl_validate import validate_rl_config
     from mcore_rl.runtime import run_rl
 
+    warm = ["init.sft_steps=60", "init.sft_seq_length=512", "init.sft_micro_batch_size=2", "init.sft_num_examples=64"]
     overrides = [f"run_dir={tmp}/hermes", f"init.checkpoint={init}", *RUN, "train.num_steps=1", "rollout.group_size=2"]
+    overrides += warm
     cfg = load_config(RLConfig, None, overrides)
     env = EnvironmentConfig(
         name="reasoning_tools",
@@ -273,6 +277,8 @@ def _hermes_environment_run(tmp: str, init: str) -> None:
     summary = run_rl(cfg)
     (rec,) = _records(f"{tmp}/hermes")
     assert rec["episode/count"] == 4 and rec["episode/turns_mean"] >= 1
+    calls = {k: v for k, v in rec.items() if k.split("/")[-1] in ("tool_call", "invalid_call", "tool_error")}
+    assert sum(calls.values()) >= 1, rec  # the model's calls, counted by what became of them
     assert summary["accounting"]["trained"] == 2 and summary["accounting"]["episodes_trained"] == 4
 
 

@@ -131,3 +131,35 @@ def test_a_player_turn_longer_than_the_turn_budget_is_refused() -> None:
         ValueError, match=r"has 3 tokens, more than a model turn may have \(2: environment.max_tokens_per_turn\)"
     ):
         play(episode, random.Random(0))
+
+
+def test_the_reasoning_tools_player_calls_the_calculator_in_the_domains_format() -> None:
+    from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig
+
+    cfg = load_config(RLConfig, None, ["init.sft_steps=10", "rollout.max_new_tokens=200"])
+    env = EnvironmentConfig(
+        name="reasoning_tools",
+        options={"dataset": "basic_arithmetic", "tools": ["calculator"], "max_turns": 2},
+        tool_format="hermes",
+        max_turns=2,
+        max_tokens_per_turn=120,
+    )
+    cfg.data.domains = [DomainConfig(name="arith", environment=env)]
+    tok = load_tokenizer(None)
+    groups = EpisodeGroups.from_config(cfg, tok)
+    assert groups is not None
+    text, label = training_pool(cfg, 0, environment_examples)[0][:2]
+    (episode,) = groups.episodes(Prompt(0, text, [], label, "arith"), [{}])
+    rows = play(episode, random.Random(0))
+    said = [tok.decode([i for i, t in zip(ids, target) if t]) for ids, target in rows]
+    expression = label["metadata"]["expression"]
+    assert said == [
+        f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call><|im_end|>',
+        f"<answer>{label['answer']}</answer><|im_end|>",
+    ]
+    assert episode.events == {"tool_call": 1} and episode.episode_return == 1.0
+    # environments know no tool-call format: a domain without one cannot carry the player's calls
+    env.tool_format = "none"
+    (episode,) = groups.episodes(Prompt(0, text, [], label, "arith"), [{}])
+    with pytest.raises(ValueError, match="the scripted player calls tools, but the domain's environment.tool_format"):
+        play(episode, random.Random(0))
