@@ -208,6 +208,7 @@ def test_options_are_checked_before_any_sample() -> None:
         ("llm_judge", {"url": url, "temperature": -1}, "temperature"),
         ("llm_judge", {"url": url, "timeout": 0}, "timeout"),
         ("llm_judge", {"url": url, "chat_format": "llama"}, "chat_format"),
+        ("llm_judge", {"url": url, "on_bad_verdict": "skip"}, "on_bad_verdict: 'skip' is not one of lowest, error"),
         ("llm_judge", {"url": url, "sampling": {"temperature": 1.0}}, "sampling.temperature"),
         ("llm_judge", {"url": url, "sampling": ["top_p"]}, "sampling"),
         ("llm_judge", {"url": url, "template": "nope"}, "nope"),
@@ -354,19 +355,21 @@ def test_llm_judge_rewards_and_each_failure_costs_its_own_sample(scripted) -> No
     results = _score(fn, [RewardInput(f"question {c}", f"resp-{c}") for c in names])
     assert time.monotonic() - t0 < 4  # the slow one is cut at its timeout, the others do not wait
     by = dict(zip(names, results))
-    assert (by["A"].reward, by["A"].error, by["A"].info) == (0.7, None, {"judge_score": 7.0})
+    assert (by["A"].reward, by["A"].error, by["A"].info) == (0.7, None, {"judge_score": 7.0, "judge_unparsed": 0})
     assert (by["B"].reward, by["B"].error) == (1.0, None)
-    for c, why in [
-        ("C", "no score"),
-        ("D", "off the scale"),
-        ("E", "HTTP 500"),
-        ("F", "not JSON"),
-        ("G", "finish_reason length"),
-        ("H", "empty"),
-        ("S", "no reply within 1.5s"),
-    ]:
+    # a reply without a verdict (the response is in the judge's prompt: the policy could steer it
+    # there) scores the scale's lowest, counted; an error would leave the sample out of the loss
+    for c in "CDGH":
+        assert (by[c].reward, by[c].error, by[c].info["judge_unparsed"]) == (0.0, None, 1), (c, by[c])
+    # a judge that does not answer costs the sample as an error
+    for c, why in [("E", "HTTP 500"), ("F", "not JSON"), ("S", "no reply within 1.5s")]:
         assert by[c].reward == 0.0 and by[c].error is not None and why in by[c].error, (c, by[c].error)
         assert by[c].error.startswith("JudgeError: judge")
+    # on_bad_verdict: error, as before: every failure is an error, saying why
+    strict = judge_reward_fn("llm_judge", url=scripted.url, max_tokens=64, timeout=1.5, on_bad_verdict="error")
+    for c, r in zip("CDGH", _score(strict, [RewardInput(f"question {c}", f"resp-{c}") for c in "CDGH"])):
+        why = {"C": "no score", "D": "off the scale", "G": "finish_reason length", "H": "empty"}[c]
+        assert r.error is not None and r.error.startswith("JudgeError: judge") and why in r.error, (c, r.error)
     sent = {
         r["body"]["text"].split("[Response]\n")[1][:6]: r["body"]
         for r in scripted.requests()
@@ -394,13 +397,27 @@ def test_rubric_reward_is_the_mean_verdict_and_a_bad_verdict_costs_the_sample(sc
             RewardInput("q", "resp-R1"),
         ],
     )
-    assert (results[0].reward, results[0].error, results[0].info) == (0.75, None, {"verdicts": [1.0, 0.0, 1.0, 1.0]})
+    assert (results[0].reward, results[0].error, results[0].info) == (
+        0.75,
+        None,
+        {"verdicts": [1.0, 0.0, 1.0, 1.0], "judge_unparsed": 0},
+    )
     assert (results[1].reward, results[1].error) == (0.0, None)
-    assert results[2].error is not None and "no verdict" in results[2].error  # 3 of 4 parsed: still an error
+    # a constraint without a verdict counts as not satisfied (the lowest verdict), counted
+    assert (results[2].reward, results[2].info["verdicts"], results[2].info["judge_unparsed"]) == (
+        0.75,
+        [1.0, 0.0, 1.0, 1.0],
+        1,
+    )
     assert results[3].error is not None and "no rubric" in results[3].error
     batches = [r["body"]["text"] for r in scripted.requests()[before:]]
     assert sorted(len(b) for b in batches) == [4, 4, 4]  # one batched /generate per sample
     assert all("[Constraint]\n" + c in b[i] for b in batches for i, c in enumerate(rubric))
+    (strict,) = _score(
+        judge_reward_fn("rubric", url=scripted.url, timeout=10, on_bad_verdict="error"),
+        [RewardInput("q", "resp-R3", label=rubric)],
+    )
+    assert strict.error is not None and "no verdict" in strict.error  # 3 of 4 parsed: an error as a whole
     # One rubric for the whole domain, as an option:
     (r,) = _score(judge_reward_fn("rubric", url=scripted.url, rubric=rubric[:2]), [RewardInput("q", "resp-R1")])
     assert (r.reward, r.info["verdicts"]) == (0.5, [1.0, 0.0])
@@ -497,15 +514,17 @@ def engine(tmp_path_factory):
 
 def test_garbage_from_a_real_model_costs_exactly_its_samples(engine, tmp_path) -> None:
     """The tiny random model's replies are garbage: forwarded to it (through the scripted judge,
-    in the same batch as sensible verdicts), those samples and only those get `reward_error`."""
+    in the same batch as sensible verdicts), those samples and only those score the scale's lowest,
+    counted (or, under `on_bad_verdict: error`, get `reward_error`)."""
     judge = ScriptedJudge(tmp_path, [["resp-A", "Score: 7"], ["garbage", "@forward"]], "--upstream", engine.urls[0])
     try:
         samples = [RewardInput("q", c) for c in ("resp-A", "garbage-1", "resp-A", "garbage-2")]
-        results = _score(
-            judge_reward_fn("llm_judge", url=judge.url, max_tokens=12, accept_truncated=True, api_key="judge-key"),
-            samples,
-        )
+        options = {"url": judge.url, "max_tokens": 12, "accept_truncated": True, "api_key": "judge-key"}
+        results = _score(judge_reward_fn("llm_judge", **options), samples)
         assert [r.reward for r in results] == [0.7, 0.0, 0.7, 0.0]
+        assert all(r.error is None for r in results)
+        assert [r.info["judge_unparsed"] for r in results] == [0, 1, 0, 1]
+        results = _score(judge_reward_fn("llm_judge", **options, on_bad_verdict="error"), samples)
         assert results[0].error is None and results[2].error is None
         for r in (results[1], results[3]):
             assert r.error is not None and "judge" in r.error, r.error
@@ -515,20 +534,24 @@ def test_garbage_from_a_real_model_costs_exactly_its_samples(engine, tmp_path) -
 
 def test_every_judge_reward_against_mcore_rl_serve(engine) -> None:
     """Straight to the engine with its API key: the wire format is SGLang's (200s with text), and
-    the random model's garbage is an error per sample, for every judge reward; without the key, 401."""
+    the random model's garbage has no verdict: the lowest score, counted (an error per sample under
+    `on_bad_verdict: error`), for every judge reward; without the key, 401."""
     url = engine.urls[0]
     samples = [
         RewardInput("q", "an answer ### and more", label={"reference": "4", "rubric": ["a", "b"]}) for _ in range(2)
     ]
     for name in ("llm_judge", "rubric", "exprl_judge", "exprl_process"):
         for truncated in (False, True):
-            fn = judge_reward_fn(
-                name, url=url, api_key="judge-key", max_tokens=8, accept_truncated=truncated, chat_format="chatml"
-            )
-            results = _score(fn, samples)
+            options = {"url": url, "api_key": "judge-key", "max_tokens": 8, "accept_truncated": truncated}
+            results = _score(judge_reward_fn(name, **options, chat_format="chatml", on_bad_verdict="error"), samples)
             assert all(r.error is not None and r.error.startswith("JudgeError: judge reply") for r in results), (
                 name,
                 [r.error for r in results],
+            )
+            results = _score(judge_reward_fn(name, **options, chat_format="chatml"), samples)
+            assert all(r.error is None and r.reward == 0.0 and r.info["judge_unparsed"] >= 1 for r in results), (
+                name,
+                [(r.reward, r.error) for r in results],
             )
     (r,) = _score(judge_reward_fn("llm_judge", url=url, max_tokens=8), samples[:1])
     assert "HTTP 401" in r.error

@@ -17,11 +17,16 @@ Every judge prompt and every parser is in `TEMPLATES` below, and nowhere else. F
 - `exprl_process` (`exprl_process_reward`, ExpRL-Process): the same score for every prefix that
   ends at a "###" segment delimiter; reward = s_T, the per-segment delta advantages in the info.
 
-A judge that cannot give a verdict — an unparsable, empty, out-of-range or truncated reply, an
-HTTP error, a timeout, a dead server — raises `JudgeError` (or aiohttp's / asyncio's error): the
-reward runner (`base.py`) turns that into `reward_error` on that one sample; nothing is retried
-and no other sample is touched. A rubric sample with one bad verdict is an error as a whole (a mean
-over the verdicts that happened to parse would be a different reward).
+A judge that answers without a verdict — an unparsable, empty, out-of-range or truncated reply —
+scores the sample as the lowest point of its scale (`on_bad_verdict: lowest`, the default), counted
+in the sample's info (`judge_unparsed`, the replies of that sample without a verdict; the run's
+`reward/judge_unparsed_frac`): the response is part of the judge's prompt, so a policy could steer
+the judge into such replies, and an error would leave the sample out of the loss — a low score
+escaped. `on_bad_verdict: error` makes it an error instead. A judge that does not answer — an HTTP
+error, a timeout, a dead server, an aborted reply — raises `JudgeError` (or aiohttp's / asyncio's
+error): the reward runner (`base.py`) turns that into `reward_error` on that one sample; nothing is
+retried and no other sample is touched. A rubric sample with one bad verdict under `error` is an
+error as a whole (a mean over the verdicts that happened to parse would be a different reward).
 
 Options are keyword arguments, as a recipe's reward options reach them: `fn(sample, **options)`.
 Every judge takes `JudgeServer`'s (url, max_tokens, temperature, timeout, api_key, chat_format,
@@ -293,6 +298,9 @@ def render(t: JudgeTemplate, chat_format: str = "none", **values: str | None) ->
 _NEXT: dict[tuple[str, ...], int] = {}  # per group of judge servers: the index of the next one asked (this process)
 
 
+BAD_VERDICT = ("lowest", "error")  # what a reply without a verdict scores (`JudgeServer.on_bad_verdict`)
+
+
 class _Unreachable(Exception):
     """A judge server that cannot be reached (refused, reset): the call goes on to the next one."""
 
@@ -315,8 +323,9 @@ class JudgeServer:
     timeout: float = 25.0  # under the runner's default 30 s, so the judge's own message is the one seen
     api_key: str | None = None
     chat_format: str = "none"
-    accept_truncated: bool = False  # a reply cut at max_tokens: trusted, or an error (default)
+    accept_truncated: bool = False  # a reply cut at max_tokens: trusted, or no verdict (default)
     sampling: dict | None = None  # more SGLang sampling_params (top_p, stop, ignore_eos, ...)
+    on_bad_verdict: str = "lowest"  # a reply without a verdict: the scale's lowest score, or "error"
 
     def __post_init__(self) -> None:
         urls = [self.url] if isinstance(self.url, str) else self.url
@@ -337,6 +346,8 @@ class JudgeServer:
             taken = sorted({"max_new_tokens", "temperature"} & set(self.sampling))
             if taken:
                 raise ValueError(f"sampling.{taken[0]}: set it with the judge's own option (max_tokens, temperature)")
+        if self.on_bad_verdict not in BAD_VERDICT:
+            raise ValueError(f"on_bad_verdict: {self.on_bad_verdict!r} is not one of {', '.join(BAD_VERDICT)}")
         if self.chat_format not in CHAT_FORMATS:
             raise ValueError(f"chat_format: {self.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
 
@@ -344,9 +355,10 @@ class JudgeServer:
     def urls(self) -> tuple[str, ...]:
         return (self.url,) if isinstance(self.url, str) else tuple(self.url)
 
-    async def generate(self, prompts: Sequence[str]) -> list[str]:
+    async def generate(self, prompts: Sequence[str]) -> list[str | None]:
         """The judge's reply to each prompt, in one `/generate` call (a batch when several), from the
-        next server in turn; one that cannot be reached passes the call on to the one after."""
+        next server in turn; one that cannot be reached passes the call on to the one after. None: a
+        reply cut at max_tokens (unless `accept_truncated`), which has no verdict."""
         urls = self.urls
         first = _NEXT.get(urls, 0) % len(urls)
         _NEXT[urls] = first + 1
@@ -358,7 +370,7 @@ class JudgeServer:
                     raise JudgeError(str(err)) from None
         raise AssertionError("unreachable")  # (the loop returns or raises)
 
-    async def _generate(self, url: str, prompts: Sequence[str]) -> list[str]:
+    async def _generate(self, url: str, prompts: Sequence[str]) -> list[str | None]:
         body = {
             "text": list(prompts) if len(prompts) > 1 else prompts[0],
             "sampling_params": {
@@ -389,19 +401,33 @@ class JudgeServer:
         items = out if isinstance(out, list) else [out]
         if len(items) != len(prompts) or not all(isinstance(i, dict) and isinstance(i.get("text"), str) for i in items):
             raise JudgeError(f"judge {url}: expected {len(prompts)} generation(s) with a text, got {str(out)[:120]}")
-        texts = []
+        texts: list[str | None] = []
         for item in items:
             reason = ((item.get("meta_info") or {}).get("finish_reason") or {}).get("type")
-            if reason == "abort" or (reason == "length" and not self.accept_truncated):
+            if reason == "abort":  # the server gave up on it: no answer, not a bad one
                 raise JudgeError(f"judge reply stopped early (finish_reason {reason}): {_short(item['text'])}")
-            texts.append(item["text"])
+            texts.append(None if reason == "length" and not self.accept_truncated else item["text"])
         return texts
 
 
-async def _judge(server: JudgeServer, t: JudgeTemplate, values: Sequence[dict[str, str | None]]) -> list[float]:
-    """The parsed (raw-scale) score of each rendered prompt: one call, every reply parsed."""
+async def _judge(
+    server: JudgeServer, t: JudgeTemplate, values: Sequence[dict[str, str | None]]
+) -> tuple[list[float], int]:
+    """The parsed (raw-scale) score of each rendered prompt (one call, every reply parsed), and how
+    many replies had no verdict (scored the scale's lowest; raised under `on_bad_verdict: error`)."""
     prompts = [render(t, server.chat_format, **v) for v in values]
-    return [t.parser(text) for text in await server.generate(prompts)]
+    scores, unparsed = [], 0
+    for text in await server.generate(prompts):
+        try:
+            if text is None:
+                raise JudgeError("judge reply stopped early (finish_reason length): cut at max_tokens")
+            scores.append(t.parser(text))
+        except JudgeError:
+            if server.on_bad_verdict == "error":
+                raise
+            scores.append(t.parser.lo)
+            unparsed += 1
+    return scores, unparsed
 
 
 # ---------------------------------------------------------------------------- sample fields
@@ -456,8 +482,8 @@ async def llm_judge_reward(
     sample's reference answer (`reference_of`)."""
     t = _template(template, prompt)
     values = {"prompt": sample.prompt, "response": sample.completion, "reference": reference_of(sample, reference)}
-    (score,) = await _judge(JudgeServer(url, **server), t, [values])
-    return {"reward": t.parser.normalise(score), "judge_score": score}
+    (score,), unparsed = await _judge(JudgeServer(url, **server), t, [values])
+    return {"reward": t.parser.normalise(score), "judge_score": score, "judge_unparsed": unparsed}
 
 
 def rubric_mean(verdicts: Sequence[float]) -> float:
@@ -485,8 +511,9 @@ async def rubric_reward(
     values: list[dict[str, str | None]] = [
         {"prompt": sample.prompt, "response": sample.completion, "criterion": c} for c in items
     ]
-    verdicts = [t.parser.normalise(s) for s in await _judge(JudgeServer(url, **server), t, values)]
-    return {"reward": rubric_mean(verdicts), "verdicts": verdicts}
+    raw, unparsed = await _judge(JudgeServer(url, **server), t, values)
+    verdicts = [t.parser.normalise(s) for s in raw]
+    return {"reward": rubric_mean(verdicts), "verdicts": verdicts, "judge_unparsed": unparsed}
 
 
 def polarization(rewards: Sequence[float], high: float = 0.99) -> float:
@@ -520,8 +547,8 @@ async def exprl_reward(
     notes: without the matched reference the judge misplaces far more)."""
     t = _template(template, prompt)
     values = {"prompt": sample.prompt, "response": sample.completion, "reference": reference_of(sample, reference)}
-    (score,) = await _judge(JudgeServer(url, **server), t, [values])
-    return {"reward": t.parser.normalise(score), "judge_score": score}
+    (score,), unparsed = await _judge(JudgeServer(url, **server), t, [values])
+    return {"reward": t.parser.normalise(score), "judge_score": score, "judge_unparsed": unparsed}
 
 
 def segment_ends(text: str, delimiter: str = "###") -> list[int]:
@@ -590,9 +617,11 @@ async def exprl_process_reward(
     ref = reference_of(sample, reference)
     ends = segment_ends(sample.completion, delimiter)
     values = [{"prompt": sample.prompt, "response": sample.completion[:e], "reference": ref} for e in ends]
-    scores = [t.parser.normalise(s) for s in await _judge(JudgeServer(url, **server), t, values)]
+    raw, unparsed = await _judge(JudgeServer(url, **server), t, values)
+    scores = [t.parser.normalise(s) for s in raw]
     return {
         "reward": scores[-1],
+        "judge_unparsed": unparsed,
         "segment_scores": scores,
         "segment_ends": ends,
         "segment_advantages": delta_advantages(scores, norm),

@@ -391,6 +391,9 @@ def reward_metrics(groups: list[list[Sample]], prefix: str = "reward", per_domai
     if not samples:
         return {}
     out = _reward_stats(groups, prefix)
+    unparsed = [s.info["judge_unparsed"] for s in samples if "judge_unparsed" in s.info]
+    if unparsed:  # judge rewards: samples whose judge answered without a verdict (scored its lowest)
+        out[f"{prefix}/judge_unparsed_frac"] = float(np.mean([u > 0 for u in unparsed]))
     if per_domain:
         for d in sorted({s.prompt.domain for s in samples}):
             mine = [g for g in groups if g and g[0].prompt.domain == d]
