@@ -85,6 +85,49 @@ def test_hanging_crashing_and_silent_programs_cost_their_episode(tmp_path):
         assert s.episode == 0 and s.step_index == 0 and s.info["episode/events/refused_after_end"] == 0
 
 
+TRAINER = """
+import asyncio, sys
+from mcore_rl.agent.programs import AgentGroups
+from mcore_rl.config.rl_schema import AgentConfig
+from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tokenizer import load_tokenizer
+
+async def no_engine(req):
+    raise AssertionError("never called")
+
+tok = load_tokenizer(None)
+agents = {"hang": AgentConfig(command=[sys.executable, "-c", sys.argv[1]], timeout_s=600.0)}
+groups = AgentGroups(agents, {"hang": 64}, tok, context_length=256, vocab_size=tok.vocab_size)
+asyncio.run(groups.run_group(Prompt(0, "q", tok.encode("x"), "5", "hang"), [{}], no_engine))
+"""
+
+
+def test_what_an_agent_started_dies_with_a_sigkilled_trainer(tmp_path):
+    """The trainer runs no cleanup under SIGKILL: the agent's leash (its process group's leader, told
+    by the kernel that its parent died) kills the agent and the agent's own children."""
+    import signal
+    import subprocess
+
+    pidfile = tmp_path / "pids"
+    hang = "import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+    hang += f" open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}'); time.sleep(600)"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, hang], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and len(pidfile.read_text().split()) == 2):
+            assert trainer.poll() is None and time.monotonic() < deadline, "the agent never started"
+            time.sleep(0.05)
+        agent, grandchild = map(int, pidfile.read_text().split())
+        assert not _gone(agent) and not _gone(grandchild)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while not (_gone(agent) and _gone(grandchild)):
+        assert time.monotonic() < deadline, f"agent {agent} or its child {grandchild} outlived the trainer"
+        time.sleep(0.05)
+
+
 # ---- the example agent through `mcore-rl train` -------------------------------------------------
 
 RUN = [

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -155,13 +156,13 @@ class AgentGroups:
             "OPENAI_MODEL": agent.model_name,
         }
         proc = await asyncio.create_subprocess_exec(
-            *agent.command,
+            *leashed(agent.command),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,  # its own process group: the episode's end kills all it started
-            preexec_fn=preexec_die_with_parent(signal.SIGKILL),
+            preexec_fn=preexec_die_with_parent(signal.SIGTERM),  # the leash kills the group then
         )
         self._pids.add(proc.pid)
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -217,6 +218,27 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
     while chunk := await stream.read(1 << 16):
         kept += chunk[: max(0, cap - len(kept))]
     return bytes(kept)
+
+
+# The agent runs under a leash: a small Python process, leader of the episode's process group, that
+# runs the command as its child (stdin/stdout/stderr inherited) and exits as it exits. The kernel
+# sends the leash SIGTERM when the trainer dies, however it died (SIGKILL included), and the leash
+# then kills the whole group: the agent and everything it started, which a death signal on the agent
+# alone would leave running under PID 1.
+LEASH = """
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+rc = subprocess.call(sys.argv[1:])
+if rc < 0:  # the agent died of a signal: so does its leash, so the trainer reads the same status
+    signal.signal(-rc, signal.SIG_DFL)
+    os.kill(os.getpid(), -rc)
+sys.exit(rc)
+"""
+
+
+def leashed(command: Sequence[str]) -> list[str]:
+    """`command` under the leash (see LEASH)."""
+    return [sys.executable, "-S", "-c", LEASH, *command]
 
 
 def _kill_group(pid: int) -> None:
