@@ -303,7 +303,7 @@ def _hermes_environment_run(tmp: str, init: str) -> None:
     from mcore_rl.config.rl_validate import validate_rl_config
     from mcore_rl.runtime import run_rl
 
-    warm = ["init.sft_steps=60", "init.sft_seq_length=512", "init.sft_micro_batch_size=2", "init.sft_num_examples=64"]
+    warm = ["init.sft_steps=200", "init.sft_seq_length=512", "init.sft_micro_batch_size=4", "init.sft_num_examples=64"]
     overrides = [f"run_dir={tmp}/hermes", f"init.checkpoint={init}", *RUN, "train.num_steps=1", "rollout.group_size=2"]
     overrides += warm
     cfg = load_config(RLConfig, None, overrides)
@@ -312,7 +312,7 @@ def _hermes_environment_run(tmp: str, init: str) -> None:
         options={"dataset": "basic_arithmetic", "tools": ["calculator"], "max_turns": 2},
         tool_format="hermes",
         max_turns=2,
-        max_tokens_per_turn=80,
+        max_tokens_per_turn=160,  # a calculator call in hermes is ~80 tokens before its expression
         max_invalid_calls=2,
     )
     cfg.data.domains = [DomainConfig(name="arith", environment=env, eval=DomainEvalConfig(num_prompts=1))]

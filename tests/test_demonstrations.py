@@ -131,6 +131,10 @@ def test_a_player_turn_longer_than_the_turn_budget_is_refused() -> None:
         ValueError, match=r"has 3 tokens, more than a model turn may have \(2: environment.max_tokens_per_turn\)"
     ):
         play(episode, random.Random(0))
+    # a whole domain of such turns stops the warm start with that error (a few would be left out)
+    pool = [(f"guess 10-{hi}", {"lo": 10, "hi": hi, "secret": 12}) for hi in (15, 16, 17)]
+    with pytest.raises(ValueError, match="more than a model turn may have"):
+        domain_rows(groups, "guess", pool, 10, 0)
 
 
 def test_the_reasoning_tools_player_calls_the_calculator_in_the_domains_format() -> None:

@@ -7,13 +7,16 @@ stands in: it plays episodes from the domain's training prompts (the held-out (p
 are never among them) through the same `Episode` the rollouts use, so each demonstrated turn is
 trained on exactly the ids an RL sample of that turn has: the step's prompt (stepwise: the opening
 and the last `memory_k` steps) or the conversation so far, then the player's text and the model's
-end-of-turn token. Only those action tokens are targets. A weak player (valid play without the
+end-of-turn token. Only those action tokens are targets. An episode whose player writes a turn
+longer than `max_tokens_per_turn` is left out (the model could not write it), counted in a warning;
+when most are, the warm start stops with that error. A weak player (valid play without the
 best strategy) leaves RL something to learn: what the warm start taught is measured against what RL
 adds (docs/agent_episodes.md).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 
@@ -28,7 +31,13 @@ from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, render_tool_calls
 from mcore_rl.envs import env_has_player
 
+logger = logging.getLogger(__name__)
+
 Row = tuple[list[int], list[int]]  # token ids, and 1 where a token is a training target
+
+
+class TurnTooLong(ValueError):
+    """A player's turn the model could not write within `max_tokens_per_turn`."""
 
 
 def play(episode: Episode, rng: random.Random) -> list[Row]:
@@ -43,7 +52,8 @@ def play(episode: Episode, rng: random.Random) -> list[Row]:
         ids = episode.chat.encode(text) + end
         cap = episode.settings.max_tokens_per_turn
         if len(ids) > cap:
-            raise ValueError(
+            episode.close()
+            raise TurnTooLong(
                 f"the scripted player's turn {text!r} has {len(ids)} tokens, more than a model turn may have "
                 f"({cap}: environment.max_tokens_per_turn)"
             )
@@ -70,14 +80,21 @@ def domain_rows(groups: EpisodeGroups, domain: str, pool: Sequence[tuple], n: in
     rng = random.Random(seed)
     order = list(range(len(pool)))
     rows: list[Row] = []
-    j = 0
+    j = skipped = 0
     while len(rows) < n:
         if j % len(order) == 0:
             rng.shuffle(order)
         text, label = pool[order[j % len(order)]][:2]
         (episode,) = groups.episodes(Prompt(j, text, [], label, domain), [{}])
-        rows += play(episode, rng)
         j += 1
+        try:
+            rows += play(episode, rng)
+        except TurnTooLong:  # an episode the model could not play as the player does: not shown
+            skipped += 1
+            if skipped > max(20, 2 * (j - skipped)):
+                raise
+    if skipped:
+        logger.warning("domain %r: %d of %d demonstrated episodes skipped (a turn over its cap)", domain, skipped, j)
     return rows[:n]
 
 
