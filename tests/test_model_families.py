@@ -36,8 +36,11 @@ def _words(family_name: str) -> list[str]:
 
 
 def _bundle(family: ModelFamily) -> set[str]:
-    """A family's files: its reference modeling and HF side, and its megatron-core half."""
-    return {f"hf/{family.name}.py", f"models/{family.name}.py"}
+    """A family's files: its reference modeling and HF side, and its megatron-core half; with those of
+    the family it builds on and of the families that build on it (`ModelFamily.builds_on`: they share
+    that family's parts and `model.*` keys)."""
+    related = {family.name, family.builds_on} | {f.name for f in FAMILIES if f.builds_on == family.name}
+    return {f"{part}/{name}.py" for name in related if name for part in ("hf", "models")}
 
 
 # The registration, and the declaration of what users write under `model:` (the family's keys and
