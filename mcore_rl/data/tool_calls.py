@@ -279,6 +279,9 @@ def render_glm45(content: str, calls: Sequence[ToolCall]) -> str:
     return out
 
 
+# The format whose calls are key/value pairs in <tool_call> blocks, which a chat template shows by `<arg_key>`.
+ARG_PAIRS_FORMAT = "glm45"
+
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
@@ -297,7 +300,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             render=render_llama3_json,
         ),
         ToolCallFormat(
-            name="glm45",
+            name=ARG_PAIRS_FORMAT,
             sglang_parser="glm45",
             model_types=("glm4_moe",),
             parse=parse_glm45,

@@ -112,6 +112,9 @@ def to_stock(cfg: Any) -> Any:
         raise ValueError("stock GLM-4.5 has no o_proj bias (its attention_bias biases q/k/v only: qkv_bias)")
     if rope_scaling_of(cfg) is not None:
         raise ValueError("stock GLM-4.5 here runs plain RoPE (a scaled RoPE on partial rotary is not built)")
+    # head_dim is no declared field of the stock config, but its attention reads it (GLM-4.5: 128, not
+    # hidden_size / heads) and config.json carries it as an extra key
+    extra: dict[str, Any] = {"head_dim": cfg.head_dim}
     return Glm4MoeConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -120,7 +123,6 @@ def to_stock(cfg: Any) -> Any:
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
         n_shared_experts=shared // cfg.moe_intermediate_size,
         n_routed_experts=cfg.num_experts,
         routed_scaling_factor=cfg.routed_scaling_factor,
@@ -141,7 +143,8 @@ def to_stock(cfg: Any) -> Any:
         },
         attention_bias=bool(cfg.qkv_bias),
         use_qk_norm=bool(cfg.use_qk_norm),
-        num_nextn_predict_layers=cfg.num_nextn_predict_layers,
+        num_mtp_layers=cfg.num_nextn_predict_layers,  # written as num_nextn_predict_layers (attribute_map)
+        **extra,
     )
 
 
