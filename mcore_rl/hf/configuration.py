@@ -142,8 +142,11 @@ class McoreRLConfig(PretrainedConfig):
         self.qkv_bias = qkv_bias
         self.shared_expert_gate = bool(shared_expert_gate and num_experts and self.shared_expert_intermediate_size)
         self.sliding_window = sliding_window or None
-        # Partial rotary (GLM-4.5): RoPE turns the first head_dim x partial_rotary_factor channels of a head.
-        self.partial_rotary_factor = float(partial_rotary_factor)
+        # Partial rotary (GLM-4.5): RoPE turns the first head_dim x partial_rotary_factor channels of a
+        # head (`rope.rotary_dim`). Set only below 1: transformers 5 copies a config's factor into its
+        # rope_parameters, which would add it to every scaled-RoPE export.
+        if partial_rotary_factor != 1.0:
+            self.partial_rotary_factor = float(partial_rotary_factor)
         self.use_cache = use_cache
         # Mixed dense/MoE layers: layer i is MoE iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
         self.mlp_only_layers = [int(i) for i in (mlp_only_layers or [])]

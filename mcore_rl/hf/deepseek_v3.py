@@ -560,7 +560,8 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
 
 
 def check_router(m: ModelConfig, errors: Errors) -> None:
-    """The sigmoid router with expert bias, grouped top-k and scaling belongs to this arch (its reference MoE block)."""
+    """The sigmoid router with expert bias, grouped top-k and scaling (its reference MoE block); which
+    archs may set its keys at all is `config/moe_rules.py`'s rule (the families that list them)."""
     sigmoid = m.moe_router_score_function == "sigmoid"
     deepseek = m.arch == "deepseek_v3"
     if deepseek:
@@ -576,20 +577,6 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
             "model.multi_latent_attention",
             "arch deepseek_v3 has multi-head latent attention; set multi_latent_attention=true",
         )
-    else:
-        owned = _keys_of_arch(m.arch)  # a family that builds on this one (its record) shares the router
-        for key, value, default in [
-            ("moe_router_score_function", m.moe_router_score_function, "softmax"),
-            ("moe_router_num_groups", m.moe_router_num_groups, None),
-            ("moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
-            ("multi_latent_attention", m.multi_latent_attention, False),
-            ("mtp_num_layers_carried", m.mtp_num_layers_carried, 0),
-        ]:
-            errors.need(
-                value == default or key in owned,
-                f"model.{key}",
-                f"is {value} but needs model.arch={' or '.join(_archs_owning(key))} (arch is {m.arch!r})",
-            )
     errors.need(
         m.mtp_num_layers_carried >= 0,
         "model.mtp_num_layers_carried",
@@ -635,21 +622,6 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
             f"{per_group} experts (a group is ranked by its best {GROUP_RANK_EXPERTS}, so it needs at least "
             f"{GROUP_RANK_EXPERTS})",
         )
-
-
-def _keys_of_arch(arch: str) -> tuple[str, ...]:
-    """The `model.*` keys the family of `arch` owns (none for the GQA decoder's archs)."""
-    from .families import family_named  # here: families.py imports this module (an import cycle)
-
-    family = family_named(arch)
-    return family.model_keys if family else ()
-
-
-def _archs_owning(key: str) -> list[str]:
-    """The archs whose family owns `key`: this one, and those that build on it."""
-    from .families import FAMILIES  # here: families.py imports this module (an import cycle)
-
-    return [f.name for f in FAMILIES if key in f.model_keys]
 
 
 def check_latent_attention(m: ModelConfig, errors: Errors) -> None:
