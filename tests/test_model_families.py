@@ -36,8 +36,11 @@ def _words(family_name: str) -> list[str]:
 
 
 def _bundle(family: ModelFamily) -> set[str]:
-    """A family's files: its reference modeling and HF side, and its megatron-core half."""
-    return {f"hf/{family.name}.py", f"models/{family.name}.py"}
+    """A family's files: its reference modeling and HF side, and its megatron-core half; with those of
+    the family it builds on and of the families that build on it (`ModelFamily.builds_on`: they share
+    that family's parts and `model.*` keys)."""
+    related = {family.name, family.builds_on} | {f.name for f in FAMILIES if f.builds_on == family.name}
+    return {f"{part}/{name}.py" for name in related if name for part in ("hf", "models")}
 
 
 # The registration, and the declaration of what users write under `model:` (the family's keys and
@@ -45,6 +48,9 @@ def _bundle(family: ModelFamily) -> set[str]:
 # nothing else outside a bundle.
 REGISTRATION = "hf/families.py"
 KEY_DECLARATION = "config/schema.py"
+# The text formats of a family's chat template (its tool calls), keyed by its model type and named
+# as SGLang names its parsers: data the agentic runtime reads without importing the bundle.
+TEXT_FORMATS = "data/tool_calls.py"
 
 
 def _code_names(path: pathlib.Path) -> set[str]:
@@ -95,7 +101,7 @@ def test_a_family_is_its_bundle_plus_one_registration(family: ModelFamily) -> No
         if not any(w in text for w in [*words, *keys]):  # a cheap pre-filter: most files name neither
             continue
         code = _code_names(path)
-        if rel not in (REGISTRATION, KEY_DECLARATION):
+        if rel not in (REGISTRATION, KEY_DECLARATION, TEXT_FORMATS):
             named += [f"{rel}: {n!r}" for n in sorted(code) if any(w in n for w in words)]
         if rel != KEY_DECLARATION:
             read += [f"{rel}: {k}" for k in sorted(keys & code)]

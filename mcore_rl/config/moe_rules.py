@@ -25,6 +25,13 @@ def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
     # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
     from mcore_rl.hf.families import FAMILIES
 
+    for key in FAMILY_MODEL_KEYS:  # a family's key off its default needs an arch whose family lists it
+        value, owners = getattr(m, key), [f.name for f in FAMILIES if key in f.model_keys]
+        errors.need(
+            value == getattr(defaults, key) or m.arch in owners,
+            f"model.{key}",
+            f"is {value} but needs model.arch={' or '.join(owners)} (arch is {m.arch!r})",
+        )
     for family in FAMILIES:
         family.check_model(m, errors)
 

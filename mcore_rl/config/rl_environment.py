@@ -5,8 +5,8 @@ The environment must be registered (`mcore_rl.envs`, imported lazily as the othe
 accept its options; its tool-call format must be the one the model's chat template speaks. The
 template decides, not the architecture: SmolLM2 is a `llama` by `model_type` but chats in ChatML and
 was tuned on `<tool_call>` blocks, never on Llama 3's `<|python_tag|>` / `ipython` turns. So, in order:
-a chat template that writes tool calls (`<tool_call>`: hermes; `<|python_tag|>` or an `ipython` turn:
-llama3_json); else a ChatML template (`<|im_start|>`), whose tool layout is Hermes'; else, with no
+a chat template that writes tool calls (`<arg_key>` pairs in `<tool_call>`: glm45; `<tool_call>`: hermes;
+`<|python_tag|>` or an `ipython` turn: llama3_json); else a ChatML template (`<|im_start|>`), whose tool layout is Hermes'; else, with no
 template to read, the family of the `config.json` `model_type` next to `data.tokenizer_path`. The
 bundled byte tokenizer has no chat template of its own and is rendered as ChatML.
 """
@@ -108,6 +108,10 @@ def check_tool_format(cfg: RLConfig, key: str, who: str, tool_format: str, error
 def template_tool_format(template: str) -> tuple[str, str] | None:
     """(format, why) a chat template speaks, or None when it says nothing of tools: a template that
     writes calls names its format; a ChatML one that does not is Hermes' layout (the one built on it)."""
+    from mcore_rl.data.tool_calls import ARG_PAIRS_FORMAT  # here, as above: loading config needs no data package
+
+    if "<arg_key>" in template:  # GLM-4.5: <tool_call>name, then key/value pairs (not JSON)
+        return ARG_PAIRS_FORMAT, " (it writes <tool_call> blocks of <arg_key>/<arg_value> pairs)"
     if "<tool_call>" in template:
         return "hermes", " (it writes <tool_call> blocks)"
     if "<|python_tag|>" in template or "ipython" in template:

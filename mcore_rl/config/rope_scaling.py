@@ -52,3 +52,24 @@ def check_rope_scaling(
 
 def check_model_rope_scaling(m: ModelConfig, errors: Any) -> None:
     check_rope_scaling(m.rope_scaling, m.max_position_embeddings, errors)
+    check_rotary_percent(m, errors)
+
+
+def check_rotary_percent(m: ModelConfig, errors: Any) -> None:
+    """Partial rotary: a share of each head's channels that RoPE can rotate in pairs, on plain RoPE."""
+    p = m.rotary_percent
+    if not errors.need(0.0 < p <= 1.0, "model.rotary_percent", f"must be in (0, 1], got {p}"):
+        return
+    if p == 1.0:
+        return
+    rotated = int(m.head_dim * p)
+    errors.need(
+        rotated >= 2 and rotated % 2 == 0,
+        "model.rotary_percent",
+        f"{p} x head_dim {m.head_dim} = {rotated} rotated channels; RoPE needs an even number >= 2",
+    )
+    errors.need(
+        m.rope_scaling.type == "none",
+        "model.rope_scaling.type",
+        f"{m.rope_scaling.type!r} with rotary_percent {p} < 1 is not built (partial rotary runs plain RoPE)",
+    )

@@ -74,7 +74,7 @@ DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
 
-    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"  # deepseek_v3: MoE with DeepSeek names
+    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"] = "qwen3"  # deepseek_v3 / glm4_moe: MoE families
     vocab_size: int = 384  # true vocabulary size (padding for TP: make_vocab_size_divisible_by)
     hidden_size: int = 64  # model width d
     ffn_hidden_size: int = 256  # intermediate size of a dense MLP
@@ -133,6 +133,10 @@ class ModelConfig:
     # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
     # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
     make_vocab_size_divisible_by: int = 1
+    # --- GLM-4.5 ---
+    # Partial rotary (HF partial_rotary_factor, megatron-core's rotary_percent): RoPE turns the first
+    # rotary_percent x head_dim channels of each head, the rest pass unrotated (GLM-4.5: 0.5)
+    rotary_percent: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -140,7 +144,7 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.arch in ("qwen3_moe", "deepseek_v3")
+        return self.arch in ("qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Tool calls as plain data, and their text formats per model family.
 
 A model asks for a tool in its family's own syntax (Qwen2.5/Qwen3 and Hermes: `<tool_call>{json}</tool_call>`;
-Llama 3.x: a JSON object `{"name": ..., "parameters": ...}`). The agentic runtime, the OpenAI-compatible
+Llama 3.x: a JSON object `{"name": ..., "parameters": ...}`; GLM-4.5: `<tool_call>name` and one
+`<arg_key>k</arg_key><arg_value>v</arg_value>` pair per argument). The agentic runtime, the OpenAI-compatible
 server and the per-episode proxy all parse the same way, so what the trainer trains on is what a
 served model would have been understood to say.
 """
@@ -205,6 +206,82 @@ def render_llama3_json(content: str, calls: Sequence[ToolCall]) -> str:
     )
 
 
+_ARG_KEY, _ARG_KEY_END, _ARG_VALUE, _ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+def _glm45_value(text: str) -> Any:
+    """An argument's value as GLM-4.5's template writes it: a string as is, anything else as JSON.
+    Text that is valid JSON reads as that value (without the tool's schema a string argument "42"
+    cannot be told from the number; SGLang's `glm45` parser asks the schema), other text as a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _glm45_call(body: str, raw: str, index: int) -> ToolCall | str:
+    """One `<tool_call>` block's body (name, then key/value pairs) as a `ToolCall`, or why it is not one."""
+    cut = body.find(_ARG_KEY)
+    name = (body if cut < 0 else body[:cut]).strip()
+    if not name:
+        return "no function name after <tool_call>"
+    args: dict[str, Any] = {}
+    pos = cut
+    while pos >= 0:
+        key_end = body.find(_ARG_KEY_END, pos)
+        value_at = body.find(_ARG_VALUE, key_end) if key_end >= 0 else -1
+        value_end = body.find(_ARG_VALUE_END, value_at) if value_at >= 0 else -1
+        if value_end < 0 or body[key_end + len(_ARG_KEY_END) : value_at].strip():
+            return f"argument {len(args) + 1}: expected <arg_key>k</arg_key> then <arg_value>v</arg_value>"
+        key = body[pos + len(_ARG_KEY) : key_end].strip()
+        args[key] = _glm45_value(body[value_at + len(_ARG_VALUE) : value_end])
+        pos = body.find(_ARG_KEY, value_end)
+    return ToolCall(name=name, arguments=args, id=f"call_{index}", raw=raw)
+
+
+def parse_glm45(text: str) -> ParsedTurn:
+    """GLM-4.5 / GLM-4.6: `<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>`,
+    any number. The prose is the text before the first call (stripped); a block without its closing
+    tag, a name or a value for each key is an error."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=text[:start].strip())
+    pos = start
+    while pos >= 0:
+        body_at = pos + len(_HERMES_OPEN)
+        end = text.find(_HERMES_CLOSE, body_at)
+        n = len(turn.calls) + len(turn.errors) + 1
+        if end < 0:
+            turn.errors.append(f"tool call {n}: no closing {_HERMES_CLOSE} (the turn ended inside the call)")
+            break
+        call = _glm45_call(text[body_at:end], text[pos : end + len(_HERMES_CLOSE)], len(turn.calls))
+        if isinstance(call, str):
+            turn.errors.append(f"tool call {n}: {call}")
+        else:
+            turn.calls.append(call)
+        pos = text.find(_HERMES_OPEN, end + len(_HERMES_CLOSE))
+    return turn
+
+
+def render_glm45(content: str, calls: Sequence[ToolCall]) -> str:
+    """As GLM-4.5's chat template renders an assistant message's content and tool calls (after its
+    think block): a newline before the stripped content, then each call on its own lines, a string
+    value as is and any other as JSON."""
+    out = "\n" + content.strip() if content.strip() else ""
+    for c in calls:
+        pairs = "".join(
+            f"{_ARG_KEY}{k}{_ARG_KEY_END}\n{_ARG_VALUE}"
+            f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}{_ARG_VALUE_END}\n"
+            for k, v in c.arguments.items()
+        )
+        out += f"\n{_HERMES_OPEN}{c.name}\n{pairs}{_HERMES_CLOSE}"
+    return out
+
+
+# The format whose calls are key/value pairs in <tool_call> blocks, which a chat template shows by `<arg_key>`.
+ARG_PAIRS_FORMAT = "glm45"
+
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
@@ -221,6 +298,13 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("llama",),
             parse=parse_llama3_json,
             render=render_llama3_json,
+        ),
+        ToolCallFormat(
+            name=ARG_PAIRS_FORMAT,
+            sglang_parser="glm45",
+            model_types=("glm4_moe",),
+            parse=parse_glm45,
+            render=render_glm45,
         ),
     )
 }

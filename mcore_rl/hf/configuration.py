@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig
 
-from .rope import ROPE_KEYS, SUPPORTED_ROPE_TYPES, hf_rope_dict, rope_scaling_fields, rope_scaling_of, rope_type_of
+from .rope import (
+    ROPE_KEYS,
+    SUPPORTED_ROPE_TYPES,
+    hf_rope_dict,
+    partial_rotary_factor_of,
+    rope_scaling_fields,
+    rope_scaling_of,
+    rope_type_of,
+)
 from .families import FAMILIES, family_named, family_of, stock_decoder
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
@@ -73,6 +81,7 @@ class McoreRLConfig(PretrainedConfig):
         qkv_bias: bool = False,
         shared_expert_gate: bool = False,
         sliding_window: int | None = None,
+        partial_rotary_factor: float = 1.0,
         use_cache: bool = True,
         rope_parameters: dict | None = None,
         rope_scaling: dict | None = None,
@@ -133,6 +142,11 @@ class McoreRLConfig(PretrainedConfig):
         self.qkv_bias = qkv_bias
         self.shared_expert_gate = bool(shared_expert_gate and num_experts and self.shared_expert_intermediate_size)
         self.sliding_window = sliding_window or None
+        # Partial rotary (GLM-4.5): RoPE turns the first head_dim x partial_rotary_factor channels of a
+        # head (`rope.rotary_dim`). Set only below 1: transformers 5 copies a config's factor into its
+        # rope_parameters, which would add it to every scaled-RoPE export.
+        if partial_rotary_factor != 1.0:
+            self.partial_rotary_factor = float(partial_rotary_factor)
         self.use_cache = use_cache
         # Mixed dense/MoE layers: layer i is MoE iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
         self.mlp_only_layers = [int(i) for i in (mlp_only_layers or [])]
@@ -195,6 +209,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
         qkv_bias=mc.add_qkv_bias,
         shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
+        partial_rotary_factor=mc.rotary_percent,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
         **_mixed_and_family_fields(mc),
     )
@@ -293,6 +308,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
         ),
         sliding_window=(getattr(hf, "sliding_window", None) or None) if _windowed(model_type) else None,
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
+        rotary_percent=partial_rotary_factor_of(hf),
         moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
     )
     if family:
@@ -424,6 +440,12 @@ def unsupported_stock_fields(hf: Any, rope_key: str | None = None) -> list[str]:
     compute, one `field=value: reason` line each (the converter and the engine refuse on these).
     `rope_key` names the RoPE key as the user's file spells it (`rope.rope_key_in_file`)."""
     problems = []
+    family = family_of(hf)
+    stock_family = family is not None and getattr(hf, "model_type", None) == family.stock_model_type
+    # partial rotary: ours, and a family whose stock class rotates part of each head (its record says)
+    partial_ok = getattr(hf, "model_type", None) in OWN_MODEL_TYPES or (
+        family is not None and stock_family and family.partial_rotary
+    )
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if getattr(hf, "mlp_bias", False):
@@ -435,18 +457,17 @@ def unsupported_stock_fields(hf: Any, rope_key: str | None = None) -> list[str]:
             kind, partial = rope_type_of(rope), rope.get("partial_rotary_factor", 1.0)
             if kind not in SUPPORTED_ROPE_TYPES:
                 problems.append(f"{key}.rope_type={kind!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
-            if partial != 1.0:
+            if partial != 1.0 and not partial_ok:
                 problems.append(f"{key}.partial_rotary_factor={partial}: only full RoPE is supported")
             break
-    if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0):
+    if getattr(hf, "partial_rotary_factor", None) not in (None, 1.0) and not partial_ok:
         problems.append(f"partial_rotary_factor={hf.partial_rotary_factor}: only full RoPE is supported")
     if getattr(hf, "use_sliding_window", False):  # Qwen2 / Qwen3: a window on some layers only
         problems.append(
             "use_sliding_window=true: a sliding window on some layers (max_window_layers) is not "
             "supported (a window on every layer is: Mistral's sliding_window)"
         )
-    family = family_of(hf)
-    if family and getattr(hf, "model_type", None) == family.stock_model_type:
+    if family is not None and stock_family:
         problems += family.unsupported(hf)
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         problems.append(f"pretraining_tp={hf.pretraining_tp}: only 1 is supported")

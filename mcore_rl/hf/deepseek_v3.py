@@ -334,17 +334,23 @@ def moe_layer_pattern(hf: Any) -> list[int]:
     return [int(i >= k and i % freq == 0) for i in range(hf.num_hidden_layers)]
 
 
-def to_stock(cfg: Any) -> Any:
-    """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
-    from transformers import DeepseekV3Config
-
+def first_k_dense(cfg: Any, stock: str) -> int:
+    """`first_k_dense_replace` of our config's MoE layer pattern; another pattern raises, naming the
+    `stock` config class that cannot express it."""
     pattern = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
     first_k = pattern.index(True) if any(pattern) else len(pattern)
     if pattern != [False] * first_k + [True] * (len(pattern) - first_k):
         raise ValueError(
-            f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; "
-            "stock DeepseekV3Config cannot express it"
+            f"MoE layer pattern {[int(p) for p in pattern]} is not first-k-dense; {stock} cannot express it"
         )
+    return first_k
+
+
+def to_stock(cfg: Any) -> Any:
+    """A stock `DeepseekV3Config`; it has no per-layer pattern beyond first-k-dense, so others raise."""
+    from transformers import DeepseekV3Config
+
+    first_k = first_k_dense(cfg, "stock DeepseekV3Config")
     shared = cfg.shared_expert_intermediate_size
     if not shared or shared % cfg.moe_intermediate_size:
         raise ValueError("stock DeepSeek-V3 needs shared experts of n x moe_intermediate_size")
@@ -401,17 +407,9 @@ def unsupported(hf: Any) -> list[str]:
                 f"quantization_config={quantization}: only DeepSeek's block-scaled FP8 (quant_method "
                 "'fp8', fmt 'e4m3', weight_block_size [rows, cols]) is dequantized on import"
             )
-    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
-    if (
-        hf.n_routed_experts % groups
-        or hf.n_routed_experts // groups < GROUP_RANK_EXPERTS
-        or topk > group_topk * (hf.n_routed_experts // groups)
-    ):
-        problems.append(
-            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must divide "
-            f"into n_group groups of at least {GROUP_RANK_EXPERTS}, and topk_group groups must hold "
-            f"num_experts_per_tok ({topk}) experts"
-        )
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias=true: DeepSeek-V3's projections here have no biases")
+    problems += unsupported_groups(hf)
     if not hf.n_shared_experts:
         problems.append("n_shared_experts=0: DeepSeek-V3 without shared experts is not supported")
     if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
@@ -439,6 +437,22 @@ def unsupported(hf: Any) -> list[str]:
     return problems
 
 
+def unsupported_groups(hf: Any) -> list[str]:
+    """The grouped top-k of a stock config (`n_group`, `topk_group`) that routing cannot run."""
+    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
+    if (
+        hf.n_routed_experts % groups
+        or hf.n_routed_experts // groups < GROUP_RANK_EXPERTS
+        or topk > group_topk * (hf.n_routed_experts // groups)
+    ):
+        return [
+            f"n_group={groups}, topk_group={group_topk}: n_routed_experts ({hf.n_routed_experts}) must divide "
+            f"into n_group groups of at least {GROUP_RANK_EXPERTS}, and topk_group groups must hold "
+            f"num_experts_per_tok ({topk}) experts"
+        ]
+    return []
+
+
 def stock_experts_fused(config: Any) -> bool:
     """Whether the installed stock `DeepseekV3ForCausalLM` stores experts fused (transformers>=5)."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
@@ -461,7 +475,6 @@ _DIRECT = {
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE spec
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
-    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
 
 
@@ -469,6 +482,13 @@ def megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: Any) -> lis
     """HF names of one layer tensor (`rest` within layer `prefix`); None: the shared names apply."""
     if rest in _DIRECT:
         return [(prefix + _DIRECT[rest], tensor)]
+    return mlp_megatron_to_hf(prefix, rest, tensor, mc)
+
+
+def mlp_megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """HF names of the MoE's own tensors (the expert bias, the shared experts); None: the shared names apply."""
+    if rest == "mlp.router.expert_bias":
+        return [(prefix + "mlp.gate.e_score_correction_bias", tensor)]
     if rest == "mlp.shared_experts.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         shared = prefix + "mlp.shared_experts."
@@ -485,6 +505,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
     names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
     out = {s + n + ".weight": hf[p + _DIRECT[f"self_attention.{n}.weight"]] for n in names}
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
+    return out | mlp_to_megatron(hf, p, q, mc, moe_layer)
+
+
+def mlp_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_layer: bool) -> dict[str, torch.Tensor]:
+    """One layer's MLP: dense, or the sigmoid router (with its expert bias), routed and shared experts."""
+    out: dict[str, torch.Tensor] = {}
     mlp = p + "mlp."
     if not moe_layer:
         out[q + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
@@ -534,7 +560,8 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
 
 
 def check_router(m: ModelConfig, errors: Errors) -> None:
-    """The sigmoid router with expert bias, grouped top-k and scaling belongs to this arch (its reference MoE block)."""
+    """The sigmoid router with expert bias, grouped top-k and scaling (its reference MoE block); which
+    archs may set its keys at all is `config/moe_rules.py`'s rule (the families that list them)."""
     sigmoid = m.moe_router_score_function == "sigmoid"
     deepseek = m.arch == "deepseek_v3"
     if deepseek:
@@ -550,17 +577,6 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
             "model.multi_latent_attention",
             "arch deepseek_v3 has multi-head latent attention; set multi_latent_attention=true",
         )
-    else:
-        for key, value, default in [
-            ("moe_router_score_function", m.moe_router_score_function, "softmax"),
-            ("moe_router_num_groups", m.moe_router_num_groups, None),
-            ("moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
-            ("multi_latent_attention", m.multi_latent_attention, False),
-            ("mtp_num_layers_carried", m.mtp_num_layers_carried, 0),
-        ]:
-            errors.need(
-                value == default, f"model.{key}", f"is {value} but needs model.arch=deepseek_v3 (arch is {m.arch!r})"
-            )
     errors.need(
         m.mtp_num_layers_carried >= 0,
         "model.mtp_num_layers_carried",

@@ -50,8 +50,9 @@ class ModelFamily:
     moe_layer_pattern: Callable[[HFConfig], list[int]]  # of a stock config: 1 = MoE layer
     to_stock: Callable[[HFConfig], Any]  # the stock transformers config of our config
     unsupported: Callable[[HFConfig], list[str]]  # `field=value: reason` lines of a stock config
-    # reference modeling (modeling.py): modules built from our config
-    attention: Callable[[HFConfig], Any]
+    # reference modeling (modeling.py): modules built from our config; attention None = the GQA
+    # decoder's (`ReferenceAttention`, its weight names and megatron-core's GQA)
+    attention: Callable[[HFConfig], Any] | None
     moe_block: Callable[[HFConfig], Any]
     stock_experts_fused: Callable[[HFConfig], bool]  # the installed stock class keeps experts fused
     # weight names (weight_map.py): one layer's megatron global name <-> HF names
@@ -72,6 +73,11 @@ class ModelFamily:
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""
+    # the family whose parts (router, MoE block, weight names, `model.*` keys) this one reuses; its
+    # two modules may then name that family and share its keys ("" = none)
+    builds_on: str = ""
+    # its stock configs may rotate a share of each head (`partial_rotary_factor` < 1)
+    partial_rotary: bool = False
 
 
 @dataclass(frozen=True)

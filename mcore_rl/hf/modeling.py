@@ -77,7 +77,7 @@ from .layers import (  # route, load_balancing_loss: unused here, imported from 
 from .layers import load_balancing_loss as load_balancing_loss  # re-exported (hf/__init__, remote code)
 from .layers import route as route  # re-exported
 from .ngram import McoreRLNgramEmbeddings, NgramKVCache, next_ngram_context
-from .rope import rope_inv_freq, rope_scaling_of
+from .rope import rope_inv_freq, rope_scaling_of, rotary_dim
 
 try:  # transformers>=5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as _init
@@ -133,8 +133,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, d]; cos/sin [b, s, d]."""
+    """x [b, heads, s, d]; cos/sin [b, s, r]: the first r channels rotate, the rest pass (partial
+    rotary, r < d: GLM-4.5, megatron-core's rotary_percent)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -227,7 +232,8 @@ class ReferenceDecoderLayer(nn.Module):
     def __init__(self, config: McoreRLConfig, layer_idx: int = 0) -> None:
         super().__init__()
         family = family_named(getattr(config, "family", "qwen3"))
-        self.self_attn = family.attention(config) if family else ReferenceAttention(config)
+        own_attention = family.attention if family else None  # None: the GQA decoder's
+        self.self_attn = own_attention(config) if own_attention else ReferenceAttention(config)
         moe = is_moe_layer(config, layer_idx)
         if moe and family:
             self.mlp: nn.Module = family.moe_block(config)
@@ -376,7 +382,7 @@ class McoreRLModel(McoreRLPreTrainedModel):
         else:
             x = inputs_embeds
         cos, sin = rope_cos_sin(
-            position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
+            position_ids, rotary_dim(self.config), self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
         )
         window = getattr(self.config, "sliding_window", None)
         allowed = _allowed_mask(attention_mask, s, past_len, device, window)

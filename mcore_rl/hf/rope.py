@@ -46,6 +46,21 @@ def rope_scaling_of(config: Any) -> dict[str, Any] | None:
     return None
 
 
+def partial_rotary_factor_of(config: Any) -> float:
+    """The share of each head's channels RoPE rotates: `partial_rotary_factor` at the top of the config
+    (ours, transformers 4.x) or inside its RoPE dict (transformers 5 moves it there); 1.0 if unset."""
+    for key in ROPE_KEYS:
+        params = getattr(config, key, None)
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    return float(getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def rotary_dim(config: Any) -> int:
+    """The channels of a head RoPE rotates (the first ones; the rest pass): head_dim x the factor."""
+    return int(config.head_dim * partial_rotary_factor_of(config))
+
+
 def rope_key_in_file(path: str) -> str:
     """Which key a checkpoint's `config.json` (a file or its directory) spells RoPE with: 'rope_scaling'
     for a transformers 4.x file (`rope_scaling` or a top-level `rope_theta`), else 'rope_parameters'."""

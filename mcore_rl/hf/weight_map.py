@@ -134,26 +134,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
         out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[q + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
         moe_layer = mc.is_moe and (mc.moe_layer_pattern is None or bool(mc.moe_layer_pattern[layer]))
-        if family:
+        if family:  # the family's own names; a family with the GQA decoder's attention names its MLP only
             out.update(family.hf_to_megatron(hf, p, q, mc, moe_layer))
+            if family.attention is None:
+                out.update(_attention_to_megatron(hf, p, q, mc))
             continue
-        out[q + "self_attention.linear_qkv.weight"] = merge_qkv(
-            hf[p + "self_attn.q_proj.weight"],
-            hf[p + "self_attn.k_proj.weight"],
-            hf[p + "self_attn.v_proj.weight"],
-            mc,
-        )
-        if mc.add_qkv_bias:  # Qwen2: fused like the weight rows, so each TP rank gets its groups' biases
-            out[q + "self_attention.linear_qkv.bias"] = merge_qkv(
-                hf[p + "self_attn.q_proj.bias"],
-                hf[p + "self_attn.k_proj.bias"],
-                hf[p + "self_attn.v_proj.bias"],
-                mc,
-            )
-        out[q + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
-        if mc.qk_layernorm:
-            out[q + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
-            out[q + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"]
+        out.update(_attention_to_megatron(hf, p, q, mc))
         if not moe_layer:  # dense model, or a dense layer of a mixed one (moe_layer_pattern)
             out[q + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
@@ -183,6 +169,24 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
 # (`embedding.ngram.tables.{n}.weight` [rows, k*w]) and one projection per order
 # (`embedding.ngram.projections.{n}.weight` [hidden, k*w]); HF keeps each slice apart
 # (`model.ngram_embeddings.{tables,projections}.{n}.{i}.weight`, [m, w] / [hidden, w]).
+def _attention_to_megatron(hf: Mapping[str, torch.Tensor], p: str, q: str, mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """One layer's GQA attention: HF layer prefix `p` -> megatron layer prefix `q`."""
+    out = {
+        q + "self_attention.linear_qkv.weight": merge_qkv(
+            hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"], mc
+        ),
+        q + "self_attention.linear_proj.weight": hf[p + "self_attn.o_proj.weight"],
+    }
+    if mc.add_qkv_bias:  # Qwen2: fused like the weight rows, so each TP rank gets its groups' biases
+        out[q + "self_attention.linear_qkv.bias"] = merge_qkv(
+            hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"], hf[p + "self_attn.v_proj.bias"], mc
+        )
+    if mc.qk_layernorm:
+        out[q + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
+        out[q + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"]
+    return out
+
+
 _NGRAM = re.compile(r"^embedding\.ngram\.(tables|projections)\.(\d+)\.weight$")
 
 

@@ -86,6 +86,8 @@ def gpt_model_kwargs(model: ModelConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(position_embedding_type="yarn" if s.type == "yarn" else "rope")
     if s.type == "linear":
         kwargs["seq_len_interpolation_factor"] = s.factor
+    if model.rotary_percent != 1.0:  # partial rotary (GLM-4.5): the first share of each head's channels
+        kwargs["rotary_percent"] = model.rotary_percent
     return kwargs
 
 

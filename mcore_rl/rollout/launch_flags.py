@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, help="the KV cache pool's size in tokens")
     p.add_argument(
         "--tool-call-parser",
-        help="the tool-call format of chat replies with tools: qwen25 (= hermes) or llama3 (= llama3_json); "
+        help="the tool-call format of chat replies with tools: qwen25 (= hermes), llama3 (= llama3_json) or another "
+        "format of mcore_rl/data/tool_calls.py; "
         "default: the model family's (see mcore_rl/data/tool_calls.py)",
     )
     p.add_argument(

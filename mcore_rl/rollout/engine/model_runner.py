@@ -52,7 +52,7 @@ from torch import nn
 
 from mcore_rl.hf.attn_res import DepthState
 from mcore_rl.hf.modeling import rope_cos_sin
-from mcore_rl.hf.rope import rope_scaling_of
+from mcore_rl.hf.rope import rope_scaling_of, rotary_dim
 
 from .fp8 import Fp8Linear, quantize_activation_fp8
 from .kv_cache import PagedKVCache
@@ -145,8 +145,9 @@ class ModelRunner:
         self.num_slots, self.max_len = num_slots, max_len
         self.cache: PagedKVCache | None = None  # `allocate_cache`, once the engine has sized the pool
         positions = torch.arange(max_len, device=device)[None]
-        cos, sin = rope_cos_sin(positions, self.head_dim, cfg.rope_theta, dtype, rope_scaling_of(cfg))
-        half = self.head_dim // 2
+        self.rotary_dim = rotary_dim(cfg)  # partial rotary (< head_dim): the first channels turn
+        cos, sin = rope_cos_sin(positions, self.rotary_dim, cfg.rope_theta, dtype, rope_scaling_of(cfg))
+        half = self.rotary_dim // 2
         # rotate_half(x) * sin == roll(x, D/2) * [-sin[:D/2], sin[D/2:]]
         self._cos = cos[0]
         self._sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
@@ -301,7 +302,12 @@ class ModelRunner:
         qk = qkv[:, :, : H + KV]
         if lay.qk_norm is not None:
             qk = _rms(qk, None, self.eps) * lay.qk_norm
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+        R = self.rotary_dim
+        if R == D:
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+        else:  # partial rotary: the rest of each head passes unrotated
+            rot = qk[..., :R]
+            qk = torch.cat((torch.addcmul(rot * cos, rot.roll(R // 2, dims=-1), sin), qk[..., R:]), dim=-1)
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV :]
         if decode_at is not None:
             write, read = decode_at
