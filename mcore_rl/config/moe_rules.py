@@ -1,16 +1,18 @@
 """Rules of the mixed dense/MoE layer pattern, and of the `model.*` keys a model family owns.
 
 They mirror what megatron-core's `TransformerConfig` and its router accept, and what the reference
-model computes the same way. A family's own keys (`ModelFamily.model_keys`) are checked by its
-bundle (`ModelFamily.check_model`, docs/model_families.md), for every config: a model of another
-arch must leave them at their defaults.
+model computes the same way. A family's own keys (its section, `model_keys.FAMILY_SECTIONS`) are
+checked by its bundle (`ModelFamily.check_model`, docs/model_families.md), for every config: a model
+of another arch must leave them at their defaults.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mcore_rl.config.schema import DECODER_ARCHS, FAMILY_MODEL_KEYS, ModelConfig
+from mcore_rl.config.model_keys import FAMILY_SECTIONS
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.schema import DECODER_ARCHS, ModelConfig
 
 if TYPE_CHECKING:
     from mcore_rl.config.rules import Errors
@@ -19,8 +21,7 @@ if TYPE_CHECKING:
 def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
     """Layer pattern, and each registered family's keys (its router, its attention, ...)."""
     check_moe_layer_pattern(m, errors)
-    defaults = ModelConfig()
-    if m.arch in DECODER_ARCHS and all(getattr(m, k) == getattr(defaults, k) for k in FAMILY_MODEL_KEYS):
+    if m.arch in DECODER_ARCHS and all(m.section(s.cls) == s.cls() for s in FAMILY_SECTIONS):
         return  # no family's key is set: nothing of theirs to check, and no bundle to import
     # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
     from mcore_rl.hf.families import FAMILIES
@@ -30,7 +31,7 @@ def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
 
 
 def check_moe_layer_pattern(m: ModelConfig, errors: Errors) -> None:
-    pattern = m.moe_layer_pattern
+    pattern = m.section(MoEKeys).moe_layer_pattern
     if pattern is None:
         return
     key = "model.moe_layer_pattern"

@@ -37,8 +37,9 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(d.path is None, "data.path", "set data.domains or data.path, not both (a file is a domain's path)")
     errors.need(
-        cfg.init.sft_steps <= 0 or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
-        "init.sft_steps",
+        cfg.init.sft.train.train_iters <= 0
+        or any(dom.task is not None or dom.reasoning_gym is not None for dom in d.domains),
+        cfg.init.key("train.train_iters"),
         "the SFT warm start trains on the answers of task or reasoning-gym domains, and "
         "every domain reads a file; start from init.checkpoint instead",
     )

@@ -25,6 +25,13 @@ if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote co
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
         pass
+try:  # in a try block: remote code runs without mcore_rl; only the conversions from a ModelConfig read them
+    from mcore_rl.config.model_keys.attn_res import AttnResKeys
+    from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+    from mcore_rl.config.model_keys.moe import MoEKeys
+    from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+except ImportError:
+    pass
 
 
 # Our model_type, and the one exports written before the reference classes got neutral names carry
@@ -165,7 +172,8 @@ class McoreRLConfig(PretrainedConfig):
 
 def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
     """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
-    moe = mc.is_moe
+    moe, experts = mc.is_moe, mc.section(MoEKeys)
+    attn_res, ngram = mc.section(AttnResKeys), mc.section(NgramEmbeddingConfig)
     return McoreRLConfig(
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,
@@ -179,21 +187,21 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
         max_position_embeddings=mc.max_position_embeddings,
         initializer_range=mc.init_method_std,
         tie_word_embeddings=mc.tie_word_embeddings,
-        num_experts=mc.num_experts if moe else 0,
-        num_experts_per_tok=mc.moe_router_topk,
-        moe_intermediate_size=(mc.moe_ffn_hidden_size or mc.ffn_hidden_size),
-        norm_topk_prob=mc.moe_norm_topk_prob,
-        shared_expert_intermediate_size=(mc.moe_shared_expert_intermediate_size or 0) if moe else 0,
-        router_aux_loss_coef=mc.moe_aux_loss_coeff if moe else 0.0,
+        num_experts=experts.num_experts if moe else 0,
+        num_experts_per_tok=experts.moe_router_topk,
+        moe_intermediate_size=(experts.moe_ffn_hidden_size or mc.ffn_hidden_size),
+        norm_topk_prob=experts.moe_norm_topk_prob,
+        shared_expert_intermediate_size=(experts.moe_shared_expert_intermediate_size or 0) if moe else 0,
+        router_aux_loss_coef=experts.moe_aux_loss_coeff if moe else 0.0,
         use_qk_norm=mc.qk_layernorm,
-        moe_latent_size=mc.moe_latent_size if moe else None,
-        attn_res=mc.attn_res,
-        attn_res_num_blocks=mc.attn_res_num_blocks,
-        ngram_orders=list(mc.ngram.orders),
-        ngram_table_size=mc.ngram.table_size,
-        ngram_num_slices=mc.ngram.num_slices,
+        moe_latent_size=mc.section(LatentMoEKeys).moe_latent_size if moe else None,
+        attn_res=attn_res.attn_res,
+        attn_res_num_blocks=attn_res.attn_res_num_blocks,
+        ngram_orders=list(ngram.orders),
+        ngram_table_size=ngram.table_size,
+        ngram_num_slices=ngram.num_slices,
         qkv_bias=mc.add_qkv_bias,
-        shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
+        shared_expert_gate=experts.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
         **_mixed_and_family_fields(mc),
@@ -202,7 +210,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
 
 def _mixed_and_family_fields(mc: ModelConfig) -> dict[str, Any]:
     """HF fields of `model.moe_layer_pattern` and of the model's family (`families.py`), if any."""
-    pattern = mc.moe_layer_pattern if mc.is_moe else None
+    pattern = mc.section(MoEKeys).moe_layer_pattern if mc.is_moe else None
     out: dict[str, Any] = dict(mlp_only_layers=[i for i, p in enumerate(pattern or []) if not p])
     family = family_named(mc.arch)
     return dict(out, **family.hf_fields(mc)) if family else out
@@ -238,7 +246,8 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     also rejects what it cannot map. `rope_key`: how the source file spells RoPE (`rope.rope_key_in_file`),
     kept for export."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
-        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig, RopeScalingConfig
+        from mcore_rl.config.loader import config_from_dict
+        from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
@@ -297,7 +306,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     )
     if family:
         fields.update(family.model_fields(hf))
-    return ModelConfig(**fields)
+    return config_from_dict(ModelConfig, fields, "model")
 
 
 def to_stock_hf_config(cfg: McoreRLConfig, family: str | None = None) -> PretrainedConfig:
