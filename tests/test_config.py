@@ -311,6 +311,79 @@ def test_model_sections_keep_their_keys_where_users_write_them(tmp_path):
     assert len([f for f in dataclasses.fields(ModelConfig) if f.name != "sections"]) == 18
 
 
+def test_warm_start_is_written_in_the_sft_types_and_the_flat_keys_still_read(tmp_path):
+    """`init.sft` holds the SFT warm start in `mcore-rl sft`'s own types; the flat `init.sft_*` keys
+    (every shipped config writes them) set the same settings and make the same SFT config, a setting
+    written both ways is refused naming both keys, and messages name the key the config wrote."""
+    from mcore_rl.config.schema import DataConfig, OptimizerConfig, TrainConfig
+
+    def load(*overrides: str) -> RLConfig:
+        return load_config(RLConfig, None, list(overrides))
+
+    flat = load(
+        "init.sft_steps=5",
+        "init.sft_lr=1e-3",
+        "init.sft_min_lr=1e-4",
+        "init.sft_warmup_steps=2",
+        "init.sft_lr_decay_style=linear",
+        "init.sft_micro_batch_size=2",
+        "init.sft_seq_length=32",
+        "init.sft_num_examples=64",
+        "optimizer.clip_grad=0.5",
+        "train.precision=bf16",
+    )
+    typed = load(
+        "init.sft.train.train_iters=5",
+        "init.sft.optimizer.lr=1e-3",
+        "init.sft.optimizer.min_lr=1e-4",
+        "init.sft.optimizer.lr_warmup_iters=2",
+        "init.sft.optimizer.lr_decay_style=linear",
+        "init.sft.train.micro_batch_size=2",
+        "init.sft.train.seq_length=32",
+        "init.sft.data.synthetic_num_examples=64",
+        "optimizer.clip_grad=0.5",
+        "train.precision=bf16",
+    )
+    assert flat == typed and flat.sft_view(2) == typed.sft_view(2)
+    view = flat.sft_view(2)  # what the flat keys made before: these settings, the rest the run's
+    assert view.optimizer == OptimizerConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="linear", clip_grad=0.5, backend="torch"
+    )
+    assert view.train == TrainConfig(
+        seed=1234,
+        seq_length=32,
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=5,
+        precision="bf16",
+        eval_interval=0,
+    )
+    assert view.data == DataConfig(synthetic_task="addition", synthetic_num_examples=64, synthetic_max_digits=2)
+    # the defaults are the flat keys' defaults
+    assert load().sft_view(1).optimizer == OptimizerConfig(lr=3e-3, min_lr=3e-5, lr_warmup_iters=10)
+    assert (load().init.sft.train.micro_batch_size, load().init.sft.data.synthetic_num_examples) == (8, 8192)
+    saved = str(tmp_path / "config.yaml")
+    save_config(flat, saved)
+    assert load_config(RLConfig, saved, []) == flat
+    with pytest.raises(
+        ConfigError, match=r"init\.sft_lr and init\.sft\.optimizer\.lr both set .*; keep init\.sft\.optimizer\.lr"
+    ):
+        load("init.sft_lr=1e-3", "init.sft.optimizer.lr=2e-3")
+    assert rl_errors(load("init.sft_steps=2", "init.sft_seq_length=0"), 1) == [
+        "init.sft_seq_length: must be in [1, model.max_position_embeddings=2048], got 0"
+    ]
+    assert rl_errors(load("init.sft.train.train_iters=2", "init.sft.train.seq_length=0"), 1) == [
+        "init.sft.train.seq_length: must be in [1, model.max_position_embeddings=2048], got 0"
+    ]
+    # a key of these types that the warm start takes from the run, or does not use, stays at its default
+    errors = rl_errors(load("init.sft.optimizer.clip_grad=0.5", "init.sft.data.path=x.jsonl"), 1)
+    assert errors == [
+        "init.sft.optimizer.clip_grad: is the RL run's setting for the warm start too: set optimizer.clip_grad instead",
+        "init.sft.data.path: is not used by the warm start (packed, prompt-masked rows of the task's answers, "
+        "one micro-batch per data-parallel rank per step, no evaluation); leave it at its default",
+    ]
+
+
 def test_section_keys_never_shadow_a_key():
     """A flat section's keys sit among its owner's: none may repeat a field's or another section's."""
     from mcore_rl.config.loader import _field_types

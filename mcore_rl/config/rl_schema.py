@@ -489,7 +489,10 @@ class InitConfig:
     """Where the policy starts: a checkpoint (model weights only), then optionally SFT on the task."""
 
     checkpoint: str | None = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
-    # the SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain)
+    # the SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain); it
+    # reads train.train_iters, seq_length, micro_batch_size, optimizer.lr, min_lr, lr_warmup_iters,
+    # lr_decay_style and data.synthetic_num_examples; every other key below is the run's or unused and
+    # stays at its default
     sft: WarmStartConfig = field(default_factory=WarmStartConfig)
     sft_steps: int | None = None  # deprecated spelling of init.sft.train.train_iters
     sft_lr: float | None = None  # deprecated spelling of init.sft.optimizer.lr
