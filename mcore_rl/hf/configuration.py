@@ -22,16 +22,13 @@ from .families import FAMILIES, family_named, family_of, stock_decoder
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
+        from mcore_rl.config.model_keys.attn_res import AttnResKeys
+        from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
         pass
-try:  # in a try block: remote code runs without mcore_rl; only the conversions from a ModelConfig read them
-    from mcore_rl.config.model_keys.attn_res import AttnResKeys
-    from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
-    from mcore_rl.config.model_keys.moe import MoEKeys
-    from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
-except ImportError:
-    pass
 
 
 # Our model_type, and the one exports written before the reference classes got neutral names carry
@@ -170,10 +167,21 @@ class McoreRLConfig(PretrainedConfig):
         return self.num_experts > 0
 
 
+def _sections(mc: ModelConfig) -> tuple[MoEKeys, LatentMoEKeys, AttnResKeys, NgramEmbeddingConfig]:
+    """The sections of a `ModelConfig` this file reads (MoE, LatentMoE, AttnRes, n-gram)."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.attn_res import AttnResKeys
+        from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
+    return mc.section(MoEKeys), mc.section(LatentMoEKeys), mc.section(AttnResKeys), mc.section(NgramEmbeddingConfig)
+
+
 def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
     """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
-    moe, experts = mc.is_moe, mc.section(MoEKeys)
-    attn_res, ngram = mc.section(AttnResKeys), mc.section(NgramEmbeddingConfig)
+    moe, (experts, latent, attn_res, ngram) = mc.is_moe, _sections(mc)
     return McoreRLConfig(
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,
@@ -194,7 +202,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
         shared_expert_intermediate_size=(experts.moe_shared_expert_intermediate_size or 0) if moe else 0,
         router_aux_loss_coef=experts.moe_aux_loss_coeff if moe else 0.0,
         use_qk_norm=mc.qk_layernorm,
-        moe_latent_size=mc.section(LatentMoEKeys).moe_latent_size if moe else None,
+        moe_latent_size=latent.moe_latent_size if moe else None,
         attn_res=attn_res.attn_res,
         attn_res_num_blocks=attn_res.attn_res_num_blocks,
         ngram_orders=list(ngram.orders),
@@ -210,7 +218,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
 
 def _mixed_and_family_fields(mc: ModelConfig) -> dict[str, Any]:
     """HF fields of `model.moe_layer_pattern` and of the model's family (`families.py`), if any."""
-    pattern = mc.section(MoEKeys).moe_layer_pattern if mc.is_moe else None
+    pattern = _sections(mc)[0].moe_layer_pattern if mc.is_moe else None
     out: dict[str, Any] = dict(mlp_only_layers=[i for i, p in enumerate(pattern or []) if not p])
     family = family_named(mc.arch)
     return dict(out, **family.hf_fields(mc)) if family else out
@@ -247,6 +255,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     kept for export."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
         from mcore_rl.config.loader import config_from_dict
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
         from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err

@@ -37,15 +37,12 @@ from .rope import ROPE_KEYS, rope_scaling_of, rope_type_of, yarn_mscale
 
 if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
     try:
+        from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+        from mcore_rl.config.model_keys.moe import MoEKeys
         from mcore_rl.config.rules import Errors
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
         pass
-try:  # in a try block: remote code runs without mcore_rl; only the ModelConfig-side parts below read them
-    from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
-    from mcore_rl.config.model_keys.moe import MoEKeys
-except ImportError:
-    pass
 
 
 # DeepSeek-V3 ranks a group by the sum of its best two (biased) scores, whatever topk and topk_group
@@ -317,9 +314,19 @@ def model_fields(hf: Any) -> dict[str, Any]:
     )
 
 
+def _keys(mc: ModelConfig) -> tuple[DeepSeekV3Keys, MoEKeys]:
+    """The family's and MoE's sections of a `ModelConfig` (read only on the trainer's side)."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
+    return mc.section(DeepSeekV3Keys), mc.section(MoEKeys)
+
+
 def hf_fields(mc: ModelConfig) -> dict[str, Any]:
     """Our HF config's DeepSeek-V3 fields (MLA, sigmoid router) of a `ModelConfig`."""
-    k = mc.section(DeepSeekV3Keys)
+    k = _keys(mc)[0]
     return dict(
         family="deepseek_v3",
         n_group=k.moe_router_num_groups,
@@ -489,12 +496,8 @@ def hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """One DeepSeek-V3 layer's megatron tensors, without its norms (`hf_to_megatron` adds them)."""
     a, s = p + "self_attn.", q + "self_attention."
-    experts = mc.section(MoEKeys)
-    query = (
-        ("linear_q_proj",)
-        if mc.section(DeepSeekV3Keys).q_lora_rank is None
-        else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
-    )
+    k, experts = _keys(mc)
+    query = ("linear_q_proj",) if k.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
     names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
     out = {s + n + ".weight": hf[p + _DIRECT[f"self_attention.{n}.weight"]] for n in names}
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
@@ -533,7 +536,7 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
 
 def check_router(m: ModelConfig, errors: Errors) -> None:
     """The sigmoid router with expert bias, grouped top-k and scaling belongs to this arch (its reference MoE block)."""
-    k, moe = m.section(DeepSeekV3Keys), m.section(MoEKeys)
+    k, moe = _keys(m)
     sigmoid = k.moe_router_score_function == "sigmoid"
     deepseek = m.arch == "deepseek_v3"
     if deepseek:
@@ -609,7 +612,7 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
 
 def check_latent_attention(m: ModelConfig, errors: Errors) -> None:
     """MLA shapes, as megatron-core's `MLATransformerConfig` and the reference attention take them."""
-    k = m.section(DeepSeekV3Keys)
+    k = _keys(m)[0]
     if not k.multi_latent_attention:
         return
     for key, value in [
@@ -661,7 +664,7 @@ def attention_flops(model: ModelConfig, context: float) -> tuple[float, float]:
     shared RoPE key), latent -> heads x (qk_head_dim + v_head_dim); output heads x v_head_dim -> h.
     Scores: QK^T over qk_head_dim + qk_pos_emb_head_dim, softmax(.)V over v_head_dim (the latent is
     expanded per token, not absorbed into the query)."""
-    k = model.section(DeepSeekV3Keys)
+    k = _keys(model)[0]
     h, heads = model.hidden_size, model.num_attention_heads
     qk = k.qk_head_dim + k.qk_pos_emb_head_dim
     q = h * heads * qk if k.q_lora_rank is None else k.q_lora_rank * (h + heads * qk)
