@@ -47,7 +47,7 @@ def build_models(size: str, seed: int):
         to_stock_state_dict,
     )
 
-    config = hf_config_from_model_config(ModelConfig(**SIZES[size]))
+    config = hf_config_from_model_config(ModelConfig.of(**SIZES[size]))
     torch.manual_seed(seed)
     ours = McoreRLForCausalLM(config).eval()
     stock = Qwen3ForCausalLM(to_stock_hf_config(config)).eval()

@@ -47,7 +47,7 @@ def write_model(path: str) -> None:
     from mcore_rl.config.schema import ModelConfig
     from mcore_rl.rollout.engine_processes import write_model_dir
 
-    write_model_dir(ModelConfig(**MODEL), path)
+    write_model_dir(ModelConfig.of(**MODEL), path)
 
 
 def free_port() -> int:

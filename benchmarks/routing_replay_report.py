@@ -27,7 +27,7 @@ from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 from mcore_rl.rollout.engine.core import EngineCore, Request
 from mcore_rl.rollout.engine.sampling import SamplingParams
 
-MODEL = ModelConfig(
+MODEL = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=4,
     hidden_size=128,

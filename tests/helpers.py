@@ -7,7 +7,6 @@ module's, moved here unchanged (names two modules used for different things carr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -30,7 +29,8 @@ from mcore_rl.config import (
     load_config,
     validate_rl_config,
 )
-from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.config.schema import ParallelConfig
 from mcore_rl.data.prompts import PromptSource, task_pool
 from mcore_rl.data.samples import Sample
@@ -640,24 +640,22 @@ VOCAB, CONVERT_SEQ = 128, 16
 CONVERT_DENSE = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB)
 
 
-MOE = dataclasses.replace(CONVERT_DENSE, arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+MOE = CONVERT_DENSE.replace(arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
 
 
 REMOTE_CASES = {
-    "shared_expert_no_qk_norm": dataclasses.replace(
-        MOE, moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False
+    "shared_expert_no_qk_norm": MOE.replace(
+        moe_shared_expert_intermediate_size=48, qk_layernorm=False, moe_norm_topk_prob=False
     ),
-    "latent_moe": dataclasses.replace(
-        MOE, num_experts=8, moe_router_topk=4, moe_latent_size=16, moe_shared_expert_intermediate_size=48
+    "latent_moe": MOE.replace(
+        num_experts=8, moe_router_topk=4, moe_latent_size=16, moe_shared_expert_intermediate_size=48
     ),
-    "attn_res_block": dataclasses.replace(CONVERT_DENSE, num_layers=4, attn_res="block", attn_res_num_blocks=2),
-    "attn_res_full": dataclasses.replace(CONVERT_DENSE, num_layers=4, attn_res="full"),
-    "ngram": dataclasses.replace(
-        CONVERT_DENSE, ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)
-    ),
+    "attn_res_block": CONVERT_DENSE.replace(num_layers=4, attn_res="block", attn_res_num_blocks=2),
+    "attn_res_full": CONVERT_DENSE.replace(num_layers=4, attn_res="full"),
+    "ngram": CONVERT_DENSE.replace(ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=254, num_slices=2)),
     # Qwen2-style q/k/v biases and gated shared expert, Mistral's window, on a Qwen3-MoE (QK-norm): no stock class
-    "qwen2_features": dataclasses.replace(
-        MOE, add_qkv_bias=True, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, sliding_window=6
+    "qwen2_features": MOE.replace(
+        add_qkv_bias=True, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, sliding_window=6
     ),
 }
 

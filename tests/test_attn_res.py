@@ -9,11 +9,11 @@ the reference in TP/SP, PP, VPP, EP and full-recompute layouts (tests/test_parit
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf import (
     McoreRLConfig,
@@ -191,7 +191,7 @@ def test_depth_state_drives_any_layer_loop(variant: str) -> None:
 
 
 def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
-    mc = ModelConfig(
+    mc = ModelConfig.of(
         num_layers=2,
         hidden_size=32,
         ffn_hidden_size=64,
@@ -204,7 +204,7 @@ def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
     hf = hf_config_from_model_config(mc)
     assert (hf.attn_res, hf.attn_res_num_blocks) == ("block", 3)
     back = model_config_from_hf_config(hf)
-    assert (back.attn_res, back.attn_res_num_blocks) == ("block", 3)
+    assert (back.section(AttnResKeys).attn_res, back.section(AttnResKeys).attn_res_num_blocks) == ("block", 3)
     with pytest.raises(ValueError, match="AttnRes"):
         to_stock_hf_config(hf)
     fresh = McoreRLForCausalLM(hf)  # paper: pseudo-queries start at zero (uniform weights)
@@ -221,7 +221,7 @@ def test_configs_and_checkpoint_roundtrip(tmp_path) -> None:
 def test_weight_map_roundtrip() -> None:
     from mcore_rl.hf.weight_map import full_megatron_to_hf, hf_to_megatron
 
-    mc = ModelConfig(
+    mc = ModelConfig.of(
         num_layers=2,
         hidden_size=32,
         ffn_hidden_size=64,
@@ -243,10 +243,10 @@ def test_validation() -> None:
     from mcore_rl.config import ConfigError, SFTConfig, load_config, validate_sft_config
 
     cfg = SFTConfig()
-    cfg.model = dataclasses.replace(cfg.model, num_layers=2, attn_res="block", attn_res_num_blocks=5)
+    cfg.model = cfg.model.replace(num_layers=2, attn_res="block", attn_res_num_blocks=5)
     with pytest.raises(ConfigError, match="model.attn_res_num_blocks"):
         validate_sft_config(cfg, 1)
-    cfg.model = dataclasses.replace(cfg.model, attn_res_num_blocks=4)
+    cfg.model = cfg.model.replace(attn_res_num_blocks=4)
     validate_sft_config(cfg, 1)
     with pytest.raises(ConfigError, match="model.attn_res"):
         load_config(SFTConfig, overrides=["model.attn_res=blocks"])
@@ -297,10 +297,10 @@ def test_pipeline_message_grows_with_blocks_not_layers() -> None:
 
 # ---- megatron-core parity (2 gloo ranks, one world) ----------------------------------------------------
 
-FULL = ModelConfig(arch="qwen3", num_layers=4, hidden_size=64, ffn_hidden_size=128, attn_res="full")
+FULL = ModelConfig.of(arch="qwen3", num_layers=4, hidden_size=64, ffn_hidden_size=128, attn_res="full")
 # 8 sublayers in 3 blocks (2, 2, 4): pipeline boundaries fall inside and between blocks
-BLOCK = dataclasses.replace(FULL, attn_res="block", attn_res_num_blocks=3)
-BLOCK_MOE = ModelConfig(
+BLOCK = FULL.replace(attn_res="block", attn_res_num_blocks=3)
+BLOCK_MOE = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=2,
     hidden_size=64,
@@ -346,7 +346,7 @@ def _parity_world(rank: int, world_size: int, tmp: str) -> None:
         init_model_parallel(pc)
         chunks = build_model(mc, pc, config=transformer_config(mc, pc))
         assert all(isinstance(c.decoder, attn_res.AttnResTransformerBlock) for c in chunks)
-        assert {c.decoder.p2p_seq_factor for c in chunks} == {want}, (mc.attn_res, pc)
+        assert {c.decoder.p2p_seq_factor for c in chunks} == {want}, (mc.section(AttnResKeys).attn_res, pc)
         names = {n for c in chunks for n, _ in c.named_parameters()}
         last = ps.is_pipeline_last_stage()
         assert ("decoder.final_res.query" in names) == last

@@ -259,6 +259,143 @@ def test_recipe_sections_load_at_their_yaml_keys_and_round_trip(tmp_path):
         rl("rollout.sections={}")
 
 
+# ModelConfig's keys when it was one union of every family's: each still sits where users write it.
+MODEL_KEYS = (
+    "arch vocab_size hidden_size ffn_hidden_size num_layers num_attention_heads num_query_groups kv_channels "
+    "rotary_base max_position_embeddings norm_epsilon qk_layernorm tie_word_embeddings init_method_std num_experts "
+    "moe_router_topk moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_aux_loss_coeff moe_norm_topk_prob "
+    "moe_token_dispatcher_type moe_latent_size attn_res attn_res_num_blocks ngram add_qkv_bias moe_shared_expert_gate "
+    "sliding_window rope_scaling moe_layer_pattern moe_router_score_function moe_router_enable_expert_bias "
+    "moe_router_bias_update_rate moe_router_num_groups moe_router_group_topk moe_router_topk_scaling_factor "
+    "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim "
+    "mtp_num_layers_carried make_vocab_size_divisible_by"
+).split()
+
+
+def test_model_sections_keep_their_keys_where_users_write_them(tmp_path):
+    """The keys a model feature or family owns are its dataclass (`config/model_keys/`), flat among
+    ModelConfig's shared keys (`model.q_lora_rank`) or in their own mapping (`model.ngram`): they load
+    typed, a saved config writes them back at the same keys, an unknown one fails as before."""
+    from mcore_rl.config.model_keys.attn_res import AttnResKeys
+    from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+    from mcore_rl.config.model_keys.moe import MoEKeys
+    from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+    from mcore_rl.config.schema import ModelConfig
+
+    path = write(tmp_path, "m.yaml", "model:\n  arch: deepseek_v3\n  q_lora_rank: 16\n  ngram: {orders: [2, 3]}\n")
+    cfg = load_config(RLConfig, path, ["model.num_experts=4", "model.attn_res=full", "model.hidden_size=32"])
+    m = cfg.model
+    assert (m.hidden_size, m.section(DeepSeekV3Keys).q_lora_rank, m.section(MoEKeys).num_experts) == (32, 16, 4)
+    assert (m.section(AttnResKeys).attn_res, m.section(NgramEmbeddingConfig).orders) == ("full", [2, 3])
+    plain = config_to_dict(cfg)["model"]
+    assert sorted(plain) == sorted(MODEL_KEYS) and plain["q_lora_rank"] == 16 and plain["ngram"]["orders"] == [2, 3]
+    saved = str(tmp_path / "config.yaml")
+    save_config(cfg, saved)
+    assert load_config(RLConfig, saved, []) == cfg
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'model\.q_lora_rnk'; did you mean 'model\.q_lora_rank'\?"
+    ):
+        rl("model.q_lora_rnk=1")
+    with pytest.raises(ConfigError, match=r"config key 'model\.num_experts' expects int"):
+        rl("model.num_experts=many")
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.sections'"):
+        rl("model.sections={}")
+    # inline: by YAML keys (checked as a recipe's), or typed
+    moe = ModelConfig.of(arch="qwen3_moe", num_experts=4)
+    assert moe == ModelConfig(arch="qwen3_moe").replace(num_experts=4)
+    assert moe == ModelConfig(arch="qwen3_moe").with_sections(MoEKeys(num_experts=4))
+    assert moe != ModelConfig(arch="qwen3_moe") and repr(moe) != repr(ModelConfig(arch="qwen3_moe"))
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.num_expert'"):
+        ModelConfig.of(num_expert=4)
+    # the dataclass holds the shared keys only: 44 fields before, 18 (+ the sections) now
+    assert len([f for f in dataclasses.fields(ModelConfig) if f.name != "sections"]) == 18
+
+
+def test_warm_start_is_written_in_the_sft_types_and_the_flat_keys_still_read(tmp_path):
+    """`init.sft` holds the SFT warm start in `mcore-rl sft`'s own types; the flat `init.sft_*` keys
+    (every shipped config writes them) set the same settings and make the same SFT config, a setting
+    written both ways is refused naming both keys, and messages name the key the config wrote."""
+    from mcore_rl.config.schema import DataConfig, OptimizerConfig, TrainConfig
+
+    def load(*overrides: str) -> RLConfig:
+        return load_config(RLConfig, None, list(overrides))
+
+    flat = load(
+        "init.sft_steps=5",
+        "init.sft_lr=1e-3",
+        "init.sft_min_lr=1e-4",
+        "init.sft_warmup_steps=2",
+        "init.sft_lr_decay_style=linear",
+        "init.sft_micro_batch_size=2",
+        "init.sft_seq_length=32",
+        "init.sft_num_examples=64",
+        "optimizer.clip_grad=0.5",
+        "train.precision=bf16",
+    )
+    typed = load(
+        "init.sft.train.train_iters=5",
+        "init.sft.optimizer.lr=1e-3",
+        "init.sft.optimizer.min_lr=1e-4",
+        "init.sft.optimizer.lr_warmup_iters=2",
+        "init.sft.optimizer.lr_decay_style=linear",
+        "init.sft.train.micro_batch_size=2",
+        "init.sft.train.seq_length=32",
+        "init.sft.data.synthetic_num_examples=64",
+        "optimizer.clip_grad=0.5",
+        "train.precision=bf16",
+    )
+    assert flat == typed and flat.sft_view(2) == typed.sft_view(2)
+    view = flat.sft_view(2)  # what the flat keys made before: these settings, the rest the run's
+    assert view.optimizer == OptimizerConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="linear", clip_grad=0.5, backend="torch"
+    )
+    assert view.train == TrainConfig(
+        seed=1234,
+        seq_length=32,
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=5,
+        precision="bf16",
+        eval_interval=0,
+    )
+    assert view.data == DataConfig(synthetic_task="addition", synthetic_num_examples=64, synthetic_max_digits=2)
+    # the defaults are the flat keys' defaults
+    assert load().sft_view(1).optimizer == OptimizerConfig(lr=3e-3, min_lr=3e-5, lr_warmup_iters=10)
+    assert (load().init.sft.train.micro_batch_size, load().init.sft.data.synthetic_num_examples) == (8, 8192)
+    saved = str(tmp_path / "config.yaml")
+    save_config(flat, saved)
+    assert load_config(RLConfig, saved, []) == flat
+    with pytest.raises(
+        ConfigError, match=r"init\.sft_lr and init\.sft\.optimizer\.lr both set .*; keep init\.sft\.optimizer\.lr"
+    ):
+        load("init.sft_lr=1e-3", "init.sft.optimizer.lr=2e-3")
+    assert rl_errors(load("init.sft_steps=2", "init.sft_seq_length=0"), 1) == [
+        "init.sft_seq_length: must be in [1, model.max_position_embeddings=2048], got 0"
+    ]
+    assert rl_errors(load("init.sft.train.train_iters=2", "init.sft.train.seq_length=0"), 1) == [
+        "init.sft.train.seq_length: must be in [1, model.max_position_embeddings=2048], got 0"
+    ]
+    # a key of these types that the warm start takes from the run, or does not use, stays at its default
+    errors = rl_errors(load("init.sft.optimizer.clip_grad=0.5", "init.sft.data.path=x.jsonl"), 1)
+    assert errors == [
+        "init.sft.optimizer.clip_grad: is the RL run's setting for the warm start too: set optimizer.clip_grad instead",
+        "init.sft.data.path: is not used by the warm start (packed, prompt-masked rows of the task's answers, "
+        "one micro-batch per data-parallel rank per step, no evaluation); leave it at its default",
+    ]
+
+
+def test_section_keys_never_shadow_a_key():
+    """A flat section's keys sit among its owner's: none may repeat a field's or another section's."""
+    from mcore_rl.config.loader import _field_types
+    from mcore_rl.config.sections import registered, sections_of
+
+    for owner in {s.owner for s in registered()}:
+        keys = list(_field_types(owner))
+        for s in sections_of(owner):
+            keys += list(s.yaml_keys()) if s.flat else [s.key]
+        assert len(keys) == len(set(keys)), owner.__name__
+
+
 @dataclasses.dataclass
 class Inner:
     kind: Literal["a", "b"] = "a"

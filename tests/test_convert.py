@@ -20,7 +20,9 @@ import textwrap
 import pytest
 import torch
 
-from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+from mcore_rl.config.schema import ModelConfig
 from tests.helpers import (
     _reference_state,
     CONVERT_DENSE as DENSE,
@@ -97,8 +99,13 @@ def test_model_configs_of_stock_checkpoints() -> None:
     moe = model_config_from_hf(_stock_config("qwen3_moe"))
     assert (qwen3.arch, qwen3.qk_layernorm, qwen3.head_dim, qwen3.rotary_base) == ("qwen3", True, 16, 50000.0)
     assert (llama.arch, llama.qk_layernorm, llama.tie_word_embeddings) == ("qwen3", False, True)
-    assert (moe.arch, moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == ("qwen3_moe", 4, 2, 32)
-    assert moe.moe_norm_topk_prob is False and moe.moe_aux_loss_coeff == 0.01
+    assert (
+        moe.arch,
+        moe.section(MoEKeys).num_experts,
+        moe.section(MoEKeys).moe_router_topk,
+        moe.section(MoEKeys).moe_ffn_hidden_size,
+    ) == ("qwen3_moe", 4, 2, 32)
+    assert moe.section(MoEKeys).moe_norm_topk_prob is False and moe.section(MoEKeys).moe_aux_loss_coeff == 0.01
 
 
 def test_reference_without_qk_norm_is_stock_llama() -> None:
@@ -141,11 +148,11 @@ def test_unsupported_checkpoints_name_the_field() -> None:
         (DENSE, "qwen3"),
         (dataclasses.replace(DENSE, qk_layernorm=False), "llama"),
         (MOE, "qwen3_moe"),
-        (dataclasses.replace(MOE, moe_shared_expert_intermediate_size=48), "remote"),
+        (MOE.replace(moe_shared_expert_intermediate_size=48), "remote"),
         (dataclasses.replace(MOE, qk_layernorm=False), "remote"),
-        (dataclasses.replace(MOE, moe_latent_size=16), "remote"),
-        (dataclasses.replace(DENSE, attn_res="block", attn_res_num_blocks=2), "remote"),
-        (dataclasses.replace(DENSE, ngram=NgramEmbeddingConfig(orders=[2], table_size=97)), "remote"),
+        (MOE.replace(moe_latent_size=16), "remote"),
+        (DENSE.replace(attn_res="block", attn_res_num_blocks=2), "remote"),
+        (DENSE.replace(ngram=NgramEmbeddingConfig(orders=[2], table_size=97)), "remote"),
     ],
     ids=["qwen3", "llama", "qwen3_moe", "shared_expert", "moe_no_qk_norm", "latent_moe", "attn_res", "ngram"],
 )

@@ -18,11 +18,13 @@ import json
 import pytest
 import torch
 
+from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
 
 VOCAB, SEQ = 128, 16
 
-MIXED = ModelConfig(
+MIXED = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=4,
     hidden_size=64,
@@ -33,7 +35,7 @@ MIXED = ModelConfig(
     moe_aux_loss_coeff=0.01,
     moe_layer_pattern=[0, 0, 1, 1],
 )
-DSV3 = ModelConfig(
+DSV3 = ModelConfig.of(
     arch="deepseek_v3",
     vocab_size=VOCAB,
     num_layers=2,
@@ -59,12 +61,11 @@ DSV3 = ModelConfig(
     qk_pos_emb_head_dim=8,
     v_head_dim=16,
 )
-DSV3_FULL_Q = dataclasses.replace(DSV3, q_lora_rank=None, moe_layer_pattern=None)
+DSV3_FULL_Q = DSV3.replace(q_lora_rank=None, moe_layer_pattern=None)
 # What the released models set and megatron-core alone routes or rotates differently: YaRN on MLA
 # with DeepSeek's mscale / mscale_all_dim, a group ranked by its best 2 whatever topk // topk_group
 # (3 here), no renormalisation (norm_topk_prob false); and MTP layers carried.
-DSV3_RELEASED = dataclasses.replace(
-    DSV3,
+DSV3_RELEASED = DSV3.replace(
     moe_router_num_groups=2,
     moe_router_group_topk=1,
     moe_router_topk=3,
@@ -169,9 +170,20 @@ def test_reference_equals_stock_deepseek_v3(q_lora_rank) -> None:
     stock = DeepseekV3ForCausalLM(_stock_deepseek_config(q_lora_rank=q_lora_rank)).float().eval()
     _randomize(stock)
     mc, ours = _reference_of_stock(stock)
-    assert mc.arch == "deepseek_v3" and mc.moe_layer_pattern == [0, 1, 1] and mc.multi_latent_attention
-    assert (mc.moe_router_num_groups, mc.moe_router_group_topk, mc.moe_router_topk_scaling_factor) == (4, 2, 2.5)
-    assert mc.moe_shared_expert_intermediate_size == 64 and mc.q_lora_rank == q_lora_rank
+    assert (
+        mc.arch == "deepseek_v3"
+        and mc.section(MoEKeys).moe_layer_pattern == [0, 1, 1]
+        and mc.section(DeepSeekV3Keys).multi_latent_attention
+    )
+    assert (
+        mc.section(DeepSeekV3Keys).moe_router_num_groups,
+        mc.section(DeepSeekV3Keys).moe_router_group_topk,
+        mc.section(DeepSeekV3Keys).moe_router_topk_scaling_factor,
+    ) == (4, 2, 2.5)
+    assert (
+        mc.section(MoEKeys).moe_shared_expert_intermediate_size == 64
+        and mc.section(DeepSeekV3Keys).q_lora_rank == q_lora_rank
+    )
     x = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, stock(x).logits, atol=1e-5, rtol=0)
@@ -206,7 +218,7 @@ def test_reference_equals_stock_qwen3_moe_with_dense_layers(mlp_only_layers, ste
     stock = AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(stock)
     mc, ours = _reference_of_stock(stock)
-    assert mc.moe_layer_pattern == pattern
+    assert mc.section(MoEKeys).moe_layer_pattern == pattern
     x = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, stock(x).logits, atol=1e-5, rtol=0)
@@ -249,18 +261,18 @@ def test_layer_patterns_of_configs_and_flops() -> None:
     # the export keeps the source's own spelling of the same pattern (pattern [0, 1, 0, 1])
     from mcore_rl.convert import export_config
 
-    mixed = dataclasses.replace(MIXED, moe_layer_pattern=[0, 1, 0, 1])
+    mixed = MIXED.replace(moe_layer_pattern=[0, 1, 0, 1])
     source = {"model_type": "qwen3_moe", "decoder_sparse_step": 2, "mlp_only_layers": []}
     cfg, kind = export_config(mixed, torch.float32, source)
     assert kind == "qwen3_moe" and (cfg.decoder_sparse_step, cfg.mlp_only_layers) == (2, [])
     cfg, _ = export_config(mixed, torch.float32, {**source, "decoder_sparse_step": 1})  # not this pattern
     assert (cfg.decoder_sparse_step, cfg.mlp_only_layers) == (1, [0, 2])
-    alternating = dataclasses.replace(DSV3, num_layers=3, moe_layer_pattern=[1, 0, 1])
+    alternating = DSV3.replace(num_layers=3, moe_layer_pattern=[1, 0, 1])
     with pytest.raises(ValueError, match="first-k-dense"):
         to_stock_hf_config(hf_config_from_model_config(alternating))
     # a dense layer costs a dense MLP; MLA's projections differ from GQA's
-    dense = forward_flops_per_token(dataclasses.replace(MIXED, arch="qwen3", num_experts=0, moe_layer_pattern=None), 16)
-    moe = forward_flops_per_token(dataclasses.replace(MIXED, moe_layer_pattern=None), 16)
+    dense = forward_flops_per_token(MIXED.replace(arch="qwen3", num_experts=0, moe_layer_pattern=None), 16)
+    moe = forward_flops_per_token(MIXED.replace(moe_layer_pattern=None), 16)
     mixed = forward_flops_per_token(MIXED, 16)
     assert mixed.mlp == pytest.approx((dense.mlp + moe.mlp) / 2)
     h, heads = DSV3.hidden_size, DSV3.num_attention_heads
@@ -282,19 +294,17 @@ def test_bad_values_are_refused_naming_the_key() -> None:
         return str(err.value)
 
     assert "model.moe_layer_pattern: has 3 entries but num_layers is 4" in errors_of(
-        dataclasses.replace(MIXED, moe_layer_pattern=[0, 1, 1])
+        MIXED.replace(moe_layer_pattern=[0, 1, 1])
     )
     assert "model.moe_layer_pattern: entries must be 0 (dense) or 1" in errors_of(
-        dataclasses.replace(MIXED, moe_layer_pattern=[0, 2, 1, 1])
+        MIXED.replace(moe_layer_pattern=[0, 2, 1, 1])
     )
-    assert "model.moe_layer_pattern" in errors_of(dataclasses.replace(MIXED, arch="qwen3", num_experts=0))
-    assert "model.moe_router_group_topk" in errors_of(dataclasses.replace(DSV3, moe_router_group_topk=5))
-    assert "model.moe_router_num_groups" in errors_of(dataclasses.replace(DSV3, moe_router_num_groups=3))
-    assert "model.multi_latent_attention" in errors_of(dataclasses.replace(DSV3, multi_latent_attention=False))
-    assert "model.moe_router_enable_expert_bias" in errors_of(
-        dataclasses.replace(MIXED, moe_router_enable_expert_bias=True)
-    )
-    assert "model.mtp_num_layers_carried" in errors_of(dataclasses.replace(MIXED, mtp_num_layers_carried=1))
+    assert "model.moe_layer_pattern" in errors_of(MIXED.replace(arch="qwen3", num_experts=0))
+    assert "model.moe_router_group_topk" in errors_of(DSV3.replace(moe_router_group_topk=5))
+    assert "model.moe_router_num_groups" in errors_of(DSV3.replace(moe_router_num_groups=3))
+    assert "model.multi_latent_attention" in errors_of(DSV3.replace(multi_latent_attention=False))
+    assert "model.moe_router_enable_expert_bias" in errors_of(MIXED.replace(moe_router_enable_expert_bias=True))
+    assert "model.mtp_num_layers_carried" in errors_of(MIXED.replace(mtp_num_layers_carried=1))
     linear = dataclasses.replace(DSV3, rope_scaling=RopeScalingConfig(type="linear", factor=2.0))
     assert "model.rope_scaling.type" in errors_of(linear)
     # what released configs set is not refused (tests/test_deepseek_v3_released.py converts them)
@@ -337,7 +347,7 @@ def _bias_moves_toward_balance(rank: int) -> None:
     from mcore_rl.train.weight_sync import iter_hf_weights
     from tests.helpers import P, _global_batch
 
-    mc = dataclasses.replace(DSV3, moe_router_bias_update_rate=0.05)
+    mc = DSV3.replace(moe_router_bias_update_rate=0.05)
     pc = P(ep=2)
     init_model_parallel(pc)
     set_seed(3)
@@ -387,7 +397,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     hf_to_mcore(f"{case}/fp8", f"{case}/mcore", P(ep=2))
     mcore_to_hf(f"{case}/mcore", f"{case}/export")
     mc = model_config_from_hf(read_hf_config(f"{case}/fp8"))
-    assert mc.rope_scaling == DSV3_RELEASED.rope_scaling and mc.mtp_num_layers_carried == 1
+    assert mc.rope_scaling == DSV3_RELEASED.rope_scaling and mc.section(DeepSeekV3Keys).mtp_num_layers_carried == 1
     _megatron_logits(mc, P(tp=2, sp=True), f"{case}/mcore", convert_tokens(mc.vocab_size), f"{case}/megatron_logits.pt")
     dist.barrier()
 

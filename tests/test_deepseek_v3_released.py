@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from tests.test_deepseek_v3 import _randomize, _stock_deepseek_config, _tokens
+from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+from mcore_rl.config.model_keys.moe import MoEKeys
 
 # The released config.json files' architecture fields, at the tiny sizes of `_stock_deepseek_config`
 # (what stays released: the RoPE scaling, router settings, MTP count and quantization).
@@ -93,8 +95,11 @@ def test_released_configs_convert_and_the_reference_equals_stock(tmp_path, field
         1.0,
         "rope_scaling",
     )
-    assert (mc.moe_router_num_groups, mc.moe_router_group_topk) == (fields["n_group"], fields["topk_group"])
-    assert mc.mtp_num_layers_carried == fields["num_nextn_predict_layers"]
+    assert (mc.section(DeepSeekV3Keys).moe_router_num_groups, mc.section(DeepSeekV3Keys).moe_router_group_topk) == (
+        fields["n_group"],
+        fields["topk_group"],
+    )
+    assert mc.section(DeepSeekV3Keys).mtp_num_layers_carried == fields["num_nextn_predict_layers"]
     torch.manual_seed(0)
     stock = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict({**hf.to_dict(), "quantization_config": None}))
     stock = stock.float().eval()
@@ -115,7 +120,11 @@ def test_any_topk_group_and_unnormalised_routing_equal_stock() -> None:
     stock = DeepseekV3ForCausalLM(_stock_deepseek_config(**UNRELEASED_ROUTING)).float().eval()
     _randomize(stock)
     mc, ours = _reference_of_stock(stock)
-    assert (mc.moe_router_group_topk, mc.moe_router_topk, mc.moe_norm_topk_prob) == (1, 3, False)
+    assert (
+        mc.section(DeepSeekV3Keys).moe_router_group_topk,
+        mc.section(MoEKeys).moe_router_topk,
+        mc.section(MoEKeys).moe_norm_topk_prob,
+    ) == (1, 3, False)
     x = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, stock(x).logits, atol=1e-5, rtol=0)

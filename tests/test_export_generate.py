@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 99, 3], [200, 41, 7, 7, 64, 12]]
 NEW = 8
 
 # dense -> stock Qwen3ForCausalLM; AttnRes -> remote code only (the copied mcore_rl/hf modules)
-CASES = {"dense": ModelConfig(), "attn_res": ModelConfig(attn_res="full")}
+CASES = {"dense": ModelConfig(), "attn_res": ModelConfig.of(attn_res="full")}
 
 
 def export(mc: ModelConfig, path: str) -> str:
@@ -198,7 +198,7 @@ def test_generate_with_a_sliding_window_and_latent_attention_equals_full_forward
     )
     cases = [
         dataclasses.replace(base, qk_layernorm=False, sliding_window=4),
-        ModelConfig(
+        ModelConfig.of(
             arch="deepseek_v3",
             vocab_size=96,
             hidden_size=32,

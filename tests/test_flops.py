@@ -14,7 +14,7 @@ CONFIGS = {
     "dense": ModelConfig(
         vocab_size=96, hidden_size=32, ffn_hidden_size=80, num_layers=2, num_attention_heads=4, num_query_groups=2
     ),
-    "moe": ModelConfig(
+    "moe": ModelConfig.of(
         arch="qwen3_moe",
         vocab_size=96,
         hidden_size=32,

@@ -268,7 +268,7 @@ def test_aux_loss_zero_coef_has_no_gradient() -> None:
 
 
 def test_model_config_round_trip() -> None:
-    mc = ModelConfig(
+    mc = ModelConfig.of(
         arch="qwen3_moe",
         vocab_size=VOCAB,
         hidden_size=32,

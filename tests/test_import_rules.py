@@ -225,13 +225,16 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> N
 
 
 def test_recipe_config_sections_load_without_the_recipes() -> None:
-    """Loading a config reads the recipes' sections (`recipes/config/`) by name; that import stays
-    light: no torch, no recipe machinery, so `load_config` costs what it did before."""
+    """Loading a config reads the recipes' sections (`recipes/config/`) and the model's
+    (`config/model_keys/`) by name; that import stays light: no torch, no recipe machinery, no model
+    bundle, so `load_config` costs what it did before."""
     script = (
         "import sys\n"
         "from mcore_rl.config import RLConfig, load_config\n"
-        "load_config(RLConfig, None, ['rollout.polaris.rescue=true', 'algorithm.mismatch.mipu_z=1'])\n"
+        "load_config(RLConfig, None, ['rollout.polaris.rescue=true', 'algorithm.mismatch.mipu_z=1',\n"
+        "    'model.arch=deepseek_v3', 'model.q_lora_rank=16', 'model.num_experts=4', 'model.ngram.orders=[2]'])\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'aiohttp')\n"
+        "    or m.startswith(('mcore_rl.hf', 'mcore_rl.models'))\n"
         "    or m.startswith('mcore_rl.recipes.') and not m.startswith('mcore_rl.recipes.config'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

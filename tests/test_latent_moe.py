@@ -10,7 +10,6 @@ megatron-core layer, and a checkpoint saved with EP=2 that loads into TP=2.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -19,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def test_aux_loss_and_gradients_reach_the_projections() -> None:
 # ---- configs, names, checkpoints ------------------------------------------------------------------
 
 
-LATENT = ModelConfig(
+LATENT = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=2,
     hidden_size=64,
@@ -166,8 +167,7 @@ LATENT = ModelConfig(
     moe_latent_size=16,
     moe_aux_loss_coeff=0.01,
 )
-LATENT_SHARED = dataclasses.replace(
-    LATENT,
+LATENT_SHARED = LATENT.replace(
     moe_shared_expert_intermediate_size=48,
     moe_norm_topk_prob=False,
     moe_router_topk=4,
@@ -180,12 +180,10 @@ def test_model_config_round_trip_and_no_stock_equivalent() -> None:
     hf = hf_config_from_model_config(LATENT_SHARED)
     assert hf.moe_latent_size == 16 and hf.to_dict()["moe_latent_size"] == 16
     assert model_config_from_hf_config(hf) == LATENT_SHARED
-    plain = dataclasses.replace(LATENT, moe_latent_size=None)
+    plain = LATENT.replace(moe_latent_size=None)
     assert hf_config_from_model_config(plain).moe_latent_size is None
     with pytest.raises(ValueError, match="moe_latent_size"):
-        to_stock_hf_config(
-            hf_config_from_model_config(dataclasses.replace(LATENT_SHARED, moe_shared_expert_intermediate_size=None))
-        )
+        to_stock_hf_config(hf_config_from_model_config(LATENT_SHARED.replace(moe_shared_expert_intermediate_size=None)))
 
 
 def test_weight_names_round_trip() -> None:
@@ -257,7 +255,7 @@ def test_validation_names_the_key() -> None:
     from mcore_rl.config import ConfigError, SFTConfig, validate_sft_config
 
     def errors(**model) -> str:
-        cfg = SFTConfig(model=dataclasses.replace(LATENT, **model))
+        cfg = SFTConfig(model=LATENT.replace(**model))
         with pytest.raises(ConfigError) as e:
             validate_sft_config(cfg, 1)
         return str(e.value)
@@ -313,7 +311,7 @@ def test_report_tool_runs(capsys, tmp_path) -> None:
 
 # Tiny configurations of the paper's three variants for the all-to-all buffer check (d=32, alpha=2).
 A2A_CASES = {
-    "baseline": ModelConfig(
+    "baseline": ModelConfig.of(
         arch="qwen3_moe",
         num_layers=1,
         hidden_size=32,
@@ -323,8 +321,8 @@ A2A_CASES = {
         moe_ffn_hidden_size=16,
     ),
 }
-A2A_CASES["eff"] = dataclasses.replace(A2A_CASES["baseline"], num_experts=8, moe_latent_size=16)
-A2A_CASES["acc"] = dataclasses.replace(A2A_CASES["eff"], moe_router_topk=4)
+A2A_CASES["eff"] = A2A_CASES["baseline"].replace(num_experts=8, moe_latent_size=16)
+A2A_CASES["acc"] = A2A_CASES["eff"].replace(moe_router_topk=4)
 
 
 def _all_to_all_payload(rank: int) -> None:
@@ -358,25 +356,26 @@ def _all_to_all_payload(rank: int) -> None:
             with torch.no_grad():
                 model(tokens, torch.arange(16).expand(2, 16), None)
             (dispatch_in, _), (_, combine_out) = calls  # one layer: dispatch, then combine
-            width = mc.moe_latent_size or mc.hidden_size
+            width = mc.section(LatentMoEKeys).moe_latent_size or mc.hidden_size
             assert dispatch_in[1] == combine_out[1] == width, (name, calls)
             payload[name] = dispatch_in.numel() / tokens.numel()
-            assert payload[name] == combine_out.numel() / tokens.numel() == mc.moe_router_topk * width
+            assert payload[name] == combine_out.numel() / tokens.numel() == mc.section(MoEKeys).moe_router_topk * width
     finally:
         token_dispatcher.all_to_all = original
     assert payload == {"baseline": 2 * 32, "eff": 2 * 32 / 2, "acc": 2 * 32}, payload
 
 
 def _megatron_params_match_closed_form(chunks_state: dict, mc: ModelConfig) -> None:
+    experts = mc.section(MoEKeys)
     tool = _report_tool()
-    alpha = mc.hidden_size // mc.moe_latent_size
+    alpha = mc.hidden_size // mc.section(LatentMoEKeys).moe_latent_size
     closed = tool.closed_form(
         mc.hidden_size,
-        mc.moe_ffn_hidden_size,
+        experts.moe_ffn_hidden_size,
         alpha,
-        mc.num_experts,
-        mc.moe_router_topk,
-        mc.moe_shared_expert_intermediate_size or 0,
+        experts.num_experts,
+        experts.moe_router_topk,
+        experts.moe_shared_expert_intermediate_size or 0,
     )
     layer = {k: v for k, v in chunks_state.items() if k.startswith("decoder.layers.0.mlp.")}
     assert sum(v.numel() for v in layer.values()) == closed.params

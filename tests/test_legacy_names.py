@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import mcore_rl.hf as hf
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "legacy_mcore_rl_qwen3.tar.gz"
 TOKENS = torch.tensor([[1, 5, 9, 2, 330, 17, 4, 260]])
@@ -87,7 +88,12 @@ def test_converter_reads_a_legacy_export_and_writes_todays_names(legacy_dir, tmp
     from mcore_rl.convert.to_hf import export_config
 
     mc = model_config_from_hf(read_hf_config(str(legacy_dir)))
-    assert (mc.attn_res, mc.attn_res_num_blocks, mc.num_layers, mc.vocab_size) == ("block", 2, 2, 384)
+    assert (
+        mc.section(AttnResKeys).attn_res,
+        mc.section(AttnResKeys).attn_res_num_blocks,
+        mc.num_layers,
+        mc.vocab_size,
+    ) == ("block", 2, 2, 384)
     cfg, kind = export_config(mc, torch.bfloat16, json.loads((legacy_dir / "config.json").read_text()))
     assert kind == "remote" and cfg.model_type == "mcore_rl"
     assert cfg.architectures == ["McoreRLForCausalLM"]

@@ -14,6 +14,7 @@ import re
 import pytest
 import transformers
 
+from mcore_rl.config.loader import config_to_dict
 from mcore_rl.hf import McoreRLConfig
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_named, family_of, stock_decoder
 from mcore_rl.hf.family import ModelFamily, StockDecoder
@@ -36,18 +37,28 @@ def _words(family_name: str) -> list[str]:
 
 
 def _bundle(family: ModelFamily) -> set[str]:
-    """A family's files: its reference modeling and HF side, and its megatron-core half; with those of
-    the family it builds on and of the families that build on it (`ModelFamily.builds_on`: they share
-    that family's parts and `model.*` keys)."""
+    """A family's files: its reference modeling and HF side, its megatron-core half, and its `model.*`
+    keys (a section of `ModelConfig`, torch-free so that loading a config imports no bundle); with those
+    of the family it builds on and of the families that build on it (`ModelFamily.builds_on`: they
+    share that family's parts and keys)."""
     related = {family.name, family.builds_on} | {f.name for f in FAMILIES if f.builds_on == family.name}
-    return {f"{part}/{name}.py" for name in related if name for part in ("hf", "models")}
+    return {f"{part}/{name}.py" for name in related if name for part in ("hf", "models", "config/model_keys")}
 
 
-# The registration, and the declaration of what users write under `model:` (the family's keys and
-# its `arch` value stay in one `ModelConfig` so recipes keep their keys: docs/model_families.md);
-# nothing else outside a bundle.
-REGISTRATION = "hf/families.py"
-KEY_DECLARATION = "config/schema.py"
+def _keys(family: ModelFamily) -> set[str]:
+    """The `model.*` keys of the family's section, or of the one it builds on (config/model_keys:
+    FAMILY_SECTIONS)."""
+    from mcore_rl.config.model_keys import FAMILY_SECTIONS
+
+    sections = [s for s in FAMILY_SECTIONS if s.cls.family in (family.name, family.builds_on)]
+    assert sections, f"{family.name} has no keys' section in config/model_keys"
+    return set().union(*(s.yaml_keys() for s in sections))
+
+
+# The registrations (the family's record, its keys' section), and the one value users write under
+# `model:` that names it (`arch`); nothing else outside a bundle.
+REGISTRATIONS = ("hf/families.py", "config/model_keys/__init__.py")
+ARCH_DECLARATION = "config/schema.py"
 # The text formats of a family's chat template (its tool calls), keyed by its model type and named
 # as SGLang names its parsers: data the agentic runtime reads without importing the bundle.
 TEXT_FORMATS = "data/tool_calls.py"
@@ -91,7 +102,7 @@ def test_a_family_is_its_bundle_plus_one_registration(family: ModelFamily) -> No
     rules, FLOPs, megatron-core spec and TransformerConfig, weight names and the engine's cache
     layout are hooks of the bundle the shared code calls."""
     words = _words(family.name)
-    keys = set(family.model_keys)
+    keys = _keys(family)
     named, read = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
@@ -101,13 +112,12 @@ def test_a_family_is_its_bundle_plus_one_registration(family: ModelFamily) -> No
         if not any(w in text for w in [*words, *keys]):  # a cheap pre-filter: most files name neither
             continue
         code = _code_names(path)
-        if rel not in (REGISTRATION, KEY_DECLARATION, TEXT_FORMATS):
+        if rel not in (*REGISTRATIONS, ARCH_DECLARATION, TEXT_FORMATS):
             named += [f"{rel}: {n!r}" for n in sorted(code) if any(w in n for w in words)]
-        if rel != KEY_DECLARATION:
-            read += [f"{rel}: {k}" for k in sorted(keys & code)]
+        read += [f"{rel}: {k}" for k in sorted(keys & code)]
     assert named == [], f"code outside {family.name}'s bundle names it: {named}"
     assert read == [], f"code outside {family.name}'s bundle reads its model keys: {read}"
-    assert keys, "the family's model keys are listed (ModelFamily.model_keys)"
+    assert keys, "the family's model keys are its section's (config/model_keys)"
 
 
 @pytest.mark.parametrize("name", SHARED_FILES)
@@ -174,15 +184,19 @@ def test_a_stock_decoder_is_its_record(decoder: StockDecoder) -> None:
     checked = [key for field, (key, value) in implied.items() if not hasattr(stock, field)]
     for field, (key, value) in implied.items():
         if not hasattr(stock, field):  # the stock config is silent: the record says
-            assert getattr(mc, key) == value, key
+            assert config_to_dict(mc)[key] == value, key
     assert checked, "the stock config states every field; nothing of the record was read"
     assert (mc.sliding_window == 16) == decoder.windowed
 
 
 def test_config_knows_which_keys_the_families_own() -> None:
-    """Validation skips importing the bundles when none of their keys is set: the list it reads must be
-    exactly the registered families' keys, and no family may be named like the decoder's archs."""
-    from mcore_rl.config.schema import DECODER_ARCHS, FAMILY_MODEL_KEYS
+    """Validation skips importing the bundles when no family's section is set: the sections it reads
+    (`config/model_keys: FAMILY_SECTIONS`) must be exactly the registered families' (a family with
+    rules of its own has one), and no family may be named like the decoder's archs."""
+    from mcore_rl.config.model_keys import FAMILY_SECTIONS
+    from mcore_rl.config.schema import DECODER_ARCHS
 
-    assert set(FAMILY_MODEL_KEYS) == {k for f in FAMILIES for k in f.model_keys}
+    owners = [s.cls.family for s in FAMILY_SECTIONS]
+    assert len(owners) == len(set(owners))
+    assert set(owners) == {f.name for f in FAMILIES if f.check_model is not ModelFamily.check_model}
     assert not {f.name for f in FAMILIES} & set(DECODER_ARCHS)

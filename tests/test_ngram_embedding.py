@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import McoreRLConfig, to_stock_hf_config
 from mcore_rl.hf.ngram import McoreRLNgramEmbeddings, NgramKVCache, ngram_hash_ids, sliced_lookup
@@ -245,7 +246,7 @@ def test_save_load_and_config_round_trip(tmp_path):
     x = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
-    mc = ModelConfig(
+    mc = ModelConfig.of(
         vocab_size=VOCAB,
         hidden_size=48,
         ffn_hidden_size=64,
@@ -265,7 +266,7 @@ def test_config_validation():
     def cfg(tp=1, cp=1, **ng):
         ngram = NgramEmbeddingConfig(**{"orders": [2, 3], "table_size": 97, **ng})
         return SFTConfig(
-            model=ModelConfig(ngram=ngram),
+            model=ModelConfig.of(ngram=ngram),
             parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
         )
 
@@ -293,14 +294,14 @@ def test_config_validation():
 # ------------------------------------------------------------------------- megatron-core parity
 
 SEQ, MBS, NUM_MICROBATCHES = 16, 2, 4
-NGRAM = ModelConfig(
+NGRAM = ModelConfig.of(
     arch="qwen3",
     num_layers=2,
     hidden_size=48,
     ffn_hidden_size=96,
     ngram=NgramEmbeddingConfig(orders=[2, 3], table_size=97, num_slices=2),
 )
-NGRAM_DP = dataclasses.replace(NGRAM, ngram=dataclasses.replace(NGRAM.ngram, shard_over_data_parallel=True))
+NGRAM_DP = NGRAM.replace(ngram=dataclasses.replace(NGRAM.section(NgramEmbeddingConfig), shard_over_data_parallel=True))
 
 
 def _packed_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
@@ -398,7 +399,9 @@ def _ngram_world(rank: int, world_size: int, cases, ckpt_dir: str) -> None:
     refs: dict = {}
     batches = _packed_batches(NGRAM.vocab_size)
     for mc, pc, save, load in cases:
-        key = repr(dataclasses.replace(mc, ngram=dataclasses.replace(mc.ngram, shard_over_data_parallel=False)))
+        key = repr(
+            mc.replace(ngram=dataclasses.replace(mc.section(NgramEmbeddingConfig), shard_over_data_parallel=False))
+        )
         if key not in refs:
             refs[key] = _reference_packed(mc, batches)
         _check_layout(mc, pc, batches, refs[key], after=_after_checks(mc, refs[key], ckpt_dir, save, load))

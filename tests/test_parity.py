@@ -17,7 +17,7 @@ from tests.helpers import _layouts_world
 
 pytestmark = pytest.mark.slow
 
-MOE = ModelConfig(
+MOE = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=2,
     hidden_size=64,
@@ -27,7 +27,7 @@ MOE = ModelConfig(
     moe_ffn_hidden_size=64,
     moe_aux_loss_coeff=0.01,
 )
-MOE_SHARED = dataclasses.replace(MOE, moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False)
+MOE_SHARED = MOE.replace(moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False)
 
 
 TIED = dataclasses.replace(DENSE, tie_word_embeddings=True)

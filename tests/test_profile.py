@@ -28,7 +28,7 @@ from mcore_rl.profile.timing import step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
-MOE = ModelConfig(
+MOE = ModelConfig.of(
     arch="qwen3_moe",
     vocab_size=1024,
     hidden_size=256,

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 from tests.helpers import (
     CONVERT_SEQ as SEQ,
@@ -93,13 +94,20 @@ def test_model_configs_and_export_kinds() -> None:
     qwen2, moe, mistral = (model_config_from_hf(_stock_config(k)) for k in ("qwen2", "qwen2_moe", "mistral"))
     assert (qwen2.add_qkv_bias, qwen2.qk_layernorm, qwen2.sliding_window) == (True, False, None)
     assert qwen2.kv_channels is None
-    assert (moe.arch, moe.add_qkv_bias, moe.moe_shared_expert_gate, moe.moe_shared_expert_intermediate_size) == (
+    assert (
+        moe.arch,
+        moe.add_qkv_bias,
+        moe.section(MoEKeys).moe_shared_expert_gate,
+        moe.section(MoEKeys).moe_shared_expert_intermediate_size,
+    ) == (
         "qwen3_moe",
         True,
         True,
         48,
     )
-    assert moe.moe_norm_topk_prob is False  # the stock default: softmax over all experts, keep the top k
+    assert (
+        moe.section(MoEKeys).moe_norm_topk_prob is False
+    )  # the stock default: softmax over all experts, keep the top k
     assert (mistral.add_qkv_bias, mistral.qk_layernorm, mistral.sliding_window) == (False, False, WINDOW)
     assert not model_config_from_hf(_stock_config("qwen2_moe", qkv_bias=False)).add_qkv_bias
     assert [export_kind(m) for m in (qwen2, moe, mistral)] == ["qwen2", "qwen2_moe", "mistral"]
@@ -110,7 +118,7 @@ def test_model_configs_and_export_kinds() -> None:
     # No stock class has these: our remote-code model does.
     assert export_kind(dataclasses.replace(qwen2, qk_layernorm=True)) == "remote"  # Qwen3 + q/k/v biases
     assert export_kind(dataclasses.replace(qwen2, sliding_window=8)) == "remote"  # Qwen2's window is per layer
-    assert export_kind(dataclasses.replace(moe, moe_shared_expert_gate=False)) == "remote"  # ungated, no QK-norm
+    assert export_kind(moe.replace(moe_shared_expert_gate=False)) == "remote"  # ungated, no QK-norm
 
 
 def test_refusals_name_the_key() -> None:
@@ -125,15 +133,17 @@ def test_refusals_name_the_key() -> None:
     for extra, pattern in [({"mlp_only_layers": [0]}, [0, 1]), ({"decoder_sparse_step": 2}, [0, 1])]:
         stock = _stock_config("qwen2_moe", **extra)
         mc = model_config_from_hf(stock)
-        assert mc.moe_layer_pattern == pattern[: stock.num_hidden_layers] + [1] * (stock.num_hidden_layers - 2)
+        assert mc.section(MoEKeys).moe_layer_pattern == pattern[: stock.num_hidden_layers] + [1] * (
+            stock.num_hidden_layers - 2
+        )
         back = to_stock_hf_config(hf_config_from_model_config(mc), "qwen2_moe")
         assert (
             type(back).__name__ == "Qwen2MoeConfig"
-            and model_config_from_hf(back).moe_layer_pattern == mc.moe_layer_pattern
+            and model_config_from_hf(back).section(MoEKeys).moe_layer_pattern == mc.section(MoEKeys).moe_layer_pattern
         )
     dense = ModelConfig(vocab_size=VOCAB)
     for model, key in [
-        (dataclasses.replace(dense, moe_shared_expert_gate=True), "model.moe_shared_expert_gate"),
+        (dense.replace(moe_shared_expert_gate=True), "model.moe_shared_expert_gate"),
         (dataclasses.replace(dense, sliding_window=0), "model.sliding_window"),
     ]:
         with pytest.raises(ConfigError, match=key):
@@ -145,7 +155,7 @@ def test_flops_count_the_gate_and_the_window() -> None:
     from mcore_rl.models.flops import forward_flops_per_token
 
     moe = model_config_from_hf(_stock_config("qwen2_moe"))
-    ungated = dataclasses.replace(moe, moe_shared_expert_gate=False)
+    ungated = moe.replace(moe_shared_expert_gate=False)
     gate = forward_flops_per_token(moe, 64).mlp - forward_flops_per_token(ungated, 64).mlp
     assert gate == 2.0 * moe.hidden_size * moe.num_layers
     mistral = model_config_from_hf(_stock_config("mistral"))

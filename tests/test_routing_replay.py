@@ -15,16 +15,16 @@ reference's; the learner's R3 and R2 paths replay what they should.
 from __future__ import annotations
 
 import base64
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from tests.world import run_world
 
-MOE = ModelConfig(
+MOE = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=2,
     hidden_size=64,
@@ -110,10 +110,10 @@ def test_engine_routed_experts_are_the_reference_routing_of_the_sequence():
         seq = p + o.output_ids
         got = o.routed_experts
         assert isinstance(got, np.ndarray) and got.dtype == np.int32
-        assert got.shape == (len(seq) - 1, MOE.num_layers, MOE.moe_router_topk)
+        assert got.shape == (len(seq) - 1, MOE.num_layers, MOE.section(MoEKeys).moe_router_topk)
         want, _ = reference_routing(model, seq)
         assert torch.equal(torch.from_numpy(got).long(), want[: len(seq) - 1]), i
-        assert got.min() >= 0 and got.max() < MOE.num_experts
+        assert got.min() >= 0 and got.max() < MOE.section(MoEKeys).num_experts
 
     # a retract (re-prefill of prompt + tokens so far) and a weight load while running (the K/V and
     # the routing of the prefix are recomputed under the new weights) end with the new weights' routing
@@ -153,7 +153,7 @@ def test_engine_routed_experts_are_the_reference_routing_of_the_sequence():
     assert changed, "the new router weights should route some sequence differently"
 
     # a dense model has no experts to return
-    dense = _reference(dataclasses.replace(MOE, arch="qwen3", num_experts=0))
+    dense = _reference(MOE.replace(arch="qwen3", num_experts=0))
     with pytest.raises(ValueError, match="return_routed_experts"):
         _engine(dense).add_request(Request("d", [3, 4], return_routed_experts=True))
 
@@ -195,7 +195,7 @@ def test_routed_experts_over_http_and_both_pools():
             out = asyncio.run(call())
             seq = prompt + out["output_ids"]
             raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
-            got = raw.reshape(len(seq) - 1, MOE.num_layers, MOE.moe_router_topk)  # slime's decoding
+            got = raw.reshape(len(seq) - 1, MOE.num_layers, MOE.section(MoEKeys).moe_router_topk)  # slime's decoding
             want, _ = reference_routing(model, seq)
             assert torch.equal(torch.from_numpy(got.copy()).long(), want[:-1])
             pool = HTTPEnginePool([srv.url], num_layers=MOE.num_layers)
@@ -212,7 +212,7 @@ def test_routed_experts_over_http_and_both_pools():
 # ------------------------------------------------------------------------------------ trainer
 
 SEQ, MBS = 24, 2
-NO_AUX = dataclasses.replace(MOE, moe_aux_loss_coeff=0.0)  # gradients compared exactly: no aux term
+NO_AUX = MOE.replace(moe_aux_loss_coeff=0.0)  # gradients compared exactly: no aux term
 
 
 def _samples(vocab: int, count: int = 7, seed: int = 3) -> list:
@@ -234,7 +234,9 @@ def _forced(samples, mc: ModelConfig, seed: int = 11) -> list[torch.Tensor]:
     out = []
     for s in samples:
         n = len(s.prompt_ids) + len(s.response_ids)
-        ids = torch.rand(n - 1, mc.num_layers, mc.num_experts, generator=g).argsort(-1)[..., : mc.moe_router_topk]
+        ids = torch.rand(n - 1, mc.num_layers, mc.section(MoEKeys).num_experts, generator=g).argsort(-1)[
+            ..., : mc.section(MoEKeys).moe_router_topk
+        ]
         out.append(ids.to(torch.int16))
     return out
 
@@ -304,7 +306,7 @@ def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -
     # natural routing: what the reference model picks
     with rr.recording(taps):
         lp = _logprobs(chunks, samples, None, T)
-    natural = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.moe_router_topk)
+    natural = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.section(MoEKeys).moe_router_topk)
     for i in order:
         assert _same(natural[i], expect["natural"][i]), f"{name}: natural routing of sample {i}"
     torch.testing.assert_close(lp * mask, expect["natural_lp"] * mask, rtol=1e-5, atol=1e-5)
@@ -313,7 +315,7 @@ def _layout(mc: ModelConfig, pc: ParallelConfig, ref, samples, forced, expect) -
     # and compute what the reference model computes with those experts
     with rr.recording(taps):
         lp = _logprobs(chunks, samples, forced, T)
-    used = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.moe_router_topk)
+    used = rr.gather_recorded(taps, samples, order, SEQ, MBS, mc.num_layers, mc.section(MoEKeys).moe_router_topk)
     for i in order:
         assert torch.equal(used[i][:-1].long(), forced[i].long()), f"{name}: replayed routing of sample {i}"
         assert _same(used[i], expect["forced_routing"][i]), f"{name}: sample {i}'s last token"

@@ -316,7 +316,7 @@ def test_fp8_engine_greedy_is_plain() -> None:
     assert {k: o.output_ids for k, o in spec.items()} == {k: o.output_ids for k, o in plain.items()}
 
 
-MOE = ModelConfig(
+MOE = ModelConfig.of(
     arch="qwen3_moe",
     vocab_size=384,
     num_layers=2,

@@ -560,7 +560,7 @@ def test_engines_without_the_checksum_endpoint_are_not_checked(tmp_path, caplog)
 
 DENSE = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128)
 TIED = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, tie_word_embeddings=True)
-MOE = ModelConfig(
+MOE = ModelConfig.of(
     arch="qwen3_moe",
     num_layers=2,
     hidden_size=64,

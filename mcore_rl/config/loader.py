@@ -17,7 +17,7 @@ import os
 import re
 import types
 import typing
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union, cast
 
 import yaml
 
@@ -40,6 +40,12 @@ def load_config(root_cls: type[T], yaml_path: str | None = None, overrides: list
     for item in overrides or []:
         _apply_override(raw, root_cls, item)
     return _build(root_cls, raw, prefix="")
+
+
+def config_from_dict(root_cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """`root_cls` from a nested dict of its YAML keys (`config_to_dict`'s inverse; sections' keys where
+    the YAML has them, values checked as a recipe's are); `prefix` names the keys in messages."""
+    return cast(T, _build(root_cls, data, prefix))
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,16 +1,18 @@
 """Rules of the mixed dense/MoE layer pattern, and of the `model.*` keys a model family owns.
 
 They mirror what megatron-core's `TransformerConfig` and its router accept, and what the reference
-model computes the same way. A family's own keys (`ModelFamily.model_keys`) are checked by its
-bundle (`ModelFamily.check_model`, docs/model_families.md), for every config: a model of another
-arch must leave them at their defaults.
+model computes the same way. A family's own keys (its section, `model_keys.FAMILY_SECTIONS`) are
+checked by its bundle (`ModelFamily.check_model`, docs/model_families.md), for every config: a model
+of another arch must leave them at their defaults.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mcore_rl.config.schema import DECODER_ARCHS, FAMILY_MODEL_KEYS, ModelConfig
+from mcore_rl.config.model_keys import FAMILY_SECTIONS
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.schema import DECODER_ARCHS, ModelConfig
 
 if TYPE_CHECKING:
     from mcore_rl.config.rules import Errors
@@ -19,25 +21,28 @@ if TYPE_CHECKING:
 def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
     """Layer pattern, and each registered family's keys (its router, its attention, ...)."""
     check_moe_layer_pattern(m, errors)
-    defaults = ModelConfig()
-    if m.arch in DECODER_ARCHS and all(getattr(m, k) == getattr(defaults, k) for k in FAMILY_MODEL_KEYS):
+    if m.arch in DECODER_ARCHS and all(m.section(s.cls) == s.cls() for s in FAMILY_SECTIONS):
         return  # no family's key is set: nothing of theirs to check, and no bundle to import
     # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
     from mcore_rl.hf.families import FAMILIES
 
-    for key in FAMILY_MODEL_KEYS:  # a family's key off its default needs an arch whose family lists it
-        value, owners = getattr(m, key), [f.name for f in FAMILIES if key in f.model_keys]
-        errors.need(
-            value == getattr(defaults, key) or m.arch in owners,
-            f"model.{key}",
-            f"is {value} but needs model.arch={' or '.join(owners)} (arch is {m.arch!r})",
-        )
+    for section in FAMILY_SECTIONS:  # a family's key off its default needs its arch, or one built on it
+        family: str = getattr(section.cls, "family")  # every family section names its family
+        owners = [f.name for f in FAMILIES if family in (f.name, f.builds_on)]
+        value: object = m.section(section.cls)
+        default: object = section.cls()
+        for key, name in section.yaml_keys().items():
+            errors.need(
+                getattr(value, name) == getattr(default, name) or m.arch in owners,
+                f"model.{key}",
+                f"is {getattr(value, name)} but needs model.arch={' or '.join(owners)} (arch is {m.arch!r})",
+            )
     for family in FAMILIES:
         family.check_model(m, errors)
 
 
 def check_moe_layer_pattern(m: ModelConfig, errors: Errors) -> None:
-    pattern = m.moe_layer_pattern
+    pattern = m.section(MoEKeys).moe_layer_pattern
     if pattern is None:
         return
     key = "model.moe_layer_pattern"

@@ -39,8 +39,8 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(d.path is None, "data.path", "set data.domains or data.path, not both (a file is a domain's path)")
     errors.need(
-        cfg.init.sft_steps <= 0 or any(_feeds_warm_start(dom) for dom in d.domains),
-        "init.sft_steps",
+        cfg.init.sft.train.train_iters <= 0 or any(_feeds_warm_start(dom) for dom in d.domains),
+        cfg.init.key("train.train_iters"),
         "the SFT warm start trains on the answers of task or reasoning-gym domains and on the turns of "
         "an environment's scripted player, and no domain has either; start from init.checkpoint instead",
     )

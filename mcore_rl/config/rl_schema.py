@@ -11,9 +11,11 @@ their registries, so registering a new one needs no schema change.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.observability import ObservabilityConfig
 from mcore_rl.config.sections import Sectioned
 from mcore_rl.config.schema import (
@@ -452,18 +454,80 @@ class EvalConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """The SFT warm start's settings in `mcore-rl sft`'s own types; of these keys it reads those of
+    `WARM_START_KEYS` and takes the rest from the RL run (`sft_view`), so they stay at their defaults."""
+
+    # its own AdamW and schedule (the RL optimizer starts fresh after it): lr, min_lr, lr_warmup_iters,
+    # lr_decay_style (clip_grad and backend are the RL optimizer's)
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=3e-3, min_lr=3e-5, lr_warmup_iters=10, lr_decay_style="cosine")
+    )
+    # train_iters: SFT steps on the task's prompt/answer pairs (0 = no warm start); seq_length and
+    # micro_batch_size: its rows (seed, precision and recompute are the run's train.*)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=0, seq_length=64, micro_batch_size=8))
+    # synthetic_num_examples: examples drawn from the task (the synthetic task, or every task domain)
+    data: DataConfig = field(default_factory=lambda: DataConfig(synthetic_num_examples=8192))
+
+
+# The older, flat spelling of the warm start's settings -> their key under `init.sft` (both read; a
+# config that sets a setting both ways is refused). They are also every key the warm start reads there.
+WARM_START_KEYS: dict[str, str] = {
+    "sft_steps": "train.train_iters",
+    "sft_lr": "optimizer.lr",
+    "sft_min_lr": "optimizer.min_lr",
+    "sft_warmup_steps": "optimizer.lr_warmup_iters",
+    "sft_lr_decay_style": "optimizer.lr_decay_style",
+    "sft_micro_batch_size": "train.micro_batch_size",
+    "sft_seq_length": "train.seq_length",
+    "sft_num_examples": "data.synthetic_num_examples",
+}
+
+
+@dataclass
 class InitConfig:
     """Where the policy starts: a checkpoint (model weights only), then optionally SFT on the task."""
 
     checkpoint: str | None = None  # megatron dist-checkpoint (e.g. from `mcore-rl convert`)
-    sft_steps: int = 0  # SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain)
-    sft_lr: float = 3e-3  # warm start: peak learning rate
-    sft_min_lr: float = 3e-5  # warm start: final learning rate
-    sft_warmup_steps: int = 10  # warm start: linear warmup steps
-    sft_lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"  # warm start: learning-rate decay
-    sft_micro_batch_size: int = 8  # warm start: rows per micro-batch
-    sft_seq_length: int = 64  # warm start: tokens per row
-    sft_num_examples: int = 8192  # warm start: examples drawn from the task
+    # the SFT warm start on the task's prompt/answer pairs (the synthetic task, or every task domain); it
+    # reads train.train_iters, seq_length, micro_batch_size, optimizer.lr, min_lr, lr_warmup_iters,
+    # lr_decay_style and data.synthetic_num_examples; every other key below is the run's or unused and
+    # stays at its default
+    sft: WarmStartConfig = field(default_factory=WarmStartConfig)
+    sft_steps: int | None = None  # deprecated spelling of init.sft.train.train_iters
+    sft_lr: float | None = None  # deprecated spelling of init.sft.optimizer.lr
+    sft_min_lr: float | None = None  # deprecated spelling of init.sft.optimizer.min_lr
+    sft_warmup_steps: int | None = None  # deprecated spelling of init.sft.optimizer.lr_warmup_iters
+    # deprecated spelling of init.sft.optimizer.lr_decay_style
+    sft_lr_decay_style: Literal["constant", "linear", "cosine"] | None = None
+    sft_micro_batch_size: int | None = None  # deprecated spelling of init.sft.train.micro_batch_size
+    sft_seq_length: int | None = None  # deprecated spelling of init.sft.train.seq_length
+    sft_num_examples: int | None = None  # deprecated spelling of init.sft.data.synthetic_num_examples
+
+    def __post_init__(self) -> None:
+        """Moves each flat `sft_*` key that is set onto `sft` (remembering the spelling for messages,
+        `key`); a setting written both ways is refused, naming both keys."""
+        self._spelled: dict[str, str] = {}
+        given = {flat: getattr(self, flat) for flat in WARM_START_KEYS if getattr(self, flat) is not None}
+        if not given:
+            return
+        self.sft, defaults = copy.deepcopy(self.sft), WarmStartConfig()
+        for flat, value in given.items():
+            part, name = WARM_START_KEYS[flat].split(".")
+            target = getattr(self.sft, part)
+            if getattr(target, name) != getattr(getattr(defaults, part), name):
+                raise ConfigError(
+                    f"init.{flat} and init.sft.{part}.{name} both set the warm start's {name}; keep "
+                    f"init.sft.{part}.{name} (init.{flat} is its older spelling)"
+                )
+            setattr(target, name, value)
+            setattr(self, flat, None)
+            self._spelled[f"{part}.{name}"] = f"init.{flat}"
+
+    def key(self, path: str) -> str:
+        """The dotted key this config wrote the warm start's setting `path` (`optimizer.lr`) with:
+        `init.sft_lr` or `init.sft.optimizer.lr`, for messages."""
+        return self._spelled.get(path, f"init.sft.{path}")
 
 
 @dataclass
@@ -538,8 +602,10 @@ class RLConfig:
         return self.algorithm.num_minibatches * self.algorithm.ppo_epochs
 
     def sft_view(self, world_size: int) -> SFTConfig:
-        """The shared sections as an `SFTConfig`, for the SFT warm start (validation does not use it)."""
-        t, i = self.train, self.init
+        """`init.sft` with what the warm start shares with the run, as an `SFTConfig` (validation does
+        not use it): the RL optimizer's clipping and backend, the run's seed, precision, recompute,
+        task and tokenizer, one micro-batch per data-parallel rank per step, no evaluation."""
+        t, w = self.train, self.init.sft
         mp = (
             self.parallel.tensor_model_parallel_size
             * self.parallel.pipeline_model_parallel_size
@@ -550,26 +616,22 @@ class RLConfig:
             run_dir=self.run_dir,
             model=self.model,
             parallel=self.parallel,
-            optimizer=OptimizerConfig(
-                lr=i.sft_lr,
-                min_lr=min(i.sft_min_lr, i.sft_lr),
-                lr_warmup_iters=i.sft_warmup_steps,
-                lr_decay_style=i.sft_lr_decay_style,
+            optimizer=dataclasses.replace(
+                w.optimizer,
+                min_lr=min(w.optimizer.min_lr, w.optimizer.lr),
                 clip_grad=self.optimizer.clip_grad,
                 backend=self.optimizer.backend,
             ),
-            data=DataConfig(
+            data=dataclasses.replace(
+                w.data,
                 synthetic_task=self.data.synthetic_task,
                 synthetic_max_digits=self.data.synthetic_max_digits,
-                synthetic_num_examples=i.sft_num_examples,
                 tokenizer_path=self.data.tokenizer_path,
             ),
-            train=TrainConfig(
+            train=dataclasses.replace(
+                w.train,
                 seed=t.seed,
-                seq_length=i.sft_seq_length,
-                micro_batch_size=i.sft_micro_batch_size,
-                global_batch_size=i.sft_micro_batch_size * max(dp, 1),
-                train_iters=i.sft_steps,
+                global_batch_size=w.train.micro_batch_size * max(dp, 1),
                 precision=t.precision,
                 recompute=t.recompute,
                 eval_interval=0,

@@ -9,12 +9,14 @@ Each registered recipe checks its own keys (`Recipe.check`, `mcore_rl/hooks.py`)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl import hooks
 from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
@@ -32,6 +34,7 @@ from mcore_rl.config.rules import (
     need_registered,
     need_positive,
 )
+from mcore_rl.config.rl_schema import WARM_START_KEYS, WarmStartConfig
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.config.validate import DerivedSizes
 
@@ -394,10 +397,10 @@ def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
     if mode == "none":
         return
     errors.need(
-        cfg.model.is_moe and cfg.model.num_experts > 0,
+        cfg.model.is_moe and cfg.model.section(MoEKeys).num_experts > 0,
         "algorithm.routing_replay",
         f"{mode!r} replays MoE routing, but the model is dense (model.arch={cfg.model.arch!r}, "
-        f"model.num_experts={cfg.model.num_experts})",
+        f"model.num_experts={cfg.model.section(MoEKeys).num_experts})",
     )
     errors.need(
         cfg.train.recompute != "full",
@@ -663,24 +666,65 @@ def check_eval(e: EvalConfig, errors: Errors) -> None:
     )
 
 
+# Keys of `init.sft` whose setting the warm start takes from the RL run (the same key at the top level).
+WARM_START_FROM_RUN = (
+    "optimizer.clip_grad",
+    "optimizer.backend",
+    "train.seed",
+    "train.precision",
+    "train.recompute",
+    "data.synthetic_task",
+    "data.synthetic_max_digits",
+    "data.tokenizer_path",
+)
+
+
 def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -> None:
-    """The SFT warm start trains on the synthetic task's answers, with its own batch shape and LR."""
-    errors.need(i.sft_steps >= 0, "init.sft_steps", f"must be >= 0, got {i.sft_steps}")
-    if i.sft_steps <= 0:
+    """The SFT warm start trains on the synthetic task's answers, with its own batch shape and LR; of
+    `init.sft` it reads `WARM_START_KEYS`, the rest must stay at its defaults (messages name the key
+    the config wrote, `init.sft_lr` or `init.sft.optimizer.lr`)."""
+    w, steps = i.sft, i.key("train.train_iters")
+    defaults = WarmStartConfig()
+    own = set(WARM_START_KEYS.values())
+    for part, section, default in (
+        ("optimizer", w.optimizer, defaults.optimizer),
+        ("train", w.train, defaults.train),
+        ("data", w.data, defaults.data),
+    ):
+        for f in dataclasses.fields(section):
+            path = f"{part}.{f.name}"
+            if path in own:
+                continue
+            errors.need(
+                getattr(section, f.name) == getattr(default, f.name),
+                f"init.sft.{path}",
+                f"is the RL run's setting for the warm start too: set {path} instead"
+                if path in WARM_START_FROM_RUN
+                else "is not used by the warm start (packed, prompt-masked rows of the task's answers, one "
+                "micro-batch per data-parallel rank per step, no evaluation); leave it at its default",
+            )
+    errors.need(w.train.train_iters >= 0, steps, f"must be >= 0, got {w.train.train_iters}")
+    if w.train.train_iters <= 0:
         return
     errors.need(
         d.path is None,
-        "init.sft_steps",
+        steps,
         "the SFT warm start trains on the synthetic task's answers; with data.path set, use init.checkpoint "
         "(e.g. from `mcore-rl sft`) instead",
     )
-    errors.need(i.sft_micro_batch_size >= 1, "init.sft_micro_batch_size", f"must be >= 1, got {i.sft_micro_batch_size}")
+    mbs, seq = w.train.micro_batch_size, w.train.seq_length
+    errors.need(mbs >= 1, i.key("train.micro_batch_size"), f"must be >= 1, got {mbs}")
     errors.need(
-        1 <= i.sft_seq_length <= m.max_position_embeddings,
-        "init.sft_seq_length",
-        f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {i.sft_seq_length}",
+        1 <= seq <= m.max_position_embeddings,
+        i.key("train.seq_length"),
+        f"must be in [1, model.max_position_embeddings={m.max_position_embeddings}], got {seq}",
     )
-    errors.need(i.sft_lr >= 0, "init.sft_lr", f"must be >= 0, got {i.sft_lr}")
+    errors.need(w.optimizer.lr >= 0, i.key("optimizer.lr"), f"must be >= 0, got {w.optimizer.lr}")
+    errors.need(
+        w.optimizer.lr_decay_style != "step",
+        i.key("optimizer.lr_decay_style"),
+        "'step' is not a schedule of the warm start (constant, linear or cosine)",
+    )
 
 
 def teacher_name(t: TeacherConfig, i: int) -> str:

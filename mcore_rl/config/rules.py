@@ -16,6 +16,10 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rope_scaling import check_model_rope_scaling
 from mcore_rl.config.moe_rules import check_mixed_moe
@@ -103,6 +107,7 @@ def check_parallel_sizes(p: ParallelConfig, world_size: int, errors: Errors) -> 
 
 def check_model_sizes(m: ModelConfig, errors: Errors) -> bool:
     """Model dimensions must be positive (nullable ones null or positive) before they are divided."""
+    experts = m.section(MoEKeys)
     ok = need_positive(
         errors,
         [
@@ -118,12 +123,12 @@ def check_model_sizes(m: ModelConfig, errors: Errors) -> bool:
     )
     for key, value in [
         ("model.kv_channels", m.kv_channels),
-        ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
-        ("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
-        ("model.moe_latent_size", m.moe_latent_size),
+        ("model.moe_ffn_hidden_size", experts.moe_ffn_hidden_size),
+        ("model.moe_shared_expert_intermediate_size", experts.moe_shared_expert_intermediate_size),
+        ("model.moe_latent_size", m.section(LatentMoEKeys).moe_latent_size),
     ]:
         errors.need(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
-    errors.need(m.num_experts >= 0, "model.num_experts", f"must be >= 0, got {m.num_experts}")
+    errors.need(experts.num_experts >= 0, "model.num_experts", f"must be >= 0, got {experts.num_experts}")
     return ok
 
 
@@ -142,14 +147,15 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
 
 def check_qwen2_mistral(m: ModelConfig, errors: Errors) -> None:
     """Qwen2-MoE's gate scales a shared expert (of the plain MoE block); a window holds >= 1 token."""
-    if m.moe_shared_expert_gate:
+    experts = m.section(MoEKeys)
+    if experts.moe_shared_expert_gate:
         errors.need(
-            m.is_moe and bool(m.moe_shared_expert_intermediate_size),
+            m.is_moe and bool(experts.moe_shared_expert_intermediate_size),
             "model.moe_shared_expert_gate",
             "gates the shared expert: needs model.arch=qwen3_moe and moe_shared_expert_intermediate_size",
         )
         errors.need(
-            m.moe_latent_size is None,
+            m.section(LatentMoEKeys).moe_latent_size is None,
             "model.moe_shared_expert_gate",
             "is not supported together with LatentMoE (model.moe_latent_size)",
         )
@@ -175,41 +181,43 @@ def check_attention(m: ModelConfig, errors: Errors) -> None:
 
 def check_moe(m: ModelConfig, errors: Errors) -> None:
     """Experts exist exactly for the MoE arch; the router picks among them; latents are narrower."""
+    experts = m.section(MoEKeys)
     if m.is_moe:
-        if errors.need(m.num_experts > 0, "model.num_experts", f"arch {m.arch} needs num_experts > 0"):
+        if errors.need(experts.num_experts > 0, "model.num_experts", f"arch {m.arch} needs num_experts > 0"):
             errors.need(
-                1 <= m.moe_router_topk <= m.num_experts,
+                1 <= experts.moe_router_topk <= experts.num_experts,
                 "model.moe_router_topk",
-                f"must be in [1, num_experts={m.num_experts}], got {m.moe_router_topk}",
+                f"must be in [1, num_experts={experts.num_experts}], got {experts.moe_router_topk}",
             )
     else:
         errors.need(
-            m.num_experts == 0,
+            experts.num_experts == 0,
             "model.num_experts",
-            f"is {m.num_experts} but arch is {m.arch!r}; set model.arch=qwen3_moe for an MoE model",
+            f"is {experts.num_experts} but arch is {m.arch!r}; set model.arch=qwen3_moe for an MoE model",
         )
-    if m.moe_latent_size is not None:  # LatentMoE: l = d / alpha, alpha >= 1
+    latent = m.section(LatentMoEKeys).moe_latent_size
+    if latent is not None:  # LatentMoE: l = d / alpha, alpha >= 1
         errors.need(
             m.is_moe,
             "model.moe_latent_size",
-            f"is {m.moe_latent_size} but LatentMoE needs model.arch=qwen3_moe (arch is {m.arch!r})",
+            f"is {latent} but LatentMoE needs model.arch=qwen3_moe (arch is {m.arch!r})",
         )
         errors.need(
-            m.moe_latent_size <= m.hidden_size,
+            latent <= m.hidden_size,
             "model.moe_latent_size",
-            f"{m.moe_latent_size} exceeds hidden_size {m.hidden_size} (the latent size is "
-            "hidden_size / alpha with alpha >= 1)",
+            f"{latent} exceeds hidden_size {m.hidden_size} (the latent size is hidden_size / alpha with alpha >= 1)",
         )
 
 
 def check_attn_res(m: ModelConfig, errors: Errors) -> None:
     """Block AttnRes splits 2 x num_layers sublayers (attention and MLP each count) into N blocks."""
-    if m.attn_res == "block":
+    depth = m.section(AttnResKeys)
+    if depth.attn_res == "block":
         errors.need(
-            1 <= m.attn_res_num_blocks <= 2 * m.num_layers,
+            1 <= depth.attn_res_num_blocks <= 2 * m.num_layers,
             "model.attn_res_num_blocks",
             f"must be in [1, 2 x num_layers = {2 * m.num_layers}] (blocks of sublayers; "
-            f"{2 * m.num_layers} is Full AttnRes), got {m.attn_res_num_blocks}",
+            f"{2 * m.num_layers} is Full AttnRes), got {depth.attn_res_num_blocks}",
         )
 
 
@@ -264,11 +272,11 @@ def check_expert_parallel(p: ParallelConfig, m: ModelConfig, world_size: int, er
         expert_tensor_parallel_size(p),
     )
     if m.is_moe:
-        if m.num_experts > 0:
+        if m.section(MoEKeys).num_experts > 0:
             errors.need(
-                m.num_experts % ep == 0,
+                m.section(MoEKeys).num_experts % ep == 0,
                 "model.num_experts",
-                f"{m.num_experts} experts are not divisible by expert_model_parallel_size {ep}",
+                f"{m.section(MoEKeys).num_experts} experts are not divisible by expert_model_parallel_size {ep}",
             )
         if tp > 1:
             errors.need(
@@ -339,7 +347,7 @@ def check_sequence(seq_length: int, p: ParallelConfig, m: ModelConfig, errors: E
 
 def check_ngram(m: ModelConfig, p: ParallelConfig, dp: int, errors: Errors) -> None:
     """Over-Encoding n-gram tables (mcore_rl/hf/ngram.py): orders, slice widths, row sharding, no CP."""
-    ng, tp, cp = m.ngram, p.tensor_model_parallel_size, p.context_parallel_size
+    ng, tp, cp = m.section(NgramEmbeddingConfig), p.tensor_model_parallel_size, p.context_parallel_size
     if not ng.orders:
         return
     errors.need(

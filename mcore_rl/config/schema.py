@@ -11,17 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mcore_rl.config.loader import config_from_dict, config_to_dict
 from mcore_rl.config.observability import ObservabilityConfig
-
-
-@dataclass
-class NgramEmbeddingConfig:
-    """Over-Encoding (OverTok, arXiv:2501.16975): hashed n-gram input embeddings added to the 1-gram one."""
-
-    orders: list[int] = field(default_factory=list)  # e.g. [2, 3]; empty = off
-    table_size: int = 0  # rows m per order (hashed ids mod m); gcd(m, vocab) != 1 warns
-    num_slices: int = 1  # k slices per order, each with its own projection to hidden_size
-    shard_over_data_parallel: bool = False  # also split table rows across data-parallel ranks
+from mcore_rl.config.sections import Sectioned
 
 
 # RoPE scaling (Llama 3.x, YaRN, linear) --------------------------------------------------------------
@@ -48,31 +40,15 @@ class RopeScalingConfig:
     hf_key: Literal["rope_parameters", "rope_scaling"] = "rope_parameters"
 
 
-# The model.* keys that a registered family's bundle owns and checks (`ModelFamily.model_keys`, registered
-# in hf/families.py; a test keeps the two equal), and the archs that are no family's. Validation imports
-# the bundles (torch, transformers) only when `arch` names a family or one of these keys is set, so a
-# config error needs no heavy import.
-FAMILY_MODEL_KEYS: tuple[str, ...] = (
-    "moe_router_score_function",
-    "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_topk_scaling_factor",
-    "multi_latent_attention",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "mtp_num_layers_carried",
-)
+# The archs that are no family's (a family's keys are its section, `config/model_keys/`).
 DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
 
 
 @dataclass
-class ModelConfig:
-    """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
+class ModelConfig(Sectioned):
+    """A Qwen3-style decoder: the keys every decoder shares. The keys a feature or family owns (MoE,
+    LatentMoE, AttnRes, n-gram embeddings, DeepSeek-V3) are its section (`config/model_keys/`), written
+    among these (`model.num_experts`, `model.ngram.orders`) and read typed, `section(MoEKeys)`."""
 
     arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"] = "qwen3"  # deepseek_v3 / glm4_moe: MoE families
     vocab_size: int = 384  # true vocabulary size (padding for TP: make_vocab_size_divisible_by)
@@ -88,47 +64,11 @@ class ModelConfig:
     qk_layernorm: bool = True  # RMSNorm on queries and keys per head (Qwen3); False for Llama / Qwen2 / Mistral
     tie_word_embeddings: bool = False  # the output layer shares the input embedding
     init_method_std: float = 0.02  # std of the normal weight init of a model built from scratch
-    # MoE (used when arch == "qwen3_moe")
-    num_experts: int = 0  # routed experts per MoE layer (0 = dense MLPs)
-    moe_router_topk: int = 2  # experts per token
-    moe_ffn_hidden_size: int | None = None  # per-expert intermediate size; None = ffn_hidden_size
-    moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
-    moe_aux_loss_coeff: float = 0.0  # load-balancing aux loss weight (0 = off)
-    moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (Qwen3-MoE default)
-    # megatron-core's token dispatcher across expert-parallel ranks
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    # LatentMoE (arXiv:2601.18089): routed experts work in a latent space of this size (W_down d->l,
-    # experts in l, W_up l->d); None = ordinary MoE. Router and shared experts stay full width.
-    moe_latent_size: int | None = None
-    # AttnRes (arXiv:2603.15031): attention over depth instead of residual sums.
-    attn_res: Literal["none", "full", "block"] = "none"
-    attn_res_num_blocks: int = 8  # N for the Block variant
-    ngram: NgramEmbeddingConfig = field(default_factory=NgramEmbeddingConfig)
-    # Qwen2 / Qwen2-MoE / Mistral (docs/qwen2_mistral.md)
+    # Qwen2 / Mistral (docs/qwen2_mistral.md)
     add_qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2), none on the output projection
-    moe_shared_expert_gate: bool = False  # Qwen2-MoE: shared expert output x sigmoid(x . w_gate), w_gate [1, hidden]
     sliding_window: int | None = None  # Mistral: a token attends to itself and the sliding_window - 1 before it
     # RoPE scaling: Llama 3.x, YaRN, linear; type none = plain RoPE
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    # Mixed dense/MoE layers and DeepSeek-V3-style MoE (docs/deepseek_v3.md). moe_layer_pattern: one
-    # entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size; None = every layer MoE.
-    moe_layer_pattern: list[int] | None = None
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3
-    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (e_score_correction_bias)
-    moe_router_bias_update_rate: float = 1e-3  # bias step per optimizer update, toward balance
-    moe_router_num_groups: int | None = None  # grouped top-k: experts in groups (n_group)
-    moe_router_group_topk: int | None = None  # ... of which this many are searched (topk_group)
-    moe_router_topk_scaling_factor: float | None = None  # routed_scaling_factor; None = 1
-    # Multi-head latent attention (DeepSeek-V2/V3); q_lora_rank None = full-rank query projection
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None  # MLA: low-rank query projection's rank
-    kv_lora_rank: int = 32  # MLA: rank of the compressed key/value projection
-    qk_head_dim: int = 16  # per-head query/key part without RoPE (HF qk_nope_head_dim)
-    qk_pos_emb_head_dim: int = 8  # per-head RoPE part, key shared by all heads (HF qk_rope_head_dim)
-    v_head_dim: int = 16  # MLA: per-head value size
-    # DeepSeek-V3's multi-token-prediction layers (HF num_nextn_predict_layers): their tensors are
-    # carried through conversion unchanged, not built or trained here (docs/deepseek_v3.md)
-    mtp_num_layers_carried: int = 0
     # Vocabulary padding (models/vocab_padding.py): the megatron embedding and output layer have
     # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
     # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
@@ -137,6 +77,16 @@ class ModelConfig:
     # Partial rotary (HF partial_rotary_factor, megatron-core's rotary_percent): RoPE turns the first
     # rotary_percent x head_dim channels of each head, the rest pass unrotated (GLM-4.5: 0.5)
     rotary_percent: float = 1.0
+
+    @classmethod
+    def of(cls, **keys: object) -> ModelConfig:
+        """A model from its YAML keys, its sections' among them, each checked as a recipe's is:
+        `ModelConfig.of(arch="qwen3_moe", num_experts=4)`, for tests and scripts that write one inline."""
+        return config_from_dict(cls, keys, "model")
+
+    def replace(self, **keys: object) -> ModelConfig:
+        """A copy with these YAML keys changed, its sections' among them, checked as `of`'s are."""
+        return config_from_dict(type(self), {**config_to_dict(self), **keys}, "model")
 
     @property
     def head_dim(self) -> int:

@@ -1,18 +1,22 @@
-"""Config sections a recipe owns: its dataclass, registered under a key of a core section.
+"""Config sections a recipe, a model family or a model feature owns: its dataclass, registered under a
+key of a core section.
 
-A recipe's keys are a dataclass of the recipe (`mcore_rl/recipes/config/`), not a field of the core
-schema. Each recipe registers a `Section`: the core dataclass whose YAML mapping holds its keys
-(`owner`), and either the key of its own mapping (`rollout.<method>: {...}`) or, with `flat`, the
-prefix its keys carry among the owner's own (`algorithm.mismatch.<method>_<field>`). The loader
-accepts registered sections like fields, refuses any other key with the same message, and builds
-every registered section of an owner (its defaults where the recipe sets nothing) into the owner's
-`sections`; code reads one typed, `cfg.rollout.section(TheRecipesConfig)`. The configuration
-reference lists their keys where they sit in the YAML.
+A recipe's keys are a dataclass of the recipe (`mcore_rl/recipes/config/`), a model family's or
+feature's (DeepSeek-V3's MLA and router, MoE, LatentMoE, AttnRes, n-gram embeddings) one of
+`mcore_rl/config/model_keys/`, not fields of the core schema. Each registers a `Section`: the core
+dataclass whose YAML mapping holds its keys (`owner`), and either the key of its own mapping
+(`rollout.<method>: {...}`, `model.ngram: {...}`) or, with `flat`, the prefix its keys carry among the
+owner's own (`algorithm.mismatch.<method>_<field>`; the empty prefix keeps them under their own names,
+`model.q_lora_rank`). The loader accepts registered sections like fields, refuses any other key with
+the same message, and builds every registered section of an owner (its defaults where the config
+sets nothing) into the owner's `sections`; code reads one typed, `cfg.rollout.section(TheRecipesConfig)`,
+`cfg.model.section(DeepSeekV3Config)`. The configuration reference lists their keys where they sit in
+the YAML.
 
-The registrations are read from `SECTIONS_MODULE`, imported by name when a config is loaded, as
+The registrations are read from `SECTIONS_MODULES`, imported by name when a config is loaded, as
 `hooks.registered()` finds the recipes: config sits above the recipes in the data flow and imports
-none of them. That module and the recipes' config modules import nothing heavy (no torch), so
-loading a config stays as cheap as before.
+none of them, and the model's sections import the schema they hang under. Those modules import
+nothing heavy (no torch), so loading a config stays as cheap as before.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import dataclasses
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, cast, runtime_checkable
+from typing import Protocol, Self, TypeVar, cast, runtime_checkable
 
-SECTIONS_MODULE = "mcore_rl.recipes.config"  # its SECTIONS tuple: every recipe's config section
+# each module's SECTIONS tuple: the model's sections (families, features), then every recipe's
+SECTIONS_MODULES = ("mcore_rl.config.model_keys", "mcore_rl.recipes.config")
 SECTIONS_FIELD = "sections"  # metadata flag of the owners' field that holds them (not a YAML key)
 
 T = TypeVar("T")
@@ -31,11 +36,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Section:
-    """One recipe's keys in the config tree."""
+    """One owner's keys in the config tree."""
 
     owner: type  # the core dataclass whose YAML mapping holds the keys
-    key: str  # the section's own key (`<method>`), or with flat the prefix of its keys (`<method>_`)
-    cls: type  # the recipe's dataclass (every field with a default)
+    # the section's own key (`<method>`), or with flat the prefix of its keys (`<method>_`; "" = none)
+    key: str
+    cls: type  # the owner's dataclass (every field with a default)
     flat: bool = False  # the fields sit among the owner's own keys, each as key + field name
     help: str = ""  # the reference's line for a nested section (default: the class docstring's first sentence)
 
@@ -48,24 +54,38 @@ class Section:
 
 @dataclass
 class Sectioned:
-    """A core config dataclass that holds registered recipe sections (the base of their owners)."""
+    """A core config dataclass that holds registered sections (the base of their owners)."""
 
-    # the sections by class, built by the loader; one that is missing is made with its defaults
-    sections: dict[type, object] = field(
-        default_factory=dict, kw_only=True, repr=False, metadata={SECTIONS_FIELD: True}
-    )
+    # the sections by class, built by the loader; one that is missing is made with its defaults (in the
+    # repr too: two configs that differ only in a section's keys print differently)
+    sections: dict[type, object] = field(default_factory=dict, kw_only=True, metadata={SECTIONS_FIELD: True})
+
+    def __post_init__(self) -> None:
+        """Every registered section present (its defaults where none was given), in a dict of this
+        config's own (a `dataclasses.replace` copy does not share it), so configs compare by them too."""
+        given = self.sections
+        order = [s.cls for s in sections_of(type(self))]
+        unknown = [cls.__name__ for cls in given if cls not in order]
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no registered section {', '.join(unknown)}")
+        self.sections = {cls: given[cls] if cls in given else cls() for cls in order}
 
     def section(self, cls: type[T]) -> T:
-        """The recipe section `cls` of this config (its defaults unless the recipe set it)."""
+        """The section `cls` of this config (its defaults unless the config set it)."""
         value = self.sections.get(cls)
         if value is None:
             value = self.sections[cls] = cls()
         return cast(T, value)
 
+    def with_sections(self, *values: object) -> Self:
+        """A copy with these sections in place of its own:
+        `ModelConfig(num_layers=2).with_sections(MoEConfig(num_experts=4))`."""
+        return dataclasses.replace(self, sections={**self.sections, **{type(v): v for v in values}})
+
 
 def registered() -> tuple[Section, ...]:
     """Every registered section, in registration order."""
-    return tuple(importlib.import_module(SECTIONS_MODULE).SECTIONS)
+    return tuple(s for module in SECTIONS_MODULES for s in importlib.import_module(module).SECTIONS)
 
 
 def sections_of(owner: type) -> tuple[Section, ...]:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint
 from mcore_rl.convert.streaming import StreamStats, nbytes, owned_range, tensor_split
 from mcore_rl.hf.weight_map import _ngram_hf_to_megatron, megatron_to_hf, merge_qkv
@@ -105,7 +106,7 @@ def _ngram_table(source: HFCheckpoint, name: str, mc: ModelConfig) -> torch.Tens
     m = re.match(r"^embedding\.ngram\.(?:tables|projections)\.(\d+)\.weight$", name)
     if not m:
         raise KeyError(f"no HF tensors for megatron parameter {name!r}")
-    one_order = dataclasses.replace(mc, ngram=dataclasses.replace(mc.ngram, orders=[int(m.group(1))]))
+    one_order = mc.with_sections(dataclasses.replace(mc.section(NgramEmbeddingConfig), orders=[int(m.group(1))]))
     return _ngram_hf_to_megatron(source, one_order)[name]
 
 

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.loader import _build
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.convert.carried import open_carried
@@ -77,7 +80,11 @@ def export_kind(mc: ModelConfig, family: str | None = None) -> str:
     without a window is Llama).
     """
 
-    if mc.moe_latent_size or mc.attn_res != "none" or mc.ngram.orders:
+    if (
+        mc.section(LatentMoEKeys).moe_latent_size
+        or mc.section(AttnResKeys).attn_res != "none"
+        or mc.section(NgramEmbeddingConfig).orders
+    ):
         return REMOTE
     ours = hf_config_from_model_config(mc)
     try:

@@ -30,6 +30,10 @@ from .families import FAMILIES, family_named, family_of, stock_decoder
 
 if TYPE_CHECKING:  # imported lazily so this file also works alone, as remote code
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
+        from mcore_rl.config.model_keys.attn_res import AttnResKeys
+        from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
         pass
@@ -177,9 +181,21 @@ class McoreRLConfig(PretrainedConfig):
         return self.num_experts > 0
 
 
+def _sections(mc: ModelConfig) -> tuple[MoEKeys, LatentMoEKeys, AttnResKeys, NgramEmbeddingConfig]:
+    """The sections of a `ModelConfig` this file reads (MoE, LatentMoE, AttnRes, n-gram)."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.attn_res import AttnResKeys
+        from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
+    return mc.section(MoEKeys), mc.section(LatentMoEKeys), mc.section(AttnResKeys), mc.section(NgramEmbeddingConfig)
+
+
 def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
     """The HF config of the trainer's `ModelConfig` (megatron-style names -> HF names)."""
-    moe = mc.is_moe
+    moe, (experts, latent, attn_res, ngram) = mc.is_moe, _sections(mc)
     return McoreRLConfig(
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,
@@ -193,21 +209,21 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
         max_position_embeddings=mc.max_position_embeddings,
         initializer_range=mc.init_method_std,
         tie_word_embeddings=mc.tie_word_embeddings,
-        num_experts=mc.num_experts if moe else 0,
-        num_experts_per_tok=mc.moe_router_topk,
-        moe_intermediate_size=(mc.moe_ffn_hidden_size or mc.ffn_hidden_size),
-        norm_topk_prob=mc.moe_norm_topk_prob,
-        shared_expert_intermediate_size=(mc.moe_shared_expert_intermediate_size or 0) if moe else 0,
-        router_aux_loss_coef=mc.moe_aux_loss_coeff if moe else 0.0,
+        num_experts=experts.num_experts if moe else 0,
+        num_experts_per_tok=experts.moe_router_topk,
+        moe_intermediate_size=(experts.moe_ffn_hidden_size or mc.ffn_hidden_size),
+        norm_topk_prob=experts.moe_norm_topk_prob,
+        shared_expert_intermediate_size=(experts.moe_shared_expert_intermediate_size or 0) if moe else 0,
+        router_aux_loss_coef=experts.moe_aux_loss_coeff if moe else 0.0,
         use_qk_norm=mc.qk_layernorm,
-        moe_latent_size=mc.moe_latent_size if moe else None,
-        attn_res=mc.attn_res,
-        attn_res_num_blocks=mc.attn_res_num_blocks,
-        ngram_orders=list(mc.ngram.orders),
-        ngram_table_size=mc.ngram.table_size,
-        ngram_num_slices=mc.ngram.num_slices,
+        moe_latent_size=latent.moe_latent_size if moe else None,
+        attn_res=attn_res.attn_res,
+        attn_res_num_blocks=attn_res.attn_res_num_blocks,
+        ngram_orders=list(ngram.orders),
+        ngram_table_size=ngram.table_size,
+        ngram_num_slices=ngram.num_slices,
         qkv_bias=mc.add_qkv_bias,
-        shared_expert_gate=mc.moe_shared_expert_gate if moe else False,
+        shared_expert_gate=experts.moe_shared_expert_gate if moe else False,
         sliding_window=mc.sliding_window,
         partial_rotary_factor=mc.rotary_percent,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
@@ -217,7 +233,7 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
 
 def _mixed_and_family_fields(mc: ModelConfig) -> dict[str, Any]:
     """HF fields of `model.moe_layer_pattern` and of the model's family (`families.py`), if any."""
-    pattern = mc.moe_layer_pattern if mc.is_moe else None
+    pattern = _sections(mc)[0].moe_layer_pattern if mc.is_moe else None
     out: dict[str, Any] = dict(mlp_only_layers=[i for i, p in enumerate(pattern or []) if not p])
     family = family_named(mc.arch)
     return dict(out, **family.hf_fields(mc)) if family else out
@@ -253,7 +269,9 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     also rejects what it cannot map. `rope_key`: how the source file spells RoPE (`rope.rope_key_in_file`),
     kept for export."""
     try:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
-        from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig, RopeScalingConfig
+        from mcore_rl.config.loader import config_from_dict
+        from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+        from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
     except ImportError as err:
         raise ImportError("model_config_from_hf_config needs the mcore_rl package") from err
 
@@ -313,7 +331,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
     )
     if family:
         fields.update(family.model_fields(hf))
-    return ModelConfig(**fields)
+    return config_from_dict(ModelConfig, fields, "model")
 
 
 def to_stock_hf_config(cfg: McoreRLConfig, family: str | None = None) -> PretrainedConfig:

@@ -37,6 +37,8 @@ from .rope import ROPE_KEYS, rope_scaling_of, rope_type_of, yarn_mscale
 
 if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
     try:
+        from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+        from mcore_rl.config.model_keys.moe import MoEKeys
         from mcore_rl.config.rules import Errors
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
@@ -312,19 +314,30 @@ def model_fields(hf: Any) -> dict[str, Any]:
     )
 
 
+def _keys(mc: ModelConfig) -> tuple[DeepSeekV3Keys, MoEKeys]:
+    """The family's and MoE's sections of a `ModelConfig` (read only on the trainer's side)."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+        from mcore_rl.config.model_keys.moe import MoEKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
+    return mc.section(DeepSeekV3Keys), mc.section(MoEKeys)
+
+
 def hf_fields(mc: ModelConfig) -> dict[str, Any]:
     """Our HF config's DeepSeek-V3 fields (MLA, sigmoid router) of a `ModelConfig`."""
+    k = _keys(mc)[0]
     return dict(
         family="deepseek_v3",
-        n_group=mc.moe_router_num_groups,
-        topk_group=mc.moe_router_group_topk,
-        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
-        q_lora_rank=mc.q_lora_rank,
-        kv_lora_rank=mc.kv_lora_rank,
-        qk_nope_head_dim=mc.qk_head_dim,
-        qk_rope_head_dim=mc.qk_pos_emb_head_dim,
-        v_head_dim=mc.v_head_dim,
-        num_nextn_predict_layers=mc.mtp_num_layers_carried,
+        n_group=k.moe_router_num_groups,
+        topk_group=k.moe_router_group_topk,
+        routed_scaling_factor=k.moe_router_topk_scaling_factor or 1.0,
+        q_lora_rank=k.q_lora_rank,
+        kv_lora_rank=k.kv_lora_rank,
+        qk_nope_head_dim=k.qk_head_dim,
+        qk_rope_head_dim=k.qk_pos_emb_head_dim,
+        v_head_dim=k.v_head_dim,
+        num_nextn_predict_layers=k.mtp_num_layers_carried,
     )
 
 
@@ -498,10 +511,13 @@ def mlp_megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: Any) ->
     return None
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_layer: bool) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], p: str, q: str, mc: ModelConfig, moe_layer: bool
+) -> dict[str, torch.Tensor]:
     """One DeepSeek-V3 layer's megatron tensors, without its norms (`hf_to_megatron` adds them)."""
     a, s = p + "self_attn.", q + "self_attention."
-    query = ("linear_q_proj",) if mc.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    k, experts = _keys(mc)
+    query = ("linear_q_proj",) if k.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
     names = [*query, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
     out = {s + n + ".weight": hf[p + _DIRECT[f"self_attention.{n}.weight"]] for n in names}
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
@@ -512,6 +528,7 @@ def mlp_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_la
     """One layer's MLP: dense, or the sigmoid router (with its expert bias), routed and shared experts."""
     out: dict[str, torch.Tensor] = {}
     mlp = p + "mlp."
+    experts = _keys(mc)[1]
     if not moe_layer:
         out[q + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
         out[q + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
@@ -519,11 +536,11 @@ def mlp_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_la
     out[q + "mlp.router.weight"] = hf[mlp + "gate.weight"]
     if mlp + "gate.e_score_correction_bias" in hf:  # a buffer: absent from gradient dicts
         out[q + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
-    for expert in range(mc.num_experts):
+    for expert in range(experts.num_experts):
         he, me = f"{mlp}experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
         out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]])
         out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
-    if mc.moe_shared_expert_intermediate_size:
+    if experts.moe_shared_expert_intermediate_size:
         hs = mlp + "shared_experts."
         out[q + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
             [hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]]
@@ -534,23 +551,8 @@ def mlp_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_la
 
 # ---- ModelConfig: the family's `model.*` keys and their rules (config/moe_rules.py runs them) -------
 
-# Declared in config/schema.py (the YAML keys users write); a model of another arch leaves them at
-# their defaults.
-MODEL_KEYS = (
-    "moe_router_score_function",
-    "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_topk_scaling_factor",
-    "multi_latent_attention",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "mtp_num_layers_carried",
-)
+# The keys are `DeepSeekV3Keys` (config/model_keys/deepseek_v3.py, where the YAML keys users write are
+# declared); a model of another arch leaves them at their defaults.
 
 
 def check_model_config(m: ModelConfig, errors: Errors) -> None:
@@ -562,38 +564,39 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
 def check_router(m: ModelConfig, errors: Errors) -> None:
     """The sigmoid router with expert bias, grouped top-k and scaling (its reference MoE block); which
     archs may set its keys at all is `config/moe_rules.py`'s rule (the families that list them)."""
-    sigmoid = m.moe_router_score_function == "sigmoid"
+    k, moe = _keys(m)
+    sigmoid = k.moe_router_score_function == "sigmoid"
     deepseek = m.arch == "deepseek_v3"
     if deepseek:
         errors.need(
-            sigmoid and m.moe_router_enable_expert_bias,
+            sigmoid and k.moe_router_enable_expert_bias,
             "model.moe_router_score_function",
             "arch deepseek_v3 routes with sigmoid scores and the expert bias: set "
             "moe_router_score_function=sigmoid and moe_router_enable_expert_bias=true "
             "(moe_router_bias_update_rate=0 freezes the bias)",
         )
         errors.need(
-            m.multi_latent_attention,
+            k.multi_latent_attention,
             "model.multi_latent_attention",
             "arch deepseek_v3 has multi-head latent attention; set multi_latent_attention=true",
         )
     errors.need(
-        m.mtp_num_layers_carried >= 0,
+        k.mtp_num_layers_carried >= 0,
         "model.mtp_num_layers_carried",
-        f"must be >= 0, got {m.mtp_num_layers_carried}",
+        f"must be >= 0, got {k.mtp_num_layers_carried}",
     )
-    if m.moe_router_enable_expert_bias:
+    if k.moe_router_enable_expert_bias:
         errors.need(
             sigmoid,
             "model.moe_router_enable_expert_bias",
             "the expert bias (aux-loss-free balancing) needs moe_router_score_function=sigmoid",
         )
         errors.need(
-            m.moe_router_bias_update_rate >= 0,
+            k.moe_router_bias_update_rate >= 0,
             "model.moe_router_bias_update_rate",
-            f"must be >= 0, got {m.moe_router_bias_update_rate}",
+            f"must be >= 0, got {k.moe_router_bias_update_rate}",
         )
-    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    groups, group_topk = k.moe_router_num_groups, k.moe_router_group_topk
     if groups is None and group_topk is None:
         return
     if groups is None or group_topk is None:
@@ -610,15 +613,15 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
     ):
         return
     if errors.need(
-        m.num_experts % groups == 0,
+        moe.num_experts % groups == 0,
         "model.moe_router_num_groups",
-        f"num_experts {m.num_experts} is not divisible by {groups} groups",
+        f"num_experts {moe.num_experts} is not divisible by {groups} groups",
     ):
-        per_group = m.num_experts // groups
+        per_group = moe.num_experts // groups
         errors.need(
-            per_group >= GROUP_RANK_EXPERTS and m.moe_router_topk <= group_topk * per_group,
+            per_group >= GROUP_RANK_EXPERTS and moe.moe_router_topk <= group_topk * per_group,
             "model.moe_router_topk",
-            f"{m.moe_router_topk} experts must fit in moe_router_group_topk={group_topk} groups of "
+            f"{moe.moe_router_topk} experts must fit in moe_router_group_topk={group_topk} groups of "
             f"{per_group} experts (a group is ranked by its best {GROUP_RANK_EXPERTS}, so it needs at least "
             f"{GROUP_RANK_EXPERTS})",
         )
@@ -626,24 +629,25 @@ def check_router(m: ModelConfig, errors: Errors) -> None:
 
 def check_latent_attention(m: ModelConfig, errors: Errors) -> None:
     """MLA shapes, as megatron-core's `MLATransformerConfig` and the reference attention take them."""
-    if not m.multi_latent_attention:
+    k = _keys(m)[0]
+    if not k.multi_latent_attention:
         return
     for key, value in [
-        ("model.kv_lora_rank", m.kv_lora_rank),
-        ("model.qk_head_dim", m.qk_head_dim),
-        ("model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim),
-        ("model.v_head_dim", m.v_head_dim),
+        ("model.kv_lora_rank", k.kv_lora_rank),
+        ("model.qk_head_dim", k.qk_head_dim),
+        ("model.qk_pos_emb_head_dim", k.qk_pos_emb_head_dim),
+        ("model.v_head_dim", k.v_head_dim),
     ]:
         errors.need(value >= 1, key, f"must be >= 1 with multi_latent_attention, got {value}")
     errors.need(
-        m.q_lora_rank is None or m.q_lora_rank >= 1,
+        k.q_lora_rank is None or k.q_lora_rank >= 1,
         "model.q_lora_rank",
-        f"must be null (full-rank query) or >= 1, got {m.q_lora_rank}",
+        f"must be null (full-rank query) or >= 1, got {k.q_lora_rank}",
     )
     errors.need(
-        m.qk_pos_emb_head_dim % 2 == 0,
+        k.qk_pos_emb_head_dim % 2 == 0,
         "model.qk_pos_emb_head_dim",
-        f"must be even (RoPE rotates pairs), got {m.qk_pos_emb_head_dim}",
+        f"must be even (RoPE rotates pairs), got {k.qk_pos_emb_head_dim}",
     )
     errors.need(
         m.qk_layernorm,
@@ -677,14 +681,13 @@ def attention_flops(model: ModelConfig, context: float) -> tuple[float, float]:
     shared RoPE key), latent -> heads x (qk_head_dim + v_head_dim); output heads x v_head_dim -> h.
     Scores: QK^T over qk_head_dim + qk_pos_emb_head_dim, softmax(.)V over v_head_dim (the latent is
     expanded per token, not absorbed into the query)."""
+    k = _keys(model)[0]
     h, heads = model.hidden_size, model.num_attention_heads
-    qk = model.qk_head_dim + model.qk_pos_emb_head_dim
-    q = h * heads * qk if model.q_lora_rank is None else model.q_lora_rank * (h + heads * qk)
-    kv = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * heads * (
-        model.qk_head_dim + model.v_head_dim
-    )
-    out = heads * model.v_head_dim * h
-    return 2.0 * (q + kv + out), 2.0 * heads * (qk + model.v_head_dim) * context
+    qk = k.qk_head_dim + k.qk_pos_emb_head_dim
+    q = h * heads * qk if k.q_lora_rank is None else k.q_lora_rank * (h + heads * qk)
+    kv = h * (k.kv_lora_rank + k.qk_pos_emb_head_dim) + k.kv_lora_rank * heads * (k.qk_head_dim + k.v_head_dim)
+    out = heads * k.v_head_dim * h
+    return 2.0 * (q + kv + out), 2.0 * heads * (qk + k.v_head_dim) * context
 
 
 FAMILY = ModelFamily(
@@ -705,7 +708,6 @@ FAMILY = ModelFamily(
     megatron_to_hf=megatron_to_hf,
     hf_to_megatron=hf_to_megatron,
     fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
-    model_keys=MODEL_KEYS,
     check_model=check_model_config,
     attention_flops=attention_flops,
     config_aliases=("kimi_k2",),  # Kimi-K2 ships DeepSeek-V3's config and weights as model_type kimi_k2

@@ -60,10 +60,10 @@ class ModelFamily:
     hf_to_megatron: Callable[[dict[str, Tensor], str, str, ModelConfigT, bool], dict[str, Tensor]]
     # export (convert/to_hf.py): tensors the stock class keeps in fp32 whatever the model's dtype
     fp32_tensors: tuple[str, ...] = ()
-    # `ModelConfig` (config/rules.py): the `model.*` keys the family owns (declared in
-    # config/schema.py, where the YAML keys users write live) and their rules, run on every config:
-    # a model of another arch must leave them at their defaults
-    model_keys: tuple[str, ...] = ()
+    # `ModelConfig` (config/moe_rules.py): the rules of the `model.*` keys the family owns (its section,
+    # declared in config/model_keys/<family>.py and registered in its FAMILY_SECTIONS, where the loader
+    # finds them without importing the bundle), run on every config: a model of another arch must
+    # leave them at their defaults
     check_model: Callable[[ModelConfigT, Errors], None] = _no_checks
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count

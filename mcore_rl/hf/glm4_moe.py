@@ -32,6 +32,7 @@ import torch
 
 from .deepseek_v3 import (
     DeepseekV3ReferenceMoeBlock,
+    _keys,
     first_k_dense,
     mlp_megatron_to_hf,
     mlp_to_megatron,
@@ -90,12 +91,13 @@ def model_fields(hf: Any) -> dict[str, Any]:
 
 def hf_fields(mc: ModelConfig) -> dict[str, Any]:
     """Our HF config's GLM-4.5 fields (the sigmoid router's, the MTP layers carried) of a `ModelConfig`."""
+    k = _keys(mc)[0]
     return dict(
         family="glm4_moe",
-        n_group=mc.moe_router_num_groups,
-        topk_group=mc.moe_router_group_topk,
-        routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
-        num_nextn_predict_layers=mc.mtp_num_layers_carried,
+        n_group=k.moe_router_num_groups,
+        topk_group=k.moe_router_group_topk,
+        routed_scaling_factor=k.moe_router_topk_scaling_factor or 1.0,
+        num_nextn_predict_layers=k.mtp_num_layers_carried,
     )
 
 
@@ -179,16 +181,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
 
 # ---- ModelConfig: the family's `model.*` keys and their rules (config/moe_rules.py runs them) -------
 
-# DeepSeek-V3's router and MTP keys, shared (this family builds on it); declared in config/schema.py.
-MODEL_KEYS = (
-    "moe_router_score_function",
-    "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_topk_scaling_factor",
-    "mtp_num_layers_carried",
-)
+# Its keys are DeepSeek-V3's router and MTP keys (`DeepSeekV3Keys`: this family builds on it).
 
 
 def check_model_config(m: ModelConfig, errors: Errors) -> None:
@@ -196,19 +189,22 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
     experts; the router's own rules (groups, bias rate) are DeepSeek-V3's, run for every config."""
     if m.arch != "glm4_moe":
         return
+    from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys  # lazy: as `_keys` (remote code)
+
+    k, moe = _keys(m)
     errors.need(
-        m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias,
+        k.moe_router_score_function == "sigmoid" and k.moe_router_enable_expert_bias,
         "model.moe_router_score_function",
         "arch glm4_moe routes with sigmoid scores and the expert bias: set moe_router_score_function=sigmoid "
         "and moe_router_enable_expert_bias=true (moe_router_bias_update_rate=0 freezes the bias)",
     )
     errors.need(
-        not m.moe_shared_expert_gate,
+        not moe.moe_shared_expert_gate,
         "model.moe_shared_expert_gate",
         "arch glm4_moe has no gate on its shared experts; set moe_shared_expert_gate=false",
     )
     errors.need(
-        m.moe_latent_size is None,
+        m.section(LatentMoEKeys).moe_latent_size is None,
         "model.moe_latent_size",
         "arch glm4_moe has no LatentMoE (its MoE block is the sigmoid router's); set moe_latent_size=null",
     )
@@ -232,7 +228,6 @@ FAMILY = ModelFamily(
     megatron_to_hf=mlp_megatron_to_hf,  # the expert bias and shared experts; the decoder's names otherwise
     hf_to_megatron=hf_to_megatron,
     fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),  # stock _keep_in_fp32_modules_strict
-    model_keys=MODEL_KEYS,
     check_model=check_model_config,
     megatron="mcore_rl.models.glm4_moe",
     builds_on="deepseek_v3",

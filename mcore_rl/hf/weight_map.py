@@ -20,6 +20,10 @@ from collections.abc import Mapping
 
 import torch
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.families import family_named
 from mcore_rl.hf.ngram import padded_table_rows
@@ -123,7 +127,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     }
     if not mc.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
-    attn_res = mc.attn_res != "none"
+    attn_res = mc.section(AttnResKeys).attn_res != "none"
+    experts = mc.section(MoEKeys)
+    pattern = experts.moe_layer_pattern
     family = family_named(mc.arch)
     for name in _ATTN_RES_TOP if attn_res else ():
         out[name] = hf[_TOP_DIRECT[name]]
@@ -133,7 +139,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             out[q + name] = hf[p + name]
         out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[q + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        moe_layer = mc.is_moe and (mc.moe_layer_pattern is None or bool(mc.moe_layer_pattern[layer]))
+        moe_layer = mc.is_moe and (pattern is None or bool(pattern[layer]))
         if family:  # the family's own names; a family with the GQA decoder's attention names its MLP only
             out.update(family.hf_to_megatron(hf, p, q, mc, moe_layer))
             if family.attention is None:
@@ -147,18 +153,18 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             out[q + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
             continue
         out[q + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
-        for expert in range(mc.num_experts):
+        for expert in range(experts.num_experts):
             he, me = f"{p}mlp.experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
             out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0)
             out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
-        if mc.moe_latent_size:
+        if mc.section(LatentMoEKeys).moe_latent_size:
             for proj in ("fc1_latent_proj", "fc2_latent_proj"):
                 out[f"{q}mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
-        if mc.moe_shared_expert_intermediate_size:
+        if experts.moe_shared_expert_intermediate_size:
             hs, ms = p + "mlp.shared_expert.", q + "mlp.shared_experts."
             out[ms + "linear_fc1.weight"] = torch.cat([hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0)
             out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
-            if mc.moe_shared_expert_gate:  # Qwen2-MoE
+            if experts.moe_shared_expert_gate:  # Qwen2-MoE
                 out[ms + "gate_weight"] = hf[p + "mlp.shared_expert_gate.weight"]
     out.update(_ngram_hf_to_megatron(hf, mc))
     return out
@@ -191,13 +197,14 @@ _NGRAM = re.compile(r"^embedding\.ngram\.(tables|projections)\.(\d+)\.weight$")
 
 
 def _ngram_megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    ngram = mc.section(NgramEmbeddingConfig)
     m = _NGRAM.match(name)
     if not m:
         raise KeyError(f"no HF name for megatron parameter {name!r}")
     kind, order = m.group(1), m.group(2)
     if kind == "tables":
-        tensor = tensor[: mc.ngram.table_size]
-    k = mc.ngram.num_slices
+        tensor = tensor[: ngram.table_size]
+    k = ngram.num_slices
     return [
         (f"model.ngram_embeddings.{kind}.{order}.{i}.weight", part)
         for i, part in enumerate(tensor.split(tensor.shape[1] // k, dim=1))
@@ -206,11 +213,13 @@ def _ngram_megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> l
 
 def _ngram_hf_to_megatron(hf: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    k = mc.ngram.num_slices
-    for n in mc.ngram.orders:
+    k = mc.section(NgramEmbeddingConfig).num_slices
+    for n in mc.section(NgramEmbeddingConfig).orders:
         p = "model.ngram_embeddings."
         table = torch.cat([hf[f"{p}tables.{n}.{i}.weight"] for i in range(k)], dim=1)
-        pad = table.new_zeros(padded_table_rows(mc.ngram.table_size) - table.shape[0], table.shape[1])
+        pad = table.new_zeros(
+            padded_table_rows(mc.section(NgramEmbeddingConfig).table_size) - table.shape[0], table.shape[1]
+        )
         out[f"embedding.ngram.tables.{n}.weight"] = torch.cat([table, pad], dim=0)
         out[f"embedding.ngram.projections.{n}.weight"] = torch.cat(
             [hf[f"{p}projections.{n}.{i}.weight"] for i in range(k)], dim=1

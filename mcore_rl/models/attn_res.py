@@ -47,6 +47,7 @@ from megatron.core.utils import (
     make_viewless_tensor,
 )
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.attn_res import (
     block_starts,
@@ -365,22 +366,23 @@ class AttnResTransformerBlock(TransformerBlock):
 def deferred_spec(spec: TransformerBlockSubmodules, model: ModelConfig) -> TransformerBlockSubmodules:
     """What to hand `GPTModel`: `spec` itself, or for AttnRes an empty placeholder (no layers are
     built twice); `install_decoder` then builds the real block."""
-    if model.attn_res == "none":
+    if model.section(AttnResKeys).attn_res == "none":
         return spec
     return TransformerBlockSubmodules(layer_specs=[], layer_norm=spec.layer_norm)
 
 
 def install_decoder(chunk: GPTModel, spec: TransformerBlockSubmodules, model: ModelConfig) -> None:
     """Replace the placeholder decoder of a `GPTModel` chunk by the AttnRes block (no-op otherwise)."""
-    if model.attn_res == "none":
+    depth = model.section(AttnResKeys)
+    if depth.attn_res == "none":
         return
     from megatron.core.quantization.utils import get_quant_config_or_none
 
     decoder = AttnResTransformerBlock(
         chunk.config,
         spec,
-        variant=model.attn_res,
-        num_blocks=model.attn_res_num_blocks,
+        variant=depth.attn_res,
+        num_blocks=depth.attn_res_num_blocks,
         pre_process=chunk.pre_process,
         post_process=chunk.post_process,
         pg_collection=chunk.pg_collection,

@@ -9,6 +9,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.models import attn_res, megatron_fixes, rope_scaling, sliding_window
 from mcore_rl.models.family import megatron_family
@@ -26,28 +28,29 @@ def transformer_config(
     recompute: str = "none",
 ) -> TransformerConfig:
     """The megatron-core `TransformerConfig` for a Qwen3(-MoE) decoder in the given layout."""
+    experts = model.section(MoEKeys)
     dtype = _DTYPES[precision]
     family = megatron_family(model)  # a family's own attention and router (models/<family>.py)
     moe: dict = {}
     if model.is_moe:
         moe = dict(
-            num_moe_experts=model.num_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+            num_moe_experts=experts.num_experts,
+            moe_router_topk=experts.moe_router_topk,
+            moe_ffn_hidden_size=experts.moe_ffn_hidden_size or model.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=experts.moe_shared_expert_intermediate_size,
+            moe_aux_loss_coeff=experts.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if experts.moe_aux_loss_coeff > 0 else "none",
             # Qwen3-MoE renormalises the top-k probabilities: softmax over the selected logits.
-            moe_router_pre_softmax=not model.moe_norm_topk_prob,
-            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+            moe_router_pre_softmax=not experts.moe_norm_topk_prob,
+            moe_token_dispatcher_type=experts.moe_token_dispatcher_type,
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
             moe_permute_fusion=False,
-            moe_latent_size=model.moe_latent_size,  # LatentMoE: see models/latent_moe.py
-            moe_shared_expert_gate=model.moe_shared_expert_gate,  # Qwen2-MoE
+            moe_latent_size=model.section(LatentMoEKeys).moe_latent_size,  # LatentMoE: see models/latent_moe.py
+            moe_shared_expert_gate=experts.moe_shared_expert_gate,  # Qwen2-MoE
         )
-        if model.moe_layer_pattern is not None:  # mixed layers: spec.decoder_block_spec reads the list
-            moe["moe_layer_freq"] = [int(p) for p in model.moe_layer_pattern]
+        if experts.moe_layer_pattern is not None:  # mixed layers: spec.decoder_block_spec reads the list
+            moe["moe_layer_freq"] = [int(p) for p in experts.moe_layer_pattern]
         if family is not None:
             moe.update(family.moe_kwargs(model))
     recompute_kwargs: dict = {}

@@ -22,6 +22,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.deepseek_v3 import route
 from mcore_rl.models.family import MegatronFamily
@@ -30,19 +32,23 @@ from mcore_rl.models.latent_moe import LatentProjection
 
 def moe_kwargs(model: ModelConfig) -> dict[str, Any]:
     """TransformerConfig MoE fields of the DeepSeek-V3 router."""
+    dsv3 = model.section(DeepSeekV3Keys)
     out: dict[str, Any] = {}
-    if model.moe_router_score_function == "sigmoid":
+    if dsv3.moe_router_score_function == "sigmoid":
         out.update(
             moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_router_enable_expert_bias=dsv3.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=dsv3.moe_router_bias_update_rate,
             moe_router_pre_softmax=False,
         )
-    if model.moe_router_num_groups:
-        out.update(moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk)
-    if model.moe_router_topk_scaling_factor is not None:
-        out["moe_router_topk_scaling_factor"] = model.moe_router_topk_scaling_factor
-    out["moe_router_norm_topk_prob"] = model.moe_norm_topk_prob
+    if dsv3.moe_router_num_groups:
+        out.update(
+            moe_router_num_groups=dsv3.moe_router_num_groups,
+            moe_router_group_topk=dsv3.moe_router_group_topk,
+        )
+    if dsv3.moe_router_topk_scaling_factor is not None:
+        out["moe_router_topk_scaling_factor"] = dsv3.moe_router_topk_scaling_factor
+    out["moe_router_norm_topk_prob"] = model.section(MoEKeys).moe_norm_topk_prob
     return out
 
 
@@ -60,6 +66,7 @@ def transformer_config(model: ModelConfig) -> tuple[type[TransformerConfig], dic
     megatron-core's MLA scales cos/sin by m(factor, mscale) / m(factor, mscale_all_dim) and the
     softmax by m(factor, mscale_all_dim)^2 / sqrt(q head size), m(f, x) = 0.1 x ln f + 1: what
     transformers computes from the same fields (its `attention_factor` is refused for MLA)."""
+    dsv3 = model.section(DeepSeekV3Keys)
     s = model.rope_scaling
     rope: dict[str, Any] = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     if s.type == "yarn":
@@ -75,11 +82,11 @@ def transformer_config(model: ModelConfig) -> tuple[type[TransformerConfig], dic
             mscale_all_dim=float(s.mscale_all_dim or 0.0) if s.mscale else 0.0,
         )
     return DeepseekV3TransformerConfig, dict(
-        q_lora_rank=model.q_lora_rank,
-        kv_lora_rank=model.kv_lora_rank,
-        qk_head_dim=model.qk_head_dim,
-        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
-        v_head_dim=model.v_head_dim,
+        q_lora_rank=dsv3.q_lora_rank,
+        kv_lora_rank=dsv3.kv_lora_rank,
+        qk_head_dim=dsv3.qk_head_dim,
+        qk_pos_emb_head_dim=dsv3.qk_pos_emb_head_dim,
+        v_head_dim=dsv3.v_head_dim,
         rotary_base=model.rotary_base,
         **rope,
     )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 
 
@@ -34,26 +36,27 @@ def _swiglu(hidden: int, ffn: int) -> float:
 
 
 def _moe_layer(model: ModelConfig) -> float:
-    h = model.hidden_size
-    expert_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
-    width = model.moe_latent_size or h  # LatentMoE: routed experts work in the latent space
-    flops = 2.0 * h * model.num_experts  # router
-    flops += model.moe_router_topk * _swiglu(width, expert_ffn)
-    if model.moe_latent_size:
-        flops += 2.0 * 2 * h * model.moe_latent_size  # W_down and W_up
-    if model.moe_shared_expert_intermediate_size:
-        flops += _swiglu(h, model.moe_shared_expert_intermediate_size)
-        if model.moe_shared_expert_gate:  # Qwen2-MoE: x . w_gate, w_gate [1, h]
+    h, experts, latent = model.hidden_size, model.section(MoEKeys), model.section(LatentMoEKeys).moe_latent_size
+    expert_ffn = experts.moe_ffn_hidden_size or model.ffn_hidden_size
+    width = latent or h  # LatentMoE: routed experts work in the latent space
+    flops = 2.0 * h * experts.num_experts  # router
+    flops += experts.moe_router_topk * _swiglu(width, expert_ffn)
+    if latent:
+        flops += 2.0 * 2 * h * latent  # W_down and W_up
+    shared = experts.moe_shared_expert_intermediate_size
+    if shared:
+        flops += _swiglu(h, shared)
+        if experts.moe_shared_expert_gate:  # Qwen2-MoE: x . w_gate, w_gate [1, h]
             flops += 2.0 * h
     return flops
 
 
 def is_moe_layer(model: ModelConfig, layer: int) -> bool:
     """Whether decoder layer `layer` (0-based) has a MoE MLP; every layer does in a MoE model
-    unless a per-layer pattern (`model.moe_layer_pattern`, when the config has one) says otherwise."""
+    unless a per-layer pattern (`model.moe_layer_pattern`) says otherwise."""
     if not model.is_moe:
         return False
-    pattern = getattr(model, "moe_layer_pattern", None)
+    pattern = model.section(MoEKeys).moe_layer_pattern
     return bool(pattern[layer]) if pattern else True
 
 

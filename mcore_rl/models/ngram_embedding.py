@@ -50,7 +50,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-from mcore_rl.config.schema import ModelConfig, NgramEmbeddingConfig
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
+from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.ngram import check_table_size, ngram_hash_ids, padded_table_rows, slice_width
 from mcore_rl.models.param_attrs import megatron_attrs
 
@@ -222,12 +223,12 @@ def add_ngram_embedding(gpt_model: GPTModel, model: ModelConfig) -> None:
     The existing `LanguageModelEmbedding` is kept (its word embeddings carry megatron-core's tied /
     shared-embedding attributes) and becomes an `NgramLanguageModelEmbedding`.
     """
-    if not model.ngram.orders or not getattr(gpt_model, "pre_process", False):
+    if not model.section(NgramEmbeddingConfig).orders or not getattr(gpt_model, "pre_process", False):
         return
     embedding = gpt_model.embedding
     if not isinstance(embedding, NgramLanguageModelEmbedding):
         embedding.__class__ = NgramLanguageModelEmbedding
-    embedding.ngram = NgramEmbedding(gpt_model.config, model.vocab_size, model.ngram)
+    embedding.ngram = NgramEmbedding(gpt_model.config, model.vocab_size, model.section(NgramEmbeddingConfig))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import mfu, train_flops_per_token
 from mcore_rl.profile import cluster as cluster_mod
@@ -239,7 +240,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "model_name": model_name,
-        "model": dataclasses.asdict(model),
+        "model": config_to_dict(model),
         "cluster": dataclasses.asdict(cluster),
         "shape": dataclasses.asdict(shape),
         "attention_kernel": attention,

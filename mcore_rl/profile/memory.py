@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
+from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rules import padded_vocab_size
 from mcore_rl.config.schema import ModelConfig
@@ -42,9 +46,9 @@ def check_supported(model: ModelConfig) -> None:
     unsupported = [
         (key, on)
         for key, on in (
-            ("model.moe_latent_size", model.moe_latent_size is not None),
-            ("model.attn_res", model.attn_res != "none"),
-            ("model.ngram.orders", bool(model.ngram.orders)),
+            ("model.moe_latent_size", model.section(LatentMoEKeys).moe_latent_size is not None),
+            ("model.attn_res", model.section(AttnResKeys).attn_res != "none"),
+            ("model.ngram.orders", bool(model.section(NgramEmbeddingConfig).orders)),
         )
         if on
     ]
@@ -89,21 +93,22 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
             ]
         out.append(ParamTensor(p + "pre_mlp_layernorm.weight", h, False))
         if is_moe_layer(model, i):
-            f = model.moe_ffn_hidden_size or model.ffn_hidden_size
-            out.append(ParamTensor(p + "mlp.router.weight", model.num_experts * h, False))
-            n = model.num_experts // ep
+            moe = model.section(MoEKeys)
+            f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
+            out.append(ParamTensor(p + "mlp.router.weight", moe.num_experts * h, False))
+            n = moe.num_experts // ep
             experts = p + f"mlp.experts.local_experts.[0-{n - 1}]."
             out += [
                 ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
                 ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n),
             ]
-            if model.moe_shared_expert_intermediate_size:
-                s = model.moe_shared_expert_intermediate_size
+            if moe.moe_shared_expert_intermediate_size:
+                s = moe.moe_shared_expert_intermediate_size
                 out += [
                     ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", 2 * s // tp * h, False),
                     ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * s // tp, False),
                 ]
-                if getattr(model, "moe_shared_expert_gate", False):  # Qwen2-MoE: w_gate [1, h], replicated
+                if moe.moe_shared_expert_gate:  # Qwen2-MoE: w_gate [1, h], replicated
                     out.append(ParamTensor(p + "mlp.shared_experts.gate_weight", h, False))
         else:
             f = model.ffn_hidden_size
@@ -180,12 +185,14 @@ def _layer_bytes(model: ModelConfig, layout: Layout, shape: TrainShape, layer: i
     attn += sb * q * e  # linear_proj input
     mlp = norm
     if is_moe_layer(model, layer):
-        f = (model.moe_ffn_hidden_size or model.ffn_hidden_size) / layout.expert_tp
-        routed = sb * model.moe_router_topk  # tokens x top-k reach this rank's experts (balanced)
-        mlp += sb * model.num_experts * 4 * 2  # router logits and probabilities (fp32)
+        moe = model.section(MoEKeys)
+        f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / layout.expert_tp
+        routed = sb * moe.moe_router_topk  # tokens x top-k reach this rank's experts (balanced)
+        mlp += sb * moe.num_experts * 4 * 2  # router logits and probabilities (fp32)
         mlp += routed * (h * e * 2 + 5 * f * e)  # permuted tokens in and out, SwiGLU of each expert
-        if model.moe_shared_expert_intermediate_size:
-            mlp += sb * (h * e + 5 * model.moe_shared_expert_intermediate_size / tp * e)
+        shared = moe.moe_shared_expert_intermediate_size
+        if shared:
+            mlp += sb * (h * e + 5 * shared / tp * e)
     else:
         # fc1 output (2f), the gate/up halves made contiguous and SiLU's output (3f); fc2 input is one of them
         mlp += 5 * sb * model.ffn_hidden_size / tp * e

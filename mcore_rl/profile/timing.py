@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.models.flops import is_moe_layer, train_flops_per_token
 from mcore_rl.profile.cluster import ClusterSpec
@@ -71,7 +72,7 @@ def step_time(
     cp_time = _collective(cluster, cp_bytes, cp, tp, hops=(cp - 1) * (fwd_passes + 2) * layers * m)
     # EP: dispatch and combine all-to-alls of the routed tokens, forward and backward
     moe_layers = sum(1 for i in range(model.num_layers) if is_moe_layer(model, i)) / pp
-    routed = s / cp * b * model.moe_router_topk * h * e / (tp if layout.sp else 1)
+    routed = s / cp * b * model.section(MoEKeys).moe_router_topk * h * e / (tp if layout.sp else 1)
     ep_bytes = (ep - 1) / ep * routed * 2 * (fwd_passes + 1) * moe_layers * m
     ep_hops = 2 * (fwd_passes + 1) * moe_layers * m * (ep - 1)
     ep_time = _collective(cluster, ep_bytes, ep, layout.expert_tp, hops=ep_hops)

@@ -166,7 +166,7 @@ class RLRun:
                 self.hf_provenance = load_initial_weights(cfg.init.checkpoint, self.chunks, _log)
                 self.optimizer.reload_model_params()
                 ttfs.mark("checkpoint_load")
-            if cfg.init.sft_steps > 0:
+            if cfg.init.sft.train.train_iters > 0:
                 self.init_metrics = sft_warm_start(
                     cfg, self.chunks, self.tokenizer, self.world, _log, self.held_out_texts
                 )

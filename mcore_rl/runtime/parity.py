@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mcore_rl.config.model_keys.attn_res import AttnResKeys
+from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.rollout.pool import EmbeddedEnginePool, EnginePool, HTTPEnginePool, build_engine_pool
@@ -445,7 +447,7 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
     else:
         if cfg.init.checkpoint:
             load_initial_weights(cfg.init.checkpoint, run.chunks, log)
-        if cfg.init.sft_steps > 0:
+        if cfg.init.sft.train.train_iters > 0:
             sft_warm_start(cfg, run.chunks, run.tokenizer, run.world, log, run.held_out_texts)
     r = cfg.rollout
     engines: list[tuple[EmbeddedScorer | URLScorer, EnginePool | None]] = []  # (scorer, pool to close)
@@ -520,7 +522,7 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
     trainer = [logp[i, : len(resp)].tolist() for i, resp in enumerate(responses)]
 
     results: list[EngineParity] = []
-    single_rank = run.world == 1 and len(run.chunks) == 1 and cfg.model.attn_res == "none"
+    single_rank = run.world == 1 and len(run.chunks) == 1 and cfg.model.section(AttnResKeys).attn_res == "none"
     for j, (scorer, _pool) in enumerate(engines):
         t0 = time.perf_counter()
         scored, routes = scorer.score(prompt_ids, responses, routing=moe and opts.routing_replay)
@@ -563,7 +565,7 @@ def run_parity(cfg: RLConfig, opts: ParityOptions, log: Callable[[str], None] = 
         if to_close is not None:
             to_close.close()
     return {
-        "recipe_model": asdict(cfg.model),
+        "recipe_model": config_to_dict(cfg.model),
         "num_sequences": len(responses),
         "temperature": r.temperature,
         "top_p": r.top_p,

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
@@ -361,7 +362,7 @@ class Learner:
                 self.cfg.train.seq_length,
                 self.cfg.train.micro_batch_size,
                 mc.num_layers,
-                mc.moe_router_topk,
+                mc.section(MoEKeys).moe_router_topk,
             )
             routing_replay.clear(self.replay_taps)
         self.routing = routing
@@ -463,7 +464,7 @@ class Learner:
         if self.replay_mode != "r3":
             return None
         mc = self.cfg.model
-        routing_replay.check_samples(samples, mc.num_layers, mc.moe_router_topk)
+        routing_replay.check_samples(samples, mc.num_layers, mc.section(MoEKeys).moe_router_topk)
         return [s.routed_experts for s in samples]
 
     def _add_distillation(

@@ -1,7 +1,7 @@
 """Where the RL policy starts: a model-only checkpoint, then (optionally) a few SFT steps on the task.
 
 The SFT warm start is `mcore-rl sft`'s step (`sft.sft_step`) on the task's prompt/answer pairs
-(packed rows, prompt tokens masked), with its own AdamW and schedule (`init.sft_*`), so the RL
+(packed rows, prompt tokens masked), with its own AdamW and schedule (`init.sft`), so the RL
 optimizer starts fresh afterwards.
 """
 
@@ -38,8 +38,8 @@ def sft_warm_start(
     exclude: Collection[str] = (),
     log_every: int | None = None,
 ) -> dict[str, float]:
-    """`init.sft_steps` SFT steps on the task (with `data.domains`: on every task domain's answers and
-    the scripted players' turns of the environment domains, `agent/demonstrations.py`);
+    """`init.sft.train.train_iters` SFT steps on the task (with `data.domains`: on every task domain's
+    answers and the scripted players' turns of the environment domains, `agent/demonstrations.py`);
     returns the last loss and the time taken. Problems whose prompt is in `exclude` (the held-out
     evaluation set) are left out."""
     from megatron.core import parallel_state as ps

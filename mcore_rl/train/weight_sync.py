@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.weight_map import megatron_to_hf
 from mcore_rl.rollout.client import EngineUnavailable
@@ -145,7 +146,7 @@ def _iter_stage(chunks: Sequence[torch.nn.Module], mc: ModelConfig, role: _Role)
     """This stage's full HF tensors on its holder (other participants only join the collectives)."""
     from megatron.core import parallel_state as ps
 
-    num_local_experts = mc.num_experts // ps.get_expert_model_parallel_world_size() if mc.is_moe else 0
+    num_local_experts = mc.section(MoEKeys).num_experts // ps.get_expert_model_parallel_world_size() if mc.is_moe else 0
     for _, global_name, param in iter_local_params(chunks, with_buffers=True):
         if global_name == "output_layer.weight" and (
             mc.tie_word_embeddings or getattr(param, "shared_embedding", False)
