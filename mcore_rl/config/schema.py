@@ -66,6 +66,11 @@ FAMILY_MODEL_KEYS: tuple[str, ...] = (
     "qk_pos_emb_head_dim",
     "v_head_dim",
     "mtp_num_layers_carried",
+    # GPT-OSS
+    "sliding_window_pattern",
+    "attention_sinks",
+    "linear_biases",
+    "swiglu_limit",
 )
 DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
 
@@ -74,7 +79,8 @@ DECODER_ARCHS: tuple[str, ...] = ("qwen3", "qwen3_moe")
 class ModelConfig:
     """A Qwen3-style decoder; `num_experts > 0` makes the MLPs Qwen3-MoE-style."""
 
-    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"  # deepseek_v3: MoE with DeepSeek names
+    # deepseek_v3: MoE with DeepSeek names; gpt_oss: MoE with sinks and biases (docs/model_families.md)
+    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"] = "qwen3"
     vocab_size: int = 384  # true vocabulary size (padding for TP: make_vocab_size_divisible_by)
     hidden_size: int = 64  # model width d
     ffn_hidden_size: int = 256  # intermediate size of a dense MLP
@@ -133,6 +139,15 @@ class ModelConfig:
     # vocab_size rounded up to a multiple of this x TP rows; vocab_size stays the true size. 1 pads
     # only what TP needs (a checkpoint's shapes stay those of TP=1); Megatron-LM's default is 128.
     make_vocab_size_divisible_by: int = 1
+    # --- GPT-OSS ---
+    # A window on some layers only: one entry per layer, 1 = attends within sliding_window, 0 = to
+    # every earlier token; None = sliding_window (if set) on every layer. Stock GPT-OSS: 1, 0, 1, ...
+    sliding_window_pattern: list[int] | None = None
+    attention_sinks: bool = False  # a learned logit per head joins every attention softmax (no value)
+    linear_biases: bool = False  # biases on q/k/v/o, the router and the experts' two linears
+    # the experts' clamped SwiGLU, gate <= limit, |up| <= limit, gate * sigmoid(1.702 gate) * (up + 1);
+    # None = not clamped
+    swiglu_limit: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -140,7 +155,7 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.arch in ("qwen3_moe", "deepseek_v3")
+        return self.arch in ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 @dataclass

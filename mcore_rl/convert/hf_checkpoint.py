@@ -17,7 +17,7 @@ from mcore_rl.config.rope_scaling import check_rope_scaling
 from mcore_rl.convert.fp8 import SCALE_SUFFIX, block_size_of, dequantize, scale_rows_for
 from mcore_rl.config.rules import Errors
 from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
-from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
+from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -193,7 +193,8 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
     problems: list[str] = []
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(hf, "attention_bias", False):
+    family = family_of(hf)
+    if getattr(hf, "attention_bias", False) and not (family and family.attention_bias):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
     problems += unsupported_stock_fields(hf, rope_key)
     mc = None if problems else model_config_from_hf_config(hf, rope_key)

@@ -12,9 +12,10 @@ from typing import Any
 # `from .x import` (not `from . import x`): transformers' remote-code loader follows only this form.
 from .deepseek_v3 import FAMILY as DEEPSEEK_V3
 from .family import ModelFamily, StockDecoder
+from .gpt_oss import FAMILY as GPT_OSS
 from .stock_decoders import LLAMA, MISTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
-FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3,)
+FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GPT_OSS)
 STOCK_DECODERS: tuple[StockDecoder, ...] = (QWEN3, QWEN3_MOE, LLAMA, QWEN2, QWEN2_MOE, MISTRAL)
 
 

@@ -67,8 +67,15 @@ class ModelFamily:
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count
     attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None
+    # the family's attention has q/k/v/o biases: a stock config's `attention_bias=true` is taken
+    attention_bias: bool = False
+    # which layers `model.sliding_window` applies to (FLOPs of the attended context); None = every layer
+    windowed_layers: Callable[[ModelConfigT], list[bool]] | None = None
     # model types whose config.json is this family's stock config under another name (read as it)
     config_aliases: tuple[str, ...] = ()
+    # expert tensors the stock checkpoint stacks over the experts (`mlp.experts.<name>` [E, ...]) and
+    # ours keeps per expert (`mlp.experts.{j}.<name>`, one HF name per megatron expert tensor)
+    stacked_expert_tensors: tuple[str, ...] = ()
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""
