@@ -229,6 +229,19 @@ def test_configs_both_ways_and_refusals() -> None:
     errors = Errors()
     check_model(GPT_OSS, errors)
     assert not errors.lines, errors.lines
+    # layouts: expert biases only with one expert-TP rank (megatron-core asserts it while building)
+    from mcore_rl.config.rules import check_parallel
+    from tests.helpers import P
+
+    errors = Errors()
+    check_parallel(P(tp=2, sp=True), GPT_OSS, 2, errors)
+    assert errors.lines == [
+        "parallel.expert_tensor_parallel_size: is 2 but megatron-core builds the experts' biases "
+        "(model.linear_biases, arch gpt_oss) only with expert_tensor_parallel_size 1"
+    ]
+    errors = Errors()
+    check_parallel(P(tp=2, sp=True, etp=1), GPT_OSS, 2, errors)
+    assert not errors.lines
     # FLOPs: the GQA decoder's count, every layer routed
     flops = forward_flops_per_token(GPT_OSS, 16)
     assert flops.mlp == pytest.approx(GPT_OSS.num_layers * 2 * (3 * 64 * 32 * 2 + 64 * 4))
@@ -269,6 +282,26 @@ def _world(rank: int, world_size: int) -> None:
     # match the reference for any MoE here (Qwen3-MoE too; docs/model_families.md).
     _check_layout(PARITY, P(ep=2), batches, ref, after=exports_bit_for_bit)
     _check_layout(PARITY, P(pp=2), batches, ref, after=exports_bit_for_bit)
+    _sequence_parallel_marks()
+
+
+def _sequence_parallel_marks() -> None:
+    """With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
+    `sequence_parallel`: the attention's output bias and the router's (replicated, each rank's
+    gradient from its slice of the sequence), not an expert's output bias (whole on its rank; its
+    TP neighbours may hold other experts). TP=2 x EP=2 x ETP=1 in four ranks matched the reference
+    only without the mark (docs/model_families.md)."""
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from tests.helpers import P
+
+    pc = P(tp=2, sp=True, etp=1)
+    init_model_parallel(pc)
+    set_seed(1)
+    (chunk,) = build_model(PARITY, pc)
+    marked = {n for n, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)}
+    assert "decoder.layers.0.self_attention.linear_proj.bias" in marked and "decoder.layers.0.mlp.router.bias" in marked
+    assert not {n for n in marked if ".mlp.experts." in n}, sorted(marked)
 
 
 @pytest.mark.slow

@@ -28,6 +28,10 @@ def _no_checks(model: ModelConfigT, errors: Errors) -> None:
     """A family without `model.*` keys of its own has nothing to check."""
 
 
+def _no_layout_checks(model: ModelConfigT, parallel: Any, errors: Errors) -> None:
+    """A family that megatron-core lays out like the GQA decoder has no layout rule of its own."""
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One family's parts, each called by the shared code where the family differs from the GQA decoder.
@@ -64,6 +68,8 @@ class ModelFamily:
     # a model of another arch must leave them at their defaults
     model_keys: tuple[str, ...] = ()
     check_model: Callable[[ModelConfigT, Errors], None] = _no_checks
+    # its rules on the `parallel:` layout (config/rules.py: check_expert_parallel), for its own arch
+    check_parallel: Callable[[ModelConfigT, Any, Errors], None] = _no_layout_checks
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count
     attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None

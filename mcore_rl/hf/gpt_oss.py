@@ -425,6 +425,17 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
         errors.need(all(p in (0, 1) for p in pattern), key, f"entries must be 0 (full) or 1 (windowed), got {pattern}")
 
 
+def check_parallel(m: ModelConfig, p: Any, errors: Errors) -> None:
+    """megatron-core 0.16.1 builds expert biases only with one expert-tensor-parallel rank."""
+    etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else p.tensor_model_parallel_size
+    errors.need(
+        not m.linear_biases or etp == 1,
+        "parallel.expert_tensor_parallel_size",
+        f"is {etp} but megatron-core builds the experts' biases (model.linear_biases, arch gpt_oss) only with "
+        "expert_tensor_parallel_size 1",
+    )
+
+
 def windowed_layers(m: ModelConfig) -> list[bool]:
     """The layers `model.sliding_window` applies to (`models/flops.py`)."""
     return [m.sliding_window_pattern is None or bool(p) for p in m.sliding_window_pattern or [1] * m.num_layers]
@@ -449,6 +460,7 @@ FAMILY = ModelFamily(
     hf_to_megatron=hf_to_megatron,
     model_keys=MODEL_KEYS,
     check_model=check_model_config,
+    check_parallel=check_parallel,
     windowed_layers=windowed_layers,
     attention_bias=True,
     stacked_expert_tensors=STACKED_EXPERT_TENSORS,
