@@ -249,6 +249,36 @@ def test_configs_both_ways_and_refusals() -> None:
     assert flops.attention_scores == pytest.approx(2 * 2 * 64 * (2 * windowed_context + 2 * (16 + 1) / 2))
 
 
+def test_gpt_oss_120b_profile_shape_is_valid() -> None:
+    """`configs/profile_gpt_oss_120b.yaml` (docs/model_families.md) is a valid GPT-OSS model: 117B
+    parameters, 5.13B active per token (the model card's counts)."""
+    import pathlib
+
+    import yaml
+
+    from mcore_rl.config.rules import Errors, check_model
+    from mcore_rl.convert.to_hf import model_config_from_dict
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "profile_gpt_oss_120b.yaml"
+    mc = model_config_from_dict(yaml.safe_load(path.read_text())["model"])
+    errors = Errors()
+    check_model(mc, errors)
+    assert not errors.lines, errors.lines
+    # counted on two of its layers (a windowed and a full one): the 36 are 18 such pairs
+    two = dataclasses.replace(mc, num_layers=2, sliding_window_pattern=[1, 0])
+    with torch.device("meta"):
+        model = McoreRLForCausalLM(hf_config_from_model_config(two))
+    count = {"layers": 0, "experts": 0, "embedding": 0, "other": 0}
+    for name, p in model.named_parameters():
+        kind = "experts" if ".mlp.experts." in name else "layers" if ".layers." in name else "other"
+        count["embedding" if "embed_tokens" in name else kind] += p.numel()
+    experts, layers = 18 * count["experts"], 18 * count["layers"]
+    total = count["embedding"] + count["other"] + layers + experts
+    active = count["other"] + layers + experts * mc.moe_router_topk // mc.num_experts  # as OpenAI counts: no embedding
+    assert round(total / 1e9, 1) == 116.8 and round(active / 1e9, 2) == 5.13
+
+
 # ---------------------------------------------------------------------------------------------
 # megatron-core in a 2-rank world
 # ---------------------------------------------------------------------------------------------
