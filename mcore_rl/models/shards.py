@@ -27,7 +27,7 @@ def _is_expert(name: str) -> bool:
 
 
 def _is_gated_fc1(name: str) -> bool:
-    return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))  # both [gate; up] (the bias: GPT-OSS)
+    return name.endswith("linear_fc1.weight")
 
 
 def _tp_group_rank_size(param: torch.Tensor, global_name: str) -> tuple[dist.ProcessGroup | None, int, int]:
