@@ -316,7 +316,8 @@ def _world(rank: int, world_size: int) -> None:
 
 
 def _sequence_parallel_marks() -> None:
-    """With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
+    """TP's marks, checked on a TP=2 x SP x ETP=1 model without running it (two ranks cannot match
+    the reference there, see above; four ranks did). With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
     `sequence_parallel`: the attention's output bias and the router's (replicated, each rank's
     gradient from its slice of the sequence), not an expert's output bias (whole on its rank; its
     TP neighbours may hold other experts). TP=2 x EP=2 x ETP=1 in four ranks matched the reference
@@ -332,6 +333,10 @@ def _sequence_parallel_marks() -> None:
     marked = {n for n, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)}
     assert "decoder.layers.0.self_attention.linear_proj.bias" in marked and "decoder.layers.0.mlp.router.bias" in marked
     assert not {n for n in marked if ".mlp.experts." in n}, sorted(marked)
+    # the sinks are split by head like the heads they belong to, so the shard maps gather them
+    sinks = dict(chunk.named_parameters())["decoder.layers.0.self_attention.core_attention.softmax_offset"]
+    assert sinks.shape == (PARITY.num_attention_heads // 2,)
+    assert getattr(sinks, "tensor_model_parallel", False) and getattr(sinks, "partition_dim", None) == 0
 
 
 @pytest.mark.slow
