@@ -31,9 +31,17 @@ SHARED_FILES = (
 )
 
 
+# First words that megatron-core's own names carry (`GPTModel`, `get_gpt_layer_local_spec`): the
+# family is then named by its full name, and that name without underscores (`GptOssConfig`).
+_SHARED_FIRST_WORDS = ("gpt",)
+
+
 def _words(family_name: str) -> list[str]:
     """The family's name and its first word (`deepseek_v3` -> also `deepseek`)."""
-    return sorted({family_name, family_name.split("_")[0]})
+    first = family_name.split("_")[0]
+    if first in _SHARED_FIRST_WORDS:
+        return sorted({family_name, family_name.replace("_", "")})
+    return sorted({family_name, first})
 
 
 def _bundle(family: ModelFamily) -> set[str]:
@@ -60,7 +68,8 @@ def _keys(family: ModelFamily) -> set[str]:
 REGISTRATIONS = ("hf/families.py", "config/model_keys/__init__.py")
 ARCH_DECLARATION = "config/schema.py"
 # The text formats of a family's chat template (its tool calls), keyed by its model type and named
-# as SGLang names its parsers: data the agentic runtime reads without importing the bundle.
+# as SGLang names its parsers: the agentic runtime's half of a family, which `data/` keeps because it
+# may not import `hf/`.
 TEXT_FORMATS = "data/tool_calls.py"
 
 

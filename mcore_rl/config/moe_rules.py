@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mcore_rl.config.model_keys import FAMILY_SECTIONS
 from mcore_rl.config.model_keys.moe import MoEKeys
-from mcore_rl.config.schema import DECODER_ARCHS, ModelConfig
+from mcore_rl.config.schema import DECODER_ARCHS, ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from mcore_rl.config.rules import Errors
@@ -39,6 +39,18 @@ def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
             )
     for family in FAMILIES:
         family.check_model(m, errors)
+
+
+def check_family_layout(m: ModelConfig, p: ParallelConfig, errors: Errors) -> None:
+    """The layout rules of the model's family (`ModelFamily.check_parallel`), if its arch is one."""
+    if m.arch in DECODER_ARCHS:
+        return
+    # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
+    from mcore_rl.hf.families import family_named
+
+    family = family_named(m.arch)
+    if family is not None:
+        family.check_parallel(m, p, errors)
 
 
 def check_moe_layer_pattern(m: ModelConfig, errors: Errors) -> None:

@@ -22,7 +22,7 @@ from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rope_scaling import check_model_rope_scaling
-from mcore_rl.config.moe_rules import check_mixed_moe
+from mcore_rl.config.moe_rules import check_family_layout, check_mixed_moe
 from mcore_rl.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -284,6 +284,7 @@ def check_expert_parallel(p: ParallelConfig, m: ModelConfig, world_size: int, er
                 "parallel.sequence_parallel",
                 f"megatron-core requires sequence_parallel=true for MoE with tensor_model_parallel_size {tp}",
             )
+        check_family_layout(m, p, errors)  # e.g. expert biases only with one expert-TP rank (moe_rules.py)
     else:
         errors.need(
             ep == 1,

@@ -50,7 +50,8 @@ class ModelConfig(Sectioned):
     LatentMoE, AttnRes, n-gram embeddings, DeepSeek-V3) are its section (`config/model_keys/`), written
     among these (`model.num_experts`, `model.ngram.orders`) and read typed, `section(MoEKeys)`."""
 
-    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"] = "qwen3"  # deepseek_v3 / glm4_moe: MoE families
+    # deepseek_v3 / glm4_moe / gpt_oss: MoE families (docs/model_families.md)
+    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"] = "qwen3"
     vocab_size: int = 384  # true vocabulary size (padding for TP: make_vocab_size_divisible_by)
     hidden_size: int = 64  # model width d
     ffn_hidden_size: int = 256  # intermediate size of a dense MLP
@@ -94,7 +95,7 @@ class ModelConfig(Sectioned):
 
     @property
     def is_moe(self) -> bool:
-        return self.arch in ("qwen3_moe", "deepseek_v3", "glm4_moe")
+        return self.arch in ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 @dataclass

@@ -194,8 +194,11 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
     family = family_of(hf)
-    # a family's stock config says what its attention_bias means (GLM-4.5: q/k/v only) in its `unsupported`
-    if getattr(hf, "attention_bias", False) and not (family and model_type == family.stock_model_type):
+    # a family's stock config says what its attention_bias means (GLM-4.5: q/k/v only) in its `unsupported`;
+    # a family may take attention biases outright (GPT-OSS)
+    if getattr(hf, "attention_bias", False) and not (
+        family and (family.attention_bias or model_type == family.stock_model_type)
+    ):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
     problems += unsupported_stock_fields(hf, rope_key)
     mc = None if problems else model_config_from_hf_config(hf, rope_key)

@@ -2,7 +2,8 @@
 
 A model asks for a tool in its family's own syntax (Qwen2.5/Qwen3 and Hermes: `<tool_call>{json}</tool_call>`;
 Llama 3.x: a JSON object `{"name": ..., "parameters": ...}`; GLM-4.5: `<tool_call>name` and one
-`<arg_key>k</arg_key><arg_value>v</arg_value>` pair per argument). The agentic runtime, the OpenAI-compatible
+`<arg_key>k</arg_key><arg_value>v</arg_value>` pair per argument; GPT-OSS: a harmony message to
+`functions.<name>`). The agentic runtime, the OpenAI-compatible
 server and the per-episode proxy all parse the same way, so what the trainer trains on is what a
 served model would have been understood to say.
 """
@@ -10,6 +11,7 @@ served model would have been understood to say.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -282,6 +284,73 @@ def render_glm45(content: str, calls: Sequence[ToolCall]) -> str:
 # The format whose calls are key/value pairs in <tool_call> blocks, which a chat template shows by `<arg_key>`.
 ARG_PAIRS_FORMAT = "glm45"
 
+# OpenAI's harmony format (GPT-OSS): a turn is messages, each `<|start|>assistant` (the first one's header
+# is the prompt's), a channel and a body; a call is a message to a recipient `functions.<name>`.
+HARMONY_START = "<|start|>assistant"
+_HARMONY_MESSAGE, _HARMONY_CALL = "<|message|>", "<|call|>"
+_HARMONY_ENDS = ("<|end|>", _HARMONY_CALL, "<|return|>")
+_HARMONY_RECIPIENT = re.compile(r"\bto=(\S+?)(?=<\||\s|$)")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+_FUNCTIONS = "functions."
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """GPT-OSS's harmony messages: a call is a message whose header names a recipient `to=functions.<name>`
+    (before or after its `<|channel|>`, as the released template writes it and as the model also
+    generates it) with the JSON arguments as its body, ended by `<|call|>`; the prose is the `final`
+    channel's text, else the analysis / commentary text (where the template puts an assistant
+    message's content when it carries calls). A call without `<|call|>` (the turn ended inside it) is
+    an error. Text without harmony markup is all prose."""
+    if _HARMONY_MESSAGE not in text:
+        return ParsedTurn(content=text)
+    final: list[str] = []
+    other: list[str] = []
+    turn = ParsedTurn(content="")
+    for i, segment in enumerate(text.split(HARMONY_START)):
+        header, sep, body = segment.partition(_HARMONY_MESSAGE)
+        if not sep:
+            continue
+        ends = [(body.find(e), e) for e in _HARMONY_ENDS if e in body]
+        at, end = min(ends) if ends else (len(body), "")
+        recipient = _HARMONY_RECIPIENT.search(header)
+        channel = _HARMONY_CHANNEL.search(header)
+        if recipient is None:
+            (final if channel and channel.group(1) == "final" else other).append(body[:at])
+            continue
+        n = len(turn.calls) + len(turn.errors) + 1
+        if end != _HARMONY_CALL:
+            turn.errors.append(f"tool call {n}: no closing {_HARMONY_CALL} (the turn ended inside the call)")
+            continue
+        name = recipient.group(1).removeprefix(_FUNCTIONS)
+        raw = (HARMONY_START if i else "") + header + sep + body[:at] + end  # the call's message as written
+        try:
+            call = _call_of({"name": name, "arguments": json.loads(body[:at])}, raw, len(turn.calls))
+        except json.JSONDecodeError as err:
+            call = _json_error(err)
+        if isinstance(call, str):
+            turn.errors.append(f"tool call {n}: {call}")
+        else:
+            turn.calls.append(call)
+    turn.content = "".join(final) if final else "".join(other)
+    return turn
+
+
+def render_harmony(content: str, calls: Sequence[ToolCall]) -> str:
+    """As the GPT-OSS chat template renders an assistant message, after its first `<|start|>assistant`:
+    with calls, the content as an analysis message, then each call as a message to `functions.<name>`
+    in the commentary channel with its JSON arguments, ended by `<|call|>` (the template renders one
+    call per message); without calls, the content in the final channel."""
+    if not calls:
+        return f"<|channel|>final{_HARMONY_MESSAGE}{content}<|end|>"
+    messages = [f"{HARMONY_START}<|channel|>analysis{_HARMONY_MESSAGE}{content}<|end|>"] if content else []
+    messages += [
+        f"{HARMONY_START} to={_FUNCTIONS}{c.name}<|channel|>commentary json{_HARMONY_MESSAGE}"
+        f"{json.dumps(c.arguments, ensure_ascii=False)}{_HARMONY_CALL}"
+        for c in calls
+    ]
+    return "".join(messages)[len(HARMONY_START) :]
+
+
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
@@ -305,6 +374,13 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("glm4_moe",),
             parse=parse_glm45,
             render=render_glm45,
+        ),
+        ToolCallFormat(
+            name="harmony",
+            sglang_parser="gpt-oss",
+            model_types=("gpt_oss",),
+            parse=parse_harmony,
+            render=render_harmony,
         ),
     )
 }

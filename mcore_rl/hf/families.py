@@ -13,9 +13,10 @@ from typing import Any
 from .deepseek_v3 import FAMILY as DEEPSEEK_V3
 from .family import ModelFamily, StockDecoder
 from .glm4_moe import FAMILY as GLM4_MOE
+from .gpt_oss import FAMILY as GPT_OSS
 from .stock_decoders import LLAMA, MISTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
-FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GLM4_MOE)
+FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GLM4_MOE, GPT_OSS)
 STOCK_DECODERS: tuple[StockDecoder, ...] = (QWEN3, QWEN3_MOE, LLAMA, QWEN2, QWEN2_MOE, MISTRAL)
 
 

@@ -28,6 +28,10 @@ def _no_checks(model: ModelConfigT, errors: Errors) -> None:
     """A family without `model.*` keys of its own has nothing to check."""
 
 
+def _no_layout_checks(model: ModelConfigT, parallel: Any, errors: Errors) -> None:
+    """A family that megatron-core lays out like the GQA decoder has no layout rule of its own."""
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One family's parts, each called by the shared code where the family differs from the GQA decoder.
@@ -65,11 +69,20 @@ class ModelFamily:
     # finds them without importing the bundle), run on every config: a model of another arch must
     # leave them at their defaults
     check_model: Callable[[ModelConfigT, Errors], None] = _no_checks
+    # its rules on the `parallel:` layout (config/rules.py: check_expert_parallel), for its own arch
+    check_parallel: Callable[[ModelConfigT, Any, Errors], None] = _no_layout_checks
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count
     attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None
+    # the family's attention has q/k/v/o biases: a stock config's `attention_bias=true` is taken
+    attention_bias: bool = False
+    # which layers `model.sliding_window` applies to (FLOPs of the attended context); None = every layer
+    windowed_layers: Callable[[ModelConfigT], list[bool]] | None = None
     # model types whose config.json is this family's stock config under another name (read as it)
     config_aliases: tuple[str, ...] = ()
+    # expert tensors the stock checkpoint stacks over the experts (`mlp.experts.<name>` [E, ...]) and
+    # ours keeps per expert (`mlp.experts.{j}.<name>`, one HF name per megatron expert tensor)
+    stacked_expert_tensors: tuple[str, ...] = ()
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""

@@ -51,6 +51,7 @@ Conventions (megatron-style, documented because they differ from HF's `forward`)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -385,7 +386,11 @@ class McoreRLModel(McoreRLPreTrainedModel):
             position_ids, rotary_dim(self.config), self.config.rope_theta, x.dtype, rope_scaling_of(self.config)
         )
         window = getattr(self.config, "sliding_window", None)
-        allowed = _allowed_mask(attention_mask, s, past_len, device, window)
+        # `layer_types` (transformers' name): the window only on the "sliding_attention" layers
+        layer_types = getattr(self.config, "layer_types", None)
+        allowed = _allowed_mask(attention_mask, s, past_len, device, None if layer_types else window)
+        windowed = _allowed_mask(attention_mask, s, past_len, device, window) if layer_types else allowed
+        masks = [windowed if not layer_types or t == "sliding_attention" else allowed for t in layer_types or []]
         presents: KVCache = []
         hidden: list[torch.Tensor] = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
@@ -395,7 +400,7 @@ class McoreRLModel(McoreRLPreTrainedModel):
         else:
             for i, layer in enumerate(self.layers):
                 hidden.append(x)
-                x, present, aux = layer(x, cos, sin, allowed, pasts[i] if pasts else None)
+                x, present, aux = layer(x, cos, sin, masks[i] if masks else allowed, pasts[i] if pasts else None)
                 presents.append(present)
                 if aux is not None:
                     aux_loss = aux_loss + aux
@@ -541,6 +546,9 @@ def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLConf
     Dense models and transformers 4.x: unchanged. transformers>=5 Qwen3-MoE: per layer,
     `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I].
     """
+    stacked = _stacked_expert_tensors(config)
+    if stacked:
+        return _stack_experts(state_dict, stacked)
     if not config.is_moe or not _stock_moe_is_fused(config):
         return dict(state_dict)
     out = {k: v for k, v in state_dict.items() if ".mlp.experts." not in k}
@@ -557,6 +565,9 @@ def to_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLConf
 
 def from_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLConfig) -> dict[str, torch.Tensor]:
     """Inverse of `to_stock_state_dict`: split fused experts back into per-expert checkpoint names."""
+    stacked = _stacked_expert_tensors(config)
+    if stacked:
+        return unstack_experts(state_dict, stacked)
     fused = (".experts.gate_up_proj", ".experts.down_proj")
     out = {k: v for k, v in state_dict.items() if not k.endswith(fused)}
     for i in range(config.num_hidden_layers):
@@ -569,4 +580,40 @@ def from_stock_state_dict(state_dict: dict[str, torch.Tensor], config: McoreRLCo
             out[f"{p}.{j}.gate_proj.weight"] = gate
             out[f"{p}.{j}.up_proj.weight"] = up
             out[f"{p}.{j}.down_proj.weight"] = down[j]
+    return out
+
+
+# ---- a family whose stock checkpoints stack expert tensors (`ModelFamily.stacked_expert_tensors`) ----
+
+
+def _stacked_expert_tensors(config: McoreRLConfig) -> tuple[str, ...]:
+    family = family_named(getattr(config, "family", "qwen3"))
+    return family.stacked_expert_tensors if family else ()
+
+
+def _stack_experts(state_dict: dict[str, torch.Tensor], stacked: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """`mlp.experts.{j}.<name>` -> `mlp.experts.<name>` [E, ...] for each stacked `name`."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        head, sep, tail = key.partition(".mlp.experts.")
+        expert, _, name = tail.partition(".")
+        if sep and expert.isdigit() and name in stacked:
+            parts.setdefault(f"{head}.mlp.experts.{name}", {})[int(expert)] = value
+        else:
+            out[key] = value
+    for key, by_expert in parts.items():
+        out[key] = torch.stack([by_expert[j] for j in range(len(by_expert))])
+    return out
+
+
+def unstack_experts(state_dict: Mapping[str, torch.Tensor], stacked: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Inverse of `_stack_experts`: `mlp.experts.<name>` [E, ...] -> `mlp.experts.{j}.<name>`."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        head, sep, name = key.partition(".mlp.experts.")
+        if sep and name in stacked:
+            out.update({f"{head}.mlp.experts.{j}.{name}": value[j] for j in range(value.shape[0])})
+        else:
+            out[key] = value
     return out

@@ -64,7 +64,7 @@ def transformer_config(
         config_class, family_fields = family.transformer_config(model)
     else:
         config_class, family_fields = rope_scaling.transformer_config_class(model), {}  # YaRN: + yarn_*
-    return config_class(
+    fields = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -110,8 +110,8 @@ def transformer_config(
         **moe,
         **recompute_kwargs,
         **({} if own_rope else rope_scaling.transformer_config_kwargs(model)),
-        **family_fields,
     )
+    return config_class(**{**fields, **family_fields})  # a family's fields replace the decoder's
 
 
 def build_model(

@@ -63,19 +63,21 @@ def is_moe_layer(model: ModelConfig, layer: int) -> bool:
 def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = True) -> ForwardFlops:
     """Forward FLOPs of one token in a sequence of `seq_len` tokens."""
     h, L = model.hidden_size, model.num_layers
-    context = _attended_context(seq_len, causal, model.sliding_window)
     # imported here: mcore_rl.hf loads torch and transformers; `mcore-rl profile --help` needs neither
     from mcore_rl.hf.families import family_named
 
     family = family_named(model.arch)
+    # the window on every layer, or on those the family says (`ModelFamily.windowed_layers`)
+    windowed = family.windowed_layers(model) if family is not None and family.windowed_layers else [True] * L
+    contexts = [_attended_context(seq_len, causal, model.sliding_window if w else None) for w in windowed]
     if family is not None and family.attention_flops is not None:  # its own attention (hf/<family>.py)
-        projections, scores = family.attention_flops(model, context)
-        projections, scores = L * projections, L * scores
+        per_layer = [family.attention_flops(model, context) for context in contexts]
+        projections, scores = sum(p for p, _ in per_layer), sum(s for _, s in per_layer)
     else:
         q_dim = model.num_attention_heads * model.head_dim
         kv_dim = model.num_query_groups * model.head_dim
         projections = L * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
-        scores = L * 2.0 * 2 * q_dim * context
+        scores = 2.0 * 2 * q_dim * sum(contexts)
     mlp = sum(_moe_layer(model) if is_moe_layer(model, i) else _swiglu(h, model.ffn_hidden_size) for i in range(L))
     return ForwardFlops(projections, scores, mlp, 2.0 * h * model.vocab_size)
 

@@ -38,7 +38,10 @@ Every architecture the trainer supports:
 * attention without QK-norm (`use_qk_norm=False`, Llama): q and k go straight to RoPE.
 * q/k/v biases (Qwen2, `qkv_bias`) ride in the fused QKV GEMM; a gated shared expert (Qwen2-MoE) runs
   in the reference MoE block; a sliding window (Mistral, `sliding_window` W) masks keys older than
-  W - 1 positions in prefill and decode, as the reference's `_allowed_mask` does.
+  W - 1 positions in prefill and decode, as the reference's `_allowed_mask` does; with `layer_types`
+  only on the "sliding_attention" layers (the others attend to every earlier token);
+* attention sinks (an attention module with `sinks`, one learned logit per query head): the sink joins
+  each row's softmax as one more column and is dropped after it, as in the reference attention.
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ class ModelRunner:
         self.dtype, self.device = dtype, device
         self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", True))
         self.sliding_window = getattr(cfg, "sliding_window", None)  # Mistral: keys j > i - W only
+        # which layers the window applies to: every one, or those `layer_types` calls "sliding_attention"
+        layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+        self.windowed = [bool(self.sliding_window) and t == "sliding_attention" for t in layer_types]
         # A family's attention that caches one latent entry per token (multi-head latent attention,
         # hf/<family>.py) says how wide it is (`cache_entry_width`); the pool keeps it as a single
         # "KV head" that all query heads read, and the module projects and attends (`_latent_attention`).
@@ -324,7 +330,17 @@ class ModelRunner:
             keys, vals = k4.reshape(b * KV, s, D), v4.reshape(b * KV, s, D)
             q3 = q.reshape(b, s, KV, G, D).permute(0, 2, 3, 1, 4).reshape(b * KV, G * s, D)
         scores = torch.baddbmm(bias, q3, keys.transpose(1, 2), alpha=self.scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        else:  # one more column per row: its query head's sink logit (rows as q3 lays them out)
+            per_head = sinks.float().view(KV, G)
+            if decode_at is None:
+                column = per_head[None, :, :, None].expand(b, KV, G, s)
+            else:
+                column = per_head[:, None, :, None].expand(KV, b, G, s)
+            scores = torch.cat((scores.float(), column.reshape(b * KV, G * s, 1)), dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1].to(vals.dtype)
         o = torch.bmm(probs, vals)  # [b*KV, G*s, D] (decode: [KV*b, G, D])
         if decode_at is None:
             o = o.view(b, KV, G, s, D).permute(0, 3, 1, 2, 4)
@@ -387,18 +403,21 @@ class ModelRunner:
         s: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor,
+        biases: tuple[torch.Tensor, torch.Tensor],
         decode_at: tuple[torch.Tensor, torch.Tensor] | None,
         prefill_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The embedding [b*s, hidden] through every decoder layer, before the final norm."""
+        """The embedding [b*s, hidden] through every decoder layer, before the final norm; `biases`
+        = (full, windowed) masks, each layer reading the one of its kind (`self.windowed`)."""
         if not self.attn_res:  # plain residual stream, the adds folded into the output GEMMs
             for li in range(len(self.layers)):
+                bias = biases[self.windowed[li]]
                 x = self._attention(li, x, x, b, s, cos, sin, bias, decode_at, prefill_at)
                 x = self._mlp(li, x, x)
             return x
         state = DepthState(self._tree, x)  # AttnRes: depth mixes instead of residual sums
         for li in range(len(self.layers)):
+            bias = biases[self.windowed[li]]
             state.add(self._attention(li, state.input(li, 0), None, b, s, cos, sin, bias, decode_at, prefill_at))
             state.add(self._mlp(li, state.input(li, 1), None))
         return state.output()
@@ -412,6 +431,17 @@ class ModelRunner:
             bias[:, None, None]
             .expand(b, self.kv_heads, self.group, sq, sk)
             .reshape(b * self.kv_heads, self.group * sq, sk)
+        )
+
+    def _extend_bias(self, allowed: torch.Tensor, length: int) -> torch.Tensor:
+        """allowed [b, s, T] -> additive bias [KV*b, G*s, T], kv-head-major as decode."""
+        b, s, _ = allowed.shape
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return (
+            bias[None, :, None]
+            .expand(self.kv_heads, b, self.group, s, length)
+            .reshape(self.kv_heads * b, self.group * s, length)
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -461,9 +491,11 @@ class ModelRunner:
         lens = torch.tensor([len(t) for t in prompts], device=self.device)
         pos = self._positions[:s]
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [b, s, s]
-        if self.sliding_window:
-            allowed = allowed & (pos[None, :] > pos[:, None] - self.sliding_window)[None]
-        bias = self._mask_bias(allowed)
+        full = self._mask_bias(allowed)
+        windowed = full
+        if any(self.windowed):
+            assert self.sliding_window is not None  # a windowed layer has a window
+            windowed = self._mask_bias(allowed & (pos[None, :] > pos[:, None] - self.sliding_window)[None])
         cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
         if self.ngram_context is not None:
             # Right padding follows the prompt, and n-grams only look back: padding changes nothing.
@@ -473,7 +505,7 @@ class ModelRunner:
             self.ngram_context[slot0 : slot0 + b] = torch.tensor(tails, dtype=torch.long).view(b, c).to(self.device)
         else:
             x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
-        x = self._decoder(x, b, s, cos, sin, bias, None, rows)
+        x = self._decoder(x, b, s, cos, sin, (full, windowed), None, rows)
         self._collect_routing(b * s)  # row r * s + c: prompt r, position c
         flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
         return self._logits(x[flat])
@@ -487,12 +519,17 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         # [b*KV, 1, length]: the G query heads of a KV head share their row (baddbmm broadcasts it)
-        bias = torch.zeros(b, length, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(self._positions[None, :length] > pos[:, None], torch.finfo(self.dtype).min)
-        if self.sliding_window:  # cached keys older than the window
+        full = torch.zeros(b, length, dtype=self.dtype, device=self.device)
+        full.masked_fill_(self._positions[None, :length] > pos[:, None], torch.finfo(self.dtype).min)
+        windowed = full
+        if any(self.windowed):  # cached keys older than the window
+            assert self.sliding_window is not None  # a windowed layer has a window
             outside = self._positions[None, :length] <= pos[:, None] - self.sliding_window
-            bias.masked_fill_(outside, torch.finfo(self.dtype).min)
-        bias = bias[None, :, None].expand(self.kv_heads, b, 1, length).reshape(self.kv_heads * b, 1, length)
+            windowed = full.masked_fill(outside, torch.finfo(self.dtype).min)
+        full, windowed = (
+            m[None, :, None].expand(self.kv_heads, b, 1, length).reshape(self.kv_heads * b, 1, length)
+            for m in (full, windowed)
+        )
         cos, sin = self._cos[pos][:, None, None], self._sin_signed[pos][:, None, None]
         if self.ngram_context is not None:
             ctx = self.ngram_context[:b]
@@ -501,7 +538,7 @@ class ModelRunner:
         else:
             x = self._tree.embed_tokens(ids)
         at = self.kv.decode_rows(pos, length)  # pool rows to write and to read, shared by all layers
-        x = self._decoder(x, b, 1, cos, sin, bias, at)
+        x = self._decoder(x, b, 1, cos, sin, (full, windowed), at)
         self._collect_routing(b)
         return self._logits(x)
 
@@ -529,18 +566,14 @@ class ModelRunner:
         qpos = pos[:, None] + torch.arange(s, device=self.device)[None]  # [b, s]
         keys = self._positions[None, None, :length]
         allowed = keys <= qpos[:, :, None]  # [b, s, T]
-        if self.sliding_window:
-            allowed = allowed & (keys > qpos[:, :, None] - self.sliding_window)
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        bias = (
-            bias[None, :, None]
-            .expand(self.kv_heads, b, self.group, s, length)
-            .reshape(self.kv_heads * b, self.group * s, length)
-        )
+        in_window = allowed
+        if any(self.windowed):
+            assert self.sliding_window is not None  # a windowed layer has a window
+            in_window = allowed & (keys > qpos[:, :, None] - self.sliding_window)
+        full, windowed = (self._extend_bias(a, length) for a in (allowed, in_window))
         qpos = qpos.clamp(max=self.max_len - 1)  # padding past the context reads the last table row
         cos, sin = self._cos[qpos][:, :, None], self._sin_signed[qpos][:, :, None]
         x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
-        x = self._decoder(x, b, s, cos, sin, bias, (write, read))
+        x = self._decoder(x, b, s, cos, sin, (full, windowed), (write, read))
         self._collect_routing(b * s)  # row i * s + t: slot i, position positions[i] + t
         return self._logits(x).view(b, s, -1)
