@@ -268,7 +268,8 @@ MODEL_KEYS = (
     "sliding_window rope_scaling moe_layer_pattern moe_router_score_function moe_router_enable_expert_bias "
     "moe_router_bias_update_rate moe_router_num_groups moe_router_group_topk moe_router_topk_scaling_factor "
     "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim "
-    "mtp_num_layers_carried make_vocab_size_divisible_by"
+    "mtp_num_layers_carried make_vocab_size_divisible_by rotary_percent sliding_window_pattern attention_sinks "
+    "linear_biases swiglu_limit"
 ).split()
 
 
@@ -307,8 +308,9 @@ def test_model_sections_keep_their_keys_where_users_write_them(tmp_path):
     assert moe != ModelConfig(arch="qwen3_moe") and repr(moe) != repr(ModelConfig(arch="qwen3_moe"))
     with pytest.raises(ConfigError, match=r"unknown config key 'model\.num_expert'"):
         ModelConfig.of(num_expert=4)
-    # the dataclass holds the shared keys only: 44 fields before, 18 (+ the sections) now
-    assert len([f for f in dataclasses.fields(ModelConfig) if f.name != "sections"]) == 18
+    # the dataclass holds the shared keys only: 44 fields before, 19 (+ the sections) now (18, and
+    # the partial rotary GLM-4.5 brought, a decoder key: the reference, the engine and megatron-core read it)
+    assert len([f for f in dataclasses.fields(ModelConfig) if f.name != "sections"]) == 19
 
 
 def test_warm_start_is_written_in_the_sft_types_and_the_flat_keys_still_read(tmp_path):

@@ -17,6 +17,9 @@ import dataclasses
 import json
 
 import pytest
+
+from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
+from mcore_rl.config.model_keys.moe import MoEKeys
 import torch
 
 from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
@@ -25,7 +28,7 @@ VOCAB, SEQ = 128, 16
 
 # head_dim 32 with 4 heads on hidden 64 (GLM-4.5: 96 x 128 on 5120), half of it rotated, a group
 # of 4 experts ranked by its best 2 (topk 3 > topk // topk_group)
-GLM = ModelConfig(
+GLM = ModelConfig.of(
     arch="glm4_moe",
     vocab_size=VOCAB,
     num_layers=2,
@@ -50,8 +53,7 @@ GLM = ModelConfig(
 )
 # GLM-4.5-Air's settings: no QK-norm, one group (plain top-k), every layer MoE (its rules; the
 # reference test covers no QK-norm against stock)
-GLM_AIR = dataclasses.replace(
-    GLM,
+GLM_AIR = GLM.replace(
     qk_layernorm=False,
     moe_router_num_groups=1,
     moe_router_group_topk=1,
@@ -136,10 +138,22 @@ def test_reference_equals_stock_glm4_moe(qk_norm) -> None:
     stock = Glm4MoeForCausalLM(_stock_config(use_qk_norm=qk_norm, norm_topk_prob=qk_norm)).float().eval()
     _randomize(stock)
     mc, ours = _reference_of_stock(stock)
-    assert (mc.arch, mc.moe_layer_pattern, mc.rotary_percent, mc.kv_channels) == ("glm4_moe", [0, 1, 1], 0.5, 32)
-    assert mc.add_qkv_bias and mc.qk_layernorm == qk_norm and mc.moe_norm_topk_prob == qk_norm
-    assert (mc.moe_router_num_groups, mc.moe_router_group_topk, mc.moe_router_topk_scaling_factor) == (2, 1, 2.5)
-    assert mc.moe_shared_expert_intermediate_size == 32 and mc.moe_router_score_function == "sigmoid"
+    assert (mc.arch, mc.section(MoEKeys).moe_layer_pattern, mc.rotary_percent, mc.kv_channels) == (
+        "glm4_moe",
+        [0, 1, 1],
+        0.5,
+        32,
+    )
+    assert mc.add_qkv_bias and mc.qk_layernorm == qk_norm and mc.section(MoEKeys).moe_norm_topk_prob == qk_norm
+    assert (
+        mc.section(DeepSeekV3Keys).moe_router_num_groups,
+        mc.section(DeepSeekV3Keys).moe_router_group_topk,
+        mc.section(DeepSeekV3Keys).moe_router_topk_scaling_factor,
+    ) == (2, 1, 2.5)
+    assert (
+        mc.section(MoEKeys).moe_shared_expert_intermediate_size == 32
+        and mc.section(DeepSeekV3Keys).moe_router_score_function == "sigmoid"
+    )
     x = _tokens()
     with torch.no_grad():
         full = ours(x).logits
@@ -167,19 +181,26 @@ def test_configs_translate_both_ways_and_released_shapes_are_read() -> None:
     # the stock defaults are GLM-4.5-Air's shape (its config.json adds head_dim 128): read as is,
     # with its MTP layer carried
     air = model_config_from_hf(Glm4MoeConfig(head_dim=128))
-    assert (air.num_layers, air.num_experts, air.moe_router_topk, air.kv_channels, air.rotary_percent) == (
+    assert (
+        air.num_layers,
+        air.section(MoEKeys).num_experts,
+        air.section(MoEKeys).moe_router_topk,
+        air.kv_channels,
+        air.rotary_percent,
+    ) == (
         46,
         128,
         8,
         128,
         0.5,
     )
-    assert air.moe_layer_pattern == [0] + [1] * 45 and air.mtp_num_layers_carried == 1
+    assert (
+        air.section(MoEKeys).moe_layer_pattern == [0] + [1] * 45
+        and air.section(DeepSeekV3Keys).mtp_num_layers_carried == 1
+    )
     assert not air.qk_layernorm and not air.add_qkv_bias
     with pytest.raises(ValueError, match="first-k-dense"):
-        to_stock_hf_config(
-            hf_config_from_model_config(dataclasses.replace(GLM, num_layers=3, moe_layer_pattern=[1, 0, 1]))
-        )
+        to_stock_hf_config(hf_config_from_model_config(GLM.replace(num_layers=3, moe_layer_pattern=[1, 0, 1])))
 
 
 def test_unsupported_stock_configs_are_refused_naming_the_field() -> None:
@@ -215,20 +236,18 @@ def test_bad_values_are_refused_naming_the_key() -> None:
         check_model(good, errors)
         assert not errors.lines, errors.lines
     assert "model.moe_router_score_function: arch glm4_moe routes with sigmoid" in errors_of(
-        dataclasses.replace(GLM, moe_router_score_function="softmax", moe_router_enable_expert_bias=False)
+        GLM.replace(moe_router_score_function="softmax", moe_router_enable_expert_bias=False)
     )
-    assert "model.moe_router_group_topk" in errors_of(dataclasses.replace(GLM, moe_router_group_topk=3))
-    assert "model.multi_latent_attention: is True but needs model.arch=deepseek_v3" in errors_of(
-        dataclasses.replace(GLM, multi_latent_attention=True)
+    assert "model.moe_router_group_topk" in errors_of(GLM.replace(moe_router_group_topk=3))
+    assert "model.multi_latent_attention: is True but arch glm4_moe has the GQA decoder's attention" in errors_of(
+        GLM.replace(multi_latent_attention=True)
     )
-    assert "model.moe_shared_expert_gate" in errors_of(dataclasses.replace(GLM, moe_shared_expert_gate=True))
+    assert "model.moe_shared_expert_gate" in errors_of(GLM.replace(moe_shared_expert_gate=True))
     # the router's keys belong to both families that route with it
-    qwen = ModelConfig(arch="qwen3_moe", num_experts=8, moe_router_num_groups=2, moe_router_group_topk=1)
+    qwen = ModelConfig.of(arch="qwen3_moe", num_experts=8, moe_router_num_groups=2, moe_router_group_topk=1)
     assert "model.moe_router_num_groups: is 2 but needs model.arch=deepseek_v3 or glm4_moe" in errors_of(qwen)
-    assert "model.rotary_percent: must be in (0, 1]" in errors_of(dataclasses.replace(GLM, rotary_percent=0.0))
-    assert "model.rotary_percent: 0.3 x head_dim 32 = 9 rotated channels" in errors_of(
-        dataclasses.replace(GLM, rotary_percent=0.3)
-    )
+    assert "model.rotary_percent: must be in (0, 1]" in errors_of(GLM.replace(rotary_percent=0.0))
+    assert "model.rotary_percent: 0.3 x head_dim 32 = 9 rotated channels" in errors_of(GLM.replace(rotary_percent=0.3))
     yarn = RopeScalingConfig(type="yarn", factor=4.0)
     assert "model.rope_scaling.type: 'yarn' with rotary_percent 0.5" in errors_of(
         dataclasses.replace(GLM, rope_scaling=yarn)
@@ -243,7 +262,7 @@ def test_embedded_engine_serves_glm4_moe_like_the_reference() -> None:
     from tests.helpers import PROMPTS, assert_matches_reference, make_engine, req, run
 
     torch.manual_seed(0)
-    model = McoreRLForCausalLM(hf_config_from_model_config(dataclasses.replace(GLM, vocab_size=384)))
+    model = McoreRLForCausalLM(hf_config_from_model_config(GLM.replace(vocab_size=384)))
     _randomize(model)
     ref = copy.deepcopy(model).eval()
     engine = make_engine(model)
@@ -308,7 +327,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     hf_to_mcore(f"{case}/hf", f"{case}/mcore", P(ep=2))
     mcore_to_hf(f"{case}/mcore", f"{case}/export")
     mc = model_config_from_hf(read_hf_config(f"{case}/hf"))
-    assert mc.rotary_percent == 0.5 and mc.mtp_num_layers_carried == 1
+    assert mc.rotary_percent == 0.5 and mc.section(DeepSeekV3Keys).mtp_num_layers_carried == 1
     _megatron_logits(mc, P(tp=2, sp=True), f"{case}/mcore", convert_tokens(mc.vocab_size), f"{case}/megatron_logits.pt")
     dist.barrier()
 

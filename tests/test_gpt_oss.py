@@ -11,9 +11,11 @@ and the weights go to megatron and back to HF names (and the stock layout) bit f
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
+
+from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
+from mcore_rl.config.model_keys.moe import MoEKeys
 import torch
 
 from mcore_rl.config.schema import ModelConfig, RopeScalingConfig
@@ -45,7 +47,7 @@ STOCK = dict(
     },
     router_aux_loss_coef=0.01,
 )
-GPT_OSS = ModelConfig(
+GPT_OSS = ModelConfig.of(
     arch="gpt_oss",
     vocab_size=VOCAB,
     num_layers=4,
@@ -142,7 +144,7 @@ def test_reference_equals_stock_gpt_oss() -> None:
         assert (ours(x).logits - full).abs().max() > 1e-3, "the SwiGLU clamp is never reached"
         for layer in ours.model.layers:
             for expert in layer.mlp.experts:
-                expert.limit = mc.swiglu_limit
+                expert.limit = mc.section(GptOssKeys).swiglu_limit
         # incremental decoding through a transformers cache (its windowed layers keep WINDOW - 1
         # keys) = the full forward
         out = ours(x[:, :10], use_cache=True)
@@ -170,7 +172,7 @@ def test_embedded_engine_serves_gpt_oss_like_the_reference() -> None:
     from tests.helpers import PROMPTS, assert_matches_reference, make_engine, req, run
 
     torch.manual_seed(0)
-    model = McoreRLForCausalLM(hf_config_from_model_config(dataclasses.replace(GPT_OSS, vocab_size=384)))
+    model = McoreRLForCausalLM(hf_config_from_model_config(GPT_OSS.replace(vocab_size=384)))
     _randomize(model)
     ref = copy.deepcopy(model).eval()
     engine = make_engine(model)
@@ -198,7 +200,12 @@ def test_configs_both_ways_and_refusals() -> None:
     assert {"beta_fast": 32.0, "beta_slow": 1.0, **stock.rope_parameters} == _stock_config().rope_parameters
     assert model_config_from_hf(stock) == GPT_OSS
     # the stock default: windowed and full layers in turn
-    assert model_config_from_hf(_stock_config(layer_types=None)).sliding_window_pattern == [1, 0, 1, 0]
+    assert model_config_from_hf(_stock_config(layer_types=None)).section(GptOssKeys).sliding_window_pattern == [
+        1,
+        0,
+        1,
+        0,
+    ]
 
     def refused(**kw) -> str:
         with pytest.raises(ValueError) as err:
@@ -216,16 +223,14 @@ def test_configs_both_ways_and_refusals() -> None:
             errors.raise_if_any()
         return str(err.value)
 
-    qwen = ModelConfig(arch="qwen3_moe", num_experts=4)
+    qwen = ModelConfig.of(arch="qwen3_moe", num_experts=4)
     assert "model.attention_sinks: is True but needs model.arch=gpt_oss" in errors_of(
-        dataclasses.replace(qwen, attention_sinks=True)
+        qwen.replace(attention_sinks=True)
     )
-    assert "model.swiglu_limit" in errors_of(dataclasses.replace(qwen, swiglu_limit=7.0))
-    assert "model.sliding_window_pattern: has 3 entries" in errors_of(
-        dataclasses.replace(GPT_OSS, sliding_window_pattern=[1, 0, 1])
-    )
-    assert "model.attention_sinks" in errors_of(dataclasses.replace(GPT_OSS, attention_sinks=False))
-    assert "model.qk_layernorm" in errors_of(dataclasses.replace(GPT_OSS, qk_layernorm=True))
+    assert "model.swiglu_limit" in errors_of(qwen.replace(swiglu_limit=7.0))
+    assert "model.sliding_window_pattern: has 3 entries" in errors_of(GPT_OSS.replace(sliding_window_pattern=[1, 0, 1]))
+    assert "model.attention_sinks" in errors_of(GPT_OSS.replace(attention_sinks=False))
+    assert "model.qk_layernorm" in errors_of(GPT_OSS.replace(qk_layernorm=True))
     errors = Errors()
     check_model(GPT_OSS, errors)
     assert not errors.lines, errors.lines
@@ -266,7 +271,7 @@ def test_gpt_oss_120b_profile_shape_is_valid() -> None:
     check_model(mc, errors)
     assert not errors.lines, errors.lines
     # counted on two of its layers (a windowed and a full one): the 36 are 18 such pairs
-    two = dataclasses.replace(mc, num_layers=2, sliding_window_pattern=[1, 0])
+    two = mc.replace(num_layers=2, sliding_window_pattern=[1, 0])
     with torch.device("meta"):
         model = McoreRLForCausalLM(hf_config_from_model_config(two))
     count = {"layers": 0, "experts": 0, "embedding": 0, "other": 0}
@@ -275,7 +280,9 @@ def test_gpt_oss_120b_profile_shape_is_valid() -> None:
         count["embedding" if "embed_tokens" in name else kind] += p.numel()
     experts, layers = 18 * count["experts"], 18 * count["layers"]
     total = count["embedding"] + count["other"] + layers + experts
-    active = count["other"] + layers + experts * mc.moe_router_topk // mc.num_experts  # as OpenAI counts: no embedding
+    active = (
+        count["other"] + layers + experts * mc.section(MoEKeys).moe_router_topk // mc.section(MoEKeys).num_experts
+    )  # as OpenAI counts: no embedding
     assert round(total / 1e9, 1) == 116.8 and round(active / 1e9, 2) == 5.13
 
 
@@ -285,7 +292,7 @@ def test_gpt_oss_120b_profile_shape_is_valid() -> None:
 
 
 # megatron's init std 0.1 (not 0.02): routing then depends on the token, and every expert gets some
-PARITY = dataclasses.replace(GPT_OSS, init_method_std=0.1)
+PARITY = GPT_OSS.replace(init_method_std=0.1)
 
 
 def _world(rank: int, world_size: int) -> None:

@@ -192,6 +192,21 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
     from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys  # lazy: as `_keys` (remote code)
 
     k, moe = _keys(m)
+    mla = type(k)()  # DeepSeek-V3's attention keys stay at their defaults: GLM-4.5 has the GQA decoder's
+    for key in (
+        "multi_latent_attention",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+    ):
+        value = getattr(k, key)
+        errors.need(
+            value == getattr(mla, key),
+            f"model.{key}",
+            f"is {value} but arch glm4_moe has the GQA decoder's attention, not DeepSeek-V3's latent attention",
+        )
     errors.need(
         k.moe_router_score_function == "sigmoid" and k.moe_router_enable_expert_bias,
         "model.moe_router_score_function",

@@ -229,6 +229,13 @@ def model_fields(hf: Any) -> dict[str, Any]:
     )
 
 
+def _moe_keys() -> type:
+    """`MoEKeys` (imported here, as `_keys` imports GPT-OSS's)."""
+    from mcore_rl.config.model_keys.moe import MoEKeys
+
+    return MoEKeys
+
+
 def _keys(mc: ModelConfig) -> GptOssKeys:
     """The model's GPT-OSS keys (config/model_keys/gpt_oss.py; imported here, as remote code runs
     without mcore_rl and never calls this)."""
@@ -381,7 +388,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
     for megatron, name in _DIRECT.items():
         out[q + megatron] = hf[p + name]
-    for expert in range(mc.num_experts):
+    for expert in range(mc.section(_moe_keys()).num_experts):
         he, me = f"{p}mlp.experts.{expert}.", f"{q}{_EXPERT}{expert}."
         out[me + "linear_fc1.weight"] = deinterleave(hf[he + "gate_up_proj"].t())
         out[me + "linear_fc1.bias"] = deinterleave(hf[he + "gate_up_proj_bias"])
