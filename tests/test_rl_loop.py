@@ -30,7 +30,11 @@ def test_demo_recipe_is_valid():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(RLConfig, os.path.join(here, "configs", "demo.yaml"))
     validate_rl_config(cfg, 1)
-    assert cfg.rollout.quantization == "fp8" and cfg.algorithm.mismatch.name == "tis" and cfg.init.sft_steps > 0
+    assert (
+        cfg.rollout.quantization == "fp8"
+        and cfg.algorithm.mismatch.name == "tis"
+        and cfg.init.sft.train.train_iters > 0
+    )
 
 
 def test_unknown_keys_fail_while_loading_unknown_names_in_validation():

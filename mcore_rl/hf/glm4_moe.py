@@ -189,7 +189,10 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
     experts; the router's own rules (groups, bias rate) are DeepSeek-V3's, run for every config."""
     if m.arch != "glm4_moe":
         return
-    from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys  # lazy: as `_keys` (remote code)
+    try:  # here, in a try block, as `_keys`: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
 
     k, moe = _keys(m)
     mla = type(k)()  # DeepSeek-V3's attention keys stay at their defaults: GLM-4.5 has the GQA decoder's

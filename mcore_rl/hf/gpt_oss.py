@@ -230,17 +230,20 @@ def model_fields(hf: Any) -> dict[str, Any]:
 
 
 def _moe_keys() -> type:
-    """`MoEKeys` (imported here, as `_keys` imports GPT-OSS's)."""
-    from mcore_rl.config.model_keys.moe import MoEKeys
-
+    """`MoEKeys`, imported as `_keys` imports GPT-OSS's."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.moe import MoEKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
     return MoEKeys
 
 
 def _keys(mc: ModelConfig) -> GptOssKeys:
-    """The model's GPT-OSS keys (config/model_keys/gpt_oss.py; imported here, as remote code runs
-    without mcore_rl and never calls this)."""
-    from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
-
+    """The model's GPT-OSS keys (config/model_keys/gpt_oss.py; read only on the trainer's side)."""
+    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
     return mc.section(GptOssKeys)
 
 
@@ -407,9 +410,8 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
     """Sinks, biases and the clamped SwiGLU belong to this arch, and it has them; the window pattern."""
     if m.arch != "gpt_oss":
         return
-    from mcore_rl.config.model_keys.moe import MoEKeys  # lazy: as `_keys`
-
-    k, moe = _keys(m), m.section(MoEKeys)
+    k = _keys(m)
+    moe: Any = m.section(_moe_keys())
     for key, value in [("attention_sinks", k.attention_sinks), ("linear_biases", k.linear_biases)]:
         errors.need(value, f"model.{key}", "arch gpt_oss has attention sinks and biases on every linear; set it true")
     errors.need(moe.num_experts > 0, "model.num_experts", "arch gpt_oss is an MoE model; set num_experts > 0")
