@@ -61,7 +61,6 @@ def test_a_played_turn_is_the_ids_of_that_turns_rl_sample(trajectory: str, memor
 def test_players_are_as_strong_as_the_baselines_they_stand_for() -> None:
     """range 38.5 %, open 69.1 %, middle 96.9 % on the demo's options (20,000 games in the benchmark)."""
     options = {"lo": 1, "hi": 9, "min_span": 6, "max_guesses": 3, "feedback": "interval"}
-    source = make_env("guess_number", **options)
     from mcore_rl.envs import env_prompts
 
     games = env_prompts("guess_number", **options).examples(3000, 5)
@@ -78,7 +77,6 @@ def test_players_are_as_strong_as_the_baselines_they_stand_for() -> None:
                     solved += bool(step.info.get("solved"))
                     break
         assert abs(solved / len(games) - want) < 0.03, (player, solved / len(games))
-    assert source.demonstrate(random.Random(0)) is not None
 
 
 def test_the_warm_start_never_plays_a_held_out_state() -> None:

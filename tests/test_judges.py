@@ -384,6 +384,20 @@ def test_llm_judge_rewards_and_each_failure_costs_its_own_sample(scripted) -> No
     assert sent["resp-A"]["text"].startswith("You are grading") and "question A" in sent["resp-A"]["text"]
 
 
+def test_the_batch_counts_the_samples_whose_judge_gave_no_verdict() -> None:
+    """`reward/judge_unparsed_frac`: the samples scored the scale's lowest for want of a verdict (a
+    policy steering its judge there shows in the run's metrics); absent when no judge scored."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.runtime.rollout_manager import reward_metrics
+
+    def sample(info: dict) -> Sample:
+        return Sample(Prompt(0, "q", [1]), 0, [2], [-0.1], 0, "stop", reward=0.0, info=info)
+
+    judged = [[sample({"judge_unparsed": 1}), sample({"judge_unparsed": 0})], [sample({"judge_unparsed": 2})]]
+    assert reward_metrics(judged)["reward/judge_unparsed_frac"] == pytest.approx(2 / 3)
+    assert "reward/judge_unparsed_frac" not in reward_metrics([[sample({}), sample({})]])
+
+
 def test_rubric_reward_is_the_mean_verdict_and_a_bad_verdict_costs_the_sample(scripted) -> None:
     rubric = ["names the capital", "gives the population", "cites a source", "is under 100 words"]
     fn = judge_reward_fn("rubric", url=scripted.url, timeout=10)

@@ -25,7 +25,7 @@ import numpy as np
 from mcore_rl.agent.episodes import Episode, TurnOutput
 from mcore_rl.agent.groups import EpisodeGroups, environment_examples
 from mcore_rl.config.rl_schema import RLConfig
-from mcore_rl.data.domains import DOMAIN_SEED_STRIDE, training_pool, warm_start_source
+from mcore_rl.data.domains import DOMAIN_SEED_STRIDE, training_pool, warm_start_share, warm_start_source
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, render_tool_calls
@@ -101,14 +101,12 @@ def domain_rows(groups: EpisodeGroups, domain: str, pool: Sequence[tuple], n: in
 def environment_rows(cfg: RLConfig, tokenizer: Tokenizer, n: int, seed: int) -> list[Row]:
     """The warm start's demonstrated turns of every environment domain with a player: `n` shared
     with the task domains by the mixture weights (as `data.domains.sft_examples` shares them)."""
-    domains = cfg.data.domains
-    total = sum(d.weight for d in domains if warm_start_source(d, env_has_player))
     groups = EpisodeGroups.from_config(cfg, tokenizer)
     rows: list[Row] = []
-    for i, d in enumerate(domains):
+    for i, d in enumerate(cfg.data.domains):
         if d.environment is None or not warm_start_source(d, env_has_player) or groups is None:
             continue
-        k = max(1, round(n * d.weight / total))
+        k = warm_start_share(cfg, d, n, env_has_player)
         pool = training_pool(cfg, i, environment_examples)
         rows += domain_rows(groups, d.name, pool, k, seed + i * DOMAIN_SEED_STRIDE)
     order = np.random.default_rng(seed).permutation(len(rows))

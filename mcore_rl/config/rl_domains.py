@@ -62,12 +62,11 @@ def check_domains(cfg: RLConfig, errors: Errors) -> None:
 
 
 def _feeds_warm_start(dom: DomainConfig) -> bool:
-    """A task or reasoning-gym domain, or an environment with a scripted player (`demonstrate`)."""
-    if dom.environment is not None:
-        from mcore_rl.envs import env_has_player, env_names  # lazy: every environment module
+    """`data.domains.warm_start_source`, with the environments' registry (an unknown one feeds none)."""
+    from mcore_rl.data.domains import warm_start_source  # lazy: import cycle
+    from mcore_rl.envs import env_has_player, env_names  # lazy: every environment module
 
-        return dom.environment.name in env_names() and env_has_player(dom.environment.name)
-    return dom.task is not None or dom.reasoning_gym is not None
+    return warm_start_source(dom, lambda name: name in env_names() and env_has_player(name))
 
 
 def _where(i: int, dom: DomainConfig) -> tuple[str, str]:

@@ -225,6 +225,14 @@ def warm_start_source(d: DomainConfig, has_player: Callable[[str], bool] | None 
     return kind in ("task", "reasoning_gym")
 
 
+def warm_start_share(cfg: RLConfig, d: DomainConfig, n: int, has_player: Callable[[str], bool] | None) -> int:
+    """Domain `d`'s part of the warm start's `n` examples, by the mixture weights of the domains
+    that feed it (`warm_start_source`); at least one."""
+    feeding = [x for x in cfg.data.domains if warm_start_source(x, has_player)]
+    total = sum(x.weight for x in feeding)
+    return max(1, round(n * d.weight / total)) if total > 0 else max(1, n // max(1, len(feeding)))
+
+
 def sft_examples(
     cfg: RLConfig,
     tokenizer: Any,
@@ -242,7 +250,6 @@ def sft_examples(
     from mcore_rl.data.sft import SFTExample  # lazy: torch
 
     domains = [(i, d) for i, d in enumerate(cfg.data.domains) if domain_source(d)[0] in ("task", "reasoning_gym")]
-    total = sum(d.weight for d in cfg.data.domains if warm_start_source(d, has_player))
     drop = set(exclude)
     out = []
     for i, d in domains:
@@ -253,7 +260,7 @@ def sft_examples(
             else get_task(value, **d.options)
         )
         render = renderer(d, tokenizer) or (lambda text: text)
-        k = max(1, round(n * d.weight / total)) if total > 0 else max(1, n // len(domains))
+        k = warm_start_share(cfg, d, n, has_player)
         for j, (prompt, answer) in enumerate(task.examples(k, seed + i * DOMAIN_SEED_STRIDE)):
             if prompt not in drop:
                 out.append(SFTExample(render(prompt), str(answer), f"{d.name}:{j}"))

@@ -103,12 +103,11 @@ def _json_error(err: json.JSONDecodeError) -> str:
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def parse_hermes(text: str) -> ParsedTurn:
-    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
-
-    The prose is the text before the first call (stripped), as SGLang's `qwen25` parser keeps it; a
-    block without its closing tag (a turn cut at the token cap inside a call) is an error.
-    """
+def parse_tagged(text: str, read_call: Callable[[str, str, int], ToolCall | str]) -> ParsedTurn:
+    """Calls in `<tool_call>...</tool_call>` blocks, any number, each body read by `read_call(body,
+    raw, index)` (a `ToolCall`, or why it is not one). The prose is the text before the first call
+    (stripped), as SGLang's parsers keep it; a block without its closing tag (a turn cut at the token
+    cap inside a call) is an error."""
     start = text.find(_HERMES_OPEN)
     if start < 0:
         return ParsedTurn(content=text)
@@ -121,17 +120,25 @@ def parse_hermes(text: str) -> ParsedTurn:
         if end < 0:
             turn.errors.append(f"tool call {n}: no closing {_HERMES_CLOSE} (the turn ended inside the call)")
             break
-        raw = text[pos : end + len(_HERMES_CLOSE)]
-        try:
-            call = _call_of(json.loads(text[body_at:end]), raw, len(turn.calls))
-        except json.JSONDecodeError as err:
-            call = _json_error(err)
+        call = read_call(text[body_at:end], text[pos : end + len(_HERMES_CLOSE)], len(turn.calls))
         if isinstance(call, str):
             turn.errors.append(f"tool call {n}: {call}")
         else:
             turn.calls.append(call)
         pos = text.find(_HERMES_OPEN, end + len(_HERMES_CLOSE))
     return turn
+
+
+def _hermes_call(body: str, raw: str, index: int) -> ToolCall | str:
+    try:
+        return _call_of(json.loads(body), raw, index)
+    except json.JSONDecodeError as err:
+        return _json_error(err)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number."""
+    return parse_tagged(text, _hermes_call)
 
 
 def render_hermes(content: str, calls: Sequence[ToolCall]) -> str:
@@ -243,27 +250,8 @@ def _glm45_call(body: str, raw: str, index: int) -> ToolCall | str:
 
 def parse_glm45(text: str) -> ParsedTurn:
     """GLM-4.5 / GLM-4.6: `<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>`,
-    any number. The prose is the text before the first call (stripped); a block without its closing
-    tag, a name or a value for each key is an error."""
-    start = text.find(_HERMES_OPEN)
-    if start < 0:
-        return ParsedTurn(content=text)
-    turn = ParsedTurn(content=text[:start].strip())
-    pos = start
-    while pos >= 0:
-        body_at = pos + len(_HERMES_OPEN)
-        end = text.find(_HERMES_CLOSE, body_at)
-        n = len(turn.calls) + len(turn.errors) + 1
-        if end < 0:
-            turn.errors.append(f"tool call {n}: no closing {_HERMES_CLOSE} (the turn ended inside the call)")
-            break
-        call = _glm45_call(text[body_at:end], text[pos : end + len(_HERMES_CLOSE)], len(turn.calls))
-        if isinstance(call, str):
-            turn.errors.append(f"tool call {n}: {call}")
-        else:
-            turn.calls.append(call)
-        pos = text.find(_HERMES_OPEN, end + len(_HERMES_CLOSE))
-    return turn
+    any number (`parse_tagged`); a block without a name or a value for each key is an error."""
+    return parse_tagged(text, _glm45_call)
 
 
 def render_glm45(content: str, calls: Sequence[ToolCall]) -> str:

@@ -39,6 +39,7 @@ from .rope import ROPE_KEYS, rope_scaling_of, rope_type_of
 if TYPE_CHECKING:  # in a try block: transformers' remote-code import check skips it (no mcore_rl needed)
     try:
         from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
+        from mcore_rl.config.model_keys.moe import MoEKeys
         from mcore_rl.config.rules import Errors
         from mcore_rl.config.schema import ModelConfig
     except ImportError:
@@ -229,27 +230,19 @@ def model_fields(hf: Any) -> dict[str, Any]:
     )
 
 
-def _moe_keys() -> type:
-    """`MoEKeys`, imported as `_keys` imports GPT-OSS's."""
+def _keys(mc: ModelConfig) -> tuple[GptOssKeys, MoEKeys]:
+    """The family's and MoE's sections of a `ModelConfig` (read only on the trainer's side)."""
     try:  # here, in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
         from mcore_rl.config.model_keys.moe import MoEKeys
     except ImportError as err:
         raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
-    return MoEKeys
-
-
-def _keys(mc: ModelConfig) -> GptOssKeys:
-    """The model's GPT-OSS keys (config/model_keys/gpt_oss.py; read only on the trainer's side)."""
-    try:  # here, in a try block: remote code loads without mcore_rl and must not import it
-        from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
-    except ImportError as err:
-        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
-    return mc.section(GptOssKeys)
+    return mc.section(GptOssKeys), mc.section(MoEKeys)
 
 
 def hf_fields(mc: ModelConfig) -> dict[str, Any]:
     """Our HF config's GPT-OSS fields of a `ModelConfig`."""
-    k = _keys(mc)
+    k = _keys(mc)[0]
     pattern = k.sliding_window_pattern
     layer_types = None
     if mc.sliding_window:
@@ -391,7 +384,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
     out[s + "linear_proj.weight"] = hf[a + "o_proj.weight"]
     for megatron, name in _DIRECT.items():
         out[q + megatron] = hf[p + name]
-    for expert in range(mc.section(_moe_keys()).num_experts):
+    for expert in range(_keys(mc)[1].num_experts):
         he, me = f"{p}mlp.experts.{expert}.", f"{q}{_EXPERT}{expert}."
         out[me + "linear_fc1.weight"] = deinterleave(hf[he + "gate_up_proj"].t())
         out[me + "linear_fc1.bias"] = deinterleave(hf[he + "gate_up_proj_bias"])
@@ -410,8 +403,7 @@ def check_model_config(m: ModelConfig, errors: Errors) -> None:
     """Sinks, biases and the clamped SwiGLU belong to this arch, and it has them; the window pattern."""
     if m.arch != "gpt_oss":
         return
-    k = _keys(m)
-    moe: Any = m.section(_moe_keys())
+    k, moe = _keys(m)
     for key, value in [("attention_sinks", k.attention_sinks), ("linear_biases", k.linear_biases)]:
         errors.need(value, f"model.{key}", "arch gpt_oss has attention sinks and biases on every linear; set it true")
     errors.need(moe.num_experts > 0, "model.num_experts", "arch gpt_oss is an MoE model; set num_experts > 0")
@@ -441,7 +433,7 @@ def check_parallel(m: ModelConfig, p: Any, errors: Errors) -> None:
     """megatron-core 0.16.1 builds expert biases only with one expert-tensor-parallel rank."""
     etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else p.tensor_model_parallel_size
     errors.need(
-        not _keys(m).linear_biases or etp == 1,
+        not _keys(m)[0].linear_biases or etp == 1,
         "parallel.expert_tensor_parallel_size",
         f"is {etp} but megatron-core builds the experts' biases (model.linear_biases, arch gpt_oss) only with "
         "expert_tensor_parallel_size 1",
@@ -450,7 +442,7 @@ def check_parallel(m: ModelConfig, p: Any, errors: Errors) -> None:
 
 def windowed_layers(m: ModelConfig) -> list[bool]:
     """The layers `model.sliding_window` applies to (`models/flops.py`)."""
-    pattern = _keys(m).sliding_window_pattern
+    pattern = _keys(m)[0].sliding_window_pattern
     return [pattern is None or bool(p) for p in pattern or [1] * m.num_layers]
 
 
