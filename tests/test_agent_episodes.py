@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, episode_metrics, run_episode
+from mcore_rl.algos.step_credit import state_key
 from mcore_rl.data.samples import Prompt
 from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
 from mcore_rl.rollout.pool import EmbeddedEnginePool, Generation, GenRequest
@@ -135,6 +136,8 @@ def test_stepwise_samples_carry_episode_step_state_and_a_memory_of_k_steps(pool)
         ss = e.samples()
         assert [s.step_index for s in ss] == [0, 1, 2, 3] and {s.episode for s in ss} == {e.index}
         assert [s.info["state"] for s in ss] == ["left 4", "left 3", "left 2", "left 1"]
+        assert [s.info["state_key"] for s in ss] == [state_key(s.info["state"]) for s in ss]  # step-level credit
+        assert [s.info["step_reward"] for s in ss] == e.rewards and len(e.rewards) == 4
         assert all(s.trainable is None for s in ss)  # a step's response is the model's turn alone
         assert ss[0].finish_reason == "step" and ss[-1].finish_reason == "done"
         text = [TOK.decode(s.prompt_ids) for s in ss]
@@ -152,8 +155,13 @@ def test_guards_end_episodes_with_their_reason(pool):
     assert (many[0].finish, many[0].turns) == ("max_turns", 2)
     assert (invalid[0].finish, invalid[0].turns, invalid[0].invalid) == ("invalid_calls", 2, 2)
     penalised = episodes([CountdownEnv(turns=2, invalid=True)], EpisodeSettings(invalid_penalty=0.25))
+    stepwise = EpisodeSettings(invalid_penalty=0.25, trajectory="stepwise", max_tokens_per_turn=4)
+    penalised += episodes([CountdownEnv(turns=2, invalid=True)], stepwise)
     run(penalised, pool)
     assert penalised[0].episode_return == sum(penalised[0].rewards) - 0.5
+    steps = penalised[1].samples()  # each step's own reward carries its turn's penalty
+    assert [s.info["step_reward"] for s in steps] == [r - 0.25 for r in penalised[1].rewards]
+    assert sum(s.info["step_reward"] for s in steps) == penalised[1].episode_return
     assert budget[0].finish == "length"
     (s,) = budget[0].samples()
     assert len(s.response_ids) <= 30 and s.finish_reason == "length"

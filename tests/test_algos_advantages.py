@@ -53,7 +53,7 @@ def test_group_ids_and_token_broadcast() -> None:
 
 def test_registry_lookup_and_error_lists_names() -> None:
     assert algos.get("advantage", "rloo") is rloo
-    with pytest.raises(KeyError, match="dr_grpo, dvao, golongrl, grpo, papo, rloo"):
+    with pytest.raises(KeyError, match="dr_grpo, dvao, gagpo, gigpo, golongrl, grpo, hgpo, papo, rloo"):
         algos.get("advantage", "nope")
     with pytest.raises(KeyError, match="kinds: "):
         algos.get("nope", "grpo")

@@ -11,12 +11,15 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from mcore_rl import algos
 from mcore_rl.algos.advantages import grpo
+from mcore_rl.algos.gigpo import gigpo
+from mcore_rl.algos.step_credit import StepBatch, state_key
 from mcore_rl.algos.delta import (
     centroid,
     delta,
@@ -593,6 +596,37 @@ def _world(rank: int, world_size: int) -> None:
     torch.testing.assert_close(per_seq["advantages"], w_reinforce(v.rewards, v.group_ids, valid=valid))
     records, _ = learner.train(samples, 1)
     assert math.isfinite(records[0]["train/loss"]) and records[0]["pg/clipfrac"] == 0.0
+
+    # GiGPO (tests/test_step_credit.py): the learner hands a step-level estimator each sample's place
+    # in its episode. Each group: 2 episodes of 2 steps, both starting in "start"
+    steps = [
+        replace(
+            x,
+            episode=j // 2,
+            step_index=j % 2,
+            info={"state": state, "state_key": state_key(state), "step_reward": x.reward if j % 2 else 0.0},
+        )
+        for j, x in enumerate(samples)
+        for state in ["start" if j % 2 == 0 else f"after {x.group}"]
+    ]
+    learner.cfg = tiny(
+        "algorithm.advantage=gigpo",
+        "algorithm.advantage_options={step_weight: 0.5}",
+        "algorithm.num_minibatches=1",
+        "train.micro_batch_size=4",
+        "init.sft_steps=0",
+    )
+    per_seq, _ = learner.prepare(steps)
+    n = len(steps)
+    want_steps = StepBatch(
+        torch.arange(n) % 4 // 2,
+        torch.arange(n) % 2,
+        torch.tensor([state_key(x.info["state"]) for x in steps]),
+        torch.tensor([x.info["step_reward"] for x in steps]),
+    )
+    want = gigpo(v.rewards, v.group_ids, valid=valid, steps=want_steps, step_weight=0.5)
+    torch.testing.assert_close(per_seq["advantages"], want, rtol=0, atol=0)
+    assert not torch.allclose(want, grpo(v.rewards, v.group_ids, valid=valid))
 
 
 @pytest.mark.slow

@@ -14,7 +14,10 @@ conversation per episode (`trajectory.Trajectory`: one sample, or one per segmen
 template policy), trained only at the model's tokens; and `stepwise`, one sample per step whose
 prompt is the opening messages plus the last `memory_k` steps (their actions and observations) and
 whose response is that step's model output. Every sample knows its group (`Sample.group`), episode
-(`Sample.episode`) and step (`Sample.step_index`), and gets the episode's return as its reward.
+(`Sample.episode`) and step (`Sample.step_index`), and gets the episode's return as its reward; a
+step-wise sample also carries what step-level estimators compare steps by (`algos.step_credit`): the
+state it acted in (`info["state"]`, its stable hash `info["state_key"]`) and the step's own reward
+(`info["step_reward"]`: the environment's, less the invalid-turn penalty).
 
 One driver for both schedules: `run_episode`, one coroutine per episode through the rollout
 scheduler's `generate` (an embedded engine batches the turns that arrive together); a turn that a
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from mcore_rl.agent.trajectory import ChatFormat, Message, TemplatePolicy, Trajectory
+from mcore_rl.algos.step_credit import state_key
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, parse_tool_calls
@@ -117,6 +121,7 @@ class Episode:
         self.prompt, self.index, self.settings = prompt, index, settings
         self.sampling = dict(sampling)  # SGLang sampling params; the per-turn seed is derived from its seed
         self.rewards: list[float] = []
+        self.invalid_at: list[bool] = []  # per turn: was it invalid (its step reward carries the penalty)
         self.turns = 0
         self.invalid_run = 0  # consecutive invalid turns
         self.invalid = 0
@@ -199,6 +204,8 @@ class Episode:
         parsed = parse_turn(content, s.tool_format)
         step = self.env.step(AgentAction(content, parsed, truncated=out.finish_reason == "length"))
         self.rewards.append(float(step.reward))
+        invalid = _invalid(parsed, step.info)
+        self.invalid_at.append(invalid)
         self.states.append(step.state)
         for name, n in (step.info.get("events") or {}).items():
             self.events[name] = self.events.get(name, 0) + int(n)
@@ -207,7 +214,7 @@ class Episode:
         if end in FAILURES:
             self._fail(str(end), str(step.info.get("end_detail", "")))
             return
-        if _invalid(parsed, step.info):
+        if invalid:
             self.invalid += 1
             self.invalid_run += 1
         else:
@@ -245,6 +252,11 @@ class Episode:
         base = float(ret) if isinstance(ret, (int, float)) else float(sum(self.rewards))
         return base - self.settings.invalid_penalty * self.invalid
 
+    def step_reward(self, t: int) -> float:
+        """The environment's reward for turn t, less the invalid-turn penalty if it was invalid (what
+        step-level estimators credit to the step; `algos.step_credit`)."""
+        return self.rewards[t] - (self.settings.invalid_penalty if self.invalid_at[t] else 0.0)
+
     def samples(self) -> list[Sample]:
         """The episode's samples, each with the episode's return, its ids and its episode's summary
         in `info` (`episode/*`)."""
@@ -263,7 +275,7 @@ class Episode:
                     self.chat.decode(st.out.ids),
                     st.out.engine,
                     token_versions=list(st.out.versions) if len(set(st.out.versions)) > 1 else None,
-                    info={"state": st.state},
+                    info={"state": st.state, "state_key": state_key(st.state), "step_reward": self.step_reward(t)},
                 )
                 for t, st in enumerate(self.steps)
             ]

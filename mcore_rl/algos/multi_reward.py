@@ -88,7 +88,9 @@ KIND_INPUTS = {
 # registered function. advantage_shaping: `response_ids` [N, T] long, the sampled token ids (0 off the
 # mask); `logp_at`, a function ids [k] -> [N, T, k] π_old's log-probs of those ids at every response
 # position (one more forward of the policy, called on every rank alike). DelTA's gradient proxy needs both.
-OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at")}
+# advantage: `steps`, a `step_credit.StepBatch` (each sample's episode, step, state key and step reward),
+# given to the step-level estimators (GiGPO, HGPO, GAGPO).
+OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at"), "advantage": ("steps",)}
 
 
 def declared_inputs(fn: Any, kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,7 +223,13 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
     )
     tokens = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]])
     if kind == "advantage":
-        return (rewards, gids), dict(common, normalize_std=True)
+        from mcore_rl.algos.step_credit import StepBatch  # lazy: import cycle (step_credit uses this module)
+
+        # two one-step episodes from the group's state
+        steps = StepBatch(
+            torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), rewards
+        )
+        return (rewards, gids), dict(common, normalize_std=True, steps=steps)
     if kind in ("reward_shaping", "sample_filter"):
         return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long), seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":

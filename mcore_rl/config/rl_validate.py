@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from mcore_rl.data.tasks import Task
 
 # Advantages computed from the other samples of a prompt's group (one sample has none to compare with).
-GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "golongrl", "dvao", "papo")
+GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "golongrl", "dvao", "papo", "gigpo", "hgpo", "gagpo")
 
 
 def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
@@ -77,6 +77,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_algorithm(cfg.algorithm, cfg.rollout, errors)
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
+    check_step_credit(cfg, errors)
     check_distill(cfg.distill, cfg.rollout, errors, cfg.teachers, cfg.algorithm)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
@@ -389,6 +390,33 @@ def check_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: Errors) -> Non
             "algorithm.dynamic_sampling.std_tolerance",
             f"must be a finite number >= 0, got {ds.std_tolerance}",
         )
+
+
+def check_step_credit(cfg: RLConfig, errors: Errors) -> None:
+    """A step-level estimator (GiGPO, HGPO, GAGPO) compares the steps of episodes: every domain of the
+    run must give one sample per step (an environment with `trajectory: stepwise`)."""
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
+    from mcore_rl.algos.step_credit import takes_steps  # lazy: registries, read at validation
+
+    name = cfg.algorithm.advantage
+    if name not in registry.names("advantage") or not takes_steps(registry.get("advantage", name)):
+        return
+    what = f"{name!r} is a step-level estimator and needs one sample per step of an episode"
+    if not cfg.data.domains:
+        errors.need(False, "algorithm.advantage", f"{what}, but the run's prompts are single-turn (no data.domains)")
+    for i, d in enumerate(cfg.data.domains):
+        if d.environment is None:
+            errors.need(
+                False,
+                "algorithm.advantage",
+                f"{what}, but domain {d.name!r} (data.domains[{i}]) is single-turn (no environment)",
+            )
+        else:
+            errors.need(
+                d.environment.trajectory == "stepwise",
+                f"data.domains[{i}].environment.trajectory",
+                f"is {d.environment.trajectory!r}, but algorithm.advantage {what}: use stepwise",
+            )
 
 
 def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:
