@@ -5,9 +5,12 @@ The learner's call site is checked in `test_algos_credit.py`'s spawned world."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -348,3 +351,30 @@ def test_a_step_level_estimator_needs_stepwise_episodes_in_every_domain() -> Non
     assert "algorithm.advantage_options.gamma" in msg
     msg = _errors(load_config(RLConfig, demo, ["algorithm.advantage=gigpo", "rollout.group_size=1"]))
     assert "rollout.group_size" in msg
+
+
+# ------------------------------------------------------------------------------ the per-turn baseline
+
+
+def _bias_tool() -> ModuleType:
+    """benchmarks/turn_baseline_bias.py as a module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "turn_baseline_bias.py"
+    spec = importlib.util.spec_from_file_location("turn_baseline_bias", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_per_turn_index_baseline_is_biased_by_the_episode_length_and_gigpo_is_not() -> None:
+    """Guess-the-number through the real `Episode`: a right guess ends the game, so the policy decides
+    the length. The per-episode baseline (GiGPO's episode term) gives each length the return's own
+    difference (shrunk by 1 − 1/G); the per-turn-index one moves with the length (a length bias)."""
+    tool = _bias_tool()
+    samples = tool.play_groups(160, 8, 0.3, 0)
+    assert {s.info["episode/turns"] for s in samples} == {1, 2, 3}
+    table = tool.bias_table(samples, 8)
+    episode = table["per episode (gigpo, step_weight 0): deviation"]
+    turn = table["per turn index (counter-example): deviation"]
+    assert all(abs(episode[t]) < 0.05 for t in (1, 2, 3)), episode
+    assert turn[1] - turn[3] > 0.15, turn  # the baseline grows with the turns the episode played

@@ -32,8 +32,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import torch
+
 from mcore_rl.agent.trajectory import ChatFormat, Message, TemplatePolicy, Trajectory
-from mcore_rl.algos.step_credit import state_key
+from mcore_rl.algos.step_credit import StepBatch, state_key
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, parse_tool_calls
@@ -328,6 +330,22 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
     for reason in sorted({str(s.info["episode/finish"]) for s in firsts}):
         out[f"episode/finish/{reason}"] = float(sum(s.info["episode/finish"] == reason for s in firsts))
     return out
+
+
+def step_batch(samples: Sequence[Sample]) -> StepBatch:
+    """Where each sample sits in its episode, for the step-level estimators (`algos.step_credit`): a
+    step-wise environment sample carries its state key and step reward in `info`; any other sample
+    (a task's, a whole conversation) is no step of an episode (-1)."""
+    steps = [s.episode is not None and "state_key" in s.info for s in samples]
+    return StepBatch(
+        episode=torch.tensor([int(s.episode or 0) if ok else -1 for s, ok in zip(samples, steps)], dtype=torch.long),
+        step=torch.tensor([int(s.step_index or 0) if ok else 0 for s, ok in zip(samples, steps)], dtype=torch.long),
+        state_key=torch.tensor([int(s.info["state_key"]) if ok else 0 for s, ok in zip(samples, steps)]),
+        step_reward=torch.tensor(
+            [float(s.info.get("step_reward", 0.0)) if ok else s.reward for s, ok in zip(samples, steps)],
+            dtype=torch.float64,
+        ),
+    )
 
 
 # ---------------------------------------------------------------------- drivers

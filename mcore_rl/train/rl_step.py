@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.rl_schema import RLConfig
+from mcore_rl.agent.episodes import step_batch
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
@@ -36,7 +37,7 @@ from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
 from mcore_rl.algos.policy_loss import masked_mean
-from mcore_rl.algos.step_credit import StepBatch, takes_steps
+from mcore_rl.algos.step_credit import takes_steps
 from mcore_rl.data.samples import Sample
 from mcore_rl.hooks import Recipe, active
 from mcore_rl.progress import progress
@@ -126,22 +127,6 @@ def mismatch_overrides(cfg: RLConfig) -> dict[str, Any]:
 def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
     """What every advantage and reward-shaping function gets besides rewards and group ids."""
     return dict(valid=valid, domain_ids=view.domain_ids, reward_heads=view.reward_heads, head_names=view.head_names)
-
-
-def step_batch(samples: Sequence[Sample]) -> StepBatch:
-    """Where each sample sits in its episode, for the step-level estimators (`algos.step_credit`): a
-    step-wise environment sample carries its state key and step reward in `info`; any other sample
-    (a task's, a whole conversation) is no step of an episode (-1)."""
-    steps = [s.episode is not None and "state_key" in s.info for s in samples]
-    return StepBatch(
-        episode=torch.tensor([int(s.episode or 0) if ok else -1 for s, ok in zip(samples, steps)], dtype=torch.long),
-        step=torch.tensor([int(s.step_index or 0) if ok else 0 for s, ok in zip(samples, steps)], dtype=torch.long),
-        state_key=torch.tensor([int(s.info["state_key"]) if ok else 0 for s, ok in zip(samples, steps)]),
-        step_reward=torch.tensor(
-            [float(s.info.get("step_reward", 0.0)) if ok else s.reward for s, ok in zip(samples, steps)],
-            dtype=torch.float64,
-        ),
-    )
 
 
 def shaped_rewards(a: Any, view: SequenceView, valid: torch.Tensor, old: torch.Tensor | None = None) -> torch.Tensor:
