@@ -602,7 +602,7 @@ def _world(rank: int, world_size: int) -> None:
     steps = [
         replace(
             x,
-            episode=j // 2,
+            episode=j % 4 // 2,
             step_index=j % 2,
             info={"state": state, "state_key": state_key(state), "step_reward": x.reward if j % 2 else 0.0},
         )

@@ -371,7 +371,7 @@ def test_a_per_turn_index_baseline_is_biased_by_the_episode_length_and_gigpo_is_
     the length. The per-episode baseline (GiGPO's episode term) gives each length the return's own
     difference (shrunk by 1 − 1/G); the per-turn-index one moves with the length (a length bias)."""
     tool = _bias_tool()
-    samples = tool.play_groups(160, 8, 0.3, 0)
+    samples = tool.play_groups(100, 8, 0.3, 0)
     assert {s.info["episode/turns"] for s in samples} == {1, 2, 3}
     table = tool.bias_table(samples, 8)
     episode = table["per episode (gigpo, step_weight 0): deviation"]
