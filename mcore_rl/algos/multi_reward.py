@@ -11,7 +11,9 @@ has no such head). Two kinds of registered functions use them:
   (`dvao`) and PAPO (`papo`) need the heads, and each *replaces* the group normalisation, so they
   are estimators; GRPO, Dr.GRPO and RLOO accept the new inputs and ignore them. One signature keeps
   the learner free of branches on names, and `None` inputs mean "one domain, no heads", so every
-  estimator still runs on a plain (rewards, group ids) batch.
+  estimator still runs on a plain (rewards, group ids) batch. The step-level estimators (GiGPO,
+  HGPO, GAGPO) also name `steps`, the batch's episode structure (`step_credit.py`), an optional
+  input the learner passes only to the functions that name it.
 * kind **"reward_shaping"** (new) — `fn(rewards [N], group_ids [N], *, valid, domain_ids,
   reward_heads, head_names, lengths, **options) -> [N] float32`, the new scalar reward. ALP's
   length penalty (`alp`) and CGPO's mixture of judges (`cgpo_judges`) change the *reward* and
