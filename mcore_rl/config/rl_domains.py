@@ -295,6 +295,12 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                         f"{hk}.options.{name}",
                         f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
                     )
+        if h.name == "reward_model":
+            errors.need(
+                ("model_dir" in options) != ("url" in options),
+                f"{hk}.options",
+                f"{who}give the reward model's `model_dir` or the `url` it is served at (one of them)",
+            )
         if h.name == "reward_model" and isinstance(options.get("model_dir"), str):
             check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, f"{hk}.options.model_dir", who, errors)
 
