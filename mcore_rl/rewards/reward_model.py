@@ -61,7 +61,8 @@ class _Pending:
     future: asyncio.Future
 
 
-Forward = Callable[[list[list[int]]], Awaitable[torch.Tensor]]
+# rows -> their scores: [rows, labels] (a classifier at each row's last token) or one [len, labels] per row
+Forward = Callable[[list[list[int]]], Awaitable[torch.Tensor | list[torch.Tensor]]]
 
 
 @dataclass
