@@ -19,6 +19,16 @@ import pytest
 import torch
 
 from mcore_rl.algos.beta_prm import beta_prm_loss
+from mcore_rl.algos.z_reward import (
+    expected_score,
+    pairwise_loss,
+    pairwise_reward,
+    pointwise_ce,
+    pointwise_reward,
+    risd_loss,
+    score_bins,
+    score_distribution,
+)
 from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
 from mcore_rl.config import load_config
 from mcore_rl.config.errors import ConfigError
@@ -208,6 +218,44 @@ def test_process_reward_data_are_read_at_each_steps_delimiter(tmp_path):
         validate_rm_config(_rm_cfg(f"data.path={good}", "reward_model.objective=beta_prm"), 1)
 
 
+def test_z_reward_properties(tmp_path):
+    bins = score_bins()
+    assert bins.tolist() == [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0]
+    one_hot = torch.eye(9, dtype=torch.float64)
+    assert torch.equal(expected_score(one_hot, bins), bins)  # one-hot at s: μ = s
+    assert float(expected_score(torch.full((9,), 1 / 9), bins)) == pytest.approx(3.0)  # uniform: 3.0
+    logits = torch.randn(4, 9)
+    q = score_distribution(logits)
+    assert torch.allclose(q.sum(-1), torch.ones(4, dtype=torch.float64))
+    mu = expected_score(q, bins)
+    assert float(pointwise_reward(torch.tensor(3.5), torch.tensor(3.5), 1.0, 5.0)) == 1.0
+    r = pointwise_reward(mu, torch.full((4,), 2.0), 1.0, 5.0)
+    assert bool(((r >= 0) & (r <= 1) & (r < 1)).all())
+    mw, ml = torch.tensor([4.0, 4.5]), torch.tensor([2.0, 2.5])
+    assert float(pairwise_loss(mw, ml, 2.0, 1.0, 5.0)) > 0 and bool((pairwise_reward(mw, ml, 2.0, 1.0, 5.0) < 1).all())
+    assert float(pairwise_loss(torch.tensor([4.0, 4.0]), torch.tensor([2.0, 2.0]), 2.0, 1.0, 5.0)) == 0.0
+    assert torch.equal(
+        pairwise_reward(torch.tensor([4.0, 4.0]), torch.tensor([2.0, 2.0]), 2.0, 1.0, 5.0),
+        torch.ones(2, dtype=torch.float64),
+    )
+    assert bool((pairwise_reward(torch.tensor([5.0]), torch.tensor([1.0]), -4.0, 1.0, 5.0) >= -1).all())
+    true = torch.tensor([0, 3, 8, 4])
+    assert float(pointwise_ce(q, true)) == pytest.approx(float(-q[torch.arange(4), true].log().mean()))
+    assert torch.allclose(risd_loss(torch.softmax(logits, -1), logits), torch.zeros(4), atol=1e-6)  # q_φ = q_T
+    assert bool((risd_loss(torch.softmax(logits, -1), logits.flip(-1)) > 0).all())
+    # the student's data: a teacher distribution per response, checked by line
+    path = tmp_path / "dist.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "a", "response": "b", "label": [0.2, 0.8]}) + "\n"
+        + json.dumps({"prompt": "a", "response": "c", "label": [0.5, 0.6]}) + "\n"
+    )  # fmt: skip
+    cfg = _rm_cfg(f"data.path={path}", "reward_model.objective=score_distribution", "reward_model.num_heads=2")
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: 'label' must be a list of 2 probabilities")):
+        read_preference_file(cfg.data, "score_distribution", 2)
+    with pytest.raises(ConfigError, match="reward_model.num_heads: must be >= 2 for score_distribution"):
+        validate_rm_config(_rm_cfg(f"data.path={path}", "reward_model.objective=score_distribution"), 1)
+
+
 def test_task_pairs_are_verified_and_carry_the_artifact():
     task = get_task("addition", max_digits=2)
     pairs = task_pairs("addition", 20, 0, 2, artifact="length")
@@ -304,6 +352,20 @@ def _prm_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _distribution_batches() -> list[dict[str, torch.Tensor]]:
+    """Z-Reward's student: each response's teacher distribution over HEADS score bins."""
+    g = torch.Generator().manual_seed(8)
+    return [
+        {
+            "tokens": torch.randint(0, MC.vocab_size, (PAIRS, SEQ), generator=g),
+            "index": torch.randint(SEQ // 2, SEQ, (PAIRS,), generator=g),
+            "head": torch.zeros(PAIRS, dtype=torch.long),
+            "target": torch.softmax(torch.randn(PAIRS, HEADS, generator=g), -1),
+        }
+        for _ in range(MICROBATCHES)
+    ]
+
+
 def _count(batch: dict[str, torch.Tensor]) -> int:
     """What the loss is a mean over: pairs, responses or steps."""
     return int((batch["step_index"] >= 0).sum()) if "step_index" in batch else batch["head"].numel()
@@ -329,7 +391,9 @@ def _reference(batches):
         b = model_batch(raw)
         hidden = lm.model(b["tokens"], position_ids=b["position_ids"]).last_hidden_state
         values = head(hidden)
-        if "step_index" in b:
+        if "target" in b:
+            loss = risd_loss(b["target"], values[torch.arange(len(b["head"])), b["index"]])
+        elif "step_index" in b:
             valid = b["step_index"] >= 0
             rows = torch.arange(b["tokens"].shape[0]).unsqueeze(1).expand_as(b["step_index"])
             raw = values[rows[valid], b["step_index"][valid]]
@@ -386,7 +450,16 @@ def _check_parity(pc, batches, ref) -> None:
     per_rank = len(batches) // layout.dp
     rank = ps.get_data_parallel_rank()
     result = rm_forward_backward(chunks, batches[rank * per_rank : (rank + 1) * per_rank], regularizer_weight=0.5)
-    kind = "steps" if "step_index" in batches[0] else "pairs" if "margin" in batches[0] else "labels"
+    first = batches[0]
+    kind = (
+        "steps"
+        if "step_index" in first
+        else "pairs"
+        if "margin" in first
+        else "dist"
+        if "target" in first
+        else "labels"
+    )
     name = f"{kind} {pc}"
     assert abs(result["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"{name}: loss {result['loss']} vs {ref_loss}"
     assert result["count"] == sum(_count(b) for b in batches)
@@ -436,6 +509,8 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         _check_parity(pc, pairs, ref_pairs)
     _check_parity(P(tp=2, sp=True), labels, ref_labels)
     _check_parity(P(tp=2, sp=True), steps, ref_steps)  # a PRM: BetaPRM's head read at each step
+    dists = _distribution_batches()
+    _check_parity(P(tp=2, sp=True), dists, _reference(dists))  # Z-Reward's student: KL to the teacher's bins
     print(f"parity {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
 

@@ -92,6 +92,16 @@ def test_a_bad_sample_costs_only_itself(model_dir):
     assert "carries no token ids" in results[2].error
 
 
+def test_a_score_distribution_model_gives_its_expected_score(model_dir):
+    """Z-Reward's student: the reward is Σ_s s·softmax(logits)_s over the configured bins."""
+    sample = _sample([1, 7], [8, EOS])
+    got = asyncio.run(reward_model_score(sample, model_dir=model_dir, score_bins=[1.0, 5.0]))
+    q = torch.softmax(_alone(model_dir, [1, 7, 8, EOS]).double(), -1)
+    assert got == pytest.approx(float(q[0] * 1.0 + q[1] * 5.0), abs=1e-6)
+    with pytest.raises(ValueError, match="score_bins has 3 bins, the reward model .* 2 labels"):
+        asyncio.run(reward_model_score(sample, model_dir=model_dir, score_bins=[1.0, 3.0, 5.0]))
+
+
 def test_another_tokenizer_is_refused(model_dir):
     with pytest.raises(ValueError, match=f"ends sequences with token {EOS}, the policy with 2"):
         asyncio.run(reward_model_score(_sample([1], [2]), model_dir=model_dir, eos_token_id=2))

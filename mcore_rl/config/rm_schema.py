@@ -16,8 +16,9 @@ class RewardModelConfig:
 
     # bradley_terry: pairs (chosen/rejected, optional margin and tie); binary: responses with a label in [0, 1];
     # beta_prm: a process reward model, BetaPRM's Beta head (num_heads 2: mean, concentration) read at each
-    # step's delimiter, trained on Monte-Carlo continuation counts (data/process_rewards.py)
-    objective: Literal["bradley_terry", "binary", "beta_prm"] = "bradley_terry"
+    # step's delimiter, trained on Monte-Carlo continuation counts (data/process_rewards.py); score_distribution:
+    # Z-Reward's student, one logit per score bin (num_heads bins) distilled to a teacher's distribution (KL)
+    objective: Literal["bradley_terry", "binary", "beta_prm", "score_distribution"] = "bradley_terry"
     num_heads: int = 1  # scalars per sequence; a pair or response trains the head its `head` field names (0)
     regularizer_weight: float = 1.0  # beta_prm: weight of the reliability regulariser log(1 + κ)(μ − K/N)²
 

@@ -28,7 +28,9 @@ Options (a domain's `rewards: [{name: reward_model, options: {...}}]`): `model_d
 of them), `head` (which of the model's `num_labels` scores, default 0), `max_batch` (64), `device`
 ("cpu" or "cuda"; `model_dir` only), `eos_token_id` (the policy's, checked against the model's
 config when given; with `url`, appended to a response cut at its length budget), `timeout`
-(seconds per HTTP request, 25), `api_key` (the server's `--api-key`).
+(seconds per HTTP request, 25), `api_key` (the server's `--api-key`), `score_bins` (Z-Reward's
+student, `rm-train`'s `score_distribution`: the reward is the expected score Σ_s s·softmax(logits)_s
+over these bins, one per label, instead of one head's logit).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from mcore_rl.algos.z_reward import expected_score, score_distribution
 from mcore_rl.rewards.base import RewardInput
 
 
@@ -251,12 +254,16 @@ async def reward_model_score(
     eos_token_id: int | None = None,
     timeout: float = 25.0,
     api_key: str | None = None,
+    score_bins: list[float] | None = None,
 ) -> float:
-    """The reward model's score (head `head`) of one sample; see the module docstring."""
+    """The reward model's score (head `head`, or the expected score over `score_bins`) of one
+    sample; see the module docstring."""
     if (model_dir is None) == (url is None):
         raise RewardModelError("give the reward model's `model_dir` or the `url` it is served at (one of them)")
     if url is not None:
         scores = await remote_batcher(url, max_batch, timeout, api_key).score(reward_ids(sample, eos_token_id))
+        if score_bins is not None:
+            return _expected(scores, score_bins, url)
         if not 0 <= head < len(scores):
             raise RewardModelError(f"head {head} is not one of the model's {len(scores)} scores ({url})")
         return float(scores[head])
@@ -281,4 +288,12 @@ async def reward_model_score(
             f"token id {bad[0]} is outside the reward model's vocabulary of {config.vocab_size}: "
             "it was trained with another tokenizer than the policy's"
         )
-    return float((await batcher.score(ids))[head])
+    scores = await batcher.score(ids)
+    return _expected(scores, score_bins, model_dir) if score_bins is not None else float(scores[head])
+
+
+def _expected(scores: torch.Tensor, bins: list[float], where: str) -> float:
+    """Σ_s s·softmax(scores)_s: a score-distribution model's expected score (`algos/z_reward.py`)."""
+    if len(bins) != scores.shape[-1]:
+        raise RewardModelError(f"score_bins has {len(bins)} bins, the reward model {where} {scores.shape[-1]} labels")
+    return float(expected_score(score_distribution(scores), torch.tensor(bins, dtype=torch.float64)))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algos.beta_prm import beta_head, beta_prm_loss
+from mcore_rl.algos.z_reward import risd_loss
 from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
 from mcore_rl.config import config_to_dict, save_config
 from mcore_rl.config.rm_schema import RMConfig
@@ -161,7 +162,11 @@ def step_values(values: torch.Tensor, step_index: torch.Tensor) -> tuple[torch.T
 
 def _loss(batch: Batch, stats: list[torch.Tensor], values: torch.Tensor, regularizer_weight: float = 1.0) -> tuple:
     """Summed loss over the micro-batch's pairs (responses, steps); megatron-core divides by the global count."""
-    if "step_index" in batch:
+    if "target" in batch:  # Z-Reward's student: KL to the teacher's score distribution
+        logits = values[torch.arange(values.shape[0], device=values.device), batch["index"]]
+        losses = risd_loss(batch["target"], logits)
+        correct = (logits.detach().argmax(-1) == batch["target"].argmax(-1)).float()  # the teacher's mode
+    elif "step_index" in batch:
         raw, valid = step_values(values, batch["step_index"])
         k, n = batch["successes"][valid], batch["rollouts"][valid]
         losses = beta_prm_loss(raw[valid], k, n, regularizer_weight)
