@@ -162,9 +162,14 @@ def _preflight(cfg: SFTConfig | RLConfig) -> None:
         read_prompt_files(cfg)
     elif isinstance(cfg, RMConfig):
         if cfg.data.path is not None:
-            from mcore_rl.data.preferences import read_preference_file  # lazy: torch, only for this command
+            if cfg.reward_model.objective == "beta_prm":
+                from mcore_rl.data.process_rewards import read_process_file  # lazy: torch, only for this command
 
-            read_preference_file(cfg.data, cfg.reward_model.objective, cfg.reward_model.num_heads)
+                read_process_file(cfg.data)
+            else:
+                from mcore_rl.data.preferences import read_preference_file  # lazy: torch, only for this command
+
+                read_preference_file(cfg.data, cfg.reward_model.objective, cfg.reward_model.num_heads)
     elif cfg.data.path is not None:
         from mcore_rl.data.sft import read_examples  # lazy: torch, only for this command
 

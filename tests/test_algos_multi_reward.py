@@ -593,7 +593,11 @@ def test_every_advantage_takes_domains_and_heads_and_the_old_ones_ignore_them() 
         assert adv.shape == (12,) and adv.dtype == torch.float32 and bool(torch.isfinite(adv).all()), name
         if name in ("grpo", "dr_grpo", "rloo"):
             assert torch.equal(adv, fn(r, g, normalize_std=True, valid=valid)), name
-    needed = {"cgpo_judges": {"judges": ["a"]}}  # options without a default
+    needed = {  # options without a default
+        "cgpo_judges": {"judges": ["a"]},
+        "encore": {"heads": ["a", "b"]},
+        "rluf": {"weights": {"a": 0.7, "b": 0.3}},
+    }
     for name in algos.names("reward_shaping"):
         fn = algos.get("reward_shaping", name)
         out = fn(

@@ -18,6 +18,17 @@ import time
 import pytest
 import torch
 
+from mcore_rl.algos.beta_prm import beta_prm_loss
+from mcore_rl.algos.z_reward import (
+    expected_score,
+    pairwise_loss,
+    pairwise_reward,
+    pointwise_ce,
+    pointwise_reward,
+    risd_loss,
+    score_bins,
+    score_distribution,
+)
 from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
 from mcore_rl.config import load_config
 from mcore_rl.config.errors import ConfigError
@@ -162,6 +173,89 @@ def test_bad_labels_are_named_by_line(tmp_path):
         read_preference_file(_rm_cfg(f"data.path={path}").data, "binary", 1)
 
 
+def _prm_lines() -> list[dict]:
+    return [
+        {"prompt": "1+2+3=", "steps": ["1+2=3", "3+3=6"], "successes": [7, 8], "rollouts": 8},
+        {"prompt": "4+4+1=", "steps": ["4+4=9", "9+1=10"], "successes": [0, 0], "rollouts": [8, 4]},
+        {"prompt": "2+2+2=", "steps": ["2+2=4", "4+2=6", "6=6"], "successes": [5, 6, 6], "rollouts": 6},
+    ]
+
+
+def test_process_reward_data_are_read_at_each_steps_delimiter(tmp_path):
+    from mcore_rl.data.process_rewards import process_rows, read_process_file
+    from mcore_rl.data.tokenizer import load_tokenizer
+
+    good = tmp_path / "prm.jsonl"
+    good.write_text("".join(json.dumps(o) + "\n" for o in _prm_lines()))
+    cfg = _rm_cfg(f"data.path={good}", "reward_model.objective=beta_prm", "reward_model.num_heads=2")
+    examples = read_process_file(cfg.data)
+    assert [e.rollouts for e in examples] == [[8, 8], [8, 4], [6, 6, 6]] and examples[1].source == f"{good}:2"
+    tok = load_tokenizer(None)
+    rows = process_rows(examples, 64, "\n", tok)
+    newline = tok.encode("\n")[-1]
+    for r, e in enumerate(examples):
+        at = rows["step_index"][r][: len(e.steps)]
+        assert all(int(rows["tokens"][r, i]) == newline for i in at)  # each step read at its delimiter
+        assert rows["successes"][r][: len(e.steps)].tolist() == e.successes
+    assert rows["step_index"][0, 2] == -1  # two steps: the third column is padding
+    cut = process_rows(examples[2:], 14, "\n", tok)  # the later steps of a cut solution are dropped
+    assert (cut["step_index"][0] >= 0).tolist() == [True, False, False]
+    bad_lines = [
+        ({"prompt": "a", "steps": [], "successes": [], "rollouts": 1}, "must be a non-empty list of strings"),
+        ({"prompt": "a", "steps": ["x", " "], "successes": [1, 1], "rollouts": 2}, "step 1 is empty"),
+        ({"prompt": "a", "steps": ["x\ny"], "successes": [1], "rollouts": 2}, "contains the step delimiter"),
+        ({"prompt": "a", "steps": ["x"], "successes": [3], "rollouts": 2}, "step 0: need integers 0 <= successes"),
+        ({"prompt": "a", "steps": ["x", "y"], "successes": [1], "rollouts": 2}, "2 steps but 1 'successes'"),
+        ({"prompt": "a", "steps": ["x"], "rollouts": 2}, "missing key(s) ['successes']"),
+    ]
+    for obj, message in bad_lines:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(_prm_lines()[0]) + "\n" + json.dumps(obj) + "\n")
+        cfg = _rm_cfg(f"data.path={path}", "reward_model.objective=beta_prm", "reward_model.num_heads=2")
+        with pytest.raises(DataError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(message)):
+            read_process_file(cfg.data)
+    with pytest.raises(ConfigError, match=r"reward_model.num_heads: must be 2 for beta_prm"):
+        validate_rm_config(_rm_cfg(f"data.path={good}", "reward_model.objective=beta_prm"), 1)
+
+
+def test_z_reward_properties(tmp_path):
+    bins = score_bins()
+    assert bins.tolist() == [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0]
+    one_hot = torch.eye(9, dtype=torch.float64)
+    assert torch.equal(expected_score(one_hot, bins), bins)  # one-hot at s: μ = s
+    assert float(expected_score(torch.full((9,), 1 / 9), bins)) == pytest.approx(3.0)  # uniform: 3.0
+    logits = torch.randn(4, 9)
+    q = score_distribution(logits)
+    assert torch.allclose(q.sum(-1), torch.ones(4, dtype=torch.float64))
+    mu = expected_score(q, bins)
+    assert float(pointwise_reward(torch.tensor(3.5), torch.tensor(3.5), 1.0, 5.0)) == 1.0
+    r = pointwise_reward(mu, torch.full((4,), 2.0), 1.0, 5.0)
+    assert bool(((r >= 0) & (r <= 1) & (r < 1)).all())
+    mw, ml = torch.tensor([4.0, 4.5]), torch.tensor([2.0, 2.5])
+    assert float(pairwise_loss(mw, ml, 2.0, 1.0, 5.0)) > 0 and bool((pairwise_reward(mw, ml, 2.0, 1.0, 5.0) < 1).all())
+    assert float(pairwise_loss(torch.tensor([4.0, 4.0]), torch.tensor([2.0, 2.0]), 2.0, 1.0, 5.0)) == 0.0
+    assert torch.equal(
+        pairwise_reward(torch.tensor([4.0, 4.0]), torch.tensor([2.0, 2.0]), 2.0, 1.0, 5.0),
+        torch.ones(2, dtype=torch.float64),
+    )
+    assert bool((pairwise_reward(torch.tensor([5.0]), torch.tensor([1.0]), -4.0, 1.0, 5.0) >= -1).all())
+    true = torch.tensor([0, 3, 8, 4])
+    assert float(pointwise_ce(q, true)) == pytest.approx(float(-q[torch.arange(4), true].log().mean()))
+    assert torch.allclose(risd_loss(torch.softmax(logits, -1), logits), torch.zeros(4), atol=1e-6)  # q_φ = q_T
+    assert bool((risd_loss(torch.softmax(logits, -1), logits.flip(-1)) > 0).all())
+    # the student's data: a teacher distribution per response, checked by line
+    path = tmp_path / "dist.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "a", "response": "b", "label": [0.2, 0.8]}) + "\n"
+        + json.dumps({"prompt": "a", "response": "c", "label": [0.5, 0.6]}) + "\n"
+    )  # fmt: skip
+    cfg = _rm_cfg(f"data.path={path}", "reward_model.objective=score_distribution", "reward_model.num_heads=2")
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: 'label' must be a list of 2 probabilities")):
+        read_preference_file(cfg.data, "score_distribution", 2)
+    with pytest.raises(ConfigError, match="reward_model.num_heads: must be >= 2 for score_distribution"):
+        validate_rm_config(_rm_cfg(f"data.path={path}", "reward_model.objective=score_distribution"), 1)
+
+
 def test_task_pairs_are_verified_and_carry_the_artifact():
     task = get_task("addition", max_digits=2)
     pairs = task_pairs("addition", 20, 0, 2, artifact="length")
@@ -244,6 +338,39 @@ def _label_batches() -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def _prm_batches() -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of step-labelled rows: up to 3 steps, one row with fewer, K of N counts."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(MICROBATCHES):
+        index = torch.stack([torch.randperm(SEQ, generator=g)[:3].sort().values for _ in range(PAIRS)])
+        index[1, 2] = -1
+        n = torch.randint(1, 9, (PAIRS, 3), generator=g)
+        k = (torch.rand(PAIRS, 3, generator=g) * (n + 1)).long().clamp(max=n)
+        tokens = torch.randint(0, MC.vocab_size, (PAIRS, SEQ), generator=g)
+        out.append({"tokens": tokens, "step_index": index, "successes": k, "rollouts": n})
+    return out
+
+
+def _distribution_batches() -> list[dict[str, torch.Tensor]]:
+    """Z-Reward's student: each response's teacher distribution over HEADS score bins."""
+    g = torch.Generator().manual_seed(8)
+    return [
+        {
+            "tokens": torch.randint(0, MC.vocab_size, (PAIRS, SEQ), generator=g),
+            "index": torch.randint(SEQ // 2, SEQ, (PAIRS,), generator=g),
+            "head": torch.zeros(PAIRS, dtype=torch.long),
+            "target": torch.softmax(torch.randn(PAIRS, HEADS, generator=g), -1),
+        }
+        for _ in range(MICROBATCHES)
+    ]
+
+
+def _count(batch: dict[str, torch.Tensor]) -> int:
+    """What the loss is a mean over: pairs, responses or steps."""
+    return int((batch["step_index"] >= 0).sum()) if "step_index" in batch else batch["head"].numel()
+
+
 def _reference(batches):
     """The objective in plain torch: the reference decoder's final hidden state at each row's last
     token, a bias-free linear head, the same losses; mean over all pairs (responses)."""
@@ -258,13 +385,20 @@ def _reference(batches):
                 p.add_(0.1 * torch.randn_like(p))
     head = torch.nn.Linear(MC.hidden_size, HEADS, bias=False)
     torch.nn.init.normal_(head.weight, 0.0, 0.5)
-    total = sum(b["head"].numel() for b in batches)
+    total = sum(_count(b) for b in batches)
     objective = 0.0
     for raw in batches:
         b = model_batch(raw)
         hidden = lm.model(b["tokens"], position_ids=b["position_ids"]).last_hidden_state
         values = head(hidden)
-        if "margin" in b:
+        if "target" in b:
+            loss = risd_loss(b["target"], values[torch.arange(len(b["head"])), b["index"]])
+        elif "step_index" in b:
+            valid = b["step_index"] >= 0
+            rows = torch.arange(b["tokens"].shape[0]).unsqueeze(1).expand_as(b["step_index"])
+            raw = values[rows[valid], b["step_index"][valid]]
+            loss = beta_prm_loss(raw, b["successes"][valid], b["rollouts"][valid], 0.5)
+        elif "margin" in b:
             heads = torch.cat([b["head"], b["head"]])
             s = values[torch.arange(len(heads)), b["index"], heads]
             p = b["margin"].shape[0]
@@ -315,10 +449,20 @@ def _check_parity(pc, batches, ref) -> None:
     prepare_config(config, chunks)
     per_rank = len(batches) // layout.dp
     rank = ps.get_data_parallel_rank()
-    result = rm_forward_backward(chunks, batches[rank * per_rank : (rank + 1) * per_rank])
-    name = f"{'pairs' if 'margin' in batches[0] else 'labels'} {pc}"
+    result = rm_forward_backward(chunks, batches[rank * per_rank : (rank + 1) * per_rank], regularizer_weight=0.5)
+    first = batches[0]
+    kind = (
+        "steps"
+        if "step_index" in first
+        else "pairs"
+        if "margin" in first
+        else "dist"
+        if "target" in first
+        else "labels"
+    )
+    name = f"{kind} {pc}"
     assert abs(result["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"{name}: loss {result['loss']} vs {ref_loss}"
-    assert result["count"] == sum(b["head"].numel() for b in batches)
+    assert result["count"] == sum(_count(b) for b in batches)
     grads = gather_full_state_dict(chunks, grads=True)
     expected = _to_megatron(ref_grads)
     assert set(grads) == set(expected), f"{name}: {sorted(set(grads) ^ set(expected))}"
@@ -358,12 +502,15 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
     from mcore_rl.train import reward_model
 
-    pairs, labels = _pair_batches(), _label_batches()
-    ref_pairs, ref_labels = _reference(pairs), _reference(labels)
+    pairs, labels, steps = _pair_batches(), _label_batches(), _prm_batches()
+    ref_pairs, ref_labels, ref_steps = _reference(pairs), _reference(labels), _reference(steps)
     start = time.perf_counter()
     for pc in (P(tp=2, sp=True), P(tp=2), P(pp=2), P()):
         _check_parity(pc, pairs, ref_pairs)
     _check_parity(P(tp=2, sp=True), labels, ref_labels)
+    _check_parity(P(tp=2, sp=True), steps, ref_steps)  # a PRM: BetaPRM's head read at each step
+    dists = _distribution_batches()
+    _check_parity(P(tp=2, sp=True), dists, _reference(dists))  # Z-Reward's student: KL to the teacher's bins
     print(f"parity {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
 
@@ -389,6 +536,16 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             reward_model.build_trainer(cfg)
+    # a process reward model from a file of step-labelled solutions: trains, logs held-out step accuracy
+    if rank == 0:
+        with open(f"{tmp}/prm.jsonl", "w") as f:
+            f.write("".join(json.dumps(o) + "\n" for o in _prm_lines() * 4))
+    dist.barrier()
+    prm_cfg = _rm_run_cfg(
+        f"{tmp}/prm", 2, f"data.path={tmp}/prm.jsonl", "reward_model.objective=beta_prm", "train.seq_length=24"
+    )
+    prm = reward_model.run_rm(prm_cfg)
+    assert all(math.isfinite(r["loss"]) for r in prm) and 0.0 <= prm[-1]["eval_accuracy"] <= 1.0
     print(f"train {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
     _check_conversion(rank, tmp)

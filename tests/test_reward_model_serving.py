@@ -1,12 +1,27 @@
 """A trained reward model as a reward head: batched on the runner's event loop, one sample's failure
-costs that sample, refused when its tokenizer is not the policy's."""
+costs that sample, refused when its tokenizer is not the policy's; served by a real `mcore-rl serve
+--is-embedding` process on SGLang's `/classify`, its scores the in-process head's, a stopped or killed
+server costing the samples of its batch only (one server for the module)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
+import psutil
 import pytest
 import torch
+
+from mcore_rl.parallel.lifetime import preexec_die_with_parent
 
 from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardRunner
 from mcore_rl.rewards.registry import get_reward_fn
@@ -42,7 +57,7 @@ def _sample(prompt: list[int], response: list[int]) -> RewardInput:
 
 
 def _alone(model_dir: str, ids: list[int]) -> torch.Tensor:
-    model = load_batcher(model_dir).model
+    model = load_batcher(model_dir).forward.model
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
 
@@ -75,6 +90,16 @@ def test_a_bad_sample_costs_only_itself(model_dir):
     assert results[0].error is None and results[3].error is None
     assert f"outside the reward model's vocabulary of {VOCAB}" in results[1].error
     assert "carries no token ids" in results[2].error
+
+
+def test_a_score_distribution_model_gives_its_expected_score(model_dir):
+    """Z-Reward's student: the reward is Σ_s s·softmax(logits)_s over the configured bins."""
+    sample = _sample([1, 7], [8, EOS])
+    got = asyncio.run(reward_model_score(sample, model_dir=model_dir, score_bins=[1.0, 5.0]))
+    q = torch.softmax(_alone(model_dir, [1, 7, 8, EOS]).double(), -1)
+    assert got == pytest.approx(float(q[0] * 1.0 + q[1] * 5.0), abs=1e-6)
+    with pytest.raises(ValueError, match="score_bins has 3 bins, the reward model .* 2 labels"):
+        asyncio.run(reward_model_score(sample, model_dir=model_dir, score_bins=[1.0, 3.0, 5.0]))
 
 
 def test_another_tokenizer_is_refused(model_dir):
@@ -126,3 +151,141 @@ def test_a_reward_model_that_cannot_read_every_policy_id_is_refused_before_worke
         validate_rl_config(config(VOCAB + 1, model_dir), 1)
     with pytest.raises(ConfigError, match=r"options.model_dir: domain 'add': .*config.json cannot be read"):
         validate_rl_config(config(VOCAB, str(tmp_path / "nowhere")), 1)
+    both = config(VOCAB, model_dir)
+    both.data.domains[0].rewards[0].options["url"] = "http://127.0.0.1:1"
+    with pytest.raises(
+        ConfigError, match=r"rewards\[0\].options: domain 'add': give the reward model's `model_dir` or"
+    ):
+        validate_rl_config(both, 1)
+
+
+# ---- served by `mcore-rl serve --is-embedding` (SGLang's /classify) ---------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(url, process) of a real `mcore-rl serve --is-embedding` process serving the tiny RM."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.cli", "serve", "--model-path", model_dir, "--is-embedding"]
+        + ["--port", str(port), "--device", "cpu"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=preexec_die_with_parent(signal.SIGKILL),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"mcore-rl serve --is-embedding did not come up (exit {proc.poll()})") from None
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+        proc.wait(30)
+
+
+def _post(url: str, body: dict) -> tuple[int, object]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_served_classify_speaks_sglangs_reward_model_api(served, model_dir):
+    url, _ = served
+    status, info = _post(url + "/classify", {"input_ids": [1, 7, 8, EOS]})  # one row: one object
+    assert status == 200 and set(info) == {"embedding", "meta_info"}, info
+    assert torch.allclose(torch.tensor(info["embedding"]), _alone(model_dir, [1, 7, 8, EOS]), atol=1e-5)
+    assert info["meta_info"]["prompt_tokens"] == 4
+    status, rows = _post(url + "/classify", {"input_ids": [[1, 7], [1, 7, 8, 9, EOS]], "rid": ["a", "b"]})
+    assert status == 200 and [r["meta_info"]["id"] for r in rows] == ["a", "b"]
+    status, err = _post(url + "/classify", {"input_ids": [[1, VOCAB]]})
+    assert status == 400 and "input_ids[0]: token id 64 is outside the vocabulary of 64" in err["error"]["message"]
+    status, err = _post(url + "/classify", {"input_ids": [[1]], "image_data": "x.png"})
+    assert status == 400 and "image_data" in err["error"]["message"]
+    with urllib.request.urlopen(url + "/model_info", timeout=10) as resp:
+        assert json.loads(resp.read())["is_generation"] is False
+    assert _post(url + "/generate", {"input_ids": [1]})[0] == 404  # a reward model does not generate
+
+
+def test_a_served_reward_model_scores_as_the_head_in_process(served, model_dir):
+    url, _ = served
+    group = [_sample([1, 7, 8], [9, 10, EOS]), _sample([1, 7], [11, EOS]), _sample([1, 7, 8, 12], [13])]
+    options = {"url": url, "head": 1, "eos_token_id": EOS}
+    runner = RewardRunner(RewardFunction(reward_model_score, options=options))
+    before = {k: b.batches for k, b in list(_batchers().items())}
+    results = runner.score_sync(group, [0, 0, 0])
+    assert all(r.error is None for r in results), [r.error for r in results]
+    (key,) = [k for k in _batchers() if k[0] == "url"]
+    assert _batchers()[key].batches == before.get(key, 0) + 1  # the group: one /classify request
+    local = RewardRunner(RewardFunction(reward_model_score, options={"model_dir": model_dir, "head": 1}))
+    for r, want in zip(results, local.score_sync(group, [0, 0, 0])):
+        assert abs(r.reward - want.reward) < 1e-5
+    # a row the server refuses (an id outside its vocabulary) costs that sample; the batch is rescored row by row
+    bad = [_sample([1, 7], [8, EOS]), _sample([1, 7], [VOCAB + 3, EOS]), RewardInput("p", "c"), _sample([1], [9])]
+    results = runner.score_sync(bad, [0, 0, 0, 0])
+    assert results[0].error is None and results[3].error is None, [r.error for r in results]
+    assert "token id 67 is outside the vocabulary of 64" in results[1].error
+    assert "carries no token ids" in results[2].error
+
+
+def _batchers() -> dict:
+    from mcore_rl.rewards import reward_model
+
+    return reward_model._BATCHERS
+
+
+def test_a_stopped_or_killed_server_costs_the_samples_of_its_batch(served, model_dir):
+    """Runs last in the module: it kills the module's server."""
+    url, proc = served
+    group = [_sample([1, 7], [8, EOS]), _sample([1, 9], [10, EOS])]
+
+    def runner(timeout: float) -> RewardRunner:
+        return RewardRunner(RewardFunction(reward_model_score, options={"url": url, "timeout": timeout}))
+
+    os.kill(proc.pid, signal.SIGSTOP)  # hangs: the batch's samples time out, the run goes on
+    try:
+        results = runner(1.0).score_sync(group, [0, 0])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert all("no reply within 1s" in (r.error or "") for r in results), [r.error for r in results]
+    results = runner(30.0).score_sync(group, [0, 0])  # back: the next batch scores
+    assert all(r.error is None for r in results), [r.error for r in results]
+
+    # killed while a batch is in flight (the request is sent to a stopped server, then it dies)
+    os.kill(proc.pid, signal.SIGSTOP)
+    out: list = []
+    scorer = threading.Thread(target=lambda: out.extend(runner(60.0).score_sync(group, [0, 0])))
+    start = time.monotonic()
+    scorer.start()
+    deadline = time.time() + 30
+    port = int(url.rsplit(":", 1)[1])
+    me = psutil.Process()
+    while not any(
+        c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in me.net_connections()
+    ):
+        assert time.time() < deadline, "the batch's request never reached the server"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    scorer.join(60)
+    assert len(out) == 2 and all(r.error and "reward model" in r.error for r in out), [r.error for r in out]
+    assert time.monotonic() - start < 30  # failed when the server died, not at the timeout
+    # the next batch fails fast too (nothing listens), and a head in the trainer's process still scores
+    assert all(r.error for r in runner(60.0).score_sync(group[:1], [0]))
+    local = RewardRunner(RewardFunction(reward_model_score, options={"model_dir": model_dir}))
+    assert all(r.error is None for r in local.score_sync(group, [0, 0]))

@@ -238,13 +238,14 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
     from mcore_rl.rewards.judge import JUDGE_REWARDS, check_options as check_judge_options  # lazy: aiohttp
 
     key, who = _where(i, dom)
-    heads = [h.name for h in dom.rewards]
+    heads = [h.key or h.name for h in dom.rewards]
     for j, h in enumerate(dom.rewards):
         hk = f"{key}.rewards[{j}]"
         errors.need(
-            heads.count(h.name) == 1,
-            f"{hk}.name",
-            f"{who}reward {h.name!r} is listed twice (each head is one entry of Sample.reward_heads)",
+            heads.count(h.key or h.name) == 1,
+            f"{hk}.key" if h.key else f"{hk}.name",
+            f"{who}reward head {h.key or h.name!r} is listed twice (each head is one entry of Sample.reward_heads; "
+            "give a second one its own `key`)",
         )
         errors.need(math.isfinite(h.weight), f"{hk}.weight", f"{who}must be a finite number, got {h.weight}")
         if not is_import_path(h.name) and not need_registered(
@@ -295,6 +296,12 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                         f"{hk}.options.{name}",
                         f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
                     )
+        if h.name == "reward_model":
+            errors.need(
+                ("model_dir" in options) != ("url" in options),
+                f"{hk}.options",
+                f"{who}give the reward model's `model_dir` or the `url` it is served at (one of them)",
+            )
         if h.name == "reward_model" and isinstance(options.get("model_dir"), str):
             check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, f"{hk}.options.model_dir", who, errors)
 

@@ -52,6 +52,8 @@ class RewardHeadConfig:
     name: str = ""  # a registered reward or package.module:function
     weight: float = 1.0  # weight of this head in Sample.reward
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the call
+    # the head's name in Sample.reward_heads (None: `name`), so a domain can hold one reward twice (two RMs)
+    key: str | None = None
 
 
 @dataclass

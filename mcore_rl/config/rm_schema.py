@@ -14,9 +14,13 @@ from mcore_rl.config.schema import DataConfig, SFTConfig
 class RewardModelConfig:
     """What the value head learns and from which labels (`algos/reward_model.py`)."""
 
-    # bradley_terry: pairs (chosen/rejected, optional margin and tie); binary: responses with a label in [0, 1]
-    objective: Literal["bradley_terry", "binary"] = "bradley_terry"
+    # bradley_terry: pairs (chosen/rejected, optional margin and tie); binary: responses with a label in [0, 1];
+    # beta_prm: a process reward model, BetaPRM's Beta head (num_heads 2: mean, concentration) read at each
+    # step's delimiter, trained on Monte-Carlo continuation counts (data/process_rewards.py); score_distribution:
+    # Z-Reward's student, one logit per score bin (num_heads bins) distilled to a teacher's distribution (KL)
+    objective: Literal["bradley_terry", "binary", "beta_prm", "score_distribution"] = "bradley_terry"
     num_heads: int = 1  # scalars per sequence; a pair or response trains the head its `head` field names (0)
+    regularizer_weight: float = 1.0  # beta_prm: weight of the reliability regulariser log(1 + κ)(μ − K/N)²
 
 
 @dataclass
@@ -31,6 +35,10 @@ class PreferenceDataConfig(DataConfig):
     tie_key: str = "tie"  # optional: true = neither response is preferred
     label_key: str = "label"  # binary objective: 1 = good, 0 = bad (soft labels in [0, 1] allowed)
     head_key: str = "head"  # optional: which value head the example trains (default 0)
+    steps_key: str = "steps"  # beta_prm: a solution's steps (strings)
+    successes_key: str = "successes"  # beta_prm: per step, K continuations of N that succeeded
+    rollouts_key: str = "rollouts"  # one N for every step, or a list
+    step_delimiter: str = "\n"  # ends every step; the PRM is read at its last token
     # synthetic pairs: a spurious feature of the correct answers in the training pairs (reversed in the
     # held-out ones), which a reward model can latch onto instead of correctness
     artifact: Literal["none", "length", "format"] = "none"

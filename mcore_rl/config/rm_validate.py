@@ -30,6 +30,21 @@ def validate_rm_config(cfg: RMConfig, world_size: int) -> DerivedSizes:
     errors.need(
         cfg.data.path is not None or rm.objective == "bradley_terry",
         "reward_model.objective",
-        "binary needs labelled responses in data.path; the synthetic task makes pairs",
+        f"{rm.objective} needs its examples in data.path; the synthetic task makes pairs",
+    )
+    if rm.objective == "beta_prm":
+        errors.need(
+            rm.num_heads == 2,
+            "reward_model.num_heads",
+            f"must be 2 for beta_prm (BetaPRM's mean and concentration), got {rm.num_heads}",
+        )
+        errors.need(bool(cfg.data.step_delimiter), "data.step_delimiter", "must not be empty: it ends every step")
+    errors.need(
+        rm.objective != "score_distribution" or rm.num_heads >= 2,
+        "reward_model.num_heads",
+        f"must be >= 2 for score_distribution (one logit per score bin), got {rm.num_heads}",
+    )
+    errors.need(
+        rm.regularizer_weight >= 0, "reward_model.regularizer_weight", f"must be >= 0, got {rm.regularizer_weight}"
     )
     return validate_sft_config(cfg, world_size, errors)  # raises with every line, ours first

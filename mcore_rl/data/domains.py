@@ -65,6 +65,11 @@ class RewardHead:
     name: str
     weight: float = 1.0
     options: dict[str, Any] = field(default_factory=dict)
+    key: str | None = None  # its name in Sample.reward_heads (None: `name`)
+
+    @property
+    def head_name(self) -> str:
+        return self.key or self.name
 
 
 @dataclass
@@ -119,7 +124,7 @@ def domain_specs(cfg: RLConfig) -> dict[str, DomainSpec]:
         }
     out = {}
     for d in cfg.data.domains:
-        heads = [RewardHead(h.name, h.weight, dict(h.options)) for h in d.rewards] or [
+        heads = [RewardHead(h.name, h.weight, dict(h.options), h.key) for h in d.rewards] or [
             RewardHead(default_reward(d, cfg))
         ]
         out[d.name] = DomainSpec(

@@ -6,7 +6,10 @@ File format (`data.path`, one JSON object per line; the key names are `data.*_ke
   optionally `"margin"` (a number >= 0, how strongly chosen is preferred), `"tie"` (true: neither is)
   and `"head"` (which value head the pair trains, default 0);
 * labelled responses (`binary`): `{"prompt", "response", "label"}` with the label in [0, 1] (1 = good),
-  and optionally `"head"`.
+  and optionally `"head"`;
+* a teacher's score distribution (`score_distribution`, Z-Reward's student): `{"prompt", "response",
+  "label"}` with the label a list of `reward_model.num_heads` probabilities (one per score bin)
+  summing to 1.
 
 A pair whose responses are identical, an empty response, a missing or mistyped field, a margin or
 label out of range or a head the model does not have is a bad line: `data.on_bad_line=error` stops
@@ -64,6 +67,7 @@ class LabelledResponse:
     label: float
     head: int = 0
     source: str = ""
+    distribution: list[float] | None = None  # score_distribution: the teacher's q over the score bins
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +84,10 @@ def read_preference_file(
     lines = read_lines(cfg.path, bad)
     out: list[Any] = []
     for lineno, obj in json_objects(lines, bad):
-        problem, example = (_pair if objective == "bradley_terry" else _labelled)(obj, cfg, num_heads)
+        if objective == "bradley_terry":
+            problem, example = _pair(obj, cfg, num_heads)
+        else:
+            problem, example = _labelled(obj, cfg, num_heads, distribution=objective == "score_distribution")
         if problem:
             bad.report(lineno, problem)
             continue
@@ -136,7 +143,9 @@ def _pair(obj: dict[str, Any], cfg: PreferenceDataConfig, num_heads: int) -> tup
     return None, PreferencePair(obj[pk], obj[ck], obj[rk], float(margin), tie, head)
 
 
-def _labelled(obj: dict[str, Any], cfg: PreferenceDataConfig, num_heads: int) -> tuple[str | None, Any]:
+def _labelled(
+    obj: dict[str, Any], cfg: PreferenceDataConfig, num_heads: int, distribution: bool = False
+) -> tuple[str | None, Any]:
     pk, rk, lk = cfg.prompt_key, cfg.response_key, cfg.label_key
     problem = _strings(obj, (pk, rk))
     if problem:
@@ -144,6 +153,18 @@ def _labelled(obj: dict[str, Any], cfg: PreferenceDataConfig, num_heads: int) ->
     if not obj[rk].strip():
         return f"empty response {rk!r}", None
     label: Any = obj.get(lk)
+    if distribution:
+        if (
+            not isinstance(label, list)
+            or len(label) != num_heads
+            or not all(_number(p) and p >= 0 for p in label)
+            or abs(sum(label) - 1.0) > 1e-4
+        ):
+            return (
+                f"{lk!r} must be a list of {num_heads} probabilities (reward_model.num_heads score bins) "
+                f"summing to 1, got {label!r:.80}"
+            ), None
+        return None, LabelledResponse(obj[pk], obj[rk], 0.0, 0, distribution=[float(p) for p in label])
     if isinstance(label, bool):
         label = float(label)
     if not _number(label) or not 0.0 <= label <= 1.0:
@@ -308,6 +329,10 @@ def labelled_rows(
     return {
         "tokens": tokens,
         "index": index,
-        "label": torch.tensor([e.label for e in examples], dtype=torch.float32),
         "head": torch.tensor([e.head for e in examples], dtype=torch.long),
+        **(
+            {"target": torch.tensor([e.distribution for e in examples], dtype=torch.float32)}
+            if examples[0].distribution is not None
+            else {"label": torch.tensor([e.label for e in examples], dtype=torch.float32)}
+        ),
     }

@@ -17,6 +17,9 @@ F = TypeVar("F", bound=Callable)
 _REWARDS: dict[str, Callable | str] = {"math": "mcore_rl.rewards.math_verify:math_reward"}
 # a trained reward model (`reward_model.py`: transformers, imported on first use)
 _REWARDS["reward_model"] = "mcore_rl.rewards.reward_model:reward_model_score"
+# a process reward model's step scores and a response's step count (`process_reward.py`)
+_REWARDS["prm"] = "mcore_rl.rewards.process_reward:prm_score"
+_REWARDS["prm_steps"] = "mcore_rl.rewards.process_reward:prm_steps"
 # LLM judges (`judge.py`, aiohttp): async, options as keyword arguments (url, template, ...)
 _REWARDS.update(
     {

@@ -16,26 +16,46 @@ with an error naming both sizes, as is a model whose end-of-text id differs from
 (`eos_token_id`, an option the domain can set). A refused or failed sample costs that sample only
 (`reward_error`); a failed forward costs the samples of its batch.
 
-Options (a domain's `rewards: [{name: reward_model, options: {...}}]`): `model_dir` (required),
-`head` (which of the model's `num_labels` scores, default 0), `max_batch` (64), `device` ("cpu",
-or "cuda"), `eos_token_id` (the policy's, checked against the model's config when given).
+The model may also be served (`url`): by `mcore-rl serve --is-embedding --model-path DIR` or by
+SGLang itself (`python -m sglang.launch_server --model-path DIR --is-embedding`), scored over
+SGLang's reward-model route, `POST {url}/classify {"input_ids": [[ids], ...]}` ->
+`[{"embedding": [score per label], ...}, ...]`, one request per batch, with an HTTP `timeout`. A
+batch the server refuses (400: an id outside its vocabulary, a row too long) is scored again row by
+row, so the bad row alone fails; a server that does not answer in time, or is gone, costs the
+samples of that batch.
+
+Options (a domain's `rewards: [{name: reward_model, options: {...}}]`): `model_dir` or `url` (one
+of them), `head` (which of the model's `num_labels` scores, default 0), `max_batch` (64), `device`
+("cpu" or "cuda"; `model_dir` only), `eos_token_id` (the policy's, checked against the model's
+config when given; with `url`, appended to a response cut at its length budget), `timeout`
+(seconds per HTTP request, 25), `api_key` (the server's `--api-key`), `score_bins` (Z-Reward's
+student, `rm-train`'s `score_distribution`: the reward is the expected score Σ_s s·softmax(logits)_s
+over these bins, one per label, instead of one head's logit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import torch
 
+from mcore_rl.algos.z_reward import expected_score, score_distribution
 from mcore_rl.rewards.base import RewardInput
 
 
 class RewardModelError(ValueError):
     """A sample the reward model cannot score, or a model it cannot load; the message says which."""
+
+
+class BadRows(RewardModelError):
+    """The server refused a batch as a bad request (400): some row of it is bad."""
 
 
 @dataclass
@@ -44,13 +64,16 @@ class _Pending:
     future: asyncio.Future
 
 
+# rows -> their scores: [rows, labels] (a classifier at each row's last token) or one [len, labels] per row
+Forward = Callable[[list[list[int]]], Awaitable[torch.Tensor | list[torch.Tensor]]]
+
+
 @dataclass
 class ScoreBatcher:
-    """One model directory's queue: calls of one loop iteration become one forward."""
+    """One model's queue: the calls of one loop iteration become one forward (`forward(rows)` ->
+    [rows, num_labels] scores: a local model's, or a server's)."""
 
-    model: Any  # a transformers *ForSequenceClassification, eval mode
-    pad_id: int
-    device: str
+    forward: Forward
     max_batch: int = 64
     pending: list[_Pending] = field(default_factory=list)
     batches: int = 0  # forwards run so far (tests check that a group is one forward)
@@ -72,11 +95,57 @@ class ScoreBatcher:
         for start in range(0, len(todo), self.max_batch):
             batch = todo[start : start + self.max_batch]
             self.batches += 1
-            task = loop.run_in_executor(None, self._forward, [p.ids for p in batch])
+            task = loop.create_task(self._forward_batch([p.ids for p in batch]))
             task.add_done_callback(functools.partial(_deliver, batch=batch))
 
+    async def _forward_batch(self, rows: list[list[int]]) -> list[torch.Tensor | BaseException]:
+        """Each row's scores; a batch refused as bad (`BadRows`) is scored row by row, so that only
+        the bad rows fail."""
+        try:
+            return list(await self.forward(rows))
+        except BadRows as err:
+            if len(rows) == 1:
+                return [err]
+        out: list[torch.Tensor | BaseException] = []
+        for row in rows:
+            try:
+                out.append((await self.forward([row]))[0])
+            except BadRows as err:
+                out.append(err)
+        return out
+
+
+def _deliver(done: asyncio.Future, *, batch: list[_Pending]) -> None:
+    error = None if done.cancelled() else done.exception()
+    for i, p in enumerate(batch):
+        if p.future.done():
+            continue
+        if done.cancelled():
+            p.future.set_exception(RewardModelError("reward-model forward cancelled"))
+        elif error is not None:
+            message = str(error) if isinstance(error, RewardModelError) else f"reward-model forward failed: {error!r}"
+            p.future.set_exception(RewardModelError(message[:300]))
+        else:
+            result = done.result()[i]
+            if isinstance(result, BaseException):
+                p.future.set_exception(result)
+            else:
+                p.future.set_result(result)
+
+
+@dataclass
+class LocalClassifier:
+    """A HF sequence classifier in this process; its forward runs in a thread."""
+
+    model: Any  # a transformers *ForSequenceClassification, eval mode
+    pad_id: int
+    device: str
+
+    async def __call__(self, rows: list[list[int]]) -> torch.Tensor:
+        return await asyncio.get_running_loop().run_in_executor(None, self.forward, rows)
+
     @torch.no_grad()
-    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+    def forward(self, rows: list[list[int]]) -> torch.Tensor:
         """[rows, num_labels] scores, each at its row's last token (right padding, HF's pooling)."""
         width = max(len(r) for r in rows)
         tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -88,18 +157,51 @@ class ScoreBatcher:
         return logits.float().cpu()
 
 
-def _deliver(done: asyncio.Future, *, batch: list[_Pending]) -> None:
-    error = done.exception()
-    for i, p in enumerate(batch):
-        if p.future.done():
-            continue
-        if error is not None:
-            p.future.set_exception(RewardModelError(f"reward-model forward failed: {error!r}"[:300]))
-        else:
-            p.future.set_result(done.result()[i])
+@dataclass
+class RemoteClassifier:
+    """A reward model behind SGLang's `/classify` (`mcore-rl serve --is-embedding`, or SGLang)."""
+
+    url: str
+    timeout: float = 25.0
+    api_key: str | None = None
+
+    async def __call__(self, rows: list[list[int]]) -> torch.Tensor:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        where = f"reward model {self.url}"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as http:
+                async with http.post(f"{self.url}/classify", json={"input_ids": rows}, headers=headers) as resp:
+                    text = await resp.text()
+                    status = resp.status
+        except TimeoutError:
+            raise RewardModelError(f"{where}: no reply within {self.timeout:g}s") from None
+        except aiohttp.ClientError as err:
+            raise RewardModelError(f"{where}: {type(err).__name__}: {err}"[:300]) from None
+        if status == 400:
+            raise BadRows(f"{where} refused the sequence: {_error_message(text)}"[:300])
+        if status != 200:
+            raise RewardModelError(f"{where}: HTTP {status}: {_error_message(text)}"[:300])
+        try:
+            replies = json.loads(text)
+            scores = [[float(x) for x in r["embedding"]] for r in replies]
+        except (ValueError, TypeError, KeyError) as err:
+            raise RewardModelError(f"{where}: not a /classify reply ({err!r}): {text[:120]!r}") from None
+        if len(scores) != len(rows) or len({len(s) for s in scores}) != 1:
+            raise RewardModelError(f"{where}: {len(scores)} scores of uneven width for {len(rows)} rows")
+        return torch.tensor(scores, dtype=torch.float32)
 
 
-_BATCHERS: dict[tuple[str, str, int], ScoreBatcher] = {}
+def _error_message(text: str) -> str:
+    """SGLang's error message of a reply body (`{"error": {"message": ...}}` or `{"message": ...}`)."""
+    try:
+        body = json.loads(text)
+        err = body.get("error", body)
+        return str(err.get("message", err) if isinstance(err, dict) else err)
+    except (ValueError, AttributeError):
+        return text[:200]
+
+
+_BATCHERS: dict[tuple, ScoreBatcher] = {}
 _LOAD_LOCK = threading.Lock()
 
 
@@ -116,7 +218,18 @@ def load_batcher(model_dir: str, device: str = "cpu", max_batch: int = 64) -> Sc
                 raise RewardModelError(f"reward model {model_dir!r} does not load: {err}"[:500]) from None
             if model.config.pad_token_id is None:
                 raise RewardModelError(f"{model_dir}/config.json: pad_token_id is not set; the classifier pools at it")
-            _BATCHERS[key] = ScoreBatcher(model.to(device).eval(), model.config.pad_token_id, device, max_batch)
+            local = LocalClassifier(model.to(device).eval(), model.config.pad_token_id, device)
+            _BATCHERS[key] = ScoreBatcher(local, max_batch)
+        return _BATCHERS[key]
+
+
+def remote_batcher(url: str, max_batch: int = 64, timeout: float = 25.0, api_key: str | None = None) -> ScoreBatcher:
+    """The process's batcher of the reward model served at `url`."""
+    url = url.rstrip("/")
+    key = ("url", url, max_batch, timeout, api_key)
+    with _LOAD_LOCK:
+        if key not in _BATCHERS:
+            _BATCHERS[key] = ScoreBatcher(RemoteClassifier(url, timeout, api_key), max_batch)
         return _BATCHERS[key]
 
 
@@ -133,18 +246,34 @@ def reward_ids(sample: RewardInput, eos_id: int | None) -> list[int]:
 
 async def reward_model_score(
     sample: RewardInput,
-    model_dir: str,
+    model_dir: str | None = None,
+    url: str | None = None,
     head: int = 0,
     max_batch: int = 64,
     device: str = "cpu",
     eos_token_id: int | None = None,
+    timeout: float = 25.0,
+    api_key: str | None = None,
+    score_bins: list[float] | None = None,
 ) -> float:
-    """The reward model's score (head `head`) of one sample; see the module docstring."""
+    """The reward model's score (head `head`, or the expected score over `score_bins`) of one
+    sample; see the module docstring."""
+    if (model_dir is None) == (url is None):
+        raise RewardModelError("give the reward model's `model_dir` or the `url` it is served at (one of them)")
+    if url is not None:
+        scores = await remote_batcher(url, max_batch, timeout, api_key).score(reward_ids(sample, eos_token_id))
+        if score_bins is not None:
+            return _expected(scores, score_bins, url)
+        if not 0 <= head < len(scores):
+            raise RewardModelError(f"head {head} is not one of the model's {len(scores)} scores ({url})")
+        return float(scores[head])
+    assert model_dir is not None
     loop = asyncio.get_running_loop()
     batcher = _BATCHERS.get((model_dir, device, max_batch))
     if batcher is None:
         batcher = await loop.run_in_executor(None, load_batcher, model_dir, device, max_batch)
-    config = batcher.model.config
+    assert isinstance(batcher.forward, LocalClassifier)
+    config = batcher.forward.model.config
     if eos_token_id is not None and config.eos_token_id is not None and config.eos_token_id != eos_token_id:
         raise RewardModelError(
             f"reward model {model_dir!r} ends sequences with token {config.eos_token_id}, the policy with "
@@ -159,4 +288,12 @@ async def reward_model_score(
             f"token id {bad[0]} is outside the reward model's vocabulary of {config.vocab_size}: "
             "it was trained with another tokenizer than the policy's"
         )
-    return float((await batcher.score(ids))[head])
+    scores = await batcher.score(ids)
+    return _expected(scores, score_bins, model_dir) if score_bins is not None else float(scores[head])
+
+
+def _expected(scores: torch.Tensor, bins: list[float], where: str) -> float:
+    """Σ_s s·softmax(scores)_s: a score-distribution model's expected score (`algos/z_reward.py`)."""
+    if len(bins) != scores.shape[-1]:
+        raise RewardModelError(f"score_bins has {len(bins)} bins, the reward model {where} {scores.shape[-1]} labels")
+    return float(expected_score(score_distribution(scores), torch.tensor(bins, dtype=torch.float64)))

@@ -143,6 +143,8 @@ class ServerArgs:
     incremental_streaming_output: bool = False
     # how chat replies with `tools` are parsed (SGLang's name, or ours); None = the model family's format
     tool_call_parser: str | None = None
+    # serve a reward model (a *ForSequenceClassification) on SGLang's /classify instead of generating
+    is_embedding: bool = False
     # speculative decoding (SGLang's flag names; see rollout/engine/speculative.py): NGRAM or STANDALONE
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 4
@@ -294,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="streamed /generate chunks carry only the new output_ids and text",
     )
     p.add_argument("--max-total-tokens", type=int, help="the KV cache pool's size in tokens")
+    p.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve --model-path as a reward model (a *ForSequenceClassification) on SGLang's /classify",
+    )
     p.add_argument(
         "--tool-call-parser",
         help="the tool-call format of chat replies with tools: qwen25 (= hermes), llama3 (= llama3_json) or another "

@@ -19,6 +19,9 @@ Routes, methods and reply shapes are SGLang's (`entrypoints/http_server.py`):
     GET|POST /release_memory_occupation, /resume_memory_occupation {"tags"} -> 200, null
     GET  /v1/models, /v1/models/{model}; POST /v1/completions, /v1/chat/completions
 
+With `--is-embedding` the server serves a reward model instead, on SGLang's `/classify`
+(`classifier.py`; `build_server` picks it).
+
 A bad request gets HTTP 400 `{"error": {"message": "<field>: ...", "code": 400}}` (also a prompt
 that can never fit the KV pool, `--max-total-tokens` / `--mem-fraction-static`); a request the
 engine cannot serve now (memory released, weights zero after a resume, held `MAX_HOLD_S` while
@@ -53,7 +56,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -78,6 +81,9 @@ from mcore_rl.rollout.protocol import (
     parse_generate,
     sse,
 )
+
+if TYPE_CHECKING:
+    from mcore_rl.rollout.classifier import ClassifierServer
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +149,10 @@ class EngineServer:
                 post("/v1/chat/completions", self.v1_chat_completions),
             ]
         )
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine: requests in flight fail (503)."""
+        self.engine.close(timeout)
 
     # ---- health and info -------------------------------------------------------------------
 
@@ -706,8 +716,13 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 # ---- running it --------------------------------------------------------------------------------
 
 
-def build_server(args: ServerArgs) -> EngineServer:
-    """Load the model named by `args` (none: the built-in demo model) and wrap it in a server."""
+def build_server(args: ServerArgs) -> EngineServer | ClassifierServer:
+    """Load the model named by `args` (none: the built-in demo model) and wrap it in a server; with
+    `--is-embedding`, a reward model on SGLang's `/classify` (`classifier.py`)."""
+    if args.is_embedding:
+        from mcore_rl.rollout.classifier import build_classifier_server  # lazy: classifier.py imports this module
+
+        return build_classifier_server(args)
     kw = args.engine_kwargs()
     kw.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # SGLang picks the GPU by default
     kw.setdefault("max_total_tokens", args.max_total_tokens)  # the KV pool's bound (`engine/kv_cache.py`)
@@ -723,14 +738,16 @@ def build_server(args: ServerArgs) -> EngineServer:
     return EngineServer(EngineDriver(core), args)
 
 
-def run_server(server: EngineServer, host: str, port: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+def run_server(
+    server: EngineServer | ClassifierServer, host: str, port: int, grace_s: float = SHUTDOWN_GRACE_S
+) -> None:
     """Serve until SIGTERM or SIGINT (the `mcore-rl serve` main loop), then shut down within
     `grace_s` seconds whatever hangs (see the module docstring); a second signal exits at once."""
     logger.info("serving %s on http://%s:%d", server.args.model_name, host, port)
     asyncio.run(_serve(server, host, port, grace_s))
 
 
-async def _serve(server: EngineServer, host: str, port: int, grace_s: float) -> None:
+async def _serve(server: EngineServer | ClassifierServer, host: str, port: int, grace_s: float) -> None:
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s / 3)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -746,7 +763,7 @@ async def _serve(server: EngineServer, host: str, port: int, grace_s: float) -> 
     watchdog.daemon = True
     watchdog.start()
     # Requests in flight fail (503) once the engine stops; what waits elsewhere is cancelled.
-    await _on_daemon_thread(server.engine.close, grace_s / 3)
+    await _on_daemon_thread(server.close, grace_s / 3)
     await runner.cleanup()
 
 

@@ -153,7 +153,6 @@ REFUSED: dict[str, str] = {
     "--allow-auto-truncate": "the embedded engine refuses (400) a request that does not fit, as SGLang does by default",
     "--json-model-override-args": "would change the model's config; edit config.json instead",
     "--revision": "the embedded engine reads a local directory (--model-path) only",
-    "--is-embedding": "the embedded engine serves generation only",
     "--enable-weights-cpu-backup": "released weights come back as zeros until a weight update here",
     "--enable-fp32-lm-head": "the LM head runs in --dtype here (use --dtype float32 for fp32 logits)",
     "--enable-tf32-matmul": "TF32 matmuls would change the engine's numerics",

@@ -131,11 +131,11 @@ class DomainRewards:
             s.reward_heads, s.info, errors, total = {}, {}, [], 0.0
             for h in heads:
                 res = by_key[_head_key(h)][i]
-                s.reward_heads[h.name] = res.reward
+                s.reward_heads[h.head_name] = res.reward
                 s.info.update(res.info)
                 total += h.weight * res.reward
                 if res.error is not None:
-                    errors.append(res.error if len(heads) == 1 else f"{h.name}: {res.error}")
+                    errors.append(res.error if len(heads) == 1 else f"{h.head_name}: {res.error}")
             s.reward = total
             s.reward_error = "; ".join(errors) if errors else None
 

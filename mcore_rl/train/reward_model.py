@@ -2,7 +2,9 @@
 
 The policy's decoder in any layout `mcore-rl sft` accepts, with a value head in place of the output
 layer (`models/value_head.py`), trained on preference pairs (Bradley–Terry with margins and ties)
-or labelled responses (pointwise binary) with the pure losses of `algos/reward_model.py`. A
+or labelled responses (pointwise binary) with the pure losses of `algos/reward_model.py`, or as a
+process reward model (`beta_prm`: BetaPRM's Beta head read at each step's delimiter, trained on
+Monte-Carlo counts with `algos/beta_prm.py`; the loss is a sum over steps). A
 micro-batch of P pairs is one forward of 2P rows (chosen rows, then rejected rows), scored at each
 row's last token; the loss is a sum over pairs that megatron-core divides by the global number of
 pairs (`calculate_per_token_loss`), so the gradient does not depend on the split into micro-batches
@@ -24,6 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from mcore_rl.algos.beta_prm import beta_head, beta_prm_loss
+from mcore_rl.algos.z_reward import risd_loss
 from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
 from mcore_rl.config import config_to_dict, save_config
 from mcore_rl.config.rm_schema import RMConfig
@@ -37,6 +41,7 @@ from mcore_rl.data.preferences import (
     rrm_augment,
     task_pairs,
 )
+from mcore_rl.data.process_rewards import ProcessExample, process_rows, read_process_file
 from mcore_rl.data.sft import SFTBatches
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.observe import ttfs
@@ -72,7 +77,14 @@ class RMTrainer:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows(cfg: RMConfig, examples: list[PreferencePair] | list[LabelledResponse], tokenizer: Tokenizer) -> Batch:
+Examples = list[PreferencePair] | list[LabelledResponse] | list[ProcessExample]
+
+
+def _rows(cfg: RMConfig, examples: Examples, tokenizer: Tokenizer) -> Batch:
+    if cfg.reward_model.objective == "beta_prm":
+        return process_rows(
+            cast(list[ProcessExample], examples), cfg.train.seq_length, cfg.data.step_delimiter, tokenizer
+        )
     if cfg.reward_model.objective == "bradley_terry":
         return pair_rows(cast(list[PreferencePair], examples), cfg.train.seq_length, tokenizer)
     return labelled_rows(cast(list[LabelledResponse], examples), cfg.train.seq_length, tokenizer)
@@ -97,7 +109,11 @@ def build_rows(cfg: RMConfig, tokenizer: Tokenizer, dp: int) -> tuple[Batch, Bat
             reverse_artifact=d.artifact != "none",
         )
         return _rows(cfg, train, tokenizer), (_rows(cfg, held, tokenizer) if n_eval else None)
-    examples = read_preference_file(d, cfg.reward_model.objective, cfg.reward_model.num_heads)
+    examples: Examples = (
+        read_process_file(d)
+        if cfg.reward_model.objective == "beta_prm"
+        else read_preference_file(d, cfg.reward_model.objective, cfg.reward_model.num_heads)
+    )
     n = len(examples)
     if n_eval >= n:
         raise ValueError(f"train.eval_iters={t.eval_iters} holds out {n_eval} examples; {d.path} has only {n}")
@@ -137,9 +153,26 @@ def sequence_scores(values: torch.Tensor, index: torch.Tensor, head: torch.Tenso
     return values[rows, index, head]
 
 
-def _loss(batch: Batch, stats: list[torch.Tensor], values: torch.Tensor) -> tuple:
-    """Summed loss over the micro-batch's pairs (or responses); megatron-core divides by the global count."""
-    if "margin" in batch:
+def step_values(values: torch.Tensor, step_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [b, s, H], step_index [b, T] (−1: no step) -> (the heads at each step [b, T, H], valid [b, T])."""
+    valid = step_index >= 0
+    at = step_index.clamp(min=0).unsqueeze(-1).expand(-1, -1, values.shape[-1])
+    return torch.gather(values, 1, at), valid
+
+
+def _loss(batch: Batch, stats: list[torch.Tensor], values: torch.Tensor, regularizer_weight: float = 1.0) -> tuple:
+    """Summed loss over the micro-batch's pairs (responses, steps); megatron-core divides by the global count."""
+    if "target" in batch:  # Z-Reward's student: KL to the teacher's score distribution
+        logits = values[torch.arange(values.shape[0], device=values.device), batch["index"]]
+        losses = risd_loss(batch["target"], logits)
+        correct = (logits.detach().argmax(-1) == batch["target"].argmax(-1)).float()  # the teacher's mode
+    elif "step_index" in batch:
+        raw, valid = step_values(values, batch["step_index"])
+        k, n = batch["successes"][valid], batch["rollouts"][valid]
+        losses = beta_prm_loss(raw[valid], k, n, regularizer_weight)
+        # a step counts as right when μ falls on the side of ½ that K/N is on (NaN at K/N = ½)
+        correct = binary_correct(beta_head(raw[valid].detach())[0] - 0.5, k.float() / n.float())
+    elif "margin" in batch:
         p = batch["margin"].shape[0]
         scores = sequence_scores(values, batch["index"], torch.cat([batch["head"], batch["head"]]))
         losses = bradley_terry_loss(scores[:p], scores[p:], batch["margin"], batch["tie"])
@@ -155,10 +188,12 @@ def _loss(batch: Batch, stats: list[torch.Tensor], values: torch.Tensor) -> tupl
     return loss_sum, count.to(torch.int), {"lm_loss": torch.stack([loss_sum.detach(), count.float()])}
 
 
-def _forward_step(stats: list[torch.Tensor], data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
+def _forward_step(
+    stats: list[torch.Tensor], regularizer_weight: float, data_iterator: Iterator[Batch], model: torch.nn.Module
+) -> tuple:
     batch = next(data_iterator)
     values = model(batch["tokens"], batch["position_ids"], None)
-    return values, partial(_loss, batch, stats)
+    return values, partial(_loss, batch, stats, regularizer_weight=regularizer_weight)
 
 
 def _accuracy(stats: list[torch.Tensor]) -> float:
@@ -177,14 +212,19 @@ def _accuracy(stats: list[torch.Tensor]) -> float:
     return float(totals[0]) / max(float(totals[1]), 1.0)
 
 
-def rm_forward_backward(chunks: list[torch.nn.Module], microbatches: list[Batch], forward_only: bool = False) -> dict:
-    """Loss (mean over the global batch's pairs or responses), their number and the accuracy."""
+def rm_forward_backward(
+    chunks: list[torch.nn.Module],
+    microbatches: list[Batch],
+    forward_only: bool = False,
+    regularizer_weight: float = 1.0,
+) -> dict:
+    """Loss (mean over the global batch's pairs, responses or steps), their number and the accuracy."""
     stats: list[torch.Tensor] = []
     result = forward_backward(
         chunks,
         [model_batch(mb) for mb in microbatches],
         forward_only=forward_only,
-        forward_step=partial(_forward_step, stats),
+        forward_step=partial(_forward_step, stats, regularizer_weight),
     )
     return {"loss": result["loss"], "count": result["num_tokens"], "accuracy": _accuracy(stats)}
 
@@ -228,7 +268,8 @@ def score_rows(chunks: list[torch.nn.Module], rows: Batch, micro_batch_size: int
 def train_step(trainer: RMTrainer) -> dict[str, float]:
     for chunk in trainer.chunks:
         chunk.train()
-    result = rm_forward_backward(trainer.chunks, next(trainer.batches))
+    weight = trainer.cfg.reward_model.regularizer_weight
+    result = rm_forward_backward(trainer.chunks, next(trainer.batches), regularizer_weight=weight)
     stats = trainer.optimizer.step()
     trainer.iteration += 1
     return {**result, **stats}
@@ -247,7 +288,8 @@ def evaluate(trainer: RMTrainer) -> dict[str, float]:
     microbatches = [{k: v[i : i + mbs] for k, v in mine.items()} for i in range(0, per_rank, mbs)]
     for chunk in trainer.chunks:
         chunk.eval()
-    result = rm_forward_backward(trainer.chunks, microbatches, forward_only=True)
+    weight = trainer.cfg.reward_model.regularizer_weight
+    result = rm_forward_backward(trainer.chunks, microbatches, forward_only=True, regularizer_weight=weight)
     return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
 
 

@@ -1,0 +1,239 @@
+"""A process reward model (PRM) in use: per-step scores of a policy's response, read at its step
+delimiters, as `mcore-rl rm-train` with `reward_model.objective: beta_prm` trained it
+(`data/process_rewards.py`: step t is read at the last token of the delimiter that ends it).
+
+The PRM is the exported sequence classifier with two labels, BetaPRM's (z₀, z₁): the classifier's
+`score` layer applied at every position of the decoder's last hidden state gives per-token values,
+and μ_t = σ(z₀), κ_t = softplus(z₁) at step t's end (`algos/beta_prm.py: beta_head`). The steps of a
+response are the delimiter-ended spans of its ids (`step_ends`); a last step without a delimiter is
+read at the response's last token (eos excluded).
+
+Rewards (registered in `registry.py`; a domain's heads, e.g. for PROF-GRPO's filter `prof_grpo`,
+which reads `prm_head: prm` and `steps_head: prm_steps` — give both weight 0):
+
+* `prm`: the response's steps' μ aggregated (`aggregate`: "mean", PROF's 1/H Σ r^h; "min"; "last");
+  `info` carries every step's μ and σ = sqrt(μ(1 − μ)/(κ + 1)).
+* `prm_steps`: the number of steps H (no model).
+
+BetaPRM's adaptive best-of-N (`adaptive_best_of_n`) draws candidates in batches from a sampler (an
+engine), scores each with the PRM (`candidate_belief`: the last step's μ and σ, the PRM's belief
+that the whole solution succeeds) and stops when the best candidate's lower bound μ − zσ exceeds
+every other's upper bound (`algos/beta_prm.py: adaptive_stop`), or at `max_candidates`.
+
+The model runs in the trainer's process, batched like `reward_model.py` (calls of one loop
+iteration, one forward): SGLang's `/classify` pools at the last token, so a PRM is not served over
+HTTP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
+from mcore_rl.rewards.base import RewardInput
+from mcore_rl.rewards.reward_model import RewardModelError, ScoreBatcher
+
+
+def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
+    """Indices (into `response_ids`) of each step's last token: the last token of every occurrence
+    of `delimiter_ids`, and the response's last token (eos excluded) when text follows the last
+    delimiter."""
+    ids = list(response_ids)
+    if eos_id is not None and ids and ids[-1] == eos_id:
+        ids = ids[:-1]
+    d = list(delimiter_ids)
+    if not d:
+        raise ValueError("step_delimiter_ids: empty; a step needs a delimiter")
+    ends, i = [], 0
+    while i + len(d) <= len(ids):
+        if ids[i : i + len(d)] == d:
+            ends.append(i + len(d) - 1)
+            i += len(d)
+        else:
+            i += 1
+    if ids and (not ends or ends[-1] < len(ids) - 1):
+        ends.append(len(ids) - 1)
+    return ends
+
+
+@dataclass
+class TokenScorer:
+    """A HF sequence classifier's `score` at every position: [len, num_labels] per row."""
+
+    model: Any  # a transformers *ForSequenceClassification, eval mode
+    pad_id: int
+    device: str
+
+    async def __call__(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.forward, rows)
+
+    @torch.no_grad()
+    def forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        width = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        decoder = getattr(self.model, self.model.base_model_prefix)
+        hidden = decoder(tokens.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        values = self.model.score(hidden).float().cpu()
+        return [values[i, : len(r)] for i, r in enumerate(rows)]
+
+
+@dataclass
+class PRM:
+    """A loaded PRM: its per-token scorer and the batcher in front of it."""
+
+    scorer: TokenScorer
+    batcher: ScoreBatcher
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.scorer.model.config.vocab_size)
+
+
+_PRMS: dict[tuple[str, str, int], PRM] = {}
+_LOCK = threading.Lock()
+
+
+def load_prm(model_dir: str, device: str = "cpu", max_batch: int = 64) -> PRM:
+    """The process's PRM of `model_dir` (loaded on first use)."""
+    key = (model_dir, device, max_batch)
+    with _LOCK:
+        if key not in _PRMS:
+            from transformers import AutoModelForSequenceClassification  # lazy: transformers is slow to import
+
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise RewardModelError(f"process reward model {model_dir!r} does not load: {err}"[:500]) from None
+            if model.config.num_labels != 2:
+                raise RewardModelError(
+                    f"{model_dir}: {model.config.num_labels} labels; a BetaPRM has 2 (mean, concentration)"
+                )
+            if model.config.pad_token_id is None or not hasattr(model, "score"):
+                raise RewardModelError(f"{model_dir}: no pad_token_id or no `score` head; not a sequence classifier")
+            scorer = TokenScorer(model.to(device).eval(), model.config.pad_token_id, device)
+            _PRMS[key] = PRM(scorer, ScoreBatcher(scorer, max_batch))
+        return _PRMS[key]
+
+
+@dataclass
+class StepBeliefs:
+    """A response's per-step Beta beliefs."""
+
+    mean: torch.Tensor  # μ_t [H]
+    std: torch.Tensor  # σ_t [H]
+    concentration: torch.Tensor = field(repr=False, default_factory=lambda: torch.zeros(0))
+
+
+async def step_beliefs(
+    prm: PRM,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    delimiter_ids: Sequence[int],
+    eos_id: int | None = None,
+) -> StepBeliefs:
+    """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both)."""
+    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    if not ends:
+        raise RewardModelError("the response has no step to score (it is empty)")
+    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    bad = [i for i in ids if not 0 <= i < prm.vocab_size]
+    if bad:
+        raise RewardModelError(
+            f"token id {bad[0]} is outside the process reward model's vocabulary of {prm.vocab_size}"
+        )
+    values = await prm.batcher.score(ids)
+    at = torch.tensor([len(prompt_ids) + e for e in ends])
+    mu, kappa = beta_head(values[at])
+    return StepBeliefs(mu, beta_std(mu, kappa), kappa)
+
+
+def _ids(sample: RewardInput) -> tuple[list[int], list[int]]:
+    meta = sample.metadata
+    if "prompt_ids" not in meta or "response_ids" not in meta:
+        raise RewardModelError("the sample carries no token ids (metadata 'prompt_ids', 'response_ids')")
+    return list(meta["prompt_ids"]), list(meta["response_ids"])
+
+
+async def prm_score(
+    sample: RewardInput,
+    model_dir: str,
+    step_delimiter_ids: list[int],
+    aggregate: Literal["mean", "min", "last"] = "mean",
+    eos_token_id: int | None = None,
+    max_batch: int = 64,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """The PRM's step means of one sample, aggregated; see the module docstring."""
+    prm = _PRMS.get((model_dir, device, max_batch))
+    if prm is None:
+        prm = await asyncio.get_running_loop().run_in_executor(None, load_prm, model_dir, device, max_batch)
+    prompt, response = _ids(sample)
+    beliefs = await step_beliefs(prm, prompt, response, step_delimiter_ids, eos_token_id)
+    mu = beliefs.mean
+    value = {"mean": mu.mean(), "min": mu.min(), "last": mu[-1]}[aggregate]
+    return {"reward": float(value), "step_mean": mu.tolist(), "step_std": beliefs.std.tolist()}
+
+
+def prm_steps(sample: RewardInput, step_delimiter_ids: list[int], eos_token_id: int | None = None) -> float:
+    """The number of steps H of one sample's response (PROF-GRPO's step penalty reads it)."""
+    return float(len(step_ends(_ids(sample)[1], step_delimiter_ids, eos_token_id)))
+
+
+# ---------------------------------------------------------------------------------------------
+# BetaPRM's adaptive compute allocation for best-of-N
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BestOfN:
+    best: int  # index into `candidates`
+    candidates: list[list[int]]
+    mean: torch.Tensor  # [C] the PRM's belief in each candidate (its last step's μ)
+    std: torch.Tensor  # [C] its σ
+    rounds: int
+    stopped_early: bool  # the stopping rule fired before max_candidates
+
+
+def candidate_belief(beliefs: StepBeliefs) -> tuple[float, float]:
+    """A candidate's (μ, σ): its last step's belief that the solution succeeds."""
+    return float(beliefs.mean[-1]), float(beliefs.std[-1])
+
+
+def adaptive_best_of_n(
+    draw: Callable[[int], list[list[int]]],
+    score: Callable[[list[list[int]]], list[tuple[float, float]]],
+    batch_size: int = 4,
+    max_candidates: int = 16,
+    z: float = 1.0,
+) -> BestOfN:
+    """Draw `batch_size` candidates at a time (`draw(k)` -> k responses' ids), score them
+    (`score(responses)` -> (μ, σ) each), stop when `adaptive_stop` fires over everything scored so
+    far or `max_candidates` are drawn; the best is the highest μ."""
+    if batch_size < 1 or max_candidates < 1:
+        raise ValueError(f"batch_size and max_candidates must be >= 1, got {batch_size}, {max_candidates}")
+    candidates: list[list[int]] = []
+    beliefs: list[tuple[float, float]] = []
+    rounds, stopped = 0, False
+    while len(candidates) < max_candidates:
+        new = draw(min(batch_size, max_candidates - len(candidates)))
+        candidates += new
+        beliefs += score(new)
+        rounds += 1
+        mean = torch.tensor([b[0] for b in beliefs], dtype=torch.float64)
+        std = torch.tensor([b[1] for b in beliefs], dtype=torch.float64)
+        if len(candidates) >= 2 and adaptive_stop(mean, std, z):
+            stopped = len(candidates) < max_candidates
+            break
+    mean = torch.tensor([b[0] for b in beliefs], dtype=torch.float64)
+    std = torch.tensor([b[1] for b in beliefs], dtype=torch.float64)
+    return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped)

@@ -1,0 +1,153 @@
+"""A process reward model in use: per-step scores read at the step delimiters of the policy's tokens,
+PROF-GRPO's filter reading them as reward heads, BetaPRM's adaptive best-of-N over candidates
+sampled from a real engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
+from mcore_rl.algos.prof_grpo import prof_grpo
+from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardRunner
+from mcore_rl.rewards.registry import get_reward_fn
+from mcore_rl.rewards.process_reward import adaptive_best_of_n, candidate_belief, load_prm, prm_score, step_ends
+
+NL, EOS, PAD = 10, 2, 0  # the step delimiter "\n" (one id here), end of text, padding
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    return EngineCore.from_model_path(None, max_running_requests=8, context_length=128, random_seed=0)
+
+
+@pytest.fixture(scope="module")
+def prm_dir(tmp_path_factory, engine) -> str:
+    """A tiny two-label classifier (BetaPRM's mean and concentration) reading the engine's vocabulary."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=engine.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
+    config.num_labels = 2
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.mul_(20)  # beliefs spread over (0, 1), not all near ½
+    path = str(tmp_path_factory.mktemp("prm") / "hf")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _sample(prompt: list[int], response: list[int]) -> RewardInput:
+    return RewardInput("p", "c", metadata={"prompt_ids": prompt, "response_ids": response})
+
+
+def test_steps_end_at_each_delimiter():
+    assert step_ends([5, 6, NL, 7, NL], [NL]) == [2, 4]
+    assert step_ends([5, 6, NL, 7, 8], [NL]) == [2, 4]  # text after the last delimiter: a last step
+    assert step_ends([5, NL, 7, EOS], [NL], eos_id=EOS) == [1, 2]  # eos is no step
+    assert step_ends([5, 3, 4, 6, 3, 4], [3, 4]) == [2, 5]  # a multi-token delimiter: its last token
+    assert step_ends([EOS], [NL], eos_id=EOS) == []
+
+
+def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
+    """The `prm` head is the mean step belief μ_t read at each delimiter (as a hand-run forward gives
+    it); `prm_steps` counts the steps; PROF-GRPO's filter ranks a group's correct answers by it."""
+    assert get_reward_fn("prm") is prm_score
+    prm = load_prm(prm_dir)
+    model = prm.scorer.model
+    group = [
+        _sample([1, 20, 21], [30, 31, NL, 32, NL, EOS]),
+        _sample([1, 20, 21], [33, NL, 34, 35, NL, 36, EOS]),
+        _sample([1, 20, 21], [37, 38, 39, NL, EOS]),
+        _sample([1, 20, 21], [40, NL, 41, NL, EOS]),
+    ]
+    options = {"model_dir": prm_dir, "step_delimiter_ids": [NL], "eos_token_id": EOS}
+    before = prm.batcher.batches
+    results = RewardRunner(RewardFunction(prm_score, options=options)).score_sync(group, [0] * 4)
+    assert prm.batcher.batches == before + 1  # the group: one forward
+    means = []
+    for r, s in zip(results, group):
+        assert r.error is None, r.error
+        ids = s.metadata["prompt_ids"] + s.metadata["response_ids"]
+        ends = [3 + e for e in step_ends(s.metadata["response_ids"], [NL], EOS)]
+        with torch.no_grad():
+            values = model.score(model.model(torch.tensor([ids])).last_hidden_state)[0]
+        mu, kappa = beta_head(values[ends])
+        assert r.info["step_mean"] == pytest.approx(mu.tolist(), abs=1e-5)
+        assert r.info["step_std"] == pytest.approx(beta_std(mu, kappa).tolist(), abs=1e-5)
+        assert r.reward == pytest.approx(float(mu.mean()), abs=1e-5)
+        means.append(r.reward)
+    steps = get_reward_fn("prm_steps")  # registered, as `prm` is
+    counts = [steps(s, step_delimiter_ids=[NL], eos_token_id=EOS) for s in group]
+    assert counts == [2.0, 3.0, 1.0, 2.0]
+    bad = RewardRunner(RewardFunction(prm_score, options=options)).score_sync([_sample([1], [99999, NL])])
+    assert "outside the process reward model's vocabulary" in bad[0].error
+
+    # PROF-GRPO (keep 2 of 4: one correct, one wrong) reads the heads: the correct answer kept is the
+    # one with the higher mean PRM score
+    outcome = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    heads = torch.tensor([[m, c] for m, c in zip(means, counts)], dtype=torch.float64)
+    keep = prof_grpo(
+        outcome, torch.zeros(4, dtype=torch.long), reward_heads=heads, head_names=["prm", "prm_steps"], keep=2
+    )
+    assert keep.sum() == 2 and bool(keep[:2].any()) and bool(keep[2:].any())
+    assert bool(keep[0]) == (means[0] > means[1])
+
+
+def test_adaptive_best_of_n_draws_from_an_engine_and_stops_by_the_rule(engine, prm_dir):
+    from mcore_rl.rollout.engine.core import Request
+    from mcore_rl.rollout.engine.sampling import SamplingParams
+
+    prm = load_prm(prm_dir)
+    prompt = [1] + engine.tokenizer.encode("12+30=")
+    drawn: list[int] = []
+
+    def draw(k: int) -> list[list[int]]:
+        """k candidates sampled by the engine, each its own seed."""
+        rids = [f"cand-{len(drawn) + i}" for i in range(k)]
+        for i, rid in enumerate(rids):
+            sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=len(drawn) + i, stop_token_ids=[NL])
+            engine.add_request(Request(rid, prompt, sampling))
+        out: dict[str, list[int]] = {}
+        while len(out) < k:
+            out.update({o.rid: o.output_ids for o in engine.step() if o.finished})
+        drawn.extend([1] * k)
+        return [out[r] for r in rids]
+
+    def score(responses: list[list[int]]) -> list[tuple[float, float]]:
+        import asyncio
+
+        from mcore_rl.rewards.process_reward import step_beliefs
+
+        async def all_of() -> list:
+            return await asyncio.gather(*(step_beliefs(prm, prompt, r, [NL], EOS) for r in responses))
+
+        return [candidate_belief(b) for b in asyncio.run(all_of())]
+
+    # z = 0: the best mean above every other mean stops after the first batch
+    eager = adaptive_best_of_n(draw, score, batch_size=3, max_candidates=12, z=0.0)
+    assert eager.rounds == 1 and eager.stopped_early and len(eager.candidates) == 3 == len(drawn)
+    assert eager.best == int(torch.argmax(eager.mean))
+    # a wide bound never separates the candidates: every candidate is drawn, in batches
+    drawn.clear()
+    wary = adaptive_best_of_n(draw, score, batch_size=3, max_candidates=7, z=1e3)
+    assert (wary.rounds, len(wary.candidates), wary.stopped_early, len(drawn)) == (3, 7, False, 7)
+    # in between: it stops exactly at the first round whose candidates the rule separates
+    drawn.clear()
+    mid = adaptive_best_of_n(draw, score, batch_size=2, max_candidates=10, z=0.5)
+    sizes = [min(2 * (r + 1), 10) for r in range(mid.rounds)]
+    fired = [adaptive_stop(mid.mean[:n], mid.std[:n], 0.5) for n in sizes]
+    assert fired[:-1] == [False] * (len(sizes) - 1)
+    assert fired[-1] == mid.stopped_early or len(mid.candidates) == 10
