@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from mcore_rl.config.rope_scaling import check_rope_scaling
 from mcore_rl.convert import mxfp4
-from mcore_rl.convert.fp8 import SCALE_SUFFIX, block_size_of, dequantize, scale_rows_for
+from mcore_rl.convert.fp8 import dequantize, fp8_layout, fp8_layout_of, scale_rows_for
 from mcore_rl.config.rules import Errors
 from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_of
@@ -59,9 +59,9 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
 
     With `wanted`, a name it rejects comes back as a *meta* tensor of the right shape and dtype
     (nothing is read): `hf_to_megatron` can then build every megatron tensor, and a rank reads only
-    the tensors its own layers and experts need. A block-scaled FP8 checkpoint (`convert/fp8.py`)
-    reads as its dequantized self: each FP8 weight comes back in the checkpoint's dtype and its
-    `*_scale_inv` tensors are not listed.
+    the tensors its own layers and experts need. An FP8 checkpoint (`convert/fp8.py`: DeepSeek's
+    block-scaled, compressed-tensors' per channel) reads as its dequantized self: each FP8 weight
+    comes back in the checkpoint's dtype and its scale tensors are not listed.
 
     Expert tensors a family's stock checkpoint stacks over the experts (`ModelFamily.
     stacked_expert_tensors`: GPT-OSS's `mlp.experts.gate_up_proj` [E, ...]) are listed and read per
@@ -98,10 +98,11 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
                 "not a checkpoint one; re-save with transformers' save_pretrained (per-expert names)"
             )
         self._handles: dict[str, Any] = {}
-        self.block = block_size_of(directory)
-        scales = {n for n in self._files if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._files}
-        self._hidden = scales if self.block else set()  # read through their weights, not listed
-        self._quantized = {n[: -len(SCALE_SUFFIX)] for n in self._hidden}
+        self.fp8 = fp8_layout_of(directory)
+        suffix = self.fp8.scale_suffix if self.fp8 else ""
+        scales = {n for n in self._files if suffix and n.endswith(suffix) and n[: -len(suffix)] in self._files}
+        self._hidden = scales  # read through their weights, not listed
+        self._quantized = {n[: -len(suffix)] for n in self._hidden}
         self._mxfp4: set[str] = set()  # stacked names stored as MXFP4 blocks and scales
         if mxfp4.is_mxfp4(directory):
             blocks = {n[: -len(mxfp4.BLOCKS_SUFFIX)] for n in self._files if n.endswith(mxfp4.BLOCKS_SUFFIX)}
@@ -155,9 +156,10 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             return self._read_expert(name)
         handle = self._handle(self._files[name])
         if name in self._quantized:
-            assert self.block is not None  # only block-scaled checkpoints list quantized names
-            scale = self._handle(self._files[name + SCALE_SUFFIX]).get_tensor(name + SCALE_SUFFIX)
-            return dequantize(handle.get_tensor(name), scale, self.block, self.dtype())
+            assert self.fp8 is not None  # only FP8 checkpoints list quantized names
+            scale_name = name + self.fp8.scale_suffix
+            scale = self._handle(self._files[scale_name]).get_tensor(scale_name)
+            return dequantize(handle.get_tensor(name), scale, self.fp8.block, self.dtype())
         return handle.get_tensor(name)
 
     def meta(self, name: str) -> torch.Tensor:
@@ -197,13 +199,17 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             rows = piece[start:stop] if dim == 0 else piece[:, start:stop]
         if name not in self._quantized:
             return rows
-        assert self.block is not None  # only block-scaled checkpoints list quantized names
-        first, last = scale_rows_for(start, stop, self.block[dim])
-        with safe_open(self._files[name + SCALE_SUFFIX], "pt", device="cpu") as handle:
-            piece = handle.get_slice(name + SCALE_SUFFIX)
-            scale = piece[first:last] if dim == 0 else piece[:, first:last]
+        assert self.fp8 is not None  # only FP8 checkpoints list quantized names
+        first, last = scale_rows_for(start, stop, self.fp8.block[dim])
+        scale_name = name + self.fp8.scale_suffix
+        with safe_open(self._files[scale_name], "pt", device="cpu") as handle:
+            piece = handle.get_slice(scale_name)
+            if len(piece.get_shape()) < 2:  # one scale for the tensor
+                scale = piece[:]
+            else:
+                scale = piece[first:last] if dim == 0 else piece[:, first:last]
         at = (start, 0) if dim == 0 else (0, start)
-        return dequantize(rows, scale, self.block, self.dtype(), *at)
+        return dequantize(rows, scale, self.fp8.block, self.dtype(), *at)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -269,6 +275,10 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
     ):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
     problems += unsupported_stock_fields(hf, rope_key)
+    try:  # FP8 weights: a layout the reader dequantizes (convert/fp8.py)
+        fp8_layout(dict(getattr(hf, "quantization_config", None) or {}))
+    except ValueError as err:
+        problems.append(str(err))
     mc = None if problems else model_config_from_hf_config(hf, rope_key)
     if mc is not None:  # the scaling's values, named as the file spells them
         errors = Errors()
