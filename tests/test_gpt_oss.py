@@ -246,8 +246,12 @@ def test_configs_both_ways_and_refusals() -> None:
         "(model.linear_biases, arch gpt_oss) only with expert_tensor_parallel_size 1"
     ]
     errors = Errors()
-    check_parallel(P(tp=2, sp=True, etp=1), GPT_OSS, 2, errors)
+    check_parallel(P(tp=2, sp=True, etp=1, ep=2), GPT_OSS, 4, errors)
     assert not errors.lines
+    # without EP, ETP 1 under TP 2 is refused for every MoE (tests/test_parity.py shows why)
+    errors = Errors()
+    check_parallel(P(tp=2, sp=True, etp=1), GPT_OSS, 2, errors)
+    assert [line.split(":")[0] for line in errors.lines] == ["parallel.expert_tensor_parallel_size"]
     # FLOPs: the GQA decoder's count, every layer routed
     flops = forward_flops_per_token(GPT_OSS, 16)
     assert flops.mlp == pytest.approx(GPT_OSS.num_layers * 2 * (3 * 64 * 32 * 2 + 64 * 4))
@@ -409,8 +413,8 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         assert stock["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
 
     # No TP in two ranks: megatron-core 0.16.1 builds expert biases only with expert tensor
-    # parallelism 1 and MoE with TP only with sequence parallelism, and TP=2 x ETP=1 x EP=1 does not
-    # match the reference for any MoE here (Qwen3-MoE too; docs/model_families.md).
+    # parallelism 1 and MoE with TP only with sequence parallelism, and TP=2 x ETP=1 x EP=1 is
+    # refused for every MoE (its expert gradients miss the other TP rank's tokens; test_parity.py).
     _check_layout(PARITY, P(ep=2), batches, ref, after=exports_bit_for_bit)
     _check_layout(PARITY, P(pp=2), batches, ref, after=exports_bit_for_bit)
     _sequence_parallel_marks()
@@ -423,8 +427,8 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
 
 def _sequence_parallel_marks() -> None:
-    """TP's marks, checked on a TP=2 x SP x ETP=1 model without running it (two ranks cannot match
-    the reference there, see above; four ranks did). With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
+    """TP's marks, checked on a TP=2 x SP x ETP=1 model without running it (refused without EP on two
+    ranks, `config/moe_rules.py: check_expert_gradient_reduction`; four ranks with EP=2 matched). With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
     `sequence_parallel`: the attention's output bias and the router's (replicated, each rank's
     gradient from its slice of the sequence), not an expert's output bias (whole on its rank; its
     TP neighbours may hold other experts). TP=2 x EP=2 x ETP=1 in four ranks matched the reference
