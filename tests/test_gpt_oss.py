@@ -352,6 +352,20 @@ def _dequantized_by_transformers(path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def test_in_memory_export_stacks_experts_and_loads_in_stock(tmp_path) -> None:
+    """`write_hf_checkpoint` (the export of a state dict) writes the stock file layout, experts stacked."""
+    from transformers import GptOssForCausalLM
+
+    from mcore_rl.convert import write_hf_checkpoint
+    from mcore_rl.hf import to_stock_state_dict
+
+    stock, mc, ours = _stock_and_reference()
+    assert write_hf_checkpoint(ours.state_dict(), mc, str(tmp_path), torch.float32) == "gpt_oss"
+    loaded = GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    want = to_stock_state_dict(ours.state_dict(), ours.config)
+    assert set(loaded) == set(want) and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
 def test_mxfp4_experts_read_dequantized_one_expert_at_a_time(tmp_path) -> None:
     """`HFCheckpoint` lists a stacked (and an MXFP4) checkpoint per expert, under the reference
     model's names, and reads one expert's slice: the stock tensor's, or transformers' dequantization."""
@@ -393,7 +407,7 @@ PARITY = GPT_OSS.replace(init_method_std=0.1)
 def _world(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from mcore_rl.convert import hf_to_mcore, mcore_to_hf
+    from mcore_rl.convert import StreamStats, hf_to_mcore, mcore_to_hf
     from mcore_rl.hf.configuration import hf_config_from_model_config
     from mcore_rl.hf.modeling import to_stock_state_dict
     from mcore_rl.hf.weight_map import full_megatron_to_hf
@@ -419,10 +433,14 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     _check_layout(PARITY, P(pp=2), batches, ref, after=exports_bit_for_bit)
     _sequence_parallel_marks()
     dist.barrier()
-    # checkpoint files: the stock one in EP=2 and EP=1, the MXFP4 one in EP=2, each back to HF
+    # checkpoint files: the stock one in EP=2 and EP=1, the MXFP4 one in EP=2, each back to HF; no
+    # rank holds a stacked expert tensor (4 x 64 x 64 bf16) at once, only one expert's slice
+    stacked_bytes = PARITY.section(MoEKeys).num_experts * 64 * 64 * 2
     for source, layout, name in [("hf", P(ep=2), "ep2"), ("hf", P(), "ep1"), ("mxfp4", P(ep=2), "mxfp4_ep2")]:
-        hf_to_mcore(f"{tmp}/{source}", f"{tmp}/mcore_{name}", layout, precision="bf16")
-        mcore_to_hf(f"{tmp}/mcore_{name}", f"{tmp}/export_{name}")
+        read, written = StreamStats(), StreamStats()
+        hf_to_mcore(f"{tmp}/{source}", f"{tmp}/mcore_{name}", layout, precision="bf16", stats=read)
+        mcore_to_hf(f"{tmp}/mcore_{name}", f"{tmp}/export_{name}", stats=written)
+        assert 0 < read.largest_tensor_bytes < stacked_bytes and written.largest_tensor_bytes < stacked_bytes
         dist.barrier()
 
 

@@ -136,6 +136,21 @@ def stacked_slot(hf_name: str, stacked: tuple[str, ...]) -> tuple[str, int] | No
     return None
 
 
+def stack_experts(tensors: dict[str, torch.Tensor], stacked: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """An in-memory state dict with the per-expert tensors of `stacked` leaves stacked, as the stock
+    checkpoint stores them (`write_hf_checkpoint`; the streaming export writes them one at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        slot = stacked_slot(name, stacked)
+        if slot is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(slot[0], {})[slot[1]] = tensor
+    out.update({name: torch.stack([by[j] for j in range(len(by))]) for name, by in parts.items()})
+    return out
+
+
 def export_order(names: Iterable[str], stacked: bool) -> list[str]:
     """Global megatron names in the order every rank walks them: natural order, and with `stacked`
     each leaf of a layer's experts together, by expert (so a stacked HF tensor is written in one go)."""
