@@ -433,10 +433,11 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     _check_layout(PARITY, P(pp=2), batches, ref, after=exports_bit_for_bit)
     _sequence_parallel_marks()
     dist.barrier()
-    # checkpoint files: the stock one in EP=2 and EP=1, the MXFP4 one in EP=2, each back to HF; no
-    # rank holds a stacked expert tensor (4 x 64 x 64 bf16) at once, only one expert's slice
+    # checkpoint files: the stock one in EP=2, the MXFP4 one in EP=1 (two experts per rank, every
+    # expert on both), each back to HF; no rank holds a stacked expert tensor (4 x 64 x 64 bf16) at
+    # once, only one expert's slice
     stacked_bytes = PARITY.section(MoEKeys).num_experts * 64 * 64 * 2
-    for source, layout, name in [("hf", P(ep=2), "ep2"), ("hf", P(), "ep1"), ("mxfp4", P(ep=2), "mxfp4_ep2")]:
+    for source, layout, name in [("hf", P(ep=2), "ep2"), ("mxfp4", P(), "mxfp4_ep1")]:
         read, written = StreamStats(), StreamStats()
         hf_to_mcore(f"{tmp}/{source}", f"{tmp}/mcore_{name}", layout, precision="bf16", stats=read)
         mcore_to_hf(f"{tmp}/mcore_{name}", f"{tmp}/export_{name}", stats=written)
@@ -470,9 +471,9 @@ def _sequence_parallel_marks() -> None:
 
 @pytest.mark.slow
 def test_megatron_parity_in_ep_and_pp_and_checkpoint_files(tmp_path) -> None:
-    """Parity in EP=2 and PP=2; a stock checkpoint (experts stacked) to megatron in EP=2 and EP=1 and
-    back is the same file's tensors bit for bit, and `generate` from the export equals stock's; an
-    MXFP4 one comes back as transformers dequantizes it (export is not quantized)."""
+    """Parity in EP=2 and PP=2; a stock checkpoint (experts stacked) to megatron in EP=2 and back is
+    the same file's tensors bit for bit, and `generate` from the export equals stock's; an MXFP4 one,
+    in EP=1, comes back as transformers dequantizes it, bit for bit (the export is not quantized)."""
     import json
 
     from safetensors import safe_open
@@ -484,28 +485,27 @@ def test_megatron_parity_in_ep_and_pp_and_checkpoint_files(tmp_path) -> None:
     _stock_checkpoints(tmp_path)
     run_world(2, _world, str(tmp_path))
     stock = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    for name in ("ep2", "ep1"):
-        export = tmp_path / f"export_{name}"
-        with safe_open(str(export / "model.safetensors"), "pt") as f:
-            got = {k: f.get_tensor(k) for k in f.keys()}
-        assert set(got) == set(stock), sorted(set(got) ^ set(stock))
-        assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in stock.items()), name
-        # config.json the same, but for YaRN's default betas, which the export leaves out (as transformers reads them)
-        configs = [json.loads((path / "config.json").read_text()) for path in (export, tmp_path / "hf")]
-        for config in configs:
-            config.pop("transformers_version")
-            config["rope_parameters"] = {"beta_fast": 32.0, "beta_slow": 1.0, **config["rope_parameters"]}
-        assert configs[0] == configs[1]
+    export = tmp_path / "export_ep2"
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(got) == set(stock), sorted(set(got) ^ set(stock))
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in stock.items())
+    # config.json the same, but for YaRN's default betas, which the export leaves out (as transformers reads them)
+    configs = [json.loads((path / "config.json").read_text()) for path in (export, tmp_path / "hf")]
+    for config in configs:
+        config.pop("transformers_version")
+        config["rope_parameters"] = {"beta_fast": 32.0, "beta_slow": 1.0, **config["rope_parameters"]}
+    assert configs[0] == configs[1]
     want = _dequantized_by_transformers(tmp_path / "mxfp4")
-    got = load_file(str(tmp_path / "export_mxfp4_ep2" / "model.safetensors"))
+    got = load_file(str(tmp_path / "export_mxfp4_ep1" / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
-    assert "quantization_config" not in json.loads((tmp_path / "export_mxfp4_ep2" / "config.json").read_text())
+    assert "quantization_config" not in json.loads((tmp_path / "export_mxfp4_ep1" / "config.json").read_text())
     with torch.no_grad():
         prompt = _tokens()[:1, :6]
         ids = [
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(
                 prompt, max_new_tokens=6, do_sample=False
             )
-            for path in (tmp_path / "hf", tmp_path / "export_ep1")
+            for path in (tmp_path / "hf", export)
         ]
     assert torch.equal(*ids)
