@@ -59,8 +59,8 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
 
     With `wanted`, a name it rejects comes back as a *meta* tensor of the right shape and dtype
     (nothing is read): `hf_to_megatron` can then build every megatron tensor, and a rank reads only
-    the tensors its own layers and experts need. An FP8 checkpoint (`convert/fp8.py`: DeepSeek's
-    block-scaled, compressed-tensors' per channel) reads as its dequantized self: each FP8 weight
+    the tensors its own layers and experts need. An FP8 checkpoint (`convert/fp8.py`: block-scaled or
+    per-channel scales) reads as its dequantized self: each FP8 weight
     comes back in the checkpoint's dtype and its scale tensors are not listed.
 
     Expert tensors a family's stock checkpoint stacks over the experts (`ModelFamily.
