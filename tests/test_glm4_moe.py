@@ -211,13 +211,93 @@ def test_unsupported_stock_configs_are_refused_naming_the_field() -> None:
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     assert any("rope_type='yarn'" in p for p in unsupported_stock_fields(_stock_config(rope_parameters=yarn)))
     quantized = _stock_config()
-    quantized.quantization_config = {"quant_method": "fp8"}
+    quantized.quantization_config = {"quant_method": "gptq"}
     assert any(p.startswith("quantization_config=") for p in unsupported_stock_fields(quantized))
     # partial rotary stays refused where the stock class does not rotate part of a head
     from transformers import Qwen3Config
 
     qwen = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     assert any("partial_rotary_factor=0.5" in p for p in unsupported_stock_fields(qwen))
+
+
+# GLM-4.5-FP8's and GLM-4.5-Air-FP8's `quantization_config` as released: compressed-tensors, FP8
+# weights with one scale per output channel (`weight_scale` [out, 1]), activations quantized per
+# token at run time (nothing stored); the router, embeddings and head stay unquantized.
+GLM45_FP8 = {
+    "config_groups": {
+        "group_0": {
+            "input_activations": {
+                "dynamic": True,
+                "num_bits": 8,
+                "strategy": "token",
+                "symmetric": True,
+                "type": "float",
+            },
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "dynamic": False,
+                "num_bits": 8,
+                "observer": "minmax",
+                "strategy": "channel",
+                "symmetric": True,
+                "type": "float",
+            },
+        }
+    },
+    "format": "float-quantized",
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+
+
+def test_fp8_release_reads_dequantized_per_channel(tmp_path) -> None:
+    """Each FP8 linear weight reads as fp8 x its row's scale, in the checkpoint's dtype (bf16),
+    whole or a row/column range at a time; scales are not listed; other FP8 schemes are refused
+    naming their field."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeForCausalLM
+
+    from mcore_rl.convert import HFCheckpoint, model_config_from_hf, read_hf_config
+
+    torch.manual_seed(0)
+    stock = Glm4MoeForCausalLM(_stock_config(num_hidden_layers=2)).float()
+    _randomize(stock)
+    stock.to(torch.bfloat16).save_pretrained(tmp_path)
+    tensors, expected = load_file(str(tmp_path / "model.safetensors")), {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:  # every linear but the router and head
+        weight = tensors[name].float()
+        scale = (weight.abs().amax(dim=1, keepdim=True) / 448.0).bfloat16()  # e4m3's largest finite value
+        tensors[name] = (weight / scale.float()).to(torch.float8_e4m3fn)
+        tensors[name + "_scale"] = scale
+        expected[name] = (tensors[name].float() * scale.float()).bfloat16()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": GLM45_FP8}))
+
+    assert model_config_from_hf(read_hf_config(str(tmp_path))).arch == "glm4_moe"
+    ckpt = HFCheckpoint(str(tmp_path))
+    assert not [n for n in ckpt if n.endswith("_scale")] and len(expected) > 10
+    for name, want in expected.items():
+        assert ckpt.meta(name).dtype == torch.bfloat16 and torch.equal(ckpt[name], want), name
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    for dim, start, stop in [(0, 8, 40), (1, 4, 20)]:
+        part = ckpt.read_rows(name, dim, start, stop)
+        assert torch.equal(part, expected[name][start:stop] if dim == 0 else expected[name][:, start:stop])
+    assert torch.equal(ckpt["model.layers.1.mlp.gate.weight"], tensors["model.layers.1.mlp.gate.weight"])
+
+    def refused(quantization: dict) -> str:
+        with pytest.raises(ValueError) as err:
+            model_config_from_hf(_stock_config(quantization_config=quantization))
+        return str(err.value)
+
+    assert "quantization_config.format='pack-quantized'" in refused({**GLM45_FP8, "format": "pack-quantized"})
+    int8 = copy.deepcopy(GLM45_FP8)
+    int8["config_groups"]["group_0"]["weights"]["type"] = "int"
+    assert "quantization_config.config_groups.group_0.weights" in refused(int8)
+    assert "quantization_config=" in refused({"quant_method": "awq"})
 
 
 def test_bad_values_are_refused_naming_the_key() -> None:

@@ -212,7 +212,8 @@ def test_configs_both_ways_and_refusals() -> None:
             model_config_from_hf(_stock_config(**kw))
         return str(err.value)
 
-    assert "quantization_config" in refused(quantization_config={"quant_method": "mxfp4"})
+    assert "quantization_config" in refused(quantization_config={"quant_method": "awq"})
+    model_config_from_hf(_stock_config(quantization_config={"quant_method": "mxfp4"}))  # dequantized on import
     assert "swiglu_alpha=1.5" in refused(swiglu_alpha=1.5)
     assert "attention_bias=false" in refused(attention_bias=False)
 
@@ -245,8 +246,12 @@ def test_configs_both_ways_and_refusals() -> None:
         "(model.linear_biases, arch gpt_oss) only with expert_tensor_parallel_size 1"
     ]
     errors = Errors()
-    check_parallel(P(tp=2, sp=True, etp=1), GPT_OSS, 2, errors)
+    check_parallel(P(tp=2, sp=True, etp=1, ep=2), GPT_OSS, 4, errors)
     assert not errors.lines
+    # without EP, ETP 1 under TP 2 is refused for every MoE (tests/test_parity.py shows why)
+    errors = Errors()
+    check_parallel(P(tp=2, sp=True, etp=1), GPT_OSS, 2, errors)
+    assert [line.split(":")[0] for line in errors.lines] == ["parallel.expert_tensor_parallel_size"]
     # FLOPs: the GQA decoder's count, every layer routed
     flops = forward_flops_per_token(GPT_OSS, 16)
     assert flops.mlp == pytest.approx(GPT_OSS.num_layers * 2 * (3 * 64 * 32 * 2 + 64 * 4))
@@ -287,6 +292,110 @@ def test_gpt_oss_120b_profile_shape_is_valid() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# checkpoint files: stock (stacked experts) and MXFP4 as released
+# ---------------------------------------------------------------------------------------------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, in, out] -> (blocks [E, out, in / 32, 16] uint8, scales [E, out, in / 32] uint8), as the
+    released files store them: per block of 32 inputs the exponent that puts its largest value at or
+    below 6, each value the nearest e2m1 code, two per byte (low nibble first)."""
+    w = weight.float().transpose(1, 2).reshape(*weight.shape[:1], weight.shape[2], -1, 32)
+    amax = w.abs().amax(dim=-1, keepdim=True).clamp_min(2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    codes = (w / 2.0**exponent).unsqueeze(-1).sub(E2M1).abs().argmin(dim=-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
+
+
+def _stock_checkpoints(root) -> None:
+    """`root/hf`: a tiny stock GPT-OSS saved by `save_pretrained` in bf16 (experts stacked);
+    `root/mxfp4`: the same with its expert weights in MXFP4 and the released `quantization_config`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    stock = GptOssForCausalLM(_stock_config()).float()
+    _randomize(stock)
+    stock.to(torch.bfloat16).save_pretrained(root / "hf")
+    tensors = load_file(str(root / "hf" / "model.safetensors"))
+    (root / "mxfp4").mkdir()
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensors.pop(name))
+    save_file(tensors, str(root / "mxfp4" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "hf" / "config.json").read_text())
+    config["quantization_config"] = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    (root / "mxfp4" / "config.json").write_text(json.dumps(config))
+
+
+def _dequantized_by_transformers(path) -> dict[str, torch.Tensor]:
+    """The MXFP4 checkpoint's tensors with its experts dequantized by transformers' own code."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n[: -len("_blocks")] for n in tensors if n.endswith("_blocks")]:
+        blocks, scales = tensors.pop(name + "_blocks"), tensors.pop(name + "_scales")
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    return tensors
+
+
+def test_in_memory_export_stacks_experts_and_loads_in_stock(tmp_path) -> None:
+    """`write_hf_checkpoint` (the export of a state dict) writes the stock file layout, experts stacked."""
+    from transformers import GptOssForCausalLM
+
+    from mcore_rl.convert import write_hf_checkpoint
+    from mcore_rl.hf import to_stock_state_dict
+
+    stock, mc, ours = _stock_and_reference()
+    assert write_hf_checkpoint(ours.state_dict(), mc, str(tmp_path), torch.float32) == "gpt_oss"
+    loaded = GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    want = to_stock_state_dict(ours.state_dict(), ours.config)
+    assert set(loaded) == set(want) and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
+def test_mxfp4_experts_read_dequantized_one_expert_at_a_time(tmp_path) -> None:
+    """`HFCheckpoint` lists a stacked (and an MXFP4) checkpoint per expert, under the reference
+    model's names, and reads one expert's slice: the stock tensor's, or transformers' dequantization."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.convert import HFCheckpoint
+
+    _stock_checkpoints(tmp_path)
+    stock, want = (
+        load_file(str(tmp_path / "hf" / "model.safetensors")),
+        _dequantized_by_transformers(tmp_path / "mxfp4"),
+    )
+    bf16, mxfp4 = HFCheckpoint(str(tmp_path / "hf")), HFCheckpoint(str(tmp_path / "mxfp4"))
+    assert set(bf16) == set(mxfp4) and "model.layers.1.mlp.experts.3.gate_up_proj" in bf16
+    assert not [n for n in mxfp4 if n.endswith(("_blocks", "_scales", "experts.down_proj"))]
+    for layer, expert, leaf in [(0, 0, "gate_up_proj"), (1, 3, "down_proj"), (3, 2, "down_proj_bias")]:
+        name = f"model.layers.{layer}.mlp.experts.{expert}.{leaf}"
+        stacked = f"model.layers.{layer}.mlp.experts.{leaf}"
+        assert torch.equal(bf16[name], stock[stacked][expert])
+        assert mxfp4.meta(name).shape == want[stacked][expert].shape and mxfp4.meta(name).dtype == torch.bfloat16
+        assert torch.equal(mxfp4[name], want[stacked][expert]), name
+        assert torch.equal(mxfp4.read_rows(name, 0, 8, 16), want[stacked][expert][8:16])
+    # the quantization is lossy, but close: what is imported is the released model, not noise
+    error = (
+        mxfp4["model.layers.0.mlp.experts.1.gate_up_proj"] - bf16["model.layers.0.mlp.experts.1.gate_up_proj"]
+    ).float()
+    assert 0 < error.abs().max() < 0.25 * bf16["model.layers.0.mlp.experts.1.gate_up_proj"].float().abs().max()
+
+
+# ---------------------------------------------------------------------------------------------
 # megatron-core in a 2-rank world
 # ---------------------------------------------------------------------------------------------
 
@@ -295,7 +404,10 @@ def test_gpt_oss_120b_profile_shape_is_valid() -> None:
 PARITY = GPT_OSS.replace(init_method_std=0.1)
 
 
-def _world(rank: int, world_size: int) -> None:
+def _world(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from mcore_rl.convert import StreamStats, hf_to_mcore, mcore_to_hf
     from mcore_rl.hf.configuration import hf_config_from_model_config
     from mcore_rl.hf.modeling import to_stock_state_dict
     from mcore_rl.hf.weight_map import full_megatron_to_hf
@@ -315,16 +427,27 @@ def _world(rank: int, world_size: int) -> None:
         assert stock["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
 
     # No TP in two ranks: megatron-core 0.16.1 builds expert biases only with expert tensor
-    # parallelism 1 and MoE with TP only with sequence parallelism, and TP=2 x ETP=1 x EP=1 does not
-    # match the reference for any MoE here (Qwen3-MoE too; docs/model_families.md).
+    # parallelism 1 and MoE with TP only with sequence parallelism, and TP=2 x ETP=1 x EP=1 is
+    # refused for every MoE (its expert gradients miss the other TP rank's tokens; test_parity.py).
     _check_layout(PARITY, P(ep=2), batches, ref, after=exports_bit_for_bit)
     _check_layout(PARITY, P(pp=2), batches, ref, after=exports_bit_for_bit)
     _sequence_parallel_marks()
+    dist.barrier()
+    # checkpoint files: the stock one in EP=2, the MXFP4 one in EP=1 (two experts per rank, every
+    # expert on both), each back to HF; no rank holds a stacked expert tensor (4 x 64 x 64 bf16) at
+    # once, only one expert's slice
+    stacked_bytes = PARITY.section(MoEKeys).num_experts * 64 * 64 * 2
+    for source, layout, name in [("hf", P(ep=2), "ep2"), ("mxfp4", P(), "mxfp4_ep1")]:
+        read, written = StreamStats(), StreamStats()
+        hf_to_mcore(f"{tmp}/{source}", f"{tmp}/mcore_{name}", layout, precision="bf16", stats=read)
+        mcore_to_hf(f"{tmp}/mcore_{name}", f"{tmp}/export_{name}", stats=written)
+        assert 0 < read.largest_tensor_bytes < stacked_bytes and written.largest_tensor_bytes < stacked_bytes
+        dist.barrier()
 
 
 def _sequence_parallel_marks() -> None:
-    """TP's marks, checked on a TP=2 x SP x ETP=1 model without running it (two ranks cannot match
-    the reference there, see above; four ranks did). With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
+    """TP's marks, checked on a TP=2 x SP x ETP=1 model without running it (refused without EP on two
+    ranks, `config/moe_rules.py: check_expert_gradient_reduction`; four ranks with EP=2 matched). With TP x SP, finalize_model_grads sums over TP the gradients of parameters marked
     `sequence_parallel`: the attention's output bias and the router's (replicated, each rank's
     gradient from its slice of the sequence), not an expert's output bias (whole on its rank; its
     TP neighbours may hold other experts). TP=2 x EP=2 x ETP=1 in four ranks matched the reference
@@ -347,7 +470,42 @@ def _sequence_parallel_marks() -> None:
 
 
 @pytest.mark.slow
-def test_megatron_parity_in_ep_and_pp() -> None:
+def test_megatron_parity_in_ep_and_pp_and_checkpoint_files(tmp_path) -> None:
+    """Parity in EP=2 and PP=2; a stock checkpoint (experts stacked) to megatron in EP=2 and back is
+    the same file's tensors bit for bit, and `generate` from the export equals stock's; an MXFP4 one,
+    in EP=1, comes back as transformers dequantizes it, bit for bit (the export is not quantized)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     from tests.world import run_world
 
-    run_world(2, _world)
+    _stock_checkpoints(tmp_path)
+    run_world(2, _world, str(tmp_path))
+    stock = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    export = tmp_path / "export_ep2"
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(got) == set(stock), sorted(set(got) ^ set(stock))
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in stock.items())
+    # config.json the same, but for YaRN's default betas, which the export leaves out (as transformers reads them)
+    configs = [json.loads((path / "config.json").read_text()) for path in (export, tmp_path / "hf")]
+    for config in configs:
+        config.pop("transformers_version")
+        config["rope_parameters"] = {"beta_fast": 32.0, "beta_slow": 1.0, **config["rope_parameters"]}
+    assert configs[0] == configs[1]
+    want = _dequantized_by_transformers(tmp_path / "mxfp4")
+    got = load_file(str(tmp_path / "export_mxfp4_ep1" / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert "quantization_config" not in json.loads((tmp_path / "export_mxfp4_ep1" / "config.json").read_text())
+    with torch.no_grad():
+        prompt = _tokens()[:1, :6]
+        ids = [
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(
+                prompt, max_new_tokens=6, do_sample=False
+            )
+            for path in (tmp_path / "hf", export)
+        ]
+    assert torch.equal(*ids)

@@ -33,6 +33,28 @@ MOE_SHARED = MOE.replace(moe_shared_expert_intermediate_size=96, moe_norm_topk_p
 TIED = dataclasses.replace(DENSE, tie_word_embeddings=True)
 
 
+def _two_rank_world(rank: int, world_size: int, cases) -> None:
+    _layouts_world(rank, world_size, cases)
+    _expert_tp_below_tp_without_ep_is_wrong()
+
+
+def _expert_tp_below_tp_without_ep_is_wrong() -> None:
+    """Why validation refuses TP=2 x ETP=1 x EP=1 (`config/moe_rules.py:
+    check_expert_gradient_reduction`): megatron-core 0.16.1 reduces the experts' gradients over the
+    data-parallel group there (one rank), so each holds its own slice of the sequence's share. When
+    this stops failing, megatron-core reduces them right and the refusal can go."""
+    from mcore_rl.config.rules import Errors, check_parallel
+    from tests.helpers import _check_layout, _global_batch, _parity_reference
+
+    layout = P(tp=2, sp=True, etp=1)
+    errors = Errors()
+    check_parallel(layout, MOE, 2, errors)
+    assert [line.split(":")[0] for line in errors.lines] == ["parallel.expert_tensor_parallel_size"]
+    batches = _global_batch(MOE.vocab_size)
+    with pytest.raises(AssertionError, match=r"mlp\.experts\.local_experts\.\d+\.linear_fc\d\.weight"):
+        _check_layout(MOE, layout, batches, _parity_reference(MOE, batches))
+
+
 def test_two_rank_layouts():
     cases = [
         (DENSE, P(tp=2, sp=True)),
@@ -45,7 +67,7 @@ def test_two_rank_layouts():
         (MOE, P(tp=2, sp=True)),
         (MOE_SHARED, P(ep=2)),
     ]
-    run_world(2, _layouts_world, cases)
+    run_world(2, _two_rank_world, cases)
 
 
 def test_four_rank_layouts():

@@ -42,7 +42,9 @@ def check_mixed_moe(m: ModelConfig, errors: Errors) -> None:
 
 
 def check_family_layout(m: ModelConfig, p: ParallelConfig, errors: Errors) -> None:
-    """The layout rules of the model's family (`ModelFamily.check_parallel`), if its arch is one."""
+    """The layout rules of every MoE model (`check_expert_gradient_reduction`), then those of the
+    model's family (`ModelFamily.check_parallel`), if its arch is one."""
+    check_expert_gradient_reduction(p, errors)
     if m.arch in DECODER_ARCHS:
         return
     # imported here: mcore_rl.hf loads torch and transformers, which the config tree alone does not need
@@ -51,6 +53,29 @@ def check_family_layout(m: ModelConfig, p: ParallelConfig, errors: Errors) -> No
     family = family_named(m.arch)
     if family is not None:
         family.check_parallel(m, p, errors)
+
+
+def check_expert_gradient_reduction(p: ParallelConfig, errors: Errors) -> None:
+    """Without expert parallelism, the expert-TP size must be the TP size.
+
+    megatron-core 0.16.1 marks an expert's weights `allreduce` (reduced like dense weights, over the
+    data-parallel group) whenever expert_model_parallel_size is 1 (`experts.py`,
+    `tensor_parallel/layers.py`: `allreduce = not expert_parallel`). That group is the expert
+    data-parallel one only when ETP == TP: with ETP < TP, each TP rank's experts see only its slice
+    of the sequence (sequence parallelism) and the expert data-parallel group spans the TP ranks,
+    but the gradients are summed over the data-parallel group, which does not - every expert
+    gradient comes out as one rank's share (measured: TP=2 x ETP=1 x EP=1 on two ranks, Qwen3-MoE,
+    expert gradients about half the reference's, loss equal; `tests/test_parity.py`). With EP > 1
+    they are reduced over the expert data-parallel group and match."""
+    etp = p.expert_tensor_parallel_size
+    tp = p.tensor_model_parallel_size
+    errors.need(
+        p.expert_model_parallel_size > 1 or etp is None or etp == tp,
+        "parallel.expert_tensor_parallel_size",
+        f"is {etp} but tensor_model_parallel_size is {tp} with expert_model_parallel_size 1: megatron-core "
+        "0.16.1 then reduces expert gradients over the data-parallel group only, missing the other TP ranks' "
+        "tokens; use expert_model_parallel_size > 1 or expert_tensor_parallel_size = tensor_model_parallel_size",
+    )
 
 
 def check_moe_layer_pattern(m: ModelConfig, errors: Errors) -> None:

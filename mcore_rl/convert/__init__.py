@@ -1,8 +1,8 @@
 """Hugging Face <-> megatron-core checkpoint conversion: the library behind `mcore-rl convert`.
 
 **hf-to-mcore** reads a local Hugging Face checkpoint (`config.json` + safetensors, one file or an
-index of shards) of a Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Qwen2-MoE, Mistral or DeepSeek-V3 model (or
-one this package exported), builds the megatron-core model in the requested TP/PP/EP layout on every
+index of shards) of a Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Qwen2-MoE, Mistral, DeepSeek-V3, GLM-4.5 or
+GPT-OSS model (or one this package exported; FP8 and MXFP4 releases dequantized on read), builds the megatron-core model in the requested TP/PP/EP layout on every
 rank, streams the weights in (`stream_import`: each rank reads only its own slice of each tensor, one
 tensor at a time; padded vocabulary rows are zeros) and writes a *model-only* distributed checkpoint
 in the format `mcore_rl.train.checkpoint` writes (`<out>/iter_0000000/`, `<out>/latest`). Next to it:
@@ -28,7 +28,7 @@ checkpoint:
 
 A round trip HF -> megatron -> HF reproduces every tensor bit for bit (in the source dtype).
 
-Modules: `hf_checkpoint` (reading HF checkpoint directories), `layout` (the layout to convert in),
+Modules: `hf_checkpoint` (reading HF checkpoint directories; `fp8`, `mxfp4`: quantized weights), `layout` (the layout to convert in),
 `streaming` (owned slices, counters), `stream_import` / `stream_export` (the per-tensor data paths),
 `to_mcore` (hf-to-mcore), `to_hf` (mcore-to-hf, HF config and remote-code files), `command` (the
 `mcore-rl convert` command). It lives outside `mcore_rl.hf`, which must never need megatron-core.

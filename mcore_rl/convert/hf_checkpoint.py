@@ -14,7 +14,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from mcore_rl.config.rope_scaling import check_rope_scaling
-from mcore_rl.convert.fp8 import SCALE_SUFFIX, block_size_of, dequantize, scale_rows_for
+from mcore_rl.convert import mxfp4
+from mcore_rl.convert.fp8 import dequantize, fp8_layout, fp8_layout_of, scale_rows_for
 from mcore_rl.config.rules import Errors
 from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_of
@@ -58,9 +59,16 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
 
     With `wanted`, a name it rejects comes back as a *meta* tensor of the right shape and dtype
     (nothing is read): `hf_to_megatron` can then build every megatron tensor, and a rank reads only
-    the tensors its own layers and experts need. A block-scaled FP8 checkpoint (`convert/fp8.py`)
-    reads as its dequantized self: each FP8 weight comes back in the checkpoint's dtype and its
-    `*_scale_inv` tensors are not listed.
+    the tensors its own layers and experts need. An FP8 checkpoint (`convert/fp8.py`: block-scaled or
+    per-channel scales) reads as its dequantized self: each FP8 weight
+    comes back in the checkpoint's dtype and its scale tensors are not listed.
+
+    Expert tensors a family's stock checkpoint stacks over the experts (`ModelFamily.
+    stacked_expert_tensors`: GPT-OSS's `mlp.experts.gate_up_proj` [E, ...]) are listed and read per
+    expert, under the names the reference model gives them (`mlp.experts.{j}.gate_up_proj`): a
+    read touches one expert's bytes, never the stack. MXFP4 stacks (`convert/mxfp4.py`: `*_blocks`
+    and `*_scales`, GPT-OSS as released) read dequantized, one expert at a time, in the checkpoint's
+    dtype.
     """
 
     def __init__(self, directory: str, wanted: Callable[[str], bool] | None = None) -> None:
@@ -82,19 +90,57 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
                 f"{directory}: no model.safetensors or model.safetensors.index.json (found {found}); "
                 "only safetensors checkpoints are read - re-save others with transformers' save_pretrained"
             )
+        stacked = _stacked_expert_tensors(directory)
         fused = [n for n in self._files if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
-        if fused:
+        if fused and not stacked:
             raise ValueError(
                 f"{directory}: fused expert tensors ({fused[0]}, ...) are an in-memory transformers layout, "
                 "not a checkpoint one; re-save with transformers' save_pretrained (per-expert names)"
             )
         self._handles: dict[str, Any] = {}
-        self.block = block_size_of(directory)
-        scales = {n for n in self._files if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._files}
-        self._hidden = scales if self.block else set()  # read through their weights, not listed
-        self._quantized = {n[: -len(SCALE_SUFFIX)] for n in self._hidden}
-        self._names = [n for n in self._files if n not in self._hidden]
+        self.fp8 = fp8_layout_of(directory)
+        suffix = self.fp8.scale_suffix if self.fp8 else ""
+        scales = {n for n in self._files if suffix and n.endswith(suffix) and n[: -len(suffix)] in self._files}
+        self._hidden = scales  # read through their weights, not listed
+        self._quantized = {n[: -len(suffix)] for n in self._hidden}
+        self._mxfp4: set[str] = set()  # stacked names stored as MXFP4 blocks and scales
+        if mxfp4.is_mxfp4(directory):
+            blocks = {n[: -len(mxfp4.BLOCKS_SUFFIX)] for n in self._files if n.endswith(mxfp4.BLOCKS_SUFFIX)}
+            self._mxfp4 = {n for n in blocks if n + mxfp4.SCALES_SUFFIX in self._files}
+            self._hidden |= {n + suffix for n in self._mxfp4 for suffix in mxfp4.SUFFIXES}
+        # one expert's slice of a stacked tensor: per-expert name -> (stacked name, expert)
+        self._experts: dict[str, tuple[str, int]] = {}
+        self._names: list[str] = []
+        for name in [*self._files, *self._mxfp4]:
+            head, sep, leaf = name.rpartition(".mlp.experts.")
+            if sep and leaf in stacked and (name in self._mxfp4 or name not in self._hidden):
+                count = self._stacked_shape(name)[0]
+                per_expert = {f"{head}.mlp.experts.{j}.{leaf}": (name, j) for j in range(count)}
+                self._experts.update(per_expert)
+                self._names += per_expert
+            elif name not in self._hidden and name not in self._mxfp4:
+                self._names.append(name)
+        self._listed = set(self._names)
         self._dtype: torch.dtype | None = None
+
+    def _stacked_shape(self, name: str) -> list[int]:
+        """[E, ...] of a stacked expert tensor as it reads (MXFP4: [E, in, out] unquantized)."""
+        if name in self._mxfp4:
+            blocks = name + mxfp4.BLOCKS_SUFFIX
+            return mxfp4.unquantized_shape(self._handle(self._files[blocks]).get_slice(blocks).get_shape())
+        return list(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def _read_expert(self, name: str) -> torch.Tensor:
+        """One expert's slice of a stacked tensor; only its bytes are read (the file opened for this read)."""
+        stacked, expert = self._experts[name]
+        if stacked not in self._mxfp4:
+            return self._read_one_expert(stacked, expert)
+        blocks, scales = (self._read_one_expert(stacked + suffix, expert) for suffix in mxfp4.SUFFIXES)
+        return mxfp4.dequantize(blocks, scales, self.dtype())
+
+    def _read_one_expert(self, stored: str, expert: int) -> torch.Tensor:
+        with safe_open(self._files[stored], "pt", device="cpu") as handle:
+            return handle.get_slice(stored)[expert]
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -102,27 +148,38 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
         return self._handles[path]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._files:
+        if name not in self._files and name not in self._experts:
             raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
         if self.wanted is not None and not self.wanted(name):
             return self.meta(name)
+        if name in self._experts:
+            return self._read_expert(name)
         handle = self._handle(self._files[name])
         if name in self._quantized:
-            assert self.block is not None  # only block-scaled checkpoints list quantized names
-            scale = self._handle(self._files[name + SCALE_SUFFIX]).get_tensor(name + SCALE_SUFFIX)
-            return dequantize(handle.get_tensor(name), scale, self.block, self.dtype())
+            assert self.fp8 is not None  # only FP8 checkpoints list quantized names
+            scale_name = name + self.fp8.scale_suffix
+            scale = self._handle(self._files[scale_name]).get_tensor(scale_name)
+            return dequantize(handle.get_tensor(name), scale, self.fp8.block, self.dtype())
         return handle.get_tensor(name)
 
     def meta(self, name: str) -> torch.Tensor:
         """A *meta* tensor of `name`'s shape and the dtype it reads as (nothing is read)."""
-        if name not in self._files:
+        if name not in self._files and name not in self._experts:
             raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
+        if name in self._experts:
+            stacked = self._experts[name][0]
+            piece_dtype = self.dtype() if stacked in self._mxfp4 else self.meta_dtype(stacked)
+            return torch.empty(self._stacked_shape(stacked)[1:], dtype=piece_dtype, device="meta")
         piece = self._handle(self._files[name]).get_slice(name)
         dtype = self.dtype() if name in self._quantized else _SAFETENSORS_DTYPES[piece.get_dtype()]
         return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
 
+    def meta_dtype(self, name: str) -> torch.dtype:
+        """The dtype a stored tensor has in its file."""
+        return _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
+
     def __contains__(self, name: object) -> bool:
-        return name in self._files and name not in self._hidden
+        return name in self._listed
 
     def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Only the slice [start, stop) of tensor `name` along `dim` (0 or 1) is read from disk.
@@ -131,22 +188,28 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
         (measured: RSS grew with every tensor read), which is what streaming must not do.
         """
 
-        if name not in self._files:
+        if name not in self._files and name not in self._experts:
             raise KeyError(f"Hugging Face checkpoint {self.directory} has no tensor {name!r}")
         if dim not in (0, 1):
             raise ValueError(f"{name}: slices are read along dim 0 or 1, not {dim}")
+        if name in self._experts:  # one expert's slice, then its rows
+            return self._read_expert(name).narrow(dim, start, stop - start).contiguous()
         with safe_open(self._files[name], "pt", device="cpu") as handle:
             piece = handle.get_slice(name)
             rows = piece[start:stop] if dim == 0 else piece[:, start:stop]
         if name not in self._quantized:
             return rows
-        assert self.block is not None  # only block-scaled checkpoints list quantized names
-        first, last = scale_rows_for(start, stop, self.block[dim])
-        with safe_open(self._files[name + SCALE_SUFFIX], "pt", device="cpu") as handle:
-            piece = handle.get_slice(name + SCALE_SUFFIX)
-            scale = piece[first:last] if dim == 0 else piece[:, first:last]
+        assert self.fp8 is not None  # only FP8 checkpoints list quantized names
+        first, last = scale_rows_for(start, stop, self.fp8.block[dim])
+        scale_name = name + self.fp8.scale_suffix
+        with safe_open(self._files[scale_name], "pt", device="cpu") as handle:
+            piece = handle.get_slice(scale_name)
+            if len(piece.get_shape()) < 2:  # one scale for the tensor
+                scale = piece[:]
+            else:
+                scale = piece[first:last] if dim == 0 else piece[:, first:last]
         at = (start, 0) if dim == 0 else (0, start)
-        return dequantize(rows, scale, self.block, self.dtype(), *at)
+        return dequantize(rows, scale, self.fp8.block, self.dtype(), *at)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -161,6 +224,17 @@ class HFCheckpoint(Mapping[str, torch.Tensor]):
             name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in self._files else self._names[0]
             self._dtype = _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
         return self._dtype
+
+
+def _stacked_expert_tensors(directory: str) -> tuple[str, ...]:
+    """The expert tensors the checkpoint's family stacks over the experts (by its config.json's model_type)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path, encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    family = next((f for f in FAMILIES if model_type in (f.stock_model_type, *f.config_aliases)), None)
+    return family.stacked_expert_tensors if family else ()
 
 
 def read_hf_config(directory: str) -> PretrainedConfig:
@@ -201,6 +275,10 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
     ):
         problems.append("attention_bias=true: the megatron-core models here have no attention biases")
     problems += unsupported_stock_fields(hf, rope_key)
+    try:  # FP8 weights: a layout the reader dequantizes (convert/fp8.py)
+        fp8_layout(dict(getattr(hf, "quantization_config", None) or {}))
+    except ValueError as err:
+        problems.append(str(err))
     mc = None if problems else model_config_from_hf_config(hf, rope_key)
     if mc is not None:  # the scaling's values, named as the file spells them
         errors = Errors()

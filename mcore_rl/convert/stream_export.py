@@ -7,6 +7,10 @@ tensor point-to-point to the writer (global rank 0) unless it is the writer; the
 names with `weight_map.megatron_to_hf`, casts each piece and appends its bytes to the current shard
 file. Shard contents are planned up front from the shapes, so each file's safetensors header is
 written first and the tensors are streamed after it: nothing waits in memory for a shard to fill.
+A stock export of a family whose checkpoints stack expert tensors over the experts (GPT-OSS's
+`mlp.experts.gate_up_proj` [E, ...]) walks each layer's experts leaf by leaf, so the experts'
+slices of one stacked tensor arrive in turn and are appended one at a time (a stacked tensor is its
+experts' slices back to back): the writer holds one expert's slice, never the stack.
 
 Every rank walks the same list and joins only the operations it takes part in, so the earliest
 unfinished operation always has all its ranks waiting on it: no deadlock.
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from mcore_rl.convert.hf_checkpoint import _SAFETENSORS_DTYPES, HFCheckpoint
 from mcore_rl.convert.stream_import import full_shape
 from mcore_rl.convert.streaming import StreamStats, nbytes, tensor_split
+from mcore_rl.hf.families import family_named
 from mcore_rl.hf.weight_map import megatron_to_hf
 from mcore_rl.models.shards import _tp_group_rank_size, gather_data_parallel_shards, iter_local_params, unshard
 from mcore_rl.progress import progress
@@ -68,20 +73,29 @@ class SafetensorsShardWriter:
         )
         self._queue = [(i, *entry) for i, shard in enumerate(shards) for entry in shard]
         self._next = 0
+        self._part = 0  # the next slice of a tensor written in parts
         self._file: Any | None = None
         self._file_index = -1
         self.total_bytes = sum(math.prod(s) * d.itemsize for _, s, d in plan)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append the next planned tensor (name, shape and dtype must be the planned ones)."""
+    def write(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+        """Append the next planned tensor (name, shape and dtype must be the planned ones), or with
+        `part` its next slice along dim 0 (a stacked tensor written one expert at a time, in order)."""
         shard, *planned = self._queue[self._next]
-        if planned != [name, tuple(tensor.shape), tensor.dtype]:
-            raise RuntimeError(f"export wrote {name} {tuple(tensor.shape)} {tensor.dtype} where the plan has {planned}")
+        planned_shape = self._queue[self._next][2]
+        shape = tuple(tensor.shape) if part is None else (planned_shape[0], *tensor.shape)
+        if planned != [name, shape, tensor.dtype] or (part is not None and part != self._part):
+            at = "" if part is None else f" part {part} (expected {self._part})"
+            raise RuntimeError(f"export wrote {name}{at} {shape} {tensor.dtype} where the plan has {planned}")
         if shard != self._file_index:
             self._open(shard)
         assert self._file is not None  # opened by _open for this shard
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         self._file.write(memoryview(data.numpy()))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+        if part is not None and part + 1 < planned_shape[0]:
+            self._part += 1
+            return
+        self._part = 0
         self._next += 1
         if self._next == len(self._queue) or self._queue[self._next][0] != shard:
             self._file.close()
@@ -110,6 +124,69 @@ class SafetensorsShardWriter:
         with open(os.path.join(self.output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
         return self.files + ["model.safetensors.index.json"]
+
+
+def stacked_slot(hf_name: str, stacked: tuple[str, ...]) -> tuple[str, int] | None:
+    """(stacked name, expert) of a per-expert HF name (`...mlp.experts.{j}.<leaf>`) whose leaf the
+    stock checkpoint stacks over the experts (`ModelFamily.stacked_expert_tensors`); else None."""
+    head, sep, tail = hf_name.partition(".mlp.experts.")
+    expert, _, leaf = tail.partition(".")
+    if sep and expert.isdigit() and leaf in stacked:
+        return f"{head}.mlp.experts.{leaf}", int(expert)
+    return None
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], stacked: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """An in-memory state dict with the per-expert tensors of `stacked` leaves stacked, as the stock
+    checkpoint stores them (`write_hf_checkpoint`; the streaming export writes them one at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        slot = stacked_slot(name, stacked)
+        if slot is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(slot[0], {})[slot[1]] = tensor
+    out.update({name: torch.stack([by[j] for j in range(len(by))]) for name, by in parts.items()})
+    return out
+
+
+def export_order(names: Iterable[str], stacked: bool) -> list[str]:
+    """Global megatron names in the order every rank walks them: natural order, and with `stacked`
+    each leaf of a layer's experts together, by expert (so a stacked HF tensor is written in one go)."""
+    if not stacked:
+        return sorted(names, key=natural_key)
+    return sorted(names, key=lambda n: natural_key(_EXPERT_FIRST.sub(r"local_experts.\2.\1", n)))
+
+
+_EXPERT_FIRST = re.compile(r"local_experts\.(\d+)\.(.+)$")
+
+
+def _plan(
+    order: list[str],
+    meta: dict[str, tuple[list[int], torch.dtype]],
+    mc: ModelConfig,
+    kind: str | None,
+    dtype: torch.dtype,
+    stacked: tuple[str, ...],
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, shape, dtype) of every tensor the writer writes, a stacked one once with its expert count."""
+    from mcore_rl.convert.to_hf import tensor_dtype  # lazy: import cycle (to_hf imports this module)
+
+    plan: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for name in order:
+        for hf_name, piece in megatron_to_hf(name, torch.empty(meta[name][0], device="meta"), mc):
+            shape, cast = tuple(piece.shape), tensor_dtype(hf_name, kind, dtype)
+            slot = stacked_slot(hf_name, stacked)
+            if slot is None:
+                plan.append((hf_name, shape, cast))
+            elif slot[1] == 0:
+                plan.append((slot[0], (1, *shape), cast))
+            elif plan[-1][0] == slot[0] and plan[-1][1][0] == slot[1]:
+                plan[-1] = (slot[0], (slot[1] + 1, *shape), cast)
+            else:
+                raise RuntimeError(f"export: {hf_name} does not follow expert {slot[1] - 1} of {slot[0]}")
+    return plan
 
 
 def _exported(chunks: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -193,14 +270,13 @@ def stream_export(
         for name, shape, dt, leader in part:
             meta[name] = (shape, getattr(torch, dt))
             source[name] = min(source.get(name, world), leader)
-    order = sorted(meta, key=natural_key)
+    family = family_named(mc.arch)
+    order = export_order(meta, bool(family and family.stacked_expert_tensors))
+    # a stock export of a family whose stock checkpoints stack expert tensors (GPT-OSS) stacks them
+    stacked = family.stacked_expert_tensors if family and kind == family.stock_model_type else ()
     writer = None
     if me == WRITER:
-        plan = [
-            (hf_name, tuple(piece.shape), tensor_dtype(hf_name, kind, dtype))
-            for name in order
-            for hf_name, piece in megatron_to_hf(name, torch.empty(meta[name][0], device="meta"), mc)
-        ]
+        plan = _plan(order, meta, mc, kind, dtype, stacked)
         for carried_name in carried or []:
             assert carried is not None  # iterated only when given
             piece = carried.meta(carried_name)
@@ -229,7 +305,8 @@ def stream_export(
             for hf_name, piece in megatron_to_hf(name, full, mc):
                 cast = piece.to(tensor_dtype(hf_name, kind, dtype)).contiguous()
                 stats.held(full, cast)
-                writer.write(hf_name, cast)
+                slot = stacked_slot(hf_name, stacked)
+                writer.write(*((hf_name, cast) if slot is None else (slot[0], cast, slot[1])))
                 stats.moved(cast)
                 bar.update(nbytes(cast))
                 del cast

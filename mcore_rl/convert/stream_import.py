@@ -4,6 +4,9 @@ For every local megatron parameter, `weight_map.megatron_to_hf` (on a *meta* ten
 shape, so nothing is computed) names the HF tensors it is made of; the rank reads its rows of each
 (safetensors `get_slice` along the TP/ETP split dimension; per query group for the fused QKV, per
 half for [gate; up]), fuses them as megatron lays them out and copies the result into the parameter.
+Where a family lays a tensor out otherwise than megatron does (`ModelFamily.megatron_from_hf`:
+GPT-OSS's experts, transposed with gate and up interleaved), the rank reads the whole HF tensor (one
+expert's slice of a stacked one: `HFCheckpoint`) and cuts its rows after the change.
 No full-model dict exists anywhere, and a TP rank never reads the rows of its peers.
 """
 
@@ -19,7 +22,8 @@ import torch
 from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.convert.hf_checkpoint import HFCheckpoint
 from mcore_rl.convert.streaming import StreamStats, nbytes, owned_range, tensor_split
-from mcore_rl.hf.weight_map import _ngram_hf_to_megatron, megatron_to_hf, merge_qkv
+from mcore_rl.hf.families import family_named
+from mcore_rl.hf.weight_map import LAYER_NAME, _ngram_hf_to_megatron, megatron_to_hf, merge_qkv
 from mcore_rl.models.shards import _dp_size, iter_local_params, shard_for_rank
 from mcore_rl.progress import progress
 
@@ -58,9 +62,18 @@ def read_owned_shard(
         if stats:
             stats.held(full, shard)
         return shard
+    dim, rank, size = tensor_split(param, global_name)
+    family, layer = family_named(mc.arch), LAYER_NAME.match(name)
+    if family and family.megatron_from_hf and layer:  # a layout the family changes (GPT-OSS's experts)
+        whole = family.megatron_from_hf(f"model.layers.{layer.group(1)}.", layer.group(2), source.__getitem__, mc)
+        if whole is not None:
+            start, stop = owned_range(whole.shape[dim], rank, size)
+            shard = whole.narrow(dim, start, stop - start).contiguous() if size > 1 else whole
+            if stats:
+                stats.held(whole, shard)
+            return shard
     meta = torch.empty(full_shape(param, global_name), dtype=param.dtype, device="meta")
     pieces = megatron_to_hf(name, meta, mc)
-    dim, rank, size = tensor_split(param, global_name)
     if len(pieces) == 1:
         hf_name, piece = pieces[0]
         start, stop = owned_range(meta.shape[dim], rank, size)

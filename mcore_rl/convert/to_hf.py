@@ -18,9 +18,9 @@ from mcore_rl.config.schema import ModelConfig
 from mcore_rl.convert.carried import open_carried
 from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout, parallel_config
-from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS
+from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_named
 from mcore_rl.hf.rope import respell_rope_in_file
-from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stream_export
+from mcore_rl.convert.stream_export import SafetensorsShardWriter, natural_key, stack_experts, stream_export
 from mcore_rl.convert.streaming import StreamStats
 from mcore_rl.hf.configuration import (
     hf_config_from_model_config,
@@ -177,6 +177,9 @@ def write_hf_checkpoint(
 ) -> str:
     """Write config, weights (HF names), remote code if needed and assets; returns the export kind."""
     kind = write_hf_files(mc, output_dir, dtype, source_config, assets_dir)
+    family = family_named(mc.arch)
+    if family and kind == family.stock_model_type and family.stacked_expert_tensors:  # as stock files hold them
+        hf_state = stack_experts(hf_state, family.stacked_expert_tensors)
     save_safetensors(
         {k: v.to(tensor_dtype(k, kind, dtype)).contiguous() for k, v in hf_state.items()}, output_dir, max_shard_bytes
     )

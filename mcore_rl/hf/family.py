@@ -83,6 +83,10 @@ class ModelFamily:
     # expert tensors the stock checkpoint stacks over the experts (`mlp.experts.<name>` [E, ...]) and
     # ours keeps per expert (`mlp.experts.{j}.<name>`, one HF name per megatron expert tensor)
     stacked_expert_tensors: tuple[str, ...] = ()
+    # one megatron layer tensor (`rest` within the layer of HF prefix `prefix`) from the whole HF
+    # tensors `read` returns by name, for the streaming importer, where the HF layout is not the
+    # megatron one cut by rows (transposed, interleaved); None = the shared way (row slices)
+    megatron_from_hf: Callable[[str, str, Callable[[str], Tensor], ModelConfigT], Tensor | None] | None = None
     # the module of the megatron-core half (models/<family>.py, its `MEGATRON` record:
     # models/family.py), found by name because hf/ imports no megatron; "" = none
     megatron: str = ""

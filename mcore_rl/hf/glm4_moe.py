@@ -153,9 +153,12 @@ def to_stock(cfg: Any) -> Any:
 def unsupported(hf: Any) -> list[str]:
     """What of a stock GLM-4.5 config the reference and megatron-core models here cannot compute."""
     problems = unsupported_groups(hf)
-    quantization = getattr(hf, "quantization_config", None)
-    if quantization:
-        problems.append(f"quantization_config={dict(quantization)}: GLM-4.5 checkpoints are imported unquantized")
+    quantization = dict(getattr(hf, "quantization_config", None) or {})
+    if quantization and quantization.get("quant_method") != "compressed-tensors":  # the FP8 releases'
+        problems.append(
+            f"quantization_config={quantization}: of quantized GLM-4.5 checkpoints only the released FP8 "
+            "(quant_method 'compressed-tensors') is dequantized on import"
+        )
     for key in ROPE_KEYS:
         kind = rope_type_of(getattr(hf, key, None))
         if kind != "default":

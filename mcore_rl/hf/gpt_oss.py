@@ -26,6 +26,7 @@ that joins the softmax and takes its share of the probability mass, but no value
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -295,10 +296,10 @@ def unsupported(hf: Any) -> list[str]:
     """What of a stock GPT-OSS config the reference and megatron-core models here cannot compute."""
     problems = []
     quantization = dict(getattr(hf, "quantization_config", None) or {})
-    if quantization:
+    if quantization and quantization.get("quant_method") != "mxfp4":  # MXFP4 experts: dequantized on import
         problems.append(
-            f"quantization_config={quantization}: MXFP4 experts are not dequantized on import; convert a "
-            "bf16 checkpoint (transformers' Mxfp4Config(dequantize=True) writes one)"
+            f"quantization_config={quantization}: only the released MXFP4 experts are dequantized on import; "
+            "convert a bf16 checkpoint"
         )
     if float(getattr(hf, "swiglu_alpha", SWIGLU_ALPHA)) != SWIGLU_ALPHA:
         problems.append(
@@ -363,6 +364,25 @@ def megatron_to_hf(prefix: str, rest: str, tensor: torch.Tensor, mc: Any) -> lis
     return None
 
 
+# an expert's megatron leaf: its HF tensor (per expert) and the layout change HF -> megatron
+_EXPERT_FROM_HF: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "linear_fc1.weight": ("gate_up_proj", lambda t: deinterleave(t.t())),  # [hidden, 2 ffn] -> [gate; up] rows
+    "linear_fc1.bias": ("gate_up_proj_bias", deinterleave),
+    "linear_fc2.weight": ("down_proj", lambda t: t.t()),  # [ffn, hidden] -> [hidden, ffn]
+    "linear_fc2.bias": ("down_proj_bias", lambda t: t),
+}
+
+
+def megatron_from_hf(prefix: str, rest: str, read: Callable[[str], torch.Tensor], mc: Any) -> torch.Tensor | None:
+    """An expert's megatron tensor from its HF one (the streaming importer; `read` gets one expert's
+    slice of a stacked checkpoint tensor); None for the rest, which megatron lays out as HF does."""
+    if not rest.startswith(_EXPERT):
+        return None
+    expert, leaf = rest[len(_EXPERT) :].split(".", 1)
+    hf_leaf, to_megatron = _EXPERT_FROM_HF[leaf]
+    return to_megatron(read(f"{prefix}mlp.experts.{expert}.{hf_leaf}")).contiguous()
+
+
 def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mc: Any) -> torch.Tensor:
     """megatron's fused QKV rows, grouped per KV head: [g0: q.. k v][g1: q.. k v]... (`weight_map.merge_qkv`)."""
     groups, hd = mc.num_query_groups, mc.head_dim
@@ -386,10 +406,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], p: str, q: str, mc: Any, moe_lay
         out[q + megatron] = hf[p + name]
     for expert in range(_keys(mc)[1].num_experts):
         he, me = f"{p}mlp.experts.{expert}.", f"{q}{_EXPERT}{expert}."
-        out[me + "linear_fc1.weight"] = deinterleave(hf[he + "gate_up_proj"].t())
-        out[me + "linear_fc1.bias"] = deinterleave(hf[he + "gate_up_proj_bias"])
-        out[me + "linear_fc2.weight"] = hf[he + "down_proj"].t()
-        out[me + "linear_fc2.bias"] = hf[he + "down_proj_bias"]
+        for leaf, (hf_leaf, to_megatron) in _EXPERT_FROM_HF.items():
+            out[me + leaf] = to_megatron(hf[he + hf_leaf])
     return out
 
 
@@ -468,5 +486,6 @@ FAMILY = ModelFamily(
     windowed_layers=windowed_layers,
     attention_bias=True,
     stacked_expert_tensors=STACKED_EXPERT_TENSORS,
+    megatron_from_hf=megatron_from_hf,
     megatron="mcore_rl.models.gpt_oss",
 )
