@@ -271,7 +271,8 @@ class RolloutConfig(Sectioned):
     sampling_mask_replay: bool = False
     # ---- exact speculative decoding in the engines this trainer builds (embedded or started `mcore-rl
     # serve`; docs/speculative.md): the tokens, μ, masks and experts stay the policy's, only faster
-    speculative_algorithm: Literal["none", "ngram", "standalone"] = "none"  # prompt lookup, or a draft model
+    # prompt lookup, a draft model, or the policy's own MTP heads (model.mtp_num_layers), synced with it
+    speculative_algorithm: Literal["none", "ngram", "standalone", "nextn"] = "none"
     speculative_num_steps: int = 4  # tokens drafted per verification
     speculative_draft_model_path: str | None = None  # standalone: HF directory, the policy's tokenizer; fixed weights
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
