@@ -137,10 +137,11 @@ def _world(rank: int, world_size: int, ref_state: dict, ref_main: torch.Tensor, 
     from mcore_rl.config.schema import ParallelConfig, TrainConfig
     from mcore_rl.hf.weight_map import full_megatron_to_hf, hf_to_megatron
     from mcore_rl.models.builder import build_model, transformer_config
-    from mcore_rl.models.mtp import mtp_logits, policy_logits
+    from mcore_rl.models.mtp import mtp_logits
     from mcore_rl.models.shards import gather_full_state_dict, load_full_state_dict
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
+    from mcore_rl.train.logprobs import make_forward_step
     from mcore_rl.train.mtp_loss import MTPForwardStep
 
     pc = ParallelConfig()
@@ -159,8 +160,9 @@ def _world(rank: int, world_size: int, ref_state: dict, ref_main: torch.Tensor, 
     with torch.no_grad():
         gpt.eval()
         gpt(batch["tokens"], batch["position_ids"], None)
-        main = policy_logits(gpt).transpose(0, 1)[..., :V]
-        depths = [x.transpose(0, 1)[..., :V] for x in mtp_logits(gpt, batch["tokens"], batch["position_ids"])]
+        policy, heads = mtp_logits(gpt, batch["tokens"], batch["position_ids"])
+        main = policy.transpose(0, 1)[..., :V]
+        depths = [x.transpose(0, 1)[..., :V] for x in heads]
     torch.testing.assert_close(main, ref_main, rtol=1e-4, atol=1e-4)
     for d, (got, want) in enumerate(zip(depths, ref_depths)):
         s = got.shape[1] - d - 1  # the last d + 1 rows read tokens past the end
@@ -180,6 +182,23 @@ def _world(rank: int, world_size: int, ref_state: dict, ref_main: torch.Tensor, 
             if not n.startswith("mtp."):
                 torch.testing.assert_close(grads[n], p.main_grad, msg=lambda m: f"{kind} {n}: {m}")
     assert TrainConfig().mtp_loss == "tv"
+
+    # the RL learner's step (its forward stops at the decoder's output; chunked log-probs): the same
+    def logprob_loss(b: dict, stats: Any) -> tuple:
+        mask = b["loss_mask"].float()
+        loss = -(stats.logprobs * mask).sum()
+        return loss, mask.sum().to(torch.int), {"lm_loss": torch.stack([loss.detach(), mask.sum()])}
+
+    rl_step = make_forward_step(logprob_loss, with_entropy=False)
+    heads_step = MTPForwardStep("tv", 1.0, base=rl_step)
+    forward_backward(ddp, [batch], forward_step=heads_step)
+    grads = {n: p.main_grad.clone() for n, p in ddp[0].module.named_parameters()}
+    assert heads_step.rows > 0
+    assert any(float(g.abs().max()) > 0 for n, g in grads.items() if n.startswith("mtp."))
+    forward_backward(ddp, [batch], forward_step=rl_step)
+    for n, p in ddp[0].module.named_parameters():
+        if not n.startswith("mtp."):
+            torch.testing.assert_close(grads[n], p.main_grad, msg=lambda m: f"rl {n}: {m}")
 
 
 def test_megatron_heads_match_the_reference_and_train_beside_the_policy() -> None:

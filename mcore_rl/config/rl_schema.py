@@ -364,6 +364,10 @@ class AlgorithmConfig:
     reward_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, before the advantage
     advantage_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, after it
     aux_losses: list[AuxLossConfig] = field(default_factory=list)  # added to the policy loss
+    # MTP draft heads (model.mtp_num_layers) co-trained on the rollout's tokens with this weight on their
+    # loss (train/mtp_loss.py; the policy's gradient is unchanged); 0 = frozen where the warm start left them
+    mtp_heads_coeff: float = 0.0
+    mtp_heads_loss: Literal["tv", "ce"] = "tv"  # Bebop's total variation, or the soft cross-entropy
     domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2  # PPO ratio clip below 1: 1 - clip_low

@@ -7,8 +7,9 @@ They are attached as the chunk's `mtp` but not handed to `GPTModel` (`mtp_block_
 MTP path trains the heads with cross-entropy on the labels inside its forward, while Bebop's loss
 needs the heads' logits next to the policy's (`train/mtp_loss.py`). So `GPTModel`'s config keeps
 `mtp_num_layers=None`, and `mtp_logits` runs the block on the decoder's output, captured by hooks on
-the decoder (its output and the attention mask / RoPE / packing it was called with) and on the
-output layer (the policy's logits of the same forward).
+the decoder (its output and the attention mask / RoPE / packing it was called with), so it works
+after any forward of the chunk, also one that stops at the decoder's output (the RL learner's
+chunked log-probs); the output layer turns both the decoder's output and the heads' into logits.
 
 Only the last pipeline stage holds the heads (they need the decoder's output and the output layer).
 """
@@ -36,14 +37,11 @@ from mcore_rl.models.spec import decoder_layer_spec, transformer_engine_availabl
 
 
 class _Captured:
-    """What the last forward of a chunk left for the heads: the decoder's call and output, the
-    policy's logits."""
+    """What the last forward of a chunk left for the heads: the decoder's call and output."""
 
     def __init__(self) -> None:
         self.decoder_kwargs: dict[str, Any] = {}
         self.hidden: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
-        self.in_heads = False  # the heads' own output-layer calls are not the policy's logits
 
 
 def add_mtp_heads(
@@ -77,13 +75,8 @@ def add_mtp_heads(
     def after_decoder(_module: torch.nn.Module, _args: tuple, output: torch.Tensor) -> None:
         captured.hidden = output
 
-    def after_output_layer(_module: torch.nn.Module, _args: tuple, output: tuple) -> None:
-        if not captured.in_heads:
-            captured.logits = output[0]
-
     chunk.decoder.register_forward_pre_hook(before_decoder, with_kwargs=True)
     chunk.decoder.register_forward_hook(after_decoder)
-    chunk.output_layer.register_forward_hook(after_output_layer)
 
 
 def has_mtp_heads(chunk: torch.nn.Module) -> bool:
@@ -96,20 +89,13 @@ def mtp_depths(chunk: torch.nn.Module) -> int:
     return int(heads.config.mtp_num_layers) if isinstance(heads, MultiTokenPredictionBlock) else 0
 
 
-def policy_logits(chunk: GPTModel) -> torch.Tensor:
-    """The policy's logits [s, b, V/tp] of the chunk's last forward."""
-    logits = chunk._mtp_captured.logits
-    if logits is None:
-        raise RuntimeError("policy_logits: run the chunk's forward first")
-    return logits
-
-
 def mtp_logits(
     chunk: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor, detach_policy: bool = False
-) -> list[torch.Tensor]:
-    """Each depth's logits [s, b, V/tp] for the chunk's last forward (same `input_ids` [b, s] and
-    `position_ids`): depth d's row t predicts token t + d + 1. `detach_policy`: what the heads read
-    of the policy (the decoder's output, the embedding, the output layer) carries no gradient back."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The policy's logits [s, b, V/tp] and each depth's, for the chunk's last forward (same
+    `input_ids` [b, s] and `position_ids`; a forward that stopped at the decoder's output counts):
+    depth d's row t predicts token t + d + 1. `detach_policy`: the policy's logits and what the heads
+    read of the policy (the decoder's output, the embedding, the output layer) carry no gradient."""
     captured: _Captured = chunk._mtp_captured
     if captured.hidden is None:
         raise RuntimeError("mtp_logits: run the chunk's forward first")
@@ -134,9 +120,6 @@ def mtp_logits(
     weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
     if detach_policy:
         weight = (weight if weight is not None else chunk.output_layer.weight).detach()
-    depths = torch.chunk(hidden, 1 + mtp_depths(chunk), dim=0)[1:]
-    captured.in_heads = True
-    try:
-        return [chunk.output_layer(h, weight=weight)[0] for h in depths]
-    finally:
-        captured.in_heads = False
+    outputs = [chunk.output_layer(h, weight=weight)[0] for h in torch.chunk(hidden, 1 + mtp_depths(chunk), dim=0)]
+    policy = outputs[0].detach() if detach_policy else outputs[0]
+    return policy, outputs[1:]

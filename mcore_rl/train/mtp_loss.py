@@ -1,5 +1,7 @@
 """Training the MTP draft heads (`models/mtp.py`) beside the policy: the forward step that adds
-their loss (`algos/mtp_draft.py`) to the policy's in `mcore-rl sft` and the SFT warm start of RL.
+their loss (`algos/mtp_draft.py`) to the policy's in `mcore-rl sft` and the SFT warm start of RL
+(`train.mtp_loss`), and, co-trained, to the RL learner's (`algorithm.mtp_heads_coeff` > 0) on the
+rollout's tokens, where they draft.
 
 The heads learn the policy's own next-token distributions, detached: depth d at position t is
 compared with the policy's distribution at t + d, the one that verifies that draft. Their gradient
@@ -20,11 +22,12 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from mcore_rl.algos.mtp_draft import MTPLoss, expected_accepted_length, mtp_draft_loss
-from mcore_rl.models.mtp import has_mtp_heads, mtp_depths, mtp_logits, policy_logits
+from mcore_rl.models.mtp import has_mtp_heads, mtp_depths, mtp_logits
 from mcore_rl.models.shards import unwrap_model
-from mcore_rl.train.forward_backward import attention_mask_from_segments
+from mcore_rl.train.forward_backward import _forward_step as policy_forward_step  # SFT's own step
 
 Batch = dict[str, torch.Tensor]
+StepFn = Callable[[Iterator[Batch], torch.nn.Module], tuple]
 
 
 def heads_rows(loss_mask: torch.Tensor, segment_ids: torch.Tensor | None, depths: int) -> torch.Tensor:
@@ -46,8 +49,7 @@ def mtp_losses(
     module: Any, tokens: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, kind: MTPLoss
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss [N], acceptance [γ, N]) over the `rows` [b, s] of the module's last forward."""
-    draft = mtp_logits(module, tokens, position_ids, detach_policy=True)  # each [s, b, V/tp]
-    policy = policy_logits(module)
+    policy, draft = mtp_logits(module, tokens, position_ids, detach_policy=True)  # each [s, b, V/tp]
     if parallel_state.get_tensor_model_parallel_world_size() > 1:  # full vocabulary rows for d_TV
         draft = [tensor_parallel.gather_from_tensor_model_parallel_region(x) for x in draft]
         policy = tensor_parallel.gather_from_tensor_model_parallel_region(policy)
@@ -60,11 +62,13 @@ def mtp_losses(
 
 
 class MTPForwardStep:
-    """A `forward_backward` step function: the policy's forward with labels, then the heads' loss.
-    Keeps the heads' summed loss, acceptance per depth and row count since `reset` (for metrics)."""
+    """A `forward_backward` step function: `base` (the policy's own step: SFT's, or the RL learner's),
+    then the heads' loss added to its loss. Keeps the heads' summed loss, acceptance per depth and
+    row count since `reset` (for metrics). `mask_key`: the batch's mask of trained policy tokens."""
 
-    def __init__(self, kind: MTPLoss, coeff: float) -> None:
-        self.kind, self.coeff = kind, coeff
+    def __init__(self, kind: MTPLoss, coeff: float, base: StepFn | None = None, mask_key: str = "loss_mask") -> None:
+        self.kind, self.coeff, self.mask_key = kind, coeff, mask_key
+        self.base: StepFn = base if base is not None else policy_forward_step
         self.reset()
 
     def reset(self) -> None:
@@ -83,37 +87,30 @@ class MTPForwardStep:
 
     def __call__(self, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple:
         batch = next(data_iterator)
-        segments = batch.get("segment_ids")
-        output = model(
-            batch["tokens"], batch["position_ids"], attention_mask_from_segments(segments), labels=batch["labels"]
-        )
+        output, base_loss = self.base(iter([batch]), model)
         module = unwrap_model(model)
         if not has_mtp_heads(module):  # not the last pipeline stage: the policy's loss only
-            return output, partial(self._loss, batch["loss_mask"], None)
-        rows = heads_rows(batch["loss_mask"], segments, mtp_depths(module))
+            return output, base_loss
+        rows = heads_rows(batch[self.mask_key], batch.get("segment_ids"), mtp_depths(module))
 
         def heads() -> tuple[torch.Tensor, torch.Tensor]:
             return mtp_losses(module, batch["tokens"], batch["position_ids"], rows, self.kind)
 
-        return output, partial(self._loss, batch["loss_mask"], heads)
+        return output, partial(self._loss, base_loss, heads)
 
     def _loss(
         self,
-        loss_mask: torch.Tensor,
-        heads: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
-        output: torch.Tensor,
+        base_loss: Callable[[torch.Tensor], tuple],
+        heads: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        output: Any,
     ) -> tuple:
-        """The policy's summed token loss plus coeff x the heads' summed row loss (megatron-core
-        divides by the global token count, as for the policy alone)."""
-        mask = loss_mask.float()
-        loss_sum = (output.float() * mask).sum()
-        reported = {"lm_loss": torch.stack([loss_sum.detach(), mask.sum()])}
-        if heads is None:
-            return loss_sum, mask.sum().to(torch.int), reported
+        """The policy's loss plus coeff x the heads' summed row loss (megatron-core divides it by the
+        policy's token count, as the policy's own sum)."""
+        loss, count, reported = base_loss(output)
         head_loss, alphas = heads()
         self.loss_sum += float(head_loss.detach().sum())
         self.rows += head_loss.numel()
         alpha_sum = alphas.sum(1).cpu()
         self.alpha_sum = alpha_sum if self.alpha_sum is None else self.alpha_sum + alpha_sum
         self.length_sum += float(expected_accepted_length(alphas).sum())
-        return loss_sum + self.coeff * head_loss.sum(), mask.sum().to(torch.int), reported
+        return loss + self.coeff * head_loss.sum(), count, reported
