@@ -52,7 +52,6 @@ def trained_engine_stats(args: argparse.Namespace, loss: str, seed: int) -> dict
             "init.sft.train.micro_batch_size=8",
             "init.sft.train.global_batch_size=8",
             f"train.seed={seed}",
-            f"init.sft.train.seed={seed}",
         ],
     )
     policy = build_policy(cfg, validate_rl_config, 1)

@@ -107,10 +107,14 @@ class MTPForwardStep:
         """The policy's loss plus coeff x the heads' summed row loss (megatron-core divides it by the
         policy's token count, as the policy's own sum)."""
         loss, count, reported = base_loss(output)
-        head_loss, alphas = heads()
+        if self.coeff == 0:  # frozen heads, only measured: no graph through them
+            with torch.no_grad():
+                head_loss, alphas = heads()
+        else:
+            head_loss, alphas = heads()
         self.loss_sum += float(head_loss.detach().sum())
         self.rows += head_loss.numel()
         alpha_sum = alphas.sum(1).cpu()
         self.alpha_sum = alpha_sum if self.alpha_sum is None else self.alpha_sum + alpha_sum
         self.length_sum += float(expected_accepted_length(alphas).sum())
-        return loss + self.coeff * head_loss.sum(), count, reported
+        return (loss if self.coeff == 0 else loss + self.coeff * head_loss.sum()), count, reported
