@@ -160,8 +160,8 @@ def check_mtp(m: ModelConfig, errors: Errors) -> None:
         and not m.section(NgramEmbeddingConfig).orders,
         "model.mtp_num_layers",
         f"MTP heads are built for the GQA decoder (arch qwen3 / qwen3_moe) without moe_layer_pattern, AttnRes or "
-        f"n-gram embeddings (arch is {m.arch!r}); a DeepSeek-V3 / GLM-4.5 checkpoint's own MTP layers are carried "
-        "by the converter (model.mtp_num_layers_carried)",
+        f"n-gram embeddings (arch is {m.arch!r}); the MTP layers of a family's own checkpoint are carried "
+        "unchanged by the converter",
     )
 
 
