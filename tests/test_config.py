@@ -264,7 +264,7 @@ MODEL_KEYS = (
     "arch vocab_size hidden_size ffn_hidden_size num_layers num_attention_heads num_query_groups kv_channels "
     "rotary_base max_position_embeddings norm_epsilon qk_layernorm tie_word_embeddings init_method_std num_experts "
     "moe_router_topk moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_aux_loss_coeff moe_norm_topk_prob "
-    "moe_token_dispatcher_type moe_latent_size attn_res attn_res_num_blocks ngram add_qkv_bias moe_shared_expert_gate "
+    "moe_token_dispatcher_type moe_latent_size attn_res attn_res_num_blocks ngram add_qkv_bias moe_shared_expert_gate mtp_num_layers "
     "sliding_window rope_scaling moe_layer_pattern moe_router_score_function moe_router_enable_expert_bias "
     "moe_router_bias_update_rate moe_router_num_groups moe_router_group_topk moe_router_topk_scaling_factor "
     "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim "

@@ -273,7 +273,8 @@ class RolloutConfig(Sectioned):
     sampling_mask_replay: bool = False
     # ---- exact speculative decoding in the engines this trainer builds (embedded or started `mcore-rl
     # serve`; docs/speculative.md): the tokens, μ, masks and experts stay the policy's, only faster
-    speculative_algorithm: Literal["none", "ngram", "standalone"] = "none"  # prompt lookup, or a draft model
+    # prompt lookup, a draft model, or the policy's own MTP heads (model.mtp_num_layers), synced with it
+    speculative_algorithm: Literal["none", "ngram", "standalone", "nextn"] = "none"
     speculative_num_steps: int = 4  # tokens drafted per verification
     speculative_draft_model_path: str | None = None  # standalone: HF directory, the policy's tokenizer; fixed weights
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
@@ -365,6 +366,10 @@ class AlgorithmConfig:
     reward_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, before the advantage
     advantage_shaping: list[RewardShapingConfig] = field(default_factory=list)  # applied in order, after it
     aux_losses: list[AuxLossConfig] = field(default_factory=list)  # added to the policy loss
+    # MTP draft heads (model.mtp_num_layers) co-trained on the rollout's tokens with this weight on their
+    # loss (train/mtp_loss.py; the policy's gradient is unchanged); 0 = frozen where the warm start left them
+    mtp_heads_coeff: float = 0.0
+    mtp_heads_loss: Literal["tv", "ce"] = "tv"  # Bebop's total variation, or the soft cross-entropy
     domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
     clip_low: float = 0.2  # PPO ratio clip below 1: 1 - clip_low

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.mtp import MTPKeys
 from mcore_rl import hooks
 from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
@@ -83,6 +84,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_domains(cfg, errors)
     check_eval(cfg.eval, errors)
     check_init(cfg.init, cfg.data, cfg.model, errors)
+    check_mtp_heads(cfg, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
     check_judges(cfg.judges, errors)
     check_sampling_mask_replay(cfg, errors)
@@ -168,6 +170,21 @@ def check_rollout(r: RolloutConfig, a: AlgorithmConfig, errors: Errors) -> None:
             bool(r.sync_dir), "rollout.sync_dir", "the disk weight transport needs a directory the engines can read"
         )
     check_runtime(r, a, errors)
+
+
+def check_mtp_heads(cfg: RLConfig, errors: Errors) -> None:
+    """Co-training and NEXTN drafting need the policy's MTP heads (`model.mtp_num_layers`)."""
+    heads = cfg.model.section(MTPKeys).mtp_num_layers
+    coeff = cfg.algorithm.mtp_heads_coeff
+    errors.need(coeff >= 0, "algorithm.mtp_heads_coeff", f"must be >= 0, got {coeff}")
+    errors.need(
+        coeff == 0 or heads > 0, "algorithm.mtp_heads_coeff", "co-trains MTP heads: set model.mtp_num_layers > 0"
+    )
+    errors.need(
+        cfg.rollout.speculative_algorithm != "nextn" or heads > 0,
+        "rollout.speculative_algorithm",
+        "nextn drafts with the policy's MTP heads: set model.mtp_num_layers > 0",
+    )
 
 
 def check_speculative(r: RolloutConfig, errors: Errors) -> None:
@@ -707,6 +724,10 @@ WARM_START_FROM_RUN = (
 )
 
 
+# the MTP draft heads' loss beside the warm start's (train/mtp_loss.py; no older flat spelling)
+WARM_START_MTP_KEYS = ("train.mtp_loss", "train.mtp_loss_coeff")
+
+
 def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -> None:
     """The SFT warm start trains on the synthetic task's answers, with its own batch shape and LR; of
     `init.sft` it reads `WARM_START_KEYS`, the rest must stay at its defaults (messages name the key
@@ -721,7 +742,7 @@ def check_init(i: InitConfig, d: RLDataConfig, m: ModelConfig, errors: Errors) -
     ):
         for f in dataclasses.fields(section):
             path = f"{part}.{f.name}"
-            if path in own:
+            if path in own or path in WARM_START_MTP_KEYS:
                 continue
             errors.need(
                 getattr(section, f.name) == getattr(default, f.name),

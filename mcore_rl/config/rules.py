@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mcore_rl.config.model_keys.attn_res import AttnResKeys
 from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
 from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.mtp import MTPKeys
 from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rope_scaling import check_model_rope_scaling
@@ -143,6 +144,25 @@ def check_model(m: ModelConfig, errors: Errors) -> None:
     check_qwen2_mistral(m, errors)
     check_model_rope_scaling(m, errors)  # RoPE scaling (Llama 3.x, YaRN, linear)
     check_mixed_moe(m, errors)  # moe_layer_pattern, DeepSeek-V3 router, MLA (moe_rules.py)
+    check_mtp(m, errors)  # MTP draft heads (models/mtp.py)
+
+
+def check_mtp(m: ModelConfig, errors: Errors) -> None:
+    """MTP heads: a count >= 0, on the GQA decoder with one kind of layer (the heads' layer is built
+    from the decoder's one spec; AttnRes and n-gram embeddings change what the layers read)."""
+    n = m.section(MTPKeys).mtp_num_layers
+    if not errors.need(n >= 0, "model.mtp_num_layers", f"must be >= 0, got {n}") or n == 0:
+        return
+    errors.need(
+        m.arch in ("qwen3", "qwen3_moe")
+        and m.section(MoEKeys).moe_layer_pattern is None
+        and m.section(AttnResKeys).attn_res == "none"
+        and not m.section(NgramEmbeddingConfig).orders,
+        "model.mtp_num_layers",
+        f"MTP heads are built for the GQA decoder (arch qwen3 / qwen3_moe) without moe_layer_pattern, AttnRes or "
+        f"n-gram embeddings (arch is {m.arch!r}); the MTP layers of a family's own checkpoint are carried "
+        "unchanged by the converter",
+    )
 
 
 def check_qwen2_mistral(m: ModelConfig, errors: Errors) -> None:

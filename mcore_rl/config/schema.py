@@ -170,6 +170,10 @@ class TrainConfig:
     log_interval: int = 10  # optimizer steps between printed metrics lines
     eval_interval: int = 0  # 0 = no evaluation
     eval_iters: int = 2  # held-out batches per evaluation
+    # MTP draft heads (model.mtp_num_layers > 0): their loss beside the policy's, Bebop's end-to-end
+    # total variation "tv" or the soft cross-entropy "ce" to the detached policy (algos/mtp_draft.py)
+    mtp_loss: Literal["tv", "ce"] = "tv"
+    mtp_loss_coeff: float = 1.0  # weight of the heads' loss (per token, as the policy's)
 
 
 @dataclass

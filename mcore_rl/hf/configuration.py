@@ -227,8 +227,20 @@ def hf_config_from_model_config(mc: ModelConfig) -> McoreRLConfig:
         sliding_window=mc.sliding_window,
         partial_rotary_factor=mc.rotary_percent,
         rope_parameters=hf_rope_dict(mc.rope_scaling, mc.max_position_embeddings),
+        **_mtp_fields(mc),
         **_mixed_and_family_fields(mc),
     )
+
+
+def _mtp_fields(mc: ModelConfig) -> dict[str, Any]:
+    """`mtp_num_layers` (our HF name, mtp.py) when the model has MTP heads; nothing otherwise, so
+    configs without heads keep their key set."""
+    try:  # in a try block: remote code loads without mcore_rl and must not import it
+        from mcore_rl.config.model_keys.mtp import MTPKeys
+    except ImportError as err:
+        raise ImportError("reading a ModelConfig needs the mcore_rl package") from err
+    n = mc.section(MTPKeys).mtp_num_layers
+    return dict(mtp_num_layers=n) if n else {}
 
 
 def _mixed_and_family_fields(mc: ModelConfig) -> dict[str, Any]:
@@ -328,6 +340,7 @@ def model_config_from_hf_config(hf: PretrainedConfig, rope_key: str | None = Non
         rope_scaling=RopeScalingConfig(**rope_scaling_fields(hf, rope_key)),
         rotary_percent=partial_rotary_factor_of(hf),
         moe_layer_pattern=moe_layer_pattern_of(hf) if num_experts else None,
+        mtp_num_layers=int(getattr(hf, "mtp_num_layers", 0) or 0),  # our MTP heads (mtp.py)
     )
     if family:
         fields.update(family.model_fields(hf))

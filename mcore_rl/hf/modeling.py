@@ -67,6 +67,7 @@ from .cache import layer_pasts, new_cache, ngram_context_of, past_length, store_
 from .configuration import McoreRLConfig, to_stock_hf_config
 from .families import family_named
 from .latent_moe import ReferenceLatentMoeBlock
+from .mtp import MTPHeads
 from .layers import (  # route, load_balancing_loss: unused here, imported from here by callers
     KVCache,
     ReferenceMLP,
@@ -451,6 +452,17 @@ class McoreRLForCausalLM(McoreRLPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = McoreRLModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # MTP draft heads (mtp.py), one decoder layer each past the model's; 0 = none
+        n, mtp_layers = config.num_hidden_layers, int(getattr(config, "mtp_num_layers", 0) or 0)
+        self.mtp = (
+            MTPHeads(
+                [ReferenceDecoderLayer(config, n + d) for d in range(mtp_layers)],
+                config.hidden_size,
+                config.rms_norm_eps,
+            )
+            if mtp_layers
+            else None
+        )
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -510,6 +522,29 @@ class McoreRLForCausalLM(McoreRLPreTrainedModel, GenerationMixin):
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return result if return_dict else result.to_tuple()
+
+    def mtp_logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The policy's logits [b, s, V] and each MTP depth's [b, s, V] over whole sequences (no
+        cache): depth d's row t predicts token t + d + 1 (mtp.py)."""
+        if self.mtp is None:
+            raise ValueError("mtp_logits: the model has no MTP heads (config.mtp_num_layers is 0)")
+        out = self.model(input_ids=input_ids, position_ids=position_ids)
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        hidden = out.last_hidden_state
+        cos, sin = rope_cos_sin(
+            position_ids, rotary_dim(self.config), self.config.rope_theta, hidden.dtype, rope_scaling_of(self.config)
+        )
+        allowed = _allowed_mask(None, s, 0, input_ids.device, getattr(self.config, "sliding_window", None))
+
+        def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return layer(x, cos, sin, allowed)[0]
+
+        depths = self.mtp(hidden, input_ids, self.model.embed_tokens, run_layer)
+        return self.lm_head(hidden), [self.lm_head(h) for h in depths]
 
 
 def masked_token_loss(

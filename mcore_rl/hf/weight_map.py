@@ -23,6 +23,7 @@ import torch
 from mcore_rl.config.model_keys.attn_res import AttnResKeys
 from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
 from mcore_rl.config.model_keys.moe import MoEKeys
+from mcore_rl.config.model_keys.mtp import MTPKeys
 from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
 from mcore_rl.config.schema import ModelConfig
 from mcore_rl.hf.families import family_named
@@ -35,6 +36,15 @@ EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # AttnRes depth mixers per layer (pseudo-query [d], key norm [d]): replicated, same name on both sides
 _ATTN_RES_LAYER = ("attn_res.query", "attn_res.norm.weight", "mlp_res.query", "mlp_res.norm.weight")
 _ATTN_RES_TOP = ("decoder.final_res.query", "decoder.final_res.norm.weight")
+
+# An MTP head of `models/mtp.py` (depth index, rest) and its own tensors besides its decoder layer
+MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+_MTP_DIRECT = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
 
 # megatron suffix within a layer -> HF suffix within a layer (one-to-one tensors)
 _LAYER_DIRECT = {
@@ -78,11 +88,25 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, mc: ModelConfig) -> list[tup
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             tensor = tensor[: mc.vocab_size]  # vocabulary padding (models/vocab_padding.py) removed
         return [(_TOP_DIRECT[name], tensor)]
+    mtp = MTP_NAME.match(name)
+    if mtp:  # an MTP head (hf/mtp.py): its own parts, then its decoder layer under the same prefix
+        prefix, rest = f"mtp.layers.{mtp.group(1)}.", mtp.group(2)
+        if rest in _MTP_DIRECT:
+            return [(prefix + _MTP_DIRECT[rest], tensor)]
+        if rest.startswith("transformer_layer."):
+            return _layer_to_hf(prefix, rest[len("transformer_layer.") :], tensor, mc, name)
+        raise KeyError(f"no HF name for megatron parameter {name!r}")
     m = LAYER_NAME.match(name)
     if not m:
         raise KeyError(f"no HF name for megatron parameter {name!r}")
-    layer, rest = m.group(1), m.group(2)
-    prefix = f"model.layers.{layer}."
+    return _layer_to_hf(f"model.layers.{m.group(1)}.", m.group(2), tensor, mc, name)
+
+
+def _layer_to_hf(
+    prefix: str, rest: str, tensor: torch.Tensor, mc: ModelConfig, name: str
+) -> list[tuple[str, torch.Tensor]]:
+    """HF pairs of one decoder layer's tensor: `rest` its megatron name within the layer, `prefix`
+    the HF layer's (`model.layers.3.`, or an MTP head's `mtp.layers.0.`)."""
     family = family_named(mc.arch)
     if family:  # a family's own names (families.py) before the shared ones
         pairs = family.megatron_to_hf(prefix, rest, tensor, mc)
@@ -130,43 +154,57 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     attn_res = mc.section(AttnResKeys).attn_res != "none"
     experts = mc.section(MoEKeys)
     pattern = experts.moe_layer_pattern
-    family = family_named(mc.arch)
     for name in _ATTN_RES_TOP if attn_res else ():
         out[name] = hf[_TOP_DIRECT[name]]
     for layer in range(mc.num_layers):
         p, q = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for name in _ATTN_RES_LAYER if attn_res else ():
             out[q + name] = hf[p + name]
-        out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[q + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        moe_layer = mc.is_moe and (pattern is None or bool(pattern[layer]))
-        if family:  # the family's own names; a family with the GQA decoder's attention names its MLP only
-            out.update(family.hf_to_megatron(hf, p, q, mc, moe_layer))
-            if family.attention is None:
-                out.update(_attention_to_megatron(hf, p, q, mc))
-            continue
-        out.update(_attention_to_megatron(hf, p, q, mc))
-        if not moe_layer:  # dense model, or a dense layer of a mixed one (moe_layer_pattern)
-            out[q + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-            )
-            out[q + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-            continue
-        out[q + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
-        for expert in range(experts.num_experts):
-            he, me = f"{p}mlp.experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
-            out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0)
-            out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
-        if mc.section(LatentMoEKeys).moe_latent_size:
-            for proj in ("fc1_latent_proj", "fc2_latent_proj"):
-                out[f"{q}mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
-        if experts.moe_shared_expert_intermediate_size:
-            hs, ms = p + "mlp.shared_expert.", q + "mlp.shared_experts."
-            out[ms + "linear_fc1.weight"] = torch.cat([hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0)
-            out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
-            if experts.moe_shared_expert_gate:  # Qwen2-MoE
-                out[ms + "gate_weight"] = hf[p + "mlp.shared_expert_gate.weight"]
+        out.update(_layer_to_megatron(hf, p, q, mc, mc.is_moe and (pattern is None or bool(pattern[layer]))))
+    for depth in range(mc.section(MTPKeys).mtp_num_layers):  # MTP heads (hf/mtp.py): parts, then the layer
+        p, q = f"mtp.layers.{depth}.", f"mtp.layers.{depth}."
+        out.update({q + meg: hf[p + own] for meg, own in _MTP_DIRECT.items()})
+        out.update(_layer_to_megatron(hf, p, q + "transformer_layer.", mc, mc.is_moe))
     out.update(_ngram_hf_to_megatron(hf, mc))
+    return out
+
+
+def _layer_to_megatron(
+    hf: dict[str, torch.Tensor], p: str, q: str, mc: ModelConfig, moe_layer: bool
+) -> dict[str, torch.Tensor]:
+    """One decoder layer's tensors: HF layer prefix `p` -> megatron layer prefix `q`."""
+    experts = mc.section(MoEKeys)
+    family = family_named(mc.arch)
+    out = {
+        q + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
+        q + "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
+    }
+    if family:  # the family's own names; a family with the GQA decoder's attention names its MLP only
+        out.update(family.hf_to_megatron(hf, p, q, mc, moe_layer))
+        if family.attention is None:
+            out.update(_attention_to_megatron(hf, p, q, mc))
+        return out
+    out.update(_attention_to_megatron(hf, p, q, mc))
+    if not moe_layer:  # dense model, or a dense layer of a mixed one (moe_layer_pattern)
+        out[q + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+        )
+        out[q + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+        return out
+    out[q + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
+    for expert in range(experts.num_experts):
+        he, me = f"{p}mlp.experts.{expert}.", f"{q}mlp.experts.local_experts.{expert}."
+        out[me + "linear_fc1.weight"] = torch.cat([hf[he + "gate_proj.weight"], hf[he + "up_proj.weight"]], dim=0)
+        out[me + "linear_fc2.weight"] = hf[he + "down_proj.weight"]
+    if mc.section(LatentMoEKeys).moe_latent_size:
+        for proj in ("fc1_latent_proj", "fc2_latent_proj"):
+            out[f"{q}mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
+    if experts.moe_shared_expert_intermediate_size:
+        hs, ms = p + "mlp.shared_expert.", q + "mlp.shared_experts."
+        out[ms + "linear_fc1.weight"] = torch.cat([hf[hs + "gate_proj.weight"], hf[hs + "up_proj.weight"]], dim=0)
+        out[ms + "linear_fc2.weight"] = hf[hs + "down_proj.weight"]
+        if experts.moe_shared_expert_gate:  # Qwen2-MoE
+            out[ms + "gate_weight"] = hf[p + "mlp.shared_expert_gate.weight"]
     return out
 
 

@@ -14,6 +14,7 @@ from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.models import attn_res, megatron_fixes, rope_scaling, sliding_window
 from mcore_rl.models.family import megatron_family
+from mcore_rl.models.mtp import add_mtp_heads
 from mcore_rl.models.ngram_embedding import add_ngram_embedding
 from mcore_rl.models.spec import decoder_block_spec
 from mcore_rl.models.vocab_padding import install_vocab_padding, padded_vocab_size
@@ -155,6 +156,7 @@ def build_model(
         attn_res.install_decoder(chunk, block_spec, model)  # AttnRes block; no-op without AttnRes
         add_ngram_embedding(chunk, model)  # Over-Encoding n-gram tables (first stage); no-op without
         install_vocab_padding(chunk, model.vocab_size)  # padded logits masked; no-op without padding
+        add_mtp_heads(chunk, model, config, family)  # MTP draft heads (last stage); no-op without
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

@@ -17,11 +17,12 @@ Flags fall in these groups:
   streamed `/generate` chunks carry only the new `output_ids` and text), `--tool-call-parser`
   (`qwen25` / `llama3`, or our names `hermes` / `llama3_json`: how chat replies with `tools` are read;
   default: the model family's format, `mcore_rl/data/tool_calls.py`);
-- **speculative decoding** (SGLang's names): `--speculative-algorithm NGRAM|STANDALONE` (prompt lookup, or
+- **speculative decoding** (SGLang's names): `--speculative-algorithm NGRAM|STANDALONE|NEXTN` (prompt lookup, or
   a separate draft model at `--speculative-draft-model-path`, alias `--speculative-draft-model`),
   `--speculative-num-steps` (tokens drafted per verification), `--speculative-ngram-min-match-window-size`
   and `--speculative-ngram-max-match-window-size`; exact: the output distribution, log-probs, masks and
-  experts are the target's (`rollout/engine/speculative.py`, docs/speculative.md); EAGLE / NEXTN are refused;
+  experts are the target's (`rollout/engine/speculative.py`, docs/speculative.md); NEXTN drafts with the
+  model's own MTP heads; EAGLE is refused;
 - **our own**: `--logprobs-mode raw|processed` (what `output_token_logprobs` are: the raw
   full-vocabulary log-probs, or those of the processed distribution each token was drawn from —
   after temperature and the top-k/top-p/min-p mask, renormalised; see `rollout/engine/core.py`;
@@ -316,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec = p.add_argument_group("speculative decoding (exact: rejection sampling against the target)")
     spec.add_argument(
         "--speculative-algorithm",
-        help="NGRAM (prompt lookup, no model) or STANDALONE (a separate draft model, "
-        "--speculative-draft-model-path); EAGLE / NEXTN heads are not served here",
+        help="NGRAM (prompt lookup, no model), STANDALONE (a separate draft model, "
+        "--speculative-draft-model-path) or NEXTN (the model's own MTP heads); EAGLE is not served here",
     )
     spec.add_argument("--speculative-num-steps", type=int, default=4, help="tokens drafted per verification")
     spec.add_argument(
@@ -418,11 +419,11 @@ def _check(a: ServerArgs) -> None:
     if a.sampling_mask_max_tokens < 1:
         raise LaunchFlagError(f"--sampling-mask-max-tokens {a.sampling_mask_max_tokens}: must be >= 1")
     if a.speculative_algorithm is not None:
-        if a.speculative_algorithm not in ("NGRAM", "STANDALONE"):
+        if a.speculative_algorithm not in ("NGRAM", "STANDALONE", "NEXTN"):
             raise LaunchFlagError(
                 f"--speculative-algorithm: speculative decoding with {a.speculative_algorithm} is not served by the "
-                "embedded engine (it has no EAGLE / MTP draft heads); it serves NGRAM (prompt lookup) and "
-                "STANDALONE (a separate draft model)"
+                "embedded engine (it has no EAGLE draft models); it serves NGRAM (prompt lookup), STANDALONE (a "
+                "separate draft model) and NEXTN (the model's own MTP heads, model.mtp_num_layers)"
             )
         if a.speculative_algorithm == "STANDALONE" and not a.speculative_draft_model_path:
             raise LaunchFlagError("--speculative-algorithm STANDALONE: needs --speculative-draft-model-path")

@@ -57,6 +57,8 @@ from mcore_rl.train.distillation import (
 from mcore_rl.train import routing_replay
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.logprobs import compute_token_stats, make_forward_step
+from mcore_rl.train.mtp_loss import MTPForwardStep
+from mcore_rl.config.model_keys.mtp import MTPKeys
 from mcore_rl.train.packing import SequenceView, build_microbatches, sequence_view, split_minibatches
 
 # Loss-side metrics, summed over tokens (or sequences) in each micro-batch and reduced over ranks.
@@ -249,6 +251,7 @@ class Learner:
         self.replay_mode = cfg.algorithm.routing_replay
         self.replay_taps = routing_replay.attach(chunks) if self.replay_mode != "none" else []
         self.routing: list | None = None  # this batch's per-sample routing to replay (r3: engine's, r2: π_old's)
+        self.has_mtp_heads = cfg.model.section(MTPKeys).mtp_num_layers > 0  # MTP draft heads (train/mtp_loss.py)
 
     # ---------------------------------------------------------------- forward-only log-probs
 
@@ -692,6 +695,9 @@ class Learner:
         step_fn = make_forward_step(
             self.loss_fn, self.temperature, t.logprob_chunk_size, with_entropy=a.entropy_coef > 0, store=store
         )
+        # MTP draft heads: co-trained with weight mtp_heads_coeff, or frozen (0) and only measured:
+        # their expected acceptance against the current policy on the rollout's tokens
+        heads = MTPForwardStep(a.mtp_heads_loss, a.mtp_heads_coeff, base=step_fn) if self.has_mtp_heads else None
         for c in self.chunks:
             c.train()
         sums = torch.zeros(2 + len(self.metric_keys), dtype=torch.float64)
@@ -699,7 +705,7 @@ class Learner:
         if kept == 0:  # nothing to learn from (every token masked): no step
             records.append({"train/skipped": 1.0})
             return
-        result = forward_backward(self.chunks, mbs, forward_step=step_fn)
+        result = forward_backward(self.chunks, mbs, forward_step=heads or step_fn)
         for rep in store:
             sums += rep["metric_sums"].double().cpu()
         sums = _reduce_last_stage(sums)
@@ -715,4 +721,6 @@ class Learner:
         }
         for k, v in zip(self.metric_keys, sums[1:-1].tolist()):
             rec[k] = v / (tokens if k in LOSS_METRICS else max(float(sums[-1]), 1.0))  # distill: per count
+        if heads is not None:  # this rank's (the last stage's) rows
+            rec.update({f"train/{k}": v for k, v in heads.metrics().items()})
         records.append(rec)

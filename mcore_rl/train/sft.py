@@ -12,13 +12,17 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import SFTConfig, save_config, validate_sft_config
+from mcore_rl.config.schema import TrainConfig
 from mcore_rl.data.sft import SFTBatches, build_sft_rows
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.run import RunObserver
 from mcore_rl.parallel.preemption import preempted, stop_requested
 from mcore_rl.train import checkpoint
+from mcore_rl.models.mtp import has_mtp_heads
+from mcore_rl.models.shards import unwrap_model
 from mcore_rl.train.forward_backward import forward_backward
+from mcore_rl.train.mtp_loss import MTPForwardStep
 from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
 from mcore_rl.train.policy import build_policy
 from mcore_rl.config import config_to_dict
@@ -101,17 +105,25 @@ def save(trainer: Trainer) -> str:
     return checkpoint.save_checkpoint(save_dir, trainer.iteration, trainer.chunks, trainer.optimizer, common)
 
 
-def sft_step(chunks: list[torch.nn.Module], optimizer: Any, batches: SFTBatches) -> dict[str, float]:
-    """One optimizer step on the next global batch (the SFT warm start of RL uses it too)."""
+def sft_step(
+    chunks: list[torch.nn.Module], optimizer: Any, batches: SFTBatches, train: TrainConfig | None = None
+) -> dict[str, float]:
+    """One optimizer step on the next global batch (the SFT warm start of RL uses it too). With MTP
+    draft heads on the model, `train`'s `mtp_loss` trains them beside the policy (train/mtp_loss.py)."""
     for chunk in chunks:
         chunk.train()
-    result = forward_backward(chunks, next(batches))
-    stats = optimizer.step()
+    if train is not None and any(has_mtp_heads(unwrap_model(c)) for c in chunks):
+        step = MTPForwardStep(train.mtp_loss, train.mtp_loss_coeff)
+        result = forward_backward(chunks, next(batches), forward_step=step)
+        stats = {**optimizer.step(), **step.metrics()}
+    else:
+        result = forward_backward(chunks, next(batches))
+        stats = optimizer.step()
     return {"loss": result["loss"], "num_tokens": result["num_tokens"], **stats}
 
 
 def train_step(trainer: Trainer) -> dict[str, float]:
-    out = sft_step(trainer.chunks, trainer.optimizer, trainer.batches)
+    out = sft_step(trainer.chunks, trainer.optimizer, trainer.batches, trainer.cfg.train)
     trainer.iteration += 1
     return out
 

@@ -75,11 +75,14 @@ def sft_warm_start(
     log_every = log_every or max(1, t.train_iters // 5)
     start = time.perf_counter()
     loss = float("nan")
+    out: dict[str, float] = {}
     with progress(t.train_iters, "sft warm start", "step") as bar:
         for it in range(1, t.train_iters + 1):
-            loss = sft_step(chunks, optimizer, batches)["loss"]
+            out = sft_step(chunks, optimizer, batches, t)  # t: the MTP heads' loss, if the model has them
+            loss = out["loss"]
             bar.update(1)
             if it % log_every == 0 or it == t.train_iters:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 log(f"sft warm start {it:>5}/{t.train_iters} | loss {loss:.4f}")
-    return {"init/sft_loss": loss, "init/sft_seconds": time.perf_counter() - start}
+    heads = {f"init/sft_{k}": v for k, v in out.items() if k.startswith("mtp_")}
+    return {"init/sft_loss": loss, "init/sft_seconds": time.perf_counter() - start, **heads}

@@ -12,11 +12,11 @@ but not `models`. The loader reads `SECTIONS` by name (`sections.py: SECTIONS_MO
 the order of their keys in messages and in the configuration reference.
 """
 
-from mcore_rl.config.model_keys import attn_res, deepseek_v3, gpt_oss, latent_moe, moe, ngram
+from mcore_rl.config.model_keys import attn_res, deepseek_v3, gpt_oss, latent_moe, moe, mtp, ngram
 
 # The keys of a model family (`hf/families.py: FAMILIES`): its bundle checks them on every config
 # (a model of another arch leaves them at their defaults); add a family's section here.
 FAMILY_SECTIONS = (deepseek_v3.SECTION, gpt_oss.SECTION)
-SECTIONS = (moe.SECTION, latent_moe.SECTION, attn_res.SECTION, ngram.SECTION, *FAMILY_SECTIONS)
+SECTIONS = (moe.SECTION, latent_moe.SECTION, attn_res.SECTION, ngram.SECTION, mtp.SECTION, *FAMILY_SECTIONS)
 
 __all__ = ["FAMILY_SECTIONS", "SECTIONS"]

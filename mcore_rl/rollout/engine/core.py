@@ -96,7 +96,7 @@ from torch import nn
 from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
 from mcore_rl.hf.rope import rope_scaling_of
 
-from .drafts import Draft, Drafter, ModelDrafter, NgramDrafter
+from .drafts import Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .kv_cache import pool_tokens
 from .model_runner import ModelRunner
@@ -403,6 +403,18 @@ class EngineCore:
             )
         if spec.algorithm == "NGRAM":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.algorithm == "NEXTN":  # the model's own MTP heads, synced with it
+            return MTPDrafter(
+                self.model,
+                self.runner,
+                num_slots=self.max_running_requests,
+                max_len=self.context_length,
+                max_tokens=self.max_total_num_tokens,
+                dtype=self.dtype,
+                device=self.device,
+                vocab_size=self.vocab_size,
+                weights_epoch=lambda: self.weights_epoch,
+            )
         if draft_model is None:
             raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
         return ModelDrafter(

@@ -1,6 +1,6 @@
 """Drafters for speculative sampling: who proposes the tokens the target verifies (`speculative.py`).
 
-Two kinds, SGLang's `--speculative-algorithm` names:
+Three kinds, SGLang's `--speculative-algorithm` names:
 
 * `NGRAM` (prompt lookup, Saxena's "Prompt Lookup Decoding"; vLLM's and SGLang's n-gram drafts): the
   last n tokens of the sequence (n from `max_ngram` down to `min_ngram`) are looked up in the
@@ -14,6 +14,10 @@ Two kinds, SGLang's `--speculative-algorithm` names:
   catches up on the tokens the target accepted with one batched `ModelRunner.extend` per step.
   Its weights are fixed: a weight sync updates the target only, so acceptance, never exactness,
   drifts as the policy moves away from the draft.
+* `NEXTN` (the target's own MTP heads, `hf/mtp.py`; SGLang's name for DeepSeek's): depth 1 reads
+  the target's last hidden state and the last token, each next step the previous step's hidden
+  state and draft; q is the heads' processed distribution. The heads are the target's parameters,
+  so the weight sync that updates the policy updates them (`MTPDrafter`).
 
 A draft of a request depends on its own sequence, sampling controls and random stream only, so a
 seeded request's tokens do not depend on its batch mates.
@@ -21,12 +25,15 @@ seeded request's tokens do not depend on its batch mates.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from mcore_rl.hf.mtp import project
 
 from .kv_cache import PagedKVCache
 from .model_runner import ModelRunner
@@ -209,4 +216,184 @@ class ModelDrafter:
                     positions.append(len(seq) + max(lengths[i], 1) - 1)
             step_logits = self.runner.decode(drawn, positions)
             self.forwards += 1
+        return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]
+
+
+class _HeadModel(nn.Module):
+    """One MTP layer seen as a one-layer model of the target's shape (its shared head's norm as the
+    final norm, the target's embedding and output layer), so a `ModelRunner` runs it over its own
+    paged KV cache. The layer's parameters stay the target's (`mtp.layers.{d}.*`), so a weight load
+    into the target updates them (the runner's fused q/k/v are views of them)."""
+
+    def __init__(self, target: nn.Module, layer: nn.Module) -> None:
+        super().__init__()
+        tree: Any = target.model  # the reference model's modules by name (as ModelRunner reads them)
+        head_layer: Any = layer  # its MTP parts joined by name (hf/mtp.py)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([layer])
+        self.model.norm = head_layer.shared_head.norm
+        self.model.embed_tokens = tree.embed_tokens
+        self.lm_head = target.lm_head
+        config: Any = copy.copy(target.config)  # the target's HF config: its keys are dynamic attributes
+        config.num_hidden_layers = 1
+        layer_types = getattr(config, "layer_types", None)
+        config.layer_types = [layer_types[-1]] if layer_types else None
+        self.config = config
+
+
+class MTPDrafter:
+    """The target's own MTP heads (`hf/mtp.py`, SGLang's NEXTN): draft j comes from depth
+    min(j, D) on the previous step's hidden state and token, so k > D steps reuse the last depth.
+
+    Depth d (0-based) at position t reads the hidden state of depth d − 1 at t (depth 0: the
+    target's final-normed hidden state, which the target's runner keeps, `ModelRunner.keep_hidden`)
+    and the token at t + d + 1. Each depth has its own paged KV cache whose slots mirror the
+    engine's; per step it catches up over the positions whose inputs became final (the tokens the
+    target accepted), then the drafting steps write speculative positions that the next catch-up
+    overwrites. q per drafted token is the heads' processed distribution under the request's own
+    sampling controls. A weight sync updates the heads with the policy (they are the target's
+    parameters); their caches are recomputed after it."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        target_runner: ModelRunner,
+        *,
+        num_slots: int,
+        max_len: int,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        vocab_size: int,
+        weights_epoch: Callable[[], int],
+    ) -> None:
+        heads: Any = getattr(target, "mtp", None)  # hf/mtp.py: MTPHeads
+        if heads is None or len(heads.layers) == 0:
+            raise ValueError(
+                "speculative_algorithm: NEXTN drafts with the model's MTP heads, and this model has none "
+                "(its config's mtp_num_layers is 0)"
+            )
+        self.layers: list[Any] = list(heads.layers)  # each with its MTP parts joined by name
+        tree: Any = target.model  # the reference model's modules by name
+        self.embed: Any = tree.embed_tokens
+        self.target_hidden = target_runner.keep_hidden()
+        self.runners = [
+            ModelRunner(_HeadModel(target, layer), num_slots, max_len, dtype, device) for layer in self.layers
+        ]
+        for runner in self.runners:
+            runner.allocate_cache(max_tokens)
+            runner.keep_hidden()  # depth d's outputs: depth d + 1's input
+        self.vocab_size, self.device, self.dtype = vocab_size, device, dtype
+        self._weights_epoch, self._epoch = weights_epoch, weights_epoch()
+        # per slot: the sequence the caches were computed from, and per depth how many positions hold
+        # final K/V and outputs (position t of depth d depends on the sequence up to t + d + 1)
+        self._seq: list[list[int]] = [[] for _ in range(num_slots)]
+        self._done: list[list[int]] = [[0] * len(self.layers) for _ in range(num_slots)]
+        self.forwards = 0  # head passes run (for the benchmark)
+
+    def free(self, slot: int) -> None:
+        for runner in self.runners:
+            runner.kv.free(slot)
+        self._seq[slot], self._done[slot] = [], [0] * len(self.layers)
+
+    def move(self, src: int, dst: int) -> None:
+        for runner in self.runners:
+            runner.move(src, dst)
+        self._seq[dst], self._done[dst] = self._seq[src], self._done[src]
+        self._seq[src], self._done[src] = [], [0] * len(self.layers)
+
+    def reset(self) -> None:
+        for slot in range(len(self._seq)):
+            self.free(slot)
+
+    def _input(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return project(self.layers[depth], hidden.to(self.dtype), self.embed(tokens))
+
+    def _catch_up(self, depth: int, sequences: list[list[int]]) -> None:
+        """Run depth `depth` over every slot's positions whose inputs are final and not yet run: t
+        from its done count to len − 2 − depth. A slot with none runs one throwaway position at
+        len − 1, which no depth counts as done."""
+        runner, b = self.runners[depth], len(sequences)
+        source = self.target_hidden if depth == 0 else self.runners[depth - 1].hidden
+        assert source is not None  # kept since construction
+        spans: list[tuple[int, int]] = []  # (first position, count) per slot
+        for i, seq in enumerate(sequences):
+            first, last = self._done[i][depth], len(seq) - 2 - depth
+            spans.append((first, last - first + 1) if last >= first else (len(seq) - 1, 0))
+        s = max(max(n, 1) for _, n in spans)
+        embeds = torch.zeros(b, s, runner.hidden_size, dtype=self.dtype, device=self.device)
+        for i, (first, n) in enumerate(spans):
+            if n:
+                at = torch.arange(first, first + n, device=self.device)
+                tokens = torch.tensor(sequences[i][first + depth + 1 : first + depth + 1 + n], device=self.device)
+                embeds[i, :n] = self._input(depth, source[i, at], tokens)
+        runner.extend([[0] * max(n, 1) for _, n in spans], [first for first, _ in spans], embeds)
+        self.forwards += 1
+        for i, (first, n) in enumerate(spans):
+            if n:
+                self._done[i][depth] = first + n
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sequences: list[list[int]],
+        lengths: list[int],
+        params: list[SamplingParams],
+        uniforms: Callable[[int, int], list[float]],
+    ) -> list[Draft]:
+        b = len(sequences)
+        lengths = [k if len(seq) >= 2 else 0 for seq, k in zip(sequences, lengths)]  # depth 0 reads len − 2
+        k = max(lengths, default=0)
+        if k <= 0:
+            return [Draft([]) for _ in sequences]
+        if self._weights_epoch() != self._epoch:  # new weights: derived tables, and every cached position
+            self._epoch = self._weights_epoch()
+            for runner in self.runners:
+                runner.refresh()
+            self.reset()
+        for i, seq in enumerate(sequences):
+            common = 0
+            old = self._seq[i]
+            while common < min(len(old), len(seq)) and old[common] == seq[common]:
+                common += 1
+            self._done[i] = [min(done, max(0, common - d - 1)) for d, done in enumerate(self._done[i])]
+            self._seq[i] = list(seq)
+            for runner in self.runners:  # catch-up, drafts and the throwaway position stay below len + k
+                if not runner.kv.reserve(i, len(seq) + lengths[i]):
+                    return [Draft([]) for _ in sequences]  # the heads' pool is full: plain decoding this step
+        depths = len(self.runners)
+        for d in range(depths):
+            self._catch_up(d, sequences)
+        rows = torch.arange(b, device=self.device)
+        last = torch.tensor([max(len(seq) - 2, 0) for seq in sequences], device=self.device)
+        depth0 = self.runners[0].hidden
+        assert depth0 is not None  # kept since construction
+        hidden = depth0[rows, last]  # depth 0's output at len − 2: it predicts the token at len
+        ctl = BatchSampling.of(params, self.vocab_size, self.device)
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        for j in range(k):
+            logits = self.runners[min(j, depths - 1)].head(hidden)
+            w = processed_weights(logits, ctl)
+            u = torch.tensor(
+                [uniforms(i, 1)[0] if j < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
+                dtype=torch.float64,
+                device=w.device,
+            )
+            drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), logits.argmax(-1))
+            for i in range(b):
+                if j < lengths[i]:
+                    tokens[i].append(int(drawn[i]))
+                    probs[i].append(w[i])
+            if j == k - 1:
+                break
+            d = min(j + 1, depths - 1)  # the depth of draft j + 2, at len − 2 + (j + 1 − d)
+            positions = [
+                len(seq) - 2 + (j + 1 - d) if j + 1 < lengths[i] else len(seq) - 1 for i, seq in enumerate(sequences)
+            ]
+            runner = self.runners[d]
+            runner.extend([[0]] * b, positions, self._input(d, hidden, drawn)[:, None])
+            self.forwards += 1
+            assert runner.last_normed is not None  # set by that extend
+            hidden = runner.last_normed[:, 0]
         return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]

@@ -122,7 +122,7 @@ class ModelRunner:
         self.kv_heads = cfg.num_key_value_heads
         self.group = self.num_heads // self.kv_heads
         self.head_dim = cfg.head_dim
-        self.hidden = cfg.hidden_size
+        self.hidden_size = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.dtype, self.device = dtype, device
@@ -168,7 +168,20 @@ class ModelRunner:
         self.routing_taps = [getattr(layer.mlp, "routing", None) for layer in tree.layers]
         self.routing_topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.last_routing: torch.Tensor | None = None  # [rows, layers, k] int32 of the last pass, -1 = dense
+        # MTP drafts (drafts.py: MTPDrafter): every pass's final-normed hidden state per slot and
+        # position, [slots, max_len, hidden]; None = not kept (`keep_hidden`)
+        self.hidden: torch.Tensor | None = None
+        self.last_normed: torch.Tensor | None = None  # [B, s, hidden] of the last `extend`
         self.refresh()
+
+    def keep_hidden(self) -> torch.Tensor:
+        """Keep the final-normed hidden state of every position each pass computes (what MTP heads
+        read); returns the [slots, max_len, hidden] store."""
+        if self.hidden is None:
+            self.hidden = torch.zeros(
+                self.num_slots, self.max_len, self.hidden_size, dtype=self.dtype, device=self.device
+            )
+        return self.hidden
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -266,6 +279,8 @@ class ModelRunner:
         self.kv.move(src, dst)
         if self.ngram_context is not None:
             self.ngram_context[dst] = self.ngram_context[src]
+        if self.hidden is not None:
+            self.hidden[dst] = self.hidden[src]
 
     # ---- one layer -------------------------------------------------------------------------
 
@@ -367,7 +382,7 @@ class ModelRunner:
         of a token is cat(latent, k_rot). cos / sin_signed come in this runner's layout (first halves:
         cos, -sin of each frequency); the bias rows are those of one KV head with G = heads."""
         attn = self.layers[li].module.self_attn
-        h = _rms(x, self.layers[li].module.input_layernorm.weight, self.eps).view(b, s, self.hidden)
+        h = _rms(x, self.layers[li].module.input_layernorm.weight, self.eps).view(b, s, self.hidden_size)
         q_pass, q_rot, latent, k_rot = attn.project(h, cos[:, :, 0], -sin[:, :, 0])
         entry = torch.cat((latent, k_rot), dim=-1)  # [b, 1, s, r + dr]
         if decode_at is not None:
@@ -381,7 +396,7 @@ class ModelRunner:
             self.kv.write_prefill(li, prefill_at, entry, entry)
             allowed = bias.view(b, self.num_heads, s, s) == 0
         latent, k_rot = attn.split_cache_entry(entry)
-        out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden)
+        out = attn.attend(q_pass, q_rot, latent, k_rot, allowed).reshape(b * s, self.hidden_size)
         return out if residual is None else residual + out
 
     def _mlp(self, li: int, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -445,8 +460,15 @@ class ModelRunner:
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self._final_norm(hidden))
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms(hidden, self._tree.norm.weight, self.eps)
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states (the output layer alone)."""
         head: Any = self.model.lm_head  # the tree's modules by name (see `__init__`)
-        return F.linear(_rms(hidden, self._tree.norm.weight, self.eps), head.weight).float()
+        return F.linear(normed, head.weight).float()
 
     # ---- routing replay ----------------------------------------------------------------------
 
@@ -499,14 +521,16 @@ class ModelRunner:
         cos, sin = self._cos[None, :s, None], self._sin_signed[None, :s, None]
         if self.ngram_context is not None:
             # Right padding follows the prompt, and n-grams only look back: padding changes nothing.
-            x = self._tree.embed(ids, pos.expand(b, s)).view(b * s, self.hidden)
+            x = self._tree.embed(ids, pos.expand(b, s)).view(b * s, self.hidden_size)
             c = self.ngram_context_size
             tails = [([-1] * c + t)[len(t) :] for t in prompts]  # the last c tokens, -1 where none
             self.ngram_context[slot0 : slot0 + b] = torch.tensor(tails, dtype=torch.long).view(b, c).to(self.device)
         else:
-            x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
+            x = self._tree.embed_tokens(ids).view(b * s, self.hidden_size)
         x = self._decoder(x, b, s, cos, sin, (full, windowed), None, rows)
         self._collect_routing(b * s)  # row r * s + c: prompt r, position c
+        if self.hidden is not None:  # right padding lands past each prompt: rewritten before it is read
+            self.hidden[slot0 : slot0 + b, :s] = self._final_norm(x).view(b, s, -1)
         flat = torch.tensor([r * s + c for r, c in logit_rows], dtype=torch.long, device=self.device)
         return self._logits(x[flat])
 
@@ -540,14 +564,22 @@ class ModelRunner:
         at = self.kv.decode_rows(pos, length)  # pool rows to write and to read, shared by all layers
         x = self._decoder(x, b, 1, cos, sin, (full, windowed), at)
         self._collect_routing(b)
-        return self._logits(x)
+        if self.hidden is None:
+            return self._logits(x)
+        normed = self._final_norm(x)
+        self.hidden[torch.arange(b, device=self.device), pos] = normed
+        return self.head(normed)
 
     @torch.inference_mode()
-    def extend(self, tokens: list[list[int]], positions: list[int]) -> torch.Tensor:
+    def extend(
+        self, tokens: list[list[int]], positions: list[int], inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots 0..B-1 each run `tokens[i]` (at least one) from position `positions[i]` on (= tokens
         already cached; the slot's pages must hold positions[i] + len(tokens[i])), reading their cached
         K/V and each other causally: decode of several tokens at once, the pass that verifies a
-        speculative draft. fp32 logits [B, s, V], s the longest row (a shorter row's tail is padding)."""
+        speculative draft. fp32 logits [B, s, V], s the longest row (a shorter row's tail is padding).
+        `inputs_embeds` [B, s, hidden]: the layers' input instead of the tokens' embeddings (an MTP
+        head's projected input, drafts.py); `last_normed` then holds the final-normed output."""
         if self.latent_cache or self.ngram_context is not None:
             raise ValueError(
                 "speculative decoding: the embedded engine's multi-token pass does not cover latent KV "
@@ -573,7 +605,14 @@ class ModelRunner:
         full, windowed = (self._extend_bias(a, length) for a in (allowed, in_window))
         qpos = qpos.clamp(max=self.max_len - 1)  # padding past the context reads the last table row
         cos, sin = self._cos[qpos][:, :, None], self._sin_signed[qpos][:, :, None]
-        x = self._tree.embed_tokens(ids).view(b * s, self.hidden)
+        if inputs_embeds is None:
+            x = self._tree.embed_tokens(ids).view(b * s, self.hidden_size)
+        else:
+            x = inputs_embeds.to(self.dtype).reshape(b * s, self.hidden_size)
         x = self._decoder(x, b, s, cos, sin, (full, windowed), (write, read))
         self._collect_routing(b * s)  # row i * s + t: slot i, position positions[i] + t
-        return self._logits(x).view(b, s, -1)
+        normed = self._final_norm(x)
+        self.last_normed = normed.view(b, s, -1)
+        if self.hidden is not None:  # a shorter row's padding lands past its tokens: rewritten before read
+            self.hidden[torch.arange(b, device=self.device)[:, None], qpos] = self.last_normed
+        return self.head(normed).view(b, s, -1)

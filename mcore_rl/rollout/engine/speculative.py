@@ -32,14 +32,15 @@ import torch
 
 from .sampling import BatchSampling, inverse_cdf, processed_weights
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # SGLang's --speculative-algorithm names that are served here
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")  # SGLang's --speculative-algorithm names that are served here
 NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bonus token is drawn
 
 
 @dataclass
 class SpeculativeSettings:
     """The engine's speculative decoding (`mcore-rl serve --speculative-*`, SGLang's flag names):
-    `algorithm` NGRAM (prompt lookup) or STANDALONE (a separate draft model at `draft_model_path`),
+    `algorithm` NGRAM (prompt lookup), STANDALONE (a separate draft model at `draft_model_path`) or
+    NEXTN (the model's own MTP heads, `drafts.MTPDrafter`),
     `num_steps` tokens drafted per verification (SGLang's `--speculative-num-steps`), and the n-gram
     lengths prompt lookup tries (`--speculative-ngram-min/max-match-window-size`)."""
 
