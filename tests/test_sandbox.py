@@ -148,7 +148,44 @@ def test_infinite_loops_stop_at_the_cpu_and_the_wall_limit() -> None:
     assert spin.status == "timeout" and "CPU" in spin.error and spin.wall_s < 8
     start = time.monotonic()
     sleep = run_python("import time\ntime.sleep(60)", limits=Limits(cpu_s=1, wall_s=1))
-    assert sleep.status == "timeout" and "wall" in sleep.error and time.monotonic() - start < 3
+    assert sleep.status == "timeout" and "wall" in sleep.error and time.monotonic() - start < 3 + sleep.waited_s
+
+
+_CPU_BOUND = """
+import time
+start = time.process_time()
+while time.process_time() - start < 0.35:
+    pass
+print("done")
+"""
+
+
+def test_waiting_for_a_cpu_moves_the_wall_deadline_sleeping_does_not() -> None:
+    """On a loaded machine a correct program waits for a core: that wait (the kernel's run-queue
+    time of the run's processes) is credited to the wall deadline, so the program finishes instead
+    of being scored a timeout; a program that sleeps earns no credit. The load: four spinning
+    processes on the one CPU the sandbox runs on (affinity is inherited): the program needs about
+    a fraction of its wall limit of CPU time, and gets a fifth of the CPU at most."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    # each in a session of its own, as the sandbox's bootstrap is: where the kernel groups CPU shares
+    # by session (autogroup), four hogs in one session would take only half the CPU
+    spin = [sys.executable, "-c", "while True: pass"]
+    hogs = [subprocess.Popen(spin, start_new_session=True) for _ in range(4)]
+    try:
+        starved = run_python(_CPU_BOUND, limits=Limits(cpu_s=5, wall_s=1.5, wait_credit=0))
+        assert starved.status == "timeout" and starved.waited_s == 0  # without the credit: a timeout
+        credited = run_python(_CPU_BOUND, limits=Limits(cpu_s=5, wall_s=1.5, wait_credit=50))
+        assert credited.ok and credited.stdout == b"done\n", credited
+        assert credited.waited_s > 0.3 and credited.wall_s > 1.5
+        sleeper = run_python("import time\ntime.sleep(30)", limits=Limits(cpu_s=5, wall_s=1.5, wait_credit=50))
+        assert sleeper.status == "timeout" and "credited for waiting" in (sleeper.error or "") or sleeper.waited_s == 0
+        assert sleeper.wall_s < 1.5 + sleeper.waited_s + 1.5 and sleeper.waited_s < 3  # its start-up's wait only
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        os.sched_setaffinity(0, before)
 
 
 _READER = """

@@ -12,10 +12,14 @@ them symbolically and numerically.
 
 Time: sympy can take practically forever (`\\boxed{2^{2^{2^{40}}}}` ran for minutes), so one
 deadline of `VERIFY_TIMEOUT_S` bounds the whole comparison, math-verify and fallback together; an
-answer that cannot be checked in time counts as wrong (as math-verify's own timeouts do). It is a
-SIGALRM timer, so it works in a main thread: that of a reward worker process, where the runner
-calls sync rewards. math-verify's own timeouts stay off: they are SIGALRM timers too, one per parse
-and per comparison, and each cancels any other alarm when it ends. Elsewhere (a thread of the
+answer that cannot be checked in time counts as wrong (as math-verify's own timeouts do). The
+deadline is of CPU time (a SIGPROF timer, ITIMER_PROF), not of the wall clock: on a loaded machine a
+comparison that waits for a core would otherwise run out of time and count a right answer as wrong
+(a signal error, not a lost sample); waiting is bounded by the runner's wall-clock timeout, whose
+expiry is a reward error, not a wrong answer. A signal timer works in a main thread: that of a reward
+worker process, where the runner calls sync rewards. math-verify's own timeouts stay off: they are
+SIGALRM timers, one per parse and per comparison, and each cancels any other alarm when it ends
+(ours is a different timer and signal, so neither cancels the other). Elsewhere (a thread of the
 runner's in-process mode) there is no deadline and the runner's timeout applies; arithmetic stuck
 in one C call (a huge integer power) defers the alarm until it returns, which is what the worker's
 hard timeout (SIGKILL) is for.
@@ -35,7 +39,9 @@ from mcore_rl.rewards.base import RewardInput
 
 logger = logging.getLogger(__name__)
 
-VERIFY_TIMEOUT_S = 5.0  # one comparison, math-verify and fallback together (math-verify's default per step)
+VERIFY_TIMEOUT_S = (
+    5.0  # CPU seconds for one comparison, math-verify and fallback together (math-verify's default per step)
+)
 
 
 class VerifyTimeout(BaseException):
@@ -45,22 +51,23 @@ class VerifyTimeout(BaseException):
 
 @contextmanager
 def deadline(seconds: float | None) -> Iterator[bool]:
-    """Raise `VerifyTimeout` in this block after `seconds` (a SIGALRM timer); yields whether a
-    deadline is set: only in the main thread, where signal handlers run."""
+    """Raise `VerifyTimeout` in this block once the process has used `seconds` of CPU time (a
+    SIGPROF timer); yields whether a deadline is set: only in the main thread, where signal handlers
+    run."""
     if seconds is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield False
         return
 
     def on_alarm(signum: int, frame: Any) -> None:
-        raise VerifyTimeout(f"no verdict within {seconds:g}s")
+        raise VerifyTimeout(f"no verdict within {seconds:g}s of CPU time")
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(signal.SIGPROF, on_alarm)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield True
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")

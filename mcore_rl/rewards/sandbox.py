@@ -709,6 +709,9 @@ class Limits:
     nofile: int = 64
     output_bytes: int = 64 << 10
     results_bytes: int = 1 << 20  # fd 3: all of it (a pipe), or each line (a conversation)
+    # time the run's processes spent runnable but waiting for a CPU (a loaded machine) moves the wall
+    # deadline back, up to this many times wall_s: a correct program that was starved is not a timeout
+    wait_credit: float = 2.0
 
 
 @dataclass
@@ -731,6 +734,7 @@ class SandboxResult:
     mechanisms: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     oom_killed: bool = False  # the kernel killed a process of the run at its cgroup's memory limit
+    waited_s: float = 0.0  # wall time added to the deadline for the run's processes waiting for a CPU
 
     @property
     def ok(self) -> bool:
@@ -1063,7 +1067,8 @@ class _Watch:
         }
         self.data = {name: bytearray() for name in self.caps}
         self.killed: str | None = None
-        self.deadline = start + limits.wall_s
+        self.start, self.deadline = start, start + limits.wall_s
+        self.waited_s = 0.0  # wait for a CPU credited to the deadline so far
         self.exited_at: float | None = None  # when the bootstrap closed its report pipe: it has exited
         self.outgoing = bytearray()
         self.chan_open = True
@@ -1086,7 +1091,7 @@ class _Watch:
     def step(self) -> None:
         """One round: read what is there (and write what the program is owed), at most 0.1 s."""
         now = time.monotonic()
-        if now >= self.deadline:
+        if now >= self.deadline and not self._credit_waiting():
             self.killed = "timeout"
             return
         if self.outgoing and self.chan_open:
@@ -1120,6 +1125,21 @@ class _Watch:
                 self.killed = "output_limit"
             elif len(chunk) > room and self.conversing:
                 self.killed = "protocol"
+
+    def _credit_waiting(self) -> bool:
+        """At the deadline: move it back by the time the run's processes have waited for a CPU since
+        the last credit (capped at `wait_credit` x `wall_s` in all); whether it moved. Waiting to be
+        scheduled is the machine's doing; sleeping, blocking and computing are the program's, and
+        the kernel's accounting (schedstat) tells them apart, so a program cannot earn credit by
+        stalling. The credit never exceeds the time that has passed (so a program that forks N
+        spinning processes cannot multiply it) nor the cap."""
+        elapsed = time.monotonic() - self.start
+        waited = min(_runqueue_wait_s(self.proc.pid), elapsed, self.limits.wait_credit * self.limits.wall_s)
+        if waited - self.waited_s < 0.01:
+            return False
+        self.deadline += waited - self.waited_s
+        self.waited_s = waited
+        return True
 
     def run(self) -> None:
         while self.running():
@@ -1214,6 +1234,9 @@ def _launch(
         time.monotonic() - start,
         limits,
     )
+    res.waited_s = watch.waited_s
+    if res.status == "timeout" and watch.waited_s > 0 and watch.killed == "timeout":
+        res.error = f"{res.error} (+{watch.waited_s:.2f}s credited for waiting for a CPU)"
     res.oom_killed = any(_oom_kills(cgroup) > 0 for cgroup in cgroups)
     if res.oom_killed and res.status in ("signal", "supervisor_killed"):
         res.error = f"killed at the {limits.memory_mb + limits.file_size_mb} MiB memory limit of the run"
@@ -1250,6 +1273,36 @@ def _kill_group(proc: subprocess.Popen) -> None:
         except (ProcessLookupError, PermissionError):
             continue
     proc.wait()
+
+
+def _runqueue_wait_s(root: int) -> float:
+    """Seconds the live threads of process `root` and its descendants (the bootstrap and the
+    program's PID namespace under it) have spent runnable but not running, summed, from
+    /proc/PID/task/TID/schedstat's second field; 0 where the kernel does not keep it. Exited
+    processes, and those that left the tree (possible only without a PID namespace), are not
+    counted: the credit errs short. (Threads that wait at the same time count each: the caller
+    caps the credit at the time that has passed.)"""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])  # after the command name (it may hold spaces)
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    total_ns, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task.name}/schedstat", "rb") as f:
+                    total_ns += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # it exited meanwhile, or no schedstat here
+            continue
+    return total_ns / 1e9
 
 
 def _signal_name(code: int) -> str:
