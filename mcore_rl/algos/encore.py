@@ -7,7 +7,7 @@ values (no density estimate: the scores are discrete), and its entropy
     H(ψ_k) = −Σ_z p(z) log p(z)
 
 says how decisive the head is. Heads are weighted by w = softmax(−H / τ) and composed as
-r = Σ_k w_k ψ_k (the notes do not write the aggregation; the weighted sum is the natural reading).
+r = Σ_k w_k ψ_k (the paper's summary does not write the aggregation; the weighted sum is the natural reading).
 Low-entropy heads weigh more; τ → ∞ gives uniform weights, τ → 0 all the weight on the
 lowest-entropy heads (ties split).
 
