@@ -710,8 +710,11 @@ class Limits:
     output_bytes: int = 64 << 10
     results_bytes: int = 1 << 20  # fd 3: all of it (a pipe), or each line (a conversation)
     # time the run's processes spent runnable but waiting for a CPU (a loaded machine) moves the wall
-    # deadline back, up to this many times wall_s: a correct program that was starved is not a timeout
-    wait_credit: float = 2.0
+    # deadline back, up to this many times wall_s: a correct program that was starved is not a timeout.
+    # Off by default: a program can crowd its own CPU with spinning forks and so earn the credit, and
+    # a deadline pushed past the reward runner's timeout turns its failure into a reward error (a
+    # dropped sample); set it only where (1 + wait_credit) x wall_s stays under that timeout
+    wait_credit: float = 0.0
 
 
 @dataclass
