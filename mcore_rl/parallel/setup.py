@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.schema import ParallelConfig
-from mcore_rl.parallel import cpu_compat
+from mcore_rl.parallel import cpu_compat, mcore_fixes
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
     gloo without CUDA, NCCL with it. Returns (rank, world_size).
     """
     cpu_compat.apply()
+    mcore_fixes.apply()
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank = int(os.environ.get("RANK", "0"))
@@ -56,6 +57,7 @@ def init_model_parallel(cfg: ParallelConfig) -> ParallelLayout:
     from megatron.core import parallel_state
 
     cpu_compat.apply()
+    mcore_fixes.apply()
     world_size = dist.get_world_size()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
