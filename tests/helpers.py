@@ -631,6 +631,34 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: 
     return name
 
 
+def _profile_counts_the_rank(mc: ModelConfig, pc: ParallelConfig, then=None):
+    """An `after` for `_check_layout`: `mcore-rl profile`'s tensor list for this rank's layout holds as
+    many parameters as the rank's built chunks (TP/EP/ETP/PP shards, MLA's duplicated projections,
+    GPT-OSS's sinks and biases); then `then(chunks)`, if given."""
+
+    def check(chunks) -> None:
+        from megatron.core import parallel_state as ps
+
+        from mcore_rl.profile.layouts import Layout
+        from mcore_rl.profile.memory import param_tensors
+
+        layout = Layout(
+            tp=pc.tensor_model_parallel_size,
+            pp=pc.pipeline_model_parallel_size,
+            vpp=pc.virtual_pipeline_model_parallel_size,
+            ep=pc.expert_model_parallel_size,
+            etp=pc.expert_tensor_parallel_size,
+            sp=pc.sequence_parallel,
+        )
+        counted = sum(t.numel * t.count for t in param_tensors(mc, layout, ps.get_pipeline_model_parallel_rank()))
+        built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        assert counted == built, f"{mc.arch} {pc}: the profiler counts {counted} parameters, the rank holds {built}"
+        if then is not None:
+            then(chunks)
+
+    return check
+
+
 # ---- from test_convert.py ----------------------------------------------------------------------
 
 
