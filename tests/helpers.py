@@ -604,7 +604,12 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: 
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
 
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     ref_loss, ref_state, ref_grads = ref
+    # megatron-core sizes its per-layer aux-loss log by the first MoE model a process runs; a world
+    # that checks models of other depths one after the other starts each with an empty log
+    get_moe_layer_wise_logging_tracker().clear()
     layout = init_model_parallel(pc)
     set_seed(1)
     config = transformer_config(mc, pc, recompute=recompute)
