@@ -66,6 +66,9 @@ class ToolCallFormat:
     model_types: tuple[str, ...]  # Hugging Face `config.model_type`s whose chat templates use it
     parse: Callable[[str], ParsedTurn]
     render: Callable[[str, Sequence[ToolCall]], str]
+    # text a chat template holds when it speaks this format (all of them), checked in registry order
+    # before the hermes / llama3 / ChatML rules of `config/rl_environment.py`; () = none
+    template_markers: tuple[str, ...] = ()
 
 
 def _arguments(obj: dict[str, Any]) -> dict[str, Any] | str:
@@ -508,6 +511,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("gpt_oss",),
             parse=parse_harmony,
             render=render_harmony,
+            template_markers=("<|channel|>",),
         ),
         ToolCallFormat(
             name="deepseek_v3",
@@ -515,6 +519,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("deepseek_v3",),
             parse=parse_deepseek_v3,
             render=render_deepseek_v3,
+            template_markers=(DEEPSEEK_SECTION[0], _JSON_FENCE),
         ),
         ToolCallFormat(
             name="deepseek_v31",
@@ -522,6 +527,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=(),  # model_type deepseek_v3 as V3 is; told apart by its chat template
             parse=parse_deepseek_v3,
             render=render_deepseek_v31,
+            template_markers=(DEEPSEEK_SECTION[0],),
         ),
         ToolCallFormat(
             name="kimi_k2",
@@ -529,6 +535,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("kimi_k2",),
             parse=parse_kimi_k2,
             render=render_kimi_k2,
+            template_markers=(KIMI_SECTION[0],),
         ),
     )
 }

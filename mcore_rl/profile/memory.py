@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config.model_keys.attn_res import AttnResKeys
-from mcore_rl.config.model_keys.deepseek_v3 import DeepSeekV3Keys
-from mcore_rl.config.model_keys.gpt_oss import GptOssKeys
 from mcore_rl.config.model_keys.latent_moe import LatentMoEKeys
 from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.model_keys.ngram import NgramEmbeddingConfig
@@ -72,38 +70,34 @@ def layers_on_stage(model: ModelConfig, layout: Layout, pp_rank: int) -> list[in
 
 def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[ParamTensor]:
     """The parameters one rank of pipeline stage `pp_rank` holds (the same on every TP/EP/DP rank)."""
+    # imported here: mcore_rl.hf loads torch and transformers; `mcore-rl profile --help` needs neither
+    from mcore_rl.hf.families import family_named
+
     h, tp, etp, ep = model.hidden_size, layout.tp, layout.expert_tp, layout.ep
     q, kv, d = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim, model.head_dim
     out: list[ParamTensor] = []
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    mla, oss = model.section(DeepSeekV3Keys), model.section(GptOssKeys)
+    family = family_named(model.arch)
     vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp)  # split evenly over TP
     if first:
         out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, False))
     for i in layers_on_stage(model, layout, pp_rank):
         p = f"decoder.layers.{i}."
         out.append(ParamTensor(p + "input_layernorm.weight", h, False))
-        if mla.multi_latent_attention:
-            out += _latent_attention(model, mla, tp, p + "self_attention.")
+        if family is not None and family.attention_params is not None:  # its own attention (hf/<family>.py)
+            out += [ParamTensor(p + name, numel, False) for name, numel in family.attention_params(model, tp)]
         else:
             out += [
                 ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
                 ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False),
             ]
-            # Qwen2 / GLM-4.5 (a field older configs lack), GPT-OSS: q/k/v biases
-            if getattr(model, "add_qkv_bias", False) or oss.linear_biases:
+            if getattr(model, "add_qkv_bias", False):  # Qwen2 (a field older configs lack): q/k/v biases
                 out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
             if model.qk_layernorm:
                 out += [
                     ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
                     ParamTensor(p + "self_attention.k_layernorm.weight", d, False),
                 ]
-        if oss.linear_biases:  # GPT-OSS: the output projection's bias, whole on every TP rank
-            out.append(ParamTensor(p + "self_attention.linear_proj.bias", h, False))
-        if oss.attention_sinks:  # GPT-OSS: one learned logit per head, split with the heads
-            out.append(
-                ParamTensor(p + "self_attention.core_attention.softmax_offset", model.num_attention_heads // tp, False)
-            )
         out.append(ParamTensor(p + "pre_mlp_layernorm.weight", h, False))
         if is_moe_layer(model, i):
             moe = model.section(MoEKeys)
@@ -115,11 +109,10 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
                 ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
                 ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n),
             ]
-            if oss.linear_biases:  # GPT-OSS: the router's and each expert's two biases (ETP 1 only)
+            if family is not None and family.moe_extra_params is not None:  # e.g. GPT-OSS's biases
                 out += [
-                    ParamTensor(p + "mlp.router.bias", moe.num_experts, False),
-                    ParamTensor(experts + "linear_fc1.bias", 2 * f // etp, True, n),
-                    ParamTensor(experts + "linear_fc2.bias", h, True, n),
+                    ParamTensor(experts + name, numel, True, n) if per_expert else ParamTensor(p + name, numel, False)
+                    for name, numel, per_expert in family.moe_extra_params(model, etp)
                 ]
             if moe.moe_shared_expert_intermediate_size:
                 s = moe.moe_shared_expert_intermediate_size
@@ -140,29 +133,6 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
         if not model.tie_word_embeddings or layout.pp > 1:  # tied with PP: the last stage keeps a copy
             out.append(ParamTensor("output_layer.weight", vocab // tp * h, False))
     return out
-
-
-def _latent_attention(model: ModelConfig, mla: DeepSeekV3Keys, tp: int, p: str) -> list[ParamTensor]:
-    """Multi-head latent attention's tensors (DeepSeek-V3): the down projections and their norms are
-    whole on every TP rank (megatron-core builds them "duplicated"), the up and output projections
-    split by head."""
-    h, heads = model.hidden_size, model.num_attention_heads
-    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
-    out = [
-        ParamTensor(p + "linear_kv_down_proj.weight", (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * h, False),
-        ParamTensor(p + "kv_layernorm.weight", mla.kv_lora_rank, False),
-        ParamTensor(
-            p + "linear_kv_up_proj.weight", heads * (mla.qk_head_dim + mla.v_head_dim) // tp * mla.kv_lora_rank, False
-        ),
-        ParamTensor(p + "linear_proj.weight", h * heads * mla.v_head_dim // tp, False),
-    ]
-    if mla.q_lora_rank is None:
-        return out + [ParamTensor(p + "linear_q_proj.weight", heads * q_head // tp * h, False)]
-    return out + [
-        ParamTensor(p + "linear_q_down_proj.weight", mla.q_lora_rank * h, False),
-        ParamTensor(p + "q_layernorm.weight", mla.q_lora_rank, False),
-        ParamTensor(p + "linear_q_up_proj.weight", heads * q_head // tp * mla.q_lora_rank, False),
-    ]
 
 
 @dataclass(frozen=True)
