@@ -181,3 +181,6 @@ def test_the_families_and_templates_name_the_formats() -> None:
         "deepseek_v31",
         "kimi_k2",
     ]
+    # GPT-OSS's template writes harmony channels (before this, only its model_type named the format)
+    harmony = "{{- '<|start|>assistant to=functions.' + name + '<|channel|>commentary json<|message|>' }}"
+    assert template_tool_format(harmony)[0] == "harmony"
