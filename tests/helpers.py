@@ -604,7 +604,12 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: 
     from mcore_rl.parallel.setup import init_model_parallel, set_seed
     from mcore_rl.train.forward_backward import forward_backward, prepare_config, wrap_ddp
 
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     ref_loss, ref_state, ref_grads = ref
+    # megatron-core sizes its per-layer aux-loss log by the first MoE model a process runs; a world
+    # that checks models of other depths one after the other starts each with an empty log
+    get_moe_layer_wise_logging_tracker().clear()
     layout = init_model_parallel(pc)
     set_seed(1)
     config = transformer_config(mc, pc, recompute=recompute)
@@ -629,6 +634,34 @@ def _check_layout(mc: ModelConfig, pc: ParallelConfig, batches, ref, recompute: 
     if after is not None:
         after(chunks)
     return name
+
+
+def _profile_counts_the_rank(mc: ModelConfig, pc: ParallelConfig, then=None):
+    """An `after` for `_check_layout`: `mcore-rl profile`'s tensor list for this rank's layout holds as
+    many parameters as the rank's built chunks (TP/EP/ETP/PP shards, MLA's duplicated projections,
+    GPT-OSS's sinks and biases); then `then(chunks)`, if given."""
+
+    def check(chunks) -> None:
+        from megatron.core import parallel_state as ps
+
+        from mcore_rl.profile.layouts import Layout
+        from mcore_rl.profile.memory import param_tensors
+
+        layout = Layout(
+            tp=pc.tensor_model_parallel_size,
+            pp=pc.pipeline_model_parallel_size,
+            vpp=pc.virtual_pipeline_model_parallel_size,
+            ep=pc.expert_model_parallel_size,
+            etp=pc.expert_tensor_parallel_size,
+            sp=pc.sequence_parallel,
+        )
+        counted = sum(t.numel * t.count for t in param_tensors(mc, layout, ps.get_pipeline_model_parallel_rank()))
+        built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        assert counted == built, f"{mc.arch} {pc}: the profiler counts {counted} parameters, the rank holds {built}"
+        if then is not None:
+            then(chunks)
+
+    return check
 
 
 # ---- from test_convert.py ----------------------------------------------------------------------

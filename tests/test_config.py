@@ -79,6 +79,24 @@ train:
     assert cfg.run_dir == "2024"
 
 
+def test_a_partial_section_override_keeps_the_recipes_other_keys(tmp_path):
+    """`optimizer.lr=...` and `optimizer={lr: ...}` change lr only: the recipe's other optimizer keys
+    (not the defaults) stay, and so do the section's nested keys under `init.sft.optimizer`."""
+    path = write(
+        tmp_path,
+        "r.yaml",
+        "optimizer:\n  lr: 1e-3\n  lr_decay_style: constant\n  weight_decay: 0.1\nmodel:\n  hidden_size: 128\n",
+    )
+    for override in ("optimizer.lr=2e-5", "optimizer={lr: 2e-5}"):
+        cfg = load_config(SFTConfig, path, [override])
+        assert cfg.optimizer.lr == pytest.approx(2e-5), override
+        assert cfg.optimizer.lr_decay_style == "constant" and cfg.optimizer.weight_decay == pytest.approx(0.1)
+        assert cfg.model.hidden_size == 128
+    # a mapping replaces no section it names wrongly: its keys are still checked
+    with pytest.raises(ConfigError, match="optimizer.lrr"):
+        load_config(SFTConfig, path, ["optimizer={lrr: 2e-5}"])
+
+
 def test_unknown_key_in_yaml_names_full_key_and_suggests(tmp_path):
     path = write(tmp_path, "r.yaml", "model:\n  hiden_size: 3\n")
     with pytest.raises(ConfigError) as e:

@@ -379,6 +379,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
 
     from mcore_rl.convert import hf_to_mcore, mcore_to_hf, model_config_from_hf, read_hf_config
     from tests.helpers import P, _check_layout, _global_batch, _megatron_logits, _parity_reference
+    from tests.helpers import _profile_counts_the_rank
     from tests.helpers import _tokens as convert_tokens
 
     for mc, layouts in [
@@ -389,7 +390,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
         batches = _global_batch(mc.vocab_size)
         ref = _parity_reference(mc, batches)
         for pc in layouts:
-            _check_layout(mc, pc, batches, ref)
+            _check_layout(mc, pc, batches, ref, after=_profile_counts_the_rank(mc, pc))
     _bias_moves_toward_balance(rank)
     dist.barrier()
     # the FP8 checkpoint with an MTP layer: HF -> megatron (EP=2) -> HF, megatron logits in TP=2

@@ -71,9 +71,16 @@ def test_two_rank_layouts():
 
 
 def test_four_rank_layouts():
+    from tests.test_deepseek_v3 import DSV3_RELEASED
+    from tests.test_gpt_oss import PARITY as GPT_OSS
+
     cases = [
         (MOE, P(tp=2, ep=2, sp=True)),
         (MOE_SHARED, P(tp=2, ep=2, sp=True, etp=1)),
+        # expert-TP 1 under TP 2 with EP 2: DeepSeek-V3 as released (MLA, grouped sigmoid routing,
+        # shared expert), GPT-OSS (sinks, biases; megatron-core builds expert biases only at ETP 1)
+        (DSV3_RELEASED, P(tp=2, ep=2, sp=True, etp=1)),
+        (GPT_OSS, P(tp=2, ep=2, sp=True, etp=1)),
         (DENSE, P(tp=2, pp=2, sp=True)),
         (DENSE, P(tp=2)),  # TP=2 x DP=2
     ]

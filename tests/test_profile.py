@@ -232,3 +232,47 @@ def test_measure_demo_matches_real_tensors(tmp_path):
             assert st["model_state_exact"], st
             assert 0.75 <= st["activation_ratio"] <= 1.25, (m["layout"], st)
     assert "measured on this machine vs estimated" in out.stdout
+
+
+def _family_configs() -> dict[str, ModelConfig]:
+    from tests.test_deepseek_v3 import DSV3, DSV3_FULL_Q
+    from tests.test_gpt_oss import GPT_OSS
+
+    return {"deepseek_v3": DSV3, "deepseek_v3_full_q": DSV3_FULL_Q, "gpt_oss": GPT_OSS}
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_full_q", "gpt_oss"])
+def test_the_profiler_counts_latent_attention_sinks_and_biases(name):
+    """`param_tensors` holds the reference model's parameters (= megatron's, which it exports bit for
+    bit): MLA's low-rank projections and latent norms, GPT-OSS's sinks and biases. Per TP rank, the
+    2-rank worlds of test_deepseek_v3.py / test_gpt_oss.py compare it with the built model."""
+    import torch
+
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+
+    mc = _family_configs()[name]
+    with torch.device("meta"):
+        model = McoreRLForCausalLM(hf_config_from_model_config(mc))
+    counted = sum(t.numel * t.count for t in param_tensors(mc, Layout()))
+    assert counted == sum(p.numel() for p in model.parameters())
+
+
+def test_deepseek_v3_671b_is_671b():
+    """`configs/profile_deepseek_v3_671b.yaml` (the released config.json's shape) is a valid model of
+    671.0B parameters, 37.6B active per token (DeepSeek's report: 671B, 37B activated; the MTP
+    module's 14B more are carried through conversion, not trained, so not counted)."""
+    from mcore_rl.config.model_keys.moe import MoEKeys
+    from mcore_rl.config.rules import Errors, check_model
+    from mcore_rl.convert.to_hf import model_config_from_dict
+
+    with open(os.path.join(ROOT, "configs", "profile_deepseek_v3_671b.yaml")) as f:
+        mc = model_config_from_dict(yaml.safe_load(f)["model"])
+    errors = Errors()
+    check_model(mc, errors)
+    assert not errors.lines, errors.lines
+    tensors = param_tensors(mc, Layout())
+    total = sum(t.numel * t.count for t in tensors)
+    experts = sum(t.numel * t.count for t in tensors if t.expert)
+    moe = mc.section(MoEKeys)
+    active = total - experts + experts * moe.moe_router_topk // moe.num_experts
+    assert round(total / 1e9, 1) == 671.0 and round(active / 1e9, 1) == 37.6

@@ -141,7 +141,7 @@ def test_registry_names_families_and_sglang_parsers():
     assert tool_call_format("qwen25") is TOOL_CALL_FORMATS["hermes"]
     assert tool_call_format("llama3") is TOOL_CALL_FORMATS["llama3_json"]
     assert tool_call_format_for("qwen3") == tool_call_format_for("qwen2") == "hermes"
-    assert tool_call_format_for("llama") == "llama3_json" and tool_call_format_for("deepseek_v3") is None
+    assert tool_call_format_for("llama") == "llama3_json" and tool_call_format_for("mistral") is None
     with pytest.raises(ValueError, match="unknown tool-call format 'pythonic'; known: hermes"):
         parse_tool_calls("", "pythonic")
 

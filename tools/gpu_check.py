@@ -105,10 +105,18 @@ def _init_one_rank() -> None:
     setup.init_model_parallel(ParallelConfig())
 
 
-def te_parity(precision: str) -> Callable[[Context], str]:
+def te_parity(precision: str, arch: str = "dense") -> Callable[[Context], str]:
+    """The TE spec against the reference model; `arch` "gpt_oss": GPT-OSS's sinks (TE >= 2.8),
+    windowed and full layers, biases, the clamped SwiGLU and YaRN."""
+
     def run(ctx: Context) -> str:
         if importlib.util.find_spec("transformer_engine") is None:
             raise Skip("transformer_engine is not importable (pip install '.[gpu]')")
+        if arch == "gpt_oss":
+            from megatron.core.utils import is_te_min_version
+
+            if not is_te_min_version("2.8.0"):
+                raise Skip("transformer-engine < 2.8 has no attention sinks")
         import torch
 
         from mcore_rl.config import ModelConfig, ParallelConfig
@@ -128,6 +136,33 @@ def te_parity(precision: str) -> Callable[[Context], str]:
             num_query_groups=4,
             max_position_embeddings=512,
         )
+        if arch == "gpt_oss":
+            from mcore_rl.config.schema import RopeScalingConfig
+
+            mc = ModelConfig.of(
+                arch="gpt_oss",
+                vocab_size=1024,
+                hidden_size=256,
+                ffn_hidden_size=256,
+                num_layers=4,
+                num_attention_heads=8,
+                num_query_groups=4,
+                kv_channels=64,
+                max_position_embeddings=512,
+                qk_layernorm=False,
+                num_experts=4,
+                moe_router_topk=2,
+                moe_ffn_hidden_size=256,
+                sliding_window=32,
+                sliding_window_pattern=[1, 0, 1, 0],
+                rope_scaling=RopeScalingConfig(
+                    type="yarn", factor=4.0, original_max_position_embeddings=128, truncate=False
+                ),
+                attention_sinks=True,
+                linear_biases=True,
+                swiglu_limit=7.0,
+                init_method_std=0.1,
+            )
         pc = ParallelConfig()
         chunks = build_model(mc, pc, config=transformer_config(mc, pc, precision, "none"))
         model = chunks[0].eval()
@@ -355,6 +390,7 @@ def sglang_vs_embedded(ctx: Context) -> str:
 ROWS = [
     Row("TE spec vs reference, fp32 (TP=1)", te_parity("fp32")),
     Row("TE spec vs reference, bf16 (TP=1)", te_parity("bf16")),
+    Row("TE spec vs reference, GPT-OSS sinks, fp32 (TP=1)", te_parity("fp32", "gpt_oss")),
     Row("bf16 train step, ~1B dense", train_step(DENSE_1B, "dense_1b")),
     Row("bf16 train step, small MoE (16 experts, top-2)", train_step(SMALL_MOE, "moe")),
     Row("NCCL weight sync vs raw NCCL broadcast", nccl_weight_sync),

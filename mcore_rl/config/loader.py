@@ -153,7 +153,8 @@ def _list_item_cls(tp: Any) -> type | None:
 
 def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
     """Set `a.b.c=value` (or `a.items[i].c=value`, for an entry the recipe already lists) in the raw
-    dict; the key path is checked against the schema first."""
+    dict; the key path is checked against the schema first. A mapping given for a section is merged
+    into the recipe's, as a dotted key per entry would be, so the section's other keys stay."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.path=value")
     key, text = item.split("=", 1)
@@ -210,7 +211,10 @@ def _apply_override(raw: dict[str, Any], root_cls: type, item: str) -> None:
             node = items[index]
             continue
         if last:
-            node[name] = value
+            if cls is not None and isinstance(value, dict) and isinstance(node.get(name), dict):
+                _deep_merge(node[name], value)  # `optimizer={lr: 1e-5}` keeps the recipe's other keys
+            else:
+                node[name] = value
             return
         child = node.get(name)
         if not isinstance(child, dict):

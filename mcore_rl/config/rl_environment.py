@@ -108,8 +108,14 @@ def check_tool_format(cfg: RLConfig, key: str, who: str, tool_format: str, error
 def template_tool_format(template: str) -> tuple[str, str] | None:
     """(format, why) a chat template speaks, or None when it says nothing of tools: a template that
     writes calls names its format; a ChatML one that does not is Hermes' layout (the one built on it)."""
-    from mcore_rl.data.tool_calls import ARG_PAIRS_FORMAT  # here, as above: loading config needs no data package
+    from mcore_rl.data.tool_calls import (
+        ARG_PAIRS_FORMAT,
+        TOOL_CALL_FORMATS,
+    )  # here, as above: loading config needs no data package
 
+    for fmt in TOOL_CALL_FORMATS.values():  # a format that says what its templates hold
+        if fmt.template_markers and all(m in template for m in fmt.template_markers):
+            return fmt.name, f" (it writes {' and '.join(fmt.template_markers)})"
     if "<arg_key>" in template:  # GLM-4.5: <tool_call>name, then key/value pairs (not JSON)
         return ARG_PAIRS_FORMAT, " (it writes <tool_call> blocks of <arg_key>/<arg_value> pairs)"
     if "<tool_call>" in template:

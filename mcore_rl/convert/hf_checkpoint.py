@@ -19,6 +19,7 @@ from mcore_rl.convert.fp8 import dequantize, fp8_layout, fp8_layout_of, scale_ro
 from mcore_rl.config.rules import Errors
 from mcore_rl.hf.configuration import OWN_MODEL_TYPES, model_config_from_hf_config, unsupported_stock_fields
 from mcore_rl.hf.families import FAMILIES, STOCK_DECODERS, family_of
+from mcore_rl.hf.refused_architectures import refusal
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -245,6 +246,9 @@ def read_hf_config(directory: str) -> PretrainedConfig:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     model_type = data.get("model_type")
+    refused = refusal(model_type)
+    if refused is not None:
+        raise ValueError(f"{path}: {refused}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -265,6 +269,8 @@ def model_config_from_hf(hf: PretrainedConfig, rope_key: str | None = None) -> M
 
     model_type = getattr(hf, "model_type", None)
     problems: list[str] = []
+    if refusal(model_type) is not None:
+        raise ValueError(refusal(model_type))
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type={model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
     family = family_of(hf)

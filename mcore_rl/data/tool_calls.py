@@ -3,7 +3,7 @@
 A model asks for a tool in its family's own syntax (Qwen2.5/Qwen3 and Hermes: `<tool_call>{json}</tool_call>`;
 Llama 3.x: a JSON object `{"name": ..., "parameters": ...}`; GLM-4.5: `<tool_call>name` and one
 `<arg_key>k</arg_key><arg_value>v</arg_value>` pair per argument; GPT-OSS: a harmony message to
-`functions.<name>`). The agentic runtime, the OpenAI-compatible
+`functions.<name>`; DeepSeek-V3 and Kimi-K2: a section of calls between their own special tokens). The agentic runtime, the OpenAI-compatible
 server and the per-episode proxy all parse the same way, so what the trainer trains on is what a
 served model would have been understood to say.
 """
@@ -66,6 +66,9 @@ class ToolCallFormat:
     model_types: tuple[str, ...]  # Hugging Face `config.model_type`s whose chat templates use it
     parse: Callable[[str], ParsedTurn]
     render: Callable[[str, Sequence[ToolCall]], str]
+    # text a chat template holds when it speaks this format (all of them), checked in registry order
+    # before the hermes / llama3 / ChatML rules of `config/rl_environment.py`; () = none
+    template_markers: tuple[str, ...] = ()
 
 
 def _arguments(obj: dict[str, Any]) -> dict[str, Any] | str:
@@ -339,6 +342,145 @@ def render_harmony(content: str, calls: Sequence[ToolCall]) -> str:
     return "".join(messages)[len(HARMONY_START) :]
 
 
+def _sections(
+    text: str, section: tuple[str, str], call: tuple[str, str], read_call: Callable[[str, str, int], ToolCall | str]
+) -> ParsedTurn:
+    """Calls in a tool-call section (`section` = its begin and end markers), each between `call`'s
+    markers and its body read by `read_call(body, raw, index)`: DeepSeek-V3's and Kimi-K2's layout.
+    The prose is the text before the section (stripped); a call without its end marker (the turn
+    ended inside it) is an error, and so is a section that never opens a call."""
+    begin, end = section
+    start = text.find(begin)
+    if start < 0:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=text[:start].strip())
+    stop = text.find(end, start)
+    body = text[start + len(begin) : len(text) if stop < 0 else stop]
+    pos = body.find(call[0])
+    if pos < 0:
+        turn.errors.append(f"tool call 1: no {call[0]} after {begin}")
+    while pos >= 0:
+        at = pos + len(call[0])
+        close = body.find(call[1], at)
+        n = len(turn.calls) + len(turn.errors) + 1
+        if close < 0:
+            turn.errors.append(f"tool call {n}: no closing {call[1]} (the turn ended inside the call)")
+            break
+        got = read_call(body[at:close], body[pos : close + len(call[1])], len(turn.calls))
+        if isinstance(got, str):
+            turn.errors.append(f"tool call {n}: {got}")
+        else:
+            turn.calls.append(got)
+        pos = body.find(call[0], close + len(call[1]))
+    return turn
+
+
+def _json_arguments(name: str, text: str, raw: str, index: int) -> ToolCall | str:
+    try:
+        return _call_of({"name": name, "arguments": json.loads(text)}, raw, index)
+    except json.JSONDecodeError as err:
+        return _json_error(err)
+
+
+# DeepSeek-V3 / R1 (and V3.1): a section of calls, each `function<｜tool▁sep｜>name` then the JSON
+# arguments in a ```json fence (V3.1: `name<｜tool▁sep｜>{json}`, no fence).
+DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+_DEEPSEEK_SEP, _JSON_FENCE, _FENCE = "<｜tool▁sep｜>", "```json", "```"
+
+
+def _deepseek_call(body: str, raw: str, index: int) -> ToolCall | str:
+    head, sep, rest = body.partition(_DEEPSEEK_SEP)
+    if not sep:
+        return f"no {_DEEPSEEK_SEP} between the call's type and its function name"
+    if head.strip() == "function" and _JSON_FENCE in rest:  # V3: `function<sep>name\n```json\n{...}\n````
+        name, _, fenced = rest.partition(_JSON_FENCE)
+        if not fenced.rstrip().endswith(_FENCE):
+            return f"arguments: no closing {_FENCE} after {_JSON_FENCE}"
+        return _json_arguments(name.strip(), fenced.rstrip()[: -len(_FENCE)], raw, index)
+    return _json_arguments(head.strip(), rest, raw, index)  # V3.1: `name<sep>{...}`
+
+
+def parse_deepseek_v3(text: str) -> ParsedTurn:
+    """DeepSeek-V3 / R1: `<｜tool▁calls▁begin｜>`, then each call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`,
+    its JSON arguments in a ```json fence on their own lines, `<｜tool▁call▁end｜>`; then
+    `<｜tool▁calls▁end｜>`. V3.1's calls (`name<｜tool▁sep｜>{args}`, no fence) are read too (SGLang's
+    `deepseekv3` / `deepseekv31`)."""
+    return _sections(text, DEEPSEEK_SECTION, DEEPSEEK_CALL, _deepseek_call)
+
+
+def render_deepseek_v3(content: str, calls: Sequence[ToolCall]) -> str:
+    """As DeepSeek-V3's released chat template renders an assistant message with tool calls, after
+    `<｜Assistant｜>` and before `<｜end▁of▁sentence｜>`: the content, the section, the calls joined by
+    a newline."""
+    if not calls:
+        return content
+    blocks = [
+        f"{DEEPSEEK_CALL[0]}function{_DEEPSEEK_SEP}{c.name}\n{_JSON_FENCE}\n"
+        f"{json.dumps(c.arguments, ensure_ascii=False)}\n{_FENCE}{DEEPSEEK_CALL[1]}"
+        for c in calls
+    ]
+    joined = "\n".join(blocks)
+    return f"{content}{DEEPSEEK_SECTION[0]}{joined}{DEEPSEEK_SECTION[1]}"
+
+
+def render_deepseek_v31(content: str, calls: Sequence[ToolCall]) -> str:
+    """As DeepSeek-V3.1's chat template renders an assistant message with tool calls: no type, no fence,
+    no separator between calls."""
+    if not calls:
+        return content
+    blocks = "".join(
+        f"{DEEPSEEK_CALL[0]}{c.name}{_DEEPSEEK_SEP}{json.dumps(c.arguments, ensure_ascii=False)}{DEEPSEEK_CALL[1]}"
+        for c in calls
+    )
+    return f"{content}{DEEPSEEK_SECTION[0]}{blocks}{DEEPSEEK_SECTION[1]}"
+
+
+# Kimi-K2: a section of calls, each `<|tool_call_begin|>functions.<name>:<index>` then
+# `<|tool_call_argument_begin|>{json}<|tool_call_end|>`; the id names the function.
+KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
+_KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+_KIMI_ID = re.compile(r"^\s*(?:functions\.)?(?P<name>[^\s:]+?)(?::(?P<index>\d+))?\s*$")
+
+
+def _kimi_call(body: str, raw: str, index: int) -> ToolCall | str:
+    call_id, sep, args = body.partition(_KIMI_ARGUMENTS)
+    if not sep:
+        return f"no {_KIMI_ARGUMENTS} after the call's id"
+    m = _KIMI_ID.match(call_id)
+    if m is None:
+        return f"call id {call_id.strip()!r} is not functions.<name>:<index>"
+    call = _json_arguments(m.group("name"), args, raw, index)
+    if isinstance(call, ToolCall):
+        call.id = call_id.strip()  # the model's own id: a tool message answers it (`## Return of <id>`)
+    return call
+
+
+def parse_kimi_k2(text: str) -> ParsedTurn:
+    """Kimi-K2: `<|tool_calls_section_begin|>`, calls `<|tool_call_begin|>functions.name:i`
+    `<|tool_call_argument_begin|>{args}<|tool_call_end|>`, `<|tool_calls_section_end|>` (SGLang's
+    `kimi_k2`); a call keeps the model's id, which names the function and the call's index."""
+    return _sections(text, KIMI_SECTION, KIMI_CALL, _kimi_call)
+
+
+def render_kimi_k2(content: str, calls: Sequence[ToolCall]) -> str:
+    """As Kimi-K2's released chat template renders an assistant message with tool calls, after its
+    header: the content, then the section. A call's id is written as the template writes it; one not
+    in Kimi's `functions.<name>:<index>` form (the harness's `call_<n>`) becomes that form with its
+    index in the turn, since the model reads the function's name from the id."""
+    if not calls:
+        return content
+    blocks = []
+    for i, c in enumerate(calls):
+        m = _KIMI_ID.match(c.id) if c.id.startswith("functions.") else None
+        call_id = c.id if m is not None and m.group("name") == c.name else f"functions.{c.name}:{i}"
+        blocks.append(
+            f"{KIMI_CALL[0]}{call_id}{_KIMI_ARGUMENTS}{json.dumps(c.arguments, ensure_ascii=False)}{KIMI_CALL[1]}"
+        )
+    return f"{content}{KIMI_SECTION[0]}{''.join(blocks)}{KIMI_SECTION[1]}"
+
+
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
@@ -369,6 +511,31 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
             model_types=("gpt_oss",),
             parse=parse_harmony,
             render=render_harmony,
+            template_markers=("<|channel|>",),
+        ),
+        ToolCallFormat(
+            name="deepseek_v3",
+            sglang_parser="deepseekv3",
+            model_types=("deepseek_v3",),
+            parse=parse_deepseek_v3,
+            render=render_deepseek_v3,
+            template_markers=(DEEPSEEK_SECTION[0], _JSON_FENCE),
+        ),
+        ToolCallFormat(
+            name="deepseek_v31",
+            sglang_parser="deepseekv31",
+            model_types=(),  # model_type deepseek_v3 as V3 is; told apart by its chat template
+            parse=parse_deepseek_v3,
+            render=render_deepseek_v31,
+            template_markers=(DEEPSEEK_SECTION[0],),
+        ),
+        ToolCallFormat(
+            name="kimi_k2",
+            sglang_parser="kimi_k2",
+            model_types=("kimi_k2",),
+            parse=parse_kimi_k2,
+            render=render_kimi_k2,
+            template_markers=(KIMI_SECTION[0],),
         ),
     )
 }

@@ -690,6 +690,28 @@ def attention_flops(model: ModelConfig, context: float) -> tuple[float, float]:
     return 2.0 * (q + kv + out), 2.0 * heads * (qk + k.v_head_dim) * context
 
 
+def attention_params(model: ModelConfig, tp: int) -> list[tuple[str, int]]:
+    """One TP rank's tensors of multi-head latent attention: the down projections and their latent
+    norms whole on every rank (megatron-core builds them "duplicated"), the up and output projections
+    split by head."""
+    k = _keys(model)[0]
+    h, heads = model.hidden_size, model.num_attention_heads
+    q_head = k.qk_head_dim + k.qk_pos_emb_head_dim
+    out = [
+        ("self_attention.linear_kv_down_proj.weight", (k.kv_lora_rank + k.qk_pos_emb_head_dim) * h),
+        ("self_attention.kv_layernorm.weight", k.kv_lora_rank),
+        ("self_attention.linear_kv_up_proj.weight", heads * (k.qk_head_dim + k.v_head_dim) // tp * k.kv_lora_rank),
+        ("self_attention.linear_proj.weight", h * heads * k.v_head_dim // tp),
+    ]
+    if k.q_lora_rank is None:
+        return out + [("self_attention.linear_q_proj.weight", heads * q_head // tp * h)]
+    return out + [
+        ("self_attention.linear_q_down_proj.weight", k.q_lora_rank * h),
+        ("self_attention.q_layernorm.weight", k.q_lora_rank),
+        ("self_attention.linear_q_up_proj.weight", heads * q_head // tp * k.q_lora_rank),
+    ]
+
+
 FAMILY = ModelFamily(
     name="deepseek_v3",
     stock_model_type="deepseek_v3",
@@ -710,6 +732,7 @@ FAMILY = ModelFamily(
     fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
     check_model=check_model_config,
     attention_flops=attention_flops,
+    attention_params=attention_params,
     config_aliases=("kimi_k2",),  # Kimi-K2 ships DeepSeek-V3's config and weights as model_type kimi_k2
     megatron="mcore_rl.models.deepseek_v3",
 )

@@ -74,6 +74,13 @@ class ModelFamily:
     # FLOPs (models/flops.py) of one layer's attention for one token attending to `context` keys:
     # (projections, scores); None = the GQA decoder's count
     attention_flops: Callable[[ModelConfigT, float], tuple[float, float]] | None = None
+    # parameters one rank holds of a layer (`mcore-rl profile`, profile/memory.py), where they differ
+    # from the GQA decoder's: the attention's (megatron name within the layer, numel at TP `tp`),
+    # replacing the decoder's q/k/v, output projection and QK-norms; None = the GQA decoder's
+    attention_params: Callable[[ModelConfigT, int], list[tuple[str, int]]] | None = None
+    # ... and what an MoE layer adds to the router and experts at expert-TP `etp`: (name within the
+    # layer, or within one expert when the flag is set, numel); None = nothing
+    moe_extra_params: Callable[[ModelConfigT, int], list[tuple[str, int, bool]]] | None = None
     # the family's attention has q/k/v/o biases: a stock config's `attention_bias=true` is taken
     attention_bias: bool = False
     # which layers `model.sliding_window` applies to (FLOPs of the attended context); None = every layer

@@ -464,6 +464,36 @@ def windowed_layers(m: ModelConfig) -> list[bool]:
     return [pattern is None or bool(p) for p in pattern or [1] * m.num_layers]
 
 
+def attention_params(model: ModelConfig, tp: int) -> list[tuple[str, int]]:
+    """One TP rank's attention tensors: the GQA decoder's, with q/k/v biases split by TP, the output
+    projection's bias whole, and one sink logit per head of the rank."""
+    k = _keys(model)[0]
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    out = [
+        ("self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h),
+        ("self_attention.linear_proj.weight", h * q // tp),
+    ]
+    if k.linear_biases:
+        out += [("self_attention.linear_qkv.bias", (q + 2 * kv) // tp), ("self_attention.linear_proj.bias", h)]
+    if k.attention_sinks:
+        out.append(("self_attention.core_attention.softmax_offset", model.num_attention_heads // tp))
+    return out
+
+
+def moe_extra_params(model: ModelConfig, etp: int) -> list[tuple[str, int, bool]]:
+    """The router's bias and each expert's two biases (megatron-core builds them at expert-TP 1 only)."""
+    k, moe = _keys(model)
+    if not k.linear_biases:
+        return []
+    f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
+    return [
+        ("mlp.router.bias", moe.num_experts, False),
+        ("linear_fc1.bias", 2 * f // etp, True),
+        ("linear_fc2.bias", model.hidden_size, True),
+    ]
+
+
 FAMILY = ModelFamily(
     name="gpt_oss",
     stock_model_type="gpt_oss",
@@ -484,6 +514,8 @@ FAMILY = ModelFamily(
     check_model=check_model_config,
     check_parallel=check_parallel,
     windowed_layers=windowed_layers,
+    attention_params=attention_params,
+    moe_extra_params=moe_extra_params,
     attention_bias=True,
     stacked_expert_tensors=STACKED_EXPERT_TENSORS,
     megatron_from_hf=megatron_from_hf,

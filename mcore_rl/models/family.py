@@ -34,6 +34,9 @@ class MegatronFamily:
     # the local (no transformer-engine) spec's self-attention submodules to replace, given the
     # QK-norm class; called once per spec, so it may also patch megatron-core for the local path
     local_attention_submodules: Callable[[type], dict[str, type | ModuleSpec]]
+    # the transformer-engine spec's self-attention submodules to replace (None: TE's as they are);
+    # called once per spec, so it may also check the TE version and patch megatron-core
+    te_attention_submodules: Callable[[], dict[str, type | ModuleSpec]] | None = None
     # the MoE layers' router class (megatron-core's `TopKRouter` when None)
     router: type[TopKRouter] | None = None
     # the family's attention builds its RoPE (plain or scaled) from its TransformerConfig fields, so

@@ -127,9 +127,41 @@ def local_attention_submodules(qk_norm: type) -> dict[str, type | ModuleSpec]:
     return dict(q_layernorm=qk_norm, k_layernorm=qk_norm, core_attention=SinkDotProductAttention)
 
 
+# transformer-engine computes attention sinks (`softmax_type="learnable"`) from 2.8 on
+TE_MIN_VERSION_FOR_SINKS = "2.8.0"
+
+
+def te_attention_submodules() -> dict[str, type | ModuleSpec]:
+    """The TE spec's attention with TE's fused kernels for the sinks (transformer-engine >= 2.8; an
+    older one is refused naming the version), the sinks marked TP-split as on the local path; it
+    also installs `use_expert_biases`, which the TE spec's experts (`SequentialMLP`, no grouped GEMM)
+    need as the local ones do. Written for the GPU path and `gpu`-marked in the tests (the TE parity
+    row of tools/gpu_check.py); transformer-engine is not installed where the CPU suite runs."""
+    from megatron.core.utils import get_te_version, is_te_min_version
+
+    if not is_te_min_version(TE_MIN_VERSION_FOR_SINKS):
+        raise ValueError(
+            f"model.attention_sinks: transformer-engine {get_te_version()} has no attention sinks; "
+            f"GPT-OSS needs transformer-engine >= {TE_MIN_VERSION_FOR_SINKS} (or none: the local spec computes them)"
+        )
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class TESinkDotProductAttention(TEDotProductAttention):
+        """transformer-engine's attention, its per-head sink logits marked TP-split along dim 0."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.config.softmax_type == "learnable":
+                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    use_expert_biases()
+    return dict(core_attention=TESinkDotProductAttention)
+
+
 MEGATRON = MegatronFamily(
     transformer_config=transformer_config,
     moe_kwargs=moe_kwargs,
     layer_spec_kwargs={},
     local_attention_submodules=local_attention_submodules,
+    te_attention_submodules=te_attention_submodules,
 )

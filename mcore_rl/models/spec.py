@@ -43,15 +43,22 @@ def decoder_layer_spec(
     num_experts = config.num_moe_experts if moe is None or moe else None
     family_kwargs = family.layer_spec_kwargs if family is not None else {}
     if use_te:
-        return with_router(
-            get_gpt_layer_with_transformer_engine_spec(
-                num_experts=num_experts,
-                moe_grouped_gemm=False,
-                qk_layernorm=config.qk_layernorm,
-                **family_kwargs,
-            ),
-            family,
+        te_spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            **family_kwargs,
         )
+        if family is not None and family.te_attention_submodules is not None:  # e.g. GPT-OSS's sinks
+            te_attention = te_spec.submodules.self_attention
+            te_attention = dataclasses.replace(
+                te_attention,
+                submodules=dataclasses.replace(te_attention.submodules, **family.te_attention_submodules()),
+            )
+            te_spec = dataclasses.replace(
+                te_spec, submodules=dataclasses.replace(te_spec.submodules, self_attention=te_attention)
+            )
+        return with_router(te_spec, family)
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         qk_layernorm=config.qk_layernorm,

@@ -70,27 +70,34 @@ def layers_on_stage(model: ModelConfig, layout: Layout, pp_rank: int) -> list[in
 
 def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[ParamTensor]:
     """The parameters one rank of pipeline stage `pp_rank` holds (the same on every TP/EP/DP rank)."""
+    # imported here: mcore_rl.hf loads torch and transformers; `mcore-rl profile --help` needs neither
+    from mcore_rl.hf.families import family_named
+
     h, tp, etp, ep = model.hidden_size, layout.tp, layout.expert_tp, layout.ep
     q, kv, d = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim, model.head_dim
     out: list[ParamTensor] = []
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    family = family_named(model.arch)
     vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp)  # split evenly over TP
     if first:
         out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, False))
     for i in layers_on_stage(model, layout, pp_rank):
         p = f"decoder.layers.{i}."
-        out += [
-            ParamTensor(p + "input_layernorm.weight", h, False),
-            ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
-            ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False),
-        ]
-        if getattr(model, "add_qkv_bias", False):  # Qwen2 (a field older configs lack): q/k/v biases
-            out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
-        if model.qk_layernorm:
+        out.append(ParamTensor(p + "input_layernorm.weight", h, False))
+        if family is not None and family.attention_params is not None:  # its own attention (hf/<family>.py)
+            out += [ParamTensor(p + name, numel, False) for name, numel in family.attention_params(model, tp)]
+        else:
             out += [
-                ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
-                ParamTensor(p + "self_attention.k_layernorm.weight", d, False),
+                ParamTensor(p + "self_attention.linear_proj.weight", h * q // tp, False),
+                ParamTensor(p + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h, False),
             ]
+            if getattr(model, "add_qkv_bias", False):  # Qwen2 (a field older configs lack): q/k/v biases
+                out.append(ParamTensor(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False))
+            if model.qk_layernorm:
+                out += [
+                    ParamTensor(p + "self_attention.q_layernorm.weight", d, False),
+                    ParamTensor(p + "self_attention.k_layernorm.weight", d, False),
+                ]
         out.append(ParamTensor(p + "pre_mlp_layernorm.weight", h, False))
         if is_moe_layer(model, i):
             moe = model.section(MoEKeys)
@@ -102,6 +109,11 @@ def param_tensors(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> list[
                 ParamTensor(experts + "linear_fc1.weight", 2 * f // etp * h, True, n),
                 ParamTensor(experts + "linear_fc2.weight", h * f // etp, True, n),
             ]
+            if family is not None and family.moe_extra_params is not None:  # e.g. GPT-OSS's biases
+                out += [
+                    ParamTensor(experts + name, numel, True, n) if per_expert else ParamTensor(p + name, numel, False)
+                    for name, numel, per_expert in family.moe_extra_params(model, etp)
+                ]
             if moe.moe_shared_expert_intermediate_size:
                 s = moe.moe_shared_expert_intermediate_size
                 out += [

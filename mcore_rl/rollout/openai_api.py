@@ -313,7 +313,7 @@ def chat_tools(body: dict, tool_format: str | None) -> ChatTools | None:
     if tool_format is None:
         raise RequestError(
             "tools: this server has no tool-call parser for its model; start it with --tool-call-parser "
-            "(hermes / qwen25 or llama3_json / llama3)"
+            "(a format of data/tool_calls.py or its SGLang name, e.g. hermes / qwen25)"
         )
     offered = [t for t in tools if function is None or t["function"]["name"] == function]
     required = choice == "required" or function is not None

@@ -115,6 +115,7 @@ from .sampling import (
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
+from mcore_rl.hf.refused_architectures import refusal
 from mcore_rl.hf.rope import rope_key_in_file
 
 _DTYPES = {
@@ -1295,6 +1296,9 @@ def _load_config(path: str):
         # The reference model has q/k/v/o biases (megatron here has none, so ModelConfig drops the flag).
         config.attention_bias = bool(getattr(stock, "attention_bias", False))
         return config
+    refused = refusal(model_type)
+    if refused is not None:
+        raise ValueError(f"model_path: {refused}")
     raise ValueError(
         f"model_path: model_type {model_type!r} is not supported by the embedded engine "
         f"(supported: {', '.join(OWN_MODEL_TYPES)}, {', '.join(_STOCK_MODEL_TYPES)})"
