@@ -626,9 +626,10 @@ class Learner:
         count = out.count.detach().round().to(torch.int)
         report = {
             "lm_loss": torch.stack([total.detach().float(), out.count.detach().float()]),
+            # A metric a term did not produce is a CPU zero; the report lives on the loss's device.
             "metric_sums": torch.stack(
                 [tokens.float()]
-                + [vals[k].float().reshape(()) for k in self.metric_keys]
+                + [vals[k].float().reshape(()).to(total.device) for k in self.metric_keys]
                 + [out.count.detach().float().reshape(())]
             ),
         }
