@@ -88,6 +88,13 @@ def test_fp8_engine_mismatch_is_small_and_the_unquantised_engine_matches(tmp_pat
     assert k3["fp32"] < 1e-3 and k3["fp8"] < 5e-2, out
 
 
+@pytest.mark.parametrize("runtime", ["sync", "async"])
+def test_the_rl_demo_runs_on_the_gpu(tmp_path, runtime):
+    out = _row(tmp_path, _gpu_check().rl_demo(runtime), timeout_s=400)
+    before, after = _number(r"avg@4 ([0-9.]+)%", out), _number(r"-> ([0-9.]+)%", out)
+    assert after > before, out
+
+
 def test_sglang_and_the_embedded_engine_agree_on_greedy_tokens(tmp_path):
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed")

@@ -292,6 +292,33 @@ def fp8_mismatch(ctx: Context) -> str:
     return "; ".join(f"{e['engine']}: K3 {e['k3']:.2e}, mean |d| {e['mean_abs']:.2e}" for e in engines)
 
 
+# ------------------------------------------------------------------ 4b. the RL demo on the GPU
+
+
+def rl_demo(runtime: str) -> Callable[[Context], str]:
+    """The README's demo end to end on the GPU (trainer and embedded engine on one device)."""
+
+    def run(ctx: Context) -> str:
+        run_dir = os.path.join(ctx.workdir, f"demo_{runtime}")
+        extra = ["rollout.runtime=async", "rollout.max_staleness=1"] if runtime == "async" else []
+        start = time.monotonic()
+        _run(
+            [PY, "-m", "mcore_rl.cli", "train", "configs/demo.yaml", f"run_dir={run_dir}", *extra],
+            ctx,
+            "mcore-rl train",
+        )
+        seconds = time.monotonic() - start
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            evals = [r for r in map(json.loads, f) if "eval/avg@4" in r]
+        return (
+            f"held-out avg@4 {evals[0]['eval/avg@4']:.1%} -> {evals[-1]['eval/avg@4']:.1%}, "
+            f"greedy {evals[0]['eval/greedy_pass@1']:.1%} -> {evals[-1]['eval/greedy_pass@1']:.1%} "
+            f"({seconds:.0f} s with start-up)"
+        )
+
+    return run
+
+
 # ------------------------------------------------------------------ 5. SGLang vs embedded
 
 
@@ -395,6 +422,8 @@ ROWS = [
     Row("bf16 train step, small MoE (16 experts, top-2)", train_step(SMALL_MOE, "moe")),
     Row("NCCL weight sync vs raw NCCL broadcast", nccl_weight_sync),
     Row("FP8 engine mismatch K3 (mcore-rl parity)", fp8_mismatch),
+    Row("RL demo, synchronous (configs/demo.yaml)", rl_demo("sync")),
+    Row("RL demo, asynchronous (max_staleness 1)", rl_demo("async")),
     Row("SGLang server vs embedded engine, /generate", sglang_vs_embedded),
 ]
 
