@@ -458,3 +458,25 @@ def test_seed_with_an_empty_skill_is_half_the_nll_gradient():
     (g_opd,) = torch.autograd.grad(out.loss_sum / b.mask.sum(), logp)
     (g_nll,) = torch.autograd.grad(-(logp * b.mask).sum() / b.mask.sum(), logp)
     torch.testing.assert_close(g_opd, 0.5 * g_nll)
+
+
+def test_seed_is_finite_where_the_teacher_gave_no_score():
+    """A token without a finite ℓ^skill (a sample the environment gave no skill for, padding: -inf or
+    NaN) takes no part: the loss and its gradient stay finite and equal those without the token."""
+    b = _batch(seed_=9)
+    b.student_logp.requires_grad_()
+    bad = b.teacher_logp.clone()
+    bad[1, 2], bad[2, 4], bad[0, 4] = float("-inf"), float("nan"), float("-inf")  # [0, 4] is also off the mask
+    hole = DistillBatch(**{**b.__dict__, "teacher_logp": bad})
+    out = seed(hole)
+    assert torch.isfinite(out.loss_sum) and all(torch.isfinite(v) for v in out.metrics.values())
+    out.loss_sum.backward()
+    grad = b.student_logp.grad.clone()
+    assert torch.isfinite(grad).all() and grad[1, 2] == 0 and grad[2, 4] == 0
+    b.student_logp.grad = None
+    mask = b.mask.clone()
+    mask[1, 2] = mask[2, 4] = 0
+    ref = seed(DistillBatch(**{**b.__dict__, "mask": mask}))
+    ref.loss_sum.backward()
+    torch.testing.assert_close(out.loss_sum, ref.loss_sum)
+    torch.testing.assert_close(grad, b.student_logp.grad)
