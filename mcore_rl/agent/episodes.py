@@ -135,6 +135,7 @@ class Episode:
         self.finish: str | None = None  # why it ended
         self.error: str | None = None  # the environment's failure, if it failed
         self.steps: list[_Step] = []
+        self.actions: list[str] = []  # each model turn's text as the environment got it
         self.history: list[list[Message]] = []  # stepwise memory: each step's action and observation
         self.states: list[str] = []
         self.privileged: list[dict[str, str]] = []  # per state in `states`: its privileged texts
@@ -211,6 +212,7 @@ class Episode:
             self.steps.append(_Step(self.context_ids(), out, self.states[-1] if self.states else ""))
         content = self.chat.decode([i for i in out.ids if i not in self.chat.stop_ids])
         parsed = parse_turn(content, s.tool_format)
+        self.actions.append(content)
         step = self.env.step(AgentAction(content, parsed, truncated=out.finish_reason == "length"))
         self.rewards.append(float(step.reward))
         invalid = _invalid(parsed, step.info)
