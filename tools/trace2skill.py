@@ -8,14 +8,23 @@ skills most like each start state before its first message. No weights change. P
 success rates (return >= `--success-min`), the library's size, how many held-out start states also
 occur in the evolve set, and the mean over seeds with the spread.
 
+Two policies: `--model DIR`, a language model on the embedded engine (it reads the skills as text);
+`--policy reader`, no model: a scripted player of a game that moves at random, and with the library
+plays the moves of the first `do` skill retrieved for its start state, then at random. The reader
+measures what the library holds for held-out states (does retrieval find a path that works
+there), not whether a model can use it.
+
     python tools/trace2skill.py --model runs/smollm2/hf --env frozen_lake --option size=4 \\
         --evolve 32 --test 32 --group 4 --seeds 1 2 3
+    python tools/trace2skill.py --policy reader --env frozen_lake --option size=4 --evolve 128 --test 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import statistics
 import sys
 import time
@@ -61,14 +70,50 @@ def play(
                 env = SkilledEnv(env, library, args.k)
             prompt = Prompt(index=i, text=text, ids=[], label=label, domain=args.env)
             sampling = {"temperature": args.temperature, "top_p": 1.0, "top_k": -1}
-            sampling["sampling_seed"] = (seed * 1_000_003 + i * 101 + j) % (2**31 - 1)
-            episodes.append(
-                Episode(env, prompt, j, seed=seed, tokenizer=tokenizer, settings=settings, sampling=sampling)
-            )
+            base = len(episodes)
+            sampling["sampling_seed"] = base if isinstance(pool, Reader) else (seed * 1_000_003 + base) % (2**31 - 1)
+            e = Episode(env, prompt, j, seed=seed, tokenizer=tokenizer, settings=settings, sampling=sampling)
+            if isinstance(pool, Reader):
+                pool.plan(base, library, e.states[0] if e.states else "", args.k)
+            episodes.append(e)
+    if isinstance(pool, Reader) and len(episodes) >= 7919:
+        raise SystemExit("--policy reader: at most 7918 episodes per set")
     run_lockstep(episodes, pool.generate)
     for e in episodes:
         e.close()
     return episodes
+
+
+class Reader:
+    """`--policy reader`: the scripted player (see the module docstring), as a batch `generate` over the
+    byte tokenizer; an episode is found by its sampling seed (base + 7919 × turn, `Episode.request`)."""
+
+    def __init__(self, tokenizer: Any, actions: tuple[str, ...], seed: int) -> None:
+        self.tokenizer, self.actions, self.seed = tokenizer, actions, seed
+        self.plans: dict[int, list[str]] = {}
+
+    def plan(self, base: int, library: SkillLibrary | None, state: str, k: int) -> None:
+        moves: list[str] = []
+        for p in library.retrieve(state, k) if library is not None else []:
+            found = re.search(r"reached the goal: (.*)\.$", p.lesson)
+            if p.section == "do" and found:
+                moves = [m.strip() for m in found.group(1).split(",")]
+                break
+        self.plans[base] = moves
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        from mcore_rl.rollout.pool import Generation
+
+        out = []
+        for req in requests:
+            s = int(req.sampling_params["sampling_seed"])
+            base, turn = s % 7919, s // 7919
+            plan = self.plans.get(base, [])
+            rng = random.Random(self.seed * 7_919_000 + s)
+            move = plan[turn] if turn < len(plan) else rng.choice(self.actions)
+            ids = self.tokenizer.encode(move)
+            out.append(Generation(ids, [0.0] * len(ids), 0, "stop", move, "reader"))
+        return out
 
 
 def success(episodes: list[Episode], at_least: float) -> float:
@@ -77,7 +122,8 @@ def success(episodes: list[Episode], at_least: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="HF checkpoint directory (its tokenizer and chat template)")
+    ap.add_argument("--policy", default="model", choices=["model", "reader"])
+    ap.add_argument("--model", default=None, help="--policy model: HF checkpoint directory (tokenizer, template)")
     ap.add_argument("--env", default="frozen_lake")
     ap.add_argument("--option", action="append", default=[], help="environment option key=value (JSON value)")
     ap.add_argument("--evolve", type=int, default=32, help="start states the library is built from")
@@ -103,12 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     from mcore_rl.rollout.engine.core import EngineCore
     from mcore_rl.rollout.pool import EmbeddedEnginePool
 
-    tok = load_tokenizer(args.model)
-    kw = {"device": args.device} if args.device else {}
-    engine = EngineCore.from_model_path(args.model, dtype=args.dtype, max_running_requests=256, **kw)
-    pool = EmbeddedEnginePool([engine])
     probe = make_env(args.env, **args.options)
     actions = probe.ACTIONS if isinstance(probe, GymTextEnv) else ()
+    pool: Any
+    if args.policy == "reader":
+        if not actions:
+            raise SystemExit("--policy reader plays the games (frozen_lake, taxi) only")
+        tok = load_tokenizer(None)
+        pool = Reader(tok, actions, args.seeds[0])
+    else:
+        if args.model is None:
+            raise SystemExit("--policy model needs --model")
+        tok = load_tokenizer(args.model)
+        kw = {"device": args.device} if args.device else {}
+        engine = EngineCore.from_model_path(args.model, dtype=args.dtype, max_running_requests=256, **kw)
+        pool = EmbeddedEnginePool([engine])
 
     def action_of(text: str) -> str:
         found = parse_action(text, actions) if actions else None
@@ -120,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         evolve = source.examples(args.evolve, 1000 * seed + 1)
         test = source.examples(args.test, 1000 * seed + 2)
+        if isinstance(pool, Reader):
+            pool.seed = seed
         played = play(args, pool, tok, evolve, seed, None)
         library = SkillLibrary.from_traces(
             (trace_of(e, args.success_min, action_of) for e in played), args.branching, args.min_support

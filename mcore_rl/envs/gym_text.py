@@ -101,7 +101,7 @@ class GymTextEnv(Environment):
             info["return"] = self.total
             info[PRIVILEGED + "outcome"] = (
                 f"The episode ended after {self.turns} turns ({info.get('outcome', info.get('end_reason', 'done'))}), "
-                f"return {self.total:g}, at:\n{self.board()}"
+                f"return {self.total:g}. The board:\n{self.board()}"
             )
         else:
             solution = self.solution_text()
