@@ -139,3 +139,31 @@ def test_a_library_from_real_episodes_goes_into_a_held_out_prompt():
     step = SkilledEnv(make_env("frozen_lake"), lib)
     step.reset(Prompt(index=0, text="x", ids=[1], label={"seed": 4}), 0)
     assert step.step(AgentAction("up", ParsedTurn("up"))).state  # steps pass through
+
+
+def test_the_tool_measures_held_out_success_with_and_without_the_library(tmp_path):
+    """`tools/trace2skill.py --policy reader` end to end on 4x4 FrozenLake: the figures per seed, and a
+    library whose `do` skills (the reader plays the retrieved path) lift the held-out start states the
+    evolve set also played (a map seen in evolve is solved with its path)."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "trace2skill.py")
+    spec = importlib.util.spec_from_file_location("trace2skill", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules["trace2skill"] = tool
+    spec.loader.exec_module(tool)
+    out = tmp_path / "t.json"
+    lib = tmp_path / "lib.jsonl"
+    tool.main(
+        ["--policy", "reader", "--option", "size=3", "--evolve", "24", "--test", "12", "--group", "4",
+         "--max-turns", "12", "--seeds", "1", "--json", str(out), "--save-library", str(lib)]
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row) >= {"test_without", "test_with", "skills", "test_starts_seen_in_evolve", "unseen_test_with"}
+    library = SkillLibrary.load(str(lib))
+    assert len(library.skills) == row["skills"] and row["skills_do"] > 0 and row["test_starts_seen_in_evolve"] > 0
+    assert row["test_with"] > row["test_without"]

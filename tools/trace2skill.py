@@ -6,7 +6,7 @@ merge); then it plays the same number of episodes on `--test` other start states
 with another seed) twice, with the same sampling seeds: without the library, and with the `--k`
 skills most like each start state before its first message. No weights change. Prints per seed the
 success rates (return >= `--success-min`), the library's size, how many held-out start states also
-occur in the evolve set, and the mean over seeds with the spread.
+occur in the evolve set (and the rates on those that do not), and the mean over seeds with the spread.
 
 Two policies: `--model DIR`, a language model on the embedded engine (it reads the skills as text);
 `--policy reader`, no model: a scripted player of a game that moves at random, and with the library
@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         skilled = play(args, pool, tok, test, seed, library)
         seen = {e.states[0] for e in played if e.states}
         overlap = sum(e.states[0] in seen for e in plain[:: args.group] if e.states) / max(len(test), 1)
+        new_plain = [e for e in plain if e.states and e.states[0] not in seen]
+        new_skilled = [e for e in skilled if e.states and e.states[0] not in seen]
         row = {
             "seed": seed,
             "evolve_success": success(played, args.success_min),
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             "skills": len(library.skills),
             "skills_do": sum(p.section == "do" for p in library.skills),
             "test_starts_seen_in_evolve": overlap,
+            "unseen_test_without": success(new_plain, args.success_min),
+            "unseen_test_with": success(new_skilled, args.success_min),
             "seconds": time.perf_counter() - t0,
         }
         rows.append(row)
@@ -206,6 +210,11 @@ def main(argv: list[str] | None = None) -> None:
             f"with {statistics.mean(r['test_with'] for r in rows):.1%}; "
             f"with - without {statistics.mean(diffs):+.1%} (min {min(diffs):+.1%}, max {max(diffs):+.1%}) "
             f"over {len(rows)} seeds"
+        )
+        unseen = [r["unseen_test_with"] - r["unseen_test_without"] for r in rows]
+        print(
+            f"on held-out start states not in the evolve set: with - without {statistics.mean(unseen):+.1%} "
+            f"(min {min(unseen):+.1%}, max {max(unseen):+.1%})"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
