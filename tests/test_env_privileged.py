@@ -178,6 +178,7 @@ def test_a_teacher_reading_a_privileged_text_is_checked_against_the_environment(
     sdar = "distill.losses=[{name: sdar}]"
     assert _validate(sdar, "teachers=[{kind: privileged, context: info, context_key: privileged/solution}]") == ""
     assert _validate(sdar, "teachers=[{kind: privileged, context: info, context_key: privileged/outcome}]") == ""
+    assert _validate("distill.losses=[{name: stepopsd}]", "teachers=[{kind: privileged, context: peer_episode}]") == ""
     msg = _validate(sdar, "teachers=[{kind: privileged, context: info, context_key: privileged/map}]")
     assert "teachers[0].context_key: environment 'guess_number' (domain 'guess') gives no 'privileged/map'" in msg
     assert "it gives: privileged/solution, privileged/outcome" in msg
@@ -185,3 +186,20 @@ def test_a_teacher_reading_a_privileged_text_is_checked_against_the_environment(
         sdar, "teachers=[{kind: privileged, context: info, context_key: privileged/solution, domains: [other]}]"
     )
     assert "no environment domain is routed here" in msg
+
+
+def test_peer_episode_context_is_the_first_successful_other_episode_in_step_order():
+    """StepOPSD's hindsight (`context: peer_episode`): a failed episode's steps see the turns of the first
+    successful peer episode of their group, in step order; the successful episode has no other success."""
+    from mcore_rl.train.teachers import privileged_context
+
+    moves = _fresh("frozen_lake", 0, size=6).solution() or []
+    ok, lost = _episodes("stepwise", [moves, ["up", "left"] * 10])
+    won, failed = ok.samples(), lost.samples()
+    batch = failed + won  # batch order puts the failure first: it is no success, so it is skipped
+    want = "\n".join(f"Step {k + 1}: {s.text.strip()}" for k, s in enumerate(won))
+    assert all(m in want for m in moves) and want.count("Step ") == len(moves)
+    for s in failed:
+        assert privileged_context(s, batch, "peer_episode") == want
+    assert all(privileged_context(s, batch, "peer_episode") is None for s in won)
+    assert privileged_context(failed[0], batch, "peer_episode", peer_min_reward=2.0) is None
