@@ -458,3 +458,83 @@ def test_seed_with_an_empty_skill_is_half_the_nll_gradient():
     (g_opd,) = torch.autograd.grad(out.loss_sum / b.mask.sum(), logp)
     (g_nll,) = torch.autograd.grad(-(logp * b.mask).sum() / b.mask.sum(), logp)
     torch.testing.assert_close(g_opd, 0.5 * g_nll)
+
+
+def test_seed_is_finite_where_the_teacher_gave_no_score():
+    """A token without a finite ℓ^skill (a sample the environment gave no skill for, padding: -inf or
+    NaN) takes no part: the loss and its gradient stay finite and equal those without the token."""
+    b = _batch(seed_=9)
+    b.student_logp.requires_grad_()
+    bad = b.teacher_logp.clone()
+    bad[1, 2], bad[2, 4], bad[0, 4] = float("-inf"), float("nan"), float("-inf")  # [0, 4] is also off the mask
+    hole = DistillBatch(**{**b.__dict__, "teacher_logp": bad})
+    out = seed(hole)
+    assert torch.isfinite(out.loss_sum) and all(torch.isfinite(v) for v in out.metrics.values())
+    out.loss_sum.backward()
+    grad = b.student_logp.grad.clone()
+    assert torch.isfinite(grad).all() and grad[1, 2] == 0 and grad[2, 4] == 0
+    b.student_logp.grad = None
+    mask = b.mask.clone()
+    mask[1, 2] = mask[2, 4] = 0
+    ref = seed(DistillBatch(**{**b.__dict__, "mask": mask}))
+    ref.loss_sum.backward()
+    torch.testing.assert_close(out.loss_sum, ref.loss_sum)
+    torch.testing.assert_close(grad, b.student_logp.grad)
+
+
+# ----------------------------------------------------------------------------- UI-MOPD
+
+
+def test_ui_mopd_k3_is_nonnegative_zero_where_equal_and_unbiased():
+    """Property 1: K3 >= 0 element-wise, 0 iff the log-probs agree; its Monte-Carlo mean over
+    a ~ π_θ approaches KL(π_θ ‖ π_ref) on a tiny categorical."""
+    from mcore_rl.algos.distill.ui_mopd import k3
+
+    s = torch.log_softmax(torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
+    t = torch.log_softmax(torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=torch.float64), 0)
+    grid = torch.arange(-40, 41, dtype=torch.float64) / 10
+    est = k3(grid, torch.zeros_like(grid))
+    assert (est >= 0).all() and est[40] == 0 and (est[:40] > 0).all() and (est[41:] > 0).all()
+    draws = torch.multinomial(s.exp(), 400_000, replacement=True, generator=torch.Generator().manual_seed(3))
+    mc = k3(t[draws], s[draws]).mean()
+    exact = (s.exp() * (s - t)).sum()
+    assert abs(float(mc - exact)) < 0.01 * float(exact) + 1e-3
+
+
+def test_ui_mopd_group_gate_is_strict_and_zeroes_loss_and_gradient():
+    """Property 3: a group whose mean reward is > τ_KL adds exactly zero loss and zero gradient for every
+    member; a mean equal to τ keeps the KL. The learner's whole-group mean decides in a micro-batch that
+    holds part of a group."""
+    from mcore_rl.algos.distill.ui_mopd import ui_mopd
+
+    b = _batch(n=4, seed_=13)
+    b.rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])  # group 0 mean 0.5 (= τ: on), group 1 mean 1.0 (> τ: off)
+    b.group_ids = torch.tensor([0, 0, 1, 1])
+    b.student_logp.requires_grad_()
+    out = ui_mopd(b, tau_kl=0.5)
+    out.loss_sum.backward()
+    grad = b.student_logp.grad
+    assert grad[2:].eq(0).all() and grad[:2].abs().sum() > 0
+    assert float(out.metrics["ui_mopd/kl_on_frac"]) < 1
+    only_on = DistillBatch(**{**b.__dict__, "mask": b.mask * torch.tensor([1.0, 1, 0, 0])[:, None]})
+    only_on.student_logp = b.student_logp.detach().clone()
+    torch.testing.assert_close(out.loss_sum.detach(), ui_mopd(only_on, tau_kl=None).loss_sum)
+    # a micro-batch holding only sample 1 of group 0, whose group mean the learner gives: 0.5 keeps it on,
+    # its own reward alone (0.0) would too; sample 2 alone (1.0) with its group's mean 1.0 is off
+    one = DistillBatch(**{k: (v[2:3] if isinstance(v, torch.Tensor) else v) for k, v in b.__dict__.items()})
+    one.group_mean_reward = torch.tensor([0.4])
+    assert float(ui_mopd(one, tau_kl=0.5).loss_sum) > 0  # the learner's mean, not this slice's 1.0
+    one.group_mean_reward = None
+    assert float(ui_mopd(one, tau_kl=0.5).loss_sum) == 0
+
+
+def test_ui_mopd_is_a_loss_phase_term_weighted_beta_and_finite_without_a_teacher_score():
+    from mcore_rl.algos.distill.base import term_coef
+    from mcore_rl.algos.distill.ui_mopd import ui_mopd
+
+    fn = registry.get("distill", "ui_mopd")
+    assert fn.phase == "loss" and term_coef(fn, None) == 0.01 and term_coef(fn, 0.5) == 0.5
+    b = _batch(seed_=14)
+    b.teacher_logp[1, 1] = float("-inf")
+    b.teacher_logp[2, 2] = float("nan")
+    assert torch.isfinite(ui_mopd(b).loss_sum)

@@ -287,6 +287,36 @@ def test_a_loss_entry_without_coef_gets_the_terms_own_default_weight():
         validate_rl_config(tiny("distill.losses=[{name: sdar, coef: -0.5}]", frozen), 1)
 
 
+def test_ui_mopd_weighs_beta_and_its_gate_reads_the_learners_group_mean():
+    """`{name: ui_mopd}` weighs β = 0.01 (the paper's) in the learner's loss; `tau_kl` is its one option
+    (a wrong key fails naming it); the gate reads `group_mean_reward`, which the learner computes
+    over the whole batch (`distill_group_mean_reward`, a per-sample key sliced into micro-batches)."""
+    from mcore_rl.algos.distill.base import group_mean
+    from mcore_rl.train.distillation import DISTILL_KEYS, call_terms, distill_terms
+
+    assert "distill_group_mean_reward" in DISTILL_KEYS
+    (term,) = distill_terms(tiny("distill.losses=[{name: ui_mopd, options: {tau_kl: 0.5}}]"))
+    assert term.coef == 0.01
+    g = torch.Generator().manual_seed(5)
+    student = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    teacher = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.float64)
+    rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 1])
+    batch = DistillBatch(
+        student_logp=student,
+        old_logp=student,
+        teacher_logp=teacher,
+        mask=mask,
+        group_mean_reward=group_mean(rewards, groups),
+    )
+    _, _, loss = call_terms([term], batch, {})
+    d = teacher - student
+    assert float(loss) == pytest.approx(0.01 * float((torch.expm1(d[1]) - d[1]).sum()), rel=1e-12)  # group 0 off
+    frozen = "teachers=[{kind: frozen}]"
+    with pytest.raises(ConfigError, match=r"distill.losses\[0\].options.tau: is not an option of 'ui_mopd'"):
+        validate_rl_config(tiny("distill.losses=[{name: ui_mopd, options: {tau: 1}}]", frozen), 1)
+
+
 # ------------------------------------------------------------------------------------ teacher view, packing, horizon
 
 

@@ -22,7 +22,14 @@ from mcore_rl.algos.gigpo import anchor_step_advantage, gigpo
 from mcore_rl.algos.hgpo import context_groups, hgpo, level_weights
 from mcore_rl.algos.multi_reward import option_problems
 from mcore_rl.algos.policy_loss import sequence_log_ratio
-from mcore_rl.algos.step_credit import StepBatch, effective_step_rewards, state_key, step_returns
+from mcore_rl.algos.step_credit import (
+    StepBatch,
+    effective_step_rewards,
+    moments_within,
+    normalized_within,
+    state_key,
+    step_returns,
+)
 from mcore_rl.algos.steppo import step_gae
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 
@@ -378,3 +385,31 @@ def test_a_per_turn_index_baseline_is_biased_by_the_episode_length_and_gigpo_is_
     turn = table["per turn index (counter-example): deviation"]
     assert all(abs(episode[t]) < 0.05 for t in (1, 2, 3)), episode
     assert turn[1] - turn[3] > 0.15, turn  # the baseline grows with the turns the episode played
+
+
+def test_moments_within_is_the_loop_over_each_sets_valid_values():
+    """The one helper every step-level estimator takes its statistics from: per sample, count, mean and
+    population variance of the valid values sharing its id (NaN on an invalid sample never counts);
+    `normalized_within` divides by Bessel's std (GiGPO, HGPO) or the population std (GAGPO)."""
+    rng = random.Random(3)
+    ids = torch.tensor([rng.choice([7, -2, 40, 5]) for _ in range(40)])
+    values = torch.tensor([rng.gauss(0, 2) for _ in range(40)], dtype=torch.float64)
+    ok = torch.tensor([rng.random() > 0.3 for _ in range(40)])
+    values[~ok] = float("nan")
+    count, mean, var = moments_within(values, ids, ok)
+    for adv_bessel in (True, False):
+        adv, defined = normalized_within(values, ids, ok, True, 1e-6, bessel=adv_bessel)
+        for i in range(40):
+            same = [float(values[j]) for j in range(40) if ids[j] == ids[i] and ok[j]]
+            n = len(same)
+            assert count[i] == n
+            if n:
+                mu = sum(same) / n
+                pvar = sum((x - mu) ** 2 for x in same) / n
+                assert math.isclose(float(mean[i]), mu, abs_tol=1e-12)
+                assert math.isclose(float(var[i]), pvar, abs_tol=1e-12)
+                if ok[i] and n > 1:
+                    std = math.sqrt(pvar * n / (n - 1) if adv_bessel else pvar)
+                    assert bool(defined[i])
+                    assert math.isclose(float(adv[i]), (float(values[i]) - mu) / (std + 1e-6), rel_tol=1e-9)
+            assert bool(defined[i]) == (bool(ok[i]) and n > 1)

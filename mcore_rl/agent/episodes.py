@@ -17,7 +17,11 @@ whose response is that step's model output. Every sample knows its group (`Sampl
 (`Sample.episode`) and step (`Sample.step_index`), and gets the episode's return as its reward; a
 step-wise sample also carries what step-level estimators compare steps by (`algos.step_credit`): the
 state it acted in (`info["state"]`, its stable hash `info["state_key"]`) and the step's own reward
-(`info["step_reward"]`: the environment's, less the invalid-turn penalty).
+(`info["step_reward"]`: the environment's, less the invalid-turn penalty). Privileged texts
+(`envs.base.PRIVILEGED`) go to `info["privileged/<name>"]` as they are, for a self-teacher
+(`teachers[i].context: info`): a step-wise sample gets those about the state it acted in (the reset's
+for step 0, the previous step's `info` after), over the episode's last ones (`outcome`); a
+conversation gets the start state's over the last ones.
 
 One driver for both schedules: `run_episode`, one coroutine per episode through the rollout
 scheduler's `generate` (an embedded engine batches the turns that arrive together); a turn that a
@@ -39,7 +43,7 @@ from mcore_rl.algos.step_credit import StepBatch, state_key
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, parse_tool_calls
-from mcore_rl.envs.base import AgentAction, Environment
+from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment
 from mcore_rl.envs.guard import EnvGuards, EpisodeFailed, GuardedEnv
 from mcore_rl.rollout.pool import Generation, GenRequest
 
@@ -131,8 +135,11 @@ class Episode:
         self.finish: str | None = None  # why it ended
         self.error: str | None = None  # the environment's failure, if it failed
         self.steps: list[_Step] = []
+        self.actions: list[str] = []  # each model turn's text as the environment got it
         self.history: list[list[Message]] = []  # stepwise memory: each step's action and observation
         self.states: list[str] = []
+        self.privileged: list[dict[str, str]] = []  # per state in `states`: its privileged texts
+        self.last_privileged: dict[str, str] = {}  # those of the episode's last step (outcome)
         self.info: dict[str, Any] = {}
         self.events: dict[str, int] = {}  # the environment's counted events (`EnvStep.info["events"]`)
         try:
@@ -140,6 +147,7 @@ class Episode:
             self.chat = ChatFormat(tokenizer, reset.tools)
             self.opening = list(reset.messages)
             self.states.append(reset.state)
+            self.privileged.append({PRIVILEGED + k: v for k, v in reset.privileged.items()})
             self.trajectory = Trajectory(self.chat, self.opening, settings.template_policy)
         except EpisodeFailed as err:  # a broken environment costs this episode
             self._fail(err.reason, err.detail)
@@ -204,14 +212,20 @@ class Episode:
             self.steps.append(_Step(self.context_ids(), out, self.states[-1] if self.states else ""))
         content = self.chat.decode([i for i in out.ids if i not in self.chat.stop_ids])
         parsed = parse_turn(content, s.tool_format)
+        self.actions.append(content)
         step = self.env.step(AgentAction(content, parsed, truncated=out.finish_reason == "length"))
         self.rewards.append(float(step.reward))
         invalid = _invalid(parsed, step.info)
         self.invalid_at.append(invalid)
         self.states.append(step.state)
+        privileged = {k: str(v) for k, v in step.info.items() if k.startswith(PRIVILEGED)}
+        self.privileged.append(privileged)
+        self.last_privileged = privileged
         for name, n in (step.info.get("events") or {}).items():
             self.events[name] = self.events.get(name, 0) + int(n)
-        self.info.update({k: v for k, v in step.info.items() if k not in ("events", "end_detail")})
+        self.info.update(
+            {k: v for k, v in step.info.items() if k not in ("events", "end_detail") and k not in privileged}
+        )
         end = step.info.get("end_reason")
         if end in FAILURES:
             self._fail(str(end), str(step.info.get("end_detail", "")))
@@ -265,6 +279,9 @@ class Episode:
         finish = self.finish or "abort"
         if self.settings.trajectory == "conversation":
             out = self.trajectory.samples(self.prompt, finish) if self.turns else []
+            start = self.privileged[0] if self.privileged else {}
+            for s in out:
+                s.info = {**s.info, **self.last_privileged, **start}
         else:
             out = [
                 Sample(
@@ -277,7 +294,13 @@ class Episode:
                     self.chat.decode(st.out.ids),
                     st.out.engine,
                     token_versions=list(st.out.versions) if len(set(st.out.versions)) > 1 else None,
-                    info={"state": st.state, "state_key": state_key(st.state), "step_reward": self.step_reward(t)},
+                    info={
+                        "state": st.state,
+                        "state_key": state_key(st.state),
+                        "step_reward": self.step_reward(t),
+                        **self.last_privileged,
+                        **(self.privileged[t] if t < len(self.privileged) else {}),
+                    },
                 )
                 for t, st in enumerate(self.steps)
             ]

@@ -22,12 +22,14 @@ from collections.abc import Sequence
 import torch
 
 from mcore_rl.algos.advantages import valid_mask
-from mcore_rl.algos.multi_reward import group_moments, need
+from mcore_rl.algos.multi_reward import need
 from mcore_rl.algos.registry import register
 from mcore_rl.algos.step_credit import (
     StepBatch,
     check_discount,
     gae,
+    moments_within,
+    normalized_within,
     steps_of,
     state_groups,
     step_returns,
@@ -37,10 +39,8 @@ from mcore_rl.algos.step_credit import (
 def state_values(returns: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """[N] float64: V̄ of each step's state, the mean return of the valid steps in it (a state with no
     valid step: the step's own return)."""
-    _, inverse = torch.unique(ids, return_inverse=True)
-    k = int(inverse.max()) + 1 if inverse.numel() else 0
-    count, mean, _ = group_moments(returns, inverse, k, ok)
-    return torch.where(count[inverse] > 0, mean[inverse], returns.double())
+    count, mean, _ = moments_within(returns, ids, ok)
+    return torch.where(count > 0, mean, returns.double())
 
 
 def grouped_gae(
@@ -78,11 +78,6 @@ def gagpo(
     need(0.0 <= lam <= 1.0, "lam", f"must be in [0, 1], got {lam}")
     s = steps_of(steps, rewards)
     ok = valid_mask(rewards, group_ids, valid)
-    gae = grouped_gae(rewards, group_ids, s, valid, gamma, lam)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    k = int(inverse.max()) + 1 if inverse.numel() else 0
-    count, mean, var = group_moments(gae, inverse, k, ok)
-    adv = gae - mean[inverse]
-    if normalize_std:
-        adv = adv / (var[inverse].sqrt() + eps)
-    return torch.where((count[inverse] > 1) & ok, adv, torch.zeros((), dtype=torch.float64)).to(torch.float32)
+    a_hat = grouped_gae(rewards, group_ids, s, valid, gamma, lam)
+    adv, defined = normalized_within(a_hat, group_ids, ok, normalize_std, eps, bessel=False)
+    return torch.where(defined, adv, torch.zeros((), dtype=torch.float64)).to(torch.float32)

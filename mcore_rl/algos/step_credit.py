@@ -22,7 +22,8 @@ The conventions every estimator here follows:
 * States are compared by `state_key`, a stable 63-bit hash of the environment's state text
   (`state_key`), within one group only: two groups never share an anchor state.
 * A statistic over a set of steps counts only the valid samples (`valid`); a set with fewer than
-  2 valid samples gives advantage 0, as `advantages.py` does for groups.
+  2 valid samples gives advantage 0, as `advantages.py` does for groups. Every estimator takes a
+  set's mean and std from one helper, `moments_within` (or `normalized_within` over it).
 """
 
 from __future__ import annotations
@@ -154,19 +155,36 @@ def state_groups(group_ids: torch.Tensor, steps: StepBatch) -> torch.Tensor:
     return dense_ids([(gid[i], key[i]) if ep[i] >= 0 else ("single", i) for i in range(len(gid))])
 
 
-def normalized_within(
-    values: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor, normalize_std: bool, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values minus the mean of their id's valid values, divided by that set's std + eps if asked
-    — Bessel's, as `grpo` — [N] float64; whether the set has >= 2 valid values [N] bool)."""
+def moments_within(
+    values: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one place the step-level estimators take a set's statistics: for each sample, over the
+    valid (`ok`) samples sharing its id (any integers: rollout group, anchor state, context),
+    (count, mean, population variance), each [N] float64. Invalid values (NaN included) never count."""
     _, inverse = torch.unique(ids, return_inverse=True)
     k = int(inverse.max()) + 1 if inverse.numel() else 0
-    count, mean, pvar = group_moments(values, inverse, k, ok)
-    var = pvar * count / (count - 1).clamp_min(1)
-    adv = values.double() - mean[inverse]
+    count, mean, var = group_moments(values, inverse, k, ok)
+    return count[inverse], mean[inverse], var[inverse]
+
+
+def normalized_within(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    ok: torch.Tensor,
+    normalize_std: bool,
+    eps: float,
+    bessel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values minus the mean of their id's valid values, divided by that set's std + eps if asked
+    — Bessel's, as `grpo`, or the population std with `bessel=False` (GAGPO) — [N] float64; whether
+    the set has >= 2 valid values [N] bool)."""
+    count, mean, var = moments_within(values, ids, ok)
+    if bessel:
+        var = var * count / (count - 1).clamp_min(1)
+    adv = values.double() - mean
     if normalize_std:
-        adv = adv / (var[inverse].sqrt() + eps)
-    return adv, (count[inverse] > 1) & ok
+        adv = adv / (var.sqrt() + eps)
+    return adv, (count > 1) & ok
 
 
 def episode_advantage(

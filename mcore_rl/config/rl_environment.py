@@ -75,6 +75,35 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
     check_tool_format(cfg, key, who, env.tool_format, errors)
 
 
+def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
+    """A privileged teacher reading `Sample.info["privileged/<name>"]` (`context: info`) is routed only
+    to environment domains whose environment gives that name (`register_env(privileged=...)`): any
+    other sample would have no context and train nothing from the teacher."""
+    from mcore_rl.envs import PRIVILEGED, env_entry, env_names
+
+    claimed = {d for t in cfg.teachers for d in t.domains}
+    for i, t in enumerate(cfg.teachers):
+        if t.kind != "privileged" or t.context != "info" or not t.context_key.startswith(PRIVILEGED):
+            continue
+        key, name = f"teachers[{i}].context_key", t.context_key[len(PRIVILEGED) :]
+        routed = [d for d in cfg.data.domains if (d.name in t.domains if t.domains else d.name not in claimed)]
+        errors.need(
+            bool(routed), key, f"{t.context_key!r} comes from an environment; no environment domain is routed here"
+        )
+        for dom in routed:
+            env = dom.environment
+            if env is None:
+                errors.need(False, key, f"domain {dom.name!r} has no environment to give {t.context_key!r}")
+            elif env.name in env_names():
+                gives = env_entry(env.name).privileged
+                errors.need(
+                    name in gives,
+                    key,
+                    f"environment {env.name!r} (domain {dom.name!r}) gives no {t.context_key!r}; it gives: "
+                    + (", ".join(PRIVILEGED + g for g in gives) or "none"),
+                )
+
+
 def check_tool_format(cfg: RLConfig, key: str, who: str, tool_format: str, errors: Errors) -> None:
     """A known format, and the model family's own (`none` always fits); `key`: the section holding it."""
     from mcore_rl.data.tool_calls import TOOL_CALL_FORMATS, tool_call_format_for

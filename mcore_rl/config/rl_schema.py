@@ -574,10 +574,11 @@ class TeacherConfig(EngineGroupConfig):
     request_timeout_s: float = 120.0  # (the group's field, a shorter default: scoring is one forward)
     max_concurrency: int = 64  # scoring requests in flight to this teacher
     # ---- privileged
-    context: Literal["answer", "peer", "info"] = "answer"  # what the teacher sees that the student does not
+    # what the teacher sees that the student does not; peer_episode: a successful peer episode's turns (StepOPSD)
+    context: Literal["answer", "peer", "peer_episode", "info"] = "answer"
     context_key: str = "skill"  # context=info: the key of Sample.info that holds it
     template: str = "Reference solution: {context}\n"  # put before the prompt (after a leading bos)
-    peer_min_reward: float = 1.0  # context=peer: a peer of the group with at least this reward
+    peer_min_reward: float = 1.0  # context=peer / peer_episode: a peer of the group with at least this reward
     # ---- frozen
     refresh_interval: int = 0  # rollout steps between new copies of the student (0 = fixed)
     checkpoint: str | None = None  # a megatron checkpoint to take the (first) copy from

@@ -22,6 +22,7 @@ from mcore_rl import hooks
 from mcore_rl.config.observability import check_observability
 from mcore_rl.config.preemption import check_preempt_signals
 from mcore_rl.config.rl_domains import check_domains
+from mcore_rl.config.rl_environment import check_privileged_teachers
 from mcore_rl.config.rl_recipes import check_stages
 from mcore_rl.config.rl_vllm import check_vllm_engines
 from mcore_rl.config.rules import (
@@ -86,6 +87,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_init(cfg.init, cfg.data, cfg.model, errors)
     check_mtp_heads(cfg, errors)
     check_teachers(cfg.teachers, cfg.rollout, errors, cfg.model.vocab_size)
+    check_privileged_teachers(cfg, errors)
     check_judges(cfg.judges, errors)
     check_sampling_mask_replay(cfg, errors)
     check_vllm_engines(cfg, errors)

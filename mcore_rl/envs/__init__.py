@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mcore_rl.data.tool_calls import ToolSpec
-from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep, Message
+from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep, Message
 
 
 class PromptSource(Protocol):
@@ -37,6 +37,7 @@ class EnvEntry:
     prompts: Callable[[Any], PromptSource]
     origin: str  # where the prompts come from, in words ("own generator", "task humaneval", ...)
     tools: Callable[[Any], list[ToolSpec]]
+    privileged: tuple[str, ...] = ()  # the privileged texts it gives (`base.PRIVILEGED` + name)
 
 
 _ENVS: dict[str, EnvEntry] = {}
@@ -53,18 +54,20 @@ def register_env(
     prompts: Callable[[Any], PromptSource],
     origin: str,
     tools: Callable[[Any], list[ToolSpec]] = _no_tools,
+    privileged: tuple[str, ...] = (),
 ) -> Callable[[Callable[[Any], Environment]], Callable[[Any], Environment]]:
     """Decorator over an environment factory (a class taking the options object): make it available as
     `make_env(name, **options)`, its prompts as `env_prompts(name, **options)`, the tools it offers as
     `env_tools(name, **options)` (so a config check can refuse a domain whose model family has no
-    tool-call format for an environment with tools, before any worker starts)."""
+    tool-call format for an environment with tools, before any worker starts). `privileged`: the names
+    of the privileged texts it gives (`base.PRIVILEGED`), so a teacher reading one is checked too."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"environment {name!r}: options must be a dataclass, got {options!r}")
 
     def deco(factory: Callable[[Any], Environment]) -> Callable[[Any], Environment]:
         if name in _ENVS and _ENVS[name].factory is not factory:
             raise ValueError(f"environment {name!r} is already registered ({_ENVS[name].factory.__module__})")
-        _ENVS[name] = EnvEntry(name, options, factory, prompts, origin, tools)
+        _ENVS[name] = EnvEntry(name, options, factory, prompts, origin, tools, tuple(privileged))
         return factory
 
     return deco
@@ -128,6 +131,7 @@ __all__ = [
     "EnvStep",
     "Environment",
     "Message",
+    "PRIVILEGED",
     "PromptSource",
     "env_entry",
     "env_has_player",

@@ -7,6 +7,13 @@ results, observations, feedback), a reward, whether the episode is over, and a s
 state reached (step-level credit groups steps by it). Environments speak chat messages, never token
 ids: rendering them with the model's chat template is the trajectory's job, so one environment works
 for every model family.
+
+Privileged context: what the environment knows and the policy must not see, for a self-teacher that
+does (SDAR, SEED: the policy scoring its own actions with this text before the prompt). The start
+state's in `EnvReset.privileged`, the state reached in `EnvStep.info["privileged/<name>"]`; the
+names an environment gives are registered with it (`register_env(privileged=...)`) so a teacher that
+reads one is checked before workers start. Shipped names: `solution` (the moves from the state to
+the goal, from the state it is about) and `outcome` (how the episode ended, in its last step's info).
 """
 
 from __future__ import annotations
@@ -20,15 +27,18 @@ from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tool_calls import ParsedTurn, ToolSpec
 
 Message = dict[str, Any]  # an OpenAI-style chat message: role, content (and name / tool_call_id for tools)
+PRIVILEGED = "privileged/"  # the prefix of privileged texts in `EnvStep.info` and in `Sample.info`
 
 
 @dataclass
 class EnvReset:
-    """The start of an episode: the opening messages (system, user), the tools offered, the state text."""
+    """The start of an episode: the opening messages (system, user), the tools offered, the state text,
+    and privileged texts about the start state (name -> text, never shown to the policy)."""
 
     messages: list[Message]
     tools: list[ToolSpec] = field(default_factory=list)
     state: str = ""
+    privileged: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.envs import register_env
-from mcore_rl.envs.gym_text import GameSeeds, GymTextEnv
+from mcore_rl.envs.gym_text import PRIVILEGED_NAMES, GameSeeds, GymTextEnv
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,13 @@ def _prompts(options: FrozenLakeOptions) -> GameSeeds:
     return GameSeeds(f"frozen lake {options.size}x{options.size}")
 
 
-@register_env("frozen_lake", options=FrozenLakeOptions, prompts=_prompts, origin="own generator (a map per prompt)")
+@register_env(
+    "frozen_lake",
+    options=FrozenLakeOptions,
+    prompts=_prompts,
+    origin="own generator (a map per prompt)",
+    privileged=PRIVILEGED_NAMES,
+)
 class FrozenLakeEnv(GymTextEnv):
     ACTIONS = ("left", "down", "right", "up")  # gymnasium's action ids 0..3
     RULES = "Walk from S to G on the ice. F is safe, H is a hole. You are P."

@@ -128,6 +128,10 @@ class GuardedEnv(Environment):
                 raise _Invalid("EnvReset.tools is not a list of ToolSpec")
             if not isinstance(start.state, str):
                 raise _Invalid(f"EnvReset.state is {type(start.state).__name__}, not str")
+            if not isinstance(start.privileged, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in start.privileged.items()
+            ):
+                raise _Invalid("EnvReset.privileged is not a dict of str to str")
         except CallTimeout as exc:
             self.close()
             raise EpisodeFailed("env_timeout", str(exc)) from None

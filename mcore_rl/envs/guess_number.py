@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from mcore_rl.data.samples import Prompt
 from mcore_rl.envs import register_env
-from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
+from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
 
 _INT = re.compile(r"-?\d+")
 
@@ -107,7 +107,11 @@ def parse_guess(text: str) -> int | None:
 
 
 @register_env(
-    "guess_number", options=GuessNumberOptions, prompts=GuessNumberPrompts, origin="own generator (secret per prompt)"
+    "guess_number",
+    options=GuessNumberOptions,
+    prompts=GuessNumberPrompts,
+    origin="own generator (secret per prompt)",
+    privileged=("solution", "outcome"),
 )
 class GuessNumberEnv(Environment):
     def __init__(self, options: GuessNumberOptions) -> None:
@@ -138,7 +142,13 @@ class GuessNumberEnv(Environment):
             self.secret = random.Random(seed).randint(self.lo, self.hi)
         self.low, self.high, self.guesses = self.lo, self.hi, 0
         text = prompt_text(self.lo, self.hi)
-        return EnvReset(messages=[{"role": "user", "content": text}], state=self._state())
+        return EnvReset(
+            messages=[{"role": "user", "content": text}], state=self._state(), privileged={"solution": self._solution()}
+        )
+
+    def _solution(self) -> str:
+        """The privileged answer (`base.PRIVILEGED`): a self-teacher that knows the secret."""
+        return f"The secret number is {self.secret}."
 
     def step(self, action: AgentAction) -> EnvStep:
         o = self.options
@@ -152,6 +162,7 @@ class GuessNumberEnv(Environment):
         elif guess == self.secret:
             reward = max(0.0, 1.0 - o.turn_penalty * (self.guesses - 1))
             info["solved"] = True
+            info[PRIVILEGED + "outcome"] = f"Solved: {self.secret} on guess {self.guesses}."
             return EnvStep([_user("yes")], reward=reward, done=True, state="solved", info=info)
         elif guess < self.secret:
             self.low = max(self.low, guess + 1)
@@ -164,6 +175,9 @@ class GuessNumberEnv(Environment):
         done = left <= 0
         if done:
             info["solved"] = False
+            info[PRIVILEGED + "outcome"] = f"Not solved in {self.guesses} guesses: the secret was {self.secret}."
+        else:
+            info[PRIVILEGED + "solution"] = self._solution()
         return EnvStep([_user(feedback)], reward=0.0, done=done, state=self._state(), info=info)
 
     def demonstrate(self, rng: random.Random) -> str | None:

@@ -4,17 +4,25 @@ The model names its move in words ("right", "pickup"); the last action word of i
 may think aloud first. A turn without one is answered with the list of moves and counted as the event
 "invalid_action" (it costs a turn, not the episode). The board is re-drawn after every move and is
 also the state text. gymnasium is imported when the first game is built (it takes about 0.7 s).
+
+Privileged context (`base.PRIVILEGED`): `solution`, the shortest list of moves from a state to a
+rewarded end, found by breadth-first search over gymnasium's transition table (deterministic games
+only: none for slippery ice), at reset and after every move; `outcome`, how the episode ended (its
+last step). A self-teacher (SDAR, SEED) reads them; the policy never does.
 """
 
 from __future__ import annotations
 
 import re
 from abc import abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.data.samples import Prompt
-from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
+from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
+
+PRIVILEGED_NAMES = ("solution", "outcome")  # what every game here gives (register_env(privileged=...))
 
 
 def parse_action(text: str, actions: tuple[str, ...]) -> int | None:
@@ -67,7 +75,9 @@ class GymTextEnv(Environment):
         self.turns, self.total = 0, 0.0
         moves = ", ".join(self.ACTIONS)
         text = f"{self.RULES}\nMoves: {moves}.\n{self.board()}"
-        return EnvReset(messages=[{"role": "user", "content": text}], state=self.board())
+        solution = self.solution_text()
+        privileged = {"solution": solution} if solution else {}
+        return EnvReset(messages=[{"role": "user", "content": text}], state=self.board(), privileged=privileged)
 
     def step(self, action: AgentAction) -> EnvStep:
         self.turns += 1
@@ -89,10 +99,50 @@ class GymTextEnv(Environment):
             info["end_reason"] = "max_turns"
         if done:
             info["return"] = self.total
+            info[PRIVILEGED + "outcome"] = (
+                f"The episode ended after {self.turns} turns ({info.get('outcome', info.get('end_reason', 'done'))}), "
+                f"return {self.total:g}. The board:\n{self.board()}"
+            )
+        else:
+            solution = self.solution_text()
+            if solution:
+                info[PRIVILEGED + "solution"] = solution
         return EnvStep([{"role": "user", "content": text}], reward=reward, done=done, state=self.board(), info=info)
 
     def outcome(self) -> str:
         return "done"
+
+    def solution(self) -> list[str] | None:
+        """The shortest move list from the current state to a rewarded end (breadth-first over
+        gymnasium's table `P[s][a] = [(p, s', r, terminated)]`); None when there is none or when a move
+        has more than one outcome (slippery ice: no list of moves is a solution)."""
+        table = getattr(self.env.unwrapped, "P", None)
+        if table is None:
+            return None
+        start = int(self.obs)
+        parent: dict[int, tuple[int, int]] = {}
+        seen, queue = {start}, deque([start])
+        while queue:
+            s = queue.popleft()
+            for a, outcomes in table[s].items():
+                if len(outcomes) != 1:
+                    return None
+                _, nxt, reward, terminated = outcomes[0]
+                if terminated and reward > 0:
+                    moves = [self.ACTIONS[a]]
+                    while s != start:
+                        s, prev = parent[s]
+                        moves.append(self.ACTIONS[prev])
+                    return moves[::-1]
+                if not terminated and nxt not in seen:
+                    seen.add(nxt)
+                    parent[nxt] = (s, a)
+                    queue.append(nxt)
+        return None
+
+    def solution_text(self) -> str:
+        moves = self.solution()
+        return f"Moves from here to the goal: {', '.join(moves)}." if moves else ""
 
     def close(self) -> None:
         if self.env is not None:

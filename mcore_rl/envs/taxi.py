@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.envs import register_env
-from mcore_rl.envs.gym_text import GameSeeds, GymTextEnv
+from mcore_rl.envs.gym_text import PRIVILEGED_NAMES, GameSeeds, GymTextEnv
 
 STANDS = "RGYB"
 
@@ -30,7 +30,13 @@ def _prompts(options: TaxiOptions) -> GameSeeds:
     return GameSeeds("taxi")
 
 
-@register_env("taxi", options=TaxiOptions, prompts=_prompts, origin="own generator (a start per prompt)")
+@register_env(
+    "taxi",
+    options=TaxiOptions,
+    prompts=_prompts,
+    origin="own generator (a start per prompt)",
+    privileged=PRIVILEGED_NAMES,
+)
 class TaxiEnv(GymTextEnv):
     ACTIONS = ("south", "north", "east", "west", "pickup", "dropoff")  # gymnasium's action ids 0..5
     RULES = "Drive the taxi (T) to the passenger, pickup, drive to the destination, dropoff. | is a wall."

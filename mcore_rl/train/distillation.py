@@ -44,6 +44,7 @@ DISTILL_KEYS = (
     "response_mask",
     "distill_rewards",
     "distill_group_ids",
+    "distill_group_mean_reward",
     "student_entropy",
 )
 

@@ -32,7 +32,7 @@ from mcore_rl.agent.episodes import step_batch
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
-from mcore_rl.algos.distill.base import DistillBatch
+from mcore_rl.algos.distill.base import DistillBatch, group_mean
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
 from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
@@ -503,6 +503,7 @@ class Learner:
             teacher_ref_topk_logp=teacher.ref_topk_logp,
             rewards=rewards,
             group_ids=view.group_ids,
+            group_mean_reward=group_mean(rewards, view.group_ids),
             advantages=per_seq["advantages"],
             step=step,
             student_entropy=entropy,
@@ -535,6 +536,7 @@ class Learner:
                 response_mask=view.mask,
                 distill_rewards=rewards.float(),
                 distill_group_ids=view.group_ids,
+                distill_group_mean_reward=group_mean(rewards, view.group_ids),
                 student_entropy=entropy,
             )
             for key, value in (
@@ -593,6 +595,7 @@ class Learner:
                 teacher_ref_topk_logp=batch.get("teacher_ref_topk_logp"),
                 rewards=batch["distill_rewards"],
                 group_ids=batch["distill_group_ids"],
+                group_mean_reward=batch["distill_group_mean_reward"],
                 advantages=batch["advantages"],
                 step=self.step,
                 student_entropy=batch["student_entropy"],

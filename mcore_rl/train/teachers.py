@@ -7,8 +7,10 @@ samples and gets the same log-probs):
 * `PrivilegedTeacher`: the policy itself (same weights, same step) on a different prompt: the
   student's prompt with privileged context put in front of it (after a leading bos), from the
   prompt's correct answer (`Prompt.label`), the best successful peer of the same group (its
-  response text; reward >= `peer_min_reward`, the sample itself excluded) or a field of
-  `Sample.info` (a retrieved skill, a hindsight lesson). A sample without such context, or whose
+  response text; reward >= `peer_min_reward`, the sample itself excluded), the first successful
+  *other episode* of the same group, its turns in step order (`peer_episode`: StepOPSD's hindsight,
+  for the step samples of multi-turn episodes), or a field of `Sample.info` (a retrieved skill, a
+  hindsight lesson, the environment's `privileged/*`). A sample without such context, or whose
   privileged prompt + response does not fit a packed row, is marked and gets no distillation term.
 * `FrozenTeacher`: an older copy of the student in chunks of its own (like the KL's reference
   model): the weights at the start (or of `checkpoint`), taken again every `refresh_interval`
@@ -213,7 +215,26 @@ def privileged_context(
             return None
         best = max(peers, key=lambda s: s.reward)  # the first of equals: batch order
         return best.text
-    raise ValueError(f"context: unknown privileged-context source {source!r} (answer, peer, info)")
+    if source == "peer_episode":
+        return peer_episode(sample, batch, peer_min_reward)
+    raise ValueError(f"context: unknown privileged-context source {source!r} (answer, peer, peer_episode, info)")
+
+
+def peer_episode(sample: Sample, batch: Sequence[Sample], min_reward: float) -> str | None:
+    """StepOPSD's hindsight: the turns of the first episode (batch order) of `sample`'s group, other than
+    its own, whose return is at least `min_reward` and that no error cost, as "Step k: text" lines in
+    step order; None when the group has none (or `sample` is not a step of an episode)."""
+    if sample.episode is None:
+        return None
+    steps: dict[int, list[Sample]] = {}
+    for s in batch:
+        if s.group == sample.group and s.episode is not None and s.episode != sample.episode:
+            steps.setdefault(s.episode, []).append(s)
+    for ep in steps.values():
+        if all(s.reward_error is None and s.reward >= min_reward for s in ep):
+            turns = sorted(ep, key=lambda s: s.step_index or 0)
+            return "\n".join(f"Step {k + 1}: {s.text.strip()}" for k, s in enumerate(turns))
+    return None
 
 
 def with_context(sample: Sample, context_ids: Sequence[int], bos_id: int | None) -> Sample:

@@ -19,6 +19,7 @@ from mcore_rl.algos.distill import (  # noqa: F401  (imported for their registra
     seed,
     stepopsd,
     tropd,
+    ui_mopd,
 )
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms
 

@@ -52,6 +52,9 @@ class DistillBatch:
     teacher_ref_topk_logp: torch.Tensor | None = None  # [n, T, k] at the teacher's top-k ids
     rewards: torch.Tensor | None = None  # [n] scalar rewards (for gated methods)
     group_ids: torch.Tensor | None = None  # [n]
+    # [n] the mean reward of each sample's whole prompt group (the learner's: a loss-phase micro-batch
+    # may hold part of a group; UI-MOPD's τ_KL gate)
+    group_mean_reward: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [n] or [n, T]: the RL advantage (before distillation)
     step: int = 0  # rollout step (for schedules)
     # per-token entropies of the full distributions (AntiSD's teacher gate, SDAR's entropy gates)
@@ -73,6 +76,17 @@ class DistillTerms:
     token_mask: torch.Tensor | None = None  # [n, T] in [0, 1], advantage phase
     loss_sum: torch.Tensor | None = None  # scalar, loss phase (aggregated like the policy loss)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def group_mean(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """[n] float32: the mean finite reward of each sample's group (`DistillBatch.group_mean_reward`)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    k = int(inverse.max()) + 1 if inverse.numel() else 0
+    ok = torch.isfinite(rewards)
+    r = torch.where(ok, rewards.double(), torch.zeros((), dtype=torch.float64))
+    total = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, r)
+    count = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, ok.double())
+    return (total / count.clamp_min(1))[inverse].float()
 
 
 def phase(kind: str) -> Callable:

@@ -8,15 +8,19 @@ without. The loss is a sigmoid-gated likelihood term on the sampled tokens,
 so ∇L_opd = -E[m g ∇ℓ^θ]: tokens the skill makes likelier are pulled up harder. It is added to the
 GRPO loss with λ_opd (the loss's `coef` in the config; the paper's 0.01 when it gives none), so it still moves the
 policy when a group's advantages are all 0. Here `teacher_logp` holds ℓ^skill (the privileged-context
-teacher of `train/teachers.py`) and `student_logp` is ℓ^θ.
+teacher of `train/teachers.py`) and `student_logp` is ℓ^θ. A token whose ℓ^skill is not finite (no
+skill for its sample, padding) takes no part: its value is replaced by 0 before any arithmetic, so
+a -inf or NaN there cannot turn the loss into NaN (0 · inf is NaN, and a mask multiplies too late).
+On multi-turn episodes the skill is what the environment gives (`privileged/*` in `Sample.info`,
+`teachers[i].context: info`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_rl.algos.distill._common import loss_sum, masked_mean, valid_tokens, zero_where_not
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, default_coef, phase
-from mcore_rl.algos.policy_loss import aggregate, masked_mean
 from mcore_rl.algos.registry import register
 
 
@@ -32,14 +36,14 @@ def seed_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: floa
 def seed(batch: DistillBatch, beta: float = 5.0) -> DistillTerms:
     """Loss Σ_t m g (sg[ℓ^skill] - ℓ^θ), aggregated like the policy loss; β (the paper's β_opd = 5)
     is the gate's sharpness."""
-    skill = batch.teacher_logp.detach()
-    g = seed_gate(skill, batch.student_logp, beta)
-    per_token = g * (skill - batch.student_logp)
-    loss_sum, _ = aggregate(per_token, batch.mask, batch.agg, batch.norm_length)
+    ok = valid_tokens(batch, batch.student_logp, batch.teacher_logp)
+    student = zero_where_not(ok, batch.student_logp)
+    skill = zero_where_not(ok, batch.teacher_logp.detach().to(student.dtype))
+    g = zero_where_not(ok, seed_gate(skill, student, beta))
     return DistillTerms(
-        loss_sum=loss_sum,
+        loss_sum=loss_sum(skill - student, g, batch),
         metrics={
-            "gate_mean": masked_mean(g, batch.mask),
-            "shift_mean": masked_mean(skill - batch.student_logp.detach(), batch.mask),
+            "gate_mean": masked_mean(g, ok),
+            "shift_mean": masked_mean(skill - student.detach(), ok),
         },
     )
