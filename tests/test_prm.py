@@ -92,8 +92,13 @@ def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
     steps = get_reward_fn("prm_steps")  # registered, as `prm` is
     counts = [steps(s, step_delimiter_ids=[NL], eos_token_id=EOS) for s in group]
     assert counts == [2.0, 3.0, 1.0, 2.0]
+    # an id the PRM cannot read scores the worst outcome (`refused_score`, else μ's 0), never a reward
+    # error that would leave the sample out of the loss
     bad = RewardRunner(RewardFunction(prm_score, options=options)).score_sync([_sample([1], [99999, NL])])
-    assert "outside the process reward model's vocabulary" in bad[0].error
+    assert bad[0].error is None and bad[0].reward == 0.0
+    assert "outside the process reward model's vocabulary" in bad[0].info["refused"]
+    low = RewardRunner(RewardFunction(prm_score, options={**options, "refused_score": -1.0}))
+    assert low.score_sync([_sample([1], [99999, NL])])[0].reward == -1.0
 
     # PROF-GRPO (keep 2 of 4: one correct, one wrong) reads the heads: the correct answer kept is the
     # one with the higher mean PRM score
