@@ -171,6 +171,33 @@ def test_bad_labels_are_named_by_line(tmp_path):
     path.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
     with pytest.raises(DataError, match=f"{path}:2: 'label' must be a number in \\[0, 1\\], got 1.5"):
         read_preference_file(_rm_cfg(f"data.path={path}").data, "binary", 1)
+    # every other bad labelled response, each alone named by its line; `skip` keeps the good ones
+    good = {"prompt": "q", "response": "a", "label": 0.25}
+    bad = {
+        2: ({"prompt": "q", "response": "a", "label": -0.1}, "'label' must be a number in [0, 1], got -0.1"),
+        3: ({"prompt": "q", "response": "a", "label": "yes"}, "'label' must be a number in [0, 1], got 'yes'"),
+        4: ({"prompt": "q", "response": "a"}, "'label' must be a number in [0, 1], got None"),
+        5: ({"prompt": "q", "response": "  ", "label": 1}, "empty response 'response'"),
+        6: ({"prompt": "q", "label": 1}, "missing key(s) ['response']"),
+        7: ({"prompt": "q", "response": "a", "label": 1, "head": 1}, "'head' must be an integer in [0, 1)"),
+        8: ({"prompt": "q", "response": "a", "label": float("nan")}, "'label' must be a number in [0, 1]"),
+    }
+    for lineno, (obj, problem) in bad.items():
+        one = tmp_path / f"label_{lineno}.jsonl"
+        one.write_text(json.dumps(good) + "\n" + json.dumps(obj) + "\n")
+        with pytest.raises(DataError) as err:
+            read_preference_file(_rm_cfg(f"data.path={one}").data, "binary", 1)
+        assert str(err.value).startswith(f"{one}:2: ") and problem in str(err.value), str(err.value)
+    every = tmp_path / "every.jsonl"
+    lines = [good] + [obj for obj, _ in bad.values()] + [dict(good, label=True)]
+    every.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kept = read_preference_file(_rm_cfg(f"data.path={every}", "data.on_bad_line=skip").data, "binary", 1)
+    assert [(r.source, r.label) for r in kept] == [(f"{every}:1", 0.25), (f"{every}:9", 1.0)]
+    # a score distribution that does not sum to 1 is a bad line too
+    dist = tmp_path / "dist.jsonl"
+    dist.write_text(json.dumps({"prompt": "q", "response": "a", "label": [0.5, 0.6]}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{dist}:1: 'label' must be a list of 2 probabilities")):
+        read_preference_file(_rm_cfg(f"data.path={dist}").data, "score_distribution", 2)
 
 
 def _prm_lines() -> list[dict]:
