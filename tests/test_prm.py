@@ -170,7 +170,7 @@ def test_make_prm_counts_labels_each_step_prefix_with_its_continuations(engine, 
     from mcore_rl.data.tasks import get_task
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-    from make_prm_counts import prm_counts, split_steps
+    from make_prm_counts import prm_counts, split_steps, task_verifier
 
     assert split_steps("12\n34\n", "\n") == ["12", "34"] and split_steps("5", "\n") == ["5"]
     assert split_steps("", "\n") is None and split_steps("1\n\n2", "\n") is None
@@ -189,8 +189,8 @@ def test_make_prm_counts_labels_each_step_prefix_with_its_continuations(engine, 
     tok = engine.tokenizer
     args = dict(rollouts=3, delimiter="0", temperature=1.0, max_new_tokens=6, seed=0)  # "0": steps in digits
     yes, no = Recorded(1.0), Recorded(0.0)
-    out, skipped = prm_counts(engine, tok, yes, prompts, **args)
-    again, _ = prm_counts(engine, tok, no, prompts, **args)
+    out, skipped = prm_counts(engine, tok, yes.score, prompts, **args)
+    again, _ = prm_counts(engine, tok, no.score, prompts, **args)
     assert len(out) + skipped == 6 and len(out) > 0
     assert [o["steps"] for o in again] == [o["steps"] for o in out]  # seeded: the same solutions
     for o, a in zip(out, again):
@@ -201,7 +201,9 @@ def test_make_prm_counts_labels_each_step_prefix_with_its_continuations(engine, 
     for (prompt, prefix), read in zip([p for p in prefixes for _ in range(3)], yes.read):
         assert read[0] == prompt and read[1].startswith(prefix)
     # with the real verifier: 0 <= K <= N, and the file is what rm-train reads
-    real, _ = prm_counts(engine, tok, get_task("addition", max_digits=2), prompts, **args)
+    verify = task_verifier(get_task("addition", max_digits=2))
+    assert verify("07+35=", "24\n junk") == 1.0 and verify("07+35=", "25") == 0.0  # as RL scores it
+    real, _ = prm_counts(engine, tok, verify, prompts, **args)
     path = tmp_path / "prm.jsonl"
     path.write_text("".join(json.dumps(o) + "\n" for o in real))
     examples = read_process_file(PreferenceDataConfig(path=str(path), step_delimiter="0"))

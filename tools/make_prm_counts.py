@@ -4,7 +4,7 @@ For each of `--num` problems of `--task` the policy (an HF checkpoint dir, or th
 without `--model-path`) writes one solution; it is cut into steps at `--step-delimiter`. From each
 step's prefix — the same ids `rm-train` reads, `[bos] prompt step₁ D … step_t D`
 (`data/process_rewards.py: process_ids`) — the policy writes `--rollouts` N continuations, and the
-task's verifier scores the prefix's text followed by each: K of N succeeded. This is the labelling
+task's reward (the registered function RL scores it with) scores the prefix's text followed by each: K of N succeeded. This is the labelling
 of "Math-Shepherd" (arXiv:2312.08935) that BetaPRM trains on ("Process Rewards with Learned
 Reliability": a Beta-Binomial likelihood of K given N per step). The output is the jsonl
 `mcore-rl rm-train reward_model.objective=beta_prm data.path=...` reads:
@@ -23,7 +23,10 @@ one count per line.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 
 from mcore_rl.data.process_rewards import process_ids
@@ -59,10 +62,27 @@ def _generate(
     return [[out[f"{seed}-{i}-{j}"] for j in range(n)] for i in range(len(rows))]
 
 
+def task_verifier(task: Any) -> Callable[[str, str], float]:
+    """The task's registered reward as `verify(prompt, completion)`: what RL scores the completion
+    with (stop markers cut as there), not the raw `task.score`."""
+    from mcore_rl.rewards.base import RewardInput
+    from mcore_rl.rewards.registry import get_reward_fn
+
+    reward = get_reward_fn(task.reward)
+
+    def verify(prompt: str, completion: str) -> float:
+        value = reward(RewardInput(prompt, completion))
+        if inspect.isawaitable(value):
+            value = asyncio.run(value)
+        return float(value["reward"] if isinstance(value, dict) else value)
+
+    return verify
+
+
 def prm_counts(
     engine: Any,
     tokenizer: Any,
-    task: Any,
+    verify: Callable[[str, str], float],
     prompts: list[str],
     rollouts: int = 8,
     delimiter: str = "\n",
@@ -90,7 +110,7 @@ def prm_counts(
     conts = _generate(engine, rows, rollouts, temperature, max_new_tokens, seed + 1)
     successes = [
         sum(
-            task.score(p, delimiter.join(s) + delimiter + tokenizer.decode(c, skip_special_tokens=True)) >= 1.0
+            verify(p, delimiter.join(s) + delimiter + tokenizer.decode(c, skip_special_tokens=True)) >= 1.0
             for c in group
         )
         for (p, s), group in zip(prefixes, conts)
