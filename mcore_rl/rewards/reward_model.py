@@ -11,18 +11,23 @@ other rewards) goes on meanwhile.
 
 The model reads the policy's own tokens, `[prompt ids] [response ids] [eos]`, as it was trained
 (`data/preferences.py: sequence_ids`; the rollout puts the ids in `RewardInput.metadata`), so it
-must share the policy's tokenizer: a sample whose ids fall outside the model's vocabulary is refused
-with an error naming both sizes, as is a model whose end-of-text id differs from the policy's
-(`eos_token_id`, an option the domain can set). A refused or failed sample costs that sample only
-(`reward_error`); a failed forward costs the samples of its batch.
+must share the policy's tokenizer: a model whose end-of-text id differs from the policy's
+(`eos_token_id`, an option the domain can set) fails with an error saying so. A sample whose ids
+the model cannot read (outside its vocabulary; over HTTP, a row the server refuses) is the policy's
+own doing: it scores the domain's worst outcome (`worst_score`: `refused_score`, else the lowest
+score bin, else the lowest score this model gave so far), with the reason in its info as `refused`,
+never a reward error that would leave it out of the loss. A sample without token ids, or a failed
+forward, is a reward error costing that sample, or the samples of its batch.
 
 The model may also be served (`url`): by `mcore-rl serve --is-embedding --model-path DIR` or by
 SGLang itself (`python -m sglang.launch_server --model-path DIR --is-embedding`), scored over
 SGLang's reward-model route, `POST {url}/classify {"input_ids": [[ids], ...]}` ->
 `[{"embedding": [score per label], ...}, ...]`, one request per batch, with an HTTP `timeout`. A
 batch the server refuses (400: an id outside its vocabulary, a row too long) is scored again row by
-row, so the bad row alone fails; a server that does not answer in time, or is gone, costs the
-samples of that batch.
+row, so the bad row alone is refused; a server that does not answer in time, or is gone, costs the
+samples of that batch (reward errors: that says nothing about the samples). Before training, the
+run checks a served model's tokenizer against the policy's (`rollout/classifier.py:
+check_served_reward_model`).
 
 Options (a domain's `rewards: [{name: reward_model, options: {...}}]`): `model_dir` or `url` (one
 of them), `head` (which of the model's `num_labels` scores, default 0), `max_batch` (64), `device`
@@ -30,7 +35,8 @@ of them), `head` (which of the model's `num_labels` scores, default 0), `max_bat
 config when given; with `url`, appended to a response cut at its length budget), `timeout`
 (seconds per HTTP request, 25), `api_key` (the server's `--api-key`), `score_bins` (Z-Reward's
 student, `rm-train`'s `score_distribution`: the reward is the expected score Σ_s s·softmax(logits)_s
-over these bins, one per label, instead of one head's logit).
+over these bins, one per label, instead of one head's logit), `refused_score` (what a refused
+sample scores).
 """
 
 from __future__ import annotations
