@@ -2,8 +2,8 @@
 
     python benchmarks/bench_prm.py --work runs/bench_prm [--seeds 1 2 3] [--policy-steps 150] [--prm-steps 100]
 
-1. A policy: the demo-size decoder (2 layers, 64 wide) after `--policy-steps` SFT steps on the task's
-   reference answers (`mcore-rl sft`), exported to HF (`mcore-rl convert mcore-to-hf`).
+1. A policy: the demo-size decoder (2 layers, 64 wide) after `--policy-steps` SFT steps (`--policy-lr`,
+   constant) on the task's reference answers (`mcore-rl sft`), exported to HF (`mcore-rl convert mcore-to-hf`).
 2. PRM data: `tools/make_prm_counts.py` with that policy on `--prm-problems` training problems, N =
    `--rollouts` continuations per step prefix, steps cut at "\\n".
 3. The PRM: the same decoder size with BetaPRM's head (`mcore-rl rm-train reward_model.objective=beta_prm`,
@@ -56,7 +56,7 @@ def _cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "mcore_rl.cli", *args], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def policy(work: str, task: str, digits: int, steps: int) -> str:
+def policy(work: str, task: str, digits: int, steps: int, lr: float) -> str:
     hf = os.path.join(work, "policy_hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
         ckpt = os.path.join(work, "policy_ckpt")
@@ -69,6 +69,8 @@ def policy(work: str, task: str, digits: int, steps: int) -> str:
             f"data.synthetic_max_digits={digits}",
             "data.synthetic_num_examples=4000",
             f"train.train_iters={steps}",
+            f"optimizer.lr={lr}",
+            "optimizer.lr_decay_style=constant",
             "train.eval_interval=0",
             f"checkpoint.save_dir={ckpt}",
         )
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--max-digits", type=int, default=2)
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     ap.add_argument("--policy-steps", type=int, default=150)
+    ap.add_argument("--policy-lr", type=float, default=3e-3, help="the SFT's (the demo's warm start: 3e-3, constant)")
     ap.add_argument("--prm-problems", type=int, default=400)
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--prm-steps", type=int, default=100)
@@ -191,7 +194,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     task = get_task(args.task, max_digits=args.max_digits)
     start = time.perf_counter()
-    engine = engine_of(policy(args.work, args.task, args.max_digits, args.policy_steps))
+    engine = engine_of(policy(args.work, args.task, args.max_digits, args.policy_steps, args.policy_lr))
     prm_dir = prm(args.work, counts(args.work, engine, task, args.prm_problems, args.rollouts), args.prm_steps)
     print(f"stages 1-3: {time.perf_counter() - start:.0f} s", flush=True)
     results = []
