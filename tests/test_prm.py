@@ -92,8 +92,13 @@ def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
     steps = get_reward_fn("prm_steps")  # registered, as `prm` is
     counts = [steps(s, step_delimiter_ids=[NL], eos_token_id=EOS) for s in group]
     assert counts == [2.0, 3.0, 1.0, 2.0]
+    # an id the PRM cannot read scores the worst outcome (`refused_score`, else μ's 0), never a reward
+    # error that would leave the sample out of the loss
     bad = RewardRunner(RewardFunction(prm_score, options=options)).score_sync([_sample([1], [99999, NL])])
-    assert "outside the process reward model's vocabulary" in bad[0].error
+    assert bad[0].error is None and bad[0].reward == 0.0
+    assert "outside the process reward model's vocabulary" in bad[0].info["refused"]
+    low = RewardRunner(RewardFunction(prm_score, options={**options, "refused_score": -1.0}))
+    assert low.score_sync([_sample([1], [99999, NL])])[0].reward == -1.0
 
     # PROF-GRPO (keep 2 of 4: one correct, one wrong) reads the heads: the correct answer kept is the
     # one with the higher mean PRM score
@@ -151,3 +156,56 @@ def test_adaptive_best_of_n_draws_from_an_engine_and_stops_by_the_rule(engine, p
     fired = [adaptive_stop(mid.mean[:n], mid.std[:n], 0.5) for n in sizes]
     assert fired[:-1] == [False] * (len(sizes) - 1)
     assert fired[-1] == mid.stopped_early or len(mid.candidates) == 10
+
+
+def test_make_prm_counts_labels_each_step_prefix_with_its_continuations(engine, tmp_path):
+    """tools/make_prm_counts.py: the policy's solutions cut at the delimiter, N continuations from each
+    step's prefix (the ids rm-train reads), K of them the verifier accepts; the file rm-train reads."""
+    import json
+    import pathlib
+    import sys
+
+    from mcore_rl.config.rm_schema import PreferenceDataConfig
+    from mcore_rl.data.process_rewards import read_process_file
+    from mcore_rl.data.tasks import get_task
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    from make_prm_counts import prm_counts, split_steps, task_verifier
+
+    assert split_steps("12\n34\n", "\n") == ["12", "34"] and split_steps("5", "\n") == ["5"]
+    assert split_steps("", "\n") is None and split_steps("1\n\n2", "\n") is None
+
+    class Recorded:
+        """The addition task's prompts, a verifier that records what it reads and answers `verdict`."""
+
+        def __init__(self, verdict: float) -> None:
+            self.verdict, self.read = verdict, []
+
+        def score(self, prompt: str, completion: str) -> float:
+            self.read.append((prompt, completion))
+            return self.verdict
+
+    prompts = [p for p, _ in get_task("addition", max_digits=2).examples(6, 0)]
+    tok = engine.tokenizer
+    args = dict(rollouts=3, delimiter="0", temperature=1.0, max_new_tokens=6, seed=0)  # "0": steps in digits
+    yes, no = Recorded(1.0), Recorded(0.0)
+    out, skipped = prm_counts(engine, tok, yes.score, prompts, **args)
+    again, _ = prm_counts(engine, tok, no.score, prompts, **args)
+    assert len(out) + skipped == 6 and len(out) > 0
+    assert [o["steps"] for o in again] == [o["steps"] for o in out]  # seeded: the same solutions
+    for o, a in zip(out, again):
+        assert o["successes"] == [3] * len(o["steps"]) and a["successes"] == [0] * len(o["steps"])
+    # every completion the verifier read is a step prefix's text followed by a continuation
+    prefixes = [(o["prompt"], "0".join(o["steps"][: t + 1]) + "0") for o in out for t in range(len(o["steps"]))]
+    assert len(yes.read) == 3 * len(prefixes)
+    for (prompt, prefix), read in zip([p for p in prefixes for _ in range(3)], yes.read):
+        assert read[0] == prompt and read[1].startswith(prefix)
+    # with the real verifier: 0 <= K <= N, and the file is what rm-train reads
+    verify = task_verifier(get_task("addition", max_digits=2))
+    assert verify("07+35=", "24\n junk") == 1.0 and verify("07+35=", "25") == 0.0  # as RL scores it
+    real, _ = prm_counts(engine, tok, verify, prompts, **args)
+    path = tmp_path / "prm.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in real))
+    examples = read_process_file(PreferenceDataConfig(path=str(path), step_delimiter="0"))
+    assert [e.steps for e in examples] == [o["steps"] for o in real]
+    assert all(0 <= k <= 3 for e in examples for k in e.successes)

@@ -171,6 +171,33 @@ def test_bad_labels_are_named_by_line(tmp_path):
     path.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
     with pytest.raises(DataError, match=f"{path}:2: 'label' must be a number in \\[0, 1\\], got 1.5"):
         read_preference_file(_rm_cfg(f"data.path={path}").data, "binary", 1)
+    # every other bad labelled response, each alone named by its line; `skip` keeps the good ones
+    good = {"prompt": "q", "response": "a", "label": 0.25}
+    bad = {
+        2: ({"prompt": "q", "response": "a", "label": -0.1}, "'label' must be a number in [0, 1], got -0.1"),
+        3: ({"prompt": "q", "response": "a", "label": "yes"}, "'label' must be a number in [0, 1], got 'yes'"),
+        4: ({"prompt": "q", "response": "a"}, "'label' must be a number in [0, 1], got None"),
+        5: ({"prompt": "q", "response": "  ", "label": 1}, "empty response 'response'"),
+        6: ({"prompt": "q", "label": 1}, "missing key(s) ['response']"),
+        7: ({"prompt": "q", "response": "a", "label": 1, "head": 1}, "'head' must be an integer in [0, 1)"),
+        8: ({"prompt": "q", "response": "a", "label": float("nan")}, "'label' must be a number in [0, 1]"),
+    }
+    for lineno, (obj, problem) in bad.items():
+        one = tmp_path / f"label_{lineno}.jsonl"
+        one.write_text(json.dumps(good) + "\n" + json.dumps(obj) + "\n")
+        with pytest.raises(DataError) as err:
+            read_preference_file(_rm_cfg(f"data.path={one}").data, "binary", 1)
+        assert str(err.value).startswith(f"{one}:2: ") and problem in str(err.value), str(err.value)
+    every = tmp_path / "every.jsonl"
+    lines = [good] + [obj for obj, _ in bad.values()] + [dict(good, label=True)]
+    every.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kept = read_preference_file(_rm_cfg(f"data.path={every}", "data.on_bad_line=skip").data, "binary", 1)
+    assert [(r.source, r.label) for r in kept] == [(f"{every}:1", 0.25), (f"{every}:9", 1.0)]
+    # a score distribution that does not sum to 1 is a bad line too
+    dist = tmp_path / "dist.jsonl"
+    dist.write_text(json.dumps({"prompt": "q", "response": "a", "label": [0.5, 0.6]}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{dist}:1: 'label' must be a list of 2 probabilities")):
+        read_preference_file(_rm_cfg(f"data.path={dist}").data, "score_distribution", 2)
 
 
 def _prm_lines() -> list[dict]:
@@ -293,6 +320,58 @@ def test_rrm_augmentation_and_filter():
     assert rrm_keep(first, second, target).tolist() == [False, False, True, True]
 
 
+def _base_classifier(path: str, vocab: int = 384) -> str:
+    """A tiny stock HF reward model on the bundled byte tokenizer's ids (random weights)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=256,
+    )
+    config.num_labels = 1
+    LlamaForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_rrm_filter_keeps_the_augmented_pairs_the_base_model_gets_wrong(tmp_path):
+    """`data.rrm_base_model`: the base model scores each augmented pair's two sequences as training
+    reads them; a pair is kept iff |σ(r_c − r_r) − target| >= `data.rrm_threshold` (each sequence
+    scored alone here, batched and padded there)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from mcore_rl.algos.reward_model import rrm_keep
+    from mcore_rl.data.preferences import rrm_augment, sequence_ids
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.train.reward_model import build_rows, rrm_filter
+
+    base = _base_classifier(str(tmp_path / "base"))
+    tok = load_tokenizer(None)
+    pairs = task_pairs("addition", 24, 0, 2, artifact="length")
+    new = rrm_augment(pairs, seed=0)[len(pairs) :]
+    model = AutoModelForSequenceClassification.from_pretrained(base).eval()
+    with torch.no_grad():
+        first, second = (
+            torch.stack([model(torch.tensor([sequence_ids(p.prompt, r, tok)])).logits[0, 0] for p, r in zip(new, side)])
+            for side in ([p.chosen for p in new], [p.rejected for p in new])
+        )
+    target = torch.tensor([0.5 if p.tie else 1.0 for p in new])
+    for threshold in (0.2, 0.45):
+        want = [p for p, k in zip(new, rrm_keep(first, second, target, threshold).tolist()) if k]
+        got = rrm_filter(new, base, threshold, 64, tok)
+        assert got == want and 0 < len(got) < len(new), (threshold, len(got), len(new))
+    # in `rm-train`: the training rows are the pairs and the kept augmented pairs
+    overrides = ["data.rrm=true", f"data.rrm_base_model={base}", "data.synthetic_num_examples=24", "train.seed=0"]
+    overrides += ["train.eval_interval=0", "data.synthetic_max_digits=2", "data.artifact=length", "train.seq_length=64"]
+    rows, held = build_rows(_rm_cfg(*overrides), tok, 1)
+    assert held is None and len(rows["tie"]) == len(pairs) + len(rrm_filter(new, base, 0.2, 64, tok))
+
+
 def test_config_rules():
     with pytest.raises(ConfigError) as err:
         validate_rm_config(
@@ -304,6 +383,11 @@ def test_config_rules():
         validate_rm_config(_rm_cfg("reward_model.objective=binary"), 1)
     with pytest.raises(ConfigError, match="data.rrm"):
         validate_rm_config(_rm_cfg("reward_model.objective=binary", "data.rrm=true", "data.path=x.jsonl"), 1)
+    with pytest.raises(ConfigError) as err:
+        validate_rm_config(_rm_cfg("data.rrm_base_model=/nowhere", "data.rrm_threshold=1.5"), 1)
+    assert "data.rrm_threshold: must be in (0, 1), got 1.5" in str(err.value)
+    assert "data.rrm_base_model: filters RRM's augmented pairs; set data.rrm=true" in str(err.value)
+    assert "data.rrm_base_model: /nowhere/config.json cannot be read" in str(err.value)
 
 
 # ---- parity, training and resume in one 2-rank world ---------------------------------------------

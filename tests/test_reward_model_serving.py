@@ -27,7 +27,7 @@ from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardRunner
 from mcore_rl.rewards.registry import get_reward_fn
 from mcore_rl.rewards.reward_model import load_batcher, reward_model_score
 
-EOS, PAD, VOCAB = 5, 0, 64
+EOS, PAD, VOCAB = 5, 0, 384  # the bundled byte tokenizer's size: the server loads that tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +85,27 @@ def test_a_bad_sample_costs_only_itself(model_dir):
         RewardInput("p", "c"),  # no token ids
         _sample([1, 9], [8, EOS]),
     ]
-    runner = RewardRunner(RewardFunction(reward_model_score, options={"model_dir": model_dir}))
+    runner = RewardRunner(RewardFunction(reward_model_score, options={"model_dir": model_dir, "refused_score": -7.5}))
     results = runner.score_sync(group, [0, 0, 0, 0])
     assert results[0].error is None and results[3].error is None
-    assert f"outside the reward model's vocabulary of {VOCAB}" in results[1].error
-    assert "carries no token ids" in results[2].error
+    # the id the model cannot read is the sample's own doing: the worst outcome, not a reward error
+    assert results[1].error is None and results[1].reward == -7.5
+    assert f"outside the reward model's vocabulary of {VOCAB}" in results[1].info["refused"]
+    assert "carries no token ids" in results[2].error  # no ids at all: the caller's fault, an error
+
+
+def test_without_refused_score_a_refused_sample_scores_the_lowest_bin_or_the_lowest_seen(model_dir):
+    bad = _sample([1], [VOCAB + 1, EOS])
+    fresh = {"model_dir": model_dir, "max_batch": 5}  # a batcher of its own: nothing scored yet
+    with pytest.raises(ValueError, match="no refused_score is set, nor any score seen yet"):
+        asyncio.run(reward_model_score(bad, **fresh))  # nothing says what "worst" is: a reward error
+    bins = asyncio.run(reward_model_score(bad, **fresh, score_bins=[1.0, 5.0]))
+    assert bins["reward"] == 1.0  # a score distribution's lowest bin
+    group = [_sample([1, 7], [8, EOS]), _sample([1, 9], [10, 11, EOS]), _sample([2], [3, EOS])]
+    runner = RewardRunner(RewardFunction(reward_model_score, options={**fresh, "head": 1}))
+    scores = [r.reward for r in runner.score_sync(group, [0, 0, 0])]
+    worst = runner.score_sync([bad], [0])[0]
+    assert worst.error is None and worst.reward == pytest.approx(min(scores), abs=1e-6)
 
 
 def test_a_score_distribution_model_gives_its_expected_score(model_dir):
@@ -151,6 +167,18 @@ def test_a_reward_model_that_cannot_read_every_policy_id_is_refused_before_worke
         validate_rl_config(config(VOCAB + 1, model_dir), 1)
     with pytest.raises(ConfigError, match=r"options.model_dir: domain 'add': .*config.json cannot be read"):
         validate_rl_config(config(VOCAB, str(tmp_path / "nowhere")), 1)
+    bad = config(VOCAB, model_dir)
+    bad.data.domains[0].rewards[0].options["refused_score"] = "low"
+    with pytest.raises(ConfigError, match=r"rewards\[0\].options.refused_score: domain 'add': must be a finite number"):
+        validate_rl_config(bad, 1)
+    prm = config(VOCAB, model_dir)
+    prm.data.domains[0].rewards = [RewardHeadConfig(name="prm", weight=0.0, options={"url": "http://127.0.0.1:1"})]
+    with pytest.raises(
+        ConfigError, match=r"rewards\[0\].options.step_delimiter_ids: domain 'add': must be a non-empty"
+    ):
+        validate_rl_config(prm, 1)
+    prm.data.domains[0].rewards[0].options["step_delimiter_ids"] = [9]
+    validate_rl_config(prm, 1)  # a served PRM: accepted (its tokenizer is probed when the run starts)
     both = config(VOCAB, model_dir)
     both.data.domains[0].rewards[0].options["url"] = "http://127.0.0.1:1"
     with pytest.raises(
@@ -215,7 +243,10 @@ def test_served_classify_speaks_sglangs_reward_model_api(served, model_dir):
     status, rows = _post(url + "/classify", {"input_ids": [[1, 7], [1, 7, 8, 9, EOS]], "rid": ["a", "b"]})
     assert status == 200 and [r["meta_info"]["id"] for r in rows] == ["a", "b"]
     status, err = _post(url + "/classify", {"input_ids": [[1, VOCAB]]})
-    assert status == 400 and "input_ids[0]: token id 64 is outside the vocabulary of 64" in err["error"]["message"]
+    assert (
+        status == 400
+        and f"input_ids[0]: token id {VOCAB} is outside the vocabulary of {VOCAB}" in err["error"]["message"]
+    )
     status, err = _post(url + "/classify", {"input_ids": [[1]], "image_data": "x.png"})
     assert status == 400 and "image_data" in err["error"]["message"]
     with urllib.request.urlopen(url + "/model_info", timeout=10) as resp:
@@ -236,12 +267,54 @@ def test_a_served_reward_model_scores_as_the_head_in_process(served, model_dir):
     local = RewardRunner(RewardFunction(reward_model_score, options={"model_dir": model_dir, "head": 1}))
     for r, want in zip(results, local.score_sync(group, [0, 0, 0])):
         assert abs(r.reward - want.reward) < 1e-5
-    # a row the server refuses (an id outside its vocabulary) costs that sample; the batch is rescored row by row
+    # a row the server refuses (an id outside its vocabulary) scores the worst outcome; the batch is
+    # rescored row by row, so the others keep their scores
+    runner = RewardRunner(RewardFunction(reward_model_score, options={**options, "refused_score": -3.0}))
     bad = [_sample([1, 7], [8, EOS]), _sample([1, 7], [VOCAB + 3, EOS]), RewardInput("p", "c"), _sample([1], [9])]
     results = runner.score_sync(bad, [0, 0, 0, 0])
     assert results[0].error is None and results[3].error is None, [r.error for r in results]
-    assert "token id 67 is outside the vocabulary of 64" in results[1].error
+    assert results[1].error is None and results[1].reward == -3.0
+    assert f"token id {VOCAB + 3} is outside the vocabulary of {VOCAB}" in results[1].info["refused"]
     assert "carries no token ids" in results[2].error
+
+
+def test_a_served_prm_gives_the_step_beliefs_of_the_prm_in_process(served, model_dir):
+    """`/classify` reads a row at its last token; each step's prefix as its own row gives the same μ, σ
+    per step as the per-token forward in the trainer's process."""
+    from mcore_rl.rewards.process_reward import prm_score
+
+    delimiter = [9]
+    samples = [_sample([1, 7], [8, 9, 10, 11, 9, 12, EOS]), _sample([1], [13, 9]), _sample([2, 3], [14])]
+    for s in samples:
+        local = asyncio.run(prm_score(s, model_dir=model_dir, step_delimiter_ids=delimiter, eos_token_id=EOS))
+        remote = asyncio.run(prm_score(s, url=served[0], step_delimiter_ids=delimiter, eos_token_id=EOS))
+        assert len(remote["step_mean"]) == len(local["step_mean"]) >= 1
+        assert remote["reward"] == pytest.approx(local["reward"], abs=1e-5)
+        assert remote["step_mean"] == pytest.approx(local["step_mean"], abs=1e-5)
+        assert remote["step_std"] == pytest.approx(local["step_std"], abs=1e-5)
+    refused = asyncio.run(prm_score(_sample([1], [VOCAB + 2, 9]), url=served[0], step_delimiter_ids=delimiter))
+    assert refused["reward"] == 0.0 and "outside the vocabulary" in refused["refused"]  # μ's worst
+    empty = asyncio.run(prm_score(_sample([1], [EOS]), url=served[0], step_delimiter_ids=delimiter, eos_token_id=EOS))
+    assert empty["reward"] == 0.0 and "no step" in empty["refused"]
+
+
+def test_a_served_reward_model_with_another_tokenizer_is_refused_before_training(served):
+    """As engine teachers are: the served model must tokenize like the policy (SGLang's /tokenize,
+    /detokenize) and read its last id (/classify); else the error names the config key and the server."""
+    from mcore_rl.data.tokenizer import ByteTokenizer, load_tokenizer
+    from mcore_rl.rollout.classifier import RewardServerError, check_served_reward_model
+
+    url, _ = served
+    policy = load_tokenizer(None)
+    check_served_reward_model(url, policy, "data.domains[0].rewards[0].options.url")  # the same: accepted
+    other = list(policy.special_tokens)
+    other[0], other[2] = other[2], other[0]  # <pad> and <eos> swapped: another tokenizer of the same size
+    with pytest.raises(RewardServerError, match=r"data.domains\[0\].rewards\[0\].options.url: the reward model at "):
+        check_served_reward_model(url, ByteTokenizer(other, VOCAB), "data.domains[0].rewards[0].options.url")
+    with pytest.raises(RewardServerError, match="does not share the policy's tokenizer"):
+        check_served_reward_model(url, ByteTokenizer(other, VOCAB), "k")
+    with pytest.raises(RewardServerError, match="k: the reward model at http://127.0.0.1:1: "):
+        check_served_reward_model("http://127.0.0.1:1", policy, "k")  # nothing listens
 
 
 def _batchers() -> dict:

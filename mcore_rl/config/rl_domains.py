@@ -296,13 +296,29 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                         f"{hk}.options.{name}",
                         f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
                     )
-        if h.name == "reward_model":
+        if h.name in ("reward_model", "prm"):
             errors.need(
                 ("model_dir" in options) != ("url" in options),
                 f"{hk}.options",
                 f"{who}give the reward model's `model_dir` or the `url` it is served at (one of them)",
             )
-        if h.name == "reward_model" and isinstance(options.get("model_dir"), str):
+            refused = options.get("refused_score")
+            errors.need(
+                refused is None
+                or (isinstance(refused, (int, float)) and not isinstance(refused, bool) and math.isfinite(refused)),
+                f"{hk}.options.refused_score",
+                f"{who}must be a finite number (the score of a sample the model refuses), got {refused!r}",
+            )
+        if h.name == "prm":
+            delimiter = options.get("step_delimiter_ids")
+            errors.need(
+                isinstance(delimiter, list)
+                and bool(delimiter)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in delimiter),
+                f"{hk}.options.step_delimiter_ids",
+                f"{who}must be a non-empty list of token ids (the ids that end a step), got {delimiter!r}",
+            )
+        if h.name in ("reward_model", "prm") and isinstance(options.get("model_dir"), str):
             check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, f"{hk}.options.model_dir", who, errors)
 
 

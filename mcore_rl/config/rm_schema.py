@@ -43,7 +43,13 @@ class PreferenceDataConfig(DataConfig):
     # held-out ones), which a reward model can latch onto instead of correctness
     artifact: Literal["none", "length", "format"] = "none"
     # RRM's causal augmentation of the training pairs (data/preferences.py: rrm_augment), unfiltered
+    # unless rrm_base_model is set
     rrm: bool = False
+    # RRM's filter: an exported HF reward model (a *ForSequenceClassification dir, e.g. `mcore-rl convert
+    # mcore-to-hf` of an RM trained without data.rrm) scores the augmented pairs; only those it gets wrong
+    # by >= rrm_threshold are kept (|σ(r1 - r2) - target|, target 1 for a preference, 1/2 for a tie)
+    rrm_base_model: str | None = None
+    rrm_threshold: float = 0.2  # RRM's 0.2; in (0, 1)
     pack_sequences: bool = False  # one sequence per row: a reward model scores each at its last token
 
 

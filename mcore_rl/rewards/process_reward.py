@@ -21,8 +21,12 @@ that the whole solution succeeds) and stops when the best candidate's lower boun
 every other's upper bound (`algos/beta_prm.py: adaptive_stop`), or at `max_candidates`.
 
 The model runs in the trainer's process, batched like `reward_model.py` (calls of one loop
-iteration, one forward): SGLang's `/classify` pools at the last token, so a PRM is not served over
-HTTP here.
+iteration, one forward), or behind SGLang's `/classify` (`url`; `mcore-rl serve --is-embedding` or
+SGLang): that route reads a row at its last token, so each step's prefix is sent as its own row
+(`served_step_beliefs`; the decoder is causal, so the values are the same). A response the PRM
+refuses (an id outside its vocabulary, an empty response) scores `refused_score` (default 0, the
+worst μ), never a reward error a policy could hide a bad answer behind; a server that fails or
+times out costs the samples of its batch.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from typing import Any, Literal
 import torch
 
 from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
+from mcore_rl.hf.classifier import token_scores
 from mcore_rl.rewards.base import RewardInput
-from mcore_rl.rewards.reward_model import RewardModelError, ScoreBatcher
+from mcore_rl.rewards.reward_model import Refused, RewardModelError, ScoreBatcher, remote_batcher
 
 
 def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
@@ -73,18 +78,8 @@ class TokenScorer:
     async def __call__(self, rows: list[list[int]]) -> list[torch.Tensor]:
         return await asyncio.get_running_loop().run_in_executor(None, self.forward, rows)
 
-    @torch.no_grad()
     def forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        width = max(len(r) for r in rows)
-        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        decoder = getattr(self.model, self.model.base_model_prefix)
-        hidden = decoder(tokens.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-        values = self.model.score(hidden).float().cpu()
-        return [values[i, : len(r)] for i, r in enumerate(rows)]
+        return token_scores(self.model, rows, self.pad_id, self.device)
 
 
 @dataclass
@@ -144,13 +139,11 @@ async def step_beliefs(
     """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both)."""
     ends = step_ends(response_ids, delimiter_ids, eos_id)
     if not ends:
-        raise RewardModelError("the response has no step to score (it is empty)")
+        raise Refused("the response has no step to score (it is empty)")
     ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
     bad = [i for i in ids if not 0 <= i < prm.vocab_size]
     if bad:
-        raise RewardModelError(
-            f"token id {bad[0]} is outside the process reward model's vocabulary of {prm.vocab_size}"
-        )
+        raise Refused(f"token id {bad[0]} is outside the process reward model's vocabulary of {prm.vocab_size}")
     values = await prm.batcher.score(ids)
     at = torch.tensor([len(prompt_ids) + e for e in ends])
     mu, kappa = beta_head(values[at])
@@ -164,21 +157,62 @@ def _ids(sample: RewardInput) -> tuple[list[int], list[int]]:
     return list(meta["prompt_ids"]), list(meta["response_ids"])
 
 
+async def served_step_beliefs(
+    batcher: ScoreBatcher,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    delimiter_ids: Sequence[int],
+    eos_id: int | None = None,
+) -> StepBeliefs:
+    """`step_beliefs` of a PRM behind SGLang's `/classify`, which reads a row at its last token: each
+    step's prefix `prompt + response[: end + 1]` is its own row, all in one request. The decoder is
+    causal, so a prefix's last-token value is the full row's value at that position
+    (`hf/classifier.py`): the same beliefs as in the trainer's process, at H forwards' cost."""
+    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    if not ends:
+        raise Refused("the response has no step to score (it is empty)")
+    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    rows = [ids[: len(prompt_ids) + e + 1] for e in ends]
+    values = torch.stack(list(await asyncio.gather(*(batcher.score(r) for r in rows))))
+    if values.shape[-1] != 2:
+        raise RewardModelError(f"the served model has {values.shape[-1]} labels; a BetaPRM has 2 (mean, concentration)")
+    mu, kappa = beta_head(values)
+    return StepBeliefs(mu, beta_std(mu, kappa), kappa)
+
+
 async def prm_score(
     sample: RewardInput,
-    model_dir: str,
-    step_delimiter_ids: list[int],
+    model_dir: str | None = None,
+    step_delimiter_ids: list[int] | None = None,
     aggregate: Literal["mean", "min", "last"] = "mean",
     eos_token_id: int | None = None,
     max_batch: int = 64,
     device: str = "cpu",
+    url: str | None = None,
+    timeout: float = 25.0,
+    api_key: str | None = None,
+    refused_score: float | None = None,
 ) -> dict[str, Any]:
-    """The PRM's step means of one sample, aggregated; see the module docstring."""
-    prm = _PRMS.get((model_dir, device, max_batch))
-    if prm is None:
-        prm = await asyncio.get_running_loop().run_in_executor(None, load_prm, model_dir, device, max_batch)
+    """The PRM's step means of one sample, aggregated; see the module docstring. A response the PRM
+    refuses (an id outside its vocabulary, no step) scores `refused_score`, else 0: μ's worst."""
+    if (model_dir is None) == (url is None):
+        raise RewardModelError("give the process reward model's `model_dir` or the `url` it is served at (one of them)")
+    if not step_delimiter_ids:
+        raise RewardModelError("step_delimiter_ids: required, the ids that end a step")
     prompt, response = _ids(sample)
-    beliefs = await step_beliefs(prm, prompt, response, step_delimiter_ids, eos_token_id)
+    try:
+        if url is not None:
+            batcher = remote_batcher(url, max_batch, timeout, api_key)
+            beliefs = await served_step_beliefs(batcher, prompt, response, step_delimiter_ids, eos_token_id)
+        else:
+            assert model_dir is not None
+            prm = _PRMS.get((model_dir, device, max_batch))
+            if prm is None:
+                prm = await asyncio.get_running_loop().run_in_executor(None, load_prm, model_dir, device, max_batch)
+            beliefs = await step_beliefs(prm, prompt, response, step_delimiter_ids, eos_token_id)
+    except Refused as err:
+        worst = 0.0 if refused_score is None else float(refused_score)
+        return {"reward": worst, "refused": str(err)[:300]}
     mu = beliefs.mean
     value = {"mean": mu.mean(), "min": mu.min(), "last": mu[-1]}[aggregate]
     return {"reward": float(value), "step_mean": mu.tolist(), "step_std": beliefs.std.tolist()}

@@ -11,18 +11,23 @@ other rewards) goes on meanwhile.
 
 The model reads the policy's own tokens, `[prompt ids] [response ids] [eos]`, as it was trained
 (`data/preferences.py: sequence_ids`; the rollout puts the ids in `RewardInput.metadata`), so it
-must share the policy's tokenizer: a sample whose ids fall outside the model's vocabulary is refused
-with an error naming both sizes, as is a model whose end-of-text id differs from the policy's
-(`eos_token_id`, an option the domain can set). A refused or failed sample costs that sample only
-(`reward_error`); a failed forward costs the samples of its batch.
+must share the policy's tokenizer: a model whose end-of-text id differs from the policy's
+(`eos_token_id`, an option the domain can set) fails with an error saying so. A sample whose ids
+the model cannot read (outside its vocabulary; over HTTP, a row the server refuses) is the policy's
+own doing: it scores the domain's worst outcome (`worst_score`: `refused_score`, else the lowest
+score bin, else the lowest score this model gave so far), with the reason in its info as `refused`,
+never a reward error that would leave it out of the loss. A sample without token ids, or a failed
+forward, is a reward error costing that sample, or the samples of its batch.
 
 The model may also be served (`url`): by `mcore-rl serve --is-embedding --model-path DIR` or by
 SGLang itself (`python -m sglang.launch_server --model-path DIR --is-embedding`), scored over
 SGLang's reward-model route, `POST {url}/classify {"input_ids": [[ids], ...]}` ->
 `[{"embedding": [score per label], ...}, ...]`, one request per batch, with an HTTP `timeout`. A
 batch the server refuses (400: an id outside its vocabulary, a row too long) is scored again row by
-row, so the bad row alone fails; a server that does not answer in time, or is gone, costs the
-samples of that batch.
+row, so the bad row alone is refused; a server that does not answer in time, or is gone, costs the
+samples of that batch (reward errors: that says nothing about the samples). Before training, the
+run checks a served model's tokenizer against the policy's (`rollout/classifier.py:
+check_served_reward_model`).
 
 Options (a domain's `rewards: [{name: reward_model, options: {...}}]`): `model_dir` or `url` (one
 of them), `head` (which of the model's `num_labels` scores, default 0), `max_batch` (64), `device`
@@ -30,7 +35,8 @@ of them), `head` (which of the model's `num_labels` scores, default 0), `max_bat
 config when given; with `url`, appended to a response cut at its length budget), `timeout`
 (seconds per HTTP request, 25), `api_key` (the server's `--api-key`), `score_bins` (Z-Reward's
 student, `rm-train`'s `score_distribution`: the reward is the expected score Σ_s s·softmax(logits)_s
-over these bins, one per label, instead of one head's logit).
+over these bins, one per label, instead of one head's logit), `refused_score` (what a refused
+sample scores).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import aiohttp
 import torch
 
 from mcore_rl.algos.z_reward import expected_score, score_distribution
+from mcore_rl.hf.classifier import last_token_scores, load_classifier
 from mcore_rl.rewards.base import RewardInput
 
 
@@ -54,7 +61,12 @@ class RewardModelError(ValueError):
     """A sample the reward model cannot score, or a model it cannot load; the message says which."""
 
 
-class BadRows(RewardModelError):
+class Refused(RewardModelError):
+    """The model cannot read this sample's row (an id outside its vocabulary, a row the server
+    refuses as bad): the sample's own doing, so it scores the worst outcome (`worst_score`)."""
+
+
+class BadRows(Refused):
     """The server refused a batch as a bad request (400): some row of it is bad."""
 
 
@@ -77,6 +89,7 @@ class ScoreBatcher:
     max_batch: int = 64
     pending: list[_Pending] = field(default_factory=list)
     batches: int = 0  # forwards run so far (tests check that a group is one forward)
+    lowest: torch.Tensor | None = None  # per label, the lowest score of every row scored so far
     _scheduled: bool = False
 
     async def score(self, ids: list[int]) -> torch.Tensor:
@@ -102,17 +115,24 @@ class ScoreBatcher:
         """Each row's scores; a batch refused as bad (`BadRows`) is scored row by row, so that only
         the bad rows fail."""
         try:
-            return list(await self.forward(rows))
+            return self._seen(list(await self.forward(rows)))
         except BadRows as err:
             if len(rows) == 1:
                 return [err]
         out: list[torch.Tensor | BaseException] = []
         for row in rows:
             try:
-                out.append((await self.forward([row]))[0])
+                out += self._seen(list(await self.forward([row])))
             except BadRows as err:
                 out.append(err)
         return out
+
+    def _seen(self, scores: list[torch.Tensor]) -> list[torch.Tensor | BaseException]:
+        """Keep the lowest score per label (a row's scores [labels], or per token [len, labels])."""
+        for s in scores:
+            low = s.reshape(-1, s.shape[-1]).min(0).values
+            self.lowest = low if self.lowest is None else torch.minimum(self.lowest, low)
+        return list(scores)
 
 
 def _deliver(done: asyncio.Future, *, batch: list[_Pending]) -> None:
@@ -144,17 +164,9 @@ class LocalClassifier:
     async def __call__(self, rows: list[list[int]]) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(None, self.forward, rows)
 
-    @torch.no_grad()
     def forward(self, rows: list[list[int]]) -> torch.Tensor:
-        """[rows, num_labels] scores, each at its row's last token (right padding, HF's pooling)."""
-        width = max(len(r) for r in rows)
-        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        logits = self.model(tokens.to(self.device), attention_mask=mask.to(self.device)).logits
-        return logits.float().cpu()
+        """[rows, num_labels] scores, each at its row's last token (`hf/classifier.py`)."""
+        return last_token_scores(self.model, rows, self.pad_id, self.device)
 
 
 @dataclass
@@ -210,15 +222,11 @@ def load_batcher(model_dir: str, device: str = "cpu", max_batch: int = 64) -> Sc
     key = (model_dir, device, max_batch)
     with _LOAD_LOCK:
         if key not in _BATCHERS:
-            from transformers import AutoModelForSequenceClassification  # lazy: transformers is slow to import
-
             try:
-                model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
-            except (OSError, ValueError) as err:
-                raise RewardModelError(f"reward model {model_dir!r} does not load: {err}"[:500]) from None
-            if model.config.pad_token_id is None:
-                raise RewardModelError(f"{model_dir}/config.json: pad_token_id is not set; the classifier pools at it")
-            local = LocalClassifier(model.to(device).eval(), model.config.pad_token_id, device)
+                model = load_classifier(model_dir, device)
+            except ValueError as err:
+                raise RewardModelError(str(err)) from None
+            local = LocalClassifier(model, model.config.pad_token_id, device)
             _BATCHERS[key] = ScoreBatcher(local, max_batch)
         return _BATCHERS[key]
 
@@ -255,9 +263,48 @@ async def reward_model_score(
     timeout: float = 25.0,
     api_key: str | None = None,
     score_bins: list[float] | None = None,
-) -> float:
+    refused_score: float | None = None,
+) -> float | dict[str, Any]:
     """The reward model's score (head `head`, or the expected score over `score_bins`) of one
-    sample; see the module docstring."""
+    sample; a sample it refuses scores `worst_score` (with `refused` in its info); see the module
+    docstring."""
+    try:
+        return await _score(sample, model_dir, url, head, max_batch, device, eos_token_id, timeout, api_key, score_bins)
+    except Refused as err:
+        key = ("url", url.rstrip("/"), max_batch, timeout, api_key) if url else (model_dir, device, max_batch)
+        batcher = _BATCHERS.get(key)
+        lowest = None if batcher is None else batcher.lowest
+        seen = float(lowest[head]) if lowest is not None and 0 <= head < len(lowest) else None
+        return {"reward": worst_score(refused_score, score_bins, seen, str(err)), "refused": str(err)[:300]}
+
+
+def worst_score(
+    refused_score: float | None, score_bins: list[float] | None, lowest_seen: float | None, why: str
+) -> float:
+    """The domain's worst outcome for a sample the model refuses: `refused_score` if set, else the
+    lowest score bin, else the lowest score the model gave so far; with none of them the sample is a
+    reward error (`RewardModelError`), as before any score exists nothing says what "worst" is."""
+    if refused_score is not None:
+        return float(refused_score)
+    if score_bins:
+        return float(min(score_bins))
+    if lowest_seen is not None:
+        return lowest_seen
+    raise RewardModelError(f"{why} (and no refused_score is set, nor any score seen yet to stand for the worst)"[:400])
+
+
+async def _score(
+    sample: RewardInput,
+    model_dir: str | None,
+    url: str | None,
+    head: int,
+    max_batch: int,
+    device: str,
+    eos_token_id: int | None,
+    timeout: float,
+    api_key: str | None,
+    score_bins: list[float] | None,
+) -> float:
     if (model_dir is None) == (url is None):
         raise RewardModelError("give the reward model's `model_dir` or the `url` it is served at (one of them)")
     if url is not None:
@@ -284,7 +331,7 @@ async def reward_model_score(
     ids = reward_ids(sample, eos_token_id if eos_token_id is not None else config.eos_token_id)
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
-        raise RewardModelError(
+        raise Refused(
             f"token id {bad[0]} is outside the reward model's vocabulary of {config.vocab_size}: "
             "it was trained with another tokenizer than the policy's"
         )

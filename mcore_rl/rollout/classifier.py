@@ -7,9 +7,14 @@ classify_request`, the arguments and replies of `/encode`, an `EmbeddingReqInput
     POST /classify (also PUT)   {"input_ids": [[ids], ...]} or {"text": [...]} (one row: a flat list / a string)
                                 -> [{"embedding": [score per label], "meta_info": {...}}, ...] (one row: the object)
     GET  /health, /health_generate, /model_info, /get_model_info ("is_generation": false), /server_info
+    POST /tokenize, /detokenize                 SGLang's tokenizer routes (served for every model)
 
 A row's scores are the classifier's logits at its last token (HF's pooling), as the in-trainer head
-(`rewards/reward_model.py`) computes them. A request is one right-padded forward; requests run one
+(`rewards/reward_model.py`) computes them (`hf/classifier.py`). The tokenizer is the model
+directory's (or `--tokenizer-path`), else the bundled byte tokenizer when the vocabulary fits, as
+`mcore-rl serve` loads a policy's; the tokenizer routes let the trainer check, before training,
+that the served model reads the policy's tokens (`check_served_reward_model`, as engine teachers
+are checked). A request is one right-padded forward; requests run one
 at a time on the model's thread. A bad request (an id outside the vocabulary, an empty row, text
 without a tokenizer) gets SGLang's 400 and the server serves on. The generation routes are not
 served by a reward model (404), as in SGLang.
@@ -29,6 +34,8 @@ import torch
 from aiohttp import web
 
 import mcore_rl
+from mcore_rl.hf.classifier import last_token_scores
+from mcore_rl.rollout import openai_api
 from mcore_rl.rollout.launch_flags import ServerArgs
 from mcore_rl.rollout.protocol import RequestError, check_fields, show
 from mcore_rl.rollout.server import _body, _errors, _json, auth_middleware
@@ -74,6 +81,10 @@ class ClassifierServer:
                 get("/server_info", self.server_info),
                 post("/classify", self.classify),
                 web.put("/classify", self.classify),
+                post("/tokenize", self.tokenize),
+                post("/v1/tokenize", self.tokenize),
+                post("/detokenize", self.detokenize),
+                post("/v1/detokenize", self.detokenize),
             ]
         )
 
@@ -106,6 +117,21 @@ class ClassifierServer:
                 "engine": "mcore-rl embedded (reward model)",
             }
         )
+
+    # ---- tokenizer -----------------------------------------------------------------------------
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise RequestError("this reward model has no tokenizer here (pass --tokenizer-path); send input_ids")
+        return self.tokenizer
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        return _json(openai_api.tokenize(body, tokenizer=self._tokenizer(), context_length=self.context_length))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        return _json(openai_api.detokenize(body, tokenizer=self._tokenizer(), vocab_size=self.vocab_size))
 
     # ---- scoring -------------------------------------------------------------------------------
 
@@ -160,19 +186,11 @@ class ClassifierServer:
         texts = [text] if single else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError(f"text: expected a string or a list of strings, got {show(text)}")
-        return [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts], single
+        return [list(self.tokenizer.encode(t)) for t in texts], single
 
-    @torch.no_grad()
     def forward(self, rows: list[list[int]]) -> torch.Tensor:
-        """[rows, num_labels] scores, each at its row's last token (right padding, HF's pooling)."""
-        width = max(len(r) for r in rows)
-        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        logits = self.model(tokens.to(self.device), attention_mask=mask.to(self.device)).logits
-        return logits.float().cpu()
+        """[rows, num_labels] scores, each at its row's last token (`hf/classifier.py`, as the trainer's head)."""
+        return last_token_scores(self.model, rows, self.pad_id, self.device)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking forwards (one in flight finishes on its thread)."""
@@ -198,10 +216,50 @@ def build_classifier_server(args: ServerArgs) -> ClassifierServer:
         raise ValueError(f"{path}/config.json: pad_token_id is not set; the classifier pools at it")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True).to(device).eval()
-    tokenizer = None
-    tok_path = args.tokenizer_path or path
-    if os.path.isfile(os.path.join(tok_path, "tokenizer_config.json")):
-        from transformers import AutoTokenizer  # lazy: as above
+    from mcore_rl.rollout.engine.core import load_path_tokenizer  # lazy: the engine's modules
 
-        tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
+    try:
+        tokenizer = load_path_tokenizer(args.tokenizer_path or path, int(config.vocab_size))[0]
+    except ValueError as err:  # no tokenizer files and too small a vocabulary for the bundled one
+        logger.warning("reward model %s: no tokenizer (%s); /tokenize and text rows are refused", path, err)
+        tokenizer = None
     return ClassifierServer(model, tokenizer, args, device)
+
+
+class RewardServerError(ValueError):
+    """A served reward model the run cannot use; the message names it and what differs."""
+
+
+def check_served_reward_model(url: str, tokenizer: Any, who: str, api_key: str | None = None) -> None:
+    """Before training: the reward model at `url` answers, is a reward model (`is_generation`
+    false), tokenizes like the policy (`teacher.py: check_tokenizer`: SGLang's `/tokenize` and
+    `/detokenize`, as engine teachers are checked) and scores a row holding the policy's last id on
+    `/classify`; else `RewardServerError` naming `who` (the config key) and the server. A model with
+    another tokenizer would score other text than the policy wrote; one with a smaller vocabulary
+    would refuse the policy's ids."""
+    from mcore_rl.rollout.client import EngineClient, EngineError  # lazy: aiohttp
+    from mcore_rl.rollout.teacher import check_tokenizer
+
+    async def probe() -> str | None:
+        client = EngineClient(url, timeout=30.0, retries=1, api_key=api_key)
+        try:
+            info = await client.get_model_info()
+            if info.get("is_generation") is not False:
+                return "/model_info says it is a generation model, not a reward model (serve it with --is-embedding)"
+            problem = await check_tokenizer(client, tokenizer)
+            if problem is not None:
+                return f"it does not share the policy's tokenizer (data.tokenizer_path): {problem}"
+            last = int(tokenizer.vocab_size) - 1
+            reply = await client.classify(input_ids=[[last]])
+            if not isinstance(reply, list) or not reply or "embedding" not in reply[0]:
+                return f"/classify gave no scores for the policy's last id {last}: {str(reply)[:120]}"
+            return None
+        finally:
+            await client.close()
+
+    try:
+        problem = asyncio.run(probe())
+    except EngineError as err:
+        problem = f"{type(err).__name__}: {err}"
+    if problem is not None:
+        raise RewardServerError(f"{who}: the reward model at {url}: {problem}"[:600])

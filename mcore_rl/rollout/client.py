@@ -219,6 +219,10 @@ class EngineClient:
         """POST /detokenize (SGLang's `DetokenizeRequest`: `tokens`, `skip_special_tokens`)."""
         return await self._call("POST", "/detokenize", fields, retry=True)
 
+    async def classify(self, **fields: Any) -> Any:
+        """POST /classify (SGLang's reward-model route, `EmbeddingReqInput`: `input_ids` or `text`)."""
+        return await self._call("POST", "/classify", fields, retry=True)
+
     async def get_weight_version(self) -> str:
         return (await self._call("GET", "/get_weight_version", None, retry=True))["weight_version"]
 

@@ -62,6 +62,7 @@ from mcore_rl.train.teachers import token_topk
 from mcore_rl.train.hf_provenance import read_provenance
 from mcore_rl.train.warm_start import load_initial_weights, sft_warm_start
 from mcore_rl.train.teachers import build_teachers
+from mcore_rl.rollout.classifier import RewardServerError, check_served_reward_model
 from mcore_rl.rollout.judges import JudgeEngines
 from mcore_rl.rollout.teacher import TeacherError
 
@@ -134,6 +135,7 @@ class RLRun:
 
         cfg = self.cfg
         engine_teachers = self._connect_teachers()  # an unreachable or mismatched teacher fails here, first
+        self._check_reward_servers()  # so does a served reward model with another tokenizer
         resume = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir) if cfg.checkpoint.load_dir else None
         if cfg.checkpoint.load_dir and resume is None:
             raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
@@ -201,6 +203,29 @@ class RLRun:
             raise TeacherError(error)
         self._engine_teachers = made
         return made
+
+    def _check_reward_servers(self) -> None:
+        """Rank 0 probes every reward model a domain scores over `url` (`reward_model`, `prm`) and
+        every rank raises if one is unreachable or does not read the policy's tokens
+        (`rollout/classifier.py: check_served_reward_model`), before any sample is scored."""
+        served = [
+            (f"data.domains[{i}].rewards[{j}].options.url", h.options["url"], h.options.get("api_key"))
+            for i, d in enumerate(self.cfg.data.domains)
+            for j, h in enumerate(d.rewards)
+            if h.name in ("reward_model", "prm") and isinstance(h.options.get("url"), str)
+        ]
+        if not served:
+            return
+        error = None
+        if self.rank0:
+            try:
+                for who, url, api_key in served:
+                    check_served_reward_model(url, self.tokenizer, who, api_key)
+            except RewardServerError as err:
+                error = str(err)
+        error = broadcast(error)
+        if error is not None:
+            raise RewardServerError(error)
 
     def _build_reference(self, resume: str | None) -> None:
         """π_ref for the KL term: a frozen copy of the starting weights (saved with the checkpoints)."""

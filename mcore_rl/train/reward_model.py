@@ -28,7 +28,13 @@ import torch.distributed as dist
 
 from mcore_rl.algos.beta_prm import beta_head, beta_prm_loss
 from mcore_rl.algos.z_reward import risd_loss
-from mcore_rl.algos.reward_model import binary_correct, bradley_terry_loss, pair_correct, pointwise_binary_loss
+from mcore_rl.algos.reward_model import (
+    binary_correct,
+    bradley_terry_loss,
+    pair_correct,
+    pointwise_binary_loss,
+    rrm_keep,
+)
 from mcore_rl.config import config_to_dict, save_config
 from mcore_rl.config.rm_schema import RMConfig
 from mcore_rl.config.rm_validate import validate_rm_config
@@ -39,11 +45,13 @@ from mcore_rl.data.preferences import (
     pair_rows,
     read_preference_file,
     rrm_augment,
+    sequence_ids,
     task_pairs,
 )
 from mcore_rl.data.process_rewards import ProcessExample, process_rows, read_process_file
 from mcore_rl.data.sft import SFTBatches
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.hf.classifier import last_token_scores, load_classifier
 from mcore_rl.observe import ttfs
 from mcore_rl.observe.run import RunObserver
 from mcore_rl.parallel.preemption import preempted, stop_requested
@@ -99,7 +107,7 @@ def build_rows(cfg: RMConfig, tokenizer: Tokenizer, dp: int) -> tuple[Batch, Bat
     if d.path is None:
         train = task_pairs(d.synthetic_task, d.synthetic_num_examples, t.seed, d.synthetic_max_digits, d.artifact)
         if d.rrm:
-            train = rrm_augment(train, t.seed)
+            train = _rrm(cfg, train, tokenizer)
         held = task_pairs(
             d.synthetic_task,
             n_eval,
@@ -120,8 +128,55 @@ def build_rows(cfg: RMConfig, tokenizer: Tokenizer, dp: int) -> tuple[Batch, Bat
     held_out = examples[n - n_eval :]
     kept = examples[: n - n_eval]
     if d.rrm:
-        kept = rrm_augment(cast(list[PreferencePair], kept), t.seed)
+        kept = _rrm(cfg, cast(list[PreferencePair], kept), tokenizer)
     return _rows(cfg, kept, tokenizer), (_rows(cfg, held_out, tokenizer) if n_eval else None)
+
+
+def _rrm(cfg: RMConfig, pairs: list[PreferencePair], tokenizer: Tokenizer) -> list[PreferencePair]:
+    """RRM's augmentation of the training pairs, filtered by `data.rrm_base_model` when set."""
+    d = cfg.data
+    augmented = rrm_augment(pairs, cfg.train.seed)
+    new = augmented[len(pairs) :]
+    if d.rrm_base_model is None:
+        _log0(f"RRM: {len(new)} augmented pairs added to {len(pairs)} (unfiltered)")
+        return augmented
+    kept = rrm_filter(new, d.rrm_base_model, d.rrm_threshold, cfg.train.seq_length, tokenizer)
+    _log0(
+        f"RRM: {len(kept)} of {len(new)} augmented pairs kept (the base model {d.rrm_base_model} errs on them "
+        f"by >= {d.rrm_threshold}), added to {len(pairs)}"
+    )
+    return list(pairs) + kept
+
+
+RRM_BATCH = 64  # rows per forward of RRM's base model
+
+
+def rrm_filter(
+    pairs: list[PreferencePair], base_model_dir: str, threshold: float, seq_length: int, tokenizer: Tokenizer
+) -> list[PreferencePair]:
+    """The augmented pairs a base reward model gets wrong by >= `threshold` ("RRM: Robust Reward
+    Model Training Mitigates Reward Hacking", arXiv:2409.13156; `algos/reward_model.py: rrm_keep`):
+    the exported HF classifier scores each pair's two sequences (`[bos] prompt response [eos]`, cut at
+    `seq_length` as training cuts them) on its head `pair.head`. Every rank scores them on the CPU,
+    deterministically, so every rank keeps the same pairs."""
+    if not pairs:
+        return []
+    model = load_classifier(base_model_dir, "cpu")
+    labels = int(model.config.num_labels)
+    heads = torch.tensor([p.head for p in pairs])
+    if int(heads.max()) >= labels:
+        raise ValueError(
+            f"data.rrm_base_model: {base_model_dir} has {labels} heads; a pair trains head {int(heads.max())}"
+        )
+    pad = int(model.config.pad_token_id)
+    scores = []
+    for side in ("chosen", "rejected"):
+        rows = [sequence_ids(p.prompt, getattr(p, side), tokenizer)[:seq_length] for p in pairs]
+        out = [last_token_scores(model, rows[i : i + RRM_BATCH], pad) for i in range(0, len(rows), RRM_BATCH)]
+        scores.append(torch.cat(out).gather(1, heads[:, None])[:, 0])
+    target = torch.tensor([0.5 if p.tie else 1.0 for p in pairs])
+    keep = rrm_keep(scores[0], scores[1], target, threshold)
+    return [p for p, k in zip(pairs, keep.tolist()) if k]
 
 
 def model_batch(mb: Batch) -> Batch:

@@ -368,7 +368,7 @@ class EngineCore:
         if tokenizer_path is not None:
             tokenizer, engine_tokenizer_path = load_tokenizer(tokenizer_path), tokenizer_path
         else:
-            tokenizer, engine_tokenizer_path = _load_path_tokenizer(path, config.vocab_size)
+            tokenizer, engine_tokenizer_path = load_path_tokenizer(path, config.vocab_size)
         engine = cls(model, tokenizer, model_path=path, **kw)
         engine.tokenizer_path = engine_tokenizer_path
         engine.hf_model_type, engine.hf_architectures = _source_model_type(path)
@@ -1333,7 +1333,7 @@ def load_draft_model(path: str) -> nn.Module:
     return model
 
 
-def _load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:
+def load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:
     """(tokenizer, its path): the checkpoint's tokenizer if it has one; else the bundled byte
     tokenizer (if the vocabulary fits) and None."""
     if os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
