@@ -277,6 +277,9 @@ class RolloutConfig(Sectioned):
     speculative_algorithm: Literal["none", "ngram", "standalone", "nextn"] = "none"
     speculative_num_steps: int = 4  # tokens drafted per verification
     speculative_draft_model_path: str | None = None  # standalone: HF directory, the policy's tokenizer; fixed weights
+    # how many drafts a pass verifies: all (fixed) or DSpark's per-request lengths from the drafts'
+    # confidence and the measured pass time at the batch size (rollout/engine/spec_schedule.py)
+    speculative_schedule: Literal["fixed", "dspark"] = "fixed"
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
     # (the recipes' sections under rollout are registered by the recipes: config/sections.py)

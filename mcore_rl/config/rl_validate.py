@@ -192,6 +192,11 @@ def check_speculative(r: RolloutConfig, errors: Errors) -> None:
     their own `--speculative-*` flags."""
     if r.speculative_algorithm == "none":
         errors.need(
+            r.speculative_schedule == "fixed",
+            "rollout.speculative_schedule",
+            "is dspark but rollout.speculative_algorithm is none (nothing to schedule)",
+        )
+        errors.need(
             r.speculative_draft_model_path is None,
             "rollout.speculative_draft_model_path",
             "is set but rollout.speculative_algorithm is none (set it to standalone)",
