@@ -113,7 +113,7 @@ from .sampling import (
     sample_with_support,
     support_of,
 )
-from .spec_schedule import Calibration, StepCost, prefix_survival, schedule_lengths
+from .spec_schedule import EXPLORE_AFTER, AcceptanceRate, StepCost, prefix_survival, schedule_lengths
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
@@ -214,7 +214,10 @@ class _Live:
     out_mask_lp: list[float] = field(default_factory=list)  # ... and the processed log-prob
     draft_budget: int = 0  # speculative decoding: tokens it may draft this step (its pages are reserved)
     drafts_reached: int = 0  # ... drafts verified with every earlier draft of their pass accepted
-    drafts_accepted: int = 0  # ... of those, accepted (a point-mass draft's confidence: `_confidences`)
+    drafts_accepted: int = 0  # ... of those, accepted (its confidence under DSpark's schedule: `_schedule`)
+    steps_unverified: int = (
+        0  # ... steps since its drafts were last verified (the schedule explores after EXPLORE_AFTER)
+    )
 
     @property
     def sp(self) -> SamplingParams:
@@ -331,10 +334,10 @@ class EngineCore:
         # drafted, drafts accepted, tokens emitted by those passes (accepted + the residual's or bonus)
         self.spec_stats = {"verify_passes": 0, "rows_verified": 0, "drafted": 0, "accepted": 0, "emitted": 0}
         # DSpark's schedule (`speculative.schedule: dspark`): the target's pass times, SPS(B) fitted to
-        # them (`schedule_sps` overrides the fit: a profiled table, or a test's), the confidences' scale
+        # them (`schedule_sps` overrides the fit: a profiled table, or a test's), the engine's acceptance
         self.spec_cost = StepCost()
         self.schedule_sps: Callable[[int], float] | None = None
-        self.spec_calibration = {greedy: Calibration() for greedy in (False, True)}  # by the row's kind
+        self.spec_acceptance = AcceptanceRate()
         self.spec_stats["cut"] = 0  # drafts the schedule did not verify
         if speculative is not None:
             self.drafter = self._build_drafter(speculative, draft_model)
@@ -608,14 +611,14 @@ class EngineCore:
         self._routing_pass(batch)
         began = time.perf_counter()
         logits = self.runner.decode([live.output_ids[-1] for live in batch], [live.length for live in batch])
-        if self._scheduled:
-            self.spec_cost.observe(len(batch), time.perf_counter() - began)
         for j, live in enumerate(batch):
             self._keep_routing(live, live.length, j, 1)
             live.length += 1
         if self._controls is None:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
         self._emit(list(range(len(batch))), logits, self._controls, outs)
+        if self._scheduled:  # the pass and its sampling: what one more position costs
+            self.spec_cost.observe(len(batch), time.perf_counter() - began)
 
     def _plan_drafts(self) -> None:
         """How many tokens each running request may draft this step: `num_steps`, less what would
@@ -640,9 +643,8 @@ class EngineCore:
         )
         for live in batch:
             live.draft_budget = 0
-        confidence: list[list[float]] = [[] for _ in batch]
         if self._scheduled:
-            drafts, confidence = self._schedule(batch, drafts)
+            drafts = self._schedule(batch, drafts)
         if not any(d.tokens for d in drafts):
             self._decode(outs)
             return
@@ -650,8 +652,6 @@ class EngineCore:
         self._routing_pass(batch)
         began = time.perf_counter()
         logits = self.runner.extend([[live.output_ids[-1], *d.tokens] for live, d in zip(batch, drafts)], base)
-        if self._scheduled:
-            self.spec_cost.observe(sum(1 + len(d.tokens) for d in drafts), time.perf_counter() - began)
         self.spec_stats["verify_passes"] += 1
         self.spec_stats["rows_verified"] += len(batch)
         self.spec_stats["drafted"] += sum(len(d.tokens) for d in drafts)
@@ -672,15 +672,16 @@ class EngineCore:
             settle = self._settler(lives, [drafts[i] for i in active], t, proposed, verdict)
             done = self._emit(active, logits[active, t], ctl, step_outs, pick=settle, remove=False)
             finished += done
-            for i, live, x, ok in zip(active, lives, proposed, verdict):
+            for live, x, ok in zip(lives, proposed, verdict):
                 if x != NO_DRAFT:
                     live.drafts_reached += 1
                     live.drafts_accepted += int(ok)
-                    if drafts[i].probs is not None and self._scheduled:
-                        self.spec_calibration[live.sp.is_greedy].observe(confidence[i][t], ok)
+                    self.spec_acceptance.observe(ok)
             self.spec_stats["emitted"] += len(active)
             self.spec_stats["accepted"] += sum(verdict)
             active = [i for i, ok in zip(active, verdict) if ok and i not in done]
+        if self._scheduled:  # the verification pass and the settling of its positions
+            self.spec_cost.observe(sum(1 + len(d.tokens) for d in drafts), time.perf_counter() - began)
         last: dict[str, RequestOutput] = {}
         for out in step_outs:  # one output per request and step, the latest (as plain decoding streams)
             last[out.rid] = out
@@ -691,34 +692,31 @@ class EngineCore:
     def _scheduled(self) -> bool:
         return self.speculative is not None and self.speculative.schedule == "dspark"
 
-    def _schedule(self, batch: list[_Live], drafts: list[Draft]) -> tuple[list[Draft], list[list[float]]]:
+    def _schedule(self, batch: list[_Live], drafts: list[Draft]) -> list[Draft]:
         """DSpark's verify lengths (`spec_schedule.py`): each request's drafts cut to the prefix that
-        maximises the expected tokens per second at this batch; also the raw confidences. Unchanged
-        until SPS(B) is known. A confidence reads the draft distribution before its token is drawn
-        (its largest probability) or, for point-mass drafts, the request's acceptance so far: never
-        the drafted token, so the cut keeps the sampling exact."""
-        raw: list[list[float]] = []
-        for live, d in zip(batch, drafts):
-            if d.probs is not None:
-                q = d.probs.double()
-                raw.append((q.amax(-1) / q.sum(-1)).tolist())
-            else:  # prompt lookup: the request's own acceptance, Beta(1, 1) prior
-                rate = (live.drafts_accepted + 1) / (live.drafts_reached + 2)
-                raw.append([rate] * len(d.tokens))
+        maximises the expected tokens per second at this batch. Unchanged until SPS(B) is known. The
+        confidence of a request's drafts is its own acceptance so far, shrunk to the engine's: it reads
+        the past only, never the drafted tokens, so the cut keeps the sampling exact. A request cut to
+        nothing for `EXPLORE_AFTER` steps verifies its first draft (its confidence would never move)."""
         sps = self.schedule_sps or self.spec_cost.sps()
-        calibrations = [self.spec_calibration[live.sp.is_greedy] for live in batch]
-        if sps is None or any(d.probs is not None and not cal.ready for d, cal in zip(drafts, calibrations)):
-            return drafts, raw
+        if sps is None:
+            return drafts
         survival = [
-            prefix_survival([c * cal.factor if d.probs is not None else c for c in row])
-            for row, d, cal in zip(raw, drafts, calibrations)
+            prefix_survival([self.spec_acceptance.of(live.drafts_accepted, live.drafts_reached)] * len(d.tokens))
+            for live, d in zip(batch, drafts)
         ]
         lengths = schedule_lengths(survival, sps)
         cut: list[Draft] = []
-        for d, n in zip(drafts, lengths):
+        for live, d, n in zip(batch, drafts, lengths):
+            if d.tokens and not n:  # its confidence learns only from verified drafts: one now and then
+                live.steps_unverified += 1
+                if live.steps_unverified >= EXPLORE_AFTER:
+                    n = 1
+            if n:
+                live.steps_unverified = 0
             self.spec_stats["cut"] += len(d.tokens) - n
             cut.append(Draft(d.tokens[:n], d.probs[:n] if d.probs is not None and n else None))
-        return cut, raw
+        return cut
 
     def _settler(
         self, lives: list[_Live], drafts: list[Draft], t: int, proposed: list[int], accepted: list[bool]

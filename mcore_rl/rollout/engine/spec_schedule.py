@@ -18,11 +18,12 @@ request's drafts.
 Exactness: cutting a draft to its first l_r tokens keeps the speculative sampling exact as long as
 the cut does not look at the tokens it keeps or drops: a confidence c_{r,i} may read the context
 and the drafts before i, never draft i itself (choosing to verify x_i because q(x_i) is large would
-bias which x_i get verified). Here c_{r,i} is the draft distribution's largest probability at i
-(read before x_i is drawn; a point-mass draft, prompt lookup, has none and uses the request's own
-acceptance so far), scaled by a calibration factor kept from the acceptance observed so far (one for greedy rows, whose
-drafts are accepted when two argmaxes agree, one for sampled rows), fitted on the first verified
-drafts — a running stand-in for the paper's sequential temperature scaling on a validation set. SPS(B) is a
+bias which x_i get verified; tests/test_spec_schedule.py catches such a cut). There is no trained
+confidence head here: c_{r,i} is the request's own acceptance so far, shrunk towards the engine's
+(`AcceptanceRate`) — the same for every i, calibrated by construction, reading the past only. (The
+draft distribution's largest probability, read before x_i is drawn, would also be exact, but it
+measures the acceptance Σ min(p, q) poorly: a layer-skip draft of a flat model, accepted 93% of the
+time, had largest probabilities near 0.05.) SPS(B) is a
 least-squares line t(B) = t0 + t1 B through the target's measured pass times (the paper profiles a
 table per deployment); until two batch sizes were seen the schedule is the fixed k.
 
@@ -36,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 SPECULATIVE_SCHEDULES = ("fixed", "dspark")
+EXPLORE_AFTER = 8  # steps a request's drafts may go unverified before its first one is verified anyway
 
 
 def prefix_survival(confidences: Sequence[float]) -> list[float]:
@@ -107,28 +109,20 @@ class StepCost:
         return lambda positions: 1.0 / (t0 + t1 * positions)
 
 
-class Calibration:
-    """One factor that turns raw confidences into predicted acceptances: observed accepts over the sum
-    of the raw confidences of the drafts that were verified, with a prior of `prior` pseudo-drafts at
-    factor 1 (a stand-in for DSpark's temperature scaling, fitted online). Not `ready` before `warmup`
-    verified drafts: until then every draft is verified (the calibration set), else a raw confidence
-    far below the acceptance would cut every draft and never learn otherwise."""
+class AcceptanceRate:
+    """The predicted acceptance of a request's next draft: its own accepted / reached drafts, shrunk
+    towards the engine's rate with `weight` pseudo-drafts (a fresh request starts at the engine's
+    rate, which starts at 1/2). Reached: verified with every earlier draft of its pass accepted."""
 
-    def __init__(self, prior: float = 8.0, warmup: int = 32) -> None:
-        self.accepted = prior
-        self.predicted = prior
-        self.seen = 0
-        self.warmup = warmup
+    def __init__(self, weight: float = 4.0) -> None:
+        self.accepted = 0
+        self.reached = 0
+        self.weight = weight
 
-    def observe(self, confidence: float, accepted: bool) -> None:
-        self.predicted += confidence
-        self.accepted += float(accepted)
-        self.seen += 1
+    def observe(self, accepted: bool) -> None:
+        self.reached += 1
+        self.accepted += int(accepted)
 
-    @property
-    def ready(self) -> bool:
-        return self.seen >= self.warmup
-
-    @property
-    def factor(self) -> float:
-        return self.accepted / max(self.predicted, 1e-9)
+    def of(self, accepted: int, reached: int) -> float:
+        engine = (self.accepted + 1) / (self.reached + 2)
+        return (accepted + self.weight * engine) / (reached + self.weight)
