@@ -409,10 +409,10 @@ class EngineCore:
     def _build_drafter(self, spec: SpeculativeSettings, draft_model: nn.Module | None) -> Drafter:
         """The drafter of `spec`, refusing what the engine cannot verify (checked before any request)."""
         spec.check()
-        if self.runner.latent_cache or self.runner.ngram_context is not None:
+        if self.runner.ngram_context is not None:
             raise ValueError(
                 f"speculative_algorithm: {spec.algorithm} needs the multi-token verification pass, which does "
-                "not cover this model's latent KV cache (multi-head latent attention) or n-gram embeddings"
+                "not cover this model's n-gram embeddings"
             )
         if spec.algorithm == "NGRAM":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
