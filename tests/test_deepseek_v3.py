@@ -283,6 +283,54 @@ def test_speculative_decoding_of_deepseek_v3(kind: str) -> None:
     assert engine.spec_stats["verify_passes"] > 0
 
 
+def test_deepseek_mtp_layers_draft_as_nextn_heads(tmp_path) -> None:
+    """A checkpoint with DeepSeek's MTP layer under `model.layers.{num_hidden_layers}.*` (and its copies of
+    the embedding and the head) served with NEXTN: the layer becomes the drafting heads by name, and
+    the engine drafts exactly as one built with those heads in memory (seeded sampled tokens and
+    drafting counts equal; greedy tokens plain decoding's). Without NEXTN the layer is not served."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
+    from tests.helpers import PROMPTS, make_engine, req, run
+
+    torch.manual_seed(0)
+    config = hf_config_from_model_config(DSV3.replace(vocab_size=384, mtp_num_layers_carried=1))
+    config.save_pretrained(str(tmp_path))  # num_nextn_predict_layers 1, no heads of ours
+    config.mtp_num_layers = 1
+    model = McoreRLForCausalLM(config)
+    _randomize(model)
+    for name, buf in model.named_buffers():  # the router's bias is a buffer the engine does not load
+        if name.endswith("e_score_correction_bias"):
+            buf.zero_()
+    n = config.num_hidden_layers
+    tensors = {}
+    for name, t in model.named_parameters():  # the weights the engine takes
+        if name.startswith("mtp.layers.0."):
+            name = f"model.layers.{n}." + name.removeprefix("mtp.layers.0.")
+        tensors[name] = t.detach().contiguous()
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    spec = SpeculativeSettings("NEXTN", num_steps=3)
+    reqs = [
+        req(f"s{i}", p * 3, temperature=1.0, max_new_tokens=10, ignore_eos=True, sampling_seed=i)
+        for i, p in enumerate(PROMPTS)
+    ] + [req("g", PROMPTS[3], temperature=0.0, max_new_tokens=10, ignore_eos=True)]
+    loaded = EngineCore.from_model_path(str(tmp_path), max_total_tokens=4096, speculative=spec)
+    built = make_engine(copy.deepcopy(model), max_total_tokens=4096, speculative=spec)
+    got, want = run(loaded, reqs), run(built, reqs)
+    assert {r: o.output_ids for r, o in got.items()} == {r: o.output_ids for r, o in want.items()}
+    assert loaded.spec_stats == built.spec_stats and loaded.spec_stats["drafted"] > 0
+    plain = EngineCore.from_model_path(str(tmp_path), max_total_tokens=4096)  # the MTP layer skipped
+    assert not any(name.startswith("mtp.") for name in plain.weight_names())
+    assert run(plain, reqs[-1:])["g"].output_ids == got["g"].output_ids
+
+
 def test_layer_patterns_of_configs_and_flops() -> None:
     from mcore_rl.hf.configuration import hf_config_from_model_config, moe_layer_pattern_of, to_stock_hf_config
     from mcore_rl.models.flops import forward_flops_per_token

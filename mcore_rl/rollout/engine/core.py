@@ -117,6 +117,7 @@ from .spec_schedule import EXPLORE_AFTER, AcceptanceRate, StepCost, prefix_survi
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
+from mcore_rl.hf.mtp import heads_name_of_deepseek
 from mcore_rl.hf.rope import rope_key_in_file
 
 _DTYPES = {
@@ -373,6 +374,9 @@ class EngineCore:
             engine.tokenizer_path = tokenizer_path
             return engine
         config = _load_config(path)
+        carried = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        if spec is not None and spec.algorithm == "NEXTN" and carried and not getattr(config, "mtp_num_layers", 0):
+            config.mtp_num_layers = carried  # DeepSeek's own MTP layers draft: built as heads, loaded by name
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = McoreRLForCausalLM(config)
@@ -397,9 +401,16 @@ class EngineCore:
         if not files:
             raise FileNotFoundError(f"model_path: no *.safetensors files in {path}")
         loaded: list[str] = []
+        layers, depths = self.config.num_hidden_layers, int(getattr(self.config, "mtp_num_layers", 0) or 0)
+        carried = int(getattr(self.config, "num_nextn_predict_layers", 0) or 0)
         for f in files:
             with safe_open(f, framework="pt") as sf:
-                loaded += self.load_weights((n, sf.get_tensor(n)) for n in sf.keys())
+                named = []
+                for n in sf.keys():  # DeepSeek's MTP layers: the heads where built (NEXTN), else not served
+                    ours = heads_name_of_deepseek(n, layers, carried) if carried else n
+                    if ours == n or (ours is not None and depths):
+                        named.append((ours, n))
+                loaded += self.load_weights((ours, sf.get_tensor(n)) for ours, n in named)
         if strict:
             missing = sorted(n for n in set(self.weight_names()) - set(loaded) if not n.endswith(SCALE_SUFFIX))
             if missing:
