@@ -50,17 +50,43 @@ def _layer_skip(model, layers: int):
     return draft
 
 
+def _qwen3_checkpoint(path: str, layers: int = 4) -> None:
+    """A random stock Qwen3 checkpoint, bf16, without a tokenizer (requests send token ids)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
 def embedded_on_cuda(ctx) -> str:
     """Row 1: exactness of the speculative engine on CUDA, and a first look at its speed."""
+    import torch
+
+    from mcore_rl.config.schema import ModelConfig
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
     from mcore_rl.rollout.engine.core import EngineCore, Request
     from mcore_rl.rollout.engine.sampling import SamplingParams
     from mcore_rl.rollout.engine.speculative import SpeculativeSettings
 
-    path = os.path.join(ctx.workdir, "tiny_qwen3")
-    if not os.path.isdir(path):
-        gc._tiny_checkpoint(path)
-    base = EngineCore.from_model_path(path, dtype="bfloat16", device="cuda", max_total_tokens=1 << 15)
-    model, tok = base.model, base.tokenizer
+    torch.manual_seed(0)
+    model = McoreRLForCausalLM(
+        hf_config_from_model_config(ModelConfig(num_layers=8, hidden_size=512, ffn_hidden_size=1536))
+    )
+    tok = load_tokenizer(None)
     prompt = list(range(5, 37)) * 2  # repeats: prompt lookup finds something
 
     def run(batch: int, spec, temperature: float) -> tuple[dict[str, list[int]], float, dict]:
@@ -70,6 +96,7 @@ def embedded_on_cuda(ctx) -> str:
             dtype="bfloat16",
             device="cuda",
             max_running_requests=batch,
+            context_length=256,
             max_total_tokens=batch * 256,
             speculative=spec,
             draft_model=_layer_skip(model, 1) if spec is not None and spec.algorithm == "STANDALONE" else None,
@@ -110,20 +137,9 @@ def sglang_with_our_flags(ctx) -> str:
     from mcore_rl.config.speculative import sglang_speculative_flags
 
     path = os.path.join(ctx.workdir, "tiny_qwen3")
-    if not os.path.isdir(path):
-        gc._tiny_checkpoint(path)
     draft_path = os.path.join(ctx.workdir, "tiny_qwen3_draft")
-    if not os.path.isdir(draft_path):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path)
-        model.model.layers = model.model.layers[:1]
-        model.config.num_hidden_layers = 1
-        model.save_pretrained(draft_path)
-        for name in os.listdir(path):  # the draft shares the checkpoint's tokenizer
-            if name.startswith("tokenizer"):
-                with open(os.path.join(path, name), "rb") as src, open(os.path.join(draft_path, name), "wb") as dst:
-                    dst.write(src.read())
+    _qwen3_checkpoint(path)
+    _qwen3_checkpoint(draft_path, layers=1)  # a random 1-layer draft of the same vocabulary: the check is the tokens
     rollout = SimpleNamespace(
         speculative_algorithm="standalone",
         speculative_num_steps=3,
@@ -138,7 +154,7 @@ def sglang_with_our_flags(ctx) -> str:
         port = gc._free_port()
         proc = subprocess.Popen(
             [PY, "-m", "sglang.launch_server", "--model-path", path, "--port", str(port), "--dtype", "bfloat16"]
-            + ["--mem-fraction-static", "0.2", *extra],
+            + ["--mem-fraction-static", "0.2", "--skip-tokenizer-init", *extra],
             cwd=REPO,
             env=gc._env(),
             stdout=subprocess.DEVNULL,
