@@ -11,6 +11,13 @@ the mean tokens per target forward (emitted / verification passes: accepted draf
 residual's or the bonus token), tokens/s of both (median over `--rounds`, and the spread min-max),
 and the ratio of the medians.
 
+`--schedules fixed dspark` runs each speculative row with both schedules (plain, fixed and DSpark's
+confidence schedule in rotating order within each round): `dspark` verifies per request the prefix of
+its drafts that maximises the expected tokens per second at the batch (`rollout/engine/spec_schedule.py`);
+its measured pass times and the engine-wide acceptance (the prior of a fresh request's confidence) are kept across the runs of one draft kind (a
+deployment's profile, as the paper's), primed by the warm-up runs. The row then adds the share of
+drafts the schedule did not verify.
+
 Draft kinds: `ngram` (prompt lookup, 1..3-grams) and `standalone` with the target's first
 `--draft-layers` layers as the draft model (its embeddings, final norm and head; a layer-skip
 draft, the only smaller model of the same tokenizer at hand). Both are exact: the output
@@ -58,7 +65,7 @@ def prompts_for(tokenizer, batch: int) -> list[list[int]]:
     return [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
 
 
-def run_once(model, tokenizer, prompts, args, spec, draft) -> tuple[float, dict[str, int]]:
+def run_once(model, tokenizer, prompts, args, spec, draft, profile=None) -> tuple[float, dict[str, int]]:
     from mcore_rl.rollout.engine.core import EngineCore, Request
     from mcore_rl.rollout.engine.sampling import SamplingParams
 
@@ -72,6 +79,8 @@ def run_once(model, tokenizer, prompts, args, spec, draft) -> tuple[float, dict[
         speculative=spec,
         draft_model=draft,
     )
+    if profile is not None:  # DSpark's schedule: the deployment's pass times and acceptance
+        engine.spec_cost, engine.spec_acceptance = profile
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=i)
@@ -105,8 +114,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedules", nargs="+", default=["fixed"], choices=["fixed", "dspark"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from mcore_rl.rollout.engine.spec_schedule import AcceptanceRate, StepCost
     from mcore_rl.rollout.engine.speculative import SpeculativeSettings
 
     model, tokenizer = load_target(args.model_path, args.seed)
@@ -118,41 +129,51 @@ def main() -> None:
         f"{args.new_tokens} new tokens, temperature {args.temperature}, k={args.num_steps}, {args.rounds} rounds"
     )
     print(
-        "| draft | batch | acceptance | tokens per request and target forward | plain tok/s (min-max) | spec tok/s (min-max) "
-        "| spec / plain |"
+        "| draft | schedule | batch | acceptance | tokens per request and target forward | drafts cut "
+        "| plain tok/s (min-max) | spec tok/s (min-max) | spec / plain |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in args.kinds:
-        spec = SpeculativeSettings(kind.upper(), num_steps=args.num_steps)
         draft = layer_skip_draft(model, args.draft_layers) if kind == "standalone" else None
+        profile = (StepCost(), AcceptanceRate())
+        specs = {
+            sch: SpeculativeSettings(kind.upper(), num_steps=args.num_steps, schedule=sch) for sch in args.schedules
+        }
         for batch in args.batches:
             prompts = prompts_for(tokenizer, batch)
-            run_once(copy.deepcopy(model), tokenizer, prompts[:2], args, spec, copy.deepcopy(draft))  # warm-up
-            rates: dict[str, list[float]] = {"plain": [], "spec": []}
-            stats: dict[str, int] = {}
+            for sch, spec in specs.items():  # warm-up (and DSpark's profile: every batch size seen)
+                run_once(copy.deepcopy(model), tokenizer, prompts, args, spec, copy.deepcopy(draft), profile)
+            sides = ["plain", *specs]
+            rates: dict[str, list[float]] = {side: [] for side in sides}
+            stats: dict[str, dict[str, int]] = {}
             for r in range(args.rounds):
-                for side in ["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]:
-                    on = side == "spec"
+                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                    spec = specs.get(side)
                     dt, got = run_once(
                         copy.deepcopy(model),
                         tokenizer,
                         prompts,
                         args,
-                        spec if on else None,
-                        copy.deepcopy(draft) if on else None,
+                        spec,
+                        copy.deepcopy(draft) if spec is not None else None,
+                        profile if side == "dspark" else None,
                     )
                     rates[side].append(batch * args.new_tokens / dt)
-                    if on:
-                        stats = got
-            accept = stats["accepted"] / max(1, stats["drafted"])
-            per_forward = stats["emitted"] / max(1, stats["rows_verified"])
-            p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
-            print(
-                f"| {kind} | {batch} | {accept:.2f} | {per_forward:.2f} | {_rate(p)} ({_rate(min(rates['plain']))}-"
-                f"{_rate(max(rates['plain']))}) | {_rate(s)} ({_rate(min(rates['spec']))}-{_rate(max(rates['spec']))}) "
-                f"| {s / p:.2f}x |",
-                flush=True,
-            )
+                    if spec is not None:
+                        stats[side] = got
+            p = statistics.median(rates["plain"])
+            for side in specs:
+                st = stats[side]
+                accept = st["accepted"] / max(1, st["drafted"])
+                per_forward = st["emitted"] / max(1, st["rows_verified"])
+                cut = st.get("cut", 0) / max(1, st["drafted"] + st.get("cut", 0))
+                s = statistics.median(rates[side])
+                print(
+                    f"| {kind} | {side} | {batch} | {accept:.2f} | {per_forward:.2f} | {cut:.2f} | {_rate(p)} "
+                    f"({_rate(min(rates['plain']))}-{_rate(max(rates['plain']))}) | {_rate(s)} "
+                    f"({_rate(min(rates[side]))}-{_rate(max(rates[side]))}) | {s / p:.2f}x |",
+                    flush=True,
+                )
 
 
 def _rate(x: float) -> str:

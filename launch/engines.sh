@@ -7,7 +7,10 @@
 #
 # environment (set by slurm.sbatch from the plan): ENGINE_PORTS ("30000 30001"), ENGINE_GPUS
 # ("0,1,2,3 4,5,6,7"), ENGINE_MODEL (HF checkpoint), ENGINE_URLS (all servers, for the router),
-# ROUTER ("sglang-router" or "mcore-rl"), ROUTER_PORT, ENGINE_ARGS (extra server flags), PYTHON.
+# ROUTER ("sglang-router" or "mcore-rl"), ROUTER_PORT, ENGINE_ARGS (extra server flags), PYTHON,
+# ENGINE_SPEC_ARGS (speculative decoding: SGLang's --speculative-* flags of the recipe's
+# rollout.speculative_* keys, written by the plan, mcore_rl/config/speculative.py; `mcore-rl serve`
+# takes the same names and refuses EAGLE / EAGLE3, which only SGLang drafts).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -25,6 +28,9 @@ for i in "${!ports[@]}"; do
     tp=$(($(tr -cd , <<<"${gpus[$i]}" | wc -c) + 1))
     flags=(--model-path "$ENGINE_MODEL" --host 0.0.0.0 --port "${ports[$i]}")
     if [[ "${server[*]}" == *sglang* ]]; then flags+=(--tp-size "$tp"); fi
+    # shellcheck disable=SC2206  # the plan quotes ENGINE_SPEC_ARGS for the shell (a draft path may hold spaces)
+    eval "spec=(${ENGINE_SPEC_ARGS:-})"
+    flags+=("${spec[@]}")
     echo "engines.sh: $host: ${server[*]} ${flags[*]} ${ENGINE_ARGS:-} (GPUs ${gpus[$i]})" >&2
     # shellcheck disable=SC2086  # ENGINE_ARGS is split on purpose
     CUDA_VISIBLE_DEVICES="${gpus[$i]}" "${server[@]}" "${flags[@]}" ${ENGINE_ARGS:-} &

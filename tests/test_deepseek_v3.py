@@ -245,6 +245,92 @@ def test_embedded_engine_serves_deepseek_v3_like_the_reference() -> None:
     assert_matches_reference(ref, reqs, outs, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["NGRAM", "STANDALONE"])
+def test_speculative_decoding_of_deepseek_v3(kind: str) -> None:
+    """MLA's latent cache in the multi-token verification pass: greedy tokens and log-probs are plain
+    decoding's token for token (prompt lookup; a draft model of the same family with noisy weights),
+    requests joining mid-batch; sampled tokens' log-probs are the cache-free reference's."""
+    import copy
+
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
+    from tests.helpers import PROMPTS, assert_matches_reference, make_engine, req, run
+
+    torch.manual_seed(0)
+    model = McoreRLForCausalLM(hf_config_from_model_config(dataclasses.replace(DSV3, vocab_size=384)))
+    _randomize(model)
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    greedy = [req(f"g{i}", p * 3, temperature=0.0, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    plain = run(make_engine(copy.deepcopy(model)), greedy, stagger=2)
+    spec = SpeculativeSettings(kind, num_steps=3)
+    engine = make_engine(copy.deepcopy(model), speculative=spec, draft_model=copy.deepcopy(draft))
+    outs = run(engine, greedy, stagger=2)
+    assert engine.spec_stats["verify_passes"] > 0 and engine.spec_stats["accepted"] > 0
+    for r in greedy:
+        assert outs[r.rid].output_ids == plain[r.rid].output_ids
+        for (a, _), (b, _) in zip(outs[r.rid].output_token_logprobs, plain[r.rid].output_token_logprobs):
+            assert a == pytest.approx(b, abs=1e-4)
+    sampled = [
+        req(f"s{i}", p * 3, temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    engine = make_engine(copy.deepcopy(model), speculative=spec, draft_model=copy.deepcopy(draft))
+    assert_matches_reference(model.eval(), sampled, run(engine, sampled, stagger=2), atol=1e-4)
+    assert engine.spec_stats["verify_passes"] > 0
+
+
+def test_deepseek_mtp_layers_draft_as_nextn_heads(tmp_path) -> None:
+    """A checkpoint with DeepSeek's MTP layer under `model.layers.{num_hidden_layers}.*` (and its copies of
+    the embedding and the head) served with NEXTN: the layer becomes the drafting heads by name, and
+    the engine drafts exactly as one built with those heads in memory (seeded sampled tokens and
+    drafting counts equal; greedy tokens plain decoding's). Without NEXTN the layer is not served."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.engine.speculative import SpeculativeSettings
+    from tests.helpers import PROMPTS, make_engine, req, run
+
+    torch.manual_seed(0)
+    config = hf_config_from_model_config(DSV3.replace(vocab_size=384, mtp_num_layers_carried=1))
+    config.save_pretrained(str(tmp_path))  # num_nextn_predict_layers 1, no heads of ours
+    config.mtp_num_layers = 1
+    model = McoreRLForCausalLM(config)
+    _randomize(model)
+    for name, buf in model.named_buffers():  # the router's bias is a buffer the engine does not load
+        if name.endswith("e_score_correction_bias"):
+            buf.zero_()
+    n = config.num_hidden_layers
+    tensors = {}
+    for name, t in model.named_parameters():  # the weights the engine takes
+        if name.startswith("mtp.layers.0."):
+            name = f"model.layers.{n}." + name.removeprefix("mtp.layers.0.")
+        tensors[name] = t.detach().contiguous()
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    spec = SpeculativeSettings("NEXTN", num_steps=3)
+    reqs = [
+        req(f"s{i}", p * 3, temperature=1.0, max_new_tokens=10, ignore_eos=True, sampling_seed=i)
+        for i, p in enumerate(PROMPTS)
+    ] + [req("g", PROMPTS[3], temperature=0.0, max_new_tokens=10, ignore_eos=True)]
+    loaded = EngineCore.from_model_path(str(tmp_path), max_total_tokens=4096, speculative=spec)
+    built = make_engine(copy.deepcopy(model), max_total_tokens=4096, speculative=spec)
+    got, want = run(loaded, reqs), run(built, reqs)
+    assert {r: o.output_ids for r, o in got.items()} == {r: o.output_ids for r, o in want.items()}
+    assert loaded.spec_stats == built.spec_stats and loaded.spec_stats["drafted"] > 0
+    plain = EngineCore.from_model_path(str(tmp_path), max_total_tokens=4096)  # the MTP layer skipped
+    assert not any(name.startswith("mtp.") for name in plain.weight_names())
+    assert run(plain, reqs[-1:])["g"].output_ids == got["g"].output_ids
+
+
 def test_layer_patterns_of_configs_and_flops() -> None:
     from mcore_rl.hf.configuration import hf_config_from_model_config, moe_layer_pattern_of, to_stock_hf_config
     from mcore_rl.models.flops import forward_flops_per_token

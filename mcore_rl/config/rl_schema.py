@@ -274,9 +274,15 @@ class RolloutConfig(Sectioned):
     # ---- exact speculative decoding in the engines this trainer builds (embedded or started `mcore-rl
     # serve`; docs/speculative.md): the tokens, μ, masks and experts stay the policy's, only faster
     # prompt lookup, a draft model, or the policy's own MTP heads (model.mtp_num_layers), synced with it
-    speculative_algorithm: Literal["none", "ngram", "standalone", "nextn"] = "none"
+    # (eagle, eagle3: SGLang engine nodes of a cluster launch only, config/speculative.py)
+    speculative_algorithm: Literal["none", "ngram", "standalone", "nextn", "eagle", "eagle3"] = "none"
     speculative_num_steps: int = 4  # tokens drafted per verification
+    speculative_eagle_topk: int = 1  # SGLang's draft tree: branches per step (1: a chain, the embedded engine's)
+    speculative_num_draft_tokens: int | None = None  # SGLang: tokens per verification; None = num_steps + 1
     speculative_draft_model_path: str | None = None  # standalone: HF directory, the policy's tokenizer; fixed weights
+    # how many drafts a pass verifies: all (fixed) or DSpark's per-request lengths from the drafts'
+    # confidence and the measured pass time at the batch size (rollout/engine/spec_schedule.py)
+    speculative_schedule: Literal["fixed", "dspark"] = "fixed"
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
     # (the recipes' sections under rollout are registered by the recipes: config/sections.py)

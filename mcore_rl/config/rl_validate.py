@@ -25,6 +25,7 @@ from mcore_rl.config.rl_domains import check_domains
 from mcore_rl.config.rl_environment import check_privileged_teachers
 from mcore_rl.config.rl_recipes import check_stages
 from mcore_rl.config.rl_vllm import check_vllm_engines
+from mcore_rl.config.speculative import SGLANG_ONLY, speculative_shape_errors
 from mcore_rl.config.rules import (
     Errors,
     build_task,
@@ -194,6 +195,11 @@ def check_speculative(r: RolloutConfig, errors: Errors) -> None:
     their own `--speculative-*` flags."""
     if r.speculative_algorithm == "none":
         errors.need(
+            r.speculative_schedule == "fixed",
+            "rollout.speculative_schedule",
+            "is dspark but rollout.speculative_algorithm is none (nothing to schedule)",
+        )
+        errors.need(
             r.speculative_draft_model_path is None,
             "rollout.speculative_draft_model_path",
             "is set but rollout.speculative_algorithm is none (set it to standalone)",
@@ -208,6 +214,19 @@ def check_speculative(r: RolloutConfig, errors: Errors) -> None:
     errors.need(
         r.speculative_num_steps >= 1, "rollout.speculative_num_steps", f"must be >= 1, got {r.speculative_num_steps}"
     )
+    errors.need(
+        r.speculative_algorithm not in SGLANG_ONLY,
+        "rollout.speculative_algorithm",
+        f"{r.speculative_algorithm} drafts only on SGLang engine nodes (mcore-rl launch --engine-nodes, "
+        "launch/engines.sh): the embedded engine and mcore-rl serve have no EAGLE drafts",
+    )
+    errors.need(
+        r.speculative_eagle_topk == 1,
+        "rollout.speculative_eagle_topk",
+        f"the embedded engine drafts a chain (1); draft trees are SGLang's, got {r.speculative_eagle_topk}",
+    )
+    for key, message in speculative_shape_errors(r):
+        errors.need(False, key, message)
     if r.speculative_algorithm == "standalone":
         path = r.speculative_draft_model_path
         errors.need(

@@ -30,6 +30,7 @@ from typing import Any
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.rules import expert_tensor_parallel_size
+from mcore_rl.config.speculative import NEEDS_DRAFT_MODEL, sglang_speculative_flags, speculative_shape_errors
 from mcore_rl.parallel.preemption import torchrun_signal_flags
 from mcore_rl.config import RLConfig, SFTConfig, load_config
 from mcore_rl.config import validate_rl_config, validate_sft_config
@@ -80,6 +81,7 @@ class Plan:
     run_dir: str
     preempt_signals: list[str]  # checkpoint.preempt_signals: what the launchers pass on to the trainer
     allocation: dict[str, Any] | None = None
+    engine_spec_args: list[str] = field(default_factory=list)  # SGLang's --speculative-* (ENGINE_SPEC_ARGS)
 
 
 def slurm_allocation(env: dict[str, str] | None = None) -> Allocation | None:
@@ -229,6 +231,7 @@ def make_plan(
             )
     overrides = list(overrides)
     extra: list[str] = []
+    spec_args: list[str] = []
     if engines:
         if importlib.util.find_spec("sglang_router") is not None:
             router = {
@@ -241,6 +244,9 @@ def make_plan(
             router = {"kind": "mcore-rl", "url": None, "where": "trainer (global rank 0)"}
             urls = [e["url"] for e in engines]
         extra.append(f"rollout.engine_urls=[{','.join(urls)}]")
+        if req.mode == "train":
+            spec_args, spec_extra = _server_speculation(_load(req, recipe, overrides).rollout)
+            extra += spec_extra
     else:
         router = {
             "kind": "embedded" if req.mode == "train" else "none",
@@ -310,7 +316,30 @@ def make_plan(
         cfg.run_dir,
         list(ck.preempt_signals),
         asdict(allocation) if allocation is not None else None,
+        spec_args,
     )
+
+
+def _server_speculation(rollout: Any) -> tuple[list[str], list[str]]:
+    """The engine nodes' SGLang `--speculative-*` flags of `rollout.speculative_*` (config/speculative.py),
+    and the trainer's overrides: its servers speculate, it builds no engine of its own that would."""
+    if rollout.speculative_algorithm == "none":
+        return [], []
+    bad = list(speculative_shape_errors(rollout))
+    if rollout.speculative_num_steps < 1:
+        bad.append(("rollout.speculative_num_steps", f"must be >= 1, got {rollout.speculative_num_steps}"))
+    if rollout.speculative_algorithm in NEEDS_DRAFT_MODEL and not rollout.speculative_draft_model_path:
+        bad.append(("rollout.speculative_draft_model_path", f"{rollout.speculative_algorithm} needs a draft model"))
+    if rollout.speculative_schedule != "fixed":
+        bad.append(("rollout.speculative_schedule", "dspark is the embedded engine's; SGLang servers verify a fixed k"))
+    if bad:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  {key}: {message}" for key, message in bad))
+    overrides = [
+        "rollout.speculative_algorithm=none",
+        "rollout.speculative_draft_model_path=null",
+        "rollout.speculative_schedule=fixed",
+    ]
+    return sglang_speculative_flags(rollout), overrides
 
 
 def format_plan(plan: Plan) -> str:
@@ -339,6 +368,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"engines: embedded, on {r['where']} (rollout.engine_urls is empty)")
     elif r["kind"] != "none":
         lines.append(f"router: {r['kind']}" + (f" at {r['url']}" if r["url"] else "") + f" on {r['where']}")
+    if plan.engine_spec_args:
+        lines.append("engine speculative decoding (SGLang's flags): " + " ".join(plan.engine_spec_args))
     lines.append("trainer overrides: " + (" ".join(plan.trainer_overrides) or "(none)"))
     if plan.ranks and plan.ranks[0].get("tp") is not None:
         header = ["rank", "node", "host", "local"] + [g.upper() for g in GROUPS]
@@ -379,6 +410,7 @@ def emit_shell(plan: Plan) -> str:
         "ROUTER_PORT": plan.router["url"].rsplit(":", 1)[1] if plan.router["url"] else "",
     }
     values.update(RUN_DIR=plan.run_dir, PREEMPT_SIGNALS=" ".join(plan.preempt_signals))
+    values["ENGINE_SPEC_ARGS"] = shlex.join(plan.engine_spec_args)
     lines = [f"{k}={shlex.quote(v)}" for k, v in values.items()]
     for name, items in (
         ("TRAINER_OVERRIDES", plan.trainer_overrides),

@@ -152,6 +152,7 @@ class ServerArgs:
     speculative_draft_model_path: str | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 3
+    speculative_schedule: str = "fixed"  # ours, not SGLang's: fixed k, or DSpark's confidence schedule
     # SGLang flags accepted and ignored (sglang_flags.IGNORED): flag -> its values as given
     ignored_flags: dict[str, list[str]] = field(default_factory=dict)
 
@@ -190,6 +191,7 @@ class ServerArgs:
             draft_model_path=self.speculative_draft_model_path,
             ngram_min=self.speculative_ngram_min_match_window_size,
             ngram_max=self.speculative_ngram_max_match_window_size,
+            schedule=self.speculative_schedule,
         )
 
     @property
@@ -329,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
     spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=3)
+    spec.add_argument(
+        "--speculative-schedule",
+        default="fixed",
+        help="fixed (verify every draft) or dspark (per-request verify lengths from the drafts' confidence "
+        "and the measured pass time at the batch size; not an SGLang flag)",
+    )
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--chunked-prefill-size", int),
@@ -429,6 +437,8 @@ def _check(a: ServerArgs) -> None:
             raise LaunchFlagError("--speculative-algorithm STANDALONE: needs --speculative-draft-model-path")
         if a.speculative_num_steps < 1:
             raise LaunchFlagError(f"--speculative-num-steps {a.speculative_num_steps}: must be >= 1")
+        if a.speculative_schedule not in ("fixed", "dspark"):
+            raise LaunchFlagError(f"--speculative-schedule {a.speculative_schedule}: choose fixed or dspark")
         low, high = a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size
         if not 1 <= low <= high:
             raise LaunchFlagError(

@@ -262,6 +262,8 @@ def speculative_flags(rollout: RolloutConfig) -> list[str]:
     flags += ["--speculative-num-steps", str(rollout.speculative_num_steps)]
     if rollout.speculative_draft_model_path:
         flags += ["--speculative-draft-model-path", rollout.speculative_draft_model_path]
+    if rollout.speculative_schedule != "fixed":
+        flags += ["--speculative-schedule", rollout.speculative_schedule]
     return flags
 
 
@@ -275,6 +277,7 @@ def speculative_settings(rollout: RolloutConfig) -> SpeculativeSettings | None:
         algorithm=rollout.speculative_algorithm.upper(),
         num_steps=rollout.speculative_num_steps,
         draft_model_path=rollout.speculative_draft_model_path,
+        schedule=rollout.speculative_schedule,
     )
 
 

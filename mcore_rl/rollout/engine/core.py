@@ -85,6 +85,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
@@ -112,9 +113,11 @@ from .sampling import (
     sample_with_support,
     support_of,
 )
+from .spec_schedule import EXPLORE_AFTER, AcceptanceRate, StepCost, prefix_survival, schedule_lengths
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
+from mcore_rl.hf.mtp import heads_name_of_deepseek
 from mcore_rl.hf.refused_architectures import refusal
 from mcore_rl.hf.rope import rope_key_in_file
 
@@ -212,6 +215,11 @@ class _Live:
     out_mask: list[list[int]] = field(default_factory=list)  # sampling-mask replay: support per output token
     out_mask_lp: list[float] = field(default_factory=list)  # ... and the processed log-prob
     draft_budget: int = 0  # speculative decoding: tokens it may draft this step (its pages are reserved)
+    drafts_reached: int = 0  # ... drafts verified with every earlier draft of their pass accepted
+    drafts_accepted: int = 0  # ... of those, accepted (its confidence under DSpark's schedule: `_schedule`)
+    steps_unverified: int = (
+        0  # ... steps since its drafts were last verified (the schedule explores after EXPLORE_AFTER)
+    )
 
     @property
     def sp(self) -> SamplingParams:
@@ -327,6 +335,12 @@ class EngineCore:
         # speculative decoding's counters: target passes that verified drafts, requests in them, tokens
         # drafted, drafts accepted, tokens emitted by those passes (accepted + the residual's or bonus)
         self.spec_stats = {"verify_passes": 0, "rows_verified": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        # DSpark's schedule (`speculative.schedule: dspark`): the target's pass times, SPS(B) fitted to
+        # them (`schedule_sps` overrides the fit: a profiled table, or a test's), the engine's acceptance
+        self.spec_cost = StepCost()
+        self.schedule_sps: Callable[[int], float] | None = None
+        self.spec_acceptance = AcceptanceRate()
+        self.spec_stats["cut"] = 0  # drafts the schedule did not verify
         if speculative is not None:
             self.drafter = self._build_drafter(speculative, draft_model)
 
@@ -361,6 +375,9 @@ class EngineCore:
             engine.tokenizer_path = tokenizer_path
             return engine
         config = _load_config(path)
+        carried = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        if spec is not None and spec.algorithm == "NEXTN" and carried and not getattr(config, "mtp_num_layers", 0):
+            config.mtp_num_layers = carried  # DeepSeek's own MTP layers draft: built as heads, loaded by name
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = McoreRLForCausalLM(config)
@@ -385,9 +402,16 @@ class EngineCore:
         if not files:
             raise FileNotFoundError(f"model_path: no *.safetensors files in {path}")
         loaded: list[str] = []
+        layers, depths = self.config.num_hidden_layers, int(getattr(self.config, "mtp_num_layers", 0) or 0)
+        carried = int(getattr(self.config, "num_nextn_predict_layers", 0) or 0)
         for f in files:
             with safe_open(f, framework="pt") as sf:
-                loaded += self.load_weights((n, sf.get_tensor(n)) for n in sf.keys())
+                named = []
+                for n in sf.keys():  # DeepSeek's MTP layers: the heads where built (NEXTN), else not served
+                    ours = heads_name_of_deepseek(n, layers, carried) if carried else n
+                    if ours == n or (ours is not None and depths):
+                        named.append((ours, n))
+                loaded += self.load_weights((ours, sf.get_tensor(n)) for ours, n in named)
         if strict:
             missing = sorted(n for n in set(self.weight_names()) - set(loaded) if not n.endswith(SCALE_SUFFIX))
             if missing:
@@ -397,10 +421,10 @@ class EngineCore:
     def _build_drafter(self, spec: SpeculativeSettings, draft_model: nn.Module | None) -> Drafter:
         """The drafter of `spec`, refusing what the engine cannot verify (checked before any request)."""
         spec.check()
-        if self.runner.latent_cache or self.runner.ngram_context is not None:
+        if self.runner.ngram_context is not None:
             raise ValueError(
                 f"speculative_algorithm: {spec.algorithm} needs the multi-token verification pass, which does "
-                "not cover this model's latent KV cache (multi-head latent attention) or n-gram embeddings"
+                "not cover this model's n-gram embeddings"
             )
         if spec.algorithm == "NGRAM":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
@@ -597,6 +621,7 @@ class EngineCore:
     def _decode(self, outs: list[RequestOutput]) -> None:
         batch = self._running
         self._routing_pass(batch)
+        began = time.perf_counter()
         logits = self.runner.decode([live.output_ids[-1] for live in batch], [live.length for live in batch])
         for j, live in enumerate(batch):
             self._keep_routing(live, live.length, j, 1)
@@ -604,6 +629,8 @@ class EngineCore:
         if self._controls is None:
             self._controls = BatchSampling.of([live.sp for live in batch], self.vocab_size, self.device)
         self._emit(list(range(len(batch))), logits, self._controls, outs)
+        if self._scheduled:  # the pass and its sampling: what one more position costs
+            self.spec_cost.observe(len(batch), time.perf_counter() - began)
 
     def _plan_drafts(self) -> None:
         """How many tokens each running request may draft this step: `num_steps`, less what would
@@ -628,11 +655,14 @@ class EngineCore:
         )
         for live in batch:
             live.draft_budget = 0
+        if self._scheduled:
+            drafts = self._schedule(batch, drafts)
         if not any(d.tokens for d in drafts):
             self._decode(outs)
             return
         base = [live.length for live in batch]
         self._routing_pass(batch)
+        began = time.perf_counter()
         logits = self.runner.extend([[live.output_ids[-1], *d.tokens] for live, d in zip(batch, drafts)], base)
         self.spec_stats["verify_passes"] += 1
         self.spec_stats["rows_verified"] += len(batch)
@@ -654,14 +684,51 @@ class EngineCore:
             settle = self._settler(lives, [drafts[i] for i in active], t, proposed, verdict)
             done = self._emit(active, logits[active, t], ctl, step_outs, pick=settle, remove=False)
             finished += done
+            for live, x, ok in zip(lives, proposed, verdict):
+                if x != NO_DRAFT:
+                    live.drafts_reached += 1
+                    live.drafts_accepted += int(ok)
+                    self.spec_acceptance.observe(ok)
             self.spec_stats["emitted"] += len(active)
             self.spec_stats["accepted"] += sum(verdict)
             active = [i for i, ok in zip(active, verdict) if ok and i not in done]
+        if self._scheduled:  # the verification pass and the settling of its positions
+            self.spec_cost.observe(sum(1 + len(d.tokens) for d in drafts), time.perf_counter() - began)
         last: dict[str, RequestOutput] = {}
         for out in step_outs:  # one output per request and step, the latest (as plain decoding streams)
             last[out.rid] = out
         outs.extend(last.values())
         self._remove(finished)
+
+    @property
+    def _scheduled(self) -> bool:
+        return self.speculative is not None and self.speculative.schedule == "dspark"
+
+    def _schedule(self, batch: list[_Live], drafts: list[Draft]) -> list[Draft]:
+        """DSpark's verify lengths (`spec_schedule.py`): each request's drafts cut to the prefix that
+        maximises the expected tokens per second at this batch. Unchanged until SPS(B) is known. The
+        confidence of a request's drafts is its own acceptance so far, shrunk to the engine's: it reads
+        the past only, never the drafted tokens, so the cut keeps the sampling exact. A request cut to
+        nothing for `EXPLORE_AFTER` steps verifies its first draft (its confidence would never move)."""
+        sps = self.schedule_sps or self.spec_cost.sps()
+        if sps is None:
+            return drafts
+        survival = [
+            prefix_survival([self.spec_acceptance.of(live.drafts_accepted, live.drafts_reached)] * len(d.tokens))
+            for live, d in zip(batch, drafts)
+        ]
+        lengths = schedule_lengths(survival, sps)
+        cut: list[Draft] = []
+        for live, d, n in zip(batch, drafts, lengths):
+            if d.tokens and not n:  # its confidence learns only from verified drafts: one now and then
+                live.steps_unverified += 1
+                if live.steps_unverified >= EXPLORE_AFTER:
+                    n = 1
+            if n:
+                live.steps_unverified = 0
+            self.spec_stats["cut"] += len(d.tokens) - n
+            cut.append(Draft(d.tokens[:n], d.probs[:n] if d.probs is not None and n else None))
+        return cut
 
     def _settler(
         self, lives: list[_Live], drafts: list[Draft], t: int, proposed: list[int], accepted: list[bool]

@@ -131,10 +131,10 @@ class ModelDrafter:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.runner = ModelRunner(self.model, num_slots, max_len, dtype, device)
-        if self.runner.latent_cache or self.runner.ngram_context is not None:
+        if self.runner.ngram_context is not None:
             raise ValueError(
-                "speculative_draft_model_path: the draft model must be a GQA decoder without n-gram "
-                "embeddings (its multi-token catch-up pass does not cover latent caches or Over-Encoding)"
+                "speculative_draft_model_path: the draft model must have no n-gram embeddings (its "
+                "multi-token catch-up pass does not cover Over-Encoding)"
             )
         self.cache: PagedKVCache = self.runner.allocate_cache(max_tokens)
         self.vocab_size = vocab_size

@@ -385,12 +385,13 @@ class ModelRunner:
         h = _rms(x, self.layers[li].module.input_layernorm.weight, self.eps).view(b, s, self.hidden_size)
         q_pass, q_rot, latent, k_rot = attn.project(h, cos[:, :, 0], -sin[:, :, 0])
         entry = torch.cat((latent, k_rot), dim=-1)  # [b, 1, s, r + dr]
-        if decode_at is not None:
+        if decode_at is not None:  # decode (s == 1) or `extend` (s new tokens per slot)
             write, read = decode_at
             length = read.shape[1]
-            self.kv.write_decode(li, write, entry[:, :, 0], entry[:, :, 0])
+            rows = entry[:, 0].reshape(b * s, 1, -1)  # slot-major, as the pool's write rows
+            self.kv.write_decode(li, write, rows, rows)
             entry = self.kv.gather(li, read)[0].view(b, 1, length, -1)  # one KV head: [b, 1, T, r + dr]
-            allowed = bias.view(b, 1, 1, length) == 0
+            allowed = bias.view(b, -1, s, length)[:, :1] == 0  # the rows of one query head serve all
         else:
             assert prefill_at is not None  # a prefill always names its pool rows
             self.kv.write_prefill(li, prefill_at, entry, entry)
@@ -580,10 +581,9 @@ class ModelRunner:
         speculative draft. fp32 logits [B, s, V], s the longest row (a shorter row's tail is padding).
         `inputs_embeds` [B, s, hidden]: the layers' input instead of the tokens' embeddings (an MTP
         head's projected input, drafts.py); `last_normed` then holds the final-normed output."""
-        if self.latent_cache or self.ngram_context is not None:
+        if self.ngram_context is not None:
             raise ValueError(
-                "speculative decoding: the embedded engine's multi-token pass does not cover latent KV "
-                "caches (multi-head latent attention) or n-gram embeddings"
+                "speculative decoding: the embedded engine's multi-token pass does not cover n-gram embeddings"
             )
         b = len(tokens)
         s = max(len(t) for t in tokens)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import BatchSampling, inverse_cdf, processed_weights
+from .spec_schedule import SPECULATIVE_SCHEDULES
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")  # SGLang's --speculative-algorithm names that are served here
 NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bonus token is drawn
@@ -42,13 +43,16 @@ class SpeculativeSettings:
     `algorithm` NGRAM (prompt lookup), STANDALONE (a separate draft model at `draft_model_path`) or
     NEXTN (the model's own MTP heads, `drafts.MTPDrafter`),
     `num_steps` tokens drafted per verification (SGLang's `--speculative-num-steps`), and the n-gram
-    lengths prompt lookup tries (`--speculative-ngram-min/max-match-window-size`)."""
+    lengths prompt lookup tries (`--speculative-ngram-min/max-match-window-size`); `schedule` how many
+    of the drafts a pass verifies: all (`fixed`) or DSpark's confidence schedule (`dspark`,
+    `spec_schedule.py`)."""
 
     algorithm: str = "NGRAM"
     num_steps: int = 4
     draft_model_path: str | None = None
     ngram_min: int = 1
     ngram_max: int = 3
+    schedule: str = "fixed"
 
     def check(self) -> None:
         """ValueError naming the setting that cannot be served."""
@@ -59,6 +63,8 @@ class SpeculativeSettings:
             )
         if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
             raise ValueError(f"speculative_num_steps: must be an integer >= 1, got {self.num_steps!r}")
+        if self.schedule not in SPECULATIVE_SCHEDULES:
+            raise ValueError(f"speculative_schedule: {self.schedule!r} is not one of {list(SPECULATIVE_SCHEDULES)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"speculative_ngram_min/max_match_window_size: need 1 <= min ({self.ngram_min}) <= max "
