@@ -230,3 +230,93 @@ def test_engines_die_with_the_trainer(tmp_path):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+_SHM_ENGINE = r"""
+import http.server, os, subprocess, sys
+from multiprocessing import resource_tracker, shared_memory
+# Python's resource tracker (a process of its own) would unlink these when the server dies; vLLM's
+# segments outlive it, so here nothing but the trainer's ledger may remove them.
+host, port = sys.argv[1], int(sys.argv[2])
+mine = shared_memory.SharedMemory(create=True, size=4096)  # held (mapped) by the server itself
+seen = shared_memory.SharedMemory(name=os.environ["FOREIGN_SHM"])  # someone else's, mapped here too
+for segment in (mine, seen):
+    resource_tracker.unregister(segment._name, "shared_memory")
+child = subprocess.Popen(  # a grandchild of the trainer makes one too (vLLM's EngineCore, say)
+    [sys.executable, "-c", "import time; from multiprocessing import resource_tracker as r, shared_memory as s; "
+     "m = s.SharedMemory(create=True, size=4096); r.unregister(m._name, 'shared_memory'); "
+     "print(m.name, flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE, text=True)
+print("made", mine.name, child.stdout.readline().strip(), flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer((host, port), Health).serve_forever()
+"""
+
+
+class _ShmEngines(EngineProcesses):
+    """A stand-in server that makes POSIX shared memory in itself and in a child."""
+
+    def _argv(self, e):
+        return [sys.executable, "-c", _SHM_ENGINE, self.host, str(e.port)]
+
+
+def _made(log: str) -> list[str]:
+    with open(log) as f:
+        return [line.split()[1:] for line in f if line.startswith("made ")][-1]
+
+
+def test_shared_memory_an_engine_made_goes_with_it_and_nothing_else(tmp_path):
+    """POSIX shared memory outlives a process killed with SIGKILL (vLLM's `psm_*` segments did):
+    what an engine's process tree made goes when it is restarted after a kill or closed; what
+    predates it (even mapped by it), what another process holds, and what another process made
+    and let go of while the engine ran, all stay."""
+    from multiprocessing import shared_memory
+
+    from mcore_rl.rollout.engine_processes import _Engine
+
+    shm = "/dev/shm"
+    old = shared_memory.SharedMemory(create=True, size=4096)  # before the engine, mapped by it too
+    env = {**os.environ, "FOREIGN_SHM": old.name}
+    log = str(tmp_path / "engine_0.log")
+    engines = _ShmEngines([_Engine(0, 0, [], env, None, log)], "127.0.0.1", str(tmp_path), 60)
+    held = unheld = None
+    try:
+        engines._start_all()
+        first = _made(log)
+        assert len(first) == 2 and all(os.path.exists(os.path.join(shm, n)) for n in first)
+        assert engines.shared_memory(0) == set(first)
+        held = shared_memory.SharedMemory(create=True, size=4096)  # made while it runs, held by us
+        unheld = os.path.join(shm, f"foreign_{os.getpid()}_{time.monotonic_ns()}")
+        with open(unheld, "wb") as f:  # made while it runs, by someone who let go of it
+            f.write(b"x")
+        assert engines.shared_memory(0) == set(first)
+
+        os.kill(engines.pids[0], signal.SIGKILL)  # the server only: its child lives on, holding its segment
+        _wait_for(lambda: not engines.alive(0))
+        assert os.path.exists(os.path.join(shm, first[1]))
+        engines.restart(0)  # stops what is left of the tree, removes what it made, starts again
+        assert not any(os.path.exists(os.path.join(shm, n)) for n in first)
+        second = _made(log)
+        assert set(second).isdisjoint(first) and all(os.path.exists(os.path.join(shm, n)) for n in second)
+
+        engines.close()
+        assert not any(os.path.exists(os.path.join(shm, n)) for n in second)
+        for name in (old.name, held.name, os.path.basename(unheld)):
+            assert os.path.exists(os.path.join(shm, name)), f"{name} is not the engine's"
+    finally:
+        engines.close()
+        if unheld is not None and os.path.exists(unheld):
+            os.remove(unheld)
+        for seg in (old, held):
+            if seg is not None:
+                seg.close()
+                if os.path.exists(os.path.join(shm, seg.name)):
+                    seg.unlink()
