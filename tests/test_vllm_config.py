@@ -40,8 +40,7 @@ def test_a_cpu_vllm_config_validates() -> None:
 @pytest.mark.parametrize(
     "override, key, reason",
     [
-        ("rollout.sync_transport=tensor", "rollout.sync_transport", "from disk only"),
-        ("rollout.sync_transport=distributed", "rollout.sync_transport", "need an accelerator"),
+        ("rollout.sync_transport=tensor", "rollout.sync_transport", "no in-memory push"),
         ("rollout.placement=colocated", "rollout.placement", "frees no memory"),
         ("rollout.pause_mode=retract", "rollout.pause_mode", "recomputes in-flight"),
         ("rollout.quantization=fp8", "rollout.quantization", "not on CPU"),
@@ -55,6 +54,24 @@ def test_a_cpu_vllm_config_validates() -> None:
 def test_what_vllm_cannot_do_on_cpu_is_refused_naming_the_key(override: str, key: str, reason: str) -> None:
     found = [line for line in problems(override).splitlines() if line.strip().startswith(key + ":")]
     assert any(reason in line for line in found), problems(override)
+
+
+def test_the_nccl_transfer_needs_an_accelerator_and_gpu_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sync_transport: distributed` is vLLM's NCCL transfer (`rollout/vllm_weights.py`): refused
+    without CUDA, and for the engines the trainer starts (vLLM's CPU build)."""
+    import torch
+
+    def lines(key: str) -> list[str]:
+        found = problems("rollout.sync_transport=distributed").splitlines()
+        return [line for line in found if line.strip().startswith(key + ":")]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert any("needs an accelerator" in line for line in lines("rollout.sync_transport"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert lines("rollout.sync_transport") == []
+    assert any("CPU build" in line for line in lines("rollout.engine_urls"))
+    urls = "rollout.engine_urls=[http://127.0.0.1:1]"
+    assert problems("rollout.sync_transport=distributed", urls) == ""
 
 
 def test_vllm_python_only_applies_to_vllm_engines() -> None:
