@@ -165,6 +165,7 @@ def test_a_sync_forms_the_group_once_announces_each_bucket_and_sets_the_version(
                 "/update_weights",
                 "/update_weights",
                 "/finish_weight_update",
+                "/reset_prefix_cache",
                 "/resume",
             ]
             init = dict(s.calls)["/init_weight_transfer_engine"]["init_info"]
@@ -188,6 +189,7 @@ def test_a_sync_forms_the_group_once_announces_each_bucket_and_sets_the_version(
             "/start_weight_update",
             "/update_weights",
             "/finish_weight_update",
+            "/reset_prefix_cache",
             "/resume",
         ]
 

@@ -9,6 +9,7 @@ through vLLM 0.32's routes (`VLLM_SERVER_DEV_MODE=1`):
     /update_weights               {update_info: {names, dtype_names, shapes}}: the worker receives
                                   each tensor from rank 0, in that order, while the trainer sends
     /finish_weight_update         {weight_version}: the reload is finished, the version taken
+    /reset_prefix_cache           (no prefix-cache hit on KV the old weights computed)
     /shutdown_weight_transfer_engine
 
 The group meets by an `ncclUniqueId` the trainer mints and sends in the init request (vLLM's path
@@ -224,6 +225,7 @@ class VLLMNcclTransport:
                     )
                 stats.buckets += 1
             targets[:] = list(self.engines.call("finish_weight_update", {"weight_version": str(version)}, targets))
+            targets[:] = list(self.engines.call("flush_cache", {}, targets))  # no prefix hit on the old weights' KV
             stats.mismatched.update(self.engines.delivered(targets, version, stats.checksum))
 
     def _drop(self) -> None:
