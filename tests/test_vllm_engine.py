@@ -254,11 +254,11 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     from mcore_rl.rollout.router import NoHealthyEngine
 
     assert pool.processes is not None
+    made = pool.processes.shared_memory(0)
+    assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
     futs = [_in_flight(pool, p) for p in PROMPTS]
     pid = pool.processes.pids[0]
     assert pid is not None
-    made = pool.processes.shared_memory(0)
-    assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
     os.kill(pid, signal.SIGKILL)
     for fut in futs:
         with pytest.raises(NoHealthyEngine):
