@@ -291,7 +291,8 @@ def _in_flight(pool: HTTPEnginePool, prompt: list[int]) -> Future[Generation]:
     one-token request sent after it has finished, it runs (and is checked to be unfinished)."""
     for _ in range(5):
         fut = run(pool, GenRequest(prompt, LONG))
-        _wait(lambda: sum(pool.router.outstanding.values()) > 0, "the request to be sent")
+        # done already: on a loaded machine this thread may not look again before 200 tokens are made
+        _wait(lambda: fut.done() or sum(pool.router.outstanding.values()) > 0, "the request to be sent")
         pool.generate([GenRequest(PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 1})])
         if not fut.done():
             return fut
