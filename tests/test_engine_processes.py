@@ -6,6 +6,7 @@ few seconds of imports)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -248,6 +249,7 @@ child = subprocess.Popen(  # a grandchild of the trainer makes one too (vLLM's E
      "print(m.name, flush=True); time.sleep(600)"],
     stdout=subprocess.PIPE, text=True)
 print("made", mine.name, child.stdout.readline().strip(), flush=True)
+print("child pid", child.pid, flush=True)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -320,3 +322,49 @@ def test_shared_memory_an_engine_made_goes_with_it_and_nothing_else(tmp_path):
                 seg.close()
                 if os.path.exists(os.path.join(shm, seg.name)):
                     seg.unlink()
+
+
+_SHM_TRAINER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from mcore_rl.rollout.engine_processes import _Engine
+from test_engine_processes import _ShmEngines
+engines = _ShmEngines([_Engine(0, 0, [], dict(os.environ), None, sys.argv[1])], "127.0.0.1", os.path.dirname(sys.argv[1]), 60)
+engines._start_all()
+print(" ".join(sorted(engines.shared_memory(0))), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_with_sigkill_leaves_no_engine_shared_memory(tmp_path):
+    """The trainer runs no cleanup then; the ledger's reaper, told each name over a pipe, removes
+    the engine's segments at the pipe's end (a grandchild still holding one does not keep it)."""
+    from multiprocessing import shared_memory
+
+    old = shared_memory.SharedMemory(create=True, size=4096)  # someone else's: stays
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    log = str(tmp_path / "engine_0.log")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _SHM_TRAINER, log, os.path.dirname(os.path.abspath(__file__))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, "FOREIGN_SHM": old.name},
+    )
+    made: list[str] = []
+    try:
+        made = trainer.stdout.readline().split()
+        assert sorted(made) == sorted(_made(log)) and all(os.path.exists(os.path.join("/dev/shm", n)) for n in made)
+        trainer.kill()
+        trainer.wait(10)
+        _wait_for(lambda: not any(os.path.exists(os.path.join("/dev/shm", n)) for n in made), timeout=20)
+        assert os.path.exists(os.path.join("/dev/shm", old.name))
+    finally:
+        trainer.kill()
+        trainer.wait()
+        lines = open(log).read().splitlines() if os.path.exists(log) else []
+        for pid in [int(line.split()[2]) for line in lines if line.startswith("child pid ")]:
+            # the server died with the trainer (PDEATHSIG); the child it started did not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        old.close()
+        old.unlink()
