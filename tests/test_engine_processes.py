@@ -6,6 +6,7 @@ few seconds of imports)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -230,3 +231,140 @@ def test_engines_die_with_the_trainer(tmp_path):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+_SHM_ENGINE = r"""
+import http.server, os, subprocess, sys
+from multiprocessing import resource_tracker, shared_memory
+# Python's resource tracker (a process of its own) would unlink these when the server dies; vLLM's
+# segments outlive it, so here nothing but the trainer's ledger may remove them.
+host, port = sys.argv[1], int(sys.argv[2])
+mine = shared_memory.SharedMemory(create=True, size=4096)  # held (mapped) by the server itself
+seen = shared_memory.SharedMemory(name=os.environ["FOREIGN_SHM"])  # someone else's, mapped here too
+for segment in (mine, seen):
+    resource_tracker.unregister(segment._name, "shared_memory")
+child = subprocess.Popen(  # a grandchild of the trainer makes one too (vLLM's EngineCore, say)
+    [sys.executable, "-c", "import time; from multiprocessing import resource_tracker as r, shared_memory as s; "
+     "m = s.SharedMemory(create=True, size=4096); r.unregister(m._name, 'shared_memory'); "
+     "print(m.name, flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE, text=True)
+print("made", mine.name, child.stdout.readline().strip(), flush=True)
+print("child pid", child.pid, flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer((host, port), Health).serve_forever()
+"""
+
+
+class _ShmEngines(EngineProcesses):
+    """A stand-in server that makes POSIX shared memory in itself and in a child."""
+
+    def _argv(self, e):
+        return [sys.executable, "-c", _SHM_ENGINE, self.host, str(e.port)]
+
+
+def _made(log: str) -> list[str]:
+    with open(log) as f:
+        return [line.split()[1:] for line in f if line.startswith("made ")][-1]
+
+
+def test_shared_memory_an_engine_made_goes_with_it_and_nothing_else(tmp_path):
+    """POSIX shared memory outlives a process killed with SIGKILL (vLLM's `psm_*` segments did):
+    what an engine's process tree made goes when it is restarted after a kill or closed; what
+    predates it (even mapped by it), what another process holds, and what another process made
+    and let go of while the engine ran, all stay."""
+    from multiprocessing import shared_memory
+
+    from mcore_rl.rollout.engine_processes import _Engine
+
+    shm = "/dev/shm"
+    old = shared_memory.SharedMemory(create=True, size=4096)  # before the engine, mapped by it too
+    env = {**os.environ, "FOREIGN_SHM": old.name}
+    log = str(tmp_path / "engine_0.log")
+    engines = _ShmEngines([_Engine(0, 0, [], env, None, log)], "127.0.0.1", str(tmp_path), 60)
+    held = unheld = None
+    try:
+        engines._start_all()
+        first = _made(log)
+        assert len(first) == 2 and all(os.path.exists(os.path.join(shm, n)) for n in first)
+        assert engines.shared_memory(0) == set(first)
+        held = shared_memory.SharedMemory(create=True, size=4096)  # made while it runs, held by us
+        unheld = os.path.join(shm, f"foreign_{os.getpid()}_{time.monotonic_ns()}")
+        with open(unheld, "wb") as f:  # made while it runs, by someone who let go of it
+            f.write(b"x")
+        assert engines.shared_memory(0) == set(first)
+
+        os.kill(engines.pids[0], signal.SIGKILL)  # the server only: its child lives on, holding its segment
+        _wait_for(lambda: not engines.alive(0))
+        assert os.path.exists(os.path.join(shm, first[1]))
+        engines.restart(0)  # stops what is left of the tree, removes what it made, starts again
+        assert not any(os.path.exists(os.path.join(shm, n)) for n in first)
+        second = _made(log)
+        assert set(second).isdisjoint(first) and all(os.path.exists(os.path.join(shm, n)) for n in second)
+
+        engines.close()
+        assert not any(os.path.exists(os.path.join(shm, n)) for n in second)
+        for name in (old.name, held.name, os.path.basename(unheld)):
+            assert os.path.exists(os.path.join(shm, name)), f"{name} is not the engine's"
+    finally:
+        engines.close()
+        if unheld is not None and os.path.exists(unheld):
+            os.remove(unheld)
+        for seg in (old, held):
+            if seg is not None:
+                seg.close()
+                if os.path.exists(os.path.join(shm, seg.name)):
+                    seg.unlink()
+
+
+_SHM_TRAINER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from mcore_rl.rollout.engine_processes import _Engine
+from test_engine_processes import _ShmEngines
+engines = _ShmEngines([_Engine(0, 0, [], dict(os.environ), None, sys.argv[1])], "127.0.0.1", os.path.dirname(sys.argv[1]), 60)
+engines._start_all()
+print(" ".join(sorted(engines.shared_memory(0))), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_with_sigkill_leaves_no_engine_shared_memory(tmp_path):
+    """The trainer runs no cleanup then; the ledger's reaper, told each name over a pipe, removes
+    the engine's segments at the pipe's end (a grandchild still holding one does not keep it)."""
+    from multiprocessing import shared_memory
+
+    old = shared_memory.SharedMemory(create=True, size=4096)  # someone else's: stays
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    log = str(tmp_path / "engine_0.log")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _SHM_TRAINER, log, os.path.dirname(os.path.abspath(__file__))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, "FOREIGN_SHM": old.name},
+    )
+    made: list[str] = []
+    try:
+        made = trainer.stdout.readline().split()
+        assert sorted(made) == sorted(_made(log)) and all(os.path.exists(os.path.join("/dev/shm", n)) for n in made)
+        trainer.kill()
+        trainer.wait(10)
+        _wait_for(lambda: not any(os.path.exists(os.path.join("/dev/shm", n)) for n in made), timeout=20)
+        assert os.path.exists(os.path.join("/dev/shm", old.name))
+    finally:
+        trainer.kill()
+        trainer.wait()
+        lines = open(log).read().splitlines() if os.path.exists(log) else []
+        for pid in [int(line.split()[2]) for line in lines if line.startswith("child pid ")]:
+            # the server died with the trainer (PDEATHSIG); the child it started did not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        old.close()
+        old.unlink()

@@ -3,9 +3,13 @@ pure translations of SGLang's fields (the server tests are in test_vllm_engine.p
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+from mcore_rl.config.rl_vllm import VLLM_READY_STAMP
 from mcore_rl.rollout.vllm_client import prompt_logprobs, vllm_request_id, vllm_sampling_params
 
 VLLM = [
@@ -40,8 +44,7 @@ def test_a_cpu_vllm_config_validates() -> None:
 @pytest.mark.parametrize(
     "override, key, reason",
     [
-        ("rollout.sync_transport=tensor", "rollout.sync_transport", "from disk only"),
-        ("rollout.sync_transport=distributed", "rollout.sync_transport", "need an accelerator"),
+        ("rollout.sync_transport=tensor", "rollout.sync_transport", "no in-memory push"),
         ("rollout.placement=colocated", "rollout.placement", "frees no memory"),
         ("rollout.pause_mode=retract", "rollout.pause_mode", "recomputes in-flight"),
         ("rollout.quantization=fp8", "rollout.quantization", "not on CPU"),
@@ -55,6 +58,24 @@ def test_a_cpu_vllm_config_validates() -> None:
 def test_what_vllm_cannot_do_on_cpu_is_refused_naming_the_key(override: str, key: str, reason: str) -> None:
     found = [line for line in problems(override).splitlines() if line.strip().startswith(key + ":")]
     assert any(reason in line for line in found), problems(override)
+
+
+def test_the_nccl_transfer_needs_an_accelerator_and_gpu_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sync_transport: distributed` is vLLM's NCCL transfer (`rollout/vllm_weights.py`): refused
+    without CUDA, and for the engines the trainer starts (vLLM's CPU build)."""
+    import torch
+
+    def lines(key: str) -> list[str]:
+        found = problems("rollout.sync_transport=distributed").splitlines()
+        return [line for line in found if line.strip().startswith(key + ":")]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert any("needs an accelerator" in line for line in lines("rollout.sync_transport"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert lines("rollout.sync_transport") == []
+    assert any("CPU build" in line for line in lines("rollout.engine_urls"))
+    urls = "rollout.engine_urls=[http://127.0.0.1:1]"
+    assert problems("rollout.sync_transport=distributed", urls) == ""
 
 
 def test_vllm_python_only_applies_to_vllm_engines() -> None:
@@ -88,3 +109,30 @@ def test_prompt_logprobs_in_sglang_shape() -> None:
     with pytest.raises(ValueError, match="expected 4 entries"):
         prompt_logprobs([4, 5, 6, 7], reply[:2], 0)
     assert vllm_request_id("r1") == "cmpl-r1-0"
+
+
+def _setup(venv: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "setup_vllm.sh")
+    env = {**os.environ, "MCORE_RL_VLLM_VENV": venv}
+    return subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_setup_reuses_a_complete_venv_of_its_variant_and_never_turns_one_into_the_other(tmp_path) -> None:
+    """`tools/setup_vllm.sh [--gpu]` without a network: a stamped venv whose interpreter passes the
+    checks is reused (no pip); one of the other variant is refused, never converted."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n')  # every check passes
+    python.chmod(0o755)
+    (venv / VLLM_READY_STAMP).write_text("cpu\n")
+    reused = _setup(str(venv))
+    assert reused.returncode == 0 and "reusing" in reused.stdout and "(cpu," in reused.stdout
+    assert "pip" not in (venv / "bin" / "calls").read_text()
+    assert "torch.version.cuda is None" in (venv / "bin" / "calls").read_text()  # the CPU build checked
+    refused = _setup(str(venv), "--gpu")
+    assert refused.returncode == 1 and "holds the cpu variant, not gpu" in refused.stderr
+    (venv / VLLM_READY_STAMP).write_text("gpu\n")
+    assert "(gpu," in _setup(str(venv), "--gpu").stdout
+    assert "torch.version.cuda, " in (venv / "bin" / "calls").read_text()  # the CUDA build checked
+    assert _setup(str(venv), "--bogus").returncode == 2

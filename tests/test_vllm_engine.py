@@ -4,7 +4,8 @@ Skipped without the vLLM venv (`bash tools/setup_vllm.sh`; CI creates it and run
 The model is the RL demo's (`configs/demo.yaml`) with a head dim of 32 (vLLM's CPU attention takes
 no smaller one), made here; its reference is the same weights in `McoreRLForCausalLM`, the
 trainer's HF-side model, in fp32. The demo itself trains a few steps against the same server
-(through `rollout.engine_urls`), and the last test kills the server's process.
+(through `rollout.engine_urls`), `mcore-rl parity --engine-url` scores against it, a test kills the
+server's process, and the last closes it: no process and no shared memory of it may stay.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ VLLM_DEMO = [
     "rollout.sync_transport=disk",
 ]
 PROMPTS = [[257, *b"12+34="], [257, *b"7+5="], [257, *b"99+1="]]
+SHM = "/dev/shm"
 
 
 def reference(seed: int) -> torch.nn.Module:
@@ -205,11 +207,55 @@ def test_rl_demo_trains_with_the_vllm_engine(pool: HTTPEnginePool, tmp_path: str
         assert m["rollout/policy_version_min"] == m["rl_step"]  # each step sampled from the weights synced to vLLM
 
 
+def test_parity_against_the_vllm_server_matches_the_trainer_in_fp32(pool: HTTPEnginePool, tmp_path: str) -> None:
+    """`mcore-rl parity --engine-url` on the module's vLLM server (weights synced to it by disk):
+    the trainer's log-probs of the tokens vLLM scores, next to the embedded engine's, in fp32."""
+    out = os.path.join(tmp_path, "parity.json")
+    argv = [
+        sys.executable,
+        "-m",
+        "mcore_rl.cli",
+        "parity",
+        os.path.join(ROOT, "configs", "demo.yaml"),
+        *VLLM_DEMO,
+        "init.sft_steps=0",
+        f"rollout.sync_dir={os.path.join(tmp_path, 'weights')}",
+        f"run_dir={os.path.join(tmp_path, 'run')}",
+        "--precisions",
+        "none",
+        "--engine-url",
+        pool.urls[0],
+        "--prompts",
+        "4",
+        "--samples",
+        "2",
+        "--position-bins",
+        "1",
+        "--no-layers",
+        "--json",
+        out,
+    ]
+    env = {**os.environ, "MCORE_RL_PROGRESS": "0"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        engines = {e["engine"]: e for e in json.load(f)["engines"]}
+    vllm = [e for name, e in engines.items() if pool.urls[0] in name]
+    assert len(engines) == 2 and len(vllm) == 1, sorted(engines)
+    for e in engines.values():
+        assert (
+            e["tokens"] > 0 and e["max_abs"] < 1e-4
+        )  # fp32: vLLM's and the embedded engine's log-probs are the trainer's
+    assert vllm[0]["mean_abs"] < 1e-5
+
+
 def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePool) -> None:
     """Last in the module: the restarted engine serves again once a weight sync reached it."""
     from mcore_rl.rollout.router import NoHealthyEngine
 
     assert pool.processes is not None
+    made = pool.processes.shared_memory(0)
+    assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
     futs = [_in_flight(pool, p) for p in PROMPTS]
     pid = pool.processes.pids[0]
     assert pid is not None
@@ -220,10 +266,21 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     url = pool.urls[0]
     _wait(lambda: pool.states.state(url) is EngineState.WAITING, "the restarted engine to answer", 600)
     assert not _group_members(pid), "a child of the killed vLLM server (EngineCore, worker) outlived it"
+    assert not [n for n in made if os.path.exists(os.path.join(SHM, n))], "the killed server's shared memory stayed"
     sync(pool, SEED, 3)
     assert pool.states.state(url) is EngineState.SERVING
     gen = pool.generate([GenRequest(PROMPTS[0], {"temperature": 1.0, "max_new_tokens": 4})])[0]
     assert gen.weight_version == 3 and gen.output_ids
+
+
+def test_closing_the_pool_leaves_no_vllm_process_or_shared_memory(pool: HTTPEnginePool) -> None:
+    """Last: the module's server closed, nothing of it stays (its processes, its `psm_*` segments)."""
+    assert pool.processes is not None
+    pid, made = pool.processes.pids[0], pool.processes.shared_memory(0)
+    assert pid is not None and made
+    pool.close()
+    assert not _group_members(pid)
+    assert not [n for n in made if os.path.exists(os.path.join(SHM, n))]
 
 
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
@@ -234,7 +291,8 @@ def _in_flight(pool: HTTPEnginePool, prompt: list[int]) -> Future[Generation]:
     one-token request sent after it has finished, it runs (and is checked to be unfinished)."""
     for _ in range(5):
         fut = run(pool, GenRequest(prompt, LONG))
-        _wait(lambda: sum(pool.router.outstanding.values()) > 0, "the request to be sent")
+        # done already: on a loaded machine this thread may not look again before 200 tokens are made
+        _wait(lambda: fut.done() or sum(pool.router.outstanding.values()) > 0, "the request to be sent")
         pool.generate([GenRequest(PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 1})])
         if not fut.done():
             return fut

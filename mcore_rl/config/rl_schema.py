@@ -259,7 +259,7 @@ class RolloutConfig(Sectioned):
     no_engine_timeout_s: float = 120.0  # async: stop with an error after this long without any engine
     max_running_requests: int = 256  # embedded engine: continuous-batching slots
     context_length: int = 1024  # embedded engine
-    sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls
+    sync_transport: Literal["tensor", "disk", "distributed"] = "tensor"  # for engine_urls; vllm: disk, distributed
     sync_dir: str | None = None  # disk transport: a directory the engines can read
     sync_bucket_mb: int = 512  # weight-sync bucket size (tensors are packed into buckets of this many MB)
     request_timeout_s: float = 600.0  # a generation request to an engine

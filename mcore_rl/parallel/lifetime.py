@@ -3,14 +3,17 @@
 A trainer killed with SIGKILL runs no cleanup, so anything it started (megatron-core's checkpoint
 writer, a relaunched torchrun) would live on under PID 1, holding memory and files. On Linux the
 kernel sends a chosen signal to a process when its parent dies (`prctl(PR_SET_PDEATHSIG)`), however
-the parent died; elsewhere a daemon thread watches the parent's pid.
+the parent died; elsewhere a daemon thread watches the parent's pid. The POSIX shared memory such a
+process tree made goes with it too (`SharedMemoryLedger`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -67,3 +70,178 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], Any]:
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+# ---- shared memory a process tree made ---------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+_REAPER = r"""
+import os, shutil, sys
+names = set()
+for line in sys.stdin:
+    op, name = line[:1], line[1:].rstrip("\n")
+    if op == "+":
+        names.add(name)
+    elif op == "!":
+        names.clear()
+for name in names:
+    path = os.path.join(sys.argv[1], name)
+    try:
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    except OSError:
+        pass
+"""
+
+
+class SharedMemoryLedger:
+    """The /dev/shm entries one process tree (a session a started process leads) made, removed
+    when it is gone, and nothing else's.
+
+    POSIX shared memory (Python's `psm_*` segments, semaphores, torch's files) is RAM that outlives
+    a process killed with SIGKILL: nothing in it runs its cleanup, and a resource tracker in the same
+    process group dies with it. The kernel does not say who created an entry, so it is attributed by
+    who holds it: an entry is the tree's if it is new since the tree started, was first seen while a
+    process of the tree held it (an fd or a mapping, `/proc/<pid>/fd`, `/proc/<pid>/maps`) and never
+    seen before that unheld by the tree (a creator holds what it makes from the start; a file someone
+    else wrote and the tree only reads is seen first without it). `scan()` looks (call it while the
+    tree lives: once it is ready, now and then, and before it is stopped); `release()`, once the tree
+    is dead, removes what it made unless a process outside the tree holds it now. A trainer killed
+    with SIGKILL runs no `release()`: a reaper process, fed each attributed name over a pipe, removes
+    them at the pipe's end of file unless `release()` ran first.
+    """
+
+    def __init__(self, shm_dir: str = SHM_DIR, keep_prefixes: tuple[str, ...] = ()) -> None:
+        """Snapshot `shm_dir` (call it before starting the tree); `keep_prefixes`: names never
+        attributed (files of the starting process that the tree reads, e.g. weight buckets)."""
+        self.shm_dir = shm_dir
+        self.keep_prefixes = keep_prefixes
+        self._before = set(_listdir(shm_dir))
+        self._foreign: set[str] = set()  # new entries first seen unheld by the tree
+        self.made: set[str] = set()
+        self.leader: int | None = None
+        self._reaper: subprocess.Popen | None = None
+
+    def started(self, leader: int) -> None:
+        """The tree is the session `leader` leads (`start_new_session=True`)."""
+        self.leader = leader
+
+    def scan(self) -> set[str]:
+        """Attribute the entries the tree holds now; returns the tree's entries so far."""
+        if self.leader is None or not os.path.isdir(self.shm_dir):
+            return self.made
+        present = set(_listdir(self.shm_dir))  # before the holders: an entry made in between is seen held
+        held: set[str] = set()
+        for pid in session_members(self.leader):
+            held |= shm_held_by(pid, self.shm_dir)
+        for name in present - self._before - self.made - self._foreign:
+            if name.startswith(self.keep_prefixes) or name not in held:
+                self._foreign.add(name)
+            else:
+                self.made.add(name)
+                self._tell_reaper(f"+{name}")
+        return self.made
+
+    def release(self) -> list[str]:
+        """Remove what the tree made (call once it is dead), except entries a live process outside
+        it holds now; returns the paths removed."""
+        removed: list[str] = []
+        if self.made:
+            tree = set(session_members(self.leader)) if self.leader is not None else set()
+            others = {name for pid in _pids() if pid not in tree for name in shm_held_by(pid, self.shm_dir)}
+            for name in sorted(self.made - others):
+                path = os.path.join(self.shm_dir, name)
+                try:
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.remove(path)
+                    removed.append(path)
+                except FileNotFoundError:
+                    pass
+        self.made.clear()
+        self._tell_reaper("!")
+        if self._reaper is not None:
+            assert self._reaper.stdin is not None  # started with a pipe
+            self._reaper.stdin.close()
+            self._reaper.wait()
+            self._reaper = None
+        return removed
+
+    def _tell_reaper(self, line: str) -> None:
+        if self._reaper is None:
+            if line == "!":
+                return
+            try:  # its own session: a signal to the trainer's group does not reach it
+                self._reaper = subprocess.Popen(
+                    [sys.executable, "-c", _REAPER, self.shm_dir],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    text=True,
+                )
+            except OSError:
+                return  # release() still removes them; only a SIGKILLed starter leaves them
+        assert self._reaper.stdin is not None
+        try:
+            self._reaper.stdin.write(line + "\n")
+            self._reaper.stdin.flush()
+        except OSError:
+            pass
+
+
+def session_members(leader: int) -> list[int]:
+    """Live (not zombie) processes of the session `leader` leads."""
+    members = []
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == leader:
+            members.append(pid)
+    return members
+
+
+def shm_held_by(pid: int, shm_dir: str = SHM_DIR) -> set[str]:
+    """Names of the `shm_dir` entries `pid` has open or mapped (unlinked ones left out)."""
+    prefix = shm_dir.rstrip("/") + "/"
+    names: set[str] = set()
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith(prefix) and not target.endswith(" (deleted)"):
+            names.add(target[len(prefix) :].split("/", 1)[0])
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                at = line.find(prefix)
+                if at >= 0:
+                    path = line[at + len(prefix) :].rstrip("\n")
+                    if not path.endswith(" (deleted)"):
+                        names.add(path.split("/", 1)[0])
+    except OSError:
+        pass
+    return names
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

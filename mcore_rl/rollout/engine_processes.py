@@ -12,7 +12,10 @@ The processes die with the trainer, however it dies: each gets SIGTERM from the 
 thread that started it exits (`PR_SET_PDEATHSIG`, `parallel/lifetime.py`; so start and restart
 them from a thread that lives as long as they should, normally the main thread), and each leads
 its own process group, which `close()` kills (SIGKILL: nothing in an engine needs a graceful
-stop) so nothing it started survives it. `restart(i)` brings an engine back at the same URL with dummy weights again (returning
+stop) so nothing it started survives it. Nor does the POSIX shared memory its process tree made
+(vLLM's `psm_*` segments, say): a `SharedMemoryLedger` per launch notes what the tree holds (once it
+answers, every few seconds in `alive()`, before it is stopped) and removes it once the tree is dead,
+never an entry that predates it or that another process holds. `restart(i)` brings an engine back at the same URL with dummy weights again (returning
 once it answers); `relaunch(i)` and `poll_start(i)` do the same in two halves, so that the pool's
 restarter can bring several back at once. The pool then finds it at another weight version and
 keeps it waiting for weights, out of generation, until the next weight sync reaches it.
@@ -40,7 +43,8 @@ from collections.abc import Callable, Sequence
 
 from mcore_rl.config.rl_schema import EngineGroupConfig
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.parallel.lifetime import preexec_die_with_parent
+from mcore_rl.parallel.lifetime import SharedMemoryLedger, preexec_die_with_parent
+from mcore_rl.rollout.weight_transports import SHM_PREFIX
 import mcore_rl
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ LOG_TAIL_LINES = 20  # of an engine's log, in a startup error
 STOP_GRACE_S = 5.0  # restart of a live engine: SIGTERM -> SIGKILL (the server exits within 3 s of SIGTERM)
 _BIND_RETRIES = 3  # a free port taken by someone else between the probe and the server's bind
 _PORT_IN_USE = ("address already in use", "errno 98")
+SHM_SCAN_INTERVAL_S = 2.0  # how often `alive()` looks for shared memory a running engine made
 
 
 class EngineStartError(RuntimeError):
@@ -67,6 +72,8 @@ class _Engine:
     proc: subprocess.Popen | None = None
     log_offset: int = 0  # where this launch's lines start in the (appended) log
     launched_at: float = 0.0  # time.monotonic() of the current launch
+    shm: SharedMemoryLedger | None = None  # the shared memory this launch's process tree made
+    scanned_at: float = 0.0  # time.monotonic() of the ledger's last scan
 
 
 class EngineProcesses:
@@ -165,15 +172,7 @@ class EngineProcesses:
                 )
             )
         procs = cls(engines, host, model_dir, startup_timeout_s)
-        try:
-            for e in engines:  # all at once: their imports and model builds overlap
-                e.port = _free_port(host)
-                procs._launch(e)
-            for e in engines:
-                procs._wait_ready(e, new_port_on_clash=True)
-        except BaseException:
-            procs.close()
-            raise
+        procs._start_all()
         logger.info("started %d engine processes: %s", num, ", ".join(procs.urls))
         return procs
 
@@ -196,8 +195,18 @@ class EngineProcesses:
         return len(self._engines)
 
     def alive(self, i: int) -> bool:
-        proc = self._engines[i].proc
-        return proc is not None and proc.poll() is None
+        """Whether engine `i`'s process runs (every `SHM_SCAN_INTERVAL_S` this also notes the
+        shared memory its process tree made, which goes when it is stopped)."""
+        e = self._engines[i]
+        running = e.proc is not None and e.proc.poll() is None
+        if running and time.monotonic() - e.scanned_at > SHM_SCAN_INTERVAL_S:
+            self._scan_shm(e)
+        return running
+
+    def shared_memory(self, i: int) -> set[str]:
+        """The /dev/shm entries engine `i`'s current process tree made, as far as seen."""
+        e = self._engines[i]
+        return self._scan_shm(e) if e.proc is not None else set()
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -242,6 +251,7 @@ class EngineProcesses:
                 raise _PortInUse(e.port)
             raise EngineStartError(self._failure(e, f"exited with code {code} during startup"))
         if _healthy(self._url(e)):
+            self._scan_shm(e)
             return True
         if time.monotonic() - e.launched_at > self.startup_timeout_s:
             message = self._failure(
@@ -261,11 +271,13 @@ class EngineProcesses:
         self._closed = True
         atexit.unregister(self._atexit)
         for e in self._engines:
+            self._scan_shm(e)
             _signal_group(e, signal.SIGKILL)
         for e in self._engines:
             if e.proc is not None:
                 e.proc.wait()
                 e.proc = None
+            self._release_shm(e)
 
     def __enter__(self) -> EngineProcesses:
         return self
@@ -288,8 +300,23 @@ class EngineProcesses:
         """The command line of engine `e` (a subclass starts another server: `vllm_processes.py`)."""
         return [sys.executable, "-m", "mcore_rl.cli", "serve", "--host", self.host, "--port", str(e.port), *e.argv_tail]
 
+    def _start_all(self) -> None:
+        """Launch every engine at once (their imports and model builds overlap) on a free port and
+        wait until each answers; on any failure stop them all and raise."""
+        try:
+            for e in self._engines:
+                e.port = _free_port(self.host)
+                self._launch(e)
+            for e in self._engines:
+                self._wait_ready(e, new_port_on_clash=True)
+        except BaseException:
+            self.close()
+            raise
+
     def _launch(self, e: _Engine) -> None:
         argv = self._argv(e)
+        self._release_shm(e)  # an earlier launch that exited by itself (a port clash)
+        e.shm = SharedMemoryLedger(keep_prefixes=(SHM_PREFIX,))  # the trainer's weight buckets stay
         with open(e.log_path, "ab") as log:
             e.log_offset = log.tell()
             log.write(f"--- engine {e.index}: {' '.join(argv)}\n".encode())
@@ -304,6 +331,7 @@ class EngineProcesses:
                 preexec_fn=_preexec(e.cores),
             )
             e.launched_at = time.monotonic()
+        e.shm.started(e.proc.pid)
 
     def _wait_ready(self, e: _Engine, *, new_port_on_clash: bool) -> None:
         """Until `/health` answers 200. An engine whose port was taken meanwhile starts again on
@@ -340,6 +368,7 @@ class EngineProcesses:
         """SIGTERM the engine's group (unless already sent), SIGKILL it at `deadline`, reap it."""
         if e.proc is None:
             return
+        self._scan_shm(e)  # the last look while its tree may still live
         if deadline is None:
             _signal_group(e, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
@@ -350,6 +379,19 @@ class EngineProcesses:
         _signal_group(e, signal.SIGKILL)  # also whatever it started, even if it exited itself
         e.proc.wait()
         e.proc = None
+        self._release_shm(e)
+
+    def _scan_shm(self, e: _Engine) -> set[str]:
+        e.scanned_at = time.monotonic()
+        return e.shm.scan() if e.shm is not None else set()
+
+    def _release_shm(self, e: _Engine) -> None:
+        """Remove the shared memory engine `e`'s (dead) process tree made."""
+        if e.shm is not None:
+            removed = e.shm.release()
+            e.shm = None
+            if removed:
+                logger.info("engine %d: removed the shared memory it left: %s", e.index, ", ".join(removed))
 
 
 def start_engine_group(

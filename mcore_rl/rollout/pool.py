@@ -797,6 +797,10 @@ class HTTPEnginePool:
             if rollout.sync_dir is None:  # the validation refuses this before any worker starts
                 raise ValueError("rollout.sync_dir: required with rollout.sync_transport: disk")
             self._transport = DiskTransport(self, rollout.sync_dir)
+        elif rollout.engine_kind == "vllm":  # vLLM's own NCCL transfer (GPU only; validation refuses it on CPU)
+            from mcore_rl.rollout.vllm_weights import VLLMNcclTransport  # lazy: the vLLM backend only
+
+            self._transport = VLLMNcclTransport(self)
         else:
             self._transport = DistributedTransport(
                 self, rendezvous_timeout_s=self.router.clients[self.urls[0]].weight_update_timeout

@@ -19,8 +19,12 @@ pool's engine states, staleness and accounting, and the disk weight transport wo
     /get_weight_version                  /weight_info ("default", the weights it started with, is 0)
     /flush_cache                         /reset_prefix_cache
 
-Refused with a reason (an `EngineHTTPError`, which the pool raises as a refusal): in-memory and
-NCCL weight pushes and memory release (not on CPU), `/weights_checksum` (404: vLLM's
+On GPU, vLLM's own NCCL transfer (`/init_weight_transfer_engine`, `/start_weight_update`,
+`/update_weights`, `/finish_weight_update`) is driven by `vllm_weights.py`; these methods are its
+requests, under vLLM's names.
+
+Refused with a reason (an `EngineHTTPError`, which the pool raises as a refusal): SGLang's tensor
+and broadcast weight requests, memory release (not on CPU), `/weights_checksum` (404: vLLM's
 `/weight_checker` hashes are not trustworthy on CPU, so the pool logs that the weights go
 unchecked, as for a real SGLang server), routed experts, sampling masks, top-k ids, text prompts.
 
@@ -68,8 +72,13 @@ SAMPLING_FIELDS: dict[str, str | None] = {
 # /generate fields the client maps (the rest are refused by name)
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "stream"})
 VLLM_GENERATION_PATHS = frozenset({"/v1/completions"})
-VLLM_WEIGHT_PATHS = frozenset({"/collective_rpc"})
-NOT_ON_CPU = "vLLM on CPU loads weights from disk only: set rollout.sync_transport: disk"
+VLLM_WEIGHT_PATHS = frozenset(
+    {"/collective_rpc", "/init_weight_transfer_engine", "/update_weights", "/finish_weight_update"}
+)
+NOT_ON_CPU = (
+    "vLLM takes weights from disk (rollout.sync_transport: disk) or, on GPU, by its own NCCL transfer "
+    "(rollout.sync_transport: distributed, `vllm_weights.py`), never SGLang's tensor or broadcast requests"
+)
 
 
 class VLLMEngineClient(EngineClient):
@@ -228,11 +237,30 @@ class VLLMEngineClient(EngineClient):
             await self.flush_cache()
         return {"success": True, "message": f"reloaded {model_path}", "weight_version": self.version}
 
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict:
+        """vLLM's NCCL group (GPU only, `vllm_weights.py`): the worker joins it within this request."""
+        return await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, retry=False)
+
+    async def start_weight_update(self) -> dict:
+        return await self._call("POST", "/start_weight_update", None, retry=False)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> dict:
+        """The worker receives `update_info`'s tensors from the group's rank 0 within this request."""
+        return await self._call("POST", "/update_weights", {"update_info": update_info}, retry=False)
+
+    async def finish_weight_update(self, weight_version: str) -> dict:
+        reply = await self._call("POST", "/finish_weight_update", {"weight_version": weight_version}, retry=False)
+        self.version = weight_version
+        return reply
+
+    async def shutdown_weight_transfer_engine(self) -> dict:
+        return await self._call("POST", "/shutdown_weight_transfer_engine", None, retry=False)
+
     async def update_weights_from_tensor(self, serialized_named_tensors: list, **fields: Any) -> dict:
         raise self._refuse(f"/update_weights_from_tensor: {NOT_ON_CPU}")
 
     async def init_weights_update_group(self, *args: Any, **kwargs: Any) -> dict:
-        raise self._refuse(f"/init_weights_update_group (NCCL weight transfer needs an accelerator): {NOT_ON_CPU}")
+        raise self._refuse(f"/init_weights_update_group: {NOT_ON_CPU}")
 
     async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> dict:
         raise self._refuse(f"/update_weights_from_distributed: {NOT_ON_CPU}")

@@ -28,7 +28,7 @@ import torch
 
 from mcore_rl.config.rl_vllm import VLLM_SETUP, VLLM_VENV_ENV, vllm_python
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.rollout.engine_processes import EngineProcesses, EngineStartError, _child_env, _Engine, _free_port
+from mcore_rl.rollout.engine_processes import EngineProcesses, EngineStartError, _child_env, _Engine
 
 SERVED_MODEL_NAME = "policy"
 
@@ -120,15 +120,7 @@ class VLLMEngineProcesses(EngineProcesses):
                 )
             )
         procs = cls(engines, host, model_dir, startup_timeout_s, exe)
-        try:
-            for e in engines:
-                e.port = _free_port(host)
-                procs._launch(e)
-            for e in engines:
-                procs._wait_ready(e, new_port_on_clash=True)
-        except BaseException:
-            procs.close()
-            raise
+        procs._start_all()
         return procs
 
     def _argv(self, e: _Engine) -> list[str]:
