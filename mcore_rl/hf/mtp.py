@@ -89,21 +89,21 @@ class MTPHeads(nn.Module):
         return out
 
 
-# The per-layer tensors of DeepSeek's MTP layers that are copies of the policy's own (its embedding
+# The per-layer tensors of a checkpoint's carried NEXTN layers (DeepSeek-V3, GLM-4.5) that are copies of the policy's own (its embedding
 # and its output layer, which the heads here share): not loaded into the heads.
-DEEPSEEK_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+NEXTN_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-def heads_name_of_deepseek(name: str, num_hidden_layers: int, depths: int) -> str | None:
+def heads_name_of_nextn_layer(name: str, num_hidden_layers: int, depths: int) -> str | None:
     """The heads' name (`mtp.layers.{d}.*`) of a DeepSeek-V3 / GLM-4.5 checkpoint's MTP tensor
     `model.layers.{num_hidden_layers + d}.*` (d < depths); `name` itself when it is no MTP layer's;
-    None for the layer's copies of the embedding and the output layer (`DEEPSEEK_SHARED_COPIES`)."""
+    None for the layer's copies of the embedding and the output layer (`NEXTN_SHARED_COPIES`)."""
     prefix = "model.layers."
     if not name.startswith(prefix):
         return name
     index, _, rest = name[len(prefix) :].partition(".")
     if not index.isdigit() or not num_hidden_layers <= int(index) < num_hidden_layers + depths:
         return name
-    if rest in DEEPSEEK_SHARED_COPIES:
+    if rest in NEXTN_SHARED_COPIES:
         return None
     return f"mtp.layers.{int(index) - num_hidden_layers}.{rest}"

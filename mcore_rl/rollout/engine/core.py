@@ -117,7 +117,7 @@ from .spec_schedule import EXPLORE_AFTER, AcceptanceRate, StepCost, prefix_survi
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
 from mcore_rl.hf.configuration import unsupported_stock_fields
-from mcore_rl.hf.mtp import heads_name_of_deepseek
+from mcore_rl.hf.mtp import heads_name_of_nextn_layer
 from mcore_rl.hf.refused_architectures import refusal
 from mcore_rl.hf.rope import rope_key_in_file
 
@@ -408,7 +408,7 @@ class EngineCore:
             with safe_open(f, framework="pt") as sf:
                 named = []
                 for n in sf.keys():  # DeepSeek's MTP layers: the heads where built (NEXTN), else not served
-                    ours = heads_name_of_deepseek(n, layers, carried) if carried else n
+                    ours = heads_name_of_nextn_layer(n, layers, carried) if carried else n
                     if ours == n or (ours is not None and depths):
                         named.append((ours, n))
                 loaded += self.load_weights((ours, sf.get_tensor(n)) for ours, n in named)
