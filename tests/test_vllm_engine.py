@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -47,7 +48,9 @@ MC = ModelConfig(  # configs/demo.yaml's model, head dim 32
     num_attention_heads=4,
     num_query_groups=2,
     kv_channels=32,
-    max_position_embeddings=256,
+    # longer than the demo's 256 (RoPE: no weight depends on it) so a long request outlasts a probe
+    # on an idle machine too (200 tokens took less than one client round trip there)
+    max_position_embeddings=1280,
 )
 VLLM_DEMO = [
     "rollout.engine_kind=vllm",
@@ -86,7 +89,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPEnginePool]:
         engine_kind="vllm",
         num_embedded_engines=1,
         max_running_requests=8,
-        context_length=256,
+        context_length=1280,
         sync_transport="disk",
         sync_dir=str(root / "weights"),
         health_check_interval_s=0.5,
@@ -160,7 +163,7 @@ def test_pause_in_place_keeps_requests_abort_ends_them_retract_is_refused(pool: 
     time.sleep(0.5)  # paused: a request that were still running would finish in this time
     assert not fut.done()
     pool.call("continue_generation", {})
-    gen = fut.result(timeout=120)
+    gen = fut.result(timeout=600)
     assert gen.finish_reason == "length" and len(gen.output_ids) == LONG["max_new_tokens"]
 
     fut = _paused_mid_request(pool, "abort")
@@ -256,7 +259,7 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     assert pool.processes is not None
     made = pool.processes.shared_memory(0)
     assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
-    futs = [_in_flight(pool, p) for p in PROMPTS]
+    futs = _in_flight(pool, *PROMPTS)
     pid = pool.processes.pids[0]
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -283,27 +286,35 @@ def test_closing_the_pool_leaves_no_vllm_process_or_shared_memory(pool: HTTPEngi
     assert not [n for n in made if os.path.exists(os.path.join(SHM, n))]
 
 
-LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_new_tokens": 1200, "ignore_eos": True}
 
 
-def _in_flight(pool: HTTPEnginePool, prompt: list[int]) -> Future[Generation]:
-    """A long request the engine is running: vLLM schedules first come, first served, so once a
-    one-token request sent after it has finished, it runs (and is checked to be unfinished)."""
+def _running(pool: HTTPEnginePool) -> float:
+    """Requests vLLM is running now, by its own Prometheus gauge (`/metrics`)."""
+    with urllib.request.urlopen(pool.urls[0] + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+def _in_flight(pool: HTTPEnginePool, *prompts: list[int]) -> list[Future[Generation]]:
+    """Long requests the engine is running, all at once, by vLLM's own count of running requests
+    (a one-token probe sent after them is no proof: on some machines vLLM answered the probe only
+    after the long request had finished)."""
     for _ in range(5):
-        fut = run(pool, GenRequest(prompt, LONG))
-        # done already: on a loaded machine this thread may not look again before 200 tokens are made
-        _wait(lambda: fut.done() or sum(pool.router.outstanding.values()) > 0, "the request to be sent")
-        pool.generate([GenRequest(PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 1})])
-        if not fut.done():
-            return fut
-        fut.result()
+        before = _running(pool)
+        futs = [run(pool, GenRequest(p, LONG)) for p in prompts]
+        _wait(lambda: any(f.done() for f in futs) or _running(pool) >= before + len(futs), "the requests to run")
+        if not any(f.done() for f in futs):
+            return futs
+        for f in futs:
+            f.result(timeout=600)
     pytest.fail("every long request finished before it could be caught running")
 
 
 def _paused_mid_request(pool: HTTPEnginePool, mode: str) -> Future[Generation]:
     """A long request caught running, and the engine paused with `mode` while it runs."""
     for _ in range(5):
-        fut = _in_flight(pool, PROMPTS[0])
+        (fut,) = _in_flight(pool, PROMPTS[0])
         pool.call("pause_generation", {"mode": mode})
         if not fut.done() or fut.result().finish_reason == "abort":
             return fut

@@ -275,8 +275,10 @@ class EngineProcesses:
             _signal_group(e, signal.SIGKILL)
         for e in self._engines:
             if e.proc is not None:
+                pgid = e.proc.pid
                 e.proc.wait()
                 e.proc = None
+                _wait_group_gone(pgid)
             self._release_shm(e)
 
     def __enter__(self) -> EngineProcesses:
@@ -471,6 +473,27 @@ def _signal_group(e: _Engine, sig: int) -> None:
         os.killpg(e.proc.pid, sig)  # start_new_session: the engine leads its own group
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 15.0) -> None:
+    """Until no live process of group `pgid` is left: SIGKILL is delivered at once, but a process
+    that maps gigabytes (vLLM's EngineCore and worker) takes a moment to tear down after its leader
+    is reaped, and `close()` promises that nothing of the engine runs when it returns."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = False
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.05)
 
 
 def _free_port(host: str) -> int:
