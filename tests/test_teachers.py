@@ -792,3 +792,18 @@ def test_vocab_parallel_topk_over_two_tensor_parallel_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_tp2_topk, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def test_the_answer_context_of_a_structured_label_is_its_answer_not_the_whole_entry() -> None:
+    """A reasoning-gym label is its generator's entry (question, answer, metadata); the privileged
+    teacher must see the answer, not the metadata's dict."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.data.tasks.reasoning_gym import ReasoningGymTask
+    from mcore_rl.train.teachers import answer_of_label, privileged_context
+
+    question, entry = ReasoningGymTask("gcd", max_value=30).rl_examples(1, 7)[0]
+    prompt = Prompt(index=0, text=question, ids=[1, 2], label=entry)
+    sample = Sample(prompt, group=0, response_ids=[3], rollout_logp=[-1.0], policy_version=0, finish_reason="stop")
+    assert privileged_context(sample, [sample], "answer") == str(entry["answer"])
+    assert answer_of_label("42") == "42" and answer_of_label(7) == "7"
+    assert answer_of_label({"question": "q"}) is None and answer_of_label("") is None and answer_of_label(None) is None

@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -190,13 +190,21 @@ def token_topk(
     return vals, ids
 
 
+def answer_of_label(label: Any) -> str | None:
+    """The reference answer a label holds: the label itself, or the `answer` field of a structured
+    label (a reasoning-gym entry is a dict whose `metadata` the scorer needs); None when it has none.
+    Putting a whole dict in front of the prompt would show the teacher its metadata, not an answer."""
+    if isinstance(label, Mapping):
+        label = label.get("answer")
+    return None if label is None or label == "" else str(label)
+
+
 def privileged_context(
     sample: Sample, batch: Sequence[Sample], source: str, key: str = "skill", peer_min_reward: float = 1.0
 ) -> str | None:
     """The privileged text for `sample` (None when there is none): see the module docstring."""
     if source == "answer":
-        label = sample.prompt.label
-        return None if label is None or label == "" else str(label)
+        return answer_of_label(sample.prompt.label)
     if source == "info":
         value = sample.info.get(key)
         return None if value is None or value == "" else str(value)
