@@ -212,3 +212,24 @@ def test_gpu_check_on_cpu_skips_every_gpu_row_and_a_failing_row_reports_its_erro
     ]
     results = gpu_check.run_rows(rows, gpu_check.Context(str(tmp_path), 60, cuda=False))
     assert results[0][1].startswith("error: RuntimeError: boom") and results[1][1].startswith("ok")
+
+
+def test_gpu_check_tiny_checkpoint_loads_with_autotokenizer_and_the_embedded_engine(tmp_path):
+    """The SGLang row's checkpoint: SGLang reads the tokenizer with `AutoTokenizer`, so it must be a
+    stock `tokenizer.json` (it once was the project's own byte-tokenizer file, which it cannot parse)."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.rollout.engine.core import EngineCore
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    gpu_check._tiny_checkpoint(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = tok.encode("def f(x): return 'é'", add_special_tokens=False)
+    assert tok.decode(ids) == "def f(x): return 'é'" and max(ids) < 1024
+    assert tok.eos_token_id is not None and tok.eos_token_id < 1024
+    engine = EngineCore.from_model_path(str(tmp_path))
+    assert engine is not None

@@ -352,8 +352,11 @@ def _generate(url: str, ids: list[int], new_tokens: int) -> tuple[list[int], lis
 
 
 def _tiny_checkpoint(path: str) -> None:
-    """A random Qwen3 checkpoint in the stock `transformers` format, with the project's tokenizer."""
+    """A random Qwen3 checkpoint in the stock `transformers` format, with a byte-level tokenizer in
+    the stock `tokenizer.json` format (SGLang loads it with `AutoTokenizer`; the project's own
+    `mcore_rl_tokenizer.json` is not a `tokenizers` file)."""
     import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -370,9 +373,13 @@ def _tiny_checkpoint(path: str) -> None:
         torch_dtype="bfloat16",
     )
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    tokenizer_file = os.path.join(REPO, "mcore_rl/assets/tokenizer/mcore_rl_tokenizer.json")
-    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
-    tok.save_pretrained(path)
+    # one token per byte (ByteLevel's 256 printable stand-ins), no merges, then the specials
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    hf.save_pretrained(path)
 
 
 def sglang_vs_embedded(ctx: Context) -> str:
