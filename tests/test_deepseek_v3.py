@@ -303,12 +303,9 @@ def test_deepseek_mtp_layers_draft_as_nextn_heads(tmp_path) -> None:
     config.mtp_num_layers = 1
     model = McoreRLForCausalLM(config)
     _randomize(model)
-    for name, buf in model.named_buffers():  # the router's bias is a buffer the engine does not load
-        if name.endswith("e_score_correction_bias"):
-            buf.zero_()
     n = config.num_hidden_layers
     tensors = {}
-    for name, t in model.named_parameters():  # the weights the engine takes
+    for name, t in model.state_dict().items():  # the weights the engine takes, the routers' biases too
         if name.startswith("mtp.layers.0."):
             name = f"model.layers.{n}." + name.removeprefix("mtp.layers.0.")
         tensors[name] = t.detach().contiguous()
@@ -322,6 +319,8 @@ def test_deepseek_mtp_layers_draft_as_nextn_heads(tmp_path) -> None:
         for i, p in enumerate(PROMPTS)
     ] + [req("g", PROMPTS[3], temperature=0.0, max_new_tokens=10, ignore_eos=True)]
     loaded = EngineCore.from_model_path(str(tmp_path), max_total_tokens=4096, speculative=spec)
+    biases = {k: v for k, v in loaded.model.state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert biases and all(torch.equal(v, model.state_dict()[k]) for k, v in biases.items())
     built = make_engine(copy.deepcopy(model), max_total_tokens=4096, speculative=spec)
     got, want = run(loaded, reqs), run(built, reqs)
     assert {r: o.output_ids for r, o in got.items()} == {r: o.output_ids for r, o in want.items()}

@@ -1148,7 +1148,10 @@ class EngineCore:
         `weight_version` (the weight-update endpoints do). Returns the (per-expert) names loaded.
         """
         with self._lock:
-            params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+            # parameters and persistent buffers (DeepSeek-V3 / GLM-4.5's router `e_score_correction_bias`
+            # is a buffer the checkpoint and the trainer's sync carry)
+            params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+            params.update(self.model.named_parameters())
             if self.config.tie_word_embeddings:
                 hf_model: Any = self.model  # a transformers PreTrainedModel (held as nn.Module)
                 params.setdefault("lm_head.weight", hf_model.get_input_embeddings().weight)
