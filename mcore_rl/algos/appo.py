@@ -6,7 +6,7 @@ tokens of each root are branch points, and the current policy continues from eac
 what is left of the prompt's budget of M rollouts. This module holds the pure parts:
 
 * `future_log_ratio`: G_i = Σ_{i'≥i} γ^{i'−i} log ρ_{i'} by the backward recursion
-  G_i = log ρ_i + γ G_{i+1} (the notes write γ^{i'−1} for Ω; γ^{i'−i}, as for Â^ftu, is taken);
+  G_i = log ρ_i + γ G_{i+1} (the paper writes γ^{i'−1} for Ω; γ^{i'−i}, as for Â^ftu, is taken);
 * `branching_scores` and `branch_points` (top-B per rollout), `allot_branches` (the M − N branches
   over the points);
 * the dual-group advantage (`appo`, kind "advantage"): GRPO within the init set and within the branch
@@ -16,7 +16,7 @@ what is left of the prompt's budget of M rollouts. This module holds the pure pa
   batch (π_θ = π_old) and moves only on later minibatches or epochs. It is a weight, not a path
   for the gradient (detached), and positive, so it never flips an advantage's sign.
 
-Choices where the notes are open (docs/step_credit.md, "APPO"): a factor of the score that is
+Choices where the paper is open (docs/step_credit.md, "APPO"): a factor of the score that is
 constant over a rollout (Ω when π_θ = π_old, as when the branches are drawn right after the roots)
 ranks nothing and is left out of the product (the score is then the other factor's z-score);
 branches train like roots (each with its own group's advantage).
