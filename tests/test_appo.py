@@ -211,8 +211,12 @@ def test_config_rules_name_the_key():
     assert "rollout.appo.branch_points" in _errors(*ON, "rollout.appo.branch_points=0")
     assert "rollout.appo.clip" in _errors(*ON, "rollout.appo.clip=1.0")
     assert "algorithm.policy_loss_options.ftu_coef" in _errors(*ON, "algorithm.policy_loss_options={ftu_coef: -1.0}")
-    agentic = _errors("rollout.appo.enabled=true", "algorithm.advantage=appo", path="configs/agentic_demo.yaml")
-    assert "data.domains[0].environment" in agentic and "multi-turn" in agentic, agentic
+    agentic = ("rollout.appo.enabled=true", "algorithm.advantage=appo")
+    assert _errors(*agentic, path="configs/agentic_demo.yaml") == ""  # step-wise episodes branch
+    conversation = _errors(
+        *agentic, "data.domains[0].environment.trajectory=conversation", path="configs/agentic_demo.yaml"
+    )
+    assert "data.domains[0].environment.trajectory" in conversation and "step-wise" in conversation, conversation
 
 
 # ---------------------------------------------------------------- the tree on a real engine
@@ -329,3 +333,55 @@ def test_tree_rollouts_on_the_embedded_engine_continue_each_root_prefix():
     )
     assert counts["prefix_tokens"] == sum(len(b.prompt.ids) - len(prompt.ids) for b in group[2:])
     assert counts["context_tokens"] == sum(len(b.prompt.ids) for b in group[2:])
+
+
+def test_episode_trees_replay_the_root_turns_and_branch_inside_a_turn():
+    """Guess-the-number, step-wise, on the embedded engine: each branch episode replays its root's
+    turns before the branch (every replayed context equal to the root's), continues the turn from the
+    root's prefix (untrained) and plays on; its samples carry its own return."""
+    from mcore_rl.agent.groups import EpisodeGroups, environment_examples
+    from mcore_rl.config.loader import load_config
+    from mcore_rl.config.rl_schema import RLConfig
+    from mcore_rl.recipes.appo import grow_trees
+
+    cfg = load_config(
+        RLConfig, "configs/agentic_demo.yaml", [*ON, "rollout.group_size=2", "rollout.appo.branch_points=4"]
+    )
+    episodes = EpisodeGroups.from_config(cfg, TOK)
+    assert episodes is not None
+    ctx = _Rollout(cfg, make_engine(tiny_model(seed=2)))
+    (text, label), *_ = environment_examples(cfg.data.domains[0], 1, 0)
+    prompt = Prompt(5, text, TOK.encode(text), label, "guess")
+
+    async def generate(req):
+        return (await ctx.generate_many([req]))[0]
+
+    samplings = [ctx.sampling_params(1.0, 100 + j) for j in range(2)]
+    roots = asyncio.run(episodes.run_group(prompt, samplings, generate))
+    (group,), counts = asyncio.run(grow_trees(ctx, [roots], episodes))
+    assert counts["replay_mismatch"] == 0 and counts["branches"] == 8  # M = N + N·B = 10 episodes
+    branches = group[len(roots) :]
+    assert group[: len(roots)] == roots and all(s.marks.branch_of is not None for s in branches)
+    by_root = {(s.episode, s.step_index): s for s in roots}
+    seen, where = set(), set()
+    for s in branches:
+        if s.episode in seen:
+            continue  # the first sample of each branch episode is its branched turn
+        seen.add(s.episode)
+        assert s.episode not in {r.episode for r in roots}
+        root = by_root[(s.marks.branch_of, s.step_index)]
+        p = next((i for i, m in enumerate(s.trainable) if m), len(s.trainable))
+        where.add((s.step_index > 0, p > 0))
+        assert s.prompt.ids == root.prompt.ids and s.info["state"] == root.info["state"]  # replayed
+        assert s.response_ids[:p] == root.response_ids[:p] and s.rollout_logp[:p] == root.rollout_logp[:p]
+        assert all(m == 1 for m in s.trainable[p:]) and len(s.response_ids) > p
+        mates = [x for x in branches if x.episode == s.episode]
+        assert len({x.reward for x in mates}) == 1 and [x.step_index for x in mates] == list(
+            range(s.step_index, s.step_index + len(mates))
+        )
+    assert len(seen) == 8
+    assert (True, False) in where and any(inside for _, inside in where)  # turns replayed; a branch inside a turn
+    assert counts["prefix_tokens"] == sum(
+        next(i for i, m in enumerate(x.trainable) if m) for x in branches if x.trainable
+    )
+    episodes.close()

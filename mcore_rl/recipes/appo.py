@@ -26,9 +26,14 @@ the embedded engine has no prefix cache and computes every context in full.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from typing import Any
+
 import torch
 
+from mcore_rl.agent.episodes import Episode, TurnOutput, run_episode
+from mcore_rl.agent.groups import EpisodeGroups
 from mcore_rl.algos.appo import allot_branches, branch_points, branching_scores
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.config.rules import Errors
@@ -61,14 +66,142 @@ def total_rollouts(cfg: RLConfig, n: int) -> int:
     return a.budget if a.budget > 0 else n + n * a.branch_points
 
 
-async def grow_trees(rollout: RolloutContext, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, int]]:
-    """Every group's branches (module docstring), scored by the domain's reward: (groups, counts)."""
+def _points(rows: list[list[Sample]], b: int, gamma: float, clip: float) -> torch.Tensor:
+    """[N, B] flat positions over each row's concatenated responses (an episode's steps in order);
+    a row that is lost, or has a sample without μ per token, has none."""
+    t = max((sum(len(s.response_ids) for s in row) for row in rows), default=0)
+    mu = torch.zeros(len(rows), t, dtype=torch.float64)
+    mask = torch.zeros(len(rows), t, dtype=torch.float64)
+    for n, row in enumerate(rows):
+        ok = all(
+            s.reward_error is None and s.finish_reason != "abort" and len(s.rollout_logp) == len(s.response_ids)
+            for s in row
+        )
+        if not ok:
+            continue
+        k = 0
+        for s in row:
+            m = len(s.response_ids)
+            mu[n, k : k + m] = torch.tensor(s.rollout_logp, dtype=torch.float64)
+            mask[n, k : k + m] = torch.tensor(s.trainable or [1] * m, dtype=torch.float64)
+            k += m
+    return branch_points(branching_scores(mu, mu, -mu, mask, gamma=gamma, clip=clip), mask, b)
+
+
+def _locate(row: list[Sample], flat: int) -> tuple[int, int]:
+    """(step, offset in its response) of a flat position over an episode's steps."""
+    for t, s in enumerate(row):
+        if flat < len(s.response_ids):
+            return t, flat
+        flat -= len(s.response_ids)
+    raise IndexError("position past the episode's tokens")
+
+
+def _replayed(step: Sample, stop_ids: Any) -> TurnOutput:
+    """A root's turn fed again as it was sampled (its ids, μ and versions); cut by the token cap
+    when it does not end in a stop token."""
+    ids = list(step.response_ids)
+    versions = list(step.token_versions or [step.policy_version] * len(ids))
+    finish = "stop" if ids and ids[-1] in stop_ids else "length"
+    return TurnOutput(list(ids), list(step.rollout_logp), versions, finish, step.engine, 1)
+
+
+async def _branch_episode(
+    rollout: RolloutContext, ep: Episode, root: list[Sample], t: int, p: int
+) -> list[Sample] | None:
+    """Replay `root`'s turns before t in `ep`, continue turn t from its first p tokens with the
+    engines, play the episode out; its samples from step t on (the prefix untrained), or None if the
+    replay did not reach the root's context of turn t (an environment that does not replay)."""
+    for u in range(t + 1):
+        if ep.done or ep.context_ids() != list(root[u].prompt.ids):
+            return None
+        if u < t:
+            ep.advance(_replayed(root[u], ep.chat.stop_ids))
+    step = root[t]
+    versions = list(step.token_versions or [step.policy_version] * len(step.response_ids))
+    out = TurnOutput(list(step.response_ids[:p]), list(step.rollout_logp[:p]), versions[:p], "abort", step.engine)
+    for part in range(1, 65):  # as `episodes.generate_turn`, from the prefix
+        req = ep.request(out.ids, part)
+        if req is None:
+            out.finish_reason = "length"
+            break
+        out.add((await rollout.generate_many([req]))[0])
+        if out.finish_reason != "abort":
+            break
+
+    async def generate(r: GenRequest) -> Any:
+        return (await rollout.generate_many([r]))[0]
+
+    ep.advance(out)
+    await run_episode(ep, generate)
+    samples = ep.samples()[t:]
+    first = samples[0]
+    first.trainable = [0] * p + list(first.trainable or [1] * len(first.response_ids))[p:]
+    return samples
+
+
+async def grow_episode_trees(
+    rollout: RolloutContext, group: list[Sample], episodes: EpisodeGroups, counts: dict[str, int]
+) -> list[Sample]:
+    """The branches of a group of step-wise episodes: a branch at token p of step t of a root episode
+    is a new episode of the group's environment, reset from the group's seed, the root's turns before
+    t replayed (each step's context checked against the root's), turn t continued from its first p
+    tokens and the episode played on by the engines. Its samples are its steps from t on, the
+    prefix of step t untrained (it is the root's); each carries the branch episode's return."""
+    cfg, a = rollout.cfg, rollout.cfg.rollout.section(APPOConfig)
+    by_episode: dict[int, list[Sample]] = {}
+    for s in group:
+        by_episode.setdefault(int(s.episode or 0), []).append(s)
+    keys = sorted(by_episode)
+    rows = [sorted(by_episode[j], key=lambda s: s.step_index or 0) for j in keys]
+    points = _points(rows, a.branch_points, a.gamma, a.clip)
+    plan = allot_branches(points, total_rollouts(cfg, len(rows)) - len(rows))
+    prompt = rows[0][0].prompt
+
+    async def one(k: int, n: int, flat: int) -> list[Sample]:
+        t, p = _locate(rows[n], flat)
+        seed = sample_seed(cfg.train.seed, SALT_APPO, prompt.index, len(rows) + k)
+        sp = rollout.sampling_params(rollout.temperature, seed, None, prompt.domain)
+        (ep,) = episodes.episodes(prompt, [sp])
+        ep.index = max(keys) + 1 + k
+        try:
+            samples = await _branch_episode(rollout, ep, rows[n], t, p)
+        finally:
+            ep.close()
+        if samples is None:
+            counts["replay_mismatch"] += 1
+            return []
+        counts["branches"] += 1
+        counts["prefix_tokens"] += p
+        counts["context_tokens"] += len(samples[0].prompt.ids) + p
+        for s in samples:
+            s.marks = SampleMarks(branch_of=keys[n])
+        return samples
+
+    done = await asyncio.gather(*(one(k, n, f) for k, (n, f) in enumerate(plan)))
+    return [s for branch in done for s in branch]
+
+
+COUNTS = ("branches", "no_room", "prefix_tokens", "context_tokens", "replay_mismatch")
+
+
+async def grow_trees(
+    rollout: RolloutContext, groups: list[list[Sample]], episodes: EpisodeGroups | None = None
+) -> tuple[list[list[Sample]], dict[str, int]]:
+    """Every group's branches (module docstring), scored by the domain's reward: (groups, counts).
+    A group of step-wise episodes grows through `episodes` (`grow_episode_trees`)."""
     cfg = rollout.cfg
     a = cfg.rollout.section(APPOConfig)
     tokenizer = rollout.tokenizer
-    counts = {"branches": 0, "no_room": 0, "prefix_tokens": 0, "context_tokens": 0}
+    counts = dict.fromkeys(COUNTS, 0)
     plans: list[tuple[int, int, int, list[int], GenRequest]] = []  # (group, root, position, context, request)
+    grown_episodes: dict[int, list[Sample]] = {}
     for gi, roots in enumerate(groups):
+        if roots and roots[0].episode is not None:
+            if episodes is None:
+                raise RuntimeError("rollout.appo: a group of episodes, and no environments to replay them in")
+            grown_episodes[gi] = await grow_episode_trees(rollout, roots, episodes, counts)
+            continue
         points = root_points(roots, a.branch_points, a.gamma, a.clip)
         for k, (n, p) in enumerate(allot_branches(points, total_rollouts(cfg, len(roots)) - len(roots))):
             s = roots[n]
@@ -85,7 +218,7 @@ async def grow_trees(rollout: RolloutContext, groups: list[list[Sample]]) -> tup
             sp = rollout.sampling_params(rollout.temperature, seed, room, s.prompt.domain)
             plans.append((gi, n, p, context, GenRequest(context, sp)))
     gens = await rollout.generate_many([r for *_, r in plans]) if plans else []
-    grown = [list(g) for g in groups]
+    grown = [list(g) + grown_episodes.get(gi, []) for gi, g in enumerate(groups)]
     new: list[Sample] = []
     for (gi, n, p, context, _), gen in zip(plans, gens):
         root = groups[gi][n]
@@ -150,10 +283,15 @@ class TreeRollouts(Recipe):
         )
         for i, d in enumerate(cfg.data.domains):
             errors.need(
-                d.environment is None and d.agent is None,
-                f"data.domains[{i}].environment" if d.environment is not None else f"data.domains[{i}].agent",
-                f"rollout.appo branches single-turn responses only; domain {d.name!r} is multi-turn "
-                "(branching an episode mid-turn needs its environment replayed, not built)",
+                d.agent is None,
+                f"data.domains[{i}].agent",
+                f"rollout.appo cannot branch domain {d.name!r}: an agent program's episode cannot be replayed",
+            )
+            errors.need(
+                d.environment is None or d.environment.trajectory == "stepwise",
+                f"data.domains[{i}].environment.trajectory",
+                f"rollout.appo branches episodes of step-wise samples only; domain {d.name!r} is 'conversation' "
+                "(a branch would need the trajectory cut inside a sample, not built)",
             )
         errors.need(
             cfg.algorithm.routing_replay != "r3",
@@ -167,8 +305,18 @@ class TreeRollouts(Recipe):
             "rollout.sampling_mask_replay",
         )
 
+    def __init__(self, cfg: RLConfig) -> None:
+        super().__init__(cfg)
+        self.episodes: EpisodeGroups | None = None  # the environments branches of episodes replay in
+
     async def repair_round(
         self, groups: list[list[Sample]], rollout: RolloutContext
     ) -> tuple[list[list[Sample]], dict[str, float]]:
-        groups, counts = await grow_trees(rollout, groups)
+        if self.episodes is None and self.cfg.data.domains:
+            self.episodes = EpisodeGroups.from_config(self.cfg, rollout.tokenizer)
+        groups, counts = await grow_trees(rollout, groups, self.episodes)
         return groups, {f"appo_{k}": float(v) for k, v in counts.items()}
+
+    def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
