@@ -8,7 +8,9 @@ token p is drawn again, and the branch gets what is left of the prompt's token b
 response the continuation; its text, which the domain's reward scores against the original prompt,
 is the prefix's decoded text followed by the continuation's. It is marked `SampleMarks.branch_of`
 (the root's index in the group), which is how `algorithm.advantage: appo` tells the init set from
-the branch set.
+the branch set. A group of step-wise episodes grows branch episodes instead
+(`grow_episode_trees`: the environment reset from the group's seed, the root's turns before the
+branch replayed and checked, the turn continued from the root's prefix, the episode played on).
 
 The score's inputs, as the rollout has them:
 
