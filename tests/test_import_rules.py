@@ -143,7 +143,7 @@ CORE_FILES = (
     "config/rl_recipes.py",
     "hooks.py",
 )
-RECIPE_WORDS = ("mipu", "effopd", "polaris", "s2l", "gec", "remath", "re-math", "exprl", "rlcer", "explorer")
+RECIPE_WORDS = ("mipu", "effopd", "polaris", "s2l", "gec", "remath", "re-math", "exprl", "rlcer", "explorer", "appo")
 
 
 def _module_name(path: pathlib.Path) -> str:

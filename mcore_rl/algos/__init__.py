@@ -11,6 +11,7 @@ Shape conventions: per-token tensors are [N, T] (N sequences, T response positio
 from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     advantages,
     alp,
+    appo,
     cgpo,
     delta,
     distill,

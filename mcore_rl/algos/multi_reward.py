@@ -79,8 +79,22 @@ AUX_LOSS_INPUTS = (
     "agg",
     "norm_length",
 )
+# policy_loss: the loss's positional inputs (`train/rl_step.py: loss_fn`); its options are keyword-only
+POLICY_LOSS_INPUTS = (
+    "logp",
+    "old_logp",
+    "advantages",
+    "mask",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "is_weights",
+    "agg",
+    "norm_length",
+)
 KIND_INPUTS = {
     "advantage": ADVANTAGE_INPUTS,
+    "policy_loss": POLICY_LOSS_INPUTS,
     "reward_shaping": SHAPING_INPUTS,
     "sample_filter": FILTER_INPUTS,
     "advantage_shaping": ADVANTAGE_SHAPING_INPUTS,
@@ -91,8 +105,14 @@ KIND_INPUTS = {
 # mask); `logp_at`, a function ids [k] -> [N, T, k] π_old's log-probs of those ids at every response
 # position (one more forward of the policy, called on every rank alike). DelTA's gradient proxy needs both.
 # advantage: `steps`, a `step_credit.StepBatch` (each sample's episode, step, state key and step reward),
-# given to the step-level estimators (GiGPO, HGPO, GAGPO).
-OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at"), "advantage": ("steps",)}
+# given to the step-level estimators (GiGPO, HGPO, GAGPO); `branches` [N] bool, which samples are branches of a
+# tree rollout (`SampleMarks.branch_of`), given to APPO's dual-group advantage.
+OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at"), "advantage": ("steps", "branches")}
+
+
+def takes_input(fn: Any, name: str) -> bool:
+    """Does `fn`'s signature name the optional input `name`?"""
+    return name in inspect.signature(fn).parameters
 
 
 def declared_inputs(fn: Any, kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -231,7 +251,7 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
         steps = StepBatch(
             torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), rewards
         )
-        return (rewards, gids), dict(common, normalize_std=True, steps=steps)
+        return (rewards, gids), dict(common, normalize_std=True, steps=steps, branches=torch.zeros(2, dtype=torch.bool))
     if kind in ("reward_shaping", "sample_filter"):
         return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long), seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":
@@ -258,6 +278,8 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
             agg="token-mean",
             norm_length=2,
         )
+    if kind == "policy_loss":
+        return (tokens.clone().requires_grad_(), tokens, rewards - 0.5, torch.ones(2, 2)), {}
     raise KeyError(f"no sample inputs for algorithm kind {kind!r}")
 
 

@@ -378,6 +378,7 @@ class AlgorithmConfig:
     mtp_heads_loss: Literal["tv", "ce"] = "tv"  # Bebop's total variation, or the soft cross-entropy
     domain_advantage_weights: dict[str, float] = field(default_factory=dict)  # CGPO's ρ per domain (unlisted: 1)
     policy_loss: str = "ppo_clip"  # registered in mcore_rl.algos as a "policy_loss"
+    policy_loss_options: dict[str, Any] = field(default_factory=dict)  # the loss's keyword-only options
     clip_low: float = 0.2  # PPO ratio clip below 1: 1 - clip_low
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
     dual_clip: float | None = None  # dual-clip bound c for negative advantages (None = off)

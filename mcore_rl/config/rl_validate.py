@@ -488,6 +488,8 @@ def check_multi_reward(a: AlgorithmConfig, errors: Errors) -> None:
 
     if a.advantage in registry.names("advantage"):
         report("algorithm.advantage_options", option_problems("advantage", a.advantage, a.advantage_options))
+    if a.policy_loss in registry.names("policy_loss"):
+        report("algorithm.policy_loss_options", option_problems("policy_loss", a.policy_loss, a.policy_loss_options))
     for i, shaping in enumerate(a.reward_shaping):
         key = f"algorithm.reward_shaping[{i}]"
         if need_registered(errors, f"{key}.name", "reward shaping", shaping.name, registry.names("reward_shaping")):

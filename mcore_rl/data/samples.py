@@ -56,6 +56,7 @@ class SampleMarks:
     rescued: bool = False  # put back from an earlier step by a group repair: old by design (`Recipe.stale_ok`)
     substituted_from: int | None = None  # a copy of a sample of this group, standing in for one of its own
     corrected_by: str | None = None  # the error-correction op that rewrote it ("reflect", "inject", "reference")
+    branch_of: int | None = None  # a tree rollout's branch (APPO): the index in its group of the root it continues
 
     # the `info` keys older checkpoints kept these in: key -> field (read once by `restore`)
     LEGACY_INFO_KEYS: ClassVar[dict[str, str]] = {

@@ -35,7 +35,7 @@ from mcore_rl.algos.cgpo import weight_domains
 from mcore_rl.algos.distill.base import DistillBatch, group_mean
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
-from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains
+from mcore_rl.algos.multi_reward import declared_inputs, domain_metrics, restrict_to_domains, takes_input
 from mcore_rl.algos.policy_loss import masked_mean
 from mcore_rl.algos.step_credit import takes_steps
 from mcore_rl.data.samples import Sample
@@ -124,6 +124,11 @@ def mismatch_overrides(cfg: RLConfig) -> dict[str, Any]:
         ).items()
         if v is not None
     }
+
+
+def branch_flags(samples: Sequence[Sample]) -> torch.Tensor:
+    """[N] bool: which samples are branches of a tree rollout (`SampleMarks.branch_of`)."""
+    return torch.tensor([s.marks.branch_of is not None for s in samples], dtype=torch.bool)
 
 
 def batch_inputs(view: SequenceView, valid: torch.Tensor) -> dict[str, Any]:
@@ -391,6 +396,7 @@ class Learner:
             normalize_std=a.advantage_std_normalize,
             **batch_inputs(view, valid),
             **({"steps": step_batch(samples)} if takes_steps(estimator) else {}),
+            **({"branches": branch_flags(samples)} if takes_input(estimator, "branches") else {}),
             **a.advantage_options,
         )
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
@@ -566,6 +572,7 @@ class Learner:
             is_weights=batch["is_weights"],
             agg=a.loss_agg,
             norm_length=norm_length,
+            **a.policy_loss_options,
         )
         total = out.loss_sum
         tokens = mask.sum().detach()

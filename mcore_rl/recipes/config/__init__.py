@@ -5,8 +5,8 @@ the core config dataclasses they hang under: loading a config never imports a re
 The order is the order of their keys in messages and in the configuration reference.
 """
 
-from mcore_rl.recipes.config import effopd, gec, mipu, polaris, remath, s2l_po
+from mcore_rl.recipes.config import appo, effopd, gec, mipu, polaris, remath, s2l_po
 
-SECTIONS = (mipu.SECTION, effopd.SECTION, s2l_po.SECTION, polaris.SECTION, gec.SECTION, remath.SECTION)
+SECTIONS = (mipu.SECTION, effopd.SECTION, s2l_po.SECTION, polaris.SECTION, gec.SECTION, remath.SECTION, appo.SECTION)
 
 __all__ = ["SECTIONS"]
