@@ -17,8 +17,8 @@
                     drawing from the same 8 samples in order; with the mean number drawn
      oracle pass@8  some sample right (the ceiling of any selection)
 
-A response is scored by the PRM with the step delimiter appended (`answer\\n`): the PRM was trained
-to read a step at its delimiter, and the task's answers are one line without one.
+A response is scored as the reward head scores it (`step_beliefs`): the task's one-line answer has no
+delimiter, and its step is read with one appended, where `rm-train` read it.
 Stages 1-3 are cached in `--work`.
 """
 
@@ -142,7 +142,7 @@ def evaluate(engine: object, prm_dir: str, task: object, problems: int, seed: in
     groups = sample(engine, prompt_ids, 7919 * seed)
 
     async def beliefs(pids: list[int], group: list[list[int]]) -> list[tuple[float, float]]:
-        got = await asyncio.gather(*(step_beliefs(model, pids, r + newline, newline) for r in group))
+        got = await asyncio.gather(*(step_beliefs(model, pids, r, newline) for r in group))
         return [candidate_belief(b) for b in got]
 
     rows: dict[str, list[float]] = {k: [] for k in ("best-of-1", "majority@8", "prm best-of-8", "adaptive", "drawn")}

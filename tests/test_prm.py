@@ -11,7 +11,14 @@ from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
 from mcore_rl.algos.prof_grpo import prof_grpo
 from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardRunner
 from mcore_rl.rewards.registry import get_reward_fn
-from mcore_rl.rewards.process_reward import adaptive_best_of_n, candidate_belief, load_prm, prm_score, step_ends
+from mcore_rl.rewards.process_reward import (
+    adaptive_best_of_n,
+    candidate_belief,
+    load_prm,
+    prm_score,
+    step_ends,
+    steps_as_read,
+)
 
 NL, EOS, PAD = 10, 2, 0  # the step delimiter "\n" (one id here), end of text, padding
 
@@ -55,10 +62,37 @@ def _sample(prompt: list[int], response: list[int]) -> RewardInput:
 
 def test_steps_end_at_each_delimiter():
     assert step_ends([5, 6, NL, 7, NL], [NL]) == [2, 4]
-    assert step_ends([5, 6, NL, 7, 8], [NL]) == [2, 4]  # text after the last delimiter: a last step
-    assert step_ends([5, NL, 7, EOS], [NL], eos_id=EOS) == [1, 2]  # eos is no step
+    # text after the last delimiter is a last step, read with the delimiter appended (as rm-train reads it)
+    assert steps_as_read([5, 6, NL, 7, 8], [NL]) == ([5, 6, NL, 7, 8, NL], [2, 5])
+    assert steps_as_read([5, NL, 7, EOS], [NL], eos_id=EOS) == ([5, NL, 7, NL], [1, 3])  # eos is no step
+    assert steps_as_read([5, NL, EOS], [NL], eos_id=EOS) == ([5, NL], [1])
     assert step_ends([5, 3, 4, 6, 3, 4], [3, 4]) == [2, 5]  # a multi-token delimiter: its last token
+    assert steps_as_read([5, 3, 4, 6], [3, 4]) == ([5, 3, 4, 6, 3, 4], [2, 5])
     assert step_ends([EOS], [NL], eos_id=EOS) == []
+
+
+def test_a_policy_response_is_read_where_rm_train_reads_its_steps(engine, prm_dir):
+    """One rule on both sides: a response whose last step has no delimiter (the shipped tasks' one-line
+    answers) gets the beliefs at the positions `rm-train` reads (`process_ids`: every step ends with
+    the delimiter, read at its last token), not one token earlier."""
+    import asyncio
+
+    from mcore_rl.data.process_rewards import process_ids
+    from mcore_rl.rewards.process_reward import step_beliefs
+
+    prm, tok = load_prm(prm_dir), engine.tokenizer
+    model = prm.scorer.model
+    trained, at = process_ids("12+30=", ["40+2", "42"], "\n", tok)  # what rm-train reads
+    prompt = process_ids("12+30=", [], "\n", tok)[0]
+    for response in (tok.encode("40+2\n42"), tok.encode("40+2\n42") + [EOS], tok.encode("40+2\n42\n")):
+        got = asyncio.run(step_beliefs(prm, prompt, response, tok.encode("\n"), EOS))
+        with torch.no_grad():
+            values = model.score(model.model(torch.tensor([trained])).last_hidden_state)[0]
+        mu, kappa = beta_head(values[at])
+        assert got.mean.tolist() == pytest.approx(mu.tolist(), abs=1e-5)
+        assert got.std.tolist() == pytest.approx(beta_std(mu, kappa).tolist(), abs=1e-5)
+    # the old reading (the last step at its own last token) differs: the test can tell them apart
+    assert float(beta_head(values[at[-1] - 1])[0]) != pytest.approx(float(mu[-1]), abs=1e-3)
 
 
 def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
@@ -80,8 +114,8 @@ def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
     means = []
     for r, s in zip(results, group):
         assert r.error is None, r.error
-        ids = s.metadata["prompt_ids"] + s.metadata["response_ids"]
-        ends = [3 + e for e in step_ends(s.metadata["response_ids"], [NL], EOS)]
+        response, at = steps_as_read(s.metadata["response_ids"], [NL], EOS)
+        ids, ends = s.metadata["prompt_ids"] + response, [3 + e for e in at]
         with torch.no_grad():
             values = model.score(model.model(torch.tensor([ids])).last_hidden_state)[0]
         mu, kappa = beta_head(values[ends])

@@ -5,8 +5,10 @@ delimiters, as `mcore-rl rm-train` with `reward_model.objective: beta_prm` train
 The PRM is the exported sequence classifier with two labels, BetaPRM's (z₀, z₁): the classifier's
 `score` layer applied at every position of the decoder's last hidden state gives per-token values,
 and μ_t = σ(z₀), κ_t = softplus(z₁) at step t's end (`algos/beta_prm.py: beta_head`). The steps of a
-response are the delimiter-ended spans of its ids (`step_ends`); a last step without a delimiter is
-read at the response's last token (eos excluded).
+response are the delimiter-ended spans of its ids (`steps_as_read`). One rule on both sides: every
+step is read at the last token of the delimiter that ends it, so a last step the policy left without
+one (eos excluded) is read with the delimiter's ids appended — the row `rm-train` trained on
+(`[bos] prompt step₁ D … step_H D`), not one position earlier.
 
 Rewards (registered in `registry.py`; a domain's heads, e.g. for PROF-GRPO's filter `prof_grpo`,
 which reads `prm_head: prm` and `steps_head: prm_steps` — give both weight 0):
@@ -45,10 +47,14 @@ from mcore_rl.rewards.base import RewardInput
 from mcore_rl.rewards.reward_model import Refused, RewardModelError, ScoreBatcher, remote_batcher
 
 
-def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
-    """Indices (into `response_ids`) of each step's last token: the last token of every occurrence
-    of `delimiter_ids`, and the response's last token (eos excluded) when text follows the last
-    delimiter."""
+def steps_as_read(
+    response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None
+) -> tuple[list[int], list[int]]:
+    """(the response's ids as the PRM reads them, the index of each step's last token in them).
+
+    Every step ends at the last token of its delimiter — as `rm-train` reads `step₁ D … step_H D`
+    (`data/process_rewards.py: process_ids`) — so text after the last delimiter (eos excluded) is a
+    last step, read with the delimiter's ids appended."""
     ids = list(response_ids)
     if eos_id is not None and ids and ids[-1] == eos_id:
         ids = ids[:-1]
@@ -63,8 +69,14 @@ def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id:
         else:
             i += 1
     if ids and (not ends or ends[-1] < len(ids) - 1):
+        ids += d
         ends.append(len(ids) - 1)
-    return ends
+    return ids, ends
+
+
+def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
+    """The index of each step's last token in `steps_as_read`'s ids (their number is H)."""
+    return steps_as_read(response_ids, delimiter_ids, eos_id)[1]
 
 
 @dataclass
@@ -136,11 +148,12 @@ async def step_beliefs(
     delimiter_ids: Sequence[int],
     eos_id: int | None = None,
 ) -> StepBeliefs:
-    """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both)."""
-    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both; a last
+    step without a delimiter gets one, `steps_as_read`)."""
+    response, ends = steps_as_read([int(i) for i in response_ids], delimiter_ids, eos_id)
     if not ends:
         raise Refused("the response has no step to score (it is empty)")
-    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    ids = [int(i) for i in prompt_ids] + response
     bad = [i for i in ids if not 0 <= i < prm.vocab_size]
     if bad:
         raise Refused(f"token id {bad[0]} is outside the process reward model's vocabulary of {prm.vocab_size}")
@@ -168,10 +181,10 @@ async def served_step_beliefs(
     step's prefix `prompt + response[: end + 1]` is its own row, all in one request. The decoder is
     causal, so a prefix's last-token value is the full row's value at that position
     (`hf/classifier.py`): the same beliefs as in the trainer's process, at H forwards' cost."""
-    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    response, ends = steps_as_read([int(i) for i in response_ids], delimiter_ids, eos_id)
     if not ends:
         raise Refused("the response has no step to score (it is empty)")
-    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    ids = [int(i) for i in prompt_ids] + response
     rows = [ids[: len(prompt_ids) + e + 1] for e in ends]
     values = torch.stack(list(await asyncio.gather(*(batcher.score(r) for r in rows))))
     if values.shape[-1] != 2:
