@@ -21,6 +21,9 @@ BetaPRM's adaptive best-of-N (`adaptive_best_of_n`) draws candidates in batches 
 engine), scores each with the PRM (`candidate_belief`: the last step's μ and σ, the PRM's belief
 that the whole solution succeeds) and stops when the best candidate's lower bound μ − zσ exceeds
 every other's upper bound (`algos/beta_prm.py: adaptive_stop`), or at `max_candidates`.
+`uncertain_prefix_best_of_n` is the paper's "keep sampling from uncertain prefixes": after the
+first batch, each batch continues the step prefix whose σ_t is the largest
+(`algos/beta_prm.py: most_uncertain_step`) instead of drawing from the prompt.
 
 The model runs in the trainer's process, batched like `reward_model.py` (calls of one loop
 iteration, one forward), or behind SGLang's `/classify` (`url`; `mcore-rl serve --is-embedding` or
@@ -41,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
+from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std, most_uncertain_step
 from mcore_rl.hf.classifier import token_scores
 from mcore_rl.rewards.base import RewardInput
 from mcore_rl.rewards.reward_model import Refused, RewardModelError, ScoreBatcher, remote_batcher
@@ -249,6 +252,8 @@ class BestOfN:
     std: torch.Tensor  # [C] its σ
     rounds: int
     stopped_early: bool  # the stopping rule fired before max_candidates
+    # per candidate, the steps it shares with the prefix it was continued from (0: drawn from the prompt)
+    continued: list[int] = field(default_factory=list)
 
 
 def candidate_belief(beliefs: StepBeliefs) -> tuple[float, float]:
@@ -284,3 +289,61 @@ def adaptive_best_of_n(
     mean = torch.tensor([b[0] for b in beliefs], dtype=torch.float64)
     std = torch.tensor([b[1] for b in beliefs], dtype=torch.float64)
     return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped)
+
+
+def uncertain_prefix_best_of_n(
+    draw: Callable[[list[int], int], list[list[int]]],
+    score: Callable[[list[list[int]]], list[StepBeliefs]],
+    delimiter_ids: Sequence[int],
+    eos_id: int | None = None,
+    batch_size: int = 4,
+    max_candidates: int = 16,
+    z: float = 1.0,
+) -> BestOfN:
+    """BetaPRM's adaptive compute with continuation: the first batch is drawn from the prompt
+    (`draw([], k)`); while `adaptive_stop` does not separate the candidates, the next batch continues
+    from the step prefix the PRM is least sure of (`most_uncertain_step`: the largest σ_t over every
+    candidate's steps before its last, each prefix used once) — `draw(prefix, k)` -> k continuations
+    of `prompt + prefix` — instead of from the prompt; from the prompt again when no such prefix is
+    left (one-step candidates). `score(responses)` -> each response's `StepBeliefs`, the responses
+    as the PRM reads them (`steps_as_read`). The best is the highest last-step μ."""
+    if batch_size < 1 or max_candidates < 1:
+        raise ValueError(f"batch_size and max_candidates must be >= 1, got {batch_size}, {max_candidates}")
+    candidates: list[list[int]] = []
+    ends: list[list[int]] = []
+    beliefs: list[StepBeliefs] = []
+    continued: list[int] = []
+    used: set[tuple[int, ...]] = set()
+    prefix: list[int] = []
+    shared, rounds, stopped = 0, 0, False
+    while len(candidates) < max_candidates:
+        new = [prefix + r for r in draw(list(prefix), min(batch_size, max_candidates - len(candidates)))]
+        read = [steps_as_read(r, delimiter_ids, eos_id) for r in new]
+        scored = score([ids for ids, _ in read])
+        for (ids, at), b in zip(read, scored):
+            if b.mean.numel() != len(at):
+                raise ValueError(f"score gave {b.mean.numel()} step beliefs for a response of {len(at)} steps")
+            candidates.append(ids)
+            ends.append(at)
+            beliefs.append(b)
+            continued.append(shared)
+        rounds += 1
+        mean = torch.tensor([float(b.mean[-1]) if b.mean.numel() else 0.0 for b in beliefs], dtype=torch.float64)
+        std = torch.tensor([float(b.std[-1]) if b.std.numel() else 0.0 for b in beliefs], dtype=torch.float64)
+        if len(candidates) >= 2 and adaptive_stop(mean, std, z):
+            stopped = len(candidates) < max_candidates
+            break
+        available = [
+            torch.tensor([t < len(at) - 1 and tuple(c[: at[t] + 1]) not in used for t in range(len(at))])
+            for c, at in zip(candidates, ends)
+        ]
+        pick = most_uncertain_step([b.std for b in beliefs], available)
+        if pick is None:
+            prefix, shared = [], 0
+        else:
+            c, t = pick
+            prefix, shared = candidates[c][: ends[c][t] + 1], t + 1
+            used.add(tuple(prefix))
+    mean = torch.tensor([float(b.mean[-1]) if b.mean.numel() else 0.0 for b in beliefs], dtype=torch.float64)
+    std = torch.tensor([float(b.std[-1]) if b.std.numel() else 0.0 for b in beliefs], dtype=torch.float64)
+    return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped, continued)
