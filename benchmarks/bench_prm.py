@@ -26,8 +26,8 @@ A response is scored as the reward head scores it (`step_beliefs`): the task's o
 delimiter, and its step is read with one appended, where `rm-train` read it.
 Stages 1-3 are cached in `--work`.
 
-`--stepped`: the answer is written one digit per step, each followed by the delimiter "|" ("07+35="
--> "2|4|0|"), so a solution has `max_digits + 1` steps and continuation has prefixes to continue
+`--stepped`: the answer is written one digit per step, each followed by the delimiter ";" ("07+35="
+-> "2;4;0;"), so a solution has `max_digits + 1` steps and continuation has prefixes to continue
 from (with "\\n" and the task's one-line answers every solution is one step: continuation is then
 drawing from the prompt). The policy is trained on that format (`data.path`, a jsonl the bench
 writes) and the verifier reads the answer with the delimiters removed.
@@ -69,7 +69,7 @@ def _cli(*args: str) -> None:
 
 
 def stepped(answer: str, delimiter: str) -> str:
-    """The answer one digit per step: "240" -> "2|4|0|"."""
+    """The answer one digit per step: "240" -> "2;4;0;" ("|" would read as YAML in an override)."""
     return "".join(d + delimiter for d in answer)
 
 
@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--prm-steps", type=int, default=100)
     ap.add_argument("--problems", type=int, default=100)
-    ap.add_argument("--stepped", action="store_true", help='one digit per step, each ended by "|"')
+    ap.add_argument("--stepped", action="store_true", help='one digit per step, each ended by ";"')
     args = ap.parse_args()
     import torch
 
@@ -290,7 +290,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     task = get_task(args.task, max_digits=args.max_digits)
     start = time.perf_counter()
-    delimiter = "|" if args.stepped else None
+    delimiter = ";" if args.stepped else None
     engine = engine_of(policy(args.work, task, args.policy_steps, args.policy_lr, delimiter))
     data = counts(args.work, engine, task, args.prm_problems, args.rollouts, delimiter)
     prm_dir = prm(args.work, data, args.prm_steps, delimiter)
