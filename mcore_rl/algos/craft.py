@@ -1,9 +1,10 @@
-"""CRAFT — RLUF's optimiser ("Reinforcement Learning from User Feedback", arXiv:2505.14946), which the
-notes expand as "Calibrated-Regularized Reward Ranking Finetuning": CGPO's CRRAFT ("The Perfect
-Blend: Redefining RLHF with Mixture of Judges", arXiv:2409.20370), RAFT with the judges' constraints,
-the calibrated reward and a KL penalty. Iterative best-of-N: each step samples N responses per
-prompt from the current policy, keeps the best by the (combined, calibrated) reward, and fine-tunes
-on it, weighted by that reward, against a KL penalty to the reference model.
+"""CRAFT — RLUF's optimiser ("Reinforcement Learning from User Feedback", arXiv:2505.14946),
+"Calibrated-Regularized Reward Ranking Finetuning", read here as CGPO's CRRAFT ("The Perfect Blend:
+Redefining RLHF with Mixture of Judges", arXiv:2409.20370; that they are one optimiser is our
+reading): RAFT with the judges' constraints, the calibrated reward and a KL penalty. Iterative
+best-of-N: each step samples N responses per prompt from the current policy, keeps the best by the
+(combined, calibrated) reward, and fine-tunes on it, weighted by that reward, against a KL penalty
+to the reference model.
 
 Here the advantage "craft": per group (the N samples of one prompt), the `keep` valid samples with
 the highest reward get A = their reward (`weighted`; else 1) and every other sample A = 0. Samples
@@ -18,7 +19,7 @@ all fail trains nothing. Ties go to the first drawn. The pieces around it are th
   and 0 elsewhere, its gradient is the gradient of reward-weighted SFT on the best-of-N samples;
 * the KL penalty: `algorithm.kl_coef` (the reference model's KL in the loss).
 
-The notes give no formula for CGPO's "KL truncation" nor the reference response ā; ā is
+The summaries give no formula for CGPO's "KL truncation" nor the reference response ā; ā is
 `cgpo_judges`' choice (a `reference_head`, else the group's mean reward).
 """
 
