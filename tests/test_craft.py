@@ -86,3 +86,17 @@ def test_options_are_checked_before_workers_start():
     assert option_problems("advantage", "craft", {"keep": 2, "weighted": False}) == []
     assert option_problems("advantage", "craft", {"keep": 0})[0][0] == "keep"
     assert option_problems("advantage", "craft", {"top": 1})[0][0] == "top"
+
+
+def test_a_recipe_with_craft_validates_and_a_bad_option_is_named():
+    import pathlib
+
+    from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
+
+    demo = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+
+    recipe = ["algorithm.advantage=craft", "algorithm.policy_loss=reinforce", "algorithm.kl_coef=0.05"]
+    validate_rl_config(load_config(RLConfig, demo, [*recipe, "algorithm.advantage_options={keep: 1}"]), 1)
+    bad = load_config(RLConfig, demo, [*recipe, "algorithm.advantage_options={keep: 0}"])
+    with pytest.raises(ConfigError, match=r"algorithm.advantage_options.keep: must be an integer >= 1"):
+        validate_rl_config(bad, 1)
