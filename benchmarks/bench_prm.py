@@ -168,11 +168,11 @@ def sample(engine: object, prompts: list[list[int]], seed: int) -> list[list[lis
     return _generate(engine, prompts, N, 1.0, MAX_NEW, seed)
 
 
-def continuations(engine: object, row: list[int], k: int, seed: int) -> list[list[int]]:
-    """k samples after `row` (prompt + prefix), each its own seed, without the end-of-text token."""
+def _generate_rows(engine: object, rows: list[list[int]], k: int, seed: int) -> list[list[list[int]]]:
+    """k samples after each row (prompt + prefix), each its own seed, without the end-of-text token."""
     from make_prm_counts import _generate
 
-    return _generate(engine, [row], k, 1.0, MAX_NEW, seed)[0]
+    return _generate(engine, rows, k, 1.0, MAX_NEW, seed)
 
 
 def evaluate(
@@ -181,11 +181,11 @@ def evaluate(
     from mcore_rl.data.process_rewards import process_ids
     from mcore_rl.rewards.process_reward import (
         StepBeliefs,
+        UncertainPrefixSearch,
         adaptive_best_of_n,
         candidate_belief,
         load_prm,
         step_beliefs,
-        uncertain_prefix_best_of_n,
     )
     from mcore_rl.rewards.reward_model import Refused
 
@@ -218,10 +218,13 @@ def evaluate(
     names = ("best-of-1", "majority@8", "prm best-of-8", "adaptive", "drawn", "continue", "continue drawn")
     rows: dict[str, list[float]] = {k: [] for k in names}
     rows["adaptive tokens"], rows["continue tokens"], rows["oracle pass@8"] = [], [], []
-    for p_index, (prompt, pids, group) in enumerate(zip(examples, prompt_ids, groups)):
+
+    async def every_group() -> list[list[tuple[float, float]]]:
+        return list(await asyncio.gather(*(beliefs(pids, group) for pids, group in zip(prompt_ids, groups))))
+
+    for prompt, group, scored in zip(examples, groups, asyncio.run(every_group())):
         texts = [text(r) for r in group]
         right = [verify(prompt, t) >= 1.0 for t in texts]
-        scored = asyncio.run(beliefs(pids, group))
         rows["best-of-1"].append(sum(right) / N)
         top = Counter(texts).most_common(1)[0][1]
         rows["majority@8"].append(float(right[next(i for i, t in enumerate(texts) if texts.count(t) == top)]))
@@ -241,30 +244,38 @@ def evaluate(
         rows["adaptive"].append(float(right[order[best.best]]))
         rows["drawn"].append(float(len(best.candidates)))
         rows["adaptive tokens"].append(float(sum(len(group[i]) for i in order)))
-        generated, rounds = [0], [0]
-
-        def cont(
-            prefix: list[int], k: int, pids: list[int] = pids, index: int = p_index, group: list[list[int]] = group
-        ) -> list[list[int]]:
-            """The first batch: the group's first samples (as `adaptive` draws them); then the engine."""
-            if rounds[0] == 0:
-                new = group[:k]
-            else:
-                new = continuations(engine, pids + prefix, k, 7919 * seed + 1_000_003 * (1 + index) + 97 * rounds[0])
-            rounds[0] += 1
-            generated[0] += sum(len(r) for r in new)
-            return new
-
-        def score_steps(responses: list[list[int]], pids: list[int] = pids) -> list[StepBeliefs]:
-            return asyncio.run(step_beliefs_of(pids, responses))
-
-        cont_best = uncertain_prefix_best_of_n(cont, score_steps, delim, None, batch_size=2, max_candidates=N, z=1.0)
-        rows["continue"].append(
-            float(verify(prompt, tok.decode(cont_best.candidates[cont_best.best], skip_special_tokens=True)) >= 1.0)
-        )
-        rows["continue drawn"].append(float(len(cont_best.candidates)))
-        rows["continue tokens"].append(float(generated[0]))
         rows["oracle pass@8"].append(float(any(right)))
+    # continuation, every problem's search in lockstep: one engine batch and one PRM batch per round;
+    # the first round takes the group's first samples (as `adaptive` draws them)
+    searches = [UncertainPrefixSearch(delim, None, batch_size=2, max_candidates=N, z=1.0) for _ in examples]
+    generated = [0] * len(examples)
+    round_no = 0
+    while active := [(i, r) for i, r in enumerate(s.request() for s in searches) if r is not None]:
+        if round_no == 0:
+            new = {i: groups[i][:k] for i, (_, k) in active}
+        else:
+            rows_in = [prompt_ids[i] + prefix for i, (prefix, _) in active]
+            drawn_all = _generate_rows(
+                engine, rows_in, max(k for _, (_, k) in active), 7919 * seed + 1_000_003 * round_no
+            )
+            new = {i: got[:k] for (i, (_, k)), got in zip(active, drawn_all)}
+        to_score = {i: searches[i].add(new[i]) for i, _ in active}
+        for i, _ in active:
+            generated[i] += sum(len(r) for r in new[i])
+
+        async def all_beliefs() -> list[list[StepBeliefs]]:
+            return list(await asyncio.gather(*(step_beliefs_of(prompt_ids[i], to_score[i]) for i, _ in active)))
+
+        for (i, _), got in zip(active, asyncio.run(all_beliefs())):
+            searches[i].scored(got)
+        round_no += 1
+    for i, (prompt, search) in enumerate(zip(examples, searches)):
+        res = search.result()
+        rows["continue"].append(
+            float(verify(prompt, tok.decode(res.candidates[res.best], skip_special_tokens=True)) >= 1.0)
+        )
+        rows["continue drawn"].append(float(len(res.candidates)))
+        rows["continue tokens"].append(float(generated[i]))
     return {k: statistics.fmean(v) for k, v in rows.items()}
 
 

@@ -291,6 +291,81 @@ def adaptive_best_of_n(
     return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped)
 
 
+class UncertainPrefixSearch:
+    """One best-of-N with continuation from uncertain prefixes (see `uncertain_prefix_best_of_n`),
+    driven a batch at a time — `request()`, `add(continuations)`, `scored(beliefs)` — so that a
+    caller can batch many searches' draws in one engine call and their beliefs in one PRM forward."""
+
+    def __init__(
+        self,
+        delimiter_ids: Sequence[int],
+        eos_id: int | None = None,
+        batch_size: int = 4,
+        max_candidates: int = 16,
+        z: float = 1.0,
+    ) -> None:
+        if batch_size < 1 or max_candidates < 1:
+            raise ValueError(f"batch_size and max_candidates must be >= 1, got {batch_size}, {max_candidates}")
+        self.delimiter_ids, self.eos_id = list(delimiter_ids), eos_id
+        self.batch_size, self.max_candidates, self.z = batch_size, max_candidates, z
+        self.candidates: list[list[int]] = []
+        self.ends: list[list[int]] = []
+        self.beliefs: list[StepBeliefs] = []
+        self.continued: list[int] = []
+        self.used: set[tuple[int, ...]] = set()
+        self.prefix: list[int] = []
+        self.shared, self.rounds, self.stopped, self.done = 0, 0, False, False
+        self._pending: list[tuple[list[int], list[int]]] = []
+
+    def request(self) -> tuple[list[int], int] | None:
+        """(the prefix to continue, after the prompt; how many continuations), or None when done."""
+        if self.done or len(self.candidates) >= self.max_candidates:
+            return None
+        return list(self.prefix), min(self.batch_size, self.max_candidates - len(self.candidates))
+
+    def add(self, continuations: list[list[int]]) -> list[list[int]]:
+        """The new candidates (prefix + each continuation) as the PRM reads them, to be scored."""
+        self._pending = [steps_as_read(self.prefix + list(r), self.delimiter_ids, self.eos_id) for r in continuations]
+        return [ids for ids, _ in self._pending]
+
+    def scored(self, beliefs: list[StepBeliefs]) -> None:
+        """Take the new candidates' beliefs; stop or choose the next prefix."""
+        for (ids, at), b in zip(self._pending, beliefs, strict=True):
+            if b.mean.numel() != len(at):
+                raise ValueError(f"score gave {b.mean.numel()} step beliefs for a response of {len(at)} steps")
+            self.candidates.append(ids)
+            self.ends.append(at)
+            self.beliefs.append(b)
+            self.continued.append(self.shared)
+        self._pending = []
+        self.rounds += 1
+        mean, std = self._last_step()
+        if len(self.candidates) >= 2 and adaptive_stop(mean, std, self.z):
+            self.stopped, self.done = len(self.candidates) < self.max_candidates, True
+            return
+        available = [
+            torch.tensor([t < len(at) - 1 and tuple(c[: at[t] + 1]) not in self.used for t in range(len(at))])
+            for c, at in zip(self.candidates, self.ends)
+        ]
+        pick = most_uncertain_step([b.std for b in self.beliefs], available)
+        if pick is None:
+            self.prefix, self.shared = [], 0
+        else:
+            c, t = pick
+            self.prefix, self.shared = self.candidates[c][: self.ends[c][t] + 1], t + 1
+            self.used.add(tuple(self.prefix))
+
+    def _last_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = [float(b.mean[-1]) if b.mean.numel() else 0.0 for b in self.beliefs]  # no step: the worst
+        std = [float(b.std[-1]) if b.std.numel() else 0.0 for b in self.beliefs]
+        return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+
+    def result(self) -> BestOfN:
+        mean, std = self._last_step()
+        best = int(torch.argmax(mean))
+        return BestOfN(best, self.candidates, mean, std, self.rounds, self.stopped, self.continued)
+
+
 def uncertain_prefix_best_of_n(
     draw: Callable[[list[int], int], list[list[int]]],
     score: Callable[[list[list[int]]], list[StepBeliefs]],
@@ -306,44 +381,9 @@ def uncertain_prefix_best_of_n(
     candidate's steps before its last, each prefix used once) — `draw(prefix, k)` -> k continuations
     of `prompt + prefix` — instead of from the prompt; from the prompt again when no such prefix is
     left (one-step candidates). `score(responses)` -> each response's `StepBeliefs`, the responses
-    as the PRM reads them (`steps_as_read`). The best is the highest last-step μ."""
-    if batch_size < 1 or max_candidates < 1:
-        raise ValueError(f"batch_size and max_candidates must be >= 1, got {batch_size}, {max_candidates}")
-    candidates: list[list[int]] = []
-    ends: list[list[int]] = []
-    beliefs: list[StepBeliefs] = []
-    continued: list[int] = []
-    used: set[tuple[int, ...]] = set()
-    prefix: list[int] = []
-    shared, rounds, stopped = 0, 0, False
-    while len(candidates) < max_candidates:
-        new = [prefix + r for r in draw(list(prefix), min(batch_size, max_candidates - len(candidates)))]
-        read = [steps_as_read(r, delimiter_ids, eos_id) for r in new]
-        scored = score([ids for ids, _ in read])
-        for (ids, at), b in zip(read, scored):
-            if b.mean.numel() != len(at):
-                raise ValueError(f"score gave {b.mean.numel()} step beliefs for a response of {len(at)} steps")
-            candidates.append(ids)
-            ends.append(at)
-            beliefs.append(b)
-            continued.append(shared)
-        rounds += 1
-        mean = torch.tensor([float(b.mean[-1]) if b.mean.numel() else 0.0 for b in beliefs], dtype=torch.float64)
-        std = torch.tensor([float(b.std[-1]) if b.std.numel() else 0.0 for b in beliefs], dtype=torch.float64)
-        if len(candidates) >= 2 and adaptive_stop(mean, std, z):
-            stopped = len(candidates) < max_candidates
-            break
-        available = [
-            torch.tensor([t < len(at) - 1 and tuple(c[: at[t] + 1]) not in used for t in range(len(at))])
-            for c, at in zip(candidates, ends)
-        ]
-        pick = most_uncertain_step([b.std for b in beliefs], available)
-        if pick is None:
-            prefix, shared = [], 0
-        else:
-            c, t = pick
-            prefix, shared = candidates[c][: ends[c][t] + 1], t + 1
-            used.add(tuple(prefix))
-    mean = torch.tensor([float(b.mean[-1]) if b.mean.numel() else 0.0 for b in beliefs], dtype=torch.float64)
-    std = torch.tensor([float(b.std[-1]) if b.std.numel() else 0.0 for b in beliefs], dtype=torch.float64)
-    return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped, continued)
+    as the PRM reads them (`steps_as_read`). The best is the highest last-step μ. One search at a
+    time; `UncertainPrefixSearch` drives many in lockstep."""
+    search = UncertainPrefixSearch(delimiter_ids, eos_id, batch_size, max_candidates, z)
+    while (req := search.request()) is not None:
+        search.scored(score(search.add(draw(*req))))
+    return search.result()
