@@ -18,7 +18,7 @@
      continue       BetaPRM's adaptive compute with continuation (`uncertain_prefix_best_of_n`, batches
                     of 2, z = 1, at most 8): the first batch from the prompt, each later one continues
                     the step prefix with the largest σ_t; new samples from the engine (seeded per
-                    problem and round; its first batch is the first 2 of the 8, as `adaptive`'s);
+                    round and row, every problem's search in lockstep; its first batch is the first 2 of the 8, as `adaptive`'s);
                     with the mean number drawn and the tokens generated (both adaptive rows)
      oracle pass@8  some sample right (the ceiling of any selection)
 
