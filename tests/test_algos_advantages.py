@@ -133,7 +133,7 @@ def test_groups_with_fewer_than_two_valid_samples_get_zero(name: str) -> None:
 def test_every_registered_advantage_takes_the_validity_mask() -> None:
     rewards, groups = torch.tensor([1.0, 0.0, 5.0, 0.0, 1.0]), torch.tensor([0, 0, 0, 1, 1])
     valid = torch.tensor([True, True, False, True, True])
-    no_baseline = {"w_reinforce"}  # ±1-style advantages without a group baseline: no zero mean to check
+    no_baseline = {"w_reinforce", "craft"}  # ±1-style or best-of-N advantages without a group baseline
     for name in algos.names("advantage"):
         adv = algos.get("advantage", name)(rewards, groups, normalize_std=True, valid=valid)
         assert float(adv[2]) == 0.0, name

@@ -11,7 +11,14 @@ from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
 from mcore_rl.algos.prof_grpo import prof_grpo
 from mcore_rl.rewards.base import RewardFunction, RewardInput, RewardRunner
 from mcore_rl.rewards.registry import get_reward_fn
-from mcore_rl.rewards.process_reward import adaptive_best_of_n, candidate_belief, load_prm, prm_score, step_ends
+from mcore_rl.rewards.process_reward import (
+    adaptive_best_of_n,
+    candidate_belief,
+    load_prm,
+    prm_score,
+    step_ends,
+    steps_as_read,
+)
 
 NL, EOS, PAD = 10, 2, 0  # the step delimiter "\n" (one id here), end of text, padding
 
@@ -55,10 +62,37 @@ def _sample(prompt: list[int], response: list[int]) -> RewardInput:
 
 def test_steps_end_at_each_delimiter():
     assert step_ends([5, 6, NL, 7, NL], [NL]) == [2, 4]
-    assert step_ends([5, 6, NL, 7, 8], [NL]) == [2, 4]  # text after the last delimiter: a last step
-    assert step_ends([5, NL, 7, EOS], [NL], eos_id=EOS) == [1, 2]  # eos is no step
+    # text after the last delimiter is a last step, read with the delimiter appended (as rm-train reads it)
+    assert steps_as_read([5, 6, NL, 7, 8], [NL]) == ([5, 6, NL, 7, 8, NL], [2, 5])
+    assert steps_as_read([5, NL, 7, EOS], [NL], eos_id=EOS) == ([5, NL, 7, NL], [1, 3])  # eos is no step
+    assert steps_as_read([5, NL, EOS], [NL], eos_id=EOS) == ([5, NL], [1])
     assert step_ends([5, 3, 4, 6, 3, 4], [3, 4]) == [2, 5]  # a multi-token delimiter: its last token
+    assert steps_as_read([5, 3, 4, 6], [3, 4]) == ([5, 3, 4, 6, 3, 4], [2, 5])
     assert step_ends([EOS], [NL], eos_id=EOS) == []
+
+
+def test_a_policy_response_is_read_where_rm_train_reads_its_steps(engine, prm_dir):
+    """One rule on both sides: a response whose last step has no delimiter (the shipped tasks' one-line
+    answers) gets the beliefs at the positions `rm-train` reads (`process_ids`: every step ends with
+    the delimiter, read at its last token), not one token earlier."""
+    import asyncio
+
+    from mcore_rl.data.process_rewards import process_ids
+    from mcore_rl.rewards.process_reward import step_beliefs
+
+    prm, tok = load_prm(prm_dir), engine.tokenizer
+    model = prm.scorer.model
+    trained, at = process_ids("12+30=", ["40+2", "42"], "\n", tok)  # what rm-train reads
+    prompt = process_ids("12+30=", [], "\n", tok)[0]
+    for response in (tok.encode("40+2\n42"), tok.encode("40+2\n42") + [EOS], tok.encode("40+2\n42\n")):
+        got = asyncio.run(step_beliefs(prm, prompt, response, tok.encode("\n"), EOS))
+        with torch.no_grad():
+            values = model.score(model.model(torch.tensor([trained])).last_hidden_state)[0]
+        mu, kappa = beta_head(values[at])
+        assert got.mean.tolist() == pytest.approx(mu.tolist(), abs=1e-5)
+        assert got.std.tolist() == pytest.approx(beta_std(mu, kappa).tolist(), abs=1e-5)
+    # the old reading (the last step at its own last token) differs: the test can tell them apart
+    assert float(beta_head(values[at[-1] - 1])[0]) != pytest.approx(float(mu[-1]), abs=1e-3)
 
 
 def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
@@ -80,8 +114,8 @@ def test_prm_scores_each_step_and_prof_keeps_the_consistent_ones(prm_dir):
     means = []
     for r, s in zip(results, group):
         assert r.error is None, r.error
-        ids = s.metadata["prompt_ids"] + s.metadata["response_ids"]
-        ends = [3 + e for e in step_ends(s.metadata["response_ids"], [NL], EOS)]
+        response, at = steps_as_read(s.metadata["response_ids"], [NL], EOS)
+        ids, ends = s.metadata["prompt_ids"] + response, [3 + e for e in at]
         with torch.no_grad():
             values = model.score(model.model(torch.tensor([ids])).last_hidden_state)[0]
         mu, kappa = beta_head(values[ends])
@@ -209,3 +243,88 @@ def test_make_prm_counts_labels_each_step_prefix_with_its_continuations(engine, 
     examples = read_process_file(PreferenceDataConfig(path=str(path), step_delimiter="0"))
     assert [e.steps for e in examples] == [o["steps"] for o in real]
     assert all(0 <= k <= 3 for e in examples for k in e.successes)
+
+
+def test_uncertain_prefix_best_of_n_continues_from_the_least_certain_step(engine, prm_dir):
+    """BetaPRM's adaptive compute with continuation, over a real engine: the first batch from the
+    prompt; each later batch continues `prompt + prefix` from the step prefix with the largest σ_t
+    among the candidates' steps before their last, each prefix once; the continued candidates share
+    the prefix's ids and (a causal PRM) its step beliefs; z = 0 stops after the first batch; one-step
+    candidates fall back to drawing from the prompt."""
+    import asyncio
+
+    from mcore_rl.algos.beta_prm import most_uncertain_step
+    from mcore_rl.rewards.process_reward import step_beliefs, uncertain_prefix_best_of_n
+
+    prm = load_prm(prm_dir)
+    prompt, eos = [1] + engine.tokenizer.encode("12+30="), 258
+    calls: list[list[int]] = []
+
+    def draw_steps(every: int | None):
+        def draw(prefix: list[int], k: int) -> list[list[int]]:
+            """k continuations of prompt + prefix by the engine, a delimiter after every `every` tokens."""
+            rids = [f"cont-{len(calls)}-{i}" for i in range(k)]
+            for i, rid in enumerate(rids):
+                sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=100 * len(calls) + i)
+                engine.add_request(Request(rid, prompt + prefix, sampling))
+            calls.append(list(prefix))
+            out: dict[str, list[int]] = {}
+            while len(out) < k:
+                out.update(
+                    {o.rid: [t for t in o.output_ids if t not in (NL, eos)] for o in engine.step() if o.finished}
+                )
+            if every is None:
+                return [out[r] for r in rids]
+            return [
+                [t for j, x in enumerate(out[r]) for t in ([x, NL] if j % every == every - 1 else [x])] for r in rids
+            ]
+
+        return draw
+
+    def score(responses: list[list[int]]) -> list:
+        async def all_of() -> list:
+            return await asyncio.gather(*(step_beliefs(prm, prompt, r, [NL], eos) for r in responses))
+
+        return list(asyncio.run(all_of()))
+
+    from mcore_rl.rollout.engine.core import Request
+    from mcore_rl.rollout.engine.sampling import SamplingParams
+
+    res = uncertain_prefix_best_of_n(draw_steps(2), score, [NL], eos, batch_size=2, max_candidates=8, z=1e3)
+    assert (res.rounds, len(res.candidates), res.stopped_early) == (4, 8, False)
+    assert calls[0] == [] and res.continued[:2] == [0, 0]
+    assert len({tuple(c) for c in calls}) == len(calls)  # no prefix continued twice
+    beliefs = score(res.candidates)
+    for r in range(1, 4):
+        # the prefix of round r: the most uncertain step before the last over rounds < r, not used before
+        seen = range(2 * r)
+        ends = [step_ends(res.candidates[c], [NL]) for c in seen]
+        used = {tuple(p) for p in calls[1:r]}
+        available = [
+            torch.tensor([t < len(e) - 1 and tuple(res.candidates[c][: e[t] + 1]) not in used for t in range(len(e))])
+            for c, e in zip(seen, ends)
+        ]
+        c, t = most_uncertain_step([beliefs[i].std for i in seen], available)  # type: ignore[misc]
+        assert calls[r] == res.candidates[c][: ends[c][t] + 1]
+        for i in (2 * r, 2 * r + 1):  # the batch continues it: its ids, its steps, its beliefs
+            assert res.candidates[i][: len(calls[r])] == calls[r] and res.continued[i] == t + 1
+            assert beliefs[i].mean[: t + 1].tolist() == pytest.approx(beliefs[c].mean[: t + 1].tolist(), abs=1e-5)
+    assert res.best == int(torch.argmax(res.mean))
+    assert res.mean.tolist() == pytest.approx([float(b.mean[-1]) for b in beliefs], abs=1e-5)
+
+    calls.clear()
+    eager = uncertain_prefix_best_of_n(draw_steps(2), score, [NL], eos, batch_size=3, max_candidates=9, z=0.0)
+    assert (eager.rounds, len(eager.candidates), eager.stopped_early, calls) == (1, 3, True, [[]])
+    calls.clear()  # one step each: nothing to continue, every batch from the prompt
+    flat = uncertain_prefix_best_of_n(draw_steps(None), score, [NL], eos, batch_size=2, max_candidates=6, z=1e3)
+    assert calls == [[], [], []] and flat.continued == [0] * 6
+
+
+def test_most_uncertain_step_picks_the_largest_available_sigma():
+    from mcore_rl.algos.beta_prm import most_uncertain_step
+
+    std = [torch.tensor([0.1, 0.4, 0.2]), torch.tensor([0.3, 0.4])]
+    yes = [torch.ones(3, dtype=torch.bool), torch.ones(2, dtype=torch.bool)]
+    assert most_uncertain_step(std, yes) == (0, 1)  # the first on ties
+    assert most_uncertain_step(std, [torch.tensor([True, False, True]), yes[1]]) == (1, 1)
+    assert most_uncertain_step(std, [torch.zeros(3, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)]) is None

@@ -40,7 +40,7 @@ from mcore_rl.algos import (  # noqa: F401  (imported for their registrations)
     w_reinforce,
 )
 from mcore_rl.algos import dpo  # noqa: F401  (AutoIF's preference loss)
-from mcore_rl.algos import encore, rluf  # noqa: F401  (compositions of reward-model heads)
+from mcore_rl.algos import craft, encore, rluf  # noqa: F401  (compositions of reward-model heads; RLUF's CRAFT)
 from mcore_rl.algos.registry import get, names, register
 
 __all__ = ["get", "names", "register"]

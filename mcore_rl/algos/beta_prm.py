@@ -10,10 +10,14 @@ The likelihood of a count is Beta-Binomial:
 The paper describes, without a formula, a regulariser that penalises a high κ where μ disagrees with
 K/N; here it is log(1 + κ) · (μ − K/N)², zero at μ = K/N and growing with κ elsewhere. Best-of-N
 with adaptive compute stops when the best candidate's lower confidence bound exceeds every other
-candidate's upper bound, with σ = sqrt(μ(1 − μ) / (κ + 1)), the Beta's standard deviation.
+candidate's upper bound, with σ = sqrt(μ(1 − μ) / (κ + 1)), the Beta's standard deviation; until it
+does, the next samples continue from the step prefix with the largest σ_t (`most_uncertain_step`:
+"keep sampling from uncertain prefixes"; the paper gives no formula for the choice, this is ours).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -60,3 +64,16 @@ def adaptive_stop(mean: torch.Tensor, std: torch.Tensor, z: float = 1.0) -> bool
     best = int(torch.argmax(mean))
     others = torch.cat([mean[:best] + z * std[:best], mean[best + 1 :] + z * std[best + 1 :]])
     return bool(mean[best] - z * std[best] > others.max())
+
+
+def most_uncertain_step(std: list[torch.Tensor], available: list[torch.Tensor]) -> tuple[int, int] | None:
+    """Adaptive compute's choice of where to spend the next samples: (candidate, step) with the largest
+    σ_t among the `available` steps (per candidate [H] each; the caller marks the step prefixes a
+    continuation can still change), the first on ties; None when none is available."""
+    best: tuple[int, int] | None = None
+    top = -math.inf
+    for c, (s, ok) in enumerate(zip(std, available)):
+        for t in range(s.numel()):
+            if bool(ok[t]) and float(s[t]) > top:
+                best, top = (c, t), float(s[t])
+    return best

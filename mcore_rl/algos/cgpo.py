@@ -17,8 +17,10 @@ code runs, …). What the trainer takes from it:
   gradient by ρ_l, and ρ_l = 0 removes it exactly (`algorithm.domain_advantage_weights`).
 * **CODPO pairs** (`codpo_pairs`): chosen = the best judge-passing sample of a group, rejected = the
   worst failing one. The trainer has no DPO loss, so nothing calls it yet.
-The three constrained optimisers (CRPG, CODPO, CRRAFT) are not implemented: the PPO-style policy
-losses of `policy_loss.py` take the place of CRPG's policy-gradient update.
+Of the three constrained optimisers, CRRAFT is the advantage "craft" (`craft.py`: the best of
+each group after these judges, reward-weighted SFT through the "reinforce" loss); CRPG and CODPO
+are not implemented: the PPO-style policy losses of `policy_loss.py` take the place of CRPG's
+policy-gradient update.
 """
 
 from __future__ import annotations

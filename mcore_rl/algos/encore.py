@@ -17,8 +17,8 @@ Choices:
   largest weight although it separates nothing. With `exclude_constant` (default) such a head gets
   weight 0; if every head is constant, the weights are uniform.
 * **Where the entropies come from.** The paper computes them once, over the RM's training set:
-  pass them as `entropies` ({head: H}, e.g. `head_entropies` of the RM's scores on its training
-  data). Without them, each batch's own scores are used (a per-batch estimate).
+  pass them as `entropies` ({head: H}: `tools/encore_entropies.py` runs `head_entropies` over the
+  RM's scores on its training data). Without them, each batch's own scores are used (a per-batch estimate).
 * **Continuous heads.** A learned RM's heads are real numbers, every value distinct, so each is
   rounded to `decimals` places before counting (None: the values as they are).
 * A sample without a head (NaN: its domain has none) is composed from the heads it has, their

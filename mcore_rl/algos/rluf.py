@@ -15,8 +15,8 @@ What the trainer takes from it:
   reward exactly); a sample with none of the heads keeps its reward;
 * `two_proportion_z`: the paper's A/B test of love rates.
 
-The CRAFT optimiser (iterative best-of-N with a KL penalty) is not implemented; the policy losses of
-`policy_loss.py` take its place, as for CGPO.
+The CRAFT optimiser (iterative best-of-N with a KL penalty) is the advantage "craft" (`craft.py`),
+paired with the policy loss "reinforce" and `algorithm.kl_coef`.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ delimiters, as `mcore-rl rm-train` with `reward_model.objective: beta_prm` train
 The PRM is the exported sequence classifier with two labels, BetaPRM's (z₀, z₁): the classifier's
 `score` layer applied at every position of the decoder's last hidden state gives per-token values,
 and μ_t = σ(z₀), κ_t = softplus(z₁) at step t's end (`algos/beta_prm.py: beta_head`). The steps of a
-response are the delimiter-ended spans of its ids (`step_ends`); a last step without a delimiter is
-read at the response's last token (eos excluded).
+response are the delimiter-ended spans of its ids (`steps_as_read`). One rule on both sides: every
+step is read at the last token of the delimiter that ends it, so a last step the policy left without
+one (eos excluded) is read with the delimiter's ids appended — the row `rm-train` trained on
+(`[bos] prompt step₁ D … step_H D`), not one position earlier.
 
 Rewards (registered in `registry.py`; a domain's heads, e.g. for PROF-GRPO's filter `prof_grpo`,
 which reads `prm_head: prm` and `steps_head: prm_steps` — give both weight 0):
@@ -19,6 +21,9 @@ BetaPRM's adaptive best-of-N (`adaptive_best_of_n`) draws candidates in batches 
 engine), scores each with the PRM (`candidate_belief`: the last step's μ and σ, the PRM's belief
 that the whole solution succeeds) and stops when the best candidate's lower bound μ − zσ exceeds
 every other's upper bound (`algos/beta_prm.py: adaptive_stop`), or at `max_candidates`.
+`uncertain_prefix_best_of_n` is the paper's "keep sampling from uncertain prefixes": after the
+first batch, each batch continues the step prefix whose σ_t is the largest
+(`algos/beta_prm.py: most_uncertain_step`) instead of drawing from the prompt.
 
 The model runs in the trainer's process, batched like `reward_model.py` (calls of one loop
 iteration, one forward), or behind SGLang's `/classify` (`url`; `mcore-rl serve --is-embedding` or
@@ -39,16 +44,20 @@ from typing import Any, Literal
 
 import torch
 
-from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std
+from mcore_rl.algos.beta_prm import adaptive_stop, beta_head, beta_std, most_uncertain_step
 from mcore_rl.hf.classifier import token_scores
 from mcore_rl.rewards.base import RewardInput
 from mcore_rl.rewards.reward_model import Refused, RewardModelError, ScoreBatcher, remote_batcher
 
 
-def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
-    """Indices (into `response_ids`) of each step's last token: the last token of every occurrence
-    of `delimiter_ids`, and the response's last token (eos excluded) when text follows the last
-    delimiter."""
+def steps_as_read(
+    response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None
+) -> tuple[list[int], list[int]]:
+    """(the response's ids as the PRM reads them, the index of each step's last token in them).
+
+    Every step ends at the last token of its delimiter — as `rm-train` reads `step₁ D … step_H D`
+    (`data/process_rewards.py: process_ids`) — so text after the last delimiter (eos excluded) is a
+    last step, read with the delimiter's ids appended."""
     ids = list(response_ids)
     if eos_id is not None and ids and ids[-1] == eos_id:
         ids = ids[:-1]
@@ -63,8 +72,14 @@ def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id:
         else:
             i += 1
     if ids and (not ends or ends[-1] < len(ids) - 1):
+        ids += d
         ends.append(len(ids) - 1)
-    return ends
+    return ids, ends
+
+
+def step_ends(response_ids: Sequence[int], delimiter_ids: Sequence[int], eos_id: int | None = None) -> list[int]:
+    """The index of each step's last token in `steps_as_read`'s ids (their number is H)."""
+    return steps_as_read(response_ids, delimiter_ids, eos_id)[1]
 
 
 @dataclass
@@ -136,11 +151,12 @@ async def step_beliefs(
     delimiter_ids: Sequence[int],
     eos_id: int | None = None,
 ) -> StepBeliefs:
-    """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both)."""
-    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    """μ_t, σ_t at each step's end of `response_ids` after `prompt_ids` (the PRM reads both; a last
+    step without a delimiter gets one, `steps_as_read`)."""
+    response, ends = steps_as_read([int(i) for i in response_ids], delimiter_ids, eos_id)
     if not ends:
         raise Refused("the response has no step to score (it is empty)")
-    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    ids = [int(i) for i in prompt_ids] + response
     bad = [i for i in ids if not 0 <= i < prm.vocab_size]
     if bad:
         raise Refused(f"token id {bad[0]} is outside the process reward model's vocabulary of {prm.vocab_size}")
@@ -168,10 +184,10 @@ async def served_step_beliefs(
     step's prefix `prompt + response[: end + 1]` is its own row, all in one request. The decoder is
     causal, so a prefix's last-token value is the full row's value at that position
     (`hf/classifier.py`): the same beliefs as in the trainer's process, at H forwards' cost."""
-    ends = step_ends(response_ids, delimiter_ids, eos_id)
+    response, ends = steps_as_read([int(i) for i in response_ids], delimiter_ids, eos_id)
     if not ends:
         raise Refused("the response has no step to score (it is empty)")
-    ids = [int(i) for i in prompt_ids] + [int(i) for i in response_ids]
+    ids = [int(i) for i in prompt_ids] + response
     rows = [ids[: len(prompt_ids) + e + 1] for e in ends]
     values = torch.stack(list(await asyncio.gather(*(batcher.score(r) for r in rows))))
     if values.shape[-1] != 2:
@@ -236,6 +252,8 @@ class BestOfN:
     std: torch.Tensor  # [C] its σ
     rounds: int
     stopped_early: bool  # the stopping rule fired before max_candidates
+    # per candidate, the steps it shares with the prefix it was continued from (0: drawn from the prompt)
+    continued: list[int] = field(default_factory=list)
 
 
 def candidate_belief(beliefs: StepBeliefs) -> tuple[float, float]:
@@ -271,3 +289,101 @@ def adaptive_best_of_n(
     mean = torch.tensor([b[0] for b in beliefs], dtype=torch.float64)
     std = torch.tensor([b[1] for b in beliefs], dtype=torch.float64)
     return BestOfN(int(torch.argmax(mean)), candidates, mean, std, rounds, stopped)
+
+
+class UncertainPrefixSearch:
+    """One best-of-N with continuation from uncertain prefixes (see `uncertain_prefix_best_of_n`),
+    driven a batch at a time — `request()`, `add(continuations)`, `scored(beliefs)` — so that a
+    caller can batch many searches' draws in one engine call and their beliefs in one PRM forward."""
+
+    def __init__(
+        self,
+        delimiter_ids: Sequence[int],
+        eos_id: int | None = None,
+        batch_size: int = 4,
+        max_candidates: int = 16,
+        z: float = 1.0,
+    ) -> None:
+        if batch_size < 1 or max_candidates < 1:
+            raise ValueError(f"batch_size and max_candidates must be >= 1, got {batch_size}, {max_candidates}")
+        self.delimiter_ids, self.eos_id = list(delimiter_ids), eos_id
+        self.batch_size, self.max_candidates, self.z = batch_size, max_candidates, z
+        self.candidates: list[list[int]] = []
+        self.ends: list[list[int]] = []
+        self.beliefs: list[StepBeliefs] = []
+        self.continued: list[int] = []
+        self.used: set[tuple[int, ...]] = set()
+        self.prefix: list[int] = []
+        self.shared, self.rounds, self.stopped, self.done = 0, 0, False, False
+        self._pending: list[tuple[list[int], list[int]]] = []
+
+    def request(self) -> tuple[list[int], int] | None:
+        """(the prefix to continue, after the prompt; how many continuations), or None when done."""
+        if self.done or len(self.candidates) >= self.max_candidates:
+            return None
+        return list(self.prefix), min(self.batch_size, self.max_candidates - len(self.candidates))
+
+    def add(self, continuations: list[list[int]]) -> list[list[int]]:
+        """The new candidates (prefix + each continuation) as the PRM reads them, to be scored."""
+        self._pending = [steps_as_read(self.prefix + list(r), self.delimiter_ids, self.eos_id) for r in continuations]
+        return [ids for ids, _ in self._pending]
+
+    def scored(self, beliefs: list[StepBeliefs]) -> None:
+        """Take the new candidates' beliefs; stop or choose the next prefix."""
+        for (ids, at), b in zip(self._pending, beliefs, strict=True):
+            if b.mean.numel() != len(at):
+                raise ValueError(f"score gave {b.mean.numel()} step beliefs for a response of {len(at)} steps")
+            self.candidates.append(ids)
+            self.ends.append(at)
+            self.beliefs.append(b)
+            self.continued.append(self.shared)
+        self._pending = []
+        self.rounds += 1
+        mean, std = self._last_step()
+        if len(self.candidates) >= 2 and adaptive_stop(mean, std, self.z):
+            self.stopped, self.done = len(self.candidates) < self.max_candidates, True
+            return
+        available = [
+            torch.tensor([t < len(at) - 1 and tuple(c[: at[t] + 1]) not in self.used for t in range(len(at))])
+            for c, at in zip(self.candidates, self.ends)
+        ]
+        pick = most_uncertain_step([b.std for b in self.beliefs], available)
+        if pick is None:
+            self.prefix, self.shared = [], 0
+        else:
+            c, t = pick
+            self.prefix, self.shared = self.candidates[c][: self.ends[c][t] + 1], t + 1
+            self.used.add(tuple(self.prefix))
+
+    def _last_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = [float(b.mean[-1]) if b.mean.numel() else 0.0 for b in self.beliefs]  # no step: the worst
+        std = [float(b.std[-1]) if b.std.numel() else 0.0 for b in self.beliefs]
+        return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+
+    def result(self) -> BestOfN:
+        mean, std = self._last_step()
+        best = int(torch.argmax(mean))
+        return BestOfN(best, self.candidates, mean, std, self.rounds, self.stopped, self.continued)
+
+
+def uncertain_prefix_best_of_n(
+    draw: Callable[[list[int], int], list[list[int]]],
+    score: Callable[[list[list[int]]], list[StepBeliefs]],
+    delimiter_ids: Sequence[int],
+    eos_id: int | None = None,
+    batch_size: int = 4,
+    max_candidates: int = 16,
+    z: float = 1.0,
+) -> BestOfN:
+    """BetaPRM's adaptive compute with continuation: the first batch is drawn from the prompt
+    (`draw([], k)`); while `adaptive_stop` does not separate the candidates, the next batch continues
+    from the step prefix the PRM is least sure of (`most_uncertain_step`: the largest σ_t over every
+    candidate's steps before its last, each prefix used once) — `draw(prefix, k)` -> k continuations
+    of `prompt + prefix` — instead of from the prompt; from the prompt again when no such prefix is
+    left (one-step candidates). `score(responses)` -> each response's `StepBeliefs`, the responses
+    as the PRM reads them (`steps_as_read`). The best is the highest last-step μ. One search at a
+    time; `UncertainPrefixSearch` drives many in lockstep."""
+    search = UncertainPrefixSearch(delimiter_ids, eos_id, batch_size, max_candidates, z)
+    while (req := search.request()) is not None:
+        search.scored(score(search.add(draw(*req))))
+    return search.result()
