@@ -40,17 +40,17 @@ ENVS: dict[str, dict[str, Any]] = {
     "guess": {"recipe": "configs/agentic_demo.yaml", "overrides": []},
 }
 
-PRIVILEGED = (
-    "teachers=[{kind: privileged, context: info, context_key: privileged/solution, template: 'Hint: {context}\n'}]"
-)
+# the teacher: the policy itself with "Reference solution: The secret number is N." (the default template) before
+# each step's prompt
+PRIVILEGED = "teachers=[{kind: privileged, context: info, context_key: privileged/solution}]"
 # each arm: the dotted overrides that turn it on; everything else (the PPO-clip loss, lr, ...) is the recipe's
 ARMS: dict[str, list[str]] = {
     "grpo": [],
     "gigpo": ["algorithm.advantage=gigpo"],  # step_weight 1, gamma 0.95
     "hgpo": ["algorithm.advantage=hgpo"],  # levels 4, alpha 1, gamma 0.95, episode_weight 0
     "gagpo": ["algorithm.advantage=gagpo"],  # gamma 0.95, lam 0.8
-    # GRPO + SDAR's gated self-distillation, the teacher the policy itself with the secret before each step's
-    # prompt (the hint makes a step's prompt ~30 byte tokens longer than the recipe's 96-token rows)
+    # GRPO + SDAR's (or SEED's) gated self-distillation towards the privileged teacher, the paper's lambda 0.01
+    # (the hint makes a step's prompt ~45 byte tokens longer: rows of 128, not the recipe's 96)
     "sdar": [PRIVILEGED, "distill.losses=[{name: sdar}]", "train.seq_length=128"],
     "seed": [PRIVILEGED, "distill.losses=[{name: seed}]", "train.seq_length=128"],
 }
