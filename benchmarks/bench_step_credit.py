@@ -14,8 +14,9 @@
    The arms run the same number of rollout steps (the same prompts and episodes); the tokens each
    generated and trained on are reported per arm (`train/tokens`, summed), since a policy that solves
    games sooner plays fewer turns.
-3. Each finished run writes WORK/ENV/ARM_sSEED.json and is skipped when that file exists, so the grid
-   can be split over processes and resumed; the summary (per arm: mean and min-max over seeds, paired
+3. Each finished run writes WORK/ENV/ARM_sSEED.json and is skipped when that file exists (or when its
+   metrics end with the final evaluation: a run whose driver was stopped), so the grid can be split
+   over processes (give each its own arms or seeds) and resumed; the summary (per arm: mean and min-max over seeds, paired
    difference to GRPO) is printed and written to `--out`.
 """
 
@@ -104,6 +105,28 @@ def summarize_run(records: list[dict], k: int) -> dict[str, Any]:
     }
 
 
+def adopt(work: str, arm: str, seed: int, steps: int, k: int) -> bool:
+    """True when the run is done: its json exists, or its metrics end with the evaluation at `steps` (a run
+    whose driver died, summarized now; its wall from the driver's start stamp to the log's last write)."""
+    result = os.path.join(work, f"{arm}_s{seed}.json")
+    if os.path.exists(result):
+        return True
+    metrics = os.path.join(work, f"{arm}_s{seed}", "metrics.jsonl")
+    if not os.path.exists(metrics):
+        return False
+    summary = summarize_run(read_metrics(metrics), k)
+    if summary.get("step") != steps:
+        return False
+    wall = float("nan")
+    stamp, log = os.path.join(work, f"{arm}_s{seed}.start"), os.path.join(work, f"{arm}_s{seed}.log")
+    if os.path.exists(stamp) and os.path.exists(log):
+        with open(stamp) as f:
+            wall = os.path.getmtime(log) - float(f.read())
+    with open(result, "w") as f:
+        json.dump({"arm": arm, "seed": seed, "steps": steps, "wall_s": wall, **summary}, f, indent=1)
+    return True
+
+
 def spread(values: list[float], pct: bool = True) -> str:
     vs = [v for v in values if finite(v)]
     if not vs:
@@ -112,10 +135,11 @@ def spread(values: list[float], pct: bool = True) -> str:
     return f"{f(mean(vs))} ({f(min(vs))}–{f(max(vs))})" if len(vs) > 1 else f(vs[0])
 
 
-def report(env: str, work: str, arms: list[str], seeds: list[int], out: str | None) -> None:
+def report(env: str, work: str, arms: list[str], seeds: list[int], steps: int, k: int, out: str | None) -> None:
     done: dict[str, dict[int, dict]] = {}
     for arm in arms:
         for seed in seeds:
+            adopt(work, arm, seed, steps, k)
             path = os.path.join(work, f"{arm}_s{seed}.json")
             if os.path.exists(path):
                 with open(path) as f:
@@ -176,7 +200,7 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     report_arms = list(dict.fromkeys(["grpo", *args.arms]))
     if args.report_only:
-        report(args.env, work, report_arms, args.seeds, args.out)
+        report(args.env, work, report_arms, args.seeds, args.steps, args.k, args.out)
         return
 
     cli = [sys.executable, "-m", "mcore_rl.cli", "train", env["recipe"]]
@@ -208,14 +232,15 @@ def main() -> None:
         with open(warm_json, "w") as f:
             json.dump({**summary, "wall_s": wall, "sft_steps": args.sft_steps, "seed": args.warm_seed}, f, indent=1)
 
-    for i, seed in enumerate(args.seeds):
-        order = args.arms if i % 2 == 0 else args.arms[::-1]  # alternate the order between seeds
+    for seed in args.seeds:
+        order = args.arms if seed % 2 == 1 else args.arms[::-1]  # alternate the order between seeds
         for arm in order:
-            result = os.path.join(work, f"{arm}_s{seed}.json")
-            if os.path.exists(result):
+            if adopt(work, arm, seed, args.steps, args.k):
                 continue
             run_dir = os.path.join(work, f"{arm}_s{seed}")
             print(f"{args.env}: {arm} seed {seed} ...", flush=True)
+            with open(os.path.join(work, f"{arm}_s{seed}.start"), "w") as f:
+                f.write(f"{time.time()}\n")
             wall = run(
                 cli
                 + [
@@ -232,10 +257,10 @@ def main() -> None:
                 os.path.join(work, f"{arm}_s{seed}.log"),
             )
             summary = summarize_run(read_metrics(os.path.join(run_dir, "metrics.jsonl")), args.k)
-            with open(result, "w") as f:
+            with open(os.path.join(work, f"{arm}_s{seed}.json"), "w") as f:
                 json.dump({"arm": arm, "seed": seed, "steps": args.steps, "wall_s": wall, **summary}, f, indent=1)
             print(f"  {json.dumps(summary)} wall {wall:.0f} s", flush=True)
-    report(args.env, work, report_arms, args.seeds, args.out)
+    report(args.env, work, report_arms, args.seeds, args.steps, args.k, args.out)
 
 
 if __name__ == "__main__":
