@@ -54,6 +54,8 @@ ARMS: dict[str, list[str]] = {
     # (the hint makes a step's prompt ~45 byte tokens longer: rows of 128, not the recipe's 96)
     "sdar": [PRIVILEGED, "distill.losses=[{name: sdar}]", "train.seq_length=128"],
     "seed": [PRIVILEGED, "distill.losses=[{name: seed}]", "train.seq_length=128"],
+    # no RL: the warm start evaluated on this seed's held-out games (they depend on train.seed)
+    "warm": ["train.num_steps=0", "eval.at_start=true"],
 }
 
 
@@ -115,7 +117,7 @@ def adopt(work: str, arm: str, seed: int, steps: int, k: int) -> bool:
     if not os.path.exists(metrics):
         return False
     summary = summarize_run(read_metrics(metrics), k)
-    if summary.get("step") != steps:
+    if summary.get("step") != (0 if arm == "warm" else steps):
         return False
     wall = float("nan")
     stamp, log = os.path.join(work, f"{arm}_s{seed}.start"), os.path.join(work, f"{arm}_s{seed}.log")
