@@ -129,12 +129,13 @@ def adopt(work: str, arm: str, seed: int, steps: int, k: int) -> bool:
     return True
 
 
-def spread(values: list[float], pct: bool = True) -> str:
+def spread(values: list[float], pct: bool = True, sign: bool = False) -> str:
     vs = [v for v in values if finite(v)]
     if not vs:
         return "—"
-    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:,.0f}")
-    return f"{f(mean(vs))} ({f(min(vs))}–{f(max(vs))})" if len(vs) > 1 else f(vs[0])
+    form = "+.1f" if sign else ".1f"
+    f = (lambda v: f"{100 * v:{form}}") if pct else (lambda v: f"{v:,.2f}" if abs(v) < 10 else f"{v:,.0f}")
+    return f"{f(mean(vs))} ({f(min(vs))} to {f(max(vs))})" if len(vs) > 1 else f(vs[0])
 
 
 def report(env: str, work: str, arms: list[str], seeds: list[int], steps: int, k: int, out: str | None) -> None:
@@ -152,12 +153,16 @@ def report(env: str, work: str, arms: list[str], seeds: list[int], steps: int, k
         with open(warm_path) as f:
             warm = json.load(f)
     base = done.get("grpo", {})
-    print(f"\n{env}: held-out avg@k and greedy pass@1 (%) after RL, mean (min–max) over seeds; Δ paired by seed")
-    print("| arm | seeds | avg@k | Δ avg@k vs grpo | greedy | Δ greedy vs grpo | tokens trained | wall s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"\n{env}: held-out avg@k and greedy pass@1 (%) after RL, mean (min to max) over seeds; Δ paired by seed")
+    print(
+        "| arm | seeds | avg@k | Δ avg@k vs grpo | greedy | Δ greedy vs grpo | tokens trained | "
+        "sampled return, first 5 → last 5 steps | mean abs advantage | wall s |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if warm:
         print(
-            f"| warm start | — | {spread([warm['avgk']])} | | {spread([warm['greedy']])} | | | {warm['wall_s']:.0f} |"
+            f"| warm start, seed {warm['seed']}'s games | — | {spread([warm['avgk']])} | | {spread([warm['greedy']])} "
+            f"| | | | | {warm['wall_s']:.0f} |"
         )
     rows = []
     for arm, by_seed in done.items():
@@ -169,11 +174,13 @@ def report(env: str, work: str, arms: list[str], seeds: list[int], steps: int, k
         rows.append(row)
 
         def diff(key: str, row: dict[str, Any] = row) -> str:
-            return "—" if arm == "grpo" else spread(row[f"{key}_diff"]).replace("–", " to ")
+            return "—" if arm == "grpo" else spread(row[f"{key}_diff"], sign=True)
 
         print(
             f"| {arm} | {len(by_seed)} | {spread(row['avgk'])} | {diff('avgk')} | {spread(row['greedy'])} | "
-            f"{diff('greedy')} | {spread(row['train_tokens'], pct=False)} | {spread(row['wall_s'], pct=False)} |"
+            f"{diff('greedy')} | {spread(row['train_tokens'], pct=False)} | "
+            f"{mean(row['return_first5']):.3f} → {mean(row['return_last5']):.3f} | "
+            f"{spread(row['adv_abs_mean'], pct=False)} | {spread(row['wall_s'], pct=False)} |"
         )
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
