@@ -129,6 +129,15 @@ def adopt(work: str, arm: str, seed: int, steps: int, k: int) -> bool:
     return True
 
 
+def clean(x: Any) -> Any:
+    """NaN (a run with nothing of that kind, e.g. the warm arm's returns) as null: strict JSON."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def spread(values: list[float], pct: bool = True, sign: bool = False) -> str:
     vs = [v for v in values if finite(v)]
     if not vs:
@@ -185,7 +194,7 @@ def report(env: str, work: str, arms: list[str], seeds: list[int], steps: int, k
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump({"env": env, "warm": warm, "rows": rows, "runs": done}, f, indent=1)
+            json.dump(clean({"env": env, "warm": warm, "rows": rows, "runs": done}), f, indent=1)
         print(f"\n{out}")
 
 
