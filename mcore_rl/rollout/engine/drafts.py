@@ -47,6 +47,7 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    match: int = 0  # prompt lookup: the length of the n-gram that matched (a confidence feature)
 
 
 class Drafter(Protocol):
@@ -83,19 +84,24 @@ class NgramDrafter:
         params: list[SamplingParams],
         uniforms: Callable[[int, int], list[float]],
     ) -> list[Draft]:
-        return [Draft(self.lookup(seq, k)) for seq, k in zip(sequences, lengths)]
+        return [Draft(*self.match(seq, k)) for seq, k in zip(sequences, lengths)]
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """Up to k tokens following the latest earlier occurrence of seq's last n tokens (longest n first)."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: list[int], k: int) -> tuple[list[int], None, int]:
+        """(`lookup`'s tokens, no q, the n that matched; 0 when none did)."""
         if k <= 0:
-            return []
+            return [], None, 0
         end = len(seq)
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             tail = seq[end - n :]
             for start in range(end - n - 1, -1, -1):  # latest first; the match must end before the tail does
                 if seq[start : start + n] == tail:
-                    return seq[start + n : start + n + k]
-        return []
+                    found = seq[start + n : start + n + k]
+                    return found, None, n if found else 0
+        return [], None, 0
 
     def free(self, slot: int) -> None:
         return None
