@@ -97,7 +97,7 @@ from torch import nn
 from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
 from mcore_rl.hf.rope import rope_scaling_of
 
-from .drafts import Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
+from .drafts import BlockDrafter, Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .kv_cache import pool_tokens
 from .model_runner import ModelRunner
@@ -448,6 +448,10 @@ class EngineCore:
                 vocab_size=self.vocab_size,
                 weights_epoch=lambda: self.weights_epoch,
             )
+        if spec.algorithm == "DFLASH":  # DSpark's block drafter, in process (its head as the draft model)
+            if draft_model is None:
+                raise ValueError("speculative_algorithm: DFLASH needs its dflash.BlockHead as the draft model")
+            return BlockDrafter(draft_model, self.runner, vocab_size=self.vocab_size, device=self.device)
         if draft_model is None:
             raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
         return ModelDrafter(

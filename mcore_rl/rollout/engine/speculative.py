@@ -33,7 +33,7 @@ import torch
 from .sampling import BatchSampling, inverse_cdf, processed_weights
 from .spec_schedule import SPECULATIVE_SCHEDULES
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")  # SGLang's --speculative-algorithm names that are served here
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "DFLASH")  # SGLang's names served here, and DFLASH (ours)
 NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bonus token is drawn
 
 
@@ -41,7 +41,8 @@ NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bo
 class SpeculativeSettings:
     """The engine's speculative decoding (`mcore-rl serve --speculative-*`, SGLang's flag names):
     `algorithm` NGRAM (prompt lookup), STANDALONE (a separate draft model at `draft_model_path`) or
-    NEXTN (the model's own MTP heads, `drafts.MTPDrafter`),
+    NEXTN (the model's own MTP heads, `drafts.MTPDrafter`) or, in process only, DFLASH (DSpark's block
+    drafter, `dflash.BlockHead` given as the draft model, `drafts.BlockDrafter`),
     `num_steps` tokens drafted per verification (SGLang's `--speculative-num-steps`), and the n-gram
     lengths prompt lookup tries (`--speculative-ngram-min/max-match-window-size`); `schedule` how many
     of the drafts a pass verifies: all (`fixed`) or DSpark's confidence schedule (`dspark`,
