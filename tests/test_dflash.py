@@ -133,4 +133,4 @@ def test_refusals() -> None:
         make_engine(tiny_model(), speculative=copy.copy(DFLASH), draft_model=tiny_model(vocab_size=48))
     hidden, tokens = torch.randn(6, 64), torch.tensor([1, 2, 3, 4, 5, 6])
     model = tiny_model()
-    assert float(block_loss(_head(model), hidden, tokens, model.lm_head(hidden))) > 0
+    assert float(block_loss(_head(model), hidden, tokens, model.lm_head(hidden)).detach()) > 0

@@ -48,7 +48,7 @@ class BlockHead(nn.Module):
         self.w2 = nn.Linear(rank, vocab, bias=False)
         nn.init.zeros_(self.w1.weight)  # W1 = 0: the pure parallel drafter until trained
         tree: Any = target.model
-        self._frozen = (tree.embed_tokens, target.lm_head)  # the target's, not registered here
+        self._frozen: tuple[Any, Any] = (tree.embed_tokens, target.lm_head)  # the target's, not registered here
 
     def base_logits(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """[b, block, V] base logits U from the target's hidden state [b, H] before the anchor and the
@@ -98,12 +98,13 @@ def train_block_head(
     """AdamW on `block_loss` over the target's (frozen) hidden states and logits of `sequences`, one
     sequence per step in a seeded order; the losses per step."""
     tree: Any = target.model
+    lm_head: Any = target.lm_head
     with torch.no_grad():
         cached = []
         for seq in sequences:
             ids = torch.tensor([seq])
             hidden = tree(input_ids=ids).last_hidden_state[0]
-            cached.append((hidden.float(), torch.tensor(seq), target.lm_head(hidden).float()))
+            cached.append((hidden.float(), torch.tensor(seq), lm_head(hidden).float()))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(seed)
     losses = []
