@@ -14,13 +14,15 @@ and the ratio of the medians.
 `--schedules fixed dspark` runs each speculative row with both schedules (plain, fixed and DSpark's
 confidence schedule in rotating order within each round): `dspark` verifies per request the prefix of
 its drafts that maximises the expected tokens per second at the batch (`rollout/engine/spec_schedule.py`);
-its measured pass times and the engine-wide acceptance (the prior of a fresh request's confidence) are kept across the runs of one draft kind (a
-deployment's profile, as the paper's), primed by the warm-up runs. The row then adds the share of
-drafts the schedule did not verify.
+its measured pass times and the engine-wide acceptance (the prior of a fresh request's confidence) are
+kept across the runs of one draft kind and schedule (a deployment's profile, as the paper's), primed
+by the warm-up runs. The row then adds the share of drafts the schedule did not verify. `head` is
+DSpark's schedule reading the trained confidence head `--confidence-head` (a JSON of
+`tools/train_confidence_head.py`) instead of each request's acceptance so far.
 
 Draft kinds: `ngram` (prompt lookup, 1..3-grams) and `standalone` with the target's first
 `--draft-layers` layers as the draft model (its embeddings, final norm and head; a layer-skip
-draft, the only smaller model of the same tokenizer at hand). Both are exact: the output
+draft, the only smaller model of the same tokenizer at hand), optionally with `--draft-noise`. Both are exact: the output
 distribution is the target's either way (tests/test_speculative.py).
 
 At batch 1 the decode step of plain decoding reads every weight once per token, so its tokens/s
@@ -52,11 +54,17 @@ def load_target(path: str | None, seed: int):
     return engine.model, engine.tokenizer
 
 
-def layer_skip_draft(model, layers: int):
-    """The target's first `layers` decoder layers, its embeddings, final norm and head."""
+def layer_skip_draft(model, layers: int, noise: float = 0.0):
+    """The target's first `layers` decoder layers, its embeddings, final norm and head, plus Gaussian
+    noise of std `noise` on every weight (seeded; the same draft as tools/train_confidence_head.py's)."""
     draft = copy.deepcopy(model)
     draft.model.layers = draft.model.layers[:layers]
     draft.config.num_hidden_layers = layers
+    if noise > 0:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
     return draft
 
 
@@ -109,13 +117,17 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--num-steps", type=int, default=4, help="tokens drafted per verification")
     ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--draft-noise", type=float, default=0.0, help="standalone: add N(0, s^2) to the draft's weights")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--schedules", nargs="+", default=["fixed"], choices=["fixed", "dspark"])
+    ap.add_argument("--schedules", nargs="+", default=["fixed"], choices=["fixed", "dspark", "head"])
+    ap.add_argument("--confidence-head", help="schedule `head`: DSpark's schedule with this trained head (JSON)")
     args = ap.parse_args()
+    if "head" in args.schedules and not args.confidence_head:
+        ap.error("--schedules head needs --confidence-head")
     torch.set_num_threads(args.threads)
     from mcore_rl.rollout.engine.spec_schedule import AcceptanceRate, StepCost
     from mcore_rl.rollout.engine.speculative import SpeculativeSettings
@@ -134,15 +146,21 @@ def main() -> None:
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in args.kinds:
-        draft = layer_skip_draft(model, args.draft_layers) if kind == "standalone" else None
-        profile = (StepCost(), AcceptanceRate())
+        draft = layer_skip_draft(model, args.draft_layers, args.draft_noise) if kind == "standalone" else None
         specs = {
-            sch: SpeculativeSettings(kind.upper(), num_steps=args.num_steps, schedule=sch) for sch in args.schedules
+            sch: SpeculativeSettings(
+                kind.upper(),
+                num_steps=args.num_steps,
+                schedule="dspark" if sch == "head" else sch,
+                confidence_head=args.confidence_head if sch == "head" else None,
+            )
+            for sch in args.schedules
         }
+        profiles = {sch: (StepCost(), AcceptanceRate()) for sch in args.schedules}
         for batch in args.batches:
             prompts = prompts_for(tokenizer, batch)
             for sch, spec in specs.items():  # warm-up (and DSpark's profile: every batch size seen)
-                run_once(copy.deepcopy(model), tokenizer, prompts, args, spec, copy.deepcopy(draft), profile)
+                run_once(copy.deepcopy(model), tokenizer, prompts, args, spec, copy.deepcopy(draft), profiles[sch])
             sides = ["plain", *specs]
             rates: dict[str, list[float]] = {side: [] for side in sides}
             stats: dict[str, dict[str, int]] = {}
@@ -156,7 +174,7 @@ def main() -> None:
                         args,
                         spec,
                         copy.deepcopy(draft) if spec is not None else None,
-                        profile if side == "dspark" else None,
+                        profiles[side] if side in ("dspark", "head") else None,
                     )
                     rates[side].append(batch * args.new_tokens / dt)
                     if spec is not None:

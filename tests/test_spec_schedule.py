@@ -200,7 +200,7 @@ def test_a_cut_that_reads_the_drafted_token_is_caught() -> None:
     the choice then depends on the token it keeps, and the joint test fails."""
     engine = _joint_engine()
 
-    def biased(batch, drafts):
+    def biased(batch, drafts, feats=None):
         cut = []
         for d in drafts:
             n = 0

@@ -283,6 +283,9 @@ class RolloutConfig(Sectioned):
     # how many drafts a pass verifies: all (fixed) or DSpark's per-request lengths from the drafts'
     # confidence and the measured pass time at the batch size (rollout/engine/spec_schedule.py)
     speculative_schedule: Literal["fixed", "dspark"] = "fixed"
+    # dspark: DSpark's trained confidence head (a JSON of tools/train_confidence_head.py) in place of each
+    # request's acceptance so far (rollout/engine/spec_confidence.py); None = the acceptance so far
+    speculative_confidence_head: str | None = None
     # ---- a staged sampling temperature (one data source; data.mixture.stages with domains)
     temperature_stages: list[TemperatureStageConfig] = field(default_factory=list)  # [] = rollout.temperature
     # (the recipes' sections under rollout are registered by the recipes: config/sections.py)

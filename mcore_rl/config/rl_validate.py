@@ -190,6 +190,26 @@ def check_mtp_heads(cfg: RLConfig, errors: Errors) -> None:
     )
 
 
+def check_confidence_head(r: RolloutConfig, errors: Errors) -> None:
+    """DSpark's trained head: read by the dspark schedule only, and loaded here so a bad file fails
+    before any engine starts."""
+    path = r.speculative_confidence_head
+    if path is None:
+        return
+    if not errors.need(
+        r.speculative_schedule == "dspark",
+        "rollout.speculative_confidence_head",
+        f"is set but rollout.speculative_schedule is {r.speculative_schedule} (only dspark reads it)",
+    ):
+        return
+    from mcore_rl.rollout.engine.spec_confidence import ConfidenceHead  # lazy: torch
+
+    try:
+        ConfidenceHead.load(path)
+    except (OSError, ValueError, KeyError) as e:
+        errors.need(False, "rollout.speculative_confidence_head", f"cannot be loaded: {e}")
+
+
 def check_speculative(r: RolloutConfig, errors: Errors) -> None:
     """`rollout.speculative_*` configure the engines the trainer builds; servers at `engine_urls` take
     their own `--speculative-*` flags."""
@@ -204,7 +224,13 @@ def check_speculative(r: RolloutConfig, errors: Errors) -> None:
             "rollout.speculative_draft_model_path",
             "is set but rollout.speculative_algorithm is none (set it to standalone)",
         )
+        errors.need(
+            r.speculative_confidence_head is None,
+            "rollout.speculative_confidence_head",
+            "is set but rollout.speculative_algorithm is none (nothing to schedule)",
+        )
         return
+    check_confidence_head(r, errors)
     errors.need(
         not r.engine_urls,
         "rollout.speculative_algorithm",

@@ -153,6 +153,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 3
     speculative_schedule: str = "fixed"  # ours, not SGLang's: fixed k, or DSpark's confidence schedule
+    speculative_confidence_head: str | None = None  # ours: DSpark's trained confidence head (JSON)
     # SGLang flags accepted and ignored (sglang_flags.IGNORED): flag -> its values as given
     ignored_flags: dict[str, list[str]] = field(default_factory=dict)
 
@@ -192,6 +193,7 @@ class ServerArgs:
             ngram_min=self.speculative_ngram_min_match_window_size,
             ngram_max=self.speculative_ngram_max_match_window_size,
             schedule=self.speculative_schedule,
+            confidence_head=self.speculative_confidence_head,
         )
 
     @property
@@ -337,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed (verify every draft) or dspark (per-request verify lengths from the drafts' confidence "
         "and the measured pass time at the batch size; not an SGLang flag)",
     )
+    spec.add_argument(
+        "--speculative-confidence-head",
+        help="dspark: a trained confidence head (JSON of tools/train_confidence_head.py) in place of each "
+        "request's acceptance so far (not an SGLang flag)",
+    )
     ignored = p.add_argument_group("accepted for compatibility with SGLang, ignored")
     for flag, kind in [
         ("--chunked-prefill-size", int),
@@ -439,6 +446,8 @@ def _check(a: ServerArgs) -> None:
             raise LaunchFlagError(f"--speculative-num-steps {a.speculative_num_steps}: must be >= 1")
         if a.speculative_schedule not in ("fixed", "dspark"):
             raise LaunchFlagError(f"--speculative-schedule {a.speculative_schedule}: choose fixed or dspark")
+        if a.speculative_confidence_head and a.speculative_schedule != "dspark":
+            raise LaunchFlagError("--speculative-confidence-head: needs --speculative-schedule dspark")
         low, high = a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size
         if not 1 <= low <= high:
             raise LaunchFlagError(

@@ -264,6 +264,8 @@ def speculative_flags(rollout: RolloutConfig) -> list[str]:
         flags += ["--speculative-draft-model-path", rollout.speculative_draft_model_path]
     if rollout.speculative_schedule != "fixed":
         flags += ["--speculative-schedule", rollout.speculative_schedule]
+    if rollout.speculative_confidence_head:
+        flags += ["--speculative-confidence-head", rollout.speculative_confidence_head]
     return flags
 
 
@@ -278,6 +280,7 @@ def speculative_settings(rollout: RolloutConfig) -> SpeculativeSettings | None:
         num_steps=rollout.speculative_num_steps,
         draft_model_path=rollout.speculative_draft_model_path,
         schedule=rollout.speculative_schedule,
+        confidence_head=rollout.speculative_confidence_head,
     )
 
 

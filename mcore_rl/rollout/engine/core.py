@@ -97,7 +97,7 @@ from torch import nn
 from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
 from mcore_rl.hf.rope import rope_scaling_of
 
-from .drafts import Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
+from .drafts import BlockDrafter, Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
 from .fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Linear, quantize_model_fp8
 from .kv_cache import pool_tokens
 from .model_runner import ModelRunner
@@ -113,6 +113,7 @@ from .sampling import (
     sample_with_support,
     support_of,
 )
+from .spec_confidence import ConfidenceHead, draft_features
 from .spec_schedule import EXPLORE_AFTER, AcceptanceRate, StepCost, prefix_survival, schedule_lengths
 from .speculative import NO_DRAFT, SpeculativeSettings, verify_position
 from mcore_rl.hf import OWN_MODEL_TYPES, McoreRLForCausalLM, hf_config_from_model_config, model_config_from_hf_config
@@ -341,8 +342,15 @@ class EngineCore:
         self.schedule_sps: Callable[[int], float] | None = None
         self.spec_acceptance = AcceptanceRate()
         self.spec_stats["cut"] = 0  # drafts the schedule did not verify
+        # DSpark's trained confidence head (`spec_confidence.py`): the schedule reads its c_{r,i} instead
+        # of the request's acceptance so far; `spec_log` (a list) collects what trains it: per reached
+        # draft its features, whether it was accepted and its acceptance probability
+        self.confidence_head: ConfidenceHead | None = None
+        self.spec_log: list[tuple[torch.Tensor, bool, float]] | None = None
         if speculative is not None:
             self.drafter = self._build_drafter(speculative, draft_model)
+            if speculative.confidence_head:
+                self.confidence_head = ConfidenceHead.load(speculative.confidence_head)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -440,6 +448,10 @@ class EngineCore:
                 vocab_size=self.vocab_size,
                 weights_epoch=lambda: self.weights_epoch,
             )
+        if spec.algorithm == "DFLASH":  # DSpark's block drafter, in process (its head as the draft model)
+            if draft_model is None:
+                raise ValueError("speculative_algorithm: DFLASH needs its dflash.BlockHead as the draft model")
+            return BlockDrafter(draft_model, self.runner, vocab_size=self.vocab_size, device=self.device)
         if draft_model is None:
             raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model")
         return ModelDrafter(
@@ -655,8 +667,9 @@ class EngineCore:
         )
         for live in batch:
             live.draft_budget = 0
+        feats = self._draft_features(batch, drafts)
         if self._scheduled:
-            drafts = self._schedule(batch, drafts)
+            drafts = self._schedule(batch, drafts, feats)
         if not any(d.tokens for d in drafts):
             self._decode(outs)
             return
@@ -681,14 +694,17 @@ class EngineCore:
             proposed = [drafts[i].tokens[t] if t < len(drafts[i].tokens) else NO_DRAFT for i in active]
             ctl = BatchSampling.of([live.sp for live in lives], self.vocab_size, self.device)
             verdict: list[bool] = []
-            settle = self._settler(lives, [drafts[i] for i in active], t, proposed, verdict)
+            chances: list[float] = []
+            settle = self._settler(lives, [drafts[i] for i in active], t, proposed, verdict, chances)
             done = self._emit(active, logits[active, t], ctl, step_outs, pick=settle, remove=False)
             finished += done
-            for live, x, ok in zip(lives, proposed, verdict):
+            for i, live, x, ok, chance in zip(active, lives, proposed, verdict, chances):
                 if x != NO_DRAFT:
                     live.drafts_reached += 1
                     live.drafts_accepted += int(ok)
                     self.spec_acceptance.observe(ok)
+                    if self.spec_log is not None and feats is not None:
+                        self.spec_log.append((feats[i][t], ok, chance))
             self.spec_stats["emitted"] += len(active)
             self.spec_stats["accepted"] += sum(verdict)
             active = [i for i, ok in zip(active, verdict) if ok and i not in done]
@@ -704,19 +720,42 @@ class EngineCore:
     def _scheduled(self) -> bool:
         return self.speculative is not None and self.speculative.schedule == "dspark"
 
-    def _schedule(self, batch: list[_Live], drafts: list[Draft]) -> list[Draft]:
+    def _draft_features(self, batch: list[_Live], drafts: list[Draft]) -> list[torch.Tensor] | None:
+        """The confidence head's features of every request's drafts (`spec_confidence.draft_features`),
+        when a head reads them or `spec_log` records them; they read q and the past, never the drafts."""
+        if self.confidence_head is None and self.spec_log is None:
+            return None
+        return [
+            draft_features(
+                d.probs,
+                len(d.tokens),
+                self.spec_acceptance.of(live.drafts_accepted, live.drafts_reached),
+                d.match,
+            )
+            for live, d in zip(batch, drafts)
+        ]
+
+    def _schedule(
+        self, batch: list[_Live], drafts: list[Draft], feats: list[torch.Tensor] | None = None
+    ) -> list[Draft]:
         """DSpark's verify lengths (`spec_schedule.py`): each request's drafts cut to the prefix that
         maximises the expected tokens per second at this batch. Unchanged until SPS(B) is known. The
-        confidence of a request's drafts is its own acceptance so far, shrunk to the engine's: it reads
-        the past only, never the drafted tokens, so the cut keeps the sampling exact. A request cut to
-        nothing for `EXPLORE_AFTER` steps verifies its first draft (its confidence would never move)."""
+        confidence of a request's drafts is the trained head's prediction from `feats` when the engine
+        has one (`spec_confidence.py`), else its own acceptance so far, shrunk to the engine's: either
+        reads the past and q only, never the drafted tokens, so the cut keeps the sampling exact. A
+        request cut to nothing for `EXPLORE_AFTER` steps verifies its first draft (its confidence
+        would never move)."""
         sps = self.schedule_sps or self.spec_cost.sps()
         if sps is None:
             return drafts
-        survival = [
-            prefix_survival([self.spec_acceptance.of(live.drafts_accepted, live.drafts_reached)] * len(d.tokens))
-            for live, d in zip(batch, drafts)
-        ]
+        if self.confidence_head is not None and feats is not None:
+            head = self.confidence_head
+            survival = [prefix_survival(head.predict(f)) for f in feats]
+        else:
+            survival = [
+                prefix_survival([self.spec_acceptance.of(live.drafts_accepted, live.drafts_reached)] * len(d.tokens))
+                for live, d in zip(batch, drafts)
+            ]
         lengths = schedule_lengths(survival, sps)
         cut: list[Draft] = []
         for live, d, n in zip(batch, drafts, lengths):
@@ -727,15 +766,22 @@ class EngineCore:
             if n:
                 live.steps_unverified = 0
             self.spec_stats["cut"] += len(d.tokens) - n
-            cut.append(Draft(d.tokens[:n], d.probs[:n] if d.probs is not None and n else None))
+            cut.append(Draft(d.tokens[:n], d.probs[:n] if d.probs is not None and n else None, d.match))
         return cut
 
     def _settler(
-        self, lives: list[_Live], drafts: list[Draft], t: int, proposed: list[int], accepted: list[bool]
+        self,
+        lives: list[_Live],
+        drafts: list[Draft],
+        t: int,
+        proposed: list[int],
+        accepted: list[bool],
+        chances: list[float],
     ) -> Callable[[torch.Tensor, BatchSampling], SampledSupport]:
         """`_emit`'s draw for position t of a speculative step: each row's draft `proposed[r]`
         (`NO_DRAFT`: its bonus token) settled by rejection sampling against the processed logits
-        `_emit` hands over; whether each draft was accepted is appended to `accepted`."""
+        `_emit` hands over; whether each draft was accepted is appended to `accepted`, its acceptance
+        probability to `chances`."""
         vocab, dev = self.vocab_size, self.device
 
         def pick(masked: torch.Tensor, ctl: BatchSampling) -> SampledSupport:
@@ -755,6 +801,7 @@ class EngineCore:
             drafts_t = torch.tensor(proposed, dtype=torch.long, device=dev)
             verdict = verify_position(masked, ctl, drafts_t, q, u_t[:, 0], u_t[:, 1])
             accepted.extend(verdict.accepted.tolist())
+            chances.extend(verdict.chance.tolist())
             return support_of(verdict.tokens, verdict.weights, ctl)
 
         return pick

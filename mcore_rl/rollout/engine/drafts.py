@@ -47,6 +47,7 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    match: int = 0  # prompt lookup: the length of the n-gram that matched (a confidence feature)
 
 
 class Drafter(Protocol):
@@ -83,19 +84,24 @@ class NgramDrafter:
         params: list[SamplingParams],
         uniforms: Callable[[int, int], list[float]],
     ) -> list[Draft]:
-        return [Draft(self.lookup(seq, k)) for seq, k in zip(sequences, lengths)]
+        return [Draft(*self.match(seq, k)) for seq, k in zip(sequences, lengths)]
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """Up to k tokens following the latest earlier occurrence of seq's last n tokens (longest n first)."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: list[int], k: int) -> tuple[list[int], None, int]:
+        """(`lookup`'s tokens, no q, the n that matched; 0 when none did)."""
         if k <= 0:
-            return []
+            return [], None, 0
         end = len(seq)
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             tail = seq[end - n :]
             for start in range(end - n - 1, -1, -1):  # latest first; the match must end before the tail does
                 if seq[start : start + n] == tail:
-                    return seq[start + n : start + n + k]
-        return []
+                    found = seq[start + n : start + n + k]
+                    return found, None, n if found else 0
+        return [], None, 0
 
     def free(self, slot: int) -> None:
         return None
@@ -396,4 +402,73 @@ class MTPDrafter:
             self.forwards += 1
             assert runner.last_normed is not None  # set by that extend
             hidden = runner.last_normed[:, 0]
+        return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]
+
+
+class BlockDrafter:
+    """DSpark's semi-autoregressive drafter (`dflash.BlockHead`, in process: `EngineCore(...,
+    speculative=SpeculativeSettings("DFLASH"), draft_model=head)`): one parallel pass gives the base
+    logits U_1..U_k of every running request from the target's hidden state before its last token
+    (kept by the target's runner, as NEXTN's) and that token; then draft j is drawn left to right from
+    the processed softmax(U_j + W1[x_{j-1}] W2) under the request's controls, which is q_j. No KV
+    cache of its own: nothing to free, move or reset. Its weights are fixed (no weight sync)."""
+
+    def __init__(self, head: nn.Module, target_runner: ModelRunner, *, vocab_size: int, device: torch.device) -> None:
+        head_any: Any = head
+        if int(getattr(head_any, "vocab_size", -1)) != vocab_size:
+            raise ValueError(
+                "speculative_algorithm: DFLASH needs a dflash.BlockHead of the target's vocabulary as the draft model"
+            )
+        self.head: Any = head.to(device).eval()
+        for p in self.head.parameters():
+            p.requires_grad_(False)
+        self.target_hidden = target_runner.keep_hidden()
+        self.vocab_size, self.device = vocab_size, device
+        self.forwards = 0
+
+    def free(self, slot: int) -> None:
+        return None
+
+    def move(self, src: int, dst: int) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sequences: list[list[int]],
+        lengths: list[int],
+        params: list[SamplingParams],
+        uniforms: Callable[[int, int], list[float]],
+    ) -> list[Draft]:
+        b = len(sequences)
+        lengths = [min(k, self.head.block) if len(seq) >= 2 else 0 for seq, k in zip(sequences, lengths)]
+        k = max(lengths, default=0)
+        if k <= 0:
+            return [Draft([]) for _ in sequences]
+        rows = torch.arange(b, device=self.device)
+        before = torch.tensor([max(len(seq) - 2, 0) for seq in sequences], device=self.device)
+        anchor = torch.tensor([seq[-1] for seq in sequences], device=self.device)
+        base = self.head.base_logits(self.target_hidden[rows, before], anchor)  # [b, block, V]: one pass
+        self.forwards += 1
+        ctl = BatchSampling.of(params, self.vocab_size, self.device)
+        prev = anchor
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        for j in range(k):
+            logits = base[:, j] + self.head.bias(prev)
+            w = processed_weights(logits, ctl)
+            u = torch.tensor(
+                [uniforms(i, 1)[0] if j < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
+                dtype=torch.float64,
+                device=w.device,
+            )
+            drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), logits.argmax(-1))
+            for i in range(b):
+                if j < lengths[i]:
+                    tokens[i].append(int(drawn[i]))
+                    probs[i].append(w[i])
+            prev = drawn
         return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]

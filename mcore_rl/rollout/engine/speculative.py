@@ -33,7 +33,7 @@ import torch
 from .sampling import BatchSampling, inverse_cdf, processed_weights
 from .spec_schedule import SPECULATIVE_SCHEDULES
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")  # SGLang's --speculative-algorithm names that are served here
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "DFLASH")  # SGLang's names served here, and DFLASH (ours)
 NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bonus token is drawn
 
 
@@ -41,11 +41,12 @@ NO_DRAFT = -1  # the `drafts` entry of a row with nothing to verify here: its bo
 class SpeculativeSettings:
     """The engine's speculative decoding (`mcore-rl serve --speculative-*`, SGLang's flag names):
     `algorithm` NGRAM (prompt lookup), STANDALONE (a separate draft model at `draft_model_path`) or
-    NEXTN (the model's own MTP heads, `drafts.MTPDrafter`),
+    NEXTN (the model's own MTP heads, `drafts.MTPDrafter`) or, in process only, DFLASH (DSpark's block
+    drafter, `dflash.BlockHead` given as the draft model, `drafts.BlockDrafter`),
     `num_steps` tokens drafted per verification (SGLang's `--speculative-num-steps`), and the n-gram
     lengths prompt lookup tries (`--speculative-ngram-min/max-match-window-size`); `schedule` how many
     of the drafts a pass verifies: all (`fixed`) or DSpark's confidence schedule (`dspark`,
-    `spec_schedule.py`)."""
+    `spec_schedule.py`), whose confidence is a trained head's when `confidence_head` names one."""
 
     algorithm: str = "NGRAM"
     num_steps: int = 4
@@ -53,6 +54,7 @@ class SpeculativeSettings:
     ngram_min: int = 1
     ngram_max: int = 3
     schedule: str = "fixed"
+    confidence_head: str | None = None  # DSpark's trained head (JSON, `spec_confidence.py`); dspark only
 
     def check(self) -> None:
         """ValueError naming the setting that cannot be served."""
@@ -65,6 +67,10 @@ class SpeculativeSettings:
             raise ValueError(f"speculative_num_steps: must be an integer >= 1, got {self.num_steps!r}")
         if self.schedule not in SPECULATIVE_SCHEDULES:
             raise ValueError(f"speculative_schedule: {self.schedule!r} is not one of {list(SPECULATIVE_SCHEDULES)}")
+        if self.confidence_head and self.schedule != "dspark":
+            raise ValueError(
+                f"speculative_confidence_head: is set but speculative_schedule is {self.schedule!r} (only dspark reads it)"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"speculative_ngram_min/max_match_window_size: need 1 <= min ({self.ngram_min}) <= max "
@@ -79,6 +85,9 @@ class Verdict:
     tokens: torch.Tensor  # [R] long: the token emitted here (the draft if accepted)
     accepted: torch.Tensor  # [R] bool: the row's draft was accepted (False for bonus rows)
     weights: torch.Tensor | None  # [R, V] the target's processed weights p (unnormalised); None if all greedy
+    chance: (
+        torch.Tensor
+    )  # [R] the draft's acceptance probability sum_v min(p, q) (p(x) for a point mass; 0 for bonus rows)
 
 
 def verify_position(
@@ -98,17 +107,19 @@ def verify_position(
     safe = torch.where(has_draft, drafts, greedy_tokens)
     greedy_accept = has_draft & (safe == greedy_tokens)
     if ctl.all_greedy:
-        return Verdict(greedy_tokens, greedy_accept, None)
+        return Verdict(greedy_tokens, greedy_accept, None, greedy_accept.double())
     w = processed_weights(logits, ctl)
     p = w.double() / w.double().sum(-1, keepdim=True)
     px = p.gather(-1, safe[:, None]).squeeze(-1)
     if draft_probs is None:
         qx = torch.ones_like(px)
+        chance = px
         residual = p.scatter(-1, safe[:, None], 0.0)  # max(0, p - onehot(x))
     else:
         q = draft_probs.double()
         q = q / q.sum(-1, keepdim=True)
         qx = q.gather(-1, safe[:, None]).squeeze(-1)
+        chance = torch.minimum(p, q).sum(-1)
         residual = (p - q).clamp_min(0.0)
     # p == q (to rounding) leaves no residual mass although a rejection was (barely) possible: draw from p.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
@@ -117,4 +128,5 @@ def verify_position(
     drawn = inverse_cdf(source, u_draw)
     sampled = ctl.temperature > 0
     tokens = torch.where(sampled, torch.where(accepted, safe, drawn), greedy_tokens)
-    return Verdict(tokens, torch.where(sampled, accepted, greedy_accept), w)
+    chance = torch.where(has_draft, torch.where(sampled, chance, greedy_accept.to(chance.dtype)), 0.0)
+    return Verdict(tokens, torch.where(sampled, accepted, greedy_accept), w, chance)
