@@ -40,6 +40,6 @@ def task_names() -> list[str]:
 from mcore_rl.data.tasks import addition  # noqa: E402,F401  (after register_task, which the task modules import; registers the task and its reward)
 from mcore_rl.data.tasks import formatting  # noqa: E402,F401  (as above)
 from mcore_rl.data.tasks import reasoning_gym  # noqa: E402,F401  (as above; imports the reasoning-gym package only when used)
-from mcore_rl.data.tasks import humaneval, tiny_code, word_format  # noqa: E402,F401  (as above)
+from mcore_rl.data.tasks import humaneval, py_func, tiny_code, word_format  # noqa: E402,F401  (as above)
 
 __all__ = ["Task", "get_task", "register_task", "task_names"]
