@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 from mcore_rl.config.schema import ModelConfig
-from mcore_rl.rollout.vllm_processes import SERVED_MODEL_NAME, VLLMEngineProcesses
+from mcore_rl.rollout.vllm_processes import SERVED_MODEL_NAME, VLLMEngineProcesses, split_two_cores
 
 MODEL = ModelConfig(  # tests/test_vllm_engine.py's: the demo's model, head dim 32, 1280 positions
     vocab_size=384,
@@ -129,9 +129,15 @@ def measure(url: str, root: int, tokens: int) -> dict:
 
 
 def apply(variant: str, root: int) -> None:
-    """Change the started server's EngineCore in place (what a variant names)."""
+    """Change the started server in place (what a variant names)."""
     core = [p for p, name in tree(root).items() if "EngineCore" in name]
     key, _, value = variant.partition("=")
+    if key == "split":
+        assert split_two_cores(root), "not two cores"
+    elif key == "vllm-layout":  # vLLM's own: the worker on the first core, everything else on all
+        cores = sorted(os.sched_getaffinity(0))
+        for pid, name in tree(root).items():
+            each_thread(pid, lambda tid: os.sched_setaffinity(tid, cores[:1] if "Worker" in name else cores))
     for pid in core:
         if key == "core-nice":
             each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, int(value)))
@@ -147,7 +153,15 @@ def main() -> None:
         "--variant",
         action="append",
         default=None,
-        help="as-started | core-nice=N (EngineCore's threads at nice N) | core-cpus=0,1 (EngineCore's affinity)",
+        help="as-started | split (split_two_cores: what VLLMEngineProcesses does once a server answers) | "
+        "vllm-layout (vLLM's own affinities: the worker on the first core, the rest anywhere) | "
+        "core-nice=N (EngineCore's threads at nice N) | core-cpus=0,1 (EngineCore's affinity)",
+    )
+    ap.add_argument(
+        "--autogroup-nice",
+        type=int,
+        default=None,
+        help="the server's and this process's scheduler autogroup nice (root, for -N): an idle machine's share on a busy one",
     )
     ap.add_argument("--setting", action="append", default=[], help="name:KEY=VAL,KEY=VAL (server environment)")
     args = ap.parse_args()
@@ -168,6 +182,10 @@ def main() -> None:
                     print(f"== {name} {extra} (start {time.perf_counter() - t:.0f} s)", flush=True)
                     url, root = procs.urls[0], procs.pids[0]
                     assert root is not None
+                    if args.autogroup_nice is not None:  # the server leads its own session: its own autogroup
+                        for pid in (root, os.getpid()):
+                            with open(f"/proc/{pid}/autogroup", "w") as f:
+                                f.write(str(args.autogroup_nice))
                     measure(url, root, 16)  # warm-up
                     for variant in args.variant:
                         apply(variant, root)
