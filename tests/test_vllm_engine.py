@@ -259,6 +259,7 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     assert pool.processes is not None
     made = pool.processes.shared_memory(0)
     assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
+    assert any(n.startswith("sem.mp-") for n in made), made  # its worker's semaphore (mapped under a temporary name)
     futs = _in_flight(pool, *PROMPTS)
     pid = pool.processes.pids[0]
     assert pid is not None
@@ -277,7 +278,8 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
 
 
 def test_closing_the_pool_leaves_no_vllm_process_or_shared_memory(pool: HTTPEnginePool) -> None:
-    """Last: the module's server closed, nothing of it stays (its processes, its `psm_*` segments)."""
+    """Last: the module's server closed, nothing of it stays (its processes, its `psm_*` segments,
+    its worker's `sem.mp-*` semaphore)."""
     assert pool.processes is not None
     pid, made = pool.processes.pids[0], pool.processes.shared_memory(0)
     assert pid is not None and made
