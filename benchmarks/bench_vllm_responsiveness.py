@@ -1,15 +1,17 @@
 """How promptly a vLLM server answers while it generates (docs/serving.md#vllm-engines).
 
     MCORE_RL_VLLM_VENV=... python benchmarks/bench_vllm_responsiveness.py [--tokens 1200] [--repeats 3] \
-        [--setting name:KEY=VAL,KEY=VAL ...]
+        [--variant vllm-layout --variant split ...] [--autogroup-nice -20] [--setting name:KEY=VAL,KEY=VAL ...]
 
 For each setting (environment variables of the server; `default` is what `VLLMEngineProcesses`
-sets), one server of the demo's model (head dim 32) is started; then, `--repeats` times, one long
-greedy request (`--tokens` tokens, eos ignored) runs while `/metrics` is polled back to back. Printed
-per generation: its wall, the probes answered while it ran, their median and largest latency, the
-longest stretch with no answer, and the CPU seconds each of the server's processes used meanwhile
-(the API server, EngineCore, the worker) with their CPU affinity. A server that answers nothing
-while it generates shows one probe as long as the generation.
+sets), one server of the demo's model (head dim 32) is started; then, for each variant (a change
+to the running server: its processes' CPU affinity or nice), `--repeats` times, one long greedy
+request (`--tokens` tokens, eos ignored) runs while `/metrics` is polled back to back. Printed per
+generation: its wall, the probes answered while it ran, their median and largest latency, the
+longest stretch with no answer, and per process of the server (the API server, EngineCore, the
+worker) its affinity, nice, and the seconds its threads ran and waited runnable meanwhile
+(`schedstat`). A server that answers nothing while it generates shows one probe as long as the
+generation.
 """
 
 from __future__ import annotations
