@@ -234,7 +234,7 @@ def test_engines_die_with_the_trainer(tmp_path):
 
 
 _SHM_ENGINE = r"""
-import http.server, os, subprocess, sys
+import http.server, multiprocessing, os, subprocess, sys
 from multiprocessing import resource_tracker, shared_memory
 # Python's resource tracker (a process of its own) would unlink these when the server dies; vLLM's
 # segments outlive it, so here nothing but the trainer's ledger may remove them.
@@ -243,12 +243,16 @@ mine = shared_memory.SharedMemory(create=True, size=4096)  # held (mapped) by th
 seen = shared_memory.SharedMemory(name=os.environ["FOREIGN_SHM"])  # someone else's, mapped here too
 for segment in (mine, seen):
     resource_tracker.unregister(segment._name, "shared_memory")
+# a semaphore as vLLM's worker makes one (`sem.mp-*`): glibc maps it under a temporary name, so
+# this process's mapping reads `/dev/shm/sem.XXXXXX (deleted)`, never the name it has
+lock = multiprocessing.get_context("spawn").Lock()
+resource_tracker.unregister(lock._semlock.name, "semaphore")
 child = subprocess.Popen(  # a grandchild of the trainer makes one too (vLLM's EngineCore, say)
     [sys.executable, "-c", "import time; from multiprocessing import resource_tracker as r, shared_memory as s; "
      "m = s.SharedMemory(create=True, size=4096); r.unregister(m._name, 'shared_memory'); "
      "print(m.name, flush=True); time.sleep(600)"],
     stdout=subprocess.PIPE, text=True)
-print("made", mine.name, child.stdout.readline().strip(), flush=True)
+print("made", mine.name, child.stdout.readline().strip(), "sem." + lock._semlock.name[1:], flush=True)
 print("child pid", child.pid, flush=True)
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -276,7 +280,8 @@ def _made(log: str) -> list[str]:
 
 
 def test_shared_memory_an_engine_made_goes_with_it_and_nothing_else(tmp_path):
-    """POSIX shared memory outlives a process killed with SIGKILL (vLLM's `psm_*` segments did):
+    """POSIX shared memory outlives a process killed with SIGKILL (vLLM's `psm_*` segments and a
+    `sem.mp-*` semaphore, which glibc maps under a temporary name, did):
     what an engine's process tree made goes when it is restarted after a kill or closed; what
     predates it (even mapped by it), what another process holds, and what another process made
     and let go of while the engine ran, all stay."""
@@ -293,7 +298,7 @@ def test_shared_memory_an_engine_made_goes_with_it_and_nothing_else(tmp_path):
     try:
         engines._start_all()
         first = _made(log)
-        assert len(first) == 2 and all(os.path.exists(os.path.join(shm, n)) for n in first)
+        assert len(first) == 3 and all(os.path.exists(os.path.join(shm, n)) for n in first)
         assert engines.shared_memory(0) == set(first)
         held = shared_memory.SharedMemory(create=True, size=4096)  # made while it runs, held by us
         unheld = os.path.join(shm, f"foreign_{os.getpid()}_{time.monotonic_ns()}")

@@ -1,16 +1,20 @@
-"""`rollout.engine_kind: vllm` without a vLLM server: what the validation refuses, and the client's
-pure translations of SGLang's fields (the server tests are in test_vllm_engine.py)."""
+"""`rollout.engine_kind: vllm` without a vLLM server: what the validation refuses, the client's
+pure translations of SGLang's fields, and the cores a started server's processes get (the server
+tests are in test_vllm_engine.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from mcore_rl.config.rl_vllm import VLLM_READY_STAMP
 from mcore_rl.rollout.vllm_client import prompt_logprobs, vllm_request_id, vllm_sampling_params
+from mcore_rl.rollout.vllm_processes import split_two_cores
 
 VLLM = [
     "rollout.engine_kind=vllm",
@@ -136,3 +140,47 @@ def test_setup_reuses_a_complete_venv_of_its_variant_and_never_turns_one_into_th
     assert "(gpu," in _setup(str(venv), "--gpu").stdout
     assert "torch.version.cuda, " in (venv / "bin" / "calls").read_text()  # the CUDA build checked
     assert _setup(str(venv), "--bogus").returncode == 2
+
+
+# a server (the session's leader) with a child as vLLM's EngineCore, each with a second thread
+_TREE = """
+import subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+    "threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); print(flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _affinities(pid: int) -> list[set[int]]:
+    return [os.sched_getaffinity(int(t)) for t in sorted(os.listdir(f"/proc/{pid}/task"))]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_on_two_cores_the_api_server_gets_one_and_the_rest_of_its_session_the_other() -> None:
+    """`split_two_cores` (why: its docstring): every thread moves, and a server on another number
+    of cores is left as it is."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    for cores, want_leader, want_child in (((a, b), {b}, {a}), ((b,), {b}, {b})):
+        leader = subprocess.Popen(
+            [sys.executable, "-c", _TREE],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores),
+        )
+        try:
+            child = int(leader.stdout.readline())  # type: ignore[union-attr]
+            deadline = time.monotonic() + 30
+            while len(os.listdir(f"/proc/{child}/task")) < 2 or len(os.listdir(f"/proc/{leader.pid}/task")) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert split_two_cores(leader.pid) is (len(cores) == 2)
+            assert _affinities(leader.pid) == [want_leader] * len(_affinities(leader.pid))
+            assert _affinities(child) == [want_child] * len(_affinities(child))
+        finally:
+            os.killpg(leader.pid, 9)
+            leader.wait()

@@ -259,6 +259,11 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     assert pool.processes is not None
     made = pool.processes.shared_memory(0)
     assert any(n.startswith("psm_") for n in made), made  # vLLM's message queues between its processes
+    assert any(n.startswith("sem.mp-") for n in made), made  # its worker's semaphore (mapped under a temporary name)
+    # weights newer than the ones a restarted server starts with (version 0), so that it waits for
+    # the next sync whether the tests before this one synced or not (`-k sigkill` alone)
+    version = pool.weight_version + 1
+    sync(pool, SEED, version)
     futs = _in_flight(pool, *PROMPTS)
     pid = pool.processes.pids[0]
     assert pid is not None
@@ -270,14 +275,15 @@ def test_sigkill_of_the_engine_costs_its_requests_not_the_run(pool: HTTPEnginePo
     _wait(lambda: pool.states.state(url) is EngineState.WAITING, "the restarted engine to answer", 600)
     assert not _group_members(pid), "a child of the killed vLLM server (EngineCore, worker) outlived it"
     assert not [n for n in made if os.path.exists(os.path.join(SHM, n))], "the killed server's shared memory stayed"
-    sync(pool, SEED, 3)
+    sync(pool, SEED, version + 1)
     assert pool.states.state(url) is EngineState.SERVING
     gen = pool.generate([GenRequest(PROMPTS[0], {"temperature": 1.0, "max_new_tokens": 4})])[0]
-    assert gen.weight_version == 3 and gen.output_ids
+    assert gen.weight_version == version + 1 and gen.output_ids
 
 
 def test_closing_the_pool_leaves_no_vllm_process_or_shared_memory(pool: HTTPEnginePool) -> None:
-    """Last: the module's server closed, nothing of it stays (its processes, its `psm_*` segments)."""
+    """Last: the module's server closed, nothing of it stays (its processes, its `psm_*` segments,
+    its worker's `sem.mp-*` semaphore)."""
     assert pool.processes is not None
     pid, made = pool.processes.pids[0], pool.processes.shared_memory(0)
     assert pid is not None and made

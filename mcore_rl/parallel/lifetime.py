@@ -101,7 +101,7 @@ class SharedMemoryLedger:
     a process killed with SIGKILL: nothing in it runs its cleanup, and a resource tracker in the same
     process group dies with it. The kernel does not say who created an entry, so it is attributed by
     who holds it: an entry is the tree's if it is new since the tree started, was first seen while a
-    process of the tree held it (an fd or a mapping, `/proc/<pid>/fd`, `/proc/<pid>/maps`) and never
+    process of the tree held it (an fd or a mapping of its inode, `/proc/<pid>/fd`, `/proc/<pid>/maps`) and never
     seen before that unheld by the tree (a creator holds what it makes from the start; a file someone
     else wrote and the tree only reads is seen first without it). `scan()` looks (call it while the
     tree lives: once it is ready, now and then, and before it is stopped); `release()`, once the tree
@@ -129,12 +129,17 @@ class SharedMemoryLedger:
         """Attribute the entries the tree holds now; returns the tree's entries so far."""
         if self.leader is None or not os.path.isdir(self.shm_dir):
             return self.made
-        present = set(_listdir(self.shm_dir))  # before the holders: an entry made in between is seen held
-        held: set[str] = set()
+        # listed before the holders are read: an entry made in between is seen held
+        new = {
+            n: _inode(self.shm_dir, n) for n in set(_listdir(self.shm_dir)) - self._before - self.made - self._foreign
+        }
+        held: set[int] = set()
         for pid in session_members(self.leader):
             held |= shm_held_by(pid, self.shm_dir)
-        for name in present - self._before - self.made - self._foreign:
-            if name.startswith(self.keep_prefixes) or name not in held:
+        for name, inode in new.items():
+            if inode is None:
+                continue  # gone already
+            if name.startswith(self.keep_prefixes) or inode not in held:
                 self._foreign.add(name)
             else:
                 self.made.add(name)
@@ -147,9 +152,11 @@ class SharedMemoryLedger:
         removed: list[str] = []
         if self.made:
             tree = set(session_members(self.leader)) if self.leader is not None else set()
-            others = {name for pid in _pids() if pid not in tree for name in shm_held_by(pid, self.shm_dir)}
-            for name in sorted(self.made - others):
+            others = {i for pid in _pids() if pid not in tree for i in shm_held_by(pid, self.shm_dir)}
+            for name in sorted(self.made):
                 path = os.path.join(self.shm_dir, name)
+                if _inode(self.shm_dir, name) in others:
+                    continue
                 try:
                     if os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path)
@@ -204,33 +211,58 @@ def session_members(leader: int) -> list[int]:
     return members
 
 
-def shm_held_by(pid: int, shm_dir: str = SHM_DIR) -> set[str]:
-    """Names of the `shm_dir` entries `pid` has open or mapped (unlinked ones left out)."""
-    prefix = shm_dir.rstrip("/") + "/"
-    names: set[str] = set()
+def shm_held_by(pid: int, shm_dir: str = SHM_DIR) -> set[int]:
+    """Inodes of the `shm_dir` files `pid` has open or mapped (`/proc/<pid>/fd`, `/proc/<pid>/maps`).
+
+    Inodes, not names: glibc's `sem_open` makes a semaphore under a temporary name
+    (`sem.XXXXXX`), maps it, and only then links it to its own name and unlinks the temporary
+    one, so its creator's mapping reads `/dev/shm/sem.XXXXXX (deleted)` for the whole of its life
+    (a vLLM worker's `sem.mp-*` was attributed to no one)."""
+    try:
+        dev = os.stat(shm_dir).st_dev
+    except OSError:
+        return set()
+    inodes: set[int] = set()
     fd_dir = f"/proc/{pid}/fd"
     try:
         fds = os.listdir(fd_dir)
     except OSError:
         fds = []
+    prefix = shm_dir.rstrip("/") + "/"
+
+    def top(path: str) -> None:  # a file in a directory of shm_dir: the directory is held
+        if path.startswith(prefix) and "/" in path[len(prefix) :] and not path.endswith(" (deleted)"):
+            inode = _inode(shm_dir, path[len(prefix) :].split("/", 1)[0])
+            if inode is not None:
+                inodes.add(inode)
+
     for fd in fds:
         try:
-            target = os.readlink(os.path.join(fd_dir, fd))
+            st = os.stat(os.path.join(fd_dir, fd))  # the open file itself, renamed or unlinked
+            if st.st_dev == dev:
+                inodes.add(st.st_ino)
+                top(os.readlink(os.path.join(fd_dir, fd)))
         except OSError:
             continue
-        if target.startswith(prefix) and not target.endswith(" (deleted)"):
-            names.add(target[len(prefix) :].split("/", 1)[0])
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
-                at = line.find(prefix)
-                if at >= 0:
-                    path = line[at + len(prefix) :].rstrip("\n")
-                    if not path.endswith(" (deleted)"):
-                        names.add(path.split("/", 1)[0])
-    except OSError:
+                if " " + prefix in line:  # "start-end perms offset major:minor inode   path"
+                    fields = line.split(maxsplit=5)
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    if os.makedev(major, minor) == dev:
+                        inodes.add(int(fields[4]))
+                        top(fields[5].rstrip("\n"))
+    except (OSError, ValueError, IndexError):
         pass
-    return names
+    return inodes
+
+
+def _inode(shm_dir: str, name: str) -> int | None:
+    try:
+        return os.lstat(os.path.join(shm_dir, name)).st_ino
+    except OSError:
+        return None
 
 
 def _pids() -> list[int]:

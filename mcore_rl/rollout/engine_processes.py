@@ -251,7 +251,7 @@ class EngineProcesses:
                 raise _PortInUse(e.port)
             raise EngineStartError(self._failure(e, f"exited with code {code} during startup"))
         if _healthy(self._url(e)):
-            self._scan_shm(e)
+            self._ready(e)
             return True
         if time.monotonic() - e.launched_at > self.startup_timeout_s:
             message = self._failure(
@@ -350,6 +350,10 @@ class EngineProcesses:
             e.port = _free_port(self.host)
             self._launch(e)
         raise EngineStartError(self._failure(e, f"found no free port in {_BIND_RETRIES} tries"))
+
+    def _ready(self, e: _Engine) -> None:
+        """Engine `e` answered `/health` (after each launch): note the shared memory it made."""
+        self._scan_shm(e)
 
     def _failure(self, e: _Engine, what: str) -> str:
         return (

@@ -28,6 +28,7 @@ import torch
 
 from mcore_rl.config.rl_vllm import VLLM_SETUP, VLLM_VENV_ENV, vllm_python
 from mcore_rl.config.schema import ModelConfig
+from mcore_rl.parallel.lifetime import session_members
 from mcore_rl.rollout.engine_processes import EngineProcesses, EngineStartError, _child_env, _Engine
 
 SERVED_MODEL_NAME = "policy"
@@ -123,6 +124,11 @@ class VLLMEngineProcesses(EngineProcesses):
         procs._start_all()
         return procs
 
+    def _ready(self, e: _Engine) -> None:
+        super()._ready(e)
+        if e.proc is not None:
+            split_two_cores(e.proc.pid)
+
     def _argv(self, e: _Engine) -> list[str]:
         return [
             self.python,
@@ -134,6 +140,42 @@ class VLLMEngineProcesses(EngineProcesses):
             str(e.port),
             *e.argv_tail,
         ]
+
+
+def split_two_cores(leader: int) -> bool:
+    """On two cores, give the API server (`leader`) one core and the rest of its session (vLLM's
+    EngineCore, its worker, the resource tracker) the other; True if it did. Elsewhere nothing.
+
+    Why: vLLM's CPU build binds its one worker to the first core and leaves the second to the
+    EngineCore and the API server, but the EngineCore busy-waits (`sched_yield` in a loop, for a
+    second after each message) on the worker's replies for as long as a generation runs, and on an
+    otherwise idle machine the API server then answered nothing until the generation ended:
+    `/metrics`, `/pause` or `/abort_requests` waited as long as a 1200-token request took, so a
+    request could not be paused or aborted mid-flight. With one worker thread there is no OpenMP
+    team to disturb, so the EngineCore waits beside the worker (the two take turns) and the
+    server keeps a core of its own (docs/serving.md#vllm-engines, measured there)."""
+    try:
+        cores = sorted(os.sched_getaffinity(leader))
+    except OSError:
+        return False
+    if len(cores) != 2:
+        return False
+    for pid in session_members(leader):
+        _pin_threads(pid, cores[1:] if pid == leader else cores[:1])
+    return True
+
+
+def _pin_threads(pid: int, cores: list[int]) -> None:
+    """Every thread of `pid` (affinity is per thread; threads started later inherit it)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass  # gone meanwhile
 
 
 def vllm_env(threads: int | None, kv_cache_gib: int) -> dict[str, str]:
