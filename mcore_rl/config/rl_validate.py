@@ -16,6 +16,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
+from mcore_rl.config.confidence_head import read_confidence_head
 from mcore_rl.config.model_keys.moe import MoEKeys
 from mcore_rl.config.model_keys.mtp import MTPKeys
 from mcore_rl import hooks
@@ -202,11 +203,9 @@ def check_confidence_head(r: RolloutConfig, errors: Errors) -> None:
         f"is set but rollout.speculative_schedule is {r.speculative_schedule} (only dspark reads it)",
     ):
         return
-    from mcore_rl.rollout.engine.spec_confidence import ConfidenceHead  # lazy: torch
-
     try:
-        ConfidenceHead.load(path)
-    except (OSError, ValueError, KeyError) as e:
+        read_confidence_head(path)
+    except (OSError, ValueError) as e:
         errors.need(False, "rollout.speculative_confidence_head", f"cannot be loaded: {e}")
 
 

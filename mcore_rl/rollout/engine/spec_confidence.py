@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("bias", "log_position", "acceptance_logit", "draft_max_prob", "draft_entropy", "ngram_match")
+from mcore_rl.config.confidence_head import FEATURES, read_confidence_head
 
 
 def draft_features(probs: torch.Tensor | None, n_tokens: int, acceptance: float, match: int) -> torch.Tensor:
@@ -93,17 +93,7 @@ class ConfidenceHead:
     @classmethod
     def load(cls, path: str) -> ConfidenceHead:
         """The head a `save` wrote; ValueError naming the key it cannot serve."""
-        with open(path) as f:
-            raw = json.load(f)
-        if tuple(raw.get("features", ())) != FEATURES:
-            raise ValueError(
-                f"speculative_confidence_head: {path} was trained on features {raw.get('features')}, this engine "
-                f"computes {list(FEATURES)}"
-            )
-        weights = [float(w) for w in raw["weights"]]
-        temps = [float(t) for t in raw.get("temperatures", [1.0])]
-        if len(weights) != len(FEATURES) or not temps or min(temps) <= 0:
-            raise ValueError(f"speculative_confidence_head: {path}: bad weights or temperatures")
+        weights, temps = read_confidence_head(path)
         return cls(weights, temps)
 
     def save(self, path: str) -> None:
