@@ -50,6 +50,34 @@ class Draft:
     match: int = 0  # prompt lookup: the length of the n-gram that matched (a confidence feature)
 
 
+def draw_position(
+    logits: torch.Tensor,
+    ctl: BatchSampling,
+    params: list[SamplingParams],
+    lengths: list[int],
+    j: int,
+    uniforms: Callable[[int, int], list[float]],
+    tokens: list[list[int]],
+    probs: list[list[torch.Tensor]],
+) -> torch.Tensor:
+    """Draft position `j` of every slot from its [b, V] logits: the processed distribution, one
+    uniform per sampling slot still drafting (greedy slots: argmax), appended to the slots whose
+    budget reaches `j`. Returns the drawn ids [b] (every slot's, for the next forward)."""
+    b = logits.shape[0]
+    w = processed_weights(logits, ctl)
+    u = torch.tensor(
+        [uniforms(i, 1)[0] if j < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
+        dtype=torch.float64,
+        device=w.device,
+    )
+    drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), logits.argmax(-1))
+    for i in range(b):
+        if j < lengths[i]:
+            tokens[i].append(int(drawn[i]))
+            probs[i].append(w[i])
+    return drawn
+
+
 class Drafter(Protocol):
     """What `EngineCore` asks of a drafter; slots are the engine's KV slots (0..B-1 while running)."""
 
@@ -200,17 +228,7 @@ class ModelDrafter:
         tokens: list[list[int]] = [[] for _ in range(b)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         for t in range(k):
-            w = processed_weights(step_logits, ctl)
-            u = torch.tensor(
-                [uniforms(i, 1)[0] if t < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
-                dtype=torch.float64,
-                device=w.device,
-            )
-            drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), step_logits.argmax(-1)).tolist()
-            for i in range(b):
-                if t < lengths[i]:
-                    tokens[i].append(drawn[i])
-                    probs[i].append(w[i])
+            drawn = draw_position(step_logits, ctl, params, lengths, t, uniforms, tokens, probs).tolist()
             if t == k - 1:
                 break
             positions = []
@@ -380,17 +398,7 @@ class MTPDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         for j in range(k):
             logits = self.runners[min(j, depths - 1)].head(hidden)
-            w = processed_weights(logits, ctl)
-            u = torch.tensor(
-                [uniforms(i, 1)[0] if j < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
-                dtype=torch.float64,
-                device=w.device,
-            )
-            drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), logits.argmax(-1))
-            for i in range(b):
-                if j < lengths[i]:
-                    tokens[i].append(int(drawn[i]))
-                    probs[i].append(w[i])
+            drawn = draw_position(logits, ctl, params, lengths, j, uniforms, tokens, probs)
             if j == k - 1:
                 break
             d = min(j + 1, depths - 1)  # the depth of draft j + 2, at len − 2 + (j + 1 − d)
@@ -459,16 +467,5 @@ class BlockDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         for j in range(k):
             logits = base[:, j] + self.head.bias(prev)
-            w = processed_weights(logits, ctl)
-            u = torch.tensor(
-                [uniforms(i, 1)[0] if j < lengths[i] and not params[i].is_greedy else 0.0 for i in range(b)],
-                dtype=torch.float64,
-                device=w.device,
-            )
-            drawn = torch.where(ctl.temperature > 0, inverse_cdf(w, u), logits.argmax(-1))
-            for i in range(b):
-                if j < lengths[i]:
-                    tokens[i].append(int(drawn[i]))
-                    probs[i].append(w[i])
-            prev = drawn
+            prev = draw_position(logits, ctl, params, lengths, j, uniforms, tokens, probs)
         return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(b)]
