@@ -20,9 +20,11 @@ avg@4 before RL:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,6 +100,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run only the variants whose name contains this")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per variant")
     ap.add_argument("--out", default="", help="append the end of each variant's log to this file")
+    ap.add_argument(
+        "--recipes", nargs="*", default=[], help="a sweep: each a space-separated set of overrides (r0, r1, ...)"
+    )
+    ap.add_argument("--seeds", nargs="*", type=int, default=[1234, 1, 2, 3, 4], help="the sweep's seeds")
+    ap.add_argument("--devices", nargs="*", default=["cuda", "cpu"], help="the sweep's devices")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.child:
@@ -106,11 +113,20 @@ def main() -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    names = [n for n in VARIANTS if args.only in n and (cuda or VARIANTS[n][0] == "cpu")]
+    variants: dict[str, tuple[str, int, list[str], list[str]]] = {
+        name: (device, seed, flags, []) for name, (device, seed, flags) in VARIANTS.items()
+    }
+    if args.recipes:  # a sweep instead: every recipe x seed x device
+        variants = {}
+        for i, recipe in enumerate(args.recipes):
+            for seed in args.seeds:
+                for device in args.devices:
+                    variants[f"r{i}_{device}_{seed}"] = (device, seed, [], recipe.split())
+    names = [n for n in variants if args.only in n and (cuda or variants[n][0] == "cpu")]
     tmp = tempfile.mkdtemp(prefix="gpu_demo_check_")
     procs = {}
     for name in names:
-        device, seed, flags = VARIANTS[name]
+        device, seed, flags, recipe = variants[name]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -123,13 +139,16 @@ def main() -> int:
             "train.num_steps=2",
             "eval.interval=2",
             *args.overrides,
+            *recipe,
         ]
         log = open(os.path.join(tmp, name + ".log"), "w")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", *flags, *overrides]
         procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log, run_dir)
     start = time.monotonic()
+    atexit.register(lambda: [p.kill() for p, _, _ in procs.values() if p.poll() is None])  # no child outlives it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` ends it: atexit still runs
     rows = [
-        "| variant | SFT loss at 100, 200, ..., 500 | held-out avg@4 before RL | TF32 | time |",
+        "| variant | SFT loss at each fifth of the warm start | held-out avg@4 before RL | TF32 | time |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, (proc, log, run_dir) in procs.items():
@@ -147,6 +166,8 @@ def main() -> int:
         rows.append(summarise(name, text, run_dir, time.monotonic() - start, rc))
     device = torch.cuda.get_device_name() if cuda else "no CUDA device"
     print(f"Demo warm start on {device}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+    for i, recipe in enumerate(args.recipes):
+        print(f"r{i}: {recipe}")
     print("\n".join(rows))
     return 0
 
