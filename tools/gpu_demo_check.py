@@ -87,9 +87,10 @@ def summarise(name: str, log: str, run_dir: str, seconds: float, rc: int) -> str
             evals = [r["eval/avg@4"] for r in map(json.loads, f) if "eval/avg@4" in r]
     curve = " ".join(f"{losses[s]:.2f}" for s in sorted(losses)) or "-"
     before = f"{evals[0]:.1%}" if evals else "-"
+    after = f"{evals[-1]:.1%}" if len(evals) > 1 else "-"
     tf32 = json.loads(flags.group(1))["allow_tf32"] if flags else "?"
     tail = "" if rc == 0 else f" (exit {rc}: {log.strip().splitlines()[-1][:160] if log.strip() else ''})"
-    return f"| {name} | {curve} | {before} | {tf32} | {seconds:.0f} s{tail} |"
+    return f"| {name} | {curve} | {before} | {after} | {tf32} | {seconds:.0f} s{tail} |"
 
 
 def main() -> int:
@@ -148,8 +149,8 @@ def main() -> int:
     atexit.register(lambda: [p.kill() for p, _, _ in procs.values() if p.poll() is None])  # no child outlives it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` ends it: atexit still runs
     rows = [
-        "| variant | SFT loss at each fifth of the warm start | held-out avg@4 before RL | TF32 | time |",
-        "| --- | --- | --- | --- | --- |",
+        "| variant | SFT loss at each fifth of the warm start | held-out avg@4 before RL | after RL | TF32 | time |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, (proc, log, run_dir) in procs.items():
         try:
