@@ -9,6 +9,7 @@ an FP8 engine whose mismatch is not small. Tighten them once the first GPU run h
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -25,8 +26,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _gpu_check() -> ModuleType:
-    """tools/gpu_check.py as a module (tools/ is not a package)."""
+    """tools/gpu_check.py as a module (tools/ is not a package), loaded once: a second copy's `Skip`
+    would be another class, and `_row` would not catch a row's skip."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
