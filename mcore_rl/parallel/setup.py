@@ -41,14 +41,18 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if world_size == 1 else "29500")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=timeout_minutes)
-    )
+    timeout = timedelta(minutes=timeout_minutes)
+    if world_size == 1 and "MASTER_PORT" not in os.environ:
+        # One process outside torchrun: an in-process store, no port. A port picked free and bound
+        # later is a race: runs started together failed with EADDRINUSE.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return 0, 1
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     return rank, world_size
 
 
@@ -107,11 +111,3 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
