@@ -12,7 +12,7 @@ objective reads it:
 
     python tools/label_score_distributions.py --model-path runs/judge_hf --data pairs.jsonl --out teacher.jsonl
     mcore-rl rm-train configs/rm_demo.yaml data.path=teacher.jsonl reward_model.objective=score_distribution \\
-        reward_model.num_heads=10 data.synthetic_task=null
+        reward_model.num_heads=10
 
 A line that is not a JSON object, lacks a field or has an empty response is refused as
 `file:line: problem` before the teacher is asked (`--on-bad-line skip` skips it, counted); a score
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rows = read_rows(args.data, args.on_bad_line)
     except DataError as err:
-        sys.exit(str(err))
+        sys.exit(str(err).replace("data.on_bad_line=skip", "--on-bad-line skip"))
     judges = None
     try:
         if args.model_path:
