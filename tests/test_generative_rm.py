@@ -296,3 +296,31 @@ def test_the_labeller_refuses_bad_rows_and_multi_token_scores(judge, tmp_path) -
     ), run.stderr[-1000:]
     run = _tool("--url", url, "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--score-values", "1,2")
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith("--score-values: 10 finite numbers")
+
+
+def _rl_step(rank: int, world_size: int, tmp: str, hf: str) -> None:
+    from mcore_rl.runtime import run_rl
+    from tests.helpers import tiny
+
+    cfg = tiny(f"run_dir={tmp}/run", "train.num_steps=1", "eval.interval=0", "rollout.quantization=none")
+    head = RewardHeadConfig(name="generative_rm", options={"judge": "teacher", "rubric": "Is the sum right?"})
+    cfg.data.domains = [DomainConfig(name="add", task="addition", options={"max_digits": 1}, rewards=[head])]
+    cfg.judges = [JudgeConfig(name="teacher", model_path=hf, engine_threads=1, context_length=512)]
+    validate_rl_config(cfg, 1)
+    run_rl(cfg)
+
+
+def test_one_rl_step_with_the_teacher_as_the_domains_reward(tmp_path) -> None:
+    """One real RL step of the tiny policy whose only reward head is the generative teacher, served
+    by a judge group the trainer starts: every sample scored (no reward errors), the rewards
+    expected scores strictly inside [0, 9] and not all equal."""
+    from tests.world import run_world
+
+    hf = save_tiny_hf_model(str(tmp_path / "judge_hf"), 512)
+    run_world(1, _rl_step, str(tmp_path), hf)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/add/head/generative_rm" in r and "reward/error_frac" in r]
+    assert steps, records
+    step = steps[0]
+    assert step["reward/error_frac"] == 0.0, step
+    assert 0 < step["reward/mean"] < 9 and step["reward/std"] > 0, step
