@@ -157,6 +157,7 @@ def test_options_are_checked_before_workers_start(tmp_path) -> None:
         ({"judge": "grader", "timeout": 0}, f"{key}.timeout: domain 'sums': must be > 0"),
         ({"judge": "grader", "refused_score": "low"}, f"{key}.refused_score: domain 'sums': must be a finite"),
         ({"judge": "grader", "temperature": 1}, f"{key}.temperature: domain 'sums': not an option of 'generative_rm'"),
+        ({"judge": "grader", "reasoning_tokens": -1}, f"{key}.reasoning_tokens: domain 'sums': an integer >= 0"),
     ]:
         msg = _errors(_cfg(tmp_path, group, options))
         assert line in msg, (options, msg)
@@ -324,3 +325,23 @@ def test_one_rl_step_with_the_teacher_as_the_domains_reward(tmp_path) -> None:
     step = steps[0]
     assert step["reward/error_frac"] == 0.0, step
     assert 0 < step["reward/mean"] < 9 and step["reward/std"] > 0, step
+
+
+def test_a_teacher_that_reasons_first_is_scored_after_its_reasoning(judge) -> None:
+    """`reasoning_tokens`: the judge's greedy reply to the prompt without the cue (stopped at the
+    cue), then the cue: q is the hand computation's on exactly that text."""
+    import requests
+
+    hf, engines = judge
+    url = engines.urls["grader"][0]
+    s = RewardInput("12+30=", "42")
+    spec = JudgeSpec()
+    head = spec.render(s.prompt, s.completion)[: -len(spec.cue)]
+    body = {"text": head, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "stop": [spec.cue.strip()]}}
+    reasoning = requests.post(f"{url}/generate", json=body, timeout=60).json()["text"]
+    assert reasoning  # the random model wrote something before its score
+    with _runner(engines.urls["grader"], reasoning_tokens=6) as runner:
+        (r,) = runner.score_sync([s])
+    hand = _hand_q(hf, head + reasoning + spec.cue)
+    torch.testing.assert_close(torch.tensor(r.info["score_distribution"], dtype=torch.float64), hand, atol=2e-5, rtol=0)
+    assert _hand_q(hf, spec.render(s.prompt, s.completion)).sub(hand).abs().max() > 1e-4  # not the direct q

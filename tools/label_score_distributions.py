@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--score-tokens", default=",".join(SCORE_TOKENS), help="comma-separated, each one token")
     ap.add_argument("--score-values", help="comma-separated numbers, one per score token (default 0, 1, ...)")
     ap.add_argument("--chat-format", default="none", choices=sorted(CHAT_FORMATS))
+    ap.add_argument("--reasoning-tokens", type=int, default=0, help="> 0: the teacher reasons first, up to this many")
+    ap.add_argument("--reasoning-temperature", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=16, help="rows per request")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--api-key")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             score_tokens=tuple(args.score_tokens.split(",")),
             score_values=tuple(float(v) for v in args.score_values.split(",")) if args.score_values else None,
             chat_format=args.chat_format,
+            reasoning_tokens=args.reasoning_tokens,
+            reasoning_temperature=args.reasoning_temperature,
         )
         spec.check()
     except (GenerativeRMError, ValueError) as err:

@@ -14,7 +14,10 @@ and `meta_info.output_token_ids_logprobs[0]` holds `[logprob, id, text]` of ever
 the first generated position: the judge's next-token log-probs after the prompt. Temperature 1, so
 the log-probs are the model's own whichever way a server applies temperature to the ones it
 returns; the one sampled token is thrown away. The prompt is the template (fields `prompt`,
-`response`, `rubric`, `reference`) in the chat format, then the `cue` ("Score (0-9): ").
+`response`, `rubric`, `reference`) in the chat format, then the `cue` ("Score (0-9): "). With
+`reasoning_tokens` > 0 the judge first reasons, as the paper's teacher does: one `/generate` of up to
+that many tokens (`reasoning_temperature`, greedy by default) stopped where it writes the cue, then
+the scoring request on the prompt, its reasoning and the cue.
 
 The score tokens (`score_tokens`, default "0".."9", worth `score_values`, default 0..9) must each
 be one token of the judge's tokenizer: their ids come from the server's `/tokenize` (SGLang serves
@@ -94,6 +97,8 @@ class JudgeSpec:
     score_tokens: tuple[str, ...] = SCORE_TOKENS
     score_values: tuple[float, ...] | None = None  # None: 0, 1, ..., len(score_tokens) - 1
     chat_format: str = "none"
+    reasoning_tokens: int = 0  # > 0: the judge first writes up to this many tokens, stopped at the cue
+    reasoning_temperature: float = 0.0
 
     @property
     def values(self) -> tuple[float, ...]:
@@ -133,6 +138,12 @@ class JudgeSpec:
                 )
         if self.chat_format not in CHAT_FORMATS:
             raise GenerativeRMError(f"chat_format: {self.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
+        r = self.reasoning_tokens
+        if not (isinstance(r, int) and not isinstance(r, bool) and r >= 0):
+            raise GenerativeRMError(f"reasoning_tokens: an integer >= 0 is required, got {r!r}")
+        t = self.reasoning_temperature
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0):
+            raise GenerativeRMError(f"reasoning_temperature: a number >= 0 is required, got {t!r}")
 
     def render(self, prompt: str, response: str, reference: str | None = None) -> str:
         """The judge's prompt for one (prompt, response): the template in the chat format, then the cue."""
@@ -209,12 +220,31 @@ class GenerativeJudge:
     async def _forward(self, prompts: list[Any]) -> list[torch.Tensor]:
         ids = await self.resolve_score_ids()
         try:
+            if self.spec.reasoning_tokens > 0:
+                prompts = await self.reason(prompts)
             items = await self.server.request(scoring_body(prompts, ids), len(prompts))
         except JudgeRefused as err:
             raise BadRows(str(err)[:300]) from None
         except JudgeError as err:
             raise GenerativeRMError(str(err)[:300]) from None
         return [distribution(parse_score_logprobs(it, ids, self.server.urls[0])) for it in items]
+
+    async def reason(self, prompts: Sequence[str]) -> list[str]:
+        """The scored prompts of a judge that reasons first: each rendered prompt without its cue,
+        the judge's reply to it (up to `reasoning_tokens`, stopped where it writes the cue itself,
+        which SGLang trims), then the cue."""
+        cue = self.spec.cue
+        heads = [p[: len(p) - len(cue)] for p in prompts]
+        body = {
+            "text": heads if len(heads) > 1 else heads[0],
+            "sampling_params": {
+                "max_new_tokens": self.spec.reasoning_tokens,
+                "temperature": float(self.spec.reasoning_temperature),
+                "stop": [cue.strip()],
+            },
+        }
+        items = await self.server.request(body, len(heads))
+        return [h + it["text"] + cue for h, it in zip(heads, items)]
 
     async def score(self, prompt: str) -> torch.Tensor:
         """q [S] of one rendered prompt, batched with the calls of the same loop iteration."""
@@ -257,7 +287,8 @@ def judge_for(
 
 def spec_of(options: dict[str, Any]) -> JudgeSpec:
     """The `JudgeSpec` of a head's options (lists made tuples), unchecked."""
-    kw: dict[str, Any] = {k: options[k] for k in ("template", "rubric", "cue", "chat_format") if k in options}
+    names = ("template", "rubric", "cue", "chat_format", "reasoning_tokens", "reasoning_temperature")
+    kw: dict[str, Any] = {k: options[k] for k in names if k in options}
     for k in ("score_tokens", "score_values"):
         if isinstance(options.get(k), list):
             kw[k] = tuple(options[k])
@@ -268,7 +299,7 @@ def spec_of(options: dict[str, Any]) -> JudgeSpec:
 
 OPTIONS = {
     "url", "template", "rubric", "cue", "score_tokens", "score_values", "chat_format", "max_batch",
-    "timeout", "api_key", "refused_score", "reference",
+    "timeout", "api_key", "refused_score", "reference", "reasoning_tokens", "reasoning_temperature",
 }  # fmt: skip
 
 
@@ -324,6 +355,8 @@ async def generative_rm_score(
     api_key: str | None = None,
     refused_score: float | None = None,
     reference: str | None = None,
+    reasoning_tokens: int = 0,
+    reasoning_temperature: float = 0.0,
 ) -> dict[str, Any]:
     """The judge's expected score μ = Σ_s v_s·q(s) of one sample (`reward`), with q
     (`score_distribution`) in its info; see the module docstring."""
@@ -335,6 +368,8 @@ async def generative_rm_score(
             "score_tokens": list(score_tokens),
             "score_values": None if score_values is None else list(score_values),
             "chat_format": chat_format,
+            "reasoning_tokens": reasoning_tokens,
+            "reasoning_temperature": reasoning_temperature,
         }
     )
     spec.check()
