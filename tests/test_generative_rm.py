@@ -177,6 +177,12 @@ def test_a_score_of_several_tokens_is_refused_naming_the_key(judge, tmp_path) ->
     assert _errors(cfg) == ""  # nothing wrong without the judge's tokenizer
     with pytest.raises(ValueError, match=r"^data\.domains\[0\]\.rewards\[0\]\.options\.score_tokens: '10' is 2 tokens"):
         check_generative_judges(cfg, engines.urls, groups_only=True)
+    cfg = _cfg(tmp_path, [], {"url": url[0], "score_tokens": ["0", "5", "10"]})  # a server by its url: at run start
+    assert _errors(cfg) == ""
+    with pytest.raises(ValueError, match=r"^data\.domains\[0\]\.rewards\[0\]\.options\.score_tokens: '10' is 2 tokens"):
+        check_generative_judges(cfg, {})
+    cfg.data.domains[0].rewards[0].options["score_tokens"] = ["0", "5", "9"]
+    check_generative_judges(cfg, {})
     with _runner(url, score_tokens=["0", "5", "10"]) as runner:
         (r,) = runner.score_sync([RewardInput("1+1=", "2")])
     assert r.error is not None and "score_tokens: '10' is 2 tokens" in r.error
