@@ -59,10 +59,22 @@ def _teacher(work: str, kind: str, train: list[dict], steps: int, seed: int) -> 
     hf = f"{work}/teacher_hf"
     if os.path.isdir(hf):
         return hf
-    if kind == "random":
-        from tests.helpers import save_tiny_hf_model
+    if kind == "random":  # a random causal LM of 2 layers, hidden 32, with the byte tokenizer's vocabulary
+        from mcore_rl.config.schema import ModelConfig
+        from mcore_rl.hf import McoreRLForCausalLM, hf_config_from_model_config
 
-        return save_tiny_hf_model(hf, 256)
+        torch.manual_seed(0)
+        mc = ModelConfig(
+            vocab_size=384,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_layers=2,
+            num_attention_heads=4,
+            num_query_groups=2,
+            max_position_embeddings=256,
+        )
+        McoreRLForCausalLM(hf_config_from_model_config(mc)).float().save_pretrained(hf, safe_serialization=True)
+        return hf
     rows = []
     for p in train:
         for side, score in (("chosen", "9"), ("rejected", "0")):
