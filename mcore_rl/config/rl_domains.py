@@ -275,6 +275,15 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
             )
             options["url"] = JUDGE_GROUP_URL
             del options["judge"]
+        if h.name == "generative_rm":  # Z-Reward's teacher: every option, named (its score tokens at run start)
+            from mcore_rl.rewards.generative_rm import check_options as check_generative_options  # lazy: aiohttp
+
+            try:
+                check_generative_options(options)
+            except ValueError as err:
+                option, _, why = str(err).partition(": ")
+                errors.need(False, f"{hk}.options.{option}", f"{who}{why}")
+                continue
         if h.name in JUDGE_REWARDS:  # every option and server setting, not just the signature (it takes **server)
             try:
                 check_judge_options(h.name, options)

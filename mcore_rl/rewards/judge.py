@@ -58,6 +58,10 @@ class JudgeError(ValueError):
     """The judge gave no usable verdict for this sample (the message says why)."""
 
 
+class JudgeRefused(JudgeError):
+    """The judge server refused the request as bad (HTTP 400: e.g. a prompt longer than its context)."""
+
+
 # ---------------------------------------------------------------------------- parsing
 
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
@@ -305,9 +309,11 @@ class _Unreachable(Exception):
     """A judge server that cannot be reached (refused, reset): the call goes on to the next one."""
 
 
-def _generate_url(url: str) -> str:
+def _route_url(url: str, route: str = "/generate") -> str:
+    """A server's route: `url` may be the server's address or its `/generate` itself."""
     base = url.rstrip("/")
-    return base if base.endswith("/generate") else base + "/generate"
+    base = base[: -len("/generate")] if base.endswith("/generate") else base
+    return base + route
 
 
 @dataclass(frozen=True)
@@ -359,18 +365,6 @@ class JudgeServer:
         """The judge's reply to each prompt, in one `/generate` call (a batch when several), from the
         next server in turn; one that cannot be reached passes the call on to the one after. None: a
         reply cut at max_tokens (unless `accept_truncated`), which has no verdict."""
-        urls = self.urls
-        first = _NEXT.get(urls, 0) % len(urls)
-        _NEXT[urls] = first + 1
-        for k in range(len(urls)):
-            try:
-                return await self._generate(_generate_url(urls[(first + k) % len(urls)]), prompts)
-            except _Unreachable as err:
-                if k == len(urls) - 1:
-                    raise JudgeError(str(err)) from None
-        raise AssertionError("unreachable")  # (the loop returns or raises)
-
-    async def _generate(self, url: str, prompts: Sequence[str]) -> list[str | None]:
         body = {
             "text": list(prompts) if len(prompts) > 1 else prompts[0],
             "sampling_params": {
@@ -379,6 +373,31 @@ class JudgeServer:
                 "temperature": self.temperature,
             },
         }
+        texts: list[str | None] = []
+        for item in await self.request(body, len(prompts)):
+            reason = ((item.get("meta_info") or {}).get("finish_reason") or {}).get("type")
+            if reason == "abort":  # the server gave up on it: no answer, not a bad one
+                raise JudgeError(f"judge reply stopped early (finish_reason {reason}): {_short(item['text'])}")
+            texts.append(None if reason == "length" and not self.accept_truncated else item["text"])
+        return texts
+
+    async def request(self, body: dict[str, Any], n: int, route: str = "/generate") -> list[dict[str, Any]]:
+        """The `n` results of one request `body` (SGLang's `/generate`, or another of its routes), from
+        the next server in turn; one that cannot be reached passes the request on to the one after.
+        `JudgeError` for no reply in time, an HTTP error (`JudgeRefused` for a 400: the request's own
+        fault) or a reply that is not `n` results with a text."""
+        urls = self.urls
+        first = _NEXT.get(urls, 0) % len(urls)
+        _NEXT[urls] = first + 1
+        for k in range(len(urls)):
+            try:
+                return await self._post(_route_url(urls[(first + k) % len(urls)], route), body, n)
+            except _Unreachable as err:
+                if k == len(urls) - 1:
+                    raise JudgeError(str(err)) from None
+        raise AssertionError("unreachable")  # (the loop returns or raises)
+
+    async def _post(self, url: str, body: dict[str, Any], n: int) -> list[dict[str, Any]]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
@@ -393,21 +412,20 @@ class JudgeServer:
         except aiohttp.ClientError as err:
             raise JudgeError(f"judge {url}: {type(err).__name__}: {err}") from None
         if status != 200:
-            raise JudgeError(f"judge {url}: HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
+            error = JudgeRefused if status == 400 else JudgeError
+            raise error(f"judge {url}: HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
         try:
             out = json.loads(raw)
         except ValueError:
             raise JudgeError(f"judge {url}: the response is not JSON: {raw[:120]!r}") from None
-        items = out if isinstance(out, list) else [out]
-        if len(items) != len(prompts) or not all(isinstance(i, dict) and isinstance(i.get("text"), str) for i in items):
-            raise JudgeError(f"judge {url}: expected {len(prompts)} generation(s) with a text, got {str(out)[:120]}")
-        texts: list[str | None] = []
-        for item in items:
-            reason = ((item.get("meta_info") or {}).get("finish_reason") or {}).get("type")
-            if reason == "abort":  # the server gave up on it: no answer, not a bad one
-                raise JudgeError(f"judge reply stopped early (finish_reason {reason}): {_short(item['text'])}")
-            texts.append(None if reason == "length" and not self.accept_truncated else item["text"])
-        return texts
+        if url.endswith("/generate"):
+            items = out if isinstance(out, list) else [out]
+            if len(items) != n or not all(isinstance(i, dict) and isinstance(i.get("text"), str) for i in items):
+                raise JudgeError(f"judge {url}: expected {n} generation(s) with a text, got {str(out)[:120]}")
+            return items
+        if not isinstance(out, dict):
+            raise JudgeError(f"judge {url}: expected a JSON object, got {str(out)[:120]}")
+        return [out]
 
 
 async def _judge(

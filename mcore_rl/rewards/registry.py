@@ -20,6 +20,8 @@ _REWARDS["reward_model"] = "mcore_rl.rewards.reward_model:reward_model_score"
 # a process reward model's step scores and a response's step count (`process_reward.py`)
 _REWARDS["prm"] = "mcore_rl.rewards.process_reward:prm_score"
 _REWARDS["prm_steps"] = "mcore_rl.rewards.process_reward:prm_steps"
+# Z-Reward's generative teacher: a judge's score-token distribution (`generative_rm.py`)
+_REWARDS["generative_rm"] = "mcore_rl.rewards.generative_rm:generative_rm_score"
 # LLM judges (`judge.py`, aiohttp): async, options as keyword arguments (url, template, ...)
 _REWARDS.update(
     {

@@ -72,12 +72,12 @@ class BadRows(Refused):
 
 @dataclass
 class _Pending:
-    ids: list[int]
+    ids: Any  # a row: token ids (a classifier), or a judge's prompt text (`generative_rm.py`)
     future: asyncio.Future
 
 
 # rows -> their scores: [rows, labels] (a classifier at each row's last token) or one [len, labels] per row
-Forward = Callable[[list[list[int]]], Awaitable[torch.Tensor | list[torch.Tensor]]]
+Forward = Callable[[list[Any]], Awaitable[torch.Tensor | list[torch.Tensor]]]
 
 
 @dataclass
@@ -92,7 +92,7 @@ class ScoreBatcher:
     lowest: torch.Tensor | None = None  # per label, the lowest score of every row scored so far
     _scheduled: bool = False
 
-    async def score(self, ids: list[int]) -> torch.Tensor:
+    async def score(self, ids: Any) -> torch.Tensor:
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self.pending.append(_Pending(ids, future))
@@ -111,7 +111,7 @@ class ScoreBatcher:
             task = loop.create_task(self._forward_batch([p.ids for p in batch]))
             task.add_done_callback(functools.partial(_deliver, batch=batch))
 
-    async def _forward_batch(self, rows: list[list[int]]) -> list[torch.Tensor | BaseException]:
+    async def _forward_batch(self, rows: list[Any]) -> list[torch.Tensor | BaseException]:
         """Each row's scores; a batch refused as bad (`BadRows`) is scored row by row, so that only
         the bad rows fail."""
         try:

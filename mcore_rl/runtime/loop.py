@@ -95,6 +95,25 @@ def broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def check_generative_judges(cfg: RLConfig, judge_urls: dict[str, list[str]], groups_only: bool = False) -> None:
+    """Every `generative_rm` head's score tokens must each be one token of its judge's tokenizer (the
+    judge's `/tokenize`), before any sample is scored: ValueError naming the head's `score_tokens`.
+    The heads with a `url` (`groups_only` False), or those naming a judge group, once it is up."""
+    from mcore_rl.rewards.generative_rm import SCORE_TOKENS, check_score_tokens  # lazy: aiohttp
+
+    for i, d in enumerate(cfg.data.domains):
+        for j, h in enumerate(d.rewards):
+            if h.name != "generative_rm" or ("judge" in h.options) != groups_only:
+                continue
+            url = judge_urls.get(h.options["judge"]) if groups_only else h.options.get("url")
+            if not url:
+                continue
+            try:
+                check_score_tokens(url, h.options.get("score_tokens", SCORE_TOKENS), h.options.get("api_key"))
+            except ValueError as err:
+                raise ValueError(f"data.domains[{i}].rewards[{j}].options.{err}") from None
+
+
 class RLRun:
     """All state of one `mcore-rl train` process (one rank)."""
 
@@ -214,14 +233,16 @@ class RLRun:
             for j, h in enumerate(d.rewards)
             if h.name in ("reward_model", "prm") and isinstance(h.options.get("url"), str)
         ]
-        if not served:
+        judges = any(h.name == "generative_rm" and "url" in h.options for d in self.cfg.data.domains for h in d.rewards)
+        if not served and not judges:
             return
         error = None
         if self.rank0:
             try:
                 for who, url, api_key in served:
                     check_served_reward_model(url, self.tokenizer, who, api_key)
-            except RewardServerError as err:
+                check_generative_judges(self.cfg, {})
+            except (RewardServerError, ValueError) as err:
                 error = str(err)
         error = broadcast(error)
         if error is not None:
@@ -296,6 +317,7 @@ class RLRun:
                     startup_timeout_s=r.engine_startup_timeout_s,
                 )
             judge_urls = self.judges.urls if self.judges is not None else None
+            check_generative_judges(cfg, judge_urls or {}, groups_only=True)  # generative RMs in a judge group
             self.manager = RolloutManager(self.engines, self.prompts, build_reward_runner(cfg, judge_urls), cfg)
             if self._rollout_state is not None:
                 self.prompts.load_state_dict(self._rollout_state["prompts"])
