@@ -592,3 +592,40 @@ def _runs(rank: int, world_size: int, tmp: str) -> None:
 
 def test_two_domain_runs_sync_resume_and_async(tmp_path):
     run_world(1, _runs, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------ held-out scoring
+
+
+def test_held_out_accuracy_counts_right_by_each_domains_threshold(tmp_path):
+    """A judge's 0-9 domain is right at >= 7 (its `eval.correct_threshold`), a 0/1 verifier's at >= 1
+    (`eval.correct_threshold`, default 1): neither the judge's 5 nor the verifier's 0.5 is right."""
+    from mcore_rl.data.samples import Prompt, Sample
+    from mcore_rl.runtime.evaluate import domain_threshold, evaluate
+
+    data = recipe(str(tmp_path))
+    data["data"]["domains"][1]["name"] = "judged"  # as if scored 0-9 by a judge
+    data["data"]["domains"][1]["eval"]["correct_threshold"] = 7
+    data["data"]["domains"][0]["name"] = "verified"
+    data["data"]["mixture"]["stages"][1]["weights"] = {"judged": 1.0}
+    cfg = cfg_of(str(tmp_path), data, "eval.k=2")
+    assert domain_threshold(cfg, "judged") == 7 and domain_threshold(cfg, "verified") == 1.0
+    prompts = [Prompt(i, "1+1=", [1], "2", domain) for i, domain in enumerate(["judged", "judged", "verified"])]
+    rewards = {0: [8.0, 9.0, 5.0], 1: [5.0, 5.0, 7.0], 2: [1.0, 0.5, 1.0]}  # greedy, then two samples
+
+    class Served:  # what the engines returned for these prompts (the scoring is under test)
+        temperature = 1.0
+
+        def generate(self, ps, n, temperature, salt, on_done=None):
+            first = 0 if n == 1 else 1
+            return [
+                [Sample(p, p.index, [1], [0.0], 0, "stop", reward=rewards[p.index][first + j]) for j in range(n)]
+                for p in ps
+            ]
+
+    out = evaluate(Served(), prompts, cfg)
+    assert out["eval/judged/greedy_pass@1"] == 0.5  # 8 right, 5 wrong
+    assert out["eval/judged/avg@2"] == 0.5  # 9 and 7 right of 9, 5, 5, 7
+    assert out["eval/verified/greedy_pass@1"] == 1.0 and out["eval/verified/avg@2"] == 0.5
+    assert out["eval/greedy_pass@1"] == pytest.approx(2 / 3)  # pooled, each prompt by its domain's threshold
+    assert out["eval/judged/greedy_reward"] == 6.5

@@ -65,6 +65,9 @@ class DomainEvalConfig:
     path: str | None = None  # .jsonl / .parquet of held-out prompts (same keys as the domain's file)
     num_prompts: int | None = None  # None = eval.num_prompts
     seed: int | None = None  # task / reasoning-gym seed of the held-out set (None = train.seed + an offset)
+    # a completion counts as right when its reward is >= this (None = eval.correct_threshold); set it
+    # for a domain scored on another scale (a reward model, a judge's 0-9, partial credit)
+    correct_threshold: float | None = None
 
 
 @dataclass
@@ -468,6 +471,9 @@ class EvalConfig:
     temperature: float | None = None  # sampled eval; None = rollout.temperature
     score: Literal["greedy", "avg@k"] = "greedy"  # which one is `eval/score`
     at_start: bool = True  # evaluate before the first step
+    # pass@k / greedy_pass@1 count a completion as right when its reward is >= this (1 for 0/1 verifiers;
+    # a domain can set its own: data.domains[i].eval.correct_threshold)
+    correct_threshold: float = 1.0
 
 
 @dataclass
