@@ -33,6 +33,7 @@ from mcore_rl.algos.step_credit import StepBatch
 from mcore_rl.algos.steppo import step_gae, steppo
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 from tests.helpers import ROOT, tiny
+from tests.test_bench_step_credit import _bench
 from tests.world import run_world
 
 # ------------------------------------------------------------------------------------ pure functions
@@ -189,6 +190,7 @@ def test_options_and_config_keys_are_validated_with_their_dotted_key(tmp_path) -
         assert f"algorithm.critic.{key}:" in bad, key
     agentic = os.path.join(ROOT, "configs", "agentic_demo.yaml")
     assert errors("algorithm.advantage=steppo", "algorithm.policy_loss=gspo", path=agentic) == ""
+    assert errors(*_bench().ARMS["steppo"], path=agentic) == ""  # benchmarks/bench_step_credit.py's arm
     assert "data.domains[0].environment.trajectory: is 'stepwise', but algorithm.advantage 'gae'" in errors(
         "algorithm.advantage=gae", path=agentic
     )
@@ -273,7 +275,9 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
     view = sequence_view(samples)
     vb = ValueBatch(per_seq["value_old"], view.mask)
     assert float(vb.values[view.mask == 0].abs().sum()) == 0.0
-    torch.testing.assert_close(per_seq["advantages"], gae(view.rewards, view.group_ids, values=vb, valid=view.ok.bool()))
+    torch.testing.assert_close(
+        per_seq["advantages"], gae(view.rewards, view.group_ids, values=vb, valid=view.ok.bool())
+    )
     _, want = token_gae(view.rewards, vb.values, view.mask, 1.0, 0.95)
     torch.testing.assert_close(per_seq["value_returns"], want.float())
     assert {"critic/explained_variance", "critic/value_mean", "critic/return_mean"} <= set(metrics)
@@ -314,9 +318,7 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
 
 
 def _tp2(rank: int, world_size: int, tmp: str) -> None:
-    cfg = tiny(
-        "algorithm.advantage=gae", "algorithm.critic.lr=3e-3", "parallel.tensor_model_parallel_size=2", *LEARNER
-    )
+    cfg = tiny("algorithm.advantage=gae", "algorithm.critic.lr=3e-3", "parallel.tensor_model_parallel_size=2", *LEARNER)
     learner, policy = _learner(cfg, os.path.join(tmp, "policy.pt"))
     got = _layout_numbers(learner, _samples(policy.tokenizer))
     want = torch.load(os.path.join(tmp, "tp1.pt"))
@@ -347,7 +349,7 @@ SHORT = [
     "rollout.group_size=4",
     "eval.interval=0",
     "eval.num_prompts=4",
-    "eval.k=0",
+    "eval.k=2",
     "eval.at_start=false",
     "init.sft_steps=5",
     "logging.progress_bar=false",
@@ -363,7 +365,9 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
     demo = os.path.join(ROOT, "configs", "demo.yaml")
     ckpt = os.path.join(tmp, "ckpt")
     gae_run = SHORT + ["algorithm.advantage=gae", "algorithm.critic.lr=1e-3", "rollout.quantization=none"]
-    a = load_config(RLConfig, demo, gae_run + [f"run_dir={tmp}/a", f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2"])
+    a = load_config(
+        RLConfig, demo, gae_run + [f"run_dir={tmp}/a", f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2"]
+    )
     run_rl(a)
     recs = _records(f"{tmp}/a")
     assert [r["rl_step"] for r in recs] == [1, 1, 2, 2, 3, 3]

@@ -68,7 +68,7 @@ def gae_targets(
     valid: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 0.95,
-    **_: object,
+    **_options: object,  # the estimator's other options (eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The critic's targets: the λ-returns at every trained token of the valid samples."""
     vb = _checked(rewards, values, gamma, lam)

@@ -66,7 +66,7 @@ def steppo_targets(
     valid: torch.Tensor | None = None,
     gamma: float = 0.99,
     lam: float = 0.95,
-    **_: object,
+    **_options: object,  # the estimator's other options (eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The critic's targets: each valid step's λ-return at its last state token (column 0)."""
     v = state_values(values, rewards.shape[0])

@@ -503,7 +503,9 @@ def check_critic(cfg: RLConfig, errors: Errors) -> None:
         return
     errors.need(c.lr is None or c.lr > 0, "algorithm.critic.lr", f"must be null or > 0, got {c.lr}")
     errors.need(
-        c.value_clip is None or c.value_clip > 0, "algorithm.critic.value_clip", f"must be null or > 0, got {c.value_clip}"
+        c.value_clip is None or c.value_clip > 0,
+        "algorithm.critic.value_clip",
+        f"must be null or > 0, got {c.value_clip}",
     )
     errors.need(c.loss_coef > 0, "algorithm.critic.loss_coef", f"must be > 0, got {c.loss_coef}")
     errors.need(

@@ -408,9 +408,7 @@ class Learner:
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
         # per sequence: a per-token estimator's (gae) mean over each sample's trained tokens
         seq_advantages = (
-            advantages
-            if advantages.ndim == 1
-            else (advantages * view.mask).sum(1) / view.mask.sum(1).clamp_min(1)
+            advantages if advantages.ndim == 1 else (advantages * view.mask).sum(1) / view.mask.sum(1).clamp_min(1)
         )
         advantages = shaped_advantages(
             a,
@@ -472,7 +470,9 @@ class Learner:
             returns, value_mask = critic_targets(estimator)(
                 rewards, view.group_ids, values=values, valid=valid, **steps, **a.advantage_options
             )
-            per_seq.update(value_old=values.values.float(), value_returns=returns.float(), value_mask=value_mask.float())
+            per_seq.update(
+                value_old=values.values.float(), value_returns=returns.float(), value_mask=value_mask.float()
+            )
             metrics["critic/explained_variance"] = explained_variance(values.values, returns, value_mask)
             metrics["critic/value_mean"] = float(masked_mean(values.values, value_mask))
             metrics["critic/return_mean"] = float(masked_mean(returns, value_mask))
@@ -485,7 +485,9 @@ class Learner:
         if not takes_values(estimator):
             return None
         if self.critic is None:
-            raise ValueError(f"algorithm.advantage {self.cfg.algorithm.advantage!r} reads a critic; the learner has none")
+            raise ValueError(
+                f"algorithm.advantage {self.cfg.algorithm.advantage!r} reads a critic; the learner has none"
+            )
         start = time.perf_counter()
         values = self.critic.values(samples, view.mask.shape[1]) * view.mask
         metrics["time/critic_values_s"] = time.perf_counter() - start
