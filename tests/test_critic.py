@@ -317,19 +317,31 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(before, policy.chunks[0].parameters()))
 
 
-def _tp2(rank: int, world_size: int, tmp: str) -> None:
-    cfg = tiny("algorithm.advantage=gae", "algorithm.critic.lr=3e-3", "parallel.tensor_model_parallel_size=2", *LEARNER)
-    learner, policy = _learner(cfg, os.path.join(tmp, "policy.pt"))
-    got = _layout_numbers(learner, _samples(policy.tokenizer))
+def _layouts(rank: int, world_size: int, tmp: str) -> None:
+    """TP=2, then PP=2, then DP=2 on two ranks: the one-rank numbers each time."""
+    from megatron.core import parallel_state
+
     want = torch.load(os.path.join(tmp, "tp1.pt"))
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+    for layout in (
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.tensor_model_parallel_size=1",  # DP = 2: each sample on one rank
+    ):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        cfg = tiny("algorithm.advantage=gae", "algorithm.critic.lr=3e-3", layout, *LEARNER)
+        learner, policy = _learner(cfg, os.path.join(tmp, "policy.pt"))
+        got = _layout_numbers(learner, _samples(policy.tokenizer))
+        for key, value in want.items():
+            torch.testing.assert_close(
+                got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{layout} rank {rank} {key}: {m}"
+            )
 
 
 @pytest.mark.slow
-def test_critic_fits_and_feeds_gae_and_steppo_and_tp2_matches_one_rank(tmp_path) -> None:
+def test_critic_fits_and_feeds_gae_and_steppo_and_tp_pp_dp_match_one_rank(tmp_path) -> None:
     run_world(1, _one_rank, str(tmp_path))
-    run_world(2, _tp2, str(tmp_path))
+    run_world(2, _layouts, str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------ end to end
