@@ -15,6 +15,9 @@ kind's one signature, so nothing here branches on an algorithm's name. Distillat
 batch in `prepare`, loss-phase terms per micro-batch in `loss_fn`. Recipes (`mcore_rl/hooks.py`)
 may change the μ the mismatch correction sees (`behaviour_logp`, e.g. for samples another model
 wrote) and add metrics (`learner_metrics`); the mismatch metrics are the policy's own samples'.
+An estimator that reads a critic (`gae`, `steppo`: its signature names `values`) gets the critic's
+values (`train/critic.py`), and the critic takes one optimizer step on each mini-batch the policy
+does, towards the returns the estimator's `@reads_critic` targets give (`algos/critic.py`).
 """
 
 from __future__ import annotations
