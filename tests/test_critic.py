@@ -3,9 +3,10 @@ token-level GAE (`gae`, algos/gae.py) and StepPO's step-level GAE (`steppo`, alg
 
 Pure functions against hand values and closed forms; the learner with a real megatron-core critic in
 spawned gloo worlds (one rank: the critic fits, the learner's advantages are the pure functions of its
-values, the warm-up freezes the policy; two ranks at TP=2 against the one-rank numbers); real RL runs
-end to end with `gae` on the demo recipe (checkpoint and resume restore the critic) and `steppo` on
-the agentic demo's step-wise guess-the-number.
+values, the warm-up freezes the policy; two ranks at TP=2, PP=2 and DP=2 against the one-rank
+numbers; a reward model of `mcore-rl rm-train` as its starting point); real RL runs end to end with
+`gae` on the demo recipe (checkpoint and resume restore the critic) and `steppo` on the agentic
+demo's step-wise guess-the-number.
 """
 
 from __future__ import annotations
@@ -421,3 +422,52 @@ def _e2e(rank: int, world_size: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_gae_on_the_demo_resumes_its_critic_and_steppo_runs_on_guess_the_number(tmp_path) -> None:
     run_world(1, _e2e, str(tmp_path))
+
+
+def _from_value_model(rank: int, world_size: int, tmp: str) -> None:
+    """A reward model trained by `mcore-rl rm-train` (one head) is a critic's starting point."""
+    from megatron.core import parallel_state
+
+    from mcore_rl.config.rm_schema import RMConfig
+    from mcore_rl.models.shards import unwrap_model
+    from mcore_rl.train import reward_model
+    from mcore_rl.train.critic import build_critic
+
+    rl = tiny("algorithm.advantage=gae", f"algorithm.critic.init_checkpoint={tmp}", *LEARNER)
+    model = [f"model.{k}={getattr(rl.model, k)}" for k in MODEL_KEYS]
+
+    def train_rm(name: str, heads: int) -> list[str]:
+        run = [f"run_dir={tmp}/{name}", "train.train_iters=1", "train.micro_batch_size=2", "train.global_batch_size=2"]
+        run += ["train.seq_length=16", "train.eval_interval=0", "data.synthetic_num_examples=16"]
+        run += [f"reward_model.num_heads={heads}", f"checkpoint.save_dir={tmp}/{name}_ckpt"]
+        reward_model.run_rm(load_config(RMConfig, None, model + run))
+        parallel_state.destroy_model_parallel()
+        return model + run
+
+    one_head = train_rm("rm", 1)
+    train_rm("rm_2", 2)
+    loaded = reward_model.build_trainer(load_config(RMConfig, None, [*one_head, f"checkpoint.load_dir={tmp}/rm_ckpt"]))
+    critic = build_critic(rl, 10, 0)
+    critic.load_value_model(f"{tmp}/rm_ckpt")
+    theirs = dict(unwrap_model(loaded.chunks[0]).named_parameters())
+    mine = dict(unwrap_model(critic.chunks[0]).named_parameters())
+    assert set(mine) == set(theirs)
+    for name, p in mine.items():
+        assert torch.equal(p, theirs[name]), name
+    with pytest.raises(ValueError, match="not a value model with one head"):
+        critic.load_value_model(f"{tmp}/rm_2_ckpt")
+
+
+MODEL_KEYS = (
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "max_position_embeddings",
+)
+
+
+@pytest.mark.slow
+def test_the_critic_starts_from_a_reward_models_checkpoint(tmp_path) -> None:
+    run_world(1, _from_value_model, str(tmp_path))
