@@ -26,6 +26,7 @@ from mcore_rl.algos.critic import value_loss
 from mcore_rl.config import config_to_dict
 from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.data.samples import Sample
+from mcore_rl.models.value_head import HEAD_PARAM
 from mcore_rl.train import checkpoint
 from mcore_rl.train.packing import build_microbatches
 from mcore_rl.train.rl_step import _dp, _reduce_last_stage
@@ -33,7 +34,6 @@ from mcore_rl.train.rl_step import _dp, _reduce_last_stage
 CRITIC_DIR = "critic"  # under checkpoint.save_dir
 CRITIC_KEYS = ("value_old", "value_returns", "value_mask")  # what a mini-batch's value loss reads, [N, T] each
 HEAD_SEED_OFFSET = 7_919  # the head's own init seed: train.seed + this
-HEAD_PARAM = "output_layer.weight"
 
 Batch = dict[str, torch.Tensor]
 
