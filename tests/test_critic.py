@@ -60,7 +60,7 @@ def test_clipped_value_loss_against_hand_values() -> None:
     # the clipped term wins at position 0: no gradient through V there; position 1: c·2(V − R) = −1
     assert v.grad is not None and v.grad.tolist() == [[0.0, -1.0, 0.0]]
     unclipped, _, m = value_loss(v, old, ret, mask, clip=None, coef=1.0)
-    assert float(unclipped) == pytest.approx(2.0) and float(m["clipfrac"]) == 0.0
+    assert float(unclipped.detach()) == pytest.approx(2.0) and float(m["clipfrac"]) == 0.0
     # the clip is pessimistic: V that moved past ε, even towards the return, pays (V_clip − R)²
     toward, _, m = value_loss(torch.tensor([[1.9]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.ones(1, 1))
     assert float(toward) == pytest.approx(0.5 * (2.0 - 0.2) ** 2) and float(m["clipfrac"]) == 1.0
