@@ -3,6 +3,7 @@
     python benchmarks/bench_step_credit.py                                   # guess: 4 estimators x 3 seeds
     python benchmarks/bench_step_credit.py --arms grpo gigpo --seeds 1 &     # split it: one process per part
     python benchmarks/bench_step_credit.py --arms sdar                       # SDAR (privileged context) vs grpo
+    python benchmarks/bench_step_credit.py --arms steppo                     # StepPO (a critic) vs grpo
     python benchmarks/bench_step_credit.py --report-only                     # the table from what is done
 
 1. One SFT warm start per environment (seed `--warm-seed`), saved as a checkpoint; every arm and seed
@@ -50,6 +51,9 @@ ARMS: dict[str, list[str]] = {
     "gigpo": ["algorithm.advantage=gigpo"],  # step_weight 1, gamma 0.95
     "hgpo": ["algorithm.advantage=hgpo"],  # levels 4, alpha 1, gamma 0.95, episode_weight 0
     "gagpo": ["algorithm.advantage=gagpo"],  # gamma 0.95, lam 0.8
+    # StepPO: its critic (the warm start's weights under a fresh value head, the policy's lr) read at each
+    # step's last state token; gamma 0.99, lam 0.95; the step-level ratio; one rollout step of the critic alone
+    "steppo": ["algorithm.advantage=steppo", "algorithm.policy_loss=gspo", "algorithm.critic.warmup_steps=1"],
     # GRPO + SDAR's (or SEED's) gated self-distillation towards the privileged teacher, the paper's lambda 0.01
     # (the hint makes a step's prompt ~45 byte tokens longer: rows of 128, not the recipe's 96)
     "sdar": [PRIVILEGED, "distill.losses=[{name: sdar}]", "train.seq_length=128"],

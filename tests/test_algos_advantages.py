@@ -7,6 +7,7 @@ import torch
 
 from mcore_rl import algos
 from mcore_rl.algos.advantages import dr_grpo, grpo, make_group_ids, rloo, to_tokens, too_few_valid_frac
+from mcore_rl.algos.critic import ValueBatch, takes_values
 from mcore_rl.algos.dynamic_sampling import nonzero_std_groups
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 0.25, 0.75])
@@ -53,7 +54,7 @@ def test_group_ids_and_token_broadcast() -> None:
 
 def test_registry_lookup_and_error_lists_names() -> None:
     assert algos.get("advantage", "rloo") is rloo
-    with pytest.raises(KeyError, match="dr_grpo, dvao, gagpo, gigpo, golongrl, grpo, hgpo, papo, rloo"):
+    with pytest.raises(KeyError, match="dr_grpo, dvao, gae, gagpo, gigpo, golongrl, grpo, hgpo, papo, rloo, steppo"):
         algos.get("advantage", "nope")
     with pytest.raises(KeyError, match="kinds: "):
         algos.get("nope", "grpo")
@@ -133,9 +134,12 @@ def test_groups_with_fewer_than_two_valid_samples_get_zero(name: str) -> None:
 def test_every_registered_advantage_takes_the_validity_mask() -> None:
     rewards, groups = torch.tensor([1.0, 0.0, 5.0, 0.0, 1.0]), torch.tensor([0, 0, 0, 1, 1])
     valid = torch.tensor([True, True, False, True, True])
-    no_baseline = {"w_reinforce", "craft"}  # ±1-style or best-of-N advantages without a group baseline
+    # ±1-style or best-of-N advantages without a group baseline; the critic's (gae, steppo: it is the baseline)
+    no_baseline = {"w_reinforce", "craft", "gae", "steppo"}
     for name in algos.names("advantage"):
-        adv = algos.get("advantage", name)(rewards, groups, normalize_std=True, valid=valid)
+        fn = algos.get("advantage", name)
+        critic = {"values": ValueBatch(torch.zeros(5, 1), torch.ones(5, 1))} if takes_values(fn) else {}
+        adv = fn(rewards, groups, normalize_std=True, valid=valid, **critic)
         assert float(adv[2]) == 0.0, name
         if name not in no_baseline:
             assert float(adv[:2].sum()) == pytest.approx(0.0, abs=1e-6), name

@@ -13,6 +13,7 @@ from mcore_rl import algos
 from mcore_rl.algos.advantages import grpo
 from mcore_rl.algos.alp import alp
 from mcore_rl.algos.cgpo import calibrated, cgpo_judges, codpo_pairs, weight_domains
+from mcore_rl.algos.critic import ValueBatch, takes_values
 from mcore_rl.algos.dvao import dvao, dvao_combine
 from mcore_rl.algos.golongrl import difficulty_weight, golongrl, reweight
 from mcore_rl.algos.multi_reward import domain_metrics, option_problems, restrict_to_domains
@@ -589,8 +590,10 @@ def test_every_advantage_takes_domains_and_heads_and_the_old_ones_ignore_them() 
     valid = torch.ones(12, dtype=torch.bool)
     for name in algos.names("advantage"):
         fn = algos.get("advantage", name)
-        adv = fn(r, g, normalize_std=True, valid=valid, **extra)
-        assert adv.shape == (12,) and adv.dtype == torch.float32 and bool(torch.isfinite(adv).all()), name
+        critic = {"values": ValueBatch(torch.rand(12, 3, generator=gen), torch.ones(12, 3))} if takes_values(fn) else {}
+        adv = fn(r, g, normalize_std=True, valid=valid, **extra, **critic)
+        shape = (12, 3) if name == "gae" else (12,)  # gae: per token
+        assert adv.shape == shape and adv.dtype == torch.float32 and bool(torch.isfinite(adv).all()), name
         if name in ("grpo", "dr_grpo", "rloo"):
             assert torch.equal(adv, fn(r, g, normalize_std=True, valid=valid)), name
     needed = {  # options without a default

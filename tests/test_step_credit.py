@@ -30,7 +30,8 @@ from mcore_rl.algos.step_credit import (
     state_key,
     step_returns,
 )
-from mcore_rl.algos.steppo import step_gae
+from mcore_rl.algos.steppo import step_gae, steppo
+from mcore_rl.algos.critic import takes_values
 from mcore_rl.config import ConfigError, RLConfig, load_config, validate_rl_config
 
 # An episode: (group, [(state text, step reward), ...], the episode's reward)
@@ -94,7 +95,7 @@ def test_registered_as_advantages_and_the_step_input_is_declared() -> None:
     assert algos.get("advantage", "gigpo") is gigpo
     assert algos.get("advantage", "hgpo") is hgpo
     assert algos.get("advantage", "gagpo") is gagpo
-    assert "steppo" not in algos.names("advantage")  # it needs a critic this trainer does not have
+    assert algos.get("advantage", "steppo") is steppo and takes_values(steppo)  # it reads the critic
 
 
 def test_step_returns_put_the_episodes_remainder_on_its_last_step() -> None:

@@ -107,7 +107,7 @@ KIND_INPUTS = {
 # advantage: `steps`, a `step_credit.StepBatch` (each sample's episode, step, state key and step reward),
 # given to the step-level estimators (GiGPO, HGPO, GAGPO); `branches` [N] bool, which samples are branches of a
 # tree rollout (`SampleMarks.branch_of`), given to APPO's dual-group advantage.
-OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at"), "advantage": ("steps", "branches")}
+OPTIONAL_INPUTS = {"advantage_shaping": ("response_ids", "logp_at"), "advantage": ("steps", "branches", "values")}
 
 
 def takes_input(fn: Any, name: str) -> bool:
@@ -251,7 +251,12 @@ def sample_inputs(kind: str) -> tuple[tuple, dict[str, Any]]:
         steps = StepBatch(
             torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), rewards
         )
-        return (rewards, gids), dict(common, normalize_std=True, steps=steps, branches=torch.zeros(2, dtype=torch.bool))
+        from mcore_rl.algos.critic import ValueBatch  # lazy: as above
+
+        values = ValueBatch(torch.tensor([[0.5, 0.25], [0.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+        return (rewards, gids), dict(
+            common, normalize_std=True, steps=steps, branches=torch.zeros(2, dtype=torch.bool), values=values
+        )
     if kind in ("reward_shaping", "sample_filter"):
         return (rewards, gids), dict(common, lengths=torch.full((2,), 2, dtype=torch.long), seq_logp=tokens.sum(1))
     if kind == "advantage_shaping":

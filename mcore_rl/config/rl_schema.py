@@ -368,6 +368,21 @@ class AuxLossConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of an advantage that reads a critic (`gae`, `steppo`; `train/critic.py`): the
+    policy's decoder with a scalar value head in place of the output layer, its own AdamW, trained on
+    every mini-batch the policy is, on the estimator's returns (PPO's clipped value loss)."""
+
+    # a megatron checkpoint of a value model with one head (`mcore-rl rm-train`'s); null: the policy's
+    # starting weights (after init.checkpoint and the warm start) under a fresh head
+    init_checkpoint: str | None = None
+    lr: float | None = None  # the critic's peak learning rate (the rest is optimizer.*'s); null: optimizer.lr
+    value_clip: float | None = 0.2  # ε of the value clip around the values the advantages used; null: unclipped
+    loss_coef: float = 0.5  # c in c·max((V − R)², (V_clip − R)²): scales the critic's gradient only
+    warmup_steps: int = 0  # the first rollout steps train the critic alone (the policy does not step)
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"  # registered in mcore_rl.algos as an "advantage"
     advantage_std_normalize: bool = True  # grpo only
@@ -406,6 +421,8 @@ class AlgorithmConfig:
     # π_old recompute and every training forward; "r2" records the π_old recompute's routing and
     # replays it in the training forwards of the same batch; "none" routes naturally everywhere
     routing_replay: Literal["none", "r3", "r2"] = "none"
+    # the value model an advantage that reads a critic trains (`gae`, `steppo`); unused otherwise
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def uses_reference(self) -> bool:
         """Whether the learner keeps π_ref (a frozen copy of the starting weights)."""

@@ -38,7 +38,7 @@ from mcore_rl.config.rules import (
     need_registered,
     need_positive,
 )
-from mcore_rl.config.rl_schema import WARM_START_KEYS, WarmStartConfig
+from mcore_rl.config.rl_schema import WARM_START_KEYS, CriticConfig, WarmStartConfig
 from mcore_rl.config.schema import ModelConfig, ParallelConfig
 from mcore_rl.config.validate import DerivedSizes
 
@@ -82,6 +82,7 @@ def validate_rl_config(cfg: RLConfig, world_size: int) -> DerivedSizes:
     check_mismatch(cfg.algorithm, cfg.rollout, errors)
     check_routing_replay(cfg, errors)
     check_step_credit(cfg, errors)
+    check_critic(cfg, errors)
     check_distill(cfg.distill, cfg.rollout, errors, cfg.teachers, cfg.algorithm)
     check_reward(cfg.reward, cfg.data, task, errors)
     check_domains(cfg, errors)
@@ -480,6 +481,58 @@ def check_step_credit(cfg: RLConfig, errors: Errors) -> None:
                 f"data.domains[{i}].environment.trajectory",
                 f"is {d.environment.trajectory!r}, but algorithm.advantage {what}: use stepwise",
             )
+
+
+def check_critic(cfg: RLConfig, errors: Errors) -> None:
+    """`algorithm.critic`: its keys, and only for an advantage that reads a critic (`gae`, `steppo`);
+    a single-turn one (`gae`) refuses step-wise episodes, where each step would be its own episode."""
+    from mcore_rl.algos import registry  # lazy: registries, read at validation
+    from mcore_rl.algos.critic import takes_values  # lazy: registries, read at validation
+    from mcore_rl.algos.step_credit import takes_steps  # lazy: registries, read at validation
+
+    a, c = cfg.algorithm, cfg.algorithm.critic
+    if a.advantage not in registry.names("advantage"):
+        return
+    fn = registry.get("advantage", a.advantage)
+    if not takes_values(fn):
+        errors.need(
+            c == CriticConfig(),
+            "algorithm.critic",
+            f"is set, but algorithm.advantage {a.advantage!r} reads no critic (gae and steppo do)",
+        )
+        return
+    errors.need(c.lr is None or c.lr > 0, "algorithm.critic.lr", f"must be null or > 0, got {c.lr}")
+    errors.need(
+        c.value_clip is None or c.value_clip > 0,
+        "algorithm.critic.value_clip",
+        f"must be null or > 0, got {c.value_clip}",
+    )
+    errors.need(c.loss_coef > 0, "algorithm.critic.loss_coef", f"must be > 0, got {c.loss_coef}")
+    errors.need(
+        0 <= c.warmup_steps < max(cfg.train.num_steps, 1),
+        "algorithm.critic.warmup_steps",
+        f"must be in [0, train.num_steps={cfg.train.num_steps}), got {c.warmup_steps}",
+    )
+    errors.need(
+        c.init_checkpoint is None or os.path.isdir(c.init_checkpoint),
+        "algorithm.critic.init_checkpoint",
+        f"{c.init_checkpoint!r} is not a directory",
+    )
+    errors.need(
+        cfg.model.section(MTPKeys).mtp_num_layers == 0,
+        "model.mtp_num_layers",
+        f"is {cfg.model.section(MTPKeys).mtp_num_layers}, but the critic of algorithm.advantage {a.advantage!r} "
+        "is built without MTP heads only: set it to 0",
+    )
+    if takes_steps(fn):
+        return
+    for i, d in enumerate(cfg.data.domains):
+        errors.need(
+            d.environment is None or d.environment.trajectory != "stepwise",
+            f"data.domains[{i}].environment.trajectory",
+            f"is 'stepwise', but algorithm.advantage {a.advantage!r} is token-level GAE over one sample: "
+            "each step would be an episode of its own (steppo is the step-level estimator)",
+        )
 
 
 def check_routing_replay(cfg: RLConfig, errors: Errors) -> None:

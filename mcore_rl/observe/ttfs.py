@@ -24,6 +24,7 @@ PHASES = (
     "checkpoint_load",
     "warm_start",
     "reference_model",
+    "critic",
     "engine_start",
     "first_weight_sync",
     "eval_at_start",

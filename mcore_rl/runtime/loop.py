@@ -69,6 +69,7 @@ from mcore_rl.rollout.teacher import TeacherError
 if TYPE_CHECKING:  # annotations only: the trainer's parts are imported when the run builds them
     from mcore_rl.rollout.pool import EmbeddedEnginePool
     from mcore_rl.runtime.rollout_manager import RolloutManager
+    from mcore_rl.train.critic import Critic
     from mcore_rl.train.rl_step import Learner
     from mcore_rl.train.teachers import Teachers
     from mcore_rl.train.weight_sync import WeightSync
@@ -132,6 +133,7 @@ class RLRun:
         self.prompts, self.val_prompts = prompt_sets.train, prompt_sets.validation
         self.eval_prompts, self.held_out_texts = prompt_sets.eval_prompts, prompt_sets.held_out_texts
         self.ref_chunks: list | None = None
+        self.critic: Critic | None = None  # the value model of an advantage that reads one (gae, steppo)
         self.recipes: list[hooks.Recipe] = hooks.active(cfg)  # the paper methods of the run, as plug-ins
         self.learner: Learner | None = None  # set by run_rl (its stateful distillation terms are checkpointed)
         self.engines: EmbeddedEnginePool | HTTPEnginePool | None = None
@@ -195,6 +197,7 @@ class RLRun:
                 ttfs.mark("warm_start")
         self._build_reference(resume)
         ttfs.mark("reference_model")
+        self._build_critic(resume)
         if cfg.teachers:
             self.teachers = build_teachers(cfg, self.tokenizer, self.chunks, engine_teachers, self.state.version)
         for recipe in self.recipes:
@@ -279,6 +282,27 @@ class RLRun:
                 None,
                 {"model": config_to_dict(cfg.model)},
             )
+
+    def _build_critic(self, resume: str | None) -> None:
+        """The critic of an advantage that reads one (train/critic.py): the critic saved at the resumed
+        step, else `algorithm.critic.init_checkpoint`, else the policy's starting weights."""
+        from mcore_rl.algos import registry
+        from mcore_rl.algos.critic import takes_values
+        from mcore_rl.train.critic import build_critic  # lazy: megatron
+
+        cfg = self.cfg
+        if not takes_values(registry.get("advantage", cfg.algorithm.advantage)):
+            return
+        total = max(1, cfg.train.num_steps * cfg.optimizer_steps_per_rollout)
+        self.critic = build_critic(cfg, total, self.tokenizer.pad_id)
+        if resume is not None:
+            assert cfg.checkpoint.load_dir is not None  # `resume` was found in it
+            _log(f"critic resumed from {self.critic.resume(cfg.checkpoint.load_dir, self.state.rl_step)}")
+        elif cfg.algorithm.critic.init_checkpoint:
+            self.critic.load_value_model(cfg.algorithm.critic.init_checkpoint)
+        else:
+            self.critic.copy_policy(self.chunks)
+        ttfs.mark("critic")
 
     def _http_engines(self) -> HTTPEnginePool:
         """The pool of the asynchronous runtime and of colocated engines: `mcore-rl serve` processes or
@@ -470,6 +494,8 @@ class RLRun:
         if save_dir is None:
             raise ValueError("checkpoint.save_dir: not set, so there is nowhere to save")
         common = carry_provenance(self.hf_provenance, common, save_dir)
+        if self.critic is not None:  # first: the policy's `latest` marker never points past its critic
+            self.critic.save(save_dir, self.state.rl_step)
         return checkpoint.save_checkpoint(save_dir, self.state.rl_step, self.chunks, self.optimizer, common)
 
     def checkpoint_path(self) -> str | None:
@@ -549,7 +575,13 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         if run._resume_common is not None:
             writer.resume(run.state.opt_step)
         learner = run.learner = Learner(
-            cfg, run.chunks, run.optimizer, run.ref_chunks, run.tokenizer.pad_id, recipes=run.recipes
+            cfg,
+            run.chunks,
+            run.optimizer,
+            run.ref_chunks,
+            run.tokenizer.pad_id,
+            recipes=run.recipes,
+            critic=run.critic,
         )
         if run._resume_common is not None and run._resume_common.get("distill"):
             learner.load_distill_state(run._resume_common["distill"])

@@ -15,6 +15,9 @@ kind's one signature, so nothing here branches on an algorithm's name. Distillat
 batch in `prepare`, loss-phase terms per micro-batch in `loss_fn`. Recipes (`mcore_rl/hooks.py`)
 may change the μ the mismatch correction sees (`behaviour_logp`, e.g. for samples another model
 wrote) and add metrics (`learner_metrics`); the mismatch metrics are the policy's own samples'.
+An estimator that reads a critic (`gae`, `steppo`: its signature names `values`) gets the critic's
+values (`train/critic.py`), and the critic takes one optimizer step on each mini-batch the policy
+does, towards the returns the estimator's `@reads_critic` targets give (`algos/critic.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mcore_rl.agent.episodes import step_batch
 from mcore_rl.algos import registry
 from mcore_rl.algos.advantages import too_few_valid_frac
 from mcore_rl.algos.cgpo import weight_domains
+from mcore_rl.algos.critic import ValueBatch, critic_targets, explained_variance, takes_values
 from mcore_rl.algos.distill.base import DistillBatch, group_mean
 from mcore_rl.algos.kl import kl_estimate, kl_loss, kl_penalized_rewards
 from mcore_rl.algos.mismatch import mismatch_metrics
@@ -186,7 +190,7 @@ def shaped_advantages(
     see `multi_reward.OPTIONAL_INPUTS`) go to the functions that name them."""
     if not a.advantage_shaping:
         return advantages
-    tokens = advantages[:, None].float() * mask
+    tokens = (advantages[:, None] if advantages.ndim == 1 else advantages).float() * mask
     for shaping in a.advantage_shaping:
         fn = registry.get("advantage_shaping", shaping.name)
         optional = declared_inputs(fn, "advantage_shaping", optional_inputs or {})
@@ -239,8 +243,10 @@ class Learner:
         ref_chunks: list | None,
         pad_id: int,
         recipes: Sequence[Recipe] | None = None,
+        critic: Any = None,
     ) -> None:
         self.cfg, self.chunks, self.optimizer, self.ref_chunks, self.pad_id = cfg, chunks, optimizer, ref_chunks, pad_id
+        self.critic = critic  # train/critic.py's Critic, for an advantage that reads values (gae, steppo)
         self.recipes = list(recipes) if recipes is not None else active(cfg)  # their learner-side hooks
         self.temperature = cfg.rollout.temperature
         self.distill: list[DistillTerm] = distill_terms(cfg)
@@ -390,17 +396,23 @@ class Learner:
             if a.kl_in_reward:
                 rewards = kl_penalized_rewards(rewards, old, ref, mask, a.kl_coef, a.kl_estimator)
         estimator = registry.get("advantage", a.advantage)
+        steps = {"steps": step_batch(samples)} if takes_steps(estimator) else {}
+        values = self._critic_values(samples, view, estimator, metrics)
         advantages = estimator(
             rewards,
             view.group_ids,
             normalize_std=a.advantage_std_normalize,
             **batch_inputs(view, valid),
-            **({"steps": step_batch(samples)} if takes_steps(estimator) else {}),
+            **steps,
             **({"branches": branch_flags(samples)} if takes_input(estimator, "branches") else {}),
+            **({"values": values} if values is not None else {}),
             **a.advantage_options,
         )
         advantages = weight_domains(advantages, view.domain_ids, view.domain_names, a.domain_advantage_weights)
-        seq_advantages = advantages
+        # per sequence: a per-token estimator's (gae) mean over each sample's trained tokens
+        seq_advantages = (
+            advantages if advantages.ndim == 1 else (advantages * view.mask).sum(1) / view.mask.sum(1).clamp_min(1)
+        )
         advantages = shaped_advantages(
             a,
             view,
@@ -457,7 +469,32 @@ class Learner:
             self._add_distillation(per_seq, metrics, view, teacher, old, old_topk, entropy, mask, rewards, step)
         if ref is not None:
             per_seq["ref_logp"] = ref
+        if values is not None:  # the critic's targets: what the estimator says V should have been
+            returns, value_mask = critic_targets(estimator)(
+                rewards, view.group_ids, values=values, valid=valid, **steps, **a.advantage_options
+            )
+            per_seq.update(
+                value_old=values.values.float(), value_returns=returns.float(), value_mask=value_mask.float()
+            )
+            metrics["critic/explained_variance"] = explained_variance(values.values, returns, value_mask)
+            metrics["critic/value_mean"] = float(masked_mean(values.values, value_mask))
+            metrics["critic/return_mean"] = float(masked_mean(returns, value_mask))
         return per_seq, metrics
+
+    def _critic_values(
+        self, samples: Sequence[Sample], view: SequenceView, estimator: Any, metrics: dict[str, float]
+    ) -> ValueBatch | None:
+        """The critic's values over the batch for an estimator that reads them, else None."""
+        if not takes_values(estimator):
+            return None
+        if self.critic is None:
+            raise ValueError(
+                f"algorithm.advantage {self.cfg.algorithm.advantage!r} reads a critic; the learner has none"
+            )
+        start = time.perf_counter()
+        values = self.critic.values(samples, view.mask.shape[1]) * view.mask
+        metrics["time/critic_values_s"] = time.perf_counter() - start
+        return ValueBatch(values, view.mask)
 
     def _shaping_inputs(self, samples: Sequence[Sample], view: SequenceView) -> dict[str, Any]:
         """The optional inputs of advantage shaping: the sampled ids and π_old's log-probs at given ids
@@ -667,9 +704,16 @@ class Learner:
             for part in split_minibatches(len(samples), a.num_minibatches, t.seed, step, epoch)
         ]
         # a transient bar under the run's: a real model's step takes minutes
+        # the critic's warm-up (algorithm.critic.warmup_steps): it trains, the policy does not step
+        warm_up = self.critic is not None and step < a.critic.warmup_steps
         with progress(len(parts), "learner", "minibatch", enabled=self.cfg.logging.progress_bar, leave=False) as bar:
             for part in parts:
-                self._train_minibatch(samples, part, per_seq, num_positions, dp_rank, dp_size, records)
+                critic = self.critic.train_part(samples, part, per_seq) if self.critic is not None else {}
+                if warm_up:
+                    records.append({"train/skipped": 1.0, "train/critic_warmup": 1.0})
+                else:
+                    self._train_minibatch(samples, part, per_seq, num_positions, dp_rank, dp_size, records)
+                records[-1].update(critic)
                 bar.update()
         routing_replay.clear(self.replay_taps)  # no later forward of the policy replays this batch's experts
         self.routing = None
