@@ -658,7 +658,8 @@ def _policy_weights(path: str, mc: ModelConfig) -> dict[str, torch.Tensor]:
 def _check_init(rank: int, tmp: str) -> None:
     """`init.checkpoint`: an RM at TP=2 with SP starts from a policy that `mcore-rl sft` saved at TP=1 (with
     its optimizer state): its decoder is the policy's bit for bit, as at TP=1, its value head a fresh one's,
-    its optimizer empty (the first AdamW step moves each weight by lr); a resumable `checkpoint.load_dir`
+    its optimizer empty (the first AdamW step moves each weight by lr); a tied policy's embeddings are read;
+    a resumable `checkpoint.load_dir`
     wins; the refusals; a converted policy's HF provenance reaches the RM's export."""
     import torch.distributed as dist
 
@@ -686,6 +687,16 @@ def _check_init(rank: int, tmp: str) -> None:
     )
     sft.run_sft(sft_cfg)  # TP=1, DP=2
     policy = _policy_weights(f"{tmp}/policy", base.model)
+    # a policy with tied embeddings has no output layer: the RM reads its embeddings like the rest
+    tied = dataclasses.replace(sft_cfg, run_dir=f"{tmp}/tied_run")
+    tied.model = tied.model.replace(tie_word_embeddings=True)
+    tied.checkpoint = dataclasses.replace(tied.checkpoint, save_dir=f"{tmp}/tied")
+    sft.run_sft(tied)
+    tied_policy = _policy_weights(f"{tmp}/tied", tied.model)
+    tied_rm = reward_model.build_trainer(_rm_run_cfg(f"{tmp}/it", 2, f"init.checkpoint={tmp}/tied"))
+    from_tied = gather_full_state_dict(tied_rm.chunks)
+    assert set(from_tied) == set(tied_policy) | {"output_layer.weight"}
+    assert all(torch.equal(tied_policy[k], from_tied[k]) for k in tied_policy)
     init = f"init.checkpoint={tmp}/policy"
     tp1 = ("parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false")
     fresh = gather_full_state_dict(reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i0", 2)).chunks)
