@@ -721,6 +721,14 @@ def _check_init(rank: int, tmp: str) -> None:
     assert moved.numel() > 0.3 * sum(v.numel() for v in two.values())  # not the unused tokens' embeddings
     assert float(((moved - step["lr"]).abs() < 0.02 * step["lr"]).float().mean()) > 0.95, step["lr"]
     assert float(moved.max()) < 1.01 * step["lr"]
+    # bf16: the loaded weights reach the optimizer's fp32 masters (its step would otherwise undo the init)
+    half = reward_model.build_trainer(_rm_run_cfg(f"{tmp}/ib", 2, init, "train.precision=bf16"))
+    opt = half.optimizer
+    masters = [(p, m) for p, m, has in zip(opt.model_params, opt.main_params, opt._has_master) if has]
+    assert masters and all(torch.equal(m, p.detach().float()) for p, m in masters)
+    for key, value in gather_full_state_dict(half.chunks).items():
+        if key != head:
+            assert torch.equal(value, policy[key].to(value.dtype)), f"bf16: {key} is not the policy's"
     # checkpoint.load_dir that holds a checkpoint is resumed; init.checkpoint is not read
     assert reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i3", 4, init, load_dir=f"{tmp}/ckpt")).iteration == 2
     # refusals, naming the key, before any model is built
