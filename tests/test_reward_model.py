@@ -620,6 +620,7 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             reward_model.build_trainer(cfg)
+    _check_init(rank, tmp)
     # a process reward model from a file of step-labelled solutions: trains, logs held-out step accuracy
     if rank == 0:
         with open(f"{tmp}/prm.jsonl", "w") as f:
@@ -634,6 +635,134 @@ def _world(rank: int, world_size: int, tmp: str) -> None:
     start = time.perf_counter()
     _check_conversion(rank, tmp)
     print(f"convert {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _policy_weights(path: str, mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """The full weights of the causal LM checkpoint at `path`, loaded at TP=1."""
+    from mcore_rl.models.builder import build_model, transformer_config
+    from mcore_rl.models.shards import gather_full_state_dict
+    from mcore_rl.parallel.setup import init_model_parallel, set_seed
+    from mcore_rl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    init_model_parallel(P())
+    set_seed(1)
+    (chunk,) = build_model(mc, P(), config=transformer_config(mc, P()))
+    found = latest_checkpoint(path)
+    assert found is not None
+    load_checkpoint(found, [chunk], None)
+    out = gather_full_state_dict([chunk])
+    _destroy()
+    return out
+
+
+def _check_init(rank: int, tmp: str) -> None:
+    """`init.checkpoint`: an RM at TP=2 with SP starts from a policy that `mcore-rl sft` saved at TP=1 (with
+    its optimizer state): its decoder is the policy's bit for bit, as at TP=1, its value head a fresh one's,
+    its optimizer empty (the first AdamW step moves each weight by lr); a tied policy's embeddings are read;
+    a resumable `checkpoint.load_dir`
+    wins; the refusals; a converted policy's HF provenance reaches the RM's export."""
+    import torch.distributed as dist
+
+    from mcore_rl.config import SFTConfig
+    from mcore_rl.convert.reward_model import mcore_reward_model_to_hf
+    from mcore_rl.models.shards import gather_full_state_dict
+    from mcore_rl.train import reward_model, sft
+
+    start = time.perf_counter()
+    base = _rm_run_cfg(f"{tmp}/unused", 1)
+    sft_cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            f"run_dir={tmp}/policy_run",
+            "train.train_iters=1",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.seq_length=16",
+            "data.synthetic_num_examples=64",
+            "optimizer.lr=3e-2",
+            f"checkpoint.save_dir={tmp}/policy",
+        ]
+        + [f"model.{k}={v}" for k, v in (("num_layers", 2), ("hidden_size", 32), ("ffn_hidden_size", 64))],
+    )
+    sft.run_sft(sft_cfg)  # TP=1, DP=2
+    policy = _policy_weights(f"{tmp}/policy", base.model)
+    # a policy with tied embeddings has no output layer: the RM reads its embeddings like the rest
+    tied = dataclasses.replace(sft_cfg, run_dir=f"{tmp}/tied_run")
+    tied.model = tied.model.replace(tie_word_embeddings=True)
+    tied.checkpoint = dataclasses.replace(tied.checkpoint, save_dir=f"{tmp}/tied")
+    sft.run_sft(tied)
+    tied_policy = _policy_weights(f"{tmp}/tied", tied.model)
+    tied_rm = reward_model.build_trainer(_rm_run_cfg(f"{tmp}/it", 2, f"init.checkpoint={tmp}/tied"))
+    from_tied = gather_full_state_dict(tied_rm.chunks)
+    assert set(from_tied) == set(tied_policy) | {"output_layer.weight"}
+    assert all(torch.equal(tied_policy[k], from_tied[k]) for k in tied_policy)
+    init = f"init.checkpoint={tmp}/policy"
+    tp1 = ("parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false")
+    fresh = gather_full_state_dict(reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i0", 2)).chunks)
+    one = gather_full_state_dict(reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i1", 2, init, *tp1)).chunks)
+    # a load_dir that holds no checkpoint yet (a launcher's save dir on the first start): init.checkpoint
+    trainer = reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i2", 2, init, load_dir=f"{tmp}/not_yet"))
+    assert trainer.iteration == 0
+    two = gather_full_state_dict(trainer.chunks)
+    head = "output_layer.weight"
+    assert set(two) == set(one) == set(fresh) and head in two and policy[head].shape[0] == 384
+    for key, value in two.items():
+        assert torch.equal(value, one[key]), f"TP=2 vs TP=1: {key}"
+        if key == head:
+            assert torch.equal(value, fresh[key]), "the value head is not a fresh one"
+        else:
+            assert torch.equal(value, policy[key]), f"{key} is not the policy's"
+            assert not torch.equal(value, fresh[key]), f"{key}: the policy did not move from the seeded init"
+    step = reward_model.train_step(trainer)  # a fresh AdamW: each weight with a gradient moves by lr
+    after = gather_full_state_dict(trainer.chunks)
+    moved = torch.cat([(after[k] - two[k]).abs().flatten() for k in two])
+    moved = moved[moved > 0]
+    assert moved.numel() > 0.3 * sum(v.numel() for v in two.values())  # not the unused tokens' embeddings
+    assert float(((moved - step["lr"]).abs() < 0.02 * step["lr"]).float().mean()) > 0.95, step["lr"]
+    assert float(moved.max()) < 1.01 * step["lr"]
+    # bf16: the loaded weights reach the optimizer's fp32 masters (its step would otherwise undo the init)
+    half = reward_model.build_trainer(_rm_run_cfg(f"{tmp}/ib", 2, init, "train.precision=bf16"))
+    opt = half.optimizer
+    masters = [(p, m) for p, m, has in zip(opt.model_params, opt.main_params, opt._has_master) if has]
+    assert masters and all(torch.equal(m, p.detach().float()) for p, m in masters)
+    for key, value in gather_full_state_dict(half.chunks).items():
+        if key != head:
+            assert torch.equal(value, policy[key].to(value.dtype)), f"bf16: {key} is not the policy's"
+    # checkpoint.load_dir that holds a checkpoint is resumed; init.checkpoint is not read
+    assert reward_model.build_trainer(_rm_run_cfg(f"{tmp}/i3", 4, init, load_dir=f"{tmp}/ckpt")).iteration == 2
+    # refusals, naming the key, before any model is built
+    os.makedirs(f"{tmp}/empty", exist_ok=True)
+    for extra, message in (
+        ((f"init.checkpoint={tmp}/empty",), f"init.checkpoint: '{tmp}/empty' holds no checkpoint"),
+        ((f"init.checkpoint={tmp}/nowhere",), f"init.checkpoint: '{tmp}/nowhere' does not exist"),
+        ((f"init.checkpoint={tmp}/ckpt",), "is a reward model's checkpoint, not a policy's"),
+        ((init, "model.hidden_size=64", "model.ffn_hidden_size=64", "model.num_layers=3", "model.vocab_size=512"), "2"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            validate_rm_config(_rm_cfg(*extra), 2)
+    assert "holds a model with vocab_size 384, hidden_size 32, num_layers 2" in str(err.value)
+    assert "model.* here has vocab_size 512, hidden_size 64, num_layers 3" in str(err.value)
+    # a policy converted from HF (`{tmp}/lm_mcore`, TP=2): the RM's checkpoint carries its provenance and
+    # exports as the policy's family's sequence classifier
+    reward_model.run_rm(_rm_run_cfg(f"{tmp}/prov", 1, f"init.checkpoint={tmp}/lm_mcore", save_dir=f"{tmp}/rm_lm"))
+    mcore_reward_model_to_hf(f"{tmp}/rm_lm", f"{tmp}/rm_lm_hf")
+    _destroy()
+    if rank == 0:
+        from megatron.core import dist_checkpointing
+
+        from mcore_rl.train.checkpoint import latest_checkpoint
+
+        saved = latest_checkpoint(f"{tmp}/rm_lm")
+        assert saved is not None
+        common = dist_checkpointing.load_common_state_dict(saved)["common"]
+        assert common["hf_source"] == os.path.abspath(f"{tmp}/lm_hf") and "hf_config" in common
+        from transformers import AutoConfig
+
+        exported = AutoConfig.from_pretrained(f"{tmp}/rm_lm_hf")
+        assert exported.architectures[0].endswith("ForSequenceClassification") and exported.num_labels == 2
+    dist.barrier()
+    print(f"init {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def _save_llama_classifier(path: str) -> None:
@@ -756,6 +885,22 @@ def test_parity_training_and_resume_in_a_two_rank_world(tmp_path):
 
 
 # ---- the command --------------------------------------------------------------------------------
+
+
+def test_command_refuses_an_init_checkpoint_before_any_worker_starts(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    run = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "rm-train", f"run_dir={tmp_path}/run", f"init.checkpoint={tmp_path}"]
+        + ["--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"init.checkpoint: '{tmp_path}' holds no checkpoint" in run.stderr
+    assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
 
 
 def test_command_checks_the_data_before_any_worker_starts(tmp_path):

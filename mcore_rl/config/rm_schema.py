@@ -54,9 +54,20 @@ class PreferenceDataConfig(DataConfig):
 
 
 @dataclass
+class RMInitConfig:
+    """Where a reward model starts when `checkpoint.load_dir` holds no checkpoint to resume."""
+
+    # a policy's megatron dist-checkpoint (`mcore-rl sft` / `train` / `convert hf-to-mcore`, any layout): its
+    # embeddings, layers and final norm; the value head starts fresh (train.seed), the optimizer too. None =
+    # the decoder starts from scratch
+    checkpoint: str | None = None
+
+
+@dataclass
 class RMConfig(SFTConfig):
     """Root of `mcore-rl rm-train` recipes."""
 
     run_dir: str = "runs/rm"  # metrics.jsonl, logs and plots of the run
+    init: RMInitConfig = field(default_factory=RMInitConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
+from mcore_rl.config.loader import config_to_dict
 from mcore_rl.config.rm_schema import RMConfig
 from mcore_rl.config.rules import Errors
 from mcore_rl.config.validate import DerivedSizes, validate_sft_config
@@ -55,7 +57,93 @@ def validate_rm_config(cfg: RMConfig, world_size: int) -> DerivedSizes:
     errors.need(
         rm.regularizer_weight >= 0, "reward_model.regularizer_weight", f"must be >= 0, got {rm.regularizer_weight}"
     )
+    if cfg.init.checkpoint is not None:
+        _check_init_checkpoint(cfg.init.checkpoint, cfg, errors)
     return validate_sft_config(cfg, world_size, errors)  # raises with every line, ours first
+
+
+# The model keys that shape a decoder's weights: a policy checkpoint must agree with `model.*` on each
+# (kv_channels compared as the head dim it gives). Others (RoPE, norm epsilon, tied embeddings: the
+# value head replaces the output layer either way, MTP heads: not loaded) may differ.
+WEIGHT_SHAPE_KEYS = (
+    "arch",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "multi_latent_attention",
+)
+
+
+def _checkpoint_path(path: str) -> str | None:
+    """The newest complete megatron checkpoint under `path` (or `path` itself), as
+    `train.checkpoint.latest_checkpoint` finds it; None if there is none."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    marker = os.path.join(path, "latest")
+    if not os.path.isfile(marker):
+        return None
+    with open(marker, encoding="utf-8") as f:
+        found = os.path.join(path, f.read().strip())
+    return found if os.path.isfile(os.path.join(found, "metadata.json")) else None
+
+
+def _shape_keys(model: dict) -> dict:
+    out = {k: model[k] for k in WEIGHT_SHAPE_KEYS if k in model}
+    if "hidden_size" in model and model.get("num_attention_heads"):
+        out["head_dim"] = model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"]
+    return out
+
+
+def _check_init_checkpoint(path: str, cfg: RMConfig, errors: Errors) -> None:
+    """`init.checkpoint`: a policy's checkpoint (not a reward model's) whose decoder has `model.*`'s shapes.
+    Its common state is read as megatron-core writes it (`common.pt`), without importing megatron."""
+    key = "init.checkpoint"
+    if not os.path.isdir(path):
+        errors.need(False, key, f"{path!r} does not exist")
+        return
+    found = _checkpoint_path(path)
+    if found is None:
+        errors.need(False, key, f"{path!r} holds no checkpoint (no metadata.json, no 'latest' file)")
+        return
+    import torch  # lazy: the common state is a torch file
+
+    try:
+        common = torch.load(os.path.join(found, "common.pt"), map_location="cpu")["common"]
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as err:
+        errors.need(False, key, f"{found}: its common state cannot be read: {type(err).__name__}: {err}")
+        return
+    if "reward_model" in common:
+        errors.need(
+            False,
+            key,
+            f"{found} is a reward model's checkpoint, not a policy's; go on training it with checkpoint.load_dir "
+            "(init.checkpoint would drop its value head)",
+        )
+        return
+    stored = common.get("model")
+    if not isinstance(stored, dict):
+        return  # a checkpoint without its model config: megatron-core's load checks the shapes
+    theirs, ours = _shape_keys(stored), _shape_keys(config_to_dict(cfg.model))
+    differ = [k for k in theirs if k in ours and theirs[k] != ours[k]]
+    errors.need(
+        not differ,
+        key,
+        f"{found} holds a model with "
+        + ", ".join(f"{k} {theirs[k]}" for k in differ)
+        + "; model.* here has "
+        + ", ".join(f"{k} {ours[k]}" for k in differ)
+        + " (set model.* to the policy's)",
+    )
 
 
 def _check_base_model(path: str, vocab_size: int, errors: Errors) -> None:

@@ -263,13 +263,19 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def load_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer: Any | None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str, chunks: list[torch.nn.Module], optimizer: Any | None, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Load model (and optimizer) shards for this rank's layout; returns the common state.
 
     RNG streams are restored only when the layout matches the one that saved them (a different
     layout has different streams by construction); otherwise they stay as seeded. A model-only
-    checkpoint (module doc) loads the weights only, whatever `optimizer` is.
+    checkpoint (module doc) loads the weights only, whatever `optimizer` is. The chunks' modules
+    named in `skip` (`output_layer`: a reward model's value head where a policy has its output layer)
+    are not read and keep their values; only with `optimizer=None`.
     """
+    if skip and optimizer is not None:
+        raise ValueError("load_checkpoint: skipping modules leaves their optimizer state undefined; load weights only")
     from megatron.core import dist_checkpointing
 
     if not os.path.exists(os.path.join(path, "metadata.json")):
@@ -283,6 +289,11 @@ def load_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer: Any | N
         current = getattr(getattr(optimizer, "cfg", None), "name", "adamw")
         _check_optimizer_name(path, stored.get("optimizer", {}).get("name", "adamw"), current)
     model_sd = _model_sharded_state_dict(chunks)
+    if skip:
+        model_sd = {
+            c: {k: v for k, v in sd.items() if not any(k == s or k.startswith(s + ".") for s in skip)}
+            for c, sd in model_sd.items()
+        }
     request: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)

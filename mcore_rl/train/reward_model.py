@@ -10,7 +10,8 @@ row's last token; the loss is a sum over pairs that megatron-core divides by the
 pairs (`calculate_per_token_loss`), so the gradient does not depend on the split into micro-batches
 and data-parallel ranks. Held-out pair accuracy and loss are logged at `train.eval_interval`;
 checkpoints and resume are SFT's, with the `reward_model` section in the common state (the export
-reads `num_heads` from it).
+reads `num_heads` from it). `init.checkpoint` starts the decoder from a policy's checkpoint (any
+layout; its output layer is not read) with a fresh value head and optimizer.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from mcore_rl.train import checkpoint
 from mcore_rl.train.forward_backward import forward_backward
 from mcore_rl.train.hf_provenance import carry_provenance, read_provenance
 from mcore_rl.train.policy import build_policy
+from mcore_rl.train.warm_start import load_initial_weights
 
 logger = logging.getLogger(__name__)
 
@@ -384,10 +386,8 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
     )
     trainer = RMTrainer(cfg, policy.chunks, policy.optimizer, batches, eval_rows, policy.tokenizer)
     ttfs.mark("data")
-    if cfg.checkpoint.load_dir:
-        path = checkpoint.latest_checkpoint(cfg.checkpoint.load_dir)
-        if path is None:
-            raise FileNotFoundError(f"checkpoint.load_dir {cfg.checkpoint.load_dir!r} holds no checkpoint")
+    path = _resume_path(cfg)
+    if path is not None:
         _check_reward_model_checkpoint(path, cfg)
         common = checkpoint.load_checkpoint(path, trainer.chunks, trainer.optimizer)
         trainer.hf_provenance = read_provenance(common, path)
@@ -397,20 +397,45 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
         trainer.iteration = int(common["iteration"])
         ttfs.mark("checkpoint_load")
         _log0(f"resumed from {path} at iteration {trainer.iteration}")
+        if cfg.init.checkpoint:
+            _log0(f"init.checkpoint {cfg.init.checkpoint} not read: checkpoint.load_dir holds a checkpoint to resume")
+    elif cfg.init.checkpoint:
+        from mcore_rl.models.value_head import HEAD_PARAM  # lazy: megatron
+
+        # the policy's decoder; its output layer (or none, tied) is not read: the value head stays as seeded
+        head = HEAD_PARAM.rsplit(".", 1)[0]
+        trainer.hf_provenance = load_initial_weights(cfg.init.checkpoint, trainer.chunks, _log0, skip=(head,))
+        trainer.optimizer.reload_model_params()  # the optimizer's copy of the weights; its state starts empty
+        ttfs.mark("checkpoint_load")
     return trainer
 
 
+def _resume_path(cfg: RMConfig) -> str | None:
+    """The checkpoint under `checkpoint.load_dir` to resume. With `init.checkpoint` set, a load_dir that
+    does not exist yet or holds no checkpoint means a first start (a launcher that always passes its save
+    dir); without it, that is an error."""
+    load_dir = cfg.checkpoint.load_dir
+    if not load_dir:
+        return None
+    if cfg.init.checkpoint and not os.path.isdir(load_dir):
+        return None
+    path = checkpoint.latest_checkpoint(load_dir)
+    if path is None and not cfg.init.checkpoint:
+        raise FileNotFoundError(f"checkpoint.load_dir {load_dir!r} holds no checkpoint")
+    return path
+
+
 def _check_reward_model_checkpoint(path: str, cfg: RMConfig) -> None:
-    """A causal LM's checkpoint has the vocabulary's output layer where the value head goes: refused,
-    as is one with another number of heads."""
+    """A causal LM's checkpoint has the vocabulary's output layer where the value head goes: refused
+    (`init.checkpoint` starts from one), as is one with another number of heads."""
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(path)["common"]
     stored = common.get("reward_model")
     if stored is None:
         raise ValueError(
-            f"checkpoint.load_dir: {path} is a language model's checkpoint, not a reward model's; convert the "
-            "model to a Hugging Face sequence classifier and back (docs/reward_models.md) to start from it"
+            f"checkpoint.load_dir: {path} is a language model's checkpoint, not a reward model's; start from "
+            "its decoder with init.checkpoint (a fresh value head) instead"
         )
     if int(stored.get("num_heads", 1)) != cfg.reward_model.num_heads:
         raise ValueError(

@@ -17,14 +17,17 @@ from mcore_rl.train import checkpoint
 from mcore_rl.train.hf_provenance import read_provenance
 
 
-def load_initial_weights(path: str, chunks: list, log: Callable[[str], None]) -> dict[str, Any]:
-    """Weights only (any optimizer state in the checkpoint is ignored); returns the checkpoint's HF
-    provenance, which the run's checkpoints carry (train/hf_provenance.py)."""
+def load_initial_weights(
+    path: str, chunks: list, log: Callable[[str], None], skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Weights only (any optimizer state in the checkpoint is ignored; the modules in `skip` keep
+    theirs: `checkpoint.load_checkpoint`); returns the checkpoint's HF provenance, which the run's
+    checkpoints carry (train/hf_provenance.py)."""
 
     found = checkpoint.latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"init.checkpoint {path!r} holds no checkpoint")
-    common = checkpoint.load_checkpoint(found, chunks, None)
+    common = checkpoint.load_checkpoint(found, chunks, None, skip)
     log(f"initial weights from {found}")
     return read_provenance(common, found)
 
