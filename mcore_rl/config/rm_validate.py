@@ -62,25 +62,21 @@ def validate_rm_config(cfg: RMConfig, world_size: int) -> DerivedSizes:
     return validate_sft_config(cfg, world_size, errors)  # raises with every line, ours first
 
 
-# The model keys that shape a decoder's weights: a policy checkpoint must agree with `model.*` on each
-# (kv_channels compared as the head dim it gives). Others (RoPE, norm epsilon, tied embeddings: the
-# value head replaces the output layer either way, MTP heads: not loaded) may differ.
-WEIGHT_SHAPE_KEYS = (
-    "arch",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_query_groups",
-    "head_dim",
-    "qk_layernorm",
-    "add_qkv_bias",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "multi_latent_attention",
+# A policy checkpoint's `model` config must equal `model.*` here on every key but these, which do not
+# shape the decoder's weights: RoPE, the norm epsilon, the initialisation's scale, the MoE aux loss, tied
+# embeddings (the value head replaces the output layer either way), and MTP heads (`mtp_*`: not loaded).
+# kv_channels is compared as the head dim it gives. Family and feature keys are compared as they are
+# stored, without naming them: a checkpoint of another architecture differs somewhere.
+MAY_DIFFER = (
+    "rope_scaling",
+    "rotary_base",
+    "rotary_percent",
+    "max_position_embeddings",
+    "norm_epsilon",
+    "init_method_std",
+    "moe_aux_loss_coeff",
+    "tie_word_embeddings",
+    "kv_channels",
 )
 
 
@@ -98,7 +94,7 @@ def _checkpoint_path(path: str) -> str | None:
 
 
 def _shape_keys(model: dict) -> dict:
-    out = {k: model[k] for k in WEIGHT_SHAPE_KEYS if k in model}
+    out = {k: v for k, v in model.items() if k not in MAY_DIFFER and not k.startswith("mtp_")}
     if "hidden_size" in model and model.get("num_attention_heads"):
         out["head_dim"] = model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"]
     return out
