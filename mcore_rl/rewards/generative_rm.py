@@ -48,7 +48,14 @@ import torch
 
 from mcore_rl.algos.z_reward import expected_score
 from mcore_rl.rewards.base import RewardInput
-from mcore_rl.rewards.judge import CHAT_FORMATS, JudgeError, JudgeRefused, JudgeServer, reference_of
+from mcore_rl.rewards.judge import (
+    CHAT_FORMATS,
+    JudgeError,
+    JudgeRefused,
+    JudgeServer,
+    fill,
+    reference_of,
+)
 from mcore_rl.rewards.reward_model import BadRows, Refused, RewardModelError, ScoreBatcher, worst_score
 
 FIELDS = ("prompt", "response", "rubric", "reference")
@@ -146,13 +153,13 @@ class JudgeSpec:
             raise GenerativeRMError(f"reasoning_temperature: a number >= 0 is required, got {t!r}")
 
     def render(self, prompt: str, response: str, reference: str | None = None) -> str:
-        """The judge's prompt for one (prompt, response): the template in the chat format, then the cue."""
+        """The judge's prompt for one (prompt, response): the template in the chat format (the
+        response made inert, as for every LLM judge: `judge.render`), then the cue."""
         fields = template_fields(self.template)
         if "reference" in fields and reference is None:
             raise GenerativeRMError("template: needs {reference}, which this sample does not have")
         values = {"prompt": prompt, "response": response, "rubric": self.rubric, "reference": reference}
-        text = self.template.format(**{f: str(values[f]) for f in fields})
-        return CHAT_FORMATS[self.chat_format].format(text) + self.cue
+        return fill(self.template, self.chat_format, {f: str(values[f]) for f in fields}) + self.cue
 
 
 def scoring_body(prompts: Sequence[str], score_ids: Sequence[int]) -> dict[str, Any]:

@@ -287,12 +287,31 @@ def template(name: str, prompt: str | None = None) -> JudgeTemplate:
     return t
 
 
+# Strings a judge's tokenizer may read as its own control tokens where they stand in plain text (Hugging
+# Face tokenizers match added special tokens inside text): ChatML's, Llama 3's and Phi's `<|...|>`,
+# DeepSeek's full-width `<｜...｜>`, SentencePiece's `<s>` / `</s>`, Mistral's `[INST]` / `[/INST]`.
+_CONTROL = re.compile(r"<\||<｜|</?s>|\[/?INST\]")
+
+
+def inert(text: str) -> str:
+    """The policy's response as the judge reads it: every string that could be a control token of
+    the judge's chat format broken by a zero-width space after its first character, so a response
+    cannot close the judge's user turn and write the judge's own turn and verdict itself."""
+    return _CONTROL.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1:], text)
+
+
 def render(t: JudgeTemplate, chat_format: str = "none", **values: str | None) -> str:
     """The judge prompt for one call; a field the template needs but the sample lacks is an error."""
     missing = sorted(f for f in t.fields if values.get(f) is None)
     if missing:
         raise JudgeError(f"judge template needs {', '.join(missing)}, which this sample does not have")
-    text = t.prompt.format(**{f: str(values[f]) for f in t.fields})
+    return fill(t.prompt, chat_format, {f: str(values[f]) for f in t.fields})
+
+
+def fill(prompt: str, chat_format: str, values: dict[str, str]) -> str:
+    """A judge prompt template filled with `values` (the response made `inert`: it is the scored
+    policy's text) and wrapped in the chat format — for every judge, generative ones too."""
+    text = prompt.format(**{f: inert(v) if f == "response" else v for f, v in values.items()})
     return CHAT_FORMATS[chat_format].format(text)
 
 
