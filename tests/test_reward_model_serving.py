@@ -118,6 +118,41 @@ def test_a_score_distribution_model_gives_its_expected_score(model_dir):
         asyncio.run(reward_model_score(sample, model_dir=model_dir, score_bins=[1.0, 3.0, 5.0]))
 
 
+def test_a_directory_with_another_tokenizer_of_the_same_size_is_refused_before_workers_start(model_dir, tmp_path):
+    """A vocabulary of the policy's size says nothing about which text an id stands for: a reward
+    model directory that holds a tokenizer is compared with the policy's by probes (texts to ids, ids
+    to text) at validation, naming the key and the first difference; the policy's own tokenizer passes."""
+    import shutil
+
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.config.errors import ConfigError
+    from mcore_rl.config.rl_schema import DomainConfig, RewardHeadConfig
+    from mcore_rl.config.rl_validate import validate_rl_config
+    from mcore_rl.data.tokenizer import NAMED_SPECIAL_TOKENS, ByteTokenizer
+
+    def config(path: str) -> RLConfig:
+        cfg = load_config(RLConfig, None, [f"model.vocab_size={VOCAB}"])
+        head = RewardHeadConfig(name="reward_model", options={"model_dir": path})
+        cfg.data.domains = [DomainConfig(name="add", task="addition", rewards=[head])]
+        return cfg
+
+    same, other = str(tmp_path / "same"), str(tmp_path / "other")
+    shutil.copytree(model_dir, same)
+    shutil.copytree(model_dir, other)
+    reserved = [f"<|reserved_{i}|>" for i in range(VOCAB - 256 - len(NAMED_SPECIAL_TOKENS))]
+    ByteTokenizer.default().save(same)
+    swapped = ["<pad>", "<bos>", "<|im_start|>", "<eos>", "<|im_end|>"]  # <eos> at another id, same size
+    ByteTokenizer(swapped + reserved, VOCAB).save(other)
+    validate_rl_config(config(same), 1)  # the policy's tokenizer: accepted
+    with pytest.raises(
+        ConfigError,
+        match=r"data.domains\[0\].rewards\[0\].options.model_dir: domain 'add': the reward model's tokenizer "
+        r".* is not the policy's \(data.tokenizer_path = None\): '<eos>' encodes to \[259\], the policy's "
+        r"tokenizer gives \[258\]",
+    ):
+        validate_rl_config(config(other), 1)
+
+
 def test_another_tokenizer_is_refused(model_dir):
     with pytest.raises(ValueError, match=f"ends sequences with token {EOS}, the policy with 2"):
         asyncio.run(reward_model_score(_sample([1], [2]), model_dir=model_dir, eos_token_id=2))

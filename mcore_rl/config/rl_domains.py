@@ -328,7 +328,9 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                 f"{who}must be a non-empty list of token ids (the ids that end a step), got {delimiter!r}",
             )
         if h.name in ("reward_model", "prm") and isinstance(options.get("model_dir"), str):
-            check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, f"{hk}.options.model_dir", who, errors)
+            key = f"{hk}.options.model_dir"
+            check_reward_model_vocab(options["model_dir"], cfg.model.vocab_size, key, who, errors)
+            check_reward_model_tokenizer(options["model_dir"], cfg.data.tokenizer_path, key, who, errors)
 
 
 def check_reward_model_vocab(model_dir: str, policy_vocab: int, key: str, who: str, errors: Errors) -> None:
@@ -347,6 +349,33 @@ def check_reward_model_vocab(model_dir: str, policy_vocab: int, key: str, who: s
         key,
         f"{who}the reward model's vocabulary ({vocab}, {path}) is smaller than the policy's "
         f"(model.vocab_size = {policy_vocab}): ids it cannot read would escape its score",
+    )
+
+
+def check_reward_model_tokenizer(
+    model_dir: str, policy_tokenizer: str | None, key: str, who: str, errors: Errors
+) -> None:
+    """A reward model whose directory holds a tokenizer must tokenize like the policy
+    (`data/tokenizer_match.py`): one trained with another tokenizer of the same vocabulary size
+    would read the policy's ids as other text. Checked before any worker starts, as a served model
+    is checked over `/tokenize` when the run starts; a directory with no tokenizer is checked by
+    its vocabulary and end-of-text id only."""
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.data.tokenizer_match import has_tokenizer, tokenizer_difference
+
+    if not os.path.isdir(model_dir) or not has_tokenizer(model_dir):
+        return
+    try:
+        policy, other = load_tokenizer(policy_tokenizer), load_tokenizer(model_dir)
+    except (OSError, ValueError) as err:
+        errors.need(False, key, f"{who}the tokenizers cannot be compared: {type(err).__name__}: {err}"[:400])
+        return
+    problem = tokenizer_difference(policy, other)
+    errors.need(
+        problem is None,
+        key,
+        f"{who}the reward model's tokenizer ({model_dir}) is not the policy's "
+        f"(data.tokenizer_path = {policy_tokenizer}): {problem}"[:500],
     )
 
 

@@ -14,6 +14,7 @@ from mcore_rl.convert.hf_checkpoint import ASSETS_DIR, HFCheckpoint, copy_assets
 from mcore_rl.convert.layout import build_chunks, check_layout
 from mcore_rl.convert.stream_import import stream_load
 from mcore_rl.convert.streaming import StreamStats
+from mcore_rl.data.tokenizer_match import has_tokenizer
 from mcore_rl.hf.rope import rope_key_in_file
 from mcore_rl.parallel import setup
 from mcore_rl.train import checkpoint
@@ -23,13 +24,6 @@ if TYPE_CHECKING:
 
 RECIPE_FILE = "recipe.yaml"
 CARRIED_SHARD_BYTES = 5 * 1024**3
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "mcore_rl_tokenizer.json",
-)
 
 
 def hf_to_mcore(
@@ -77,7 +71,7 @@ def write_recipe(output_dir: str, mc: ModelConfig, assets_dir: str | None) -> st
     """`<output>/recipe.yaml`: model, checkpoint and tokenizer, for `mcore-rl sft` (or as `defaults`)."""
 
     recipe: dict[str, Any] = {"model": config_to_dict(mc), "checkpoint": {"load_dir": os.path.abspath(output_dir)}}
-    if assets_dir and any(os.path.exists(os.path.join(assets_dir, f)) for f in _TOKENIZER_FILES):
+    if assets_dir and has_tokenizer(assets_dir):
         recipe["data"] = {"tokenizer_path": os.path.abspath(assets_dir)}
     path = os.path.abspath(os.path.join(output_dir, RECIPE_FILE))
     with open(path, "w", encoding="utf-8") as f:

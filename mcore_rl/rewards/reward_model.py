@@ -12,7 +12,9 @@ other rewards) goes on meanwhile.
 The model reads the policy's own tokens, `[prompt ids] [response ids] [eos]`, as it was trained
 (`data/preferences.py: sequence_ids`; the rollout puts the ids in `RewardInput.metadata`), so it
 must share the policy's tokenizer: a model whose end-of-text id differs from the policy's
-(`eos_token_id`, an option the domain can set) fails with an error saying so. A sample whose ids
+(`eos_token_id`, an option the domain can set) fails with an error saying so; a directory holding a
+tokenizer that does not tokenize like the policy's is refused before workers start
+(`config/rl_domains.py: check_reward_model_tokenizer`). A sample whose ids
 the model cannot read (outside its vocabulary; over HTTP, a row the server refuses) is the policy's
 own doing: it scores the domain's worst outcome (`worst_score`: `refused_score`, else the lowest
 score bin, else the lowest score this model gave so far), with the reason in its info as `refused`,

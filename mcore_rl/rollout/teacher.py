@@ -44,20 +44,10 @@ from typing import Any
 from collections.abc import Collection, Sequence
 
 from mcore_rl.data.samples import Sample, TeacherScores
+from mcore_rl.data.tokenizer_match import probe_ids, probe_texts, short_ids
 from mcore_rl.rollout.engine_processes import EngineProcesses
 
 logger = logging.getLogger(__name__)
-
-# Texts whose token ids the teacher's tokenizer must give exactly as the student's does: words,
-# digits, whitespace runs, multi-byte unicode, code. The tokenizer's special-token strings are added.
-PROBE_TEXTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "12 + 345 = 357; 3.14159 -> 2,718",
-    "  two leading spaces\tand\ttabs\n\nand blank lines\n",
-    "naïve café — Größe, 日本語, emoji 🙂",
-    "def f(x):\n    return {'a': [x ** 2]}\n",
-)
-PROBE_IDS = 64  # ids spread over the vocabulary that must decode to the same text
 
 
 class TeacherError(RuntimeError):
@@ -323,20 +313,14 @@ def check_engines(pool: Any, urls: Sequence[str], tokenizer: Any, who: str, whos
 async def check_tokenizer(client: Any, tokenizer: Any) -> str | None:
     """None if the engine behind `client` tokenizes like `tokenizer`, else what differs.
 
-    Over HTTP, with SGLang's own endpoints: `/tokenize` of probe texts (`PROBE_TEXTS` and the
-    student's special-token strings, no special tokens added) must give the student's ids, and
-    `/detokenize` of ids spread over the student's vocabulary (its last id and its special ids
-    included) its text. A server without `/tokenize` (older SGLang: 404) is probed through
+    Over HTTP, with SGLang's own endpoints: `/tokenize` of the probe texts (`data/tokenizer_match.py`:
+    words, digits, whitespace, unicode, code and the student's special-token strings; no special
+    tokens added) must give the student's ids, and `/detokenize` of ids spread over the student's
+    vocabulary (its last id and its special ids included) its text. A server without `/tokenize` (older SGLang: 404) is probed through
     `/generate` instead: the ids it reports for a scored text prompt (a leading BOS allowed)."""
     from mcore_rl.rollout.client import EngineHTTPError  # lazy: aiohttp
 
-    vocab = int(tokenizer.vocab_size)
-    specials = [
-        i
-        for i in (getattr(tokenizer, "bos_id", None), tokenizer.eos_id, getattr(tokenizer, "pad_id", None))
-        if i is not None
-    ]
-    texts = list(PROBE_TEXTS) + [tokenizer.decode([i]) for i in specials]
+    texts = probe_texts(tokenizer)
     want = [list(tokenizer.encode(t)) for t in texts]
     try:
         got = (await client.tokenize(prompt=texts, add_special_tokens=False))["tokens"]
@@ -346,9 +330,8 @@ async def check_tokenizer(client: Any, tokenizer: Any) -> str | None:
         return await _check_by_generate(client, tokenizer, texts, want)
     for text, w, g in zip(texts, want, got):
         if list(g) != w:
-            return f"/tokenize of {text!r} gives {_short(g)}, the student's tokenizer {_short(w)}"
-    step = max(1, vocab // PROBE_IDS)
-    ids = sorted(set(range(0, vocab, step)) | {vocab - 1} | set(specials))
+            return f"/tokenize of {text!r} gives {short_ids(g)}, the student's tokenizer {short_ids(w)}"
+    ids = probe_ids(tokenizer)
     texts_back = (await client.detokenize(tokens=[[i] for i in ids], skip_special_tokens=False))["text"]
     for i, text in zip(ids, texts_back):
         mine = tokenizer.decode([i], skip_special_tokens=False)
@@ -365,13 +348,8 @@ async def _check_by_generate(client: Any, tokenizer: Any, texts: list[str], want
         )
         got = [e[1] for e in reply["meta_info"]["input_token_logprobs"]]
         if got != w and not (bos is not None and got == [bos] + w):
-            return f"/generate tokenizes {text!r} as {_short(got)}, the student's tokenizer as {_short(w)}"
+            return f"/generate tokenizes {text!r} as {short_ids(got)}, the student's tokenizer as {short_ids(w)}"
     return None
-
-
-def _short(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    return str(ids) if len(ids) <= 16 else f"{ids[:16]}... ({len(ids)} ids)"
 
 
 def start_teacher_engines(

@@ -94,7 +94,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, load_tokenizer
+from mcore_rl.data.tokenizer import DEFAULT_VOCAB_SIZE, load_tokenizer
+from mcore_rl.data.tokenizer_match import has_tokenizer
 from mcore_rl.hf.rope import rope_scaling_of
 
 from .drafts import BlockDrafter, Draft, Drafter, ModelDrafter, MTPDrafter, NgramDrafter
@@ -136,7 +137,6 @@ QUANTIZATIONS = (None, "fp8")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 LOGPROBS_MODES = ("raw", "processed")
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 16384  # largest support returned per token (SGLang's --sampling-mask-max-tokens)
-_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -1453,7 +1453,7 @@ def load_draft_model(path: str) -> nn.Module:
 def load_path_tokenizer(path: str, vocab_size: int) -> tuple[Any, str | None]:
     """(tokenizer, its path): the checkpoint's tokenizer if it has one; else the bundled byte
     tokenizer (if the vocabulary fits) and None."""
-    if os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if os.path.isfile(path) or has_tokenizer(path):
         return load_tokenizer(path), path
     if vocab_size < DEFAULT_VOCAB_SIZE:
         raise ValueError(
