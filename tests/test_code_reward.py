@@ -15,7 +15,10 @@ from mcore_rl.rewards.code import extract_program, score_completion
 from mcore_rl.rewards.sandbox import Limits
 
 TESTS = ["assert f(1) == 4", "assert f(2) == 7", "assert f(0) == 1", "assert f(-1) == -2"]
-QUICK = Limits(cpu_s=2, wall_s=4, memory_mb=256, output_bytes=4096)
+# wait_credit: time the sandbox's processes waited for a CPU moves the wall deadline back (up to 2 x 4 s), so
+# a syntax error whose interpreter was starved on a loaded machine is an "error", not a "timeout"; the
+# spinning program is still one (its 2 s of CPU)
+QUICK = Limits(cpu_s=2, wall_s=4, memory_mb=256, output_bytes=4096, wait_credit=2.0)
 
 
 def test_extracts_fenced_or_bare_code() -> None:
