@@ -25,8 +25,12 @@ Draft kinds: `ngram` (prompt lookup, 1..3-grams) and `standalone` with the targe
 draft, the only smaller model of the same tokenizer at hand), optionally with `--draft-noise`. Both are exact: the output
 distribution is the target's either way (tests/test_speculative.py).
 
-At batch 1 the decode step of plain decoding reads every weight once per token, so its tokens/s
-is bounded by (measured copy bandwidth) / (weight bytes); the line printed first gives that bound.
+The machine's limits, measured at the start of the run with the same thread count: the copy
+bandwidth (a 64 MiB copy) and the matmul peak (square fp32 matmuls of side 2048). A decode step reads every weight once for the whole batch and spends 2 FLOPs per
+weight per token, so plain decoding's tokens/s at batch B is bounded by the roofline
+min(B * bandwidth / weight bytes, matmul peak / (2 * weights per token)) (attention over the short
+contexts here is ignored): the bandwidth side binds at batch 1, the matmul side at batch 64. Each row
+prints that bound and the share of it plain and speculative decoding reached.
 """
 
 from __future__ import annotations
@@ -110,6 +114,23 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
+def matmul_peak(n: int) -> float:
+    """FLOP/s of square fp32 matmuls of side `n` (median of 7, after a warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def roofline(batch: int, bandwidth: float, peak: float, weight_bytes: int, weights: int) -> float:
+    """Plain decoding's bound in tokens/s at `batch`: weights read once a step, 2 FLOPs per weight a token."""
+    return min(batch * bandwidth / weight_bytes, peak / (2 * weights))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="HF directory of the target (default: the demo model)")
@@ -134,17 +155,21 @@ def main() -> None:
 
     model, tokenizer = load_target(args.model_path, args.seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() for p in model.parameters())
     bw = copy_bandwidth()
+    peak = matmul_peak(2048)
     print(
         f"target {args.model_path or 'demo'}: {weight_bytes / 2**20:.1f} MiB of weights; copy bandwidth "
-        f"{bw / 2**30:.1f} GiB/s -> batch-1 bound {bw / weight_bytes:,.0f} tokens/s; {args.threads} thread(s), "
+        f"{bw / 2**30:.1f} GiB/s -> batch-1 bound {bw / weight_bytes:,.0f} tokens/s; matmul peak "
+        f"{peak / 1e9:,.1f} GFLOP/s -> compute bound {peak / (2 * weights):,.0f} tokens/s; {args.threads} thread(s), "
         f"{args.new_tokens} new tokens, temperature {args.temperature}, k={args.num_steps}, {args.rounds} rounds"
     )
     print(
         "| draft | schedule | batch | acceptance | tokens per request and target forward | drafts cut "
-        "| plain tok/s (min-max) | spec tok/s (min-max) | spec / plain |"
+        "| plain tok/s (min-max) | spec tok/s (min-max) | spec / plain | roofline tok/s | plain / roofline "
+        "| spec / roofline |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in args.kinds:
         draft = layer_skip_draft(model, args.draft_layers, args.draft_noise) if kind == "standalone" else None
         specs = {
@@ -186,10 +211,12 @@ def main() -> None:
                 per_forward = st["emitted"] / max(1, st["rows_verified"])
                 cut = st.get("cut", 0) / max(1, st["drafted"] + st.get("cut", 0))
                 s = statistics.median(rates[side])
+                bound = roofline(batch, bw, peak, weight_bytes, weights)
                 print(
                     f"| {kind} | {side} | {batch} | {accept:.2f} | {per_forward:.2f} | {cut:.2f} | {_rate(p)} "
                     f"({_rate(min(rates['plain']))}-{_rate(max(rates['plain']))}) | {_rate(s)} "
-                    f"({_rate(min(rates[side]))}-{_rate(max(rates[side]))}) | {s / p:.2f}x |",
+                    f"({_rate(min(rates[side]))}-{_rate(max(rates[side]))}) | {s / p:.2f}x | {_rate(bound)} "
+                    f"| {p / bound:.2f} | {s / bound:.2f} |",
                     flush=True,
                 )
 
