@@ -4,6 +4,7 @@
     python benchmarks/bench_step_credit.py --arms grpo gigpo --seeds 1 &     # split it: one process per part
     python benchmarks/bench_step_credit.py --arms sdar                       # SDAR (privileged context) vs grpo
     python benchmarks/bench_step_credit.py --arms steppo                     # StepPO (a critic) vs grpo
+    python benchmarks/bench_step_credit.py --arms appo                       # APPO's tree rollouts vs grpo
     python benchmarks/bench_step_credit.py --report-only                     # the table from what is done
 
 1. One SFT warm start per environment (seed `--warm-seed`), saved as a checkpoint; every arm and seed
@@ -45,6 +46,7 @@ ENVS: dict[str, dict[str, Any]] = {
 # the teacher: the policy itself with "Reference solution: The secret number is N." (the default template) before
 # each step's prompt
 PRIVILEGED = "teachers=[{kind: privileged, context: info, context_key: privileged/solution}]"
+HINDSIGHT = "teachers=[{kind: privileged, context: info, context_key: privileged/outcome}]"
 # each arm: the dotted overrides that turn it on; everything else (the PPO-clip loss, lr, ...) is the recipe's
 ARMS: dict[str, list[str]] = {
     "grpo": [],
@@ -57,7 +59,18 @@ ARMS: dict[str, list[str]] = {
     # GRPO + SDAR's (or SEED's) gated self-distillation towards the privileged teacher, the paper's lambda 0.01
     # (the hint makes a step's prompt ~45 byte tokens longer: rows of 128, not the recipe's 96)
     "sdar": [PRIVILEGED, "distill.losses=[{name: sdar}]", "train.seq_length=128"],
-    "seed": [PRIVILEGED, "distill.losses=[{name: seed}]", "train.seq_length=128"],
+    # SEED's loss is SDAR's gap-gated term; what differs is the teacher's context: the hindsight lesson of the
+    # episode (the environment's `privileged/outcome`, "Solved: N on guess k." / "Not solved ...: the secret was N.")
+    # where SEED's analyzer would write a skill, not the solution given up front
+    "seed": [HINDSIGHT, "distill.losses=[{name: seed}]", "train.seq_length=128"],
+    # APPO: N = 2 root episodes per prompt, B = 3 branch points each, one branch per point: M = 8 episodes a
+    # prompt, the other arms' G; the dual-group advantage and the (1 + b·Â^ftu)-scaled clip loss
+    "appo": [
+        "rollout.group_size=2",
+        "rollout.appo.enabled=true",
+        "algorithm.advantage=appo",
+        "algorithm.policy_loss=appo",
+    ],
     # no RL: the warm start evaluated on this seed's held-out games (they depend on train.seed)
     "warm": ["train.num_steps=0", "eval.at_start=true"],
 }
