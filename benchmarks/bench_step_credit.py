@@ -5,6 +5,7 @@
     python benchmarks/bench_step_credit.py --arms sdar                       # SDAR (privileged context) vs grpo
     python benchmarks/bench_step_credit.py --arms steppo                     # StepPO (a critic) vs grpo
     python benchmarks/bench_step_credit.py --arms appo                       # APPO's tree rollouts vs grpo
+    python benchmarks/bench_step_credit.py --arms stepopsd                   # StepOPSD's stale hindsight teacher
     python benchmarks/bench_step_credit.py --report-only                     # the table from what is done
 
 1. One SFT warm start per environment (seed `--warm-seed`), saved as a checkpoint; every arm and seed
@@ -63,6 +64,14 @@ ARMS: dict[str, list[str]] = {
     # episode (the environment's `privileged/outcome`, "Solved: N on guess k." / "Not solved ...: the secret was N.")
     # where SEED's analyzer would write a skill, not the solution given up front
     "seed": [HINDSIGHT, "distill.losses=[{name: seed}]", "train.seq_length=128"],
+    # StepOPSD: GRPO's advantages re-weighted (sign kept) by a stale self-teacher (the policy of up to 10 rollout
+    # steps ago) shown the first successful other episode of the group; the paper's alpha 0.2, lambda 0.2 -> 0 at
+    # step 50, per-step rescaling (the peer's turns make a prompt up to ~150 byte tokens longer: rows of 256)
+    "stepopsd": [
+        "teachers=[{kind: privileged, context: peer_episode, refresh_interval: 10}]",
+        "distill.losses=[{name: stepopsd}]",
+        "train.seq_length=256",
+    ],
     # APPO: N = 2 root episodes per prompt, B = 3 branch points each, one branch per point: M = 8 episodes a
     # prompt, the other arms' G; the dual-group advantage and the (1 + b·Â^ftu)-scaled clip loss
     "appo": [

@@ -586,6 +586,46 @@ def test_stepopsd_worked_example() -> None:
         assert adv + call("stepopsd", b).token_advantage.item() == pytest.approx(expect, abs=1e-12)
 
 
+def test_stepopsd_equal_step_mean_abs() -> None:
+    """Per-step rescaling: every row (a step) with a modification ends with the same mean |Ā − A| over
+    its tokens, the mean of the rows' unscaled ones, while no token leaves the unscaled bound
+    |Ā − A| ≤ λ·α·|A| (so the sign of A is kept); `step_scale: none` is the plain formula."""
+    g = torch.Generator().manual_seed(11)
+    n, t = 6, 9
+    student = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
+    gap = torch.randn(n, t, generator=g, dtype=torch.float64) * torch.tensor([0.02, 0.1, 0.12, 0.15, 0.2, 0.25])[:, None]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    mask = torch.ones(n, t, dtype=torch.float64)
+    mask[1, 5:] = 0
+    b = DistillBatch(student, student.clone(), student + gap, mask, advantages=adv)
+    opts = dict(lam_mix=0.5, alpha_clip=0.2, decay_steps=None)
+    plain = call("stepopsd", b, step_scale="none", **opts).token_advantage
+    scaled = call("stepopsd", b, **opts).token_advantage
+    _, w = stepopsd_weight(gap, adv[:, None].expand(n, t), 0.2)
+    torch.testing.assert_close(plain, torch.where(mask > 0, 0.5 * (w - 1) * adv[:, None], 0.0))
+    row_mean = lambda d: (d.abs() * mask).sum(1) / mask.sum(1)  # noqa: E731
+    bound = 0.5 * 0.2 * adv.abs()[:, None]
+    assert (scaled.abs() <= bound + 1e-15).all() and (scaled[mask == 0] == 0).all()
+    assert torch.equal(torch.sign(scaled), torch.sign(plain))
+    unclamped = (row_mean(plain).mean() / row_mean(plain))[:, None] * plain
+    inside = (unclamped.abs() <= bound).all(1)
+    assert 3 <= inside.sum() < n  # the bound cut a row; the others all end at the same mean
+    torch.testing.assert_close(row_mean(scaled)[inside], row_mean(plain).mean().expand(int(inside.sum())))
+    # one row: the scale is 1 (the worked example above holds with the default)
+    one = replace(
+        b,
+        student_logp=student[:1],
+        old_logp=student[:1],
+        teacher_logp=(student + gap)[:1],
+        mask=mask[:1],
+        advantages=adv[:1],
+    )
+    torch.testing.assert_close(call("stepopsd", one, **opts).token_advantage, plain[:1])
+    # no modification anywhere: zeros, not NaN
+    same = replace(b, teacher_logp=student.clone())
+    assert torch.equal(call("stepopsd", same, **opts).token_advantage, torch.zeros_like(mask))
+
+
 def test_stepopsd_mix_schedule() -> None:
     """Property 4: λ_mix is 0.2 at step 0, 0.1 at step 25, 0 from step 50 on (linear)."""
     assert [mix_schedule(s) for s in (0, 25, 50, 75)] == pytest.approx([0.2, 0.1, 0.0, 0.0])

@@ -605,6 +605,13 @@ def test_example_recipe_and_config_errors(tmp_path, ckpts):
     assert "teachers[0].template: must contain '{context}'" in errors(
         "teachers:\n  - {kind: privileged, template: 'no placeholder'}\n"
     )
+    msg = errors(
+        "teachers:\n  - {kind: privileged, refresh_interval: -1, checkpoint: x, domains: [a]}\n"
+        "  - {kind: engine, urls: ['http://127.0.0.1:1'], refresh_interval: 2}\n"
+    )
+    assert "teachers[0].refresh_interval: must be >= 0 (0 = the current policy), got -1" in msg
+    assert "teachers[0].checkpoint: only applies to kind 'frozen' (this one is 'privileged')" in msg
+    assert "teachers[1].refresh_interval: only applies to kinds 'frozen' and 'privileged'" in msg
     with pytest.raises(ConfigError, match=r"teachers\[0\]\.kind"):
         small("teachers=[{kind: oracle}]")
 
@@ -618,7 +625,7 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
     from mcore_rl.train.rl_step import Learner
     from mcore_rl.train.forward_backward import attention_mask_from_segments
     from mcore_rl.train.packing import build_microbatches
-    from mcore_rl.train.teachers import FrozenTeacher, PrivilegedTeacher, privileged_context, token_topk
+    from mcore_rl.train.teachers import FrozenTeacher, PolicyCopy, PrivilegedTeacher, privileged_context, token_topk
 
     # 1. an engine teacher the trainer starts on a checkpoint; a mismatched one is refused first
     bad = small(f"run_dir={tmp}/bad", f"teachers=[{{kind: engine, name: wrong, urls: ['{url_other}']}}]")
@@ -719,6 +726,20 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         policy_now = logprobs(batch, t, None)
         for i, s in enumerate(batch):
             torch.testing.assert_close(torch.tensor(start[i]), policy_now[i, : len(s.response_ids)])
+        # a stale privileged teacher (StepOPSD's): a copy of the policy taken every 2 steps, with the context
+        stale = PrivilegedTeacher(
+            "stale",
+            run.tokenizer,
+            cfg.train.seq_length,
+            context="answer",
+            template="Answer: {context}\n",
+            copy=PolicyCopy(cfg, run.chunks, 2, None, run.state.version),
+        )
+        n0 = len(batch[0].response_ids)
+        before = logprobs([copy], t, None)[0, :n0]  # the current policy with the context
+        stale.score(batch[:1], batch, logprobs)
+        assert batch[0].teacher.source == f"stale:{run.state.version}"
+        torch.testing.assert_close(torch.tensor(batch[0].teacher.logp), before)
         for s in batch:
             s.teacher = None
         with torch.no_grad():  # the policy moves (as after an update)
@@ -733,13 +754,23 @@ def _world(rank: int, world_size: int, tmp: str, ckpt_a: str, url_b: str, url_ot
         frozen.score(batch, batch, logprobs)
         assert batch[0].teacher.source == "frozen:3"
         torch.testing.assert_close(torch.tensor(batch[0].teacher.logp), moved[0, : len(batch[0].response_ids)])
+        stale.step_done(1, 2)  # the policy moved, the stale teacher did not
+        stale.score(batch[:1], batch, logprobs)
+        torch.testing.assert_close(torch.tensor(batch[0].teacher.logp), before)
+        stale.step_done(2, 3)  # now it reads the moved policy, with the context
+        stale.score(batch[:1], batch, logprobs)
+        moved_priv = logprobs([copy], t, None)[0, :n0]
+        assert batch[0].teacher.source == "stale:3" and not torch.allclose(moved_priv, before)
+        torch.testing.assert_close(torch.tensor(batch[0].teacher.logp), moved_priv)
     finally:
         run.close()
 
-    # 4. short runs: sync with a privileged teacher with top-k (an engine one for another domain);
-    #    async with the engine teacher scoring right after the rewards (off the learner's path)
+    # 4. short runs: sync with a privileged teacher with top-k on a copy of the policy taken every step (an
+    #    engine one for another domain); async with the engine teacher scoring right after the rewards (off the
+    #    learner's path)
     sync = (
-        f"teachers=[{{kind: engine, urls: ['{url_b}'], domains: [other]}}, {{kind: privileged, name: hint, top_k: 2}}]"
+        f"teachers=[{{kind: engine, urls: ['{url_b}'], domains: [other]}}, "
+        "{kind: privileged, name: hint, top_k: 2, refresh_interval: 1}]"
     )
     summary = run_rl(small(f"run_dir={tmp}/sync", sync))
     assert summary["state"]["rl_step"] == 2

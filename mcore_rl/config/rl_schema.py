@@ -586,7 +586,8 @@ class TeacherConfig(EngineGroupConfig):
     API: the servers of `urls`, or `num_engines` `mcore-rl serve` processes the trainer starts on
     the HF checkpoint `model_path`), "privileged" (the policy itself, the same weights, with
     privileged context put before the prompt: the correct answer, a peer's successful response,
-    or a field of the sample's info such as a retrieved skill), "frozen" (an older copy of the
+    or a field of the sample's info such as a retrieved skill; with `refresh_interval` N, a copy of
+    the policy taken every N rollout steps), "frozen" (an older copy of the
     student, like the KL's reference model: taken at the start, or from `checkpoint`, and taken
     again every `refresh_interval` rollout steps). Routing (UI-MOPD): a sample goes to the teacher
     whose `domains` list its domain, else to the one teacher with no `domains`, else to none.
@@ -612,9 +613,10 @@ class TeacherConfig(EngineGroupConfig):
     context_key: str = "skill"  # context=info: the key of Sample.info that holds it
     template: str = "Reference solution: {context}\n"  # put before the prompt (after a leading bos)
     peer_min_reward: float = 1.0  # context=peer / peer_episode: a peer of the group with at least this reward
-    # ---- frozen
-    refresh_interval: int = 0  # rollout steps between new copies of the student (0 = fixed)
-    checkpoint: str | None = None  # a megatron checkpoint to take the (first) copy from
+    # ---- frozen and privileged: rollout steps between new copies of the student; frozen: 0 = one fixed copy;
+    # privileged: 0 = the current policy, N = a copy taken every N steps (StepOPSD's stale teacher)
+    refresh_interval: int = 0
+    checkpoint: str | None = None  # frozen: a megatron checkpoint to take the (first) copy from
 
 
 @dataclass

@@ -965,16 +965,28 @@ def check_teachers(teachers: list[TeacherConfig], r: RolloutConfig, errors: Erro
                 f"{key}.context_key",
                 "context 'info' needs the key of Sample.info that holds the context",
             )
-        if t.kind == "frozen":
+        if t.kind in ("frozen", "privileged"):
+            zero = "a fixed copy" if t.kind == "frozen" else "the current policy"
             errors.need(
                 t.refresh_interval >= 0,
                 f"{key}.refresh_interval",
-                f"must be >= 0 (0 = a fixed copy), got {t.refresh_interval}",
+                f"must be >= 0 (0 = {zero}), got {t.refresh_interval}",
             )
+        else:
+            errors.need(
+                t.refresh_interval == 0,
+                f"{key}.refresh_interval",
+                f"only applies to kinds 'frozen' and 'privileged' (this one is {t.kind!r})",
+            )
+        if t.kind == "frozen":
             errors.need(
                 t.checkpoint is None or os.path.exists(t.checkpoint),
                 f"{key}.checkpoint",
                 f"{t.checkpoint!r} does not exist",
+            )
+        else:
+            errors.need(
+                t.checkpoint is None, f"{key}.checkpoint", f"only applies to kind 'frozen' (this one is {t.kind!r})"
             )
     errors.need(
         len(defaults) <= 1,

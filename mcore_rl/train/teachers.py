@@ -12,6 +12,8 @@ samples and gets the same log-probs):
   for the step samples of multi-turn episodes), or a field of `Sample.info` (a retrieved skill, a
   hindsight lesson, the environment's `privileged/*`). A sample without such context, or whose
   privileged prompt + response does not fit a packed row, is marked and gets no distillation term.
+  With `refresh_interval: N` it reads a copy of the policy taken every N rollout steps instead of
+  the current weights (StepOPSD's stale teacher: the policy of up to N steps ago, with hindsight).
 * `FrozenTeacher`: an older copy of the student in chunks of its own (like the KL's reference
   model): the weights at the start (or of `checkpoint`), taken again every `refresh_interval`
   rollout steps. On resume the copy is taken from the resumed weights (its age restarts).
@@ -254,8 +256,36 @@ def with_context(sample: Sample, context_ids: Sequence[int], bos_id: int | None)
     return dataclasses.replace(sample, prompt=prompt)
 
 
+class PolicyCopy:
+    """The student's weights in chunks of their own (like the KL's reference model): taken at the
+    start (or from a checkpoint), and again after every `refresh_interval`-th rollout step (0: never).
+    `version` is the policy version the copy holds ("checkpoint" for a checkpoint's weights)."""
+
+    def __init__(
+        self, cfg: RLConfig, policy_chunks: list, refresh_interval: int, checkpoint: str | None, version: int
+    ) -> None:
+        self.refresh_interval, self.policy_chunks = refresh_interval, policy_chunks
+        self.chunks = build_reference_model(cfg)
+        if checkpoint:
+            load_initial_weights(checkpoint, self.chunks, logger.info)
+            self.version: int | str = "checkpoint"
+        else:
+            copy_weights(self.chunks, policy_chunks)
+            self.version = version
+
+    def refresh(self, version: int) -> None:
+        copy_weights(self.chunks, self.policy_chunks)
+        self.version = version
+
+    def step_done(self, rl_step: int, version: int) -> None:
+        """After rollout step `rl_step` (whose update made weight `version`)."""
+        if self.refresh_interval > 0 and rl_step % self.refresh_interval == 0:
+            self.refresh(version)
+
+
 class PrivilegedTeacher:
-    """The policy with privileged context (see the module docstring)."""
+    """The policy with privileged context (see the module docstring): its current weights, or the
+    `PolicyCopy` given as `copy` (a stale policy)."""
 
     kind = "privileged"
 
@@ -270,10 +300,25 @@ class PrivilegedTeacher:
         template: str = "Reference solution: {context}\n",
         peer_min_reward: float = 1.0,
         top_k: int = 0,
+        copy: PolicyCopy | None = None,
     ) -> None:
         self.name, self.tokenizer, self.seq_length, self.top_k = name, tokenizer, seq_length, top_k
         self.context, self.context_key, self.template = context, context_key, template
         self.peer_min_reward = peer_min_reward
+        self.copy = copy
+
+    @property
+    def chunks(self) -> list | None:
+        """The chunks that score: the copy's, or None (the policy's own)."""
+        return None if self.copy is None else self.copy.chunks
+
+    @property
+    def source(self) -> str:
+        return self.name if self.copy is None else f"{self.name}:{self.copy.version}"
+
+    def step_done(self, rl_step: int, version: int) -> None:
+        if self.copy is not None:
+            self.copy.step_done(rl_step, version)
 
     def privileged_samples(self, samples: Sequence[Sample], batch: Sequence[Sample]) -> list[Sample | None]:
         """Each sample with its privileged prompt; None (marked by `score`) when it has no context or
@@ -296,8 +341,8 @@ class PrivilegedTeacher:
         priv = self.privileged_samples(samples, batch)
         usable = [p for p in priv if p is not None and p.response_ids]
         width = max([len(p.response_ids) for p in usable] + [1])
-        lp = logprobs(usable, width, None) if usable else None
-        top = topk(usable, width, None) if usable and self.top_k and topk is not None else None
+        lp = logprobs(usable, width, self.chunks) if usable else None
+        top = topk(usable, width, self.chunks) if usable and self.top_k and topk is not None else None
         k = 0
         for s, p in zip(samples, priv):
             if p is None or not p.response_ids:
@@ -308,10 +353,10 @@ class PrivilegedTeacher:
                     if privileged_context(s, batch, self.context, self.context_key, self.peer_min_reward) is None
                     else f"privileged prompt + response longer than train.seq_length + 1 = {self.seq_length + 1}"
                 )
-                s.teacher = TeacherScores(source=self.name, error=why)
+                s.teacher = TeacherScores(source=self.source, error=why)
                 continue
             assert lp is not None  # computed for the usable samples, this is one
-            s.teacher = _scores(lp, top, k, len(s.response_ids), self.name)
+            s.teacher = _scores(lp, top, k, len(s.response_ids), self.source)
             k += 1
 
 
@@ -331,28 +376,17 @@ class FrozenTeacher:
         version: int = 0,
         top_k: int = 0,
     ) -> None:
-        self.name, self.refresh_interval, self.policy_chunks = name, refresh_interval, policy_chunks
-        self.top_k = top_k
-        self.chunks = build_reference_model(cfg)
-        if checkpoint:
-            load_initial_weights(checkpoint, self.chunks, logger.info)
-            self.version: int | str = "checkpoint"
-        else:
-            copy_weights(self.chunks, policy_chunks)
-            self.version = version
-
-    def refresh(self, version: int) -> None:
-        copy_weights(self.chunks, self.policy_chunks)
-        self.version = version
+        self.name, self.top_k = name, top_k
+        self.copy = PolicyCopy(cfg, policy_chunks, refresh_interval, checkpoint, version)
+        self.chunks = self.copy.chunks
 
     def step_done(self, rl_step: int, version: int) -> None:
         """After rollout step `rl_step` (whose update made weight `version`)."""
-        if self.refresh_interval > 0 and rl_step % self.refresh_interval == 0:
-            self.refresh(version)
+        self.copy.step_done(rl_step, version)
 
     @property
     def source(self) -> str:
-        return f"frozen:{self.version}"
+        return f"frozen:{self.copy.version}"
 
     def score(
         self, samples: Sequence[Sample], batch: Sequence[Sample], logprobs: LogprobFn, topk: TopkFn | None = None
@@ -482,7 +516,7 @@ class Teachers:
 
     def step_done(self, rl_step: int, version: int) -> None:
         for t in self.teachers:
-            if isinstance(t, FrozenTeacher):
+            if isinstance(t, (FrozenTeacher, PrivilegedTeacher)):
                 t.step_done(rl_step, version)
 
     def close(self) -> None:
@@ -575,6 +609,9 @@ def build_teachers(
                     template=t.template,
                     peer_min_reward=t.peer_min_reward,
                     top_k=t.top_k,
+                    copy=PolicyCopy(cfg, policy_chunks, t.refresh_interval, None, version)
+                    if t.refresh_interval > 0
+                    else None,
                 )
             )
         elif t.kind == "frozen":

@@ -9,13 +9,25 @@ advantage is kept: the student never imitates the teacher, the teacher only re-w
 signal (up where it agrees with the advantage's direction). λ decays linearly to 0 (at step 50 by
 default), after which the method only diagnoses.
 
-The note author marks the paper "use with caution". Not implemented: its per-step rescaling
-"equal_step_mean_abs" (no formula in the summary) and the step-span extraction (the teacher scores,
-and `mask` marks, the tokens to shape; the others keep A).
+Per-step rescaling (`step_scale: equal_step_mean_abs`, the paper's setting; its formula is not in
+the summary, so this is our reading): each row — one step of a step-wise episode — has its
+modification δ = Ā − A scaled so that its mean |δ| over its shaped tokens equals the mean of that
+over the batch's rows, so a step with a long reply or a confident teacher does not take the whole
+shaping. The scaled δ is then held to the unscaled method's bound |δ| ≤ λ·α·|A|, which keeps
+Ā = Ψ·A with Ψ ∈ [1 − λα, 1 + λα] (the sign is kept, as without the rescaling).
+
+The teacher is StepOPSD's when it is `teachers: [{kind: privileged, context: peer_episode,
+refresh_interval: 10}]`: the policy of up to 10 rollout steps ago, shown the first successful peer
+episode of the group (`train/teachers.py`).
+
+The note author marks the paper "use with caution". Not implemented: the step-span extraction by
+tags (`<action>`, "clean_step_no_observation"): the teacher scores, and `mask` marks, the tokens to
+shape (a step sample's reply); the others keep A.
 """
 
 from __future__ import annotations
 
+from typing import Literal
 
 import torch
 
@@ -45,6 +57,19 @@ def stepopsd_weight(
     return w_raw, w_raw.clamp(1.0 - alpha_clip, 1.0 + alpha_clip)
 
 
+def equal_step_mean_abs(delta: torch.Tensor, ok: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`delta` [n, T] with each row scaled to the same mean |δ| over its `ok` tokens (the mean over the
+    rows that have any), then clamped to ±`bound` per token. Rows with no modification stay 0."""
+    okf = ok.to(delta.dtype)
+    per_row = (delta.abs() * okf).sum(1) / okf.sum(1).clamp_min(1)
+    moved = per_row > 0
+    if not bool(moved.any()):
+        return delta
+    target = per_row[moved].mean()
+    scale = torch.where(moved, target / torch.where(moved, per_row, torch.ones_like(per_row)), torch.ones_like(per_row))
+    return torch.minimum(torch.maximum(delta * scale[:, None], -bound), bound)
+
+
 @register("distill", "stepopsd")
 @phase("advantage")
 def stepopsd(
@@ -53,10 +78,11 @@ def stepopsd(
     lam_mix: float = 0.2,
     alpha_clip: float = 0.2,
     decay_steps: int | None = 50,
+    step_scale: Literal["equal_step_mean_abs", "none"] = "equal_step_mean_abs",
 ) -> DistillTerms:
     """token_advantage = Ā − A = λ(step) · (w − 1) · A on the masked tokens with a finite teacher
-    log-prob. Defaults are the paper's (α = 0.2, λ = 0.2 → 0 at step 50); its best settings were
-    α = 0.05 with λ = 0.2 (ALFWorld) or 0.05 (Search-QA)."""
+    log-prob, rescaled per step (row) by `step_scale`. Defaults are the paper's (α = 0.2, λ = 0.2 → 0
+    at step 50); its best settings were α = 0.05 with λ = 0.2 (ALFWorld) or 0.05 (Search-QA)."""
     with torch.no_grad():
         student = detached(batch.student_logp)
         teacher = detached(batch.teacher_logp)
@@ -66,6 +92,8 @@ def stepopsd(
         gap = zero_where_not(ok, teacher) - zero_where_not(ok, student)
         w_raw, w = stepopsd_weight(gap, adv, alpha_clip)
         delta = zero_where_not(ok, lam * (w - 1.0) * adv)
+        if step_scale == "equal_step_mean_abs":
+            delta = zero_where_not(ok, equal_step_mean_abs(delta, ok, lam * alpha_clip * adv.abs()))
         metrics = {
             "stepopsd/lambda": torch.tensor(lam),
             "stepopsd/weight_mean": masked_mean(w, ok),
