@@ -593,7 +593,9 @@ def test_stepopsd_equal_step_mean_abs() -> None:
     g = torch.Generator().manual_seed(11)
     n, t = 6, 9
     student = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
-    gap = torch.randn(n, t, generator=g, dtype=torch.float64) * torch.tensor([0.02, 0.1, 0.12, 0.15, 0.2, 0.25])[:, None]
+    gap = (
+        torch.randn(n, t, generator=g, dtype=torch.float64) * torch.tensor([0.02, 0.1, 0.12, 0.15, 0.2, 0.25])[:, None]
+    )
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
     mask = torch.ones(n, t, dtype=torch.float64)
     mask[1, 5:] = 0
@@ -603,7 +605,7 @@ def test_stepopsd_equal_step_mean_abs() -> None:
     scaled = call("stepopsd", b, **opts).token_advantage
     _, w = stepopsd_weight(gap, adv[:, None].expand(n, t), 0.2)
     torch.testing.assert_close(plain, torch.where(mask > 0, 0.5 * (w - 1) * adv[:, None], 0.0))
-    row_mean = lambda d: (d.abs() * mask).sum(1) / mask.sum(1)  # noqa: E731
+    row_mean = lambda d: (d.abs() * mask).sum(1) / mask.sum(1)
     bound = 0.5 * 0.2 * adv.abs()[:, None]
     assert (scaled.abs() <= bound + 1e-15).all() and (scaled[mask == 0] == 0).all()
     assert torch.equal(torch.sign(scaled), torch.sign(plain))
