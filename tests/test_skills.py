@@ -5,6 +5,7 @@ runner, a scripted turn generator) put into a held-out episode's prompt."""
 from __future__ import annotations
 
 import asyncio
+import os
 import math
 
 import pytest
@@ -13,9 +14,9 @@ from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode
 from mcore_rl.agent.skills import (
     Patch,
     SkillLibrary,
-    SkilledEnv,
     Trace,
     analyse,
+    library_from_traces,
     merge,
     merge_depth,
     trace_of,
@@ -26,6 +27,7 @@ from mcore_rl.envs import make_env
 from mcore_rl.envs.base import AgentAction
 from mcore_rl.envs.frozen_lake import FrozenLakeEnv
 from mcore_rl.envs.gym_text import GymTextEnv, parse_action
+from mcore_rl.envs.skills import SkilledEnv
 from mcore_rl.rollout.pool import Generation, GenRequest
 from tests.helpers import TOK
 
@@ -126,7 +128,7 @@ def test_a_library_from_real_episodes_goes_into_a_held_out_prompt():
 
     traces = [trace_of(e, action_of=action_of) for e in wins + losses]
     assert all(t.success for t in traces[:3]) and traces[0].actions == tuple(solution(3))
-    lib = SkillLibrary.from_traces(traces, branching=2)
+    lib = library_from_traces(traces, branching=2)
     assert sum(p.section == "do" for p in lib.skills) == 3
     # a held-out episode on seed 4's map (the same start state) gets seed 4's path first in its prompt
     (ep,) = _play([4], [[]], library=lib)
@@ -167,3 +169,135 @@ def test_the_tool_measures_held_out_success_with_and_without_the_library(tmp_pat
     library = SkillLibrary.load(str(lib))
     assert len(library.skills) == row["skills"] and row["skills_do"] > 0 and row["test_starts_seen_in_evolve"] > 0
     assert row["test_with"] > row["test_without"]
+
+
+# ------------------------------------------------------------------------------ in a training run
+
+
+def test_ucb_tries_every_skill_first_then_prefers_what_paid():
+    """`retrieval: ucb`: skills no episode has had come first (nearest situation first among them); once
+    each was credited, the mean return plus c·sqrt(ln N / n) decides; `full` is every skill, `random`
+    one draw per reset seed."""
+    lib = SkillLibrary([Patch("do", s, f"l{i}") for i, s in enumerate(["aaaa", "aaab", "zzzz"])])
+    assert lib.choose("aaaa", 2, "ucb") == [0, 1]  # untried: by similarity
+    lib.credit([0, 1], 0.0)
+    assert lib.choose("aaaa", 2, "ucb")[0] == 2  # the untried one before the tried
+    lib.credit([2], 1.0)
+    lib.credit([2], 1.0)
+    assert lib.choose("aaaa", 1, "ucb", ucb_c=0.0) == [2]  # mean 1.0 against 0.0
+    assert lib.uses == [1, 1, 2] and lib.gains == [0.0, 0.0, 2.0]
+    # with a large c the rarely tried ones win back: bonus sqrt(ln 4 / 1) against sqrt(ln 4 / 2)
+    assert lib.choose("aaaa", 1, "ucb", ucb_c=10.0) == [0]
+    assert lib.choose("x", 1, "full") == [0, 1, 2]
+    assert lib.choose("x", 2, "random", seed=7) == lib.choose("y", 2, "random", seed=7)
+    assert len(set(lib.choose("x", 2, "random", seed=7))) == 2
+    assert lib == SkillLibrary(lib.skills)  # the counts are not the document
+
+
+def test_a_library_file_with_a_bad_line_names_it(tmp_path):
+    path = tmp_path / "lib.jsonl"
+    good = '{"section": "do", "situation": "s", "lesson": "l"}'
+    for bad, why in (
+        ("{not json", "Expecting property name"),
+        ('{"section": "maybe", "situation": "s", "lesson": "l"}', "section 'maybe'"),
+        ('{"section": "do", "situation": "s"}', "lesson"),
+        ('{"section": "do", "situation": "s", "lesson": "l", "support": 0}', "support 0"),
+        ("[1, 2]", "a list, not an object"),
+    ):
+        path.write_text(good + "\n\n" + bad + "\n")
+        with pytest.raises(ValueError, match=rf"{path}:3: not a skill: .*{why}"):
+            SkillLibrary.load(str(path))
+
+
+def test_skills_into_privileged_reach_every_step_but_never_the_prompt():
+    """`into: privileged`: the policy's messages are the environment's own; `privileged/skills` is in the
+    start state's texts and in every step's info, so each step sample of an episode carries it."""
+    lib = SkillLibrary([Patch("do", "SFFF", "go right")])
+    plain = make_env("frozen_lake")
+    prompt = Prompt(index=0, text="x", ids=[1], label={"seed": 4})
+    want = plain.reset(prompt, 0)
+    env = SkilledEnv(make_env("frozen_lake"), lib, into="privileged")
+    start = env.reset(prompt, 0)
+    assert start.messages == want.messages and start.privileged["skills"] == lib.text([0])
+    step = env.step(AgentAction("up", ParsedTurn("up")))
+    assert step.info["privileged/skills"] == lib.text([0])
+    settings = EpisodeSettings(trajectory="stepwise", memory_k=0, max_turns=3, max_tokens_per_turn=8)
+    episode = Episode(
+        SkilledEnv(make_env("frozen_lake"), lib, into="privileged"),
+        prompt,
+        0,
+        seed=0,
+        tokenizer=TOK,
+        settings=settings,
+        sampling={"temperature": 1.0, "sampling_seed": 5},
+    )
+
+    async def generate(req: GenRequest) -> Generation:
+        ids = TOK.encode("up")
+        return Generation(ids, [-1.0] * len(ids), 0, "stop", "", "e0")
+
+    asyncio.run(run_episode(episode, generate))
+    samples = episode.samples()
+    assert len(samples) == 3 and all(s.info["privileged/skills"] == lib.text([0]) for s in samples)
+    assert all("go right" not in TOK.decode(s.prompt_ids) for s in samples)
+
+
+def test_a_domains_library_is_retrieved_and_credited_on_the_rollout_path(tmp_path):
+    """`environment.skills` in a recipe: the validated library is loaded once per domain; every episode
+    of a group gets its skills, and the episodes' returns are credited to the skills they had (the
+    bandit's counts); a teacher may read `privileged/skills` only where the domain puts them there."""
+    from mcore_rl.agent.groups import EpisodeGroups
+    from mcore_rl.config import RLConfig, load_config
+    from mcore_rl.config.errors import ConfigError
+    from mcore_rl.config.rl_validate import validate_rl_config
+
+    demo = os.path.join(os.path.dirname(__file__), "..", "configs", "agentic_demo.yaml")
+    path = tmp_path / "lib.jsonl"
+    SkillLibrary([Patch("do", "guess", "Start in the middle."), Patch("avoid", "x", "Do not repeat.")]).save(str(path))
+    skills = f"data.domains[0].environment.skills={{path: {path}, k: 1, into: privileged, retrieval: ucb}}"
+    teacher = "teachers=[{kind: privileged, context: info, context_key: privileged/skills}]"
+    cfg = load_config(RLConfig, demo, [skills, teacher, "distill.losses=[{name: sdar}]"])
+    validate_rl_config(cfg, 1)
+    groups = EpisodeGroups.from_config(cfg, TOK)
+    assert groups is not None
+    prompt = groups_prompt(cfg, groups)
+
+    async def generate(req: GenRequest) -> Generation:
+        ids = TOK.encode("50")
+        return Generation(ids, [-1.0] * len(ids), 0, "stop", "", "e0")
+
+    samplings = [{"temperature": 1.0, "sampling_seed": 11 + j} for j in range(4)]
+    samples = asyncio.run(groups.run_group(prompt, samplings, generate))
+    library = groups.libraries[cfg.data.domains[0].name]
+    # the episodes reset together, before any credit: all four had the nearer untried skill
+    first = library.uses.index(4)
+    assert sorted(library.uses) == [0, 4] and library.gains[first] == sum(
+        s.reward for s in samples if s.step_index == 0
+    )
+    assert samples and all(s.info["privileged/skills"] == library.text([first]) for s in samples)
+    asyncio.run(groups.run_group(prompt, samplings, generate))
+    assert library.uses == [4, 4]  # the next group tries the other one
+
+    def error(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            validate_rl_config(load_config(RLConfig, demo, list(overrides)), 1)
+        return str(info.value)
+
+    key = "data.domains[0].environment.skills"
+    assert f"{key}.path: domain 'guess': '{tmp_path}/none' is not a file" in error(f"{key}={{path: {tmp_path}/none}}")
+    path.write_text('{"section": "do", "situation": "s", "lesson": "l"}\n{oops\n')
+    msg = error(f"{key}={{path: {path}, k: 0, ucb_c: -1}}")
+    assert f"{key}.path: domain 'guess': {path}:2: not a skill" in msg
+    assert f"{key}.k: domain 'guess': must be >= 1, got 0" in msg and f"{key}.ucb_c" in msg
+    path.write_text('{"section": "do", "situation": "s", "lesson": "l"}\n')
+    msg = error(f"{key}={{path: {path}, into: prompt}}", teacher, "distill.losses=[{name: sdar}]")
+    assert "teachers[0].context_key: environment 'guess_number' (domain 'guess') gives no 'privileged/skills'" in msg
+
+
+def groups_prompt(cfg, groups) -> Prompt:
+    """The first training prompt of the recipe's environment domain."""
+    from mcore_rl.agent.groups import environment_examples
+
+    domain = cfg.data.domains[0]
+    text, label = environment_examples(domain, 1, 0)[0]
+    return Prompt(index=0, text=text, ids=TOK.encode(text), domain=domain.name, label=label)

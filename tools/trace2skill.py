@@ -31,11 +31,12 @@ import time
 from typing import Any
 
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_lockstep
-from mcore_rl.agent.skills import SkillLibrary, SkilledEnv, trace_of
+from mcore_rl.agent.skills import SkillLibrary, library_from_traces, trace_of
 from mcore_rl.data.samples import Prompt
 from mcore_rl.envs import env_prompts, make_env
 from mcore_rl.envs.base import Environment
 from mcore_rl.envs.gym_text import GymTextEnv, parse_action
+from mcore_rl.envs.skills import SkilledEnv
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(pool, Reader):
             pool.seed = seed
         played = play(args, pool, tok, evolve, seed, None)
-        library = SkillLibrary.from_traces(
+        library = library_from_traces(
             (trace_of(e, args.success_min, action_of) for e in played), args.branching, args.min_support
         )
         plain = play(args, pool, tok, test, seed, None)

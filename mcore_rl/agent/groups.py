@@ -23,6 +23,7 @@ from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.envs import env_prompts, make_env
 from mcore_rl.envs.guard import EnvGuards
+from mcore_rl.envs.skills import SkilledEnv, SkillLibrary
 from mcore_rl.rollout.pool import Generation, GenRequest
 
 SALT_RESET = 17  # keeps the environments' reset seeds apart from the sampling seeds
@@ -50,6 +51,10 @@ class EpisodeGroups:
     ) -> None:
         self.environments, self.budgets, self.tokenizer, self.seed = environments, budgets, tokenizer, seed
         self.agents = agents
+        # each domain's skill library (`environment.skills`), loaded once: its bandit counts are the run's
+        self.libraries = {
+            d: SkillLibrary.load(env.skills.path) for d, env in environments.items() if env.skills is not None
+        }
 
     @classmethod
     def from_config(cls, cfg: RLConfig, tokenizer: Tokenizer) -> EpisodeGroups | None:
@@ -103,9 +108,18 @@ class EpisodeGroups:
         guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
         seed = self.reset_seed(prompt)
         return [
-            Episode(make_env(env.name, **env.options), prompt, j, seed, self.tokenizer, settings, sp, guards)
+            Episode(self.make_env(prompt.domain), prompt, j, seed, self.tokenizer, settings, sp, guards)
             for j, sp in enumerate(samplings)
         ]
+
+    def make_env(self, domain: str) -> Any:
+        """One episode's environment of `domain`, behind its skill library when it has one."""
+        env = self.environments[domain]
+        made = make_env(env.name, **env.options)
+        if env.skills is None:
+            return made
+        s = env.skills
+        return SkilledEnv(made, self.libraries[domain], s.k, into=s.into, retrieval=s.retrieval, ucb_c=s.ucb_c)
 
     async def run_group(
         self,
@@ -124,6 +138,10 @@ class EpisodeGroups:
         finally:
             for e in episodes:  # a cancelled group (the run stops) releases its environments
                 e.close()
+        for e in done:  # the skills' bandit learns from the episodes that ran (a failed one says nothing)
+            inner = getattr(e.env, "env", None)
+            if isinstance(inner, SkilledEnv) and e.error is None:
+                inner.credit(e.episode_return)
         return _group([s for e in done for s in e.samples()], fresh_version)
 
 

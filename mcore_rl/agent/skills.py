@@ -18,7 +18,9 @@ The paper's pipeline, as built here:
    fewer than `min_support` times (one-off edits) are dropped. A guardrail refuses a patch to a
    section the document does not have (`SECTIONS`).
 4. At test time the library retrieves the k skills whose situation is most like the episode's start
-   state (cosine over character 3-gram counts) and `SkilledEnv` puts them before the first message.
+   state (cosine over character 3-gram counts) and `SkilledEnv` puts them before the first message
+   (`envs/skills.py`: the library's file, retrieval and the wrapper; in a training run a domain's
+   `environment.skills`, into the prompt or into a self-teacher's privileged context).
 
 Not built: the paper's LLM analysts and merger (rules instead), its file-and-line patches (and their
 overlapping-range guardrail: patches here add lessons, they never edit a line). Measured in
@@ -27,17 +29,14 @@ docs/agentic.md ("Trace2Skill"): `tools/trace2skill.py`.
 
 from __future__ import annotations
 
-import json
-import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 
 from mcore_rl.agent.episodes import Episode
-from mcore_rl.data.samples import Prompt
-from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
+from mcore_rl.envs.base import PRIVILEGED
+from mcore_rl.envs.skills import SECTIONS, Patch, SkillLibrary
 
-SECTIONS = ("do", "avoid")  # the skill document's sections: what worked, what ended an episode
+__all__ = ["Patch", "SkillLibrary", "Trace", "analyse", "library_from_traces", "merge", "trace_of"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +48,6 @@ class Trace:
     success: bool
     outcome: str = ""  # how it ended, in words (the environment's `privileged/outcome`, or its finish)
     explained: bool = True  # did the environment end it (a hole, a crash), not a guard (turns, tokens)
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One proposed edit of the skill document: a lesson for a situation, under a section."""
-
-    section: str
-    situation: str  # the state text the lesson is about (the retrieval key)
-    lesson: str
-    support: int = 1  # how many trajectories proposed it
 
 
 def analyse(trace: Trace) -> list[Patch]:
@@ -129,74 +118,7 @@ def merge(patches: Sequence[Patch], branching: int = 4, min_support: int = 1) ->
     return [p for p in merged if p.support >= min_support], levels
 
 
-def features(text: str, n: int = 3) -> Counter[str]:
-    """Character n-gram counts (line breaks kept): a similarity that needs no model."""
-    padded = f" {text} "
-    return Counter(padded[i : i + n] for i in range(max(len(padded) - n + 1, 1)))
-
-
-def cosine(a: Counter[str], b: Counter[str]) -> float:
-    dot = sum(v * b.get(k, 0) for k, v in a.items())
-    norm = math.sqrt(sum(v * v for v in a.values())) * math.sqrt(sum(v * v for v in b.values()))
-    return dot / norm if norm else 0.0
-
-
-@dataclass
-class SkillLibrary:
-    """The merged skill document: patches, retrieved by the similarity of their situation to a state."""
-
-    skills: list[Patch] = field(default_factory=list)
-
-    @classmethod
-    def from_traces(cls, traces: Iterable[Trace], branching: int = 4, min_support: int = 1) -> SkillLibrary:
-        patches = [p for t in traces for p in analyse(t)]
-        return cls(merge(patches, branching, min_support)[0])
-
-    def retrieve(self, state: str, k: int) -> list[Patch]:
-        """The k skills most like `state` (ties: the better supported, then the first)."""
-        q = features(state)
-        scored = [(cosine(q, features(p.situation)), p.support, -i, p) for i, p in enumerate(self.skills)]
-        scored.sort(key=lambda x: (x[0], x[1], x[2]), reverse=True)
-        return [p for *_, p in scored[:k]]
-
-    def render(self, state: str, k: int) -> str:
-        """The prompt text of the k retrieved skills ("" when the library is empty)."""
-        found = self.retrieve(state, k)
-        if not found:
-            return ""
-        lines = [f"Lessons from earlier games ({len(found)}):"]
-        for p in found:
-            lines.append(f"- [{p.section}] situation:\n{p.situation}\n  {p.lesson}")
-        return "\n".join(lines) + "\n\n"
-
-    def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            for p in self.skills:
-                f.write(json.dumps(asdict(p)) + "\n")
-
-    @classmethod
-    def load(cls, path: str) -> SkillLibrary:
-        with open(path, encoding="utf-8") as f:
-            return cls([Patch(**json.loads(line)) for line in f if line.strip()])
-
-
-class SkilledEnv(Environment):
-    """`env` with the library's k skills for its start state before the first message's content."""
-
-    def __init__(self, env: Environment, library: SkillLibrary, k: int = 3) -> None:
-        self.env, self.library, self.k = env, library, k
-
-    def reset(self, prompt: Prompt, seed: int) -> EnvReset:
-        start = self.env.reset(prompt, seed)
-        text = self.library.render(start.state, self.k)
-        if not text or not start.messages:
-            return start
-        first = start.messages[0]
-        messages = [{**first, "content": text + str(first.get("content", ""))}, *start.messages[1:]]
-        return replace(start, messages=messages)
-
-    def step(self, action: AgentAction) -> EnvStep:
-        return self.env.step(action)
-
-    def close(self) -> None:
-        self.env.close()
+def library_from_traces(traces: Iterable[Trace], branching: int = 4, min_support: int = 1) -> SkillLibrary:
+    """The skill library of `traces`: the analysts' patches, merged (`merge`)."""
+    patches = [p for t in traces for p in analyse(t)]
+    return SkillLibrary(merge(patches, branching, min_support)[0])

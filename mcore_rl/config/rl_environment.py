@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from mcore_rl.config.rules import Errors, need_registered
 
 if TYPE_CHECKING:
-    from mcore_rl.config.rl_schema import DomainConfig, RLConfig
+    from mcore_rl.config.rl_schema import DomainConfig, RLConfig, SkillsConfig
 
 # the tool-call format of the byte tokenizer's ChatML rendering
 BYTE_TOKENIZER_FORMAT = "hermes"
@@ -73,6 +73,27 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
         f"{who}an environment's messages are rendered with the model's chat template; no prompt template",
     )
     check_tool_format(cfg, key, who, env.tool_format, errors)
+    if env.skills is not None:
+        check_skills(env.skills, f"{key}.skills", who, errors)
+
+
+def check_skills(skills: SkillsConfig, key: str, who: str, errors: Errors) -> None:
+    """The library file exists and every line is a skill (naming `file:line`); k and c in range."""
+    from mcore_rl.envs.skills import SkillLibrary
+
+    errors.need(skills.k >= 1, f"{key}.k", f"{who}must be >= 1, got {skills.k}")
+    errors.need(
+        math.isfinite(skills.ucb_c) and skills.ucb_c >= 0, f"{key}.ucb_c", f"{who}must be >= 0, got {skills.ucb_c}"
+    )
+    if not skills.path or not os.path.isfile(skills.path):
+        errors.need(False, f"{key}.path", f"{who}{skills.path!r} is not a file (a skill library, one skill a line)")
+        return
+    try:
+        library = SkillLibrary.load(skills.path)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        errors.need(False, f"{key}.path", f"{who}{err}")
+        return
+    errors.need(bool(library.skills), f"{key}.path", f"{who}{skills.path} holds no skill")
 
 
 def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
@@ -80,6 +101,7 @@ def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
     to environment domains whose environment gives that name (`register_env(privileged=...)`): any
     other sample would have no context and train nothing from the teacher."""
     from mcore_rl.envs import PRIVILEGED, env_entry, env_names
+    from mcore_rl.envs.skills import SKILLS
 
     claimed = {d for t in cfg.teachers for d in t.domains}
     for i, t in enumerate(cfg.teachers):
@@ -95,7 +117,9 @@ def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
             if env is None:
                 errors.need(False, key, f"domain {dom.name!r} has no environment to give {t.context_key!r}")
             elif env.name in env_names():
-                gives = env_entry(env.name).privileged
+                gives = tuple(env_entry(env.name).privileged)
+                if env.skills is not None and env.skills.into == "privileged":
+                    gives += (SKILLS,)
                 errors.need(
                     name in gives,
                     key,

@@ -71,6 +71,21 @@ class DomainEvalConfig:
 
 
 @dataclass
+class SkillsConfig:
+    """A skill library (`mcore_rl.envs.skills`; `tools/trace2skill.py` writes one) whose k skills for
+    each episode's start state go before its first message (Trace2Skill) or, as `privileged/skills`,
+    only into a self-teacher's context (SDAR: `teachers: [{kind: privileged, context: info,
+    context_key: privileged/skills}]`)."""
+
+    path: str = ""  # the library: one skill a line, {"section", "situation", "lesson", "support"}
+    k: int = 3  # skills per episode (retrieval "full": all)
+    into: Literal["prompt", "privileged"] = "prompt"  # where they go: the policy's prompt, or the teacher's context
+    # similar: nearest situations; ucb: a bandit over the skills on the episodes' returns; random; full
+    retrieval: Literal["similar", "ucb", "random", "full"] = "similar"
+    ucb_c: float = 1.0  # retrieval ucb: the exploration weight c of mean + c * sqrt(ln N / n)
+
+
+@dataclass
 class EnvironmentConfig:
     """A domain's interactive environment (`mcore_rl.envs`, run by `mcore_rl.agent`): each prompt of
     the domain starts a group of episodes from one seeded state; the episode's return is the reward."""
@@ -88,6 +103,7 @@ class EnvironmentConfig:
     step_timeout_s: float = 30.0  # one reset / step / close of the environment (then the episode is lost)
     max_observation_chars: int = 8192  # one step's messages together, cut from truncate_side
     truncate_side: Literal["left", "right", "middle"] = "right"
+    skills: SkillsConfig | None = None  # a skill library retrieved into each episode (Trace2Skill, SDAR)
 
 
 @dataclass
