@@ -18,6 +18,7 @@ import re
 import sys
 import textwrap
 import tokenize
+import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,9 +90,14 @@ def _first_sentence(doc: str | None) -> str:
 
 
 def _nested(hint: object) -> tuple[type | None, bool]:
-    """The dataclass a field holds (directly, or as list elements), and whether it is a list."""
+    """The dataclass a field holds (directly, as list elements, or as an optional section `X | None`),
+    and whether it is a list."""
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return hint, False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        held = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(held) == 1 and dataclasses.is_dataclass(held[0]) and isinstance(held[0], type):
+            return held[0], False
     if typing.get_origin(hint) is list:
         (arg,) = typing.get_args(hint) or (None,)
         if dataclasses.is_dataclass(arg) and isinstance(arg, type):
@@ -123,6 +129,9 @@ def walk(cls: type, prefix: str = "", instance: object | None = None) -> Iterato
         if is_list:
             yield Key(path, type_name, _default(f, instance), help_)
             yield from walk(sub, f"{path}[].")
+        elif getattr(instance, f.name) is None:  # an optional section, off by default: its keys' defaults once set
+            yield Key(path, type_name, _default(f, instance), help_)
+            yield from walk(sub, f"{path}.")
         else:
             yield Key(path, type_name, "(section)", help_)
             yield from walk(sub, f"{path}.", getattr(instance, f.name))

@@ -97,12 +97,12 @@ class EnvironmentConfig:
     max_tokens_per_turn: int = 64  # new tokens of one model turn (the episode's budget: the domain's max_new_tokens)
     max_invalid_calls: int = 3  # consecutive invalid turns (bad tool calls, invalid actions) that end the episode
     invalid_penalty: float = 0.0  # subtracted from the episode's return per invalid turn
-    trajectory: Literal["conversation", "stepwise"] = "conversation"
+    trajectory: Literal["conversation", "stepwise"] = "conversation"  # a sample per episode, or per model turn
     memory_k: int = 2  # stepwise: the previous steps each step's prompt shows
     template_policy: Literal["keep", "split"] = "keep"  # a chat template that is not append-only (Qwen3)
     step_timeout_s: float = 30.0  # one reset / step / close of the environment (then the episode is lost)
     max_observation_chars: int = 8192  # one step's messages together, cut from truncate_side
-    truncate_side: Literal["left", "right", "middle"] = "right"
+    truncate_side: Literal["left", "right", "middle"] = "right"  # which end of an over-long observation is cut
     skills: SkillsConfig | None = None  # a skill library retrieved into each episode (Trace2Skill, SDAR)
 
 
