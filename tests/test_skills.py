@@ -221,6 +221,15 @@ def test_skills_into_privileged_reach_every_step_but_never_the_prompt():
     assert start.messages == want.messages and start.privileged["skills"] == lib.text([0])
     step = env.step(AgentAction("up", ParsedTurn("up")))
     assert step.info["privileged/skills"] == lib.text([0])
+    import random
+
+    # a warm start plays the domain through the wrapper: the scripted player is the wrapped environment's
+    from mcore_rl.envs import env_prompts
+
+    text, label = env_prompts("guess_number").examples(1, 0)[0]
+    fresh = SkilledEnv(make_env("guess_number"), lib, into="privileged")
+    fresh.reset(Prompt(index=0, text=text, ids=[1], label=label), 0)
+    assert fresh.demonstrate(random.Random(0)) == fresh.env.demonstrate(random.Random(0)) is not None
     settings = EpisodeSettings(trajectory="stepwise", memory_k=0, max_turns=3, max_tokens_per_turn=8)
     episode = Episode(
         SkilledEnv(make_env("frozen_lake"), lib, into="privileged"),
@@ -277,6 +286,12 @@ def test_a_domains_library_is_retrieved_and_credited_on_the_rollout_path(tmp_pat
     assert samples and all(s.info["privileged/skills"] == library.text([first]) for s in samples)
     asyncio.run(groups.run_group(prompt, samplings, generate))
     assert library.uses == [4, 4]  # the next group tries the other one
+
+    # the warm start plays the domain's scripted player through the same wrapper
+    from mcore_rl.agent.demonstrations import environment_rows
+
+    rows = environment_rows(cfg, TOK, 4, 0)
+    assert rows and all(sum(mask) > 0 for _, mask in rows)
 
     def error(*overrides: str) -> str:
         with pytest.raises(ConfigError) as info:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from mcore_rl.data.samples import Prompt
+from mcore_rl.data.tool_calls import ParsedTurn
 from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
 
 SECTIONS = ("do", "avoid")  # the skill document's sections: what worked, what ended an episode
@@ -196,6 +197,10 @@ class SkilledEnv(Environment):
         if self.into == "privileged" and self.skill_text:  # every state the episode reaches keeps them
             return replace(out, info={**out.info, PRIVILEGED + SKILLS: self.skill_text})
         return out
+
+    def demonstrate(self, rng: random.Random) -> str | ParsedTurn | None:
+        """The wrapped environment's scripted player (a warm start plays the domain through this wrapper)."""
+        return self.env.demonstrate(rng)
 
     def credit(self, episode_return: float) -> None:
         """The episode ended with `episode_return`: the chosen skills' bandit counts."""
