@@ -455,3 +455,38 @@ def test_preempt_signals_are_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="checkpoint.preempt_signals: lists a signal twice"):
         validate_rl_config(load_config(RLConfig, None, ["checkpoint.preempt_signals=[SIGUSR1,SIGUSR1]"]), 1)
     validate_rl_config(load_config(RLConfig, None, ["checkpoint.preempt_signals=[]"]), 1)  # off
+
+
+_MARKER_WRITER = """
+import sys
+from mcore_rl.parallel.preemption import write_marker
+for i in range(int(sys.argv[2])):
+    write_marker(sys.argv[1], {"step": i, "signal": "SIGUSR1", "checkpoint": None, "phases": {"save": 0.5}})
+"""
+
+
+def test_the_marker_is_never_read_half_written_while_other_nodes_write_it(tmp_path):
+    """Two nodes sharing a run directory both write `preempted.json` while each node's launcher reads
+    it (a CI run failed so: a launcher read the other node's half-written marker and exited 1, not 75).
+    Two writer processes rewrite it in a loop; once it exists the reader must find it whole every time."""
+    from mcore_rl.parallel.preemption import read_marker, write_marker
+
+    run_dir = str(tmp_path)
+    write_marker(run_dir, {"step": 0, "signal": "SIGUSR1", "checkpoint": None, "phases": {}})
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MARKER_WRITER, run_dir, "3000"], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
+        )
+        for _ in range(2)
+    ]
+    reads = missed = 0
+    try:
+        while any(w.poll() is None for w in writers):
+            reads += 1
+            missed += read_marker(run_dir) is None
+    finally:
+        for w in writers:
+            w.kill() if w.poll() is None else None
+    assert [w.returncode for w in writers] == [0, 0]
+    assert reads > 100 and missed == 0, f"{missed} of {reads} reads found no whole marker"
+    assert os.listdir(run_dir) == ["preempted.json"]  # no temporary file left behind

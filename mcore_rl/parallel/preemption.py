@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,13 +154,21 @@ def preempted(run_dir: str, step: int, signal_name: str, checkpoint: str | None)
     phases = _active.phases() if _active is not None else {}
     logger.warning("pre-empted after step %d: %s", step, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, MARKER), "w") as f:
-            json.dump(
-                {"step": step, "signal": signal_name, "checkpoint": checkpoint, "time": time.time(), "phases": phases},
-                f,
-            )
+        write_marker(run_dir, {"step": step, "signal": signal_name, "checkpoint": checkpoint, "phases": phases})
     return Preempted(step, signal_name, checkpoint)
+
+
+def write_marker(run_dir: str, marker: dict[str, Any]) -> None:
+    """Leave `<run_dir>/preempted.json` whole or not at all: on a shared run directory every node's
+    first rank writes it while the other nodes' launchers may be reading it, and a reader that met
+    a half-written file would take the pre-empted run for a failed one (exit 1, no requeue). Each
+    writer fills its own temporary file and renames it into place, which readers see atomically."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, MARKER)
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**marker, "time": time.time()}, f)
+    os.replace(tmp, path)
 
 
 def read_marker(run_dir: str, since: float = 0.0) -> dict[str, Any] | None:
