@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from mcore_rl.agent import hindsight
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode
 from mcore_rl.agent.programs import AgentGroups
-from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
+from mcore_rl.config.rl_schema import AnalyzerConfig, DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.envs import env_prompts, make_env
@@ -48,9 +49,11 @@ class EpisodeGroups:
         tokenizer: Tokenizer,
         seed: int,
         agents: AgentGroups | None = None,
+        max_context: int | None = None,
     ) -> None:
         self.environments, self.budgets, self.tokenizer, self.seed = environments, budgets, tokenizer, seed
         self.agents = agents
+        self.max_context = max_context  # the engines' context (an analysis prompt must fit it)
         # each domain's skill library (`environment.skills`), loaded once: its bandit counts are the run's
         self.libraries = {
             d: SkillLibrary.load(env.skills.path) for d, env in environments.items() if env.skills is not None
@@ -69,7 +72,7 @@ class EpisodeGroups:
             for d in cfg.data.domains
             if d.name in envs
         }
-        return cls(envs, budgets, tokenizer, cfg.train.seed, agents)
+        return cls(envs, budgets, tokenizer, cfg.train.seed, agents, cfg.model.max_position_embeddings)
 
     def handles(self, prompt: Prompt) -> bool:
         return self.plays(prompt) or (self.agents is not None and self.agents.handles(prompt))
@@ -142,7 +145,25 @@ class EpisodeGroups:
             inner = getattr(e.env, "env", None)
             if isinstance(inner, SkilledEnv) and e.error is None:
                 inner.credit(e.episode_return)
-        return _group([s for e in done for s in e.samples()], fresh_version)
+        per_episode = [e.samples() for e in done]
+        analyzer = self.environments[prompt.domain].analyzer
+        if analyzer is not None:  # SEED: the weights that played each episode write its lesson
+            settings = analyzer_settings(analyzer, self.max_context)
+            skills = await hindsight.annotate(done, generate, self.tokenizer, settings)
+            for samples, skill in zip(per_episode, skills, strict=True):
+                hindsight.attach(samples, skill)
+        return _group([s for samples in per_episode for s in samples], fresh_version)
+
+
+def analyzer_settings(cfg: AnalyzerConfig, max_context: int | None = None) -> hindsight.AnalyzerSettings:
+    """The analyzer's settings from its config section (its default instruction when none is given)."""
+    return hindsight.AnalyzerSettings(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        instruction=cfg.instruction or hindsight.DEFAULT_INSTRUCTION,
+        max_transcript_chars=cfg.max_transcript_chars,
+        max_context=max_context,
+    )
 
 
 def _group(samples: list[Sample], fresh_version: int) -> list[Sample]:

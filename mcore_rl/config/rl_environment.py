@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from mcore_rl.config.rules import Errors, need_registered
 
 if TYPE_CHECKING:
-    from mcore_rl.config.rl_schema import DomainConfig, RLConfig, SkillsConfig
+    from mcore_rl.config.rl_schema import AnalyzerConfig, DomainConfig, RLConfig, SkillsConfig
 
 # the tool-call format of the byte tokenizer's ChatML rendering
 BYTE_TOKENIZER_FORMAT = "hermes"
@@ -75,6 +75,32 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
     check_tool_format(cfg, key, who, env.tool_format, errors)
     if env.skills is not None:
         check_skills(env.skills, f"{key}.skills", who, errors)
+    if env.analyzer is not None:
+        check_analyzer(env.analyzer, f"{key}.analyzer", who, errors)
+        context = cfg.model.max_position_embeddings
+        errors.need(
+            env.analyzer.max_new_tokens < context,
+            f"{key}.analyzer.max_new_tokens",
+            f"{who}{env.analyzer.max_new_tokens} leaves no room for the transcript in the engine's context "
+            f"(model.max_position_embeddings = {context})",
+        )
+
+
+def check_analyzer(analyzer: AnalyzerConfig, key: str, who: str, errors: Errors) -> None:
+    """SEED's analyzer: a lesson budget, a temperature and a transcript cap in range."""
+    errors.need(
+        analyzer.max_new_tokens >= 1, f"{key}.max_new_tokens", f"{who}must be >= 1, got {analyzer.max_new_tokens}"
+    )
+    errors.need(
+        math.isfinite(analyzer.temperature) and analyzer.temperature >= 0,
+        f"{key}.temperature",
+        f"{who}must be a finite number >= 0, got {analyzer.temperature}",
+    )
+    errors.need(
+        analyzer.max_transcript_chars >= 64,
+        f"{key}.max_transcript_chars",
+        f"{who}must be >= 64, got {analyzer.max_transcript_chars}",
+    )
 
 
 def check_skills(skills: SkillsConfig, key: str, who: str, errors: Errors) -> None:
@@ -101,7 +127,7 @@ def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
     to environment domains whose environment gives that name (`register_env(privileged=...)`): any
     other sample would have no context and train nothing from the teacher."""
     from mcore_rl.envs import PRIVILEGED, env_entry, env_names
-    from mcore_rl.envs.skills import SKILLS
+    from mcore_rl.envs.skills import HINDSIGHT, SKILLS
 
     claimed = {d for t in cfg.teachers for d in t.domains}
     for i, t in enumerate(cfg.teachers):
@@ -120,6 +146,8 @@ def check_privileged_teachers(cfg: RLConfig, errors: Errors) -> None:
                 gives = tuple(env_entry(env.name).privileged)
                 if env.skills is not None and env.skills.into == "privileged":
                     gives += (SKILLS,)
+                if env.analyzer is not None:
+                    gives += (HINDSIGHT,)
                 errors.need(
                     name in gives,
                     key,

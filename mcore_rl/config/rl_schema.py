@@ -86,6 +86,19 @@ class SkillsConfig:
 
 
 @dataclass
+class AnalyzerConfig:
+    """SEED's analyzer (`mcore_rl.agent.hindsight`): after each group, the engines that played it write
+    one lesson per episode from its transcript, given to the episode's samples as
+    `privileged/hindsight_skill` for a self-teacher (`teachers: [{kind: privileged, context: info,
+    context_key: privileged/hindsight_skill}]`); its tokens are not trained."""
+
+    max_new_tokens: int = 96  # the lesson's token budget
+    temperature: float = 0.0  # the analysis's sampling temperature (0: greedy)
+    instruction: str = ""  # what the analyzer is told before the transcript ("": agent.hindsight's default)
+    max_transcript_chars: int = 4000  # a longer transcript keeps its head and tail
+
+
+@dataclass
 class EnvironmentConfig:
     """A domain's interactive environment (`mcore_rl.envs`, run by `mcore_rl.agent`): each prompt of
     the domain starts a group of episodes from one seeded state; the episode's return is the reward."""
@@ -104,6 +117,7 @@ class EnvironmentConfig:
     max_observation_chars: int = 8192  # one step's messages together, cut from truncate_side
     truncate_side: Literal["left", "right", "middle"] = "right"  # which end of an over-long observation is cut
     skills: SkillsConfig | None = None  # a skill library retrieved into each episode (Trace2Skill, SDAR)
+    analyzer: AnalyzerConfig | None = None  # the policy writes each episode's hindsight skill (SEED)
 
 
 @dataclass

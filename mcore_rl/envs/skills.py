@@ -38,6 +38,8 @@ SECTIONS = ("do", "avoid")  # the skill document's sections: what worked, what e
 RETRIEVALS = ("similar", "ucb", "random", "full")
 Retrieval = Literal["similar", "ucb", "random", "full"]
 SKILLS = "skills"  # the privileged text's name: `privileged/skills`
+# the name of the lesson SEED's analyzer writes for an episode (`agent/hindsight.py`, `environment.analyzer`)
+HINDSIGHT = "hindsight_skill"
 
 
 @dataclass(frozen=True)
