@@ -38,9 +38,10 @@ from typing import Any, Literal
 
 import torch
 
+from mcore_rl.agent.spans import tagged_token_mask
 from mcore_rl.agent.trajectory import ChatFormat, Message, TemplatePolicy, Trajectory
 from mcore_rl.algos.step_credit import StepBatch, state_key
-from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.samples import DISTILL_SPAN, Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.data.tool_calls import ParsedTurn, parse_tool_calls
 from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment
@@ -63,6 +64,8 @@ class EpisodeSettings:
     template_policy: TemplatePolicy = "keep"
     max_episode_tokens: int = 256  # the response budget of the whole episode (model + observation tokens)
     invalid_penalty: float = 0.0  # subtracted from the return per invalid turn (a format signal from the start)
+    # (open, close): distillation acts only on the tokens inside these tags (`agent/spans.py`); None: all
+    distill_span_tags: tuple[str, str] | None = None
 
 
 @dataclass
@@ -317,6 +320,13 @@ class Episode:
             "episode/template_splits": self.trajectory.splits,
             **{f"episode/events/{k}": v for k, v in self.events.items()},
         }
+        tags = self.settings.distill_span_tags
+        if tags is not None:  # StepOPSD's action spans: the tagged model tokens only
+            for s in out:
+                span = tagged_token_mask(s.response_ids, self.chat.decode, *tags)
+                if s.trainable is not None:  # an observation that echoes a tag is not the model's
+                    span = [m * int(bool(t)) for m, t in zip(span, s.trainable, strict=True)]
+                s.info = {**s.info, DISTILL_SPAN: span}
         oldest = min((s.policy_version for s in out), default=0)
         for k, s in enumerate(out):
             s.episode, s.step_index = self.index, k

@@ -107,6 +107,7 @@ class EpisodeGroups:
             template_policy=env.template_policy,
             max_episode_tokens=cap,
             invalid_penalty=env.invalid_penalty,
+            distill_span_tags=(env.distill_span_tags[0], env.distill_span_tags[1]) if env.distill_span_tags else None,
         )
         guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
         seed = self.reset_seed(prompt)

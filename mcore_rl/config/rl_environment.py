@@ -75,6 +75,17 @@ def check_environment(cfg: RLConfig, i: int, dom: DomainConfig, errors: Errors) 
     check_tool_format(cfg, key, who, env.tool_format, errors)
     if env.skills is not None:
         check_skills(env.skills, f"{key}.skills", who, errors)
+    tags = env.distill_span_tags
+    errors.need(
+        not tags or (len(tags) == 2 and all(isinstance(t, str) and t for t in tags)),
+        f"{key}.distill_span_tags",
+        f"{who}must be [] or two non-empty strings [open, close], got {tags!r}",
+    )
+    errors.need(
+        not tags or bool(cfg.distill.losses),
+        f"{key}.distill_span_tags",
+        f"{who}marks the tokens distillation acts on, but distill.losses names no distillation term",
+    )
     if env.analyzer is not None:
         check_analyzer(env.analyzer, f"{key}.analyzer", who, errors)
         context = cfg.model.max_position_embeddings

@@ -118,6 +118,9 @@ class EnvironmentConfig:
     truncate_side: Literal["left", "right", "middle"] = "right"  # which end of an over-long observation is cut
     skills: SkillsConfig | None = None  # a skill library retrieved into each episode (Trace2Skill, SDAR)
     analyzer: AnalyzerConfig | None = None  # the policy writes each episode's hindsight skill (SEED)
+    # [open, close]: distillation acts only on the model's tokens inside these tags, e.g. StepOPSD's
+    # ["<action>", "</action>"]; the rest of a reply keeps its RL advantage ([]: the whole reply)
+    distill_span_tags: list[str] = field(default_factory=list)
 
 
 @dataclass

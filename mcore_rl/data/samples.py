@@ -46,6 +46,11 @@ class TeacherScores:
     error: str | None = None
 
 
+# `Sample.info` key: per response token 1 where distillation may act, 0 elsewhere (a step's tagged
+# action span, `agent/spans.py`); the learner multiplies the distillation mask by it
+DISTILL_SPAN = "distill/span_mask"
+
+
 @dataclass(frozen=True)
 class SampleMarks:
     """What the rollout did to a sample after generating it, typed (never string keys of `info`,

@@ -31,7 +31,7 @@ from mcore_rl.config.rl_schema import RLConfig
 from mcore_rl.algos import registry
 from mcore_rl.algos.distill.base import DistillBatch, DistillTerms, make_state, term_coef
 from mcore_rl.algos.distill.popd import horizon_mask, horizon_tokens
-from mcore_rl.data.samples import Prompt, Sample
+from mcore_rl.data.samples import DISTILL_SPAN, Prompt, Sample
 
 # per-sample tensors the loss phase needs in each micro-batch (sliced by `build_microbatches`)
 DISTILL_KEYS = (
@@ -184,6 +184,13 @@ def teacher_view(
         if ref is not None and ts.ref_logp is not None:  # (with_ref: every scored one has them)
             ref[i, :k] = torch.tensor(ts.ref_logp, dtype=torch.float32)
         mask[i, :k] = horizon_mask(t, horizons[i])[:k]
+        span = s.info.get(DISTILL_SPAN)
+        if span is not None:  # only a step's tagged action span is distilled (`agent/spans.py`)
+            if len(span) != k:
+                raise ValueError(
+                    f"{DISTILL_SPAN} of prompt {s.prompt.index} has {len(span)} entries for a {k}-token response"
+                )
+            mask[i, :k] *= torch.tensor(span, dtype=torch.float32)
     return TeacherView(logp, mask, ids, topk, ref, ref_topk, scored_frac=sum(scored) / max(n, 1))
 
 

@@ -20,9 +20,11 @@ The teacher is StepOPSD's when it is `teachers: [{kind: privileged, context: pee
 refresh_interval: 10}]`: the policy of up to 10 rollout steps ago, shown the first successful peer
 episode of the group (`train/teachers.py`).
 
-The note author marks the paper "use with caution". Not implemented: the step-span extraction by
-tags (`<action>`, "clean_step_no_observation"): the teacher scores, and `mask` marks, the tokens to
-shape (a step sample's reply); the others keep A.
+The note author marks the paper "use with caution". Its step spans: `mask` marks the tokens to
+shape and the others keep A; a domain's `environment.distill_span_tags: ["<action>", "</action>"]`
+limits it to the model's tokens inside those tags ("action_only", `agent/spans.py`), else a step
+sample's whole reply is shaped. "clean_step_no_observation" is what a conversation sample already
+is: its observation tokens are not trained.
 """
 
 from __future__ import annotations
