@@ -202,7 +202,7 @@ def test_a_library_file_with_a_bad_line_names_it(tmp_path):
         ('{"section": "maybe", "situation": "s", "lesson": "l"}', "section 'maybe'"),
         ('{"section": "do", "situation": "s"}', "lesson"),
         ('{"section": "do", "situation": "s", "lesson": "l", "support": 0}', "support 0"),
-        ("[1, 2]", "a list, not an object"),
+        ("[1, 2]", "expected a JSON object, got list"),
     ):
         path.write_text(good + "\n\n" + bad + "\n")
         with pytest.raises(ValueError, match=rf"{path}:3: not a skill: .*{why}"):

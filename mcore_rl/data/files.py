@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, NoReturn
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
@@ -20,12 +20,19 @@ class DataError(ValueError):
 
 
 class BadLines:
-    """The `data.on_bad_line` policy for one file; counts what it skipped."""
+    """The `data.on_bad_line` policy for one file; counts what it skipped. `what`: a file that is
+    read whole or not at all (no `data.on_bad_line` applies): its errors say `not <what>: ...`."""
 
-    def __init__(self, path: str, policy: str) -> None:
-        self.path, self.policy, self.count = path, policy, 0
+    def __init__(self, path: str, policy: str, what: str | None = None) -> None:
+        self.path, self.policy, self.count, self.what = path, policy, 0, what
+
+    def fail(self, lineno: int, problem: str) -> NoReturn:
+        """The error of a line of a file read whole or not at all."""
+        raise DataError(f"{self.path}:{lineno}: not {self.what or 'usable'}: {problem}"[:300])
 
     def report(self, lineno: int, problem: str) -> None:
+        if self.what is not None:
+            self.fail(lineno, problem)
         msg = f"{self.path}:{lineno}: {problem}"
         if self.policy == "error":
             raise DataError(msg + " (set data.on_bad_line=skip to skip bad lines)")
@@ -66,3 +73,14 @@ def json_objects(lines: list[tuple[int, str | None]], bad: BadLines) -> Iterator
             bad.report(lineno, f"expected a JSON object, got {type(obj).__name__}")
             continue
         yield lineno, obj
+
+
+def strict_jsonl(path: str, what: str) -> Iterator[tuple[int, BadLines, dict[str, Any]]]:
+    """(line number, the file's reporter, object) of every JSON-object line of `path`, for files that
+    are read whole or not at all (a skill library, a search corpus, a diagnosis's texts): the first
+    line that is not UTF-8, not JSON or not an object raises `DataError` (a ValueError) as
+    `path:line: not <what>: <problem>`; the caller reports its own checks of an object the same way
+    (`bad.fail(line, problem)`). Blank lines are passed over."""
+    bad = BadLines(path, "error", what)
+    for lineno, obj in json_objects(read_lines(path, bad, key="file"), bad):
+        yield lineno, bad, obj

@@ -350,23 +350,16 @@ def add_arguments(p: argparse.ArgumentParser) -> Runner:
 
 def read_texts(path: str, keys: list[str], limit: int) -> list[str]:
     """Up to `limit` texts from a jsonl file: each line's `keys` joined by a space (missing keys skipped)."""
-    import json
+    from mcore_rl.data.files import strict_jsonl
 
     texts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err})") from err
-            parts = [str(row[k]) for k in keys if k in row]
-            if not parts:
-                raise ValueError(f"{path}:{n}: none of the keys {keys}")
-            texts.append(" ".join(parts))
-            if len(texts) >= limit:
-                break
+    for n, bad, row in strict_jsonl(path, "a text example"):
+        parts = [str(row[k]) for k in keys if k in row]
+        if not parts:
+            bad.fail(n, f"none of the keys {keys}")
+        texts.append(" ".join(parts))
+        if len(texts) >= limit:
+            break
     if not texts:
         raise ValueError(f"{path}: no examples")
     return texts

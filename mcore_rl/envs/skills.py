@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
+from mcore_rl.data.files import strict_jsonl
 from mcore_rl.data.samples import Prompt
 from mcore_rl.data.tool_calls import ParsedTurn
 from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
@@ -140,24 +141,18 @@ class SkillLibrary:
     def load(cls, path: str) -> SkillLibrary:
         """The library in `path`; a line that is not a skill raises ValueError naming `path:line`."""
         skills = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise ValueError(f"a {type(row).__name__}, not an object")
-                    p = Patch(**row)
-                    if p.section not in SECTIONS:
-                        raise ValueError(f"section {p.section!r} (the document has {', '.join(SECTIONS)})")
-                    if not isinstance(p.situation, str) or not isinstance(p.lesson, str) or not p.lesson:
-                        raise ValueError("situation and lesson must be strings, the lesson non-empty")
-                    if not isinstance(p.support, int) or p.support < 1:
-                        raise ValueError(f"support {p.support!r} (a count >= 1)")
-                except (ValueError, TypeError) as err:
-                    raise ValueError(f"{path}:{n}: not a skill: {err}"[:300]) from None
-                skills.append(p)
+        for n, bad, row in strict_jsonl(path, "a skill"):
+            try:
+                p = Patch(**row)
+            except TypeError as err:
+                bad.fail(n, str(err))
+            if p.section not in SECTIONS:
+                bad.fail(n, f"section {p.section!r} (the document has {', '.join(SECTIONS)})")
+            if not isinstance(p.situation, str) or not isinstance(p.lesson, str) or not p.lesson:
+                bad.fail(n, "situation and lesson must be strings, the lesson non-empty")
+            if not isinstance(p.support, int) or p.support < 1:
+                bad.fail(n, f"support {p.support!r} (a count >= 1)")
+            skills.append(p)
         return cls(skills)
 
 

@@ -9,7 +9,6 @@ is answered "no results".
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from mcore_rl.data.files import strict_jsonl
 from mcore_rl.data.tool_calls import ToolSpec
 from mcore_rl.envs.tools.toolset import Tool, ToolError
 
@@ -65,15 +65,10 @@ class BM25Index:
 def read_corpus(path: str) -> list[Document]:
     """The documents of a JSON-lines corpus; a ValueError naming `file:line` for a bad one."""
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                docs.append(Document(str(row["id"]), str(row.get("title", "")), str(row["text"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a document {{id, title, text}} ({exc})") from None
+    for lineno, bad, row in strict_jsonl(path, "a document {id, title, text}"):
+        if "id" not in row or "text" not in row:
+            bad.fail(lineno, f"no {'id' if 'id' not in row else 'text'} field")
+        docs.append(Document(str(row["id"]), str(row.get("title", "")), str(row["text"])))
     return docs
 
 
