@@ -79,6 +79,9 @@ def test_each_episode_gets_the_lesson_its_own_analysis_wrote():
             assert got == {f"Lesson: after {guess}, move towards the hint."}
     for s in samples:  # the policy's own prompt never holds the lesson
         assert "Lesson" not in TOK.decode(s.prompt_ids)
+    from mcore_rl.agent.episodes import episode_metrics
+
+    assert episode_metrics([samples])["episode/hindsight_lessons"] == 2.0  # of 4 episodes
 
 
 @pytest.mark.parametrize("overrides", [(), (ANALYZER,)], ids=["no analyzer", "no room in the context"])
@@ -93,6 +96,9 @@ def test_no_analysis_is_sent_without_the_analyzer_or_room_for_it(overrides):
 
     samples = asyncio.run(groups.run_group(prompt, [{"temperature": 1.0, "sampling_seed": 3}], generate))
     assert samples and all(INFO_KEY not in s.info for s in samples)
+    from mcore_rl.agent.episodes import episode_metrics
+
+    assert episode_metrics([samples]).get("episode/hindsight_lessons") == (0.0 if overrides else None)
     assert not any("You are reviewing" in a for a in asked)
 
 

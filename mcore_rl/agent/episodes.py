@@ -360,6 +360,9 @@ def episode_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
     }
     for key in sorted({k for s in firsts for k in s.info if k.startswith("episode/events/")}):
         out[key] = float(sum(int(s.info.get(key, 0)) for s in firsts))
+    analysed = [s for s in firsts if "episode/hindsight_lesson" in s.info]  # SEED's analyzer (agent/hindsight.py)
+    if analysed:
+        out["episode/hindsight_lessons"] = float(sum(int(s.info["episode/hindsight_lesson"]) for s in analysed))
     for reason in sorted({str(s.info["episode/finish"]) for s in firsts}):
         out[f"episode/finish/{reason}"] = float(sum(s.info["episode/finish"] == reason for s in firsts))
     return out

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 _warned_no_fit = False  # the context-too-small warning is given once per process
 
 INFO_KEY = PRIVILEGED + HINDSIGHT
+LESSON_FLAG = "episode/hindsight_lesson"
 SALT_ANALYSIS = 15485863  # keeps the analysis's sampling seed apart from the turns'
 
 DEFAULT_INSTRUCTION = (
@@ -142,11 +143,11 @@ async def annotate(
 
 
 def attach(samples: Sequence[Sample], skill: str | None) -> None:
-    """Give an episode's samples its skill (`privileged/hindsight_skill`); none when it has none."""
-    if skill is None:
-        return
+    """Give an episode's samples its skill (`privileged/hindsight_skill`; none when it has none) and
+    whether it has one (`episode/hindsight_lesson`, counted per batch as `episode/hindsight_lessons`:
+    an analyzer that never fits the context shows as 0 there)."""
     for s in samples:
-        s.info = {**s.info, INFO_KEY: skill}
+        s.info = {**s.info, LESSON_FLAG: int(skill is not None), **({INFO_KEY: skill} if skill is not None else {})}
 
 
 def sft_example(episode: Episode, skill: str, tokenizer: Tokenizer, settings: AnalyzerSettings) -> dict[str, str]:
