@@ -518,6 +518,9 @@ def test_a_judge_killed_mid_batch_costs_only_the_samples_in_flight(tmp_path) -> 
                 time.sleep(0.02)
             time.sleep(0.2)  # the fast replies are read
             os.kill(judge.proc.pid, signal.SIGKILL)
+            # exited, so its listening socket is closed: until then a loaded machine still accepts
+            # connections on the port and drops them (ServerDisconnected, not a refused connection)
+            judge.proc.wait(timeout=10)
 
         killer = threading.Thread(target=kill_when_all_arrived)
         killer.start()
