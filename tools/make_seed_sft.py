@@ -33,23 +33,17 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace2skill's player, beside this file
 
-from trace2skill import Reader, parse_option, play
+from trace2skill import action_reader, add_player_arguments, make_player, play
 
 from mcore_rl.agent.episodes import Episode
 from mcore_rl.agent.hindsight import AnalyzerSettings, analysis_messages, sft_example
 from mcore_rl.agent.skills import analyse, trace_of
-from mcore_rl.envs import env_prompts, make_env
-from mcore_rl.envs.gym_text import GymTextEnv, parse_action
+from mcore_rl.envs import env_prompts
 
 
 def rule_skill(episode: Episode, actions: tuple[str, ...], success_min: float) -> str | None:
     """The rule analysts' lessons for one episode, one per line; None when they have none."""
-
-    def action_of(text: str) -> str:
-        found = parse_action(text, actions) if actions else None
-        return actions[found] if found is not None else text.strip()[:60]
-
-    lessons = [p.lesson for p in analyse(trace_of(episode, success_min, action_of))]
+    lessons = [p.lesson for p in analyse(trace_of(episode, success_min, action_reader(actions)))]
     return "\n".join(lessons) or None
 
 
@@ -71,10 +65,7 @@ def endpoint_skill(client: Any, model: str, episode: Episode, settings: Analyzer
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="model", choices=["model", "reader"])
-    ap.add_argument("--model", default=None, help="--policy model: HF checkpoint directory (tokenizer, template)")
-    ap.add_argument("--env", default="frozen_lake")
-    ap.add_argument("--option", action="append", default=[], help="environment option key=value (JSON value)")
+    add_player_arguments(ap)
     ap.add_argument("--tasks", type=int, default=180, help="start states of the offline pool")
     ap.add_argument("--group", type=int, default=8, help="trajectories per start state")
     ap.add_argument("--seed", type=int, default=1)
@@ -82,16 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--annotator-url", default=None, help="OpenAI-compatible base URL (implies --annotator endpoint)")
     ap.add_argument("--annotator-model", default=None, help="the endpoint's model name")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="the skill's budget (as environment.analyzer)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
-    ap.add_argument("--max-turns", type=int, default=10)
-    ap.add_argument("--max-tokens-per-turn", type=int, default=24)
-    ap.add_argument("--memory-k", type=int, default=0)
     ap.add_argument("--success-min", type=float, default=1.0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default=None)
     ap.add_argument("--out", required=True, help="the SFT jsonl to write")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    args.options = dict(parse_option(o) for o in args.option)
     args.k = 0  # trace2skill's player: no library
     if args.annotator_url:
         args.annotator = "endpoint"
@@ -100,25 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tasks < 1 or args.group < 1:
         ap.error("--tasks and --group must be >= 1")
 
-    from mcore_rl.data.tokenizer import load_tokenizer  # lazy: the engine stack
-
-    probe = make_env(args.env, **args.options)
-    actions = probe.ACTIONS if isinstance(probe, GymTextEnv) else ()
-    pool: Any
-    if args.policy == "reader":
-        if not actions:
-            raise SystemExit("--policy reader plays the games (frozen_lake, taxi) only")
-        tok = load_tokenizer(None)
-        pool = Reader(tok, actions, args.seed)
-    else:
-        if args.model is None:
-            raise SystemExit("--policy model needs --model")
-        from mcore_rl.rollout.engine.core import EngineCore
-        from mcore_rl.rollout.pool import EmbeddedEnginePool
-
-        tok = load_tokenizer(args.model)
-        kw = {"device": args.device} if args.device else {}
-        pool = EmbeddedEnginePool([EngineCore.from_model_path(args.model, dtype=args.dtype, **kw)])
+    pool, tok, actions = make_player(args, args.seed)
     client = None
     if args.annotator == "endpoint":
         import openai

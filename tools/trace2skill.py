@@ -28,6 +28,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_lockstep
@@ -121,12 +122,56 @@ def success(episodes: list[Episode], at_least: float) -> float:
     return sum(e.episode_return >= at_least for e in episodes) / max(len(episodes), 1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_player_arguments(ap: argparse.ArgumentParser) -> None:
+    """The player's flags, shared with tools/make_seed_sft.py."""
     ap.add_argument("--policy", default="model", choices=["model", "reader"])
     ap.add_argument("--model", default=None, help="--policy model: HF checkpoint directory (tokenizer, template)")
     ap.add_argument("--env", default="frozen_lake")
     ap.add_argument("--option", action="append", default=[], help="environment option key=value (JSON value)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-turns", type=int, default=10)
+    ap.add_argument("--max-tokens-per-turn", type=int, default=24)
+    ap.add_argument("--memory-k", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=None, help="engine device (default: cuda when there is one)")
+
+
+def make_player(args: argparse.Namespace, seed: int) -> tuple[Any, Any, tuple[str, ...]]:
+    """(pool, tokenizer, the game's actions) of `add_player_arguments`' flags; sets `args.options`."""
+    from mcore_rl.data.tokenizer import load_tokenizer  # lazy: the engine stack
+
+    args.options = dict(parse_option(o) for o in args.option)
+    probe = make_env(args.env, **args.options)
+    actions = probe.ACTIONS if isinstance(probe, GymTextEnv) else ()
+    if args.policy == "reader":
+        if not actions:
+            raise SystemExit("--policy reader plays the games (frozen_lake, taxi) only")
+        tok = load_tokenizer(None)
+        return Reader(tok, actions, seed), tok, actions
+    if args.model is None:
+        raise SystemExit("--policy model needs --model")
+    from mcore_rl.rollout.engine.core import EngineCore
+    from mcore_rl.rollout.pool import EmbeddedEnginePool
+
+    tok = load_tokenizer(args.model)
+    kw = {"device": args.device} if args.device else {}
+    engine = EngineCore.from_model_path(args.model, dtype=args.dtype, max_running_requests=256, **kw)
+    return EmbeddedEnginePool([engine]), tok, actions
+
+
+def action_reader(actions: tuple[str, ...]) -> Callable[[str], str]:
+    """A turn's text -> the game's move it names (else its first 60 characters)."""
+
+    def action_of(text: str) -> str:
+        found = parse_action(text, actions) if actions else None
+        return actions[found] if found is not None else text.strip()[:60]
+
+    return action_of
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_player_arguments(ap)
     ap.add_argument("--evolve", type=int, default=32, help="start states the library is built from")
     ap.add_argument("--test", type=int, default=32, help="held-out start states")
     ap.add_argument("--group", type=int, default=4, help="episodes per start state")
@@ -134,41 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=3, help="skills retrieved into the prompt")
     ap.add_argument("--branching", type=int, default=4, help="B of the hierarchical merge")
     ap.add_argument("--min-support", type=int, default=1, help="drop merged patches seen fewer times")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-turns", type=int, default=10)
-    ap.add_argument("--max-tokens-per-turn", type=int, default=24)
-    ap.add_argument("--memory-k", type=int, default=0)
     ap.add_argument("--success-min", type=float, default=1.0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default=None, help="engine device (default: cuda when there is one)")
     ap.add_argument("--save-library", default=None, help="write the last seed's library (jsonl)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     args.options = dict(parse_option(o) for o in args.option)
 
-    from mcore_rl.data.tokenizer import load_tokenizer  # lazy: the engine stack
-    from mcore_rl.rollout.engine.core import EngineCore
-    from mcore_rl.rollout.pool import EmbeddedEnginePool
-
-    probe = make_env(args.env, **args.options)
-    actions = probe.ACTIONS if isinstance(probe, GymTextEnv) else ()
-    pool: Any
-    if args.policy == "reader":
-        if not actions:
-            raise SystemExit("--policy reader plays the games (frozen_lake, taxi) only")
-        tok = load_tokenizer(None)
-        pool = Reader(tok, actions, args.seeds[0])
-    else:
-        if args.model is None:
-            raise SystemExit("--policy model needs --model")
-        tok = load_tokenizer(args.model)
-        kw = {"device": args.device} if args.device else {}
-        engine = EngineCore.from_model_path(args.model, dtype=args.dtype, max_running_requests=256, **kw)
-        pool = EmbeddedEnginePool([engine])
-
-    def action_of(text: str) -> str:
-        found = parse_action(text, actions) if actions else None
-        return actions[found] if found is not None else text.strip()[:60]
+    pool, tok, actions = make_player(args, args.seeds[0])
+    action_of = action_reader(actions)
 
     rows = []
     source = env_prompts(args.env, **args.options)
