@@ -167,6 +167,27 @@ def test_guards_end_episodes_with_their_reason(pool):
     assert len(s.response_ids) <= 30 and s.finish_reason == "length"
 
 
+def test_no_sample_is_longer_than_the_learner_row_however_long_the_history(pool):
+    """A stepwise step's prompt grows with the history it shows (no config check can bound it): every
+    turn's budget is cut to what fits `max_sample_tokens`, and an episode whose next prompt leaves no room
+    ends there ("length") with the samples it has, rather than one the learner cannot pack."""
+    cap = 120
+    settings = EpisodeSettings(trajectory="stepwise", memory_k=8, max_tokens_per_turn=12, max_sample_tokens=cap)
+    eps = episodes([CountdownEnv(turns=30) for _ in range(2)], settings)
+    conversation = episodes(
+        [CountdownEnv(turns=30)], EpisodeSettings(max_tokens_per_turn=12, max_episode_tokens=500, max_sample_tokens=cap)
+    )
+    run(eps + conversation, pool)
+    for e in eps + conversation:
+        samples = e.samples()
+        assert e.finish == "length" and samples and e.turns < 30
+        assert all(len(s.prompt_ids) + len(s.response_ids) <= cap for s in samples)
+    assert len(eps[0].samples()) >= 2  # the first turns fit whole; the cap ends it later
+    unfit = episodes([CountdownEnv(turns=3)], EpisodeSettings(trajectory="stepwise", max_sample_tokens=5))
+    run(unfit, pool)
+    assert unfit[0].finish == "length" and all(len(s.prompt_ids) + len(s.response_ids) <= 5 for s in unfit[0].samples())
+
+
 def test_an_environment_that_raises_costs_its_episode_not_the_group(pool):
     envs = [CountdownEnv(fail_at=2), CountdownEnv()]
     eps = episodes(envs, EpisodeSettings(max_tokens_per_turn=4))

@@ -63,6 +63,10 @@ class EpisodeSettings:
     memory_k: int = 2  # stepwise: the previous steps in each step's prompt
     template_policy: TemplatePolicy = "keep"
     max_episode_tokens: int = 256  # the response budget of the whole episode (model + observation tokens)
+    # the most tokens one sample (prompt + response) may have: the learner's row, the engine's context.
+    # A turn gets no more budget than fits, and one that cannot fit a token ends the episode ("length"):
+    # a stepwise step's prompt grows with the history it shows, which no check can bound before the run
+    max_sample_tokens: int = 0  # 0: no cap
     invalid_penalty: float = 0.0  # subtracted from the return per invalid turn (a format signal from the start)
     # (open, close): distillation acts only on the tokens inside these tags (`agent/spans.py`); None: all
     distill_span_tags: tuple[str, str] | None = None
@@ -195,14 +199,17 @@ class Episode:
         aborted it: part > 0); None when the episode is over or the turn has no budget left."""
         if self.done:
             return None
+        context = self.context_ids()
         budget = self._budget() - len(prefix)
+        if self.settings.max_sample_tokens > 0:
+            budget = min(budget, self.settings.max_sample_tokens - len(context) - len(prefix))
         if budget <= 0:
             return None
         sp = dict(self.sampling, max_new_tokens=budget)
         sp["stop_token_ids"] = sorted(set(sp.get("stop_token_ids") or []) | set(self.chat.stop_ids))
         if "sampling_seed" in sp:  # each turn and part its own draw, reproducible
             sp["sampling_seed"] = (int(sp["sampling_seed"]) + 7919 * self.turns + 104729 * part) % (2**31 - 1)
-        return GenRequest(self.context_ids() + list(prefix), sp)
+        return GenRequest(context + list(prefix), sp)
 
     def advance(self, out: TurnOutput) -> None:
         """Feed a finished model turn: append it, parse it, step the environment, append its answer."""
@@ -309,7 +316,11 @@ class Episode:
             ]
         if not out:  # lost before its first turn (a reset that failed): one empty, unusable sample keeps
             # the group's shape, its reason in `reward_error` (the learner leaves it out: no tokens)
-            out = [Sample(replace(self.prompt, ids=self.trajectory.context_ids), self.prompt.index, [], [], 0, "abort")]
+            # (or whose opening alone does not fit a sample: its ids are cut to the cap, never trained)
+            ids = self.trajectory.context_ids
+            if self.settings.max_sample_tokens > 0:
+                ids = ids[: self.settings.max_sample_tokens]
+            out = [Sample(replace(self.prompt, ids=ids), self.prompt.index, [], [], 0, "abort")]
         summary = {
             "episode/return": self.episode_return,
             "episode/turns": self.turns,

@@ -50,10 +50,12 @@ class EpisodeGroups:
         seed: int,
         agents: AgentGroups | None = None,
         max_context: int | None = None,
+        max_sample_tokens: int = 0,
     ) -> None:
         self.environments, self.budgets, self.tokenizer, self.seed = environments, budgets, tokenizer, seed
         self.agents = agents
         self.max_context = max_context  # the engines' context (an analysis prompt must fit it)
+        self.max_sample_tokens = max_sample_tokens  # one sample's cap (`EpisodeSettings.max_sample_tokens`)
         # each domain's skill library (`environment.skills`), loaded once: its bandit counts are the run's
         self.libraries = {
             d: SkillLibrary.load(env.skills.path) for d, env in environments.items() if env.skills is not None
@@ -72,7 +74,9 @@ class EpisodeGroups:
             for d in cfg.data.domains
             if d.name in envs
         }
-        return cls(envs, budgets, tokenizer, cfg.train.seed, agents, cfg.model.max_position_embeddings)
+        context = cfg.model.max_position_embeddings
+        cap = min(cfg.train.seq_length, context) if context else cfg.train.seq_length
+        return cls(envs, budgets, tokenizer, cfg.train.seed, agents, context, max_sample_tokens=cap)
 
     def handles(self, prompt: Prompt) -> bool:
         return self.plays(prompt) or (self.agents is not None and self.agents.handles(prompt))
@@ -107,6 +111,7 @@ class EpisodeGroups:
             template_policy=env.template_policy,
             max_episode_tokens=cap,
             invalid_penalty=env.invalid_penalty,
+            max_sample_tokens=self.max_sample_tokens,
             distill_span_tags=(env.distill_span_tags[0], env.distill_span_tags[1]) if env.distill_span_tags else None,
         )
         guards = EnvGuards(env.step_timeout_s, env.max_turns, env.max_observation_chars, env.truncate_side)
