@@ -187,6 +187,26 @@ def test_reasoning_tools_max_turns_and_bad_options(arithmetic: Prompt) -> None:
         make_env("reasoning_tools", dataset="nope")
 
 
+def test_reasoning_tools_states_differ_when_the_calls_or_answers_do(arithmetic: Prompt) -> None:
+    """Step-level credit groups the steps of a group by their state text: steps after the same calls with
+    the same answers share it; at the same turn after other calls (or a call that failed) they do not."""
+    expression = arithmetic.label["metadata"]["expression"]
+
+    def state_after(*calls: ToolCall) -> tuple[str, str]:
+        env = make_env("reasoning_tools", tools=("calculator",))
+        start = env.reset(arithmetic, seed=0)
+        step = env.step(act("", *calls))
+        env.close()
+        return start.state, step.state
+
+    same = state_after(ToolCall("calculator", {"expression": expression}, "call_0"))
+    assert same == state_after(ToolCall("calculator", {"expression": expression}, "call_7"))  # the id is not state
+    other = state_after(ToolCall("calculator", {"expression": "1 + 1"}, "call_0"))
+    invalid = state_after(ToolCall("calculator", {"expr": expression}, "call_0"))
+    assert same[0] == other[0] == invalid[0]  # one start state per group
+    assert len({same[1], other[1], invalid[1]}) == 3 and all(s.startswith("turn 1") for s in (same[1], other[1]))
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
 def test_reasoning_tools_from_the_model_familys_own_text(arithmetic: Prompt, fmt: str) -> None:
     """The model's text in its family's format, parsed by `parse_tool_calls`, drives the episode; a

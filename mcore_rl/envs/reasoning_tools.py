@@ -97,6 +97,7 @@ class ReasoningToolsEnv(Environment):
         self.toolset: Toolset | None = None
         self.prompt: Prompt | None = None
         self.turns = 0
+        self.seen: list[str] = []  # each tool turn's calls and what they answered, for `state`
 
     def _limits(self) -> ToolLimits:
         o = self.options
@@ -119,9 +120,9 @@ class ReasoningToolsEnv(Environment):
         self.close()
         tools: list[Tool] = [TOOLS[name]() for name in self.options.tools]
         self.toolset = Toolset(tools, self._limits())
-        self.prompt, self.turns = prompt, 0
+        self.prompt, self.turns, self.seen = prompt, 0, []
         messages = [{"role": "system", "content": self.system_message()}, {"role": "user", "content": prompt.text}]
-        return EnvReset(messages=messages, tools=self.toolset.specs, state="turn 0")
+        return EnvReset(messages=messages, tools=self.toolset.specs, state=self.state())
 
     def step(self, action: AgentAction) -> EnvStep:
         assert self.prompt is not None and self.toolset is not None, "step before reset"
@@ -134,13 +135,21 @@ class ReasoningToolsEnv(Environment):
             )
             return EnvStep([], reward=reward, done=True, state="answered", info={"tool_turns": self.turns - 1})
         run = self.toolset.run(parsed)
+        calls = "; ".join(f"{c.name} {json.dumps(c.arguments, sort_keys=True)}" for c in parsed.calls)
+        answers = "; ".join(str(m.get("content") or "") for m in run.messages)
+        self.seen.append(f"{calls or 'no valid call'} -> {answers}")
         info: dict[str, Any] = {"events": run.events}
         done = False
         if run.end_reason:
             done, info["end_reason"] = True, run.end_reason
         elif self.turns >= self.options.max_turns:
             done, info["end_reason"] = True, "max_turns"  # still calling tools at the last turn: no answer
-        return EnvStep(run.messages, reward=0.0, done=done, state=f"turn {self.turns}", info=info)
+        return EnvStep(run.messages, reward=0.0, done=done, state=self.state(), info=info)
+
+    def state(self) -> str:
+        """The turn and every call made so far with its answer: two steps of a group share a state (for
+        step-level credit) only when the same calls got the same answers, not merely at the same turn."""
+        return "\n".join([f"turn {self.turns}", *self.seen])
 
     def demonstrate(self, rng: random.Random) -> str | ParsedTurn | None:
         """A player that knows the entry: the calculator on the entry's expression first (where the
