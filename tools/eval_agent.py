@@ -131,7 +131,12 @@ def run_mode(
         r.turns.append(turns)
         r.finish[finish] += 1
         if len(r.shown) < show:
-            text = e.chat.decode(e.trajectory.current.all_ids)
+            if e.settings.trajectory == "stepwise":  # each step's own prompt and turn
+                text = "\n".join(
+                    f"[step {t}] " + e.chat.decode(st.prompt_ids + st.out.ids) for t, st in enumerate(e.steps)
+                )
+            else:
+                text = e.chat.decode(e.trajectory.current.all_ids)
             r.shown.append(
                 f"--- {p.domain} (answer {p.label.get('answer') if isinstance(p.label, dict) else p.label!r}, "
                 f"return {e.episode_return}, {finish}):\n{text}"
