@@ -237,6 +237,70 @@ def test_sigkill_during_a_save_leaves_a_resumable_latest_and_no_writer(tmp_path)
     assert f"resumed from {ckpt}/iter_{step:07d} at iteration {step}" in resumed.stdout
 
 
+# ------------------------------------------------------------------ a signal to the trainer's process group
+
+_GROUP_SIGNAL = r"""
+import json, os, signal, time
+from multiprocessing import popen_spawn_posix
+
+from mcore_rl.parallel import cpu_compat
+
+
+def main():
+    cpu_compat.apply()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcore_rl.parallel.preemption import preemption_guard
+    from mcore_rl.train import checkpoint
+
+    launch = popen_spawn_posix.Popen._launch
+
+    def launch_then_signal(self, process_obj):  # the manager runs, its first Python line has not
+        launch(self, process_obj)
+        os.killpg(0, signal.SIGUSR1)
+
+    with preemption_guard(["SIGTERM", "SIGUSR1"]) as guard:
+        popen_spawn_posix.Popen._launch = launch_then_signal
+        try:
+            checkpoint._writers_die_with_trainer()
+        finally:
+            popen_spawn_posix.Popen._launch = launch
+        queue, manager = filesystem_async._results_queue, checkpoint._writer_manager._process
+        queue.put("started")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):  # and once it serves
+            os.killpg(0, sig)
+        time.sleep(0.5)
+        queue.put("signalled")
+        got = [queue.get(), queue.get()]
+        print(json.dumps({"got": got, "manager": [manager.is_alive(), manager.exitcode],
+                          "received": guard.received, "repeats": guard.repeats}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_the_writer_manager_survives_a_signal_to_the_trainer_s_process_group():
+    """torchrun passes SIGUSR1 on with os.killpg, to a rank's helpers too, and one node's torchrun may
+    do it after another node's rank made every rank stop and save: the manager serving megatron-core's
+    write-results queue, started for that save, died of it (default action) and the rank's next call
+    to the queue raised EOFError (exit 1, no requeue). Sent while the manager starts and once it serves."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GROUP_SIGNAL],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # its own process group: the signals stay in it
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["got"] == ["started", "signalled"] and out["manager"] == [True, None], out
+    assert out["received"] == signal.SIGUSR1 and out["repeats"] == 2, out  # the trainer's guard got all three
+
+
 def _read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -3,12 +3,14 @@
 A trainer killed with SIGKILL runs no cleanup, so anything it started (megatron-core's checkpoint
 writer, a relaunched torchrun) would live on under PID 1, holding memory and files. On Linux the
 kernel sends a chosen signal to a process when its parent dies (`prctl(PR_SET_PDEATHSIG)`), however
-the parent died; elsewhere a daemon thread watches the parent's pid. The POSIX shared memory such a
-process tree made goes with it too (`SharedMemoryLedger`).
+the parent died; elsewhere a daemon thread watches the parent's pid. A helper left in the trainer's
+process group ignores the signals a launcher sends that group and the trainer survives (`helper_init`).
+The POSIX shared memory such a process tree made goes with it too (`SharedMemoryLedger`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -70,6 +72,41 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], Any]:
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+# ---- helpers in the trainer's process group ------------------------------------------------------
+# torchrun passes a signal on to a rank with os.killpg: every process in the rank's group gets it,
+# so a helper the rank started there (not in a session of its own) gets the pre-emption signal its
+# trainer survives, and dies of it unless it ignores it. A helper started with `spawn` has the
+# default dispositions until its first Python line runs; the signal mask, though, is inherited
+# through fork and exec: blocked around the start, the signals wait in the helper until
+# `helper_init` has set them to be ignored (which discards them).
+
+
+@contextlib.contextmanager
+def signals_blocked(signals: Iterable[int]) -> Iterator[None]:
+    """Block `signals` in this thread while the body runs; what arrives meanwhile is delivered at the
+    end. A process started in the body starts with them blocked (see `helper_init`)."""
+    sigs = set(signals)
+    if not sigs or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def helper_init(parent_pid: int, ignored: Sequence[int] = ()) -> None:
+    """Initializer of a helper process the trainer starts in its process group (e.g. a
+    multiprocessing manager): ignore `ignored` (and unblock them, `signals_blocked`), and die with
+    the trainer (`die_with_parent`, SIGKILL), so it lives as long as the trainer, whatever reaches the group."""
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    if ignored and hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(ignored))
+    die_with_parent(signal.SIGKILL, parent_pid)
 
 
 # ---- shared memory a process tree made ---------------------------------------------------------

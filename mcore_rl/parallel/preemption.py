@@ -11,10 +11,15 @@ what it received and all of them stop after the same step. They then write the o
 with `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again"), which a SLURM script can requeue on.
 
 A second signal while the checkpoint is written is logged and ignored: the handler stays
-installed until the process exits, so nothing interrupts the save (the forked checkpoint writers
-inherit the handler too). Each node's first rank writes `<run_dir>/preempted.json` (step, checkpoint, signal) as
-well: torchrun reports a worker's exit code only as "failed", so the launch scripts and `mcore-rl
---nproc-per-node` read this file to exit with 75 themselves (`exit_code_after_launch`).
+installed until the process exits, so nothing interrupts the save. torchrun passes a signal on to
+each rank's whole process group (`os.killpg`), and one node's torchrun may do so after another
+node's rank has made every rank stop and save: a rank's helpers can get it in the middle of the
+save. The forked checkpoint writers inherit the handler; the manager process serving megatron-core's
+write-results queue ignores `group_signals()` (`train/checkpoint.py`), or it would die of SIGUSR1
+and the save end in an EOFError (exit 1, no requeue). Each node's first rank writes
+`<run_dir>/preempted.json` (step, checkpoint, signal) as well: torchrun reports a worker's exit
+code only as "failed", so the launch scripts and `mcore-rl --nproc-per-node` read this file to exit
+with 75 themselves (`exit_code_after_launch`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the run stopped on request, resumable from its checkpoint
 MARKER = "preempted.json"
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun passes these on to its workers' groups
 
 _active: PreemptionGuard | None = None  # the guard `stop_requested` asks (None: no signals caught)
 _preempted = False  # `preempted()` was called: the run saved and stops
@@ -186,16 +192,18 @@ def exit_code_after_launch(returncode: int, run_dir: str, since: float) -> int:
     return EXIT_PREEMPTED if returncode != 0 and read_marker(run_dir, since) is not None else returncode
 
 
+def group_signals() -> list[signal.Signals]:
+    """The signals a launcher may send to a rank's whole process group that the rank may survive:
+    those torchrun always handles and passes on (`TORCHRUN_SIGNALS`) and the ones the installed
+    guard catches. A helper process in the group ignores them (`lifetime.helper_init`)."""
+    names = [*TORCHRUN_SIGNALS, *(s.name for s in (_active.signals if _active is not None else ()))]
+    return [signal.Signals[name] for name in dict.fromkeys(names)]
+
+
 def torchrun_signal_flags(signals: Sequence[str]) -> list[str]:
     """torchrun flags that make it pass `signals` on to its workers (it handles SIGTERM, SIGINT,
     SIGHUP and SIGQUIT by default, and dies of SIGUSR1) and give them time to save before it kills them."""
-    names = [
-        "SIGTERM",
-        "SIGINT",
-        "SIGHUP",
-        "SIGQUIT",
-        *[s for s in signals if s not in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")],
-    ]
+    names = [*TORCHRUN_SIGNALS, *[s for s in signals if s not in TORCHRUN_SIGNALS]]
     return [
         "--signals-to-handle",
         ",".join(names),

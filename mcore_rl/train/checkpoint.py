@@ -13,7 +13,11 @@ they are.
 Saving is synchronous, but megatron-core's writer forks worker processes for the shard files and
 reports through a queue served by a `multiprocessing.spawn`ed manager process that it starts on the
 first save and never stops. Both are made to die with the trainer (`_writers_die_with_trainer`), so
-a killed trainer leaves no process behind.
+a killed trainer leaves no process behind. Both are in the trainer's process group, to which torchrun
+passes a pre-emption signal as a whole, possibly during the save it causes (one node's torchrun
+passing it on later than another's): the forked writers inherit the trainer's handler, and the
+manager ignores those signals from its start (`parallel/preemption.py: group_signals`), or it would
+die of SIGUSR1 and the save end in an EOFError from the queue.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mcore_rl.parallel.lifetime import die_with_parent
+from mcore_rl.parallel import preemption
+from mcore_rl.parallel.lifetime import die_with_parent, helper_init, signals_blocked
 from mcore_rl.progress import progress
 
 if TYPE_CHECKING:  # annotations only: megatron-core is imported after the CPU compatibility layer patched it
@@ -115,7 +120,9 @@ def _writers_die_with_trainer() -> None:
     """Start the manager that megatron-core's `FileSystemWriterAsync` would spawn for its results
     queue (`filesystem_async._get_write_results_queue`), set to die with this process, and hand
     megatron its queue. megatron's own manager outlives a SIGKILLed trainer under PID 1 (~280 MB).
-    The kernel ties the death signal to the thread that starts the manager: saves run on the main one."""
+    The kernel ties the death signal to the thread that starts the manager: saves run on the main one.
+    The manager ignores the signals a launcher sends the trainer's process group (`preemption.group_signals`),
+    blocked while it starts so that one sent before it could ignore them waits (`lifetime.helper_init`)."""
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -129,7 +136,9 @@ def _writers_die_with_trainer() -> None:
     from torch import multiprocessing as mp
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
+    ignored = tuple(int(sig) for sig in preemption.group_signals())
+    with signals_blocked(ignored):
+        manager.start(initializer=helper_init, initargs=(os.getpid(), ignored))
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
 
