@@ -159,6 +159,11 @@ def test_distill_section_loads_from_yaml_and_validates(tmp_path):
             ["distill.losses=[{name: tropd_imitation}]"],
             "distill.losses[0].name: 'tropd_imitation' needs DistillBatch.teacher_generated, which no rollout",
         ),
+        # a value outside an option's Literal choices (it would silently mean the default)
+        (
+            ["distill.losses=[{name: stepopsd, options: {weights: random}}]"],
+            "distill.losses[0].options.weights: 'random' is not one of 'teacher', 'shuffled'",
+        ),
         # SDAR has one weight, the entry's coef
         (
             ["distill.losses=[{name: sdar, options: {coef: 0.01}}]"],

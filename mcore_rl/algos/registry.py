@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+import inspect
+import typing
+from typing import Any, TypeVar
 from collections.abc import Callable
 
 F = TypeVar("F", bound=Callable)
@@ -41,3 +43,13 @@ def names(kind: str) -> list[str]:
 
 def kinds() -> list[str]:
     return sorted(_TABLES)
+
+
+def literal_choices(fn: Any) -> dict[str, tuple]:
+    """The keyword parameters of `fn` annotated `Literal[...]`, with their allowed values (so an option's
+    value is checked with the config, not at the first batch it would fail or, worse, be ignored)."""
+    try:
+        hints = typing.get_type_hints(inspect.unwrap(fn))
+    except Exception:
+        return {}
+    return {k: typing.get_args(v) for k, v in hints.items() if typing.get_origin(v) is typing.Literal}

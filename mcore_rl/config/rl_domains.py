@@ -14,7 +14,6 @@ import inspect
 import json
 import math
 import os
-import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -298,6 +297,8 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                 continue
             except ValueError:  # no signature (a builtin): found out at the first call
                 continue
+            from mcore_rl.algos.registry import literal_choices  # lazy: the algos package imports torch
+
             for name, allowed in literal_choices(fn).items():
                 if name in options:
                     errors.need(
@@ -377,16 +378,6 @@ def check_reward_model_tokenizer(
         f"{who}the reward model's tokenizer ({model_dir}) is not the policy's "
         f"(data.tokenizer_path = {policy_tokenizer}): {problem}"[:500],
     )
-
-
-def literal_choices(fn: Any) -> dict[str, tuple]:
-    """The keyword parameters of `fn` annotated `Literal[...]`, with their allowed values (so a
-    reward option's value is checked here, not at the first sample it would fail)."""
-    try:
-        hints = typing.get_type_hints(inspect.unwrap(fn))
-    except Exception:
-        return {}
-    return {k: typing.get_args(v) for k, v in hints.items() if typing.get_origin(v) is typing.Literal}
 
 
 def check_mixture(cfg: RLConfig, names: list[str], errors: Errors) -> None:
