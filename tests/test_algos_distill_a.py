@@ -586,6 +586,31 @@ def test_stepopsd_worked_example() -> None:
         assert adv + call("stepopsd", b).token_advantage.item() == pytest.approx(expect, abs=1e-12)
 
 
+def test_stepopsd_shuffled_control_has_the_methods_weights_in_another_order() -> None:
+    """The control arm (`weights: shuffled`): the same multiset of weights over the shaped tokens, dealt
+    to other tokens (so not the teacher's), every sign kept, the same draw for the same rollout step."""
+    g = torch.Generator().manual_seed(3)
+    n, t = 4, 50
+    student = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
+    teacher = student + torch.randn(n, t, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.ones(n, t, dtype=torch.float64)
+    mask[2, 30:] = 0
+    b = DistillBatch(student, student.clone(), teacher, mask, advantages=adv, step=4)
+    opts = dict(lam_mix=0.5, alpha_clip=0.2, decay_steps=None, step_scale="none")
+    method = call("stepopsd", b, **opts).token_advantage
+    control = call("stepopsd", b, weights="shuffled", **opts).token_advantage
+    ok = mask > 0
+    a = adv[:, None].expand(n, t)
+    w_method, w_control = (method / (0.5 * a) + 1)[ok], (control / (0.5 * a) + 1)[ok]
+    torch.testing.assert_close(w_method.sort().values, w_control.sort().values)  # the same weights
+    assert (w_method - w_control).abs().gt(1e-9).float().mean() > 0.5  # mostly on other tokens
+    assert torch.equal(torch.sign(a + control), torch.sign(a)) and (control[~ok] == 0).all()
+    assert torch.equal(control, call("stepopsd", b, weights="shuffled", **opts).token_advantage)
+    other_step = call("stepopsd", replace(b, step=5), weights="shuffled", **opts).token_advantage
+    assert not torch.equal(control, other_step)
+
+
 def test_stepopsd_equal_step_mean_abs() -> None:
     """Per-step rescaling: every row (a step) with a modification ends with the same mean |Ā − A| over
     its tokens, the mean of the rows' unscaled ones, while no token leaves the unscaled bound

@@ -25,6 +25,11 @@ shape and the others keep A; a domain's `environment.distill_span_tags: ["<actio
 limits it to the model's tokens inside those tags ("action_only", `agent/spans.py`), else a step
 sample's whole reply is shaped. "clean_step_no_observation" is what a conversation sample already
 is: its observation tokens are not trained.
+
+`weights: shuffled` is a control arm, not the method: the batch's weights w dealt to its tokens in a
+random order (seeded by the rollout step), so the shaping has the method's sizes and keeps every sign
+but no longer follows the teacher. The method against it separates the teacher's direction from a
+perturbation of the same size (which alone sends a run down another sampled path).
 """
 
 from __future__ import annotations
@@ -72,6 +77,20 @@ def equal_step_mean_abs(delta: torch.Tensor, ok: torch.Tensor, bound: torch.Tens
     return torch.minimum(torch.maximum(delta * scale[:, None], -bound), bound)
 
 
+def shuffled_weights(w: torch.Tensor, ok: torch.Tensor, step: int) -> torch.Tensor:
+    """`w` with its values at the `ok` tokens permuted among them (the control arm's weights): the same
+    multiset of weights, none tied to its token's teacher; reproducible per rollout step."""
+    where = ok.nonzero(as_tuple=True)
+    values = w[where]
+    order = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(SHUFFLE_SALT + step))
+    out = w.clone()
+    out[where] = values[order.to(values.device)]
+    return out
+
+
+SHUFFLE_SALT = 7_001_003
+
+
 @register("distill", "stepopsd")
 @phase("advantage")
 def stepopsd(
@@ -81,6 +100,7 @@ def stepopsd(
     alpha_clip: float = 0.2,
     decay_steps: int | None = 50,
     step_scale: Literal["equal_step_mean_abs", "none"] = "equal_step_mean_abs",
+    weights: Literal["teacher", "shuffled"] = "teacher",
 ) -> DistillTerms:
     """token_advantage = Ā − A = λ(step) · (w − 1) · A on the masked tokens with a finite teacher
     log-prob, rescaled per step (row) by `step_scale`. Defaults are the paper's (α = 0.2, λ = 0.2 → 0
@@ -93,6 +113,8 @@ def stepopsd(
         lam = mix_schedule(batch.step, lam_mix, decay_steps)
         gap = zero_where_not(ok, teacher) - zero_where_not(ok, student)
         w_raw, w = stepopsd_weight(gap, adv, alpha_clip)
+        if weights == "shuffled":
+            w = shuffled_weights(w, ok, batch.step)
         delta = zero_where_not(ok, lam * (w - 1.0) * adv)
         if step_scale == "equal_step_mean_abs":
             delta = zero_where_not(ok, equal_step_mean_abs(delta, ok, lam * alpha_clip * adv.abs()))
