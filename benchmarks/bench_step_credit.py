@@ -42,6 +42,9 @@ from mcore_rl.observe.sinks import read_metrics  # noqa: E402  (after the sys.pa
 # the environments: a recipe and its domain name (the metrics' `eval/<domain>/...`)
 ENVS: dict[str, dict[str, Any]] = {
     "guess": {"recipe": "configs/agentic_demo.yaml", "overrides": []},
+    # the tool task: the calculator on 2-digit arithmetic, two steps an episode (the call, the answer); every arm
+    # keeps the recipe's rows of 256 (after the arms' own seq_length, so the rollouts' token caps are the same)
+    "tool": {"recipe": "configs/agentic_tool_demo.yaml", "overrides": ["train.seq_length=256"]},
 }
 
 # the teacher: the policy itself with "Reference solution: The secret number is N." (the default template) before
@@ -70,6 +73,13 @@ ARMS: dict[str, list[str]] = {
     "stepopsd": [
         "teachers=[{kind: privileged, context: peer_episode, refresh_interval: 10}]",
         "distill.losses=[{name: stepopsd}]",
+        "train.seq_length=256",
+    ],
+    # its control arm: the same sizes of re-weighting, dealt to the batch's tokens in a random order (not the
+    # teacher's), to separate the teacher's direction from a perturbation of the same size
+    "stepopsd_shuffled": [
+        "teachers=[{kind: privileged, context: peer_episode, refresh_interval: 10}]",
+        "distill.losses=[{name: stepopsd, options: {weights: shuffled}}]",
         "train.seq_length=256",
     ],
     # APPO: N = 2 root episodes per prompt, B = 3 branch points each, one branch per point: M = 8 episodes a

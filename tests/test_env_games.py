@@ -207,6 +207,29 @@ def test_reasoning_tools_states_differ_when_the_calls_or_answers_do(arithmetic: 
     assert len({same[1], other[1], invalid[1]}) == 3 and all(s.startswith("turn 1") for s in (same[1], other[1]))
 
 
+def test_reasoning_tools_privileged_solution_and_outcome(arithmetic: Prompt) -> None:
+    """The texts a self-teacher may read (never the policy): the solution path from the start and at
+    every state, how the episode ended at its end."""
+    expression, answer = arithmetic.label["metadata"]["expression"], arithmetic.label["answer"]
+    assert env_entry("reasoning_tools").privileged == ("solution", "outcome")
+    env = make_env("reasoning_tools", tools=("calculator",))
+    start = env.reset(arithmetic, seed=0)
+    assert start.privileged == {"solution": f"Call the calculator on {expression}. The answer is {answer}."}
+    assert all(str(answer) not in m["content"] for m in start.messages if m["role"] != "system")
+    called = env.step(act("", ToolCall("calculator", {"expression": expression}, "call_0")))
+    assert called.info["privileged/solution"] == start.privileged["solution"]
+    right = env.step(act(f"<answer>{answer}</answer>"))
+    assert right.info["privileged/outcome"] == f"Right: the answer is {answer}."
+    env.reset(arithmetic, seed=0)
+    assert env.step(act("<answer>-1</answer>")).info["privileged/outcome"] == f"Wrong: the answer is {answer}."
+    short = make_env("reasoning_tools", tools=("calculator",), max_turns=1)
+    short.reset(arithmetic, seed=0)
+    ended = short.step(act("", ToolCall("calculator", {"expression": expression}, "call_0")))
+    assert ended.info["privileged/outcome"] == f"Not answered (max_turns): the answer is {answer}."
+    env.close()
+    short.close()
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
 def test_reasoning_tools_from_the_model_familys_own_text(arithmetic: Prompt, fmt: str) -> None:
     """The model's text in its family's format, parsed by `parse_tool_calls`, drives the episode; a

@@ -26,7 +26,7 @@ from mcore_rl.data.tasks.reasoning_gym import (
     reasoning_gym_reward,
 )
 from mcore_rl.envs import register_env
-from mcore_rl.envs.base import AgentAction, Environment, EnvReset, EnvStep
+from mcore_rl.envs.base import PRIVILEGED, AgentAction, Environment, EnvReset, EnvStep
 from mcore_rl.envs.tools import Tool, ToolLimits, Toolset
 from mcore_rl.envs.tools.calculator import Calculator
 from mcore_rl.envs.tools.python_tool import PythonTool
@@ -90,6 +90,7 @@ class _RLExamples:
     prompts=lambda options: _RLExamples(_prompts(options)),
     origin="reasoning-gym dataset (option 'dataset')",
     tools=lambda options: [TOOLS[name].spec for name in options.tools],
+    privileged=("solution", "outcome"),
 )
 class ReasoningToolsEnv(Environment):
     def __init__(self, options: ReasoningToolsOptions) -> None:
@@ -122,18 +123,31 @@ class ReasoningToolsEnv(Environment):
         self.toolset = Toolset(tools, self._limits())
         self.prompt, self.turns, self.seen = prompt, 0, []
         messages = [{"role": "system", "content": self.system_message()}, {"role": "user", "content": prompt.text}]
-        return EnvReset(messages=messages, tools=self.toolset.specs, state=self.state())
+        return EnvReset(
+            messages=messages, tools=self.toolset.specs, state=self.state(), privileged={"solution": self.solution()}
+        )
+
+    def solution(self) -> str:
+        """The privileged solution path (`base.PRIVILEGED`): the call that computes it, and the answer."""
+        assert self.prompt is not None
+        entry = self.prompt.label
+        expression = (entry.get("metadata") or {}).get("expression")
+        call = f"Call the calculator on {expression}. " if isinstance(expression, str) and self.options.tools else ""
+        return f"{call}The answer is {entry['answer']}."
 
     def step(self, action: AgentAction) -> EnvStep:
         assert self.prompt is not None and self.toolset is not None, "step before reset"
         self.turns += 1
         parsed = action.parsed
+        entry_answer = self.prompt.label["answer"]
         if not parsed.calls and not parsed.errors:
             reward = reasoning_gym_reward(
                 RewardInput(prompt=self.prompt.text, completion=action.text, label=self.prompt.label),
                 self.options.extract,
             )
-            return EnvStep([], reward=reward, done=True, state="answered", info={"tool_turns": self.turns - 1})
+            right = "Right" if reward >= 1.0 else "Wrong"
+            ended = {"tool_turns": self.turns - 1, PRIVILEGED + "outcome": f"{right}: the answer is {entry_answer}."}
+            return EnvStep([], reward=reward, done=True, state="answered", info=ended)
         run = self.toolset.run(parsed)
         calls = "; ".join(f"{c.name} {json.dumps(c.arguments, sort_keys=True)}" for c in parsed.calls)
         answers = "; ".join(str(m.get("content") or "") for m in run.messages)
@@ -144,6 +158,10 @@ class ReasoningToolsEnv(Environment):
             done, info["end_reason"] = True, run.end_reason
         elif self.turns >= self.options.max_turns:
             done, info["end_reason"] = True, "max_turns"  # still calling tools at the last turn: no answer
+        if done:
+            info[PRIVILEGED + "outcome"] = f"Not answered ({info['end_reason']}): the answer is {entry_answer}."
+        else:
+            info[PRIVILEGED + "solution"] = self.solution()
         return EnvStep(run.messages, reward=0.0, done=done, state=self.state(), info=info)
 
     def state(self) -> str:
