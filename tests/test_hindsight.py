@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from mcore_rl.agent.hindsight import INFO_KEY, AnalyzerSettings, analysis_messages, sft_example, transcript
+from mcore_rl.agent.hindsight import INFO_KEY, analysis_messages, sft_example, transcript
+from mcore_rl.config.rl_schema import AnalyzerConfig
 from mcore_rl.config import RLConfig, load_config
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.rl_validate import validate_rl_config
@@ -123,7 +124,7 @@ def test_the_transcript_holds_the_task_every_move_and_the_end_and_is_capped():
         f"Move {t + 1}: {m}" for t, m in enumerate(e.actions)
     ]
     assert text.splitlines()[-1].endswith(f"return {e.episode_return:g}.") and "End: " in text
-    short = AnalyzerSettings(max_transcript_chars=80)
+    short = AnalyzerConfig(max_transcript_chars=80)
     (msg,) = analysis_messages(e, short)
     body = msg["content"].split("\n\n", 1)[1]
     assert len(body) <= 80 + len("\n...\n") and body.startswith("Task: ") and "\n...\n" in body
@@ -203,7 +204,7 @@ def test_sft_example_renders_the_same_prompt_the_analyzer_sends():
         EpisodeSettings(),
         {},
     )
-    settings = AnalyzerSettings()
+    settings = AnalyzerConfig()
     line = sft_example(e, "  Halve the range each time. ", TOK, settings)
     chat = ChatFormat(TOK)
     assert TOK.encode(line["prompt"]) == chat.prompt_ids(analysis_messages(e, settings))
@@ -228,8 +229,8 @@ def test_the_analysis_prompt_is_cut_to_fit_the_engines_context():
 
     asyncio.run(run_episode(e, generate))
     chat = ChatFormat(TOK)
-    full = analysis_ids(chat, e, AnalyzerSettings())
-    assert full is not None and full == chat.prompt_ids(analysis_messages(e, AnalyzerSettings()))
-    fit = analysis_ids(chat, e, AnalyzerSettings(max_new_tokens=40, max_context=len(full) - 10))
+    full = analysis_ids(chat, e, AnalyzerConfig())
+    assert full is not None and full == chat.prompt_ids(analysis_messages(e, AnalyzerConfig()))
+    fit = analysis_ids(chat, e, AnalyzerConfig(max_new_tokens=40), max_context=len(full) - 10)
     assert fit is not None and len(fit) + 40 <= len(full) - 10 and "\n...\n" in TOK.decode(fit)
-    assert analysis_ids(chat, e, AnalyzerSettings(max_new_tokens=40, max_context=100)) is None
+    assert analysis_ids(chat, e, AnalyzerConfig(max_new_tokens=40), max_context=100) is None

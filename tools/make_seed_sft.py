@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace2skill's 
 from trace2skill import action_reader, add_player_arguments, make_player, play
 
 from mcore_rl.agent.episodes import Episode
-from mcore_rl.agent.hindsight import AnalyzerSettings, analysis_messages, sft_example
+from mcore_rl.agent.hindsight import analysis_messages, sft_example
+from mcore_rl.config.rl_schema import AnalyzerConfig
 from mcore_rl.agent.skills import analyse, trace_of
 from mcore_rl.envs import env_prompts
 
@@ -47,7 +48,7 @@ def rule_skill(episode: Episode, actions: tuple[str, ...], success_min: float) -
     return "\n".join(lessons) or None
 
 
-def endpoint_skill(client: Any, model: str, episode: Episode, settings: AnalyzerSettings) -> str | None:
+def endpoint_skill(client: Any, model: str, episode: Episode, settings: AnalyzerConfig) -> str | None:
     """An OpenAI-compatible endpoint's skill for one episode (None: empty or failed)."""
     try:
         reply = client.chat.completions.create(
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 
         client = openai.OpenAI(base_url=args.annotator_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
 
-    settings = AnalyzerSettings(max_new_tokens=args.max_new_tokens)
+    settings = AnalyzerConfig(max_new_tokens=args.max_new_tokens)
     starts = env_prompts(args.env, **args.options).examples(args.tasks, args.seed)
     played = play(args, pool, tok, starts, args.seed, None)
     kept = dropped = succeeded = 0

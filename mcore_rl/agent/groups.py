@@ -19,7 +19,7 @@ import numpy as np
 from mcore_rl.agent import hindsight
 from mcore_rl.agent.episodes import Episode, EpisodeSettings, run_episode
 from mcore_rl.agent.programs import AgentGroups
-from mcore_rl.config.rl_schema import AnalyzerConfig, DomainConfig, EnvironmentConfig, RLConfig
+from mcore_rl.config.rl_schema import DomainConfig, EnvironmentConfig, RLConfig
 from mcore_rl.data.samples import Prompt, Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.envs import env_prompts, make_env
@@ -154,22 +154,10 @@ class EpisodeGroups:
         per_episode = [e.samples() for e in done]
         analyzer = self.environments[prompt.domain].analyzer
         if analyzer is not None:  # SEED: the weights that played each episode write its lesson
-            settings = analyzer_settings(analyzer, self.max_context)
-            skills = await hindsight.annotate(done, generate, self.tokenizer, settings)
+            skills = await hindsight.annotate(done, generate, self.tokenizer, analyzer, self.max_context)
             for samples, skill in zip(per_episode, skills, strict=True):
                 hindsight.attach(samples, skill)
         return _group([s for samples in per_episode for s in samples], fresh_version)
-
-
-def analyzer_settings(cfg: AnalyzerConfig, max_context: int | None = None) -> hindsight.AnalyzerSettings:
-    """The analyzer's settings from its config section (its default instruction when none is given)."""
-    return hindsight.AnalyzerSettings(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        instruction=cfg.instruction or hindsight.DEFAULT_INSTRUCTION,
-        max_transcript_chars=cfg.max_transcript_chars,
-        max_context=max_context,
-    )
 
 
 def _group(samples: list[Sample], fresh_version: int) -> list[Sample]:

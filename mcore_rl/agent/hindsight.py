@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from mcore_rl.agent.episodes import Episode
 from mcore_rl.agent.trajectory import ChatFormat
+from mcore_rl.config.rl_schema import AnalyzerConfig
 from mcore_rl.data.samples import Sample
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.envs.base import PRIVILEGED
@@ -49,17 +50,6 @@ DEFAULT_INSTRUCTION = (
 )
 
 
-@dataclass(frozen=True)
-class AnalyzerSettings:
-    """How the analyzer is asked (`environment.analyzer`)."""
-
-    max_new_tokens: int = 96
-    temperature: float = 0.0
-    instruction: str = DEFAULT_INSTRUCTION
-    max_transcript_chars: int = 4000  # the transcript's head and tail are kept beyond this
-    max_context: int | None = None  # the engine's context: prompt + lesson must fit (None: no limit)
-
-
 def transcript(episode: Episode) -> str:
     """The episode as the analyzer reads it: the task, each state and move, how it ended."""
     lines = [f"Task: {episode.prompt.text.strip()}"]
@@ -73,22 +63,26 @@ def transcript(episode: Episode) -> str:
     return "\n".join(lines)
 
 
-def analysis_messages(episode: Episode, settings: AnalyzerSettings) -> list[dict[str, str]]:
-    """The analyzer's chat: the instruction and the transcript (cut in the middle when too long)."""
+def analysis_messages(episode: Episode, cfg: AnalyzerConfig) -> list[dict[str, str]]:
+    """The analyzer's chat: the instruction (`DEFAULT_INSTRUCTION` when the config gives none) and the
+    transcript (cut in the middle when too long)."""
     text = transcript(episode)
-    cap = settings.max_transcript_chars
+    cap = cfg.max_transcript_chars
     if len(text) > cap:
         text = text[: cap // 2] + "\n...\n" + text[-(cap - cap // 2) :]
-    return [{"role": "user", "content": f"{settings.instruction}\n\n{text}"}]
+    return [{"role": "user", "content": f"{cfg.instruction or DEFAULT_INSTRUCTION}\n\n{text}"}]
 
 
-def analysis_ids(chat: ChatFormat, episode: Episode, settings: AnalyzerSettings) -> list[int] | None:
+def analysis_ids(
+    chat: ChatFormat, episode: Episode, cfg: AnalyzerConfig, max_context: int | None = None
+) -> list[int] | None:
     """The analyzer's prompt ids, the transcript cut (halving its cap) until prompt and lesson fit the
-    engine's context, which refuses a longer prompt; None when not even a 64-character one fits."""
-    cap = settings.max_transcript_chars
+    engine's context (`max_context`; None: no limit), which refuses a longer prompt; None when not even
+    a 64-character one fits."""
+    cap = cfg.max_transcript_chars
     while True:
-        ids = chat.prompt_ids(analysis_messages(episode, replace(settings, max_transcript_chars=cap)))
-        if settings.max_context is None or len(ids) + settings.max_new_tokens <= settings.max_context:
+        ids = chat.prompt_ids(analysis_messages(episode, replace(cfg, max_transcript_chars=cap)))
+        if max_context is None or len(ids) + cfg.max_new_tokens <= max_context:
             return ids
         if cap <= 64:
             return None
@@ -107,7 +101,8 @@ async def annotate(
     episodes: Sequence[Episode],
     generate: Callable[[GenRequest], Awaitable[Generation]],
     tokenizer: Tokenizer,
-    settings: AnalyzerSettings,
+    cfg: AnalyzerConfig,
+    max_context: int | None = None,
 ) -> list[str | None]:
     """Each episode's hindsight skill, written by the engines that played it (None: none written;
     an episode an error cost is not analysed)."""
@@ -117,13 +112,13 @@ async def annotate(
         if e.error is not None or not e.actions:
             return None
         sp: dict[str, Any] = {
-            "max_new_tokens": settings.max_new_tokens,
-            "temperature": settings.temperature,
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
             "stop_token_ids": list(chat.stop_ids),
         }
         if "sampling_seed" in e.sampling:  # reproducible, and apart from the episode's own turns
             sp["sampling_seed"] = (int(e.sampling["sampling_seed"]) + SALT_ANALYSIS) % (2**31 - 1)
-        ids = analysis_ids(chat, e, settings)
+        ids = analysis_ids(chat, e, cfg, max_context)
         if ids is None:
             global _warned_no_fit
             if not _warned_no_fit:
@@ -131,8 +126,8 @@ async def annotate(
                 logger.warning(
                     "hindsight analysis: the instruction and a 64-character transcript do not fit the engine's "
                     "context of %s tokens with max_new_tokens=%d; episodes that long get no lesson",
-                    settings.max_context,
-                    settings.max_new_tokens,
+                    max_context,
+                    cfg.max_new_tokens,
                 )
             return None
         # through the group's own `generate`: an outage is waited out and an engine that refuses the
@@ -150,9 +145,9 @@ def attach(samples: Sequence[Sample], skill: str | None) -> None:
         s.info = {**s.info, LESSON_FLAG: int(skill is not None), **({INFO_KEY: skill} if skill is not None else {})}
 
 
-def sft_example(episode: Episode, skill: str, tokenizer: Tokenizer, settings: AnalyzerSettings) -> dict[str, str]:
+def sft_example(episode: Episode, skill: str, tokenizer: Tokenizer, cfg: AnalyzerConfig) -> dict[str, str]:
     """SEED's stage 1: one SFT line (`mcore-rl sft`'s jsonl, prompt/response) teaching the policy to
     write `skill` for `episode` — the analyzer's own prompt, rendered with the chat template."""
     chat = ChatFormat(tokenizer)
-    prompt = chat.render(analysis_messages(episode, settings), add_generation_prompt=True)
+    prompt = chat.render(analysis_messages(episode, cfg), add_generation_prompt=True)
     return {"prompt": prompt, "response": skill.strip() + chat.closing}
