@@ -165,3 +165,25 @@ def test_the_reasoning_tools_player_calls_the_calculator_in_the_domains_format()
     (episode,) = groups.episodes(Prompt(0, text, [], label, "arith"), [{}])
     with pytest.raises(ValueError, match="the scripted player calls tools, but the domain's environment.tool_format"):
         play(episode, random.Random(0))
+
+
+def test_the_tool_demo_recipe_plays_stepwise_within_its_rows_and_keys_states_by_the_call() -> None:
+    """configs/agentic_tool_demo.yaml: valid with every step-level estimator; its scripted player's two
+    steps (the call, the answer) fit the warm start's rows, and the answer step's state names the call
+    and what the calculator said (the state step-level credit groups by)."""
+    recipe = "configs/agentic_tool_demo.yaml"
+    for name in ("grpo", "gigpo", "hgpo", "gagpo"):
+        validate_rl_config(load_config(RLConfig, recipe, [f"algorithm.advantage={name}"]), 1)
+    cfg = load_config(RLConfig, recipe, ["init.sft_steps=10"])
+    tok = load_tokenizer(None)
+    groups = EpisodeGroups.from_config(cfg, tok)
+    assert groups is not None
+    text, label = training_pool(cfg, 0, environment_examples)[0][:2]
+    (episode,) = groups.episodes(Prompt(0, text, [], label, "calc"), [{}])
+    rows = play(episode, random.Random(0))
+    assert len(rows) == 2 and all(len(ids) <= cfg.init.sft.train.seq_length for ids, _ in rows)
+    assert episode.episode_return == 1.0
+    states = [s.info["state"] for s in episode.samples()]
+    expression = label["metadata"]["expression"]
+    assert states[0] == "turn 0" and states[1].startswith("turn 1\ncalculator")
+    assert expression in states[1] and states[1].endswith(f"-> {label['answer']}")
