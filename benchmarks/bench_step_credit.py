@@ -44,7 +44,16 @@ ENVS: dict[str, dict[str, Any]] = {
     "guess": {"recipe": "configs/agentic_demo.yaml", "overrides": []},
     # the tool task: the calculator on 2-digit arithmetic, two steps an episode (the call, the answer); every arm
     # keeps the recipe's rows of 256 (after the arms' own seq_length, so the rollouts' token caps are the same)
-    "tool": {"recipe": "configs/agentic_tool_demo.yaml", "overrides": ["train.seq_length=256"]},
+    "tool": {
+        "recipe": "configs/agentic_tool_demo.yaml",
+        "overrides": ["train.seq_length=256"],
+        # StepOPSD's teacher reads a peer's whole episode (the ~80-token call, the answer) before the step's prompt:
+        # rows of 512, and positions to match (RoPE: no weight depends on them; a sample of this task is at most
+        # ~200 tokens, so the rollouts' token cap does not bind at 256 or 512)
+        "arm_overrides": {
+            a: ["train.seq_length=512", "model.max_position_embeddings=512"] for a in ("stepopsd", "stepopsd_shuffled")
+        },
+    },
 }
 
 # the teacher: the policy itself with "Reference solution: The secret number is N." (the default template) before
@@ -90,6 +99,8 @@ ARMS: dict[str, list[str]] = {
         "algorithm.advantage=appo",
         "algorithm.policy_loss=appo",
     ],
+    # APPO's trees with the plain PPO-clip loss (no (1 + b·Â^ftu) factor): which of the two a result comes from
+    "appo_clip": ["rollout.group_size=2", "rollout.appo.enabled=true", "algorithm.advantage=appo"],
     # no RL: the warm start evaluated on this seed's held-out games (they depend on train.seed)
     "warm": ["train.num_steps=0", "eval.at_start=true"],
 }
@@ -140,6 +151,9 @@ def summarize_run(records: list[dict], k: int) -> dict[str, Any]:
         "return_last5": mean(returns[-5:]),
         "adv_abs_mean": mean(per_step(records, "advantage/abs_mean")),
         "episode_turns_mean": mean(per_step(records, "episode/turns_mean")),
+        # a distillation arm's share of samples its teacher scored (a teacher prompt longer than the row scores
+        # nothing, and the arm is GRPO in disguise); NaN for the arms without one
+        "distill_scored_frac": mean(per_step(records, "distill/scored_frac")),
     }
 
 
@@ -307,6 +321,7 @@ def main() -> None:
                     f"train.num_steps={args.steps}",
                     *ARMS[arm],
                     *common,
+                    *env.get("arm_overrides", {}).get(arm, []),
                 ],
                 os.path.join(work, f"{arm}_s{seed}.log"),
             )
