@@ -148,7 +148,7 @@ def test_the_reasoning_tools_player_calls_the_calculator_in_the_domains_format()
     )
     cfg.data.domains = [DomainConfig(name="arith", environment=env)]
     tok = load_tokenizer(None)
-    groups = EpisodeGroups.from_config(cfg, tok)
+    groups = EpisodeGroups.from_config(cfg, tok, capped=False)
     assert groups is not None
     text, label = training_pool(cfg, 0, environment_examples)[0][:2]
     (episode,) = groups.episodes(Prompt(0, text, [], label, "arith"), [{}])

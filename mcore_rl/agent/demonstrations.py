@@ -101,7 +101,7 @@ def domain_rows(groups: EpisodeGroups, domain: str, pool: Sequence[tuple], n: in
 def environment_rows(cfg: RLConfig, tokenizer: Tokenizer, n: int, seed: int) -> list[Row]:
     """The warm start's demonstrated turns of every environment domain with a player: `n` shared
     with the task domains by the mixture weights (as `data.domains.sft_examples` shares them)."""
-    groups = EpisodeGroups.from_config(cfg, tokenizer)
+    groups = EpisodeGroups.from_config(cfg, tokenizer, capped=False)
     rows: list[Row] = []
     for i, d in enumerate(cfg.data.domains):
         if d.environment is None or not warm_start_source(d, env_has_player) or groups is None:

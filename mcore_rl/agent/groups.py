@@ -62,8 +62,10 @@ class EpisodeGroups:
         }
 
     @classmethod
-    def from_config(cls, cfg: RLConfig, tokenizer: Tokenizer) -> EpisodeGroups | None:
-        """The run's environment and agent domains; None when it has neither."""
+    def from_config(cls, cfg: RLConfig, tokenizer: Tokenizer, capped: bool = True) -> EpisodeGroups | None:
+        """The run's environment and agent domains; None when it has neither. `capped`: no sample longer
+        than a learner row or the engine's context (RL); the warm start's demonstrations are not (the SFT
+        rows have their own length, and cut a longer example)."""
         r = cfg.rollout
         envs = {d.name: d.environment for d in cfg.data.domains if d.environment is not None}
         agents = AgentGroups.from_config(cfg, tokenizer)
@@ -76,7 +78,7 @@ class EpisodeGroups:
         }
         context = cfg.model.max_position_embeddings
         cap = min(cfg.train.seq_length, context) if context else cfg.train.seq_length
-        return cls(envs, budgets, tokenizer, cfg.train.seed, agents, context, max_sample_tokens=cap)
+        return cls(envs, budgets, tokenizer, cfg.train.seed, agents, context, max_sample_tokens=cap if capped else 0)
 
     def handles(self, prompt: Prompt) -> bool:
         return self.plays(prompt) or (self.agents is not None and self.agents.handles(prompt))
