@@ -226,8 +226,11 @@ def test_reasoning_tools_privileged_solution_and_outcome(arithmetic: Prompt) -> 
     short.reset(arithmetic, seed=0)
     ended = short.step(act("", ToolCall("calculator", {"expression": expression}, "call_0")))
     assert ended.info["privileged/outcome"] == f"Not answered (max_turns): the answer is {answer}."
+    python_only = make_env("reasoning_tools", tools=("python",))  # no calculator: no call in the solution
+    assert python_only.reset(arithmetic, seed=0).privileged == {"solution": f"The answer is {answer}."}
     env.close()
     short.close()
+    python_only.close()
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])

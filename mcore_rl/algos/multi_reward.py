@@ -293,10 +293,10 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
     pairs (option "" when the call fails as a whole): unknown names, values of the wrong type for
     the option's default, and values the function itself rejects when called with the kind's
     inputs on a two-sample batch (which also catches a registration without the kind's signature)."""
-    from mcore_rl.algos.registry import get, literal_choices  # lazy: import cycle
+    from mcore_rl.algos.registry import get, literal_problems  # lazy: import cycle
 
     fn = get(kind, name)
-    choices = literal_choices(fn)
+    outside = dict(literal_problems(fn, dict(options)))
     inputs = KIND_INPUTS[kind] + OPTIONAL_INPUTS.get(kind, ())
     params = {
         p.name: p
@@ -309,8 +309,8 @@ def option_problems(kind: str, name: str, options: Mapping[str, Any]) -> list[tu
             problems.append((key, f"is not an option of {kind} {name!r}; its options: {', '.join(params) or 'none'}"))
             continue
         default = params[key].default
-        if key in choices and value not in choices[key]:
-            problems.append((key, f"{value!r} is not one of {', '.join(map(repr, choices[key]))}"))
+        if key in outside:
+            problems.append((key, outside[key]))
         elif not _same_type(default, value):
             problems.append((key, f"expects {type(default).__name__} (default {default!r}), got {value!r}"))
     if problems:

@@ -53,3 +53,12 @@ def literal_choices(fn: Any) -> dict[str, tuple]:
     except Exception:
         return {}
     return {k: typing.get_args(v) for k, v in hints.items() if typing.get_origin(v) is typing.Literal}
+
+
+def literal_problems(fn: Any, options: dict[str, Any]) -> list[tuple[str, str]]:
+    """(option, message) for each of `options` whose value is outside its `Literal` choices in `fn`."""
+    return [
+        (name, f"{options[name]!r} is not one of {', '.join(map(repr, allowed))}")
+        for name, allowed in literal_choices(fn).items()
+        if name in options and options[name] not in allowed
+    ]

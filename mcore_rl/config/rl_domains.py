@@ -297,15 +297,10 @@ def check_rewards(cfg: RLConfig, i: int, dom: DomainConfig, task: Any, errors: E
                 continue
             except ValueError:  # no signature (a builtin): found out at the first call
                 continue
-            from mcore_rl.algos.registry import literal_choices  # lazy: the algos package imports torch
+            from mcore_rl.algos.registry import literal_problems  # lazy: the algos package imports torch
 
-            for name, allowed in literal_choices(fn).items():
-                if name in options:
-                    errors.need(
-                        options[name] in allowed,
-                        f"{hk}.options.{name}",
-                        f"{who}{options[name]!r} is not one of {', '.join(map(repr, allowed))}",
-                    )
+            for name, problem in literal_problems(fn, options):
+                errors.need(False, f"{hk}.options.{name}", f"{who}{problem}")
         if h.name in ("reward_model", "prm"):
             errors.need(
                 ("model_dir" in options) != ("url" in options),

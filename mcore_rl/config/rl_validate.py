@@ -741,13 +741,8 @@ def check_distill(
                     f"{key}.options.{opt}",
                     f"is not an option of {loss.name!r}; its options: {', '.join(accepted) or '(none)'}",
                 )
-        for opt, allowed in registry.literal_choices(fn).items():
-            if opt in loss.options:
-                errors.need(
-                    loss.options[opt] in allowed,
-                    f"{key}.options.{opt}",
-                    f"{loss.options[opt]!r} is not one of {', '.join(map(repr, allowed))}",
-                )
+        for opt, problem in registry.literal_problems(fn, loss.options):
+            errors.need(False, f"{key}.options.{opt}", problem)
     errors.need(d.top_k >= 0, "distill.top_k", f"must be >= 0 (0 = no top-k), got {d.top_k}")
     errors.need(
         d.rl or bool(d.losses),

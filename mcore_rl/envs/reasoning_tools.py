@@ -130,10 +130,16 @@ class ReasoningToolsEnv(Environment):
     def solution(self) -> str:
         """The privileged solution path (`base.PRIVILEGED`): the call that computes it, and the answer."""
         assert self.prompt is not None
-        entry = self.prompt.label
-        expression = (entry.get("metadata") or {}).get("expression")
-        call = f"Call the calculator on {expression}. " if isinstance(expression, str) and self.options.tools else ""
-        return f"{call}The answer is {entry['answer']}."
+        expression = self.calculator_expression()
+        call = f"Call the calculator on {expression}. " if expression is not None else ""
+        return f"{call}The answer is {self.prompt.label['answer']}."
+
+    def calculator_expression(self) -> str | None:
+        """The entry's expression, where the calculator is offered and the generator records one (as
+        `basic_arithmetic` does): what the solution path and the scripted player call it on."""
+        assert self.prompt is not None
+        expression = (self.prompt.label.get("metadata") or {}).get("expression")
+        return expression if isinstance(expression, str) and "calculator" in self.options.tools else None
 
     def step(self, action: AgentAction) -> EnvStep:
         assert self.prompt is not None and self.toolset is not None, "step before reset"
@@ -174,11 +180,10 @@ class ReasoningToolsEnv(Environment):
         calculator is offered and the generator records one, as `basic_arithmetic` does), then the
         reference answer in the answer tag."""
         assert self.prompt is not None, "demonstrate before reset"
-        entry = self.prompt.label
-        expression = (entry.get("metadata") or {}).get("expression")
-        if self.turns == 0 and "calculator" in self.options.tools and isinstance(expression, str):
+        expression = self.calculator_expression()
+        if self.turns == 0 and expression is not None:
             return ParsedTurn("", [ToolCall("calculator", {"expression": expression})])
-        return f"<answer>{entry['answer']}</answer>"
+        return f"<answer>{self.prompt.label['answer']}</answer>"
 
     def close(self) -> None:
         if self.toolset is not None:

@@ -77,6 +77,9 @@ def equal_step_mean_abs(delta: torch.Tensor, ok: torch.Tensor, bound: torch.Tens
     return torch.minimum(torch.maximum(delta * scale[:, None], -bound), bound)
 
 
+SHUFFLE_SALT = 7_001_003  # the control arm's permutations: seeded by SALT + the rollout step
+
+
 def shuffled_weights(w: torch.Tensor, ok: torch.Tensor, step: int) -> torch.Tensor:
     """`w` with its values at the `ok` tokens permuted among them (the control arm's weights): the same
     multiset of weights, none tied to its token's teacher; reproducible per rollout step."""
@@ -86,9 +89,6 @@ def shuffled_weights(w: torch.Tensor, ok: torch.Tensor, step: int) -> torch.Tens
     out = w.clone()
     out[where] = values[order.to(values.device)]
     return out
-
-
-SHUFFLE_SALT = 7_001_003
 
 
 @register("distill", "stepopsd")
